@@ -1,0 +1,59 @@
+"""Parameter counts straight from a `ModelConfig`, without building the model.
+
+The planner and the trainer's MFU both use these; a test checks them against the real modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tessera.config.model import ModelConfig
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    h = cfg.dim
+    if cfg.mla is not None:
+        m = cfg.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = h * cfg.n_heads * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * cfg.n_heads * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + cfg.n_heads * m.v_head_dim * h
+    hd = cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    n = h * (q + 2 * kv) + q * h
+    if cfg.qkv_bias:
+        n += q + 2 * kv
+    if cfg.out_bias:
+        n += h
+    if cfg.qk_norm:
+        n += 2 * hd
+    return n
+
+
+def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    h = cfg.dim
+    if not cfg.is_moe_layer(layer):
+        return 3 * h * cfg.ffn_dim
+    e = cfg.moe
+    experts = e.top_k if active else e.num_experts
+    n = e.num_experts * h + experts * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
+    if e.shared_expert_gate:
+        n += h
+    return n
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    """Input embedding plus the LM head when untied."""
+    return cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
+
+
+def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    return attention_params(cfg) + mlp_params(cfg, layer, active) + 2 * cfg.dim
+
+
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Total parameters; active=True counts only the top-k routed experts of each MoE layer."""
+    body = sum(layer_params(cfg, i, active) for i in range(cfg.n_layers))
+    return body + embedding_params(cfg) + cfg.dim

@@ -1,0 +1,29 @@
+"""Typed errors shared by every layer.
+
+Each error says what was wrong and what is allowed, so the CLI can print one line and exit 2
+instead of a traceback. Catch `TesseraError` to catch all of them.
+"""
+
+
+class TesseraError(Exception):
+    """Base class of every error Tessera raises on bad input."""
+
+
+class ConfigError(TesseraError, ValueError):
+    """A configuration key is unknown, has the wrong type, or a value out of range."""
+
+
+class ModelError(TesseraError, ValueError):
+    """A model's shape, architecture or weights do not fit what was asked."""
+
+
+class CheckpointError(TesseraError):
+    """A checkpoint is missing, damaged, or belongs to another model."""
+
+
+class DataError(TesseraError):
+    """A dataset or tokenizer file is missing, truncated or malformed."""
+
+
+class ParallelError(TesseraError, ValueError):
+    """A parallel layout does not divide the world size or the model's shapes."""

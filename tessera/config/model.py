@@ -1,0 +1,216 @@
+"""Model configuration: the shape of a dense or MoE decoder, one documented field at a time.
+
+`ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings, `MLAConfig`
+the multi-head latent attention shapes. Named configurations live in `presets.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.config.errors import ConfigError
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+@dataclass
+class MoEConfig:
+    """Router and experts of a Mixture-of-Experts layer.
+
+    Every balancing method is a coefficient or a switch, so they combine freely: for example
+    `aux_loss_coef=0.01, z_loss_coef=1e-3` is Switch + ST-MoE, `expert_bias=True` with
+    `score_func="sigmoid"` is DeepSeek-V3.
+    """
+
+    num_experts: int = 8  # routed experts E
+    top_k: int = 2  # experts per token k
+    ffn_dim: int = 1024  # hidden size of one routed expert's SwiGLU
+    # Layer placement. Layer i is MoE iff i >= first_k_dense, i not in dense_layers and
+    # i % layer_freq == 0 (Megatron's moe_layer_freq convention; DeepSeek's first_k_dense_replace).
+    layer_freq: int = 1
+    first_k_dense: int = 0
+    dense_layers: list[int] = field(default_factory=list)
+    # Scores. softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3). With softmax, softmax_before_topk
+    # picks softmax over all experts then top-k (Mixtral) vs top-k logits then softmax over k.
+    score_func: str = "softmax"
+    softmax_before_topk: bool = True
+    norm_topk_prob: bool = True  # renormalise the k gate weights to sum to one
+    scaling_factor: float = 1.0  # routed_scaling_factor of DeepSeek-V3: multiplies the gate weights
+    n_groups: int = 1  # group-limited routing (DeepSeek-V3): experts split into n_groups groups
+    topk_groups: int = 1  # ... of which the topk_groups best (sum of top-2 scores) stay eligible
+    jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps), training only (Switch)
+    # Balancing. Coefficients of 0 switch a loss off.
+    aux_loss_coef: float = 0.0  # Switch/GShard  alpha * E * sum_i f_i P_i  (alpha ~ 1e-2)
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V2 sequence-level variant (alpha ~ 1e-4)
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss  beta * mean(logsumexp^2)  (beta ~ 1e-3)
+    sinkhorn: bool = False  # S-BASE: choose experts from a Sinkhorn-balanced assignment in training
+    sinkhorn_iters: int = 30
+    expert_bias: bool = False  # DeepSeek-V3 aux-loss-free bias, added to scores for selection only
+    bias_update_rate: float = 1e-3  # bias += rate * sign(mean_count - count_i) after each step
+    # Capacity. None means dropless. Otherwise capacity = ceil(T k / E * capacity_factor).
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"  # "probs": keep highest gate weight; "position": keep earliest
+    pad_to_capacity: bool = False  # every expert computes exactly `capacity` rows
+    # Shared experts, always applied (DeepSeek, Qwen2-MoE).
+    shared_ffn_dim: int = 0  # hidden size of the shared SwiGLU (0 = none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ w)
+    grouped_gemm: bool = True  # torch._grouped_mm where it applies, else a per-expert loop
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense and i not in self.dense_layers and i % self.layer_freq == 0
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 section 2.1): low-rank joint KV compression
+    with a decoupled RoPE part shared by all heads."""
+
+    q_lora_rank: int | None = 1536  # None: queries use one full projection
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # DeepSeek's checkpoints keep rotary pairs interleaved
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only language model. Defaults are a LLaMA-style 7B-ish block."""
+
+    family: str = "llama"  # one of FAMILIES: decides the HuggingFace layout on export
+    vocab_size: int = 32000
+    dim: int = 4096  # hidden size h
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query attention
+    head_dim: int | None = None  # None = dim // n_heads (Qwen3 sets it explicitly)
+    ffn_dim: int = 11008  # SwiGLU hidden size of dense layers
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} or a "yarn" dict.
+    rope_scaling: dict[str, Any] | None = None
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on q, k, v
+    out_bias: bool = False  # LLaMA's attention_bias also puts one on the output projection
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys only
+    mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
+    moe: MoEConfig | None = None  # set for MoE models
+    init_std: float = 0.02  # normal init std of every weight matrix
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
+        self.validate()
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count; with active=True only what one token touches (top-k experts)."""
+        from tessera.config.counting import count_params
+
+        return count_params(self, active=active)
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, key: str, value: Any, allowed: str) -> None:
+            if not cond:
+                raise ConfigError(f"model.{key}={value!r} is invalid: {allowed}")
+
+        need(self.family in FAMILIES, "family", self.family, f"one of {', '.join(FAMILIES)}")
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            need(getattr(self, key) > 0, key, getattr(self, key), "must be a positive integer")
+        need(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+             self.n_kv_heads, f"must be positive and divide n_heads={self.n_heads}")
+        need(self.head_dim > 0 and (self.mla is not None or self.head_dim % 2 == 0), "head_dim",
+             self.head_dim, "must be a positive even number (RoPE rotates pairs)")
+        need(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
+        need(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
+        need(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
+             self.sliding_window, "must be None or a positive integer")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            need(kind in ("default", "llama3", "yarn", "linear"), "rope_scaling.rope_type", kind,
+                 "one of default, linear, llama3, yarn")
+        if self.mla is not None:
+            m = self.mla
+            need(m.kv_lora_rank > 0, "mla.kv_lora_rank", m.kv_lora_rank, "must be > 0")
+            need(m.q_lora_rank is None or m.q_lora_rank > 0, "mla.q_lora_rank", m.q_lora_rank,
+                 "must be None or > 0")
+            need(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim",
+                 m.qk_rope_head_dim, "must be a positive even number")
+            need(m.qk_nope_head_dim >= 0 and m.v_head_dim > 0, "mla.v_head_dim", m.v_head_dim,
+                 "must be > 0 (and qk_nope_head_dim >= 0)")
+        if self.moe is not None:
+            e = self.moe
+            need(e.num_experts > 0, "moe.num_experts", e.num_experts, "must be > 0")
+            need(0 < e.top_k <= e.num_experts, "moe.top_k", e.top_k,
+                 f"must be in 1..num_experts={e.num_experts}")
+            need(e.ffn_dim > 0, "moe.ffn_dim", e.ffn_dim, "must be > 0")
+            need(e.layer_freq > 0, "moe.layer_freq", e.layer_freq, "must be > 0")
+            need(e.score_func in ("softmax", "sigmoid"), "moe.score_func", e.score_func,
+                 "one of softmax, sigmoid")
+            need(e.n_groups > 0 and e.num_experts % e.n_groups == 0, "moe.n_groups", e.n_groups,
+                 f"must divide num_experts={e.num_experts}")
+            need(0 < e.topk_groups <= e.n_groups, "moe.topk_groups", e.topk_groups,
+                 f"must be in 1..n_groups={e.n_groups}")
+            need(e.n_groups == 1 or e.num_experts // e.n_groups >= 2, "moe.n_groups", e.n_groups,
+                 "each group needs at least 2 experts (groups are ranked by their top-2 sum)")
+            need(e.n_groups == 1 or e.top_k <= e.topk_groups * e.num_experts // e.n_groups,
+                 "moe.top_k", e.top_k, "must not exceed the experts of the kept groups")
+            need(e.capacity_factor is None or e.capacity_factor > 0, "moe.capacity_factor",
+                 e.capacity_factor, "must be None (dropless) or > 0")
+            need(e.drop_policy in ("probs", "position"), "moe.drop_policy", e.drop_policy,
+                 "one of probs, position")
+            need(e.jitter_eps >= 0, "moe.jitter_eps", e.jitter_eps, "must be >= 0")
+            for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+                need(getattr(e, key) >= 0, f"moe.{key}", getattr(e, key), "must be >= 0")
+            need(e.sinkhorn_iters > 0, "moe.sinkhorn_iters", e.sinkhorn_iters, "must be > 0")
+            need(e.shared_ffn_dim >= 0, "moe.shared_ffn_dim", e.shared_ffn_dim, "must be >= 0")
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown model key(s) {unknown}; allowed: {sorted(known)}")
+        d = dict(d)
+        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig)):
+            if isinstance(d.get(key), dict):
+                sub_known = {f.name for f in dataclasses.fields(sub)}
+                bad = sorted(set(d[key]) - sub_known)
+                if bad:
+                    raise ConfigError(f"unknown model.{key} key(s) {bad}; allowed: {sorted(sub_known)}")
+                d[key] = sub(**d[key])
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
+        from tessera.config.presets import get_preset
+
+        return get_preset(name, **overrides)

@@ -1,0 +1,68 @@
+"""Parallel layout: how many ranks along each named mesh dimension, and how memory is traded.
+
+Dense parameters: world = pp x dp_replicate x dp_shard x cp x tp (tp innermost, pp outermost).
+Experts fold onto the same ranks: ep divides dp_shard x cp; experts are data-parallel over the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.errors import ConfigError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE = ("none", "full", "selective")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # replicated data parallel (the outer level of hybrid sharding)
+    dp_shard: int = -1  # sharded data parallel; -1 fills what the other sizes leave of the world
+    tp: int = 1  # tensor parallel (inside a node)
+    sp: bool = False  # sequence parallel: norms and dropout regions split along the sequence under tp
+    pp: int = 1  # pipeline stages
+    pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
+    vpp: int = 1  # virtual stages per rank (interleaved 1F1B)
+    microbatches: int | None = None  # micro-batches per step in the pipeline; None = global/micro batch
+    ep: int = 1  # expert parallel, folded over dp_shard x cp
+    cp: int = 1  # context parallel (sequence split across ranks for attention)
+    zero_stage: int = 3  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + weights
+    recompute: str = "none"  # activation recomputation: none, full (whole block), selective (attention core)
+    recompute_interval: int = 1  # with recompute=full: every k-th block
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for key in ("dp_replicate", "tp", "pp", "vpp", "ep", "cp", "recompute_interval"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"parallel.{key}={v!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard!r} is invalid: must be >= 1 or -1 (fill)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} is invalid: one of {', '.join(PP_SCHEDULES)}")
+        if self.vpp > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp_schedule=interleaved_1f1b")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ConfigError(f"parallel.microbatches={self.microbatches!r} is invalid: None or an integer >= 1")
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of {', '.join(RECOMPUTE)}")
+        if self.sp and self.tp == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel lives inside tensor parallel)")
+
+    def resolved_dp_shard(self, world_size: int) -> int:
+        """dp_shard with -1 filled in from the world size; a size that does not divide is refused."""
+        rest = self.dp_replicate * self.tp * self.pp * self.cp
+        if self.dp_shard != -1:
+            if rest * self.dp_shard != world_size:
+                raise ConfigError(
+                    f"parallel layout pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}"
+                    f" x cp={self.cp} x tp={self.tp} = {rest * self.dp_shard} ranks, but the world has {world_size}")
+            return self.dp_shard
+        if world_size % rest:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by pp x dp_replicate x cp x tp = {rest}")
+        return world_size // rest
