@@ -1,0 +1,1 @@
+"""Layer 5: distributed checkpoints (DCP) and HuggingFace conversion."""

@@ -1,0 +1,162 @@
+"""Load and save HuggingFace model directories (config.json + safetensors, single or sharded).
+
+    model = load_pretrained("path/to/Mixtral-8x7B", dtype=torch.bfloat16)
+    save_pretrained(model, "out/")   # transformers.AutoModelForCausalLM.from_pretrained("out/") loads it
+
+One process, whole tensors. Errors name what is wrong: an unsupported architecture lists the
+supported ones, missing or unexpected tensors list the first few keys, a shape mismatch names the
+key and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tessera.checkpoint.hf_config import config_from_hf, config_to_hf
+from tessera.checkpoint.hf_weights import check_exportable, hf_names
+from tessera.config.errors import CheckpointError
+from tessera.config.model import ModelConfig
+from tessera.models.transformer import Transformer
+
+_INDEX = "model.safetensors.index.json"
+# HuggingFace-side keys that carry no weights Tessera needs (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _first(keys: list[str] | set[str], n: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
+
+
+class SafetensorsDir:
+    """Lazy reader over the safetensors files of a directory: key -> file, tensors read on demand."""
+
+    def __init__(self, path: Path):
+        index = path / _INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {k: path / f for k, f in weight_map.items()}
+        else:
+            shards = sorted(path.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(f"{path}: no *.safetensors files and no {_INDEX}")
+            self.files = {}
+            for shard in shards:
+                with safe_open(shard, "pt") as f:
+                    self.files.update({k: shard for k in f.keys()})
+        for f in set(self.files.values()):
+            if not f.exists():
+                raise CheckpointError(f"{path}: {_INDEX} names {f.name}, which does not exist")
+        self._open: dict[Path, object] = {}
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, key: str) -> torch.Tensor:
+        f = self.files[key]
+        if f not in self._open:
+            self._open[f] = safe_open(f, "pt")
+        return self._open[f].get_tensor(key)
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json (not a HuggingFace model directory)")
+    return config_from_hf(json.loads(cfg_file.read_text()))
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Transformer:
+    """A Tessera `Transformer` with the weights of a HuggingFace model directory."""
+    path = Path(path)
+    cfg = read_hf_config(path)
+    names = hf_names(cfg)
+    reader = SafetensorsDir(path)
+    available = {k for k in reader.keys() if not k.endswith(_IGNORED_SUFFIXES)}
+    needed = {h for hs in names.values() for h in hs}
+    if cfg.tie_embeddings:
+        available.discard("lm_head.weight")
+    missing, unexpected = needed - available, available - needed
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.family}: {_first(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.family}: {_first(unexpected)}")
+    with torch.device("meta"):
+        model = Transformer(cfg, init_seed=None)
+    expected = {k: v for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    state = {}
+    for key, hf_keys in names.items():
+        parts = [reader.get(h) for h in hf_keys]
+        stacked = expected[key].dim() == parts[0].dim() + 1  # routed experts: E tensors -> one [E, ...]
+        t = torch.stack(parts) if stacked else parts[0]
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise CheckpointError(f"{path}: shape mismatch for {hf_keys[0]} (-> {key}): checkpoint "
+                                  f"{tuple(t.shape)}, model config expects {tuple(expected[key].shape)}")
+        keep_fp32 = key.endswith("expert_bias")
+        state[key] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rope(device)
+    return model.eval()
+
+
+def _hf_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    state = model.state_dict()
+    for key, hf_keys in hf_names(model.cfg).items():
+        t = state[key].detach().cpu()
+        if len(hf_keys) == 1:
+            yield hf_keys[0], t.contiguous()
+        else:
+            for h, part in zip(hf_keys, t.unbind(0), strict=True):
+                yield h, part.contiguous()
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and safetensors (sharded above `max_shard_bytes`, with an index) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads. Written to a temporary directory
+    beside `path` and renamed into place, so a failed save leaves any earlier `path` intact."""
+    path = Path(path)
+    cfg = model.cfg
+    check_exportable(cfg)
+    hf_cfg = config_to_hf(cfg)
+    dtype = next(model.parameters()).dtype
+    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in _hf_state(model):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], tmp / "model.safetensors", metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for n, shard in enumerate(shards, 1):
+            fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, tmp / fname, metadata=meta)
+            weight_map.update({k: fname for k in shard})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+        os.replace(path, old / "dir")
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)

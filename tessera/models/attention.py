@@ -1,0 +1,78 @@
+"""Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
+optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
+
+The attention core is a seam: without a cache it is causal SDPA over the sequence; an inference
+cache (`tessera.infer`) passes an object with `attend(layer_id, q, k, v, scale, window)` that stores
+k/v and attends over everything cached. Shapes: B batch, S sequence, H query heads, G kv heads,
+D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config.model import ModelConfig
+from tessera.models.norm import RMSNorm
+from tessera.models.rope import apply_rope
+
+
+class AttentionCache(Protocol):
+    def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor: ...
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [Sq, Sk] mask, True where query i may see key j: j <= i and i - j < window."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if window is not None:
+        allowed &= diff < window
+    return allowed
+
+
+def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups."""
+    S = q_BHSD.shape[2]
+    gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
+    if window is None or window >= S:
+        return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    pos = torch.arange(S, device=q_BHSD.device)
+    mask = sliding_window_mask(pos, pos, window)
+    return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: AttentionCache | None = None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
+        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)  # [B, S, G, D]
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+        scale = self.head_dim**-0.5
+        if cache is None:
+            out = causal_attention(q, k, v, scale, self.window)
+        else:
+            out = cache.attend(self.layer_id, q, k, v, scale, self.window)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))

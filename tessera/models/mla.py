@@ -1,0 +1,62 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1).
+
+Keys and values are decompressed from one low-rank latent c_kv = RMSNorm(W_dkv x) shared by all
+heads; queries optionally from a low-rank latent too. Position enters only through a decoupled
+part: q_rope per head and one k_rope shared by all heads, rotated by RoPE; the rest (q_nope,
+k_nope) carries no position. Score = (q_nope . k_nope + q_rope . k_rope) * scale.
+Shapes: B batch, S sequence, H heads, L latent rank, N nope dim, R rope dim, V value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.config.model import ModelConfig
+from tessera.models.attention import AttentionCache, causal_attention
+from tessera.models.norm import RMSNorm
+from tessera.models.rope import apply_rope, yarn_softmax_scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        m = cfg.mla
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.nope, self.rope, self.v_dim, self.kv_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.interleaved = m.rope_interleave
+        qk = self.nope + self.rope
+        if m.q_lora_rank is None:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * qk, bias=False)
+        else:
+            self.wq_a = nn.Linear(cfg.dim, m.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(m.q_lora_rank, 1e-6)
+            self.wq_b = nn.Linear(m.q_lora_rank, cfg.n_heads * qk, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(m.kv_lora_rank, 1e-6)
+        self.wkv_b = nn.Linear(m.kv_lora_rank, cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * m.v_head_dim, cfg.dim, bias=False)
+        self.scale = qk**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: AttentionCache | None = None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q = q.view(B, S, -1, self.nope + self.rope)  # [B, S, H, N+R]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        kv_a = self.wkv_a(x_BSD)  # [B, S, L+R]
+        c_kv, k_rope = kv_a.split([self.kv_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, -1, self.nope + self.v_dim)  # [B, S, H, N+V]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleaved)  # [B, S, 1, R]
+        H = q_nope.shape[2]
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
+        k = torch.cat((k_nope, k_rope.expand(B, S, H, self.rope)), dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)  # [B, H, S, V]
+        if cache is None:
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            out = cache.attend(self.layer_id, q, k, v, self.scale, None)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))

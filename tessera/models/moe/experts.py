@@ -1,0 +1,60 @@
+"""Routed experts as one grouped GEMM (MegaBlocks, Gale et al. 2022: no padding, no dropping).
+
+The tokens arrive sorted by expert, `tokens_per_expert[e]` rows each. `torch._grouped_mm` runs all
+experts' matrix products in one call when its layout rules hold (int32 offsets; every row stride
+a multiple of 16 bytes); otherwise an equivalent loop over experts does the same arithmetic.
+Weights are stored [E, out, in] like nn.Linear. N rows, D model dim, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward
+    refuses expanded (stride-0) gradients such as the one `y.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_applies(x_ND: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x_ND.dtype != w_EOI.dtype:
+        return False
+    size = x_ND.element_size()
+    return x_ND.shape[-1] * size % 16 == 0 and w_EOI.shape[1] * size % 16 == 0
+
+
+def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   use_grouped_mm: bool = True) -> torch.Tensor:
+    """Row block e of x times w[e]^T: [N, I] -> [N, O]."""
+    if use_grouped_mm and grouped_mm_applies(x_ND, w_EOI):
+        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        return _DenseGrad.apply(torch._grouped_mm(x_ND, w_EOI.transpose(1, 2), offs=offs))
+    chunks = torch.split(x_ND, tokens_per_expert.tolist())
+    return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w2(silu(w1 x) * w3 x), each on its own contiguous block of rows."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # down
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # up
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        g = self.use_grouped_mm
+        h = F.silu(grouped_linear(x_ND, self.w1, tokens_per_expert, g)) * grouped_linear(
+            x_ND, self.w3, tokens_per_expert, g)
+        return grouped_linear(h, self.w2, tokens_per_expert, g)

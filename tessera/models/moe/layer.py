@@ -1,0 +1,50 @@
+"""The MoE block: route, dispatch to the experts, combine, add the shared experts.
+
+    y = sum_{e in topk(x)} g_e(x) * Expert_e(x)  [+ sigmoid(x w_s) *] SharedExperts(x)
+
+Shared experts (DeepSeekMoE, Dai et al. 2024) see every token; Qwen2-MoE scales their output by
+a learned sigmoid gate. Model code stays single-device: communication, if any, hides behind
+`self.dispatcher` (see dispatcher.py). B batch, S sequence, T = B*S tokens, D model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.config.model import MoEConfig
+from tessera.models.mlp import FeedForward
+from tessera.models.moe.capacity import capacity_keep_mask, expert_capacity
+from tessera.models.moe.dispatcher import LocalDispatcher, TokenDispatcher
+from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.router import Router, RouterOutput
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(dim, cfg)
+        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
+        self.shared_experts = FeedForward(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim > 0 else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts, cfg.pad_to_capacity)
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        route = self.router(x_TD, (B, S))
+        keep, cap = None, None
+        if self.cfg.capacity_factor is not None:
+            T = route.counts_E.sum().item() // self.cfg.top_k  # tokens of the whole micro-batch
+            cap = expert_capacity(T, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
+            keep = capacity_keep_mask(route.indices_Tk, route.weights_Tk, self.cfg.num_experts, cap,
+                                      self.cfg.drop_policy)
+        rows, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TD, route.indices_Tk, keep, cap)
+        out_TD = self.dispatcher.combine(self.experts(rows, tokens_per_expert), route.weights_Tk, ctx)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x_TD)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
+            out_TD = out_TD + shared
+        return out_TD.view(B, S, D), route

@@ -1,0 +1,48 @@
+"""Load-balancing losses of the router. Each returns an unweighted fp32 scalar; the router
+multiplies by its coefficient. T tokens, E experts, k experts per token.
+
+Under data/sequence/context parallelism a micro-batch's tokens are spread over ranks. The losses
+then take the micro-batch-wide `counts_E` (summed over ranks by an injected reducer) and
+`num_tokens`; each rank's value covers its own tokens' probabilities, and the ranks' values add up
+to the loss of the whole micro-batch (DESIGN.md, numerics contract).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tokens_per_expert(indices_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the T*k routing slots chose each expert: [E] int64."""
+    return torch.bincount(indices_Tk.flatten(), minlength=num_experts)
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
+                        num_tokens: int | None = None) -> torch.Tensor:
+    """Switch Transformer / GShard auxiliary loss (Fedus et al. 2021, eq. 4): E * sum_i f_i P_i,
+    with f_i = count_i / (T k) the fraction of routing slots sent to expert i and
+    P_i = sum_t p_{t,i} / T the mean router probability. Minimal (= 1) under uniform routing."""
+    T = probs_TE.shape[0] if num_tokens is None else num_tokens
+    E = probs_TE.shape[1]
+    f = counts_E.float() / (T * top_k)
+    P = probs_TE.float().sum(dim=0) / T
+    return E * torch.sum(f * P)
+
+
+def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSk: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2 sequence-wise balance loss (arXiv 2405.04434 eq. 24-25; DeepSeek-V3 eq. 17-20):
+    the Switch loss computed within each sequence, then averaged over the batch's sequences."""
+    B, S, E = probs_BSE.shape
+    k = indices_BSk.shape[-1]
+    one_hot = torch.zeros(B, S * k, E, device=probs_BSE.device)
+    one_hot.scatter_(2, indices_BSk.reshape(B, S * k, 1), 1.0)
+    f = one_hot.sum(dim=1) / (S * k)  # [B, E]
+    P = probs_BSE.float().mean(dim=1)  # [B, E]
+    return (E * (f * P).sum(dim=-1)).mean()
+
+
+def router_z_loss(logits_TE: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2,
+    which keeps the router's logits small and its softmax numerically stable."""
+    T = logits_TE.shape[0] if num_tokens is None else num_tokens
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().sum() / T

@@ -1,0 +1,97 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer) and its context-extension variants.
+
+Frequencies: theta_j = base^(-2j/d). Variants, selected by `rope_scaling["rope_type"]`:
+- "linear": positions divided by `factor` (Chen et al. 2023, position interpolation);
+- "llama3": low frequencies divided by `factor`, high ones kept, a smooth ramp between
+  (Meta, LLaMA 3.1 report);
+- "yarn": NTK-by-parts interpolation plus an attention temperature (Peng et al. 2023, YaRN,
+  arXiv 2309.00071), as DeepSeek-V2/V3 use.
+
+Rotation uses the "half" layout: the pair (x[j], x[j + d/2]) is rotated by angle p * theta_j.
+Shapes: B batch, S sequence, H heads, D rotary dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(dim: int, base: float, scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] in fp32 and the factor applied to cos/sin (1 unless YaRN)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        old_len = float(scaling["original_max_position_embeddings"])
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                    if mscale and mscale_all else _yarn_mscale(factor))
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1 = keep the original frequency (high frequencies)
+        inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+        return inv_freq, float(attn)
+    raise ValueError(f"unknown rope_type {kind!r}")
+
+
+def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's extra softmax scale under YaRN: mscale(factor, mscale_all_dim)^2 (1 otherwise)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    m = scaling.get("mscale_all_dim") or 0
+    return _yarn_mscale(float(scaling["factor"]), m) ** 2 if m else 1.0
+
+
+def rope_cos_sin(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, S, D] (the D/2 angles repeated twice), computed in fp32."""
+    freqs = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor,
+               interleaved: bool = False) -> torch.Tensor:
+    """Rotate x. interleaved=True takes pairs (x[2j], x[2j+1]) (DeepSeek's layout) and returns them
+    de-interleaved (evens then odds); q and k get the same permutation, so q.k is unchanged."""
+    if interleaved:
+        x_BSHD = torch.cat((x_BSHD[..., 0::2], x_BSHD[..., 1::2]), dim=-1)
+    cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
+    return x_BSHD * cos + _rotate_half(x_BSHD) * sin

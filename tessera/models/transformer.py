@@ -1,0 +1,137 @@
+"""The decoder: embedding, pre-norm blocks (attention + SwiGLU or MoE), final RMSNorm, LM head.
+
+A plain single-device module. Layers live in an `nn.ModuleDict` keyed by str(layer index), so a
+pipeline stage that drops layers keeps the names of the ones it owns. Shapes: B batch,
+S sequence, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tessera.config.model import ModelConfig
+from tessera.models.attention import Attention, AttentionCache
+from tessera.models.mla import MultiHeadLatentAttention
+from tessera.models.mlp import FeedForward
+from tessera.models.moe.layer import MoE
+from tessera.models.moe.router import RouterOutput
+from tessera.models.norm import RMSNorm
+from tessera.models.rope import rope_cos_sin, rope_frequencies
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, S, V] (None when the model has no head: a middle pipeline stage)
+    aux_loss: torch.Tensor  # fp32 scalar: the sum of every MoE layer's weighted balancing losses
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
+    hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        attn_cls = MultiHeadLatentAttention if cfg.mla is not None else Attention
+        self.attention = attn_cls(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.is_moe_layer(layer_id):
+            self.moe = MoE(cfg.dim, cfg.moe)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: AttentionCache | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
+        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, cache)
+        h = self.ffn_norm(x_BSD)
+        if hasattr(self, "moe"):
+            y, route = self.moe(h)
+            return x_BSD + y, route
+        return x_BSD + self.feed_forward(h), None
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, init_seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
+        self.reset_rope()
+        if init_seed is not None:
+            self.init_weights(init_seed)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE frequencies, e.g. after building on the meta device."""
+        cfg = self.cfg
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+        inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_inv_freq = inv_freq.to(device if device is not None else self.rope_inv_freq.device)
+
+    # ---- initialisation --------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Every tensor from (seed, its name) alone, so any layout or device order gives the same
+        model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
+        norms = {f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
+        for name, p in self.named_parameters():
+            if name in norms:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                gen = torch.Generator().manual_seed(_name_seed(seed, name))
+                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=gen)
+                p.copy_(full.to(p.dtype))
+        for name, b in self.named_buffers():
+            if name.endswith("expert_bias"):
+                b.zero_()
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: AttentionCache | None = None) -> ModelOutput:
+        B, S = input_ids.shape[:2]  # a middle pipeline stage receives hidden states [B, S, D]
+        if positions is None:
+            positions = torch.arange(S, device=input_ids.device).expand(B, S)
+        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
+        aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        aux_losses: dict[str, torch.Tensor] = {}
+        counts: dict[int, torch.Tensor] = {}
+        for key, layer in self.layers.items():
+            h, route = layer(h, cos, sin, cache)
+            if route is not None:
+                counts[int(key)] = route.counts_E
+                for name, value in route.losses.items():
+                    aux_losses[f"layer{key}/{name}"] = value
+                    aux_loss = aux_loss + value
+        h = self.norm(h) if self.norm is not None else h
+        logits = self.lm_head(h)
+        return ModelOutput(logits=logits, aux_loss=aux_loss, aux_losses=aux_losses, expert_counts=counts, hidden=h)
+
+    def lm_head(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        if self.output is not None:
+            return self.output(h_BSD)
+        return h_BSD @ self.tok_embeddings.weight.T
+
+    # ---- balancing -------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """One aux-loss-free balancing step per MoE layer from its summed routing counts."""
+        for layer_id, c in counts.items():
+            key = str(layer_id)
+            if key in self.layers and hasattr(self.layers[key], "moe"):
+                self.layers[key].moe.router.update_bias(c)
+

@@ -1,0 +1,58 @@
+"""Tiny random HuggingFace configs of every supported family, shared by the parity tests."""
+
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def hf_configs() -> dict[str, object]:
+    import transformers as tf
+
+    moe = dict(moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2)
+    return {
+        "llama": tf.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16}),
+        "llama_tied_bias": tf.LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True),
+        "mistral": tf.MistralConfig(**COMMON, sliding_window=5),
+        "qwen2": tf.Qwen2Config(**COMMON),
+        "qwen3": tf.Qwen3Config(**COMMON, head_dim=16),
+        "mixtral": tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": tf.Qwen2MoeConfig(**COMMON, **moe, shared_expert_intermediate_size=24, norm_topk_prob=False,
+                                       decoder_sparse_step=1, mlp_only_layers=[1]),
+        "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, **moe, head_dim=16, norm_topk_prob=True),
+        "deepseek_v3": tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=16,
+                                           n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                           first_k_dense_replace=1, n_shared_experts=2, q_lora_rank=16,
+                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                           v_head_dim=8, routed_scaling_factor=2.5,
+                                           rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32, "beta_fast": 32,
+                                                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}),
+        "deepseek_v3_no_qlora": tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=16,
+                                                    n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                                    topk_group=1, first_k_dense_replace=0, n_shared_experts=1,
+                                                    q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                                                    qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False),
+    }
+
+
+def random_hf_model(config, seed: int = 0):
+    """A transformers model with every weight and buffer randomised (router biases included)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    return model
