@@ -69,8 +69,10 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise ModelError(f"use_sliding_window=true is not supported for {family} (per-layer windows)")
     n_layers = d["num_hidden_layers"]
     if family == "mixtral":
-        kw["moe"] = MoEConfig(num_experts=d.get("num_local_experts") or d.get("num_experts"), top_k=d["num_experts_per_tok"],
-                              ffn_dim=d["intermediate_size"], aux_loss_coef=d.get("router_aux_loss_coef", 0.0),
+        n_experts = d.get("num_local_experts") or d.get("num_experts")
+        kw["moe"] = MoEConfig(num_experts=n_experts, top_k=d["num_experts_per_tok"],
+                              ffn_dim=d["intermediate_size"],
+                              aux_loss_coef=d.get("router_aux_loss_coef", 0.0),
                               jitter_eps=d.get("router_jitter_noise", 0.0) or 0.0)
     elif family in ("qwen2_moe", "qwen3_moe"):
         step, only = d.get("decoder_sparse_step", 1), list(d.get("mlp_only_layers") or [])
@@ -80,7 +82,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
                               ffn_dim=d["moe_intermediate_size"], dense_layers=dense,
                               norm_topk_prob=bool(d.get("norm_topk_prob", family == "qwen3_moe")),
                               aux_loss_coef=d.get("router_aux_loss_coef", 0.0),
-                              shared_ffn_dim=d.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0,
+                              shared_ffn_dim=(d.get("shared_expert_intermediate_size", 0)
+                                              if family == "qwen2_moe" else 0),
                               shared_expert_gate=family == "qwen2_moe")
     elif family == "deepseek_v3":
         if bias:

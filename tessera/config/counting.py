@@ -16,7 +16,10 @@ def attention_params(cfg: ModelConfig) -> int:
     if cfg.mla is not None:
         m = cfg.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = h * cfg.n_heads * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * cfg.n_heads * qk
+        if m.q_lora_rank is None:
+            q = h * cfg.n_heads * qk
+        else:  # down-projection, its RMSNorm, up-projection
+            q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * cfg.n_heads * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
         kv += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
         return q + kv + cfg.n_heads * m.v_head_dim * h

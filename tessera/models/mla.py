@@ -24,7 +24,8 @@ class MultiHeadLatentAttention(nn.Module):
         m = cfg.mla
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
-        self.nope, self.rope, self.v_dim, self.kv_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_rank = m.kv_lora_rank
         self.interleaved = m.rope_interleave
         qk = self.nope + self.rope
         if m.q_lora_rank is None:

@@ -1,0 +1,120 @@
+"""The decoder itself: shapes, names, initialisation by name, MoE outputs, config validation."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tessera.config import ConfigError, ModelConfig, MoEConfig, get_preset, preset_names
+from tessera.models import Transformer
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek"])
+def test_forward_shapes_and_param_count(name):
+    cfg = get_preset(name)
+    model = Transformer(cfg)
+    out = model(torch.randint(0, cfg.vocab_size, (2, 9)))
+    assert out.logits.shape == (2, 9, cfg.vocab_size)
+    assert out.aux_loss.shape == () and out.aux_loss.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert list(model.layers.keys()) == [str(i) for i in range(cfg.n_layers)]
+    assert sorted(out.expert_counts) == cfg.moe_layers
+    for counts in out.expert_counts.values():
+        assert counts.sum().item() == 2 * 9 * cfg.moe.top_k
+
+
+def test_published_parameter_counts():
+    # Mixtral 8x7B: 46.7B total, 12.9B active; DeepSeek-V3: 671B total, 37B active (arXiv 2412.19437);
+    # Qwen3-30B-A3B: 30.5B / 3.3B; LLaMA-3-8B: 8.0B.
+    assert round(get_preset("mixtral-8x7b").num_params() / 1e9, 1) == 46.7
+    assert round(get_preset("mixtral-8x7b").num_params(active=True) / 1e9, 1) == 12.9
+    assert round(get_preset("deepseek-v3").num_params() / 1e9) == 671
+    assert round(get_preset("deepseek-v3").num_params(active=True) / 1e9) in (37, 38)
+    assert round(get_preset("qwen3-30b-a3b").num_params() / 1e9, 1) == 30.5
+    assert round(get_preset("llama3-8b").num_params() / 1e9, 1) == 8.0
+
+
+def test_every_preset_validates():
+    for name in preset_names():
+        assert get_preset(name).num_params() > 0
+
+
+def test_initialisation_depends_only_on_seed_and_name():
+    cfg = get_preset("tiny-moe")
+    a, b = Transformer(cfg), Transformer(dataclasses.replace(cfg, n_layers=1))
+    a.init_weights(7)
+    b.init_weights(7)
+    sb = b.state_dict()
+    for k, v in a.state_dict().items():
+        if k in sb:
+            assert torch.equal(v, sb[k]), k
+    c = Transformer(cfg)
+    c.init_weights(8)
+    assert not torch.equal(c.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
+
+
+def test_moe_aux_losses_are_reported_per_layer_and_summed():
+    cfg = get_preset("tiny-moe")
+    model = Transformer(cfg)
+    out = model(torch.randint(0, cfg.vocab_size, (2, 8)))
+    assert set(out.aux_losses) == {f"layer{i}/{n}" for i in range(2) for n in ("load_balancing", "z_loss")}
+    torch.testing.assert_close(out.aux_loss, sum(out.aux_losses.values()))
+    out.aux_loss.backward()
+    assert model.layers["0"].moe.router.weight.grad.abs().sum() > 0
+
+
+def test_sinkhorn_routing_trains_and_evaluates():
+    cfg = get_preset("tiny-moe")
+    cfg.moe = dataclasses.replace(cfg.moe, sinkhorn=True)
+    model = Transformer(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    out = model(ids)
+    (out.logits.sum() + out.aux_loss).backward()
+    model.eval()
+    assert model(ids).logits.shape == (2, 16, cfg.vocab_size)
+
+
+def test_expert_bias_update_through_the_model():
+    cfg = get_preset("tiny-deepseek")
+    model = Transformer(cfg)
+    out = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    model.update_expert_bias(out.expert_counts)
+    bias = model.layers["1"].moe.router.expert_bias
+    assert bias.abs().sum() > 0 and "layers.1.moe.router.expert_bias" in model.state_dict()
+
+
+def test_bf16_forward():
+    cfg = get_preset("tiny-moe")
+    model = Transformer(cfg).to(torch.bfloat16)
+    out = model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("n_kv_heads", 3, "model.n_kv_heads"),
+    ("family", "gpt2", "model.family"),
+    ("dim", 0, "model.dim"),
+    ("sliding_window", -1, "model.sliding_window"),
+])
+def test_invalid_model_config_names_the_field(field, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        dataclasses.replace(get_preset("tiny-llama"), **{field: value})
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"top_k": 9}, "moe.top_k"),
+    ({"score_func": "relu"}, "moe.score_func"),
+    ({"n_groups": 3}, "moe.n_groups"),
+    ({"capacity_factor": 0.0}, "moe.capacity_factor"),
+    ({"drop_policy": "random"}, "moe.drop_policy"),
+])
+def test_invalid_moe_config_names_the_field(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8, moe=MoEConfig(num_experts=8, **kw))
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ConfigError, match="dimm"):
+        ModelConfig.from_dict({"dimm": 3})
+    with pytest.raises(ConfigError, match="unknown model name"):
+        get_preset("llama-9000")
