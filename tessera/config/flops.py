@@ -1,0 +1,152 @@
+"""Floating-point operations of a training step: the one count behind MFU and the planner.
+
+Convention (say it wherever an MFU is quoted):
+- A multiply-add is 2 FLOPs. Only matrix products are counted: the weight GEMMs of every layer
+  (attention projections, SwiGLU or the top-k routed experts plus shared experts, the router) and
+  the LM head, plus the attention core (q k^T and the weighted sum of v). Norms, RoPE, softmax,
+  activations and the embedding lookup are not counted (they are <1% for real sizes).
+- Training is 3x the forward pass: forward, gradient of the input, gradient of the weights
+  (Kaplan et al. 2020, arXiv 2001.08361: C ~= 6 N D). With `recompute` the hardware also
+  re-runs forward work; `flops_per_token` counts *model* FLOPs (MFU) and `recompute_flops_per_token`
+  the extra work (hardware FLOPs = the sum; HFU).
+- Causal attention: a query attends on average to half of the keys. We count exactly half of the
+  full s x s score matrix, s/2 keys per query (the convention of newer Megatron-LM and of
+  FlashAttention's FLOP counters); `causal=False` counts all s keys, as Narayanan et al. 2021 and
+  PaLM's 6N + 12 l h s do. With a sliding window w < s the band s w - w^2/2 of the matrix counts.
+
+Per token, per layer, forward: 2 * (matmul weights of the layer) + 2 * n_heads * (d_qk + d_v) * keys.
+Per token, LM head, forward: 2 * V * h. So for a dense GPT with ffn = 4h (or SwiGLU with
+ffn = 8h/3), no GQA, causal=False and full recomputation, a step of B sequences costs
+`96 B s l h^2 (1 + s/(6h) + V/(16 l h))` (Narayanan et al. 2021, arXiv 2104.04473, appendix);
+without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tessera.config.counting import attention_params
+from tessera.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.config.model import ModelConfig
+
+RECOMPUTE_CHOICES = ("none", "full", "selective")
+
+
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one attention block that multiply every token (biases and norm gains excluded)."""
+    n = attention_params(cfg)
+    if cfg.mla is not None:
+        m = cfg.mla
+        n -= m.kv_lora_rank + (m.q_lora_rank or 0)  # the latent RMSNorm gains
+        return n
+    hd = cfg.head_dim
+    if cfg.qkv_bias:
+        n -= (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    if cfg.out_bias:
+        n -= cfg.dim
+    if cfg.qk_norm:
+        n -= 2 * hd
+    return n
+
+
+def mlp_matmul_params(cfg: ModelConfig, layer: int) -> int:
+    """Weights one token multiplies in the MLP of `layer`: SwiGLU, or router + top-k experts + shared."""
+    h = cfg.dim
+    if not cfg.is_moe_layer(layer):
+        return 3 * h * cfg.ffn_dim
+    e = cfg.moe
+    n = e.num_experts * h + e.top_k * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
+    if e.shared_expert_gate:
+        n += h
+    return n
+
+
+def attention_keys_per_query(seq_len: int, *, causal: bool = True, window: int | None = None) -> float:
+    """Mean keys a query attends to under the half-matrix convention (see the module docstring)."""
+    s = float(seq_len)
+    if not causal:
+        return s if window is None else float(min(seq_len, window))
+    if window is None or window >= seq_len:
+        return s / 2
+    return window - window * window / (2 * s)  # band area s w - w^2/2, per query
+
+
+def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of q k^T and p v for one token in one layer: 2 a (d_qk + d_v) keys."""
+    if cfg.mla is not None:
+        d_qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+        d_v = cfg.mla.v_head_dim
+    else:
+        d_qk = d_v = cfg.head_dim
+    keys = attention_keys_per_query(seq_len, causal=causal, window=cfg.sliding_window)
+    return 2.0 * cfg.n_heads * (d_qk + d_v) * keys
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of one token through decoder layer `layer` (MoE layers count the top-k experts)."""
+    weights = attention_matmul_params(cfg) + mlp_matmul_params(cfg, layer)
+    return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal)
+
+
+def head_forward_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward FLOPs of the LM head for one token: 2 V h (the embedding lookup costs none)."""
+    return 2.0 * cfg.vocab_size * cfg.dim
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of one token through the whole model."""
+    body = sum(layer_forward_flops_per_token(cfg, i, seq_len, causal=causal) for i in range(cfg.n_layers))
+    return body + head_forward_flops_per_token(cfg)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Model FLOPs of training on one token (forward + backward = 3 x forward), the MFU numerator.
+
+    For MoE models this is the active count: 6 N_active-matmul + the attention term.
+    """
+    return 3.0 * forward_flops_per_token(cfg, seq_len, causal=causal)
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, *, interval: int = 1,
+                              causal: bool = True) -> float:
+    """Extra forward work per token that activation recomputation adds (not in MFU).
+
+    full: the forward of every `interval`-th decoder layer again; selective: the attention core
+    again (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2); none: 0.
+    """
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
+    if interval < 1:
+        raise ConfigError(f"recompute interval={interval!r} is invalid: must be >= 1")
+    if recompute == "none":
+        return 0.0
+    if recompute == "selective":
+        return cfg.n_layers * attention_core_flops_per_token(cfg, seq_len, causal=causal)
+    return sum(layer_forward_flops_per_token(cfg, i, seq_len, causal=causal)
+               for i in range(0, cfg.n_layers, interval))
+
+
+def step_flops(cfg: ModelConfig, seq_len: int, tokens: float, *, causal: bool = True,
+               recompute: str = "none", interval: int = 1) -> float:
+    """FLOPs of one optimizer step over `tokens` tokens of sequences of length `seq_len`.
+
+    recompute="none" gives model FLOPs (for MFU); another choice adds the recomputed forward work.
+    """
+    per_token = flops_per_token(cfg, seq_len, causal=causal)
+    per_token += recompute_flops_per_token(cfg, seq_len, recompute, interval=interval, causal=causal)
+    return per_token * tokens
+
+
+def six_nd(n_params: float, tokens: float) -> float:
+    """Training compute C = 6 N D (Kaplan et al. 2020): GPT-3 175B x 300B tokens = 3.15e23."""
+    return 6.0 * n_params * tokens
+
+
+def mfu(tokens_per_second: float, cfg: ModelConfig, seq_len: int, peak_flops: float, *,
+        causal: bool = True) -> float:
+    """Model FLOPs utilisation: flops_per_token * tokens/s / peak FLOP/s (of the devices used)."""
+    if peak_flops <= 0:
+        raise ConfigError(f"peak_flops={peak_flops!r} is invalid: must be > 0")
+    return flops_per_token(cfg, seq_len, causal=causal) * tokens_per_second / peak_flops

@@ -1,0 +1,326 @@
+"""The tensors autograd keeps for backward in one decoder layer, op by op, as `tessera.models` runs it.
+
+Korthikanti et al. 2022 (arXiv 2205.05198, section 4.1) count activation memory by listing what
+each op of a GPT layer saves for its backward: `sbh(34 + 5as/h)` bytes with 16-bit activations.
+This module does the same for Tessera's layer (RMSNorm computed in fp32, GQA or MLA attention
+through SDPA, SwiGLU or a routed MoE with shared experts), so GQA, SwiGLU and MoE are counted from
+their ops rather than scaled from GPT's constants. A test checks the list against the bytes that
+`torch.autograd.graph.saved_tensors_hooks` sees on CPU.
+
+Conventions (what "activation bytes" means here):
+- A tensor is counted once per storage, whatever the number of ops that save it or its views
+  (a view saves its whole base storage).
+- Parameters, and casts or views of parameters (autocast's bf16 weight copies), are not counted:
+  they are model state (memory.py).
+- The attention kernel is SDPA's flash/memory-efficient kind: it keeps q, k, v, the output and
+  the fp32 log-sum-exp, never the s x s probabilities (Korthikanti's 5as/h term is 0). SDPA's math
+  fallback, and sliding-window masks, would keep more.
+- Integers count: token and expert indices are int64, grouped-GEMM offsets int32.
+- Three precisions (`ACTIVATION_DTYPES`): fp32; bf16 (weights and activations bf16, as FSDP2's
+  mixed precision runs a model); autocast-bf16 (fp32 weights under torch.autocast, the trainer's
+  `train.dtype: bf16`: the residual stream stays fp32, every linear saves its own bf16 copy of an
+  fp32 input, and ops autocast does not cover, such as `torch._grouped_mm`, run in the dtype
+  they are given).
+- Sizes are per token of the micro-batch on one process; `split` says how tensor parallelism
+  divides them: "tp" (cut by heads, FFN columns or vocabulary), "seq" (cut only under sequence
+  parallelism: the norm/residual region), "rep" (whole on every tp rank: MLA latents, routed
+  token rows, which expert TP needs in full).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.config.errors import ConfigError
+from tessera.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationDtype:
+    name: str
+    compute: int  # bytes of a linear layer's output
+    residual: int  # bytes of the residual stream (embedding output, block outputs)
+    weight: int  # bytes of a weight as the forward multiplies it (norm gains promote with it)
+    autocast: bool
+
+
+ACTIVATION_DTYPES = {
+    "fp32": ActivationDtype("fp32", 4, 4, 4, False),
+    "bf16": ActivationDtype("bf16", 2, 2, 2, False),
+    "autocast-bf16": ActivationDtype("autocast-bf16", 2, 4, 4, True),
+}
+
+
+def get_activation_dtype(name: str) -> ActivationDtype:
+    if name not in ACTIVATION_DTYPES:
+        raise ConfigError(f"activation dtype {name!r} is invalid: one of {', '.join(ACTIVATION_DTYPES)}")
+    return ACTIVATION_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One saved storage: `per_token` elements per token plus `fixed` elements per micro-batch."""
+
+    name: str
+    per_token: float
+    itemsize: int
+    split: str = "seq"
+    fixed: float = 0.0
+
+    def nbytes(self, tokens: float, tp: int = 1, sp: bool = False) -> float:
+        div = tp if self.split == "tp" or (self.split == "seq" and sp) else 1
+        return (self.per_token * tokens + self.fixed) * self.itemsize / div
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A storage flowing through the mirrored forward: key (identity), elements per token, bytes."""
+
+    key: str
+    per_token: float
+    itemsize: int
+    split: str
+
+
+class _SavedSet:
+    """Saved storages keyed by identity, so a storage saved by several ops counts once."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, SavedTensor] = {}
+
+    def keep(self, t: _Tensor) -> None:
+        if t.key not in self.items:
+            self.items[t.key] = SavedTensor(t.key, t.per_token, t.itemsize, t.split)
+
+    def new(self, key: str, per_token: float, itemsize: int, split: str, fixed: float = 0.0) -> _Tensor:
+        t = _Tensor(key, per_token, itemsize, split)
+        if key not in self.items:
+            self.items[key] = SavedTensor(key, per_token, itemsize, split, fixed)
+        return t
+
+
+def _rms_norm(s: _SavedSet, name: str, src: _Tensor, n: float, rows: float, dt: ActivationDtype) -> _Tensor:
+    """RMSNorm in fp32: keeps its fp32 input (a copy unless already fp32), 1/rms per row and the
+    normalised value in the input dtype (for the gain's gradient). Returns its output."""
+    if src.itemsize == 4:
+        s.keep(src)  # x.float() is x itself; for a view this is the whole base storage
+    else:
+        s.new(f"{name}.input_fp32", n, 4, src.split)
+    s.new(f"{name}.rstd", rows, 4, src.split)
+    s.new(f"{name}.normalised", n, src.itemsize, src.split)
+    return _Tensor(f"{name}.out", n, max(dt.weight, src.itemsize), src.split)
+
+
+def _linear_input(s: _SavedSet, x: _Tensor, n: float, consumer: str, dt: ActivationDtype) -> None:
+    """A linear layer keeps its input; under autocast an fp32 input becomes its own bf16 copy."""
+    if dt.autocast and x.itemsize == 4:
+        s.new(f"{consumer}.input_bf16", n, 2, x.split)
+    else:
+        s.keep(x)
+
+
+def _attention_core(s: _SavedSet, name: str, q: _Tensor, k: _Tensor, v: _Tensor, q_n: float, k_n: float,
+                    out_n: float, heads: int, dt: ActivationDtype, recompute: str) -> _Tensor:
+    """SDPA (flash kind) keeps q, k, v, its output and the fp32 log-sum-exp per head. Selective
+    recomputation re-runs it from its inputs as they were before autocast's casts, so only the
+    output (kept anyway by the output projection) and the log-sum-exp go."""
+    out = _Tensor(f"{name}.out", out_n, dt.compute, "tp")
+    if recompute == "selective":
+        for t in (q, k, v, out):  # the output stays as the output projection's input
+            s.keep(t)
+        return out
+    for t, n in ((q, q_n), (k, k_n), (v, None)):
+        if dt.autocast and t.itemsize == 4:
+            s.new(f"{t.key}.sdpa_bf16", n if n is not None else t.per_token, 2, "tp")
+        else:
+            s.keep(t)
+    s.keep(out)
+    s.new(f"{name}.logsumexp", heads, 4, "tp")
+    return out
+
+
+def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str) -> None:
+    h, a, g, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    for name in ("wq", "wk", "wv"):
+        _linear_input(s, x, h, f"attention.{name}", dt)
+    q = _Tensor("attention.q", a * d, dt.compute, "tp")
+    k = _Tensor("attention.k", g * d, dt.compute, "tp")
+    v = _Tensor("attention.v", g * d, dt.compute, "tp")
+    if cfg.qk_norm:
+        q = _rms_norm(s, "attention.q_norm", q, a * d, a, dt)
+        k = _rms_norm(s, "attention.k_norm", k, g * d, g, dt)
+    # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype.
+    q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
+    k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
+    _attention_core(s, "attention.sdpa", q, k, v, a * d, g * d, a * d, a, dt, recompute)
+
+
+def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str) -> None:
+    m, h, a = cfg.mla, cfg.dim, cfg.n_heads
+    nope, rope, vd, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    roped = max(dt.compute, dt.residual)  # RoPE output and the concatenations that hold it
+    if m.q_lora_rank is not None:
+        _linear_input(s, x, h, "mla.wq_a", dt)
+        qa = _Tensor("mla.wq_a.out", m.q_lora_rank, dt.compute, "rep")
+        qn = _rms_norm(s, "mla.q_norm", qa, m.q_lora_rank, 1, dt)
+        _linear_input(s, qn, m.q_lora_rank, "mla.wq_b", dt)
+    else:
+        _linear_input(s, x, h, "mla.wq", dt)
+    _linear_input(s, x, h, "mla.wkv_a", dt)
+    kva = _Tensor("mla.wkv_a.out", rank + rope, dt.compute, "rep")
+    if kva.itemsize == 4:  # c_kv is a view of kv_a: x.float() keeps the whole storage
+        s.keep(kva)
+        s.new("mla.kv_norm.rstd", 1, 4, "rep")
+        s.new("mla.kv_norm.normalised", rank, 4, "rep")
+        kvn = _Tensor("mla.kv_norm.out", rank, max(dt.weight, 4), "rep")
+    else:
+        kvn = _rms_norm(s, "mla.kv_norm", _Tensor("mla.c_kv", rank, kva.itemsize, "rep"), rank, 1, dt)
+    _linear_input(s, kvn, rank, "mla.wkv_b", dt)
+    kvb = _Tensor("mla.wkv_b.out", a * (nope + vd), dt.compute, "tp")  # v is a view of it
+    q = _Tensor("mla.q", a * (nope + rope), roped, "tp")  # cat(q_nope, rope(q_rope))
+    k = _Tensor("mla.k", a * (nope + rope), roped, "tp")  # cat(k_nope, rope(k_rope) expanded)
+    _attention_core(s, "mla.sdpa", q, k, kvb, a * (nope + rope), a * (nope + rope), a * vd, a, dt, recompute)
+
+
+def _swiglu(s: _SavedSet, name: str, x: _Tensor, rows: float, h: int, f: int, itemsize: int, dt: ActivationDtype,
+            split_rows: str = "tp") -> None:
+    """w2(silu(w1 x) * w3 x) keeps x, w1 x, w3 x, silu(w1 x) and their product."""
+    _linear_input(s, x, h * rows, f"{name}.w1", dt)
+    _linear_input(s, x, h * rows, f"{name}.w3", dt)
+    for part in ("w1_out", "w3_out", "silu_out", "product"):
+        s.new(f"{name}.{part}", rows * f, itemsize, split_rows)
+
+
+def _routed_rows(cfg: ModelConfig, tokens: int) -> tuple[float, float]:
+    """(kept routing slots, rows the experts compute) per token. Dropless: k and k. With a
+    capacity factor, at most E x capacity slots are kept (the planner assumes no expert is
+    under-filled, so this is an upper bound) and padding makes every expert compute capacity rows."""
+    e = cfg.moe
+    if e.capacity_factor is None:
+        return float(e.top_k), float(e.top_k)
+    slots = tokens * e.top_k
+    cap = math.ceil(slots / e.num_experts * e.capacity_factor)
+    kept = min(slots, e.num_experts * cap) / tokens
+    return kept, (e.num_experts * cap / tokens if e.pad_to_capacity else kept)
+
+
+def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens: int, batch: int) -> None:
+    e, h = cfg.moe, cfg.dim
+    E, k = e.num_experts, e.top_k
+    xr = x  # the router's input: jittered in training (the experts see the original tokens)
+    if e.jitter_eps > 0:
+        s.new("moe.jitter_noise", h, x.itemsize, x.split)
+        xr = _Tensor("moe.x_jittered", h, x.itemsize, x.split)
+    # Router: fp32 logits from x.float() @ W.float().T (autocast still runs the matmul in bf16).
+    xf = xr if xr.itemsize == 4 else _Tensor("moe.router.x_fp32", h, 4, x.split)
+    _linear_input(s, xf, h, "moe.router", dt)
+    logits = _Tensor("moe.router.logits", E, 2 if dt.autocast else 4, "seq")
+    if e.score_func == "softmax" and not e.softmax_before_topk:
+        _topk_indices(s, cfg)
+        if logits.itemsize == 4:  # gather(logits.float(), idx) keeps its input
+            s.keep(logits)
+        else:
+            s.new("moe.router.logits_fp32_gather", E, 4, "seq")
+        s.new("moe.router.topk_softmax", k, 4, "seq")
+    else:
+        s.new("moe.router.scores", E, 4, "seq")
+        _topk_indices(s, cfg)
+        if e.norm_topk_prob and k > 1:
+            s.new("moe.router.topk_weights", k, 4, "seq")
+            s.new("moe.router.topk_sum", 1, 4, "seq")
+    if e.aux_loss_coef > 0 or e.seq_aux_loss_coef > 0:
+        s.new("moe.balance.probs", E, 4, "seq")
+        if e.score_func == "sigmoid":
+            s.new("moe.balance.probs_sum", 1, 4, "seq")
+        if e.aux_loss_coef > 0:
+            s.new("moe.balance.f", 0, 4, "rep", fixed=E)
+        if e.seq_aux_loss_coef > 0:
+            s.new("moe.balance.seq_f", 0, 4, "rep", fixed=batch * E)
+    if e.z_loss_coef > 0:
+        if logits.itemsize == 4:
+            s.keep(logits)
+        else:
+            s.new("moe.router.logits_fp32", E, 4, "seq")
+        s.new("moe.z_loss.logsumexp", 1, 4, "seq")
+    # Dispatch: a gather of x by token index (then a copy into the padded buffer when padding);
+    # the experts are grouped GEMMs in x's dtype (autocast does not cover them).
+    kept, rows = _routed_rows(cfg, tokens)
+    s.new("moe.dispatch.token_index", kept, 8, "rep")
+    gathered = _Tensor("moe.dispatch.rows", kept * h, x.itemsize, "rep")
+    if e.capacity_factor is not None and e.pad_to_capacity:
+        s.new("moe.dispatch.padded_row", kept, 8, "rep")
+        s.keep(gathered)
+        gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep")
+    s.keep(gathered)
+    grouped = e.grouped_gemm and (h * x.itemsize) % 16 == 0 and (e.ffn_dim * x.itemsize) % 16 == 0
+    if grouped:
+        for name in ("w1", "w3", "w2"):
+            s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=E)
+    plain = ActivationDtype("plain", x.itemsize, x.itemsize, x.itemsize, False)
+    _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, x.itemsize, plain)
+    # Combine: y.float() * gate (keeps both), cast back, index_add (keeps its source).
+    s.new("moe.combine.slot_index", kept, 8, "rep")
+    s.new("moe.combine.y_fp32", kept * h, 4, "rep")
+    s.new("moe.combine.gate", kept, 4, "rep")
+    s.new("moe.combine.weighted", kept * h, x.itemsize, "rep")
+    if e.shared_ffn_dim > 0:
+        _swiglu(s, "moe.shared", x, 1, h, e.shared_ffn_dim, dt.compute, dt)
+        if e.shared_expert_gate:
+            _linear_input(s, x, h, "moe.shared_gate", dt)
+            s.new("moe.shared_gate.sigmoid", 1, dt.compute, "seq")
+            s.new("moe.shared.out", h, dt.compute, "seq")
+
+
+def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:
+    """The chosen experts' int64 indices, kept by the gather of the gate weights. (The top-k ops
+    of group-limited choice also save indices, but only their indices are used, so autograd frees
+    those nodes, and what they saved, before backward.)"""
+    s.new("moe.router.topk_index", cfg.moe.top_k, 8, "seq")
+
+
+def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, recompute: str = "none",
+                        tokens: int = 4096, batch: int = 1) -> list[SavedTensor]:
+    """What decoder layer `layer` keeps for backward. `recompute`: none; full (the layer is
+    checkpointed: only its input stays); selective (the attention core is recomputed).
+    `tokens` and `batch` matter only for capacity-limited MoE and per-sequence statistics."""
+    dt = get_activation_dtype(dtype)
+    h = cfg.dim
+    layer_input = _Tensor("layer.input", h, dt.residual, "seq")
+    if recompute == "full":
+        return [SavedTensor(layer_input.key, h, dt.residual, "seq")]
+    if recompute not in ("none", "selective"):
+        raise ConfigError(f"recompute={recompute!r} is invalid: one of none, full, selective")
+    s = _SavedSet()
+    xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt)
+    (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)
+    mid = _Tensor("layer.mid", h, dt.residual, "seq")  # x + attention(x): residual dtype
+    xn = _rms_norm(s, "ffn_norm", mid, h, 1, dt)
+    if cfg.is_moe_layer(layer):
+        _moe(s, cfg, xn, dt, tokens, batch)
+    else:
+        _swiglu(s, "feed_forward", xn, 1, h, cfg.ffn_dim, dt.compute, dt)
+    return list(s.items.values())
+
+
+def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
+    """Saved once per micro-batch whatever the layers: the token ids (embedding backward) and the
+    RoPE cos and sin tables every layer multiplies by (one storage each, shared)."""
+    dt = get_activation_dtype(dtype)
+    rope = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+    return [SavedTensor("input_ids", 1, 8, "rep"), SavedTensor("rope.cos", rope, dt.residual, "rep"),
+            SavedTensor("rope.sin", rope, dt.residual, "rep")]
+
+
+def head_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
+    """Final norm, LM head input, and a cross-entropy computed in fp32 as `tessera.train.loss` does
+    (it keeps the fp32 log-softmax, V per token, cut by vocabulary-parallel tp, and the int64
+    targets)."""
+    dt = get_activation_dtype(dtype)
+    s = _SavedSet()
+    xn = _rms_norm(s, "norm", _Tensor("final.input", cfg.dim, dt.residual, "seq"), cfg.dim, 1, dt)
+    _linear_input(s, xn, cfg.dim, "output", dt)
+    s.new("loss.log_softmax", cfg.vocab_size, 4, "tp")
+    s.new("loss.targets", 1, 8, "rep")
+    s.new("loss.total_weight", 0, 4, "rep", fixed=1)  # nll_loss keeps the (scalar) weight sum
+    return list(s.items.values())

@@ -1,0 +1,145 @@
+"""Activation memory per rank: saved tensors per layer, cut by the layout, times the micro-batches
+a pipeline stage holds in flight, plus the transient buffers that peak on top of them.
+
+Per layer and micro-batch, `activation_terms` lists what autograd keeps on one process. A layout
+changes it as Korthikanti et al. 2022 (arXiv 2205.05198, table 2) describe: tensor parallelism cuts
+the head/FFN tensors by t; sequence parallelism also cuts the norm/residual region by t; context
+parallelism splits the tokens by cp; full recomputation keeps only each checkpointed layer's input;
+selective recomputation re-runs the attention core. `korthikanti_layer_bytes` is their formula, for
+reference and comparison.
+
+Pipeline stages hold several micro-batches' activations at once (Narayanan et al. 2021, section
+2.2; Korthikanti et al. section 4.2.3): GPipe all m; 1F1B min(p - r, m) on rank r; interleaved 1F1B
+on rank r `(v-1) p + 2 (p-r-1) + 1` model chunks (at most v m), i.e. p (1 + (p-1)/(p v)) stages'
+worth on the first rank; the zero-bubble ZB-H1 schedule the same as 1F1B (Qi et al. 2023,
+arXiv 2401.10241, section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.errors import ConfigError
+from tessera.config.model import ModelConfig
+from tessera.plan.activation_terms import (
+    get_activation_dtype,
+    head_saved_tensors,
+    layer_saved_tensors,
+    model_saved_tensors,
+)
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.profile import ModelProfile
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer with 16-bit activations, Korthikanti et al. 2022, table 2:
+    sbh(34 + 5as/h) unparallelised; sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh/t (34 +
+    5as/h) with sequence parallelism too; the 5as/h term drops with selective recomputation; 2sbh
+    (the layer input) with full recomputation."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh / (t if sp else 1)
+    attn_scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if sp:
+        return sbh / t * (34 + attn_scores)
+    return sbh * (10 + 24 / t + attn_scores / t)
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Micro-batches' worth of a stage's activations pipeline rank `rank` holds at its peak."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("1f1b", "zero_bubble"):
+        return float(min(p - rank, m))
+    if schedule == "interleaved_1f1b":
+        chunks = min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v)
+        return chunks / v
+    raise ConfigError(f"pp_schedule={schedule!r} is invalid: one of gpipe, 1f1b, interleaved_1f1b, zero_bubble")
+
+
+def _layer_recompute(lay: Layout, layer: int) -> str:
+    if lay.recompute == "full":
+        return "full" if layer % lay.recompute_interval == 0 else "none"
+    return lay.recompute
+
+
+def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
+                           recompute: str | None = None) -> float:
+    """Bytes layer `layer` keeps per micro-batch on one rank of `lay`."""
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    rc = _layer_recompute(lay, layer) if recompute is None else recompute
+    terms = layer_saved_tensors(cfg, layer, dtype, recompute=rc, tokens=max(int(tokens), 1),
+                                batch=work.micro_batch)
+    return sum(t.nbytes(tokens, lay.tp, lay.sp) for t in terms)
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation memory of one rank of pipeline stage `stage`."""
+
+    stage: int
+    layers: int
+    per_microbatch: float  # all the stage's layers, one micro-batch
+    in_flight: float  # micro-batches' worth held at the peak
+    head: float  # final norm + LM head input + loss (last stage), per micro-batch
+    stored: float  # in_flight x (per_microbatch + head + model-level tensors)
+    recompute_buffer: float  # one layer's full activations rebuilt during its backward
+    logits_buffer: float  # logits and their fp32 copy / gradient at the loss (last stage)
+    dispatch_buffer: float  # MoE all-to-all send + receive rows of one layer (ep > 1)
+
+    @property
+    def transient(self) -> float:
+        return max(self.recompute_buffer, self.logits_buffer, self.dispatch_buffer)
+
+    @property
+    def total(self) -> float:
+        return self.stored + self.transient
+
+    def as_dict(self) -> dict[str, float]:
+        return {"stage": self.stage, "layers": self.layers, "per_microbatch": self.per_microbatch,
+                "in_flight": self.in_flight, "head": self.head, "stored": self.stored,
+                "recompute_buffer": self.recompute_buffer, "logits_buffer": self.logits_buffer,
+                "dispatch_buffer": self.dispatch_buffer, "total": self.total}
+
+
+def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
+                      profile: ModelProfile | None = None) -> list[StageActivations]:
+    """Activation memory of every pipeline stage (one rank each)."""
+    prof = profile or ModelProfile.of(cfg, work.seq_len)
+    dt = get_activation_dtype(dtype)
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    m = lay.microbatches(work)
+    sizes = (tokens, lay.tp, lay.sp)
+    constant = prof.memo(("act_model", dtype, *sizes), lambda: sum(
+        t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype)))
+    head = prof.memo(("act_head", dtype, *sizes), lambda: sum(t.nbytes(*sizes) for t in head_saved_tensors(cfg, dtype)))
+
+    def layer_bytes(moe: bool, rc: str) -> float:
+        key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp)
+        return prof.memo(key, lambda: layer_activation_bytes(cfg, prof.representative(moe), lay, work, dtype,
+                                                             recompute=rc))
+
+    out = []
+    for s in range(lay.pp):
+        last = s == lay.pp - 1
+        flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.vpp, s)
+        per_mb = rebuilt = 0.0
+        kinds = prof.stage_kinds(lay.pp, lay.vpp, s, lay.recompute, lay.recompute_interval)
+        for (moe, checkpointed), n in kinds.items():
+            rc = "full" if checkpointed else ("selective" if lay.recompute == "selective" else "none")
+            kept, whole = layer_bytes(moe, rc), layer_bytes(moe, "none")
+            per_mb += n * kept
+            if whole > kept:
+                rebuilt = max(rebuilt, whole)
+        stage_head = head if last else 0.0
+        logits = tokens * cfg.vocab_size / lay.tp * (dt.compute + 4) if last else 0.0
+        dispatch = 0.0
+        if lay.ep > 1 and any(moe for moe, _ in kinds):
+            dispatch = 2.0 * tokens * cfg.moe.top_k * cfg.dim * dt.residual
+        out.append(StageActivations(stage=s, layers=sum(kinds.values()), per_microbatch=per_mb, in_flight=flight,
+                                    head=stage_head, stored=flight * (per_mb + stage_head + constant),
+                                    recompute_buffer=rebuilt, logits_buffer=logits, dispatch_buffer=dispatch))
+    return out

@@ -1,0 +1,101 @@
+"""The hardware a plan is made for: GPUs, their memory and peak FLOP/s, and two link speeds.
+
+Defaults describe an H100 SXM node: 8 GPUs, 80 GiB, 989 TFLOP/s dense bf16, NVLink 4 at
+450 GB/s per direction per GPU, and one 400 Gb/s InfiniBand NIC per GPU (50 GB/s). Bandwidths are
+taken as what a collective achieves per GPU (bus bandwidth); lower them to match a measured
+nccl-tests figure.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tessera.config.errors import ConfigError
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def parse_bytes(text: str | float | int, key: str = "size") -> float:
+    """'80GiB' -> 85899345920.0, '141GB' -> 1.41e11, a bare number is bytes."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _BYTE_UNITS:
+            raise ConfigError(f"{key}={text!r} is invalid: a number of bytes with an optional unit "
+                              f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
+        try:
+            value = float(m.group(1)) * _BYTE_UNITS[unit]
+        except ValueError as e:
+            raise ConfigError(f"{key}={text!r} is invalid: {m.group(1)!r} is not a number") from e
+    if value <= 0:
+        raise ConfigError(f"{key}={text!r} is invalid: must be > 0")
+    return value
+
+
+def parse_rate(text: str | float | int, key: str, unit: str) -> float:
+    """'450GB/s' -> 4.5e11, '989T' or '989e12' -> 9.89e14 (unit is 'B/s' or 'FLOP/s')."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        pattern = r"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?)\s*(?:" + re.escape(unit) + r"|" + re.escape(
+            unit.split("/")[0]) + r")?\s*"
+        m = re.fullmatch(pattern, str(text), flags=re.IGNORECASE)
+        if m is None:
+            raise ConfigError(f"{key}={text!r} is invalid: a number with an optional k/M/G/T/P prefix "
+                              f"and unit {unit}, e.g. 450G{unit}")
+        try:
+            value = float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+        except ValueError as e:
+            raise ConfigError(f"{key}={text!r} is invalid: {m.group(1)!r} is not a number") from e
+    if value <= 0:
+        raise ConfigError(f"{key}={text!r} is invalid: must be > 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. `efficiency` is the share of peak FLOP/s the matrix work is assumed to reach
+    (Megatron-Core reports 40-50% MFU on H100); `reserved_bytes` is what the CUDA context, NCCL
+    and allocator fragmentation take from each GPU before the model sees any memory."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory: float = 80 * 2**30
+    gpu_flops: float = 989e12
+    intra_node_bandwidth: float = 450e9
+    inter_node_bandwidth: float = 50e9
+    efficiency: float = 0.5
+    reserved_bytes: float = 3 * 2**30
+    memory_bandwidth: float = 3.35e12  # HBM bytes/s (H100 SXM): bounds the optimizer step
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, key: str, value: object, allowed: str) -> None:
+            if not cond:
+                raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+        need(isinstance(self.gpus, int) and self.gpus >= 1, "gpus", self.gpus, "an integer >= 1")
+        need(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1, "gpus_per_node",
+             self.gpus_per_node, "an integer >= 1")
+        need(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus", self.gpus,
+             f"at most one node or a multiple of gpus_per_node={self.gpus_per_node}")
+        for key in ("gpu_memory", "gpu_flops", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth"):
+            need(getattr(self, key) > 0, key, getattr(self, key), "must be > 0")
+        need(0 < self.efficiency <= 1, "efficiency", self.efficiency, "must be in (0, 1]")
+        need(0 <= self.reserved_bytes < self.gpu_memory, "reserved_bytes", self.reserved_bytes,
+             "must be >= 0 and below gpu_memory")
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu_memory - self.reserved_bytes
+
+    def group_bandwidth(self, size: int, stride: int) -> float:
+        """Per-GPU bandwidth of a group of `size` ranks `stride` apart (ranks are numbered with the
+        innermost mesh dimension fastest, so a node holds `gpus_per_node` consecutive ranks)."""
+        if size <= 1:
+            return float("inf")
+        return self.intra_node_bandwidth if size * stride <= self.gpus_per_node else self.inter_node_bandwidth

@@ -1,0 +1,139 @@
+"""Communication of one training step: every collective, its group, its size and how often it runs.
+
+Bytes a rank sends per call follow the ring algorithms NCCL uses on a group of n ranks and a
+full buffer of S bytes: all-reduce 2 S (n-1)/n, all-gather and reduce-scatter S (n-1)/n,
+all-to-all S (n-1)/n, point-to-point S.
+
+Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of its stage:
+- TP (Shoeybi et al. 2019; Korthikanti et al. 2022): two all-reduces of T h activations forward
+  and two backward; with sequence parallelism each becomes an all-gather plus a reduce-scatter of
+  the same volume. Full recomputation repeats the forward ones. The vocabulary-parallel embedding
+  adds one all-reduce forward on the first stage.
+- CP: the keys and values of the whole sequence are all-gathered forward and again backward, and
+  their gradients reduce-scattered (MLA gathers its compressed latent); hidden behind attention.
+- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
+- PP: the stage boundary activations sent forward and their gradients backward, once per model
+  chunk (v times with interleaving).
+Per step, data parallelism moves gradients and parameters of the rank's shard group: ZeRO-1
+reduce-scatters the gradients once and all-gathers the updated weights once; ZeRO-2
+reduce-scatters after every micro-batch; ZeRO-3 also all-gathers the weights before each forward
+and backward of every micro-batch (FSDP). dp_replicate all-reduces what is left (hybrid sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.memory import Precision, RankParams
+from tessera.plan.profile import ModelProfile
+
+_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+           "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+           "send/recv": lambda n: 1.0}
+
+# What compute a collective can run under: "none" (on the critical path), "attention" (the
+# attention core of the same layer), "microbatch" (the forward+backward of the micro-batch it
+# belongs to: FSDP prefetch and bucketed reduce-scatter), "last_backward" (only the backward of the
+# step's last micro-batch), "first_forward" (the forward of the step's first micro-batch).
+OVERLAPS = ("none", "attention", "microbatch", "last_backward", "first_forward")
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str  # tp, cp, ep, pp, dp_shard, dp_replicate, ep_dp (the expert shard group)
+    op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, send/recv
+    what: str
+    size: float  # bytes of the full buffer of one call
+    calls_per_microbatch: float  # calls each micro-batch makes
+    calls_per_step: float  # calls once per step, outside the micro-batch loop
+    group_size: int
+    stride: int  # rank distance between group members (for the link they use)
+    overlap: str
+
+    def bytes_per_call(self) -> float:
+        return self.size * _FACTOR[self.op](self.group_size)
+
+    def bytes_per_step(self, microbatches: int) -> float:
+        return self.bytes_per_call() * (self.calls_per_microbatch * microbatches + self.calls_per_step)
+
+    def as_dict(self, microbatches: int) -> dict:
+        return {"group": self.group, "op": self.op, "what": self.what, "size": self.size,
+                "calls_per_step": self.calls_per_microbatch * microbatches + self.calls_per_step,
+                "group_size": self.group_size, "bytes_per_step": self.bytes_per_step(microbatches),
+                "overlap": self.overlap}
+
+
+def group_strides(lay: Layout) -> dict[str, int]:
+    """Rank distance inside each group, ranks ordered pp, dp_replicate, dp_shard, cp, tp (tp fastest)."""
+    tp, cp, sh = lay.tp, lay.cp, lay.dp_shard
+    return {"tp": 1, "cp": tp, "ep": tp, "dp_shard": tp, "ep_dp": tp * lay.ep,
+            "dp_replicate": tp * cp * sh, "pp": tp * cp * sh * lay.dp_replicate}
+
+
+def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, params: RankParams,
+                      precision: Precision, dtype: str, profile: ModelProfile | None = None) -> list[Collective]:
+    """Every collective one rank of pipeline stage `stage` takes part in during a step."""
+    prof = profile or ModelProfile.of(cfg, work.seq_len)
+    dt = get_activation_dtype(dtype)
+    st = group_strides(lay)
+    kinds = prof.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute, lay.recompute_interval)
+    T = work.micro_batch * work.seq_len / lay.cp
+    h = cfg.dim
+    out: list[Collective] = []
+
+    def add(group: str, size_: int, op: str, what: str, size: float, per_mb: float, per_step: float = 0.0,
+            overlap: str = "none") -> None:
+        if size_ > 1 and size > 0 and (per_mb > 0 or per_step > 0):
+            out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
+
+    n = sum(kinds.values())
+    recomputed = sum(c for (_, checkpointed), c in kinds.items() if checkpointed)
+    act = T * h * dt.compute
+    if lay.sp:
+        calls = 2 * n + 2 * n + 2 * recomputed  # forward, backward, recomputed forward: per block one each
+        add("tp", lay.tp, "all-gather", "sequence-parallel activations", act, calls)
+        add("tp", lay.tp, "reduce-scatter", "sequence-parallel activations", act, calls)
+    else:
+        add("tp", lay.tp, "all-reduce", "tensor-parallel activations", act, 4 * n + 2 * recomputed)
+    if stage == 0:
+        add("tp", lay.tp, "all-reduce", "vocab-parallel embedding", act, 1)
+
+    if lay.cp > 1:
+        if cfg.mla is not None:
+            kv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        else:
+            kv = 2 * cfg.n_kv_heads * cfg.head_dim / lay.tp
+        full = T * lay.cp * kv * dt.compute
+        add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * n, overlap="attention")
+        add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, n, overlap="attention")
+
+    moe_layers = sum(c for (moe, _), c in kinds.items() if moe)
+    if lay.ep > 1 and moe_layers:
+        rows = T * cfg.moe.top_k * h * dt.residual
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows, 4 * moe_layers)
+
+    if lay.pp > 1:
+        boundary = T * h * dt.residual / (lay.tp if lay.sp else 1)
+        add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
+
+    for group, count, shard in (("dp_shard", params.dense, lay.dense_shard),
+                                ("ep_dp", params.expert, lay.expert_shard)):
+        if count <= 0:
+            continue
+        grads, weights = count * precision.grad_bytes, count * precision.weight_bytes
+        label = "expert " if group == "ep_dp" else ""
+        if lay.zero_stage == 3:
+            add(group, shard, "all-gather", f"{label}weights (forward + backward)", weights, 2, overlap="microbatch")
+            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 1, overlap="microbatch")
+        elif lay.zero_stage == 2:
+            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 1, overlap="microbatch")
+            add(group, shard, "all-gather", f"{label}updated weights", weights, 0, 1, overlap="first_forward")
+        else:
+            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 0, 1, overlap="last_backward")
+            add(group, shard, "all-gather", f"{label}updated weights", weights, 0, 1, overlap="first_forward")
+        add("dp_replicate", lay.dp_replicate, "all-reduce", f"{label}gradients across replicas",
+            grads / max(shard, 1), 0, 1, overlap="last_backward")
+    return out

@@ -1,0 +1,143 @@
+"""One plan: parameters, memory per rank by part, FLOPs, bubble, communication and step time of a
+model x layout x workload x cluster. Everything else in this folder feeds `make_plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.counting import embedding_params
+from tessera.config.errors import ConfigError, ParallelError
+from tessera.config.flops import flops_per_token, recompute_flops_per_token, six_nd
+from tessera.config.model import ModelConfig
+from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.activations import StageActivations, stage_activations
+from tessera.plan.bubble import bubble_table
+from tessera.plan.cluster import Cluster
+from tessera.plan.comm import Collective, stage_collectives
+from tessera.plan.layout import Layout, Workload, layout_problems
+from tessera.plan.memory import (
+    ModelStateBytes,
+    RankParams,
+    get_precision,
+    model_state_bytes,
+    rank_params,
+    sharding_choices,
+)
+from tessera.plan.profile import ModelProfile
+from tessera.plan.roofline import StepTime, step_time
+
+TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16")}
+
+
+def precisions_for_train_dtype(dtype: str) -> tuple[str, str]:
+    """(model-state precision, activation dtype) for `train.dtype`: the trainer runs bf16 as autocast
+    over fp32 parameters."""
+    if dtype not in TRAIN_DTYPES:
+        raise ConfigError(f"train.dtype={dtype!r} is invalid: one of {', '.join(TRAIN_DTYPES)}")
+    return TRAIN_DTYPES[dtype]
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    params: RankParams
+    states: ModelStateBytes
+    activations: StageActivations
+
+    @property
+    def total(self) -> float:
+        return self.states.total + self.activations.total
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    layout: Layout
+    work: Workload
+    cluster: Cluster
+    precision: str
+    activation_dtype: str
+    params_total: int
+    params_active: int
+    stages: list[StageMemory]
+    collectives: list[list[Collective]]
+    time: StepTime
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches(self.work)
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total <= self.cluster.usable_memory
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.work.tokens / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.time.total * self.layout.world * self.cluster.gpu_flops)
+
+    def as_dict(self) -> dict:
+        peak = self.peak
+        return {
+            "model": {"params_total": self.params_total, "params_active": self.params_active,
+                      "params_embedding": embedding_params(self.model), "is_moe": self.model.is_moe},
+            "layout": self.layout.as_dict() | {"describe": self.layout.describe(), "world": self.layout.world,
+                                               "microbatches": self.microbatches},
+            "workload": {"seq_len": self.work.seq_len, "micro_batch": self.work.micro_batch,
+                         "global_batch": self.work.global_batch, "tokens_per_step": self.work.tokens},
+            "cluster": {k: getattr(self.cluster, k) for k in (
+                "gpus", "gpus_per_node", "gpu_memory", "gpu_flops", "intra_node_bandwidth",
+                "inter_node_bandwidth", "efficiency", "reserved_bytes", "memory_bandwidth")},
+            "precision": self.precision, "activation_dtype": self.activation_dtype,
+            "memory": {"peak_stage": peak.stage, "peak_bytes": peak.total, "usable_bytes": self.cluster.usable_memory,
+                       "fits": self.fits,
+                       "stages": [{"stage": s.stage, "params_dense": s.params.dense, "params_expert": s.params.expert,
+                                   "model_states": s.states.as_dict(), "activations": s.activations.as_dict(),
+                                   "total": s.total} for s in self.stages],
+                       "sharding_choices": {k: v.as_dict() for k, v in sharding_choices(
+                           peak.params, self.layout, get_precision(self.precision)).items()}},
+            "flops": {"model_per_step": self.model_flops_per_step, "hardware_per_step": self.hardware_flops_per_step,
+                      "model_per_token": self.model_flops_per_step / self.work.tokens,
+                      "six_n_active_d": six_nd(self.params_active, self.work.tokens)},
+            "pipeline": {"bubble_fraction": self.time.bubble,
+                         "schedules": bubble_table(self.layout.pp, self.microbatches, max(self.layout.vpp, 2))},
+            "communication": [c.as_dict(self.microbatches) for c in self.collectives[peak.stage]],
+            "time": self.time.as_dict() | {"tokens_per_second": self.tokens_per_second, "mfu": self.mfu},
+        }
+
+
+def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *, precision: str = "bf16",
+              activation_dtype: str = "autocast-bf16", even_layers: bool = False,
+              profile: ModelProfile | None = None) -> Plan:
+    """The full estimate. Raises ParallelError naming every dimension that does not divide.
+    `profile` (from `ModelProfile.of(cfg, work.seq_len)`) lets many plans of one model share work."""
+    problems = layout_problems(cfg, lay, work, even_layers=even_layers)
+    if lay.world != cluster.gpus:
+        problems.append(f"the layout uses {lay.world} ranks but the cluster has {cluster.gpus} GPUs")
+    if problems:
+        raise ParallelError("the layout cannot run this model: " + "; ".join(problems))
+    prec = get_precision(precision)
+    get_activation_dtype(activation_dtype)
+    prof = profile if profile is not None and profile.seq_len == work.seq_len else ModelProfile.of(cfg, work.seq_len)
+    params = rank_params(cfg, lay, prof)
+    acts = stage_activations(cfg, lay, work, activation_dtype, prof)
+    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec), a) for s, (p, a) in enumerate(zip(params, acts))]
+    colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
+    local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
+    time = step_time(cfg, lay, work, cluster, colls, local, prof)
+    model_flops = prof.memo(("model_flops",), lambda: flops_per_token(cfg, work.seq_len)) * work.tokens
+    extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval), lambda: recompute_flops_per_token(
+        cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval))
+    return Plan(model=cfg, layout=lay, work=work, cluster=cluster, precision=precision,
+                activation_dtype=activation_dtype, params_total=prof.params_total,
+                params_active=prof.params_active, stages=stages, collectives=colls, time=time,
+                model_flops_per_step=model_flops, hardware_flops_per_step=model_flops + extra * work.tokens)

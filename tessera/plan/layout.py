@@ -1,0 +1,184 @@
+"""A resolved parallel layout and the work it carries, with every divisibility rule in one place.
+
+Rank order (DESIGN.md, "Parallel layout"): world = pp x dp_replicate x dp_shard x cp x tp, tp
+innermost. Dense weights are cut by tp (heads, FFN columns, vocabulary) and pp (layers), then
+sharded by ZeRO over dp_shard x cp and replicated over dp_replicate. Experts are split over ep
+(which divides dp_shard x cp), cut by tp like the dense FFN (expert TP = TP), and sharded by ZeRO
+over the remaining dp_shard x cp / ep ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tessera.config.errors import ConfigError, ParallelError
+from tessera.config.model import ModelConfig
+from tessera.config.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes: sequences of `seq_len` tokens, `micro_batch` of them per
+    forward pass on one data-parallel rank, `global_batch` in all."""
+
+    seq_len: int
+    micro_batch: int
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "micro_batch", "global_batch"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ParallelError(f"{key}={v!r} is invalid: must be an integer >= 1")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of every mesh dimension (dp_shard resolved) plus the memory/time trade-offs."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vpp: int = 1
+    pp_schedule: str = "1f1b"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 3
+    recompute: str = "none"
+    recompute_interval: int = 1
+
+    @classmethod
+    def from_parallel(cls, par: ParallelConfig, world: int) -> Layout:
+        try:
+            dp_shard = par.resolved_dp_shard(world)
+        except ConfigError as e:  # same message, typed as a layout error
+            raise ParallelError(str(e)) from e
+        return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, pp_schedule=par.pp_schedule,
+                   dp_replicate=par.dp_replicate, dp_shard=dp_shard, cp=par.cp, ep=par.ep,
+                   zero_stage=par.zero_stage, recompute=par.recompute,
+                   recompute_interval=par.recompute_interval)
+
+    def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
+        fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
+        return ParallelConfig(**values, microbatches=microbatches)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many different micro-batches are processed side by side."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dense_shard(self) -> int:
+        """Ranks a dense parameter is ZeRO-sharded over (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks an expert parameter is ZeRO-sharded over (dp_shard x cp / ep)."""
+        return self.dp_shard * self.cp // self.ep
+
+    def microbatches(self, work: Workload) -> int:
+        """Micro-batches per step on each data-parallel rank (the pipeline's m)."""
+        return work.global_batch // (work.micro_batch * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
+        if self.pp > 1:
+            parts[-1] += f"({self.pp_schedule}" + (f",v{self.vpp})" if self.vpp > 1 else ")")
+        if self.dp_replicate > 1:
+            parts.append(f"rep{self.dp_replicate}")
+        parts.append(f"shard{self.dp_shard}(zero{self.zero_stage})")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"recompute={self.recompute}" + (f"/{self.recompute_interval}"
+                                                       if self.recompute == "full" and self.recompute_interval > 1
+                                                       else ""))
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def layout_problems(cfg: ModelConfig, lay: Layout, work: Workload, *, even_layers: bool = False) -> list[str]:
+    """Every reason this layout cannot run this model and workload (empty when it can).
+
+    Each message names the dimension and the shape it fails to divide. `even_layers` also asks
+    pp x vpp to divide the layer count (the search does; a given layout may split unevenly).
+    """
+    problems: list[str] = []
+
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            problems.append(message)
+
+    tp = lay.tp
+    need(cfg.n_heads % tp == 0, f"tp={tp} does not divide n_heads={cfg.n_heads}")
+    if cfg.mla is None:
+        need(cfg.n_kv_heads % tp == 0, f"tp={tp} does not divide n_kv_heads={cfg.n_kv_heads}")
+    need(cfg.vocab_size % tp == 0, f"tp={tp} does not divide vocab_size={cfg.vocab_size}")
+    need(cfg.ffn_dim % tp == 0 or not any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)),
+         f"tp={tp} does not divide ffn_dim={cfg.ffn_dim}")
+    if cfg.moe is not None:
+        need(cfg.moe.ffn_dim % tp == 0, f"tp={tp} does not divide moe.ffn_dim={cfg.moe.ffn_dim}")
+        need(cfg.moe.shared_ffn_dim % tp == 0,
+             f"tp={tp} does not divide moe.shared_ffn_dim={cfg.moe.shared_ffn_dim}")
+        need(cfg.moe.num_experts % lay.ep == 0, f"ep={lay.ep} does not divide moe.num_experts={cfg.moe.num_experts}")
+    else:
+        need(lay.ep == 1, f"ep={lay.ep} needs an MoE model (this one is dense)")
+    need((lay.dp_shard * lay.cp) % lay.ep == 0,
+         f"ep={lay.ep} does not divide dp_shard x cp = {lay.dp_shard * lay.cp} (experts fold over those ranks)")
+    need(not lay.sp or tp > 1, "sp needs tp > 1")
+    chunks = lay.pp * lay.vpp
+    need(chunks <= cfg.n_layers, f"pp x vpp = {chunks} exceeds n_layers={cfg.n_layers}")
+    if even_layers:
+        need(cfg.n_layers % chunks == 0, f"pp x vpp = {chunks} does not divide n_layers={cfg.n_layers}")
+    need(lay.vpp == 1 or lay.pp_schedule == "interleaved_1f1b", "vpp > 1 needs pp_schedule=interleaved_1f1b")
+    need(lay.cp == 1 or work.seq_len % (2 * lay.cp) == 0,
+         f"cp={lay.cp}: seq_len={work.seq_len} must divide into 2 x cp chunks (load-balanced causal split)")
+    if lay.sp:
+        need((work.seq_len // lay.cp) % tp == 0,
+             f"sp: the {work.seq_len // lay.cp} tokens of a sequence per cp rank do not divide by tp={tp}")
+    step = work.micro_batch * lay.dp
+    need(work.global_batch % step == 0,
+         f"global_batch={work.global_batch} is not a multiple of micro_batch x dp = "
+         f"{work.micro_batch} x {lay.dp} = {step}")
+    if lay.pp > 1 and lay.pp_schedule == "interleaved_1f1b" and work.global_batch % step == 0:
+        m = work.global_batch // step
+        need(m % lay.pp == 0, f"interleaved_1f1b needs micro-batches per step ({m}) to be a multiple of pp={lay.pp}")
+    need(work.seq_len <= cfg.max_seq_len, f"seq_len={work.seq_len} exceeds model max_seq_len={cfg.max_seq_len}")
+    return problems
+
+
+def check_layout(cfg: ModelConfig, lay: Layout, work: Workload) -> None:
+    """Raise ParallelError naming every dimension that does not divide."""
+    problems = layout_problems(cfg, lay, work)
+    if problems:
+        raise ParallelError("the layout cannot run this model: " + "; ".join(problems))
+
+
+def stage_layers(n_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
+    """Layer indices held by each pipeline rank: pp x vpp contiguous chunks as even as possible
+    (earlier chunks take the remainder), chunk c on rank c mod pp (interleaved placement)."""
+    chunks = pp * vpp
+    base, extra = divmod(n_layers, chunks)
+    out: list[list[int]] = [[] for _ in range(pp)]
+    start = 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        out[c % pp].extend(range(start, start + size))
+        start += size
+    return out

@@ -1,0 +1,181 @@
+"""Model-state memory per rank: weights, gradients, fp32 master weights and optimizer state.
+
+Mixed-precision Adam holds, per parameter, a compute copy of the weight, its gradient, an fp32
+master copy and two fp32 moments (Rajbhandari et al. 2019, ZeRO, arXiv 1910.02054, section 3.1:
+2 + 2 + 12 = 16 bytes). ZeRO shards them over the d data-parallel ranks in stages:
+stage 1 the optimizer state and master weights (4N + 12N/d), stage 2 also the gradients
+(2N + 14N/d), stage 3 also the weights (16N/d). Here d is dp_shard x cp for dense weights and
+dp_shard x cp / ep for experts; dp_replicate copies everything (hybrid sharding).
+
+What is counted: parameters only (buffers such as RoPE tables and expert biases are not; they are
+kilobytes), and the AdamW moments `exp_avg` and `exp_avg_sq`; AdamW's per-tensor `step` counter
+(one 4-byte scalar per parameter tensor) is left out. Under ZeRO-3 the layer being computed and
+the next one are gathered unsharded (FSDP's prefetch), and one layer's unsharded gradient waits
+for its reduce-scatter: `gathered` counts those buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+from tessera.config.counting import attention_params
+from tessera.config.errors import ConfigError
+from tessera.config.model import ModelConfig
+from tessera.plan.layout import Layout
+from tessera.plan.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state."""
+
+    name: str
+    weight_bytes: int  # the copy the forward pass multiplies with
+    grad_bytes: int  # the gradient kept between backward and the optimizer step
+    master_bytes: int  # fp32 master weights (0 when the weights are fp32 already)
+    optimizer_bytes: int  # AdamW: exp_avg + exp_avg_sq in fp32
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+PRECISIONS = {
+    # fp32 training: the weights are their own master copy.
+    "fp32": Precision("fp32", 4, 4, 0, 8),
+    # bf16 compute over fp32 master weights, fp32 gradients (Megatron's accounting: 18 bytes, and
+    # 6 + 12/d with its distributed optimizer). Also what autocast or FSDP2 with an fp32
+    # reduce dtype keep: an fp32 parameter, its fp32 gradient and a transient bf16 copy.
+    "bf16": Precision("bf16", 2, 4, 4, 8),
+    # The ZeRO paper's mixed precision: 16-bit weights and gradients, K = 12 bytes of fp32 state.
+    "bf16-lowp-grads": Precision("bf16-lowp-grads", 2, 2, 4, 8),
+}
+
+
+def get_precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision={name!r} is invalid: one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    weights: float
+    gradients: float
+    master: float
+    optimizer: float
+    gathered: float = 0.0  # ZeRO-3 transient unsharded buffers
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
+
+
+def zero_model_state_bytes(n_params: float, dp: int, stage: int, precision: Precision) -> ModelStateBytes:
+    """Per-rank model states of `n_params` parameters under ZeRO `stage` (0-3) over `dp` ranks.
+
+    The formulas of Rajbhandari et al. 2019, figure 1 (stage 0 is plain data parallelism)."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero stage={stage!r} is invalid: one of 0, 1, 2, 3")
+    n, p = float(n_params), precision
+    shard_opt = dp if stage >= 1 else 1
+    shard_grad = dp if stage >= 2 else 1
+    shard_w = dp if stage >= 3 else 1
+    return ModelStateBytes(weights=n * p.weight_bytes / shard_w, gradients=n * p.grad_bytes / shard_grad,
+                           master=n * p.master_bytes / shard_opt, optimizer=n * p.optimizer_bytes / shard_opt)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank of a pipeline stage holds before ZeRO sharding: `dense` (cut by tp)
+    and `expert` (split by ep, cut by tp); `largest_unit` is the biggest FSDP unit (one layer, the
+    embedding or the head) in the same sense, for the ZeRO-3 gather buffers."""
+
+    dense: float
+    expert: float
+    largest_unit: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def _attention_split(cfg: ModelConfig, tp: int) -> float:
+    """Attention parameters on one tp rank: projections by heads are cut, the rest replicated."""
+    h = cfg.dim
+    if cfg.mla is not None:
+        m = cfg.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            rep, cut = 0, h * cfg.n_heads * qk
+        else:  # the down projection and its norm are replicated (every rank needs the whole latent)
+            rep, cut = h * m.q_lora_rank + m.q_lora_rank, m.q_lora_rank * cfg.n_heads * qk
+        rep += h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        cut += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim) + cfg.n_heads * m.v_head_dim * h
+        return rep + cut / tp
+    total = attention_params(cfg)
+    rep = (h if cfg.out_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return rep + (total - rep) / tp
+
+
+def layer_rank_params(cfg: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters of decoder layer `layer` on one rank."""
+    h = cfg.dim
+    dense = _attention_split(cfg, tp) + 2 * h
+    if not cfg.is_moe_layer(layer):
+        return dense + 3 * h * cfg.ffn_dim / tp, 0.0
+    e = cfg.moe
+    dense += e.num_experts * h + 3 * h * e.shared_ffn_dim / tp + (h if e.shared_expert_gate else 0)
+    expert = (e.num_experts / ep) * 3 * h * e.ffn_dim / tp
+    return dense, expert
+
+
+def rank_params(cfg: ModelConfig, lay: Layout, profile: ModelProfile | None = None) -> list[RankParams]:
+    """Parameters on one rank of each pipeline stage (first stage: embedding; last: norm + head;
+    with tied embeddings and pp > 1 both ends hold the shared matrix)."""
+    prof = profile or ModelProfile.of(cfg, cfg.max_seq_len)
+    out = []
+    vocab = cfg.vocab_size * cfg.dim / lay.tp
+    for s in range(lay.pp):
+        dense = expert = largest = 0.0
+        for (moe, _), n in prof.stage_kinds(lay.pp, lay.vpp, s, "none", 1).items():
+            d, x = prof.memo(("layer_params", moe, lay.tp, lay.ep),
+                             lambda moe=moe: layer_rank_params(cfg, prof.representative(moe), lay.tp, lay.ep))
+            dense, expert, largest = dense + n * d, expert + n * x, max(largest, d + x)
+        if s == 0:
+            dense += vocab
+            largest = max(largest, vocab)
+        if s == lay.pp - 1:
+            dense += cfg.dim
+            if not cfg.tie_embeddings or lay.pp > 1:
+                dense += vocab
+                largest = max(largest, vocab)
+        out.append(RankParams(dense=dense, expert=expert, largest_unit=largest))
+    return out
+
+
+def model_state_bytes(params: RankParams, lay: Layout, precision: Precision) -> ModelStateBytes:
+    """Model states of one rank: dense parameters sharded over dp_shard x cp, experts over
+    dp_shard x cp / ep, each by ZeRO stage `lay.zero_stage`."""
+    dense = zero_model_state_bytes(params.dense, lay.dense_shard, lay.zero_stage, precision)
+    expert = zero_model_state_bytes(params.expert, lay.expert_shard, lay.zero_stage, precision)
+    gathered = 0.0
+    if lay.zero_stage == 3 and (lay.dense_shard > 1 or lay.expert_shard > 1):
+        gathered = params.largest_unit * (2 * precision.weight_bytes + precision.grad_bytes)
+    return ModelStateBytes(weights=dense.weights + expert.weights, gradients=dense.gradients + expert.gradients,
+                           master=dense.master + expert.master, optimizer=dense.optimizer + expert.optimizer,
+                           gathered=gathered)
+
+
+def sharding_choices(params: RankParams, lay: Layout, precision: Precision) -> dict[str, ModelStateBytes]:
+    """Model states of one rank under each data-parallel choice for the same ranks: everything
+    replicated (plain data parallelism: what dp_replicate does), then ZeRO-1, 2 and 3 over
+    dp_shard x cp (dp_shard x cp / ep for experts)."""
+    out = {"replicated": zero_model_state_bytes(params.total, 1, 0, precision)}
+    for stage in (1, 2, 3):
+        out[f"zero{stage}"] = model_state_bytes(params, dataclasses.replace(lay, zero_stage=stage), precision)
+    return out

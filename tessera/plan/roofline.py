@@ -1,0 +1,135 @@
+"""Step time from a roofline: matrix work at a stated share of peak, each collective at its link's
+bandwidth, and only the overlap each part of the schedule allows.
+
+For one rank of each pipeline stage and one micro-batch:
+  compute   = (forward x 3 + recomputed forward) FLOPs of its layers (and head) / tp / (peak x efficiency)
+  exposed   = TP and EP collectives and PP sends (on the critical path)
+            + max(0, CP gathers - attention core time)        (ring overlap)
+            + max(0, ZeRO-3 / ZeRO-2 collectives - compute)   (FSDP prefetch, bucketed reduce-scatter)
+The slowest stage sets the pace: pipeline time = m x max_stage(compute + exposed) x (1 + bubble).
+Then once per step: gradient collectives that only the last micro-batch's backward can hide,
+weight all-gathers that only the first forward can hide, and the optimizer's pass over its shard
+of the model states, bound by memory bandwidth (AdamW reads and writes about 30 bytes per
+parameter of fp32 state). Tokens/s and MFU follow from the step time; MFU counts model FLOPs
+(`tessera.config.flops.flops_per_token`), so recomputation lowers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.config.model import ModelConfig
+from tessera.plan.bubble import bubble_fraction
+from tessera.plan.cluster import Cluster
+from tessera.plan.comm import Collective
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.profile import ModelProfile
+
+OPTIMIZER_BYTES_PER_PARAM = 30.0  # AdamW on fp32 state: read p, g, m, v; write p, m, v; a 16-bit copy
+
+
+@dataclass
+class StageTime:
+    stage: int
+    compute: float  # seconds per micro-batch
+    attention: float  # of which the attention core
+    exposed: dict[str, float] = field(default_factory=dict)  # exposed seconds per micro-batch, by group
+
+    @property
+    def per_microbatch(self) -> float:
+        return self.compute + sum(self.exposed.values())
+
+
+@dataclass
+class StepTime:
+    stages: list[StageTime]
+    microbatches: int
+    bubble: float
+    pipeline: float  # seconds: m x slowest stage x (1 + bubble)
+    step_exposed: dict[str, float]  # once-per-step exposed communication, by group
+    optimizer: float
+    comm_seconds: dict[str, float]  # total link time per group per step (hidden or not)
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + sum(self.step_exposed.values()) + self.optimizer
+
+    @property
+    def compute(self) -> float:
+        return self.microbatches * max(s.compute for s in self.stages)
+
+    def as_dict(self) -> dict:
+        slow = max(self.stages, key=lambda s: s.per_microbatch)
+        return {"total": self.total, "compute": self.compute, "bubble_fraction": self.bubble,
+                "bubble": self.microbatches * slow.per_microbatch * self.bubble,
+                "exposed_per_step": {g: self.microbatches * t for g, t in slow.exposed.items()}
+                | {f"{g} (once per step)": t for g, t in self.step_exposed.items()},
+                "optimizer": self.optimizer, "link_time": self.comm_seconds}
+
+
+def stage_compute_flops(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
+                        profile: ModelProfile | None = None) -> tuple[float, float]:
+    """(hardware FLOPs, attention-core FLOPs) of one micro-batch on one rank of `stage`."""
+    prof = profile or ModelProfile.of(cfg, work.seq_len)
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    att = prof.core_flops
+    total = core = 0.0
+    for (moe, checkpointed), n in prof.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
+                                                   lay.recompute_interval).items():
+        fwd = prof.layer_flops[moe]
+        total += n * (3 * fwd + (fwd if checkpointed else 0.0) + (att if lay.recompute == "selective" else 0.0))
+        core += n * (3 * att + (att if lay.recompute == "selective" else 0.0))
+    if stage == lay.pp - 1:
+        total += 3 * prof.head_flops
+    return total * tokens / lay.tp, core * tokens / lay.tp
+
+
+def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
+              collectives: list[list[Collective]], local_params: list[float],
+              profile: ModelProfile | None = None) -> StepTime:
+    """Estimated seconds of one step. `collectives[s]` and `local_params[s]` (parameters a rank of
+    stage s updates, after ZeRO sharding) come from comm.py and memory.py."""
+    profile = profile or ModelProfile.of(cfg, work.seq_len)
+    rate = cluster.gpu_flops * cluster.efficiency
+    m = lay.microbatches(work)
+    stages: list[StageTime] = []
+    step_exposed: dict[str, float] = {}
+    comm_seconds: dict[str, float] = {}
+    for s, colls in enumerate(collectives):
+        flops, core = stage_compute_flops(cfg, lay, work, s, profile)
+        st = StageTime(stage=s, compute=flops / rate, attention=core / rate)
+        hidden_by_mb: dict[str, float] = {}
+        link: dict[str, float] = {}
+        once: dict[str, dict[str, float]] = {"last_backward": {}, "first_forward": {}}
+        for c in colls:
+            bw = cluster.group_bandwidth(c.group_size, c.stride)
+            per_call = c.bytes_per_call() / bw
+            mb_time, step_t = per_call * c.calls_per_microbatch, per_call * c.calls_per_step
+            link[c.group] = link.get(c.group, 0.0) + mb_time * m + step_t
+            if c.overlap == "none":
+                st.exposed[c.group] = st.exposed.get(c.group, 0.0) + mb_time
+            elif c.overlap == "attention":
+                st.exposed[c.group] = st.exposed.get(c.group, 0.0) + max(0.0, mb_time - st.attention)
+            elif c.overlap == "microbatch":
+                hidden_by_mb[c.group] = hidden_by_mb.get(c.group, 0.0) + mb_time
+            if step_t > 0:
+                bucket = once["first_forward" if c.overlap == "first_forward" else "last_backward"]
+                bucket[c.group] = bucket.get(c.group, 0.0) + step_t
+        for group, t in link.items():
+            comm_seconds[group] = max(comm_seconds.get(group, 0.0), t)
+        for group, t in hidden_by_mb.items():
+            st.exposed[group] = st.exposed.get(group, 0.0) + max(0.0, t - st.compute)
+        windows = {"last_backward": st.compute * 2 / 3, "first_forward": st.compute / 3}
+        for kind, groups in once.items():
+            budget = windows[kind]
+            for group, t in sorted(groups.items()):
+                hidden = min(t, budget)
+                budget -= hidden
+                if t - hidden > 0:
+                    step_exposed[group] = max(step_exposed.get(group, 0.0), t - hidden)
+        stages.append(st)
+    slowest = max(st.per_microbatch for st in stages)
+    bubble = bubble_fraction(lay.pp_schedule, lay.pp, m, lay.vpp)
+    optimizer = max(local_params) * OPTIMIZER_BYTES_PER_PARAM / cluster.memory_bandwidth
+    return StepTime(stages=stages, microbatches=m, bubble=bubble, pipeline=m * slowest * (1 + bubble),
+                    step_exposed=step_exposed, optimizer=optimizer, comm_seconds=comm_seconds)

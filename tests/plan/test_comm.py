@@ -1,0 +1,95 @@
+"""Communication volumes per step: the ratios the papers state, and which link each group uses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tessera.config import get_preset
+from tessera.plan.cluster import Cluster
+from tessera.plan.comm import group_strides, stage_collectives
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.memory import get_precision, rank_params
+
+WORK = Workload(seq_len=4096, micro_batch=1, global_batch=64)
+
+
+def collectives(cfg, lay, precision="bf16", dtype="bf16", stage=0, work=WORK):
+    params = rank_params(cfg, lay)[stage]
+    return stage_collectives(cfg, lay, work, stage, params, get_precision(precision), dtype)
+
+
+def volume(colls, group, m):
+    return sum(c.bytes_per_step(m) for c in colls if c.group == group)
+
+
+def test_tensor_parallel_all_reduces_four_times_per_layer():
+    """Megatron TP: two all-reduces of the s b h activations forward and two backward per layer,
+    plus the vocabulary-parallel embedding's forward all-reduce; sequence parallelism replaces each
+    all-reduce by an all-gather and a reduce-scatter of the same total volume (Korthikanti et al.)."""
+    cfg = get_preset("llama3-8b")
+    lay = Layout(tp=8, dp_shard=8)
+    m = lay.microbatches(WORK)
+    tokens_bytes = WORK.micro_batch * WORK.seq_len * cfg.dim * 2
+    want = m * (4 * cfg.n_layers + 1) * 2 * 7 / 8 * tokens_bytes
+    assert volume(collectives(cfg, lay), "tp", m) == pytest.approx(want)
+    sp = dataclasses.replace(lay, sp=True)
+    assert volume(collectives(cfg, sp), "tp", m) == pytest.approx(want)
+    full = dataclasses.replace(lay, recompute="full")
+    with_recompute = want * (6 * cfg.n_layers + 1) / (4 * cfg.n_layers + 1)
+    assert volume(collectives(cfg, full), "tp", m) == pytest.approx(with_recompute)
+
+
+def test_zero3_moves_one_and_a_half_times_data_parallel_traffic():
+    """ZeRO (Rajbhandari et al. 2019, section 7): stages 1 and 2 move as much as a data-parallel
+    all-reduce (a reduce-scatter plus an all-gather); stage 3 moves 1.5x (the weights are
+    all-gathered for forward and again for backward). 16-bit weights and gradients, one micro-batch."""
+    cfg = get_preset("llama3-8b")
+    work = Workload(4096, 1, 64)
+    base = Layout(dp_shard=64)
+    n = rank_params(cfg, base)[0].total
+    allreduce = 2 * 63 / 64 * 2 * n
+    for stage, ratio in ((1, 1.0), (2, 1.0), (3, 1.5)):
+        lay = dataclasses.replace(base, zero_stage=stage)
+        got = volume(collectives(cfg, lay, "bf16-lowp-grads", work=work), "dp_shard", 1)
+        assert got == pytest.approx(ratio * allreduce), stage
+
+
+def test_hybrid_sharding_all_reduces_the_shard_across_replicas():
+    cfg = get_preset("llama3-8b")
+    lay = Layout(dp_replicate=8, dp_shard=8, zero_stage=1)
+    n = rank_params(cfg, lay)[0].total
+    got = volume(collectives(cfg, lay, "bf16"), "dp_replicate", lay.microbatches(WORK))
+    assert got == pytest.approx(2 * 7 / 8 * 4 * n / 8)  # fp32 gradients, one shard of 8
+
+
+def test_expert_parallel_all_to_alls_and_pipeline_sends():
+    cfg = get_preset("mixtral-8x7b")
+    lay = Layout(pp=2, pp_schedule="interleaved_1f1b", vpp=2, dp_shard=32, ep=8)
+    m = lay.microbatches(WORK)
+    colls = collectives(cfg, lay)
+    rows = WORK.seq_len * cfg.moe.top_k * cfg.dim * 2
+    assert volume(colls, "ep", m) == pytest.approx(m * 4 * (cfg.n_layers // 2) * 7 / 8 * rows)
+    assert volume(colls, "pp", m) == pytest.approx(m * 2 * 2 * WORK.seq_len * cfg.dim * 2)
+
+
+def test_context_parallel_gathers_keys_and_values():
+    cfg = get_preset("llama3-8b")
+    lay = Layout(cp=4, dp_shard=16)
+    m = lay.microbatches(WORK)
+    kv = WORK.seq_len * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+    assert volume(collectives(cfg, lay), "cp", m) == pytest.approx(m * 3 * cfg.n_layers * 3 / 4 * kv)
+
+
+def test_groups_use_the_link_their_ranks_sit_on():
+    """Ranks are numbered tp fastest, then cp, dp_shard, dp_replicate, pp: a tp group of 8 stays in
+    an 8-GPU node, the data-parallel group across tp=8 spans nodes."""
+    cl = Cluster(gpus=64)
+    lay = Layout(tp=8, dp_shard=8)
+    st = group_strides(lay)
+    assert cl.group_bandwidth(8, st["tp"]) == cl.intra_node_bandwidth
+    assert cl.group_bandwidth(8, st["dp_shard"]) == cl.inter_node_bandwidth
+    small = Layout(tp=2, cp=2, dp_shard=16)
+    assert cl.group_bandwidth(2, group_strides(small)["cp"]) == cl.intra_node_bandwidth
+    assert cl.group_bandwidth(1, 1) == float("inf")

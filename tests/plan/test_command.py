@@ -1,0 +1,90 @@
+"""`tessera plan CONFIG --gpus N`: the command, run on real YAML files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tessera.config import get_preset
+from tessera.config.flops import flops_per_token
+from tessera.plan.command import main
+
+
+def write_config(tmp_path, model, parallel, seq_len=8192, micro_batch=1, global_batch=512, dtype="bf16"):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": model, "parallel": parallel,
+                                    "train": {"seq_len": seq_len, "micro_batch_size": micro_batch,
+                                              "global_batch_size": global_batch, "dtype": dtype}}))
+    return str(path)
+
+
+def test_plan_of_a_real_size_model_on_64_gpus_prints_the_breakdown(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tp": 2, "sp": True, "dp_shard": -1, "zero_stage": 1})
+    assert main([path, "--gpus", "64"]) == 0
+    out = capsys.readouterr().out
+    for text in ("8.03 B total", "tp2+sp pp1 shard32(zero1)", "Memory per rank", "optimizer state",
+                 "activations (in flight)", "FITS", "FLOPs per step", "Pipeline bubble", "Communication per step",
+                 "reduce-scatter", "Step time", "MFU"):
+        assert text in out, text
+
+
+def test_json_output_carries_the_same_numbers(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "mixtral-8x7b"},
+                        {"pp": 4, "pp_schedule": "interleaved_1f1b", "vpp": 2, "dp_shard": -1, "ep": 8,
+                         "recompute": "full"},
+                        seq_len=4096, global_batch=256)
+    assert main([path, "--gpus", "64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cfg = get_preset("mixtral-8x7b")
+    assert plan["model"]["params_active"] == cfg.num_params(active=True) < plan["model"]["params_total"]
+    assert plan["flops"]["model_per_step"] == pytest.approx(flops_per_token(cfg, 4096) * 4096 * 256)
+    assert plan["pipeline"]["bubble_fraction"] == pytest.approx(3 / (2 * 16))
+    groups = {c["group"] for c in plan["communication"]}
+    assert {"ep", "pp", "dp_shard"} <= groups
+    assert len(plan["memory"]["stages"]) == 4
+
+
+def test_search_proposes_a_layout_with_reasons(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {})
+    assert main([path, "--gpus", "64", "--search", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "valid layouts" in out and "Why:" in out and "parallel section of the best layout" in out
+    assert "  1. " in out and "  3. " in out and "Best layout in detail" in out
+
+
+def test_a_run_that_does_not_fit_exits_1(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-70b"}, {"dp_replicate": 8, "dp_shard": 1})
+    assert main([path, "--gpus", "8"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_cluster_flags_change_the_plan(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"dp_shard": -1})
+    main([path, "--gpus", "16", "--json"])
+    slow = json.loads(capsys.readouterr().out)
+    main([path, "--gpus", "16", "--json", "--gpu-memory", "141GB", "--inter-node-bandwidth", "400GB/s",
+          "--gpu-flops", "1979e12", "--set", "train.global_batch_size=256"])
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["memory"]["usable_bytes"] > slow["memory"]["usable_bytes"]
+    assert fast["time"]["total"] < slow["time"]["total"]
+    assert fast["workload"]["global_batch"] == 256
+
+
+def test_bad_input_exits_2_with_the_key(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tp": 3, "dp_shard": -1})
+    assert main([path, "--gpus", "6", "--gpus-per-node", "6"]) == 2
+    assert "tp=3 does not divide n_heads=32" in capsys.readouterr().err
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tensor": 2})
+    assert main([path, "--gpus", "8"]) == 2
+    assert "parallel.tensor" in capsys.readouterr().err
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {})
+    assert main([path, "--gpus", "8", "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+def test_microbatches_must_agree_with_the_batch(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"dp_shard": -1, "microbatches": 3})
+    assert main([path, "--gpus", "64"]) == 2
+    assert "parallel.microbatches=3" in capsys.readouterr().err
