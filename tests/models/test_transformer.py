@@ -118,3 +118,17 @@ def test_from_dict_rejects_unknown_keys():
         ModelConfig.from_dict({"dimm": 3})
     with pytest.raises(ConfigError, match="unknown model name"):
         get_preset("llama-9000")
+
+
+def test_router_stays_fp32_and_experts_run_bf16_under_autocast():
+    cfg = get_preset("tiny-moe")
+    model = Transformer(cfg)
+    moe = model.layers["0"].moe
+    seen = {}
+    moe.experts.register_forward_hook(lambda m, i, o: seen.setdefault("experts", o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        route = moe.router(torch.randn(6, cfg.dim), (1, 6))
+        model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert route.weights_Tk.dtype == torch.float32
+    assert all(v.dtype == torch.float32 for v in route.losses.values())
+    assert seen["experts"] == torch.bfloat16

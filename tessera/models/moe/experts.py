@@ -35,7 +35,12 @@ def grouped_mm_applies(x_ND: torch.Tensor, w_EOI: torch.Tensor) -> bool:
 
 def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: torch.Tensor,
                    use_grouped_mm: bool = True) -> torch.Tensor:
-    """Row block e of x times w[e]^T: [N, I] -> [N, O]."""
+    """Row block e of x times w[e]^T: [N, I] -> [N, O]. Under autocast both run in the autocast
+    dtype, as nn.Linear would (autocast does not cover `_grouped_mm` itself)."""
+    device = x_ND.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x_ND, w_EOI = x_ND.to(dtype), w_EOI.to(dtype)
     if use_grouped_mm and grouped_mm_applies(x_ND, w_EOI):
         offs = tokens_per_expert.cumsum(0).to(torch.int32)
         return _DenseGrad.apply(torch._grouped_mm(x_ND, w_EOI.transpose(1, 2), offs=offs))

@@ -61,7 +61,8 @@ class Router(nn.Module):
         cfg = self.cfg
         if self.training and cfg.jitter_eps > 0:  # Switch Transformer: multiplicative noise on the router input
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
-        logits = x_TD.float() @ self.weight.float().T  # [T, E] in fp32 whatever the model dtype
+        with torch.autocast(x_TD.device.type, enabled=False):  # [T, E] in fp32 whatever the model dtype
+            logits = x_TD.float() @ self.weight.float().T
         choice = sinkhorn(logits, cfg.sinkhorn_iters) if (cfg.sinkhorn and self.training) else None
         idx, weights = topk_gates(
             logits, k=cfg.top_k, score_func=cfg.score_func, softmax_before_topk=cfg.softmax_before_topk,
