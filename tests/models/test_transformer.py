@@ -125,7 +125,7 @@ def test_router_stays_fp32_and_experts_run_bf16_under_autocast():
     model = Transformer(cfg)
     moe = model.layers["0"].moe
     seen = {}
-    moe.experts.register_forward_hook(lambda m, i, o: seen.setdefault("experts", o.dtype))
+    moe.experts.register_forward_hook(lambda m, i, o: seen.update(experts=o.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         route = moe.router(torch.randn(6, cfg.dim), (1, 6))
         model(torch.randint(0, cfg.vocab_size, (1, 8)))
