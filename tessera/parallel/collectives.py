@@ -1,0 +1,124 @@
+"""Communication operators as small autograd functions.
+
+Each forward collective has the backward that is its transpose:
+
+- `copy_to_group`     identity / all-reduce     Megatron-LM's "f" (Shoeybi et al. 2019, section 3):
+                                                 one input feeds every rank's partial computation.
+- `reduce_from_group` all-reduce / identity     Megatron-LM's "g": partial results are summed.
+- `all_to_all_rows`   all-to-all / all-to-all   GShard's dispatch (Lepikhin et al. 2020): rows go
+                                                 to their owner; the gradient comes back the same way
+                                                 with the split sizes swapped.
+- `gather_rows`       all-gather / reduce-scatter along dim 0 (equal sizes on every rank).
+- `reduce_scatter_rows` reduce-scatter / all-gather along dim 0.
+
+All of them are the identity on a group of one rank and take `group=None` as that case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        output_splits, input_splits = ctx.splits
+        grad = g.new_empty((sum(input_splits),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(grad, g.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * _size(group),) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        n = _size(ctx.group)
+        grad = g.new_empty((g.shape[0] // n,) + tuple(g.shape[1:]))
+        dist.reduce_scatter_tensor(grad, g.contiguous(), group=ctx.group)
+        return grad, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = _size(group)
+        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = g.new_empty((g.shape[0] * _size(ctx.group),) + tuple(g.shape[1:]))
+        dist.all_gather_into_tensor(grad, g.contiguous(), group=ctx.group)
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward identity; backward sums the gradient over the group."""
+    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward sums over the group; backward passes the (replicated) gradient through."""
+    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: ProcessGroup | None) -> torch.Tensor:
+    """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven)."""
+    return x if _size(group) == 1 else _AllToAllRows.apply(x, output_splits, input_splits, group)
+
+
+def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order (every rank must hold the same number)."""
+    return x if _size(group) == 1 else _GatherRows.apply(x, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group, then keep this rank's equal block of rows."""
+    return x if _size(group) == 1 else _ReduceScatterRows.apply(x, group)

@@ -1,0 +1,196 @@
+"""The parallel layout as one named device mesh: `ParallelDims`.
+
+World = pp x dp_replicate x dp_shard x cp x tp, tp innermost (tensor parallelism stays inside a
+node), pp outermost. Experts fold onto the same ranks (MoE parallel folding, Megatron-Core):
+ep takes all of cp and the inner part of dp_shard, so dp_shard is itself split into
+dp_shard_mod_ep (outer, over which expert weights are data-parallel) x dp_shard_in_ep (inner).
+The mesh therefore has six base dimensions, each always present (size 1 when unused, so code can
+ask for any name):
+
+    pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp
+
+and these flattened ones:
+
+    dp_shard    = dp_shard_mod_ep x dp_shard_in_ep
+    dp          = dp_replicate x dp_shard         ranks that read different data
+    dp_shard_cp = dp_shard x cp                   FSDP's shard group (cp ranks hold the same weights)
+    dp_cp       = dp_replicate x dp_shard x cp    gradient reduction group of dense weights
+    ep          = dp_shard_in_ep x cp             ranks the experts are split over
+
+`validate` checks every size against the world and the model's shapes and needs no process
+group, so a bad layout is refused before any process allocates memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.config.errors import ParallelError
+from tessera.config.model import ModelConfig
+from tessera.config.parallel import ParallelConfig
+
+BASE_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+FLAT_DIMS: dict[str, tuple[str, ...]] = {
+    "dp_shard": ("dp_shard_mod_ep", "dp_shard_in_ep"),
+    "dp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"),
+    "dp_shard_cp": ("dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
+    "ep": ("dp_shard_in_ep", "cp"),
+}
+
+
+def _need_divides(dim: str, size: int, what: str, value: int) -> None:
+    if size > 1 and value % size != 0:
+        raise ParallelError(f"{dim}={size} does not divide {what}={value}; "
+                            f"choose a {dim} that divides {value}")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of every parallel dimension and, after `build_mesh`, the named DeviceMesh."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sp: bool = False
+    world_size: int = 1
+    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Sizes from a ParallelConfig, dp_shard=-1 filled from the world; refuses sizes whose
+        product is not the world."""
+        try:
+            dp_shard = cfg.resolved_dp_shard(world_size)
+        except ValueError as e:
+            raise ParallelError(str(e)) from e
+        dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp,
+                   ep=cfg.ep, sp=cfg.sp, world_size=world_size)
+        dims.check_world(world_size)
+        return dims
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def dp_shard_in_ep(self) -> int:
+        return self.ep // self.cp if self.ep % self.cp == 0 else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        return self.dp_shard // self.dp_shard_in_ep
+
+    def size(self, name: str) -> int:
+        """Ranks along a base or flattened dimension (1 for a dimension that is not used)."""
+        if name in BASE_DIMS:
+            return getattr(self, name)
+        if name in FLAT_DIMS:
+            return math.prod(getattr(self, d) for d in FLAT_DIMS[name])
+        known = ", ".join(BASE_DIMS + tuple(FLAT_DIMS))
+        raise ParallelError(f"unknown mesh dimension {name!r}; known: {known}")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many different slices of the global batch are read at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def check_world(self, world_size: int) -> None:
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ParallelError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if product != world_size:
+            raise ParallelError(
+                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"cp={self.cp} x tp={self.tp} = {product} ranks, but the world has {world_size}")
+
+    # ---- validation against the model (no process group needed) ------------------------
+    def validate(self, model_cfg: ModelConfig, world_size: int | None = None, seq_len: int | None = None,
+                 vpp: int = 1) -> None:
+        """Refuse, with the dimension and both numbers, any size that the world or the model's
+        shapes (heads, KV heads, experts, layers, vocabulary, FFN dims, sequence) cannot take."""
+        self.check_world(self.world_size if world_size is None else world_size)
+        m = model_cfg
+        if self.sp and self.tp == 1:
+            raise ParallelError("sp=true needs tp > 1: sequence parallelism splits the tensor-parallel group")
+        if self.tp > 1:
+            _need_divides("tp", self.tp, "model.n_heads", m.n_heads)
+            if m.mla is None:
+                _need_divides("tp", self.tp, "model.n_kv_heads", m.n_kv_heads)
+            _need_divides("tp", self.tp, "model.vocab_size", m.vocab_size)
+            if any(not m.is_moe_layer(i) for i in range(m.n_layers)):
+                _need_divides("tp", self.tp, "model.ffn_dim", m.ffn_dim)
+            if m.moe is not None:
+                _need_divides("tp", self.tp, "model.moe.ffn_dim", m.moe.ffn_dim)
+                if m.moe.shared_ffn_dim > 0:
+                    _need_divides("tp", self.tp, "model.moe.shared_ffn_dim", m.moe.shared_ffn_dim)
+            if m.tie_embeddings:
+                raise ParallelError(f"tp={self.tp} with model.tie_embeddings=true is not supported: the "
+                                    "vocabulary-parallel head needs its own weight; use tp=1 or untie")
+            if m.mla is not None:
+                raise ParallelError(f"tp={self.tp} with multi-head latent attention (model.mla) is not "
+                                    "supported yet; use tp=1 for MLA models")
+            if self.sp and seq_len is not None:
+                _need_divides("tp", self.tp, "sequence length (sp=true splits it)", seq_len)
+        if self.ep > 1:
+            if m.moe is None:
+                raise ParallelError(f"ep={self.ep} needs an MoE model, but model.moe is not set")
+            _need_divides("ep", self.ep, "model.moe.num_experts", m.moe.num_experts)
+            _need_divides("ep", self.ep, "dp_shard x cp", self.dp_shard * self.cp)
+            if self.ep % self.cp != 0:
+                raise ParallelError(f"ep={self.ep} must be a multiple of cp={self.cp}: experts fold over "
+                                    "all of cp and part of dp_shard")
+        if self.cp > 1:
+            raise ParallelError(f"cp={self.cp} is not supported yet (context-parallel attention is not "
+                                "implemented); use cp=1")
+        if self.pp > 1 and m.tie_embeddings:
+            raise ParallelError(f"pp={self.pp} with model.tie_embeddings=true is not supported: the first "
+                                "and last stages would share the embedding; use pp=1 or untie")
+        stages = self.pp * vpp
+        if stages > m.n_layers:
+            raise ParallelError(f"pp x vpp = {self.pp} x {vpp} = {stages} pipeline stages is more than "
+                                f"model.n_layers={m.n_layers}; every stage needs at least one layer")
+
+    # ---- the mesh ------------------------------------------------------------------------
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """Create the named mesh (the default process group must exist) and its flattened dims."""
+        shape = tuple(getattr(self, d) if d in ("pp", "dp_replicate", "cp", "tp") else
+                      (self.dp_shard_mod_ep if d == "dp_shard_mod_ep" else self.dp_shard_in_ep)
+                      for d in BASE_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=BASE_DIMS)
+        self.flat_meshes = {flat: mesh[parts]._flatten(flat) for flat, parts in FLAT_DIMS.items()}
+        self.mesh = mesh
+        return mesh
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh of one name ("tp", "dp", "ep", ...) or of several (outer to inner)."""
+        if self.mesh is None:
+            raise ParallelError("the device mesh is not built yet: call ParallelDims.build_mesh() first")
+        names = (names,) if isinstance(names, str) else tuple(names)
+        for n in names:
+            self.size(n)  # refuses unknown names
+        if all(n in BASE_DIMS for n in names):
+            return self.mesh[names]
+        if len(names) == 1:
+            return self.flat_meshes[names[0]]
+        parts = [self.flat_meshes[n] if n in FLAT_DIMS else self.mesh[n] for n in names]
+        return DeviceMesh._concatenate(parts)
+
+    def local_rank(self, name: str) -> int:
+        """This rank's coordinate along a (base or flattened) dimension."""
+        return self[name].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of the global batch this rank reads (equal across its tp, cp and pp peers)."""
+        return self.local_rank("dp")
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's coordinate along every base dimension."""
+        coords = self[BASE_DIMS].get_coordinate()
+        return dict(zip(BASE_DIMS, coords))

@@ -1,0 +1,112 @@
+"""Expert parallelism (EP) and expert tensor parallelism: split the experts' weights, swap in a
+communicating dispatcher, and make the router's balancing statistics micro-batch-wide.
+
+How the expert weights [E, F, D] (w1, w3) and [E, D, F] (w2) are split:
+
+    ep > 1: experts over the `ep` mesh dim (Shard(0)): rank r owns experts [r E/ep, (r+1) E/ep).
+    tp > 1: every expert's hidden dim F over `tp` (w1/w3 Shard(1), w2 Shard(2)): the column- /
+            row-parallel split of a dense MLP, applied inside each expert (expert TP = TP).
+    both:   placements (Shard(0), Shard(1 or 2)) on the (ep, tp) mesh.
+
+The weights stay DTensors (global shapes and names unchanged, so checkpoints reload under any
+layout); `ShardedGroupedExperts` computes on their local shards. Expert weights are data-parallel
+over the ranks that ep does not use (dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards
+them there.
+
+Router statistics: the balancing losses need the routing counts of the whole micro-batch.
+Under tensor/sequence parallelism every tp rank routes all the micro-batch's tokens (the MoE
+block gathers the sequence first), and under expert/data parallelism each rank routes its own
+micro-batch, so no reduction is needed; the ranks that hold different tokens of one micro-batch
+are the `cp` ranks, and `MicroBatchCountReducer` sums counts over them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tessera.config.errors import ParallelError
+from tessera.models.moe.experts import GroupedExperts, grouped_linear
+from tessera.models.moe.layer import MoE
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.expert_dispatch import AllGatherDispatcher, AllToAllDispatcher
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class ShardedGroupedExperts(GroupedExperts):
+    """GroupedExperts whose weights are DTensors: runs the same SwiGLU on the local shards
+    (this rank's experts, this rank's slice of F). Parameter names are unchanged."""
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        g = self.use_grouped_mm
+        gate = F.silu(grouped_linear(x_ND, w1, tokens_per_expert, g))
+        h = gate * grouped_linear(x_ND, w3, tokens_per_expert, g)
+        return grouped_linear(h, w2, tokens_per_expert, g)
+
+
+class MicroBatchCountReducer:
+    """The router's `reduce_counts` when one micro-batch's tokens are spread over `group`: sums
+    the per-expert routing counts and the token count over it, so every rank's balancing loss
+    uses micro-batch-wide f_i and T (Switch eq. 4) while P_i stays its own tokens' share; the
+    ranks' losses then add up to the micro-batch's loss."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def __call__(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
+        tokens = counts_E.new_tensor([num_tokens], dtype=torch.int64)
+        both = torch.cat([counts_E.detach().to(torch.int64), tokens])
+        dist.all_reduce(both, group=self.group)
+        return both[:-1].to(counts_E.dtype), int(both[-1].item())
+
+
+def expert_mesh_names(dims: ParallelDims) -> tuple[str, ...]:
+    """Mesh dims the expert weights are split over (empty: not split)."""
+    return tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1)
+
+
+def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
+    """Replace the full expert weights (identical on every rank) by DTensors holding this rank's
+    shard; no communication (each rank cuts its own piece)."""
+    names = expert_mesh_names(dims)
+    if not names:
+        return
+    mesh = dims[names]
+    for pname, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+        placements = [Shard(0) if n == "ep" else Shard(hidden_dim) for n in names]
+        full = getattr(experts, pname)
+        sharded = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
+        experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=full.requires_grad))
+    experts.__class__ = ShardedGroupedExperts
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str = "alltoall") -> None:
+    """Split every MoE layer's experts over ep (and their hidden dim over tp) and install the
+    communicating dispatcher; with cp > 1, make router counts micro-batch-wide."""
+    if dispatcher not in DISPATCHERS:
+        raise ParallelError(f"expert dispatcher {dispatcher!r} is invalid: one of {', '.join(DISPATCHERS)}")
+    ep_group = dims["ep"].get_group() if dims.ep > 1 else None
+    tp_group = dims["tp"].get_group() if dims.tp > 1 else None
+    cp_group = dims["cp"].get_group() if dims.cp > 1 else None
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        cfg = module.cfg
+        if ep_group is not None or tp_group is not None:
+            shard_expert_weights(module.experts, dims)
+            if dispatcher == "allgather":
+                if cfg.pad_to_capacity:
+                    raise ParallelError("moe.pad_to_capacity=true needs the alltoall expert dispatcher, "
+                                        "not allgather")
+                module.dispatcher = AllGatherDispatcher(cfg.num_experts, ep_group, tp_group)
+            else:
+                module.dispatcher = AllToAllDispatcher(cfg.num_experts, ep_group, tp_group,
+                                                       cfg.pad_to_capacity)
+        if cp_group is not None:
+            module.router.reduce_counts = MicroBatchCountReducer(cp_group)

@@ -1,0 +1,52 @@
+"""`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
+order (DESIGN.md): tensor/sequence parallel, expert parallel, (context parallel), activation
+checkpointing, data parallel. Pipeline splitting, when used, happens before, on each stage.
+
+Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
+initialises every tensor from (seed, its name), so all ranks hold the same weights), then call
+`parallelize`, which keeps on each rank only its shards, without communication. The result is
+the same model under every layout.
+
+    dims = ParallelDims.from_config(run.parallel, world_size)
+    dims.validate(run.model, world_size, seq_len)       # before allocating anything
+    dims.build_mesh("cuda" or "cpu")
+    model = parallelize(Transformer(run.model, init_seed=seed), dims, run.parallel)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.config.errors import ParallelError
+from tessera.config.parallel import ParallelConfig
+from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.expert_parallel import apply_expert_parallel
+from tessera.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
+                param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                expert_dispatcher: str = "alltoall", device_type: str = "cpu") -> nn.Module:
+    """Apply TP/SP, EP, activation checkpointing and FSDP to `model` in place and return it.
+
+    `param_dtype` is the compute dtype of the weights under FSDP mixed precision (bf16 on GPUs;
+    the fp32 shards stay the master copy), `reduce_dtype` that of gradient reduction.
+    `expert_dispatcher` is "alltoall" or "allgather" (expert_dispatch.py).
+    """
+    if dims.pp > 1 and getattr(model, "pipeline_stage", None) is None:
+        raise ParallelError(f"pp={dims.pp}: split the model into stages first (tessera.parallel.pipeline), "
+                            "then parallelize each stage")
+    dims.validate(model.cfg, dims.world_size, vpp=cfg.vpp)
+    if dims.mesh is None:
+        dims.build_mesh(device_type)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims["tp"], dims.sp)
+    if getattr(model.cfg, "moe", None) is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
+        apply_expert_parallel(model, dims, expert_dispatcher)
+    apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
+    if needs_data_parallel(dims, param_dtype):
+        apply_data_parallel(model, dims, cfg.zero_stage, param_dtype, reduce_dtype)
+    return model

@@ -1,0 +1,183 @@
+"""Pipeline parallelism: cut the model into stages of consecutive layers and run a schedule
+(torch.distributed.pipelining) over micro-batches.
+
+Stages. With pp ranks and vpp virtual stages per rank there are S = pp x vpp stages; stage s
+holds a contiguous run of layers (`stage_layer_ids`, earlier stages take the remainder) and rank
+r holds stages r, r + pp, r + 2 pp, ... (the looped placement of interleaved 1F1B, Narayanan et
+al. 2021). A stage is the Transformer with the layers it does not own deleted (names of the rest
+unchanged: `layers` is keyed by layer index), `tok_embeddings` only on stage 0 and `norm` /
+`output` only on stage S-1; a stage without the head passes its hidden states on.
+
+Schedules: "gpipe" (Huang et al. 2019: all forwards, then all backwards), "1f1b" (PipeDream-
+Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-down),
+"interleaved_1f1b" (vpp > 1 stages per rank shrink the bubble by vpp), "zero_bubble" (Qi et al.
+2023: backward split into input- and weight-gradient passes that fill the bubble).
+
+Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
+the global batch; MoE auxiliary losses of every stage enter backward with weight 1/M (M = micro-
+batches of the global batch, over all data-parallel ranks) by riding on the stage's output
+(`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler). Gradients are not rescaled by the
+schedule (`scale_grads=False`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from tessera.config.errors import ParallelError
+from tessera.config.parallel import ParallelConfig
+from tessera.parallel.dims import ParallelDims
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+def stage_layer_ids(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Consecutive layer ids of every stage; the first n_layers % num_stages stages get one more."""
+    if not 1 <= num_stages <= n_layers:
+        raise ParallelError(f"{num_stages} pipeline stages cannot split model.n_layers={n_layers}: "
+                            "every stage needs at least one layer")
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stages_of_rank(pp_rank: int, pp: int, vpp: int) -> list[int]:
+    return [pp_rank + v * pp for v in range(vpp)]
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Forward: h unchanged. Backward: h's gradient, and gradient 1 for the (pre-scaled)
+    auxiliary loss, so it is minimised although it is not part of the pipeline's output."""
+
+    @staticmethod
+    def forward(ctx, h, aux):
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=g.device)
+
+
+def _pass_hidden_states(h_BSD: torch.Tensor) -> torch.Tensor:
+    return h_BSD
+
+
+def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float) -> nn.Module:
+    """Turn `model` (in place) into pipeline stage `stage`: keep its layers, drop the rest, and
+    make its forward return one tensor (hidden states, or logits on the last stage)."""
+    owned = stage_layer_ids(len(model.layers), num_stages)[stage]
+    for key in list(model.layers.keys()):
+        if int(key) not in owned:
+            del model.layers[key]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != num_stages - 1:
+        model.norm = None
+        model.output = None
+        model.lm_head = _pass_hidden_states  # no head here: hidden states go to the next stage
+
+    def stage_output(module, args, out):
+        aux = out.aux_loss * aux_scale
+        return AttachAuxLoss.apply(out.logits, aux) if aux.requires_grad else out.logits
+
+    model.register_forward_hook(stage_output)
+    model.pipeline_stage = (stage, num_stages)
+    return model
+
+
+@dataclass
+class PipelineRun:
+    """What `build_pipeline` returns: this rank's stage modules (to optimise and checkpoint) and
+    the schedule that runs one step."""
+
+    schedule: object
+    modules: list[nn.Module]
+    stage_ids: list[int]
+    num_stages: int
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward of this rank's part of the batch (cut into micro-batches by the
+        schedule); returns the last stage's per-micro-batch losses (empty elsewhere)."""
+        losses: list[torch.Tensor] = []
+        if self.has_first_stage and self.has_last_stage:
+            self.schedule.step(inputs, target=targets, losses=losses)
+        elif self.has_first_stage:
+            self.schedule.step(inputs)
+        elif self.has_last_stage:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        return losses
+
+
+def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], aux_scale: float,
+                   parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+                   device: torch.device | str = "cpu") -> PipelineRun:
+    """Split the full `model` into this rank's stages, parallelize each (TP/EP/AC/FSDP through
+    `parallelize_stage`, e.g. `lambda m: parallelize(m, dims, cfg)`), and build the schedule.
+
+    `loss_fn(logits, targets)` is one micro-batch's loss (token-loss sum / global loss tokens);
+    `aux_scale` the weight of a micro-batch's MoE auxiliary loss (1 / micro-batches of the global
+    batch)."""
+    if cfg.pp_schedule not in SCHEDULES:
+        raise ParallelError(f"pp_schedule={cfg.pp_schedule!r} is invalid: one of {', '.join(SCHEDULES)}")
+    if cfg.vpp > 1 and cfg.pp_schedule not in MULTI_STAGE:
+        raise ParallelError(f"vpp={cfg.vpp} needs a multi-stage schedule ({', '.join(MULTI_STAGE)}), "
+                            f"not {cfg.pp_schedule}")
+    if microbatches < dims.pp and cfg.pp_schedule != "gpipe":
+        raise ParallelError(f"microbatches={microbatches} is fewer than pp={dims.pp}: the {cfg.pp_schedule} "
+                            "schedule needs at least one micro-batch per stage")
+    dims.validate(model.cfg, dims.world_size, vpp=cfg.vpp)
+    if dims.mesh is None:
+        dims.build_mesh(str(device).split(":")[0])
+    num_stages = dims.pp * cfg.vpp
+    stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, cfg.vpp)
+    group = dims["pp"].get_group()
+    modules, stages = [], []
+    for i, s in enumerate(stage_ids):
+        m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale)
+        if parallelize_stage is not None:
+            m = parallelize_stage(m)
+        modules.append(m)
+        stages.append(PipelineStage(m, s, num_stages, torch.device(device), group=group))
+    cls = SCHEDULES[cfg.pp_schedule]
+    stage_arg = stages if cfg.pp_schedule in MULTI_STAGE else stages[0]
+    schedule = cls(stage_arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return PipelineRun(schedule, modules, stage_ids, num_stages)

@@ -1,0 +1,100 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models") as a plan: a dict from
+submodule name to a DTensor parallel style, so one glance shows how a block is cut.
+
+    attention.wq / wk / wv      colwise   heads split over tp (each rank: H/tp query, G/tp kv heads)
+    attention.wo                rowwise   partial sums reduced (all-reduce, or reduce-scatter under sp)
+    feed_forward.w1 / w3        colwise   SwiGLU hidden dim split
+    feed_forward.w2             rowwise
+    moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
+    tok_embeddings              rowwise on the vocabulary (vocab-parallel embedding)
+    output                      colwise on the vocabulary; logits stay a DTensor sharded on V, and
+                                `vocab_parallel_loss.token_loss_sum` never gathers them
+    *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
+
+Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and
+MoE gather the sequence on entry and reduce-scatter on exit. Without sp it is a replicated
+[B, S, D] tensor. Every rank keeps the full sequence for RoPE (positions are global).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
+    """Under sp: the first input arrives sharded on the sequence; the module wants it whole."""
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest,
+                              use_local_output=True)
+
+
+def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
+    stream = Shard(1) if sp else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+    }
+    if getattr(block.attention, "q_norm", None) is not None:
+        # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
+        # dim as sharded makes DTensor sum their gradient over tp.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sp:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+        plan["attention"] = _gather_sequence_on_entry(4)  # (x, cos, sin, cache)
+    if hasattr(block, "moe"):
+        if sp:
+            # The MoE block routes the whole micro-batch on every tp rank; its output (replicated)
+            # is cut back to this rank's sequence slice, and (y, router output) is a tuple.
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
+                use_local_output=True)
+        if block.moe.shared_experts is not None:
+            plan["moe.shared_experts.w1"] = ColwiseParallel()
+            plan["moe.shared_experts.w3"] = ColwiseParallel()
+            plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+    else:
+        if sp:
+            plan["feed_forward"] = _gather_sequence_on_entry(1)
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w3"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
+    return plan
+
+
+def model_plan(sp: bool) -> dict[str, ParallelStyle]:
+    """Embedding, final norm and head (names relative to the Transformer)."""
+    stream = Shard(1) if sp else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Apply the plans in place. Weights must already be identical on every tp rank (initialised
+    from one seed): each rank keeps its own slice without communication."""
+    top = {k: v for k, v in model_plan(sp).items() if getattr(model, k, None) is not None}
+    parallelize_module(model, tp_mesh, top, src_data_rank=None)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)

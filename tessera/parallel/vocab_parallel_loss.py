@@ -1,0 +1,97 @@
+"""Cross-entropy on vocabulary-sharded logits, without ever materialising full-vocabulary logits
+on one rank (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al. 2019, section 3).
+
+Rank r holds logits z[:, v] for v in its slice [r V/tp, (r+1) V/tp). Per token:
+
+    m   = max_v z_v                    (all-reduce MAX of the local maxima)
+    s   = sum_v exp(z_v - m)           (all-reduce SUM)
+    z_y = the target's logit           (all-reduce SUM; only the owning rank contributes)
+    CE  = log s - (z_y - m)
+    dCE/dz_v = softmax_v - [v == y]    (computed on the local slice only)
+
+`token_loss_sum` is the one entry point the trainer needs: it takes the model's logits whether
+they are a plain tensor (no tensor parallelism) or a DTensor sharded on the vocabulary, and
+returns the sum of the token losses over the loss mask in fp32 (the numerator of the numerics
+contract in DESIGN.md; divide by the global number of loss tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from tessera.config.errors import ParallelError
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, targets_N, vocab_start, group):
+        logits_NV = logits_NV.float()
+        V_local = logits_NV.shape[-1]
+        m = logits_NV.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits_NV - m[:, None]
+        exp = shifted.exp()
+        s = exp.sum(dim=-1)
+        dist.all_reduce(s, group=group)
+        local_t = targets_N - vocab_start
+        here = (local_t >= 0) & (local_t < V_local)
+        local_t = torch.where(here, local_t, torch.zeros_like(local_t))
+        target_logit = shifted.gather(1, local_t[:, None]).squeeze(1) * here
+        dist.all_reduce(target_logit, group=group)
+        valid = targets_N != IGNORE_INDEX
+        loss = (s.log() - target_logit) * valid
+        ctx.save_for_backward(exp / s[:, None], local_t, here & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.nonzero(hit).squeeze(1)
+        grad[rows, local_t[rows]] -= 1.0
+        grad *= (grad_N * valid)[:, None]
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_start: int,
+                                 group: ProcessGroup) -> torch.Tensor:
+    """Per-token cross-entropy [N] from this rank's vocabulary slice (0 where target == -100)."""
+    return _VocabParallelCrossEntropy.apply(logits_NV, targets_N, vocab_start, group)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
+                   ) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the loss tokens, fp32.
+
+    logits [B, S, V]: a tensor, or a DTensor sharded on V over a one-dimensional tensor-parallel
+    mesh (what `parallelize` makes of the LM head); targets [B, S] ids; loss_mask [B, S], 1 = counts.
+    """
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
+    targets_N = targets.reshape(-1)
+    if not isinstance(logits, DTensor):
+        V = logits.shape[-1]
+        return F.cross_entropy(logits.float().reshape(-1, V), targets_N, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    placements = logits.placements
+    if logits.device_mesh.ndim != 1 or not (placements[0].is_shard() and
+                                             placements[0].dim in (-1, logits.ndim - 1)):
+        raise ParallelError(f"token_loss_sum expects logits sharded on the vocabulary over one mesh dim, got "
+                            f"placements {placements} on a {logits.device_mesh.ndim}-D mesh")
+    mesh = logits.device_mesh
+    V = logits.shape[-1]
+    V_local = V // mesh.size()
+    local = logits.to_local()
+    vocab_start = mesh.get_local_rank() * V_local
+    if local.shape[-1] != V_local:
+        raise ParallelError(f"vocabulary {V} is not evenly split over tp={mesh.size()}")
+    per_token = vocab_parallel_cross_entropy(local.reshape(-1, V_local), targets_N, vocab_start,
+                                             mesh.get_group())
+    return per_token.sum()
+
