@@ -19,8 +19,9 @@ Conventions (what "activation bytes" means here):
 - Three precisions (`ACTIVATION_DTYPES`): fp32; bf16 (weights and activations bf16, as FSDP2's
   mixed precision runs a model); autocast-bf16 (fp32 weights under torch.autocast, the trainer's
   `train.dtype: bf16`: the residual stream stays fp32, every linear saves its own bf16 copy of an
-  fp32 input, and ops autocast does not cover, such as `torch._grouped_mm`, run in the dtype
-  they are given).
+  fp32 input, the routed experts cast their rows and weights to bf16 as a linear would (so their
+  GEMMs run, save and return bf16, and the combine works on bf16 outputs), and the router runs
+  with autocast off: fp32 logits from its fp32 input, with no bf16 copy).
 - Sizes are per token of the micro-batch on one process; `split` says how tensor parallelism
   divides them: "tp" (cut by heads, FFN columns or vocabulary), "seq" (cut only under sequence
   parallelism: the norm/residual region), "rep" (whole on every tp rank: MLA latents, routed
@@ -212,16 +213,13 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
     if e.jitter_eps > 0:
         s.new("moe.jitter_noise", h, x.itemsize, x.split)
         xr = _Tensor("moe.x_jittered", h, x.itemsize, x.split)
-    # Router: fp32 logits from x.float() @ W.float().T (autocast still runs the matmul in bf16).
-    xf = xr if xr.itemsize == 4 else _Tensor("moe.router.x_fp32", h, 4, x.split)
-    _linear_input(s, xf, h, "moe.router", dt)
-    logits = _Tensor("moe.router.logits", E, 2 if dt.autocast else 4, "seq")
+    # Router: fp32 logits from x.float() @ W.float().T with autocast off, so the matmul keeps the
+    # fp32 input (x itself when x is fp32, else its fp32 copy) and no bf16 copy is made.
+    s.keep(xr if xr.itemsize == 4 else _Tensor("moe.router.x_fp32", h, 4, x.split))
+    logits = _Tensor("moe.router.logits", E, 4, "seq")
     if e.score_func == "softmax" and not e.softmax_before_topk:
         _topk_indices(s, cfg)
-        if logits.itemsize == 4:  # gather(logits.float(), idx) keeps its input
-            s.keep(logits)
-        else:
-            s.new("moe.router.logits_fp32_gather", E, 4, "seq")
+        s.keep(logits)  # gather(logits.float(), idx) keeps its input
         s.new("moe.router.topk_softmax", k, 4, "seq")
     else:
         s.new("moe.router.scores", E, 4, "seq")
@@ -238,32 +236,31 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
         if e.seq_aux_loss_coef > 0:
             s.new("moe.balance.seq_f", 0, 4, "rep", fixed=batch * E)
     if e.z_loss_coef > 0:
-        if logits.itemsize == 4:
-            s.keep(logits)
-        else:
-            s.new("moe.router.logits_fp32", E, 4, "seq")
+        s.keep(logits)  # logsumexp(logits.float()) keeps its input
         s.new("moe.z_loss.logsumexp", 1, 4, "seq")
-    # Dispatch: a gather of x by token index (then a copy into the padded buffer when padding);
-    # the experts are grouped GEMMs in x's dtype (autocast does not cover them).
+    # Dispatch: a gather of x by token index (then a copy into the padded buffer when padding).
+    # The experts' grouped GEMMs (or their loop fallback) cast their input and weights to the
+    # autocast dtype as nn.Linear would, so they keep what a linear layer keeps (`_linear_input`:
+    # under autocast, w1 and w3 each their own bf16 copy of the fp32 rows) and compute in
+    # dt.compute; `_grouped_mm` applies when the rows are 16-byte aligned in that dtype.
     kept, rows = _routed_rows(cfg, tokens)
     s.new("moe.dispatch.token_index", kept, 8, "rep")
     gathered = _Tensor("moe.dispatch.rows", kept * h, x.itemsize, "rep")
     if e.capacity_factor is not None and e.pad_to_capacity:
         s.new("moe.dispatch.padded_row", kept, 8, "rep")
-        s.keep(gathered)
+        s.keep(gathered)  # index_copy into the padded buffer keeps its source
         gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep")
-    s.keep(gathered)
-    grouped = e.grouped_gemm and (h * x.itemsize) % 16 == 0 and (e.ffn_dim * x.itemsize) % 16 == 0
+    grouped = e.grouped_gemm and (h * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
     if grouped:
         for name in ("w1", "w3", "w2"):
             s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=E)
-    plain = ActivationDtype("plain", x.itemsize, x.itemsize, x.itemsize, False)
-    _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, x.itemsize, plain)
-    # Combine: y.float() * gate (keeps both), cast back, index_add (keeps its source).
+    _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, dt.compute, dt)
+    # Combine, on the experts' output y (dt.compute): y.float() * gate (keeps both; y.float() is y
+    # itself when y is fp32), cast back to y's dtype, index_add (keeps its source).
     s.new("moe.combine.slot_index", kept, 8, "rep")
     s.new("moe.combine.y_fp32", kept * h, 4, "rep")
     s.new("moe.combine.gate", kept, 4, "rep")
-    s.new("moe.combine.weighted", kept * h, x.itemsize, "rep")
+    s.new("moe.combine.weighted", kept * h, dt.compute, "rep")
     if e.shared_ffn_dim > 0:
         _swiglu(s, "moe.shared", x, 1, h, e.shared_ffn_dim, dt.compute, dt)
         if e.shared_expert_gate:
