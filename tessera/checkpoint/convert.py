@@ -1,0 +1,103 @@
+"""Models from checkpoints, and conversion between HuggingFace directories and Tessera checkpoints.
+
+A Tessera checkpoint (`tessera.checkpoint.dcp`) keeps the run configuration in its meta.json, so
+a model can be rebuilt from the checkpoint alone. A HuggingFace directory has a config.json and
+safetensors (`tessera.checkpoint.hf`). `load_model` takes either, and `convert` writes one as
+the other: HF -> a checkpoint root holding `step_00000000/` (model weights only), Tessera -> HF.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.checkpoint import dcp as ckpt
+from tessera.config.errors import CheckpointError
+from tessera.config.model import ModelConfig
+from tessera.config.schema import RunConfig, config_from_dict
+from tessera.models import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def checkpoint_run_config(path: str | os.PathLike) -> RunConfig:
+    """The run configuration a Tessera checkpoint was saved with."""
+    meta = ckpt.read_meta(path)
+    if "config" not in meta:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no run configuration in its meta.json")
+    return config_from_dict(meta["config"])
+
+
+def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
+    """Copy the model weights of Tessera checkpoint `path` into `model` (keys and shapes must match)."""
+    state = model.state_dict()
+    ckpt.check_compatible(path, "model", {k: tuple(v.shape) for k, v in state.items()})
+    wrapped = {"model": state}
+    ckpt.load_checkpoint(path, wrapped)
+    model.load_state_dict(wrapped["model"])
+
+
+def load_tessera_model(path: str | os.PathLike, device: str | torch.device = "cpu"
+                       ) -> tuple[Transformer, RunConfig]:
+    """The model of a run directory / checkpoint root / checkpoint, in fp32, and its run config."""
+    found = ckpt.resolve_checkpoint(path)
+    cfg = checkpoint_run_config(found)
+    model = Transformer(cfg.model, init_seed=None)
+    load_model_weights(found, model)
+    return model.to(device), cfg
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
+               ) -> tuple[Transformer, RunConfig | None]:
+    """A model from a HuggingFace directory (run config None) or a Tessera checkpoint."""
+    if is_hf_directory(path):
+        from tessera.checkpoint.hf import load_pretrained
+
+        return load_pretrained(path, dtype=torch.float32, device=device), None
+    return load_tessera_model(path, device)
+
+
+def save_model_checkpoint(model: Transformer, root: str | os.PathLike, cfg: RunConfig | None = None,
+                          step: int = 0) -> Path:
+    """Write `model`'s weights as a Tessera checkpoint `root/step_N` (no optimizer state)."""
+    if cfg is None:  # a run config that validates: defaults, with a sequence length the model takes
+        cfg = RunConfig(model=model.cfg, run_dir=str(root))
+        cfg.train.seq_len = min(cfg.train.seq_len, model.cfg.max_seq_len)
+    state = {"model": {k: v.detach() for k, v in model.state_dict().items()}}
+    return ckpt.save_checkpoint(root, step, state, {"config": cfg.to_dict()}, keep_last=1)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32") -> tuple[str, Path]:
+    """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
+
+    Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
+    """
+    if Path(src).resolve() == Path(dst).resolve():
+        raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    if is_hf_directory(src):
+        from tessera.checkpoint.hf import load_pretrained
+
+        model = load_pretrained(src, dtype=DTYPES[dtype])
+        return "tessera", save_model_checkpoint(model, dst)
+    from tessera.checkpoint.hf import save_pretrained
+
+    model, _ = load_tessera_model(src)
+    save_pretrained(model.to(DTYPES[dtype]), dst)
+    return "huggingface", Path(dst)
+
+
+def model_config_of(path: str | os.PathLike) -> ModelConfig:
+    """The model shape stored in a HuggingFace directory or a Tessera checkpoint, without weights."""
+    if is_hf_directory(path):
+        from tessera.checkpoint.hf import read_hf_config
+
+        return read_hf_config(path)
+    return checkpoint_run_config(ckpt.resolve_checkpoint(path)).model

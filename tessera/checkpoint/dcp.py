@@ -1,0 +1,222 @@
+"""Crash-safe distributed checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Layout of a run's checkpoint directory:
+
+    checkpoints/
+      step_00000200/     DCP files (.metadata, __*.distcp) + meta.json (written last)
+      step_00000300/
+      latest             text file: the name of the newest complete checkpoint
+
+DCP stores every tensor by its fully qualified name with its global shape, so a later run can
+load it under another parallel layout (sharded or not). It also runs in a single process
+without `init_process_group` (it then plans and writes as rank 0 alone).
+
+A save goes to `.tmp-step_N-PID/`, gets `meta.json`, is renamed to `step_N/`, and only then is
+`latest` replaced (`os.replace`, atomic). A crash at any point leaves the previous checkpoint and
+pointer intact; leftovers of an interrupted save are removed by `remove_partial_saves`. Old
+checkpoints beyond `keep_last` are deleted after the pointer moved.
+
+Test hook: if the environment variable TESSERA_TEST_PAUSE_IN_SAVE is "STEP:SECONDS", the save
+of step STEP prints `tessera-test-hook: paused in save` to stderr and sleeps SECONDS after the
+DCP files are in the temporary directory and before it is completed, so a test can kill the
+process in the middle of a save deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from tessera.config.errors import CheckpointError
+
+LATEST = "latest"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+PAUSE_HOOK_ENV = "TESSERA_TEST_PAUSE_IN_SAVE"
+
+_SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled, unavailable or uninitialized.*"
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns that it runs as one process when no process group exists; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose save finished: DCP metadata and meta.json are both there."""
+    return (path / DCP_METADATA).is_file() and (path / META).is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root` as (step, path), oldest first."""
+    root = Path(root)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and is_complete(p):
+                out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named.name and is_complete(named):
+            return named
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory from a checkpoint, a `checkpoints/` root or a run directory."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    for root in (p, p / "checkpoints"):
+        found = find_latest(root)
+        if found is not None:
+            return found
+    raise CheckpointError(f"no complete checkpoint at {str(p)!r} (looked for {META} and {DCP_METADATA} in "
+                          f"it, in its step_* directories and in {str(p / 'checkpoints')!r})")
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON written next to the DCP files (step, model config, format)."""
+    return json.loads((Path(path) / META).read_text())
+
+
+def remove_partial_saves(root: str | os.PathLike) -> list[Path]:
+    """Delete temporary directories left by interrupted saves; returns what was removed.
+
+    A complete checkpoint moved aside to be replaced by a new save of the same step (`.old-*`)
+    goes back into place if the crash came before the new one took its name.
+    """
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.name.startswith(".old-"):
+                original = root / p.name[len(".old-"):].rsplit("-", 1)[0]
+                if not original.exists() and is_complete(p):
+                    os.rename(p, original)
+                    continue
+            if p.name.startswith(".tmp-") or p.name.startswith(".old-"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pause_hook(step: int) -> None:
+    spec = os.environ.get(PAUSE_HOOK_ENV)
+    if spec:
+        at, _, seconds = spec.partition(":")
+        if int(at) == step:
+            print(f"tessera-test-hook: paused in save of step {step}", file=sys.stderr, flush=True)
+            time.sleep(float(seconds or 3600))
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
+                    keep_last: int) -> Path:
+    """Save `state` (a DCP state dict: tensors and picklable objects) as checkpoint `step`.
+
+    Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(tmp))
+    _pause_hook(step)
+    _write_durably(tmp / META, json.dumps({"step": step, "format": 1, **meta}, indent=1))
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # the same step saved again (e.g. a signal right after a periodic save)
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / f".tmp-{LATEST}-{os.getpid()}"
+    _write_durably(pointer_tmp, final.name + "\n")
+    os.replace(pointer_tmp, root / LATEST)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for _, p in list_checkpoints(root)[:-keep_last]:
+        if p != final:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
+    """Every stored key with its global shape (None for non-tensor objects), from DCP metadata."""
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a damaged or foreign directory: say which file, not DCP's internals
+        raise CheckpointError(f"cannot read checkpoint metadata in {str(path)!r}: {e}") from e
+    return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.state_dict_metadata.items()}
+
+
+def check_compatible(path: str | os.PathLike, prefix: str, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise CheckpointError naming the first key of `expected` (under `prefix.`) that the
+    checkpoint lacks or stores with another shape, or the first stored key `expected` lacks."""
+    stored = checkpoint_tensor_shapes(path)
+    here = {k[len(prefix) + 1:]: v for k, v in stored.items() if k.startswith(prefix + ".")}
+    for key, shape in expected.items():
+        if key not in here:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: it has no {key!r}")
+        if here[key] is not None and tuple(here[key]) != tuple(shape):
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {key!r} has shape "
+                                  f"{list(here[key])} there but {list(shape)} in the model")
+    extra = sorted(set(here) - set(expected))
+    if extra:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: it has {extra[0]!r}, "
+                              f"which the model lacks ({len(extra)} such keys)")
+
+
+def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced)."""
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        msg = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {msg}") from e

@@ -1,0 +1,224 @@
+"""The `tessera` command: parse arguments, then call one layer's public function.
+
+    tessera train CONFIG [--set key=value ...] [--resume]
+    tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
+    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
+    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint)
+
+A subcommand is a `Command(name, help, add_arguments, run)` in COMMANDS; adding one is a function
+that declares its arguments, a function that runs it, and one line in the list. Bad input
+(`TesseraError`) prints one line on stderr, no traceback: exit status 2 for configuration errors,
+1 for the others (a damaged or foreign checkpoint, a missing dataset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.config.errors import ConfigError, TesseraError
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---- train --------------------------------------------------------------------------------------
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="run configuration (YAML), e.g. configs/tiny-dense.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.steps=100 (repeatable; YAML values)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tessera.config.schema import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
+    from tessera.train.trainer import Trainer
+
+    trainer = Trainer(cfg, resume=args.resume)
+    if trainer.resumed_from is not None:
+        print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+    result = trainer.train()
+    if result.last_step == result.start_step and result.stopped_by_signal is None:
+        print(f"nothing to train: the run is at step {result.start_step} and train.steps={cfg.train.steps}")
+        return 0
+    last = result.records[-1] if result.records else {}
+    summary = f"trained steps {result.start_step + 1}..{result.last_step}"
+    if "loss" in last:
+        summary += f", last loss {last['loss']:.4f}"
+    if result.checkpoint is not None:
+        summary += f", checkpoint {result.checkpoint}"
+    print(summary)
+    if result.stopped_by_signal is not None:
+        print(f"stopped by {signal.Signals(result.stopped_by_signal).name}", file=sys.stderr)
+        return 128 + result.stopped_by_signal
+    return 0
+
+
+# ---- preprocess ---------------------------------------------------------------------------------
+
+def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
+    p.add_argument("--output", help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the bundled one)")
+    p.add_argument("--jsonl-field", default="text", help="field of each JSONL record holding the text")
+    p.add_argument("--text-mode", default="document", choices=["document", "line"],
+                   help="a .txt file is one document, or each non-empty line is one")
+    p.add_argument("--no-eos", action="store_true", help="do not end documents with the eos token")
+    p.add_argument("--sft", action="store_true",
+                   help="inputs are conversations (JSONL messages or prompt/response): also write the "
+                        "answer-only loss mask PREFIX.mask (train with data.kind=sft)")
+    p.add_argument("--bundled", action="store_true",
+                   help="prepare the bundled stdlib corpus under --cache-dir instead (prints its prefix)")
+    p.add_argument("--cache-dir", default=None, help="with --bundled: where to prepare it")
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from tessera.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.bundled:
+        from tessera.data.corpus import prepare_corpus_dataset
+        from tessera.train.data_source import default_cache_dir
+
+        print(prepare_corpus_dataset(args.cache_dir or default_cache_dir(), tokenizer, show_progress=True))
+        return 0
+    if not args.inputs or not args.output:
+        raise ConfigError("preprocess needs INPUT files and --output PREFIX (or --bundled)")
+    if args.sft:
+        from tessera.data.sft import preprocess_sft
+
+        stats = preprocess_sft(args.inputs, args.output, tokenizer)
+        print(f"wrote {args.output}.bin/.idx and {args.output}.mask.bin/.idx: {stats.documents} conversations, "
+              f"{stats.tokens} tokens")
+        return 0
+    from tessera.data.preprocess import preprocess
+
+    stats = preprocess(args.inputs, args.output, tokenizer, jsonl_field=args.jsonl_field,
+                       text_mode=args.text_mode, append_eos=not args.no_eos)
+    print(f"wrote {args.output}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens")
+    return 0
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint",
+                   help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample only within this probability mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer (default: the one the run was trained with, else the bundled one)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.convert import is_hf_directory, load_model
+    from tessera.data.tokenizer import load_tokenizer
+    from tessera.train.text_generation import generate
+
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is invalid: must be >= 0")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p={args.top_p} is invalid: must be in (0, 1]")
+    model, run_cfg = load_model(args.checkpoint)
+    source = args.tokenizer
+    if source is None and run_cfg is not None:
+        source = run_cfg.data.tokenizer
+    hf_tokenizer = Path(args.checkpoint) / "tokenizer.json"
+    if source is None and is_hf_directory(args.checkpoint) and hf_tokenizer.is_file():
+        source = args.checkpoint
+    tokenizer = load_tokenizer(source)
+    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
+    if not prompt_ids:
+        raise ConfigError("--prompt is empty after tokenization; give at least one character")
+    stop = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   args.seed, stop_ids=stop, use_cache=not args.no_cache)
+    print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
+    return 0
+
+
+# ---- convert ------------------------------------------------------------------------------------
+
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a HuggingFace model directory, or a Tessera run directory / checkpoint")
+    p.add_argument("dst", help="the directory to write (the other format)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.convert import convert
+
+    kind, path = convert(args.src, args.dst, args.dtype)
+    print(f"wrote {kind} directory {path}")
+    return 0
+
+
+COMMANDS: list[Command] = [
+    Command("train", "train a model from a YAML run configuration", _train_arguments, _train),
+    Command("preprocess", "tokenize text into an indexed dataset", _preprocess_arguments, _preprocess),
+    Command("generate", "continue a prompt with a trained model", _generate_arguments, _generate),
+    Command("convert", "convert between HuggingFace and Tessera checkpoints", _convert_arguments, _convert),
+]
+
+
+def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera",
+                                     description="Train and serve dense and MoE language models.")
+    parser.add_argument("--version", action="version", version=f"tessera {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in commands or COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tessera` and `python -m tessera`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except ConfigError as e:
+        print(f"tessera {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except TesseraError as e:
+        print(f"tessera {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tessera {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tessera")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""The run configuration: one `RunConfig` dataclass tree, loaded from YAML plus `--set` overrides.
+
+    cfg = load_config("configs/tiny-dense.yaml", ["train.steps=10", "optim.lr=1e-3"])
+
+Sections: `run_dir`, `model`, `train`, `optim`, `data`, `checkpoint`, `parallel`, `log`. Every
+field is documented where it is declared. The `model` section is either `preset: NAME` plus any
+`ModelConfig` fields to override (nested ones too: `moe: {num_experts: 4}`), or all fields.
+
+Loading checks everything before any work starts: an unknown key, a value of the wrong type or an
+impossible value raises `ConfigError` with the dotted key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.config.errors import ConfigError
+from tessera.config.model import ModelConfig
+from tessera.config.overrides import apply_overrides
+from tessera.config.parallel import ParallelConfig
+from tessera.config.presets import get_preset
+
+DTYPES = ("fp32", "bf16")
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
+DATA_KINDS = ("pretrain", "sft")
+
+
+@dataclass
+class TrainConfig:
+    """What one training run does, step by step."""
+
+    steps: int = 1000  # optimizer steps in total; a resumed run continues up to this number
+    seed: int = 0  # seeds weight init (by parameter name), data order and every RNG
+    seq_len: int = 256  # tokens per sample fed to the model (each sample holds seq_len + 1 tokens)
+    micro_batch_size: int = 4  # samples per forward/backward pass on one data-parallel rank
+    # Samples per optimizer step over all ranks = micro_batch_size x accumulation x data-parallel size;
+    # it must be a multiple of micro_batch_size x data-parallel size.
+    global_batch_size: int = 16
+    dtype: str = "fp32"  # fp32, or bf16: bf16 compute (autocast) over fp32 master weights and optimizer
+    device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
+    log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
+    eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never
+    eval_steps: int = 4  # validation batches (of global_batch_size samples) per evaluation
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (norm still logged)
+    # Weights to start from (continued pretraining, fine-tuning): a HuggingFace model directory or a
+    # Tessera checkpoint / run directory. They replace the random init; optimizer and step start fresh.
+    # Its shape must match the `model` section. None = random init.
+    init_from: str | None = None
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay) and the learning-rate schedule."""
+
+    lr: float = 3e-4  # peak learning rate, reached at the end of warm-up
+    min_lr: float = 3e-5  # floor the decay ends at (and never goes below)
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam beta1, beta2; 0.95 is the LLaMA choice for stability
+    eps: float = 1e-8  # Adam epsilon
+    weight_decay: float = 0.1  # decoupled decay of the parameters selected below
+    # Which parameters decay. A parameter decays iff it is a matrix (ndim >= 2) and its name matches
+    # none of `no_decay` (fnmatch patterns). Vectors (norm gains, biases) never decay unless
+    # `decay_vectors`: pulling a norm gain towards zero is not regularisation. Embeddings are
+    # excluded by default (rows of rare tokens would otherwise shrink just for being rare);
+    # the LM head decays like any projection.
+    no_decay: list[str] = field(default_factory=lambda: ["tok_embeddings.*"])  # names that never decay
+    decay_vectors: bool = False  # also decay 1-D parameters (norm gains, biases)
+    schedule: str = "cosine"  # constant, cosine, linear, or wsd (warmup-stable-decay)
+    warmup_steps: int = 100  # linear warm-up from lr/warmup_steps to lr over this many steps
+    # wsd only: length of the final linear decay to min_lr; None = the last 20% of total steps.
+    decay_steps: int | None = None
+    total_steps: int | None = None  # where decay ends (min_lr from then on); None = train.steps
+    fused: bool = False  # torch's fused AdamW kernel (CUDA only; same maths)
+
+
+@dataclass
+class DatasetEntry:
+    """One dataset of a blend."""
+
+    path: str  # the dataset prefix written by `tessera preprocess` (or an SFT JSONL file when kind=sft)
+    weight: float = 1.0  # relative sampling weight within the blend
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    kind: str = "pretrain"  # pretrain (packed documents, loss on every token) or sft (loss on answers only)
+    # Datasets blended by weight. Empty = the bundled corpus (Python standard-library source, tokenized
+    # with the bundled tokenizer), prepared on first use under `cache_dir` and reused afterwards.
+    datasets: list[DatasetEntry] = field(default_factory=list)
+    tokenizer: str | None = None  # tokenizer file or directory; None = the bundled tokenizer
+    valid_fraction: float = 0.02  # share of documents held out for validation
+    # Where the bundled corpus is prepared; None = $TESSERA_CACHE, else ~/.cache/tessera.
+    cache_dir: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints under `run_dir/checkpoints`."""
+
+    interval: int = 100  # save every N steps (and always at the end); 0 = only at the end
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is safe
+
+
+@dataclass
+class LogConfig:
+    """Console, `metrics.jsonl` and TensorBoard."""
+
+    tensorboard: bool = True  # write TensorBoard events under run_dir/tensorboard
+    progress_bar: bool = True  # tqdm bar on the console (stderr)
+    # Peak FLOP/s of one device for MFU. None = looked up from the GPU's name (H100, A100, ...);
+    # on CPU, MFU is reported as null unless this is set.
+    peak_flops: float | None = None
+
+
+@dataclass
+class RunConfig:
+    """A whole run. `run_dir` holds config.yaml, metrics.jsonl, tensorboard/ and checkpoints/."""
+
+    run_dir: str = "runs/default"  # load_config defaults it to runs/<config file stem>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def accumulation_steps(self, dp_size: int = 1) -> int:
+        """Micro-batches per optimizer step on each rank."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (tuples as lists) that `load_config` reads back to an equal RunConfig."""
+        return _plain(dataclasses.asdict(self))
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run configuration, apply `--set` overrides, build and validate the tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {' '.join(str(e).split())}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, "
+                              f"got {type(raw).__name__}")
+        raw.setdefault("run_dir", f"runs/{p.stem}")
+    return config_from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from nested plain data (as read from YAML)."""
+    raw = dict(raw)
+    model_raw = raw.pop("model", None) or {}
+    if not isinstance(model_raw, dict):
+        raise ConfigError(f"model must be a section (preset: NAME and/or fields), got {model_raw!r}")
+    cfg = build_dataclass(RunConfig, raw, "")
+    cfg.model = build_model_config(model_raw)
+    validate_run_config(cfg)
+    return cfg
+
+
+def build_model_config(raw: dict[str, Any]) -> ModelConfig:
+    """`{preset: NAME, **overrides}` or a full field list -> ModelConfig.
+
+    Fields a preset derived (head_dim = dim / n_heads, n_kv_heads = n_heads) follow an override of
+    what they were derived from, so `preset: tiny-llama, dim: 256` gets head_dim 64, not the preset's 16.
+    """
+    raw = dict(raw)
+    preset = raw.pop("preset", None)
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise ConfigError(f"model.preset={preset!r} is invalid: must be a preset name")
+        try:
+            base = get_preset(preset).to_dict()
+        except ConfigError as e:
+            raise ConfigError(f"model.preset: {e}") from e
+        if "head_dim" not in raw and base["n_heads"] and base["head_dim"] == base["dim"] // base["n_heads"]:
+            base["head_dim"] = None
+        if "n_kv_heads" not in raw and "n_heads" in raw and base["n_kv_heads"] == base["n_heads"]:
+            base["n_kv_heads"] = None
+        for key in ("moe", "mla"):
+            if isinstance(base.get(key), dict) and isinstance(raw.get(key), dict):
+                raw[key] = {**base[key], **raw[key]}
+        raw = {**base, **raw}
+    return build_dataclass(ModelConfig, raw, "model.")
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    """Value checks across fields; types were checked while building."""
+    t, o, d, c = cfg.train, cfg.optim, cfg.data, cfg.checkpoint
+
+    def need(cond: bool, key: str, value: Any, allowed: str) -> None:
+        if not cond:
+            raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+    need(bool(cfg.run_dir), "run_dir", cfg.run_dir, "must be a non-empty path")
+    need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    need(t.seq_len >= 1, "train.seq_len", t.seq_len, "must be >= 1")
+    need(t.seq_len <= cfg.model.max_seq_len, "train.seq_len", t.seq_len,
+         f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
+    need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
+    need(t.global_batch_size >= 1 and t.global_batch_size % t.micro_batch_size == 0,
+         "train.global_batch_size", t.global_batch_size,
+         f"must be a positive multiple of train.micro_batch_size={t.micro_batch_size}")
+    need(t.dtype in DTYPES, "train.dtype", t.dtype, f"one of {', '.join(DTYPES)}")
+    need(t.device == "auto" or t.device == "cpu" or t.device.split(":")[0] == "cuda", "train.device",
+         t.device, "one of auto, cpu, cuda, cuda:N")
+    need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
+    need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
+    need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")
+    need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    need(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    need(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
+    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
+         "two numbers in [0, 1)")
+    need(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    need(o.schedule in SCHEDULES, "optim.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    need(o.decay_steps is None or o.decay_steps >= 0, "optim.decay_steps", o.decay_steps, "None or >= 0")
+    need(o.total_steps is None or o.total_steps >= 1, "optim.total_steps", o.total_steps, "None or >= 1")
+    need(d.kind in DATA_KINDS, "data.kind", d.kind, f"one of {', '.join(DATA_KINDS)}")
+    need(0 <= d.valid_fraction < 1, "data.valid_fraction", d.valid_fraction, "must be in [0, 1)")
+    for i, entry in enumerate(d.datasets):
+        need(entry.weight > 0, f"data.datasets[{i}].weight", entry.weight, "must be > 0")
+        need(bool(entry.path), f"data.datasets[{i}].path", entry.path, "must be a non-empty path")
+    need(d.kind == "pretrain" or bool(d.datasets), "data.kind", d.kind,
+         "sft needs data.datasets (the bundled corpus is plain text for pretraining)")
+    need(t.eval_interval == 0 or d.valid_fraction > 0, "train.eval_interval", t.eval_interval,
+         "must be 0 when data.valid_fraction is 0 (there is no validation split to evaluate)")
+    need(c.interval >= 0, "checkpoint.interval", c.interval, "must be >= 0 (0 = only at the end)")
+    need(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+    need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
+         "None or > 0 (FLOP/s of one device)")
+
+
+# ---- typed construction of dataclasses from plain data -------------------------------------------
+
+def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+    """Instantiate dataclass `cls` from a dict, checking keys and types; errors name `prefix + key`."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a section (a mapping), got {type(raw).__name__} {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in raw:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
+            raise ConfigError(f"unknown key {prefix}{key}{hint}; allowed in {where}: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where} is invalid: {e}") from e
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type):
+        return {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}.get(
+            tp.__name__, tp.__name__)
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """`value` checked against the annotation `tp`; ints widen to float, lists become tuples."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and sections:  # a section: its own errors name the inner key
+            return build_dataclass(sections[0], value, key + ".")
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        expected = " or ".join(map(_type_name, args))
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value if value is not None else {}, key + ".")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is tuple:
+        fixed = bool(args) and args[-1] is not Ellipsis
+        if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {len(args)} values")
+        elem = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args)
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, elem)))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML read `run_dir=2024` as a number
+            return str(value)
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Write the fully resolved configuration as YAML (loadable with `load_config`)."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

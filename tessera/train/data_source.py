@@ -1,0 +1,81 @@
+"""The trainer's view of the data section: a resumable iterator of global batches and a
+validation split, built from `tessera.data`.
+
+With `data.datasets` empty the bundled corpus is used: the Python standard library's source,
+tokenized with the bundled tokenizer, prepared once under `data.cache_dir` (default
+$TESSERA_CACHE, else ~/.cache/tessera) and reused by every later run. Several datasets are
+blended by weight. Every dataset is packed into samples of `seq_len + 1` tokens and split by
+`data.valid_fraction` into training and validation samples.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.config.errors import DataError
+from tessera.config.schema import RunConfig
+from tessera.data.batching import Batch, BatchIterator, eval_batches
+from tessera.data.blending import BlendedDataset
+from tessera.data.corpus import prepare_corpus_dataset
+from tessera.data.sampling import PackedDataset, SampleDataset
+from tessera.data.tokenizer import Tokenizer, load_tokenizer
+
+CACHE_ENV = "TESSERA_CACHE"
+
+__all__ = ["Batch", "TrainingData", "build_training_data", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    """$TESSERA_CACHE, else ~/.cache/tessera: where the bundled corpus is prepared."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tessera")
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Tokenizer
+    train: BatchIterator  # whole global batches; its state_dict is the data position in checkpoints
+    valid: SampleDataset | None  # None when data.valid_fraction is 0
+    global_batch_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def validation_batches(self, max_batches: int) -> Iterator[Batch]:
+        """The first `max_batches` validation batches, always the same ones (no randomness)."""
+        if self.valid is None:
+            return iter(())
+        return eval_batches(self.valid, self.global_batch_size, max_batches)
+
+
+def _blend(parts: list[SampleDataset], weights: list[float], seed: int) -> SampleDataset:
+    return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, seed=seed)
+
+
+def build_training_data(cfg: RunConfig) -> TrainingData:
+    """Tokenizer, training batches and validation samples for `cfg` (preparing the corpus if needed)."""
+    d, t = cfg.data, cfg.train
+    tokenizer = load_tokenizer(d.tokenizer)
+    if d.datasets:
+        prefixes = [entry.path for entry in d.datasets]
+        weights = [entry.weight for entry in d.datasets]
+    else:
+        prefixes = [prepare_corpus_dataset(d.cache_dir or default_cache_dir(), tokenizer, show_progress=True)]
+        weights = [1.0]
+    train_parts = [PackedDataset(p, t.seq_len, split="train", valid_fraction=d.valid_fraction)
+                   for p in prefixes]
+    if d.kind == "sft":
+        for p, part in zip(prefixes, train_parts):
+            if part.loss_mask is None:
+                raise DataError(f"data.kind=sft but dataset {str(p)!r} has no loss mask ({p}.mask.idx); "
+                                "prepare it with the SFT preprocessing")
+    valid = None
+    if d.valid_fraction > 0:
+        valid_parts = [PackedDataset(p, t.seq_len, split="valid", valid_fraction=d.valid_fraction)
+                       for p in prefixes]
+        valid = _blend(valid_parts, weights, t.seed)
+    train = BatchIterator(_blend(train_parts, weights, t.seed), t.global_batch_size, seed=t.seed)
+    return TrainingData(tokenizer=tokenizer, train=train, valid=valid, global_batch_size=t.global_batch_size)

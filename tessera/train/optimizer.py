@@ -1,0 +1,52 @@
+"""AdamW with configurable weight-decay groups.
+
+A parameter decays iff it is a matrix (ndim >= 2: projections, experts, the LM head) and its
+name matches none of `optim.no_decay` (fnmatch patterns, default `tok_embeddings.*`). Vectors
+(RMSNorm gains, biases) do not decay unless `optim.decay_vectors` is set. Decay is decoupled
+from the gradient (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization").
+
+The optimizer always holds the fp32 parameters: in bf16 mode the model keeps fp32 weights and
+computes under autocast, so these are the master weights and Adam's moments are fp32 too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+
+from tessera.config.schema import OptimConfig
+
+
+def decays(name: str, param: torch.Tensor, cfg: OptimConfig) -> bool:
+    """Whether parameter `name` gets weight decay under `cfg`."""
+    if param.ndim < 2 and not cfg.decay_vectors:
+        return False
+    return not any(fnmatch.fnmatchcase(name, pattern) for pattern in cfg.no_decay)
+
+
+def weight_decay_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two parameter groups, `decay` and `no_decay`, each with the names of its parameters.
+
+    Tied parameters appear once (under their first name). Frozen parameters are left out.
+    """
+    groups = {True: {"names": [], "params": []}, False: {"names": [], "params": []}}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            g = groups[decays(name, param, cfg)]
+            g["names"].append(name)
+            g["params"].append(param)
+    return [
+        {"name": "decay", "weight_decay": cfg.weight_decay, **groups[True]},
+        {"name": "no_decay", "weight_decay": 0.0, **groups[False]},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `weight_decay_groups(model, cfg)`; the schedule sets `lr` before each step."""
+    groups = [g for g in weight_decay_groups(model, cfg) if g["params"]]
+    for g in groups:
+        del g["names"]  # the optimizer's state_dict must stay plain data; names live in the model
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=True if cfg.fused else None)

@@ -1,0 +1,115 @@
+"""The `tessera` command: help, one-line errors with exit status 2, generate, convert, preprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.checkpoint.convert import load_model
+from tessera.cli import COMMANDS, main
+from tessera.data import IndexedDataset
+from tests.train.runs import ROOT, TINY_DENSE, set_args, shrink
+
+
+def _digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(directory)).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("command", [c.name for c in COMMANDS])
+def test_help_of_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: tessera {command}" in capsys.readouterr().out
+
+
+def test_module_entry_point_prints_one_line_and_exits_2(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "tessera", "train", TINY_DENSE, "--set", "train.stepz=3",
+                          "--set", f"run_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    assert "train.stepz" in run.stderr and "train.steps" in run.stderr
+    assert not (tmp_path / "run").exists()
+    top = subprocess.run([sys.executable, "-m", "tessera", "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert top.returncode == 0 and all(c.name in top.stdout for c in COMMANDS)
+    script = Path(sys.executable).parent / "tessera"  # the installed console script, from another directory
+    if script.exists():
+        version = subprocess.run([str(script), "--version"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert version.returncode == 0 and version.stdout.startswith("tessera ")
+
+
+@pytest.mark.parametrize("override, key", [("train.stepz=3", "train.stepz"),
+                                           ("train.micro_batch_size=two", "train.micro_batch_size"),
+                                           ("train.global_batch_size=3", "train.global_batch_size"),
+                                           ("optim.lr=-1", "optim.lr")])
+def test_config_errors_exit_2_with_one_line(override, key, tmp_path, capsys):
+    assert main(["train", TINY_DENSE, "--set", f"run_dir={tmp_path / 'run'}", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and key in err and err.startswith("tessera train: error: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_foreign_checkpoint_and_existing_run_leave_disk_untouched(small_dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, run, 2))]) == 0
+    before = _digest(run)
+    capsys.readouterr()
+    # Resuming with another model shape: a checkpoint error naming the key, exit 1.
+    assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, run, 4, **{"model.ffn_dim": 96})),
+                 "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit this model" in err
+    assert "'layers.0.feed_forward.w1.weight' has shape [128, 64] there but [96, 64]" in err
+    # Training into a run directory that holds checkpoints, without --resume: refused.
+    assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, run, 4))]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert _digest(run) == before
+
+
+def test_generate_and_convert_round_trip(small_dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, run, 2))]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "def main(", "--max-new-tokens", "8"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("def main(") and len(greedy) > len("def main(\n")
+    assert main(["generate", str(run), "--prompt", "def main(", "--max-new-tokens", "8", "--no-cache"]) == 0
+    assert capsys.readouterr().out == greedy
+    assert main(["generate", str(run), "--prompt", "x", "--temperature", "0.9", "--top-k", "20",
+                 "--top-p", "0.9", "--seed", "1"]) == 0
+    assert main(["generate", str(run), "--prompt", "x", "--top-p", "1.5"]) == 2
+
+    assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    original, _ = load_model(run)
+    back, _ = load_model(tmp_path / "back")
+    for name, value in original.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "def main(", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == greedy
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+
+
+def test_preprocess_text_and_sft(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x\n")
+    assert main(["preprocess", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")]) == 0
+    assert len(IndexedDataset(tmp_path / "ds")) == 1
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "2+2?", "response": "4"}) + "\n")
+    assert main(["preprocess", "--sft", str(tmp_path / "chat.jsonl"), "--output", str(tmp_path / "sft")]) == 0
+    mask = IndexedDataset(str(tmp_path / "sft") + ".mask")
+    assert 0 < int(mask[0].sum()) < len(mask[0])
+    assert main(["preprocess", "--output", str(tmp_path / "none")]) == 2
