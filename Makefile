@@ -15,6 +15,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# The bundled default: a ~24M-parameter, 8-expert top-2 MoE trained on the Python standard library's
+# own source for a few minutes on CPU, then a sample from it.
+DEMO_DIR ?= runs/demo
+DEMO_STEPS ?= 150
+demo: install
+	rm -rf $(DEMO_DIR)
+	OMP_NUM_THREADS=2 $(BIN)/tessera train configs/tiny-moe.yaml --set run_dir=$(DEMO_DIR) \
+		--set train.steps=$(DEMO_STEPS) --set optim.total_steps=$(DEMO_STEPS) --set train.seq_len=128 \
+		--set optim.lr=2e-3 --set optim.warmup_steps=10 --set train.eval_interval=50 \
+		--set checkpoint.interval=50 --set train.log_interval=10
+	OMP_NUM_THREADS=2 $(BIN)/tessera generate $(DEMO_DIR) --prompt "def " --max-new-tokens 80 \
+		--temperature 0.7 --top-k 40 --seed 0
+
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 

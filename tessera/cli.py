@@ -171,11 +171,19 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_module():
+    from tessera.plan import command
+
+    return command
+
+
 COMMANDS: list[Command] = [
     Command("train", "train a model from a YAML run configuration", _train_arguments, _train),
     Command("preprocess", "tokenize text into an indexed dataset", _preprocess_arguments, _preprocess),
     Command("generate", "continue a prompt with a trained model", _generate_arguments, _generate),
     Command("convert", "convert between HuggingFace and Tessera checkpoints", _convert_arguments, _convert),
+    Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts",
+            lambda p: _plan_module().add_arguments(p), lambda a: _plan_module().run(a)),
 ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from tessera.config.errors import ConfigError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass
@@ -139,6 +140,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{key}={value!r} is invalid: {allowed}")
 
         need(self.family in FAMILIES, "family", self.family, f"one of {', '.join(FAMILIES)}")
+        need((self.moe is not None) == (self.family in MOE_FAMILIES), "family", self.family,
+             f"MoE families ({', '.join(MOE_FAMILIES)}) need a model.moe section and the others must not have one"
+             f" (model.moe is {'set' if self.moe is not None else 'unset'})")
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
             need(getattr(self, key) > 0, key, getattr(self, key), "must be a positive integer")
         need(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",

@@ -87,5 +87,8 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
         raise ConfigError(f"unknown model name {name!r}; known: {', '.join(preset_names())}")
     cfg = copy.deepcopy(PRESETS[name])
     if overrides:
+        shape_changed = "dim" in overrides or "n_heads" in overrides
+        if shape_changed and "head_dim" not in overrides and cfg.head_dim == cfg.dim // cfg.n_heads:
+            overrides["head_dim"] = None  # derived from the new dim / n_heads
         cfg = dataclasses.replace(cfg, **overrides)
     return cfg

@@ -51,7 +51,7 @@ def test_preset_plus_overrides_and_nested_sections():
     assert cfg.model.n_kv_heads == 2  # set explicitly by the preset: kept
     cfg = load_config(CONFIGS / "tiny-moe.yaml", ["model.moe.num_experts=4", "model.moe.top_k=1"])
     assert cfg.model.moe.num_experts == 4 and cfg.model.moe.aux_loss_coef == 0.01  # the rest is kept
-    dense = config_from_dict({"model": {"preset": "tiny-moe", "moe": None}})
+    dense = config_from_dict({"model": {"preset": "tiny-moe", "moe": None, "family": "llama"}})
     assert dense.model.moe is None
 
 

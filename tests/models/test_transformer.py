@@ -110,7 +110,8 @@ def test_invalid_model_config_names_the_field(field, value, needle):
 ])
 def test_invalid_moe_config_names_the_field(kw, needle):
     with pytest.raises(ConfigError, match=needle):
-        ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8, moe=MoEConfig(num_experts=8, **kw))
+        ModelConfig(family="mixtral", vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8,
+                    moe=MoEConfig(num_experts=8, **kw))
 
 
 def test_from_dict_rejects_unknown_keys():
@@ -132,3 +133,17 @@ def test_router_stays_fp32_and_experts_run_bf16_under_autocast():
     assert route.weights_Tk.dtype == torch.float32
     assert all(v.dtype == torch.float32 for v in route.losses.values())
     assert seen["experts"] == torch.bfloat16
+
+
+def test_preset_override_of_dim_rederives_head_dim():
+    cfg = get_preset("tiny-llama", dim=128)
+    assert cfg.head_dim == 128 // cfg.n_heads
+    assert get_preset("qwen3-30b-a3b", dim=1024).head_dim == 128  # head_dim != dim // n_heads: explicit, kept
+
+
+def test_family_and_moe_section_must_agree():
+    with pytest.raises(ConfigError, match="model.family"):
+        ModelConfig(family="llama", vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8,
+                    moe=MoEConfig(num_experts=2, top_k=1))
+    with pytest.raises(ConfigError, match="model.family"):
+        ModelConfig(family="mixtral", vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8)
