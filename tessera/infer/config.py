@@ -1,0 +1,94 @@
+"""Serving engine configuration: cache geometry, batching limits, and the optional features
+(prefix reuse, speculative decoding, LoRA, int8), one documented field at a time.
+
+Every field is validated in `__post_init__`; a bad value raises `ConfigError` naming the key,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.config.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("draft", "prompt_lookup")
+
+
+def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a cheap proposer guesses
+    `num_tokens` tokens, the target model scores all of them in one forward pass."""
+
+    method: str = "prompt_lookup"  # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams
+    num_tokens: int = 4  # k: tokens proposed per step (the target then scores k + 1 positions)
+    draft_model: str | None = None  # HuggingFace directory of the draft model (method "draft")
+    ngram_max: int = 3  # prompt lookup: the longest suffix n-gram searched for in the context
+    ngram_min: int = 1  # ... and the shortest one tried before giving up
+
+    def __post_init__(self) -> None:
+        _need(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
+              f"one of {', '.join(SPECULATIVE_METHODS)}")
+        _need(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
+        _need(self.method != "draft" or bool(self.draft_model), "speculative.draft_model", self.draft_model,
+              "method 'draft' needs the directory of a draft model")
+        _need(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
+              f"must be in 1..ngram_max={self.ngram_max}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out its KV cache and batches requests."""
+
+    dtype: str = "float32"  # weights and activations; float32 is the fast and exact choice on CPU
+    device: str = "cpu"
+    block_size: int = 16  # tokens per KV-cache block (the unit of allocation and of prefix reuse)
+    num_blocks: int | None = None  # None: from kv_cache_gib, capped at what max_num_seqs full sequences need
+    kv_cache_gib: float = 1.0  # memory for the KV cache when num_blocks is None
+    kv_cache_dtype: str | None = None  # None: the model dtype; "int8": per-token, per-head absmax scales
+    max_num_seqs: int = 64  # sequences in flight at once
+    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + completion limit; None: the model's max_seq_len
+    enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    system_prompts: list[str] = field(default_factory=list)  # prefilled at start, their blocks pinned
+    speculative: SpeculativeConfig | None = None
+    quantization: str | None = None  # None or "int8" (weight-only, per output channel)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, served per request
+    merge_lora: list[str] = field(default_factory=list)  # PEFT directories merged into the weights at load
+    max_loras: int = 8  # dynamic adapters resident at once
+    seed: int = 0  # seed of requests that do not give one
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
+        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _need(self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
+              self.block_size, "must be a positive power of two")
+        _need(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
+              "must be None or a positive integer")
+        _need(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        _need(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
+        _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
+        _need(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
+              "must be > 0")
+        _need(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
+              "must be None or > 1")
+        _need(self.quantization in (None, "int8"), "quantization", self.quantization, "None or 'int8'")
+        _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
+        _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
+              f"at most max_loras={self.max_loras} adapters")
+        spec = self.speculative
+        if spec is not None:
+            _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
+                  self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
+
+    @property
+    def lookahead(self) -> int:
+        """Extra KV slots a decoding sequence reserves per step for speculative tokens."""
+        return 0 if self.speculative is None else self.speculative.num_tokens

@@ -1,0 +1,304 @@
+"""The serving engine: requests in, tokens out, one `step()` at a time.
+
+A step asks the scheduler which sequences run and how many tokens each (continuous batching with
+chunked prefill and a token budget), lets the speculative proposer guess tokens for the decoding
+ones, runs the target model once over the packed batch on the paged KV cache, then samples (or
+verifies the guesses), applies the stop rules and returns each request's new tokens and text.
+Requests join and leave between steps. The engine is not thread-safe: `EngineLoop` runs it in
+one background thread and hands it requests through a queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tessera.config.errors import ConfigError
+from tessera.infer.block_manager import BlockManager
+from tessera.infer.config import EngineConfig
+from tessera.infer.detokenizer import IncrementalDetokenizer
+from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.lora import LoRAManager, merge_adapter
+from tessera.infer.metrics import EngineMetrics
+from tessera.infer.model_loading import eos_token_ids, load_model, load_tokenizer, torch_dtype
+from tessera.infer.model_runner import BatchItem, ModelRunner
+from tessera.infer.quant import quantize_model
+from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
+from tessera.infer.sampling import make_generator, next_token, processed_probs
+from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.scheduler import Scheduler
+from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
+from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
+from tessera.models.transformer import Transformer
+
+log = logging.getLogger("tessera.infer")
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
+                 eos_ids: set[int] | frozenset[int] = frozenset(), draft_model: Transformer | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.cfg, self.tokenizer = model.eval(), model.cfg, tokenizer
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len = config.max_model_len or self.cfg.max_seq_len
+        if self.max_model_len > self.cfg.max_seq_len:
+            raise ConfigError(f"max_model_len={self.max_model_len} is invalid: the model supports at most "
+                              f"{self.cfg.max_seq_len} positions")
+        bs, k = config.block_size, config.lookahead
+        self.blocks_per_seq = -(-(self.max_model_len + k) // bs)
+        num_blocks = config.num_blocks
+        if num_blocks is None:  # from the memory budget, but always room for one full sequence
+            per_block = bytes_per_block(self.cfg, bs, self.dtype, config.kv_cache_dtype == "int8")
+            num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block,
+                             config.max_num_seqs * self.blocks_per_seq + 1)
+            if num_blocks < self.blocks_per_seq:
+                log.warning("kv_cache_gib=%s holds %d blocks; using %d (%.2f GiB) to fit one sequence of %d tokens",
+                            config.kv_cache_gib, num_blocks, self.blocks_per_seq,
+                            self.blocks_per_seq * per_block / 2**30, self.max_model_len)
+                num_blocks = self.blocks_per_seq
+        if num_blocks < self.blocks_per_seq:
+            raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
+                              f"{self.max_model_len} (+{k} speculative) needs {self.blocks_per_seq} blocks of "
+                              f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
+        self.kv = PagedKVCache(self.cfg, num_blocks, bs, self.dtype, self.device, config.kv_cache_dtype == "int8")
+        self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, k)
+        self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.kv, self.device, self.lora)
+        self.proposer = None
+        spec = config.speculative
+        if spec is not None and spec.method == "prompt_lookup":
+            self.proposer = PromptLookupProposer(spec.num_tokens, spec.ngram_max, spec.ngram_min)
+        elif spec is not None:
+            if draft_model is None:
+                raise ConfigError("speculative.method='draft' needs a draft model")
+            self.proposer = DraftModelProposer(draft_model.eval(), self.cfg.vocab_size, spec.num_tokens, num_blocks,
+                                               bs, self.dtype, self.device)
+        self.metrics = EngineMetrics()
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self._rng = random.Random(config.seed)
+
+    # ---- construction from a directory -------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a HuggingFace / pre-quantized / Tessera-checkpoint directory and build the engine:
+        static LoRA merged, int8 applied, dynamic adapters loaded, system prompts cached."""
+        config = config or EngineConfig()
+        dtype = torch_dtype(config.dtype)
+        model, quantized, run_cfg = load_model(path, dtype, config.device)
+        if config.merge_lora and quantized is not None:
+            raise ConfigError("merge_lora needs full-precision weights; this directory is pre-quantized")
+        for adapter in config.merge_lora:
+            merge_adapter(model, adapter)
+        if config.quantization == "int8" and quantized is None:
+            quantize_model(model)
+        tokenizer = load_tokenizer(path, run_cfg)
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft":
+            draft = load_model(config.speculative.draft_model, dtype, config.device)[0]
+        engine = cls(model, config, tokenizer, eos_token_ids(path, tokenizer), draft)
+        for name, adapter_path in config.lora_adapters.items():
+            engine.load_lora(name, adapter_path)
+        engine.warm_system_prompts(config.system_prompts)
+        return engine
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate_request(self, num_prompt_tokens: int, params: SamplingParams, adapter: str | None) -> None:
+        """Raise ConfigError if the request cannot be served as asked."""
+        if num_prompt_tokens < 1:
+            raise ConfigError("prompt is empty: it needs at least one token")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ConfigError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                              f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}")
+        if adapter is not None and adapter not in self.lora.adapters:
+            raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate_request(len(prompt_ids), params, adapter)
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ConfigError(f"request_id {request_id!r} is already in use")
+        generator = None
+        if not params.greedy:
+            generator = make_generator(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
+                       adapter_key=self.lora.adapters[adapter].key if adapter else b"", stop_ids=frozenset(stop_ids))
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self.metrics.prompt_tokens += len(prompt_ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        return None if seq is None else self._finish(seq, "abort", [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with an error (after an exception inside a step)."""
+        return [self._finish(seq, "error", [], message) for seq in list(self.seqs.values())]
+
+    # ---- LoRA --------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        users = sum(1 for s in self.seqs.values() if s.adapter == name)
+        if users:
+            raise ConfigError(f"lora {name!r} is in use by {users} request(s); unload it when they finish")
+        self.lora.unload(name)
+
+    # ---- system prompts ----------------------------------------------------------------------
+    def warm_system_prompts(self, prompts: list[str]) -> None:
+        """Prefill each system prompt once and pin its full blocks in the prefix cache."""
+        if not prompts:
+            return
+        if self.tokenizer is None or not self.config.enable_prefix_caching:
+            raise ConfigError("system_prompts need a tokenizer and enable_prefix_caching=True")
+        for text in prompts:
+            ids = self.tokenizer.encode(text)[: self.max_model_len - 1]
+            rid = self.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            self.seqs[rid].pin_prefix = True
+        while self.has_unfinished():
+            self.step()
+        left = self.blocks.num_blocks - self.blocks.num_pinned_blocks
+        if left < self.blocks_per_seq:
+            raise ConfigError(f"system prompts pin {self.blocks.num_pinned_blocks} blocks, leaving {left}; one "
+                              f"sequence needs {self.blocks_per_seq}: raise num_blocks or shorten them")
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _draft_limit(self, seq: Sequence) -> int:
+        remaining = seq.params.max_tokens - len(seq.output_ids) - 1
+        return max(0, min(self.config.lookahead, remaining, self.max_model_len - len(seq.token_ids) - 1))
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        plan = self.scheduler.schedule()
+        for victim in plan.preempted:
+            self.metrics.preemptions += 1
+            if self.proposer is not None:
+                self.proposer.release(victim)
+        if not plan.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:  # cannot fit even alone
+                seq = self.scheduler.waiting[0]
+                outputs.append(self._finish(seq, "error", [], "the request needs more KV-cache blocks than exist"))
+            return outputs
+        self.metrics.steps += 1
+        proposals: dict[str, Proposal] = {}
+        spec = [s.seq for s in plan.scheduled if s.speculate]
+        if spec and self.proposer is not None:
+            props = self.proposer.propose(spec, [self._draft_limit(s) for s in spec])
+            proposals = {s.request_id: p for s, p in zip(spec, props) if p.tokens}
+        items = []
+        for s in plan.scheduled:
+            seq = s.seq
+            tokens = seq.token_ids[seq.num_computed:seq.num_computed + s.num_tokens]
+            if seq.request_id in proposals:
+                tokens = tokens + proposals[seq.request_id].tokens
+            slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
+            items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
+        logits = self.runner.forward(items)
+        offset = 0
+        for s, item in zip(plan.scheduled, items):
+            seq, rows = s.seq, len(item.tokens)
+            if not s.completes:
+                seq.num_computed += s.num_tokens
+            else:
+                proposal = proposals.get(seq.request_id)
+                new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                seq.num_computed += s.num_tokens + len(new) - 1
+                if proposal is not None:
+                    self.proposer.rollback(seq)
+                    self.metrics.spec_steps += 1
+                    self.metrics.spec_proposed += len(proposal.tokens)
+                    self.metrics.spec_accepted += len(new) - 1
+                    self.metrics.spec_emitted += len(new)
+                outputs.append(self._emit(seq, new))
+            if not seq.finished:
+                self.blocks.register_computed(seq)
+            offset += rows
+        return outputs
+
+    def _sample(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal | None) -> list[int]:
+        """New tokens from the logits of the last computed position (and of each proposed token)."""
+        if proposal is None:
+            return [next_token(rows_MV[-1], seq.params, seq.generator)]
+        if seq.params.greedy:
+            return verify_greedy(rows_MV.argmax(-1).tolist(), proposal.tokens)
+        return verify_sampled(processed_probs(rows_MV, seq.params), proposal.tokens, proposal.probs, seq.generator)
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append `tokens` one by one until a stop rule fires; the output of this step."""
+        detok, params = self.detok[seq.request_id], seq.params
+        appended, reason = [], None
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            appended.append(tok)
+            if tok in seq.stop_ids:
+                reason = "stop"
+            elif detok.add(tok):
+                reason = "stop"
+            elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival)
+        self.metrics.generation_tokens += len(appended)
+        if reason:
+            return self._finish(seq, reason, appended)
+        delta = detok.release(final=False)
+        return RequestOutput(seq.request_id, appended, delta, detok.text[:detok.sent], seq.output_ids, False, None,
+                             seq.num_prompt)
+
+    def _finish(self, seq: Sequence, reason: str, appended: list[int], error: str | None = None) -> RequestOutput:
+        if seq.pin_prefix:
+            self.blocks.register_computed(seq)
+            self.blocks.pin_sequence(seq)
+        self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        n_out = len(seq.output_ids)
+        if reason in ("stop", "length") and seq.first_token_time is not None and n_out > 1:
+            self.metrics.tpot.observe((time.monotonic() - seq.first_token_time) / (n_out - 1))
+        self.metrics.finish(reason)
+        detok = self.detok.pop(seq.request_id)
+        delta = detok.release(final=True)
+        del self.seqs[seq.request_id]
+        return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
+                             error)
+
+    # ---- introspection -----------------------------------------------------------------------
+    def gauges(self) -> dict[str, float]:
+        return {"num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting), "kv_blocks_total": self.blocks.num_blocks,
+                "kv_blocks_free": self.blocks.num_free_blocks,
+                "kv_blocks_pinned": self.blocks.num_pinned_blocks}
+
+    def prometheus(self) -> str:
+        cache = self.blocks.cache
+        return self.metrics.prometheus(self.gauges(), cache.queried_tokens if cache else 0,
+                                       cache.hit_tokens if cache else 0)

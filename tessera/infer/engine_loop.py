@@ -1,0 +1,126 @@
+"""The engine's own thread: requests are queued to it, outputs come back through callbacks.
+
+Only this thread touches the engine. Other threads (the HTTP server's event loop) `submit`,
+`abort` and `call` by putting commands in a queue that the thread drains between steps, so
+requests join and leave the running batch at step boundaries. While nothing is running the
+thread sleeps on the queue. An exception inside a step fails the requests in flight with an
+error and the loop carries on serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from tessera.config.errors import TesseraError
+from tessera.infer.engine import LLMEngine
+from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.sequence import RequestOutput
+
+log = logging.getLogger("tessera.infer")
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self.step_errors = 0
+
+    # ---- called from any thread ----------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+               callback: OutputCallback) -> str:
+        """Queue a request; `callback` gets every RequestOutput, in the engine thread."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        self._inbox.put(("add", request_id, prompt_ids, params, adapter, callback))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` in the engine thread between steps (e.g. to load a LoRA adapter)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        return future
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        callback = self._callbacks.get(out.request_id)
+        if out.finished:
+            self._callbacks.pop(out.request_id, None)
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:  # a client's callback must not stop the engine
+                log.exception("output callback failed for %s", out.request_id)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, prompt_ids, params, adapter, callback = cmd
+            try:
+                self.engine.add_request(prompt_ids, params, adapter, request_id)
+                self._callbacks[request_id] = callback
+            except TesseraError as e:
+                callback(RequestOutput(request_id, [], "", "", [], True, "error", len(prompt_ids), str(e)))
+        elif kind == "abort":
+            out = self.engine.abort(cmd[1])
+            if out is not None:
+                self._deliver(out)
+        elif kind == "call":
+            _, fn, future = cmd
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as e:  # handed back to the caller
+                future.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                cmd = self._inbox.get(block=not self.engine.has_unfinished())
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                try:
+                    self._handle(cmd)
+                except Exception:  # a bad command must not end the loop
+                    log.exception("engine command %s failed", cmd[0])
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stopping.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                self.step_errors += 1
+                log.error("engine step failed; failing the requests in flight:\n%s", traceback.format_exc())
+                outputs = self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
+            for out in outputs:
+                self._deliver(out)
+        for out in self.engine.fail_all("server shutting down"):
+            self._deliver(out)

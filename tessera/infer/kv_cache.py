@@ -1,0 +1,77 @@
+"""The paged KV cache: per layer, one tensor of slots for keys and one for values.
+
+Slot s lives in block s // block_size at offset s % block_size; a sequence's keys are wherever its
+block table points. Storage is [num_blocks * block_size, heads, dim] per layer, so writing the
+new tokens of a step is one `index_copy_` and reading a sequence's context is one gather.
+
+With `int8=True` keys and values are stored as int8 with one fp32 scale per (slot, head):
+x ~= q * s, s = max|x| / 127 over the head dim (symmetric absmax quantisation). Memory per
+token drops to about a quarter of fp32 (half of bf16); attention reads dequantised values.
+A prefill chunk that starts at position 0 attends to its own keys before they are stored, so only
+later reads see the rounding (see paged_attention.py).
+Shapes: T tokens, N sequences, L context length, G heads stored, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.config.model import ModelConfig
+
+
+def kv_shapes(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(key heads, key dim, value heads, value dim) that the attention of `cfg` stores per token.
+    MLA hands the seam per-head decompressed keys [nope + rope] and values [v_head_dim]."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        return cfg.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.n_heads, m.v_head_dim
+    return cfg.n_kv_heads, cfg.head_dim, cfg.n_kv_heads, cfg.head_dim
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool) -> int:
+    gk, dk, gv, dv = kv_shapes(cfg)
+    elem = 1 if int8 else torch.empty((), dtype=dtype).element_size()
+    per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0)
+    return per_token * block_size * cfg.n_layers
+
+
+def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-(token, head) int8: values [T, G, D] int8 and scales [T, G] fp32."""
+    x = x_TGD.float()
+    scale = x.abs().amax(-1).clamp(min=1e-8) / 127.0
+    q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", int8: bool = False):
+        self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
+        gk, dk, gv, dv = kv_shapes(cfg)
+        slots = num_blocks * block_size
+        store = torch.int8 if int8 else dtype
+        self.k = [torch.zeros(slots, gk, dk, dtype=store, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(slots, gv, dv, dtype=store, device=device) for _ in range(cfg.n_layers)]
+        if int8:
+            self.k_scale = [torch.ones(slots, gk, device=device) for _ in range(cfg.n_layers)]
+            self.v_scale = [torch.ones(slots, gv, device=device) for _ in range(cfg.n_layers)]
+
+    def write(self, layer: int, slots_T: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> None:
+        if self.int8:
+            qk, sk = quantize_int8(k_TGD)
+            qv, sv = quantize_int8(v_TGD)
+            self.k[layer].index_copy_(0, slots_T, qk)
+            self.v[layer].index_copy_(0, slots_T, qv)
+            self.k_scale[layer].index_copy_(0, slots_T, sk)
+            self.v_scale[layer].index_copy_(0, slots_T, sv)
+            return
+        self.k[layer].index_copy_(0, slots_T, k_TGD.to(self.dtype))
+        self.v[layer].index_copy_(0, slots_T, v_TGD.to(self.dtype))
+
+    def gather(self, layer: int, slots_NL: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given slots: [N, L, G, D] each, in `dtype`."""
+        k, v = self.k[layer][slots_NL], self.v[layer][slots_NL]
+        if self.int8:
+            k = k.to(dtype) * self.k_scale[layer][slots_NL][..., None].to(dtype)
+            v = v.to(dtype) * self.v_scale[layer][slots_NL][..., None].to(dtype)
+        return k.to(dtype), v.to(dtype)

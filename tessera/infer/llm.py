@@ -1,0 +1,87 @@
+"""Offline generation in Python: a list of prompts in, a list of completions out.
+
+    from tessera.infer import LLM, SamplingParams
+
+    llm = LLM("path/to/hf-model")
+    for c in llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0)):
+        print(c.text)
+
+All prompts go into one engine and are batched continuously; the results come back in the order
+of the prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.config.errors import ConfigError
+from tessera.infer.config import EngineConfig
+from tessera.infer.engine import LLMEngine
+from tessera.infer.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt: str | None  # the prompt text (None when given as token ids)
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+class LLM:
+    """`LLM(model_dir, **engine_options)`: any `EngineConfig` field may be passed by keyword
+    (e.g. `quantization="int8"`, `speculative=SpeculativeConfig(...)`), or a whole `config=`."""
+
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, **options: Any):
+        if config is not None and options:
+            raise ConfigError("pass either config= or keyword options, not both")
+        self.config = config or EngineConfig(**options)
+        self.engine = LLMEngine.from_dir(model, self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this model directory has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapter: str | Sequence[str | None] | None = None) -> list[Completion]:
+        """Complete every prompt (text, or a list of token ids); `params` and `adapter` may be one
+        value for all prompts or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
+        if len(params_list) != n or len(adapters) != n:
+            raise ConfigError(f"got {n} prompts but {len(params_list)} params and {len(adapters)} adapters")
+        encoded = [self.encode(p) for p in prompts]
+        for e, p, a in zip(encoded, params_list, adapters):  # refuse before anything is queued
+            self.engine.validate_request(len(e), p, a)
+        ids = [self.engine.add_request(e, p, a) for e, p, a in zip(encoded, params_list, adapters)]
+        done: dict[str, Any] = {}
+        while len(done) < n:
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        results = []
+        for rid, prompt, enc in zip(ids, prompts, encoded):
+            out = done[rid]
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request failed: {out.error}")
+            results.append(Completion(prompt if isinstance(prompt, str) else None, enc, out.text, out.token_ids,
+                                      out.finish_reason))
+        return results
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)

@@ -1,0 +1,51 @@
+"""Perplexity through the serving path, to measure what int8 weights or an int8 KV cache cost.
+
+The text is fed in chunks through the engine's own model runner and paged KV cache, so every
+chunk after the first attends to keys/values read back from the cache (dequantised when the
+cache is int8), exactly as generation would. perplexity = exp(mean over predicted tokens of
+-log p(token | everything before it)). Text longer than the context is scored in independent
+windows of `max_model_len` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tessera.infer.engine import LLMEngine
+from tessera.infer.model_runner import BatchItem
+from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.sequence import Sequence
+
+
+@torch.inference_mode()
+def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple[float, int]:
+    """(sum of -log p over predicted tokens, number of predicted tokens) of `token_ids`."""
+    if engine.has_unfinished():
+        raise RuntimeError("perplexity needs an idle engine (it borrows the KV cache)")
+    total, count = 0.0, 0
+    window = engine.max_model_len
+    for w0 in range(0, len(token_ids) - 1, window):
+        ids = token_ids[w0:w0 + window]
+        if len(ids) < 2:
+            break
+        seq = Sequence("perplexity", ids, SamplingParams(), None)
+        if not engine.blocks.ensure_slots(seq, len(ids)):
+            raise RuntimeError("KV cache too small for one window of max_model_len tokens")
+        try:
+            for start in range(0, len(ids), chunk):
+                piece = ids[start:start + chunk]
+                logits = engine.runner.forward([BatchItem(piece, start, seq.block_table)]).float()
+                targets = ids[start + 1:start + 1 + len(piece)]
+                logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+                total -= float(logp.gather(1, torch.tensor(targets, device=logp.device)[:, None]).sum())
+                count += len(targets)
+        finally:
+            engine.blocks.free_sequence(seq)
+    return total, count
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> float:
+    nll, n = paged_nll(engine, token_ids, chunk)
+    return math.exp(nll / n) if n else float("nan")

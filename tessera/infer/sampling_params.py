@@ -1,0 +1,57 @@
+"""What a request asks of decoding: how to pick tokens and when to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.config.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings.
+
+    temperature 0 is greedy (argmax). Otherwise logits are divided by `temperature`, cut to the
+    `top_k` most likely tokens (0 = all) and to the smallest set whose probability reaches
+    `top_p` (nucleus sampling, Holtzman et al. 2020), then sampled with a generator seeded by
+    `seed`, so a request with a seed gives the same text whatever else is in the batch.
+    Generation stops at `max_tokens`, at an end-of-sequence token (unless `ignore_eos`), at any of
+    `stop_token_ids`, or when the text contains one of `stop` (the stop string is cut off).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+             "must be an integer >= 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "must be in [0, 100]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+             "must be an integer >= 0 (0 = no limit)"),
+            (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
+            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", self.seed,
+             "must be None or an integer in [0, 2^63)"),
+            (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop", self.stop,
+             "must be at most 16 non-empty strings"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+             "must be token ids >= 0"),
+        ]
+        for ok, key, value, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,82 @@
+"""A request inside the engine: its tokens, how many of them have keys/values in the cache, its
+block table, and what it has produced so far.
+
+Invariant while decoding: `len(token_ids) == num_computed + 1`; the newest token is the input of
+the next step. A prompt being prefilled has `num_computed < len(token_ids)`, possibly in chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tessera.infer.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (streamed to the client as it comes)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta: str  # text to append to what was sent before
+    text: str  # the whole completion text so far
+    token_ids: list[int]  # the whole completion so far
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    prompt_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    adapter: str | None = None  # dynamic LoRA adapter name, None for the base model
+    adapter_key: bytes = b""  # identity of the adapter's weights, part of the prefix-cache hash
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)  # prompt + completion
+    num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the registered full blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    pin_prefix: bool = False  # a system prompt: its full blocks stay cached for good
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1 and len(self.token_ids) > self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

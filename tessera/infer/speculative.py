@@ -1,0 +1,144 @@
+"""Proposers for speculative decoding: where the k guessed tokens come from.
+
+- `PromptLookupProposer` (prompt lookup decoding, Saxena 2023; "n-gram" speculation): find the
+  latest earlier occurrence of the context's last n tokens (n from ngram_max down to ngram_min)
+  and propose the tokens that followed it. Costs no model call; pays off on text that repeats
+  its context (code edits, quoting, extraction, loops).
+- `DraftModelProposer`: a small model with the same vocabulary proposes k tokens autoregressively
+  (Leviathan et al. 2023). It keeps its own paged KV cache; each call first catches up on the
+  tokens the target accepted since the last call, in one packed forward pass.
+
+Either way the engine verifies the proposals with one forward pass of the target
+(`rejection_sampling.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tessera.config.errors import ConfigError
+from tessera.infer.block_manager import BlockManager
+from tessera.infer.kv_cache import PagedKVCache
+from tessera.infer.model_runner import BatchItem, ModelRunner
+from tessera.infer.sampling import processed_probs, sample_from
+from tessera.infer.sequence import Sequence
+from tessera.models.transformer import Transformer
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None: deterministic proposer
+
+
+def ngram_lookup(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest matching suffix n-gram:
+    the latest occurrence followed by k tokens, else the one followed by the most (in text with
+    a short period the latest match sits right before the end and is followed by few tokens)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    L = len(arr)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if L < n + 1:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
+        if len(hits):
+            full = hits[hits + n + k <= L]
+            i = int(full[-1]) if len(full) else int(hits[0])
+            return arr[i + n:i + n + k].tolist()
+    return []
+
+
+class PromptLookupProposer:
+    def __init__(self, num_tokens: int, ngram_max: int = 3, ngram_min: int = 1):
+        self.k, self.ngram_max, self.ngram_min = num_tokens, ngram_max, ngram_min
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        return [Proposal(ngram_lookup(s.token_ids, min(self.k, lim), self.ngram_max, self.ngram_min)
+                         if lim > 0 else []) for s, lim in zip(seqs, limits)]
+
+    def rollback(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+@dataclass
+class _DraftState:
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # unused: the draft cache has no prefix reuse
+
+
+class DraftModelProposer:
+    def __init__(self, model: Transformer, target_vocab: int, num_tokens: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if model.cfg.vocab_size != target_vocab:
+            raise ConfigError(f"speculative.draft_model has vocab_size={model.cfg.vocab_size}, the target "
+                              f"{target_vocab}; a draft model must share the target's tokenizer")
+        self.k = num_tokens
+        self.kv = PagedKVCache(model.cfg, num_blocks, block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.kv, device)
+        self.state: dict[str, _DraftState] = {}
+
+    def _draw(self, seq: Sequence, logits_V: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if seq.params.greedy:
+            return int(logits_V.argmax()), None
+        q = processed_probs(logits_V[None], seq.params)[0]
+        return sample_from(q, seq.generator), q
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        proposals = [Proposal() for _ in seqs]
+        active = []
+        for i, (seq, lim) in enumerate(zip(seqs, limits)):
+            if lim <= 0:
+                continue
+            st = self.state.setdefault(seq.request_id, _DraftState())
+            if not self.blocks.ensure_slots(st, len(seq.token_ids) + lim - 1):
+                continue  # the draft cache is full: this sequence decodes without speculation now
+            active.append((i, seq, st, lim))
+        if not active:
+            return proposals
+        # catch up on every token the draft has not seen, and draft the first token
+        items = [BatchItem(seq.token_ids[st.num_computed:], st.num_computed, st.block_table)
+                 for _, seq, st, _ in active]
+        logits = self.runner.forward(items)
+        ends = np.cumsum([len(it.tokens) for it in items]) - 1
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
+        for (i, seq, st, _), end in zip(active, ends):
+            st.num_computed = len(seq.token_ids)
+            tok, q = self._draw(seq, logits[int(end)])
+            proposals[i].tokens.append(tok)
+            if q is not None:
+                probs[i].append(q)
+        # then one token per step for the ones that want more
+        for j in range(1, max(lim for *_, lim in active)):
+            step = [(i, seq, st) for i, seq, st, lim in active if lim > j]
+            items = [BatchItem([proposals[i].tokens[-1]], st.num_computed, st.block_table) for i, _, st in step]
+            logits = self.runner.forward(items)
+            for row, (i, seq, st) in enumerate(step):
+                st.num_computed += 1
+                tok, q = self._draw(seq, logits[row])
+                proposals[i].tokens.append(tok)
+                if q is not None:
+                    probs[i].append(q)
+        for i, qs in probs.items():
+            if qs:
+                proposals[i].probs = torch.stack(qs)
+        return proposals
+
+    def rollback(self, seq: Sequence) -> None:
+        """Forget draft keys/values past what the target kept (rejected proposals)."""
+        st = self.state.get(seq.request_id)
+        if st is not None:
+            st.num_computed = min(st.num_computed, seq.num_computed)
+
+    def release(self, seq: Sequence) -> None:
+        st = self.state.pop(seq.request_id, None)
+        if st is not None:
+            self.blocks.free_sequence(st)

@@ -1,0 +1,25 @@
+"""Shared tiny model directories (written once per test session)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.infer.tiny_models import write_model
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """(directory, HuggingFace model) of a tiny random Llama with varied greedy output."""
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_model(path, "llama", std=0.25)
+
+
+@pytest.fixture(scope="session")
+def mixtral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixtral")
+    return path, write_model(path, "mixtral", std=0.25)
+
+
+@pytest.fixture(scope="session")
+def family_models(llama, mixtral):
+    return {"llama": llama, "mixtral": mixtral}

@@ -1,0 +1,63 @@
+"""`tessera serve` as a process (the contract: /health, greedy /v1/completions), and serving a
+Tessera training checkpoint."""
+
+import pickle
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tessera.checkpoint.dcp import save_checkpoint
+from tessera.hf import load_pretrained
+from tessera.infer import LLM, SamplingParams
+from tests.infer.running_server import free_port
+from tests.infer.tiny_models import hf_greedy
+
+
+@pytest.mark.slow
+def test_serve_command_answers_the_contract(llama):
+    path, hf = llama
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+                             "--block-size", "4", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
+                                                                                   "PATH": "/usr/bin:/bin"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        for model in (str(path), path.name):
+            body = {"model": model, "prompt": "contract", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+            from tessera.data.tokenizer import Tokenizer
+            tok = Tokenizer.from_path(path)
+            assert tok.encode(text, add_special_tokens=False) == hf_greedy(hf, tok.encode("contract"), 8)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_serves_a_tessera_training_checkpoint(llama, tmp_path):
+    path, hf = llama
+    model = load_pretrained(path)
+    meta = {"config": {"model": model.cfg.to_dict(), "data": {"tokenizer": str(path)}}, "layout": {}}
+    state = {"model": model.state_dict(), "optim": {"state.tok_embeddings.weight.exp_avg": torch.zeros(3)},
+             "trainer": pickle.dumps({"step": 7})}  # what the trainer writes besides the weights
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, state, meta, keep_last=1)
+    llm = LLM(tmp_path / "run", block_size=4)
+    out = llm.generate(["from a checkpoint"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(hf, llm.tokenizer.encode("from a checkpoint"), 10)
+    assert torch.equal(llm.engine.model.tok_embeddings.weight, model.tok_embeddings.weight)

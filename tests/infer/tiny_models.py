@@ -1,0 +1,93 @@
+"""Tiny random HuggingFace models with a character-level tokenizer, written to real directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+VOCAB = 128
+SPECIALS = ["<s>", "</s>", "<unk>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+
+
+def char_tokenizer() -> Tokenizer:
+    """One token per character: 3 specials, printable ASCII, newline, then Latin-1 letters up to VOCAB."""
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars += [chr(c) for c in range(192, 192 + VOCAB - len(SPECIALS) - len(chars))]
+    vocab = {t: i for i, t in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+def save_tokenizer(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    char_tokenizer().save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def hf_config(family: str, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0,
+                  eos_token_id=1, tie_word_embeddings=False)
+    common.update(overrides)
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if family == "mistral":
+        return tf.MistralConfig(**{"sliding_window": 6, **common})
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                 head_dim=16, norm_topk_prob=True)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, moe_intermediate_size=16,
+                                   n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                   first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
+                                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    raise ValueError(family)
+
+
+def random_hf_model(config, seed: int = 0, std: float = 0.08):
+    """A transformers model with every weight random (eager attention, fp32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
+    return model
+
+
+def write_model(path: Path, family: str = "llama", seed: int = 0, std: float = 0.08, **overrides):
+    """Save a random model of `family` and the tokenizer to `path`; returns the HuggingFace model."""
+    model = random_hf_model(hf_config(family, **overrides), seed, std)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HuggingFace `generate`, greedy, never stopping early: the completion's token ids. (No
+    `min_new_tokens`: that would forbid the end-of-sequence token instead of ignoring it.)"""
+    ids = torch.tensor([prompt_ids])
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
