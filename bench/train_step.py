@@ -9,6 +9,14 @@ plain PyTorch loop on the same batches with the same micro-batching, loss normal
 clipping (for MoE models HF's load-balancing loss is switched on with the same coefficient).
 Both run in fp32 on the CPU in the same process, alternating step by step so that machine
 load affects both alike. Prints one JSON object: tokens/s of each and the ratio Tessera / HF.
+
+Parallel layouts: for each config, the same trainer also runs on two forked gloo ranks
+(tessera.parallel.testing.run_ranks, one intra-op thread per rank) under each layout of
+`--layouts` (fsdp2, replicate2, tp2, tp2-sp, pp2-1f1b, and ep2-fsdp2 for MoE configs); the JSON
+gets, per layout, the median step time and tokens/s of the whole global batch. They run first,
+before this process computes anything, so that the forked ranks start from a process whose
+OpenMP pool was never used. On a CPU with as many cores as ranks these figures say what the
+collectives and the extra bookkeeping cost next to one process, not what a GPU cluster gains.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch.distributed as dist  # noqa: E402
+
 from tessera.config.schema import load_config  # noqa: E402
 from tessera.hf import save_pretrained  # noqa: E402
+from tessera.parallel.testing import run_ranks  # noqa: E402
 from tessera.train.data_source import build_training_data  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
 
@@ -103,6 +114,50 @@ def bench_config(path: str, overrides: list[str], steps: int, warmup: int) -> di
         }
 
 
+WORLD = 2  # the layouts below are written for two ranks
+LAYOUTS: dict[str, dict[str, object]] = {
+    "fsdp2": {"parallel.dp_shard": 2},
+    "replicate2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 1},
+    "tp2": {"parallel.tp": 2, "parallel.dp_shard": 1},
+    "tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1},
+    "pp2-1f1b": {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"},
+    "ep2-fsdp2": {"parallel.ep": 2, "parallel.dp_shard": 2},  # MoE configs only
+}
+
+
+def _time_steps_on_rank(path: str, overrides: list[str], steps: int, warmup: int) -> float:
+    """Runs on every rank: median seconds of one `train_step` (all ranks start and end it together)."""
+    trainer = Trainer(load_config(path, overrides))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_layouts(path: str, overrides: list[str], names: list[str], world: int, steps: int, warmup: int
+                  ) -> list[dict]:
+    """tokens/s of the trainer under each named layout on `world` forked gloo ranks."""
+    out = []
+    for name in names:
+        layout = LAYOUTS[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(path, [f"run_dir={tmp}/run", *overrides])
+            if name.startswith("ep") and not cfg.model.is_moe:
+                continue
+            sets = [f"run_dir={tmp}/run", "log.progress_bar=false", "log.tensorboard=false", "train.dtype=fp32",
+                    "checkpoint.interval=0", *overrides, *(f"{k}={json.dumps(v)}" for k, v in layout.items())]
+            seconds = run_ranks(_time_steps_on_rank, world, path, sets, steps, warmup, timeout=1800)[0]
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        out.append({"layout": name, "world": world, "parallel": layout, "step_seconds_median": seconds,
+                    "tokens_per_s": tokens / seconds})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=[str(ROOT / "configs/tiny-dense.yaml"),
@@ -112,7 +167,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="parallel layouts to time on forked ranks (none: skip them)")
     args = p.parse_args()
+    # Forked ranks first: nothing in this process has used its thread pool yet.
+    layouts = {c: bench_layouts(c, args.overrides, args.layouts, WORLD, args.steps, args.warmup)
+               for c in args.configs}
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
@@ -123,6 +183,8 @@ def main() -> None:
         "transformers": transformers.__version__,
         "results": [bench_config(c, args.overrides, args.steps, args.warmup) for c in args.configs],
     }
+    for entry, c in zip(result["results"], args.configs):
+        entry["layouts"] = layouts[c]  # one intra-op thread per rank; the single-process figures use --threads
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -1,6 +1,6 @@
 """The `tessera` command: parse arguments, then call one layer's public function.
 
-    tessera train CONFIG [--set key=value ...] [--resume]
+    tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]
     tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
     tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
     tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint)
@@ -39,18 +39,43 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set train.steps=100 (repeatable; YAML values)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section; "
+                        "for several nodes use torchrun (examples/slurm.sbatch)")
+
+
+def _launch_ranks(args: argparse.Namespace, cfg) -> int:
+    """`--nproc N`: check the layout against N ranks, then run this command once per rank."""
+    from tessera.parallel.dims import ParallelDims
+    from tessera.parallel.launch import launch_local, module_command
+
+    dims = ParallelDims.from_config(cfg.parallel, args.nproc)
+    dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
+    argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
+    return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
 
 
 def _train(args: argparse.Namespace) -> int:
     from tessera.config.schema import load_config
 
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc={args.nproc} is invalid: must be >= 1")
+    if args.nproc is not None and args.nproc > 1:
+        return _launch_ranks(args, cfg)
+    from tessera.parallel.launch import shutdown_distributed
     from tessera.train.trainer import Trainer
 
-    trainer = Trainer(cfg, resume=args.resume)
-    if trainer.resumed_from is not None:
-        print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
-    result = trainer.train()
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+        coordinator = trainer.layout.is_coordinator
+        if trainer.resumed_from is not None and coordinator:
+            print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+        result = trainer.train()
+    finally:
+        shutdown_distributed()
+    if not coordinator:
+        return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
     if result.last_step == result.start_step and result.stopped_by_signal is None:
         print(f"nothing to train: the run is at step {result.start_step} and train.steps={cfg.train.steps}")
         return 0
@@ -171,6 +196,12 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_module():
+    from tessera.infer import command
+
+    return command
+
+
 def _plan_module():
     from tessera.plan import command
 
@@ -184,6 +215,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert between HuggingFace and Tessera checkpoints", _convert_arguments, _convert),
     Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts",
             lambda p: _plan_module().add_arguments(p), lambda a: _plan_module().run(a)),
+    Command("serve", "serve a model over an OpenAI-compatible HTTP API",
+            lambda p: _serve_module().add_arguments(p), lambda a: _serve_module().run(a)),
 ]
 
 
@@ -205,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args._run(args)
     except ConfigError as e:
-        print(f"tessera {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"tessera {args.command}: error: {_rank_prefix()}{_one_line(e)}", file=sys.stderr)
         return 2
     except TesseraError as e:
-        print(f"tessera {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"tessera {args.command}: error: {_rank_prefix()}{_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"tessera {args.command}: interrupted", file=sys.stderr)
@@ -226,6 +259,14 @@ def _version() -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+def _rank_prefix() -> str:
+    """'[rank R] ' in a process started as one rank of several (torchrun, --nproc), else ''."""
+    import os
+
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f"[rank {rank}] " if world.isdigit() and int(world) > 1 else ""  # several ranks print at once
 
 
 if __name__ == "__main__":

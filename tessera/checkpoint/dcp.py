@@ -9,7 +9,9 @@ Layout of a run's checkpoint directory:
 
 DCP stores every tensor by its fully qualified name with its global shape, so a later run can
 load it under another parallel layout (sharded or not). It also runs in a single process
-without `init_process_group` (it then plans and writes as rank 0 alone).
+without `init_process_group` (it then plans and writes as rank 0 alone). With several ranks,
+saving and loading are collective: every rank calls them, and rank 0 alone does the directory
+bookkeeping below.
 
 A save goes to `.tmp-step_N-PID/`, gets `meta.json`, is renamed to `step_N/`, and only then is
 `latest` replaced (`os.replace`, atomic). A crash at any point leaves the previous checkpoint and
@@ -34,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tessera.config.errors import CheckpointError
@@ -149,21 +152,64 @@ def _pause_hook(step: int) -> None:
             time.sleep(float(seconds or 3600))
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
                     keep_last: int) -> Path:
     """Save `state` (a DCP state dict: tensors and picklable objects) as checkpoint `step`.
 
     Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step.
+    With several ranks every rank calls this: each writes its shards into one temporary directory
+    (on a file system all ranks share), then rank 0 alone completes it (meta.json, rename, pointer,
+    old checkpoints), and every rank returns once that is done or raises if it failed.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp))
-    _pause_hook(step)
+    rank, world = _world()
+    if world == 1:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp))
+        _pause_hook(step)
+        _complete(root, tmp, final, step, meta, keep_last)
+        return final
+    tmp = None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    tmp = Path(_broadcast_from_rank0(str(tmp) if tmp is not None else None))
+    dcp.save(state, checkpoint_id=str(tmp))
+    error = None
+    if rank == 0:
+        try:
+            _pause_hook(step)
+            _complete(root, tmp, final, step, meta, keep_last)
+        except OSError as e:
+            error = f"cannot complete checkpoint {str(final)!r}: {e}"
+    error = _broadcast_from_rank0(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return final
+
+
+def _complete(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any], keep_last: int) -> None:
+    """meta.json into the saved directory, then rename it into place, move `latest`, prune old ones."""
     _write_durably(tmp / META, json.dumps({"step": step, "format": 1, **meta}, indent=1))
     _fsync_dir(tmp)
     old = None
@@ -181,7 +227,6 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     for _, p in list_checkpoints(root)[:-keep_last]:
         if p != final:
             shutil.rmtree(p, ignore_errors=True)
-    return final
 
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:

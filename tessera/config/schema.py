@@ -55,6 +55,10 @@ class TrainConfig:
     # Tessera checkpoint / run directory. They replace the random init; optimizer and step start fresh.
     # Its shape must match the `model` section. None = random init.
     init_from: str | None = None
+    # Seconds a collective may wait for its peers before the run fails with an error naming the rank,
+    # the phase of the step and the operation (a hung or crashed rank). Large enough for a checkpoint
+    # save or the first step's warm-up on a big model; NCCL's own default is also 10 minutes.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -120,6 +124,10 @@ class LogConfig:
     # Peak FLOP/s of one device for MFU. None = looked up from the GPU's name (H100, A100, ...);
     # on CPU, MFU is reported as null unless this is set.
     peak_flops: float | None = None
+    # Count the calls and payload bytes of every collective of each step (all_reduce, all_gather,
+    # reduce_scatter, all_to_all, broadcast, send_recv) into metrics.jsonl as comm/<kind>_calls and
+    # comm/<kind>_bytes (summed over ranks). Off by default: it adds per-operator Python overhead.
+    comm_stats: bool = False
 
 
 @dataclass
@@ -224,6 +232,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
     need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    need(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0 (seconds)")
     need(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     need(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
     need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),

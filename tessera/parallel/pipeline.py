@@ -134,15 +134,22 @@ class PipelineRun:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """Forward and backward of this rank's part of the batch (cut into micro-batches by the
         schedule); returns the last stage's per-micro-batch losses (empty elsewhere)."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only (the schedule's eval): the last stage's per-micro-batch losses, no gradients."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         if self.has_first_stage and self.has_last_stage:
-            self.schedule.step(inputs, target=targets, losses=losses)
+            call(inputs, target=targets, losses=losses)
         elif self.has_first_stage:
-            self.schedule.step(inputs)
+            call(inputs)
         elif self.has_last_stage:
-            self.schedule.step(target=targets, losses=losses)
+            call(target=targets, losses=losses)
         else:
-            self.schedule.step()
+            call()
         return losses
 
 

@@ -16,6 +16,7 @@ After T every schedule except `constant` stays at min_lr, the floor.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,14 +58,18 @@ class LRScheduler:
     saved with the checkpoint to make a resumed run's first rate checkable against the original.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> None:
-        self.optimizer, self.cfg, self.total_steps = optimizer, cfg, total_steps
+    def __init__(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], cfg: OptimConfig,
+                 total_steps: int) -> None:
+        # Several optimizers when a rank holds several pipeline stages (one per stage module).
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.optimizer, self.cfg, self.total_steps = self.optimizers[0], cfg, total_steps
         self.last_step = 0
 
     def set_step(self, step: int) -> float:
         lr = lr_at(step, self.cfg, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         self.last_step = step
         return lr
 

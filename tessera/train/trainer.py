@@ -18,20 +18,30 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
   val_loss and val_ppl on evaluation steps; for MoE models aux_loss, aux/layer{i}/{name} and
   expert_load/layer{i}/{max_over_mean, max_tokens, mean_tokens} (routing slots per expert, summed
-  over the step's micro-batches).
+  over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
+  (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes.
+
+Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
+made) the `parallel` section decides the layout (run_layout.py): every rank builds the full
+model from the seed, then keeps its shards (`tessera.parallel.parallelize`) or pipeline stages
+(pipeline_step.py); every rank reads the whole global batch and takes its rows, so the data order
+does not depend on the layout; statistics are summed over ranks and rank 0 writes the metrics,
+the progress bar and the checkpoint bookkeeping. With one process nothing of this runs: the step
+is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
+autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
+compute (fp32 shards stay the master copy, gradients are reduced in fp32); the router then reads
+bf16-rounded weights (in fp32 arithmetic), which stays within the bf16 tolerance of one process.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
@@ -39,24 +49,21 @@ from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.flops import flops_per_token
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
-from tessera.train.data_source import Batch, TrainingData, build_training_data
-from tessera.train.loss import count_loss_tokens, micro_batch_objective, token_loss_sum
+from tessera.parallel.comm_stats import CollectiveCounter
+from tessera.train.comm_metrics import comm_record
+from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.metrics_writer import MetricsWriter
 from tessera.train.optimizer import build_optimizer
-from tessera.train.rng_state import capture_rng_state, restore_rng_state, seed_everything
+from tessera.train.rng_state import seed_everything
+from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
 from tessera.train.stop_signal import StopSignal
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
+from tessera.train.train_checkpoint import load_training_state, save_training_state
 
 CHECKPOINT_DIR = "checkpoints"
 
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} is invalid: CUDA is not available here; use cpu or auto")
-    return torch.device(name)
+__all__ = ["CHECKPOINT_DIR", "TrainResult", "Trainer", "resolve_device"]
 
 
 @dataclass
@@ -67,170 +74,171 @@ class TrainResult:
     last_step: int  # the last completed optimizer step
     stopped_by_signal: int | None = None  # SIGTERM/SIGINT number when stopped early, else None
     checkpoint: Path | None = None  # the last checkpoint written
-    records: list[dict[str, Any]] = field(default_factory=list)  # the metric records written
+    records: list[dict[str, Any]] = field(default_factory=list)  # the metric records written (rank 0)
 
 
 class Trainer:
-    """Builds model, optimizer, schedule and data from a RunConfig, then trains."""
+    """Builds model, optimizer, schedule and data from a RunConfig, then trains (any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False):
         self.cfg = cfg
         t = cfg.train
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / CHECKPOINT_DIR
-        cfg.parallel.resolved_dp_shard(1)  # this trainer runs one process: refuse a multi-rank layout
-        self.dp_size = 1
+        self.layout: RunLayout = build_layout(cfg)  # refuses a bad layout before any allocation
+        self.device = self.layout.device
+        self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         resume_from = self._checkpoint_to_resume(resume)
-        self.device = resolve_device(t.device)
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
 
         seed_everything(t.seed)
-        self.data: TrainingData = build_training_data(cfg)
+        self.data: TrainingData = self._build_data()
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
                               f"{self.data.vocab_size} tokens, so it must be >= {self.data.vocab_size}")
-        self.model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.steps)
+        model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
+        model.train()
+        self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if resume_from is None and t.init_from:
+            self._init_from(model, t.init_from)
+        self.engine = self._build_engine(model)
+        self.parts = self.engine.parts
+        self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
+        self.optimizers = [build_optimizer(m, cfg.optim) for m in self.parts]
+        self.optimizer = self.optimizers[0]
+        self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self.step = 0
         self.tokens_seen = 0
         if resume_from is not None:
             self._load(resume_from)
-        elif t.init_from:
-            self._init_from(t.init_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
         self.resumed_from = resume_from
 
     # ---- setup -----------------------------------------------------------------------------
     def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        found = ckpt.find_latest(self.ckpt_root)
-        if not resume and found is not None:
-            raise ConfigError(f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
-                              "continue that run, or choose another run_dir")
-        return found if resume else None
+        """Rank 0 looks at the run directory and every rank follows its decision."""
+        decision: tuple[str | None, str | None] = (None, None)
+        if self.layout.is_coordinator:
+            found = ckpt.find_latest(self.ckpt_root)
+            if not resume and found is not None:
+                decision = (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
+                                  "continue that run, or choose another run_dir")
+            else:
+                decision = (str(found) if resume and found is not None else None, None)
+        found, error = self.layout.broadcast(decision)
+        if error is not None:
+            raise ConfigError(error)
+        return Path(found) if found is not None else None
 
-    def _init_from(self, path: str) -> None:
-        """Weights from a HuggingFace directory or a Tessera checkpoint; optimizer and step start fresh."""
+    def _build_data(self) -> TrainingData:
+        """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing corpus."""
+        data = self.layout.on_coordinator(lambda: build_training_data(self.cfg))
+        return data if data is not None else build_training_data(self.cfg)
+
+    def _build_engine(self, model: Transformer):
+        from tessera.train.single_process_step import SingleProcessStep
+
+        t, dims = self.cfg.train, self.layout.dims
+        if dims is None:
+            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype)
+        param_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
+        with self.layout.phase("parallelizing the model"):
+            if dims.pp > 1:
+                from tessera.train.pipeline_step import PipelineStep
+
+                return PipelineStep(model, dims, self.cfg, self.device, self.autocast_dtype, param_dtype)
+            from tessera.parallel import parallelize
+            from tessera.train.parallel_step import ParallelStep
+
+            model = parallelize(model, dims, self.cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                expert_dispatcher="alltoall", device_type=self.device.type)
+            return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
+                                self.autocast_dtype)
+
+    def _init_from(self, model: Transformer, path: str) -> None:
+        """Weights from a HuggingFace directory or a Tessera checkpoint; optimizer and step start fresh.
+        Loaded into the full model on every rank, before it is parallelized."""
         from tessera.checkpoint.convert import is_hf_directory, load_model_weights
         from tessera.hf import load_pretrained
 
         if not is_hf_directory(path):
-            load_model_weights(ckpt.resolve_checkpoint(path), self.model)
+            load_model_weights(ckpt.resolve_checkpoint(path), model)
             return
         pretrained = load_pretrained(path, dtype=torch.float32)
-        ours, theirs = self.model.state_dict(), pretrained.state_dict()
+        ours, theirs = model.state_dict(), pretrained.state_dict()
         for key, value in ours.items():
             if key not in theirs:
                 raise CheckpointError(f"train.init_from={path!r} does not fit the model: it has no {key!r}")
             if theirs[key].shape != value.shape:
                 raise CheckpointError(f"train.init_from={path!r} does not fit the model: {key!r} has shape "
                                       f"{list(theirs[key].shape)} there but {list(value.shape)} in the model")
-        self.model.load_state_dict(theirs, strict=True)
+        model.load_state_dict(theirs, strict=True)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
+        """The layout-independent part (the same on every rank); RNG states are stored per rank."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
-                "data": self.data.train.state_dict(), "rng": capture_rng_state()}
+                "data": self.data.train.state_dict()}
 
     def save(self) -> Path:
-        """Checkpoint model, optimizer, schedule, step, RNG states and data position.
-
-        Model and optimizer tensors are stored by parameter name with their global shapes
-        (`get_state_dict`), so another layout can load them. The trainer state (step, schedule,
-        data position, RNG states) is one pickled object: this process's; with several ranks each
-        would store its own RNG states under a per-rank key.
-        """
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": pickle.dumps(self._trainer_state())}
-        meta = {"config": self.cfg.to_dict()}
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, state, meta, self.cfg.checkpoint.keep_last)
+        """Checkpoint model, optimizer, schedule, step, RNG states and data position (train_checkpoint.py)."""
+        with self.layout.phase("checkpoint save"):
+            return save_training_state(self.ckpt_root, self.step, self.parts, self.optimizers, self._trainer_state(),
+                                       self.cfg, self.layout.rank, self.layout.world_size)
 
     def _load(self, path: Path) -> None:
-        expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        ckpt.check_compatible(path, "model", expected)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": b""}
-        ckpt.load_checkpoint(path, state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        trainer = pickle.loads(state["trainer"])  # checkpoints are trusted input, like torch.load
+        with self.layout.phase("checkpoint load"):
+            trainer = load_training_state(path, self.parts, self.optimizers, self.full_shapes, self.cfg,
+                                          self.layout.rank, self.layout.world_size)
         self.step = int(trainer["step"])
         self.tokens_seen = int(trainer["tokens_seen"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
-        restore_rng_state(trainer["rng"])
 
     # ---- one step --------------------------------------------------------------------------
-    def _forward_backward(self, batch: Batch) -> dict[str, Any]:
-        """Accumulate the gradient of one global batch; return its loss statistics."""
-        inputs, targets, mask = batch.inputs, batch.targets, batch.target_mask
-        n_loss_tokens = count_loss_tokens(targets, mask)
-        mb = self.cfg.train.micro_batch_size
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        aux_total = torch.zeros((), dtype=torch.float64)
-        aux_parts: dict[str, float] = {}
-        counts: dict[int, torch.Tensor] = {}
-        for i in range(self.accumulation):
-            rows = slice(i * mb, (i + 1) * mb)
-            x = inputs[rows].to(self.device, non_blocking=True)
-            y = targets[rows].to(self.device, non_blocking=True)
-            m = mask[rows].to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                                enabled=self.autocast_dtype is not None):
-                out = self.model(x)
-            micro_sum = token_loss_sum(out.logits, y, m)
-            micro_batch_objective(micro_sum, out.aux_loss, n_loss_tokens, self.accumulation).backward()
-            loss_sum += micro_sum.detach().double().cpu()
-            aux_total += out.aux_loss.detach().double().cpu()
-            for name, value in out.aux_losses.items():
-                aux_parts[name] = aux_parts.get(name, 0.0) + float(value.detach()) / self.accumulation
-            for layer, c in out.expert_counts.items():
-                c = c.detach()
-                counts[layer] = counts[layer] + c if layer in counts else c.clone()
-        return {"loss": float(loss_sum) / max(n_loss_tokens, 1),
-                "aux_loss": float(aux_total) / self.accumulation, "aux_parts": aux_parts, "counts": counts,
-                "loss_tokens": n_loss_tokens, "tokens": int(inputs.numel())}
-
     def train_step(self) -> dict[str, Any]:
         """One optimizer step on the next global batch; returns the step's statistics."""
         self.step += 1
         lr = self.scheduler.set_step(self.step)
         batch = self.data.train.next_batch()
-        stats = self._forward_backward(batch)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        stats["skipped"] = not math.isfinite(grad_norm)
-        if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        counter = CollectiveCounter() if self.cfg.log.comm_stats else None
+        if counter is not None:
+            counter.__enter__()
+        try:
+            with self.layout.phase("forward/backward"):
+                stats = self.engine.forward_backward(batch)
+            with self.layout.phase("gradient norm"):
+                grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+            stats["skipped"] = not math.isfinite(grad_norm)
+            if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
+                with self.layout.phase("optimizer step"):
+                    for optimizer in self.optimizers:
+                        optimizer.step()
+        finally:
+            if counter is not None:
+                counter.__exit__(None, None, None)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         if stats["counts"]:
-            self.model.update_expert_bias(stats["counts"])
+            self.engine.update_expert_bias(stats["counts"])
         self.tokens_seen += stats["tokens"]
         stats.update(lr=lr, grad_norm=grad_norm)
+        if counter is not None:
+            with self.layout.phase("communication statistics"):
+                stats["comm"] = comm_record(counter, self.layout)
         return stats
 
     # ---- evaluation ------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss (sum of token losses / loss tokens) and perplexity over eval_steps batches."""
-        self.model.eval()
-        total, n = 0.0, 0
-        mb = self.cfg.train.micro_batch_size
-        for batch in self.data.validation_batches(self.cfg.train.eval_steps):
-            for i in range(0, batch.tokens.shape[0], mb):
-                x = batch.inputs[i:i + mb].to(self.device)
-                y = batch.targets[i:i + mb].to(self.device)
-                m = batch.target_mask[i:i + mb].to(self.device)
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                                    enabled=self.autocast_dtype is not None):
-                    logits = self.model(x).logits
-                total += float(token_loss_sum(logits, y, m))
-                n += count_loss_tokens(y, m)
-        self.model.train()
+        for m in self.parts:
+            m.eval()
+        with self.layout.phase("evaluation"):
+            total, n = self.engine.evaluate(self.data.validation_batches(self.cfg.train.eval_steps))
+        for m in self.parts:
+            m.train()
         loss = total / max(n, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
@@ -238,7 +246,7 @@ class Trainer:
     def _record(self, stats: dict[str, Any], tokens: int, seconds: float) -> dict[str, Any]:
         rec: dict[str, Any] = {"step": self.step, "loss": stats["loss"], "lr": stats["lr"],
                                "grad_norm": stats["grad_norm"]}
-        rec.update(step_throughput(tokens, seconds, self.flops_per_token, self.peak_flops, self.dp_size))
+        rec.update(step_throughput(tokens, seconds, self.flops_per_token, self.peak_flops, self.layout.world_size))
         rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=self.tokens_seen, mem_gib=memory_gib(self.device))
         if stats["skipped"]:
             rec["skipped_step"] = True
@@ -250,24 +258,41 @@ class Trainer:
                 rec[f"expert_load/layer{layer}/max_over_mean"] = float(c.max() / c.mean().clamp_min(1e-9))
                 rec[f"expert_load/layer{layer}/max_tokens"] = float(c.max())
                 rec[f"expert_load/layer{layer}/mean_tokens"] = float(c.mean())
+        rec.update(stats.get("comm", {}))
         return rec
 
+    def _prepare_run_dir(self) -> MetricsWriter | None:
+        """Rank 0 cleans up interrupted saves and opens the metrics; the others wait for it."""
+
+        def prepare() -> MetricsWriter:
+            ckpt.remove_partial_saves(self.ckpt_root)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.yaml")
+            resume_step = self.step if self.resumed_from is not None else None
+            return MetricsWriter(self.run_dir, self.cfg.log.tensorboard, resume_step=resume_step)
+
+        return self.layout.on_coordinator(prepare)
+
     def train(self) -> TrainResult:
-        """Train from the current step to `train.steps`; stop early (with a checkpoint) on SIGTERM/SIGINT."""
+        """Train from the current step to `train.steps`; stop early (with a checkpoint) on SIGTERM/SIGINT.
+
+        On several ranks a signal that reaches any rank stops all of them after the same step."""
         t, log = self.cfg.train, self.cfg.log
-        ckpt.remove_partial_saves(self.ckpt_root)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.yaml")
-        resume_step = self.step if self.resumed_from is not None else None
-        writer = MetricsWriter(self.run_dir, log.tensorboard, resume_step=resume_step)
+        writer = self._prepare_run_dir()
         result = TrainResult(start_step=self.step, last_step=self.step)
-        bar = tqdm(total=t.steps, initial=self.step, disable=not log.progress_bar, desc="train", unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and self.layout.is_coordinator),
+                   desc="train", unit="step", dynamic_ncols=True)
         window_tokens, window_seconds = 0, 0.0
         saved_at = None
+        agreed: int | None = None  # on several ranks: the stop signal every rank has agreed on
+
         try:
             with StopSignal() as stop:
-                while self.step < t.steps and not stop.requested:
+
+                def stop_requested() -> bool:  # one process: the flag itself; several: what all agreed on
+                    return agreed is not None if self.layout.distributed else stop.requested
+
+                while self.step < t.steps and not stop_requested():
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     start = time.perf_counter()
@@ -276,27 +301,31 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     window_seconds += time.perf_counter() - start
                     window_tokens += stats["tokens"]
+                    if self.layout.distributed:  # a signal that reached any rank stops all after this step
+                        agreed = self.layout.max_over_ranks(stop.received or 0) or None
                     last = self.step == t.steps
                     evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
                     if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
-                            or evaluate or stop.requested:
+                            or evaluate or stop_requested():
                         rec = self._record(stats, window_tokens, window_seconds)
                         if evaluate:
                             rec.update(self.evaluate())
-                        writer.write(rec)
-                        result.records.append(rec)
+                        if writer is not None:
+                            writer.write(rec)
+                            result.records.append(rec)
                         window_tokens, window_seconds = 0, 0.0
                         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
                     bar.update(1)
                     interval = self.cfg.checkpoint.interval
-                    if last or stop.requested or (interval > 0 and self.step % interval == 0):
+                    if last or stop_requested() or (interval > 0 and self.step % interval == 0):
                         result.checkpoint = self.save()
                         saved_at = self.step
-                result.stopped_by_signal = stop.received
-                if stop.requested and saved_at != self.step and self.step > result.start_step:
+                result.stopped_by_signal = agreed if self.layout.distributed else stop.received
+                if stop_requested() and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
         finally:
             bar.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
         result.last_step = self.step
         return result

@@ -1,0 +1,149 @@
+"""Where this process sits in a run: rank, world, device and, on several ranks, the named device mesh.
+
+`build_layout(cfg)` joins the process group the launcher prepared (torchrun, `tessera train
+--nproc N`, or one the caller already initialised, as the test harness does), then checks the
+`parallel` section against the world size and the model's shapes before any weight is allocated,
+and builds the mesh. With one process there is no process group and no mesh: the trainer then
+runs its single-process step, unchanged.
+
+Rank 0 is the coordinator: it alone writes metrics.jsonl, config.yaml, TensorBoard events, the
+progress bar and the checkpoint directory's bookkeeping; every rank reads the same global batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.schema import RunConfig
+from tessera.parallel.collective_timeout import collective_phase
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.launch import init_distributed, rank_env, set_default_timeout
+
+T = TypeVar("T")
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`train.device` as a torch device; on several ranks `auto` / `cuda` mean this rank's GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} is invalid: CUDA is not available here; use cpu or auto")
+    if name == "cuda" and local_rank is not None:
+        name = f"cuda:{local_rank}"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
+@dataclass
+class RunLayout:
+    rank: int
+    world_size: int
+    device: torch.device
+    dims: ParallelDims | None  # None for one process
+    timeout_s: float
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size if self.dims is not None else 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (a pickled object broadcast)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        with self.phase("broadcast from rank 0"):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_coordinator(self, fn: Callable[[], T]) -> T | None:
+        """`fn()` on rank 0 only (None elsewhere). If it raises, every rank raises (the others a
+        copy naming rank 0) instead of waiting for rank 0 in the next collective until the timeout."""
+        if not self.distributed:
+            return fn()
+        result, error = None, None
+        if self.is_coordinator:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+        failed = self.broadcast(None if error is None else (type(error), " ".join(str(error).split())))
+        if error is not None:
+            raise error
+        if failed is not None:
+            cls, message = failed
+            if issubclass(cls, TesseraError):
+                raise cls(f"on rank 0: {message}")
+            raise RuntimeError(f"rank 0 failed with {cls.__name__}: {message}")
+        return result
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of every rank's `value` (e.g. a stop signal only some ranks received)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        with self.phase("agreeing on a stop signal"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A collective timeout inside the block becomes a ParallelError naming rank, phase, operation."""
+        with collective_phase(name, self.rank, self.world_size, self.timeout_s):
+            yield
+
+
+def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
+    """The global batch must split into equal micro-batches on every data-parallel rank."""
+    t, dp = cfg.train, dims.dp_size
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is invalid: must be a multiple of "
+                          f"train.micro_batch_size x data-parallel size (dp_replicate x dp_shard) = "
+                          f"{t.micro_batch_size} x {dp}")
+    if dims.pp == 1:
+        return
+    rows = t.global_batch_size // dp
+    m = cfg.parallel.microbatches
+    if m is not None and rows % m:
+        raise ConfigError(f"parallel.microbatches={m} is invalid: it must divide the {rows} samples each "
+                          f"data-parallel rank reads (train.global_batch_size / dp = {t.global_batch_size} / {dp})")
+    m = m or rows // t.micro_batch_size
+    if m < dims.pp and cfg.parallel.pp_schedule != "gpipe":
+        raise ConfigError(f"parallel.microbatches={m} (per data-parallel rank) is fewer than parallel.pp={dims.pp}: "
+                          f"the {cfg.parallel.pp_schedule} schedule needs one per stage; lower "
+                          "train.micro_batch_size or raise train.global_batch_size")
+
+
+def build_layout(cfg: RunConfig) -> RunLayout:
+    """Join the process group (if any), validate the parallel layout and build the mesh."""
+    t = cfg.train
+    env = rank_env()
+    device = resolve_device(t.device, env.local_rank if env.distributed else None)
+    env = init_distributed(device, t.collective_timeout_s)
+    if not env.distributed:
+        cfg.parallel.resolved_dp_shard(1)  # one process: refuse a layout that needs several ranks
+        return RunLayout(0, 1, device, None, t.collective_timeout_s)
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    dims.validate(cfg.model, env.world_size, seq_len=t.seq_len, vpp=cfg.parallel.vpp)
+    check_batch_layout(cfg, dims)
+    set_default_timeout(t.collective_timeout_s)  # the mesh's subgroups take it
+    layout = RunLayout(env.rank, env.world_size, device, dims, t.collective_timeout_s)
+    with layout.phase("building the device mesh"):
+        dims.build_mesh(device.type)
+    return layout

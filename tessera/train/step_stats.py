@@ -1,0 +1,67 @@
+"""A step's loss and MoE statistics, accumulated over a rank's micro-batches and summed over ranks.
+
+Each rank adds up what it computed: the token-loss sum of its rows (on the last pipeline stage),
+and, per micro-batch, the MoE auxiliary loss, its named parts and the routing counts of the
+layers it holds. `reduce_over_ranks` then makes the step's global figures, the same on every rank:
+
+- summed over data-parallel ranks (`dp`), which read different rows. Tensor- and sequence-parallel
+  peers compute the same values (every tp rank routes the whole micro-batch), so they are not
+  added again.
+- combined over pipeline stages (`pp`): a stage holds the loss (last stage) or the statistics of
+  its own layers only, so the stages' dictionaries are merged.
+
+The summed routing counts drive the aux-loss-free expert-bias step, which must be identical on
+every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tessera.parallel.data_parallel_batch import global_sum, sum_expert_counts
+from tessera.parallel.dims import ParallelDims
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0  # sum of token cross-entropies (fp64 accumulation)
+    aux_total: float = 0.0  # sum over micro-batches of the weighted auxiliary loss
+    aux_parts: dict[str, float] = field(default_factory=dict)  # "layer{i}/{name}" -> sum over micro-batches
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots, summed
+
+    def add_loss(self, micro_sum: torch.Tensor) -> None:
+        self.loss_sum += float(micro_sum.detach().double())
+
+    def add_routing(self, out) -> None:
+        """The auxiliary losses and routing counts of one micro-batch's ModelOutput."""
+        self.aux_total += float(out.aux_loss.detach().double())
+        for name, value in out.aux_losses.items():
+            self.aux_parts[name] = self.aux_parts.get(name, 0.0) + float(value.detach())
+        for layer, c in out.expert_counts.items():
+            c = c.detach()
+            self.counts[layer] = self.counts[layer] + c if layer in self.counts else c.clone()
+
+
+def reduce_over_ranks(local: StepStats, dims: ParallelDims) -> StepStats:
+    """The step's statistics summed over data-parallel ranks and merged over pipeline stages."""
+    names = sorted(local.aux_parts)
+    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names)],
+                       dtype=torch.float64)
+    vec = global_sum(vec, dims, "dp")
+    counts = sum_expert_counts(local.counts, dims)
+    out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:].tolist())),
+                    {k: v.cpu() for k, v in counts.items()})
+    if dims.pp == 1:
+        return out
+    stages: list[StepStats | None] = [None] * dims.pp
+    dist.all_gather_object(stages, out, group=dims["pp"].get_group())
+    merged = StepStats()
+    for s in stages:
+        merged.loss_sum += s.loss_sum
+        merged.aux_total += s.aux_total
+        merged.aux_parts.update(s.aux_parts)
+        merged.counts.update(s.counts)
+    return merged

@@ -1,0 +1,94 @@
+"""What a training checkpoint holds, and how it is restored under the same or another layout.
+
+    model.<name>                  every weight and buffer by parameter name, global shape
+    optim.state.<name>.<key>      AdamW's step / exp_avg / exp_avg_sq of each parameter
+    optim.param_groups.<name>.<k> its group's hyper-parameters (lr, betas, weight decay, ...)
+    trainer                       step, tokens seen, schedule, data position (pickled; the same on
+                                  every rank, so DCP stores it once)
+    rng.rank<r>                   rank r's RNG states (Python, NumPy, torch CPU/CUDA), pickled
+
+Model and optimizer come from `get_state_dict(..., flatten_optimizer_state_dict=True)`: tensors
+are DTensors where FSDP / TP / EP split them, and every key is a parameter name, whichever
+pipeline stage holds it. DCP (`torch.distributed.checkpoint`) writes each shard once and reads
+any other split back, so a run saved under one layout (one process, dp_shard=4, tp=2 x pp=2,
+...) resumes under another.
+
+What is restored on resume:
+- weights, optimizer moments, step, tokens seen, schedule position and data position: always.
+  The data position counts samples of global batches, which every rank reads whole, so the
+  next batch is the same under any layout.
+- RNG states: rank r restores `rng.rank<r>` when the checkpoint was written by the same world size
+  and parallel layout; otherwise every rank restores rank 0's states (in a fresh run, too, all
+  ranks start from one seeded state). Draws that depend on a rank's position (router jitter,
+  dropout) then differ from an uninterrupted run, as they would between layouts anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from tessera.checkpoint import dcp as ckpt
+from tessera.config.schema import RunConfig
+from tessera.train.rng_state import capture_rng_state, restore_rng_state
+
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def layout_signature(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+    """What decides which rank holds what: the world size and the parallel section."""
+    return {"world_size": world_size, "parallel": dataclasses.asdict(cfg.parallel)}
+
+
+def model_and_optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+                              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state of all this rank's modules, keyed by parameter name."""
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    for module, optimizer in zip(parts, optimizers, strict=True):
+        m, o = get_state_dict(module, optimizer, options=STATE_OPTIONS)
+        model_sd.update(m)
+        optim_sd.update(o)
+    return model_sd, optim_sd
+
+
+def save_training_state(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                        trainer_state: dict[str, Any], cfg: RunConfig, rank: int, world_size: int) -> Path:
+    """Write checkpoint `step` under `root` (every rank calls this; rank 0 completes the directory)."""
+    model_sd, optim_sd = model_and_optimizer_state(parts, optimizers)
+    state = {"model": model_sd, "optim": optim_sd, "trainer": pickle.dumps(trainer_state),
+             "rng": {f"rank{rank}": pickle.dumps(capture_rng_state())}}
+    meta = {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
+    return ckpt.save_checkpoint(root, step, state, meta, cfg.checkpoint.keep_last)
+
+
+def load_training_state(path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                        expected_shapes: dict[str, tuple[int, ...]], cfg: RunConfig, rank: int,
+                        world_size: int) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG from checkpoint `path`; returns the trainer state.
+
+    `expected_shapes` are the whole model's (every stage's) tensors, checked before anything loads.
+    """
+    ckpt.check_compatible(path, "model", expected_shapes)
+    stored = ckpt.checkpoint_tensor_shapes(path)
+    meta = ckpt.read_meta(path)
+    same_layout = meta.get("layout") == layout_signature(cfg, world_size)
+    rng_key = f"rank{rank}" if same_layout else "rank0"
+    per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
+    state: dict[str, Any] = {"model": {k: v for m, _ in per_part for k, v in m.items()},
+                             "optim": {k: v for _, o in per_part for k, v in o.items()}, "trainer": b""}
+    if f"rng.{rng_key}" in stored:
+        state["rng"] = {rng_key: b""}
+    ckpt.load_checkpoint(path, state)  # tensors are loaded in place, resharded to this layout
+    for module, optimizer, (mine_m, mine_o) in zip(parts, optimizers, per_part, strict=True):
+        set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in mine_m},
+                       optim_state_dict={k: state["optim"][k] for k in mine_o}, options=STATE_OPTIONS)
+    if "rng" in state:
+        restore_rng_state(pickle.loads(state["rng"][rng_key]))  # checkpoints are trusted input
+    return pickle.loads(state["trainer"])

@@ -1,0 +1,113 @@
+"""`tessera train --nproc N` and torchrun: several local ranks, one metrics.jsonl written by rank 0,
+the same losses as one process; a layout the ranks cannot take is refused before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.checkpoint import dcp as ckpt
+from tessera.cli import main
+from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink
+
+FSDP2 = {"parallel.dp_shard": 2, "optim.eps": 1e-3}  # eps: see tests/parallel/trainer_runs.py
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.dist
+def test_nproc_2_trains_like_one_process(small_dataset, tmp_path, capfd):
+    overrides = shrink(small_dataset, tmp_path / "ranks", 3, **FSDP2)
+    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("trained steps 1..3") == 1  # the summary comes from rank 0 only
+    assert [r["step"] for r in _metrics(tmp_path / "ranks")] == [1, 2, 3]
+    latest = ckpt.find_latest(tmp_path / "ranks" / "checkpoints")
+    assert {"rng.rank0", "rng.rank1"} <= set(ckpt.checkpoint_tensor_shapes(latest))
+    single = shrink(small_dataset, tmp_path / "one", 3, **{"optim.eps": 1e-3})
+    assert main(["train", TINY_DENSE, *set_args(single)]) == 0
+    got, want = read_losses(tmp_path / "ranks"), read_losses(tmp_path / "one")
+    assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want)
+
+
+def test_nproc_that_the_layout_cannot_take_is_refused_before_starting(small_dataset, tmp_path, capsys):
+    overrides = shrink(small_dataset, tmp_path / "run", 3, **FSDP2)
+    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dp_shard=2" in err and "the world has 3" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_torchrun_runs_the_same_command(small_dataset, tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this interpreter")
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tessera", "train", TINY_DENSE,
+                           *set_args(shrink(small_dataset, run, 2, **FSDP2))], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+    assert proc.stdout.count("trained steps 1..2") == 1
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(small_dataset, tmp_path):
+    run = tmp_path / "run"
+    overrides = shrink(small_dataset, run, 10_000, **{**FSDP2, "checkpoint.interval": 0})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tessera", "train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    last_logged = max(read_losses(run))
+    latest = ckpt.find_latest(run / "checkpoints")
+    assert latest is not None and ckpt.read_meta(latest)["step"] == last_logged < 10_000
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ranks_of_a_killed_launcher_save_and_stop(small_dataset, tmp_path):
+    run = tmp_path / "run"
+    overrides = shrink(small_dataset, run, 10_000, **{**FSDP2, "checkpoint.interval": 0})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tessera", "train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # SIGKILL: the launcher cannot forward anything
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while ckpt.find_latest(run / "checkpoints") is None:  # the ranks notice, finish the step and save
+        assert time.monotonic() < deadline, "the ranks did not save after their launcher died"
+        time.sleep(0.1)
+    time.sleep(0.5)  # the last metrics line is written before the save; let rank 0 finish closing
+    assert ckpt.read_meta(ckpt.find_latest(run / "checkpoints"))["step"] == max(read_losses(run)) < 10_000
