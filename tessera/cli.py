@@ -55,12 +55,37 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
 
 
+def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
+    """The planner's memory estimate, before any rank allocates: one warning line when it will not fit."""
+    import os
+
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks for all
+        return
+    budget, reserved = cfg.train.memory_budget_gib, 0.0
+    if budget is None:
+        reserved = 3 * 2**30  # CUDA context, allocator slack, NCCL buffers
+        import torch
+
+        if not torch.cuda.is_available() or cfg.train.device == "cpu":
+            return
+        budget = torch.cuda.get_device_properties(0).total_memory / 2**30
+    from tessera.plan.fits import check_fits
+
+    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    t = cfg.train
+    message = check_fits(cfg.model, cfg.parallel, t.seq_len, t.micro_batch_size, t.global_batch_size, world,
+                         f"{budget}GiB", dtype=t.dtype, reserved_bytes=reserved)
+    if message is not None:
+        print(f"warning: {message}", file=sys.stderr)
+
+
 def _train(args: argparse.Namespace) -> int:
     from tessera.config.schema import load_config
 
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc={args.nproc} is invalid: must be >= 1")
+    _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None and args.nproc > 1:
         return _launch_ranks(args, cfg)
     from tessera.parallel.launch import shutdown_distributed

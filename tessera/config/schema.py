@@ -59,6 +59,10 @@ class TrainConfig:
     # the phase of the step and the operation (a hung or crashed rank). Large enough for a checkpoint
     # save or the first step's warm-up on a big model; NCCL's own default is also 10 minutes.
     collective_timeout_s: float = 600.0
+    # Memory per rank (GiB) that the start-up check plans against (`tessera plan`'s estimator): a run
+    # predicted not to fit gets a warning, with what would fit, before anything is allocated.
+    # None = the GPU's own memory; on a machine without a GPU there is no check.
+    memory_budget_gib: float | None = None
 
 
 @dataclass
@@ -232,6 +236,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
     need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+    need(t.memory_budget_gib is None or t.memory_budget_gib > 0, "train.memory_budget_gib", t.memory_budget_gib,
+         "must be null (the GPU's memory) or > 0 GiB")
     need(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0 (seconds)")
     need(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     need(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")

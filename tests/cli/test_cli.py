@@ -113,3 +113,14 @@ def test_preprocess_text_and_sft(tmp_path, capsys):
     mask = IndexedDataset(str(tmp_path / "sft") + ".mask")
     assert 0 < int(mask[0].sum()) < len(mask[0])
     assert main(["preprocess", "--output", str(tmp_path / "none")]) == 2
+
+
+def test_start_up_warns_when_the_plan_says_it_will_not_fit(small_dataset, tmp_path, capsys):
+    """The planner's estimate runs before anything is allocated; the run itself still goes ahead."""
+    base = set_args(shrink(small_dataset, tmp_path / "a", 1))
+    assert main(["train", TINY_DENSE, *base, "--set", "train.memory_budget_gib=0.0001"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: this run needs about" in err and "per GPU, more than the" in err
+    roomy = set_args(shrink(small_dataset, tmp_path / "b", 1))
+    assert main(["train", TINY_DENSE, *roomy, "--set", "train.memory_budget_gib=64"]) == 0
+    assert "warning" not in capsys.readouterr().err
