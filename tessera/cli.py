@@ -7,7 +7,7 @@
 
 A subcommand is a `Command(name, help, add_arguments, run)` in COMMANDS; adding one is a function
 that declares its arguments, a function that runs it, and one line in the list. Bad input
-(`TesseraError`) prints one line on stderr, no traceback: exit status 2 for configuration errors,
+(`TesseraError`) prints one line on stderr, no traceback: exit status 2 for configuration and layout errors,
 1 for the others (a damaged or foreign checkpoint, a missing dataset).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.errors import ConfigError, ParallelError, TesseraError
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)
-    except ConfigError as e:
+    except (ConfigError, ParallelError) as e:  # bad input: the configuration or the layout
         print(f"tessera {args.command}: error: {_rank_prefix()}{_one_line(e)}", file=sys.stderr)
         return 2
     except TesseraError as e:

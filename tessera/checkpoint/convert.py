@@ -82,6 +82,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
         raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    if Path(dst).exists() and any(Path(dst).iterdir()):
+        raise CheckpointError(f"convert: destination {str(dst)!r} is not empty; choose a new directory "
+                              "(converting into a run's checkpoints would take over its `latest`)")
     if is_hf_directory(src):
         from tessera.checkpoint.hf import load_pretrained
 

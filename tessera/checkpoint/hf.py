@@ -139,8 +139,33 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes
             size = 0
         shards[-1][key] = t
         size += nbytes
+    if path.exists():
+        foreign = sorted(p.name for p in path.iterdir() if not _is_export_file(p.name))
+        if foreign:
+            raise CheckpointError(f"{path} holds files a HuggingFace export would not write ({_first(foreign)}); "
+                                  "save into a new or empty directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        _write_export(tmp, shards, hf_cfg)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():  # only earlier export files are here: swap the whole directory
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+        os.replace(path, old / "dir")
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def _is_export_file(name: str) -> bool:
+    return name in ("config.json", "generation_config.json", _INDEX) or (
+        name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _write_export(tmp: Path, shards: list[dict[str, torch.Tensor]], hf_cfg: dict) -> None:
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], tmp / "model.safetensors", metadata=meta)
@@ -153,10 +178,3 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes
             total += sum(t.numel() * t.element_size() for t in shard.values())
         (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    if path.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-        os.replace(path, old / "dir")
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)

@@ -23,6 +23,17 @@ SUPPORTED = {
 }
 
 
+def aux_coef_from_hf(coef: float, top_k: int, n_layers: int) -> float:
+    """HF's router_aux_loss_coef multiplies one loss over all layers' tokens pooled, with f_i as the
+    fraction of tokens (not slots): about k / L times Tessera's per-layer losses summed (Megatron's
+    convention). The same push on the router needs coef * k / L here."""
+    return coef * top_k / n_layers
+
+
+def aux_coef_to_hf(coef: float, top_k: int, n_layers: int) -> float:
+    return coef * n_layers / top_k
+
+
 def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters") or {}
     theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
@@ -72,7 +83,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         n_experts = d.get("num_local_experts") or d.get("num_experts")
         kw["moe"] = MoEConfig(num_experts=n_experts, top_k=d["num_experts_per_tok"],
                               ffn_dim=d["intermediate_size"],
-                              aux_loss_coef=d.get("router_aux_loss_coef", 0.0),
+                              aux_loss_coef=aux_coef_from_hf(d.get("router_aux_loss_coef", 0.0),
+                                                             d["num_experts_per_tok"], n_layers),
                               jitter_eps=d.get("router_jitter_noise", 0.0) or 0.0)
     elif family in ("qwen2_moe", "qwen3_moe"):
         step, only = d.get("decoder_sparse_step", 1), list(d.get("mlp_only_layers") or [])
@@ -81,7 +93,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         kw["moe"] = MoEConfig(num_experts=n_experts, top_k=d["num_experts_per_tok"],
                               ffn_dim=d["moe_intermediate_size"], dense_layers=dense,
                               norm_topk_prob=bool(d.get("norm_topk_prob", family == "qwen3_moe")),
-                              aux_loss_coef=d.get("router_aux_loss_coef", 0.0),
+                              aux_loss_coef=aux_coef_from_hf(d.get("router_aux_loss_coef", 0.0),
+                                                             d["num_experts_per_tok"], n_layers),
                               shared_ffn_dim=(d.get("shared_expert_intermediate_size", 0)
                                               if family == "qwen2_moe" else 0),
                               shared_expert_gate=family == "qwen2_moe")
@@ -130,10 +143,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     e = cfg.moe
     if family == "mixtral":
         d.update(num_local_experts=e.num_experts, num_experts_per_tok=e.top_k, intermediate_size=e.ffn_dim,
-                 router_aux_loss_coef=e.aux_loss_coef, router_jitter_noise=e.jitter_eps)
+                 router_aux_loss_coef=aux_coef_to_hf(e.aux_loss_coef, e.top_k, cfg.n_layers),
+                 router_jitter_noise=e.jitter_eps)
     elif family in ("qwen2_moe", "qwen3_moe"):
         d.update(num_experts=e.num_experts, num_experts_per_tok=e.top_k, moe_intermediate_size=e.ffn_dim,
-                 norm_topk_prob=e.norm_topk_prob, decoder_sparse_step=1, router_aux_loss_coef=e.aux_loss_coef,
+                 norm_topk_prob=e.norm_topk_prob, decoder_sparse_step=1,
+                 router_aux_loss_coef=aux_coef_to_hf(e.aux_loss_coef, e.top_k, cfg.n_layers),
                  mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)])
         if family == "qwen2_moe":
             d["shared_expert_intermediate_size"] = e.shared_ffn_dim

@@ -15,6 +15,13 @@ from tessera.config.errors import ConfigError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# The keys each kind of RoPE scaling needs (see tessera/models/rope.py).
+ROPE_SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass
@@ -44,6 +51,8 @@ class MoEConfig:
     topk_groups: int = 1  # ... of which the topk_groups best (sum of top-2 scores) stay eligible
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps), training only (Switch)
     # Balancing. Coefficients of 0 switch a loss off.
+    # Per MoE layer, summed over layers (Megatron's convention; HF's router_aux_loss_coef is converted
+    # on import/export, see tessera/checkpoint/hf_config.py).
     aux_loss_coef: float = 0.0  # Switch/GShard  alpha * E * sum_i f_i P_i  (alpha ~ 1e-2)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V2 sequence-level variant (alpha ~ 1e-4)
     z_loss_coef: float = 0.0  # ST-MoE router z-loss  beta * mean(logsumexp^2)  (beta ~ 1e-3)
@@ -155,8 +164,10 @@ class ModelConfig:
              self.sliding_window, "must be None or a positive integer")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            need(kind in ("default", "llama3", "yarn", "linear"), "rope_scaling.rope_type", kind,
-                 "one of default, linear, llama3, yarn")
+            need(kind in ROPE_SCALING_KEYS, "rope_scaling.rope_type", kind, f"one of {', '.join(ROPE_SCALING_KEYS)}")
+            for key in ROPE_SCALING_KEYS[kind]:
+                need(isinstance(self.rope_scaling.get(key), (int, float)) and self.rope_scaling[key] > 0,
+                     f"rope_scaling.{key}", self.rope_scaling.get(key), f"rope_type {kind} needs a number > 0")
         if self.mla is not None:
             m = self.mla
             need(m.kv_lora_rank > 0, "mla.kv_lora_rank", m.kv_lora_rank, "must be > 0")

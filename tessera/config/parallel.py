@@ -60,9 +60,11 @@ class ParallelConfig:
             if rest * self.dp_shard != world_size:
                 raise ConfigError(
                     f"parallel layout pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}"
-                    f" x cp={self.cp} x tp={self.tp} = {rest * self.dp_shard} ranks, but the world has {world_size}")
+                    f" x cp={self.cp} x tp={self.tp} = {rest * self.dp_shard} ranks, but the world has {world_size}"
+                    " (start that many with --nproc N or torchrun, or change parallel.*)")
             return self.dp_shard
         if world_size % rest:
             raise ConfigError(
-                f"world size {world_size} is not divisible by pp x dp_replicate x cp x tp = {rest}")
+                f"world size {world_size} is not divisible by parallel.pp x dp_replicate x cp x tp = {rest}"
+                " (start more ranks with --nproc N or torchrun, or change parallel.*)")
         return world_size // rest

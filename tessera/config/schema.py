@@ -93,7 +93,7 @@ class OptimConfig:
 class DatasetEntry:
     """One dataset of a blend."""
 
-    path: str  # the dataset prefix written by `tessera preprocess` (or an SFT JSONL file when kind=sft)
+    path: str  # the dataset prefix written by `tessera preprocess` (`--sft` for kind=sft: tokens + answer mask)
     weight: float = 1.0  # relative sampling weight within the blend
 
 

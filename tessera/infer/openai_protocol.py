@@ -50,8 +50,18 @@ def _type_names(types: type | tuple) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
+# OpenAI fields the engine does not implement, with the value that means "off": anything else is
+# refused with a 400 naming the field, rather than silently ignored.
+UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": None, "top_logprobs": None,
+               "logit_bias": None, "best_of": 1, "echo": False, "suffix": None}
+
+
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     """SamplingParams from the request body; ProtocolError naming the field when one is wrong."""
+    for key, off in UNSUPPORTED.items():
+        value = body.get(key, off)
+        if value not in (off, None) and not (key == "logprobs" and value is False) and value != {}:
+            raise ProtocolError(f"'{key}' is not supported by this server (leave it unset or {off!r})", param=key)
     if _field(body, "n", int, 1) != 1:
         raise ProtocolError("'n' must be 1 (one choice per prompt)", param="n")
     max_tokens = _field(body, "max_tokens", int, None)

@@ -42,7 +42,7 @@ def test_nproc_2_trains_like_one_process(small_dataset, tmp_path, capfd):
 
 def test_nproc_that_the_layout_cannot_take_is_refused_before_starting(small_dataset, tmp_path, capsys):
     overrides = shrink(small_dataset, tmp_path / "run", 3, **FSDP2)
-    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "3"]) == 1
+    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "dp_shard=2" in err and "the world has 3" in err
     assert not (tmp_path / "run").exists()

@@ -77,3 +77,29 @@ def test_failed_save_keeps_previous_directory(saved, tmp_path):
     with pytest.raises(ModelError):
         save_pretrained(Transformer(cfg), saved)
     assert (saved / "model.safetensors").read_bytes() == before
+
+
+def test_save_refuses_a_directory_with_foreign_files(saved):
+    (saved / "precious.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="precious.txt"):
+        save_pretrained(Transformer(get_preset("tiny-llama")), saved)
+    assert (saved / "precious.txt").read_text() == "keep me"
+
+
+def test_aux_loss_coefficient_converts_between_conventions(tmp_path):
+    cfg = get_preset("tiny-moe")  # 2 layers, top-2, aux_loss_coef 0.01 per layer (Megatron's convention)
+    save_pretrained(Transformer(cfg), tmp_path / "m")
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert hf["router_aux_loss_coef"] == pytest.approx(0.01 * cfg.n_layers / cfg.moe.top_k)
+    assert load_pretrained(tmp_path / "m").cfg.moe.aux_loss_coef == pytest.approx(0.01)
+
+
+def test_convert_refuses_a_non_empty_destination(saved, tmp_path):
+    from tessera.checkpoint.convert import convert
+
+    run = tmp_path / "run_checkpoints"
+    run.mkdir()
+    (run / "latest").write_text("step_00000100")
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert(saved, run)
+    assert (run / "latest").read_text() == "step_00000100"

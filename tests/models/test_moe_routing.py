@@ -157,3 +157,11 @@ def test_update_expert_bias_step():
     bias = torch.zeros(4)
     update_expert_bias(bias, torch.tensor([10, 2, 4, 4]), rate=0.1)  # mean 5
     torch.testing.assert_close(bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+
+
+def test_top1_is_renormalised_like_huggingface():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    _, w = topk_gates(logits, k=1, norm_topk_prob=True)
+    torch.testing.assert_close(w, torch.ones(1, 1))
+    _, w = topk_gates(logits, k=1, norm_topk_prob=False)
+    torch.testing.assert_close(w, torch.softmax(logits, -1)[:, :1])

@@ -147,3 +147,25 @@ def test_family_and_moe_section_must_agree():
                     moe=MoEConfig(num_experts=2, top_k=1))
     with pytest.raises(ConfigError, match="model.family"):
         ModelConfig(family="mixtral", vocab_size=16, dim=8, n_layers=1, n_heads=2, ffn_dim=8)
+
+
+@pytest.mark.parametrize("scaling,needle", [
+    ({"rope_type": "yarn"}, "rope_scaling.factor"),
+    ({"rope_type": "llama3", "factor": 8.0}, "rope_scaling.low_freq_factor"),
+    ({"rope_type": "ntk"}, "rope_scaling.rope_type"),
+])
+def test_rope_scaling_needs_its_keys(scaling, needle):
+    with pytest.raises(ConfigError, match=needle):
+        get_preset("tiny-llama", rope_scaling=scaling)
+
+
+def test_capacity_drops_tokens_in_training_only():
+    cfg = get_preset("tiny-moe")
+    cfg.moe = dataclasses.replace(cfg.moe, capacity_factor=0.25)
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    dropless = Transformer(get_preset("tiny-moe")).eval()
+    model.eval()
+    torch.testing.assert_close(model(ids).logits, dropless(ids).logits)  # same init, no dropping at inference
+    model.train()
+    assert not torch.allclose(model(ids).logits, dropless(ids).logits)

@@ -35,7 +35,7 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         route = self.router(x_TD, (B, S))
         keep, cap = None, None
-        if self.cfg.capacity_factor is not None:
+        if self.cfg.capacity_factor is not None and self.training:  # inference is dropless (batch-independent)
             T = route.counts_E.sum().item() // self.cfg.top_k  # tokens of the whole micro-batch
             cap = expert_capacity(T, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
             keep = capacity_keep_mask(route.indices_Tk, route.weights_Tk, self.cfg.num_experts, cap,

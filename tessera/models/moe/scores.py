@@ -69,6 +69,6 @@ def topk_gates(logits_TE: torch.Tensor, *, k: int, score_func: str = "softmax", 
         choice = choice + expert_bias_E.float()
     idx = group_limited_topk(choice, k, n_groups, topk_groups)
     weights = scores.gather(1, idx)
-    if norm_topk_prob and k > 1:
+    if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if score_func == "sigmoid" else 0.0))
     return idx, weights * scaling_factor
