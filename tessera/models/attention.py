@@ -3,12 +3,15 @@ optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
 
 The attention core is a seam: without a cache it is causal SDPA over the sequence; an inference
 cache (`tessera.infer`) passes an object with `attend(layer_id, q, k, v, scale, window)` that stores
-k/v and attends over everything cached. Shapes: B batch, S sequence, H query heads, G kv heads,
-D head dim.
+k/v and attends over everything cached. Context parallelism (`tessera.parallel`) sets a module's
+`attention_core` to a function with `causal_attention`'s signature that attends over the whole
+sequence spread across ranks; unset (None), `causal_attention` runs. Shapes: B batch, S sequence,
+H query heads, G kv heads, D head dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -47,7 +50,13 @@ def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+# (q [B, H, S, D], k [B, G, S, D], v [B, G, S, Dv], scale, window) -> [B, H, S, Dv], as causal_attention.
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None], torch.Tensor]
+
+
 class Attention(nn.Module):
+    attention_core: AttentionCore | None = None  # replaces causal_attention when set (see module docstring)
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
@@ -71,8 +80,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
-        if cache is None:
-            out = causal_attention(q, k, v, scale, self.window)
-        else:
+        if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, scale, self.window)
+        else:
+            core = causal_attention if self.attention_core is None else self.attention_core
+            out = core(q, k, v, scale, self.window)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.attention import AttentionCache, causal_attention
+from tessera.models.attention import AttentionCache, AttentionCore, causal_attention
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope, yarn_softmax_scale
 
 
 class MultiHeadLatentAttention(nn.Module):
+    attention_core: AttentionCore | None = None  # replaces causal_attention when set (attention.py)
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         m = cfg.mla
@@ -56,8 +58,9 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         k = torch.cat((k_nope, k_rope.expand(B, S, H, self.rope)), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)  # [B, H, S, V]
-        if cache is None:
-            out = causal_attention(q, k, v, self.scale)
-        else:
+        if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, self.scale, None)
+        else:
+            core = causal_attention if self.attention_core is None else self.attention_core
+            out = core(q, k, v, self.scale, None)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

@@ -1,11 +1,13 @@
-"""Layer 3: the device mesh, `parallelize` (TP/SP, EP, recomputation, FSDP) and pipeline stages."""
+"""Layer 3: the device mesh, `parallelize` (TP/SP, EP, CP, recomputation, FSDP) and pipeline stages."""
 
 from tessera.parallel.data_parallel_batch import (
     dp_rows,
     global_count,
     global_sum,
+    sequence_chunk,
     shard_global_batch,
     sum_expert_counts,
+    token_dim,
 )
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.grad_clip import clip_grad_norm_, grad_norm
@@ -15,5 +17,6 @@ from tessera.parallel.vocab_parallel_loss import token_loss_sum
 
 __all__ = [
     "ParallelDims", "PipelineRun", "build_pipeline", "clip_grad_norm_", "dp_rows", "global_count",
-    "global_sum", "grad_norm", "parallelize", "shard_global_batch", "sum_expert_counts", "token_loss_sum",
+    "global_sum", "grad_norm", "parallelize", "sequence_chunk", "shard_global_batch", "sum_expert_counts",
+    "token_dim", "token_loss_sum",
 ]

@@ -2,15 +2,18 @@
 numerics contract needs.
 
 The global batch [G, ...] is cut into dp = dp_replicate x dp_shard equal, contiguous row blocks;
-the rank at data-parallel coordinate d reads block d. Ranks that differ only in tp, pp (and cp,
-which would further split the sequence) read the same block.
+the rank at data-parallel coordinate d reads block d. Ranks that differ only in tp or pp read the
+same block; under context parallelism (cp > 1) the cp ranks of a block split every sequence of it
+into cp equal contiguous chunks, and cp rank r reads chunk r (`shard_global_batch`).
 
-    loss_r = sum of token losses on rank r's rows / N_global + aux_r / M_global
+    loss_r = sum of token losses on rank r's tokens / N_global + aux_r / M_global
 
-with N_global the loss tokens of the whole global batch (`global_count` of the local counts) and
-M_global the number of micro-batches over all data-parallel ranks. Gradients are summed across
-data-parallel ranks (data_parallel.py), so the step's gradient is that of the global loss, and
-`global_sum(loss_r)` is the value to log.
+with N_global the loss tokens of the whole global batch (`global_count` of the local counts, summed
+over every rank that holds different tokens: `token_dim`) and M_global the number of micro-batches
+over all data-parallel ranks (cp ranks share theirs: each holds a part of the micro-batch's
+auxiliary loss). Gradients are summed across data-parallel and cp ranks (data_parallel.py), so the
+step's gradient is that of the global loss, and `global_sum(loss_r, dims, token_dim(dims))` is the
+value to log.
 """
 
 from __future__ import annotations
@@ -33,9 +36,27 @@ def dp_rows(global_batch_size: int, dims: ParallelDims) -> slice:
     return slice(start, start + per_rank)
 
 
-def shard_global_batch(batch: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """This rank's rows of a global-batch tensor [G, ...]."""
-    return batch[dp_rows(batch.shape[0], dims)]
+def token_dim(dims: ParallelDims) -> str:
+    """The mesh dimension whose ranks hold different tokens: dp, or dp_cp under context parallelism."""
+    return "dp_cp" if dims.cp > 1 else "dp"
+
+
+def sequence_chunk(x: torch.Tensor, dims: ParallelDims, dim: int = 1) -> torch.Tensor:
+    """This cp rank's contiguous chunk of `x` along the sequence dimension `dim` (all of it for cp = 1)."""
+    if dims.cp == 1:
+        return x
+    S = x.shape[dim]
+    if S % dims.cp:
+        raise ParallelError(f"cp={dims.cp} does not divide the sequence length {S}; choose a train.seq_len "
+                            f"that cp divides")
+    chunk = S // dims.cp
+    return x.narrow(dim, dims.local_rank("cp") * chunk, chunk)
+
+
+def shard_global_batch(batch: torch.Tensor, dims: ParallelDims, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's part of a global-batch tensor [G, S, ...]: its rows and, under cp, its chunk of
+    every sequence along `seq_dim` (give it inputs and targets [G, S], not the [G, S + 1] tokens)."""
+    return sequence_chunk(batch[dp_rows(batch.shape[0], dims)], dims, seq_dim)
 
 
 def global_sum(value: torch.Tensor | float | int, dims: ParallelDims, dim: str = "dp") -> torch.Tensor:
@@ -47,13 +68,14 @@ def global_sum(value: torch.Tensor | float | int, dims: ParallelDims, dim: str =
 
 
 def global_count(local_count: int, dims: ParallelDims) -> int:
-    """Loss tokens of the whole global batch from each rank's count of its own rows."""
-    return int(global_sum(local_count, dims).item())
+    """Loss tokens of the whole global batch from each rank's count of its own tokens."""
+    return int(global_sum(local_count, dims, token_dim(dims)).item())
 
 
 def sum_expert_counts(counts: dict[int, torch.Tensor], dims: ParallelDims) -> dict[int, torch.Tensor]:
     """Routing counts summed over data-parallel ranks, so that every rank takes the same
-    aux-loss-free expert-bias step (`Transformer.update_expert_bias`)."""
+    aux-loss-free expert-bias step (`Transformer.update_expert_bias`). Not over cp: the router's
+    counts are already those of the whole micro-batch (its cp count reducer summed them)."""
     if dims.dp_size == 1 or not counts:
         return counts
     keys = sorted(counts)

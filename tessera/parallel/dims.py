@@ -135,8 +135,10 @@ class ParallelDims:
             if m.mla is not None:
                 raise ParallelError(f"tp={self.tp} with multi-head latent attention (model.mla) is not "
                                     "supported yet; use tp=1 for MLA models")
-            if self.sp and seq_len is not None:
-                _need_divides("tp", self.tp, "sequence length (sp=true splits it)", seq_len)
+            if self.sp and seq_len is not None and seq_len % self.cp == 0:
+                what = "sequence length (sp=true splits it)" if self.cp == 1 else \
+                    f"the context-parallel chunk (sequence length {seq_len} / cp={self.cp}; sp=true splits it)"
+                _need_divides("tp", self.tp, what, seq_len // self.cp)
         if self.ep > 1:
             if m.moe is None:
                 raise ParallelError(f"ep={self.ep} needs an MoE model, but model.moe is not set")
@@ -146,8 +148,7 @@ class ParallelDims:
                 raise ParallelError(f"ep={self.ep} must be a multiple of cp={self.cp}: experts fold over "
                                     "all of cp and part of dp_shard")
         if self.cp > 1:
-            raise ParallelError(f"cp={self.cp} is not supported yet (context-parallel attention is not "
-                                "implemented); use cp=1")
+            self._validate_context_parallel(m, seq_len)
         if self.pp > 1 and m.tie_embeddings:
             raise ParallelError(f"pp={self.pp} with model.tie_embeddings=true is not supported: the first "
                                 "and last stages would share the embedding; use pp=1 or untie")
@@ -155,6 +156,21 @@ class ParallelDims:
         if stages > m.n_layers:
             raise ParallelError(f"pp x vpp = {self.pp} x {vpp} = {stages} pipeline stages is more than "
                                 f"model.n_layers={m.n_layers}; every stage needs at least one layer")
+
+    def _validate_context_parallel(self, m: ModelConfig, seq_len: int | None) -> None:
+        """cp splits every sequence into cp equal chunks; MoE methods that need a whole sequence
+        (or micro-batch) on one rank for routing are refused (context_parallel.py)."""
+        if seq_len is not None:
+            _need_divides("cp", self.cp, "sequence length (train.seq_len)", seq_len)
+        if m.moe is not None:
+            if m.moe.seq_aux_loss_coef > 0:
+                raise ParallelError(f"cp={self.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is "
+                                    "not supported: the sequence-level balancing loss needs each whole sequence "
+                                    "on one rank; use cp=1 or seq_aux_loss_coef=0 (aux_loss_coef is fine)")
+            if m.moe.sinkhorn:
+                raise ParallelError(f"cp={self.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn "
+                                    "routing balances over all the micro-batch's tokens at once; use cp=1 or "
+                                    "top-k routing")
 
     # ---- the mesh ------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:

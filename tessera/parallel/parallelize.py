@@ -1,5 +1,5 @@
 """`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
-order (DESIGN.md): tensor/sequence parallel, expert parallel, (context parallel), activation
+order (DESIGN.md): tensor/sequence parallel, expert parallel, context parallel, activation
 checkpointing, data parallel. Pipeline splitting, when used, happens before, on each stage.
 
 Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
@@ -21,6 +21,7 @@ from torch import nn
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import ParallelConfig
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.context_parallel import apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_parallel import apply_expert_parallel
@@ -30,7 +31,10 @@ from tessera.parallel.tensor_parallel import apply_tensor_parallel
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                 expert_dispatcher: str = "alltoall", device_type: str = "cpu") -> nn.Module:
-    """Apply TP/SP, EP, activation checkpointing and FSDP to `model` in place and return it.
+    """Apply TP/SP, EP, CP, activation checkpointing and FSDP to `model` in place and return it.
+
+    Under cp > 1 the model then takes this rank's chunk of every sequence (`shard_global_batch`)
+    and its attention sees the whole sequence (context_parallel.py).
 
     `param_dtype` is the compute dtype of the weights under FSDP mixed precision (bf16 on GPUs;
     the fp32 shards stay the master copy), `reduce_dtype` that of gradient reduction.
@@ -46,6 +50,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         apply_tensor_parallel(model, dims["tp"], dims.sp)
     if getattr(model.cfg, "moe", None) is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
         apply_expert_parallel(model, dims, expert_dispatcher)
+    apply_context_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
     if needs_data_parallel(dims, param_dtype):
         apply_data_parallel(model, dims, cfg.zero_stage, param_dtype, reduce_dtype)

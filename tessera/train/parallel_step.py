@@ -1,17 +1,19 @@
 """Forward/backward of one global batch on several ranks without pipeline stages (data, tensor +
-sequence and expert parallelism in any combination).
+sequence, expert and context parallelism in any combination).
 
 A step engine has `parts` (the model modules this rank optimises and checkpoints),
 `forward_backward(batch) -> stats`, `clip_grad_norm(max_norm)`, `update_expert_bias(counts)` and
 `evaluate(batches)`. Every rank receives the same global batch and reads its own rows
-(`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel peers read the same rows.
+(`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel peers read the same rows,
+context-parallel peers each their chunk of every sequence of them (`shard_global_batch`).
 
 The objective follows the numerics contract (DESIGN.md, tessera.train.loss):
 
     loss_r = sum over rank r's micro-batches of [ CE token sum / N  +  aux / M ]
 
 with N the loss tokens of the whole global batch (`global_count`) and M its micro-batches over
-all data-parallel ranks. FSDP sums the ranks' gradients, so the step's gradient is that of the
+all data-parallel ranks (under cp, a rank's CE sum and aux are its chunk's share of the
+micro-batch's). FSDP sums the ranks' gradients, so the step's gradient is that of the
 global-batch loss, as in one process. Positions outside an SFT loss mask get the ignore index in
 the targets, so the vocabulary-parallel loss (which cannot take a mask) skips them too.
 """
@@ -26,16 +28,17 @@ import torch
 from torch import nn
 
 from tessera.data.batching import Batch
-from tessera.parallel import clip_grad_norm_, dp_rows, global_count, global_sum, token_loss_sum
+from tessera.parallel import clip_grad_norm_, global_count, global_sum, shard_global_batch, token_dim, token_loss_sum
 from tessera.parallel.dims import ParallelDims
 from tessera.train.loss import IGNORE_INDEX, masked_targets, micro_batch_objective
 from tessera.train.step_stats import StepStats, reduce_over_ranks
 
 
 def rank_rows(batch: Batch, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, targets) of a global batch; masked-out targets hold IGNORE_INDEX."""
-    rows = dp_rows(batch.tokens.shape[0], dims)
-    return batch.inputs[rows], masked_targets(batch.targets[rows], batch.target_mask[rows])
+    """This rank's (inputs, targets) of a global batch (its rows; under cp its chunk of each
+    sequence); masked-out targets hold IGNORE_INDEX."""
+    targets = masked_targets(batch.targets, batch.target_mask)
+    return shard_global_batch(batch.inputs, dims), shard_global_batch(targets, dims)
 
 
 def padded_batch(batch: Batch, rows: int) -> Batch:
@@ -57,7 +60,7 @@ def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: 
 
 
 class ParallelStep:
-    """Step engine for dp_replicate / dp_shard / tp / sp / ep layouts (pp = 1)."""
+    """Step engine for dp_replicate / dp_shard / tp / sp / ep / cp layouts (pp = 1)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, micro_batch_size: int, global_batch_size: int,
                  device: torch.device, autocast_dtype: torch.dtype | None):
@@ -110,5 +113,6 @@ class ParallelStep:
                     logits = self.model(x).logits
                 total += token_loss_sum(logits, y).double().cpu()
                 n += int((y != IGNORE_INDEX).sum())
-        both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims, "dp")
+        both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims,
+                          token_dim(self.dims))
         return float(both[0]), int(both[1])

@@ -1,4 +1,5 @@
-"""Forward/backward of one global batch through pipeline stages (pp > 1, with any of dp / tp / sp / ep).
+"""Forward/backward of one global batch through pipeline stages (pp > 1, with any of dp / tp / sp / ep /
+cp; under cp the stages pass on hidden states of this rank's sequence chunk).
 
 The full model, built identically on every rank, is cut into this rank's stages and each stage
 is parallelized (`tessera.parallel.build_pipeline`); the schedule (gpipe, 1f1b,
@@ -25,7 +26,15 @@ from torch import nn
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.transformer import ModelOutput
-from tessera.parallel import build_pipeline, clip_grad_norm_, global_count, global_sum, parallelize, token_loss_sum
+from tessera.parallel import (
+    build_pipeline,
+    clip_grad_norm_,
+    global_count,
+    global_sum,
+    parallelize,
+    token_dim,
+    token_loss_sum,
+)
 from tessera.parallel.dims import ParallelDims
 from tessera.train.loss import IGNORE_INDEX
 from tessera.train.parallel_step import padded_batch, rank_rows, step_result
@@ -118,6 +127,7 @@ class PipelineStep:
             for s in self._sums[-self.microbatches:]:
                 total += s.double().cpu()
             n += int((targets != IGNORE_INDEX).sum())
-        # The loss lives on the last stage: sum it over data-parallel ranks, then over stages.
-        total = global_sum(global_sum(total, self.dims, "dp"), self.dims, "pp")
-        return float(total), int(global_sum(n, self.dims, "dp"))
+        # The loss lives on the last stage: sum it over data-parallel (and cp) ranks, then over stages.
+        tokens = token_dim(self.dims)
+        total = global_sum(global_sum(total, self.dims, tokens), self.dims, "pp")
+        return float(total), int(global_sum(n, self.dims, tokens))

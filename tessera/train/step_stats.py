@@ -4,9 +4,11 @@ Each rank adds up what it computed: the token-loss sum of its rows (on the last 
 and, per micro-batch, the MoE auxiliary loss, its named parts and the routing counts of the
 layers it holds. `reduce_over_ranks` then makes the step's global figures, the same on every rank:
 
-- summed over data-parallel ranks (`dp`), which read different rows. Tensor- and sequence-parallel
+- summed over data-parallel ranks (`dp`), which read different rows, and context-parallel ranks
+  (`cp`), which hold different chunks of the same rows (`token_dim`). Tensor- and sequence-parallel
   peers compute the same values (every tp rank routes the whole micro-batch), so they are not
-  added again.
+  added again. Routing counts are summed over dp only: under cp the router already returns the
+  micro-batch's counts on every cp rank.
 - combined over pipeline stages (`pp`): a stage holds the loss (last stage) or the statistics of
   its own layers only, so the stages' dictionaries are merged.
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tessera.parallel.data_parallel_batch import global_sum, sum_expert_counts
+from tessera.parallel.data_parallel_batch import global_sum, sum_expert_counts, token_dim
 from tessera.parallel.dims import ParallelDims
 
 
@@ -46,11 +48,11 @@ class StepStats:
 
 
 def reduce_over_ranks(local: StepStats, dims: ParallelDims) -> StepStats:
-    """The step's statistics summed over data-parallel ranks and merged over pipeline stages."""
+    """The step's statistics summed over data-parallel (and cp) ranks and merged over pipeline stages."""
     names = sorted(local.aux_parts)
     vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names)],
                        dtype=torch.float64)
-    vec = global_sum(vec, dims, "dp")
+    vec = global_sum(vec, dims, token_dim(dims))
     counts = sum_expert_counts(local.counts, dims)
     out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:].tolist())),
                     {k: v.cpu() for k, v in counts.items()})

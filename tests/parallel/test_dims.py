@@ -32,7 +32,6 @@ def test_dp_shard_fills_the_world():
     (2, dict(ep=2, dp_shard=2), {}, "ep=2 needs an MoE model"),
     (2, dict(pp=4, dp_shard=1), {}, "world has 2"),
     (4, dict(pp=4, dp_shard=1), {}, "more than model.n_layers=2"),
-    (2, dict(cp=2, dp_shard=1), {}, "cp=2 is not supported"),
     (2, dict(pp=2, dp_shard=1), {"tie_embeddings": True}, "pp=2 with model.tie_embeddings"),
 ])
 def test_layout_refused_with_dimension_and_numbers(world, parallel, model, message):
@@ -100,6 +99,30 @@ def test_named_mesh_on_four_ranks():
         assert r["hsdp_ndim"] == 2
         assert r["rows"] == ([0, 1, 2, 3] if rank < 2 else [4, 5, 6, 7])  # tp peers read the same rows
         assert r["loss_tokens"] == 7 and r["expert_counts"] == [1, 2]  # summed over dp, not over tp
+
+
+def _cp_mesh_on_rank():
+    dims = dims_for(dist.get_world_size(), cp=2)  # dp_shard = 2 fills a world of 4
+    dims.build_mesh("cpu")
+    inputs = torch.arange(4 * 6).view(4, 6)  # global batch: 4 rows of 6 positions
+    return {
+        "coords": dims.coordinates(),
+        "part": shard_global_batch(inputs, dims).tolist(),
+        "loss_tokens": global_count(3 + dims.local_rank("cp"), dims),  # chunks count 3 and 4 tokens
+        "expert_counts": sum_expert_counts({1: torch.tensor([dims.dp_rank, 1])}, dims)[1].tolist(),
+    }
+
+
+@pytest.mark.dist
+def test_cp_ranks_read_chunks_of_their_rows_and_count_every_token():
+    results = run_ranks(_cp_mesh_on_rank, 4)
+    for rank, r in enumerate(results):
+        dp, cp = rank // 2, rank % 2  # cp inside dp_shard
+        assert (r["coords"]["dp_shard_mod_ep"], r["coords"]["cp"]) == (dp, cp)
+        rows = torch.arange(24).view(4, 6)[2 * dp:2 * dp + 2]
+        assert r["part"] == rows[:, 3 * cp:3 * cp + 3].tolist()  # contiguous chunk of every sequence
+        assert r["loss_tokens"] == 14  # summed over dp and cp
+        assert r["expert_counts"] == [1, 2]  # over dp only: the router already summed over cp
 
 
 def test_batch_rows_refuse_indivisible_batch():

@@ -30,16 +30,25 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts, cfg.pad_to_capacity)
 
+    def capacity(self, route: RouterOutput) -> int:
+        T = int(route.counts_E.sum().item()) // self.cfg.top_k  # tokens of the whole micro-batch
+        return expert_capacity(T, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
+
+    def capacity_mask(self, route: RouterOutput, batch_shape: tuple[int, int]
+                      ) -> tuple[torch.Tensor | None, int | None]:
+        """(keep [T, k], capacity) in training with a capacity factor; (None, None) when dropless.
+        Inference is always dropless, so a request's output never depends on its batch-mates."""
+        if self.cfg.capacity_factor is None or not self.training:
+            return None, None
+        cap = self.capacity(route)
+        return capacity_keep_mask(route.indices_Tk, route.weights_Tk, self.cfg.num_experts, cap,
+                                  self.cfg.drop_policy), cap
+
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         route = self.router(x_TD, (B, S))
-        keep, cap = None, None
-        if self.cfg.capacity_factor is not None and self.training:  # inference is dropless (batch-independent)
-            T = route.counts_E.sum().item() // self.cfg.top_k  # tokens of the whole micro-batch
-            cap = expert_capacity(T, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
-            keep = capacity_keep_mask(route.indices_Tk, route.weights_Tk, self.cfg.num_experts, cap,
-                                      self.cfg.drop_policy)
+        keep, cap = self.capacity_mask(route, (B, S))
         rows, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TD, route.indices_Tk, keep, cap)
         out_TD = self.dispatcher.combine(self.experts(rows, tokens_per_expert), route.weights_Tk, ctx)
         if self.shared_experts is not None:

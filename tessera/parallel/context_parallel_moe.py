@@ -1,0 +1,54 @@
+"""Expert capacity over the whole micro-batch when context parallelism spreads its tokens.
+
+With a capacity factor, an expert keeps at most `capacity` routing slots of a micro-batch and
+drops the rest, by lowest gate weight or latest position (capacity.py). Under cp each rank routes
+only its chunk of every sequence; deciding drops on the chunk alone would keep different slots
+than one process does. `ContextParallelMoE` gathers the (small) routing decisions of all cp
+ranks, [T, k] expert ids and gate weights, puts them back into the micro-batch's token order
+(b-major, then position), takes the single-device keep-or-drop decision on them and keeps its
+own chunk's rows of it. The capacity itself is computed from the micro-batch's token count,
+which the router's cp count reducer already sums. Everything else is the MoE layer's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tessera.models.moe.capacity import capacity_keep_mask
+from tessera.models.moe.layer import MoE
+
+
+def _gather_chunks(x_Tk: torch.Tensor, B: int, cp: int, group: ProcessGroup) -> torch.Tensor:
+    """Every cp rank's [B*C, k] -> the micro-batch's [B*S, k] in one-process token order."""
+    out = x_Tk.new_empty((cp * x_Tk.shape[0],) + tuple(x_Tk.shape[1:]))
+    dist.all_gather_into_tensor(out, x_Tk.contiguous(), group=group)
+    return out.view(cp, B, -1, x_Tk.shape[-1]).transpose(0, 1).reshape(-1, x_Tk.shape[-1])
+
+
+@torch.no_grad()
+def micro_batch_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, B: int, num_experts: int,
+                          capacity: int, policy: str, cp_rank: int, cp: int, group: ProcessGroup) -> torch.Tensor:
+    """Boolean [B*C, k] for this rank's tokens: the slots one process would keep for the micro-batch."""
+    keep = capacity_keep_mask(_gather_chunks(indices_Tk, B, cp, group),
+                              _gather_chunks(weights_Tk.float(), B, cp, group), num_experts, capacity, policy)
+    k = indices_Tk.shape[-1]
+    return keep.view(B, cp, -1, k)[:, cp_rank].reshape(-1, k)
+
+
+class ContextParallelMoE(MoE):
+    """The MoE layer with micro-batch-wide token dropping under cp (`cp_group`, `cp_rank`, `cp` are
+    set by `apply_context_parallel`). Parameter names are unchanged."""
+
+    cp_group: ProcessGroup
+    cp_rank: int
+    cp: int
+
+    def capacity_mask(self, route, batch_shape):
+        if self.cfg.capacity_factor is None or not self.training:
+            return None, None
+        cap = self.capacity(route)
+        keep = micro_batch_keep_mask(route.indices_Tk, route.weights_Tk, batch_shape[0], self.cfg.num_experts,
+                                     cap, self.cfg.drop_policy, self.cp_rank, self.cp, self.cp_group)
+        return keep, cap

@@ -1,0 +1,118 @@
+"""Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
+chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
+Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
+and expert capacity, where the tokens dropped must be those one process drops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.config import ModelConfig, ParallelError, get_preset
+from tessera.config.parallel import ParallelConfig
+from tessera.models import Transformer
+from tessera.parallel import ParallelDims, parallelize, shard_global_batch
+from tessera.parallel.context_parallel import ChunkPositions
+from tessera.parallel.context_parallel_moe import ContextParallelMoE
+from tessera.parallel.testing import run_ranks
+from tests.parallel.training_step import full_tensors
+
+B, S = 2, 16
+
+
+def _moe_preset(**moe) -> ModelConfig:
+    base = get_preset("tiny-moe").to_dict()
+    return ModelConfig.from_dict({**base, "moe": {**base["moe"], **moe}})
+
+
+def _config(name: str) -> ModelConfig:
+    if name == "mla":
+        return get_preset("tiny-deepseek")
+    if name == "sliding-window":
+        return get_preset("tiny-llama", sliding_window=6)
+    if name == "capacity-probs":
+        return _moe_preset(capacity_factor=1.0, drop_policy="probs")
+    return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
+
+
+CONFIGS = ("mla", "sliding-window", "capacity-probs", "capacity-position-padded")
+
+
+def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, cfg.vocab_size, (B, S), generator=gen), torch.randn(B, S, cfg.vocab_size, generator=gen)
+
+
+def _forward_backward(model, tokens, upstream):
+    out = model(tokens)
+    (torch.sum(out.logits * upstream) + out.aux_loss).backward()
+    return out
+
+
+def _on_rank(name: str) -> dict:
+    cfg = _config(name)
+    pcfg = ParallelConfig(cp=2, dp_shard=1)
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
+    dims.validate(cfg, dims.world_size, seq_len=S)
+    model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
+    tokens, upstream = (shard_global_batch(t, dims) for t in _batch(cfg))
+    out = _forward_backward(model, tokens, upstream)
+    grads = full_tensors((n, p.grad) for n, p in model.named_parameters())
+    cp_moe = any(isinstance(m, ContextParallelMoE) for m in model.modules())
+    return {"logits": out.logits.detach(), "aux": out.aux_loss.detach(), "grads": grads, "cp_moe": cp_moe,
+            "counts": out.expert_counts}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", CONFIGS)
+def test_model_under_cp_equals_one_process(name):
+    cfg = _config(name)
+    model = Transformer(cfg, init_seed=0)
+    ref = _forward_backward(model, *_batch(cfg))
+    got = run_ranks(_on_rank, 2, name)
+    torch.testing.assert_close(torch.cat([r["logits"] for r in got], dim=1), ref.logits.detach(),
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(r["aux"] for r in got), ref.aux_loss.detach(), rtol=1e-5, atol=1e-7)
+    for r in got:
+        assert all(torch.equal(r["counts"][k], c) for k, c in ref.expert_counts.items())
+        assert r["cp_moe"] == name.startswith("capacity")
+    for pname, p in model.named_parameters():
+        err = float((got[0]["grads"][pname] - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
+        assert err <= 1e-5, f"gradient of {pname} differs by {err:.2e} (relative norm)"
+
+
+@pytest.mark.parametrize("parallel,model,seq_len,message", [
+    (dict(cp=2, dp_shard=1), {}, 15, "cp=2 does not divide sequence length (train.seq_len)=15"),
+    (dict(cp=4, tp=2, sp=True, dp_shard=1), {}, 12,
+     "tp=2 does not divide the context-parallel chunk (sequence length 12 / cp=4; sp=true splits it)=3"),
+    (dict(cp=2, dp_shard=1), {"seq_aux_loss_coef": 1e-4}, 16, "seq_aux_loss_coef"),
+    (dict(cp=2, dp_shard=1), {"sinkhorn": True}, 16, "sinkhorn=true is not supported"),
+])
+def test_cp_layout_refused_with_what_does_not_fit(parallel, model, seq_len, message):
+    cfg = _moe_preset(**model)
+    world = parallel["cp"] * parallel.get("tp", 1)
+    dims = ParallelDims.from_config(ParallelConfig(**parallel), world)
+    with pytest.raises(ParallelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dims.validate(cfg, world, seq_len=seq_len)
+
+
+def test_cp_layouts_accepted():
+    for parallel, world in ((dict(cp=2, dp_shard=1), 2), (dict(cp=2, dp_shard=2), 4), (dict(cp=2, tp=2), 4),
+                            (dict(cp=2, tp=2, sp=True), 4), (dict(cp=2, ep=4, dp_shard=2), 4),
+                            (dict(cp=4, dp_shard=1), 4)):
+        dims = ParallelDims.from_config(ParallelConfig(**parallel), world)
+        dims.validate(_moe_preset(), world, seq_len=16)
+        if dims.tp == 1:
+            dims.validate(get_preset("tiny-deepseek"), world, seq_len=16)
+
+
+def test_chunk_positions_are_global_unless_given():
+    hook = ChunkPositions(cp_rank=1)
+    x = torch.zeros(2, 4, dtype=torch.long)
+    _, kwargs = hook(None, (x,), {})
+    assert kwargs["positions"].tolist() == [[4, 5, 6, 7]] * 2  # chunk 1 of a sequence of 8
+    args, _ = hook(None, (x, None), {})
+    assert args[1].tolist() == [[4, 5, 6, 7]] * 2
+    given = torch.arange(4).expand(2, 4)
+    assert hook(None, (x,), {"positions": given})[1]["positions"] is given
