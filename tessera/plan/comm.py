@@ -101,7 +101,22 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     if stage == 0:
         add("tp", lay.tp, "all-reduce", "vocab-parallel embedding", act, 1)
 
-    if lay.cp > 1:
+    if lay.cp > 1 and (cfg.n_heads // lay.tp) % lay.cp == 0:
+        # All-to-all attention (DeepSpeed-Ulysses), what tessera.parallel.context_parallel picks when cp
+        # divides the local query heads: q, k, v go heads <-> sequence and the output back, per layer,
+        # forward, backward and recomputed forward. GQA kv heads are repeated until cp divides them.
+        q_heads = cfg.n_heads // lay.tp
+        if cfg.mla is not None:
+            m = cfg.mla
+            per_token = q_heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+        else:
+            kv_heads = max(cfg.n_kv_heads // lay.tp, 1)
+            kv_heads *= next(r for r in range(1, q_heads // kv_heads + 1)
+                             if (q_heads // kv_heads) % r == 0 and (kv_heads * r) % lay.cp == 0)
+            per_token = (2 * q_heads + 2 * kv_heads) * cfg.head_dim
+        add("cp", lay.cp, "all-to-all", "q, k, v and attention output, heads <-> sequence (Ulysses)",
+            T * per_token * dt.compute, 2 * n + recomputed)
+    elif lay.cp > 1:  # the all-gather attention (Llama 3): whole-sequence keys and values on every rank
         if cfg.mla is not None:
             kv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         else:

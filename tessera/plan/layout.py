@@ -147,8 +147,7 @@ def layout_problems(cfg: ModelConfig, lay: Layout, work: Workload, *, even_layer
     if even_layers:
         need(cfg.n_layers % chunks == 0, f"pp x vpp = {chunks} does not divide n_layers={cfg.n_layers}")
     need(lay.vpp == 1 or lay.pp_schedule == "interleaved_1f1b", "vpp > 1 needs pp_schedule=interleaved_1f1b")
-    need(lay.cp == 1 or work.seq_len % (2 * lay.cp) == 0,
-         f"cp={lay.cp}: seq_len={work.seq_len} must divide into 2 x cp chunks (load-balanced causal split)")
+    need(work.seq_len % lay.cp == 0, f"cp={lay.cp}: seq_len={work.seq_len} must divide into cp contiguous chunks")
     if lay.sp:
         need((work.seq_len // lay.cp) % tp == 0,
              f"sp: the {work.seq_len // lay.cp} tokens of a sequence per cp rank do not divide by tp={tp}")

@@ -34,7 +34,7 @@ def _mesh_shapes(cfg: ModelConfig, work: Workload, world: int, gpus_per_node: in
     for tp in divisors(world):
         for pp in divisors(world // tp):
             for cp in divisors(world // (tp * pp)):
-                if tp > gpus_per_node or cfg.n_layers % pp or (cp > 1 and work.seq_len % (2 * cp)):
+                if tp > gpus_per_node or cfg.n_layers % pp or (cp > 1 and work.seq_len % cp):
                     continue
                 dp = world // (tp * pp * cp)
                 for rep in divisors(dp):

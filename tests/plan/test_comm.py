@@ -74,12 +74,25 @@ def test_expert_parallel_all_to_alls_and_pipeline_sends():
     assert volume(colls, "pp", m) == pytest.approx(m * 2 * 2 * WORK.seq_len * cfg.dim * 2)
 
 
-def test_context_parallel_gathers_keys_and_values():
+def test_context_parallel_all_to_all_when_cp_divides_the_heads():
+    """Ulysses: per layer q, k, v out and the output back, forward and backward, each an all-to-all
+    of the rank's T = seq/cp tokens sending (cp-1)/cp of the buffer. LLaMA-3-8B: 32 q heads, 8 kv."""
     cfg = get_preset("llama3-8b")
     lay = Layout(cp=4, dp_shard=16)
     m = lay.microbatches(WORK)
-    kv = WORK.seq_len * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-    assert volume(collectives(cfg, lay), "cp", m) == pytest.approx(m * 3 * cfg.n_layers * 3 / 4 * kv)
+    T = WORK.micro_batch * WORK.seq_len / 4
+    buffer = T * (2 * 32 + 2 * 8) * cfg.head_dim * 2
+    colls = [c for c in collectives(cfg, lay) if c.group == "cp"]
+    assert {c.op for c in colls} == {"all-to-all"}
+    assert volume(colls, "cp", m) == pytest.approx(m * 2 * cfg.n_layers * 3 / 4 * buffer)
+
+
+def test_context_parallel_gathers_keys_and_values_when_heads_do_not_divide():
+    cfg = get_preset("llama3-8b")
+    lay = Layout(tp=8, cp=8)  # 4 local query heads: cp=8 cannot split them, so k/v are all-gathered
+    m = lay.microbatches(WORK)
+    kv = WORK.seq_len * 2 * cfg.n_kv_heads * cfg.head_dim * 2 / 8
+    assert volume(collectives(cfg, lay), "cp", m) == pytest.approx(m * 3 * cfg.n_layers * 7 / 8 * kv)
 
 
 def test_groups_use_the_link_their_ranks_sit_on():
