@@ -23,10 +23,19 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     vpp: int = 1  # virtual stages per rank (interleaved 1F1B)
-    microbatches: int | None = None  # micro-batches per step in the pipeline; None = global/micro batch
+    # Micro-batches per step and data-parallel rank in the pipeline (pp > 1); None = the rank's rows /
+    # train.micro_batch_size. A dense model may take another count that divides the rows (the loss is
+    # normalised by the loss tokens of the whole global batch, so only memory and the bubble change); an
+    # MoE model may not (its aux losses and expert capacity are per micro-batch). 1f1b and the
+    # interleaved schedules need m >= pp; interleaved_1f1b / zero_bubble also m in [pp, 2 pp) or a
+    # multiple of m // pp (train/run_layout.py refuses the rest before anything is built).
+    microbatches: int | None = None
     ep: int = 1  # expert parallel, folded over dp_shard x cp
     cp: int = 1  # context parallel (sequence split across ranks for attention)
-    zero_stage: int = 3  # what dp_shard shards: 1 optimizer state, 2 + gradients, 3 + weights
+    # dp_shard always shards weights, gradients (reduce-scattered) and optimizer state through FSDP2;
+    # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
+    # 1 and 2 after its backward (no second all-gather). The planner's ZeRO-1/2 rows are the textbook ones.
+    zero_stage: int = 3
     recompute: str = "none"  # activation recomputation: none, full (whole block), selective (attention core)
     recompute_interval: int = 1  # with recompute=full: every k-th block
 

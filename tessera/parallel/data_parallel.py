@@ -18,7 +18,10 @@ backward; 2 and 1 keep them gathered between forward and backward (FSDP2 always 
 gradients, so stage 1 behaves as stage 2).
 
 Mixed precision: parameters are cast to `param_dtype` for compute (the fp32 sharded copy is the
-master), gradients are reduced in `reduce_dtype`.
+master), gradients are reduced in `reduce_dtype`. The MoE router is the exception (DESIGN.md: fp32
+router): under a low-precision `param_dtype` each router is its own FSDP unit whose policy keeps
+its weight in fp32, so routing decisions see the master weights, as in one process (in fp32
+layouts the router stays inside its block's unit, unchanged).
 """
 
 from __future__ import annotations
@@ -53,10 +56,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int = 
                               reduce_dtype=reduce_dtype)
     reshard = zero_stage == 3
     mesh = dense_dp_mesh(dims)
+    # param_dtype=None: the router's weight is gathered in its own dtype (fp32) and its inputs are
+    # not cast (the router computes its logits in fp32 anyway).
+    router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for block in model.layers.values():
         if dims.ep > 1 and hasattr(block, "moe"):
             fully_shard(block.moe.experts, mesh=expert_dp_mesh(dims), reshard_after_forward=reshard,
                         mp_policy=mp)
+        if mp.param_dtype is not None and hasattr(block, "moe"):
+            fully_shard(block.moe.router, mesh=mesh, reshard_after_forward=reshard, mp_policy=router_mp)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     for module in model.modules():

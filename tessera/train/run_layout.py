@@ -109,8 +109,30 @@ class RunLayout:
             yield
 
 
+# Pipeline schedules that run micro-batches in rounds of pp (torch.distributed.pipelining's
+# ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble).
+ROUND_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+def schedule_accepts_microbatches(schedule: str, microbatches: int, pp: int) -> bool:
+    """Whether torch's `schedule` takes `microbatches` per step over `pp` pipeline ranks.
+
+    1F1B and the interleaved schedules need one micro-batch per stage rank (m >= pp; GPipe takes
+    any m). The interleaved ones also run max(1, m // pp) rounds of equal size, so m must be a
+    multiple of m // pp: every m in [pp, 2 pp), then 2 pp, 2 pp + 2, ..., 3 pp, 3 pp + 3, ... (torch
+    raises a bare ValueError otherwise, after the model is built)."""
+    if schedule == "gpipe":
+        return True
+    if microbatches < pp:
+        return False
+    if schedule in ROUND_SCHEDULES:
+        return microbatches % max(1, microbatches // pp) == 0
+    return True
+
+
 def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
-    """The global batch must split into equal micro-batches on every data-parallel rank."""
+    """The global batch must split into equal micro-batches on every data-parallel rank, in a count
+    the pipeline schedule accepts and, for MoE models, of `train.micro_batch_size` samples."""
     t, dp = cfg.train, dims.dp_size
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is invalid: must be a multiple of "
@@ -119,15 +141,44 @@ def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
     if dims.pp == 1:
         return
     rows = t.global_batch_size // dp
+    derived = rows // t.micro_batch_size
     m = cfg.parallel.microbatches
     if m is not None and rows % m:
         raise ConfigError(f"parallel.microbatches={m} is invalid: it must divide the {rows} samples each "
                           f"data-parallel rank reads (train.global_batch_size / dp = {t.global_batch_size} / {dp})")
-    m = m or rows // t.micro_batch_size
-    if m < dims.pp and cfg.parallel.pp_schedule != "gpipe":
-        raise ConfigError(f"parallel.microbatches={m} (per data-parallel rank) is fewer than parallel.pp={dims.pp}: "
-                          f"the {cfg.parallel.pp_schedule} schedule needs one per stage; lower "
+    if m is not None and m != derived and cfg.model.is_moe:
+        # MoE auxiliary losses and expert capacity are defined per micro-batch (DESIGN.md, numerics
+        # contract): micro-batches of rows / m samples would route, balance and drop differently
+        # from the one-process run, which cuts micro-batches of train.micro_batch_size.
+        raise ConfigError(f"parallel.microbatches={m} is invalid for an MoE model: it cuts the {rows} samples "
+                          f"of each data-parallel rank into micro-batches of {rows // m}, not "
+                          f"train.micro_batch_size={t.micro_batch_size}, so the MoE auxiliary losses and expert "
+                          "capacity (defined per micro-batch) would differ from the one-process run; leave "
+                          f"parallel.microbatches unset, set it to {derived} (train.global_batch_size / dp / "
+                          f"train.micro_batch_size = {t.global_batch_size} / {dp} / {t.micro_batch_size}), or "
+                          f"set train.micro_batch_size={rows // m}")
+    m = m or derived
+    schedule = cfg.parallel.pp_schedule
+    given = (f"parallel.microbatches={m}" if cfg.parallel.microbatches is not None else
+             f"parallel.microbatches unset: train.global_batch_size / dp / train.micro_batch_size = "
+             f"{t.global_batch_size} / {dp} / {t.micro_batch_size}")
+    if m < dims.pp and schedule != "gpipe":
+        raise ConfigError(f"{m} micro-batches per data-parallel rank ({given}) are fewer than parallel.pp="
+                          f"{dims.pp}: the {schedule} schedule needs one per stage; lower "
                           "train.micro_batch_size or raise train.global_batch_size")
+    if not schedule_accepts_microbatches(schedule, m, dims.pp):
+        fits = [d for d in range(1, rows + 1) if rows % d == 0 and schedule_accepts_microbatches(schedule, d, dims.pp)]
+        if not fits:
+            choice = "none divides them: change train.global_batch_size"
+        elif cfg.model.is_moe:
+            choice = f"train.micro_batch_size in {[rows // d for d in fits]} (parallel.microbatches unset)"
+        else:
+            choice = f"parallel.microbatches in {fits}"
+        raise ConfigError(f"{m} micro-batches per data-parallel rank ({given}) are invalid for "
+                          f"parallel.pp_schedule={schedule} with parallel.pp={dims.pp}: the schedule runs "
+                          f"m // pp = {m // dims.pp} rounds of equal size, so m must be in [pp, 2 pp) or a "
+                          f"multiple of m // pp; for the {rows} samples of each data-parallel rank that "
+                          f"allows {choice}")
 
 
 def build_layout(cfg: RunConfig) -> RunLayout:

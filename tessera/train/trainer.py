@@ -29,8 +29,8 @@ does not depend on the layout; statistics are summed over ranks and rank 0 write
 the progress bar and the checkpoint bookkeeping. With one process nothing of this runs: the step
 is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
 autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
-compute (fp32 shards stay the master copy, gradients are reduced in fp32); the router then reads
-bf16-rounded weights (in fp32 arithmetic), which stays within the bf16 tolerance of one process.
+compute (fp32 shards stay the master copy, gradients are reduced in fp32), except the MoE router's,
+which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does.
 """
 
 from __future__ import annotations
@@ -118,16 +118,22 @@ class Trainer:
 
     # ---- setup -----------------------------------------------------------------------------
     def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        """Rank 0 looks at the run directory and every rank follows its decision."""
-        decision: tuple[str | None, str | None] = (None, None)
-        if self.layout.is_coordinator:
+        """Rank 0 looks at the run directory and every rank follows its decision.
+
+        Leftovers of an interrupted save are cleaned up first: a crash while a step was saved again
+        leaves that step's complete checkpoint under `.old-step_N-PID` (dcp.remove_partial_saves
+        puts it back), and the step to resume from must be chosen after it is back in place."""
+
+        def decide() -> tuple[str | None, str | None]:
+            ckpt.remove_partial_saves(self.ckpt_root)
             found = ckpt.find_latest(self.ckpt_root)
             if not resume and found is not None:
-                decision = (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
-                                  "continue that run, or choose another run_dir")
-            else:
-                decision = (str(found) if resume and found is not None else None, None)
-        found, error = self.layout.broadcast(decision)
+                return (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
+                              "continue that run, or choose another run_dir")
+            return (str(found) if resume and found is not None else None, None)
+
+        # on_coordinator: the other ranks wait for the cleanup (and fail with rank 0 if it fails).
+        found, error = self.layout.broadcast(self.layout.on_coordinator(decide))
         if error is not None:
             raise ConfigError(error)
         return Path(found) if found is not None else None
@@ -262,10 +268,10 @@ class Trainer:
         return rec
 
     def _prepare_run_dir(self) -> MetricsWriter | None:
-        """Rank 0 cleans up interrupted saves and opens the metrics; the others wait for it."""
+        """Rank 0 opens the metrics (interrupted saves were cleaned up before the resume decision);
+        the others wait for it."""
 
         def prepare() -> MetricsWriter:
-            ckpt.remove_partial_saves(self.ckpt_root)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.cfg, self.run_dir / "config.yaml")
             resume_step = self.step if self.resumed_from is not None else None
