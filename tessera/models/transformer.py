@@ -99,6 +99,19 @@ class Transformer(nn.Module):
             if name.endswith("expert_bias"):
                 b.zero_()
 
+    @torch.no_grad()
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The whole fp32 CPU value `init_weights(seed)` gives parameter `name`, computed alone: a
+        model built on the meta device and then sharded initialises each shard from it."""
+        p = self.get_parameter(name)
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm):
+            return torch.ones(p.shape, dtype=torch.float32)
+        if name.endswith(".bias"):
+            return torch.zeros(p.shape, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        return torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=gen)
+
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None) -> ModelOutput:

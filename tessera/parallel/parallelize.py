@@ -5,7 +5,9 @@ checkpointing, data parallel. Pipeline splitting, when used, happens before, on 
 Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
 initialises every tensor from (seed, its name), so all ranks hold the same weights), then call
 `parallelize`, which keeps on each rank only its shards, without communication. The result is
-the same model under every layout.
+the same model under every layout. For models too large for one device, build on the meta device
+instead, parallelize, then `meta_init.materialize_by_name` allocates and initialises only this
+rank's shards, to the same values (the Trainer does this on several ranks).
 
     dims = ParallelDims.from_config(run.parallel, world_size)
     dims.validate(run.model, world_size, seq_len)       # before allocating anything

@@ -36,13 +36,31 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from tessera.config.errors import ParallelError
+from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.parallel import ParallelConfig
 from tessera.parallel.dims import ParallelDims
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+# Schedules that run micro-batches in rounds of pp (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
+ROUND_SCHEDULES = MULTI_STAGE
+
+
+def schedule_accepts_microbatches(schedule: str, microbatches: int, pp: int) -> bool:
+    """Whether torch's `schedule` takes `microbatches` per step over `pp` pipeline ranks.
+
+    1F1B and the interleaved schedules need one micro-batch per stage rank (m >= pp; GPipe takes
+    any m). The interleaved ones also run max(1, m // pp) rounds of equal size, so m must be a
+    multiple of m // pp: every m in [pp, 2 pp), then 2 pp, 2 pp + 2, ..., 3 pp, 3 pp + 3, ... (torch
+    raises a bare ValueError otherwise, after the model is built)."""
+    if schedule == "gpipe":
+        return True
+    if microbatches < pp:
+        return False
+    if schedule in ROUND_SCHEDULES:
+        return microbatches % max(1, microbatches // pp) == 0
+    return True
 
 
 def stage_layer_ids(n_layers: int, num_stages: int) -> list[list[int]]:
@@ -168,9 +186,12 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     if cfg.vpp > 1 and cfg.pp_schedule not in MULTI_STAGE:
         raise ParallelError(f"vpp={cfg.vpp} needs a multi-stage schedule ({', '.join(MULTI_STAGE)}), "
                             f"not {cfg.pp_schedule}")
-    if microbatches < dims.pp and cfg.pp_schedule != "gpipe":
-        raise ParallelError(f"microbatches={microbatches} is fewer than pp={dims.pp}: the {cfg.pp_schedule} "
-                            "schedule needs at least one micro-batch per stage")
+    if not schedule_accepts_microbatches(cfg.pp_schedule, microbatches, dims.pp):
+        fits = [m for m in range(1, 4 * dims.pp + 1) if schedule_accepts_microbatches(cfg.pp_schedule, m, dims.pp)]
+        raise ConfigError(f"parallel.microbatches={microbatches} is invalid for parallel.pp_schedule="
+                          f"{cfg.pp_schedule} with parallel.pp={dims.pp}: the schedule needs at least one "
+                          "micro-batch per stage rank (m >= pp) and, interleaved, m // pp rounds of equal size "
+                          f"(m a multiple of m // pp); allowed up to {4 * dims.pp}: {fits}")
     dims.validate(model.cfg, dims.world_size, vpp=cfg.vpp)
     if dims.mesh is None:
         dims.build_mesh(str(device).split(":")[0])

@@ -16,6 +16,12 @@ all data-parallel ranks (under cp, a rank's CE sum and aux are its chunk's share
 micro-batch's). FSDP sums the ranks' gradients, so the step's gradient is that of the
 global-batch loss, as in one process. Positions outside an SFT loss mask get the ignore index in
 the targets, so the vocabulary-parallel loss (which cannot take a mask) skips them too.
+
+Gradient accumulation synchronises once per step: for every micro-batch but the last, FSDP's
+gradient reduction is turned off (`set_requires_gradient_sync(False)` on the root and, through
+it, every unit), so each rank accumulates its unsharded gradients locally and each unit's
+gradient is reduce-scattered (HSDP: and all-reduced across replicas) once, after the last
+micro-batch's backward, instead of once per micro-batch.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from tessera.data.batching import Batch
 from tessera.parallel import clip_grad_norm_, global_count, global_sum, shard_global_batch, token_dim, token_loss_sum
@@ -82,6 +89,7 @@ class ParallelStep:
             rows = slice(i * self.mb, (i + 1) * self.mb)
             x = inputs[rows].to(self.device, non_blocking=True)
             y = targets[rows].to(self.device, non_blocking=True)
+            self._sync_gradients(i == accumulation - 1)
             with self._autocast():
                 out = self.model(x)
             micro_sum = token_loss_sum(out.logits, y)
@@ -90,6 +98,11 @@ class ParallelStep:
             local.add_routing(out)
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
+
+    def _sync_gradients(self, last_micro_batch: bool) -> None:
+        """Reduce gradients over data-parallel ranks in this backward only on the step's last micro-batch."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for m in self.parts for p in m.parameters() if p.grad is not None]

@@ -1,9 +1,10 @@
 """Forward/backward of one global batch through pipeline stages (pp > 1, with any of dp / tp / sp / ep /
 cp; under cp the stages pass on hidden states of this rank's sequence chunk).
 
-The full model, built identically on every rank, is cut into this rank's stages and each stage
-is parallelized (`tessera.parallel.build_pipeline`); the schedule (gpipe, 1f1b,
-interleaved_1f1b, zero_bubble) cuts this rank's rows into `microbatches` micro-batches
+The full model, built identically on every rank (on the meta device, materialised by name after
+the split: tessera.parallel.meta_init), is cut into this rank's stages and each stage is
+parallelized (`tessera.parallel.build_pipeline`); the schedule (gpipe, 1f1b, interleaved_1f1b,
+zero_bubble) cuts this rank's rows into `microbatches` micro-batches
 (`parallel.microbatches`, default: rows / train.micro_batch_size).
 
 Numerics are those of one process: the last stage's loss of a micro-batch is its token-loss sum /

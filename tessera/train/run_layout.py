@@ -25,6 +25,10 @@ from tessera.config.schema import RunConfig
 from tessera.parallel.collective_timeout import collective_phase
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.launch import init_distributed, rank_env, set_default_timeout
+from tessera.parallel.pipeline import ROUND_SCHEDULES, schedule_accepts_microbatches
+
+__all__ = ["ROUND_SCHEDULES", "RunLayout", "build_layout", "check_batch_layout", "resolve_device",
+           "schedule_accepts_microbatches"]
 
 T = TypeVar("T")
 
@@ -109,27 +113,6 @@ class RunLayout:
             yield
 
 
-# Pipeline schedules that run micro-batches in rounds of pp (torch.distributed.pipelining's
-# ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble).
-ROUND_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-
-
-def schedule_accepts_microbatches(schedule: str, microbatches: int, pp: int) -> bool:
-    """Whether torch's `schedule` takes `microbatches` per step over `pp` pipeline ranks.
-
-    1F1B and the interleaved schedules need one micro-batch per stage rank (m >= pp; GPipe takes
-    any m). The interleaved ones also run max(1, m // pp) rounds of equal size, so m must be a
-    multiple of m // pp: every m in [pp, 2 pp), then 2 pp, 2 pp + 2, ..., 3 pp, 3 pp + 3, ... (torch
-    raises a bare ValueError otherwise, after the model is built)."""
-    if schedule == "gpipe":
-        return True
-    if microbatches < pp:
-        return False
-    if schedule in ROUND_SCHEDULES:
-        return microbatches % max(1, microbatches // pp) == 0
-    return True
-
-
 def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
     """The global batch must split into equal micro-batches on every data-parallel rank, in a count
     the pipeline schedule accepts and, for MoE models, of `train.micro_batch_size` samples."""
@@ -139,6 +122,11 @@ def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
                           f"train.micro_batch_size x data-parallel size (dp_replicate x dp_shard) = "
                           f"{t.micro_batch_size} x {dp}")
     if dims.pp == 1:
+        if cfg.parallel.microbatches is not None:
+            raise ConfigError(f"parallel.microbatches={cfg.parallel.microbatches} is invalid: parallel.microbatches "
+                              f"only applies with parallel.pp > 1 (here parallel.pp=1); the number of "
+                              "micro-batches is global_batch_size / (micro_batch_size x data-parallel size) = "
+                              f"{t.global_batch_size} / ({t.micro_batch_size} x {dp}); leave it unset")
         return
     rows = t.global_batch_size // dp
     derived = rows // t.micro_batch_size

@@ -22,11 +22,13 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes.
 
 Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
-made) the `parallel` section decides the layout (run_layout.py): every rank builds the full
-model from the seed, then keeps its shards (`tessera.parallel.parallelize`) or pipeline stages
-(pipeline_step.py); every rank reads the whole global batch and takes its rows, so the data order
-does not depend on the layout; statistics are summed over ranks and rank 0 writes the metrics,
-the progress bar and the checkpoint bookkeeping. With one process nothing of this runs: the step
+made) the `parallel` section decides the layout (run_layout.py): every rank builds the model on the
+meta device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
+(pipeline_step.py), then allocates only those and initialises them by name from the seed
+(`tessera.parallel.meta_init`), to the values one process has (with `train.init_from` the whole
+model is built and loaded first, then cut); every rank reads the whole global batch and takes its
+rows, so the data order does not depend on the layout; statistics are summed over ranks and rank 0
+writes the metrics, the progress bar and the checkpoint bookkeeping. With one process nothing of this runs: the step
 is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
 autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
 compute (fp32 shards stay the master copy, gradients are reduced in fp32), except the MoE router's,
@@ -97,13 +99,26 @@ class Trainer:
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
                               f"{self.data.vocab_size} tokens, so it must be >= {self.data.vocab_size}")
-        model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
+        # On several ranks the model is built without storage and each rank materialises only its
+        # shards (tessera.parallel.meta_init); `train.init_from` still loads into the whole model.
+        on_meta = self.layout.dims is not None and not (resume_from is None and t.init_from)
+        if on_meta:
+            with torch.device("meta"):
+                model = Transformer(cfg.model, init_seed=None)
+                reference = Transformer(cfg.model, init_seed=None)
+        else:
+            model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
         model.train()
         self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if resume_from is None and t.init_from:
             self._init_from(model, t.init_from)
         self.engine = self._build_engine(model)
         self.parts = self.engine.parts
+        if on_meta:
+            from tessera.parallel.meta_init import materialize_by_name
+
+            with self.layout.phase("initialising the weights"):
+                materialize_by_name(self.parts, reference, t.seed, self.device)
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
         self.optimizers = [build_optimizer(m, cfg.optim) for m in self.parts]
         self.optimizer = self.optimizers[0]
