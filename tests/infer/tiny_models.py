@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from tests.models.hf_families import random_hf_model  # noqa: F401  (re-exported for the infer tests)
+
 VOCAB = 128
 SPECIALS = ["<s>", "</s>", "<unk>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '\n' }}{% endfor %}"
@@ -57,21 +59,6 @@ def hf_config(family: str, **overrides):
                                    first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
                                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
     raise ValueError(family)
-
-
-def random_hf_model(config, seed: int = 0, std: float = 0.08):
-    """A transformers model with every weight random (eager attention, fp32, eval mode)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
-    return model
 
 
 def write_model(path: Path, family: str = "llama", seed: int = 0, std: float = 0.08, **overrides):

@@ -40,7 +40,7 @@ def hf_configs() -> dict[str, object]:
     }
 
 
-def random_hf_model(config, seed: int = 0):
+def random_hf_model(config, seed: int = 0, std: float = 0.08):
     """A transformers model with every weight and buffer randomised (router biases included)."""
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +51,7 @@ def random_hf_model(config, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.08 * noise)
+            p.copy_(1 + 0.1 * noise if "norm" in name else std * noise)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
