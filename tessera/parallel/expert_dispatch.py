@@ -85,24 +85,31 @@ def gate_and_sum(y_ND: torch.Tensor, weights_Tk: torch.Tensor, ctx: DispatchCont
 
 
 @dataclass
-class AllToAllContext(DispatchContext):
-    send_splits: list[int] = field(default_factory=list)  # rows this rank sent to each ep rank
-    recv_splits: list[int] = field(default_factory=list)  # rows it received from each ep rank
-    regroup: torch.Tensor | None = None  # received rows (by source rank) -> rows by local expert
+class _ExpertGroups:
+    """What both dispatchers know: the expert and tensor-parallel groups and this rank's experts."""
 
-
-class AllToAllDispatcher:
-    """Dispatch with one uneven all-to-all over `ep_group` (None: experts all local, e.g. tensor
-    parallelism of experts without expert parallelism)."""
-
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
-                 pad_to_capacity: bool = False):
+    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None):
         self.num_experts = num_experts
         self.ep_group, self.tp_group = ep_group, tp_group
         self.ep = _group_size(ep_group)
         if num_experts % self.ep:
             raise ParallelError(f"ep={self.ep} does not divide moe.num_experts={num_experts}")
         self.local_experts = num_experts // self.ep
+
+
+class AllToAllContext(DispatchContext):
+    send_splits: list[int] = field(default_factory=list)  # rows this rank sent to each ep rank
+    recv_splits: list[int] = field(default_factory=list)  # rows it received from each ep rank
+    regroup: torch.Tensor | None = None  # received rows (by source rank) -> rows by local expert
+
+
+class AllToAllDispatcher(_ExpertGroups):
+    """Dispatch with one uneven all-to-all over `ep_group` (None: experts all local, e.g. tensor
+    parallelism of experts without expert parallelism)."""
+
+    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
+                 pad_to_capacity: bool = False):
+        super().__init__(num_experts, ep_group, tp_group)
         self.pad_to_capacity = pad_to_capacity
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
@@ -143,16 +150,11 @@ class AllGatherContext(DispatchContext):
     local_tokens: int = 0
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_ExpertGroups):
     """Dispatch by gathering every rank's tokens; each rank computes its own experts' rows."""
 
     def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None = None):
-        self.num_experts = num_experts
-        self.ep_group, self.tp_group = ep_group, tp_group
-        self.ep = _group_size(ep_group)
-        if num_experts % self.ep:
-            raise ParallelError(f"ep={self.ep} does not divide moe.num_experts={num_experts}")
-        self.local_experts = num_experts // self.ep
+        super().__init__(num_experts, ep_group, tp_group)
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
         T, k = indices_Tk.shape

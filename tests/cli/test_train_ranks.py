@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.cli import main
-from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink
+from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink, sigterm_after_two_logged_steps
 
 FSDP2 = {"parallel.dp_shard": 2, "optim.eps": 1e-3}  # eps: see tests/parallel/trainer_runs.py
 
@@ -72,19 +71,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(small_data
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tessera", "train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
-    last_logged = max(read_losses(run))
+    last_logged = sigterm_after_two_logged_steps(proc, run)
     latest = ckpt.find_latest(run / "checkpoints")
     assert latest is not None and ckpt.read_meta(latest)["step"] == last_logged < 10_000
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sysconfig
+import time
 from pathlib import Path
 
 from tessera.data import default_tokenizer, preprocess
@@ -54,3 +57,22 @@ def set_args(overrides: list[str]) -> list[str]:
 def read_losses(run_dir: Path | str) -> dict[int, float]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def sigterm_after_two_logged_steps(proc: subprocess.Popen, run: Path | str) -> int:
+    """Wait until `run` has logged two steps, send SIGTERM, wait for the exit; returns the last
+    logged step (the run is expected to have saved exactly that step before exiting)."""
+    metrics = Path(run) / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    return max(read_losses(run))

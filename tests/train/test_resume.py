@@ -14,7 +14,16 @@ import pytest
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.cli import main
-from tests.train.runs import ROOT, TINY_DENSE, TINY_MOE, moe_shrink, read_losses, set_args, shrink
+from tests.train.runs import (
+    ROOT,
+    TINY_DENSE,
+    TINY_MOE,
+    moe_shrink,
+    read_losses,
+    set_args,
+    shrink,
+    sigterm_after_two_logged_steps,
+)
 
 
 def _train(config: str, overrides: list[str], resume: bool = False) -> int:
@@ -97,20 +106,7 @@ def test_sigterm_saves_then_exits(small_dataset, tmp_path):
     run = tmp_path / "run"
     overrides = shrink(small_dataset, run, 10_000, **{"checkpoint.interval": 0})
     proc = _start([TINY_DENSE, *set_args(overrides)], {})
-    try:
-        metrics = run / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
-        proc.stderr.close()
-    last_logged = max(read_losses(run))
+    last_logged = sigterm_after_two_logged_steps(proc, run)
     latest = ckpt.find_latest(run / "checkpoints")
     assert latest is not None and ckpt.read_meta(latest)["step"] == last_logged
     assert last_logged < 10_000
