@@ -175,18 +175,36 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer (default: the one the run was trained with, else the bundled one)")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole prefix every step instead of using the serving engine's KV cache "
+                        "(slow: a check of the cached output)")
+
+
+def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
+    """The flags as the engine's `SamplingParams`, refusing bad values by their flag names."""
+    from tessera.infer.sampling_params import SamplingParams
+
+    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, "must be >= 0"),
+              ("--temperature", args.temperature, 0 <= args.temperature <= 100, "must be in [0, 100] (0 = greedy)"),
+              ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, "must be >= 0 (0 = no limit)"),
+              ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "must be in (0, 1]"),
+              ("--seed", args.seed, 0 <= args.seed < 2**63, "must be in [0, 2^63)")]
+    for flag, value, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(f"{flag}={value} is invalid: {allowed}")
+    return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
+                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, stop_token_ids=stop_ids)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
     from tessera.checkpoint.convert import is_hf_directory, load_model
-    from tessera.data.tokenizer import load_tokenizer
-    from tessera.train.text_generation import generate
 
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is invalid: must be >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p={args.top_p} is invalid: must be in (0, 1]")
+    _sampling_params(args, 1, [])  # flags first: a bad value is refused before any weights load
+    from tessera.data.tokenizer import load_tokenizer
+    from tessera.infer.llm import LLM
+    from tessera.infer.reference_generation import reference_generate
+
     model, run_cfg = load_model(args.checkpoint)
     source = args.tokenizer
     if source is None and run_cfg is not None:
@@ -198,9 +216,21 @@ def _generate(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     if not prompt_ids:
         raise ConfigError("--prompt is empty after tokenization; give at least one character")
-    stop = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
-    new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   args.seed, stop_ids=stop, use_cache=not args.no_cache)
+    room = model.cfg.max_seq_len - len(prompt_ids)
+    if args.max_new_tokens == 0:
+        print(args.prompt)
+        return 0
+    if room < 1:
+        raise ConfigError(f"--prompt is {len(prompt_ids)} tokens; the model takes at most {model.cfg.max_seq_len} "
+                          "positions, leaving none to generate: shorten the prompt")
+    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    params = _sampling_params(args, min(args.max_new_tokens, room), stop)
+    if args.no_cache:
+        new = reference_generate(model, prompt_ids, params, use_cache=False)
+    else:  # one sequence: a KV cache just big enough for it, no batching or prefix reuse to set up
+        llm = LLM(model, tokenizer=tokenizer, max_num_seqs=1, enable_prefix_caching=False,
+                  max_model_len=len(prompt_ids) + params.max_tokens)
+        new = llm.generate([prompt_ids], params)[0].token_ids
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
     return 0
 

@@ -90,22 +90,38 @@ class LLMEngine:
     # ---- construction from a directory -------------------------------------------------------
     @classmethod
     def from_dir(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
-        """Load a HuggingFace / pre-quantized / Tessera-checkpoint directory and build the engine:
-        static LoRA merged, int8 applied, dynamic adapters loaded, system prompts cached."""
+        """Load a HuggingFace / pre-quantized / Tessera-checkpoint directory and build the engine
+        around it (`from_model`), with the directory's tokenizer and end-of-sequence ids."""
+        config = config or EngineConfig()
+        model, quantized, run_cfg = load_model(path, torch_dtype(config.dtype), config.device)
+        tokenizer = load_tokenizer(path, run_cfg)
+        return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer),
+                              prequantized=quantized is not None)
+
+    @classmethod
+    def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
+                   eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False) -> LLMEngine:
+        """Build the engine around a model in memory, already in `config.dtype` on `config.device`
+        (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, int8
+        applied, the draft model loaded, dynamic adapters loaded, system prompts cached.
+        `prequantized`: the model's weights are int8 already."""
         config = config or EngineConfig()
         dtype = torch_dtype(config.dtype)
-        model, quantized, run_cfg = load_model(path, dtype, config.device)
-        if config.merge_lora and quantized is not None:
+        weight = model.tok_embeddings.weight
+        if weight.dtype != dtype or weight.device.type != torch.device(config.device).type:
+            raise ConfigError(f"the model is {str(weight.dtype).removeprefix('torch.')} on {weight.device.type} but "
+                              f"the engine is configured for dtype={config.dtype!r} on device={config.device!r}; "
+                              "load the model that way or change the engine config")
+        if config.merge_lora and prequantized:
             raise ConfigError("merge_lora needs full-precision weights; this directory is pre-quantized")
         for adapter in config.merge_lora:
             merge_adapter(model, adapter)
-        if config.quantization == "int8" and quantized is None:
+        if config.quantization == "int8" and not prequantized:
             quantize_model(model)
-        tokenizer = load_tokenizer(path, run_cfg)
         draft = None
         if config.speculative is not None and config.speculative.method == "draft":
             draft = load_model(config.speculative.draft_model, dtype, config.device)[0]
-        engine = cls(model, config, tokenizer, eos_token_ids(path, tokenizer), draft)
+        engine = cls(model, config, tokenizer, eos_ids, draft)
         for name, adapter_path in config.lora_adapters.items():
             engine.load_lora(name, adapter_path)
         engine.warm_system_prompts(config.system_prompts)

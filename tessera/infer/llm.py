@@ -7,12 +7,13 @@
         print(c.text)
 
 All prompts go into one engine and are batched continuously; the results come back in the order
-of the prompts.
+of the prompts. `LLM` also takes a model already in memory (`LLM(transformer, tokenizer=...)`):
+that is how `tessera generate` runs a checkpoint through the same engine as the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tessera.config.errors import ConfigError
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine import LLMEngine
 from tessera.infer.sampling_params import SamplingParams
+from tessera.models.transformer import Transformer
 
 
 @dataclass
@@ -34,13 +36,24 @@ class Completion:
 
 class LLM:
     """`LLM(model_dir, **engine_options)`: any `EngineConfig` field may be passed by keyword
-    (e.g. `quantization="int8"`, `speculative=SpeculativeConfig(...)`), or a whole `config=`."""
+    (e.g. `quantization="int8"`, `speculative=SpeculativeConfig(...)`), or a whole `config=`.
 
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, **options: Any):
+    `model` is a directory (HuggingFace, pre-quantized or Tessera checkpoint; it brings its own
+    tokenizer and end-of-sequence ids) or a `Transformer` in memory, whose `tokenizer` (None: token-id
+    prompts only) and `eos_ids` are then given here.
+    """
+
+    def __init__(self, model: str | Path | Transformer, config: EngineConfig | None = None, *, tokenizer=None,
+                 eos_ids: Iterable[int] = (), **options: Any):
         if config is not None and options:
             raise ConfigError("pass either config= or keyword options, not both")
         self.config = config or EngineConfig(**options)
-        self.engine = LLMEngine.from_dir(model, self.config)
+        if isinstance(model, Transformer):
+            self.engine = LLMEngine.from_model(model, self.config, tokenizer, frozenset(eos_ids))
+        elif tokenizer is not None or eos_ids:
+            raise ConfigError("tokenizer= and eos_ids= go with a model in memory; a directory brings its own")
+        else:
+            self.engine = LLMEngine.from_dir(model, self.config)
         self.tokenizer = self.engine.tokenizer
 
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -1,4 +1,5 @@
-"""The `tessera` command: help, one-line errors with exit status 2, generate, convert, preprocess."""
+"""The `tessera` command: help, one-line errors with exit status 2, generate (on the serving engine),
+convert, preprocess."""
 
 from __future__ import annotations
 
@@ -102,6 +103,29 @@ def test_generate_and_convert_round_trip(small_dataset, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "hf"), "--prompt", "def main(", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == greedy
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 1
+
+
+def test_generate_runs_the_serving_engine_and_equals_transformers(tmp_path, capsys):
+    """`tessera generate` on a HuggingFace directory: HF's greedy tokens up to the first end-of-sequence
+    token; flags out of range and a prompt that leaves no room are refused in one line (exit 2)."""
+    from tessera.data.tokenizer import Tokenizer
+    from tests.infer.tiny_models import hf_greedy, write_model
+
+    hf = write_model(tmp_path / "hf", "llama", std=0.25, max_position_embeddings=40)
+    tok = Tokenizer.from_path(tmp_path / "hf")
+    prompt = "generate me"
+    want = hf_greedy(hf, tok.encode(prompt, add_special_tokens=False), 24)
+    want = want[:want.index(tok.eos_id) + 1] if tok.eos_id in want else want
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "24"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want, skip_special_tokens=True) + "\n"
+    for flag, value in (("--temperature", "-1.0"), ("--top-k", "-2"), ("--seed", "-1"), ("--max-new-tokens", "-1")):
+        assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tessera generate: error: {flag}={value} is invalid") and err.count("\n") == 1
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", "x" * 40]) == 2
+    assert "takes at most 40 positions" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "0"]) == 0
+    assert capsys.readouterr().out == prompt + "\n"
 
 
 def test_preprocess_text_and_sft(tmp_path, capsys):
