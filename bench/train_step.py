@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tessera.config.schema import load_config  # noqa: E402
 from tessera.hf import save_pretrained  # noqa: E402
+from tessera.models.counting import count_params  # noqa: E402
 from tessera.parallel.testing import run_ranks  # noqa: E402
 from tessera.train.data_source import build_training_data  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
@@ -105,7 +106,7 @@ def bench_config(path: str, overrides: list[str], steps: int, warmup: int) -> di
         med = {k: statistics.median(v) for k, v in times.items()}
         return {
             "config": str(Path(path).relative_to(ROOT) if Path(path).is_relative_to(ROOT) else path),
-            "params": cfg.model.num_params(), "active_params": cfg.model.num_params(active=True),
+            "params": count_params(cfg.model), "active_params": count_params(cfg.model, active=True),
             "tokens_per_step": tokens_per_step,
             "tessera_tokens_per_s": tokens_per_step / med["tessera"],
             "hf_tokens_per_s": tokens_per_step / med["hf"],

@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from tessera.config.parallel import ParallelConfig  # noqa: E402
 from tessera.config.schema import RunConfig, load_config  # noqa: E402
 from tessera.models import Transformer  # noqa: E402
+from tessera.models.counting import count_params  # noqa: E402
 from tessera.parallel import (  # noqa: E402
     ParallelDims,
     clip_grad_norm_,
@@ -215,7 +216,7 @@ def main() -> int:
     last_diff = relative_difference(t["losses"][-1], d["losses"][-1])
     result = {
         "benchmark": "zero_vs_deepspeed", "config": args.config, "overrides": args.overrides,
-        "params": cfg.model.num_params(), "world": WORLD, "backend": "gloo", "dtype": "fp32",
+        "params": count_params(cfg.model), "world": WORLD, "backend": "gloo", "dtype": "fp32",
         "threads_per_rank": run["threads_per_rank"], "tokens_per_step": tokens_per_step,
         "steps": args.steps, "warmup": args.warmup,
         "tessera_tokens_per_s": t["tokens_per_s"], "deepspeed_tokens_per_s": d["tokens_per_s"],

@@ -2,7 +2,9 @@
 
 `ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, Mixtral,
 Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings, `MLAConfig`
-the multi-head latent attention shapes. Named configurations live in `presets.py`.
+the multi-head latent attention shapes. Named configurations live in `presets.py`
+(`get_preset("mixtral-8x7b")`); parameter and FLOP counts of a configuration in
+`tessera/models/counting.py` and `flops.py`, beside the modules they count.
 """
 
 from __future__ import annotations
@@ -136,12 +138,6 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
-    def num_params(self, active: bool = False) -> int:
-        """Parameter count; with active=True only what one token touches (top-k experts)."""
-        from tessera.config.counting import count_params
-
-        return count_params(self, active=active)
-
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
         def need(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -223,9 +219,3 @@ class ModelConfig:
                     raise ConfigError(f"unknown model.{key} key(s) {bad}; allowed: {sorted(sub_known)}")
                 d[key] = sub(**d[key])
         return cls(**d)
-
-    @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
-        from tessera.config.presets import get_preset
-
-        return get_preset(name, **overrides)

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from tessera.config.errors import ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-RECOMPUTE = ("none", "full", "selective")
+# Activation recomputation, from least memory saved to most: none; selective (the attention core of
+# every block is recomputed, Korthikanti et al. 2022); full (every `recompute_interval`-th block keeps
+# only its input). The one list: the trainer (parallel/activation_checkpoint.py), the FLOP count
+# (models/flops.py) and the planner's estimates and search all read it.
+RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 @dataclass
@@ -36,7 +40,7 @@ class ParallelConfig:
     # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
     # 1 and 2 after its backward (no second all-gather). The planner's ZeRO-1/2 rows are the textbook ones.
     zero_stage: int = 3
-    recompute: str = "none"  # activation recomputation: none, full (whole block), selective (attention core)
+    recompute: str = "none"  # activation recomputation: one of RECOMPUTE_CHOICES
     recompute_interval: int = 1  # with recompute=full: every k-th block
 
     def __post_init__(self) -> None:
@@ -57,8 +61,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.microbatches={self.microbatches!r} is invalid: None or an integer >= 1")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of {', '.join(RECOMPUTE)}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
+                              f"{', '.join(RECOMPUTE_CHOICES)}")
         if self.sp and self.tp == 1:
             raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel lives inside tensor parallel)")
 

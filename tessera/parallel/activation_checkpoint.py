@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tessera.config.errors import ParallelError
-
-RECOMPUTE_MODES = ("none", "full", "selective")
+from tessera.config.parallel import RECOMPUTE_CHOICES
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
@@ -55,8 +54,8 @@ def checkpoint_module(module: nn.Module, context_fn: Callable | None = None, mod
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 1) -> list[str]:
     """Wrap the model's blocks; returns the names of the modules that now recompute."""
-    if mode not in RECOMPUTE_MODES:
-        raise ParallelError(f"recompute={mode!r} is invalid: one of {', '.join(RECOMPUTE_MODES)}")
+    if mode not in RECOMPUTE_CHOICES:
+        raise ParallelError(f"recompute={mode!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
     if interval < 1:
         raise ParallelError(f"recompute_interval={interval} is invalid: must be >= 1")
     wrapped: list[str] = []

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
+from tessera.config.parallel import RECOMPUTE_CHOICES
 
 
 @dataclass(frozen=True)
@@ -284,10 +285,10 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     dt = get_activation_dtype(dtype)
     h = cfg.dim
     layer_input = _Tensor("layer.input", h, dt.residual, "seq")
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
     if recompute == "full":
         return [SavedTensor(layer_input.key, h, dt.residual, "seq")]
-    if recompute not in ("none", "selective"):
-        raise ConfigError(f"recompute={recompute!r} is invalid: one of none, full, selective")
     s = _SavedSet()
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt)
     (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.config.counting import embedding_params
 from tessera.config.errors import ConfigError, ParallelError
-from tessera.config.flops import flops_per_token, recompute_flops_per_token, six_nd
 from tessera.config.model import ModelConfig
+from tessera.models.counting import embedding_params
+from tessera.models.flops import flops_per_token, recompute_flops_per_token, six_nd
 from tessera.plan.activation_terms import get_activation_dtype
 from tessera.plan.activations import StageActivations, stage_activations
 from tessera.plan.bubble import bubble_table

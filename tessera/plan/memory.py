@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from tessera.config.counting import attention_params
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
+from tessera.models.counting import attention_params
 from tessera.plan.layout import Layout
 from tessera.plan.profile import ModelProfile
 

@@ -12,12 +12,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.flops import (
+from tessera.config.model import ModelConfig
+from tessera.models.counting import count_params
+from tessera.models.flops import (
     attention_core_flops_per_token,
     head_forward_flops_per_token,
     layer_forward_flops_per_token,
 )
-from tessera.config.model import ModelConfig
 from tessera.plan.layout import stage_layers
 
 
@@ -41,8 +42,8 @@ class ModelProfile:
             flops[kind] = layer_forward_flops_per_token(cfg, moe.index(kind), seq_len)
         return cls(cfg=cfg, seq_len=seq_len, moe=moe, layer_flops=flops,
                    core_flops=attention_core_flops_per_token(cfg, seq_len),
-                   head_flops=head_forward_flops_per_token(cfg), params_total=cfg.num_params(),
-                   params_active=cfg.num_params(active=True))
+                   head_flops=head_forward_flops_per_token(cfg), params_total=count_params(cfg),
+                   params_active=count_params(cfg, active=True))
 
     def representative(self, moe: bool) -> int:
         """Index of the first layer of that kind."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tessera.config.model import ModelConfig
+from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.plan.activations import korthikanti_layer_bytes, layer_activation_bytes
 from tessera.plan.estimate import Plan
 from tessera.plan.layout import Layout
@@ -114,12 +115,12 @@ def render_plan(plan: Plan) -> str:
         for label, v in variants:
             rows.append([("MoE" if moe else "dense") + f" layer, {label}"] + [
                 _gib(layer_activation_bytes(cfg, i, v, work, plan.activation_dtype, recompute=rc))
-                for rc in ("none", "selective", "full")])
+                for rc in RECOMPUTE_CHOICES])
     for label, v in variants:
         rows.append([f"GPT formula, {label}"] + [_gib(korthikanti_layer_bytes(
             work.seq_len // lay.cp, work.micro_batch, cfg.dim, cfg.n_heads, t=v.tp, sp=v.sp, recompute=rc))
-            for rc in ("none", "selective", "full")])
-    out += _table(rows, ["layer", "none", "selective", "full"])
+            for rc in RECOMPUTE_CHOICES])
+    out += _table(rows, ["layer", *RECOMPUTE_CHOICES])
     out.append("  (GPT formula: Korthikanti et al. 2022, 16-bit, stores the s x s scores; ours: flash attention)")
     out.append("")
 

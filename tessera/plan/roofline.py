@@ -11,7 +11,7 @@ Then once per step: gradient collectives that only the last micro-batch's backwa
 weight all-gathers that only the first forward can hide, and the optimizer's pass over its shard
 of the model states, bound by memory bandwidth (AdamW reads and writes about 30 bytes per
 parameter of fp32 state). Tokens/s and MFU follow from the step time; MFU counts model FLOPs
-(`tessera.config.flops.flops_per_token`), so recomputation lowers it.
+(`tessera.models.flops.flops_per_token`), so recomputation lowers it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from tessera.config.model import ModelConfig
+from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.plan.cluster import Cluster
 from tessera.plan.estimate import Plan, make_plan
 from tessera.plan.layout import Layout, Workload, layout_problems
@@ -50,7 +51,7 @@ def enumerate_layouts(cfg: ModelConfig, work: Workload, world: int, gpus_per_nod
                                                   if cfg.n_layers % (pp * v) == 0]
         eps = [1] if cfg.moe is None else [e for e in divisors(cfg.moe.num_experts) if (shard * cp) % e == 0]
         zeros = (1, 2, 3) if shard * cp > 1 else (1,)
-        for ep, zero, recompute, (schedule, v) in product(eps, zeros, ("none", "selective", "full"), schedules):
+        for ep, zero, recompute, (schedule, v) in product(eps, zeros, RECOMPUTE_CHOICES, schedules):
             lay = Layout(tp=tp, sp=tp > 1, pp=pp, vpp=v, pp_schedule=schedule, dp_replicate=rep, dp_shard=shard,
                          cp=cp, ep=ep, zero_stage=zero, recompute=recompute)
             if not layout_problems(cfg, lay, work, even_layers=True):

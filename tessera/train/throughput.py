@@ -1,7 +1,7 @@
 """Throughput figures of a training step: tokens/s, model FLOP/s, MFU and memory.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the device (PaLM, Chowdhery et al. 2022,
-appendix B). The model FLOPs of one token are `tessera.config.flops.flops_per_token` (the one
+appendix B). The model FLOPs of one token are `tessera.models.flops.flops_per_token` (the one
 documented count, shared with the planner: matmuls only, 3x forward, causal attention counted as
 half the score matrix) and the peak comes from `peak_flops_for_device` (dense bf16 tensor-core
 figures; `log.peak_flops` overrides it). On a CPU there is no meaningful table, so MFU is None

@@ -48,9 +48,9 @@ from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.config.errors import CheckpointError, ConfigError
-from tessera.config.flops import flops_per_token
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
+from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.train.comm_metrics import comm_record
 from tessera.train.data_source import TrainingData, build_training_data

@@ -11,6 +11,7 @@ import torch
 from tessera.config import get_preset
 from tessera.config.errors import ConfigError
 from tessera.models import Transformer
+from tessera.models.counting import count_params
 from tessera.plan.layout import Layout, stage_layers
 from tessera.plan.memory import (
     PRECISIONS,
@@ -49,7 +50,7 @@ def test_unknown_precision_is_refused_with_the_choices():
 def test_one_rank_holds_every_parameter(name):
     cfg = get_preset(name)
     (only,) = rank_params(cfg, Layout())
-    assert only.total == cfg.num_params()
+    assert only.total == count_params(cfg)
 
 
 def test_tensor_and_expert_parallel_cut_what_they_should():

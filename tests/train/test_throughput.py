@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tessera.config import get_preset
-from tessera.config.flops import flops_per_token
+from tessera.models.flops import flops_per_token
 from tessera.train.throughput import PEAK_BF16_FLOPS, peak_flops_for_device, step_throughput
 
 

@@ -1,5 +1,8 @@
 """Floating-point operations of a training step: the one count behind MFU and the planner.
 
+Like `counting.py`, pure arithmetic on a `ModelConfig` beside the modules it counts (no torch), so
+the trainer (layer 6) and the planner (layer 8) share it.
+
 Convention (say it wherever an MFU is quoted):
 - A multiply-add is 2 FLOPs. Only matrix products are counted: the weight GEMMs of every layer
   (attention projections, SwiGLU or the top-k routed experts plus shared experts, the router) and
@@ -23,15 +26,10 @@ without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from tessera.config.counting import attention_params
 from tessera.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tessera.config.model import ModelConfig
-
-RECOMPUTE_CHOICES = ("none", "full", "selective")
+from tessera.config.model import ModelConfig
+from tessera.config.parallel import RECOMPUTE_CHOICES
+from tessera.models.counting import attention_params
 
 
 def attention_matmul_params(cfg: ModelConfig) -> int:

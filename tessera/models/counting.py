@@ -1,14 +1,14 @@
-"""Parameter counts straight from a `ModelConfig`, without building the model.
+"""Parameter counts of the modules in this folder, straight from a `ModelConfig`, without building
+them (and without torch: the planner imports this).
 
-The planner and the trainer's MFU both use these; a test checks them against the real modules.
+They live beside the modules they count so that a change to a module's weights and to its count
+is one change; the planner (layer 8) and the FLOP count behind the trainer's MFU (`flops.py`) use
+them, and a test checks them against the real modules.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tessera.config.model import ModelConfig
+from tessera.config.model import ModelConfig
 
 
 def attention_params(cfg: ModelConfig) -> int:
