@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.config import get_preset
+from tessera.config import ConfigError, get_preset
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams
 from tessera.infer.reference_generation import reference_generate
@@ -49,7 +49,8 @@ def test_reference_greedy_equals_transformers(llama):
 
 
 @pytest.mark.parametrize("name, overrides", [("tiny-llama", {}), ("tiny-llama", {"sliding_window": 3}),
-                                             ("tiny-moe", {}), ("tiny-deepseek", {})])
+                                             ("tiny-moe", {}), ("tiny-deepseek", {})],
+                         ids=["llama", "sliding-window", "moe", "mla"])
 def test_engine_gives_the_reference_tokens(name, overrides):
     """Paged cache, chunked prefill (a token budget of 3) and the engine's stop rules: the same
     tokens as the eager reference, greedy and sampled with a seed, and the same stop at a stop id."""
@@ -90,3 +91,12 @@ def test_sampling_knobs():
     assert a == sample(5)
     assert a != sample(6)
     assert sample(5, stop_token_ids=[a[0]]) == a[:1]
+
+
+def test_a_model_in_memory_must_match_the_engine_dtype():
+    model = Transformer(get_preset("tiny-llama"), init_seed=0)
+    with pytest.raises(ConfigError, match=r"the model is float32 on cpu but the engine is configured for "
+                                          r"dtype='bfloat16'"):
+        LLM(model, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="tokenizer= and eos_ids= go with a model in memory"):
+        LLM("any/directory", eos_ids=[1])

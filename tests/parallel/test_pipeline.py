@@ -1,16 +1,21 @@
 """Pipeline parallelism: stage splitting keeps names and ownership; every schedule gives the
-gradients, gradient norm and updated weights of one process on the same global batch."""
+gradients, gradient norm and updated weights of one process on the same global batch; the rule for
+which micro-batch counts a schedule takes is torch's own, and the trainer applies it before building."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from tessera.config import ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
 from tessera.parallel import ParallelDims, clip_grad_norm_, parallelize, shard_global_batch, token_loss_sum
-from tessera.parallel.pipeline import build_pipeline, split_stage, stage_layer_ids
-from tessera.parallel.testing import run_ranks
+from tessera.parallel.pipeline import SCHEDULES, build_pipeline, split_stage, stage_layer_ids, stages_of_rank
+from tessera.parallel.testing import RankFailure, run_ranks
+from tessera.train.run_layout import schedule_accepts_microbatches
+from tests.parallel.trainer_runs import overrides_for, train_on_ranks
 from tests.parallel.training_step import LR, MAX_NORM, SEED, full_tensors, global_batch, reference_step
 
 
@@ -120,3 +125,41 @@ def test_pipeline_with_data_or_tensor_parallel(preset, parallel):
     for name, w in ref["weights"].items():
         torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     assert all(abs(r["norm"] - ref["norm"]) <= 1e-5 * ref["norm"] for r in results)
+
+
+SCHEDULES_WITH_VPP = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2))
+
+
+def _torch_accepts(counts: list[int]) -> dict[tuple[str, int, int], bool]:
+    """Which (schedule, vpp, m) torch's schedule constructors take over this world's pp ranks."""
+    pp, out = dist.get_world_size(), {}
+    for name, vpp in SCHEDULES_WITH_VPP:
+        stages = [PipelineStage(nn.Linear(4, 4), s, pp * vpp, torch.device("cpu"), group=dist.group.WORLD)
+                  for s in stages_of_rank(dist.get_rank(), pp, vpp)]
+        for m in counts:
+            try:
+                SCHEDULES[name](stages if vpp > 1 or name != "1f1b" else stages[0], n_microbatches=m,
+                                loss_fn=lambda y, t: y.sum(), scale_grads=False)
+                out[(name, vpp, m)] = True
+            except ValueError:
+                out[(name, vpp, m)] = False
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pp", [2, 4])
+def test_microbatch_rule_is_torchs(pp):
+    counts = list(range(pp, 5 * pp + 2))  # m < pp is refused for one stage per micro-batch, not by torch
+    got = run_ranks(_torch_accepts, pp, counts)[0]
+    for (name, _, m), accepted in got.items():
+        assert schedule_accepts_microbatches(name, m, pp) == accepted, (name, m, accepted)
+    assert not all(got.values())  # the rule does refuse some counts
+
+
+@pytest.mark.dist
+def test_trainer_refuses_a_count_the_schedule_rejects_before_building(small_dataset, tmp_path):
+    layout = {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "interleaved_1f1b",
+              "parallel.vpp": 2, "model.n_layers": 4, "train.global_batch_size": 10}
+    with pytest.raises(RankFailure, match=r"ConfigError: 5 micro-batches per data-parallel rank .* "
+                                          r"parallel.pp_schedule=interleaved_1f1b"):
+        run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, tmp_path, 1, **layout))

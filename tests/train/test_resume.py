@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.cli import main
+from tessera.config.schema import load_config
+from tessera.train.trainer import Trainer
 from tests.train.runs import (
     ROOT,
     TINY_DENSE,
@@ -110,3 +113,28 @@ def test_sigterm_saves_then_exits(small_dataset, tmp_path):
     latest = ckpt.find_latest(run / "checkpoints")
     assert latest is not None and ckpt.read_meta(latest)["step"] == last_logged
     assert last_logged < 10_000
+
+
+def test_resume_after_crash_while_replacing_the_same_step(small_dataset, tmp_path):
+    """A save of step N when step_N exists moves it to `.old-step_N-PID`, renames the new save from
+    `.tmp-step_N-PID` into place and only then deletes the old one (dcp._complete). A crash between
+    the two renames leaves both aside and `latest` naming the missing step_N: resume must put the
+    old step_N back first and continue from it, not from an older checkpoint."""
+    overrides = shrink(small_dataset, tmp_path, 2, **{"checkpoint.interval": 1, "checkpoint.keep_last": 3})
+    Trainer(load_config(TINY_DENSE, overrides)).train()
+    root = tmp_path / "checkpoints"
+    final = root / ckpt.step_dir_name(2)
+    pid = 4242
+    old, new = root / f".old-{final.name}-{pid}", root / f".tmp-{final.name}-{pid}"
+    shutil.copytree(final, new)  # the second save of step 2, complete with meta.json
+    os.rename(final, old)  # ... and the crash came before `os.rename(tmp, final)`
+    assert (root / ckpt.LATEST).read_text().strip() == final.name
+    assert ckpt.find_latest(root) == root / ckpt.step_dir_name(1)  # what a resume decided before cleanup
+
+    resumed = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path, 3, **{"checkpoint.interval": 1,
+                                                                                    "checkpoint.keep_last": 3})),
+                      resume=True)
+    assert resumed.step == 2 and resumed.resumed_from == final
+    assert ckpt.is_complete(final) and not old.exists() and not new.exists()
+    result = resumed.train()
+    assert result.start_step == 2 and [r["step"] for r in result.records] == [3]

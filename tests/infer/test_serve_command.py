@@ -1,18 +1,12 @@
-"""`tessera serve` as a process (the contract: /health, greedy /v1/completions), and serving a
-Tessera training checkpoint."""
+"""`tessera serve` as a process: the contract, /health and greedy /v1/completions."""
 
-import pickle
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-import torch
 
-from tessera.checkpoint.dcp import save_checkpoint
-from tessera.hf import load_pretrained
-from tessera.infer import LLM, SamplingParams
 from tests.infer.running_server import free_port
 from tests.infer.tiny_models import hf_greedy
 
@@ -48,16 +42,3 @@ def test_serve_command_answers_the_contract(llama):
     finally:
         proc.terminate()
         proc.wait(20)
-
-
-def test_serves_a_tessera_training_checkpoint(llama, tmp_path):
-    path, hf = llama
-    model = load_pretrained(path)
-    meta = {"config": {"model": model.cfg.to_dict(), "data": {"tokenizer": str(path)}}, "layout": {}}
-    state = {"model": model.state_dict(), "optim": {"state.tok_embeddings.weight.exp_avg": torch.zeros(3)},
-             "trainer": pickle.dumps({"step": 7})}  # what the trainer writes besides the weights
-    save_checkpoint(tmp_path / "run" / "checkpoints", 7, state, meta, keep_last=1)
-    llm = LLM(tmp_path / "run", block_size=4)
-    out = llm.generate(["from a checkpoint"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    assert out[0].token_ids == hf_greedy(hf, llm.tokenizer.encode("from a checkpoint"), 10)
-    assert torch.equal(llm.engine.model.tok_embeddings.weight, model.tok_embeddings.weight)
