@@ -8,9 +8,10 @@ import torch.distributed as dist
 from tessera.config import ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
-from tessera.parallel import ParallelDims, clip_grad_norm_, parallelize, shard_global_batch, token_loss_sum
+from tessera.parallel import ParallelDims, clip_grad_norm_, parallelize, shard_global_batch
 from tessera.parallel.pipeline import build_pipeline, split_stage, stage_layer_ids
 from tessera.parallel.testing import run_ranks
+from tessera.train.loss import token_loss_sum
 from tests.parallel.training_step import LR, MAX_NORM, SEED, full_tensors, global_batch, reference_step
 
 

@@ -19,10 +19,11 @@ from tessera.config import get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.config.schema import load_config
 from tessera.models import Transformer
-from tessera.parallel import ParallelDims, parallelize, shard_global_batch, token_loss_sum
+from tessera.parallel import ParallelDims, parallelize, shard_global_batch
 from tessera.parallel.pipeline import SCHEDULES, stages_of_rank
 from tessera.parallel.testing import RankFailure, run_ranks
 from tessera.train.data_source import build_training_data
+from tessera.train.loss import token_loss_sum
 from tessera.train.run_layout import schedule_accepts_microbatches
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 from tests.parallel.training_step import global_batch
