@@ -60,7 +60,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_start: int,
                                  group: ProcessGroup) -> torch.Tensor:
-    """Per-token cross-entropy [N] from this rank's vocabulary slice (0 where target == -100)."""
+    """Per-token cross-entropy [N] from this rank's vocabulary slice (0 where the target is IGNORE_INDEX)."""
     return _VocabParallelCrossEntropy.apply(logits_NV, targets_N, vocab_start, group)
 
 
