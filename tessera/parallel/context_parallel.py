@@ -31,8 +31,9 @@ device would.
 
 MoE: the router's token counts are summed over cp (`MicroBatchCountReducer`, expert_parallel.py);
 with expert capacity the keep-or-drop decision is taken over the whole micro-batch
-(`MicroBatchKeepMask`, context_parallel_moe.py). The sequence-level balancing loss and Sinkhorn routing need every token
-of a sequence in one place and are refused with cp > 1 (`ParallelDims.validate`).
+(`MicroBatchKeepMask`, context_parallel_moe.py). The sequence-level balancing loss and Sinkhorn
+routing need every token of a sequence in one place and are refused with cp > 1
+(`ParallelDims.validate`).
 Shapes: B batch, H query heads, G kv heads, S sequence, C = S/cp chunk, D head dim.
 """
 

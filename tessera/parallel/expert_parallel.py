@@ -11,10 +11,9 @@ How the expert weights [E, F, D] (w1, w3) and [E, D, F] (w2) are split:
     both:   placements (Shard(0), Shard(1 or 2)) on the (ep, tp) mesh.
 
 The weights stay DTensors (global shapes and names unchanged, so checkpoints reload under any
-layout); the experts' `local_weight` accessor becomes `local_shard`, so their forward computes on
-this rank's shards. Expert weights are data-parallel
-over the ranks that ep does not use (dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards
-them there.
+layout); the experts' `local_weight` accessor becomes `local_shard`, so their own forward computes
+on this rank's shards. Expert weights are data-parallel over the ranks that ep does not use
+(dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards them there.
 
 Router statistics: the balancing losses need the routing counts of the whole micro-batch.
 Under tensor/sequence parallelism every tp rank routes all the micro-batch's tokens (the MoE
