@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_s
 from tessera.train.step_stats import StepStats
 
 
+@runtime_checkable
 class StepEngine(Protocol):
     parts: list[nn.Module]  # the model modules this rank optimises and checkpoints
 
