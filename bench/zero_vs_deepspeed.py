@@ -59,9 +59,9 @@ from tessera.parallel import (  # noqa: E402
     global_sum,
     parallelize,
     shard_global_batch,
-    token_loss_sum,
 )
 from tessera.parallel.testing import run_ranks  # noqa: E402
+from tessera.train.loss import token_loss_sum  # noqa: E402
 from tessera.train.optimizer import build_optimizer  # noqa: E402
 
 WORLD = 2

@@ -16,6 +16,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # only its input). The one list: the trainer (parallel/activation_checkpoint.py), the FLOP count
 # (models/flops.py) and the planner's estimates and search all read it.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+EP_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -35,6 +36,11 @@ class ParallelConfig:
     # multiple of m // pp (train/run_layout.py refuses the rest before anything is built).
     microbatches: int | None = None
     ep: int = 1  # expert parallel, folded over dp_shard x cp
+    # How MoE tokens reach experts on other ranks (tessera/parallel/expert_dispatch.py): "alltoall" sends
+    # each routed row only to the rank owning its expert (traffic ~ routed rows; the default); "allgather"
+    # gathers every token on every ep rank and reduce-scatters the outputs (simpler, more traffic; not with
+    # moe.pad_to_capacity). Same numerics either way.
+    ep_dispatcher: str = "alltoall"
     cp: int = 1  # context parallel (sequence split across ranks for attention)
     # dp_shard always shards weights, gradients (reduce-scattered) and optimizer state through FSDP2;
     # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
@@ -61,6 +67,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.microbatches={self.microbatches!r} is invalid: None or an integer >= 1")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ConfigError(f"parallel.ep_dispatcher={self.ep_dispatcher!r} is invalid: one of "
+                              f"{', '.join(EP_DISPATCHERS)}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")

@@ -1,12 +1,12 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
 
-The attention core is a seam: without a cache it is causal SDPA over the sequence; an inference
-cache (`tessera.infer`) passes an object with `attend(layer_id, q, k, v, scale, window)` that stores
-k/v and attends over everything cached. Context parallelism (`tessera.parallel`) sets a module's
-`attention_core` to a function with `causal_attention`'s signature that attends over the whole
-sequence spread across ranks; unset (None), `causal_attention` runs. Shapes: B batch, S sequence,
-H query heads, G kv heads, D head dim.
+The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
+like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
+parallelism (`tessera.parallel`) installs a core with the same signature that attends over the
+whole sequence spread across ranks. An inference cache (`tessera.infer`) is passed per call
+instead: an object with `attend(layer_id, q, k, v, scale, window)` that stores k/v and attends
+over everything cached. Shapes: B batch, S sequence, H query heads, G kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -55,10 +55,9 @@ AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int |
 
 
 class Attention(nn.Module):
-    attention_core: AttentionCore | None = None  # replaces causal_attention when set (see module docstring)
-
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
+        self.attention_core: AttentionCore = causal_attention  # the seam (module docstring)
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
@@ -83,6 +82,5 @@ class Attention(nn.Module):
         if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, scale, self.window)
         else:
-            core = causal_attention if self.attention_core is None else self.attention_core
-            out = core(q, k, v, scale, self.window)
+            out = self.attention_core(q, k, v, scale, self.window)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

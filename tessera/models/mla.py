@@ -19,10 +19,9 @@ from tessera.models.rope import apply_rope, yarn_softmax_scale
 
 
 class MultiHeadLatentAttention(nn.Module):
-    attention_core: AttentionCore | None = None  # replaces causal_attention when set (attention.py)
-
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
+        self.attention_core: AttentionCore = causal_attention  # the seam (attention.py docstring)
         m = cfg.mla
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
@@ -61,6 +60,5 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, self.scale, None)
         else:
-            core = causal_attention if self.attention_core is None else self.attention_core
-            out = core(q, k, v, self.scale, None)
+            out = self.attention_core(q, k, v, self.scale, None)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

@@ -1,13 +1,18 @@
 """The decoder: embedding, pre-norm blocks (attention + SwiGLU or MoE), final RMSNorm, LM head.
 
 A plain single-device module. Layers live in an `nn.ModuleDict` keyed by str(layer index), so a
-pipeline stage that drops layers keeps the names of the ones it owns. Shapes: B batch,
-S sequence, D model dim, V vocabulary.
+pipeline stage that drops layers keeps the names of the ones it owns.
+
+Where a token sits in its sequence (what RoPE rotates by) is a seam, `position_source` (a
+`PositionSource`), used when the caller passes no `positions`: on one process token j of the
+input is at position j; context parallelism (`tessera.parallel`) installs one that places this
+rank's chunk at its global positions. Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +26,14 @@ from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import rope_cos_sin, rope_frequencies
+
+# (B, S, device) -> positions [B, S] of the input's tokens in their sequences.
+PositionSource = Callable[[int, int, torch.device], torch.Tensor]
+
+
+def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
+    """The `PositionSource` of one process: the input is the whole sequence, from position 0."""
+    return torch.arange(S, device=device).expand(B, S)
 
 
 @dataclass
@@ -70,6 +83,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
+        self.position_source: PositionSource = sequence_positions
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -117,7 +131,7 @@ class Transformer(nn.Module):
                 cache: AttentionCache | None = None) -> ModelOutput:
         B, S = input_ids.shape[:2]  # a middle pipeline stage receives hidden states [B, S, D]
         if positions is None:
-            positions = torch.arange(S, device=input_ids.device).expand(B, S)
+            positions = self.position_source(B, S, input_ids.device)
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)

@@ -3,7 +3,11 @@ cp rank r holds chunk r, tokens [r S/cp, (r+1) S/cp), for the whole model. Every
 attention works token by token, so only attention communicates; it still computes exactly the
 causal attention of the whole sequence.
 
-Attention cores (set as each attention module's `attention_core`; both exact, under autograd):
+The model declares every seam this file uses, and this file only installs implementations of
+them (no subclassing, no hooks): each attention module's `attention_core`, the model's
+`position_source` and, with expert capacity, each MoE layer's `keep_mask`.
+
+Attention cores (installed as each attention module's `attention_core`; both exact, under autograd):
 
 - "alltoall" (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509, section 3): an all-to-all
   turns q, k, v from [B, heads, S/cp, D] (all local heads, this rank's chunk) into
@@ -21,14 +25,15 @@ Attention cores (set as each attention module's `attention_core`; both exact, un
   Any head count; used when cp does not divide H / tp. With contiguous chunks the causal work
   is unbalanced (rank cp-1 does the most); the result is exact.
 
-Positions: the model's default positions become the global positions of this rank's chunk (a
-forward pre-hook on the model: a caller that passes `positions` keeps them), so RoPE rotates
-every token as one device would.
+Positions: the model's `position_source` becomes `ChunkPositions`, the global positions of this
+rank's chunk (a caller that passes `positions` keeps them), so RoPE rotates every token as one
+device would.
 
 MoE: the router's token counts are summed over cp (`MicroBatchCountReducer`, expert_parallel.py);
 with expert capacity the keep-or-drop decision is taken over the whole micro-batch
-(`ContextParallelMoE`). The sequence-level balancing loss and Sinkhorn routing need every token
-of a sequence in one place and are refused with cp > 1 (`ParallelDims.validate`).
+(`MicroBatchKeepMask`, context_parallel_moe.py). The sequence-level balancing loss and Sinkhorn
+routing need every token of a sequence in one place and are refused with cp > 1
+(`ParallelDims.validate`).
 Shapes: B batch, H query heads, G kv heads, S sequence, C = S/cp chunk, D head dim.
 """
 
@@ -45,7 +50,7 @@ from tessera.models.attention import Attention, causal_attention, sliding_window
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.parallel.collectives import all_to_all_rows, gather_rows
-from tessera.parallel.context_parallel_moe import ContextParallelMoE
+from tessera.parallel.context_parallel_moe import MicroBatchKeepMask
 from tessera.parallel.dims import ParallelDims
 
 CP_ATTENTION = ("alltoall", "allgather")
@@ -136,23 +141,15 @@ class ContextParallelAttention:
 
 
 class ChunkPositions:
-    """Forward pre-hook of the model: without explicit `positions`, this rank's chunk [B, C] sits
-    at global positions [r C, (r+1) C) (RoPE must rotate by where a token is in the sequence)."""
+    """The model's `position_source` under cp: this rank's chunk [B, C] sits at global positions
+    [r C, (r+1) C) (RoPE must rotate by where a token is in the sequence)."""
 
     def __init__(self, cp_rank: int):
         self.cp_rank = cp_rank
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        given = args[1] if len(args) > 1 else kwargs.get("positions")
-        if given is not None:
-            return args, kwargs
-        x = args[0] if args else kwargs["input_ids"]
-        B, C = x.shape[:2]
+    def __call__(self, B: int, C: int, device: torch.device) -> torch.Tensor:
         start = self.cp_rank * C
-        positions = torch.arange(start, start + C, device=x.device).expand(B, C)
-        if len(args) > 1:
-            return (args[0], positions, *args[2:]), kwargs
-        return args, {**kwargs, "positions": positions}
+        return torch.arange(start, start + C, device=device).expand(B, C)
 
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims, method: str | None = None) -> None:
@@ -167,6 +164,5 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims, method: str | N
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
         elif isinstance(module, MoE) and module.cfg.capacity_factor is not None:
-            module.__class__ = ContextParallelMoE
-            module.cp_group, module.cp_rank, module.cp = group, rank, dims.cp
-    model.register_forward_pre_hook(ChunkPositions(rank), with_kwargs=True)
+            module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp)
+    model.position_source = ChunkPositions(rank)

@@ -3,11 +3,12 @@
 With a capacity factor, an expert keeps at most `capacity` routing slots of a micro-batch and
 drops the rest, by lowest gate weight or latest position (capacity.py). Under cp each rank routes
 only its chunk of every sequence; deciding drops on the chunk alone would keep different slots
-than one process does. `ContextParallelMoE` gathers the (small) routing decisions of all cp
-ranks, [T, k] expert ids and gate weights, puts them back into the micro-batch's token order
-(b-major, then position), takes the single-device keep-or-drop decision on them and keeps its
-own chunk's rows of it. The capacity itself is computed from the micro-batch's token count,
-which the router's cp count reducer already sums. Everything else is the MoE layer's forward.
+than one process does. `MicroBatchKeepMask`, installed as the MoE layer's `keep_mask` seam
+(tessera.models.moe.capacity), gathers the (small) routing decisions of all cp ranks, [T, k]
+expert ids and gate weights, puts them back into the micro-batch's token order (b-major, then
+position), takes the single-device keep-or-drop decision on them and keeps its own chunk's rows
+of it. The capacity itself is computed from the micro-batch's token count, which the router's cp
+count reducer already sums. Everything else is the MoE layer's own forward.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tessera.models.moe.capacity import capacity_keep_mask
-from tessera.models.moe.layer import MoE
 
 
 def _gather_chunks(x_Tk: torch.Tensor, B: int, cp: int, group: ProcessGroup) -> torch.Tensor:
@@ -37,18 +37,14 @@ def micro_batch_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, B:
     return keep.view(B, cp, -1, k)[:, cp_rank].reshape(-1, k)
 
 
-class ContextParallelMoE(MoE):
-    """The MoE layer with micro-batch-wide token dropping under cp (`cp_group`, `cp_rank`, `cp` are
-    set by `apply_context_parallel`). Parameter names are unchanged."""
+class MicroBatchKeepMask:
+    """The MoE layer's `keep_mask` under cp: the slots one process keeps for the whole micro-batch,
+    this rank's chunk of them."""
 
-    cp_group: ProcessGroup
-    cp_rank: int
-    cp: int
+    def __init__(self, group: ProcessGroup, cp_rank: int, cp: int):
+        self.group, self.cp_rank, self.cp = group, cp_rank, cp
 
-    def capacity_mask(self, route, batch_shape):
-        if self.cfg.capacity_factor is None or not self.training:
-            return None, None
-        cap = self.capacity(route)
-        keep = micro_batch_keep_mask(route.indices_Tk, route.weights_Tk, batch_shape[0], self.cfg.num_experts,
-                                     cap, self.cfg.drop_policy, self.cp_rank, self.cp, self.cp_group)
-        return keep, cap
+    def __call__(self, indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, batch_shape: tuple[int, int],
+                 num_experts: int, capacity: int, policy: str) -> torch.Tensor:
+        return micro_batch_keep_mask(indices_Tk, weights_Tk, batch_shape[0], num_experts, capacity, policy,
+                                     self.cp_rank, self.cp, self.group)

@@ -19,6 +19,9 @@ w2 like row-parallel), so each rank's expert output is a partial sum. The dispat
 rows sent to experts "copy to tp" (gradients summed over tp) and sums the expert outputs over
 tp *before* they are gated, so the router's gate gradient sees full outputs on every tp rank.
 
+Sorting slots by expert, padding to capacity and gating are the local dispatcher's own helpers
+(`tessera.models.moe.dispatcher`); only the exchanges are added here.
+
 An expert that receives no rows (on a rank, or at all) simply computes on zero rows; its weight
 gradient is zero. T tokens, k slots per token, N dispatched rows, D model dim, E experts.
 """
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tessera.config.errors import ParallelError
-from tessera.models.moe.dispatcher import DispatchContext
+from tessera.models.moe.dispatcher import DispatchContext, gate_and_sum, pad_rows_to_capacity, sort_slots_by_expert
 from tessera.parallel.collectives import (
     all_to_all_rows,
     copy_to_group,
@@ -50,67 +53,36 @@ def _group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def sort_slots_by_expert(indices_Tk: torch.Tensor, keep_Tk: torch.Tensor | None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat slot index, expert) of every kept routing slot, in expert order (stable: token order
-    within an expert, as the local dispatcher does)."""
-    flat = indices_Tk.flatten()
-    slots = torch.arange(flat.numel(), device=flat.device)
-    if keep_Tk is not None:
-        kept = keep_Tk.flatten()
-        flat, slots = flat[kept], slots[kept]
-    order = torch.argsort(flat, stable=True)
-    return slots[order], flat[order]
-
-
-def pad_rows_to_capacity(rows_ND: torch.Tensor, experts_N: torch.Tensor, num_experts: int, capacity: int,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E * capacity, D] buffer with expert e's rows first in block e (zeros after), and each
-    row's position in it."""
-    counts = torch.bincount(experts_N, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    within = torch.arange(len(experts_N), device=rows_ND.device) - starts[experts_N]
-    row_of_N = experts_N * capacity + within
-    buf = rows_ND.new_zeros(num_experts * capacity, rows_ND.shape[1]).index_copy(0, row_of_N, rows_ND)
-    return buf, row_of_N
-
-
-def gate_and_sum(y_ND: torch.Tensor, weights_Tk: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
-    """Weight every expert output row by its gate and add it to its token's output row."""
-    if ctx.row_of_N is not None:
-        y_ND = y_ND[ctx.row_of_N]
-    gate_N = weights_Tk.flatten()[ctx.slot_index_N]
-    y_ND = (y_ND.float() * gate_N[:, None]).to(y_ND.dtype)
-    return y_ND.new_zeros(ctx.num_tokens, y_ND.shape[1]).index_add(0, ctx.token_index_N, y_ND)
-
-
 @dataclass
 class _ExpertGroups:
     """What both dispatchers know: the expert and tensor-parallel groups and this rank's experts."""
 
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None):
-        self.num_experts = num_experts
-        self.ep_group, self.tp_group = ep_group, tp_group
-        self.ep = _group_size(ep_group)
-        if num_experts % self.ep:
-            raise ParallelError(f"ep={self.ep} does not divide moe.num_experts={num_experts}")
-        self.local_experts = num_experts // self.ep
+    num_experts: int
+    ep_group: ProcessGroup | None
+    tp_group: ProcessGroup | None = None
+    ep: int = field(init=False)  # ranks the experts are split over
+    local_experts: int = field(init=False)  # experts on this rank: [rank * local_experts, +local_experts)
+
+    def __post_init__(self) -> None:
+        self.ep = _group_size(self.ep_group)
+        if self.num_experts % self.ep:
+            raise ParallelError(f"ep={self.ep} does not divide moe.num_experts={self.num_experts}")
+        self.local_experts = self.num_experts // self.ep
 
 
+@dataclass
 class AllToAllContext(DispatchContext):
     send_splits: list[int] = field(default_factory=list)  # rows this rank sent to each ep rank
     recv_splits: list[int] = field(default_factory=list)  # rows it received from each ep rank
     regroup: torch.Tensor | None = None  # received rows (by source rank) -> rows by local expert
 
 
+@dataclass
 class AllToAllDispatcher(_ExpertGroups):
     """Dispatch with one uneven all-to-all over `ep_group` (None: experts all local, e.g. tensor
     parallelism of experts without expert parallelism)."""
 
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
-                 pad_to_capacity: bool = False):
-        super().__init__(num_experts, ep_group, tp_group)
-        self.pad_to_capacity = pad_to_capacity
+    pad_to_capacity: bool = False
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
         T, k = indices_Tk.shape
@@ -150,11 +122,9 @@ class AllGatherContext(DispatchContext):
     local_tokens: int = 0
 
 
+@dataclass
 class AllGatherDispatcher(_ExpertGroups):
     """Dispatch by gathering every rank's tokens; each rank computes its own experts' rows."""
-
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, tp_group: ProcessGroup | None = None):
-        super().__init__(num_experts, ep_group, tp_group)
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
         T, k = indices_Tk.shape

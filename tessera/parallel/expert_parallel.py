@@ -1,5 +1,7 @@
-"""Expert parallelism (EP) and expert tensor parallelism: split the experts' weights, swap in a
-communicating dispatcher, and make the router's balancing statistics micro-batch-wide.
+"""Expert parallelism (EP) and expert tensor parallelism: split the experts' weights, install a
+communicating dispatcher, and make the router's balancing statistics micro-batch-wide, all
+through the seams the MoE layer declares (`MoE.dispatcher`, `GroupedExperts.local_weight`,
+`Router.reduce_counts`).
 
 How the expert weights [E, F, D] (w1, w3) and [E, D, F] (w2) are split:
 
@@ -9,9 +11,9 @@ How the expert weights [E, F, D] (w1, w3) and [E, D, F] (w2) are split:
     both:   placements (Shard(0), Shard(1 or 2)) on the (ep, tp) mesh.
 
 The weights stay DTensors (global shapes and names unchanged, so checkpoints reload under any
-layout); `ShardedGroupedExperts` computes on their local shards. Expert weights are data-parallel
-over the ranks that ep does not use (dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards
-them there.
+layout); the experts' `local_weight` accessor becomes `local_shard`, so their own forward computes
+on this rank's shards. Expert weights are data-parallel over the ranks that ep does not use
+(dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards them there.
 
 Router statistics: the balancing losses need the routing counts of the whole micro-batch.
 Under tensor/sequence parallelism every tp rank routes all the micro-batch's tokens (the MoE
@@ -24,30 +26,21 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tessera.config.errors import ParallelError
-from tessera.models.moe.experts import GroupedExperts, grouped_linear
+from tessera.config.parallel import EP_DISPATCHERS
+from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_dispatch import AllGatherDispatcher, AllToAllDispatcher
 
-DISPATCHERS = ("alltoall", "allgather")
 
-
-class ShardedGroupedExperts(GroupedExperts):
-    """GroupedExperts whose weights are DTensors: runs the same SwiGLU on the local shards
-    (this rank's experts, this rank's slice of F). Parameter names are unchanged."""
-
-    def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        g = self.use_grouped_mm
-        gate = F.silu(grouped_linear(x_ND, w1, tokens_per_expert, g))
-        h = gate * grouped_linear(x_ND, w3, tokens_per_expert, g)
-        return grouped_linear(h, w2, tokens_per_expert, g)
+def local_shard(w: torch.Tensor) -> torch.Tensor:
+    """The experts' `LocalWeight` under EP / expert TP: this rank's shard of a DTensor weight."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MicroBatchCountReducer:
@@ -83,14 +76,14 @@ def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
         full = getattr(experts, pname)
         sharded = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
         experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=full.requires_grad))
-    experts.__class__ = ShardedGroupedExperts
+    experts.local_weight = local_shard
 
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str = "alltoall") -> None:
     """Split every MoE layer's experts over ep (and their hidden dim over tp) and install the
     communicating dispatcher; with cp > 1, make router counts micro-batch-wide."""
-    if dispatcher not in DISPATCHERS:
-        raise ParallelError(f"expert dispatcher {dispatcher!r} is invalid: one of {', '.join(DISPATCHERS)}")
+    if dispatcher not in EP_DISPATCHERS:
+        raise ParallelError(f"parallel.ep_dispatcher={dispatcher!r} is invalid: one of {', '.join(EP_DISPATCHERS)}")
     ep_group = dims["ep"].get_group() if dims.ep > 1 else None
     tp_group = dims["tp"].get_group() if dims.tp > 1 else None
     cp_group = dims["cp"].get_group() if dims.cp > 1 else None
@@ -102,7 +95,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str 
             shard_expert_weights(module.experts, dims)
             if dispatcher == "allgather":
                 if cfg.pad_to_capacity:
-                    raise ParallelError("moe.pad_to_capacity=true needs the alltoall expert dispatcher, "
+                    raise ParallelError("moe.pad_to_capacity=true needs parallel.ep_dispatcher=alltoall, "
                                         "not allgather")
                 module.dispatcher = AllGatherDispatcher(cfg.num_experts, ep_group, tp_group)
             else:

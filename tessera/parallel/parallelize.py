@@ -32,7 +32,7 @@ from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                expert_dispatcher: str = "alltoall", device_type: str = "cpu") -> nn.Module:
+                device_type: str = "cpu") -> nn.Module:
     """Apply TP/SP, EP, CP, activation checkpointing and FSDP to `model` in place and return it.
 
     Under cp > 1 the model then takes this rank's chunk of every sequence (`shard_global_batch`)
@@ -40,7 +40,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
 
     `param_dtype` is the compute dtype of the weights under FSDP mixed precision (bf16 on GPUs;
     the fp32 shards stay the master copy), `reduce_dtype` that of gradient reduction.
-    `expert_dispatcher` is "alltoall" or "allgather" (expert_dispatch.py).
+    MoE tokens reach the experts of other ranks through `cfg.ep_dispatcher` (expert_dispatch.py).
     """
     if dims.pp > 1 and getattr(model, "pipeline_stage", None) is None:
         raise ParallelError(f"pp={dims.pp}: split the model into stages first (tessera.parallel.pipeline), "
@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if dims.tp > 1:
         apply_tensor_parallel(model, dims["tp"], dims.sp)
     if getattr(model.cfg, "moe", None) is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
-        apply_expert_parallel(model, dims, expert_dispatcher)
+        apply_expert_parallel(model, dims, cfg.ep_dispatcher)
     apply_context_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
     if needs_data_parallel(dims, param_dtype):

@@ -9,7 +9,7 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
     tok_embeddings              rowwise on the vocabulary (vocab-parallel embedding)
     output                      colwise on the vocabulary; logits stay a DTensor sharded on V, and
-                                `vocab_parallel_loss.token_loss_sum` never gathers them
+                                `vocab_parallel_loss_sum` never gathers them
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
 
 Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and

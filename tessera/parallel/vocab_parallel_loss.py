@@ -9,23 +9,22 @@ Rank r holds logits z[:, v] for v in its slice [r V/tp, (r+1) V/tp). Per token:
     CE  = log s - (z_y - m)
     dCE/dz_v = softmax_v - [v == y]    (computed on the local slice only)
 
-`token_loss_sum` is the one entry point the trainer needs: it takes the model's logits whether
-they are a plain tensor (no tensor parallelism) or a DTensor sharded on the vocabulary, and
-returns the sum of the token losses over the loss mask in fp32 (the numerator of the numerics
-contract in DESIGN.md; divide by the global number of loss tokens).
+`vocab_parallel_loss_sum` takes the model's logits as a DTensor sharded on the vocabulary and
+returns the sum of the token losses in fp32 (targets equal to IGNORE_INDEX count none). The
+training loss, `tessera.train.loss.token_loss_sum`, calls it for such logits: it is the one loss
+function of every layout, and this is its tensor-parallel implementation.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ParallelError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the target of a position that counts no loss (as torch's cross_entropy default)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -61,29 +60,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor, vocab_start: int,
                                  group: ProcessGroup) -> torch.Tensor:
-    """Per-token cross-entropy [N] from this rank's vocabulary slice (0 where target == -100)."""
+    """Per-token cross-entropy [N] from this rank's vocabulary slice (0 where the target is IGNORE_INDEX)."""
     return _VocabParallelCrossEntropy.apply(logits_NV, targets_N, vocab_start, group)
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
-                   ) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the loss tokens, fp32.
+def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the targets that are not IGNORE_INDEX, fp32.
 
-    logits [B, S, V]: a tensor, or a DTensor sharded on V over a one-dimensional tensor-parallel
-    mesh (what `parallelize` makes of the LM head); targets [B, S] ids; loss_mask [B, S], 1 = counts.
+    logits [B, S, V]: a DTensor sharded on V over a one-dimensional tensor-parallel mesh (what
+    `parallelize` makes of the LM head); targets [B, S] ids.
     """
-    if loss_mask is not None:
-        targets = targets.masked_fill(~loss_mask.bool(), IGNORE_INDEX)
     targets_N = targets.reshape(-1)
-    if not isinstance(logits, DTensor):
-        V = logits.shape[-1]
-        return F.cross_entropy(logits.float().reshape(-1, V), targets_N, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
     placements = logits.placements
     if logits.device_mesh.ndim != 1 or not (placements[0].is_shard() and
                                              placements[0].dim in (-1, logits.ndim - 1)):
-        raise ParallelError(f"token_loss_sum expects logits sharded on the vocabulary over one mesh dim, got "
-                            f"placements {placements} on a {logits.device_mesh.ndim}-D mesh")
+        raise ParallelError(f"the vocabulary-parallel loss expects logits sharded on the vocabulary over one "
+                            f"mesh dim, got placements {placements} on a {logits.device_mesh.ndim}-D mesh")
     mesh = logits.device_mesh
     V = logits.shape[-1]
     V_local = V // mesh.size()
@@ -94,4 +86,3 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch
     per_token = vocab_parallel_cross_entropy(local.reshape(-1, V_local), targets_N, vocab_start,
                                              mesh.get_group())
     return per_token.sum()
-

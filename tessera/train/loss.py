@@ -11,14 +11,21 @@ tokens each micro-batch holds (SFT masks make them differ). A mean of per-micro-
 would weight a token of a short micro-batch more than one of a long one. The MoE auxiliary
 losses are defined per micro-batch over its own tokens (DESIGN.md, numerics contract) and
 averaged over micro-batches.
+
+`token_loss_sum` is the one token-loss function of every engine and layout: on logits sharded
+over the vocabulary by tensor parallelism (a DTensor) it runs the vocabulary-parallel
+cross-entropy of `tessera.parallel.vocab_parallel_loss`, which also owns IGNORE_INDEX.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-IGNORE_INDEX = -100
+from tessera.parallel.vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_loss_sum
+
+__all__ = ["IGNORE_INDEX", "count_loss_tokens", "masked_targets", "micro_batch_objective", "token_loss_sum"]
 
 
 def masked_targets(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -37,11 +44,16 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch
                    ) -> torch.Tensor:
     """Sum of next-token cross-entropies over the loss tokens, computed in fp32.
 
-    logits [B, S, V] (any float dtype), targets [B, S] token ids, loss_mask [B, S] (1 = counts).
+    logits [B, S, V] (any float dtype; or a DTensor sharded on V over a one-dimensional
+    tensor-parallel mesh, what `parallelize` makes of the LM head), targets [B, S] token ids
+    (IGNORE_INDEX: no loss), loss_mask [B, S] (1 = counts; None: every target that is not ignored).
     """
+    targets = masked_targets(targets, loss_mask)
+    if isinstance(logits, DTensor):
+        return vocab_parallel_loss_sum(logits, targets)
     V = logits.shape[-1]
-    return F.cross_entropy(logits.float().reshape(-1, V), masked_targets(targets, loss_mask).reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def micro_batch_objective(loss_sum: torch.Tensor, aux_loss: torch.Tensor, global_loss_tokens: int,

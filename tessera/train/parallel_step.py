@@ -1,11 +1,11 @@
 """Forward/backward of one global batch on several ranks without pipeline stages (data, tensor +
 sequence, expert and context parallelism in any combination).
 
-A step engine has `parts` (the model modules this rank optimises and checkpoints),
-`forward_backward(batch) -> stats`, `clip_grad_norm(max_norm)`, `update_expert_bias(counts)` and
-`evaluate(batches)`. Every rank receives the same global batch and reads its own rows
-(`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel peers read the same rows,
-context-parallel peers each their chunk of every sequence of them (`shard_global_batch`).
+A `StepEngine` (step_engine.py holds the micro-batch loop, mixed precision, clipping and the
+expert-bias step that all engines share). Every rank receives the same global batch and reads its
+own rows (`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel peers read the
+same rows, context-parallel peers each their chunk of every sequence of them
+(`shard_global_batch`).
 
 The objective follows the numerics contract (DESIGN.md, tessera.train.loss):
 
@@ -26,7 +26,6 @@ micro-batch's backward, instead of once per micro-batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,10 +34,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from tessera.data.batching import Batch
-from tessera.parallel import clip_grad_norm_, global_count, global_sum, shard_global_batch, token_dim, token_loss_sum
+from tessera.parallel import global_count, global_sum, shard_global_batch, token_dim
 from tessera.parallel.dims import ParallelDims
-from tessera.train.loss import IGNORE_INDEX, masked_targets, micro_batch_objective
-from tessera.train.step_stats import StepStats, reduce_over_ranks
+from tessera.train import step_engine
+from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.train.step_stats import reduce_over_ranks, step_result
 
 
 def rank_rows(batch: Batch, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,15 +59,8 @@ def padded_batch(batch: Batch, rows: int) -> Batch:
     return Batch(tokens=tokens, loss_mask=mask)
 
 
-def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
-    """The trainer's statistics of a step from its global StepStats."""
-    return {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
-            "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
-            "loss_tokens": loss_tokens, "tokens": tokens}
-
-
 class ParallelStep:
-    """Step engine for dp_replicate / dp_shard / tp / sp / ep / cp layouts (pp = 1)."""
+    """The `StepEngine` of dp_replicate / dp_shard / tp / sp / ep / cp layouts (pp = 1)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, micro_batch_size: int, global_batch_size: int,
                  device: torch.device, autocast_dtype: torch.dtype | None):
@@ -75,27 +68,13 @@ class ParallelStep:
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
         self.device, self.autocast_dtype = device, autocast_dtype
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
-
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
-        accumulation = inputs.shape[0] // self.mb
-        micro_batches = accumulation * self.dims.dp_size
-        local = StepStats()
-        for i in range(accumulation):
-            rows = slice(i * self.mb, (i + 1) * self.mb)
-            x = inputs[rows].to(self.device, non_blocking=True)
-            y = targets[rows].to(self.device, non_blocking=True)
-            self._sync_gradients(i == accumulation - 1)
-            with self._autocast():
-                out = self.model(x)
-            micro_sum = token_loss_sum(out.logits, y)
-            micro_batch_objective(micro_sum, out.aux_loss, n_loss_tokens, micro_batches).backward()
-            local.add_loss(micro_sum)
-            local.add_routing(out)
+        micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size
+        local = step_engine.accumulate_micro_batches(
+            self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
+            before_backward=self._sync_gradients)
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
 
@@ -105,27 +84,15 @@ class ParallelStep:
             self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        return float(clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, self.dims))
+        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        for m in self.parts:
-            m.update_expert_bias({k: v.to(self.device) for k, v in counts.items()})
+        step_engine.update_expert_bias(self.parts, counts, self.device)
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches, summed over ranks."""
-        total = torch.zeros((), dtype=torch.float64)
-        n = 0
-        for batch in batches:
-            inputs, targets = rank_rows(padded_batch(batch, self.global_batch_size), self.dims)
-            for i in range(0, inputs.shape[0], self.mb):
-                x = inputs[i:i + self.mb].to(self.device)
-                y = targets[i:i + self.mb].to(self.device)
-                with self._autocast():
-                    logits = self.model(x).logits
-                total += token_loss_sum(logits, y).double().cpu()
-                n += int((y != IGNORE_INDEX).sum())
+        rows = (rank_rows(padded_batch(b, self.global_batch_size), self.dims) for b in batches)
+        total, n = step_engine.loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims,
                           token_dim(self.dims))
         return float(both[0]), int(both[1])

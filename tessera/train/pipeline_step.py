@@ -11,12 +11,13 @@ Numerics are those of one process: the last stage's loss of a micro-batch is its
 N (loss tokens of the whole global batch), and every stage's MoE auxiliary loss enters backward
 with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output.
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
-hook on each stage that runs before the stage hands its output on.
+hook on each stage that runs before the stage hands its output on. A `StepEngine`: mixed
+precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
+step_stats.py.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -27,23 +28,16 @@ from torch import nn
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.transformer import ModelOutput
-from tessera.parallel import (
-    build_pipeline,
-    clip_grad_norm_,
-    global_count,
-    global_sum,
-    parallelize,
-    token_dim,
-    token_loss_sum,
-)
+from tessera.parallel import build_pipeline, global_count, global_sum, parallelize, token_dim
 from tessera.parallel.dims import ParallelDims
-from tessera.train.loss import IGNORE_INDEX
-from tessera.train.parallel_step import padded_batch, rank_rows, step_result
-from tessera.train.step_stats import StepStats, reduce_over_ranks
+from tessera.train import step_engine
+from tessera.train.loss import IGNORE_INDEX, token_loss_sum
+from tessera.train.parallel_step import padded_batch, rank_rows
+from tessera.train.step_stats import StepStats, reduce_over_ranks, step_result
 
 
 class PipelineStep:
-    """Step engine for layouts with pp > 1."""
+    """The `StepEngine` of layouts with pp > 1."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, cfg: RunConfig, device: torch.device,
                  autocast_dtype: torch.dtype | None, param_dtype: torch.dtype):
@@ -62,7 +56,7 @@ class PipelineStep:
 
         def stage(m: nn.Module) -> nn.Module:
             return parallelize(m, dims, pcfg, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                               expert_dispatcher="alltoall", device_type=device.type)
+                               device_type=device.type)
 
         self.run = build_pipeline(model, dims, pcfg, self.microbatches, loss_fn=self._loss,
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,
@@ -83,16 +77,12 @@ class PipelineStep:
                 aux_losses={k: v.detach() for k, v in out.aux_losses.items()},
                 expert_counts={k: v.detach() for k, v in out.expert_counts.items()}))
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
-
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         self._divisor, self._sums, self._routing = float(max(n_loss_tokens, 1)), [], {}
         try:
-            with self._autocast():
+            with step_engine.mixed_precision(self.device, self.autocast_dtype):
                 self.run.step(inputs.to(self.device), targets.to(self.device))
             routing = self._routing
         finally:
@@ -107,12 +97,10 @@ class PipelineStep:
         return step_result(stats, n_loss_tokens, self.micro_batches_global, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for m in self.parts for p in m.parameters() if p.grad is not None]
-        return float(clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, self.dims))
+        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        for m in self.parts:  # each stage updates the layers it holds
-            m.update_expert_bias({k: v.to(self.device) for k, v in counts.items()})
+        step_engine.update_expert_bias(self.parts, counts, self.device)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
@@ -123,7 +111,7 @@ class PipelineStep:
         for batch in batches:
             inputs, targets = rank_rows(padded_batch(batch, self.global_batch_size), self.dims)
             self._sums = []
-            with self._autocast():
+            with step_engine.mixed_precision(self.device, self.autocast_dtype):
                 self.run.eval_step(inputs.to(self.device), targets.to(self.device))
             for s in self._sums[-self.microbatches:]:
                 total += s.double().cpu()

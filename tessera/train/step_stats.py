@@ -1,4 +1,5 @@
-"""A step's loss and MoE statistics, accumulated over a rank's micro-batches and summed over ranks.
+"""A step's loss and MoE statistics, accumulated over a rank's micro-batches and summed over ranks
+(every step engine keeps its statistics in a `StepStats`; one process has nothing to sum).
 
 Each rank adds up what it computed: the token-loss sum of its rows (on the last pipeline stage),
 and, per micro-batch, the MoE auxiliary loss, its named parts and the routing counts of the
@@ -13,12 +14,13 @@ layers it holds. `reduce_over_ranks` then makes the step's global figures, the s
   its own layers only, so the stages' dictionaries are merged.
 
 The summed routing counts drive the aux-loss-free expert-bias step, which must be identical on
-every rank.
+every rank. `step_result` turns the global figures into what the trainer logs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +49,11 @@ class StepStats:
             self.counts[layer] = self.counts[layer] + c if layer in self.counts else c.clone()
 
 
-def reduce_over_ranks(local: StepStats, dims: ParallelDims) -> StepStats:
-    """The step's statistics summed over data-parallel (and cp) ranks and merged over pipeline stages."""
+def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
+    """The step's statistics summed over data-parallel (and cp) ranks and merged over pipeline
+    stages (`dims` None: one process, `local` is the step's)."""
+    if dims is None:
+        return local
     names = sorted(local.aux_parts)
     vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names)],
                        dtype=torch.float64)
@@ -67,3 +72,11 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims) -> StepStats:
         merged.aux_parts.update(s.aux_parts)
         merged.counts.update(s.counts)
     return merged
+
+
+def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
+    """The trainer's statistics of a step from its global StepStats: loss per loss token, auxiliary
+    losses per micro-batch (`micro_batches` of the whole global batch), routing counts."""
+    return {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
+            "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
+            "loss_tokens": loss_tokens, "tokens": tokens}

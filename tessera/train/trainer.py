@@ -59,6 +59,7 @@ from tessera.train.optimizer import build_optimizer
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
+from tessera.train.step_engine import StepEngine
 from tessera.train.stop_signal import StopSignal
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
 from tessera.train.train_checkpoint import load_training_state, save_training_state
@@ -158,7 +159,7 @@ class Trainer:
         data = self.layout.on_coordinator(lambda: build_training_data(self.cfg))
         return data if data is not None else build_training_data(self.cfg)
 
-    def _build_engine(self, model: Transformer):
+    def _build_engine(self, model: Transformer) -> StepEngine:
         from tessera.train.single_process_step import SingleProcessStep
 
         t, dims = self.cfg.train, self.layout.dims
@@ -174,7 +175,7 @@ class Trainer:
             from tessera.train.parallel_step import ParallelStep
 
             model = parallelize(model, dims, self.cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                expert_dispatcher="alltoall", device_type=self.device.type)
+                                device_type=self.device.type)
             return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
                                 self.autocast_dtype)
 

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from tessera.config import ModelConfig, ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
+from tessera.models.moe import MoE
 from tessera.parallel import ParallelDims, parallelize, shard_global_batch
 from tessera.parallel.context_parallel import ChunkPositions
-from tessera.parallel.context_parallel_moe import ContextParallelMoE
+from tessera.parallel.context_parallel_moe import MicroBatchKeepMask
 from tessera.parallel.testing import run_ranks
 from tests.parallel.training_step import full_tensors
 
@@ -59,7 +60,7 @@ def _on_rank(name: str) -> dict:
     tokens, upstream = (shard_global_batch(t, dims) for t in _batch(cfg))
     out = _forward_backward(model, tokens, upstream)
     grads = full_tensors((n, p.grad) for n, p in model.named_parameters())
-    cp_moe = any(isinstance(m, ContextParallelMoE) for m in model.modules())
+    cp_moe = any(isinstance(m, MoE) and isinstance(m.keep_mask, MicroBatchKeepMask) for m in model.modules())
     return {"logits": out.logits.detach(), "aux": out.aux_loss.detach(), "grads": grads, "cp_moe": cp_moe,
             "counts": out.expert_counts}
 
@@ -108,11 +109,12 @@ def test_cp_layouts_accepted():
 
 
 def test_chunk_positions_are_global_unless_given():
-    hook = ChunkPositions(cp_rank=1)
-    x = torch.zeros(2, 4, dtype=torch.long)
-    _, kwargs = hook(None, (x,), {})
-    assert kwargs["positions"].tolist() == [[4, 5, 6, 7]] * 2  # chunk 1 of a sequence of 8
-    args, _ = hook(None, (x, None), {})
-    assert args[1].tolist() == [[4, 5, 6, 7]] * 2
-    given = torch.arange(4).expand(2, 4)
-    assert hook(None, (x,), {"positions": given})[1]["positions"] is given
+    assert ChunkPositions(cp_rank=1)(2, 4, torch.device("cpu")).tolist() == [[4, 5, 6, 7]] * 2  # chunk 1 of 8
+    model = Transformer(get_preset("tiny-llama"), init_seed=0)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    given = torch.arange(4, 8).expand(2, 4)
+    want = model(x, given).logits
+    model.position_source = ChunkPositions(cp_rank=1)
+    assert torch.equal(model(x).logits, want)  # the source places the chunk where it belongs
+    assert torch.equal(model(x, given).logits, want)  # and explicit positions win over it
+    assert not torch.equal(model(x, torch.arange(4).expand(2, 4)).logits, want)

@@ -56,7 +56,7 @@ def test_two_micro_batches_per_rank_match():
 
 @pytest.mark.dist
 def test_allgather_expert_dispatcher_matches():
-    got = run_ranks(layout_step, 2, "tiny-moe", dict(ep=2, dp_shard=2), expert_dispatcher="allgather")
+    got = run_ranks(layout_step, 2, "tiny-moe", dict(ep=2, dp_shard=2, ep_dispatcher="allgather"))
     assert_same_step(got[0], reference("tiny-moe", 2))
 
 

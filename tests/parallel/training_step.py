@@ -16,8 +16,8 @@ from tessera.parallel import (
     global_sum,
     parallelize,
     shard_global_batch,
-    token_loss_sum,
 )
+from tessera.train.loss import token_loss_sum
 
 SEED = 0
 LR = 1e-2
@@ -75,8 +75,7 @@ def reference_step(preset: str, micro_batches: int, config_overrides: dict | Non
             "grads": grads}
 
 
-def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_overrides: dict | None = None,
-                expert_dispatcher: str = "alltoall") -> dict:
+def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_overrides: dict | None = None) -> dict:
     """Runs on every forked rank: the same step under `ParallelConfig(**parallel)`."""
     world = torch.distributed.get_world_size()
     pcfg = ParallelConfig(**parallel)
@@ -85,7 +84,7 @@ def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_ove
     batch = global_batch(cfg.vocab_size)
     dims.validate(cfg, world, seq_len=batch.shape[1] - 1)
     dims.build_mesh("cpu")
-    model = parallelize(Transformer(cfg, init_seed=SEED), dims, pcfg, expert_dispatcher=expert_dispatcher)
+    model = parallelize(Transformer(cfg, init_seed=SEED), dims, pcfg)
     rows = shard_global_batch(batch, dims)
     loss1, loss2, norm, grads = _step(model, rows.chunk(micro_per_rank), batch[:, 1:].numel(),
                                       dims.dp_size * micro_per_rank, dims)

@@ -4,13 +4,23 @@ capacity = ceil(T k / E * capacity_factor) routing slots per expert, over all th
 micro-batch. Slots beyond capacity are dropped: by lowest gate weight ("probs", Megatron's
 default) or latest position in the micro-batch ("position", GShard/Switch). A dropped slot
 contributes nothing; the token still keeps its other experts and the residual path.
+
+The keep-or-drop decision is a seam of the MoE layer (`MoE.keep_mask`, a `KeepMask`): on one
+process it is `local_keep_mask`; when context parallelism spreads a micro-batch's tokens over
+ranks, `tessera.parallel` installs one that decides over the whole micro-batch, so the same slots
+are dropped under every layout.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+
+# (expert ids [T, k], gate weights [T, k], (B, S) of these tokens, experts E, capacity, drop policy)
+# -> boolean [T, k], True for the slots this process's tokens keep.
+KeepMask = Callable[[torch.Tensor, torch.Tensor, tuple[int, int], int, int, str], torch.Tensor]
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -34,3 +44,9 @@ def capacity_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_e
     else:
         raise ValueError(f"drop policy must be probs or position, got {policy!r}")
     return keep_TE.gather(1, indices_Tk)
+
+
+def local_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, batch_shape: tuple[int, int],
+                    num_experts: int, capacity: int, policy: str) -> torch.Tensor:
+    """The `KeepMask` of one process: every token of the micro-batch is here."""
+    return capacity_keep_mask(indices_Tk, weights_Tk, num_experts, capacity, policy)

@@ -3,7 +3,9 @@ kept routing slot's token to its expert, in expert order; `combine` brings the e
 back, weighted by the gate, and sums them per token.
 
 `LocalDispatcher` does this on one process with a permutation. Expert parallelism replaces it
-(from `tessera.parallel`) with an all-to-all one; the MoE layer never knows which it has.
+(from `tessera.parallel`) with an all-to-all or all-gather one; the MoE layer never knows which it
+has. Both build on the helpers here, which do no communication: `sort_slots_by_expert`,
+`pad_rows_to_capacity` and `gate_and_sum`.
 T tokens, k slots per token, N kept slots, D model dim, E experts.
 """
 
@@ -30,9 +32,43 @@ class TokenDispatcher(Protocol):
     def combine(self, y_ND: torch.Tensor, weights_Tk: torch.Tensor, ctx: DispatchContext) -> torch.Tensor: ...
 
 
+def sort_slots_by_expert(indices_Tk: torch.Tensor, keep_Tk: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat slot index, expert) of every kept routing slot, in expert order (stable: token order
+    within an expert)."""
+    flat = indices_Tk.flatten()
+    slots = torch.arange(flat.numel(), device=flat.device)
+    if keep_Tk is not None:
+        kept = keep_Tk.flatten()
+        flat, slots = flat[kept], slots[kept]
+    order = torch.argsort(flat, stable=True)
+    return slots[order], flat[order]
+
+
+def pad_rows_to_capacity(rows_ND: torch.Tensor, experts_N: torch.Tensor, num_experts: int, capacity: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E * capacity, D] buffer with expert e's rows (sorted by expert) first in block e, zeros
+    after: the fixed shapes of capacity-based MoE; and each row's position in it."""
+    counts = torch.bincount(experts_N, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(len(experts_N), device=rows_ND.device) - starts[experts_N]
+    row_of_N = experts_N * capacity + within
+    buf = rows_ND.new_zeros(num_experts * capacity, rows_ND.shape[1]).index_copy(0, row_of_N, rows_ND)
+    return buf, row_of_N
+
+
+def gate_and_sum(y_ND: torch.Tensor, weights_Tk: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
+    """Weight every expert output row by its gate and add it to its token's output row: [T, D]."""
+    if ctx.row_of_N is not None:
+        y_ND = y_ND[ctx.row_of_N]
+    gate_N = weights_Tk.flatten()[ctx.slot_index_N]
+    y_ND = (y_ND.float() * gate_N[:, None]).to(y_ND.dtype)
+    return y_ND.new_zeros(ctx.num_tokens, y_ND.shape[1]).index_add(0, ctx.token_index_N, y_ND)
+
+
 class LocalDispatcher:
     """All experts on this process. With `pad_to_capacity`, every expert gets exactly `capacity`
-    rows (zeros after its tokens): the fixed shapes of capacity-based MoE."""
+    rows (zeros after its tokens)."""
 
     def __init__(self, num_experts: int, pad_to_capacity: bool = False):
         self.num_experts = num_experts
@@ -40,30 +76,13 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
         T, k = indices_Tk.shape
-        flat = indices_Tk.flatten()
-        slots = torch.arange(T * k, device=flat.device)
-        if keep_Tk is not None:
-            kept = keep_Tk.flatten()
-            flat, slots = flat[kept], slots[kept]
-        order = torch.argsort(flat, stable=True)
-        slots, experts = slots[order], flat[order]
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        slots, experts = sort_slots_by_expert(indices_Tk, keep_Tk)
         ctx = DispatchContext(token_index_N=slots // k, slot_index_N=slots, num_tokens=T)
         rows = x_TD[ctx.token_index_N]
         if not self.pad_to_capacity or capacity is None:
-            return rows, counts, ctx
-        # Position of each row inside its expert's block, then its row in the [E * pad_to] buffer.
-        starts = torch.cumsum(counts, 0) - counts
-        within = torch.arange(len(experts), device=flat.device) - starts[experts]
-        ctx.row_of_N = experts * capacity + within
-        buf = x_TD.new_zeros(self.num_experts * capacity, x_TD.shape[1])
-        buf = buf.index_copy(0, ctx.row_of_N, rows)
-        return buf, torch.full_like(counts, capacity), ctx
+            return rows, torch.bincount(experts, minlength=self.num_experts), ctx
+        buf, ctx.row_of_N = pad_rows_to_capacity(rows, experts, self.num_experts, capacity)
+        return buf, torch.full((self.num_experts,), capacity, dtype=torch.int64, device=buf.device), ctx
 
     def combine(self, y_ND, weights_Tk, ctx):
-        if ctx.row_of_N is not None:
-            y_ND = y_ND[ctx.row_of_N]
-        gate_N = weights_Tk.flatten()[ctx.slot_index_N]
-        y_ND = (y_ND.float() * gate_N[:, None]).to(y_ND.dtype)
-        out = y_ND.new_zeros(ctx.num_tokens, y_ND.shape[1])
-        return out.index_add(0, ctx.token_index_N, y_ND)
+        return gate_and_sum(y_ND, weights_Tk, ctx)

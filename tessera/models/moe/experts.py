@@ -4,13 +4,28 @@ The tokens arrive sorted by expert, `tokens_per_expert[e]` rows each. `torch._gr
 experts' matrix products in one call when its layout rules hold (int32 offsets; every row stride
 a multiple of 16 bytes); otherwise an equivalent loop over experts does the same arithmetic.
 Weights are stored [E, out, in] like nn.Linear. N rows, D model dim, F expert hidden dim.
+
+The weight a forward computes with is a seam (`GroupedExperts.local_weight`, a `LocalWeight`): on
+one process the stored parameter itself; under expert / expert-tensor parallelism the parameters
+are DTensors and `tessera.parallel` installs an accessor that returns this rank's shard (its
+experts, its slice of F), so the same forward runs on it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# A stored expert weight -> the tensor this process multiplies with.
+LocalWeight = Callable[[torch.Tensor], torch.Tensor]
+
+
+def stored_weight(w: torch.Tensor) -> torch.Tensor:
+    """The `LocalWeight` of one process: all experts' whole weights are here."""
+    return w
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -57,9 +72,10 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # down
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # up
         self.use_grouped_mm = use_grouped_mm
+        self.local_weight: LocalWeight = stored_weight
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (self.local_weight(w) for w in (self.w1, self.w2, self.w3))
         g = self.use_grouped_mm
-        h = F.silu(grouped_linear(x_ND, self.w1, tokens_per_expert, g)) * grouped_linear(
-            x_ND, self.w3, tokens_per_expert, g)
-        return grouped_linear(h, self.w2, tokens_per_expert, g)
+        h = F.silu(grouped_linear(x_ND, w1, tokens_per_expert, g)) * grouped_linear(x_ND, w3, tokens_per_expert, g)
+        return grouped_linear(h, w2, tokens_per_expert, g)

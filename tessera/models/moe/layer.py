@@ -3,8 +3,10 @@
     y = sum_{e in topk(x)} g_e(x) * Expert_e(x)  [+ sigmoid(x w_s) *] SharedExperts(x)
 
 Shared experts (DeepSeekMoE, Dai et al. 2024) see every token; Qwen2-MoE scales their output by
-a learned sigmoid gate. Model code stays single-device: communication, if any, hides behind
-`self.dispatcher` (see dispatcher.py). B batch, S sequence, T = B*S tokens, D model dim.
+a learned sigmoid gate. Model code stays single-device: communication, if any, hides behind the
+seams that parallel code injects: `self.dispatcher` (dispatcher.py), `self.keep_mask`
+(capacity.py), `self.router.reduce_counts` (router.py) and `self.experts.local_weight`
+(experts.py). B batch, S sequence, T = B*S tokens, D model dim.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from tessera.config.model import MoEConfig
 from tessera.models.mlp import FeedForward
-from tessera.models.moe.capacity import capacity_keep_mask, expert_capacity
+from tessera.models.moe.capacity import KeepMask, expert_capacity, local_keep_mask
 from tessera.models.moe.dispatcher import LocalDispatcher, TokenDispatcher
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.router import Router, RouterOutput
@@ -29,6 +31,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim > 0 else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts, cfg.pad_to_capacity)
+        self.keep_mask: KeepMask = local_keep_mask
 
     def capacity(self, route: RouterOutput) -> int:
         T = int(route.counts_E.sum().item()) // self.cfg.top_k  # tokens of the whole micro-batch
@@ -41,8 +44,8 @@ class MoE(nn.Module):
         if self.cfg.capacity_factor is None or not self.training:
             return None, None
         cap = self.capacity(route)
-        return capacity_keep_mask(route.indices_Tk, route.weights_Tk, self.cfg.num_experts, cap,
-                                  self.cfg.drop_policy), cap
+        return self.keep_mask(route.indices_Tk, route.weights_Tk, batch_shape, self.cfg.num_experts, cap,
+                              self.cfg.drop_policy), cap
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         B, S, D = x_BSD.shape

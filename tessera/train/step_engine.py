@@ -1,0 +1,120 @@
+"""The step engine: what the trainer calls to turn one global batch into gradients and statistics,
+whatever the layout, and the pieces the engines share.
+
+Three engines implement `StepEngine`: `SingleProcessStep` (one process, the reference every
+layout is measured against), `ParallelStep` (data, tensor + sequence, expert and context
+parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). They share here:
+
+- `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
+- `accumulate_micro_batches`: forward, the micro-batch's share of the global-batch objective
+  (`loss.micro_batch_objective`) and backward for each micro-batch of a rank's rows, statistics
+  gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
+- `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
+- `clip_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
+  arithmetic stays what it always was; `tessera.parallel.clip_grad_norm_` over a layout);
+- `update_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
+
+Targets arrive with the positions outside an SFT loss mask set to IGNORE_INDEX (`masked_targets`),
+so the loss and the token counts need no mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from tessera.data.batching import Batch
+from tessera.parallel import clip_grad_norm_
+from tessera.parallel.dims import ParallelDims
+from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
+from tessera.train.step_stats import StepStats
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    parts: list[nn.Module]  # the model modules this rank optimises and checkpoints
+
+    def forward_backward(self, batch: Batch) -> dict[str, Any]:
+        """Accumulate the gradient of one global batch; return its statistics (`step_result`)."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the whole model's gradient to `max_norm` (<= 0: no clipping); return the norm before."""
+        ...
+
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """One aux-loss-free balancing step from the step's summed routing counts (layer -> [E])."""
+        ...
+
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
+        """(sum of token losses, loss tokens) over the validation batches, over all ranks."""
+        ...
+
+
+def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None) -> AbstractContextManager:
+    """Autocast to `autocast_dtype` on `device`; a disabled region when it is None (fp32)."""
+    return torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None)
+
+
+def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch_size: int,
+                             global_loss_tokens: int, global_micro_batches: int, device: torch.device,
+                             autocast_dtype: torch.dtype | None,
+                             before_backward: Callable[[bool], None] | None = None) -> StepStats:
+    """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
+
+    `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
+    e.g. to let data parallelism reduce gradients only once per step."""
+    stats = StepStats()
+    accumulation = inputs.shape[0] // micro_batch_size
+    for i in range(accumulation):
+        rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+        x = inputs[rows].to(device, non_blocking=True)
+        y = targets[rows].to(device, non_blocking=True)
+        if before_backward is not None:
+            before_backward(i == accumulation - 1)
+        with mixed_precision(device, autocast_dtype):
+            out = model(x)
+        micro_sum = token_loss_sum(out.logits, y)
+        micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
+        stats.add_loss(micro_sum)
+        stats.add_routing(out)
+    return stats
+
+
+@torch.no_grad()
+def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int,
+                       device: torch.device, autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, int]:
+    """(fp64 sum of token losses, loss tokens) of `model` over every (inputs, targets) of `rows`,
+    micro-batch by micro-batch, summed in that order."""
+    total = torch.zeros((), dtype=torch.float64)
+    n = 0
+    for inputs, targets in rows:
+        for i in range(0, inputs.shape[0], micro_batch_size):
+            x = inputs[i:i + micro_batch_size].to(device)
+            y = targets[i:i + micro_batch_size].to(device)
+            with mixed_precision(device, autocast_dtype):
+                logits = model(x).logits
+            total += token_loss_sum(logits, y).double().cpu()
+            n += int((y != IGNORE_INDEX).sum())
+    return total, n
+
+
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None) -> float:
+    """Clip the gradients of `parts` so the whole model's norm is at most `max_norm` (<= 0: only
+    measure it); return the norm before clipping. `dims` None: one process."""
+    params = [p for m in parts for p in m.parameters() if p.grad is not None]
+    limit = max_norm if max_norm > 0 else math.inf
+    if dims is None:
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+    return float(clip_grad_norm_(params, limit, dims))
+
+
+def update_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
+    """Each part updates the expert bias of the MoE layers it holds (pipeline stages: their own)."""
+    for m in parts:
+        m.update_expert_bias({k: v.to(device) for k, v in counts.items()})
