@@ -53,6 +53,10 @@ class Layout:
     zero_stage: int = 3
     recompute: str = "none"
     recompute_interval: int = 1
+    # Overlaps the planner can assume (not parallel.* keys: they describe the kernels and schedule).
+    tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
+    ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
+    fused_attention: bool = True  # flash-style attention core (False: s x s scores in memory, older runs)
 
     @classmethod
     def from_parallel(cls, par: ParallelConfig, world: int) -> Layout:
@@ -66,9 +70,12 @@ class Layout:
                    recompute_interval=par.recompute_interval)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
+        return ParallelConfig(**self.parallel_settings(), microbatches=microbatches)
+
+    def parallel_settings(self) -> dict:
+        """The `parallel.*` keys of this layout, as `tessera train --set parallel.K=V` takes them."""
         fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
-        return ParallelConfig(**values, microbatches=microbatches)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
 
     @property
     def world(self) -> int:
@@ -104,6 +111,10 @@ class Layout:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.tp_overlap:
+            parts.append("tp-overlap")
+        if self.ep_overlap:
+            parts.append("a2a-overlap")
         parts.append(f"recompute={self.recompute}" + (f"/{self.recompute_interval}"
                                                        if self.recompute == "full" and self.recompute_interval > 1
                                                        else ""))

@@ -7,6 +7,7 @@ from tessera.plan.activations import korthikanti_layer_bytes, layer_activation_b
 from tessera.plan.estimate import Plan
 from tessera.plan.layout import Layout
 from tessera.plan.memory import get_precision, sharding_choices
+from tessera.plan.roofline import overlap_window
 from tessera.plan.search import SearchResult, time_components
 
 GiB = 2**30
@@ -138,16 +139,24 @@ def render_plan(plan: Plan) -> str:
         for c in colls:
             bw = cl.group_bandwidth(c.group_size, c.stride)
             sent = c.bytes_per_step(m)
-            rows.append([c.group, str(c.group_size), c.op, c.what, _bytes(c.size),
-                         f"{c.calls_per_microbatch * m + c.calls_per_step:g}", _bytes(sent),
-                         "NVLink" if bw == cl.intra_node_bandwidth else "network", _seconds(sent / bw), c.overlap])
+            calls = c.calls_per_microbatch * m + c.calls_per_step
+            seconds = calls * cl.collective_time(c.bytes_per_call(), c.group_size, c.stride)
+            rows.append([c.group, str(c.group_size), c.op, c.what, _bytes(c.size), f"{calls:g}", _bytes(sent),
+                         "NVLink" if bw == cl.intra_node_bandwidth else "network", _seconds(seconds),
+                         overlap_window(c, lay)])
         out += _table(rows, ["group", "n", "collective", "what", "buffer", "calls", "sent", "link", "time",
                              "hidden behind"])
         out.append("")
 
     comp = time_components(plan)
-    out.append(f"Step time {_seconds(t.total)} (compute at {100 * cl.efficiency:.0f}% of "
-               f"{cl.gpu_flops / 1e12:.0f} TFLOP/s): " + ", ".join(f"{k} {_seconds(v)}" for k, v in comp.items()))
+    slow = max(t.stages, key=lambda st: st.per_microbatch)
+    out.append(f"Compute of stage {slow.stage} per step ({cl.gpu}: large GEMMs at {100 * cl.efficiency:.0f}% of "
+               f"{cl.gpu_flops / 1e12:.0f} TFLOP/s, attention up to {100 * cl.attention_efficiency:.0f}%, "
+               f"HBM {cl.memory_bandwidth / 1e12:.2f} TB/s): matrix products {_seconds(m * slow.matmul)}, "
+               f"attention core {_seconds(m * slow.attention)}, elementwise (memory-bound) {_seconds(m * slow.memory)}"
+               f" = {100 * plan.hardware_flops_per_step / max(1e-30, t.compute * lay.world * cl.gpu_flops):.0f}% "
+               "of peak while computing")
+    out.append(f"Step time {_seconds(t.total)}: " + ", ".join(f"{k} {_seconds(v)}" for k, v in comp.items()))
     out.append(f"Throughput {plan.tokens_per_second:,.0f} tokens/s ({plan.tokens_per_second / cl.gpus:,.0f} per GPU), "
                f"MFU {100 * plan.mfu:.1f}%")
     return "\n".join(out)

@@ -12,6 +12,7 @@ when nothing is sharded (dp_shard x cp = 1: the stages coincide).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
@@ -102,14 +103,18 @@ class SearchResult:
 
 
 def search(cfg: ModelConfig, work: Workload, cluster: Cluster, *, precision: str = "bf16",
-           activation_dtype: str = "autocast-bf16") -> SearchResult:
-    """Plan every valid layout of the cluster; rank those that fit by step time (then memory)."""
+           activation_dtype: str = "autocast-bf16", overlaps: dict[str, bool] | None = None) -> SearchResult:
+    """Plan every valid layout of the cluster; rank those that fit by predicted throughput (the
+    same tokens per step: by step time), ties by peak memory. `overlaps` (tp_overlap, ep_overlap)
+    apply to every layout."""
     fitting: list[Plan] = []
     too_big: list[Plan] = []
     count = 0
     profile = ModelProfile.of(cfg, work.seq_len)
     for lay in enumerate_layouts(cfg, work, cluster.gpus, cluster.gpus_per_node):
         count += 1
+        if overlaps:
+            lay = dataclasses.replace(lay, **overlaps)
         plan = make_plan(cfg, lay, work, cluster, precision=precision, activation_dtype=activation_dtype,
                          even_layers=True, profile=profile)
         (fitting if plan.fits else too_big).append(plan)
