@@ -75,7 +75,7 @@ def test_cluster_flags_change_the_plan(tmp_path, capsys):
 def test_bad_input_exits_2_with_the_key(tmp_path, capsys):
     path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tp": 3, "dp_shard": -1})
     assert main([path, "--gpus", "6", "--gpus-per-node", "6"]) == 2
-    assert "tp=3 does not divide n_heads=32" in capsys.readouterr().err
+    assert "tp=3 does not divide model.n_heads=32" in capsys.readouterr().err
     path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tensor": 2})
     assert main([path, "--gpus", "8"]) == 2
     assert "parallel.tensor" in capsys.readouterr().err
