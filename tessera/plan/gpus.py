@@ -40,6 +40,8 @@ from tessera.config.errors import ConfigError
 
 T = 1e12
 GB = 1e9
+GiB = 2**30  # HBM capacities: the datasheets' "80 GB" parts hold 80 GiB (81,920 MiB of which the
+# driver shows 81,559 MiB on an H100), so memory sizes are read as binary units.
 
 
 @dataclass(frozen=True)
@@ -65,19 +67,19 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {
     "a100": GpuSpec("a100", {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T},
-                    memory=80 * GB, memory_bandwidth=2039 * GB, nvlink_bandwidth=300 * GB,
+                    memory=80 * GiB, memory_bandwidth=2039 * GB, nvlink_bandwidth=300 * GB,
                     network_bandwidth=25 * GB, matmul_efficiency=0.80, attention_efficiency=0.50),
     "h100": GpuSpec("h100", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=80 * GB, memory_bandwidth=3350 * GB, nvlink_bandwidth=450 * GB,
+                    memory=80 * GiB, memory_bandwidth=3350 * GB, nvlink_bandwidth=450 * GB,
                     network_bandwidth=50 * GB, matmul_efficiency=0.72, attention_efficiency=0.50),
     "h800": GpuSpec("h800", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=80 * GB, memory_bandwidth=3350 * GB, nvlink_bandwidth=200 * GB,
+                    memory=80 * GiB, memory_bandwidth=3350 * GB, nvlink_bandwidth=200 * GB,
                     network_bandwidth=50 * GB, matmul_efficiency=0.72, attention_efficiency=0.50),
     "h200": GpuSpec("h200", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=141 * GB, memory_bandwidth=4800 * GB, nvlink_bandwidth=450 * GB,
+                    memory=141 * GiB, memory_bandwidth=4800 * GB, nvlink_bandwidth=450 * GB,
                     network_bandwidth=50 * GB, matmul_efficiency=0.74, attention_efficiency=0.50),
     "b200": GpuSpec("b200", {"bf16": 2250 * T, "fp16": 2250 * T, "fp8": 4500 * T, "tf32": 1100 * T, "fp32": 80 * T},
-                    memory=180 * GB, memory_bandwidth=8000 * GB, nvlink_bandwidth=900 * GB,
+                    memory=180 * GiB, memory_bandwidth=8000 * GB, nvlink_bandwidth=900 * GB,
                     network_bandwidth=50 * GB, matmul_efficiency=0.65, attention_efficiency=0.45),
 }
 

@@ -92,7 +92,7 @@ def published_runs() -> list[PublishedRun]:
         lay = Layout(tp=8, sp=True, pp=16, vpp=2, pp_schedule="interleaved_1f1b", dp_shard=dp, zero_stage=1)
         runs.append(PublishedRun(f"Llama 3 405B, {gpus} H100, TP8 CP1 PP16 DP{dp}", llama, _llama3_405b(), "h100",
                                  gpus, lay, Workload(8192, 1, 2048), "tflops_per_gpu", figure))
-    lay = Layout(pp=16, pp_schedule="zero_bubble", dp_shard=128, ep=64, zero_stage=1, ep_overlap=True)
+    lay = Layout(pp=16, pp_schedule="dualpipe", dp_shard=128, ep=64, zero_stage=1, ep_overlap=True)
     runs.append(PublishedRun("DeepSeek-V3, 2048 H800, PP16 EP64 DP128 (DualPipe)",
                              "DeepSeek-AI 2024 (arXiv 2412.19437), sections 3.2 and 4.2", get_preset("deepseek-v3"),
                              "h800", 2048, lay, Workload(4096, 1, 15360), "tokens_per_second_per_gpu",

@@ -177,6 +177,6 @@ def render_search(result: SearchResult, top: int) -> str:
     out.append("Why:")
     out += [f"  {i + 1}. {why}" for i, why in enumerate(result.reasons(top))]
     best = result.ranked[0].layout
-    out += ["", "parallel section of the best layout:"]
-    out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.as_dict().items()]
+    out += ["", "parallel section of the best layout (tessera train --set parallel.K=V takes it as is):"]
+    out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.parallel_settings().items()]
     return "\n".join(out)
