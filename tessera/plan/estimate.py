@@ -3,6 +3,7 @@ model x layout x workload x cluster. Everything else in this folder feeds `make_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tessera.config.counting import embedding_params
@@ -94,9 +95,7 @@ class Plan:
                                                "microbatches": self.microbatches},
             "workload": {"seq_len": self.work.seq_len, "micro_batch": self.work.micro_batch,
                          "global_batch": self.work.global_batch, "tokens_per_step": self.work.tokens},
-            "cluster": {k: getattr(self.cluster, k) for k in (
-                "gpus", "gpus_per_node", "gpu_memory", "gpu_flops", "intra_node_bandwidth",
-                "inter_node_bandwidth", "efficiency", "reserved_bytes", "memory_bandwidth")},
+            "cluster": dataclasses.asdict(self.cluster),
             "precision": self.precision, "activation_dtype": self.activation_dtype,
             "memory": {"peak_stage": peak.stage, "peak_bytes": peak.total, "usable_bytes": self.cluster.usable_memory,
                        "fits": self.fits,
