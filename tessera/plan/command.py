@@ -112,7 +112,7 @@ def search_json(result: SearchResult, top: int) -> dict:
                             for p, why in zip(result.ranked[:top], reasons)],
                  "smallest_not_fitting": [p.as_dict() for p in result.too_big]}
     if result.ranked:
-        out["best"] = out["ranked"][0]
+        out["best"] = out["ranked"][0] | {"against_other_shapes": result.alternatives()}
     return out
 
 

@@ -176,6 +176,9 @@ def render_search(result: SearchResult, top: int) -> str:
     out.append("")
     out.append("Why:")
     out += [f"  {i + 1}. {why}" for i, why in enumerate(result.reasons(top))]
+    others = result.alternatives()
+    if others:
+        out += ["", "Against the fastest layout of each other mesh shape:"] + [f"  {line}" for line in others]
     best = result.ranked[0].layout
     out += ["", "parallel section of the best layout (tessera train --set parallel.K=V takes it as is):"]
     out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.parallel_settings().items()]

@@ -101,6 +101,27 @@ class SearchResult:
             out.append(line)
         return out
 
+    def alternatives(self, count: int = 3) -> list[str]:
+        """Why the winner beats other mesh shapes: the fastest fitting layout of the next `count`
+        other (tp, pp, cp, ep) shapes and of pure data parallelism, with the time it loses and where."""
+        if not self.ranked:
+            return []
+        best = self.ranked[0]
+        shape = (best.layout.tp, best.layout.pp, best.layout.cp, best.layout.ep)
+        seen, out = {shape}, []
+        for p in self.ranked[1:]:
+            key = (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.ep)
+            if key in seen:
+                continue
+            seen.add(key)
+            if len(out) >= count and key != (1, 1, 1, 1):
+                continue
+            out.append(f"{p.layout.describe()}: {p.time.total - best.time.total:.2f} s/step slower "
+                       f"({_differences(best, p)} for the winner)")
+            if len(out) > count or (len(out) == count and (1, 1, 1, 1) in seen):
+                break
+        return out
+
 
 def search(cfg: ModelConfig, work: Workload, cluster: Cluster, *, precision: str = "bf16",
            activation_dtype: str = "autocast-bf16", overlaps: dict[str, bool] | None = None) -> SearchResult:

@@ -116,7 +116,7 @@ def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, c
     assert main(["configs/tiny-moe.yaml", "--gpus", "4", "--search", "--top", "3", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     best = result["best"]
-    assert best == result["ranked"][0] and "reason" in best
+    assert best["parallel"] == result["ranked"][0]["parallel"] and "reason" in best and best["against_other_shapes"]
     assert set(best["parallel"]) <= {"tp", "sp", "pp", "vpp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
                                      "zero_stage", "recompute", "recompute_interval"}
     assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
