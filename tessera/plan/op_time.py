@@ -64,45 +64,74 @@ class LayerTime:
         return self.matmul + self.attention + self.memory
 
 
-def _attention_projections(cfg: ModelConfig, tokens: float, tp: int, cluster: Cluster) -> float:
-    h = cfg.dim
-    if cfg.mla is not None:  # latent down/up projections: one product of the same FLOPs per token
-        return gemm_time(tokens, attention_params(cfg) / h / tp, h, cluster)
-    q, kv = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp
-    return gemm_time(tokens, q + 2 * kv, h, cluster) + gemm_time(tokens, h, q, cluster)
+@dataclass(frozen=True)
+class OpTime:
+    """One operator of a layer's forward on one rank: what it is, its shape, FLOPs and seconds."""
+
+    name: str
+    kind: str  # matmul, attention or memory (elementwise)
+    shape: str
+    flops: float
+    seconds: float
 
 
-def _swiglu(tokens: float, ffn: float, h: int, cluster: Cluster, batch: float = 1.0) -> float:
-    return gemm_time(tokens, 2 * ffn, h, cluster, batch) + gemm_time(tokens, h, ffn, cluster, batch)
+def _gemm(name: str, m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0) -> OpTime:
+    shape = f"[{m:.0f} x {k:.0f}] x [{k:.0f} x {n:.0f}]" + (f" x {batch:.0f}" if batch > 1 else "")
+    return OpTime(name, "matmul", shape, 2.0 * m * n * k * batch, gemm_time(m, n, k, cluster, batch))
 
 
-def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,
-               cluster: Cluster) -> LayerTime:
-    """Forward time of one decoder layer (dense or MoE) on `tokens` tokens of one rank."""
+def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batch: float = 1.0) -> list[OpTime]:
+    return [_gemm(f"{name} gate+up", tokens, 2 * ffn, h, cluster, batch),
+            _gemm(f"{name} down", tokens, h, ffn, cluster, batch)]
+
+
+def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster) -> list[OpTime]:
+    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank."""
     tp, h = lay.tp, cfg.dim
-    matmul = _attention_projections(cfg, tokens, tp, cluster)
+    if cfg.mla is not None:  # latent down/up projections: one product of the same FLOPs per token
+        ops = [_gemm("attention projections (MLA)", tokens, attention_params(cfg) / h / tp, h, cluster)]
+    else:
+        q, kv = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp
+        ops = [_gemm("q, k, v projection", tokens, q + 2 * kv, h, cluster), _gemm("output projection", tokens, h, q,
+                                                                                   cluster)]
     elementwise = 10 * h / (tp if lay.sp else 1)  # two norms (read + write), two residual adds (2 reads + write)
     if cfg.mla is None:
         elementwise += 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / tp  # RoPE on q and k
     if moe:
         e = cfg.moe
-        matmul += gemm_time(tokens, e.num_experts, h, cluster)  # router
+        ops.append(_gemm("router", tokens, e.num_experts, h, cluster))
         local = e.num_experts // lay.ep
-        rows = tokens * e.top_k * lay.ep / e.num_experts
-        matmul += _swiglu(rows, e.ffn_dim / tp, h, cluster, batch=local)
+        rows = tokens * e.top_k * lay.ep / e.num_experts  # rows per expert, balanced routing
+        ops += _swiglu(f"experts (grouped, {local} local)", rows, e.ffn_dim / tp, h, cluster, batch=local)
         elementwise += 3 * e.top_k * e.ffn_dim / tp + 2 * e.top_k * h  # SwiGLU product; gather + weighted sum
         if e.shared_ffn_dim:
-            matmul += _swiglu(tokens, e.shared_ffn_dim / tp, h, cluster)
+            ops += _swiglu("shared expert", tokens, e.shared_ffn_dim / tp, h, cluster)
             elementwise += 3 * e.shared_ffn_dim / tp
     else:
-        matmul += _swiglu(tokens, cfg.ffn_dim / tp, h, cluster)
+        ops += _swiglu("MLP", tokens, cfg.ffn_dim / tp, h, cluster)
         elementwise += 3 * cfg.ffn_dim / tp
     if lay.fused_attention:
-        attention = attention_core_flops_per_token(cfg, seq_len) * tokens / tp / attention_rate(cluster, seq_len)
+        flops = attention_core_flops_per_token(cfg, seq_len) * tokens / tp
+        ops.append(OpTime("attention core (fused)", "attention", f"{cfg.n_heads // tp} heads x {seq_len} keys", flops,
+                          flops / attention_rate(cluster, seq_len)))
     else:
-        attention = unfused_attention_time(cfg, tokens / seq_len, seq_len, tp, cluster)
-    memory = ELEMENTWISE_PASSES * BYTES * elementwise * tokens / cluster.memory_bandwidth
-    return LayerTime(matmul=matmul, attention=attention, memory=memory)
+        heads = tokens / seq_len * cfg.n_heads / tp
+        d = cfg.head_dim if cfg.mla is None else cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+        ops.append(OpTime("attention core (unfused)", "attention", f"{heads:.0f} x [{seq_len} x {seq_len}]",
+                          4.0 * heads * seq_len * seq_len * d, unfused_attention_time(cfg, tokens / seq_len, seq_len,
+                                                                                      tp, cluster)))
+    moved = ELEMENTWISE_PASSES * BYTES * elementwise * tokens
+    ops.append(OpTime("norms, residuals, RoPE, SwiGLU product", "memory", f"{moved / 1e9:.2f} GB moved", 0.0,
+                      moved / cluster.memory_bandwidth))
+    return ops
+
+
+def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,
+               cluster: Cluster) -> LayerTime:
+    """Forward time of one decoder layer (dense or MoE) on `tokens` tokens of one rank, by kind."""
+    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster)
+    return LayerTime(**{kind: sum(o.seconds for o in ops if o.kind == kind) for kind in ("matmul", "attention",
+                                                                                         "memory")})
 
 
 def unfused_attention_time(cfg: ModelConfig, sequences: float, seq_len: int, tp: int, cluster: Cluster) -> float:

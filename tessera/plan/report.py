@@ -7,6 +7,7 @@ from tessera.plan.activations import korthikanti_layer_bytes, layer_activation_b
 from tessera.plan.estimate import Plan
 from tessera.plan.layout import Layout
 from tessera.plan.memory import get_precision, sharding_choices
+from tessera.plan.op_time import layer_ops
 from tessera.plan.roofline import overlap_window
 from tessera.plan.search import SearchResult, time_components
 
@@ -32,7 +33,9 @@ def _bytes(n: float) -> str:
 
 
 def _seconds(t: float) -> str:
-    return f"{t:.3f} s" if t >= 0.1 else f"{t * 1e3:.1f} ms"
+    if t >= 0.1:
+        return f"{t:.3f} s"
+    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
 def describe_model(cfg: ModelConfig) -> str:
@@ -148,6 +151,15 @@ def render_plan(plan: Plan) -> str:
                              "hidden behind"])
         out.append("")
 
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    for moe in sorted({cfg.is_moe_layer(i) for i in range(cfg.n_layers)}):
+        out.append(f"Operators of one {'MoE' if moe else 'dense'} layer, forward of one micro-batch on one rank "
+                   f"({tokens:.0f} tokens; backward = 2 x forward)")
+        rows = [[o.name, o.shape, f"{o.flops / 1e9:.1f}" if o.flops else "-", _seconds(o.seconds),
+                 f"{100 * o.flops / (o.seconds * cl.gpu_flops):.0f}%" if o.flops else "-"]
+                for o in layer_ops(cfg, moe, lay, tokens, work.seq_len, cl)]
+        out += _table(rows, ["operator", "shape", "GFLOP", "time", "of peak"])
+        out.append("")
     comp = time_components(plan)
     slow = max(t.stages, key=lambda st: st.per_microbatch)
     out.append(f"Compute of stage {slow.stage} per step ({cl.gpu}: large GEMMs at {100 * cl.efficiency:.0f}% of "

@@ -9,11 +9,12 @@ import pytest
 
 from tessera.config import get_preset
 from tessera.config.errors import ConfigError
+from tessera.config.flops import attention_matmul_params, mlp_matmul_params
 from tessera.plan.cluster import Cluster
 from tessera.plan.estimate import make_plan
 from tessera.plan.gpus import GPUS, get_gpu
 from tessera.plan.layout import Layout, Workload
-from tessera.plan.op_time import KERNEL_OVERHEAD, attention_rate, gemm_time, layer_time
+from tessera.plan.op_time import KERNEL_OVERHEAD, attention_rate, gemm_time, layer_ops, layer_time
 from tessera.plan.search import time_components
 
 
@@ -127,3 +128,18 @@ def test_faster_gpus_make_faster_steps_and_mfu_uses_their_peak():
     for g, p in plans.items():
         assert p.mfu == pytest.approx(p.model_flops_per_step / (p.time.total * 8 * get_gpu(g).peak("bf16")))
         assert 0.2 < p.mfu < get_gpu(g).matmul_efficiency
+
+
+def test_layer_time_is_the_sum_of_its_printed_operators():
+    c = Cluster.for_gpu("h100", gpus=8)
+    for preset, moe in (("llama3-8b", False), ("mixtral-8x7b", True), ("deepseek-v3", True)):
+        cfg = get_preset(preset)
+        lay = Layout(ep=8, dp_shard=8) if moe else Layout(tp=2, sp=True, dp_shard=4)
+        ops = layer_ops(cfg, moe, lay, 8192, 8192, c)
+        t = layer_time(cfg, moe, lay, 8192, 8192, c)
+        assert t.forward == pytest.approx(sum(o.seconds for o in ops))
+        assert {o.kind for o in ops} == {"matmul", "attention", "memory"}
+        matmul_flops = sum(o.flops for o in ops if o.kind == "matmul")
+        layer = cfg.moe_layers[0] if moe else 0
+        per_token = 2 * (attention_matmul_params(cfg) + mlp_matmul_params(cfg, layer)) / lay.tp
+        assert matmul_flops == pytest.approx(per_token * 8192, rel=0.01)  # the FLOP count behind MFU
