@@ -19,6 +19,9 @@ GPU: no per-run factors) and returns the figure's counterpart.
   400 on 16,384 (DP 128); BF16. The paper runs an interleaved pipeline schedule (section 3.3.2;
   virtual stages are not given: we assume v = 2) and FSDP that does not reshard after the forward
   (weights gathered once per step, gradients reduce-scattered once per step: zero_stage 1 here).
+  The predicted TFLOP/s counts model FLOPs as `tessera.config.flops` does (causal attention as
+  half the score matrix); the paper does not say its convention (counting the whole matrix would
+  add about 4% to both the prediction and, if so counted, the figure).
 - DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 2,048 H800 GPUs, PP16,
   EP64 across 8 nodes, ZeRO-1 data parallelism, no TP, DualPipe (which hides the EP all-to-all
   and the PP traffic behind computation), sequence 4,096, batch 15,360 sequences; 180K H800
