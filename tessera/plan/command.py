@@ -85,13 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The `--gpu` preset with any explicitly given flag replacing its value."""
+def cluster_from_args(args: argparse.Namespace, compute_dtype: str = "bf16") -> Cluster:
+    """The `--gpu` preset (its peak for `compute_dtype`: `train.dtype` bf16 runs matrix products in
+    bf16, fp32 in fp32) with any explicitly given flag replacing its value."""
     def given(value: object, parse) -> float | None:
         return None if value is None else parse(value)
 
     return Cluster.for_gpu(
-        args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, dtype=compute_dtype,
         gpu_memory=given(args.gpu_memory, lambda v: parse_bytes(v, "--gpu-memory")),
         gpu_flops=given(args.gpu_flops, lambda v: parse_rate(v, "--gpu-flops", "FLOP/s")),
         intra_node_bandwidth=given(args.intra_node_bandwidth,
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus is None:
             raise ConfigError("--gpus is required: the number of GPUs (the world size)")
         inputs = load_run_inputs(args.config, args.overrides)
-        cluster = cluster_from_args(args)
+        cluster = cluster_from_args(args, "fp32" if inputs.dtype == "fp32" else "bf16")
         precision, act_dtype = precisions_for_train_dtype(inputs.dtype)
         precision = args.precision or precision
         act_dtype = args.activation_dtype or act_dtype

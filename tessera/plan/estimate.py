@@ -132,7 +132,7 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     stages = [StageMemory(s, p, model_state_bytes(p, lay, prec), a) for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
-    time = step_time(cfg, lay, work, cluster, colls, local, prof)
+    time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype)
     model_flops = prof.memo(("model_flops",), lambda: flops_per_token(cfg, work.seq_len)) * work.tokens
     extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval), lambda: recompute_flops_per_token(
         cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval))

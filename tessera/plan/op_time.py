@@ -13,7 +13,8 @@ The attention core runs at `attention_efficiency x s / (s + ATTENTION_HALF_SEQ)`
 attention reaches its rate only at long sequences); a layout with `fused_attention=False` (runs
 from before FlashAttention) pays batched GEMMs over the whole s x s matrix and memory-bound
 passes over the scores instead. Norms, residual adds, RoPE and the SwiGLU
-product are bound by memory: ELEMENTWISE_PASSES reads/writes of their tensors at HBM bandwidth.
+product are bound by memory: ELEMENTWISE_PASSES reads/writes of their tensors at HBM bandwidth,
+at the width the activation dtype gives them (fp32 residual stream under autocast).
 
 Backward is twice the forward (input and weight gradients, the 2:1 of the FLOP count); full
 recomputation adds one forward of the block, selective recomputation one forward of the core.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from tessera.config.counting import attention_params
 from tessera.config.flops import attention_core_flops_per_token
 from tessera.config.model import ModelConfig
+from tessera.plan.activation_terms import get_activation_dtype
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile
@@ -85,18 +87,25 @@ def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batc
             _gemm(f"{name} down", tokens, h, ffn, cluster, batch)]
 
 
-def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster) -> list[OpTime]:
-    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank."""
+def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+              dtype: str = "bf16") -> list[OpTime]:
+    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank.
+    `dtype` is the activation dtype: under autocast the residual stream, its norms and RoPE run in
+    fp32 (4 bytes per element), the rest in bf16."""
     tp, h = lay.tp, cfg.dim
+    dt = get_activation_dtype(dtype)
     if cfg.mla is not None:  # latent down/up projections: one product of the same FLOPs per token
         ops = [_gemm("attention projections (MLA)", tokens, attention_params(cfg) / h / tp, h, cluster)]
     else:
         q, kv = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp
         ops = [_gemm("q, k, v projection", tokens, q + 2 * kv, h, cluster), _gemm("output projection", tokens, h, q,
                                                                                    cluster)]
-    elementwise = 10 * h / (tp if lay.sp else 1)  # two norms (read + write), two residual adds (2 reads + write)
+    # Elementwise bytes per token: two norms (read + write) and two residual adds (2 reads + write) on
+    # the residual stream, RoPE on q and k, then the MLP's products at the compute width.
+    moved = 10 * h / (tp if lay.sp else 1) * dt.residual
     if cfg.mla is None:
-        elementwise += 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / tp  # RoPE on q and k
+        moved += 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / tp * max(dt.compute, dt.residual)
+    elementwise = 0.0  # elements at the compute width
     if moe:
         e = cfg.moe
         ops.append(_gemm("router", tokens, e.num_experts, h, cluster))
@@ -120,16 +129,16 @@ def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: 
         ops.append(OpTime("attention core (unfused)", "attention", f"{heads:.0f} x [{seq_len} x {seq_len}]",
                           4.0 * heads * seq_len * seq_len * d, unfused_attention_time(cfg, tokens / seq_len, seq_len,
                                                                                       tp, cluster)))
-    moved = ELEMENTWISE_PASSES * BYTES * elementwise * tokens
+    moved = ELEMENTWISE_PASSES * (moved + dt.compute * elementwise) * tokens
     ops.append(OpTime("norms, residuals, RoPE, SwiGLU product", "memory", f"{moved / 1e9:.2f} GB moved", 0.0,
                       moved / cluster.memory_bandwidth))
     return ops
 
 
 def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,
-               cluster: Cluster) -> LayerTime:
+               cluster: Cluster, dtype: str = "bf16") -> LayerTime:
     """Forward time of one decoder layer (dense or MoE) on `tokens` tokens of one rank, by kind."""
-    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster)
+    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype)
     return LayerTime(**{kind: sum(o.seconds for o in ops if o.kind == kind) for kind in ("matmul", "attention",
                                                                                          "memory")})
 
@@ -166,12 +175,12 @@ class StageCompute:
 
 
 def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
-                       profile: ModelProfile) -> StageCompute:
+                       profile: ModelProfile, dtype: str = "bf16") -> StageCompute:
     """Forward x 3 (forward, input and weight gradients) of every layer of the stage, plus what
     recomputation repeats, plus the LM head on the last stage."""
     tokens = work.micro_batch * work.seq_len / lay.cp
-    key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.fused_attention, work.micro_batch, cluster)
-    times = profile.memo(key, lambda: {moe: layer_time(cfg, moe, lay, tokens, work.seq_len, cluster)
+    key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.fused_attention, work.micro_batch, cluster, dtype)
+    times = profile.memo(key, lambda: {moe: layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype)
                                        for moe in set(profile.moe)})
     matmul = attention = memory = 0.0
     for (moe, checkpointed), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,

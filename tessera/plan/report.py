@@ -157,7 +157,7 @@ def render_plan(plan: Plan) -> str:
                    f"({tokens:.0f} tokens; backward = 2 x forward)")
         rows = [[o.name, o.shape, f"{o.flops / 1e9:.1f}" if o.flops else "-", _seconds(o.seconds),
                  f"{100 * o.flops / (o.seconds * cl.gpu_flops):.0f}%" if o.flops else "-"]
-                for o in layer_ops(cfg, moe, lay, tokens, work.seq_len, cl)]
+                for o in layer_ops(cfg, moe, lay, tokens, work.seq_len, cl, plan.activation_dtype)]
         out += _table(rows, ["operator", "shape", "GFLOP", "time", "of peak"])
         out.append("")
     comp = time_components(plan)

@@ -93,7 +93,7 @@ def overlap_window(c: Collective, lay: Layout) -> str:
 
 def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
               collectives: list[list[Collective]], local_params: list[float],
-              profile: ModelProfile | None = None) -> StepTime:
+              profile: ModelProfile | None = None, activation_dtype: str = "bf16") -> StepTime:
     """Estimated seconds of one step. `collectives[s]` and `local_params[s]` (parameters a rank of
     stage s updates, after ZeRO sharding) come from comm.py and memory.py."""
     profile = profile or ModelProfile.of(cfg, work.seq_len)
@@ -102,7 +102,7 @@ def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
     step_exposed: dict[str, float] = {}
     comm_seconds: dict[str, float] = {}
     for s, colls in enumerate(collectives):
-        c_time = stage_compute_time(cfg, lay, work, s, cluster, profile)
+        c_time = stage_compute_time(cfg, lay, work, s, cluster, profile, activation_dtype)
         st = StageTime(stage=s, compute=c_time.total, attention=c_time.attention, matmul=c_time.matmul,
                        memory=c_time.memory)
         hidden_by_mb: dict[str, float] = {}
