@@ -127,10 +127,13 @@ def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
                 bucket[c.group] = bucket.get(c.group, 0.0) + step_t
         for group, t in link.items():
             comm_seconds[group] = max(comm_seconds.get(group, 0.0), t)
-        for group, t in hidden_by_matmul.items():
-            st.exposed[group] = st.exposed.get(group, 0.0) + max(0.0, t - st.matmul)
-        for group, t in hidden_by_mb.items():
-            st.exposed[group] = st.exposed.get(group, 0.0) + max(0.0, t - st.compute)
+        # Collectives sharing a window share it: what exceeds the window is exposed, split between
+        # the groups in proportion to their time.
+        for hidden, window_time in ((hidden_by_matmul, st.matmul), (hidden_by_mb, st.compute)):
+            total = sum(hidden.values())
+            over = max(0.0, total - window_time)
+            for group, t in hidden.items() if over > 0 else ():
+                st.exposed[group] = st.exposed.get(group, 0.0) + over * t / total
         windows = {"last_backward": st.compute * 2 / 3, "first_forward": st.compute / 3}
         for kind, groups in once.items():
             budget = windows[kind]
