@@ -10,7 +10,8 @@ For one rank of each pipeline stage and one micro-batch (every term is printed b
               TP/SP        on the critical path (`tp_overlap`: hidden behind the layer's GEMMs)
               EP all-to-all on the critical path (`ep_overlap`, a DualPipe-style or 1F1B
                            A2A-overlap schedule: hidden behind another micro-batch's compute)
-              PP send/recv on the critical path
+              PP send/recv on the critical path (interleaved 1F1B, DualPipe: hidden behind
+                           another micro-batch)
               CP           hidden behind the attention core (ring / all-gather overlap)
               ZeRO-2/3     hidden behind the micro-batch's compute (FSDP prefetch, bucketed
                            reduce-scatter)
@@ -34,6 +35,9 @@ from tessera.plan.layout import Layout, Workload
 from tessera.plan.op_time import stage_compute_time
 from tessera.plan.profile import ModelProfile
 
+# Schedules whose sends and receives run under another micro-batch's compute: interleaved 1F1B
+# (Megatron-LM's overlapped P2P) and DualPipe (DeepSeek-V3 hides PP traffic with its all-to-all).
+P2P_OVERLAP_SCHEDULES = ("interleaved_1f1b", "dualpipe")
 OPTIMIZER_BYTES_PER_PARAM = 30.0  # AdamW on fp32 state: read p, g, m, v; write p, m, v; a 16-bit copy
 
 
@@ -87,6 +91,8 @@ def overlap_window(c: Collective, lay: Layout) -> str:
     if c.group == "tp" and lay.tp_overlap:
         return "matmul"
     if c.group == "ep" and lay.ep_overlap:
+        return "microbatch"
+    if c.group == "pp" and lay.pp_schedule in P2P_OVERLAP_SCHEDULES:
         return "microbatch"
     return c.overlap
 

@@ -143,3 +143,27 @@ def test_layer_time_is_the_sum_of_its_printed_operators():
         layer = cfg.moe_layers[0] if moe else 0
         per_token = 2 * (attention_matmul_params(cfg) + mlp_matmul_params(cfg, layer)) / lay.tp
         assert matmul_flops == pytest.approx(per_token * 8192, rel=0.01)  # the FLOP count behind MFU
+
+
+def test_collectives_sharing_a_window_share_it():
+    """ZeRO-3 gathers and an overlapped all-to-all both run under the micro-batch: only what exceeds
+    the micro-batch's compute is exposed, however the traffic splits between them."""
+    cfg, work = get_preset("mixtral-8x7b"), Workload(4096, 1, 256)
+    lay = Layout(dp_replicate=2, dp_shard=32, ep=8, zero_stage=3, recompute="full", ep_overlap=True)
+    plan = make_plan(cfg, lay, work, Cluster.for_gpu("h100", gpus=64, inter_node_bandwidth=5e9))
+    st = plan.time.stages[0]
+    windowed = ("dp_shard", "ep_dp", "ep")
+    link = sum(plan.time.comm_seconds.get(g, 0.0) for g in windowed) / plan.microbatches
+    exposed = sum(st.exposed.get(g, 0.0) for g in windowed)
+    assert link > st.compute  # a slow network: the window is too small
+    assert exposed == pytest.approx(link - st.compute, rel=1e-6)
+
+
+def test_pipeline_sends_hide_only_under_schedules_that_overlap_them():
+    cfg, work = get_preset("llama3-70b"), Workload(4096, 1, 64)
+    cluster = Cluster.for_gpu("h100", gpus=64)
+    plain = make_plan(cfg, Layout(tp=8, sp=True, pp=8, recompute="full"), work, cluster)
+    interleaved = make_plan(cfg, Layout(tp=8, sp=True, pp=8, vpp=2, pp_schedule="interleaved_1f1b",
+                                        recompute="full"), work, cluster)
+    assert time_components(plain)["pp comm"] > 0
+    assert "pp comm" not in time_components(interleaved)
