@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.config.errors import ParallelError
+from tessera.config.layout_rules import LayoutSizes, layout_problems
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 
@@ -40,12 +41,6 @@ FLAT_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"),
     "ep": ("dp_shard_in_ep", "cp"),
 }
-
-
-def _need_divides(dim: str, size: int, what: str, value: int) -> None:
-    if size > 1 and value % size != 0:
-        raise ParallelError(f"{dim}={size} does not divide {what}={value}; "
-                            f"choose a {dim} that divides {value}")
 
 
 @dataclass
@@ -113,64 +108,14 @@ class ParallelDims:
     def validate(self, model_cfg: ModelConfig, world_size: int | None = None, seq_len: int | None = None,
                  vpp: int = 1) -> None:
         """Refuse, with the dimension and both numbers, any size that the world or the model's
-        shapes (heads, KV heads, experts, layers, vocabulary, FFN dims, sequence) cannot take."""
+        shapes (heads, KV heads, experts, layers, vocabulary, FFN dims, sequence) cannot take, or
+        a combination that is not supported (the rules: tessera.config.layout_rules)."""
         self.check_world(self.world_size if world_size is None else world_size)
-        m = model_cfg
-        if self.sp and self.tp == 1:
-            raise ParallelError("sp=true needs tp > 1: sequence parallelism splits the tensor-parallel group")
-        if self.tp > 1:
-            _need_divides("tp", self.tp, "model.n_heads", m.n_heads)
-            if m.mla is None:
-                _need_divides("tp", self.tp, "model.n_kv_heads", m.n_kv_heads)
-            _need_divides("tp", self.tp, "model.vocab_size", m.vocab_size)
-            if any(not m.is_moe_layer(i) for i in range(m.n_layers)):
-                _need_divides("tp", self.tp, "model.ffn_dim", m.ffn_dim)
-            if m.moe is not None:
-                _need_divides("tp", self.tp, "model.moe.ffn_dim", m.moe.ffn_dim)
-                if m.moe.shared_ffn_dim > 0:
-                    _need_divides("tp", self.tp, "model.moe.shared_ffn_dim", m.moe.shared_ffn_dim)
-            if m.tie_embeddings:
-                raise ParallelError(f"tp={self.tp} with model.tie_embeddings=true is not supported: the "
-                                    "vocabulary-parallel head needs its own weight; use tp=1 or untie")
-            if m.mla is not None:
-                raise ParallelError(f"tp={self.tp} with multi-head latent attention (model.mla) is not "
-                                    "supported yet; use tp=1 for MLA models")
-            if self.sp and seq_len is not None and seq_len % self.cp == 0:
-                what = "sequence length (sp=true splits it)" if self.cp == 1 else \
-                    f"the context-parallel chunk (sequence length {seq_len} / cp={self.cp}; sp=true splits it)"
-                _need_divides("tp", self.tp, what, seq_len // self.cp)
-        if self.ep > 1:
-            if m.moe is None:
-                raise ParallelError(f"ep={self.ep} needs an MoE model, but model.moe is not set")
-            _need_divides("ep", self.ep, "model.moe.num_experts", m.moe.num_experts)
-            _need_divides("ep", self.ep, "dp_shard x cp", self.dp_shard * self.cp)
-            if self.ep % self.cp != 0:
-                raise ParallelError(f"ep={self.ep} must be a multiple of cp={self.cp}: experts fold over "
-                                    "all of cp and part of dp_shard")
-        if self.cp > 1:
-            self._validate_context_parallel(m, seq_len)
-        if self.pp > 1 and m.tie_embeddings:
-            raise ParallelError(f"pp={self.pp} with model.tie_embeddings=true is not supported: the first "
-                                "and last stages would share the embedding; use pp=1 or untie")
-        stages = self.pp * vpp
-        if stages > m.n_layers:
-            raise ParallelError(f"pp x vpp = {self.pp} x {vpp} = {stages} pipeline stages is more than "
-                                f"model.n_layers={m.n_layers}; every stage needs at least one layer")
-
-    def _validate_context_parallel(self, m: ModelConfig, seq_len: int | None) -> None:
-        """cp splits every sequence into cp equal chunks; MoE methods that need a whole sequence
-        (or micro-batch) on one rank for routing are refused (context_parallel.py)."""
-        if seq_len is not None:
-            _need_divides("cp", self.cp, "sequence length (train.seq_len)", seq_len)
-        if m.moe is not None:
-            if m.moe.seq_aux_loss_coef > 0:
-                raise ParallelError(f"cp={self.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is "
-                                    "not supported: the sequence-level balancing loss needs each whole sequence "
-                                    "on one rank; use cp=1 or seq_aux_loss_coef=0 (aux_loss_coef is fine)")
-            if m.moe.sinkhorn:
-                raise ParallelError(f"cp={self.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn "
-                                    "routing balances over all the micro-batch's tokens at once; use cp=1 or "
-                                    "top-k routing")
+        sizes = LayoutSizes(tp=self.tp, sp=self.sp, pp=self.pp, vpp=vpp, dp_replicate=self.dp_replicate,
+                            dp_shard=self.dp_shard, cp=self.cp, ep=self.ep)
+        problems = layout_problems(model_cfg, sizes, seq_len=seq_len)
+        if problems:
+            raise ParallelError(problems[0])
 
     # ---- the mesh ------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:

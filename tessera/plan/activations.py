@@ -57,7 +57,10 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     if schedule == "interleaved_1f1b":
         chunks = min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v)
         return chunks / v
-    raise ConfigError(f"pp_schedule={schedule!r} is invalid: one of gpipe, 1f1b, interleaved_1f1b, zero_bubble")
+    if schedule == "dualpipe":  # DeepSeek-V3 table 2: PP + 1 micro-batches on every rank
+        return float(min(p + 1, m))
+    raise ConfigError(f"pp_schedule={schedule!r} is invalid: one of gpipe, 1f1b, interleaved_1f1b, zero_bubble, "
+                      "dualpipe")
 
 
 def _layer_recompute(lay: Layout, layer: int) -> str:

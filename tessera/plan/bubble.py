@@ -10,13 +10,17 @@ With p stages and m micro-batches per step (Narayanan et al. 2021, arXiv 2104.04
   of 1F1B's bubble when the three passes cost the same (matrix FLOPs: F = B = W). ZB-H2, with
   about twice 1F1B's activation memory, and ZB-V (two chunks per rank in a V shape, 1F1B's memory)
   reach zero bubble in that setting. `parallel.pp_schedule: zero_bubble` means ZB-H1.
+- DualPipe (DeepSeek-V3, arXiv 2412.19437, table 2): (p/2 - 1)(T_F&B + T_B - 3 T_W) of idle time,
+  T_F&B the overlapped forward and backward of two micro-batches (T_F + T_B when nothing else
+  overlaps): zero when the three passes cost the same. A planner-only schedule (the trainer does
+  not run it), for published runs and what-if plans.
 """
 
 from __future__ import annotations
 
 from tessera.config.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zb_h2", "zb_v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zb_h2", "zb_v", "dualpipe")
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, *, t_f: float = 1.0, t_b: float = 1.0,
@@ -35,6 +39,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, *, t_f: float = 1
         return (p - 1) / (v * m)
     if schedule == "zero_bubble":
         return (p - 1) * max(t_f + t_b - t_w, 0.0) / (m * (t_f + t_b + t_w))
+    if schedule == "dualpipe":
+        return (p / 2 - 1) * max(t_f + t_b + t_b - 3 * t_w, 0.0) / (m * (t_f + t_b + t_w))
     return 0.0  # zb_h2 and zb_v, when t_f = t_b = t_w
 
 

@@ -1,17 +1,20 @@
-"""The hardware a plan is made for: GPUs, their memory and peak FLOP/s, and two link speeds.
+"""The hardware a plan is made for: GPUs, their memory and peak FLOP/s, and two links.
 
-Defaults describe an H100 SXM node: 8 GPUs, 80 GiB, 989 TFLOP/s dense bf16, NVLink 4 at
-450 GB/s per direction per GPU, and one 400 Gb/s InfiniBand NIC per GPU (50 GB/s). Bandwidths are
-taken as what a collective achieves per GPU (bus bandwidth); lower them to match a measured
-nccl-tests figure.
+`Cluster.for_gpu("h100", gpus=64)` takes everything from a preset (tessera/plan/gpus.py). The
+plain defaults are the same H100 SXM node: 8 GPUs, 80 GiB, 989 TFLOP/s dense bf16, NVLink 4 at
+450 GB/s per direction per GPU and one 400 Gb/s NIC per GPU (50 GB/s), each at the share NCCL
+reaches (80% and 90%). Bandwidths are what a collective achieves per GPU (bus bandwidth); set
+them to a measured nccl-tests figure when there is one.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tessera.config.errors import ConfigError
+from tessera.plan.gpus import get_gpu
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -59,19 +62,42 @@ def parse_rate(text: str | float | int, key: str, unit: str) -> float:
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs and links. `efficiency` is the share of peak FLOP/s the matrix work is assumed to reach
-    (Megatron-Core reports 40-50% MFU on H100); `reserved_bytes` is what the CUDA context, NCCL
-    and allocator fragmentation take from each GPU before the model sees any memory."""
+    """GPUs and links. `efficiency` is the share of peak FLOP/s a large matrix product sustains
+    (smaller ones reach less: tessera/plan/op_time.py), `attention_efficiency` that of the fused
+    attention core at long sequences; `reserved_bytes` is what the CUDA context, NCCL and
+    allocator fragmentation take from each GPU before the model sees any memory. Latencies are
+    the fixed cost of one step of a collective on each link."""
 
     gpus: int
     gpus_per_node: int = 8
     gpu_memory: float = 80 * 2**30
     gpu_flops: float = 989e12
-    intra_node_bandwidth: float = 450e9
-    inter_node_bandwidth: float = 50e9
-    efficiency: float = 0.5
+    intra_node_bandwidth: float = 360e9
+    inter_node_bandwidth: float = 45e9
+    efficiency: float = 0.72
     reserved_bytes: float = 3 * 2**30
-    memory_bandwidth: float = 3.35e12  # HBM bytes/s (H100 SXM): bounds the optimizer step
+    memory_bandwidth: float = 3.35e12  # HBM bytes/s (H100 SXM): elementwise work and the optimizer step
+    attention_efficiency: float = 0.5
+    intra_node_latency: float = 8e-6
+    inter_node_latency: float = 20e-6
+    gpu: str = "h100"
+
+    @classmethod
+    def for_gpu(cls, name: str, gpus: int, gpus_per_node: int = 8, dtype: str = "bf16", **overrides: float) -> Cluster:
+        """A cluster of `gpus` GPUs of a preset kind (a100, h100, h800, h200, b200); `overrides`
+        replace single fields (e.g. a measured inter_node_bandwidth)."""
+        g = get_gpu(name)
+        values = dict(gpu_memory=g.memory, gpu_flops=g.peak(dtype), memory_bandwidth=g.memory_bandwidth,
+                      intra_node_bandwidth=g.nvlink_bandwidth * g.nvlink_efficiency,
+                      inter_node_bandwidth=g.network_bandwidth * g.network_efficiency,
+                      efficiency=g.matmul_efficiency, attention_efficiency=g.attention_efficiency,
+                      intra_node_latency=g.nvlink_latency, inter_node_latency=g.network_latency, gpu=g.name)
+        known = {f.name for f in fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"cluster field {key!r} is invalid: one of {', '.join(sorted(known))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(gpus=gpus, gpus_per_node=gpus_per_node, **values)
 
     def __post_init__(self) -> None:
         def need(cond: bool, key: str, value: object, allowed: str) -> None:
@@ -86,6 +112,10 @@ class Cluster:
         for key in ("gpu_memory", "gpu_flops", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth"):
             need(getattr(self, key) > 0, key, getattr(self, key), "must be > 0")
         need(0 < self.efficiency <= 1, "efficiency", self.efficiency, "must be in (0, 1]")
+        need(0 < self.attention_efficiency <= 1, "attention_efficiency", self.attention_efficiency,
+             "must be in (0, 1]")
+        for key in ("intra_node_latency", "inter_node_latency"):
+            need(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0 seconds")
         need(0 <= self.reserved_bytes < self.gpu_memory, "reserved_bytes", self.reserved_bytes,
              "must be >= 0 and below gpu_memory")
 
@@ -99,3 +129,17 @@ class Cluster:
         if size <= 1:
             return float("inf")
         return self.intra_node_bandwidth if size * stride <= self.gpus_per_node else self.inter_node_bandwidth
+
+    def group_latency(self, size: int, stride: int) -> float:
+        """Seconds of one step of a collective on the link this group uses."""
+        if size <= 1:
+            return 0.0
+        return self.intra_node_latency if size * stride <= self.gpus_per_node else self.inter_node_latency
+
+    def collective_time(self, sent_bytes: float, size: int, stride: int) -> float:
+        """Seconds of one collective call: log2(n) latency steps (NCCL's tree / LL protocols on small
+        messages) plus the bytes a rank sends at the group's bus bandwidth."""
+        if size <= 1:
+            return 0.0
+        steps = max(1, math.ceil(math.log2(size)))
+        return steps * self.group_latency(size, stride) + sent_bytes / self.group_bandwidth(size, stride)

@@ -2,27 +2,31 @@
 
 The CLI calls `add_arguments(parser)` to declare the options and `run(args)` to act. The config's
 `model`, `train` (seq_len, micro_batch_size, global_batch_size, dtype) and `parallel` sections
-describe the run; flags describe the cluster. Exit status: 0 the plan fits (or the search found a
-layout), 1 it does not, 2 the input is wrong (the message says which key and what is allowed).
+describe the run; flags describe the cluster (`--gpu` picks a preset). `tessera plan validate`
+compares the time model with published runs (tessera/plan/published.py). Exit status: 0 the
+plan fits (or the search found a layout), 1 it does not, 2 the input is wrong (the message
+says which key and what is allowed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 
-from tessera.config.errors import ParallelError, TesseraError
+from tessera.config.errors import ConfigError, ParallelError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 from tessera.plan.activation_terms import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
+from tessera.plan.gpus import GPUS
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import PRECISIONS
 from tessera.plan.report import render_plan, render_search
-from tessera.plan.search import search
+from tessera.plan.search import SearchResult, search
 
 
 @dataclass
@@ -46,20 +50,28 @@ def load_run_inputs(path: str, overrides: list[str] | None = None) -> RunInputs:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="run configuration YAML (model, train and parallel sections)")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
+    parser.add_argument("config", help="run configuration YAML (model, train and parallel sections), or "
+                                       "`validate` to compare the time model with published training runs")
+    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (the world size)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
-    parser.add_argument("--gpu-flops", default="989e12",
-                        help="peak dense FLOP/s per GPU in the compute dtype (default 989e12, H100 SXM bf16)")
-    parser.add_argument("--efficiency", type=float, default=0.5,
-                        help="share of peak FLOP/s the matrix work reaches (default 0.5)")
-    parser.add_argument("--intra-node-bandwidth", default="450GB/s",
-                        help="per-GPU collective bandwidth inside a node (default 450GB/s, NVLink 4)")
-    parser.add_argument("--inter-node-bandwidth", default="50GB/s",
-                        help="per-GPU collective bandwidth across nodes (default 50GB/s, 400 Gb/s InfiniBand)")
-    parser.add_argument("--memory-bandwidth", default="3.35TB/s",
-                        help="HBM bandwidth per GPU, bounds the optimizer step (default 3.35TB/s)")
+    parser.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS),
+                        help="GPU preset: peak FLOP/s, memory, HBM, NVLink and network bandwidth and the "
+                             "time model's efficiencies (default h100; tessera/plan/gpus.py)")
+    parser.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 141GB (default: the preset's)")
+    parser.add_argument("--gpu-flops", default=None,
+                        help="peak dense FLOP/s per GPU in the compute dtype (default: the preset's bf16 peak)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="share of peak FLOP/s a large matrix product sustains (default: the preset's)")
+    parser.add_argument("--intra-node-bandwidth", default=None,
+                        help="per-GPU collective (bus) bandwidth inside a node (default: the preset's NVLink x 0.8)")
+    parser.add_argument("--inter-node-bandwidth", default=None,
+                        help="per-GPU collective (bus) bandwidth across nodes (default: the preset's network x 0.9)")
+    parser.add_argument("--memory-bandwidth", default=None,
+                        help="HBM bandwidth per GPU: elementwise work and the optimizer (default: the preset's)")
+    parser.add_argument("--tp-overlap", action="store_true",
+                        help="assume TP/SP collectives overlap the layer's GEMMs (default: on the critical path)")
+    parser.add_argument("--ep-overlap", action="store_true",
+                        help="assume a DualPipe-style / 1F1B all-to-all overlap schedule hides the EP all-to-all")
     parser.add_argument("--reserved-memory", default="3GiB",
                         help="memory per GPU taken by the CUDA context, NCCL and fragmentation (default 3GiB)")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
@@ -73,38 +85,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    return Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                   gpu_memory=parse_bytes(args.gpu_memory, "--gpu-memory"),
-                   gpu_flops=parse_rate(args.gpu_flops, "--gpu-flops", "FLOP/s"),
-                   intra_node_bandwidth=parse_rate(args.intra_node_bandwidth, "--intra-node-bandwidth", "B/s"),
-                   inter_node_bandwidth=parse_rate(args.inter_node_bandwidth, "--inter-node-bandwidth", "B/s"),
-                   efficiency=args.efficiency,
-                   reserved_bytes=parse_bytes(args.reserved_memory, "--reserved-memory"),
-                   memory_bandwidth=parse_rate(args.memory_bandwidth, "--memory-bandwidth", "B/s"))
+def cluster_from_args(args: argparse.Namespace, compute_dtype: str = "bf16") -> Cluster:
+    """The `--gpu` preset (its peak for `compute_dtype`: `train.dtype` bf16 runs matrix products in
+    bf16, fp32 in fp32) with any explicitly given flag replacing its value."""
+    def given(value: object, parse) -> float | None:
+        return None if value is None else parse(value)
+
+    return Cluster.for_gpu(
+        args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, dtype=compute_dtype,
+        gpu_memory=given(args.gpu_memory, lambda v: parse_bytes(v, "--gpu-memory")),
+        gpu_flops=given(args.gpu_flops, lambda v: parse_rate(v, "--gpu-flops", "FLOP/s")),
+        intra_node_bandwidth=given(args.intra_node_bandwidth,
+                                   lambda v: parse_rate(v, "--intra-node-bandwidth", "B/s")),
+        inter_node_bandwidth=given(args.inter_node_bandwidth,
+                                   lambda v: parse_rate(v, "--inter-node-bandwidth", "B/s")),
+        efficiency=args.efficiency,
+        reserved_bytes=parse_bytes(args.reserved_memory, "--reserved-memory"),
+        memory_bandwidth=given(args.memory_bandwidth, lambda v: parse_rate(v, "--memory-bandwidth", "B/s")))
+
+
+def search_json(result: SearchResult, top: int) -> dict:
+    """The search as JSON: `best` (the winner's plan, its `parallel` mapping for `tessera train --set
+    parallel.K=V`, and why it wins), then the ranked top layouts."""
+    reasons = result.reasons(top)
+    out: dict = {"valid": result.valid, "fitting": len(result.ranked), "best": None,
+                 "ranked": [p.as_dict() | {"parallel": p.layout.parallel_settings(), "reason": why}
+                            for p, why in zip(result.ranked[:top], reasons)],
+                 "smallest_not_fitting": [p.as_dict() for p in result.too_big]}
+    if result.ranked:
+        out["best"] = out["ranked"][0] | {"against_other_shapes": result.alternatives()}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.config == "validate":
+            from tessera.plan.validate import run_validation
+
+            return run_validation(args.json)
+        if args.gpus is None:
+            raise ConfigError("--gpus is required: the number of GPUs (the world size)")
         inputs = load_run_inputs(args.config, args.overrides)
-        cluster = cluster_from_args(args)
+        cluster = cluster_from_args(args, "fp32" if inputs.dtype == "fp32" else "bf16")
         precision, act_dtype = precisions_for_train_dtype(inputs.dtype)
         precision = args.precision or precision
         act_dtype = args.activation_dtype or act_dtype
+        overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
         if args.search:
-            result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype)
+            result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
+                            overlaps=overlaps)
             if args.json:
-                print(json.dumps({"valid": result.valid, "fitting": len(result.ranked),
-                                  "ranked": [p.as_dict() | {"reason": why} for p, why in
-                                             zip(result.ranked[:args.top], result.reasons(args.top))],
-                                  "smallest_not_fitting": [p.as_dict() for p in result.too_big]}, indent=2))
+                print(json.dumps(search_json(result, args.top), indent=2))
             else:
                 print(render_search(result, args.top))
                 if result.ranked:
                     print("\nBest layout in detail\n")
                     print(render_plan(result.ranked[0]))
             return 0 if result.ranked else 1
-        layout = Layout.from_parallel(inputs.parallel, args.gpus)
+        layout = dataclasses.replace(Layout.from_parallel(inputs.parallel, args.gpus), **overlaps)
         m = inputs.work.global_batch // (inputs.work.micro_batch * layout.dp)
         if inputs.parallel.microbatches not in (None, m):
             raise ParallelError(f"parallel.microbatches={inputs.parallel.microbatches} disagrees with the batch: "
@@ -113,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.as_dict(), indent=2) if args.json else render_plan(plan))
         return 0 if plan.fits else 1
     except TesseraError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"tessera plan: error: {e}", file=sys.stderr)
         return 2
 
 

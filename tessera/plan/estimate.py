@@ -3,6 +3,7 @@ model x layout x workload x cluster. Everything else in this folder feeds `make_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError, ParallelError
@@ -94,9 +95,7 @@ class Plan:
                                                "microbatches": self.microbatches},
             "workload": {"seq_len": self.work.seq_len, "micro_batch": self.work.micro_batch,
                          "global_batch": self.work.global_batch, "tokens_per_step": self.work.tokens},
-            "cluster": {k: getattr(self.cluster, k) for k in (
-                "gpus", "gpus_per_node", "gpu_memory", "gpu_flops", "intra_node_bandwidth",
-                "inter_node_bandwidth", "efficiency", "reserved_bytes", "memory_bandwidth")},
+            "cluster": dataclasses.asdict(self.cluster),
             "precision": self.precision, "activation_dtype": self.activation_dtype,
             "memory": {"peak_stage": peak.stage, "peak_bytes": peak.total, "usable_bytes": self.cluster.usable_memory,
                        "fits": self.fits,
@@ -133,7 +132,7 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     stages = [StageMemory(s, p, model_state_bytes(p, lay, prec), a) for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
-    time = step_time(cfg, lay, work, cluster, colls, local, prof)
+    time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype)
     model_flops = prof.memo(("model_flops",), lambda: flops_per_token(cfg, work.seq_len)) * work.tokens
     extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval), lambda: recompute_flops_per_token(
         cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval))

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError, ParallelError
+from tessera.config.layout_rules import LayoutSizes, pipeline_microbatch_problem
+from tessera.config.layout_rules import layout_problems as rule_problems
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 
@@ -53,6 +55,10 @@ class Layout:
     zero_stage: int = 3
     recompute: str = "none"
     recompute_interval: int = 1
+    # Overlaps the planner can assume (not parallel.* keys: they describe the kernels and schedule).
+    tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
+    ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
+    fused_attention: bool = True  # flash-style attention core (False: s x s scores in memory, older runs)
 
     @classmethod
     def from_parallel(cls, par: ParallelConfig, world: int) -> Layout:
@@ -66,9 +72,12 @@ class Layout:
                    recompute_interval=par.recompute_interval)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
+        return ParallelConfig(**self.parallel_settings(), microbatches=microbatches)
+
+    def parallel_settings(self) -> dict:
+        """The `parallel.*` keys of this layout, as `tessera train --set parallel.K=V` takes them."""
         fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
-        return ParallelConfig(**values, microbatches=microbatches)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
 
     @property
     def world(self) -> int:
@@ -104,6 +113,10 @@ class Layout:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.tp_overlap:
+            parts.append("tp-overlap")
+        if self.ep_overlap:
+            parts.append("a2a-overlap")
         parts.append(f"recompute={self.recompute}" + (f"/{self.recompute_interval}"
                                                        if self.recompute == "full" and self.recompute_interval > 1
                                                        else ""))
@@ -116,48 +129,31 @@ class Layout:
 def layout_problems(cfg: ModelConfig, lay: Layout, work: Workload, *, even_layers: bool = False) -> list[str]:
     """Every reason this layout cannot run this model and workload (empty when it can).
 
-    Each message names the dimension and the shape it fails to divide. `even_layers` also asks
-    pp x vpp to divide the layer count (the search does; a given layout may split unevenly).
+    The model rules are the trainer's (`tessera.config.layout_rules`); the batch rules are those
+    of the trainer's start-up check (global batch in equal micro-batches over the data-parallel
+    ranks, a micro-batch count the pipeline schedule accepts). `even_layers` also asks pp x vpp
+    to divide the layer count (the search does; a given layout may split unevenly).
     """
-    problems: list[str] = []
+    sizes = LayoutSizes(tp=lay.tp, sp=lay.sp, pp=lay.pp, vpp=lay.vpp, dp_replicate=lay.dp_replicate,
+                        dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep)
+    problems = rule_problems(cfg, sizes, seq_len=work.seq_len)
 
     def need(cond: bool, message: str) -> None:
         if not cond:
             problems.append(message)
 
-    tp = lay.tp
-    need(cfg.n_heads % tp == 0, f"tp={tp} does not divide n_heads={cfg.n_heads}")
-    if cfg.mla is None:
-        need(cfg.n_kv_heads % tp == 0, f"tp={tp} does not divide n_kv_heads={cfg.n_kv_heads}")
-    need(cfg.vocab_size % tp == 0, f"tp={tp} does not divide vocab_size={cfg.vocab_size}")
-    need(cfg.ffn_dim % tp == 0 or not any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)),
-         f"tp={tp} does not divide ffn_dim={cfg.ffn_dim}")
-    if cfg.moe is not None:
-        need(cfg.moe.ffn_dim % tp == 0, f"tp={tp} does not divide moe.ffn_dim={cfg.moe.ffn_dim}")
-        need(cfg.moe.shared_ffn_dim % tp == 0,
-             f"tp={tp} does not divide moe.shared_ffn_dim={cfg.moe.shared_ffn_dim}")
-        need(cfg.moe.num_experts % lay.ep == 0, f"ep={lay.ep} does not divide moe.num_experts={cfg.moe.num_experts}")
-    else:
-        need(lay.ep == 1, f"ep={lay.ep} needs an MoE model (this one is dense)")
-    need((lay.dp_shard * lay.cp) % lay.ep == 0,
-         f"ep={lay.ep} does not divide dp_shard x cp = {lay.dp_shard * lay.cp} (experts fold over those ranks)")
-    need(not lay.sp or tp > 1, "sp needs tp > 1")
     chunks = lay.pp * lay.vpp
-    need(chunks <= cfg.n_layers, f"pp x vpp = {chunks} exceeds n_layers={cfg.n_layers}")
     if even_layers:
         need(cfg.n_layers % chunks == 0, f"pp x vpp = {chunks} does not divide n_layers={cfg.n_layers}")
     need(lay.vpp == 1 or lay.pp_schedule == "interleaved_1f1b", "vpp > 1 needs pp_schedule=interleaved_1f1b")
-    need(work.seq_len % lay.cp == 0, f"cp={lay.cp}: seq_len={work.seq_len} must divide into cp contiguous chunks")
-    if lay.sp:
-        need((work.seq_len // lay.cp) % tp == 0,
-             f"sp: the {work.seq_len // lay.cp} tokens of a sequence per cp rank do not divide by tp={tp}")
     step = work.micro_batch * lay.dp
     need(work.global_batch % step == 0,
          f"global_batch={work.global_batch} is not a multiple of micro_batch x dp = "
          f"{work.micro_batch} x {lay.dp} = {step}")
-    if lay.pp > 1 and lay.pp_schedule == "interleaved_1f1b" and work.global_batch % step == 0:
-        m = work.global_batch // step
-        need(m % lay.pp == 0, f"interleaved_1f1b needs micro-batches per step ({m}) to be a multiple of pp={lay.pp}")
+    if work.global_batch % step == 0:
+        problem = pipeline_microbatch_problem(lay.pp_schedule, work.global_batch // step, lay.pp)
+        if problem:
+            problems.append(problem)
     need(work.seq_len <= cfg.max_seq_len, f"seq_len={work.seq_len} exceeds model max_seq_len={cfg.max_seq_len}")
     return problems
 

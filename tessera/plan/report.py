@@ -8,6 +8,8 @@ from tessera.plan.activations import korthikanti_layer_bytes, layer_activation_b
 from tessera.plan.estimate import Plan
 from tessera.plan.layout import Layout
 from tessera.plan.memory import get_precision, sharding_choices
+from tessera.plan.op_time import layer_ops
+from tessera.plan.roofline import overlap_window
 from tessera.plan.search import SearchResult, time_components
 
 GiB = 2**30
@@ -32,7 +34,9 @@ def _bytes(n: float) -> str:
 
 
 def _seconds(t: float) -> str:
-    return f"{t:.3f} s" if t >= 0.1 else f"{t * 1e3:.1f} ms"
+    if t >= 0.1:
+        return f"{t:.3f} s"
+    return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
 
 
 def describe_model(cfg: ModelConfig) -> str:
@@ -139,16 +143,33 @@ def render_plan(plan: Plan) -> str:
         for c in colls:
             bw = cl.group_bandwidth(c.group_size, c.stride)
             sent = c.bytes_per_step(m)
-            rows.append([c.group, str(c.group_size), c.op, c.what, _bytes(c.size),
-                         f"{c.calls_per_microbatch * m + c.calls_per_step:g}", _bytes(sent),
-                         "NVLink" if bw == cl.intra_node_bandwidth else "network", _seconds(sent / bw), c.overlap])
+            calls = c.calls_per_microbatch * m + c.calls_per_step
+            seconds = calls * cl.collective_time(c.bytes_per_call(), c.group_size, c.stride)
+            rows.append([c.group, str(c.group_size), c.op, c.what, _bytes(c.size), f"{calls:g}", _bytes(sent),
+                         "NVLink" if bw == cl.intra_node_bandwidth else "network", _seconds(seconds),
+                         overlap_window(c, lay)])
         out += _table(rows, ["group", "n", "collective", "what", "buffer", "calls", "sent", "link", "time",
                              "hidden behind"])
         out.append("")
 
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    for moe in sorted({cfg.is_moe_layer(i) for i in range(cfg.n_layers)}):
+        out.append(f"Operators of one {'MoE' if moe else 'dense'} layer, forward of one micro-batch on one rank "
+                   f"({tokens:.0f} tokens; backward = 2 x forward)")
+        rows = [[o.name, o.shape, f"{o.flops / 1e9:.1f}" if o.flops else "-", _seconds(o.seconds),
+                 f"{100 * o.flops / (o.seconds * cl.gpu_flops):.0f}%" if o.flops else "-"]
+                for o in layer_ops(cfg, moe, lay, tokens, work.seq_len, cl, plan.activation_dtype)]
+        out += _table(rows, ["operator", "shape", "GFLOP", "time", "of peak"])
+        out.append("")
     comp = time_components(plan)
-    out.append(f"Step time {_seconds(t.total)} (compute at {100 * cl.efficiency:.0f}% of "
-               f"{cl.gpu_flops / 1e12:.0f} TFLOP/s): " + ", ".join(f"{k} {_seconds(v)}" for k, v in comp.items()))
+    slow = max(t.stages, key=lambda st: st.per_microbatch)
+    out.append(f"Compute of stage {slow.stage} per step ({cl.gpu}: large GEMMs at {100 * cl.efficiency:.0f}% of "
+               f"{cl.gpu_flops / 1e12:.0f} TFLOP/s, attention up to {100 * cl.attention_efficiency:.0f}%, "
+               f"HBM {cl.memory_bandwidth / 1e12:.2f} TB/s): matrix products {_seconds(m * slow.matmul)}, "
+               f"attention core {_seconds(m * slow.attention)}, elementwise (memory-bound) {_seconds(m * slow.memory)}"
+               f" = {100 * plan.hardware_flops_per_step / max(1e-30, t.compute * lay.world * cl.gpu_flops):.0f}% "
+               "of peak while computing")
+    out.append(f"Step time {_seconds(t.total)}: " + ", ".join(f"{k} {_seconds(v)}" for k, v in comp.items()))
     out.append(f"Throughput {plan.tokens_per_second:,.0f} tokens/s ({plan.tokens_per_second / cl.gpus:,.0f} per GPU), "
                f"MFU {100 * plan.mfu:.1f}%")
     return "\n".join(out)
@@ -168,7 +189,10 @@ def render_search(result: SearchResult, top: int) -> str:
     out.append("")
     out.append("Why:")
     out += [f"  {i + 1}. {why}" for i, why in enumerate(result.reasons(top))]
+    others = result.alternatives()
+    if others:
+        out += ["", "Against the fastest layout of each other mesh shape:"] + [f"  {line}" for line in others]
     best = result.ranked[0].layout
-    out += ["", "parallel section of the best layout:"]
-    out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.as_dict().items()]
+    out += ["", "parallel section of the best layout (tessera train --set parallel.K=V takes it as is):"]
+    out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.parallel_settings().items()]
     return "\n".join(out)

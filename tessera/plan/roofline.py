@@ -1,17 +1,26 @@
-"""Step time from a roofline: matrix work at a stated share of peak, each collective at its link's
-bandwidth, and only the overlap each part of the schedule allows.
+"""Step time: each operator at the rate its shapes allow, each collective at its link's latency
+and bandwidth, and only the overlap each part of the schedule allows.
 
-For one rank of each pipeline stage and one micro-batch:
-  compute   = (forward x 3 + recomputed forward) FLOPs of its layers (and head) / tp / (peak x efficiency)
-  exposed   = TP and EP collectives and PP sends (on the critical path)
-            + max(0, CP gathers - attention core time)        (ring overlap)
-            + max(0, ZeRO-3 / ZeRO-2 collectives - compute)   (FSDP prefetch, bucketed reduce-scatter)
+For one rank of each pipeline stage and one micro-batch (every term is printed by `tessera plan`):
+  compute   = forward x 3 (+ recomputed forward) of its layers and head, operator by operator
+              (tessera/plan/op_time.py: GEMMs from their m, n, k; attention from the sequence
+              length; grouped expert GEMMs from rows per expert; elementwise work from its bytes)
+  exposed   = per collective (tessera/plan/comm.py), log2(n) x link latency + bytes / bus bandwidth,
+              less what its overlap window hides:
+              TP/SP        on the critical path (`tp_overlap`: hidden behind the layer's GEMMs)
+              EP all-to-all on the critical path (`ep_overlap`, a DualPipe-style or 1F1B
+                           A2A-overlap schedule: hidden behind another micro-batch's compute)
+              PP send/recv on the critical path (interleaved 1F1B, DualPipe: hidden behind
+                           another micro-batch)
+              CP           hidden behind the attention core (ring / all-gather overlap)
+              ZeRO-2/3     hidden behind the micro-batch's compute (FSDP prefetch, bucketed
+                           reduce-scatter)
 The slowest stage sets the pace: pipeline time = m x max_stage(compute + exposed) x (1 + bubble).
-Then once per step: gradient collectives that only the last micro-batch's backward can hide,
-weight all-gathers that only the first forward can hide, and the optimizer's pass over its shard
-of the model states, bound by memory bandwidth (AdamW reads and writes about 30 bytes per
-parameter of fp32 state). Tokens/s and MFU follow from the step time; MFU counts model FLOPs
-(`tessera.models.flops.flops_per_token`), so recomputation lowers it.
+Then once per step: gradient collectives that only the last micro-batch's backward can hide
+(distributed-optimizer buckets), weight all-gathers that only the first forward can hide, and
+the optimizer's pass over its shard of the model states, bound by memory bandwidth (AdamW reads
+and writes about 30 bytes per parameter of fp32 state). Tokens/s and MFU follow from the step
+time; MFU counts model FLOPs (`tessera.models.flops.flops_per_token`), so recomputation lowers it.
 """
 
 from __future__ import annotations
@@ -23,8 +32,12 @@ from tessera.plan.bubble import bubble_fraction
 from tessera.plan.cluster import Cluster
 from tessera.plan.comm import Collective
 from tessera.plan.layout import Layout, Workload
+from tessera.plan.op_time import stage_compute_time
 from tessera.plan.profile import ModelProfile
 
+# Schedules whose sends and receives run under another micro-batch's compute: interleaved 1F1B
+# (Megatron-LM's overlapped P2P) and DualPipe (DeepSeek-V3 hides PP traffic with its all-to-all).
+P2P_OVERLAP_SCHEDULES = ("interleaved_1f1b", "dualpipe")
 OPTIMIZER_BYTES_PER_PARAM = 30.0  # AdamW on fp32 state: read p, g, m, v; write p, m, v; a 16-bit copy
 
 
@@ -34,6 +47,8 @@ class StageTime:
     compute: float  # seconds per micro-batch
     attention: float  # of which the attention core
     exposed: dict[str, float] = field(default_factory=dict)  # exposed seconds per micro-batch, by group
+    matmul: float = 0.0  # of which matrix products
+    memory: float = 0.0  # of which elementwise work bound by HBM bandwidth
 
     @property
     def per_microbatch(self) -> float:
@@ -64,61 +79,67 @@ class StepTime:
                 "bubble": self.microbatches * slow.per_microbatch * self.bubble,
                 "exposed_per_step": {g: self.microbatches * t for g, t in slow.exposed.items()}
                 | {f"{g} (once per step)": t for g, t in self.step_exposed.items()},
-                "optimizer": self.optimizer, "link_time": self.comm_seconds}
+                "optimizer": self.optimizer, "link_time": self.comm_seconds,
+                "compute_per_step": {"matmul": self.microbatches * slow.matmul,
+                                     "attention": self.microbatches * slow.attention,
+                                     "memory_bound": self.microbatches * slow.memory}}
 
 
-def stage_compute_flops(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
-                        profile: ModelProfile | None = None) -> tuple[float, float]:
-    """(hardware FLOPs, attention-core FLOPs) of one micro-batch on one rank of `stage`."""
-    prof = profile or ModelProfile.of(cfg, work.seq_len)
-    tokens = work.micro_batch * work.seq_len / lay.cp
-    att = prof.core_flops
-    total = core = 0.0
-    for (moe, checkpointed), n in prof.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
-                                                   lay.recompute_interval).items():
-        fwd = prof.layer_flops[moe]
-        total += n * (3 * fwd + (fwd if checkpointed else 0.0) + (att if lay.recompute == "selective" else 0.0))
-        core += n * (3 * att + (att if lay.recompute == "selective" else 0.0))
-    if stage == lay.pp - 1:
-        total += 3 * prof.head_flops
-    return total * tokens / lay.tp, core * tokens / lay.tp
+def overlap_window(c: Collective, lay: Layout) -> str:
+    """What compute can hide collective `c` under this layout's schedule (comm.py's default,
+    changed where the layout turns an overlap on)."""
+    if c.group == "tp" and lay.tp_overlap:
+        return "matmul"
+    if c.group == "ep" and lay.ep_overlap:
+        return "microbatch"
+    if c.group == "pp" and lay.pp_schedule in P2P_OVERLAP_SCHEDULES:
+        return "microbatch"
+    return c.overlap
 
 
 def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
               collectives: list[list[Collective]], local_params: list[float],
-              profile: ModelProfile | None = None) -> StepTime:
+              profile: ModelProfile | None = None, activation_dtype: str = "bf16") -> StepTime:
     """Estimated seconds of one step. `collectives[s]` and `local_params[s]` (parameters a rank of
     stage s updates, after ZeRO sharding) come from comm.py and memory.py."""
     profile = profile or ModelProfile.of(cfg, work.seq_len)
-    rate = cluster.gpu_flops * cluster.efficiency
     m = lay.microbatches(work)
     stages: list[StageTime] = []
     step_exposed: dict[str, float] = {}
     comm_seconds: dict[str, float] = {}
     for s, colls in enumerate(collectives):
-        flops, core = stage_compute_flops(cfg, lay, work, s, profile)
-        st = StageTime(stage=s, compute=flops / rate, attention=core / rate)
+        c_time = stage_compute_time(cfg, lay, work, s, cluster, profile, activation_dtype)
+        st = StageTime(stage=s, compute=c_time.total, attention=c_time.attention, matmul=c_time.matmul,
+                       memory=c_time.memory)
         hidden_by_mb: dict[str, float] = {}
+        hidden_by_matmul: dict[str, float] = {}
         link: dict[str, float] = {}
         once: dict[str, dict[str, float]] = {"last_backward": {}, "first_forward": {}}
         for c in colls:
-            bw = cluster.group_bandwidth(c.group_size, c.stride)
-            per_call = c.bytes_per_call() / bw
+            per_call = cluster.collective_time(c.bytes_per_call(), c.group_size, c.stride)
             mb_time, step_t = per_call * c.calls_per_microbatch, per_call * c.calls_per_step
             link[c.group] = link.get(c.group, 0.0) + mb_time * m + step_t
-            if c.overlap == "none":
+            window = overlap_window(c, lay)
+            if window == "none":
                 st.exposed[c.group] = st.exposed.get(c.group, 0.0) + mb_time
-            elif c.overlap == "attention":
+            elif window == "attention":
                 st.exposed[c.group] = st.exposed.get(c.group, 0.0) + max(0.0, mb_time - st.attention)
-            elif c.overlap == "microbatch":
+            elif window == "matmul":
+                hidden_by_matmul[c.group] = hidden_by_matmul.get(c.group, 0.0) + mb_time
+            elif window == "microbatch":
                 hidden_by_mb[c.group] = hidden_by_mb.get(c.group, 0.0) + mb_time
             if step_t > 0:
                 bucket = once["first_forward" if c.overlap == "first_forward" else "last_backward"]
                 bucket[c.group] = bucket.get(c.group, 0.0) + step_t
         for group, t in link.items():
             comm_seconds[group] = max(comm_seconds.get(group, 0.0), t)
-        for group, t in hidden_by_mb.items():
-            st.exposed[group] = st.exposed.get(group, 0.0) + max(0.0, t - st.compute)
+        # Collectives sharing a window share it: what exceeds the window is exposed, split between
+        # the groups in proportion to their time.
+        for hidden, window_time in ((hidden_by_matmul, st.matmul), (hidden_by_mb, st.compute)):
+            total = sum(hidden.values())
+            over = max(0.0, total - window_time)
+            for group, t in hidden.items() if over > 0 else ():
+                st.exposed[group] = st.exposed.get(group, 0.0) + over * t / total
         windows = {"last_backward": st.compute * 2 / 3, "first_forward": st.compute / 3}
         for kind, groups in once.items():
             budget = windows[kind]

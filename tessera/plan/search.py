@@ -12,6 +12,7 @@ when nothing is sharded (dp_shard x cp = 1: the stages coincide).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
@@ -101,16 +102,41 @@ class SearchResult:
             out.append(line)
         return out
 
+    def alternatives(self, count: int = 3) -> list[str]:
+        """Why the winner beats other mesh shapes: the fastest fitting layout of the next `count`
+        other (tp, pp, cp, ep) shapes and of pure data parallelism, with the time it loses and where."""
+        if not self.ranked:
+            return []
+        best = self.ranked[0]
+        shape = (best.layout.tp, best.layout.pp, best.layout.cp, best.layout.ep)
+        seen, out = {shape}, []
+        for p in self.ranked[1:]:
+            key = (p.layout.tp, p.layout.pp, p.layout.cp, p.layout.ep)
+            if key in seen:
+                continue
+            seen.add(key)
+            if len(out) >= count and key != (1, 1, 1, 1):
+                continue
+            out.append(f"{p.layout.describe()}: {p.time.total - best.time.total:.2f} s/step slower "
+                       f"({_differences(best, p)} for the winner)")
+            if len(out) > count or (len(out) == count and (1, 1, 1, 1) in seen):
+                break
+        return out
+
 
 def search(cfg: ModelConfig, work: Workload, cluster: Cluster, *, precision: str = "bf16",
-           activation_dtype: str = "autocast-bf16") -> SearchResult:
-    """Plan every valid layout of the cluster; rank those that fit by step time (then memory)."""
+           activation_dtype: str = "autocast-bf16", overlaps: dict[str, bool] | None = None) -> SearchResult:
+    """Plan every valid layout of the cluster; rank those that fit by predicted throughput (the
+    same tokens per step: by step time), ties by peak memory. `overlaps` (tp_overlap, ep_overlap)
+    apply to every layout."""
     fitting: list[Plan] = []
     too_big: list[Plan] = []
     count = 0
     profile = ModelProfile.of(cfg, work.seq_len)
     for lay in enumerate_layouts(cfg, work, cluster.gpus, cluster.gpus_per_node):
         count += 1
+        if overlaps:
+            lay = dataclasses.replace(lay, **overlaps)
         plan = make_plan(cfg, lay, work, cluster, precision=precision, activation_dtype=activation_dtype,
                          even_layers=True, profile=profile)
         (fitting if plan.fits else too_big).append(plan)

@@ -34,7 +34,15 @@ def test_zero_bubble_schedules():
 
 def test_unknown_schedule_is_refused():
     with pytest.raises(ConfigError, match="one of gpipe"):
-        bubble_fraction("dualpipe", 4, 8)
+        bubble_fraction("chimera", 4, 8)
+
+
+def test_dualpipe_bubble_is_deepseeks_formula():
+    """(p/2 - 1)(T_F&B + T_B - 3 T_W) idle (DeepSeek-V3, table 2), T_F&B = T_F + T_B without overlap."""
+    assert bubble_fraction("dualpipe", 8, 16) == 0.0  # equal passes
+    p, m, f, b, w = 8, 16, 1.0, 2.0, 0.5
+    assert bubble_fraction("dualpipe", p, m, t_f=f, t_b=b, t_w=w) == pytest.approx(
+        (p / 2 - 1) * (f + b + b - 3 * w) / (m * (f + b + w)))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])

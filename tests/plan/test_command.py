@@ -76,7 +76,7 @@ def test_cluster_flags_change_the_plan(tmp_path, capsys):
 def test_bad_input_exits_2_with_the_key(tmp_path, capsys):
     path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tp": 3, "dp_shard": -1})
     assert main([path, "--gpus", "6", "--gpus-per-node", "6"]) == 2
-    assert "tp=3 does not divide n_heads=32" in capsys.readouterr().err
+    assert "tp=3 does not divide model.n_heads=32" in capsys.readouterr().err
     path = write_config(tmp_path, {"preset": "llama3-8b"}, {"tensor": 2})
     assert main([path, "--gpus", "8"]) == 2
     assert "parallel.tensor" in capsys.readouterr().err
@@ -89,3 +89,37 @@ def test_microbatches_must_agree_with_the_batch(tmp_path, capsys):
     path = write_config(tmp_path, {"preset": "llama3-8b"}, {"dp_shard": -1, "microbatches": 3})
     assert main([path, "--gpus", "64"]) == 2
     assert "parallel.microbatches=3" in capsys.readouterr().err
+
+
+def test_gpu_preset_and_json_contract(tmp_path, capsys):
+    """`--gpu NAME --json`: time.tokens_per_second for the whole cluster and time.mfu against the GPU's peak."""
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"dp_shard": -1, "recompute": "full"}, global_batch=64)
+    plans = {}
+    for gpu in ("a100", "h100", "h200"):
+        assert main([path, "--gpus", "16", "--gpu", gpu, "--set", "train.micro_batch_size=1", "--json"]) == 0
+        plans[gpu] = json.loads(capsys.readouterr().out)
+    for gpu, plan in plans.items():
+        t = plan["time"]
+        assert t["tokens_per_second"] == pytest.approx(64 * 8192 / t["total"])
+        peak = plan["cluster"]["gpu_flops"]
+        assert t["mfu"] == pytest.approx(plan["flops"]["model_per_step"] / (t["total"] * 16 * peak))
+        assert plan["cluster"]["gpu"] == gpu
+    assert plans["h200"]["cluster"]["gpu_memory"] > plans["h100"]["cluster"]["gpu_memory"]
+    assert plans["a100"]["time"]["tokens_per_second"] < plans["h100"]["time"]["tokens_per_second"]
+    with pytest.raises(SystemExit) as exit_:
+        main([path, "--gpus", "16", "--gpu", "v100"])
+    assert exit_.value.code == 2 and "a100" in capsys.readouterr().err
+
+
+def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, capsys):
+    from tests.plan.test_layout_validity import as_overrides, trainer_refusal
+
+    assert main(["configs/tiny-moe.yaml", "--gpus", "4", "--search", "--top", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    best = result["best"]
+    assert best["parallel"] == result["ranked"][0]["parallel"] and "reason" in best and best["against_other_shapes"]
+    assert set(best["parallel"]) <= {"tp", "sp", "pp", "vpp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
+                                     "zero_stage", "recompute", "recompute_interval"}
+    assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
+    times = [p["time"]["tokens_per_second"] for p in result["ranked"]]
+    assert times == sorted(times, reverse=True)  # ranked by predicted throughput

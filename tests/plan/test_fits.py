@@ -30,5 +30,5 @@ def test_a_run_too_big_for_any_cheap_change_points_to_the_search():
 def test_a_layout_that_cannot_run_is_reported_not_raised():
     cfg = get_preset("llama3-8b")
     message = check_fits(cfg, ParallelConfig(tp=3, dp_shard=1), 4096, 1, 8, 3, "80GiB")
-    assert message is not None and "tp=3 does not divide n_heads=32" in message
+    assert message is not None and "tp=3 does not divide model.n_heads=32" in message
     assert "gpu_memory" in check_fits(cfg, ParallelConfig(), 4096, 1, 8, 8, "lots")

@@ -17,9 +17,10 @@ def test_problems_name_each_dimension_that_does_not_divide():
     work = Workload(seq_len=4096, micro_batch=3, global_batch=64)
     lay = Layout(tp=3, pp=64, dp_shard=4, ep=3, cp=3)
     problems = " | ".join(layout_problems(cfg, lay, work))
-    for text in ("tp=3 does not divide n_heads=32", "tp=3 does not divide n_kv_heads=8",
-                 "ep=3 does not divide moe.num_experts=8", "pp x vpp = 64 exceeds n_layers=32",
-                 "cp=3: seq_len=4096", "global_batch=64 is not a multiple of micro_batch x dp"):
+    for text in ("tp=3 does not divide model.n_heads=32", "tp=3 does not divide model.n_kv_heads=8",
+                 "ep=3 does not divide model.moe.num_experts=8", "64 pipeline stages is more than model.n_layers=32",
+                 "cp=3 does not divide sequence length (train.seq_len)=4096",
+                 "global_batch=64 is not a multiple of micro_batch x dp"):
         assert text in problems
     with pytest.raises(ParallelError, match="tp=3"):
         check_layout(cfg, lay, work)
@@ -29,14 +30,19 @@ def test_dense_models_refuse_expert_parallelism_and_sp_needs_tp():
     cfg = get_preset("llama3-8b")
     work = Workload(4096, 1, 8)
     assert "ep=2 needs an MoE model" in " ".join(layout_problems(cfg, Layout(ep=2, dp_shard=2), work))
-    assert "sp needs tp > 1" in layout_problems(cfg, Layout(sp=True), work)
+    assert "sp=true needs tp > 1" in " ".join(layout_problems(cfg, Layout(sp=True), work))
 
 
-def test_interleaving_needs_micro_batches_in_multiples_of_pp():
+def test_pipelines_need_a_micro_batch_count_their_schedule_runs():
+    """The trainer's rule: m >= pp, and round-based schedules need m in [pp, 2 pp) or a multiple of m // pp."""
     cfg = get_preset("llama3-8b")
     lay = Layout(pp=4, vpp=2, pp_schedule="interleaved_1f1b")
-    assert any("multiple of pp=4" in p for p in layout_problems(cfg, lay, Workload(4096, 1, 6)))
-    assert not layout_problems(cfg, lay, Workload(4096, 1, 8))
+    assert any("fewer than pp=4" in p for p in layout_problems(cfg, lay, Workload(4096, 1, 3)))
+    assert any("rounds of equal size" in p for p in layout_problems(cfg, lay, Workload(4096, 1, 9)))
+    for m in (4, 6, 8, 10, 12):
+        assert not layout_problems(cfg, lay, Workload(4096, 1, m)), m
+    assert any("fewer than pp=4" in p for p in layout_problems(cfg, Layout(pp=4), Workload(4096, 1, 2)))
+    assert not layout_problems(cfg, Layout(pp=4, pp_schedule="gpipe"), Workload(4096, 1, 2))
 
 
 def test_from_parallel_fills_dp_shard_and_checks_the_world():

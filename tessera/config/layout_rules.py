@@ -1,0 +1,132 @@
+"""Whether a parallel layout can run a model: every rule in one torch-free place.
+
+The trainer (`tessera.parallel.dims.ParallelDims.validate`, before any process allocates memory)
+and the planner (`tessera.plan.layout.layout_problems`, for every layout its search proposes)
+both ask `layout_problems`; `pipeline_microbatch_problem` is the pipeline schedules' rule on the
+micro-batch count (torch's schedules raise a bare error after the model is built otherwise).
+
+Two kinds of rule:
+- divisibility: world = pp x dp_replicate x dp_shard x cp x tp; tp divides the heads, KV heads,
+  vocabulary and FFN sizes; ep divides the experts and dp_shard x cp (experts fold over those
+  ranks) and is a multiple of cp; cp divides the sequence, and with sp tp divides each cp chunk;
+  pp x vpp stages need a layer each.
+- what is supported under which parallelism: tied embeddings with tp > 1 (the vocabulary-parallel
+  head needs its own weight) or pp > 1 (first and last stage would share it); multi-head latent
+  attention with tp > 1; the sequence-level balancing loss and Sinkhorn routing with cp > 1 (both
+  need every token of a sequence / micro-batch on one rank); sp without tp.
+Each message names the dimension, the value and what it fails against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tessera.config.model import ModelConfig
+
+# Pipeline schedules that run m // pp rounds of equal size (torch's interleaved / zero-bubble ones).
+ROUND_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class LayoutSizes:
+    """Ranks along every mesh dimension (dp_shard resolved)."""
+
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    vpp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+def _divides(dim: str, size: int, what: str, value: int) -> str | None:
+    if size > 1 and value % size != 0:
+        return f"{dim}={size} does not divide {what}={value}; choose a {dim} that divides {value}"
+    return None
+
+
+def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | None = None,
+                    seq_len: int | None = None) -> list[str]:
+    """Every reason `sizes` cannot run model `m` (empty when it can), in the order the trainer
+    reports them. `world_size` and `seq_len` are checked when given."""
+    s = sizes
+    out: list[str | None] = []
+    for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "vpp"):
+        if getattr(s, name) < 1:
+            out.append(f"{name}={getattr(s, name)} is invalid: must be >= 1")
+    if world_size is not None and s.world != world_size:
+        out.append(f"pp={s.pp} x dp_replicate={s.dp_replicate} x dp_shard={s.dp_shard} x cp={s.cp} x tp={s.tp} = "
+                   f"{s.world} ranks, but the world has {world_size}")
+    if s.sp and s.tp == 1:
+        out.append("sp=true needs tp > 1: sequence parallelism splits the tensor-parallel group")
+    if s.tp > 1:
+        out.append(_divides("tp", s.tp, "model.n_heads", m.n_heads))
+        if m.mla is None:
+            out.append(_divides("tp", s.tp, "model.n_kv_heads", m.n_kv_heads))
+        out.append(_divides("tp", s.tp, "model.vocab_size", m.vocab_size))
+        if any(not m.is_moe_layer(i) for i in range(m.n_layers)):
+            out.append(_divides("tp", s.tp, "model.ffn_dim", m.ffn_dim))
+        if m.moe is not None:
+            out.append(_divides("tp", s.tp, "model.moe.ffn_dim", m.moe.ffn_dim))
+            if m.moe.shared_ffn_dim > 0:
+                out.append(_divides("tp", s.tp, "model.moe.shared_ffn_dim", m.moe.shared_ffn_dim))
+        if m.tie_embeddings:
+            out.append(f"tp={s.tp} with model.tie_embeddings=true is not supported: the vocabulary-parallel head "
+                       "needs its own weight; use tp=1 or untie")
+        if m.mla is not None:
+            out.append(f"tp={s.tp} with multi-head latent attention (model.mla) is not supported yet; use tp=1 "
+                       "for MLA models")
+        if s.sp and seq_len is not None and seq_len % s.cp == 0:
+            what = "sequence length (sp=true splits it)" if s.cp == 1 else \
+                f"the context-parallel chunk (sequence length {seq_len} / cp={s.cp}; sp=true splits it)"
+            out.append(_divides("tp", s.tp, what, seq_len // s.cp))
+    if s.ep > 1:
+        if m.moe is None:
+            out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")
+        else:
+            out.append(_divides("ep", s.ep, "model.moe.num_experts", m.moe.num_experts))
+        out.append(_divides("ep", s.ep, "dp_shard x cp", s.dp_shard * s.cp))
+        if s.ep % s.cp != 0:
+            out.append(f"ep={s.ep} must be a multiple of cp={s.cp}: experts fold over all of cp and part of dp_shard")
+    if s.cp > 1:
+        if seq_len is not None:
+            out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
+        if m.moe is not None and m.moe.seq_aux_loss_coef > 0:
+            out.append(f"cp={s.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is not supported: the "
+                       "sequence-level balancing loss needs each whole sequence on one rank; use cp=1 or "
+                       "seq_aux_loss_coef=0 (aux_loss_coef is fine)")
+        if m.moe is not None and m.moe.sinkhorn:
+            out.append(f"cp={s.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn routing balances over "
+                       "all the micro-batch's tokens at once; use cp=1 or top-k routing")
+    if s.pp > 1 and m.tie_embeddings:
+        out.append(f"pp={s.pp} with model.tie_embeddings=true is not supported: the first and last stages would "
+                   "share the embedding; use pp=1 or untie")
+    stages = s.pp * s.vpp
+    if stages > m.n_layers:
+        out.append(f"pp x vpp = {s.pp} x {s.vpp} = {stages} pipeline stages is more than model.n_layers={m.n_layers}; "
+                   "every stage needs at least one layer")
+    return [p for p in out if p is not None]
+
+
+def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
+    """Why `microbatches` per step cannot run `schedule` over `pp` ranks (None when they can):
+    1F1B and the round-based schedules need one micro-batch per stage rank (m >= pp; GPipe takes
+    any m); the round-based ones also run max(1, m // pp) rounds of equal size."""
+    if pp <= 1 or schedule == "gpipe":
+        return None
+    if microbatches < pp:
+        return (f"{microbatches} micro-batches per step are fewer than pp={pp}: the {schedule} schedule needs "
+                "one per stage")
+    rounds = max(1, microbatches // pp)
+    if schedule in ROUND_SCHEDULES and microbatches % rounds:
+        return (f"{microbatches} micro-batches per step are invalid for {schedule} with pp={pp}: it runs "
+                f"m // pp = {rounds} rounds of equal size, so m must be in [pp, 2 pp) or a multiple of m // pp")
+    return None

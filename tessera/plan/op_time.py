@@ -1,0 +1,195 @@
+"""Compute time of one micro-batch on one rank, operator by operator, from the operators' shapes.
+
+Each matrix product [m, k] x [k, n] takes
+
+    max(2 m n k / (peak x matmul_efficiency), bytes moved / HBM bandwidth) + KERNEL_OVERHEAD
+
+so large GEMMs run at the GPU's sustained share of peak, small ones pay a fixed launch-and-tail
+cost (3 us: a 1024^3 bf16 GEMM then lands near half of the large-GEMM rate, as cuBLAS measures on
+A100/H100), and skinny ones (few rows per expert) are bound by reading their weights. A grouped
+GEMM over the local experts is one kernel: the sum of its experts' roofline times plus one
+overhead, with rows per expert = tokens x top-k x ep / experts (balanced routing).
+The attention core runs at `attention_efficiency x s / (s + ATTENTION_HALF_SEQ)` of peak (fused
+attention reaches its rate only at long sequences); a layout with `fused_attention=False` (runs
+from before FlashAttention) pays batched GEMMs over the whole s x s matrix and memory-bound
+passes over the scores instead. Norms, residual adds, RoPE and the SwiGLU
+product are bound by memory: ELEMENTWISE_PASSES reads/writes of their tensors at HBM bandwidth,
+at the width the activation dtype gives them (fp32 residual stream under autocast).
+
+Backward is twice the forward (input and weight gradients, the 2:1 of the FLOP count); full
+recomputation adds one forward of the block, selective recomputation one forward of the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.models.counting import attention_params
+from tessera.models.flops import attention_core_flops_per_token
+from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.cluster import Cluster
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.profile import ModelProfile
+
+KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
+ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
+ELEMENTWISE_PASSES = 2  # each elementwise tensor is read once and written once
+BYTES = 2  # 16-bit operands for matrix products and elementwise work
+UNFUSED_SCORE_PASSES = 5  # softmax (read + write), dropout (read, write, 1-byte mask) over the s x s scores
+
+
+def gemm_time(m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0) -> float:
+    """Seconds of `batch` products [m, k] x [k, n] in one kernel (a grouped GEMM when batch > 1)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    moved = BYTES * (m * k + k * n + m * n) * batch
+    return max(flops / (cluster.gpu_flops * cluster.efficiency), moved / cluster.memory_bandwidth) + KERNEL_OVERHEAD
+
+
+def attention_rate(cluster: Cluster, seq_len: int) -> float:
+    """FLOP/s of the fused attention core at this sequence length."""
+    return cluster.gpu_flops * cluster.attention_efficiency * seq_len / (seq_len + ATTENTION_HALF_SEQ)
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Forward seconds of one layer on one rank for one micro-batch, by kind of work."""
+
+    matmul: float  # projections, MLP / experts, router
+    attention: float  # the attention core
+    memory: float  # elementwise, bound by HBM bandwidth
+
+    @property
+    def forward(self) -> float:
+        return self.matmul + self.attention + self.memory
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One operator of a layer's forward on one rank: what it is, its shape, FLOPs and seconds."""
+
+    name: str
+    kind: str  # matmul, attention or memory (elementwise)
+    shape: str
+    flops: float
+    seconds: float
+
+
+def _gemm(name: str, m: float, n: float, k: float, cluster: Cluster, batch: float = 1.0) -> OpTime:
+    shape = f"[{m:.0f} x {k:.0f}] x [{k:.0f} x {n:.0f}]" + (f" x {batch:.0f}" if batch > 1 else "")
+    return OpTime(name, "matmul", shape, 2.0 * m * n * k * batch, gemm_time(m, n, k, cluster, batch))
+
+
+def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batch: float = 1.0) -> list[OpTime]:
+    return [_gemm(f"{name} gate+up", tokens, 2 * ffn, h, cluster, batch),
+            _gemm(f"{name} down", tokens, h, ffn, cluster, batch)]
+
+
+def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+              dtype: str = "bf16") -> list[OpTime]:
+    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank.
+    `dtype` is the activation dtype: under autocast the residual stream, its norms and RoPE run in
+    fp32 (4 bytes per element), the rest in bf16."""
+    tp, h = lay.tp, cfg.dim
+    dt = get_activation_dtype(dtype)
+    if cfg.mla is not None:  # latent down/up projections: one product of the same FLOPs per token
+        ops = [_gemm("attention projections (MLA)", tokens, attention_params(cfg) / h / tp, h, cluster)]
+    else:
+        q, kv = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp
+        ops = [_gemm("q, k, v projection", tokens, q + 2 * kv, h, cluster), _gemm("output projection", tokens, h, q,
+                                                                                   cluster)]
+    # Elementwise bytes per token: two norms (read + write) and two residual adds (2 reads + write) on
+    # the residual stream, RoPE on q and k, then the MLP's products at the compute width.
+    moved = 10 * h / (tp if lay.sp else 1) * dt.residual
+    if cfg.mla is None:
+        moved += 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / tp * max(dt.compute, dt.residual)
+    elementwise = 0.0  # elements at the compute width
+    if moe:
+        e = cfg.moe
+        ops.append(_gemm("router", tokens, e.num_experts, h, cluster))
+        local = e.num_experts // lay.ep
+        rows = tokens * e.top_k * lay.ep / e.num_experts  # rows per expert, balanced routing
+        ops += _swiglu(f"experts (grouped, {local} local)", rows, e.ffn_dim / tp, h, cluster, batch=local)
+        elementwise += 3 * e.top_k * e.ffn_dim / tp + 2 * e.top_k * h  # SwiGLU product; gather + weighted sum
+        if e.shared_ffn_dim:
+            ops += _swiglu("shared expert", tokens, e.shared_ffn_dim / tp, h, cluster)
+            elementwise += 3 * e.shared_ffn_dim / tp
+    else:
+        ops += _swiglu("MLP", tokens, cfg.ffn_dim / tp, h, cluster)
+        elementwise += 3 * cfg.ffn_dim / tp
+    if lay.fused_attention:
+        flops = attention_core_flops_per_token(cfg, seq_len) * tokens / tp
+        ops.append(OpTime("attention core (fused)", "attention", f"{cfg.n_heads // tp} heads x {seq_len} keys", flops,
+                          flops / attention_rate(cluster, seq_len)))
+    else:
+        heads = tokens / seq_len * cfg.n_heads / tp
+        d = cfg.head_dim if cfg.mla is None else cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+        ops.append(OpTime("attention core (unfused)", "attention", f"{heads:.0f} x [{seq_len} x {seq_len}]",
+                          4.0 * heads * seq_len * seq_len * d, unfused_attention_time(cfg, tokens / seq_len, seq_len,
+                                                                                      tp, cluster)))
+    moved = ELEMENTWISE_PASSES * (moved + dt.compute * elementwise) * tokens
+    ops.append(OpTime("norms, residuals, RoPE, SwiGLU product", "memory", f"{moved / 1e9:.2f} GB moved", 0.0,
+                      moved / cluster.memory_bandwidth))
+    return ops
+
+
+def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,
+               cluster: Cluster, dtype: str = "bf16") -> LayerTime:
+    """Forward time of one decoder layer (dense or MoE) on `tokens` tokens of one rank, by kind."""
+    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype)
+    return LayerTime(**{kind: sum(o.seconds for o in ops if o.kind == kind) for kind in ("matmul", "attention",
+                                                                                         "memory")})
+
+
+def unfused_attention_time(cfg: ModelConfig, sequences: float, seq_len: int, tp: int, cluster: Cluster) -> float:
+    """Forward of attention without a fused kernel (Megatron-LM before FlashAttention): q k^T and
+    p v as batched GEMMs over the whole s x s matrix (causal masking skips nothing), and the
+    scores' scale + mask + softmax and dropout as UNFUSED_SCORE_PASSES memory-bound passes."""
+    heads = sequences * cfg.n_heads / tp
+    d = cfg.head_dim if cfg.mla is None else cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+    gemms = 2 * gemm_time(seq_len, seq_len, d, cluster, batch=heads)
+    scores = UNFUSED_SCORE_PASSES * BYTES * heads * seq_len * seq_len / cluster.memory_bandwidth
+    return gemms + scores
+
+
+def head_time(cfg: ModelConfig, lay: Layout, tokens: float, cluster: Cluster) -> float:
+    """Forward time of the final norm, LM head and the loss's softmax on one rank."""
+    vocab = cfg.vocab_size / lay.tp
+    softmax = ELEMENTWISE_PASSES * 4 * vocab * tokens / cluster.memory_bandwidth  # fp32 logits
+    return gemm_time(tokens, vocab, cfg.dim, cluster) + softmax
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Seconds of one micro-batch's forward + backward (+ recomputation) on one rank of a stage."""
+
+    matmul: float
+    attention: float
+    memory: float
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.memory
+
+
+def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
+                       profile: ModelProfile, dtype: str = "bf16") -> StageCompute:
+    """Forward x 3 (forward, input and weight gradients) of every layer of the stage, plus what
+    recomputation repeats, plus the LM head on the last stage."""
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.fused_attention, work.micro_batch, cluster, dtype)
+    times = profile.memo(key, lambda: {moe: layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype)
+                                       for moe in set(profile.moe)})
+    matmul = attention = memory = 0.0
+    for (moe, checkpointed), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
+                                                      lay.recompute_interval).items():
+        t = times[moe]
+        passes = 3 + (1 if checkpointed else 0)
+        matmul += n * passes * t.matmul
+        memory += n * passes * t.memory
+        attention += n * (passes + (1 if lay.recompute == "selective" else 0)) * t.attention
+    if stage == lay.pp - 1:
+        matmul += 3 * head_time(cfg, lay, tokens, cluster)
+    return StageCompute(matmul=matmul, attention=attention, memory=memory)

@@ -1,0 +1,117 @@
+"""Published training runs the time model is checked against (`tessera plan validate`).
+
+Each run records its source, model, GPUs, layout, batch, sequence length and the published
+figure; `predict(run)` plans it with the GPU's preset (the same constants for every run of that
+GPU: no per-run factors) and returns the figure's counterpart.
+
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv 2205.05198), Megatron-LM on Selene (DGX A100 80GB, 8 per node, 8 x 200 Gb/s HDR per node).
+  GPT models (GeLU MLP of 4h, multi-head attention, vocabulary 51,200, sequence 2,048, micro-batch
+  1, no data parallelism); table 3 gives the layouts, table 5 the seconds per iteration with
+  sequence parallelism + selective recomputation ("present work") and with tensor parallelism and
+  full recomputation. Attention was not fused (the paper predates FlashAttention in Megatron-LM:
+  its selective recomputation exists to avoid storing the s x s scores). The 4h GeLU MLP is
+  written as a SwiGLU of ffn = 8h/3 (the same weights and FLOPs per token), rounded down to a
+  multiple of 8 where 8h/3 is not whole (530B, 1T: -0.01%).
+- Llama Team 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), table 4: Llama 3 405B (126
+  layers, h 16,384, 128 heads / 8 KV heads, FFN 53,248, vocabulary 128,256) at sequence 8,192 and
+  16M tokens per batch on H100 with TP8, CP1, PP16: 430 TFLOP/s per GPU on 8,192 GPUs (DP 64) and
+  400 on 16,384 (DP 128); BF16. The paper runs an interleaved pipeline schedule (section 3.3.2;
+  virtual stages are not given: we assume v = 2) and FSDP that does not reshard after the forward
+  (weights gathered once per step, gradients reduce-scattered once per step: zero_stage 1 here).
+  The predicted TFLOP/s counts model FLOPs as `tessera.models.flops` does (causal attention as
+  half the score matrix); the paper does not say its convention (counting the whole matrix would
+  add about 4% to both the prediction and, if so counted, the figure).
+- DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 2,048 H800 GPUs, PP16,
+  EP64 across 8 nodes, ZeRO-1 data parallelism, no TP, DualPipe (which hides the EP all-to-all
+  and the PP traffic behind computation), sequence 4,096, batch 15,360 sequences; 180K H800
+  GPU-hours per trillion tokens = 1e12 / (180e3 x 3600) = 1,543 tokens/s per GPU. GEMMs ran in
+  FP8, which this planner does not model: the prediction uses the bf16 peak (a lower bound on speed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.config.presets import get_preset
+from tessera.plan.cluster import Cluster
+from tessera.plan.estimate import Plan, make_plan
+from tessera.plan.layout import Layout, Workload
+
+METRICS = {"seconds_per_step": "s/step", "tflops_per_gpu": "TFLOP/s/GPU", "tokens_per_second_per_gpu": "tokens/s/GPU"}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    model: ModelConfig
+    gpu: str
+    gpus: int
+    layout: Layout
+    work: Workload
+    metric: str  # one of METRICS
+    figure: float
+    activation_dtype: str = "bf16"
+
+
+def _gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
+    """A Megatron GPT in Tessera's shapes: its 4h GeLU MLP as a SwiGLU with the same weights."""
+    ffn = (8 * hidden // 3) // 8 * 8
+    return get_preset("llama2-7b", vocab_size=51200, dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                      ffn_dim=ffn, max_seq_len=2048)
+
+
+_MEGATRON = "Korthikanti et al. 2022 (arXiv 2205.05198), tables 3 and 5"
+# name: (heads, hidden, layers, tp, pp, gpus, global batch, seconds with SP + selective, with full recompute)
+_MEGATRON_RUNS = {"22B": (64, 6144, 48, 8, 1, 8, 4, 1.10, 1.42), "175B": (96, 12288, 96, 8, 8, 64, 64, 13.75, 18.13),
+                  "530B": (128, 20480, 105, 8, 35, 280, 280, 37.83, 49.05),
+                  "1T": (160, 25600, 128, 8, 64, 512, 512, 71.49, 94.42)}
+
+
+def _megatron_runs() -> list[PublishedRun]:
+    out = []
+    for name, (heads, hidden, layers, tp, pp, gpus, batch, selective, full) in _MEGATRON_RUNS.items():
+        cfg = _gpt(heads, hidden, layers)
+        work = Workload(seq_len=2048, micro_batch=1, global_batch=batch)
+        for label, sp, recompute, figure in (("SP + selective recompute", True, "selective", selective),
+                                             ("full recompute", False, "full", full)):
+            lay = Layout(tp=tp, sp=sp, pp=pp, dp_shard=gpus // (tp * pp), zero_stage=1, recompute=recompute,
+                         fused_attention=False)
+            out.append(PublishedRun(f"Megatron-LM GPT {name}, {gpus} A100, {label}", _MEGATRON, cfg, "a100", gpus,
+                                    lay, work, "seconds_per_step", figure))
+    return out
+
+
+def _llama3_405b() -> ModelConfig:
+    return get_preset("llama3-70b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248)
+
+
+def published_runs() -> list[PublishedRun]:
+    llama = "Llama Team 2024 (arXiv 2407.21783), table 4"
+    runs = _megatron_runs()
+    for gpus, dp, figure in ((8192, 64, 430.0), (16384, 128, 400.0)):
+        lay = Layout(tp=8, sp=True, pp=16, vpp=2, pp_schedule="interleaved_1f1b", dp_shard=dp, zero_stage=1)
+        runs.append(PublishedRun(f"Llama 3 405B, {gpus} H100, TP8 CP1 PP16 DP{dp}", llama, _llama3_405b(), "h100",
+                                 gpus, lay, Workload(8192, 1, 2048), "tflops_per_gpu", figure))
+    lay = Layout(pp=16, pp_schedule="dualpipe", dp_shard=128, ep=64, zero_stage=1, ep_overlap=True)
+    runs.append(PublishedRun("DeepSeek-V3, 2048 H800, PP16 EP64 DP128 (DualPipe)",
+                             "DeepSeek-AI 2024 (arXiv 2412.19437), sections 3.2 and 4.2", get_preset("deepseek-v3"),
+                             "h800", 2048, lay, Workload(4096, 1, 15360), "tokens_per_second_per_gpu",
+                             1e12 / (180e3 * 3600)))
+    return runs
+
+
+def plan_run(run: PublishedRun) -> Plan:
+    cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus)
+    return make_plan(run.model, run.layout, run.work, cluster, precision="bf16", activation_dtype=run.activation_dtype)
+
+
+def predicted_figure(run: PublishedRun, plan: Plan) -> float:
+    """The plan's counterpart of the published figure."""
+    if run.metric == "seconds_per_step":
+        return plan.time.total
+    if run.metric == "tflops_per_gpu":
+        return plan.model_flops_per_step / plan.time.total / run.gpus / 1e12
+    return plan.tokens_per_second / run.gpus
