@@ -159,8 +159,9 @@ class LLMEngine:
         return [self._finish(seq, "error", [], message) for seq in list(self.seqs.values())]
 
     # ---- LoRA --------------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str | Path) -> None:
-        self.lora.load(name, path)
+    def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
+        """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
+        self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
         users = sum(1 for s in self.seqs.values() if s.adapter == name)
@@ -218,6 +219,7 @@ class LLMEngine:
             slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
             items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
         logits = self.runner.forward(items)
+        finite = self._finite_sampled_rows(logits, plan.scheduled, items)
         offset = 0
         for s, item in zip(plan.scheduled, items):
             seq, rows = s.seq, len(item.tokens)
@@ -225,7 +227,14 @@ class LLMEngine:
                 seq.num_computed += s.num_tokens
             else:
                 proposal = proposals.get(seq.request_id)
-                new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                try:
+                    if not finite[seq.request_id]:
+                        raise FloatingPointError("the model produced inf/NaN logits for this request")
+                    new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                except (FloatingPointError, RuntimeError, ValueError) as e:
+                    outputs.append(self._fail_alone(seq, e))
+                    offset += rows
+                    continue
                 seq.num_computed += s.num_tokens + len(new) - 1
                 if proposal is not None:
                     self.proposer.rollback(seq)
@@ -238,6 +247,35 @@ class LLMEngine:
                 self.blocks.register_computed(seq)
             offset += rows
         return outputs
+
+    @staticmethod
+    def _finite_sampled_rows(logits_TV: torch.Tensor, scheduled: list, items: list[BatchItem]) -> dict[str, bool]:
+        """request id -> whether every logits row it samples from this step is finite (one
+        reduction and one device sync for the whole batch)."""
+        index, owners, offset = [], [], 0
+        for s, item in zip(scheduled, items):
+            if s.completes:
+                span = range(offset + s.num_tokens - 1, offset + len(item.tokens))
+                index.extend(span)
+                owners.extend([s.seq.request_id] * len(span))
+            offset += len(item.tokens)
+        if not index:
+            return {}
+        rows = torch.tensor(index, device=logits_TV.device)
+        flags = torch.isfinite(logits_TV.index_select(0, rows)).all(-1).tolist()
+        out: dict[str, bool] = {}
+        for owner, ok in zip(owners, flags):
+            out[owner] = out.get(owner, True) and ok
+        return out
+
+    def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """Finish one request whose numbers went wrong, leaving the rest of the batch running.
+        The KV blocks only it holds are zeroed first: a stale inf/NaN slot would poison the next
+        owner of the block, since attention multiplies even masked-out values by zero weight."""
+        log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
+        own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
+        self.kv.clear_blocks(own)
+        return self._finish(seq, "error", [], f"numerical error: {error}")
 
     def _sample(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal | None) -> list[int]:
         """New tokens from the logits of the last computed position (and of each proposed token)."""
