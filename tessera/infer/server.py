@@ -64,6 +64,15 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (an upper bound: the length of its
+    longest vocabulary string), so that a text longer than max_model_len times this cannot fit."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.backend.get_vocab(with_added_tokens=True)))
+    except (AttributeError, TypeError, ValueError):  # no tokenizer, or one without a vocabulary to read
+        return 1 << 30
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     return await asyncio.to_thread(_parse_json, await request.body())
 
@@ -132,11 +141,16 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         known = [model_name, *engine.lora.adapters]
         raise ProtocolError(f"model {brief(name)} does not exist; served: {known}", status=404, param="model")
 
+    max_prompt_chars = engine.max_model_len * _longest_token_chars(tokenizer)
+
     def encode(prompt: str | list[int], special: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        if len(prompt) > max_prompt_chars:  # refused before spending seconds tokenising megabytes
+            raise ProtocolError(f"this model's maximum context length is {engine.max_model_len} tokens; a prompt of "
+                                f"{len(prompt)} characters cannot fit (at most {max_prompt_chars})", param="prompt")
         return tokenizer.encode(prompt, add_special_tokens=special)
 
     def prepare(raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any]:
