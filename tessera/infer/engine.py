@@ -4,8 +4,10 @@ A step asks the scheduler which sequences run and how many tokens each (continuo
 chunked prefill and a token budget), lets the speculative proposer guess tokens for the decoding
 ones, runs the target model once over the packed batch on the paged KV cache, then samples (or
 verifies the guesses), applies the stop rules and returns each request's new tokens and text.
-Requests join and leave between steps. The engine is not thread-safe: `EngineLoop` runs it in
-one background thread and hands it requests through a queue.
+Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
+fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
+The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it
+requests through a queue.
 """
 
 from __future__ import annotations
@@ -155,8 +157,18 @@ class LLMEngine:
         return bool(self.seqs)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with an error (after an exception inside a step)."""
+        """Finish every request with an error (at shutdown)."""
         return [self._finish(seq, "error", [], message) for seq in list(self.seqs.values())]
+
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """After an exception inside a step that no single request can be blamed for (the batch's
+        forward pass): finish the requests that were running with an error; the waiting ones
+        have not been touched and stay queued. Fails every request if none was running, so a
+        failure while admitting cannot repeat forever."""
+        running = list(self.scheduler.running)
+        if not running:
+            return self.fail_all(message)
+        return [self._finish(seq, "error", [], message) for seq in running]
 
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
@@ -231,7 +243,7 @@ class LLMEngine:
                     if not finite[seq.request_id]:
                         raise FloatingPointError("the model produced inf/NaN logits for this request")
                     new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
-                except (FloatingPointError, RuntimeError, ValueError) as e:
+                except Exception as e:  # this request's numbers went wrong: it alone fails
                     outputs.append(self._fail_alone(seq, e))
                     offset += rows
                     continue

@@ -300,3 +300,43 @@ def test_tiny_temperatures_are_refused_by_sampling_params():
     with pytest.raises(ConfigError, match="temperature"):
         SamplingParams(temperature=1e-300)
     assert SamplingParams(temperature=1e-5).temperature == 1e-5 and SamplingParams(temperature=0).greedy
+
+
+def test_a_failed_forward_pass_fails_the_running_requests_not_the_queued_ones(llama):
+    """The batch's forward pass raises once (a forward hook on the model that throws on its first
+    call): the request it was running fails with an error; the one still queued behind it
+    (max_num_seqs=1) runs afterwards and gives the right tokens."""
+    path, hf = llama
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=1))
+    calls = []
+
+    def throw_once(_module, _inputs, output):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return output
+
+    handle = engine.model.register_forward_hook(throw_once)
+    loop = EngineLoop(engine)
+    outs: dict = {}
+    done = threading.Event()
+
+    def callback(out):
+        if out.finished:
+            outs[out.request_id] = out
+            if len(outs) == 2:
+                done.set()
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = engine.tokenizer.encode("queued behind")
+    first = loop.submit(engine.tokenizer.encode("first"), greedy, None, callback)
+    second = loop.submit(ids, greedy, None, callback)
+    loop.start()
+    try:
+        assert done.wait(60)
+    finally:
+        loop.stop()
+        handle.remove()
+    assert outs[first].finish_reason == "error" and "device lost" in outs[first].error
+    assert outs[second].finish_reason == "length" and outs[second].token_ids == hf_greedy(hf, ids, 6)
+    assert loop.step_errors == 1
