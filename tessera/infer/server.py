@@ -55,8 +55,8 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; ProtocolError (400) for anything else."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"request body is not valid JSON: {e}") from e
+    except ValueError as e:  # also UnicodeDecodeError, and integers of more than 4300 digits
+        raise ProtocolError(f"request body is not valid JSON: {str(e)[:200]}") from e
     except RecursionError as e:
         raise ProtocolError("request body is nested too deeply to parse") from e
     if not isinstance(body, dict):
