@@ -58,12 +58,16 @@ _PATTERN_KEY = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern: a key matches a module name that is it or ends in
-    '.' + it. Keys are module names (what PEFT writes); regular expressions are refused by
-    `read_adapter_config`, since a crafted one could backtrack for minutes."""
+    """PEFT's rank_pattern / alpha_pattern: a key matches a module name ending in it (a regular
+    expression, as PEFT reads it). `read_adapter_config` lets only plain module names through for
+    adapters loaded at run time, since a crafted expression could backtrack for minutes."""
     for key, value in patterns.items():
-        if module == key or module.endswith("." + key):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise CheckpointError(f"adapter_config.json: pattern key {key[:200]!r} is not a valid regular "
+                                  f"expression ({e})") from None
     return default
 
 
@@ -109,8 +113,9 @@ def _rank_ok(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LORA_RANK
 
 
-def read_adapter_config(cfg_file: Path) -> dict:
-    """adapter_config.json, parsed and checked; CheckpointError naming the field otherwise."""
+def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
+    """adapter_config.json, parsed and checked; CheckpointError naming the field otherwise.
+    `untrusted` (an adapter a client asked for): pattern keys must be plain module names."""
     with open(cfg_file, "rb") as f:
         raw = f.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
@@ -140,7 +145,7 @@ def read_adapter_config(cfg_file: Path) -> dict:
                               and math.isfinite(v), "finite numbers")):
         _field_type(cfg, key, (dict,), "an object")
         for name, value in (cfg.get(key) or {}).items():
-            if not _PATTERN_KEY.match(name) or len(name) > 256:
+            if untrusted and (not _PATTERN_KEY.match(name) or len(name) > 256):
                 raise CheckpointError(f"adapter_config.json: {key!r} keys must be module names (letters, digits, "
                                       "'_' and '.'); regular expressions are not supported")
             if not check(value):
@@ -163,13 +168,14 @@ def _linear_modules(model: Transformer) -> dict[str, str]:
 
 
 def read_adapter(path: str | Path, model: Transformer, root: str | Path | None = None) -> dict[str, AdapterWeights]:
-    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`; with `root`,
-    its files must resolve (through symlinks) inside `root` too."""
+    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`. With `root`
+    (an adapter a client asked for at run time) its files must resolve (through symlinks) inside
+    `root` too, and its rank/alpha patterns must be plain module names."""
     path = Path(path)
     root = Path(root).resolve() if root is not None else None
     cfg_file = _confined_file(path, "adapter_config.json", root)
     weights_file = _confined_file(path, "adapter_model.safetensors", root)
-    cfg = read_adapter_config(cfg_file)
+    cfg = read_adapter_config(cfg_file, untrusted=root is not None)
     alpha = float(cfg["lora_alpha"] if cfg.get("lora_alpha") is not None else 8)
     rslora = bool(cfg.get("use_rslora", False))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}

@@ -168,3 +168,12 @@ def test_adapter_config_errors_name_no_file_text(tmp_path):
     with pytest.raises(CheckpointError) as e:
         read_adapter_config(f)
     assert "secret" not in str(e.value) and "not valid JSON" in str(e.value)
+
+
+def test_regular_expression_patterns_only_from_trusted_adapters(tmp_path):
+    """Adapters named at start-up keep PEFT's regex pattern keys; runtime ones may not."""
+    f = tmp_path / "adapter_config.json"
+    f.write_text(json.dumps({"r": 4, "lora_alpha": 8, "rank_pattern": {"layers\\.0\\..*_proj": 4}}))
+    assert read_adapter_config(f, untrusted=False)["rank_pattern"] == {"layers\\.0\\..*_proj": 4}
+    with pytest.raises(CheckpointError, match="regular expressions are not supported"):
+        read_adapter_config(f)
