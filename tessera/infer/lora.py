@@ -109,6 +109,15 @@ def _field_type(cfg: dict, key: str, types: tuple, what: str) -> None:
         raise CheckpointError(f"adapter_config.json: {key!r} must be {what}, got {type(cfg[key]).__name__}")
 
 
+def _finite_number(value: object) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # a JSON integer too big for a float
+        return False
+
+
 def _rank_ok(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LORA_RANK
 
@@ -134,15 +143,14 @@ def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
         if flag != "use_rslora" and cfg.get(flag):
             raise CheckpointError(f"adapter_config.json: {flag}=true is not supported")
     _field_type(cfg, "lora_alpha", (int, float), "a number")
-    if cfg.get("lora_alpha") is not None and not math.isfinite(float(cfg["lora_alpha"])):
+    if cfg.get("lora_alpha") is not None and not _finite_number(cfg["lora_alpha"]):
         raise CheckpointError("adapter_config.json: 'lora_alpha' must be a finite number")
     if "r" not in cfg:
         raise CheckpointError("adapter_config.json: 'r' (the LoRA rank) is missing")
     if not _rank_ok(cfg["r"]):
         raise CheckpointError(f"adapter_config.json: 'r' must be an integer in 1..{MAX_LORA_RANK}")
     for key, check, what in (("rank_pattern", _rank_ok, f"integers in 1..{MAX_LORA_RANK}"),
-                             ("alpha_pattern", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                              and math.isfinite(v), "finite numbers")):
+                             ("alpha_pattern", _finite_number, "finite numbers")):
         _field_type(cfg, key, (dict,), "an object")
         for name, value in (cfg.get(key) or {}).items():
             if untrusted and (not _PATTERN_KEY.match(name) or len(name) > 256):

@@ -14,9 +14,7 @@ import uuid
 from typing import Any
 
 from tessera.config.errors import ConfigError
-from tessera.infer.sampling_params import SamplingParams, brief
-
-__all__ = ["ProtocolError", "brief", "error_body", "sampling_params", "prompts_of", "messages_of"]
+from tessera.infer.sampling_params import SamplingParams
 
 _NUMBER = (int, float)
 

@@ -33,7 +33,6 @@ from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, Bo
 from tessera.infer.lora import confined_adapter_dir, read_adapter
 from tessera.infer.openai_protocol import (
     ProtocolError,
-    brief,
     choice,
     chunk_object,
     completion_object,
@@ -44,6 +43,7 @@ from tessera.infer.openai_protocol import (
     sampling_params,
     usage,
 )
+from tessera.infer.sampling_params import brief
 from tessera.infer.sequence import RequestOutput
 
 

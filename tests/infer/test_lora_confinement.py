@@ -113,6 +113,8 @@ def _set(key, value):
     ("r-mismatch", _set("r", 8), None, "rank 4"),
     ("alpha-string", _set("lora_alpha", "eight"), None, "'lora_alpha' must be a number"),
     ("alpha-list", _set("lora_alpha", [8]), None, "'lora_alpha' must be a number"),
+    ("alpha-huge-int", _set("lora_alpha", 10**400), None, "'lora_alpha' must be a finite number"),
+    ("alpha-pattern-huge-int", _set("alpha_pattern", {"q_proj": 10**400}), None, "'alpha_pattern' values"),
     ("dora-string", _set("use_dora", "no"), None, "'use_dora' must be a boolean"),
     ("peft-type", _set("peft_type", "PROMPT_TUNING"), None, "'peft_type' must be 'LORA'"),
     ("peft-type-list", _set("peft_type", ["LORA"]), None, "'peft_type' must be a string"),
