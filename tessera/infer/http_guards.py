@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-
-from fastapi.responses import JSONResponse
+import json
 
 from tessera.config.errors import ConfigError
 from tessera.infer.openai_protocol import error_body
@@ -29,7 +28,15 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # 8 MiB: a 128k-token prompt as text or a
 
 
 def _reply(message: str, status: int):
-    return JSONResponse(error_body(message, status), status_code=status)
+    """An ASGI app answering an OpenAI-style JSON error (kept free of web-framework imports, so
+    that `tessera --help` does not load one)."""
+    body = json.dumps(error_body(message, status)).encode()
+
+    async def app(_scope, _receive, send) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+    return app
 
 
 def is_loopback(host: str) -> bool:
