@@ -282,11 +282,15 @@ class LLMEngine:
 
     def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
         """Finish one request whose numbers went wrong, leaving the rest of the batch running.
-        The KV blocks only it holds are zeroed first: a stale inf/NaN slot would poison the next
-        owner of the block, since attention multiplies even masked-out values by zero weight."""
+        The KV blocks only it holds are zeroed first (a stale inf/NaN slot would poison the next
+        owner of the block, since attention multiplies even masked-out values by zero weight) and
+        taken out of the prefix cache (a later prompt must recompute them, not reuse zeros)."""
         log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
         own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
         self.kv.clear_blocks(own)
+        if self.blocks.cache is not None:
+            for b in own:
+                self.blocks.cache.forget(b)
         return self._finish(seq, "error", [], f"numerical error: {error}")
 
     def _sample(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal | None) -> list[int]:

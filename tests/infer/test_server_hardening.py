@@ -18,6 +18,7 @@ from tessera.infer import EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.command import main as serve_main
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import allowed_hosts, host_name
+from tessera.infer.prefix_cache import hash_chain
 from tessera.infer.server import create_app
 from tests.infer.running_server import RunningServer
 from tests.infer.test_server import _hold_engine
@@ -247,11 +248,13 @@ def overflowing_adapter(model_dir, out_dir):
 def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostile_temperature):
     """Six normal requests run concurrently with one whose adapter overflows to inf/NaN logits:
     it alone fails; the six give exactly the tokens they give alone (HF greedy / the same seed),
-    the KV cache holds no inf/NaN afterwards and later requests are still right."""
+    the KV cache holds no inf/NaN afterwards, the failed prompt's blocks are out of the prefix
+    cache, and later requests are still right."""
     pytest.importorskip("peft")
     path, hf = llama
     overflowing_adapter(path, tmp_path / "boom")
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=256, max_num_seqs=16,
+                                                   max_num_batched_tokens=8,  # prefill in chunks
                                                    lora_adapters={"boom": str(tmp_path / "boom")}))
     tok = engine.tokenizer
     prompts = [f"normal request {i}" for i in range(6)]
@@ -262,7 +265,7 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
             return {"model": "tiny", "prompt": prompts[i], "max_tokens": 12, "ignore_eos": True, **extra}
 
         alone_sampled = httpx.post(s.url + "/v1/completions", json=body(1), timeout=60).json()["choices"][0]["text"]
-        hostile = {"model": "boom", "prompt": "hostile", "max_tokens": 12, "ignore_eos": True,
+        hostile = {"model": "boom", "prompt": "hostile " * 3, "max_tokens": 12, "ignore_eos": True,
                    "temperature": hostile_temperature}
         results: dict = {}
 
@@ -291,6 +294,9 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
                 assert text == alone_sampled
         assert s.wait_idle()
         assert all(torch.isfinite(t).all() for t in (*engine.kv.k, *engine.kv.v))
+        # its earlier chunks were named in the prefix cache; zeroed, they must never be found again
+        hostile_blocks = hash_chain(tok.encode("hostile " * 3), 4, engine.lora.adapters["boom"].key)
+        assert len(hostile_blocks) == 6 and engine.blocks.cache.lookup(hostile_blocks) == []
         again = httpx.post(s.url + "/v1/completions", json=body(0), timeout=60).json()["choices"][0]["text"]
         assert tok.encode(again, add_special_tokens=False) == hf_greedy(hf, tok.encode(prompts[0]), 12)
     assert engine.metrics.requests_finished.get("error", 0) == 1
