@@ -1,8 +1,9 @@
 """`tessera serve MODEL_DIR [--port P] [--host 127.0.0.1] [--api-key K] ...`
 
 `add_arguments(parser)` declares the options and `run(args)` serves until interrupted; the CLI
-wires them as the `serve` subcommand. `python -m tessera.infer.command MODEL_DIR ...` runs the
-same thing without the CLI.
+wires them as the `serve` subcommand. The defaults are the safe ones: bound to 127.0.0.1 and
+answering only loopback Host names, request bodies up to 8 MiB, no adapter loading at run time.
+`python -m tessera.infer.command MODEL_DIR ...` runs the same thing without the CLI.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from tessera.config.errors import TesseraError
+from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TESSERA_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
+                        "(default: $TESSERA_API_KEY; an empty key is refused)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma list of Host header names to answer, '*' for any; others get 400 (protects "
+                        "against DNS rebinding). Default: loopback names only when --host is a loopback "
+                        "address, any name otherwise (set it when serving beyond this machine)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                   help=f"refuse request bodies larger than N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` clients send (default: MODEL_DIR as given; its absolute path and base name "
                         "are accepted too)")
@@ -48,7 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="merge the PEFT adapter DIR into the weights at load (repeatable)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--allow-runtime-lora", action="store_true",
-                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-modules-dir)")
+    p.add_argument("--lora-modules-dir", action="append", default=[], metavar="DIR",
+                   help="directory that runtime-loaded adapters must lie in, after resolving symlinks; a "
+                        "relative lora_path is looked up inside it (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -76,10 +88,33 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed)
 
 
+def _check_server_options(args: argparse.Namespace):
+    """ConfigError for serving options that cannot work, before the model is loaded; returns the
+    Host allow-list (None: any)."""
+    from tessera.config.errors import ConfigError
+    from tessera.infer.http_guards import allowed_hosts, check_api_key
+
+    check_api_key(args.api_key)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is invalid: must be in 0..65535")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
+    if args.allow_runtime_lora and not args.lora_modules_dir:
+        raise ConfigError("--allow-runtime-lora needs --lora-modules-dir DIR: the directories adapters may be "
+                          "loaded from")
+    if args.lora_modules_dir and not args.allow_runtime_lora:
+        raise ConfigError("--lora-modules-dir has no effect without --allow-runtime-lora")
+    for d in args.lora_modules_dir:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--lora-modules-dir {d!r} is not a directory")
+    return allowed_hosts(args.allowed_hosts, args.host)
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread and serve HTTP until interrupted; 2 on bad input."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        hosts = _check_server_options(args)
         import uvicorn
 
         from tessera.infer.engine import LLMEngine
@@ -88,14 +123,16 @@ def run(args: argparse.Namespace) -> int:
 
         engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
     except TesseraError as e:
-        print(f"tessera serve: {e}", file=sys.stderr)
+        print(f"tessera serve: error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
     loop = EngineLoop(engine).start()
-    app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora, aliases=aliases)
+    app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora, aliases=aliases,
+                     lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts)
     print(f"tessera serve: {name!r} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
-          f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size})", file=sys.stderr, flush=True)
+          f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
+          f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:

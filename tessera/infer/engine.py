@@ -4,8 +4,10 @@ A step asks the scheduler which sequences run and how many tokens each (continuo
 chunked prefill and a token budget), lets the speculative proposer guess tokens for the decoding
 ones, runs the target model once over the packed batch on the paged KV cache, then samples (or
 verifies the guesses), applies the stop rules and returns each request's new tokens and text.
-Requests join and leave between steps. The engine is not thread-safe: `EngineLoop` runs it in
-one background thread and hands it requests through a queue.
+Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
+fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
+The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it
+requests through a queue.
 """
 
 from __future__ import annotations
@@ -171,12 +173,23 @@ class LLMEngine:
         return bool(self.seqs)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request with an error (after an exception inside a step)."""
+        """Finish every request with an error (at shutdown)."""
         return [self._finish(seq, "error", [], message) for seq in list(self.seqs.values())]
 
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """After an exception inside a step that no single request can be blamed for (the batch's
+        forward pass): finish the requests that were running with an error; the waiting ones
+        have not been touched and stay queued. Fails every request if none was running, so a
+        failure while admitting cannot repeat forever."""
+        running = list(self.scheduler.running)
+        if not running:
+            return self.fail_all(message)
+        return [self._finish(seq, "error", [], message) for seq in running]
+
     # ---- LoRA --------------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str | Path) -> None:
-        self.lora.load(name, path)
+    def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
+        """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
+        self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
         users = sum(1 for s in self.seqs.values() if s.adapter == name)
@@ -234,6 +247,7 @@ class LLMEngine:
             slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
             items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
         logits = self.runner.forward(items)
+        finite = self._finite_sampled_rows(logits, plan.scheduled, items)
         offset = 0
         for s, item in zip(plan.scheduled, items):
             seq, rows = s.seq, len(item.tokens)
@@ -241,7 +255,14 @@ class LLMEngine:
                 seq.num_computed += s.num_tokens
             else:
                 proposal = proposals.get(seq.request_id)
-                new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                try:
+                    if not finite[seq.request_id]:
+                        raise FloatingPointError("the model produced inf/NaN logits for this request")
+                    new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                except Exception as e:  # this request's numbers went wrong: it alone fails
+                    outputs.append(self._fail_alone(seq, e))
+                    offset += rows
+                    continue
                 seq.num_computed += s.num_tokens + len(new) - 1
                 if proposal is not None:
                     self.proposer.rollback(seq)
@@ -254,6 +275,39 @@ class LLMEngine:
                 self.blocks.register_computed(seq)
             offset += rows
         return outputs
+
+    @staticmethod
+    def _finite_sampled_rows(logits_TV: torch.Tensor, scheduled: list, items: list[BatchItem]) -> dict[str, bool]:
+        """request id -> whether every logits row it samples from this step is finite (one
+        reduction and one device sync for the whole batch)."""
+        index, owners, offset = [], [], 0
+        for s, item in zip(scheduled, items):
+            if s.completes:
+                span = range(offset + s.num_tokens - 1, offset + len(item.tokens))
+                index.extend(span)
+                owners.extend([s.seq.request_id] * len(span))
+            offset += len(item.tokens)
+        if not index:
+            return {}
+        rows = torch.tensor(index, device=logits_TV.device)
+        flags = torch.isfinite(logits_TV.index_select(0, rows)).all(-1).tolist()
+        out: dict[str, bool] = {}
+        for owner, ok in zip(owners, flags):
+            out[owner] = out.get(owner, True) and ok
+        return out
+
+    def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """Finish one request whose numbers went wrong, leaving the rest of the batch running.
+        The KV blocks only it holds are zeroed first (a stale inf/NaN slot would poison the next
+        owner of the block, since attention multiplies even masked-out values by zero weight) and
+        taken out of the prefix cache (a later prompt must recompute them, not reuse zeros)."""
+        log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
+        own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
+        self.kv.clear_blocks(own)
+        if self.blocks.cache is not None:
+            for b in own:
+                self.blocks.cache.forget(b)
+        return self._finish(seq, "error", [], f"numerical error: {error}")
 
     def _sample(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal | None) -> list[int]:
         """New tokens from the logits of the last computed position (and of each proposed token)."""

@@ -3,8 +3,9 @@
 Only this thread touches the engine. Other threads (the HTTP server's event loop) `submit`,
 `abort` and `call` by putting commands in a queue that the thread drains between steps, so
 requests join and leave the running batch at step boundaries. While nothing is running the
-thread sleeps on the queue. An exception inside a step fails the requests in flight with an
-error and the loop carries on serving.
+thread sleeps on the queue. A request whose sampling or stop rules fail (inf/NaN logits, say) is
+failed alone inside the step; an exception that escapes a step (the batch's forward pass) fails
+the running requests with an error, leaves the queued ones waiting, and the loop carries on.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as e:
                 self.step_errors += 1
-                log.error("engine step failed; failing the requests in flight:\n%s", traceback.format_exc())
-                outputs = self.engine.fail_all(f"internal error: {type(e).__name__}: {e}")
+                log.error("engine step failed; failing the running requests:\n%s", traceback.format_exc())
+                outputs = self.engine.fail_running(f"internal error: {type(e).__name__}: {e}")
             for out in outputs:
                 self._deliver(out)
         for out in self.engine.fail_all("server shutting down"):

@@ -75,3 +75,15 @@ class PagedKVCache:
             k = k.to(dtype) * self.k_scale[layer][slots_NL][..., None].to(dtype)
             v = v.to(dtype) * self.v_scale[layer][slots_NL][..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero every slot of `blocks` in every layer (e.g. after inf/NaN was written there)."""
+        if not blocks:
+            return
+        b = torch.tensor(blocks, device=self.k[0].device)
+        slots = (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).flatten()
+        for cache in (*self.k, *self.v):
+            cache.index_fill_(0, slots, 0)
+        if self.int8:  # a NaN scale times a zero value is still NaN
+            for scale in (*self.k_scale, *self.v_scale):
+                scale.index_fill_(0, slots, 1.0)

@@ -10,6 +10,11 @@ B: out x r, s = lora_alpha / r (or lora_alpha / sqrt(r) with rsLoRA, Kalajdzievs
   of none) (in the manner of S-LoRA, Sheng et al. 2023, without its custom kernels: one pair of
   small matmuls per adapter present in the batch). Adapters load and unload between steps.
 
+An adapter directory is untrusted input: `adapter_config.json` is read bounded in size and
+checked field by field (a wrong type, a missing or huge rank gets a CheckpointError naming the
+field, never the file's text), its tensors must be finite, and at run time adapters load only
+from inside the configured directories (`confined_adapter_dir`).
+
 PEFT names modules as HuggingFace does (`model.layers.0.self_attn.q_proj`); the table
 `tessera.checkpoint.hf_weights.hf_names` maps them to Tessera's (`layers.0.attention.wq`). LoRA on
 embeddings, on routed experts (stored as one [E, out, in] tensor here), DoRA and LoRA biases are
@@ -21,11 +26,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -44,12 +52,113 @@ class AdapterWeights:
     scale: float
 
 
+MAX_LORA_RANK = 4096  # far above any published adapter; a bigger rank is a broken or hostile config
+MAX_CONFIG_BYTES = 1 << 20
+_PATTERN_KEY = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern: a key matches a module name ending in it (regex)."""
+    """PEFT's rank_pattern / alpha_pattern: a key matches a module name ending in it (a regular
+    expression, as PEFT reads it). `read_adapter_config` lets only plain module names through for
+    adapters loaded at run time, since a crafted expression could backtrack for minutes."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise CheckpointError(f"adapter_config.json: pattern key {key[:200]!r} is not a valid regular "
+                                  f"expression ({e})") from None
     return default
+
+
+def confined_adapter_dir(path: str, roots: Sequence[str | Path]) -> tuple[Path, Path]:
+    """(adapter directory, the root holding it): `path` resolved through symlinks (a relative one
+    inside each root in turn), if it lies inside one of `roots`. Otherwise ConfigError, with the
+    same message whether or not the path exists, so the error tells nothing about other files."""
+    resolved_roots = [Path(r).resolve() for r in roots]
+    if os.path.isabs(path):
+        resolved = Path(path).resolve()
+        for root in resolved_roots:
+            if resolved.is_relative_to(root):
+                return resolved, root
+    else:
+        inside = [((root / path).resolve(), root) for root in resolved_roots]
+        inside = [(d, root) for d, root in inside if d.is_relative_to(root)]
+        for d, root in inside:
+            if d.exists():
+                return d, root
+        if inside:
+            return inside[0]
+    raise ConfigError(f"lora_path {path[:200]!r} is not inside an adapter directory this server loads from "
+                      "(--lora-modules-dir)")
+
+
+def _confined_file(directory: Path, name: str, root: Path | None) -> Path:
+    f = directory / name
+    if not f.is_file():
+        raise CheckpointError(f"{directory}: not a PEFT LoRA adapter ({name} is missing)")
+    resolved = f.resolve()
+    if root is not None and not resolved.is_relative_to(root):
+        raise CheckpointError(f"{directory}: {name} links outside the adapter directories")
+    return resolved
+
+
+def _field_type(cfg: dict, key: str, types: tuple, what: str) -> None:
+    if key in cfg and cfg[key] is not None and (not isinstance(cfg[key], types) or (
+            isinstance(cfg[key], bool) and bool not in types)):
+        raise CheckpointError(f"adapter_config.json: {key!r} must be {what}, got {type(cfg[key]).__name__}")
+
+
+def _finite_number(value: object) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # a JSON integer too big for a float
+        return False
+
+
+def _rank_ok(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LORA_RANK
+
+
+def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
+    """adapter_config.json, parsed and checked; CheckpointError naming the field otherwise.
+    `untrusted` (an adapter a client asked for): pattern keys must be plain module names."""
+    with open(cfg_file, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"adapter_config.json is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, RecursionError):  # the decoder's message may quote the file: say only where
+        raise CheckpointError("adapter_config.json is not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"adapter_config.json must hold a JSON object, got {type(cfg).__name__}")
+    _field_type(cfg, "peft_type", (str,), "a string")
+    if cfg.get("peft_type", "LORA") not in ("LORA", None):
+        raise CheckpointError("adapter_config.json: 'peft_type' must be 'LORA' (only LoRA adapters are supported)")
+    for flag in ("use_dora", "fan_in_fan_out", "use_rslora"):
+        _field_type(cfg, flag, (bool,), "a boolean")
+        if flag != "use_rslora" and cfg.get(flag):
+            raise CheckpointError(f"adapter_config.json: {flag}=true is not supported")
+    _field_type(cfg, "lora_alpha", (int, float), "a number")
+    if cfg.get("lora_alpha") is not None and not _finite_number(cfg["lora_alpha"]):
+        raise CheckpointError("adapter_config.json: 'lora_alpha' must be a finite number")
+    if "r" not in cfg:
+        raise CheckpointError("adapter_config.json: 'r' (the LoRA rank) is missing")
+    if not _rank_ok(cfg["r"]):
+        raise CheckpointError(f"adapter_config.json: 'r' must be an integer in 1..{MAX_LORA_RANK}")
+    for key, check, what in (("rank_pattern", _rank_ok, f"integers in 1..{MAX_LORA_RANK}"),
+                             ("alpha_pattern", _finite_number, "finite numbers")):
+        _field_type(cfg, key, (dict,), "an object")
+        for name, value in (cfg.get(key) or {}).items():
+            if untrusted and (not _PATTERN_KEY.match(name) or len(name) > 256):
+                raise CheckpointError(f"adapter_config.json: {key!r} keys must be module names (letters, digits, "
+                                      "'_' and '.'); regular expressions are not supported")
+            if not check(value):
+                raise CheckpointError(f"adapter_config.json: {key!r} values must be {what}")
+    return cfg
 
 
 def _linear_modules(model: Transformer) -> dict[str, str]:
@@ -66,22 +175,23 @@ def _linear_modules(model: Transformer) -> dict[str, str]:
     return out
 
 
-def read_adapter(path: str | Path, model: Transformer) -> dict[str, AdapterWeights]:
-    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`."""
+def read_adapter(path: str | Path, model: Transformer, root: str | Path | None = None) -> dict[str, AdapterWeights]:
+    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`. With `root`
+    (an adapter a client asked for at run time) its files must resolve (through symlinks) inside
+    `root` too, and its rank/alpha patterns must be plain module names."""
     path = Path(path)
-    cfg_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    for f in (cfg_file, weights_file):
-        if not f.is_file():
-            raise CheckpointError(f"{path}: not a PEFT LoRA adapter ({f.name} is missing)")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{path}: peft_type={cfg.get('peft_type')!r}; only LORA adapters are supported")
-    for flag in ("use_dora", "fan_in_fan_out"):
-        if cfg.get(flag):
-            raise CheckpointError(f"{path}: {flag}=true is not supported")
-    alpha, rslora = float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
+    root = Path(root).resolve() if root is not None else None
+    cfg_file = _confined_file(path, "adapter_config.json", root)
+    weights_file = _confined_file(path, "adapter_model.safetensors", root)
+    cfg = read_adapter_config(cfg_file, untrusted=root is not None)
+    alpha = float(cfg["lora_alpha"] if cfg.get("lora_alpha") is not None else 8)
+    rslora = bool(cfg.get("use_rslora", False))
     rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: adapter_model.safetensors is not a readable safetensors file "
+                              f"({type(e).__name__})") from None
     targets = _linear_modules(model)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     modules = dict(model.named_modules())
@@ -95,16 +205,19 @@ def read_adapter(path: str | Path, model: Transformer) -> dict[str, AdapterWeigh
                                       "replace base layers are not supported")
             continue
         if any(r in key for r in _REFUSED):
-            raise CheckpointError(f"{path}: tensor {key!r} is not supported (only lora_A/lora_B of linear layers)")
+            raise CheckpointError(f"{path}: tensor {key[:200]!r} is not supported (only lora_A/lora_B of linear "
+                                  "layers)")
         m = _KEY.match(key)
         if m is None:
-            raise CheckpointError(f"{path}: unexpected tensor name {key!r} (expected base_model.model.<module>"
-                                  ".lora_A.weight / .lora_B.weight)")
+            raise CheckpointError(f"{path}: unexpected tensor name {key[:200]!r} (expected base_model.model."
+                                  "<module>.lora_A.weight / .lora_B.weight)")
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {key[:200]!r} must hold finite floating-point numbers")
         parts.setdefault(m["module"], {})[m["part"]] = t
     out = {}
     for hf_module, ab in parts.items():
         if hf_module not in targets:
-            raise CheckpointError(f"{path}: adapter targets {hf_module!r}, which is not a linear layer of this "
+            raise CheckpointError(f"{path}: adapter targets {hf_module[:200]!r}, which is not a linear layer of this "
                                   f"{model.cfg.family} model (routed experts and embeddings are not supported)")
         if set(ab) != {"A", "B"}:
             raise CheckpointError(f"{path}: {hf_module} has lora_{''.join(ab)} but needs both lora_A and lora_B")
@@ -115,7 +228,9 @@ def read_adapter(path: str | Path, model: Transformer) -> dict[str, AdapterWeigh
         if A.shape[1] != in_f or B.shape[0] != out_f or A.shape[0] != B.shape[1]:
             raise CheckpointError(f"{path}: {hf_module} lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not "
                                   f"fit a {out_f}x{in_f} layer")
-        r = _pattern_value(rank_pattern, hf_module, A.shape[0])
+        r = _pattern_value(rank_pattern, hf_module, cfg["r"])
+        if r != A.shape[0]:
+            raise CheckpointError(f"{path}: {hf_module} has rank {A.shape[0]} but adapter_config.json gives r={r}")
         a = _pattern_value(alpha_pattern, hf_module, alpha)
         out[name] = AdapterWeights(A, B, a / (math.sqrt(r) if rslora else r))
     if not out:
@@ -155,12 +270,15 @@ class LoRAManager:
         self._uids = itertools.count()
         self._rows: list[tuple[int, torch.Tensor]] | None = None  # this step's (slot, packed rows)
 
-    def load(self, name: str, path: str | Path) -> LoadedAdapter:
+    def load(self, name: str, path: str | Path, weights: dict[str, AdapterWeights] | None = None) -> LoadedAdapter:
+        """Make adapter `name` resident; `weights` is `read_adapter(path, model)` when the caller
+        has already read it (off the engine thread)."""
         if not name or name in self.adapters:
-            raise ConfigError(f"lora name {name!r} is empty or already loaded; unload it first")
+            raise ConfigError(f"lora name {name[:200]!r} is empty or already loaded; unload it first")
         if len(self.adapters) >= self.max_loras:
             raise ConfigError(f"already {self.max_loras} adapters loaded (max_loras); unload one first")
-        weights = read_adapter(path, self.model)
+        if weights is None:
+            weights = read_adapter(path, self.model)
         used = {a.slot for a in self.adapters.values()}
         slot = next(i for i in range(self.max_loras) if i not in used)
         for module, w in weights.items():

@@ -94,6 +94,13 @@ class PrefixCache:
         """`block` is referenced again."""
         self.evictable.pop(block, None)
 
+    def forget(self, block: int) -> None:
+        """Drop `block`'s name: its contents are bad and must never be found by a lookup."""
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            del self.block_of[h]
+        self.evictable.pop(block, None)
+
     def evict(self) -> int | None:
         """Forget the least recently used unreferenced block and return it (None if there is none)."""
         if not self.evictable:

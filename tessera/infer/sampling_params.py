@@ -2,19 +2,34 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 
 from tessera.config.errors import ConfigError
+
+# Below this a temperature is a request for greedy decoding that would instead divide the logits
+# by (nearly) zero: in fp32 1e-300 is 0 and logits / 0 are inf/NaN. 0 means greedy.
+MIN_TEMPERATURE = 1e-5
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxlevel = 60, 60, 6, 6, 3
+
+
+def brief(value: object) -> str:
+    """A short repr for error messages: a request may send megabytes in one field, and an error
+    that quotes it back whole is a way to make the server copy it (and its logs) for nothing."""
+    return _BRIEF.repr(value)
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature 0 is greedy (argmax). Otherwise logits are divided by `temperature`, cut to the
-    `top_k` most likely tokens (0 = all) and to the smallest set whose probability reaches
-    `top_p` (nucleus sampling, Holtzman et al. 2020), then sampled with a generator seeded by
-    `seed`, so a request with a seed gives the same text whatever else is in the batch.
+    temperature 0 is greedy (argmax); a positive one is at least MIN_TEMPERATURE. Otherwise logits
+    are divided by `temperature`, cut to the `top_k` most likely tokens (0 = all) and to the
+    smallest set whose probability reaches `top_p` (nucleus sampling, Holtzman et al. 2020), then
+    sampled with a generator seeded by `seed`, so a request with a seed gives the same text
+    whatever else is in the batch.
     Generation stops at `max_tokens`, at an end-of-sequence token (unless `ignore_eos`), at any of
     `stop_token_ids`, or when the text contains one of `stop` (the stop string is cut off).
     """
@@ -37,7 +52,8 @@ class SamplingParams:
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
              "must be an integer >= 1"),
-            (0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "must be in [0, 100]"),
+            (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0, "temperature",
+             self.temperature, f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
              "must be an integer >= 0 (0 = no limit)"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
@@ -50,7 +66,7 @@ class SamplingParams:
         ]
         for ok, key, value, allowed in checks:
             if not ok:
-                raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+                raise ConfigError(f"{key}={brief(value)} is invalid: {allowed}")
 
     @property
     def greedy(self) -> bool:

@@ -5,26 +5,32 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is the served model
 name (base weights) or the name of a loaded LoRA adapter.
 
-With an API key, every /v1 route needs `Authorization: Bearer <key>`; /health and /metrics stay
-open for probes and scrapers. Bad JSON, unknown fields values, an unknown model or a prompt too
-long for the context get a 4xx with an OpenAI-style error body; the engine keeps serving. A client
-that disconnects has its request aborted, which frees its KV blocks.
+In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
+(413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
+(/health stays open for probes). Bad JSON (also nesting too deep to parse), wrong-typed or
+out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
+OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
+serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
+never stalls the event loop. Runtime adapter loading reads only from the configured adapter
+directories. A client that disconnects has its request aborted, which frees its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tessera.config.errors import TesseraError
+from tessera.config.errors import ConfigError, TesseraError
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.engine_loop import EngineLoop
+from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+from tessera.infer.lora import confined_adapter_dir, read_adapter
 from tessera.infer.openai_protocol import (
     ProtocolError,
     choice,
@@ -37,52 +43,65 @@ from tessera.infer.openai_protocol import (
     sampling_params,
     usage,
 )
+from tessera.infer.sampling_params import brief
 from tessera.infer.sequence import RequestOutput
-
-
-class APIKeyCheck:
-    """ASGI middleware: /v1 routes need `Authorization: Bearer <key>`. (A plain ASGI wrapper, not
-    Starlette's BaseHTTPMiddleware, which would hide client disconnects from the handlers.)"""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; ProtocolError (400) for anything else."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"request body is not valid JSON: {e}") from e
+    except ValueError as e:  # also UnicodeDecodeError, and integers of more than 4300 digits
+        raise ProtocolError(f"request body is not valid JSON: {str(e)[:200]}") from e
+    except RecursionError as e:
+        raise ProtocolError("request body is nested too deeply to parse") from e
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
     return body
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (an upper bound: the length of its
+    longest vocabulary string), so that a text longer than max_model_len times this cannot fit."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.backend.get_vocab(with_added_tokens=True)))
+    except (AttributeError, TypeError, ValueError):  # no tokenizer, or one without a vocabulary to read
+        return 1 << 30
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    return await asyncio.to_thread(_parse_json, await request.body())
+
+
 def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
-               allow_lora_loading: bool = False, aliases: tuple[str, ...] = ()) -> FastAPI:
+               allow_lora_loading: bool = False, aliases: tuple[str, ...] = (),
+               lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """The app. Requests may name the base model by `model_name` or any of `aliases` (e.g. the
-    model directory as given on the command line, its absolute path and its base name)."""
+    model directory as given on the command line, its absolute path and its base name).
+    Runtime adapter loading (`allow_lora_loading`) reads only from inside `lora_dirs`;
+    `allowed_hosts` None answers any Host header."""
+    check_api_key(api_key)
+    if allow_lora_loading and not lora_dirs:
+        raise ConfigError("runtime LoRA loading needs at least one adapter directory (--lora-modules-dir DIR)")
+    if max_request_bytes < 1:
+        raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
+    roots = [Path(d) for d in lora_dirs]
     engine = loop.engine
     base_names = {model_name, *aliases}
     tokenizer = engine.tokenizer
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
-    if api_key:
+    # outermost last: Host first, then the key, then the body is read (only for the authorised)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
@@ -111,22 +130,33 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
 
     def adapter_of(body: dict) -> str | None:
         name = body.get("model")
-        if name is None or name in base_names:
+        if name is None:
             return None
-        if isinstance(name, str) and name in engine.lora.adapters:
+        if not isinstance(name, str):
+            raise ProtocolError(f"'model' must be a string, got {type(name).__name__}", param="model")
+        if name in base_names:
+            return None
+        if name in engine.lora.adapters:
             return name
         known = [model_name, *engine.lora.adapters]
-        raise ProtocolError(f"model {name!r} does not exist; served: {known}", status=404, param="model")
+        raise ProtocolError(f"model {brief(name)} does not exist; served: {known}", status=404, param="model")
+
+    max_prompt_chars = engine.max_model_len * _longest_token_chars(tokenizer)
 
     def encode(prompt: str | list[int], special: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        if len(prompt) > max_prompt_chars:  # refused before spending seconds tokenising megabytes
+            raise ProtocolError(f"this model's maximum context length is {engine.max_model_len} tokens; a prompt of "
+                                f"{len(prompt)} characters cannot fit (at most {max_prompt_chars})", param="prompt")
         return tokenizer.encode(prompt, add_special_tokens=special)
 
-    async def run(request: Request, chat: bool) -> Response:
-        body = await _json_body(request)
+    def prepare(raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any]:
+        """Body, adapter, prompt token ids and sampling parameters of a request (in a worker
+        thread: JSON parsing, chat templates and tokenisation may take a while)."""
+        body = _parse_json(raw)
         adapter = adapter_of(body)
         if chat:
             if tokenizer is None:
@@ -142,6 +172,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
             engine.validate_request(len(ids), params, adapter)
             if any(not 0 <= t < engine.cfg.vocab_size for t in ids):
                 raise ProtocolError(f"prompt token ids must be in 0..{engine.cfg.vocab_size - 1}", param="prompt")
+        return body, adapter, prompt_ids, params
+
+    async def run(request: Request, chat: bool) -> Response:
+        body, adapter, prompt_ids, params = await asyncio.to_thread(prepare, await request.body(), chat)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ProtocolError("'stream' must be a boolean", param="stream")
@@ -181,10 +215,16 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         body = await _json_body(request)
         name = body.get("lora_name")
         path = body.get("lora_path")
-        if not isinstance(name, str) or (load and not isinstance(path, str)):
-            raise ProtocolError("'lora_name' (and 'lora_path' to load) must be strings")
-        fn = (lambda e: e.load_lora(name, path)) if load else (lambda e: e.unload_lora(name))
-        await asyncio.wrap_future(loop.call(fn))
+        if not isinstance(name, str) or not 0 < len(name) <= 256:
+            raise ProtocolError("'lora_name' must be a string of 1 to 256 characters", param="lora_name")
+        if load and (not isinstance(path, str) or not path or "\0" in path):
+            raise ProtocolError("'lora_path' must be a non-empty string", param="lora_path")
+        if load:
+            where, root = confined_adapter_dir(path, roots)
+            weights = await asyncio.to_thread(read_adapter, where, engine.model, root)  # file work off the loop
+            await asyncio.wrap_future(loop.call(lambda e: e.load_lora(name, where, weights)))
+        else:
+            await asyncio.wrap_future(loop.call(lambda e: e.unload_lora(name)))
         return JSONResponse({"status": "ok", "lora_name": name})
 
     @app.post("/v1/load_lora_adapter")

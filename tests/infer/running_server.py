@@ -21,10 +21,11 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(self, engine: LLMEngine, name: str = "tiny", api_key: str | None = None,
-                 allow_lora_loading: bool = False):
+                 allow_lora_loading: bool = False, **app_options):
+        """`app_options`: create_app's other keywords (lora_dirs, max_request_bytes, allowed_hosts)."""
         self.loop = EngineLoop(engine).start()
         self.engine = engine
-        app = create_app(self.loop, name, api_key=api_key, allow_lora_loading=allow_lora_loading)
+        app = create_app(self.loop, name, api_key=api_key, allow_lora_loading=allow_lora_loading, **app_options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",

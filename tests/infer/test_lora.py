@@ -52,7 +52,7 @@ def test_adapters_load_and_unload_while_serving(llama, tmp_path):
     peft_a = make_adapter(path, "llama", tmp_path / "a", seed=3)
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=256))
     body = {"model": "a", "prompt": "hot swap", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    with RunningServer(engine, name="tiny", allow_lora_loading=True) as s:
+    with RunningServer(engine, name="tiny", allow_lora_loading=True, lora_dirs=[tmp_path]) as s:
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 404
         r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")},
                        timeout=30)

@@ -39,6 +39,9 @@ def test_serve_command_answers_the_contract(llama):
             from tessera.data.tokenizer import Tokenizer
             tok = Tokenizer.from_path(path)
             assert tok.encode(text, add_special_tokens=False) == hf_greedy(hf, tok.encode("contract"), 8)
+        # bound to 127.0.0.1 without --allowed-hosts: a foreign Host name (DNS rebinding) is refused
+        assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
+        assert httpx.get(url + "/v1/models", headers={"Host": f"localhost:{port}"}).status_code == 200
     finally:
         proc.terminate()
         proc.wait(20)
