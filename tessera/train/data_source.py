@@ -5,7 +5,8 @@ With `data.datasets` empty the bundled corpus is used: the Python standard libra
 tokenized with the bundled tokenizer, prepared once under `data.cache_dir` (default
 $TESSERA_CACHE, else ~/.cache/tessera) and reused by every later run. Several datasets are
 blended by weight. Every dataset is packed into samples of `seq_len + 1` tokens and split by
-`data.valid_fraction` into training and validation samples.
+`data.valid_fraction` into training and validation samples. Its token ids are checked against
+`model.vocab_size` when it is opened, so a corrupt file fails before step 1, not hours in.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
         weights = [1.0]
     train_parts = [PackedDataset(p, t.seq_len, split="train", valid_fraction=d.valid_fraction)
                    for p in prefixes]
+    for part in train_parts:  # every id of the file (both splits), before the first step
+        part.tokens.check_token_ids(cfg.model.vocab_size)
     if d.kind == "sft":
         for p, part in zip(prefixes, train_parts):
             if part.loss_mask is None:
