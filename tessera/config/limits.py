@@ -38,3 +38,7 @@ MAX_INT = 2**63 - 1  # any integer of a configuration fits int64
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout of a week; longer is a hang, not a wait
 MIN_TEMPERATURE = 1e-5  # smallest sampling temperature above 0: logits / T stays finite in fp32
 MAX_PORT = 65_535
+
+# ---- serving ------------------------------------------------------------------------------------
+MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)
+MAX_KV_CACHE_GIB = 2.0**20  # `tessera serve --kv-cache-gib` (a PiB; a GPU holds ~0.1 TiB)
