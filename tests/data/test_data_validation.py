@@ -65,3 +65,21 @@ def test_training_on_a_corrupt_dataset_fails_before_step_1(tmp_path, capsys):
     assert err.startswith("tessera train: error: ") and err.count("\n") == 1, err
     assert f"{prefix}.bin: token id 60000 at token offset {bad_offset}" in err and "Traceback" not in err
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_both_stop_on_rank_0s_scan(tmp_path, capfd):
+    prefix = build_small_dataset(tmp_path)
+    bad_offset = IndexedDataset(prefix).num_tokens - 5
+    with open(prefix + ".bin", "r+b") as f:
+        f.seek(2 * bad_offset)
+        f.write(np.array([60000], dtype="<u2").tobytes())
+    run = tmp_path / "run"
+    overrides = shrink(prefix, run, 2, **{"parallel.dp_shard": 2})
+    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert f"[rank 0] {prefix}.bin: token id 60000 at token offset {bad_offset}" in err
+    assert f"[rank 1] on rank 0: {prefix}.bin: token id 60000" in err  # rank 1 did not scan; it was told
+    assert not (run / "metrics.jsonl").exists()
