@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ import yaml
 from tessera.config.errors import ConfigError
 from tessera.config.limits import (
     MAX_BATCH_SAMPLES,
-    MAX_CONFIG_BYTES,
     MAX_INT,
     MAX_SEED,
     MAX_TIMEOUT_S,
@@ -37,7 +37,7 @@ from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
-from tessera.config.yaml_text import load_yaml
+from tessera.config.yaml_text import read_config_file
 
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -181,30 +181,6 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     return config_from_dict(apply_overrides(raw, list(overrides or [])))
 
 
-def read_config_file(path: Path) -> Any:
-    """The YAML document of a config file, read strictly (`tessera.config.yaml_text`): a missing,
-    unreadable, oversized, non-UTF-8 or malformed file is a `ConfigError` naming it."""
-    where = f"config file {str(path)!r}"
-    if not path.is_file():
-        raise ConfigError(f"{where} does not exist")
-    try:
-        size = path.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{where} is {size:,} bytes; a config file may hold at most {MAX_CONFIG_BYTES:,}")
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from e
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where} is not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); "
-                          "save it as UTF-8") from None
-    try:
-        return load_yaml(text, where)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from e
-
-
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested plain data (as read from YAML)."""
     raw = dict(raw)
@@ -270,7 +246,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.global_batch_size * t.seq_len <= MAX_TOKENS_PER_STEP, "train.global_batch_size", t.global_batch_size,
          f"times train.seq_len={t.seq_len} must be at most {MAX_TOKENS_PER_STEP:,} tokens per step")
     need(t.dtype in DTYPES, "train.dtype", t.dtype, f"one of {', '.join(DTYPES)}")
-    need(t.device == "auto" or t.device == "cpu" or t.device.split(":")[0] == "cuda", "train.device",
+    need(re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", t.device) is not None, "train.device",
          t.device, "one of auto, cpu, cuda, cuda:N")
     need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")

@@ -9,17 +9,20 @@ these with a `ConfigError` naming the source, before any value is built:
 - a key written twice in one mapping (merge keys `<<: *base` may still be overridden);
 - more than `MAX_YAML_NODES` values once every alias is expanded, or nesting deeper than
   `MAX_YAML_DEPTH`, or an alias inside its own anchor.
+
+`read_config_file` also refuses a file that is not UTF-8 or is larger than `MAX_CONFIG_BYTES`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from tessera.config.errors import ConfigError
-from tessera.config.limits import MAX_YAML_DEPTH, MAX_YAML_NODES
+from tessera.config.limits import MAX_CONFIG_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -83,6 +86,30 @@ def load_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: {e}") from None
     finally:
         loader.dispose()
+
+
+def read_config_file(path: Path) -> Any:
+    """The YAML document of a config file, read strictly (`load_yaml`): a missing, unreadable,
+    oversized (past `MAX_CONFIG_BYTES`), non-UTF-8 or malformed file is a `ConfigError` naming it."""
+    where = f"config file {str(path)!r}"
+    if not path.is_file():
+        raise ConfigError(f"{where} does not exist")
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{where} is {size:,} bytes; a config file may hold at most {MAX_CONFIG_BYTES:,}")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from e
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); "
+                          "save it as UTF-8") from None
+    try:
+        return load_yaml(text, where)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from e
 
 
 def _expanded_size(node: Node, sizes: dict[int, int], open_nodes: set[int], depth: int, source: str) -> int:

@@ -129,6 +129,7 @@ def test_oversized_and_unreadable_files(tmp_path, capsys):
     ("train.memory_budget_gib=.inf", r"train.memory_budget_gib=inf is invalid: must be a finite number"),
     ("data.datasets=[{path: a, weight: .inf}]", r"data.datasets\[0\].weight=inf is invalid: must be a finite"),
     ("train.steps=99999999999999999999999", r"train.steps=99999999999999999999999 is invalid: integers must fit"),
+    ("train.device=cuda:abc", r"train.device='cuda:abc' is invalid: one of auto, cpu, cuda, cuda:N"),
     ("model=[]", r"model must be a section \(preset: NAME and/or fields\), got list \[\]"),
     ("model.rope_scaling={rope_type: linear, factor: .inf}", r"model.rope_scaling.factor=inf is invalid"),
     ("model.rope_scaling={rope_type: linear, factor: true}", r"model.rope_scaling.factor=True is invalid"),
