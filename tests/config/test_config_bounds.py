@@ -193,3 +193,40 @@ def test_override_values_use_the_strict_reader():
     assert parse_override("a.b=[unclosed") == (["a", "b"], "[unclosed")  # not YAML: stays text
     with pytest.raises(ConfigError, match="override a.b: key 'x' appears twice"):
         parse_override("a.b={x: 1, x: 2}")
+
+
+GARBAGE = [-1, 0, float("nan"), float("inf"), -float("inf"), 1e300, 2**70, -(2**70), [], {}, "x", True, None, [1, 2]]
+
+
+def _section_fields() -> list[tuple[str, str]]:
+    import dataclasses
+
+    from tessera.config.model import MLAConfig, ModelConfig, MoEConfig
+    from tessera.config.schema import RunConfig
+
+    run = RunConfig()
+    out = [(section, f.name) for section in ("train", "optim", "data", "checkpoint", "parallel", "log")
+           for f in dataclasses.fields(getattr(run, section))]
+    out += [("model", f.name) for f in dataclasses.fields(ModelConfig)]
+    out += [(f"model.{sub}", f.name) for sub, cls in (("moe", MoEConfig), ("mla", MLAConfig))
+            for f in dataclasses.fields(cls)]
+    return out
+
+
+def test_every_field_refuses_garbage_with_a_config_error():
+    """No value of any field ends in anything but a ConfigError (or a valid config)."""
+    for section, name in _section_fields():
+        for value in GARBAGE:
+            raw: dict = {"model": {"preset": "tiny-deepseek"}}
+            if section == "model":
+                raw["model"][name] = value
+            elif section.startswith("model."):
+                raw["model"][section.split(".")[1]] = {name: value}
+            else:
+                raw[section] = {name: value}
+            try:
+                config_from_dict(raw)
+            except ConfigError:
+                pass
+            except Exception as e:  # noqa: BLE001 - the assertion names it
+                raise AssertionError(f"{section}.{name}={value!r} raised {type(e).__name__}: {e}") from e
