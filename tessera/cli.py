@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.config.argument_types import OneLineArgumentParser, int_in, seed, temperature, top_k, top_p
 from tessera.config.errors import ConfigError, ParallelError, TesseraError
+from tessera.config.limits import MAX_LOCAL_RANKS, MAX_SEQ_LEN
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set train.steps=100 (repeatable; YAML values)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
                    help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section; "
                         "for several nodes use torchrun (examples/slurm.sbatch)")
 
@@ -83,8 +85,6 @@ def _train(args: argparse.Namespace) -> int:
     from tessera.config.schema import load_config
 
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
-    if args.nproc is not None and args.nproc < 1:
-        raise ConfigError(f"--nproc={args.nproc} is invalid: must be >= 1")
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None and args.nproc > 1:
         return _launch_ranks(args, cfg)
@@ -168,11 +168,12 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint",
                    help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample only within this probability mass")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=int_in(0, MAX_SEQ_LEN), default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=top_k, default=None,
+                   help="sample only among the k most likely tokens (0 = no limit)")
+    p.add_argument("--top-p", type=top_p, default=None, help="sample only within this probability mass, in (0, 1]")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer (default: the one the run was trained with, else the bundled one)")
     p.add_argument("--no-cache", action="store_true",
@@ -276,7 +277,7 @@ COMMANDS: list[Command] = [
 
 
 def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tessera",
+    parser = OneLineArgumentParser(prog="tessera",
                                      description="Train and serve dense and MoE language models.")
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

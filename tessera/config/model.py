@@ -10,10 +10,22 @@ the multi-head latent attention shapes. Named configurations live in `presets.py
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.config.errors import ConfigError
+from tessera.config.limits import (
+    MAX_DIM,
+    MAX_EXPERTS,
+    MAX_FFN_DIM,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_SINKHORN_ITERS,
+    MAX_VOCAB_SIZE,
+)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -24,6 +36,11 @@ ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
 }
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool) that is neither inf nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -148,37 +165,41 @@ class ModelConfig:
         need((self.moe is not None) == (self.family in MOE_FAMILIES), "family", self.family,
              f"MoE families ({', '.join(MOE_FAMILIES)}) need a model.moe section and the others must not have one"
              f" (model.moe is {'set' if self.moe is not None else 'unset'})")
-        for key in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
-            need(getattr(self, key) > 0, key, getattr(self, key), "must be a positive integer")
-        need(self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+        for key, top in (("vocab_size", MAX_VOCAB_SIZE), ("dim", MAX_DIM), ("n_layers", MAX_LAYERS),
+                         ("n_heads", MAX_HEADS), ("ffn_dim", MAX_FFN_DIM), ("max_seq_len", MAX_SEQ_LEN)):
+            need(0 < getattr(self, key) <= top, key, getattr(self, key), f"must be an integer in 1..{top:,}")
+        need(0 < self.n_kv_heads <= MAX_HEADS and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
              self.n_kv_heads, f"must be positive and divide n_heads={self.n_heads}")
-        need(self.head_dim > 0 and (self.mla is not None or self.head_dim % 2 == 0), "head_dim",
-             self.head_dim, "must be a positive even number (RoPE rotates pairs)")
-        need(self.norm_eps > 0, "norm_eps", self.norm_eps, "must be > 0")
-        need(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
-        need(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
-             self.sliding_window, "must be None or a positive integer")
+        need(0 < self.head_dim <= MAX_HEAD_DIM and (self.mla is not None or self.head_dim % 2 == 0), "head_dim",
+             self.head_dim, f"must be a positive even number (RoPE rotates pairs), at most {MAX_HEAD_DIM:,}")
+        for key in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, key)
+            need(_finite(value) and value > 0, key, value, "must be a finite number > 0")
+        need(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "sliding_window",
+             self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             need(kind in ROPE_SCALING_KEYS, "rope_scaling.rope_type", kind, f"one of {', '.join(ROPE_SCALING_KEYS)}")
             for key in ROPE_SCALING_KEYS[kind]:
-                need(isinstance(self.rope_scaling.get(key), (int, float)) and self.rope_scaling[key] > 0,
-                     f"rope_scaling.{key}", self.rope_scaling.get(key), f"rope_type {kind} needs a number > 0")
+                value = self.rope_scaling.get(key)
+                need(_finite(value) and value > 0, f"rope_scaling.{key}", value,
+                     f"rope_type {kind} needs a finite number > 0")
         if self.mla is not None:
             m = self.mla
-            need(m.kv_lora_rank > 0, "mla.kv_lora_rank", m.kv_lora_rank, "must be > 0")
-            need(m.q_lora_rank is None or m.q_lora_rank > 0, "mla.q_lora_rank", m.q_lora_rank,
-                 "must be None or > 0")
-            need(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim",
-                 m.qk_rope_head_dim, "must be a positive even number")
-            need(m.qk_nope_head_dim >= 0 and m.v_head_dim > 0, "mla.v_head_dim", m.v_head_dim,
-                 "must be > 0 (and qk_nope_head_dim >= 0)")
+            need(0 < m.kv_lora_rank <= MAX_DIM, "mla.kv_lora_rank", m.kv_lora_rank, f"must be in 1..{MAX_DIM:,}")
+            need(m.q_lora_rank is None or 0 < m.q_lora_rank <= MAX_DIM, "mla.q_lora_rank", m.q_lora_rank,
+                 f"must be None or in 1..{MAX_DIM:,}")
+            need(0 < m.qk_rope_head_dim <= MAX_HEAD_DIM and m.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim",
+                 m.qk_rope_head_dim, f"must be a positive even number, at most {MAX_HEAD_DIM:,}")
+            need(0 <= m.qk_nope_head_dim <= MAX_HEAD_DIM, "mla.qk_nope_head_dim", m.qk_nope_head_dim,
+                 f"must be in 0..{MAX_HEAD_DIM:,}")
+            need(0 < m.v_head_dim <= MAX_HEAD_DIM, "mla.v_head_dim", m.v_head_dim, f"must be in 1..{MAX_HEAD_DIM:,}")
         if self.moe is not None:
             e = self.moe
-            need(e.num_experts > 0, "moe.num_experts", e.num_experts, "must be > 0")
+            need(0 < e.num_experts <= MAX_EXPERTS, "moe.num_experts", e.num_experts, f"must be in 1..{MAX_EXPERTS:,}")
             need(0 < e.top_k <= e.num_experts, "moe.top_k", e.top_k,
                  f"must be in 1..num_experts={e.num_experts}")
-            need(e.ffn_dim > 0, "moe.ffn_dim", e.ffn_dim, "must be > 0")
+            need(0 < e.ffn_dim <= MAX_FFN_DIM, "moe.ffn_dim", e.ffn_dim, f"must be in 1..{MAX_FFN_DIM:,}")
             need(e.layer_freq > 0, "moe.layer_freq", e.layer_freq, "must be > 0")
             need(e.score_func in ("softmax", "sigmoid"), "moe.score_func", e.score_func,
                  "one of softmax, sigmoid")
@@ -190,15 +211,19 @@ class ModelConfig:
                  "each group needs at least 2 experts (groups are ranked by their top-2 sum)")
             need(e.n_groups == 1 or e.top_k <= e.topk_groups * e.num_experts // e.n_groups,
                  "moe.top_k", e.top_k, "must not exceed the experts of the kept groups")
-            need(e.capacity_factor is None or e.capacity_factor > 0, "moe.capacity_factor",
-                 e.capacity_factor, "must be None (dropless) or > 0")
+            need(e.capacity_factor is None or (_finite(e.capacity_factor) and e.capacity_factor > 0),
+                 "moe.capacity_factor", e.capacity_factor, "must be None (dropless) or a finite number > 0")
+            need(_finite(e.scaling_factor) and e.scaling_factor > 0, "moe.scaling_factor", e.scaling_factor,
+                 "must be a finite number > 0")
             need(e.drop_policy in ("probs", "position"), "moe.drop_policy", e.drop_policy,
                  "one of probs, position")
-            need(e.jitter_eps >= 0, "moe.jitter_eps", e.jitter_eps, "must be >= 0")
-            for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-                need(getattr(e, key) >= 0, f"moe.{key}", getattr(e, key), "must be >= 0")
-            need(e.sinkhorn_iters > 0, "moe.sinkhorn_iters", e.sinkhorn_iters, "must be > 0")
-            need(e.shared_ffn_dim >= 0, "moe.shared_ffn_dim", e.shared_ffn_dim, "must be >= 0")
+            for key in ("jitter_eps", "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+                value = getattr(e, key)
+                need(_finite(value) and value >= 0, f"moe.{key}", value, "must be a finite number >= 0")
+            need(0 < e.sinkhorn_iters <= MAX_SINKHORN_ITERS, "moe.sinkhorn_iters", e.sinkhorn_iters,
+                 f"must be in 1..{MAX_SINKHORN_ITERS:,}")
+            need(0 <= e.shared_ffn_dim <= MAX_FFN_DIM, "moe.shared_ffn_dim", e.shared_ffn_dim,
+                 f"must be in 0..{MAX_FFN_DIM:,} (0 = none)")
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

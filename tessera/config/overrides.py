@@ -13,12 +13,16 @@ from typing import Any
 import yaml
 
 from tessera.config.errors import ConfigError
+from tessera.config.yaml_text import load_yaml
 
 
-def parse_value(text: str) -> Any:
-    """A YAML scalar (or flow list/dict); text that is not valid YAML stays a string."""
+def parse_value(text: str, key: str = "value") -> Any:
+    """A YAML scalar (or flow list/dict); text that is not valid YAML stays a string.
+
+    Read as strictly as a config file (`tessera.config.yaml_text`): duplicate keys, aliases that
+    expand past the bound and over-deep nesting are a `ConfigError` naming `key`."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text, f"override {key}")
     except yaml.YAMLError:
         return text
 
@@ -30,7 +34,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} is malformed: expected KEY=VALUE with a dotted key, "
                           "e.g. train.steps=10")
-    return key.split("."), parse_value(value)
+    return key.split("."), parse_value(value, key)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

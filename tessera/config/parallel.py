@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
+from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Activation recomputation, from least memory saved to most: none; selective (the attention core of
@@ -55,16 +56,20 @@ class ParallelConfig:
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "vpp", "ep", "cp", "recompute_interval"):
             v = getattr(self, key)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"parallel.{key}={v!r} is invalid: must be an integer >= 1")
-        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
-            raise ConfigError(f"parallel.dp_shard={self.dp_shard!r} is invalid: must be >= 1 or -1 (fill)")
+            if not isinstance(v, int) or not 1 <= v <= MAX_PARALLEL_SIZE:
+                raise ConfigError(f"parallel.{key}={v!r} is invalid: must be an integer in 1..{MAX_PARALLEL_SIZE:,}")
+        if (not isinstance(self.dp_shard, int) or self.dp_shard > MAX_PARALLEL_SIZE
+                or (self.dp_shard < 1 and self.dp_shard != -1)):
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard!r} is invalid: must be in 1..{MAX_PARALLEL_SIZE:,} "
+                              "or -1 (fill)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} is invalid: one of {', '.join(PP_SCHEDULES)}")
         if self.vpp > 1 and self.pp_schedule != "interleaved_1f1b":
             raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp_schedule=interleaved_1f1b")
-        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
-            raise ConfigError(f"parallel.microbatches={self.microbatches!r} is invalid: None or an integer >= 1")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int)
+                                              or not 1 <= self.microbatches <= MAX_PARALLEL_SIZE):
+            raise ConfigError(f"parallel.microbatches={self.microbatches!r} is invalid: None or an integer in "
+                              f"1..{MAX_PARALLEL_SIZE:,}")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
         if self.ep_dispatcher not in EP_DISPATCHERS:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,10 +26,18 @@ from typing import Any
 import yaml
 
 from tessera.config.errors import ConfigError
+from tessera.config.limits import (
+    MAX_BATCH_SAMPLES,
+    MAX_INT,
+    MAX_SEED,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS_PER_STEP,
+)
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
+from tessera.config.yaml_text import read_config_file
 
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -161,12 +171,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {' '.join(str(e).split())}") from e
+        raw = read_config_file(p)
+        if raw is None:  # an empty file: every default
+            raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, "
                               f"got {type(raw).__name__}")
@@ -177,9 +184,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested plain data (as read from YAML)."""
     raw = dict(raw)
-    model_raw = raw.pop("model", None) or {}
+    model_raw = raw.pop("model", None)
+    if model_raw is None:  # `model:` left empty: the default shape
+        model_raw = {}
     if not isinstance(model_raw, dict):
-        raise ConfigError(f"model must be a section (preset: NAME and/or fields), got {model_raw!r}")
+        raise ConfigError(f"model must be a section (preset: NAME and/or fields), got "
+                          f"{type(model_raw).__name__} {model_raw!r}")
     cfg = build_dataclass(RunConfig, raw, "")
     cfg.model = build_model_config(model_raw)
     validate_run_config(cfg)
@@ -222,15 +232,21 @@ def validate_run_config(cfg: RunConfig) -> None:
 
     need(bool(cfg.run_dir), "run_dir", cfg.run_dir, "must be a non-empty path")
     need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    need(0 <= t.seed <= MAX_SEED, "train.seed", t.seed, f"must be in 0..{MAX_SEED}")
     need(t.seq_len >= 1, "train.seq_len", t.seq_len, "must be >= 1")
     need(t.seq_len <= cfg.model.max_seq_len, "train.seq_len", t.seq_len,
          f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1")
-    need(t.global_batch_size >= 1 and t.global_batch_size % t.micro_batch_size == 0,
+    need(1 <= t.micro_batch_size <= MAX_BATCH_SAMPLES, "train.micro_batch_size", t.micro_batch_size,
+         f"must be in 1..{MAX_BATCH_SAMPLES:,} samples")
+    need(1 <= t.global_batch_size <= MAX_BATCH_SAMPLES, "train.global_batch_size", t.global_batch_size,
+         f"must be in 1..{MAX_BATCH_SAMPLES:,} samples")
+    need(t.global_batch_size % t.micro_batch_size == 0,
          "train.global_batch_size", t.global_batch_size,
          f"must be a positive multiple of train.micro_batch_size={t.micro_batch_size}")
+    need(t.global_batch_size * t.seq_len <= MAX_TOKENS_PER_STEP, "train.global_batch_size", t.global_batch_size,
+         f"times train.seq_len={t.seq_len} must be at most {MAX_TOKENS_PER_STEP:,} tokens per step")
     need(t.dtype in DTYPES, "train.dtype", t.dtype, f"one of {', '.join(DTYPES)}")
-    need(t.device == "auto" or t.device == "cpu" or t.device.split(":")[0] == "cuda", "train.device",
+    need(re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", t.device) is not None, "train.device",
          t.device, "one of auto, cpu, cuda, cuda:N")
     need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
@@ -238,7 +254,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     need(t.memory_budget_gib is None or t.memory_budget_gib > 0, "train.memory_budget_gib", t.memory_budget_gib,
          "must be null (the GPU's memory) or > 0 GiB")
-    need(t.collective_timeout_s > 0, "train.collective_timeout_s", t.collective_timeout_s, "must be > 0 (seconds)")
+    need(0 < t.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s", t.collective_timeout_s,
+         f"must be in (0, {MAX_TIMEOUT_S:.0f}] seconds")
     need(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     need(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
     need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
@@ -287,6 +304,10 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{where} is invalid: {e}") from e
 
 
+class _WrongType(ConfigError):
+    """A value whose type does not match its field (the next member of a union may still fit)."""
+
+
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
@@ -310,40 +331,47 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, key)
-            except ConfigError:
+            except _WrongType:  # try the next type; a value of the right type but out of range is final
                 continue
         expected = " or ".join(map(_type_name, args))
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected {expected}")
+        raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value if value is not None else {}, key + ".")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
+            raise _WrongType(f"{key}={value!r} has the wrong type: expected a list")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
     if origin is tuple:
         fixed = bool(args) and args[-1] is not Ellipsis
         if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
-            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list of {len(args)} values")
+            raise _WrongType(f"{key}={value!r} has the wrong type: expected a list of {len(args)} values")
         elem = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args)
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, elem)))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping")
+            raise _WrongType(f"{key}={value!r} has the wrong type: expected a mapping")
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{key}={value!r} is invalid: integers must fit 64 bits (|value| <= {MAX_INT})")
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            number = float(value) if abs(value) <= 1e308 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # .inf and .nan pass every `> 0` check below them
+                raise ConfigError(f"{key}={value!r} is invalid: must be a finite number")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -351,7 +379,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    raise _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 
 def _plain(obj: Any) -> Any:

@@ -17,6 +17,8 @@ Both files are read with `np.memmap`, so opening a dataset of any size costs not
 operating system pages tokens in as samples touch them. Opening validates both files against
 each other: a missing file, a foreign file, or a `.bin` whose size does not match the index (a
 truncated copy, say) raises `DataError` naming the file and the expected and actual sizes.
+`check_token_ids(vocab_size)` scans the ids themselves (the trainer calls it on every dataset
+before the first step).
 
 The writer streams tokens to temporary files next to the targets and renames them into place
 only when done (`.bin` first, `.idx` last), so an interrupted run never damages an existing
@@ -40,6 +42,7 @@ VERSION = 1
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, dtype code, number of documents
 DTYPE_CODES: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32)}
 _CODE_OF = {dtype: code for code, dtype in DTYPE_CODES.items()}
+CHECK_CHUNK_TOKENS = 1 << 24  # ids scanned at a time by `check_token_ids` (32-64 MiB of memory)
 
 
 def index_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -189,6 +192,31 @@ class IndexedDataset:
         if num_tokens == 0:
             return np.empty(0, dtype=self.dtype)
         return np.memmap(path, dtype=self.dtype.newbyteorder("<"), mode="r", shape=(num_tokens,))
+
+    def check_token_ids(self, vocab_size: int, chunk_tokens: int = CHECK_CHUNK_TOKENS) -> None:
+        """Refuse the dataset if any token id is outside `0..vocab_size - 1`, before training starts.
+
+        A `.bin` damaged on disk, or written with a larger tokenizer than the model's, would
+        otherwise fail as an index error in the embedding whenever a sample first touches the bad
+        id, possibly hours in. The scan is a vectorised max over memory-mapped chunks (one pass
+        over the file at disk speed, `chunk_tokens` ids in memory at a time) and is skipped when
+        the file's dtype cannot hold an id that large. Raises `DataError` naming the file, the
+        first bad id and its token and byte offsets."""
+        if vocab_size < 1:
+            raise DataError(f"{self.bin_path}: cannot check token ids against a vocabulary of {vocab_size}")
+        if vocab_size > np.iinfo(self.dtype).max:
+            return  # every value of the file's dtype is a valid id
+        for start in range(0, self.num_tokens, chunk_tokens):
+            chunk = self.tokens[start:start + chunk_tokens]
+            if int(chunk.max()) < vocab_size:
+                continue
+            offset = start + int(np.argmax(chunk >= vocab_size))
+            document = int(np.searchsorted(self.offsets, offset, side="right")) - 1
+            raise DataError(
+                f"{self.bin_path}: token id {int(self.tokens[offset])} at token offset {offset} (byte "
+                f"{offset * self.dtype.itemsize}, document {document}) is outside the model's vocabulary "
+                f"(allowed 0..{vocab_size - 1}): the file is corrupt or was made with a larger tokenizer; "
+                "rebuild it with `tessera preprocess` and the model's tokenizer")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

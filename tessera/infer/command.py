@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from tessera.config.argument_types import int_in, port, positive_float, seed
 from tessera.config.errors import TesseraError
+from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -22,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("model_dir", help="HuggingFace model directory, pre-quantized directory or Tessera checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="port to bind, 0..65535 (0: any free one)")
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
                         "(default: $TESSERA_API_KEY; an empty key is refused)")
@@ -38,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--num-blocks", type=int_in(1, MAX_KV_BLOCKS), default=None,
+                   help="KV-cache blocks (default: from --kv-cache-gib)")
+    p.add_argument("--kv-cache-gib", type=positive_float(MAX_KV_CACHE_GIB), default=1.0)
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8"], help="store keys/values as int8")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
@@ -61,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules-dir", action="append", default=[], metavar="DIR",
                    help="directory that runtime-loaded adapters must lie in, after resolving symlinks; a "
                         "relative lora_path is looked up inside it (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -5,7 +5,8 @@ With `data.datasets` empty the bundled corpus is used: the Python standard libra
 tokenized with the bundled tokenizer, prepared once under `data.cache_dir` (default
 $TESSERA_CACHE, else ~/.cache/tessera) and reused by every later run. Several datasets are
 blended by weight. Every dataset is packed into samples of `seq_len + 1` tokens and split by
-`data.valid_fraction` into training and validation samples.
+`data.valid_fraction` into training and validation samples. Its token ids are checked against
+`model.vocab_size` when it is opened, so a corrupt file fails before step 1, not hours in.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ class TrainingData:
         return eval_batches(self.valid, self.global_batch_size, max_batches)
 
 
+def _scans_token_ids() -> bool:
+    """Whether this process scans the datasets' token ids: one process, or global rank 0 of several.
+
+    The trainer builds the data on rank 0 first and stops every rank if that fails, so one scan
+    suffices; every rank scanning would read a dataset larger than memory once per rank."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def _blend(parts: list[SampleDataset], weights: list[float], seed: int) -> SampleDataset:
     return parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, seed=seed)
 
@@ -67,6 +78,9 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
         weights = [1.0]
     train_parts = [PackedDataset(p, t.seq_len, split="train", valid_fraction=d.valid_fraction)
                    for p in prefixes]
+    if _scans_token_ids():
+        for part in train_parts:  # every id of the file (both splits), before the first step
+            part.tokens.check_token_ids(cfg.model.vocab_size)
     if d.kind == "sft":
         for p, part in zip(prefixes, train_parts):
             if part.loss_mask is None:
