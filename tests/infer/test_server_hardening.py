@@ -217,7 +217,6 @@ def test_api_key_guards_metrics_and_may_not_be_empty(llama):
 @pytest.mark.parametrize("argv, fragment", [
     (["--api-key", ""], "--api-key is empty"),
     (["--api-key", "  "], "--api-key is empty"),
-    (["--port", "-1"], "--port -1"),
     (["--max-request-bytes", "0"], "--max-request-bytes"),
     (["--allow-runtime-lora"], "--lora-modules-dir"),
     (["--allowed-hosts", ","], "--allowed-hosts"),
