@@ -2,8 +2,9 @@
 
 A step asks the scheduler which sequences run and how many tokens each (continuous batching with
 chunked prefill and a token budget), lets the speculative proposer guess tokens for the decoding
-ones, runs the target model once over the packed batch on the paged KV cache, then samples (or
-verifies the guesses), applies the stop rules and returns each request's new tokens and text.
+ones, runs the target model once over the packed batch on the paged KV cache, masks the logits of
+requests under a JSON schema (`structured_output`; these decode without speculation), then samples
+(or verifies the guesses), applies the stop rules and returns each request's new tokens and text.
 Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
 fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
 The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it

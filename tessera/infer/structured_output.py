@@ -141,43 +141,46 @@ class GrammarCompiler:
 
     def _ll_tokenizer(self):
         llg = _llguidance()
-        if self._lltokenizer is None:
-            if self.tokenizer is None:
-                raise GrammarError("response_format needs a tokenizer; this model directory has none")
-            backend = self.tokenizer.backend
-            n = max(self.vocab_size, self.tokenizer.vocab_size)
-            eos = self.eos_ids or None
-            try:
-                self._lltokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos)
-            except ValueError:  # a decoder llguidance does not know: give it every token's bytes
-                wrapper = _TokenBytes(backend, n, self.eos_ids[0] if self.eos_ids else None)
-                self._lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=n, eos_token=eos)
-        return self._lltokenizer
+        with self._lock:
+            if self._lltokenizer is None:
+                if self.tokenizer is None:
+                    raise GrammarError("response_format needs a tokenizer; this model directory has none")
+                backend = self.tokenizer.backend
+                n = max(self.vocab_size, self.tokenizer.vocab_size)
+                eos = self.eos_ids or None
+                try:
+                    self._lltokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=n, eos_token=eos)
+                except ValueError:  # a decoder llguidance does not know: give it every token's bytes
+                    wrapper = _TokenBytes(backend, n, self.eos_ids[0] if self.eos_ids else None)
+                    self._lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=n, eos_token=eos)
+            return self._lltokenizer
 
     def matcher(self, response_format: dict | None) -> GrammarMatcher | None:
         """A fresh matcher for the request (None for free text); GrammarError naming the problem
-        when the schema does not compile."""
+        when the schema does not compile. Compiling holds no lock (llguidance releases the GIL
+        meanwhile), so a large schema being checked in a worker thread never stalls the engine."""
         schema = schema_of(response_format)
         if schema is None:
             return None
+        llg = _llguidance()
+        tokenizer = self._ll_tokenizer()
         key = json.dumps(schema, sort_keys=True)
         with self._lock:
-            llg = _llguidance()
-            tokenizer = self._ll_tokenizer()
             prototype = self._cache.get(key)
-            if prototype is None:
-                try:
-                    grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-                except ValueError as e:
-                    raise _invalid(response_format, f"json_schema.schema: {str(e)[:300]}") from e
-                prototype = llg.LLMatcher(tokenizer, grammar, log_level=0,
-                                          limits=llg.LLParserLimits(verbose_errors=False))
-                if prototype.is_error():
-                    raise _invalid(response_format, f"the schema cannot be compiled: {prototype.get_error()[:300]}")
-                self._cache[key] = prototype
-                while len(self._cache) > _CACHED_GRAMMARS:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
+            if prototype is not None:
+                self._cache.move_to_end(key)
+                return GrammarMatcher(prototype.deep_copy())
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise _invalid(response_format, f"json_schema.schema: {str(e)[:300]}") from e
+        prototype = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=llg.LLParserLimits(verbose_errors=False))
+        if prototype.is_error():
+            raise _invalid(response_format, f"the schema cannot be compiled: {prototype.get_error()[:300]}")
+        with self._lock:
+            self._cache[key] = prototype
+            while len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
             return GrammarMatcher(prototype.deep_copy())
 
     def mask_logits(self, logits_TV: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:

@@ -216,3 +216,14 @@ def test_invalid_response_format_gets_400_naming_the_problem(server, response_fo
         assert fragment in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert server.wait_idle()
+
+
+def test_missing_library_or_tokenizer_is_named(monkeypatch):
+    from tessera.infer.structured_output import GrammarCompiler, GrammarError
+
+    with pytest.raises(GrammarError, match="needs a tokenizer"):
+        GrammarCompiler(None, 128, frozenset({1})).matcher({"type": "json_object"})
+    assert GrammarCompiler(None, 128, frozenset()).matcher({"type": "text"}) is None  # free text needs neither
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)
+    with pytest.raises(GrammarError, match=r"pip install 'tessera\[structured\]'"):
+        GrammarCompiler(None, 128, frozenset({1})).matcher({"type": "json_object"})
