@@ -1,5 +1,6 @@
 """Layer 7: serving. A paged-KV-cache engine with continuous batching, prefix reuse, speculative
-decoding, LoRA and int8, an offline `LLM` front end and an OpenAI-compatible HTTP server.
+decoding, LoRA, int8 and JSON-schema constrained output, an offline `LLM` front end and an
+OpenAI-compatible HTTP server.
 
     from tessera.infer import LLM, SamplingParams
 

@@ -2,8 +2,9 @@
 
 A step asks the scheduler which sequences run and how many tokens each (continuous batching with
 chunked prefill and a token budget), lets the speculative proposer guess tokens for the decoding
-ones, runs the target model once over the packed batch on the paged KV cache, then samples (or
-verifies the guesses), applies the stop rules and returns each request's new tokens and text.
+ones, runs the target model once over the packed batch on the paged KV cache, masks the logits of
+requests under a JSON schema (`structured_output`; these decode without speculation), then samples
+(or verifies the guesses), applies the stop rules and returns each request's new tokens and text.
 Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
 fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
 The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it
@@ -36,6 +37,7 @@ from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
+from tessera.infer.structured_output import GrammarCompiler
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -83,6 +85,7 @@ class LLMEngine:
                 raise ConfigError("speculative.method='draft' needs a draft model")
             self.proposer = DraftModelProposer(draft_model.eval(), self.cfg.vocab_size, spec.num_tokens, num_blocks,
                                                bs, self.dtype, self.device)
+        self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self.metrics = EngineMetrics()
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -141,6 +144,7 @@ class LLMEngine:
             raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+        self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
                     request_id: str | None = None) -> str:
@@ -158,7 +162,8 @@ class LLMEngine:
             generator = make_generator(params.seed if params.seed is not None else self._rng.randrange(2**63))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
-                       adapter_key=self.lora.adapters[adapter].key if adapter else b"", stop_ids=frozenset(stop_ids))
+                       adapter_key=self.lora.adapters[adapter].key if adapter else b"", stop_ids=frozenset(stop_ids),
+                       grammar=self.grammars.matcher(params.response_format))
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self.metrics.prompt_tokens += len(prompt_ids)
@@ -234,7 +239,8 @@ class LLMEngine:
             return outputs
         self.metrics.steps += 1
         proposals: dict[str, Proposal] = {}
-        spec = [s.seq for s in plan.scheduled if s.speculate]
+        # a request with a grammar decodes one token per step: its proposals would go unmasked
+        spec = [s.seq for s in plan.scheduled if s.speculate and s.seq.grammar is None]
         if spec and self.proposer is not None:
             props = self.proposer.propose(spec, [self._draft_limit(s) for s in spec])
             proposals = {s.request_id: p for s, p in zip(spec, props) if p.tokens}
@@ -248,6 +254,7 @@ class LLMEngine:
             items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
         logits = self.runner.forward(items)
         finite = self._finite_sampled_rows(logits, plan.scheduled, items)
+        self._apply_grammars(logits, plan.scheduled, items)
         offset = 0
         for s, item in zip(plan.scheduled, items):
             seq, rows = s.seq, len(item.tokens)
@@ -259,6 +266,8 @@ class LLMEngine:
                     if not finite[seq.request_id]:
                         raise FloatingPointError("the model produced inf/NaN logits for this request")
                     new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                    if seq.grammar is not None:
+                        seq.grammar.advance(new)
                 except Exception as e:  # this request's numbers went wrong: it alone fails
                     outputs.append(self._fail_alone(seq, e))
                     offset += rows
@@ -296,6 +305,17 @@ class LLMEngine:
             out[owner] = out.get(owner, True) and ok
         return out
 
+    def _apply_grammars(self, logits_TV: torch.Tensor, scheduled: list, items: list[BatchItem]) -> None:
+        """Mask, on the device, the logits row that each sequence with a grammar samples from this
+        step (after the finiteness check, which the -inf of the mask would fail)."""
+        rows, grammars, offset = [], [], 0
+        for s, item in zip(scheduled, items):
+            if s.completes and s.seq.grammar is not None:
+                rows.append(offset + s.num_tokens - 1)
+                grammars.append(s.seq.grammar)
+            offset += len(item.tokens)
+        self.grammars.mask_logits(logits_TV, rows, grammars)
+
     def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
         """Finish one request whose numbers went wrong, leaving the rest of the batch running.
         The KV blocks only it holds are zeroed first (a stale inf/NaN slot would poison the next
@@ -326,7 +346,7 @@ class LLMEngine:
             appended.append(tok)
             if tok in seq.stop_ids:
                 reason = "stop"
-            elif detok.add(tok):
+            elif detok.add(tok) or (seq.grammar is not None and seq.grammar.finished):
                 reason = "stop"
             elif len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"

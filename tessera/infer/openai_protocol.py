@@ -4,7 +4,8 @@ Requests are plain JSON dicts, checked field by field so that a bad value gets a
 field (instead of a validation dump). Supported: `model`, `prompt` (string, list of strings, list
 of token ids, or list of such lists), `messages` (chat), `max_tokens` / `max_completion_tokens`,
 `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `stream`,
-`stream_options.include_usage`, `n` (only 1), `user` (ignored).
+`stream_options.include_usage`, `n` (only 1), `user` (ignored), `response_format` (`text`,
+`json_object`, `json_schema`: see `structured_output`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
                               top_p=float(_field(body, "top_p", _NUMBER, 1.0)), top_k=_field(body, "top_k", int, 0),
                               seed=_field(body, "seed", int, None), stop=stop, stop_token_ids=stop_ids,
                               ignore_eos=_field(body, "ignore_eos", bool, False),
-                              skip_special_tokens=_field(body, "skip_special_tokens", bool, True))
+                              skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
+                              response_format=_field(body, "response_format", dict, None))
     except ConfigError as e:
         raise ProtocolError(str(e), param=str(e).split("=")[0]) from e
 

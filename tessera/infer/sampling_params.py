@@ -6,6 +6,7 @@ import reprlib
 from dataclasses import dataclass, field
 
 from tessera.config.errors import ConfigError
+from tessera.infer.structured_output import schema_of
 
 # Below this a temperature is a request for greedy decoding that would instead divide the logits
 # by (nearly) zero: in fp32 1e-300 is 0 and logits / 0 are inf/NaN. 0 means greedy.
@@ -32,6 +33,9 @@ class SamplingParams:
     whatever else is in the batch.
     Generation stops at `max_tokens`, at an end-of-sequence token (unless `ignore_eos`), at any of
     `stop_token_ids`, or when the text contains one of `stop` (the stop string is cut off).
+    `response_format` constrains the output to JSON as in the OpenAI API: `{"type": "json_object"}`
+    or `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (see
+    `structured_output`); the request then also stops when the document is complete.
     """
 
     max_tokens: int = 16
@@ -43,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +72,7 @@ class SamplingParams:
         for ok, key, value, allowed in checks:
             if not ok:
                 raise ConfigError(f"{key}={brief(value)} is invalid: {allowed}")
+        schema_of(self.response_format)  # its shape; the schema itself compiles when the request is admitted
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 
 from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.structured_output import GrammarMatcher
 
 
 class SequenceStatus(Enum):
@@ -56,6 +57,7 @@ class Sequence:
     num_preemptions: int = 0
     pin_prefix: bool = False  # a system prompt: its full blocks stay cached for good
     stop_ids: frozenset[int] = frozenset()
+    grammar: GrammarMatcher | None = None  # structured output: what the next token may be
 
     def __post_init__(self) -> None:
         if not self.token_ids:
