@@ -36,6 +36,7 @@ from tessera.parallel import (
     token_dim,
     token_loss_sum,
 )
+from tessera.parallel.compile import resolve_compile
 from tessera.parallel.dims import ParallelDims
 from tessera.train.loss import IGNORE_INDEX
 from tessera.train.parallel_step import padded_batch, rank_rows, step_result
@@ -62,7 +63,8 @@ class PipelineStep:
 
         def stage(m: nn.Module) -> nn.Module:
             return parallelize(m, dims, pcfg, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                               expert_dispatcher="alltoall", device_type=device.type)
+                               expert_dispatcher="alltoall", device_type=device.type,
+                               compile_blocks=resolve_compile(t.compile, device))
 
         self.run = build_pipeline(model, dims, pcfg, self.microbatches, loss_fn=self._loss,
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,

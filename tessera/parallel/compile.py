@@ -1,0 +1,55 @@
+"""`train.compile`: each transformer block compiled with torch.compile, as torchtitan does.
+
+One compiled region per block (not one for the whole model): every block has the same code and
+shapes, so the first block's graph is reused by the others, compile time stays that of one block,
+and the per-block seams the other parallelisms use stay where they are. The step runs in
+`parallelize`'s fixed order after tensor/sequence, expert and context parallelism and activation
+checkpointing, and before FSDP (DESIGN.md), and in the one-process trainer on the plain model.
+
+What is compiled is the block's `forward` (like activation checkpointing, which replaces the same
+attribute): module hooks stay outside the compiled region, so FSDP2's all-gather / reduce-scatter
+hooks registered on the block afterwards run eagerly around it, and a checkpointed forward is
+compiled with its recomputation. Parameter names do not change (no `_orig_mod.` wrapper), so
+checkpoints and HF adapters see the same model.
+
+Dense blocks compile with `fullgraph=True` (no graph break; a break is an error, not a silent
+slow path). An MoE block compiles only its attention half: its MoE layer does not trace as one
+graph today, because
+  - routing counts use `torch.bincount` (`tessera.models.moe.losses.tokens_per_expert`, called by
+    the router, and `LocalDispatcher.dispatch`), whose output shape depends on the data: a graph
+    break at each call;
+  - the fake-tensor (meta) rule of `torch._grouped_mm` accepts only bf16 inputs, so an fp32 MoE
+    layer (the CPU default) fails to trace at all, although the eager CPU kernel takes fp32.
+The routing, dispatch and grouped expert GEMMs therefore run eagerly, between compiled regions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["compile_blocks", "resolve_compile"]
+
+
+def resolve_compile(setting: bool | None, device: torch.device) -> bool:
+    """`train.compile` as run on `device`: None means on for CUDA, off for CPU."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def _compile_forward(module: nn.Module, fullgraph: bool) -> None:
+    module.forward = torch.compile(module.forward, fullgraph=fullgraph)
+    module.compiled = True  # visible to tests and to whoever prints the model
+
+
+def compile_blocks(model: nn.Module) -> list[str]:
+    """Compile every transformer block of `model` (a whole model or a pipeline stage) in place;
+    returns the names of the compiled modules."""
+    compiled: list[str] = []
+    for key, block in model.layers.items():
+        if hasattr(block, "moe"):
+            _compile_forward(block.attention, fullgraph=True)
+            compiled.append(f"layers.{key}.attention")
+        else:
+            _compile_forward(block, fullgraph=True)
+            compiled.append(f"layers.{key}")
+    return compiled
