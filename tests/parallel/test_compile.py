@@ -26,6 +26,7 @@ from tessera.parallel.testing import run_ranks
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
 from tests.train.runs import ROOT, TINY_DENSE
 
+
 def _block_inputs(model: Transformer, batch: int = 2, seq: int = 16):
     x = torch.randn(batch, seq, model.cfg.dim, generator=torch.Generator().manual_seed(1))
     positions = torch.arange(seq).expand(batch, seq)
