@@ -14,6 +14,7 @@ from torch import nn
 from tessera.config import ConfigError
 from tessera.config.schema import load_config
 from tessera.models import Transformer
+from tessera.plan import precisions_for_train_dtype
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.trainer import Trainer
@@ -106,6 +107,11 @@ def test_fp16_training_follows_fp32(small_dataset, tmp_path, config, shrink_fn):
     assert len(losses["fp16"]) == 5
     for got, want in zip(losses["fp16"], losses["fp32"], strict=True):
         assert abs(got - want) <= 1e-3 * want, (losses["fp16"], losses["fp32"])  # fp16: 10 mantissa bits
+
+
+def test_memory_planner_counts_fp16_like_bf16():
+    """The start-up memory check plans fp16 runs too: the same 2-byte compute copies as bf16."""
+    assert precisions_for_train_dtype("fp16") == precisions_for_train_dtype("bf16")
 
 
 def test_fp8_is_refused_with_what_it_needs(tmp_path):
