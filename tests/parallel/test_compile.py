@@ -104,16 +104,29 @@ def test_compiled_model_equals_eager_with_activation_checkpointing(preset, recom
         torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+_eager_references: dict = {}
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_compiled_blocks_under_fsdp_train_like_eager(small_dataset, tmp_path):
-    """Compile composes with FSDP2: two ranks (dp_shard=2), each block compiled before fully_shard,
-    log the losses of the eager one-process run within 1e-5."""
+@pytest.mark.parametrize("model,parallel", [
+    ("dense", {"parallel.dp_shard": 2}),
+    ("dense", {"parallel.dp_shard": 2, "parallel.recompute": "full"}),
+    ("dense", {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}),
+    ("dense", {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"}),
+    ("moe", {"parallel.ep": 2, "parallel.dp_shard": 2}),
+], ids=["fsdp2", "fsdp2-recompute", "tp2-sp", "pp2-1f1b", "ep2-fsdp2"])
+def test_compiled_blocks_under_a_layout_train_like_eager(small_dataset, tmp_path_factory, model, parallel):
+    """Compile composes with the other parallelisms: two ranks with every block compiled (after
+    TP/EP/recompute, before FSDP; on each pipeline stage) log the eager one-process losses."""
     steps = 2
-    ref = train_one_process("dense", overrides_for("dense", small_dataset, tmp_path / "one", steps))
-    overrides = overrides_for("dense", small_dataset, tmp_path / "two", steps,
-                              **{"parallel.dp_shard": 2, "train.compile": True})
-    got = run_ranks(train_on_ranks, 2, "dense", overrides, timeout=300)
+    if model not in _eager_references:
+        run_dir = tmp_path_factory.mktemp("eager")
+        _eager_references[model] = train_one_process(model, overrides_for(model, small_dataset, run_dir, steps))
+    ref = _eager_references[model]
+    overrides = overrides_for(model, small_dataset, tmp_path_factory.mktemp("compiled"), steps,
+                              **{**parallel, "train.compile": True})
+    got = run_ranks(train_on_ranks, 2, model, overrides, timeout=600)
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         assert abs(r["loss"] - w["loss"]) <= 1e-5 * w["loss"], (r, w)
 

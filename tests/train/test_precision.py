@@ -93,6 +93,16 @@ def test_trainer_skips_the_overflowing_step_and_backs_off(small_dataset, tmp_pat
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
+def test_loss_scale_is_checkpointed_and_resumed(small_dataset, tmp_path):
+    overrides = shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16", "checkpoint.interval": 1})
+    trainer = Trainer(load_config(TINY_DENSE, overrides))
+    trainer.loss_scaler.scale, trainer.loss_scaler.good_steps = 512.0, 7
+    trainer.train_step()
+    trainer.save()
+    resumed = Trainer(load_config(TINY_DENSE, overrides), resume=True)
+    assert (resumed.loss_scaler.scale, resumed.loss_scaler.good_steps) == (512.0, 8)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config,shrink_fn", [(TINY_DENSE, shrink), (TINY_MOE, moe_shrink)], ids=["dense", "moe"])
 def test_fp16_training_follows_fp32(small_dataset, tmp_path, config, shrink_fn):
@@ -122,3 +132,20 @@ def test_fp8_is_refused_with_what_it_needs(tmp_path):
     check_fp8(False, torch.device("cpu"))
     assert autocast_dtype("fp16") == torch.float16 and autocast_dtype("bf16") == torch.bfloat16
     assert autocast_dtype("fp32") is None
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
+    """Loss scaling on sharded gradients: two FSDP ranks (fp16 compute copies, fp32 reduction) log
+    the one-process fp16 losses within the bf16 contract's 5e-3, with the same scale."""
+    from tessera.parallel.testing import run_ranks
+    from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
+
+    fp16 = {"train.dtype": "fp16"}
+    ref = train_one_process("dense", overrides_for("dense", small_dataset, tmp_path / "one", 3, **fp16))
+    got = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, tmp_path / "two", 3,
+                                                              **fp16, **{"parallel.dp_shard": 2}), timeout=300)
+    for r, w in zip(got[0]["records"], ref["records"], strict=True):
+        assert abs(r["loss"] - w["loss"]) <= 5e-3 * w["loss"], (r, w)
+        assert r["loss_scale"] == w["loss_scale"] and "skipped_step" not in r
