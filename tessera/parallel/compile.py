@@ -22,6 +22,13 @@ graph today, because
   - the fake-tensor (meta) rule of `torch._grouped_mm` accepts only bf16 inputs, so an fp32 MoE
     layer (the CPU default) fails to trace at all, although the eager CPU kernel takes fp32.
 The routing, dispatch and grouped expert GEMMs therefore run eagerly, between compiled regions.
+
+Tensor parallelism is not compiled yet: with DTensor-sharded projections inside a compiled block,
+backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Tensor' object has
+no attribute '_local_tensor'` in torch 2.13 on CPU/gloo, with or without sequence parallelism).
+So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there.
+FSDP2, expert parallelism, pipeline stages and activation checkpointing compose with it
+(tests/parallel/test_compile.py).
 """
 
 from __future__ import annotations
@@ -29,12 +36,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.config.errors import ConfigError
+
 __all__ = ["compile_blocks", "resolve_compile"]
 
 
-def resolve_compile(setting: bool | None, device: torch.device) -> bool:
-    """`train.compile` as run on `device`: None means on for CUDA, off for CPU."""
-    return device.type == "cuda" if setting is None else bool(setting)
+def resolve_compile(setting: bool | None, device: torch.device, tp: int = 1) -> bool:
+    """`train.compile` as run on `device` with `tp`-way tensor parallelism: None means on for CUDA
+    without tensor parallelism, off otherwise; true under tp > 1 is refused (see above)."""
+    if setting and tp > 1:
+        raise ConfigError(f"train.compile=true is invalid with parallel.tp={tp}: compiled blocks do not yet "
+                          "compose with tensor parallelism (DTensor gradients at the compiled boundary); "
+                          "set train.compile=false or parallel.tp=1")
+    return device.type == "cuda" and tp == 1 if setting is None else bool(setting)
 
 
 def _compile_forward(module: nn.Module) -> None:

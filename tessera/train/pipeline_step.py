@@ -64,7 +64,7 @@ class PipelineStep:
         def stage(m: nn.Module) -> nn.Module:
             return parallelize(m, dims, pcfg, param_dtype=param_dtype, reduce_dtype=torch.float32,
                                expert_dispatcher="alltoall", device_type=device.type,
-                               compile_blocks=resolve_compile(t.compile, device))
+                               compile_blocks=resolve_compile(t.compile, device, dims.tp))
 
         self.run = build_pipeline(model, dims, pcfg, self.microbatches, loss_fn=self._loss,
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,

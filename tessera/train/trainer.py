@@ -101,7 +101,8 @@ class Trainer:
             raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
                               "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
         self.autocast_dtype = autocast_dtype(t.dtype)
-        self.compile = resolve_compile(t.compile, self.device)  # each block compiled (tessera.parallel.compile)
+        # each block compiled (tessera.parallel.compile); refused under tensor parallelism
+        self.compile = resolve_compile(t.compile, self.device, self.layout.dims.tp if self.layout.dims else 1)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()

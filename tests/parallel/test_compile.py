@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tessera.config import get_preset
+from tessera.config import ConfigError, get_preset
 from tessera.models import Transformer
 from tessera.models.rope import rope_cos_sin
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -39,6 +39,10 @@ def test_resolve_compile_defaults_to_cuda_only():
     assert resolve_compile(None, torch.device("cuda", 0)) is True
     assert resolve_compile(True, torch.device("cpu")) is True
     assert resolve_compile(False, torch.device("cuda")) is False
+    assert resolve_compile(None, torch.device("cuda"), tp=2) is False
+    assert resolve_compile(False, torch.device("cuda"), tp=2) is False
+    with pytest.raises(ConfigError, match=r"train.compile=true is invalid with parallel.tp=2"):
+        resolve_compile(True, torch.device("cpu"), tp=2)
 
 
 def test_compile_blocks_keeps_parameter_names():
@@ -112,13 +116,14 @@ _eager_references: dict = {}
 @pytest.mark.parametrize("model,parallel", [
     ("dense", {"parallel.dp_shard": 2}),
     ("dense", {"parallel.dp_shard": 2, "parallel.recompute": "full"}),
-    ("dense", {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}),
+    ("dense", {"parallel.cp": 2, "parallel.dp_shard": 1}),
     ("dense", {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"}),
     ("moe", {"parallel.ep": 2, "parallel.dp_shard": 2}),
-], ids=["fsdp2", "fsdp2-recompute", "tp2-sp", "pp2-1f1b", "ep2-fsdp2"])
+], ids=["fsdp2", "fsdp2-recompute", "cp2", "pp2-1f1b", "ep2-fsdp2"])
 def test_compiled_blocks_under_a_layout_train_like_eager(small_dataset, tmp_path_factory, model, parallel):
     """Compile composes with the other parallelisms: two ranks with every block compiled (after
-    TP/EP/recompute, before FSDP; on each pipeline stage) log the eager one-process losses."""
+    EP/CP/recompute, before FSDP; on each pipeline stage) log the eager one-process losses. Tensor
+    parallelism is refused with compile (tessera.parallel.compile says why)."""
     steps = 2
     if model not in _eager_references:
         run_dir = tmp_path_factory.mktemp("eager")
