@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA (no CUDA device here)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
@@ -49,7 +49,7 @@ def cpu_only_resolve_device(original):
 
 @pytest.fixture(autouse=True)
 def cpu_tests_stay_on_cpu(request, monkeypatch):
-    if "gpu" in request.keywords:
+    if request.node.get_closest_marker("gpu") is not None:
         yield
         return
     monkeypatch.setattr(run_layout, "resolve_device", cpu_only_resolve_device(run_layout.resolve_device))
