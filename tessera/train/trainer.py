@@ -8,8 +8,8 @@ pipeline, splits it into micro-batches of `train.micro_batch_size`, and accumula
 `loss.micro_batch_objective` so that the step's gradient is that of the whole global batch
 (`tessera.train.loss`). In bf16 mode the fp32 weights are the master copy: forward and backward
 run under autocast, the optimizer updates the fp32 parameters; fp16 likewise, with dynamic loss
-scaling (loss_scaler.py). After the update the MoE expert
-bias takes one aux-loss-free balancing step from the step's summed routing counts.
+scaling (loss_scaler.py). After the update the MoE expert bias takes one aux-loss-free balancing
+step from the step's summed routing counts.
 
 Every `train.log_interval` steps (and at the first, last, evaluation and stopping steps) one JSON
 object goes to `run_dir/metrics.jsonl` and TensorBoard:
@@ -17,9 +17,9 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
-  val_loss and val_ppl on evaluation steps; for MoE models aux_loss, aux/layer{i}/{name} and
-  expert_load/layer{i}/{max_over_mean, max_tokens, mean_tokens} (routing slots per expert, summed
-  over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
+  val_loss and val_ppl on evaluation steps; loss_scale in fp16 (the scale the step's backward
+  used); for MoE models aux_loss, aux/layer{i}/{name} and expert_load/layer{i}/{max_over_mean,
+  max_tokens, mean_tokens} (routing slots per expert, summed over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
   (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes.
 
 Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
@@ -95,8 +95,8 @@ class Trainer:
         self.device = self.layout.device
         self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
-        resume_from = self._checkpoint_to_resume(resume)
         check_fp8(t.fp8, self.device)
+        resume_from = self._checkpoint_to_resume(resume)
         if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
             raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
                               "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
