@@ -19,8 +19,9 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
   val_loss and val_ppl on evaluation steps; loss_scale in fp16 (the scale the step's backward
   used); for MoE models aux_loss, aux/layer{i}/{name} and expert_load/layer{i}/{max_over_mean,
-  max_tokens, mean_tokens} (routing slots per expert, summed over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
-  (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes.
+  max_tokens, mean_tokens} (routing slots per expert, summed over the step's micro-batches); with
+  log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
+  ranks) and comm/max_rank_bytes.
 
 Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
 made) the `parallel` section decides the layout (run_layout.py): every rank builds the model on the
