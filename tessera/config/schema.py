@@ -53,7 +53,7 @@ class TrainConfig:
     fp8: bool = False
     # Compile each transformer block with torch.compile after parallelisation (tessera.parallel.compile):
     # the same numbers, faster kernels on GPUs. None = true on CUDA, false on CPU (where compiling
-    # costs seconds per block and gains little).
+    # costs seconds per block and gains little) and under parallel.tp > 1 (where true is refused).
     compile: bool | None = None
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)

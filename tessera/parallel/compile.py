@@ -3,8 +3,8 @@
 One compiled region per block (not one for the whole model): every block has the same code and
 shapes, so the first block's graph is reused by the others, compile time stays that of one block,
 and the per-block seams the other parallelisms use stay where they are. The step runs in
-`parallelize`'s fixed order after tensor/sequence, expert and context parallelism and activation
-checkpointing, and before FSDP (DESIGN.md), and in the one-process trainer on the plain model.
+`parallelize`'s fixed order after expert and context parallelism and activation checkpointing,
+and before FSDP (DESIGN.md), and in the one-process trainer on the plain model.
 
 What is compiled is the block's `forward` (like activation checkpointing, which replaces the same
 attribute): module hooks stay outside the compiled region, so FSDP2's all-gather / reduce-scatter
@@ -27,8 +27,8 @@ Tensor parallelism is not compiled yet: with DTensor-sharded projections inside 
 backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Tensor' object has
 no attribute '_local_tensor'` in torch 2.13 on CPU/gloo, with or without sequence parallelism).
 So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there.
-FSDP2, expert parallelism, pipeline stages and activation checkpointing compose with it
-(tests/parallel/test_compile.py).
+FSDP2, expert and context parallelism, pipeline stages and activation checkpointing compose with
+it (tests/parallel/test_compile.py).
 """
 
 from __future__ import annotations
