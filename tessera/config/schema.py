@@ -39,7 +39,7 @@ from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
 from tessera.config.yaml_text import read_config_file
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DATA_KINDS = ("pretrain", "sft")
 
@@ -55,7 +55,16 @@ class TrainConfig:
     # Samples per optimizer step over all ranks = micro_batch_size x accumulation x data-parallel size;
     # it must be a multiple of micro_batch_size x data-parallel size.
     global_batch_size: int = 16
-    dtype: str = "fp32"  # fp32, or bf16: bf16 compute (autocast) over fp32 master weights and optimizer
+    # fp32; bf16: bf16 compute (autocast) over fp32 master weights and optimizer; fp16: the same in
+    # fp16, for GPUs without bf16, with dynamic loss scaling (tessera.train.loss_scaler) so that small
+    # gradients do not underflow fp16's range.
+    dtype: str = "fp32"
+    # FP8 linear layers (Hopper and newer). Not built yet: refused, with what it needs, on every device.
+    fp8: bool = False
+    # Compile each transformer block with torch.compile after parallelisation (tessera.parallel.compile):
+    # the same numbers, faster kernels on GPUs. None = true on CUDA, false on CPU (where compiling
+    # costs seconds per block and gains little) and under parallel.tp > 1 (where true is refused).
+    compile: bool | None = None
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
     eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never
@@ -248,6 +257,9 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.dtype in DTYPES, "train.dtype", t.dtype, f"one of {', '.join(DTYPES)}")
     need(re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", t.device) is not None, "train.device",
          t.device, "one of auto, cpu, cuda, cuda:N")
+    need(not (t.fp8 and t.device == "cpu"), "train.fp8", t.fp8,
+         "FP8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+         "train.device=cpu has none: set train.fp8=false")
     need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
     need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")

@@ -1,6 +1,7 @@
 """`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
 order (DESIGN.md): tensor/sequence parallel, expert parallel, context parallel, activation
-checkpointing, data parallel. Pipeline splitting, when used, happens before, on each stage.
+checkpointing, compile (`compile_blocks=True`), data parallel. Pipeline splitting, when used,
+happens before, on each stage.
 
 Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
 initialises every tensor from (seed, its name), so all ranks hold the same weights), then call
@@ -23,6 +24,7 @@ from torch import nn
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import ParallelConfig
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.compile import compile_blocks as compile_each_block
 from tessera.parallel.context_parallel import apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.dims import ParallelDims
@@ -32,8 +34,8 @@ from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                device_type: str = "cpu") -> nn.Module:
-    """Apply TP/SP, EP, CP, activation checkpointing and FSDP to `model` in place and return it.
+                device_type: str = "cpu", compile_blocks: bool = False) -> nn.Module:
+    """Apply TP/SP, EP, CP, activation checkpointing, compile and FSDP to `model` in place and return it.
 
     Under cp > 1 the model then takes this rank's chunk of every sequence (`shard_global_batch`)
     and its attention sees the whole sequence (context_parallel.py).
@@ -41,6 +43,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     `param_dtype` is the compute dtype of the weights under FSDP mixed precision (bf16 on GPUs;
     the fp32 shards stay the master copy), `reduce_dtype` that of gradient reduction.
     MoE tokens reach the experts of other ranks through `cfg.ep_dispatcher` (expert_dispatch.py).
+    `compile_blocks` compiles each transformer block (tessera.parallel.compile, `train.compile`).
     """
     if dims.pp > 1 and getattr(model, "pipeline_stage", None) is None:
         raise ParallelError(f"pp={dims.pp}: split the model into stages first (tessera.parallel.pipeline), "
@@ -54,6 +57,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
         apply_expert_parallel(model, dims, cfg.ep_dispatcher)
     apply_context_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
+    if compile_blocks:
+        compile_each_block(model)
     if needs_data_parallel(dims, param_dtype):
         apply_data_parallel(model, dims, cfg.zero_stage, param_dtype, reduce_dtype)
     return model

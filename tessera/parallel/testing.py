@@ -13,6 +13,12 @@ and carrying its traceback; a rank's return value comes back through a file (tor
 may hold tensors.
 
     results = run_ranks(my_test_body, 2, "tiny-llama")  # my_test_body("tiny-llama") on 2 ranks
+
+A forked child cannot use CUDA once its parent has initialised it ("Cannot re-initialize CUDA in
+forked subprocess"), and autograd's device threads do not survive a fork either. So the parent
+must never touch CUDA (tests pin `train.device=cpu`); if it has, `run_ranks` refuses at once with
+`CudaInitializedError` instead of letting every rank fail obscurely. Tests that need CUDA spawn
+their processes instead (tests/gpu).
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ PEER_GRACE_S = 1.0
 # The parent's deadline is the process-group timeout plus this, so that a rank stuck in a
 # collective fails with its own traceback before the parent kills what is left.
 DEADLINE_MARGIN_S = 2.0
+
+
+class CudaInitializedError(RuntimeError):
+    """The parent process initialised CUDA, so it must not fork ranks."""
 
 
 class RankFailure(AssertionError):
@@ -110,6 +120,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} is invalid: must be >= 1")
+    if torch.cuda.is_initialized():
+        raise CudaInitializedError(
+            "run_ranks forks its ranks, but this process has already initialised CUDA, which a forked "
+            "child cannot use: run the parent on CPU only (train.device=cpu, models and tensors on cpu) "
+            "before calling run_ranks, or start the processes with spawn (mark the test `gpu`)")
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
     sys.stdout.flush()
     sys.stderr.flush()

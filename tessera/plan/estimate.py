@@ -27,7 +27,8 @@ from tessera.plan.memory import (
 from tessera.plan.profile import ModelProfile
 from tessera.plan.roofline import StepTime, step_time
 
-TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16")}
+# fp16 (autocast over fp32 weights, loss-scaled) keeps the same bytes as bf16: 2-byte compute copies.
+TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16"), "fp16": ("bf16", "autocast-bf16")}
 
 
 def precisions_for_train_dtype(dtype: str) -> tuple[str, str]:

@@ -29,6 +29,7 @@ from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.transformer import ModelOutput
 from tessera.parallel import build_pipeline, global_count, global_sum, parallelize, token_dim
+from tessera.parallel.compile import resolve_compile
 from tessera.parallel.dims import ParallelDims
 from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
@@ -56,7 +57,7 @@ class PipelineStep:
 
         def stage(m: nn.Module) -> nn.Module:
             return parallelize(m, dims, pcfg, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                               device_type=device.type)
+                               device_type=device.type, compile_blocks=resolve_compile(t.compile, device, dims.tp))
 
         self.run = build_pipeline(model, dims, pcfg, self.microbatches, loss_fn=self._loss,
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,

@@ -7,8 +7,9 @@ One optimizer step takes one global batch of `train.global_batch_size` samples f
 pipeline, splits it into micro-batches of `train.micro_batch_size`, and accumulates gradients of
 `loss.micro_batch_objective` so that the step's gradient is that of the whole global batch
 (`tessera.train.loss`). In bf16 mode the fp32 weights are the master copy: forward and backward
-run under autocast, the optimizer updates the fp32 parameters. After the update the MoE expert
-bias takes one aux-loss-free balancing step from the step's summed routing counts.
+run under autocast, the optimizer updates the fp32 parameters; fp16 likewise, with dynamic loss
+scaling (loss_scaler.py). After the update the MoE expert bias takes one aux-loss-free balancing
+step from the step's summed routing counts.
 
 Every `train.log_interval` steps (and at the first, last, evaluation and stopping steps) one JSON
 object goes to `run_dir/metrics.jsonl` and TensorBoard:
@@ -16,10 +17,11 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
-  val_loss and val_ppl on evaluation steps; for MoE models aux_loss, aux/layer{i}/{name} and
-  expert_load/layer{i}/{max_over_mean, max_tokens, mean_tokens} (routing slots per expert, summed
-  over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
-  (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes.
+  val_loss and val_ppl on evaluation steps; loss_scale in fp16 (the scale the step's backward
+  used); for MoE models aux_loss, aux/layer{i}/{name} and expert_load/layer{i}/{max_over_mean,
+  max_tokens, mean_tokens} (routing slots per expert, summed over the step's micro-batches); with
+  log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
+  ranks) and comm/max_rank_bytes.
 
 Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
 made) the `parallel` section decides the layout (run_layout.py): every rank builds the model on the
@@ -52,10 +54,13 @@ from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
+from tessera.parallel.compile import compile_blocks, resolve_compile
 from tessera.train.comm_metrics import comm_record
 from tessera.train.data_source import TrainingData, build_training_data
+from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
 from tessera.train.optimizer import build_optimizer
+from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
@@ -92,8 +97,14 @@ class Trainer:
         self.device = self.layout.device
         self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
+        check_fp8(t.fp8, self.device)
         resume_from = self._checkpoint_to_resume(resume)
-        self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
+        if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
+            raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
+                              "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
+        self.autocast_dtype = autocast_dtype(t.dtype)
+        # each block compiled (tessera.parallel.compile); refused under tensor parallelism
+        self.compile = resolve_compile(t.compile, self.device, self.layout.dims.tp if self.layout.dims else 1)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
@@ -115,6 +126,9 @@ class Trainer:
             self._init_from(model, t.init_from)
         self.engine = self._build_engine(model)
         self.parts = self.engine.parts
+        self.loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None  # fp16: tessera.train.loss_scaler
+        if self.loss_scaler is not None:
+            self.loss_scaler.attach(self.parts)
         if on_meta:
             from tessera.parallel.meta_init import materialize_by_name
 
@@ -164,8 +178,10 @@ class Trainer:
 
         t, dims = self.cfg.train, self.layout.dims
         if dims is None:
+            if self.compile:
+                compile_blocks(model)
             return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype)
-        param_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.float32
+        param_dtype = self.autocast_dtype or torch.float32
         with self.layout.phase("parallelizing the model"):
             if dims.pp > 1:
                 from tessera.train.pipeline_step import PipelineStep
@@ -175,7 +191,7 @@ class Trainer:
             from tessera.train.parallel_step import ParallelStep
 
             model = parallelize(model, dims, self.cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                device_type=self.device.type)
+                                device_type=self.device.type, compile_blocks=self.compile)
             return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
                                 self.autocast_dtype)
 
@@ -201,8 +217,11 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
         """The layout-independent part (the same on every rank); RNG states are stored per rank."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
-                "data": self.data.train.state_dict()}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
+                 "data": self.data.train.state_dict()}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
 
     def save(self) -> Path:
         """Checkpoint model, optimizer, schedule, step, RNG states and data position (train_checkpoint.py)."""
@@ -218,6 +237,8 @@ class Trainer:
         self.tokens_seen = int(trainer["tokens_seen"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.train.load_state_dict(trainer["data"])
+        if self.loss_scaler is not None and "loss_scaler" in trainer:
+            self.loss_scaler.load_state_dict(trainer["loss_scaler"])
 
     # ---- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -231,9 +252,14 @@ class Trainer:
         try:
             with self.layout.phase("forward/backward"):
                 stats = self.engine.forward_backward(batch)
+            if self.loss_scaler is not None:
+                stats["loss_scale"] = self.loss_scaler.scale
+                self.loss_scaler.unscale_(self.parts)
             with self.layout.phase("gradient norm"):
                 grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
             stats["skipped"] = not math.isfinite(grad_norm)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf=stats["skipped"])
             if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
                 with self.layout.phase("optimizer step"):
                     for optimizer in self.optimizers:
@@ -272,6 +298,8 @@ class Trainer:
         rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=self.tokens_seen, mem_gib=memory_gib(self.device))
         if stats["skipped"]:
             rec["skipped_step"] = True
+        if "loss_scale" in stats:
+            rec["loss_scale"] = stats["loss_scale"]
         if self.cfg.model.is_moe:
             rec["aux_loss"] = stats["aux_loss"]
             rec.update({f"aux/{k}": v for k, v in sorted(stats["aux_parts"].items())})

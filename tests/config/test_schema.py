@@ -77,7 +77,8 @@ def test_round_trip_through_yaml(tmp_path):
     (["train.steps=0"], r"train.steps=0 is invalid: must be >= 1"),
     (["train.global_batch_size=12"], r"train.global_batch_size=12 is invalid: must be a positive multiple of "
                                      r"train.micro_batch_size=8"),
-    (["train.dtype=fp16"], r"train.dtype='fp16' is invalid: one of fp32, bf16"),
+    (["train.dtype=fp8"], r"train.dtype='fp8' is invalid: one of fp32, bf16, fp16"),
+    (["train.compile=3"], r"train.compile=3 has the wrong type: expected boolean or null"),
     (["train.seq_len=4096"], r"train.seq_len=4096 is invalid: must be <= model.max_seq_len=256"),
     (["optim.min_lr=1"], r"optim.min_lr=1.0 is invalid: must be in \[0, optim.lr=0.001\]"),
     (["optim.schedule=step"], r"optim.schedule='step' is invalid: one of constant, cosine, linear, wsd"),

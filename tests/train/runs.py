@@ -28,9 +28,10 @@ def build_small_dataset(directory: Path) -> str:
 
 
 def shrink(dataset: str, run_dir: Path | str, steps: int, **extra: object) -> list[str]:
-    """--set overrides that turn a tiny config into a seconds-long run on `dataset`."""
+    """--set overrides that turn a tiny config into a seconds-long run on `dataset`, on the CPU (the
+    suite's parent process forks ranks, so it must never initialise CUDA: tests/conftest.py)."""
     values: dict[str, object] = {
-        "run_dir": str(run_dir), "train.steps": steps,
+        "run_dir": str(run_dir), "train.steps": steps, "train.device": "cpu",
         "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128,
         "model.max_seq_len": 64, "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 4,
         "train.log_interval": 1, "train.eval_interval": 0, "optim.warmup_steps": 2, "optim.total_steps": 20,

@@ -17,13 +17,15 @@ def test_tiny_configs_prepare_the_corpus_once_and_train(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_CACHE", str(cache))
     # The dense config at its real size (evaluation off to save time) ...
     assert main(["train", TINY_DENSE, "--set", f"run_dir={tmp_path / 'dense'}", "--set", "train.steps=1",
-                 "--set", "log.progress_bar=false", "--set", "train.eval_interval=0"]) == 0
+                 "--set", "train.device=cpu", "--set", "log.progress_bar=false",
+                 "--set", "train.eval_interval=0"]) == 0
     prepared = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
     assert any(n.endswith(".bin") for n in prepared) and any(n.endswith(".idx") for n in prepared)
     # ... and the MoE config shrunk: what matters here is that it finds the prepared corpus.
     small = ["model.dim=64", "model.n_heads=4", "model.ffn_dim=128", "model.moe.ffn_dim=32"]
     assert main(["train", TINY_MOE, "--set", f"run_dir={tmp_path / 'moe'}", "--set", "train.steps=1",
-                 "--set", "log.progress_bar=false", *[a for s in small for a in ("--set", s)]]) == 0
+                 "--set", "train.device=cpu", "--set", "log.progress_bar=false",
+                 *[a for s in small for a in ("--set", s)]]) == 0
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == prepared  # reused, not rebuilt
     for run in ("dense", "moe"):
         record = json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])

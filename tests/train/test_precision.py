@@ -1,0 +1,151 @@
+"""fp16 with dynamic loss scaling, and fp8 refused with what it needs.
+
+CPU autocast runs fp16, so these are real fp16 runs: the scaler's arithmetic on real gradients, a
+gradient that fp16 flushes to zero without scaling and keeps with it, the trainer backing off and
+skipping a step on overflow, and fp16 training following fp32 for a few steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.config import ConfigError
+from tessera.config.schema import load_config
+from tessera.models import Transformer
+from tessera.plan import precisions_for_train_dtype
+from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.precision import autocast_dtype, check_fp8
+from tessera.train.trainer import Trainer
+from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
+
+
+def _tiny_model() -> Transformer:
+    cfg = load_config(TINY_DENSE, shrink("unused", "unused", 1)).model
+    return Transformer(cfg, init_seed=0)
+
+
+def _grads(model: nn.Module, tokens: torch.Tensor, loss_factor: float, scaler: DynamicLossScaler | None,
+           fp16: bool = True):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+        out = model(tokens)
+    (out.logits.float().logsumexp(-1).mean() * loss_factor + out.aux_loss).backward()
+    if scaler is not None:
+        scaler.unscale_([model])
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_scaled_backward_unscales_to_the_plain_gradient():
+    model, tokens = _tiny_model(), torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = _grads(model, tokens, 1.0, None, fp16=False)
+    scaler = DynamicLossScaler(scale=1024.0)
+    scaler.attach([model])
+    scaled = _grads(model, tokens, 1.0, scaler, fp16=False)
+    assert set(scaled) == set(plain)
+    for name, g in plain.items():  # in fp32, scaling by a power of two and back is exact
+        torch.testing.assert_close(scaled[name], g, rtol=1e-6, atol=0, msg=name)
+    with torch.no_grad():  # no backward, no scaling: evaluation outputs are untouched
+        assert torch.equal(model(tokens).logits, Transformer(model.cfg, init_seed=0)(tokens).logits)
+
+
+def test_loss_scaling_keeps_gradients_that_fp16_flushes_to_zero():
+    """A loss 1e-7 times smaller: its fp16 backward underflows to zero without scaling, not with it."""
+    model, tokens = _tiny_model(), torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = _grads(model, tokens, 1.0, None)
+    tiny = _grads(model, tokens, 1e-7, None)
+    name = "layers.0.attention.wq.weight"
+    assert tiny[name].count_nonzero() < 0.5 * reference[name].count_nonzero()  # most entries flushed
+    scaler = DynamicLossScaler(scale=2.0**24)
+    scaler.attach([model])
+    kept = _grads(model, tokens, 1e-7, scaler)
+    torch.testing.assert_close(kept[name] * 1e7, reference[name], rtol=2e-2, atol=1e-4)
+
+
+def test_scale_backs_off_on_overflow_and_grows_after_good_steps():
+    scaler = DynamicLossScaler(scale=8.0, growth_interval=3)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 4.0 and scaler.good_steps == 0
+    for _ in range(2):
+        scaler.update(found_inf=False)
+    assert scaler.scale == 4.0
+    scaler.update(found_inf=False)
+    assert scaler.scale == 8.0 and scaler.good_steps == 0
+    restored = DynamicLossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert (restored.scale, restored.good_steps) == (8.0, 0)
+
+
+def test_trainer_skips_the_overflowing_step_and_backs_off(small_dataset, tmp_path):
+    trainer = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16",
+                                                                                 "checkpoint.interval": 0})))
+    assert trainer.autocast_dtype == torch.float16
+    trainer.loss_scaler.scale = 2.0**100  # scaled gradients overflow fp16
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    stats = trainer.train_step()
+    assert stats["skipped"] and stats["loss_scale"] == 2.0**100
+    assert trainer.loss_scaler.scale == 2.0**99
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    trainer.loss_scaler.scale = 2.0**10
+    stats = trainer.train_step()
+    assert not stats["skipped"]
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_loss_scale_is_checkpointed_and_resumed(small_dataset, tmp_path):
+    overrides = shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16", "checkpoint.interval": 1})
+    trainer = Trainer(load_config(TINY_DENSE, overrides))
+    trainer.loss_scaler.scale, trainer.loss_scaler.good_steps = 512.0, 7
+    trainer.train_step()
+    trainer.save()
+    resumed = Trainer(load_config(TINY_DENSE, overrides), resume=True)
+    assert (resumed.loss_scaler.scale, resumed.loss_scaler.good_steps) == (512.0, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,shrink_fn", [(TINY_DENSE, shrink), (TINY_MOE, moe_shrink)], ids=["dense", "moe"])
+def test_fp16_training_follows_fp32(small_dataset, tmp_path, config, shrink_fn):
+    losses = {}
+    for dtype in ("fp32", "fp16"):
+        trainer = Trainer(load_config(config, shrink_fn(small_dataset, tmp_path / dtype, 5, **{
+            "train.dtype": dtype, "checkpoint.interval": 0})))
+        records = trainer.train().records
+        losses[dtype] = [r["loss"] for r in records]
+        if dtype == "fp16":
+            assert all(r["loss_scale"] == 2.0**16 and "skipped_step" not in r for r in records)
+    assert len(losses["fp16"]) == 5
+    for got, want in zip(losses["fp16"], losses["fp32"], strict=True):
+        assert abs(got - want) <= 1e-3 * want, (losses["fp16"], losses["fp32"])  # fp16: 10 mantissa bits
+
+
+def test_memory_planner_counts_fp16_like_bf16():
+    """The start-up memory check plans fp16 runs too: the same 2-byte compute copies as bf16."""
+    assert precisions_for_train_dtype("fp16") == precisions_for_train_dtype("bf16")
+
+
+def test_fp8_is_refused_with_what_it_needs(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.fp8=True is invalid: FP8 needs a CUDA GPU .*compute capability"):
+        load_config(TINY_DENSE, ["train.fp8=true", "train.device=cpu"])
+    with pytest.raises(ConfigError, match=r"train.fp8=true is invalid on cpu: FP8 needs a CUDA GPU"):
+        check_fp8(True, torch.device("cpu"))
+    check_fp8(False, torch.device("cpu"))
+    assert autocast_dtype("fp16") == torch.float16 and autocast_dtype("bf16") == torch.bfloat16
+    assert autocast_dtype("fp32") is None
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
+    """Loss scaling on sharded gradients: two FSDP ranks (fp16 compute copies, fp32 reduction) log
+    the one-process fp16 losses within the bf16 contract's 5e-3, with the same scale."""
+    from tessera.parallel.testing import run_ranks
+    from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
+
+    fp16 = {"train.dtype": "fp16"}
+    ref = train_one_process("dense", overrides_for("dense", small_dataset, tmp_path / "one", 3, **fp16))
+    got = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, tmp_path / "two", 3,
+                                                              **fp16, **{"parallel.dp_shard": 2}), timeout=300)
+    for r, w in zip(got[0]["records"], ref["records"], strict=True):
+        assert abs(r["loss"] - w["loss"]) <= 5e-3 * w["loss"], (r, w)
+        assert r["loss_scale"] == w["loss_scale"] and "skipped_step" not in r
