@@ -40,11 +40,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tessera.models.counting import count_params  # noqa: E402
-from tessera.models.flops import flops_per_token  # noqa: E402
-
 from tessera.config.schema import RunConfig, load_config  # noqa: E402
 from tessera.hf import config_to_hf  # noqa: E402
+from tessera.models.counting import count_params  # noqa: E402
+from tessera.models.flops import flops_per_token  # noqa: E402
 from tessera.train.data_source import build_training_data  # noqa: E402
 from tessera.train.throughput import peak_flops_for_device  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
