@@ -109,9 +109,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
         raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    if Path(dst).exists() and not Path(dst).is_dir():
+        raise CheckpointError(f"convert: destination {str(dst)!r} is a file; give a new directory")
     if Path(dst).exists() and any(Path(dst).iterdir()):
         raise CheckpointError(f"convert: destination {str(dst)!r} is not empty; choose a new directory "
                               "(converting into a run's checkpoints would take over its `latest`)")
+    if not os.access(_nearest_existing(Path(dst)), os.W_OK):
+        raise CheckpointError(f"convert: destination {str(dst)!r} cannot be written (read-only or no "
+                              "permission); choose a writable directory")
     if is_hf_directory(src):
         from tessera.checkpoint.hf import load_pretrained
 
@@ -120,8 +125,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
     from tessera.checkpoint.hf import save_pretrained
 
     model, _ = load_tessera_model(src)
-    save_pretrained(model.to(DTYPES[dtype]), dst)
+    try:
+        save_pretrained(model.to(DTYPES[dtype]), dst)
+    except OSError as e:  # a full disk, a read-only file system: the export is removed, dst untouched
+        raise CheckpointError(f"convert: cannot write {str(dst)!r}: {e.strerror or e}") from e
     return "huggingface", Path(dst)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (where a new directory would be created)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def model_config_of(path: str | os.PathLike) -> ModelConfig:

@@ -11,7 +11,6 @@ Three kinds of directory are served:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from tessera.checkpoint import dcp
 from tessera.checkpoint.convert import load_tessera_model
 from tessera.checkpoint.hf import load_pretrained
+from tessera.checkpoint.hf_files import read_json_object
 from tessera.config.errors import CheckpointError
 from tessera.infer.quant import is_quantized_dir, load_quantized
 from tessera.models.transformer import Transformer
@@ -77,11 +77,14 @@ def eos_token_ids(path: str | Path, tokenizer) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
-            value = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(value, int):
+            value = read_json_object(f).get("eos_token_id")
+            if isinstance(value, int) and not isinstance(value, bool):
                 ids.add(value)
-            elif isinstance(value, list):
-                ids.update(int(v) for v in value)
+            elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                ids.update(value)
+            elif value is not None:
+                raise CheckpointError(f"{str(f)!r}: eos_token_id={value!r} is invalid: must be a token id or a "
+                                      "list of token ids")
     if tokenizer is not None and tokenizer.eos_id is not None:
         ids.add(tokenizer.eos_id)
     return ids
