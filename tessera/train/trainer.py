@@ -151,11 +151,11 @@ class Trainer:
             found = ckpt.find_latest(self.ckpt_root)
             if resume and found is not None:
                 found, damaged = ckpt.find_latest_good(self.ckpt_root)
-                for line in damaged:
-                    print(f"warning: {line}; falling back to the checkpoint before it", file=sys.stderr)
                 if found is None:
                     raise CheckpointError(f"no usable checkpoint in {str(self.ckpt_root)!r} to resume from: "
-                                          f"{damaged[-1]}")
+                                          + "; ".join(damaged))
+                for line in damaged:
+                    print(f"warning: {line}; resuming from {found.name} instead", file=sys.stderr)
             if not resume and found is not None:
                 return (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
                               "continue that run, or choose another run_dir")
