@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """`DefaultLoadPlanner` that reads non-tensor items with `torch.load(weights_only=True)`."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            reasons = [p.strip() for p in str(e).split("\n\n") if p.strip().startswith("Trying to load")]
+            first = reasons[0][:200] if reasons else type(e).__name__  # torch's reason, without its advice
+            raise CheckpointError(f"refused to load the stored object {fqn!r}: a checkpoint may only hold "
+                                  f"tensors and plain data ({first})") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            self.state_dict[fqn] = obj
