@@ -18,7 +18,7 @@ A save goes to `.tmp-step_N-PID/`, gets `meta.json`, is renamed to `step_N/`, an
 pointer intact; leftovers of an interrupted save are removed by `remove_partial_saves`. Old
 checkpoints beyond `keep_last` are deleted after the pointer moved.
 
-meta.json records the size and sha256 of every file (checksums.py): `find_latest_good` skips a
+meta.json records the size and CRC-32 of every file (checksums.py): `find_latest_good` skips a
 checkpoint whose files were truncated, corrupted or lost afterwards, naming the file, and
 `verified` refuses one. Loading never unpickles arbitrary objects (dcp_reader.py): a `latest`
 pointer or meta.json that is damaged, or DCP metadata naming anything but plain data, is a
@@ -109,7 +109,7 @@ def _pointer_target(root: Path) -> Path | None:
 
 def checkpoint_problem(path: Path) -> str | None:
     """None when checkpoint `path` can be trusted to load: meta.json readable, every file recorded in it
-    present with its size and sha256, DCP metadata plain data. Else what is wrong, naming the file.
+    present with its size and checksum, DCP metadata plain data. Else what is wrong, naming the file.
     Checkpoints written before checksums were recorded are checked for the rest only."""
     try:
         meta = read_meta(path)

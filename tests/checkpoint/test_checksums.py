@@ -1,4 +1,4 @@
-"""Checkpoints that cannot be trusted are detected: every file carries a sha256 in meta.json, a
+"""Checkpoints that cannot be trusted are detected: every file carries a CRC-32 in meta.json, a
 truncated / corrupted / missing file is named, `--resume` falls back to the previous good
 checkpoint, damaged pointers and meta.json are one-line errors, and a save that fails (a full
 disk) leaves the previous checkpoint usable."""
@@ -53,7 +53,7 @@ def _flip(f):
     f.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, expected", [(_truncate, "bytes, .* were written"), (_flip, "sha256"),
+@pytest.mark.parametrize("damage, expected", [(_truncate, "bytes, .* were written"), (_flip, "crc32 checksum"),
                                               (os.unlink, "missing")])
 def test_a_damaged_newest_checkpoint_is_named_and_skipped(tmp_path, damage, expected):
     first, second = _two_checkpoints(tmp_path)

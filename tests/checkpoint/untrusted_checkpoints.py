@@ -31,7 +31,7 @@ def small_checkpoint(root: Path) -> Path:
 
 
 def rewrite_checksum(checkpoint: Path, name: str) -> None:
-    """Record `name`'s current size and sha256 in meta.json, as an attacker would."""
+    """Record `name`'s current size and checksum in meta.json, as an attacker would."""
     meta = json.loads((checkpoint / ckpt.META).read_text())
     meta["files"][name] = file_digest(checkpoint / name)
     (checkpoint / ckpt.META).write_text(json.dumps(meta))

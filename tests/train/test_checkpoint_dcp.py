@@ -20,7 +20,7 @@ def test_round_trip_and_pointer(tmp_path):
     assert path == tmp_path / "step_00000007" and ckpt.is_complete(path)
     assert (tmp_path / "latest").read_text().strip() == "step_00000007"
     meta = ckpt.read_meta(path)
-    assert sorted(meta.pop("files")) == [".metadata", "__0_0.distcp"]  # with their sizes and sha256
+    assert sorted(meta.pop("files")) == [".metadata", "__0_0.distcp"]  # with their sizes and checksums
     assert meta == {"step": 7, "format": 1, "note": "x"}
     target = {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "extra": b""}
     ckpt.load_checkpoint(path, target)
