@@ -65,10 +65,12 @@ def test_crafted_metadata_through_generate_and_convert(crafted, tmp_path, capsys
     assert not marker.exists() and not (tmp_path / "hf").exists()
 
 
-def test_crafted_metadata_through_the_server_loader(crafted):
+def test_crafted_metadata_through_the_server_loader(crafted, capsys):
     checkpoint, marker = crafted
     with pytest.raises(CheckpointError, match="refused to load posix.system"):
         LLM(checkpoint.parent, block_size=4)
+    assert main(["serve", str(checkpoint.parent), "--port", "1"]) != 0  # refused before any socket opens
+    assert "refused to load posix.system" in capsys.readouterr().err
     assert not marker.exists()
 
 
