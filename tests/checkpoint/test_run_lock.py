@@ -15,6 +15,7 @@ from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.run_lock import RunDirLock
 from tessera.cli import main
 from tessera.config import ConfigError
+from tests.checkpoint.read_only_dirs import run_with_read_only
 from tests.train.runs import ROOT, TINY_DENSE, build_small_dataset, set_args, shrink
 
 HOLD_LOCK = ("import sys, time\nfrom tessera.checkpoint.run_lock import RunDirLock\n"
@@ -76,17 +77,14 @@ def test_run_dir_that_is_a_file_is_refused_before_the_model_is_built(dataset, tm
     assert err.count("\n") == 1 and "is a file" in err and str(run) in err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_run_dir_is_refused(dataset, tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    run.chmod(0o555)
-    try:
-        assert main(["train", TINY_DENSE, *set_args(shrink(dataset, run, 2))]) == 2
-    finally:
-        run.chmod(0o755)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot be written" in err
+@pytest.mark.parametrize("where", ["run_dir", "its parent"])
+def test_read_only_run_dir_is_refused_before_the_model_is_built(dataset, tmp_path, where):
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    run = read_only if where == "run_dir" else read_only / "run"
+    proc = run_with_read_only(read_only, ["train", TINY_DENSE, *set_args(shrink(dataset, run, 2))])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "cannot be written" in proc.stderr and str(run) in proc.stderr
 
 
 @pytest.mark.slow
