@@ -3,7 +3,11 @@
 - `tessera.checkpoint.dcp`: crash-safe distributed checkpoints (torch.distributed.checkpoint) of
   a training run, loadable under another parallel layout.
 - `tessera.checkpoint.hf`: HuggingFace model directories (config.json + safetensors).
-- `tessera.checkpoint.convert`: models from either format, and conversion between them.
+- `tessera.checkpoint.convert`: models from either format (the one loader of Tessera
+  checkpoints), and conversion between them.
+- Untrusted files: `dcp_reader` / `restricted_unpickle` (no code runs from a checkpoint),
+  `checksums` (truncated or corrupted files are detected), `hf_files` (malformed HuggingFace
+  directories are refused), `run_lock` (one trainer per run directory).
 
 Submodules are imported where used, so loading a HuggingFace model does not pay for DCP.
 """

@@ -4,6 +4,11 @@ A Tessera checkpoint (`tessera.checkpoint.dcp`) keeps the run configuration in i
 a model can be rebuilt from the checkpoint alone. A HuggingFace directory has a config.json and
 safetensors (`tessera.checkpoint.hf`). `load_model` takes either, and `convert` writes one as
 the other: HF -> a checkpoint root holding `step_00000000/` (model weights only), Tessera -> HF.
+
+`load_tessera_model` is the one loader of Tessera checkpoints: `tessera generate` and `convert`,
+serving (`tessera.infer`) and `train.init_from` (through `load_model_weights`) all use it. It
+checks the files against their recorded checksums before reading them and unpickles nothing
+beyond plain data.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from pathlib import Path
 import torch
 
 from tessera.checkpoint import dcp as ckpt
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.model import ModelConfig
-from tessera.config.schema import RunConfig, config_from_dict
+from tessera.config.schema import RunConfig, build_model_config, config_from_dict
 from tessera.models import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -26,16 +31,37 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def checkpoint_run_config(path: str | os.PathLike) -> RunConfig:
-    """The run configuration a Tessera checkpoint was saved with."""
+def stored_run_config(path: str | os.PathLike) -> dict:
+    """The run configuration a Tessera checkpoint was saved with, as the plain dict in its meta.json."""
     meta = ckpt.read_meta(path)
-    if "config" not in meta:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no run configuration in its meta.json")
-    return config_from_dict(meta["config"])
+    raw = meta.get("config")
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: its meta.json has no config.model section; cannot "
+                              "rebuild the model")
+    return raw
+
+
+def checkpoint_run_config(path: str | os.PathLike) -> RunConfig:
+    """The run configuration a Tessera checkpoint was saved with, validated."""
+    try:
+        return config_from_dict(stored_run_config(path))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: the run configuration in its meta.json is invalid: "
+                              f"{e}") from e
+
+
+def stored_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The model shape a Tessera checkpoint was saved with."""
+    try:
+        return build_model_config(stored_run_config(path)["model"])
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: config.model in its meta.json is invalid: {e}") from e
 
 
 def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
-    """Copy the model weights of Tessera checkpoint `path` into `model` (keys and shapes must match)."""
+    """Copy the model weights of Tessera checkpoint `path` into `model` (keys and shapes must match),
+    after checking its files against their checksums."""
+    ckpt.verified(Path(path))
     state = model.state_dict()
     ckpt.check_compatible(path, "model", {k: tuple(v.shape) for k, v in state.items()})
     wrapped = {"model": state}
@@ -43,24 +69,25 @@ def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
     model.load_state_dict(wrapped["model"])
 
 
-def load_tessera_model(path: str | os.PathLike, device: str | torch.device = "cpu"
-                       ) -> tuple[Transformer, RunConfig]:
-    """The model of a run directory / checkpoint root / checkpoint, in fp32, and its run config."""
+def load_tessera_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
+    """The model of a run directory / checkpoint root / checkpoint (in eval mode, in `dtype`) and
+    the run configuration stored with it (the plain dict of its meta.json)."""
     found = ckpt.resolve_checkpoint(path)
-    cfg = checkpoint_run_config(found)
-    model = Transformer(cfg.model, init_seed=None)
+    model = Transformer(stored_model_config(found), init_seed=None)
     load_model_weights(found, model)
-    return model.to(device), cfg
+    return model.to(device=device, dtype=dtype).eval(), stored_run_config(found)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
                ) -> tuple[Transformer, RunConfig | None]:
-    """A model from a HuggingFace directory (run config None) or a Tessera checkpoint."""
+    """A model from a HuggingFace directory (run config None) or a Tessera checkpoint, in fp32."""
     if is_hf_directory(path):
         from tessera.checkpoint.hf import load_pretrained
 
         return load_pretrained(path, dtype=torch.float32, device=device), None
-    return load_tessera_model(path, device)
+    model, _ = load_tessera_model(path, device=device)
+    return model, checkpoint_run_config(ckpt.resolve_checkpoint(path))
 
 
 def save_model_checkpoint(model: Transformer, root: str | os.PathLike, cfg: RunConfig | None = None,
@@ -82,9 +109,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
         raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+    if Path(dst).exists() and not Path(dst).is_dir():
+        raise CheckpointError(f"convert: destination {str(dst)!r} is a file; give a new directory")
     if Path(dst).exists() and any(Path(dst).iterdir()):
         raise CheckpointError(f"convert: destination {str(dst)!r} is not empty; choose a new directory "
                               "(converting into a run's checkpoints would take over its `latest`)")
+    if not os.access(_nearest_existing(Path(dst)), os.W_OK):
+        raise CheckpointError(f"convert: destination {str(dst)!r} cannot be written (read-only or no "
+                              "permission); choose a writable directory")
     if is_hf_directory(src):
         from tessera.checkpoint.hf import load_pretrained
 
@@ -93,8 +125,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
     from tessera.checkpoint.hf import save_pretrained
 
     model, _ = load_tessera_model(src)
-    save_pretrained(model.to(DTYPES[dtype]), dst)
+    try:
+        save_pretrained(model.to(DTYPES[dtype]), dst)
+    except OSError as e:  # a full disk, a read-only file system: the export is removed, dst untouched
+        raise CheckpointError(f"convert: cannot write {str(dst)!r}: {e.strerror or e}") from e
     return "huggingface", Path(dst)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists (where a new directory would be created)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def model_config_of(path: str | os.PathLike) -> ModelConfig:
@@ -103,4 +146,4 @@ def model_config_of(path: str | os.PathLike) -> ModelConfig:
         from tessera.checkpoint.hf import read_hf_config
 
         return read_hf_config(path)
-    return checkpoint_run_config(ckpt.resolve_checkpoint(path)).model
+    return stored_model_config(ckpt.resolve_checkpoint(path))

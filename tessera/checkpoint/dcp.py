@@ -18,6 +18,12 @@ A save goes to `.tmp-step_N-PID/`, gets `meta.json`, is renamed to `step_N/`, an
 pointer intact; leftovers of an interrupted save are removed by `remove_partial_saves`. Old
 checkpoints beyond `keep_last` are deleted after the pointer moved.
 
+meta.json records the size and CRC-32 of every file (checksums.py): `find_latest_good` skips a
+checkpoint whose files were truncated, corrupted or lost afterwards, naming the file, and
+`verified` refuses one. Loading never unpickles arbitrary objects (dcp_reader.py): a `latest`
+pointer or meta.json that is damaged, or DCP metadata naming anything but plain data, is a
+CheckpointError.
+
 Test hook: if the environment variable TESSERA_TEST_PAUSE_IN_SAVE is "STEP:SECONDS", the save
 of step STEP prints `tessera-test-hook: paused in save` to stderr and sleeps SECONDS after the
 DCP files are in the temporary directory and before it is completed, so a test can kill the
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -38,12 +45,15 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from tessera.checkpoint.checksums import FILES_KEY, digest_rank_files, file_digest, verify_files
+from tessera.checkpoint.dcp_reader import DCP_METADATA, SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from tessera.config.errors import CheckpointError
 
 LATEST = "latest"
 META = "meta.json"
-DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_\d+$")
 PAUSE_HOOK_ENV = "TESSERA_TEST_PAUSE_IN_SAVE"
 
 _SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled, unavailable or uninitialized.*"
@@ -80,13 +90,61 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 def find_latest(root: str | os.PathLike) -> Path | None:
     """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named.name and is_complete(named):
-            return named
+    named = _pointer_target(root)
+    if named is not None and is_complete(named):
+        return named
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def _pointer_target(root: Path) -> Path | None:
+    """The checkpoint `latest` names; None when it is absent or damaged (not a `step_N` name in `root`),
+    in which case the newest complete checkpoint is the one to use."""
+    try:
+        name = (root / LATEST).read_bytes()[:64].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _STEP_DIR.match(name) else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """None when checkpoint `path` can be trusted to load: meta.json readable, every file recorded in it
+    present with its size and checksum, DCP metadata plain data. Else what is wrong, naming the file.
+    Checkpoints written before checksums were recorded are checked for the rest only."""
+    try:
+        meta = read_meta(path)
+        problem = verify_files(path, meta[FILES_KEY]) if FILES_KEY in meta else None
+        if problem is None:
+            read_dcp_metadata(path)
+        return problem
+    except CheckpointError as e:
+        return str(e)
+
+
+def find_latest_good(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that passes `checkpoint_problem`, newest first from the
+    one `latest` names; and one line for each newer one that was skipped, naming it and the file."""
+    root = Path(root)
+    candidates = [p for _, p in reversed(list_checkpoints(root))]
+    named = _pointer_target(root)
+    if named in candidates:  # the pointer wins over a newer directory left by a save that never completed
+        candidates = candidates[candidates.index(named):]
+    skipped = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {str(path)!r} is damaged: {problem}")
+    return None, skipped
+
+
+def verified(path: Path) -> Path:
+    """`path` if `checkpoint_problem` finds nothing wrong with it, else a CheckpointError saying what."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {problem}; load an earlier step_* "
+                              "directory of the run instead")
+    return path
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -103,8 +161,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON written next to the DCP files (step, model config, format)."""
-    return json.loads((Path(path) / META).read_text())
+    """The JSON written next to the DCP files (step, model config, format, file checksums)."""
+    f = Path(path) / META
+    try:
+        meta = json.loads(f.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {str(f)!r}: {e.strerror or e}") from e
+    except ValueError as e:  # invalid JSON or UTF-8
+        raise CheckpointError(f"{str(f)!r} is not valid JSON ({e}); the checkpoint is damaged") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{str(f)!r} holds a JSON {type(meta).__name__}, not an object; the checkpoint "
+                              "is damaged")
+    return meta
 
 
 def remove_partial_saves(root: str | os.PathLike) -> list[Path]:
@@ -167,45 +235,78 @@ def _broadcast_from_rank0(obj: Any) -> Any:
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
                     keep_last: int) -> Path:
-    """Save `state` (a DCP state dict: tensors and picklable objects) as checkpoint `step`.
+    """Save `state` (a DCP state dict: tensors and plain data) as checkpoint `step`.
 
-    Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step.
-    With several ranks every rank calls this: each writes its shards into one temporary directory
-    (on a file system all ranks share), then rank 0 alone completes it (meta.json, rename, pointer,
-    old checkpoints), and every rank returns once that is done or raises if it failed.
+    Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step
+    and the checksums of every file (checksums.py). With several ranks every rank calls this: each
+    writes its shards into one temporary directory (on a file system all ranks share) and hashes
+    them, then rank 0 alone completes it (meta.json, rename, pointer, old checkpoints), and every
+    rank returns once that is done or raises if it failed. A failed save (a full disk, a read-only
+    file system) raises CheckpointError and leaves the previous checkpoint and pointer as they were.
     """
     root = Path(root)
     final = root / step_dir_name(step)
     rank, world = _world()
-    if world == 1:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp))
-        _pause_hook(step)
-        _complete(root, tmp, final, step, meta, keep_last)
-        return final
-    tmp = None
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    tmp = Path(_broadcast_from_rank0(str(tmp) if tmp is not None else None))
-    dcp.save(state, checkpoint_id=str(tmp))
-    error = None
+    tmp, error = None, None
     if rank == 0:
         try:
-            _pause_hook(step)
-            _complete(root, tmp, final, step, meta, keep_last)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".tmp-{final.name}-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
         except OSError as e:
-            error = f"cannot complete checkpoint {str(final)!r}: {e}"
-    error = _broadcast_from_rank0(error)
+            error = _save_error(final, e)
+    if world > 1:
+        tmp, error = _broadcast_from_rank0((str(tmp) if tmp is not None else None, error))
+    if error is not None:
+        raise CheckpointError(error)
+    tmp = Path(tmp)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp))
+        files = digest_rank_files(tmp, rank)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        files, error = None, _save_error(final, e)
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (files, error))
+        error = next((err for _, err in gathered if err is not None), None)
+        files = {k: v for f, _ in gathered if f for k, v in f.items()}
+    if rank == 0:
+        if error is None:
+            try:
+                files[DCP_METADATA] = file_digest(tmp / DCP_METADATA)
+                _pause_hook(step)
+                _complete(root, tmp, final, step, {**meta, FILES_KEY: files}, keep_last)
+            except OSError as e:
+                error = _save_error(final, e)
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if world > 1:
+        error = _broadcast_from_rank0(error)
     if error is not None:
         raise CheckpointError(error)
     return final
+
+
+def _failure_reason(e: BaseException) -> str:
+    """The cause of a failed DCP save or load in a few words (the OS error and its file when there is one)."""
+    cause: BaseException = e
+    if isinstance(e, CheckpointException):  # DCP wraps each rank's failure; name the first
+        failures = list(getattr(e, "failures", {}).values())
+        first = failures[0][0] if failures and isinstance(failures[0], tuple) else None  # (exception, stack)
+        cause = first if isinstance(first, BaseException) else e
+    if isinstance(cause, CheckpointError):
+        return str(cause)
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror + (f" ({cause.filename})" if cause.filename else "")
+    return f"{type(cause).__name__}: " + " ".join(str(cause).split())[:300]
+
+
+def _save_error(final: Path, e: BaseException) -> str:
+    """One line for a failed save: what failed and that the previous checkpoint is untouched."""
+    return (f"cannot save checkpoint {str(final)!r}: {_failure_reason(e)}; the previous checkpoint and the "
+            f"{LATEST} pointer are unchanged")
 
 
 def _complete(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any], keep_last: int) -> None:
@@ -231,10 +332,7 @@ def _complete(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
     """Every stored key with its global shape (None for non-tensor objects), from DCP metadata."""
-    try:
-        md = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a damaged or foreign directory: say which file, not DCP's internals
-        raise CheckpointError(f"cannot read checkpoint metadata in {str(path)!r}: {e}") from e
+    md = read_dcp_metadata(path)
     return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.state_dict_metadata.items()}
 
 
@@ -256,12 +354,14 @@ def check_compatible(path: str | os.PathLike, prefix: str, expected: dict[str, t
 
 
 def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced)."""
+    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced).
+
+    Nothing in the files is unpickled beyond plain data (dcp_reader.py)."""
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)),
+                     planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:
-        msg = " ".join(str(e).split())[:300]
-        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {msg}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_failure_reason(e)}") from e

@@ -18,16 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf_config import config_from_hf, config_to_hf
+from tessera.checkpoint.hf_files import INDEX, SafetensorsDir, check_config_fields, read_json_object
 from tessera.checkpoint.hf_weights import check_exportable, hf_names
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import ModelConfig
 from tessera.models.transformer import Transformer
 
-_INDEX = "model.safetensors.index.json"
+_INDEX = INDEX
 # HuggingFace-side keys that carry no weights Tessera needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -37,42 +37,22 @@ def _first(keys: list[str] | set[str], n: int = 5) -> str:
     return ", ".join(keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
 
 
-class SafetensorsDir:
-    """Lazy reader over the safetensors files of a directory: key -> file, tensors read on demand."""
-
-    def __init__(self, path: Path):
-        index = path / _INDEX
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: path / f for k, f in weight_map.items()}
-        else:
-            shards = sorted(path.glob("*.safetensors"))
-            if not shards:
-                raise CheckpointError(f"{path}: no *.safetensors files and no {_INDEX}")
-            self.files = {}
-            for shard in shards:
-                with safe_open(shard, "pt") as f:
-                    self.files.update({k: shard for k in f.keys()})
-        for f in set(self.files.values()):
-            if not f.exists():
-                raise CheckpointError(f"{path}: {_INDEX} names {f.name}, which does not exist")
-        self._open: dict[Path, object] = {}
-
-    def keys(self) -> set[str]:
-        return set(self.files)
-
-    def get(self, key: str) -> torch.Tensor:
-        f = self.files[key]
-        if f not in self._open:
-            self._open[f] = safe_open(f, "pt")
-        return self._open[f].get_tensor(key)
-
-
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no config.json (not a HuggingFace model directory)")
-    return config_from_hf(json.loads(cfg_file.read_text()))
+    d = read_json_object(cfg_file)
+    check_config_fields(d, cfg_file)
+    try:
+        return config_from_hf(d)
+    except ModelError:  # an architecture Tessera does not reproduce: already names the field
+        raise
+    except ConfigError as e:  # values that do not fit together: a bad file, not a bad command line
+        raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{str(cfg_file)!r}: required field {e.args[0]!r} is missing") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,

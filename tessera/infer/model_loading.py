@@ -4,21 +4,22 @@ Three kinds of directory are served:
 - a HuggingFace model directory (config.json + safetensors) of a supported family;
 - a pre-quantized directory written by `tessera.infer.quant.save_quantized`;
 - a Tessera training checkpoint (`step_N/` with DCP files and meta.json, a `checkpoints/` root
-  or a run directory): the model config comes from meta.json, the tokenizer from the run's
-  `data.tokenizer` (the bundled tokenizer when unset).
+  or a run directory): loaded by `tessera.checkpoint.convert.load_tessera_model`, the one loader
+  of Tessera checkpoints; the tokenizer comes from the run's `data.tokenizer` (the bundled
+  tokenizer when unset).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from tessera.checkpoint import dcp
+from tessera.checkpoint.convert import load_tessera_model
 from tessera.checkpoint.hf import load_pretrained
+from tessera.checkpoint.hf_files import read_json_object
 from tessera.config.errors import CheckpointError
-from tessera.config.model import ModelConfig
 from tessera.infer.quant import is_quantized_dir, load_quantized
 from tessera.models.transformer import Transformer
 
@@ -34,22 +35,6 @@ def _tessera_checkpoint(path: Path) -> Path | None:
         return None
 
 
-def load_tessera_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
-                            device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
-    """A model from a Tessera training checkpoint, and the run config stored with it."""
-    ckpt = dcp.resolve_checkpoint(path)
-    meta = dcp.read_meta(ckpt)
-    run_cfg = meta.get("config") or {}
-    if "model" not in run_cfg:
-        raise CheckpointError(f"{ckpt}: meta.json has no config.model; cannot rebuild the model")
-    cfg = ModelConfig.from_dict(run_cfg["model"])
-    model = Transformer(cfg, init_seed=None)
-    state = {"model": model.state_dict()}
-    dcp.load_checkpoint(ckpt, state)
-    model.load_state_dict(state["model"], strict=True)
-    return model.to(device=device, dtype=dtype).eval(), run_cfg
-
-
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
                ) -> tuple[Transformer, list[str] | None, dict]:
     """(model, names of int8 layers or None, Tessera run config or {}) for any served directory."""
@@ -62,7 +47,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     if (path / "config.json").is_file():
         return load_pretrained(path, dtype=dtype, device=device), None, {}
     if _tessera_checkpoint(path) is not None:
-        model, run_cfg = load_tessera_checkpoint(path, dtype, device)
+        model, run_cfg = load_tessera_model(path, dtype, device)
         return model, None, run_cfg
     raise CheckpointError(f"{path}: neither a HuggingFace model directory (config.json), a pre-quantized "
                           "directory, nor a Tessera checkpoint (step_*/meta.json)")
@@ -92,11 +77,14 @@ def eos_token_ids(path: str | Path, tokenizer) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
-            value = json.loads(f.read_text()).get("eos_token_id")
-            if isinstance(value, int):
+            value = read_json_object(f).get("eos_token_id")
+            if isinstance(value, int) and not isinstance(value, bool):
                 ids.add(value)
-            elif isinstance(value, list):
-                ids.update(int(v) for v in value)
+            elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                ids.update(value)
+            elif value is not None:
+                raise CheckpointError(f"{str(f)!r}: eos_token_id={value!r} is invalid: must be a token id or a "
+                                      "list of token ids")
     if tokenizer is not None and tokenizer.eos_id is not None:
         ids.add(tokenizer.eos_id)
     return ids

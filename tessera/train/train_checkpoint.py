@@ -3,9 +3,14 @@
     model.<name>                  every weight and buffer by parameter name, global shape
     optim.state.<name>.<key>      AdamW's step / exp_avg / exp_avg_sq of each parameter
     optim.param_groups.<name>.<k> its group's hyper-parameters (lr, betas, weight decay, ...)
-    trainer                       step, tokens seen, schedule, data position (pickled; the same on
+    trainer                       step, tokens seen, schedule, data position (JSON text; the same on
                                   every rank, so DCP stores it once)
-    rng.rank<r>                   rank r's RNG states (Python, NumPy, torch CPU/CUDA), pickled
+    rng.rank<r>                   rank r's RNG states (Python, NumPy, torch CPU/CUDA), JSON text
+
+Nothing in a checkpoint is unpickled beyond plain data. Checkpoints written before trainer and RNG
+state became JSON hold them as pickles: those are read with the restricted unpickler
+(tessera.checkpoint.restricted_unpickle), which builds only containers, numbers, NumPy arrays and
+tensors and refuses anything else with a CheckpointError.
 
 Model and optimizer come from `get_state_dict(..., flatten_optimizer_state_dict=True)`: tensors
 are DTensors where FSDP / TP / EP split them, and every key is a parameter name, whichever
@@ -26,7 +31,7 @@ What is restored on resume:
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +40,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.restricted_unpickle import restricted_loads
+from tessera.config.errors import CheckpointError
 from tessera.config.schema import RunConfig
-from tessera.train.rng_state import capture_rng_state, restore_rng_state
+from tessera.train.rng_state import capture_rng_state, decode_rng_state, encode_rng_state, restore_rng_state
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -62,8 +69,8 @@ def save_training_state(root: Path, step: int, parts: list[nn.Module], optimizer
                         trainer_state: dict[str, Any], cfg: RunConfig, rank: int, world_size: int) -> Path:
     """Write checkpoint `step` under `root` (every rank calls this; rank 0 completes the directory)."""
     model_sd, optim_sd = model_and_optimizer_state(parts, optimizers)
-    state = {"model": model_sd, "optim": optim_sd, "trainer": pickle.dumps(trainer_state),
-             "rng": {f"rank{rank}": pickle.dumps(capture_rng_state())}}
+    state = {"model": model_sd, "optim": optim_sd, "trainer": json.dumps(trainer_state),
+             "rng": {f"rank{rank}": json.dumps(encode_rng_state(capture_rng_state()))}}
     meta = {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
     return ckpt.save_checkpoint(root, step, state, meta, cfg.checkpoint.keep_last)
 
@@ -82,13 +89,34 @@ def load_training_state(path: Path, parts: list[nn.Module], optimizers: list[tor
     rng_key = f"rank{rank}" if same_layout else "rank0"
     per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
     state: dict[str, Any] = {"model": {k: v for m, _ in per_part for k, v in m.items()},
-                             "optim": {k: v for _, o in per_part for k, v in o.items()}, "trainer": b""}
+                             "optim": {k: v for _, o in per_part for k, v in o.items()}, "trainer": ""}
     if f"rng.{rng_key}" in stored:
-        state["rng"] = {rng_key: b""}
+        state["rng"] = {rng_key: ""}
     ckpt.load_checkpoint(path, state)  # tensors are loaded in place, resharded to this layout
     for module, optimizer, (mine_m, mine_o) in zip(parts, optimizers, per_part, strict=True):
         set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in mine_m},
                        optim_state_dict={k: state["optim"][k] for k in mine_o}, options=STATE_OPTIONS)
     if "rng" in state:
-        restore_rng_state(pickle.loads(state["rng"][rng_key]))  # checkpoints are trusted input
-    return pickle.loads(state["trainer"])
+        rng = _plain_state(state["rng"][rng_key], path, f"rng.{rng_key}")
+        try:
+            restore_rng_state(decode_rng_state(rng) if isinstance(state["rng"][rng_key], str) else rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {str(path)!r}: rng.{rng_key} is not an RNG state ({e})") from e
+    trainer = _plain_state(state["trainer"], path, "trainer")
+    if not isinstance(trainer, dict) or not {"step", "tokens_seen", "scheduler", "data"} <= set(trainer):
+        raise CheckpointError(f"checkpoint {str(path)!r}: its trainer state lacks step / tokens_seen / scheduler "
+                              "/ data; the checkpoint is damaged")
+    return trainer
+
+
+def _plain_state(value: Any, path: Path, key: str) -> Any:
+    """JSON text as written today; bytes are a pickle of an older checkpoint, read with the
+    restricted unpickler (plain data, arrays and tensors only)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {key} is not valid JSON ({e})") from e
+    if isinstance(value, bytes):
+        return restricted_loads(value, "legacy-state", f"checkpoint {str(path)!r}: {key}")
+    raise CheckpointError(f"checkpoint {str(path)!r}: {key} holds a {type(value).__name__}, not JSON text")

@@ -40,6 +40,7 @@ which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.run_lock import RunDirLock
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
@@ -98,6 +100,7 @@ class Trainer:
         self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
         check_fp8(t.fp8, self.device)
+        self.run_lock = RunDirLock(self.run_dir)  # held by rank 0 until train() returns (or self is dropped)
         resume_from = self._checkpoint_to_resume(resume)
         if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
             raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
@@ -152,11 +155,22 @@ class Trainer:
 
         Leftovers of an interrupted save are cleaned up first: a crash while a step was saved again
         leaves that step's complete checkpoint under `.old-step_N-PID` (dcp.remove_partial_saves
-        puts it back), and the step to resume from must be chosen after it is back in place."""
+        puts it back), and the step to resume from must be chosen after it is back in place. Before
+        anything, rank 0 locks the run directory (run_lock.py): a second trainer on it is refused.
+        The checkpoint resumed from is the newest whose files match their checksums; each newer
+        damaged one is named on stderr, with the file that is wrong."""
 
         def decide() -> tuple[str | None, str | None]:
+            self.run_lock.acquire()
             ckpt.remove_partial_saves(self.ckpt_root)
             found = ckpt.find_latest(self.ckpt_root)
+            if resume and found is not None:
+                found, damaged = ckpt.find_latest_good(self.ckpt_root)
+                if found is None:
+                    raise CheckpointError(f"no usable checkpoint in {str(self.ckpt_root)!r} to resume from: "
+                                          + "; ".join(damaged))
+                for line in damaged:
+                    print(f"warning: {line}; resuming from {found.name} instead", file=sys.stderr)
             if not resume and found is not None:
                 return (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
                               "continue that run, or choose another run_dir")
@@ -328,6 +342,8 @@ class Trainer:
 
         On several ranks a signal that reaches any rank stops all of them after the same step."""
         t, log = self.cfg.train, self.cfg.log
+        if self.layout.is_coordinator:
+            self.run_lock.acquire()  # again, after an earlier train() released it
         writer = self._prepare_run_dir()
         result = TrainResult(start_step=self.step, last_step=self.step)
         bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and self.layout.is_coordinator),
@@ -377,5 +393,6 @@ class Trainer:
             bar.close()
             if writer is not None:
                 writer.close()
+            self.run_lock.release()
         result.last_step = self.step
         return result

@@ -19,7 +19,9 @@ def test_round_trip_and_pointer(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 7, _state(1.5), {"note": "x"}, keep_last=3)
     assert path == tmp_path / "step_00000007" and ckpt.is_complete(path)
     assert (tmp_path / "latest").read_text().strip() == "step_00000007"
-    assert ckpt.read_meta(path) == {"step": 7, "format": 1, "note": "x"}
+    meta = ckpt.read_meta(path)
+    assert sorted(meta.pop("files")) == [".metadata", "__0_0.distcp"]  # with their sizes and checksums
+    assert meta == {"step": 7, "format": 1, "note": "x"}
     target = {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "extra": b""}
     ckpt.load_checkpoint(path, target)
     assert torch.equal(target["model"]["w"], torch.full((2, 3), 1.5))
