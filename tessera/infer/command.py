@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from tessera.config.argument_types import int_in, port, positive_float, seed
-from tessera.config.errors import TesseraError
+from tessera.config.errors import ConfigError, ParallelError, TesseraError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
@@ -69,7 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace):
-    from tessera.config.errors import ConfigError
     from tessera.infer.config import EngineConfig, SpeculativeConfig
 
     adapters = {}
@@ -94,7 +93,6 @@ def engine_config(args: argparse.Namespace):
 def _check_server_options(args: argparse.Namespace):
     """ConfigError for serving options that cannot work, before the model is loaded; returns the
     Host allow-list (None: any)."""
-    from tessera.config.errors import ConfigError
     from tessera.infer.http_guards import allowed_hosts, check_api_key
 
     check_api_key(args.api_key)
@@ -125,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
         from tessera.infer.server import create_app
 
         engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
-    except TesseraError as e:
+    except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
         print(f"tessera serve: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
     loop = EngineLoop(engine).start()

@@ -345,3 +345,10 @@ def test_a_failed_forward_pass_fails_the_running_requests_not_the_queued_ones(ll
     assert outs[first].finish_reason == "error" and "device lost" in outs[first].error
     assert outs[second].finish_reason == "length" and outs[second].token_ids == hf_greedy(hf, ids, 6)
     assert loop.step_errors == 1
+
+
+def test_serve_refuses_an_unreadable_model_directory_with_exit_1(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    assert serve_main([str(tmp_path)]) == 1  # a bad file, not a bad option
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tessera serve: error: ") and "\n" not in err
