@@ -99,6 +99,7 @@ def test_loss_scale_is_checkpointed_and_resumed(small_dataset, tmp_path):
     trainer.loss_scaler.scale, trainer.loss_scaler.good_steps = 512.0, 7
     trainer.train_step()
     trainer.save()
+    trainer.run_lock.release()  # the run directory is locked while its first trainer lives
     resumed = Trainer(load_config(TINY_DENSE, overrides), resume=True)
     assert (resumed.loss_scaler.scale, resumed.loss_scaler.good_steps) == (512.0, 8)
 
