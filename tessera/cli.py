@@ -14,13 +14,14 @@ that declares its arguments, a function that runs it, and one line in the list. 
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.config.errors import ConfigError, ParallelError, TesseraError
+from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section; "
-                        "for several nodes use torchrun (examples/slurm.sbatch)")
+                        "None: this one process (or the ranks torchrun started); for several nodes use "
+                        "torchrun (examples/slurm.sbatch)")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
@@ -121,8 +123,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
-    p.add_argument("--output", help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the bundled one)")
+    p.add_argument("--output", default=None, help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (None: the bundled one)")
     p.add_argument("--jsonl-field", default="text", help="field of each JSONL record holding the text")
     p.add_argument("--text-mode", default="document", choices=["document", "line"],
                    help="a .txt file is one document, or each non-empty line is one")
@@ -132,7 +134,8 @@ def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
                         "answer-only loss mask PREFIX.mask (train with data.kind=sft)")
     p.add_argument("--bundled", action="store_true",
                    help="prepare the bundled stdlib corpus under --cache-dir instead (prints its prefix)")
-    p.add_argument("--cache-dir", default=None, help="with --bundled: where to prepare it")
+    p.add_argument("--cache-dir", default=None,
+                   help="with --bundled: where to prepare it (None: data.cache_dir's default)")
 
 
 def _preprocess(args: argparse.Namespace) -> int:
@@ -169,12 +172,15 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample only within this probability mass")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens (None: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample only within this probability mass (None: all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, for repeatable samples (None: a fresh random seed, printed on stderr)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer (default: the one the run was trained with, else the bundled one)")
+                   help="tokenizer file or directory (None: the run's data.tokenizer for a Tessera run, the "
+                        "directory's own for a HuggingFace one)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step")
 
 
@@ -187,20 +193,25 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} is invalid: must be >= 0")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p={args.top_p} is invalid: must be in (0, 1]")
-    model, run_cfg = load_model(args.checkpoint)
     source = args.tokenizer
+    if source is None and is_hf_directory(args.checkpoint):
+        if not (Path(args.checkpoint) / "tokenizer.json").is_file():
+            raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
+                                  "copy the model's tokenizer files into it")
+        source = args.checkpoint
+    model, run_cfg = load_model(args.checkpoint)
     if source is None and run_cfg is not None:
         source = run_cfg.data.tokenizer
-    hf_tokenizer = Path(args.checkpoint) / "tokenizer.json"
-    if source is None and is_hf_directory(args.checkpoint) and hf_tokenizer.is_file():
-        source = args.checkpoint
     tokenizer = load_tokenizer(source)
+    if args.seed is None and args.temperature > 0:
+        args.seed = random.SystemRandom().randrange(2**31)
+        print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     if not prompt_ids:
         raise ConfigError("--prompt is empty after tokenization; give at least one character")
     stop = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   args.seed, stop_ids=stop, use_cache=not args.no_cache)
+                   args.seed or 0, stop_ids=stop, use_cache=not args.no_cache)
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
     return 0
 
@@ -211,12 +222,15 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a HuggingFace model directory, or a Tessera run directory / checkpoint")
     p.add_argument("dst", help="the directory to write (the other format)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    p.add_argument("--tokenizer", default=None,
+                   help="Tessera -> HuggingFace: tokenizer to write with the weights (None: the run's "
+                        "data.tokenizer, else the bundled one)")
 
 
 def _convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert
 
-    kind, path = convert(args.src, args.dst, args.dtype)
+    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer)
     print(f"wrote {kind} directory {path}")
     return 0
 
@@ -251,7 +265,8 @@ def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentPars
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in commands or COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

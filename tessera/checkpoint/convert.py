@@ -73,10 +73,13 @@ def save_model_checkpoint(model: Transformer, root: str | os.PathLike, cfg: RunC
     return ckpt.save_checkpoint(root, step, state, {"config": cfg.to_dict()}, keep_last=1)
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32") -> tuple[str, Path]:
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
+            tokenizer: str | os.PathLike | None = None) -> tuple[str, Path]:
     """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
 
-    Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
+    Tessera -> HF writes the tokenizer with the weights: `tokenizer` when given, else the run's
+    `data.tokenizer` (the bundled one when that is unset). Returns ("tessera" | "huggingface",
+    what was written). `dst` must not be `src`.
     """
     if Path(src).resolve() == Path(dst).resolve():
         raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
@@ -92,8 +95,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
         return "tessera", save_model_checkpoint(model, dst)
     from tessera.checkpoint.hf import save_pretrained
 
-    model, _ = load_tessera_model(src)
-    save_pretrained(model.to(DTYPES[dtype]), dst)
+    model, run_cfg = load_tessera_model(src)
+    save_pretrained(model.to(DTYPES[dtype]), dst, tokenizer=tokenizer or run_cfg.data.tokenizer or "default")
     return "huggingface", Path(dst)
 
 

@@ -48,28 +48,28 @@ def load_run_inputs(path: str, overrides: list[str] | None = None) -> RunInputs:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run configuration YAML (model, train and parallel sections)")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB")
     parser.add_argument("--gpu-flops", default="989e12",
-                        help="peak dense FLOP/s per GPU in the compute dtype (default 989e12, H100 SXM bf16)")
+                        help="peak dense FLOP/s per GPU in the compute dtype (989e12: H100 SXM bf16)")
     parser.add_argument("--efficiency", type=float, default=0.5,
-                        help="share of peak FLOP/s the matrix work reaches (default 0.5)")
+                        help="share of peak FLOP/s the matrix work reaches")
     parser.add_argument("--intra-node-bandwidth", default="450GB/s",
-                        help="per-GPU collective bandwidth inside a node (default 450GB/s, NVLink 4)")
+                        help="per-GPU collective bandwidth inside a node (450GB/s: NVLink 4)")
     parser.add_argument("--inter-node-bandwidth", default="50GB/s",
-                        help="per-GPU collective bandwidth across nodes (default 50GB/s, 400 Gb/s InfiniBand)")
+                        help="per-GPU collective bandwidth across nodes (50GB/s: 400 Gb/s InfiniBand)")
     parser.add_argument("--memory-bandwidth", default="3.35TB/s",
-                        help="HBM bandwidth per GPU, bounds the optimizer step (default 3.35TB/s)")
+                        help="HBM bandwidth per GPU, bounds the optimizer step")
     parser.add_argument("--reserved-memory", default="3GiB",
-                        help="memory per GPU taken by the CUDA context, NCCL and fragmentation (default 3GiB)")
+                        help="memory per GPU taken by the CUDA context, NCCL and fragmentation")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                        help="bytes of the model states (default from train.dtype: fp32 -> fp32, bf16 -> bf16)")
+                        help="bytes of the model states (None: from train.dtype, fp32 -> fp32, bf16 -> bf16)")
     parser.add_argument("--activation-dtype", choices=sorted(ACTIVATION_DTYPES), default=None,
-                        help="how activations are stored (default from train.dtype: bf16 -> autocast-bf16)")
+                        help="how activations are stored (None: from train.dtype, bf16 -> autocast-bf16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set parallel.tp=8 (repeatable)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout instead of the configured one")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m tessera.plan.command`), the same as `tessera plan`."""
-    parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
