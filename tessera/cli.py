@@ -91,11 +91,17 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1:
         return _launch_ranks(args, cfg)
     from tessera.parallel.launch import shutdown_distributed
+    from tessera.train import console
     from tessera.train.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, resume=args.resume)
         coordinator = trainer.layout.is_coordinator
+        if coordinator:
+            warning = console.schedule_warning(cfg)
+            lines = console.startup_summary(cfg, trainer.layout.world_size, str(trainer.device), trainer.accumulation,
+                                            trainer.step)
+            print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
         result = trainer.train()
@@ -110,9 +116,8 @@ def _train(args: argparse.Namespace) -> int:
     summary = f"trained steps {result.start_step + 1}..{result.last_step}"
     if "loss" in last:
         summary += f", last loss {last['loss']:.4f}"
-    if result.checkpoint is not None:
-        summary += f", checkpoint {result.checkpoint}"
     print(summary)
+    print("\n".join(console.next_steps(cfg, result.checkpoint)))
     if result.stopped_by_signal is not None:
         print(f"stopped by {signal.Signals(result.stopped_by_signal).name}", file=sys.stderr)
         return 128 + result.stopped_by_signal

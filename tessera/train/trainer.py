@@ -38,6 +38,7 @@ which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.train.comm_metrics import comm_record
+from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.metrics_writer import MetricsWriter
 from tessera.train.optimizer import build_optimizer
@@ -331,6 +333,8 @@ class Trainer:
                         rec = self._record(stats, window_tokens, window_seconds)
                         if evaluate:
                             rec.update(self.evaluate())
+                            if self.layout.is_coordinator:
+                                tqdm.write(eval_line(self.step, rec["val_loss"], rec["val_ppl"]), file=sys.stderr)
                         if writer is not None:
                             writer.write(rec)
                             result.records.append(rec)
