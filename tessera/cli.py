@@ -50,9 +50,11 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     """`--nproc N`: check the layout against N ranks, then run this command once per rank."""
     from tessera.parallel.dims import ParallelDims
     from tessera.parallel.launch import launch_local, module_command
+    from tessera.train.run_layout import check_batch_layout
 
     dims = ParallelDims.from_config(cfg.parallel, args.nproc)
     dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
+    check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
     return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
 
