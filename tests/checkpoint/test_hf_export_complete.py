@@ -128,3 +128,11 @@ def test_generate_refuses_a_directory_without_tokenizer(export, tmp_path):
                            "--prompt", "def "], capture_output=True, text=True, env=env, timeout=90)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith("tessera generate: error: ") and "has no tokenizer" in proc.stderr
+
+
+def test_converting_an_export_back_records_its_tokenizer(export, tmp_path):
+    from tessera.checkpoint.convert import load_tessera_model
+
+    convert(export, tmp_path / "back")
+    _, cfg = load_tessera_model(tmp_path / "back")
+    assert cfg.data.tokenizer == str(export.resolve())
