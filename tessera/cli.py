@@ -2,8 +2,13 @@
 
     tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]
     tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
-    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
-    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint)
+    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint, tokenizer included)
+    tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
+    tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
+
+Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
+runs. Every option's help shows its default.
 
 A subcommand is a `Command(name, help, add_arguments, run)` in COMMANDS; adding one is a function
 that declares its arguments, a function that runs it, and one line in the list. Bad input
@@ -230,8 +235,9 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="the directory to write (the other format)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
     p.add_argument("--tokenizer", default=None,
-                   help="Tessera -> HuggingFace: tokenizer to write with the weights (None: the run's "
-                        "data.tokenizer, else the bundled one)")
+                   help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
+                        "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "
+                        "HuggingFace directory's own")
 
 
 def _convert(args: argparse.Namespace) -> int:
