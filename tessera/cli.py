@@ -2,8 +2,13 @@
 
     tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]
     tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
-    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P]
-    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint)
+    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint, tokenizer included)
+    tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
+    tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
+
+Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
+runs. Every option's help shows its default.
 
 A subcommand is a `Command(name, help, add_arguments, run)` in COMMANDS; adding one is a function
 that declares its arguments, a function that runs it, and one line in the list. Bad input
@@ -14,6 +19,7 @@ that declares its arguments, a function that runs it, and one line in the list. 
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import sys
 from collections.abc import Callable
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.config.argument_types import OneLineArgumentParser, int_in, seed, temperature, top_k, top_p
-from tessera.config.errors import ConfigError, ParallelError, TesseraError
+from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
 from tessera.config.limits import MAX_LOCAL_RANKS, MAX_SEQ_LEN
 
 
@@ -43,16 +49,19 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
     p.add_argument("--nproc", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
                    help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section; "
-                        "for several nodes use torchrun (examples/slurm.sbatch)")
+                        "None: this one process (or the ranks torchrun started); for several nodes use "
+                        "torchrun (examples/slurm.sbatch)")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     """`--nproc N`: check the layout against N ranks, then run this command once per rank."""
     from tessera.parallel.dims import ParallelDims
     from tessera.parallel.launch import launch_local, module_command
+    from tessera.train.run_layout import check_batch_layout
 
     dims = ParallelDims.from_config(cfg.parallel, args.nproc)
     dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
+    check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
     return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
 
@@ -89,11 +98,17 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1:
         return _launch_ranks(args, cfg)
     from tessera.parallel.launch import shutdown_distributed
+    from tessera.train import console
     from tessera.train.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, resume=args.resume)
         coordinator = trainer.layout.is_coordinator
+        if coordinator:
+            warning = console.schedule_warning(cfg)
+            lines = console.startup_summary(cfg, trainer.layout.world_size, str(trainer.device), trainer.accumulation,
+                                            trainer.step)
+            print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
         result = trainer.train()
@@ -108,9 +123,8 @@ def _train(args: argparse.Namespace) -> int:
     summary = f"trained steps {result.start_step + 1}..{result.last_step}"
     if "loss" in last:
         summary += f", last loss {last['loss']:.4f}"
-    if result.checkpoint is not None:
-        summary += f", checkpoint {result.checkpoint}"
     print(summary)
+    print("\n".join(console.next_steps(cfg, result.checkpoint)))
     if result.stopped_by_signal is not None:
         print(f"stopped by {signal.Signals(result.stopped_by_signal).name}", file=sys.stderr)
         return 128 + result.stopped_by_signal
@@ -121,8 +135,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
-    p.add_argument("--output", help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the bundled one)")
+    p.add_argument("--output", default=None, help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (None: the bundled one)")
     p.add_argument("--jsonl-field", default="text", help="field of each JSONL record holding the text")
     p.add_argument("--text-mode", default="document", choices=["document", "line"],
                    help="a .txt file is one document, or each non-empty line is one")
@@ -132,7 +146,8 @@ def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
                         "answer-only loss mask PREFIX.mask (train with data.kind=sft)")
     p.add_argument("--bundled", action="store_true",
                    help="prepare the bundled stdlib corpus under --cache-dir instead (prints its prefix)")
-    p.add_argument("--cache-dir", default=None, help="with --bundled: where to prepare it")
+    p.add_argument("--cache-dir", default=None,
+                   help="with --bundled: where to prepare it (None: data.cache_dir's default)")
 
 
 def _preprocess(args: argparse.Namespace) -> int:
@@ -169,13 +184,16 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int_in(0, MAX_SEQ_LEN), default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--top-k", type=top_k, default=None,
-                   help="sample only among the k most likely tokens (0 = no limit)")
-    p.add_argument("--top-p", type=top_p, default=None, help="sample only within this probability mass, in (0, 1]")
-    p.add_argument("--seed", type=seed, default=0, help="sampling seed")
+                   help="sample only among the k most likely tokens (None or 0: all)")
+    p.add_argument("--top-p", type=top_p, default=None,
+                   help="sample only within this probability mass, in (0, 1] (None: all)")
+    p.add_argument("--seed", type=seed, default=None,
+                   help="sampling seed, for repeatable samples (None: a fresh random seed, printed on stderr)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer (default: the one the run was trained with, else the bundled one)")
+                   help="tokenizer file or directory (None: the run's data.tokenizer for a Tessera run, the "
+                        "directory's own for a HuggingFace one)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole prefix every step instead of using the serving engine's KV cache "
                         "(slow: a check of the cached output)")
@@ -189,12 +207,13 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
               ("--temperature", args.temperature, 0 <= args.temperature <= 100, "must be in [0, 100] (0 = greedy)"),
               ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, "must be >= 0 (0 = no limit)"),
               ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "must be in (0, 1]"),
-              ("--seed", args.seed, 0 <= args.seed < 2**63, "must be in [0, 2^63)")]
+              ("--seed", args.seed, args.seed is None or 0 <= args.seed < 2**63, "must be in [0, 2^63)")]
     for flag, value, ok, allowed in checks:
         if not ok:
             raise ConfigError(f"{flag}={value} is invalid: {allowed}")
     return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
-                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed, stop_token_ids=stop_ids)
+                          top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
+                          stop_token_ids=stop_ids)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -206,14 +225,19 @@ def _generate(args: argparse.Namespace) -> int:
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate
 
-    model, run_cfg = load_model(args.checkpoint)
     source = args.tokenizer
+    if source is None and is_hf_directory(args.checkpoint):
+        if not (Path(args.checkpoint) / "tokenizer.json").is_file():
+            raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
+                                  "copy the model's tokenizer files into it")
+        source = args.checkpoint
+    model, run_cfg = load_model(args.checkpoint)
     if source is None and run_cfg is not None:
         source = run_cfg.data.tokenizer
-    hf_tokenizer = Path(args.checkpoint) / "tokenizer.json"
-    if source is None and is_hf_directory(args.checkpoint) and hf_tokenizer.is_file():
-        source = args.checkpoint
     tokenizer = load_tokenizer(source)
+    if args.seed is None and args.temperature > 0:
+        args.seed = random.SystemRandom().randrange(2**31)
+        print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     if not prompt_ids:
         raise ConfigError("--prompt is empty after tokenization; give at least one character")
@@ -242,12 +266,16 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a HuggingFace model directory, or a Tessera run directory / checkpoint")
     p.add_argument("dst", help="the directory to write (the other format)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
+                        "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "
+                        "HuggingFace directory's own")
 
 
 def _convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert
 
-    kind, path = convert(args.src, args.dst, args.dtype)
+    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer)
     print(f"wrote {kind} directory {path}")
     return 0
 
@@ -282,7 +310,8 @@ def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentPars
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in commands or COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

@@ -91,18 +91,24 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"
 
 
 def save_model_checkpoint(model: Transformer, root: str | os.PathLike, cfg: RunConfig | None = None,
-                          step: int = 0) -> Path:
-    """Write `model`'s weights as a Tessera checkpoint `root/step_N` (no optimizer state)."""
+                          step: int = 0, tokenizer: str | None = None) -> Path:
+    """Write `model`'s weights as a Tessera checkpoint `root/step_N` (no optimizer state);
+    without `cfg`, `tokenizer` is recorded as its data.tokenizer (what generate and serve use)."""
     if cfg is None:  # a run config that validates: defaults, with a sequence length the model takes
         cfg = RunConfig(model=model.cfg, run_dir=str(root))
         cfg.train.seq_len = min(cfg.train.seq_len, model.cfg.max_seq_len)
+        cfg.data.tokenizer = tokenizer
     state = {"model": {k: v.detach() for k, v in model.state_dict().items()}}
     return ckpt.save_checkpoint(root, step, state, {"config": cfg.to_dict()}, keep_last=1)
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32") -> tuple[str, Path]:
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
+            tokenizer: str | os.PathLike | None = None) -> tuple[str, Path]:
     """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
 
+    Tessera -> HF writes the tokenizer with the weights: `tokenizer` when given, else the run's
+    `data.tokenizer` (the bundled one when that is unset). HF -> Tessera records the tokenizer
+    (`tokenizer`, else the HF directory's own when it has one) as the checkpoint's data.tokenizer.
     Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
     """
     if Path(src).resolve() == Path(dst).resolve():
@@ -121,12 +127,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32")
         from tessera.checkpoint.hf import load_pretrained
 
         model = load_pretrained(src, dtype=DTYPES[dtype])
-        return "tessera", save_model_checkpoint(model, dst)
+        own = Path(src) / "tokenizer.json"
+        source = tokenizer or (str(Path(src).resolve()) if own.is_file() else None)
+        return "tessera", save_model_checkpoint(model, dst, tokenizer=None if source is None else str(source))
     from tessera.checkpoint.hf import save_pretrained
 
-    model, _ = load_tessera_model(src)
+    model, run_cfg = load_model(src)
+    source = tokenizer or (run_cfg.data.tokenizer if run_cfg is not None else None) or "default"
     try:
-        save_pretrained(model.to(DTYPES[dtype]), dst)
+        save_pretrained(model.to(DTYPES[dtype]), dst, tokenizer=source)
     except OSError as e:  # a full disk, a read-only file system: the export is removed, dst untouched
         raise CheckpointError(f"convert: cannot write {str(dst)!r}: {e.strerror or e}") from e
     return "huggingface", Path(dst)

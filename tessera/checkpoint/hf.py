@@ -1,7 +1,8 @@
 """Load and save HuggingFace model directories (config.json + safetensors, single or sharded).
 
     model = load_pretrained("path/to/Mixtral-8x7B", dtype=torch.bfloat16)
-    save_pretrained(model, "out/")   # transformers.AutoModelForCausalLM.from_pretrained("out/") loads it
+    save_pretrained(model, "out/", tokenizer="path/to/Mixtral-8x7B")   # AutoModelForCausalLM and
+                                                                        # AutoTokenizer load "out/"
 
 One process, whole tensors. Errors name what is wrong: an unsupported architecture lists the
 supported ones, missing or unexpected tensors list the first few keys, a shape mismatch names the
@@ -22,6 +23,13 @@ from safetensors.torch import save_file
 
 from tessera.checkpoint.hf_config import config_from_hf, config_to_hf
 from tessera.checkpoint.hf_files import INDEX, SafetensorsDir, check_config_fields, read_json_object
+from tessera.checkpoint.hf_tokenizer import (
+    TOKENIZER_FILES,
+    check_vocabulary,
+    resolve_tokenizer,
+    special_token_ids,
+    write_tokenizer_files,
+)
 from tessera.checkpoint.hf_weights import check_exportable, hf_names
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import ModelConfig
@@ -100,14 +108,22 @@ def _hf_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
                 yield h, part.contiguous()
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
+                    tokenizer=None) -> None:
     """Write config.json and safetensors (sharded above `max_shard_bytes`, with an index) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads. Written to a temporary directory
-    beside `path` and renamed into place, so a failed save leaves any earlier `path` intact."""
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, and with `tokenizer` (a
+    `tessera.data.Tokenizer`, a tokenizer directory or file, or "default" for the bundled one) its
+    files, special-token ids and chat template (hf_tokenizer.py), so that `AutoTokenizer` and
+    `tessera serve` read the directory alone. Written to a temporary directory beside `path` and
+    renamed into place, so a failed save leaves any earlier `path` intact; the directory and its
+    files get the permissions the process's umask gives ordinary files."""
     path = Path(path)
     cfg = model.cfg
     check_exportable(cfg)
-    hf_cfg = config_to_hf(cfg)
+    tok = resolve_tokenizer(tokenizer)
+    if tok is not None:
+        check_vocabulary(tok, cfg.vocab_size)
+    hf_cfg = config_to_hf(cfg) | special_token_ids(tok)
     dtype = next(model.parameters()).dtype
     hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -128,6 +144,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         _write_export(tmp, shards, hf_cfg)
+        write_tokenizer_files(tmp, tok)
+        _make_readable(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -140,8 +158,17 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes
         os.replace(tmp, path)
 
 
+def _make_readable(directory: Path) -> None:
+    """`mkdtemp` makes a private (0700) directory; give it and its files what the umask allows."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(directory, 0o777 & ~mask)
+    for f in directory.iterdir():
+        os.chmod(f, 0o666 & ~mask)
+
+
 def _is_export_file(name: str) -> bool:
-    return name in ("config.json", "generation_config.json", _INDEX) or (
+    return name in ("config.json", "generation_config.json", _INDEX, *TOKENIZER_FILES) or (
         name.startswith("model") and name.endswith(".safetensors"))
 
 

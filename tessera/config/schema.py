@@ -104,7 +104,9 @@ class OptimConfig:
     warmup_steps: int = 100  # linear warm-up from lr/warmup_steps to lr over this many steps
     # wsd only: length of the final linear decay to min_lr; None = the last 20% of total steps.
     decay_steps: int | None = None
-    total_steps: int | None = None  # where decay ends (min_lr from then on); None = train.steps
+    # Where decay ends (min_lr from then on); None = train.steps. Fixed, it keeps the schedule when a
+    # resumed run raises train.steps; train.steps beyond it is warned about at start-up.
+    total_steps: int | None = None
     fused: bool = False  # torch's fused AdamW kernel (CUDA only; same maths)
 
 

@@ -7,12 +7,32 @@ OpenAI-compatible HTTP server.
     llm = LLM("path/to/hf-model")
     out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     print(out[0].text)
+
+The names below are imported on first use (PEP 562), so that `tessera serve --help`, which only
+needs `tessera.infer.command`, does not import torch.
 """
 
-from tessera.infer.config import EngineConfig, SpeculativeConfig
-from tessera.infer.engine import LLMEngine
-from tessera.infer.llm import LLM, Completion
-from tessera.infer.sampling_params import SamplingParams
-from tessera.infer.sequence import RequestOutput
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineConfig": "tessera.infer.config", "SpeculativeConfig": "tessera.infer.config",
+    "LLMEngine": "tessera.infer.engine", "LLM": "tessera.infer.llm", "Completion": "tessera.infer.llm",
+    "SamplingParams": "tessera.infer.sampling_params", "RequestOutput": "tessera.infer.sequence",
+}
 
 __all__ = ["LLM", "Completion", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "SpeculativeConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tessera.infer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -15,57 +15,79 @@ import sys
 from pathlib import Path
 
 from tessera.config.argument_types import int_in, port, positive_float, seed
-from tessera.config.errors import ConfigError, ParallelError, TesseraError
+from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve options; the CLI shows each one's default (argparse.ArgumentDefaultsHelpFormatter)."""
     p = parser
-    p.add_argument("model_dir", help="HuggingFace model directory, pre-quantized directory or Tessera checkpoint")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=port, default=8000, help="port to bind, 0..65535 (0: any free one)")
+    p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory "
+                                     "or Tessera run directory / checkpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port to listen on, 0..65535 (0: any free one)")
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
-                        "(default: $TESSERA_API_KEY; an empty key is refused)")
+                        "(default from $TESSERA_API_KEY; an empty key is refused)")
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="comma list of Host header names to answer, '*' for any; others get 400 (protects "
-                        "against DNS rebinding). Default: loopback names only when --host is a loopback "
+                        "against DNS rebinding). None: loopback names only when --host is a loopback "
                         "address, any name otherwise (set it when serving beyond this machine)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help=f"refuse request bodies larger than N bytes with 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+                   help="refuse request bodies larger than N bytes with 413")
     p.add_argument("--served-model-name", default=None,
-                   help="the `model` clients send (default: MODEL_DIR as given; its absolute path and base name "
+                   help="the `model` clients send (None: MODEL_DIR as given; its absolute path and base name "
                         "are accepted too)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the weights and activations")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when available, else cpu), cpu, cuda or cuda:N; as train.device")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-blocks", type=int_in(1, MAX_KV_BLOCKS), default=None,
-                   help="KV-cache blocks (default: from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=positive_float(MAX_KV_CACHE_GIB), default=1.0)
-    p.add_argument("--kv-cache-dtype", default=None, choices=["int8"], help="store keys/values as int8")
+                   help="KV-cache blocks (None: from --kv-cache-gib)")
+    p.add_argument("--kv-cache-gib", type=positive_float(MAX_KV_CACHE_GIB), default=1.0,
+                   help="memory for the KV cache when --num-blocks is unset")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8"],
+                   help="store keys/values as int8 (None: in --dtype)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in flight at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT",
                    help="prefill TEXT at start and keep its KV blocks cached (repeatable)")
-    p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup"], help="speculative decoding")
+    p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup"],
+                   help="speculative decoding method (None: off)")
     p.add_argument("--draft-model", default=None, help="draft model directory (with --speculative draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per speculative step")
     p.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only quantization at load")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve the PEFT adapter DIR under model name NAME (repeatable)")
     p.add_argument("--merge-lora", action="append", default=[], metavar="DIR",
                    help="merge the PEFT adapter DIR into the weights at load (repeatable)")
-    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-loras", type=int, default=8, help="LoRA adapters held at once")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --lora-modules-dir)")
     p.add_argument("--lora-modules-dir", action="append", default=[], metavar="DIR",
                    help="directory that runtime-loaded adapters must lie in, after resolving symlinks; a "
                         "relative lora_path is looked up inside it (repeatable)")
-    p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
+
+
+def resolve_device(name: str) -> str:
+    """`--device auto` is the GPU when there is one, else the CPU (the same rule as train.device)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"--device={name!r} is invalid: one of auto, cpu, cuda, cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device={name!r} is invalid: CUDA is not available here; use cpu or auto")
+    return name
 
 
 def engine_config(args: argparse.Namespace):
@@ -81,7 +103,8 @@ def engine_config(args: argparse.Namespace):
     if args.speculative:
         spec = SpeculativeConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
                                  draft_model=args.draft_model)
-    return EngineConfig(dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+    return EngineConfig(dtype=args.dtype, device=resolve_device(args.device), block_size=args.block_size,
+                        num_blocks=args.num_blocks,
                         kv_cache_gib=args.kv_cache_gib, kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
@@ -112,7 +135,10 @@ def _check_server_options(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread and serve HTTP until interrupted; 2 on bad input."""
+    """Load the model, start the engine thread and serve HTTP until interrupted.
+
+    Exit status 2 on a bad option, 1 on a directory that cannot be served (missing, damaged, or
+    without a tokenizer: text prompts would all fail, so that is said once, at start-up)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         hosts = _check_server_options(args)
@@ -123,8 +149,12 @@ def run(args: argparse.Namespace) -> int:
         from tessera.infer.server import create_app
 
         engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
+        if engine.tokenizer is None:
+            raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
+                                  "copy the model's tokenizer files into it, or export a Tessera run with "
+                                  "`tessera convert RUN_DIR OUT`, which writes them")
     except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
-        print(f"tessera serve: error: {e}", file=sys.stderr)
+        print(f"tessera serve: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
@@ -141,8 +171,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera serve", description="OpenAI-compatible server for a model")
+    parser = argparse.ArgumentParser(prog="tessera serve", description="OpenAI-compatible server for a model",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

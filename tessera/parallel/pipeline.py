@@ -83,12 +83,16 @@ def stages_of_rank(pp_rank: int, pp: int, vpp: int) -> list[int]:
 
 class AttachAuxLoss(torch.autograd.Function):
     """Forward: h unchanged. Backward: h's gradient, and gradient 1 for the (pre-scaled)
-    auxiliary loss, so it is minimised although it is not part of the pipeline's output."""
+    auxiliary loss, so it is minimised although it is not part of the pipeline's output.
+
+    The output shares h's storage (and version counter) without being an autograd view: it is
+    what the FSDP-wrapped stage returns, and FSDP2 warns about views there (an in-place op on one
+    would skip the pre-backward all-gather)."""
 
     @staticmethod
     def forward(ctx, h, aux):
         ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return h.view_as(h)
+        return h.detach()
 
     @staticmethod
     def backward(ctx, g):

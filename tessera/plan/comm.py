@@ -14,10 +14,12 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
 - EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
-Per step, data parallelism moves gradients and parameters of the rank's shard group: ZeRO-1
-reduce-scatters the gradients once and all-gathers the updated weights once; ZeRO-2
-reduce-scatters after every micro-batch; ZeRO-3 also all-gathers the weights before each forward
-and backward of every micro-batch (FSDP). dp_replicate all-reduces what is left (hybrid sharding).
+Data parallelism moves what the trainer's FSDP2 moves, unit by unit (`fsdp_units`: a block, the
+root, a block's experts under ep, its router under low-precision parameters): each unit's gradient
+is reduce-scattered once per step, in the last micro-batch's backward (gradient sync is off before
+it, whatever the ZeRO stage), and all-reduced once across dp_replicate (hybrid sharding); weights
+are all-gathered for every micro-batch's forward and, under ZeRO-3 (freed after the forward),
+again for its backward (`_unit_collectives` has the pipeline case).
 """
 
 from __future__ import annotations
@@ -134,21 +136,60 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         boundary = T * h * dt.residual / (lay.tp if lay.sp else 1)
         add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
 
-    for group, count, shard in (("dp_shard", params.dense, lay.dense_shard),
-                                ("ep_dp", params.expert, lay.expert_shard)):
-        if count <= 0:
-            continue
-        grads, weights = count * precision.grad_bytes, count * precision.weight_bytes
-        label = "expert " if group == "ep_dp" else ""
-        if lay.zero_stage == 3:
-            add(group, shard, "all-gather", f"{label}weights (forward + backward)", weights, 2, overlap="microbatch")
-            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 1, overlap="microbatch")
-        elif lay.zero_stage == 2:
-            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 1, overlap="microbatch")
-            add(group, shard, "all-gather", f"{label}updated weights", weights, 0, 1, overlap="first_forward")
-        else:
-            add(group, shard, "reduce-scatter", f"{label}gradients", grads, 0, 1, overlap="last_backward")
-            add(group, shard, "all-gather", f"{label}updated weights", weights, 0, 1, overlap="first_forward")
-        add("dp_replicate", lay.dp_replicate, "all-reduce", f"{label}gradients across replicas",
-            grads / max(shard, 1), 0, 1, overlap="last_backward")
+    for unit in fsdp_units(lay, params, precision):
+        _unit_collectives(unit, lay, add)
     return out
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """`count` FSDP units of `params` parameters each (tessera.parallel.data_parallel): a decoder
+    block, the root (embedding, final norm, head), a block's experts (ep > 1) or its router (its own
+    unit in fp32 under low-precision parameters)."""
+
+    label: str
+    group: str  # dp_shard (dense mesh) or ep_dp (the expert mesh)
+    shard: int
+    count: int
+    params: float  # of one unit
+    weight_bytes: int
+    grad_bytes: int
+    reshards_after_forward: bool  # zero_stage 3 blocks; the root stays gathered until its backward
+
+
+def fsdp_units(lay: Layout, params: RankParams, precision: Precision) -> list[FsdpUnit]:
+    wb, gb, z3 = precision.weight_bytes, precision.grad_bytes, lay.zero_stage == 3
+    router = params.router if wb < 4 else 0.0
+    experts_apart = lay.ep > 1
+    blocks = params.dense - params.root - router + (0.0 if experts_apart else params.expert)
+    units = [FsdpUnit("", "dp_shard", lay.dense_shard, params.blocks, blocks / max(params.blocks, 1), wb, gb, z3),
+             FsdpUnit("root ", "dp_shard", lay.dense_shard, 1 if params.root > 0 else 0, params.root, wb, gb, False)]
+    if router:
+        units.append(FsdpUnit("router ", "dp_shard", lay.dense_shard, params.moe_blocks,
+                              router / params.moe_blocks, 4, 4, z3))
+    if experts_apart and params.moe_blocks:
+        units.append(FsdpUnit("expert ", "ep_dp", lay.expert_shard, params.moe_blocks,
+                              params.expert / params.moe_blocks, wb, gb, z3))
+    return [u for u in units if u.count > 0 and u.params > 0]
+
+
+def _unit_collectives(u: FsdpUnit, lay: Layout, add) -> None:
+    """What the trainer's FSDP2 does for `u` in one step of m micro-batches.
+
+    Gradients: one reduce-scatter per unit per step, in the last micro-batch's backward (gradient
+    sync is off before it), then one all-reduce across dp_replicate. Weights: without pipeline
+    parallelism every micro-batch gathers each unit for its forward and, where the unit was freed
+    after the forward (zero_stage 3 blocks), again for its backward; the weights are freed after each
+    backward. Under pipeline parallelism torch's schedules keep them gathered until the step's last
+    backward, so units that are not freed after the forward are gathered once per step."""
+    weights, grads = u.params * u.weight_bytes, u.params * u.grad_bytes
+    if u.reshards_after_forward:
+        add(u.group, u.shard, "all-gather", f"{u.label}weights (forward + backward)", weights, 2 * u.count,
+            overlap="microbatch")
+    elif lay.pp > 1:
+        add(u.group, u.shard, "all-gather", f"{u.label}weights", weights, 0, u.count, overlap="first_forward")
+    else:
+        add(u.group, u.shard, "all-gather", f"{u.label}weights", weights, u.count, overlap="microbatch")
+    add(u.group, u.shard, "reduce-scatter", f"{u.label}gradients", grads, 0, u.count, overlap="last_backward")
+    add("dp_replicate", lay.dp_replicate, "all-reduce", f"{u.label}gradients across replicas",
+        grads / max(u.shard, 1), 0, u.count, overlap="last_backward")

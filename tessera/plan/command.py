@@ -53,35 +53,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run configuration YAML (model, train and parallel sections), or "
                                        "`validate` to compare the time model with published training runs")
     parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (the world size)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     parser.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS),
                         help="GPU preset: peak FLOP/s, memory, HBM, NVLink and network bandwidth and the "
-                             "time model's efficiencies (default h100; tessera/plan/gpus.py)")
-    parser.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 141GB (default: the preset's)")
+                             "time model's efficiencies (tessera/plan/gpus.py)")
+    parser.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 141GB (None: the preset's)")
     parser.add_argument("--gpu-flops", default=None,
-                        help="peak dense FLOP/s per GPU in the compute dtype (default: the preset's bf16 peak)")
+                        help="peak dense FLOP/s per GPU in the compute dtype (None: the preset's bf16 peak)")
     parser.add_argument("--efficiency", type=float, default=None,
-                        help="share of peak FLOP/s a large matrix product sustains (default: the preset's)")
+                        help="share of peak FLOP/s a large matrix product sustains (None: the preset's)")
     parser.add_argument("--intra-node-bandwidth", default=None,
-                        help="per-GPU collective (bus) bandwidth inside a node (default: the preset's NVLink x 0.8)")
+                        help="per-GPU collective (bus) bandwidth inside a node (None: the preset's NVLink x 0.8)")
     parser.add_argument("--inter-node-bandwidth", default=None,
-                        help="per-GPU collective (bus) bandwidth across nodes (default: the preset's network x 0.9)")
+                        help="per-GPU collective (bus) bandwidth across nodes (None: the preset's network x 0.9)")
     parser.add_argument("--memory-bandwidth", default=None,
-                        help="HBM bandwidth per GPU: elementwise work and the optimizer (default: the preset's)")
+                        help="HBM bandwidth per GPU: elementwise work and the optimizer (None: the preset's)")
     parser.add_argument("--tp-overlap", action="store_true",
-                        help="assume TP/SP collectives overlap the layer's GEMMs (default: on the critical path)")
+                        help="assume TP/SP collectives overlap the layer's GEMMs (off: on the critical path)")
     parser.add_argument("--ep-overlap", action="store_true",
                         help="assume a DualPipe-style / 1F1B all-to-all overlap schedule hides the EP all-to-all")
     parser.add_argument("--reserved-memory", default="3GiB",
-                        help="memory per GPU taken by the CUDA context, NCCL and fragmentation (default 3GiB)")
+                        help="memory per GPU taken by the CUDA context, NCCL and fragmentation")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                        help="bytes of the model states (default from train.dtype: fp32 -> fp32, bf16 -> bf16)")
+                        help="bytes of the model states (None: from train.dtype, fp32 -> fp32, bf16 -> bf16)")
     parser.add_argument("--activation-dtype", choices=sorted(ACTIVATION_DTYPES), default=None,
-                        help="how activations are stored (default from train.dtype: bf16 -> autocast-bf16)")
+                        help="how activations are stored (None: from train.dtype, bf16 -> autocast-bf16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set parallel.tp=8 (repeatable)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout instead of the configured one")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m tessera.plan.command`), the same as `tessera plan`."""
-    parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

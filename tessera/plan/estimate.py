@@ -104,7 +104,7 @@ class Plan:
                                    "model_states": s.states.as_dict(), "activations": s.activations.as_dict(),
                                    "total": s.total} for s in self.stages],
                        "sharding_choices": {k: v.as_dict() for k, v in sharding_choices(
-                           peak.params, self.layout, get_precision(self.precision)).items()}},
+                           peak.params, self.layout, get_precision(self.precision), self.microbatches).items()}},
             "flops": {"model_per_step": self.model_flops_per_step, "hardware_per_step": self.hardware_flops_per_step,
                       "model_per_token": self.model_flops_per_step / self.work.tokens,
                       "six_n_active_d": six_nd(self.params_active, self.work.tokens)},
@@ -130,7 +130,8 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     prof = profile if profile is not None and profile.seq_len == work.seq_len else ModelProfile.of(cfg, work.seq_len)
     params = rank_params(cfg, lay, prof)
     acts = stage_activations(cfg, lay, work, activation_dtype, prof)
-    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec), a) for s, (p, a) in enumerate(zip(params, acts))]
+    m = lay.microbatches(work)
+    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a) for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
     time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype)

@@ -12,6 +12,13 @@ kilobytes), and the AdamW moments `exp_avg` and `exp_avg_sq`; AdamW's per-tensor
 (one 4-byte scalar per parameter tensor) is left out. Under ZeRO-3 the layer being computed and
 the next one are gathered unsharded (FSDP's prefetch), and one layer's unsharded gradient waits
 for its reduce-scatter: `gathered` counts those buffers.
+
+Gradient accumulation changes this, as the trainer runs it: gradients are reduce-scattered once
+per step (FSDP2 `set_requires_gradient_sync` off until the last micro-batch), so until then every
+sharded parameter keeps its whole, unsharded gradient; with m > 1 micro-batches the gradients
+are not divided by the shard count. Under pipeline parallelism torch's schedules also keep the
+gathered weights until the step's last backward (`set_reshard_after_backward(False)`), so a stage
+holds all its weights unsharded besides its shards.
 """
 
 from __future__ import annotations
@@ -98,6 +105,11 @@ class RankParams:
     dense: float
     expert: float
     largest_unit: float
+    # The FSDP units (tessera.parallel.data_parallel), for the data-parallel collectives:
+    root: float = 0.0  # dense parameters outside the blocks: embedding, final norm, head
+    blocks: int = 0  # decoder layers on this rank (one unit each)
+    moe_blocks: int = 0  # ... of which MoE layers (their experts are a unit of their own when ep > 1)
+    router: float = 0.0  # router weights of those layers (a unit of their own under low-precision params)
 
     @property
     def total(self) -> float:
@@ -141,41 +153,60 @@ def rank_params(cfg: ModelConfig, lay: Layout, profile: ModelProfile | None = No
     out = []
     vocab = cfg.vocab_size * cfg.dim / lay.tp
     for s in range(lay.pp):
-        dense = expert = largest = 0.0
+        dense = expert = largest = root = 0.0
+        blocks = moe_blocks = 0
         for (moe, _), n in prof.stage_kinds(lay.pp, lay.vpp, s, "none", 1).items():
             d, x = prof.memo(("layer_params", moe, lay.tp, lay.ep),
                              lambda moe=moe: layer_rank_params(cfg, prof.representative(moe), lay.tp, lay.ep))
             dense, expert, largest = dense + n * d, expert + n * x, max(largest, d + x)
+            blocks, moe_blocks = blocks + n, moe_blocks + (n if moe else 0)
         if s == 0:
-            dense += vocab
+            root += vocab
             largest = max(largest, vocab)
         if s == lay.pp - 1:
-            dense += cfg.dim
+            root += cfg.dim
             if not cfg.tie_embeddings or lay.pp > 1:
-                dense += vocab
+                root += vocab
                 largest = max(largest, vocab)
-        out.append(RankParams(dense=dense, expert=expert, largest_unit=largest))
+        router = moe_blocks * cfg.moe.num_experts * cfg.dim if moe_blocks else 0.0
+        out.append(RankParams(dense=dense + root, expert=expert, largest_unit=largest, root=root, blocks=blocks,
+                              moe_blocks=moe_blocks, router=router))
     return out
 
 
-def model_state_bytes(params: RankParams, lay: Layout, precision: Precision) -> ModelStateBytes:
+def model_state_bytes(params: RankParams, lay: Layout, precision: Precision, microbatches: int = 1
+                      ) -> ModelStateBytes:
     """Model states of one rank: dense parameters sharded over dp_shard x cp, experts over
-    dp_shard x cp / ep, each by ZeRO stage `lay.zero_stage`."""
-    dense = zero_model_state_bytes(params.dense, lay.dense_shard, lay.zero_stage, precision)
-    expert = zero_model_state_bytes(params.expert, lay.expert_shard, lay.zero_stage, precision)
+    dp_shard x cp / ep, each by ZeRO stage `lay.zero_stage`; with `microbatches` > 1 the
+    gradients are held unsharded until the step's last micro-batch (module docstring)."""
+    accumulating = microbatches > 1
+    states = []
+    for n, shard in ((params.dense, lay.dense_shard), (params.expert, lay.expert_shard)):
+        st = zero_model_state_bytes(n, shard, lay.zero_stage, precision)
+        if accumulating and shard > 1:
+            st = dataclasses.replace(st, gradients=n * precision.grad_bytes)
+        states.append(st)
+    dense, expert = states
+    sharded = lay.dense_shard > 1 or lay.expert_shard > 1
     gathered = 0.0
-    if lay.zero_stage == 3 and (lay.dense_shard > 1 or lay.expert_shard > 1):
+    if lay.zero_stage == 3 and sharded:
         gathered = params.largest_unit * (2 * precision.weight_bytes + precision.grad_bytes)
+    if lay.pp > 1 and accumulating and sharded:  # gathered weights stay until the last backward
+        kept = sum(n * precision.weight_bytes for n, shard in ((params.dense, lay.dense_shard),
+                                                                (params.expert, lay.expert_shard)) if shard > 1)
+        gathered = max(gathered, kept + params.largest_unit * precision.weight_bytes)
     return ModelStateBytes(weights=dense.weights + expert.weights, gradients=dense.gradients + expert.gradients,
                            master=dense.master + expert.master, optimizer=dense.optimizer + expert.optimizer,
                            gathered=gathered)
 
 
-def sharding_choices(params: RankParams, lay: Layout, precision: Precision) -> dict[str, ModelStateBytes]:
+def sharding_choices(params: RankParams, lay: Layout, precision: Precision, microbatches: int = 1
+                     ) -> dict[str, ModelStateBytes]:
     """Model states of one rank under each data-parallel choice for the same ranks: everything
     replicated (plain data parallelism: what dp_replicate does), then ZeRO-1, 2 and 3 over
     dp_shard x cp (dp_shard x cp / ep for experts)."""
     out = {"replicated": zero_model_state_bytes(params.total, 1, 0, precision)}
     for stage in (1, 2, 3):
-        out[f"zero{stage}"] = model_state_bytes(params, dataclasses.replace(lay, zero_stage=stage), precision)
+        out[f"zero{stage}"] = model_state_bytes(params, dataclasses.replace(lay, zero_stage=stage), precision,
+                                                microbatches)
     return out

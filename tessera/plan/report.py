@@ -99,7 +99,7 @@ def render_plan(plan: Plan) -> str:
                f"{_gib(peak.logits_buffer)}, MoE dispatch {_gib(peak.dispatch_buffer)}) on stage {plan.peak.stage}")
     out.append("")
 
-    choices = sharding_choices(plan.peak.params, lay, prec)
+    choices = sharding_choices(plan.peak.params, lay, prec, plan.microbatches)
     out.append(f"Model states of a stage-{plan.peak.stage} rank under each data-parallel choice (GiB; ZeRO over "
                f"dp_shard x cp = {lay.dense_shard}, experts over {lay.expert_shard})")
     rows = [[name, _gib(c.weights), _gib(c.gradients), _gib(c.master), _gib(c.optimizer), _gib(c.gathered),

@@ -58,6 +58,7 @@ from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.parallel.compile import compile_blocks, resolve_compile
 from tessera.train.comm_metrics import comm_record
+from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
@@ -376,6 +377,8 @@ class Trainer:
                         rec = self._record(stats, window_tokens, window_seconds)
                         if evaluate:
                             rec.update(self.evaluate())
+                            if self.layout.is_coordinator:
+                                tqdm.write(eval_line(self.step, rec["val_loss"], rec["val_ppl"]), file=sys.stderr)
                         if writer is not None:
                             writer.write(rec)
                             result.records.append(rec)

@@ -30,11 +30,15 @@ def stored_weight(w: torch.Tensor) -> torch.Tensor:
 
 class _DenseGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous: `_grouped_mm`'s backward
-    refuses expanded (stride-0) gradients such as the one `y.sum()` produces."""
+    refuses expanded (stride-0) gradients such as the one `y.sum()` produces.
+
+    The output shares the input's storage without being an autograd view (`detach`, not
+    `view_as`): it is the experts' output, and FSDP2 warns that an in-place op on a view returned
+    by a wrapped module would skip its pre-backward all-gather. Nothing else reads the input."""
 
     @staticmethod
     def forward(ctx, x):
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, g):

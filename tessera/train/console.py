@@ -1,0 +1,107 @@
+"""What a training run tells the person who started it, on the console (rank 0 only).
+
+- at start: what is trained (parameters, active per token), on what layout and data, the batch and
+  schedule, and where metrics, TensorBoard events and checkpoints go (`startup_summary`); a
+  warning when `train.steps` outruns the learning-rate schedule (`schedule_warning`);
+- at each evaluation: the validation loss and perplexity (`eval_line`);
+- at the end: the checkpoint written and the commands that resume, sample, serve and export it
+  (`next_steps`).
+
+Pure functions of the configuration and figures: the trainer and the CLI print what they return.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.config.counting import count_params
+from tessera.config.schema import RunConfig
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _layout(cfg: RunConfig, world_size: int, device: str) -> str:
+    if world_size <= 1:
+        return f"1 process on {device}"
+    p = cfg.parallel
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.resolved_dp_shard(world_size), "cp": p.cp,
+             "tp": p.tp, "ep": p.ep}
+    parts = [f"{k}={v}" for k, v in sizes.items() if v > 1] or ["replicated"]
+    extra = []
+    if p.sp:
+        extra.append("sp")
+    if p.pp > 1:
+        extra.append(f"schedule {p.pp_schedule}" + (f" (vpp {p.vpp})" if p.vpp > 1 else ""))
+    if sizes["dp_shard"] > 1 or p.cp > 1:
+        extra.append(f"zero_stage {p.zero_stage}")
+    if p.recompute != "none":
+        extra.append(f"recompute {p.recompute}")
+    tail = f", {', '.join(extra)}" if extra else ""
+    return f"{' x '.join(parts)}{tail}: {world_size} ranks on {device}"
+
+
+def _data(cfg: RunConfig) -> str:
+    d = cfg.data
+    if d.datasets:
+        sources = ", ".join(f"{e.path} (weight {e.weight:g})" if len(d.datasets) > 1 else e.path
+                            for e in d.datasets)
+    else:
+        sources = "the bundled corpus (Python standard library source)"
+    tokenizer = d.tokenizer or "the bundled tokenizer"
+    return (f"{d.kind} on {sources}; tokenizer {tokenizer}; {d.valid_fraction:.0%} of documents held out "
+            "for validation")
+
+
+def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: int, start_step: int) -> list[str]:
+    """The lines printed before the first step."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    total, active = count_params(m), count_params(m, active=True)
+    model = f"model: {m.family}, {_millions(total)} parameters"
+    if m.is_moe:
+        model += f", {_millions(active)} active per token ({m.moe.num_experts} experts, top-{m.moe.top_k})"
+    model += f"; {m.n_layers} layers, dim {m.dim}, vocabulary {m.vocab_size}"
+    horizon = o.total_steps or t.steps
+    steps = f"steps {start_step + 1}..{t.steps}" if start_step else f"{t.steps} steps"
+    batch = (f"batch: {t.global_batch_size} sequences x {t.seq_len} tokens per step (micro-batch {t.micro_batch_size}"
+             f", {accumulation} accumulated per rank), {steps}, {t.dtype}; lr {o.lr:g} {o.schedule} to {o.min_lr:g} "
+             f"over {horizon} steps, warm-up {o.warmup_steps}")
+    run = Path(cfg.run_dir)
+    ckpt = cfg.checkpoint
+    every = f"every {ckpt.interval} steps and at the end" if ckpt.interval > 0 else "at the end"
+    where = [f"run directory: {run}",
+             f"  metrics {run / 'metrics.jsonl'}" + (f", TensorBoard {run / 'tensorboard'}" if cfg.log.tensorboard
+                                                     else ""),
+             f"  checkpoints {run / 'checkpoints'} ({every}, last {ckpt.keep_last} kept)"]
+    evaluation = (f"validation: {t.eval_steps} batches every {t.eval_interval} steps" if t.eval_interval > 0
+                  else "validation: off (train.eval_interval=0)")
+    return [model, f"layout: {_layout(cfg, world_size, device)}", f"data: {_data(cfg)}", batch, evaluation, *where]
+
+
+def schedule_warning(cfg: RunConfig) -> str | None:
+    """A warning when the run trains past the end of its learning-rate schedule."""
+    t, o = cfg.train, cfg.optim
+    if o.total_steps is None or t.steps <= o.total_steps or o.schedule == "constant":
+        return None
+    return (f"warning: train.steps={t.steps} is beyond optim.total_steps={o.total_steps}: steps "
+            f"{o.total_steps + 1}..{t.steps} train at optim.min_lr={o.min_lr:g}; leave optim.total_steps unset "
+            "to let the schedule follow train.steps, or set it to the length you want")
+
+
+def eval_line(step: int, val_loss: float, val_ppl: float) -> str:
+    return f"step {step}: validation loss {val_loss:.4f} (perplexity {val_ppl:.2f})"
+
+
+def next_steps(cfg: RunConfig, checkpoint: Path | None) -> list[str]:
+    """The final lines: the checkpoint, and the commands that continue from it. The run directory's
+    config.yaml is the whole configuration, overrides included, so resuming needs nothing else."""
+    if checkpoint is None:
+        return []
+    run = Path(cfg.run_dir)
+    return [f"checkpoint: {checkpoint}",
+            f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
+            f"{cfg.train.steps})",
+            f"  generate: tessera generate {run} --prompt 'def main(' --temperature 0.8",
+            f"  serve:    tessera serve {run}",
+            f"  export:   tessera convert {run} {run}-hf   (a HuggingFace directory with its tokenizer)"]

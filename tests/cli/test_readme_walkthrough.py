@@ -1,0 +1,140 @@
+"""Every command of the README's ```bash blocks runs as written, in order, in a fresh copy of the
+checkout (configs/ and examples/; the package itself is imported from this tree).
+
+What the walk-through changes, so that it takes a minute instead of hours:
+- every `tessera train` gets `--set` overrides appended (they win over the README's own): two steps
+  of a shrunken model (dim 64, 4 heads, 4 layers kept so that pp=2 x vpp=2 still divides them) on
+  short sequences, no TensorBoard; runs that would read the bundled corpus read a few stdlib modules
+  instead (preparing the whole corpus takes half a minute; tests/train/test_bundled_corpus.py
+  covers that);
+- `tessera serve ... &` starts a real server in the background on a free port instead of 8000,
+  and the `curl` that follows asks that port; the server is stopped at the end;
+- `make` (the whole setup), `torchrun` and `sbatch` (clusters) are not run.
+`tessera` commands run in this process through `tessera.cli.main` (a process per command would cost
+seconds of imports each), except `serve` and the ranks `--nproc` starts, which are processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tessera.cli import main
+from tests.infer.running_server import free_port
+from tests.train.runs import ROOT, build_small_dataset
+
+TESSERA = ".venv/bin/tessera"
+NOT_RUN = ("make", "torchrun", "sbatch")
+SMALL_MODEL = {"train.steps": 2, "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128,
+               "model.max_seq_len": 64, "train.seq_len": 32, "train.eval_steps": 1, "log.tensorboard": "false",
+               "log.progress_bar": "false", "checkpoint.interval": 0}
+SMALL_MOE = {"model.moe.ffn_dim": 32}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of every ```bash block, continuation lines joined, comment lines dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.strip() and not command.lstrip().startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def _shell_words(command: str) -> list[str]:
+    """The words bash would pass: quotes removed, comments dropped, globs expanded (in the cwd)."""
+    words = []
+    for word in shlex.split(command, comments=True):
+        matches = sorted(glob.glob(word)) if any(c in word for c in "*?[") else []  # no match: kept, as bash does
+        words.extend(matches or [word])
+    return words
+
+
+def _train_overrides(words: list[str], dataset: str) -> list[str]:
+    values = dict(SMALL_MODEL)
+    if "tiny-moe" in words[2]:
+        values.update(SMALL_MOE)
+    if not any(w.startswith("data.datasets=") for w in words):
+        values["data.datasets"] = f"[{{path: {dataset}}}]"
+    return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+
+
+def _wait_until_serving(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "tessera serve did not come up"
+        time.sleep(0.2)
+
+
+def test_readme_commands_find_their_runner():
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert len(commands) >= 15
+    for command in commands:
+        assert shlex.split(command)[0] in (TESSERA, "curl", *NOT_RUN), command
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
+    dataset = build_small_dataset(tmp_path)
+    work = tmp_path / "checkout"
+    work.mkdir()
+    for folder in ("configs", "examples"):
+        shutil.copytree(ROOT / folder, work / folder)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # for the processes --nproc and serve start
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    port = free_port()
+    server: subprocess.Popen | None = None
+    ran: list[str] = []
+    try:
+        for command in readme_commands((ROOT / "README.md").read_text()):
+            command = command.replace("8000", str(port))
+            words = _shell_words(command)
+            if words[0] in NOT_RUN:
+                continue
+            if words[0] == "curl":
+                assert server is not None, "curl before tessera serve"
+                _wait_until_serving(server, port)
+                out = subprocess.run(words, capture_output=True, text=True, timeout=120)
+                assert out.returncode == 0, (command, out.stderr)
+                answer = json.loads(out.stdout)
+                assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] > 0, out.stdout
+                ran.append(command)
+                continue
+            assert words[0] == TESSERA, command
+            args = words[1:]
+            if args[-1] == "&":
+                assert args[0] == "serve", command
+                server = subprocess.Popen([sys.executable, "-m", "tessera", *args[:-1], "--log-level", "warning"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          env={**os.environ})
+                ran.append(command)
+                continue
+            if args[0] == "train":
+                args += _train_overrides(words, dataset)
+            status = main(args)
+            out, err = capsys.readouterr()
+            assert status == 0, f"{command}\nexit {status}\n{err[-3000:]}"
+            ran.append(command)
+        assert server is not None and any(c.startswith("curl") for c in ran)
+        assert sum(" train " in f" {c} " for c in ran) >= 7 and any("--nproc 4" in c for c in ran)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(20)
