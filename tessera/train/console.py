@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.config.counting import count_params
 from tessera.config.schema import RunConfig
+from tessera.models.counting import count_params
 
 
 def _millions(n: int) -> str:
