@@ -129,12 +129,6 @@ class ParallelDims:
                 _need_divides("tp", self.tp, "model.moe.ffn_dim", m.moe.ffn_dim)
                 if m.moe.shared_ffn_dim > 0:
                     _need_divides("tp", self.tp, "model.moe.shared_ffn_dim", m.moe.shared_ffn_dim)
-            if m.tie_embeddings:
-                raise ParallelError(f"tp={self.tp} with model.tie_embeddings=true is not supported: the "
-                                    "vocabulary-parallel head needs its own weight; use tp=1 or untie")
-            if m.mla is not None:
-                raise ParallelError(f"tp={self.tp} with multi-head latent attention (model.mla) is not "
-                                    "supported yet; use tp=1 for MLA models")
             if self.sp and seq_len is not None and seq_len % self.cp == 0:
                 what = "sequence length (sp=true splits it)" if self.cp == 1 else \
                     f"the context-parallel chunk (sequence length {seq_len} / cp={self.cp}; sp=true splits it)"
@@ -149,9 +143,6 @@ class ParallelDims:
                                     "all of cp and part of dp_shard")
         if self.cp > 1:
             self._validate_context_parallel(m, seq_len)
-        if self.pp > 1 and m.tie_embeddings:
-            raise ParallelError(f"pp={self.pp} with model.tie_embeddings=true is not supported: the first "
-                                "and last stages would share the embedding; use pp=1 or untie")
         stages = self.pp * vpp
         if stages > m.n_layers:
             raise ParallelError(f"pp x vpp = {self.pp} x {vpp} = {stages} pipeline stages is more than "
