@@ -9,7 +9,10 @@ zero_bubble) cuts this rank's rows into `microbatches` micro-batches
 
 Numerics are those of one process: the last stage's loss of a micro-batch is its token-loss sum /
 N (loss tokens of the whole global batch), and every stage's MoE auxiliary loss enters backward
-with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output.
+with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output. MoE
+auxiliary losses, routing statistics and expert capacity belong to the pipeline's micro-batch
+(Megatron-Core's convention): with `parallel.microbatches` set, one of rows / microbatches
+samples, which is what one process computes with `train.micro_batch_size` of that size.
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
 hook on each stage that runs before the stage hands its output on. Tied embeddings: the first and
 last stage each hold the embedding; their gradients are summed after the schedule's backward and
