@@ -61,6 +61,10 @@ class TiedEmbeddings:
     def reduce_gradients(self) -> None:
         """Sum the copies' gradients over the first and last stage (every rank of a pair calls it)."""
         for weight in self.copies:
+            if isinstance(weight.grad, DTensor) and weight.grad.placements != weight.placements:
+                # The vocab-parallel embedding's backward leaves a replicated gradient: keep this
+                # rank's shard, as the head's gradient on the other stage is (no communication).
+                weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
             grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
             buffer = grad.contiguous()
             dist.all_reduce(buffer, group=self.group)
