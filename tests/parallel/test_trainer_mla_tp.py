@@ -72,3 +72,14 @@ def test_mla_without_query_latent_under_tp():
     mla = dataclasses.replace(get_preset("tiny-deepseek").mla, q_lora_rank=None)
     got = run_ranks(layout_step, 2, "tiny-deepseek", dict(tp=2, dp_shard=1), config_overrides={"mla": mla})
     assert_same_step(got[0], reference_step("tiny-deepseek", 1, {"mla": mla}))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_bf16_tiny_deepseek_under_tp_fsdp_stays_within_bf16_tolerance(small_dataset, tmp_path):
+    """bf16 compute over fp32 master weights (fp32 router): within 5e-3 of the one-process bf16 run."""
+    bf16 = {"train.dtype": "bf16"}
+    ref = train_one_process("deepseek", overrides_for("deepseek", small_dataset, tmp_path / "one", STEPS, **bf16))
+    got = run_ranks(train_on_ranks, 4, "deepseek", overrides_for("deepseek", small_dataset, tmp_path / "ranks", STEPS,
+                                                                 **bf16, **{"parallel.tp": 2, "parallel.dp_shard": 2}))
+    assert_same_training(got, ref, rtol=5e-3)

@@ -79,3 +79,18 @@ def test_tied_pipeline_checkpoint_holds_the_embedding_once_and_resumes_under_tp(
                         resume=True)
     assert resumed[0]["start_step"] == 2
     assert_same_training(resumed, {"records": ref["records"][2:], "weights": ref["weights"]}, rtol=1e-5)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [
+    pytest.param({"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2"),
+    pytest.param({"parallel.pp": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 1}, id="pp2-fsdp2"),
+])
+def test_bf16_tied_embeddings_stay_within_bf16_tolerance(parallel, small_dataset, tmp_path):
+    """bf16 compute (FSDP bf16 parameters under autocast) over fp32 masters: within 5e-3 of one process."""
+    bf16 = {"train.dtype": "bf16", **TIED}
+    ref = train_one_process("dense", overrides_for("dense", small_dataset, tmp_path / "one", STEPS, **bf16))
+    got = run_ranks(train_on_ranks, 4, "dense", overrides_for("dense", small_dataset, tmp_path / "ranks", STEPS,
+                                                              **bf16, **parallel))
+    assert_same_training(got, ref, rtol=5e-3)
