@@ -57,16 +57,14 @@ def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
 def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
-    if isinstance(block.attention, MultiHeadLatentAttention):
-        plan = _mla_plan(block.attention, stream)
-    else:
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-        }
-    if not isinstance(block.attention, MultiHeadLatentAttention) and block.attention.q_norm is not None:
+    mla = isinstance(block.attention, MultiHeadLatentAttention)
+    plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+    }
+    if not mla and block.attention.q_norm is not None:
         # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
         # dim as sharded makes DTensor sum their gradient over tp.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
