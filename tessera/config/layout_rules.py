@@ -10,10 +10,9 @@ Two kinds of rule:
   vocabulary and FFN sizes; ep divides the experts and dp_shard x cp (experts fold over those
   ranks) and is a multiple of cp; cp divides the sequence, and with sp tp divides each cp chunk;
   pp x vpp stages need a layer each.
-- what is supported under which parallelism: tied embeddings with tp > 1 (the vocabulary-parallel
-  head needs its own weight) or pp > 1 (first and last stage would share it); multi-head latent
-  attention with tp > 1; the sequence-level balancing loss and Sinkhorn routing with cp > 1 (both
-  need every token of a sequence / micro-batch on one rank); sp without tp.
+- what is supported under which parallelism: the sequence-level balancing loss and Sinkhorn
+  routing with cp > 1 (both need every token of a sequence / micro-batch on one rank); sp without
+  tp. (Tied embeddings under tp and pp, and multi-head latent attention under tp, are supported.)
 Each message names the dimension, the value and what it fails against.
 """
 
@@ -78,12 +77,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             out.append(_divides("tp", s.tp, "model.moe.ffn_dim", m.moe.ffn_dim))
             if m.moe.shared_ffn_dim > 0:
                 out.append(_divides("tp", s.tp, "model.moe.shared_ffn_dim", m.moe.shared_ffn_dim))
-        if m.tie_embeddings:
-            out.append(f"tp={s.tp} with model.tie_embeddings=true is not supported: the vocabulary-parallel head "
-                       "needs its own weight; use tp=1 or untie")
-        if m.mla is not None:
-            out.append(f"tp={s.tp} with multi-head latent attention (model.mla) is not supported yet; use tp=1 "
-                       "for MLA models")
         if s.sp and seq_len is not None and seq_len % s.cp == 0:
             what = "sequence length (sp=true splits it)" if s.cp == 1 else \
                 f"the context-parallel chunk (sequence length {seq_len} / cp={s.cp}; sp=true splits it)"
@@ -106,9 +99,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
         if m.moe is not None and m.moe.sinkhorn:
             out.append(f"cp={s.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn routing balances over "
                        "all the micro-batch's tokens at once; use cp=1 or top-k routing")
-    if s.pp > 1 and m.tie_embeddings:
-        out.append(f"pp={s.pp} with model.tie_embeddings=true is not supported: the first and last stages would "
-                   "share the embedding; use pp=1 or untie")
     stages = s.pp * s.vpp
     if stages > m.n_layers:
         out.append(f"pp x vpp = {s.pp} x {s.vpp} = {stages} pipeline stages is more than model.n_layers={m.n_layers}; "

@@ -30,9 +30,10 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     vpp: int = 1  # virtual stages per rank (interleaved 1F1B)
     # Micro-batches per step and data-parallel rank in the pipeline (pp > 1); None = the rank's rows /
-    # train.micro_batch_size. A dense model may take another count that divides the rows (the loss is
-    # normalised by the loss tokens of the whole global batch, so only memory and the bubble change); an
-    # MoE model may not (its aux losses and expert capacity are per micro-batch). 1f1b and the
+    # train.micro_batch_size. Any count that divides the rows: the loss is normalised by the loss tokens
+    # of the whole global batch, so a dense model changes only memory and the bubble; an MoE model's aux
+    # losses and expert capacity are per pipeline micro-batch (rows / microbatches samples; Megatron-Core's
+    # convention), as one process with that train.micro_batch_size computes them. 1f1b and the
     # interleaved schedules need m >= pp; interleaved_1f1b / zero_bubble also m in [pp, 2 pp) or a
     # multiple of m // pp (train/run_layout.py refuses the rest before anything is built).
     microbatches: int | None = None

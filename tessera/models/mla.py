@@ -4,10 +4,16 @@ Keys and values are decompressed from one low-rank latent c_kv = RMSNorm(W_dkv x
 heads; queries optionally from a low-rank latent too. Position enters only through a decoupled
 part: q_rope per head and one k_rope shared by all heads, rotated by RoPE; the rest (q_nope,
 k_nope) carries no position. Score = (q_nope . k_nope + q_rope . k_rope) * scale.
+The one k_rope is a seam, `share_rope_key` (a `RopeKeyShare`), like the attention core: every
+head uses it, so its gradient is the sum over all heads. On one process autograd sums over them
+already (`all_heads_here`); when tensor parallelism spreads the heads over ranks
+(`tessera.parallel`), it installs an identity whose backward also sums over the ranks' heads.
 Shapes: B batch, S sequence, H heads, L latent rank, N nope dim, R rope dim, V value dim.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,11 +23,20 @@ from tessera.models.attention import AttentionCache, AttentionCore, causal_atten
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope, yarn_softmax_scale
 
+# k_rope [B, S, R] -> the same values, as this process's heads use them (module docstring).
+RopeKeyShare = Callable[[torch.Tensor], torch.Tensor]
+
+
+def all_heads_here(k_rope_BSR: torch.Tensor) -> torch.Tensor:
+    """The `RopeKeyShare` of one process: every head is here."""
+    return k_rope_BSR
+
 
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_core: AttentionCore = causal_attention  # the seam (attention.py docstring)
+        self.share_rope_key: RopeKeyShare = all_heads_here  # the seam (module docstring)
         m = cfg.mla
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
@@ -52,7 +67,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, -1, self.nope + self.v_dim)  # [B, S, H, N+V]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleaved)  # [B, S, 1, R]
+        k_rope = apply_rope(self.share_rope_key(k_rope).unsqueeze(2), cos, sin, self.interleaved)  # [B, S, 1, R]
         H = q_nope.shape[2]
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         k = torch.cat((k_nope, k_rope.expand(B, S, H, self.rope)), dim=-1).transpose(1, 2)

@@ -6,7 +6,10 @@ pipeline stage that drops layers keeps the names of the ones it owns.
 Where a token sits in its sequence (what RoPE rotates by) is a seam, `position_source` (a
 `PositionSource`), used when the caller passes no `positions`: on one process token j of the
 input is at position j; context parallelism (`tessera.parallel`) installs one that places this
-rank's chunk at its global positions. Shapes: B batch, S sequence, D model dim, V vocabulary.
+rank's chunk at its global positions. With tied embeddings (`tie_embeddings`) the LM head is
+the embedding matrix, applied through a seam too, `tied_head` (a `TiedHead`): `h @ E^T` on one
+process; tensor parallelism installs one that computes the logits of this rank's vocabulary slice.
+Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ PositionSource = Callable[[int, int, torch.device], torch.Tensor]
 def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
     """The `PositionSource` of one process: the input is the whole sequence, from position 0."""
     return torch.arange(S, device=device).expand(B, S)
+
+
+# (final hidden states [B, S, D], embedding weight [V, D]) -> logits [B, S, V].
+TiedHead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def tied_projection(h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Tensor:
+    """The `TiedHead` of one process: logits against every row of the embedding matrix."""
+    return h_BSD @ embedding_VD.T
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
+        self.tied_head: TiedHead = tied_projection  # used when cfg.tie_embeddings (module docstring)
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -129,10 +142,11 @@ class Transformer(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None) -> ModelOutput:
-        B, S = input_ids.shape[:2]  # a middle pipeline stage receives hidden states [B, S, D]
+        B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D]
         if positions is None:
             positions = self.position_source(B, S, input_ids.device)
-        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        # Token ids are embedded; hidden states pass on (the last stage may hold the tied embedding).
+        h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
         aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
         aux_losses: dict[str, torch.Tensor] = {}
@@ -151,7 +165,7 @@ class Transformer(nn.Module):
     def lm_head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(h_BSD)
-        return h_BSD @ self.tok_embeddings.weight.T
+        return self.tied_head(h_BSD, self.tok_embeddings.weight)
 
     # ---- balancing -------------------------------------------------------------------------
     @torch.no_grad()

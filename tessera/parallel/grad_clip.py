@@ -6,7 +6,9 @@ tensors are replicated over every rank of their pipeline stage (count one), and 
 hold different parameters (sum them). Each rank adds |g|^p of the local pieces it is
 responsible for: a piece counts on this rank iff this rank's coordinate is 0 along every mesh
 dimension (except pp) over which that piece is replicated. One all-reduce over the world then
-gives sum |g|^p of the full model, identical on every rank.
+gives sum |g|^p of the full model, identical on every rank. A parameter held twice under one
+name by two pipeline stages (tied embeddings, tied_embeddings.py) is clipped on both and counted
+on one: the other copy is passed as `uncounted`.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims | None = No
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, dims: ParallelDims | None = None,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale all gradients so the whole model's gradient norm is at most `max_norm`; returns the
-    norm before clipping (as torch.nn.utils.clip_grad_norm_ does)."""
+    norm before clipping (as torch.nn.utils.clip_grad_norm_ does). Parameters in `uncounted` are
+    clipped but left out of the norm (a second copy of one counted elsewhere)."""
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, dims, norm_type)
+    skip = {id(p) for p in uncounted}
+    norm = grad_norm([p for p in params if id(p) not in skip], dims, norm_type)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -6,7 +6,8 @@ holds a contiguous run of layers (`stage_layer_ids`, earlier stages take the rem
 r holds stages r, r + pp, r + 2 pp, ... (the looped placement of interleaved 1F1B, Narayanan et
 al. 2021). A stage is the Transformer with the layers it does not own deleted (names of the rest
 unchanged: `layers` is keyed by layer index), `tok_embeddings` only on stage 0 and `norm` /
-`output` only on stage S-1; a stage without the head passes its hidden states on.
+`output` only on stage S-1; a stage without the head passes its hidden states on. With tied
+embeddings stage S-1 keeps `tok_embeddings` too, as its head's weight (tied_embeddings.py).
 
 Schedules: "gpipe" (Huang et al. 2019: all forwards, then all backwards), "1f1b" (PipeDream-
 Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-down),
@@ -110,7 +111,7 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float)
     for key in list(model.layers.keys()):
         if int(key) not in owned:
             del model.layers[key]
-    if stage != 0:
+    if stage != 0 and not (model.cfg.tie_embeddings and stage == num_stages - 1):
         model.tok_embeddings = None
     if stage != num_stages - 1:
         model.norm = None

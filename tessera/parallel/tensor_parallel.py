@@ -4,12 +4,21 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
 
     attention.wq / wk / wv      colwise   heads split over tp (each rank: H/tp query, G/tp kv heads)
     attention.wo                rowwise   partial sums reduced (all-reduce, or reduce-scatter under sp)
+    MLA: attention.wq or wq_b,  colwise   heads split (the up-projections from the latents)
+         attention.wkv_b
+         attention.wo           rowwise
+         wq_a, q_norm, wkv_a,   replicated: the low-rank down-projections and their norms are shared
+         kv_norm                by all heads; the colwise inputs' backward sums their gradient over
+                                tp, and the shared RoPE key's gradient is summed over tp by the seam
+                                `share_rope_key` (each rank's heads use it: `SumOverRanksHeads`)
     feed_forward.w1 / w3        colwise   SwiGLU hidden dim split
     feed_forward.w2             rowwise
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
     tok_embeddings              rowwise on the vocabulary (vocab-parallel embedding)
     output                      colwise on the vocabulary; logits stay a DTensor sharded on V, and
                                 `vocab_parallel_loss_sum` never gathers them
+    tied head (tie_embeddings)  the embedding's own vocabulary shard, one DTensor weight for both
+                                (`VocabParallelTiedHead`, the model's `tied_head` seam)
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
 
 Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and
@@ -19,9 +28,11 @@ MoE gather the sequence on entry and reduce-scatter on exit. Without sp it is a 
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,6 +42,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from tessera.models.mla import MultiHeadLatentAttention
+from tessera.parallel.collectives import copy_to_group
 
 
 def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
@@ -43,13 +57,14 @@ def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
 def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
-    plan: dict[str, ParallelStyle] = {
+    mla = isinstance(block.attention, MultiHeadLatentAttention)
+    plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=stream),
     }
-    if getattr(block.attention, "q_norm", None) is not None:
+    if not mla and block.attention.q_norm is not None:
         # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
         # dim as sharded makes DTensor sum their gradient over tp.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -79,6 +94,44 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _mla_plan(attention: MultiHeadLatentAttention, stream: Placement) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention: the per-head up-projections split by heads, the shared
+    down-projections (and their norms) left replicated."""
+    q_up = "attention.wq" if hasattr(attention, "wq") else "attention.wq_b"
+    return {q_up: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream)}
+
+
+class SumOverRanksHeads:
+    """MLA's `share_rope_key` under tp: forward the identity, backward the sum of the gradient
+    over the tp group (Megatron-LM's "f", `copy_to_group`). Every rank's heads use the one
+    decoupled RoPE key, so each rank's gradient of it is partial; the sum makes the gradient of
+    the replicated `wkv_a` exact on every rank."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def __call__(self, k_rope_BSR: torch.Tensor) -> torch.Tensor:
+        return copy_to_group(k_rope_BSR, self.group)
+
+
+class VocabParallelTiedHead:
+    """The model's `tied_head` under tp: logits of this rank's vocabulary slice from the
+    embedding's own weight (a DTensor sharded on the vocabulary, the one the vocab-parallel
+    embedding uses), returned as a DTensor sharded on V like the untied head's. The final hidden
+    states (replicated, or sharded on the sequence under sp) are made whole first; their
+    gradient comes back summed over tp (reduce-scattered under sp) through DTensor's autograd."""
+
+    def __init__(self, tp_mesh: DeviceMesh, stream: Placement):
+        self.mesh, self.stream = tp_mesh, stream
+
+    def __call__(self, h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Tensor:
+        if not isinstance(h_BSD, DTensor):
+            h_BSD = DTensor.from_local(h_BSD, self.mesh, (self.stream,), run_check=False)
+        h_BSD = h_BSD.redistribute(self.mesh, (Replicate(),))
+        return h_BSD @ embedding_VD.T  # [B, S, V] sharded on V: Replicate x Shard(1)
+
+
 def model_plan(sp: bool) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head (names relative to the Transformer)."""
     stream = Shard(1) if sp else Replicate()
@@ -96,5 +149,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     from one seed): each rank keeps its own slice without communication."""
     top = {k: v for k, v in model_plan(sp).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None:
+        model.tied_head = VocabParallelTiedHead(tp_mesh, Shard(1) if sp else Replicate())
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
+        if isinstance(block.attention, MultiHeadLatentAttention):
+            block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())

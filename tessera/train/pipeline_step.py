@@ -9,9 +9,14 @@ zero_bubble) cuts this rank's rows into `microbatches` micro-batches
 
 Numerics are those of one process: the last stage's loss of a micro-batch is its token-loss sum /
 N (loss tokens of the whole global batch), and every stage's MoE auxiliary loss enters backward
-with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output.
+with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output. MoE
+auxiliary losses, routing statistics and expert capacity belong to the pipeline's micro-batch
+(Megatron-Core's convention): with `parallel.microbatches` set, one of rows / microbatches
+samples, which is what one process computes with `train.micro_batch_size` of that size.
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
-hook on each stage that runs before the stage hands its output on. A `StepEngine`: mixed
+hook on each stage that runs before the stage hands its output on. Tied embeddings: the first and
+last stage each hold the embedding; their gradients are summed after the schedule's backward and
+the norm counts it once (tessera.parallel.tied_embeddings). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
 step_stats.py.
 """
@@ -31,6 +36,7 @@ from tessera.models.transformer import ModelOutput
 from tessera.parallel import build_pipeline, global_count, global_sum, parallelize, token_dim
 from tessera.parallel.compile import resolve_compile
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
 from tessera.train.parallel_step import padded_batch, rank_rows
@@ -65,6 +71,8 @@ class PipelineStep:
         self.parts = list(self.run.modules)
         for i, m in enumerate(self.parts):
             m.register_forward_hook(partial(self._capture_routing, i), prepend=True)
+        # The first and last stage each hold the tied embedding (tessera.parallel.tied_embeddings).
+        self.tied = TiedEmbeddings(self.parts, dims) if cfg.model.tie_embeddings else None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         micro_sum = token_loss_sum(logits, targets)
@@ -85,6 +93,8 @@ class PipelineStep:
         try:
             with step_engine.mixed_precision(self.device, self.autocast_dtype):
                 self.run.step(inputs.to(self.device), targets.to(self.device))
+            if self.tied is not None:
+                self.tied.reduce_gradients()
             routing = self._routing
         finally:
             self._routing = None
@@ -98,7 +108,8 @@ class PipelineStep:
         return step_result(stats, n_loss_tokens, self.micro_batches_global, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
+        uncounted = self.tied.uncounted if self.tied is not None else ()
+        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims, uncounted)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         step_engine.update_expert_bias(self.parts, counts, self.device)

@@ -115,7 +115,10 @@ class RunLayout:
 
 def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
     """The global batch must split into equal micro-batches on every data-parallel rank, in a count
-    the pipeline schedule accepts and, for MoE models, of `train.micro_batch_size` samples."""
+    the pipeline schedule accepts. With pp > 1, `parallel.microbatches` may cut a rank's rows into
+    micro-batches of another size than `train.micro_batch_size`, for MoE models too: their
+    auxiliary losses and expert capacity are then those of the pipeline's micro-batches (the
+    convention of Megatron-Core), as in one process with micro-batches of that size."""
     t, dp = cfg.train, dims.dp_size
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is invalid: must be a multiple of "
@@ -134,17 +137,6 @@ def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
     if m is not None and rows % m:
         raise ConfigError(f"parallel.microbatches={m} is invalid: it must divide the {rows} samples each "
                           f"data-parallel rank reads (train.global_batch_size / dp = {t.global_batch_size} / {dp})")
-    if m is not None and m != derived and cfg.model.is_moe:
-        # MoE auxiliary losses and expert capacity are defined per micro-batch (DESIGN.md, numerics
-        # contract): micro-batches of rows / m samples would route, balance and drop differently
-        # from the one-process run, which cuts micro-batches of train.micro_batch_size.
-        raise ConfigError(f"parallel.microbatches={m} is invalid for an MoE model: it cuts the {rows} samples "
-                          f"of each data-parallel rank into micro-batches of {rows // m}, not "
-                          f"train.micro_batch_size={t.micro_batch_size}, so the MoE auxiliary losses and expert "
-                          "capacity (defined per micro-batch) would differ from the one-process run; leave "
-                          f"parallel.microbatches unset, set it to {derived} (train.global_batch_size / dp / "
-                          f"train.micro_batch_size = {t.global_batch_size} / {dp} / {t.micro_batch_size}), or "
-                          f"set train.micro_batch_size={rows // m}")
     m = m or derived
     schedule = cfg.parallel.pp_schedule
     given = (f"parallel.microbatches={m}" if cfg.parallel.microbatches is not None else
@@ -156,12 +148,7 @@ def check_batch_layout(cfg: RunConfig, dims: ParallelDims) -> None:
                           "train.micro_batch_size or raise train.global_batch_size")
     if not schedule_accepts_microbatches(schedule, m, dims.pp):
         fits = [d for d in range(1, rows + 1) if rows % d == 0 and schedule_accepts_microbatches(schedule, d, dims.pp)]
-        if not fits:
-            choice = "none divides them: change train.global_batch_size"
-        elif cfg.model.is_moe:
-            choice = f"train.micro_batch_size in {[rows // d for d in fits]} (parallel.microbatches unset)"
-        else:
-            choice = f"parallel.microbatches in {fits}"
+        choice = f"parallel.microbatches in {fits}" if fits else "none divides them: change train.global_batch_size"
         raise ConfigError(f"{m} micro-batches per data-parallel rank ({given}) are invalid for "
                           f"parallel.pp_schedule={schedule} with parallel.pp={dims.pp}: the schedule runs "
                           f"m // pp = {m // dims.pp} rounds of equal size, so m must be in [pp, 2 pp) or a "

@@ -104,14 +104,16 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torc
     return total, n
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None) -> float:
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
+                   uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip the gradients of `parts` so the whole model's norm is at most `max_norm` (<= 0: only
-    measure it); return the norm before clipping. `dims` None: one process."""
+    measure it); return the norm before clipping. `dims` None: one process. `uncounted`: second
+    copies of a parameter (tied embeddings on the last pipeline stage), clipped, not counted."""
     params = [p for m in parts for p in m.parameters() if p.grad is not None]
     limit = max_norm if max_norm > 0 else math.inf
     if dims is None:
         return float(torch.nn.utils.clip_grad_norm_(params, limit))
-    return float(clip_grad_norm_(params, limit, dims))
+    return float(clip_grad_norm_(params, limit, dims, uncounted=uncounted))
 
 
 def update_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:

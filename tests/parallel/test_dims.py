@@ -28,17 +28,26 @@ def test_dp_shard_fills_the_world():
     (4, dict(tp=4, dp_shard=1), {"n_kv_heads": 2}, "tp=4 does not divide model.n_kv_heads=2"),
     (2, dict(tp=2, dp_shard=1), {"vocab_size": 255}, "tp=2 does not divide model.vocab_size=255"),
     (2, dict(tp=2, dp_shard=1), {"ffn_dim": 129}, "tp=2 does not divide model.ffn_dim=129"),
-    (2, dict(tp=2, dp_shard=1), {"tie_embeddings": True}, "tie_embeddings"),
     (2, dict(ep=2, dp_shard=2), {}, "ep=2 needs an MoE model"),
     (2, dict(pp=4, dp_shard=1), {}, "world has 2"),
     (4, dict(pp=4, dp_shard=1), {}, "more than model.n_layers=2"),
-    (2, dict(pp=2, dp_shard=1), {"tie_embeddings": True}, "pp=2 with model.tie_embeddings"),
 ])
 def test_layout_refused_with_dimension_and_numbers(world, parallel, model, message):
     cfg = get_preset("tiny-llama", **model)
     with pytest.raises(ParallelError, match=message.replace("(", r"\(").replace(")", r"\)")):
         dims = dims_for(world, **parallel)
         dims.validate(cfg, world)
+
+
+@pytest.mark.parametrize("preset,parallel,model", [
+    ("tiny-llama", dict(tp=2, dp_shard=1), {"tie_embeddings": True}),
+    ("tiny-llama", dict(pp=2, dp_shard=1), {"tie_embeddings": True}),
+    ("tiny-deepseek", dict(tp=2, dp_shard=1), {}),  # MLA: heads split, no kv-head count to divide
+    ("tiny-deepseek", dict(tp=4, dp_shard=1), {}),
+])
+def test_tied_embeddings_and_mla_layouts_are_accepted(preset, parallel, model):
+    dims = dims_for(parallel["tp"] if "tp" in parallel else parallel["pp"], **parallel)
+    dims.validate(get_preset(preset, **model), dims.world_size)
 
 
 @pytest.mark.parametrize("parallel,moe_changes,message", [

@@ -14,6 +14,7 @@ from tessera.data import default_tokenizer, preprocess
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DENSE = str(ROOT / "configs" / "tiny-dense.yaml")
 TINY_MOE = str(ROOT / "configs" / "tiny-moe.yaml")
+TINY_DEEPSEEK = str(ROOT / "configs" / "tiny-deepseek.yaml")
 STDLIB_FILES = ("json/encoder.py", "json/decoder.py", "textwrap.py", "string.py", "bisect.py", "heapq.py")
 
 
@@ -48,6 +49,12 @@ def shrink(dataset: str, run_dir: Path | str, steps: int, **extra: object) -> li
 
 def moe_shrink(dataset: str, run_dir: Path | str, steps: int, **extra: object) -> list[str]:
     return shrink(dataset, run_dir, steps, **{"model.moe.ffn_dim": 32, "model.moe.num_experts": 4, **extra})
+
+
+def deepseek_shrink(dataset: str, run_dir: Path | str, steps: int, **extra: object) -> list[str]:
+    """Layer 0 dense, layer 1 MoE; MLA has no kv-head count, so n_kv_heads stays n_heads."""
+    return shrink(dataset, run_dir, steps, **{"model.n_kv_heads": 4, "model.moe.ffn_dim": 32,
+                                              "model.moe.shared_ffn_dim": 32, **extra})
 
 
 def set_args(overrides: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
-"""`parallel.microbatches` is refused where it would be ignored (pp = 1), in a count the schedule
-cannot run (before anything is built, and when a pipeline is built directly), and for an MoE model
-in any count other than the one-process micro-batches; the schedules' micro-batch rule."""
+"""`parallel.microbatches` is refused where it would be ignored (pp = 1) and in a count the
+schedule cannot run (before anything is built, and when a pipeline is built directly), and accepted
+in any other count, for dense and MoE models alike; the schedules' micro-batch rule."""
 
 from __future__ import annotations
 
@@ -60,9 +60,10 @@ def test_round_schedules_refuse_a_count_torch_rejects(schedule, vpp, tmp_path):
     _check(TINY_DENSE, tmp_path, **{**layout, "parallel.microbatches": 2})  # what the message offers
     _check(TINY_DENSE, tmp_path, **{**layout, "train.global_batch_size": 12})  # 6 = 3 rounds of 2
     _check(TINY_DENSE, tmp_path, **{**layout, "parallel.pp_schedule": "1f1b", "parallel.vpp": 1})  # no rounds
-    # An MoE model cannot change its micro-batch, so it is told which micro_batch_size fits.
-    with pytest.raises(ConfigError, match=r"allows train.micro_batch_size in \[5, 1\]"):
+    # An MoE model is offered the same counts (its aux losses follow the pipeline's micro-batch).
+    with pytest.raises(ConfigError, match=r"allows parallel.microbatches in \[2, 10\]"):
         _check(TINY_MOE, tmp_path, **layout)
+    _check(TINY_MOE, tmp_path, **{**layout, "parallel.microbatches": 2})
 
 
 def test_schedule_rule():
@@ -72,14 +73,11 @@ def test_schedule_rule():
     assert all(schedule_accepts_microbatches("gpipe", m, 4) for m in range(1, 9))
 
 
-def test_moe_refuses_microbatches_other_than_the_micro_batch_size(tmp_path):
-    # 8 rows per rank of micro-batches of 2: the one-process run has 4 micro-batches of 2 samples.
+def test_moe_takes_any_microbatch_count(tmp_path):
+    # 8 rows per rank in micro-batches of 2 by train.micro_batch_size; the pipeline may cut them
+    # into 2 micro-batches of 4 instead: the MoE aux losses and capacity are those micro-batches'.
     layout = {**PP2, "parallel.pp_schedule": "1f1b", "train.global_batch_size": 8, "train.micro_batch_size": 2}
-    with pytest.raises(ConfigError, match=r"parallel.microbatches=2 is invalid for an MoE model: it cuts the 8 "
-                                          r"samples of each data-parallel rank into micro-batches of 4, not "
-                                          r"train.micro_batch_size=2.*auxiliary losses and expert capacity"
-                                          r".*set it to 4"):
-        _check(TINY_MOE, tmp_path, **{**layout, "parallel.microbatches": 2})
-    _check(TINY_MOE, tmp_path, **{**layout, "parallel.microbatches": 4})  # the same micro-batches: fine
-    _check(TINY_MOE, tmp_path, **layout)
-    _check(TINY_DENSE, tmp_path, **{**layout, "parallel.microbatches": 2})  # dense: only memory changes
+    for m in (2, 4, 8):
+        _check(TINY_MOE, tmp_path, **{**layout, "parallel.microbatches": m})
+    with pytest.raises(ConfigError, match=r"parallel.microbatches=3 is invalid: it must divide the 8 samples"):
+        _check(TINY_MOE, tmp_path, **{**layout, "parallel.microbatches": 3})
