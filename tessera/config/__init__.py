@@ -1,13 +1,6 @@
 """Layer 1: typed configuration and errors."""
 
-from tessera.config.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    ModelError,
-    ParallelError,
-    TesseraError,
-)
+from tessera.config.errors import CheckpointError, ConfigError, DataError, ModelError, ParallelError, TesseraError
 from tessera.config.model import FAMILIES, MLAConfig, ModelConfig, MoEConfig
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset, preset_names

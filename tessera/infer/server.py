@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,14 +201,6 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, loop, queue, rids, rid, name, chat)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await run(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await run(request, chat=True)
-
     async def lora_call(request: Request, load: bool) -> Response:
         if not allow_lora_loading:
             return _error("loading adapters at run time is disabled (start the server with --allow-runtime-lora)", 403)
@@ -227,14 +219,16 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
             await asyncio.wrap_future(loop.call(lambda e: e.unload_lora(name)))
         return JSONResponse({"status": "ok", "lora_name": name})
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> Response:
-        return await lora_call(request, load=True)
+    def post(path: str, name: str, handler: Callable[..., Awaitable[Response]], **flag: bool) -> None:
+        """Route POST `path` (operation `name`) to `handler(request, **flag)`."""
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, **flag)
+        app.add_api_route(path, endpoint, methods=["POST"], name=name)
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(request: Request) -> Response:
-        return await lora_call(request, load=False)
-
+    post("/v1/completions", "completions", run, chat=False)
+    post("/v1/chat/completions", "chat_completions", run, chat=True)
+    post("/v1/load_lora_adapter", "load_lora", lora_call, load=True)
+    post("/v1/unload_lora_adapter", "unload_lora", lora_call, load=False)
     return app
 
 

@@ -23,6 +23,7 @@ group, so a bad layout is refused before any process allocates memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -44,19 +45,20 @@ FLAT_DIMS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass
-class ParallelDims:
-    """Sizes of every parallel dimension and, after `build_mesh`, the named DeviceMesh."""
+class _Meshes:
+    """What `build_mesh` attaches to the (frozen) sizes: the named mesh and its flattened dimensions."""
 
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    sp: bool = False
+    base: DeviceMesh | None = None
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParallelDims(LayoutSizes):
+    """Sizes of every parallel dimension (the layout rules' `LayoutSizes`, which the validation
+    checks), the world they fill and, after `build_mesh`, the named DeviceMesh."""
+
     world_size: int = 1
-    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
-    flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+    _meshes: _Meshes = field(default_factory=_Meshes, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -66,8 +68,8 @@ class ParallelDims:
             dp_shard = cfg.resolved_dp_shard(world_size)
         except ValueError as e:
             raise ParallelError(str(e)) from e
-        dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp,
-                   ep=cfg.ep, sp=cfg.sp, world_size=world_size)
+        dims = cls(tp=cfg.tp, sp=cfg.sp, pp=cfg.pp, vpp=cfg.vpp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard,
+                   cp=cfg.cp, ep=cfg.ep, world_size=world_size)
         dims.check_world(world_size)
         return dims
 
@@ -95,24 +97,23 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def check_world(self, world_size: int) -> None:
-        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ParallelError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
-        if product != world_size:
+        if self.world != world_size:
             raise ParallelError(
                 f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"cp={self.cp} x tp={self.tp} = {product} ranks, but the world has {world_size}")
+                f"cp={self.cp} x tp={self.tp} = {self.world} ranks, but the world has {world_size}")
 
     # ---- validation against the model (no process group needed) ------------------------
     def validate(self, model_cfg: ModelConfig, world_size: int | None = None, seq_len: int | None = None,
-                 vpp: int = 1) -> None:
+                 vpp: int | None = None) -> None:
         """Refuse, with the dimension and both numbers, any size that the world or the model's
         shapes (heads, KV heads, experts, layers, vocabulary, FFN dims, sequence) cannot take, or
-        a combination that is not supported (the rules: tessera.config.layout_rules)."""
+        a combination that is not supported (the rules: tessera.config.layout_rules). `vpp`
+        defaults to this layout's own."""
         self.check_world(self.world_size if world_size is None else world_size)
-        sizes = LayoutSizes(tp=self.tp, sp=self.sp, pp=self.pp, vpp=vpp, dp_replicate=self.dp_replicate,
-                            dp_shard=self.dp_shard, cp=self.cp, ep=self.ep)
+        sizes = self if vpp is None else dataclasses.replace(self, vpp=vpp)
         problems = layout_problems(model_cfg, sizes, seq_len=seq_len)
         if problems:
             raise ParallelError(problems[0])
@@ -124,9 +125,19 @@ class ParallelDims:
                       (self.dp_shard_mod_ep if d == "dp_shard_mod_ep" else self.dp_shard_in_ep)
                       for d in BASE_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=BASE_DIMS)
-        self.flat_meshes = {flat: mesh[parts]._flatten(flat) for flat, parts in FLAT_DIMS.items()}
-        self.mesh = mesh
+        self._meshes.flat = {flat: mesh[parts]._flatten(flat) for flat, parts in FLAT_DIMS.items()}
+        self._meshes.base = mesh
         return mesh
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The named mesh of the base dimensions (None until `build_mesh`)."""
+        return self._meshes.base
+
+    @property
+    def flat_meshes(self) -> dict[str, DeviceMesh]:
+        """The flattened dimensions' meshes by name (empty until `build_mesh`)."""
+        return self._meshes.flat
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh of one name ("tp", "dp", "ep", ...) or of several (outer to inner)."""

@@ -16,12 +16,12 @@ Conventions (what "activation bytes" means here):
   the fp32 log-sum-exp, never the s x s probabilities (Korthikanti's 5as/h term is 0). SDPA's math
   fallback, and sliding-window masks, would keep more.
 - Integers count: token and expert indices are int64, grouped-GEMM offsets int32.
-- Three precisions (`ACTIVATION_DTYPES`): fp32; bf16 (weights and activations bf16, as FSDP2's
-  mixed precision runs a model); autocast-bf16 (fp32 weights under torch.autocast, the trainer's
-  `train.dtype: bf16`: the residual stream stays fp32, every linear saves its own bf16 copy of an
-  fp32 input, the routed experts cast their rows and weights to bf16 as a linear would (so their
-  GEMMs run, save and return bf16, and the combine works on bf16 outputs), and the router runs
-  with autocast off: fp32 logits from its fp32 input, with no bf16 copy).
+- Three precisions (`ACTIVATION_DTYPES`, activation_dtypes.py): fp32; bf16 (weights and
+  activations bf16, as FSDP2's mixed precision runs a model); autocast-bf16 (fp32 weights under
+  torch.autocast, the trainer's `train.dtype: bf16`: the residual stream stays fp32, every linear
+  saves its own bf16 copy of an fp32 input, the routed experts cast their rows and weights to bf16
+  as a linear would (so their GEMMs run, save and return bf16, and the combine works on bf16
+  outputs), and the router runs with autocast off: fp32 logits from its fp32 input, with no bf16 copy).
 - Sizes are per token of the micro-batch on one process; `split` says how tensor parallelism
   divides them: "tp" (cut by heads, FFN columns or vocabulary), "seq" (cut only under sequence
   parallelism: the norm/residual region), "rep" (whole on every tp rank: MLA latents, routed
@@ -36,28 +36,7 @@ from dataclasses import dataclass
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES
-
-
-@dataclass(frozen=True)
-class ActivationDtype:
-    name: str
-    compute: int  # bytes of a linear layer's output
-    residual: int  # bytes of the residual stream (embedding output, block outputs)
-    weight: int  # bytes of a weight as the forward multiplies it (norm gains promote with it)
-    autocast: bool
-
-
-ACTIVATION_DTYPES = {
-    "fp32": ActivationDtype("fp32", 4, 4, 4, False),
-    "bf16": ActivationDtype("bf16", 2, 2, 2, False),
-    "autocast-bf16": ActivationDtype("autocast-bf16", 2, 4, 4, True),
-}
-
-
-def get_activation_dtype(name: str) -> ActivationDtype:
-    if name not in ACTIVATION_DTYPES:
-        raise ConfigError(f"activation dtype {name!r} is invalid: one of {', '.join(ACTIVATION_DTYPES)}")
-    return ACTIVATION_DTYPES[name]
+from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,8 @@ from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
-from tessera.plan.activation_terms import (
-    get_activation_dtype,
-    head_saved_tensors,
-    layer_saved_tensors,
-    model_saved_tensors,
-)
+from tessera.plan.activation_dtypes import get_activation_dtype
+from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
-from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import Precision, RankParams
 from tessera.plan.profile import ModelProfile

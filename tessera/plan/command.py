@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tessera.config.errors import ConfigError, ParallelError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
-from tessera.plan.activation_terms import ACTIVATION_DTYPES
+from tessera.plan.activation_dtypes import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
 from tessera.plan.gpus import GPUS

@@ -10,7 +10,7 @@ from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import embedding_params
 from tessera.models.flops import flops_per_token, recompute_flops_per_token, six_nd
-from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activations import StageActivations, stage_activations
 from tessera.plan.bubble import bubble_table
 from tessera.plan.cluster import Cluster

@@ -65,22 +65,24 @@ class GpuSpec:
         return self.peak_flops[dtype]
 
 
+# Dense peak FLOP/s by compute dtype of each GPU generation (the datasheets above).
+_A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T}
+_H100_PEAKS = {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T}  # H800, H200 too
+_B200_PEAKS = {"bf16": 2250 * T, "fp16": 2250 * T, "fp8": 4500 * T, "tf32": 1100 * T, "fp32": 80 * T}
+
+# name, peaks, HBM GiB, HBM GB/s, NVLink and network GB/s per direction, matmul and attention efficiency
+_PRESETS = (
+    ("a100", _A100_PEAKS, 80, 2039, 300, 25, 0.80, 0.50),
+    ("h100", _H100_PEAKS, 80, 3350, 450, 50, 0.72, 0.50),
+    ("h800", _H100_PEAKS, 80, 3350, 200, 50, 0.72, 0.50),
+    ("h200", _H100_PEAKS, 141, 4800, 450, 50, 0.74, 0.50),
+    ("b200", _B200_PEAKS, 180, 8000, 900, 50, 0.65, 0.45),
+)
+
 GPUS: dict[str, GpuSpec] = {
-    "a100": GpuSpec("a100", {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T},
-                    memory=80 * GiB, memory_bandwidth=2039 * GB, nvlink_bandwidth=300 * GB,
-                    network_bandwidth=25 * GB, matmul_efficiency=0.80, attention_efficiency=0.50),
-    "h100": GpuSpec("h100", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=80 * GiB, memory_bandwidth=3350 * GB, nvlink_bandwidth=450 * GB,
-                    network_bandwidth=50 * GB, matmul_efficiency=0.72, attention_efficiency=0.50),
-    "h800": GpuSpec("h800", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=80 * GiB, memory_bandwidth=3350 * GB, nvlink_bandwidth=200 * GB,
-                    network_bandwidth=50 * GB, matmul_efficiency=0.72, attention_efficiency=0.50),
-    "h200": GpuSpec("h200", {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T},
-                    memory=141 * GiB, memory_bandwidth=4800 * GB, nvlink_bandwidth=450 * GB,
-                    network_bandwidth=50 * GB, matmul_efficiency=0.74, attention_efficiency=0.50),
-    "b200": GpuSpec("b200", {"bf16": 2250 * T, "fp16": 2250 * T, "fp8": 4500 * T, "tf32": 1100 * T, "fp32": 80 * T},
-                    memory=180 * GiB, memory_bandwidth=8000 * GB, nvlink_bandwidth=900 * GB,
-                    network_bandwidth=50 * GB, matmul_efficiency=0.65, attention_efficiency=0.45),
+    name: GpuSpec(name, dict(peaks), memory=hbm * GiB, memory_bandwidth=hbm_bw * GB, nvlink_bandwidth=nvlink * GB,
+                  network_bandwidth=network * GB, matmul_efficiency=matmul, attention_efficiency=attention)
+    for name, peaks, hbm, hbm_bw, nvlink, network, matmul, attention in _PRESETS
 }
 
 

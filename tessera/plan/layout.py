@@ -40,18 +40,11 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Sizes of every mesh dimension (dp_shard resolved) plus the memory/time trade-offs."""
+class Layout(LayoutSizes):
+    """Sizes of every mesh dimension (the layout rules' `LayoutSizes`, dp_shard resolved) plus the
+    memory/time trade-offs."""
 
-    tp: int = 1
-    sp: bool = False
-    pp: int = 1
-    vpp: int = 1
     pp_schedule: str = "1f1b"
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    ep: int = 1
     zero_stage: int = 3
     recompute: str = "none"
     recompute_interval: int = 1
@@ -78,10 +71,6 @@ class Layout:
         """The `parallel.*` keys of this layout, as `tessera train --set parallel.K=V` takes them."""
         fields = {f.name for f in dataclasses.fields(ParallelConfig)}
         return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -134,9 +123,7 @@ def layout_problems(cfg: ModelConfig, lay: Layout, work: Workload, *, even_layer
     ranks, a micro-batch count the pipeline schedule accepts). `even_layers` also asks pp x vpp
     to divide the layer count (the search does; a given layout may split unevenly).
     """
-    sizes = LayoutSizes(tp=lay.tp, sp=lay.sp, pp=lay.pp, vpp=lay.vpp, dp_replicate=lay.dp_replicate,
-                        dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep)
-    problems = rule_problems(cfg, sizes, seq_len=work.seq_len)
+    problems = rule_problems(cfg, lay, seq_len=work.seq_len)
 
     def need(cond: bool, message: str) -> None:
         if not cond:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
+from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import attention_params
@@ -61,9 +62,7 @@ PRECISIONS = {
 
 
 def get_precision(name: str) -> Precision:
-    if name not in PRECISIONS:
-        raise ConfigError(f"precision={name!r} is invalid: one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
+    return lookup_choice(PRECISIONS, name, "precision")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tessera.config.model import ModelConfig
 from tessera.models.counting import attention_params
 from tessera.models.flops import attention_core_flops_per_token
-from tessera.plan.activation_terms import get_activation_dtype
+from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile

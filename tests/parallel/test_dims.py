@@ -50,6 +50,16 @@ def test_tied_embeddings_and_mla_layouts_are_accepted(preset, parallel, model):
     dims.validate(get_preset(preset, **model), dims.world_size)
 
 
+def test_the_sizes_are_the_layout_rules_sizes_with_the_configured_virtual_stages():
+    """ParallelDims is the rules' LayoutSizes: validation checks its own vpp unless told another."""
+    cfg = get_preset("tiny-llama")  # 2 layers
+    dims = dims_for(2, pp=2, vpp=2, pp_schedule="interleaved_1f1b", dp_shard=1)
+    assert dims.vpp == 2 and dims.world == 2
+    with pytest.raises(ParallelError, match=r"pp x vpp = 2 x 2 = 4 pipeline stages is more than model.n_layers=2"):
+        dims.validate(cfg, 2)
+    dims.validate(cfg, 2, vpp=1)
+
+
 @pytest.mark.parametrize("parallel,moe_changes,message", [
     (dict(ep=3, dp_shard=3), {}, "ep=3 does not divide model.moe.num_experts=8"),
     (dict(ep=4, dp_shard=2, tp=2), {}, "ep=4 does not divide dp_shard x cp=2"),
