@@ -12,8 +12,9 @@ Two kinds of rule:
   pp x vpp stages need a layer each.
 - what is supported under which parallelism: tied embeddings with tp > 1 (the vocabulary-parallel
   head needs its own weight) or pp > 1 (first and last stage would share it); multi-head latent
-  attention with tp > 1; the sequence-level balancing loss and Sinkhorn routing with cp > 1 (both
-  need every token of a sequence / micro-batch on one rank); sp without tp.
+  attention with tp > 1; sp without tp.
+- context-parallel method: allgather and ring use the zig-zag split, so 2 cp divides the sequence
+  (`cp_layout`).
 Each message names the dimension, the value and what it fails against.
 """
 
@@ -41,10 +42,18 @@ class LayoutSizes:
     dp_shard: int = 1
     cp: int = 1
     ep: int = 1
+    cp_method: str = "alltoall"
 
     @property
     def world(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+def cp_layout(cp_method: str) -> str:
+    """How a sequence is split over the cp ranks for `parallel.cp_method`: "contiguous" (rank r holds
+    chunk r of cp) for alltoall, "zigzag" (rank r holds chunks r and 2 cp - 1 - r of 2 cp, so every
+    rank gets the same causal work) for allgather and ring."""
+    return "contiguous" if cp_method == "alltoall" else "zigzag"
 
 
 def _divides(dim: str, size: int, what: str, value: int) -> str | None:
@@ -99,6 +108,10 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
     if s.cp > 1:
         if seq_len is not None:
             out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
+            if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):
+                out.append(f"cp_method={s.cp_method} cuts each sequence into 2 x cp={2 * s.cp} chunks (zig-zag), "
+                           f"which does not divide sequence length (train.seq_len)={seq_len}; choose a seq_len "
+                           f"that {2 * s.cp} divides or cp_method=alltoall")
         if m.moe is not None and m.moe.seq_aux_loss_coef > 0:
             out.append(f"cp={s.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is not supported: the "
                        "sequence-level balancing loss needs each whole sequence on one rank; use cp=1 or "

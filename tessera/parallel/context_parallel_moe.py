@@ -6,8 +6,8 @@ only its chunk of every sequence; deciding drops on the chunk alone would keep d
 than one process does. `MicroBatchKeepMask`, installed as the MoE layer's `keep_mask` seam
 (tessera.models.moe.capacity), gathers the (small) routing decisions of all cp ranks, [T, k]
 expert ids and gate weights, puts them back into the micro-batch's token order (b-major, then
-position), takes the single-device keep-or-drop decision on them and keeps its own chunk's rows
-of it. The capacity itself is computed from the micro-batch's token count, which the router's cp
+position, whatever the cp layout), takes the single-device keep-or-drop decision on them and keeps
+its own tokens' rows of it. The capacity itself is computed from the micro-batch's token count, which the router's cp
 count reducer already sums. Everything else is the MoE layer's own forward.
 """
 
@@ -18,33 +18,37 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tessera.models.moe.capacity import capacity_keep_mask
+from tessera.parallel.sequence_layout import take_rank_tokens, to_sequence_order
 
 
-def _gather_chunks(x_Tk: torch.Tensor, B: int, cp: int, group: ProcessGroup) -> torch.Tensor:
+def _gather_chunks(x_Tk: torch.Tensor, B: int, cp: int, layout: str, group: ProcessGroup) -> torch.Tensor:
     """Every cp rank's [B*C, k] -> the micro-batch's [B*S, k] in one-process token order."""
     out = x_Tk.new_empty((cp * x_Tk.shape[0],) + tuple(x_Tk.shape[1:]))
     dist.all_gather_into_tensor(out, x_Tk.contiguous(), group=group)
-    return out.view(cp, B, -1, x_Tk.shape[-1]).transpose(0, 1).reshape(-1, x_Tk.shape[-1])
+    k = x_Tk.shape[-1]
+    return to_sequence_order(out.view(cp, B, -1, k), layout).reshape(-1, k)
 
 
 @torch.no_grad()
 def micro_batch_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, B: int, num_experts: int,
-                          capacity: int, policy: str, cp_rank: int, cp: int, group: ProcessGroup) -> torch.Tensor:
+                          capacity: int, policy: str, cp_rank: int, cp: int, group: ProcessGroup,
+                          layout: str = "contiguous") -> torch.Tensor:
     """Boolean [B*C, k] for this rank's tokens: the slots one process would keep for the micro-batch."""
-    keep = capacity_keep_mask(_gather_chunks(indices_Tk, B, cp, group),
-                              _gather_chunks(weights_Tk.float(), B, cp, group), num_experts, capacity, policy)
+    keep = capacity_keep_mask(_gather_chunks(indices_Tk, B, cp, layout, group),
+                              _gather_chunks(weights_Tk.float(), B, cp, layout, group), num_experts, capacity,
+                              policy)
     k = indices_Tk.shape[-1]
-    return keep.view(B, cp, -1, k)[:, cp_rank].reshape(-1, k)
+    return take_rank_tokens(keep.view(B, -1, k), cp, cp_rank, layout).reshape(-1, k)
 
 
 class MicroBatchKeepMask:
     """The MoE layer's `keep_mask` under cp: the slots one process keeps for the whole micro-batch,
-    this rank's chunk of them."""
+    this rank's tokens of them (split by `layout`, sequence_layout.py)."""
 
-    def __init__(self, group: ProcessGroup, cp_rank: int, cp: int):
-        self.group, self.cp_rank, self.cp = group, cp_rank, cp
+    def __init__(self, group: ProcessGroup, cp_rank: int, cp: int, layout: str = "contiguous"):
+        self.group, self.cp_rank, self.cp, self.layout = group, cp_rank, cp, layout
 
     def __call__(self, indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, batch_shape: tuple[int, int],
                  num_experts: int, capacity: int, policy: str) -> torch.Tensor:
         return micro_batch_keep_mask(indices_Tk, weights_Tk, batch_shape[0], num_experts, capacity, policy,
-                                     self.cp_rank, self.cp, self.group)
+                                     self.cp_rank, self.cp, self.group, self.layout)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.config.errors import ParallelError
-from tessera.config.layout_rules import LayoutSizes, layout_problems
+from tessera.config.layout_rules import LayoutSizes, cp_layout, layout_problems
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 
@@ -54,6 +54,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     sp: bool = False
+    cp_method: str = "alltoall"  # ParallelConfig.cp_method: the attention core and the sequence split
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
@@ -67,7 +68,7 @@ class ParallelDims:
         except ValueError as e:
             raise ParallelError(str(e)) from e
         dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp,
-                   ep=cfg.ep, sp=cfg.sp, world_size=world_size)
+                   ep=cfg.ep, sp=cfg.sp, cp_method=cfg.cp_method, world_size=world_size)
         dims.check_world(world_size)
         return dims
 
@@ -88,6 +89,11 @@ class ParallelDims:
             return math.prod(getattr(self, d) for d in FLAT_DIMS[name])
         known = ", ".join(BASE_DIMS + tuple(FLAT_DIMS))
         raise ParallelError(f"unknown mesh dimension {name!r}; known: {known}")
+
+    @property
+    def cp_layout(self) -> str:
+        """How each sequence is split over the cp ranks: "contiguous" or "zigzag" (layout_rules.cp_layout)."""
+        return cp_layout(self.cp_method)
 
     @property
     def dp_size(self) -> int:
@@ -112,7 +118,7 @@ class ParallelDims:
         a combination that is not supported (the rules: tessera.config.layout_rules)."""
         self.check_world(self.world_size if world_size is None else world_size)
         sizes = LayoutSizes(tp=self.tp, sp=self.sp, pp=self.pp, vpp=vpp, dp_replicate=self.dp_replicate,
-                            dp_shard=self.dp_shard, cp=self.cp, ep=self.ep)
+                            dp_shard=self.dp_shard, cp=self.cp, ep=self.ep, cp_method=self.cp_method)
         problems = layout_problems(model_cfg, sizes, seq_len=seq_len)
         if problems:
             raise ParallelError(problems[0])

@@ -1,8 +1,9 @@
 """Context parallelism through the real Trainer equals the one-process run (DESIGN.md, numerics
 contract): every sequence split into cp chunks, attention over the whole sequence by all-to-all,
 the loss-token count that of the whole global batch, MoE router statistics over the whole
-micro-batch. fp32 within 1e-5 relative: logged losses (and MoE aux losses), validation loss and
-the final weights."""
+micro-batch; also with the ring and all-gather attention over the zig-zag split
+(`parallel.cp_method`). fp32 within 1e-5 relative: logged losses (and MoE aux losses), validation
+loss and the final weights."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def _reference(model: str, dataset: str, tmp_path_factory) -> dict:
     pytest.param("moe", 4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.ep": 4}, id="moe-cp2-fsdp2-ep4"),
     pytest.param("moe", 4, {**CP2, **PP2}, id="moe-pp2-cp2"),
     pytest.param("dense", 4, {**CP2, **PP2}, id="dense-pp2-cp2", marks=pytest.mark.slow),
+    # The zig-zag split (rank r holds chunks r and 2 cp - 1 - r) with the ring and all-gather cores.
+    pytest.param("moe", 2, {**CP2, "parallel.cp_method": "ring"}, id="moe-cp2-ring"),
+    pytest.param("dense", 2, {**CP2, "parallel.cp_method": "ring"}, id="dense-cp2-ring"),
+    pytest.param("moe", 2, {**CP2, "parallel.cp_method": "allgather"}, id="moe-cp2-allgather"),
+    pytest.param("dense", 2, {**CP2, "parallel.cp_method": "allgather"}, id="dense-cp2-allgather"),
+    pytest.param("dense", 4, {**CP2, "parallel.tp": 2, "parallel.cp_method": "ring"}, id="dense-cp2-tp2-ring"),
+    pytest.param("moe", 4, {"parallel.cp": 4, "parallel.dp_shard": 1, "parallel.cp_method": "ring"},
+                 id="moe-cp4-ring", marks=pytest.mark.slow),
 ])
 def test_context_parallel_trains_like_one_process(model, world, parallel, small_dataset, tmp_path, tmp_path_factory):
     ref = _reference(model, small_dataset, tmp_path_factory)
