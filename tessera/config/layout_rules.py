@@ -112,13 +112,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
                 out.append(f"cp_method={s.cp_method} cuts each sequence into 2 x cp={2 * s.cp} chunks (zig-zag), "
                            f"which does not divide sequence length (train.seq_len)={seq_len}; choose a seq_len "
                            f"that {2 * s.cp} divides or cp_method=alltoall")
-        if m.moe is not None and m.moe.seq_aux_loss_coef > 0:
-            out.append(f"cp={s.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is not supported: the "
-                       "sequence-level balancing loss needs each whole sequence on one rank; use cp=1 or "
-                       "seq_aux_loss_coef=0 (aux_loss_coef is fine)")
-        if m.moe is not None and m.moe.sinkhorn:
-            out.append(f"cp={s.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn routing balances over "
-                       "all the micro-batch's tokens at once; use cp=1 or top-k routing")
     if s.pp > 1 and m.tie_embeddings:
         out.append(f"pp={s.pp} with model.tie_embeddings=true is not supported: the first and last stages would "
                    "share the embedding; use pp=1 or untie")

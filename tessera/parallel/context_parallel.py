@@ -54,7 +54,7 @@ from tessera.models.attention import Attention, causal_attention, sliding_window
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.parallel.collectives import all_to_all_rows, gather_rows
-from tessera.parallel.context_parallel_moe import MicroBatchKeepMask
+from tessera.parallel.context_parallel_moe import MicroBatchKeepMask, MicroBatchTokenReducer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.ring_attention import RingAttention
 from tessera.parallel.sequence_layout import CP_LAYOUTS, all_rank_positions, rank_positions
@@ -169,8 +169,8 @@ class ChunkPositions:
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
-    this rank's tokens (`dims.cp_layout`) on the model and, for MoE layers with expert capacity,
-    micro-batch-wide token dropping. No-op for cp = 1."""
+    this rank's tokens (`dims.cp_layout`) on the model and, in MoE layers, Sinkhorn's micro-batch-wide
+    sums and (with expert capacity) micro-batch-wide token dropping. No-op for cp = 1."""
     if dims.cp == 1:
         return
     group = dims["cp"].get_group()
@@ -179,6 +179,8 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
-        elif isinstance(module, MoE) and module.cfg.capacity_factor is not None:
-            module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp, dims.cp_layout)
+        elif isinstance(module, MoE):
+            module.router.reduce_over_tokens = MicroBatchTokenReducer(group)
+            if module.cfg.capacity_factor is not None:
+                module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp, dims.cp_layout)
     model.position_source = ChunkPositions(rank, dims.cp, dims.cp_layout)

@@ -1,4 +1,5 @@
-"""Expert capacity over the whole micro-batch when context parallelism spreads its tokens.
+"""MoE statistics over the whole micro-batch when context parallelism spreads its tokens: expert
+capacity (`MicroBatchKeepMask`) and Sinkhorn's column sums (`MicroBatchTokenReducer`).
 
 With a capacity factor, an expert keeps at most `capacity` routing slots of a micro-batch and
 drops the rest, by lowest gate weight or latest position (capacity.py). Under cp each rank routes
@@ -9,6 +10,12 @@ expert ids and gate weights, puts them back into the micro-batch's token order (
 position, whatever the cp layout), takes the single-device keep-or-drop decision on them and keeps
 its own tokens' rows of it. The capacity itself is computed from the micro-batch's token count, which the router's cp
 count reducer already sums. Everything else is the MoE layer's own forward.
+
+Sinkhorn routing normalises the columns of the [T, E] assignment over all the micro-batch's
+tokens; `MicroBatchTokenReducer`, installed as the router's `reduce_over_tokens` seam
+(tessera.models.moe.sinkhorn), all-reduces those column sums and maxima (and T and the
+convergence error) over cp. The sequence-level balancing loss needs each whole sequence's routing
+counts; the router's count reducer (`MicroBatchCountReducer`) sums them.
 """
 
 from __future__ import annotations
@@ -39,6 +46,18 @@ def micro_batch_keep_mask(indices_Tk: torch.Tensor, weights_Tk: torch.Tensor, B:
                               policy)
     k = indices_Tk.shape[-1]
     return take_rank_tokens(keep.view(B, -1, k), cp, cp_rank, layout).reshape(-1, k)
+
+
+class MicroBatchTokenReducer:
+    """The router's `reduce_over_tokens` under cp: a detached sum or max over the cp group."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        return out
 
 
 class MicroBatchKeepMask:

@@ -58,6 +58,25 @@ def test_context_parallel_trains_like_one_process(model, world, parallel, small_
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("routing,method", [
+    pytest.param({"model.moe.seq_aux_loss_coef": 0.01}, "alltoall", id="seq-aux-loss-alltoall"),
+    pytest.param({"model.moe.seq_aux_loss_coef": 0.01}, "ring", id="seq-aux-loss-ring"),
+    pytest.param({"model.moe.sinkhorn": True}, "alltoall", id="sinkhorn-alltoall"),
+    pytest.param({"model.moe.sinkhorn": True, "model.moe.capacity_factor": 1.0}, "allgather",
+                 id="sinkhorn-capacity-allgather", marks=pytest.mark.slow),
+])
+def test_sequence_aux_loss_and_sinkhorn_under_cp_train_like_one_process(routing, method, small_dataset, tmp_path):
+    """The sequence-level balancing loss (each sequence's routing counts summed over cp) and Sinkhorn
+    routing (its column sums over cp) under cp=2 equal one process, with either split."""
+    ref = train_one_process("moe", overrides_for("moe", small_dataset, tmp_path / "one", STEPS, **routing))
+    got = run_ranks(train_on_ranks, 2, "moe", overrides_for("moe", small_dataset, tmp_path / "cp", STEPS, **routing,
+                                                            **CP2, **{"parallel.cp_method": method}))
+    assert_same_training(got, ref, rtol=1e-5)
+    aux = [k for k in ref["records"][0] if "seq_load_balancing" in k]
+    assert aux or "model.moe.sinkhorn" in routing, sorted(ref["records"][0])
+
+
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 def test_bf16_context_parallel_stays_within_bf16_tolerance(recompute, small_dataset, tmp_path):
