@@ -46,6 +46,10 @@ def _reference(model: str, dataset: str, tmp_path_factory) -> dict:
     pytest.param("dense", 4, {**CP2, "parallel.tp": 2, "parallel.cp_method": "ring"}, id="dense-cp2-tp2-ring"),
     pytest.param("moe", 4, {"parallel.cp": 4, "parallel.dp_shard": 1, "parallel.cp_method": "ring"},
                  id="moe-cp4-ring", marks=pytest.mark.slow),
+    pytest.param("moe", 4, {**CP2, **PP2, "parallel.cp_method": "ring"}, id="moe-pp2-cp2-ring", marks=pytest.mark.slow),
+    pytest.param("moe", 4, {"parallel.cp": 2, "parallel.dp_shard": 2, "parallel.cp_method": "ring",
+                            "parallel.recompute": "selective"}, id="moe-cp2-fsdp2-ring-recompute",
+                 marks=pytest.mark.slow),
 ])
 def test_context_parallel_trains_like_one_process(model, world, parallel, small_dataset, tmp_path, tmp_path_factory):
     ref = _reference(model, small_dataset, tmp_path_factory)
@@ -78,14 +82,16 @@ def test_sequence_aux_loss_and_sinkhorn_under_cp_train_like_one_process(routing,
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_bf16_context_parallel_stays_within_bf16_tolerance(recompute, small_dataset, tmp_path):
+@pytest.mark.parametrize("recompute,method", [("none", "alltoall"), ("selective", "alltoall"), ("selective", "ring")])
+def test_bf16_context_parallel_stays_within_bf16_tolerance(recompute, method, small_dataset, tmp_path):
     """bf16 autocast (FSDP bf16 compute weights) under cp, with and without recomputing the
-    attention core (whose all-to-alls then run again in backward): within 5e-3 of one process."""
+    attention core (whose all-to-alls or ring passes then run again in backward): within 5e-3 of
+    one process."""
     bf16 = {"train.dtype": "bf16"}
     ref = train_one_process("moe", overrides_for("moe", small_dataset, tmp_path / "one", STEPS, **bf16))
     got = run_ranks(train_on_ranks, 2, "moe", overrides_for("moe", small_dataset, tmp_path / "cp", STEPS, **bf16,
-                                                            **CP2, **{"parallel.recompute": recompute}))
+                                                            **CP2, **{"parallel.recompute": recompute,
+                                                                      "parallel.cp_method": method}))
     assert_same_training(got, ref, rtol=5e-3)
 
 
