@@ -18,7 +18,9 @@ dq += ds k scale, dk = ds^T q scale. The key/value blocks travel the ring again 
 compute the same way), and each block's dk/dv accumulator travels with it, one hop behind, back
 to the rank that owns it after cp hops. Scores are computed in fp32 whatever the input dtype.
 
-A block pair that the mask leaves empty is skipped. Shapes: B batch, H query heads, G kv heads,
+Each block pair computes only the query rows and key columns its mask leaves any pair visible in
+(an empty pair is skipped); with the zig-zag split every rank then computes the same number of
+(query, key) pairs. Shapes: B batch, H query heads, G kv heads,
 C tokens per rank, D / Dv head dims; GQA repeats a block's kv heads locally (the ring carries G).
 """
 
@@ -34,10 +36,11 @@ from tessera.models.attention import sliding_window_mask
 from tessera.parallel.sequence_layout import all_rank_positions
 
 KV_TAG, GRAD_TAG = 0, 1
-Trace = Callable[[str, str, int], None]  # (event "send" | "compute", phase "forward" | "backward", step)
+# (event "send" | "compute", phase "forward" | "backward", step, (query, key) pairs computed; 0 for a send)
+Trace = Callable[[str, str, int, int], None]
 
 
-def _no_trace(event: str, phase: str, step: int) -> None:
+def _no_trace(event: str, phase: str, step: int, pairs: int) -> None:
     return None
 
 
@@ -56,6 +59,15 @@ class _Ring:
         requests = [dist.isend(x, self.next, group=self.group, tag=tag),
                     dist.irecv(incoming, self.prev, group=self.group, tag=tag)]
         return incoming, requests
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None):
+    """The block pair's work: the query rows and key columns with any visible (query, key) pair, and
+    the mask between them. Under the zig-zag split an off-diagonal pair keeps half its rows (the
+    later source) or half its columns (the earlier one), so every rank computes the same area."""
+    mask = sliding_window_mask(q_pos, k_pos, window)
+    rows, cols = mask.any(dim=1).nonzero().squeeze(1), mask.any(dim=0).nonzero().squeeze(1)
+    return rows, cols, mask.index_select(0, rows).index_select(1, cols)
 
 
 def _scores(q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, scale: float, mask_CC: torch.Tensor) -> torch.Tensor:
@@ -85,19 +97,21 @@ class _RingAttentionFunction(torch.autograd.Function):
             requests = []
             if step < ring.cp - 1:
                 incoming, requests = ring.pass_on(kv, KV_TAG)
-                trace("send", "forward", step)
-            mask = sliding_window_mask(q_pos, positions_PC[src], window)
-            if mask.any():
-                trace("compute", "forward", step)
-                k_b, v_b = kv.split([D, Dv], dim=-1)
-                s = _scores(q32, k_b, scale, mask)
+                trace("send", "forward", step, 0)
+            rows, cols, mask = _visible(q_pos, positions_PC[src], window)
+            if rows.numel():
+                trace("compute", "forward", step, rows.numel() * cols.numel())
+                k_b, v_b = kv.index_select(2, cols).split([D, Dv], dim=-1)
+                s = _scores(q32.index_select(2, rows), k_b, scale, mask)
                 lse_b = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - lse_b.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
                 out_b = p @ v_b.repeat_interleave(H // k.shape[1], dim=1)
-                new = torch.logaddexp(lse, lse_b)
+                lse_r, out_r = lse.index_select(2, rows), out.index_select(2, rows)
+                new = torch.logaddexp(lse_r, lse_b)
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                out = out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)
-                lse = new
+                out_r = out_r * torch.exp(lse_r - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)
+                out.index_copy_(2, rows, out_r)
+                lse.index_copy_(2, rows, new)
             for request in requests:
                 request.wait()
             if requests:
@@ -122,19 +136,20 @@ class _RingAttentionFunction(torch.autograd.Function):
             kv_requests = []
             if step < ring.cp - 1:
                 incoming, kv_requests = ring.pass_on(kv, KV_TAG)
-                trace("send", "backward", step)
+                trace("send", "backward", step, 0)
             grad_b = torch.zeros_like(kv)
-            mask = sliding_window_mask(q_pos, positions_PC[src], ctx.window)
-            if mask.any():
-                trace("compute", "backward", step)
-                k_b, v_b = kv.split([D, Dv], dim=-1)
+            rows, cols, mask = _visible(q_pos, positions_PC[src], ctx.window)
+            if rows.numel():
+                trace("compute", "backward", step, rows.numel() * cols.numel())
+                k_b, v_b = kv.index_select(2, cols).split([D, Dv], dim=-1)
                 rep = q.shape[1] // G
-                p = torch.exp(_scores(q32, k_b, scale, mask) - lse.unsqueeze(-1))  # masked: exp(-inf) = 0
-                dv_b = p.transpose(-1, -2) @ dout32
-                ds = p * (dout32 @ v_b.repeat_interleave(rep, dim=1).transpose(-1, -2) - delta)
-                dq += (ds @ k_b.repeat_interleave(rep, dim=1)) * scale
-                dk_b = (ds.transpose(-1, -2) @ q32) * scale
-                grad_b = torch.cat([_sum_groups(dk_b, G), _sum_groups(dv_b, G)], dim=-1)
+                q_r, dout_r = q32.index_select(2, rows), dout32.index_select(2, rows)
+                p = torch.exp(_scores(q_r, k_b, scale, mask) - lse.index_select(2, rows).unsqueeze(-1))  # masked: 0
+                dv_b = p.transpose(-1, -2) @ dout_r
+                ds = p * (dout_r @ v_b.repeat_interleave(rep, dim=1).transpose(-1, -2) - delta.index_select(2, rows))
+                dq.index_add_(2, rows, (ds @ k_b.repeat_interleave(rep, dim=1)) * scale)
+                dk_b = (ds.transpose(-1, -2) @ q_r) * scale
+                grad_b.index_copy_(2, cols, torch.cat([_sum_groups(dk_b, G), _sum_groups(dv_b, G)], dim=-1))
             for request in grad_requests:
                 request.wait()
             if grad_in is not None:
@@ -153,8 +168,8 @@ class _RingAttentionFunction(torch.autograd.Function):
 class RingAttention:
     """The ring core: (q [B, H, C, D], k [B, G, C, D], v [B, G, C, Dv], scale, window) -> [B, H, C, Dv],
     exact causal attention of the whole sequence with the tokens split over `group` by `layout`.
-    `trace`, when set, is called with ("send" | "compute", "forward" | "backward", step) as each
-    block transfer is issued and each block is computed (tests read the order from it)."""
+    `trace`, when set, is called with ("send" | "compute", "forward" | "backward", step, pairs) as
+    each block transfer is issued and each block is computed (tests read the order from it)."""
 
     def __init__(self, group: ProcessGroup, layout: str = "zigzag"):
         self.group, self.layout = group, layout

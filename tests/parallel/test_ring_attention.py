@@ -80,6 +80,26 @@ def test_ring_issues_each_transfer_before_computing_the_block():
                 assert events[position][2] == step and position < computes[step]
 
 
+def _ring_work(layout: str) -> int:
+    """(query, key) pairs this rank's ring core computes in the forward of one causal attention."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    core = ContextParallelAttention(dist.group.WORLD, "ring", layout)
+    pairs: list = []
+    core.ring.trace = lambda event, phase, step, n: pairs.append(n)
+    q, k, v, _ = (take_rank_tokens(t, cp, rank, layout, dim=2) for t in _tensors("ring-gqa"))
+    core(q, k, v, 8**-0.5)
+    return sum(pairs)
+
+
+@pytest.mark.dist
+def test_zigzag_ring_gives_every_rank_the_same_causal_work():
+    """S = 16 over 4 ranks: zig-zag, every rank computes 40 (query, key) pairs (the diagonal block
+    with its causal halves, then half of each other block); the contiguous split would give the last
+    rank 4 blocks of 16 pairs and the first one only its diagonal block."""
+    assert run_ranks(_ring_work, 4, "zigzag") == [40] * 4
+    assert run_ranks(_ring_work, 4, "contiguous") == [16, 32, 48, 64]
+
+
 def test_zigzag_positions_and_order():
     assert all_rank_positions(4, 2, "zigzag").tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert rank_positions(4, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
