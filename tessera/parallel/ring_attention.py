@@ -16,7 +16,8 @@ Backward (explicit, from the saved output and log-sum-exp; FlashAttention-2's): 
 delta = sum(dout * out), per block p = exp(s - lse), dv = p^T dout, ds = p (dout v^T - delta),
 dq += ds k scale, dk = ds^T q scale. The key/value blocks travel the ring again (overlapped with
 compute the same way), and each block's dk/dv accumulator travels with it, one hop behind, back
-to the rank that owns it after cp hops. Scores are computed in fp32 whatever the input dtype.
+to the rank that owns it after cp hops. Blocks travel in the input dtype; scores, the merge and
+the gradient accumulators are fp32.
 
 Each block pair computes only the query rows and key columns its mask leaves any pair visible in
 (an empty pair is skipped); with the zig-zag split every rank then computes the same number of
@@ -87,7 +88,7 @@ class _RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, window, group, positions_PC, trace):
         ring = _Ring(group)
         q32, D, Dv = q.float(), k.shape[-1], v.shape[-1]
-        kv = torch.cat([k.float(), v.float()], dim=-1).contiguous()  # one message per block
+        kv = torch.cat([k, v], dim=-1).contiguous()  # one message per block, in the input dtype
         B, H, C, _ = q.shape
         out = q32.new_zeros(B, H, C, Dv)
         lse = q32.new_full((B, H, C), float("-inf"))
@@ -101,7 +102,7 @@ class _RingAttentionFunction(torch.autograd.Function):
             rows, cols, mask = _visible(q_pos, positions_PC[src], window)
             if rows.numel():
                 trace("compute", "forward", step, rows.numel() * cols.numel())
-                k_b, v_b = kv.index_select(2, cols).split([D, Dv], dim=-1)
+                k_b, v_b = kv.index_select(2, cols).float().split([D, Dv], dim=-1)
                 s = _scores(q32.index_select(2, rows), k_b, scale, mask)
                 lse_b = torch.logsumexp(s, dim=-1)
                 p = torch.exp(s - lse_b.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
@@ -128,7 +129,7 @@ class _RingAttentionFunction(torch.autograd.Function):
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(dim=-1, keepdim=True)  # [B, H, C, 1]
         dq = torch.zeros_like(q32)
-        kv = torch.cat([k.float(), v.float()], dim=-1).contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()
         grad_in, grad_requests = None, []  # the accumulator of this step's block, arriving from rank r-1
         q_pos = positions_PC[ring.rank]
         for step in range(ring.cp):
@@ -137,11 +138,11 @@ class _RingAttentionFunction(torch.autograd.Function):
             if step < ring.cp - 1:
                 incoming, kv_requests = ring.pass_on(kv, KV_TAG)
                 trace("send", "backward", step, 0)
-            grad_b = torch.zeros_like(kv)
+            grad_b = torch.zeros_like(kv, dtype=torch.float32)
             rows, cols, mask = _visible(q_pos, positions_PC[src], ctx.window)
             if rows.numel():
                 trace("compute", "backward", step, rows.numel() * cols.numel())
-                k_b, v_b = kv.index_select(2, cols).split([D, Dv], dim=-1)
+                k_b, v_b = kv.index_select(2, cols).float().split([D, Dv], dim=-1)
                 rep = q.shape[1] // G
                 q_r, dout_r = q32.index_select(2, rows), dout32.index_select(2, rows)
                 p = torch.exp(_scores(q_r, k_b, scale, mask) - lse.index_select(2, rows).unsqueeze(-1))  # masked: 0
