@@ -52,6 +52,7 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     ep: int = 1
+    cp_method: str = "alltoall"  # parallel.cp_method: the context-parallel attention and its communication
     zero_stage: int = 3
     recompute: str = "none"
     recompute_interval: int = 1
@@ -68,7 +69,7 @@ class Layout:
             raise ParallelError(str(e)) from e
         return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, pp_schedule=par.pp_schedule,
                    dp_replicate=par.dp_replicate, dp_shard=dp_shard, cp=par.cp, ep=par.ep,
-                   zero_stage=par.zero_stage, recompute=par.recompute,
+                   cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
                    recompute_interval=par.recompute_interval)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
@@ -110,7 +111,7 @@ class Layout:
             parts.append(f"rep{self.dp_replicate}")
         parts.append(f"shard{self.dp_shard}(zero{self.zero_stage})")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + (f"({self.cp_method})" if self.cp_method != "alltoall" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.tp_overlap:
@@ -135,7 +136,7 @@ def layout_problems(cfg: ModelConfig, lay: Layout, work: Workload, *, even_layer
     to divide the layer count (the search does; a given layout may split unevenly).
     """
     sizes = LayoutSizes(tp=lay.tp, sp=lay.sp, pp=lay.pp, vpp=lay.vpp, dp_replicate=lay.dp_replicate,
-                        dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep)
+                        dp_shard=lay.dp_shard, cp=lay.cp, ep=lay.ep, cp_method=lay.cp_method)
     problems = rule_problems(cfg, sizes, seq_len=work.seq_len)
 
     def need(cond: bool, message: str) -> None:
