@@ -57,8 +57,9 @@ class _Ring:
     def pass_on(self, x: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
         """Start sending `x` to the next rank and receiving its counterpart from the previous one."""
         incoming = torch.empty_like(x)
-        requests = [dist.isend(x, self.next, group=self.group, tag=tag),
-                    dist.irecv(incoming, self.prev, group=self.group, tag=tag)]
+        # One batch, so that NCCL posts both at once (two ranks that each sent first would deadlock).
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, self.next, self.group, tag),
+                                           dist.P2POp(dist.irecv, incoming, self.prev, self.group, tag)])
         return incoming, requests
 
 
