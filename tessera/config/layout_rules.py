@@ -10,9 +10,11 @@ Two kinds of rule:
   vocabulary and FFN sizes; ep divides the experts and dp_shard x cp (experts fold over those
   ranks) and is a multiple of cp; cp divides the sequence, and with sp tp divides each cp chunk;
   pp x vpp stages need a layer each.
-- what is supported under which parallelism: the sequence-level balancing loss and Sinkhorn
-  routing with cp > 1 (both need every token of a sequence / micro-batch on one rank); sp without
-  tp. (Tied embeddings under tp and pp, and multi-head latent attention under tp, are supported.)
+- what is supported under which parallelism: sp without tp. (Tied embeddings under tp and pp,
+  multi-head latent attention under tp, and the sequence-level balancing loss and Sinkhorn routing
+  under cp are supported.)
+- context-parallel method: allgather and ring use the zig-zag split, so 2 cp divides the sequence
+  (`cp_layout`).
 Each message names the dimension, the value and what it fails against.
 """
 
@@ -40,10 +42,18 @@ class LayoutSizes:
     dp_shard: int = 1
     cp: int = 1
     ep: int = 1
+    cp_method: str = "alltoall"
 
     @property
     def world(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+
+def cp_layout(cp_method: str) -> str:
+    """How a sequence is split over the cp ranks for `parallel.cp_method`: "contiguous" (rank r holds
+    chunk r of cp) for alltoall, "zigzag" (rank r holds chunks r and 2 cp - 1 - r of 2 cp, so every
+    rank gets the same causal work) for allgather and ring."""
+    return "contiguous" if cp_method == "alltoall" else "zigzag"
 
 
 def _divides(dim: str, size: int, what: str, value: int) -> str | None:
@@ -92,13 +102,10 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
     if s.cp > 1:
         if seq_len is not None:
             out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
-        if m.moe is not None and m.moe.seq_aux_loss_coef > 0:
-            out.append(f"cp={s.cp} with model.moe.seq_aux_loss_coef={m.moe.seq_aux_loss_coef} is not supported: the "
-                       "sequence-level balancing loss needs each whole sequence on one rank; use cp=1 or "
-                       "seq_aux_loss_coef=0 (aux_loss_coef is fine)")
-        if m.moe is not None and m.moe.sinkhorn:
-            out.append(f"cp={s.cp} with model.moe.sinkhorn=true is not supported: Sinkhorn routing balances over "
-                       "all the micro-batch's tokens at once; use cp=1 or top-k routing")
+            if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):
+                out.append(f"cp_method={s.cp_method} cuts each sequence into 2 x cp={2 * s.cp} chunks (zig-zag), "
+                           f"which does not divide sequence length (train.seq_len)={seq_len}; choose a seq_len "
+                           f"that {2 * s.cp} divides or cp_method=alltoall")
     stages = s.pp * s.vpp
     if stages > m.n_layers:
         out.append(f"pp x vpp = {s.pp} x {s.vpp} = {stages} pipeline stages is more than model.n_layers={m.n_layers}; "

@@ -18,6 +18,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # (models/flops.py) and the planner's estimates and search all read it.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 EP_DISPATCHERS = ("alltoall", "allgather")
+CP_METHODS = ("alltoall", "allgather", "ring")
 
 
 @dataclass
@@ -44,6 +45,17 @@ class ParallelConfig:
     # moe.pad_to_capacity). Same numerics either way.
     ep_dispatcher: str = "alltoall"
     cp: int = 1  # context parallel (sequence split across ranks for attention)
+    # How attention sees the whole sequence under cp > 1 (tessera/parallel/context_parallel.py); all exact.
+    # "alltoall" (Ulysses; the default): contiguous chunks, rank r holds chunk r; q, k, v are re-split from
+    #   sequence to heads and back (two all-to-alls), balanced by construction. Needs cp | local query heads
+    #   (model.n_heads / tp); where it does not divide, it falls back to the all-gather attention over the
+    #   same contiguous chunks (exact, causally unbalanced: the last rank does the most work).
+    # "allgather" (Llama 3): k, v gathered along the sequence; any head count.
+    # "ring": k, v blocks passed around the cp ring, each transfer overlapped with the previous block's
+    #   attention; exact log-sum-exp merge; memory of one block instead of the whole sequence.
+    # allgather and ring use the balanced causal split (zig-zag / head-tail): each sequence is cut into
+    # 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r, so 2 cp must divide train.seq_len.
+    cp_method: str = "alltoall"
     # dp_shard always shards weights, gradients (reduce-scattered) and optimizer state through FSDP2;
     # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
     # 1 and 2 after its backward (no second all-gather). The planner's ZeRO-1/2 rows are the textbook ones.
@@ -76,6 +88,8 @@ class ParallelConfig:
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher={self.ep_dispatcher!r} is invalid: one of "
                               f"{', '.join(EP_DISPATCHERS)}")
+        if self.cp_method not in CP_METHODS:
+            raise ConfigError(f"parallel.cp_method={self.cp_method!r} is invalid: one of {', '.join(CP_METHODS)}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")

@@ -1,13 +1,15 @@
-"""Context parallelism (CP): every sequence of a micro-batch is cut into cp contiguous chunks and
-cp rank r holds chunk r, tokens [r S/cp, (r+1) S/cp), for the whole model. Everything but
-attention works token by token, so only attention communicates; it still computes exactly the
-causal attention of the whole sequence.
+"""Context parallelism (CP): every sequence of a micro-batch is split over the cp ranks for the whole
+model, and only attention communicates (everything else works token by token); it still computes
+exactly the causal attention of the whole sequence. `parallel.cp_method` chooses the attention
+core and, with it, the split (sequence_layout.py): "alltoall" keeps cp contiguous chunks (rank r
+holds chunk r), "allgather" and "ring" the balanced zig-zag split (rank r holds chunks r and
+2 cp - 1 - r of 2 cp), under which every rank has the same causal work.
 
 The model declares every seam this file uses, and this file only installs implementations of
 them (no subclassing, no hooks): each attention module's `attention_core`, the model's
 `position_source` and, with expert capacity, each MoE layer's `keep_mask`.
 
-Attention cores (installed as each attention module's `attention_core`; both exact, under autograd):
+Attention cores (installed as each attention module's `attention_core`; all exact, under autograd):
 
 - "alltoall" (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv 2309.14509, section 3): an all-to-all
   turns q, k, v from [B, heads, S/cp, D] (all local heads, this rank's chunk) into
@@ -17,23 +19,24 @@ Attention cores (installed as each attention module's `attention_core`; both exa
   is the reverse all-to-all. GQA: each rank takes the kv heads of its query heads; when cp does
   not divide the kv heads, they are first repeated (each r times, the smallest r that makes cp
   divide them), and the repeat's backward sums their gradients. Every rank computes the same
-  work whatever the chunk, so the contiguous split is load-balanced (no zig-zag needed).
-  Used when cp divides this rank's query heads (H / tp).
+  work whatever the chunk, so the contiguous split is load-balanced. Where cp does not divide
+  this rank's query heads (H / tp) it falls back to the all-gather core over the same
+  contiguous chunks (exact; the last rank then does the most causal work).
 - "allgather" (the all-gather variant of Llama 3, Dubey et al. 2024, section 3.3.2): k and v
   are gathered along the sequence (backward: reduce-scatter of their gradients), and this rank's
   queries attend to them under the causal (and sliding-window) mask at their global positions.
-  Any head count; used when cp does not divide H / tp. With contiguous chunks the causal work
-  is unbalanced (rank cp-1 does the most); the result is exact.
+  Any head count.
+- "ring" (ring_attention.py): k/v blocks travel the cp ring, each transfer issued before the
+  previous block's compute, partial results merged by their log-sum-exp. Any head count; one
+  block of k/v in flight instead of the whole sequence.
 
 Positions: the model's `position_source` becomes `ChunkPositions`, the global positions of this
-rank's chunk (a caller that passes `positions` keeps them), so RoPE rotates every token as one
-device would.
+rank's tokens under the split (a caller that passes `positions` keeps them), so RoPE rotates every
+token as one device would.
 
-MoE: the router's token counts are summed over cp (`MicroBatchCountReducer`, expert_parallel.py);
-with expert capacity the keep-or-drop decision is taken over the whole micro-batch
-(`MicroBatchKeepMask`, context_parallel_moe.py). The sequence-level balancing loss and Sinkhorn
-routing need every token of a sequence in one place and are refused with cp > 1
-(`ParallelDims.validate`).
+MoE: the router's token counts (and its per-sequence counts and Sinkhorn sums) are summed over cp
+(`MicroBatchCountReducer`, expert_parallel.py); with expert capacity the keep-or-drop decision is
+taken over the whole micro-batch in sequence order (`MicroBatchKeepMask`, context_parallel_moe.py).
 Shapes: B batch, H query heads, G kv heads, S sequence, C = S/cp chunk, D head dim.
 """
 
@@ -46,14 +49,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tessera.config.errors import ParallelError
+from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, causal_attention, sliding_window_mask
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.parallel.collectives import all_to_all_rows, gather_rows
-from tessera.parallel.context_parallel_moe import MicroBatchKeepMask
+from tessera.parallel.context_parallel_moe import MicroBatchKeepMask, MicroBatchTokenReducer
 from tessera.parallel.dims import ParallelDims
-
-CP_ATTENTION = ("alltoall", "allgather")
+from tessera.parallel.ring_attention import RingAttention
+from tessera.parallel.sequence_layout import CP_LAYOUTS, all_rank_positions, rank_positions
 
 
 def _exchange_blocks(x_P: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -109,60 +113,74 @@ def gather_sequence(x_BGCD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def allgather_attention(q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
-                        window: int | None, group: ProcessGroup) -> torch.Tensor:
-    """Exact causal attention of this rank's queries over the gathered keys/values; [B, H, C, Dv]."""
-    C = q_BHCD.shape[2]
+                        window: int | None, group: ProcessGroup, layout: str = "contiguous") -> torch.Tensor:
+    """Exact causal attention of this rank's queries over the gathered keys/values; [B, H, C, Dv].
+    The mask takes every token's global position under `layout` (sequence_layout.py)."""
+    C, device = q_BHCD.shape[2], q_BHCD.device
     k, v = gather_sequence(k_BGCD, group), gather_sequence(v_BGCD, group)
-    q_pos = dist.get_rank(group) * C + torch.arange(C, device=q_BHCD.device)
-    mask = sliding_window_mask(q_pos, torch.arange(k.shape[2], device=q_BHCD.device), window)
+    positions = all_rank_positions(C, dist.get_world_size(group), layout, device)  # [cp, C]
+    mask = sliding_window_mask(positions[dist.get_rank(group)], positions.flatten(), window)
     return F.scaled_dot_product_attention(q_BHCD, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q_BHCD.shape[1] != k.shape[1])
 
 
 class ContextParallelAttention:
-    """An attention module's `attention_core` under cp: "alltoall" where cp divides the local
-    query heads, else "allgather" (`method` forces one). A plain callable, not a module, so
-    parameter names and state dicts do not change."""
+    """An attention module's `attention_core` under cp. `method` (`parallel.cp_method`): "alltoall"
+    where cp divides the local query heads, else "allgather" over the same chunks (None: the same
+    automatic choice); "allgather" and "ring" for any head count. `layout` is how the sequence is
+    split (sequence_layout.py); the all-to-all core needs "contiguous". A plain callable, not a
+    module, so parameter names and state dicts do not change."""
 
-    def __init__(self, group: ProcessGroup, method: str | None = None):
-        if method is not None and method not in CP_ATTENTION:
-            raise ParallelError(f"context-parallel attention {method!r} is invalid: one of {', '.join(CP_ATTENTION)}")
-        self.group, self.method = group, method
+    def __init__(self, group: ProcessGroup, method: str | None = None, layout: str = "contiguous"):
+        if method is not None and method not in CP_METHODS:
+            raise ParallelError(f"parallel.cp_method={method!r} is invalid: one of {', '.join(CP_METHODS)}")
+        if layout not in CP_LAYOUTS:
+            raise ParallelError(f"context-parallel layout {layout!r} is invalid: one of {', '.join(CP_LAYOUTS)}")
+        self.group, self.method, self.layout = group, method, layout
         self.cp = dist.get_world_size(group)
+        self.ring = RingAttention(group, layout)
 
     def method_for(self, q_heads: int) -> str:
-        return self.method or ("alltoall" if q_heads % self.cp == 0 else "allgather")
+        if self.method in ("allgather", "ring"):
+            return self.method
+        return "alltoall" if q_heads % self.cp == 0 and self.layout == "contiguous" else "allgather"
 
     def __call__(self, q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
                  window: int | None = None) -> torch.Tensor:
-        if self.method_for(q_BHCD.shape[1]) == "alltoall":
+        method = self.method_for(q_BHCD.shape[1])
+        if method == "alltoall":
             return alltoall_attention(q_BHCD, k_BGCD, v_BGCD, scale, window, self.group)
-        return allgather_attention(q_BHCD, k_BGCD, v_BGCD, scale, window, self.group)
+        if method == "ring":
+            return self.ring(q_BHCD, k_BGCD, v_BGCD, scale, window)
+        return allgather_attention(q_BHCD, k_BGCD, v_BGCD, scale, window, self.group, self.layout)
 
 
 class ChunkPositions:
-    """The model's `position_source` under cp: this rank's chunk [B, C] sits at global positions
-    [r C, (r+1) C) (RoPE must rotate by where a token is in the sequence)."""
+    """The model's `position_source` under cp: this rank's C tokens of every sequence sit at their
+    global positions under `layout` (RoPE must rotate by where a token is in the sequence):
+    [r C, (r+1) C) for the contiguous split, chunks r and 2 cp - 1 - r of 2 cp for the zig-zag one."""
 
-    def __init__(self, cp_rank: int):
-        self.cp_rank = cp_rank
+    def __init__(self, cp_rank: int, cp: int = 1, layout: str = "contiguous"):
+        self.cp_rank, self.cp, self.layout = cp_rank, cp, layout
 
     def __call__(self, B: int, C: int, device: torch.device) -> torch.Tensor:
-        start = self.cp_rank * C
-        return torch.arange(start, start + C, device=device).expand(B, C)
+        return rank_positions(C, self.cp, self.cp_rank, self.layout, device).expand(B, C)
 
 
-def apply_context_parallel(model: nn.Module, dims: ParallelDims, method: str | None = None) -> None:
-    """Install the cp attention core in every attention module, the chunk positions on the model
-    and, for MoE layers with expert capacity, micro-batch-wide token dropping. No-op for cp = 1."""
+def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
+    this rank's tokens (`dims.cp_layout`) on the model and, in MoE layers, Sinkhorn's micro-batch-wide
+    sums and (with expert capacity) micro-batch-wide token dropping. No-op for cp = 1."""
     if dims.cp == 1:
         return
     group = dims["cp"].get_group()
     rank = dims.local_rank("cp")
-    core = ContextParallelAttention(group, method)
+    core = ContextParallelAttention(group, dims.cp_method, dims.cp_layout)
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
-        elif isinstance(module, MoE) and module.cfg.capacity_factor is not None:
-            module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp)
-    model.position_source = ChunkPositions(rank)
+        elif isinstance(module, MoE):
+            module.router.reduce_over_tokens = MicroBatchTokenReducer(group)
+            if module.cfg.capacity_factor is not None:
+                module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp, dims.cp_layout)
+    model.position_source = ChunkPositions(rank, dims.cp, dims.cp_layout)

@@ -4,7 +4,8 @@ numerics contract needs.
 The global batch [G, ...] is cut into dp = dp_replicate x dp_shard equal, contiguous row blocks;
 the rank at data-parallel coordinate d reads block d. Ranks that differ only in tp or pp read the
 same block; under context parallelism (cp > 1) the cp ranks of a block split every sequence of it
-into cp equal contiguous chunks, and cp rank r reads chunk r (`shard_global_batch`).
+by `dims.cp_layout` (sequence_layout.py): cp contiguous chunks, rank r reading chunk r, or 2 cp
+chunks, rank r reading chunks r and 2 cp - 1 - r (zig-zag) (`shard_global_batch`).
 
     loss_r = sum of token losses on rank r's tokens / N_global + aux_r / M_global
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from tessera.config.errors import ParallelError
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.sequence_layout import take_rank_tokens
 
 
 def dp_rows(global_batch_size: int, dims: ParallelDims) -> slice:
@@ -42,19 +44,15 @@ def token_dim(dims: ParallelDims) -> str:
 
 
 def sequence_chunk(x: torch.Tensor, dims: ParallelDims, dim: int = 1) -> torch.Tensor:
-    """This cp rank's contiguous chunk of `x` along the sequence dimension `dim` (all of it for cp = 1)."""
+    """This cp rank's tokens of `x` along the sequence dimension `dim` under `dims.cp_layout` (all of
+    it for cp = 1)."""
     if dims.cp == 1:
         return x
-    S = x.shape[dim]
-    if S % dims.cp:
-        raise ParallelError(f"cp={dims.cp} does not divide the sequence length {S}; choose a train.seq_len "
-                            f"that cp divides")
-    chunk = S // dims.cp
-    return x.narrow(dim, dims.local_rank("cp") * chunk, chunk)
+    return take_rank_tokens(x, dims.cp, dims.local_rank("cp"), dims.cp_layout, dim)
 
 
 def shard_global_batch(batch: torch.Tensor, dims: ParallelDims, seq_dim: int = 1) -> torch.Tensor:
-    """This rank's part of a global-batch tensor [G, S, ...]: its rows and, under cp, its chunk of
+    """This rank's part of a global-batch tensor [G, S, ...]: its rows and, under cp, its tokens of
     every sequence along `seq_dim` (give it inputs and targets [G, S], not the [G, S + 1] tokens)."""
     return sequence_chunk(batch[dp_rows(batch.shape[0], dims)], dims, seq_dim)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.config.errors import ParallelError
-from tessera.config.layout_rules import LayoutSizes, layout_problems
+from tessera.config.layout_rules import LayoutSizes, cp_layout, layout_problems
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 
@@ -69,7 +69,7 @@ class ParallelDims(LayoutSizes):
         except ValueError as e:
             raise ParallelError(str(e)) from e
         dims = cls(tp=cfg.tp, sp=cfg.sp, pp=cfg.pp, vpp=cfg.vpp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard,
-                   cp=cfg.cp, ep=cfg.ep, world_size=world_size)
+                   cp=cfg.cp, ep=cfg.ep, cp_method=cfg.cp_method, world_size=world_size)
         dims.check_world(world_size)
         return dims
 
@@ -90,6 +90,11 @@ class ParallelDims(LayoutSizes):
             return math.prod(getattr(self, d) for d in FLAT_DIMS[name])
         known = ", ".join(BASE_DIMS + tuple(FLAT_DIMS))
         raise ParallelError(f"unknown mesh dimension {name!r}; known: {known}")
+
+    @property
+    def cp_layout(self) -> str:
+        """How each sequence is split over the cp ranks: "contiguous" or "zigzag" (layout_rules.cp_layout)."""
+        return cp_layout(self.cp_method)
 
     @property
     def dp_size(self) -> int:

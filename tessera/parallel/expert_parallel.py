@@ -47,7 +47,8 @@ class MicroBatchCountReducer:
     """The router's `reduce_counts` when one micro-batch's tokens are spread over `group`: sums
     the per-expert routing counts and the token count over it, so every rank's balancing loss
     uses micro-batch-wide f_i and T (Switch eq. 4) while P_i stays its own tokens' share; the
-    ranks' losses then add up to the micro-batch's loss."""
+    ranks' losses then add up to the micro-batch's loss. The router also passes it each sequence's
+    per-expert counts [B*E] and its chunk length, for the sequence-level loss (DeepSeek-V2)."""
 
     def __init__(self, group: ProcessGroup):
         self.group = group

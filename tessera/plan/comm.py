@@ -9,8 +9,12 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
   and two backward; with sequence parallelism each becomes an all-gather plus a reduce-scatter of
   the same volume. Full recomputation repeats the forward ones. The vocabulary-parallel embedding
   adds one all-reduce forward on the first stage.
-- CP: the keys and values of the whole sequence are all-gathered forward and again backward, and
-  their gradients reduce-scattered (MLA gathers its compressed latent); hidden behind attention.
+- CP (`cp_method`): alltoall (Ulysses, where cp divides the local query heads) re-splits q, k, v
+  and the output between heads and sequence; allgather (and alltoall's fallback) all-gathers the
+  keys and values of the whole sequence forward and again backward and reduce-scatters their
+  gradients (MLA gathers its compressed latent); ring passes each rank's key/value block cp - 1
+  times forward and backward and the fp32 gradient accumulators cp times backward. The latter two
+  hide behind attention.
 - EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
@@ -103,7 +107,19 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     if stage == 0:
         add("tp", lay.tp, "all-reduce", "vocab-parallel embedding", act, 1)
 
-    if lay.cp > 1 and (cfg.n_heads // lay.tp) % lay.cp == 0:
+    if lay.cp > 1 and lay.cp_method == "ring":
+        # Ring attention (tessera.parallel.ring_attention): every layer passes this rank's k/v block
+        # (MLA: its decompressed heads) cp - 1 hops in the forward, the recomputed forward and the backward,
+        # and the block's fp32 dk/dv accumulator cp hops in the backward.
+        if cfg.mla is not None:
+            kv = cfg.n_heads / lay.tp * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim + cfg.mla.v_head_dim)
+        else:
+            kv = 2 * max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
+        add("cp", lay.cp, "send/recv", "key/value blocks around the ring", T * kv * dt.compute,
+            (lay.cp - 1) * (2 * n + recomputed), overlap="attention")
+        add("cp", lay.cp, "send/recv", "key/value gradient accumulators around the ring", T * kv * 4,
+            lay.cp * n, overlap="attention")
+    elif lay.cp > 1 and lay.cp_method == "alltoall" and (cfg.n_heads // lay.tp) % lay.cp == 0:
         # All-to-all attention (DeepSpeed-Ulysses), what tessera.parallel.context_parallel picks when cp
         # divides the local query heads: q, k, v go heads <-> sequence and the output back, per layer,
         # forward, backward and recomputed forward. GQA kv heads are repeated until cp divides them.

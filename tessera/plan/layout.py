@@ -61,7 +61,7 @@ class Layout(LayoutSizes):
             raise ParallelError(str(e)) from e
         return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, pp_schedule=par.pp_schedule,
                    dp_replicate=par.dp_replicate, dp_shard=dp_shard, cp=par.cp, ep=par.ep,
-                   zero_stage=par.zero_stage, recompute=par.recompute,
+                   cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
                    recompute_interval=par.recompute_interval)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
@@ -99,7 +99,7 @@ class Layout(LayoutSizes):
             parts.append(f"rep{self.dp_replicate}")
         parts.append(f"shard{self.dp_shard}(zero{self.zero_stage})")
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + (f"({self.cp_method})" if self.cp_method != "alltoall" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.tp_overlap:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.config import ModelConfig, ParallelError, get_preset
+from tessera.config import ConfigError, ModelConfig, ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
 from tessera.models.moe import MoE
@@ -87,8 +87,8 @@ def test_model_under_cp_equals_one_process(name):
     (dict(cp=2, dp_shard=1), {}, 15, "cp=2 does not divide sequence length (train.seq_len)=15"),
     (dict(cp=4, tp=2, sp=True, dp_shard=1), {}, 12,
      "tp=2 does not divide the context-parallel chunk (sequence length 12 / cp=4; sp=true splits it)=3"),
-    (dict(cp=2, dp_shard=1), {"seq_aux_loss_coef": 1e-4}, 16, "seq_aux_loss_coef"),
-    (dict(cp=2, dp_shard=1), {"sinkhorn": True}, 16, "sinkhorn=true is not supported"),
+    (dict(cp=2, dp_shard=1, cp_method="ring"), {}, 6,
+     "cp_method=ring cuts each sequence into 2 x cp=4 chunks (zig-zag), which does not divide sequence length"),
 ])
 def test_cp_layout_refused_with_what_does_not_fit(parallel, model, seq_len, message):
     cfg = _moe_preset(**model)
@@ -98,12 +98,21 @@ def test_cp_layout_refused_with_what_does_not_fit(parallel, model, seq_len, mess
         dims.validate(cfg, world, seq_len=seq_len)
 
 
+def test_cp_method_other_values_refused_with_the_key():
+    with pytest.raises(ConfigError, match=r"parallel.cp_method='ulysses' is invalid: one of alltoall, allgather, ring"):
+        ParallelConfig(cp=2, cp_method="ulysses")
+    assert ParallelConfig().cp_method == "alltoall"
+    assert ParallelDims.from_config(ParallelConfig(cp=2, cp_method="ring", dp_shard=1), 2).cp_layout == "zigzag"
+
+
 def test_cp_layouts_accepted():
     for parallel, world in ((dict(cp=2, dp_shard=1), 2), (dict(cp=2, dp_shard=2), 4), (dict(cp=2, tp=2), 4),
                             (dict(cp=2, tp=2, sp=True), 4), (dict(cp=2, ep=4, dp_shard=2), 4),
                             (dict(cp=4, dp_shard=1), 4)):
         dims = ParallelDims.from_config(ParallelConfig(**parallel), world)
         dims.validate(_moe_preset(), world, seq_len=16)
+        dims.validate(_moe_preset(seq_aux_loss_coef=1e-4), world, seq_len=16)  # per-sequence counts over cp
+        dims.validate(_moe_preset(sinkhorn=True), world, seq_len=16)  # Sinkhorn's column sums over cp
         if dims.tp == 1:
             dims.validate(get_preset("tiny-deepseek"), world, seq_len=16)
 

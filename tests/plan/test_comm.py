@@ -90,6 +90,20 @@ def test_context_parallel_all_to_all_when_cp_divides_the_heads():
     assert volume(colls, "cp", m) == pytest.approx(m * 2 * cfg.n_layers * 3 / 4 * buffer)
 
 
+def test_context_parallel_ring_passes_key_value_blocks_and_their_gradients():
+    """cp_method=ring: per layer the rank's k/v block of T = seq/cp tokens makes cp-1 hops forward and
+    cp-1 backward (bf16), and its fp32 gradient accumulator cp hops backward."""
+    cfg = get_preset("llama3-8b")
+    lay = Layout(cp=4, dp_shard=16, cp_method="ring")
+    m = lay.microbatches(WORK)
+    block = WORK.micro_batch * WORK.seq_len / 4 * 2 * cfg.n_kv_heads * cfg.head_dim
+    colls = [c for c in collectives(cfg, lay) if c.group == "cp"]
+    assert {c.op for c in colls} == {"send/recv"} and {c.overlap for c in colls} == {"attention"}
+    assert volume(colls, "cp", m) == pytest.approx(m * cfg.n_layers * (3 * 2 * block * 2 + 4 * block * 4))
+    allgather = Layout(cp=4, dp_shard=16, cp_method="allgather")  # explicit all-gather even though cp | heads
+    assert {c.op for c in collectives(cfg, allgather) if c.group == "cp"} == {"all-gather", "reduce-scatter"}
+
+
 def test_context_parallel_gathers_keys_and_values_when_heads_do_not_divide():
     cfg = get_preset("llama3-8b")
     lay = Layout(tp=8, cp=8)  # 4 local query heads: cp=8 cannot split them, so k/v are all-gathered

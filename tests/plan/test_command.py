@@ -119,7 +119,7 @@ def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, c
     best = result["best"]
     assert best["parallel"] == result["ranked"][0]["parallel"] and "reason" in best and best["against_other_shapes"]
     assert set(best["parallel"]) <= {"tp", "sp", "pp", "vpp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
-                                     "zero_stage", "recompute", "recompute_interval"}
+                                     "cp_method", "zero_stage", "recompute", "recompute_interval"}
     assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
     times = [p["time"]["tokens_per_second"] for p in result["ranked"]]
     assert times == sorted(times, reverse=True)  # ranked by predicted throughput

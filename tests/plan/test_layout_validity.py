@@ -111,7 +111,7 @@ def test_tied_embeddings_and_mla_are_accepted_and_sequence_losses_refused_under_
     assert not layout_problems(mla, LayoutSizes(cp=2, dp_shard=2), seq_len=16)
     seq_loss = get_preset("tiny-deepseek")
     seq_loss.moe.seq_aux_loss_coef = 1e-4
-    assert any("seq_aux_loss_coef" in p for p in layout_problems(seq_loss, LayoutSizes(cp=2), seq_len=16))
+    assert not layout_problems(seq_loss, LayoutSizes(cp=2, dp_shard=2), seq_len=16)  # per-sequence counts over cp
     assert any("must be a multiple of cp=4" in p for p in layout_problems(mla, LayoutSizes(cp=4, ep=2, dp_shard=2)))
 
 

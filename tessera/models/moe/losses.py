@@ -29,15 +29,34 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
     return E * torch.sum(f * P)
 
 
-def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSk: torch.Tensor) -> torch.Tensor:
+def tokens_per_expert_per_sequence(indices_BSk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of each sequence's S*k routing slots chose each expert: [B, E] int64."""
+    B = indices_BSk.shape[0]
+    offsets = torch.arange(B, device=indices_BSk.device).view(B, 1, 1) * num_experts
+    return torch.bincount((indices_BSk + offsets).flatten(), minlength=B * num_experts).view(B, num_experts)
+
+
+def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSk: torch.Tensor,
+                                 counts_BE: torch.Tensor | None = None, seq_len: int | None = None) -> torch.Tensor:
     """DeepSeek-V2 sequence-wise balance loss (arXiv 2405.04434 eq. 24-25; DeepSeek-V3 eq. 17-20):
-    the Switch loss computed within each sequence, then averaged over the batch's sequences."""
+    the Switch loss computed within each sequence, then averaged over the batch's sequences.
+
+    When context parallelism spreads each sequence over ranks, `counts_BE` (each whole sequence's
+    routing counts) and `seq_len` (its whole length) come from the router's count reducer; this
+    rank's P then covers its own tokens (sum / seq_len), and the ranks' values add up to the loss."""
     B, S, E = probs_BSE.shape
     k = indices_BSk.shape[-1]
-    one_hot = torch.zeros(B, S * k, E, device=probs_BSE.device)
-    one_hot.scatter_(2, indices_BSk.reshape(B, S * k, 1), 1.0)
-    f = one_hot.sum(dim=1) / (S * k)  # [B, E]
+    seq_len = S if seq_len is None else seq_len
+    if counts_BE is None:
+        one_hot = torch.zeros(B, S * k, E, device=probs_BSE.device)
+        one_hot.scatter_(2, indices_BSk.reshape(B, S * k, 1), 1.0)
+        counts = one_hot.sum(dim=1)
+    else:
+        counts = counts_BE.float()
+    f = counts / (seq_len * k)  # [B, E]
     P = probs_BSE.float().mean(dim=1)  # [B, E]
+    if seq_len != S:
+        P = P * (S / seq_len)  # this rank's S tokens' share of the whole sequence's mean
     return (E * (f * P).sum(dim=-1)).mean()
 
 

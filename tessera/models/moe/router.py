@@ -19,9 +19,10 @@ from tessera.models.moe.losses import (
     router_z_loss,
     sequence_load_balancing_loss,
     tokens_per_expert,
+    tokens_per_expert_per_sequence,
 )
 from tessera.models.moe.scores import balancing_probs, topk_gates
-from tessera.models.moe.sinkhorn import sinkhorn
+from tessera.models.moe.sinkhorn import TokenReducer, sinkhorn
 
 # (local counts [E], local token count) -> (micro-batch counts [E], micro-batch token count).
 CountReducer = Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]
@@ -55,7 +56,11 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
+        # Seams for a micro-batch whose tokens are spread over ranks (context parallelism): `reduce_counts`
+        # sums routing counts (per expert, and per sequence and expert for the sequence-level loss) and
+        # token counts over them; `reduce_over_tokens` does Sinkhorn's column sums and maxima.
         self.reduce_counts: CountReducer = no_reduction
+        self.reduce_over_tokens: TokenReducer | None = None
 
     def forward(self, x_TD: torch.Tensor, batch_shape: tuple[int, int]) -> RouterOutput:
         cfg = self.cfg
@@ -63,7 +68,8 @@ class Router(nn.Module):
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
         with torch.autocast(x_TD.device.type, enabled=False):  # [T, E] in fp32 whatever the model dtype
             logits = x_TD.float() @ self.weight.float().T
-        choice = sinkhorn(logits, cfg.sinkhorn_iters) if (cfg.sinkhorn and self.training) else None
+        choice = (sinkhorn(logits, cfg.sinkhorn_iters, reduce=self.reduce_over_tokens)
+                  if (cfg.sinkhorn and self.training) else None)
         idx, weights = topk_gates(
             logits, k=cfg.top_k, score_func=cfg.score_func, softmax_before_topk=cfg.softmax_before_topk,
             norm_topk_prob=cfg.norm_topk_prob, scaling_factor=cfg.scaling_factor, n_groups=cfg.n_groups,
@@ -77,8 +83,11 @@ class Router(nn.Module):
                     probs, counts, cfg.top_k, num_tokens)
             if cfg.seq_aux_loss_coef > 0:
                 B, S = batch_shape
+                idx_BSk = idx.view(B, S, -1)
+                seq_counts, seq_len = self.reduce_counts(
+                    tokens_per_expert_per_sequence(idx_BSk, cfg.num_experts).flatten(), S)
                 losses["seq_load_balancing"] = cfg.seq_aux_loss_coef * sequence_load_balancing_loss(
-                    probs.view(B, S, -1), idx.view(B, S, -1))
+                    probs.view(B, S, -1), idx_BSk, seq_counts.view(B, -1), seq_len)
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits, num_tokens)
         return RouterOutput(idx, weights, counts.detach(), losses)
