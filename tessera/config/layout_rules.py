@@ -116,6 +116,23 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
     return [p for p in out if p is not None]
 
 
+def distributed_optimizer_problems(sizes: LayoutSizes) -> list[str]:
+    """Why `parallel.optimizer=distributed` cannot run over `sizes` (empty when it can): its data
+    parallelism is dp_replicate (weights replicated, optimizer state sharded), it composes with tp
+    (each tensor-parallel rank shards its own slices over its data-parallel peers), and the other
+    dimensions are not wired into it."""
+    out = []
+    for key, why in (("dp_shard", "its data parallelism is parallel.dp_replicate"),
+                     ("pp", "pipeline stages are not wired into it"),
+                     ("cp", "context-parallel gradients are not wired into it"),
+                     ("ep", "expert-data-parallel gradients are not wired into it")):
+        value = getattr(sizes, key)
+        if value != 1:
+            out.append(f"parallel.optimizer=distributed with parallel.{key}={value} is not supported: {why}; "
+                       f"set parallel.{key}=1 or parallel.optimizer=fsdp")
+    return out
+
+
 def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
     """Why `microbatches` per step cannot run `schedule` over `pp` ranks (None when they can):
     1F1B and the round-based schedules need one micro-batch per stage rank (m >= pp; GPipe takes

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
+from tessera.config.layout_rules import LayoutSizes, distributed_optimizer_problems
 from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -18,6 +19,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # (models/flops.py) and the planner's estimates and search all read it.
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 EP_DISPATCHERS = ("alltoall", "allgather")
+OPTIMIZERS = ("fsdp", "distributed")
 
 
 @dataclass
@@ -47,6 +49,19 @@ class ParallelConfig:
     # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
     # 1 and 2 after its backward (no second all-gather). The planner's ZeRO-1/2 rows are the textbook ones.
     zero_stage: int = 3
+    # Who shards the optimizer state of data parallelism (one of OPTIMIZERS). "fsdp": FSDP2 shards weights,
+    # gradients and AdamW state over dp_shard (zero_stage above). "distributed": Tessera's own ZeRO-1/2
+    # distributed optimizer (tessera/parallel/distributed_optimizer.py, the idea of Megatron-Core's
+    # DistributedOptimizer): weights replicated over dp_replicate in the compute dtype, gradients summed
+    # into contiguous fp32 buckets whose reduce-scatters start during backward as each bucket completes,
+    # fp32 master weights and AdamW moments held only for this rank's shard of each bucket, updated
+    # weights all-gathered per bucket and waited for by the first forward that uses them. It takes its
+    # data parallelism from dp_replicate: dp_shard, pp, cp and ep must stay 1 (refused otherwise).
+    optimizer: str = "fsdp"
+    # parallel.optimizer=distributed: gradient bucket size in MiB of fp32 gradient. Smaller buckets start
+    # their reduce-scatter earlier in backward (more overlap) but issue more, smaller collectives; 25 is
+    # the size PyTorch DDP chose for the same trade. A parameter larger than a bucket gets its own.
+    bucket_mb: float = 25.0
     recompute: str = "none"  # activation recomputation: one of RECOMPUTE_CHOICES
     recompute_interval: int = 1  # with recompute=full: every k-th block
 
@@ -75,6 +90,17 @@ class ParallelConfig:
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher={self.ep_dispatcher!r} is invalid: one of "
                               f"{', '.join(EP_DISPATCHERS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"parallel.optimizer={self.optimizer!r} is invalid: one of {', '.join(OPTIMIZERS)}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) \
+                or not 0 < self.bucket_mb <= 1024 * 1024:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb!r} is invalid: a number of MiB in (0, 1048576]")
+        if self.optimizer == "distributed":
+            problems = distributed_optimizer_problems(LayoutSizes(
+                tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=max(self.dp_shard, 1), cp=self.cp,
+                ep=self.ep))
+            if problems:
+                raise ConfigError(problems[0])
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")
