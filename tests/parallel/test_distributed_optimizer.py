@@ -37,3 +37,113 @@ def test_distributed_optimizer_trains_as_one_process(model, world, layout, small
     got = run_ranks(train_on_ranks, world, model,
                     overrides_for(model, small_dataset, tmp_path / "dist", STEPS, **extra, **layout), timeout=120)
     assert_same_training(got, ref, rtol=1e-5)
+
+
+def _analytic_buckets(named_numels: list[tuple[str, int]], bucket_mb: float, world: int) -> list[int]:
+    """Padded element counts of the buckets: parameters in reverse order (backward's), a bucket
+    closed once it holds >= bucket_mb MiB of fp32 gradient, padded to a multiple of the dp size."""
+    sizes: list[int] = []
+    for _, numel in reversed(named_numels):
+        if not sizes or 4 * sizes[-1] >= bucket_mb * 2**20:
+            sizes.append(0)
+        sizes[-1] += numel
+    return [-(-n // world) * world for n in sizes]
+
+
+def _train_with_comm_stats(overrides: list[str]) -> dict:
+    trainer = Trainer(load_config(MODELS["dense"][0], overrides))
+    shapes = [(n, p.numel()) for n, p in trainer.model.named_parameters()]
+    return {"records": trainer.train().records, "shapes": shapes}
+
+
+@pytest.mark.dist
+def test_comm_stats_count_one_reduce_scatter_and_one_all_gather_per_bucket(small_dataset, tmp_path):
+    # Two micro-batches per rank: the first only accumulates, so each step reduces each bucket once.
+    overrides = overrides_for("dense", small_dataset, tmp_path, 2, **REPLICATE2, **{
+        "log.comm_stats": True, "train.micro_batch_size": 1})
+    results = run_ranks(_train_with_comm_stats, 2, overrides, timeout=120)
+    buckets = _analytic_buckets(results[0]["shapes"], 0.1, world=2)
+    assert len(buckets) >= 4  # embedding, head and the blocks cut in pieces
+    world = 2
+    for rec in results[0]["records"]:
+        # reduce-scatter: the fp32 bucket in; all-gather: the fp32 bucket out, on each rank
+        assert rec["comm/reduce_scatter_calls"] == world * len(buckets)
+        assert rec["comm/reduce_scatter_bytes"] == world * 4 * sum(buckets)
+        assert rec["comm/all_gather_calls"] == world * len(buckets)
+        assert rec["comm/all_gather_bytes"] == world * 4 * sum(buckets)
+        # loss tokens (fp64), the loss statistics (two fp64) and the squared gradient norm (fp32)
+        assert rec["comm/all_reduce_calls"] == world * 3
+        assert rec["comm/all_reduce_bytes"] == world * (8 + 2 * 8 + 4)
+
+
+def _record_gradient_order(overrides: list[str]) -> dict:
+    """Every parameter's gradient, in the order backward delivers it, with the reduce-scatters the
+    distributed optimizer had issued by then (the test's hooks run after the optimizer's own)."""
+    trainer = Trainer(load_config(MODELS["dense"][0], overrides))
+    optimizer = trainer.optimizers[0]
+    events: list[tuple[str, int]] = []
+    for name, p in trainer.model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda _p, name=name: events.append((name, optimizer.reduce_scatters_launched)))
+    trainer.train_step()
+    return {"events": events, "buckets": len(optimizer.buckets)}
+
+
+@pytest.mark.dist
+def test_reduce_scatters_are_issued_while_backward_still_runs(small_dataset, tmp_path):
+    overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **{"train.micro_batch_size": 1})
+    for result in run_ranks(_record_gradient_order, 2, overrides, timeout=120):
+        events, buckets = result["events"], result["buckets"]
+        first, last = events[:len(events) // 2], events[len(events) // 2:]  # the two micro-batches
+        assert all(launched == 0 for _, launched in first)  # accumulation only: no communication
+        assert last[-1][0] == "tok_embeddings.weight"  # the last gradient of backward
+        launched = [n for _, n in last]
+        assert launched == sorted(launched) and launched[-1] == buckets
+        # Most buckets were on the wire before the last gradient existed: issued during backward.
+        assert launched[-2] == buckets - 1 and buckets >= 4
+        assert len(set(launched)) == buckets  # one launch point per bucket, spread over the backward
+
+
+@pytest.mark.dist
+def test_sharded_state_resumes_under_the_same_layout_only(small_dataset, tmp_path):
+    straight = run_ranks(train_on_ranks, 2, "dense",
+                         overrides_for("dense", small_dataset, tmp_path / "straight", 4, **REPLICATE2), timeout=120)
+    run = tmp_path / "resumed"
+    run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 2, **REPLICATE2), timeout=120)
+    resumed = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 4, **REPLICATE2),
+                        resume=True, timeout=120)
+    assert resumed[0]["start_step"] == 2
+    want = {r["step"]: r["loss"] for r in straight[0]["records"]}
+    for r in resumed[0]["records"]:
+        assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-6)
+    for name, w in straight[0]["weights"].items():
+        assert float((resumed[0]["weights"][name] - w).abs().max()) <= 1e-6 * float(w.abs().max()), name
+    other = overrides_for("dense", small_dataset, run, 6, **{**REPLICATE2, "parallel.bucket_mb": 0.2})
+    with pytest.raises(RankFailure, match="resumes only under the layout that wrote it"):
+        run_ranks(train_on_ranks, 2, "dense", other, resume=True, timeout=120)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"optimizer": "zero1"}, r"parallel.optimizer='zero1' is invalid: one of fsdp, distributed"),
+    ({"optimizer": "distributed", "bucket_mb": 0}, r"parallel.bucket_mb=0 is invalid"),
+    ({"optimizer": "distributed", "pp": 2}, r"parallel.optimizer=distributed with parallel.pp=2 is not supported"),
+    ({"optimizer": "distributed", "ep": 2}, r"parallel.optimizer=distributed with parallel.ep=2 is not supported"),
+    ({"optimizer": "distributed", "cp": 2}, r"parallel.optimizer=distributed with parallel.cp=2 is not supported"),
+    ({"optimizer": "distributed", "dp_shard": 2}, r"with parallel.dp_shard=2 is not supported: its data paral"),
+])
+def test_bad_or_unsupported_settings_are_refused_naming_the_keys(values, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**values)
+
+
+def _build_trainer(overrides: list[str]) -> None:
+    Trainer(load_config(MODELS["dense"][0], overrides))
+    dist.barrier()
+
+
+@pytest.mark.dist
+def test_a_filled_dp_shard_is_refused_before_training(small_dataset, tmp_path):
+    # dp_shard=-1 fills the world (2 here): known only once the world size is
+    overrides = overrides_for("dense", small_dataset, tmp_path, 1, **DISTRIBUTED)
+    with pytest.raises(RankFailure, match="ConfigError: parallel.optimizer=distributed with parallel.dp_shard=2"):
+        run_ranks(_build_trainer, 2, overrides, timeout=60)
