@@ -117,15 +117,13 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
 
 
 def distributed_optimizer_problems(sizes: LayoutSizes) -> list[str]:
-    """Why `parallel.optimizer=distributed` cannot run over `sizes` (empty when it can): its data
-    parallelism is dp_replicate (weights replicated, optimizer state sharded), it composes with tp
-    (each tensor-parallel rank shards its own slices over its data-parallel peers), and the other
-    dimensions are not wired into it."""
+    """Why `parallel.optimizer=distributed` cannot run over `sizes` (empty when it can). It replicates
+    the weights over dp_replicate x dp_shard x cp (dp_shard then only sets how many batch slices are
+    read at once: nothing is FSDP-sharded) and shards optimizer state and gradients over them; tp
+    slices and ep expert groups are sharded over their own data-parallel peers. Pipeline stages are
+    not wired into it."""
     out = []
-    for key, why in (("dp_shard", "its data parallelism is parallel.dp_replicate"),
-                     ("pp", "pipeline stages are not wired into it"),
-                     ("cp", "context-parallel gradients are not wired into it"),
-                     ("ep", "expert-data-parallel gradients are not wired into it")):
+    for key, why in (("pp", "pipeline stages are not wired into it"),):
         value = getattr(sizes, key)
         if value != 1:
             out.append(f"parallel.optimizer=distributed with parallel.{key}={value} is not supported: {why}; "

@@ -52,11 +52,11 @@ class ParallelConfig:
     # Who shards the optimizer state of data parallelism (one of OPTIMIZERS). "fsdp": FSDP2 shards weights,
     # gradients and AdamW state over dp_shard (zero_stage above). "distributed": Tessera's own ZeRO-1/2
     # distributed optimizer (tessera/parallel/distributed_optimizer.py, the idea of Megatron-Core's
-    # DistributedOptimizer): weights replicated over dp_replicate in the compute dtype, gradients summed
-    # into contiguous fp32 buckets whose reduce-scatters start during backward as each bucket completes,
-    # fp32 master weights and AdamW moments held only for this rank's shard of each bucket, updated
-    # weights all-gathered per bucket and waited for by the first forward that uses them. It takes its
-    # data parallelism from dp_replicate: dp_shard, pp, cp and ep must stay 1 (refused otherwise).
+    # DistributedOptimizer), no FSDP: weights replicated over dp_replicate x dp_shard x cp in the compute
+    # dtype, gradients summed into contiguous fp32 buckets whose reduce-scatters start during backward as
+    # each bucket completes, fp32 master weights and AdamW moments held only for this rank's shard of each
+    # bucket, updated weights all-gathered per bucket and waited for by the first forward that uses them.
+    # Composes with tp, sp, cp and ep (experts over their expert-data-parallel ranks); not with pp.
     optimizer: str = "fsdp"
     # parallel.optimizer=distributed: gradient bucket size in MiB of fp32 gradient. Smaller buckets start
     # their reduce-scatter earlier in backward (more overlap) but issue more, smaller collectives; 25 is

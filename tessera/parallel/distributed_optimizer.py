@@ -29,8 +29,12 @@ One step, for data-parallel size W and a bucket of n elements (padded to a multi
    whatever runs before each bucket's first use (the expert-bias update, the data loader's next
    batch, the forward of earlier layers); nothing reorders them by first use.
 
-Under tensor parallelism a DTensor parameter's local slice is what goes into the buckets: the
-data-parallel group is the ranks with the same tp coordinate (`dims["dp_replicate"]`).
+Each parameter's data-parallel group is the ranks that hold the same values of it: the mesh
+dimensions among dp_replicate, dp_shard and cp over which it is not split. Dense weights: all of
+them (cp ranks hold the same weights and each adds its sequence chunks' share of the gradient);
+expert weights under ep: dp_replicate x dp_shard_mod_ep, the expert-data-parallel ranks (MoE
+parallel folding). A bucket holds parameters of one group and one dtype. Under tensor parallelism
+a DTensor parameter's local slice is what goes into the buckets.
 Parameters that get no gradient in a step still take an AdamW step with a zero gradient (one
 process skips them); every parameter of Tessera's models receives a gradient every step.
 """
@@ -47,7 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tessera.models.moe.router import Router
-from tessera.parallel.dims import ParallelDims
+from tessera.parallel.dims import FLAT_DIMS, ParallelDims
 from tessera.parallel.grad_clip import counts_on_this_rank
 
 MIB = 1 << 20
@@ -70,6 +74,7 @@ class Bucket:
     """Contiguous parameters of one dtype, their gradient buffer and this rank's shard of both."""
 
     pieces: list[Piece]
+    group: Any  # the process group its parameters are replicated over
     numel: int  # padded to a multiple of the data-parallel size
     params: torch.Tensor  # [numel] compute dtype: every parameter of the bucket is a view into it
     grads: torch.Tensor  # [numel] fp32
@@ -93,9 +98,6 @@ class DistributedOptimizer:
     def __init__(self, model: nn.Module, dims: ParallelDims, named_groups: list[dict], *, lr: float,
                  betas: tuple[float, float], eps: float, bucket_mb: float, param_dtype: torch.dtype):
         self.dims = dims
-        self.group = dims["dp_replicate"].get_group()
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
         self.param_dtype = param_dtype
         self.reduce_scatters_launched = 0  # this backward's, for the overlap test and the curious
         self._last_micro_batch = True
@@ -104,9 +106,7 @@ class DistributedOptimizer:
         decay_of = {n: g["weight_decay"] for g in named_groups for n in g["names"]}
         names = [n for n, p in model.named_parameters() if p.requires_grad and n in decay_of]
         params = dict(model.named_parameters())
-        # every data-parallel rank adds its own shard: only the other dimensions decide who counts
-        coords = {**dims.coordinates(), "dp_replicate": 0}
-        self.buckets = self._build_buckets(model, names, params, keep_fp32, bucket_mb * MIB, coords)
+        self.buckets = self._build_buckets(model, names, params, keep_fp32, bucket_mb * MIB)
         groups: dict[float, list[torch.Tensor]] = {}
         for bucket in self.buckets:
             for piece in bucket.pieces:
@@ -119,24 +119,38 @@ class DistributedOptimizer:
 
     # ---- construction ------------------------------------------------------------------------
     def _build_buckets(self, model: nn.Module, names: list[str], params: dict[str, nn.Parameter],
-                       keep_fp32: set[int], bucket_bytes: float, coords: dict[str, int]) -> list[Bucket]:
-        """Fill buckets in reverse parameter order (backward's), one dtype per bucket."""
-        runs: list[tuple[torch.dtype, list[str]]] = []
+                       keep_fp32: set[int], bucket_bytes: float) -> list[Bucket]:
+        """Fill buckets in reverse parameter order (backward's), one dtype and group per bucket."""
+        runs: list[tuple[torch.dtype, tuple[str, ...], list[str]]] = []
         size = 0
         for name in reversed(names):
             dtype = torch.float32 if id(params[name]) in keep_fp32 else self.param_dtype
+            replicated = replicated_dp_dims(params[name])
             numel = _local(params[name]).numel()
-            if not runs or runs[-1][0] != dtype or size >= bucket_bytes:
-                runs.append((dtype, []))
+            if not runs or runs[-1][:2] != (dtype, replicated) or size >= bucket_bytes:
+                runs.append((dtype, replicated, []))
                 size = 0
-            runs[-1][1].append(name)
+            runs[-1][2].append(name)
             size += 4 * numel
         owners = _owning_modules(model)
-        return [self._make_bucket(dtype, run, params, owners, coords) for dtype, run in runs]
+        groups = {dims: self._group_over(dims) for dims in {r[1] for r in runs}}
+        return [self._make_bucket(dtype, run, params, owners, dims, groups[dims]) for dtype, dims, run in runs]
+
+    def _group_over(self, names: tuple[str, ...]) -> Any:
+        """The process group of the ranks that differ only along mesh dimensions `names`."""
+        for flat, parts in FLAT_DIMS.items():
+            if parts == names:
+                return self.dims[flat].get_group()
+        if len(names) == 1:
+            return self.dims[names[0]].get_group()
+        return self.dims[names]._flatten("_".join(names)).get_group()
 
     def _make_bucket(self, dtype: torch.dtype, run: list[str], params: dict[str, nn.Parameter],
-                     owners: dict[int, list[tuple[nn.Module, str]]], coords: dict[str, int]) -> Bucket:
-        W, r = self.world, self.rank
+                     owners: dict[int, list[tuple[nn.Module, str]]], replicated: tuple[str, ...],
+                     group: Any) -> Bucket:
+        W, r = dist.get_world_size(group), dist.get_rank(group)
+        # every rank of the group adds its own shard: only the other dimensions decide who counts
+        coords = {**self.dims.coordinates(), **dict.fromkeys(replicated, 0)}
         total = sum(_local(params[n]).numel() for n in run)
         numel = math.ceil(total / W) * W
         device = _local(params[run[0]]).device
@@ -150,8 +164,9 @@ class DistributedOptimizer:
             offset += local.numel()
         shard = numel // W
         lo, hi = r * shard, (r + 1) * shard
-        bucket = Bucket(pieces=pieces, numel=numel, params=flat32.to(dtype), grads=torch.zeros_like(flat32),
-                        grad_shard=torch.zeros(shard, device=device), master=flat32[lo:hi].clone(),
+        bucket = Bucket(pieces=pieces, group=group, numel=numel, params=flat32.to(dtype),
+                        grads=torch.zeros_like(flat32), grad_shard=torch.zeros(shard, device=device),
+                        master=flat32[lo:hi].clone(),
                         param_shard=torch.empty(shard, dtype=dtype, device=device))
         for piece in pieces:
             a, b = max(piece.start, lo), min(piece.start + piece.numel, hi)
@@ -215,7 +230,7 @@ class DistributedOptimizer:
             if bucket.pending > 0 and not everything:
                 return
             bucket.reduce_work = dist.reduce_scatter_tensor(bucket.grad_shard, bucket.grads, op=dist.ReduceOp.SUM,
-                                                            group=self.group, async_op=True)
+                                                            group=bucket.group, async_op=True)
             self.reduce_scatters_launched += 1
             self._next_launch += 1
 
@@ -253,7 +268,7 @@ class DistributedOptimizer:
         self.inner.step()
         for bucket in self.buckets:
             bucket.param_shard.copy_(bucket.master)
-            bucket.gather_work = dist.all_gather_into_tensor(bucket.params, bucket.param_shard, group=self.group,
+            bucket.gather_work = dist.all_gather_into_tensor(bucket.params, bucket.param_shard, group=bucket.group,
                                                              async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -296,6 +311,20 @@ class DistributedOptimizer:
 
     def _shard_pieces(self) -> list[Piece]:
         return [p for bucket in self.buckets for p in bucket.pieces if p.master is not None]
+
+
+DP_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp")
+
+
+def replicated_dp_dims(p: torch.Tensor) -> tuple[str, ...]:
+    """The data-parallel mesh dimensions over which `p` holds the same values on every rank: those
+    its DTensor placements do not split (dense weights: all of them, the flat "dp_cp")."""
+    split: set[str] = set()
+    if isinstance(p, DTensor):
+        for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+            if not placement.is_replicate():
+                split.update(FLAT_DIMS.get(name, (name,)))
+    return tuple(d for d in DP_DIMS if d not in split)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
