@@ -116,21 +116,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
     return [p for p in out if p is not None]
 
 
-def distributed_optimizer_problems(sizes: LayoutSizes) -> list[str]:
-    """Why `parallel.optimizer=distributed` cannot run over `sizes` (empty when it can). It replicates
-    the weights over dp_replicate x dp_shard x cp (dp_shard then only sets how many batch slices are
-    read at once: nothing is FSDP-sharded) and shards optimizer state and gradients over them; tp
-    slices and ep expert groups are sharded over their own data-parallel peers. Pipeline stages are
-    not wired into it."""
-    out = []
-    for key, why in (("pp", "pipeline stages are not wired into it"),):
-        value = getattr(sizes, key)
-        if value != 1:
-            out.append(f"parallel.optimizer=distributed with parallel.{key}={value} is not supported: {why}; "
-                       f"set parallel.{key}=1 or parallel.optimizer=fsdp")
-    return out
-
-
 def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
     """Why `microbatches` per step cannot run `schedule` over `pp` ranks (None when they can):
     1F1B and the round-based schedules need one micro-batch per stage rank (m >= pp; GPipe takes

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
-from tessera.config.layout_rules import LayoutSizes, distributed_optimizer_problems
 from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -56,7 +55,8 @@ class ParallelConfig:
     # dtype, gradients summed into contiguous fp32 buckets whose reduce-scatters start during backward as
     # each bucket completes, fp32 master weights and AdamW moments held only for this rank's shard of each
     # bucket, updated weights all-gathered per bucket and waited for by the first forward that uses them.
-    # Composes with tp, sp, cp and ep (experts over their expert-data-parallel ranks); not with pp.
+    # Composes with tp, sp, cp, ep (experts over their expert-data-parallel ranks) and pp (one per stage
+    # part; there the reduce-scatters start after the schedule's backward). Not with fp16 or train.compile.
     optimizer: str = "fsdp"
     # parallel.optimizer=distributed: gradient bucket size in MiB of fp32 gradient. Smaller buckets start
     # their reduce-scatter earlier in backward (more overlap) but issue more, smaller collectives; 25 is
@@ -95,12 +95,6 @@ class ParallelConfig:
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) \
                 or not 0 < self.bucket_mb <= 1024 * 1024:
             raise ConfigError(f"parallel.bucket_mb={self.bucket_mb!r} is invalid: a number of MiB in (0, 1048576]")
-        if self.optimizer == "distributed":
-            problems = distributed_optimizer_problems(LayoutSizes(
-                tp=self.tp, pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=max(self.dp_shard, 1), cp=self.cp,
-                ep=self.ep))
-            if problems:
-                raise ConfigError(problems[0])
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")

@@ -29,6 +29,11 @@ One step, for data-parallel size W and a bucket of n elements (padded to a multi
    whatever runs before each bucket's first use (the expert-bias update, the data loader's next
    batch, the forward of earlier layers); nothing reorders them by first use.
 
+Under pipeline parallelism the trainer gives every stage part its own optimizer with
+`overlap=False`: the schedule runs its micro-batches itself (and the zero-bubble schedules write
+weight gradients without autograd's accumulation hooks), so gradients are taken from `.grad` and
+every bucket's reduce-scatter is launched after the schedule's last backward, not during it.
+
 Each parameter's data-parallel group is the ranks that hold the same values of it: the mesh
 dimensions among dp_replicate, dp_shard and cp over which it is not split. Dense weights: all of
 them (cp ranks hold the same weights and each adds its sequence chunks' share of the gradient);
@@ -96,9 +101,11 @@ class DistributedOptimizer:
     as `tessera.train.optimizer.weight_decay_groups` returns them."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, named_groups: list[dict], *, lr: float,
-                 betas: tuple[float, float], eps: float, bucket_mb: float, param_dtype: torch.dtype):
+                 betas: tuple[float, float], eps: float, bucket_mb: float, param_dtype: torch.dtype,
+                 overlap: bool = True, key_prefix: str = "part0"):
         self.dims = dims
         self.param_dtype = param_dtype
+        self.overlap, self.key_prefix = overlap, key_prefix
         self.reduce_scatters_launched = 0  # this backward's, for the overlap test and the curious
         self._last_micro_batch = True
         self._next_launch = 0
@@ -143,7 +150,10 @@ class DistributedOptimizer:
                 return self.dims[flat].get_group()
         if len(names) == 1:
             return self.dims[names[0]].get_group()
-        return self.dims[names]._flatten("_".join(names)).get_group()
+        name = "_".join(names)  # flattened once per mesh (one optimizer per pipeline part shares it)
+        if name not in self.dims.flat_meshes:
+            self.dims.flat_meshes[name] = self.dims[names]._flatten(name)
+        return self.dims.flat_meshes[name].get_group()
 
     def _make_bucket(self, dtype: torch.dtype, run: list[str], params: dict[str, nn.Parameter],
                      owners: dict[int, list[tuple[nn.Module, str]]], replicated: tuple[str, ...],
@@ -175,7 +185,8 @@ class DistributedOptimizer:
                 piece.master.grad = bucket.grad_shard[a - lo:b - lo]
             piece.param = self._rebind(piece, bucket, owners)
             p = piece.param
-            piece.param.register_post_accumulate_grad_hook(self._gradient_hook(bucket, piece))
+            if self.overlap:
+                piece.param.register_post_accumulate_grad_hook(self._gradient_hook(bucket, piece))
             bucket.modules += [m for m, _ in owners[id(piece.param)] if m not in bucket.modules]
         for module in bucket.modules:
             module.register_forward_pre_hook(self._wait_hook(bucket))
@@ -210,18 +221,26 @@ class DistributedOptimizer:
 
     def _gradient_hook(self, bucket: Bucket, piece: Piece):
         def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if isinstance(g, DTensor):
-                if g.placements != p.placements:
-                    g = g.redistribute(p.device_mesh, p.placements)
-                g = g.to_local()
-            bucket.grads[piece.start:piece.start + piece.numel].add_(g.reshape(-1))
-            p.grad = None
+            self._take_gradient(bucket, piece)
             if self._last_micro_batch:
                 bucket.pending -= 1
                 if bucket.pending == 0:
                     self._launch_ready_reduce_scatters()
         return hook
+
+    @staticmethod
+    def _take_gradient(bucket: Bucket, piece: Piece) -> None:
+        """Add the parameter's `.grad` (its local slice) into the bucket and release it."""
+        p = piece.param
+        g = p.grad
+        if g is None:
+            return
+        if isinstance(g, DTensor):
+            if g.placements != p.placements:
+                g = g.redistribute(p.device_mesh, p.placements)
+            g = g.to_local()
+        bucket.grads[piece.start:piece.start + piece.numel].add_(g.reshape(-1))
+        p.grad = None
 
     def _launch_ready_reduce_scatters(self, everything: bool = False) -> None:
         """Launch, in bucket order, every bucket whose gradients are complete (or all: `everything`)."""
@@ -235,7 +254,13 @@ class DistributedOptimizer:
             self._next_launch += 1
 
     def finish_gradients(self) -> None:
-        """Launch what backward left (a gradient that never came) and wait for every reduce-scatter."""
+        """Launch what backward left (a gradient that never came; without `overlap`, every bucket, its
+        gradients taken from `.grad` now) and wait for every reduce-scatter."""
+        if not self.overlap:
+            self._next_launch = 0
+            for bucket in self.buckets:
+                for piece in bucket.pieces:
+                    self._take_gradient(bucket, piece)
         self._launch_ready_reduce_scatters(everything=True)
         for bucket in self.buckets:
             if bucket.reduce_work is not None:
@@ -245,21 +270,23 @@ class DistributedOptimizer:
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
-        """The whole model's gradient norm from the reduced shards (one all-reduce over the world),
-        then the shards scaled to at most `max_norm` (<= 0: only measured); returns the norm."""
-        self.finish_gradients()
+        """The whole model's gradient norm (`clip_grad_norm` of this one optimizer)."""
+        return clip_grad_norm([self], max_norm)
+
+    @torch.no_grad()
+    def local_squared_norm(self) -> torch.Tensor:
+        """Sum of squares of the gradient shards this rank counts (after `finish_gradients`)."""
         total = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grads.device)
         for bucket in self.buckets:
             for piece in bucket.pieces:
                 if piece.master is not None and piece.counts_in_norm:
                     total += piece.master.grad.float().pow(2).sum()
-        dist.all_reduce(total)
-        norm = total.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for bucket in self.buckets:
-                bucket.grad_shard.mul_(coef)
-        return float(norm)
+        return total
+
+    @torch.no_grad()
+    def scale_gradients(self, coef: torch.Tensor) -> None:
+        for bucket in self.buckets:
+            bucket.grad_shard.mul_(coef)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -295,7 +322,7 @@ class DistributedOptimizer:
         """This rank's master shards and AdamW moments, under keys unique to this rank's place in
         the layout (a checkpoint resumes under the same layout only)."""
         self.wait_for_params()
-        prefix = f"rank{dist.get_rank()}"
+        prefix = f"rank{dist.get_rank()}.{self.key_prefix}"
         out: dict[str, torch.Tensor] = {}
         for b, bucket in enumerate(self.buckets):
             out[f"{prefix}.bucket{b}.master"] = bucket.master
@@ -311,6 +338,24 @@ class DistributedOptimizer:
 
     def _shard_pieces(self) -> list[Piece]:
         return [p for bucket in self.buckets for p in bucket.pieces if p.master is not None]
+
+
+@torch.no_grad()
+def clip_grad_norm(optimizers: list[DistributedOptimizer], max_norm: float) -> float:
+    """Wait for the optimizers' reduce-scatters; the whole model's gradient norm from the reduced
+    shards of all of them (one all-reduce over the world: pipeline stages hold different
+    parameters, data-parallel ranks different shards); the shards scaled so that it is at most
+    `max_norm` (<= 0: only measured). Returns the norm before clipping."""
+    for optimizer in optimizers:
+        optimizer.finish_gradients()
+    total = sum((o.local_squared_norm() for o in optimizers), torch.zeros((), dtype=torch.float32))
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for optimizer in optimizers:
+            optimizer.scale_gradients(coef)
+    return float(norm)
 
 
 DP_DIMS = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp")

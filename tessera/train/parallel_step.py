@@ -37,6 +37,7 @@ from tessera.data.batching import Batch
 from tessera.parallel import global_count, global_sum, shard_global_batch, token_dim
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.step_stats import reduce_over_ranks, step_result
@@ -69,7 +70,7 @@ class ParallelStep:
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
         self.device, self.autocast_dtype = device, autocast_dtype
         # parallel.optimizer=distributed: it reduces gradients and measures their norm (attached by the trainer)
-        self.distributed_optimizer: DistributedOptimizer | None = None
+        self.distributed_optimizers: list[DistributedOptimizer] = []
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
@@ -83,14 +84,14 @@ class ParallelStep:
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """Reduce gradients over data-parallel ranks in this backward only on the step's last micro-batch."""
-        if self.distributed_optimizer is not None:
-            self.distributed_optimizer.start_micro_batch(last_micro_batch)
+        for optimizer in self.distributed_optimizers:
+            optimizer.start_micro_batch(last_micro_batch)
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.distributed_optimizer is not None:
-            return self.distributed_optimizer.clip_grad_norm(max_norm)
+        if self.distributed_optimizers:
+            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
         return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:

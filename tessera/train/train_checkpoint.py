@@ -102,8 +102,7 @@ def load_training_state(path: Path, parts: list[nn.Module], optimizers: list[tor
                               "resumes only under the layout that wrote it (world size and parallel.* unchanged): "
                               f"it was written by {meta.get('layout')}")
     if sharded:
-        per_part = model_and_optimizer_state(parts, optimizers)
-        per_part = [per_part]
+        per_part = [model_and_optimizer_state([m], [o]) for m, o in zip(parts, optimizers, strict=True)]
     else:
         per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
     state: dict[str, Any] = {"model": {k: v for m, _ in per_part for k, v in m.items()},

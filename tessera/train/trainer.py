@@ -50,7 +50,6 @@ from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.config.errors import CheckpointError, ConfigError
-from tessera.config.layout_rules import LayoutSizes, distributed_optimizer_problems
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
 from tessera.models.flops import flops_per_token
@@ -198,12 +197,10 @@ class Trainer:
                                 self.autocast_dtype)
 
     def _check_distributed_optimizer(self) -> None:
-        """Refuse what `parallel.optimizer=distributed` is not wired into (config.layout_rules)."""
-        dims = self.layout.dims
-        if self.cfg.parallel.optimizer != "distributed" or dims is None:
+        """Refuse what `parallel.optimizer=distributed` is not wired into (every layout is)."""
+        if self.cfg.parallel.optimizer != "distributed" or self.layout.dims is None:
             return  # one process: its AdamW holds everything, there is nothing to distribute
-        problems = distributed_optimizer_problems(LayoutSizes(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate,
-                                                              dp_shard=dims.dp_shard, cp=dims.cp, ep=dims.ep))
+        problems = []
         if self.cfg.train.dtype == "fp16":
             problems.append("parallel.optimizer=distributed with train.dtype=fp16 is not supported: loss scaling is "
                             "not wired into it; use train.dtype=bf16 or fp32")
@@ -221,11 +218,14 @@ class Trainer:
             return [build_optimizer(m, o) for m in self.parts]
         from tessera.parallel.distributed_optimizer import DistributedOptimizer
 
-        optimizer = DistributedOptimizer(self.model, self.layout.dims, weight_decay_groups(self.model, o), lr=o.lr,
-                                         betas=tuple(o.betas), eps=o.eps, bucket_mb=self.cfg.parallel.bucket_mb,
-                                         param_dtype=self.autocast_dtype or torch.float32)
-        self.engine.distributed_optimizer = optimizer
-        return [optimizer]
+        dims = self.layout.dims
+        optimizers = [DistributedOptimizer(m, dims, weight_decay_groups(m, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           bucket_mb=self.cfg.parallel.bucket_mb,
+                                           param_dtype=self.autocast_dtype or torch.float32, overlap=dims.pp == 1,
+                                           key_prefix=f"part{i}")
+                      for i, m in enumerate(self.parts)]
+        self.engine.distributed_optimizers = optimizers
+        return optimizers
 
     def _init_from(self, model: Transformer, path: str) -> None:
         """Weights from a HuggingFace directory or a Tessera checkpoint; optimizer and step start fresh.

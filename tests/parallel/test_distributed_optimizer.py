@@ -36,6 +36,14 @@ EVAL = {"train.eval_interval": STEPS, "data.valid_fraction": 0.2, "train.eval_st
     # experts split over ep=2 and reduced over their expert-data-parallel peers (dp_replicate=2)
     pytest.param("moe", 4, {**REPLICATE2, "parallel.dp_shard": 2, "parallel.ep": 2}, id="moe-replicate2-ep2"),
     pytest.param("moe", 2, {**DISTRIBUTED, "parallel.cp": 2, "parallel.dp_shard": 1}, id="moe-cp2"),
+    # pipeline stages: one optimizer per stage part, reduce-scatters after the schedule
+    pytest.param("dense", 4, {**REPLICATE2, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"},
+                 id="dense-pp2-replicate2"),
+    pytest.param("moe", 4, {**REPLICATE2, "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"},
+                 id="moe-pp2-zero-bubble-replicate2", marks=pytest.mark.slow),
+    pytest.param("moe", 2, {**DISTRIBUTED, "parallel.pp": 2, "parallel.dp_shard": 1, "model.n_layers": 4,
+                            "parallel.pp_schedule": "interleaved_1f1b", "parallel.vpp": 2}, id="moe-pp2-vpp2",
+                 marks=pytest.mark.slow),
     pytest.param("dense", 4, {**REPLICATE2, "parallel.tp": 2}, id="dense-replicate2-tp2", marks=pytest.mark.slow),
     pytest.param("moe", 4, {**REPLICATE2, "parallel.tp": 2}, id="moe-replicate2-tp2", marks=pytest.mark.slow),
     # bf16: replicated bf16 weights (the router's fp32) over fp32 master shards, the 5e-3 contract
@@ -43,11 +51,12 @@ EVAL = {"train.eval_interval": STEPS, "data.valid_fraction": 0.2, "train.eval_st
 ])
 def test_distributed_optimizer_trains_as_one_process(model, world, layout, small_dataset, tmp_path):
     # micro-batch 1: two micro-batches per rank and step, so gradients accumulate before the reduction
-    extra = {**EVAL, "train.micro_batch_size": 1, **{k: v for k, v in layout.items() if k == "train.dtype"}}
+    extra = {**EVAL, "train.micro_batch_size": 1, **{k: v for k, v in layout.items() if not k.startswith("parallel.")}}
     ref = train_one_process(model, overrides_for(model, small_dataset, tmp_path / "one", STEPS, **extra))
     got = run_ranks(train_on_ranks, world, model,
                     overrides_for(model, small_dataset, tmp_path / "dist", STEPS, **{**extra, **layout}), timeout=120)
     assert_same_training(got, ref, rtol=5e-3 if "train.dtype" in layout else 1e-5)
+    # (the model and precision keys of a layout go to the reference too)
 
 
 def _analytic_buckets(named_numels: list[tuple[str, int]], bucket_mb: float, world: int) -> list[int]:
@@ -116,12 +125,19 @@ def test_reduce_scatters_are_issued_while_backward_still_runs(small_dataset, tmp
 
 
 @pytest.mark.dist
-def test_sharded_state_resumes_under_the_same_layout_only(small_dataset, tmp_path):
+@pytest.mark.parametrize("layout", [
+    pytest.param(REPLICATE2, id="replicate2"),
+    # two stage parts per rank: two optimizers whose shards must not collide in the checkpoint
+    pytest.param({**DISTRIBUTED, "parallel.pp": 2, "parallel.dp_shard": 1, "model.n_layers": 4,
+                  "parallel.pp_schedule": "interleaved_1f1b", "parallel.vpp": 2},
+                 id="pp2-vpp2", marks=pytest.mark.slow),
+])
+def test_sharded_state_resumes_under_the_same_layout_only(layout, small_dataset, tmp_path):
     straight = run_ranks(train_on_ranks, 2, "dense",
-                         overrides_for("dense", small_dataset, tmp_path / "straight", 4, **REPLICATE2), timeout=120)
+                         overrides_for("dense", small_dataset, tmp_path / "straight", 4, **layout), timeout=120)
     run = tmp_path / "resumed"
-    run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 2, **REPLICATE2), timeout=120)
-    resumed = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 4, **REPLICATE2),
+    run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 2, **layout), timeout=120)
+    resumed = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 4, **layout),
                         resume=True, timeout=120)
     assert resumed[0]["start_step"] == 2
     want = {r["step"]: r["loss"] for r in straight[0]["records"]}
@@ -129,7 +145,7 @@ def test_sharded_state_resumes_under_the_same_layout_only(small_dataset, tmp_pat
         assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-6)
     for name, w in straight[0]["weights"].items():
         assert float((resumed[0]["weights"][name] - w).abs().max()) <= 1e-6 * float(w.abs().max()), name
-    other = overrides_for("dense", small_dataset, run, 6, **{**REPLICATE2, "parallel.bucket_mb": 0.2})
+    other = overrides_for("dense", small_dataset, run, 6, **{**layout, "parallel.bucket_mb": 0.2})
     with pytest.raises(RankFailure, match="resumes only under the layout that wrote it"):
         run_ranks(train_on_ranks, 2, "dense", other, resume=True, timeout=120)
 
@@ -137,7 +153,6 @@ def test_sharded_state_resumes_under_the_same_layout_only(small_dataset, tmp_pat
 @pytest.mark.parametrize("values,message", [
     ({"optimizer": "zero1"}, r"parallel.optimizer='zero1' is invalid: one of fsdp, distributed"),
     ({"optimizer": "distributed", "bucket_mb": 0}, r"parallel.bucket_mb=0 is invalid"),
-    ({"optimizer": "distributed", "pp": 2}, r"parallel.optimizer=distributed with parallel.pp=2 is not supported"),
 ])
 def test_bad_or_unsupported_settings_are_refused_naming_the_keys(values, message):
     with pytest.raises(ConfigError, match=message):
