@@ -158,3 +158,14 @@ def test_bad_or_unsupported_settings_are_refused_naming_the_keys(values, message
     with pytest.raises(ConfigError, match=message):
         ParallelConfig(**values)
 
+
+
+def _build_trainer(overrides: list[str]) -> None:
+    Trainer(load_config(MODELS["dense"][0], overrides))
+
+
+@pytest.mark.dist
+def test_fp16_is_refused_naming_both_keys(small_dataset, tmp_path):
+    overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **{"train.dtype": "fp16"})
+    with pytest.raises(RankFailure, match="ConfigError: parallel.optimizer=distributed with train.dtype=fp16 is not"):
+        run_ranks(_build_trainer, 2, overrides, timeout=60)
