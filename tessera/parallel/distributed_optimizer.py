@@ -98,11 +98,13 @@ class DistributedOptimizer:
     The trainer drives it as it drives torch's AdamW (`param_groups` for the schedule, `step`,
     `zero_grad`); the step engine calls `start_micro_batch` before each micro-batch and
     `clip_grad_norm` before the step. `named_groups`: [{"names", "params", "weight_decay"}, ...]
-    as `tessera.train.optimizer.weight_decay_groups` returns them."""
+    as `tessera.train.optimizer.weight_decay_groups` returns them. `overlap=False`: no gradient hooks;
+    `finish_gradients` takes `.grad` and launches every reduce-scatter (pipeline schedules).
+    `key_prefix` names this optimizer's shards in a checkpoint (one per pipeline part)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, named_groups: list[dict], *, lr: float,
                  betas: tuple[float, float], eps: float, bucket_mb: float, param_dtype: torch.dtype,
-                 overlap: bool = True, key_prefix: str = "part0"):
+                 fused: bool = False, overlap: bool = True, key_prefix: str = "part0"):
         self.dims = dims
         self.param_dtype = param_dtype
         self.overlap, self.key_prefix = overlap, key_prefix
@@ -121,7 +123,7 @@ class DistributedOptimizer:
                     groups.setdefault(decay_of[piece.name], []).append(piece.master)
         self.inner = torch.optim.AdamW(
             [{"params": ps, "weight_decay": wd} for wd, ps in groups.items()] or [{"params": [torch.zeros(0)]}],
-            lr=lr, betas=betas, eps=eps)
+            lr=lr, betas=betas, eps=eps, fused=True if fused else None)
         self.param_groups = self.inner.param_groups
 
     # ---- construction ------------------------------------------------------------------------

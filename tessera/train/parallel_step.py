@@ -22,6 +22,10 @@ gradient reduction is turned off (`set_requires_gradient_sync(False)` on the roo
 it, every unit), so each rank accumulates its unsharded gradients locally and each unit's
 gradient is reduce-scattered (HSDP: and all-reduced across replicas) once, after the last
 micro-batch's backward, instead of once per micro-batch.
+
+With `parallel.optimizer=distributed` there is no FSDP: the attached distributed optimizers
+(tessera.parallel.distributed_optimizer) are told which micro-batch is the last, reduce-scatter
+each gradient bucket during that micro-batch's backward, and measure the gradient norm.
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ writes the metrics, the progress bar and the checkpoint bookkeeping. With one pr
 is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
 autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
 compute (fp32 shards stay the master copy, gradients are reduced in fp32), except the MoE router's,
-which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does.
+which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does. With
+`parallel.optimizer=distributed` FSDP is not used: the weights are replicated in the compute dtype
+and tessera.parallel.distributed_optimizer holds sharded fp32 masters and AdamW state instead.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ class Trainer:
 
         dims = self.layout.dims
         optimizers = [DistributedOptimizer(m, dims, weight_decay_groups(m, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           bucket_mb=self.cfg.parallel.bucket_mb,
+                                           fused=bool(o.fused), bucket_mb=self.cfg.parallel.bucket_mb,
                                            param_dtype=self.autocast_dtype or torch.float32, overlap=dims.pp == 1,
                                            key_prefix=f"part{i}")
                       for i, m in enumerate(self.parts)]
