@@ -61,7 +61,7 @@ from tessera.train.comm_metrics import comm_record
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
-from tessera.train.optimizer import build_optimizer, weight_decay_groups
+from tessera.train.optimizer import build_optimizers, check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
@@ -107,7 +107,7 @@ class Trainer:
         self.autocast_dtype = autocast_dtype(t.dtype)
         # each block compiled (tessera.parallel.compile); refused under tensor parallelism
         self.compile = resolve_compile(t.compile, self.device, self.layout.dims.tp if self.layout.dims else 1)
-        self._check_distributed_optimizer()
+        check_distributed_optimizer(cfg, self.layout.dims, self.compile)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
@@ -138,7 +138,10 @@ class Trainer:
             with self.layout.phase("initialising the weights"):
                 materialize_by_name(self.parts, reference, t.seed, self.device)
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
-        self.optimizers = self._build_optimizers()
+        # AdamW per part, or the distributed optimizers, which the step engine then drives too
+        self.optimizers = build_optimizers(self.parts, cfg, self.layout.dims, self.autocast_dtype or torch.float32)
+        if cfg.parallel.optimizer == "distributed" and self.layout.dims is not None:
+            self.engine.distributed_optimizers = self.optimizers
         self.optimizer = self.optimizers[0]
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self.step = 0
@@ -197,37 +200,6 @@ class Trainer:
                                 device_type=self.device.type, compile_blocks=self.compile)
             return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
                                 self.autocast_dtype)
-
-    def _check_distributed_optimizer(self) -> None:
-        """Refuse what `parallel.optimizer=distributed` is not wired into (every layout is)."""
-        if self.cfg.parallel.optimizer != "distributed" or self.layout.dims is None:
-            return  # one process: its AdamW holds everything, there is nothing to distribute
-        problems = []
-        if self.cfg.train.dtype == "fp16":
-            problems.append("parallel.optimizer=distributed with train.dtype=fp16 is not supported: loss scaling is "
-                            "not wired into it; use train.dtype=bf16 or fp32")
-        if self.compile:
-            problems.append("parallel.optimizer=distributed with train.compile is not supported: its forward "
-                            "pre-hooks are not compiled into the blocks; set train.compile=false")
-        if problems:
-            raise ConfigError(problems[0])
-
-    def _build_optimizers(self) -> list:
-        """AdamW per part; under `parallel.optimizer=distributed` the sharded distributed optimizer,
-        attached to the step engine, which lets it reduce the gradients and measure their norm."""
-        o = self.cfg.optim
-        if self.cfg.parallel.optimizer != "distributed" or self.layout.dims is None:
-            return [build_optimizer(m, o) for m in self.parts]
-        from tessera.parallel.distributed_optimizer import DistributedOptimizer
-
-        dims = self.layout.dims
-        optimizers = [DistributedOptimizer(m, dims, weight_decay_groups(m, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           fused=bool(o.fused), bucket_mb=self.cfg.parallel.bucket_mb,
-                                           param_dtype=self.autocast_dtype or torch.float32, overlap=dims.pp == 1,
-                                           key_prefix=f"part{i}")
-                      for i, m in enumerate(self.parts)]
-        self.engine.distributed_optimizers = optimizers
-        return optimizers
 
     def _init_from(self, model: Transformer, path: str) -> None:
         """Weights from a HuggingFace directory or a Tessera checkpoint; optimizer and step start fresh.
