@@ -5,6 +5,7 @@ imply, reduce-scatters issued while backward is still running, and a resume of i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tessera.config.errors import ConfigError
 from tessera.config.parallel import ParallelConfig
@@ -106,11 +107,16 @@ def _record_gradient_order(overrides: list[str]) -> dict:
         p.register_post_accumulate_grad_hook(
             lambda _p, name=name: events.append((name, optimizer.reduce_scatters_launched)))
     trainer.train_step()
-    return {"events": events, "buckets": len(optimizer.buckets)}
+    # The step left every bucket's all-gather in flight; the embedding's forward waits for its own only.
+    in_flight = [b.gather_work is not None for b in optimizer.buckets]
+    trainer.model.tok_embeddings(torch.zeros(1, 4, dtype=torch.long))
+    after_embedding = [b.gather_work is not None for b in optimizer.buckets]
+    return {"events": events, "buckets": len(optimizer.buckets), "in_flight": in_flight,
+            "after_embedding": after_embedding}
 
 
 @pytest.mark.dist
-def test_reduce_scatters_are_issued_while_backward_still_runs(small_dataset, tmp_path):
+def test_reduce_scatters_run_during_backward_and_all_gathers_until_first_use(small_dataset, tmp_path):
     overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **{"train.micro_batch_size": 1})
     for result in run_ranks(_record_gradient_order, 2, overrides, timeout=120):
         events, buckets = result["events"], result["buckets"]
@@ -122,6 +128,8 @@ def test_reduce_scatters_are_issued_while_backward_still_runs(small_dataset, tmp
         # Most buckets were on the wire before the last gradient existed: issued during backward.
         assert launched[-2] == buckets - 1 and buckets >= 4
         assert len(set(launched)) == buckets  # one launch point per bucket, spread over the backward
+        assert all(result["in_flight"])
+        assert result["after_embedding"] == [True] * (buckets - 1) + [False]  # the embedding is the last bucket
 
 
 @pytest.mark.dist
