@@ -19,6 +19,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 EP_DISPATCHERS = ("alltoall", "allgather")
 CP_METHODS = ("alltoall", "allgather", "ring")
+OPTIMIZERS = ("fsdp", "distributed")
 
 
 @dataclass
@@ -60,6 +61,20 @@ class ParallelConfig:
     # zero_stage chooses when gathered weights are freed: 3 after each block's forward (least memory),
     # 1 and 2 after its backward (no second all-gather). The planner's ZeRO-1/2 rows are the textbook ones.
     zero_stage: int = 3
+    # Who shards the optimizer state of data parallelism (one of OPTIMIZERS). "fsdp": FSDP2 shards weights,
+    # gradients and AdamW state over dp_shard (zero_stage above). "distributed": Tessera's own ZeRO-1/2
+    # distributed optimizer (tessera/parallel/distributed_optimizer.py, the idea of Megatron-Core's
+    # DistributedOptimizer), no FSDP: weights replicated over dp_replicate x dp_shard x cp in the compute
+    # dtype, gradients summed into contiguous fp32 buckets whose reduce-scatters start during backward as
+    # each bucket completes, fp32 master weights and AdamW moments held only for this rank's shard of each
+    # bucket, updated weights all-gathered per bucket and waited for by the first forward that uses them.
+    # Composes with tp, sp, cp, ep (experts over their expert-data-parallel ranks) and pp (one per stage
+    # part; there the reduce-scatters start after the schedule's backward). Not with fp16 or train.compile.
+    optimizer: str = "fsdp"
+    # parallel.optimizer=distributed: gradient bucket size in MiB of fp32 gradient. Smaller buckets start
+    # their reduce-scatter earlier in backward (more overlap) but issue more, smaller collectives; 25 is
+    # the size PyTorch DDP chose for the same trade. A parameter larger than a bucket gets its own.
+    bucket_mb: float = 25.0
     recompute: str = "none"  # activation recomputation: one of RECOMPUTE_CHOICES
     recompute_interval: int = 1  # with recompute=full: every k-th block
 
@@ -90,6 +105,11 @@ class ParallelConfig:
                               f"{', '.join(EP_DISPATCHERS)}")
         if self.cp_method not in CP_METHODS:
             raise ConfigError(f"parallel.cp_method={self.cp_method!r} is invalid: one of {', '.join(CP_METHODS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"parallel.optimizer={self.optimizer!r} is invalid: one of {', '.join(OPTIMIZERS)}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) \
+                or not 0 < self.bucket_mb <= 1024 * 1024:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb!r} is invalid: a number of MiB in (0, 1048576]")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")

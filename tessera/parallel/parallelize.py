@@ -59,6 +59,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
     if compile_blocks:
         compile_each_block(model)
-    if needs_data_parallel(dims, param_dtype):
+    # parallel.optimizer=distributed: no FSDP; the trainer attaches the distributed optimizer
+    # (distributed_optimizer.py) once the weights are materialised.
+    if cfg.optimizer == "fsdp" and needs_data_parallel(dims, param_dtype):
         apply_data_parallel(model, dims, cfg.zero_stage, param_dtype, reduce_dtype)
     return model

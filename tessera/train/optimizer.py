@@ -5,6 +5,10 @@ name matches none of `optim.no_decay` (fnmatch patterns, default `tok_embeddings
 (RMSNorm gains, biases) do not decay unless `optim.decay_vectors` is set. Decay is decoupled
 from the gradient (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization").
 
+`build_optimizers` picks per layout: this AdamW per model part, or under
+`parallel.optimizer=distributed` (several ranks) one `DistributedOptimizer` per part, which holds
+fp32 master shards instead (tessera.parallel.distributed_optimizer).
+
 The optimizer always holds the fp32 parameters: in bf16 mode the model keeps fp32 weights and
 computes under autocast, so these are the master weights and Adam's moments are fp32 too.
 """
@@ -16,7 +20,9 @@ import fnmatch
 import torch
 from torch import nn
 
-from tessera.config.schema import OptimConfig
+from tessera.config.errors import ConfigError
+from tessera.config.schema import OptimConfig, RunConfig
+from tessera.parallel.dims import ParallelDims
 
 
 def decays(name: str, param: torch.Tensor, cfg: OptimConfig) -> bool:
@@ -50,3 +56,31 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         del g["names"]  # the optimizer's state_dict must stay plain data; names live in the model
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if cfg.fused else None)
+
+
+def check_distributed_optimizer(cfg: RunConfig, dims: ParallelDims | None, compile_blocks: bool) -> None:
+    """Refuse what `parallel.optimizer=distributed` is not wired into (every parallel layout is)."""
+    if cfg.parallel.optimizer != "distributed" or dims is None:
+        return  # one process: its AdamW holds everything, there is nothing to distribute
+    if cfg.train.dtype == "fp16":
+        raise ConfigError("parallel.optimizer=distributed with train.dtype=fp16 is not supported: loss scaling is "
+                          "not wired into it; use train.dtype=bf16 or fp32")
+    if compile_blocks:
+        raise ConfigError("parallel.optimizer=distributed with train.compile is not supported: its forward "
+                          "pre-hooks are not compiled into the blocks; set train.compile=false")
+
+
+def build_optimizers(parts: list[nn.Module], cfg: RunConfig, dims: ParallelDims | None,
+                     param_dtype: torch.dtype) -> list:
+    """One optimizer per model part: AdamW, or with `parallel.optimizer=distributed` on several
+    ranks a DistributedOptimizer (weights replicated in `param_dtype`; under pp, one per stage part,
+    reducing after the schedule)."""
+    o = cfg.optim
+    if cfg.parallel.optimizer != "distributed" or dims is None:
+        return [build_optimizer(m, o) for m in parts]
+    from tessera.parallel.distributed_optimizer import DistributedOptimizer
+
+    return [DistributedOptimizer(m, dims, weight_decay_groups(m, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                 fused=bool(o.fused), bucket_mb=cfg.parallel.bucket_mb, param_dtype=param_dtype,
+                                 overlap=dims.pp == 1, key_prefix=f"part{i}")
+            for i, m in enumerate(parts)]

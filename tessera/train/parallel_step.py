@@ -22,6 +22,10 @@ gradient reduction is turned off (`set_requires_gradient_sync(False)` on the roo
 it, every unit), so each rank accumulates its unsharded gradients locally and each unit's
 gradient is reduce-scattered (HSDP: and all-reduced across replicas) once, after the last
 micro-batch's backward, instead of once per micro-batch.
+
+With `parallel.optimizer=distributed` there is no FSDP: the attached distributed optimizers
+(tessera.parallel.distributed_optimizer) are told which micro-batch is the last, reduce-scatter
+each gradient bucket during that micro-batch's backward, and measure the gradient norm.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from torch.distributed.fsdp import FSDPModule
 from tessera.data.batching import Batch
 from tessera.parallel import global_count, global_sum, shard_global_batch, token_dim
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.step_stats import reduce_over_ranks, step_result
@@ -67,6 +73,8 @@ class ParallelStep:
         self.parts = [model]
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
         self.device, self.autocast_dtype = device, autocast_dtype
+        # parallel.optimizer=distributed: it reduces gradients and measures their norm (attached by the trainer)
+        self.distributed_optimizers: list[DistributedOptimizer] = []
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
@@ -80,10 +88,14 @@ class ParallelStep:
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """Reduce gradients over data-parallel ranks in this backward only on the step's last micro-batch."""
+        for optimizer in self.distributed_optimizers:
+            optimizer.start_micro_batch(last_micro_batch)
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.distributed_optimizers:
+            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
         return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:

@@ -36,6 +36,8 @@ from tessera.models.transformer import ModelOutput
 from tessera.parallel import build_pipeline, global_count, global_sum, parallelize, token_dim
 from tessera.parallel.compile import resolve_compile
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
@@ -69,6 +71,9 @@ class PipelineStep:
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,
                                   device=device)
         self.parts = list(self.run.modules)
+        # parallel.optimizer=distributed: one per part, attached by the trainer; they reduce the gradients
+        # after the schedule (its micro-batches are its own, so no reduce-scatter starts inside it)
+        self.distributed_optimizers: list[DistributedOptimizer] = []
         for i, m in enumerate(self.parts):
             m.register_forward_hook(partial(self._capture_routing, i), prepend=True)
         # The first and last stage each hold the tied embedding (tessera.parallel.tied_embeddings).
@@ -108,6 +113,8 @@ class PipelineStep:
         return step_result(stats, n_loss_tokens, self.micro_batches_global, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.distributed_optimizers:
+            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
         uncounted = self.tied.uncounted if self.tied is not None else ()
         return step_engine.clip_grad_norm(self.parts, max_norm, self.dims, uncounted)
 

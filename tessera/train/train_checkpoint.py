@@ -22,6 +22,10 @@ What is restored on resume:
 - weights, optimizer moments, step, tokens seen, schedule position and data position: always.
   The data position counts samples of global batches, which every rank reads whole, so the
   next batch is the same under any layout.
+- `parallel.optimizer=distributed`: `optim.rank<r>.bucket<b>.master` and
+  `optim.rank<r>.piece<i>.{step,exp_avg,exp_avg_sq}` are rank r's fp32 master shards and AdamW
+  state (DistributedOptimizer.sharded_state_dict); `model.*` holds the replicated weights in the
+  compute dtype. Such a checkpoint resumes under the layout that wrote it only (refused otherwise).
 - RNG states: rank r restores `rng.rank<r>` when the checkpoint was written by the same world size
   and parallel layout; otherwise every rank restores rank 0's states (in a fresh run, too, all
   ranks start from one seeded state). Draws that depend on a rank's position (router jitter,
@@ -37,12 +41,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.restricted_unpickle import restricted_loads
 from tessera.config.errors import CheckpointError
 from tessera.config.schema import RunConfig
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.train.rng_state import capture_rng_state, decode_rng_state, encode_rng_state, restore_rng_state
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -59,6 +70,10 @@ def model_and_optimizer_state(parts: list[nn.Module], optimizers: list[torch.opt
     model_sd: dict[str, Any] = {}
     optim_sd: dict[str, Any] = {}
     for module, optimizer in zip(parts, optimizers, strict=True):
+        if isinstance(optimizer, DistributedOptimizer):
+            model_sd.update(get_model_state_dict(module, options=STATE_OPTIONS))
+            optim_sd.update(optimizer.sharded_state_dict())
+            continue
         m, o = get_state_dict(module, optimizer, options=STATE_OPTIONS)
         model_sd.update(m)
         optim_sd.update(o)
@@ -87,13 +102,24 @@ def load_training_state(path: Path, parts: list[nn.Module], optimizers: list[tor
     meta = ckpt.read_meta(path)
     same_layout = meta.get("layout") == layout_signature(cfg, world_size)
     rng_key = f"rank{rank}" if same_layout else "rank0"
-    per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
+    sharded = any(isinstance(o, DistributedOptimizer) for o in optimizers)
+    if sharded and not same_layout:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds the state of parallel.optimizer=distributed, which "
+                              "resumes only under the layout that wrote it (world size and parallel.* unchanged): "
+                              f"it was written by {meta.get('layout')}")
+    if sharded:
+        per_part = [model_and_optimizer_state([m], [o]) for m, o in zip(parts, optimizers, strict=True)]
+    else:
+        per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
     state: dict[str, Any] = {"model": {k: v for m, _ in per_part for k, v in m.items()},
                              "optim": {k: v for _, o in per_part for k, v in o.items()}, "trainer": ""}
     if f"rng.{rng_key}" in stored:
         state["rng"] = {rng_key: ""}
     ckpt.load_checkpoint(path, state)  # tensors are loaded in place, resharded to this layout
     for module, optimizer, (mine_m, mine_o) in zip(parts, optimizers, per_part, strict=True):
+        if sharded:  # the optimizer's shards were loaded in place
+            set_model_state_dict(module, {k: state["model"][k] for k in mine_m}, options=STATE_OPTIONS)
+            continue
         set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in mine_m},
                        optim_state_dict={k: state["optim"][k] for k in mine_o}, options=STATE_OPTIONS)
     if "rng" in state:

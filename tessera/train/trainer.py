@@ -34,7 +34,9 @@ writes the metrics, the progress bar and the checkpoint bookkeeping. With one pr
 is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
 autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
 compute (fp32 shards stay the master copy, gradients are reduced in fp32), except the MoE router's,
-which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does.
+which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does. With
+`parallel.optimizer=distributed` FSDP is not used: the weights are replicated in the compute dtype
+and tessera.parallel.distributed_optimizer holds sharded fp32 masters and AdamW state instead.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
-from tessera.train.optimizer import build_optimizer
+from tessera.train.optimizer import build_optimizers, check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
@@ -109,6 +111,7 @@ class Trainer:
         self.autocast_dtype = autocast_dtype(t.dtype)
         # each block compiled (tessera.parallel.compile); refused under tensor parallelism
         self.compile = resolve_compile(t.compile, self.device, self.layout.dims.tp if self.layout.dims else 1)
+        check_distributed_optimizer(cfg, self.layout.dims, self.compile)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
@@ -139,7 +142,10 @@ class Trainer:
             with self.layout.phase("initialising the weights"):
                 materialize_by_name(self.parts, reference, t.seed, self.device)
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
-        self.optimizers = [build_optimizer(m, cfg.optim) for m in self.parts]
+        # AdamW per part, or the distributed optimizers, which the step engine then drives too
+        self.optimizers = build_optimizers(self.parts, cfg, self.layout.dims, self.autocast_dtype or torch.float32)
+        if cfg.parallel.optimizer == "distributed" and self.layout.dims is not None:
+            self.engine.distributed_optimizers = self.optimizers
         self.optimizer = self.optimizers[0]
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self.step = 0
@@ -397,5 +403,8 @@ class Trainer:
             if writer is not None:
                 writer.close()
             self.run_lock.release()
+        for optimizer in self.optimizers:  # the distributed optimizer's last all-gathers
+            if hasattr(optimizer, "wait_for_params"):
+                optimizer.wait_for_params()
         result.last_step = self.step
         return result
