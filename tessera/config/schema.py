@@ -70,6 +70,10 @@ class TrainConfig:
     # loss); None = 4096 on CUDA, off on CPU (chunking sums in another order: equal within fp32
     # rounding, not bit for bit). Under parallel.tp > 1 the vocabulary-parallel loss runs instead.
     loss_chunk_tokens: int | None = None
+    # bf16/fp16 on one process: cast the matrix weights to the compute dtype once per optimizer step
+    # (tessera.train.compute_weights) instead of in every micro-batch's forward; the same arithmetic.
+    # false: autocast casts them each time (2 bytes per weight less memory between steps).
+    cast_weights_per_step: bool = True
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
     eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never

@@ -65,11 +65,14 @@ def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None) ->
 def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch_size: int,
                              global_loss_tokens: int, global_micro_batches: int, device: torch.device,
                              autocast_dtype: torch.dtype | None,
-                             before_backward: Callable[[bool], None] | None = None) -> StepStats:
+                             before_backward: Callable[[bool], None] | None = None,
+                             forward: Callable[..., Any] | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
-    e.g. to let data parallelism reduce gradients only once per step."""
+    e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
+    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py)."""
+    forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
     for i in range(accumulation):
@@ -79,7 +82,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         if before_backward is not None:
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
-            out = model(x, targets=y)
+            out = forward(x, targets=y)
         micro_sum = model_loss_sum(out, y)
         micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
         stats.add_loss(micro_sum)

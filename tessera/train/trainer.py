@@ -181,7 +181,8 @@ class Trainer:
         if dims is None:
             if self.compile:
                 compile_blocks(model)
-            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype)
+            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
+                                     t.cast_weights_per_step)
         param_dtype = self.autocast_dtype or torch.float32
         with self.layout.phase("parallelizing the model"):
             if dims.pp > 1:
