@@ -158,3 +158,16 @@ def test_trainer_with_chunked_loss_follows_the_plain_loss(small_dataset, tmp_pat
     for got, want in zip(losses[24], losses[0], strict=True):
         assert abs(got - want) <= 1e-5 * want, (losses[24], losses[0])
     assert evals[24][1] == evals[0][1] and abs(evals[24][0] - evals[0][0]) <= 1e-5 * evals[0][0]
+
+
+def test_fp16_trainer_with_chunked_loss_follows_the_plain_loss(small_dataset, tmp_path):
+    """Loss scaling reaches the chunked loss: fp16 runs with and without chunks agree, no step skipped."""
+    losses = {}
+    for chunk in (0, 24):
+        trainer = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / str(chunk), 3, **{
+            "train.loss_chunk_tokens": chunk, "train.dtype": "fp16", "checkpoint.interval": 0})))
+        records = trainer.train().records
+        assert all("skipped_step" not in r for r in records)
+        losses[chunk] = [r["loss"] for r in records]
+    for got, want in zip(losses[24], losses[0], strict=True):
+        assert abs(got - want) <= 1e-3 * want, (losses[24], losses[0])
