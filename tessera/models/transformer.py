@@ -178,7 +178,8 @@ class Transformer(nn.Module):
     def computes_chunked_loss(self, h_BSD: torch.Tensor) -> bool:
         """Whether `forward` with targets returns the chunked loss: on, with a whole local head
         (under tensor parallelism the head is sharded over V and the vocabulary-parallel loss runs)."""
-        return (self.loss_chunk_tokens > 0 and (self.output is not None or self.tok_embeddings is not None)
+        has_head = self.output is not None or (self.cfg.tie_embeddings and self.tok_embeddings is not None)
+        return (self.loss_chunk_tokens > 0 and has_head
                 and not isinstance(h_BSD, DTensor) and not isinstance(self.head_weight(), DTensor))
 
     # ---- balancing -------------------------------------------------------------------------
