@@ -8,14 +8,15 @@ Models (vocabulary 4096, the bundled tokenizer's):
   moe-1.83B    Mixtral-style, 0.58B active: dim 2048, 12 layers, 16 heads, 8 KV heads,
                8 experts top-2, expert FFN 2816
 Sequence length 2048, micro-batch 4, global batch 8 (two micro-batches accumulated), the bundled
-corpus; bf16 on CUDA (autocast over fp32 master weights), fp32 on CPU.
+corpus; bf16 on CUDA (bf16 compute over fp32 master weights), fp32 on CPU.
 
-Tessera side: `Trainer.train_step` (accumulation, AdamW, clipping, schedule; `train.compile` at its
-default, on for CUDA). Peer: the same shapes built by `transformers.AutoModelForCausalLM.from_config`
-(random weights: speed does not depend on them), trained by a plain loop in the same process on the
-same batches: autocast, loss summed over tokens and divided by the batch's token count, AdamW
-(fused on CUDA), clipping. The two run one after the other (Tessera first, then its memory is freed)
-so that each one's peak memory is its own.
+Tessera side: `Trainer.train_step` (accumulation, AdamW, clipping, schedule; `train.compile`,
+`train.loss_chunk_tokens` and `train.cast_weights_per_step` at their defaults: on CUDA, compiled
+blocks, the chunked LM-head loss and bf16 weight copies made once per step). Peer: the same shapes
+built by `transformers.AutoModelForCausalLM.from_config` (random weights: speed does not depend on
+them), trained by a plain loop in the same process on the same batches: autocast, loss summed over
+tokens and divided by the batch's token count, AdamW (fused on CUDA), clipping. The two run one
+after the other (Tessera first, then its memory is freed) so that each one's peak memory is its own.
 
 Prints one JSON object: per model, for each side, tokens/s (median step), MFU (the FLOP count of
 `tessera.models.flops.flops_per_token` for both sides, over the device's peak: `--peak-flops`, else

@@ -65,6 +65,15 @@ class TrainConfig:
     # the same numbers, faster kernels on GPUs. None = true on CUDA, false on CPU (where compiling
     # costs seconds per block and gains little) and under parallel.tp > 1 (where true is refused).
     compile: bool | None = None
+    # Tokens per chunk of the LM-head loss (tessera.models.chunked_cross_entropy): the micro-batch's
+    # full-vocabulary logits never exist at once, only [chunk, vocab]. 0 = off (plain logits and
+    # loss); None = 4096 on CUDA, off on CPU (chunking sums in another order: equal within fp32
+    # rounding, not bit for bit). Under parallel.tp > 1 the vocabulary-parallel loss runs instead.
+    loss_chunk_tokens: int | None = None
+    # bf16/fp16 on one process: cast the matrix weights to the compute dtype once per optimizer step
+    # (tessera.train.compute_weights) instead of in every micro-batch's forward; the same arithmetic.
+    # false: autocast casts them each time (2 bytes per weight less memory between steps).
+    cast_weights_per_step: bool = True
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
     eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never
@@ -262,6 +271,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(not (t.fp8 and t.device == "cpu"), "train.fp8", t.fp8,
          "FP8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
          "train.device=cpu has none: set train.fp8=false")
+    need(t.loss_chunk_tokens is None or t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", t.loss_chunk_tokens,
+         "must be null (4096 on CUDA, off on CPU), 0 (off) or a positive number of tokens")
     need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
     need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")

@@ -9,7 +9,12 @@ input is at position j; context parallelism (`tessera.parallel`) installs one th
 rank's chunk at its global positions. With tied embeddings (`tie_embeddings`) the LM head is
 the embedding matrix, applied through a seam too, `tied_head` (a `TiedHead`): `h @ E^T` on one
 process; tensor parallelism installs one that computes the logits of this rank's vocabulary slice.
-Shapes: B batch, S sequence, D model dim, V vocabulary.
+
+The loss is a seam too: given `targets`, a model with `loss_chunk_tokens` > 0 returns the sum of
+its token losses (`ModelOutput.loss_sum`, by `chunked_linear_cross_entropy`) instead of logits,
+so the whole micro-batch's full-vocabulary logits never exist. A head that tensor parallelism
+has cut over the vocabulary (a DTensor weight) keeps returning logits for the vocabulary-parallel
+loss. Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
+from tessera.models.chunked_cross_entropy import chunked_linear_cross_entropy
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.moe.layer import MoE
@@ -50,11 +57,12 @@ def tied_projection(h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Te
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, S, V] (None when the model has no head: a middle pipeline stage)
+    logits: torch.Tensor | None  # [B, S, V] (None: no head, a middle pipeline stage; or loss_sum given)
     aux_loss: torch.Tensor  # fp32 scalar: the sum of every MoE layer's weighted balancing losses
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
     hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
+    loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when the model computed it (chunked)
 
 
 class TransformerBlock(nn.Module):
@@ -97,6 +105,8 @@ class Transformer(nn.Module):
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
         self.tied_head: TiedHead = tied_projection  # used when cfg.tie_embeddings (module docstring)
+        # Tokens per chunk of the chunked LM-head loss when `forward` gets targets; 0 = off (logits).
+        self.loss_chunk_tokens = 0
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -141,7 +151,9 @@ class Transformer(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None) -> ModelOutput:
+                cache: AttentionCache | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+        """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
+        `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`)."""
         B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D]
         if positions is None:
             positions = self.position_source(B, S, input_ids.device)
@@ -159,6 +171,11 @@ class Transformer(nn.Module):
                     aux_losses[f"layer{key}/{name}"] = value
                     aux_loss = aux_loss + value
         h = self.norm(h) if self.norm is not None else h
+        if targets is not None and self.computes_chunked_loss(h):
+            loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
+                                                    targets.reshape(-1), self.loss_chunk_tokens)
+            return ModelOutput(logits=None, aux_loss=aux_loss, aux_losses=aux_losses, expert_counts=counts,
+                               hidden=h, loss_sum=loss_sum)
         logits = self.lm_head(h)
         return ModelOutput(logits=logits, aux_loss=aux_loss, aux_losses=aux_losses, expert_counts=counts, hidden=h)
 
@@ -166,6 +183,17 @@ class Transformer(nn.Module):
         if self.output is not None:
             return self.output(h_BSD)
         return self.tied_head(h_BSD, self.tok_embeddings.weight)
+
+    def head_weight(self) -> torch.Tensor:
+        """The [V, D] matrix the LM head multiplies with (the embedding's when tied)."""
+        return self.output.weight if self.output is not None else self.tok_embeddings.weight
+
+    def computes_chunked_loss(self, h_BSD: torch.Tensor) -> bool:
+        """Whether `forward` with targets returns the chunked loss: on, with a whole local head
+        (under tensor parallelism the head is sharded over V and the vocabulary-parallel loss runs)."""
+        has_head = self.output is not None or (self.cfg.tie_embeddings and self.tok_embeddings is not None)
+        return (self.loss_chunk_tokens > 0 and has_head
+                and not isinstance(h_BSD, DTensor) and not isinstance(self.head_weight(), DTensor))
 
     # ---- balancing -------------------------------------------------------------------------
     @torch.no_grad()

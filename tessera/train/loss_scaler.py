@@ -7,10 +7,11 @@ S is dynamic: a step whose gradient holds inf/NaN (S too large) is skipped and S
 (`backoff_factor`); after `growth_interval` finite steps in a row S is doubled (`growth_factor`),
 so it stays near the largest value that does not overflow.
 
-The loss is a function of the model's outputs only (`logits` and `aux_loss` of `ModelOutput`:
-tessera.train.loss), so scaling the gradient that flows into those outputs is the same as
-scaling the loss, and needs no change to any step engine: `attach` adds a forward hook on each
-model part that routes both outputs through an identity whose backward multiplies by S.
+The loss is a function of the model's outputs only (`logits`, or `loss_sum` when the model
+computes its chunked LM-head loss itself, and `aux_loss` of `ModelOutput`: tessera.train.loss),
+so scaling the gradient that flows into those outputs is the same as scaling the loss, and needs
+no change to any step engine: `attach` adds a forward hook on each model part that routes them
+through an identity whose backward multiplies by S.
 
     scaler = DynamicLossScaler(); scaler.attach(parts)
     engine.forward_backward(batch); scaler.unscale_(parts)        # grads back to their true size
@@ -51,10 +52,10 @@ class DynamicLossScaler:
     good_steps: int = 0  # finite steps since the last change of scale
 
     def scale_outputs(self, module: nn.Module, args: Any, out: Any) -> Any:
-        """Forward hook: the model output with `logits` and `aux_loss` scaled in backward."""
+        """Forward hook: the model output with `logits`, `loss_sum` and `aux_loss` scaled in backward."""
         if not torch.is_grad_enabled() or not dataclasses.is_dataclass(out):
             return out
-        changes = {name: _ScaleGrad.apply(getattr(out, name), self.scale) for name in ("logits", "aux_loss")
+        changes = {name: _ScaleGrad.apply(getattr(out, name), self.scale) for name in ("logits", "loss_sum", "aux_loss")
                    if isinstance(getattr(out, name, None), torch.Tensor) and getattr(out, name).requires_grad}
         return dataclasses.replace(out, **changes) if changes else out
 

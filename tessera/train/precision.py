@@ -14,6 +14,14 @@ from tessera.config.errors import ConfigError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
 FP8_MIN_CAPABILITY = (8, 9)
+CUDA_LOSS_CHUNK_TOKENS = 4096  # [4096, V] fp32 logits per chunk: 2 GiB at V = 128k
+
+
+def loss_chunk_tokens(setting: int | None, device: torch.device) -> int:
+    """`train.loss_chunk_tokens` as run on `device`: None is on for CUDA, off (0) elsewhere."""
+    if setting is None:
+        return CUDA_LOSS_CHUNK_TOKENS if device.type == "cuda" else 0
+    return setting
 
 
 def autocast_dtype(dtype: str) -> torch.dtype | None:

@@ -4,6 +4,10 @@ This is the reference every parallel layout is measured against (DESIGN.md, nume
 so its arithmetic is kept exactly as it is: a change here changes every run's losses. The pieces
 it shares with the parallel engines (micro-batch loop, mixed precision, clipping, expert bias)
 are in step_engine.py.
+
+Under bf16/fp16 the matrix weights' compute copies are made once per step, not once per
+micro-batch (`CachedComputeWeights`, unless `cast_weights_per_step` is false): the same
+arithmetic as autocast casting them in every forward.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 
 from tessera.data.batching import Batch
 from tessera.train import step_engine
+from tessera.train.compute_weights import CachedComputeWeights
 from tessera.train.loss import count_loss_tokens, masked_targets
 from tessera.train.step_stats import step_result
 
@@ -24,19 +29,25 @@ class SingleProcessStep:
     """The `StepEngine` of a one-process run."""
 
     def __init__(self, model: nn.Module, micro_batch_size: int, accumulation: int, device: torch.device,
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, cast_weights_per_step: bool = True):
         self.parts = [model]
         self.model, self.mb, self.accumulation = model, micro_batch_size, accumulation
         self.device, self.autocast_dtype = device, autocast_dtype
+        self.compute_weights = (CachedComputeWeights(model, autocast_dtype)
+                                if autocast_dtype is not None and cast_weights_per_step else None)
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         """Accumulate the gradient of one global batch; return its loss statistics."""
         n_loss_tokens = count_loss_tokens(batch.targets, batch.target_mask)
         rows = self.accumulation * self.mb
         targets = masked_targets(batch.targets, batch.target_mask)
+        forward = None
+        if self.compute_weights is not None:
+            self.compute_weights.refresh()  # the weights changed in the last optimizer step
+            forward = self.compute_weights.forward
         stats = step_engine.accumulate_micro_batches(
             self.model, batch.inputs[:rows], targets[:rows], self.mb, n_loss_tokens, self.accumulation,
-            self.device, self.autocast_dtype)
+            self.device, self.autocast_dtype, forward=forward)
         return step_result(stats, n_loss_tokens, self.accumulation, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:

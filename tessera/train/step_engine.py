@@ -6,9 +6,10 @@ layout is measured against), `ParallelStep` (data, tensor + sequence, expert and
 parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). They share here:
 
 - `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
-- `accumulate_micro_batches`: forward, the micro-batch's share of the global-batch objective
-  (`loss.micro_batch_objective`) and backward for each micro-batch of a rank's rows, statistics
-  gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
+- `accumulate_micro_batches`: forward (with the targets, so a model whose `loss_chunk_tokens` is
+  set returns its chunked LM-head loss instead of logits: `model_loss_sum`), the micro-batch's
+  share of the global-batch objective (`loss.micro_batch_objective`) and backward for each
+  micro-batch of a rank's rows, statistics gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
 - `clip_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
   arithmetic stays what it always was; `tessera.parallel.clip_grad_norm_` over a layout);
@@ -64,11 +65,14 @@ def mixed_precision(device: torch.device, autocast_dtype: torch.dtype | None) ->
 def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, micro_batch_size: int,
                              global_loss_tokens: int, global_micro_batches: int, device: torch.device,
                              autocast_dtype: torch.dtype | None,
-                             before_backward: Callable[[bool], None] | None = None) -> StepStats:
+                             before_backward: Callable[[bool], None] | None = None,
+                             forward: Callable[..., Any] | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
-    e.g. to let data parallelism reduce gradients only once per step."""
+    e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
+    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py)."""
+    forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
     for i in range(accumulation):
@@ -78,12 +82,18 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         if before_backward is not None:
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
-            out = model(x)
-        micro_sum = token_loss_sum(out.logits, y)
+            out = forward(x, targets=y)
+        micro_sum = model_loss_sum(out, y)
         micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
         stats.add_loss(micro_sum)
         stats.add_routing(out)
     return stats
+
+
+def model_loss_sum(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's token-loss sum: the model's own (chunked LM-head loss, when it computed
+    one) or `token_loss_sum` of its logits."""
+    return out.loss_sum if getattr(out, "loss_sum", None) is not None else token_loss_sum(out.logits, targets)
 
 
 @torch.no_grad()
@@ -98,8 +108,8 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torc
             x = inputs[i:i + micro_batch_size].to(device)
             y = targets[i:i + micro_batch_size].to(device)
             with mixed_precision(device, autocast_dtype):
-                logits = model(x).logits
-            total += token_loss_sum(logits, y).double().cpu()
+                out = model(x, targets=y)
+            total += model_loss_sum(out, y).double().cpu()
             n += int((y != IGNORE_INDEX).sum())
     return total, n
 

@@ -15,6 +15,11 @@ layers it holds. `reduce_over_ranks` then makes the step's global figures, the s
 
 The summed routing counts drive the aux-loss-free expert-bias step, which must be identical on
 every rank. `step_result` turns the global figures into what the trainer logs.
+
+The sums are kept on the device (fp64, the same additions as Python floats) while micro-batches
+run and read on the host once, when the step's figures are needed (`settle`): reading a loss per
+micro-batch would make the host wait for each micro-batch's backward before it could queue the
+next forward.
 """
 
 from __future__ import annotations
@@ -35,23 +40,47 @@ class StepStats:
     aux_total: float = 0.0  # sum over micro-batches of the weighted auxiliary loss
     aux_parts: dict[str, float] = field(default_factory=dict)  # "layer{i}/{name}" -> sum over micro-batches
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots, summed
+    # fp64 device sums not yet read on the host: "loss", "aux", "aux/<name>"
+    pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.pending[key] = self.pending[key] + value if key in self.pending else value
 
     def add_loss(self, micro_sum: torch.Tensor) -> None:
-        self.loss_sum += float(micro_sum.detach().double())
+        self._add("loss", micro_sum)
 
     def add_routing(self, out) -> None:
         """The auxiliary losses and routing counts of one micro-batch's ModelOutput."""
-        self.aux_total += float(out.aux_loss.detach().double())
+        self._add("aux", out.aux_loss)
         for name, value in out.aux_losses.items():
-            self.aux_parts[name] = self.aux_parts.get(name, 0.0) + float(value.detach())
+            self._add(f"aux/{name}", value)
         for layer, c in out.expert_counts.items():
             c = c.detach()
             self.counts[layer] = self.counts[layer] + c if layer in self.counts else c.clone()
+
+    def settle(self) -> StepStats:
+        """Read the device sums on the host (one transfer) into the float fields; returns self."""
+        if not self.pending:
+            return self
+        keys = list(self.pending)
+        values = torch.stack([self.pending[k].to(self.pending[keys[0]].device) for k in keys]).tolist()
+        self.pending = {}
+        for key, value in zip(keys, values, strict=True):
+            if key == "loss":
+                self.loss_sum += value
+            elif key == "aux":
+                self.aux_total += value
+            else:
+                name = key.removeprefix("aux/")
+                self.aux_parts[name] = self.aux_parts.get(name, 0.0) + value
+        return self
 
 
 def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
     """The step's statistics summed over data-parallel (and cp) ranks and merged over pipeline
     stages (`dims` None: one process, `local` is the step's)."""
+    local.settle()
     if dims is None:
         return local
     names = sorted(local.aux_parts)
@@ -77,6 +106,7 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
 def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
     """The trainer's statistics of a step from its global StepStats: loss per loss token, auxiliary
     losses per micro-batch (`micro_batches` of the whole global batch), routing counts."""
+    stats.settle()
     return {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
             "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
             "loss_tokens": loss_tokens, "tokens": tokens}

@@ -65,7 +65,7 @@ from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
 from tessera.train.optimizer import build_optimizers, check_distributed_optimizer
-from tessera.train.precision import autocast_dtype, check_fp8
+from tessera.train.precision import autocast_dtype, check_fp8, loss_chunk_tokens
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
@@ -128,6 +128,7 @@ class Trainer:
         else:
             model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
         model.train()
+        model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.device)  # chunked LM-head loss
         self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         if resume_from is None and t.init_from:
             self._init_from(model, t.init_from)
@@ -201,7 +202,8 @@ class Trainer:
         if dims is None:
             if self.compile:
                 compile_blocks(model)
-            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype)
+            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
+                                     t.cast_weights_per_step)
         param_dtype = self.autocast_dtype or torch.float32
         with self.layout.phase("parallelizing the model"):
             if dims.pp > 1:

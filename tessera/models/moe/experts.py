@@ -1,8 +1,10 @@
 """Routed experts as one grouped GEMM (MegaBlocks, Gale et al. 2022: no padding, no dropping).
 
-The tokens arrive sorted by expert, `tokens_per_expert[e]` rows each. `torch._grouped_mm` runs all
-experts' matrix products in one call when its layout rules hold (int32 offsets; every row stride
-a multiple of 16 bytes); otherwise an equivalent loop over experts does the same arithmetic.
+The tokens arrive sorted by expert, `tokens_per_expert[e]` rows each; rows after the last
+expert's (slots dropped by a capacity, kept in place so shapes stay fixed) belong to no expert.
+`torch._grouped_mm` runs all experts' matrix products in one call when its layout rules hold
+(int32 offsets; every row stride a multiple of 16 bytes); otherwise an equivalent loop over
+experts does the same arithmetic.
 Weights are stored [E, out, in] like nn.Linear. N rows, D model dim, F expert hidden dim.
 
 The weight a forward computes with is a seam (`GroupedExperts.local_weight`, a `LocalWeight`): on
@@ -63,8 +65,12 @@ def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: t
     if use_grouped_mm and grouped_mm_applies(x_ND, w_EOI):
         offs = tokens_per_expert.cumsum(0).to(torch.int32)
         return _DenseGrad.apply(torch._grouped_mm(x_ND, w_EOI.transpose(1, 2), offs=offs))
-    chunks = torch.split(x_ND, tokens_per_expert.tolist())
-    return torch.cat([c @ w_EOI[e].T for e, c in enumerate(chunks)], dim=0)
+    # The fallback loop needs the row counts on the host; the grouped GEMM above does not.
+    sizes = tokens_per_expert.tolist()
+    tail = x_ND.shape[0] - sum(sizes)  # rows after the last expert's (dropped slots): zeros
+    chunks = torch.split(x_ND, [*sizes, tail])
+    out = [c @ w_EOI[e].T for e, c in enumerate(chunks[:-1])]
+    return torch.cat([*out, x_ND.new_zeros(tail, w_EOI.shape[1])], dim=0)
 
 
 class GroupedExperts(nn.Module):

@@ -34,8 +34,7 @@ class MoE(nn.Module):
         self.keep_mask: KeepMask = local_keep_mask
 
     def capacity(self, route: RouterOutput) -> int:
-        T = int(route.counts_E.sum().item()) // self.cfg.top_k  # tokens of the whole micro-batch
-        return expert_capacity(T, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
+        return expert_capacity(route.num_tokens, self.cfg.num_experts, self.cfg.top_k, self.cfg.capacity_factor)
 
     def capacity_mask(self, route: RouterOutput, batch_shape: tuple[int, int]
                       ) -> tuple[torch.Tensor | None, int | None]:

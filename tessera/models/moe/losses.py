@@ -13,8 +13,10 @@ import torch
 
 
 def tokens_per_expert(indices_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of the T*k routing slots chose each expert: [E] int64."""
-    return torch.bincount(indices_Tk.flatten(), minlength=num_experts)
+    """How many of the T*k routing slots chose each expert: [E] int64 (a scatter-add: `bincount`'s
+    output size depends on the data, which costs a host synchronisation on GPUs)."""
+    flat = indices_Tk.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,

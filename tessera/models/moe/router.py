@@ -38,6 +38,7 @@ class RouterOutput:
     weights_Tk: torch.Tensor  # gate weights, fp32
     counts_E: torch.Tensor  # routing slots per expert over the micro-batch (before capacity drops)
     losses: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted by their coefficients
+    num_tokens: int = 0  # tokens of the whole micro-batch (a Python int: capacity needs no host sync)
 
 
 def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> None:
@@ -90,7 +91,7 @@ class Router(nn.Module):
                     probs.view(B, S, -1), idx_BSk, seq_counts.view(B, -1), seq_len)
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits, num_tokens)
-        return RouterOutput(idx, weights, counts.detach(), losses)
+        return RouterOutput(idx, weights, counts.detach(), losses, num_tokens)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
