@@ -143,3 +143,27 @@ def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
         assert transfers == [torch.Size([6])]  # 3 tokens + 3 finiteness flags
     assert sampled_on and all(t is torch.Tensor for t in sampled_on)
     assert engine.decoder.eager_runs == 5
+
+
+def test_serve_flags_reach_the_engine_config(capsys):
+    from tessera.config.argument_types import OneLineArgumentParser
+    from tessera.infer.command import add_arguments, engine_config
+
+    def parse(*argv):
+        parser = OneLineArgumentParser(prog="tessera serve")
+        add_arguments(parser)
+        return engine_config(parser.parse_args(["model", *argv]))
+
+    default = parse()
+    assert default.enforce_eager is False and default.decode_batch_sizes is None
+    config = parse("--enforce-eager", "--decode-batch-sizes", "4,1,16")
+    assert config.enforce_eager is True and config.decode_batch_sizes == [1, 4, 16]
+    assert parse("--decode-batch-sizes", "none").decode_batch_sizes == []
+    with pytest.raises(SystemExit) as e:
+        parse("--decode-batch-sizes", "0,x")
+    assert e.value.code == 2 and "--decode-batch-sizes" in capsys.readouterr().err
+
+
+def test_enforce_eager_is_an_llm_option(llama):
+    llm = LLM(llama[0], block_size=4, enforce_eager=True)
+    assert llm.engine.config.enforce_eager and not llm.engine.decoder.use_graphs
