@@ -27,7 +27,7 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
-from tessera.infer.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
+from tessera.infer.bucketed_decode import BucketedDecoder, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.detokenizer import IncrementalDetokenizer
 from tessera.infer.device_sampling import SamplingBatch, sample_on_device, tokens_to_host
@@ -82,12 +82,12 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, k)
         self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv, self.device, self.lora)
         sizes = config.decode_batch_sizes
         sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
         self.decoder = None if not sizes else BucketedDecoder(
             model, self.kv, self.device, sizes, self.blocks_per_seq, scratch_block=num_blocks, lora=self.lora,
             use_graphs=not config.enforce_eager)
+        self.runner = ModelRunner(model, self.kv, self.device, self.lora, self.decoder)
         self.proposer = None
         spec = config.speculative
         if spec is not None and spec.method == "prompt_lookup":
@@ -265,7 +265,7 @@ class LLMEngine:
                 tokens = tokens + proposals[seq.request_id].tokens
             slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
             items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
-        logits, offsets = self._forward(items)
+        logits, offsets = self.runner.forward_split(items)
         # rows each completing request samples from: its last computed position (and its proposals)
         spans = [range(o + s.num_tokens - 1, o + len(it.tokens)) if s.completes else range(0)
                  for s, it, o in zip(plan.scheduled, items, offsets)]
@@ -306,31 +306,6 @@ class LLMEngine:
             if not seq.finished:
                 self.blocks.register_computed(seq)
         return outputs
-
-    def _forward(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        """Logits of every computed token, and the row where each item's tokens start. Single-token
-        items (decodes) go through the static-shape decode step, up to its largest bucket; the rest
-        are packed into one ragged batch. Their logits are concatenated (packed rows first)."""
-        decoder = self.decoder
-        single = [i for i, it in enumerate(items) if len(it.tokens) == 1] if decoder is not None else []
-        single = single[:decoder.max_batch] if single else []
-        chosen = set(single)
-        packed = [i for i in range(len(items)) if i not in chosen]
-        offsets, t = [0] * len(items), 0
-        for i in packed:
-            offsets[i] = t
-            t += len(items[i].tokens)
-        for i in single:
-            offsets[i] = t
-            t += 1
-        parts = []
-        if packed:
-            parts.append(self.runner.forward([items[i] for i in packed]))
-        if single:
-            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot)
-                    for i in single]
-            parts.append(decoder.forward(rows)[:len(single)])
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), offsets
 
     @staticmethod
     def _finite_rows(logits_TV: torch.Tensor, spans: list[range]) -> torch.Tensor:
