@@ -50,6 +50,14 @@ def block_buckets(max_blocks: int) -> list[int]:
     return default_batch_buckets(max_blocks)
 
 
+def graph_blocker(cfg) -> str | None:
+    """Why the decode step of a model with config `cfg` cannot be captured in a CUDA graph (None:
+    it can). Dropless MoE layers split the tokens by expert with sizes read on the host."""
+    if cfg.moe is not None:
+        return "MoE layers size their expert groups on the host (a synchronisation a graph cannot hold)"
+    return None
+
+
 @dataclass
 class DecodeRow:
     token: int  # the newest token, the query of this step
@@ -123,6 +131,10 @@ class BucketedDecoder:
         self.block_counts = block_buckets(max_blocks)
         self.scratch_block = scratch_block
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        blocker = graph_blocker(model.cfg)
+        if self.use_graphs and blocker is not None:
+            log.info("the decode step runs eagerly: %s", blocker)
+            self.use_graphs = False
         Bmax, MBmax = self.batch_sizes[-1], self.block_counts[-1]
         long = dict(dtype=torch.long, device=self.device)
         self.ids = torch.zeros(1, Bmax, **long)

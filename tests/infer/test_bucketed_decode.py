@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams, device_sampling
-from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets
+from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_runner import BatchItem
 from tests.infer.tiny_models import hf_greedy, write_model
@@ -91,6 +91,11 @@ def test_moe_model_matches_hf_with_the_bucketed_path(mixtral):
     outs = llm.generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in outs] == _expected(hf, llm, PROMPTS[:3])
     assert llm.engine.decoder.eager_runs > 0
+    assert "MoE" in graph_blocker(llm.engine.cfg)  # eager on CUDA too: expert splits read sizes on the host
+
+
+def test_dense_models_can_be_captured(llama):
+    assert graph_blocker(LLM(llama[0], block_size=4).engine.cfg) is None
 
 
 class HostTransfers(TorchFunctionMode):
