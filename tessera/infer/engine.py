@@ -320,8 +320,8 @@ class LLMEngine:
                       finite_R: torch.Tensor) -> list[int]:
         """Sample the next token of each of `seqs` from its logits row, on the device, then bring
         the tokens and the finiteness flags to the host in one transfer: [tokens..., flags...]."""
-        if not seqs:
-            return tokens_to_host(finite_R)
+        if not seqs:  # nothing samples plainly; a step of prefill chunks only transfers nothing
+            return tokens_to_host(finite_R) if finite_R.numel() else []
         index = torch.tensor(rows).to(logits_TV.device, non_blocking=True)
         batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in seqs], logits_TV.shape[-1],
                                     logits_TV.device)

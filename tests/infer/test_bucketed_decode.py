@@ -172,3 +172,18 @@ def test_serve_flags_reach_the_engine_config(capsys):
 def test_enforce_eager_is_an_llm_option(llama):
     llm = LLM(llama[0], block_size=4, enforce_eager=True)
     assert llm.engine.config.enforce_eager and not llm.engine.decoder.use_graphs
+
+
+def test_chunked_prefill_steps_transfer_nothing_until_they_sample(llama):
+    """A prompt prefilled in chunks under the token budget: the chunks that do not complete it
+    move nothing to the host; the one that does samples with one transfer."""
+    path, _ = llama
+    llm = LLM(path, block_size=4, max_num_batched_tokens=4)
+    engine = llm.engine
+    engine.add_request(llm.tokenizer.encode("a prompt of many characters"), GREEDY)  # 28 tokens: 7 chunks
+    calls = []
+    for _ in range(7):
+        with HostTransfers() as mode:
+            outs = engine.step()
+        calls.append((mode.calls, len(outs)))
+    assert calls == [([], 0)] * 6 + [(["tolist"], 1)]
