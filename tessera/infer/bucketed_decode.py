@@ -165,7 +165,8 @@ class BucketedDecoder:
         slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in rows]
         slots += [scratch * bs] * (B - n)
         lens = [r.position + 1 for r in rows] + [1] * (B - n)
-        tables = [r.block_table[:MB] + [scratch] * (MB - len(r.block_table[:MB])) for r in rows]
+        in_use = [r.block_table[:r.position // bs + 1] for r in rows]  # blocks past these are never read
+        tables = [t + [scratch] * (MB - len(t)) for t in in_use]
         tables += [[scratch] * MB] * (B - n)
         flat = torch.tensor([ids, pos, slots, lens], dtype=torch.long)
         flat_tables = torch.tensor(tables, dtype=torch.long)

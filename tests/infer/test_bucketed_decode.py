@@ -54,6 +54,18 @@ def test_block_table_attention_equals_packed_reference(family, kv_dtype, tmp_pat
     assert got.shape[0] == 4  # padded to the bucket
     torch.testing.assert_close(got[:3], ref, rtol=1e-5, atol=1e-5)
     assert engine.decoder.eager_runs == 1 and engine.decoder.replays == 0  # no graphs on CPU
+    # it reads only the blocks in use: NaN in every other block (the spare ones included) changes nothing
+    bs = engine.kv.block_size
+    in_use = {b for n, t in zip(lengths, tables) for b in t[:n // bs + 1]} | {engine.decoder.scratch_block}
+    unused = torch.tensor([b for b in range(engine.kv.num_blocks) if b not in in_use])
+    slots = (unused[:, None] * bs + torch.arange(bs)).flatten()
+    for cache in (*engine.kv.k, *engine.kv.v):
+        cache[slots] = -1 if cache.dtype == torch.int8 else float("nan")
+    if kv_dtype == "int8":
+        for scale in (*engine.kv.k_scale, *engine.kv.v_scale):
+            scale[slots] = float("nan")
+    again = engine.decoder.forward([DecodeRow(tok, n, t) for tok, n, t in zip(new, lengths, tables)])
+    torch.testing.assert_close(again[:3], ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sizes", [None, [2, 3], [1]])
