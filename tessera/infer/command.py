@@ -20,6 +20,19 @@ from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
+def batch_sizes(text: str) -> list[int]:
+    """`--decode-batch-sizes`: comma-separated positive integers, or 'none' (the empty list)."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 or b > 4096 for b in sizes):
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers in 1..4096 or 'none', got {text!r}")
+    return sizes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options; the CLI shows each one's default (argparse.ArgumentDefaultsHelpFormatter)."""
     p = parser
@@ -72,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules-dir", action="append", default=[], metavar="DIR",
                    help="directory that runtime-loaded adapters must lie in, after resolving symlinks; a "
                         "relative lora_path is looked up inside it (repeatable)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
+    p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
+                   help="batch-size buckets of the static-shape decode step (None: 1,2,4,... up to "
+                        "--max-num-seqs; 'none': decode in the packed step)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
@@ -110,7 +128,7 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         system_prompts=list(args.system_prompt), speculative=spec, quantization=args.quantization,
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
-                        seed=args.seed)
+                        seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes)
 
 
 def _check_server_options(args: argparse.Namespace):

@@ -63,6 +63,10 @@ class EngineConfig:
     merge_lora: list[str] = field(default_factory=list)  # PEFT directories merged into the weights at load
     max_loras: int = 8  # dynamic adapters resident at once
     seed: int = 0  # seed of requests that do not give one
+    # Batch sizes of the static-shape decode step (a step's decodes are padded up to the next one);
+    # None: 1, 2, 4, ... up to max_num_seqs; []: decodes run in the packed step with the prefills.
+    decode_batch_sizes: list[int] | None = None
+    enforce_eager: bool = False  # never capture the decode step in CUDA graphs (no effect on CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -83,6 +87,10 @@ class EngineConfig:
         _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
         _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
               f"at most max_loras={self.max_loras} adapters")
+        if self.decode_batch_sizes is not None:
+            self.decode_batch_sizes = sorted({int(b) for b in self.decode_batch_sizes})
+            _need(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
+                  "must be positive batch sizes (or [] for no static-shape decode step)")
         spec = self.speculative
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",

@@ -5,6 +5,10 @@ chunked prefill and a token budget), lets the speculative proposer guess tokens 
 ones, runs the target model once over the packed batch on the paged KV cache, masks the logits of
 requests under a JSON schema (`structured_output`; these decode without speculation), then samples
 (or verifies the guesses), applies the stop rules and returns each request's new tokens and text.
+Single-token queries (decodes) run through the static-shape decode step (`bucketed_decode`:
+padded to a batch-size bucket, captured in a CUDA graph on the GPU), the rest through the packed
+step; non-speculative sampling happens on the device for the whole step (`device_sampling`), so
+that a decode step moves data to the host once: the new token ids and the finiteness flags.
 Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
 fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
 The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it
@@ -23,8 +27,10 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.bucketed_decode import BucketedDecoder, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.detokenizer import IncrementalDetokenizer
+from tessera.infer.device_sampling import SamplingBatch, sample_on_device, tokens_to_host
 from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
 from tessera.infer.lora import LoRAManager, merge_adapter
 from tessera.infer.metrics import EngineMetrics
@@ -32,7 +38,7 @@ from tessera.infer.model_loading import eos_token_ids, load_model, load_tokenize
 from tessera.infer.model_runner import BatchItem, ModelRunner
 from tessera.infer.quant import quantize_model
 from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
-from tessera.infer.sampling import make_generator, next_token, processed_probs
+from tessera.infer.sampling import make_generator, processed_probs
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
@@ -71,11 +77,17 @@ class LLMEngine:
             raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
                               f"{self.max_model_len} (+{k} speculative) needs {self.blocks_per_seq} blocks of "
                               f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-        self.kv = PagedKVCache(self.cfg, num_blocks, bs, self.dtype, self.device, config.kv_cache_dtype == "int8")
+        # one block more than the block manager hands out: the scratch block of the decode step's padding rows
+        self.kv = PagedKVCache(self.cfg, num_blocks + 1, bs, self.dtype, self.device, config.kv_cache_dtype == "int8")
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, k)
         self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv, self.device, self.lora)
+        sizes = config.decode_batch_sizes
+        sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
+        self.decoder = None if not sizes else BucketedDecoder(
+            model, self.kv, self.device, sizes, self.blocks_per_seq, scratch_block=num_blocks, lora=self.lora,
+            use_graphs=not config.enforce_eager)
+        self.runner = ModelRunner(model, self.kv, self.device, self.lora, self.decoder)
         self.proposer = None
         spec = config.speculative
         if spec is not None and spec.method == "prompt_lookup":
@@ -157,13 +169,14 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ConfigError(f"request_id {request_id!r} is already in use")
-        generator = None
+        generator, seed = None, 0
         if not params.greedy:
-            generator = make_generator(params.seed if params.seed is not None else self._rng.randrange(2**63))
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+            generator = make_generator(seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
                        adapter_key=self.lora.adapters[adapter].key if adapter else b"", stop_ids=frozenset(stop_ids),
-                       grammar=self.grammars.matcher(params.response_format))
+                       grammar=self.grammars.matcher(params.response_format), seed=seed)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self.metrics.prompt_tokens += len(prompt_ids)
@@ -252,25 +265,35 @@ class LLMEngine:
                 tokens = tokens + proposals[seq.request_id].tokens
             slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
             items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
-        logits = self.runner.forward(items)
-        finite = self._finite_sampled_rows(logits, plan.scheduled, items)
-        self._apply_grammars(logits, plan.scheduled, items)
-        offset = 0
-        for s, item in zip(plan.scheduled, items):
-            seq, rows = s.seq, len(item.tokens)
+        logits, offsets = self.runner.forward_split(items)
+        # rows each completing request samples from: its last computed position (and its proposals)
+        spans = [range(o + s.num_tokens - 1, o + len(it.tokens)) if s.completes else range(0)
+                 for s, it, o in zip(plan.scheduled, items, offsets)]
+        finite = self._finite_rows(logits, spans)  # before the grammar masks put -inf in
+        self._apply_grammars(logits, plan.scheduled, spans)
+        plain = [i for i, s in enumerate(plan.scheduled) if s.completes and s.seq.request_id not in proposals]
+        host = self._sample_plain(logits, [plan.scheduled[i].seq for i in plain], [spans[i][-1] for i in plain],
+                                  finite)
+        sampled = dict(zip(plain, host[:len(plain)]))
+        finite_rows = host[len(plain):]
+        flag_at = 0
+        for i, s in enumerate(plan.scheduled):
+            seq, span = s.seq, spans[i]
+            ok = all(finite_rows[flag_at:flag_at + len(span)])
+            flag_at += len(span)
             if not s.completes:
                 seq.num_computed += s.num_tokens
             else:
                 proposal = proposals.get(seq.request_id)
                 try:
-                    if not finite[seq.request_id]:
+                    if not ok:
                         raise FloatingPointError("the model produced inf/NaN logits for this request")
-                    new = self._sample(seq, logits[offset + s.num_tokens - 1:offset + rows], proposal)
+                    new = [sampled[i]] if proposal is None else self._verify(seq, logits[span.start:span.stop],
+                                                                              proposal)
                     if seq.grammar is not None:
                         seq.grammar.advance(new)
                 except Exception as e:  # this request's numbers went wrong: it alone fails
                     outputs.append(self._fail_alone(seq, e))
-                    offset += rows
                     continue
                 seq.num_computed += s.num_tokens + len(new) - 1
                 if proposal is not None:
@@ -282,38 +305,37 @@ class LLMEngine:
                 outputs.append(self._emit(seq, new))
             if not seq.finished:
                 self.blocks.register_computed(seq)
-            offset += rows
         return outputs
 
     @staticmethod
-    def _finite_sampled_rows(logits_TV: torch.Tensor, scheduled: list, items: list[BatchItem]) -> dict[str, bool]:
-        """request id -> whether every logits row it samples from this step is finite (one
-        reduction and one device sync for the whole batch)."""
-        index, owners, offset = [], [], 0
-        for s, item in zip(scheduled, items):
-            if s.completes:
-                span = range(offset + s.num_tokens - 1, offset + len(item.tokens))
-                index.extend(span)
-                owners.extend([s.seq.request_id] * len(span))
-            offset += len(item.tokens)
+    def _finite_rows(logits_TV: torch.Tensor, spans: list[range]) -> torch.Tensor:
+        """[R] int64 on the device, 1 where a sampled logits row is finite (in the order of `spans`)."""
+        index = [r for span in spans for r in span]
         if not index:
-            return {}
-        rows = torch.tensor(index, device=logits_TV.device)
-        flags = torch.isfinite(logits_TV.index_select(0, rows)).all(-1).tolist()
-        out: dict[str, bool] = {}
-        for owner, ok in zip(owners, flags):
-            out[owner] = out.get(owner, True) and ok
-        return out
+            return logits_TV.new_zeros(0, dtype=torch.long)
+        rows = torch.tensor(index).to(logits_TV.device, non_blocking=True)
+        return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long()
 
-    def _apply_grammars(self, logits_TV: torch.Tensor, scheduled: list, items: list[BatchItem]) -> None:
+    def _sample_plain(self, logits_TV: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                      finite_R: torch.Tensor) -> list[int]:
+        """Sample the next token of each of `seqs` from its logits row, on the device, then bring
+        the tokens and the finiteness flags to the host in one transfer: [tokens..., flags...]."""
+        if not seqs:  # nothing samples plainly; a step of prefill chunks only transfers nothing
+            return tokens_to_host(finite_R) if finite_R.numel() else []
+        index = torch.tensor(rows).to(logits_TV.device, non_blocking=True)
+        batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in seqs], logits_TV.shape[-1],
+                                    logits_TV.device)
+        tokens = sample_on_device(logits_TV.index_select(0, index), batch)
+        return tokens_to_host(torch.cat([tokens, finite_R]))
+
+    def _apply_grammars(self, logits_TV: torch.Tensor, scheduled: list, spans: list[range]) -> None:
         """Mask, on the device, the logits row that each sequence with a grammar samples from this
         step (after the finiteness check, which the -inf of the mask would fail)."""
-        rows, grammars, offset = [], [], 0
-        for s, item in zip(scheduled, items):
+        rows, grammars = [], []
+        for s, span in zip(scheduled, spans):
             if s.completes and s.seq.grammar is not None:
-                rows.append(offset + s.num_tokens - 1)
+                rows.append(span[0])
                 grammars.append(s.seq.grammar)
-            offset += len(item.tokens)
         self.grammars.mask_logits(logits_TV, rows, grammars)
 
     def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
@@ -329,10 +351,8 @@ class LLMEngine:
                 self.blocks.cache.forget(b)
         return self._finish(seq, "error", [], f"numerical error: {error}")
 
-    def _sample(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal | None) -> list[int]:
-        """New tokens from the logits of the last computed position (and of each proposed token)."""
-        if proposal is None:
-            return [next_token(rows_MV[-1], seq.params, seq.generator)]
+    def _verify(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal) -> list[int]:
+        """New tokens from the logits of the last computed position and of each proposed token."""
         if seq.params.greedy:
             return verify_greedy(rows_MV.argmax(-1).tolist(), proposal.tokens)
         return verify_sampled(processed_probs(rows_MV, seq.params), proposal.tokens, proposal.probs, seq.generator)

@@ -6,7 +6,8 @@ checked against: the prompt is run once, then each new token costs one position,
 values kept in a cache that plugs into the attention's cache seam
 (`attend(layer_id, q, k, v, scale, window)`). With `use_cache=False` every step recomputes the
 whole prefix, a check of the cache itself. Tokens are picked by the engine's own sampler
-(`tessera.infer.sampling`), so both paths read `SamplingParams` the same way.
+(`tessera.infer.device_sampling`, counter-based seeds), so both paths read `SamplingParams` the
+same way and a seeded request gives the same tokens on both.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.infer.sampling import make_generator, next_token
+from tessera.infer.device_sampling import SamplingBatch, sample_on_device
 from tessera.infer.sampling_params import SamplingParams
 from tessera.models import Transformer
 
@@ -59,7 +60,7 @@ def reference_generate(model: Transformer, prompt_ids: list[int], params: Sampli
         raise ValueError("reference_generate needs at least one prompt token")
     model.eval()
     device = next(model.parameters()).device
-    generator = None if params.greedy else make_generator(params.seed if params.seed is not None else 0)
+    seed = params.seed if params.seed is not None else 0
     stop_ids = set(params.stop_token_ids)
     cache = ConcatKVCache() if use_cache else None
     ids = list(prompt_ids)
@@ -70,7 +71,8 @@ def reference_generate(model: Transformer, prompt_ids: list[int], params: Sampli
         x = torch.tensor([pending if cache is not None else ids], device=device)
         positions = torch.arange(start, start + x.shape[1], device=device)[None]
         logits = model(x, positions=positions, cache=cache).logits[0, -1]
-        token = next_token(logits.cpu(), params, generator)
+        batch = SamplingBatch.build([(params, seed, len(out))], logits.shape[-1], logits.device)
+        token = int(sample_on_device(logits[None], batch)[0])
         out.append(token)
         ids.append(token)
         pending = [token]

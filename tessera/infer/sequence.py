@@ -58,6 +58,7 @@ class Sequence:
     pin_prefix: bool = False  # a system prompt: its full blocks stay cached for good
     stop_ids: frozenset[int] = frozenset()
     grammar: GrammarMatcher | None = None  # structured output: what the next token may be
+    seed: int = 0  # the counter-based sampling seed (device_sampling); the draws of output n use (seed, n)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

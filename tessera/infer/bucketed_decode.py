@@ -1,0 +1,227 @@
+"""The decode step at static shapes: a batch of one-token queries padded to a bucket, with inputs
+in preallocated device tensors that are updated in place, so that the step can be captured once
+per bucket in a CUDA graph and replayed (as vLLM, SGLang and rtp-llm do) instead of launching
+hundreds of small kernels from Python every token.
+
+A bucket is (batch size B, blocks per sequence MB): B is the smallest configured decode batch
+size that holds the step's sequences, MB the smallest power of two (capped at what the longest
+sequence may need) that covers the longest block table. The inputs of a bucket are views of
+buffers allocated once at the largest bucket: token ids, positions, the slot each new key/value
+is written to, block tables and sequence lengths. Padding rows decode token 0 at position 0 into
+a scratch block that no sequence owns; table entries past a sequence's own blocks point at the
+scratch block and are masked out by the sequence's length.
+
+Attention (`BlockTableAttention`, the model's `AttentionCache`) reads only the blocks of the
+sequences' tables, MB of them per row: it gathers their slots into [B, MB * block_size] keys and
+values and runs SDPA with a mask over positions (inside the sequence, inside the sliding window).
+The packed step of `paged_attention.py` is the reference it is tested against.
+
+On CUDA a bucket is captured after a warm-up (three eager runs on a side stream) the first time
+it is used, and replayed from then on; `enforce_eager` keeps every bucket eager. On CPU the same
+static-shape step runs eagerly. Shapes: B rows, H query heads, G stored heads, D head dim,
+MB blocks per row, L = MB * block_size context slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tessera.infer.kv_cache import PagedKVCache
+from tessera.models.transformer import Transformer
+
+log = logging.getLogger("tessera.infer")
+
+
+def default_batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, ... below max_num_seqs, then max_num_seqs itself."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_num_seqs]
+
+
+def block_buckets(max_blocks: int) -> list[int]:
+    """1, 2, 4, ... below max_blocks, then max_blocks (the most one sequence can hold)."""
+    return default_batch_buckets(max_blocks)
+
+
+def graph_blocker(cfg) -> str | None:
+    """Why the decode step of a model with config `cfg` cannot be captured in a CUDA graph (None:
+    it can). Dropless MoE layers split the tokens by expert with sizes read on the host."""
+    if cfg.moe is not None:
+        return "MoE layers size their expert groups on the host (a synchronisation a graph cannot hold)"
+    return None
+
+
+@dataclass
+class DecodeRow:
+    token: int  # the newest token, the query of this step
+    position: int  # its absolute position (= tokens already in the cache)
+    block_table: list[int]  # covers position + 1 tokens (blocks past those are not read)
+    adapter_slot: int = -1
+
+
+class BlockTableAttention:
+    """The `AttentionCache` of one bucket: writes the step's keys/values, then attends each row's
+    query to the blocks of its own table (see the module docstring). Its tensors are views of the
+    decoder's static buffers; `prepare` derives the context slots and masks from them (inside the
+    captured region, so a replay recomputes them from the updated inputs)."""
+
+    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, tables_BM: torch.Tensor, lens_B: torch.Tensor):
+        self.kv, self.slots_B, self.tables_BM, self.lens_B = kv, slots_B, tables_BM, lens_B
+        self.ctx_slots_BL: torch.Tensor | None = None
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    def prepare(self) -> None:
+        bs = self.kv.block_size
+        offsets = torch.arange(bs, device=self.tables_BM.device)
+        self.ctx_slots_BL = (self.tables_BM[:, :, None] * bs + offsets).flatten(1)
+        self.masks = {}
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, L] bool: key j is visible iff j < length and (no window or length-1-j < window)."""
+        if window not in self.masks:
+            k_pos = torch.arange(self.ctx_slots_BL.shape[1], device=self.lens_B.device)
+            lens = self.lens_B[:, None]
+            allowed = k_pos[None, :] < lens
+            if window is not None:
+                allowed &= (lens - 1 - k_pos[None, :]) < window
+            self.masks[window] = allowed[:, None, None, :]
+        return self.masks[window]
+
+    def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor:
+        # the model sees the rows packed as one sequence: [1, H, B, D]
+        self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
+        q_BH1D = q_BHSD.transpose(0, 2)
+        k_BLGD, v_BLGD = self.kv.gather(layer_id, self.ctx_slots_BL, q_BHSD.dtype)
+        gqa = q_BHSD.shape[1] != k_BLGD.shape[2]
+        o_BH1D = F.scaled_dot_product_attention(q_BH1D, k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
+                                                attn_mask=self._mask(window), scale=scale, enable_gqa=gqa)
+        return o_BH1D.transpose(0, 2)
+
+
+class _Bucket:
+    def __init__(self, decoder: BucketedDecoder, B: int, MB: int):
+        d = decoder
+        self.B, self.MB = B, MB
+        self.ids_1B, self.pos_1B = d.ids[:, :B], d.positions[:, :B]
+        self.cache = BlockTableAttention(d.kv, d.slots[:B], d.tables[:B, :MB], d.lens[:B])
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits_BV: torch.Tensor | None = None
+        self.graph_failed = False
+
+    def run(self, model: Transformer) -> torch.Tensor:
+        self.cache.prepare()
+        return model(self.ids_1B, positions=self.pos_1B, cache=self.cache).logits[0]
+
+
+class BucketedDecoder:
+    """Runs decode steps at bucketed static shapes (eagerly, or as CUDA graph replays)."""
+
+    def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device, batch_sizes: list[int],
+                 max_blocks: int, scratch_block: int, lora=None, use_graphs: bool = False):
+        self.model, self.kv, self.device, self.lora = model, kv, torch.device(device), lora
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.block_counts = block_buckets(max_blocks)
+        self.scratch_block = scratch_block
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        blocker = graph_blocker(model.cfg)
+        if self.use_graphs and blocker is not None:
+            log.info("the decode step runs eagerly: %s", blocker)
+            self.use_graphs = False
+        Bmax, MBmax = self.batch_sizes[-1], self.block_counts[-1]
+        long = dict(dtype=torch.long, device=self.device)
+        self.ids = torch.zeros(1, Bmax, **long)
+        self.positions = torch.zeros(1, Bmax, **long)
+        self.slots = torch.zeros(Bmax, **long)
+        self.tables = torch.zeros(Bmax, MBmax, **long)
+        self.lens = torch.ones(Bmax, **long)
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.graph_pool = None
+        self.replays = 0  # steps served by a captured graph
+        self.eager_runs = 0  # steps run eagerly at a bucket's shape
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def bucket_for(self, num_rows: int, max_table: int) -> tuple[int, int]:
+        B = next(b for b in self.batch_sizes if b >= num_rows)
+        MB = next(m for m in self.block_counts if m >= max_table)
+        return B, MB
+
+    def _fill(self, rows: list[DecodeRow], B: int, MB: int) -> None:
+        """Write the step's inputs into the static buffers (one host -> device copy of a packed array)."""
+        bs, scratch = self.kv.block_size, self.scratch_block
+        n = len(rows)
+        ids = [r.token for r in rows] + [0] * (B - n)
+        pos = [r.position for r in rows] + [0] * (B - n)
+        slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in rows]
+        slots += [scratch * bs] * (B - n)
+        lens = [r.position + 1 for r in rows] + [1] * (B - n)
+        in_use = [r.block_table[:r.position // bs + 1] for r in rows]  # blocks past these are never read
+        tables = [t + [scratch] * (MB - len(t)) for t in in_use]
+        tables += [[scratch] * MB] * (B - n)
+        flat = torch.tensor([ids, pos, slots, lens], dtype=torch.long)
+        flat_tables = torch.tensor(tables, dtype=torch.long)
+        if self.device.type == "cuda":
+            flat, flat_tables = flat.pin_memory(), flat_tables.pin_memory()
+        self.ids[0, :B].copy_(flat[0], non_blocking=True)
+        self.positions[0, :B].copy_(flat[1], non_blocking=True)
+        self.slots[:B].copy_(flat[2], non_blocking=True)
+        self.lens[:B].copy_(flat[3], non_blocking=True)
+        self.tables[:B, :MB].copy_(flat_tables, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """Logits [B, V] of the padded bucket; rows len(rows).. are padding."""
+        B, MB = self.bucket_for(len(rows), max(r.position // self.kv.block_size + 1 for r in rows))
+        bucket = self.buckets.get((B, MB))
+        if bucket is None:
+            bucket = self.buckets[(B, MB)] = _Bucket(self, B, MB)
+        self._fill(rows, B, MB)
+        with_lora = any(r.adapter_slot >= 0 for r in rows)
+        if self.use_graphs and not with_lora and not bucket.graph_failed:
+            if bucket.graph is None:
+                self._capture(bucket)
+            if bucket.graph is not None:
+                bucket.graph.replay()
+                self.replays += 1
+                return bucket.logits_BV
+        self.eager_runs += 1
+        if self.lora is not None and with_lora:
+            self.lora.set_batch([(r.adapter_slot, 1) for r in rows] + [(-1, 1)] * (B - len(rows)), self.device)
+        try:
+            return bucket.run(self.model)
+        finally:
+            if self.lora is not None and with_lora:
+                self.lora.clear_batch()
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm the bucket up on a side stream, then capture it. The inputs are already filled, so
+        the warm-up runs compute (and write to the cache) exactly what this step needs; a model
+        that cannot be captured (a host sync inside, say) keeps this bucket eager."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    bucket.run(self.model)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                bucket.logits_BV = bucket.run(self.model)
+            bucket.graph = graph
+        except Exception as e:  # the model cannot run inside a graph: this bucket stays eager
+            log.warning("decode bucket (batch %d, %d blocks) runs eagerly: capture failed: %s",
+                        bucket.B, bucket.MB, e)
+            bucket.graph_failed, bucket.graph, bucket.logits_BV = True, None, None
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,30 @@
+"""bench/gpu_serve.py runs end to end in its small-shape mode on the CPU and prints one JSON object
+(the GPU figures themselves are only ever measured on a GPU, never here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_serve_bench_prints_one_json_object_tiny_on_cpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "bench/gpu_serve.py", "--tiny", "--device", "cpu", "--batches", "1", "4",
+                          "--repeats", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)  # the whole of stdout is the one object
+    assert result["benchmark"] == "gpu_serve" and result["device"] == "cpu" and result["tiny"] is True
+    assert (result["prompt_len"], result["new_tokens"]) == (16, 8)
+    for side in ("llm", "http", "transformers_generate"):
+        for batch in ("1", "4"):
+            figures = result[side][batch]
+            assert figures["tokens_per_s"] > 0 and figures["seconds_median"] > 0
+    assert result["llm"]["eager_bucket_runs"] > 0 and result["llm"]["graph_replays"] == 0  # no graphs on CPU
