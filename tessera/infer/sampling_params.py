@@ -6,7 +6,6 @@ import reprlib
 from dataclasses import dataclass, field
 
 from tessera.config.errors import ConfigError
-from tessera.infer.structured_output import schema_of
 
 # Below this a temperature is a request for greedy decoding that would instead divide the logits
 # by (nearly) zero: in fp32 1e-300 is 0 and logits / 0 are inf/NaN. 0 means greedy.
@@ -72,6 +71,8 @@ class SamplingParams:
         for ok, key, value, allowed in checks:
             if not ok:
                 raise ConfigError(f"{key}={brief(value)} is invalid: {allowed}")
+        from tessera.infer.structured_output import schema_of  # imports torch: not when building --help
+
         schema_of(self.response_format)  # its shape; the schema itself compiles when the request is admitted
 
     @property
