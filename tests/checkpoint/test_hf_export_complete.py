@@ -131,8 +131,8 @@ def test_generate_refuses_a_directory_without_tokenizer(export, tmp_path):
 
 
 def test_converting_an_export_back_records_its_tokenizer(export, tmp_path):
-    from tessera.checkpoint.convert import load_tessera_model
+    from tessera.checkpoint.convert import load_model
 
     convert(export, tmp_path / "back")
-    _, cfg = load_tessera_model(tmp_path / "back")
+    _, cfg = load_model(tmp_path / "back")
     assert cfg.data.tokenizer == str(export.resolve())

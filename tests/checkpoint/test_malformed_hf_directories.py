@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tessera
 from tessera.cli import main
 from tessera.config import get_preset
 from tessera.hf import save_pretrained
 from tessera.models import Transformer
 from tests.checkpoint.read_only_dirs import run_with_read_only
+
+BUNDLED_TOKENIZER = str(Path(tessera.__file__).parent / "assets" / "tokenizer")  # the model dirs here have none
 
 
 def _weights(d):
@@ -74,7 +78,8 @@ def test_malformed_directory_is_one_line(case, good_dir, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(good_dir, model)
     damage(model)
-    for command in (["convert", str(model), str(tmp_path / "out")], ["generate", str(model), "--prompt", "x"]):
+    for command in (["convert", str(model), str(tmp_path / "out")], ["generate", str(model), "--prompt", "x",
+                                                                          "--tokenizer", BUNDLED_TOKENIZER]):
         assert main(command) == 1, case
         err = capsys.readouterr().err
         assert err.startswith(f"tessera {command[0]}: error: ") and err.count("\n") == 1, err
