@@ -39,10 +39,12 @@ def _reference(dataset: str, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("world,parallel", [
     pytest.param(2, TP2, id="tp2"),
     pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2"),
+    pytest.param(2, {"parallel.cp": 2, "parallel.dp_shard": 1}, id="cp2"),  # seq aux loss over the cp group
+    pytest.param(2, {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": "ring"}, id="cp2-ring"),
     pytest.param(2, {**TP2, "parallel.sp": True}, id="tp2-sp", marks=pytest.mark.slow),
     pytest.param(4, {**TP2, "parallel.ep": 2, "parallel.dp_shard": 2}, id="tp2-ep2-fsdp2", marks=pytest.mark.slow),
 ])
-def test_tiny_deepseek_under_tp_trains_like_one_process(world, parallel, small_dataset, tmp_path, tmp_path_factory):
+def test_tiny_deepseek_under_tp_and_cp_trains_like_one_process(world, parallel, small_dataset, tmp_path, tmp_path_factory):
     ref = _reference(small_dataset, tmp_path_factory)
     got = run_ranks(train_on_ranks, world, "deepseek",
                     overrides_for("deepseek", small_dataset, tmp_path, STEPS, **EVAL, **parallel))
