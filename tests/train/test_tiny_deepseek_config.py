@@ -14,7 +14,7 @@ def test_tiny_deepseek_config_trains(small_dataset, tmp_path):
     overrides = [f"run_dir={tmp_path}", f"data.datasets=[{{path: {small_dataset}}}]", "train.steps=12",
                  "train.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "train.log_interval=1",
                  "train.eval_interval=0", "optim.lr=3e-3", "optim.warmup_steps=2", "checkpoint.interval=0",
-                 "log.tensorboard=false", "log.progress_bar=false"]
+                 "log.tensorboard=false", "log.progress_bar=false", "train.device=cpu"]
     cfg = load_config(TINY_DEEPSEEK, overrides)
     moe = cfg.model.moe
     assert cfg.model.mla is not None and moe.score_func == "sigmoid" and moe.expert_bias
