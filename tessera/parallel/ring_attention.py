@@ -84,6 +84,20 @@ def _sum_groups(x_BHCD: torch.Tensor, G: int) -> torch.Tensor:
     return x_BHCD.view(B, G, H // G, C, D).sum(dim=2)
 
 
+def _begin_step(ring: _Ring, kv: torch.Tensor, step: int, q_pos: torch.Tensor, positions_PC: torch.Tensor,
+                window: int | None, trace, phase: str):
+    """Start a ring step: post the transfer of the block held now to the next rank (before any compute
+    on it, so the transfer overlaps that compute), then say which (rows, cols) of the block held now,
+    from rank r - step, this rank's queries see. Returns (incoming, requests, rows, cols, mask)."""
+    incoming, requests = None, []
+    if step < ring.cp - 1:
+        incoming, requests = ring.pass_on(kv, KV_TAG)
+        trace("send", phase, step, 0)
+    src = (ring.rank - step) % ring.cp
+    rows, cols, mask = _visible(q_pos, positions_PC[src], window)
+    return incoming, requests, rows, cols, mask
+
+
 class _RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, window, group, positions_PC, trace):
@@ -95,12 +109,8 @@ class _RingAttentionFunction(torch.autograd.Function):
         lse = q32.new_full((B, H, C), float("-inf"))
         q_pos = positions_PC[ring.rank]
         for step in range(ring.cp):
-            src = (ring.rank - step) % ring.cp
-            requests = []
-            if step < ring.cp - 1:
-                incoming, requests = ring.pass_on(kv, KV_TAG)
-                trace("send", "forward", step, 0)
-            rows, cols, mask = _visible(q_pos, positions_PC[src], window)
+            incoming, requests, rows, cols, mask = _begin_step(ring, kv, step, q_pos, positions_PC, window,
+                                                               trace, "forward")
             if rows.numel():
                 trace("compute", "forward", step, rows.numel() * cols.numel())
                 k_b, v_b = kv.index_select(2, cols).float().split([D, Dv], dim=-1)
@@ -134,13 +144,9 @@ class _RingAttentionFunction(torch.autograd.Function):
         grad_in, grad_requests = None, []  # the accumulator of this step's block, arriving from rank r-1
         q_pos = positions_PC[ring.rank]
         for step in range(ring.cp):
-            src = (ring.rank - step) % ring.cp
-            kv_requests = []
-            if step < ring.cp - 1:
-                incoming, kv_requests = ring.pass_on(kv, KV_TAG)
-                trace("send", "backward", step, 0)
+            incoming, kv_requests, rows, cols, mask = _begin_step(ring, kv, step, q_pos, positions_PC, ctx.window,
+                                                                  trace, "backward")
             grad_b = torch.zeros_like(kv, dtype=torch.float32)
-            rows, cols, mask = _visible(q_pos, positions_PC[src], ctx.window)
             if rows.numel():
                 trace("compute", "backward", step, rows.numel() * cols.numel())
                 k_b, v_b = kv.index_select(2, cols).float().split([D, Dv], dim=-1)
