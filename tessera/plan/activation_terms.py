@@ -15,7 +15,8 @@ Conventions (what "activation bytes" means here):
 - The attention kernel is SDPA's flash/memory-efficient kind: it keeps q, k, v, the output and
   the fp32 log-sum-exp, never the s x s probabilities (Korthikanti's 5as/h term is 0). SDPA's math
   fallback, and sliding-window masks, would keep more.
-- Integers count: token and expert indices are int64, grouped-GEMM offsets int32.
+- Integers count: token and expert indices are int64, grouped-GEMM offsets int32, the
+  capacity's keep mask bool.
 - Three precisions (`ACTIVATION_DTYPES`, activation_dtypes.py): fp32; bf16 (weights and
   activations bf16, as FSDP2's mixed precision runs a model); autocast-bf16 (fp32 weights under
   torch.autocast, the trainer's `train.dtype: bf16`: the residual stream stays fp32, every linear
@@ -56,12 +57,14 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class _Tensor:
-    """A storage flowing through the mirrored forward: key (identity), elements per token, bytes."""
+    """A storage flowing through the mirrored forward: key (identity), elements per token (plus
+    `fixed` per micro-batch), bytes per element."""
 
     key: str
     per_token: float
     itemsize: int
     split: str
+    fixed: float = 0.0
 
 
 class _SavedSet:
@@ -72,10 +75,10 @@ class _SavedSet:
 
     def keep(self, t: _Tensor) -> None:
         if t.key not in self.items:
-            self.items[t.key] = SavedTensor(t.key, t.per_token, t.itemsize, t.split)
+            self.items[t.key] = SavedTensor(t.key, t.per_token, t.itemsize, t.split, t.fixed)
 
     def new(self, key: str, per_token: float, itemsize: int, split: str, fixed: float = 0.0) -> _Tensor:
-        t = _Tensor(key, per_token, itemsize, split)
+        t = _Tensor(key, per_token, itemsize, split, fixed)
         if key not in self.items:
             self.items[key] = SavedTensor(key, per_token, itemsize, split, fixed)
         return t
@@ -173,17 +176,15 @@ def _swiglu(s: _SavedSet, name: str, x: _Tensor, rows: float, h: int, f: int, it
         s.new(f"{name}.{part}", rows * f, itemsize, split_rows)
 
 
-def _routed_rows(cfg: ModelConfig, tokens: int) -> tuple[float, float]:
-    """(kept routing slots, rows the experts compute) per token. Dropless: k and k. With a
-    capacity factor, at most E x capacity slots are kept (the planner assumes no expert is
-    under-filled, so this is an upper bound) and padding makes every expert compute capacity rows."""
+def _expert_rows(cfg: ModelConfig, tokens: int) -> float:
+    """Rows the experts compute, per token. The local dispatcher's shapes never depend on the
+    routing: every one of the k routing slots of a token is a row (a slot dropped by the capacity
+    is a masked zero row after the last expert's), so this is k, or E x capacity / T when padding
+    to capacity, whether or not slots are dropped."""
     e = cfg.moe
-    if e.capacity_factor is None:
-        return float(e.top_k), float(e.top_k)
-    slots = tokens * e.top_k
-    cap = math.ceil(slots / e.num_experts * e.capacity_factor)
-    kept = min(slots, e.num_experts * cap) / tokens
-    return kept, (e.num_experts * cap / tokens if e.pad_to_capacity else kept)
+    if e.capacity_factor is None or not e.pad_to_capacity:
+        return float(e.top_k)
+    return e.num_experts * math.ceil(tokens * e.top_k / e.num_experts * e.capacity_factor) / tokens
 
 
 def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens: int, batch: int) -> None:
@@ -218,29 +219,43 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
     if e.z_loss_coef > 0:
         s.keep(logits)  # logsumexp(logits.float()) keeps its input
         s.new("moe.z_loss.logsumexp", 1, 4, "seq")
-    # Dispatch: a gather of x by token index (then a copy into the padded buffer when padding).
-    # The experts' grouped GEMMs (or their loop fallback) cast their input and weights to the
-    # autocast dtype as nn.Linear would, so they keep what a linear layer keeps (`_linear_input`:
-    # under autocast, w1 and w3 each their own bf16 copy of the fp32 rows) and compute in
-    # dt.compute; `_grouped_mm` applies when the rows are 16-byte aligned in that dtype.
-    kept, rows = _routed_rows(cfg, tokens)
-    s.new("moe.dispatch.token_index", kept, 8, "rep")
-    gathered = _Tensor("moe.dispatch.rows", kept * h, x.itemsize, "rep")
-    if e.capacity_factor is not None and e.pad_to_capacity:
-        s.new("moe.dispatch.padded_row", kept, 8, "rep")
-        s.keep(gathered)  # index_copy into the padded buffer keeps its source
-        gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep")
+    # Dispatch (LocalDispatcher): all T*k routing slots in expert order, a gather of x by token
+    # index (the index is kept, and kept again by the combine's index_add). With a capacity, the
+    # dropped slots' rows are zeroed by a `where` on the bool keep mask (that `where` and the
+    # combine's keep the mask, one storage); padding then copies the rows into an [E*capacity + 1, D] buffer (the
+    # last row a scratch row for dropped slots) whose first E*capacity rows the experts take, a
+    # view that keeps the whole storage. The experts' grouped GEMMs (or their loop fallback) cast
+    # their input and weights to the autocast dtype as nn.Linear would, so they keep what a linear
+    # layer keeps (`_linear_input`: under autocast, w1 and w3 each their own bf16 copy of the fp32
+    # rows, without the scratch row) and compute in dt.compute; `_grouped_mm` applies when the
+    # rows are 16-byte aligned in that dtype.
+    capacity, padded = e.capacity_factor is not None, e.capacity_factor is not None and e.pad_to_capacity
+    rows = _expert_rows(cfg, tokens)
+    s.new("moe.dispatch.token_index", k, 8, "rep")
+    gathered = _Tensor("moe.dispatch.rows", k * h, x.itemsize, "rep")
+    if capacity:
+        s.new("moe.dispatch.keep_mask", k, 1, "rep")
+    if padded:
+        s.new("moe.dispatch.padded_row", k, 8, "rep")  # index_copy keeps its index and source
+        s.keep(gathered)
+        gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep", fixed=h)
     grouped = e.grouped_gemm and (h * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
     if grouped:
         for name in ("w1", "w3", "w2"):
             s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=E)
     _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, dt.compute, dt)
-    # Combine, on the experts' output y (dt.compute): y.float() * gate (keeps both; y.float() is y
-    # itself when y is fp32), cast back to y's dtype, index_add (keeps its source).
-    s.new("moe.combine.slot_index", kept, 8, "rep")
-    s.new("moe.combine.y_fp32", kept * h, 4, "rep")
-    s.new("moe.combine.gate", kept, 4, "rep")
-    s.new("moe.combine.weighted", kept * h, dt.compute, "rep")
+    # Combine, on the experts' output y (dt.compute): when padded, a gather of the slots' rows
+    # (keeps its own index: the padded row, 0 for dropped slots); with a capacity, a `where` that
+    # zeroes the dropped slots' rows (keeps only the mask, counted above); the gate weights
+    # gathered by slot index (keeps it); y.float() * gate (keeps both; y.float() is y itself when
+    # y is fp32), cast back to y's dtype; index_add by token index (keeps its source, and the
+    # index counted above).
+    if padded:
+        s.new("moe.combine.padded_row", k, 8, "rep")
+    s.new("moe.combine.slot_index", k, 8, "rep")
+    s.new("moe.combine.y_fp32", k * h, 4, "rep")
+    s.new("moe.combine.gate", k, 4, "rep")
+    s.new("moe.combine.weighted", k * h, dt.compute, "rep")
     if e.shared_ffn_dim > 0:
         _swiglu(s, "moe.shared", x, 1, h, e.shared_ffn_dim, dt.compute, dt)
         if e.shared_expert_gate:

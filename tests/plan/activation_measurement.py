@@ -55,9 +55,10 @@ def build_model(cfg: ModelConfig, dtype: str, recompute: str = "none") -> Transf
 
 
 def measure_activation_bytes(cfg: ModelConfig, dtype: str, recompute: str = "none", batch: int = 2,
-                             seq: int = 64) -> SavedTensorCounter:
-    """Forward + loss under the counter; returns it (its `total_bytes` is what backward would use)."""
-    model = build_model(cfg, dtype, recompute)
+                             seq: int = 64, model: Transformer | None = None) -> SavedTensorCounter:
+    """Forward + loss under the counter; returns it (its `total_bytes` is what backward would use).
+    `model`: one `build_model(cfg, dtype, recompute)` made (to watch it), else a new one."""
+    model = build_model(cfg, dtype, recompute) if model is None else model
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
