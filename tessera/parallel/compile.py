@@ -14,14 +14,13 @@ checkpoints and HF adapters see the same model.
 
 A dense block traces as one graph (tests/parallel/test_compile.py checks it with `fullgraph=True`);
 it is compiled without `fullgraph`, so that a break some other model family may add costs speed,
-not the run. An MoE block compiles only its attention half: its MoE layer does not trace as one
-graph today, because
-  - routing counts use `torch.bincount` (`tessera.models.moe.losses.tokens_per_expert`, called by
-    the router, and `LocalDispatcher.dispatch`), whose output shape depends on the data: a graph
-    break at each call;
-  - the fake-tensor (meta) rule of `torch._grouped_mm` accepts only bf16 inputs, so an fp32 MoE
-    layer (the CPU default) fails to trace at all, although the eager CPU kernel takes fp32.
-The routing, dispatch and grouped expert GEMMs therefore run eagerly, between compiled regions.
+not the run. An MoE block compiles only its attention half. In bf16 its MoE layer now traces as
+one graph (the local dispatch has fixed shapes: no `bincount`, no host reads; the test checks
+it), but the fake-tensor (meta) rule of `torch._grouped_mm` accepts only bf16 inputs, so an fp32
+MoE layer (the CPU default) fails to trace at all, although the eager CPU kernel takes fp32; the
+expert-parallel dispatchers also read split sizes on the host. The routing, dispatch and grouped
+expert GEMMs therefore run eagerly, between compiled regions; compiling whole MoE blocks in bf16
+on one rank is the next step, to be measured on a GPU.
 
 Tensor parallelism is not compiled yet: with DTensor-sharded projections inside a compiled block,
 backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Tensor' object has

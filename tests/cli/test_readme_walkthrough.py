@@ -37,8 +37,10 @@ TESSERA = ".venv/bin/tessera"
 NOT_RUN = ("make", "torchrun", "sbatch")
 SMALL_MODEL = {"train.steps": 2, "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128,
                "model.max_seq_len": 64, "train.seq_len": 32, "train.eval_steps": 1, "log.tensorboard": "false",
-               "log.progress_bar": "false", "checkpoint.interval": 0}
+               "log.progress_bar": "false", "checkpoint.interval": 0, "train.device": "cpu"}
 SMALL_MOE = {"model.moe.ffn_dim": 32}
+# MLA has no kv-head count (n_kv_heads stays n_heads); the shared expert shrinks with the routed ones
+SMALL_DEEPSEEK = {"model.moe.ffn_dim": 32, "model.moe.shared_ffn_dim": 32, "model.n_kv_heads": 4}
 
 
 def readme_commands(text: str) -> list[str]:
@@ -64,6 +66,8 @@ def _train_overrides(words: list[str], dataset: str) -> list[str]:
     values = dict(SMALL_MODEL)
     if "tiny-moe" in words[2]:
         values.update(SMALL_MOE)
+    if "tiny-deepseek" in words[2]:
+        values.update(SMALL_DEEPSEEK)
     if not any(w.startswith("data.datasets=") for w in words):
         values["data.datasets"] = f"[{{path: {dataset}}}]"
     return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
