@@ -104,10 +104,13 @@ def gate_and_sum(y_ND: torch.Tensor, weights_Tk: torch.Tensor, ctx: DispatchCont
     """Weight every expert output row by its gate and add it to its token's output row: [T, D]."""
     if ctx.row_of_N is not None:
         y_ND = y_ND.index_select(0, ctx.row_of_N)
+    if ctx.keep_N is not None:
+        # Dropped slots' rows hold no expert output: whatever memory the grouped GEMM left there,
+        # maybe not finite. They are zeroed before the gate multiplies them, whose backward reads
+        # them for the gate's gradient (0 * NaN would be NaN; 0 * 0 is 0).
+        y_ND = torch.where(ctx.keep_N[:, None], y_ND, 0)
     gate_N = weights_Tk.flatten()[ctx.slot_index_N]
     y_ND = (y_ND.float() * gate_N[:, None]).to(y_ND.dtype)
-    if ctx.keep_N is not None:  # dropped slots' rows hold no expert output (maybe not even finite)
-        y_ND = torch.where(ctx.keep_N[:, None], y_ND, 0)
     return y_ND.new_zeros(ctx.num_tokens, y_ND.shape[1]).index_add(0, ctx.token_index_N, y_ND)
 
 

@@ -2,6 +2,9 @@
 
 The tokens arrive sorted by expert, `tokens_per_expert[e]` rows each; rows after the last
 expert's (slots dropped by a capacity, kept in place so shapes stay fixed) belong to no expert.
+`torch._grouped_mm` never writes those rows, in its output or in its input's gradient: they hold
+whatever the memory held, maybe NaN, and the dispatcher masks them (`where`, before anything
+multiplies them) on the way in and on the way out.
 `torch._grouped_mm` runs all experts' matrix products in one call when its layout rules hold
 (int32 offsets; every row stride a multiple of 16 bytes); otherwise an equivalent loop over
 experts does the same arithmetic.

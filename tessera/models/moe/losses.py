@@ -32,10 +32,11 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
 
 
 def tokens_per_expert_per_sequence(indices_BSk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many of each sequence's S*k routing slots chose each expert: [B, E] int64."""
+    """How many of each sequence's S*k routing slots chose each expert: [B, E] int64 (a
+    scatter-add, like `tokens_per_expert`)."""
     B = indices_BSk.shape[0]
-    offsets = torch.arange(B, device=indices_BSk.device).view(B, 1, 1) * num_experts
-    return torch.bincount((indices_BSk + offsets).flatten(), minlength=B * num_experts).view(B, num_experts)
+    return torch.zeros(B, num_experts, dtype=torch.int64, device=indices_BSk.device).scatter_add_(
+        1, indices_BSk.reshape(B, -1), torch.ones_like(indices_BSk).reshape(B, -1))
 
 
 def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSk: torch.Tensor,
