@@ -37,6 +37,8 @@ EVAL = {"train.eval_interval": STEPS, "data.valid_fraction": 0.2, "train.eval_st
     # experts split over ep=2 and reduced over their expert-data-parallel peers (dp_replicate=2)
     pytest.param("moe", 4, {**REPLICATE2, "parallel.dp_shard": 2, "parallel.ep": 2}, id="moe-replicate2-ep2"),
     pytest.param("moe", 2, {**DISTRIBUTED, "parallel.cp": 2, "parallel.dp_shard": 1}, id="moe-cp2"),
+    pytest.param("moe", 2, {**DISTRIBUTED, "parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": "ring"},
+                 id="moe-cp2-ring"),
     # pipeline stages: one optimizer per stage part, reduce-scatters after the schedule
     pytest.param("dense", 4, {**REPLICATE2, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"},
                  id="dense-pp2-replicate2"),
