@@ -17,6 +17,9 @@ import os
 # CUDA availability checks through NVML, which does not initialise CUDA in this process
 # (torch.cuda.is_available() otherwise creates a driver context that forked children inherit).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# torch.compile in this process compiles in it: no inductor worker pool that forked ranks would
+# inherit without its threads (a job handed to it there never finishes).
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -86,6 +86,7 @@ def _fork_rank(workdir: str, rank: int, world_size: int, timeout_s: float, fn, a
     pid = os.fork()
     if pid != 0:
         return pid
+    _compile_in_this_process()
     code = 1
     try:
         code = _rank_main(workdir, rank, world_size, timeout_s, fn, args, kwargs)
@@ -93,6 +94,16 @@ def _fork_rank(workdir: str, rank: int, world_size: int, timeout_s: float, fn, a
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # never return into the parent's code (pytest) in the child
+
+
+def _compile_in_this_process() -> None:
+    """torch.compile in a forked rank compiles in the rank itself: the parent's inductor worker pool
+    (threads or processes started before the fork) does not exist in the child, so a job handed to
+    it would never finish and the rank would hang until its deadline."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.compile_threads = 1
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 
 def _failure_time(workdir: str, rank: int) -> int:
