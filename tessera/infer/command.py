@@ -33,6 +33,15 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+# train.dtype's names for the same dtypes, so one spelling works for every command
+TRAIN_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def serve_dtype(name: str) -> str:
+    """`--dtype`: torch's names, or train.dtype's (fp32, bf16, fp16)."""
+    return TRAIN_DTYPE_NAMES.get(name, name)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options; the CLI shows each one's default (argparse.ArgumentDefaultsHelpFormatter)."""
     p = parser
@@ -52,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the `model` clients send (None: MODEL_DIR as given; its absolute path and base name "
                         "are accepted too)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the weights and activations")
+    p.add_argument("--dtype", default="float32", type=serve_dtype,
+                   choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the weights and activations (fp32, bf16, fp16 as in train.dtype are accepted)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda when available, else cpu), cpu, cuda or cuda:N; as train.device")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

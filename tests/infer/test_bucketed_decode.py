@@ -179,6 +179,11 @@ def test_serve_flags_reach_the_engine_config(capsys):
     with pytest.raises(SystemExit) as e:
         parse("--decode-batch-sizes", "0,x")
     assert e.value.code == 2 and "--decode-batch-sizes" in capsys.readouterr().err
+    # --dtype takes train.dtype's spelling too, so one name works for train, convert and serve
+    assert [parse("--dtype", d).dtype for d in ("bf16", "fp32", "fp16", "bfloat16")] == \
+        ["bfloat16", "float32", "float16", "bfloat16"]
+    with pytest.raises(SystemExit):
+        parse("--dtype", "int4")
 
 
 def test_enforce_eager_is_an_llm_option(llama):
