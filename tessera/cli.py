@@ -200,17 +200,9 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
-    """The flags as the engine's `SamplingParams`, refusing bad values by their flag names."""
+    """The flags (already checked by their argparse types) as the engine's `SamplingParams`."""
     from tessera.infer.sampling_params import SamplingParams
 
-    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, "must be >= 0"),
-              ("--temperature", args.temperature, 0 <= args.temperature <= 100, "must be in [0, 100] (0 = greedy)"),
-              ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, "must be >= 0 (0 = no limit)"),
-              ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "must be in (0, 1]"),
-              ("--seed", args.seed, args.seed is None or 0 <= args.seed < 2**63, "must be in [0, 2^63)")]
-    for flag, value, ok, allowed in checks:
-        if not ok:
-            raise ConfigError(f"{flag}={value} is invalid: {allowed}")
     return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
                           top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
                           stop_token_ids=stop_ids)
@@ -219,8 +211,6 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
 def _generate(args: argparse.Namespace) -> int:
     """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
     from tessera.checkpoint.convert import is_hf_directory, load_model
-
-    _sampling_params(args, 1, [])  # flags first: a bad value is refused before any weights load
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate

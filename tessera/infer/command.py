@@ -147,8 +147,6 @@ def _check_server_options(args: argparse.Namespace):
     from tessera.infer.http_guards import allowed_hosts, check_api_key
 
     check_api_key(args.api_key)
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port} is invalid: must be in 0..65535")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
     if args.allow_runtime_lora and not args.lora_modules_dir:

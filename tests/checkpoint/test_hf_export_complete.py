@@ -10,7 +10,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from tessera.checkpoint.convert import convert
 from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
 from tessera.train.trainer import Trainer
-from tests.infer.running_server import free_port
+from tests.infer.running_server import free_port, wait_until_serving
 from tests.train.runs import ROOT, TINY_DENSE, shrink
 
 
@@ -86,16 +85,7 @@ def test_serve_answers_a_text_prompt_on_the_export(export):
     proc = _serve(export, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         body = {"model": str(export), "prompt": "def main(", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

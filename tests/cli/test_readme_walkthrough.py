@@ -24,13 +24,11 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from tessera.cli import main
-from tests.infer.running_server import free_port
+from tests.infer.running_server import free_port, wait_until_serving
 from tests.train.runs import ROOT, build_small_dataset
 
 TESSERA = ".venv/bin/tessera"
@@ -73,19 +71,6 @@ def _train_overrides(words: list[str], dataset: str) -> list[str]:
     return [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
 
 
-def _wait_until_serving(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "tessera serve did not come up"
-        time.sleep(0.2)
-
-
 def test_readme_commands_find_their_runner():
     commands = readme_commands((ROOT / "README.md").read_text())
     assert len(commands) >= 15
@@ -114,7 +99,7 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
                 continue
             if words[0] == "curl":
                 assert server is not None, "curl before tessera serve"
-                _wait_until_serving(server, port)
+                wait_until_serving(server, f"http://127.0.0.1:{port}", timeout=120)
                 out = subprocess.run(words, capture_output=True, text=True, timeout=120)
                 assert out.returncode == 0, (command, out.stderr)
                 answer = json.loads(out.stdout)

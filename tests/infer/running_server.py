@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from tessera.infer.engine import LLMEngine
@@ -17,6 +19,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
+    """Wait for a `tessera serve` process started with stdout piped to answer `url`/health; fail
+    with its output if it exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            out = proc.stdout.read()
+            raise AssertionError(out.decode() if isinstance(out, bytes) else out)
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
 
 
 class RunningServer:

@@ -2,12 +2,11 @@
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.infer.running_server import free_port
+from tests.infer.running_server import free_port, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
 
@@ -21,16 +20,7 @@ def test_serve_command_answers_the_contract(llama):
                                                                                    "PATH": "/usr/bin:/bin"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, url)
         for model in (str(path), path.name):
             body = {"model": model, "prompt": "contract", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             r = httpx.post(url + "/v1/completions", json=body, timeout=60)

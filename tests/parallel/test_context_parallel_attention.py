@@ -27,12 +27,18 @@ CASES = {
 }
 
 
-def _tensors(name: str):
-    H, G, D, Dv, _, _ = CASES[name]
+def case_tensors(name: str, cases: dict) -> tuple[torch.Tensor, ...]:
+    """q, k, v and an upstream gradient of attention case `name` of `cases` (H, G, D, Dv, ...),
+    seeded by the name: the same tensors on every rank."""
+    H, G, D, Dv = cases[name][:4]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     q, k = torch.randn(B, H, S, D, generator=gen), torch.randn(B, G, S, D, generator=gen)
     v, g = torch.randn(B, G, S, Dv, generator=gen), torch.randn(B, H, S, Dv, generator=gen)
     return q, k, v, g
+
+
+def _tensors(name: str):
+    return case_tensors(name, CASES)
 
 
 def _on_rank() -> dict:

@@ -14,6 +14,7 @@ from tessera.models.attention import causal_attention
 from tessera.parallel.context_parallel import ChunkPositions, ContextParallelAttention
 from tessera.parallel.sequence_layout import all_rank_positions, rank_positions, take_rank_tokens, to_sequence_order
 from tessera.parallel.testing import run_ranks
+from tests.parallel.test_context_parallel_attention import case_tensors
 
 B, S = 2, 16
 # name: (query heads, kv heads, qk head dim, v head dim, sliding window, method)
@@ -27,11 +28,7 @@ CASES = {
 
 
 def _tensors(name: str):
-    H, G, D, Dv, _, _ = CASES[name]
-    gen = torch.Generator().manual_seed(sum(map(ord, name)))
-    q, k = torch.randn(B, H, S, D, generator=gen), torch.randn(B, G, S, D, generator=gen)
-    v, g = torch.randn(B, G, S, Dv, generator=gen), torch.randn(B, H, S, Dv, generator=gen)
-    return q, k, v, g
+    return case_tensors(name, CASES)
 
 
 def _on_rank() -> dict:

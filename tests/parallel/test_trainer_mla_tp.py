@@ -44,7 +44,8 @@ def _reference(dataset: str, tmp_path_factory) -> dict:
     pytest.param(2, {**TP2, "parallel.sp": True}, id="tp2-sp", marks=pytest.mark.slow),
     pytest.param(4, {**TP2, "parallel.ep": 2, "parallel.dp_shard": 2}, id="tp2-ep2-fsdp2", marks=pytest.mark.slow),
 ])
-def test_tiny_deepseek_under_tp_and_cp_trains_like_one_process(world, parallel, small_dataset, tmp_path, tmp_path_factory):
+def test_tiny_deepseek_under_tp_and_cp_trains_like_one_process(world, parallel, small_dataset, tmp_path,
+                                                              tmp_path_factory):
     ref = _reference(small_dataset, tmp_path_factory)
     got = run_ranks(train_on_ranks, world, "deepseek",
                     overrides_for("deepseek", small_dataset, tmp_path, STEPS, **EVAL, **parallel))
