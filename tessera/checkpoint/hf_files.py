@@ -110,12 +110,16 @@ class SafetensorsDir:
     def keys(self) -> set[str]:
         return set(self.files)
 
-    def get(self, key: str) -> torch.Tensor:
-        f = self.files[key]
+    def handle(self, f: Path):
+        """The open safetensors file `f` (opened once)."""
         if f not in self._open:
             self._open[f] = _open(f)
+        return self._open[f]
+
+    def get(self, key: str) -> torch.Tensor:
+        f = self.files[key]
         try:
-            t = self._open[f].get_tensor(key)
+            t = self.handle(f).get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{str(f)!r}: cannot read tensor {key!r} ({e}); the file may be damaged") from e
         if not t.is_floating_point():

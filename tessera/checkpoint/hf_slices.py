@@ -1,0 +1,89 @@
+"""Reading from a HuggingFace directory only the part of each tensor that one rank owns.
+
+A parallelized model's parameter is a DTensor: its global shape is the whole tensor's, and the
+rank holds one box of it (an offset and a size per dimension; tensor, expert and data parallelism
+all cut contiguous boxes, nested cuts included). `local_box(t)` is that box (the whole tensor for
+a plain tensor), the same box `torch.distributed.checkpoint` records for the shard.
+`HFSliceReader.read(key, offsets, sizes)` reads exactly that box of the Tessera tensor `key` from
+the safetensors files, with safetensors' lazy `get_slice`:
+
+    reader = HFSliceReader(hf_dir, cfg)
+    for name, p in part.named_parameters():
+        offsets, sizes = local_box(p)
+        local = reader.read(name, offsets, sizes, dtype=torch.float32)
+
+Names follow `hf_weights.hf_names`; routed experts are E HuggingFace tensors stacked as one
+[E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
+tensors, each cut to the box's other dimensions. `bytes_read` counts the bytes of every box read
+(what this rank took from the files), which is how a test proves a rank read about its share.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from tessera.checkpoint.hf_files import SafetensorsDir
+from tessera.checkpoint.hf_weights import hf_names
+from tessera.config.errors import CheckpointError
+from tessera.config.model import ModelConfig
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local sizes) of the part of `t` this rank holds: a DTensor's local shard
+    (any placements DCP can save), or the whole of a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+class HFSliceReader:
+    """Boxes of Tessera tensors read from the safetensors of HuggingFace directory `path`."""
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig):
+        self.path = Path(path)
+        self.names = hf_names(cfg)
+        self.files = SafetensorsDir(self.path)
+        self.bytes_read = 0
+
+    def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        f = self.files.files[hf_key]
+        handle = self.files.handle(f)
+        try:
+            view = handle.get_slice(hf_key)
+            shape = tuple(view.get_shape())
+            if len(shape) != len(sizes) or any(o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)):
+                raise CheckpointError(f"{str(f)!r}: tensor {hf_key!r} has shape {shape}; the model needs the box "
+                                      f"at {offsets} of size {sizes} of it (does config.json match the weights?)")
+            t = view[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_key!r} ({e}); the file may be damaged") from e
+        if not t.is_floating_point():
+            raise CheckpointError(f"{str(f)!r}: tensor {hf_key!r} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                                  "model weights must be floating point (float32, bfloat16, float16)")
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The box (`offsets`, `sizes`) of Tessera tensor `key`, in `dtype` (default: as stored)."""
+        if key not in self.names:
+            raise CheckpointError(f"{self.path}: the model has a tensor {key!r} that no HuggingFace tensor maps to")
+        hf_keys = self.names[key]
+        if len(hf_keys) == 1:
+            t = self._slice(hf_keys[0], offsets, sizes)
+        else:  # routed experts: one HF tensor per expert along dim 0
+            first, count = offsets[0], sizes[0]
+            if first + count > len(hf_keys):
+                raise CheckpointError(f"{self.path}: {key!r} needs experts [{first}, {first + count}) but the "
+                                      f"checkpoint maps {len(hf_keys)}")
+            t = torch.stack([self._slice(hf_keys[j], offsets[1:], sizes[1:]) for j in range(first, first + count)])
+        return t if dtype is None else t.to(dtype)
