@@ -106,8 +106,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
             tokenizer: str | os.PathLike | None = None) -> tuple[str, Path]:
     """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
 
-    Tessera -> HF writes the tokenizer with the weights: `tokenizer` when given, else the run's
-    `data.tokenizer` (the bundled one when that is unset). HF -> Tessera records the tokenizer
+    Tessera -> HF reads a checkpoint saved under any parallel layout one shard file at a time
+    (hf_export.py) and writes the tokenizer with the weights: `tokenizer` when given, else the
+    run's `data.tokenizer` (the bundled one when that is unset). HF -> Tessera records the tokenizer
     (`tokenizer`, else the HF directory's own when it has one) as the checkpoint's data.tokenizer.
     Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
     """
@@ -130,14 +131,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
         own = Path(src) / "tokenizer.json"
         source = tokenizer or (str(Path(src).resolve()) if own.is_file() else None)
         return "tessera", save_model_checkpoint(model, dst, tokenizer=None if source is None else str(source))
-    from tessera.checkpoint.hf import save_pretrained
+    from tessera.checkpoint.hf_export import export_checkpoint_to_hf
 
-    model, run_cfg = load_model(src)
-    source = tokenizer or (run_cfg.data.tokenizer if run_cfg is not None else None) or "default"
-    try:
-        save_pretrained(model.to(DTYPES[dtype]), dst, tokenizer=source)
-    except OSError as e:  # a full disk, a read-only file system: the export is removed, dst untouched
-        raise CheckpointError(f"convert: cannot write {str(dst)!r}: {e.strerror or e}") from e
+    found = ckpt.resolve_checkpoint(src)  # saved under any layout; read one shard file at a time
+    source = tokenizer or checkpoint_run_config(found).data.tokenizer or "default"
+    export_checkpoint_to_hf(found, dst, dtype=DTYPES[dtype], tokenizer=source)
     return "huggingface", Path(dst)
 
 

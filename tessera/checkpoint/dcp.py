@@ -43,12 +43,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.checkpoint.checksums import FILES_KEY, digest_rank_files, file_digest, verify_files
-from tessera.checkpoint.dcp_reader import DCP_METADATA, SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from tessera.checkpoint.dcp_reader import (
+    DCP_METADATA,
+    BoxLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+)
 from tessera.config.errors import CheckpointError
 
 LATEST = "latest"
@@ -357,10 +364,24 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced).
 
     Nothing in the files is unpickled beyond plain data (dcp_reader.py)."""
+    _load(path, state, SafeLoadPlanner(), no_dist=False)
+
+
+def load_boxes(path: str | os.PathLike, boxes: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    """For each stored key, copy the box of its tensor that starts at the given offsets and has the
+    given tensor's shape into that tensor (cast to its dtype), whatever layout saved it.
+
+    This process alone reads, even when it belongs to a process group (the other ranks need not
+    take part), and only the stored shards that overlap a box."""
+    planner = BoxLoadPlanner({key: offsets for key, (offsets, _) in boxes.items()})
+    _load(path, {key: t for key, (_, t) in boxes.items()}, planner, no_dist=True)
+
+
+def _load(path: str | os.PathLike, state: dict[str, Any], planner: SafeLoadPlanner, no_dist: bool) -> None:
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)),
-                     planner=SafeLoadPlanner())
+                     planner=planner, no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException

@@ -5,7 +5,9 @@ load planner reads non-tensor items with `torch.load(weights_only=False)`: eithe
 code a crafted file names. `SafeFileSystemReader` reads `.metadata` with the restricted unpickler
 (`restricted_unpickle.py`) and checks that every data file it names is a plain file inside the
 checkpoint directory; `SafeLoadPlanner` reads non-tensor items with `torch.load(weights_only=True)`.
-Tensor data was already read with `weights_only=True` by torch itself.
+Tensor data was already read with `weights_only=True` by torch itself. `BoxLoadPlanner` reads a box
+(offsets and a shape) of a stored tensor into a plain tensor, in one process, whatever ranks and
+shards wrote it: one expert of a stacked [E, out, in] weight, for example.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tessera.checkpoint.restricted_unpickle import restricted_load
 from tessera.config.errors import CheckpointError
@@ -80,3 +90,31 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+class BoxLoadPlanner(SafeLoadPlanner):
+    """Loads into each tensor of a flat state dict {stored key: tensor} the box of the stored tensor
+    that starts at `offsets[key]` and has the tensor's shape. DCP's resharding reads the parts of
+    every stored shard that overlap the box, so a box can span the shards of several ranks."""
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, tensor in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"the checkpoint holds no tensor {key!r}")
+            start = tuple(self.offsets[key])
+            if len(start) != len(md.size) or any(
+                    o < 0 or o + n > m for o, n, m in zip(start, tensor.shape, md.size, strict=True)):
+                raise CheckpointError(f"box {list(start)} + {list(tensor.shape)} lies outside {key!r} of shape "
+                                      f"{list(md.size)}")
+            box = ChunkStorageMetadata(offsets=torch.Size(start), sizes=tensor.size())
+            requests += create_read_items_for_chunk_list(key, md, [box])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]

@@ -11,38 +11,21 @@ key and both shapes.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tessera.checkpoint.hf_config import config_from_hf, config_to_hf
-from tessera.checkpoint.hf_files import INDEX, SafetensorsDir, check_config_fields, read_json_object
-from tessera.checkpoint.hf_tokenizer import (
-    TOKENIZER_FILES,
-    check_vocabulary,
-    resolve_tokenizer,
-    special_token_ids,
-    write_tokenizer_files,
-)
-from tessera.checkpoint.hf_weights import check_exportable, hf_names
+from tessera.checkpoint.hf_config import config_from_hf
+from tessera.checkpoint.hf_files import SafetensorsDir, check_config_fields, read_json_object
+from tessera.checkpoint.hf_weights import hf_names
+from tessera.checkpoint.hf_writer import first_keys, write_hf_directory
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import ModelConfig
 from tessera.models.transformer import Transformer
 
-_INDEX = INDEX
 # HuggingFace-side keys that carry no weights Tessera needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _first(keys: list[str] | set[str], n: int = 5) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
@@ -76,9 +59,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         available.discard("lm_head.weight")
     missing, unexpected = needed - available, available - needed
     if missing:
-        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.family}: {_first(missing)}")
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.family}: {first_keys(missing)}")
     if unexpected:
-        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.family}: {_first(unexpected)}")
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.family}: "
+                              f"{first_keys(unexpected)}")
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
     expected = {k: v for k, v in list(model.named_parameters()) + list(model.named_buffers())}
@@ -97,15 +81,14 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
-def _hf_state(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    state = model.state_dict()
+def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's tensors under their HuggingFace names, in model order (routed experts split)."""
+    state, out = model.state_dict(), {}
     for key, hf_keys in hf_names(model.cfg).items():
         t = state[key].detach().cpu()
-        if len(hf_keys) == 1:
-            yield hf_keys[0], t.contiguous()
-        else:
-            for h, part in zip(hf_keys, t.unbind(0), strict=True):
-                yield h, part.contiguous()
+        parts = [t] if len(hf_keys) == 1 else t.unbind(0)
+        out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
+    return out
 
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
@@ -116,72 +99,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes
     files, special-token ids and chat template (hf_tokenizer.py), so that `AutoTokenizer` and
     `tessera serve` read the directory alone. Written to a temporary directory beside `path` and
     renamed into place, so a failed save leaves any earlier `path` intact; the directory and its
-    files get the permissions the process's umask gives ordinary files."""
-    path = Path(path)
-    cfg = model.cfg
-    check_exportable(cfg)
-    tok = resolve_tokenizer(tokenizer)
-    if tok is not None:
-        check_vocabulary(tok, cfg.vocab_size)
-    hf_cfg = config_to_hf(cfg) | special_token_ids(tok)
-    dtype = next(model.parameters()).dtype
-    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, t in _hf_state(model):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if path.exists():
-        foreign = sorted(p.name for p in path.iterdir() if not _is_export_file(p.name))
-        if foreign:
-            raise CheckpointError(f"{path} holds files a HuggingFace export would not write ({_first(foreign)}); "
-                                  "save into a new or empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        _write_export(tmp, shards, hf_cfg)
-        write_tokenizer_files(tmp, tok)
-        _make_readable(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if path.exists():  # only earlier export files are here: swap the whole directory
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-        os.replace(path, old / "dir")
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-
-
-def _make_readable(directory: Path) -> None:
-    """`mkdtemp` makes a private (0700) directory; give it and its files what the umask allows."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(directory, 0o777 & ~mask)
-    for f in directory.iterdir():
-        os.chmod(f, 0o666 & ~mask)
-
-
-def _is_export_file(name: str) -> bool:
-    return name in ("config.json", "generation_config.json", _INDEX, *TOKENIZER_FILES) or (
-        name.startswith("model") and name.endswith(".safetensors"))
-
-
-def _write_export(tmp: Path, shards: list[dict[str, torch.Tensor]], hf_cfg: dict) -> None:
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], tmp / "model.safetensors", metadata=meta)
-    else:
-        weight_map, total = {}, 0
-        for n, shard in enumerate(shards, 1):
-            fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, tmp / fname, metadata=meta)
-            weight_map.update({k: fname for k in shard})
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    files get the permissions the process's umask gives ordinary files (hf_writer.py, which
+    `tessera.checkpoint.hf_export` shares to write a checkpoint's weights without loading them all)."""
+    state = _hf_state(model)
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    write_hf_directory(path, model.cfg, next(model.parameters()).dtype, sizes,
+                       lambda keys: {k: state[k] for k in keys}, max_shard_bytes, tokenizer)

@@ -147,6 +147,13 @@ class CheckpointConfig:
 
     interval: int = 100  # save every N steps (and always at the end); 0 = only at the end
     keep_last: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is safe
+    # At the end of a run that reaches train.steps, write the final checkpoint's model as a HuggingFace
+    # directory (config.json, fp32 safetensors, data.tokenizer's files), as `tessera convert` would:
+    # rank 0 reads it from the checkpoint one safetensors file at a time, under any parallel layout,
+    # while the other ranks wait. Off by default: a run that is stopped and resumed needs no export.
+    export_hf: bool = False
+    # Where export_hf writes; None = run_dir/hf. Files an export would not write there are refused.
+    export_hf_dir: str | None = None
 
 
 @dataclass
@@ -302,6 +309,8 @@ def validate_run_config(cfg: RunConfig) -> None:
          "must be 0 when data.valid_fraction is 0 (there is no validation split to evaluate)")
     need(c.interval >= 0, "checkpoint.interval", c.interval, "must be >= 0 (0 = only at the end)")
     need(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+    need(c.export_hf_dir is None or bool(c.export_hf_dir), "checkpoint.export_hf_dir", c.export_hf_dir,
+         "null (run_dir/hf) or a non-empty path")
     need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
          "None or > 0 (FLOP/s of one device)")
 

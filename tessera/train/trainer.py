@@ -88,6 +88,7 @@ class TrainResult:
     stopped_by_signal: int | None = None  # SIGTERM/SIGINT number when stopped early, else None
     checkpoint: Path | None = None  # the last checkpoint written
     records: list[dict[str, Any]] = field(default_factory=list)  # the metric records written (rank 0)
+    hf_export: Path | None = None  # the HuggingFace directory written (checkpoint.export_hf)
 
 
 class Trainer:
@@ -301,6 +302,16 @@ class Trainer:
                 stats["comm"] = comm_record(counter, self.layout)
         return stats
 
+    def _export_hf(self, checkpoint: Path) -> Path:
+        """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
+        at a time (tessera.checkpoint.hf_export); the other ranks wait, and fail with it if it fails."""
+        from tessera.checkpoint.hf_export import export_checkpoint_to_hf
+
+        out = Path(self.cfg.checkpoint.export_hf_dir or self.run_dir / "hf")
+        tokenizer = self.cfg.data.tokenizer or "default"
+        self.layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
+        return out
+
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Validation loss (sum of token losses / loss tokens) and perplexity over eval_steps batches."""
@@ -400,6 +411,10 @@ class Trainer:
                 result.stopped_by_signal = agreed if self.layout.distributed else stop.received
                 if stop_requested() and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
+                if self.cfg.checkpoint.export_hf and not stop_requested():
+                    if saved_at != self.step:  # resumed at train.steps: nothing was saved in this call
+                        result.checkpoint = self.save()
+                    result.hf_export = self._export_hf(result.checkpoint)
         finally:
             bar.close()
             if writer is not None:

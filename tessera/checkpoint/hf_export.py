@@ -1,0 +1,127 @@
+"""A HuggingFace directory from a Tessera checkpoint, read one shard file at a time.
+
+    result = export_checkpoint_to_hf("runs/tiny-moe", "out/hf", dtype=torch.bfloat16, tokenizer="default")
+    result.files, result.peak_bytes      # the safetensors files written; most tensor bytes held at once
+
+The checkpoint may come from any parallel layout (one process, FSDP, tp x ep, pipeline stages,
+...): DCP stores every tensor under its parameter name (`model.<name>`) with its global shape, and
+`dcp.load_boxes` reads any box of it in this process alone, from whichever ranks' shards overlap
+it. So the whole model is never built nor held: the files are checked against their checksums,
+the model shape comes from the run configuration in meta.json, the stored names and shapes are
+checked against it, and then, for each shard file of the plan (hf_writer.py, the same plan, names
+and index as `save_pretrained`), exactly that file's tensors are read, cast to `dtype`, written and
+released. A routed-expert weight [E, out, in] is E HuggingFace tensors: a file gets the box of the
+experts it holds, never the others.
+
+`peak_bytes` is measured, not computed: every tensor read is counted from its allocation until it
+is garbage collected, so it is at most one shard file's worth (or one tensor, when a tensor is
+larger than `max_shard_bytes`). DCP itself reads each stored shard that overlaps a box whole before
+copying the box out of it: transiently, at most one stored shard more.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.convert import stored_model_config
+from tessera.checkpoint.hf_weights import check_exportable, hf_names
+from tessera.checkpoint.hf_writer import write_hf_directory
+from tessera.config.errors import CheckpointError
+from tessera.config.model import ModelConfig
+from tessera.models.transformer import Transformer
+
+MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (train_checkpoint.py)
+
+
+@dataclass
+class ExportResult:
+    """What `export_checkpoint_to_hf` wrote."""
+
+    path: Path  # the HuggingFace directory
+    checkpoint: Path  # the checkpoint it was read from
+    files: list[str]  # its safetensors files, in order
+    total_bytes: int  # tensor bytes written
+    peak_bytes: int  # most tensor bytes held at once while writing
+
+
+class _ShardReader:
+    """The HuggingFace tensors of one shard file at a time, read as boxes of the stored tensors."""
+
+    def __init__(self, checkpoint: Path, cfg: ModelConfig, dtype: torch.dtype, shapes: Mapping[str, tuple[int, ...]]):
+        self.checkpoint, self.dtype, self.shapes = checkpoint, dtype, shapes
+        self.source: dict[str, tuple[str, int | None]] = {}  # HF key -> (Tessera key, expert index or None)
+        for key, hf_keys in hf_names(cfg).items():
+            for j, h in enumerate(hf_keys):
+                self.source[h] = (key, j if len(hf_keys) > 1 else None)
+        self.held = 0
+        self.peak_bytes = 0
+
+    def size(self, hf_key: str) -> int:
+        key, j = self.source[hf_key]
+        shape = self.shapes[key][1:] if j is not None else self.shapes[key]
+        return torch.Size(shape).numel() * self.dtype.itemsize
+
+    def __call__(self, hf_keys: list[str]) -> dict[str, torch.Tensor]:
+        wanted: dict[str, list[int | None]] = {}  # Tessera key -> expert indices (contiguous, in order)
+        for h in hf_keys:
+            key, j = self.source[h]
+            wanted.setdefault(key, []).append(j)
+        boxes, first = {}, {}
+        for key, indices in wanted.items():
+            shape = self.shapes[key]
+            if indices[0] is None:
+                offsets, box = (0,) * len(shape), shape
+            else:
+                first[key] = indices[0]
+                offsets, box = (indices[0],) + (0,) * (len(shape) - 1), (len(indices), *shape[1:])
+            boxes[MODEL_PREFIX + key] = (offsets, self._allocate(box))
+        ckpt.load_boxes(self.checkpoint, boxes)
+        out = {}
+        for h in hf_keys:
+            key, j = self.source[h]
+            t = boxes[MODEL_PREFIX + key][1]
+            out[h] = t if j is None else t[j - first[key]]  # a view: keeps its box alive until written
+        return out
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.empty(shape, dtype=self.dtype)
+        self.held += t.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held)
+        weakref.finalize(t, self._release, t.nbytes)
+        return t
+
+    def _release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
+                            dtype: torch.dtype = torch.float32, tokenizer=None,
+                            max_shard_bytes: int = 5 * 2**30) -> ExportResult:
+    """Write the model of a Tessera run directory / checkpoint root / checkpoint, saved under any
+    parallel layout, as a HuggingFace directory `out_dir`, as `save_pretrained` would write the
+    loaded model in `dtype`, without loading it: one shard file's tensors at a time.
+
+    `tokenizer` as for `save_pretrained` (a Tokenizer, a path, "default", or None: no tokenizer
+    files). A damaged checkpoint (a file that does not match its checksum, ...) is a
+    CheckpointError naming the file; the refusal rules and crash safety are `save_pretrained`'s:
+    a failed export leaves any earlier `out_dir` as it was."""
+    found = ckpt.verified(ckpt.resolve_checkpoint(checkpoint))
+    cfg = stored_model_config(found)
+    check_exportable(cfg)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(cfg, init_seed=None).state_dict().items()}
+    ckpt.check_compatible(found, MODEL_PREFIX.rstrip("."), shapes)
+    reader = _ShardReader(found, cfg, dtype, shapes)
+    sizes = {h: reader.size(h) for h in reader.source}
+    try:
+        files = write_hf_directory(out_dir, cfg, dtype, sizes, reader, max_shard_bytes, tokenizer)
+    except OSError as e:  # a full disk, a read-only file system: the export is removed, out_dir untouched
+        raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
+    return ExportResult(Path(out_dir), found, files, sum(sizes.values()), reader.peak_bytes)
