@@ -1,0 +1,114 @@
+"""The HuggingFace export of a Tessera checkpoint read one shard file at a time
+(tessera.checkpoint.hf_export) writes what `save_pretrained` writes for the loaded model, file for
+file and byte for byte; split into several files it loads in transformers with the model's logits
+while holding at most about one file's tensors; a damaged checkpoint is refused, naming the file,
+and leaves the destination as it was. The run's own export (checkpoint.export_hf) is the same."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.convert import load_tessera_model
+from tessera.checkpoint.hf import save_pretrained
+from tessera.checkpoint.hf_export import export_checkpoint_to_hf
+from tessera.config import CheckpointError
+from tessera.config.schema import load_config
+from tessera.data.tokenizer import default_tokenizer
+from tessera.train.trainer import Trainer
+from tests.train.runs import TINY_MOE, moe_shrink
+
+SMALL_SHARDS = 30_000  # bytes: many files for the 2.4 MB model, experts of one weight across two files
+# The 1 MiB embedding and LM head get a file each, both layers (~0.3 MB) share one: holding two files
+# at once passes the bound of one file or one larger tensor.
+LARGE_SHARDS = 700_000
+
+
+@pytest.fixture(scope="module")
+def run(small_dataset, tmp_path_factory) -> Path:
+    """Two steps of the shrunken tiny MoE (Mixtral) in one process, exported at the end of the run."""
+    run_dir = tmp_path_factory.mktemp("streamed") / "run"
+    result = Trainer(load_config(TINY_MOE, moe_shrink(small_dataset, run_dir, 2, **{"checkpoint.export_hf": True}))
+                     ).train()
+    assert result.hf_export == run_dir / "hf" and result.checkpoint == run_dir / "checkpoints" / "step_00000002"
+    return run_dir
+
+
+def _same_directories(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype,max_shard_bytes", [(torch.float32, 5 * 2**30), (torch.float32, SMALL_SHARDS),
+                                                   (torch.bfloat16, SMALL_SHARDS)])
+def test_streamed_export_writes_what_save_pretrained_writes(run, tmp_path, dtype, max_shard_bytes):
+    result = export_checkpoint_to_hf(run, tmp_path / "streamed", dtype=dtype, tokenizer="default",
+                                     max_shard_bytes=max_shard_bytes)
+    model, _ = load_tessera_model(run, dtype=dtype)
+    save_pretrained(model, tmp_path / "whole", max_shard_bytes=max_shard_bytes, tokenizer="default")
+    _same_directories(tmp_path / "streamed", tmp_path / "whole")
+    assert result.checkpoint == run / "checkpoints" / "step_00000002"
+    assert (len(result.files) > 1) == (max_shard_bytes == SMALL_SHARDS)
+    if dtype == torch.float32 and len(result.files) == 1:  # the run's own export is the same directory
+        _same_directories(run / "hf", tmp_path / "whole")
+
+
+@pytest.mark.parametrize("max_shard_bytes", [SMALL_SHARDS, LARGE_SHARDS])
+def test_export_holds_one_file_at_a_time(run, tmp_path, max_shard_bytes):
+    out = tmp_path / "hf"
+    result = export_checkpoint_to_hf(run, out, tokenizer="default", max_shard_bytes=max_shard_bytes)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == result.files and len(result.files) >= 3
+    largest = max(t.nbytes for f in result.files for t in load_file(out / f).values())
+    assert result.peak_bytes <= max(max_shard_bytes, largest)  # a file's tensors, or one larger tensor alone
+    assert result.peak_bytes <= result.total_bytes / 2  # never the whole model
+
+
+def test_multi_file_export_loads_in_transformers(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    export_checkpoint_to_hf(run, out, tokenizer="default", max_shard_bytes=SMALL_SHARDS)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) >= 10
+    split = [w for w in ("w1", "w2", "w3") for i in range(2)
+             if len({weight_map[f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight"] for j in range(4)}) > 1]
+    assert split, "no expert weight spans two files: the test would not read boxes of a stacked weight"
+    hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    ours, _ = load_tessera_model(run)
+    ids = torch.tensor([default_tokenizer().encode("def main(argv):\n    return sorted(argv)")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_damaged_checkpoint_is_named_and_the_destination_kept(run, tmp_path):
+    step = tmp_path / "step_00000002"
+    shutil.copytree(run / "checkpoints" / "step_00000002", step)
+    out = tmp_path / "hf"
+    export_checkpoint_to_hf(step, out, tokenizer="default")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    shard = next(p for p in step.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"step_00000002.*is damaged.*{shard.name}.*crc32"):
+        export_checkpoint_to_hf(step, out, tokenizer="default", max_shard_bytes=SMALL_SHARDS)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "step_00000002"]  # no temporary directory left
+
+
+def test_a_destination_with_foreign_files_is_refused(run, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    with pytest.raises(CheckpointError, match="notes.txt.*new or empty directory"):
+        export_checkpoint_to_hf(run, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and not ckpt.find_latest(out)
