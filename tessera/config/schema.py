@@ -150,7 +150,8 @@ class CheckpointConfig:
     # At the end of a run that reaches train.steps, write the final checkpoint's model as a HuggingFace
     # directory (config.json, fp32 safetensors, data.tokenizer's files), as `tessera convert` would:
     # rank 0 reads it from the checkpoint one safetensors file at a time, under any parallel layout,
-    # while the other ranks wait. Off by default: a run that is stopped and resumed needs no export.
+    # while the other ranks wait (up to train.collective_timeout_s: for a model too large to export
+    # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). Off by default.
     export_hf: bool = False
     # Where export_hf writes; None = run_dir/hf. Files an export would not write there are refused.
     export_hf_dir: str | None = None

@@ -18,7 +18,7 @@ from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.convert import load_tessera_model
 from tessera.checkpoint.hf import save_pretrained
 from tessera.checkpoint.hf_export import export_checkpoint_to_hf
-from tessera.config import CheckpointError
+from tessera.config import CheckpointError, ConfigError
 from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
 from tessera.train.trainer import Trainer
@@ -112,3 +112,16 @@ def test_a_destination_with_foreign_files_is_refused(run, tmp_path):
     with pytest.raises(CheckpointError, match="notes.txt.*new or empty directory"):
         export_checkpoint_to_hf(run, out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and not ckpt.find_latest(out)
+
+
+def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_dataset, tmp_path):
+    overrides = moe_shrink(small_dataset, run, 2, **{"checkpoint.export_hf": True,
+                                                     "checkpoint.export_hf_dir": str(tmp_path / "hf")})
+    result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
+    assert (result.start_step, result.last_step, result.hf_export) == (2, 2, tmp_path / "hf")
+    _same_directories(tmp_path / "hf", run / "hf")
+
+
+def test_an_empty_export_directory_is_refused():
+    with pytest.raises(ConfigError, match="checkpoint.export_hf_dir.*non-empty path"):
+        load_config(TINY_MOE, ["checkpoint.export_hf_dir=''"])
