@@ -3,12 +3,13 @@
 A Tessera checkpoint (`tessera.checkpoint.dcp`) keeps the run configuration in its meta.json, so
 a model can be rebuilt from the checkpoint alone. A HuggingFace directory has a config.json and
 safetensors (`tessera.checkpoint.hf`). `load_model` takes either, and `convert` writes one as
-the other: HF -> a checkpoint root holding `step_00000000/` (model weights only), Tessera -> HF.
+the other: HF -> a checkpoint root holding `step_00000000/` (model weights only), Tessera -> HF
+(read one safetensors file's tensors at a time, never the whole model: `hf_export`).
 
-`load_tessera_model` is the one loader of Tessera checkpoints: `tessera generate` and `convert`,
-serving (`tessera.infer`) and `train.init_from` (through `load_model_weights`) all use it. It
-checks the files against their recorded checksums before reading them and unpickles nothing
-beyond plain data.
+`load_tessera_model` is the one loader of Tessera models: `tessera generate`, serving
+(`tessera.infer`) and `train.init_from` (through `load_model_weights`) use it. It and the export
+check the files against their recorded checksums before reading them and unpickle nothing beyond
+plain data.
 """
 
 from __future__ import annotations
