@@ -208,6 +208,9 @@ class LLMEngine:
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
+                              f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:

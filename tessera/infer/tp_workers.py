@@ -119,8 +119,10 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: 
         stage = "serving"
         serve_worker_steps(runner, StepChannel(control), model.cfg.vocab_size)
     except BaseException as e:  # reported to rank 0, which names this rank
-        store.set(f"error/{rank}", f"{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        os._exit(1)
+        try:
+            store.set(f"error/{rank}", f"{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:  # rank 0 gone (its store with it): nothing to report to
+            os._exit(1)
     dist.destroy_process_group()
 
 
