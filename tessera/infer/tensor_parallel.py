@@ -7,6 +7,15 @@ sums all-reduced), the embedding and head vocabulary-parallel, and each MoE expe
 split over the ranks (expert tensor parallelism). The attention seam therefore sees the rank's
 local heads, and each rank's paged KV cache holds only those (`PagedKVCache(..., tp_size=N)`).
 
+DTensor's dispatch (sharding propagation on every op, for shapes that change every step) costs
+more than a small model's whole decode step, so after the plan has cut the weights they are
+turned into plain local tensors (`to_plain_tensors`), and the communication the plan implies is
+read off each weight's placement: a Linear whose weight is Shard(1) (row-parallel) all-reduces its
+output (its bias kept on rank 0 only, so it is added once); an Embedding whose weight is Shard(0)
+(vocabulary-parallel) looks up the ids of its slice and all-reduces; Shard(0) Linears
+(column-parallel, the head) and replicated weights need nothing. MoE experts keep the parallel
+layer's dispatcher, which sums their partial outputs over the ranks.
+
 Rank 0 is the driver: it owns the scheduler, the block manager and sampling. Every step it
 broadcasts the step's inputs to the other ranks over a CPU (gloo) control group, all ranks run
 the same `ModelRunner.forward_split` (so they take the same packed / bucketed paths and join the
@@ -25,7 +34,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
@@ -53,8 +63,74 @@ def serving_dims(cfg: ModelConfig, tp: int) -> ParallelDims:
 
 def shard_model(model: Transformer, dims: ParallelDims) -> Transformer:
     """Cut `model` (full weights, or on the meta device) over the built mesh of `dims` in place,
-    by the parallel layer's plan; each rank keeps its own slices without communication."""
+    by the parallel layer's plan; each rank keeps its own slices without communication. The
+    weights stay DTensors (their boxes say what to load); `to_plain_tensors` comes after loading."""
     return parallelize(model, dims, ParallelConfig(tp=dims.tp), param_dtype=torch.float32)
+
+
+class _RowParallelSum:
+    """Forward hook of a row-parallel Linear: the sum of the ranks' partial outputs."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, module, args, out_BSD: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out_BSD, group=self.group)
+        return out_BSD
+
+
+class _VocabParallelLookup:
+    """Hooks of a vocabulary-parallel Embedding holding rows [first, first + n): ids outside the
+    slice look up row 0 and are zeroed, then the ranks' rows are summed (Megatron-LM)."""
+
+    def __init__(self, first: int, n: int, group: dist.ProcessGroup):
+        self.first, self.n, self.group = first, n, group
+        self.outside: torch.Tensor | None = None
+
+    def before(self, module, args):
+        ids = args[0] - self.first
+        self.outside = (ids < 0) | (ids >= self.n)
+        return (ids.masked_fill(self.outside, 0),) + tuple(args[1:])
+
+    def after(self, module, args, out_BSD: torch.Tensor) -> torch.Tensor:
+        out_BSD = out_BSD.masked_fill(self.outside[..., None], 0)
+        self.outside = None
+        dist.all_reduce(out_BSD, group=self.group)
+        return out_BSD
+
+
+@torch.no_grad()
+def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transformer:
+    """Replace every DTensor weight of the cut model by its local shard, with the collectives its
+    placement implies installed as forward hooks (module docstring). The plan's own DTensor
+    hooks on those modules are removed; the model's seams go back to their one-process forms."""
+    from tessera.checkpoint.hf_slices import local_box
+    from tessera.models.transformer import tied_projection
+
+    rank = dist.get_rank(group)
+    for module in model.modules():
+        params = dict(module.named_parameters(recurse=False))
+        weight = params.get("weight")
+        if not any(isinstance(p, DTensor) for p in params.values()):
+            continue
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
+        placement = weight.placements[-1] if isinstance(weight, DTensor) else None
+        offsets, sizes = local_box(weight) if weight is not None else ((), ())
+        for name, p in params.items():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            setattr(module, name, nn.Parameter(local, requires_grad=False))
+        if isinstance(module, nn.Linear) and placement == Shard(1):
+            if module.bias is not None and rank != 0:
+                module.bias.zero_()
+            module.register_forward_hook(_RowParallelSum(group))
+        elif isinstance(module, nn.Embedding) and placement == Shard(0):
+            lookup = _VocabParallelLookup(offsets[0], sizes[0], group)
+            module.register_forward_pre_hook(lookup.before)
+            module.register_forward_hook(lookup.after)
+    if model.cfg.tie_embeddings:
+        model.tied_head = tied_projection  # the local embedding rows: this rank's vocabulary slice
+    return model
 
 
 @torch.no_grad()
@@ -81,7 +157,12 @@ def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype
             keep = torch.float32 if name.endswith("expert_bias") else dtype
             setattr(modules[owner], attr, reader.read(name, (0,) * b.dim(), tuple(b.shape), keep).to(device))
     model.reset_rope(device)
-    return model.eval()
+    return to_plain_tensors(model.eval(), dims["tp"].get_group())
+
+
+def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
+    """This rank's shard of a whole model (identical on every rank), as plain tensors."""
+    return to_plain_tensors(shard_model(model.eval(), dims), dims["tp"].get_group())
 
 
 def _pack_items(items: list[BatchItem]) -> list[int]:

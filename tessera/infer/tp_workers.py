@@ -39,10 +39,10 @@ from tessera.infer.quant import is_quantized_dir
 from tessera.infer.tensor_parallel import (
     STOP,
     StepChannel,
+    cut_for_serving,
     load_hf_shard,
     serve_worker_steps,
     serving_dims,
-    shard_model,
 )
 from tessera.models.transformer import Transformer
 
@@ -88,7 +88,7 @@ def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: t
         model = model.to(device)
     else:
         model = load_model(source.path, dtype, device)[0]
-    return shard_model(model.eval(), dims)
+    return cut_for_serving(model, dims)
 
 
 def _join(rank: int, world: int, store: dist.Store, device: torch.device) -> dist.ProcessGroup:
@@ -241,7 +241,7 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
         if full is None:
             model = load_hf_shard(path, cfg, dims, torch_dtype(config.dtype), group.device)
         else:
-            model = shard_model(full.eval(), dims)
+            model = cut_for_serving(full, dims)
         group.wait_ready()
     except BaseException:
         group.stop()
@@ -257,7 +257,7 @@ def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[W
     group = WorkerGroup(config.tensor_parallel_size, config, WorkerSource(cfg=model.cfg, state=state))
     try:
         dims.build_mesh(group.device.type)
-        shard_model(model.eval(), dims)
+        model = cut_for_serving(model, dims)
         group.wait_ready()
     except BaseException:
         group.stop()
