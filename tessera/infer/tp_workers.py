@@ -34,7 +34,7 @@ from tessera.config.errors import CheckpointError, ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_loading import load_model, torch_dtype
-from tessera.infer.model_runner import build_runner
+from tessera.infer.model_runner import build_runner, cache_geometry
 from tessera.infer.quant import is_quantized_dir
 from tessera.infer.tensor_parallel import (
     STOP,
@@ -235,6 +235,7 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
         full, _, run_cfg = load_model(path, torch_dtype(config.dtype), _device(config, 0))
         cfg = full.cfg
     dims = serving_dims(cfg, n)  # refused before any process starts
+    cache_geometry(cfg, config)
     group = WorkerGroup(n, config, WorkerSource(str(path), sliced=full is None, cfg=cfg))
     try:
         dims.build_mesh(group.device.type)
@@ -252,7 +253,8 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
 def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[WorkerGroup, Transformer]:
     """Start the workers of a model in memory (its weights go to them once, through shared
     memory) and cut this rank's copy in place; (workers, rank 0's shard)."""
-    dims = serving_dims(model.cfg, config.tensor_parallel_size)
+    dims = serving_dims(model.cfg, config.tensor_parallel_size)  # refused before any process starts
+    cache_geometry(model.cfg, config)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     group = WorkerGroup(config.tensor_parallel_size, config, WorkerSource(cfg=model.cfg, state=state))
     try:

@@ -113,6 +113,8 @@ def test_size_that_does_not_divide_the_heads_is_refused(llama, capsys):
         LLM(path, tensor_parallel_size=3)
     assert serve_main([str(path), "--device", "cpu", "--tensor-parallel-size", "3"]) == 2
     assert "does not divide model.n_heads=4" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="num_blocks=2 is invalid"):  # the cache too, before any process starts
+        LLM(path, tensor_parallel_size=2, num_blocks=2)
     with pytest.raises(ConfigError, match="quantization.*tensor_parallel_size=2"):
         EngineConfig(tensor_parallel_size=2, quantization="int8")
     with pytest.raises(SystemExit):
@@ -158,3 +160,35 @@ def test_worker_that_dies_while_serving_is_named(llama):
             llm.generate(["hi"], GREEDY)
     finally:
         llm.close()
+
+
+def _run(engine, prompts):
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_request_with_nonfinite_logits_fails_alone_on_every_rank(tmp_path):
+    """Token 100's embedding is inf: its request fails alone, the others complete as on one rank,
+    and the KV blocks it poisoned are zeroed on every rank (a later request reusing them on a
+    rank that kept the NaN would fail too)."""
+    from tests.infer.tiny_models import write_model
+
+    hf = write_model(tmp_path, "llama", std=0.25)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[100] = float("inf")
+    hf.save_pretrained(tmp_path)
+    good = [[0, 5, 6, 7, 8, 9], [0, 40, 41]]
+    poisoned = [0, 100, 7, 8, 9, 10, 11]
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in good]
+    options = dict(block_size=4, num_blocks=12, max_model_len=24, enable_prefix_caching=False)
+    with LLM(tmp_path, tensor_parallel_size=2, **options) as llm:
+        outs = _run(llm.engine, [good[0], poisoned, good[1]])
+        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+        assert [outs[0].token_ids, outs[2].token_ids] == want
+        for _ in range(2):  # every block is reused by now
+            assert [o.token_ids for o in _run(llm.engine, good + good)] == want + want
