@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
                    help="batch-size buckets of the static-shape decode step (None: 1,2,4,... up to "
                         "--max-num-seqs; 'none': decode in the packed step)")
+    p.add_argument("--tensor-parallel-size", type=int_in(1, 1024), default=1, metavar="N",
+                   help="split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): "
+                        "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:r); "
+                        "N must divide the heads, KV heads, vocabulary and FFN dims; N > 1 decodes without "
+                        "CUDA graphs and serves no LoRA or int8 weights")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
@@ -138,7 +143,8 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         system_prompts=list(args.system_prompt), speculative=spec, quantization=args.quantization,
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
-                        seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes)
+                        seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _check_server_options(args: argparse.Namespace):
@@ -152,6 +158,9 @@ def _check_server_options(args: argparse.Namespace):
     if args.allow_runtime_lora and not args.lora_modules_dir:
         raise ConfigError("--allow-runtime-lora needs --lora-modules-dir DIR: the directories adapters may be "
                           "loaded from")
+    if args.allow_runtime_lora and args.tensor_parallel_size > 1:
+        raise ConfigError(f"--allow-runtime-lora is not supported with --tensor-parallel-size "
+                          f"{args.tensor_parallel_size}: LoRA adapters are served on one rank")
     if args.lora_modules_dir and not args.allow_runtime_lora:
         raise ConfigError("--lora-modules-dir has no effect without --allow-runtime-lora")
     for d in args.lora_modules_dir:
@@ -176,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
         engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
         if engine.tokenizer is None:
+            engine.close()
             raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
                                   "copy the model's tokenizer files into it, or export a Tessera run with "
                                   "`tessera convert RUN_DIR OUT`, which writes them")
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         loop.stop()
+        engine.close()
     return 0
 
 

@@ -67,6 +67,10 @@ class EngineConfig:
     # None: 1, 2, 4, ... up to max_num_seqs; []: decodes run in the packed step with the prefills.
     decode_batch_sizes: list[int] | None = None
     enforce_eager: bool = False  # never capture the decode step in CUDA graphs (no effect on CPU)
+    # Ranks the model is split over (tensor parallelism: heads, MLP / expert hidden dims and the
+    # vocabulary; tensor_parallel.py). 1: one process, as without the option. N > 1 starts N - 1
+    # worker processes (gloo on CPU, NCCL on GPUs, rank r on cuda:r) and decodes without CUDA graphs.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -91,6 +95,12 @@ class EngineConfig:
             self.decode_batch_sizes = sorted({int(b) for b in self.decode_batch_sizes})
             _need(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
                   "must be positive batch sizes (or [] for no static-shape decode step)")
+        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        if self.tensor_parallel_size > 1:
+            for key, value in (("lora_adapters", self.lora_adapters), ("merge_lora", self.merge_lora),
+                               ("quantization", self.quantization)):
+                _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
+                      "(LoRA and int8 weights are served on one rank); use tensor_parallel_size=1")
         spec = self.speculative
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",

@@ -27,15 +27,13 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
-from tessera.infer.bucketed_decode import BucketedDecoder, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.detokenizer import IncrementalDetokenizer
 from tessera.infer.device_sampling import SamplingBatch, sample_on_device, tokens_to_host
-from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
 from tessera.infer.lora import LoRAManager, merge_adapter
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.model_loading import eos_token_ids, load_model, load_tokenizer, torch_dtype
-from tessera.infer.model_runner import BatchItem, ModelRunner
+from tessera.infer.model_runner import BatchItem, build_runner
 from tessera.infer.quant import quantize_model
 from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
 from tessera.infer.sampling import make_generator, processed_probs
@@ -44,6 +42,8 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
 from tessera.infer.structured_output import GrammarCompiler
+from tessera.infer.tensor_parallel import TensorParallelRunner
+from tessera.infer.tp_workers import start_workers_for_dir, start_workers_for_model
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -51,43 +51,24 @@ log = logging.getLogger("tessera.infer")
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
-                 eos_ids: set[int] | frozenset[int] = frozenset(), draft_model: Transformer | None = None):
+                 eos_ids: set[int] | frozenset[int] = frozenset(), draft_model: Transformer | None = None,
+                 workers=None):
+        """`workers`: the other ranks of tensor-parallel serving (`tp_workers.WorkerGroup`), when
+        `model` is this rank's shard of a model cut over them (`from_dir` / `from_model` start them)."""
         self.config = config = config or EngineConfig()
         self.model, self.cfg, self.tokenizer = model.eval(), model.cfg, tokenizer
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.eos_ids = frozenset(eos_ids)
-        self.max_model_len = config.max_model_len or self.cfg.max_seq_len
-        if self.max_model_len > self.cfg.max_seq_len:
-            raise ConfigError(f"max_model_len={self.max_model_len} is invalid: the model supports at most "
-                              f"{self.cfg.max_seq_len} positions")
-        bs, k = config.block_size, config.lookahead
-        self.blocks_per_seq = -(-(self.max_model_len + k) // bs)
-        num_blocks = config.num_blocks
-        if num_blocks is None:  # from the memory budget, but always room for one full sequence
-            per_block = bytes_per_block(self.cfg, bs, self.dtype, config.kv_cache_dtype == "int8")
-            num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block,
-                             config.max_num_seqs * self.blocks_per_seq + 1)
-            if num_blocks < self.blocks_per_seq:
-                log.warning("kv_cache_gib=%s holds %d blocks; using %d (%.2f GiB) to fit one sequence of %d tokens",
-                            config.kv_cache_gib, num_blocks, self.blocks_per_seq,
-                            self.blocks_per_seq * per_block / 2**30, self.max_model_len)
-                num_blocks = self.blocks_per_seq
-        if num_blocks < self.blocks_per_seq:
-            raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
-                              f"{self.max_model_len} (+{k} speculative) needs {self.blocks_per_seq} blocks of "
-                              f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-        # one block more than the block manager hands out: the scratch block of the decode step's padding rows
-        self.kv = PagedKVCache(self.cfg, num_blocks + 1, bs, self.dtype, self.device, config.kv_cache_dtype == "int8")
+        self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
+        runner, geometry = build_runner(model, config, self.lora)
+        self.max_model_len, self.blocks_per_seq = geometry.max_model_len, geometry.blocks_per_seq
+        num_blocks, bs, k = geometry.num_blocks, config.block_size, config.lookahead
+        self.kv, self.decoder = runner.kv, runner.decoder
         self.blocks = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, k)
-        self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
-        sizes = config.decode_batch_sizes
-        sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
-        self.decoder = None if not sizes else BucketedDecoder(
-            model, self.kv, self.device, sizes, self.blocks_per_seq, scratch_block=num_blocks, lora=self.lora,
-            use_graphs=not config.enforce_eager)
-        self.runner = ModelRunner(model, self.kv, self.device, self.lora, self.decoder)
+        # tensor parallelism: the other ranks run every step with this one (tensor_parallel.py)
+        self.runner = runner if workers is None else TensorParallelRunner(runner, workers)
         self.proposer = None
         spec = config.speculative
         if spec is not None and spec.method == "prompt_lookup":
@@ -110,6 +91,14 @@ class LLMEngine:
         """Load a HuggingFace / pre-quantized / Tessera-checkpoint directory and build the engine
         around it (`from_model`), with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
+        if config.tensor_parallel_size > 1:
+            workers, model, run_cfg = start_workers_for_dir(path, config)
+            try:
+                tokenizer = load_tokenizer(path, run_cfg)
+                return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer), workers=workers)
+            except BaseException:
+                workers.stop()
+                raise
         model, quantized, run_cfg = load_model(path, torch_dtype(config.dtype), config.device)
         tokenizer = load_tokenizer(path, run_cfg)
         return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer),
@@ -117,12 +106,24 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
-                   eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False) -> LLMEngine:
+                   eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
+                   workers=None) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
         (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, int8
         applied, the draft model loaded, dynamic adapters loaded, system prompts cached.
-        `prequantized`: the model's weights are int8 already."""
+        `prequantized`: the model's weights are int8 already. With tensor_parallel_size > 1 the
+        model is cut over that many ranks here (its weights sent once to the new worker processes),
+        unless `workers` says it is this rank's shard already."""
         config = config or EngineConfig()
+        if config.tensor_parallel_size > 1 and workers is None:
+            if prequantized:
+                raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")
+            workers, model = start_workers_for_model(model, config)
+            try:
+                return cls.from_model(model, config, tokenizer, eos_ids, workers=workers)
+            except BaseException:
+                workers.stop()
+                raise
         dtype = torch_dtype(config.dtype)
         weight = model.tok_embeddings.weight
         if weight.dtype != dtype or weight.device.type != torch.device(config.device).type:
@@ -138,7 +139,7 @@ class LLMEngine:
         draft = None
         if config.speculative is not None and config.speculative.method == "draft":
             draft = load_model(config.speculative.draft_model, dtype, config.device)[0]
-        engine = cls(model, config, tokenizer, eos_ids, draft)
+        engine = cls(model, config, tokenizer, eos_ids, draft, workers)
         for name, adapter_path in config.lora_adapters.items():
             engine.load_lora(name, adapter_path)
         engine.warm_system_prompts(config.system_prompts)
@@ -207,6 +208,9 @@ class LLMEngine:
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
+                              f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
@@ -264,7 +268,8 @@ class LLMEngine:
             if seq.request_id in proposals:
                 tokens = tokens + proposals[seq.request_id].tokens
             slot = self.lora.adapters[seq.adapter].slot if seq.adapter else -1
-            items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot))
+            read_from = s.num_tokens - 1 if s.completes else len(tokens)  # the rows sampled / verified below
+            items.append(BatchItem(tokens, seq.num_computed, seq.block_table, slot, read_from))
         logits, offsets = self.runner.forward_split(items)
         # rows each completing request samples from: its last computed position (and its proposals)
         spans = [range(o + s.num_tokens - 1, o + len(it.tokens)) if s.completes else range(0)
@@ -345,7 +350,7 @@ class LLMEngine:
         taken out of the prefix cache (a later prompt must recompute them, not reuse zeros)."""
         log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
         own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
-        self.kv.clear_blocks(own)
+        self.runner.clear_blocks(own)
         if self.blocks.cache is not None:
             for b in own:
                 self.blocks.cache.forget(b)
@@ -400,6 +405,13 @@ class LLMEngine:
         del self.seqs[seq.request_id]
         return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
                              error)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one process). The engine cannot
+        step afterwards."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- introspection -----------------------------------------------------------------------
     def gauges(self) -> dict[str, float]:

@@ -19,17 +19,20 @@ import torch
 from tessera.config.model import ModelConfig
 
 
-def kv_shapes(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(key heads, key dim, value heads, value dim) that the attention of `cfg` stores per token.
+def kv_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int, int]:
+    """(key heads, key dim, value heads, value dim) that the attention of `cfg` stores per token
+    on one of `tp_size` tensor-parallel ranks (each holds 1/tp_size of the heads).
     MLA hands the seam per-head decompressed keys [nope + rope] and values [v_head_dim]."""
     if cfg.mla is not None:
         m = cfg.mla
-        return cfg.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.n_heads, m.v_head_dim
-    return cfg.n_kv_heads, cfg.head_dim, cfg.n_kv_heads, cfg.head_dim
+        h = cfg.n_heads // tp_size
+        return h, m.qk_nope_head_dim + m.qk_rope_head_dim, h, m.v_head_dim
+    g = cfg.n_kv_heads // tp_size
+    return g, cfg.head_dim, g, cfg.head_dim
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool) -> int:
-    gk, dk, gv, dv = kv_shapes(cfg)
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1) -> int:
+    gk, dk, gv, dv = kv_shapes(cfg, tp_size)
     elem = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0)
     return per_token * block_size * cfg.n_layers
@@ -45,9 +48,9 @@ def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", int8: bool = False):
+                 device: torch.device | str = "cpu", int8: bool = False, tp_size: int = 1):
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
-        gk, dk, gv, dv = kv_shapes(cfg)
+        gk, dk, gv, dv = kv_shapes(cfg, tp_size)
         slots = num_blocks * block_size
         store = torch.int8 if int8 else dtype
         self.k = [torch.zeros(slots, gk, dk, dtype=store, device=device) for _ in range(cfg.n_layers)]

@@ -41,6 +41,9 @@ class LLM:
     `model` is a directory (HuggingFace, pre-quantized or Tessera checkpoint; it brings its own
     tokenizer and end-of-sequence ids) or a `Transformer` in memory, whose `tokenizer` (None: token-id
     prompts only) and `eos_ids` are then given here.
+
+    `tensor_parallel_size=N` splits the model over N ranks: this process and N - 1 workers it
+    starts (`close()`, or a `with` block, stops them).
     """
 
     def __init__(self, model: str | Path | Transformer, config: EngineConfig | None = None, *, tokenizer=None,
@@ -92,6 +95,16 @@ class LLM:
             results.append(Completion(prompt if isinstance(prompt, str) else None, enc, out.text, out.token_ids,
                                       out.finish_reason))
         return results
+
+    def close(self) -> None:
+        """Stop the worker processes of tensor-parallel serving (nothing to do with one rank)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def load_lora(self, name: str, path: str | Path) -> None:
         self.engine.load_lora(name, path)

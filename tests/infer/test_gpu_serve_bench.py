@@ -28,3 +28,20 @@ def test_gpu_serve_bench_prints_one_json_object_tiny_on_cpu():
             figures = result[side][batch]
             assert figures["tokens_per_s"] > 0 and figures["seconds_median"] > 0
     assert result["llm"]["eager_bucket_runs"] > 0 and result["llm"]["graph_replays"] == 0  # no graphs on CPU
+
+
+@pytest.mark.slow
+def test_load_test_mode_reports_throughput_and_latency_percentiles_on_cpu():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "bench/gpu_serve.py", "--load-test", "--tiny", "--device", "cpu",
+                          "--clients", "4", "--requests", "8"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["benchmark"] == "gpu_serve_load" and "llm" not in result
+    load = result["load"]
+    assert (load["clients"], load["requests"]) == (4, 8) and load["tokens_per_s"] > 0
+    for metric in ("ttft_s", "tpot_s"):
+        p = load[metric]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+    assert load["streamed_chunks"] >= 8  # every request streamed its text

@@ -1,0 +1,267 @@
+"""The worker processes of tensor-parallel serving: start, rendezvous, failure, stop.
+
+The process that serves (where `LLM` or the HTTP server lives) is rank 0. It opens a TCP store
+on 127.0.0.1 (a free port), starts ranks 1..N-1 with the "spawn" start method (a fresh
+interpreter: safe with CUDA and with the parent's threads; it costs the interpreter's start and
+imports, a few seconds), and every rank joins one process group (gloo on CPU, NCCL on GPUs with
+rank r on cuda:r) plus a gloo control group for the step messages (`tensor_parallel.py`).
+
+Start-up never blocks on a rank that has died: each worker first marks itself `joined/r` in the
+store, later `ready/r` (its shard loaded, its KV cache allocated) or `error/r` with its
+traceback; rank 0 polls those keys and the processes, and a rank that reports an error or exits
+makes start-up fail with `WorkerFailure` naming the rank. While serving, a collective that fails
+because a worker died or raised (the worker writes `error/r` before it exits) becomes the same
+error; the model group has a timeout, so a rank that hangs fails the step instead of blocking.
+Idle workers wait on the control group, whose timeout is long, and exit when rank 0 sends STOP
+or goes away (their broadcast then fails).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tessera.config.errors import CheckpointError, ConfigError, TesseraError
+from tessera.config.model import ModelConfig
+from tessera.infer.config import EngineConfig
+from tessera.infer.model_loading import load_model, torch_dtype
+from tessera.infer.model_runner import build_runner, cache_geometry
+from tessera.infer.quant import is_quantized_dir
+from tessera.infer.tensor_parallel import (
+    STOP,
+    StepChannel,
+    cut_for_serving,
+    load_hf_shard,
+    serve_worker_steps,
+    serving_dims,
+)
+from tessera.models.transformer import Transformer
+
+log = logging.getLogger("tessera.infer")
+
+START_TIMEOUT_S = 300.0  # spawning, importing torch and loading a shard
+COLLECTIVE_TIMEOUT_S = 300.0  # one step's collectives (a rank that hangs longer fails the step)
+IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step
+
+
+class WorkerFailure(TesseraError, RuntimeError):
+    """A tensor-parallel rank failed to start, raised, or died. `rank` names it."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class WorkerSource:
+    """What a worker loads: a HuggingFace directory (its own slices only), a directory loaded
+    whole then cut (Tessera checkpoints), or the full weights of a model in memory."""
+
+    path: str | None = None
+    sliced: bool = False
+    cfg: ModelConfig | None = None
+    state: dict | None = None
+
+
+def _device(config: EngineConfig, rank: int) -> torch.device:
+    device = torch.device(config.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: torch.device) -> Transformer:
+    dtype = torch_dtype(config.dtype)
+    if source.sliced:
+        return load_hf_shard(source.path, source.cfg, dims, dtype, device)
+    if source.state is not None:
+        model = Transformer(source.cfg, init_seed=None)
+        model.load_state_dict(source.state, assign=True)
+        model.reset_rope()
+        model = model.to(device)
+    else:
+        model = load_model(source.path, dtype, device)[0]
+    return cut_for_serving(model, dims)
+
+
+def _join(rank: int, world: int, store: dist.Store, device: torch.device) -> dist.ProcessGroup:
+    """Join the model group and return the control group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: WorkerSource) -> None:
+    """Entry point of rank `rank` (> 0): join, load this rank's shard, then mirror rank 0's steps."""
+    device = _device(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # N ranks share the cores; more threads than cores is many times slower
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    store.set(f"joined/{rank}", "1")
+    stage = "start"
+    try:
+        control = _join(rank, world, store, device)
+        dims = serving_dims(source.cfg, world)
+        dims.build_mesh(device.type)
+        model = _load_rank_model(source, dims, config, device)
+        runner, _ = build_runner(model, config, None, device)
+        store.set(f"ready/{rank}", "1")
+        stage = "serving"
+        serve_worker_steps(runner, StepChannel(control), model.cfg.vocab_size)
+    except BaseException as e:  # reported to rank 0, which names this rank
+        try:
+            store.set(f"error/{rank}", f"{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        finally:  # rank 0 gone (its store with it): nothing to report to
+            os._exit(1)
+    dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 as seen from rank 0: start them, then send them steps (`channel`)."""
+
+    def __init__(self, world: int, config: EngineConfig, source: WorkerSource, target=worker_main):
+        if dist.is_initialized():
+            raise ConfigError(f"tensor_parallel_size={world} needs a process without a default process group "
+                              "(this one already belongs to one); serve from its own process")
+        self.world, self.config = world, config
+        self.device = _device(config, 0)
+        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=START_TIMEOUT_S))
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=target, args=(r, world, self.store.port, config, source), daemon=True,
+                                  name=f"tessera-tp-rank{r}") for r in range(1, world)]
+        self.failure: WorkerFailure | None = None
+        self.channel: StepChannel | None = None
+        self.started_at = time.monotonic()
+        for p in self.procs:
+            p.start()
+        try:
+            self._wait_for("joined")
+            self.channel = StepChannel(_join(0, world, self.store, self.device))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _error_of(self, rank: int) -> str | None:
+        key = f"error/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def _dead(self) -> WorkerFailure | None:
+        """The first rank that reported an error or exited, as a WorkerFailure (None: all alive)."""
+        for rank, p in enumerate(self.procs, start=1):
+            err = self._error_of(rank)
+            if err is not None:
+                return WorkerFailure(f"tensor-parallel rank {rank} failed: {err.splitlines()[0]}\n{err}", rank)
+            if not p.is_alive():
+                return WorkerFailure(f"tensor-parallel rank {rank} exited with code {p.exitcode}", rank)
+        return None
+
+    def _wait_for(self, what: str, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        keys = [f"{what}/{r}" for r in range(1, self.world)]
+        while not self.store.check(keys):
+            dead = self._dead()
+            if dead is not None:
+                raise dead
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"tensor-parallel ranks did not become {what} within {timeout:.0f} s")
+            time.sleep(0.02)
+
+    def wait_ready(self) -> None:
+        """Block until every worker has its shard and KV cache; raise naming a rank that failed."""
+        self._wait_for("ready")
+        log.info("%d tensor-parallel ranks ready in %.1f s", self.world, time.monotonic() - self.started_at)
+
+    def guarded(self, fn):
+        """Run `fn` (which takes part in collectives with the workers); a failure of a worker
+        becomes a WorkerFailure naming it, and every later call fails the same way at once."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return fn()
+        except Exception as e:
+            deadline = time.monotonic() + 5.0  # let the failed rank report or exit
+            dead = self._dead()
+            while dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self._dead()
+            self.failure = dead or WorkerFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}")
+            raise self.failure from e
+
+    def stop(self) -> None:
+        """Send STOP (when the group is healthy), then make sure every worker is gone."""
+        if self.channel is not None and self.failure is None:
+            try:
+                self.channel.send(STOP, [])
+            except Exception:  # a worker already gone: it is terminated below
+                pass
+        self.channel = None
+        for p in self.procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Transformer, dict]:
+    """Start the workers of a served directory; (workers, rank 0's shard, the Tessera run
+    config or {}). A HuggingFace directory is read a slice per rank; a Tessera checkpoint is
+    loaded whole by every rank and cut."""
+    from tessera.checkpoint.hf import read_hf_config
+
+    path = Path(path)
+    n = config.tensor_parallel_size
+    if not path.exists():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if is_quantized_dir(path):
+        raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized (int8) directory; "
+                          "serve it with tensor_parallel_size=1")
+    full, run_cfg = None, {}
+    if (path / "config.json").is_file():
+        cfg = read_hf_config(path)
+    else:
+        full, _, run_cfg = load_model(path, torch_dtype(config.dtype), _device(config, 0))
+        cfg = full.cfg
+    dims = serving_dims(cfg, n)  # refused before any process starts
+    cache_geometry(cfg, config)
+    group = WorkerGroup(n, config, WorkerSource(str(path), sliced=full is None, cfg=cfg))
+    try:
+        dims.build_mesh(group.device.type)
+        if full is None:
+            model = load_hf_shard(path, cfg, dims, torch_dtype(config.dtype), group.device)
+        else:
+            model = cut_for_serving(full, dims)
+        group.wait_ready()
+    except BaseException:
+        group.stop()
+        raise
+    return group, model, run_cfg
+
+
+def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[WorkerGroup, Transformer]:
+    """Start the workers of a model in memory (its weights go to them once, through shared
+    memory) and cut this rank's copy in place; (workers, rank 0's shard)."""
+    dims = serving_dims(model.cfg, config.tensor_parallel_size)  # refused before any process starts
+    cache_geometry(model.cfg, config)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    group = WorkerGroup(config.tensor_parallel_size, config, WorkerSource(cfg=model.cfg, state=state))
+    try:
+        dims.build_mesh(group.device.type)
+        model = cut_for_serving(model, dims)
+        group.wait_ready()
+    except BaseException:
+        group.stop()
+        raise
+    return group, model
