@@ -111,6 +111,9 @@ def _train(args: argparse.Namespace) -> int:
             print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+        if trainer.init_from is not None and coordinator:
+            print(f"weights from {trainer.init_from} ({trainer.init_bytes_read / 2**20:.1f} MiB read by rank 0)",
+                  file=sys.stderr)
         result = trainer.train()
     finally:
         shutdown_distributed()

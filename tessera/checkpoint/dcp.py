@@ -353,15 +353,17 @@ def check_compatible(path: str | os.PathLike, prefix: str, expected: dict[str, t
                               f"which the model lacks ({len(extra)} such keys)")
 
 
-def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced).
+def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> int:
+    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced);
+    returns the bytes this rank read from the files (only the stored chunks its tensors overlap).
 
     Nothing in the files is unpickled beyond plain data (dcp_reader.py)."""
+    reader = SafeFileSystemReader(str(path))
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)),
-                     planner=SafeLoadPlanner())
+            dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_failure_reason(e)}") from e
+    return reader.bytes_read
