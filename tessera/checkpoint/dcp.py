@@ -234,7 +234,7 @@ def _broadcast_from_rank0(obj: Any) -> Any:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
-                    keep_last: int) -> Path:
+                    keep_last: int, planner: dcp.SavePlanner | None = None) -> Path:
     """Save `state` (a DCP state dict: tensors and plain data) as checkpoint `step`.
 
     Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step
@@ -243,6 +243,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     them, then rank 0 alone completes it (meta.json, rename, pointer, old checkpoints), and every
     rank returns once that is done or raises if it failed. A failed save (a full disk, a read-only
     file system) raises CheckpointError and leaves the previous checkpoint and pointer as they were.
+    `planner` replaces DCP's default save planner (layout_checkpoint.py writes chunks it reads lazily).
     """
     root = Path(root)
     final = root / step_dir_name(step)
@@ -263,7 +264,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     tmp = Path(tmp)
     try:
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp), planner=planner)
         files = digest_rank_files(tmp, rank)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         files, error = None, _save_error(final, e)

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tessera.checkpoint.hf import load_pretrained, save_pretrained
+from tessera.checkpoint.hf_slices import local_box
 from tessera.config.schema import load_config
 from tessera.models import Transformer
 from tessera.parallel.testing import run_ranks
@@ -137,3 +139,87 @@ def test_one_process_init_from_equals_the_whole_model_loader(family, small_datas
     for name, value in want.items():
         assert torch.equal(got[name], value), name
     assert trainer.init_bytes_read == sum(v.numel() * v.element_size() for v in want.values())
+
+
+def _init_only(config: str, overrides: list[str]) -> dict:
+    """Runs on every rank: build the Trainer (weights read from train.init_from); what this rank read,
+    the box of every tensor it holds, and the bytes of its sharded and replicated tensors."""
+    trainer = Trainer(load_config(config, overrides))
+    boxes, sharded, replicated, own = {}, 0, 0, 0
+    for part in trainer.parts:
+        for name, t in part.state_dict(keep_vars=True).items():
+            boxes[name] = local_box(t)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            whole = t.numel() * t.element_size()
+            own += local.numel() * local.element_size()
+            if local.numel() < t.numel():
+                sharded += whole
+            else:
+                replicated += whole
+    return {"bytes_read": trainer.init_bytes_read, "boxes": boxes, "sharded": sharded, "replicated": replicated,
+            "own": own}
+
+
+@pytest.mark.dist
+def test_each_rank_reads_about_its_share_of_the_huggingface_weights(small_dataset, tmp_path, tmp_path_factory):
+    """4 ranks, experts over ep=2 and every weight sharded over dp_shard=4: a rank reads its shards and
+    the replicated tensors, about a quarter of the model."""
+    hf, ref = hf_and_reference("mixtral", small_dataset, tmp_path_factory)
+    parallel = {"parallel.ep": 2, "parallel.dp_shard": 4, "train.micro_batch_size": 1, "train.init_from": hf}
+    got = run_ranks(_init_only, 4, TINY_MOE, family_overrides("mixtral", small_dataset, tmp_path, **parallel))
+    whole = ref["bytes_read"]
+    for r in got:
+        assert r["sharded"] > 0.9 * whole
+        assert r["bytes_read"] == r["own"]  # exactly the boxes this rank holds ...
+        assert r["bytes_read"] <= 1.1 * (r["sharded"] / 4 + r["replicated"])  # ... about 1/world of the model
+        assert r["bytes_read"] < whole / 3
+
+
+# tp=2 x ep=2 x dp_shard=2 on 4 ranks: every kind of cut (vocabulary, heads, experts, FSDP rows)
+CONVERT_LAYOUT = {"parallel.tp": 2, "parallel.ep": 2, "parallel.dp_shard": 2}
+
+
+@pytest.mark.dist
+def test_convert_writes_the_shards_of_a_layout_and_it_trains_like_the_huggingface_directory(
+        small_dataset, tmp_path, tmp_path_factory):
+    from tessera.checkpoint.dcp_reader import read_dcp_metadata
+    from tessera.cli import main
+
+    family = "qwen3_moe"
+    hf, ref = hf_and_reference(family, small_dataset, tmp_path_factory)
+    dst = tmp_path / "sharded"
+    assert main(["convert", str(hf), str(dst), *[a for k, v in CONVERT_LAYOUT.items()
+                                                  for a in ("--set", f"{k}={v}")]]) == 0
+    step = dst / "step_00000000"
+    config = FAMILIES[family][0]
+    # The ranks of that layout, started for real: the boxes they hold are the checkpoint's chunks.
+    got = run_ranks(_init_only, 4, config, family_overrides(family, small_dataset, tmp_path / "boxes",
+                                                           **CONVERT_LAYOUT, **{"train.init_from": dst}))
+    metadata = read_dcp_metadata(step).state_dict_metadata
+    for key, md in metadata.items():
+        chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
+        held = {r["boxes"][key.removeprefix("model.")] for r in got}
+        assert chunks == held, key
+        assert len(md.chunks) == len(chunks)
+    assert {k.removeprefix("model.") for k in metadata} == set(got[0]["boxes"])
+    for r in got:  # each rank read its own chunks only (stored with a small header each)
+        assert r["own"] <= r["bytes_read"] < 1.1 * r["own"]
+    # The same first step from the converted checkpoint: under its layout, another one, one process.
+    for world, parallel in ((4, CONVERT_LAYOUT), (2, TP2)):
+        run = tmp_path / f"run{world}"
+        trained = run_ranks(train_family, world, config,
+                            family_overrides(family, small_dataset, run, **parallel, **{"train.init_from": dst}))
+        assert_same_training(trained, ref, rtol=1e-5)
+    one = train_family(config, family_overrides(family, small_dataset, tmp_path / "one", **{"train.init_from": dst}))
+    assert_same_training([one], ref, rtol=1e-5)
+
+
+def test_convert_set_takes_parallel_keys_only(small_dataset, tmp_path, tmp_path_factory, capsys):
+    from tessera.cli import main
+
+    hf, _ = hf_and_reference("llama", small_dataset, tmp_path_factory)
+    assert main(["convert", str(hf), str(tmp_path / "a"), "--set", "train.steps=3"]) == 2
+    assert "only parallel.* keys" in capsys.readouterr().err
+    assert main(["convert", str(hf), str(tmp_path / "b"), "--set", "parallel.tp=3"]) == 2
+    assert "tp" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b" / "step_00000000").exists()
