@@ -26,6 +26,7 @@ from tests.train.runs import TINY_DEEPSEEK, TINY_DENSE, TINY_MOE, deepseek_shrin
 # family -> (config, shrink function, model overrides that make the tiny config that family)
 FAMILIES = {
     "llama": (TINY_DENSE, shrink, {}),
+    "llama_tied": (TINY_DENSE, shrink, {"model.tie_embeddings": True}),
     "mistral": (TINY_DENSE, shrink, {"model.family": "mistral", "model.sliding_window": 8}),
     "qwen2": (TINY_DENSE, shrink, {"model.family": "qwen2", "model.qkv_bias": True}),
     "qwen3": (TINY_DENSE, shrink, {"model.family": "qwen3", "model.qk_norm": True}),
@@ -107,6 +108,8 @@ LAYOUTS = [
     _case("deepseek_v3", 2, TP2, "tp2"),
     _case("deepseek_v3", 2, EP2_FSDP2, "ep2-fsdp2", slow=False),
     _case("deepseek_v3", 4, TP2_PP2, "tp2-pp2"),
+    # tied embeddings: the first and last stage each fill their copy, vocabulary-sharded under tp
+    _case("llama_tied", 4, TP2_PP2, "tp2-pp2", slow=False),
     _case("mistral", 2, TP2, "tp2"),
     _case("qwen2", 2, TP2, "tp2"),
     _case("qwen3", 2, PP2, "pp2"),
