@@ -3,7 +3,8 @@
     tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]
     tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
     tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
-    tessera convert SRC DST                          (HuggingFace directory <-> Tessera checkpoint, tokenizer included)
+    tessera convert SRC DST [--set parallel.K=V ...] (HuggingFace directory <-> Tessera checkpoint, tokenizer included;
+                                                      --set: the checkpoint's chunks are that layout's shards)
     tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
     tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
 
@@ -111,6 +112,9 @@ def _train(args: argparse.Namespace) -> int:
             print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+        if trainer.init_from is not None and coordinator:
+            print(f"weights from {trainer.init_from} ({trainer.init_bytes_read / 2**20:.1f} MiB read by rank 0)",
+                  file=sys.stderr)
         result = trainer.train()
     finally:
         shutdown_distributed()
@@ -260,12 +264,16 @@ def _convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
                         "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "
                         "HuggingFace directory's own")
+    p.add_argument("--set", dest="layout", action="append", default=[], metavar="parallel.KEY=VALUE",
+                   help="HuggingFace -> Tessera: write the checkpoint cut into the shards of this parallel layout, "
+                        "e.g. --set parallel.tp=2 --set parallel.dp_shard=4 (repeatable; parallel.* keys only; "
+                        "give dp_shard explicitly, unset counts as 1)")
 
 
 def _convert(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert
 
-    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer)
+    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer, layout=args.layout)
     print(f"wrote {kind} directory {path}")
     return 0
 

@@ -104,7 +104,7 @@ def save_model_checkpoint(model: Transformer, root: str | os.PathLike, cfg: RunC
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
-            tokenizer: str | os.PathLike | None = None) -> tuple[str, Path]:
+            tokenizer: str | os.PathLike | None = None, layout: list[str] | None = None) -> tuple[str, Path]:
     """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
 
     Tessera -> HF reads a checkpoint saved under any parallel layout one shard file at a time
@@ -112,6 +112,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     run's `data.tokenizer` (the bundled one when that is unset). HF -> Tessera records the tokenizer
     (`tokenizer`, else the HF directory's own when it has one) as the checkpoint's data.tokenizer.
     Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
+    `layout` (`parallel.K=V` overrides, HF -> Tessera only) cuts the checkpoint's chunks into the
+    shards of that layout without loading the whole model (layout_checkpoint.py).
     """
     if Path(src).resolve() == Path(dst).resolve():
         raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
@@ -126,12 +128,20 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
         raise CheckpointError(f"convert: destination {str(dst)!r} cannot be written (read-only or no "
                               "permission); choose a writable directory")
     if is_hf_directory(src):
+        own = Path(src) / "tokenizer.json"
+        source = tokenizer or (str(Path(src).resolve()) if own.is_file() else None)
+        recorded = None if source is None else str(source)
+        if layout:
+            from tessera.checkpoint.layout_checkpoint import save_layout_checkpoint
+
+            return "tessera", save_layout_checkpoint(src, dst, layout, DTYPES[dtype], recorded)
         from tessera.checkpoint.hf import load_pretrained
 
         model = load_pretrained(src, dtype=DTYPES[dtype])
-        own = Path(src) / "tokenizer.json"
-        source = tokenizer or (str(Path(src).resolve()) if own.is_file() else None)
-        return "tessera", save_model_checkpoint(model, dst, tokenizer=None if source is None else str(source))
+        return "tessera", save_model_checkpoint(model, dst, tokenizer=recorded)
+    if layout:
+        raise ConfigError("convert --set parallel.* applies to HuggingFace -> Tessera only: a HuggingFace "
+                          "export has no layout")
     from tessera.checkpoint.hf_export import export_checkpoint_to_hf
 
     found = ckpt.resolve_checkpoint(src)  # saved under any layout; read one shard file at a time

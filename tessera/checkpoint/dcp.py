@@ -241,7 +241,7 @@ def _broadcast_from_rank0(obj: Any) -> Any:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
-                    keep_last: int) -> Path:
+                    keep_last: int, planner: dcp.SavePlanner | None = None) -> Path:
     """Save `state` (a DCP state dict: tensors and plain data) as checkpoint `step`.
 
     Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step
@@ -250,6 +250,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     them, then rank 0 alone completes it (meta.json, rename, pointer, old checkpoints), and every
     rank returns once that is done or raises if it failed. A failed save (a full disk, a read-only
     file system) raises CheckpointError and leaves the previous checkpoint and pointer as they were.
+    `planner` replaces DCP's default save planner (layout_checkpoint.py writes chunks it reads lazily).
     """
     root = Path(root)
     final = root / step_dir_name(step)
@@ -270,7 +271,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     tmp = Path(tmp)
     try:
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp), planner=planner)
         files = digest_rank_files(tmp, rank)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         files, error = None, _save_error(final, e)
@@ -360,29 +361,32 @@ def check_compatible(path: str | os.PathLike, prefix: str, expected: dict[str, t
                               f"which the model lacks ({len(extra)} such keys)")
 
 
-def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced).
+def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> int:
+    """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced);
+    returns the bytes this rank read from the files (only the stored chunks its tensors overlap).
 
     Nothing in the files is unpickled beyond plain data (dcp_reader.py)."""
-    _load(path, state, SafeLoadPlanner(), no_dist=False)
+    return _load(path, state, SafeLoadPlanner(), no_dist=False)
 
 
-def load_boxes(path: str | os.PathLike, boxes: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+def load_boxes(path: str | os.PathLike, boxes: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> int:
     """For each stored key, copy the box of its tensor that starts at the given offsets and has the
-    given tensor's shape into that tensor (cast to its dtype), whatever layout saved it.
+    given tensor's shape into that tensor (cast to its dtype), whatever layout saved it; returns the
+    bytes read.
 
     This process alone reads, even when it belongs to a process group (the other ranks need not
     take part), and only the stored shards that overlap a box."""
     planner = BoxLoadPlanner({key: offsets for key, (offsets, _) in boxes.items()})
-    _load(path, {key: t for key, (_, t) in boxes.items()}, planner, no_dist=True)
+    return _load(path, {key: t for key, (_, t) in boxes.items()}, planner, no_dist=True)
 
 
-def _load(path: str | os.PathLike, state: dict[str, Any], planner: SafeLoadPlanner, no_dist: bool) -> None:
+def _load(path: str | os.PathLike, state: dict[str, Any], planner: SafeLoadPlanner, no_dist: bool) -> int:
+    reader = SafeFileSystemReader(str(path))
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)),
-                     planner=planner, no_dist=no_dist)
+            dcp.load(state, checkpoint_id=str(path), storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_failure_reason(e)}") from e
+    return reader.bytes_read

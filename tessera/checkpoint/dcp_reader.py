@@ -62,7 +62,14 @@ def read_dcp_metadata(checkpoint: str | os.PathLike) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """`FileSystemReader` whose metadata comes from `read_dcp_metadata` (no arbitrary unpickling)."""
+    """`FileSystemReader` whose metadata comes from `read_dcp_metadata` (no arbitrary unpickling).
+    `bytes_read` counts the stored bytes of every item this rank's load plan read."""
+
+    bytes_read = 0
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        self.bytes_read += sum(self.storage_data[item.storage_index].length for item in plan.items)
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

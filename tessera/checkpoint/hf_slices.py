@@ -72,6 +72,18 @@ class HFSliceReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole shape of Tessera tensor `key` as stored (routed experts: [E, ...]), from the
+        files' headers; no data is read."""
+        hf_keys = self.names[key]
+        f = self.files.files[hf_keys[0]]
+        try:
+            shape = tuple(self.files.handle(f).get_slice(hf_keys[0]).get_shape())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_keys[0]!r} ({e}); the file may be "
+                                  "damaged") from e
+        return shape if len(hf_keys) == 1 else (len(hf_keys), *shape)
+
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              dtype: torch.dtype | None = None) -> torch.Tensor:
         """The box (`offsets`, `sizes`) of Tessera tensor `key`, in `dtype` (default: as stored)."""

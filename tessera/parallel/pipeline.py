@@ -176,6 +176,20 @@ class PipelineRun:
         return losses
 
 
+def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale: float,
+                       parallelize_stage: Callable[[nn.Module], nn.Module] | None = None
+                       ) -> tuple[list[int], list[nn.Module]]:
+    """This rank's stage ids and stage modules: `model` split (the last stage in place, the others
+    from copies) and each parallelized by `parallelize_stage`. The mesh must exist."""
+    num_stages = dims.pp * vpp
+    stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, vpp)
+    modules = []
+    for i, s in enumerate(stage_ids):
+        m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale)
+        modules.append(parallelize_stage(m) if parallelize_stage is not None else m)
+    return stage_ids, modules
+
+
 def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], aux_scale: float,
                    parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
@@ -201,15 +215,10 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     if dims.mesh is None:
         dims.build_mesh(str(device).split(":")[0])
     num_stages = dims.pp * cfg.vpp
-    stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, cfg.vpp)
+    stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage)
     group = dims["pp"].get_group()
-    modules, stages = [], []
-    for i, s in enumerate(stage_ids):
-        m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale)
-        if parallelize_stage is not None:
-            m = parallelize_stage(m)
-        modules.append(m)
-        stages.append(PipelineStage(m, s, num_stages, torch.device(device), group=group))
+    stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
+              for s, m in zip(stage_ids, modules, strict=True)]
     cls = SCHEDULES[cfg.pp_schedule]
     stage_arg = stages if cfg.pp_schedule in MULTI_STAGE else stages[0]
     schedule = cls(stage_arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -23,20 +23,22 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
   ranks) and comm/max_rank_bytes.
 
-Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller
-made) the `parallel` section decides the layout (run_layout.py): every rank builds the model on the
-meta device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
+Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller made)
+the `parallel` section decides the layout (run_layout.py): every rank builds the model on the meta
+device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
 (pipeline_step.py), then allocates only those and initialises them by name from the seed
-(`tessera.parallel.meta_init`), to the values one process has (with `train.init_from` the whole
-model is built and loaded first, then cut); every rank reads the whole global batch and takes its
-rows, so the data order does not depend on the layout; statistics are summed over ranks and rank 0
-writes the metrics, the progress bar and the checkpoint bookkeeping. With one process nothing of this runs: the step
-is single_process_step.py, bit for bit what it always was. In bf16 every layout computes under
-autocast as one process does, and where FSDP holds the weights it also casts them to bf16 for
-compute (fp32 shards stay the master copy, gradients are reduced in fp32), except the MoE router's,
-which FSDP keeps in fp32 (tessera.parallel.data_parallel), as one process does. With
-`parallel.optimizer=distributed` FSDP is not used: the weights are replicated in the compute dtype
-and tessera.parallel.distributed_optimizer holds sharded fp32 masters and AdamW state instead.
+(`tessera.parallel.meta_init`), to the values one process has; with `train.init_from` each rank
+reads only its shards from the HuggingFace directory or Tessera checkpoint
+(`tessera.checkpoint.sharded_load`; `init_bytes_read` counts them); every rank reads the whole
+global batch and takes its rows, so the data order does not depend on the layout; statistics are
+summed over ranks and rank 0 writes the metrics, the progress bar and the checkpoint bookkeeping.
+With one process nothing of this runs: the step is single_process_step.py, bit for bit what it
+always was. In bf16 every layout computes under autocast as one process does, and where FSDP holds
+the weights it also casts them to bf16 for compute (fp32 shards stay the master copy, gradients are
+reduced in fp32), except the MoE router's, which FSDP keeps in fp32
+(tessera.parallel.data_parallel), as one process does. With `parallel.optimizer=distributed` FSDP is
+not used: the weights are replicated in the compute dtype and tessera.parallel.distributed_optimizer
+holds sharded fp32 masters and AdamW state instead.
 """
 
 from __future__ import annotations
@@ -120,29 +122,36 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
                               f"{self.data.vocab_size} tokens, so it must be >= {self.data.vocab_size}")
         # On several ranks the model is built without storage and each rank materialises only its
-        # shards (tessera.parallel.meta_init); `train.init_from` still loads into the whole model.
-        on_meta = self.layout.dims is not None and not (resume_from is None and t.init_from)
+        # shards: initialised by name from the seed (tessera.parallel.meta_init) or, with
+        # `train.init_from`, read from the source, each rank only its shards
+        # (tessera.checkpoint.sharded_load).
+        self.init_from = t.init_from if resume_from is None else None
+        on_meta = self.layout.dims is not None
         if on_meta:
             with torch.device("meta"):
                 model = Transformer(cfg.model, init_seed=None)
-                reference = Transformer(cfg.model, init_seed=None)
+                reference = Transformer(cfg.model, init_seed=None) if self.init_from is None else None
         else:
-            model = Transformer(cfg.model, init_seed=t.seed).to(self.device)
+            model = Transformer(cfg.model, init_seed=t.seed if self.init_from is None else None).to(self.device)
         model.train()
         model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.device)  # chunked LM-head loss
         self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if resume_from is None and t.init_from:
-            self._init_from(model, t.init_from)
+        self.init_bytes_read = 0  # bytes this rank read from train.init_from
+        if self.init_from is not None and not on_meta:
+            self.init_bytes_read = self._init_from([model], self.init_from)
         self.engine = self._build_engine(model)
         self.parts = self.engine.parts
         self.loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None  # fp16: tessera.train.loss_scaler
         if self.loss_scaler is not None:
             self.loss_scaler.attach(self.parts)
         if on_meta:
-            from tessera.parallel.meta_init import materialize_by_name
-
             with self.layout.phase("initialising the weights"):
-                materialize_by_name(self.parts, reference, t.seed, self.device)
+                if self.init_from is not None:
+                    self.init_bytes_read = self._init_from(self.parts, self.init_from)
+                else:
+                    from tessera.parallel.meta_init import materialize_by_name
+
+                    materialize_by_name(self.parts, reference, t.seed, self.device)
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
         # AdamW per part, or the distributed optimizers, which the step engine then drives too
         self.optimizers = build_optimizers(self.parts, cfg, self.layout.dims, self.autocast_dtype or torch.float32)
@@ -219,24 +228,17 @@ class Trainer:
             return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
                                 self.autocast_dtype)
 
-    def _init_from(self, model: Transformer, path: str) -> None:
-        """Weights from a HuggingFace directory or a Tessera checkpoint; optimizer and step start fresh.
-        Loaded into the full model on every rank, before it is parallelized."""
-        from tessera.checkpoint.convert import is_hf_directory, load_model_weights
-        from tessera.hf import load_pretrained
+    def _init_from(self, parts: list[torch.nn.Module], path: str) -> int:
+        """Weights from a HuggingFace directory or a Tessera checkpoint into this rank's parts (the
+        whole model on one process; meta-built, parallelized shards or stages on several), each rank
+        reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
+        from tessera.checkpoint.convert import is_hf_directory
+        from tessera.checkpoint.sharded_load import load_checkpoint_shards, load_hf_shards
 
         if not is_hf_directory(path):
-            load_model_weights(ckpt.resolve_checkpoint(path), model)
-            return
-        pretrained = load_pretrained(path, dtype=torch.float32)
-        ours, theirs = model.state_dict(), pretrained.state_dict()
-        for key, value in ours.items():
-            if key not in theirs:
-                raise CheckpointError(f"train.init_from={path!r} does not fit the model: it has no {key!r}")
-            if theirs[key].shape != value.shape:
-                raise CheckpointError(f"train.init_from={path!r} does not fit the model: {key!r} has shape "
-                                      f"{list(theirs[key].shape)} there but {list(value.shape)} in the model")
-        model.load_state_dict(theirs, strict=True)
+            return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
+        return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
+                              source=f"train.init_from={path!r}")
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
