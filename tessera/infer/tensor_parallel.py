@@ -137,26 +137,19 @@ def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transforme
 def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
                   device: torch.device | str) -> Transformer:
     """This rank's shard of the HuggingFace model at `path`, reading only its box of every tensor
-    (`HFSliceReader`): built on the meta device, cut, then filled from the files."""
-    from tessera.checkpoint.hf_slices import HFSliceReader, local_box
+    (`checkpoint.sharded_load`, as training's `init_from` does): built on the meta device, cut,
+    then filled from the files."""
+    from tessera.checkpoint.sharded_load import load_hf_shards
 
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
     shard_model(model, dims)
     model.to_empty(device=device)
     model.to(dtype)
-    reader = HFSliceReader(path, cfg)
-    for name, p in model.named_parameters():
-        offsets, sizes = local_box(p)
-        local = p.to_local() if isinstance(p, DTensor) else p
-        local.copy_(reader.read(name, offsets, sizes, dtype))
-    modules = dict(model.named_modules())
-    for name, b in list(model.named_buffers()):
-        if name in reader.names:
-            owner, _, attr = name.rpartition(".")
-            keep = torch.float32 if name.endswith("expert_bias") else dtype
-            setattr(modules[owner], attr, reader.read(name, (0,) * b.dim(), tuple(b.shape), keep).to(device))
-    model.reset_rope(device)
+    for module in model.modules():  # the routing bias stays fp32, as on one process
+        if getattr(module, "expert_bias", None) is not None:
+            module.expert_bias = module.expert_bias.float()
+    load_hf_shards([model], path, cfg, device, source=f"HuggingFace directory {str(path)!r}")
     return to_plain_tensors(model.eval(), dims["tp"].get_group())
 
 
