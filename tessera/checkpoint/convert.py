@@ -72,12 +72,13 @@ def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
 
 def load_tessera_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
-    """The model of a run directory / checkpoint root / checkpoint (in eval mode, in `dtype`) and
-    the run configuration stored with it (the plain dict of its meta.json)."""
+    """The model of a run directory / checkpoint root / checkpoint (in eval mode, in `dtype`, but
+    for the fp32 routing bias: `Transformer.cast`) and the run configuration stored with it (the
+    plain dict of its meta.json)."""
     found = ckpt.resolve_checkpoint(path)
     model = Transformer(stored_model_config(found), init_seed=None)
     load_model_weights(found, model)
-    return model.to(device=device, dtype=dtype).eval(), stored_run_config(found)
+    return model.cast(dtype, device).eval(), stored_run_config(found)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu"

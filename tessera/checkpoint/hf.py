@@ -22,7 +22,7 @@ from tessera.checkpoint.hf_weights import hf_names
 from tessera.checkpoint.hf_writer import first_keys, write_hf_directory
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import ModelConfig
-from tessera.models.transformer import Transformer
+from tessera.models.transformer import Transformer, kept_in_fp32
 
 # HuggingFace-side keys that carry no weights Tessera needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -74,8 +74,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         if tuple(t.shape) != tuple(expected[key].shape):
             raise CheckpointError(f"{path}: shape mismatch for {hf_keys[0]} (-> {key}): checkpoint "
                                   f"{tuple(t.shape)}, model config expects {tuple(expected[key].shape)}")
-        keep_fp32 = key.endswith("expert_bias")
-        state[key] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        state[key] = t.to(device=device, dtype=torch.float32 if kept_in_fp32(key) else dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_rope(device)
     return model.eval()

@@ -9,9 +9,10 @@ The checkpoint may come from any parallel layout (one process, FSDP, tp x ep, pi
 it. So the whole model is never built nor held: the files are checked against their checksums,
 the model shape comes from the run configuration in meta.json, the stored names and shapes are
 checked against it, and then, for each shard file of the plan (hf_writer.py, the same plan, names
-and index as `save_pretrained`), exactly that file's tensors are read, cast to `dtype`, written and
-released. A routed-expert weight [E, out, in] is E HuggingFace tensors: a file gets the box of the
-experts it holds, never the others.
+and index as `save_pretrained`), exactly that file's tensors are read, cast to `dtype` (but for the
+routing bias, which stays fp32 as in a loaded model: `kept_in_fp32`), written and released. A
+routed-expert weight [E, out, in] is E HuggingFace tensors: a file gets the box of the experts it
+holds, never the others.
 
 `peak_bytes` is measured, not computed: every tensor read is counted from its allocation until it
 is garbage collected, so it is at most one shard file's worth (or one tensor, when a tensor is
@@ -35,7 +36,7 @@ from tessera.checkpoint.hf_weights import check_exportable, hf_names
 from tessera.checkpoint.hf_writer import write_hf_directory
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
-from tessera.models.transformer import Transformer
+from tessera.models.transformer import Transformer, kept_in_fp32
 
 MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (train_checkpoint.py)
 
@@ -63,10 +64,13 @@ class _ShardReader:
         self.held = 0
         self.peak_bytes = 0
 
+    def dtype_of(self, key: str) -> torch.dtype:
+        return torch.float32 if kept_in_fp32(key) else self.dtype
+
     def size(self, hf_key: str) -> int:
         key, j = self.source[hf_key]
         shape = self.shapes[key][1:] if j is not None else self.shapes[key]
-        return torch.Size(shape).numel() * self.dtype.itemsize
+        return torch.Size(shape).numel() * self.dtype_of(key).itemsize
 
     def __call__(self, hf_keys: list[str]) -> dict[str, torch.Tensor]:
         wanted: dict[str, list[int | None]] = {}  # Tessera key -> expert indices (contiguous, in order)
@@ -81,7 +85,7 @@ class _ShardReader:
             else:
                 first[key] = indices[0]
                 offsets, box = (indices[0],) + (0,) * (len(shape) - 1), (len(indices), *shape[1:])
-            boxes[MODEL_PREFIX + key] = (offsets, self._allocate(box))
+            boxes[MODEL_PREFIX + key] = (offsets, self._allocate(box, self.dtype_of(key)))
         ckpt.load_boxes(self.checkpoint, boxes)
         out = {}
         for h in hf_keys:
@@ -90,8 +94,8 @@ class _ShardReader:
             out[h] = t if j is None else t[j - first[key]]  # a view: keeps its box alive until written
         return out
 
-    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
-        t = torch.empty(shape, dtype=self.dtype)
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
         self.held += t.nbytes
         self.peak_bytes = max(self.peak_bytes, self.held)
         weakref.finalize(t, self._release, t.nbytes)

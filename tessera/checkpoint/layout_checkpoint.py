@@ -137,7 +137,7 @@ def save_layout_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, overr
     whose chunks are the shards of the layout `overrides` (`parallel.K=V`) name."""
     from tessera.checkpoint.hf import read_hf_config
     from tessera.checkpoint.sharded_load import check_hf_fits
-    from tessera.models import Transformer
+    from tessera.models.transformer import Transformer, kept_in_fp32
 
     model_cfg = read_hf_config(src)
     cfg = layout_run_config(model_cfg, overrides, str(dst))
@@ -145,8 +145,7 @@ def save_layout_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, overr
     with torch.device("meta"):
         state = Transformer(model_cfg, init_seed=None).state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    # expert biases stay fp32, as load_pretrained keeps them
-    dtypes = {k: torch.float32 if k.endswith("expert_bias") else dtype for k in state}
+    dtypes = {k: torch.float32 if kept_in_fp32(k) else dtype for k in state}  # as load_pretrained keeps them
     reader = HFSliceReader(src, model_cfg)
     check_hf_fits(reader, shapes, f"HuggingFace directory {str(src)!r}")
     boxes = layout_boxes(model_cfg, cfg.parallel)

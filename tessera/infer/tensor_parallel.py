@@ -145,10 +145,7 @@ def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype
         model = Transformer(cfg, init_seed=None)
     shard_model(model, dims)
     model.to_empty(device=device)
-    model.to(dtype)
-    for module in model.modules():  # the routing bias stays fp32, as on one process
-        if getattr(module, "expert_bias", None) is not None:
-            module.expert_bias = module.expert_bias.float()
+    model.cast(dtype)  # the routing bias stays fp32, as on one process
     load_hf_shards([model], path, cfg, device, source=f"HuggingFace directory {str(path)!r}")
     return to_plain_tensors(model.eval(), dims["tp"].get_group())
 

@@ -41,6 +41,14 @@ from tessera.models.rope import rope_cos_sin, rope_frequencies
 PositionSource = Callable[[int, int, torch.device], torch.Tensor]
 
 
+def kept_in_fp32(name: str) -> bool:
+    """Whether tensor `name` of a model stays fp32 whatever the model's dtype: the aux-loss-free
+    routing bias (DeepSeek-V3), whose small fixed-step updates bf16 would round away, and which
+    chooses experts by comparisons a rounding can flip (HuggingFace keeps e_score_correction_bias
+    in fp32 as well)."""
+    return name.endswith("expert_bias")
+
+
 def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
     """The `PositionSource` of one process: the input is the whole sequence, from position 0."""
     return torch.arange(S, device=device).expand(B, S)
@@ -116,6 +124,16 @@ class Transformer(nn.Module):
         rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
         inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.rope_inv_freq = inv_freq.to(device if device is not None else self.rope_inv_freq.device)
+
+    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Transformer:
+        """`to(device, dtype)`, except that the tensors of `kept_in_fp32` stay fp32 (their values
+        unrounded). Returns the model."""
+        kept = {n: b for n, b in self.named_buffers() if kept_in_fp32(n)}  # `to` replaces, never changes, them
+        self.to(device=device, dtype=dtype)
+        for name, b in kept.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner), leaf, b.to(device=device, dtype=torch.float32))
+        return self
 
     # ---- initialisation --------------------------------------------------------------------
     @torch.no_grad()

@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.convert import load_tessera_model
+from tessera.checkpoint.convert import load_tessera_model, save_model_checkpoint
 from tessera.checkpoint.hf import save_pretrained
 from tessera.checkpoint.hf_export import export_checkpoint_to_hf
 from tessera.config import CheckpointError, ConfigError
+from tessera.config.presets import get_preset
 from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
+from tessera.models.transformer import Transformer
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_MOE, moe_shrink
 
@@ -125,3 +127,27 @@ def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_datase
 def test_an_empty_export_directory_is_refused():
     with pytest.raises(ConfigError, match="checkpoint.export_hf_dir.*non-empty path"):
         load_config(TINY_MOE, ["checkpoint.export_hf_dir=''"])
+
+
+def test_bf16_export_keeps_the_routing_bias_fp32(tmp_path):
+    """DeepSeek-V3's aux-loss-free routing bias stays fp32 in a bf16 export, bit for bit, as in a
+    model loaded in bf16 and in transformers (which keeps e_score_correction_bias fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = Transformer(get_preset("tiny-deepseek"), init_seed=0)
+    bias = model.get_buffer("layers.1.moe.router.expert_bias")
+    bias.copy_(1 + torch.arange(bias.numel()) / 3)  # thirds: bf16 would round every one of them
+    assert not torch.equal(bias.bfloat16().float(), bias)
+    root = save_model_checkpoint(model, tmp_path / "ckpt")
+    export_checkpoint_to_hf(root, tmp_path / "streamed", dtype=torch.bfloat16)
+    hf_key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    written = load_file(tmp_path / "streamed" / "model.safetensors")
+    assert written[hf_key].dtype == torch.float32 and torch.equal(written[hf_key], bias)
+    assert written["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    loaded, _ = load_tessera_model(root, dtype=torch.bfloat16)
+    assert torch.equal(loaded.get_buffer("layers.1.moe.router.expert_bias"), bias)
+    save_pretrained(loaded, tmp_path / "whole")
+    _same_directories(tmp_path / "streamed", tmp_path / "whole")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", torch_dtype=torch.bfloat16)
+    gate = hf.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16 and torch.equal(gate.e_score_correction_bias, bias)
