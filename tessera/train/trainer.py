@@ -413,7 +413,9 @@ class Trainer:
                 result.stopped_by_signal = agreed if self.layout.distributed else stop.received
                 if stop_requested() and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
-                if self.cfg.checkpoint.export_hf and not stop_requested():
+                # A run that reached train.steps is complete, also when a stop signal came during its
+                # last step; a run the signal ended early is not exported.
+                if self.cfg.checkpoint.export_hf and self.step >= t.steps:
                     if saved_at != self.step:  # resumed at train.steps: nothing was saved in this call
                         result.checkpoint = self.save()
                     result.hf_export = self._export_hf(result.checkpoint)

@@ -7,7 +7,9 @@ and leaves the destination as it was. The run's own export (checkpoint.export_hf
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
 from tessera.models.transformer import Transformer
 from tessera.train.trainer import Trainer
-from tests.train.runs import TINY_MOE, moe_shrink
+from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
 SMALL_SHARDS = 30_000  # bytes: many files for the 2.4 MB model, experts of one weight across two files
 # The 1 MiB embedding and LM head get a file each, both layers (~0.3 MB) share one: holding two files
@@ -122,6 +124,33 @@ def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_datase
     result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
     assert (result.start_step, result.last_step, result.hf_export) == (2, 2, tmp_path / "hf")
     _same_directories(tmp_path / "hf", run / "hf")
+
+
+def _stop_signal_after(trainer: Trainer, step: int) -> None:
+    """SIGTERM to this process right after optimizer step `step`, as from a scheduler."""
+    train_step = trainer.train_step
+
+    def step_then_signal():
+        stats = train_step()
+        if trainer.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stats
+
+    trainer.train_step = step_then_signal
+
+
+@pytest.mark.parametrize("signal_at,exported", [(2, True), (1, False)])
+def test_a_stop_signal_in_the_last_step_still_exports(small_dataset, tmp_path, signal_at, exported):
+    """The run reached train.steps and saved it: it is complete and exported. A signal that ends it
+    before train.steps leaves a checkpoint to resume from and no export."""
+    run_dir = tmp_path / "run"
+    trainer = Trainer(load_config(TINY_DENSE, shrink(small_dataset, run_dir, 2, **{"checkpoint.export_hf": True})))
+    _stop_signal_after(trainer, signal_at)
+    result = trainer.train()
+    assert (result.stopped_by_signal, result.last_step) == (signal.SIGTERM, signal_at)
+    assert result.checkpoint == run_dir / "checkpoints" / f"step_{signal_at:08d}"
+    assert result.hf_export == (run_dir / "hf" if exported else None)
+    assert (run_dir / "hf" / "model.safetensors").is_file() == exported
 
 
 def test_an_empty_export_directory_is_refused():
