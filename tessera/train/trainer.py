@@ -166,6 +166,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
         self.resumed_from = resume_from
+        self.latest_checkpoint = resume_from  # the checkpoint of the current step, once one exists
 
     # ---- setup -----------------------------------------------------------------------------
     def _checkpoint_to_resume(self, resume: bool) -> Path | None:
@@ -252,8 +253,10 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint model, optimizer, schedule, step, RNG states and data position (train_checkpoint.py)."""
         with self.layout.phase("checkpoint save"):
-            return save_training_state(self.ckpt_root, self.step, self.parts, self.optimizers, self._trainer_state(),
-                                       self.cfg, self.layout.rank, self.layout.world_size)
+            self.latest_checkpoint = save_training_state(
+                self.ckpt_root, self.step, self.parts, self.optimizers, self._trainer_state(), self.cfg,
+                self.layout.rank, self.layout.world_size)
+        return self.latest_checkpoint
 
     def _load(self, path: Path) -> None:
         with self.layout.phase("checkpoint load"):
@@ -416,9 +419,9 @@ class Trainer:
                 # A run that reached train.steps is complete, also when a stop signal came during its
                 # last step; a run the signal ended early is not exported.
                 if self.cfg.checkpoint.export_hf and self.step >= t.steps:
-                    if saved_at != self.step:  # resumed at train.steps: nothing was saved in this call
-                        result.checkpoint = self.save()
-                    result.hf_export = self._export_hf(result.checkpoint)
+                    # The checkpoint of this step: the one just saved or, when the call started at
+                    # train.steps (resumed there), the one resumed from; never a second save of it.
+                    result.hf_export = self._export_hf(self.latest_checkpoint)
         finally:
             bar.close()
             if writer is not None:

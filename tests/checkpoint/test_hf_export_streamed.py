@@ -118,11 +118,18 @@ def test_a_destination_with_foreign_files_is_refused(run, tmp_path):
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and not ckpt.find_latest(out)
 
 
+def _files_as_they_are(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in [root, *root.rglob("*")]}
+
+
 def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_dataset, tmp_path):
+    """It exports the checkpoint it resumed from as it is, without first saving the same step again."""
+    before = _files_as_they_are(run / "checkpoints")
     overrides = moe_shrink(small_dataset, run, 2, **{"checkpoint.export_hf": True,
                                                      "checkpoint.export_hf_dir": str(tmp_path / "hf")})
     result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
     assert (result.start_step, result.last_step, result.hf_export) == (2, 2, tmp_path / "hf")
+    assert result.checkpoint is None and _files_as_they_are(run / "checkpoints") == before
     _same_directories(tmp_path / "hf", run / "hf")
 
 
