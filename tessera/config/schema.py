@@ -153,7 +153,9 @@ class CheckpointConfig:
     # while the other ranks wait (up to train.collective_timeout_s: for a model too large to export
     # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). Off by default.
     export_hf: bool = False
-    # Where export_hf writes; None = run_dir/hf. Files an export would not write there are refused.
+    # Where export_hf writes; None = run_dir/hf. A relative path is under run_dir, like everything
+    # else the run writes; an absolute one is taken as is. Files an export would not write there
+    # are refused.
     export_hf_dir: str | None = None
 
 

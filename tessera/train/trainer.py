@@ -312,7 +312,7 @@ class Trainer:
         at a time (tessera.checkpoint.hf_export); the other ranks wait, and fail with it if it fails."""
         from tessera.checkpoint.hf_export import export_checkpoint_to_hf
 
-        out = Path(self.cfg.checkpoint.export_hf_dir or self.run_dir / "hf")
+        out = self.run_dir / (self.cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
         tokenizer = self.cfg.data.tokenizer or "default"
         self.layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
         return out

@@ -133,6 +133,19 @@ def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_datase
     _same_directories(tmp_path / "hf", run / "hf")
 
 
+def test_a_relative_export_directory_is_under_run_dir(run, small_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = moe_shrink(small_dataset, run, 2, **{"checkpoint.export_hf": True,
+                                                     "checkpoint.export_hf_dir": "exports/hf"})
+    try:
+        result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
+        assert result.hf_export == run / "exports" / "hf"
+        _same_directories(run / "exports" / "hf", run / "hf")
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        shutil.rmtree(run / "exports", ignore_errors=True)
+
+
 def _stop_signal_after(trainer: Trainer, step: int) -> None:
     """SIGTERM to this process right after optimizer step `step`, as from a scheduler."""
     train_step = trainer.train_step
