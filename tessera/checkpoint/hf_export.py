@@ -14,10 +14,14 @@ routing bias, which stays fp32 as in a loaded model: `kept_in_fp32`), written an
 routed-expert weight [E, out, in] is E HuggingFace tensors: a file gets the box of the experts it
 holds, never the others.
 
-`peak_bytes` is measured, not computed: every tensor read is counted from its allocation until it
-is garbage collected, so it is at most one shard file's worth (or one tensor, when a tensor is
-larger than `max_shard_bytes`). DCP itself reads each stored shard that overlaps a box whole before
-copying the box out of it: transiently, at most one stored shard more.
+`peak_bytes` is measured, not computed, and counts the tensors the export writes: each is counted
+from its allocation (in the exported dtype) until it is garbage collected, so it is at most one
+shard file's worth (or one tensor, when a tensor is larger than `max_shard_bytes`). It leaves out
+DCP's own reading: for each stored chunk (a rank's shard of a tensor) that overlaps a tensor being
+read, DCP loads the whole chunk, in its stored dtype (fp32 for a training checkpoint), copies the
+overlap out and drops it before the next chunk, so the process holds up to one stored chunk
+more, briefly. Saved by one process, a chunk is a whole tensor: the fp32 embedding, or every expert
+of a stacked expert weight even when the file being written takes a few of them.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class ExportResult:
     checkpoint: Path  # the checkpoint it was read from
     files: list[str]  # its safetensors files, in order
     total_bytes: int  # tensor bytes written
-    peak_bytes: int  # most tensor bytes held at once while writing
+    peak_bytes: int  # most bytes of the written tensors held at once (not DCP's chunk reads: module docstring)
 
 
 class _ShardReader:
