@@ -245,6 +245,11 @@ class TensorParallelRunner:
             return run_step(self.runner, items, self.vocab_size)
         return self.workers.guarded(step)
 
+    @property
+    def failure(self):
+        """The WorkerFailure that ended tensor-parallel serving (None while healthy)."""
+        return self.workers.failure
+
     def clear_blocks(self, blocks: list[int]) -> None:
         if blocks:
             self.workers.guarded(lambda: self.workers.channel.send(CLEAR, list(blocks)))

@@ -26,7 +26,7 @@ from tessera.infer.command import main as serve_main
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
-from tests.infer.running_server import free_port, wait_until_serving
+from tests.infer.running_server import RunningServer, free_port, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -338,6 +338,26 @@ def test_dropped_llm_stops_its_workers(llama):
     assert not torch.distributed.is_initialized()
     with LLM(path, tensor_parallel_size=2, block_size=4) as again:  # the process can serve again
         assert again.generate(["hi"], GREEDY)[0].token_ids == want
+
+
+@pytest.mark.dist
+def test_health_is_503_naming_the_rank_after_a_worker_died(llama):
+    from tessera.infer import LLMEngine
+
+    path, _ = llama
+    engine = LLMEngine.from_dir(path, EngineConfig(tensor_parallel_size=2, block_size=4))
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+    try:
+        with RunningServer(engine, name="tiny") as server:
+            assert httpx.get(server.url + "/health").status_code == 200
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            engine.runner.workers.procs[0].kill()
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 500 and "rank 1" in r.text
+            r = httpx.get(server.url + "/health")
+            assert r.status_code == 503 and "tensor-parallel rank 1 exited" in r.json()["error"]["message"]
+    finally:
+        engine.close()
 
 
 def test_ranks_get_consecutive_gpus_that_must_exist():
