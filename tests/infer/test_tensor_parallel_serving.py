@@ -372,3 +372,21 @@ def test_ranks_get_consecutive_gpus_that_must_exist():
         check_device_count("cuda:1", 2, 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 on device='cuda'.*has 2"):
         check_device_count("cuda", 4, 2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama_tied_bias", "mistral", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3"])
+def test_two_ranks_match_hf_for_every_family(family, tmp_path):
+    """Tied embeddings with attention biases, sliding windows, QKV biases, QK norms, shared
+    experts and latent attention (MLA), each split over two ranks: greedy tokens as HuggingFace."""
+    from tests.infer.tiny_models import save_tokenizer
+    from tests.models.hf_families import hf_configs, random_hf_model
+
+    hf = random_hf_model(hf_configs()[family], 0, 0.25)
+    hf.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    prompts = [[0, 5, 17, 33, 2, 9, 40, 41, 42, 43, 44], [0, 70], [0] + list(range(3, 30))]
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(tmp_path, tensor_parallel_size=2, **OPTIONS) as two:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want
