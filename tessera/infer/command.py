@@ -102,9 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--max-num-seqs; 'none': decode in the packed step)")
     p.add_argument("--tensor-parallel-size", type=int_in(1, 1024), default=1, metavar="N",
                    help="split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): "
-                        "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:r); "
-                        "N must divide the heads, KV heads, vocabulary and FFN dims; N > 1 decodes without "
-                        "CUDA graphs and serves no LoRA or int8 weights")
+                        "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r "
+                        "with --device cuda:B; N GPUs from there must exist); N must divide the heads, KV heads, "
+                        "vocabulary and FFN dims; N > 1 decodes without CUDA graphs and serves no LoRA or int8 "
+                        "weights. If a rank fails (or a step fails on this one) every later request fails and GET "
+                        "/health answers 503 naming the rank: restart the server then")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")

@@ -414,6 +414,12 @@ class LLMEngine:
             close()
 
     # ---- introspection -----------------------------------------------------------------------
+    @property
+    def failure(self) -> Exception | None:
+        """Why this engine can no longer step (a tensor-parallel rank failed, or a step was
+        interrupted and left the ranks out of step); None while it can."""
+        return getattr(self.runner, "failure", None)
+
     def gauges(self) -> dict[str, float]:
         return {"num_requests_running": len(self.scheduler.running),
                 "num_requests_waiting": len(self.scheduler.waiting), "kv_blocks_total": self.blocks.num_blocks,

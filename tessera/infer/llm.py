@@ -43,7 +43,13 @@ class LLM:
     prompts only) and `eos_ids` are then given here.
 
     `tensor_parallel_size=N` splits the model over N ranks: this process and N - 1 workers it
-    starts (`close()`, or a `with` block, stops them).
+    starts (`close()`, or a `with` block, stops them; so does dropping the `LLM`, or the end of
+    the interpreter). The workers are started with the "spawn" method, which imports the calling
+    script's main module again, so a script that creates such an `LLM` needs the
+    `if __name__ == "__main__":` guard around its top-level code. A `Transformer` given with N > 1
+    is cut in place into rank 0's shard and belongs to the `LLM` from then on. If a rank fails,
+    or a step is interrupted (Ctrl-C), the ranks are out of step and every later call raises
+    `WorkerFailure`: make a new `LLM`.
     """
 
     def __init__(self, model: str | Path | Transformer, config: EngineConfig | None = None, *, tokenizer=None,

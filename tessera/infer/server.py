@@ -13,6 +13,8 @@ OpenAI-style error body that never quotes more than a short piece of the request
 serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
 never stalls the event loop. Runtime adapter loading reads only from the configured adapter
 directories. A client that disconnects has its request aborted, which frees its KV blocks.
+/health answers 503 when the engine cannot serve any more (its thread has ended, or a
+tensor-parallel rank failed): a supervisor should restart the server then.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     async def health() -> Response:
         if not loop.alive:
             return _error("engine thread is not running", 503)
+        failure = engine.failure
+        if failure is not None:  # every request would fail: tell the supervisor to restart the server
+            return _error(f"engine failed: {str(failure).splitlines()[0]}", 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -239,8 +239,19 @@ class TensorParallelRunner:
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         def step():
             self.workers.channel.send(STEP, _pack_items(items))
-            return run_step(self.runner, items, self.vocab_size)
+            logits, offsets = run_step(self.runner, items, self.vocab_size)
+            if logits.is_cuda:
+                # NCCL collectives only queue work: a rank that died or failed shows at the next
+                # wait on the device. Waiting here makes that happen inside `guarded`, which
+                # names the rank and marks the group failed, instead of at sampling's host copy.
+                torch.cuda.synchronize(logits.device)
+            return logits, offsets
         return self.workers.guarded(step)
+
+    @property
+    def failure(self):
+        """The WorkerFailure that ended tensor-parallel serving (None while healthy)."""
+        return self.workers.failure
 
     def clear_blocks(self, blocks: list[int]) -> None:
         if blocks:

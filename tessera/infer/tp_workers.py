@@ -1,10 +1,14 @@
 """The worker processes of tensor-parallel serving: start, rendezvous, failure, stop.
 
 The process that serves (where `LLM` or the HTTP server lives) is rank 0. It opens a TCP store
-on 127.0.0.1 (a free port), starts ranks 1..N-1 with the "spawn" start method (a fresh
+listening on 127.0.0.1 only (a free port; the store has no authentication, so it must not be
+reachable from other machines), starts ranks 1..N-1 with the "spawn" start method (a fresh
 interpreter: safe with CUDA and with the parent's threads; it costs the interpreter's start and
-imports, a few seconds), and every rank joins one process group (gloo on CPU, NCCL on GPUs with
-rank r on cuda:r) plus a gloo control group for the step messages (`tensor_parallel.py`).
+imports, a few seconds, and the calling script needs the `if __name__ == "__main__":` guard), and
+every rank joins one process group (gloo on CPU, NCCL on GPUs with rank r on cuda:B+r for
+`device="cuda:B"`) plus a gloo control group for the step messages (`tensor_parallel.py`). All
+ranks are on this machine, so gloo and NCCL are told to use the loopback interface too
+(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless already set).
 
 Start-up never blocks on a rank that has died: each worker first marks itself `joined/r` in the
 store, later `ready/r` (its shard loaded, its KV cache allocated) or `error/r` with its
@@ -13,15 +17,20 @@ makes start-up fail with `WorkerFailure` naming the rank. While serving, a colle
 because a worker died or raised (the worker writes `error/r` before it exits) becomes the same
 error; the model group has a timeout, so a rank that hangs fails the step instead of blocking.
 Idle workers wait on the control group, whose timeout is long, and exit when rank 0 sends STOP
-or goes away (their broadcast then fails).
+or goes away (their broadcast then fails). A step interrupted on rank 0 (Ctrl-C) leaves the ranks
+out of step, so it too marks the group failed. The workers are stopped by `stop()`, and also when
+the group is garbage-collected or the interpreter exits (a finalizer), so an `LLM` dropped
+without `close()` leaves no processes or process group behind.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -72,9 +81,69 @@ class WorkerSource:
     state: dict | None = None
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of rank `rank` when serving on `device`: "cuda:B" puts rank r on cuda:B+r
+    ("cuda" is cuda:0); any other device is shared by every rank."""
+    d = torch.device(device)
+    return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
+
+
+def check_device_count(device: str, tp: int, count: int) -> None:
+    """ConfigError if `tp` ranks from `device` on need more GPUs than the `count` there are."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return
+    first = d.index or 0
+    if first + tp > count:
+        raise ConfigError(f"tensor_parallel_size={tp} on device={device!r} needs GPUs cuda:{first}.."
+                          f"cuda:{first + tp - 1} (one per rank) but this machine has {count}; use at most "
+                          f"tensor_parallel_size={max(count - first, 0)} from there, or a lower device index")
+
+
 def _device(config: EngineConfig, rank: int) -> torch.device:
-    device = torch.device(config.device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return rank_device(config.device, rank)
+
+
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (Linux: "lo"), None if there is none by that name."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return "lo" if "lo" in names else None
+
+
+def _use_loopback() -> list[str]:
+    """Point gloo and NCCL at the loopback interface (all ranks are local), except where the
+    user chose an interface; returns the variables set here, to be removed again."""
+    lo = loopback_interface()
+    if lo is None:
+        return []
+    chosen = [k for k in SOCKET_IFNAME_VARS if k not in os.environ]
+    for k in chosen:
+        os.environ[k] = lo
+    return chosen
+
+
+def _loopback_store(world: int) -> dist.TCPStore:
+    """The master store, listening on 127.0.0.1 only. TCPStore given a host still listens on
+    every interface; a socket bound here and handed to it does not (the store then owns it and
+    closes it when it goes)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world, is_master=True,
+                              wait_for_workers=False, master_listen_fd=listener.fileno(),
+                              timeout=timedelta(seconds=START_TIMEOUT_S))
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
 
 
 def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: torch.device) -> Transformer:
@@ -126,6 +195,45 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: 
     dist.destroy_process_group()
 
 
+class _Ranks:
+    """What stopping the workers needs, kept apart from the WorkerGroup so that its finalizer can
+    hold it without keeping the group alive."""
+
+    def __init__(self, store: dist.TCPStore, env_set: list[str]):
+        self.store, self.env_set = store, env_set
+        self.procs: list = []
+        self.channel: StepChannel | None = None
+        self.failure: WorkerFailure | None = None
+
+    def stop(self) -> None:
+        """Send STOP (when the group is healthy), then make sure every worker is gone. A failed
+        group's workers may be blocked in a collective of the step that failed: terminated at once."""
+        healthy = self.channel is not None and self.failure is None
+        if healthy:
+            try:
+                self.channel.send(STOP, [])
+            except Exception:  # a worker already gone: it is terminated below
+                healthy = False
+        self.channel = None
+        for p in self.procs:
+            if p.pid is None:  # never started
+                continue
+            if healthy:
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None  # closes its socket (the process group held it too)
+        for k in self.env_set:
+            os.environ.pop(k, None)
+        self.env_set = []
+
+
 class WorkerGroup:
     """Ranks 1..N-1 as seen from rank 0: start them, then send them steps (`channel`)."""
 
@@ -135,22 +243,39 @@ class WorkerGroup:
                               "(this one already belongs to one); serve from its own process")
         self.world, self.config = world, config
         self.device = _device(config, 0)
-        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=START_TIMEOUT_S))
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=target, args=(r, world, self.store.port, config, source), daemon=True,
-                                  name=f"tessera-tp-rank{r}") for r in range(1, world)]
-        self.failure: WorkerFailure | None = None
-        self.channel: StepChannel | None = None
+        store = _loopback_store(world)
+        self.state = _Ranks(store, _use_loopback())  # the workers inherit the variables
+        # stops the workers when the group is dropped without stop(), and at interpreter exit
+        self._finalizer = weakref.finalize(self, self.state.stop)
         self.started_at = time.monotonic()
-        for p in self.procs:
-            p.start()
         try:
+            ctx = mp.get_context("spawn")
+            for r in range(1, world):
+                p = ctx.Process(target=target, args=(r, world, store.port, config, source), daemon=True,
+                                name=f"tessera-tp-rank{r}")
+                self.procs.append(p)
+                p.start()
             self._wait_for("joined")
-            self.channel = StepChannel(_join(0, world, self.store, self.device))
+            self.state.channel = StepChannel(_join(0, world, store, self.device))
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def store(self) -> dist.TCPStore:
+        return self.state.store
+
+    @property
+    def procs(self) -> list:
+        return self.state.procs
+
+    @property
+    def channel(self) -> StepChannel | None:
+        return self.state.channel
+
+    @property
+    def failure(self) -> WorkerFailure | None:
+        return self.state.failure
 
     def _error_of(self, rank: int) -> str | None:
         key = f"error/{rank}"
@@ -184,7 +309,9 @@ class WorkerGroup:
 
     def guarded(self, fn):
         """Run `fn` (which takes part in collectives with the workers); a failure of a worker
-        becomes a WorkerFailure naming it, and every later call fails the same way at once."""
+        becomes a WorkerFailure naming it, and every later call fails the same way at once. So
+        does a failure on this rank (rank 0), and an interruption (Ctrl-C: re-raised as it is),
+        since either leaves the other ranks inside a step that this one has left."""
         if self.failure is not None:
             raise self.failure
         try:
@@ -195,24 +322,24 @@ class WorkerGroup:
             while dead is None and time.monotonic() < deadline:
                 time.sleep(0.05)
                 dead = self._dead()
-            self.failure = dead or WorkerFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}")
+            self.state.failure = dead or WorkerFailure(
+                f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}", 0)
             raise self.failure from e
+        except BaseException as e:
+            self.state.failure = WorkerFailure(
+                f"tensor-parallel step was interrupted on rank 0 ({type(e).__name__}); the ranks are out of step, "
+                "so this engine cannot serve any more: close it and start a new one", 0)
+            raise
 
     def stop(self) -> None:
-        """Send STOP (when the group is healthy), then make sure every worker is gone."""
-        if self.channel is not None and self.failure is None:
-            try:
-                self.channel.send(STOP, [])
-            except Exception:  # a worker already gone: it is terminated below
-                pass
-        self.channel = None
-        for p in self.procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Send STOP (when the group is healthy), then make sure every worker is gone; the
+        process group is destroyed and the store closed. Idempotent."""
+        self._finalizer()
+
+
+def _check_devices(config: EngineConfig) -> None:
+    if torch.device(config.device).type == "cuda":
+        check_device_count(config.device, config.tensor_parallel_size, torch.cuda.device_count())
 
 
 def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Transformer, dict]:
@@ -223,6 +350,7 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
 
     path = Path(path)
     n = config.tensor_parallel_size
+    _check_devices(config)
     if not path.exists():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_quantized_dir(path):
@@ -252,7 +380,10 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
 
 def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[WorkerGroup, Transformer]:
     """Start the workers of a model in memory (its weights go to them once, through shared
-    memory) and cut this rank's copy in place; (workers, rank 0's shard)."""
+    memory) and cut this rank's copy in place; (workers, rank 0's shard). `model` is consumed:
+    it becomes rank 0's shard, whose hooks use the serving process group, so it cannot be used
+    on its own afterwards (copying it instead would double rank 0's memory)."""
+    _check_devices(config)
     dims = serving_dims(model.cfg, config.tensor_parallel_size)  # refused before any process starts
     cache_geometry(model.cfg, config)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -1,11 +1,17 @@
 """Tensor-parallel serving on CPU over gloo: a model split over two ranks gives the same greedy
 tokens as HuggingFace transformers and as one rank, for a dense and an MoE model, through `LLM`
 and through `tessera serve` over HTTP; bad sizes are refused before any process starts, and a
-worker that fails makes rank 0 fail naming it instead of hanging."""
+worker that fails makes rank 0 fail naming it instead of hanging. The ranks talk over loopback
+only, an interrupted step or a dropped `LLM` leaves nothing hung or running, and a server whose
+ranks failed says so on /health."""
 
+import gc
 import os
+import pickle
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,8 +25,8 @@ from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.command import main as serve_main
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
-from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource
-from tests.infer.running_server import free_port, wait_until_serving
+from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
+from tests.infer.running_server import RunningServer, free_port, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -192,3 +198,195 @@ def test_request_with_nonfinite_logits_fails_alone_on_every_rank(tmp_path):
         assert [outs[0].token_ids, outs[2].token_ids] == want
         for _ in range(2):  # every block is reused by now
             assert [o.token_ids for o in _run(llm.engine, good + good)] == want + want
+
+
+def _address(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} (32-bit words in host order) as text."""
+    raw = bytes.fromhex(hex_addr)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                addr, port = f[1].split(":")
+                out.add((_address(addr), int(port, 16)))
+    return out
+
+
+@pytest.mark.dist
+def test_ranks_listen_on_loopback_only(llama):
+    """The store has no authentication and the groups' sockets carry the model's activations:
+    neither may be reachable from another machine."""
+    path, _ = llama
+    cfg = read_hf_config(path)
+    before = _listening(os.getpid())
+    group = WorkerGroup(2, EngineConfig(tensor_parallel_size=2), WorkerSource(str(path), sliced=True, cfg=cfg))
+    try:
+        serving_dims(cfg, 2).build_mesh("cpu")
+        group.wait_ready()
+        mine = _listening(os.getpid()) - before
+        assert group.store.port in {port for _, port in mine}
+        worker = _listening(group.procs[0].pid)
+        assert worker  # gloo's listener
+        loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+        assert {a for a, _ in mine | worker} <= loopback, (mine, worker)
+    finally:
+        group.stop()
+    assert (group.store, os.environ.get("GLOO_SOCKET_IFNAME")) == (None, None)  # set only while serving
+
+
+class _PicklesOnce(WorkerSource):
+    """A source that can be sent to one worker only: the second worker's start fails."""
+
+    sent = 0
+
+    def __reduce__(self):
+        type(self).sent += 1
+        if type(self).sent > 1:
+            raise pickle.PicklingError("this source cannot be sent twice")
+        return (WorkerSource, ())
+
+
+def _idle_worker(*args) -> None:
+    time.sleep(120)
+
+
+def _tp_children() -> list:
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tessera-tp-rank")]
+
+
+@pytest.mark.dist
+def test_failed_worker_start_stops_the_workers_started_before():
+    _PicklesOnce.sent = 0
+    with pytest.raises(pickle.PicklingError, match="cannot be sent twice"):
+        WorkerGroup(3, EngineConfig(tensor_parallel_size=3), _PicklesOnce(), target=_idle_worker)
+    assert not _tp_children()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.dist
+def test_interrupted_step_fails_later_calls_at_once(llama):
+    """Ctrl-C inside a step leaves the worker in a collective rank 0 has left: the group is
+    marked failed, so the next call raises at once instead of joining the wrong collective."""
+    path, _ = llama
+    llm = LLM(path, tensor_parallel_size=2, block_size=4)
+    procs = list(llm.engine.runner.workers.procs)
+    thread = None
+    try:
+        assert llm.generate(["hi"], GREEDY)[0].finish_reason == "length"
+        armed = [True]
+
+        def interrupt(module, args):
+            if armed.pop() if armed else False:
+                raise KeyboardInterrupt
+
+        llm.engine.model.layers["1"].attention.wo.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["hi"], GREEDY)
+        result = []
+
+        def later():
+            try:
+                llm.generate(["hi"], GREEDY)
+            except BaseException as e:
+                result.append(e)
+
+        thread = threading.Thread(target=later, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the call after the interruption hangs"
+        assert isinstance(result[0], WorkerFailure) and "interrupted on rank 0" in str(result[0])
+        assert llm.engine.failure is result[0]
+    finally:
+        for p in procs:  # a hung worker would keep close() waiting
+            if thread is not None and thread.is_alive():
+                p.kill()
+        t = time.monotonic()
+        llm.close()
+    assert time.monotonic() - t < 10
+    assert not [p for p in procs if p.is_alive()]
+
+
+@pytest.mark.dist
+def test_dropped_llm_stops_its_workers(llama):
+    path, _ = llama
+    llm = LLM(path, tensor_parallel_size=2, block_size=4)
+    want = llm.generate(["hi"], GREEDY)[0].token_ids
+    procs = list(llm.engine.runner.workers.procs)
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in procs if p.is_alive()]
+    assert not torch.distributed.is_initialized()
+    with LLM(path, tensor_parallel_size=2, block_size=4) as again:  # the process can serve again
+        assert again.generate(["hi"], GREEDY)[0].token_ids == want
+
+
+@pytest.mark.dist
+def test_health_is_503_naming_the_rank_after_a_worker_died(llama):
+    from tessera.infer import LLMEngine
+
+    path, _ = llama
+    engine = LLMEngine.from_dir(path, EngineConfig(tensor_parallel_size=2, block_size=4))
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+    try:
+        with RunningServer(engine, name="tiny") as server:
+            assert httpx.get(server.url + "/health").status_code == 200
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            engine.runner.workers.procs[0].kill()
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 500 and "rank 1" in r.text
+            r = httpx.get(server.url + "/health")
+            assert r.status_code == 503 and "tensor-parallel rank 1 exited" in r.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_ranks_get_consecutive_gpus_that_must_exist():
+    assert rank_device("cuda:1", 0) == torch.device("cuda", 1)
+    assert rank_device("cuda:1", 1) == torch.device("cuda", 2)
+    assert rank_device("cuda", 1) == torch.device("cuda", 1)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    check_device_count("cuda:1", 2, 3)
+    check_device_count("cpu", 8, 0)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 on device='cuda:1' needs GPUs cuda:1..cuda:2 .*"
+                                          r"has 2; use at most tensor_parallel_size=1"):
+        check_device_count("cuda:1", 2, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 on device='cuda'.*has 2"):
+        check_device_count("cuda", 4, 2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama_tied_bias", "mistral", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3"])
+def test_two_ranks_match_hf_for_every_family(family, tmp_path):
+    """Tied embeddings with attention biases, sliding windows, QKV biases, QK norms, shared
+    experts and latent attention (MLA), each split over two ranks: greedy tokens as HuggingFace."""
+    from tests.infer.tiny_models import save_tokenizer
+    from tests.models.hf_families import hf_configs, random_hf_model
+
+    hf = random_hf_model(hf_configs()[family], 0, 0.25)
+    hf.save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    prompts = [[0, 5, 17, 33, 2, 9, 40, 41, 42, 43, 44], [0, 70], [0] + list(range(3, 30))]
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(tmp_path, tensor_parallel_size=2, **OPTIONS) as two:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want
