@@ -126,7 +126,6 @@ class ParallelDims(LayoutSizes):
     # ---- the mesh ------------------------------------------------------------------------
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Create the named mesh (the default process group must exist) and its flattened dims."""
-        forget_cached_shardings()
         shape = tuple(getattr(self, d) if d in ("pp", "dp_replicate", "cp", "tp") else
                       (self.dp_shard_mod_ep if d == "dp_shard_mod_ep" else self.dp_shard_in_ep)
                       for d in BASE_DIMS)
@@ -172,21 +171,3 @@ class ParallelDims(LayoutSizes):
         """This rank's coordinate along every base dimension."""
         coords = self[BASE_DIMS].get_coordinate()
         return dict(zip(BASE_DIMS, coords))
-
-
-def forget_cached_shardings() -> None:
-    """Empty DTensor's caches of sharding results before a new mesh is used in this process.
-
-    DTensor caches each operator's output sharding keyed by the operands' shapes and placements
-    and a mesh's shape and names, not by which rank this process is. The cached result holds the
-    mesh it was computed on. A process that built a mesh before (a forked rank whose parent served
-    or trained on one, a process that builds a second mesh after destroying the first) would
-    otherwise get outputs on that old mesh, with its coordinates: a rank-1 shard reported at rank
-    0's offsets, which a checkpoint then saves as overlapping chunks."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # Python's (per thread)
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_native is not None:
-        clear_native()

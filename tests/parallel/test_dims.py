@@ -147,31 +147,3 @@ def test_cp_ranks_read_chunks_of_their_rows_and_count_every_token():
 def test_batch_rows_refuse_indivisible_batch():
     with pytest.raises(ParallelError, match="does not divide the global batch size 3"):
         dp_rows(3, dims_for(2, dp_shard=2))
-
-
-def _shard_offsets_after_another_ranks_mesh() -> list[tuple[int, ...]]:
-    """In one process: rank 0 of a 2-rank (fake) group shards a tensor, the group goes, then the
-    process becomes rank 1 of a new group and shards a tensor of the same shape again."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from tessera.checkpoint.hf_slices import local_box
-
-    dist.destroy_process_group()  # the harness's one-rank group
-    offsets = []
-    for rank in (0, 1):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-        dims = dims_for(2, tp=2, dp_shard=1)
-        dims.build_mesh("cpu")
-        t = distribute_tensor(torch.zeros(8), dims["tp"], [Shard(0)], src_data_rank=None)
-        offsets.append(local_box(torch.empty_like(t))[0])  # an operator on the DTensor: sharding propagated
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # for the harness to destroy
-    return offsets
-
-
-@pytest.mark.dist
-def test_a_new_mesh_does_not_reuse_sharding_results_of_an_earlier_rank():
-    # DTensor caches sharding results without the rank; a stale result would put rank 1's shard
-    # at rank 0's offset (a forked test rank whose parent served on a mesh hit exactly this).
-    assert run_ranks(_shard_offsets_after_another_ranks_mesh, 1)[0] == [(0,), (4,)]
