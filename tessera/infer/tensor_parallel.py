@@ -32,6 +32,8 @@ Processes, start-up and failure handling are in `tp_workers.py`.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -133,9 +135,46 @@ def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transforme
     return model
 
 
-@torch.no_grad()
+def _in_a_thread_of_its_own(fn, *args):
+    """`fn(*args)` run in a short-lived thread, its exception re-raised here.
+
+    Cutting a model goes through DTensor, whose sharding caches are per thread and keyed without
+    the rank (the cached results hold the mesh they were computed on). Rank 0 is the serving
+    process, which may fork later or build another mesh (a test process, a notebook): done in its
+    own thread, the cut leaves no cached result behind to hand a later mesh this one's coordinates."""
+    result: list = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                result.append(fn(*args))
+        except BaseException as e:  # re-raised in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="tessera-tp-cut")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
                   device: torch.device | str) -> Transformer:
+    """This rank's shard of the HuggingFace model at `path` (`_load_hf_shard`), cut in a thread of
+    its own."""
+    return _in_a_thread_of_its_own(_load_hf_shard, path, cfg, dims, dtype, device)
+
+
+def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
+    """This rank's shard of a whole model (identical on every rank), as plain tensors, cut in a
+    thread of its own."""
+    return _in_a_thread_of_its_own(_cut_for_serving, model, dims)
+
+
+def _load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
+                   device: torch.device | str) -> Transformer:
     """This rank's shard of the HuggingFace model at `path`, reading only its box of every tensor
     (`checkpoint.sharded_load`, as training's `init_from` does): built on the meta device, cut,
     then filled from the files."""
@@ -150,8 +189,7 @@ def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype
     return to_plain_tensors(model.eval(), dims["tp"].get_group())
 
 
-def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
-    """This rank's shard of a whole model (identical on every rank), as plain tensors."""
+def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
     return to_plain_tensors(shard_model(model.eval(), dims), dims["tp"].get_group())
 
 
