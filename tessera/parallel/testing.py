@@ -23,6 +23,7 @@ their processes instead (tests/gpu).
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -139,7 +140,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     workdir = tempfile.mkdtemp(prefix="tessera-ranks-")
     sys.stdout.flush()
     sys.stderr.flush()
-    pids = {_fork_rank(workdir, r, world_size, timeout, fn, args, kwargs): r for r in range(world_size)}
+    # The ranks never collect the parent's objects: collected here first, the survivors frozen
+    # (gc.freeze) while forking. A child that garbage-collected what a parent left behind after
+    # serving on a process group (its torch.distributed and DTensor objects) crashed in the
+    # collector now and then, in the middle of an unrelated collective.
+    gc.collect()
+    gc.freeze()
+    try:
+        pids = {_fork_rank(workdir, r, world_size, timeout, fn, args, kwargs): r for r in range(world_size)}
+    finally:
+        gc.unfreeze()
     status: dict[int, int] = {}  # rank -> wait status
     deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
     first_failure: float | None = None
