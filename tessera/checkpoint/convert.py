@@ -6,10 +6,10 @@ safetensors (`tessera.checkpoint.hf`). `load_model` takes either, and `convert` 
 the other: HF -> a checkpoint root holding `step_00000000/` (model weights only), Tessera -> HF
 (read one safetensors file's tensors at a time, never the whole model: `hf_export`).
 
-`load_tessera_model` is the one loader of Tessera models: `tessera generate`, serving
-(`tessera.infer`) and `train.init_from` (through `load_model_weights`) use it. It and the export
-check the files against their recorded checksums before reading them and unpickle nothing beyond
-plain data.
+`load_tessera_model` is the one loader of whole Tessera models: `tessera generate` and serving
+(`tessera.infer`) use it; it and `train.init_from` read the weights with
+`sharded_load.load_checkpoint_shards`. Reading and the export check the files against their
+recorded checksums first and unpickle nothing beyond plain data.
 """
 
 from __future__ import annotations
@@ -61,13 +61,12 @@ def stored_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
     """Copy the model weights of Tessera checkpoint `path` into `model` (keys and shapes must match),
-    after checking its files against their checksums."""
-    ckpt.verified(Path(path))
-    state = model.state_dict()
-    ckpt.check_compatible(path, "model", {k: tuple(v.shape) for k, v in state.items()})
-    wrapped = {"model": state}
-    ckpt.load_checkpoint(path, wrapped)
-    model.load_state_dict(wrapped["model"])
+    after checking its files against their checksums: `sharded_load.load_checkpoint_shards`, what
+    `train.init_from` uses, for one whole model."""
+    from tessera.checkpoint.sharded_load import load_checkpoint_shards
+
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    load_checkpoint_shards([model], path, shapes, next(model.parameters()).device)
 
 
 def load_tessera_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,

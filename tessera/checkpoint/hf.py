@@ -17,15 +17,13 @@ from pathlib import Path
 import torch
 
 from tessera.checkpoint.hf_config import config_from_hf
-from tessera.checkpoint.hf_files import SafetensorsDir, check_config_fields, read_json_object
-from tessera.checkpoint.hf_weights import hf_names
+from tessera.checkpoint.hf_files import check_config_fields, read_json_object
+from tessera.checkpoint.hf_slices import HFSliceReader
+from tessera.checkpoint.hf_weights import IGNORED_SUFFIXES, hf_names
 from tessera.checkpoint.hf_writer import first_keys, write_hf_directory
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import ModelConfig
-from tessera.models.transformer import Transformer, kept_in_fp32
-
-# HuggingFace-side keys that carry no weights Tessera needs (recomputed buffers).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+from tessera.models.transformer import Transformer
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
@@ -48,13 +46,16 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> Transformer:
-    """A Tessera `Transformer` with the weights of a HuggingFace model directory."""
+    """A Tessera `Transformer` with the weights of a HuggingFace model directory, filled by the same
+    reader as `train.init_from` (`sharded_load.load_hf_shards`) after the directory is checked
+    against the model its config.json describes (names and shapes, from the files' headers)."""
+    from tessera.checkpoint.sharded_load import load_hf_shards
+
     path = Path(path)
     cfg = read_hf_config(path)
-    names = hf_names(cfg)
-    reader = SafetensorsDir(path)
-    available = {k for k in reader.keys() if not k.endswith(_IGNORED_SUFFIXES)}
-    needed = {h for hs in names.values() for h in hs}
+    reader = HFSliceReader(path, cfg)
+    available = {k for k in reader.files.keys() if not k.endswith(IGNORED_SUFFIXES)}
+    needed = {h for hs in reader.names.values() for h in hs}
     if cfg.tie_embeddings:
         available.discard("lm_head.weight")
     missing, unexpected = needed - available, available - needed
@@ -65,18 +66,13 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                               f"{first_keys(unexpected)}")
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
-    expected = {k: v for k, v in list(model.named_parameters()) + list(model.named_buffers())}
-    state = {}
-    for key, hf_keys in names.items():
-        parts = [reader.get(h) for h in hf_keys]
-        stacked = expected[key].dim() == parts[0].dim() + 1  # routed experts: E tensors -> one [E, ...]
-        t = torch.stack(parts) if stacked else parts[0]
-        if tuple(t.shape) != tuple(expected[key].shape):
-            raise CheckpointError(f"{path}: shape mismatch for {hf_keys[0]} (-> {key}): checkpoint "
-                                  f"{tuple(t.shape)}, model config expects {tuple(expected[key].shape)}")
-        state[key] = t.to(device=device, dtype=torch.float32 if kept_in_fp32(key) else dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.reset_rope(device)
+    for key, t in model.state_dict().items():
+        if key in reader.names and reader.shape(key) != tuple(t.shape):
+            raise CheckpointError(f"{path}: shape mismatch for {reader.names[key][0]} (-> {key}): checkpoint "
+                                  f"{reader.shape(key)}, model config expects {tuple(t.shape)}")
+    model.to_empty(device=device)
+    model.cast(dtype)  # the routing bias stays fp32
+    load_hf_shards([model], path, cfg, device, source=f"HuggingFace directory {str(path)!r}")
     return model.eval()
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from tessera.config.errors import ModelError
 from tessera.config.model import ModelConfig
 
+# HuggingFace tensors no Tessera tensor comes from (recomputed buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
 _MLA = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
         "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}

@@ -33,11 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.hf_slices import HFSliceReader, local_box
+from tessera.checkpoint.hf_weights import IGNORED_SUFFIXES
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
-
-# HuggingFace tensors no Tessera tensor comes from (recomputed buffers).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], source: str) -> None:
@@ -59,7 +57,7 @@ def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], sou
         if tuple(stored) != tuple(shape):
             raise CheckpointError(f"{source} does not fit the model: {key!r} has shape {list(stored)} there but "
                                   f"{list(shape)} in the model")
-    extra = sorted(k for k in reader.files.files if k not in needed and not k.endswith(_IGNORED_SUFFIXES)
+    extra = sorted(k for k in reader.files.files if k not in needed and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and "output.weight" not in shapes))
     if extra:
         raise CheckpointError(f"{source} does not fit the model: it has {extra[0]!r}, which the model has no "
