@@ -214,7 +214,8 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
 
 def _generate(args: argparse.Namespace) -> int:
     """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
-    from tessera.checkpoint.convert import is_hf_directory, load_model
+    from tessera.checkpoint.convert import load_model
+    from tessera.config.hf_config import is_hf_directory
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate

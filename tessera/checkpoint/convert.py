@@ -21,15 +21,12 @@ import torch
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.hf_config import is_hf_directory, read_hf_config
 from tessera.config.model import ModelConfig
 from tessera.config.schema import RunConfig, build_model_config, config_from_dict
 from tessera.models import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def is_hf_directory(path: str | os.PathLike) -> bool:
-    return (Path(path) / "config.json").is_file()
 
 
 def stored_run_config(path: str | os.PathLike) -> dict:
@@ -161,7 +158,5 @@ def _nearest_existing(path: Path) -> Path:
 def model_config_of(path: str | os.PathLike) -> ModelConfig:
     """The model shape stored in a HuggingFace directory or a Tessera checkpoint, without weights."""
     if is_hf_directory(path):
-        from tessera.checkpoint.hf import read_hf_config
-
         return read_hf_config(path)
     return stored_model_config(ckpt.resolve_checkpoint(path))

@@ -16,32 +16,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.hf_config import config_from_hf
-from tessera.checkpoint.hf_files import check_config_fields, read_json_object
 from tessera.checkpoint.hf_slices import HFSliceReader
 from tessera.checkpoint.hf_weights import IGNORED_SUFFIXES, hf_names
 from tessera.checkpoint.hf_writer import first_keys, write_hf_directory
-from tessera.config.errors import CheckpointError, ConfigError, ModelError
-from tessera.config.model import ModelConfig
+from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import read_hf_config
 from tessera.models.transformer import Transformer
-
-
-def read_hf_config(path: str | os.PathLike) -> ModelConfig:
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{path}: no config.json (not a HuggingFace model directory)")
-    d = read_json_object(cfg_file)
-    check_config_fields(d, cfg_file)
-    try:
-        return config_from_hf(d)
-    except ModelError:  # an architecture Tessera does not reproduce: already names the field
-        raise
-    except ConfigError as e:  # values that do not fit together: a bad file, not a bad command line
-        raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
-    except KeyError as e:
-        raise CheckpointError(f"{str(cfg_file)!r}: required field {e.args[0]!r} is missing") from e
-    except (TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,

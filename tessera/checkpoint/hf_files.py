@@ -10,7 +10,6 @@ weights are read only from files inside the model directory.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,49 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import read_json_object
 
 INDEX = "model.safetensors.index.json"
-
-# config.json fields read as integers / numbers (when present); a string or a float where an
-# integer belongs would otherwise fail deep inside model construction.
-_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",
-               "num_local_experts", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
-               "shared_expert_intermediate_size", "sliding_window", "q_lora_rank", "kv_lora_rank",
-               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
-               "first_k_dense_replace", "n_group", "topk_group")
-_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef", "router_jitter_noise",
-                  "routed_scaling_factor")
-_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; CheckpointError if it cannot be read, parsed, or is not an object."""
-    try:
-        data = json.loads(path.read_bytes())
-    except OSError as e:
-        raise CheckpointError(f"cannot read {str(path)!r}: {e.strerror or e}") from e
-    except ValueError as e:  # invalid UTF-8 or JSON
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{str(path)!r} holds a JSON {type(data).__name__}; a JSON object was expected")
-    return data
-
-
-def check_config_fields(d: dict[str, Any], source: Path) -> None:
-    """Refuse a config.json whose required fields are missing or whose fields have the wrong type."""
-    for key in _REQUIRED:
-        if d.get(key) is None:
-            raise CheckpointError(f"{str(source)!r}: required field {key!r} is missing")
-    for key in _INT_FIELDS:
-        value = d.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise CheckpointError(f"{str(source)!r}: {key}={value!r} is invalid: must be an integer")
-    for key in _NUMBER_FIELDS:
-        value = d.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise CheckpointError(f"{str(source)!r}: {key}={value!r} is invalid: must be a number")
-
 
 def _inside(directory: Path, name: Any, source: Path) -> Path:
     """`directory / name` if that is a file inside `directory` (after following links), else refuse."""

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tessera.checkpoint.hf_config import config_to_hf
 from tessera.checkpoint.hf_files import INDEX
 from tessera.checkpoint.hf_tokenizer import (
     TOKENIZER_FILES,
@@ -35,6 +34,7 @@ from tessera.checkpoint.hf_tokenizer import (
 )
 from tessera.checkpoint.hf_weights import check_exportable
 from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import config_to_hf
 from tessera.config.model import ModelConfig
 
 SINGLE_FILE = "model.safetensors"

@@ -135,8 +135,8 @@ def save_layout_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, overr
                            dtype: torch.dtype = torch.float32, tokenizer: str | None = None) -> Path:
     """HuggingFace directory `src` -> Tessera checkpoint root `dst` (step 0, model weights only)
     whose chunks are the shards of the layout `overrides` (`parallel.K=V`) name."""
-    from tessera.checkpoint.hf import read_hf_config
     from tessera.checkpoint.sharded_load import check_hf_fits
+    from tessera.config.hf_config import read_hf_config
     from tessera.models.transformer import Transformer, kept_in_fp32
 
     model_cfg = read_hf_config(src)

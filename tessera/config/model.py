@@ -71,7 +71,7 @@ class MoEConfig:
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps), training only (Switch)
     # Balancing. Coefficients of 0 switch a loss off.
     # Per MoE layer, summed over layers (Megatron's convention; HF's router_aux_loss_coef is converted
-    # on import/export, see tessera/checkpoint/hf_config.py).
+    # on import/export, see tessera/config/hf_config.py).
     aux_loss_coef: float = 0.0  # Switch/GShard  alpha * E * sum_i f_i P_i  (alpha ~ 1e-2)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V2 sequence-level variant (alpha ~ 1e-4)
     z_loss_coef: float = 0.0  # ST-MoE router z-loss  beta * mean(logsumexp^2)  (beta ~ 1e-3)

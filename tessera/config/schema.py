@@ -3,8 +3,10 @@
     cfg = load_config("configs/tiny-dense.yaml", ["train.steps=10", "optim.lr=1e-3"])
 
 Sections: `run_dir`, `model`, `train`, `optim`, `data`, `checkpoint`, `parallel`, `log`. Every
-field is documented where it is declared. The `model` section is either `preset: NAME` plus any
-`ModelConfig` fields to override (nested ones too: `moe: {num_experts: 4}`), or all fields.
+field is documented where it is declared. The `model` section is either `preset: NAME` or
+`from_hf: DIR` (the model a HuggingFace directory's config.json describes) plus any `ModelConfig`
+fields to override (nested ones too: `moe: {num_experts: 4}`), or all fields. With no `model`
+section and `train.init_from` a HuggingFace directory, the model is that directory's.
 
 Loading checks everything before any work starts: an unknown key, a value of the wrong type or an
 impossible value raises `ConfigError` with the dotted key, the value and what is allowed.
@@ -25,7 +27,8 @@ from typing import Any
 
 import yaml
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.hf_config import is_hf_directory, read_hf_config
 from tessera.config.limits import (
     MAX_BATCH_SAMPLES,
     MAX_INT,
@@ -215,11 +218,15 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested plain data (as read from YAML)."""
     raw = dict(raw)
     model_raw = raw.pop("model", None)
-    if model_raw is None:  # `model:` left empty: the default shape
+    if model_raw is None:  # `model:` left empty: the default shape, or the model train.init_from holds
         model_raw = {}
     if not isinstance(model_raw, dict):
-        raise ConfigError(f"model must be a section (preset: NAME and/or fields), got "
+        raise ConfigError(f"model must be a section (preset: NAME, from_hf: DIR and/or fields), got "
                           f"{type(model_raw).__name__} {model_raw!r}")
+    train_raw = raw.get("train")
+    init_from = train_raw.get("init_from") if isinstance(train_raw, dict) else None
+    if not model_raw and isinstance(init_from, str) and is_hf_directory(init_from):
+        model_raw = {"from_hf": init_from}
     cfg = build_dataclass(RunConfig, raw, "")
     cfg.model = build_model_config(model_raw)
     validate_run_config(cfg)
@@ -227,20 +234,35 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
 
 
 def build_model_config(raw: dict[str, Any]) -> ModelConfig:
-    """`{preset: NAME, **overrides}` or a full field list -> ModelConfig.
+    """`{preset: NAME, **overrides}`, `{from_hf: DIR, **overrides}` or a full field list -> ModelConfig.
 
     Fields a preset derived (head_dim = dim / n_heads, n_kv_heads = n_heads) follow an override of
     what they were derived from, so `preset: tiny-llama, dim: 256` gets head_dim 64, not the preset's 16.
     """
     raw = dict(raw)
     preset = raw.pop("preset", None)
-    if preset is not None:
+    from_hf = raw.pop("from_hf", None)
+    if preset is not None and from_hf is not None:
+        raise ConfigError(f"model.preset={preset!r} and model.from_hf={from_hf!r} both name a model: give one "
+                          "(model.preset=null drops the preset)")
+    if from_hf is not None:
+        if not isinstance(from_hf, str) or not from_hf:
+            raise ConfigError(f"model.from_hf={from_hf!r} is invalid: must be a HuggingFace model directory")
+        if not is_hf_directory(from_hf):
+            raise ConfigError(f"model.from_hf={from_hf!r} is invalid: no config.json there (a HuggingFace model "
+                              "directory is expected)")
+        try:
+            base = read_hf_config(from_hf).to_dict()
+        except TesseraError as e:
+            raise ConfigError(f"model.from_hf={from_hf!r}: {e}") from e
+    elif preset is not None:
         if not isinstance(preset, str):
             raise ConfigError(f"model.preset={preset!r} is invalid: must be a preset name")
         try:
             base = get_preset(preset).to_dict()
         except ConfigError as e:
             raise ConfigError(f"model.preset: {e}") from e
+    if preset is not None or from_hf is not None:
         if "head_dim" not in raw and base["n_heads"] and base["head_dim"] == base["dim"] // base["n_heads"]:
             base["head_dim"] = None
         if "n_kv_heads" not in raw and "n_heads" in raw and base["n_kv_heads"] == base["n_heads"]:

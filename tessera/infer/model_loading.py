@@ -18,8 +18,8 @@ import torch
 from tessera.checkpoint import dcp
 from tessera.checkpoint.convert import load_tessera_model
 from tessera.checkpoint.hf import load_pretrained
-from tessera.checkpoint.hf_files import read_json_object
 from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import read_json_object
 from tessera.infer.quant import is_quantized_dir, load_quantized
 from tessera.models.transformer import Transformer
 

@@ -24,9 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tessera.checkpoint.hf import read_hf_config
-from tessera.checkpoint.hf_config import config_to_hf
 from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import config_to_hf, read_hf_config
 from tessera.models.moe.experts import GroupedExperts, grouped_linear
 from tessera.models.transformer import Transformer
 

@@ -346,7 +346,7 @@ def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Tran
     """Start the workers of a served directory; (workers, rank 0's shard, the Tessera run
     config or {}). A HuggingFace directory is read a slice per rank; a Tessera checkpoint is
     loaded whole by every rank and cut."""
-    from tessera.checkpoint.hf import read_hf_config
+    from tessera.config.hf_config import read_hf_config
 
     path = Path(path)
     n = config.tensor_parallel_size

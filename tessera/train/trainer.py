@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.run_lock import RunDirLock
-from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.errors import CheckpointError, ConfigError, TesseraError
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
 from tessera.models.flops import flops_per_token
@@ -233,13 +233,19 @@ class Trainer:
         """Weights from a HuggingFace directory or a Tessera checkpoint into this rank's parts (the
         whole model on one process; meta-built, parallelized shards or stages on several), each rank
         reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
-        from tessera.checkpoint.convert import is_hf_directory
         from tessera.checkpoint.sharded_load import load_checkpoint_shards, load_hf_shards
+        from tessera.config.hf_config import is_hf_directory, read_hf_config
 
         if not is_hf_directory(path):
             return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
+        try:
+            other = read_hf_config(path) != self.cfg.model
+        except TesseraError:  # a config.json Tessera cannot read: the weights' own check says what is wrong
+            other = False
+        hint = (f"; the model section describes another model: set model.from_hf={path!r} (or give no model "
+                "section) to train the one the directory holds") if other else ""
         return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
-                              source=f"train.init_from={path!r}")
+                              source=f"train.init_from={path!r}", hint=hint)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tessera.config.errors import ConfigError
+from tessera.config.hf_config import config_to_hf, read_hf_config
 from tessera.config.overrides import apply_overrides, parse_override
+from tessera.config.presets import get_preset
 from tessera.config.schema import RunConfig, config_from_dict, load_config, save_config
 from tessera.data import default_tokenizer
 from tessera.models.counting import count_params
@@ -121,3 +124,55 @@ def test_every_field_is_documented():
             i = next(n for n, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
             assert "#" in lines[i] or lines[i - 1].strip().startswith("#"), f"{cls.__name__}.{f.name}"
     assert source
+
+
+def _hf_dir(path: Path, preset: str) -> Path:
+    """A HuggingFace model directory's config.json (no weights: the config alone names the model)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config_to_hf(get_preset(preset))))
+    return path
+
+
+def test_model_from_a_huggingface_config(tmp_path):
+    hf = _hf_dir(tmp_path / "mixtral", "mixtral-8x7b")
+    expected = read_hf_config(hf)
+    assert expected.family == "mixtral" and expected.moe.num_experts == 8 and expected.n_kv_heads == 8
+    assert load_config(None, [f"model.from_hf={hf}"]).model == expected
+    (tmp_path / "run.yaml").write_text(f"model:\n  from_hf: {hf}\n  n_layers: 2\n  moe: {{num_experts: 4}}\n")
+    small = load_config(tmp_path / "run.yaml").model
+    assert small.n_layers == 2 and small.moe.num_experts == 4  # overridden ...
+    assert small.moe.top_k == expected.moe.top_k and small.dim == expected.dim  # ... the rest is the directory's
+    # a preset in the file gives way when dropped on the command line; the file's fields still override
+    swapped = load_config(CONFIGS / "tiny-dense.yaml", ["model.preset=null", f"model.from_hf={hf}"]).model
+    assert swapped.family == "mixtral" and swapped.moe == expected.moe and swapped.rope_theta == expected.rope_theta
+    assert swapped.dim == 384 and swapped.n_layers == 6
+
+
+def test_no_model_section_takes_the_model_train_init_from_holds(tmp_path):
+    hf = _hf_dir(tmp_path / "deepseek", "deepseek-v3")
+    assert load_config(None, [f"train.init_from={hf}"]).model == read_hf_config(hf)
+    (tmp_path / "empty_model.yaml").write_text(f"model:\ntrain:\n  init_from: {hf}\n")
+    assert load_config(tmp_path / "empty_model.yaml").model == read_hf_config(hf)
+    # a model section is the user's word: kept (the trainer's shape check refuses a mismatch)
+    assert load_config(CONFIGS / "tiny-dense.yaml", [f"train.init_from={hf}"]).model.family == "llama"
+    assert load_config(None, [f"train.init_from={tmp_path}"]).model == RunConfig().model  # not a HF directory
+
+
+def test_model_from_hf_errors_name_the_key(tmp_path):
+    hf = _hf_dir(tmp_path / "llama", "llama3-8b")
+    with pytest.raises(ConfigError, match=r"model.preset='tiny-llama' and model.from_hf='.*llama' both name a "
+                                          r"model: give one \(model.preset=null drops the preset\)"):
+        load_config(CONFIGS / "tiny-dense.yaml", [f"model.from_hf={hf}"])
+    with pytest.raises(ConfigError, match=r"model.from_hf='.*nowhere' is invalid: no config.json there"):
+        load_config(None, [f"model.from_hf={tmp_path / 'nowhere'}"])
+    with pytest.raises(ConfigError, match=r"model.from_hf=3 is invalid: must be a HuggingFace model directory"):
+        load_config(None, ["model.from_hf=3"])
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10, "hidden_size": 8,
+                                                 "num_hidden_layers": 1, "num_attention_heads": 2}))
+    with pytest.raises(ConfigError, match=r"model.from_hf='.*gpt2': unsupported architecture model_type='gpt2'"):
+        load_config(None, [f"model.from_hf={bad}"])
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model.from_hf='.*gpt2': .*config.json' is not valid JSON"):
+        load_config(None, [f"model.from_hf={bad}"])

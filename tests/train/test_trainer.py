@@ -88,9 +88,19 @@ def test_init_from_huggingface_directory_or_tessera_checkpoint(small_dataset, tm
                                                      **{"train.init_from": tmp_path / "hf", "train.seed": 7})))
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(started.model.state_dict()[name], value), name
-    with pytest.raises(CheckpointError, match=r"'tok_embeddings.weight' has shape \[4096, 64\] there but \[4096, 96\]"):
+    with pytest.raises(CheckpointError, match=r"'tok_embeddings.weight' has shape \[4096, 64\] there but \[4096, 96\] "
+                                              r"in the model; the model section describes another model: set "
+                                              r"model.from_hf='.*hf' \(or give no model section\)"):
         Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "c", 1,
                                                **{"train.init_from": tmp_path / "hf", "model.dim": 96})))
+    # no model section: the model is the one the directory holds
+    bare = [o for o in shrink(small_dataset, tmp_path / "e", 1, **{"train.init_from": tmp_path / "hf"})
+            if not o.startswith("model.")]
+    derived = Trainer(load_config(None, bare))
+    for field in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "max_seq_len"):
+        assert getattr(derived.cfg.model, field) == getattr(trainer.cfg.model, field), field
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(derived.model.state_dict()[name], value), name
     from_ckpt = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "d", 1,
                                                        **{"train.init_from": tmp_path / "a", "train.seed": 7})))
     for name, value in trainer.model.state_dict().items():

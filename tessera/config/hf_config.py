@@ -1,14 +1,20 @@
 """HuggingFace `config.json` <-> `ModelConfig` for the supported families.
 
-Reads both the legacy keys (`rope_theta`, `rope_scaling`) and transformers 5's `rope_parameters`;
-writes the legacy keys, which every transformers release reads.
+`read_hf_config(dir)` checks the file as untrusted input (JSON object, required fields, field types;
+every problem one CheckpointError naming the file) and builds the `ModelConfig`; the run
+configuration's `model.from_hf` and every HuggingFace loader use it. Reads both the legacy keys
+(`rope_theta`, `rope_scaling`) and transformers 5's `rope_parameters`; writes the legacy keys, which
+every transformers release reads.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
-from tessera.config.errors import ModelError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.model import MLAConfig, ModelConfig, MoEConfig
 
 SUPPORTED = {
@@ -21,6 +27,47 @@ SUPPORTED = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+
+
+# config.json fields read as integers / numbers (when present); a string or a float where an
+# integer belongs would otherwise fail deep inside model construction.
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",
+               "num_local_experts", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
+               "shared_expert_intermediate_size", "sliding_window", "q_lora_rank", "kv_lora_rank",
+               "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+               "first_k_dense_replace", "n_group", "topk_group")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "router_aux_loss_coef", "router_jitter_noise",
+                  "routed_scaling_factor")
+_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError if it cannot be read, parsed, or is not an object."""
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {str(path)!r}: {e.strerror or e}") from e
+    except ValueError as e:  # invalid UTF-8 or JSON
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(path)!r} holds a JSON {type(data).__name__}; a JSON object was expected")
+    return data
+
+
+def check_config_fields(d: dict[str, Any], source: Path) -> None:
+    """Refuse a config.json whose required fields are missing or whose fields have the wrong type."""
+    for key in _REQUIRED:
+        if d.get(key) is None:
+            raise CheckpointError(f"{str(source)!r}: required field {key!r} is missing")
+    for key in _INT_FIELDS:
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError(f"{str(source)!r}: {key}={value!r} is invalid: must be an integer")
+    for key in _NUMBER_FIELDS:
+        value = d.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise CheckpointError(f"{str(source)!r}: {key}={value!r} is invalid: must be a number")
 
 
 def aux_coef_from_hf(coef: float, top_k: int, n_layers: int) -> float:
@@ -113,6 +160,30 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
                               expert_bias=True,
                               shared_ffn_dim=d["moe_intermediate_size"] * (d.get("n_shared_experts") or 0))
     return ModelConfig(**kw)
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    """A HuggingFace model directory is one with a config.json (what else it must hold is checked on load)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of HuggingFace model directory `path`, from its config.json (checked)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json (not a HuggingFace model directory)")
+    d = read_json_object(cfg_file)
+    check_config_fields(d, cfg_file)
+    try:
+        return config_from_hf(d)
+    except ModelError:  # an architecture Tessera does not reproduce: already names the field
+        raise
+    except ConfigError as e:  # values that do not fit together: a bad file, not a bad command line
+        raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{str(cfg_file)!r}: required field {e.args[0]!r} is missing") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
