@@ -141,7 +141,15 @@ def _in_a_thread_of_its_own(fn, *args):
     Cutting a model goes through DTensor, whose sharding caches are per thread and keyed without
     the rank (the cached results hold the mesh they were computed on). Rank 0 is the serving
     process, which may fork later or build another mesh (a test process, a notebook): done in its
-    own thread, the cut leaves no cached result behind to hand a later mesh this one's coordinates."""
+    own thread, the cut leaves no cached result behind to hand a later mesh this one's coordinates.
+
+    A CUDA build of torch on a machine without a usable GPU sets up its CUDA device guard the first
+    time a fake tensor mode is entered (DTensor's sharding propagation enters one); set up in a
+    thread that then exits, the next thread to enter one crashes (torch 2.11, segmentation fault on
+    the second cut in a process). It is set up here, in the calling thread, first."""
+    cuda_build_without_gpu = torch.backends.cuda.is_built() and not torch.cuda.is_available()
+    if cuda_build_without_gpu and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+        torch._C._ensureCUDADeviceGuardSet()
     result: list = []
     error: list[BaseException] = []
 
