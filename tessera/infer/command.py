@@ -12,12 +12,17 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from tessera.config.argument_types import int_in, port, positive_float, seed
 from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
+
+# Seconds requests in flight get to finish when the server shuts down (Ctrl-C, or an engine that failed).
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -105,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r "
                         "with --device cuda:B; N GPUs from there must exist); N must divide the heads, KV heads, "
                         "vocabulary and FFN dims; N > 1 decodes without CUDA graphs and serves no LoRA or int8 "
-                        "weights. If a rank fails (or a step fails on this one) every later request fails and GET "
-                        "/health answers 503 naming the rank: restart the server then")
+                        "weights. If a rank fails or exits (or a step fails on this one), requests in flight get the "
+                        "error, GET /health answers 503 naming the rank, and the server shuts down with exit "
+                        "status 1 for its supervisor to restart it")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread and serve HTTP until interrupted.
 
     Exit status 2 on a bad option, 1 on a directory that cannot be served (missing, damaged, or
-    without a tokenizer: text prompts would all fail, so that is said once, at start-up)."""
+    without a tokenizer: text prompts would all fail, so that is said once, at start-up) and 1 when
+    the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C / SIGTERM."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         hosts = _check_server_options(args)
@@ -202,12 +209,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"tessera serve: {name!r} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    ended: list[str] = []
+    watcher = threading.Thread(target=_shut_down_when_unable_to_serve, args=(loop, server, ended),
+                               name="tessera-serve-watch", daemon=True)
+    watcher.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        server.run()
+        reason = ended[0] if ended else None  # read before the engine thread is stopped on purpose
     finally:
         loop.stop()
         engine.close()
+    if reason is not None:
+        print(f"tessera serve: error: {reason}; the server shut down (exit status 1)", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: float = 0.5) -> None:
+    """Stop the HTTP server (graceful: requests in flight get their error) once the engine cannot
+    serve any more: its thread ended, or a tensor-parallel rank failed or exited. Every later request
+    would fail, so the process ends with status 1 for its supervisor to restart it, as vLLM's does."""
+    while not server.should_exit:
+        if not loop.alive:
+            reason = "the engine thread ended"
+        else:
+            failure = loop.engine.failure
+            reason = _one_line(failure) if failure is not None else None
+        if reason is not None:
+            ended.append(reason)
+            server.should_exit = True
+            return
+        time.sleep(interval_s)
 
 
 def _one_line(e: BaseException) -> str:

@@ -14,7 +14,7 @@ serving. Parsing, chat templates and tokenisation run in worker threads so that 
 never stalls the event loop. Runtime adapter loading reads only from the configured adapter
 directories. A client that disconnects has its request aborted, which frees its KV blocks.
 /health answers 503 when the engine cannot serve any more (its thread has ended, or a
-tensor-parallel rank failed): a supervisor should restart the server then.
+tensor-parallel rank failed or exited); `tessera serve` then shuts down with exit status 1.
 """
 
 from __future__ import annotations

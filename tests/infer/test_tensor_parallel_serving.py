@@ -8,6 +8,7 @@ ranks failed says so on /health."""
 import gc
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -229,6 +230,34 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 
 @pytest.mark.dist
+@pytest.mark.dist
+@pytest.mark.slow
+def test_serve_exits_with_status_1_when_a_worker_dies(llama):
+    """A dead rank makes every later request fail: the server says why and ends with status 1 for
+    its supervisor to restart it, without waiting for a request to notice."""
+    path, _ = llama
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
+                                                                                   "PATH": "/usr/bin:/bin"})
+    try:
+        wait_until_serving(proc, f"http://127.0.0.1:{port}")
+        workers = [c for c in _children(proc.pid)
+                   if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        status = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    out = proc.stdout.read().decode()
+    assert status == 1, out
+    assert "tessera serve: error: tensor-parallel rank 1 exited with code -9; the server shut down" in out, out
+
+
 def test_ranks_listen_on_loopback_only(llama):
     """The store has no authentication and the groups' sockets carry the model's activations:
     neither may be reachable from another machine."""
@@ -353,10 +382,12 @@ def test_health_is_503_naming_the_rank_after_a_worker_died(llama):
             assert httpx.get(server.url + "/health").status_code == 200
             assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
             engine.runner.workers.procs[0].kill()
+            deadline = time.monotonic() + 10  # seen while idle: no request needed
+            while (r := httpx.get(server.url + "/health")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert r.status_code == 503 and "tensor-parallel rank 1 exited" in r.json()["error"]["message"]
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 500 and "rank 1" in r.text
-            r = httpx.get(server.url + "/health")
-            assert r.status_code == 503 and "tensor-parallel rank 1 exited" in r.json()["error"]["message"]
     finally:
         engine.close()
 
