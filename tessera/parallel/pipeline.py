@@ -164,6 +164,9 @@ class PipelineRun:
         return self._run(self.schedule.eval, inputs, targets)
 
     def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        # A batch's inputs and targets are views of one [B, seq + 1] token tensor (row stride seq + 1);
+        # torch 2.11's stages check each micro-batch's strides against the contiguous ones they expect.
+        inputs, targets = inputs.contiguous(), targets.contiguous()
         losses: list[torch.Tensor] = []
         if self.has_first_stage and self.has_last_stage:
             call(inputs, target=targets, losses=losses)

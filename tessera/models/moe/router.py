@@ -41,6 +41,12 @@ class RouterOutput:
     num_tokens: int = 0  # tokens of the whole micro-batch (a Python int: capacity needs no host sync)
 
 
+# A pytree node, so that code walking a module's outputs finds the tensors inside: FSDP2 (torch 2.11)
+# hooks the unsharding of a router that is its own FSDP unit (bf16 layouts) onto its output tensors;
+# without this it saw none, and backward ran with the router's weight already freed.
+torch.export.register_dataclass(RouterOutput, serialized_type_name="tessera.RouterOutput")
+
+
 def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> None:
     """Aux-loss-free balancing (Wang et al. 2024, arXiv 2408.15664; DeepSeek-V3 section 2.1.2):
     raise the bias of under-loaded experts and lower it for over-loaded ones by a fixed step."""
