@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
 
     Exit status 2 on a bad option, 1 on a directory that cannot be served (missing, damaged, or
     without a tokenizer: text prompts would all fail, so that is said once, at start-up) and 1 when
-    the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C / SIGTERM."""
+    the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C or SIGTERM, once
+    requests in flight have finished (at most GRACEFUL_SHUTDOWN_S seconds)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         hosts = _check_server_options(args)
@@ -215,10 +217,20 @@ def run(args: argparse.Namespace) -> int:
     watcher = threading.Thread(target=_shut_down_when_unable_to_serve, args=(loop, server, ended),
                                name="tessera-serve-watch", daemon=True)
     watcher.start()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again under the handler
+    # it found: this one turns SIGTERM, like Ctrl-C, into a KeyboardInterrupt, so the engine and any
+    # tensor-parallel workers are stopped below and the exit status is 0.
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if on_main_thread else None
     try:
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
         reason = ended[0] if ended else None  # read before the engine thread is stopped on purpose
     finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         loop.stop()
         engine.close()
     if reason is not None:
@@ -235,8 +247,8 @@ def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: 
         if not loop.alive:
             reason = "the engine thread ended"
         else:
-            failure = loop.engine.failure
-            reason = _one_line(failure) if failure is not None else None
+            failure = loop.engine.failure  # its first line: a rank's failure carries the rank's traceback after it
+            reason = _one_line(str(failure).partition("\n")[0]) if failure is not None else None
         if reason is not None:
             ended.append(reason)
             server.should_exit = True
@@ -244,7 +256,11 @@ def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: 
         time.sleep(interval_s)
 
 
-def _one_line(e: BaseException) -> str:
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _one_line(e: BaseException | str) -> str:
     return " ".join(str(e).split())
 
 

@@ -146,7 +146,9 @@ def _in_a_thread_of_its_own(fn, *args):
     A CUDA build of torch on a machine without a usable GPU sets up its CUDA device guard the first
     time a fake tensor mode is entered (DTensor's sharding propagation enters one); set up in a
     thread that then exits, the next thread to enter one crashes (torch 2.11, segmentation fault on
-    the second cut in a process). It is set up here, in the calling thread, first."""
+    the second cut in a process). It is set up here, in the calling thread, first: that holds as long
+    as the calling thread outlives the cuts, as the main thread does (an LLM built from a short-lived
+    thread of its own would meet the crash again)."""
     cuda_build_without_gpu = torch.backends.cuda.is_built() and not torch.cuda.is_available()
     if cuda_build_without_gpu and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
         torch._C._ensureCUDADeviceGuardSet()

@@ -278,11 +278,10 @@ class WorkerGroup:
         """What ended this group (None while healthy): a failed step, or a worker that exited while
         the group was idle (seen here, so that /health and `tessera serve` need no request to notice)."""
         state = self.state
-        if state.failure is None and state.channel is not None:
-            for rank, p in enumerate(state.procs, start=1):
-                if p.exitcode is not None:  # exitcode polls without blocking; None while running
-                    state.failure = WorkerFailure(f"tensor-parallel rank {rank} exited with code {p.exitcode}", rank)
-                    break
+        # exitcode polls without blocking (None while running); a rank that failed reported its error
+        # to the store before exiting, which _dead() reads first
+        if state.failure is None and state.channel is not None and any(p.exitcode is not None for p in state.procs):
+            state.failure = self._dead()
         return state.failure
 
     def _error_of(self, rank: int) -> str | None:

@@ -1,5 +1,6 @@
 """`tessera serve` as a process: the contract, /health and greedy /v1/completions."""
 
+import signal
 import subprocess
 import sys
 
@@ -32,6 +33,11 @@ def test_serve_command_answers_the_contract(llama):
         # bound to 127.0.0.1 without --allowed-hosts: a foreign Host name (DNS rebinding) is refused
         assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
         assert httpx.get(url + "/v1/models", headers={"Host": f"localhost:{port}"}).status_code == 200
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
+        status = proc.wait(20)
+        out = proc.stdout.read().decode()
+        assert status == 0 and "Traceback" not in out, out
     finally:
-        proc.terminate()
-        proc.wait(20)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)

@@ -106,9 +106,12 @@ def test_serve_with_two_ranks_answers_like_one(llama):
         assert r.json()["choices"][0]["text"] == want
         children = _children(proc.pid)
         assert children  # the worker (and multiprocessing's resource tracker)
+        proc.terminate()  # SIGTERM: a clean stop, workers included
+        assert proc.wait(30) == 0, proc.stdout.read().decode()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
     deadline = time.monotonic() + 20  # the worker sees rank 0 go and exits
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -230,7 +233,6 @@ def _listening(pid: int) -> set[tuple[str, int]]:
 
 
 @pytest.mark.dist
-@pytest.mark.dist
 @pytest.mark.slow
 def test_serve_exits_with_status_1_when_a_worker_dies(llama):
     """A dead rank makes every later request fail: the server says why and ends with status 1 for
@@ -258,6 +260,7 @@ def test_serve_exits_with_status_1_when_a_worker_dies(llama):
     assert "tessera serve: error: tensor-parallel rank 1 exited with code -9; the server shut down" in out, out
 
 
+@pytest.mark.dist
 def test_ranks_listen_on_loopback_only(llama):
     """The store has no authentication and the groups' sockets carry the model's activations:
     neither may be reachable from another machine."""
