@@ -186,6 +186,15 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
+def model_differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
+    """'field (A here, B there)' for every field (nested ones dotted) where two models differ."""
+    def walk(a: Any, b: Any, prefix: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [d for k in a.keys() | b.keys() for d in walk(a.get(k), b.get(k), f"{prefix}{k}.")]
+        return [] if a == b else [f"{prefix[:-1]} ({a!r} here, {b!r} there)"]
+    return sorted(walk(mine.to_dict(), theirs.to_dict(), ""))
+
+
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HuggingFace config dict of the family recorded in `cfg.family`."""
     family = cfg.family

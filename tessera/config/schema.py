@@ -5,8 +5,9 @@
 Sections: `run_dir`, `model`, `train`, `optim`, `data`, `checkpoint`, `parallel`, `log`. Every
 field is documented where it is declared. The `model` section is either `preset: NAME` or
 `from_hf: DIR` (the model a HuggingFace directory's config.json describes) plus any `ModelConfig`
-fields to override (nested ones too: `moe: {num_experts: 4}`), or all fields. With no `model`
-section and `train.init_from` a HuggingFace directory, the model is that directory's.
+fields to override (nested ones too: `moe: {num_experts: 4}`), or all fields. With neither
+`preset` nor `from_hf` and `train.init_from` a HuggingFace directory, the model is that directory's
+(with the fields given overriding it).
 
 Loading checks everything before any work starts: an unknown key, a value of the wrong type or an
 impossible value raises `ConfigError` with the dotted key, the value and what is allowed.
@@ -225,16 +226,19 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
                           f"{type(model_raw).__name__} {model_raw!r}")
     train_raw = raw.get("train")
     init_from = train_raw.get("init_from") if isinstance(train_raw, dict) else None
-    if not model_raw and isinstance(init_from, str) and is_hf_directory(init_from):
-        model_raw = {"from_hf": init_from}
+    from_key = "model.from_hf"
+    if (model_raw.get("preset") is None and model_raw.get("from_hf") is None and isinstance(init_from, str)
+            and is_hf_directory(init_from)):  # fields given beside it override the directory's
+        model_raw, from_key = {**model_raw, "preset": None, "from_hf": init_from}, "train.init_from"
     cfg = build_dataclass(RunConfig, raw, "")
-    cfg.model = build_model_config(model_raw)
+    cfg.model = build_model_config(model_raw, from_key)
     validate_run_config(cfg)
     return cfg
 
 
-def build_model_config(raw: dict[str, Any]) -> ModelConfig:
+def build_model_config(raw: dict[str, Any], from_key: str = "model.from_hf") -> ModelConfig:
     """`{preset: NAME, **overrides}`, `{from_hf: DIR, **overrides}` or a full field list -> ModelConfig.
+    `from_key` is the key errors about the HuggingFace directory name (the one the user wrote).
 
     Fields a preset derived (head_dim = dim / n_heads, n_kv_heads = n_heads) follow an override of
     what they were derived from, so `preset: tiny-llama, dim: 256` gets head_dim 64, not the preset's 16.
@@ -247,14 +251,14 @@ def build_model_config(raw: dict[str, Any]) -> ModelConfig:
                           "(model.preset=null drops the preset)")
     if from_hf is not None:
         if not isinstance(from_hf, str) or not from_hf:
-            raise ConfigError(f"model.from_hf={from_hf!r} is invalid: must be a HuggingFace model directory")
+            raise ConfigError(f"{from_key}={from_hf!r} is invalid: must be a HuggingFace model directory")
         if not is_hf_directory(from_hf):
-            raise ConfigError(f"model.from_hf={from_hf!r} is invalid: no config.json there (a HuggingFace model "
+            raise ConfigError(f"{from_key}={from_hf!r} is invalid: no config.json there (a HuggingFace model "
                               "directory is expected)")
         try:
             base = read_hf_config(from_hf).to_dict()
         except TesseraError as e:
-            raise ConfigError(f"model.from_hf={from_hf!r}: {e}") from e
+            raise ConfigError(f"{from_key}={from_hf!r}: {e}") from e
     elif preset is not None:
         if not isinstance(preset, str):
             raise ConfigError(f"model.preset={preset!r} is invalid: must be a preset name")

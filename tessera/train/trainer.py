@@ -234,16 +234,19 @@ class Trainer:
         whole model on one process; meta-built, parallelized shards or stages on several), each rank
         reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
         from tessera.checkpoint.sharded_load import load_checkpoint_shards, load_hf_shards
-        from tessera.config.hf_config import is_hf_directory, read_hf_config
+        from tessera.config.hf_config import is_hf_directory, model_differences, read_hf_config
 
         if not is_hf_directory(path):
             return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
         try:
-            other = read_hf_config(path) != self.cfg.model
+            differences = model_differences(self.cfg.model, read_hf_config(path))
         except TesseraError:  # a config.json Tessera cannot read: the weights' own check says what is wrong
-            other = False
-        hint = (f"; the model section describes another model: set model.from_hf={path!r} (or give no model "
-                "section) to train the one the directory holds") if other else ""
+            differences = []
+        hint = ""
+        if differences:
+            hint = (f"; the model section differs from {str(Path(path) / 'config.json')!r} in "
+                    f"{', '.join(differences[:4])}{' and more' if len(differences) > 4 else ''}: leave those to the "
+                    f"directory (model.from_hf={path!r} takes every field not given from it)")
         return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
                               source=f"train.init_from={path!r}", hint=hint)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -153,7 +154,11 @@ def test_no_model_section_takes_the_model_train_init_from_holds(tmp_path):
     assert load_config(None, [f"train.init_from={hf}"]).model == read_hf_config(hf)
     (tmp_path / "empty_model.yaml").write_text(f"model:\ntrain:\n  init_from: {hf}\n")
     assert load_config(tmp_path / "empty_model.yaml").model == read_hf_config(hf)
-    # a model section is the user's word: kept (the trainer's shape check refuses a mismatch)
+    # fields given beside it override the directory's, also with the preset dropped
+    want = dataclasses.replace(read_hf_config(hf), max_seq_len=512)
+    for extra in (["model.max_seq_len=512"], ["model.preset=null", "model.max_seq_len=512"]):
+        assert load_config(None, [f"train.init_from={hf}", *extra]).model == want
+    # a preset is the user's word: kept (the trainer's shape check refuses a mismatch)
     assert load_config(CONFIGS / "tiny-dense.yaml", [f"train.init_from={hf}"]).model.family == "llama"
     assert load_config(None, [f"train.init_from={tmp_path}"]).model == RunConfig().model  # not a HF directory
 
@@ -176,3 +181,5 @@ def test_model_from_hf_errors_name_the_key(tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"model.from_hf='.*gpt2': .*config.json' is not valid JSON"):
         load_config(None, [f"model.from_hf={bad}"])
+    with pytest.raises(ConfigError, match=r"^train.init_from='.*gpt2': .*config.json' is not valid JSON"):
+        load_config(None, [f"train.init_from={bad}"])  # the key the user wrote is named

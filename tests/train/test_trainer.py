@@ -89,8 +89,9 @@ def test_init_from_huggingface_directory_or_tessera_checkpoint(small_dataset, tm
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(started.model.state_dict()[name], value), name
     with pytest.raises(CheckpointError, match=r"'tok_embeddings.weight' has shape \[4096, 64\] there but \[4096, 96\] "
-                                              r"in the model; the model section describes another model: set "
-                                              r"model.from_hf='.*hf' \(or give no model section\)"):
+                                              r"in the model; the model section differs from '.*hf/config.json' in "
+                                              r"dim \(96 here, 64 there\), head_dim \(24 here, 16 there\): "
+                                              r"leave those to the directory"):
         Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "c", 1,
                                                **{"train.init_from": tmp_path / "hf", "model.dim": 96})))
     # no model section: the model is the one the directory holds
