@@ -11,7 +11,10 @@ Each forward collective has the backward that is its transpose:
 - `gather_rows`       all-gather / reduce-scatter along dim 0 (equal sizes on every rank).
 - `reduce_scatter_rows` reduce-scatter / all-gather along dim 0.
 
-All of them are the identity on a group of one rank and take `group=None` as that case.
+All of them are the identity on a group of one rank and take `group=None` as that case. Inside a
+torch.compile'd region (`train.compile`) they run eagerly, between the compiled graphs: traced, the
+result a backward's collective writes into a fresh buffer was lost under torch 2.11 (context-parallel
+gradients came out wrong while the loss was right).
 """
 
 from __future__ import annotations
@@ -98,27 +101,33 @@ class _ReduceScatterRows(torch.autograd.Function):
         return grad, None
 
 
+@torch.compiler.disable
+def _eager(function: type[torch.autograd.Function], *args):
+    """`function.apply(*args)`, never traced (see above): forward and backward run eagerly."""
+    return function.apply(*args)
+
+
 def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward identity; backward sums the gradient over the group."""
-    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+    return x if _size(group) == 1 else _eager(_CopyToGroup, x, group)
 
 
 def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward sums over the group; backward passes the (replicated) gradient through."""
-    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+    return x if _size(group) == 1 else _eager(_ReduceFromGroup, x, group)
 
 
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                     group: ProcessGroup | None) -> torch.Tensor:
     """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven)."""
-    return x if _size(group) == 1 else _AllToAllRows.apply(x, output_splits, input_splits, group)
+    return x if _size(group) == 1 else _eager(_AllToAllRows, x, output_splits, input_splits, group)
 
 
 def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's rows in rank order (every rank must hold the same number)."""
-    return x if _size(group) == 1 else _GatherRows.apply(x, group)
+    return x if _size(group) == 1 else _eager(_GatherRows, x, group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over the group, then keep this rank's equal block of rows."""
-    return x if _size(group) == 1 else _ReduceScatterRows.apply(x, group)
+    return x if _size(group) == 1 else _eager(_ReduceScatterRows, x, group)
