@@ -7,7 +7,9 @@ CUDA once its parent has initialised it. So:
     test not marked `gpu` fails the test at once, naming the device it was given (the check runs
     on every machine, so a missing pin is caught on CPU-only CI too, not only on a user's GPU box);
   - a test not marked `gpu` that leaves CUDA initialised fails, naming itself, instead of making
-    every later forked test fail with "Cannot re-initialize CUDA in forked subprocess".
+    every later forked test fail with "Cannot re-initialize CUDA in forked subprocess";
+  - this process runs its first backward below, with the GPUs hidden, so that autograd never
+    starts the per-GPU threads that would make every later forked rank's backward fail.
 """
 
 from __future__ import annotations
@@ -20,9 +22,24 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # torch.compile in this process compiles in it: no inductor worker pool that forked ranks would
 # inherit without its threads (a job handed to it there never finishes).
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+# Autograd starts a worker thread per GPU the first time backward runs in a process, and a forked
+# child of a process that has them cannot run backward ("Unable to handle autograd's threading in
+# combination with fork-based multiprocessing"). This process runs backward itself (one-process
+# tests) and forks ranks that do: so its first backward runs here, with the GPUs hidden, and starts
+# no device thread; the engine decides that once per process. On a CUDA build of torch without a
+# GPU the same happened as soon as torch.compile or DTensor set up their stand-in CUDA device guard.
+# The GPUs are visible again afterwards to what the `gpu` tests spawn.
+_visible_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.ones(1, requires_grad=True).sum().backward()
+if _visible_gpus is None:
+    del os.environ["CUDA_VISIBLE_DEVICES"]
+else:
+    os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpus
 
 import tessera.train.run_layout as run_layout  # noqa: E402
 

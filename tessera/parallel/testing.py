@@ -15,8 +15,10 @@ may hold tensors.
     results = run_ranks(my_test_body, 2, "tiny-llama")  # my_test_body("tiny-llama") on 2 ranks
 
 A forked child cannot use CUDA once its parent has initialised it ("Cannot re-initialize CUDA in
-forked subprocess"), and autograd's device threads do not survive a fork either. So the parent
-must never touch CUDA (tests pin `train.device=cpu`); if it has, `run_ranks` refuses at once with
+forked subprocess"), and autograd's device threads do not survive a fork either (they start at a
+process's first backward when a CUDA device is visible: tests/conftest.py runs that backward with
+the GPUs hidden). So the parent must never touch CUDA (tests pin `train.device=cpu`); if it has,
+`run_ranks` refuses at once with
 `CudaInitializedError` instead of letting every rank fail obscurely. Tests that need CUDA spawn
 their processes instead (tests/gpu).
 """

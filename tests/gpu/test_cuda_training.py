@@ -97,8 +97,10 @@ def test_fork_harness_refuses_after_cuda_was_initialised():
 @pytest.mark.slow
 def test_forked_cpu_tests_pass_with_cuda_present():
     """The failure this suite had on GPU machines: forked-rank CPU tests with CUDA visible."""
-    files = ["tests/parallel/test_harness.py", "tests/parallel/test_gradient_accumulation_sync.py",
-             "tests/train/test_trainer.py", "tests/parallel/test_cpu_pinning.py"]
+    # one-process training (backward in the pytest process) first, then ranks forked from it that run
+    # backward: autograd's GPU threads, had the first backward started them, would fail those ranks
+    files = ["tests/train/test_trainer.py", "tests/parallel/test_harness.py",
+             "tests/parallel/test_gradient_accumulation_sync.py", "tests/parallel/test_cpu_pinning.py"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", *files],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
