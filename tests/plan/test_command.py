@@ -123,3 +123,16 @@ def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, c
     assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
     times = [p["time"]["tokens_per_second"] for p in result["ranked"]]
     assert times == sorted(times, reverse=True)  # ranked by predicted throughput
+
+
+def test_plan_of_a_huggingface_config(tmp_path, capsys):
+    """`model.from_hf`: a HuggingFace model's run is planned from its config.json alone (no weights)."""
+    from tessera.config.hf_config import config_to_hf
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(config_to_hf(get_preset("llama3-8b"))))
+    path = write_config(tmp_path, {"from_hf": str(hf)}, {"tp": 2, "sp": True, "dp_shard": -1, "zero_stage": 1})
+    assert main([path, "--gpus", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "8.03 B total" in out and "dim 4096, 32 layers, 32 heads (8 kv)" in out
