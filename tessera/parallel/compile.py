@@ -27,7 +27,9 @@ backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Ten
 no attribute '_local_tensor'` in torch 2.13 on CPU/gloo, with or without sequence parallelism).
 So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there.
 FSDP2, expert and context parallelism, pipeline stages and activation checkpointing compose with
-it (tests/parallel/test_compile.py).
+it (tests/parallel/test_compile.py). The collectives a block calls (context parallelism's
+all-to-all and all-gather, tessera.parallel.collectives) run eagerly between its compiled graphs:
+traced by torch 2.11, their backward lost its result.
 """
 
 from __future__ import annotations
