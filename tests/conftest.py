@@ -17,8 +17,11 @@ from __future__ import annotations
 import os
 
 # CUDA availability checks through NVML, which does not initialise CUDA in this process
-# (torch.cuda.is_available() otherwise creates a driver context that forked children inherit).
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# (torch.cuda.is_available() otherwise creates a driver context that forked children inherit), and
+# which sees the GPUs that the first backward below is run without. Set, not defaulted: the CUDA
+# runtime of this process never sees a GPU (it starts with none visible, below), so a count taken
+# through it would skip every `gpu` test on a GPU machine. Nothing in this process may use CUDA.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 # torch.compile in this process compiles in it: no inductor worker pool that forked ranks would
 # inherit without its threads (a job handed to it there never finishes).
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -63,11 +64,12 @@ IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step
 
 
 class WorkerFailure(TesseraError, RuntimeError):
-    """A tensor-parallel rank failed to start, raised, or died. `rank` names it."""
+    """A tensor-parallel rank failed to start, raised, or died. `rank` names it; `detail` holds the
+    rank's own traceback (logged by rank 0, never put into the message, which reaches HTTP clients)."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, detail: str = ""):
         super().__init__(message)
-        self.rank = rank
+        self.rank, self.detail = rank, detail
 
 
 @dataclass
@@ -172,6 +174,10 @@ def _join(rank: int, world: int, store: dist.Store, device: torch.device) -> dis
 
 def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: WorkerSource) -> None:
     """Entry point of rank `rank` (> 0): join, load this rank's shard, then mirror rank 0's steps."""
+    # Ctrl-C in a terminal, or a SIGTERM to the whole process group, reaches the workers too: rank 0
+    # alone decides (it finishes the requests in flight, then sends STOP), so they ignore both.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = _device(config, rank)
     if device.type == "cpu":
         torch.set_num_threads(1)  # N ranks share the cores; more threads than cores is many times slower
@@ -207,12 +213,12 @@ class _Ranks:
 
     def stop(self) -> None:
         """Send STOP (when the group is healthy), then make sure every worker is gone. A failed
-        group's workers may be blocked in a collective of the step that failed: terminated at once."""
+        group's workers may be blocked in a collective of the step that failed: killed at once."""
         healthy = self.channel is not None and self.failure is None
         if healthy:
             try:
                 self.channel.send(STOP, [])
-            except Exception:  # a worker already gone: it is terminated below
+            except Exception:  # a worker already gone: it is killed below
                 healthy = False
         self.channel = None
         for p in self.procs:
@@ -220,10 +226,7 @@ class _Ranks:
                 continue
             if healthy:
                 p.join(timeout=5.0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5.0)
-            if p.is_alive():
+            if p.is_alive():  # workers ignore SIGTERM (see worker_main): killed
                 p.kill()
                 p.join(timeout=5.0)
         if dist.is_initialized():
@@ -293,7 +296,9 @@ class WorkerGroup:
         for rank, p in enumerate(self.procs, start=1):
             err = self._error_of(rank)
             if err is not None:
-                return WorkerFailure(f"tensor-parallel rank {rank} failed: {err.splitlines()[0]}\n{err}", rank)
+                failure = WorkerFailure(f"tensor-parallel rank {rank} failed: {err.splitlines()[0]}", rank, err)
+                log.error("tensor-parallel rank %d failed:\n%s", rank, err)
+                return failure
             if not p.is_alive():
                 return WorkerFailure(f"tensor-parallel rank {rank} exited with code {p.exitcode}", rank)
         return None

@@ -151,6 +151,8 @@ def test_worker_that_fails_at_start_is_named(llama, tmp_path):
         with pytest.raises(WorkerFailure, match="tensor-parallel rank 1 failed: start: CheckpointError") as e:
             group.wait_ready()
         assert e.value.rank == 1
+        # the rank's traceback is kept (and logged), not put into the message, which reaches HTTP clients
+        assert "Traceback" in e.value.detail and "Traceback" not in str(e.value)
     finally:
         group.stop()
     assert not torch.distributed.is_initialized()
@@ -230,6 +232,36 @@ def _listening(pid: int) -> set[tuple[str, int]]:
                 addr, port = f[1].split(":")
                 out.add((_address(addr), int(port, 16)))
     return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_lets_the_request_in_flight_finish(llama):
+    """Ctrl-C in a terminal reaches every process of the group, workers included: they ignore it,
+    and rank 0 finishes the stream in flight, stops them and exits 0."""
+    path, _ = llama
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(proc, url)
+        body = {"model": str(path), "prompt": "contract", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # the request is in flight ...
+            os.killpg(proc.pid, signal.SIGINT)  # ... when every process of the group gets Ctrl-C
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-3:]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
 
 
 @pytest.mark.dist
