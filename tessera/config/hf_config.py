@@ -186,13 +186,23 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
-def model_differences(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
-    """'field (A here, B there)' for every field (nested ones dotted) where two models differ."""
-    def walk(a: Any, b: Any, prefix: str) -> list[str]:
+# Fields that decide the weights' shapes (nested ones dotted; a whole `moe` / `mla` section present in
+# one model only counts too): the ones a shape mismatch is about.
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "tie_embeddings",
+                "qkv_bias", "out_bias", "qk_norm", "moe", "moe.num_experts", "moe.ffn_dim", "moe.shared_ffn_dim",
+                "moe.shared_expert_gate", "moe.first_k_dense", "moe.dense_layers", "moe.layer_freq",
+                "moe.expert_bias", "mla", "mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim",
+                "mla.qk_rope_head_dim", "mla.v_head_dim")
+
+
+def model_differences(mine: ModelConfig, theirs: ModelConfig, shapes_only: bool = False) -> list[str]:
+    """'field (A here, B there)' for every field (nested ones dotted) where two models differ, or
+    only for those that decide weight shapes (SHAPE_FIELDS)."""
+    def walk(a: Any, b: Any, key: str) -> list[tuple[str, str]]:
         if isinstance(a, dict) and isinstance(b, dict):
-            return [d for k in a.keys() | b.keys() for d in walk(a.get(k), b.get(k), f"{prefix}{k}.")]
-        return [] if a == b else [f"{prefix[:-1]} ({a!r} here, {b!r} there)"]
-    return sorted(walk(mine.to_dict(), theirs.to_dict(), ""))
+            return [d for k in sorted(a.keys() | b.keys()) for d in walk(a.get(k), b.get(k), f"{key}.{k}".lstrip("."))]
+        return [] if a == b else [(key, f"{key} ({a!r} here, {b!r} there)")]
+    return [text for key, text in walk(mine.to_dict(), theirs.to_dict(), "") if not shapes_only or key in SHAPE_FIELDS]
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -226,12 +226,18 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
                           f"{type(model_raw).__name__} {model_raw!r}")
     train_raw = raw.get("train")
     init_from = train_raw.get("init_from") if isinstance(train_raw, dict) else None
-    from_key = "model.from_hf"
+    cfg = build_dataclass(RunConfig, raw, "")
     if (model_raw.get("preset") is None and model_raw.get("from_hf") is None and isinstance(init_from, str)
             and is_hf_directory(init_from)):  # fields given beside it override the directory's
-        model_raw, from_key = {**model_raw, "preset": None, "from_hf": init_from}, "train.init_from"
-    cfg = build_dataclass(RunConfig, raw, "")
-    cfg.model = build_model_config(model_raw, from_key)
+        try:
+            cfg.model = build_model_config({**model_raw, "preset": None, "from_hf": init_from}, "train.init_from")
+        except ConfigError:
+            if not model_raw:  # nothing else describes the model: what is wrong with config.json is the news
+                raise
+            # fields were given: they describe the model as before (the weights are checked against it)
+            cfg.model = build_model_config(model_raw)
+    else:
+        cfg.model = build_model_config(model_raw)
     validate_run_config(cfg)
     return cfg
 

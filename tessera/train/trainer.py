@@ -239,7 +239,7 @@ class Trainer:
         if not is_hf_directory(path):
             return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
         try:
-            differences = model_differences(self.cfg.model, read_hf_config(path))
+            differences = model_differences(self.cfg.model, read_hf_config(path), shapes_only=True)
         except TesseraError:  # a config.json Tessera cannot read: the weights' own check says what is wrong
             differences = []
         hint = ""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tessera.config.errors import ConfigError
-from tessera.config.hf_config import config_to_hf, read_hf_config
+from tessera.config.hf_config import config_to_hf, model_differences, read_hf_config
 from tessera.config.overrides import apply_overrides, parse_override
 from tessera.config.presets import get_preset
 from tessera.config.schema import RunConfig, config_from_dict, load_config, save_config
@@ -183,3 +183,26 @@ def test_model_from_hf_errors_name_the_key(tmp_path):
         load_config(None, [f"model.from_hf={bad}"])
     with pytest.raises(ConfigError, match=r"^train.init_from='.*gpt2': .*config.json' is not valid JSON"):
         load_config(None, [f"train.init_from={bad}"])  # the key the user wrote is named
+
+
+def test_fields_given_still_describe_the_model_when_config_json_cannot_be_read(tmp_path):
+    bad = tmp_path / "variant"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama-variant", "vocab_size": 10, "hidden_size": 8,
+                                                 "num_hidden_layers": 1, "num_attention_heads": 2}))
+    cfg = load_config(CONFIGS / "tiny-dense.yaml", ["model.preset=null", f"train.init_from={bad}"])
+    assert cfg.model.dim == 384 and cfg.model.family == "llama"  # the file's fields, as without init_from
+    with pytest.raises(ConfigError, match=r"^train.init_from='.*variant': unsupported architecture"):
+        load_config(None, [f"train.init_from={bad}"])  # nothing else describes the model
+
+
+def test_model_differences_put_shapes_apart():
+    mine = get_preset("tiny-moe")
+    theirs = dataclasses.replace(mine, dim=mine.dim * 2, rope_theta=1.0,
+                                 moe=dataclasses.replace(mine.moe, z_loss_coef=0.0, num_experts=4))
+    shapes = model_differences(mine, theirs, shapes_only=True)
+    assert shapes == [f"dim ({mine.dim} here, {mine.dim * 2} there)",
+                      f"moe.num_experts ({mine.moe.num_experts} here, 4 there)"]
+    everything = model_differences(mine, theirs)
+    assert set(shapes) < set(everything) and any(d.startswith("moe.z_loss_coef") for d in everything)
+    assert any(d.startswith("rope_theta") for d in everything)
