@@ -38,31 +38,30 @@ from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 
 
-def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], source: str, hint: str = "") -> None:
+def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Refuse (CheckpointError naming the key and both shapes) a HuggingFace directory that lacks a
     tensor of the model, stores one with another shape, or holds weights the model has no place
-    for. `shapes` are the whole model's tensors (every stage's), as built from its config; `hint`
-    ends each message (what the caller could change)."""
+    for. `shapes` are the whole model's tensors (every stage's), as built from its config."""
     needed = set()
     for key, shape in shapes.items():
         if key not in reader.names:
             if key.endswith("expert_bias"):
                 continue  # a family without a stored bias: it starts at zero
-            raise CheckpointError(f"{source} does not fit the model: no HuggingFace tensor maps to {key!r}{hint}")
+            raise CheckpointError(f"{source} does not fit the model: no HuggingFace tensor maps to {key!r}")
         missing = [h for h in reader.names[key] if h not in reader.files.files]
         if missing:
             raise CheckpointError(f"{source} does not fit the model: it has no {key!r} (HuggingFace tensor "
-                                  f"{missing[0]!r} is missing){hint}")
+                                  f"{missing[0]!r} is missing)")
         needed.update(reader.names[key])
         stored = reader.shape(key)
         if tuple(stored) != tuple(shape):
             raise CheckpointError(f"{source} does not fit the model: {key!r} has shape {list(stored)} there but "
-                                  f"{list(shape)} in the model{hint}")
+                                  f"{list(shape)} in the model")
     extra = sorted(k for k in reader.files.files if k not in needed and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and "output.weight" not in shapes))
     if extra:
         raise CheckpointError(f"{source} does not fit the model: it has {extra[0]!r}, which the model has no "
-                              f"place for ({len(extra)} such tensors){hint or '; is the model the HuggingFace one?'}")
+                              f"place for ({len(extra)} such tensors; is the model config the HuggingFace one?)")
 
 
 def _allocate(modules: list[nn.Module], device: torch.device) -> None:
@@ -78,17 +77,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_hf_shards(parts: Iterable[nn.Module], path: str | os.PathLike, cfg: ModelConfig,
                    device: torch.device | str, shapes: dict[str, tuple[int, ...]] | None = None,
-                   source: str | None = None, hint: str = "") -> int:
+                   source: str | None = None) -> int:
     """Fill every parameter and buffer of `parts` (Transformers or stages of one, parallelized or
     not; allocated on `device` first if they are on the meta device) from HuggingFace directory
     `path`, reading only each tensor's local box. `shapes` (default: the parts' own) are the whole
-    model's, checked against the files first (`hint` ends a refusal). Returns the bytes read."""
+    model's, checked against the files first. Returns the bytes read from the files."""
     parts = list(parts)
     device = torch.device(device)
     reader = HFSliceReader(path, cfg)
     if shapes is None:
         shapes = {k: tuple(v.shape) for m in parts for k, v in m.state_dict().items()}
-    check_hf_fits(reader, shapes, source or f"HuggingFace directory {str(path)!r}", hint)
+    check_hf_fits(reader, shapes, source or f"HuggingFace directory {str(path)!r}")
     _allocate(parts, device)
     for module in parts:
         tensors = list(module.named_parameters()) + list(module.named_buffers())

@@ -247,8 +247,8 @@ def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: 
         if not loop.alive:
             reason = "the engine thread ended"
         else:
-            failure = loop.engine.failure  # its first line: a rank's failure carries the rank's traceback after it
-            reason = _one_line(str(failure).partition("\n")[0]) if failure is not None else None
+            failure = loop.engine.failure
+            reason = _one_line(failure) if failure is not None else None
         if reason is not None:
             ended.append(reason)
             server.should_exit = True
@@ -260,7 +260,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _one_line(e: BaseException | str) -> str:
+def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 

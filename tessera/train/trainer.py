@@ -239,16 +239,19 @@ class Trainer:
         if not is_hf_directory(path):
             return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
         try:
-            differences = model_differences(self.cfg.model, read_hf_config(path), shapes_only=True)
-        except TesseraError:  # a config.json Tessera cannot read: the weights' own check says what is wrong
-            differences = []
-        hint = ""
-        if differences:
-            hint = (f"; the model section differs from {str(Path(path) / 'config.json')!r} in "
-                    f"{', '.join(differences[:4])}{' and more' if len(differences) > 4 else ''}: leave those to the "
-                    f"directory (model.from_hf={path!r} takes every field not given from it)")
-        return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
-                              source=f"train.init_from={path!r}", hint=hint)
+            return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
+                                  source=f"train.init_from={path!r}")
+        except CheckpointError as e:  # say which fields of the model section make the shapes differ
+            try:
+                differences = model_differences(self.cfg.model, read_hf_config(path), shapes_only=True)
+            except TesseraError:  # a config.json Tessera cannot read: the weights' own check said what is wrong
+                differences = []
+            if not differences:
+                raise
+            raise CheckpointError(
+                f"{e}; the model section differs from {str(Path(path) / 'config.json')!r} in "
+                f"{', '.join(differences[:4])}{' and more' if len(differences) > 4 else ''}: leave those to the "
+                f"directory (model.from_hf={path!r} takes every field not given from it)") from e
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:

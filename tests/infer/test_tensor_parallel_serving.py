@@ -86,17 +86,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _serve_two_ranks(path, port: int, **popen_options) -> subprocess.Popen:
+    """`tessera serve` of `path` at tensor_parallel_size=2 on the CPU, its output piped."""
+    return subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, **popen_options)
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_serve_with_two_ranks_answers_like_one(llama):
     path, _ = llama
     want = LLM(path, block_size=4).generate(["contract"], SamplingParams(max_tokens=8, temperature=0))[0].text
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
-                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
-                                                                                   "PATH": "/usr/bin:/bin"})
+    proc = _serve_two_ranks(path, port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(proc, url)
@@ -241,11 +246,7 @@ def test_ctrl_c_to_the_process_group_lets_the_request_in_flight_finish(llama):
     and rank 0 finishes the stream in flight, stops them and exits 0."""
     path, _ = llama
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
-                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    proc = _serve_two_ranks(path, port, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(proc, url)
@@ -271,11 +272,7 @@ def test_serve_exits_with_status_1_when_a_worker_dies(llama):
     its supervisor to restart it, without waiting for a request to notice."""
     path, _ = llama
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
-                             "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
-                                                                                   "PATH": "/usr/bin:/bin"})
+    proc = _serve_two_ranks(path, port)
     try:
         wait_until_serving(proc, f"http://127.0.0.1:{port}")
         workers = [c for c in _children(proc.pid)
