@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -178,6 +179,21 @@ def _check_server_options(args: argparse.Namespace):
     return allowed_hosts(args.allowed_hosts, args.host)
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound before the model loads: a port already in use is said at
+    once, not after minutes of loading, and nothing started meanwhile (tensor-parallel workers'
+    gloo/NCCL connections take ephemeral ports) can take it. Address family by uvicorn's rule."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port} cannot be listened on: {e.strerror or e}; "
+                          "choose another port (or stop the process using it)") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread and serve HTTP until interrupted.
 
@@ -186,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
     the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C or SIGTERM, once
     requests in flight have finished (at most GRACEFUL_SHUTDOWN_S seconds)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = None
     try:
         hosts = _check_server_options(args)
+        sock = _listen_socket(args.host, args.port)
         import uvicorn
 
         from tessera.infer.engine import LLMEngine
@@ -201,17 +219,24 @@ def run(args: argparse.Namespace) -> int:
                                   "copy the model's tokenizer files into it, or export a Tessera run with "
                                   "`tessera convert RUN_DIR OUT`, which writes them")
     except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
+        if sock is not None:
+            sock.close()
         print(f"tessera serve: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    bound_port = sock.getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
     loop = EngineLoop(engine).start()
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora, aliases=aliases,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts)
-    print(f"tessera serve: {name!r} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
+    print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=bound_port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     ended: list[str] = []
     watcher = threading.Thread(target=_shut_down_when_unable_to_serve, args=(loop, server, ended),
@@ -224,13 +249,14 @@ def run(args: argparse.Namespace) -> int:
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if on_main_thread else None
     try:
         try:
-            server.run()
+            server.run(sockets=[sock])
         except KeyboardInterrupt:
             pass
         reason = ended[0] if ended else None  # read before the engine thread is stopped on purpose
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
+        sock.close()
         loop.stop()
         engine.close()
     if reason is not None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import select
 import socket
 import subprocess
 import threading
@@ -19,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serving_url(proc: subprocess.Popen, timeout: float = 90.0) -> str:
+    """The URL a `tessera serve ... --port 0` process (stdout piped) says it listens on; fail with
+    its output if it exits first or says nothing within `timeout` seconds. Reads the pipe's file
+    descriptor itself, so a later `proc.stdout.read()` returns the rest."""
+    deadline, out = time.monotonic() + timeout, b""
+    while (found := re.search(rb" on (http://\S+:\d+) ", out)) is None:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no 'on http://HOST:PORT' line within {timeout} s: {out.decode()}"
+        if select.select([proc.stdout], [], [], min(left, 1.0))[0]:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                raise AssertionError(f"exited with {proc.wait(10)} before serving: {out.decode()}")
+            out += chunk
+    return found.group(1).decode()
 
 
 def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
@@ -45,11 +64,12 @@ class RunningServer:
         self.loop = EngineLoop(engine).start()
         self.engine = engine
         app = create_app(self.loop, name, api_key=api_key, allow_lora_loading=allow_lora_loading, **app_options)
-        self.port = free_port()
+        self.socket = socket.create_server(("127.0.0.1", 0))  # bound now: no other process can take the port
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> RunningServer:
         self.thread.start()
@@ -63,6 +83,7 @@ class RunningServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.socket.close()
         self.loop.stop()
 
     def wait_idle(self, timeout: float = 10.0) -> bool:

@@ -1,12 +1,14 @@
 """`tessera serve` as a process: the contract, /health and greedy /v1/completions."""
 
 import signal
+import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from tessera.infer.command import main as serve_main
 from tests.infer.running_server import free_port, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
@@ -41,3 +43,14 @@ def test_serve_command_answers_the_contract(llama):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(20)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Said at once with exit status 2, not after loading: the directory does not even exist."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve_main([str(tmp_path / "no-such-model"), "--port", str(port), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port} cannot be listened on" in err and "in use" in err, err
+    assert serve_main([str(tmp_path / "no-such-model"), "--port", str(port), "--device", "cpu"]) == 1  # now free
+    assert "no-such-model" in capsys.readouterr().err

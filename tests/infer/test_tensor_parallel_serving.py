@@ -28,7 +28,7 @@ from tessera.infer.command import main as serve_main
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
-from tests.infer.running_server import RunningServer, free_port, wait_until_serving
+from tests.infer.running_server import RunningServer, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -86,13 +86,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _serve_two_ranks(path, port: int, **popen_options) -> subprocess.Popen:
-    """`tessera serve` of `path` at tensor_parallel_size=2 on the CPU, its output piped."""
-    return subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+def _serve_two_ranks(path, **popen_options) -> tuple[subprocess.Popen, str]:
+    """`tessera serve` of `path` at tensor_parallel_size=2 on the CPU, its output piped, on a port
+    the system chose (--port 0), and its URL once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", "0",
                              "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
                              "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, **popen_options)
+    try:
+        url = serving_url(proc)
+        wait_until_serving(proc, url)
+    except BaseException:
+        if popen_options.get("start_new_session"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait(30)
+        raise
+    return proc, url
 
 
 @pytest.mark.dist
@@ -100,11 +112,8 @@ def _serve_two_ranks(path, port: int, **popen_options) -> subprocess.Popen:
 def test_serve_with_two_ranks_answers_like_one(llama):
     path, _ = llama
     want = LLM(path, block_size=4).generate(["contract"], SamplingParams(max_tokens=8, temperature=0))[0].text
-    port = free_port()
-    proc = _serve_two_ranks(path, port)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve_two_ranks(path)
     try:
-        wait_until_serving(proc, url)
         body = {"model": str(path), "prompt": "contract", "max_tokens": 8, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -245,11 +254,8 @@ def test_ctrl_c_to_the_process_group_lets_the_request_in_flight_finish(llama):
     """Ctrl-C in a terminal reaches every process of the group, workers included: they ignore it,
     and rank 0 finishes the stream in flight, stops them and exits 0."""
     path, _ = llama
-    port = free_port()
-    proc = _serve_two_ranks(path, port, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _serve_two_ranks(path, start_new_session=True)
     try:
-        wait_until_serving(proc, url)
         body = {"model": str(path), "prompt": "contract", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -271,10 +277,8 @@ def test_serve_exits_with_status_1_when_a_worker_dies(llama):
     """A dead rank makes every later request fail: the server says why and ends with status 1 for
     its supervisor to restart it, without waiting for a request to notice."""
     path, _ = llama
-    port = free_port()
-    proc = _serve_two_ranks(path, port)
+    proc, _ = _serve_two_ranks(path)
     try:
-        wait_until_serving(proc, f"http://127.0.0.1:{port}")
         workers = [c for c in _children(proc.pid)
                    if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(workers) == 1
