@@ -277,10 +277,19 @@ class LLMEngine:
         finite = self._finite_rows(logits, spans)  # before the grammar masks put -inf in
         self._apply_grammars(logits, plan.scheduled, spans)
         plain = [i for i, s in enumerate(plan.scheduled) if s.completes and s.seq.request_id not in proposals]
-        host = self._sample_plain(logits, [plan.scheduled[i].seq for i in plain], [spans[i][-1] for i in plain],
-                                  finite)
+        # greedy requests verify their proposals against the argmax of their rows, which travels
+        # with the sampled tokens; sampled ones draw on the host (rejection_sampling.verify_sampled)
+        greedy = [i for i, s in enumerate(plan.scheduled)
+                  if s.seq.request_id in proposals and s.seq.params.greedy]
+        host = self._to_host(logits, [plan.scheduled[i].seq for i in plain], [spans[i][-1] for i in plain],
+                             [r for i in greedy for r in spans[i]], finite)
         sampled = dict(zip(plain, host[:len(plain)]))
-        finite_rows = host[len(plain):]
+        at = len(plain)
+        argmax: dict[int, list[int]] = {}
+        for i in greedy:
+            argmax[i] = host[at:at + len(spans[i])]
+            at += len(spans[i])
+        finite_rows = host[at:]
         flag_at = 0
         for i, s in enumerate(plan.scheduled):
             seq, span = s.seq, spans[i]
@@ -293,8 +302,13 @@ class LLMEngine:
                 try:
                     if not ok:
                         raise FloatingPointError("the model produced inf/NaN logits for this request")
-                    new = [sampled[i]] if proposal is None else self._verify(seq, logits[span.start:span.stop],
-                                                                              proposal)
+                    if proposal is None:
+                        new = [sampled[i]]
+                    elif i in argmax:
+                        new = verify_greedy(argmax[i], proposal.tokens)
+                    else:
+                        new = verify_sampled(processed_probs(logits[span.start:span.stop], seq.params),
+                                             proposal.tokens, proposal.probs, seq.generator)
                     if seq.grammar is not None:
                         seq.grammar.advance(new)
                 except Exception as e:  # this request's numbers went wrong: it alone fails
@@ -321,17 +335,24 @@ class LLMEngine:
         rows = torch.tensor(index).to(logits_TV.device, non_blocking=True)
         return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long()
 
-    def _sample_plain(self, logits_TV: torch.Tensor, seqs: list[Sequence], rows: list[int],
-                      finite_R: torch.Tensor) -> list[int]:
-        """Sample the next token of each of `seqs` from its logits row, on the device, then bring
-        the tokens and the finiteness flags to the host in one transfer: [tokens..., flags...]."""
-        if not seqs:  # nothing samples plainly; a step of prefill chunks only transfers nothing
-            return tokens_to_host(finite_R) if finite_R.numel() else []
-        index = torch.tensor(rows).to(logits_TV.device, non_blocking=True)
-        batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in seqs], logits_TV.shape[-1],
-                                    logits_TV.device)
-        tokens = sample_on_device(logits_TV.index_select(0, index), batch)
-        return tokens_to_host(torch.cat([tokens, finite_R]))
+    def _to_host(self, logits_TV: torch.Tensor, seqs: list[Sequence], rows: list[int], argmax_rows: list[int],
+                 finite_R: torch.Tensor) -> list[int]:
+        """The step's one device -> host transfer: [tokens..., argmaxes..., flags...]. Samples the
+        next token of each of `seqs` from its logits row on the device, and takes the argmax of
+        each of `argmax_rows` (greedy requests' verification rows)."""
+        parts = []
+        if seqs:
+            index = torch.tensor(rows).to(logits_TV.device, non_blocking=True)
+            batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in seqs], logits_TV.shape[-1],
+                                        logits_TV.device)
+            parts.append(sample_on_device(logits_TV.index_select(0, index), batch))
+        if argmax_rows:
+            index = torch.tensor(argmax_rows).to(logits_TV.device, non_blocking=True)
+            parts.append(logits_TV.index_select(0, index).argmax(-1))
+        if finite_R.numel():
+            parts.append(finite_R)
+        # a step of prefill chunks only transfers nothing
+        return tokens_to_host(torch.cat(parts)) if parts else []
 
     def _apply_grammars(self, logits_TV: torch.Tensor, scheduled: list, spans: list[range]) -> None:
         """Mask, on the device, the logits row that each sequence with a grammar samples from this
@@ -355,12 +376,6 @@ class LLMEngine:
             for b in own:
                 self.blocks.cache.forget(b)
         return self._finish(seq, "error", [], f"numerical error: {error}")
-
-    def _verify(self, seq: Sequence, rows_MV: torch.Tensor, proposal: Proposal) -> list[int]:
-        """New tokens from the logits of the last computed position and of each proposed token."""
-        if seq.params.greedy:
-            return verify_greedy(rows_MV.argmax(-1).tolist(), proposal.tokens)
-        return verify_sampled(processed_probs(rows_MV, seq.params), proposal.tokens, proposal.probs, seq.generator)
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append `tokens` one by one until a stop rule fires; the output of this step."""

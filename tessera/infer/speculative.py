@@ -86,11 +86,20 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, self.kv, device)
         self.state: dict[str, _DraftState] = {}
 
-    def _draw(self, seq: Sequence, logits_V: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if seq.params.greedy:
-            return int(logits_V.argmax()), None
-        q = processed_probs(logits_V[None], seq.params)[0]
-        return sample_from(q, seq.generator), q
+    @staticmethod
+    def _draw(seqs: list[Sequence], logits_RV: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """The next draft token of each of `seqs` from its row of `logits_RV`: the greedy ones' argmaxes
+        come to the host in one transfer; sampled ones draw from their processed distribution q."""
+        greedy = [r for r, seq in enumerate(seqs) if seq.params.greedy]
+        argmax = dict(zip(greedy, logits_RV[greedy].argmax(-1).tolist())) if greedy else {}
+        out: list[tuple[int, torch.Tensor | None]] = []
+        for r, seq in enumerate(seqs):
+            if r in argmax:
+                out.append((argmax[r], None))
+            else:
+                q = processed_probs(logits_RV[r:r + 1], seq.params)[0]
+                out.append((sample_from(q, seq.generator), q))
+        return out
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
         proposals = [Proposal() for _ in seqs]
@@ -110,9 +119,9 @@ class DraftModelProposer:
         logits = self.runner.forward(items)
         ends = np.cumsum([len(it.tokens) for it in items]) - 1
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
-        for (i, seq, st, _), end in zip(active, ends):
+        drawn = self._draw([seq for _, seq, _, _ in active], logits[ends.tolist()])
+        for (i, seq, st, _), (tok, q) in zip(active, drawn):
             st.num_computed = len(seq.token_ids)
-            tok, q = self._draw(seq, logits[int(end)])
             proposals[i].tokens.append(tok)
             if q is not None:
                 probs[i].append(q)
@@ -121,9 +130,8 @@ class DraftModelProposer:
             step = [(i, seq, st) for i, seq, st, lim in active if lim > j]
             items = [BatchItem([proposals[i].tokens[-1]], st.num_computed, st.block_table) for i, _, st in step]
             logits = self.runner.forward(items)
-            for row, (i, seq, st) in enumerate(step):
+            for (i, _, st), (tok, q) in zip(step, self._draw([seq for _, seq, _ in step], logits)):
                 st.num_computed += 1
-                tok, q = self._draw(seq, logits[row])
                 proposals[i].tokens.append(tok)
                 if q is not None:
                     probs[i].append(q)

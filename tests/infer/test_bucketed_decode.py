@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams, device_sampling
 from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_runner import BatchItem
+from tests.infer.host_transfers import HostTransfers
 from tests.infer.tiny_models import hf_greedy, write_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -108,23 +108,6 @@ def test_moe_model_matches_hf_with_the_bucketed_path(mixtral):
 
 def test_dense_models_can_be_captured(llama):
     assert graph_blocker(LLM(llama[0], block_size=4).engine.cfg) is None
-
-
-class HostTransfers(TorchFunctionMode):
-    """Counts the tensor methods that copy device data to the host (each one a synchronisation
-    on a GPU): `.item()`, `.tolist()`, `.cpu()`, `.numpy()` and Python conversions of a tensor."""
-
-    NAMES = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
