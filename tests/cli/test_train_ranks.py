@@ -98,3 +98,22 @@ def test_ranks_of_a_killed_launcher_save_and_stop(small_dataset, tmp_path):
         time.sleep(0.1)
     time.sleep(0.5)  # the last metrics line is written before the save; let rank 0 finish closing
     assert ckpt.read_meta(ckpt.find_latest(run / "checkpoints"))["step"] == max(read_losses(run)) < 10_000
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_failed_rank_exits_without_the_interpreters_teardown(tmp_path, world_size):
+    """A rank of a job (WORLD_SIZE > 1) that failed ends with its error's status and skips the
+    teardown (where torch's half-built process groups can abort it with 134); one process and a
+    rank that succeeded end normally. An atexit hook, installed through sitecustomize, tells which."""
+    marker = tmp_path / "teardown-ran"
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).touch)\n")
+    env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+           "WORLD_SIZE": world_size, "RANK": "0"}
+    out = subprocess.run([sys.executable, "-m", "tessera", "train", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "missing.yaml" in out.stderr, out.stderr
+    assert marker.exists() == (world_size == "1")
+    ok = subprocess.run([sys.executable, "-m", "tessera", "--version"], capture_output=True, text=True, env=env,
+                        timeout=120)
+    assert ok.returncode == 0 and marker.exists(), ok.stderr
