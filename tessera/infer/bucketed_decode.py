@@ -50,11 +50,30 @@ def block_buckets(max_blocks: int) -> list[int]:
     return default_batch_buckets(max_blocks)
 
 
-def graph_blocker(cfg) -> str | None:
-    """Why the decode step of a model with config `cfg` cannot be captured in a CUDA graph (None:
-    it can). Dropless MoE layers split the tokens by expert with sizes read on the host."""
-    if cfg.moe is not None:
-        return "MoE layers size their expert groups on the host (a synchronisation a graph cannot hold)"
+def graph_blocker(cfg, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> str | None:
+    """Why the decode step of a model with config `cfg`, computing in `dtype` on `device`, cannot be
+    captured in a CUDA graph (None: it can).
+
+    MoE layers run their routed experts as one grouped GEMM (`torch._grouped_mm`) whose group
+    offsets stay on the device only on its CUTLASS path: bf16, rows a multiple of 16 bytes, and a
+    GPU of compute capability 9.x or 10.x (Hopper, Blackwell). Elsewhere the group sizes are read
+    on the host (the experts' loop in models/moe/experts.py, or torch's own fallback), a
+    synchronisation that a graph cannot hold."""
+    moe = cfg.moe
+    if moe is None:
+        return None
+    if dtype != torch.bfloat16:
+        return (f"MoE layers in {str(dtype).removeprefix('torch.')} size their expert groups on the host (only "
+                "bf16 runs them as one grouped GEMM with the sizes on the device)")
+    if cfg.dim % 8 or moe.ffn_dim % 8:
+        return (f"MoE layers of dim={cfg.dim}, moe.ffn_dim={moe.ffn_dim} (not both multiples of 8) size their "
+                "expert groups on the host")
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major not in (9, 10):
+            return (f"MoE layers size their expert groups on the host on compute capability {major}.{minor} "
+                    "(torch's grouped GEMM keeps them on the device on 9.x and 10.x only)")
     return None
 
 
@@ -125,13 +144,14 @@ class BucketedDecoder:
     """Runs decode steps at bucketed static shapes (eagerly, or as CUDA graph replays)."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device, batch_sizes: list[int],
-                 max_blocks: int, scratch_block: int, lora=None, use_graphs: bool = False):
+                 max_blocks: int, scratch_block: int, lora=None, use_graphs: bool = False,
+                 dtype: torch.dtype = torch.float32):
         self.model, self.kv, self.device, self.lora = model, kv, torch.device(device), lora
         self.batch_sizes = sorted(set(batch_sizes))
         self.block_counts = block_buckets(max_blocks)
         self.scratch_block = scratch_block
         self.use_graphs = use_graphs and self.device.type == "cuda"
-        blocker = graph_blocker(model.cfg)
+        blocker = graph_blocker(model.cfg, dtype, self.device) if self.use_graphs else None
         if self.use_graphs and blocker is not None:
             log.info("the decode step runs eagerly: %s", blocker)
             self.use_graphs = False

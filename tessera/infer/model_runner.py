@@ -133,5 +133,5 @@ def build_runner(model: Transformer, config: EngineConfig, lora=None,
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
-        use_graphs=not config.enforce_eager and tp == 1)
+        use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
     return ModelRunner(model, kv, device, lora, decoder), geometry

@@ -16,11 +16,12 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["hello world", "a", "The quick brown fox jumps over the lazy dog", "def f(x):\n    return x\n", "zz"]
 
 
-def generate_on_cuda(path: str, enforce_eager: bool, sampled: bool) -> tuple[list[list[int]], int, int]:
+def generate_on_cuda(path: str, enforce_eager: bool, sampled: bool,
+                     dtype: str = "float32") -> tuple[list[list[int]], int, int]:
     """Runs in the child: (token ids per prompt, graph replays, eager bucket runs)."""
     from tessera.infer import LLM, SamplingParams
 
-    llm = LLM(path, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=32,
+    llm = LLM(path, device="cuda", dtype=dtype, block_size=4, max_num_batched_tokens=32,
               enforce_eager=enforce_eager)
     if sampled:
         params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
@@ -44,3 +45,26 @@ def test_cuda_graph_decode_matches_hf_and_eager(tmp_path):
     sampled_graphs = in_spawned_process(generate_on_cuda, str(tmp_path), False, True)[0]
     sampled_eager = in_spawned_process(generate_on_cuda, str(tmp_path), True, True)[0]
     assert sampled_graphs == sampled_eager
+
+
+def moe_graph_blocker(path: str) -> str | None:
+    """Runs in the child: why a bf16 MoE decode step cannot be captured on this GPU (None: it can)."""
+    import torch
+
+    from tessera.config.hf_config import read_hf_config
+    from tessera.infer.bucketed_decode import graph_blocker
+
+    return graph_blocker(read_hf_config(path), torch.bfloat16, "cuda")
+
+
+def test_bf16_moe_decode_is_captured_and_equals_eager(tmp_path):
+    """Where torch's grouped GEMM keeps the expert offsets on the device (compute capability 9.x /
+    10.x), the MoE decode step is replayed from graphs with the tokens of the eager step."""
+    write_model(tmp_path, "mixtral", std=0.25)
+    graphs, replays, _ = in_spawned_process(generate_on_cuda, str(tmp_path), False, False, "bfloat16")
+    eager, eager_replays, eager_runs = in_spawned_process(generate_on_cuda, str(tmp_path), True, False, "bfloat16")
+    assert graphs == eager and eager_replays == 0 and eager_runs > 0
+    if in_spawned_process(moe_graph_blocker, str(tmp_path)) is None:
+        assert replays > 0
+    else:
+        assert replays == 0
