@@ -1,19 +1,36 @@
-"""`python -m tessera ...` is the `tessera` command, and what every rank of `--nproc` and torchrun runs."""
+"""`python -m tessera ...` is the `tessera` command; `tessera train --nproc N` starts each rank this
+way, and torchrun does with `-m tessera`."""
 
 import logging
 import os
 import sys
+import traceback
 
 from tessera.cli import main
 
-status = main()
-if status != 0 and os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
-    # A rank that failed has said why and closed its files (the trainer's `finally`). It ends
-    # without the interpreter's teardown: there torch's process-group objects, left mid-setup by
-    # an early failure, can abort the process ("terminate called without an active exception",
-    # about 1 run in 20 under load), and the launcher would then report status 134 instead of this one.
+
+def _end_failed_rank(status: int) -> None:
+    """A rank of a multi-rank job that failed has said why, and the trainer's `finally` has closed
+    its files. It ends here, without the interpreter's teardown: there torch's process-group
+    objects, left mid-use by an early failure, can abort the process ("terminate called without an
+    active exception", about 1 run in 20 under load), and the launcher would then report status 134
+    instead of this one. One process ends normally."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+try:
+    status = main()
+except (SystemExit, KeyboardInterrupt):
+    raise
+except BaseException:  # an error the command does not report itself: Python's report, status 1
+    traceback.print_exc()
+    _end_failed_rank(1)
+    sys.exit(1)
+if status != 0:
+    _end_failed_rank(status)
 sys.exit(status)

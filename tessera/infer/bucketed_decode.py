@@ -56,12 +56,14 @@ def graph_blocker(cfg, dtype: torch.dtype = torch.float32, device: torch.device 
 
     MoE layers run their routed experts as one grouped GEMM (`torch._grouped_mm`) whose group
     offsets stay on the device only on its CUTLASS path: bf16, rows a multiple of 16 bytes, and a
-    GPU of compute capability 9.x or 10.x (Hopper, Blackwell). Elsewhere the group sizes are read
-    on the host (the experts' loop in models/moe/experts.py, or torch's own fallback), a
+    NVIDIA GPU of compute capability 9.x or 10.x (Hopper, Blackwell). Elsewhere the group sizes are
+    read on the host (the experts' loop in models/moe/experts.py, or torch's own fallback), a
     synchronisation that a graph cannot hold."""
     moe = cfg.moe
     if moe is None:
         return None
+    if not moe.grouped_gemm:
+        return "MoE layers with moe.grouped_gemm=false loop over their experts with group sizes read on the host"
     if dtype != torch.bfloat16:
         return (f"MoE layers in {str(dtype).removeprefix('torch.')} size their expert groups on the host (only "
                 "bf16 runs them as one grouped GEMM with the sizes on the device)")
@@ -70,6 +72,8 @@ def graph_blocker(cfg, dtype: torch.dtype = torch.float32, device: torch.device 
                 "expert groups on the host")
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
+        if torch.version.hip is not None:
+            return "MoE layers size their expert groups on the host on ROCm (torch's grouped GEMM falls back there)"
         major, minor = torch.cuda.get_device_capability(device)
         if major not in (9, 10):
             return (f"MoE layers size their expert groups on the host on compute capability {major}.{minor} "

@@ -179,19 +179,38 @@ def _check_server_options(args: argparse.Namespace):
     return allowed_hosts(args.allowed_hosts, args.host)
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP server's socket, bound before the model loads: a port already in use is said at
-    once, not after minutes of loading, and nothing started meanwhile (tensor-parallel workers'
-    gloo/NCCL connections take ephemeral ports) can take it. Address family by uvicorn's rule."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen_sockets(host: str, port: int) -> list[socket.socket]:
+    """The HTTP server's sockets, listening before the model loads: a port already in use is said
+    at once, not after minutes of loading, and nothing started meanwhile (another server, or
+    tensor-parallel workers' gloo/NCCL connections on ephemeral ports) can take it. One socket per
+    address `host` resolves to, as asyncio's `create_server` makes them (`""`: every interface,
+    IPv4 and IPv6; an IPv6 socket takes IPv6 only); with port 0 all of them share the port the
+    system chose for the first."""
+    def refuse(e: OSError) -> ConfigError:
+        return ConfigError(f"--host {host} --port {port} cannot be listened on: {e.strerror or e}; choose "
+                           "another host or port (or stop the process using it)")
+
     try:
-        sock.bind((host, port))
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except OSError as e:
-        sock.close()
-        raise ConfigError(f"--host {host} --port {port} cannot be listened on: {e.strerror or e}; "
-                          "choose another port (or stop the process using it)") from None
-    return sock
+        raise refuse(e) from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:
+                address = (address[0], socks[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(2048)  # uvicorn's default backlog; connections made while loading wait in it
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        raise refuse(e) from None
+    return socks
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,10 +221,10 @@ def run(args: argparse.Namespace) -> int:
     the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C or SIGTERM, once
     requests in flight have finished (at most GRACEFUL_SHUTDOWN_S seconds)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = None
+    socks: list[socket.socket] = []
     try:
         hosts = _check_server_options(args)
-        sock = _listen_socket(args.host, args.port)
+        socks = _listen_sockets(args.host, args.port)
         import uvicorn
 
         from tessera.infer.engine import LLMEngine
@@ -219,15 +238,15 @@ def run(args: argparse.Namespace) -> int:
                                   "copy the model's tokenizer files into it, or export a Tessera run with "
                                   "`tessera convert RUN_DIR OUT`, which writes them")
     except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
-        if sock is not None:
+        for sock in socks:
             sock.close()
         print(f"tessera serve: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
     except BaseException:
-        if sock is not None:
+        for sock in socks:
             sock.close()
         raise
-    bound_port = sock.getsockname()[1]  # --port 0: the one the system chose
+    bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
     loop = EngineLoop(engine).start()
@@ -249,14 +268,15 @@ def run(args: argparse.Namespace) -> int:
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) if on_main_thread else None
     try:
         try:
-            server.run(sockets=[sock])
+            server.run(sockets=socks)
         except KeyboardInterrupt:
             pass
         reason = ended[0] if ended else None  # read before the engine thread is stopped on purpose
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-        sock.close()
+        for sock in socks:
+            sock.close()
         loop.stop()
         engine.close()
     if reason is not None:

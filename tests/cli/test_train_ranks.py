@@ -117,3 +117,21 @@ def test_a_failed_rank_exits_without_the_interpreters_teardown(tmp_path, world_s
     ok = subprocess.run([sys.executable, "-m", "tessera", "--version"], capture_output=True, text=True, env=env,
                         timeout=120)
     assert ok.returncode == 0 and marker.exists(), ok.stderr
+
+
+def test_an_unexpected_error_in_a_rank_is_reported_once_with_status_1(tmp_path):
+    """An exception the command does not turn into a message (a bug, an out-of-memory error)
+    prints its traceback once and ends the rank with Python's status 1, teardown skipped."""
+    marker = tmp_path / "teardown-ran"
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).touch)\n"
+        "import tessera.cli\n"
+        "def boom(argv=None):\n    raise RuntimeError('out of memory, say')\n"
+        "tessera.cli.main = boom\n")
+    for world_size in ("2", "1"):
+        env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+               "WORLD_SIZE": world_size, "RANK": "0"}
+        out = subprocess.run([sys.executable, "-m", "tessera", "train", "x.yaml"], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 1 and out.stderr.count("RuntimeError: out of memory, say") == 1, out.stderr
+        assert marker.exists() == (world_size == "1")

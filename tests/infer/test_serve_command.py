@@ -54,3 +54,30 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
     assert f"--host 127.0.0.1 --port {port} cannot be listened on" in err and "in use" in err, err
     assert serve_main([str(tmp_path / "no-such-model"), "--port", str(port), "--device", "cpu"]) == 1  # now free
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_the_port_is_listened_on_before_the_model_loads():
+    """Bound and listening (a socket only bound could still be taken by another SO_REUSEADDR
+    server, such as a second `tessera serve`), one socket per address the host resolves to."""
+    from tessera.config.errors import ConfigError
+    from tessera.infer.command import _listen_sockets
+
+    first = _listen_sockets("127.0.0.1", 0)
+    try:
+        port = first[0].getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port} cannot be listened on"):
+            _listen_sockets("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # accepted into the backlog
+            pass
+    finally:
+        for s in first:
+            s.close()
+    every = _listen_sockets("", 0)  # every interface: IPv4 (and IPv6 where the machine has it), one port
+    try:
+        assert {s.getsockname()[1] for s in every} == {every[0].getsockname()[1]}
+        assert socket.AF_INET in {s.family for s in every}
+    finally:
+        for s in every:
+            s.close()
+    with pytest.raises(ConfigError, match="--host no-such-host.invalid --port 0 cannot be listened on"):
+        _listen_sockets("no-such-host.invalid", 0)
