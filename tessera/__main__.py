@@ -25,9 +25,7 @@ def _end_failed_rank(status: int) -> None:
 
 try:
     status = main()
-except (SystemExit, KeyboardInterrupt):
-    raise
-except BaseException:  # an error the command does not report itself: Python's report, status 1
+except Exception:  # an error the command does not report itself: Python's report, status 1
     traceback.print_exc()
     _end_failed_rank(1)
     sys.exit(1)

@@ -9,6 +9,7 @@ answering only loopback Host names, request bodies up to 8 MiB, no adapter loadi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -186,30 +187,24 @@ def _listen_sockets(host: str, port: int) -> list[socket.socket]:
     address `host` resolves to, as asyncio's `create_server` makes them (`""`: every interface,
     IPv4 and IPv6; an IPv6 socket takes IPv6 only); with port 0 all of them share the port the
     system chose for the first."""
-    def refuse(e: OSError) -> ConfigError:
-        return ConfigError(f"--host {host} --port {port} cannot be listened on: {e.strerror or e}; choose "
-                           "another host or port (or stop the process using it)")
-
     try:
         infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+        with contextlib.ExitStack() as opened:  # all of them, or none (closed on a failure)
+            socks = []
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = opened.enter_context(socket.socket(family, kind, proto))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if port == 0 and socks:
+                    address = (address[0], socks[0].getsockname()[1], *address[2:])
+                sock.bind(address)
+                sock.listen(2048)  # uvicorn's default backlog; connections made while loading wait in it
+                socks.append(sock)
+            opened.pop_all()
     except OSError as e:
-        raise refuse(e) from None
-    socks: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(socks) > 1:
-                address = (address[0], socks[0].getsockname()[1], *address[2:])
-            sock.bind(address)
-            sock.listen(2048)  # uvicorn's default backlog; connections made while loading wait in it
-    except OSError as e:
-        for sock in socks:
-            sock.close()
-        raise refuse(e) from None
+        raise ConfigError(f"--host {host} --port {port} cannot be listened on: {e.strerror or e}; choose "
+                          "another host or port (or stop the process using it)") from None
     return socks
 
 
@@ -221,10 +216,14 @@ def run(args: argparse.Namespace) -> int:
     the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C or SIGTERM, once
     requests in flight have finished (at most GRACEFUL_SHUTDOWN_S seconds)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    socks: list[socket.socket] = []
+    with contextlib.ExitStack() as sockets:  # the listening sockets close however this ends
+        return _serve(args, sockets)
+
+
+def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     try:
         hosts = _check_server_options(args)
-        socks = _listen_sockets(args.host, args.port)
+        socks = [sockets.enter_context(sock) for sock in _listen_sockets(args.host, args.port)]
         import uvicorn
 
         from tessera.infer.engine import LLMEngine
@@ -238,14 +237,8 @@ def run(args: argparse.Namespace) -> int:
                                   "copy the model's tokenizer files into it, or export a Tessera run with "
                                   "`tessera convert RUN_DIR OUT`, which writes them")
     except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
-        for sock in socks:
-            sock.close()
         print(f"tessera serve: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
@@ -275,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-        for sock in socks:
-            sock.close()
         loop.stop()
         engine.close()
     if reason is not None:
