@@ -9,8 +9,9 @@ Single-token queries (decodes) run through the static-shape decode step (`bucket
 padded to a batch-size bucket, captured in a CUDA graph on the GPU), the rest through the packed
 step; non-speculative sampling happens on the device for the whole step (`device_sampling`), so
 that a decode step moves data to the host once: the new token ids and the finiteness flags.
-Requests join and leave between steps. A request whose logits come out inf/NaN, or whose sampling
-fails, is finished with an error on its own; the rest of the batch carries on (`_fail_alone`).
+Requests join and leave between steps. A request whose logits come out inf/NaN, whose sampling
+fails, or whose schema the grammar engine cannot follow any further, is finished with an error on
+its own; the rest of the batch carries on (`_fail_alone`).
 The engine is not thread-safe: `EngineLoop` runs it in one background thread and hands it
 requests through a queue.
 """
@@ -41,7 +42,7 @@ from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
-from tessera.infer.structured_output import GrammarCompiler
+from tessera.infer.structured_output import GrammarCompiler, GrammarError
 from tessera.infer.tensor_parallel import TensorParallelRunner
 from tessera.infer.tp_workers import start_workers_for_dir, start_workers_for_model
 from tessera.models.transformer import Transformer
@@ -311,7 +312,7 @@ class LLMEngine:
                                              proposal.tokens, proposal.probs, seq.generator)
                     if seq.grammar is not None:
                         seq.grammar.advance(new)
-                except Exception as e:  # this request's numbers went wrong: it alone fails
+                except Exception as e:  # this request's numbers or grammar went wrong: it alone fails
                     outputs.append(self._fail_alone(seq, e))
                     continue
                 seq.num_computed += s.num_tokens + len(new) - 1
@@ -365,11 +366,15 @@ class LLMEngine:
         self.grammars.mask_logits(logits_TV, rows, grammars)
 
     def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
-        """Finish one request whose numbers went wrong, leaving the rest of the batch running.
-        The KV blocks only it holds are zeroed first (a stale inf/NaN slot would poison the next
-        owner of the block, since attention multiplies even masked-out values by zero weight) and
-        taken out of the prefix cache (a later prompt must recompute them, not reuse zeros)."""
+        """Finish one request whose numbers or grammar went wrong, leaving the rest of the batch
+        running. A grammar failure is the request's own (its schema): its KV blocks are sound and
+        stay as they are. Otherwise the KV blocks only it holds are zeroed first (a stale inf/NaN
+        slot would poison the next owner of the block, since attention multiplies even masked-out
+        values by zero weight) and taken out of the prefix cache (a later prompt must recompute
+        them, not reuse zeros)."""
         log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
+        if isinstance(error, GrammarError):
+            return self._finish(seq, "error", [], str(error), client_error=True)
         own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
         self.runner.clear_blocks(own)
         if self.blocks.cache is not None:
@@ -403,7 +408,8 @@ class LLMEngine:
         return RequestOutput(seq.request_id, appended, delta, detok.text[:detok.sent], seq.output_ids, False, None,
                              seq.num_prompt)
 
-    def _finish(self, seq: Sequence, reason: str, appended: list[int], error: str | None = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, appended: list[int], error: str | None = None,
+                client_error: bool = False) -> RequestOutput:
         if seq.pin_prefix:
             self.blocks.register_computed(seq)
             self.blocks.pin_sequence(seq)
@@ -419,7 +425,7 @@ class LLMEngine:
         delta = detok.release(final=True)
         del self.seqs[seq.request_id]
         return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
-                             error)
+                             error, client_error)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one process). The engine cannot

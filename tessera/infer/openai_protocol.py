@@ -29,7 +29,10 @@ class ProtocolError(ConfigError):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: a 5xx is the server's fault ("server_error"), a 4xx the request's."""
     kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    if status >= 500:
+        kind = "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

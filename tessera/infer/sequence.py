@@ -36,6 +36,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     prompt_tokens: int
     error: str | None = None
+    client_error: bool = False  # the error lies in the request itself (its schema), not in the server
 
 
 @dataclass

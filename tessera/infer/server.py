@@ -255,13 +255,21 @@ async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rid
         for i, r in enumerate(rids):
             if i not in done:
                 loop.abort(r)
-    errors = [o.error for o in done.values() if o.finish_reason == "error"]
-    if errors:
-        return _error(f"generation failed: {errors[0]}", 500)
+    failed = [o for o in done.values() if o.finish_reason == "error"]
+    if failed:
+        return _error(*_failure(failed[0]))
     outs = [done[i] for i in range(len(rids))]
     choices = [choice(i, o.text, o.finish_reason, chat, stream=False) for i, o in enumerate(outs)]
     use = usage(sum(o.prompt_tokens for o in outs), sum(len(o.token_ids) for o in outs))
     return JSONResponse(completion_object(rid, name, choices, use, chat))
+
+
+def _failure(out: RequestOutput) -> tuple[str, int, str | None]:
+    """Message, HTTP status and offending field of a request that failed while generating: 400
+    when its own schema failed in the grammar engine, 500 when the server failed it."""
+    if out.client_error:
+        return f"generation failed: {out.error}", 400, "response_format"
+    return f"generation failed: {out.error}", 500, None
 
 
 def _sse(obj: dict | str) -> str:
@@ -281,7 +289,7 @@ async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: 
             index, out = await queue.get()
             if out.finish_reason == "error":
                 finished.add(index)
-                yield _sse(error_body(f"generation failed: {out.error}", 500))
+                yield _sse(error_body(*_failure(out)))  # the status line said 200 already
                 continue
             if out.delta or out.finished:
                 c = choice(index, out.delta, out.finish_reason, chat, True)

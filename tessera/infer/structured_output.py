@@ -115,9 +115,13 @@ class GrammarMatcher:
         self.matcher = matcher
 
     def advance(self, tokens: list[int]) -> None:
-        """Feed the sampled tokens; ValueError if the grammar refuses one (the mask should prevent it)."""
+        """Feed the sampled tokens; GrammarError if the grammar refuses one. The mask allows only
+        tokens the grammar accepts, so a refusal means llguidance failed on this schema mid-way
+        (e.g. an `anyOf` of thousands of branches exceeds its parser's row limit)."""
         if not self.matcher.consume_tokens(tokens):
-            raise ValueError(f"structured output: token rejected by the grammar: {self.matcher.get_error()[:300]}")
+            why = self.matcher.get_error().replace("<non-verbose/>", "").strip()[:300]
+            raise GrammarError(f"structured output failed: the grammar engine refused the sampled token: {why} "
+                               "(the schema may exceed the grammar engine's limits; simplify it)")
 
     @property
     def finished(self) -> bool:

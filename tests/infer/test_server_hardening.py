@@ -284,6 +284,7 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
         for t in threads:
             t.join()
         assert results["hostile"].status_code == 500 and "numerical error" in results["hostile"].text
+        assert results["hostile"].json()["error"]["type"] == "server_error"
         for i in range(6):
             assert results[i].status_code == 200, results[i].text
             text = results[i].json()["choices"][0]["text"]

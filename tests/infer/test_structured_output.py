@@ -1,11 +1,13 @@
 """Structured output: every completion under a JSON schema parses and validates, from random-weight
 models sampling at temperature 1 (which write garbage without the mask, checked alongside), with
 the character tokenizer of the tiny models and the bundled byte-level BPE tokenizer; json_object
-mode; both HTTP endpoints on 127.0.0.1; invalid schemas refused with a 400; a free request in the
-same batch unchanged; speculative decoding falls back to one token per step for such requests."""
+mode; both HTTP endpoints on 127.0.0.1; invalid schemas refused with a 400, and so is one the grammar
+engine fails on while decoding; a free request in the same batch unchanged; speculative decoding falls
+back to one token per step for such requests."""
 
 import json
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -17,6 +19,7 @@ from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import SpeculativeConfig
 from tessera.infer.structured_output import unpack_bitmask
 from tests.infer.running_server import RunningServer
+from tests.infer.test_server import _hold_engine, _wait_for_inbox
 from tests.infer.tiny_models import write_model
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -216,6 +219,51 @@ def test_invalid_response_format_gets_400_naming_the_problem(server, response_fo
         assert fragment in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
     assert server.wait_idle()
+
+
+def test_a_schema_the_grammar_engine_fails_on_while_decoding_gets_400_alone(server):
+    """An anyOf of 2001 branches compiles, then exceeds llguidance's parser row limit (2000) at the
+    first token: the request fails as a client error naming its schema (400, and an error event
+    with code 400 when streaming), while a free request in the same batch completes as alone."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                        for i in range(2001)]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+    free = {"model": "tiny", "prompt": "the free one", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(server.url + "/v1/completions", json=free, timeout=60).json()["choices"][0]["text"]
+    bad = {"model": "tiny", "max_tokens": 40, "temperature": 1.0, "seed": 0, "response_format": fmt}
+    results: dict = {}
+
+    def send(key, route, body):
+        if body.get("stream"):
+            with httpx.stream("POST", server.url + route, json=body, timeout=60) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                results[key] = (r.status_code, events)
+        else:
+            results[key] = httpx.post(server.url + route, json=body, timeout=60)
+
+    chat = {**bad, "messages": [{"role": "user", "content": "x"}]}
+    threads = [threading.Thread(target=send, args=args) for args in (
+        ("completion", "/v1/completions", {**bad, "prompt": "x"}), ("chat", "/v1/chat/completions", chat),
+        ("stream", "/v1/chat/completions", {**chat, "stream": True}), ("free", "/v1/completions", free))]
+    gate = _hold_engine(server)  # all four in one batch
+    for t in threads:
+        t.start()
+    _wait_for_inbox(server, 4)
+    gate.set()
+    for t in threads:
+        t.join()
+    for key in ("completion", "chat"):
+        r = results[key]
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+        assert "structured output failed" in error["message"] and "max is 2000" in error["message"]
+        assert "simplify" in error["message"] and "numerical" not in error["message"]
+    status, events = results["stream"]
+    assert status == 200 and events[-1]["error"]["code"] == 400
+    assert "structured output failed" in events[-1]["error"]["message"]
+    assert results["free"].status_code == 200 and results["free"].json()["choices"][0]["text"] == alone
+    assert server.wait_idle() and httpx.get(server.url + "/health").status_code == 200
 
 
 def test_missing_library_or_tokenizer_is_named(monkeypatch):
