@@ -154,6 +154,9 @@ class BucketedDecoder:
         self.batch_sizes = sorted(set(batch_sizes))
         self.block_counts = block_buckets(max_blocks)
         self.scratch_block = scratch_block
+        # what the caller asked for (False under enforce_eager), kept apart from what runs: on CPU,
+        # or for a model a graph cannot hold, the step is eager whatever was asked
+        self.graphs_requested = use_graphs
         self.use_graphs = use_graphs and self.device.type == "cuda"
         blocker = graph_blocker(model.cfg, dtype, self.device) if self.use_graphs else None
         if self.use_graphs and blocker is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tessera.config.errors import ConfigError
-from tessera.infer import LLM, SamplingParams, device_sampling
+from tessera.infer import LLM, LLMEngine, SamplingParams, device_sampling
 from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_runner import BatchItem
@@ -174,7 +174,7 @@ def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
     assert engine.decoder.eager_runs == 5
 
 
-def test_serve_flags_reach_the_engine_config(capsys):
+def test_serve_flags_reach_the_engine_config(capsys, llama):
     from tessera.config.argument_types import OneLineArgumentParser
     from tessera.infer.command import add_arguments, engine_config
 
@@ -187,6 +187,10 @@ def test_serve_flags_reach_the_engine_config(capsys):
     assert default.enforce_eager is False and default.decode_batch_sizes is None
     config = parse("--enforce-eager", "--decode-batch-sizes", "4,1,16")
     assert config.enforce_eager is True and config.decode_batch_sizes == [1, 4, 16]
+    # the decode step the engine builds from them asks for graphs unless --enforce-eager says not to
+    for argv, graphs in ((), True), (("--enforce-eager",), False):
+        decoder = LLMEngine.from_dir(llama[0], parse("--block-size", "4", "--num-blocks", "64", *argv)).decoder
+        assert decoder.graphs_requested is graphs and not decoder.use_graphs  # no graphs on CPU in any case
     assert parse("--decode-batch-sizes", "none").decode_batch_sizes == []
     with pytest.raises(SystemExit) as e:
         parse("--decode-batch-sizes", "0,x")
@@ -200,7 +204,9 @@ def test_serve_flags_reach_the_engine_config(capsys):
 
 def test_enforce_eager_is_an_llm_option(llama):
     llm = LLM(llama[0], block_size=4, enforce_eager=True)
-    assert llm.engine.config.enforce_eager and not llm.engine.decoder.use_graphs
+    assert llm.engine.config.enforce_eager and not llm.engine.decoder.graphs_requested
+    assert not llm.engine.decoder.use_graphs
+    assert LLM(llama[0], block_size=4).engine.decoder.graphs_requested  # on by default, where the device allows
 
 
 def test_chunked_prefill_steps_transfer_nothing_until_they_sample(llama):
