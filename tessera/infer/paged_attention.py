@@ -12,6 +12,11 @@ object is the model's `AttentionCache` for one step and does that:
    iff j <= i, i - j < window (sliding window) and j lies inside the sequence's context;
 3. scatter the outputs back to the packed order.
 
+Every index those steps use is built on the host when the batch is made and copied to the device
+once (from pinned memory without blocking, on CUDA); `attend` selects with them (`index_select`,
+`index_copy_`), so no op of a layer has an output whose size depends on device data: on a GPU such
+an op (boolean-mask indexing, `nonzero`) makes the host wait for the device, once per layer.
+
 Short queries (decodes, speculative verification) form one group; each long prefill chunk is a
 group of its own, so padding never multiplies a long chunk by the batch size. A chunk that starts
 at position 0 attends to its own keys directly (plain causal SDPA, nothing to gather).
@@ -45,7 +50,8 @@ class SequenceSlice:
 class _Group:
     span: tuple[int, int] | None  # packed rows [a, b) when the group is one sequence, else None
     rows: torch.Tensor | None  # [n_valid] packed rows of the group's queries, in (n, s) order
-    q_index: torch.Tensor | None  # [N, S] packed row of each padded query (0 where padding)
+    q_index: torch.Tensor | None  # [N * S] packed row of each padded query, (n, s) flattened (0 where padding)
+    valid_index: torch.Tensor | None  # [n_valid] where each valid query sits in the (n, s) flattened order
     valid: torch.Tensor  # [N, S] bool (CPU)
     q_pos: torch.Tensor  # [N, S] (CPU)
     ctx_slots: torch.Tensor | None  # [N, L] cache slots of each context position (None: fresh prefill)
@@ -57,7 +63,7 @@ class PagedAttentionBatch:
     """The `AttentionCache` of one engine step (see the module docstring)."""
 
     def __init__(self, kv: PagedKVCache, slices: list[SequenceSlice], device: torch.device | str = "cpu"):
-        self.kv, self.device = kv, device
+        self.kv, self.device = kv, torch.device(device)
         offsets, t = [], 0
         for s in slices:
             offsets.append(t)
@@ -76,8 +82,15 @@ class PagedAttentionBatch:
                               for r in range(offsets[i], offsets[i] + slices[i].length)])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
-        self.slot_mapping = torch.cat(slot_parts)[inverse].to(device)
-        self.positions = torch.cat(pos_parts)[inverse].to(device)
+        self.slot_mapping = self._to_device(torch.cat(slot_parts)[inverse])
+        self.positions = self._to_device(torch.cat(pos_parts)[inverse])
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the batch's device; on CUDA copied from pinned memory without making
+        the host wait for the stream (the copy is queued ahead of the kernels that read it)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _group(self, members: list[SequenceSlice], offs: list[int], bs: int) -> tuple[_Group, torch.Tensor]:
         N, S = len(members), max(m.length for m in members)
@@ -95,11 +108,12 @@ class PagedAttentionBatch:
         k_valid = None if fresh else torch.arange(L)[None, :] < (starts + lengths)[:, None]
         if N == 1:
             span = (offs[0], offs[0] + members[0].length)
-            return _Group(span, None, None, valid, q_pos, None if fresh else ctx_slots.to(self.device), k_valid,
-                          {}), slots_NS
+            ctx = None if fresh else self._to_device(ctx_slots)
+            return _Group(span, None, None, None, valid, q_pos, ctx, k_valid, {}), slots_NS
         q_index = torch.where(valid, torch.tensor(offs)[:, None] + s_idx[None, :], 0)
-        return _Group(None, q_index[valid].to(self.device), q_index.to(self.device), valid, q_pos,
-                      ctx_slots.to(self.device), k_valid, {}), slots_NS
+        valid_index = valid.flatten().nonzero().flatten()  # on the host, once per step
+        return _Group(None, self._to_device(q_index[valid]), self._to_device(q_index.flatten()),
+                      self._to_device(valid_index), valid, q_pos, self._to_device(ctx_slots), k_valid, {}), slots_NS
 
     def _mask(self, g: _Group, window: int | None) -> torch.Tensor | None:
         """[N, 1, S, L] bool: causal over absolute positions, inside the context, inside the window.
@@ -115,7 +129,7 @@ class PagedAttentionBatch:
             if window is not None:
                 allowed &= diff < window
             allowed |= (~g.valid)[:, :, None] & (k_pos == 0)  # padding rows: no all-masked NaN rows
-            g.masks[window] = allowed[:, None].to(self.device)
+            g.masks[window] = self._to_device(allowed[:, None])
         return g.masks[window]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
@@ -142,8 +156,10 @@ class PagedAttentionBatch:
                 out_THD[a:b] = o[0].transpose(0, 1)
                 continue
             k_NLGD, v_NLGD = self.kv.gather(layer_id, g.ctx_slots, q_THD.dtype)
-            q_NHSD = q_THD[g.q_index].transpose(1, 2)
+            N, S = g.valid.shape
+            q_NHSD = q_THD.index_select(0, g.q_index).unflatten(0, (N, S)).transpose(1, 2)
             o = F.scaled_dot_product_attention(q_NHSD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2),
                                                attn_mask=self._mask(g, window), scale=scale, enable_gqa=gqa)
-            out_THD[g.rows] = o.transpose(1, 2)[g.valid.to(o.device)]
+            o_flat = o.transpose(1, 2).flatten(0, 1)  # [N * S, H, D], (n, s) order
+            out_THD.index_copy_(0, g.rows, o_flat.index_select(0, g.valid_index))
         return out_THD.transpose(0, 1)[None]
