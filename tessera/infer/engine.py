@@ -42,7 +42,7 @@ from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
-from tessera.infer.structured_output import GrammarCompiler, GrammarError
+from tessera.infer.structured_output import GrammarCompiler, GrammarError, GrammarMatcher
 from tessera.infer.tensor_parallel import TensorParallelRunner
 from tessera.infer.tp_workers import start_workers_for_dir, start_workers_for_model
 from tessera.models.transformer import Transformer
@@ -147,8 +147,11 @@ class LLMEngine:
         return engine
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate_request(self, num_prompt_tokens: int, params: SamplingParams, adapter: str | None) -> None:
-        """Raise ConfigError if the request cannot be served as asked."""
+    def validate_request(self, num_prompt_tokens: int, params: SamplingParams,
+                         adapter: str | None) -> GrammarMatcher | None:
+        """Raise ConfigError if the request cannot be served as asked. Returns the request's own
+        grammar matcher (None for free text), which `add_request` keeps: compiling a schema again
+        (after the compiled-grammar cache let it go) would stall the engine thread's batch."""
         if num_prompt_tokens < 1:
             raise ConfigError("prompt is empty: it needs at least one token")
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
@@ -158,13 +161,13 @@ class LLMEngine:
             raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
-        self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
+        return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
-        self.validate_request(len(prompt_ids), params, adapter)
+        grammar = self.validate_request(len(prompt_ids), params, adapter)
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
@@ -178,7 +181,7 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
         seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
                        adapter_key=self.lora.adapters[adapter].key if adapter else b"", stop_ids=frozenset(stop_ids),
-                       grammar=self.grammars.matcher(params.response_format), seed=seed)
+                       grammar=grammar, seed=seed)
         self.seqs[request_id] = seq
         self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self.metrics.prompt_tokens += len(prompt_ids)

@@ -158,6 +158,31 @@ def test_unsatisfiable_schema_is_refused(llm):
     assert not llm.engine.has_unfinished()
 
 
+def test_adding_a_request_looks_its_schema_up_once(llm, monkeypatch):
+    """validate_request hands back the matcher it built and add_request keeps it, so the engine
+    thread never looks a schema up (or compiles it again) twice for one request."""
+    engine = llm.engine
+    calls = []
+    real = engine.grammars.matcher
+
+    def matcher(response_format):
+        calls.append(response_format)
+        return real(response_format)
+
+    monkeypatch.setattr(engine.grammars, "matcher", matcher)
+    assert engine.validate_request(3, SamplingParams(), None) is None  # free text has no grammar
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=1, response_format=as_format(PERSON))
+    first, second = engine.validate_request(3, params, None), engine.validate_request(3, params, None)
+    assert first is not None and second is not None and first.matcher is not second.matcher  # one per request
+    calls.clear()
+    rid = engine.add_request(engine.tokenizer.encode("Answer:"), params)
+    assert len(calls) == 1
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    jsonschema.validate(json.loads(done[rid].text), PERSON)
+
+
 def test_speculative_decoding_falls_back_to_single_tokens_for_schema_requests(llama):
     spec = LLM(llama[0], block_size=4, speculative=SpeculativeConfig(method="prompt_lookup", num_tokens=3))
     params = [SamplingParams(max_tokens=100, temperature=1.0, seed=s, response_format=as_format(PERSON)) for s in SEEDS]
