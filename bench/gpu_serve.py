@@ -4,6 +4,8 @@
     python bench/gpu_serve.py --tiny --device cpu      # small shapes, runs anywhere (CPU smoke test)
     python bench/gpu_serve.py --enforce-eager          # the decode step without CUDA graphs
 
+Without CUDA it refuses to start unless `--tiny` is given.
+
 Model: LLaMA-style dense 1.15B (dim 2048, 24 layers, 16 heads, 8 KV heads, FFN 5632, vocabulary
 4096) with random weights (speed does not depend on them), saved once as a HuggingFace directory
 with a tokenizer of the same vocabulary. Workload: batches of 1 and 32 prompts of `--prompt-len`
@@ -281,6 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=256, help="--load-test: requests in all")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available here (add --tiny --device cpu for the CPU smoke test)")
+    if not args.tiny and not args.device.startswith("cuda"):
+        p.error(f"--device {args.device} without --tiny would benchmark the 1.15B model on the CPU (hours, and a "
+                "4.6 GB model written to the temp directory): run it on a CUDA GPU, or add --tiny for the "
+                "small-shape CPU smoke test")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 256)

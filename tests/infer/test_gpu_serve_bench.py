@@ -1,5 +1,6 @@
 """bench/gpu_serve.py runs end to end in its small-shape mode on the CPU and prints one JSON object
-(the GPU figures themselves are only ever measured on a GPU, never here)."""
+(the GPU figures themselves are only ever measured on a GPU, never here); without CUDA it refuses
+its full-size mode at once."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def test_load_test_mode_reports_throughput_and_latency_percentiles_on_cpu():
         p = load[metric]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"]
     assert load["streamed_chunks"] >= 8  # every request streamed its text
+
+
+@pytest.mark.parametrize("argv", [[], ["--device", "cpu"], ["--load-test"], ["--device", "cuda"]])
+def test_without_cuda_the_full_size_benchmark_is_refused_at_once(argv, tmp_path):
+    """Not a 1.15B model benchmarked for hours on the CPU: a message and exit status 2, before any
+    model is written (CUDA hidden from the process, so this holds on a GPU machine too)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "bench/gpu_serve.py", *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run.stderr[-3000:]
+    assert ("without --tiny" in run.stderr or "CUDA is not available" in run.stderr) and "--tiny" in run.stderr
+    assert list(tmp_path.iterdir()) == []  # no model was written
