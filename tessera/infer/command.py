@@ -67,8 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                    help="refuse request bodies larger than N bytes with 413")
     p.add_argument("--served-model-name", default=None,
-                   help="the `model` clients send (None: MODEL_DIR as given; its absolute path and base name "
-                        "are accepted too)")
+                   help="the `model` requests must name, as /v1/models lists it (None: MODEL_DIR as given)")
     p.add_argument("--dtype", default="float32", type=serve_dtype,
                    choices=["float32", "bfloat16", "float16"],
                    help="dtype of the weights and activations (fp32, bf16, fp16 as in train.dtype are accepted)")
@@ -241,9 +240,8 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
         return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
-    aliases = (args.model_dir, str(Path(args.model_dir).resolve()), Path(args.model_dir).resolve().name)
     loop = EngineLoop(engine).start()
-    app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora, aliases=aliases,
+    app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts)
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "

@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
 `"stream": true`), GET /v1/models, GET /health, GET /metrics (Prometheus text), and, when enabled,
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is the served model
-name (base weights) or the name of a loaded LoRA adapter.
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is one of the names
+/v1/models lists: the served model name (base weights) or the name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
 (413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
@@ -80,13 +80,13 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
-               allow_lora_loading: bool = False, aliases: tuple[str, ...] = (),
+               allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_hosts: frozenset[str] | None = None) -> FastAPI:
-    """The app. Requests may name the base model by `model_name` or any of `aliases` (e.g. the
-    model directory as given on the command line, its absolute path and its base name).
-    Runtime adapter loading (`allow_lora_loading`) reads only from inside `lora_dirs`;
-    `allowed_hosts` None answers any Host header."""
+    """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
+    (any other name gets a 404 naming the served ones). Runtime adapter loading
+    (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
+    Host header."""
     check_api_key(api_key)
     if allow_lora_loading and not lora_dirs:
         raise ConfigError("runtime LoRA loading needs at least one adapter directory (--lora-modules-dir DIR)")
@@ -94,7 +94,6 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
     roots = [Path(d) for d in lora_dirs]
     engine = loop.engine
-    base_names = {model_name, *aliases}
     tokenizer = engine.tokenizer
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
@@ -139,7 +138,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
             return None
         if not isinstance(name, str):
             raise ProtocolError(f"'model' must be a string, got {type(name).__name__}", param="model")
-        if name in base_names:
+        if name == model_name:
             return None
         if name in engine.lora.adapters:
             return name

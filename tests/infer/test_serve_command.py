@@ -1,16 +1,20 @@
-"""`tessera serve` as a process: the contract, /health and greedy /v1/completions."""
+"""`tessera serve` as a process: the contract, /health, greedy /v1/completions under the one model
+name /v1/models lists (the directory as given, or --served-model-name; no other spelling)."""
 
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tessera.infer.command import main as serve_main
-from tests.infer.running_server import free_port, wait_until_serving
+from tests.infer.running_server import free_port, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -24,14 +28,17 @@ def test_serve_command_answers_the_contract(llama):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_serving(proc, url)
-        for model in (str(path), path.name):
-            body = {"model": model, "prompt": "contract", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            text = r.json()["choices"][0]["text"]
-            from tessera.data.tokenizer import Tokenizer
-            tok = Tokenizer.from_path(path)
-            assert tok.encode(text, add_special_tokens=False) == hf_greedy(hf, tok.encode("contract"), 8)
+        [model] = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert model == str(path)  # the directory as given
+        body = {"model": model, "prompt": "contract", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        from tessera.data.tokenizer import Tokenizer
+        tok = Tokenizer.from_path(path)
+        assert tok.encode(text, add_special_tokens=False) == hf_greedy(hf, tok.encode("contract"), 8)
+        other = httpx.post(url + "/v1/completions", json={**body, "model": path.name}, timeout=60)
+        assert other.status_code == 404 and model in other.json()["error"]["message"]
         # bound to 127.0.0.1 without --allowed-hosts: a foreign Host name (DNS rebinding) is refused
         assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
         assert httpx.get(url + "/v1/models", headers={"Host": f"localhost:{port}"}).status_code == 200
@@ -43,6 +50,33 @@ def test_serve_command_answers_the_contract(llama):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(20)
+
+
+@pytest.mark.slow
+def test_requests_use_exactly_the_name_v1_models_lists(llama):
+    """Served as --served-model-name, from a directory given relatively: that name is the one
+    /v1/models lists and the one requests answer to; the directory as given, its absolute path and
+    its base name get a 404 naming the served model."""
+    path, _ = llama
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", path.name, "--port", "0",
+                             "--served-model-name", "tiny-served", "--block-size", "4", "--log-level", "warning"],
+                            cwd=path.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = serving_url(proc)
+        wait_until_serving(proc, url)
+        models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert models == ["tiny-served"]
+        body = {"model": models[0], "prompt": "name", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny-served", r.text
+        for other in (path.name, str(path), str(path.resolve())):
+            r = httpx.post(url + "/v1/completions", json={**body, "model": other}, timeout=60)
+            assert r.status_code == 404, (other, r.text)
+            assert "does not exist" in r.json()["error"]["message"] and "tiny-served" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
