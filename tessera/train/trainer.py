@@ -215,7 +215,7 @@ class Trainer:
         t, dims = self.cfg.train, self.layout.dims
         if dims is None:
             if self.compile:
-                compile_blocks(model)
+                compile_blocks(model, self.autocast_dtype)
             return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
                                      t.cast_weights_per_step)
         param_dtype = self.autocast_dtype or torch.float32
