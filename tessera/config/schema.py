@@ -63,7 +63,10 @@ class TrainConfig:
     # fp16, for GPUs without bf16, with dynamic loss scaling (tessera.train.loss_scaler) so that small
     # gradients do not underflow fp16's range.
     dtype: str = "fp32"
-    # FP8 linear layers (Hopper and newer). Not built yet: refused, with what it needs, on every device.
+    # FP8 matrix products in the transformer blocks' linear layers (tessera.models.float8: tensor-wise
+    # dynamic scaling, E4M3 forward, E5M2 gradients), on top of train.dtype=bf16; the LM head, router
+    # and routed experts stay bf16. Needs compute capability >= 8.9 (Ada, Hopper, Blackwell) and
+    # parallel.tp=1; refused elsewhere. Off by default: it trades precision for speed.
     fp8: bool = False
     # Compile each transformer block with torch.compile after parallelisation (tessera.parallel.compile):
     # the same numbers, faster kernels on GPUs. None = true on CUDA, false on CPU (where compiling

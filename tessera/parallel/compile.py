@@ -14,13 +14,13 @@ checkpoints and HF adapters see the same model.
 
 A dense block traces as one graph (tests/parallel/test_compile.py checks it with `fullgraph=True`);
 it is compiled without `fullgraph`, so that a break some other model family may add costs speed,
-not the run. An MoE block compiles only its attention half. In bf16 its MoE layer now traces as
-one graph (the local dispatch has fixed shapes: no `bincount`, no host reads; the test checks
-it), but the fake-tensor (meta) rule of `torch._grouped_mm` accepts only bf16 inputs, so an fp32
-MoE layer (the CPU default) fails to trace at all, although the eager CPU kernel takes fp32; the
-expert-parallel dispatchers also read split sizes on the host. The routing, dispatch and grouped
-expert GEMMs therefore run eagerly, between compiled regions; compiling whole MoE blocks in bf16
-on one rank is the next step, to be measured on a GPU.
+not the run. An MoE block is compiled whole where its MoE layer traces as one graph: the blocks
+compute in bf16 (the fake-tensor rule of `torch._grouped_mm` accepts only bf16 inputs, although
+the eager CPU kernel takes fp32), the tokens stay on this rank (the local dispatcher has fixed
+shapes: no `bincount`, no host reads; the expert-parallel dispatchers read split sizes on the host)
+and the experts run as one grouped GEMM (rows a multiple of 16 bytes). Elsewhere (fp32 or fp16,
+expert/tensor/context parallelism, `moe.grouped_gemm=false`) only its attention half is compiled
+and the routing, dispatch and expert GEMMs run eagerly between compiled regions.
 
 Tensor parallelism is not compiled yet: with DTensor-sharded projections inside a compiled block,
 backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Tensor' object has
@@ -57,12 +57,24 @@ def _compile_forward(module: nn.Module) -> None:
     module.compiled = True  # visible to tests and to whoever prints the model
 
 
-def compile_blocks(model: nn.Module) -> list[str]:
-    """Compile every transformer block of `model` (a whole model or a pipeline stage) in place;
-    returns the names of the compiled modules."""
+def moe_compiles_whole(block: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether the MoE layer of `block`, computing in `dtype`, traces as one graph (see above)."""
+    from tessera.models.moe.dispatcher import LocalDispatcher
+
+    moe = block.moe
+    if dtype != torch.bfloat16 or not isinstance(moe.dispatcher, LocalDispatcher) or not moe.cfg.grouped_gemm:
+        return False
+    _, ffn_dim, dim = moe.experts.w1.shape  # [E, F, D]: bf16 rows of F and D elements, 16-byte aligned
+    return dim % 8 == 0 and ffn_dim % 8 == 0
+
+
+def compile_blocks(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Compile every transformer block of `model` (a whole model or a pipeline stage) in place,
+    the blocks computing in `dtype` (the autocast or FSDP compute dtype; None: fp32); returns the
+    names of the compiled modules."""
     compiled: list[str] = []
     for key, block in model.layers.items():
-        if hasattr(block, "moe"):
+        if hasattr(block, "moe") and not moe_compiles_whole(block, dtype):
             _compile_forward(block.attention)
             compiled.append(f"layers.{key}.attention")
         else:

@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     apply_context_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
     if compile_blocks:
-        compile_each_block(model)
+        compile_each_block(model, param_dtype)
     # parallel.optimizer=distributed: no FSDP; the trainer attaches the distributed optimizer
     # (distributed_optimizer.py) once the weights are materialised.
     if cfg.optimizer == "fsdp" and needs_data_parallel(dims, param_dtype):

@@ -64,8 +64,9 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
     model += f"; {m.n_layers} layers, dim {m.dim}, vocabulary {m.vocab_size}"
     horizon = o.total_steps or t.steps
     steps = f"steps {start_step + 1}..{t.steps}" if start_step else f"{t.steps} steps"
+    precision = f"{t.dtype} + FP8 linear layers" if t.fp8 else t.dtype
     batch = (f"batch: {t.global_batch_size} sequences x {t.seq_len} tokens per step (micro-batch {t.micro_batch_size}"
-             f", {accumulation} accumulated per rank), {steps}, {t.dtype}; lr {o.lr:g} {o.schedule} to {o.min_lr:g} "
+             f", {accumulation} accumulated per rank), {steps}, {precision}; lr {o.lr:g} {o.schedule} to {o.min_lr:g} "
              f"over {horizon} steps, warm-up {o.warmup_steps}")
     run = Path(cfg.run_dir)
     ckpt = cfg.checkpoint

@@ -58,6 +58,7 @@ from tessera.checkpoint.run_lock import RunDirLock
 from tessera.config.errors import CheckpointError, ConfigError, TesseraError
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
+from tessera.models.float8 import convert_to_float8
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.parallel.compile import compile_blocks, resolve_compile
@@ -105,7 +106,7 @@ class Trainer:
         self.device = self.layout.device
         self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
-        check_fp8(t.fp8, self.device)
+        check_fp8(t.fp8, self.device, t.dtype, self.layout.dims.tp if self.layout.dims else 1)
         self.run_lock = RunDirLock(self.run_dir)  # held by rank 0 until train() returns (or self is dropped)
         resume_from = self._checkpoint_to_resume(resume)
         if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
@@ -135,6 +136,8 @@ class Trainer:
             model = Transformer(cfg.model, init_seed=t.seed if self.init_from is None else None).to(self.device)
         model.train()
         model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.device)  # chunked LM-head loss
+        # FP8 matrix products in the blocks' linear layers (same parameters): before parallelisation
+        self.fp8_layers = convert_to_float8(model) if t.fp8 else []
         self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         self.init_bytes_read = 0  # bytes this rank read from train.init_from
         if self.init_from is not None and not on_meta:
@@ -212,7 +215,7 @@ class Trainer:
         t, dims = self.cfg.train, self.layout.dims
         if dims is None:
             if self.compile:
-                compile_blocks(model)
+                compile_blocks(model, self.autocast_dtype)
             return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
                                      t.cast_weights_per_step)
         param_dtype = self.autocast_dtype or torch.float32

@@ -75,6 +75,27 @@ def test_compiled_equals_eager_on_cuda(small_dataset, tmp_path, model):
         assert abs(got - want) <= 1e-5 * want, losses
 
 
+def fp8_tensor_cores() -> bool:
+    """Runs in the child: whether this GPU has FP8 tensor cores (compute capability >= 8.9)."""
+    import torch
+
+    return torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_fp8_cuda_training_follows_bf16(small_dataset, tmp_path, model):
+    """`train.fp8=true` on FP8 tensor cores: 5 steps within 1% of bf16 (CPU: within 0.3%,
+    tests/train/test_precision.py), not bf16 itself."""
+    if not in_spawned_process(fp8_tensor_cores):
+        pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
+    losses = {fp8: in_spawned_process(train_losses, model, small_dataset, str(tmp_path / str(fp8)), STEPS,
+                                      {"train.device": "cuda", "train.dtype": "bf16", "train.fp8": fp8})
+              for fp8 in (False, True)}
+    assert len(losses[True]) == STEPS and losses[True] != losses[False]
+    for got, want in zip(losses[True], losses[False], strict=True):
+        assert abs(got - want) <= 1e-2 * want, losses
+
+
 def test_one_rank_run_through_nproc_1(small_dataset, tmp_path):
     """`tessera train --nproc 1` on the GPU (a subprocess: its CUDA never touches this process)."""
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""fp16 with dynamic loss scaling, and fp8 refused with what it needs.
+"""fp16 with dynamic loss scaling, and fp8: trained on top of bf16, refused where it cannot run.
 
 CPU autocast runs fp16, so these are real fp16 runs: the scaler's arithmetic on real gradients, a
 gradient that fp16 flushes to zero without scaling and keeps with it, the trainer backing off and
@@ -14,7 +14,10 @@ from torch import nn
 from tessera.config import ConfigError
 from tessera.config.schema import load_config
 from tessera.models import Transformer
+from tessera.models.float8 import Float8Linear
 from tessera.plan import precisions_for_train_dtype
+from tessera.train import precision
+from tessera.train import trainer as trainer_module
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.trainer import Trainer
@@ -125,11 +128,24 @@ def test_memory_planner_counts_fp16_like_bf16():
     assert precisions_for_train_dtype("fp16") == precisions_for_train_dtype("bf16")
 
 
-def test_fp8_is_refused_with_what_it_needs(tmp_path):
+def test_fp8_is_refused_with_what_it_needs(monkeypatch):
     with pytest.raises(ConfigError, match=r"train.fp8=True is invalid: FP8 needs a CUDA GPU .*compute capability"):
         load_config(TINY_DENSE, ["train.fp8=true", "train.device=cpu"])
     with pytest.raises(ConfigError, match=r"train.fp8=true is invalid on cpu: FP8 needs a CUDA GPU"):
         check_fp8(True, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"train.fp8=true is invalid with train.dtype=fp32: .* set train.dtype=bf16"):
+        check_fp8(True, torch.device("cuda"), "fp32")
+    with pytest.raises(ConfigError, match=r"train.fp8=true is invalid with parallel.tp=2: .* set parallel.tp=1"):
+        check_fp8(True, torch.device("cuda"), "bf16", tp=2)
+    # the device's answers (a GPU's compute capability) stand in for a GPU here
+    monkeypatch.setattr(precision.torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    monkeypatch.setattr(precision.torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    with pytest.raises(ConfigError, match=r"train.fp8=true is invalid on Tesla V100 \(compute capability 7.0\): "
+                                          r"FP8 needs .* >= 8.9"):
+        check_fp8(True, torch.device("cuda"))
+    monkeypatch.setattr(precision.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    if torch.version.hip is None:
+        check_fp8(True, torch.device("cuda"))  # Hopper: accepted
     check_fp8(False, torch.device("cpu"))
     assert autocast_dtype("fp16") == torch.float16 and autocast_dtype("bf16") == torch.bfloat16
     assert autocast_dtype("fp32") is None
@@ -150,3 +166,61 @@ def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         assert abs(r["loss"] - w["loss"]) <= 5e-3 * w["loss"], (r, w)
         assert r["loss_scale"] == w["loss_scale"] and "skipped_step" not in r
+
+
+@pytest.mark.parametrize("config,shrink_fn", [(TINY_DENSE, shrink), (TINY_MOE, moe_shrink)], ids=["dense", "moe"])
+def test_fp8_training_follows_bf16(small_dataset, tmp_path, monkeypatch, config, shrink_fn):
+    """The real trainer with `train.fp8=true` on the CPU, where the configuration and the trainer
+    refuse it (test above): set after validation, with the device check lifted. 5 steps within 0.3%
+    of bf16, not equal to it, and the FP8 layers' weights move as bf16's do."""
+    monkeypatch.setattr(trainer_module, "check_fp8", lambda *args: None)
+    losses, updates = {}, {}
+    for fp8 in (False, True):
+        cfg = load_config(config, shrink_fn(small_dataset, tmp_path / str(fp8), 5, **{
+            "train.dtype": "bf16", "checkpoint.interval": 0}))
+        cfg.train.fp8 = fp8
+        trainer = Trainer(cfg)
+        assert bool(trainer.fp8_layers) == fp8
+        assert any(isinstance(m, Float8Linear) for m in trainer.model.modules()) == fp8
+        weights = [m.weight for m in trainer.model.layers.modules() if type(m) in (nn.Linear, Float8Linear)]
+        start = [w.detach().clone() for w in weights]
+        losses[fp8] = [r["loss"] for r in trainer.train().records]
+        updates[fp8] = torch.cat([(w.detach() - s).flatten() for w, s in zip(weights, start, strict=True)])
+    assert ((updates[True] - updates[False]).norm() / updates[False].norm()).item() < 0.2
+    assert len(losses[True]) == 5 and losses[True] != losses[False]
+    for got, want in zip(losses[True], losses[False], strict=True):
+        assert abs(got - want) <= 3e-3 * want, losses  # observed: < 4e-4
+
+
+def _fp8_losses(overrides: list[str]) -> list[float]:
+    """The trainer with `train.fp8=true` set after validation and the device check lifted (the CPU
+    has no FP8 tensor cores, but `torch._scaled_mm` runs here); in a forked rank or in-process."""
+    check, trainer_module.check_fp8 = trainer_module.check_fp8, lambda *args: None
+    try:
+        cfg = load_config(TINY_DENSE, overrides)
+        cfg.train.fp8 = True
+        trainer = Trainer(cfg)
+        assert trainer.fp8_layers and any(isinstance(m, Float8Linear) for m in trainer.model.modules())
+        return [r["loss"] for r in trainer.train().records]
+    finally:
+        trainer_module.check_fp8 = check
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_fp8_composes_with_fsdp_and_compile(small_dataset, tmp_path):
+    """FP8 layers under FSDP2 (two ranks, each all-gathered weight cast to FP8 in the forward) and
+    in compiled blocks log the one-process eager FP8 losses within the bf16 contract's 5e-3."""
+    from tessera.parallel.testing import run_ranks
+    from tests.parallel.trainer_runs import overrides_for
+
+    bf16 = {"train.dtype": "bf16"}
+    ref = _fp8_losses(overrides_for("dense", small_dataset, tmp_path / "one", 3, **bf16))
+    compiled = _fp8_losses(overrides_for("dense", small_dataset, tmp_path / "compiled", 3, **bf16,
+                                         **{"train.compile": True}))
+    sharded = run_ranks(_fp8_losses, 2, overrides_for("dense", small_dataset, tmp_path / "two", 3, **bf16,
+                                                      **{"parallel.dp_shard": 2}), timeout=300)[0]
+    assert len(ref) == 3
+    for losses in (compiled, sharded):
+        for got, want in zip(losses, ref, strict=True):
+            assert abs(got - want) <= 5e-3 * want, (losses, ref)
