@@ -45,6 +45,22 @@ def test_resolve_compile_defaults_to_cuda_only():
         resolve_compile(True, torch.device("cpu"), tp=2)
 
 
+def test_unset_compile_is_off_on_cuda_under_the_distributed_optimizer(capsys):
+    """A default never refuses a valid config: on CUDA, unset train.compile with the distributed
+    optimizer (what the trainer passes on several ranks) resolves to off, saying why in one line;
+    an explicit true is refused naming both keys."""
+    assert resolve_compile(None, torch.device("cuda"), distributed_optimizer=True) is False
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.compile unset: blocks run eagerly on cuda"), lines
+    assert "parallel.optimizer=distributed" in lines[0]
+    assert resolve_compile(None, torch.device("cpu"), distributed_optimizer=True) is False
+    assert resolve_compile(False, torch.device("cuda"), distributed_optimizer=True) is False
+    assert capsys.readouterr().err == ""  # nothing to say where the default was off anyway
+    with pytest.raises(ConfigError, match=r"train.compile=true is invalid with parallel.optimizer=distributed: .*"
+                                          r"set train.compile=false or parallel.optimizer=fsdp"):
+        resolve_compile(True, torch.device("cuda"), distributed_optimizer=True)
+
+
 def test_compile_blocks_keeps_parameter_names():
     dense, moe = Transformer(get_preset("tiny-llama"), init_seed=0), Transformer(get_preset("tiny-moe"), init_seed=0)
     for model, expect in [(dense, ["layers.0", "layers.1"]), (moe, ["layers.0.attention", "layers.1.attention"])]:
