@@ -23,9 +23,9 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
   ranks) and comm/max_rank_bytes.
 
-Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller made)
-the `parallel` section decides the layout (run_layout.py): every rank builds the model on the meta
-device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
+Layouts. On ranks (`tessera train --nproc N`, torchrun, or a process group the caller made; a job
+of one rank too) the `parallel` section decides the layout (run_layout.py): every rank builds the
+model on the meta device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
 (pipeline_step.py), then allocates only those and initialises them by name from the seed
 (`tessera.parallel.meta_init`), to the values one process has; with `train.init_from` each rank
 reads only its shards from the HuggingFace directory or Tessera checkpoint
