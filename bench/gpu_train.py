@@ -3,6 +3,9 @@
     python bench/gpu_train.py                      # on a GPU: the two models below, bf16
     python bench/gpu_train.py --tiny --steps 2     # small shapes, runs anywhere (CPU smoke test)
 
+Without CUDA only `--tiny` runs: the full models are refused (exit status 2) rather than trained on
+the CPU.
+
 Models (vocabulary 4096, the bundled tokenizer's):
   dense-1.15B  LLaMA-style: dim 2048, 24 layers, 16 heads, 8 KV heads, FFN 5632
   moe-1.83B    Mixtral-style, 0.58B active: dim 2048, 12 layers, 16 heads, 8 KV heads,
@@ -179,6 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override KEY=VALUE")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        # The full models on the CPU would train for hours in fp32 (and take GiBs of memory) before
+        # printing a figure nobody wants: only the small shapes run there.
+        p.error("CUDA is not available: the 1.15B/1.83B models are benchmarked on a GPU only; "
+                "pass --tiny for the small-shape CPU smoke test")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     device = torch.device(args.device)
     import transformers

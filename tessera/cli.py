@@ -49,13 +49,14 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
     p.add_argument("--nproc", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
-                   help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section; "
-                        "None: this one process (or the ranks torchrun started); for several nodes use "
-                        "torchrun (examples/slurm.sbatch)")
+                   help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section, "
+                        "N=1 too (one rank in a process group); None: this one process, no process group (or "
+                        "the ranks torchrun started); for several nodes use torchrun (examples/slurm.sbatch)")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
-    """`--nproc N`: check the layout against N ranks, then run this command once per rank."""
+    """`--nproc N`: check the layout against N ranks, then run this command once per rank (N = 1
+    too: the rank runs in a process group of one, as under torchrun --nproc-per-node 1)."""
     from tessera.parallel.dims import ParallelDims
     from tessera.parallel.launch import launch_local, module_command
     from tessera.train.run_layout import check_batch_layout
@@ -96,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
-    if args.nproc is not None and args.nproc > 1:
+    if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
         return _launch_ranks(args, cfg)
     from tessera.parallel.launch import shutdown_distributed
     from tessera.train import console
@@ -108,7 +109,7 @@ def _train(args: argparse.Namespace) -> int:
         if coordinator:
             warning = console.schedule_warning(cfg)
             lines = console.startup_summary(cfg, trainer.layout.world_size, str(trainer.device), trainer.accumulation,
-                                            trainer.step)
+                                            trainer.step, trainer.layout.backend)
             print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)

@@ -69,7 +69,8 @@ class ParallelConfig:
     # each bucket completes, fp32 master weights and AdamW moments held only for this rank's shard of each
     # bucket, updated weights all-gathered per bucket and waited for by the first forward that uses them.
     # Composes with tp, sp, cp, ep (experts over their expert-data-parallel ranks) and pp (one per stage
-    # part; there the reduce-scatters start after the schedule's backward). Not with fp16 or train.compile.
+    # part; there the reduce-scatters start after the schedule's backward). Not with fp16 or train.compile
+    # (unset, it stays off; true is refused).
     optimizer: str = "fsdp"
     # parallel.optimizer=distributed: gradient bucket size in MiB of fp32 gradient. Smaller buckets start
     # their reduce-scatter earlier in backward (more overlap) but issue more, smaller collectives; 25 is

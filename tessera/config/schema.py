@@ -70,7 +70,8 @@ class TrainConfig:
     fp8: bool = False
     # Compile each transformer block with torch.compile after parallelisation (tessera.parallel.compile):
     # the same numbers, faster kernels on GPUs. None = true on CUDA, false on CPU (where compiling
-    # costs seconds per block and gains little) and under parallel.tp > 1 (where true is refused).
+    # costs seconds per block and gains little), under parallel.tp > 1 and with
+    # parallel.optimizer=distributed on several ranks (where true is refused).
     compile: bool | None = None
     # Tokens per chunk of the LM-head loss (tessera.models.chunked_cross_entropy): the micro-batch's
     # full-vocabulary logits never exist at once, only [chunk, vocab]. 0 = off (plain logits and

@@ -25,7 +25,9 @@ and the routing, dispatch and expert GEMMs run eagerly between compiled regions.
 Tensor parallelism is not compiled yet: with DTensor-sharded projections inside a compiled block,
 backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Tensor' object has
 no attribute '_local_tensor'` in torch 2.13 on CPU/gloo, with or without sequence parallelism).
-So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there.
+So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there;
+likewise with `parallel.optimizer=distributed` on several ranks, whose forward pre-hooks (waiting for
+the updated weights' all-gathers) are not compiled into the blocks.
 FSDP2, expert and context parallelism, pipeline stages and activation checkpointing compose with
 it (tests/parallel/test_compile.py). The collectives a block calls (context parallelism's
 all-to-all and all-gather, tessera.parallel.collectives) run eagerly between its compiled graphs:
@@ -34,7 +36,10 @@ traced by torch 2.11, their backward lost its result.
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.config.errors import ConfigError
@@ -42,14 +47,34 @@ from tessera.config.errors import ConfigError
 __all__ = ["compile_blocks", "resolve_compile"]
 
 
-def resolve_compile(setting: bool | None, device: torch.device, tp: int = 1) -> bool:
-    """`train.compile` as run on `device` with `tp`-way tensor parallelism: None means on for CUDA
-    without tensor parallelism, off otherwise; true under tp > 1 is refused (see above)."""
-    if setting and tp > 1:
-        raise ConfigError(f"train.compile=true is invalid with parallel.tp={tp}: compiled blocks do not yet "
-                          "compose with tensor parallelism (DTensor gradients at the compiled boundary); "
-                          "set train.compile=false or parallel.tp=1")
-    return device.type == "cuda" and tp == 1 if setting is None else bool(setting)
+def _conflict(tp: int, distributed_optimizer: bool) -> tuple[str, str] | None:
+    """What in the layout keeps blocks from being compiled, naming its key, and the other way out
+    than train.compile=false; None when nothing does."""
+    if tp > 1:
+        return (f"parallel.tp={tp}: compiled blocks do not yet compose with tensor parallelism (DTensor "
+                "gradients at the compiled boundary)", "parallel.tp=1")
+    if distributed_optimizer:
+        return ("parallel.optimizer=distributed: its forward pre-hooks, which wait for their buckets' "
+                "all-gathers, are not compiled into the blocks", "parallel.optimizer=fsdp")
+    return None
+
+
+def resolve_compile(setting: bool | None, device: torch.device, tp: int = 1,
+                    distributed_optimizer: bool = False) -> bool:
+    """`train.compile` as run on `device` with `tp`-way tensor parallelism and, on several ranks,
+    `parallel.optimizer=distributed`: None means on for CUDA where the layout allows it, off
+    otherwise (where that turns the CUDA default off, rank 0 says why in one line on stderr); true
+    where the layout does not allow it is refused (see above)."""
+    conflict = _conflict(tp, distributed_optimizer)
+    if setting and conflict:
+        raise ConfigError(f"train.compile=true is invalid with {conflict[0]}; set train.compile=false or "
+                          f"{conflict[1]}")
+    if setting is not None:
+        return bool(setting)
+    if device.type == "cuda" and conflict and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"train.compile unset: blocks run eagerly on {device}, not compiled as by default on CUDA, "
+              f"because of {conflict[0]}", file=sys.stderr, flush=True)
+    return device.type == "cuda" and conflict is None
 
 
 def _compile_forward(module: nn.Module) -> None:

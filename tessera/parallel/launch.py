@@ -12,10 +12,10 @@ Two ways in, one code path inside:
   launcher dies (SIGKILL) stops as if it had received SIGTERM (`watch_launcher`).
 
 Either way each rank calls `init_distributed`, which reads the environment (env:// rendezvous)
-and creates the default process group: gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for
-CPU ones. Every group, including the
-device mesh's subgroups created later, times out after `timeout_s`, so a hung collective
-becomes an error (collective_timeout.py names the rank and the operation).
+and creates the default process group, for a job of one rank too (`--nproc 1`): gloo on CPU; on
+CUDA, NCCL for CUDA tensors and gloo for CPU ones. Every group, including the device mesh's
+subgroups created later, times out after `timeout_s`, so a hung collective becomes an error
+(collective_timeout.py names the rank and the operation).
 """
 
 from __future__ import annotations
@@ -51,14 +51,19 @@ class RankEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # Started as a rank of a job (its rendezvous variables are set), a job of one rank included:
+    # `--nproc 1` and `torchrun --nproc-per-node 1` run in a process group like any other job.
+    launched: bool = False
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Whether this process is (or joins) a rank of a process group."""
+        return self.world_size > 1 or self.launched
 
 
 def rank_env() -> RankEnv:
-    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun (and `launch_local`) set them; one process without them."""
+    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun (and `launch_local`) set them; one process without them
+    (a WORLD_SIZE of 1 without MASTER_ADDR / MASTER_PORT, the launcher's rendezvous, too)."""
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
@@ -67,7 +72,8 @@ def rank_env() -> RankEnv:
         raise ParallelError(f"RANK / WORLD_SIZE / LOCAL_RANK must be integers: {e}") from e
     if not 0 <= rank < max(world, 1):
         raise ParallelError(f"RANK={rank} is invalid for WORLD_SIZE={world}: must be in [0, {world})")
-    return RankEnv(rank, world, local)
+    launched = "WORLD_SIZE" in os.environ and all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT"))
+    return RankEnv(rank, world, local, launched)
 
 
 def set_default_timeout(timeout_s: float) -> None:
@@ -84,7 +90,7 @@ def init_distributed(device: torch.device, timeout_s: float) -> RankEnv:
     if dist.is_initialized():  # made by the caller (a test harness, a notebook): take its ranks,
         if hasattr(c10d, "_set_pg_timeout"):  # but make its default group time out like ours
             c10d._set_pg_timeout(timedelta(seconds=timeout_s))
-        return RankEnv(dist.get_rank(), dist.get_world_size(), env.local_rank)
+        return RankEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, launched=True)
     if not env.distributed:
         return env
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]

@@ -22,9 +22,10 @@ def _millions(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _layout(cfg: RunConfig, world_size: int, device: str) -> str:
+def _layout(cfg: RunConfig, world_size: int, device: str, backend: str | None) -> str:
+    group = f", {backend} process group" if backend else ""
     if world_size <= 1:
-        return f"1 process on {device}"
+        return f"1 rank on {device}{group}" if backend else f"1 process on {device}"
     p = cfg.parallel
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.resolved_dp_shard(world_size), "cp": p.cp,
              "tp": p.tp, "ep": p.ep}
@@ -39,7 +40,7 @@ def _layout(cfg: RunConfig, world_size: int, device: str) -> str:
     if p.recompute != "none":
         extra.append(f"recompute {p.recompute}")
     tail = f", {', '.join(extra)}" if extra else ""
-    return f"{' x '.join(parts)}{tail}: {world_size} ranks on {device}"
+    return f"{' x '.join(parts)}{tail}: {world_size} ranks on {device}{group}"
 
 
 def _data(cfg: RunConfig) -> str:
@@ -54,8 +55,9 @@ def _data(cfg: RunConfig) -> str:
             "for validation")
 
 
-def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: int, start_step: int) -> list[str]:
-    """The lines printed before the first step."""
+def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: int, start_step: int,
+                    backend: str | None = None) -> list[str]:
+    """The lines printed before the first step; `backend` is the process group's (None: one process)."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     total, active = count_params(m), count_params(m, active=True)
     model = f"model: {m.family}, {_millions(total)} parameters"
@@ -77,7 +79,8 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
              f"  checkpoints {run / 'checkpoints'} ({every}, last {ckpt.keep_last} kept)"]
     evaluation = (f"validation: {t.eval_steps} batches every {t.eval_interval} steps" if t.eval_interval > 0
                   else "validation: off (train.eval_interval=0)")
-    return [model, f"layout: {_layout(cfg, world_size, device)}", f"data: {_data(cfg)}", batch, evaluation, *where]
+    layout = f"layout: {_layout(cfg, world_size, device, backend)}"
+    return [model, layout, f"data: {_data(cfg)}", batch, evaluation, *where]
 
 
 def schedule_warning(cfg: RunConfig) -> str | None:

@@ -58,16 +58,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
                              fused=True if cfg.fused else None)
 
 
-def check_distributed_optimizer(cfg: RunConfig, dims: ParallelDims | None, compile_blocks: bool) -> None:
-    """Refuse what `parallel.optimizer=distributed` is not wired into (every parallel layout is)."""
+def check_distributed_optimizer(cfg: RunConfig, dims: ParallelDims | None) -> None:
+    """Refuse what `parallel.optimizer=distributed` is not wired into (every parallel layout is;
+    train.compile=true is refused by tessera.parallel.compile.resolve_compile)."""
     if cfg.parallel.optimizer != "distributed" or dims is None:
         return  # one process: its AdamW holds everything, there is nothing to distribute
     if cfg.train.dtype == "fp16":
         raise ConfigError("parallel.optimizer=distributed with train.dtype=fp16 is not supported: loss scaling is "
                           "not wired into it; use train.dtype=bf16 or fp32")
-    if compile_blocks:
-        raise ConfigError("parallel.optimizer=distributed with train.compile is not supported: its forward "
-                          "pre-hooks are not compiled into the blocks; set train.compile=false")
 
 
 def build_optimizers(parts: list[nn.Module], cfg: RunConfig, dims: ParallelDims | None,

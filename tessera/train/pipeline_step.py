@@ -34,7 +34,6 @@ from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.transformer import ModelOutput
 from tessera.parallel import build_pipeline, global_count, global_sum, parallelize, token_dim
-from tessera.parallel.compile import resolve_compile
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
@@ -49,7 +48,7 @@ class PipelineStep:
     """The `StepEngine` of layouts with pp > 1."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, cfg: RunConfig, device: torch.device,
-                 autocast_dtype: torch.dtype | None, param_dtype: torch.dtype):
+                 autocast_dtype: torch.dtype | None, param_dtype: torch.dtype, compile_blocks: bool):
         t, pcfg = cfg.train, cfg.parallel
         self.dims, self.device, self.autocast_dtype = dims, device, autocast_dtype
         self.global_batch_size = t.global_batch_size
@@ -65,7 +64,7 @@ class PipelineStep:
 
         def stage(m: nn.Module) -> nn.Module:
             return parallelize(m, dims, pcfg, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                               device_type=device.type, compile_blocks=resolve_compile(t.compile, device, dims.tp))
+                               device_type=device.type, compile_blocks=compile_blocks)
 
         self.run = build_pipeline(model, dims, pcfg, self.microbatches, loss_fn=self._loss,
                                   aux_scale=1.0 / self.micro_batches_global, parallelize_stage=stage,

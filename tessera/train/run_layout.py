@@ -3,8 +3,9 @@
 `build_layout(cfg)` joins the process group the launcher prepared (torchrun, `tessera train
 --nproc N`, or one the caller already initialised, as the test harness does), then checks the
 `parallel` section against the world size and the model's shapes before any weight is allocated,
-and builds the mesh. With one process there is no process group and no mesh: the trainer then
-runs its single-process step, unchanged.
+and builds the mesh. A job of one rank (`--nproc 1`, `torchrun --nproc-per-node 1`) is a layout
+too, in a process group of one. With one process (no launcher) there is no process group and no
+mesh: the trainer then runs its single-process step, unchanged.
 
 Rank 0 is the coordinator: it alone writes metrics.jsonl, config.yaml, TensorBoard events, the
 progress bar and the checkpoint directory's bookkeeping; every rank reads the same global batches.
@@ -54,6 +55,7 @@ class RunLayout:
     device: torch.device
     dims: ParallelDims | None  # None for one process
     timeout_s: float
+    backend: str | None = None  # the process group's ("gloo", "cuda:nccl,cpu:gloo"); None for one process
 
     @property
     def distributed(self) -> bool:
@@ -169,7 +171,7 @@ def build_layout(cfg: RunConfig) -> RunLayout:
     dims.validate(cfg.model, env.world_size, seq_len=t.seq_len, vpp=cfg.parallel.vpp)
     check_batch_layout(cfg, dims)
     set_default_timeout(t.collective_timeout_s)  # the mesh's subgroups take it
-    layout = RunLayout(env.rank, env.world_size, device, dims, t.collective_timeout_s)
+    layout = RunLayout(env.rank, env.world_size, device, dims, t.collective_timeout_s, str(dist.get_backend()))
     with layout.phase("building the device mesh"):
         dims.build_mesh(device.type)
     return layout

@@ -23,9 +23,9 @@ object goes to `run_dir/metrics.jsonl` and TensorBoard:
   log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
   ranks) and comm/max_rank_bytes.
 
-Layouts. On several ranks (`tessera train --nproc N`, torchrun, or a process group the caller made)
-the `parallel` section decides the layout (run_layout.py): every rank builds the model on the meta
-device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
+Layouts. On ranks (`tessera train --nproc N`, torchrun, or a process group the caller made; a job
+of one rank too) the `parallel` section decides the layout (run_layout.py): every rank builds the
+model on the meta device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
 (pipeline_step.py), then allocates only those and initialises them by name from the seed
 (`tessera.parallel.meta_init`), to the values one process has; with `train.init_from` each rank
 reads only its shards from the HuggingFace directory or Tessera checkpoint
@@ -113,9 +113,11 @@ class Trainer:
             raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
                               "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
         self.autocast_dtype = autocast_dtype(t.dtype)
-        # each block compiled (tessera.parallel.compile); refused under tensor parallelism
-        self.compile = resolve_compile(t.compile, self.device, self.layout.dims.tp if self.layout.dims else 1)
-        check_distributed_optimizer(cfg, self.layout.dims, self.compile)
+        # each block compiled (tessera.parallel.compile); not under tp or the distributed optimizer
+        dims = self.layout.dims
+        distributed_optimizer = dims is not None and cfg.parallel.optimizer == "distributed"
+        self.compile = resolve_compile(t.compile, self.device, dims.tp if dims else 1, distributed_optimizer)
+        check_distributed_optimizer(cfg, dims)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
@@ -223,7 +225,8 @@ class Trainer:
             if dims.pp > 1:
                 from tessera.train.pipeline_step import PipelineStep
 
-                return PipelineStep(model, dims, self.cfg, self.device, self.autocast_dtype, param_dtype)
+                return PipelineStep(model, dims, self.cfg, self.device, self.autocast_dtype, param_dtype,
+                                    self.compile)
             from tessera.parallel import parallelize
             from tessera.train.parallel_step import ParallelStep
 

@@ -1,4 +1,4 @@
-"""`tessera train --nproc N` and torchrun: several local ranks, one metrics.jsonl written by rank 0,
+"""`tessera train --nproc N` and torchrun: N local ranks (one too), one metrics.jsonl written by rank 0,
 the same losses as one process; a layout the ranks cannot take is refused before any rank starts."""
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ def test_nproc_2_trains_like_one_process(small_dataset, tmp_path, capfd):
     assert main(["train", TINY_DENSE, *set_args(single)]) == 0
     got, want = read_losses(tmp_path / "ranks"), read_losses(tmp_path / "one")
     assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want)
+
+
+@pytest.mark.dist
+def test_nproc_1_trains_one_rank_in_a_process_group_like_one_process(small_dataset, tmp_path, capfd):
+    """`--nproc 1` launches one rank as `--nproc N` launches N (as torchrun --nproc-per-node 1
+    would): it runs in a process group of one (gloo here, NCCL on a GPU: tests/gpu), through the
+    layouts' step; without --nproc the command trains in its own process, with no group."""
+    overrides = shrink(small_dataset, tmp_path / "rank", 3, **{"optim.eps": 1e-3})
+    assert main(["train", TINY_DENSE, *set_args(overrides), "--nproc", "1"]) == 0
+    assert "\nlayout: 1 rank on cpu, gloo process group\n" in capfd.readouterr().err
+    single = shrink(small_dataset, tmp_path / "one", 3, **{"optim.eps": 1e-3})
+    assert main(["train", TINY_DENSE, *set_args(single)]) == 0
+    assert "\nlayout: 1 process on cpu\n" in capfd.readouterr().err
+    got, want = read_losses(tmp_path / "rank"), read_losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    assert all(abs(got[s] - want[s]) <= 1e-5 * want[s] for s in want), (got, want)
 
 
 def test_nproc_that_the_layout_cannot_take_is_refused_before_starting(small_dataset, tmp_path, capsys):

@@ -97,13 +97,16 @@ def test_fp8_cuda_training_follows_bf16(small_dataset, tmp_path, model):
 
 
 def test_one_rank_run_through_nproc_1(small_dataset, tmp_path):
-    """`tessera train --nproc 1` on the GPU (a subprocess: its CUDA never touches this process)."""
+    """`tessera train --nproc 1` on the GPU is one rank in an NCCL process group (a subprocess: its
+    CUDA never touches this process)."""
     run = tmp_path / "run"
     overrides = shrink(small_dataset, run, 2, **{"train.device": "cuda", "train.dtype": "bf16"})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tessera", "train", TINY_DENSE, *set_args(overrides), "--nproc", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    layout = next(line for line in proc.stderr.splitlines() if line.startswith("layout: "))
+    assert layout.startswith("layout: 1 rank on cuda:0, ") and "nccl" in layout, layout  # a one-rank NCCL group
     losses = read_losses(run)
     assert sorted(losses) == [1, 2] and all(7.0 < v < 9.0 for v in losses.values())
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

@@ -175,7 +175,12 @@ def _build_trainer(overrides: list[str]) -> None:
 
 
 @pytest.mark.dist
-def test_fp16_is_refused_naming_both_keys(small_dataset, tmp_path):
-    overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **{"train.dtype": "fp16"})
-    with pytest.raises(RankFailure, match="ConfigError: parallel.optimizer=distributed with train.dtype=fp16 is not"):
+@pytest.mark.parametrize("setting,message", [
+    ({"train.dtype": "fp16"}, "ConfigError: parallel.optimizer=distributed with train.dtype=fp16 is not"),
+    ({"train.compile": True}, "ConfigError: train.compile=true is invalid with parallel.optimizer=distributed: "),
+], ids=["fp16", "compile"])
+def test_unsupported_settings_are_refused_naming_both_keys(small_dataset, tmp_path, setting, message):
+    """An explicit train.compile=true is refused; unset, it is off here (on CUDA too: test_compile.py)."""
+    overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **setting)
+    with pytest.raises(RankFailure, match=message):
         run_ranks(_build_trainer, 2, overrides, timeout=60)

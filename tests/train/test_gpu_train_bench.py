@@ -51,3 +51,14 @@ def test_gpu_train_bench_models_have_the_published_shapes():
     assert (round(count_params(moe) / 1e9, 2), round(count_params(moe, active=True) / 1e9, 2)) == (1.83, 0.58)
     t = moe_cfg.train
     assert (t.seq_len, t.micro_batch_size, t.global_batch_size, t.dtype) == (2048, 4, 8, "bf16")
+
+
+def test_gpu_train_bench_refuses_the_full_models_without_cuda():
+    """Without CUDA (hidden here, so also on a GPU machine) and without --tiny it stops before building
+    anything, with one message, instead of training the 1.15B model in fp32 on the CPU for hours (the
+    timeout, far above the imports' few seconds, is what such a run would hit)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "bench/gpu_train.py", "--steps", "1", "--warmup", "0"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+    assert "CUDA is not available" in run.stderr and "--tiny" in run.stderr
