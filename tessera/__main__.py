@@ -9,13 +9,22 @@ import traceback
 from tessera.cli import main
 
 
+def _launched_as_rank() -> bool:
+    """Whether a launcher started this process as a rank of a process group (`--nproc N` for any
+    N, torchrun): WORLD_SIZE > 1, or WORLD_SIZE with the rendezvous address (tessera.parallel.launch)."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world not in ("", "0", "1"):
+        return True
+    return world == "1" and all(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT"))
+
+
 def _end_failed_rank(status: int) -> None:
-    """A rank of a multi-rank job that failed has said why, and the trainer's `finally` has closed
-    its files. It ends here, without the interpreter's teardown: there torch's process-group
-    objects, left mid-use by an early failure, can abort the process ("terminate called without an
-    active exception", about 1 run in 20 under load), and the launcher would then report status 134
-    instead of this one. One process ends normally."""
-    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+    """A rank that failed has said why, and the trainer's `finally` has closed its files. It ends
+    here, without the interpreter's teardown: there torch's process-group objects, left mid-use by
+    an early failure, can abort the process ("terminate called without an active exception", about
+    1 run in 20 under load), and the launcher would then report status 134 instead of this one.
+    One process that no launcher started ends normally."""
+    if not _launched_as_rank():
         return
     logging.shutdown()
     sys.stdout.flush()

@@ -116,20 +116,23 @@ def test_ranks_of_a_killed_launcher_save_and_stop(small_dataset, tmp_path):
     assert ckpt.read_meta(ckpt.find_latest(run / "checkpoints"))["step"] == max(read_losses(run)) < 10_000
 
 
-@pytest.mark.parametrize("world_size", ["1", "2"])
-def test_a_failed_rank_exits_without_the_interpreters_teardown(tmp_path, world_size):
-    """A rank of a job (WORLD_SIZE > 1) that failed ends with its error's status and skips the
-    teardown (where torch's half-built process groups can abort it with 134); one process and a
-    rank that succeeded end normally. An atexit hook, installed through sitecustomize, tells which."""
+@pytest.mark.parametrize("launcher", [{"WORLD_SIZE": "1"}, {"WORLD_SIZE": "2"},
+                                      {"WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}],
+                         ids=["one-process", "rank-of-2", "rank-of-1"])
+def test_a_failed_rank_exits_without_the_interpreters_teardown(tmp_path, launcher):
+    """A rank that failed (of a job of 2, or of 1 as `--nproc 1` and torchrun start it: WORLD_SIZE
+    with the rendezvous address) ends with its error's status and skips the teardown (where torch's
+    half-built process groups can abort it with 134); one process and a rank that succeeded end
+    normally. An atexit hook, installed through sitecustomize, tells which."""
     marker = tmp_path / "teardown-ran"
     (tmp_path / "sitecustomize.py").write_text(
         f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).touch)\n")
     env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
-           "WORLD_SIZE": world_size, "RANK": "0"}
+           "RANK": "0", **launcher}
     out = subprocess.run([sys.executable, "-m", "tessera", "train", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "missing.yaml" in out.stderr, out.stderr
-    assert marker.exists() == (world_size == "1")
+    assert marker.exists() == ("MASTER_ADDR" not in launcher and launcher["WORLD_SIZE"] == "1")
     ok = subprocess.run([sys.executable, "-m", "tessera", "--version"], capture_output=True, text=True, env=env,
                         timeout=120)
     assert ok.returncode == 0 and marker.exists(), ok.stderr
