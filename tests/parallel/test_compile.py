@@ -3,8 +3,9 @@
 Dense blocks trace as one graph (`fullgraph=True`: a graph break would be an error). An MoE block
 traces whole only in bf16: its local dispatch has fixed shapes (no host reads), but
 `torch._grouped_mm`'s fake-tensor rule takes only bf16, so in fp32 (the CPU default) the MoE layer
-does not trace at all; the test below pins that down (tessera.parallel.compile says why). So only
-the attention half of an MoE block is compiled. The training tests also check, from dynamo's
+does not trace at all; the test below pins that down (tessera.parallel.compile says why). So an
+MoE block is compiled whole only in bf16 on a local dispatcher, its attention half elsewhere
+(test_compile_moe.py). The training tests also check, from dynamo's
 counters, that compiled graphs ran: equal losses alone would not tell compiled from eager blocks.
 Compiling costs seconds per graph on CPU: most tests here are slow."""
 
@@ -86,7 +87,7 @@ def test_dense_block_is_one_graph_and_equals_eager():
 
 @pytest.mark.slow
 def test_moe_block_traces_whole_in_bf16_and_not_in_fp32():
-    """Why an MoE block compiles only its attention half (see tessera.parallel.compile): in bf16 the
+    """Why an MoE block compiles whole only in bf16 (see tessera.parallel.compile): there the
     fixed-shape local dispatch traces as one graph, but grouped_mm's fake-tensor rule refuses fp32."""
     model = Transformer(get_preset("tiny-moe"), init_seed=0)
     block = model.layers["0"]
