@@ -156,6 +156,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         trainer = Trainer(cfg)
         tessera = _side(_timed(trainer.train_step, device, args.steps, args.warmup), cfg, peak, _peak_gib(device))
         tessera["compile"] = trainer.compile
+        tessera["fp8_layers"] = len(trainer.fp8_layers)  # linear layers run in FP8 (train.fp8)
         trainer = None
         _reset_memory(device)
         batches = build_training_data(cfg).train  # the batches the trainer drew, from the same seed
