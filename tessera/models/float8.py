@@ -6,7 +6,7 @@ is scaled by `max(fp8) / amax(operand)` so that its largest magnitude lands on t
 value, cast to FP8, and the product is computed with the inverse scales applied in the epilogue,
 accumulating in fp32 and writing bf16 (the compute dtype) or fp32. Forward: input and weight in
 E4M3 (3 mantissa bits, range 448). Backward: the output gradient in E5M2 (2 mantissa bits, range
-57344: gradients need range more than precision), against the saved E4M3 input and weight:
+57344: gradients need range more than precision), against the E4M3 input and weight:
 
     y = x W^T                 x, W in E4M3
     dx = dy W                 dy in E5M2
@@ -14,8 +14,10 @@ E4M3 (3 mantissa bits, range 448). Backward: the output gradient in E5M2 (2 mant
 
 The scales come from amax reductions on the device (no host synchronisation) and are recomputed
 for every product ("dynamic" scaling, no amax history). The input is saved for backward in FP8
-(half the bytes of bf16). Master weights, optimizer state and gradient accumulation stay as they
-are (fp32); only the matrix products are FP8.
+(half the bytes of bf16); the weight is saved as given and cast again in backward. Master
+weights, optimizer state and gradient accumulation stay as they are (fp32); only the matrix
+products are FP8. The forward product accumulates with cuBLAS's fast FP8 accumulation, the two
+gradient products exactly (torchao's default recipe).
 
 `_scaled_mm` wants the inner dimension and the second operand's outer dimension to be multiples
 of 16, so only layers with in and out features divisible by 16 are converted; the weight
@@ -52,32 +54,43 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a_MK: torch.Tensor, inv_a: torch.Tensor, b_KN: torch.Tensor, inv_b: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:
+        out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) in `out_dtype`; `a` row-major, `b` column-major."""
-    return torch._scaled_mm(a_MK, b_KN, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a_MK, b_KN, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """x [M, K] @ W[N, K]^T with FP8 operands, forward and backward (module docstring)."""
+    """x [M, K] @ W[N, K]^T with FP8 operands, forward and backward (module docstring).
+
+    Saved for backward: the input in FP8 (half of bf16's bytes) and the weight as given, not its
+    FP8 copy: under FSDP the given weight is the all-gathered parameter, whose storage FSDP frees
+    after forward and gathers again for backward, where an FP8 copy would keep every block's whole
+    weight alive in between. Backward casts it again (as torchao does)."""
 
     @staticmethod
     def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        x8, inv_x = to_float8(x_MK, E4M3)
+        x8, inv_x = to_float8(x_MK.contiguous(), E4M3)  # row-major: cuBLASLt takes no other first operand
         w8, inv_w = to_float8(w_NK, E4M3)
-        ctx.save_for_backward(x8, inv_x, w8, inv_w)
-        ctx.dtypes = (x_MK.dtype, w_NK.dtype)
-        return _mm(x8, inv_x, w8.t(), inv_w, out_dtype)  # W^T is column-major as stored
+        ctx.save_for_backward(x8, inv_x, w_NK)
+        ctx.x_dtype = x_MK.dtype
+        # fast accumulation in the forward product only, as torchao's default recipe: the gradients'
+        # products accumulate exactly
+        return _mm(x8, inv_x, w8.t(), inv_w, out_dtype, fast_accum=True)  # W^T is column-major as stored
 
     @staticmethod
     def backward(ctx, dy_MN: torch.Tensor):
-        x8, inv_x, w8, inv_w = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
+        x8, inv_x, w_NK = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g8, inv_g = to_float8(dy_MN.contiguous(), E5M2)
-        dx = _mm(g8, inv_g, w8.t().contiguous().t(), inv_w, x_dtype)  # [M, N] @ [N, K]
-        # [N, M] @ [M, K]: M (tokens) is the inner dimension here
-        g8_NM = _pad_rows(g8).t().contiguous()
-        x8_MK = _pad_rows(x8).t().contiguous().t()
-        dw = _mm(g8_NM, inv_g, x8_MK, inv_x, w_dtype)
+        dx = dw = None
+        if need_x:
+            w8, inv_w = to_float8(w_NK, E4M3)
+            dx = _mm(g8, inv_g, w8.t().contiguous().t(), inv_w, ctx.x_dtype)  # [M, N] @ [N, K]
+        if need_w:  # [N, M] @ [M, K]: M (tokens) is the inner dimension here
+            g8_NM = _pad_rows(g8).t().contiguous()
+            x8_MK = _pad_rows(x8).t().contiguous().t()
+            dw = _mm(g8_NM, inv_g, x8_MK, inv_x, w_NK.dtype)
         return dx, dw, None
 
 

@@ -27,6 +27,7 @@ from tessera.config.parallel import RECOMPUTE_CHOICES
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _MATMULS.add(torch.ops.aten._grouped_mm.default)
+_MATMULS.add(torch.ops.aten._scaled_mm.default)  # FP8 linear layers (tessera.models.float8)
 
 
 def keep_matmuls_and_collectives(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.schema import load_config
 from tessera.models import Transformer
@@ -108,3 +109,67 @@ def test_a_compiled_fp8_layer_is_one_graph_and_matches_eager():
     # the compiled kernels scale and round a few elements to the neighbouring FP8 value
     assert _rel(compiled, eager) < 1e-2
     assert _rel(x.grad, x_grad) < 5e-2 and _rel(linear.weight.grad, w_grad) < 5e-2
+
+
+class _ScaledMatmuls(TorchDispatchMode):
+    """Records each `_scaled_mm` call's operands and checks them against cuBLASLt's rules on CUDA
+    (the CPU kernel is laxer): first operand row-major, second column-major, the inner dimension
+    and the second operand's outer dimension multiples of 16."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.default:
+            a, b = args[0], args[1]
+            assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+            assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_product_takes_the_layouts_cuda_requires_even_from_a_strided_input():
+    linear = Float8Linear.from_linear(nn.Linear(48, 32))
+    x = torch.randn(1, 48, 5).transpose(1, 2).requires_grad_()  # [1, 5, 48], column-major rows
+    with _ScaledMatmuls() as mode:
+        y = linear(x)
+        y.backward(torch.randn_like(y))
+    assert mode.calls == 3  # y, dx, dW
+    ref = nn.functional.linear(x.detach(), linear.weight, linear.bias)
+    assert _rel(y.detach(), ref) < 0.1
+
+
+def test_the_weight_is_saved_as_given_not_as_a_second_fp8_copy():
+    """Under FSDP the weight a layer is given is the all-gathered parameter, freed after forward and
+    gathered again for backward: a saved FP8 copy would keep it alive in between."""
+    linear = Float8Linear.from_linear(nn.Linear(64, 32, bias=False))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = linear(torch.randn(16, 64, requires_grad=True))
+    weights = [t for t in saved if t.shape == linear.weight.shape]
+    assert len(weights) == 1 and weights[0].data_ptr() == linear.weight.data_ptr()
+    assert [t.dtype for t in saved if t.shape == (16, 64)] == [E4M3]  # the input, in FP8
+    y.sum().backward()
+    assert linear.weight.grad is not None
+
+
+def test_selective_recompute_keeps_the_fp8_products():
+    """Selective activation checkpointing saves matrix products, FP8 ones included: backward runs
+    the two gradient products per layer and recomputes no forward product."""
+    from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    model = Transformer(load_config(TINY_DENSE).model, init_seed=0)
+    layers = len(convert_to_float8(model))
+    apply_activation_checkpointing(model, "selective")
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens).logits.float().square().mean()
+    with _ScaledMatmuls() as mode:
+        loss.backward()
+    assert mode.calls == 2 * layers
