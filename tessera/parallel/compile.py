@@ -18,8 +18,9 @@ not the run. An MoE block is compiled whole where its MoE layer traces as one gr
 compute in bf16 (the fake-tensor rule of `torch._grouped_mm` accepts only bf16 inputs, although
 the eager CPU kernel takes fp32), the tokens stay on this rank (the local dispatcher has fixed
 shapes: no `bincount`, no host reads; the expert-parallel dispatchers read split sizes on the host)
-and the experts run as one grouped GEMM (rows a multiple of 16 bytes). Elsewhere (fp32 or fp16,
-expert/tensor/context parallelism, `moe.grouped_gemm=false`) only its attention half is compiled
+and the experts run as one grouped GEMM (rows a multiple of 16 bytes), without Sinkhorn routing
+(whose iterations stop on a tolerance read on the host). Elsewhere (fp32 or fp16, expert/tensor/
+context parallelism, `moe.grouped_gemm=false`, Sinkhorn) only its attention half is compiled
 and the routing, dispatch and expert GEMMs run eagerly between compiled regions.
 
 Tensor parallelism is not compiled yet: with DTensor-sharded projections inside a compiled block,
@@ -84,11 +85,17 @@ def _compile_forward(module: nn.Module) -> None:
 
 def moe_compiles_whole(block: nn.Module, dtype: torch.dtype | None) -> bool:
     """Whether the MoE layer of `block`, computing in `dtype`, traces as one graph (see above)."""
+    from tessera.models.moe.capacity import local_keep_mask
     from tessera.models.moe.dispatcher import LocalDispatcher
+    from tessera.models.moe.router import no_reduction
 
     moe = block.moe
     if dtype != torch.bfloat16 or not isinstance(moe.dispatcher, LocalDispatcher) or not moe.cfg.grouped_gemm:
         return False
+    if moe.router.reduce_counts is not no_reduction or moe.keep_mask is not local_keep_mask:
+        return False  # context parallelism: routing counts summed over ranks (collectives, a host read)
+    if moe.cfg.sinkhorn:
+        return False  # Sinkhorn's iterations stop on a tolerance read on the host
     _, ffn_dim, dim = moe.experts.w1.shape  # [E, F, D]: bf16 rows of F and D elements, 16-byte aligned
     return dim % 8 == 0 and ffn_dim % 8 == 0
 

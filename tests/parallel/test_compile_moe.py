@@ -52,6 +52,13 @@ def test_moe_blocks_compile_whole_only_where_they_trace_as_one_graph():
     for k in moe_blocks:
         model.layers[k].moe.dispatcher = _OtherDispatcher(model.layers[k].moe.dispatcher)
     assert halves <= set(compile_blocks(model, torch.bfloat16))
+    # context parallelism sums the routing counts over ranks (collectives, a host read)
+    model = _moe_model()
+    for k in moe_blocks:
+        model.layers[k].moe.router.reduce_counts = lambda counts, n: (counts, n)
+    assert halves <= set(compile_blocks(model, torch.bfloat16))
+    # Sinkhorn stops iterating on a tolerance read on the host: a graph break per iteration
+    assert halves <= set(compile_blocks(_moe_model(sinkhorn=True), torch.bfloat16))
 
 
 @pytest.mark.slow
