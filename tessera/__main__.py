@@ -11,11 +11,14 @@ from tessera.cli import main
 
 def _launched_as_rank() -> bool:
     """Whether a launcher started this process as a rank of a process group (`--nproc N` for any
-    N, torchrun): WORLD_SIZE > 1, or WORLD_SIZE with the rendezvous address (tessera.parallel.launch)."""
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    if world not in ("", "0", "1"):
-        return True
-    return world == "1" and all(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT"))
+    N, torchrun): the rule by which the trainer joins one (tessera.parallel.launch)."""
+    from tessera.config.errors import TesseraError
+    from tessera.parallel.launch import rank_env
+
+    try:
+        return rank_env().distributed
+    except TesseraError:  # rank variables that are not numbers: the command has said so already
+        return False
 
 
 def _end_failed_rank(status: int) -> None:
