@@ -138,7 +138,7 @@ class _Server:
     def __init__(self, model_dir: Path, args, max_num_seqs: int, max_model_len: int, log: Path):
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [sys.executable, "-m", "tessera.infer.command", str(model_dir), "--port", str(port),
+        self.cmd = [sys.executable, "-m", "tessera", "serve", str(model_dir), "--port", str(port),
                     "--served-model-name", "bench", "--log-level", "warning", "--dtype", args.dtype, "--device",
                     args.device, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                     "--tensor-parallel-size", str(args.tensor_parallel_size)]

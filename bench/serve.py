@@ -193,7 +193,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(model_dir), "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(model_dir), "--port",
                                       str(self.port), "--served-model-name", "bench", "--log-level", "warning",
                                       *extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
 

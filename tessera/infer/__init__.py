@@ -9,7 +9,7 @@ OpenAI-compatible HTTP server.
     print(out[0].text)
 
 The names below are imported on first use (PEP 562), so that `tessera serve --help`, which only
-needs `tessera.infer.command`, does not import torch.
+needs `tessera.cli.serve`, does not import torch.
 """
 
 from __future__ import annotations

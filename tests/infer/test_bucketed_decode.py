@@ -175,8 +175,8 @@ def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
 
 
 def test_serve_flags_reach_the_engine_config(capsys, llama):
+    from tessera.cli.serve import add_arguments, engine_config
     from tessera.config.argument_types import OneLineArgumentParser
-    from tessera.infer.command import add_arguments, engine_config
 
     def parse(*argv):
         parser = OneLineArgumentParser(prog="tessera serve")

@@ -10,9 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tessera.infer.command import main as serve_main
+from tessera.cli import main as tessera_main
 from tests.infer.running_server import free_port, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
+
+
+def serve_main(argv: list[str]) -> int:
+    """`tessera serve ARGV`."""
+    return tessera_main(["serve", *argv])
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_command_answers_the_contract(llama):
     path, hf = llama
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(path), "--port", str(port),
                              "--block-size", "4", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={"OMP_NUM_THREADS": "1",
                                                                                    "PATH": "/usr/bin:/bin"})
@@ -59,7 +64,7 @@ def test_requests_use_exactly_the_name_v1_models_lists(llama):
     its base name get a 404 naming the served model."""
     path, _ = llama
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", path.name, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", path.name, "--port", "0",
                              "--served-model-name", "tiny-served", "--block-size", "4", "--log-level", "warning"],
                             cwd=path.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
@@ -93,8 +98,8 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
 def test_the_port_is_listened_on_before_the_model_loads():
     """Bound and listening (a socket only bound could still be taken by another SO_REUSEADDR
     server, such as a second `tessera serve`), one socket per address the host resolves to."""
+    from tessera.cli.serve import _listen_sockets
     from tessera.config.errors import ConfigError
-    from tessera.infer.command import _listen_sockets
 
     first = _listen_sockets("127.0.0.1", 0)
     try:

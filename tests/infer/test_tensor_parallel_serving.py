@@ -21,15 +21,20 @@ import pytest
 import torch
 
 from tessera.checkpoint.hf import load_pretrained
+from tessera.cli import main as tessera_main
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
-from tessera.infer.command import main as serve_main
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
 from tests.infer.running_server import RunningServer, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
+
+
+def serve_main(argv: list[str]) -> int:
+    """`tessera serve ARGV`."""
+    return tessera_main(["serve", *argv])
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["hello world", "a", "The quick brown fox jumps over the lazy dog, twice: the quick brown fox", "zz"]
@@ -89,7 +94,7 @@ def _alive(pid: int) -> bool:
 def _serve_two_ranks(path, **popen_options) -> tuple[subprocess.Popen, str]:
     """`tessera serve` of `path` at tensor_parallel_size=2 on the CPU, its output piped, on a port
     the system chose (--port 0), and its URL once it answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "tessera.infer.command", str(path), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(path), "--port", "0",
                              "--block-size", "4", "--device", "cpu", "--tensor-parallel-size", "2",
                              "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

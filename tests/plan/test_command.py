@@ -7,10 +7,15 @@ import json
 import pytest
 import yaml
 
+from tessera.cli import main as tessera_main
 from tessera.config import get_preset
 from tessera.models.counting import count_params
 from tessera.models.flops import flops_per_token
-from tessera.plan.command import main
+
+
+def main(argv: list[str]) -> int:
+    """`tessera plan ARGV`."""
+    return tessera_main(["plan", *argv])
 
 
 def write_config(tmp_path, model, parallel, seq_len=8192, micro_batch=1, global_batch=512, dtype="bf16"):

@@ -18,9 +18,9 @@ from tessera.config.schema import load_config
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.pipeline import schedule_accepts_microbatches
 from tessera.plan.cluster import Cluster
-from tessera.plan.command import load_run_inputs
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.layout import layout_problems as plan_problems
+from tessera.plan.run_inputs import load_run_inputs
 from tessera.plan.search import divisors, search
 from tessera.train.run_layout import check_batch_layout
 

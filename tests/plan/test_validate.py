@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from tessera.plan.command import main
+from tessera.cli import main as tessera_main
 from tessera.plan.published import published_runs
 from tessera.plan.validate import validation_rows
+
+
+def main(argv: list[str]) -> int:
+    """`tessera plan ARGV`."""
+    return tessera_main(["plan", *argv])
 
 
 def test_every_published_run_is_predicted_within_20_percent():

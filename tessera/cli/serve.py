@@ -1,9 +1,8 @@
-"""`tessera serve MODEL_DIR [--port P] [--host 127.0.0.1] [--api-key K] ...`
+"""`tessera serve MODEL_DIR [--port P] [--host 127.0.0.1] [--api-key K] ...`: the OpenAI-compatible
+HTTP server (`tessera.infer.server`) in front of the engine thread, until interrupted.
 
-`add_arguments(parser)` declares the options and `run(args)` serves until interrupted; the CLI
-wires them as the `serve` subcommand. The defaults are the safe ones: bound to 127.0.0.1 and
-answering only loopback Host names, request bodies up to 8 MiB, no adapter loading at run time.
-`python -m tessera.infer.command MODEL_DIR ...` runs the same thing without the CLI.
+The defaults are the safe ones: bound to 127.0.0.1 and answering only loopback Host names, request
+bodies up to 8 MiB, no adapter loading at run time.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from tessera.cli.exit_status import one_line
 from tessera.config.argument_types import int_in, port, positive_float, seed
-from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
@@ -52,7 +52,14 @@ def serve_dtype(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The serve options; the CLI shows each one's default (argparse.ArgumentDefaultsHelpFormatter)."""
-    p = parser
+    _http_arguments(parser)
+    _engine_arguments(parser)
+    _adapter_arguments(parser)
+    _parallel_arguments(parser)
+
+
+def _http_arguments(p: argparse.ArgumentParser) -> None:
+    """What is served, where, and to whom."""
     p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory "
                                      "or Tessera run directory / checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
@@ -68,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="refuse request bodies larger than N bytes with 413")
     p.add_argument("--served-model-name", default=None,
                    help="the `model` requests must name, as /v1/models lists it (None: MODEL_DIR as given)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine: precision, KV cache, batching, speculative decoding, sampling seed."""
     p.add_argument("--dtype", default="float32", type=serve_dtype,
                    choices=["float32", "bfloat16", "float16"],
                    help="dtype of the weights and activations (fp32, bf16, fp16 as in train.dtype are accepted)")
@@ -92,6 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft model directory (with --speculative draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per speculative step")
     p.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only quantization at load")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
+    p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
+                   help="batch-size buckets of the static-shape decode step (None: 1,2,4,... up to "
+                        "--max-num-seqs; 'none': decode in the packed step)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
+
+
+def _adapter_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters: served per request, merged at load, loaded at run time."""
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve the PEFT adapter DIR under model name NAME (repeatable)")
     p.add_argument("--merge-lora", action="append", default=[], metavar="DIR",
@@ -102,11 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules-dir", action="append", default=[], metavar="DIR",
                    help="directory that runtime-loaded adapters must lie in, after resolving symlinks; a "
                         "relative lora_path is looked up inside it (repeatable)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
-    p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
-                   help="batch-size buckets of the static-shape decode step (None: 1,2,4,... up to "
-                        "--max-num-seqs; 'none': decode in the packed step)")
+
+
+def _parallel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int_in(1, 1024), default=1, metavar="N",
                    help="split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): "
                         "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r "
@@ -115,9 +136,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "weights. If a rank fails or exits (or a step fails on this one), requests in flight get the "
                         "error, GET /health answers 503 naming the rank, and the server shuts down with exit "
                         "status 1 for its supervisor to restart it")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="server log level")
 
 
 def resolve_device(name: str) -> str:
@@ -210,34 +228,31 @@ def _listen_sockets(host: str, port: int) -> list[socket.socket]:
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine thread and serve HTTP until interrupted.
 
-    Exit status 2 on a bad option, 1 on a directory that cannot be served (missing, damaged, or
-    without a tokenizer: text prompts would all fail, so that is said once, at start-up) and 1 when
-    the engine could not serve any more (a tensor-parallel rank failed); 0 after Ctrl-C or SIGTERM, once
-    requests in flight have finished (at most GRACEFUL_SHUTDOWN_S seconds)."""
+    A bad option (exit status 2) or a directory that cannot be served (1: missing, damaged, or
+    without a tokenizer, since text prompts would all fail) raises before the model has loaded, or
+    as it loads. Returns 1 when the engine could not serve any more (a tensor-parallel rank failed);
+    0 after Ctrl-C or SIGTERM, once requests in flight have finished (at most GRACEFUL_SHUTDOWN_S
+    seconds)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with contextlib.ExitStack() as sockets:  # the listening sockets close however this ends
         return _serve(args, sockets)
 
 
 def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
-    try:
-        hosts = _check_server_options(args)
-        socks = [sockets.enter_context(sock) for sock in _listen_sockets(args.host, args.port)]
-        import uvicorn
+    hosts = _check_server_options(args)
+    socks = [sockets.enter_context(sock) for sock in _listen_sockets(args.host, args.port)]
+    import uvicorn
 
-        from tessera.infer.engine import LLMEngine
-        from tessera.infer.engine_loop import EngineLoop
-        from tessera.infer.server import create_app
+    from tessera.infer.engine import LLMEngine
+    from tessera.infer.engine_loop import EngineLoop
+    from tessera.infer.server import create_app
 
-        engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
-        if engine.tokenizer is None:
-            engine.close()
-            raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
-                                  "copy the model's tokenizer files into it, or export a Tessera run with "
-                                  "`tessera convert RUN_DIR OUT`, which writes them")
-    except TesseraError as e:  # bad options exit 2, bad files (checkpoint, model directory) 1, as in `tessera`
-        print(f"tessera serve: error: {_one_line(e)}", file=sys.stderr)
-        return 2 if isinstance(e, (ConfigError, ParallelError)) else 1
+    engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
+    if engine.tokenizer is None:
+        engine.close()
+        raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
+                              "copy the model's tokenizer files into it, or export a Tessera run with "
+                              "`tessera convert RUN_DIR OUT`, which writes them")
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     loop = EngineLoop(engine).start()
@@ -283,7 +298,7 @@ def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: 
             reason = "the engine thread ended"
         else:
             failure = loop.engine.failure
-            reason = _one_line(failure) if failure is not None else None
+            reason = one_line(failure) if failure is not None else None
         if reason is not None:
             ended.append(reason)
             server.should_exit = True
@@ -293,18 +308,3 @@ def _shut_down_when_unable_to_serve(loop, server, ended: list[str], interval_s: 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera serve", description="OpenAI-compatible server for a model",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,10 @@
 """`tessera plan CONFIG --gpus N [--search] [--json]`: the planner's command line.
 
-The CLI calls `add_arguments(parser)` to declare the options and `run(args)` to act. The config's
-`model`, `train` (seq_len, micro_batch_size, global_batch_size, dtype) and `parallel` sections
-describe the run; flags describe the cluster (`--gpu` picks a preset). `tessera plan validate`
+The config's `model`, `train` (seq_len, micro_batch_size, global_batch_size, dtype) and
+`parallel` sections describe the run; flags describe the cluster (`--gpu` picks a preset). `tessera plan validate`
 compares the time model with published runs (tessera/plan/published.py). Exit status: 0 the
-plan fits (or the search found a layout), 1 it does not, 2 the input is wrong (the message
-says which key and what is allowed).
+plan fits (or the search found a layout), 1 it does not (or a file it names cannot be read), 2 the
+input is wrong (the message says which key and what is allowed).
 """
 
 from __future__ import annotations
@@ -13,40 +12,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from dataclasses import dataclass
 
-from tessera.config.errors import ConfigError, ParallelError, TesseraError
-from tessera.config.model import ModelConfig
-from tessera.config.parallel import ParallelConfig
+from tessera.config.errors import ConfigError, ParallelError
 from tessera.plan.activation_dtypes import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
 from tessera.plan.gpus import GPUS
-from tessera.plan.layout import Layout, Workload
+from tessera.plan.layout import Layout
 from tessera.plan.memory import PRECISIONS
 from tessera.plan.report import render_plan, render_search
+from tessera.plan.run_inputs import load_run_inputs
 from tessera.plan.search import SearchResult, search
-
-
-@dataclass
-class RunInputs:
-    """What the planner reads from a run configuration."""
-
-    model: ModelConfig
-    parallel: ParallelConfig
-    work: Workload
-    dtype: str  # train.dtype
-
-
-def load_run_inputs(path: str, overrides: list[str] | None = None) -> RunInputs:
-    """The model, layout and batch of a run configuration (`tessera.config.schema.load_config`)."""
-    from tessera.config.schema import load_config
-
-    cfg = load_config(path, overrides or [])
-    t = cfg.train
-    return RunInputs(model=cfg.model, parallel=cfg.parallel,
-                     work=Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), dtype=t.dtype)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,50 +94,34 @@ def search_json(result: SearchResult, top: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.config == "validate":
-            from tessera.plan.validate import run_validation
+    if args.config == "validate":
+        from tessera.plan.validate import run_validation
 
-            return run_validation(args.json)
-        if args.gpus is None:
-            raise ConfigError("--gpus is required: the number of GPUs (the world size)")
-        inputs = load_run_inputs(args.config, args.overrides)
-        cluster = cluster_from_args(args, "fp32" if inputs.dtype == "fp32" else "bf16")
-        precision, act_dtype = precisions_for_train_dtype(inputs.dtype)
-        precision = args.precision or precision
-        act_dtype = args.activation_dtype or act_dtype
-        overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
-        if args.search:
-            result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
-                            overlaps=overlaps)
-            if args.json:
-                print(json.dumps(search_json(result, args.top), indent=2))
-            else:
-                print(render_search(result, args.top))
-                if result.ranked:
-                    print("\nBest layout in detail\n")
-                    print(render_plan(result.ranked[0]))
-            return 0 if result.ranked else 1
-        layout = dataclasses.replace(Layout.from_parallel(inputs.parallel, args.gpus), **overlaps)
-        m = inputs.work.global_batch // (inputs.work.micro_batch * layout.dp)
-        if inputs.parallel.microbatches not in (None, m):
-            raise ParallelError(f"parallel.microbatches={inputs.parallel.microbatches} disagrees with the batch: "
-                                f"global_batch / (micro_batch x dp) = {m}")
-        plan = make_plan(inputs.model, layout, inputs.work, cluster, precision=precision, activation_dtype=act_dtype)
-        print(json.dumps(plan.as_dict(), indent=2) if args.json else render_plan(plan))
-        return 0 if plan.fits else 1
-    except TesseraError as e:
-        print(f"tessera plan: error: {e}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m tessera.plan.command`), the same as `tessera plan`."""
-    parser = argparse.ArgumentParser(prog="tessera plan", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return run_validation(args.json)
+    if args.gpus is None:
+        raise ConfigError("--gpus is required: the number of GPUs (the world size)")
+    inputs = load_run_inputs(args.config, args.overrides)
+    cluster = cluster_from_args(args, "fp32" if inputs.dtype == "fp32" else "bf16")
+    precision, act_dtype = precisions_for_train_dtype(inputs.dtype)
+    precision = args.precision or precision
+    act_dtype = args.activation_dtype or act_dtype
+    overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
+    if args.search:
+        result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
+                        overlaps=overlaps)
+        if args.json:
+            print(json.dumps(search_json(result, args.top), indent=2))
+        else:
+            print(render_search(result, args.top))
+            if result.ranked:
+                print("\nBest layout in detail\n")
+                print(render_plan(result.ranked[0]))
+        return 0 if result.ranked else 1
+    layout = dataclasses.replace(Layout.from_parallel(inputs.parallel, args.gpus), **overlaps)
+    m = inputs.work.global_batch // (inputs.work.micro_batch * layout.dp)
+    if inputs.parallel.microbatches not in (None, m):
+        raise ParallelError(f"parallel.microbatches={inputs.parallel.microbatches} disagrees with the batch: "
+                            f"global_batch / (micro_batch x dp) = {m}")
+    plan = make_plan(inputs.model, layout, inputs.work, cluster, precision=precision, activation_dtype=act_dtype)
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else render_plan(plan))
+    return 0 if plan.fits else 1

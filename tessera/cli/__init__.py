@@ -1,0 +1,91 @@
+"""The `tessera` command: parse arguments, then call one layer's public function.
+
+    tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]
+    tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
+    tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
+    tessera convert SRC DST [--set parallel.K=V ...] (HuggingFace directory <-> Tessera checkpoint, tokenizer included;
+                                                      --set: the checkpoint's chunks are that layout's shards)
+    tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
+    tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
+
+Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
+runs. Every option's help shows its default.
+
+A subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> int`, and a
+`Command` line in COMMANDS. An error Tessera reports (`TesseraError`) prints one line on stderr, no
+traceback, and sets the exit status by one rule for every subcommand (`exit_status.py`: 2 for bad
+input, 1 for the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+from tessera.config.argument_types import OneLineArgumentParser
+from tessera.config.errors import TesseraError
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    module: str  # tessera.cli.<module>: its add_arguments(parser) and run(args); imported when needed
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        self._module().add_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        return self._module().run(args)
+
+    def _module(self):
+        return importlib.import_module(f"tessera.cli.{self.module}")
+
+
+COMMANDS: list[Command] = [
+    Command("train", "train a model from a YAML run configuration", "train"),
+    Command("preprocess", "tokenize text into an indexed dataset", "preprocess"),
+    Command("generate", "continue a prompt with a trained model", "generate"),
+    Command("convert", "convert between HuggingFace and Tessera checkpoints", "convert"),
+    Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts", "plan"),
+    Command("serve", "serve a model over an OpenAI-compatible HTTP API", "serve"),
+]
+
+
+def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog="tessera",
+                                     description="Train and serve dense and MoE language models.")
+    parser.add_argument("--version", action="version", version=f"tessera {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in commands or COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tessera` and `python -m tessera`; returns the exit status."""
+    from tessera.cli.exit_status import report
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except (TesseraError, KeyboardInterrupt) as e:
+        return report(args.command, e)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tessera")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""`tessera convert SRC DST [--dtype D] [--tokenizer T] [--set parallel.K=V ...]`: a HuggingFace
+directory <-> a Tessera checkpoint, tokenizer included; with `--set`, the checkpoint's chunks are
+that layout's shards."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a HuggingFace model directory, or a Tessera run directory / checkpoint")
+    p.add_argument("dst", help="the directory to write (the other format)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
+                        "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "
+                        "HuggingFace directory's own")
+    p.add_argument("--set", dest="layout", action="append", default=[], metavar="parallel.KEY=VALUE",
+                   help="HuggingFace -> Tessera: write the checkpoint cut into the shards of this parallel layout, "
+                        "e.g. --set parallel.tp=2 --set parallel.dp_shard=4 (repeatable; parallel.* keys only; "
+                        "give dp_shard explicitly, unset counts as 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.convert import convert
+
+    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer, layout=args.layout)
+    print(f"wrote {kind} directory {path}")
+    return 0

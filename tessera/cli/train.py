@@ -1,0 +1,105 @@
+"""`tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]`: train a model from a run
+configuration, in this process, on N local ranks (`--nproc`), or as one rank torchrun started."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from tessera.config.argument_types import int_in
+from tessera.config.limits import MAX_LOCAL_RANKS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="run configuration (YAML), e.g. configs/tiny-dense.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.steps=100 (repeatable; YAML values)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in run_dir (start fresh if none)")
+    p.add_argument("--nproc", type=int_in(1, MAX_LOCAL_RANKS), default=None, metavar="N",
+                   help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section, "
+                        "N=1 too (one rank in a process group); None: this one process, no process group (or "
+                        "the ranks torchrun started); for several nodes use torchrun (examples/slurm.sbatch)")
+
+
+def _launch_ranks(args: argparse.Namespace, cfg) -> int:
+    """`--nproc N`: check the layout against N ranks, then run this command once per rank (N = 1
+    too: the rank runs in a process group of one, as under torchrun --nproc-per-node 1)."""
+    from tessera.parallel.dims import ParallelDims
+    from tessera.parallel.launch import launch_local, module_command
+    from tessera.train.run_layout import check_batch_layout
+
+    dims = ParallelDims.from_config(cfg.parallel, args.nproc)
+    dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
+    check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
+    argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
+    return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
+
+
+def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
+    """The planner's memory estimate, before any rank allocates: one warning line when it will not fit."""
+    import os
+
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 speaks for all
+        return
+    budget, reserved = cfg.train.memory_budget_gib, 0.0
+    if budget is None:
+        reserved = 3 * 2**30  # CUDA context, allocator slack, NCCL buffers
+        import torch
+
+        if not torch.cuda.is_available() or cfg.train.device == "cpu":
+            return
+        budget = torch.cuda.get_device_properties(0).total_memory / 2**30
+    from tessera.plan.fits import check_fits
+
+    world = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    t = cfg.train
+    message = check_fits(cfg.model, cfg.parallel, t.seq_len, t.micro_batch_size, t.global_batch_size, world,
+                         f"{budget}GiB", dtype=t.dtype, reserved_bytes=reserved)
+    if message is not None:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tessera.config.schema import load_config
+
+    cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
+    _warn_if_it_will_not_fit(cfg, args.nproc)
+    if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
+        return _launch_ranks(args, cfg)
+    from tessera.parallel.launch import shutdown_distributed
+    from tessera.train import console
+    from tessera.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+        coordinator = trainer.layout.is_coordinator
+        if coordinator:
+            warning = console.schedule_warning(cfg)
+            lines = console.startup_summary(cfg, trainer.layout.world_size, str(trainer.device), trainer.accumulation,
+                                            trainer.step, trainer.layout.backend)
+            print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
+        if trainer.resumed_from is not None and coordinator:
+            print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+        if trainer.init_from is not None and coordinator:
+            print(f"weights from {trainer.init_from} ({trainer.init_bytes_read / 2**20:.1f} MiB read by rank 0)",
+                  file=sys.stderr)
+        result = trainer.train()
+    finally:
+        shutdown_distributed()
+    if not coordinator:
+        return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
+    if result.last_step == result.start_step and result.stopped_by_signal is None:
+        print(f"nothing to train: the run is at step {result.start_step} and train.steps={cfg.train.steps}")
+        return 0
+    last = result.records[-1] if result.records else {}
+    summary = f"trained steps {result.start_step + 1}..{result.last_step}"
+    if "loss" in last:
+        summary += f", last loss {last['loss']:.4f}"
+    print(summary)
+    print("\n".join(console.next_steps(cfg, result.checkpoint)))
+    if result.stopped_by_signal is not None:
+        print(f"stopped by {signal.Signals(result.stopped_by_signal).name}", file=sys.stderr)
+        return 128 + result.stopped_by_signal
+    return 0
