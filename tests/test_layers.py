@@ -1,7 +1,8 @@
-"""The package keeps the layer table of the README's "Layout of the code": a folder imports only the
-layers below it (the planner only configs and models), `tessera.config` holds no import circle, and
-the planner runs without torch. Every import counts, also those inside functions and under
-TYPE_CHECKING."""
+"""The package keeps the layer table of docs/architecture.md ("Layers"): a folder imports only the
+layers below it (the planner only configs and models), no module of `tessera` is part of an import
+circle, and the planner runs without torch. Every import counts, also those inside functions and
+under TYPE_CHECKING. Files stay short enough to read (at most 500 lines), and so do the functions of
+the engine and the trainer (at most 60 lines in `tessera/infer` and `tessera/train`)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,28 @@ def test_every_folder_imports_only_the_layers_below_it():
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_config_has_no_import_circle():
-    modules = {_module_name(p): p for p in (PACKAGE / "config").glob("*.py")}
-    graph = {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+def _packages(module: str) -> list[str]:
+    """The packages whose `__init__` runs before `module` does: `a.b.c` -> [`a`, `a.b`]."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the `tessera` modules importing it runs: those it names, and the packages of those
+    (`import a.b.c` runs `a.b`'s `__init__`). A module's own packages have run before it does, so they
+    count only where it names one (`from tessera.train import step_engine` runs `tessera/train/__init__.py`
+    again from the inside: a circle if that `__init__` imports the module back)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        named = {n for n in _imports(path) if n in modules}
+        implied = {pkg for n in named for pkg in _packages(n)} - set(_packages(module))
+        graph[module] = (named | implied) - {module}
+    return graph
+
+
+def test_no_module_is_part_of_an_import_circle():
+    graph = _import_graph()
     done: set[str] = set()
 
     def visit(m: str, path: list[str]) -> None:
@@ -70,6 +90,21 @@ def test_config_has_no_import_circle():
 
     for m in sorted(graph):
         visit(m, [])
+
+
+def test_files_and_the_engines_functions_stay_short():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long.append(f"{path.relative_to(PACKAGE.parent)}: {len(text.splitlines())} lines (at most 500)")
+        if path.relative_to(PACKAGE).parts[0] not in ("infer", "train"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: "
+                            f"{node.end_lineno - node.lineno + 1} lines (at most 60)")
+    assert not long, "\n".join(long)
 
 
 def test_the_planner_imports_without_torch():
