@@ -15,6 +15,8 @@ import torch
 
 from tessera.checkpoint.convert import load_model
 from tessera.cli import COMMANDS, main
+from tessera.cli.exit_status import exit_status
+from tessera.config.errors import CheckpointError, ConfigError, DataError, ModelError, ParallelError
 from tessera.data import IndexedDataset
 from tests.train.runs import ROOT, TINY_DENSE, set_args, shrink
 
@@ -33,6 +35,29 @@ def test_help_of_every_subcommand(command, capsys):
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert f"usage: tessera {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error, status", [
+    (ConfigError("x"), 2), (ParallelError("x"), 2), (CheckpointError("x"), 1), (DataError("x"), 1),
+    (ModelError("x"), 1), (KeyboardInterrupt(), 130)])
+def test_one_exit_status_per_kind_of_error(error, status):
+    assert exit_status(error) == status
+
+
+def test_plan_train_and_serve_answer_a_damaged_model_directory_alike(tmp_path, capsys):
+    """A config.json that is not JSON: named by a config key (`model.from_hf`) it is a bad option for
+    plan and train alike (2); as the directory to serve it is a bad file (1). One line each."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{from_hf: {model}}}\n")
+    statuses = {name: main(argv) for name, argv in {
+        "plan": ["plan", str(config), "--gpus", "8"], "train": ["train", str(config)],
+        "serve": ["serve", str(model), "--port", "0", "--device", "cpu"]}.items()}
+    err = capsys.readouterr().err
+    assert statuses == {"plan": 2, "train": 2, "serve": 1}, err
+    assert all(f"tessera {name}: error: " in err and "is not valid JSON" in err for name in statuses), err
 
 
 def test_module_entry_point_prints_one_line_and_exits_2(tmp_path):
