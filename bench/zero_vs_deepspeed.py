@@ -11,7 +11,7 @@ learning rate `optim.lr`) and the same gradient clipping (`train.grad_clip`).
 
   Tessera     `parallelize` with dp_shard=2, zero_stage=2 (weights gathered once per step and kept
               for backward; gradients and optimizer state sharded); loss = token-loss sum over
-              the global batch's token count, gradients summed across ranks (DESIGN.md).
+              the global batch's token count, gradients summed across ranks (docs/architecture.md, "Numerics contract").
   DeepSpeed   `deepspeed.initialize` with ZeRO stage 2 on the CPU accelerator over gloo, the plain
               torch AdamW passed in (`zero_allow_untested_optimizer`), no compiled optimizer; loss =
               mean over the rank's tokens, which DeepSpeed averages across ranks: the same gradient.

@@ -1,6 +1,6 @@
 """A resolved parallel layout and the work it carries, with every divisibility rule in one place.
 
-Rank order (DESIGN.md, "Parallel layout"): world = pp x dp_replicate x dp_shard x cp x tp, tp
+Rank order (docs/architecture.md, "Rank order"): world = pp x dp_replicate x dp_shard x cp x tp, tp
 innermost. Dense weights are cut by tp (heads, FFN columns, vocabulary) and pp (layers), then
 sharded by ZeRO over dp_shard x cp and replicated over dp_replicate. Experts are split over ep
 (which divides dp_shard x cp), cut by tp like the dense FFN (expert TP = TP), and sharded by ZeRO

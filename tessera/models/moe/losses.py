@@ -4,7 +4,7 @@ multiplies by its coefficient. T tokens, E experts, k experts per token.
 Under data/sequence/context parallelism a micro-batch's tokens are spread over ranks. The losses
 then take the micro-batch-wide `counts_E` (summed over ranks by an injected reducer) and
 `num_tokens`; each rank's value covers its own tokens' probabilities, and the ranks' values add up
-to the loss of the whole micro-batch (DESIGN.md, numerics contract).
+to the loss of the whole micro-batch (docs/architecture.md, "Numerics contract").
 """
 
 from __future__ import annotations
