@@ -45,7 +45,7 @@ from tessera.infer.openai_protocol import (
     sampling_params,
     usage,
 )
-from tessera.infer.sampling_params import brief
+from tessera.infer.quoting import brief
 from tessera.infer.sequence import RequestOutput
 
 
