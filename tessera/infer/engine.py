@@ -34,7 +34,7 @@ from tessera.infer.device_sampling import SamplingBatch, sample_on_device, token
 from tessera.infer.lora import LoRAManager, merge_adapter
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.model_loading import eos_token_ids, load_model, load_tokenizer, torch_dtype
-from tessera.infer.model_runner import BatchItem, build_runner
+from tessera.infer.paged_model import BatchItem, build_paged_model
 from tessera.infer.quant import quantize_model
 from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
 from tessera.infer.sampling import make_generator, processed_probs
@@ -43,7 +43,7 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.speculative import DraftModelProposer, PromptLookupProposer, Proposal
 from tessera.infer.structured_output import GrammarCompiler, GrammarError, GrammarMatcher
-from tessera.infer.tensor_parallel import TensorParallelRunner
+from tessera.infer.tp_channel import TensorParallelRunner
 from tessera.infer.tp_workers import start_workers_for_dir, start_workers_for_model
 from tessera.models.transformer import Transformer
 
@@ -62,7 +62,7 @@ class LLMEngine:
         self.dtype = torch_dtype(config.dtype)
         self.eos_ids = frozenset(eos_ids)
         self.lora = LoRAManager(model, config.max_loras, self.dtype, self.device)
-        runner, geometry = build_runner(model, config, self.lora)
+        runner, geometry = build_paged_model(model, config, self.lora)
         self.max_model_len, self.blocks_per_seq = geometry.max_model_len, geometry.blocks_per_seq
         num_blocks, bs, k = geometry.num_blocks, config.block_size, config.lookahead
         self.kv, self.decoder = runner.kv, runner.decoder

@@ -14,7 +14,7 @@ import math
 import torch
 
 from tessera.infer.engine import LLMEngine
-from tessera.infer.model_runner import BatchItem
+from tessera.infer.paged_model import BatchItem
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import Sequence
 

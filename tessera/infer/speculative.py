@@ -22,7 +22,7 @@ import torch
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.kv_cache import PagedKVCache
-from tessera.infer.model_runner import BatchItem, ModelRunner
+from tessera.infer.paged_model import BatchItem, PagedModel
 from tessera.infer.sampling import processed_probs, sample_from
 from tessera.infer.sequence import Sequence
 from tessera.models.transformer import Transformer
@@ -83,7 +83,7 @@ class DraftModelProposer:
         self.k = num_tokens
         self.kv = PagedKVCache(model.cfg, num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.kv, device)
+        self.paged = PagedModel(model, self.kv, device)
         self.state: dict[str, _DraftState] = {}
 
     @staticmethod
@@ -116,7 +116,7 @@ class DraftModelProposer:
         # catch up on every token the draft has not seen, and draft the first token
         items = [BatchItem(seq.token_ids[st.num_computed:], st.num_computed, st.block_table)
                  for _, seq, st, _ in active]
-        logits = self.runner.forward(items)
+        logits = self.paged.forward(items)
         ends = np.cumsum([len(it.tokens) for it in items]) - 1
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
         drawn = self._draw([seq for _, seq, _, _ in active], logits[ends.tolist()])
@@ -129,7 +129,7 @@ class DraftModelProposer:
         for j in range(1, max(lim for *_, lim in active)):
             step = [(i, seq, st) for i, seq, st, lim in active if lim > j]
             items = [BatchItem([proposals[i].tokens[-1]], st.num_computed, st.block_table) for i, _, st in step]
-            logits = self.runner.forward(items)
+            logits = self.paged.forward(items)
             for (i, _, st), (tok, q) in zip(step, self._draw([seq for _, seq, _ in step], logits)):
                 st.num_computed += 1
                 proposals[i].tokens.append(tok)

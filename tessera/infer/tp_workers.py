@@ -6,7 +6,7 @@ reachable from other machines), starts ranks 1..N-1 with the "spawn" start metho
 interpreter: safe with CUDA and with the parent's threads; it costs the interpreter's start and
 imports, a few seconds, and the calling script needs the `if __name__ == "__main__":` guard), and
 every rank joins one process group (gloo on CPU, NCCL on GPUs with rank r on cuda:B+r for
-`device="cuda:B"`) plus a gloo control group for the step messages (`tensor_parallel.py`). All
+`device="cuda:B"`) plus a gloo control group for the step messages (`tp_channel.py`). All
 ranks are on this machine, so gloo and NCCL are told to use the loopback interface too
 (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless already set).
 
@@ -44,16 +44,10 @@ from tessera.config.errors import CheckpointError, ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_loading import load_model, torch_dtype
-from tessera.infer.model_runner import build_runner, cache_geometry
+from tessera.infer.paged_model import build_paged_model, cache_geometry
 from tessera.infer.quant import is_quantized_dir
-from tessera.infer.tensor_parallel import (
-    STOP,
-    StepChannel,
-    cut_for_serving,
-    load_hf_shard,
-    serve_worker_steps,
-    serving_dims,
-)
+from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
+from tessera.infer.tp_channel import STOP, StepChannel, serve_worker_steps
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -189,10 +183,10 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: 
         dims = serving_dims(source.cfg, world)
         dims.build_mesh(device.type)
         model = _load_rank_model(source, dims, config, device)
-        runner, _ = build_runner(model, config, None, device)
+        paged, _ = build_paged_model(model, config, None, device)
         store.set(f"ready/{rank}", "1")
         stage = "serving"
-        serve_worker_steps(runner, StepChannel(control), model.cfg.vocab_size)
+        serve_worker_steps(paged, StepChannel(control), model.cfg.vocab_size)
     except BaseException as e:  # reported to rank 0, which names this rank
         try:
             store.set(f"error/{rank}", f"{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}")

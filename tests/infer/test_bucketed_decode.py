@@ -13,7 +13,7 @@ from tessera.config.errors import ConfigError
 from tessera.infer import LLM, LLMEngine, SamplingParams, device_sampling
 from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
 from tessera.infer.config import EngineConfig
-from tessera.infer.model_runner import BatchItem
+from tessera.infer.paged_model import BatchItem
 from tests.infer.host_transfers import HostTransfers
 from tests.infer.tiny_models import hf_greedy, write_model
 

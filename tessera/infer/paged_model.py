@@ -1,8 +1,10 @@
-"""One forward pass of a model over a packed batch of ragged sequences on the paged KV cache.
+"""A model over its paged KV cache: the logits of a packed batch of ragged sequences.
 
-Used for the target model by the engine and for the draft model by the speculative proposer.
-The packing and the attention over the cache are described in `paged_attention.py`. With a
-`BucketedDecoder`, `forward_split` sends the single-token items (decodes) through the
+`PagedModel` is one process's model, its KV cache and its static-shape decode step. The engine's
+model runner drives it (or, under tensor parallelism, rank 0's copy of it together with the other
+ranks' copies: `tp_executor.TensorParallelModel`); the draft model of speculative decoding has one
+of its own. The packing and the attention over the cache are described in `paged_attention.py`.
+With a `BucketedDecoder`, `forward_split` sends the single-token items (decodes) through the
 static-shape decode step instead (`bucketed_decode.py`).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,7 +36,22 @@ class BatchItem:
     logits_from: int = 0  # the caller reads the logits of tokens[logits_from:] only (tensor parallelism gathers those)
 
 
-class ModelRunner:
+class PagedForward(Protocol):
+    """The forward of one engine step over the paged KV cache: a `PagedModel`, or rank 0's
+    `TensorParallelModel`, whose logits are every rank's forward gathered into full rows."""
+
+    def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
+        """Logits [T, V] of the step (each item's rows from `logits_from` on are filled), and the row
+        where each item's tokens start."""
+
+    def forward(self, items: list[BatchItem]) -> torch.Tensor:
+        """Logits [T, V] of every packed token, in the order of `items` (no static-shape decode step)."""
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero KV blocks (after a request wrote inf/NaN there)."""
+
+
+class PagedModel:
     def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device | str, lora=None,
                  decoder: BucketedDecoder | None = None):
         self.model = model
@@ -118,10 +136,10 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     return CacheGeometry(max_model_len, blocks_per_seq, num_blocks)
 
 
-def build_runner(model: Transformer, config: EngineConfig, lora=None,
-                 device: torch.device | str | None = None) -> tuple[ModelRunner, CacheGeometry]:
-    """The paged KV cache, the static-shape decode step and the runner of `model` as `config`
-    lays them out (the engine's, and each tensor-parallel rank's, the same way). CUDA graphs are
+def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
+                      device: torch.device | str | None = None) -> tuple[PagedModel, CacheGeometry]:
+    """`model` over a paged KV cache with its static-shape decode step, as `config` lays them out
+    (the engine's, and each tensor-parallel rank's, the same way). CUDA graphs are
     not captured under tensor parallelism (all ranks would have to replay in lockstep)."""
     geometry = cache_geometry(model.cfg, config)
     device = torch.device(config.device if device is None else device)
@@ -134,4 +152,4 @@ def build_runner(model: Transformer, config: EngineConfig, lora=None,
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
-    return ModelRunner(model, kv, device, lora, decoder), geometry
+    return PagedModel(model, kv, device, lora, decoder), geometry
