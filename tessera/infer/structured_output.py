@@ -18,6 +18,7 @@ so that a model cannot spend its tokens on layout; a schema may set llguidance's
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -68,8 +69,9 @@ class _TokenBytes:
 class GrammarMatcher:
     """One request's grammar state: the tokens allowed next, and whether the document is complete."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, mask_words: int):
         self.matcher = matcher
+        self.mask_words = mask_words  # 32-bit words of its token bitmask (the grammar engine's vocabulary)
 
     def advance(self, tokens: list[int]) -> None:
         """Feed the sampled tokens; GrammarError if the grammar refuses one. The mask allows only
@@ -96,7 +98,6 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._lltokenizer = None
-        self._executor = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -130,7 +131,7 @@ class GrammarCompiler:
             prototype = self._cache.get(key)
             if prototype is not None:
                 self._cache.move_to_end(key)
-                return GrammarMatcher(prototype.deep_copy())
+                return GrammarMatcher(prototype.deep_copy(), (tokenizer.vocab_size + 31) // 32)
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
@@ -142,28 +143,32 @@ class GrammarCompiler:
             self._cache[key] = prototype
             while len(self._cache) > _CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return GrammarMatcher(prototype.deep_copy())
+            return GrammarMatcher(prototype.deep_copy(), (tokenizer.vocab_size + 31) // 32)
 
-    def mask_logits(self, logits_TV: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
-        """Set to -inf, in place on the logits' device, every token that `matchers[i]` forbids at
-        row `rows[i]`. One bitmask tensor for the batch is filled on the CPU, copied once and
-        unpacked on the device. (A row left with no token allowed samples a token that `advance`
-        refuses, or no token at all: either way that request alone fails.)"""
-        if not rows:
-            return
-        llg = _llguidance()
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        V = logits_TV.shape[-1]
-        words = (self._ll_tokenizer().vocab_size + 31) // 32
-        mask_NW = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=logits_TV.is_cuda)
-        self._executor.unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(matchers)],
-                                               mask_NW.data_ptr(), words * 4, len(rows))
-        allowed_NV = unpack_bitmask(mask_NW.to(logits_TV.device, non_blocking=True), V)
-        index = torch.tensor(rows, device=logits_TV.device)
-        with torch.inference_mode():
-            masked = logits_TV.index_select(0, index).masked_fill_(~allowed_NV, float("-inf"))
-            logits_TV.index_copy_(0, index, masked)
+
+@functools.cache
+def _mask_executor():
+    """llguidance's thread pool that computes the bitmasks of a batch (one per process)."""
+    return _llguidance().LLExecutor()
+
+
+def mask_logits(logits_TV: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+    """Set to -inf, in place on the logits' device, every token that `matchers[i]` forbids at row
+    `rows[i]`. One bitmask tensor for the batch is filled on the CPU, copied once and unpacked on
+    the device. (A row left with no token allowed samples a token that `advance` refuses, or no
+    token at all: either way that request alone fails.)"""
+    if not rows:
+        return
+    V = logits_TV.shape[-1]
+    words = matchers[0].mask_words  # the matchers of one engine share its tokenizer
+    mask_NW = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=logits_TV.is_cuda)
+    _mask_executor().unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(matchers)],
+                                             mask_NW.data_ptr(), words * 4, len(rows))
+    allowed_NV = unpack_bitmask(mask_NW.to(logits_TV.device, non_blocking=True), V)
+    index = torch.tensor(rows, device=logits_TV.device)
+    with torch.inference_mode():
+        masked = logits_TV.index_select(0, index).masked_fill_(~allowed_NV, float("-inf"))
+        logits_TV.index_copy_(0, index, masked)
 
 
 def unpack_bitmask(mask_NW: torch.Tensor, vocab_size: int) -> torch.Tensor:

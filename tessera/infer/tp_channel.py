@@ -5,11 +5,15 @@ Rank 0 owns the scheduler, the block manager and sampling. Every step it broadca
 inputs to the other ranks over a CPU (gloo) control group, all ranks run the same
 `PagedModel.forward_split` (so they take the same packed / bucketed paths and join the same
 collectives), and the logits rows that are sampled from are gathered to rank 0 (each rank holds V/N
-columns of them). The control message is one int64 header [kind, length] and one int64 payload:
+columns of them). Scoring runs `PagedModel.forward` instead (every item packed) and gathers every
+row. The control message is one int64 header [kind, length] and one int64 payload:
 
-    STEP:  [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, tokens..., table...)*]
-    CLEAR: [block ids...]      (KV blocks a request failing on inf/NaN leaves; `Scheduler.update_from_output`)
-    STOP:  []
+    STEP:   [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, tokens..., table...)*]
+    PACKED: the same items, run by `PagedModel.forward`
+    CLEAR:  [block ids...]      (KV blocks a request failing on inf/NaN leaves; `Scheduler.update_from_output`)
+    STOP:   []
+
+Rank 0's side is `tp_executor.TensorParallelModel`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from torch.distributed.tensor import DTensor
 from tessera.config.errors import ParallelError
 from tessera.infer.paged_model import BatchItem, PagedModel
 
-STEP, CLEAR, STOP = 1, 2, 3
+STEP, CLEAR, STOP, PACKED = 1, 2, 3, 4
 
 
-def _pack_items(items: list[BatchItem]) -> list[int]:
+def pack_items(items: list[BatchItem]) -> list[int]:
     out = [len(items)]
     for it in items:
         out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from]
@@ -43,6 +47,15 @@ def _unpack_items(flat: list[int]) -> list[BatchItem]:
         at += n + nt
         items.append(BatchItem(tokens, start, table, slot, logits_from))
     return items
+
+
+def packed_offsets(items: list[BatchItem]) -> list[int]:
+    """The row where each item's tokens start when every item is packed in order."""
+    offsets, t = [], 0
+    for it in items:
+        offsets.append(t)
+        t += len(it.tokens)
+    return offsets
 
 
 def logit_rows(items: list[BatchItem], offsets: list[int]) -> list[int]:
@@ -76,11 +89,14 @@ class StepChannel:
         return kind, payload.tolist()
 
 
-def run_step(runner: PagedModel, items: list[BatchItem], vocab_size: int
+def run_step(paged: PagedModel, kind: int, items: list[BatchItem], vocab_size: int
              ) -> tuple[torch.Tensor | None, list[int]]:
-    """One step on any rank: the same forward on every rank, then the rows the driver samples
-    from gathered to rank 0 ([T, V] there with those rows filled, None elsewhere)."""
-    logits, offsets = runner.forward_split(items)
+    """One STEP or PACKED message on any rank: the same forward on every rank, then the rows the
+    driver reads gathered to rank 0 ([T, V] there with those rows filled, None elsewhere)."""
+    if kind == STEP:
+        logits, offsets = paged.forward_split(items)
+    else:
+        logits, offsets = paged.forward(items), packed_offsets(items)
     local_TV = _local(logits)
     rows = logit_rows(items, offsets)
     index = torch.tensor(rows, dtype=torch.long, device=local_TV.device)
@@ -96,50 +112,15 @@ def run_step(runner: PagedModel, items: list[BatchItem], vocab_size: int
     return full_TV, offsets
 
 
-class TensorParallelRunner:
-    """The driver's runner: the engine calls it as it calls a `PagedModel`; it has the other
-    ranks run the same step and returns full-vocabulary logits of the rows the engine reads."""
-
-    def __init__(self, runner: PagedModel, workers):
-        self.runner, self.workers = runner, workers  # workers: tp_workers.WorkerGroup
-        self.kv, self.decoder = runner.kv, runner.decoder
-        self.vocab_size = runner.model.cfg.vocab_size
-
-    def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        def step():
-            self.workers.channel.send(STEP, _pack_items(items))
-            logits, offsets = run_step(self.runner, items, self.vocab_size)
-            if logits.is_cuda:
-                # NCCL collectives only queue work: a rank that died or failed shows at the next
-                # wait on the device. Waiting here makes that happen inside `guarded`, which
-                # names the rank and marks the group failed, instead of at sampling's host copy.
-                torch.cuda.synchronize(logits.device)
-            return logits, offsets
-        return self.workers.guarded(step)
-
-    @property
-    def failure(self):
-        """The WorkerFailure that ended tensor-parallel serving (None while healthy)."""
-        return self.workers.failure
-
-    def clear_blocks(self, blocks: list[int]) -> None:
-        if blocks:
-            self.workers.guarded(lambda: self.workers.channel.send(CLEAR, list(blocks)))
-        self.runner.clear_blocks(blocks)
-
-    def close(self) -> None:
-        self.workers.stop()
-
-
-def serve_worker_steps(runner: PagedModel, channel: StepChannel, vocab_size: int) -> None:
+def serve_worker_steps(paged: PagedModel, channel: StepChannel, vocab_size: int) -> None:
     """A worker rank's loop: mirror every message of the driver until STOP."""
     while True:
         kind, payload = channel.receive()
         if kind == STOP:
             return
         if kind == CLEAR:
-            runner.clear_blocks(payload)
-        elif kind == STEP:
-            run_step(runner, _unpack_items(payload), vocab_size)
+            paged.clear_blocks(payload)
+        elif kind in (STEP, PACKED):
+            run_step(paged, kind, _unpack_items(payload), vocab_size)
         else:
             raise ParallelError(f"unknown control message kind {kind} from the driver")

@@ -34,18 +34,16 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tessera.config.errors import CheckpointError, ConfigError, TesseraError
+from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_loading import load_model, torch_dtype
-from tessera.infer.paged_model import build_paged_model, cache_geometry
-from tessera.infer.quant import is_quantized_dir
+from tessera.infer.paged_model import build_paged_model
 from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
 from tessera.infer.tp_channel import STOP, StepChannel, serve_worker_steps
 from tessera.models.transformer import Transformer
@@ -341,64 +339,3 @@ class WorkerGroup:
         """Send STOP (when the group is healthy), then make sure every worker is gone; the
         process group is destroyed and the store closed. Idempotent."""
         self._finalizer()
-
-
-def _check_devices(config: EngineConfig) -> None:
-    if torch.device(config.device).type == "cuda":
-        check_device_count(config.device, config.tensor_parallel_size, torch.cuda.device_count())
-
-
-def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Transformer, dict]:
-    """Start the workers of a served directory; (workers, rank 0's shard, the Tessera run
-    config or {}). A HuggingFace directory is read a slice per rank; a Tessera checkpoint is
-    loaded whole by every rank and cut."""
-    from tessera.config.hf_config import read_hf_config
-
-    path = Path(path)
-    n = config.tensor_parallel_size
-    _check_devices(config)
-    if not path.exists():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
-    if is_quantized_dir(path):
-        raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized (int8) directory; "
-                          "serve it with tensor_parallel_size=1")
-    full, run_cfg = None, {}
-    if (path / "config.json").is_file():
-        cfg = read_hf_config(path)
-    else:
-        full, _, run_cfg = load_model(path, torch_dtype(config.dtype), _device(config, 0))
-        cfg = full.cfg
-    dims = serving_dims(cfg, n)  # refused before any process starts
-    cache_geometry(cfg, config)
-    group = WorkerGroup(n, config, WorkerSource(str(path), sliced=full is None, cfg=cfg))
-    try:
-        dims.build_mesh(group.device.type)
-        if full is None:
-            model = load_hf_shard(path, cfg, dims, torch_dtype(config.dtype), group.device)
-        else:
-            model = cut_for_serving(full, dims)
-        group.wait_ready()
-    except BaseException:
-        group.stop()
-        raise
-    return group, model, run_cfg
-
-
-def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[WorkerGroup, Transformer]:
-    """Start the workers of a model in memory (its weights go to them once, through shared
-    memory) and cut this rank's copy in place; (workers, rank 0's shard). `model` is consumed:
-    it becomes rank 0's shard, whose hooks use the serving process group, so it cannot be used
-    on its own afterwards (copying it instead would double rank 0's memory)."""
-    _check_devices(config)
-    dims = serving_dims(model.cfg, config.tensor_parallel_size)  # refused before any process starts
-    cache_geometry(model.cfg, config)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    group = WorkerGroup(config.tensor_parallel_size, config, WorkerSource(cfg=model.cfg, state=state))
-    try:
-        dims.build_mesh(group.device.type)
-        model = cut_for_serving(model, dims)
-        group.wait_ready()
-    except BaseException:
-        group.stop()
-        raise
-    return group, model

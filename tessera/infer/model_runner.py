@@ -1,0 +1,134 @@
+"""The driver's side of a step: from the scheduler's plan to each request's new tokens.
+
+`execute` lets the proposer draft tokens for the decoding sequences that may speculate, runs the
+forward over the packed batch (`PagedForward`: on every rank under tensor parallelism), then works
+on the logits rows each completing request samples from: their finiteness is checked, the rows of
+requests under a JSON schema are masked (`structured_output.mask_logits`), requests without drafts
+sample on the device (`device_sampling`) and greedy requests with drafts take the argmax of their
+rows; sampled tokens, argmaxes and finiteness flags come to the host in one transfer
+(`HostTransfer`). Greedy drafts are verified against those argmaxes, sampled drafts against their
+rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
+tokens, or the error that fails it alone.
+
+`score` runs given tokens and returns the log-probabilities of given targets (perplexity).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.infer.device_sampling import HostTransfer, SamplingBatch, sample_on_device
+from tessera.infer.paged_model import BatchItem, PagedForward
+from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
+from tessera.infer.sampling import processed_probs
+from tessera.infer.sequence import Sequence
+from tessera.infer.speculative import Proposal, Proposer
+from tessera.infer.step_outputs import RunnerOutput, SampledTokens, ScheduledSequence, SchedulerOutput, ScoringChunk
+from tessera.infer.structured_output import mask_logits
+
+
+class ModelRunner:
+    def __init__(self, paged: PagedForward, proposer: Proposer | None = None):
+        self.paged, self.proposer = paged, proposer
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The new tokens of every request of `plan` whose step completes."""
+        if self.proposer is not None:
+            for request_id in plan.released:
+                self.proposer.release(request_id)
+        if not plan.scheduled:
+            return RunnerOutput({})
+        proposals = self._propose(plan.scheduled)
+        items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
+        logits_TV, offsets = self.paged.forward_split(items)
+        # rows each completing request samples from: its last computed position (and its drafts)
+        rows = {s.seq.request_id: range(o + s.num_tokens - 1, o + len(it.tokens))
+                for s, it, o in zip(plan.scheduled, items, offsets) if s.completes}
+        completing = [s for s in plan.scheduled if s.completes]
+        host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals)
+        return RunnerOutput({s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
+                                                             proposals.get(s.seq.request_id))
+                             for s in completing})
+
+    def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
+        spec = [s for s in scheduled if s.draft_limit > 0]
+        if not spec or self.proposer is None:
+            return {}
+        proposals = self.proposer.propose([s.seq for s in spec], [s.draft_limit for s in spec])
+        return {s.seq.request_id: p for s, p in zip(spec, proposals) if p.tokens}
+
+    def _sampled(self, s: ScheduledSequence, logits_TV: torch.Tensor, rows: range, host: dict,
+                 proposal: Proposal | None) -> SampledTokens:
+        seq = s.seq
+        rid = seq.request_id
+        if not all(host[("finite", rid)]):
+            return SampledTokens([], FloatingPointError("the model produced inf/NaN logits for this request"))
+        if proposal is None:
+            return SampledTokens(host[("token", rid)])
+        try:
+            if seq.params.greedy:
+                new = verify_greedy(host[("argmax", rid)], proposal.tokens)
+            else:
+                new = verify_sampled(processed_probs(logits_TV[rows.start:rows.stop], seq.params), proposal.tokens,
+                                     proposal.probs, seq.generator)
+        except Exception as e:  # this request's numbers went wrong: it alone fails
+            return SampledTokens([], e)
+        self.proposer.rollback(rid, seq.num_computed + s.num_tokens + len(new) - 1)
+        return SampledTokens(new, num_draft_tokens=len(proposal.tokens))
+
+    def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
+        """fp32 log-probabilities [len(targets)] of each chunk's targets, on the logits' device. The
+        chunks run packed in one forward (never the static-shape decode step)."""
+        logits_TV = self.paged.forward([BatchItem(c.tokens, c.start, c.block_table) for c in chunks]).float()
+        out, row = [], 0
+        for c in chunks:
+            logp = torch.log_softmax(logits_TV[row:row + len(c.targets)], dim=-1)
+            targets = torch.tensor(c.targets, dtype=torch.long, device=logp.device)
+            out.append(logp.gather(1, targets[:, None])[:, 0])
+            row += len(c.tokens)
+        return out
+
+
+def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
+    """The tokens `s` computes this step (its drafts after them), and the rows read afterwards."""
+    seq = s.seq
+    tokens = seq.token_ids[seq.num_computed:seq.num_computed + s.num_tokens]
+    if proposal is not None:
+        tokens = tokens + proposal.tokens
+    read_from = s.num_tokens - 1 if s.completes else len(tokens)
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from)
+
+
+def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, range],
+             proposals: dict[str, Proposal]) -> dict:
+    """The step's one device -> host transfer, by key: ("token", request) the sampled token of each
+    request without drafts, ("argmax", request) the argmax of every row of each greedy request with
+    drafts, ("finite", request) whether each of a request's rows is finite. The finiteness is
+    checked before the grammar masks put -inf in."""
+    transfer = HostTransfer()
+    finite_keys = [("finite", s.request_id) for s in seqs for _ in rows[s.request_id]]
+    finite_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
+    constrained = [s for s in seqs if s.grammar is not None]
+    mask_logits(logits_TV, [rows[s.request_id][0] for s in constrained], [s.grammar for s in constrained])
+    plain = [s for s in seqs if s.request_id not in proposals]
+    if plain:
+        index = torch.tensor([rows[s.request_id][-1] for s in plain]).to(logits_TV.device, non_blocking=True)
+        batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in plain], logits_TV.shape[-1],
+                                    logits_TV.device)
+        tokens_B = sample_on_device(logits_TV.index_select(0, index), batch)
+        transfer.add(tokens_B, [("token", s.request_id) for s in plain])
+    greedy = [s for s in seqs if s.request_id in proposals and s.params.greedy]
+    if greedy:
+        index = torch.tensor([r for s in greedy for r in rows[s.request_id]]).to(logits_TV.device, non_blocking=True)
+        transfer.add(logits_TV.index_select(0, index).argmax(-1),
+                     [("argmax", s.request_id) for s in greedy for _ in rows[s.request_id]])
+    transfer.add(finite_R, finite_keys)
+    return transfer.fetch()
+
+
+def _finite_rows(logits_TV: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """[R] int64 on the device, 1 where logits row index[r] is finite."""
+    if not index:
+        return logits_TV.new_zeros(0, dtype=torch.long)
+    rows = torch.tensor(index).to(logits_TV.device, non_blocking=True)
+    return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long()
