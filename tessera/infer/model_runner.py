@@ -28,6 +28,9 @@ from tessera.infer.structured_output import mask_logits
 
 
 class ModelRunner:
+    """Drives `paged` (this process's model, or every rank's) on the driver; `proposer` drafts
+    speculative tokens (None: no speculative decoding)."""
+
     def __init__(self, paged: PagedForward, proposer: Proposer | None = None):
         self.paged, self.proposer = paged, proposer
 
@@ -59,6 +62,8 @@ class ModelRunner:
 
     def _sampled(self, s: ScheduledSequence, logits_TV: torch.Tensor, rows: range, host: dict,
                  proposal: Proposal | None) -> SampledTokens:
+        """One request's new tokens from the step's transfer `host`: its sampled token, or its drafts
+        verified against its `rows` of the logits (the proposer then forgets the rejected ones)."""
         seq = s.seq
         rid = seq.request_id
         if not all(host[("finite", rid)]):

@@ -52,6 +52,9 @@ class PagedForward(Protocol):
 
 
 class PagedModel:
+    """One rank's `PagedForward`: `model` over the KV cache `kv`, single-token items through
+    `decoder` (the static-shape decode step; None: every item packed), LoRA adapters per item."""
+
     def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device | str, lora=None,
                  decoder: BucketedDecoder | None = None):
         self.model = model
