@@ -10,12 +10,13 @@ shares, the device, or the order of steps, and no generator state has to live on
 A draw from the processed distribution p is `argmax_v p_v / E_v` with E_v ~ Exp(1) independent
 (the exponential race, equivalent to `torch.multinomial`), so sampling is one elementwise pass
 and one argmax. Greedy rows take the argmax of the raw logits. The result stays on the device;
-the caller moves it to the host once per step (`tokens_to_host`).
+the caller moves it to the host once per step (`HostTransfer`).
 Shapes: B rows, V vocabulary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +99,28 @@ def sample_on_device(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Ten
 def tokens_to_host(values_B: torch.Tensor) -> list[int]:
     """The one device -> host transfer of a decode step (new token ids and finiteness flags)."""
     return values_B.tolist()
+
+
+class HostTransfer:
+    """Integer values of one step, gathered on the device for its one device -> host transfer and
+    read back by key: each value of a part comes with the key it is filed under (the values filed
+    under one key come back in the order they were added)."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.keys: list[Hashable] = []
+
+    def add(self, values_N: torch.Tensor, keys: list[Hashable]) -> None:
+        """`values_N` (int64, one per key) to bring over; nothing when `keys` is empty."""
+        if keys:
+            self.parts.append(values_N)
+            self.keys += keys
+
+    def fetch(self) -> dict[Hashable, list[int]]:
+        """The values by key, through one transfer (none when nothing was added)."""
+        if not self.parts:
+            return {}
+        out: dict[Hashable, list[int]] = {}
+        for key, value in zip(self.keys, tokens_to_host(torch.cat(self.parts))):
+            out.setdefault(key, []).append(value)
+        return out

@@ -175,26 +175,11 @@ def _linear_modules(model: Transformer) -> dict[str, str]:
     return out
 
 
-def read_adapter(path: str | Path, model: Transformer, root: str | Path | None = None) -> dict[str, AdapterWeights]:
-    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`. With `root`
-    (an adapter a client asked for at run time) its files must resolve (through symlinks) inside
-    `root` too, and its rank/alpha patterns must be plain module names."""
-    path = Path(path)
-    root = Path(root).resolve() if root is not None else None
-    cfg_file = _confined_file(path, "adapter_config.json", root)
-    weights_file = _confined_file(path, "adapter_model.safetensors", root)
-    cfg = read_adapter_config(cfg_file, untrusted=root is not None)
-    alpha = float(cfg["lora_alpha"] if cfg.get("lora_alpha") is not None else 8)
-    rslora = bool(cfg.get("use_rslora", False))
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: adapter_model.safetensors is not a readable safetensors file "
-                              f"({type(e).__name__})") from None
-    targets = _linear_modules(model)
+def _lora_parts(path: Path, tensors: dict[str, torch.Tensor], targets: dict[str, str],
+                modules: dict[str, nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
+    """HuggingFace module name -> {"A": lora_A, "B": lora_B} of the adapter's tensors; the copies of
+    targeted base layers PEFT saves are checked against the served weights and dropped."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    modules = dict(model.named_modules())
     for key, t in tensors.items():
         if key.endswith(".base_layer.weight"):  # PEFT saves a copy of a targeted head: it must be the base's
             hf_module = key.removeprefix("base_model.model.").removesuffix(".base_layer.weight")
@@ -214,6 +199,29 @@ def read_adapter(path: str | Path, model: Transformer, root: str | Path | None =
         if not t.is_floating_point() or not torch.isfinite(t).all():
             raise CheckpointError(f"{path}: tensor {key[:200]!r} must hold finite floating-point numbers")
         parts.setdefault(m["module"], {})[m["part"]] = t
+    return parts
+
+
+def read_adapter(path: str | Path, model: Transformer, root: str | Path | None = None) -> dict[str, AdapterWeights]:
+    """Tessera module name -> LoRA weights of the PEFT adapter in directory `path`. With `root`
+    (an adapter a client asked for at run time) its files must resolve (through symlinks) inside
+    `root` too, and its rank/alpha patterns must be plain module names."""
+    path = Path(path)
+    root = Path(root).resolve() if root is not None else None
+    cfg_file = _confined_file(path, "adapter_config.json", root)
+    weights_file = _confined_file(path, "adapter_model.safetensors", root)
+    cfg = read_adapter_config(cfg_file, untrusted=root is not None)
+    alpha = float(cfg["lora_alpha"] if cfg.get("lora_alpha") is not None else 8)
+    rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: adapter_model.safetensors is not a readable safetensors file "
+                              f"({type(e).__name__})") from None
+    targets = _linear_modules(model)
+    modules = dict(model.named_modules())
+    parts = _lora_parts(path, tensors, targets, modules)
     out = {}
     for hf_module, ab in parts.items():
         if hf_module not in targets:

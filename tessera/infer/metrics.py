@@ -57,6 +57,14 @@ class EngineMetrics:
     def tokens_per_step(self) -> float:
         return self.spec_emitted / self.spec_steps if self.spec_steps else 0.0
 
+    def speculation(self, proposed: int, emitted: int) -> None:
+        """One verification of `proposed` speculative tokens that emitted `emitted` tokens (the
+        accepted ones and the target's own after them)."""
+        self.spec_steps += 1
+        self.spec_proposed += proposed
+        self.spec_accepted += emitted - 1
+        self.spec_emitted += emitted
+
     def finish(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 

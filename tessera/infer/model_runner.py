@@ -1,137 +1,139 @@
-"""One forward pass of a model over a packed batch of ragged sequences on the paged KV cache.
+"""The driver's side of a step: from the scheduler's plan to each request's new tokens.
 
-Used for the target model by the engine and for the draft model by the speculative proposer.
-The packing and the attention over the cache are described in `paged_attention.py`. With a
-`BucketedDecoder`, `forward_split` sends the single-token items (decodes) through the
-static-shape decode step instead (`bucketed_decode.py`).
+`execute` lets the proposer draft tokens for the decoding sequences that may speculate, runs the
+forward over the packed batch (`PagedForward`: on every rank under tensor parallelism), then works
+on the logits rows each completing request samples from: their finiteness is checked, the rows of
+requests under a JSON schema are masked (`structured_output.mask_logits`), requests without drafts
+sample on the device (`device_sampling`) and greedy requests with drafts take the argmax of their
+rows; sampled tokens, argmaxes and finiteness flags come to the host in one transfer
+(`HostTransfer`). Greedy drafts are verified against those argmaxes, sampled drafts against their
+rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
+tokens, or the error that fails it alone.
+
+`score` runs given tokens and returns the log-probabilities of given targets (perplexity).
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 import torch
 
-from tessera.config.errors import ConfigError
-from tessera.infer.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
-from tessera.infer.config import EngineConfig
-from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
-from tessera.infer.model_loading import torch_dtype
-from tessera.infer.paged_attention import PagedAttentionBatch, SequenceSlice
-from tessera.models.transformer import Transformer
-
-log = logging.getLogger("tessera.infer")
-
-
-@dataclass
-class BatchItem:
-    tokens: list[int]  # the tokens computed this step
-    start: int  # absolute position of tokens[0]
-    block_table: list[int]  # must cover start + len(tokens) positions
-    adapter_slot: int = -1  # dynamic LoRA slot, -1 for the base model
-    logits_from: int = 0  # the caller reads the logits of tokens[logits_from:] only (tensor parallelism gathers those)
+from tessera.infer.device_sampling import HostTransfer, SamplingBatch, sample_on_device
+from tessera.infer.paged_model import BatchItem, PagedForward
+from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
+from tessera.infer.sampling import processed_probs
+from tessera.infer.sequence import Sequence
+from tessera.infer.speculative import Proposal, Proposer
+from tessera.infer.step_outputs import RunnerOutput, SampledTokens, ScheduledSequence, SchedulerOutput, ScoringChunk
+from tessera.infer.structured_output import mask_logits
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device | str, lora=None,
-                 decoder: BucketedDecoder | None = None):
-        self.model = model
-        self.kv = kv
-        self.device = torch.device(device)
-        self.lora = lora  # tessera.infer.lora.LoRAManager or None
-        self.decoder = decoder
+    """Drives `paged` (this process's model, or every rank's) on the driver; `proposer` drafts
+    speculative tokens (None: no speculative decoding)."""
 
-    def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        """Logits of every computed token, and the row where each item's tokens start. Single-token
-        items go through the static-shape decode step, up to its largest bucket; the rest are
-        packed into one ragged batch (`forward`). Packed rows come first, then the decodes."""
-        decoder = self.decoder
-        single = [i for i, it in enumerate(items) if len(it.tokens) == 1] if decoder is not None else []
-        single = single[:decoder.max_batch] if single else []
-        chosen = set(single)
-        packed = [i for i in range(len(items)) if i not in chosen]
-        offsets, t = [0] * len(items), 0
-        for i in packed + single:
-            offsets[i] = t
-            t += len(items[i].tokens)
-        parts = []
-        if packed:
-            parts.append(self.forward([items[i] for i in packed]))
-        if single:
-            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot)
-                    for i in single]
-            parts.append(decoder.forward(rows)[:len(single)])
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), offsets
+    def __init__(self, paged: PagedForward, proposer: Proposer | None = None):
+        self.paged, self.proposer = paged, proposer
 
-    def clear_blocks(self, blocks: list[int]) -> None:
-        """Zero KV blocks (after a request wrote inf/NaN there)."""
-        self.kv.clear_blocks(blocks)
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The new tokens of every request of `plan` whose step completes."""
+        if self.proposer is not None:
+            for request_id in plan.released:
+                self.proposer.release(request_id)
+        if not plan.scheduled:
+            return RunnerOutput({})
+        proposals = self._propose(plan.scheduled)
+        items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
+        logits_TV, offsets = self.paged.forward_split(items)
+        # rows each completing request samples from: its last computed position (and its drafts)
+        rows = {s.seq.request_id: range(o + s.num_tokens - 1, o + len(it.tokens))
+                for s, it, o in zip(plan.scheduled, items, offsets) if s.completes}
+        completing = [s for s in plan.scheduled if s.completes]
+        host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals)
+        return RunnerOutput({s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
+                                                             proposals.get(s.seq.request_id))
+                             for s in completing})
 
-    @torch.inference_mode()
-    def forward(self, items: list[BatchItem]) -> torch.Tensor:
-        """Logits [T, V] of every packed token, in the order of `items`."""
-        slices = [SequenceSlice(it.start, len(it.tokens), it.block_table) for it in items]
-        batch = PagedAttentionBatch(self.kv, slices, self.device)
-        ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
-        if self.lora is not None:
-            self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
+    def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
+        spec = [s for s in scheduled if s.draft_limit > 0]
+        if not spec or self.proposer is None:
+            return {}
+        proposals = self.proposer.propose([s.seq for s in spec], [s.draft_limit for s in spec])
+        return {s.seq.request_id: p for s, p in zip(spec, proposals) if p.tokens}
+
+    def _sampled(self, s: ScheduledSequence, logits_TV: torch.Tensor, rows: range, host: dict,
+                 proposal: Proposal | None) -> SampledTokens:
+        """One request's new tokens from the step's transfer `host`: its sampled token, or its drafts
+        verified against its `rows` of the logits (the proposer then forgets the rejected ones)."""
+        seq = s.seq
+        rid = seq.request_id
+        if not all(host[("finite", rid)]):
+            return SampledTokens([], FloatingPointError("the model produced inf/NaN logits for this request"))
+        if proposal is None:
+            return SampledTokens(host[("token", rid)])
         try:
-            out = self.model(ids[None], positions=batch.positions[None], cache=batch)
-        finally:
-            if self.lora is not None:
-                self.lora.clear_batch()
-        return out.logits[0]
+            if seq.params.greedy:
+                new = verify_greedy(host[("argmax", rid)], proposal.tokens)
+            else:
+                new = verify_sampled(processed_probs(logits_TV[rows.start:rows.stop], seq.params), proposal.tokens,
+                                     proposal.probs, seq.generator)
+        except Exception as e:  # this request's numbers went wrong: it alone fails
+            return SampledTokens([], e)
+        self.proposer.rollback(rid, seq.num_computed + s.num_tokens + len(new) - 1)
+        return SampledTokens(new, num_draft_tokens=len(proposal.tokens))
+
+    def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
+        """fp32 log-probabilities [len(targets)] of each chunk's targets, on the logits' device. The
+        chunks run packed in one forward (never the static-shape decode step)."""
+        logits_TV = self.paged.forward([BatchItem(c.tokens, c.start, c.block_table) for c in chunks]).float()
+        out, row = [], 0
+        for c in chunks:
+            logp = torch.log_softmax(logits_TV[row:row + len(c.targets)], dim=-1)
+            targets = torch.tensor(c.targets, dtype=torch.long, device=logp.device)
+            out.append(logp.gather(1, targets[:, None])[:, 0])
+            row += len(c.tokens)
+        return out
 
 
-@dataclass(frozen=True)
-class CacheGeometry:
-    max_model_len: int  # prompt + completion limit
-    blocks_per_seq: int  # blocks one sequence of max_model_len (+ speculative lookahead) needs
-    num_blocks: int  # blocks the block manager hands out (the cache holds one more: the scratch block)
+def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
+    """The tokens `s` computes this step (its drafts after them), and the rows read afterwards."""
+    seq = s.seq
+    tokens = seq.token_ids[seq.num_computed:seq.num_computed + s.num_tokens]
+    if proposal is not None:
+        tokens = tokens + proposal.tokens
+    read_from = s.num_tokens - 1 if s.completes else len(tokens)
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from)
 
 
-def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
-    """The KV cache's size from the engine config. Under tensor parallelism each rank stores
-    1/tensor_parallel_size of the heads, so the same memory budget holds that many times the blocks;
-    every rank computes the same numbers."""
-    max_model_len = config.max_model_len or cfg.max_seq_len
-    if max_model_len > cfg.max_seq_len:
-        raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "
-                          f"{cfg.max_seq_len} positions")
-    bs, k = config.block_size, config.lookahead
-    blocks_per_seq = -(-(max_model_len + k) // bs)
-    num_blocks = config.num_blocks
-    if num_blocks is None:  # from the memory budget, but always room for one full sequence
-        per_block = bytes_per_block(cfg, bs, torch_dtype(config.dtype), config.kv_cache_dtype == "int8",
-                                    config.tensor_parallel_size)
-        num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq + 1)
-        if num_blocks < blocks_per_seq:
-            log.warning("kv_cache_gib=%s holds %d blocks; using %d (%.2f GiB) to fit one sequence of %d tokens",
-                        config.kv_cache_gib, num_blocks, blocks_per_seq, blocks_per_seq * per_block / 2**30,
-                        max_model_len)
-            num_blocks = blocks_per_seq
-    if num_blocks < blocks_per_seq:
-        raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
-                          f"{max_model_len} (+{k} speculative) needs {blocks_per_seq} blocks of "
-                          f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks)
+def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, range],
+             proposals: dict[str, Proposal]) -> dict:
+    """The step's one device -> host transfer, by key: ("token", request) the sampled token of each
+    request without drafts, ("argmax", request) the argmax of every row of each greedy request with
+    drafts, ("finite", request) whether each of a request's rows is finite. The finiteness is
+    checked before the grammar masks put -inf in."""
+    transfer = HostTransfer()
+    finite_keys = [("finite", s.request_id) for s in seqs for _ in rows[s.request_id]]
+    finite_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
+    constrained = [s for s in seqs if s.grammar is not None]
+    mask_logits(logits_TV, [rows[s.request_id][0] for s in constrained], [s.grammar for s in constrained])
+    plain = [s for s in seqs if s.request_id not in proposals]
+    if plain:
+        index = torch.tensor([rows[s.request_id][-1] for s in plain]).to(logits_TV.device, non_blocking=True)
+        batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in plain], logits_TV.shape[-1],
+                                    logits_TV.device)
+        tokens_B = sample_on_device(logits_TV.index_select(0, index), batch)
+        transfer.add(tokens_B, [("token", s.request_id) for s in plain])
+    greedy = [s for s in seqs if s.request_id in proposals and s.params.greedy]
+    if greedy:
+        index = torch.tensor([r for s in greedy for r in rows[s.request_id]]).to(logits_TV.device, non_blocking=True)
+        transfer.add(logits_TV.index_select(0, index).argmax(-1),
+                     [("argmax", s.request_id) for s in greedy for _ in rows[s.request_id]])
+    transfer.add(finite_R, finite_keys)
+    return transfer.fetch()
 
 
-def build_runner(model: Transformer, config: EngineConfig, lora=None,
-                 device: torch.device | str | None = None) -> tuple[ModelRunner, CacheGeometry]:
-    """The paged KV cache, the static-shape decode step and the runner of `model` as `config`
-    lays them out (the engine's, and each tensor-parallel rank's, the same way). CUDA graphs are
-    not captured under tensor parallelism (all ranks would have to replay in lockstep)."""
-    geometry = cache_geometry(model.cfg, config)
-    device = torch.device(config.device if device is None else device)
-    dtype, tp = torch_dtype(config.dtype), config.tensor_parallel_size
-    # one block more than the block manager hands out: the scratch block of the decode step's padding rows
-    kv = PagedKVCache(model.cfg, geometry.num_blocks + 1, config.block_size, dtype, device,
-                      config.kv_cache_dtype == "int8", tp)
-    sizes = config.decode_batch_sizes
-    sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
-    decoder = None if not sizes else BucketedDecoder(
-        model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
-        use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
-    return ModelRunner(model, kv, device, lora, decoder), geometry
+def _finite_rows(logits_TV: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """[R] int64 on the device, 1 where logits row index[r] is finite."""
+    if not index:
+        return logits_TV.new_zeros(0, dtype=torch.long)
+    rows = torch.tensor(index).to(logits_TV.device, non_blocking=True)
+    return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long()

@@ -1,10 +1,10 @@
 """Perplexity through the serving path, to measure what int8 weights or an int8 KV cache cost.
 
-The text is fed in chunks through the engine's own model runner and paged KV cache, so every
-chunk after the first attends to keys/values read back from the cache (dequantised when the
-cache is int8), exactly as generation would. perplexity = exp(mean over predicted tokens of
--log p(token | everything before it)). Text longer than the context is scored in independent
-windows of `max_model_len` tokens.
+The text is fed in chunks through the engine's executor (`Executor.score`: on every rank under
+tensor parallelism) and paged KV cache, so every chunk after the first attends to keys/values read
+back from the cache (dequantised when the cache is int8), exactly as generation would.
+perplexity = exp(mean over predicted tokens of -log p(token | everything before it)). Text longer
+than the context is scored in independent windows of `max_model_len` tokens.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import math
 import torch
 
 from tessera.infer.engine import LLMEngine
-from tessera.infer.model_runner import BatchItem
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import Sequence
+from tessera.infer.step_outputs import ScoringChunk
 
 
 @torch.inference_mode()
@@ -36,10 +36,9 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
         try:
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
-                logits = engine.runner.forward([BatchItem(piece, start, seq.block_table)]).float()
                 targets = ids[start + 1:start + 1 + len(piece)]
-                logp = torch.log_softmax(logits[:len(targets)], dim=-1)
-                total -= float(logp.gather(1, torch.tensor(targets, device=logp.device)[:, None]).sum())
+                logp = engine.executor.score([ScoringChunk(piece, start, seq.block_table, targets)])[0]
+                total -= float(logp.sum())
                 count += len(targets)
         finally:
             engine.blocks.free_sequence(seq)

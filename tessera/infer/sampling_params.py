@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import reprlib
 from dataclasses import dataclass, field
 
 from tessera.config.errors import ConfigError
+from tessera.infer.quoting import brief
+from tessera.infer.response_format import schema_of
 
 # Below this a temperature is a request for greedy decoding that would instead divide the logits
 # by (nearly) zero: in fp32 1e-300 is 0 and logits / 0 are inf/NaN. 0 means greedy.
 MIN_TEMPERATURE = 1e-5
-
-_BRIEF = reprlib.Repr()
-_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlist, _BRIEF.maxdict, _BRIEF.maxlevel = 60, 60, 6, 6, 3
-
-
-def brief(value: object) -> str:
-    """A short repr for error messages: a request may send megabytes in one field, and an error
-    that quotes it back whole is a way to make the server copy it (and its logs) for nothing."""
-    return _BRIEF.repr(value)
 
 
 @dataclass
@@ -71,8 +63,6 @@ class SamplingParams:
         for ok, key, value, allowed in checks:
             if not ok:
                 raise ConfigError(f"{key}={brief(value)} is invalid: {allowed}")
-        from tessera.infer.structured_output import schema_of  # imports torch: not when building --help
-
         schema_of(self.response_format)  # its shape; the schema itself compiles when the request is admitted
 
     @property

@@ -1,4 +1,5 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step and how many tokens each, then what
+their results do to them.
 
 Every step has a token budget (`max_num_batched_tokens`). Running sequences come first, in
 arrival order: a decoding sequence costs 1 token (plus `lookahead` speculative slots), a prompt
@@ -10,50 +11,67 @@ When a running sequence needs a block and none is left, the most recently arrive
 sequence is preempted: its blocks are released (they stay in the prefix cache while nobody
 needs the space) and it goes back to the front of the queue, to be recomputed from its prompt
 and the tokens it has produced so far (recompute preemption, as in vLLM).
+
+After the step (`update_from_output`) each sequence that sampled advances its grammar, appends its
+tokens until a stop rule fires (`output_processor.py`) and finishes or goes on; the full blocks
+it computed are named in the prefix cache. A request whose tokens came with an error (inf/NaN
+logits), or whose grammar refuses them, fails alone: the rest of the batch carries on.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections import deque
-from dataclasses import dataclass
 
 from tessera.infer.block_manager import BlockManager
-from tessera.infer.sequence import Sequence, SequenceStatus
+from tessera.infer.metrics import EngineMetrics
+from tessera.infer.output_processor import OutputProcessor
+from tessera.infer.response_format import GrammarError
+from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
+from tessera.infer.step_outputs import (
+    RunnerOutput,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    SchedulerUpdate,
+)
+from tessera.infer.structured_output import GrammarMatcher
 
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_tokens: int  # tokens of seq.token_ids computed this step, from seq.num_computed
-    speculate: bool  # a decode step that may carry speculative tokens
-
-    @property
-    def completes(self) -> bool:
-        """After this step every token has keys/values: the step samples the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    preempted: list[Sequence]
+log = logging.getLogger("tessera.infer")
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int = 0):
+    """The requests of the engine, from `add` to their last `RequestOutput`: the waiting queue, the
+    running batch and their KV blocks. `outputs` turns tokens into text and counts the metrics (one
+    without a tokenizer or a length limit when not given)."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int = 0,
+                 outputs: OutputProcessor | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.lookahead = lookahead
+        self.outputs = outputs or OutputProcessor(None, sys.maxsize, EngineMetrics())
+        self.metrics = self.outputs.metrics
+        self.requests: dict[str, Sequence] = {}  # every request not finished yet, waiting or running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Admitting a new request keeps this many blocks free for the running ones to grow into.
         self.watermark = max(1, blocks.num_blocks // 100)
+        self._released: list[str] = []  # finished since the last plan
 
+    # ---- requests in and out -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.outputs.add(seq)
+        self.metrics.prompt_tokens += len(seq.prompt_ids)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and release its blocks."""
@@ -63,8 +81,53 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def finish(self, seq: Sequence, reason: str, appended: list[int], error: str | None = None,
+               client_error: bool = False) -> RequestOutput:
+        """End `seq` with `reason` ("stop", "length", "abort" or "error"); its last output. A system
+        prompt's full blocks are pinned in the prefix cache first."""
+        if seq.pin_prefix:
+            self.blocks.register_computed(seq)
+            self.blocks.pin_sequence(seq)
+        self.remove(seq)
+        self._released.append(seq.request_id)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.requests[seq.request_id]
+        return self.outputs.finished(seq, appended, error, client_error)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        return None if seq is None else self.finish(seq, "abort", [])
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request with an error (at shutdown)."""
+        return [self.finish(seq, "error", [], message) for seq in list(self.requests.values())]
+
+    def fail_running(self, message: str) -> list[RequestOutput]:
+        """After an exception inside a step that no single request can be blamed for (the batch's
+        forward pass): finish the requests that were running with an error; the waiting ones
+        have not been touched and stay queued. Fails every request if none was running, so a
+        failure while admitting cannot repeat forever."""
+        running = list(self.running)
+        if not running:
+            return self.fail_all(message)
+        return [self.finish(seq, "error", [], message) for seq in running]
+
+    # ---- the plan of a step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget = self._schedule_running(out)
+        self._admit_waiting(out, budget)
+        out.released = self._released + [victim.request_id for victim in out.preempted]
+        self._released = []
+        return out
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Speculative tokens `seq` may verify this step: not past max_tokens or max_model_len. A
+        request with a grammar decodes one token per step (drafts would go unmasked)."""
+        if seq.grammar is not None:
+            return 0
+        remaining = seq.params.max_tokens - len(seq.output_ids) - 1
+        return max(0, min(self.lookahead, remaining, self.outputs.max_model_len - len(seq.token_ids) - 1))
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -72,14 +135,14 @@ class Scheduler:
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self.metrics.preemptions += 1
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput([], [])
-        budget = self.budget
-        # 1. running sequences, oldest first; the newest are the preemption victims
-        i = 0
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Running sequences, oldest first; the newest are the preemption victims. Returns the
+        budget left."""
+        budget, i = self.budget, 0
         while i < len(self.running):
             seq = self.running[i]
             decoding = seq.is_decoding
@@ -95,16 +158,18 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:  # it preempted itself
                 continue
-            out.scheduled.append(ScheduledSequence(seq, n, decoding and extra > 0))
+            out.scheduled.append(ScheduledSequence(seq, n, self._draft_limit(seq) if decoding and extra > 0 else 0))
             budget -= n + extra
             i += 1
-        # 2. waiting requests, first come first served
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting requests, first come first served, while budget, slots and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not out.preempted or seq not in out.preempted:
-                hit, hashes = self.blocks.find_prefix(seq)
-            else:  # preempted this very step: do not bring it straight back
+            if out.preempted and seq in out.preempted:  # preempted this very step: do not bring it straight back
                 break
+            hit, hashes = self.blocks.find_prefix(seq)
             start = len(hit) * self.blocks.block_size
             n = min(len(seq.token_ids) - start, budget)
             need = self.blocks.blocks_for(start + n) - len(hit)
@@ -116,6 +181,69 @@ class Scheduler:
             self.blocks.ensure_slots(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, n, False))
+            out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
-        return out
+
+    # ---- the results of a step -----------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> SchedulerUpdate:
+        """Apply the step's results to its sequences, in the order of the plan (a request failing
+        alone frees blocks that a later one's failure may then own alone)."""
+        update = SchedulerUpdate([], [])
+        if not plan.scheduled:
+            if self.waiting and not self.running:  # the first in the queue cannot fit even alone
+                update.outputs.append(self.finish(self.waiting[0], "error", [],
+                                                  "the request needs more KV-cache blocks than exist"))
+            return update
+        self.metrics.steps += 1
+        for s in plan.scheduled:
+            seq = s.seq
+            if not s.completes:
+                seq.num_computed += s.num_tokens
+            else:
+                update.outputs.append(self._apply(s, result.sampled[seq.request_id], update.blocks_to_clear))
+            if not seq.finished:
+                self.blocks.register_computed(seq)
+        return update
+
+    def _apply(self, s: ScheduledSequence, sampled: SampledTokens, blocks_to_clear: list[int]) -> RequestOutput:
+        """The new tokens of a sequence whose step completed: its grammar advanced, its tokens
+        appended until a stop rule fires."""
+        seq, new = s.seq, sampled.token_ids
+        error = sampled.error or _advance(seq.grammar, new)
+        if error is not None:
+            return self._fail_alone(seq, error, blocks_to_clear)
+        seq.num_computed += s.num_tokens + len(new) - 1
+        if sampled.num_draft_tokens:
+            self.metrics.speculation(sampled.num_draft_tokens, len(new))
+        appended, reason = self.outputs.append(seq, new)
+        if reason:
+            return self.finish(seq, reason, appended)
+        return self.outputs.running(seq, appended)
+
+    def _fail_alone(self, seq: Sequence, error: Exception, blocks_to_clear: list[int]) -> RequestOutput:
+        """Finish one request whose numbers or grammar went wrong, leaving the rest of the batch
+        running. A grammar failure is the request's own (its schema): its KV blocks are sound and
+        stay as they are. Otherwise the KV blocks only it holds go to `blocks_to_clear`, to be
+        zeroed (a stale inf/NaN slot would poison the next owner of the block, since attention
+        multiplies even masked-out values by zero weight), and out of the prefix cache (a later
+        prompt must recompute them, not reuse zeros)."""
+        log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
+        if isinstance(error, GrammarError):
+            return self.finish(seq, "error", [], str(error), client_error=True)
+        own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
+        blocks_to_clear.extend(own)
+        if self.blocks.cache is not None:
+            for b in own:
+                self.blocks.cache.forget(b)
+        return self.finish(seq, "error", [], f"numerical error: {error}")
+
+
+def _advance(grammar: GrammarMatcher | None, tokens: list[int]) -> Exception | None:
+    """Feed `tokens` to a request's grammar; the exception if it refuses them."""
+    if grammar is None:
+        return None
+    try:
+        grammar.advance(tokens)
+    except Exception as e:  # the request alone fails (GrammarError: its schema)
+        return e
+    return None

@@ -47,6 +47,7 @@ class Sequence:
     generator: torch.Generator | None
     adapter: str | None = None  # dynamic LoRA adapter name, None for the base model
     adapter_key: bytes = b""  # identity of the adapter's weights, part of the prefix-cache hash
+    adapter_slot: int = -1  # the adapter's dynamic LoRA slot (fixed while a request uses it), -1 for none
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + completion
     num_computed: int = 0  # leading tokens whose keys/values are in the cache

@@ -45,7 +45,7 @@ from tessera.infer.openai_protocol import (
     sampling_params,
     usage,
 )
-from tessera.infer.sampling_params import brief
+from tessera.infer.quoting import brief
 from tessera.infer.sequence import RequestOutput
 
 
@@ -92,9 +92,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         raise ConfigError("runtime LoRA loading needs at least one adapter directory (--lora-modules-dir DIR)")
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
-    roots = [Path(d) for d in lora_dirs]
-    engine = loop.engine
-    tokenizer = engine.tokenizer
+    routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs])
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
@@ -112,64 +110,89 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
         return _error(str(e), 400)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not loop.alive:
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+
+    def post(path: str, name: str, handler: Callable[..., Awaitable[Response]], **flag: bool) -> None:
+        """Route POST `path` (operation `name`) to `handler(request, **flag)`."""
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, **flag)
+        app.add_api_route(path, endpoint, methods=["POST"], name=name)
+
+    post("/v1/completions", "completions", routes.run, chat=False)
+    post("/v1/chat/completions", "chat_completions", routes.run, chat=True)
+    post("/v1/load_lora_adapter", "load_lora", routes.lora_call, load=True)
+    post("/v1/unload_lora_adapter", "unload_lora", routes.lora_call, load=False)
+    return app
+
+
+class _Routes:
+    """The handlers of the routes, around the engine thread `loop`."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path]):
+        self.loop, self.engine, self.model_name = loop, loop.engine, model_name
+        self.tokenizer = loop.engine.tokenizer
+        self.allow_lora_loading, self.roots = allow_lora_loading, roots
+        self.max_prompt_chars = self.engine.max_model_len * _longest_token_chars(self.tokenizer)
+
+    async def health(self) -> Response:
+        if not self.loop.alive:
             return _error("engine thread is not running", 503)
-        failure = engine.failure
+        failure = self.engine.failure
         if failure is not None:  # every request would fail: tell the supervisor to restart the server
             return _error(f"engine failed: {str(failure).splitlines()[0]}", 503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(self.engine.prometheus(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        data = [{"id": model_name, "object": "model", "owned_by": "tessera", "max_model_len": engine.max_model_len}]
-        data += [{"id": name, "object": "model", "owned_by": "tessera", "parent": model_name}
-                 for name in list(engine.lora.adapters)]
+    async def models(self) -> JSONResponse:
+        name, engine = self.model_name, self.engine
+        data = [{"id": name, "object": "model", "owned_by": "tessera", "max_model_len": engine.max_model_len}]
+        data += [{"id": adapter, "object": "model", "owned_by": "tessera", "parent": name}
+                 for adapter in list(engine.lora.adapters)]
         return JSONResponse({"object": "list", "data": data})
 
-    def adapter_of(body: dict) -> str | None:
+    def adapter_of(self, body: dict) -> str | None:
         name = body.get("model")
         if name is None:
             return None
         if not isinstance(name, str):
             raise ProtocolError(f"'model' must be a string, got {type(name).__name__}", param="model")
-        if name == model_name:
+        if name == self.model_name:
             return None
-        if name in engine.lora.adapters:
+        if name in self.engine.lora.adapters:
             return name
-        known = [model_name, *engine.lora.adapters]
+        known = [self.model_name, *self.engine.lora.adapters]
         raise ProtocolError(f"model {brief(name)} does not exist; served: {known}", status=404, param="model")
 
-    max_prompt_chars = engine.max_model_len * _longest_token_chars(tokenizer)
-
-    def encode(prompt: str | list[int], special: bool = True) -> list[int]:
+    def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
         if isinstance(prompt, list):
             return prompt
-        if tokenizer is None:
+        if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        if len(prompt) > max_prompt_chars:  # refused before spending seconds tokenising megabytes
-            raise ProtocolError(f"this model's maximum context length is {engine.max_model_len} tokens; a prompt of "
-                                f"{len(prompt)} characters cannot fit (at most {max_prompt_chars})", param="prompt")
-        return tokenizer.encode(prompt, add_special_tokens=special)
+        if len(prompt) > self.max_prompt_chars:  # refused before spending seconds tokenising megabytes
+            raise ProtocolError(f"this model's maximum context length is {self.engine.max_model_len} tokens; a "
+                                f"prompt of {len(prompt)} characters cannot fit (at most {self.max_prompt_chars})",
+                                param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any]:
+    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any]:
         """Body, adapter, prompt token ids and sampling parameters of a request (in a worker
         thread: JSON parsing, chat templates and tokenisation may take a while)."""
         body = _parse_json(raw)
-        adapter = adapter_of(body)
+        adapter = self.adapter_of(body)
         if chat:
-            if tokenizer is None:
+            if self.tokenizer is None:
                 raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
-            template = None if tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
-            text = tokenizer.apply_chat_template(messages_of(body), add_generation_prompt=True, chat_template=template)
-            prompt_ids = [encode(text, special=False)]
+            template = None if self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
+            text = self.tokenizer.apply_chat_template(messages_of(body), add_generation_prompt=True,
+                                                      chat_template=template)
+            prompt_ids = [self.encode(text, special=False)]
         else:
-            prompt_ids = [encode(p) for p in prompts_of(body)]
+            prompt_ids = [self.encode(p) for p in prompts_of(body)]
+        engine = self.engine
         room = engine.max_model_len - max(len(p) for p in prompt_ids)
         params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16)
         for ids in prompt_ids:
@@ -178,8 +201,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                 raise ProtocolError(f"prompt token ids must be in 0..{engine.cfg.vocab_size - 1}", param="prompt")
         return body, adapter, prompt_ids, params
 
-    async def run(request: Request, chat: bool) -> Response:
-        body, adapter, prompt_ids, params = await asyncio.to_thread(prepare, await request.body(), chat)
+    async def run(self, request: Request, chat: bool) -> Response:
+        body, adapter, prompt_ids, params = await asyncio.to_thread(self.prepare, await request.body(), chat)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ProtocolError("'stream' must be a boolean", param="stream")
@@ -197,16 +220,17 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                     pass
             return deliver
 
+        loop = self.loop
         rids = [loop.submit(ids, params, adapter, callback_for(i)) for i, ids in enumerate(prompt_ids)]
         rid = new_id("chatcmpl" if chat else "cmpl")
-        name = body.get("model") if isinstance(body.get("model"), str) else model_name
+        name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
         if stream:
             return StreamingResponse(_stream(loop, queue, rids, rid, name, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, loop, queue, rids, rid, name, chat)
 
-    async def lora_call(request: Request, load: bool) -> Response:
-        if not allow_lora_loading:
+    async def lora_call(self, request: Request, load: bool) -> Response:
+        if not self.allow_lora_loading:
             return _error("loading adapters at run time is disabled (start the server with --allow-runtime-lora)", 403)
         body = await _json_body(request)
         name = body.get("lora_name")
@@ -216,24 +240,12 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         if load and (not isinstance(path, str) or not path or "\0" in path):
             raise ProtocolError("'lora_path' must be a non-empty string", param="lora_path")
         if load:
-            where, root = confined_adapter_dir(path, roots)
-            weights = await asyncio.to_thread(read_adapter, where, engine.model, root)  # file work off the loop
-            await asyncio.wrap_future(loop.call(lambda e: e.load_lora(name, where, weights)))
+            where, root = confined_adapter_dir(path, self.roots)
+            weights = await asyncio.to_thread(read_adapter, where, self.engine.model, root)  # file work off the loop
+            await asyncio.wrap_future(self.loop.call(lambda e: e.load_lora(name, where, weights)))
         else:
-            await asyncio.wrap_future(loop.call(lambda e: e.unload_lora(name)))
+            await asyncio.wrap_future(self.loop.call(lambda e: e.unload_lora(name)))
         return JSONResponse({"status": "ok", "lora_name": name})
-
-    def post(path: str, name: str, handler: Callable[..., Awaitable[Response]], **flag: bool) -> None:
-        """Route POST `path` (operation `name`) to `handler(request, **flag)`."""
-        async def endpoint(request: Request) -> Response:
-            return await handler(request, **flag)
-        app.add_api_route(path, endpoint, methods=["POST"], name=name)
-
-    post("/v1/completions", "completions", run, chat=False)
-    post("/v1/chat/completions", "chat_completions", run, chat=True)
-    post("/v1/load_lora_adapter", "load_lora", lora_call, load=True)
-    post("/v1/unload_lora_adapter", "unload_lora", lora_call, load=False)
-    return app
 
 
 async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str,

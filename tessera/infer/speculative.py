@@ -8,21 +8,25 @@
   (Leviathan et al. 2023). It keeps its own paged KV cache; each call first catches up on the
   tokens the target accepted since the last call, in one packed forward pass.
 
-Either way the engine verifies the proposals with one forward pass of the target
-(`rejection_sampling.py`).
+Either way the model runner verifies the proposals with one forward pass of the target
+(`rejection_sampling.py`). A proposer keeps what it needs per request (a draft KV cache) until
+the runner tells it the request is gone (`release`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache
-from tessera.infer.model_runner import BatchItem, ModelRunner
+from tessera.infer.model_loading import load_model, torch_dtype
+from tessera.infer.paged_model import BatchItem, PagedModel
 from tessera.infer.sampling import processed_probs, sample_from
 from tessera.infer.sequence import Sequence
 from tessera.models.transformer import Transformer
@@ -52,6 +56,17 @@ def ngram_lookup(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> l
     return []
 
 
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        """Up to `limits[i]` guessed tokens to follow `seqs[i]` (none where the limit is 0)."""
+
+    def rollback(self, request_id: str, num_kept: int) -> None:
+        """The target kept the first `num_kept` tokens of the request: forget what lies past them."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: drop what is kept for it."""
+
+
 class PromptLookupProposer:
     def __init__(self, num_tokens: int, ngram_max: int = 3, ngram_min: int = 1):
         self.k, self.ngram_max, self.ngram_min = num_tokens, ngram_max, ngram_min
@@ -60,10 +75,10 @@ class PromptLookupProposer:
         return [Proposal(ngram_lookup(s.token_ids, min(self.k, lim), self.ngram_max, self.ngram_min)
                          if lim > 0 else []) for s, lim in zip(seqs, limits)]
 
-    def rollback(self, seq: Sequence) -> None:
+    def rollback(self, request_id: str, num_kept: int) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, request_id: str) -> None:
         pass
 
 
@@ -83,7 +98,7 @@ class DraftModelProposer:
         self.k = num_tokens
         self.kv = PagedKVCache(model.cfg, num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.kv, device)
+        self.paged = PagedModel(model, self.kv, device)
         self.state: dict[str, _DraftState] = {}
 
     @staticmethod
@@ -116,7 +131,7 @@ class DraftModelProposer:
         # catch up on every token the draft has not seen, and draft the first token
         items = [BatchItem(seq.token_ids[st.num_computed:], st.num_computed, st.block_table)
                  for _, seq, st, _ in active]
-        logits = self.runner.forward(items)
+        logits = self.paged.forward(items)
         ends = np.cumsum([len(it.tokens) for it in items]) - 1
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
         drawn = self._draw([seq for _, seq, _, _ in active], logits[ends.tolist()])
@@ -129,7 +144,7 @@ class DraftModelProposer:
         for j in range(1, max(lim for *_, lim in active)):
             step = [(i, seq, st) for i, seq, st, lim in active if lim > j]
             items = [BatchItem([proposals[i].tokens[-1]], st.num_computed, st.block_table) for i, _, st in step]
-            logits = self.runner.forward(items)
+            logits = self.paged.forward(items)
             for (i, _, st), (tok, q) in zip(step, self._draw([seq for _, seq, _ in step], logits)):
                 st.num_computed += 1
                 proposals[i].tokens.append(tok)
@@ -140,13 +155,27 @@ class DraftModelProposer:
                 proposals[i].probs = torch.stack(qs)
         return proposals
 
-    def rollback(self, seq: Sequence) -> None:
+    def rollback(self, request_id: str, num_kept: int) -> None:
         """Forget draft keys/values past what the target kept (rejected proposals)."""
-        st = self.state.get(seq.request_id)
+        st = self.state.get(request_id)
         if st is not None:
-            st.num_computed = min(st.num_computed, seq.num_computed)
+            st.num_computed = min(st.num_computed, num_kept)
 
-    def release(self, seq: Sequence) -> None:
-        st = self.state.pop(seq.request_id, None)
+    def release(self, request_id: str) -> None:
+        st = self.state.pop(request_id, None)
         if st is not None:
             self.blocks.free_sequence(st)
+
+
+def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int) -> Proposer | None:
+    """The proposer `config.speculative` asks for (None without speculative decoding); a draft
+    model is loaded from its directory, with a cache of `num_blocks` blocks like the target's."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "prompt_lookup":
+        return PromptLookupProposer(spec.num_tokens, spec.ngram_max, spec.ngram_min)
+    dtype = torch_dtype(config.dtype)
+    draft = load_model(spec.draft_model, dtype, config.device)[0]
+    return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,
+                              config.device)

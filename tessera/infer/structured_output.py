@@ -1,16 +1,14 @@
 """Structured output: decoding constrained to a JSON schema, as the OpenAI API's `response_format`.
 
-A request's `response_format` is `{"type": "text"}` (free text), `{"type": "json_object"}` (any
-JSON object) or `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
-"strict": ...}}`. The schema is compiled into a grammar by llguidance (a Rust library with an
-Earley parser over the tokenizer's token trie) when the request is admitted, so that an invalid
-schema is refused before anything is queued. Each step, every sequence with a grammar gets a
-bitmask of the tokens that keep its output a prefix of some valid document (computed on the CPU,
-one bit per token); the masks of the batch go to the device together and set the forbidden
-logits to -inf before sampling, so greedy, temperature, top-k/top-p and seeded sampling all draw
-from the allowed tokens only. Sequences without a grammar are not touched. The sampled token
-advances the matcher; the sequence ends when the document is complete (or at an end-of-sequence
-token, which the mask allows only where the document may end).
+The JSON schema a request's `response_format` asks for (`response_format.schema_of`) is compiled
+into a grammar by llguidance (a Rust library with an Earley parser over the tokenizer's token trie)
+when the request is admitted, so that an invalid schema is refused before anything is queued. Each
+step, every sequence with a grammar gets a bitmask of the tokens that keep its output a prefix of
+some valid document (computed on the CPU, one bit per token); the masks of the batch go to the
+device together and set the forbidden logits to -inf before sampling, so greedy, temperature,
+top-k/top-p and seeded sampling all draw from the allowed tokens only. Sequences without a grammar
+are not touched. The sampled token advances the matcher; the sequence ends when the document is
+complete (or at an end-of-sequence token, which the mask allows only where the document may end).
 
 The schema is always enforced (`strict` is accepted and has no further effect). Output is JSON
 in the compact form `{"a": 1, "b": [2, 3]}`: one space after ':' and ',' and no other whitespace,
@@ -20,58 +18,18 @@ so that a model cannot spend its tokens on layout; a schema may set llguidance's
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from tessera.config.errors import ConfigError
+from tessera.infer.response_format import GrammarError, invalid_format, schema_of
 
-FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CACHED_GRAMMARS = 64  # compiled matchers kept for reuse: a service sees the same few schemas again and again
-
-
-class GrammarError(ConfigError):
-    """A `response_format` that cannot be served: a malformed field or a schema that does not compile."""
-
-
-def _invalid(value: Any, why: str) -> GrammarError:
-    from tessera.infer.sampling_params import brief
-
-    return GrammarError(f"response_format={brief(value)} is invalid: {why}")
-
-
-def schema_of(response_format: dict | None) -> dict | None:
-    """The JSON schema a `response_format` asks for (None for free text); GrammarError naming the
-    field when the object is not shaped as in the OpenAI API."""
-    if response_format is None:
-        return None
-    if not isinstance(response_format, dict):
-        raise _invalid(response_format, "must be an object with a 'type'")
-    kind = response_format.get("type")
-    if kind not in FORMAT_TYPES:
-        raise _invalid(response_format, f"'type' must be one of {', '.join(FORMAT_TYPES)}")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
-        raise _invalid(response_format, "type 'json_schema' needs 'json_schema': {\"name\": ..., \"schema\": {...}}")
-    name = spec.get("name")
-    if name is not None and not (isinstance(name, str) and _NAME.match(name)):
-        raise _invalid(response_format, "json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise _invalid(response_format, "json_schema.strict must be a boolean")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise _invalid(response_format, "json_schema.schema must be a JSON schema object")
-    return schema
 
 
 def _llguidance():
@@ -111,8 +69,9 @@ class _TokenBytes:
 class GrammarMatcher:
     """One request's grammar state: the tokens allowed next, and whether the document is complete."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, mask_words: int):
         self.matcher = matcher
+        self.mask_words = mask_words  # 32-bit words of its token bitmask (the grammar engine's vocabulary)
 
     def advance(self, tokens: list[int]) -> None:
         """Feed the sampled tokens; GrammarError if the grammar refuses one. The mask allows only
@@ -139,7 +98,6 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._lltokenizer = None
-        self._executor = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -173,40 +131,44 @@ class GrammarCompiler:
             prototype = self._cache.get(key)
             if prototype is not None:
                 self._cache.move_to_end(key)
-                return GrammarMatcher(prototype.deep_copy())
+                return GrammarMatcher(prototype.deep_copy(), (tokenizer.vocab_size + 31) // 32)
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise _invalid(response_format, f"json_schema.schema: {str(e)[:300]}") from e
+            raise invalid_format(response_format, f"json_schema.schema: {str(e)[:300]}") from e
         prototype = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=llg.LLParserLimits(verbose_errors=False))
         if prototype.is_error():
-            raise _invalid(response_format, f"the schema cannot be compiled: {prototype.get_error()[:300]}")
+            raise invalid_format(response_format, f"the schema cannot be compiled: {prototype.get_error()[:300]}")
         with self._lock:
             self._cache[key] = prototype
             while len(self._cache) > _CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return GrammarMatcher(prototype.deep_copy())
+            return GrammarMatcher(prototype.deep_copy(), (tokenizer.vocab_size + 31) // 32)
 
-    def mask_logits(self, logits_TV: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
-        """Set to -inf, in place on the logits' device, every token that `matchers[i]` forbids at
-        row `rows[i]`. One bitmask tensor for the batch is filled on the CPU, copied once and
-        unpacked on the device. (A row left with no token allowed samples a token that `advance`
-        refuses, or no token at all: either way that request alone fails.)"""
-        if not rows:
-            return
-        llg = _llguidance()
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        V = logits_TV.shape[-1]
-        words = (self._ll_tokenizer().vocab_size + 31) // 32
-        mask_NW = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=logits_TV.is_cuda)
-        self._executor.unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(matchers)],
-                                               mask_NW.data_ptr(), words * 4, len(rows))
-        allowed_NV = unpack_bitmask(mask_NW.to(logits_TV.device, non_blocking=True), V)
-        index = torch.tensor(rows, device=logits_TV.device)
-        with torch.inference_mode():
-            masked = logits_TV.index_select(0, index).masked_fill_(~allowed_NV, float("-inf"))
-            logits_TV.index_copy_(0, index, masked)
+
+@functools.cache
+def _mask_executor():
+    """llguidance's thread pool that computes the bitmasks of a batch (one per process)."""
+    return _llguidance().LLExecutor()
+
+
+def mask_logits(logits_TV: torch.Tensor, rows: list[int], matchers: list[GrammarMatcher]) -> None:
+    """Set to -inf, in place on the logits' device, every token that `matchers[i]` forbids at row
+    `rows[i]`. One bitmask tensor for the batch is filled on the CPU, copied once and unpacked on
+    the device. (A row left with no token allowed samples a token that `advance` refuses, or no
+    token at all: either way that request alone fails.)"""
+    if not rows:
+        return
+    V = logits_TV.shape[-1]
+    words = matchers[0].mask_words  # the matchers of one engine share its tokenizer
+    mask_NW = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=logits_TV.is_cuda)
+    _mask_executor().unsafe_compute_mask_ptr([(m.matcher, i) for i, m in enumerate(matchers)],
+                                             mask_NW.data_ptr(), words * 4, len(rows))
+    allowed_NV = unpack_bitmask(mask_NW.to(logits_TV.device, non_blocking=True), V)
+    index = torch.tensor(rows, device=logits_TV.device)
+    with torch.inference_mode():
+        masked = logits_TV.index_select(0, index).masked_fill_(~allowed_NV, float("-inf"))
+        logits_TV.index_copy_(0, index, masked)
 
 
 def unpack_bitmask(mask_NW: torch.Tensor, vocab_size: int) -> torch.Tensor:

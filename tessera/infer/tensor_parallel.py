@@ -1,4 +1,4 @@
-"""Tensor-parallel serving: the model cut over N ranks, one scheduler driving all of them.
+"""Tensor-parallel serving: cutting the model over N ranks.
 
 How the weights are cut is training's plan, applied by the parallel layer's one entry point
 (`tessera.parallel.parallelize` with `tp=N`): query/key/value and the MLP's w1/w3 column-parallel
@@ -16,18 +16,8 @@ output (its bias kept on rank 0 only, so it is added once); an Embedding whose w
 (column-parallel, the head) and replicated weights need nothing. MoE experts keep the parallel
 layer's dispatcher, which sums their partial outputs over the ranks.
 
-Rank 0 is the driver: it owns the scheduler, the block manager and sampling. Every step it
-broadcasts the step's inputs to the other ranks over a CPU (gloo) control group, all ranks run
-the same `ModelRunner.forward_split` (so they take the same packed / bucketed paths and join the
-same collectives), and the logits rows that are sampled from are gathered to rank 0 (each rank
-holds V/N columns of them). The control message is one int64 header [kind, length] and one int64
-payload:
-
-    STEP:  [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, tokens..., table...)*]
-    CLEAR: [block ids...]      (KV blocks a failed request leaves; `LLMEngine._fail_alone`)
-    STOP:  []
-
-Processes, start-up and failure handling are in `tp_workers.py`.
+How the ranks run a step together is in `tp_channel.py`; their processes, start-up and failure
+handling in `tp_workers.py`; rank 0's side in `tp_executor.py`.
 """
 
 from __future__ import annotations
@@ -42,12 +32,9 @@ from torch.distributed.tensor import DTensor, Shard
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
-from tessera.infer.model_runner import BatchItem, ModelRunner
 from tessera.models.transformer import Transformer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.parallelize import parallelize
-
-STEP, CLEAR, STOP = 1, 2, 3
 
 
 def serving_dims(cfg: ModelConfig, tp: int) -> ParallelDims:
@@ -201,124 +188,3 @@ def _load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtyp
 
 def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
     return to_plain_tensors(shard_model(model.eval(), dims), dims["tp"].get_group())
-
-
-def _pack_items(items: list[BatchItem]) -> list[int]:
-    out = [len(items)]
-    for it in items:
-        out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from]
-        out += it.tokens
-        out += it.block_table
-    return out
-
-
-def _unpack_items(flat: list[int]) -> list[BatchItem]:
-    items, at = [], 1
-    for _ in range(flat[0]):
-        n, start, nt, slot, logits_from = flat[at:at + 5]
-        at += 5
-        tokens = flat[at:at + n]
-        table = flat[at + n:at + n + nt]
-        at += n + nt
-        items.append(BatchItem(tokens, start, table, slot, logits_from))
-    return items
-
-
-def logit_rows(items: list[BatchItem], offsets: list[int]) -> list[int]:
-    """Rows of the step's logits that the driver reads: each item's from `logits_from` on."""
-    return [o + r for it, o in zip(items, offsets) for r in range(it.logits_from, len(it.tokens))]
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-class StepChannel:
-    """The control plane: rank 0 sends (kind, payload) messages, the other ranks receive them."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-
-    def send(self, kind: int, payload: list[int]) -> None:
-        dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.long), 0, group=self.group)
-        if payload:
-            dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
-
-    def receive(self) -> tuple[int, list[int]]:
-        header = torch.empty(2, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
-        kind, n = header.tolist()
-        if not n:
-            return kind, []
-        payload = torch.empty(n, dtype=torch.long)
-        dist.broadcast(payload, 0, group=self.group)
-        return kind, payload.tolist()
-
-
-def run_step(runner: ModelRunner, items: list[BatchItem], vocab_size: int
-             ) -> tuple[torch.Tensor | None, list[int]]:
-    """One step on any rank: the same forward on every rank, then the rows the driver samples
-    from gathered to rank 0 ([T, V] there with those rows filled, None elsewhere)."""
-    logits, offsets = runner.forward_split(items)
-    local_TV = _local(logits)
-    rows = logit_rows(items, offsets)
-    index = torch.tensor(rows, dtype=torch.long, device=local_TV.device)
-    mine_RV = local_TV.index_select(0, index).contiguous()
-    world = dist.get_world_size()
-    if dist.get_rank() != 0:
-        dist.gather(mine_RV, None, dst=0)
-        return None, offsets
-    parts = [torch.empty_like(mine_RV) for _ in range(world)]
-    dist.gather(mine_RV, parts, dst=0)
-    full_TV = local_TV.new_empty(local_TV.shape[0], vocab_size)
-    full_TV[index] = torch.cat(parts, dim=-1)
-    return full_TV, offsets
-
-
-class TensorParallelRunner:
-    """The driver's runner: the engine calls it as it calls a `ModelRunner`; it has the other
-    ranks run the same step and returns full-vocabulary logits of the rows the engine reads."""
-
-    def __init__(self, runner: ModelRunner, workers):
-        self.runner, self.workers = runner, workers  # workers: tp_workers.WorkerGroup
-        self.kv, self.decoder = runner.kv, runner.decoder
-        self.vocab_size = runner.model.cfg.vocab_size
-
-    def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
-        def step():
-            self.workers.channel.send(STEP, _pack_items(items))
-            logits, offsets = run_step(self.runner, items, self.vocab_size)
-            if logits.is_cuda:
-                # NCCL collectives only queue work: a rank that died or failed shows at the next
-                # wait on the device. Waiting here makes that happen inside `guarded`, which
-                # names the rank and marks the group failed, instead of at sampling's host copy.
-                torch.cuda.synchronize(logits.device)
-            return logits, offsets
-        return self.workers.guarded(step)
-
-    @property
-    def failure(self):
-        """The WorkerFailure that ended tensor-parallel serving (None while healthy)."""
-        return self.workers.failure
-
-    def clear_blocks(self, blocks: list[int]) -> None:
-        if blocks:
-            self.workers.guarded(lambda: self.workers.channel.send(CLEAR, list(blocks)))
-        self.runner.clear_blocks(blocks)
-
-    def close(self) -> None:
-        self.workers.stop()
-
-
-def serve_worker_steps(runner: ModelRunner, channel: StepChannel, vocab_size: int) -> None:
-    """A worker rank's loop: mirror every message of the driver until STOP."""
-    while True:
-        kind, payload = channel.receive()
-        if kind == STOP:
-            return
-        if kind == CLEAR:
-            runner.clear_blocks(payload)
-        elif kind == STEP:
-            run_step(runner, _unpack_items(payload), vocab_size)
-        else:
-            raise ParallelError(f"unknown control message kind {kind} from the driver")

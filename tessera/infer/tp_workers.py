@@ -6,7 +6,7 @@ reachable from other machines), starts ranks 1..N-1 with the "spawn" start metho
 interpreter: safe with CUDA and with the parent's threads; it costs the interpreter's start and
 imports, a few seconds, and the calling script needs the `if __name__ == "__main__":` guard), and
 every rank joins one process group (gloo on CPU, NCCL on GPUs with rank r on cuda:B+r for
-`device="cuda:B"`) plus a gloo control group for the step messages (`tensor_parallel.py`). All
+`device="cuda:B"`) plus a gloo control group for the step messages (`tp_channel.py`). All
 ranks are on this machine, so gloo and NCCL are told to use the loopback interface too
 (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless already set).
 
@@ -34,26 +34,18 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tessera.config.errors import CheckpointError, ConfigError, TesseraError
+from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.model_loading import load_model, torch_dtype
-from tessera.infer.model_runner import build_runner, cache_geometry
-from tessera.infer.quant import is_quantized_dir
-from tessera.infer.tensor_parallel import (
-    STOP,
-    StepChannel,
-    cut_for_serving,
-    load_hf_shard,
-    serve_worker_steps,
-    serving_dims,
-)
+from tessera.infer.paged_model import build_paged_model
+from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
+from tessera.infer.tp_channel import STOP, StepChannel, serve_worker_steps
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -189,10 +181,10 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, source: 
         dims = serving_dims(source.cfg, world)
         dims.build_mesh(device.type)
         model = _load_rank_model(source, dims, config, device)
-        runner, _ = build_runner(model, config, None, device)
+        paged, _ = build_paged_model(model, config, None, device)
         store.set(f"ready/{rank}", "1")
         stage = "serving"
-        serve_worker_steps(runner, StepChannel(control), model.cfg.vocab_size)
+        serve_worker_steps(paged, StepChannel(control), model.cfg.vocab_size)
     except BaseException as e:  # reported to rank 0, which names this rank
         try:
             store.set(f"error/{rank}", f"{stage}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -347,64 +339,3 @@ class WorkerGroup:
         """Send STOP (when the group is healthy), then make sure every worker is gone; the
         process group is destroyed and the store closed. Idempotent."""
         self._finalizer()
-
-
-def _check_devices(config: EngineConfig) -> None:
-    if torch.device(config.device).type == "cuda":
-        check_device_count(config.device, config.tensor_parallel_size, torch.cuda.device_count())
-
-
-def start_workers_for_dir(path, config: EngineConfig) -> tuple[WorkerGroup, Transformer, dict]:
-    """Start the workers of a served directory; (workers, rank 0's shard, the Tessera run
-    config or {}). A HuggingFace directory is read a slice per rank; a Tessera checkpoint is
-    loaded whole by every rank and cut."""
-    from tessera.config.hf_config import read_hf_config
-
-    path = Path(path)
-    n = config.tensor_parallel_size
-    _check_devices(config)
-    if not path.exists():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist")
-    if is_quantized_dir(path):
-        raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized (int8) directory; "
-                          "serve it with tensor_parallel_size=1")
-    full, run_cfg = None, {}
-    if (path / "config.json").is_file():
-        cfg = read_hf_config(path)
-    else:
-        full, _, run_cfg = load_model(path, torch_dtype(config.dtype), _device(config, 0))
-        cfg = full.cfg
-    dims = serving_dims(cfg, n)  # refused before any process starts
-    cache_geometry(cfg, config)
-    group = WorkerGroup(n, config, WorkerSource(str(path), sliced=full is None, cfg=cfg))
-    try:
-        dims.build_mesh(group.device.type)
-        if full is None:
-            model = load_hf_shard(path, cfg, dims, torch_dtype(config.dtype), group.device)
-        else:
-            model = cut_for_serving(full, dims)
-        group.wait_ready()
-    except BaseException:
-        group.stop()
-        raise
-    return group, model, run_cfg
-
-
-def start_workers_for_model(model: Transformer, config: EngineConfig) -> tuple[WorkerGroup, Transformer]:
-    """Start the workers of a model in memory (its weights go to them once, through shared
-    memory) and cut this rank's copy in place; (workers, rank 0's shard). `model` is consumed:
-    it becomes rank 0's shard, whose hooks use the serving process group, so it cannot be used
-    on its own afterwards (copying it instead would double rank 0's memory)."""
-    _check_devices(config)
-    dims = serving_dims(model.cfg, config.tensor_parallel_size)  # refused before any process starts
-    cache_geometry(model.cfg, config)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    group = WorkerGroup(config.tensor_parallel_size, config, WorkerSource(cfg=model.cfg, state=state))
-    try:
-        dims.build_mesh(group.device.type)
-        model = cut_for_serving(model, dims)
-        group.wait_ready()
-    except BaseException:
-        group.stop()
-        raise
-    return group, model

@@ -13,7 +13,7 @@ from tessera.config.errors import ConfigError
 from tessera.infer import LLM, LLMEngine, SamplingParams, device_sampling
 from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
 from tessera.infer.config import EngineConfig
-from tessera.infer.model_runner import BatchItem
+from tessera.infer.paged_model import BatchItem
 from tests.infer.host_transfers import HostTransfers
 from tests.infer.tiny_models import hf_greedy, write_model
 
@@ -49,9 +49,9 @@ def test_block_table_attention_equals_packed_reference(family, kv_dtype, tmp_pat
         next_block += need
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 120, (n,), generator=gen).tolist() for n in lengths]
-    engine.runner.forward([BatchItem(p, 0, t) for p, t in zip(prompts, tables)])
+    engine.executor.local.forward([BatchItem(p, 0, t) for p, t in zip(prompts, tables)])
     new = [5, 17, 99]
-    ref = engine.runner.forward([BatchItem([tok], n, t) for tok, n, t in zip(new, lengths, tables)])
+    ref = engine.executor.local.forward([BatchItem([tok], n, t) for tok, n, t in zip(new, lengths, tables)])
     got = engine.decoder.forward([DecodeRow(tok, n, t) for tok, n, t in zip(new, lengths, tables)])
     assert got.shape[0] == 4  # padded to the bucket
     torch.testing.assert_close(got[:3], ref, rtol=1e-5, atol=1e-5)
@@ -161,8 +161,8 @@ def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
         sampled_on.append(type(logits))
         return real_sample(logits, batch)
 
-    monkeypatch.setattr("tessera.infer.engine.tokens_to_host", counting_transfer)
-    monkeypatch.setattr("tessera.infer.engine.sample_on_device", recording_sample)
+    monkeypatch.setattr("tessera.infer.device_sampling.tokens_to_host", counting_transfer)
+    monkeypatch.setattr("tessera.infer.model_runner.sample_on_device", recording_sample)
     for _ in range(5):
         transfers.clear()
         with HostTransfers() as mode:

@@ -33,14 +33,14 @@ def test_a_mixed_step_forward_has_no_data_dependent_op(llama, monkeypatch, decod
     done = {o.request_id: o for o in engine.step() if o.finished}  # prefilled: both decode from now on
     ids += [engine.add_request(tok.encode(p), GREEDY) for p in JOINING]
     mode, shapes = DataDependentOps(), []
-    real = engine.runner.forward_split
+    real = engine.runner.paged.forward_split
 
     def forward_split(items):
         shapes.append(sorted(len(it.tokens) for it in items))
         return real(items)
 
-    monkeypatch.setattr(engine.runner, "forward_split", forward_split)
-    monkeypatch.setattr(engine.runner, "model", _Traced(engine.runner.model, mode))
+    monkeypatch.setattr(engine.runner.paged, "forward_split", forward_split)
+    monkeypatch.setattr(engine.executor.local, "model", _Traced(engine.executor.local.model, mode))
     if engine.decoder is not None:
         monkeypatch.setattr(engine.decoder, "model", _Traced(engine.decoder.model, mode))
     done.update({o.request_id: o for o in engine.step() if o.finished})

@@ -183,7 +183,7 @@ def test_worker_that_dies_while_serving_is_named(llama):
     llm = LLM(path, tensor_parallel_size=2, block_size=4)
     try:
         assert llm.generate(["hi"], GREEDY)[0].finish_reason == "length"
-        worker = llm.engine.runner.workers.procs[0]
+        worker = llm.engine.executor.workers.procs[0]
         worker.kill()
         worker.join(10)
         with pytest.raises(WorkerFailure, match="tensor-parallel rank 1 exited with code -9"):
@@ -224,6 +224,41 @@ def test_request_with_nonfinite_logits_fails_alone_on_every_rank(tmp_path):
         assert [outs[0].token_ids, outs[2].token_ids] == want
         for _ in range(2):  # every block is reused by now
             assert [o.token_ids for o in _run(llm.engine, good + good)] == want + want
+
+
+@pytest.mark.dist
+def test_perplexity_on_two_ranks_equals_one_rank(llama, monkeypatch):
+    """Perplexity scores through the executor: on two ranks every rank runs the packed forward and
+    rank 0 reads full-vocabulary rows, so it equals one rank's. The text fills two windows of
+    max_model_len tokens, the second ending on a chunk of one token that predicts nothing."""
+    from tessera.infer import LLMEngine
+    from tessera.infer.perplexity import perplexity
+    from tessera.infer.tp_executor import TensorParallelExecutor
+
+    path, _ = llama
+    options = dict(block_size=4, max_model_len=24, enable_prefix_caching=False)
+    one = LLMEngine.from_dir(path, EngineConfig(**options))
+    ids = one.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice: the")[:45]
+    assert len(ids) == 45  # windows of 24 and 21 tokens: chunks of 5, the last with no target
+    want = perplexity(one, ids, chunk=5)
+    engine = LLMEngine.from_dir(path, EngineConfig(tensor_parallel_size=2, **options))
+    try:
+        assert isinstance(engine.executor, TensorParallelExecutor)
+        calls = []
+        real = engine.executor.score
+
+        def score(chunks):
+            calls.append(len(chunks))
+            return real(chunks)
+
+        monkeypatch.setattr(engine.executor, "score", score)
+        assert perplexity(engine, ids, chunk=5) == pytest.approx(want, rel=1e-5)
+        assert calls == [1] * 10
+        # the cache it borrowed is free again, and generation goes on as on one rank
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert [o.token_ids for o in _run(engine, [ids[:6]])] == [o.token_ids for o in _run(one, [ids[:6]])]
+    finally:
+        engine.close()
 
 
 def _address(hex_addr: str) -> str:
@@ -357,7 +392,7 @@ def test_interrupted_step_fails_later_calls_at_once(llama):
     marked failed, so the next call raises at once instead of joining the wrong collective."""
     path, _ = llama
     llm = LLM(path, tensor_parallel_size=2, block_size=4)
-    procs = list(llm.engine.runner.workers.procs)
+    procs = list(llm.engine.executor.workers.procs)
     thread = None
     try:
         assert llm.generate(["hi"], GREEDY)[0].finish_reason == "length"
@@ -399,7 +434,7 @@ def test_dropped_llm_stops_its_workers(llama):
     path, _ = llama
     llm = LLM(path, tensor_parallel_size=2, block_size=4)
     want = llm.generate(["hi"], GREEDY)[0].token_ids
-    procs = list(llm.engine.runner.workers.procs)
+    procs = list(llm.engine.executor.workers.procs)
     del llm
     gc.collect()
     deadline = time.monotonic() + 20
@@ -422,7 +457,7 @@ def test_health_is_503_naming_the_rank_after_a_worker_died(llama):
         with RunningServer(engine, name="tiny") as server:
             assert httpx.get(server.url + "/health").status_code == 200
             assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
-            engine.runner.workers.procs[0].kill()
+            engine.executor.workers.procs[0].kill()
             deadline = time.monotonic() + 10  # seen while idle: no request needed
             while (r := httpx.get(server.url + "/health")).status_code == 200 and time.monotonic() < deadline:
                 time.sleep(0.1)

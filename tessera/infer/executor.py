@@ -1,0 +1,93 @@
+"""Executors: the engine's model on every rank it runs on.
+
+`Executor` is what the engine asks of one: run a step's plan (`execute_model`), score given targets
+(`score`), zero KV blocks on every rank (`clear_blocks`), say why it cannot run any more
+(`failure`) and stop (`close`). It holds this process's model (`model`, under tensor parallelism rank
+0's shard) over its KV cache (`local`), its LoRA adapters (`lora`), the cache's geometry
+(`geometry`) and the model runner that samples (`runner`).
+
+`InProcessExecutor` serves from this process alone; `tp_executor.TensorParallelExecutor` from this
+process and N - 1 worker processes that it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from tessera.infer.config import EngineConfig
+from tessera.infer.lora import LoRAManager
+from tessera.infer.model_loading import torch_dtype
+from tessera.infer.model_runner import ModelRunner
+from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
+from tessera.infer.speculative import build_proposer
+from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk
+from tessera.models.transformer import Transformer
+
+
+class Executor(Protocol):
+    model: Transformer  # this process's model (rank 0's shard under tensor parallelism)
+    local: PagedModel  # that model over this process's KV cache
+    lora: LoRAManager  # its dynamic LoRA adapters
+    geometry: CacheGeometry
+    runner: ModelRunner
+
+    def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run the plan's forward on every rank and sample: each completing request's new tokens."""
+
+    def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
+        """The log-probabilities of each chunk's targets (`ModelRunner.score`), on every rank."""
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        """Zero KV blocks on every rank (a request failing on inf/NaN left them)."""
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why no step can run any more (a tensor-parallel rank failed); None while they can."""
+
+    def close(self) -> None:
+        """Stop what the executor started (worker processes); no step runs afterwards."""
+
+
+@contextlib.contextmanager
+def closed_on_error(close: Callable[[], None]):
+    """Run the block; if it raises, `close()` what was started for it (worker processes must not
+    outlive a start-up that failed), then re-raise."""
+    try:
+        yield
+    except BaseException:
+        close()
+        raise
+
+
+def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
+    return LoRAManager(model, config.max_loras, torch_dtype(config.dtype), torch.device(config.device))
+
+
+class InProcessExecutor:
+    """The model in this process: `model` is in `config.dtype` on `config.device`."""
+
+    def __init__(self, model: Transformer, config: EngineConfig):
+        self.model = model
+        self.lora = lora_manager(model, config)
+        self.local, self.geometry = build_paged_model(model, config, self.lora)
+        self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks))
+
+    def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(plan)
+
+    def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
+        return self.runner.score(chunks)
+
+    def clear_blocks(self, blocks: list[int]) -> None:
+        self.local.clear_blocks(blocks)
+
+    @property
+    def failure(self) -> Exception | None:
+        return None
+
+    def close(self) -> None:
+        pass

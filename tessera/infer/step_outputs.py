@@ -1,0 +1,83 @@
+"""What the parts of one engine step hand each other.
+
+A step (`LLMEngine.step`) is three calls:
+
+    plan = scheduler.schedule()                          # SchedulerOutput: what runs, how many tokens each
+    result = executor.execute_model(plan)                # RunnerOutput: each completing request's new tokens
+    update = scheduler.update_from_output(plan, result)  # SchedulerUpdate: RequestOutputs, blocks to zero
+
+- The scheduler (`scheduler.py`) owns the requests, the waiting queue, the running batch and the
+  block manager. `schedule()` picks the sequences of the step under the token budget (chunked
+  prefill, admission, preemption) and how many tokens each may draft. `update_from_output()` advances
+  grammars, appends the new tokens until a stop rule fires (`output_processor.py` turns them into
+  text and `RequestOutput`s), finishes requests and frees their blocks, names the computed full
+  blocks in the prefix cache, fails a request alone when its tokens came with an error, and counts
+  the metrics.
+- The executor (`executor.py`: one process, `tp_executor.py`: tensor parallelism) owns the model on
+  every rank, its KV cache, its LoRA adapters and, under tensor parallelism, the worker processes.
+- The model runner (`model_runner.py`) runs on the driver (rank 0): it drafts (speculative
+  decoding), runs the forward on every rank, masks the logits of requests under a grammar, samples on
+  the device, verifies drafts, checks finiteness and hands back one `SampledTokens` per completing
+  request, with one device -> host transfer per step. It also scores given targets
+  (`ScoringChunk`: perplexity).
+
+Request ids key the hand-offs: a request is running at most once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.infer.sequence import RequestOutput, Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens of seq.token_ids computed this step, from seq.num_computed
+    draft_limit: int = 0  # at most this many speculative tokens may follow them (a decode step only)
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token has keys/values: the step samples the next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence]
+    # requests finished or preempted since the last plan: state kept for them beside the scheduler
+    # (a draft model's KV blocks) goes
+    released: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SampledTokens:
+    """What the step produced for one request whose tokens all have keys/values now."""
+
+    token_ids: list[int]  # the sampled token, or the accepted drafts and the token after them
+    error: Exception | None = None  # set (and token_ids empty) when this request alone fails: inf/NaN logits
+    num_draft_tokens: int = 0  # speculative tokens verified this step (0: none were proposed)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledTokens]  # by request id: the requests of the plan whose step completes
+
+
+@dataclass
+class SchedulerUpdate:
+    outputs: list[RequestOutput]  # one per request that produced tokens or finished this step
+    blocks_to_clear: list[int]  # KV blocks left by requests that failed on inf/NaN: zeroed on every rank
+
+
+@dataclass
+class ScoringChunk:
+    """Tokens to run at positions start.. on cache blocks `block_table`, and the token expected after
+    each of the first len(targets) of them: their log-probabilities are scored."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    targets: list[int]
