@@ -25,7 +25,6 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from tessera.config.argument_types import OneLineArgumentParser, int_in, seed, temperature, top_k, top_p
 from tessera.config.errors import CheckpointError, ConfigError, ParallelError, TesseraError
@@ -215,21 +214,16 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
 
 def _generate(args: argparse.Namespace) -> int:
     """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
-    from tessera.checkpoint.convert import load_model
-    from tessera.config.hf_config import is_hf_directory
+    from tessera.checkpoint.loading import load_model, trained_tokenizer
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate
 
-    source = args.tokenizer
-    if source is None and is_hf_directory(args.checkpoint):
-        if not (Path(args.checkpoint) / "tokenizer.json").is_file():
-            raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
-                                  "copy the model's tokenizer files into it")
-        source = args.checkpoint
-    model, run_cfg = load_model(args.checkpoint)
-    if source is None and run_cfg is not None:
-        source = run_cfg.data.tokenizer
+    source = args.tokenizer or trained_tokenizer(args.checkpoint)
+    if source is None:
+        raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
+                              "copy the model's tokenizer files into it")
+    model = load_model(args.checkpoint).model
     tokenizer = load_tokenizer(source)
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)

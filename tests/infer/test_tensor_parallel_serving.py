@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 
-from tessera.checkpoint.hf import load_pretrained
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config
+from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.command import main as serve_main
 from tessera.infer.config import EngineConfig
