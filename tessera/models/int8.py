@@ -32,7 +32,9 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    is_quantized_linear = True
+    """A linear layer with int8 weights and one fp32 scale per output channel."""
+
+    is_quantized_linear = True  # what LoRA (tessera/infer/lora.py) asks of a layer it may adapt
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
@@ -92,8 +94,7 @@ def _quantizable(model: Transformer) -> list[tuple[str, nn.Module]]:
     for name, m in model.named_modules():
         if not name.startswith("layers.") or ".router" in name:
             continue
-        if isinstance(m, (nn.Linear, GroupedExperts)) and not getattr(m, "is_quantized_linear", False) \
-                and not isinstance(m, Int8GroupedExperts):
+        if isinstance(m, (nn.Linear, GroupedExperts)) and not isinstance(m, Int8GroupedExperts):
             out.append((name, m))
     return out
 

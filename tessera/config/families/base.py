@@ -85,8 +85,6 @@ class Family:
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         )
         fields.update(self.attention_from_hf(d))
-        if self.moe:
-            fields["moe"] = self.moe_from_hf(d)
         return fields
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,10 +102,6 @@ class Family:
             raise ModelError(f"use_sliding_window=true is not supported for {self.name} (per-layer windows)")
         return fields
 
-    def moe_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
-        """The `MoEConfig` fields (MoE families)."""
-        raise NotImplementedError(f"{self.name} has no routed experts")
-
     # ---- ModelConfig -> config.json ------------------------------------------------------------
     def config_to_hf(self, cfg) -> dict[str, Any]:
         """config.json of `cfg` (a ModelConfig of this family), in the order transformers writes it;
@@ -123,8 +117,6 @@ class Family:
         if cfg.mla is None:
             d["head_dim"] = cfg.head_dim
         self.attention_to_hf(cfg, d)
-        if self.moe:
-            self.moe_to_hf(cfg, d)
         return d
 
     def attention_to_hf(self, cfg, d: dict[str, Any]) -> None:
@@ -146,10 +138,6 @@ class Family:
             raise ModelError(f"{self.name} always has QK norm (model.qk_norm must be true)")
         if not self.qk_norm and cfg.qk_norm:
             raise ModelError(f"{self.name} has no QK norm; export to qwen3 / qwen3_moe instead")
-
-    def moe_to_hf(self, cfg, d: dict[str, Any]) -> None:
-        """Add the routed-expert fields to `d` (MoE families)."""
-        raise NotImplementedError(f"{self.name} has no routed experts")
 
     # ---- tensor names --------------------------------------------------------------------------
     def tensor_names(self, cfg) -> dict[str, list[str]]:

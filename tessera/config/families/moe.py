@@ -37,6 +37,22 @@ class MoEFamily(Family):
     shared_expert: str = "shared_experts"
     moe: ClassVar[bool] = True
 
+    def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        return super().config_from_hf(d) | {"moe": self.moe_from_hf(d)}
+
+    def moe_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        """The `MoEConfig` fields from the family's own config.json fields."""
+        raise NotImplementedError(f"{type(self).__name__} maps no expert fields")
+
+    def config_to_hf(self, cfg) -> dict[str, Any]:
+        d = super().config_to_hf(cfg)
+        self.moe_to_hf(cfg, d)
+        return d
+
+    def moe_to_hf(self, cfg, d: dict[str, Any]) -> None:
+        """Add the expert fields to config.json `d`, after the attention's."""
+        raise NotImplementedError(f"{type(self).__name__} maps no expert fields")
+
     def ffn_names(self, cfg, i: int) -> dict[str, list[str]]:
         if not cfg.is_moe_layer(i):
             return super().ffn_names(cfg, i)
