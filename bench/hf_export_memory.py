@@ -28,9 +28,9 @@ from pathlib import Path
 def _child(mode: str, ckpt: str, out: str, shard_mib: int) -> None:
     import torch  # noqa: F401  (the import floor is part of every mode)
 
-    from tessera.checkpoint.convert import load_tessera_model
-    from tessera.checkpoint.hf import save_pretrained
-    from tessera.checkpoint.hf_export import export_checkpoint_to_hf
+    from tessera.checkpoint.dcp.model import load_tessera_model
+    from tessera.checkpoint.hf.export import export_checkpoint_to_hf
+    from tessera.checkpoint.hf.writer import save_pretrained
 
     t0 = time.perf_counter()
     extra = {}
@@ -69,7 +69,7 @@ def main() -> None:
     if a.child:
         mode, ckpt, out, shard = a.child
         return _child(mode, ckpt, out, int(shard))
-    from tessera.checkpoint.convert import save_model_checkpoint
+    from tessera.checkpoint.dcp.model import save_model_checkpoint
     from tessera.config.schema import load_config
     from tessera.models import Transformer
 

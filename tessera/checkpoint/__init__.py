@@ -1,15 +1,15 @@
-"""Layer 5: checkpoints.
+"""Layer 5: checkpoints, organised by format.
 
-- `tessera.checkpoint.dcp`: crash-safe distributed checkpoints (torch.distributed.checkpoint) of
-  a training run, loadable under another parallel layout.
-- `tessera.checkpoint.hf`: HuggingFace model directories (config.json + safetensors), written by
-  `hf_writer` one shard file at a time; `hf_export` writes a Tessera checkpoint saved under any
-  layout that way without building the model.
-- `tessera.checkpoint.convert`: models from either format (the one loader of Tessera
-  checkpoints), and conversion between them.
-- Untrusted files: `dcp_reader` / `restricted_unpickle` (no code runs from a checkpoint),
-  `checksums` (truncated or corrupted files are detected), `hf_files` (malformed HuggingFace
-  directories are refused), `run_lock` (one trainer per run directory).
+- `tessera.checkpoint.dcp`: Tessera checkpoints, crash-safe distributed checkpoints of a training
+  run (DCP files + meta.json), loadable under another parallel layout;
+- `tessera.checkpoint.hf`: HuggingFace model directories (config.json + safetensors + tokenizer);
+- `tessera.checkpoint.int8`: the pre-quantized int8 directory serving reads.
+
+Across formats: `loading` is the one loader of whole models (any of the three) and says where a
+model's tokenizer is; `parts` is what a rank's sharded loaders fill (`hf.load.load_hf_shards`,
+`dcp.shards.load_checkpoint_shards`); `convert` writes one format as the other. Untrusted files:
+nothing is unpickled beyond plain data, checksums detect damage, malformed HuggingFace
+directories are refused.
 
 Submodules are imported where used, so loading a HuggingFace model does not pay for DCP.
 """

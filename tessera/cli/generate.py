@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from pathlib import Path
 
 from tessera.config.argument_types import int_in, seed, temperature, top_k, top_p
 from tessera.config.errors import CheckpointError, ConfigError
@@ -44,21 +43,16 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
-    from tessera.checkpoint.convert import load_model
-    from tessera.config.hf_config import is_hf_directory
+    from tessera.checkpoint.loading import load_model, trained_tokenizer
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate
 
-    source = args.tokenizer
-    if source is None and is_hf_directory(args.checkpoint):
-        if not (Path(args.checkpoint) / "tokenizer.json").is_file():
-            raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
-                                  "copy the model's tokenizer files into it")
-        source = args.checkpoint
-    model, run_cfg = load_model(args.checkpoint)
-    if source is None and run_cfg is not None:
-        source = run_cfg.data.tokenizer
+    source = args.tokenizer or trained_tokenizer(args.checkpoint)
+    if source is None:
+        raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
+                              "copy the model's tokenizer files into it")
+    model = load_model(args.checkpoint).model
     tokenizer = load_tokenizer(source)
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)

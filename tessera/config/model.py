@@ -2,9 +2,10 @@
 
 `ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, Mixtral,
 Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings, `MLAConfig`
-the multi-head latent attention shapes. Named configurations live in `presets.py`
-(`get_preset("mixtral-8x7b")`); parameter and FLOP counts of a configuration in
-`tessera/models/counting.py` and `flops.py`, beside the modules they count.
+the multi-head latent attention shapes. Each family is a module of `families/` (its HuggingFace
+mapping and its named configurations, which `presets.py` collects: `get_preset("mixtral-8x7b")`);
+parameter and FLOP counts of a configuration are in `tessera/models/counting.py` and `flops.py`,
+beside the modules they count.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.config.errors import ConfigError
+from tessera.config.families import REGISTRY
 from tessera.config.limits import (
     MAX_DIM,
     MAX_EXPERTS,
@@ -27,8 +29,8 @@ from tessera.config.limits import (
     MAX_VOCAB_SIZE,
 )
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+FAMILIES = tuple(REGISTRY)  # tessera/config/families: one module each
+MOE_FAMILIES = tuple(name for name, family in REGISTRY.items() if family.moe)
 # The keys each kind of RoPE scaling needs (see tessera/models/rope.py).
 ROPE_SCALING_KEYS = {
     "default": (),
@@ -71,7 +73,7 @@ class MoEConfig:
     jitter_eps: float = 0.0  # multiplicative input noise U(1-eps, 1+eps), training only (Switch)
     # Balancing. Coefficients of 0 switch a loss off.
     # Per MoE layer, summed over layers (Megatron's convention; HF's router_aux_loss_coef is converted
-    # on import/export, see tessera/config/hf_config.py).
+    # on import/export, see tessera/config/families/moe.py).
     aux_loss_coef: float = 0.0  # Switch/GShard  alpha * E * sum_i f_i P_i  (alpha ~ 1e-2)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V2 sequence-level variant (alpha ~ 1e-4)
     z_loss_coef: float = 0.0  # ST-MoE router z-loss  beta * mean(logsumexp^2)  (beta ~ 1e-3)

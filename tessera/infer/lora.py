@@ -16,7 +16,7 @@ field, never the file's text), its tensors must be finite, and at run time adapt
 from inside the configured directories (`confined_adapter_dir`).
 
 PEFT names modules as HuggingFace does (`model.layers.0.self_attn.q_proj`); the table
-`tessera.checkpoint.hf_weights.hf_names` maps them to Tessera's (`layers.0.attention.wq`). LoRA on
+`tessera.checkpoint.hf.names.hf_names` maps them to Tessera's (`layers.0.attention.wq`). LoRA on
 embeddings, on routed experts (stored as one [E, out, in] tensor here), DoRA and LoRA biases are
 refused with a message naming the key.
 """
@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from tessera.checkpoint.hf_weights import hf_names
+from tessera.checkpoint.hf.names import hf_names
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.models.transformer import Transformer
 

@@ -93,7 +93,7 @@ def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transforme
     """Replace every DTensor weight of the cut model by its local shard, with the collectives its
     placement implies installed as forward hooks (module docstring). The plan's own DTensor
     hooks on those modules are removed; the model's seams go back to their one-process forms."""
-    from tessera.checkpoint.hf_slices import local_box
+    from tessera.checkpoint.hf.slices import local_box
     from tessera.models.transformer import tied_projection
 
     rank = dist.get_rank(group)
@@ -173,17 +173,12 @@ def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
 def _load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
                    device: torch.device | str) -> Transformer:
     """This rank's shard of the HuggingFace model at `path`, reading only its box of every tensor
-    (`checkpoint.sharded_load`, as training's `init_from` does): built on the meta device, cut,
-    then filled from the files."""
-    from tessera.checkpoint.sharded_load import load_hf_shards
+    (`checkpoint.hf.load.build_from_hf`, the filler training's `init_from` uses): built on the meta
+    device, cut, then filled from the files."""
+    from tessera.checkpoint.hf.load import build_from_hf
 
-    with torch.device("meta"):
-        model = Transformer(cfg, init_seed=None)
-    shard_model(model, dims)
-    model.to_empty(device=device)
-    model.cast(dtype)  # the routing bias stays fp32, as on one process
-    load_hf_shards([model], path, cfg, device, source=f"HuggingFace directory {str(path)!r}")
-    return to_plain_tensors(model.eval(), dims["tp"].get_group())
+    model = build_from_hf(path, cfg, dtype, device, cut=lambda m: shard_model(m, dims))
+    return to_plain_tensors(model, dims["tp"].get_group())
 
 
 def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:

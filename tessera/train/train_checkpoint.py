@@ -9,7 +9,7 @@
 
 Nothing in a checkpoint is unpickled beyond plain data. Checkpoints written before trainer and RNG
 state became JSON hold them as pickles: those are read with the restricted unpickler
-(tessera.checkpoint.restricted_unpickle), which builds only containers, numbers, NumPy arrays and
+(tessera.checkpoint.dcp.restricted_unpickle), which builds only containers, numbers, NumPy arrays and
 tensors and refuses anything else with a CheckpointError.
 
 Model and optimizer come from `get_state_dict(..., flatten_optimizer_state_dict=True)`: tensors
@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.restricted_unpickle import restricted_loads
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.restricted_unpickle import restricted_loads
 from tessera.config.errors import CheckpointError
 from tessera.config.schema import RunConfig
 from tessera.parallel.distributed_optimizer import DistributedOptimizer

@@ -29,7 +29,7 @@ model on the meta device, cuts it into its shards (`tessera.parallel.parallelize
 (pipeline_step.py), then allocates only those and initialises them by name from the seed
 (`tessera.parallel.meta_init`), to the values one process has; with `train.init_from` each rank
 reads only its shards from the HuggingFace directory or Tessera checkpoint
-(`tessera.checkpoint.sharded_load`; `init_bytes_read` counts them); every rank reads the whole
+(`tessera.checkpoint.parts`; `init_bytes_read` counts them); every rank reads the whole
 global batch and takes its rows, so the data order does not depend on the layout; statistics are
 summed over ranks and rank 0 writes the metrics, the progress bar and the checkpoint bookkeeping.
 With one process nothing of this runs: the step is single_process_step.py, bit for bit what it
@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.run_lock import RunDirLock
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.run_lock import RunDirLock
 from tessera.config.errors import CheckpointError, ConfigError, TesseraError
 from tessera.config.schema import RunConfig, save_config
 from tessera.models import Transformer
@@ -127,7 +127,7 @@ class Trainer:
         # On several ranks the model is built without storage and each rank materialises only its
         # shards: initialised by name from the seed (tessera.parallel.meta_init) or, with
         # `train.init_from`, read from the source, each rank only its shards
-        # (tessera.checkpoint.sharded_load).
+        # (tessera.checkpoint.parts).
         self.init_from = t.init_from if resume_from is None else None
         on_meta = self.layout.dims is not None
         if on_meta:
@@ -239,7 +239,8 @@ class Trainer:
         """Weights from a HuggingFace directory or a Tessera checkpoint into this rank's parts (the
         whole model on one process; meta-built, parallelized shards or stages on several), each rank
         reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
-        from tessera.checkpoint.sharded_load import load_checkpoint_shards, load_hf_shards
+        from tessera.checkpoint.dcp.shards import load_checkpoint_shards
+        from tessera.checkpoint.hf.load import load_hf_shards
         from tessera.config.hf_config import is_hf_directory, model_differences, read_hf_config
 
         if not is_hf_directory(path):
@@ -327,8 +328,8 @@ class Trainer:
 
     def _export_hf(self, checkpoint: Path) -> Path:
         """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
-        at a time (tessera.checkpoint.hf_export); the other ranks wait, and fail with it if it fails."""
-        from tessera.checkpoint.hf_export import export_checkpoint_to_hf
+        at a time (tessera.checkpoint.hf.export); the other ranks wait, and fail with it if it fails."""
+        from tessera.checkpoint.hf.export import export_checkpoint_to_hf
 
         out = self.run_dir / (self.cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
         tokenizer = self.cfg.data.tokenizer or "default"

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.config import CheckpointError
 from tests.checkpoint.untrusted_checkpoints import small_checkpoint

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.dcp import store as ckpt
 from tessera.config.errors import CheckpointError
 
 

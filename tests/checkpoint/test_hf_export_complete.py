@@ -121,8 +121,8 @@ def test_generate_refuses_a_directory_without_tokenizer(export, tmp_path):
 
 
 def test_converting_an_export_back_records_its_tokenizer(export, tmp_path):
-    from tessera.checkpoint.convert import load_model
+    from tessera.checkpoint.loading import load_model, trained_tokenizer
 
     convert(export, tmp_path / "back")
-    _, cfg = load_model(tmp_path / "back")
-    assert cfg.data.tokenizer == str(export.resolve())
+    assert load_model(tmp_path / "back").run_config["data"]["tokenizer"] == str(export.resolve())
+    assert trained_tokenizer(tmp_path / "back") == str(export.resolve())

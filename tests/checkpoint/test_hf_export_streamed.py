@@ -1,5 +1,5 @@
 """The HuggingFace export of a Tessera checkpoint read one shard file at a time
-(tessera.checkpoint.hf_export) writes what `save_pretrained` writes for the loaded model, file for
+(tessera.checkpoint.hf.export) writes what `save_pretrained` writes for the loaded model, file for
 file and byte for byte; split into several files it loads in transformers with the model's logits
 while holding at most about one file's tensors; a damaged checkpoint is refused, naming the file,
 and leaves the destination as it was. The run's own export (checkpoint.export_hf) is the same."""
@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.convert import load_tessera_model, save_model_checkpoint
-from tessera.checkpoint.hf import save_pretrained
-from tessera.checkpoint.hf_export import export_checkpoint_to_hf
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.model import load_tessera_model, save_model_checkpoint
+from tessera.checkpoint.hf.export import export_checkpoint_to_hf
 from tessera.config import CheckpointError, ConfigError
 from tessera.config.presets import get_preset
 from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
+from tessera.hf import save_pretrained
 from tessera.models.transformer import Transformer
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink

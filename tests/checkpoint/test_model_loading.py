@@ -1,11 +1,13 @@
 """Loading a Tessera training checkpoint for serving: the model comes back from the weights alone,
-whatever else (optimizer state, trainer state) the trainer wrote beside them."""
+whatever else (optimizer state, trainer state) the trainer wrote beside them. The one loader reads
+every kind of model directory, and says where the tokenizer a model was trained with is."""
 
 import pickle
 
+import pytest
 import torch
 
-from tessera.checkpoint.dcp import save_checkpoint
+from tessera.checkpoint.dcp.store import save_checkpoint
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams
 from tests.infer.tiny_models import hf_greedy, write_model
@@ -23,3 +25,38 @@ def test_serves_a_tessera_training_checkpoint(tmp_path):
     out = llm.generate(["from a checkpoint"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert out[0].token_ids == hf_greedy(hf, llm.tokenizer.encode("from a checkpoint"), 10)
     assert torch.equal(llm.engine.model.tok_embeddings.weight, model.tok_embeddings.weight)
+
+
+def test_one_loader_reads_every_kind_of_model_directory_and_says_where_its_tokenizer_is(tmp_path):
+    from tessera.checkpoint.dcp.model import save_model_checkpoint
+    from tessera.checkpoint.int8 import save_quantized
+    from tessera.checkpoint.loading import load_model, trained_tokenizer
+    from tessera.config import CheckpointError, get_preset
+    from tessera.hf import save_pretrained
+    from tessera.models import Transformer
+    from tessera.models.int8 import quantize_model
+
+    hf = tmp_path / "hf"
+    write_model(hf, "llama")
+    whole = load_model(hf)
+    assert (whole.quantized, whole.run_config) == (None, None) and not whole.model.training
+    assert trained_tokenizer(hf) == str(hf)
+
+    layers = quantize_model(whole.model)
+    save_quantized(whole.model, layers, tmp_path / "int8", source_dir=hf)
+    quantized = load_model(tmp_path / "int8")
+    assert quantized.quantized == layers and trained_tokenizer(tmp_path / "int8") == str(tmp_path / "int8")
+
+    save_model_checkpoint(Transformer(get_preset("tiny-llama")), tmp_path / "run" / "checkpoints")
+    model, layers, run_config = load_model(tmp_path / "run")
+    assert layers is None and run_config["model"] == get_preset("tiny-llama").to_dict()
+    assert trained_tokenizer(tmp_path / "run") == "default"  # data.tokenizer unset: the bundled one
+
+    save_pretrained(model, tmp_path / "bare")  # no tokenizer given: none in the directory
+    assert trained_tokenizer(tmp_path / "bare") is None
+    assert load_model(tmp_path / "run" / "checkpoints").run_config == run_config  # a checkpoint root too
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a HuggingFace model directory .* nor a Tessera checkpoint"):
+        load_model(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nowhere")

@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.run_lock import RunDirLock
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.run_lock import RunDirLock
 from tessera.cli import main
 from tessera.config import ConfigError
 from tests.checkpoint.read_only_dirs import run_with_read_only
 from tests.train.runs import ROOT, TINY_DENSE, build_small_dataset, set_args, shrink
 
-HOLD_LOCK = ("import sys, time\nfrom tessera.checkpoint.run_lock import RunDirLock\n"
+HOLD_LOCK = ("import sys, time\nfrom tessera.checkpoint.dcp.run_lock import RunDirLock\n"
              "lock = RunDirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(120)\n")
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.dcp_reader import read_dcp_metadata
-from tessera.checkpoint.restricted_unpickle import restricted_loads
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.reader import read_dcp_metadata
+from tessera.checkpoint.dcp.restricted_unpickle import restricted_loads
 from tessera.cli import main
 from tessera.config import CheckpointError, get_preset
 from tessera.hf import load_pretrained, save_pretrained

@@ -8,9 +8,9 @@ import os
 import pickle
 from pathlib import Path
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.checksums import file_digest
-from tessera.checkpoint.convert import save_model_checkpoint
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.checksums import file_digest
+from tessera.checkpoint.dcp.model import save_model_checkpoint
 from tessera.config import get_preset
 from tessera.models import Transformer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.checkpoint.convert import load_model
+from tessera.checkpoint.loading import load_model
 from tessera.cli import COMMANDS, main
 from tessera.cli.exit_status import exit_status
 from tessera.config.errors import CheckpointError, ConfigError, DataError, ModelError, ParallelError
@@ -122,8 +122,8 @@ def test_generate_and_convert_round_trip(small_dataset, tmp_path, capsys):
     assert main(["convert", str(run), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
-    original, _ = load_model(run)
-    back, _ = load_model(tmp_path / "back")
+    original = load_model(run).model
+    back = load_model(tmp_path / "back").model
     for name, value in original.state_dict().items():
         assert torch.equal(back.state_dict()[name], value), name
     capsys.readouterr()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink, sigterm_after_two_logged_steps
 

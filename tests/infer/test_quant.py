@@ -6,17 +6,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tessera.checkpoint.int8 import WEIGHTS_FILE, save_quantized
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.perplexity import perplexity
-from tessera.infer.quant import (
-    WEIGHTS_FILE,
-    Int8GroupedExperts,
-    Int8Linear,
-    quantize_model,
-    quantize_per_channel,
-    save_quantized,
-)
+from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_model, quantize_per_channel
 
 HELD_OUT = ("The committee met on Tuesday to review the budget. After a long discussion, members agreed to "
             "postpone the vote until the next meeting, when the final figures would be available.\n") * 2

@@ -20,10 +20,10 @@ import httpx
 import pytest
 import torch
 
-from tessera.checkpoint.hf import load_pretrained
 from tessera.cli import main as tessera_main
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config
+from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims

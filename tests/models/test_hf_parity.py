@@ -47,3 +47,9 @@ def test_sharded_checkpoint_roundtrip(tmp_path):
     back = load_pretrained(tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_every_registered_family_has_a_parity_case():
+    from tessera.config.families import REGISTRY
+
+    assert {config.model_type for config in hf_configs().values()} == set(REGISTRY)

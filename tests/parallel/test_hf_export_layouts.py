@@ -4,7 +4,7 @@ one-process run: after the same two steps, transformers computes the same logits
 The tp=2 x ep=2 MoE run exports itself at the end (checkpoint.export_hf: rank 0 reads the
 checkpoint the four ranks wrote while the others wait); the pipeline run is converted afterwards
 with `tessera convert RUN_DIR DST`. Neither builds the whole model: each safetensors file's
-tensors are read from the ranks' shards (tessera.checkpoint.hf_export).
+tensors are read from the ranks' shards (tessera.checkpoint.hf.export).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.data.tokenizer import default_tokenizer
 from tessera.parallel.testing import run_ranks

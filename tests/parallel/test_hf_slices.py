@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf import save_pretrained
-from tessera.checkpoint.hf_slices import HFSliceReader, local_box
+from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.config.schema import load_config
+from tessera.hf import save_pretrained
 from tessera.models import Transformer
 from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer

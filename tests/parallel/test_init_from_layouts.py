@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf import load_pretrained, save_pretrained
-from tessera.checkpoint.hf_slices import local_box
+from tessera.checkpoint.hf.slices import local_box
 from tessera.config.schema import load_config
+from tessera.hf import load_pretrained, save_pretrained
 from tessera.models import Transformer
 from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
@@ -185,7 +185,7 @@ CONVERT_LAYOUT = {"parallel.tp": 2, "parallel.ep": 2, "parallel.dp_shard": 2}
 @pytest.mark.dist
 def test_convert_writes_the_shards_of_a_layout_and_it_trains_like_the_huggingface_directory(
         small_dataset, tmp_path, tmp_path_factory):
-    from tessera.checkpoint.dcp_reader import read_dcp_metadata
+    from tessera.checkpoint.dcp.reader import read_dcp_metadata
     from tessera.cli import main
 
     family = "qwen3_moe"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.checkpoint import dcp as ckpt
+from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.config.schema import load_config
 from tessera.train.trainer import Trainer

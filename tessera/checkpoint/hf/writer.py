@@ -1,7 +1,10 @@
 """Writing a HuggingFace model directory: config.json, safetensors shards (+ index), tokenizer files.
 
-`write_hf_directory` is the one writer: `save_pretrained` (hf.py) hands it the tensors of a model
-in memory, `export_checkpoint_to_hf` (hf_export.py) reads them from a Tessera checkpoint one shard
+    save_pretrained(model, "out/", tokenizer="path/to/Mixtral-8x7B")   # AutoModelForCausalLM and
+                                                                        # AutoTokenizer load "out/"
+
+`write_hf_directory` is the one writer: `save_pretrained` hands it the tensors of a model in
+memory, `export_checkpoint_to_hf` (export.py) reads them from a Tessera checkpoint one shard
 file at a time. Both give it the size of every HuggingFace tensor up front, so the shard plan
 (`plan_shards`: tensors in model order, a new file when the next one would pass
 `max_shard_bytes`), the file names and the index are known before any tensor is read, and the
@@ -24,18 +27,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tessera.checkpoint.hf_files import INDEX
-from tessera.checkpoint.hf_tokenizer import (
+from tessera.checkpoint.hf.files import INDEX
+from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.checkpoint.hf.tokenizer import (
     TOKENIZER_FILES,
     check_vocabulary,
     resolve_tokenizer,
     special_token_ids,
     write_tokenizer_files,
 )
-from tessera.checkpoint.hf_weights import check_exportable
 from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import config_to_hf
 from tessera.config.model import ModelConfig
+from tessera.models.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
 _META = {"format": "pt"}
@@ -76,7 +80,7 @@ def write_hf_directory(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.d
     `sizes` holds every HuggingFace key with its size in bytes, in model order; `read_shard(keys)`
     returns the tensors of one shard file, which are written and dropped before the next call.
     `tokenizer` (a `tessera.data.Tokenizer`, a tokenizer directory or file, "default" for the
-    bundled one, or None) adds its files, special-token ids and chat template (hf_tokenizer.py).
+    bundled one, or None) adds its files, special-token ids and chat template (tokenizer.py).
     Returns the names of the safetensors files written."""
     path = Path(path)
     check_exportable(cfg)
@@ -140,3 +144,27 @@ def _make_readable(directory: Path) -> None:
 def _is_export_file(name: str) -> bool:
     return name in ("config.json", "generation_config.json", INDEX, *TOKENIZER_FILES) or (
         name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's tensors under their HuggingFace names, in model order (routed experts split)."""
+    state, out = model.state_dict(), {}
+    for key, hf_keys in hf_names(model.cfg).items():
+        t = state[key].detach().cpu()
+        parts = [t] if len(hf_keys) == 1 else t.unbind(0)
+        out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
+    return out
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
+                    tokenizer=None) -> None:
+    """Write config.json and safetensors (sharded above `max_shard_bytes`, with an index) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, and with `tokenizer` (a
+    `tessera.data.Tokenizer`, a tokenizer directory or file, or "default" for the bundled one) its
+    files, special-token ids and chat template (tokenizer.py), so that `AutoTokenizer` and
+    `tessera serve` read the directory alone. Written by `write_hf_directory`: crash-safe, with the
+    permissions the process's umask gives ordinary files."""
+    state = _hf_state(model)
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    write_hf_directory(path, model.cfg, next(model.parameters()).dtype, sizes,
+                       lambda keys: {k: state[k] for k in keys}, max_shard_bytes, tokenizer)

@@ -20,7 +20,7 @@ checkpoints beyond `keep_last` are deleted after the pointer moved.
 
 meta.json records the size and CRC-32 of every file (checksums.py): `find_latest_good` skips a
 checkpoint whose files were truncated, corrupted or lost afterwards, naming the file, and
-`verified` refuses one. Loading never unpickles arbitrary objects (dcp_reader.py): a `latest`
+`verified` refuses one. Loading never unpickles arbitrary objects (reader.py): a `latest`
 pointer or meta.json that is damaged, or DCP metadata naming anything but plain data, is a
 CheckpointError.
 
@@ -48,8 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tessera.checkpoint.checksums import FILES_KEY, digest_rank_files, file_digest, verify_files
-from tessera.checkpoint.dcp_reader import (
+from tessera.checkpoint.dcp.checksums import FILES_KEY, digest_rank_files, file_digest, verify_files
+from tessera.checkpoint.dcp.reader import (
     DCP_METADATA,
     BoxLoadPlanner,
     SafeFileSystemReader,
@@ -250,7 +250,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     them, then rank 0 alone completes it (meta.json, rename, pointer, old checkpoints), and every
     rank returns once that is done or raises if it failed. A failed save (a full disk, a read-only
     file system) raises CheckpointError and leaves the previous checkpoint and pointer as they were.
-    `planner` replaces DCP's default save planner (layout_checkpoint.py writes chunks it reads lazily).
+    `planner` replaces DCP's default save planner (layout.py writes chunks it reads lazily).
     """
     root = Path(root)
     final = root / step_dir_name(step)
@@ -365,7 +365,7 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> int:
     """Load the keys of `state` from checkpoint `path` in place (tensors copied into, objects replaced);
     returns the bytes this rank read from the files (only the stored chunks its tensors overlap).
 
-    Nothing in the files is unpickled beyond plain data (dcp_reader.py)."""
+    Nothing in the files is unpickled beyond plain data (reader.py)."""
     return _load(path, state, SafeLoadPlanner(), no_dist=False)
 
 

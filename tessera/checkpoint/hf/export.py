@@ -8,7 +8,7 @@ The checkpoint may come from any parallel layout (one process, FSDP, tp x ep, pi
 `dcp.load_boxes` reads any box of it in this process alone, from whichever ranks' shards overlap
 it. So the whole model is never built nor held: the files are checked against their checksums,
 the model shape comes from the run configuration in meta.json, the stored names and shapes are
-checked against it, and then, for each shard file of the plan (hf_writer.py, the same plan, names
+checked against it, and then, for each shard file of the plan (writer.py, the same plan, names
 and index as `save_pretrained`), exactly that file's tensors are read, cast to `dtype` (but for the
 routing bias, which stays fp32 as in a loaded model: `kept_in_fp32`), written and released. A
 routed-expert weight [E, out, in] is E HuggingFace tensors: a file gets the box of the experts it
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.convert import stored_model_config
-from tessera.checkpoint.hf_weights import check_exportable, hf_names
-from tessera.checkpoint.hf_writer import write_hf_directory
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.model import stored_model_config
+from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.checkpoint.hf.writer import write_hf_directory
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 from tessera.models.transformer import Transformer, kept_in_fp32
 
-MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (train_checkpoint.py)
+MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (tessera/train/train_checkpoint.py)
 
 
 @dataclass

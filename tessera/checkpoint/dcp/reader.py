@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from tessera.checkpoint.restricted_unpickle import restricted_load
+from tessera.checkpoint.dcp.restricted_unpickle import restricted_load
 from tessera.config.errors import CheckpointError
 
 DCP_METADATA = ".metadata"

@@ -10,7 +10,7 @@ own. It still loads under any other layout or on one process: DCP reshards on lo
 No rank is started. For each target rank r, a fresh process joins a fake process group as rank r of
 the target world (no communication happens; a collective would return garbage), builds the model
 on the meta device and cuts it with the trainer's own code (`parallelize`, pipeline stages from
-`rank_stage_modules`); the box of every tensor it holds (`hf_slices.local_box`) is what DCP
+`rank_stage_modules`); the box of every tensor it holds (`hf.slices.local_box`) is what DCP
 records for that rank when training saves. Each rank is computed in its own process because
 DTensor caches sharding results keyed by mesh layout, not by rank, within one process.
 
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from tessera.checkpoint import dcp as ckpt
-from tessera.checkpoint.hf_slices import HFSliceReader, local_box
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
@@ -135,7 +135,7 @@ def save_layout_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, overr
                            dtype: torch.dtype = torch.float32, tokenizer: str | None = None) -> Path:
     """HuggingFace directory `src` -> Tessera checkpoint root `dst` (step 0, model weights only)
     whose chunks are the shards of the layout `overrides` (`parallel.K=V`) name."""
-    from tessera.checkpoint.sharded_load import check_hf_fits
+    from tessera.checkpoint.hf.load import check_hf_fits
     from tessera.config.hf_config import read_hf_config
     from tessera.models.transformer import Transformer, kept_in_fp32
 

@@ -12,7 +12,7 @@ the safetensors files, with safetensors' lazy `get_slice`:
         offsets, sizes = local_box(p)
         local = reader.read(name, offsets, sizes, dtype=torch.float32)
 
-Names follow `hf_weights.hf_names`; routed experts are E HuggingFace tensors stacked as one
+Names follow `names.hf_names`; routed experts are E HuggingFace tensors stacked as one
 [E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
 tensors, each cut to the box's other dimensions. `bytes_read` counts the bytes of every box read
 (what this rank took from the files), which is how a test proves a rank read about its share.
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from tessera.checkpoint.hf_files import SafetensorsDir
-from tessera.checkpoint.hf_weights import hf_names
+from tessera.checkpoint.hf.files import SafetensorsDir
+from tessera.checkpoint.hf.names import hf_names
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 

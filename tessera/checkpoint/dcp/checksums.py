@@ -4,7 +4,7 @@ Every file of a DCP checkpoint (the `__R_N.distcp` shards and `.metadata`) is re
 meta.json as `"files": {name: {"bytes": size, "crc32": hex}}`. CRC-32 (zlib) detects what
 happens to files by accident (a write cut short, flipped bits, a lost shard) at about twice the
 speed of SHA-256 on one core; it is no defence against someone who can rewrite meta.json too,
-which is why loading never trusts the files' content either (dcp_reader.py). Each rank hashes the shards it
+which is why loading never trusts the files' content either (reader.py). Each rank hashes the shards it
 wrote itself (their names start with `__R_`), rank 0 gathers them and adds `.metadata`; meta.json
 is written after that and before the `latest` pointer moves. `verify_files` re-reads them and
 names the first file that is missing, has another size (a write cut short) or another digest

@@ -1,0 +1,36 @@
+"""Tensor names between Tessera and HuggingFace directories, and what an export refuses, asked of
+each model's family (tessera/config/families).
+
+`hf_names(cfg)` maps every Tessera state-dict key to the HuggingFace key(s) that hold it. Routed
+experts are one [E, out, in] tensor in Tessera and E separate tensors in HuggingFace checkpoints,
+so their entry lists E keys, stacked on load and split on save.
+"""
+
+from __future__ import annotations
+
+from tessera.config.errors import ModelError
+from tessera.config.families import REGISTRY
+from tessera.config.model import ModelConfig
+
+# HuggingFace tensors no Tessera tensor comes from (recomputed buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Tessera key -> HuggingFace key(s), in model order."""
+    return REGISTRY[cfg.family].tensor_names(cfg)
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Refuse a model whose forward pass the HuggingFace class of `cfg.family` would not reproduce:
+    routed experts and latent attention where the family has them (and only there), then the
+    family's own requirements."""
+    family = REGISTRY[cfg.family]
+    if (cfg.moe is not None) != family.moe:
+        moe_families = sorted(name for name, f in REGISTRY.items() if f.moe)
+        raise ModelError(f"model.family={cfg.family!r} does not match model.moe "
+                         f"({'set' if cfg.moe is not None else 'unset'}); MoE families: {moe_families}")
+    if (cfg.mla is not None) != family.mla:
+        mla_families = ", ".join(name for name, f in REGISTRY.items() if f.mla)
+        raise ModelError(f"multi-head latent attention (model.mla) exports only as family {mla_families}")
+    family.check_exportable(cfg)

@@ -1,0 +1,97 @@
+"""The one loader of whole models, from any directory Tessera reads, and what a model came with.
+
+    loaded = load_model(path, dtype=torch.bfloat16)   # loaded.model, loaded.quantized, loaded.run_config
+    source = trained_tokenizer(path)                  # where its tokenizer is; tessera.data.load_tokenizer reads it
+
+Three kinds of directory hold a model:
+- a pre-quantized int8 directory (checkpoint/int8.py: config.json + int8 weights + the list of
+  quantized layers);
+- a HuggingFace model directory (config.json + safetensors) of a supported family (hf/load.py);
+- a Tessera checkpoint: `step_N/` with DCP files and meta.json, a `checkpoints/` root or a run
+  directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset).
+`tessera generate` and serving load through here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
+from tessera.checkpoint.hf.load import load_pretrained
+from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
+from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import is_hf_directory, read_json_object
+from tessera.models.transformer import Transformer
+
+
+class LoadedModel(NamedTuple):
+    """A model in eval mode, in the dtype and on the device it was asked for (some buffers stay fp32)."""
+
+    model: Transformer
+    quantized: list[str] | None  # its int8 layers (a pre-quantized directory), else None
+    run_config: dict | None  # the run configuration stored with a Tessera checkpoint (meta.json's plain dict)
+
+
+def _tessera_checkpoint(path: Path) -> Path | None:
+    try:
+        return ckpt.resolve_checkpoint(path)
+    except CheckpointError:
+        return None
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """The model in a pre-quantized directory, a HuggingFace directory or a Tessera checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if is_quantized_dir(path):
+        model, layers = load_quantized(path, dtype, device)
+        return LoadedModel(model, layers, None)
+    if is_hf_directory(path):
+        return LoadedModel(load_pretrained(path, dtype=dtype, device=device), None, None)
+    found = _tessera_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path}: neither a HuggingFace model directory (config.json), a pre-quantized "
+                              "directory, nor a Tessera checkpoint (step_*/meta.json)")
+    model, run_config = load_tessera_model(found, dtype, device)
+    return LoadedModel(model, None, run_config)
+
+
+def trained_tokenizer(path: str | os.PathLike) -> str | None:
+    """Where the tokenizer a model was trained with is, for `tessera.data.load_tokenizer`: a model
+    directory holding tokenizer.json is its own; a Tessera checkpoint's is its run's
+    `data.tokenizer` ("default", the bundled one, when unset); None when there is none."""
+    path = Path(path)
+    if is_hf_directory(path) or is_quantized_dir(path):
+        return str(path) if (path / "tokenizer.json").is_file() else None
+    data = stored_run_config(ckpt.resolve_checkpoint(path)).get("data") or {}
+    source = data.get("tokenizer")
+    if source is not None and not isinstance(source, str):
+        raise CheckpointError(f"checkpoint {str(path)!r}: data.tokenizer={source!r} in its meta.json is invalid: "
+                              "must be a tokenizer path")
+    return "default" if source is None else source
+
+
+def eos_token_ids(path: str | os.PathLike, tokenizer) -> set[int]:
+    """End-of-sequence ids: generation_config.json's and config.json's eos_token_id, and the tokenizer's."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            value = read_json_object(f).get("eos_token_id")
+            if isinstance(value, int) and not isinstance(value, bool):
+                ids.add(value)
+            elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                ids.update(value)
+            elif value is not None:
+                raise CheckpointError(f"{str(f)!r}: eos_token_id={value!r} is invalid: must be a token id or a "
+                                      "list of token ids")
+    if tokenizer is not None and tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    return ids

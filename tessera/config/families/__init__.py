@@ -1,0 +1,25 @@
+"""The model families Tessera loads from and exports to HuggingFace, registered in one place.
+
+Each family is one module of this package (base.py: what a family is); `REGISTRY` maps its name
+(config.json's model_type, `ModelConfig.family`) to it. `ModelConfig` checks its `family` here,
+`tessera.config.hf_config` reads and writes config.json through it, `tessera.config.presets`
+collects the families' presets, and `tessera.checkpoint.hf.names` asks it for tensor names and
+export checks. Adding a family: a module here, its line below, and its case in the parity tests
+(tests/models/hf_families.py).
+"""
+
+from tessera.config.families import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from tessera.config.families.base import Family
+
+REGISTRY: dict[str, Family] = {f.name: f for f in (
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+    deepseek_v3.FAMILY,
+)}
+
+__all__ = ["REGISTRY", "Family"]

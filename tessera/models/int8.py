@@ -1,0 +1,126 @@
+"""Weight-only int8 layers with one scale per output channel.
+
+W (out x in) is stored as int8 Q and fp32 scales s (out): s_o = max_i |W_oi| / 127,
+Q = round(W / s). A linear layer computes y = (x Q^T) * s (+ b), which is exactly x (Q * s)^T:
+the scale factors out of the sum because it belongs to the output channel (symmetric absmax,
+as in LLM.int8()'s vector-wise quantisation, Dettmers et al. 2022, without its outlier split).
+Routed experts ([E, out, in]) get one scale per (expert, output channel). The embedding (a table
+lookup, not a product), norms, the router and the output head stay in full precision: the head
+and the router are where rounding hurts most (logits and expert choices).
+
+Quantized layers take a quarter of their fp32 memory (half of bf16). `quantize_model` converts a
+model in place; `empty_int8_layer` is the storage-free int8 twin of a layer, which the
+pre-quantized directory format (tessera/checkpoint/int8.py) fills from its files.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.moe.experts import GroupedExperts, grouped_linear
+from tessera.models.transformer import Transformer
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and fp32 scales over the last dim: w [..., out, in] -> q [..., out, in], s [..., out]."""
+    w = w.float()
+    scale = w.abs().amax(-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with int8 weights and one fp32 scale per output channel."""
+
+    is_quantized_linear = True  # what LoRA (tessera/infer/lora.py) asks of a layer it may adapt
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, m: nn.Linear) -> Int8Linear:
+        q = cls(m.in_features, m.out_features, m.bias is not None, m.weight.dtype, m.weight.device)
+        q.qweight, q.scale = quantize_per_channel(m.weight.detach())
+        if m.bias is not None:
+            q.bias = nn.Parameter(m.bias.detach().clone())
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+
+class Int8GroupedExperts(GroupedExperts):
+    """Routed experts with int8 weights, dequantised expert by expert inside the forward pass."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, dtype: torch.dtype, device=None):
+        nn.Module.__init__(self)
+        self.use_grouped_mm = True
+        self.dtype = dtype
+        for name, (o, i) in {"w1": (hidden_dim, dim), "w2": (dim, hidden_dim), "w3": (hidden_dim, dim)}.items():
+            self.register_buffer(f"q{name}", torch.zeros(num_experts, o, i, dtype=torch.int8, device=device))
+            self.register_buffer(f"{name}_scale", torch.ones(num_experts, o, device=device))
+
+    @classmethod
+    def from_experts(cls, m: GroupedExperts) -> Int8GroupedExperts:
+        E, F_, D = m.w1.shape
+        q = cls(E, D, F_, m.w1.dtype, m.w1.device)
+        for name in ("w1", "w2", "w3"):
+            qw, s = quantize_per_channel(getattr(m, name).detach())
+            setattr(q, f"q{name}", qw)
+            setattr(q, f"{name}_scale", s)
+        return q
+
+    def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return getattr(self, f"q{name}").to(dtype) * getattr(self, f"{name}_scale")[..., None].to(dtype)
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        d = x_ND.dtype
+        h = F.silu(grouped_linear(x_ND, self._weight("w1", d), tokens_per_expert)) * grouped_linear(
+            x_ND, self._weight("w3", d), tokens_per_expert)
+        return grouped_linear(h, self._weight("w2", d), tokens_per_expert)
+
+
+def _quantizable(model: Transformer) -> list[tuple[str, nn.Module]]:
+    """Linear layers and routed experts inside the transformer blocks (not the head or router)."""
+    out = []
+    for name, m in model.named_modules():
+        if not name.startswith("layers.") or ".router" in name:
+            continue
+        if isinstance(m, (nn.Linear, GroupedExperts)) and not isinstance(m, Int8GroupedExperts):
+            out.append((name, m))
+    return out
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+@torch.no_grad()
+def quantize_model(model: Transformer) -> list[str]:
+    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
+    names = []
+    for name, m in _quantizable(model):
+        new = Int8Linear.from_linear(m) if isinstance(m, nn.Linear) else Int8GroupedExperts.from_experts(m)
+        replace_module(model, name, new)
+        names.append(name)
+    return names
+
+
+def empty_int8_layer(m: nn.Module, dtype: torch.dtype) -> nn.Module | None:
+    """An int8 layer of `m`'s shape (in the current default device), for a linear layer or routed
+    experts; None for any other module."""
+    if isinstance(m, nn.Linear):
+        return Int8Linear(m.in_features, m.out_features, m.bias is not None, dtype)
+    if isinstance(m, GroupedExperts):
+        E, F_, D = m.w1.shape
+        return Int8GroupedExperts(E, D, F_, dtype)
+    return None
