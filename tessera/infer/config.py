@@ -110,3 +110,11 @@ class EngineConfig:
     def lookahead(self) -> int:
         """Extra KV slots a decoding sequence reserves per step for speculative tokens."""
         return 0 if self.speculative is None else self.speculative.num_tokens
+
+    @property
+    def torch_dtype(self):
+        """`dtype` as a torch dtype (torch is imported here, not with the module: `tessera serve
+        --help` reads this file without torch)."""
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -19,21 +19,22 @@ from pathlib import Path
 
 import torch
 
+from tessera.checkpoint.loading import eos_token_ids, load_model, trained_tokenizer
 from tessera.config.errors import ConfigError
+from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
-from tessera.infer.model_loading import eos_token_ids, load_model, load_tokenizer, torch_dtype
 from tessera.infer.output_processor import OutputProcessor
-from tessera.infer.quant import quantize_model
 from tessera.infer.sampling import make_generator
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
+from tessera.models.int8 import quantize_model
 from tessera.models.transformer import Transformer
 
 
@@ -61,13 +62,13 @@ class LLMEngine:
         around it, with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
         if config.tensor_parallel_size == 1:
-            model, quantized, run_cfg = load_model(path, torch_dtype(config.dtype), config.device)
-            tokenizer = load_tokenizer(path, run_cfg)
+            model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device)
+            tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer),
                                   prequantized=quantized is not None)
         executor, run_cfg = TensorParallelExecutor.start_for_dir(path, config)
         with closed_on_error(executor.close):
-            tokenizer = load_tokenizer(path, run_cfg)
+            tokenizer = served_tokenizer(path, run_cfg)
             return cls._serving(executor, config, tokenizer, eos_token_ids(path, tokenizer))
 
     @classmethod
@@ -236,7 +237,7 @@ class LLMEngine:
 
 def _check_placement(model: Transformer, config: EngineConfig) -> None:
     weight = model.tok_embeddings.weight
-    if weight.dtype != torch_dtype(config.dtype) or weight.device.type != torch.device(config.device).type:
+    if weight.dtype != config.torch_dtype or weight.device.type != torch.device(config.device).type:
         raise ConfigError(f"the model is {str(weight.dtype).removeprefix('torch.')} on {weight.device.type} but "
                           f"the engine is configured for dtype={config.dtype!r} on device={config.device!r}; "
                           "load the model that way or change the engine config")
@@ -250,3 +251,17 @@ def _prepare_weights(model: Transformer, config: EngineConfig, prequantized: boo
         merge_adapter(model, adapter)
     if config.quantization == "int8" and not prequantized:
         quantize_model(model)
+
+
+def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None:
+    """The tokenizer a served model was trained with (`trained_tokenizer`), or None when it has
+    none (then only token-id prompts work). For a Tessera checkpoint (`run_cfg`, its stored run
+    configuration) a tokenizer that cannot be read is None too: the one the run named may be gone
+    from this machine, or the bundled one absent from a source checkout."""
+    if not run_cfg:  # a model directory: its own tokenizer.json, or none
+        source = trained_tokenizer(path)
+        return None if source is None else load_tokenizer(source)
+    try:
+        return load_tokenizer(trained_tokenizer(path))
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer: serve token ids only
+        return None

@@ -20,7 +20,6 @@ import torch
 
 from tessera.infer.config import EngineConfig
 from tessera.infer.lora import LoRAManager
-from tessera.infer.model_loading import torch_dtype
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
 from tessera.infer.speculative import build_proposer
@@ -64,7 +63,7 @@ def closed_on_error(close: Callable[[], None]):
 
 
 def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
-    return LoRAManager(model, config.max_loras, torch_dtype(config.dtype), torch.device(config.device))
+    return LoRAManager(model, config.max_loras, config.torch_dtype, torch.device(config.device))
 
 
 class InProcessExecutor:

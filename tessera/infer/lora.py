@@ -39,6 +39,7 @@ from torch import nn
 
 from tessera.checkpoint.hf.names import hf_names
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.models.int8 import Int8Linear
 from tessera.models.transformer import Transformer
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
@@ -170,7 +171,7 @@ def _linear_modules(model: Transformer) -> dict[str, str]:
             continue
         name = key[: -len(".weight")]
         m = modules.get(name)
-        if isinstance(m, nn.Linear) or getattr(m, "is_quantized_linear", False):
+        if isinstance(m, nn.Linear | Int8Linear):
             out[hf_keys[0][: -len(".weight")]] = name
     return out
 

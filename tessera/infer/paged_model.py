@@ -20,7 +20,6 @@ from tessera.config.errors import ConfigError
 from tessera.infer.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
-from tessera.infer.model_loading import torch_dtype
 from tessera.infer.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.models.transformer import Transformer
 
@@ -124,7 +123,7 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     blocks_per_seq = -(-(max_model_len + k) // bs)
     num_blocks = config.num_blocks
     if num_blocks is None:  # from the memory budget, but always room for one full sequence
-        per_block = bytes_per_block(cfg, bs, torch_dtype(config.dtype), config.kv_cache_dtype == "int8",
+        per_block = bytes_per_block(cfg, bs, config.torch_dtype, config.kv_cache_dtype == "int8",
                                     config.tensor_parallel_size)
         num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq:
@@ -146,7 +145,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     not captured under tensor parallelism (all ranks would have to replay in lockstep)."""
     geometry = cache_geometry(model.cfg, config)
     device = torch.device(config.device if device is None else device)
-    dtype, tp = torch_dtype(config.dtype), config.tensor_parallel_size
+    dtype, tp = config.torch_dtype, config.tensor_parallel_size
     # one block more than the block manager hands out: the scratch block of the decode step's padding rows
     kv = PagedKVCache(model.cfg, geometry.num_blocks + 1, config.block_size, dtype, device,
                       config.kv_cache_dtype == "int8", tp)

@@ -7,10 +7,8 @@ engine quantizes at load with `quantize_model` (EngineConfig.quantization="int8"
 
 from __future__ import annotations
 
-from tessera.checkpoint.int8 import is_quantized_dir, save_quantized
+from tessera.checkpoint.int8 import save_quantized
 from tessera.models.int8 import quantize_model
-
-__all__ = ["is_quantized_dir", "main", "quantize_model"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tessera.checkpoint.loading import load_model
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache
-from tessera.infer.model_loading import load_model, torch_dtype
 from tessera.infer.paged_model import BatchItem, PagedModel
 from tessera.infer.sampling import processed_probs, sample_from
 from tessera.infer.sequence import Sequence
@@ -175,7 +175,7 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int) -> 
         return None
     if spec.method == "prompt_lookup":
         return PromptLookupProposer(spec.num_tokens, spec.ngram_max, spec.ngram_min)
-    dtype = torch_dtype(config.dtype)
-    draft = load_model(spec.draft_model, dtype, config.device)[0]
+    dtype = config.torch_dtype
+    draft = load_model(spec.draft_model, dtype, config.device).model
     return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,
                               config.device)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
+from tessera.checkpoint.int8 import is_quantized_dir
+from tessera.checkpoint.loading import load_model
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.infer.config import EngineConfig
 from tessera.infer.executor import closed_on_error, lora_manager
-from tessera.infer.model_loading import load_model, torch_dtype
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import BatchItem, PagedModel, build_paged_model, cache_geometry
-from tessera.infer.quant import is_quantized_dir
 from tessera.infer.speculative import build_proposer
 from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk
 from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
@@ -89,7 +89,7 @@ class TensorParallelExecutor:
         if (path / "config.json").is_file():
             cfg = read_hf_config(path)
         else:
-            full, _, run_cfg = load_model(path, torch_dtype(config.dtype), rank_device(config.device, 0))
+            full, _, run_cfg = load_model(path, config.torch_dtype, rank_device(config.device, 0))
             cfg = full.cfg
         dims = serving_dims(cfg, n)  # refused before any process starts
         cache_geometry(cfg, config)
@@ -97,7 +97,7 @@ class TensorParallelExecutor:
         with closed_on_error(group.stop):
             dims.build_mesh(group.device.type)
             if full is None:
-                model = load_hf_shard(path, cfg, dims, torch_dtype(config.dtype), group.device)
+                model = load_hf_shard(path, cfg, dims, config.torch_dtype, group.device)
             else:
                 model = cut_for_serving(full, dims)
             group.wait_ready()

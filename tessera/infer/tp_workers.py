@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tessera.checkpoint.loading import load_model
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
-from tessera.infer.model_loading import load_model, torch_dtype
 from tessera.infer.paged_model import build_paged_model
 from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
 from tessera.infer.tp_channel import STOP, StepChannel, serve_worker_steps
@@ -141,7 +141,7 @@ def _loopback_store(world: int) -> dist.TCPStore:
 
 
 def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: torch.device) -> Transformer:
-    dtype = torch_dtype(config.dtype)
+    dtype = config.torch_dtype
     if source.sliced:
         return load_hf_shard(source.path, source.cfg, dims, dtype, device)
     if source.state is not None:
@@ -150,7 +150,7 @@ def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: t
         model.reset_rope()
         model = model.to(device)
     else:
-        model = load_model(source.path, dtype, device)[0]
+        model = load_model(source.path, dtype, device).model
     return cut_for_serving(model, dims)
 
 

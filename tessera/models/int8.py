@@ -34,8 +34,6 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights and one fp32 scale per output channel."""
 
-    is_quantized_linear = True  # what LoRA (tessera/infer/lora.py) asks of a layer it may adapt
-
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
         super().__init__()
