@@ -42,8 +42,13 @@ from tessera.parallel import global_count, global_sum, shard_global_batch, token
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
-from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.train.step_engine import (
+    accumulate_micro_batches,
+    clip_parts_grad_norm,
+    loss_sum_over_rows,
+    update_parts_expert_bias,
+)
 from tessera.train.step_stats import reduce_over_ranks, step_result
 
 
@@ -80,7 +85,7 @@ class ParallelStep:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size
-        local = step_engine.accumulate_micro_batches(
+        local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
             before_backward=self._sync_gradients)
         stats = reduce_over_ranks(local, self.dims)
@@ -96,15 +101,15 @@ class ParallelStep:
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.distributed_optimizers:
             return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
-        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        step_engine.update_expert_bias(self.parts, counts, self.device)
+        update_parts_expert_bias(self.parts, counts, self.device)
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches, summed over ranks."""
         rows = (rank_rows(padded_batch(b, self.global_batch_size), self.dims) for b in batches)
-        total, n = step_engine.loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
+        total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims,
                           token_dim(self.dims))
         return float(both[0]), int(both[1])

@@ -38,9 +38,9 @@ from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.parallel.tied_embeddings import TiedEmbeddings
-from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
 from tessera.train.parallel_step import padded_batch, rank_rows
+from tessera.train.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
 from tessera.train.step_stats import StepStats, reduce_over_ranks, step_result
 
 
@@ -95,7 +95,7 @@ class PipelineStep:
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         self._divisor, self._sums, self._routing = float(max(n_loss_tokens, 1)), [], {}
         try:
-            with step_engine.mixed_precision(self.device, self.autocast_dtype):
+            with mixed_precision(self.device, self.autocast_dtype):
                 self.run.step(inputs.to(self.device), targets.to(self.device))
             if self.tied is not None:
                 self.tied.reduce_gradients()
@@ -115,10 +115,10 @@ class PipelineStep:
         if self.distributed_optimizers:
             return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
         uncounted = self.tied.uncounted if self.tied is not None else ()
-        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims, uncounted)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims, uncounted)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        step_engine.update_expert_bias(self.parts, counts, self.device)
+        update_parts_expert_bias(self.parts, counts, self.device)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
@@ -129,7 +129,7 @@ class PipelineStep:
         for batch in batches:
             inputs, targets = rank_rows(padded_batch(batch, self.global_batch_size), self.dims)
             self._sums = []
-            with step_engine.mixed_precision(self.device, self.autocast_dtype):
+            with mixed_precision(self.device, self.autocast_dtype):
                 self.run.eval_step(inputs.to(self.device), targets.to(self.device))
             for s in self._sums[-self.microbatches:]:
                 total += s.double().cpu()

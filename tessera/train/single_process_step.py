@@ -19,9 +19,14 @@ import torch
 from torch import nn
 
 from tessera.data.batching import Batch
-from tessera.train import step_engine
 from tessera.train.compute_weights import CachedComputeWeights
 from tessera.train.loss import count_loss_tokens, masked_targets
+from tessera.train.step_engine import (
+    accumulate_micro_batches,
+    clip_parts_grad_norm,
+    loss_sum_over_rows,
+    update_parts_expert_bias,
+)
 from tessera.train.step_stats import step_result
 
 
@@ -45,19 +50,19 @@ class SingleProcessStep:
         if self.compute_weights is not None:
             self.compute_weights.refresh()  # the weights changed in the last optimizer step
             forward = self.compute_weights.forward
-        stats = step_engine.accumulate_micro_batches(
+        stats = accumulate_micro_batches(
             self.model, batch.inputs[:rows], targets[:rows], self.mb, n_loss_tokens, self.accumulation,
             self.device, self.autocast_dtype, forward=forward)
         return step_result(stats, n_loss_tokens, self.accumulation, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return step_engine.clip_grad_norm(self.parts, max_norm, None)
+        return clip_parts_grad_norm(self.parts, max_norm, None)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        step_engine.update_expert_bias(self.parts, counts, self.device)
+        update_parts_expert_bias(self.parts, counts, self.device)
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches."""
         rows = ((b.inputs, masked_targets(b.targets, b.target_mask)) for b in batches)
-        total, n = step_engine.loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
+        total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         return float(total), n

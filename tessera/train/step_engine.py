@@ -11,9 +11,9 @@ parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). They share h
   share of the global-batch objective (`loss.micro_batch_objective`) and backward for each
   micro-batch of a rank's rows, statistics gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
-- `clip_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
+- `clip_parts_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
   arithmetic stays what it always was; `tessera.parallel.clip_grad_norm_` over a layout);
-- `update_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
+- `update_parts_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
 
 Targets arrive with the positions outside an SFT loss mask set to IGNORE_INDEX (`masked_targets`),
 so the loss and the token counts need no mask.
@@ -114,7 +114,7 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torc
     return total, n
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
+def clip_parts_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
                    uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip the gradients of `parts` so the whole model's norm is at most `max_norm` (<= 0: only
     measure it); return the norm before clipping. `dims` None: one process. `uncounted`: second
@@ -126,7 +126,7 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims |
     return float(clip_grad_norm_(params, limit, dims, uncounted=uncounted))
 
 
-def update_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
+def update_parts_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
     """Each part updates the expert bias of the MoE layers it holds (pipeline stages: their own)."""
     for m in parts:
         m.update_expert_bias({k: v.to(device) for k, v in counts.items()})
