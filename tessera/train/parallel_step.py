@@ -23,14 +23,14 @@ it, every unit), so each rank accumulates its unsharded gradients locally and ea
 gradient is reduce-scattered (HSDP: and all-reduced across replicas) once, after the last
 micro-batch's backward, instead of once per micro-batch.
 
-With `parallel.optimizer=distributed` there is no FSDP: the attached distributed optimizers
+With `parallel.optimizer=distributed` there is no FSDP: the distributed optimizers it is given
 (tessera.parallel.distributed_optimizer) are told which micro-batch is the last, reduce-scatter
 each gradient bucket during that micro-batch's backward, and measure the gradient norm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_engine import (
     accumulate_micro_batches,
     clip_parts_grad_norm,
@@ -74,12 +75,14 @@ class ParallelStep:
     """The `StepEngine` of dp_replicate / dp_shard / tp / sp / ep / cp layouts (pp = 1)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, micro_batch_size: int, global_batch_size: int,
-                 device: torch.device, autocast_dtype: torch.dtype | None):
+                 device: torch.device, autocast_dtype: torch.dtype | None,
+                 distributed_optimizers: Sequence[DistributedOptimizer] = (),
+                 loss_scaler: DynamicLossScaler | None = None):
         self.parts = [model]
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
-        self.device, self.autocast_dtype = device, autocast_dtype
-        # parallel.optimizer=distributed: it reduces gradients and measures their norm (attached by the trainer)
-        self.distributed_optimizers: list[DistributedOptimizer] = []
+        self.device, self.autocast_dtype, self.loss_scaler = device, autocast_dtype, loss_scaler
+        # parallel.optimizer=distributed: they reduce the gradients and measure their norm
+        self.distributed_optimizers = list(distributed_optimizers)
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
@@ -87,7 +90,7 @@ class ParallelStep:
         micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size
         local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
-            before_backward=self._sync_gradients)
+            before_backward=self._sync_gradients, loss_scaler=self.loss_scaler)
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
 

@@ -33,6 +33,7 @@ from tessera.data.batching import Batch
 from tessera.parallel import clip_grad_norm_
 from tessera.parallel.dims import ParallelDims
 from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
+from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_stats import StepStats
 
 
@@ -66,12 +67,14 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
                              global_loss_tokens: int, global_micro_batches: int, device: torch.device,
                              autocast_dtype: torch.dtype | None,
                              before_backward: Callable[[bool], None] | None = None,
-                             forward: Callable[..., Any] | None = None) -> StepStats:
+                             forward: Callable[..., Any] | None = None,
+                             loss_scaler: DynamicLossScaler | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
     e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
-    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py)."""
+    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py). With
+    `loss_scaler` (fp16) the gradients of the model's outputs are scaled (loss_scaler.py)."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -83,6 +86,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
             out = forward(x, targets=y)
+        if loss_scaler is not None:
+            out = loss_scaler.scale_outputs(out)
         micro_sum = model_loss_sum(out, y)
         micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
         stats.add_loss(micro_sum)

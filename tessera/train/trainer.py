@@ -55,20 +55,18 @@ from tqdm import tqdm
 
 from tessera.checkpoint import dcp as ckpt
 from tessera.checkpoint.run_lock import RunDirLock
-from tessera.config.errors import CheckpointError, ConfigError, TesseraError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.schema import RunConfig, save_config
-from tessera.models import Transformer
-from tessera.models.float8 import convert_to_float8
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
-from tessera.parallel.compile import compile_blocks, resolve_compile
+from tessera.parallel.compile import resolve_compile
+from tessera.train.builder import build_step_engine, build_training_parts
 from tessera.train.comm_metrics import comm_record
 from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
-from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.metrics_writer import MetricsWriter
-from tessera.train.optimizer import build_optimizers, check_distributed_optimizer
-from tessera.train.precision import autocast_dtype, check_fp8, loss_chunk_tokens
+from tessera.train.optimizer import check_distributed_optimizer
+from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
@@ -124,45 +122,17 @@ class Trainer:
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
                               f"{self.data.vocab_size} tokens, so it must be >= {self.data.vocab_size}")
-        # On several ranks the model is built without storage and each rank materialises only its
-        # shards: initialised by name from the seed (tessera.parallel.meta_init) or, with
-        # `train.init_from`, read from the source, each rank only its shards
-        # (tessera.checkpoint.sharded_load).
+        # On ranks the model is built without storage and each rank materialises only its shards
+        # (tessera.train.builder).
         self.init_from = t.init_from if resume_from is None else None
-        on_meta = self.layout.dims is not None
-        if on_meta:
-            with torch.device("meta"):
-                model = Transformer(cfg.model, init_seed=None)
-                reference = Transformer(cfg.model, init_seed=None) if self.init_from is None else None
-        else:
-            model = Transformer(cfg.model, init_seed=t.seed if self.init_from is None else None).to(self.device)
-        model.train()
-        model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.device)  # chunked LM-head loss
-        # FP8 matrix products in the blocks' linear layers (same parameters): before parallelisation
-        self.fp8_layers = convert_to_float8(model) if t.fp8 else []
-        self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        self.init_bytes_read = 0  # bytes this rank read from train.init_from
-        if self.init_from is not None and not on_meta:
-            self.init_bytes_read = self._init_from([model], self.init_from)
-        self.engine = self._build_engine(model)
-        self.parts = self.engine.parts
-        self.loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None  # fp16: tessera.train.loss_scaler
-        if self.loss_scaler is not None:
-            self.loss_scaler.attach(self.parts)
-        if on_meta:
-            with self.layout.phase("initialising the weights"):
-                if self.init_from is not None:
-                    self.init_bytes_read = self._init_from(self.parts, self.init_from)
-                else:
-                    from tessera.parallel.meta_init import materialize_by_name
-
-                    materialize_by_name(self.parts, reference, t.seed, self.device)
+        built = build_training_parts(cfg, self.layout, self.init_from, self.compile)
+        self.parts, self.optimizers, self.loss_scaler = built.parts, built.optimizers, built.loss_scaler
+        self.distributed_optimizers = built.distributed_optimizers
+        self.full_shapes, self.fp8_layers = built.full_shapes, built.fp8_layers
+        self.init_bytes_read = built.init_bytes_read  # bytes this rank read from train.init_from
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
-        # AdamW per part, or the distributed optimizers, which the step engine then drives too
-        self.optimizers = build_optimizers(self.parts, cfg, self.layout.dims, self.autocast_dtype or torch.float32)
-        if cfg.parallel.optimizer == "distributed" and self.layout.dims is not None:
-            self.engine.distributed_optimizers = self.optimizers
         self.optimizer = self.optimizers[0]
+        self.engine: StepEngine = build_step_engine(cfg, self.layout, built)
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self.step = 0
         self.tokens_seen = 0
@@ -210,54 +180,6 @@ class Trainer:
         """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing corpus."""
         data = self.layout.on_coordinator(lambda: build_training_data(self.cfg))
         return data if data is not None else build_training_data(self.cfg)
-
-    def _build_engine(self, model: Transformer) -> StepEngine:
-        from tessera.train.single_process_step import SingleProcessStep
-
-        t, dims = self.cfg.train, self.layout.dims
-        if dims is None:
-            if self.compile:
-                compile_blocks(model, self.autocast_dtype)
-            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
-                                     t.cast_weights_per_step)
-        param_dtype = self.autocast_dtype or torch.float32
-        with self.layout.phase("parallelizing the model"):
-            if dims.pp > 1:
-                from tessera.train.pipeline_step import PipelineStep
-
-                return PipelineStep(model, dims, self.cfg, self.device, self.autocast_dtype, param_dtype,
-                                    self.compile)
-            from tessera.parallel import parallelize
-            from tessera.train.parallel_step import ParallelStep
-
-            model = parallelize(model, dims, self.cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                device_type=self.device.type, compile_blocks=self.compile)
-            return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
-                                self.autocast_dtype)
-
-    def _init_from(self, parts: list[torch.nn.Module], path: str) -> int:
-        """Weights from a HuggingFace directory or a Tessera checkpoint into this rank's parts (the
-        whole model on one process; meta-built, parallelized shards or stages on several), each rank
-        reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
-        from tessera.checkpoint.sharded_load import load_checkpoint_shards, load_hf_shards
-        from tessera.config.hf_config import is_hf_directory, model_differences, read_hf_config
-
-        if not is_hf_directory(path):
-            return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
-        try:
-            return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
-                                  source=f"train.init_from={path!r}")
-        except CheckpointError as e:  # say which fields of the model section make the shapes differ
-            try:
-                differences = model_differences(self.cfg.model, read_hf_config(path), shapes_only=True)
-            except TesseraError:  # a config.json Tessera cannot read: the weights' own check said what is wrong
-                differences = []
-            if not differences:
-                raise
-            raise CheckpointError(
-                f"{e}; the model section differs from {str(Path(path) / 'config.json')!r} in "
-                f"{', '.join(differences[:4])}{' and more' if len(differences) > 4 else ''}: leave those to the "
-                f"directory (model.from_hf={path!r} takes every field not given from it)") from e
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -445,8 +367,7 @@ class Trainer:
             if writer is not None:
                 writer.close()
             self.run_lock.release()
-        for optimizer in self.optimizers:  # the distributed optimizer's last all-gathers
-            if hasattr(optimizer, "wait_for_params"):
-                optimizer.wait_for_params()
+        for optimizer in self.distributed_optimizers:  # their last all-gathers
+            optimizer.wait_for_params()
         result.last_step = self.step
         return result

@@ -34,6 +34,8 @@ def _grads(model: nn.Module, tokens: torch.Tensor, loss_factor: float, scaler: D
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
         out = model(tokens)
+    if scaler is not None:  # what every step engine does with the model's output (loss_scaler.py)
+        out = scaler.scale_outputs(out)
     (out.logits.float().logsumexp(-1).mean() * loss_factor + out.aux_loss).backward()
     if scaler is not None:
         scaler.unscale_([model])
@@ -44,13 +46,13 @@ def test_scaled_backward_unscales_to_the_plain_gradient():
     model, tokens = _tiny_model(), torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     plain = _grads(model, tokens, 1.0, None, fp16=False)
     scaler = DynamicLossScaler(scale=1024.0)
-    scaler.attach([model])
     scaled = _grads(model, tokens, 1.0, scaler, fp16=False)
     assert set(scaled) == set(plain)
     for name, g in plain.items():  # in fp32, scaling by a power of two and back is exact
         torch.testing.assert_close(scaled[name], g, rtol=1e-6, atol=0, msg=name)
     with torch.no_grad():  # no backward, no scaling: evaluation outputs are untouched
-        assert torch.equal(model(tokens).logits, Transformer(model.cfg, init_seed=0)(tokens).logits)
+        fresh = Transformer(model.cfg, init_seed=0)
+        assert torch.equal(scaler.scale_outputs(model(tokens)).logits, fresh(tokens).logits)
 
 
 def test_loss_scaling_keeps_gradients_that_fp16_flushes_to_zero():
@@ -61,7 +63,6 @@ def test_loss_scaling_keeps_gradients_that_fp16_flushes_to_zero():
     name = "layers.0.attention.wq.weight"
     assert tiny[name].count_nonzero() < 0.5 * reference[name].count_nonzero()  # most entries flushed
     scaler = DynamicLossScaler(scale=2.0**24)
-    scaler.attach([model])
     kept = _grads(model, tokens, 1e-7, scaler)
     torch.testing.assert_close(kept[name] * 1e7, reference[name], rtol=2e-2, atol=1e-4)
 
