@@ -17,8 +17,10 @@ Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-dow
 Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
 the global batch; MoE auxiliary losses of every stage enter backward with weight 1/M (M = micro-
 batches of the global batch, over all data-parallel ranks) by riding on the stage's output
-(`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler). Gradients are not rescaled by the
-schedule (`scale_grads=False`).
+(`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler); under fp16 loss scaling the
+auxiliary loss first passes `aux_grad_scale`, which multiplies its gradient by the loss scale, as
+the loss function does for the logits' gradient. Gradients are not rescaled by the schedule
+(`scale_grads=False`).
 """
 
 from __future__ import annotations

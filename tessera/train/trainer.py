@@ -107,9 +107,6 @@ class Trainer:
         check_fp8(t.fp8, self.device, t.dtype, self.layout.dims.tp if self.layout.dims else 1)
         self.run_lock = RunDirLock(self.run_dir)  # held by rank 0 until train() returns (or self is dropped)
         resume_from = self._checkpoint_to_resume(resume)
-        if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
-            raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
-                              "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
         self.autocast_dtype = autocast_dtype(t.dtype)
         # each block compiled (tessera.parallel.compile); not under tp or the distributed optimizer
         dims = self.layout.dims

@@ -2,7 +2,8 @@
 
 CPU autocast runs fp16, so these are real fp16 runs: the scaler's arithmetic on real gradients, a
 gradient that fp16 flushes to zero without scaling and keeps with it, the trainer backing off and
-skipping a step on overflow, and fp16 training following fp32 for a few steps.
+skipping a step on overflow (one process and every pipeline rank), and fp16 training following
+fp32 for a few steps, and the one-process fp16 run under FSDP and pipeline layouts.
 """
 
 from __future__ import annotations
@@ -167,6 +168,66 @@ def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         assert abs(r["loss"] - w["loss"]) <= 5e-3 * w["loss"], (r, w)
         assert r["loss_scale"] == w["loss_scale"] and "skipped_step" not in r
+
+
+PIPELINE = {"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch_size": 1}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_fp16_under_pipeline_follows_one_process(small_dataset, tmp_path, model):
+    """Loss scaling in the pipeline schedule (the last stage's loss, every stage's auxiliary loss):
+    two pipeline ranks log the one-process fp16 losses and grad norms and end with its weights
+    within the bf16 contract's 5e-3 (observed: 6e-5; an unscaled auxiliary loss moves the MoE
+    weights by 2e-2), with the same loss scale and no skipped step."""
+    from tessera.parallel.testing import run_ranks
+    from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
+
+    fp16 = {"train.dtype": "fp16", "train.micro_batch_size": 1}
+    ref = train_one_process(model, overrides_for(model, small_dataset, tmp_path / "one", 3, **fp16))
+    got = run_ranks(train_on_ranks, 2, model, overrides_for(model, small_dataset, tmp_path / "pp", 3,
+                                                            **{**fp16, **PIPELINE}), timeout=300)
+    assert len(got[0]["records"]) == 3
+    assert_same_training(got, ref, rtol=5e-3)
+    for r in got[0]["records"]:
+        assert r["loss_scale"] == 2.0**16 and "skipped_step" not in r
+
+
+def _pipeline_overflow(overrides: list[str]) -> dict:
+    """On each pipeline rank: a step whose scaled gradients overflow fp16, then one that does not."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = Trainer(load_config(TINY_MOE, overrides))
+
+    def local_weights() -> dict[str, torch.Tensor]:  # this rank's shards: comparing DTensors is a collective
+        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                for m in trainer.parts for n, p in m.named_parameters()}
+
+    before = local_weights()
+
+    def unchanged() -> bool:
+        return all(torch.equal(p, before[n]) for n, p in local_weights().items())
+
+    trainer.loss_scaler.scale = 2.0**100
+    overflow = trainer.train_step()
+    after_overflow = (overflow["skipped"], overflow["loss_scale"], trainer.loss_scaler.scale, unchanged())
+    trainer.loss_scaler.scale = 2.0**10
+    finite = trainer.train_step()
+    return {"overflow": after_overflow, "finite": (finite["skipped"], trainer.loss_scaler.scale, unchanged())}
+
+
+@pytest.mark.dist
+def test_fp16_overflow_under_pipeline_is_skipped_on_every_rank(small_dataset, tmp_path):
+    """The gradient norm is reduced over the stages, so an overflow on any stage skips the step and
+    backs the scale off on every rank alike; the next finite step updates every stage."""
+    from tessera.parallel.testing import run_ranks
+
+    overrides = moe_shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16", "checkpoint.interval": 0,
+                                                          **PIPELINE})
+    ranks = run_ranks(_pipeline_overflow, 2, overrides, timeout=300)
+    for rank in ranks:
+        assert rank["overflow"] == (True, 2.0**100, 2.0**99, True), rank
+        assert rank["finite"] == (False, 2.0**10, False), rank
 
 
 @pytest.mark.parametrize("config,shrink_fn", [(TINY_DENSE, shrink), (TINY_MOE, moe_shrink)], ids=["dense", "moe"])
