@@ -7,7 +7,8 @@ own rows (`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel 
 same rows, context-parallel peers each their chunk of every sequence of them
 (`shard_global_batch`).
 
-The objective follows the numerics contract (DESIGN.md, tessera.train.loss):
+The objective follows the numerics contract (docs/architecture.md, "Numerics contract";
+tessera.train.loss):
 
     loss_r = sum over rank r's micro-batches of [ CE token sum / N  +  aux / M ]
 

@@ -1,7 +1,7 @@
 """Forward/backward of one global batch in one process: micro-batches accumulated in order.
 
-This is the reference every parallel layout is measured against (DESIGN.md, numerics contract),
-so its arithmetic is kept exactly as it is: a change here changes every run's losses. The pieces
+This is the reference every parallel layout is measured against (docs/architecture.md, "Numerics
+contract"): a change to its arithmetic changes every run's losses and every layout's reference. The pieces
 it shares with the parallel engines (micro-batch loop, mixed precision, clipping, expert bias)
 are in step_engine.py.
 

@@ -3,16 +3,22 @@ whatever the layout, and the pieces the engines share.
 
 Three engines implement `StepEngine`: `SingleProcessStep` (one process, the reference every
 layout is measured against), `ParallelStep` (data, tensor + sequence, expert and context
-parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). They share here:
+parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). tessera.train.builder
+constructs the one of the layout over finished parts: parallelized and materialised modules, the
+distributed optimizers where they reduce the gradients, the fp16 loss scaler, and under pp the
+schedule. The engines change no module they are given except for the statistics hooks of
+`PipelineStep`. The trainer unscales, clips and steps the optimizers after `forward_backward`.
+They share here:
 
 - `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
 - `accumulate_micro_batches`: forward (with the targets, so a model whose `loss_chunk_tokens` is
-  set returns its chunked LM-head loss instead of logits: `model_loss_sum`), the micro-batch's
-  share of the global-batch objective (`loss.micro_batch_objective`) and backward for each
-  micro-batch of a rank's rows, statistics gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
+  set returns its chunked LM-head loss instead of logits: `model_loss_sum`), fp16 loss scaling of
+  the model's outputs, the micro-batch's share of the global-batch objective
+  (`loss.micro_batch_objective`) and backward for each micro-batch of a rank's rows, statistics
+  gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
-- `clip_parts_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
-  arithmetic stays what it always was; `tessera.parallel.clip_grad_norm_` over a layout);
+- `clip_parts_grad_norm`: the whole model's gradient norm, clipped (torch's `clip_grad_norm_` in one
+  process, the reference arithmetic; `tessera.parallel.clip_grad_norm_` over a layout);
 - `update_parts_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
 
 Targets arrive with the positions outside an SFT loss mask set to IGNORE_INDEX (`masked_targets`),
