@@ -18,10 +18,10 @@ backward; 2 and 1 keep them gathered between forward and backward (FSDP2 always 
 gradients, so stage 1 behaves as stage 2).
 
 Mixed precision: parameters are cast to `param_dtype` for compute (the fp32 sharded copy is the
-master), gradients are reduced in `reduce_dtype`. The MoE router is the exception (DESIGN.md: fp32
-router): under a low-precision `param_dtype` each router is its own FSDP unit whose policy keeps
-its weight in fp32, so routing decisions see the master weights, as in one process (in fp32
-layouts the router stays inside its block's unit, unchanged).
+master), gradients are reduced in `reduce_dtype`. The MoE router is the exception
+(docs/architecture.md, "Numerics contract": fp32 router): under a low-precision `param_dtype`
+each router is its own FSDP unit whose policy keeps its weight in fp32, so routing decisions see
+the master weights, as in one process (in fp32 layouts the router stays inside its block's unit).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ of Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 stages 1 and 2). FSDP is not involved.
 
     weights        replicated over the data-parallel group, in the compute dtype (the MoE router's
-                   stay fp32, DESIGN.md); each parameter is a view into its bucket's parameter buffer
+                   stay fp32: docs/architecture.md, "Numerics contract"); each parameter is a view
+                   into its bucket's parameter buffer
     gradients      summed (fp32) into contiguous per-bucket buffers by post-accumulate-grad hooks;
                    autograd's own `.grad` is released at once
     master, AdamW  fp32 master weights and both moments for this rank's 1/dp shard of every bucket
@@ -29,7 +30,7 @@ One step, for data-parallel size W and a bucket of n elements (padded to a multi
    whatever runs before each bucket's first use (the expert-bias update, the data loader's next
    batch, the forward of earlier layers); nothing reorders them by first use.
 
-Under pipeline parallelism the trainer gives every stage part its own optimizer with
+Under pipeline parallelism every stage part gets its own optimizer (tessera.train.builder) with
 `overlap=False`: the schedule runs its micro-batches itself (and the zero-bubble schedules write
 weight gradients without autograd's accumulation hooks), so gradients are taken from `.grad` and
 every bucket's reduce-scatter is launched after the schedule's last backward, not during it.

@@ -11,10 +11,11 @@ built without storage (`with torch.device("meta")`), cut into pipeline stages an
     materialize_by_name(parts, reference, seed, device)
 
 `materialize_by_name` allocates this rank's storage (`to_empty`) and sets every tensor BY NAME to
-exactly what `Transformer.init_weights(seed)` gives it on one process (DESIGN.md: initialisation
-by parameter name from one seed): the whole value is computed on its own, from (seed, name)
-(`Transformer.initial_value`), and a DTensor parameter keeps the shard its placements select
-(`distribute_tensor(..., src_data_rank=None)`: every rank cuts its own piece, no communication).
+exactly what `Transformer.init_weights(seed)` gives it on one process (docs/architecture.md,
+"Numerics contract": initialisation by parameter name from one seed): the whole value is
+computed on its own, from (seed, name) (`Transformer.initial_value`), and a DTensor parameter
+keeps the shard its placements select (`distribute_tensor(..., src_data_rank=None)`: every rank
+cuts its own piece, no communication).
 Buffers: the RoPE frequencies are recomputed and the MoE expert biases start at zero.
 """
 

@@ -1,5 +1,5 @@
 """`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
-order (DESIGN.md): tensor/sequence parallel, expert parallel, context parallel, activation
+order (docs/architecture.md, "Training"): tensor/sequence parallel, expert parallel, context parallel, activation
 checkpointing, compile (`compile_blocks=True`), data parallel. Pipeline splitting, when used,
 happens before, on each stage.
 
@@ -8,7 +8,7 @@ initialises every tensor from (seed, its name), so all ranks hold the same weigh
 `parallelize`, which keeps on each rank only its shards, without communication. The result is
 the same model under every layout. For models too large for one device, build on the meta device
 instead, parallelize, then `meta_init.materialize_by_name` allocates and initialises only this
-rank's shards, to the same values (the Trainer does this on several ranks).
+rank's shards, to the same values (tessera.train.builder does this on ranks).
 
     dims = ParallelDims.from_config(run.parallel, world_size)
     dims.validate(run.model, world_size, seq_len)       # before allocating anything
@@ -59,8 +59,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
     if compile_blocks:
         compile_each_block(model, param_dtype)
-    # parallel.optimizer=distributed: no FSDP; the trainer attaches the distributed optimizer
-    # (distributed_optimizer.py) once the weights are materialised.
+    # parallel.optimizer=distributed: no FSDP; the distributed optimizer (distributed_optimizer.py)
+    # is built over the weights once they are materialised (tessera.train.builder).
     if cfg.optimizer == "fsdp" and needs_data_parallel(dims, param_dtype):
         apply_data_parallel(model, dims, cfg.zero_stage, param_dtype, reduce_dtype)
     return model

@@ -17,8 +17,10 @@ Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-dow
 Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
 the global batch; MoE auxiliary losses of every stage enter backward with weight 1/M (M = micro-
 batches of the global batch, over all data-parallel ranks) by riding on the stage's output
-(`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler). Gradients are not rescaled by the
-schedule (`scale_grads=False`).
+(`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler); under fp16 loss scaling the
+auxiliary loss first passes `aux_grad_scale`, which multiplies its gradient by the loss scale, as
+the loss function does for the logits' gradient. Gradients are not rescaled by the schedule
+(`scale_grads=False`).
 """
 
 from __future__ import annotations
@@ -104,9 +106,11 @@ def _pass_hidden_states(h_BSD: torch.Tensor) -> torch.Tensor:
     return h_BSD
 
 
-def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float) -> nn.Module:
+def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float,
+                aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
     """Turn `model` (in place) into pipeline stage `stage`: keep its layers, drop the rest, and
-    make its forward return one tensor (hidden states, or logits on the last stage)."""
+    make its forward return one tensor (hidden states, or logits on the last stage).
+    `aux_grad_scale` (fp16 loss scaling) takes the auxiliary loss before it is weighted."""
     owned = stage_layer_ids(len(model.layers), num_stages)[stage]
     for key in list(model.layers.keys()):
         if int(key) not in owned:
@@ -119,7 +123,7 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float)
         model.lm_head = _pass_hidden_states  # no head here: hidden states go to the next stage
 
     def stage_output(module, args, out):
-        aux = out.aux_loss * aux_scale
+        aux = (aux_grad_scale(out.aux_loss) if aux_grad_scale is not None else out.aux_loss) * aux_scale
         return AttachAuxLoss.apply(out.logits, aux) if aux.requires_grad else out.logits
 
     model.register_forward_hook(stage_output)
@@ -180,7 +184,8 @@ class PipelineRun:
 
 
 def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale: float,
-                       parallelize_stage: Callable[[nn.Module], nn.Module] | None = None
+                       parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+                       aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
                        ) -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and stage modules: `model` split (the last stage in place, the others
     from copies) and each parallelized by `parallelize_stage`. The mesh must exist."""
@@ -188,7 +193,8 @@ def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale
     stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, vpp)
     modules = []
     for i, s in enumerate(stage_ids):
-        m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale)
+        m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale,
+                        aux_grad_scale)
         modules.append(parallelize_stage(m) if parallelize_stage is not None else m)
     return stage_ids, modules
 
@@ -196,13 +202,15 @@ def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale
 def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], aux_scale: float,
                    parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
-                   device: torch.device | str = "cpu") -> PipelineRun:
+                   device: torch.device | str = "cpu",
+                   aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PipelineRun:
     """Split the full `model` into this rank's stages, parallelize each (TP/EP/AC/FSDP through
     `parallelize_stage`, e.g. `lambda m: parallelize(m, dims, cfg)`), and build the schedule.
 
     `loss_fn(logits, targets)` is one micro-batch's loss (token-loss sum / global loss tokens);
     `aux_scale` the weight of a micro-batch's MoE auxiliary loss (1 / micro-batches of the global
-    batch)."""
+    batch); `aux_grad_scale` what fp16 loss scaling applies to that loss first (the loss function
+    scales its own)."""
     if cfg.pp_schedule not in SCHEDULES:
         raise ParallelError(f"pp_schedule={cfg.pp_schedule!r} is invalid: one of {', '.join(SCHEDULES)}")
     if cfg.vpp > 1 and cfg.pp_schedule not in MULTI_STAGE:
@@ -218,7 +226,7 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     if dims.mesh is None:
         dims.build_mesh(str(device).split(":")[0])
     num_stages = dims.pp * cfg.vpp
-    stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage)
+    stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage, aux_grad_scale)
     group = dims["pp"].get_group()
     stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
               for s, m in zip(stage_ids, modules, strict=True)]

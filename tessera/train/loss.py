@@ -9,7 +9,7 @@ Dividing each micro-batch's token sum by the global N (not by its own count) mak
 of accumulated micro-batches equal to the gradient of one big batch, whatever the number of loss
 tokens each micro-batch holds (SFT masks make them differ). A mean of per-micro-batch means
 would weight a token of a short micro-batch more than one of a long one. The MoE auxiliary
-losses are defined per micro-batch over its own tokens (DESIGN.md, numerics contract) and
+losses are defined per micro-batch over its own tokens (docs/architecture.md, "Numerics contract") and
 averaged over micro-batches.
 
 `token_loss_sum` is the one token-loss function of every engine and layout: on logits sharded

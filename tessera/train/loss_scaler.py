@@ -9,12 +9,28 @@ so it stays near the largest value that does not overflow.
 
 The loss is a function of the model's outputs only (`logits`, or `loss_sum` when the model
 computes its chunked LM-head loss itself, and `aux_loss` of `ModelOutput`: tessera.train.loss),
-so scaling the gradient that flows into those outputs is the same as scaling the loss, and needs
-no change to any step engine: `attach` adds a forward hook on each model part that routes them
-through an identity whose backward multiplies by S.
+so multiplying the gradient that flows into those outputs by S is the same as scaling the loss.
+Every step engine receives the scaler (None outside fp16) and applies it where its loss is made:
 
-    scaler = DynamicLossScaler(); scaler.attach(parts)
-    engine.forward_backward(batch); scaler.unscale_(parts)        # grads back to their true size
+- `SingleProcessStep`, `ParallelStep`: `scale_outputs` on each micro-batch's model output
+  (step_engine.accumulate_micro_batches);
+- `PipelineStep`: `scale_grad` on the last stage's logits in the schedule's loss function
+  (pipeline_step.PipelineLoss) and on every stage's auxiliary loss before it rides on the stage
+  output (tessera.parallel.pipeline, `aux_grad_scale`).
+
+The trainer's step then divides the gradients by S (`unscale_`), measures the global gradient
+norm, skips the update if it is not finite and calls `update`. The norm is reduced over all
+ranks, so every rank (every pipeline stage too) skips, backs off and grows alike.
+
+fp16 logits: the loss casts them to fp32, and the backward of that cast rounds their gradient to
+fp16 at its unscaled size before `scale_grad` multiplies it (entries below fp16's smallest
+subnormal, ~6e-8, are zero by then); S keeps what flows back from there in fp16's range. The
+chunked loss (`loss_sum`) and the auxiliary losses are fp32, so their gradients are scaled before
+any fp16 rounding.
+
+    scaler = DynamicLossScaler()
+    out = scaler.scale_outputs(model(x, targets=y)); objective(out).backward()
+    scaler.unscale_(parts)                                        # grads back to their true size
     norm = clip(...); skipped = not isfinite(norm); scaler.update(found_inf=skipped)
 """
 
@@ -22,10 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
+
+from tessera.models.transformer import ModelOutput
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -51,17 +68,17 @@ class DynamicLossScaler:
     growth_interval: int = 2000  # finite steps in a row before the scale grows
     good_steps: int = 0  # finite steps since the last change of scale
 
-    def scale_outputs(self, module: nn.Module, args: Any, out: Any) -> Any:
-        """Forward hook: the model output with `logits`, `loss_sum` and `aux_loss` scaled in backward."""
-        if not torch.is_grad_enabled() or not dataclasses.is_dataclass(out):
-            return out
-        changes = {name: _ScaleGrad.apply(getattr(out, name), self.scale) for name in ("logits", "loss_sum", "aux_loss")
-                   if isinstance(getattr(out, name, None), torch.Tensor) and getattr(out, name).requires_grad}
-        return dataclasses.replace(out, **changes) if changes else out
+    def scale_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` unchanged; its gradient multiplied by the scale in backward (x as is where no
+        backward will run: no gradient recorded, or `x` needs none)."""
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return x
+        return _ScaleGrad.apply(x, self.scale)
 
-    def attach(self, modules: Iterable[nn.Module]) -> None:
-        for m in modules:
-            m.register_forward_hook(self.scale_outputs)
+    def scale_outputs(self, out: ModelOutput) -> ModelOutput:
+        """The model output with the gradients of `logits`, `loss_sum` and `aux_loss` scaled."""
+        losses = {"logits": out.logits, "loss_sum": out.loss_sum, "aux_loss": out.aux_loss}
+        return dataclasses.replace(out, **{k: self.scale_grad(v) for k, v in losses.items() if v is not None})
 
     @torch.no_grad()
     def unscale_(self, modules: Iterable[nn.Module]) -> None:

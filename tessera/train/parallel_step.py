@@ -7,7 +7,8 @@ own rows (`dp_rows`: data-parallel coordinate d reads block d); tensor-parallel 
 same rows, context-parallel peers each their chunk of every sequence of them
 (`shard_global_batch`).
 
-The objective follows the numerics contract (DESIGN.md, tessera.train.loss):
+The objective follows the numerics contract (docs/architecture.md, "Numerics contract";
+tessera.train.loss):
 
     loss_r = sum over rank r's micro-batches of [ CE token sum / N  +  aux / M ]
 
@@ -23,14 +24,14 @@ it, every unit), so each rank accumulates its unsharded gradients locally and ea
 gradient is reduce-scattered (HSDP: and all-reduced across replicas) once, after the last
 micro-batch's backward, instead of once per micro-batch.
 
-With `parallel.optimizer=distributed` there is no FSDP: the attached distributed optimizers
+With `parallel.optimizer=distributed` there is no FSDP: the distributed optimizers it is given
 (tessera.parallel.distributed_optimizer) are told which micro-batch is the last, reduce-scatter
 each gradient bucket during that micro-batch's backward, and measure the gradient norm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,8 +43,14 @@ from tessera.parallel import global_count, global_sum, shard_global_batch, token
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
-from tessera.train import step_engine
 from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.step_engine import (
+    accumulate_micro_batches,
+    clip_parts_grad_norm,
+    loss_sum_over_rows,
+    update_parts_expert_bias,
+)
 from tessera.train.step_stats import reduce_over_ranks, step_result
 
 
@@ -69,20 +76,22 @@ class ParallelStep:
     """The `StepEngine` of dp_replicate / dp_shard / tp / sp / ep / cp layouts (pp = 1)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, micro_batch_size: int, global_batch_size: int,
-                 device: torch.device, autocast_dtype: torch.dtype | None):
+                 device: torch.device, autocast_dtype: torch.dtype | None,
+                 distributed_optimizers: Sequence[DistributedOptimizer] = (),
+                 loss_scaler: DynamicLossScaler | None = None):
         self.parts = [model]
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
-        self.device, self.autocast_dtype = device, autocast_dtype
-        # parallel.optimizer=distributed: it reduces gradients and measures their norm (attached by the trainer)
-        self.distributed_optimizers: list[DistributedOptimizer] = []
+        self.device, self.autocast_dtype, self.loss_scaler = device, autocast_dtype, loss_scaler
+        # parallel.optimizer=distributed: they reduce the gradients and measure their norm
+        self.distributed_optimizers = list(distributed_optimizers)
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size
-        local = step_engine.accumulate_micro_batches(
+        local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
-            before_backward=self._sync_gradients)
+            before_backward=self._sync_gradients, loss_scaler=self.loss_scaler)
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
 
@@ -96,15 +105,15 @@ class ParallelStep:
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.distributed_optimizers:
             return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
-        return step_engine.clip_grad_norm(self.parts, max_norm, self.dims)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        step_engine.update_expert_bias(self.parts, counts, self.device)
+        update_parts_expert_bias(self.parts, counts, self.device)
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches, summed over ranks."""
         rows = (rank_rows(padded_batch(b, self.global_batch_size), self.dims) for b in batches)
-        total, n = step_engine.loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
+        total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims,
                           token_dim(self.dims))
         return float(both[0]), int(both[1])

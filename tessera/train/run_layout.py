@@ -5,7 +5,7 @@
 `parallel` section against the world size and the model's shapes before any weight is allocated,
 and builds the mesh. A job of one rank (`--nproc 1`, `torchrun --nproc-per-node 1`) is a layout
 too, in a process group of one. With one process (no launcher) there is no process group and no
-mesh: the trainer then runs its single-process step, unchanged.
+mesh: the trainer then runs the single-process step.
 
 Rank 0 is the coordinator: it alone writes metrics.jsonl, config.yaml, TensorBoard events, the
 progress bar and the checkpoint directory's bookkeeping; every rank reads the same global batches.

@@ -1,7 +1,7 @@
 """Forward/backward of one global batch in one process: micro-batches accumulated in order.
 
-This is the reference every parallel layout is measured against (DESIGN.md, numerics contract),
-so its arithmetic is kept exactly as it is: a change here changes every run's losses. The pieces
+This is the reference every parallel layout is measured against (docs/architecture.md, "Numerics
+contract"): a change to its arithmetic changes every run's losses and every layout's reference. The pieces
 it shares with the parallel engines (micro-batch loop, mixed precision, clipping, expert bias)
 are in step_engine.py.
 
@@ -19,9 +19,15 @@ import torch
 from torch import nn
 
 from tessera.data.batching import Batch
-from tessera.train import step_engine
 from tessera.train.compute_weights import CachedComputeWeights
 from tessera.train.loss import count_loss_tokens, masked_targets
+from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.step_engine import (
+    accumulate_micro_batches,
+    clip_parts_grad_norm,
+    loss_sum_over_rows,
+    update_parts_expert_bias,
+)
 from tessera.train.step_stats import step_result
 
 
@@ -29,10 +35,11 @@ class SingleProcessStep:
     """The `StepEngine` of a one-process run."""
 
     def __init__(self, model: nn.Module, micro_batch_size: int, accumulation: int, device: torch.device,
-                 autocast_dtype: torch.dtype | None, cast_weights_per_step: bool = True):
+                 autocast_dtype: torch.dtype | None, cast_weights_per_step: bool = True,
+                 loss_scaler: DynamicLossScaler | None = None):
         self.parts = [model]
         self.model, self.mb, self.accumulation = model, micro_batch_size, accumulation
-        self.device, self.autocast_dtype = device, autocast_dtype
+        self.device, self.autocast_dtype, self.loss_scaler = device, autocast_dtype, loss_scaler
         self.compute_weights = (CachedComputeWeights(model, autocast_dtype)
                                 if autocast_dtype is not None and cast_weights_per_step else None)
 
@@ -45,19 +52,19 @@ class SingleProcessStep:
         if self.compute_weights is not None:
             self.compute_weights.refresh()  # the weights changed in the last optimizer step
             forward = self.compute_weights.forward
-        stats = step_engine.accumulate_micro_batches(
+        stats = accumulate_micro_batches(
             self.model, batch.inputs[:rows], targets[:rows], self.mb, n_loss_tokens, self.accumulation,
-            self.device, self.autocast_dtype, forward=forward)
+            self.device, self.autocast_dtype, forward=forward, loss_scaler=self.loss_scaler)
         return step_result(stats, n_loss_tokens, self.accumulation, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return step_engine.clip_grad_norm(self.parts, max_norm, None)
+        return clip_parts_grad_norm(self.parts, max_norm, None)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        step_engine.update_expert_bias(self.parts, counts, self.device)
+        update_parts_expert_bias(self.parts, counts, self.device)
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches."""
         rows = ((b.inputs, masked_targets(b.targets, b.target_mask)) for b in batches)
-        total, n = step_engine.loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
+        total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         return float(total), n

@@ -3,17 +3,23 @@ whatever the layout, and the pieces the engines share.
 
 Three engines implement `StepEngine`: `SingleProcessStep` (one process, the reference every
 layout is measured against), `ParallelStep` (data, tensor + sequence, expert and context
-parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). They share here:
+parallelism, pp = 1) and `PipelineStep` (pp > 1 with any of those). tessera.train.builder
+constructs the one of the layout over finished parts: parallelized and materialised modules, the
+distributed optimizers where they reduce the gradients, the fp16 loss scaler, and under pp the
+schedule. The engines change no module they are given except for the statistics hooks of
+`PipelineStep`. The trainer unscales, clips and steps the optimizers after `forward_backward`.
+They share here:
 
 - `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
 - `accumulate_micro_batches`: forward (with the targets, so a model whose `loss_chunk_tokens` is
-  set returns its chunked LM-head loss instead of logits: `model_loss_sum`), the micro-batch's
-  share of the global-batch objective (`loss.micro_batch_objective`) and backward for each
-  micro-batch of a rank's rows, statistics gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
+  set returns its chunked LM-head loss instead of logits: `model_loss_sum`), fp16 loss scaling of
+  the model's outputs, the micro-batch's share of the global-batch objective
+  (`loss.micro_batch_objective`) and backward for each micro-batch of a rank's rows, statistics
+  gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
-- `clip_grad_norm`: the whole model's gradient norm, clipped (torch's on one process: that run's
-  arithmetic stays what it always was; `tessera.parallel.clip_grad_norm_` over a layout);
-- `update_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
+- `clip_parts_grad_norm`: the whole model's gradient norm, clipped (torch's `clip_grad_norm_` in one
+  process, the reference arithmetic; `tessera.parallel.clip_grad_norm_` over a layout);
+- `update_parts_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
 
 Targets arrive with the positions outside an SFT loss mask set to IGNORE_INDEX (`masked_targets`),
 so the loss and the token counts need no mask.
@@ -33,6 +39,7 @@ from tessera.data.batching import Batch
 from tessera.parallel import clip_grad_norm_
 from tessera.parallel.dims import ParallelDims
 from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
+from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_stats import StepStats
 
 
@@ -66,12 +73,14 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
                              global_loss_tokens: int, global_micro_batches: int, device: torch.device,
                              autocast_dtype: torch.dtype | None,
                              before_backward: Callable[[bool], None] | None = None,
-                             forward: Callable[..., Any] | None = None) -> StepStats:
+                             forward: Callable[..., Any] | None = None,
+                             loss_scaler: DynamicLossScaler | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
     e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
-    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py)."""
+    itself) runs the model, e.g. with its weights' compute copies (compute_weights.py). With
+    `loss_scaler` (fp16) the gradients of the model's outputs are scaled (loss_scaler.py)."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -83,6 +92,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
             out = forward(x, targets=y)
+        if loss_scaler is not None:
+            out = loss_scaler.scale_outputs(out)
         micro_sum = model_loss_sum(out, y)
         micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
         stats.add_loss(micro_sum)
@@ -114,7 +125,7 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torc
     return total, n
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
+def clip_parts_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
                    uncounted: Iterable[torch.Tensor] = ()) -> float:
     """Clip the gradients of `parts` so the whole model's norm is at most `max_norm` (<= 0: only
     measure it); return the norm before clipping. `dims` None: one process. `uncounted`: second
@@ -126,7 +137,7 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims |
     return float(clip_grad_norm_(params, limit, dims, uncounted=uncounted))
 
 
-def update_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
+def update_parts_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
     """Each part updates the expert bias of the MoE layers it holds (pipeline stages: their own)."""
     for m in parts:
         m.update_expert_bias({k: v.to(device) for k, v in counts.items()})

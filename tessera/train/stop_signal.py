@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
@@ -39,3 +40,27 @@ class StopSignal:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+class AgreedStop:
+    """Whether the training loop stops after the current step. In one process: as soon as a
+    signal arrived. On several ranks (`max_over_ranks` given): after the step at whose end any rank
+    had received one, so that every rank stops after the same step; `agree` (called by every rank
+    after every step) takes the largest signal number over the ranks."""
+
+    def __init__(self, signal: StopSignal, max_over_ranks: Callable[[int], int] | None = None):
+        self.signal, self._max_over_ranks = signal, max_over_ranks
+        self._agreed: int | None = None
+
+    def agree(self) -> None:
+        if self._max_over_ranks is not None:
+            self._agreed = self._max_over_ranks(self.signal.received or 0) or None
+
+    @property
+    def received(self) -> int | None:
+        """The signal number the run stops for (None: none)."""
+        return self._agreed if self._max_over_ranks is not None else self.signal.received
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None

@@ -7,8 +7,8 @@
                                   every rank, so DCP stores it once)
     rng.rank<r>                   rank r's RNG states (Python, NumPy, torch CPU/CUDA), JSON text
 
-Nothing in a checkpoint is unpickled beyond plain data. Checkpoints written before trainer and RNG
-state became JSON hold them as pickles: those are read with the restricted unpickler
+Nothing in a checkpoint is unpickled beyond plain data. Checkpoints of the older format hold trainer
+and RNG state as pickles: those are read with the restricted unpickler
 (tessera.checkpoint.dcp.restricted_unpickle), which builds only containers, numbers, NumPy arrays and
 tensors and refuses anything else with a CheckpointError.
 

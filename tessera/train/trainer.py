@@ -4,36 +4,25 @@
     result = trainer.train()
 
 One optimizer step takes one global batch of `train.global_batch_size` samples from the data
-pipeline, splits it into micro-batches of `train.micro_batch_size`, and accumulates gradients of
-`loss.micro_batch_objective` so that the step's gradient is that of the whole global batch
-(`tessera.train.loss`). In bf16 mode the fp32 weights are the master copy: forward and backward
-run under autocast, the optimizer updates the fp32 parameters; fp16 likewise, with dynamic loss
-scaling (loss_scaler.py). After the update the MoE expert bias takes one aux-loss-free balancing
-step from the step's summed routing counts.
-
-Every `train.log_interval` steps (and at the first, last, evaluation and stopping steps) one JSON
-object goes to `run_dir/metrics.jsonl` and TensorBoard:
-  step; loss (cross-entropy per loss token of the global batch, aux losses excluded); lr;
-  grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
-  (None without a known peak), averaged since the previous line; loss_tokens (of this step's
-  global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
-  val_loss and val_ppl on evaluation steps; loss_scale in fp16 (the scale the step's backward
-  used); for MoE models aux_loss, aux/layer{i}/{name} and expert_load/layer{i}/{max_over_mean,
-  max_tokens, mean_tokens} (routing slots per expert, summed over the step's micro-batches); with
-  log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes (tessera.parallel.comm_stats, summed over
-  ranks) and comm/max_rank_bytes.
+pipeline; the step engine (step_engine.py: one process, pp = 1 layouts, pipelines) splits it into
+micro-batches and accumulates gradients of `loss.micro_batch_objective`, so that the step's
+gradient is that of the whole global batch (`tessera.train.loss`). In bf16 mode the fp32 weights
+are the master copy: forward and backward run under autocast, the optimizer updates the fp32
+parameters; fp16 likewise, with dynamic loss scaling (loss_scaler.py: the engines scale the
+backward, the step here unscales, skips a non-finite step and adapts the scale). After the update
+the MoE expert bias takes one aux-loss-free balancing step from the step's summed routing counts.
+Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: run_directory.py.
 
 Layouts. On ranks (`tessera train --nproc N`, torchrun, or a process group the caller made; a job
-of one rank too) the `parallel` section decides the layout (run_layout.py): every rank builds the
-model on the meta device, cuts it into its shards (`tessera.parallel.parallelize`) or pipeline stages
-(pipeline_step.py), then allocates only those and initialises them by name from the seed
-(`tessera.parallel.meta_init`), to the values one process has; with `train.init_from` each rank
-reads only its shards from the HuggingFace directory or Tessera checkpoint
-(`tessera.checkpoint.parts`; `init_bytes_read` counts them); every rank reads the whole
-global batch and takes its rows, so the data order does not depend on the layout; statistics are
-summed over ranks and rank 0 writes the metrics, the progress bar and the checkpoint bookkeeping.
-With one process nothing of this runs: the step is single_process_step.py, bit for bit what it
-always was. In bf16 every layout computes under autocast as one process does, and where FSDP holds
+of one rank too) the `parallel` section decides the layout (run_layout.py) and tessera.train.builder
+builds this rank's parts: the model built on the meta device, cut into its shards or pipeline
+stages, then only those allocated and initialised by name from the seed, to the values one
+process has, or with `train.init_from` read from the source, each rank only its shards
+(`init_bytes_read` counts them). Every rank reads the whole global batch and takes its rows, so
+the data order does not depend on the layout; statistics are summed over ranks and rank 0 writes
+the metrics, the progress bar and the checkpoint bookkeeping. With one process there is no
+process group: the step is single_process_step.py, the reference every layout is measured
+against. In bf16 every layout computes under autocast as one process does, and where FSDP holds
 the weights it also casts them to bf16 for compute (fp32 shards stay the master copy, gradients are
 reduced in fp32), except the MoE router's, which FSDP keeps in fp32
 (tessera.parallel.data_parallel), as one process does. With `parallel.optimizer=distributed` FSDP is
@@ -46,6 +35,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,31 +43,28 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.run_lock import RunDirLock
-from tessera.config.errors import CheckpointError, ConfigError, TesseraError
-from tessera.config.schema import RunConfig, save_config
-from tessera.models import Transformer
-from tessera.models.float8 import convert_to_float8
+from tessera.config.errors import ConfigError
+from tessera.config.schema import RunConfig
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
-from tessera.parallel.compile import compile_blocks, resolve_compile
+from tessera.parallel.compile import resolve_compile
+from tessera.train.builder import build_step_engine, build_training_parts
 from tessera.train.comm_metrics import comm_record
 from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
-from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.metric_record import ThroughputWindow, step_record
 from tessera.train.metrics_writer import MetricsWriter
-from tessera.train.optimizer import build_optimizers, check_distributed_optimizer
-from tessera.train.precision import autocast_dtype, check_fp8, loss_chunk_tokens
+from tessera.train.optimizer import check_distributed_optimizer
+from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rng_state import seed_everything
+from tessera.train.run_directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import StepEngine
-from tessera.train.stop_signal import StopSignal
+from tessera.train.stop_signal import AgreedStop, StopSignal
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
 from tessera.train.train_checkpoint import load_training_state, save_training_state
-
-CHECKPOINT_DIR = "checkpoints"
 
 __all__ = ["CHECKPOINT_DIR", "TrainResult", "Trainer", "resolve_device"]
 
@@ -106,159 +93,45 @@ class Trainer:
         self.device = self.layout.device
         self.dp_size = self.layout.dp_size
         self.accumulation = cfg.accumulation_steps(self.dp_size)
-        check_fp8(t.fp8, self.device, t.dtype, self.layout.dims.tp if self.layout.dims else 1)
+        dims = self.layout.dims
+        check_fp8(t.fp8, self.device, t.dtype, dims.tp if dims else 1)
         self.run_lock = RunDirLock(self.run_dir)  # held by rank 0 until train() returns (or self is dropped)
-        resume_from = self._checkpoint_to_resume(resume)
-        if t.dtype == "fp16" and self.layout.dims is not None and self.layout.dims.pp > 1:
-            raise ConfigError("train.dtype=fp16 is invalid with parallel.pp > 1: loss scaling is not wired into "
-                              "the pipeline schedules; use train.dtype=bf16 or parallel.pp=1")
+        self.resumed_from = checkpoint_to_resume(self.layout, self.run_lock, self.run_dir, resume)
+        self.latest_checkpoint = self.resumed_from  # the checkpoint of the current step, once one exists
         self.autocast_dtype = autocast_dtype(t.dtype)
         # each block compiled (tessera.parallel.compile); not under tp or the distributed optimizer
-        dims = self.layout.dims
         distributed_optimizer = dims is not None and cfg.parallel.optimizer == "distributed"
         self.compile = resolve_compile(t.compile, self.device, dims.tp if dims else 1, distributed_optimizer)
         check_distributed_optimizer(cfg, dims)
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
-        if self.data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
-                              f"{self.data.vocab_size} tokens, so it must be >= {self.data.vocab_size}")
-        # On several ranks the model is built without storage and each rank materialises only its
-        # shards: initialised by name from the seed (tessera.parallel.meta_init) or, with
-        # `train.init_from`, read from the source, each rank only its shards
-        # (tessera.checkpoint.parts).
-        self.init_from = t.init_from if resume_from is None else None
-        on_meta = self.layout.dims is not None
-        if on_meta:
-            with torch.device("meta"):
-                model = Transformer(cfg.model, init_seed=None)
-                reference = Transformer(cfg.model, init_seed=None) if self.init_from is None else None
-        else:
-            model = Transformer(cfg.model, init_seed=t.seed if self.init_from is None else None).to(self.device)
-        model.train()
-        model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, self.device)  # chunked LM-head loss
-        # FP8 matrix products in the blocks' linear layers (same parameters): before parallelisation
-        self.fp8_layers = convert_to_float8(model) if t.fp8 else []
-        self.full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        self.init_bytes_read = 0  # bytes this rank read from train.init_from
-        if self.init_from is not None and not on_meta:
-            self.init_bytes_read = self._init_from([model], self.init_from)
-        self.engine = self._build_engine(model)
-        self.parts = self.engine.parts
-        self.loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None  # fp16: tessera.train.loss_scaler
-        if self.loss_scaler is not None:
-            self.loss_scaler.attach(self.parts)
-        if on_meta:
-            with self.layout.phase("initialising the weights"):
-                if self.init_from is not None:
-                    self.init_bytes_read = self._init_from(self.parts, self.init_from)
-                else:
-                    from tessera.parallel.meta_init import materialize_by_name
-
-                    materialize_by_name(self.parts, reference, t.seed, self.device)
+        self.init_from = t.init_from if self.resumed_from is None else None
+        built = build_training_parts(cfg, self.layout, self.init_from, self.compile)
+        self.parts, self.optimizers, self.loss_scaler = built.parts, built.optimizers, built.loss_scaler
+        self.distributed_optimizers = built.distributed_optimizers
+        self.full_shapes, self.fp8_layers = built.full_shapes, built.fp8_layers
+        self.init_bytes_read = built.init_bytes_read  # bytes this rank read from train.init_from
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
-        # AdamW per part, or the distributed optimizers, which the step engine then drives too
-        self.optimizers = build_optimizers(self.parts, cfg, self.layout.dims, self.autocast_dtype or torch.float32)
-        if cfg.parallel.optimizer == "distributed" and self.layout.dims is not None:
-            self.engine.distributed_optimizers = self.optimizers
         self.optimizer = self.optimizers[0]
+        self.engine: StepEngine = build_step_engine(cfg, self.layout, built)
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self.step = 0
         self.tokens_seen = 0
-        if resume_from is not None:
-            self._load(resume_from)
+        if self.resumed_from is not None:
+            self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
-        self.resumed_from = resume_from
-        self.latest_checkpoint = resume_from  # the checkpoint of the current step, once one exists
-
-    # ---- setup -----------------------------------------------------------------------------
-    def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        """Rank 0 looks at the run directory and every rank follows its decision.
-
-        Leftovers of an interrupted save are cleaned up first: a crash while a step was saved again
-        leaves that step's complete checkpoint under `.old-step_N-PID` (dcp.remove_partial_saves
-        puts it back), and the step to resume from must be chosen after it is back in place. Before
-        anything, rank 0 locks the run directory (run_lock.py): a second trainer on it is refused.
-        The checkpoint resumed from is the newest whose files match their checksums; each newer
-        damaged one is named on stderr, with the file that is wrong."""
-
-        def decide() -> tuple[str | None, str | None]:
-            self.run_lock.acquire()
-            ckpt.remove_partial_saves(self.ckpt_root)
-            found = ckpt.find_latest(self.ckpt_root)
-            if resume and found is not None:
-                found, damaged = ckpt.find_latest_good(self.ckpt_root)
-                if found is None:
-                    raise CheckpointError(f"no usable checkpoint in {str(self.ckpt_root)!r} to resume from: "
-                                          + "; ".join(damaged))
-                for line in damaged:
-                    print(f"warning: {line}; resuming from {found.name} instead", file=sys.stderr)
-            if not resume and found is not None:
-                return (None, f"run_dir={str(self.run_dir)!r} already holds checkpoints; pass --resume to "
-                              "continue that run, or choose another run_dir")
-            return (str(found) if resume and found is not None else None, None)
-
-        # on_coordinator: the other ranks wait for the cleanup (and fail with rank 0 if it fails).
-        found, error = self.layout.broadcast(self.layout.on_coordinator(decide))
-        if error is not None:
-            raise ConfigError(error)
-        return Path(found) if found is not None else None
 
     def _build_data(self) -> TrainingData:
-        """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing corpus."""
+        """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing
+        corpus. The tokenizer must fit the model's vocabulary."""
         data = self.layout.on_coordinator(lambda: build_training_data(self.cfg))
-        return data if data is not None else build_training_data(self.cfg)
-
-    def _build_engine(self, model: Transformer) -> StepEngine:
-        from tessera.train.single_process_step import SingleProcessStep
-
-        t, dims = self.cfg.train, self.layout.dims
-        if dims is None:
-            if self.compile:
-                compile_blocks(model, self.autocast_dtype)
-            return SingleProcessStep(model, t.micro_batch_size, self.accumulation, self.device, self.autocast_dtype,
-                                     t.cast_weights_per_step)
-        param_dtype = self.autocast_dtype or torch.float32
-        with self.layout.phase("parallelizing the model"):
-            if dims.pp > 1:
-                from tessera.train.pipeline_step import PipelineStep
-
-                return PipelineStep(model, dims, self.cfg, self.device, self.autocast_dtype, param_dtype,
-                                    self.compile)
-            from tessera.parallel import parallelize
-            from tessera.train.parallel_step import ParallelStep
-
-            model = parallelize(model, dims, self.cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                device_type=self.device.type, compile_blocks=self.compile)
-            return ParallelStep(model, dims, t.micro_batch_size, t.global_batch_size, self.device,
-                                self.autocast_dtype)
-
-    def _init_from(self, parts: list[torch.nn.Module], path: str) -> int:
-        """Weights from a HuggingFace directory or a Tessera checkpoint into this rank's parts (the
-        whole model on one process; meta-built, parallelized shards or stages on several), each rank
-        reading only what it holds; optimizer and step start fresh. Returns the bytes read."""
-        from tessera.checkpoint.dcp.shards import load_checkpoint_shards
-        from tessera.checkpoint.hf.load import load_hf_shards
-        from tessera.config.hf_config import is_hf_directory, model_differences, read_hf_config
-
-        if not is_hf_directory(path):
-            return load_checkpoint_shards(parts, ckpt.resolve_checkpoint(path), self.full_shapes, self.device)
-        try:
-            return load_hf_shards(parts, path, self.cfg.model, self.device, shapes=self.full_shapes,
-                                  source=f"train.init_from={path!r}")
-        except CheckpointError as e:  # say which fields of the model section make the shapes differ
-            try:
-                differences = model_differences(self.cfg.model, read_hf_config(path), shapes_only=True)
-            except TesseraError:  # a config.json Tessera cannot read: the weights' own check said what is wrong
-                differences = []
-            if not differences:
-                raise
-            raise CheckpointError(
-                f"{e}; the model section differs from {str(Path(path) / 'config.json')!r} in "
-                f"{', '.join(differences[:4])}{' and more' if len(differences) > 4 else ''}: leave those to the "
-                f"directory (model.from_hf={path!r} takes every field not given from it)") from e
+        data = data if data is not None else build_training_data(self.cfg)
+        if data.vocab_size > self.cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={self.cfg.model.vocab_size} is invalid: the tokenizer has "
+                              f"{data.vocab_size} tokens, so it must be >= {data.vocab_size}")
+        return data
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -288,6 +161,16 @@ class Trainer:
         if self.loss_scaler is not None and "loss_scaler" in trainer:
             self.loss_scaler.load_state_dict(trainer["loss_scaler"])
 
+    def _export_hf(self, checkpoint: Path) -> Path:
+        """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
+        at a time (tessera.checkpoint.hf.export); the other ranks wait, and fail with it if it fails."""
+        from tessera.checkpoint.hf.export import export_checkpoint_to_hf
+
+        out = self.run_dir / (self.cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
+        tokenizer = self.cfg.data.tokenizer or "default"
+        self.layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
+        return out
+
     # ---- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
         """One optimizer step on the next global batch; returns the step's statistics."""
@@ -295,26 +178,10 @@ class Trainer:
         lr = self.scheduler.set_step(self.step)
         batch = self.data.train.next_batch()
         counter = CollectiveCounter() if self.cfg.log.comm_stats else None
-        if counter is not None:
-            counter.__enter__()
-        try:
+        with counter if counter is not None else nullcontext():
             with self.layout.phase("forward/backward"):
                 stats = self.engine.forward_backward(batch)
-            if self.loss_scaler is not None:
-                stats["loss_scale"] = self.loss_scaler.scale
-                self.loss_scaler.unscale_(self.parts)
-            with self.layout.phase("gradient norm"):
-                grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
-            stats["skipped"] = not math.isfinite(grad_norm)
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(found_inf=stats["skipped"])
-            if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
-                with self.layout.phase("optimizer step"):
-                    for optimizer in self.optimizers:
-                        optimizer.step()
-        finally:
-            if counter is not None:
-                counter.__exit__(None, None, None)
+            grad_norm = self._update_weights(stats)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         if stats["counts"]:
@@ -326,15 +193,34 @@ class Trainer:
                 stats["comm"] = comm_record(counter, self.layout)
         return stats
 
-    def _export_hf(self, checkpoint: Path) -> Path:
-        """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
-        at a time (tessera.checkpoint.hf.export); the other ranks wait, and fail with it if it fails."""
-        from tessera.checkpoint.hf.export import export_checkpoint_to_hf
+    def _update_weights(self, stats: dict[str, Any]) -> float:
+        """The optimizer step on the accumulated gradients: unscaled (fp16), their norm measured and
+        clipped, skipped when it is not finite (sets `stats["skipped"]`); returns the norm. The norm
+        is the whole model's, the same on every rank, so every rank skips (and backs off) alike."""
+        if self.loss_scaler is not None:
+            stats["loss_scale"] = self.loss_scaler.scale
+            self.loss_scaler.unscale_(self.parts)
+        with self.layout.phase("gradient norm"):
+            grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+        stats["skipped"] = not math.isfinite(grad_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=stats["skipped"])
+        if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
+            with self.layout.phase("optimizer step"):
+                for optimizer in self.optimizers:
+                    optimizer.step()
+        return grad_norm
 
-        out = self.run_dir / (self.cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
-        tokenizer = self.cfg.data.tokenizer or "default"
-        self.layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
-        return out
+    def _timed_step(self, window: ThroughputWindow) -> dict[str, Any]:
+        """`train_step`, its tokens and wall time (the device synchronised around it) added to `window`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        stats = self.train_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        window.add(stats["tokens"], time.perf_counter() - start)
+        return stats
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -349,95 +235,26 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
 
     # ---- the loop --------------------------------------------------------------------------
-    def _record(self, stats: dict[str, Any], tokens: int, seconds: float) -> dict[str, Any]:
-        rec: dict[str, Any] = {"step": self.step, "loss": stats["loss"], "lr": stats["lr"],
-                               "grad_norm": stats["grad_norm"]}
-        rec.update(step_throughput(tokens, seconds, self.flops_per_token, self.peak_flops, self.layout.world_size))
-        rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=self.tokens_seen, mem_gib=memory_gib(self.device))
-        if stats["skipped"]:
-            rec["skipped_step"] = True
-        if "loss_scale" in stats:
-            rec["loss_scale"] = stats["loss_scale"]
-        if self.cfg.model.is_moe:
-            rec["aux_loss"] = stats["aux_loss"]
-            rec.update({f"aux/{k}": v for k, v in sorted(stats["aux_parts"].items())})
-            for layer, c in sorted(stats["counts"].items()):
-                c = c.float()
-                rec[f"expert_load/layer{layer}/max_over_mean"] = float(c.max() / c.mean().clamp_min(1e-9))
-                rec[f"expert_load/layer{layer}/max_tokens"] = float(c.max())
-                rec[f"expert_load/layer{layer}/mean_tokens"] = float(c.mean())
-        rec.update(stats.get("comm", {}))
-        return rec
-
-    def _prepare_run_dir(self) -> MetricsWriter | None:
-        """Rank 0 opens the metrics (interrupted saves were cleaned up before the resume decision);
-        the others wait for it."""
-
-        def prepare() -> MetricsWriter:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(self.cfg, self.run_dir / "config.yaml")
-            resume_step = self.step if self.resumed_from is not None else None
-            return MetricsWriter(self.run_dir, self.cfg.log.tensorboard, resume_step=resume_step)
-
-        return self.layout.on_coordinator(prepare)
-
     def train(self) -> TrainResult:
         """Train from the current step to `train.steps`; stop early (with a checkpoint) on SIGTERM/SIGINT.
 
         On several ranks a signal that reaches any rank stops all of them after the same step."""
-        t, log = self.cfg.train, self.cfg.log
         if self.layout.is_coordinator:
             self.run_lock.acquire()  # again, after an earlier train() released it
-        writer = self._prepare_run_dir()
+        writer = open_metrics(self.layout, self.cfg, self.step if self.resumed_from is not None else None)
         result = TrainResult(start_step=self.step, last_step=self.step)
-        bar = tqdm(total=t.steps, initial=self.step, disable=not (log.progress_bar and self.layout.is_coordinator),
-                   desc="train", unit="step", dynamic_ncols=True)
-        window_tokens, window_seconds = 0, 0.0
-        saved_at = None
-        agreed: int | None = None  # on several ranks: the stop signal every rank has agreed on
-
+        bar = tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (self.cfg.log.progress_bar and self.layout.is_coordinator))
         try:
-            with StopSignal() as stop:
-
-                def stop_requested() -> bool:  # one process: the flag itself; several: what all agreed on
-                    return agreed is not None if self.layout.distributed else stop.requested
-
-                while self.step < t.steps and not stop_requested():
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    start = time.perf_counter()
-                    stats = self.train_step()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    window_seconds += time.perf_counter() - start
-                    window_tokens += stats["tokens"]
-                    if self.layout.distributed:  # a signal that reached any rank stops all after this step
-                        agreed = self.layout.max_over_ranks(stop.received or 0) or None
-                    last = self.step == t.steps
-                    evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
-                    if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
-                            or evaluate or stop_requested():
-                        rec = self._record(stats, window_tokens, window_seconds)
-                        if evaluate:
-                            rec.update(self.evaluate())
-                            if self.layout.is_coordinator:
-                                tqdm.write(eval_line(self.step, rec["val_loss"], rec["val_ppl"]), file=sys.stderr)
-                        if writer is not None:
-                            writer.write(rec)
-                            result.records.append(rec)
-                        window_tokens, window_seconds = 0, 0.0
-                        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
-                    bar.update(1)
-                    interval = self.cfg.checkpoint.interval
-                    if last or stop_requested() or (interval > 0 and self.step % interval == 0):
-                        result.checkpoint = self.save()
-                        saved_at = self.step
-                result.stopped_by_signal = agreed if self.layout.distributed else stop.received
-                if stop_requested() and saved_at != self.step and self.step > result.start_step:
+            with StopSignal() as signal:
+                stop = AgreedStop(signal, self.layout.max_over_ranks if self.layout.distributed else None)
+                saved_at = self._run_steps(stop, writer, bar, result)
+                result.stopped_by_signal = stop.received
+                if stop.requested and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
                 # A run that reached train.steps is complete, also when a stop signal came during its
                 # last step; a run the signal ended early is not exported.
-                if self.cfg.checkpoint.export_hf and self.step >= t.steps:
+                if self.cfg.checkpoint.export_hf and self.step >= self.cfg.train.steps:
                     # The checkpoint of this step: the one just saved or, when the call started at
                     # train.steps (resumed there), the one resumed from; never a second save of it.
                     result.hf_export = self._export_hf(self.latest_checkpoint)
@@ -446,8 +263,43 @@ class Trainer:
             if writer is not None:
                 writer.close()
             self.run_lock.release()
-        for optimizer in self.optimizers:  # the distributed optimizer's last all-gathers
-            if hasattr(optimizer, "wait_for_params"):
-                optimizer.wait_for_params()
+        for optimizer in self.distributed_optimizers:  # their last all-gathers
+            optimizer.wait_for_params()
         result.last_step = self.step
         return result
+
+    def _run_steps(self, stop: AgreedStop, writer: MetricsWriter | None, bar: tqdm, result: TrainResult) -> int | None:
+        """Steps until `train.steps` or an agreed stop: each logged, evaluated and checkpointed when
+        due. Returns the step last saved (None: none)."""
+        t, window, saved_at = self.cfg.train, ThroughputWindow(), None
+        while self.step < t.steps and not stop.requested:
+            stats = self._timed_step(window)
+            stop.agree()  # several ranks: a signal that reached any rank stops all after this step
+            last = self.step == t.steps
+            evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
+            if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
+                    or evaluate or stop.requested:
+                self._log(stats, window, evaluate, writer, result)
+                bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
+            bar.update(1)
+            interval = self.cfg.checkpoint.interval
+            if last or stop.requested or (interval > 0 and self.step % interval == 0):
+                result.checkpoint = self.save()
+                saved_at = self.step
+        return saved_at
+
+    def _log(self, stats: dict[str, Any], window: ThroughputWindow, evaluate: bool, writer: MetricsWriter | None,
+             result: TrainResult) -> None:
+        """The step's metrics line (with the evaluation when due), written by rank 0; a new window."""
+        throughput = step_throughput(window.tokens, window.seconds, self.flops_per_token, self.peak_flops,
+                                     self.layout.world_size)
+        rec = step_record(self.step, stats, throughput, self.tokens_seen, memory_gib(self.device),
+                          self.cfg.model.is_moe)
+        if evaluate:
+            rec.update(self.evaluate())
+            if self.layout.is_coordinator:
+                tqdm.write(eval_line(self.step, rec["val_loss"], rec["val_ppl"]), file=sys.stderr)
+        if writer is not None:
+            writer.write(rec)
+            result.records.append(rec)
+        window.reset()

@@ -2,8 +2,9 @@
 
 The pytest process forks the CPU tests' ranks, so it must never initialise CUDA itself: every
 CUDA computation here runs in a spawned child (`in_spawned_process`, a fresh interpreter), and
-the losses come back as plain numbers. Tolerances follow the numerics contract (DESIGN.md):
-bf16 within 5e-3 relative of fp32, compiled within 1e-5 of eager in fp32.
+the losses come back as plain numbers. Tolerances follow the numerics contract
+(docs/architecture.md, "Numerics contract"): bf16 within 5e-3 relative of fp32, compiled within
+1e-5 of eager in fp32.
 """
 
 from __future__ import annotations

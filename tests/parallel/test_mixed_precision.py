@@ -1,6 +1,6 @@
 """FSDP mixed precision: bf16 compute weights with fp32 master shards and fp32 gradient
-reduction stay within the bf16 tolerance of the fp32 single-process loss (DESIGN.md: 5e-3); the
-MoE router keeps computing with its fp32 master weights."""
+reduction stay within the bf16 tolerance of the fp32 single-process loss (docs/architecture.md,
+"Numerics contract": 5e-3); the MoE router keeps computing with its fp32 master weights."""
 
 import pytest
 import torch
@@ -85,6 +85,6 @@ def test_router_stays_fp32_under_bf16_fsdp(zero_stage):
 
 @pytest.mark.dist
 def test_fp32_fsdp_keeps_the_router_inside_its_block():
-    """fp32 layouts are unchanged (bit-identical losses): no extra FSDP unit for the router."""
+    """fp32 layouts keep the router inside its block's FSDP unit: no extra unit (nothing to keep in fp32)."""
     for r in run_ranks(_router_under_fsdp, 2, torch.float32, 3):
         assert not r["own_unit"] and r["seen_dtypes"]["router0"] == [torch.float32]

@@ -1,5 +1,5 @@
-"""Context parallelism through the real Trainer equals the one-process run (DESIGN.md, numerics
-contract): every sequence split into cp chunks, attention over the whole sequence by all-to-all,
+"""Context parallelism through the real Trainer equals the one-process run (docs/architecture.md,
+"Numerics contract"): every sequence split into cp chunks, attention over the whole sequence by all-to-all,
 the loss-token count that of the whole global batch, MoE router statistics over the whole
 micro-batch; also with the ring and all-gather attention over the zig-zag split
 (`parallel.cp_method`). fp32 within 1e-5 relative: logged losses (and MoE aux losses), validation

@@ -1,4 +1,5 @@
-"""The real Trainer under every layout kind equals the one-process run (DESIGN.md, numerics contract).
+"""The real Trainer under every layout kind equals the one-process run (docs/architecture.md,
+"Numerics contract").
 
 Three training steps on the same global batches (each rank reads the whole global batch and takes
 its rows) log the same losses and end with the same weights as one process: fp32 within 1e-5

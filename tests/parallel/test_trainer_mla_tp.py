@@ -1,6 +1,6 @@
 """Multi-head latent attention under tensor parallelism, through the real Trainer, equals one process
-(DESIGN.md, numerics contract; fp32 within 1e-5 relative): configs/tiny-deepseek.yaml (MLA, a
-dense first layer, sigmoid router with group-limited top-k and expert bias, a shared expert, the
+(docs/architecture.md, "Numerics contract"; fp32 within 1e-5 relative): configs/tiny-deepseek.yaml
+(MLA, a dense first layer, sigmoid router with group-limited top-k and expert bias, a shared expert, the
 sequence-level balancing loss) for three steps, with its weights' gradient exact on every rank.
 
 The heads are split over tp (q and kv up-projections by heads, the output projection by rows); the

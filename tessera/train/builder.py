@@ -1,0 +1,164 @@
+"""The builder: a config and a layout in, this rank's model parts, optimizers and loss scaler out,
+finished, and the step engine that drives them.
+
+    built = build_training_parts(cfg, layout, init_from, compile)   # TrainingParts
+    engine = build_step_engine(cfg, layout, built)                   # a StepEngine
+
+The steps run in this order, which is part of the numerics (every layout starts from the weights
+one process has, docs/architecture.md, "Numerics contract"):
+1. the whole model: in one process allocated on the device and initialised from `train.seed`
+   (unless `init_from` fills it); on ranks built on the meta device, with a second meta copy
+   (`reference`) that names every tensor for initialisation by name;
+2. train mode, the chunked LM-head loss (`train.loss_chunk_tokens`), the FP8 linear layers
+   (`train.fp8`, before any parallelisation), and `full_shapes`: the whole model's tensor shapes,
+   what checkpoint and `init_from` loading check against;
+3. one process with `init_from`: its weights are read;
+4. parallelisation: one process compiles each block (`train.compile`); pp = 1 layouts
+   `parallelize` the model; pp > 1 layouts cut it into this rank's stages, parallelize each and
+   build the schedule and the tied-embedding group (`Pipeline`);
+5. on ranks: this rank's storage is allocated and initialised by name from the seed
+   (tessera.parallel.meta_init) or read from `init_from`, each rank only its shards;
+6. the optimizers over the materialised parameters: AdamW per part, or with
+   `parallel.optimizer=distributed` on ranks one DistributedOptimizer per part.
+fp16 gets a DynamicLossScaler, which every engine applies where its loss is made (loss_scaler.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.config.schema import RunConfig
+from tessera.models import Transformer
+from tessera.models.float8 import convert_to_float8
+from tessera.parallel import build_pipeline, parallelize
+from tessera.parallel.compile import compile_blocks
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.meta_init import materialize_by_name
+from tessera.parallel.tied_embeddings import TiedEmbeddings
+from tessera.train.init_from import load_initial_weights
+from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.optimizer import build_optimizers
+from tessera.train.parallel_step import ParallelStep
+from tessera.train.pipeline_step import Pipeline, PipelineLoss, PipelineStep
+from tessera.train.precision import autocast_dtype, loss_chunk_tokens
+from tessera.train.run_layout import RunLayout
+from tessera.train.single_process_step import SingleProcessStep
+from tessera.train.step_engine import StepEngine
+
+
+@dataclass
+class TrainingParts:
+    """What `build_training_parts` hands to the step engine and the trainer, finished."""
+
+    parts: list[nn.Module]  # the model in one process and at pp = 1; this rank's stages under pp
+    optimizers: list[torch.optim.Optimizer | DistributedOptimizer]  # one per part
+    loss_scaler: DynamicLossScaler | None  # fp16 only
+    pipeline: Pipeline | None  # pp > 1: the schedule over `parts`
+    full_shapes: dict[str, tuple[int, ...]]  # every tensor of the whole model (all stages)
+    fp8_layers: list[nn.Module]  # the linear layers converted to FP8 (train.fp8)
+    init_bytes_read: int  # bytes this rank read from init_from (0 without)
+    autocast_dtype: torch.dtype | None  # the compute dtype (None: fp32)
+
+    @property
+    def distributed_optimizers(self) -> list[DistributedOptimizer]:
+        """The optimizers that reduce gradients themselves (parallel.optimizer=distributed)."""
+        return [o for o in self.optimizers if isinstance(o, DistributedOptimizer)]
+
+
+def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | None,
+                         compile: bool) -> TrainingParts:
+    """This rank's model parts, optimizers and loss scaler (module docstring, steps 1-6).
+    `init_from`: the weights to start from (None: from `train.seed`); `compile`: the resolved
+    `train.compile` (tessera.parallel.compile.resolve_compile)."""
+    t, on_ranks = cfg.train, layout.dims is not None
+    compute_dtype = autocast_dtype(t.dtype)
+    model, reference = _whole_model(cfg, layout, init_from)
+    fp8_layers = convert_to_float8(model) if t.fp8 else []
+    full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    bytes_read = 0
+    if init_from is not None and not on_ranks:
+        bytes_read = load_initial_weights([model], init_from, cfg.model, full_shapes, layout.device)
+    loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None
+    parts, pipeline = _parallelized_parts(model, cfg, layout, compute_dtype, compile, loss_scaler)
+    if on_ranks:
+        with layout.phase("initialising the weights"):
+            if init_from is not None:
+                bytes_read = load_initial_weights(parts, init_from, cfg.model, full_shapes, layout.device)
+            else:
+                materialize_by_name(parts, reference, t.seed, layout.device)
+    optimizers = build_optimizers(parts, cfg, layout.dims, compute_dtype or torch.float32)
+    return TrainingParts(parts, optimizers, loss_scaler, pipeline, full_shapes, fp8_layers, bytes_read,
+                         compute_dtype)
+
+
+def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None) -> tuple[Transformer, Transformer | None]:
+    """The whole model in train mode and, on ranks without `init_from`, the meta `reference` that
+    names every tensor for `materialize_by_name`."""
+    t, reference = cfg.train, None
+    if layout.dims is not None:
+        with torch.device("meta"):
+            model = Transformer(cfg.model, init_seed=None)
+            reference = Transformer(cfg.model, init_seed=None) if init_from is None else None
+    else:
+        model = Transformer(cfg.model, init_seed=t.seed if init_from is None else None).to(layout.device)
+    model.train()
+    model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, layout.device)  # chunked LM-head loss
+    return model, reference
+
+
+def _parallelized_parts(model: Transformer, cfg: RunConfig, layout: RunLayout, compute_dtype: torch.dtype | None,
+                        compile: bool, loss_scaler: DynamicLossScaler | None
+                        ) -> tuple[list[nn.Module], Pipeline | None]:
+    """`model` as this rank's parts: compiled in one process, parallelized at pp = 1, cut into
+    parallelized stages with their schedule under pp."""
+    dims = layout.dims
+    if dims is None:
+        if compile:
+            compile_blocks(model, compute_dtype)
+        return [model], None
+    param_dtype = compute_dtype or torch.float32
+
+    def parallelized(m: nn.Module) -> nn.Module:
+        return parallelize(m, dims, cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                           device_type=layout.device.type, compile_blocks=compile)
+
+    with layout.phase("parallelizing the model"):
+        if dims.pp == 1:
+            return [parallelized(model)], None
+        pipeline = _pipeline(model, cfg, dims, layout.device, parallelized, loss_scaler)
+        return list(pipeline.run.modules), pipeline
+
+
+def _pipeline(model: Transformer, cfg: RunConfig, dims: ParallelDims, device: torch.device,
+              parallelized: Callable[[nn.Module], nn.Module], loss_scaler: DynamicLossScaler | None) -> Pipeline:
+    """This rank's stages of `model`, each `parallelized`, the schedule over them and the tied
+    embedding's group. A rank's rows are cut into `parallel.microbatches` micro-batches (default
+    rows / train.micro_batch_size); an auxiliary loss enters backward with weight 1 / (micro-batches
+    over all data-parallel ranks)."""
+    t = cfg.train
+    microbatches = cfg.parallel.microbatches or t.global_batch_size // dims.dp_size // t.micro_batch_size
+    loss = PipelineLoss(loss_scaler)
+    run = build_pipeline(model, dims, cfg.parallel, microbatches, loss_fn=loss,
+                         aux_scale=1.0 / (microbatches * dims.dp_size), parallelize_stage=parallelized,
+                         device=device, aux_grad_scale=loss_scaler.scale_grad if loss_scaler is not None else None)
+    # The first and last stage each hold the tied embedding (tessera.parallel.tied_embeddings).
+    tied = TiedEmbeddings(list(run.modules), dims) if cfg.model.tie_embeddings else None
+    return Pipeline(run, loss, microbatches, tied)
+
+
+def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts) -> StepEngine:
+    """The engine of the layout, over the finished `built` parts."""
+    t, dims = cfg.train, layout.dims
+    if dims is None:
+        return SingleProcessStep(built.parts[0], t.micro_batch_size, cfg.accumulation_steps(1), layout.device,
+                                 built.autocast_dtype, t.cast_weights_per_step, built.loss_scaler)
+    if built.pipeline is not None:
+        return PipelineStep(built.pipeline, dims, t.global_batch_size, layout.device, built.autocast_dtype,
+                            built.distributed_optimizers)
+    return ParallelStep(built.parts[0], dims, t.micro_batch_size, t.global_batch_size, layout.device,
+                        built.autocast_dtype, built.distributed_optimizers, built.loss_scaler)
