@@ -2,8 +2,8 @@
 
 Each rank reads only what its parts hold (the whole model in one process; the meta-built,
 parallelized shards or pipeline stages on several: tessera.checkpoint.hf.load and
-tessera.checkpoint.dcp.shards). Optimizer, schedule and step start fresh. A HuggingFace directory whose shapes do not fit the model section
-is refused with the model fields that make them differ.
+tessera.checkpoint.dcp.shards). Optimizer, schedule and step start fresh. A HuggingFace directory
+whose shapes do not fit the model section is refused with the model fields that make them differ.
 """
 
 from __future__ import annotations
