@@ -7,29 +7,23 @@ S is dynamic: a step whose gradient holds inf/NaN (S too large) is skipped and S
 (`backoff_factor`); after `growth_interval` finite steps in a row S is doubled (`growth_factor`),
 so it stays near the largest value that does not overflow.
 
-The loss is a function of the model's outputs only (`logits`, or `loss_sum` when the model
-computes its chunked LM-head loss itself, and `aux_loss` of `ModelOutput`: tessera.train.loss),
-so multiplying the gradient that flows into those outputs by S is the same as scaling the loss.
-Every step engine receives the scaler (None outside fp16) and applies it where its loss is made:
+The scale must multiply the loss itself, in fp32, before backward reaches anything fp16: the
+fp16 logits' gradient is rounded to fp16 by the backward of the loss's cast to fp32, so a scale
+applied to it afterwards would find its small entries zero already. Every step engine receives
+the scaler (None outside fp16) and applies it where its loss is made:
 
-- `SingleProcessStep`, `ParallelStep`: `scale_outputs` on each micro-batch's model output
+- `SingleProcessStep`, `ParallelStep`: `scale_loss` on each micro-batch's objective
   (step_engine.accumulate_micro_batches);
-- `PipelineStep`: `scale_grad` on the last stage's logits in the schedule's loss function
-  (pipeline_step.PipelineLoss) and on every stage's auxiliary loss before it rides on the stage
-  output (tessera.parallel.pipeline, `aux_grad_scale`).
+- `PipelineStep`: `scale_loss` on what the schedule's loss function returns for the last stage
+  (pipeline_step.PipelineLoss), and `scale_grad` on every stage's auxiliary loss (an fp32 scalar)
+  before it rides on the stage output (tessera.parallel.pipeline, `aux_grad_scale`).
 
 The trainer's step then divides the gradients by S (`unscale_`), measures the global gradient
 norm, skips the update if it is not finite and calls `update`. The norm is reduced over all
 ranks, so every rank (every pipeline stage too) skips, backs off and grows alike.
 
-fp16 logits: the loss casts them to fp32, and the backward of that cast rounds their gradient to
-fp16 at its unscaled size before `scale_grad` multiplies it (entries below fp16's smallest
-subnormal, ~6e-8, are zero by then); S keeps what flows back from there in fp16's range. The
-chunked loss (`loss_sum`) and the auxiliary losses are fp32, so their gradients are scaled before
-any fp16 rounding.
-
     scaler = DynamicLossScaler()
-    out = scaler.scale_outputs(model(x, targets=y)); objective(out).backward()
+    scaler.scale_loss(objective(model(x, targets=y))).backward()
     scaler.unscale_(parts)                                        # grads back to their true size
     norm = clip(...); skipped = not isfinite(norm); scaler.update(found_inf=skipped)
 """
@@ -41,8 +35,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
-from tessera.models.transformer import ModelOutput
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -75,10 +67,9 @@ class DynamicLossScaler:
             return x
         return _ScaleGrad.apply(x, self.scale)
 
-    def scale_outputs(self, out: ModelOutput) -> ModelOutput:
-        """The model output with the gradients of `logits`, `loss_sum` and `aux_loss` scaled."""
-        losses = {"logits": out.logits, "loss_sum": out.loss_sum, "aux_loss": out.aux_loss}
-        return dataclasses.replace(out, **{k: self.scale_grad(v) for k, v in losses.items() if v is not None})
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the scale, for backward (as it is where no gradient is recorded)."""
+        return loss * self.scale if torch.is_grad_enabled() and loss.requires_grad else loss
 
     @torch.no_grad()
     def unscale_(self, modules: Iterable[nn.Module]) -> None:

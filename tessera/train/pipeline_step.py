@@ -51,7 +51,7 @@ class PipelineLoss:
     N, N the loss tokens of the whole global batch (1 while evaluating: plain sums). It keeps the
     sums it saw for the step's statistics: the schedule's first step (and the first after an
     evaluation) also runs it once to infer shapes, before the real micro-batches, so only the last
-    `microbatches` entries belong to the step. fp16: the logits' gradient is scaled (loss_scaler.py)."""
+    `microbatches` entries belong to the step. fp16: the loss it returns is scaled (loss_scaler.py)."""
 
     def __init__(self, loss_scaler: DynamicLossScaler | None = None):
         self.loss_scaler = loss_scaler
@@ -63,11 +63,10 @@ class PipelineLoss:
         self.divisor, self.sums = divisor, []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.loss_scaler is not None:
-            logits = self.loss_scaler.scale_grad(logits)
         micro_sum = token_loss_sum(logits, targets)
         self.sums.append(micro_sum.detach())
-        return micro_sum / self.divisor
+        loss = micro_sum / self.divisor
+        return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
 
 
 @dataclass

@@ -80,7 +80,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
     e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
     itself) runs the model, e.g. with its weights' compute copies (compute_weights.py). With
-    `loss_scaler` (fp16) the gradients of the model's outputs are scaled (loss_scaler.py)."""
+    `loss_scaler` (fp16) each micro-batch's objective is scaled (loss_scaler.py)."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -92,10 +92,9 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
             out = forward(x, targets=y)
-        if loss_scaler is not None:
-            out = loss_scaler.scale_outputs(out)
         micro_sum = model_loss_sum(out, y)
-        micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches).backward()
+        objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+        (objective if loss_scaler is None else loss_scaler.scale_loss(objective)).backward()
         stats.add_loss(micro_sum)
         stats.add_routing(out)
     return stats

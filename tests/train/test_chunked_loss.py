@@ -126,7 +126,7 @@ def test_fp16_loss_scaler_scales_the_chunked_loss():
     model(x, targets=y).loss_sum.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    scaler.scale_outputs(model(x, targets=y)).loss_sum.backward()
+    scaler.scale_loss(model(x, targets=y).loss_sum).backward()
     head = model.output.weight.grad
     torch.testing.assert_close(head, plain["output.weight"] * 1024.0, rtol=1e-5, atol=1e-6)
     scaler.unscale_([model])

@@ -35,9 +35,10 @@ def _grads(model: nn.Module, tokens: torch.Tensor, loss_factor: float, scaler: D
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
         out = model(tokens)
-    if scaler is not None:  # what every step engine does with the model's output (loss_scaler.py)
-        out = scaler.scale_outputs(out)
-    (out.logits.float().logsumexp(-1).mean() * loss_factor + out.aux_loss).backward()
+    objective = out.logits.float().logsumexp(-1).mean() * loss_factor + out.aux_loss
+    if scaler is not None:  # what every step engine does with its objective (loss_scaler.py)
+        objective = scaler.scale_loss(objective)
+    objective.backward()
     if scaler is not None:
         scaler.unscale_([model])
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -51,21 +52,22 @@ def test_scaled_backward_unscales_to_the_plain_gradient():
     assert set(scaled) == set(plain)
     for name, g in plain.items():  # in fp32, scaling by a power of two and back is exact
         torch.testing.assert_close(scaled[name], g, rtol=1e-6, atol=0, msg=name)
-    with torch.no_grad():  # no backward, no scaling: evaluation outputs are untouched
-        fresh = Transformer(model.cfg, init_seed=0)
-        assert torch.equal(scaler.scale_outputs(model(tokens)).logits, fresh(tokens).logits)
+    with torch.no_grad():  # no gradient recorded (evaluation): the loss is left as it is
+        loss = model(tokens).logits.float().logsumexp(-1).mean()
+        assert scaler.scale_loss(loss) is loss
 
 
 def test_loss_scaling_keeps_gradients_that_fp16_flushes_to_zero():
-    """A loss 1e-7 times smaller: its fp16 backward underflows to zero without scaling, not with it."""
+    """A loss 1e-7 times smaller: its fp16 backward underflows to zero without scaling; with it, the
+    gradient is the fp32 one within fp16's rounding (observed 1.2%; fp16 at the loss's own size: 1.9%)."""
     model, tokens = _tiny_model(), torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
-    reference = _grads(model, tokens, 1.0, None)
-    tiny = _grads(model, tokens, 1e-7, None)
     name = "layers.0.attention.wq.weight"
-    assert tiny[name].count_nonzero() < 0.5 * reference[name].count_nonzero()  # most entries flushed
-    scaler = DynamicLossScaler(scale=2.0**24)
-    kept = _grads(model, tokens, 1e-7, scaler)
-    torch.testing.assert_close(kept[name] * 1e7, reference[name], rtol=2e-2, atol=1e-4)
+    exact = _grads(model, tokens, 1.0, None, fp16=False)[name]
+    tiny = _grads(model, tokens, 1e-7, None)[name]
+    assert tiny.count_nonzero() < 0.5 * exact.count_nonzero()  # most entries flushed
+    kept = _grads(model, tokens, 1e-7, DynamicLossScaler(scale=2.0**24))[name] * 1e7
+    assert kept.count_nonzero() >= 0.99 * exact.count_nonzero()
+    assert float((kept - exact).norm() / exact.norm()) < 0.05
 
 
 def test_scale_backs_off_on_overflow_and_grows_after_good_steps():
