@@ -189,12 +189,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: the scheduler's plan, run by the executor, its results applied by the
         scheduler. The KV blocks a request failing on inf/NaN leaves are zeroed on every rank before
-        any other request can get them."""
+        the next step can hand them to another request, also when applying the results raised."""
         plan = self.scheduler.schedule()
         result = self.executor.execute_model(plan)
-        update = self.scheduler.update_from_output(plan, result)
-        self.executor.clear_blocks(update.blocks_to_clear)
-        return update.outputs
+        try:
+            return self.scheduler.update_from_output(plan, result).outputs
+        finally:
+            self.executor.clear_blocks(self.scheduler.take_dirty_blocks())
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one process). The engine cannot

@@ -61,6 +61,8 @@ class Scheduler:
         # Admitting a new request keeps this many blocks free for the running ones to grow into.
         self.watermark = max(1, blocks.num_blocks // 100)
         self._released: list[str] = []  # finished since the last plan
+        # KV blocks freed by requests that failed on inf/NaN, not zeroed yet (`take_dirty_blocks`)
+        self._dirty_blocks: list[int] = []
 
     # ---- requests in and out -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -188,7 +190,7 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> SchedulerUpdate:
         """Apply the step's results to its sequences, in the order of the plan (a request failing
         alone frees blocks that a later one's failure may then own alone)."""
-        update = SchedulerUpdate([], [])
+        update = SchedulerUpdate([])
         if not plan.scheduled:
             if self.waiting and not self.running:  # the first in the queue cannot fit even alone
                 update.outputs.append(self.finish(self.waiting[0], "error", [],
@@ -200,18 +202,24 @@ class Scheduler:
             if not s.completes:
                 seq.num_computed += s.num_tokens
             else:
-                update.outputs.append(self._apply(s, result.sampled[seq.request_id], update.blocks_to_clear))
+                update.outputs.append(self._apply(s, result.sampled[seq.request_id]))
             if not seq.finished:
                 self.blocks.register_computed(seq)
         return update
 
-    def _apply(self, s: ScheduledSequence, sampled: SampledTokens, blocks_to_clear: list[int]) -> RequestOutput:
+    def take_dirty_blocks(self) -> list[int]:
+        """The KV blocks requests that failed on inf/NaN left since the last call, to be zeroed on
+        every rank before a step can hand them to another request."""
+        dirty, self._dirty_blocks = self._dirty_blocks, []
+        return dirty
+
+    def _apply(self, s: ScheduledSequence, sampled: SampledTokens) -> RequestOutput:
         """The new tokens of a sequence whose step completed: its grammar advanced, its tokens
         appended until a stop rule fires."""
         seq, new = s.seq, sampled.token_ids
         error = sampled.error or _advance(seq.grammar, new)
         if error is not None:
-            return self._fail_alone(seq, error, blocks_to_clear)
+            return self._fail_alone(seq, error)
         seq.num_computed += s.num_tokens + len(new) - 1
         if sampled.num_draft_tokens:
             self.metrics.speculation(sampled.num_draft_tokens, len(new))
@@ -220,18 +228,18 @@ class Scheduler:
             return self.finish(seq, reason, appended)
         return self.outputs.running(seq, appended)
 
-    def _fail_alone(self, seq: Sequence, error: Exception, blocks_to_clear: list[int]) -> RequestOutput:
+    def _fail_alone(self, seq: Sequence, error: Exception) -> RequestOutput:
         """Finish one request whose numbers or grammar went wrong, leaving the rest of the batch
         running. A grammar failure is the request's own (its schema): its KV blocks are sound and
-        stay as they are. Otherwise the KV blocks only it holds go to `blocks_to_clear`, to be
-        zeroed (a stale inf/NaN slot would poison the next owner of the block, since attention
+        stay as they are. Otherwise the KV blocks only it holds are left to be
+        zeroed (`take_dirty_blocks`) (a stale inf/NaN slot would poison the next owner of the block, since attention
         multiplies even masked-out values by zero weight), and out of the prefix cache (a later
         prompt must recompute them, not reuse zeros)."""
         log.warning("request %s failed alone: %s: %s", seq.request_id, type(error).__name__, error)
         if isinstance(error, GrammarError):
             return self.finish(seq, "error", [], str(error), client_error=True)
         own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
-        blocks_to_clear.extend(own)
+        self._dirty_blocks.extend(own)
         if self.blocks.cache is not None:
             for b in own:
                 self.blocks.cache.forget(b)

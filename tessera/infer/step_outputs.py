@@ -4,7 +4,10 @@ A step (`LLMEngine.step`) is three calls:
 
     plan = scheduler.schedule()                          # SchedulerOutput: what runs, how many tokens each
     result = executor.execute_model(plan)                # RunnerOutput: each completing request's new tokens
-    update = scheduler.update_from_output(plan, result)  # SchedulerUpdate: RequestOutputs, blocks to zero
+    update = scheduler.update_from_output(plan, result)  # SchedulerUpdate: one RequestOutput per request
+
+and the executor then zeroes, on every rank, the KV blocks of requests that failed on inf/NaN
+(`scheduler.take_dirty_blocks()`), also when applying the results raised.
 
 - The scheduler (`scheduler.py`) owns the requests, the waiting queue, the running batch and the
   block manager. `schedule()` picks the sequences of the step under the token budget (chunked
@@ -69,7 +72,6 @@ class RunnerOutput:
 @dataclass
 class SchedulerUpdate:
     outputs: list[RequestOutput]  # one per request that produced tokens or finished this step
-    blocks_to_clear: list[int]  # KV blocks left by requests that failed on inf/NaN: zeroed on every rank
 
 
 @dataclass

@@ -307,6 +307,32 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
     assert engine.metrics.requests_finished.get("error", 0) == 1
 
 
+def test_blocks_a_failed_request_leaves_are_zeroed_even_when_the_step_then_raises(llama, tmp_path, monkeypatch):
+    """The step applies its results request by request: one fails alone on inf/NaN logits (its
+    blocks go back to the pool), then applying the next one raises. The first one's blocks are
+    zeroed all the same, before any later step could hand them out."""
+    pytest.importorskip("peft")
+    path, _ = llama
+    overflowing_adapter(path, tmp_path / "boom")
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4,
+                                                   lora_adapters={"boom": str(tmp_path / "boom")}))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    hostile = engine.add_request(engine.tokenizer.encode("hostile " * 3), greedy, adapter="boom")
+    normal = engine.add_request(engine.tokenizer.encode("a normal request"), greedy)
+    append = engine.scheduler.outputs.append
+
+    def broken(seq, tokens):
+        if seq.request_id == normal:
+            raise RuntimeError("applying this request's tokens failed")
+        return append(seq, tokens)
+
+    monkeypatch.setattr(engine.scheduler.outputs, "append", broken)
+    with pytest.raises(RuntimeError, match="applying this request's tokens failed"):
+        engine.step()
+    assert engine.metrics.requests_finished.get("error", 0) == 1 and hostile not in engine.scheduler.requests
+    assert all(torch.isfinite(t).all() for t in (*engine.kv.k, *engine.kv.v))
+
+
 def test_tiny_temperatures_are_refused_by_sampling_params():
     with pytest.raises(ConfigError, match="temperature"):
         SamplingParams(temperature=1e-300)
