@@ -7,6 +7,7 @@ import sys
 import traceback
 
 from tessera.cli import main
+from tessera.cli.exit_status import FAILED
 
 
 def _launched_as_rank() -> bool:
@@ -37,10 +38,10 @@ def _end_failed_rank(status: int) -> None:
 
 try:
     status = main()
-except Exception:  # an error the command does not report itself: Python's report, status 1
+except Exception:  # an error the command does not report itself: Python's report, then FAILED
     traceback.print_exc()
-    _end_failed_rank(1)
-    sys.exit(1)
+    _end_failed_rank(FAILED)
+    sys.exit(FAILED)
 if status != 0:
     _end_failed_rank(status)
 sys.exit(status)

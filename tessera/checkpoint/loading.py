@@ -64,12 +64,15 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 
 def trained_tokenizer(path: str | os.PathLike) -> str | None:
-    """Where the tokenizer a model was trained with is, for `tessera.data.load_tokenizer`: a model
-    directory holding tokenizer.json is its own; a Tessera checkpoint's is its run's
-    `data.tokenizer` ("default", the bundled one, when unset); None when there is none."""
+    """Where the tokenizer a model was trained with is, for `tessera.data.load_tokenizer`: a
+    directory holding tokenizer.json is its own (a Tessera run or checkpoint too: a tokenizer copied
+    in wins); otherwise a Tessera checkpoint's is its run's `data.tokenizer` ("default", the bundled
+    one, when unset), and a model directory has none (None)."""
     path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return str(path)
     if is_hf_directory(path) or is_quantized_dir(path):
-        return str(path) if (path / "tokenizer.json").is_file() else None
+        return None
     data = stored_run_config(ckpt.resolve_checkpoint(path)).get("data") or {}
     source = data.get("tokenizer")
     if source is not None and not isinstance(source, str):

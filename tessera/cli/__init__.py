@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from dataclasses import dataclass
 
 from tessera.config.argument_types import OneLineArgumentParser
@@ -85,7 +84,3 @@ def _version() -> str:
         return version("tessera")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from tessera.cli.exit_status import one_line
+from tessera.cli.exit_status import FAILED, one_line
 from tessera.config.argument_types import int_in, port, positive_float, seed
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
@@ -284,8 +284,9 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
         loop.stop()
         engine.close()
     if reason is not None:
-        print(f"tessera serve: error: {reason}; the server shut down (exit status 1)", file=sys.stderr, flush=True)
-        return 1
+        print(f"tessera serve: error: {reason}; the server shut down (exit status {FAILED})", file=sys.stderr,
+              flush=True)
+        return FAILED
     return 0
 
 

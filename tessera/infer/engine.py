@@ -259,7 +259,7 @@ def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None
     none (then only token-id prompts work). For a Tessera checkpoint (`run_cfg`, its stored run
     configuration) a tokenizer that cannot be read is None too: the one the run named may be gone
     from this machine, or the bundled one absent from a source checkout."""
-    if not run_cfg:  # a model directory: its own tokenizer.json, or none
+    if run_cfg is None:  # a model directory: its own tokenizer.json, or none
         source = trained_tokenizer(path)
         return None if source is None else load_tokenizer(source)
     try:

@@ -157,11 +157,11 @@ def _in_a_thread_of_its_own(fn, *args):
     return result[0]
 
 
-def load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
+def serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
                   device: torch.device | str) -> Transformer:
-    """This rank's shard of the HuggingFace model at `path` (`_load_hf_shard`), cut in a thread of
+    """This rank's shard of the HuggingFace model at `path` (`_serving_shard_from_hf`), cut in a thread of
     its own."""
-    return _in_a_thread_of_its_own(_load_hf_shard, path, cfg, dims, dtype, device)
+    return _in_a_thread_of_its_own(_serving_shard_from_hf, path, cfg, dims, dtype, device)
 
 
 def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
@@ -170,7 +170,7 @@ def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
     return _in_a_thread_of_its_own(_cut_for_serving, model, dims)
 
 
-def _load_hf_shard(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
+def _serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
                    device: torch.device | str) -> Transformer:
     """This rank's shard of the HuggingFace model at `path`, reading only its box of every tensor
     (`checkpoint.hf.load.build_from_hf`, the filler training's `init_from` uses): built on the meta

@@ -16,15 +16,15 @@ import torch
 
 from tessera.checkpoint.int8 import is_quantized_dir
 from tessera.checkpoint.loading import load_model
-from tessera.config.errors import CheckpointError, ConfigError
-from tessera.config.hf_config import read_hf_config
+from tessera.config.errors import ConfigError
+from tessera.config.hf_config import is_hf_directory, read_hf_config
 from tessera.infer.config import EngineConfig
 from tessera.infer.executor import closed_on_error, lora_manager
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import BatchItem, PagedModel, build_paged_model, cache_geometry
 from tessera.infer.speculative import build_proposer
 from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk
-from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
+from tessera.infer.tensor_parallel import cut_for_serving, serving_dims, serving_shard_from_hf
 from tessera.infer.tp_channel import CLEAR, PACKED, STEP, pack_items, run_step
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
 from tessera.models.transformer import Transformer
@@ -73,22 +73,20 @@ class TensorParallelExecutor:
         self.runner = ModelRunner(TensorParallelModel(self.local, workers), proposer)
 
     @classmethod
-    def start_for_dir(cls, path: str | Path, config: EngineConfig) -> tuple[TensorParallelExecutor, dict]:
-        """Serve the directory at `path`; (the executor, the Tessera run config or {}). A
+    def start_for_dir(cls, path: str | Path, config: EngineConfig) -> tuple[TensorParallelExecutor, dict | None]:
+        """Serve the directory at `path`; (the executor, the Tessera run config or None). A
         HuggingFace directory is read a slice per rank; a Tessera checkpoint is loaded whole by
         every rank and cut."""
         path = Path(path)
         n = config.tensor_parallel_size
         _check_devices(config)
-        if not path.exists():
-            raise CheckpointError(f"model directory {str(path)!r} does not exist")
         if is_quantized_dir(path):
             raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized (int8) directory; "
                               "serve it with tensor_parallel_size=1")
-        full, run_cfg = None, {}
-        if (path / "config.json").is_file():
+        full, run_cfg = None, None
+        if is_hf_directory(path):
             cfg = read_hf_config(path)
-        else:
+        else:  # a Tessera checkpoint, or nothing a model can be loaded from: the loader says which
             full, _, run_cfg = load_model(path, config.torch_dtype, rank_device(config.device, 0))
             cfg = full.cfg
         dims = serving_dims(cfg, n)  # refused before any process starts
@@ -97,7 +95,7 @@ class TensorParallelExecutor:
         with closed_on_error(group.stop):
             dims.build_mesh(group.device.type)
             if full is None:
-                model = load_hf_shard(path, cfg, dims, config.torch_dtype, group.device)
+                model = serving_shard_from_hf(path, cfg, dims, config.torch_dtype, group.device)
             else:
                 model = cut_for_serving(full, dims)
             group.wait_ready()

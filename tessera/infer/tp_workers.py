@@ -44,7 +44,7 @@ from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.model import ModelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.paged_model import build_paged_model
-from tessera.infer.tensor_parallel import cut_for_serving, load_hf_shard, serving_dims
+from tessera.infer.tensor_parallel import cut_for_serving, serving_dims, serving_shard_from_hf
 from tessera.infer.tp_channel import STOP, StepChannel, serve_worker_steps
 from tessera.models.transformer import Transformer
 
@@ -143,7 +143,7 @@ def _loopback_store(world: int) -> dist.TCPStore:
 def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: torch.device) -> Transformer:
     dtype = config.torch_dtype
     if source.sliced:
-        return load_hf_shard(source.path, source.cfg, dims, dtype, device)
+        return serving_shard_from_hf(source.path, source.cfg, dims, dtype, device)
     if source.state is not None:
         model = Transformer(source.cfg, init_seed=None)
         model.load_state_dict(source.state, assign=True)

@@ -18,8 +18,8 @@ Losses (numerics contract): the last stage's loss of micro-batch m is its token-
 the global batch; MoE auxiliary losses of every stage enter backward with weight 1/M (M = micro-
 batches of the global batch, over all data-parallel ranks) by riding on the stage's output
 (`AttachAuxLoss`, as Megatron-Core's MoEAuxLossAutoScaler); under fp16 loss scaling the
-auxiliary loss first passes `aux_grad_scale`, which multiplies its gradient by the loss scale, as
-the loss function does for the logits' gradient. Gradients are not rescaled by the schedule
+auxiliary loss first passes `aux_grad_scale`, which multiplies its gradient by the loss scale (the
+loss function returns the stage's loss scaled the same way). Gradients are not rescaled by the schedule
 (`scale_grads=False`).
 """
 

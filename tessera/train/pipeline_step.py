@@ -16,8 +16,8 @@ samples, which is what one process computes with `train.micro_batch_size` of tha
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
 hook on each stage that runs before the stage hands its output on. Tied embeddings: the first and
 last stage each hold the embedding; their gradients are summed after the schedule's backward and
-the norm counts it once (tessera.parallel.tied_embeddings). fp16: the loss function scales the
-logits' gradient and each stage its auxiliary loss's (loss_scaler.py). A `StepEngine`: mixed
+the norm counts it once (tessera.parallel.tied_embeddings). fp16: the loss function returns its
+loss scaled, and each stage scales its auxiliary loss's gradient (loss_scaler.py). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
 step_stats.py.
 """

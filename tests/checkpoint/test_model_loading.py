@@ -51,6 +51,8 @@ def test_one_loader_reads_every_kind_of_model_directory_and_says_where_its_token
     model, layers, run_config = load_model(tmp_path / "run")
     assert layers is None and run_config["model"] == get_preset("tiny-llama").to_dict()
     assert trained_tokenizer(tmp_path / "run") == "default"  # data.tokenizer unset: the bundled one
+    (tmp_path / "run" / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())
+    assert trained_tokenizer(tmp_path / "run") == str(tmp_path / "run")  # a tokenizer copied in wins
 
     save_pretrained(model, tmp_path / "bare")  # no tokenizer given: none in the directory
     assert trained_tokenizer(tmp_path / "bare") is None

@@ -13,9 +13,15 @@ import time
 import httpx
 import uvicorn
 
+from tessera.cli import main as tessera_main
 from tessera.infer.engine import LLMEngine
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.server import create_app
+
+
+def serve_main(argv: list[str]) -> int:
+    """`tessera serve ARGV` in this process; its exit status."""
+    return tessera_main(["serve", *argv])
 
 
 def free_port() -> int:

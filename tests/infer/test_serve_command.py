@@ -10,14 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tessera.cli import main as tessera_main
-from tests.infer.running_server import free_port, serving_url, wait_until_serving
+from tests.infer.running_server import free_port, serve_main, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
-
-
-def serve_main(argv: list[str]) -> int:
-    """`tessera serve ARGV`."""
-    return tessera_main(["serve", *argv])
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,21 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tessera.cli import main as tessera_main
 from tessera.config.errors import ConfigError
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import allowed_hosts, host_name
 from tessera.infer.prefix_cache import hash_chain
 from tessera.infer.server import create_app
-from tests.infer.running_server import RunningServer
+from tests.infer.running_server import RunningServer, serve_main
 from tests.infer.test_server import _hold_engine
 from tests.infer.tiny_models import hf_greedy
-
-
-def serve_main(argv: list[str]) -> int:
-    """`tessera serve ARGV`."""
-    return tessera_main(["serve", *argv])
 
 MIB = 2**20
 

@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 
-from tessera.cli import main as tessera_main
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.hf import load_pretrained
@@ -28,13 +27,8 @@ from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
-from tests.infer.running_server import RunningServer, serving_url, wait_until_serving
+from tests.infer.running_server import RunningServer, serve_main, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
-
-
-def serve_main(argv: list[str]) -> int:
-    """`tessera serve ARGV`."""
-    return tessera_main(["serve", *argv])
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["hello world", "a", "The quick brown fox jumps over the lazy dog, twice: the quick brown fox", "zz"]
