@@ -42,3 +42,9 @@ MAX_PORT = 65_535
 # ---- serving ------------------------------------------------------------------------------------
 MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)
 MAX_KV_CACHE_GIB = 2.0**20  # `tessera serve --kv-cache-gib` (a PiB; a GPU holds ~0.1 TiB)
+
+# ---- chat templates (code from a model or tokenizer directory; tessera/data/chat_template.py) ---
+MAX_TEMPLATE_SECONDS = 10.0  # rendering one conversation (real templates take milliseconds)
+MAX_TEMPLATE_CHARS = 2**26  # 67M characters of output (a 10M-token context is ~40M characters)
+MAX_TEMPLATE_NUMBER = 2**16  # a number given to a filter or function (a width, a count), a format width
+MAX_TEMPLATE_BITS = 2**16  # the largest integer a template computes (multiplying or raising to a power)
