@@ -13,7 +13,9 @@ import argparse
 import dataclasses
 import json
 
+from tessera.config.argument_types import int_in
 from tessera.config.errors import ConfigError, ParallelError
+from tessera.config.limits import MAX_PARALLEL_SIZE
 from tessera.plan.activation_dtypes import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
@@ -28,8 +30,9 @@ from tessera.plan.search import SearchResult, search
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run configuration YAML (model, train and parallel sections), or "
                                        "`validate` to compare the time model with published training runs")
-    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (the world size)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--gpus", type=int_in(1, MAX_PARALLEL_SIZE), default=None,
+                        help="number of GPUs (the world size)")
+    parser.add_argument("--gpus-per-node", type=int_in(1, MAX_PARALLEL_SIZE), default=8, help="GPUs per node")
     parser.add_argument("--gpu", default="h100", type=str.lower, choices=sorted(GPUS),
                         help="GPU preset: peak FLOP/s, memory, HBM, NVLink and network bandwidth and the "
                              "time model's efficiencies (tessera/plan/gpus.py)")

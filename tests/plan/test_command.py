@@ -141,3 +141,18 @@ def test_plan_of_a_huggingface_config(tmp_path, capsys):
     assert main([path, "--gpus", "64"]) == 0
     out = capsys.readouterr().out
     assert "8.03 B total" in out and "dim 4096, 32 layers, 32 heads (8 kv)" in out
+
+
+def test_a_world_beyond_the_bound_is_refused_at_once_and_large_ones_are_searched(tmp_path, capsys):
+    """`--gpus 100000000 --search` enumerated divisors by counting to the world size, for minutes
+    without output; the world is bounded (MAX_PARALLEL_SIZE, 2^20 GPUs) and divisors come from
+    trial division up to its square root."""
+    from tessera.plan.search import divisors
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["configs/tiny-moe.yaml", "--gpus", "100000000", "--search"])
+    assert exit_.value.code == 2 and "must be an integer in 1..1048576" in capsys.readouterr().err
+    assert divisors(1) == [1] and divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and divisors(97) == [1, 97]
+    assert divisors(2**20) == [2**i for i in range(21)]
+    assert main(["configs/llama3-8b.yaml", "--gpus", str(2**20), "--search", "--top", "1", "--json"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["valid"] > 0  # a million GPUs: layouts exist, and were ranked
