@@ -35,3 +35,27 @@ def test_a_preset_round_trips_through_its_families_config_json(name):
 def test_model_config_refuses_a_family_the_registry_does_not_know():
     with pytest.raises(ConfigError, match=r"model.family='gpt2' is invalid: one of llama, mistral, .*deepseek_v3"):
         ModelConfig(family="gpt2")
+
+
+def test_a_sparse_step_of_zero_is_a_bad_file_not_a_division_by_zero(tmp_path):
+    import json
+
+    from tessera.config import CheckpointError
+    from tessera.config.hf_config import read_hf_config
+
+    d = config_to_hf(PRESETS["qwen2-moe-a2.7b"]) | {"decoder_sparse_step": 0}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"config.json': decoder_sparse_step=0 is invalid: must be >= 1"):
+        read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_a_family_without_a_sliding_window_refuses_to_export_a_model_with_one(family):
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    cfg = replace(next(PRESETS[n] for n in sorted(PRESETS) if PRESETS[n].family == family), sliding_window=4096)
+    with pytest.raises(ModelError, match=rf"{family} has no sliding attention window \(model.sliding_window=4096\)"):
+        config_to_hf(cfg)
+    assert config_to_hf(replace(PRESETS["mistral-7b"], sliding_window=4096))["sliding_window"] == 4096

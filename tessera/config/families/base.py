@@ -131,7 +131,16 @@ class Family:
             d["attention_bias"] = cfg.qkv_bias
         if self.sliding_window:
             d["sliding_window"] = cfg.sliding_window
+        else:
+            self.check_no_window(cfg)
         self.check_qk_norm(cfg)
+
+    def check_no_window(self, cfg) -> None:
+        """A family without a sliding window cannot carry a model trained with one (its export would
+        attend to every position)."""
+        if cfg.sliding_window is not None:
+            raise ModelError(f"{self.name} has no sliding attention window (model.sliding_window="
+                             f"{cfg.sliding_window}); export it as mistral, or train without the window")
 
     def check_qk_norm(self, cfg) -> None:
         if self.qk_norm and not cfg.qk_norm:

@@ -41,6 +41,7 @@ class DeepseekV3(MoEFamily):
                     shared_ffn_dim=d["moe_intermediate_size"] * (d.get("n_shared_experts") or 0))
 
     def attention_to_hf(self, cfg, d: dict[str, Any]) -> None:
+        self.check_no_window(cfg)
         self.check_qk_norm(cfg)  # the latent attention has no biases: attention_bias is written with its shapes
 
     def moe_to_hf(self, cfg, d: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.config.errors import ConfigError
 from tessera.config.families.moe import MoEFamily, aux_coef_from_hf, aux_coef_to_hf
 
 
@@ -25,6 +26,8 @@ class QwenMoE(MoEFamily):
     def moe_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         n_layers = d["num_hidden_layers"]
         step, only = d.get("decoder_sparse_step", 1), list(d.get("mlp_only_layers") or [])
+        if step < 1:
+            raise ConfigError(f"decoder_sparse_step={step} is invalid: must be >= 1 (every step-th layer is sparse)")
         dense = [i for i in range(n_layers) if i in only or (i + 1) % step != 0]
         return dict(num_experts=d.get("num_experts") or d.get("num_local_experts"),  # transformers 5 renamed it
                     top_k=d["num_experts_per_tok"], ffn_dim=d["moe_intermediate_size"], dense_layers=dense,
