@@ -9,6 +9,7 @@ checks the files against their recorded checksums first and unpickles nothing be
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -45,6 +46,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     if not os.access(_nearest_existing(Path(dst)), os.W_OK):
         raise CheckpointError(f"convert: destination {str(dst)!r} cannot be written (read-only or no "
                               "permission); choose a writable directory")
+    created = not Path(dst).exists()
+    try:
+        return _convert(src, dst, dtype, tokenizer, layout)
+    except BaseException:
+        if created:  # nothing partial is left: the directory was this call's
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
+
+
+def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokenizer: str | os.PathLike | None,
+             layout: list[str] | None) -> tuple[str, Path]:
+    """`convert` once its destination is known to be new or empty and writable."""
     if is_hf_directory(src):
         own = trained_tokenizer(src)
         source = tokenizer or (str(Path(own).resolve()) if own is not None else None)

@@ -76,9 +76,16 @@ class IndexedDatasetWriter:
         self.bin_path, self.idx_path = index_paths(prefix)
         self._limit = int(np.iinfo(self.dtype).max)
         self._offsets: list[int] = [0]
-        self._tmp_bin = temporary_sibling(self.bin_path)
-        self._tmp_idx = temporary_sibling(self.idx_path)
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed by finalize/abort
+        self._tmp_bin = self._tmp_idx = None
+        try:
+            self._tmp_bin = temporary_sibling(self.bin_path)
+            self._tmp_idx = temporary_sibling(self.idx_path)
+            self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed by finalize/abort
+        except OSError as e:  # an unwritable or full destination
+            for tmp in (self._tmp_bin, self._tmp_idx):
+                if tmp is not None:
+                    discard(tmp)
+            raise self._cannot_write(e) from None
         self._done = False
 
     @property
@@ -103,7 +110,11 @@ class IndexedDatasetWriter:
                 bad = low if low < 0 else high
                 raise DataError(f"{self.bin_path}: token id {bad} does not fit {self.dtype} "
                                 f"(allowed 0..{self._limit}); write with a wider dtype")
-        self._bin.write(array.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+        try:
+            self._bin.write(array.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+        except OSError as e:
+            self.abort()
+            raise self._cannot_write(e) from None
         self._offsets.append(self._offsets[-1] + int(array.size))
 
     def finalize(self) -> None:
@@ -117,14 +128,24 @@ class IndexedDatasetWriter:
                 f.write(np.asarray(self._offsets, dtype="<i8").tobytes())
             commit(self._tmp_bin, self.bin_path)
             commit(self._tmp_idx, self.idx_path)
+        except OSError as e:
+            self.abort()
+            raise self._cannot_write(e) from None
         except BaseException:
             self.abort()
             raise
         self._done = True
 
+    def _cannot_write(self, error: OSError) -> DataError:
+        return DataError(f"dataset {str(self.bin_path.with_suffix(''))!r} cannot be written: "
+                         f"{error.strerror or error}; nothing was written there (free space, or write it elsewhere)")
+
     def abort(self) -> None:
         """Drop everything written so far; files already at the prefix stay as they were."""
-        self._bin.close()
+        try:
+            self._bin.close()
+        except OSError:  # flushing what was buffered fails again on a full disk: it is dropped anyway
+            pass
         discard(self._tmp_bin)
         discard(self._tmp_idx)
         self._done = True

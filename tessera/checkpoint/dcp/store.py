@@ -57,11 +57,13 @@ from tessera.checkpoint.dcp.reader import (
     read_dcp_metadata,
 )
 from tessera.config.errors import CheckpointError
+from tessera.config.json_text import read_json_file
 
 LATEST = "latest"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_\d+$")
 PAUSE_HOOK_ENV = "TESSERA_TEST_PAUSE_IN_SAVE"
+FULL_DISK_BYTES = 2**20  # less free space than this after a failed write: the disk is what is full
 
 _SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled, unavailable or uninitialized.*"
 
@@ -170,12 +172,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON written next to the DCP files (step, model config, format, file checksums)."""
     f = Path(path) / META
-    try:
-        meta = json.loads(f.read_bytes())
-    except OSError as e:
-        raise CheckpointError(f"cannot read {str(f)!r}: {e.strerror or e}") from e
-    except ValueError as e:  # invalid JSON or UTF-8
-        raise CheckpointError(f"{str(f)!r} is not valid JSON ({e}); the checkpoint is damaged") from e
+    meta = read_json_file(f, CheckpointError, f"{str(f)!r} (the checkpoint is damaged)")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{str(f)!r} holds a JSON {type(meta).__name__}, not an object; the checkpoint "
                               "is damaged")
@@ -312,8 +309,18 @@ def _failure_reason(e: BaseException) -> str:
 
 
 def _save_error(final: Path, e: BaseException) -> str:
-    """One line for a failed save: what failed and that the previous checkpoint is untouched."""
-    return (f"cannot save checkpoint {str(final)!r}: {_failure_reason(e)}; the previous checkpoint and the "
+    """One line for a failed save: what failed and that the previous checkpoint is untouched. A
+    writer that does not pass the OS error on (torch.save's "unexpected pos") says no more than that
+    a write came up short: when the file system is (nearly) full, the line says so."""
+    reason = _failure_reason(e)
+    if "No space left" not in reason:
+        try:
+            free = shutil.disk_usage(final.parent).free
+        except OSError:
+            free = None
+        if free is not None and free < FULL_DISK_BYTES:
+            reason += f" (No space left on device: {free:,} bytes free)"
+    return (f"cannot save checkpoint {str(final)!r}: {reason}; the previous checkpoint and the "
             f"{LATEST} pointer are unchanged")
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf.files import INDEX
@@ -95,13 +96,19 @@ def write_hf_directory(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.d
         if foreign:
             raise CheckpointError(f"{path} holds files a HuggingFace export would not write "
                                   f"({first_keys(foreign)}); save into a new or empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    except OSError as e:
+        raise _cannot_write(path, e) from None
     try:
         files = _write_shards(tmp, shards, sizes, read_shard)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         write_tokenizer_files(tmp, tok)
         _make_readable(tmp)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _cannot_write(path, e) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -113,6 +120,12 @@ def write_hf_directory(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.d
     else:
         os.replace(tmp, path)
     return files
+
+
+def _cannot_write(path: Path, error: Exception) -> CheckpointError:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else " ".join(str(error).split())
+    return CheckpointError(f"{str(path)!r} cannot be written: {reason}; nothing was written there (free space "
+                           "or choose another directory)")
 
 
 def _write_shards(tmp: Path, shards: list[list[str]], sizes: Mapping[str, int], read_shard: ShardReader
