@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tessera.config.errors import CheckpointError
-from tessera.config.hf_config import config_to_hf, read_hf_config
+from tessera.config.hf_config import config_to_hf, read_hf_config, read_json_object
 from tessera.models.int8 import empty_int8_layer, replace_module
 from tessera.models.transformer import Transformer
 
@@ -56,9 +56,11 @@ def load_quantized(path: str | Path, dtype: torch.dtype = torch.float32, device:
                    ) -> tuple[Transformer, list[str]]:
     """Read a directory written by `save_quantized`."""
     path = Path(path)
-    meta = json.loads((path / QUANT_FILE).read_text())
+    meta = read_json_object(path / QUANT_FILE)
     if meta.get("method") != "int8_weight_only":
         raise CheckpointError(f"{path}: quantization method {meta.get('method')!r} is not supported")
+    if not isinstance(meta.get("layers"), list) or not all(isinstance(n, str) for n in meta["layers"]):
+        raise CheckpointError(f"{str(path / QUANT_FILE)!r}: 'layers' must be a list of module names")
     cfg = read_hf_config(path)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)

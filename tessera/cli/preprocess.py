@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.config.argument_types import text
 from tessera.config.errors import ConfigError
 
 
@@ -12,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
     p.add_argument("--output", default=None, help="dataset prefix to write (PREFIX.bin and PREFIX.idx)")
     p.add_argument("--tokenizer", default=None, help="tokenizer file or directory (None: the bundled one)")
-    p.add_argument("--jsonl-field", default="text", help="field of each JSONL record holding the text")
+    p.add_argument("--jsonl-field", default="text", type=text, help="field of each JSONL record holding the text")
     p.add_argument("--text-mode", default="document", choices=["document", "line"],
                    help="a .txt file is one document, or each non-empty line is one")
     p.add_argument("--no-eos", action="store_true", help="do not end documents with the eos token")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
-from tessera.config.argument_types import int_in, port, positive_float, seed
+from tessera.config.argument_types import int_in, port, positive_float, seed, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
@@ -64,16 +64,16 @@ def _http_arguments(p: argparse.ArgumentParser) -> None:
                                      "or Tessera run directory / checkpoint")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port to listen on, 0..65535 (0: any free one)")
-    p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"), type=text,
                    help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
                         "(default from $TESSERA_API_KEY; an empty key is refused)")
-    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES", type=text,
                    help="comma list of Host header names to answer, '*' for any; others get 400 (protects "
                         "against DNS rebinding). None: loopback names only when --host is a loopback "
                         "address, any name otherwise (set it when serving beyond this machine)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                    help="refuse request bodies larger than N bytes with 413")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=None, type=text,
                    help="the `model` requests must name, as /v1/models lists it (None: MODEL_DIR as given)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
@@ -98,7 +98,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
-    p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT",
+    p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT", type=text,
                    help="prefill TEXT at start and keep its KV blocks cached (repeatable)")
     p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup"],
                    help="speculative decoding method (None: off)")

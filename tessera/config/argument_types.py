@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from tessera.config.errors import ConfigError
+from tessera.config.json_text import check_text
 from tessera.config.limits import MAX_PORT, MAX_SEED, MIN_TEMPERATURE
 
 
@@ -78,3 +80,13 @@ def top_p(text: str) -> float:
 top_k = int_in(0, 2**31 - 1)  # 0 = no limit (HuggingFace's convention); more than the vocabulary is no limit too
 seed = int_in(0, MAX_SEED)
 port = int_in(0, MAX_PORT)  # 0 = a free port chosen by the operating system
+
+
+def text(value: str) -> str:
+    """Text a model reads or a response carries (a prompt, a name): Unicode text. Bytes the OS
+    cannot decode reach Python as lone surrogates, which no tokenizer or JSON output takes (paths
+    keep them: the file system gives them back as the same bytes)."""
+    try:
+        return check_text(value, "the value", ConfigError)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -9,7 +9,6 @@ transformers 5's `rope_parameters`, and writes the legacy keys, which every tran
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.families import REGISTRY
 from tessera.config.families.base import INT_FIELDS, NUMBER_FIELDS
+from tessera.config.json_text import read_json_file
 from tessera.config.model import ModelConfig
 
 SUPPORTED = {name: family.architecture for name, family in REGISTRY.items()}  # model_type -> transformers class
@@ -30,12 +30,7 @@ _REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "nu
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in `path`; CheckpointError if it cannot be read, parsed, or is not an object."""
-    try:
-        data = json.loads(path.read_bytes())
-    except OSError as e:
-        raise CheckpointError(f"cannot read {str(path)!r}: {e.strerror or e}") from e
-    except ValueError as e:  # invalid UTF-8 or JSON
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {e}") from e
+    data = read_json_file(path, CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{str(path)!r} holds a JSON {type(data).__name__}; a JSON object was expected")
     return data

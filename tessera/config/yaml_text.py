@@ -22,6 +22,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
 from tessera.config.errors import ConfigError
+from tessera.config.json_text import check_json_text
 from tessera.config.limits import MAX_CONFIG_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -81,7 +82,7 @@ def load_yaml(text: str, source: str) -> Any:
         if node is None:
             return None
         _expanded_size(node, {}, set(), 1, source)
-        return loader.construct_document(node)
+        return check_json_text(loader.construct_document(node), source, ConfigError)
     except (_DuplicateKey, _TooDeep) as e:
         raise ConfigError(f"{source}: {e}") from None
     finally:

@@ -11,13 +11,13 @@ in sorted order, so the same tree always yields the same documents in the same o
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tessera.config.errors import DataError
+from tessera.config.json_text import parse_json
 
 INPUT_SUFFIXES = (".txt", ".jsonl")
 TEXT_MODES = ("document", "line")
@@ -65,11 +65,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any], int]]:
             if not line.strip():
                 skipped += len(raw)
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number}: invalid JSON: {error.msg} "
-                                f"(column {error.colno})") from error
+            record = parse_json(line, f"{path}:{number}", DataError)
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, found {type(record).__name__}")
             yield number, record, len(raw) + skipped

@@ -30,6 +30,7 @@ import tokenizers
 from tokenizers import AddedToken
 
 from tessera.config.errors import DataError
+from tessera.config.json_text import read_json_file
 from tessera.data.atomic_write import atomic_output
 from tessera.data.chat_template import render_chat_template
 
@@ -47,10 +48,7 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{path}: cannot read tokenizer file: {error}") from error
+    data = read_json_file(path, DataError, f"tokenizer file {path}")
     if not isinstance(data, dict):
         raise DataError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data

@@ -24,7 +24,6 @@ refused with a message naming the key.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import re
@@ -39,6 +38,7 @@ from torch import nn
 
 from tessera.checkpoint.hf.names import hf_names
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.json_text import parse_json
 from tessera.models.int8 import Int8Linear
 from tessera.models.transformer import Transformer
 
@@ -131,9 +131,9 @@ def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
     if len(raw) > MAX_CONFIG_BYTES:
         raise CheckpointError(f"adapter_config.json is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        cfg = json.loads(raw)
-    except (ValueError, RecursionError):  # the decoder's message may quote the file: say only where
-        raise CheckpointError("adapter_config.json is not valid JSON") from None
+        cfg = parse_json(raw, "adapter_config.json", CheckpointError)
+    except CheckpointError:  # its message may quote the file (a key's name): say only where
+        raise CheckpointError("adapter_config.json is not valid JSON (or holds text that is not Unicode)") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"adapter_config.json must hold a JSON object, got {type(cfg).__name__}")
     _field_type(cfg, "peft_type", (str,), "a string")

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
@@ -55,12 +56,7 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 def _parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; ProtocolError (400) for anything else."""
-    try:
-        body = json.loads(raw)
-    except ValueError as e:  # also UnicodeDecodeError, and integers of more than 4300 digits
-        raise ProtocolError(f"request body is not valid JSON: {str(e)[:200]}") from e
-    except RecursionError as e:
-        raise ProtocolError("request body is nested too deeply to parse") from e
+    body = parse_json(raw, "request body", ProtocolError)
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
     return body

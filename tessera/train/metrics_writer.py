@@ -31,7 +31,7 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # an incomplete line, or one this trainer did not write
             continue
     return records
 

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.restricted_unpickle import restricted_loads
 from tessera.config.errors import CheckpointError
+from tessera.config.json_text import parse_json
 from tessera.config.schema import RunConfig
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.train.rng_state import capture_rng_state, decode_rng_state, encode_rng_state, restore_rng_state
@@ -139,10 +140,7 @@ def _plain_state(value: Any, path: Path, key: str) -> Any:
     """JSON text as written today; bytes are a pickle of an older checkpoint, read with the
     restricted unpickler (plain data, arrays and tensors only)."""
     if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {key} is not valid JSON ({e})") from e
+        return parse_json(value, f"checkpoint {str(path)!r}: {key}", CheckpointError)
     if isinstance(value, bytes):
         return restricted_loads(value, "legacy-state", f"checkpoint {str(path)!r}: {key}")
     raise CheckpointError(f"checkpoint {str(path)!r}: {key} holds a {type(value).__name__}, not JSON text")

@@ -16,7 +16,7 @@ from tessera.cli import main
 from tessera.config import get_preset
 from tessera.hf import save_pretrained
 from tessera.models import Transformer
-from tests.checkpoint.read_only_dirs import run_with_read_only
+from tests.checkpoint.unwritable_dirs import run_with_read_only
 
 BUNDLED_TOKENIZER = str(Path(tessera.__file__).parent / "assets" / "tokenizer")  # the model dirs here have none
 
@@ -60,6 +60,10 @@ CASES = {
     "index not JSON": (lambda d: (d / "model.safetensors.index.json").write_text("{"), "index.json' is not valid"),
     "index without weight_map": (lambda d: (d / "model.safetensors.index.json").write_text("{}"), "weight_map"),
     "int64 weights": (_int64, "has dtype int64; model weights must be floating point"),
+    "config.json nested 100,000 deep": (lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+                                        "config.json' is nested too deeply to parse"),
+    "config.json with a lone surrogate": (lambda d: _config(d, lambda c: c.update(model_type="llama\udc80")),
+                                          "$.model_type is not valid Unicode text"),
 }
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tessera.cli import build_parser, main
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE
 
 MISSING = "/nonexistent/model"  # never opened: the arguments are refused first
@@ -88,7 +89,26 @@ def test_edge_values_are_accepted():
 def test_module_entry_point_refuses_in_one_line(argv):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "tessera", *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=HANG_S)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert run.stderr.startswith(f"tessera {argv[0]}: error: argument {argv[-2]}: ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", MISSING, "--prompt", "caf\udcff"],  # what Python makes of the byte 0xff in argv
+    ["serve", MISSING, "--system-prompt", "\ud800"],
+    ["serve", MISSING, "--served-model-name", "name\udc80"],
+    ["preprocess", "in.jsonl", "--output", "out", "--jsonl-field", "\udcff"],
+])
+def test_text_arguments_must_be_unicode_text(argv, capsys):
+    err = _refused(argv, capsys)
+    assert "is not valid Unicode text" in err and "lone surrogate" in err, err
+
+
+def test_undecodable_bytes_in_a_prompt_are_one_line_from_a_real_process():
+    run = subprocess.run([sys.executable, "-m", "tessera", "generate", MISSING, "--prompt", b"caf\xff"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert "argument --prompt" in run.stderr and "lone surrogate ('\\udcff')" in run.stderr

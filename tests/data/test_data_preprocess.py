@@ -44,7 +44,7 @@ def test_bad_jsonl_names_file_and_line_and_keeps_existing_output(tmp_path, token
     before = [p.read_bytes() for p in index_paths(tmp_path / "out")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:3: invalid JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:3 is not valid JSON"):
         preprocess([bad], tmp_path / "out", tokenizer, show_progress=False)
     assert [p.read_bytes() for p in index_paths(tmp_path / "out")] == before
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -54,6 +54,8 @@ def test_bad_jsonl_names_file_and_line_and_keeps_existing_output(tmp_path, token
     ('{"txt": "x"}', r"bad\.jsonl:1: no field 'text' \(fields present: txt\)"),
     ('{"text": 3}', r"bad\.jsonl:1: field 'text' must be a string, found int"),
     ('["text"]', r"bad\.jsonl:1: expected a JSON object, found list"),
+    ('{"text": "caf\\ud800"}', r"bad\.jsonl:1: \$\.text is not valid Unicode text: character 3 is a lone surrogate"),
+    ('{"text": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}", r"bad\.jsonl:1 is nested too deeply to parse"),
 ])
 def test_malformed_records(tmp_path, tokenizer, line, message):
     bad = tmp_path / "bad.jsonl"
@@ -75,3 +77,12 @@ def test_bad_inputs(tmp_path, tokenizer):
     with pytest.raises(DataError, match="no documents found"):
         preprocess([tmp_path / "blank.jsonl"], tmp_path / "out", tokenizer, show_progress=False)
     assert not index_paths(tmp_path / "out")[1].exists()
+
+
+def test_a_dataset_of_no_tokens_is_refused(tmp_path, tokenizer, write_jsonl):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": ""}])
+    with pytest.raises(DataError, match=r"the 2 documents of .*empty\.jsonl hold no tokens"):
+        preprocess([empty], tmp_path / "out", tokenizer, append_eos=False, show_progress=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))]
+    stats = preprocess([empty], tmp_path / "out", tokenizer, show_progress=False)  # each document: its eos
+    assert stats.tokens == 2
