@@ -81,20 +81,25 @@ def trained_tokenizer(path: str | os.PathLike) -> str | None:
     return "default" if source is None else source
 
 
-def eos_token_ids(path: str | os.PathLike, tokenizer) -> set[int]:
-    """End-of-sequence ids: generation_config.json's and config.json's eos_token_id, and the tokenizer's."""
+def eos_token_ids(path: str | os.PathLike, tokenizer, vocab_size: int) -> set[int]:
+    """End-of-sequence ids: generation_config.json's and config.json's eos_token_id, and the
+    tokenizer's; each must be a token of the model's vocabulary (a stop rule that can never fire
+    would let every request run to max_tokens unnoticed)."""
     ids: set[int] = set()
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
             value = read_json_object(f).get("eos_token_id")
-            if isinstance(value, int) and not isinstance(value, bool):
-                ids.add(value)
-            elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                ids.update(value)
-            elif value is not None:
-                raise CheckpointError(f"{str(f)!r}: eos_token_id={value!r} is invalid: must be a token id or a "
-                                      "list of token ids")
+            values = value if isinstance(value, list) else [value]
+            if value is None:
+                continue
+            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in values):
+                raise CheckpointError(f"{str(f)!r}: eos_token_id={value!r} is invalid: must be a token id or a list "
+                                      f"of token ids of the model's vocabulary (0..{vocab_size - 1})")
+            ids.update(values)
     if tokenizer is not None and tokenizer.eos_id is not None:
+        if not 0 <= tokenizer.eos_id < vocab_size:
+            raise CheckpointError(f"{path}: the tokenizer's eos_token (id {tokenizer.eos_id}) is outside the model's "
+                                  f"vocabulary (0..{vocab_size - 1}); the tokenizer belongs to another model")
         ids.add(tokenizer.eos_id)
     return ids

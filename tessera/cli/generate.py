@@ -4,10 +4,11 @@ serving engine (`tessera.infer.LLM`), or without its KV cache (`--no-cache`, the
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import sys
 
-from tessera.config.argument_types import int_in, seed, temperature, top_k, top_p
+from tessera.config.argument_types import int_in, seed, temperature, text, top_k, top_p
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_SEQ_LEN
 
@@ -15,7 +16,7 @@ from tessera.config.limits import MAX_SEQ_LEN
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint",
                    help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", required=True, type=text, help="text to continue")
     p.add_argument("--max-new-tokens", type=int_in(0, MAX_SEQ_LEN), default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--top-k", type=top_k, default=None,
@@ -42,7 +43,19 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[i
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`)."""
+    """Load the model and its tokenizer, then continue the prompt on the serving engine (`LLM`).
+    The engine's warning when the one request fails alone (inf/NaN logits) is not shown: it would
+    repeat the command's own error line."""
+    engine_log = logging.getLogger("tessera.infer")
+    level = engine_log.level
+    engine_log.setLevel(logging.ERROR)
+    try:
+        return _generate(args)
+    finally:
+        engine_log.setLevel(level)
+
+
+def _generate(args: argparse.Namespace) -> int:
     from tessera.checkpoint.loading import load_model, trained_tokenizer
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM

@@ -25,5 +25,9 @@ class DataError(TesseraError):
     """A dataset or tokenizer file is missing, truncated or malformed."""
 
 
+class ServingError(TesseraError, RuntimeError):
+    """A request the engine could not serve: the model's numbers went inf/NaN, a rank failed."""
+
+
 class ParallelError(TesseraError, ValueError):
     """A parallel layout does not divide the world size or the model's shapes."""

@@ -86,5 +86,8 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
         if documents == 0:  # raised inside the block, so nothing is written
             raise DataError(f"no documents found in {', '.join(str(p) for p in files)}")
         tokens = writer.num_tokens
+        if tokens == 0:
+            raise DataError(f"the {documents} documents of {', '.join(str(p) for p in files)} hold no tokens "
+                            "(empty texts, and no end-of-document token: --no-eos); nothing to train on")
     return PreprocessStats(output_prefix=os.fspath(output_prefix), files=len(files), documents=documents,
                            tokens=tokens, input_bytes=total_bytes, seconds=time.perf_counter() - start)

@@ -64,12 +64,13 @@ class LLMEngine:
         if config.tensor_parallel_size == 1:
             model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device)
             tokenizer = served_tokenizer(path, run_cfg)
-            return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer),
+            return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.vocab_size),
                                   prequantized=quantized is not None)
         executor, run_cfg = TensorParallelExecutor.start_for_dir(path, config)
         with closed_on_error(executor.close):
             tokenizer = served_tokenizer(path, run_cfg)
-            return cls._serving(executor, config, tokenizer, eos_token_ids(path, tokenizer))
+            eos_ids = eos_token_ids(path, tokenizer, executor.model.cfg.vocab_size)
+            return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
     def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
@@ -174,8 +175,12 @@ class LLMEngine:
             return
         if self.tokenizer is None or not self.config.enable_prefix_caching:
             raise ConfigError("system_prompts need a tokenizer and enable_prefix_caching=True")
-        for text in prompts:
-            ids = self.tokenizer.encode(text)[: self.max_model_len - 1]
+        for i, text in enumerate(prompts):
+            ids = self.tokenizer.encode(text)
+            if len(ids) >= self.max_model_len:  # a request after it needs room for at least one token more
+                raise ConfigError(f"system prompt {i + 1} is {len(ids)} tokens; with max_model_len="
+                                  f"{self.max_model_len} it may be at most {self.max_model_len - 1}: shorten it "
+                                  "or raise max_model_len")
             rid = self.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             self.scheduler.requests[rid].pin_prefix = True
         while self.has_unfinished():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, ServingError
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine import LLMEngine
 from tessera.infer.sampling_params import SamplingParams
@@ -96,8 +96,8 @@ class LLM:
         results = []
         for rid, prompt, enc in zip(ids, prompts, encoded):
             out = done[rid]
-            if out.finish_reason == "error":
-                raise RuntimeError(f"request failed: {out.error}")
+            if out.finish_reason == "error":  # the request's own fault (its schema), or the model's
+                raise (ConfigError if out.client_error else ServingError)(f"request failed: {out.error}")
             results.append(Completion(prompt if isinstance(prompt, str) else None, enc, out.text, out.token_ids,
                                       out.finish_reason))
         return results

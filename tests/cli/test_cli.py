@@ -177,3 +177,19 @@ def test_start_up_warns_when_the_plan_says_it_will_not_fit(small_dataset, tmp_pa
     roomy = set_args(shrink(small_dataset, tmp_path / "b", 1))
     assert main(["train", TINY_DENSE, *roomy, "--set", "train.memory_budget_gib=64"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_model_whose_weights_are_nan_fails_generate_in_one_line(tmp_path, capsys):
+    from tessera.config import get_preset
+    from tessera.hf import save_pretrained
+    from tessera.models import Transformer
+
+    model = Transformer(get_preset("tiny-llama", vocab_size=4096), init_seed=0)  # the bundled tokenizer's
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    save_pretrained(model, tmp_path / "nan", tokenizer="default")
+    assert main(["generate", str(tmp_path / "nan"), "--prompt", "def ", "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("tessera generate: error: request failed: numerical error: ") and "inf/NaN" in err

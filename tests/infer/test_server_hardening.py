@@ -19,6 +19,7 @@ from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import allowed_hosts, host_name
 from tessera.infer.prefix_cache import hash_chain
 from tessera.infer.server import create_app
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer, serve_main
 from tests.infer.test_server import _hold_engine
 from tests.infer.tiny_models import hf_greedy
@@ -34,7 +35,7 @@ def server(llama):
 
 
 def _post(server, body: bytes, route="/v1/completions", **kw):
-    return httpx.post(server.url + route, content=body, headers={"content-type": "application/json"}, timeout=30,
+    return httpx.post(server.url + route, content=body, headers={"content-type": "application/json"}, timeout=HANG_S,
                       **kw)
 
 
@@ -63,6 +64,11 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
     (b'{"model": "tiny", "messages": [{"role": "user", "content": {"x": 1}}]}', "content"),
     (b'\xff\xfe{"model": "tiny"}', "not valid JSON"),
     (b"", "not valid JSON"),
+    # a lone surrogate: JSON may escape it, but it is no Unicode character (the tokenizer would fail on it)
+    (b'{"model": "tiny", "prompt": "abc \\ud800"}', "request body: $.prompt is not valid Unicode text"),
+    (b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "$.prompt[1] is not valid Unicode text"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\udc80"}]}', "$.messages[0].content"),
+    (b'{"model": "tiny", "prompt": "a", "stop": ["\\ud83d"]}', "$.stop[0] is not valid Unicode text"),
 ])
 def test_malformed_bodies_get_400_naming_the_problem(server, body, fragment):
     route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
@@ -87,7 +93,7 @@ def _send_50_mb(port: int, chunked: bool) -> bytes:
     bytes of the reply."""
     chunk = b"x" * MIB
     header = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {50 * MIB}"
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG_S) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{header}\r\n"
                      "Content-Type: application/json\r\n\r\n".encode())
         try:
@@ -108,7 +114,7 @@ def test_oversized_body_gets_413_while_health_answers(server, chunked):
     latencies = []
     while sender.is_alive() or len(latencies) < 5:
         t = time.monotonic()
-        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        assert httpx.get(server.url + "/health", timeout=HANG_S).status_code == 200
         latencies.append(time.monotonic() - t)
         time.sleep(0.05)
     sender.join()
@@ -123,15 +129,15 @@ def test_bodies_under_the_limit_pass_and_over_it_get_413(llama):
     engine = LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=128))
     with RunningServer(engine, name="tiny", max_request_bytes=200) as s:
         small = {"model": "tiny", "prompt": "a", "max_tokens": 2}
-        assert httpx.post(s.url + "/v1/completions", json=small, timeout=30).status_code == 200
+        assert httpx.post(s.url + "/v1/completions", json=small, timeout=HANG_S).status_code == 200
         big = {**small, "prompt": "a" * 300}
-        r = httpx.post(s.url + "/v1/completions", json=big, timeout=30)
+        r = httpx.post(s.url + "/v1/completions", json=big, timeout=HANG_S)
         assert r.status_code == 413 and "200 bytes" in r.json()["error"]["message"]
 
         def chunks():  # no Content-Length: counted as it arrives
             yield json.dumps(big).encode()
 
-        assert httpx.post(s.url + "/v1/completions", content=chunks(), timeout=30).status_code == 413
+        assert httpx.post(s.url + "/v1/completions", content=chunks(), timeout=HANG_S).status_code == 413
 
 
 class GatedTokenizer:
@@ -146,7 +152,7 @@ class GatedTokenizer:
 
     def encode(self, *args, **kwargs):
         self.entered.set()
-        assert self.gate.wait(60)
+        assert self.gate.wait(HANG_S)
         return self._tokenizer.encode(*args, **kwargs)
 
 
@@ -161,26 +167,26 @@ def test_tokenising_does_not_stall_the_event_loop(llama):
         result = {}
         body = {"model": "tiny", "prompt": "held in the tokenizer", "max_tokens": 3, "temperature": 0}
         sender = threading.Thread(target=lambda: result.setdefault("r", httpx.post(s.url + "/v1/completions",
-                                                                                  json=body, timeout=60)))
+                                                                                  json=body, timeout=HANG_S)))
         sender.start()
-        assert tok.entered.wait(30)
+        assert tok.entered.wait(HANG_S)
         try:
             for _ in range(3):
-                assert httpx.get(s.url + "/health", timeout=10).status_code == 200
-            assert httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+                assert httpx.get(s.url + "/health", timeout=HANG_S).status_code == 200
+            assert httpx.get(s.url + "/v1/models", timeout=HANG_S).json()["data"][0]["id"] == "tiny"
             assert sender.is_alive()  # still held: the answers above came while it was tokenising
         finally:
             tok.gate.set()
             sender.join(60)
         assert result["r"].status_code == 200, result["r"].text
         t = time.monotonic()
-        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "ab " * (2 * MIB)}, timeout=30)
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "ab " * (2 * MIB)}, timeout=HANG_S)
         assert r.status_code == 400 and "characters cannot fit" in r.json()["error"]["message"]
         assert time.monotonic() - t < 10
 
 
 def test_unknown_host_headers_are_refused(server):
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=HANG_S) as client:
         for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
             r = client.get(server.url + "/v1/models", headers={"Host": host})
             assert r.status_code == 400 and "Host" in r.json()["error"]["message"], host
@@ -262,20 +268,20 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
             extra = {"temperature": 0} if i % 2 == 0 else sampled
             return {"model": "tiny", "prompt": prompts[i], "max_tokens": 12, "ignore_eos": True, **extra}
 
-        alone_sampled = httpx.post(s.url + "/v1/completions", json=body(1), timeout=60).json()["choices"][0]["text"]
+        alone_sampled = httpx.post(s.url + "/v1/completions", json=body(1), timeout=HANG_S).json()["choices"][0]["text"]
         hostile = {"model": "boom", "prompt": "hostile " * 3, "max_tokens": 12, "ignore_eos": True,
                    "temperature": hostile_temperature}
         results: dict = {}
 
         def send(key, b):
-            results[key] = httpx.post(s.url + "/v1/completions", json=b, timeout=60)
+            results[key] = httpx.post(s.url + "/v1/completions", json=b, timeout=HANG_S)
 
         threads = [threading.Thread(target=send, args=("hostile", hostile))]
         threads += [threading.Thread(target=send, args=(i, body(i))) for i in range(6)]
         gate = _hold_engine(s)  # all seven queued before the engine runs again: one batch
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while s.loop._inbox.qsize() < 7:
             assert time.monotonic() < deadline, "the requests never reached the engine"
             time.sleep(0.01)
@@ -296,7 +302,7 @@ def test_a_request_whose_logits_go_nonfinite_fails_alone(llama, tmp_path, hostil
         # its earlier chunks were named in the prefix cache; zeroed, they must never be found again
         hostile_blocks = hash_chain(tok.encode("hostile " * 3), 4, engine.lora.adapters["boom"].key)
         assert len(hostile_blocks) == 6 and engine.blocks.cache.lookup(hostile_blocks) == []
-        again = httpx.post(s.url + "/v1/completions", json=body(0), timeout=60).json()["choices"][0]["text"]
+        again = httpx.post(s.url + "/v1/completions", json=body(0), timeout=HANG_S).json()["choices"][0]["text"]
         assert tok.encode(again, add_special_tokens=False) == hf_greedy(hf, tok.encode(prompts[0]), 12)
     assert engine.metrics.requests_finished.get("error", 0) == 1
 
@@ -364,7 +370,7 @@ def test_a_failed_forward_pass_fails_the_running_requests_not_the_queued_ones(ll
     second = loop.submit(ids, greedy, None, callback)
     loop.start()
     try:
-        assert done.wait(60)
+        assert done.wait(HANG_S)
     finally:
         loop.stop()
         handle.remove()
@@ -378,3 +384,25 @@ def test_serve_refuses_an_unreadable_model_directory_with_exit_1(capsys, tmp_pat
     assert serve_main([str(tmp_path)]) == 1  # a bad file, not a bad option
     err = capsys.readouterr().err.strip()
     assert err.startswith("tessera serve: error: ") and "\n" not in err
+
+
+@pytest.mark.parametrize("where, value", [("generation_config.json", 10**6), ("config.json", [2, -1])])
+def test_an_end_of_sequence_id_outside_the_vocabulary_is_refused_naming_the_file(llama, tmp_path, capsys,
+                                                                                 where, value):
+    """A stop rule that could never fire would let every request run to max_tokens unnoticed."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama[0], model)
+    config = json.loads((model / where).read_text())
+    (model / where).write_text(json.dumps({**config, "eos_token_id": value}))
+    assert serve_main([str(model), "--device", "cpu", "--port", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tessera serve: error: ") and "\n" not in err, err
+    assert f"{where}': eos_token_id={value!r} is invalid" in err and "vocabulary (0..127)" in err
+
+
+def test_a_system_prompt_longer_than_the_context_is_refused_not_cut(llama):
+    with pytest.raises(ConfigError, match=r"system prompt 2 is \d+ tokens; with max_model_len=32 it may be at most 31"):
+        LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=64, max_model_len=32,
+                                                  system_prompts=["short", "word " * 200]))
