@@ -20,6 +20,7 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.config import CheckpointError
 from tests.checkpoint.untrusted_checkpoints import small_checkpoint
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE, build_small_dataset, set_args, shrink
 
 
@@ -140,7 +141,7 @@ def test_file_size_limit_during_a_real_save_is_one_line(dataset, tmp_path):
 
     proc = subprocess.run([sys.executable, "-m", "tessera", "train", TINY_DENSE,
                            *set_args(shrink(dataset, run, 4)), "--resume"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=limit_file_size, timeout=300)
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=limit_file_size, timeout=HANG_S)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr and last.startswith("tessera train: error: cannot save checkpoint")

@@ -20,6 +20,7 @@ from tessera.checkpoint.convert import convert
 from tessera.config.schema import load_config
 from tessera.data.tokenizer import default_tokenizer
 from tessera.train.trainer import Trainer
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import free_port, wait_until_serving
 from tests.train.runs import ROOT, TINY_DENSE, shrink
 
@@ -87,13 +88,13 @@ def test_serve_answers_a_text_prompt_on_the_export(export):
     try:
         wait_until_serving(proc, url)
         body = {"model": str(export), "prompt": "def main(", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         assert isinstance(r.json()["choices"][0]["text"], str)
     finally:
         proc.terminate()
-        proc.wait(20)
+        proc.wait(HANG_S)
 
 
 def _without_tokenizer(export: Path, tmp_path: Path) -> Path:
@@ -106,7 +107,7 @@ def _without_tokenizer(export: Path, tmp_path: Path) -> Path:
 
 def test_serve_refuses_a_directory_without_tokenizer_at_start_up(export, tmp_path):
     proc = _serve(_without_tokenizer(export, tmp_path), free_port())
-    out, _ = proc.communicate(timeout=90)
+    out, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 1, out
     assert "tessera serve: error: " in out and "has no tokenizer" in out
     assert len([line for line in out.splitlines() if line.strip()]) == 1, out
@@ -115,7 +116,7 @@ def test_serve_refuses_a_directory_without_tokenizer_at_start_up(export, tmp_pat
 def test_generate_refuses_a_directory_without_tokenizer(export, tmp_path):
     env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tessera", "generate", str(_without_tokenizer(export, tmp_path)),
-                           "--prompt", "def "], capture_output=True, text=True, env=env, timeout=90)
+                           "--prompt", "def "], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith("tessera generate: error: ") and "has no tokenizer" in proc.stderr
 

@@ -15,7 +15,8 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.run_lock import RunDirLock
 from tessera.cli import main
 from tessera.config import ConfigError
-from tests.checkpoint.read_only_dirs import run_with_read_only
+from tests.checkpoint.unwritable_dirs import run_with_read_only
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE, build_small_dataset, set_args, shrink
 
 HOLD_LOCK = ("import sys, time\nfrom tessera.checkpoint.dcp.run_lock import RunDirLock\n"
@@ -36,7 +37,7 @@ def _start(args: list[str], env_extra: dict[str, str] | None = None) -> subproce
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.wait(timeout=HANG_S)
     proc.stdout.close()
     proc.stderr.close()
 
@@ -91,9 +92,9 @@ def test_read_only_run_dir_is_refused_before_the_model_is_built(dataset, tmp_pat
 def test_a_running_trainer_keeps_its_run_directory(dataset, tmp_path, capsys):
     run = tmp_path / "run"
     first = _start(["-m", "tessera", "train", TINY_DENSE, *set_args(shrink(dataset, run, 4))],
-                   {ckpt.PAUSE_HOOK_ENV: "2:120"})
+                   {ckpt.PAUSE_HOOK_ENV: f"2:{HANG_S}"})  # paused until stopped
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         for line in first.stderr:  # the first trainer is in the middle of saving step 2
             if "tessera-test-hook: paused in save of step 2" in line:
                 break

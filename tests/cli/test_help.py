@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tessera.cli import COMMANDS, build_parser
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT
 
 _PROBE = """
@@ -29,7 +30,7 @@ print("HEAVY", heavy)
 def test_help_imports_no_torch(argv):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+                         timeout=HANG_S)
     assert "usage: tessera" in run.stdout, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "HEAVY []"
 

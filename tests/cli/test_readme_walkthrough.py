@@ -28,6 +28,7 @@ import sys
 import pytest
 
 from tessera.cli import main
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import free_port, wait_until_serving
 from tests.train.runs import ROOT, build_small_dataset
 
@@ -101,8 +102,8 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
                 continue
             if words[0] == "curl":
                 assert server is not None, "curl before tessera serve"
-                wait_until_serving(server, f"http://127.0.0.1:{port}", timeout=120)
-                out = subprocess.run(words, capture_output=True, text=True, timeout=120)
+                wait_until_serving(server, f"http://127.0.0.1:{port}", timeout=HANG_S)
+                out = subprocess.run(words, capture_output=True, text=True, timeout=HANG_S)
                 assert out.returncode == 0, (command, out.stderr)
                 answer = json.loads(out.stdout)
                 assert answer["choices"][0]["text"] is not None and answer["usage"]["completion_tokens"] > 0, out.stdout
@@ -128,4 +129,4 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
     finally:
         if server is not None:
             server.terminate()
-            server.wait(20)
+            server.wait(HANG_S)

@@ -15,6 +15,7 @@ import pytest
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink, sigterm_after_two_logged_steps
 
 FSDP2 = {"parallel.dp_shard": 2, "optim.eps": 1e-3}  # eps: see tests/parallel/trainer_runs.py
@@ -73,7 +74,7 @@ def test_torchrun_runs_the_same_command(small_dataset, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "tessera", "train", TINY_DENSE,
                            *set_args(shrink(small_dataset, run, 2, **FSDP2))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2]
     assert proc.stdout.count("trained steps 1..2") == 1
@@ -101,14 +102,14 @@ def test_ranks_of_a_killed_launcher_save_and_stop(small_dataset, tmp_path):
     command = [sys.executable, "-m", "tessera", "train", TINY_DENSE, *set_args(overrides), "--nproc", "2"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
     finally:
         proc.kill()  # SIGKILL: the launcher cannot forward anything
         proc.wait()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while ckpt.find_latest(run / "checkpoints") is None:  # the ranks notice, finish the step and save
         assert time.monotonic() < deadline, "the ranks did not save after their launcher died"
         time.sleep(0.1)
@@ -130,11 +131,11 @@ def test_a_failed_rank_exits_without_the_interpreters_teardown(tmp_path, launche
     env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
            "RANK": "0", **launcher}
     out = subprocess.run([sys.executable, "-m", "tessera", "train", str(tmp_path / "missing.yaml")],
-                         capture_output=True, text=True, env=env, timeout=120)
+                         capture_output=True, text=True, env=env, timeout=HANG_S)
     assert out.returncode == 2 and "missing.yaml" in out.stderr, out.stderr
     assert marker.exists() == ("MASTER_ADDR" not in launcher and launcher["WORLD_SIZE"] == "1")
     ok = subprocess.run([sys.executable, "-m", "tessera", "--version"], capture_output=True, text=True, env=env,
-                        timeout=120)
+                        timeout=HANG_S)
     assert ok.returncode == 0 and marker.exists(), ok.stderr
 
 
@@ -151,6 +152,6 @@ def test_an_unexpected_error_in_a_rank_is_reported_once_with_status_1(tmp_path):
         env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
                "WORLD_SIZE": world_size, "RANK": "0"}
         out = subprocess.run([sys.executable, "-m", "tessera", "train", "x.yaml"], capture_output=True, text=True,
-                             env=env, timeout=120)
+                             env=env, timeout=HANG_S)
         assert out.returncode == 1 and out.stderr.count("RuntimeError: out of memory, say") == 1, out.stderr
         assert marker.exists() == (world_size == "1")

@@ -22,6 +22,7 @@ from tessera.config.presets import PRESETS
 from tessera.config.schema import config_from_dict, load_config
 from tessera.config.yaml_text import load_yaml
 from tessera.models.counting import count_params
+from tests.hang_guard import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-dense.yaml"
@@ -66,7 +67,7 @@ def test_billion_laughs_is_refused_at_once_in_a_fresh_process(tmp_path):
     path = _file(tmp_path, _laughs(9))  # 10^9 values expanded: hours and all memory before the bound
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "tessera", "train", str(path), "--set", f"run_dir={tmp_path / 'r'}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 2, run.stderr
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
     assert f"expands to more than {MAX_YAML_NODES:,} values" in run.stderr and "c.yaml" in run.stderr

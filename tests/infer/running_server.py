@@ -17,6 +17,7 @@ from tessera.cli import main as tessera_main
 from tessera.infer.engine import LLMEngine
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.server import create_app
+from tests.hang_guard import HANG_S
 
 
 def serve_main(argv: list[str]) -> int:
@@ -30,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serving_url(proc: subprocess.Popen, timeout: float = 90.0) -> str:
+def serving_url(proc: subprocess.Popen, timeout: float = HANG_S) -> str:
     """The URL a `tessera serve ... --port 0` process (stdout piped) says it listens on; fail with
     its output if it exits first or says nothing within `timeout` seconds. Reads the pipe's file
     descriptor itself, so a later `proc.stdout.read()` returns the rest."""
@@ -41,12 +42,12 @@ def serving_url(proc: subprocess.Popen, timeout: float = 90.0) -> str:
         if select.select([proc.stdout], [], [], min(left, 1.0))[0]:
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
-                raise AssertionError(f"exited with {proc.wait(10)} before serving: {out.decode()}")
+                raise AssertionError(f"exited with {proc.wait(HANG_S)} before serving: {out.decode()}")
             out += chunk
     return found.group(1).decode()
 
 
-def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
+def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = HANG_S) -> None:
     """Wait for a `tessera serve` process started with stdout piped to answer `url`/health; fail
     with its output if it exits first, or after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -79,7 +80,7 @@ class RunningServer:
 
     def __enter__(self) -> RunningServer:
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hang_guard import HANG_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -54,7 +56,7 @@ def test_without_cuda_the_full_size_benchmark_is_refused_at_once(argv, tmp_path)
     model is written (CUDA hidden from the process, so this holds on a GPU machine too)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "bench/gpu_serve.py", *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=HANG_S)
     assert run.returncode == 2 and run.stdout == "", run.stderr[-3000:]
     assert ("without --tiny" in run.stderr or "CUDA is not available" in run.stderr) and "--tiny" in run.stderr
     assert list(tmp_path.iterdir()) == []  # no model was written

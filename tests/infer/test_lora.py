@@ -7,6 +7,7 @@ import torch
 
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.tiny_models import hf_greedy
 
@@ -55,10 +56,10 @@ def test_adapters_load_and_unload_while_serving(llama, tmp_path):
     with RunningServer(engine, name="tiny", allow_lora_loading=True, lora_dirs=[tmp_path]) as s:
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 404
         r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path / "a")},
-                       timeout=30)
+                       timeout=HANG_S)
         assert r.status_code == 200, r.text
         assert "a" in [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200
         want = hf_greedy(peft_a, engine.tokenizer.encode("hot swap"), 8)
         assert engine.tokenizer.encode(r.json()["choices"][0]["text"], add_special_tokens=False) == want

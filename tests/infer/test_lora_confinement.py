@@ -15,6 +15,7 @@ from tessera.infer import EngineConfig, LLMEngine
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.lora import confined_adapter_dir, read_adapter_config
 from tessera.infer.server import create_app
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 
 peft = pytest.importorskip("peft")
@@ -38,11 +39,11 @@ def setup(llama, tmp_path_factory):
 
 def _load(server, name, path):
     return httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                      timeout=30)
+                      timeout=HANG_S)
 
 
 def _unload(server, name):
-    return httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+    return httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=HANG_S)
 
 
 def test_adapters_inside_the_directory_load_by_absolute_or_relative_path(setup):
@@ -52,7 +53,7 @@ def test_adapters_inside_the_directory_load_by_absolute_or_relative_path(setup):
         assert r.status_code == 200, r.text
         assert name in [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         body = {"model": name, "prompt": "x", "max_tokens": 2, "temperature": 0}
-        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S).status_code == 200
         assert _unload(server, name).status_code == 200
 
 
@@ -149,7 +150,7 @@ def test_malformed_adapters_get_400_naming_the_field(setup, name, edit_config, e
 ])
 def test_malformed_load_requests_get_400(setup, body, fragment):
     server = setup[0]
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=HANG_S)
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import free_port, serve_main, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
@@ -30,25 +31,25 @@ def test_serve_command_answers_the_contract(llama):
         [model] = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert model == str(path)  # the directory as given
         body = {"model": model, "prompt": "contract", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
         from tessera.data.tokenizer import Tokenizer
         tok = Tokenizer.from_path(path)
         assert tok.encode(text, add_special_tokens=False) == hf_greedy(hf, tok.encode("contract"), 8)
-        other = httpx.post(url + "/v1/completions", json={**body, "model": path.name}, timeout=60)
+        other = httpx.post(url + "/v1/completions", json={**body, "model": path.name}, timeout=HANG_S)
         assert other.status_code == 404 and model in other.json()["error"]["message"]
         # bound to 127.0.0.1 without --allowed-hosts: a foreign Host name (DNS rebinding) is refused
         assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
         assert httpx.get(url + "/v1/models", headers={"Host": f"localhost:{port}"}).status_code == 200
         proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
-        status = proc.wait(20)
+        status = proc.wait(HANG_S)
         out = proc.stdout.read().decode()
         assert status == 0 and "Traceback" not in out, out
     finally:
         if proc.poll() is None:
             proc.terminate()
-            proc.wait(20)
+            proc.wait(HANG_S)
 
 
 @pytest.mark.slow
@@ -67,15 +68,15 @@ def test_requests_use_exactly_the_name_v1_models_lists(llama):
         models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert models == ["tiny-served"]
         body = {"model": models[0], "prompt": "name", "max_tokens": 4, "temperature": 0}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200 and r.json()["model"] == "tiny-served", r.text
         for other in (path.name, str(path), str(path.resolve())):
-            r = httpx.post(url + "/v1/completions", json={**body, "model": other}, timeout=60)
+            r = httpx.post(url + "/v1/completions", json={**body, "model": other}, timeout=HANG_S)
             assert r.status_code == 404, (other, r.text)
             assert "does not exist" in r.json()["error"]["message"] and "tiny-served" in r.json()["error"]["message"]
     finally:
         proc.terminate()
-        proc.wait(20)
+        proc.wait(HANG_S)
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
@@ -100,7 +101,7 @@ def test_the_port_is_listened_on_before_the_model_loads():
         port = first[0].getsockname()[1]
         with pytest.raises(ConfigError, match=f"--port {port} cannot be listened on"):
             _listen_sockets("127.0.0.1", port)
-        with socket.create_connection(("127.0.0.1", port), timeout=5):  # accepted into the backlog
+        with socket.create_connection(("127.0.0.1", port), timeout=HANG_S):  # accepted into the backlog
             pass
     finally:
         for s in first:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tessera.infer import EngineConfig, LLMEngine
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 
 
@@ -35,7 +36,7 @@ def test_health_models_and_greedy_completion(server, llama):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
     body = {"model": "tiny", "prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     out = r.json()
     text = out["choices"][0]["text"]
@@ -49,7 +50,7 @@ def test_health_models_and_greedy_completion(server, llama):
 def test_chat_completion_uses_the_template(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
             "ignore_eos": True}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion" and out["choices"][0]["message"]["role"] == "assistant"
@@ -67,7 +68,7 @@ def test_64_concurrent_streams_finish_well_formed(server):
             return _events([line async for line in r.aiter_lines()]), body
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=HANG_S) as client:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(main())
@@ -80,7 +81,7 @@ def test_64_concurrent_streams_finish_well_formed(server):
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
         if i % 16 == 0:  # the same seed without streaming, alone: the same text
             text = "".join(c["choices"][0]["text"] for c in chunks)
-            alone = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=30).json()
+            alone = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=HANG_S).json()
             assert alone["choices"][0]["text"] == text
     assert server.wait_idle()
     assert server.engine.blocks.num_free_blocks == server.engine.blocks.num_blocks
@@ -104,10 +105,11 @@ def test_64_concurrent_streams_finish_well_formed(server):
 ])
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, body, status, fragment):
     route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-    r = httpx.post(server.url + route, content=body, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(server.url + route, content=body, headers={"content-type": "application/json"}, timeout=HANG_S)
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
-    ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}, timeout=30)
+    ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2},
+                    timeout=HANG_S)
     assert ok.status_code == 200
 
 
@@ -117,14 +119,14 @@ def _hold_engine(server):
 
     def wait(_engine):
         entered.set()
-        gate.wait(30)
+        gate.wait(HANG_S)
 
     server.loop.call(wait)
-    assert entered.wait(30)
+    assert entered.wait(HANG_S)
     return gate
 
 
-def _wait_for_inbox(server, n=1, timeout=10.0):
+def _wait_for_inbox(server, n=1, timeout=HANG_S):
     """Wait until the held engine has `n` commands queued."""
     deadline = time.monotonic() + timeout
     while server.loop._inbox.qsize() < n:
@@ -136,7 +138,7 @@ def test_disconnects_free_their_blocks(server):
     before = server.engine.metrics.requests_finished.get("abort", 0)
     body = {"model": "tiny", "prompt": "a long one", "max_tokens": 240, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
@@ -155,7 +157,7 @@ def test_disconnects_free_their_blocks(server):
 
 
 def test_metrics_page_is_prometheus_text(server):
-    httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=30)
+    httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 3}, timeout=HANG_S)
     text = httpx.get(server.url + "/metrics").text
     for name in ("tessera_requests_total", "tessera_generation_tokens_total", "tessera_time_to_first_token_seconds",
                  "tessera_time_per_output_token_seconds", "tessera_prefix_cache_hit_rate",
@@ -172,6 +174,6 @@ def test_api_key_is_required_when_set(llama):
         assert httpx.post(s.url + "/v1/completions", json=body).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert httpx.post(s.url + "/v1/completions", json=body, headers=wrong).status_code == 401
-        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=30)
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}, timeout=HANG_S)
         assert r.status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200

@@ -18,6 +18,7 @@ from tessera.data.tokenizer import DEFAULT_TOKENIZER_DIR
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import SpeculativeConfig
 from tessera.infer.structured_output import unpack_bitmask
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.test_server import _hold_engine, _wait_for_inbox
 from tests.infer.tiny_models import write_model
@@ -210,18 +211,18 @@ def test_both_endpoints_follow_the_schema(server):
     fmt = as_format(NESTED)
     body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 120, "temperature": 1.0,
             "response_format": fmt}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     for c in r.json()["choices"]:
         assert c["finish_reason"] == "stop"
         jsonschema.validate(json.loads(c["text"]), NESTED)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.0,
             "response_format": fmt}
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=HANG_S)
     assert r.status_code == 200, r.text
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), NESTED)
     chat["response_format"] = as_format(PERSON, strict=False)
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=HANG_S) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     jsonschema.validate(json.loads(text), PERSON)
@@ -239,7 +240,7 @@ def test_invalid_response_format_gets_400_naming_the_problem(server, response_fo
     for route, extra in (("/v1/completions", {"prompt": "x"}),
                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         r = httpx.post(server.url + route, json={"model": "tiny", "response_format": response_format, **extra},
-                       timeout=30)
+                       timeout=HANG_S)
         assert r.status_code == 400, r.text
         assert fragment in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
@@ -254,17 +255,17 @@ def test_a_schema_the_grammar_engine_fails_on_while_decoding_gets_400_alone(serv
                         for i in range(2001)]}
     fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
     free = {"model": "tiny", "prompt": "the free one", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    alone = httpx.post(server.url + "/v1/completions", json=free, timeout=60).json()["choices"][0]["text"]
+    alone = httpx.post(server.url + "/v1/completions", json=free, timeout=HANG_S).json()["choices"][0]["text"]
     bad = {"model": "tiny", "max_tokens": 40, "temperature": 1.0, "seed": 0, "response_format": fmt}
     results: dict = {}
 
     def send(key, route, body):
         if body.get("stream"):
-            with httpx.stream("POST", server.url + route, json=body, timeout=60) as r:
+            with httpx.stream("POST", server.url + route, json=body, timeout=HANG_S) as r:
                 events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
                 results[key] = (r.status_code, events)
         else:
-            results[key] = httpx.post(server.url + route, json=body, timeout=60)
+            results[key] = httpx.post(server.url + route, json=body, timeout=HANG_S)
 
     chat = {**bad, "messages": [{"role": "user", "content": "x"}]}
     threads = [threading.Thread(target=send, args=args) for args in (

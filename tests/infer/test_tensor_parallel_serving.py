@@ -27,6 +27,7 @@ from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.tensor_parallel import serving_dims
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
+from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer, serve_main, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
@@ -101,7 +102,7 @@ def _serve_two_ranks(path, **popen_options) -> tuple[subprocess.Popen, str]:
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.kill()
-        proc.wait(30)
+        proc.wait(HANG_S)
         raise
     return proc, url
 
@@ -114,18 +115,18 @@ def test_serve_with_two_ranks_answers_like_one(llama):
     proc, url = _serve_two_ranks(path)
     try:
         body = {"model": str(path), "prompt": "contract", "max_tokens": 8, "temperature": 0}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
         children = _children(proc.pid)
         assert children  # the worker (and multiprocessing's resource tracker)
         proc.terminate()  # SIGTERM: a clean stop, workers included
-        assert proc.wait(30) == 0, proc.stdout.read().decode()
+        assert proc.wait(HANG_S) == 0, proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(30)
-    deadline = time.monotonic() + 20  # the worker sees rank 0 go and exits
+            proc.wait(HANG_S)
+    deadline = time.monotonic() + HANG_S  # the worker sees rank 0 go and exits
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [c for c in children if _alive(c)]
@@ -292,17 +293,17 @@ def test_ctrl_c_to_the_process_group_lets_the_request_in_flight_finish(llama):
     try:
         body = {"model": str(path), "prompt": "contract", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=HANG_S) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # the request is in flight ...
             os.killpg(proc.pid, signal.SIGINT)  # ... when every process of the group gets Ctrl-C
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-3:]
-        assert proc.wait(30) == 0
+        assert proc.wait(HANG_S) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            proc.wait(HANG_S)
 
 
 @pytest.mark.dist
@@ -317,11 +318,11 @@ def test_serve_exits_with_status_1_when_a_worker_dies(llama):
                    if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
-        status = proc.wait(30)
+        status = proc.wait(HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(30)
+            proc.wait(HANG_S)
     out = proc.stdout.read().decode()
     assert status == 1, out
     assert "tessera serve: error: tensor-parallel rank 1 exited with code -9; the server shut down" in out, out
@@ -431,7 +432,7 @@ def test_dropped_llm_stops_its_workers(llama):
     procs = list(llm.engine.executor.workers.procs)
     del llm
     gc.collect()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + HANG_S
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in procs if p.is_alive()]
@@ -450,13 +451,13 @@ def test_health_is_503_naming_the_rank_after_a_worker_died(llama):
     try:
         with RunningServer(engine, name="tiny") as server:
             assert httpx.get(server.url + "/health").status_code == 200
-            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S).status_code == 200
             engine.executor.workers.procs[0].kill()
-            deadline = time.monotonic() + 10  # seen while idle: no request needed
+            deadline = time.monotonic() + HANG_S  # seen while idle: no request needed
             while (r := httpx.get(server.url + "/health")).status_code == 200 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert r.status_code == 503 and "tensor-parallel rank 1 exited" in r.json()["error"]["message"]
-            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S)
             assert r.status_code == 500 and "rank 1" in r.text
     finally:
         engine.close()

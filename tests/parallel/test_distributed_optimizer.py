@@ -12,6 +12,7 @@ from tessera.config.parallel import ParallelConfig
 from tessera.config.schema import load_config
 from tessera.parallel.testing import RankFailure, run_ranks
 from tessera.train.trainer import Trainer
+from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import (
     MODELS,
     assert_same_training,
@@ -57,7 +58,8 @@ def test_distributed_optimizer_trains_as_one_process(model, world, layout, small
     extra = {**EVAL, "train.micro_batch_size": 1, **{k: v for k, v in layout.items() if not k.startswith("parallel.")}}
     ref = train_one_process(model, overrides_for(model, small_dataset, tmp_path / "one", STEPS, **extra))
     got = run_ranks(train_on_ranks, world, model,
-                    overrides_for(model, small_dataset, tmp_path / "dist", STEPS, **{**extra, **layout}), timeout=120)
+                    overrides_for(model, small_dataset, tmp_path / "dist", STEPS, **{**extra, **layout}),
+                    timeout=HANG_S)
     assert_same_training(got, ref, rtol=5e-3 if "train.dtype" in layout else 1e-5)
     # (the model and precision keys of a layout go to the reference too)
 
@@ -84,7 +86,7 @@ def test_comm_stats_count_one_reduce_scatter_and_one_all_gather_per_bucket(small
     # Two micro-batches per rank: the first only accumulates, so each step reduces each bucket once.
     overrides = overrides_for("dense", small_dataset, tmp_path, 2, **REPLICATE2, **{
         "log.comm_stats": True, "train.micro_batch_size": 1})
-    results = run_ranks(_train_with_comm_stats, 2, overrides, timeout=120)
+    results = run_ranks(_train_with_comm_stats, 2, overrides, timeout=HANG_S)
     buckets = _analytic_buckets(results[0]["shapes"], 0.1, world=2)
     assert len(buckets) >= 4  # embedding, head and the blocks cut in pieces
     world = 2
@@ -120,7 +122,7 @@ def _record_gradient_order(overrides: list[str]) -> dict:
 @pytest.mark.dist
 def test_reduce_scatters_run_during_backward_and_all_gathers_until_first_use(small_dataset, tmp_path):
     overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **{"train.micro_batch_size": 1})
-    for result in run_ranks(_record_gradient_order, 2, overrides, timeout=120):
+    for result in run_ranks(_record_gradient_order, 2, overrides, timeout=HANG_S):
         events, buckets = result["events"], result["buckets"]
         first, last = events[:len(events) // 2], events[len(events) // 2:]  # the two micro-batches
         assert all(launched == 0 for _, launched in first)  # accumulation only: no communication
@@ -144,11 +146,11 @@ def test_reduce_scatters_run_during_backward_and_all_gathers_until_first_use(sma
 ])
 def test_sharded_state_resumes_under_the_same_layout_only(layout, small_dataset, tmp_path):
     straight = run_ranks(train_on_ranks, 2, "dense",
-                         overrides_for("dense", small_dataset, tmp_path / "straight", 4, **layout), timeout=120)
+                         overrides_for("dense", small_dataset, tmp_path / "straight", 4, **layout), timeout=HANG_S)
     run = tmp_path / "resumed"
-    run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 2, **layout), timeout=120)
+    run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 2, **layout), timeout=HANG_S)
     resumed = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, run, 4, **layout),
-                        resume=True, timeout=120)
+                        resume=True, timeout=HANG_S)
     assert resumed[0]["start_step"] == 2
     want = {r["step"]: r["loss"] for r in straight[0]["records"]}
     for r in resumed[0]["records"]:
@@ -157,7 +159,7 @@ def test_sharded_state_resumes_under_the_same_layout_only(layout, small_dataset,
         assert float((resumed[0]["weights"][name] - w).abs().max()) <= 1e-6 * float(w.abs().max()), name
     other = overrides_for("dense", small_dataset, run, 6, **{**layout, "parallel.bucket_mb": 0.2})
     with pytest.raises(RankFailure, match="resumes only under the layout that wrote it"):
-        run_ranks(train_on_ranks, 2, "dense", other, resume=True, timeout=120)
+        run_ranks(train_on_ranks, 2, "dense", other, resume=True, timeout=HANG_S)
 
 
 @pytest.mark.parametrize("values,message", [
@@ -183,4 +185,4 @@ def test_unsupported_settings_are_refused_naming_both_keys(small_dataset, tmp_pa
     """An explicit train.compile=true is refused; unset, it is off here (on CUDA too: test_compile.py)."""
     overrides = overrides_for("dense", small_dataset, tmp_path, 1, **REPLICATE2, **setting)
     with pytest.raises(RankFailure, match=message):
-        run_ranks(_build_trainer, 2, overrides, timeout=60)
+        run_ranks(_build_trainer, 2, overrides, timeout=HANG_S)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tessera.config.schema import load_config
 from tessera.parallel.testing import RankFailure, run_ranks
 from tessera.train.trainer import Trainer
+from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks
 from tests.train.runs import TINY_DENSE
 
@@ -79,7 +80,7 @@ def test_a_stalled_rank_fails_naming_rank_phase_and_operation(small_dataset, tmp
                                                                       "train.collective_timeout_s": 1})
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 0 of 2 failed") as info:
-        run_ranks(_rank1_never_joins_the_step, 2, overrides, timeout=30)
+        run_ranks(_rank1_never_joins_the_step, 2, overrides, timeout=HANG_S)
     assert time.monotonic() - start < 15  # the configured 1 s, not the harness's 30 s
     message = str(info.value)
     assert ("ParallelError: rank 0 of 2: a collective did not complete within train.collective_timeout_s=1 s "
@@ -94,7 +95,7 @@ def test_an_error_on_rank_0_alone_fails_every_rank_at_once(tmp_path):
     overrides = overrides_for("dense", str(tmp_path / "missing"), tmp_path / "run", 1, **{"parallel.dp_shard": 2})
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(train_on_ranks, 2, "dense", overrides, timeout=60)
+        run_ranks(train_on_ranks, 2, "dense", overrides, timeout=HANG_S)
     assert time.monotonic() - start < 20
     message = str(info.value)
     assert "--- rank 0 ---" in message and "--- rank 1 ---" in message

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tessera.data import default_tokenizer, preprocess
+from tests.hang_guard import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DENSE = str(ROOT / "configs" / "tiny-dense.yaml")
@@ -72,12 +73,12 @@ def sigterm_after_two_logged_steps(proc: subprocess.Popen, run: Path | str) -> i
     logged step (the run is expected to have saved exactly that step before exiting)."""
     metrics = Path(run) / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert proc.wait(timeout=HANG_S) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()

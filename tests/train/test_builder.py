@@ -15,6 +15,7 @@ from tessera.train.parallel_step import ParallelStep
 from tessera.train.pipeline_step import PipelineStep
 from tessera.train.run_layout import build_layout
 from tessera.train.single_process_step import SingleProcessStep
+from tests.hang_guard import HANG_S
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
 
@@ -66,7 +67,7 @@ def test_engine_on_ranks_gets_the_built_parts_and_distributed_optimizers(small_d
 
     overrides = moe_shrink(small_dataset, tmp_path, 1, **{"parallel.optimizer": "distributed", "train.dtype": "bf16",
                                                           **parallel})
-    ranks = run_ranks(_build_on_rank, 2, overrides, timeout=120)
+    ranks = run_ranks(_build_on_rank, 2, overrides, timeout=HANG_S)
     assert ranks[0]["full_shapes"] == ranks[1]["full_shapes"]  # the whole model's, on every rank
     for rank in ranks:
         assert rank["engine"] == engine.__name__

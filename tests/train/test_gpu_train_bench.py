@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tessera.models.counting import count_params
+from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT
 
 
@@ -59,6 +60,6 @@ def test_gpu_train_bench_refuses_the_full_models_without_cuda():
     timeout, far above the imports' few seconds, is what such a run would hit)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "bench/gpu_train.py", "--steps", "1", "--warmup", "0"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
     assert "CUDA is not available" in run.stderr and "--tiny" in run.stderr

@@ -22,6 +22,7 @@ from tessera.train import trainer as trainer_module
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.trainer import Trainer
+from tests.hang_guard import HANG_S
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
 
@@ -166,7 +167,7 @@ def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
     fp16 = {"train.dtype": "fp16"}
     ref = train_one_process("dense", overrides_for("dense", small_dataset, tmp_path / "one", 3, **fp16))
     got = run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, tmp_path / "two", 3,
-                                                              **fp16, **{"parallel.dp_shard": 2}), timeout=300)
+                                                              **fp16, **{"parallel.dp_shard": 2}), timeout=HANG_S)
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         assert abs(r["loss"] - w["loss"]) <= 5e-3 * w["loss"], (r, w)
         assert r["loss_scale"] == w["loss_scale"] and "skipped_step" not in r
@@ -188,7 +189,7 @@ def test_fp16_under_pipeline_follows_one_process(small_dataset, tmp_path, model)
     fp16 = {"train.dtype": "fp16", "train.micro_batch_size": 1}
     ref = train_one_process(model, overrides_for(model, small_dataset, tmp_path / "one", 3, **fp16))
     got = run_ranks(train_on_ranks, 2, model, overrides_for(model, small_dataset, tmp_path / "pp", 3,
-                                                            **{**fp16, **PIPELINE}), timeout=300)
+                                                            **{**fp16, **PIPELINE}), timeout=HANG_S)
     assert len(got[0]["records"]) == 3
     assert_same_training(got, ref, rtol=5e-3)
     for r in got[0]["records"]:
@@ -226,7 +227,7 @@ def test_fp16_overflow_under_pipeline_is_skipped_on_every_rank(small_dataset, tm
 
     overrides = moe_shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16", "checkpoint.interval": 0,
                                                           **PIPELINE})
-    ranks = run_ranks(_pipeline_overflow, 2, overrides, timeout=300)
+    ranks = run_ranks(_pipeline_overflow, 2, overrides, timeout=HANG_S)
     for rank in ranks:
         assert rank["overflow"] == (True, 2.0**100, 2.0**99, True), rank
         assert rank["finite"] == (False, 2.0**10, False), rank
@@ -283,7 +284,7 @@ def test_fp8_composes_with_fsdp_and_compile(small_dataset, tmp_path):
     compiled = _fp8_losses(overrides_for("dense", small_dataset, tmp_path / "compiled", 3, **bf16,
                                          **{"train.compile": True}))
     sharded = run_ranks(_fp8_losses, 2, overrides_for("dense", small_dataset, tmp_path / "two", 3, **bf16,
-                                                      **{"parallel.dp_shard": 2}), timeout=300)[0]
+                                                      **{"parallel.dp_shard": 2}), timeout=HANG_S)[0]
     assert len(ref) == 3
     for losses in (compiled, sharded):
         for got, want in zip(losses, ref, strict=True):

@@ -17,6 +17,7 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.config.schema import load_config
 from tessera.train.trainer import Trainer
+from tests.hang_guard import HANG_S
 from tests.train.runs import (
     ROOT,
     TINY_DENSE,
@@ -72,9 +73,9 @@ def test_sigkill_during_save_keeps_previous_checkpoint(small_dataset, tmp_path):
     run = tmp_path / "run"
     overrides = moe_shrink(small_dataset, run, 6)
     # The save of step 4 pauses after its DCP files are written into the temporary directory.
-    proc = _start([TINY_MOE, *set_args(overrides)], {ckpt.PAUSE_HOOK_ENV: "4:120"})
+    proc = _start([TINY_MOE, *set_args(overrides)], {ckpt.PAUSE_HOOK_ENV: f"4:{HANG_S}"})
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         for line in proc.stderr:
             if "tessera-test-hook: paused in save of step 4" in line:
                 break
@@ -85,7 +86,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(small_dataset, tmp_path):
         assert partial and any(partial[0].iterdir())  # the kill lands with the save half done
         before = _digest(run / "checkpoints" / "step_00000002")
         proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert proc.wait(timeout=HANG_S) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
