@@ -31,3 +31,8 @@ class ServingError(TesseraError, RuntimeError):
 
 class ParallelError(TesseraError, ValueError):
     """A parallel layout does not divide the world size or the model's shapes."""
+
+
+class TrainingError(TesseraError, RuntimeError):
+    """A run cannot go on: a gradient that is not finite where train.skip_nonfinite is false, loss
+    spikes that come back however often the run rolls back, a failure that repeats at the same step."""

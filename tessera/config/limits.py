@@ -31,10 +31,12 @@ MAX_BATCH_SAMPLES = 2**24  # micro and global batch, in samples (DeepSeek-V3: 15
 MAX_TOKENS_PER_STEP = 2**30  # global_batch_size x seq_len (DeepSeek-V3: 63M; LLaMA-3 405B: 16M)
 MAX_PARALLEL_SIZE = 2**20  # one mesh dimension, and pipeline micro-batches
 MAX_LOCAL_RANKS = 1_024  # `tessera train --nproc N` processes on one machine
+MAX_RESTARTS = 10_000  # `tessera train --max-restarts K` (a failure every hour of a year-long run)
 
 # ---- scalars ------------------------------------------------------------------------------------
 MAX_SEED = 2**63 - 1  # seeds are 0..MAX_SEED: they fit int64 everywhere they are stored
 MAX_INT = 2**63 - 1  # any integer of a configuration fits int64
+MAX_SPIKE_WINDOW = 100_000  # steps of loss history the spike rule keeps (and stores in each checkpoint)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout of a week; longer is a hang, not a wait
 MIN_TEMPERATURE = 1e-5  # smallest sampling temperature above 0: logits / T stays finite in fp32
 MAX_PORT = 65_535

@@ -34,6 +34,7 @@ from tessera.config.limits import (
     MAX_BATCH_SAMPLES,
     MAX_INT,
     MAX_SEED,
+    MAX_SPIKE_WINDOW,
     MAX_TIMEOUT_S,
     MAX_TOKENS_PER_STEP,
 )
@@ -99,6 +100,15 @@ class TrainConfig:
     # predicted not to fit gets a warning, with what would fit, before anything is allocated.
     # None = the GPU's own memory; on a machine without a GPU there is no check.
     memory_budget_gib: float | None = None
+    # A step whose gradient is not finite (by the whole model's norm, the same on every rank) is skipped
+    # on every rank, an event in run_dir/events.jsonl; false: it stops the run with an error naming the
+    # step. Under dtype=fp16 the loss scaler skips such a step either way (that is how it finds its scale).
+    skip_nonfinite: bool = True
+    # A step whose loss exceeds spike_factor x the median of the spike_window steps before it is not
+    # applied: the run goes back to its last checkpoint and skips the batches up to the spike
+    # (tessera.train.loss_spike). None = off.
+    spike_factor: float | None = None
+    spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
 
 
 @dataclass
@@ -165,6 +175,9 @@ class CheckpointConfig:
     # else the run writes; an absolute one is taken as is. Files an export would not write there
     # are refused.
     export_hf_dir: str | None = None
+    # YAML key `async`: a save copies the state to CPU memory and a thread writes it while training goes
+    # on; the next save and the run's end wait for it (tessera.checkpoint.dcp.background). Same files.
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -180,6 +193,9 @@ class LogConfig:
     # reduce_scatter, all_to_all, broadcast, send_recv) into metrics.jsonl as comm/<kind>_calls and
     # comm/<kind>_bytes (summed over ranks). Off by default: it adds per-operator Python overhead.
     comm_stats: bool = False
+    # On ranks, metrics lines have each rank's step and wait times; the slowest rank is named when its
+    # work exceeds the median rank's by more than this fraction of the step (tessera.train.rank_timing).
+    straggler_threshold: float = 0.1
 
 
 @dataclass
@@ -201,7 +217,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (tuples as lists) that `load_config` reads back to an equal RunConfig."""
-        return _plain(dataclasses.asdict(self))
+        return _plain(self)
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> RunConfig:
@@ -350,6 +366,12 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
     need(c.export_hf_dir is None or bool(c.export_hf_dir), "checkpoint.export_hf_dir", c.export_hf_dir,
          "null (run_dir/hf) or a non-empty path")
+    need(t.spike_factor is None or t.spike_factor > 1, "train.spike_factor", t.spike_factor,
+         "must be null (off) or > 1 (a loss above spike_factor x the running median is a spike)")
+    need(1 <= t.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window", t.spike_window,
+         f"must be in 1..{MAX_SPIKE_WINDOW} steps")
+    need(cfg.log.straggler_threshold > 0, "log.straggler_threshold", cfg.log.straggler_threshold,
+         "must be > 0 (a fraction of the step time)")
     need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
          "None or > 0 (FLOP/s of one device)")
 
@@ -361,14 +383,15 @@ def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a section (a mapping), got {type(raw).__name__} {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {prefix}{near[0]}?)" if near else ""
             raise ConfigError(f"unknown key {prefix}{key}{hint}; allowed in {where}: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    kwargs = {key: _coerce(value, hints[key], f"{prefix}{key}") for key, value in raw.items()}
+    kwargs = {fields[key].name: _coerce(value, hints[fields[key].name], f"{prefix}{key}")
+              for key, value in raw.items()}
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -455,7 +478,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and `--set`: its name, or metadata["key"] for a keyword (checkpoint.async)."""
+    return f.metadata.get("key", f.name)
+
+
 def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {config_key(f): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
