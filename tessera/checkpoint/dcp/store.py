@@ -224,21 +224,22 @@ def _pause_hook(step: int) -> None:
             time.sleep(float(seconds or 3600))
 
 
-def _world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) without one."""
+def _world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(rank, world size) in `group` (None: the default process group); (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _broadcast_from_rank0(obj: Any) -> Any:
+def _broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
-                    keep_last: int, planner: dcp.SavePlanner | None = None) -> Path:
+                    keep_last: int, planner: dcp.SavePlanner | None = None,
+                    group: dist.ProcessGroup | None = None) -> Path:
     """Save `state` (a DCP state dict: tensors and plain data) as checkpoint `step`.
 
     Returns the final directory. `meta` (JSON-able) is stored as meta.json together with the step
@@ -247,11 +248,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     them, then rank 0 alone completes it (meta.json, rename, pointer, old checkpoints), and every
     rank returns once that is done or raises if it failed. A failed save (a full disk, a read-only
     file system) raises CheckpointError and leaves the previous checkpoint and pointer as they were.
-    `planner` replaces DCP's default save planner (layout.py writes chunks it reads lazily).
+    `planner` replaces DCP's default save planner (layout.py writes chunks it reads lazily). Every
+    collective of the save runs in `group` (None: the default group; a background save has its own,
+    background.py), whose rank 0 completes the directory.
     """
     root = Path(root)
     final = root / step_dir_name(step)
-    rank, world = _world()
+    rank, world = _world(group)
     tmp, error = None, None
     if rank == 0:
         try:
@@ -262,19 +265,19 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         except OSError as e:
             error = _save_error(final, e)
     if world > 1:
-        tmp, error = _broadcast_from_rank0((str(tmp) if tmp is not None else None, error))
+        tmp, error = _broadcast_from_rank0((str(tmp) if tmp is not None else None, error), group)
     if error is not None:
         raise CheckpointError(error)
     tmp = Path(tmp)
     try:
         with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp), planner=planner)
+            dcp.save(state, checkpoint_id=str(tmp), planner=planner, process_group=group)
         files = digest_rank_files(tmp, rank)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         files, error = None, _save_error(final, e)
     if world > 1:
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (files, error))
+        dist.all_gather_object(gathered, (files, error), group=group)
         error = next((err for _, err in gathered if err is not None), None)
         files = {k: v for f, _ in gathered if f for k, v in f.items()}
     if rank == 0:
@@ -288,7 +291,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     if world > 1:
-        error = _broadcast_from_rank0(error)
+        error = _broadcast_from_rank0(error, group)
     if error is not None:
         raise CheckpointError(error)
     return final
