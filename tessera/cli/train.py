@@ -1,5 +1,7 @@
-"""`tessera train CONFIG [--set key=value ...] [--resume] [--nproc N]`: train a model from a run
-configuration, in this process, on N local ranks (`--nproc`), or as one rank torchrun started."""
+"""`tessera train CONFIG [--set key=value ...] [--resume] [--nproc N [--max-restarts K]]`: train a
+model from a run configuration, in this process, on N local ranks (`--nproc`), or as one rank
+torchrun started. A rank that its launcher (`--max-restarts`, or torchrun's) started again after a
+failure resumes from the newest good checkpoint as `--resume` would."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import signal
 import sys
 
 from tessera.config.argument_types import int_in
-from tessera.config.limits import MAX_LOCAL_RANKS
+from tessera.config.limits import MAX_LOCAL_RANKS, MAX_RESTARTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start N local ranks (gloo on CPU, NCCL on GPUs) laid out by the parallel section, "
                         "N=1 too (one rank in a process group); None: this one process, no process group (or "
                         "the ranks torchrun started); for several nodes use torchrun (examples/slurm.sbatch)")
+    p.add_argument("--max-restarts", type=int_in(0, MAX_RESTARTS), default=0, metavar="K",
+                   help="with --nproc: when a rank fails, start all ranks again from the newest good checkpoint, "
+                        "up to K times (not after a failure that repeats at the same step); restarts and their "
+                        "causes go to run_dir/events.jsonl")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
@@ -34,7 +40,8 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
     check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
-    return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])))
+    return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])),
+                        max_restarts=args.max_restarts, run_dir=cfg.run_dir)
 
 
 def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
@@ -62,18 +69,38 @@ def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tessera.config.errors import ConfigError
     from tessera.config.schema import load_config
 
+    if args.max_restarts and args.nproc is None:
+        raise ConfigError(f"--max-restarts={args.max_restarts} is invalid without --nproc N: the launcher that "
+                          "--nproc starts is what restarts ranks (use --nproc 1 for one rank; under torchrun, "
+                          "its own --max-restarts)")
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
         return _launch_ranks(args, cfg)
-    from tessera.parallel.launch import shutdown_distributed
+    from tessera.parallel.job_progress import RankProgress
+
+    progress = RankProgress.from_env()  # what the launcher of `--nproc` learns of this rank
+    try:
+        result, coordinator = _train(args, cfg, progress)
+    except Exception as e:
+        if progress is not None:
+            progress.failed(f"{type(e).__name__}: {e}")
+        raise
+    return _summarize(cfg, result, coordinator)
+
+
+def _train(args: argparse.Namespace, cfg, progress):
+    """Build the trainer (resuming on `--resume` and in a restarted rank), say what it trains, train."""
+    from tessera.parallel.launch import restart_count, shutdown_distributed
     from tessera.train import console
     from tessera.train.trainer import Trainer
 
+    restart = restart_count()
     try:
-        trainer = Trainer(cfg, resume=args.resume)
+        trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress)
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             warning = console.schedule_warning(cfg)
@@ -81,13 +108,22 @@ def run(args: argparse.Namespace) -> int:
                                             trainer.step, trainer.layout.backend)
             print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
-            print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
+            again = f", restart {restart}" if restart else ""
+            print(f"resuming from {trainer.resumed_from} (step {trainer.step}{again})", file=sys.stderr)
+        elif restart and coordinator:
+            print(f"restart {restart}: no checkpoint was written yet, starting from step 0", file=sys.stderr)
         if trainer.init_from is not None and coordinator:
             print(f"weights from {trainer.init_from} ({trainer.init_bytes_read / 2**20:.1f} MiB read by rank 0)",
                   file=sys.stderr)
-        result = trainer.train()
+        return trainer.train(), coordinator
     finally:
         shutdown_distributed()
+
+
+def _summarize(cfg, result, coordinator: bool) -> int:
+    """Rank 0's last lines (what was trained, where it went, what to run next); the exit status."""
+    from tessera.train import console
+
     if not coordinator:
         return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
     if result.last_step == result.start_step and result.stopped_by_signal is None:

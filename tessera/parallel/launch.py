@@ -8,8 +8,10 @@ Two ways in, one code path inside:
   a TCPStore on 127.0.0.1 (on a port the OS picks, so no port can be taken in between), starts N
   copies of the command with the same variables (TORCHELASTIC_USE_AGENT_STORE=True tells every
   rank to join that store as a client, as under torchrun), forwards SIGTERM/SIGINT to them, and
-  when one rank fails gives the others a short grace period before stopping them. A rank whose
-  launcher dies (SIGKILL) stops as if it had received SIGTERM (`watch_launcher`).
+  when one rank fails gives the others a short grace period before stopping them; with
+  `max_restarts` it then starts them all again (tessera.parallel.restarts), each rank reporting its
+  step and error to the store meanwhile (tessera.parallel.job_progress). A rank whose launcher dies
+  (SIGKILL) stops as if it had received SIGTERM (`watch_launcher`).
 
 Either way each rank calls `init_distributed`, which reads the environment (env:// rendezvous)
 and creates the default process group, for a job of one rank too (`--nproc 1`): gloo on CPU; on
@@ -27,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -35,6 +37,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tessera.config.errors import ParallelError
+from tessera.parallel.job_progress import PROGRESS_ENV, read_reports
+from tessera.parallel.restarts import RankExit, RestartPolicy, failing_rank
 
 # After a rank fails, its peers get this long to report their own error before they are stopped.
 FAILURE_GRACE_S = 5.0
@@ -42,6 +46,8 @@ FAILURE_GRACE_S = 5.0
 KILL_AFTER_S = 10.0
 # Set by `launch_local` in every rank it starts: the launcher's process id (see watch_launcher).
 LAUNCHER_PID_ENV = "TESSERA_LAUNCHER_PID"
+# How often the job's ranks were started again after a failure (0: first start); torchrun's name.
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -102,8 +108,17 @@ def init_distributed(device: torch.device, timeout_s: float) -> RankEnv:
     # On GPUs, CUDA tensors go over NCCL and the small CPU tensors of bookkeeping (loss sums, token
     # counts, pickled objects) over gloo: one default group with both backends.
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+    restart = restart_count()
+    if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        # torchrun keeps one store for every attempt: without a prefix of its own, a restarted rank reads
+        # the previous attempt's keys (a dead rank's address) and cannot connect (pytorch#167288).
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                    timeout=timedelta(seconds=timeout_s))
+        kwargs["store"] = dist.PrefixStore(f"tessera/restart_{restart}", agent_store)
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
     return env
 
@@ -144,59 +159,94 @@ def _stop(procs: Sequence[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
             p.wait()
 
 
-def launch_local(nproc: int, command: Sequence[str], env: dict[str, str] | None = None) -> int:
+def restart_count() -> int:
+    """How often the launcher (ours or torchrun) has restarted this job's ranks; 0 for a first start."""
+    value = os.environ.get(RESTART_COUNT_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+@dataclass
+class _Job:
+    """The ranks of the current attempt and the signals passed on to them."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    forwarded: list[int] = field(default_factory=list)
+
+    def forward(self, signum, frame) -> None:
+        self.forwarded.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+
+def launch_local(nproc: int, command: Sequence[str], env: dict[str, str] | None = None, max_restarts: int = 0,
+                 run_dir: str | os.PathLike | None = None) -> int:
     """Run `command` as `nproc` ranks of one job on this machine; returns the job's exit status.
 
     The status is 0 when every rank succeeded, else that of the rank that failed first (a rank
     stopped by the launcher after another failed does not count as the cause). SIGTERM / SIGINT
     are passed on to every rank, which stop after the same step with a checkpoint; the launcher
     waits for all of them (a second signal, passed on too, stops them at once).
+
+    With `max_restarts` K > 0, an attempt that fails (not one stopped by a signal) starts all N
+    ranks again, up to K times, unless it failed at the step the previous attempt failed at
+    (tessera.parallel.restarts, which logs each restart and refusal under `run_dir`). The restarted
+    ranks resume from the newest good checkpoint (they see TORCHELASTIC_RESTART_COUNT, as under
+    torchrun); the job's status is that of its last attempt.
     """
     if nproc < 1:
         raise ParallelError(f"--nproc={nproc} is invalid: must be >= 1")
-    store = dist.TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
     base = {**os.environ, **(env or {})}
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    procs = []
+    policy = RestartPolicy(max_restarts, nproc, run_dir)
+    job = _Job()
+    previous = {s: signal.signal(s, job.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            status, failure = _run_attempt(nproc, command, base, policy.restarts, job)
+            if failure is None or job.forwarded or not policy.restart_after(failure):
+                return status
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_attempt(nproc: int, command: Sequence[str], base: dict[str, str], restart: int,
+                 job: _Job) -> tuple[int, RankExit | None]:
+    """Start every rank once and wait for them: (exit status, the failure that ended the attempt or None)."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    job.procs = []
     for rank in range(nproc):
         rank_vars = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                      "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                      "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": str(True),
-                     LAUNCHER_PID_ENV: str(os.getpid())}
+                     LAUNCHER_PID_ENV: str(os.getpid()), RESTART_COUNT_ENV: str(restart), PROGRESS_ENV: "1"}
         # Own session: a terminal's Ctrl-C reaches the launcher, which forwards it once.
-        procs.append(subprocess.Popen(list(command), env={**base, **rank_vars}, start_new_session=True))
-
-    forwarded: list[int] = []
-
-    def forward(signum, frame):
-        forwarded.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        job.procs.append(subprocess.Popen(list(command), env={**base, **rank_vars}, start_new_session=True))
+    failed: list[int] = []  # ranks in the order their failure was seen, before any was stopped
     try:
-        first_failure: tuple[float, int] | None = None
-        while any(p.poll() is None for p in procs):
-            if forwarded:  # asked to stop: every rank finishes its step and saves; wait for all of them
-                pass
-            elif first_failure is None:
-                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-                if failed:
-                    first_failure = (time.monotonic(), failed[0])
-            elif time.monotonic() - first_failure[0] > FAILURE_GRACE_S:
-                _stop(procs)
-                break
+        first_failure_at = None
+        while any(p.poll() is None for p in job.procs):
+            # Asked to stop, every rank finishes its step and saves: wait for all of them. Else a
+            # failure gives the other ranks FAILURE_GRACE_S to report their own before they are stopped.
+            if not job.forwarded:
+                failed += [r for r, p in enumerate(job.procs) if p.returncode not in (None, 0) and r not in failed]
+                if failed and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+                elif first_failure_at is not None and time.monotonic() - first_failure_at > FAILURE_GRACE_S:
+                    break
             time.sleep(0.05)
+        if not job.forwarded:
+            failed += [r for r, p in enumerate(job.procs) if p.returncode not in (None, 0) and r not in failed]
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        _stop(procs)
-        del store
-    if first_failure is not None:
-        return _exit_status(first_failure[1])
-    return next((_exit_status(p.returncode) for p in procs if p.returncode != 0), 0)
+        _stop(job.procs)
+    reports = read_reports(store, nproc)
+    del store
+    if not failed:  # every rank succeeded, or stopped when asked to
+        return next((_exit_status(p.returncode) for p in job.procs if p.returncode != 0), 0), None
+    failure = failing_rank([RankExit(r, job.procs[r].returncode, reports[r].step, reports[r].error) for r in failed])
+    return _exit_status(failure.returncode), failure
 
 
 def _exit_status(returncode: int) -> int:
