@@ -2,7 +2,8 @@
 TensorBoard events under `run_dir/tensorboard`.
 
 On resume, lines of steps after the checkpoint are dropped first: those steps are trained again,
-and the file should read as one run.
+and the file should read as one run, each step once (a restarted job resumes the same way). A run
+that rolls back to a checkpoint while it trains (the loss-spike rule) drops them with `rewind`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class MetricsWriter:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines of steps after `step` (they are trained again, on other batches)."""
+        self._file.close()
+        self._drop_after(step)
+        self._file = open(self.path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
         """One line in metrics.jsonl (flushed at once) and a scalar per number in TensorBoard."""

@@ -108,6 +108,13 @@ class RunLayout:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def check_in(self) -> None:
+        """Every rank reaches this point (a one-number all-reduce): where a rank that is late shows as the
+        others' wait (tessera.train.rank_timing)."""
+        if self.distributed:
+            with self.phase("step check-in"):
+                dist.all_reduce(torch.zeros(1, dtype=torch.int64))
+
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """A collective timeout inside the block becomes a ParallelError naming rank, phase, operation."""

@@ -81,13 +81,20 @@ def model_and_optimizer_state(parts: list[nn.Module], optimizers: list[torch.opt
     return model_sd, optim_sd
 
 
-def save_training_state(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                        trainer_state: dict[str, Any], cfg: RunConfig, rank: int, world_size: int) -> Path:
-    """Write checkpoint `step` under `root` (every rank calls this; rank 0 completes the directory)."""
+def training_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer_state: dict[str, Any],
+                   cfg: RunConfig, rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the DCP state dict, meta.json's fields) of this rank's part of a checkpoint, now. Its tensors are
+    the live ones: a background save copies them first (tessera.checkpoint.dcp.background)."""
     model_sd, optim_sd = model_and_optimizer_state(parts, optimizers)
     state = {"model": model_sd, "optim": optim_sd, "trainer": json.dumps(trainer_state),
              "rng": {f"rank{rank}": json.dumps(encode_rng_state(capture_rng_state()))}}
-    meta = {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
+    return state, {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
+
+
+def save_training_state(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                        trainer_state: dict[str, Any], cfg: RunConfig, rank: int, world_size: int) -> Path:
+    """Write checkpoint `step` under `root` (every rank calls this; rank 0 completes the directory)."""
+    state, meta = training_state(parts, optimizers, trainer_state, cfg, rank, world_size)
     return ckpt.save_checkpoint(root, step, state, meta, cfg.checkpoint.keep_last)
 
 

@@ -13,6 +13,16 @@ backward, the step here unscales, skips a non-finite step and adapts the scale).
 the MoE expert bias takes one aux-loss-free balancing step from the step's summed routing counts.
 Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: run_directory.py.
 
+Resilience. A step whose gradient is not finite is skipped on every rank (train.skip_nonfinite; false
+stops the run instead); with train.spike_factor a step whose loss spikes is refused and the run
+rolls back to its last checkpoint, skipping the batches since (loss_spike.py); both are events in
+run_dir/events.jsonl (tessera.parallel.job_events). With checkpoint.async a save is a CPU copy
+written in the background (tessera.checkpoint.dcp.background), waited for before the next save, a
+roll-back, an export and the end of the run. On ranks every metrics line has each rank's step and
+wait times and names a straggler (rank_timing.py). A rank started by `--nproc` tells its launcher
+which step it trains (tessera.parallel.job_progress), so that a restart after a failure is logged
+with its step.
+
 Layouts. On ranks (`tessera train --nproc N`, torchrun, or a process group the caller made; a job
 of one rank too) the `parallel` section decides the layout (run_layout.py) and tessera.train.builder
 builds this rank's parts: the model built on the meta device, cut into its shards or pipeline
@@ -41,22 +51,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
+from tessera.checkpoint.dcp.background import BackgroundSaver
 from tessera.checkpoint.dcp.run_lock import RunDirLock
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.parallel.compile import resolve_compile
+from tessera.parallel.job_events import append_event
+from tessera.parallel.job_progress import RankProgress
 from tessera.train.builder import build_step_engine, build_training_parts
 from tessera.train.comm_metrics import comm_record
 from tessera.train.console import eval_line
 from tessera.train.data_source import TrainingData, build_training_data
+from tessera.train.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
 from tessera.train.metric_record import ThroughputWindow, step_record
 from tessera.train.metrics_writer import MetricsWriter
 from tessera.train.optimizer import check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
+from tessera.train.rank_timing import RankTiming
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
@@ -64,9 +80,14 @@ from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import StepEngine
 from tessera.train.stop_signal import AgreedStop, StopSignal
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
-from tessera.train.train_checkpoint import load_training_state, save_training_state
+from tessera.train.train_checkpoint import load_training_state, save_training_state, training_state
 
 __all__ = ["CHECKPOINT_DIR", "TrainResult", "Trainer", "resolve_device"]
+
+
+def _number(x: float) -> float | str:
+    """A float for JSON: inf and NaN as text (JSON has neither)."""
+    return x if math.isfinite(x) else str(x)
 
 
 @dataclass
@@ -84,8 +105,9 @@ class TrainResult:
 class Trainer:
     """Builds model, optimizer, schedule and data from a RunConfig, then trains (any parallel layout)."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False):
+    def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None):
         self.cfg = cfg
+        self.progress = progress  # the launcher's view of this rank (tessera train --nproc), or None
         t = cfg.train
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / CHECKPOINT_DIR
@@ -116,12 +138,24 @@ class Trainer:
         self.optimizer = self.optimizers[0]
         self.engine: StepEngine = build_step_engine(cfg, self.layout, built)
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
+        self._build_resilience()
         self.step = 0
         self.tokens_seen = 0
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
+
+    def _build_resilience(self) -> None:
+        """The background saver (on ranks its process group is made here, by every rank alike), the
+        loss-spike rule and, on several ranks, the per-rank timing."""
+        cfg, t = self.cfg, self.cfg.train
+        self.background = BackgroundSaver(dist.is_initialized()) if cfg.checkpoint.async_save else None
+        self.spike_rule = LossSpikeRule(t.spike_factor, t.spike_window) if t.spike_factor is not None else None
+        self.timing = (RankTiming(self.layout.rank, self.layout.world_size, cfg.log.straggler_threshold)
+                       if self.layout.distributed else None)
+        self._rollbacks: dict[int, int] = {}  # checkpoint step -> roll-backs to it
+        self._straggler: int | None = None  # the rank named at the last metrics line
 
     def _build_data(self) -> TrainingData:
         """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing
@@ -140,15 +174,30 @@ class Trainer:
                  "data": self.data.train.state_dict()}
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
+        if self.spike_rule is not None:
+            state["spike_rule"] = self.spike_rule.state_dict()
         return state
 
     def save(self) -> Path:
-        """Checkpoint model, optimizer, schedule, step, RNG states and data position (train_checkpoint.py)."""
-        with self.layout.phase("checkpoint save"):
-            self.latest_checkpoint = save_training_state(
-                self.ckpt_root, self.step, self.parts, self.optimizers, self._trainer_state(), self.cfg,
-                self.layout.rank, self.layout.world_size)
-        return self.latest_checkpoint
+        """Checkpoint model, optimizer, schedule, step, RNG states and data position (train_checkpoint.py).
+        With checkpoint.async the state is copied and written in the background: the directory it will
+        have is returned at once, and `finish_save` waits for it."""
+        rank, world = self.layout.rank, self.layout.world_size
+        if self.background is None:
+            with self.layout.phase("checkpoint save"):
+                self.latest_checkpoint = save_training_state(self.ckpt_root, self.step, self.parts, self.optimizers,
+                                                             self._trainer_state(), self.cfg, rank, world)
+            return self.latest_checkpoint
+        self.finish_save()
+        with self.layout.phase("checkpoint save (copy to CPU)"):
+            state, meta = training_state(self.parts, self.optimizers, self._trainer_state(), self.cfg, rank, world)
+            return self.background.start(self.ckpt_root, self.step, state, meta, self.cfg.checkpoint.keep_last)
+
+    def finish_save(self) -> None:
+        """Wait for the background save in flight, if any; it is then the latest checkpoint."""
+        if self.background is not None and self.background.in_flight is not None:
+            with self.layout.phase("checkpoint save (background)"):
+                self.latest_checkpoint = self.background.wait()
 
     def _load(self, path: Path) -> None:
         with self.layout.phase("checkpoint load"):
@@ -160,6 +209,8 @@ class Trainer:
         self.data.train.load_state_dict(trainer["data"])
         if self.loss_scaler is not None and "loss_scaler" in trainer:
             self.loss_scaler.load_state_dict(trainer["loss_scaler"])
+        if self.spike_rule is not None:
+            self.spike_rule.load_state_dict(trainer.get("spike_rule", {}))
 
     def _export_hf(self, checkpoint: Path) -> Path:
         """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
@@ -173,18 +224,27 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step on the next global batch; returns the step's statistics."""
+        """One optimizer step on the next global batch; returns the step's statistics. A step the
+        loss-spike rule refuses updates nothing and has `stats["spike"]`."""
         self.step += 1
+        if self.progress is not None:
+            self.progress.began(self.step)
         lr = self.scheduler.set_step(self.step)
         batch = self.data.train.next_batch()
+        if self.timing is not None:
+            with self.timing.waiting():
+                self.layout.check_in()
         counter = CollectiveCounter() if self.cfg.log.comm_stats else None
         with counter if counter is not None else nullcontext():
             with self.layout.phase("forward/backward"):
                 stats = self.engine.forward_backward(batch)
-            grad_norm = self._update_weights(stats)
+            spike = self.spike_rule.check(self.step, stats["loss"]) if self.spike_rule is not None else None
+            grad_norm = self._update_weights(stats) if spike is None else math.nan
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        if stats["counts"]:
+        if spike is not None:
+            stats.update(spike=spike, skipped=True)
+        elif stats["counts"]:
             self.engine.update_expert_bias(stats["counts"])
         self.tokens_seen += stats["tokens"]
         stats.update(lr=lr, grad_norm=grad_norm)
@@ -200,19 +260,40 @@ class Trainer:
         if self.loss_scaler is not None:
             stats["loss_scale"] = self.loss_scaler.scale
             self.loss_scaler.unscale_(self.parts)
-        with self.layout.phase("gradient norm"):
+        with self.layout.phase("gradient norm"), self.timing.waiting() if self.timing else nullcontext():
             grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         stats["skipped"] = not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=stats["skipped"])
+        elif stats["skipped"]:
+            self._not_finite(grad_norm, stats["loss"])
         if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
             with self.layout.phase("optimizer step"):
                 for optimizer in self.optimizers:
                     optimizer.step()
         return grad_norm
 
-    def _timed_step(self, window: ThroughputWindow) -> dict[str, Any]:
-        """`train_step`, its tokens and wall time (the device synchronised around it) added to `window`."""
+    def _not_finite(self, grad_norm: float, loss: float) -> None:
+        """A step whose gradient is not finite (every rank sees the same norm): an event, or the end of
+        the run with train.skip_nonfinite=false."""
+        if not self.cfg.train.skip_nonfinite:
+            raise TrainingError(f"step {self.step}: the gradient is not finite (norm {grad_norm}, loss {loss}) and "
+                                "train.skip_nonfinite=false, so the run stops; its last checkpoint "
+                                f"({self.latest_checkpoint or 'none yet'}) is as it was. train.skip_nonfinite=true "
+                                "skips such a step instead")
+        self._event("nonfinite_step", {"grad_norm": str(grad_norm), "loss": _number(loss)},
+                    f"step {self.step}: the gradient is not finite (norm {grad_norm}); the update is skipped on "
+                    "every rank")
+
+    def _event(self, event: str, fields: dict[str, Any], message: str) -> None:
+        """An event of this step in run_dir/events.jsonl and on stderr (rank 0 writes it)."""
+        if self.layout.is_coordinator:
+            append_event(self.run_dir, event, {"step": self.step, **fields}, f"tessera train: {message}",
+                         say=lambda line: tqdm.write(line, file=sys.stderr))
+
+    def _timed_step(self, window: ThroughputWindow, stop: AgreedStop) -> dict[str, Any]:
+        """`train_step`, its tokens and wall time (the device synchronised around it) added to `window`;
+        then the ranks agree whether a stop signal came (the step's last synchronisation point)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -220,6 +301,10 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         window.add(stats["tokens"], time.perf_counter() - start)
+        with self.timing.waiting() if self.timing else nullcontext():
+            stop.agree()  # several ranks: a signal that reached any rank stops all after this step
+        if self.timing is not None:
+            self.timing.step_done(time.perf_counter() - start)
         return stats
 
     # ---- evaluation ------------------------------------------------------------------------
@@ -252,6 +337,7 @@ class Trainer:
                 result.stopped_by_signal = stop.received
                 if stop.requested and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
+                self.finish_save()  # the last checkpoint is complete before it is exported or the run ends
                 # A run that reached train.steps is complete, also when a stop signal came during its
                 # last step; a run the signal ended early is not exported.
                 if self.cfg.checkpoint.export_hf and self.step >= self.cfg.train.steps:
@@ -259,6 +345,7 @@ class Trainer:
                     # train.steps (resumed there), the one resumed from; never a second save of it.
                     result.hf_export = self._export_hf(self.latest_checkpoint)
         finally:
+            self._abandon_save()
             bar.close()
             if writer is not None:
                 writer.close()
@@ -273,8 +360,9 @@ class Trainer:
         due. Returns the step last saved (None: none)."""
         t, window, saved_at = self.cfg.train, ThroughputWindow(), None
         while self.step < t.steps and not stop.requested:
-            stats = self._timed_step(window)
-            stop.agree()  # several ranks: a signal that reached any rank stops all after this step
+            stats = self._timed_step(window, stop)
+            if "spike" in stats and self._roll_back(stats["spike"], writer, result, bar):
+                continue
             last = self.step == t.steps
             evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
             if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
@@ -288,13 +376,70 @@ class Trainer:
                 saved_at = self.step
         return saved_at
 
+    def _abandon_save(self) -> None:
+        """A run that fails lets a background save in flight end first (its error is not the news)."""
+        if self.background is not None and self.background.in_flight is not None:
+            try:
+                self.background.wait()
+            except Exception:  # noqa: BLE001 - the run's own error is being raised
+                pass
+
+    def _roll_back(self, spike: Spike, writer: MetricsWriter | None, result: TrainResult, bar: tqdm) -> bool:
+        """After a loss spike: back to the last checkpoint, on from the batch after the spike (the batches
+        since the checkpoint are skipped), its metrics lines dropped. False: there is no checkpoint yet,
+        and the step stays one whose update was skipped."""
+        self.finish_save()
+        target = self.latest_checkpoint
+        what = f"the loss {spike.loss:.4g} is above {spike.factor:g} x the median {spike.median:.4g} of the last steps"
+        fields = {"loss": spike.loss, "median": spike.median, "factor": spike.factor}
+        if target is None:
+            self._event("loss_spike", {**fields, "rolled_back_to": None},
+                        f"step {self.step}: {what}; no checkpoint to go back to yet, so its update is skipped")
+            return False
+        spiked_at, data_position = self.step, self.data.train.state_dict()
+        self._load(target)  # every rank: weights, optimizer, schedule, step, RNG and the rule's history
+        self._rollbacks[self.step] = self._rollbacks.get(self.step, 0) + 1
+        if self._rollbacks[self.step] > MAX_ROLLBACKS:
+            raise TrainingError(f"step {spiked_at}: {what}, after {MAX_ROLLBACKS} roll-backs to {target.name}: the "
+                                "spikes do not go away with other batches; lower optim.lr, raise train.spike_factor "
+                                "or resume from an earlier checkpoint")
+        self.data.train.load_state_dict(data_position)  # on from the batch after the spike
+        self._event("loss_spike", {**fields, "step": spiked_at, "rolled_back_to": self.step,
+                                   "skipped_batches": spiked_at - self.step},
+                    f"step {spiked_at}: {what}; back to {target.name}, skipping the {spiked_at - self.step} batches "
+                    f"of steps {self.step + 1}..{spiked_at}")
+        if writer is not None:
+            writer.rewind(self.step)
+        result.records[:] = [r for r in result.records if r["step"] <= self.step]
+        bar.n = self.step
+        bar.refresh()
+        return True
+
+    def _name_straggler(self, rec: dict[str, Any]) -> None:
+        """An event when a rank starts to lag (or another rank takes over), not at every line it goes on."""
+        rank = rec.get("straggler_rank")
+        if rank is not None and rank != self._straggler:
+            step_s = rec["rank_step_s"][rank]
+            self._event("straggler", {"rank": rank, "lag_s": rec["straggler_lag_s"], "step_s": step_s},
+                        f"step {self.step}: rank {rank} is the slowest: {rec['straggler_lag_s']:.3f} s of its "
+                        f"{step_s:.3f} s steps are work the median rank does not have (others wait for it)")
+        self._straggler = rank
+
     def _log(self, stats: dict[str, Any], window: ThroughputWindow, evaluate: bool, writer: MetricsWriter | None,
              result: TrainResult) -> None:
-        """The step's metrics line (with the evaluation when due), written by rank 0; a new window."""
+        """The step's metrics line (with the evaluation when due, and on ranks every rank's times),
+        written by rank 0; a new window."""
         throughput = step_throughput(window.tokens, window.seconds, self.flops_per_token, self.peak_flops,
                                      self.layout.world_size)
         rec = step_record(self.step, stats, throughput, self.tokens_seen, memory_gib(self.device),
                           self.cfg.model.is_moe)
+        if self.timing is not None:
+            with self.layout.phase("gathering rank times"):
+                times = self.timing.gather()
+            if self.step == result.start_step + 1:  # a first step's time is mostly each rank's warm-up
+                times = {k: v for k, v in times.items() if not k.startswith("straggler")}
+            rec.update(times)
+            self._name_straggler(rec)
         if evaluate:
             rec.update(self.evaluate())
             if self.layout.is_coordinator:
