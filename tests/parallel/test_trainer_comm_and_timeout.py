@@ -66,26 +66,33 @@ def test_comm_stats_of_tp2_x_fsdp2_match_the_shapes(small_dataset, tmp_path):
         assert rec["comm/total_bytes"] == world * rec["comm/max_rank_bytes"]
 
 
-def _rank1_never_joins_the_step(overrides: list[str]) -> None:
+def _rank1_stalls(overrides: list[str], checks_in: bool) -> None:
     trainer = Trainer(load_config(TINY_DENSE, overrides))
     if dist.get_rank() == 1:
-        time.sleep(30)  # alive (its connections stay open) but never enters the step's collectives
+        if checks_in:  # a step's first collective: the check-in after the batch (tessera.train.rank_timing)
+            trainer.data.train.next_batch()
+            trainer.layout.check_in()
+        time.sleep(30)  # alive (its connections stay open) but never enters the step's (next) collectives
         return
     trainer.train_step()
 
 
 @pytest.mark.dist
-def test_a_stalled_rank_fails_naming_rank_phase_and_operation(small_dataset, tmp_path):
+@pytest.mark.parametrize("checks_in, phase, operation", [
+    (True, "forward/backward", "global_sum"),  # stuck in its forward: rank 0 waits in the loss's all-reduce
+    (False, "step check-in", "run_layout.py:check_in"),  # never starts the step
+])
+def test_a_stalled_rank_fails_naming_rank_phase_and_operation(small_dataset, tmp_path, checks_in, phase, operation):
     overrides = overrides_for("dense", small_dataset, tmp_path, 2, **{"parallel.dp_shard": 2,
                                                                       "train.collective_timeout_s": 1})
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 0 of 2 failed") as info:
-        run_ranks(_rank1_never_joins_the_step, 2, overrides, timeout=HANG_S)
+        run_ranks(_rank1_stalls, 2, overrides, checks_in, timeout=HANG_S)
     assert time.monotonic() - start < 15  # the configured 1 s, not the harness's 30 s
     message = str(info.value)
     assert ("ParallelError: rank 0 of 2: a collective did not complete within train.collective_timeout_s=1 s "
-            "during forward/backward") in message
-    assert "operation: all_reduce in " in message and "global_sum" in message
+            f"during {phase}") in message
+    assert "operation: all_reduce in " in message and operation in message
 
 
 @pytest.mark.dist
