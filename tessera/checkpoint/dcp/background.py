@@ -46,6 +46,11 @@ class BackgroundSaver:
         """The checkpoint being written (None: no save is running or waiting to be collected)."""
         return self._path if self._thread is not None else None
 
+    @property
+    def writing(self) -> bool:
+        """Whether the thread is still writing (a finished save waits for `wait` to be collected)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> Path:
         """Wait for the previous save, copy `state` to CPU memory and write it as checkpoint `step` in the
         background; returns the directory it will have (complete once `wait` returns)."""
