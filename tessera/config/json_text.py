@@ -72,3 +72,17 @@ def read_json_file(path: Path, error: type[TesseraError], what: str | None = Non
     except OSError as e:
         raise error(f"cannot read {source}: {e.strerror or e}") from None
     return parse_json(data, source, error)
+
+
+def read_json_lines(path: Path) -> list[Any]:
+    """The JSON value of each line of a log Tessera appends to (metrics.jsonl, events.jsonl); [] when
+    there is no file. A line that does not parse is skipped: the last one may be cut short by a kill."""
+    if not path.exists():
+        return []
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            values.append(json.loads(line))
+        except (ValueError, RecursionError):  # cut short, or not written by Tessera
+            continue
+    return values

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tessera.config.json_text import read_json_lines
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -43,15 +45,5 @@ def append_event(run_dir: str | os.PathLike, event: str, fields: dict[str, Any],
 
 def read_events(run_dir: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
     """The events of run_dir (those named `event` only, when given); a line cut short by a kill is skipped."""
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # cut short by a kill, or not written by Tessera
-            continue
-        if isinstance(record, dict) and (event is None or record.get("event") == event):
-            out.append(record)
-    return out
+    return [record for record in read_json_lines(Path(run_dir) / EVENTS_FILE)
+            if isinstance(record, dict) and (event is None or record.get("event") == event)]

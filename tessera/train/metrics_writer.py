@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tessera.config.json_text import read_json_lines
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -25,16 +27,7 @@ def _json_value(v: Any) -> Any:
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every record of `run_dir/metrics.jsonl` (an incomplete last line, from a kill, is skipped)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except (ValueError, RecursionError):  # an incomplete line, or one this trainer did not write
-            continue
-    return records
+    return read_json_lines(Path(run_dir) / METRICS_FILE)
 
 
 class MetricsWriter:
