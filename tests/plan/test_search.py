@@ -26,7 +26,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
             continue
         schedules = [("1f1b", 1)] + ([("zero_bubble", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
                                      if pp > 1 else [])
-        for zero, rc, (sched, v) in product((1, 2, 3), ("none", "selective", "full"), schedules):
+        for zero, rc, (sched, v) in product((1, 2, 3), ("none", "selective", "op", "full"), schedules):
             if shard * cp == 1 and zero != 1:
                 continue
             lay = Layout(tp=tp, sp=tp > 1, pp=pp, vpp=v, pp_schedule=sched, dp_replicate=rep, dp_shard=shard,
@@ -75,3 +75,4 @@ def test_search_needs_sharding_or_model_parallelism_for_a_70b_model():
     best = result.ranked[0].layout
     # 70B x 18 bytes = 1.26 TB of model states: a rank must hold at most 1/16 of them.
     assert best.tp * best.pp * (best.dp_shard * best.cp if best.zero_stage >= 1 else 1) >= 16
+
