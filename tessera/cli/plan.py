@@ -25,7 +25,9 @@ from tessera.plan.layout import Layout
 from tessera.plan.memory import PRECISIONS
 from tessera.plan.report import render_plan, render_search
 from tessera.plan.run_inputs import load_run_inputs
-from tessera.plan.search import SearchResult, search
+from tessera.plan.search import MAX_SEARCH_LAYOUTS, SearchResult, search
+
+MAX_SEARCH_CAP = 1_000_000  # --max-layouts: a million plans is hours; more is not a bound
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-bandwidth", default=None,
                         help="per-GPU bandwidth to host memory, per direction: activation offload (None: the preset's)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout instead of the configured one")
+    parser.add_argument("--max-layouts", type=int_in(1, MAX_SEARCH_CAP), default=MAX_SEARCH_LAYOUTS,
+                        help="--search plans at most this many candidate layouts; a larger space is sampled "
+                             "uniformly (fixed seed) and the output says so")
     parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -111,6 +116,7 @@ def search_json(result: SearchResult, top: int) -> dict:
     parallel.K=V`, and why it wins), then the ranked top layouts."""
     reasons = result.reasons(top)
     out: dict = {"valid": result.valid, "fitting": len(result.ranked), "best": None,
+                 "candidates": result.candidates, "sampled": result.sampled, "coverage": result.coverage(),
                  "ranked": [p.as_dict() | {"parallel": p.layout.parallel_settings(), "reason": why}
                             for p, why in zip(result.ranked[:top], reasons)],
                  "smallest_not_fitting": [p.as_dict() for p in result.too_big]}
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
     if args.search:
         result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
-                        overlaps=overlaps)
+                        overlaps=overlaps, max_layouts=args.max_layouts)
         if args.json:
             print(json.dumps(search_json(result, args.top), indent=2))
         else:

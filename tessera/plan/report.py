@@ -194,7 +194,7 @@ def render_plan(plan: Plan) -> str:
 
 
 def render_search(result: SearchResult, top: int) -> str:
-    out = [f"{result.valid} valid layouts, {len(result.ranked)} fit in memory."]
+    out = [f"{result.valid} valid layouts, {len(result.ranked)} fit in memory ({result.coverage()})."]
     if not result.ranked:
         out.append("None fits. Smallest peaks:")
         out += [f"  {p.layout.describe()}: {_gib(p.peak.total)} GiB per rank" for p in result.too_big]

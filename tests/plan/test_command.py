@@ -180,3 +180,11 @@ def test_efficiency_profiles_megatron_and_tessera(tmp_path, capsys):
         main([path, "--gpus", "8", "--efficiency", "fast"])
     assert exit_.value.code == 2 and "one of megatron, tessera, or a number" in capsys.readouterr().err
 
+
+def test_search_says_when_it_sampled(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {})
+    assert main([path, "--gpus", "64", "--search", "--max-layouts", "50", "--top", "1", "--json"]) in (0, 1)
+    result = json.loads(capsys.readouterr().out)
+    assert result["sampled"] and result["candidates"] > 50 and "uniform sample of 50" in result["coverage"]
+    assert main([path, "--gpus", "64", "--search", "--max-layouts", "50", "--top", "1"]) in (0, 1)
+    assert "uniform sample of 50" in capsys.readouterr().out

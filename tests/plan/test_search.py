@@ -76,3 +76,22 @@ def test_search_needs_sharding_or_model_parallelism_for_a_70b_model():
     # 70B x 18 bytes = 1.26 TB of model states: a rank must hold at most 1/16 of them.
     assert best.tp * best.pp * (best.dp_shard * best.cp if best.zero_stage >= 1 else 1) >= 16
 
+
+def test_a_space_beyond_the_bound_is_sampled_and_says_so():
+    """The candidates are counted before any is planned; over `max_layouts` a uniform sample of that
+    many (fixed seed) is planned, the same on every call, and the result says it is a sample."""
+    from tessera.plan.search import candidate_layouts
+
+    cfg = get_preset("tiny-moe", n_layers=4)
+    work = Workload(seq_len=64, micro_batch=1, global_batch=16)
+    cluster = Cluster.for_gpu("h100", gpus=8)
+    whole = search(cfg, work, cluster)
+    assert not whole.sampled and whole.candidates > 40 and "all" in whole.coverage()
+    every = set(enumerate_layouts(cfg, work, 8, gpus_per_node=8))
+    assert whole.valid == len(every)
+    bounded = search(cfg, work, cluster, max_layouts=40)
+    assert bounded.sampled and bounded.candidates == whole.candidates and bounded.valid <= 40
+    assert "uniform sample of 40" in bounded.coverage() and "may be missing" in bounded.coverage()
+    first = list(candidate_layouts(cfg, work, 8, 8, max_layouts=40).layouts)
+    assert first == list(candidate_layouts(cfg, work, 8, 8, max_layouts=40).layouts)  # the fixed seed
+    assert set(first) <= every and len(set(first)) == len(first) == bounded.valid
