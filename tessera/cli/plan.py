@@ -18,13 +18,16 @@ from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.limits import MAX_PARALLEL_SIZE
 from tessera.plan.activation_dtypes import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
+from tessera.plan.efficiency import DEFAULT_PROFILE, PROFILES
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
 from tessera.plan.gpus import GPUS
 from tessera.plan.layout import Layout
 from tessera.plan.memory import PRECISIONS
 from tessera.plan.report import render_plan, render_search
 from tessera.plan.run_inputs import load_run_inputs
-from tessera.plan.search import SearchResult, search
+from tessera.plan.search import MAX_SEARCH_LAYOUTS, SearchResult, search
+
+MAX_SEARCH_CAP = 1_000_000  # --max-layouts: a million plans is hours; more is not a bound
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GiB, 141GB (None: the preset's)")
     parser.add_argument("--gpu-flops", default=None,
                         help="peak dense FLOP/s per GPU in the compute dtype (None: the preset's bf16 peak)")
-    parser.add_argument("--efficiency", type=float, default=None,
-                        help="share of peak FLOP/s a large matrix product sustains (None: the preset's)")
+    parser.add_argument("--efficiency", type=efficiency_choice, default=None,
+                        help="the kernels' efficiency profile: megatron (Megatron-class kernels, fitted to published "
+                             "runs; the default) or tessera (this project's own, unfitted until GPU measurements "
+                             "exist), or a number: the share of peak a large matrix product sustains, on megatron's")
     parser.add_argument("--intra-node-bandwidth", default=None,
                         help="per-GPU collective (bus) bandwidth inside a node (None: the preset's NVLink x 0.8)")
     parser.add_argument("--inter-node-bandwidth", default=None,
@@ -59,26 +64,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how activations are stored (None: from train.dtype, bf16 -> autocast-bf16)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set parallel.tp=8 (repeatable)")
+    parser.add_argument("--host-bandwidth", default=None,
+                        help="per-GPU bandwidth to host memory, per direction: activation offload (None: the preset's)")
     parser.add_argument("--search", action="store_true", help="rank every valid layout instead of the configured one")
+    parser.add_argument("--max-layouts", type=int_in(1, MAX_SEARCH_CAP), default=MAX_SEARCH_LAYOUTS,
+                        help="--search plans at most this many candidate layouts; a larger space is sampled "
+                             "uniformly (fixed seed) and the output says so")
     parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def efficiency_choice(text: str) -> str | float:
+    """`--efficiency`: a profile name (efficiency.py) or a share of peak in (0, 1]."""
+    if text.lower() in PROFILES:
+        return text.lower()
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: one of {', '.join(PROFILES)}, or a number in (0, 1]"
+                                         ) from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: a share of peak must be in (0, 1]")
+    return value
+
+
 def cluster_from_args(args: argparse.Namespace, compute_dtype: str = "bf16") -> Cluster:
     """The `--gpu` preset (its peak for `compute_dtype`: `train.dtype` bf16 runs matrix products in
-    bf16, fp32 in fp32) with any explicitly given flag replacing its value."""
+    bf16, fp32 in fp32) under the `--efficiency` profile, with any explicitly given flag replacing
+    its value."""
     def given(value: object, parse) -> float | None:
         return None if value is None else parse(value)
 
+    profile = args.efficiency if isinstance(args.efficiency, str) else DEFAULT_PROFILE
+    share = args.efficiency if isinstance(args.efficiency, float) else None
     return Cluster.for_gpu(
-        args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, dtype=compute_dtype,
+        args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node, dtype=compute_dtype, profile=profile,
+        host_bandwidth=given(args.host_bandwidth, lambda v: parse_rate(v, "--host-bandwidth", "B/s")),
         gpu_memory=given(args.gpu_memory, lambda v: parse_bytes(v, "--gpu-memory")),
         gpu_flops=given(args.gpu_flops, lambda v: parse_rate(v, "--gpu-flops", "FLOP/s")),
         intra_node_bandwidth=given(args.intra_node_bandwidth,
                                    lambda v: parse_rate(v, "--intra-node-bandwidth", "B/s")),
         inter_node_bandwidth=given(args.inter_node_bandwidth,
                                    lambda v: parse_rate(v, "--inter-node-bandwidth", "B/s")),
-        efficiency=args.efficiency,
+        efficiency=share,
         reserved_bytes=parse_bytes(args.reserved_memory, "--reserved-memory"),
         memory_bandwidth=given(args.memory_bandwidth, lambda v: parse_rate(v, "--memory-bandwidth", "B/s")))
 
@@ -88,6 +116,7 @@ def search_json(result: SearchResult, top: int) -> dict:
     parallel.K=V`, and why it wins), then the ranked top layouts."""
     reasons = result.reasons(top)
     out: dict = {"valid": result.valid, "fitting": len(result.ranked), "best": None,
+                 "candidates": result.candidates, "sampled": result.sampled, "coverage": result.coverage(),
                  "ranked": [p.as_dict() | {"parallel": p.layout.parallel_settings(), "reason": why}
                             for p, why in zip(result.ranked[:top], reasons)],
                  "smallest_not_fitting": [p.as_dict() for p in result.too_big]}
@@ -111,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
     if args.search:
         result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
-                        overlaps=overlaps)
+                        overlaps=overlaps, max_layouts=args.max_layouts)
         if args.json:
             print(json.dumps(search_json(result, args.top), indent=2))
         else:

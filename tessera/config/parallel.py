@@ -12,11 +12,34 @@ from tessera.config.errors import ConfigError
 from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# Activation recomputation, from least memory saved to most: none; selective (the attention core of
-# every block is recomputed, Korthikanti et al. 2022); full (every `recompute_interval`-th block keeps
-# only its input). The one list: the trainer (parallel/activation_checkpoint.py), the FLOP count
-# (models/flops.py) and the planner's estimates and search all read it.
-RECOMPUTE_CHOICES = ("none", "selective", "full")
+# Activation recomputation policies (tessera/parallel/activation_checkpoint.py; docs/planning.md,
+# "Recomputation and activation policies"): none; selective (Megatron's: the attention core re-runs
+# in backward, Korthikanti et al. 2022); op (torchtitan's operator-level policy: the block re-runs in
+# backward except the operators named by `recompute_save`, whose outputs are kept); full (the block
+# keeps only its input). `recompute_interval` k applies any of them to every k-th block. The one
+# list: the trainer, the FLOP count (models/flops.py) and the planner's estimates and search read it.
+RECOMPUTE_CHOICES = ("none", "selective", "op", "full")
+# What `recompute=op` keeps (an operator's output is kept when any entry selects it):
+#   attention_core     the attention kernel's outputs (output and log-sum-exp)
+#   matmuls            every matrix product's output
+#   alternate_matmuls  every other matrix product of a block, the 1st, 3rd, ... in the order the block
+#                      runs them (torchtitan's policy, which keeps half the products' outputs)
+#   attention_in       products from the block's normalised input into attention: q, k, v (MLA: wq or
+#                      the latents wq_a, wkv_a)
+#   mla_up             MLA's up-projections from the latents (wq_b, wkv_b)
+#   attention_out      the attention output projection (wo)
+#   router             the MoE router's logits and the shared-expert gate
+#   mlp_in             SwiGLU gate and up products (dense MLP, routed experts, shared experts)
+#   mlp_out            SwiGLU down products
+# Norms, RoPE, activations, casts, routing and dispatch always re-run. DeepSeek-V3's recipe
+# (recompute every RMSNorm and the MLA up-projections, keep the SwiGLU inputs; arXiv 2412.19437,
+# sections 3.2.3 and 3.3.3) is [attention_core, attention_in, router, mlp_in].
+RECOMPUTE_ROLES = ("attention_in", "mla_up", "attention_out", "router", "mlp_in", "mlp_out")
+RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES)
+TORCHTITAN_SAVE = ("attention_core", "alternate_matmuls")
+# Outputs `recompute=op` may keep in FP8 (E4M3, one fp32 scale per row) instead of the compute dtype:
+# matrix products only; the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
+ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out")
 EP_DISPATCHERS = ("alltoall", "allgather")
 CP_METHODS = ("alltoall", "allgather", "ring")
 OPTIMIZERS = ("fsdp", "distributed")
@@ -77,7 +100,15 @@ class ParallelConfig:
     # the size PyTorch DDP chose for the same trade. A parameter larger than a bucket gets its own.
     bucket_mb: float = 25.0
     recompute: str = "none"  # activation recomputation: one of RECOMPUTE_CHOICES
-    recompute_interval: int = 1  # with recompute=full: every k-th block
+    recompute_interval: int = 1  # the policy applies to every k-th block (layer id % k == 0); the others keep all
+    # recompute=op: the operators whose outputs are kept (RECOMPUTE_SAVE_CHOICES); the default is torchtitan's
+    recompute_save: tuple[str, ...] = TORCHTITAN_SAVE
+    # Saved activations of the blocks moved to pinned host memory in forward and back in backward (CUDA only:
+    # on the CPU they are in host memory already). What recompute=op keeps stays on the GPU.
+    activation_offload: bool = False
+    # recompute=op: the kept outputs of these ACTIVATION_FP8_CHOICES are stored in FP8 (DeepSeek-V3 caches
+    # activations in FP8, arXiv 2412.19437 section 3.3.3). Lossy: the backward multiplies the rounded values.
+    activation_fp8: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,8 +145,26 @@ class ParallelConfig:
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ConfigError(f"parallel.recompute={self.recompute!r} is invalid: one of "
                               f"{', '.join(RECOMPUTE_CHOICES)}")
+        self._check_names("recompute_save", RECOMPUTE_SAVE_CHOICES)
+        self._check_names("activation_fp8", ACTIVATION_FP8_CHOICES)
+        if self.activation_fp8 and self.recompute != "op":
+            raise ConfigError(f"parallel.activation_fp8={list(self.activation_fp8)} needs parallel.recompute=op: it "
+                              f"stores the outputs that policy keeps in FP8 (now recompute={self.recompute})")
+        if not isinstance(self.activation_offload, bool):
+            raise ConfigError(f"parallel.activation_offload={self.activation_offload!r} is invalid: true or false")
         if self.sp and self.tp == 1:
             raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel lives inside tensor parallel)")
+
+    def _check_names(self, key: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, key)
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"parallel.{key}={value!r} is invalid: a list of names from {', '.join(allowed)}")
+        wrong = [v for v in value if v not in allowed]
+        if wrong:
+            raise ConfigError(f"parallel.{key} holds {', '.join(map(repr, wrong))}: allowed {', '.join(allowed)}")
+        if len(set(value)) != len(value):
+            raise ConfigError(f"parallel.{key}={list(value)} names an entry twice")
+        setattr(self, key, tuple(value))
 
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 filled in from the world size; a size that does not divide is refused."""

@@ -440,7 +440,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is tuple:
         fixed = bool(args) and args[-1] is not Ellipsis
         if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
-            raise _WrongType(f"{key}={value!r} has the wrong type: expected a list of {len(args)} values")
+            expected = f"a list of {len(args)} values" if fixed else "a list"
+            raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
         elem = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args)
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, elem)))
     if origin is dict or tp is dict:

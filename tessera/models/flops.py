@@ -109,21 +109,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, *, interval: int = 1,
                               causal: bool = True) -> float:
-    """Extra forward work per token that activation recomputation adds (not in MFU).
-
-    full: the forward of every `interval`-th decoder layer again; selective: the attention core
-    again (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2); none: 0.
+    """Extra forward work per token that activation recomputation adds (not in MFU), on every
+    `interval`-th decoder layer: full, the layer's forward again; selective, the attention core
+    again (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2); none: 0. The operator-level
+    policy (op) re-runs what its save list does not keep, which the planner counts
+    (tessera/plan/recompute_terms.py); here it is refused.
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
     if interval < 1:
         raise ConfigError(f"recompute interval={interval!r} is invalid: must be >= 1")
+    if recompute == "op":
+        raise ConfigError("recompute=op: what it re-runs depends on parallel.recompute_save; "
+                          "tessera.plan.recompute_terms counts it")
     if recompute == "none":
         return 0.0
+    layers = range(0, cfg.n_layers, interval)
     if recompute == "selective":
-        return cfg.n_layers * attention_core_flops_per_token(cfg, seq_len, causal=causal)
-    return sum(layer_forward_flops_per_token(cfg, i, seq_len, causal=causal)
-               for i in range(0, cfg.n_layers, interval))
+        return len(layers) * attention_core_flops_per_token(cfg, seq_len, causal=causal)
+    return sum(layer_forward_flops_per_token(cfg, i, seq_len, causal=causal) for i in layers)
 
 
 def step_flops(cfg: ModelConfig, seq_len: int, tokens: float, *, causal: bool = True,

@@ -29,7 +29,9 @@ backward hands a plain tensor to DTensor's redistribution (`AttributeError: 'Ten
 no attribute '_local_tensor'` in torch 2.13 on CPU/gloo, with or without sequence parallelism).
 So `train.compile` defaults to off under parallel.tp > 1 and `train.compile=true` is refused there;
 likewise with `parallel.optimizer=distributed` on several ranks, whose forward pre-hooks (waiting for
-the updated weights' all-gathers) are not compiled into the blocks.
+the updated weights' all-gathers) are not compiled into the blocks; and with `parallel.recompute=op`,
+whose checkpoint runs a policy of its own dispatch modes that dynamo does not trace ("checkpoint not
+implemented for ... context_fn" in torch 2.13). The full and selective policies compile.
 FSDP2, expert and context parallelism, pipeline stages and activation checkpointing compose with
 it (tests/parallel/test_compile.py). The collectives a block calls (context parallelism's
 all-to-all and all-gather, tessera.parallel.collectives) run eagerly between its compiled graphs:
@@ -49,9 +51,13 @@ from tessera.config.errors import ConfigError
 __all__ = ["compile_blocks", "resolve_compile"]
 
 
-def _conflict(tp: int, distributed_optimizer: bool) -> tuple[str, str] | None:
+def _conflict(tp: int, distributed_optimizer: bool, recompute: str = "none") -> tuple[str, str] | None:
     """What in the layout keeps blocks from being compiled, naming its key, and the other way out
     than train.compile=false; None when nothing does."""
+    if recompute == "op":
+        return ("parallel.recompute=op: its operator-level policy decides per operator at run time "
+                "(tessera.parallel.recompute_policy), which torch.compile cannot trace inside a checkpoint",
+                "parallel.recompute=selective or full")
     if tp > 1:
         return (f"parallel.tp={tp}: compiled blocks do not yet compose with tensor parallelism (DTensor "
                 "gradients at the compiled boundary)", "parallel.tp=1")
@@ -62,12 +68,12 @@ def _conflict(tp: int, distributed_optimizer: bool) -> tuple[str, str] | None:
 
 
 def resolve_compile(setting: bool | None, device: torch.device, tp: int = 1,
-                    distributed_optimizer: bool = False) -> bool:
+                    distributed_optimizer: bool = False, recompute: str = "none") -> bool:
     """`train.compile` as run on `device` with `tp`-way tensor parallelism and, on several ranks,
-    `parallel.optimizer=distributed`: None means on for CUDA where the layout allows it, off
-    otherwise (where that turns the CUDA default off, rank 0 says why in one line on stderr); true
-    where the layout does not allow it is refused (see above)."""
-    conflict = _conflict(tp, distributed_optimizer)
+    `parallel.optimizer=distributed`, and the `recompute` policy: None means on for CUDA where the
+    layout allows it, off otherwise (where that turns the CUDA default off, rank 0 says why in one
+    line on stderr); true where the layout does not allow it is refused (see above)."""
+    conflict = _conflict(tp, distributed_optimizer, recompute)
     if setting and conflict:
         raise ConfigError(f"train.compile=true is invalid with {conflict[0]}; set train.compile=false or "
                           f"{conflict[1]}")

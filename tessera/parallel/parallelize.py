@@ -1,6 +1,6 @@
 """`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
 order (docs/architecture.md, "Training"): tensor/sequence parallel, expert parallel, context parallel, activation
-checkpointing, compile (`compile_blocks=True`), data parallel. Pipeline splitting, when used,
+checkpointing, compile (`compile_blocks=True`), activation offload, data parallel. Pipeline splitting, when used,
 happens before, on each stage.
 
 Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
@@ -24,6 +24,7 @@ from torch import nn
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import ParallelConfig
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.activation_offload import apply_activation_offload
 from tessera.parallel.compile import compile_blocks as compile_each_block
 from tessera.parallel.context_parallel import apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
@@ -35,7 +36,8 @@ from tessera.parallel.tensor_parallel import apply_tensor_parallel
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
                 device_type: str = "cpu", compile_blocks: bool = False) -> nn.Module:
-    """Apply TP/SP, EP, CP, activation checkpointing, compile and FSDP to `model` in place and return it.
+    """Apply TP/SP, EP, CP, activation checkpointing, compile, activation offload and FSDP to `model` in
+    place and return it.
 
     Under cp > 1 the model then takes this rank's chunk of every sequence (`shard_global_batch`)
     and its attention sees the whole sequence (context_parallel.py).
@@ -56,9 +58,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if getattr(model.cfg, "moe", None) is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
         apply_expert_parallel(model, dims, cfg.ep_dispatcher)
     apply_context_parallel(model, dims)
-    apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval)
+    apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval, save=cfg.recompute_save,
+                                   fp8=cfg.activation_fp8)
     if compile_blocks:
         compile_each_block(model, param_dtype)
+    if cfg.activation_offload:
+        apply_activation_offload(model, device_type)
     # parallel.optimizer=distributed: no FSDP; the distributed optimizer (distributed_optimizer.py)
     # is built over the weights once they are materialised (tessera.train.builder).
     if cfg.optimizer == "fsdp" and needs_data_parallel(dims, param_dtype):

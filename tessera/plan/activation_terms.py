@@ -31,28 +31,14 @@ Conventions (what "activation bytes" means here):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
-from tessera.config.parallel import RECOMPUTE_CHOICES
+from tessera.config.parallel import RECOMPUTE_CHOICES, TORCHTITAN_SAVE
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One saved storage: `per_token` elements per token plus `fixed` elements per micro-batch."""
-
-    name: str
-    per_token: float
-    itemsize: int
-    split: str = "seq"
-    fixed: float = 0.0
-
-    def nbytes(self, tokens: float, tp: int = 1, sp: bool = False) -> float:
-        div = tp if self.split == "tp" or (self.split == "seq" and sp) else 1
-        return (self.per_token * tokens + self.fixed) * self.itemsize / div
+from tessera.plan.recompute_terms import op_saved_tensors
+from tessera.plan.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
 
 
 @dataclass(frozen=True)
@@ -176,17 +162,6 @@ def _swiglu(s: _SavedSet, name: str, x: _Tensor, rows: float, h: int, f: int, it
         s.new(f"{name}.{part}", rows * f, itemsize, split_rows)
 
 
-def _expert_rows(cfg: ModelConfig, tokens: int) -> float:
-    """Rows the experts compute, per token. The local dispatcher's shapes never depend on the
-    routing: every one of the k routing slots of a token is a row (a slot dropped by the capacity
-    is a masked zero row after the last expert's), so this is k, or E x capacity / T when padding
-    to capacity, whether or not slots are dropped."""
-    e = cfg.moe
-    if e.capacity_factor is None or not e.pad_to_capacity:
-        return float(e.top_k)
-    return e.num_experts * math.ceil(tokens * e.top_k / e.num_experts * e.capacity_factor) / tokens
-
-
 def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens: int, batch: int) -> None:
     e, h = cfg.moe, cfg.dim
     E, k = e.num_experts, e.top_k
@@ -230,7 +205,7 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
     # rows, without the scratch row) and compute in dt.compute; `_grouped_mm` applies when the
     # rows are 16-byte aligned in that dtype.
     capacity, padded = e.capacity_factor is not None, e.capacity_factor is not None and e.pad_to_capacity
-    rows = _expert_rows(cfg, tokens)
+    rows = expert_rows(cfg, tokens)
     s.new("moe.dispatch.token_index", k, 8, "rep")
     gathered = _Tensor("moe.dispatch.rows", k * h, x.itemsize, "rep")
     if capacity:
@@ -239,8 +214,7 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
         s.new("moe.dispatch.padded_row", k, 8, "rep")  # index_copy keeps its index and source
         s.keep(gathered)
         gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep", fixed=h)
-    grouped = e.grouped_gemm and (h * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
-    if grouped:
+    if grouped_experts_apply(cfg, dt):
         for name in ("w1", "w3", "w2"):
             s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=E)
     _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, dt.compute, dt)
@@ -272,10 +246,14 @@ def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:
 
 
 def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, recompute: str = "none",
-                        tokens: int = 4096, batch: int = 1) -> list[SavedTensor]:
+                        tokens: int = 4096, batch: int = 1, save: tuple[str, ...] = TORCHTITAN_SAVE,
+                        fp8: tuple[str, ...] = (), local_experts: int | None = None,
+                        core_kept: bool = True) -> list[SavedTensor]:
     """What decoder layer `layer` keeps for backward. `recompute`: none; full (the layer is
-    checkpointed: only its input stays); selective (the attention core is recomputed).
-    `tokens` and `batch` matter only for capacity-limited MoE and per-sequence statistics."""
+    checkpointed: only its input stays); selective (the attention core is recomputed); op (only the
+    outputs `save` names stay, those of the `fp8` roles in FP8: recompute_terms.py). `tokens` and
+    `batch` matter only for capacity-limited MoE and per-sequence statistics; `local_experts` and
+    `core_kept` (an SDPA core, not ring attention) only for op."""
     dt = get_activation_dtype(dtype)
     h = cfg.dim
     layer_input = _Tensor("layer.input", h, dt.residual, "seq")
@@ -283,6 +261,9 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
     if recompute == "full":
         return [SavedTensor(layer_input.key, h, dt.residual, "seq")]
+    if recompute == "op":
+        return op_saved_tensors(cfg, layer, dtype, save, fp8, tokens=tokens, local_experts=local_experts,
+                                core_kept=core_kept)
     s = _SavedSet()
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt)
     (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)

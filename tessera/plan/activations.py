@@ -4,9 +4,12 @@ a pipeline stage holds in flight, plus the transient buffers that peak on top of
 Per layer and micro-batch, `activation_terms` lists what autograd keeps on one process. A layout
 changes it as Korthikanti et al. 2022 (arXiv 2205.05198, table 2) describe: tensor parallelism cuts
 the head/FFN tensors by t; sequence parallelism also cuts the norm/residual region by t; context
-parallelism splits the tokens by cp; full recomputation keeps only each checkpointed layer's input;
-selective recomputation re-runs the attention core. `korthikanti_layer_bytes` is their formula, for
-reference and comparison.
+parallelism splits the tokens by cp. Recomputation (`parallel.recompute`, on every
+`recompute_interval`-th layer): full keeps only the layer's input; selective re-runs the attention
+core; op keeps the layer's input and the outputs its save list names (recompute_terms.py). With
+`activation_offload` what the blocks save lives in host memory and only an op policy's cache (and
+the token ids) stays on the GPU, plus one layer's activations brought back for its backward.
+`korthikanti_layer_bytes` is their formula, for reference and comparison.
 
 Pipeline stages hold several micro-batches' activations at once (Narayanan et al. 2021, section
 2.2; Korthikanti et al. section 4.2.3): GPipe all m; 1F1B min(p - r, m) on rank r; interleaved 1F1B
@@ -25,6 +28,7 @@ from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile
+from tessera.plan.saved_terms import SavedTensor
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False,
@@ -60,19 +64,42 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
 
 
 def _layer_recompute(lay: Layout, layer: int) -> str:
-    if lay.recompute == "full":
-        return "full" if layer % lay.recompute_interval == 0 else "none"
-    return lay.recompute
+    """The policy layer `layer` runs: the layout's for every `recompute_interval`-th layer, else none."""
+    return lay.recompute if layer % lay.recompute_interval == 0 else "none"
+
+
+def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
+                recompute: str | None = None) -> list[SavedTensor]:
+    """What layer `layer` keeps per micro-batch on one rank of `lay`, as saved storages."""
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    rc = _layer_recompute(lay, layer) if recompute is None else recompute
+    e = cfg.moe
+    return layer_saved_tensors(cfg, layer, dtype, recompute=rc, tokens=max(int(tokens), 1), batch=work.micro_batch,
+                               save=lay.recompute_save, fp8=lay.activation_fp8,
+                               local_experts=e.num_experts // lay.ep if e is not None else None,
+                               core_kept=not (lay.cp > 1 and lay.cp_method == "ring"))
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
                            recompute: str | None = None) -> float:
-    """Bytes layer `layer` keeps per micro-batch on one rank of `lay`."""
+    """Bytes layer `layer` keeps per micro-batch on one rank of `lay` (device and host together)."""
+    tokens = work.micro_batch * work.seq_len / lay.cp
+    return sum(t.nbytes(tokens, lay.tp, lay.sp) for t in layer_terms(cfg, layer, lay, work, dtype, recompute))
+
+
+def layer_device_host_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
+                            recompute: str | None = None) -> tuple[float, float]:
+    """(bytes on the GPU, bytes in host memory) layer `layer` keeps per micro-batch. Without offload
+    everything is on the GPU; with it, only what an op policy keeps in its cache (every term but the
+    layer input: the saved tensors go through the offload hooks, the cache does not)."""
     tokens = work.micro_batch * work.seq_len / lay.cp
     rc = _layer_recompute(lay, layer) if recompute is None else recompute
-    terms = layer_saved_tensors(cfg, layer, dtype, recompute=rc, tokens=max(int(tokens), 1),
-                                batch=work.micro_batch)
-    return sum(t.nbytes(tokens, lay.tp, lay.sp) for t in terms)
+    terms = layer_terms(cfg, layer, lay, work, dtype, rc)
+    total = sum(t.nbytes(tokens, lay.tp, lay.sp) for t in terms)
+    if not lay.activation_offload:
+        return total, 0.0
+    device = sum(t.nbytes(tokens, lay.tp, lay.sp) for t in terms if t.name != "layer.input") if rc == "op" else 0.0
+    return device, total - device
 
 
 @dataclass(frozen=True)
@@ -84,14 +111,16 @@ class StageActivations:
     per_microbatch: float  # all the stage's layers, one micro-batch
     in_flight: float  # micro-batches' worth held at the peak
     head: float  # final norm + LM head input + loss (last stage), per micro-batch
-    stored: float  # in_flight x (per_microbatch + head + model-level tensors)
+    stored: float  # in_flight x (per_microbatch + head + model-level tensors), on the GPU
     recompute_buffer: float  # one layer's full activations rebuilt during its backward
     logits_buffer: float  # logits and their fp32 copy / gradient at the loss (last stage)
     dispatch_buffer: float  # MoE all-to-all send + receive rows of one layer (ep > 1)
+    offloaded: float = 0.0  # in host memory (parallel.activation_offload): in_flight x the layers' share
+    reload_buffer: float = 0.0  # one layer's offloaded activations back on the GPU for its backward
 
     @property
     def transient(self) -> float:
-        return max(self.recompute_buffer, self.logits_buffer, self.dispatch_buffer)
+        return max(self.recompute_buffer, self.logits_buffer, self.dispatch_buffer, self.reload_buffer)
 
     @property
     def total(self) -> float:
@@ -101,7 +130,8 @@ class StageActivations:
         return {"stage": self.stage, "layers": self.layers, "per_microbatch": self.per_microbatch,
                 "in_flight": self.in_flight, "head": self.head, "stored": self.stored,
                 "recompute_buffer": self.recompute_buffer, "logits_buffer": self.logits_buffer,
-                "dispatch_buffer": self.dispatch_buffer, "total": self.total}
+                "dispatch_buffer": self.dispatch_buffer, "offloaded": self.offloaded,
+                "reload_buffer": self.reload_buffer, "total": self.total}
 
 
 def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
@@ -114,31 +144,37 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
     sizes = (tokens, lay.tp, lay.sp)
     constant = prof.memo(("act_model", dtype, *sizes), lambda: sum(
         t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype)))
+    ids = sum(t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype) if t.name == "input_ids")
     head = prof.memo(("act_head", dtype, *sizes), lambda: sum(t.nbytes(*sizes) for t in head_saved_tensors(cfg, dtype)))
 
-    def layer_bytes(moe: bool, rc: str) -> float:
-        key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp)
-        return prof.memo(key, lambda: layer_activation_bytes(cfg, prof.representative(moe), lay, work, dtype,
-                                                             recompute=rc))
+    def layer_bytes(moe: bool, rc: str) -> tuple[float, float]:
+        key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
+               lay.recompute_save, lay.activation_fp8, lay.activation_offload)
+        return prof.memo(key, lambda: layer_device_host_bytes(cfg, prof.representative(moe), lay, work, dtype,
+                                                              recompute=rc))
 
     out = []
     for s in range(lay.pp):
         last = s == lay.pp - 1
         flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.vpp, s)
-        per_mb = rebuilt = 0.0
+        per_mb = host = rebuilt = reload = 0.0
         kinds = prof.stage_kinds(lay.pp, lay.vpp, s, lay.recompute, lay.recompute_interval)
-        for (moe, checkpointed), n in kinds.items():
-            rc = "full" if checkpointed else ("selective" if lay.recompute == "selective" else "none")
-            kept, whole = layer_bytes(moe, rc), layer_bytes(moe, "none")
-            per_mb += n * kept
-            if whole > kept:
+        for (moe, applies), n in kinds.items():
+            kept, away = layer_bytes(moe, lay.recompute if applies else "none")
+            whole = sum(layer_bytes(moe, "none"))
+            per_mb, host = per_mb + n * kept, host + n * away
+            if whole > kept + away:
                 rebuilt = max(rebuilt, whole)
+            reload = max(reload, away)
         stage_head = head if last else 0.0
         logits = tokens * cfg.vocab_size / lay.tp * (dt.compute + 4) if last else 0.0
         dispatch = 0.0
         if lay.ep > 1 and any(moe for moe, _ in kinds):
             dispatch = 2.0 * tokens * cfg.moe.top_k * cfg.dim * dt.residual
+        # Offloaded blocks save the RoPE tables through the hooks too: only the token ids stay.
+        model_level = ids if lay.activation_offload else constant
         out.append(StageActivations(stage=s, layers=sum(kinds.values()), per_microbatch=per_mb, in_flight=flight,
-                                    head=stage_head, stored=flight * (per_mb + stage_head + constant),
-                                    recompute_buffer=rebuilt, logits_buffer=logits, dispatch_buffer=dispatch))
+                                    head=stage_head, stored=flight * (per_mb + stage_head + model_level),
+                                    recompute_buffer=rebuilt, logits_buffer=logits, dispatch_buffer=dispatch,
+                                    offloaded=flight * (host + constant - model_level), reload_buffer=reload))
     return out

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, fields
 
 from tessera.config.errors import ConfigError
+from tessera.plan.efficiency import DEFAULT_PROFILE, get_profile
 from tessera.plan.gpus import get_gpu
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -77,20 +78,28 @@ class Cluster:
     efficiency: float = 0.72
     reserved_bytes: float = 3 * 2**30
     memory_bandwidth: float = 3.35e12  # HBM bytes/s (H100 SXM): elementwise work and the optimizer step
+    host_bandwidth: float = 64e9  # bytes/s per direction to host memory (PCIe Gen5 x16): activation offload
+    elementwise_passes: float = 2.0  # reads/writes of each elementwise tensor (the efficiency profile's)
+    profile: str = "megatron"  # the efficiency profile the shares come from (efficiency.py)
     attention_efficiency: float = 0.5
     intra_node_latency: float = 8e-6
     inter_node_latency: float = 20e-6
     gpu: str = "h100"
 
     @classmethod
-    def for_gpu(cls, name: str, gpus: int, gpus_per_node: int = 8, dtype: str = "bf16", **overrides: float) -> Cluster:
-        """A cluster of `gpus` GPUs of a preset kind (a100, h100, h800, h200, b200); `overrides`
-        replace single fields (e.g. a measured inter_node_bandwidth)."""
-        g = get_gpu(name)
+    def for_gpu(cls, name: str, gpus: int, gpus_per_node: int = 8, dtype: str = "bf16",
+                profile: str = DEFAULT_PROFILE, **overrides: float) -> Cluster:
+        """A cluster of `gpus` GPUs of a preset kind (a100, h100, h800, h200, b200, ...) with the
+        operator efficiencies of `profile` (efficiency.py); `overrides` replace single fields (e.g. a
+        measured inter_node_bandwidth)."""
+        g, prof = get_gpu(name), get_profile(profile)
         values = dict(gpu_memory=g.memory, gpu_flops=g.peak(dtype), memory_bandwidth=g.memory_bandwidth,
                       intra_node_bandwidth=g.nvlink_bandwidth * g.nvlink_efficiency,
                       inter_node_bandwidth=g.network_bandwidth * g.network_efficiency,
-                      efficiency=g.matmul_efficiency, attention_efficiency=g.attention_efficiency,
+                      efficiency=prof.matmul_efficiency(g.name, g.matmul_efficiency),
+                      attention_efficiency=prof.attention_efficiency(g.name, g.attention_efficiency),
+                      elementwise_passes=prof.elementwise_passes, profile=prof.name,
+                      host_bandwidth=g.host_bandwidth,
                       intra_node_latency=g.nvlink_latency, inter_node_latency=g.network_latency, gpu=g.name)
         known = {f.name for f in fields(cls)}
         for key in overrides:
@@ -109,7 +118,8 @@ class Cluster:
              self.gpus_per_node, "an integer >= 1")
         need(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus", self.gpus,
              f"at most one node or a multiple of gpus_per_node={self.gpus_per_node}")
-        for key in ("gpu_memory", "gpu_flops", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth"):
+        for key in ("gpu_memory", "gpu_flops", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth",
+                    "host_bandwidth"):
             need(getattr(self, key) > 0, key, getattr(self, key), "must be > 0")
         need(0 < self.efficiency <= 1, "efficiency", self.efficiency, "must be in (0, 1]")
         need(0 < self.attention_efficiency <= 1, "attention_efficiency", self.attention_efficiency,

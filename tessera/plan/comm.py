@@ -96,7 +96,11 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
             out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
 
     n = sum(kinds.values())
-    recomputed = sum(c for (_, checkpointed), c in kinds.items() if checkpointed)
+    # Collectives re-run in backward: the whole block's under full and op recomputation (the block
+    # replays; collective outputs are not kept), the attention core's under any policy.
+    applied = sum(c for (_, applies), c in kinds.items() if applies)
+    recomputed = applied if lay.recompute in ("full", "op") else 0
+    cores = applied
     act = T * h * dt.compute
     if lay.sp:
         calls = 2 * n + 2 * n + 2 * recomputed  # forward, backward, recomputed forward: per block one each
@@ -116,7 +120,7 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         else:
             kv = 2 * max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
         add("cp", lay.cp, "send/recv", "key/value blocks around the ring", T * kv * dt.compute,
-            (lay.cp - 1) * (2 * n + recomputed), overlap="attention")
+            (lay.cp - 1) * (2 * n + cores), overlap="attention")
         add("cp", lay.cp, "send/recv", "key/value gradient accumulators around the ring", T * kv * 4,
             lay.cp * n, overlap="attention")
     elif lay.cp > 1 and lay.cp_method == "alltoall" and (cfg.n_heads // lay.tp) % lay.cp == 0:
@@ -133,20 +137,21 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
                              if (q_heads // kv_heads) % r == 0 and (kv_heads * r) % lay.cp == 0)
             per_token = (2 * q_heads + 2 * kv_heads) * cfg.head_dim
         add("cp", lay.cp, "all-to-all", "q, k, v and attention output, heads <-> sequence (Ulysses)",
-            T * per_token * dt.compute, 2 * n + recomputed)
+            T * per_token * dt.compute, 2 * n + cores)
     elif lay.cp > 1:  # the all-gather attention (Llama 3): whole-sequence keys and values on every rank
         if cfg.mla is not None:
             kv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         else:
             kv = 2 * cfg.n_kv_heads * cfg.head_dim / lay.tp
         full = T * lay.cp * kv * dt.compute
-        add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * n, overlap="attention")
+        add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * n + cores, overlap="attention")
         add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, n, overlap="attention")
 
     moe_layers = sum(c for (moe, _), c in kinds.items() if moe)
     if lay.ep > 1 and moe_layers:
         rows = T * cfg.moe.top_k * h * dt.residual
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows, 4 * moe_layers)
+        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows, 4 * moe_layers + 2 * moe_recomputed)
 
     if lay.pp > 1:
         boundary = T * h * dt.residual / (lay.tp if lay.sp else 1)
@@ -174,7 +179,7 @@ class FsdpUnit:
 
 
 def fsdp_units(lay: Layout, params: RankParams, precision: Precision) -> list[FsdpUnit]:
-    wb, gb, z3 = precision.weight_bytes, precision.grad_bytes, lay.zero_stage == 3
+    wb, gb, z3 = precision.weight_bytes, precision.grad_bytes, lay.zero_stage == 3 and lay.optimizer == "fsdp"
     router = params.router if wb < 4 else 0.0
     experts_apart = lay.ep > 1
     blocks = params.dense - params.root - router + (0.0 if experts_apart else params.expert)
@@ -199,6 +204,12 @@ def _unit_collectives(u: FsdpUnit, lay: Layout, add) -> None:
     backward. Under pipeline parallelism torch's schedules keep them gathered until the step's last
     backward, so units that are not freed after the forward are gathered once per step."""
     weights, grads = u.params * u.weight_bytes, u.params * u.grad_bytes
+    if lay.optimizer == "distributed":  # buckets: gradients reduce-scattered, updated weights gathered, once a step
+        add(u.group, u.shard, "reduce-scatter", f"{u.label}gradients (buckets)", grads, 0, u.count,
+            overlap="last_backward")
+        add(u.group, u.shard, "all-gather", f"{u.label}updated weights (buckets)", weights, 0, u.count,
+            overlap="first_forward")
+        return
     if u.reshards_after_forward:
         add(u.group, u.shard, "all-gather", f"{u.label}weights (forward + backward)", weights, 2 * u.count,
             overlap="microbatch")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import embedding_params
-from tessera.models.flops import flops_per_token, recompute_flops_per_token, six_nd
+from tessera.models.flops import attention_core_flops_per_token, flops_per_token, recompute_flops_per_token, six_nd
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activations import StageActivations, stage_activations
 from tessera.plan.bubble import bubble_table
@@ -25,6 +25,7 @@ from tessera.plan.memory import (
     sharding_choices,
 )
 from tessera.plan.profile import ModelProfile
+from tessera.plan.recompute_terms import product_flops_per_token, recomputed_products
 from tessera.plan.roofline import StepTime, step_time
 
 # fp16 (autocast over fp32 weights, loss-scaled) keeps the same bytes as bf16: 2-byte compute copies.
@@ -115,6 +116,18 @@ class Plan:
         }
 
 
+def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -> float:
+    """Forward FLOPs per token the recomputation policy adds (the op policy's from its products)."""
+    if lay.recompute != "op":
+        return recompute_flops_per_token(cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval)
+    tokens = max(work.micro_batch * work.seq_len // lay.cp, 1)
+    local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
+    core = 0.0 if "attention_core" in lay.recompute_save else attention_core_flops_per_token(cfg, work.seq_len)
+    return sum(core + sum(product_flops_per_token(p) for p in recomputed_products(
+        cfg, i, dtype, lay.recompute_save, lay.activation_fp8, tokens=tokens, local_experts=local))
+        for i in range(0, cfg.n_layers, lay.recompute_interval))
+
+
 def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *, precision: str = "bf16",
               activation_dtype: str = "autocast-bf16", even_layers: bool = False,
               profile: ModelProfile | None = None) -> Plan:
@@ -134,10 +147,12 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a) for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
-    time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype)
+    offloaded = [a.offloaded / a.in_flight for a in acts]
+    time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype, offloaded)
     model_flops = prof.memo(("model_flops",), lambda: flops_per_token(cfg, work.seq_len)) * work.tokens
-    extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval), lambda: recompute_flops_per_token(
-        cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval))
+    extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval, lay.recompute_save,
+                       lay.activation_fp8, lay.ep, activation_dtype),
+                      lambda: recompute_flops(cfg, lay, work, activation_dtype))
     return Plan(model=cfg, layout=lay, work=work, cluster=cluster, precision=precision,
                 activation_dtype=activation_dtype, params_total=prof.params_total,
                 params_active=prof.params_active, stages=stages, collectives=colls, time=time,

@@ -6,8 +6,8 @@
 
 It plans the configured layout and compares the busiest rank's peak with the GPU's memory less a
 reserve (CUDA context, NCCL buffers, fragmentation). When it does not fit, the message gives the
-peak by part and the first of a few cheap changes (more ZeRO sharding, full recomputation,
-micro-batch 1) that would make it fit.
+peak by part and the first of a few cheap changes (more ZeRO sharding, operator-level or full
+recomputation, micro-batch 1) that would make it fit.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def check_fits(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, seq_len: in
         return None
     message = (f"this run needs about {_summary(plan)} per GPU, more than the {cluster.usable_memory / GiB:.1f} GiB "
                f"usable of {memory / GiB:.1f} GiB")
-    tries = [("zero_stage=3", {"zero_stage": 3}, work), ("recompute=full", {"recompute": "full"}, work),
+    tries = [("zero_stage=3", {"zero_stage": 3}, work), ("recompute=op", {"recompute": "op"}, work),
+             ("recompute=full", {"recompute": "full"}, work),
              ("zero_stage=3 and recompute=full", {"zero_stage": 3, "recompute": "full"}, work),
              ("zero_stage=3, recompute=full and micro_batch_size=1", {"zero_stage": 3, "recompute": "full"},
               dataclasses.replace(work, micro_batch=1))]

@@ -15,6 +15,10 @@ Datasheet figures (dense, no structured sparsity; bandwidth per direction per GP
   direction; 400 Gb/s InfiniBand per GPU = 50 GB/s.
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet, 2024): the H100's compute, 141 GB HBM3e at
   4.8 TB/s, NVLink 4 at 450 GB/s per direction, 400 Gb/s network per GPU = 50 GB/s.
+- H100 96 GB (torchtitan's benchmarks, pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md:
+  Grand Teton hosts, "96GB HBM2e with 2.4 TB/sec", NVLink inside the host, 400 Gb/s RDMA per GPU,
+  a 500 W power limit, "the actual peak TFLOPs number is between SXM and NVL"): the H100 SXM's
+  datasheet figures otherwise; the time model therefore takes the SXM peak, an upper bound there.
 - B200 (NVIDIA HGX B200 / DGX B200 datasheet, 2024: 72 PFLOP/s fp8 training and 1,440 GB HBM3e at
   64 TB/s for 8 GPUs; 36 PFLOP/s bf16 with sparsity): 2,250 TFLOP/s bf16 dense, 4,500 fp8 dense,
   1,100 tf32, 80 fp32; 180 GB at 8 TB/s; NVLink 5 1.8 TB/s bidirectional = 900 GB/s per
@@ -30,6 +34,10 @@ Time-model constants (what kernels and NCCL reach of those peaks; see roofline.p
 - `nvlink_efficiency`, `network_efficiency`: bus bandwidth NCCL reaches of the link's peak on
   large messages (nccl-tests: ~80% of NVLink, ~90% of InfiniBand).
 - `nvlink_latency`, `network_latency`: the fixed cost of one collective step (seconds).
+
+Host link (activation offload): the datasheets' PCIe bandwidth, both directions together, halved:
+A100 PCIe Gen4 64 GB/s -> 32 GB/s per direction; H100, H800, H200 PCIe Gen5 128 GB/s -> 64 GB/s.
+B200: taken as the same PCIe Gen5 x16 (64 GB/s per direction), an assumption, not a datasheet figure.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class GpuSpec:
     network_bandwidth: float  # bytes/s per direction per GPU across nodes
     matmul_efficiency: float
     attention_efficiency: float
+    host_bandwidth: float = 64 * 1e9  # bytes/s per direction to host memory (PCIe)
     nvlink_efficiency: float = 0.8
     network_efficiency: float = 0.9
     nvlink_latency: float = 8e-6
@@ -70,19 +79,22 @@ _A100_PEAKS = {"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 *
 _H100_PEAKS = {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T, "tf32": 495 * T, "fp32": 67 * T}  # H800, H200 too
 _B200_PEAKS = {"bf16": 2250 * T, "fp16": 2250 * T, "fp8": 4500 * T, "tf32": 1100 * T, "fp32": 80 * T}
 
-# name, peaks, HBM GiB, HBM GB/s, NVLink and network GB/s per direction, matmul and attention efficiency
+# name, peaks, HBM GiB, HBM GB/s, NVLink, network and host (PCIe) GB/s per direction, matmul and attention
+# efficiency
 _PRESETS = (
-    ("a100", _A100_PEAKS, 80, 2039, 300, 25, 0.80, 0.50),
-    ("h100", _H100_PEAKS, 80, 3350, 450, 50, 0.72, 0.50),
-    ("h800", _H100_PEAKS, 80, 3350, 200, 50, 0.72, 0.50),
-    ("h200", _H100_PEAKS, 141, 4800, 450, 50, 0.74, 0.50),
-    ("b200", _B200_PEAKS, 180, 8000, 900, 50, 0.65, 0.45),
+    ("a100", _A100_PEAKS, 80, 2039, 300, 25, 32, 0.80, 0.50),
+    ("h100", _H100_PEAKS, 80, 3350, 450, 50, 64, 0.72, 0.50),
+    ("h800", _H100_PEAKS, 80, 3350, 200, 50, 64, 0.72, 0.50),
+    ("h200", _H100_PEAKS, 141, 4800, 450, 50, 64, 0.74, 0.50),
+    ("h100-96gb", _H100_PEAKS, 96, 2400, 450, 50, 64, 0.72, 0.50),
+    ("b200", _B200_PEAKS, 180, 8000, 900, 50, 64, 0.65, 0.45),
 )
 
 GPUS: dict[str, GpuSpec] = {
     name: GpuSpec(name, dict(peaks), memory=hbm * GiB, memory_bandwidth=hbm_bw * GB, nvlink_bandwidth=nvlink * GB,
-                  network_bandwidth=network * GB, matmul_efficiency=matmul, attention_efficiency=attention)
-    for name, peaks, hbm, hbm_bw, nvlink, network, matmul, attention in _PRESETS
+                  network_bandwidth=network * GB, host_bandwidth=host * GB, matmul_efficiency=matmul,
+                  attention_efficiency=attention)
+    for name, peaks, hbm, hbm_bw, nvlink, network, host, matmul, attention in _PRESETS
 }
 
 

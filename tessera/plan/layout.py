@@ -16,7 +16,7 @@ from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.layout_rules import LayoutSizes, pipeline_microbatch_problem
 from tessera.config.layout_rules import layout_problems as rule_problems
 from tessera.config.model import ModelConfig
-from tessera.config.parallel import ParallelConfig
+from tessera.config.parallel import TORCHTITAN_SAVE, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,10 @@ class Layout(LayoutSizes):
     zero_stage: int = 3
     recompute: str = "none"
     recompute_interval: int = 1
+    recompute_save: tuple[str, ...] = TORCHTITAN_SAVE  # recompute=op: what is kept
+    activation_offload: bool = False  # saved activations of the blocks in host memory
+    activation_fp8: tuple[str, ...] = ()  # recompute=op: kept outputs stored in FP8
+    optimizer: str = "fsdp"  # who shards the optimizer state: FSDP2 (zero_stage) or the distributed optimizer
     # Overlaps the planner can assume (not parallel.* keys: they describe the kernels and schedule).
     tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
@@ -62,7 +66,9 @@ class Layout(LayoutSizes):
         return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, pp_schedule=par.pp_schedule,
                    dp_replicate=par.dp_replicate, dp_shard=dp_shard, cp=par.cp, ep=par.ep,
                    cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
-                   recompute_interval=par.recompute_interval)
+                   recompute_interval=par.recompute_interval, recompute_save=tuple(par.recompute_save),
+                   activation_offload=par.activation_offload, activation_fp8=tuple(par.activation_fp8),
+                   optimizer=par.optimizer)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
         return ParallelConfig(**self.parallel_settings(), microbatches=microbatches)
@@ -70,7 +76,7 @@ class Layout(LayoutSizes):
     def parallel_settings(self) -> dict:
         """The `parallel.*` keys of this layout, as `tessera train --set parallel.K=V` takes them."""
         fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items() if k in fields}
 
     @property
     def dp(self) -> int:
@@ -97,7 +103,8 @@ class Layout(LayoutSizes):
             parts[-1] += f"({self.pp_schedule}" + (f",v{self.vpp})" if self.vpp > 1 else ")")
         if self.dp_replicate > 1:
             parts.append(f"rep{self.dp_replicate}")
-        parts.append(f"shard{self.dp_shard}(zero{self.zero_stage})")
+        parts.append(f"shard{self.dp_shard}" + (f"(zero{self.zero_stage})" if self.optimizer == "fsdp"
+                                                 else "(distributed optimizer)"))
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + (f"({self.cp_method})" if self.cp_method != "alltoall" else ""))
         if self.ep > 1:
@@ -106,10 +113,23 @@ class Layout(LayoutSizes):
             parts.append("tp-overlap")
         if self.ep_overlap:
             parts.append("a2a-overlap")
-        parts.append(f"recompute={self.recompute}" + (f"/{self.recompute_interval}"
-                                                       if self.recompute == "full" and self.recompute_interval > 1
-                                                       else ""))
+        parts.append(f"recompute={self.recompute_label()}")
+        if self.activation_offload:
+            parts.append("offload")
         return " ".join(parts)
+
+    def recompute_label(self) -> str:
+        """The policy in a few characters: op with its save list (`op` alone: torchtitan's) and FP8
+        roles, `/k` for an interval."""
+        label = self.recompute
+        if self.recompute == "op":
+            if self.recompute_save != TORCHTITAN_SAVE:
+                label += "[" + ",".join(self.recompute_save) + "]"
+            if self.activation_fp8:
+                label += "+fp8[" + ",".join(self.activation_fp8) + "]"
+        if self.recompute != "none" and self.recompute_interval > 1:
+            label += f"/{self.recompute_interval}"
+        return label
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -58,6 +58,9 @@ PRECISIONS = {
     "bf16": Precision("bf16", 2, 4, 4, 8),
     # The ZeRO paper's mixed precision: 16-bit weights and gradients, K = 12 bytes of fp32 state.
     "bf16-lowp-grads": Precision("bf16-lowp-grads", 2, 2, 4, 8),
+    # DeepSeek-V3 (arXiv 2412.19437, section 3.3.3): AdamW moments in bf16, fp32 master weights and
+    # gradients. A planner precision: Tessera's optimizer keeps fp32 moments.
+    "bf16-lowp-moments": Precision("bf16-lowp-moments", 2, 4, 4, 4),
 }
 
 
@@ -178,6 +181,8 @@ def model_state_bytes(params: RankParams, lay: Layout, precision: Precision, mic
     """Model states of one rank: dense parameters sharded over dp_shard x cp, experts over
     dp_shard x cp / ep, each by ZeRO stage `lay.zero_stage`; with `microbatches` > 1 the
     gradients are held unsharded until the step's last micro-batch (module docstring)."""
+    if lay.optimizer == "distributed":
+        return distributed_optimizer_state_bytes(params, lay, precision)
     accumulating = microbatches > 1
     states = []
     for n, shard in ((params.dense, lay.dense_shard), (params.expert, lay.expert_shard)):
@@ -199,13 +204,28 @@ def model_state_bytes(params: RankParams, lay: Layout, precision: Precision, mic
                            gathered=gathered)
 
 
+def distributed_optimizer_state_bytes(params: RankParams, lay: Layout, precision: Precision) -> ModelStateBytes:
+    """`parallel.optimizer=distributed` (tessera/parallel/distributed_optimizer.py, the idea of
+    Megatron-Core's distributed optimizer): the compute copy of every weight and the whole gradient
+    buffers on every rank, fp32 master weights and AdamW moments only for this rank's shard over the
+    data-parallel ranks (dp_replicate x dp_shard x cp for dense weights, / ep for experts): Megatron's
+    6 + 12/d bytes per parameter in bf16."""
+    p, total = precision, params.dense + params.expert
+    dense_d, expert_d = lay.dp_replicate * lay.dense_shard, lay.dp_replicate * lay.expert_shard
+    sharded = params.dense / dense_d + params.expert / expert_d
+    return ModelStateBytes(weights=total * p.weight_bytes, gradients=total * p.grad_bytes,
+                           master=sharded * p.master_bytes, optimizer=sharded * p.optimizer_bytes)
+
+
 def sharding_choices(params: RankParams, lay: Layout, precision: Precision, microbatches: int = 1
                      ) -> dict[str, ModelStateBytes]:
     """Model states of one rank under each data-parallel choice for the same ranks: everything
     replicated (plain data parallelism: what dp_replicate does), then ZeRO-1, 2 and 3 over
     dp_shard x cp (dp_shard x cp / ep for experts)."""
     out = {"replicated": zero_model_state_bytes(params.total, 1, 0, precision)}
+    fsdp = dataclasses.replace(lay, optimizer="fsdp")
     for stage in (1, 2, 3):
-        out[f"zero{stage}"] = model_state_bytes(params, dataclasses.replace(lay, zero_stage=stage), precision,
+        out[f"zero{stage}"] = model_state_bytes(params, dataclasses.replace(fsdp, zero_stage=stage), precision,
                                                 microbatches)
+    out["distributed"] = distributed_optimizer_state_bytes(params, lay, precision)
     return out

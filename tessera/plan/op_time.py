@@ -13,11 +13,14 @@ The attention core runs at `attention_efficiency x s / (s + ATTENTION_HALF_SEQ)`
 attention reaches its rate only at long sequences); a layout with `fused_attention=False` (runs
 from before FlashAttention) pays batched GEMMs over the whole s x s matrix and memory-bound
 passes over the scores instead. Norms, residual adds, RoPE and the SwiGLU
-product are bound by memory: ELEMENTWISE_PASSES reads/writes of their tensors at HBM bandwidth,
+product are bound by memory: `Cluster.elementwise_passes` reads/writes of their tensors at HBM bandwidth,
 at the width the activation dtype gives them (fp32 residual stream under autocast).
 
 Backward is twice the forward (input and weight gradients, the 2:1 of the FLOP count); full
-recomputation adds one forward of the block, selective recomputation one forward of the core.
+recomputation adds one forward of the block, selective recomputation one forward of the core, the
+operator-level policy the forward of what it does not keep: the products not kept (each at its
+own shape), the attention core unless kept, and all elementwise work. Activation offload adds the
+copies to host memory and back at the host link's bandwidth, on the critical path.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile
+from tessera.plan.recompute_terms import recomputed_products
 
 KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
 ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
-ELEMENTWISE_PASSES = 2  # each elementwise tensor is read once and written once
+ELEMENTWISE_PASSES = 2  # each elementwise tensor read once and written once (the profiles' Cluster.elementwise_passes)
 BYTES = 2  # 16-bit operands for matrix products and elementwise work
 UNFUSED_SCORE_PASSES = 5  # softmax (read + write), dropout (read, write, 1-byte mask) over the s x s scores
 
@@ -129,7 +133,7 @@ def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: 
         ops.append(OpTime("attention core (unfused)", "attention", f"{heads:.0f} x [{seq_len} x {seq_len}]",
                           4.0 * heads * seq_len * seq_len * d, unfused_attention_time(cfg, tokens / seq_len, seq_len,
                                                                                       tp, cluster)))
-    moved = ELEMENTWISE_PASSES * (moved + dt.compute * elementwise) * tokens
+    moved = cluster.elementwise_passes * (moved + dt.compute * elementwise) * tokens
     ops.append(OpTime("norms, residuals, RoPE, SwiGLU product", "memory", f"{moved / 1e9:.2f} GB moved", 0.0,
                       moved / cluster.memory_bandwidth))
     return ops
@@ -157,39 +161,73 @@ def unfused_attention_time(cfg: ModelConfig, sequences: float, seq_len: int, tp:
 def head_time(cfg: ModelConfig, lay: Layout, tokens: float, cluster: Cluster) -> float:
     """Forward time of the final norm, LM head and the loss's softmax on one rank."""
     vocab = cfg.vocab_size / lay.tp
-    softmax = ELEMENTWISE_PASSES * 4 * vocab * tokens / cluster.memory_bandwidth  # fp32 logits
+    softmax = cluster.elementwise_passes * 4 * vocab * tokens / cluster.memory_bandwidth  # fp32 logits
     return gemm_time(tokens, vocab, cfg.dim, cluster) + softmax
+
+
+def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+                      dtype: str, forward: LayerTime) -> LayerTime:
+    """What `recompute=op` re-runs of one layer in backward: its products not kept (recompute_terms.py),
+    the attention core unless kept, and the layer's elementwise work."""
+    layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) == moe)
+    local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
+    products = recomputed_products(cfg, layer, dtype, lay.recompute_save, lay.activation_fp8,
+                                   tokens=max(int(tokens), 1), local_experts=local)
+    matmul = 0.0
+    for p in products:
+        n = p.n / lay.tp if p.split == "tp" else p.n
+        k = p.k / lay.tp if p.role in ("attention_out", "mlp_out") else p.k
+        matmul += gemm_time(p.rows * tokens / p.batch, n, k, cluster, batch=p.batch)
+    core_kept = "attention_core" in lay.recompute_save and not (lay.cp > 1 and lay.cp_method == "ring")
+    return LayerTime(matmul=matmul, attention=0.0 if core_kept else forward.attention, memory=forward.memory)
+
+
+def recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+                   dtype: str, forward: LayerTime) -> LayerTime:
+    """Forward work one layer to which the recomputation policy applies runs again in backward."""
+    if lay.recompute == "full":
+        return forward
+    if lay.recompute == "selective":
+        return LayerTime(matmul=0.0, attention=forward.attention, memory=0.0)
+    if lay.recompute == "op":
+        return op_recompute_time(cfg, moe, lay, tokens, seq_len, cluster, dtype, forward)
+    return LayerTime(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class StageCompute:
-    """Seconds of one micro-batch's forward + backward (+ recomputation) on one rank of a stage."""
+    """Seconds of one micro-batch's forward + backward (+ recomputation, + offload copies) on one rank
+    of a stage."""
 
     matmul: float
     attention: float
     memory: float
+    transfer: float = 0.0  # activation offload: to host memory and back
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.memory
+        return self.matmul + self.attention + self.memory + self.transfer
 
 
 def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
-                       profile: ModelProfile, dtype: str = "bf16") -> StageCompute:
+                       profile: ModelProfile, dtype: str = "bf16", offloaded: float = 0.0) -> StageCompute:
     """Forward x 3 (forward, input and weight gradients) of every layer of the stage, plus what
-    recomputation repeats, plus the LM head on the last stage."""
+    recomputation repeats, plus the LM head on the last stage, plus moving `offloaded` bytes (one
+    micro-batch's activations offloaded to host memory) there and back."""
     tokens = work.micro_batch * work.seq_len / lay.cp
-    key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.fused_attention, work.micro_batch, cluster, dtype)
-    times = profile.memo(key, lambda: {moe: layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype)
-                                       for moe in set(profile.moe)})
+    key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.cp_method, lay.fused_attention, work.micro_batch,
+           cluster, dtype, lay.recompute, lay.recompute_save, lay.activation_fp8)
+    times = profile.memo(key, lambda: {moe: (t, recompute_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype, t))
+                                       for moe in set(profile.moe)
+                                       for t in (layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype),)})
     matmul = attention = memory = 0.0
-    for (moe, checkpointed), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
-                                                      lay.recompute_interval).items():
-        t = times[moe]
-        passes = 3 + (1 if checkpointed else 0)
-        matmul += n * passes * t.matmul
-        memory += n * passes * t.memory
-        attention += n * (passes + (1 if lay.recompute == "selective" else 0)) * t.attention
+    for (moe, applies), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
+                                                 lay.recompute_interval).items():
+        t, again = times[moe]
+        matmul += n * (3 * t.matmul + (again.matmul if applies else 0.0))
+        memory += n * (3 * t.memory + (again.memory if applies else 0.0))
+        attention += n * (3 * t.attention + (again.attention if applies else 0.0))
     if stage == lay.pp - 1:
         matmul += 3 * head_time(cfg, lay, tokens, cluster)
-    return StageCompute(matmul=matmul, attention=attention, memory=memory)
+    return StageCompute(matmul=matmul, attention=attention, memory=memory,
+                        transfer=2 * offloaded / cluster.host_bandwidth if offloaded else 0.0)

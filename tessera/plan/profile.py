@@ -58,11 +58,12 @@ class ModelProfile:
         return self.memo(("stages", pp, vpp), lambda: stage_layers(self.cfg.n_layers, pp, vpp))
 
     def stage_kinds(self, pp: int, vpp: int, stage: int, recompute: str, interval: int) -> dict[tuple[bool, bool], int]:
-        """Layers of `stage` counted by (is MoE, is checkpointed by full recomputation)."""
+        """Layers of `stage` counted by (is MoE, does the recomputation policy apply to it): a policy
+        other than none applies to every `interval`-th layer (layer id % interval == 0)."""
         def count() -> dict[tuple[bool, bool], int]:
             out: dict[tuple[bool, bool], int] = {}
             for i in self.stages(pp, vpp)[stage]:
-                key = (self.moe[i], recompute == "full" and i % interval == 0)
+                key = (self.moe[i], recompute != "none" and i % interval == 0)
                 out[key] = out.get(key, 0) + 1
             return out
 

@@ -1,9 +1,15 @@
-"""Published training runs the time model is checked against (`tessera plan validate`).
+"""Published training runs the planner is checked against (`tessera plan validate`), for time and memory.
 
-Each run records its source, model, GPUs, layout, batch, sequence length and the published
-figure; `predict(run)` plans it with the GPU's preset (the same constants for every run of that
-GPU: no per-run factors) and returns the figure's counterpart.
+Each run records its source, model, GPUs, layout, batch, sequence length, the published figure,
+and whether it is a calibration run (the time model's per-GPU constants were chosen with it in
+view) or held out (nothing was chosen on it). Memory is checked for every run: against the
+per-GPU memory the source reports where it reports one, and against the memory of the GPUs it
+ran on (the planned peak must fit them). No memory constant is fitted to any run (the activation
+bytes are the trainer's saved tensors, tests/plan; the 3 GiB reserve is the planner's default).
+`plan_run(run)` plans it with the GPU's preset and the run's efficiency profile (the same
+constants for every run of that GPU: no per-run factors).
 
+Calibration runs (time):
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv 2205.05198), Megatron-LM on Selene (DGX A100 80GB, 8 per node, 8 x 200 Gb/s HDR per node).
   GPT models (GeLU MLP of 4h, multi-head attention, vocabulary 51,200, sequence 2,048, micro-batch
@@ -12,7 +18,7 @@ GPU: no per-run factors) and returns the figure's counterpart.
   full recomputation. Attention was not fused (the paper predates FlashAttention in Megatron-LM:
   its selective recomputation exists to avoid storing the s x s scores). The 4h GeLU MLP is
   written as a SwiGLU of ffn = 8h/3 (the same weights and FLOPs per token), rounded down to a
-  multiple of 8 where 8h/3 is not whole (530B, 1T: -0.01%).
+  multiple of 8 where 8h/3 is not whole (530B, 1T: -0.01%). Memory: they ran on 80 GB A100s.
 - Llama Team 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), table 4: Llama 3 405B (126
   layers, h 16,384, 128 heads / 8 KV heads, FFN 53,248, vocabulary 128,256) at sequence 8,192 and
   16M tokens per batch on H100 with TP8, CP1, PP16: 430 TFLOP/s per GPU on 8,192 GPUs (DP 64) and
@@ -21,16 +27,38 @@ GPU: no per-run factors) and returns the figure's counterpart.
   (weights gathered once per step, gradients reduce-scattered once per step: zero_stage 1 here).
   The predicted TFLOP/s counts model FLOPs as `tessera.models.flops` does (causal attention as
   half the score matrix); the paper does not say its convention (counting the whole matrix would
-  add about 4% to both the prediction and, if so counted, the figure).
+  add about 4% to both the prediction and, if so counted, the figure). Memory: section 3.3.1, H100s
+  "with 80GB HBM3"; the paper does not say which activation recomputation ran: planned with none.
 - DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 2,048 H800 GPUs, PP16,
   EP64 across 8 nodes, ZeRO-1 data parallelism, no TP, DualPipe (which hides the EP all-to-all
   and the PP traffic behind computation), sequence 4,096, batch 15,360 sequences; 180K H800
   GPU-hours per trillion tokens = 1e12 / (180e3 x 3600) = 1,543 tokens/s per GPU. GEMMs ran in
   FP8, which this planner does not model: the prediction uses the bf16 peak (a lower bound on speed).
+  Model states: AdamW moments in BF16 (section 3.3.3), ZeRO-1 as a distributed optimizer.
+  Memory (H800: 80 GB) with the report's activation policies: every RMSNorm and the MLA
+  up-projections recomputed in backward (section 3.2.3), the SwiGLU inputs of the experts cached in
+  FP8 and its output recomputed (section 3.3.3). In Tessera's operator-level policy: keep the
+  attention core, the products into attention (the latents), the router and the SwiGLU gate/up
+  products, the last in FP8; everything else re-runs. Time is planned without recomputation, as
+  calibrated: DeepSeek re-runs only cheap operators (norms, up-projections, SwiGLU), while Tessera's
+  policy would also re-run the output and down projections and the expert dispatch, which DeepSeek
+  keeps (its FP8 linear inputs and dispatched rows), so the memory layout is not its runtime.
+
+Held-out runs (time and memory; chosen after the constants, nothing fitted to them):
+- torchtitan's Llama 3.1 8B benchmarks (the torchtitan team, end of 2024, pytorch/torchtitan
+  benchmarks/llama3_h100_202412_torchtitan.md), table 1 (8 GPUs, local batch 2, global batch 16)
+  and table 3 (128 GPUs, global batch 256): FSDP, selective activation checkpointing (torchtitan's
+  operator-level policy, its default for this model: every other matrix product and the attention
+  kernel kept), sequence 8,192 (torchtitan's Llama 3 8B setting), BF16 parameters under FSDP2
+  mixed precision; tokens/s per GPU and memory (GiB, the caching allocator's peak reservation)
+  for FSDP alone and with torch.compile. Their H100s have 96 GB HBM2e at 2.4 TB/s and a 500 W
+  limit, whose peak the report puts "between SXM and NVL": the `h100-96gb` preset takes the SXM's.
+  The planner models neither compile nor the power limit, so each pair shares one prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
@@ -54,6 +82,13 @@ class PublishedRun:
     metric: str  # one of METRICS
     figure: float
     activation_dtype: str = "bf16"
+    precision: str = "bf16"
+    held_out: bool = False  # False: a calibration run (the time constants were chosen with it in view)
+    memory_gib: float | None = None  # the published per-GPU memory, GiB (None: only where it ran)
+    profile: str = "megatron"  # the efficiency profile of its kernels (efficiency.py)
+    # The layout its memory is planned with, where the source's memory policies differ from what its
+    # time was planned with (None: `layout` for both)
+    memory_layout: Layout | None = None
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
@@ -95,17 +130,41 @@ def published_runs() -> list[PublishedRun]:
         lay = Layout(tp=8, sp=True, pp=16, vpp=2, pp_schedule="interleaved_1f1b", dp_shard=dp, zero_stage=1)
         runs.append(PublishedRun(f"Llama 3 405B, {gpus} H100, TP8 CP1 PP16 DP{dp}", llama, _llama3_405b(), "h100",
                                  gpus, lay, Workload(8192, 1, 2048), "tflops_per_gpu", figure))
-    lay = Layout(pp=16, pp_schedule="dualpipe", dp_shard=128, ep=64, zero_stage=1, ep_overlap=True)
+    lay = Layout(pp=16, pp_schedule="dualpipe", dp_shard=128, ep=64, zero_stage=1, ep_overlap=True,
+                 optimizer="distributed")
+    memory = dataclasses.replace(lay, recompute="op", recompute_save=DEEPSEEK_V3_SAVE, activation_fp8=("mlp_in",))
     runs.append(PublishedRun("DeepSeek-V3, 2048 H800, PP16 EP64 DP128 (DualPipe)",
-                             "DeepSeek-AI 2024 (arXiv 2412.19437), sections 3.2 and 4.2", get_preset("deepseek-v3"),
-                             "h800", 2048, lay, Workload(4096, 1, 15360), "tokens_per_second_per_gpu",
-                             1e12 / (180e3 * 3600)))
-    return runs
+                             "DeepSeek-AI 2024 (arXiv 2412.19437), sections 3.2, 3.3.3 and 4.2",
+                             get_preset("deepseek-v3"), "h800", 2048, lay, Workload(4096, 1, 15360),
+                             "tokens_per_second_per_gpu", 1e12 / (180e3 * 3600), precision="bf16-lowp-moments",
+                             memory_layout=memory))
+    return runs + _torchtitan_runs()
 
 
-def plan_run(run: PublishedRun) -> Plan:
-    cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus)
-    return make_plan(run.model, run.layout, run.work, cluster, precision="bf16", activation_dtype=run.activation_dtype)
+# DeepSeek-V3's memory policy (module docstring) as recompute=op's save list
+DEEPSEEK_V3_SAVE = ("attention_core", "attention_in", "router", "mlp_in")
+_TORCHTITAN = "torchtitan team, end of 2024 (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)"
+# gpus, global batch, table, (tokens/s per GPU, memory GiB) with FSDP, then with FSDP + torch.compile
+_TORCHTITAN_RUNS = ((8, 16, 1, (5762, 82.4), (6667, 77.0)), (128, 256, 3, (5605, 67.0), (6514, 62.0)))
+
+
+def _torchtitan_runs() -> list[PublishedRun]:
+    out = []
+    for gpus, batch, table, eager, compiled in _TORCHTITAN_RUNS:
+        lay = Layout(dp_shard=gpus, zero_stage=3, recompute="op")
+        for label, (tps, gib) in (("FSDP", eager), ("FSDP + compile", compiled)):
+            out.append(PublishedRun(f"torchtitan Llama 3.1 8B, {gpus} H100, {label}", f"{_TORCHTITAN}, table {table}",
+                                    get_preset("llama3.1-8b"), "h100-96gb", gpus, lay, Workload(8192, 2, batch),
+                                    "tokens_per_second_per_gpu", float(tps), held_out=True, memory_gib=gib))
+    return out
+
+
+def plan_run(run: PublishedRun, profile: str | None = None, *, memory: bool = False) -> Plan:
+    """The run planned on its GPUs with its efficiency profile (or `profile`); `memory`: with the
+    layout its memory is checked with."""
+    cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus, profile=profile or run.profile)
+    lay = run.memory_layout if memory and run.memory_layout is not None else run.layout
+    return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype)
 
 
 def predicted_figure(run: PublishedRun, plan: Plan) -> float:

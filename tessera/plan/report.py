@@ -5,6 +5,7 @@ from __future__ import annotations
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.plan.activations import korthikanti_layer_bytes, layer_activation_bytes
+from tessera.plan.efficiency import get_profile
 from tessera.plan.estimate import Plan
 from tessera.plan.layout import Layout
 from tessera.plan.memory import get_precision, sharding_choices
@@ -37,6 +38,15 @@ def _seconds(t: float) -> str:
     if t >= 0.1:
         return f"{t:.3f} s"
     return f"{t * 1e3:.1f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+
+
+def _yaml_value(v: object) -> str:
+    """A `parallel` value as YAML (and `--set`) writes it."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(str, v)) + "]"
+    return str(v)
 
 
 def describe_model(cfg: ModelConfig) -> str:
@@ -75,7 +85,8 @@ def render_plan(plan: Plan) -> str:
            f"Workload   seq {work.seq_len} x micro-batch {work.micro_batch}, global batch {work.global_batch} "
            f"= {_count(work.tokens)} tokens/step; {m} micro-batch(es) per rank per step",
            f"Precision  model states {prec.name} ({prec.weight_bytes}+{prec.grad_bytes}+{prec.master_bytes}+"
-           f"{prec.optimizer_bytes} bytes/param), activations {plan.activation_dtype}", ""]
+           f"{prec.optimizer_bytes} bytes/param), activations {plan.activation_dtype}",
+           f"Kernels    efficiency profile {cl.profile}: {get_profile(cl.profile).note}", ""]
 
     stages = _shown_stages(plan)
     rows = []
@@ -85,6 +96,7 @@ def render_plan(plan: Plan) -> str:
              ("ZeRO-3 gather buffers", lambda s: s.states.gathered),
              ("activations (in flight)", lambda s: s.activations.stored),
              ("  micro-batches in flight", None),
+             *([("  offloaded to host memory", lambda s: s.activations.offloaded)] if lay.activation_offload else []),
              ("transient peak", lambda s: s.activations.transient), ("total", lambda s: s.total)]
     for name, get in parts:
         if get is None:
@@ -95,8 +107,10 @@ def render_plan(plan: Plan) -> str:
                + ("FITS" if plan.fits else "DOES NOT FIT"))
     out += _table(rows, ["part"] + [f"stage {s} ({plan.stages[s].activations.layers} layers)" for s in stages])
     peak = plan.peak.activations
+    reload = f", offload reload {_gib(peak.reload_buffer)}" if lay.activation_offload else ""
     out.append(f"  transient peak = max(recompute buffer {_gib(peak.recompute_buffer)}, logits + loss "
-               f"{_gib(peak.logits_buffer)}, MoE dispatch {_gib(peak.dispatch_buffer)}) on stage {plan.peak.stage}")
+               f"{_gib(peak.logits_buffer)}, MoE dispatch {_gib(peak.dispatch_buffer)}{reload}) on stage "
+               f"{plan.peak.stage}")
     out.append("")
 
     choices = sharding_choices(plan.peak.params, lay, prec, plan.microbatches)
@@ -109,10 +123,11 @@ def render_plan(plan: Plan) -> str:
 
     out.append(f"Activations per layer and micro-batch on one rank (GiB, {plan.activation_dtype}, micro-batch "
                f"{work.micro_batch} x {work.seq_len // lay.cp} tokens)")
-    variants = [("no tp", Layout(cp=lay.cp))]
+    policy = dict(recompute_save=lay.recompute_save, activation_fp8=lay.activation_fp8) if lay.recompute == "op" else {}
+    variants = [("no tp", Layout(cp=lay.cp, **policy))]
     if lay.tp > 1:
-        variants += [(f"tp={lay.tp}", Layout(tp=lay.tp, cp=lay.cp)), (f"tp={lay.tp}+sp", Layout(tp=lay.tp, sp=True,
-                                                                                              cp=lay.cp))]
+        variants += [(f"tp={lay.tp}", Layout(tp=lay.tp, cp=lay.cp, **policy)),
+                     (f"tp={lay.tp}+sp", Layout(tp=lay.tp, sp=True, cp=lay.cp, **policy))]
     rows = []
     for moe in sorted({cfg.is_moe_layer(i) for i in range(cfg.n_layers)}):
         i = cfg.moe_layers[0] if moe else next(j for j in range(cfg.n_layers) if not cfg.is_moe_layer(j))
@@ -123,9 +138,11 @@ def render_plan(plan: Plan) -> str:
     for label, v in variants:
         rows.append([f"GPT formula, {label}"] + [_gib(korthikanti_layer_bytes(
             work.seq_len // lay.cp, work.micro_batch, cfg.dim, cfg.n_heads, t=v.tp, sp=v.sp, recompute=rc))
-            for rc in RECOMPUTE_CHOICES])
-    out += _table(rows, ["layer", *RECOMPUTE_CHOICES])
-    out.append("  (GPT formula: Korthikanti et al. 2022, 16-bit, stores the s x s scores; ours: flash attention)")
+            if rc != "op" else "-" for rc in RECOMPUTE_CHOICES])
+    op_label = Layout(recompute="op", **policy).recompute_label()
+    out += _table(rows, ["layer", *(op_label if rc == "op" else rc for rc in RECOMPUTE_CHOICES)])
+    out.append("  (GPT formula: Korthikanti et al. 2022, 16-bit, stores the s x s scores; ours: flash attention;"
+               " op: the block's input and the outputs its save list keeps)")
     out.append("")
 
     t = plan.time
@@ -167,7 +184,8 @@ def render_plan(plan: Plan) -> str:
                f"{cl.gpu_flops / 1e12:.0f} TFLOP/s, attention up to {100 * cl.attention_efficiency:.0f}%, "
                f"HBM {cl.memory_bandwidth / 1e12:.2f} TB/s): matrix products {_seconds(m * slow.matmul)}, "
                f"attention core {_seconds(m * slow.attention)}, elementwise (memory-bound) {_seconds(m * slow.memory)}"
-               f" = {100 * plan.hardware_flops_per_step / max(1e-30, t.compute * lay.world * cl.gpu_flops):.0f}% "
+               + (f", host transfers {_seconds(m * slow.transfer)}" if slow.transfer else "")
+               + f" = {100 * plan.hardware_flops_per_step / max(1e-30, t.compute * lay.world * cl.gpu_flops):.0f}% "
                "of peak while computing")
     out.append(f"Step time {_seconds(t.total)}: " + ", ".join(f"{k} {_seconds(v)}" for k, v in comp.items()))
     out.append(f"Throughput {plan.tokens_per_second:,.0f} tokens/s ({plan.tokens_per_second / cl.gpus:,.0f} per GPU), "
@@ -176,7 +194,7 @@ def render_plan(plan: Plan) -> str:
 
 
 def render_search(result: SearchResult, top: int) -> str:
-    out = [f"{result.valid} valid layouts, {len(result.ranked)} fit in memory."]
+    out = [f"{result.valid} valid layouts, {len(result.ranked)} fit in memory ({result.coverage()})."]
     if not result.ranked:
         out.append("None fits. Smallest peaks:")
         out += [f"  {p.layout.describe()}: {_gib(p.peak.total)} GiB per rank" for p in result.too_big]
@@ -194,5 +212,5 @@ def render_search(result: SearchResult, top: int) -> str:
         out += ["", "Against the fastest layout of each other mesh shape:"] + [f"  {line}" for line in others]
     best = result.ranked[0].layout
     out += ["", "parallel section of the best layout (tessera train --set parallel.K=V takes it as is):"]
-    out += [f"  {k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in best.parallel_settings().items()]
+    out += [f"  {k}: {_yaml_value(v)}" for k, v in best.parallel_settings().items()]
     return "\n".join(out)

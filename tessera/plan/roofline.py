@@ -49,6 +49,7 @@ class StageTime:
     exposed: dict[str, float] = field(default_factory=dict)  # exposed seconds per micro-batch, by group
     matmul: float = 0.0  # of which matrix products
     memory: float = 0.0  # of which elementwise work bound by HBM bandwidth
+    transfer: float = 0.0  # of which activation offload copies to host memory and back
 
     @property
     def per_microbatch(self) -> float:
@@ -82,7 +83,8 @@ class StepTime:
                 "optimizer": self.optimizer, "link_time": self.comm_seconds,
                 "compute_per_step": {"matmul": self.microbatches * slow.matmul,
                                      "attention": self.microbatches * slow.attention,
-                                     "memory_bound": self.microbatches * slow.memory}}
+                                     "memory_bound": self.microbatches * slow.memory,
+                                     "host_transfer": self.microbatches * slow.transfer}}
 
 
 def overlap_window(c: Collective, lay: Layout) -> str:
@@ -99,18 +101,21 @@ def overlap_window(c: Collective, lay: Layout) -> str:
 
 def step_time(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster,
               collectives: list[list[Collective]], local_params: list[float],
-              profile: ModelProfile | None = None, activation_dtype: str = "bf16") -> StepTime:
+              profile: ModelProfile | None = None, activation_dtype: str = "bf16",
+              offloaded: list[float] | None = None) -> StepTime:
     """Estimated seconds of one step. `collectives[s]` and `local_params[s]` (parameters a rank of
-    stage s updates, after ZeRO sharding) come from comm.py and memory.py."""
+    stage s updates, after ZeRO sharding) come from comm.py and memory.py; `offloaded[s]` is the
+    bytes of one micro-batch stage s offloads to host memory (activations.py)."""
     profile = profile or ModelProfile.of(cfg, work.seq_len)
     m = lay.microbatches(work)
     stages: list[StageTime] = []
     step_exposed: dict[str, float] = {}
     comm_seconds: dict[str, float] = {}
     for s, colls in enumerate(collectives):
-        c_time = stage_compute_time(cfg, lay, work, s, cluster, profile, activation_dtype)
+        c_time = stage_compute_time(cfg, lay, work, s, cluster, profile, activation_dtype,
+                                    offloaded[s] if offloaded else 0.0)
         st = StageTime(stage=s, compute=c_time.total, attention=c_time.attention, matmul=c_time.matmul,
-                       memory=c_time.memory)
+                       memory=c_time.memory, transfer=c_time.transfer)
         hidden_by_mb: dict[str, float] = {}
         hidden_by_matmul: dict[str, float] = {}
         link: dict[str, float] = {}

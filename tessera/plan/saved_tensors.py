@@ -12,6 +12,12 @@ model state. Tensors saved inside a non-reentrant `torch.utils.checkpoint` regio
 checkpoint's own hooks and are not seen, exactly as they are not kept; the region's inputs are.
 Only storages still held when the context exits count: an op whose output nobody uses (the
 top-k that only chooses experts, for instance) is freed with what it saved before backward.
+
+Two more ways a trainer keeps activations, both counted: the outputs an operator-level policy
+(`parallel.recompute=op`) keeps in its cache instead of saving them for backward, which every
+block's `recompute_policy` shows to its observers (tessera/parallel/recompute_policy.py), and
+nothing of what the activation offload moves to host memory (its hooks sit inside the blocks, so
+what they pack never reaches this counter: it counts device memory).
 This is the measurement `activation_terms` is tested against (tests/plan).
 """
 
@@ -24,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-_PASS_THROUGH = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "PermuteBackward0",
-                 "ExpandBackward0", "UnsafeViewBackward0", "SelectBackward0", "SliceBackward0"}
+from tessera.models.parameter_views import derived_from_parameter, parameter_storages
 
 
 @dataclass
@@ -41,19 +46,6 @@ class SavedEntry:
         return any(r() is not None for r in self.refs)
 
 
-def _derived_from_parameter(t: torch.Tensor, params: set[int]) -> bool:
-    """True when `t` is a cast or view of one of `params` (storage addresses), by its autograd history."""
-    fn = t.grad_fn
-    while fn is not None and type(fn).__name__ in _PASS_THROUGH:
-        parents = [n for n, _ in fn.next_functions if n is not None]
-        if len(parents) != 1:
-            return False
-        fn = parents[0]
-    if fn is None or type(fn).__name__ != "AccumulateGrad":
-        return False
-    return fn.variable.untyped_storage().data_ptr() in params
-
-
 def _caller() -> str:
     frames = [f for f in traceback.extract_stack() if "/tessera/" in f.filename and "saved_tensors" not in f.filename]
     return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
@@ -64,17 +56,27 @@ class SavedTensorCounter:
 
     def __init__(self, model: nn.Module | None = None, record_sources: bool = False):
         self._params = set()
+        self._model = model
         if model is not None:
-            self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            self._params = parameter_storages(model)
         self._record_sources = record_sources
         self.entries: dict[int, SavedEntry] = {}
         self.kept: list[SavedEntry] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def _policies(self) -> list:
+        return [m.recompute_policy for m in self._model.modules() if hasattr(m, "recompute_policy")] \
+            if self._model is not None else []
+
+    def _keep(self, t: torch.Tensor) -> None:
+        """An output a policy keeps in its cache (module docstring): alive until its backward."""
+        self._pack(t)
+        self.entries[t.untyped_storage().data_ptr()].refs.append(lambda t=t: t)
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._params or _derived_from_parameter(t, self._params):
+        if derived_from_parameter(t, self._params):
             return t
         entry = self.entries.get(key)
         if entry is None or not entry.alive:  # new, or an address freed and reused since
@@ -88,11 +90,15 @@ class SavedTensorCounter:
         return t
 
     def __enter__(self) -> SavedTensorCounter:
+        for policy in self._policies():
+            policy.observers.append(self._keep)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+        for policy in self._policies():
+            policy.observers.remove(self._keep)
         self.kept = [e for e in self.entries.values() if e.alive]
 
     @property

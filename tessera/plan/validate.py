@@ -1,17 +1,32 @@
-"""`tessera plan validate [--json]`: the time model against every published run.
+"""`tessera plan validate [--json]`: the planner against every published run, time and memory.
 
-For each run of tessera/plan/published.py: the published figure, the prediction, the relative
-error (predicted / published - 1) and the step-time terms behind the prediction, so a reader
-sees where the time goes. JSON: a list of objects with `name`, `published`, `predicted`,
-`relative_error` (plus `metric`, `unit`, `source`, `gpu`, `gpus`, `layout`, `terms`).
+For each run of tessera/plan/published.py: whether it is a calibration run (the time constants were
+chosen with it in view) or held out; the published figure, the prediction, the relative error
+(predicted / published - 1) and the step-time terms behind the prediction; and memory: the planned
+peak of the busiest rank against the published per-GPU memory where the source gives one, and
+against the memory of the GPUs it ran on (it must fit). The held-out errors are the ones to quote.
+JSON: a list of objects with `name`, `published`, `predicted`, `relative_error`, `held_out`
+(plus `metric`, `unit`, `source`, `gpu`, `gpus`, `layout`, `terms`, `predicted_tessera_profile`)
+and `memory` (`published_gib`, `ran_on_gib`, `predicted_gib`, `relative_error`, `fits`, `layout`).
 """
 
 from __future__ import annotations
 
 import json
 
-from tessera.plan.published import METRICS, plan_run, predicted_figure, published_runs
+from tessera.plan.published import METRICS, PublishedRun, plan_run, predicted_figure, published_runs
 from tessera.plan.search import time_components
+
+GiB = 2**30
+
+
+def _memory_row(run: PublishedRun) -> dict:
+    plan = plan_run(run, memory=True)
+    predicted = plan.peak.total / GiB
+    published = run.memory_gib
+    return {"published_gib": published, "ran_on_gib": plan.cluster.gpu_memory / GiB, "predicted_gib": predicted,
+            "usable_gib": plan.cluster.usable_memory / GiB, "fits": plan.fits, "layout": plan.layout.describe(),
+            "relative_error": None if published is None else predicted / published - 1.0}
 
 
 def validation_rows() -> list[dict]:
@@ -20,26 +35,61 @@ def validation_rows() -> list[dict]:
         plan = plan_run(run)
         predicted = predicted_figure(run, plan)
         rows.append({"name": run.name, "published": run.figure, "predicted": predicted,
-                     "relative_error": predicted / run.figure - 1.0, "metric": run.metric,
+                     "relative_error": predicted / run.figure - 1.0, "held_out": run.held_out, "metric": run.metric,
                      "unit": METRICS[run.metric], "source": run.source, "gpu": run.gpu, "gpus": run.gpus,
-                     "layout": run.layout.describe(), "mfu": plan.mfu, "fits": plan.fits,
-                     "terms": time_components(plan), "step_seconds": plan.time.total})
+                     "layout": run.layout.describe(), "mfu": plan.mfu, "profile": run.profile,
+                     "predicted_tessera_profile": predicted_figure(run, plan_run(run, "tessera")),
+                     "terms": time_components(plan), "step_seconds": plan.time.total, "memory": _memory_row(run)})
     return rows
+
+
+def _worst(rows: list[dict], error) -> str:
+    rated = [r for r in rows if error(r) is not None]
+    if not rated:
+        return "none"
+    worst = max(rated, key=lambda r: abs(error(r)))
+    return f"{100 * abs(error(worst)):.1f}% ({worst['name']})"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The lines to quote: calibration and held-out errors apart, and the memory check."""
+    calibration = [r for r in rows if not r["held_out"]]
+    held_out = [r for r in rows if r["held_out"]]
+    fits = sum(r["memory"]["fits"] for r in rows)
+    return [f"Calibration runs (time constants chosen with them in view): largest time error "
+            f"{_worst(calibration, lambda r: r['relative_error'])}.",
+            f"Held-out runs: largest time error {_worst(held_out, lambda r: r['relative_error'])}; largest "
+            f"memory error {_worst(rows, lambda r: r['memory']['relative_error'])}.",
+            f"{fits} of {len(rows)} runs fit the memory of the GPUs they ran on."]
 
 
 def render_validation(rows: list[dict]) -> str:
     width = max(len(r["name"]) for r in rows)
-    out = [f"{'run':<{width}}  {'published':>10}  {'predicted':>10}  {'error':>7}  unit          MFU",
-           "-" * (width + 52)]
+    out = ["Time", f"{'run':<{width}}  {'set':<11}  {'published':>10}  {'predicted':>10}  {'error':>7}  unit"
+           "          MFU", "-" * (width + 66)]
     for r in rows:
-        out.append(f"{r['name']:<{width}}  {r['published']:>10.2f}  {r['predicted']:>10.2f}  "
+        kind = "held out" if r["held_out"] else "calibration"
+        out.append(f"{r['name']:<{width}}  {kind:<11}  {r['published']:>10.2f}  {r['predicted']:>10.2f}  "
                    f"{100 * r['relative_error']:>+6.1f}%  {r['unit']:<12}  {100 * r['mfu']:.1f}%")
-    worst = max(rows, key=lambda r: abs(r["relative_error"]))
-    out += ["", f"Largest error {100 * abs(worst['relative_error']):.1f}% ({worst['name']}).", "",
-            "Where the predicted step time goes (seconds):"]
+    out += ["", "Memory per GPU (GiB): the busiest rank's planned peak against the published figure, and against "
+            "the GPUs it ran on (usable: less the 3 GiB reserve)",
+            f"{'run':<{width}}  {'published':>9}  {'ran on':>6}  {'predicted':>9}  {'error':>7}  fits",
+            "-" * (width + 50)]
+    for r in rows:
+        m = r["memory"]
+        published = "-" if m["published_gib"] is None else f"{m['published_gib']:.1f}"
+        error = "-" if m["relative_error"] is None else f"{100 * m['relative_error']:+.1f}%"
+        out.append(f"{r['name']:<{width}}  {published:>9}  {m['ran_on_gib']:>6.0f}  {m['predicted_gib']:>9.1f}  "
+                   f"{error:>7}  {'yes' if m['fits'] else 'NO'}")
+    out += [""] + summary(rows)
+    out += ["", "Where the predicted step time goes (seconds):"]
     for r in rows:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in r["terms"].items())
         out.append(f"  {r['name']}: {r['layout']}; {terms}")
+    differing = [r for r in rows if r["memory"]["layout"] != r["layout"]]
+    if differing:
+        out += ["", "Memory planned with the source's memory policies:"]
+        out += [f"  {r['name']}: {r['memory']['layout']}" for r in differing]
     out += ["", "Sources:"] + sorted({f"  {r['source']}" for r in rows})
     return "\n".join(out)
 

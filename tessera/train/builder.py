@@ -35,6 +35,8 @@ from tessera.config.schema import RunConfig
 from tessera.models import Transformer
 from tessera.models.float8 import convert_to_float8
 from tessera.parallel import build_pipeline, parallelize
+from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.activation_offload import apply_activation_offload
 from tessera.parallel.compile import compile_blocks
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
@@ -117,9 +119,14 @@ def _parallelized_parts(model: Transformer, cfg: RunConfig, layout: RunLayout, c
     """`model` as this rank's parts: compiled in one process, parallelized at pp = 1, cut into
     parallelized stages with their schedule under pp."""
     dims = layout.dims
-    if dims is None:
+    if dims is None:  # parallelize's order, without the parallelisms
+        p = cfg.parallel
+        apply_activation_checkpointing(model, p.recompute, p.recompute_interval, save=p.recompute_save,
+                                       fp8=p.activation_fp8)
         if compile:
             compile_blocks(model, compute_dtype)
+        if p.activation_offload:
+            apply_activation_offload(model, layout.device.type)
         return [model], None
     param_dtype = compute_dtype or torch.float32
 

@@ -121,9 +121,10 @@ class Trainer:
         self.resumed_from = checkpoint_to_resume(self.layout, self.run_lock, self.run_dir, resume)
         self.latest_checkpoint = self.resumed_from  # the checkpoint of the current step, once one exists
         self.autocast_dtype = autocast_dtype(t.dtype)
-        # each block compiled (tessera.parallel.compile); not under tp or the distributed optimizer
+        # each block compiled (tessera.parallel.compile); not under tp, the distributed optimizer or recompute=op
         distributed_optimizer = dims is not None and cfg.parallel.optimizer == "distributed"
-        self.compile = resolve_compile(t.compile, self.device, dims.tp if dims else 1, distributed_optimizer)
+        self.compile = resolve_compile(t.compile, self.device, dims.tp if dims else 1, distributed_optimizer,
+                                       cfg.parallel.recompute)
         check_distributed_optimizer(cfg, dims)
 
         seed_everything(t.seed)

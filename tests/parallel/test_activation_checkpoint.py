@@ -1,36 +1,41 @@
-"""Activation recomputation: gradients bit-identical to no recomputation, names unchanged, and the
-chosen pieces really run again in backward (counted at the operator level)."""
+"""Activation recomputation and offload: gradients bit-identical to keeping everything, names
+unchanged, and the chosen pieces really run again in backward (counted at the operator level)."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.config import ParallelError, get_preset
+from tessera.config import ConfigError, ParallelError, get_preset
+from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.activation_offload import HostStore, apply_activation_offload, offload_blocks
+from tessera.parallel.recompute_policy import ATTENTION_OPS, MATMUL_OPS
 
 
 class ForwardOpCounter(TorchDispatchMode):
-    """Counts SDPA forwards and SiLU forwards (the MLP's gate) while active."""
+    """Counts SDPA, SiLU and matrix-product forwards (and backward matrix products) while active."""
 
     def __init__(self):
         super().__init__()
-        self.sdpa = self.silu = 0
+        self.sdpa = self.silu = self.matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if "scaled_dot_product" in name and "backward" not in name:
+        if func in ATTENTION_OPS:
             self.sdpa += 1
         if name.startswith("aten.silu.") or name.startswith("aten.silu_."):
             self.silu += 1
+        if func in MATMUL_OPS:
+            self.matmuls += 1
         return func(*args, **(kwargs or {}))
 
 
-def _grads_and_recompute_counts(mode: str, interval: int = 1):
-    cfg = get_preset("tiny-moe")
+def _grads_and_recompute_counts(mode: str, interval: int = 1, preset: str = "tiny-moe", **policy):
+    cfg = get_preset(preset)
     model = Transformer(cfg, init_seed=0)
     names_before = [n for n, _ in model.named_parameters()]
-    wrapped = apply_activation_checkpointing(model, mode, interval)
+    wrapped = apply_activation_checkpointing(model, mode, interval, **policy)
     assert [n for n, _ in model.named_parameters()] == names_before
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     out = model(tokens)
@@ -42,24 +47,73 @@ def _grads_and_recompute_counts(mode: str, interval: int = 1):
     return grads, counter, wrapped
 
 
-def test_recompute_modes_keep_gradients_and_rerun_forward():
+# tiny-moe: 2 MoE layers; per layer 8 matrix products in forward (wq, wk, wv, wo, router, the experts' w1,
+# w3, w2 as grouped GEMMs) and 16 in backward (wq, wk, wv's input gradients under GQA ... counted below).
+@pytest.mark.parametrize("mode, interval, policy, expect, sdpa, silu_reruns, extra_products", [
+    ("full", 1, {}, ["layers.0", "layers.1"], 2, True, 16),
+    ("full", 2, {}, ["layers.0"], 1, True, 8),
+    ("selective", 1, {}, ["layers.0.attention.attention_core", "layers.1.attention.attention_core"], 2, False, 0),
+    ("selective", 2, {}, ["layers.0.attention.attention_core"], 1, False, 0),
+    # torchtitan's: the attention kernel and every other product kept; the other half re-runs
+    ("op", 1, {}, ["layers.0", "layers.1"], 0, True, 8),
+    ("op", 1, {"save": ("matmuls", "attention_core")}, ["layers.0", "layers.1"], 0, True, 0),
+    ("op", 2, {"save": ("attention_core", "attention_in", "router", "mlp_in")}, ["layers.0"], 0, True, 2),
+])
+def test_policies_keep_gradients_and_rerun_what_they_do_not_keep(mode, interval, policy, expect, sdpa,
+                                                                  silu_reruns, extra_products):
     ref, none_count, wrapped = _grads_and_recompute_counts("none")
     assert wrapped == [] and none_count.sdpa == 0 and none_count.silu == 0
-    for mode, interval, sdpa, silu_positive, expect in [
-        ("full", 1, 2, True, ["layers.0", "layers.1"]),
-        ("full", 2, 1, True, ["layers.0"]),
-        ("selective", 1, 2, False, ["layers.0.attention", "layers.1.attention"]),
-    ]:
-        grads, count, wrapped = _grads_and_recompute_counts(mode, interval)
-        assert wrapped == expect
-        assert count.sdpa == sdpa, (mode, interval, count.sdpa)
-        # selective keeps the MLP / experts' activations
-        assert (count.silu > 0) == silu_positive, (mode, count.silu)
-        for n, g in ref.items():
-            assert torch.equal(grads[n], g), (mode, n)
+    grads, count, wrapped = _grads_and_recompute_counts(mode, interval, **policy)
+    assert wrapped == expect
+    assert count.sdpa == sdpa, (mode, count.sdpa)  # the attention kernel re-runs only where not kept
+    assert (count.silu > 0) == silu_reruns, (mode, count.silu)  # selective keeps the MLP's activations
+    assert count.matmuls - none_count.matmuls == extra_products  # forward products re-run in backward
+    for n, g in ref.items():
+        assert torch.equal(grads[n], g), (mode, n)
 
 
-def test_unknown_mode_is_refused():
+def test_fp8_storage_keeps_products_in_fp8_and_changes_gradients_by_their_rounding():
+    """activation_fp8: the kept SwiGLU gate/up outputs are stored in FP8 and the replay starts from
+    them, so gradients move by about FP8's rounding (3 mantissa bits), not more; nothing is recomputed
+    of them (their products do not re-run)."""
+    ref, _, _ = _grads_and_recompute_counts("none")
+    save = ("attention_core", "attention_in", "router", "mlp_in")
+    grads, count, _ = _grads_and_recompute_counts("op", save=save, fp8=("mlp_in",))
+    kept, kept_count, _ = _grads_and_recompute_counts("op", save=save)
+    assert count.matmuls == kept_count.matmuls  # FP8 copies answer the replay: no product re-runs for them
+    changed = 0
+    for n, g in ref.items():  # E4M3 rounds each value by at most 2^-4 of itself
+        assert (grads[n] - g).norm() <= 0.0625 * g.norm(), n
+        changed += not torch.equal(grads[n], g)
+    assert changed > 0  # lossy by design: the backward multiplies the rounded values
+
+
+def test_offload_moves_saved_activations_to_host_and_back_bit_for_bit():
+    """The offload hooks on CPU (host = CPU): the same gradients, and what the blocks saved went
+    through the store (the trainer refuses the option on a CPU device, where it frees nothing)."""
+    ref, _, _ = _grads_and_recompute_counts("none")
+    cfg = get_preset("tiny-moe")
+    model = Transformer(cfg, init_seed=0)
+    store = HostStore()
+    assert offload_blocks(model, store) == ["layers.0", "layers.1"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = model(tokens)
+    (out.logits.float().square().mean() + out.aux_loss).backward()
+    assert store.packed_bytes > 0 and store.unpacked  # saved tensors went to the host store and came back
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    with pytest.raises(ConfigError, match="activation_offload=true is invalid on cpu"):
+        apply_activation_offload(Transformer(cfg, init_seed=0), "cpu")
+
+
+def test_unknown_policies_and_names_are_refused():
     model = Transformer(get_preset("tiny-llama"), init_seed=0)
     with pytest.raises(ParallelError, match="recompute='some'"):
         apply_activation_checkpointing(model, "some")
+    with pytest.raises(ConfigError, match="recompute_save holds 'qkv'"):
+        ParallelConfig(recompute="op", recompute_save=["qkv"])
+    with pytest.raises(ConfigError, match="activation_fp8 holds 'router'"):
+        ParallelConfig(recompute="op", activation_fp8=["router"])  # the router is fp32 by design
+    with pytest.raises(ConfigError, match="activation_fp8=.* needs parallel.recompute=op"):
+        ParallelConfig(recompute="full", activation_fp8=["mlp_in"])
+    assert ParallelConfig(recompute="op", recompute_save=["matmuls"]).recompute_save == ("matmuls",)

@@ -249,3 +249,27 @@ def test_collectives_inside_a_compiled_region_give_eager_gradients():
     for r in run_ranks(_collectives_compiled_and_eager, 2):
         assert r["eager"].abs().sum() > 0
         torch.testing.assert_close(r["compiled"], r["eager"], rtol=1e-6, atol=0)
+
+
+def test_operator_level_recompute_is_not_compiled_and_says_why(capsys):
+    """recompute=op's policy (its own dispatch modes inside the checkpoint) is not traced by dynamo:
+    unset train.compile runs its blocks eagerly on CUDA, saying why; an explicit true is refused.
+    The full and selective policies compile (checked here with dynamo's eager backend)."""
+    assert resolve_compile(None, torch.device("cuda"), recompute="op") is False
+    assert "parallel.recompute=op" in capsys.readouterr().err
+    assert resolve_compile(None, torch.device("cuda"), recompute="selective") is True
+    with pytest.raises(ConfigError, match=r"train.compile=true is invalid with parallel.recompute=op: .*"
+                                          r"set train.compile=false or parallel.recompute=selective or full"):
+        resolve_compile(True, torch.device("cuda"), recompute="op")
+    cfg = get_preset("tiny-llama")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    for mode in ("full", "selective", "op"):
+        model = Transformer(cfg, init_seed=0)
+        apply_activation_checkpointing(model, mode)
+        for block in model.layers.values():
+            block.forward = torch.compile(block.forward, backend="eager")
+        if mode == "op":
+            with pytest.raises(Exception, match="context_fn"):
+                model(tokens).logits.sum().backward()
+        else:
+            model(tokens).logits.sum().backward()

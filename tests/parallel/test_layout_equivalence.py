@@ -36,6 +36,12 @@ LAYOUTS = [
     pytest.param("tiny-moe", dict(ep=2, dp_shard=2, recompute="full"), 2, 2, id="moe-ep2-recompute-full"),
     pytest.param("tiny-llama", dict(tp=2, sp=True, dp_shard=1, recompute="selective"), 2, 1,
                  id="llama-tp2-sp-recompute-selective"),
+    # Operator-level policies (torchtitan's; DeepSeek-V3's save list on every 2nd layer) under expert and
+    # tensor parallelism: the policy's replay must re-run the same collectives and products.
+    pytest.param("tiny-moe", dict(ep=2, dp_shard=2, recompute="op"), 2, 2, id="moe-ep2-recompute-op"),
+    pytest.param("tiny-llama", dict(tp=2, sp=True, dp_shard=1, recompute="op", recompute_interval=2,
+                                    recompute_save=["attention_core", "attention_in", "router", "mlp_in"]), 2, 1,
+                 id="llama-tp2-sp-recompute-op-deepseek-every-2nd"),
 ]
 
 

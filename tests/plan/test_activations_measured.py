@@ -1,4 +1,5 @@
-"""The activation estimator against bytes counted on a real model (single CPU process).
+"""The activation estimator against bytes counted on a real model (single CPU process), under
+every recomputation and activation policy the trainer runs (applied by its own code).
 
 What is compared: `activation_terms` (the model-level tensors, every layer, the head and loss)
 against the distinct storages autograd keeps after forward + loss, counted with
@@ -16,8 +17,12 @@ import dataclasses
 import pytest
 
 from tessera.config import MLAConfig, MoEConfig, get_preset
+from tessera.config.parallel import TORCHTITAN_SAVE
 from tessera.models.moe.layer import MoE
+from tessera.parallel.activation_offload import HostStore
 from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
+from tessera.plan.activations import layer_device_host_bytes
+from tessera.plan.layout import Layout, Workload
 from tests.plan.activation_measurement import build_model, measure_activation_bytes
 
 B, S = 2, 64
@@ -120,3 +125,51 @@ def test_everything_but_the_loss_weight_scales_with_tokens():
     fixed = sum(t.fixed * t.itemsize for t in head_saved_tensors(cfg, "fp32"))
     fixed += sum(t.fixed * t.itemsize for i in range(cfg.n_layers) for t in layer_saved_tensors(cfg, i, "fp32"))
     assert two - one == one - fixed
+
+
+DEEPSEEK_SAVE = ("attention_core", "attention_in", "router", "mlp_in")  # DeepSeek-V3's recipe
+POLICIES = {  # name: (recompute, interval, recompute_save, activation_fp8, activation_offload)
+    "full-every-2nd": ("full", 2, TORCHTITAN_SAVE, (), False),
+    "selective-every-2nd": ("selective", 2, TORCHTITAN_SAVE, (), False),
+    "op-torchtitan": ("op", 1, TORCHTITAN_SAVE, (), False),
+    "op-all-matmuls": ("op", 1, ("matmuls", "attention_core"), (), False),
+    "op-core-only": ("op", 1, ("attention_core",), (), False),
+    "op-nothing": ("op", 1, ("mla_up",), (), False),  # GQA has no MLA up-projection: only the input stays
+    "op-deepseek": ("op", 1, DEEPSEEK_SAVE, (), False),
+    "op-deepseek-fp8": ("op", 1, DEEPSEEK_SAVE, ("mlp_in",), False),
+    "op-mla-out-every-2nd-fp8": ("op", 2, ("mla_up", "mlp_out", "attention_core"), ("attention_in", "attention_out"),
+                                 False),
+    "offload": ("none", 1, TORCHTITAN_SAVE, (), True),
+    "offload-full": ("full", 1, TORCHTITAN_SAVE, (), True),
+    "offload-op-torchtitan": ("op", 1, TORCHTITAN_SAVE, (), True),
+}
+
+
+def planned_device_bytes(cfg, dtype: str, lay: Layout) -> float:
+    """What the planner says one process keeps on its device for one micro-batch of B x S: the
+    per-layer function the stage estimate uses, the head, and the model-level tensors (only the
+    token ids when the blocks offload: the RoPE tables are saved inside them)."""
+    work = Workload(seq_len=S, micro_batch=B, global_batch=B)
+    tokens = B * S
+    model_level = [t for t in model_saved_tensors(cfg, dtype) if t.name == "input_ids" or not lay.activation_offload]
+    total = sum(t.nbytes(tokens) for t in model_level + head_saved_tensors(cfg, dtype))
+    return total + sum(layer_device_host_bytes(cfg, i, lay, work, dtype)[0] for i in range(cfg.n_layers))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_policy_matches_the_bytes_the_trainer_keeps(name, policy, dtype):
+    """The trainer's policies (activation_checkpoint.py, recompute_policy.py, activation_offload.py)
+    applied to a real model: the device bytes the planner plans per layer equal the saved tensors
+    and policy-cache outputs counted (FP8 copies at one byte plus their fp32 row scales)."""
+    cfg = tiny(name)
+    recompute, interval, save, fp8, offload = POLICIES[policy]
+    store = HostStore() if offload else None
+    counted = measure_activation_bytes(cfg, dtype, recompute, B, S, interval=interval, save=save, fp8=fp8,
+                                       offload=store).total_bytes
+    lay = Layout(recompute=recompute, recompute_interval=interval, recompute_save=save, activation_fp8=fp8,
+                 activation_offload=offload)
+    assert planned_device_bytes(cfg, dtype, lay) == pytest.approx(counted, rel=1e-3), (name, policy, dtype)
+    if offload:
+        assert store.packed_bytes > 0 and store.unpacked > 0  # what left the count went to the host store

@@ -124,7 +124,8 @@ def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, c
     best = result["best"]
     assert best["parallel"] == result["ranked"][0]["parallel"] and "reason" in best and best["against_other_shapes"]
     assert set(best["parallel"]) <= {"tp", "sp", "pp", "vpp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
-                                     "cp_method", "zero_stage", "recompute", "recompute_interval"}
+                                     "cp_method", "zero_stage", "recompute", "recompute_interval", "recompute_save",
+                                     "activation_offload", "activation_fp8", "optimizer"}
     assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
     times = [p["time"]["tokens_per_second"] for p in result["ranked"]]
     assert times == sorted(times, reverse=True)  # ranked by predicted throughput
@@ -156,3 +157,34 @@ def test_a_world_beyond_the_bound_is_refused_at_once_and_large_ones_are_searched
     assert divisors(2**20) == [2**i for i in range(21)]
     assert main(["configs/llama3-8b.yaml", "--gpus", str(2**20), "--search", "--top", "1", "--json"]) in (0, 1)
     assert json.loads(capsys.readouterr().out)["valid"] > 0  # a million GPUs: layouts exist, and were ranked
+
+
+def test_efficiency_profiles_megatron_and_tessera(tmp_path, capsys):
+    """`--efficiency megatron` (the default, fitted to the calibration runs) or `tessera` (this
+    project's kernels: priors, said to be unfitted, since no GPU measurement exists); a number still
+    sets the large-GEMM share; anything else exits 2 naming what is allowed."""
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {"dp_shard": -1, "recompute": "full"})
+    assert main([path, "--gpus", "8", "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([path, "--gpus", "8", "--efficiency", "megatron", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"] == default["time"]
+    assert main([path, "--gpus", "8", "--efficiency", "tessera"]) == 0
+    out = capsys.readouterr().out
+    assert "efficiency profile tessera" in out and "UNFITTED" in out
+    assert main([path, "--gpus", "8", "--efficiency", "tessera", "--json"]) == 0
+    tessera = json.loads(capsys.readouterr().out)
+    assert tessera["time"]["total"] > default["time"]["total"]  # FlashAttention-2's share on H100 is lower
+    assert main([path, "--gpus", "8", "--efficiency", "0.5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["time"]["total"] > default["time"]["total"]
+    with pytest.raises(SystemExit) as exit_:
+        main([path, "--gpus", "8", "--efficiency", "fast"])
+    assert exit_.value.code == 2 and "one of megatron, tessera, or a number" in capsys.readouterr().err
+
+
+def test_search_says_when_it_sampled(tmp_path, capsys):
+    path = write_config(tmp_path, {"preset": "llama3-8b"}, {})
+    assert main([path, "--gpus", "64", "--search", "--max-layouts", "50", "--top", "1", "--json"]) in (0, 1)
+    result = json.loads(capsys.readouterr().out)
+    assert result["sampled"] and result["candidates"] > 50 and "uniform sample of 50" in result["coverage"]
+    assert main([path, "--gpus", "64", "--search", "--max-layouts", "50", "--top", "1"]) in (0, 1)
+    assert "uniform sample of 50" in capsys.readouterr().out

@@ -106,9 +106,13 @@ def test_recomputation_adds_forward_work():
     assert full == pytest.approx(forward_flops_per_token(cfg, s) - 2 * cfg.vocab_size * cfg.dim)
     every_other = recompute_flops_per_token(get_preset("tiny-deepseek"), s, "full", interval=2)
     assert 0 < every_other < recompute_flops_per_token(get_preset("tiny-deepseek"), s, "full")
-    assert 0 < recompute_flops_per_token(cfg, s, "selective") < full
-    with pytest.raises(ConfigError, match="one of none, selective, full"):
+    selective = recompute_flops_per_token(cfg, s, "selective")
+    assert 0 < selective < full
+    assert recompute_flops_per_token(cfg, s, "selective", interval=2) == pytest.approx(selective / 2)  # 1 of 2 layers
+    with pytest.raises(ConfigError, match="one of none, selective, op, full"):
         recompute_flops_per_token(cfg, s, "some")
+    with pytest.raises(ConfigError, match="recompute_save"):  # the op policy's FLOPs are the planner's
+        recompute_flops_per_token(cfg, s, "op")
 
 
 def test_mfu_is_model_flops_over_peak():

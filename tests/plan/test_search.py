@@ -26,7 +26,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
             continue
         schedules = [("1f1b", 1)] + ([("zero_bubble", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
                                      if pp > 1 else [])
-        for zero, rc, (sched, v) in product((1, 2, 3), ("none", "selective", "full"), schedules):
+        for zero, rc, (sched, v) in product((1, 2, 3), ("none", "selective", "op", "full"), schedules):
             if shard * cp == 1 and zero != 1:
                 continue
             lay = Layout(tp=tp, sp=tp > 1, pp=pp, vpp=v, pp_schedule=sched, dp_replicate=rep, dp_shard=shard,
@@ -75,3 +75,23 @@ def test_search_needs_sharding_or_model_parallelism_for_a_70b_model():
     best = result.ranked[0].layout
     # 70B x 18 bytes = 1.26 TB of model states: a rank must hold at most 1/16 of them.
     assert best.tp * best.pp * (best.dp_shard * best.cp if best.zero_stage >= 1 else 1) >= 16
+
+
+def test_a_space_beyond_the_bound_is_sampled_and_says_so():
+    """The candidates are counted before any is planned; over `max_layouts` a uniform sample of that
+    many (fixed seed) is planned, the same on every call, and the result says it is a sample."""
+    from tessera.plan.search import candidate_layouts
+
+    cfg = get_preset("tiny-moe", n_layers=4)
+    work = Workload(seq_len=64, micro_batch=1, global_batch=16)
+    cluster = Cluster.for_gpu("h100", gpus=8)
+    whole = search(cfg, work, cluster)
+    assert not whole.sampled and whole.candidates > 40 and "all" in whole.coverage()
+    every = set(enumerate_layouts(cfg, work, 8, gpus_per_node=8))
+    assert whole.valid == len(every)
+    bounded = search(cfg, work, cluster, max_layouts=40)
+    assert bounded.sampled and bounded.candidates == whole.candidates and bounded.valid <= 40
+    assert "uniform sample of 40" in bounded.coverage() and "may be missing" in bounded.coverage()
+    first = list(candidate_layouts(cfg, work, 8, 8, max_layouts=40).layouts)
+    assert first == list(candidate_layouts(cfg, work, 8, 8, max_layouts=40).layouts)  # the fixed seed
+    assert set(first) <= every and len(set(first)) == len(first) == bounded.valid

@@ -27,10 +27,13 @@ def test_presets_carry_the_datasheet_figures():
     assert h800.peak("bf16") == h100.peak("bf16") and h800.nvlink_bandwidth == 200e9
     assert h200.memory == 141 * 2**30 and h200.memory_bandwidth == 4.8e12
     assert b200.peak("bf16") == 2250e12 and b200.nvlink_bandwidth == 900e9
-    assert set(GPUS) == {"a100", "h100", "h800", "h200", "b200"}
+    h96 = get_gpu("h100-96gb")  # torchtitan's benchmark GPUs: the H100's compute, 96 GB HBM2e at 2.4 TB/s
+    assert (h96.peak("bf16"), h96.memory, h96.memory_bandwidth) == (989e12, 96 * 2**30, 2.4e12)
+    assert (a100.host_bandwidth, h100.host_bandwidth) == (32e9, 64e9)  # PCIe Gen4 / Gen5 x16, per direction
+    assert set(GPUS) == {"a100", "h100", "h800", "h200", "h100-96gb", "b200"}
     with pytest.raises(ConfigError, match="fp8"):
         a100.peak("fp8")
-    with pytest.raises(ConfigError, match="a100, h100, h800, h200, b200"):
+    with pytest.raises(ConfigError, match="a100, h100, h800, h200, h100-96gb, b200"):
         get_gpu("v100")
 
 

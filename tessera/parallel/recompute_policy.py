@@ -1,0 +1,255 @@
+"""Operator-level recomputation (`parallel.recompute=op`): a block re-runs in backward except the
+operators whose outputs `parallel.recompute_save` names; those outputs are kept from the forward.
+
+This is torchtitan's selective "op" policy generalised: PyTorch's selective activation checkpoint
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) runs the block under a dispatch mode
+that asks a policy, operator by operator, whether to keep the output; backward replays the block's
+forward, taking kept outputs from that cache and recomputing the rest. The policy here decides by
+what an operator is and where it runs:
+
+- the attention kernel (an SDPA operator inside the attention core seam) -> `attention_core`;
+- a matrix product (mm, addmm, bmm, grouped mm, FP8 scaled mm) outside the core -> its role, from the
+  module running it (`ROLES`: q/k/v are attention_in, MLA's wq_b/wkv_b mla_up, wo attention_out, the
+  router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
+  first two thirds of products are gate/up, the last third down) and its place in the block's
+  sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
+- everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs.
+
+`parallel.activation_fp8` keeps the outputs of the named roles in FP8 (E4M3, one fp32 scale per
+row) instead: the forward computes with the exact output, the replay in backward receives the FP8
+copy dequantized and recomputes what follows from it (DeepSeek-V3, arXiv 2412.19437 section 3.3.3,
+caches the SwiGLU inputs in FP8 and recomputes the SwiGLU output). That path needs one more dispatch
+mode, `_Classifier`, below PyTorch's caching mode: it sees every operator with its output, decides,
+stores the FP8 copy, and in the replay answers the FP8 operators from that store in their order.
+
+A block's forward is the same operators in the same order every time (the checkpoint relies on it),
+so the classification of the replay matches the forward's. `observe` hands every kept output (and
+FP8 copy) to a callback: the planner's tests count them as the bytes this policy keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from tessera.models.attention import Attention
+from tessera.models.mla import MultiHeadLatentAttention
+from tessera.models.mlp import FeedForward
+from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.layer import MoE
+
+aten = torch.ops.aten
+MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
+GROUPED_MM = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
+if GROUPED_MM is not None:
+    MATMUL_OPS.add(GROUPED_MM)
+ATTENTION_OPS = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable") if hasattr(aten, name)}
+E4M3 = torch.float8_e4m3fn
+_AMAX_FLOOR = 1e-12
+
+# The role of each matrix product, by the module that runs it (its attribute name in its parent).
+ROLES = {Attention: {"wq": "attention_in", "wk": "attention_in", "wv": "attention_in", "wo": "attention_out"},
+         MultiHeadLatentAttention: {"wq": "attention_in", "wq_a": "attention_in", "wkv_a": "attention_in",
+                                    "wq_b": "mla_up", "wkv_b": "mla_up", "wo": "attention_out"},
+         FeedForward: {"w1": "mlp_in", "w3": "mlp_in", "w2": "mlp_out"},
+         MoE: {"router": "router", "shared_gate": "router"}}
+CORE = "attention_core"
+EXPERTS = "experts"  # gate/up or down by position (module docstring)
+
+
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t` [..., n] in E4M3 with one fp32 scale per row (its amax onto E4M3's largest value)."""
+    fmax = torch.finfo(E4M3).max
+    scale = fmax / t.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=_AMAX_FLOOR)
+    return (t.float() * scale).clamp(-fmax, fmax).to(E4M3), scale.reciprocal()
+
+
+def from_fp8_rows(q: torch.Tensor, inverse_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * inverse_scale).to(dtype)
+
+
+class _Forward:
+    """What one forward of a block records for its replay: its counters and, per product or
+    attention operator not kept, its FP8 copy or None, in order."""
+
+    def __init__(self) -> None:
+        self.products = 0  # matrix products so far (alternate_matmuls)
+        self.expert_products = 0  # ... inside the routed experts' current call
+        self.replay: list[tuple[torch.Tensor, torch.Tensor, torch.dtype] | None] = []
+        self.position = 0  # the replay's place in `replay`
+        self.pending: dict = {}  # operator -> decision, from the classifier to the policy
+
+
+class BlockOpPolicy:
+    """What one block keeps under `recompute=op`: `save` (RECOMPUTE_SAVE_CHOICES) and `fp8`
+    (ACTIVATION_FP8_CHOICES). `install(block)` marks the modules whose products have a role;
+    `context()` is the checkpoint's `context_fn`, called once per forward of the block (several
+    forwards may wait for their backward: each has its own record)."""
+
+    def __init__(self, save: Iterable[str], fp8: Iterable[str] = ()):
+        self.save, self.fp8 = frozenset(save), frozenset(fp8)
+        self.keep_all = "matmuls" in self.save
+        self.alternate = "alternate_matmuls" in self.save
+        self.scopes: list[tuple[str, nn.Module | None]] = []  # (role, module), innermost last
+        self.observers: list[Callable[[torch.Tensor], None]] = []  # measurement (module docstring)
+        self.current = _Forward()
+
+    # ---- where an operator runs ----------------------------------------------------------------
+    def install(self, block: nn.Module) -> None:
+        """Scope hooks on the block's role modules and on its attention core seam."""
+        for module in block.modules():
+            for kind, names in ROLES.items():
+                if isinstance(module, kind):
+                    for name, role in names.items():
+                        child = getattr(module, name, None)
+                        if isinstance(child, nn.Module):
+                            self._scope(child, role)
+            if isinstance(module, GroupedExperts):
+                self._scope(module, EXPERTS)
+            if isinstance(module, (Attention, MultiHeadLatentAttention)):
+                module.attention_core = _ScopedCore(module.attention_core, self)
+
+    def _scope(self, module: nn.Module, role: str) -> None:
+        def enter(mod, args):
+            self.scopes.append((role, mod))
+            if role == EXPERTS:
+                self.current.expert_products = 0
+
+        def leave(mod, args, out):
+            if self.scopes and self.scopes[-1][1] is mod:
+                self.scopes.pop()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+
+    def _role(self, func) -> str | None:
+        """The role of a matrix product at this point of the forward (None: none)."""
+        if not self.scopes:
+            return None
+        role, module = self.scopes[-1]
+        if role != EXPERTS:
+            return role
+        per_weight = 1 if func is GROUPED_MM else module.local_weight(module.w1).shape[0]  # products per weight
+        index = self.current.expert_products
+        self.current.expert_products += 1
+        return "mlp_in" if index < 2 * per_weight else "mlp_out"
+
+    # ---- the decision --------------------------------------------------------------------------
+    def classify(self, func) -> str:
+        """'keep', 'fp8' or 'recompute' for the next product or attention operator, in forward order."""
+        in_core = any(role == CORE for role, _ in self.scopes)
+        if func in ATTENTION_OPS:
+            return "keep" if in_core and CORE in self.save else "recompute"
+        if in_core:  # products inside a core of its own (ring attention): the core re-runs
+            return "recompute"
+        role = self._role(func)
+        self.current.products += 1
+        if role is not None and role in self.fp8:
+            return "fp8"
+        if self.keep_all or (role is not None and role in self.save):
+            return "keep"
+        return "keep" if self.alternate and self.current.products % 2 == 1 else "recompute"
+
+    def context(self):
+        """The checkpoint's context_fn: (forward context, recompute context) of one forward."""
+        record = self.current = _Forward()
+        caching, cached = create_selective_checkpoint_contexts(self._policy)
+        return (_Stack(_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()),
+                _Stack(_Classifier(self, record, replay=True), cached, _ProfilerPassThrough()))
+
+    def _policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        decision = self.current.pending.pop(func, "recompute")
+        return CheckpointPolicy.MUST_SAVE if decision == "keep" else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _ScopedCore:
+    """The attention core seam, marked as the core's scope for the policy (nothing else changes)."""
+
+    def __init__(self, inner: Callable, policy: BlockOpPolicy):
+        self.inner, self.policy = inner, policy
+
+    def __call__(self, *args, **kwargs):
+        self.policy.scopes.append((CORE, None))
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.policy.scopes.pop()
+
+
+class _Classifier(TorchDispatchMode):
+    """Below PyTorch's caching mode in forward: classifies each product and attention operator as it
+    runs (handing the decision to the policy), keeps FP8 copies, shows kept outputs to observers.
+    In the replay, below the cached mode, which passes down only the operators it does not hold:
+    answers the FP8 products from their copies, in order, and runs the rest."""
+
+    def __init__(self, policy: BlockOpPolicy, record: _Forward, replay: bool):
+        super().__init__()
+        self.policy, self.record, self.replay = policy, record, replay
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        watched = func in MATMUL_OPS or func in ATTENTION_OPS
+        r = self.record
+        if self.replay:
+            if watched and r.position < len(r.replay):
+                entry, r.replay[r.position] = r.replay[r.position], None
+                r.position += 1
+                if entry is not None:
+                    return from_fp8_rows(*entry)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not watched:
+            return out
+        decision = r.pending[func] = self.policy.classify(func)
+        observers = self.policy.observers
+        if decision == "keep":
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    for observe in observers:
+                        observe(t)
+        elif decision == "fp8":
+            q, inverse = fp8_rows(out)
+            r.replay.append((q, inverse, out.dtype))
+            for observe in observers:
+                observe(q)
+                observe(inverse)
+        else:
+            r.replay.append(None)
+        return out
+
+
+class _ProfilerPassThrough(TorchDispatchMode):
+    """Above PyTorch's caching modes: profiler ranges (record_function) run outside them. Their number
+    may differ between the forward and the replay (FSDP2 marks its hooks with them, and a module
+    sharded inside the block, the routed experts under ep, runs its pre-forward differently in the
+    replay), while the cached mode expects every operator of the replay to have run in the forward."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "profiler":
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class _Stack:
+    """Enter context managers in order and leave them in reverse."""
+
+    def __init__(self, *contexts):
+        self.contexts = contexts
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+        return False

@@ -1,0 +1,157 @@
+"""What an operator-level recomputation policy (`parallel.recompute=op`) keeps of one decoder layer,
+and what it recomputes, as tessera/parallel/recompute_policy.py runs it.
+
+Under that policy a block keeps its input (the checkpoint's saved input, in the residual dtype)
+and the outputs of the operators its save list names; everything else re-runs in backward. So
+the bytes are those of a list of operator outputs, and the recomputed work is the products not
+kept plus everything that is not a product (norms, RoPE, activations, routing: memory-bound work)
+plus the attention core unless kept. This module lists a layer's matrix products in the order
+the block runs them, with the role the policy gives each (`tessera.config.parallel`,
+RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
+
+    GQA: wq, wk, wv (attention_in), [core], wo (attention_out)
+    MLA: wq_a (attention_in), wq_b (mla_up) | wq (attention_in); wkv_a (attention_in), wkv_b (mla_up), [core], wo
+    dense: w1, w3 (mlp_in), w2 (mlp_out)
+    MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
+         expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
+
+`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence. Outputs kept in FP8
+(`parallel.activation_fp8`) take one byte per element and an fp32 scale per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
+from tessera.plan.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
+
+
+@dataclass(frozen=True)
+class Product:
+    """One matrix product of a layer's forward on one process: output `per_token` elements of
+    `itemsize` bytes, cut by tp as `split` says, in `rows` rows per token; its GEMM is
+    [rows x tokens, k] x [k, n] (whole: tensor parallelism cuts n of the "tp" outputs and k of the
+    attention_out / mlp_out ones), as `batch` equal products of rows / batch in one kernel."""
+
+    name: str
+    role: str
+    per_token: float
+    itemsize: int
+    split: str
+    rows: float
+    k: float
+    n: float
+    batch: int = 1  # products in one kernel: the local experts of a grouped GEMM
+
+
+def _linear(name: str, role: str, k: float, n: float, dt: ActivationDtype, split: str, rows: float = 1.0,
+            itemsize: int | None = None) -> Product:
+    return Product(name, role, rows * n, itemsize or dt.compute, split, rows, k, n)
+
+
+def _attention(cfg: ModelConfig, dt: ActivationDtype) -> tuple[list[Product], list[Product]]:
+    """(products before the core, products after it)."""
+    h, a = cfg.dim, cfg.n_heads
+    if cfg.mla is None:
+        q, kv = a * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return ([_linear("wq", "attention_in", h, q, dt, "tp"), _linear("wk", "attention_in", h, kv, dt, "tp"),
+                 _linear("wv", "attention_in", h, kv, dt, "tp")], [_linear("wo", "attention_out", q, h, dt, "rep")])
+    m = cfg.mla
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank is None:
+        before = [_linear("wq", "attention_in", h, a * qk, dt, "tp")]
+    else:
+        before = [_linear("wq_a", "attention_in", h, m.q_lora_rank, dt, "rep"),
+                  _linear("wq_b", "mla_up", m.q_lora_rank, a * qk, dt, "tp")]
+    before += [_linear("wkv_a", "attention_in", h, m.kv_lora_rank + m.qk_rope_head_dim, dt, "rep"),
+               _linear("wkv_b", "mla_up", m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim), dt, "tp")]
+    return before, [_linear("wo", "attention_out", a * m.v_head_dim, h, dt, "rep")]
+
+
+def _mlp(prefix: str, h: int, f: int, dt: ActivationDtype, rows: float = 1.0, experts: int = 1,
+         grouped: bool = True) -> list[Product]:
+    """SwiGLU's three products over `experts` experts (balanced rows): one grouped product per
+    weight, or one product per expert (the loop)."""
+    out = []
+    for name, role, k, n in (("w1", "mlp_in", h, f), ("w3", "mlp_in", h, f), ("w2", "mlp_out", f, h)):
+        split = "tp" if role == "mlp_in" else "rep"  # gate/up outputs cut over F; down outputs are partial sums
+        if grouped:
+            out.append(Product(f"{prefix}.{name}", role, rows * n, dt.compute, split, rows, k, n, experts))
+        else:
+            out += [_linear(f"{prefix}.{name}", role, k, n, dt, split, rows / experts)] * experts
+    return out
+
+
+def layer_products(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, tokens: int = 4096,
+                   local_experts: int | None = None) -> tuple[list[Product], list[Product]]:
+    """The layer's matrix products in the order the block runs them: (before the attention core,
+    after it). `local_experts`: routed experts on this rank (default: all)."""
+    dt = get_activation_dtype(dtype)
+    h = cfg.dim
+    before, after = _attention(cfg, dt)
+    if not cfg.is_moe_layer(layer):
+        return before, after + _mlp("feed_forward", h, cfg.ffn_dim, dt)
+    e = cfg.moe
+    local = local_experts or e.num_experts
+    rows = expert_rows(cfg, tokens)
+    after.append(_linear("router", "router", h, e.num_experts, dt, "seq", itemsize=4))
+    after += _mlp("experts", h, e.ffn_dim, dt, rows, local, grouped_experts_apply(cfg, dt))
+    if e.shared_ffn_dim > 0:
+        after += _mlp("shared", h, e.shared_ffn_dim, dt)
+        if e.shared_expert_gate:
+            after.append(_linear("shared_gate", "router", h, 1, dt, "seq"))
+    return before, after
+
+
+def kept_products(products: list[Product], save: tuple[str, ...], fp8: tuple[str, ...]
+                  ) -> tuple[list[Product], list[Product], list[Product]]:
+    """(kept whole, kept in FP8, recomputed) for a save list and FP8 roles (recompute_policy.py's rule)."""
+    kept, in_fp8, recomputed = [], [], []
+    for i, p in enumerate(products):
+        if p.role in fp8:
+            in_fp8.append(p)
+        elif "matmuls" in save or p.role in save or ("alternate_matmuls" in save and i % 2 == 0):
+            kept.append(p)
+        else:
+            recomputed.append(p)
+    return kept, in_fp8, recomputed
+
+
+def attention_core_outputs(cfg: ModelConfig, dtype: str) -> list[SavedTensor]:
+    """The attention kernel's outputs: its output in the compute dtype and the fp32 log-sum-exp per head."""
+    dt = get_activation_dtype(dtype)
+    v = cfg.head_dim if cfg.mla is None else cfg.mla.v_head_dim
+    return [SavedTensor("core.out", cfg.n_heads * v, dt.compute, "tp"), SavedTensor("core.logsumexp", cfg.n_heads,
+                                                                                   4, "tp")]
+
+
+def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...] = (),
+                     *, tokens: int = 4096, local_experts: int | None = None,
+                     core_kept: bool = True) -> list[SavedTensor]:
+    """What layer `layer` keeps under `recompute=op` with save list `save` and FP8 roles `fp8`:
+    its input, the kept products' outputs (FP8 ones at one byte plus a scale per row) and, when
+    `attention_core` is saved and the core is an SDPA kernel (`core_kept`), the core's outputs."""
+    dt = get_activation_dtype(dtype)
+    before, after = layer_products(cfg, layer, dtype, tokens=tokens, local_experts=local_experts)
+    kept, in_fp8, _ = kept_products(before + after, save, fp8)
+    out = [SavedTensor("layer.input", cfg.dim, dt.residual, "seq")]
+    out += [SavedTensor(p.name, p.per_token, p.itemsize, p.split) for p in kept]
+    for p in in_fp8:
+        out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
+    if "attention_core" in save and core_kept:
+        out += attention_core_outputs(cfg, dtype)
+    return out
+
+
+def recomputed_products(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...],
+                        *, tokens: int = 4096, local_experts: int | None = None) -> list[Product]:
+    """The products `recompute=op` runs again in backward (neither kept nor kept in FP8)."""
+    before, after = layer_products(cfg, layer, dtype, tokens=tokens, local_experts=local_experts)
+    return kept_products(before + after, save, fp8)[2]
+
+
+def product_flops_per_token(p: Product) -> float:
+    """Forward FLOPs of product `p` per token of the micro-batch (whole, before tensor parallelism)."""
+    return 2.0 * p.rows * p.k * p.n

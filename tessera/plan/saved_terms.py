@@ -1,0 +1,44 @@
+"""The units the planner's activation counts are made of: a saved storage per token, and the two
+facts about routed experts that both the mirror of the model's saved tensors (activation_terms.py)
+and the operator-level recomputation terms (recompute_terms.py) need."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.plan.activation_dtypes import ActivationDtype
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One saved storage: `per_token` elements per token plus `fixed` elements per micro-batch."""
+
+    name: str
+    per_token: float
+    itemsize: int
+    split: str = "seq"
+    fixed: float = 0.0
+
+    def nbytes(self, tokens: float, tp: int = 1, sp: bool = False) -> float:
+        div = tp if self.split == "tp" or (self.split == "seq" and sp) else 1
+        return (self.per_token * tokens + self.fixed) * self.itemsize / div
+
+
+def expert_rows(cfg: ModelConfig, tokens: int) -> float:
+    """Rows the experts compute, per token. The local dispatcher's shapes never depend on the
+    routing: every one of the k routing slots of a token is a row (a slot dropped by the capacity
+    is a masked zero row after the last expert's), so this is k, or E x capacity / T when padding
+    to capacity, whether or not slots are dropped."""
+    e = cfg.moe
+    if e.capacity_factor is None or not e.pad_to_capacity:
+        return float(e.top_k)
+    return e.num_experts * math.ceil(tokens * e.top_k / e.num_experts * e.capacity_factor) / tokens
+
+
+def grouped_experts_apply(cfg: ModelConfig, dt: ActivationDtype) -> bool:
+    """Whether the routed experts run as one grouped GEMM per weight (models/moe/experts.py: rows of
+    16-byte multiples in the compute dtype) rather than one product per expert."""
+    e = cfg.moe
+    return e.grouped_gemm and (cfg.dim * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
