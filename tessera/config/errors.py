@@ -31,3 +31,7 @@ class ServingError(TesseraError, RuntimeError):
 
 class ParallelError(TesseraError, ValueError):
     """A parallel layout does not divide the world size or the model's shapes."""
+
+
+class EvaluationError(TesseraError):
+    """An evaluation cannot run as asked: generated code cannot be sandboxed, a task's data is missing."""
