@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.config.errors import ConfigError, EvaluationError
+from tessera.eval.sandbox_init import cgroup_path, release_cgroup
 
 log = logging.getLogger("tessera.eval")
 
@@ -111,6 +112,7 @@ class Sandbox:
         except subprocess.TimeoutExpired:
             proc.kill()  # pid 1 of its namespace dies with it (PR_SET_PDEATHSIG), and with pid 1 the rest
             proc.communicate()
+            release_cgroup(cgroup_path(proc.pid), leave=False)
             return {"status": "timed out", "detail": "the sandbox did not answer within its time limit"}
         lines = out.decode("utf-8", "replace").strip().splitlines()
         try:

@@ -7,28 +7,36 @@ stdin, `{"program", "timeout_s", "memory_bytes", "file_bytes", "open_files", "pr
 "failed" | "timed out" | "unavailable", "detail": ...}`. It imports nothing from Tessera, so it
 starts in milliseconds.
 
-With `isolate` (the default), this process unshares a user, mount, network, pid, IPC and UTS
-namespace and forks the new pid namespace's init (pid 1), which
+With `isolate` (the default) this process first bounds the number of processes of the run: a user
+other than root gets RLIMIT_NPROC below, which binds in the user namespace; root, whom the kernel
+exempts from RLIMIT_NPROC whatever the namespace, gets a pids cgroup of its own (cgroup v1's pids
+hierarchy, or v2 where the pids controller is enabled), which this process and all it starts join;
+without one, root gets "unavailable". It then forks a child that unshares a user, mount, network,
+pid, IPC and UTS namespace and forks the new pid namespace's init (pid 1), which
 
 1. makes every mount private and remounts each one read-only (keeping its locked nosuid / nodev /
    noexec / atime flags), then mounts a fresh /proc (only the namespace's processes) and a tmpfs
    of `scratch_bytes` on /tmp, the program's working directory: the only place it can write;
 2. forks the program (pid 2) with rlimits (CPU seconds, address space, file size, open files,
-   processes: RLIMIT_NPROC binds in a user namespace, where even its root is not exempt, so a fork
-   bomb stops at `processes`; core dumps off), its capabilities in the namespace dropped for good
-   (securebits NOROOT, empty bounding set, no_new_privs), so it cannot undo a mount, and stdin /
-   stdout / stderr on /dev/null and a file in the tmpfs;
+   processes, no core dumps), its capabilities in the namespace dropped for good (securebits
+   NOROOT, empty bounding set, no_new_privs), so that it cannot undo a mount, and stdin / stdout /
+   stderr on /dev/null and a file in the tmpfs;
 3. waits at most `timeout_s` of wall-clock time, then exits: the kernel kills every process of a pid
    namespace whose init exits, however many the program forked or detached.
 
-The network namespace has only a loopback interface, down: nothing can be reached. If this process
-is killed (the caller's own deadline), pid 1 gets SIGKILL (PR_SET_PDEATHSIG) and the namespace goes
-with it. Where namespaces are unavailable the verdict is "unavailable", and the caller decides; with
-`isolate` false the program runs with the rlimits and wall-clock limit only, in a temporary
-directory, with the caller's file system and network (what `--allow-unsandboxed-code` accepts).
+This process stays outside the namespaces; it is the subreaper of what they leave, reaps it, and
+removes the cgroup. The network namespace has only a loopback interface, down: nothing can be
+reached. If this process is killed (the caller's own deadline), the namespaces' maker and then
+pid 1 get SIGKILL (PR_SET_PDEATHSIG) and the namespace goes with it; the caller removes the cgroup
+(`release_cgroup(cgroup_path(pid), leave=False)`). Where the sandbox cannot be made the verdict is
+"unavailable", and the caller decides; with `isolate` false the program runs with the rlimits and
+the wall-clock limit only, in a temporary directory, with the caller's file system and network
+(what `--allow-unsandboxed-code` accepts).
 
-The program passes when it returns normally (exit status 0); an exception, `sys.exit`, a signal
-(RLIMIT_CPU's SIGXCPU) or the wall clock fails it.
+The program passes when its source returns normally (the runner then says so on a pipe and exits
+0); an exception, `sys.exit`, an exit of its process (`os._exit`), a signal (RLIMIT_CPU's SIGXCPU)
+or the wall clock fails it. A program written to fake a pass could write on that pipe itself: the
+sandbox contains code, it does not certify an adversary's score.
 """
 
 import ctypes
@@ -50,21 +58,28 @@ MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noa
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+PR_SET_CHILD_SUBREAPER = 36
 # SECBIT_NOROOT (+ locked): execve gives uid 0 no capabilities; NO_SETUID_FIXUP and KEEP_CAPS locked
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SCRATCH = "/tmp"
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_V1_PIDS = "/sys/fs/cgroup/pids"
+CGROUP_PREFIX = "tessera-sandbox-"  # + the pid of the process that made it
 # The program's interpreter: exec of the source in a fresh namespace (as the reference harness
-# does), exit status 0 only when it returned normally.
-RUNNER = ("import sys, traceback\n"
+# does); when it returns normally, DONE on descriptor 3 (a pipe to pid 1) and exit status 0. An exit
+# of the process from inside the program (os._exit(0), a signal) never writes DONE.
+DONE = b"returned\n"
+RUNNER = ("import sys, traceback, os\n"
           "src = open(sys.argv[1], encoding='utf-8').read()\n"
           "try:\n"
           "    exec(compile(src, 'program.py', 'exec'), {})\n"
           "except BaseException:\n"
           "    traceback.print_exc(limit=3)\n"
           "    sys.stderr.flush()\n"
-          "    import os; os._exit(1)\n"
-          "import os; os._exit(0)\n")
+          "    os._exit(1)\n"
+          f"os.write(3, {DONE!r})\n"
+          "os._exit(0)\n")
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -166,7 +181,7 @@ def _drop_capabilities() -> None:
     _check(libc.capset(header, data), "capset")
 
 
-def _exec_program(request: dict, workdir: str, isolate: bool) -> None:
+def _exec_program(request: dict, workdir: str, isolate: bool, done_fd: int) -> None:
     """In the forked child: limits, no capabilities, the program's files, then its interpreter."""
     try:
         if not isolate:
@@ -179,7 +194,8 @@ def _exec_program(request: dict, workdir: str, isolate: bool) -> None:
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(err, 2)
-        os.closerange(3, 65536)
+        os.dup2(done_fd, 3)
+        os.closerange(4, 65536)
         os.chdir(workdir)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
         os.execve(sys.executable, [sys.executable, "-I", "-c", RUNNER, os.path.join(workdir, "program.py")], env)
@@ -210,13 +226,15 @@ def _stderr_tail(workdir: str) -> str:
         return ""
 
 
-def _verdict(how: str, status: int | None, workdir: str) -> None:
+def _verdict(how: str, status: int | None, done: bytes, workdir: str) -> None:
     if how == "timed out":
         _emit("timed out", "wall-clock limit reached")
-    elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+    elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and done == DONE:
         _emit("passed")
     elif os.WIFSIGNALED(status):
         _emit("failed", f"killed by {signal.Signals(os.WTERMSIG(status)).name}\n" + _stderr_tail(workdir))
+    elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        _emit("failed", "the program ended its process before its tests returned")
     else:
         _emit("failed", _stderr_tail(workdir))
 
@@ -225,9 +243,11 @@ def _run_program(request: dict, workdir: str, isolate: bool) -> None:
     """Write the program, fork it, wait for it, emit the verdict."""
     with open(os.path.join(workdir, "program.py"), "w", encoding="utf-8") as f:
         f.write(request["program"])
+    done_r, done_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        _exec_program(request, workdir, isolate)
+        _exec_program(request, workdir, isolate, done_w)
+    os.close(done_w)
     how, status = _wait(pid, request["timeout_s"])
     if how == "timed out" and not isolate:
         try:
@@ -235,7 +255,12 @@ def _run_program(request: dict, workdir: str, isolate: bool) -> None:
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
-    _verdict(how, status, workdir)
+    os.set_blocking(done_r, False)  # what the program wrote; its children may still hold the pipe open
+    try:
+        done = os.read(done_r, 64)
+    except BlockingIOError:
+        done = b""
+    _verdict(how, status, done, workdir)
 
 
 def _namespace_init(request: dict) -> None:
@@ -250,6 +275,96 @@ def _namespace_init(request: dict) -> None:
     os._exit(0)
 
 
+def _pids_cgroup_dir() -> str | None:
+    """This process's cgroup directory in a hierarchy with the pids controller: cgroup v1's pids
+    hierarchy, or cgroup v2 where the pids controller is enabled for children; None: neither."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for _, controllers, path in entries:
+        if "pids" in controllers.split(",") and os.path.isdir(f"{CGROUP_V1_PIDS}{path}"):
+            return f"{CGROUP_V1_PIDS}{path}".rstrip("/")
+    for _, controllers, path in entries:
+        v2 = f"{CGROUP_ROOT}{path}".rstrip("/")
+        try:
+            with open(f"{v2}/cgroup.subtree_control") as f:
+                if controllers == "" and "pids" in f.read().split():
+                    return v2
+        except OSError:
+            continue
+    return None
+
+
+def cgroup_path(owner_pid: int) -> str | None:
+    """The pids cgroup a sandbox started by process `owner_pid` runs in (None: no pids hierarchy)."""
+    parent = _pids_cgroup_dir()
+    return None if parent is None else f"{parent}/{CGROUP_PREFIX}{owner_pid}"
+
+
+def _bound_processes(request: dict) -> str | None:
+    """Bound how many processes the run may have, however they are made. RLIMIT_NPROC does that for
+    any user but root (uid 0 outside the namespace), whom the kernel exempts; for root a pids cgroup
+    of its own holds this process and everything it starts (the limit plus this process and pid 1).
+    Returns the cgroup made (None: none needed); raises OSError when root has no pids cgroup."""
+    if os.geteuid() != 0:
+        return None
+    path = cgroup_path(os.getpid())
+    if path is None:
+        raise OSError("running as root, where RLIMIT_NPROC does not bind, and no pids cgroup is available to "
+                      "bound the processes of generated code")
+    os.mkdir(path)
+    with open(f"{path}/pids.max", "w") as f:
+        f.write(str(request["processes"] + 2))
+    with open(f"{path}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def release_cgroup(path: str | None, leave: bool = True) -> None:
+    """Leave the run's pids cgroup (`leave`: this process is in it) and remove it once its processes
+    are gone."""
+    if path is None or not os.path.isdir(path):
+        return
+    if leave:
+        with open(f"{os.path.dirname(path)}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+    deadline = time.monotonic() + 5.0  # the processes of a killed namespace are released within moments
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
+def _namespaces_then_init(request: dict) -> None:
+    """The forked child that makes the namespaces (this process stays outside them: in a mount
+    namespace of its own it would see the read-only world and could not remove the cgroup), then
+    forks their pid 1 and waits for it."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        _enter_namespaces()
+    except OSError as e:
+        _emit("unavailable", f"no sandbox here: user namespaces are not available ({e})")
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        _namespace_init(request)
+    os.waitpid(pid, 0)
+    os._exit(0)
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
     if not request.get("isolate", True):
@@ -260,14 +375,19 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
         return
     try:
-        _enter_namespaces()
+        cgroup = _bound_processes(request)
     except OSError as e:
-        _emit("unavailable", f"user namespaces are not available here ({e})")
+        _emit("unavailable", f"no sandbox here: {e}")
         return
-    pid = os.fork()
-    if pid == 0:
-        _namespace_init(request)
-    os.waitpid(pid, 0)
+    try:
+        # the namespace's processes, killed when its pid 1 exits, are reparented here and reaped below,
+        # so that none is left in the cgroup (or as a zombie) when this process returns
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if os.fork() == 0:
+            _namespaces_then_init(request)
+        _reap_all()
+    finally:
+        release_cgroup(cgroup)
 
 
 if __name__ == "__main__":
