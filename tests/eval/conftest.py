@@ -24,3 +24,10 @@ def _datasets_cache(tmp_path, monkeypatch):
     import datasets.config
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> str:
+    from tests.train.runs import build_small_dataset
+
+    return build_small_dataset(tmp_path_factory.mktemp("data"))
