@@ -61,6 +61,15 @@ def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
+def _task_evaluator(cfg):
+    """What runs train.eval_tasks at each evaluation (tessera.eval), or None when there are none."""
+    if not cfg.train.eval_tasks:
+        return None
+    from tessera.eval.training import TrainingTasks
+
+    return TrainingTasks(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     from tessera.config.schema import load_config
 
@@ -73,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, resume=args.resume)
+        trainer = Trainer(cfg, resume=args.resume, task_evaluator=_task_evaluator(cfg))
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             warning = console.schedule_warning(cfg)
