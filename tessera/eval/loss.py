@@ -14,14 +14,16 @@ evaluation runs on any parallel layout.
 MODEL may be:
 - a run directory or Tessera checkpoint: its stored configuration (model, data, batch, dtype); its
   parallel layout is kept under ranks and dropped in one process (any checkpoint loads there);
-- a HuggingFace directory: `model.from_hf` and `train.init_from` it, its own tokenizer, the default
-  batch geometry (train.seq_len 256 capped at the model's context, global batch 16 of micro-batches
-  of 4); `--set train.seq_len=...` etc. change it. It has no data of its own: give `--data`.
+- a HuggingFace directory: `model.from_hf` and `train.init_from` it, its own tokenizer. It has no
+  data of its own: give `--data`.
 
 `--data` is a Tessera dataset (the PREFIX of PREFIX.bin / PREFIX.idx, with its SFT loss mask if it
 has one) or text / JSONL files (or directories of them), tokenized here with the model's tokenizer
 as `tessera preprocess` would; all of its samples of seq_len + 1 tokens are evaluated, or the first
-`--limit` global batches.
+`--limit` global batches. With `--data` the batch geometry is the same for every model, whatever
+its origin: samples of train.seq_len = 256 tokens (fewer when the model's context is shorter) in
+global batches of 16, micro-batches of 4, so that a checkpoint, its export and its converted copies
+are compared on the same samples summed in the same order; `--set train.seq_len=...` etc. change it.
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ from tessera.checkpoint.loading import trained_tokenizer
 from tessera.config.errors import CheckpointError, ConfigError, DataError
 from tessera.config.hf_config import is_hf_directory
 from tessera.config.overrides import apply_overrides
-from tessera.config.schema import RunConfig, build_model_config, config_from_dict
+from tessera.config.schema import RunConfig, TrainConfig, build_model_config, config_from_dict
 from tessera.data.batching import Batch, eval_batches
 from tessera.data.sampling import PackedDataset
 from tessera.data.tokenizer import load_tokenizer
 
+DEFAULT_SEQ_LEN = TrainConfig.seq_len  # 256, capped at the model's context
 
-def loss_config(model: str, overrides: list[str] = (), keep_layout: bool = False) -> RunConfig:
-    """The run configuration that evaluates `model`'s loss (see the module docstring)."""
+
+def loss_config(model: str, overrides: list[str] = (), keep_layout: bool = False,
+                common_geometry: bool = False) -> RunConfig:
+    """The run configuration that evaluates `model`'s loss (see the module docstring);
+    `common_geometry`: the default batch geometry whatever the model's origin (for `--data`)."""
     path = Path(model)
     if not path.exists():
         raise CheckpointError(f"model {model!r} does not exist")
@@ -58,7 +64,7 @@ def loss_config(model: str, overrides: list[str] = (), keep_layout: bool = False
         if trained_tokenizer(path) is not None:
             raw["data"] = {"tokenizer": str(path)}
         raw["train"] = {"init_from": str(path),
-                        "seq_len": min(256, build_model_config({"from_hf": str(path)}).max_seq_len)}
+                        "seq_len": min(DEFAULT_SEQ_LEN, build_model_config({"from_hf": str(path)}).max_seq_len)}
     else:
         found = ckpt.resolve_checkpoint(path)
         raw = copy.deepcopy(stored_run_config(found))
@@ -68,6 +74,10 @@ def loss_config(model: str, overrides: list[str] = (), keep_layout: bool = False
         raw["data"]["tokenizer"] = None if source == "default" else source
     if not keep_layout:
         raw["parallel"] = {}
+    if common_geometry:
+        raw["train"].update(seq_len=min(DEFAULT_SEQ_LEN, build_model_config(raw["model"]).max_seq_len),
+                            global_batch_size=TrainConfig.global_batch_size,
+                            micro_batch_size=TrainConfig.micro_batch_size)
     raw["train"]["compile"] = False
     return config_from_dict(apply_overrides(raw, list(overrides)))
 
@@ -127,7 +137,7 @@ def loss_on(cfg: RunConfig, batches: Iterable[Batch]) -> dict[str, float]:
 def evaluate_loss(model: str, data: str | None = None, limit: int | None = None, overrides: list[str] = (),
                   keep_layout: bool = False) -> dict[str, float]:
     """`loss_on` for `model` over `data` (None: the run's validation batches)."""
-    cfg = loss_config(model, overrides, keep_layout)
+    cfg = loss_config(model, overrides, keep_layout, common_geometry=data is not None)
     with tempfile.TemporaryDirectory(prefix="tessera-eval-") as tmp:
         if data is not None:
             batches = dataset_batches(data, cfg, limit, Path(tmp))

@@ -44,23 +44,28 @@ def test_loss_of_a_run_equals_the_validation_loss_its_trainer_logged(trained_run
 
 
 def test_checkpoint_hf_export_and_layout_copy_agree(trained_run, small_dataset, tmp_path, capsys):
-    hf, tp2 = tmp_path / "hf", tmp_path / "tp2"
+    """The README's conversion check, its commands as written (only the device pinned, as every CPU
+    test does): with --data the three get the same batch geometry whatever their origin, though the
+    run was trained at another."""
+    hf, copy = tmp_path / "hf", tmp_path / "tp2-fsdp2"
     assert main(["convert", str(trained_run), str(hf)]) == 0
-    assert main(["convert", str(hf), str(tp2), "--set", "parallel.tp=2", "--set", "parallel.dp_shard=1"]) == 0
-    data = ["--data", small_dataset, "--limit", "2", *GEOMETRY]
+    assert main(["convert", str(hf), str(copy), "--set", "parallel.tp=2", "--set", "parallel.dp_shard=2"]) == 0
+    data = ["--data", small_dataset, "--limit", "1", "--set", "train.device=cpu"]
     checkpoint = _loss(tmp_path, str(trained_run), *data)
     exported = _loss(tmp_path, str(hf), *data)
-    converted = _loss(tmp_path, str(tp2), *data)
-    assert checkpoint == exported == converted and checkpoint["tokens"] == 2 * 4 * 32
+    converted = _loss(tmp_path, str(copy), *data)
+    # one global batch of 16 samples of 64 targets (the model's context, under the default 256),
+    # not the run's 4 samples of 32
+    assert checkpoint == exported == converted and checkpoint["tokens"] == 16 * 64
 
-    # transformers' own loss of the export over the same samples (the first 8 of 32 + 1 tokens)
+    # transformers' own loss of the export over the same samples (the first 16 of 64 + 1 tokens)
     from transformers import AutoModelForCausalLM
 
     from tessera.data.sampling import PackedDataset
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    samples = PackedDataset(small_dataset, 32, split="train")
-    tokens = torch.stack([torch.as_tensor(samples[i].tokens) for i in range(8)])
+    samples = PackedDataset(small_dataset, 64, split="train")
+    tokens = torch.stack([torch.as_tensor(samples[i].tokens) for i in range(16)])
     with torch.no_grad():
         logits = model(tokens[:, :-1]).logits
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
