@@ -59,3 +59,31 @@ def test_every_request_and_metric_equals_the_huggingface_backend(tiny_hf_model, 
         for key, value in hf["results"][task].items():
             if isinstance(value, float) and math.isfinite(value):
                 assert ours["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
+
+
+def test_the_example_task_runs_from_the_repository_root_as_the_readme_says(tiny_hf_model, tmp_path, monkeypatch,
+                                                                          capsys):
+    """examples/tasks/python_syntax.yaml (its data named relative to the repository root) through
+    `tessera eval`: all 40 questions, the right choice in each position in turn, and the accuracies
+    lm-eval's HuggingFace backend gives the same model."""
+    import json
+    from pathlib import Path
+
+    from tessera.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    questions = [json.loads(line) for line in (root / "examples/tasks/python_syntax.jsonl").read_text().splitlines()]
+    assert [q["answer"] for q in questions] == [i % 3 for i in range(40)]
+    monkeypatch.chdir(root)
+    out = tmp_path / "results.json"
+    assert main(["eval", str(tiny_hf_model), "--tasks", "python_syntax", "--include-path", "examples/tasks",
+                 "--output", str(out)]) == 0
+    ours = json.loads(out.read_text())["results"]["python_syntax"]
+    tasks = task_manager("examples/tasks", ["python_syntax"])
+    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tiny_hf_model},dtype=float32",
+                                 tasks=["python_syntax"], task_manager=tasks, batch_size=1, device="cpu",
+                                 bootstrap_iters=0)
+    assert hf["n-samples"]["python_syntax"]["effective"] == 40
+    for metric in ("acc", "acc_norm"):
+        assert ours[metric] == pytest.approx(hf["results"]["python_syntax"][f"{metric},none"], rel=1e-6)
+    assert "python_syntax" in capsys.readouterr().out
