@@ -7,6 +7,8 @@
                                                       --set: the checkpoint's chunks are that layout's shards)
     tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
     tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
+    tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
+                                                     (held-out loss, HumanEval, lm-evaluation-harness tasks)
 
 Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
 runs. Every option's help shows its default.
@@ -50,6 +52,7 @@ COMMANDS: list[Command] = [
     Command("convert", "convert between HuggingFace and Tessera checkpoints", "convert"),
     Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts", "plan"),
     Command("serve", "serve a model over an OpenAI-compatible HTTP API", "serve"),
+    Command("eval", "evaluate a model: held-out loss, HumanEval, lm-evaluation-harness tasks", "eval"),
 ]
 
 

@@ -68,6 +68,15 @@ def _warn_if_it_will_not_fit(cfg, nproc: int | None) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
 
+def _task_evaluator(cfg):
+    """What runs train.eval_tasks at each evaluation (tessera.eval), or None when there are none."""
+    if not cfg.train.eval_tasks:
+        return None
+    from tessera.eval.training import TrainingTasks
+
+    return TrainingTasks(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     from tessera.config.errors import ConfigError
     from tessera.config.schema import load_config
@@ -100,7 +109,8 @@ def _train(args: argparse.Namespace, cfg, progress):
 
     restart = restart_count()
     try:
-        trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress)
+        trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
+                          task_evaluator=_task_evaluator(cfg))
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             warning = console.schedule_warning(cfg)

@@ -36,3 +36,7 @@ class ParallelError(TesseraError, ValueError):
 class TrainingError(TesseraError, RuntimeError):
     """A run cannot go on: a gradient that is not finite where train.skip_nonfinite is false, loss
     spikes that come back however often the run rolls back, a failure that repeats at the same step."""
+
+
+class EvaluationError(TesseraError):
+    """An evaluation cannot run as asked: generated code cannot be sandboxed, a task's data is missing."""

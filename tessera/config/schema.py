@@ -87,6 +87,13 @@ class TrainConfig:
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
     eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never
     eval_steps: int = 4  # validation batches (of global_batch_size samples) per evaluation
+    # Tasks run at each evaluation too, on the model of that step, their metrics logged as
+    # "<task>/<metric>" (tessera.eval: lm-eval task names, theirs or eval_tasks_path's, and humaneval).
+    # The whole model is gathered on rank 0 and served there while the other ranks wait, so under
+    # ranks the tasks must finish within collective_timeout_s. [] = none.
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_tasks_path: str | None = None  # a directory of local lm-eval task YAML files (+ their data)
+    eval_tasks_limit: int | None = None  # the first N documents (HumanEval problems) of each task; None = all
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (norm still logged)
     # Weights to start from (continued pretraining, fine-tuning): a HuggingFace model directory or a
     # Tessera checkpoint / run directory. They replace the random init; optimizer and step start fresh.
@@ -338,6 +345,12 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
     need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
     need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")
+    need(not t.eval_tasks or t.eval_interval > 0, "train.eval_tasks", t.eval_tasks,
+         "runs at each evaluation: set train.eval_interval > 0")
+    need(all(isinstance(n, str) and n.strip() and n != "loss" for n in t.eval_tasks), "train.eval_tasks",
+         t.eval_tasks, "must be task names (lm-eval's, or humaneval); the loss is val_loss already")
+    need(t.eval_tasks_limit is None or t.eval_tasks_limit >= 1, "train.eval_tasks_limit", t.eval_tasks_limit,
+         "must be null (all) or >= 1")
     need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     need(t.memory_budget_gib is None or t.memory_budget_gib > 0, "train.memory_budget_gib", t.memory_budget_gib,
          "must be null (the GPU's memory) or > 0 GiB")

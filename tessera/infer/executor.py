@@ -1,7 +1,7 @@
 """Executors: the engine's model on every rank it runs on.
 
 `Executor` is what the engine asks of one: run a step's plan (`execute_model`), score given targets
-(`score`), zero KV blocks on every rank (`clear_blocks`), say why it cannot run any more
+(`score`, `score_targets`), zero KV blocks on every rank (`clear_blocks`), say why it cannot run any more
 (`failure`) and stop (`close`). It holds this process's model (`model`, under tensor parallelism rank
 0's shard) over its KV cache (`local`), its LoRA adapters (`lora`), the cache's geometry
 (`geometry`) and the model runner that samples (`runner`).
@@ -23,7 +23,7 @@ from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
 from tessera.infer.speculative import build_proposer
-from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk
+from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk, TargetScores
 from tessera.models.transformer import Transformer
 
 
@@ -39,6 +39,9 @@ class Executor(Protocol):
 
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         """The log-probabilities of each chunk's targets (`ModelRunner.score`), on every rank."""
+
+    def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
+        """`score` and whether each target is its row's argmax (`ModelRunner.score_targets`)."""
 
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero KV blocks on every rank (a request failing on inf/NaN left them)."""
@@ -80,6 +83,9 @@ class InProcessExecutor:
 
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         return self.runner.score(chunks)
+
+    def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
+        return self.runner.score_targets(chunks)
 
     def clear_blocks(self, blocks: list[int]) -> None:
         self.local.clear_blocks(blocks)

@@ -10,7 +10,8 @@ rows; sampled tokens, argmaxes and finiteness flags come to the host in one tran
 rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
 tokens, or the error that fails it alone.
 
-`score` runs given tokens and returns the log-probabilities of given targets (perplexity).
+`score` runs given tokens and returns the log-probabilities of given targets (perplexity);
+`score_targets` also says whether each target is its row's argmax (what lm-eval's `is_greedy` is).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
 from tessera.infer.sampling import processed_probs
 from tessera.infer.sequence import Sequence
 from tessera.infer.speculative import Proposal, Proposer
-from tessera.infer.step_outputs import RunnerOutput, SampledTokens, ScheduledSequence, SchedulerOutput, ScoringChunk
+from tessera.infer.step_outputs import (
+    RunnerOutput,
+    SampledTokens,
+    ScheduledSequence,
+    SchedulerOutput,
+    ScoringChunk,
+    TargetScores,
+)
 from tessera.infer.structured_output import mask_logits
 
 
@@ -84,12 +92,16 @@ class ModelRunner:
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         """fp32 log-probabilities [len(targets)] of each chunk's targets, on the logits' device. The
         chunks run packed in one forward (never the static-shape decode step)."""
+        return [s.logprobs for s in self.score_targets(chunks)]
+
+    def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
+        """`score`, and for each target whether it is its row's argmax."""
         logits_TV = self.paged.forward([BatchItem(c.tokens, c.start, c.block_table) for c in chunks]).float()
         out, row = [], 0
         for c in chunks:
             logp = torch.log_softmax(logits_TV[row:row + len(c.targets)], dim=-1)
             targets = torch.tensor(c.targets, dtype=torch.long, device=logp.device)
-            out.append(logp.gather(1, targets[:, None])[:, 0])
+            out.append(TargetScores(logp.gather(1, targets[:, None])[:, 0], logp.argmax(-1) == targets))
             row += len(c.tokens)
         return out
 

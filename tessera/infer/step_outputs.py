@@ -22,7 +22,8 @@ and the executor then zeroes, on every rank, the KV blocks of requests that fail
   decoding), runs the forward on every rank, masks the logits of requests under a grammar, samples on
   the device, verifies drafts, checks finiteness and hands back one `SampledTokens` per completing
   request, with one device -> host transfer per step. It also scores given targets
-  (`ScoringChunk`: perplexity).
+  (`ScoringChunk`: perplexity; `TargetScores`: with whether each target is the argmax, for
+  evaluation harnesses).
 
 Request ids key the hand-offs: a request is running at most once.
 """
@@ -30,8 +31,12 @@ Request ids key the hand-offs: a request is running at most once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tessera.infer.sequence import RequestOutput, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -83,3 +88,11 @@ class ScoringChunk:
     start: int
     block_table: list[int]
     targets: list[int]
+
+
+@dataclass
+class TargetScores:
+    """What `score_targets` gives for one `ScoringChunk`, on the logits' device."""
+
+    logprobs: torch.Tensor  # [len(targets)] fp32 log-probability of each target
+    is_argmax: torch.Tensor  # [len(targets)] bool: the target is its row's argmax (the first, on ties)

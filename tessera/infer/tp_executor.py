@@ -23,7 +23,7 @@ from tessera.infer.executor import closed_on_error, lora_manager
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import BatchItem, PagedModel, build_paged_model, cache_geometry
 from tessera.infer.speculative import build_proposer
-from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk
+from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk, TargetScores
 from tessera.infer.tensor_parallel import cut_for_serving, serving_dims, serving_shard_from_hf
 from tessera.infer.tp_channel import CLEAR, PACKED, STEP, pack_items, run_step
 from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
@@ -123,6 +123,9 @@ class TensorParallelExecutor:
 
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         return self.runner.score(chunks)
+
+    def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
+        return self.runner.score_targets(chunks)
 
     def clear_blocks(self, blocks: list[int]) -> None:
         self.runner.paged.clear_blocks(blocks)

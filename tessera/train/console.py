@@ -97,6 +97,12 @@ def eval_line(step: int, val_loss: float, val_ppl: float) -> str:
     return f"step {step}: validation loss {val_loss:.4f} (perplexity {val_ppl:.2f})"
 
 
+def task_line(step: int, record: dict) -> str:
+    """The train.eval_tasks metrics of an evaluation record ("<task>/<metric>" keys)."""
+    metrics = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if "/" in k and isinstance(v, float))
+    return f"step {step}: {metrics or 'no task metrics'}"
+
+
 def next_steps(cfg: RunConfig, checkpoint: Path | None) -> list[str]:
     """The final lines: the checkpoint, and the commands that continue from it. The run directory's
     config.yaml is the whole configuration, overrides included, so resuming needs nothing else."""

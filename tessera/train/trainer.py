@@ -65,7 +65,7 @@ from tessera.parallel.job_events import append_event
 from tessera.parallel.job_progress import RankProgress
 from tessera.train.builder import build_step_engine, build_training_parts
 from tessera.train.comm_metrics import comm_record
-from tessera.train.console import eval_line
+from tessera.train.console import eval_line, task_line
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
 from tessera.train.metric_record import ThroughputWindow, step_record
@@ -79,6 +79,7 @@ from tessera.train.run_layout import RunLayout, build_layout, resolve_device
 from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import StepEngine
 from tessera.train.stop_signal import AgreedStop, StopSignal
+from tessera.train.task_evaluation import TaskEvaluator, evaluate_tasks
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
 from tessera.train.train_checkpoint import load_training_state, save_training_state, training_state
 
@@ -105,10 +106,17 @@ class TrainResult:
 class Trainer:
     """Builds model, optimizer, schedule and data from a RunConfig, then trains (any parallel layout)."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None):
+    def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
+                 task_evaluator: TaskEvaluator | None = None):
+        """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
+        runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks)."""
         self.cfg = cfg
-        self.progress = progress  # the launcher's view of this rank (tessera train --nproc), or None
+        self.progress = progress
         t = cfg.train
+        if t.eval_tasks and task_evaluator is None:
+            raise ConfigError(f"train.eval_tasks={t.eval_tasks} needs an evaluator: tessera train makes one; from "
+                              "Python pass Trainer(cfg, task_evaluator=tessera.eval.training.TrainingTasks(cfg))")
+        self.task_evaluator = task_evaluator
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / CHECKPOINT_DIR
         self.layout: RunLayout = build_layout(cfg)  # refuses a bad layout before any allocation
@@ -318,7 +326,10 @@ class Trainer:
         for m in self.parts:
             m.train()
         loss = total / max(n, 1)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        if self.task_evaluator is not None:  # train.eval_tasks
+            out.update(evaluate_tasks(self.task_evaluator, self.parts, self.layout, self.cfg.model, self.step))
+        return out
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -445,6 +456,8 @@ class Trainer:
             rec.update(self.evaluate())
             if self.layout.is_coordinator:
                 tqdm.write(eval_line(self.step, rec["val_loss"], rec["val_ppl"]), file=sys.stderr)
+                if self.task_evaluator is not None:
+                    tqdm.write(task_line(self.step, rec), file=sys.stderr)
         if writer is not None:
             writer.write(rec)
             result.records.append(rec)
