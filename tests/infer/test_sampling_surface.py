@@ -288,3 +288,48 @@ def test_requests_with_options_leave_plain_greedy_ones_in_their_batch_unchanged(
     first, again = results[0].json()["choices"][0], results[6].json()["choices"][0]  # seeded: the same twice
     assert first["text"] == again["text"] and first["logprobs"]["tokens"] == again["logprobs"]["tokens"]
     assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(again["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
+def _run_engine(engine, prompts, params):
+    rids = [engine.add_request(engine.tokenizer.encode(p), sp) for p, sp in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[r] for r in rids]
+
+
+def _values(entries):
+    return [(e.token_id, [t for t, _ in e.top]) for e in entries], [v for e in entries
+                                                                    for v in (e.logprob, *(v for _, v in e.top))]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_the_same_logprobs_and_penalised_tokens(llama):
+    """Rank 0 samples from the gathered full-vocabulary rows, so every option works under tensor
+    parallelism and gives what one rank gives (and transformers' log_softmax)."""
+    from tessera.infer import LLM, SamplingParams
+
+    path, hf = llama
+    options = dict(block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False)
+    prompts = [LONG, "aaaa", "hello"]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.8,
+                             frequency_penalty=0.8, logit_bias={40: 8.0}, logprobs=0),
+              SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, presence_penalty=1.0)]
+    one = _run_engine(LLM(path, **options).engine, prompts, params)
+    with LLM(path, tensor_parallel_size=2, **options) as two:
+        other = _run_engine(two.engine, prompts, params)
+    assert [o.token_ids for o in other] == [o.token_ids for o in one]
+    for a, b in zip(one, other):
+        for mine, theirs in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert _values(mine)[0] == _values(theirs)[0]
+                assert _values(mine)[1] == pytest.approx(_values(theirs)[1], abs=1e-4)
+    long_ids = [0] + [ord(c) - 29 for c in LONG]  # the character tokenizer: <s>, one token per character
+    ref = _log_softmax(hf, long_ids)
+    assert [e.logprob for e in other[0].prompt_logprobs] == pytest.approx(
+        [ref[i, t].item() for i, t in enumerate(long_ids[1:])], abs=1e-4)
+    assert other[1].token_ids == _reference(hf, [0] + [ord(c) - 29 for c in "aaaa"], 6, {40: 8.0}, 0.0, 0.8, 1.8)
+    assert one[0].prompt_tokens == len(long_ids)
