@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine thread.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
-`"stream": true`), GET /v1/models, GET /health, GET /metrics (Prometheus text), and, when enabled,
+`"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
+prompt, with their log-probabilities in `openai_choices`), GET /v1/models, GET /health, GET /metrics (Prometheus text), and, when enabled,
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is one of the names
 /v1/models lists: the served model name (base weights) or the name of a loaded LoRA adapter.
 
