@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
 `"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
-prompt, with their log-probabilities in `openai_choices`), GET /v1/models, GET /health, GET /metrics (Prometheus text), and, when enabled,
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is one of the names
-/v1/models lists: the served model name (base weights) or the name of a loaded LoRA adapter.
+prompt, with their log-probabilities in `openai_choices`), GET /v1/models, GET /health, GET /metrics
+(Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
+request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
+name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
 (413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
