@@ -113,6 +113,9 @@ class LLMEngine:
                               f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}")
         if adapter is not None and adapter not in self.lora.adapters:
             raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
+        bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
         return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing

@@ -19,12 +19,15 @@ from __future__ import annotations
 import torch
 
 from tessera.infer.device_sampling import HostTransfer, SamplingBatch, sample_on_device
+from tessera.infer.logprobs import LogprobRows, add_logprobs, raw_logprobs, read_logprobs
 from tessera.infer.paged_model import BatchItem, PagedForward
+from tessera.infer.penalties import apply_penalties, changes_logits
 from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
 from tessera.infer.sampling import processed_probs
 from tessera.infer.sequence import Sequence
 from tessera.infer.speculative import Proposal, Proposer
 from tessera.infer.step_outputs import (
+    PromptLogprobs,
     RunnerOutput,
     SampledTokens,
     ScheduledSequence,
@@ -56,10 +59,13 @@ class ModelRunner:
         rows = {s.seq.request_id: range(o + s.num_tokens - 1, o + len(it.tokens))
                 for s, it, o in zip(plan.scheduled, items, offsets) if s.completes}
         completing = [s for s in plan.scheduled if s.completes]
-        host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals)
+        prompt_asks = _prompt_asks(plan.scheduled, offsets)
+        host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals, prompt_asks)
+        scored = {ask.key[1]: PromptLogprobs(first, read_logprobs(host, ask, host["top_k"]))
+                  for ask, first, _ in prompt_asks}
         return RunnerOutput({s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
                                                              proposals.get(s.seq.request_id))
-                             for s in completing})
+                             for s in completing}, scored)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
         spec = [s for s in scheduled if s.draft_limit > 0]
@@ -77,7 +83,10 @@ class ModelRunner:
         if not all(host[("finite", rid)]):
             return SampledTokens([], FloatingPointError("the model produced inf/NaN logits for this request"))
         if proposal is None:
-            return SampledTokens(host[("token", rid)])
+            if seq.params.logprobs is None:
+                return SampledTokens(host[("token", rid)])
+            ask = LogprobRows(("sampled", rid), [rows.stop - 1], seq.params.logprobs)
+            return SampledTokens(host[("token", rid)], logprobs=read_logprobs(host, ask, host["top_k"]))
         try:
             if seq.params.greedy:
                 new = verify_greedy(host[("argmax", rid)], proposal.tokens)
@@ -113,34 +122,70 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
     if proposal is not None:
         tokens = tokens + proposal.tokens
     read_from = s.num_tokens - 1 if s.completes else len(tokens)
+    if seq.wants_prompt_logprobs:
+        read_from = 0
     return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from)
 
 
+def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:
+    """For each sequence whose chunk computes prompt positions whose next prompt token's
+    log-probability is asked: (its rows, the first position scored, the prompt tokens scored)."""
+    out = []
+    for s, o in zip(scheduled, offsets):
+        seq = s.seq
+        if not seq.wants_prompt_logprobs:
+            continue
+        c = seq.num_computed
+        m = min(c + s.num_tokens, seq.num_prompt - 1) - c  # rows whose next token is a prompt token
+        if m > 0:
+            ask = LogprobRows(("prompt", seq.request_id), list(range(o, o + m)), seq.params.prompt_logprobs)
+            out.append((ask, c + 1, seq.token_ids[c + 1:c + 1 + m]))
+    return out
+
+
 def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, range],
-             proposals: dict[str, Proposal]) -> dict:
+             proposals: dict[str, Proposal], prompt_asks: list[tuple[LogprobRows, int, list[int]]]) -> dict:
     """The step's one device -> host transfer, by key: ("token", request) the sampled token of each
     request without drafts, ("argmax", request) the argmax of every row of each greedy request with
-    drafts, ("finite", request) whether each of a request's rows is finite. The finiteness is
-    checked before the grammar masks put -inf in."""
+    drafts, ("finite", request) whether each of a request's rows is finite, and the log-probabilities
+    asked (`logprobs.add_logprobs`; "top_k": how many top tokens each row brought). The finiteness
+    and the log-probabilities are of the raw logits, before the grammar masks put -inf in and before
+    biases and penalties."""
     transfer = HostTransfer()
     finite_keys = [("finite", s.request_id) for s in seqs for _ in rows[s.request_id]]
     finite_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
+    plain = [s for s in seqs if s.request_id not in proposals]
+    pick = [j for j, s in enumerate(plain) if s.params.logprobs is not None]
+    asks = [LogprobRows(("sampled", plain[j].request_id), [rows[plain[j].request_id][-1]], plain[j].params.logprobs)
+            for j in pick] + [a for a, _, _ in prompt_asks]
+    logp_RV = raw_logprobs(logits_TV, asks)
     constrained = [s for s in seqs if s.grammar is not None]
     mask_logits(logits_TV, [rows[s.request_id][0] for s in constrained], [s.grammar for s in constrained])
-    plain = [s for s in seqs if s.request_id not in proposals]
+    tokens_B = None
     if plain:
         index = torch.tensor([rows[s.request_id][-1] for s in plain]).to(logits_TV.device, non_blocking=True)
         batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in plain], logits_TV.shape[-1],
                                     logits_TV.device)
-        tokens_B = sample_on_device(logits_TV.index_select(0, index), batch)
+        logits_BV = logits_TV.index_select(0, index)
+        if changes_logits(plain):
+            logits_BV = apply_penalties(logits_BV, plain)
+        tokens_B = sample_on_device(logits_BV, batch)
         transfer.add(tokens_B, [("token", s.request_id) for s in plain])
     greedy = [s for s in seqs if s.request_id in proposals and s.params.greedy]
     if greedy:
         index = torch.tensor([r for s in greedy for r in rows[s.request_id]]).to(logits_TV.device, non_blocking=True)
         transfer.add(logits_TV.index_select(0, index).argmax(-1),
                      [("argmax", s.request_id) for s in greedy for _ in rows[s.request_id]])
+    top_k = 0
+    if asks:
+        parts = [tokens_B[pick]] if pick else []
+        parts += [torch.tensor(t, dtype=torch.long) for _, _, t in prompt_asks]
+        chosen_R = torch.cat([p.to(logits_TV.device) for p in parts])
+        top_k = add_logprobs(transfer, logp_RV, asks, chosen_R)
     transfer.add(finite_R, finite_keys)
-    return transfer.fetch()
+    host = transfer.fetch()
+    host["top_k"] = top_k
+    return host
 
 
 def _finite_rows(logits_TV: torch.Tensor, index: list[int]) -> torch.Tensor:

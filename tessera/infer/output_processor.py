@@ -55,7 +55,7 @@ class OutputProcessor:
         detok = self.detokenizers[seq.request_id]
         delta = detok.release(final=False)
         return RequestOutput(seq.request_id, appended, delta, detok.text[:detok.sent], seq.output_ids, False, None,
-                             seq.num_prompt)
+                             seq.num_prompt, **_logprobs_of(seq))
 
     def finished(self, seq: Sequence, appended: list[int], error: str | None = None,
                  client_error: bool = False) -> RequestOutput:
@@ -68,4 +68,11 @@ class OutputProcessor:
         detok = self.detokenizers.pop(seq.request_id)
         delta = detok.release(final=True)
         return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
-                             error, client_error)
+                             error, client_error, **_logprobs_of(seq))
+
+
+def _logprobs_of(seq: Sequence) -> dict:
+    """The log-probabilities an output carries (copies: the sequence goes on appending)."""
+    params = seq.params
+    return {"logprobs": None if params.logprobs is None else list(seq.logprobs),
+            "prompt_logprobs": None if params.prompt_logprobs is None else list(seq.prompt_logprobs)}

@@ -11,6 +11,8 @@ from tessera.infer.response_format import schema_of
 # Below this a temperature is a request for greedy decoding that would instead divide the logits
 # by (nearly) zero: in fp32 1e-300 is 0 and logits / 0 are inf/NaN. 0 means greedy.
 MIN_TEMPERATURE = 1e-5
+# The most top log-probabilities a request may ask for per position (vLLM's default cap).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -27,6 +29,17 @@ class SamplingParams:
     `response_format` constrains the output to JSON as in the OpenAI API: `{"type": "json_object"}`
     or `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (see
     `structured_output`); the request then also stops when the document is complete.
+
+    Before temperature and the cuts, the logits are changed as vLLM does (in this order):
+    `logit_bias` (token id -> value in [-100, 100]) is added; `repetition_penalty` (HuggingFace's
+    definition, > 0, 1 = off) divides the positive logits and multiplies the negative ones of every
+    token seen in the prompt or the output; `frequency_penalty` times a token's count in the output
+    and `presence_penalty` where that count is positive are subtracted (OpenAI's definitions, each in
+    [-2, 2]). Greedy requests take the argmax of the changed logits.
+    `logprobs` (0..MAX_LOGPROBS, None = off) asks for each output token's log-probability and the
+    `logprobs` most likely tokens at its position; `prompt_logprobs` the same for every prompt token
+    after the first. Both are of the model's raw distribution: log_softmax of the logits before
+    any of the changes above, temperature or the cuts (vLLM's default, "raw_logprobs").
     """
 
     max_tokens: int = 16
@@ -39,12 +52,19 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     response_format: dict | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
              "must be an integer >= 1"),
@@ -59,6 +79,16 @@ class SamplingParams:
              "must be at most 16 non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
              "must be token ids >= 0"),
+            *[(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), key, value,
+               f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+              for key, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
+            *[(-2.0 <= value <= 2.0, key, value, "must be in [-2, 2]")
+              for key, value in (("presence_penalty", self.presence_penalty),
+                                 ("frequency_penalty", self.frequency_penalty))],
+            (0.0 < self.repetition_penalty <= 1e4, "repetition_penalty", self.repetition_penalty,
+             "must be > 0 (1 = off) and at most 1e4"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()), "logit_bias",
+             self.logit_bias, "must map token ids >= 0 to values in [-100, 100]"),
         ]
         for ok, key, value, allowed in checks:
             if not ok:
@@ -68,3 +98,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
+
+    @property
+    def decodes_singly(self) -> bool:
+        """Whether every step must sample exactly one token from the row's own logits (no speculative
+        drafts): the logits are changed by the tokens so far, or their log-probabilities are asked."""
+        return self.changes_logits or self.logprobs is not None

@@ -30,6 +30,7 @@ from tessera.infer.output_processor import OutputProcessor
 from tessera.infer.response_format import GrammarError
 from tessera.infer.sequence import RequestOutput, Sequence, SequenceStatus
 from tessera.infer.step_outputs import (
+    PromptLogprobs,
     RunnerOutput,
     SampledTokens,
     ScheduledSequence,
@@ -125,8 +126,9 @@ class Scheduler:
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Speculative tokens `seq` may verify this step: not past max_tokens or max_model_len. A
-        request with a grammar decodes one token per step (drafts would go unmasked)."""
-        if seq.grammar is not None:
+        request with a grammar decodes one token per step (drafts would go unmasked), and so does one
+        whose logits are biased or penalised or whose log-probabilities are asked."""
+        if seq.grammar is not None or seq.params.decodes_singly:
             return 0
         remaining = seq.params.max_tokens - len(seq.output_ids) - 1
         return max(0, min(self.lookahead, remaining, self.outputs.max_model_len - len(seq.token_ids) - 1))
@@ -172,6 +174,8 @@ class Scheduler:
             if out.preempted and seq in out.preempted:  # preempted this very step: do not bring it straight back
                 break
             hit, hashes = self.blocks.find_prefix(seq)
+            if seq.wants_prompt_logprobs:  # every prompt position must run to be scored
+                hit = []
             start = len(hit) * self.blocks.block_size
             n = min(len(seq.token_ids) - start, budget)
             need = self.blocks.blocks_for(start + n) - len(hit)
@@ -199,6 +203,9 @@ class Scheduler:
         self.metrics.steps += 1
         for s in plan.scheduled:
             seq = s.seq
+            scored = result.prompt_logprobs.get(seq.request_id)
+            if scored is not None:
+                _record_prompt_logprobs(seq, scored)
             if not s.completes:
                 seq.num_computed += s.num_tokens
             else:
@@ -224,6 +231,8 @@ class Scheduler:
         if sampled.num_draft_tokens:
             self.metrics.speculation(sampled.num_draft_tokens, len(new))
         appended, reason = self.outputs.append(seq, new)
+        if sampled.logprobs is not None:  # of the tokens kept (those after a stop are dropped)
+            seq.logprobs.extend(sampled.logprobs[:len(appended)])
         if reason:
             return self.finish(seq, reason, appended)
         return self.outputs.running(seq, appended)
@@ -244,6 +253,14 @@ class Scheduler:
             for b in own:
                 self.blocks.cache.forget(b)
         return self.finish(seq, "error", [], f"numerical error: {error}")
+
+
+def _record_prompt_logprobs(seq: Sequence, scored: PromptLogprobs) -> None:
+    """Keep the prompt log-probabilities of a chunk that `seq` has not recorded yet (a recomputed
+    prefill scores positions again)."""
+    for position, entry in enumerate(scored.entries, scored.first):
+        if position - 1 == len(seq.prompt_logprobs):
+            seq.prompt_logprobs.append(entry)
 
 
 def _advance(grammar: GrammarMatcher | None, tokens: list[int]) -> Exception | None:

@@ -13,6 +13,7 @@ from enum import Enum
 
 import torch
 
+from tessera.infer.logprobs import TokenLogprobs
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.structured_output import GrammarMatcher
 
@@ -37,6 +38,8 @@ class RequestOutput:
     prompt_tokens: int
     error: str | None = None
     client_error: bool = False  # the error lies in the request itself (its schema), not in the server
+    logprobs: list[TokenLogprobs] | None = None  # of each token of `token_ids`, when the request asks them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of each prompt token after the first, when asked
 
 
 @dataclass
@@ -61,6 +64,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     grammar: GrammarMatcher | None = None  # structured output: what the next token may be
     seed: int = 0  # the counter-based sampling seed (device_sampling); the draws of output n use (seed, n)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of each output token (params.logprobs set)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -77,6 +82,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are asked and not all recorded yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt - 1
 
     @property
     def is_decoding(self) -> bool:

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine thread.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
-`"stream": true`), GET /v1/models, GET /health, GET /metrics (Prometheus text), and, when enabled,
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` is one of the names
-/v1/models lists: the served model name (base weights) or the name of a loaded LoRA adapter.
+`"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
+prompt, with their log-probabilities in `openai_choices`), GET /v1/models, GET /health, GET /metrics
+(Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
+request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
+name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
 (413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
@@ -34,9 +36,12 @@ from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.lora import confined_adapter_dir, read_adapter
+from tessera.infer.openai_choices import Choices, child_params
+from tessera.infer.openai_logprobs import TokenTexts
 from tessera.infer.openai_protocol import (
     ProtocolError,
     choice,
+    choices_per_prompt,
     chunk_object,
     completion_object,
     error_body,
@@ -174,9 +179,10 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any]:
-        """Body, adapter, prompt token ids and sampling parameters of a request (in a worker
-        thread: JSON parsing, chat templates and tokenisation may take a while)."""
+    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any, list[str] | None]:
+        """Body, adapter, prompt token ids, sampling parameters and the prompts' texts to echo (None:
+        no echo) of a request (in a worker thread: JSON parsing, chat templates and tokenisation may
+        take a while)."""
         body = _parse_json(raw)
         adapter = self.adapter_of(body)
         if chat:
@@ -185,20 +191,36 @@ class _Routes:
             template = None if self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
             text = self.tokenizer.apply_chat_template(messages_of(body), add_generation_prompt=True,
                                                       chat_template=template)
-            prompt_ids = [self.encode(text, special=False)]
+            prompt_ids, echoes = [self.encode(text, special=False)], None
         else:
-            prompt_ids = [self.encode(p) for p in prompts_of(body)]
+            prompts = prompts_of(body)
+            prompt_ids = [self.encode(p) for p in prompts]
+            echoes = self.echoes(body, prompts, prompt_ids)
         engine = self.engine
         room = engine.max_model_len - max(len(p) for p in prompt_ids)
-        params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16)
+        params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
+        vocab = engine.cfg.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise ProtocolError(f"'logit_bias' token ids must be in 0..{vocab - 1}", param="logit_bias")
         for ids in prompt_ids:
             engine.validate_request(len(ids), params, adapter)
-            if any(not 0 <= t < engine.cfg.vocab_size for t in ids):
-                raise ProtocolError(f"prompt token ids must be in 0..{engine.cfg.vocab_size - 1}", param="prompt")
-        return body, adapter, prompt_ids, params
+            if any(not 0 <= t < vocab for t in ids):
+                raise ProtocolError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        return body, adapter, prompt_ids, params, echoes
+
+    def echoes(self, body: dict, prompts: list[str | list[int]], prompt_ids: list[list[int]]) -> list[str] | None:
+        """The text each prompt echoes (`echo`: the string sent, or its token ids decoded), or None."""
+        if body.get("echo") is None or body.get("echo") is False:
+            return None
+        if body.get("echo") is not True:
+            raise ProtocolError("'echo' must be a boolean", param="echo")
+        if self.tokenizer is None:
+            return ["" if isinstance(p, list) else p for p in prompts]
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, adapter, prompt_ids, params = await asyncio.to_thread(self.prepare, await request.body(), chat)
+        body, adapter, prompt_ids, params, echoes = await asyncio.to_thread(self.prepare, await request.body(), chat)
+        n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ProtocolError("'stream' must be a boolean", param="stream")
@@ -217,13 +239,15 @@ class _Routes:
             return deliver
 
         loop = self.loop
-        rids = [loop.submit(ids, params, adapter, callback_for(i)) for i, ids in enumerate(prompt_ids)]
+        rids = [loop.submit(ids, child_params(params, j), adapter, callback_for(i * n + j))
+                for i, ids in enumerate(prompt_ids) for j in range(n)]
         rid = new_id("chatcmpl" if chat else "cmpl")
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
+        choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer))
         if stream:
-            return StreamingResponse(_stream(loop, queue, rids, rid, name, chat, include_usage),
+            return StreamingResponse(_stream(loop, queue, rids, rid, name, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, loop, queue, rids, rid, name, chat)
+        return await _collect(request, loop, queue, rids, rid, name, choices)
 
     async def lora_call(self, request: Request, load: bool) -> Response:
         if not self.allow_lora_loading:
@@ -245,7 +269,7 @@ class _Routes:
 
 
 async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str,
-                   chat: bool) -> Response:
+                   choices: Choices) -> Response:
     """Wait for every choice; abort them all if the client goes away first."""
     done: dict[int, RequestOutput] = {}
     try:
@@ -266,9 +290,10 @@ async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rid
     if failed:
         return _error(*_failure(failed[0]))
     outs = [done[i] for i in range(len(rids))]
-    choices = [choice(i, o.text, o.finish_reason, chat, stream=False) for i, o in enumerate(outs)]
-    use = usage(sum(o.prompt_tokens for o in outs), sum(len(o.token_ids) for o in outs))
-    return JSONResponse(completion_object(rid, name, choices, use, chat))
+    use = usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
+                sum(len(o.token_ids) for o in outs))
+    return JSONResponse(completion_object(rid, name, [choices.final(i, o) for i, o in enumerate(outs)], use,
+                                          choices.chat))
 
 
 def _failure(out: RequestOutput) -> tuple[str, int, str | None]:
@@ -283,11 +308,12 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str, chat: bool,
+async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str, choices: Choices,
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step with new text, the finish reason last, then [DONE]."""
     finished: set[int] = set()
     prompt_tokens = completion_tokens = 0
+    chat = choices.chat
     try:
         if chat:
             for i in range(len(rids)):
@@ -298,12 +324,12 @@ async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: 
                 finished.add(index)
                 yield _sse(error_body(*_failure(out)))  # the status line said 200 already
                 continue
-            if out.delta or out.finished:
-                c = choice(index, out.delta, out.finish_reason, chat, True)
+            c = choices.chunk(index, out)
+            if c is not None:
                 yield _sse(chunk_object(rid, name, [c], chat))
             if out.finished:
                 finished.add(index)
-                prompt_tokens += out.prompt_tokens
+                prompt_tokens += out.prompt_tokens if index % choices.n == 0 else 0
                 completion_tokens += len(out.token_ids)
         if include_usage:
             yield _sse(chunk_object(rid, name, [], chat, usage(prompt_tokens, completion_tokens)))

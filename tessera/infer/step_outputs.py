@@ -24,6 +24,9 @@ and the executor then zeroes, on every rank, the KV blocks of requests that fail
   request, with one device -> host transfer per step. It also scores given targets
   (`ScoringChunk`: perplexity; `TargetScores`: with whether each target is the argmax, for
   evaluation harnesses).
+  Requests that ask log-probabilities get them with their tokens (`SampledTokens.logprobs`, and
+  `RunnerOutput.prompt_logprobs` from their prefill chunks); biases and penalties are applied to a
+  request's row before it samples (`penalties.py`). Such requests decode one token per step.
 
 Request ids key the hand-offs: a request is running at most once.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tessera.infer.logprobs import TokenLogprobs
 from tessera.infer.sequence import RequestOutput, Sequence
 
 if TYPE_CHECKING:
@@ -67,11 +71,21 @@ class SampledTokens:
     token_ids: list[int]  # the sampled token, or the accepted drafts and the token after them
     error: Exception | None = None  # set (and token_ids empty) when this request alone fails: inf/NaN logits
     num_draft_tokens: int = 0  # speculative tokens verified this step (0: none were proposed)
+    logprobs: list[TokenLogprobs] | None = None  # of each token of token_ids, when the request asks them
+
+
+@dataclass
+class PromptLogprobs:
+    """The log-probabilities of prompt tokens first.. (positions) that a prefill chunk computed."""
+
+    first: int  # position of the first token scored (>= 1: the first prompt token has none)
+    entries: list[TokenLogprobs]
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledTokens]  # by request id: the requests of the plan whose step completes
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id: chunks that scored
 
 
 @dataclass

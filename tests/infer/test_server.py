@@ -98,10 +98,10 @@ def test_64_concurrent_streams_finish_well_formed(server):
     (json.dumps({"model": "tiny", "prompt": "a", "top_p": 1.5}).encode(), 400, "top_p"),
     (json.dumps({"model": "tiny", "prompt": "a" * 300}).encode(), 400, "maximum context length"),
     (json.dumps({"model": "tiny", "prompt": [1, 2, 999]}).encode(), 400, "token ids"),
-    (json.dumps({"model": "tiny", "prompt": "a", "n": 3}).encode(), 400, "'n'"),
+    (json.dumps({"model": "tiny", "prompt": "a", "n": 17}).encode(), 400, "'n'"),
     (json.dumps({"model": "tiny", "messages": "hi"}).encode(), 400, "messages"),
-    (json.dumps({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}).encode(), 400, "'presence_penalty'"),
-    (json.dumps({"model": "tiny", "prompt": "a", "logprobs": 3}).encode(), 400, "'logprobs'"),
+    (json.dumps({"model": "tiny", "prompt": "a", "presence_penalty": 2.5}).encode(), 400, "presence_penalty"),
+    (json.dumps({"model": "tiny", "prompt": "a", "logprobs": 21}).encode(), 400, "'logprobs'"),
 ])
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, body, status, fragment):
     route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
