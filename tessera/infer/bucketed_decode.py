@@ -4,22 +4,26 @@ per bucket in a CUDA graph and replayed (as vLLM, SGLang and rtp-llm do) instead
 hundreds of small kernels from Python every token.
 
 A bucket is (batch size B, blocks per sequence MB): B is the smallest configured decode batch
-size that holds the step's sequences, MB the smallest power of two (capped at what the longest
-sequence may need) that covers the longest block table. The inputs of a bucket are views of
+size that holds the step's sequences; MB, when the step replays a CUDA graph, is the smallest
+power of two (capped at what the longest sequence may need) that covers the longest block table,
+and when it runs eagerly the longest block table itself (spare blocks would only be read and
+masked out). The inputs of a bucket are views of
 buffers allocated once at the largest bucket: token ids, positions, the slot each new key/value
 is written to, block tables and sequence lengths. Padding rows decode token 0 at position 0 into
 a scratch block that no sequence owns; table entries past a sequence's own blocks point at the
 scratch block and are masked out by the sequence's length.
 
 Attention (`BlockTableAttention`, the model's `AttentionCache`) reads only the blocks of the
-sequences' tables, MB of them per row: it gathers their slots into [B, MB * block_size] keys and
-values and runs SDPA with a mask over positions (inside the sequence, inside the sliding window).
+sequences' tables, MB of them per row: it gathers those blocks into [B, MB * block_size] keys and
+values (`PagedKVCache.gather_blocks`) and runs SDPA with an additive mask over positions (inside
+the sequence, inside the sliding window), built once per step.
 The packed step of `paged_attention.py` is the reference it is tested against.
 
 On CUDA a bucket is captured after a warm-up (three eager runs on a side stream) the first time
 it is used, and replayed from then on; `enforce_eager` keeps every bucket eager. On CPU the same
-static-shape step runs eagerly. Shapes: B rows, H query heads, G stored heads, D head dim,
-MB blocks per row, L = MB * block_size context slots.
+step runs eagerly, its rows padded to the bucket as on a GPU (so the padded step is tested here).
+Shapes: B rows, H query heads, G stored heads, D head dim, MB blocks per row,
+L = MB * block_size context slots.
 """
 
 from __future__ import annotations
@@ -92,29 +96,29 @@ class DecodeRow:
 class BlockTableAttention:
     """The `AttentionCache` of one bucket: writes the step's keys/values, then attends each row's
     query to the blocks of its own table (see the module docstring). Its tensors are views of the
-    decoder's static buffers; `prepare` derives the context slots and masks from them (inside the
-    captured region, so a replay recomputes them from the updated inputs)."""
+    decoder's static buffers; `prepare` forgets the masks of the previous step, which `_mask`
+    derives from them once per step (inside the captured region, so a replay recomputes them from
+    the updated inputs)."""
 
     def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, tables_BM: torch.Tensor, lens_B: torch.Tensor):
         self.kv, self.slots_B, self.tables_BM, self.lens_B = kv, slots_B, tables_BM, lens_B
-        self.ctx_slots_BL: torch.Tensor | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def prepare(self) -> None:
-        bs = self.kv.block_size
-        offsets = torch.arange(bs, device=self.tables_BM.device)
-        self.ctx_slots_BL = (self.tables_BM[:, :, None] * bs + offsets).flatten(1)
         self.masks = {}
 
-    def _mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, L] bool: key j is visible iff j < length and (no window or length-1-j < window)."""
+    def _mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, 1, L] additive, in the queries' dtype: 0 where key j is visible (j < length and, with
+        a window, length-1-j < window), -inf elsewhere. Built once per step and window; SDPA would
+        otherwise turn a boolean mask into this in every layer."""
         if window not in self.masks:
-            k_pos = torch.arange(self.ctx_slots_BL.shape[1], device=self.lens_B.device)
+            k_pos = torch.arange(self.tables_BM.shape[1] * self.kv.block_size, device=self.lens_B.device)
             lens = self.lens_B[:, None]
             allowed = k_pos[None, :] < lens
             if window is not None:
                 allowed &= (lens - 1 - k_pos[None, :]) < window
-            self.masks[window] = allowed[:, None, None, :]
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self.masks[window] = bias[:, None, None, :]
         return self.masks[window]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
@@ -122,10 +126,11 @@ class BlockTableAttention:
         # the model sees the rows packed as one sequence: [1, H, B, D]
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_BH1D = q_BHSD.transpose(0, 2)
-        k_BLGD, v_BLGD = self.kv.gather(layer_id, self.ctx_slots_BL, q_BHSD.dtype)
+        k_BLGD, v_BLGD = self.kv.gather_blocks(layer_id, self.tables_BM, q_BHSD.dtype)
         gqa = q_BHSD.shape[1] != k_BLGD.shape[2]
         o_BH1D = F.scaled_dot_product_attention(q_BH1D, k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
-                                                attn_mask=self._mask(window), scale=scale, enable_gqa=gqa)
+                                                attn_mask=self._mask(window, q_BHSD.dtype), scale=scale,
+                                                enable_gqa=gqa)
         return o_BH1D.transpose(0, 2)
 
 
@@ -208,13 +213,17 @@ class BucketedDecoder:
     @torch.inference_mode()
     def forward(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Logits [B, V] of the padded bucket; rows len(rows).. are padding."""
-        B, MB = self.bucket_for(len(rows), max(r.position // self.kv.block_size + 1 for r in rows))
+        need = max(r.position // self.kv.block_size + 1 for r in rows)
+        with_lora = any(r.adapter_slot >= 0 for r in rows)
+        graphed = self.use_graphs and not with_lora
+        B, MB = self.bucket_for(len(rows), need)
+        if not graphed:  # block counts are bucketed for graph replays only: an eager step reads no spare blocks
+            MB = need
         bucket = self.buckets.get((B, MB))
         if bucket is None:
             bucket = self.buckets[(B, MB)] = _Bucket(self, B, MB)
         self._fill(rows, B, MB)
-        with_lora = any(r.adapter_slot >= 0 for r in rows)
-        if self.use_graphs and not with_lora and not bucket.graph_failed:
+        if graphed and not bucket.graph_failed:
             if bucket.graph is None:
                 self._capture(bucket)
             if bucket.graph is not None:

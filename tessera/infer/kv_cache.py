@@ -2,7 +2,8 @@
 
 Slot s lives in block s // block_size at offset s % block_size; a sequence's keys are wherever its
 block table points. Storage is [num_blocks * block_size, heads, dim] per layer, so writing the
-new tokens of a step is one `index_copy_` and reading a sequence's context is one gather.
+new tokens of a step is one `index_copy_` and reading a sequence's context is one `index_select`
+of its blocks.
 
 With `int8=True` keys and values are stored as int8 with one fp32 scale per (slot, head):
 x ~= q * s, s = max|x| / 127 over the head dim (symmetric absmax quantisation). Memory per
@@ -71,12 +72,23 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slots_T, k_TGD.to(self.dtype))
         self.v[layer].index_copy_(0, slots_T, v_TGD.to(self.dtype))
 
-    def gather(self, layer: int, slots_NL: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the given slots: [N, L, G, D] each, in `dtype`."""
-        k, v = self.k[layer][slots_NL], self.v[layer][slots_NL]
+    def gather_blocks(self, layer: int, blocks_NM: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks: [N, M * block_size, G, D] each, in `dtype`; row n holds
+        the slots of blocks_NM[n] in order. One `index_select` of contiguous blocks per tensor: a
+        block is block_size * G * D values stored together, where a gather by slot would copy G * D
+        values per index and need block_size times the indices."""
+        N, M = blocks_NM.shape
+        flat = blocks_NM.reshape(-1)
+
+        def take(store: torch.Tensor) -> torch.Tensor:
+            per_block = store.view(self.num_blocks, -1)  # [blocks, block_size * G * D]
+            return per_block.index_select(0, flat).view(N, M * self.block_size, *store.shape[1:])
+
+        k, v = take(self.k[layer]), take(self.v[layer])
         if self.int8:
-            k = k.to(dtype) * self.k_scale[layer][slots_NL][..., None].to(dtype)
-            v = v.to(dtype) * self.v_scale[layer][slots_NL][..., None].to(dtype)
+            k = k.to(dtype) * take(self.k_scale[layer])[..., None].to(dtype)
+            v = v.to(dtype) * take(self.v_scale[layer])[..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
 
     def clear_blocks(self, blocks: list[int]) -> None:

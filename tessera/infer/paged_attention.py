@@ -7,9 +7,10 @@ own absolute position, so the rest of the model (projections, MLPs, MoE routing)
 object is the model's `AttentionCache` for one step and does that:
 
 1. write the step's keys/values into their slots (one `index_copy_` per layer);
-2. for each group of sequences, gather their whole context from the cache into padded
-   [N, L] tensors and run SDPA with a mask over absolute positions: key j is visible to query i
-   iff j <= i, i - j < window (sliding window) and j lies inside the sequence's context;
+2. for each group of sequences, gather the blocks of their whole context from the cache into
+   padded [N, L] tensors and run SDPA with an additive mask over absolute positions (built once
+   per step): key j is visible to query i iff j <= i, i - j < window (sliding window) and j lies
+   inside the sequence's context;
 3. scatter the outputs back to the packed order.
 
 Every index those steps use is built on the host when the batch is made and copied to the device
@@ -54,7 +55,7 @@ class _Group:
     valid_index: torch.Tensor | None  # [n_valid] where each valid query sits in the (n, s) flattened order
     valid: torch.Tensor  # [N, S] bool (CPU)
     q_pos: torch.Tensor  # [N, S] (CPU)
-    ctx_slots: torch.Tensor | None  # [N, L] cache slots of each context position (None: fresh prefill)
+    ctx_blocks: torch.Tensor | None  # [N, ceil(L / block_size)] blocks of each context (None: fresh prefill)
     k_valid: torch.Tensor | None  # [N, L] (CPU)
     masks: dict
 
@@ -102,22 +103,24 @@ class PagedAttentionBatch:
         q_pos = starts[:, None] + s_idx[None, :]
         max_blocks = max(len(m.block_table) for m in members)
         tables = torch.tensor([m.block_table + [0] * (max_blocks - len(m.block_table)) for m in members])
-        ctx_slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :L]  # [N, L]
-        slots_NS = ctx_slots.gather(1, q_pos.clamp(max=L - 1))
+        ctx_blocks = tables[:, :-(-L // bs)]
+        slots_NS = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1).gather(1, q_pos.clamp(max=L - 1))
         fresh = N == 1 and members[0].start == 0
         k_valid = None if fresh else torch.arange(L)[None, :] < (starts + lengths)[:, None]
         if N == 1:
             span = (offs[0], offs[0] + members[0].length)
-            ctx = None if fresh else self._to_device(ctx_slots)
+            ctx = None if fresh else self._to_device(ctx_blocks)
             return _Group(span, None, None, None, valid, q_pos, ctx, k_valid, {}), slots_NS
         q_index = torch.where(valid, torch.tensor(offs)[:, None] + s_idx[None, :], 0)
         valid_index = valid.flatten().nonzero().flatten()  # on the host, once per step
         return _Group(None, self._to_device(q_index[valid]), self._to_device(q_index.flatten()),
-                      self._to_device(valid_index), valid, q_pos, self._to_device(ctx_slots), k_valid, {}), slots_NS
+                      self._to_device(valid_index), valid, q_pos, self._to_device(ctx_blocks), k_valid, {}), slots_NS
 
-    def _mask(self, g: _Group, window: int | None) -> torch.Tensor | None:
-        """[N, 1, S, L] bool: causal over absolute positions, inside the context, inside the window.
-        None when nothing is masked (one query at the end of a context shorter than the window)."""
+    def _mask(self, g: _Group, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """[N, 1, S, L] additive, in the queries' dtype: 0 where key j is visible to query i (causal
+        over absolute positions, inside the context, inside the window), -inf elsewhere. None when
+        nothing is masked (one query at the end of a context shorter than the window). Built once
+        per step and window; SDPA would otherwise turn a boolean mask into this in every layer."""
         if window not in g.masks:
             L = g.k_valid.shape[1]
             if g.span is not None and g.q_pos.shape[1] == 1 and (window is None or window >= L):
@@ -129,8 +132,15 @@ class PagedAttentionBatch:
             if window is not None:
                 allowed &= diff < window
             allowed |= (~g.valid)[:, :, None] & (k_pos == 0)  # padding rows: no all-masked NaN rows
-            g.masks[window] = self._to_device(allowed[:, None])
+            bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            g.masks[window] = self._to_device(bias[:, None])
         return g.masks[window]
+
+    def _context(self, layer_id: int, g: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, L, G, D] of the group's contexts (their blocks, cut at L)."""
+        k, v = self.kv.gather_blocks(layer_id, g.ctx_blocks, dtype)
+        L = g.k_valid.shape[1]
+        return k[:, :L], v[:, :L]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
@@ -145,21 +155,23 @@ class PagedAttentionBatch:
             if g.span is not None:
                 a, b = g.span
                 q = q_BHSD[:, :, a:b]  # [1, H, S, D]
-                if g.ctx_slots is None:  # a chunk from position 0: its own keys are the whole context
+                if g.ctx_blocks is None:  # a chunk from position 0: its own keys are the whole context
                     o = causal_attention(q, k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], scale, window)
                 else:
-                    k, v = self.kv.gather(layer_id, g.ctx_slots, q.dtype)  # [1, L, G, D]
+                    k, v = self._context(layer_id, g, q.dtype)  # [1, L, G, D]
                     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                                       attn_mask=self._mask(g, window), scale=scale, enable_gqa=gqa)
+                                                       attn_mask=self._mask(g, window, q.dtype), scale=scale,
+                                                       enable_gqa=gqa)
                 if whole:
                     return o
                 out_THD[a:b] = o[0].transpose(0, 1)
                 continue
-            k_NLGD, v_NLGD = self.kv.gather(layer_id, g.ctx_slots, q_THD.dtype)
+            k_NLGD, v_NLGD = self._context(layer_id, g, q_THD.dtype)
             N, S = g.valid.shape
             q_NHSD = q_THD.index_select(0, g.q_index).unflatten(0, (N, S)).transpose(1, 2)
             o = F.scaled_dot_product_attention(q_NHSD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2),
-                                               attn_mask=self._mask(g, window), scale=scale, enable_gqa=gqa)
+                                               attn_mask=self._mask(g, window, q_THD.dtype), scale=scale,
+                                               enable_gqa=gqa)
             o_flat = o.transpose(1, 2).flatten(0, 1)  # [N * S, H, D], (n, s) order
             out_THD.index_copy_(0, g.rows, o_flat.index_select(0, g.valid_index))
         return out_THD.transpose(0, 1)[None]

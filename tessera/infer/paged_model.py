@@ -65,10 +65,16 @@ class PagedModel:
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
         items go through the static-shape decode step, up to its largest bucket; the rest are
-        packed into one ragged batch (`forward`). Packed rows come first, then the decodes."""
+        packed into one ragged batch (`forward`). Packed rows come first, then the decodes. When
+        the decode step would not replay a CUDA graph and the step holds a longer item (a prompt
+        chunk, drafts to verify), the decodes join it in the packed batch: one pass over the
+        weights per step instead of two (the packed step attends a group of one-token queries over
+        their blocks as the decode step does)."""
         decoder = self.decoder
         single = [i for i, it in enumerate(items) if len(it.tokens) == 1] if decoder is not None else []
         single = single[:decoder.max_batch] if single else []
+        if single and not decoder.use_graphs and any(len(it.tokens) > 1 for it in items):
+            single = []
         chosen = set(single)
         packed = [i for i in range(len(items)) if i not in chosen]
         offsets, t = [0] * len(items), 0
