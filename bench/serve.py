@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.stream_client import free_port, one_request, percentile  # noqa: E402
 from tessera.config.model import ModelConfig  # noqa: E402
 from tessera.data.corpus import select_stdlib_files  # noqa: E402
 from tessera.hf import save_pretrained  # noqa: E402
@@ -181,12 +181,6 @@ class InProcessEngine(HFGenerate):
 
 
 # ---- servers and clients ------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, model_dir: Path, extra: list[str], threads: int, log: Path):
         self.port = free_port()
@@ -224,33 +218,6 @@ class Server:
         return float(m.group(1)) if m else float("nan")
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, deadline: float) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body,
-                             timeout=max(1.0, deadline - time.monotonic())) as r:
-        if r.status_code != 200:
-            return {"ok": False, "status": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-    end = time.perf_counter()
-    if first is None:
-        return {"ok": False, "status": "no tokens"}
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"ok": True, "ttft": first - t0, "tpot": tpot, "latency": end - t0, "tokens": tokens}
-
-
 async def load_test(url: str, prompts: list[str], concurrency: int, max_tokens: int, seconds: float) -> dict:
     deadline = time.monotonic() + seconds
     queue = list(reversed(prompts))
@@ -259,7 +226,8 @@ async def load_test(url: str, prompts: list[str], concurrency: int, max_tokens: 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while queue and time.monotonic() < deadline:
             try:
-                records.append(await one_request(client, queue.pop(), max_tokens, deadline))
+                records.append(await one_request(client, queue.pop(), max_tokens,
+                                                  max(1.0, deadline - time.monotonic())))
             except httpx.HTTPError as e:
                 records.append({"ok": False, "status": type(e).__name__})
 
@@ -270,10 +238,8 @@ async def load_test(url: str, prompts: list[str], concurrency: int, max_tokens: 
 
 
 def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return round(v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))], 5)
+    p = percentile(values, q)
+    return None if p is None else round(p, 5)
 
 
 def summarize(records: list[dict], wall: float, concurrency: int) -> dict:

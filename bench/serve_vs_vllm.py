@@ -45,13 +45,16 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stream_client import free_port, one_request, percentile  # noqa: E402
+
 ORDER = ("tessera", "vllm", "vllm", "tessera")  # A B B A
 INSTALL = ("vLLM is not installed for this benchmark. Install its CPU build in a venv of its own:\n"
            "  python3.11 -m venv /opt/vllm-venv\n"
@@ -120,12 +123,6 @@ def prefix_requests(ids: list[int], n: int, prefix_tokens: int, suffix_range: tu
 
 
 # ---- servers ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """An OpenAI-compatible server in a subprocess, serving the model as "bench", up for the `with`."""
 
@@ -182,32 +179,6 @@ def vllm_server(args, port: int, log: Path) -> ServerProcess:
 
 
 # ---- the client ---------------------------------------------------------------------------------
-async def one_request(client, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: TTFT (to the first chunk with text), TPOT (the rest over the tokens
-    after the first) and the completion tokens the server counted."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"ok": False, "status": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-    if first is None or tokens != max_tokens:
-        return {"ok": False, "status": f"{tokens} of {max_tokens} tokens"}
-    return {"ok": True, "ttft": first - t0, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None,
-            "tokens": tokens}
-
-
 async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: int, timeout: float) -> dict:
     """`concurrency` clients, each sending the next request of the list as soon as its previous
     one has finished."""
@@ -220,7 +191,10 @@ async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: in
         while todo:
             prompt, max_tokens = todo.pop()
             try:
-                records.append(await one_request(client, prompt, max_tokens))
+                record = await one_request(client, prompt, max_tokens)
+                if record["ok"] and record["tokens"] != max_tokens:
+                    record = {"ok": False, "status": f"{record['tokens']} of {max_tokens} tokens"}
+                records.append(record)
             except httpx.HTTPError as e:
                 records.append({"ok": False, "status": type(e).__name__})
 
@@ -230,14 +204,6 @@ async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: in
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return summarize(records, time.perf_counter() - t0, concurrency, (load_before, os.getloadavg()[0]))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank) of `values`; None for none."""
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, -(-len(v) * q // 100) - 1))]
 
 
 def summarize(records: list[dict], wall: float, concurrency: int, load: tuple[float, float]) -> dict:
@@ -376,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
     if version is None:
         print(f"skipped: no python with vLLM (--vllm-python {args.vllm_python!r})\n{INSTALL}", file=sys.stderr)
         return 0
-    sys.path.insert(0, str(ROOT))
     if not (args.model / "config.json").exists():
         if not args.build_model:
             print(f"{args.model} holds no config.json (--build-model writes the benchmark's model there)",
