@@ -16,7 +16,8 @@ pid, IPC and UTS namespace and forks the new pid namespace's init (pid 1), which
 
 1. makes every mount private and remounts each one read-only (keeping its locked nosuid / nodev /
    noexec / atime flags), then mounts a fresh /proc (only the namespace's processes) and a tmpfs
-   of `scratch_bytes` on /tmp, the program's working directory: the only place it can write;
+   of `scratch_bytes` on /tmp (or, where the interpreter lives under /tmp, the first of /var/tmp,
+   /dev/shm, /mnt that holds none of it), the program's working directory: the only place it can write;
 2. forks the program (pid 2) with rlimits (CPU seconds, address space, file size, open files,
    processes, no core dumps), its capabilities in the namespace dropped for good (securebits
    NOROOT, empty bounding set, no_new_privs), so that it cannot undo a mount, and stdin / stdout /
@@ -62,7 +63,10 @@ PR_SET_CHILD_SUBREAPER = 36
 # SECBIT_NOROOT (+ locked): execve gives uid 0 no capabilities; NO_SETUID_FIXUP and KEEP_CAPS locked
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
-SCRATCH = "/tmp"
+# Where the scratch tmpfs is mounted: the first of these directories that exists and holds none of
+# the interpreter's files (a checkout under /tmp keeps its virtual environment there, which a tmpfs on
+# /tmp would hide from the program's own interpreter)
+SCRATCH_POINTS = ("/tmp", "/var/tmp", "/dev/shm", "/mnt")
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_V1_PIDS = "/sys/fs/cgroup/pids"
 CGROUP_PREFIX = "tessera-sandbox-"  # + the pid of the process that made it
@@ -138,8 +142,21 @@ def _mounts() -> list[tuple[str, set[str]]]:
     return out
 
 
-def _read_only_world(scratch_bytes: int) -> None:
-    """Every mount private and read-only; a fresh /proc; a tmpfs on SCRATCH. A mount that stays
+def scratch_point() -> str:
+    """The directory the scratch tmpfs covers: the first of SCRATCH_POINTS that exists and does not
+    hold the interpreter, its environment or its standard library."""
+    needed = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    needed.add(os.path.abspath(sys.executable))
+    for point in SCRATCH_POINTS:
+        inside = [p for p in needed if p == point or p.startswith(point + os.sep)]
+        if os.path.isdir(point) and not os.path.islink(point) and not inside:
+            return point
+    raise OSError(f"no directory for the scratch tmpfs: each of {', '.join(SCRATCH_POINTS)} is missing or holds "
+                  f"the interpreter ({sys.executable})")
+
+
+def _read_only_world(scratch: str, scratch_bytes: int) -> None:
+    """Every mount private and read-only; a fresh /proc; a tmpfs on `scratch`. A mount that stays
     writable stops the run (the caller gets "unavailable", never an unconfined program)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     for point, options in _mounts():
@@ -155,7 +172,7 @@ def _read_only_world(scratch_bytes: int) -> None:
     if writable:
         raise OSError(f"mounts still writable in the sandbox: {writable[:5]}")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-    _mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_bytes},mode=0700")
+    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_bytes},mode=0700")
 
 
 def _limit(request: dict) -> None:
@@ -267,11 +284,12 @@ def _namespace_init(request: dict) -> None:
     """Pid 1 of the new pid namespace: the read-only world, then the program. Its exit ends them all."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     try:
-        _read_only_world(request["scratch_bytes"])
+        scratch = scratch_point()
+        _read_only_world(scratch, request["scratch_bytes"])
     except OSError as e:
         _emit("unavailable", str(e))
         os._exit(0)
-    _run_program(request, SCRATCH, isolate=True)
+    _run_program(request, scratch, isolate=True)
     os._exit(0)
 
 

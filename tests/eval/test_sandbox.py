@@ -205,3 +205,18 @@ def test_tessera_eval_refuses_humaneval_before_loading_a_model_without_a_sandbox
     lines = cli.stderr.strip().splitlines()
     assert lines[-1].startswith("tessera eval: error: cannot sandbox generated code here")
     assert "--allow-unsandboxed-code" in lines[-1]
+
+
+def test_the_scratch_tmpfs_never_hides_the_interpreter(monkeypatch):
+    """A checkout under /tmp keeps its virtual environment there; a tmpfs on /tmp would hide the
+    program's own interpreter, and every program would fail without a word."""
+    from tessera.eval import sandbox_init
+
+    assert sandbox_init.scratch_point() == "/tmp" or sys.executable.startswith("/tmp/")
+    monkeypatch.setattr(sandbox_init.sys, "executable", "/tmp/ci/main/.venv/bin/python")
+    monkeypatch.setattr(sandbox_init.sys, "prefix", "/tmp/ci/main/.venv")
+    point = sandbox_init.scratch_point()
+    assert point != "/tmp" and point in sandbox_init.SCRATCH_POINTS
+    monkeypatch.setattr(sandbox_init, "SCRATCH_POINTS", ("/tmp",))
+    with pytest.raises(OSError, match="holds the interpreter"):
+        sandbox_init.scratch_point()
