@@ -61,8 +61,9 @@ STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def layout_signature(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    """What decides which rank holds what: the world size and the parallel section."""
-    return {"world_size": world_size, "parallel": dataclasses.asdict(cfg.parallel)}
+    """What decides which rank holds what: the world size and the parallel section, as meta.json
+    gives it back (tuple fields such as parallel.recompute_save read back as lists)."""
+    return json.loads(json.dumps({"world_size": world_size, "parallel": dataclasses.asdict(cfg.parallel)}))
 
 
 def model_and_optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
