@@ -163,7 +163,7 @@ def test_a_failure_that_repeats_at_the_same_step_stops_the_job(small_dataset, tm
     job = _Job(["tessera", "train", TINY_DENSE, *set_args(shrink(small_dataset, run, 8, **diverge)),
                 "--nproc", "2", "--max-restarts", "3"])
     assert job.finish() == 1, job.text()[-3000:]
-    events = read_events(run)
+    events = [e for e in read_events(run) if e["event"].startswith("restart")]  # a loaded machine adds stragglers
     assert [e["event"] for e in events] == ["restart", "restart_refused"], events
     assert events[0]["step"] == events[1]["step"] == 4 and events[1]["reason"] == "repeated at the same step"
     assert "train.skip_nonfinite=false" in events[0]["cause"], events
