@@ -227,7 +227,9 @@ def _run_attempt(nproc: int, command: Sequence[str], base: dict[str, str], resta
     failed: list[int] = []  # ranks in the order their failure was seen, before any was stopped
     try:
         first_failure_at = None
-        while any(p.poll() is None for p in job.procs):
+        # Every rank is polled each time (a list, not a short-circuiting `any` over a generator): a rank
+        # that died is seen even while a rank before it waits in a collective for it.
+        while None in [p.poll() for p in job.procs]:
             # Asked to stop, every rank finishes its step and saves: wait for all of them. Else a
             # failure gives the other ranks FAILURE_GRACE_S to report their own before they are stopped.
             if not job.forwarded:

@@ -123,6 +123,7 @@ def test_ranks_killed_at_random_steps_restart_and_end_bit_identical(small_datase
     each step once with the loss of an uninterrupted run, and its final checkpoint (weights, Adam's
     moments, data position, every rank's RNG) equals that run's bit for bit."""
     seed = int(os.environ.get("TESSERA_TEST_SEED", random.randrange(2**31)))
+    print(f"TESSERA_TEST_SEED={seed}")  # shown with a failure, a hang-guard timeout's included
     rng = random.Random(seed)
     steps, interval = 12, rng.choice([1, 2])
     # Kills two or more steps apart: a rank is killed during the step it was seen to log or the next,
