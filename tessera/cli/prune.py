@@ -10,24 +10,27 @@ import argparse
 from tessera.config.argument_types import int_in
 from tessera.config.limits import MAX_EXPERTS, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS
 
+# The explicit sizes: option, largest value, metavar, help. None keeps the source's (or leaves it to the search).
+SIZE_OPTIONS = [
+    ("--layers", MAX_LAYERS, "K", "keep the K layers whose output differs most from their input (None: all)"),
+    ("--ffn-hidden-size", MAX_FFN_DIM, "F",
+     "keep the F FFN channels of largest mean |activation| in each dense layer (None: all)"),
+    ("--num-heads", MAX_HEADS, "H", "query heads to keep, a multiple of the KV groups kept (None: the source's, or "
+     "with --num-kv-heads the source's heads per group times the groups kept)"),
+    ("--num-kv-heads", MAX_HEADS, "G", "KV groups to keep, each with its query heads (None: the source's)"),
+    ("--experts", MAX_EXPERTS, "E",
+     "MoE: keep the E most routed experts of each MoE layer, at least top_k (None: all)"),
+]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a HuggingFace model directory of a family Tessera supports")
     p.add_argument("dst", help="the new directory to write the pruned model to (HuggingFace, same family)")
     p.add_argument("--target-params", type=int_in(1, 2**62), default=None, metavar="N",
-                   help="shrink the sizes not given below to at most N parameters: dense FFN to 1/2, experts to 1/2, "
-                        "then layers, then FFN to 1/16 and experts to top_k (None: only the sizes given)")
-    p.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=None, metavar="K",
-                   help="keep the K layers whose output differs most from their input (None: all)")
-    p.add_argument("--ffn-hidden-size", type=int_in(1, MAX_FFN_DIM), default=None, metavar="F",
-                   help="keep the F FFN channels of largest mean |activation| in each dense layer (None: all)")
-    p.add_argument("--num-heads", type=int_in(1, MAX_HEADS), default=None, metavar="H",
-                   help="query heads to keep, a multiple of the KV groups kept (None: the source's, or with "
-                        "--num-kv-heads the source's heads per group times the groups kept)")
-    p.add_argument("--num-kv-heads", type=int_in(1, MAX_HEADS), default=None, metavar="G",
-                   help="KV groups to keep, each with its query heads (None: the source's)")
-    p.add_argument("--experts", type=int_in(1, MAX_EXPERTS), default=None, metavar="E",
-                   help="MoE: keep the E most routed experts of each MoE layer, at least top_k (None: all)")
+                   help="shrink the sizes not given explicitly to at most N parameters: dense FFN to 1/2, experts to "
+                        "1/2, then layers, then FFN to 1/16 and experts to top_k (None: only the sizes given)")
+    for option, top, metavar, text in SIZE_OPTIONS:
+        p.add_argument(option, type=int_in(1, top), default=None, metavar=metavar, help=text)
     p.add_argument("--calibration", action="append", default=None, metavar="DATA",
                    help="text / JSONL files or directories whose text ranks the parts (repeatable; None: the bundled "
                         "corpus, the Python standard library's source)")

@@ -1,8 +1,8 @@
 """What each prunable part of a model contributes, measured on calibration sequences.
 
 One forward pass per batch of calibration sequences, with hooks, gathers (Minitron's activation-
-based importance, Muralidharan et al. 2024, arXiv 2407.14679, section 2.2; ShortGPT's block influence,
-Men et al. 2024, arXiv 2403.03853, equation 3):
+based importance, Muralidharan et al. 2024, arXiv 2407.14679; the layer measure is ShortGPT's block
+influence, Men et al. 2024, arXiv 2403.03853):
 
 - a layer's importance: the mean over tokens of the cosine distance `1 - cos(x, f(x))` between the
   hidden state entering the block and the one leaving it. A block that leaves its input as it was

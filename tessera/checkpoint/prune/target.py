@@ -10,8 +10,8 @@ parameters (counted from its config: tessera/models/counting.py, the count of th
 4. the dense FFN hidden size again, down to 1/16 of the source's;
 5. the routed experts again, down to top_k.
 
-Width goes first because Minitron (Muralidharan et al. 2024, arXiv 2407.14679, section 4) found
-width pruning keeps more of a model's accuracy than depth pruning at the same size. Attention heads
+Width goes first because Minitron (Muralidharan et al. 2024, arXiv 2407.14679) found width pruning
+keeps more of a model's accuracy than depth pruning at the same size. Attention heads
 are pruned only when asked (--num-heads / --num-kv-heads). Which layers a step drops is the
 measured importance's choice (selection.py), so the count of a candidate is exact for MoE models
 whose dense and MoE layers differ in size.
