@@ -276,3 +276,15 @@ def test_every_family_prunes_to_a_directory_transformers_and_tessera_agree_on(fa
     with torch.no_grad():
         torch.testing.assert_close(load_pretrained(tmp_path / "dst")(_tokens()).logits, hf(_tokens()).logits,
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_a_bf16_source_stays_bf16_and_keeps_its_generation_config(llama, tmp_path, calibration):
+    src = tmp_path / "bf16"
+    _hf(llama).to(torch.bfloat16).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_bytes((llama / name).read_bytes())
+    prune(src, tmp_path / "dst", PruneSizes(layers=3), calibration=[calibration], **CALIBRATION)
+    before, after = _weights(src), _weights(tmp_path / "dst")
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert (tmp_path / "dst" / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
