@@ -34,18 +34,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     `layout` (`parallel.K=V` overrides, HF -> Tessera only) cuts the checkpoint's chunks into the
     shards of that layout without loading the whole model (dcp/layout.py).
     """
-    if Path(src).resolve() == Path(dst).resolve():
-        raise CheckpointError(f"convert: destination {str(dst)!r} is the source; choose another directory")
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
-    if Path(dst).exists() and not Path(dst).is_dir():
-        raise CheckpointError(f"convert: destination {str(dst)!r} is a file; give a new directory")
-    if Path(dst).exists() and any(Path(dst).iterdir()):
-        raise CheckpointError(f"convert: destination {str(dst)!r} is not empty; choose a new directory "
-                              "(converting into a run's checkpoints would take over its `latest`)")
-    if not os.access(_nearest_existing(Path(dst)), os.W_OK):
-        raise CheckpointError(f"convert: destination {str(dst)!r} cannot be written (read-only or no "
-                              "permission); choose a writable directory")
+    check_new_destination("convert", src, dst)
     created = not Path(dst).exists()
     try:
         return _convert(src, dst, dtype, tokenizer, layout)
@@ -79,6 +70,21 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokeniz
     found = ckpt.resolve_checkpoint(src)  # saved under any layout; read one shard file at a time
     export_checkpoint_to_hf(found, dst, dtype=DTYPES[dtype], tokenizer=tokenizer or trained_tokenizer(found))
     return "huggingface", Path(dst)
+
+
+def check_new_destination(command: str, src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Refuse (CheckpointError) a destination that is the source, a file, a non-empty directory, or
+    cannot be written: `command` writes a whole new directory there."""
+    if Path(src).resolve() == Path(dst).resolve():
+        raise CheckpointError(f"{command}: destination {str(dst)!r} is the source; choose another directory")
+    if Path(dst).exists() and not Path(dst).is_dir():
+        raise CheckpointError(f"{command}: destination {str(dst)!r} is a file; give a new directory")
+    if Path(dst).exists() and any(Path(dst).iterdir()):
+        raise CheckpointError(f"{command}: destination {str(dst)!r} is not empty; choose a new directory "
+                              "(writing into a run's checkpoints would take over its `latest`)")
+    if not os.access(_nearest_existing(Path(dst)), os.W_OK):
+        raise CheckpointError(f"{command}: destination {str(dst)!r} cannot be written (read-only or no "
+                              "permission); choose a writable directory")
 
 
 def _nearest_existing(path: Path) -> Path:
