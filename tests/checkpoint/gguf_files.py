@@ -6,8 +6,8 @@ and the matrices in the types under test (cycled through, so one file holds them
 can quantize (`gguf.quants.quantize`: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) quantize the
 model's weights; for the K-quants, which gguf can only dequantize, the blocks are random bytes
 with their fp16 scale fields set to small finite values (`random_k_blocks`): every bit pattern of
-the rest of a block is a valid block, and both loaders under test read the same blocks. LLaMA's query/key rows are stored permuted, as
-llama.cpp stores them.
+the rest of a block is a valid block, and both loaders under test read the same blocks. LLaMA's
+query/key rows are stored permuted, as llama.cpp stores them.
 """
 
 from __future__ import annotations
