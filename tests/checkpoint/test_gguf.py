@@ -118,7 +118,10 @@ def test_bad_files_are_config_errors_naming_the_problem(tmp_path, q8_llama):
     }
     for bad, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            load_model(bad)
+            load_model(bad) if bad.suffix == ".gguf" and not bad.is_dir() else GGUFFile.open(bad)
+    renamed = tmp_path / "model.bin"  # a GGUF file is one by its first bytes, whatever its name
+    renamed.write_bytes(path.read_bytes())
+    assert load_model(renamed).model.cfg.family == "llama"
 
 
 def test_unknown_architecture_and_tensor_type_are_refused_by_name(tmp_path):

@@ -64,10 +64,11 @@ def gguf_module():
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
-    """A path that names a GGUF file: one ending in .gguf (existing or not, so a missing one is said
-    as such), or a file that starts with GGUF's magic bytes."""
+    """A path that names a GGUF file: one ending in .gguf that is not a directory (existing or not,
+    so a missing one is said as such), or a file that starts with GGUF's magic bytes. A directory
+    is never one (a model directory may be named anything)."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
         return True
     if not path.is_file():
         return False
