@@ -146,3 +146,12 @@ def test_a_missing_gguf_package_is_named(q8_llama, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
     with pytest.raises(ConfigError, match="needs the gguf package: pip install gguf"):
         load_gguf(path)
+
+
+def test_a_missing_transformers_package_is_named_for_the_tokenizer(q8_llama, monkeypatch):
+    from tessera.checkpoint.gguf import gguf_tokenizer
+
+    path, _ = q8_llama
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ConfigError, match="tokenizer needs the transformers package: pip install transformers"):
+        gguf_tokenizer(path)
