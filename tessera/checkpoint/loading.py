@@ -2,13 +2,15 @@
 
     loaded = load_model(path, dtype=torch.bfloat16)   # loaded.model, loaded.quantized, loaded.run_config
     source = trained_tokenizer(path)                  # where its tokenizer is; tessera.data.load_tokenizer reads it
+    tokenizer = model_tokenizer(path)                 # the Tokenizer itself (a GGUF file's too), or None
 
-Three kinds of directory hold a model:
+Three kinds of directory, and one kind of file, hold a model:
 - a pre-quantized int8 directory (checkpoint/int8.py: config.json + int8 weights + the list of
   quantized layers);
 - a HuggingFace model directory (config.json + safetensors) of a supported family (hf/load.py);
 - a Tessera checkpoint: `step_N/` with DCP files and meta.json, a `checkpoints/` root or a run
-  directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset).
+  directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset);
+- a GGUF file (gguf/: llama.cpp's format, dequantized at load), whose tokenizer is in its metadata.
 `tessera generate` and serving load through here.
 """
 
@@ -22,10 +24,12 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
+from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
 from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import is_hf_directory, read_json_object
+from tessera.data.tokenizer import load_tokenizer
 from tessera.models.transformer import Transformer
 
 
@@ -46,8 +50,13 @@ def _tessera_checkpoint(path: Path) -> Path | None:
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> LoadedModel:
-    """The model in a pre-quantized directory, a HuggingFace directory or a Tessera checkpoint."""
+    """The model in a pre-quantized directory, a HuggingFace directory, a Tessera checkpoint or a
+    GGUF file."""
     path = Path(path)
+    if is_gguf_path(path):
+        from tessera.checkpoint.gguf.load import load_gguf
+
+        return LoadedModel(load_gguf(path, dtype, device), None, None)
     if not path.exists():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_quantized_dir(path):
@@ -79,6 +88,17 @@ def trained_tokenizer(path: str | os.PathLike) -> str | None:
         raise CheckpointError(f"checkpoint {str(path)!r}: data.tokenizer={source!r} in its meta.json is invalid: "
                               "must be a tokenizer path")
     return "default" if source is None else source
+
+
+def model_tokenizer(path: str | os.PathLike):
+    """The `tessera.data.Tokenizer` a model comes with, or None when it has none: a GGUF file's
+    own (its metadata), else what `trained_tokenizer` names."""
+    if is_gguf_path(path):
+        from tessera.checkpoint.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    source = trained_tokenizer(path)
+    return None if source is None else load_tokenizer(source)
 
 
 def eos_token_ids(path: str | os.PathLike, tokenizer, vocab_size: int) -> set[int]:

@@ -4,9 +4,10 @@
     tessera preprocess INPUT ... --output PREFIX      (or --bundled: prepare the stdlib corpus)
     tessera generate CHECKPOINT --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S]
     tessera convert SRC DST [--set parallel.K=V ...] (HuggingFace directory <-> Tessera checkpoint, tokenizer included;
-                                                      --set: the checkpoint's chunks are that layout's shards)
+                                                      --set: the checkpoint's chunks are that layout's shards;
+                                                      MODEL.gguf -> HuggingFace directory)
     tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
-    tessera serve MODEL_DIR [--port P]               (OpenAI-compatible HTTP server)
+    tessera serve MODEL_DIR|MODEL.gguf [--port P]    (OpenAI-compatible HTTP server)
     tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
                                                      (held-out loss, HumanEval, lm-evaluation-harness tasks)
     tessera prune SRC DST [--target-params N] [--layers K --ffn-hidden-size F --num-heads H --num-kv-heads G

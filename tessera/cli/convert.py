@@ -1,6 +1,6 @@
 """`tessera convert SRC DST [--dtype D] [--tokenizer T] [--set parallel.K=V ...]`: a HuggingFace
-directory <-> a Tessera checkpoint, tokenizer included; with `--set`, the checkpoint's chunks are
-that layout's shards."""
+directory <-> a Tessera checkpoint, or a GGUF file -> a HuggingFace directory, tokenizer included;
+with `--set`, the checkpoint's chunks are that layout's shards."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a HuggingFace model directory, or a Tessera run directory / checkpoint")
+    p.add_argument("src", help="a HuggingFace model directory, a Tessera run directory / checkpoint, or a GGUF file "
+                                "(MODEL.gguf, written as a HuggingFace directory)")
     p.add_argument("dst", help="the directory to write (the other format)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
                         "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "
-                        "HuggingFace directory's own")
+                        "HuggingFace directory's own / the GGUF file's own")
     p.add_argument("--set", dest="layout", action="append", default=[], metavar="parallel.KEY=VALUE",
                    help="HuggingFace -> Tessera: write the checkpoint cut into the shards of this parallel layout, "
                         "e.g. --set parallel.tp=2 --set parallel.dp_shard=4 (repeatable; parallel.* keys only; "

@@ -15,7 +15,7 @@ from tessera.config.limits import MAX_SEQ_LEN
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint",
-                   help="a run directory, a Tessera checkpoint, or a HuggingFace model directory")
+                   help="a run directory, a Tessera checkpoint, a HuggingFace model directory or a GGUF file")
     p.add_argument("--prompt", required=True, type=text, help="text to continue")
     p.add_argument("--max-new-tokens", type=int_in(0, MAX_SEQ_LEN), default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy; > 0 samples")
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling seed, for repeatable samples (None: a fresh random seed, printed on stderr)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer file or directory (None: the run's data.tokenizer for a Tessera run, the "
-                        "directory's own for a HuggingFace one)")
+                        "directory's own for a HuggingFace one, the file's own for a GGUF file)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole prefix every step instead of using the serving engine's KV cache "
                         "(slow: a check of the cached output)")
@@ -56,17 +56,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.loading import load_model, trained_tokenizer
+    from tessera.checkpoint.loading import load_model, model_tokenizer
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate
 
-    source = args.tokenizer or trained_tokenizer(args.checkpoint)
-    if source is None:
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.checkpoint)
+    if tokenizer is None:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
                               "copy the model's tokenizer files into it")
     model = load_model(args.checkpoint).model
-    tokenizer = load_tokenizer(source)
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)
         print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)

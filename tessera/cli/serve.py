@@ -1,4 +1,4 @@
-"""`tessera serve MODEL_DIR [--port P] [--host 127.0.0.1] [--api-key K] ...`: the OpenAI-compatible
+"""`tessera serve MODEL_DIR|MODEL.gguf [--port P] [--host 127.0.0.1] [--api-key K] ...`: the OpenAI-compatible
 HTTP server (`tessera.infer.server`) in front of the engine thread, until interrupted.
 
 The defaults are the safe ones: bound to 127.0.0.1 and answering only loopback Host names, request
@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _http_arguments(p: argparse.ArgumentParser) -> None:
     """What is served, where, and to whom."""
-    p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory "
-                                     "or Tessera run directory / checkpoint")
+    p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory, "
+                                     "Tessera run directory / checkpoint, or GGUF file (MODEL.gguf: dequantized "
+                                     "into --dtype at load)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port to listen on, 0..65535 (0: any free one)")
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"), type=text,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.loading import eos_token_ids, load_model, trained_tokenizer
+from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer, trained_tokenizer
 from tessera.config.errors import ConfigError
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
@@ -267,9 +267,8 @@ def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None
     none (then only token-id prompts work). For a Tessera checkpoint (`run_cfg`, its stored run
     configuration) a tokenizer that cannot be read is None too: the one the run named may be gone
     from this machine, or the bundled one absent from a source checkout."""
-    if run_cfg is None:  # a model directory: its own tokenizer.json, or none
-        source = trained_tokenizer(path)
-        return None if source is None else load_tokenizer(source)
+    if run_cfg is None:  # a model directory (its own tokenizer.json, or none) or a GGUF file (its metadata's)
+        return model_tokenizer(path)
     try:
         return load_tokenizer(trained_tokenizer(path))
     except Exception:  # noqa: BLE001 - any unreadable tokenizer: serve token ids only

@@ -1,0 +1,200 @@
+"""Reading a GGUF file (llama.cpp's format) as a HuggingFace config and HuggingFace-named float tensors.
+
+    found = GGUFFile.open("SmolLM2-135M-Instruct.Q4_1.gguf")
+    found.hf_config                         # {"model_type": "llama", "hidden_size": 576, ...}
+    for hf_name, tensor in found.tensors(): # float32, dequantized, llama.cpp's row order undone
+        ...
+
+The file is read with the `gguf` package (llama.cpp's own reader; a dev/optional dependency,
+imported only here). What it holds is untrusted input: a file that is not GGUF, a truncated one,
+an architecture or a tensor type Tessera does not read, or metadata that is missing a field is one
+ConfigError naming the file and what is allowed (the CLI exits 2).
+
+Three things differ from a HuggingFace checkpoint:
+- Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight`, taken from gguf's own
+  name tables (`gguf.get_tensor_name_map`), so no table is kept here.
+- Values: quantized blocks (Q8_0, Q4_K, ...), dequantized with gguf's `quants.dequantize` into
+  float32. The model then holds plain float weights: nothing stays quantized in memory.
+- Row order: llama.cpp's converter reorders the rows of every LLaMA-architecture query and key
+  projection (HuggingFace stores RoPE's two halves of a head apart; GGML's RoPE wants each pair
+  adjacent), `permute` below undoes it. Qwen2 files are stored in HuggingFace's order.
+
+Mistral has no GGUF architecture of its own: llama.cpp writes Mistral models as `llama`, and they
+load as the llama family (without a sliding window, as llama.cpp runs them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.config.errors import ConfigError
+
+MAGIC = b"GGUF"
+
+# GGUF architecture -> the Tessera family (HuggingFace model_type) it loads as, and whether
+# llama.cpp permuted its query/key rows.
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+# Tensor types read (each covered by tests/checkpoint/test_gguf.py); gguf's dequantize reads them all.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# `{arch}.KEY` metadata -> config.json field; the required ones first.
+_REQUIRED = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+             "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+             "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+_OPTIONAL = {"attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
+             "rope.freq_base": "rope_theta", "vocab_size": "vocab_size"}
+# Metadata that changes the model's numerics in ways the families here do not read from GGUF.
+_REFUSED = ("rope.scaling.type", "rope.scaling.factor", "attention.sliding_window", "expert_count")
+
+
+def gguf_module():
+    """The `gguf` package, or ConfigError saying how to install it."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConfigError("reading a GGUF file needs the gguf package: pip install gguf (or 'tessera[dev]')") from e
+    return gguf
+
+
+def is_gguf_path(path: str | os.PathLike) -> bool:
+    """A path that names a GGUF file: one ending in .gguf that is not a directory (existing or not,
+    so a missing one is said as such), or a file that starts with GGUF's magic bytes. A directory
+    is never one (a model directory may be named anything)."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return True
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HuggingFace's row order of a query/key projection (weight [heads*hd, in] or bias [heads*hd])
+    from llama.cpp's: within each head llama.cpp interleaves the rows of RoPE's first and second
+    halves (row 2i is half 0's row i, row 2i+1 half 1's row i); this puts the halves back apart."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass
+class GGUFFile:
+    """An opened GGUF file of a supported architecture: its HuggingFace config and its tensors."""
+
+    path: Path
+    architecture: str
+    hf_config: dict[str, Any]
+    reader: Any  # gguf.GGUFReader
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> GGUFFile:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"GGUF file {str(path)!r} {'is a directory' if path.is_dir() else 'does not exist'}; "
+                              "give the path of a .gguf file")
+        with open(path, "rb") as f:
+            if f.read(4) != MAGIC:
+                raise ConfigError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        gguf = gguf_module()
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct errors, IndexError... on a bad file
+            raise ConfigError(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e}); it may be "
+                              "truncated or damaged") from None
+        arch = _field(reader, "general.architecture", path)
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{str(path)!r}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+        found = cls(path, arch, {}, reader)
+        found._check_tensor_types()
+        found.hf_config = found._config()
+        return found
+
+    def _check_tensor_types(self) -> None:
+        for t in self.reader.tensors:
+            if t.tensor_type.name not in TENSOR_TYPES:
+                raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
+                                  f"which Tessera does not read; supported: {', '.join(TENSOR_TYPES)}")
+
+    def _config(self) -> dict[str, Any]:
+        """config.json's fields, as transformers' GGUF loader makes them for this architecture."""
+        arch, fields = self.architecture, self.reader.fields
+        for key in _REFUSED:
+            if f"{arch}.{key}" in fields:
+                raise ConfigError(f"{str(self.path)!r}: metadata {arch}.{key} is not supported (Tessera reads "
+                                  f"GGUF {', '.join(ARCHITECTURES)} models without RoPE scaling, sliding windows "
+                                  "or experts)")
+        d: dict[str, Any] = {"model_type": ARCHITECTURES[arch][0]}
+        for key, name in _REQUIRED.items():
+            d[name] = _field(self.reader, f"{arch}.{key}", self.path)
+        for key, name in _OPTIONAL.items():
+            if f"{arch}.{key}" in fields:
+                d[name] = _field(self.reader, f"{arch}.{key}", self.path)
+        d.setdefault("rope_theta", 10000.0)  # llama.cpp's and transformers' default
+        if arch == "llama":  # transformers takes LLaMA's head_dim from the RoPE dimension
+            dims = f"{arch}.rope.dimension_count"
+            d["head_dim"] = _field(self.reader, dims, self.path) if dims in fields else \
+                d["hidden_size"] // d["num_attention_heads"]
+        if "vocab_size" not in d:  # older files: the vocabulary's length
+            d["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in fields else \
+                _field(self.reader, f"{arch}.vocab_size", self.path)
+        d["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
+        for gguf_key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+            if f"tokenizer.ggml.{gguf_key}" in fields:
+                d[name] = _field(self.reader, f"tokenizer.ggml.{gguf_key}", self.path)
+        return d
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HuggingFace name, float32 tensor in HuggingFace's shape and row order), one at a time."""
+        gguf = gguf_module()
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.architecture)
+        n_layers = self.hf_config["num_hidden_layers"]
+        names = _hf_names(gguf.get_tensor_name_map(arch, n_layers), n_layers)
+        permuted = ARCHITECTURES[self.architecture][1]
+        heads = {"attn_q": self.hf_config["num_attention_heads"],
+                 "attn_k": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]}
+        for t in self.reader.tensors:
+            base, _, suffix = t.name.rpartition(".")
+            if base not in names:
+                raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
+                                  "model; is the file a language model of that architecture?")
+            try:
+                values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))  # a copy
+            except Exception as e:  # noqa: BLE001 - a block count that does not fit the shape, a short file
+                raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} ({t.tensor_type.name}) cannot be "
+                                  f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
+            kind = base.rpartition(".")[2]
+            if permuted and kind in heads:
+                values = permute(values, heads[kind])
+            yield f"{names[base]}.{suffix}", values
+
+
+def _hf_names(name_map, n_layers: int) -> dict[str, str]:
+    """GGUF tensor name (without .weight/.bias) -> HuggingFace module name, for a decoder of
+    `n_layers`, from gguf's own table (which maps HuggingFace names to GGUF ones)."""
+    modules = ["model.embed_tokens", "model.norm", "lm_head"]
+    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    modules += [f"model.layers.{i}.{m}" for i in range(n_layers) for m in per_layer]
+    return {name_map.get_name(m): m for m in modules}
+
+
+def _field(reader, key: str, path: Path) -> Any:
+    """Metadata `key` as a Python value (a string, a number, a list), or ConfigError when absent."""
+    if key not in reader.fields:
+        raise ConfigError(f"{str(path)!r}: GGUF metadata {key!r} is missing")
+    try:
+        return reader.fields[key].contents()
+    except Exception as e:  # noqa: BLE001 - a damaged field
+        raise ConfigError(f"{str(path)!r}: GGUF metadata {key!r} cannot be read ({e})") from None
