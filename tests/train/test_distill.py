@@ -18,6 +18,7 @@ from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.config.schema import load_config
 from tessera.models import Transformer
+from tessera.train.console import startup_summary
 from tessera.train.data_source import build_training_data
 from tessera.train.loss import masked_targets
 from tessera.train.rng_state import seed_everything
@@ -92,8 +93,11 @@ def test_weight_zero_trains_exactly_as_the_plain_run(small_dataset, teacher, tmp
 
 
 def test_teacher_is_frozen_in_the_compute_dtype_with_no_optimizer_state(small_dataset, teacher, tmp_path):
-    trainer = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "run", 2, **{
-        "train.distill.teacher": teacher, "train.dtype": "bf16"})))
+    cfg = load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "run", 2, **{
+        "train.distill.teacher": teacher, "train.dtype": "bf16", "train.distill.weight": 0.25}))
+    assert (f"distillation: teacher {teacher}, temperature 1, weight 0.25 (objective 0.75 x loss + 0.25 x "
+            "distill_loss)") in startup_summary(cfg, 1, "cpu", 2, 0)
+    trainer = Trainer(cfg)
     records = trainer.train().records
     model = trainer.distiller.teacher
     assert not model.training and all(math.isfinite(r["distill_loss"]) for r in records)
