@@ -1,6 +1,6 @@
 """A student distilled from a larger teacher vs the same student alone, on the bundled corpus.
 
-    python bench/distill.py [--teacher-steps 400] [--student-steps 200] [--weight 0.5] [--temperature 2]
+    python bench/distill.py [--teacher-steps 200] [--student-steps 150] [--distill 0.5:1 0.5:2 ...]
 
 Three runs of one process on the bundled corpus (Python standard-library source, the bundled
 tokenizer; prepared on first use under data.cache_dir):
@@ -8,11 +8,11 @@ tokenizer; prepared on first use under data.cache_dir):
     teacher     a larger model (TEACHER) trained `--teacher-steps` steps
     alone       the student (STUDENT) trained `--student-steps` steps on the data alone
     distilled   the same student, same seed, batches, steps and tokens, with train.distill.teacher
-                set to the teacher's run (`--weight`, `--temperature`)
+                set to the teacher's run, once per `--distill` weight:temperature pair
 
 Each run ends with an evaluation on the same held-out validation batches (`--eval-steps`).
-Prints one JSON object: each run's validation loss and wall time, the parameter counts, and the
-tokens the students saw.
+Prints one JSON object: each run's validation loss and wall time, the parameter counts, the tokens
+the students saw and each distilled student's gain (the student alone's validation loss minus its).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CONFIG = str(ROOT / "configs" / "tiny-dense.yaml")
 COMMON = ("train.device=cpu", "train.seq_len=128", "train.micro_batch_size=8", "train.global_batch_size=8",
           "log.tensorboard=false", "log.progress_bar=false", "checkpoint.interval=0", "checkpoint.keep_last=1",
           "train.log_interval=50", "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=20")
-TEACHER = ("model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=768")
+TEACHER = ("model.dim=192", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=512")
 STUDENT = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=192")
 
 
@@ -56,10 +56,10 @@ def train(run_dir: Path, steps: int, eval_steps: int, overrides: list[str]) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teacher-steps", type=int, default=400)
-    ap.add_argument("--student-steps", type=int, default=200)
-    ap.add_argument("--weight", type=float, default=0.5)
-    ap.add_argument("--temperature", type=float, default=2.0)
+    ap.add_argument("--teacher-steps", type=int, default=200)
+    ap.add_argument("--student-steps", type=int, default=150)
+    ap.add_argument("--distill", nargs="+", default=["0.5:1"], metavar="WEIGHT:TEMPERATURE",
+                    help="one distilled student per train.distill.weight:temperature pair")
     ap.add_argument("--eval-steps", type=int, default=8)
     ap.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
     args = ap.parse_args()
@@ -67,11 +67,15 @@ def main() -> None:
         out = Path(args.out or tmp)
         teacher = train(out / "teacher", args.teacher_steps, args.eval_steps, list(TEACHER))
         alone = train(out / "alone", args.student_steps, args.eval_steps, list(STUDENT))
-        distilled = train(out / "distilled", args.student_steps, args.eval_steps, [
-            *STUDENT, f"train.distill.teacher={out / 'teacher'}", f"train.distill.weight={args.weight}",
-            f"train.distill.temperature={args.temperature}"])
+        distilled = {}
+        for pair in args.distill:
+            weight, temperature = pair.split(":")
+            run = train(out / f"distilled-{weight}-{temperature}", args.student_steps, args.eval_steps, [
+                *STUDENT, f"train.distill.teacher={out / 'teacher'}", f"train.distill.weight={weight}",
+                f"train.distill.temperature={temperature}"])
+            distilled[pair] = {**run, "val_loss_gain": alone["val_loss"] - run["val_loss"]}
     print(json.dumps({"machine": platform.machine(), "teacher": teacher, "alone": alone, "distilled": distilled,
-                      "val_loss_gain": alone["val_loss"] - distilled["val_loss"], "args": vars(args)}, indent=1))
+                      "args": vars(args)}, indent=1))
 
 
 if __name__ == "__main__":
