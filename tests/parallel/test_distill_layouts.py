@@ -1,6 +1,7 @@
 """Distillation (train.distill) under layouts trains like one process: the teacher, a larger model
 trained first, is built and cut by the student's layout (FSDP shards, replicas, tensor-parallel
-slices whose vocabulary-sharded logits the KD term gathers, experts over ranks, sequence chunks),
+slices whose vocabulary-sharded logits the KD term gathers, sequence parallelism, experts over
+ranks, sequence chunks),
 and the logged data loss, distill_loss, gradient norms and final weights equal the one-process
 run's, fp32 within 1e-5."""
 
@@ -43,6 +44,8 @@ def teachers(small_dataset, tmp_path_factory) -> dict[str, str]:
     pytest.param("dense", 2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="dense-tp2"),
     pytest.param("moe", 2, {"parallel.ep": 2, "parallel.dp_shard": 2}, id="moe-ep2-fsdp2", marks=pytest.mark.slow),
     pytest.param("dense", 2, {"parallel.cp": 2, "parallel.dp_shard": 1}, id="dense-cp2", marks=pytest.mark.slow),
+    pytest.param("moe", 2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, id="moe-tp2-sp",
+                 marks=pytest.mark.slow),
     pytest.param("dense", 4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="dense-tp2-fsdp2",
                  marks=pytest.mark.slow),
 ])
