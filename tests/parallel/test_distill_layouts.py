@@ -1,9 +1,8 @@
 """Distillation (train.distill) under layouts trains like one process: the teacher, a larger model
 trained first, is built and cut by the student's layout (FSDP shards, replicas, tensor-parallel
 slices whose vocabulary-sharded logits the KD term gathers, sequence parallelism, experts over
-ranks, sequence chunks),
-and the logged data loss, distill_loss, gradient norms and final weights equal the one-process
-run's, fp32 within 1e-5."""
+ranks, sequence chunks), and the logged data loss, distill_loss, gradient norms and final weights
+equal the one-process run's, fp32 within 1e-5."""
 
 from __future__ import annotations
 
