@@ -45,6 +45,25 @@ DATA_KINDS = ("pretrain", "sft")
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation (tessera.train.distill): the student learns the teacher's next-token
+    distribution as well as the data. Per micro-batch, over the N loss tokens of the global batch
+    (the tokens the data loss counts; under SFT the answers only):
+
+        loss = (1 - weight) * sum_t CE_t / N + weight * T^2 * sum_t KL(p_teacher,t || p_student,t) / N
+
+    with p = softmax(logits / T) (Hinton et al. 2015, "Distilling the Knowledge in a Neural
+    Network": T^2 keeps the soft targets' gradient scale independent of T)."""
+
+    # The teacher: a HuggingFace model directory or a Tessera checkpoint / run directory of any family
+    # Tessera supports. Its vocabulary and tokenizer must be the student's (refused otherwise). It is
+    # built and cut by the student's layout (pp = 1 only), frozen, run forward only. None = no teacher.
+    teacher: str | None = None
+    temperature: float = 1.0  # T above: > 0; 1 = the teacher's own distribution, larger = softer
+    weight: float = 0.5  # in [0, 1]: 0 = the data loss alone (the teacher is still run and logged), 1 = KD alone
+
+
+@dataclass
 class TrainConfig:
     """What one training run does, step by step."""
 
@@ -111,6 +130,7 @@ class TrainConfig:
     # (tessera.train.loss_spike). None = off.
     spike_factor: float | None = None
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
+    distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
 
 
 @dataclass
@@ -378,10 +398,28 @@ def validate_run_config(cfg: RunConfig) -> None:
          "must be null (off) or > 1 (a loss above spike_factor x the running median is a spike)")
     need(1 <= t.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window", t.spike_window,
          f"must be in 1..{MAX_SPIKE_WINDOW} steps")
+    _validate_distill(cfg, need)
     need(cfg.log.straggler_threshold > 0, "log.straggler_threshold", cfg.log.straggler_threshold,
          "must be > 0 (a fraction of the step time)")
     need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
          "None or > 0 (FLOP/s of one device)")
+
+
+def _validate_distill(cfg: RunConfig, need: Any) -> None:
+    """train.distill: its values, and the layouts and settings it runs under (the teacher itself is
+    checked against the student when the trainer loads it: tessera.train.distill)."""
+    k = cfg.train.distill
+    need(k.teacher is None or bool(k.teacher), "train.distill.teacher", k.teacher,
+         "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no distillation)")
+    need(0 < k.temperature <= 1e4, "train.distill.temperature", k.temperature, "must be in (0, 10000]")
+    need(0 <= k.weight <= 1, "train.distill.weight", k.weight, "must be in [0, 1]")
+    if k.teacher is None:
+        return
+    need(cfg.parallel.pp == 1, "parallel.pp", cfg.parallel.pp,
+         "1 with train.distill.teacher (the teacher runs beside the student under pp = 1 layouts only: "
+         "dp_replicate, dp_shard, tp, ep, cp)")
+    need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
+         "0 or null with train.distill.teacher (distillation needs the student's logits)")
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:

@@ -26,11 +26,12 @@ fp16 gets a DynamicLossScaler, which every engine applies where its loss is made
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from tessera.config.errors import ParallelError
 from tessera.config.schema import RunConfig
 from tessera.models import Transformer
 from tessera.models.float8 import convert_to_float8
@@ -42,6 +43,8 @@ from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.meta_init import materialize_by_name
 from tessera.parallel.tied_embeddings import TiedEmbeddings
+from tessera.train.compute_weights import cast_weight_names
+from tessera.train.distill_loss import Distiller
 from tessera.train.init_from import load_initial_weights
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.optimizer import build_optimizers
@@ -158,14 +161,48 @@ def _pipeline(model: Transformer, cfg: RunConfig, dims: ParallelDims, device: to
     return Pipeline(run, loss, microbatches, tied)
 
 
-def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts) -> StepEngine:
-    """The engine of the layout, over the finished `built` parts."""
+def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts,
+                      distiller: Distiller | None = None) -> StepEngine:
+    """The engine of the layout, over the finished `built` parts; `distiller`: train.distill's teacher
+    (pp = 1 layouts only, which the config checks)."""
     t, dims = cfg.train, layout.dims
     if dims is None:
         return SingleProcessStep(built.parts[0], t.micro_batch_size, cfg.accumulation_steps(1), layout.device,
-                                 built.autocast_dtype, t.cast_weights_per_step, built.loss_scaler)
+                                 built.autocast_dtype, t.cast_weights_per_step, built.loss_scaler, distiller)
     if built.pipeline is not None:
+        if distiller is not None:
+            raise ParallelError(f"train.distill.teacher needs parallel.pp=1, got parallel.pp={dims.pp}")
         return PipelineStep(built.pipeline, dims, t.global_batch_size, layout.device, built.autocast_dtype,
                             built.distributed_optimizers)
     return ParallelStep(built.parts[0], dims, t.micro_batch_size, t.global_batch_size, layout.device,
-                        built.autocast_dtype, built.distributed_optimizers, built.loss_scaler)
+                        built.autocast_dtype, built.distributed_optimizers, built.loss_scaler, distiller)
+
+
+def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Module:
+    """`cfg.model` read from `source` (a HuggingFace directory or Tessera checkpoint) and cut by
+    `layout` as the trained model is at pp = 1 (built on the meta device, parallelized, each rank
+    reading only its shards), then frozen: eval mode, no parameter requires a gradient, no
+    recomputation or offload (it only runs forward, under no_grad). In one process its matrix
+    weights are held in the compute dtype (the ones autocast would cast: compute_weights.py);
+    under FSDP the all-gathers cast them to it (`param_dtype`), the fp32 shards staying."""
+    if layout.dims is not None and layout.dims.pp != 1:
+        raise ParallelError(f"a frozen model runs beside the trained one under parallel.pp=1 only, got "
+                            f"parallel.pp={layout.dims.pp}")
+    cfg = replace(cfg, parallel=replace(cfg.parallel, recompute="none", activation_offload=False))
+    compute_dtype = autocast_dtype(cfg.train.dtype)
+    cuda = [layout.device] if layout.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # its throw-away init draws no number the run would draw
+        model, _ = _whole_model(cfg, layout, source)
+    full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if layout.dims is None:
+        part = model
+    else:
+        [part], _ = _parallelized_parts(model, cfg, layout, compute_dtype, False, None)
+    load_initial_weights([part], source, cfg.model, full_shapes, layout.device)
+    part.eval()
+    part.requires_grad_(False)
+    if layout.dims is None and compute_dtype is not None:
+        params = dict(part.named_parameters())
+        for name in cast_weight_names(part):
+            params[name].data = params[name].data.to(compute_dtype)
+    return part

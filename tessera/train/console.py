@@ -80,7 +80,10 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
     evaluation = (f"validation: {t.eval_steps} batches every {t.eval_interval} steps" if t.eval_interval > 0
                   else "validation: off (train.eval_interval=0)")
     layout = f"layout: {_layout(cfg, world_size, device, backend)}"
-    return [model, layout, f"data: {_data(cfg)}", batch, evaluation, *where]
+    k = t.distill
+    distill = ([f"distillation: teacher {k.teacher}, temperature {k.temperature:g}, weight {k.weight:g} (objective "
+                f"{1 - k.weight:g} x loss + {k.weight:g} x distill_loss)"] if k.teacher is not None else [])
+    return [model, layout, f"data: {_data(cfg)}", batch, *distill, evaluation, *where]
 
 
 def schedule_warning(cfg: RunConfig) -> str | None:

@@ -43,6 +43,7 @@ from tessera.parallel import global_count, global_sum, shard_global_batch, token
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
+from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_engine import (
@@ -78,8 +79,9 @@ class ParallelStep:
     def __init__(self, model: nn.Module, dims: ParallelDims, micro_batch_size: int, global_batch_size: int,
                  device: torch.device, autocast_dtype: torch.dtype | None,
                  distributed_optimizers: Sequence[DistributedOptimizer] = (),
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None, distiller: Distiller | None = None):
         self.parts = [model]
+        self.distiller = distiller  # train.distill: the frozen teacher, cut by the same layout
         self.model, self.dims, self.mb, self.global_batch_size = model, dims, micro_batch_size, global_batch_size
         self.device, self.autocast_dtype, self.loss_scaler = device, autocast_dtype, loss_scaler
         # parallel.optimizer=distributed: they reduce the gradients and measure their norm
@@ -91,7 +93,7 @@ class ParallelStep:
         micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size
         local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
-            before_backward=self._sync_gradients, loss_scaler=self.loss_scaler)
+            before_backward=self._sync_gradients, loss_scaler=self.loss_scaler, distiller=self.distiller)
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.data.batching import Batch
 from tessera.train.compute_weights import CachedComputeWeights
+from tessera.train.distill_loss import Distiller
 from tessera.train.loss import count_loss_tokens, masked_targets
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_engine import (
@@ -36,8 +37,9 @@ class SingleProcessStep:
 
     def __init__(self, model: nn.Module, micro_batch_size: int, accumulation: int, device: torch.device,
                  autocast_dtype: torch.dtype | None, cast_weights_per_step: bool = True,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None, distiller: Distiller | None = None):
         self.parts = [model]
+        self.distiller = distiller  # train.distill: the frozen teacher and the KD objective
         self.model, self.mb, self.accumulation = model, micro_batch_size, accumulation
         self.device, self.autocast_dtype, self.loss_scaler = device, autocast_dtype, loss_scaler
         self.compute_weights = (CachedComputeWeights(model, autocast_dtype)
@@ -54,7 +56,8 @@ class SingleProcessStep:
             forward = self.compute_weights.forward
         stats = accumulate_micro_batches(
             self.model, batch.inputs[:rows], targets[:rows], self.mb, n_loss_tokens, self.accumulation,
-            self.device, self.autocast_dtype, forward=forward, loss_scaler=self.loss_scaler)
+            self.device, self.autocast_dtype, forward=forward, loss_scaler=self.loss_scaler,
+            distiller=self.distiller)
         return step_result(stats, n_loss_tokens, self.accumulation, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -38,6 +38,7 @@ from torch import nn
 from tessera.data.batching import Batch
 from tessera.parallel import clip_grad_norm_
 from tessera.parallel.dims import ParallelDims
+from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.step_stats import StepStats
@@ -74,13 +75,16 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
                              autocast_dtype: torch.dtype | None,
                              before_backward: Callable[[bool], None] | None = None,
                              forward: Callable[..., Any] | None = None,
-                             loss_scaler: DynamicLossScaler | None = None) -> StepStats:
+                             loss_scaler: DynamicLossScaler | None = None,
+                             distiller: Distiller | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
     e.g. to let data parallelism reduce gradients only once per step. `forward` (default: `model`
     itself) runs the model, e.g. with its weights' compute copies (compute_weights.py). With
-    `loss_scaler` (fp16) each micro-batch's objective is scaled (loss_scaler.py)."""
+    `loss_scaler` (fp16) each micro-batch's objective is scaled (loss_scaler.py). With `distiller`
+    (train.distill) the teacher runs forward on the same micro-batch and the objective mixes its
+    KD term in (distill_loss.py); the student then returns logits, never the chunked loss."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -91,9 +95,15 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         if before_backward is not None:
             before_backward(i == accumulation - 1)
         with mixed_precision(device, autocast_dtype):
-            out = forward(x, targets=y)
+            out = forward(x, targets=y) if distiller is None else forward(x)
+            teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
-        objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+        if distiller is None:
+            objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+        else:
+            kd_sum = distiller.kd_sum(out.logits, teacher_logits, y)
+            objective = distiller.objective(micro_sum, kd_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+            stats.add_distill(kd_sum)
         (objective if loss_scaler is None else loss_scaler.scale_loss(objective)).backward()
         stats.add_loss(micro_sum)
         stats.add_routing(out)

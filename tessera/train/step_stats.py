@@ -40,6 +40,7 @@ class StepStats:
     aux_total: float = 0.0  # sum over micro-batches of the weighted auxiliary loss
     aux_parts: dict[str, float] = field(default_factory=dict)  # "layer{i}/{name}" -> sum over micro-batches
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots, summed
+    distill_sum: float | None = None  # sum of the KD term's token sums (train.distill), None without a teacher
     # fp64 device sums not yet read on the host: "loss", "aux", "aux/<name>"
     pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -49,6 +50,10 @@ class StepStats:
 
     def add_loss(self, micro_sum: torch.Tensor) -> None:
         self._add("loss", micro_sum)
+
+    def add_distill(self, micro_kd_sum: torch.Tensor) -> None:
+        """A micro-batch's KD term (T^2 * summed KL over its loss tokens: distill_loss.py)."""
+        self._add("distill", micro_kd_sum)
 
     def add_routing(self, out) -> None:
         """The auxiliary losses and routing counts of one micro-batch's ModelOutput."""
@@ -71,6 +76,8 @@ class StepStats:
                 self.loss_sum += value
             elif key == "aux":
                 self.aux_total += value
+            elif key == "distill":
+                self.distill_sum = (self.distill_sum or 0.0) + value
             else:
                 name = key.removeprefix("aux/")
                 self.aux_parts[name] = self.aux_parts.get(name, 0.0) + value
@@ -84,12 +91,14 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
     if dims is None:
         return local
     names = sorted(local.aux_parts)
-    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names)],
+    distill = [] if local.distill_sum is None else [local.distill_sum]
+    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names), *distill],
                        dtype=torch.float64)
     vec = global_sum(vec, dims, token_dim(dims))
     counts = sum_expert_counts(local.counts, dims)
-    out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:].tolist())),
-                    {k: v.cpu() for k, v in counts.items()})
+    out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:2 + len(names)].tolist())),
+                    {k: v.cpu() for k, v in counts.items()},
+                    distill_sum=float(vec[-1]) if local.distill_sum is not None else None)
     if dims.pp == 1:
         return out
     stages: list[StepStats | None] = [None] * dims.pp
@@ -100,13 +109,19 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
         merged.aux_total += s.aux_total
         merged.aux_parts.update(s.aux_parts)
         merged.counts.update(s.counts)
+        if s.distill_sum is not None:
+            merged.distill_sum = (merged.distill_sum or 0.0) + s.distill_sum
     return merged
 
 
 def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
     """The trainer's statistics of a step from its global StepStats: loss per loss token, auxiliary
-    losses per micro-batch (`micro_batches` of the whole global batch), routing counts."""
+    losses per micro-batch (`micro_batches` of the whole global batch), routing counts; with a
+    teacher (train.distill) `distill_loss`, the KD term per loss token."""
     stats.settle()
-    return {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
-            "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
-            "loss_tokens": loss_tokens, "tokens": tokens}
+    out = {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
+           "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
+           "loss_tokens": loss_tokens, "tokens": tokens}
+    if stats.distill_sum is not None:  # the KD term per loss token (distill_loss.py), beside the data loss
+        out["distill_loss"] = stats.distill_sum / max(loss_tokens, 1)
+    return out

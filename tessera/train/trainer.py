@@ -38,6 +38,11 @@ reduced in fp32), except the MoE router's, which FSDP keeps in fp32
 (tessera.parallel.data_parallel), as one process does. With `parallel.optimizer=distributed` FSDP is
 not used: the weights are replicated in the compute dtype and tessera.parallel.distributed_optimizer
 holds sharded fp32 masters and AdamW state instead.
+
+Distillation. With `train.distill.teacher` a frozen teacher (tessera.train.teacher), built and
+cut by the same layout (pp = 1), runs forward on every micro-batch beside the student, and the
+objective mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs
+both, as `loss` and `distill_loss`. Evaluation measures the student's data loss only.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import StepEngine
 from tessera.train.stop_signal import AgreedStop, StopSignal
 from tessera.train.task_evaluation import TaskEvaluator, evaluate_tasks
+from tessera.train.teacher import build_distiller
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
 from tessera.train.train_checkpoint import load_training_state, save_training_state, training_state
 
@@ -145,7 +151,8 @@ class Trainer:
         self.init_bytes_read = built.init_bytes_read  # bytes this rank read from train.init_from
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
         self.optimizer = self.optimizers[0]
-        self.engine: StepEngine = build_step_engine(cfg, self.layout, built)
+        self.distiller = build_distiller(cfg, self.layout)  # train.distill.teacher, frozen; None without
+        self.engine: StepEngine = build_step_engine(cfg, self.layout, built, self.distiller)
         self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
         self._build_resilience()
         self.step = 0

@@ -204,7 +204,7 @@ def _section_fields() -> list[tuple[str, str]]:
     import dataclasses
 
     from tessera.config.model import MLAConfig, ModelConfig, MoEConfig
-    from tessera.config.schema import RunConfig
+    from tessera.config.schema import DistillConfig, RunConfig
 
     run = RunConfig()
     out = [(section, f.name) for section in ("train", "optim", "data", "checkpoint", "parallel", "log")
@@ -212,6 +212,7 @@ def _section_fields() -> list[tuple[str, str]]:
     out += [("model", f.name) for f in dataclasses.fields(ModelConfig)]
     out += [(f"model.{sub}", f.name) for sub, cls in (("moe", MoEConfig), ("mla", MLAConfig))
             for f in dataclasses.fields(cls)]
+    out += [("train.distill", f.name) for f in dataclasses.fields(DistillConfig)]
     return out
 
 
@@ -224,6 +225,8 @@ def test_every_field_refuses_garbage_with_a_config_error():
                 raw["model"][name] = value
             elif section.startswith("model."):
                 raw["model"][section.split(".")[1]] = {name: value}
+            elif section == "train.distill":
+                raw["train"] = {"distill": {"teacher": "/a/teacher", name: value}}
             else:
                 raw[section] = {name: value}
             try:

@@ -119,7 +119,7 @@ def test_every_field_is_documented():
 
     source = inspect.getsource(schema)
     for cls in (schema.TrainConfig, schema.OptimConfig, schema.DataConfig, schema.DatasetEntry,
-                schema.CheckpointConfig, schema.LogConfig):
+                schema.CheckpointConfig, schema.LogConfig, schema.DistillConfig):
         lines = inspect.getsource(cls).splitlines()
         for f in dataclasses.fields(cls):
             i = next(n for n, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
