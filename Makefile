@@ -31,11 +31,14 @@ demo: install
 	OMP_NUM_THREADS=2 $(BIN)/tessera generate $(DEMO_DIR) --prompt "def " --max-new-tokens 80 \
 		--temperature 0.7 --top-k 40 --seed 0
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), one thread each: most tests are single-threaded
+# Python (process start-up, tokenizers, small models), so a second worker uses the second core.
+TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 test-quick: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 lint: install
 	$(BIN)/ruff check tessera tests bench
