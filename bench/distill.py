@@ -40,10 +40,15 @@ TEACHER = ("model.dim=192", "model.n_layers=4", "model.n_heads=4", "model.n_kv_h
 STUDENT = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=192")
 
 
+def run_config(run_dir: Path, steps: int, eval_steps: int, overrides: list[str]):
+    """The bench's run of `steps` steps, evaluated on `eval_steps` held-out batches at its end."""
+    return load_config(CONFIG, [*COMMON, f"run_dir={run_dir}", f"train.steps={steps}",
+                                f"train.eval_interval={steps}", f"train.eval_steps={eval_steps}", *overrides])
+
+
 def train(run_dir: Path, steps: int, eval_steps: int, overrides: list[str]) -> dict:
     """One run to `steps`, evaluated at its end; its validation loss, wall time, tokens and size."""
-    cfg = load_config(CONFIG, [*COMMON, f"run_dir={run_dir}", f"train.steps={steps}",
-                               f"train.eval_interval={steps}", f"train.eval_steps={eval_steps}", *overrides])
+    cfg = run_config(run_dir, steps, eval_steps, overrides)
     start = time.perf_counter()
     result = Trainer(cfg).train()
     last = result.records[-1]

@@ -1,10 +1,12 @@
 """`tessera plan CONFIG --gpus N [--search] [--json]`: the planner's command line.
 
 The config's `model`, `train` (seq_len, micro_batch_size, global_batch_size, dtype) and
-`parallel` sections describe the run; flags describe the cluster (`--gpu` picks a preset). `tessera plan validate`
-compares the time model with published runs (tessera/plan/published.py). Exit status: 0 the
-plan fits (or the search found a layout), 1 it does not (or a file it names cannot be read), 2 the
-input is wrong (the message says which key and what is allowed).
+`parallel` sections describe the run (with `train.distill.teacher`, the teacher's frozen weights are
+counted on every rank and only pp = 1 is planned); flags describe the cluster (`--gpu` picks a
+preset). `tessera plan validate` compares the time model with published runs
+(tessera/plan/published.py). Exit status: 0 the plan fits (or the search found a layout), 1 it does
+not (or a file it names cannot be read), 2 the input is wrong (the message says which key and what
+is allowed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from tessera.config.argument_types import int_in
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.limits import MAX_PARALLEL_SIZE
+from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ACTIVATION_DTYPES
 from tessera.plan.cluster import Cluster, parse_bytes, parse_rate
 from tessera.plan.efficiency import DEFAULT_PROFILE, PROFILES
@@ -125,6 +128,15 @@ def search_json(result: SearchResult, top: int) -> dict:
     return out
 
 
+def teacher_model(path: str | None) -> ModelConfig | None:
+    """train.distill.teacher's model shape (its config.json or checkpoint), read only when one is set."""
+    if path is None:
+        return None
+    from tessera.train.teacher import teacher_model_config
+
+    return teacher_model_config(path)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.config == "validate":
         from tessera.plan.validate import run_validation
@@ -133,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is None:
         raise ConfigError("--gpus is required: the number of GPUs (the world size)")
     inputs = load_run_inputs(args.config, args.overrides)
+    teacher = teacher_model(inputs.teacher)
     cluster = cluster_from_args(args, "fp32" if inputs.dtype == "fp32" else "bf16")
     precision, act_dtype = precisions_for_train_dtype(inputs.dtype)
     precision = args.precision or precision
@@ -140,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     overlaps = {"tp_overlap": args.tp_overlap, "ep_overlap": args.ep_overlap}
     if args.search:
         result = search(inputs.model, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
-                        overlaps=overlaps, max_layouts=args.max_layouts)
+                        overlaps=overlaps, max_layouts=args.max_layouts, teacher=teacher)
         if args.json:
             print(json.dumps(search_json(result, args.top), indent=2))
         else:
@@ -154,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if inputs.parallel.microbatches not in (None, m):
         raise ParallelError(f"parallel.microbatches={inputs.parallel.microbatches} disagrees with the batch: "
                             f"global_batch / (micro_batch x dp) = {m}")
-    plan = make_plan(inputs.model, layout, inputs.work, cluster, precision=precision, activation_dtype=act_dtype)
+    plan = make_plan(inputs.model, layout, inputs.work, cluster, precision=precision, activation_dtype=act_dtype,
+                     teacher=teacher)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else render_plan(plan))
     return 0 if plan.fits else 1

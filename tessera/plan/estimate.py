@@ -23,6 +23,7 @@ from tessera.plan.memory import (
     model_state_bytes,
     rank_params,
     sharding_choices,
+    teacher_weight_bytes,
 )
 from tessera.plan.profile import ModelProfile
 from tessera.plan.recompute_terms import product_flops_per_token, recomputed_products
@@ -46,10 +47,11 @@ class StageMemory:
     params: RankParams
     states: ModelStateBytes
     activations: StageActivations
+    teacher: float = 0.0  # a distillation teacher's frozen weights on this rank (memory.teacher_weight_bytes)
 
     @property
     def total(self) -> float:
-        return self.states.total + self.activations.total
+        return self.states.total + self.activations.total + self.teacher
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Plan:
     time: StepTime
     model_flops_per_step: float
     hardware_flops_per_step: float
+    teacher: ModelConfig | None = None  # train.distill.teacher's model
 
     @property
     def microbatches(self) -> int:
@@ -103,6 +106,7 @@ class Plan:
                        "fits": self.fits,
                        "stages": [{"stage": s.stage, "params_dense": s.params.dense, "params_expert": s.params.expert,
                                    "model_states": s.states.as_dict(), "activations": s.activations.as_dict(),
+                                   **({"teacher_weights": s.teacher} if self.teacher is not None else {}),
                                    "total": s.total} for s in self.stages],
                        "sharding_choices": {k: v.as_dict() for k, v in sharding_choices(
                            peak.params, self.layout, get_precision(self.precision), self.microbatches).items()}},
@@ -130,10 +134,13 @@ def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -
 
 def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *, precision: str = "bf16",
               activation_dtype: str = "autocast-bf16", even_layers: bool = False,
-              profile: ModelProfile | None = None) -> Plan:
+              profile: ModelProfile | None = None, teacher: ModelConfig | None = None) -> Plan:
     """The full estimate. Raises ParallelError naming every dimension that does not divide.
-    `profile` (from `ModelProfile.of(cfg, work.seq_len)`) lets many plans of one model share work."""
+    `profile` (from `ModelProfile.of(cfg, work.seq_len)`) lets many plans of one model share work.
+    `teacher` (train.distill.teacher's model) adds its frozen weights to every rank's memory."""
     problems = layout_problems(cfg, lay, work, even_layers=even_layers)
+    if teacher is not None and lay.pp > 1:
+        problems.append(f"a distillation teacher (train.distill.teacher) runs under pp=1 only, got pp={lay.pp}")
     if lay.world != cluster.gpus:
         problems.append(f"the layout uses {lay.world} ranks but the cluster has {cluster.gpus} GPUs")
     if problems:
@@ -144,7 +151,9 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     params = rank_params(cfg, lay, prof)
     acts = stage_activations(cfg, lay, work, activation_dtype, prof)
     m = lay.microbatches(work)
-    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a) for s, (p, a) in enumerate(zip(params, acts))]
+    held = 0.0 if teacher is None else teacher_weight_bytes(teacher, lay, prec)
+    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a, held)
+              for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]
     offloaded = [a.offloaded / a.in_flight for a in acts]
@@ -156,4 +165,5 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     return Plan(model=cfg, layout=lay, work=work, cluster=cluster, precision=precision,
                 activation_dtype=activation_dtype, params_total=prof.params_total,
                 params_active=prof.params_active, stages=stages, collectives=colls, time=time,
-                model_flops_per_step=model_flops, hardware_flops_per_step=model_flops + extra * work.tokens)
+                model_flops_per_step=model_flops, hardware_flops_per_step=model_flops + extra * work.tokens,
+                teacher=teacher)

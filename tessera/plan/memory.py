@@ -204,6 +204,18 @@ def model_state_bytes(params: RankParams, lay: Layout, precision: Precision, mic
                            gathered=gathered)
 
 
+def teacher_weight_bytes(teacher: ModelConfig, lay: Layout, precision: Precision) -> float:
+    """Weights of a distillation teacher (`train.distill.teacher`) on one rank: cut by the student's
+    layout at pp = 1 (tp, ep), sharded like the student's weights (dp_shard x cp under ZeRO-3, whole
+    under the distributed optimizer), in the compute copy's bytes; frozen, so no gradients, master
+    weights or optimizer state."""
+    [params] = rank_params(teacher, dataclasses.replace(lay, pp=1, vpp=1))
+    if lay.optimizer == "distributed":
+        return params.total * precision.weight_bytes
+    return sum(zero_model_state_bytes(n, shard, lay.zero_stage, precision).weights
+               for n, shard in ((params.dense, lay.dense_shard), (params.expert, lay.expert_shard)))
+
+
 def distributed_optimizer_state_bytes(params: RankParams, lay: Layout, precision: Precision) -> ModelStateBytes:
     """`parallel.optimizer=distributed` (tessera/parallel/distributed_optimizer.py, the idea of
     Megatron-Core's distributed optimizer): the compute copy of every weight and the whole gradient

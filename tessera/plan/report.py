@@ -94,6 +94,7 @@ def render_plan(plan: Plan) -> str:
     parts = [("weights", lambda s: s.states.weights), ("gradients", lambda s: s.states.gradients),
              ("master weights (fp32)", lambda s: s.states.master), ("optimizer state", lambda s: s.states.optimizer),
              ("ZeRO-3 gather buffers", lambda s: s.states.gathered),
+             *([("teacher weights (frozen)", lambda s: s.teacher)] if plan.teacher is not None else []),
              ("activations (in flight)", lambda s: s.activations.stored),
              ("  micro-batches in flight", None),
              *([("  offloaded to host memory", lambda s: s.activations.offloaded)] if lay.activation_offload else []),

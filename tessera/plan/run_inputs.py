@@ -1,4 +1,5 @@
-"""What the planner reads from a run configuration: the model, the layout, the batch and the dtype."""
+"""What the planner reads from a run configuration: the model, the layout, the batch, the dtype and
+the distillation teacher."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class RunInputs:
     parallel: ParallelConfig
     work: Workload
     dtype: str  # train.dtype
+    teacher: str | None = None  # train.distill.teacher (a directory; its model is read by the caller)
 
 
 def load_run_inputs(path: str, overrides: list[str] | None = None) -> RunInputs:
@@ -26,4 +28,5 @@ def load_run_inputs(path: str, overrides: list[str] | None = None) -> RunInputs:
     cfg = load_config(path, overrides or [])
     t = cfg.train
     return RunInputs(model=cfg.model, parallel=cfg.parallel,
-                     work=Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), dtype=t.dtype)
+                     work=Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), dtype=t.dtype,
+                     teacher=t.distill.teacher)

@@ -218,22 +218,25 @@ class SearchResult:
 
 def search(cfg: ModelConfig, work: Workload, cluster: Cluster, *, precision: str = "bf16",
            activation_dtype: str = "autocast-bf16", overlaps: dict[str, bool] | None = None,
-           max_layouts: int = MAX_SEARCH_LAYOUTS) -> SearchResult:
+           max_layouts: int = MAX_SEARCH_LAYOUTS, teacher: ModelConfig | None = None) -> SearchResult:
     """Plan every valid layout of the cluster (or a uniform sample when the space holds more than
     `max_layouts` candidates); rank those that fit by predicted throughput (the same tokens per
     step: by step time), ties by peak memory. `overlaps` (tp_overlap, ep_overlap) apply to every
-    layout."""
+    layout. With `teacher` (train.distill.teacher's model) every plan holds its weights and only
+    pp = 1 layouts are planned (the trainer runs a teacher beside the student at pp = 1 only)."""
     fitting: list[Plan] = []
     too_big: list[Plan] = []
     count = 0
     profile = ModelProfile.of(cfg, work.seq_len)
     candidates = candidate_layouts(cfg, work, cluster.gpus, cluster.gpus_per_node, max_layouts)
     for lay in candidates.layouts:
+        if teacher is not None and lay.pp > 1:
+            continue
         count += 1
         if overlaps:
             lay = dataclasses.replace(lay, **overlaps)
         plan = make_plan(cfg, lay, work, cluster, precision=precision, activation_dtype=activation_dtype,
-                         even_layers=True, profile=profile)
+                         even_layers=True, profile=profile, teacher=teacher)
         (fitting if plan.fits else too_big).append(plan)
     fitting.sort(key=lambda p: (round(p.time.total, 6), p.peak.total))
     too_big.sort(key=lambda p: p.peak.total)
