@@ -15,7 +15,9 @@ as an unsigned nibble, two per uint8 byte: column 2j in the low nibble, 2j + 1 i
 byte per weight plus one fp32 scale per group. Each weight is within s / 2 of its dequantized value.
 
 Both compute by the plain PyTorch reference: dequantize to the activations' dtype, then F.linear
-(routed experts: dequantized expert by expert inside the grouped matmul). As with int8 the
+(routed experts: dequantized expert by expert inside the grouped matmul). fp8 linear layers on a
+CUDA GPU with FP8 tensor cores multiply through torch._scaled_mm instead (Fp8Linear), where the
+shapes allow it; nothing requires it. As with int8 the
 embedding, norms, router and output head stay in full precision (tessera/models/int8.py).
 """
 
@@ -27,10 +29,12 @@ from torch import nn
 
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
+from tessera.models.float8 import ALIGN, E4M3, to_float8
 from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantizable_layers, replace_module
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.transformer import Transformer
 
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper or newer
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 INT4_GROUP = 128
 
@@ -117,8 +121,31 @@ class _QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
 
+def fp8_tensor_cores(x: torch.Tensor, layer: Fp8Linear) -> bool:
+    """Whether `layer`'s product with `x` runs on FP8 tensor cores (torch._scaled_mm): a CUDA
+    device of compute capability >= 8.9 (not ROCm), x in bf16 or fp32, and in / out features
+    multiples of 16 (what _scaled_mm takes). Else the plain PyTorch reference runs."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and hasattr(torch, "_scaled_mm")
+            and layer.in_features % ALIGN == 0 and layer.out_features % ALIGN == 0
+            and torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= FP8_MIN_CAPABILITY)
+
+
 class Fp8Linear(_QuantizedLinear):
+    """On CUDA with FP8 tensor cores (fp8_tensor_cores) the activations are cast to e4m3 with one
+    dynamic scale per tensor (as train.fp8 does, tessera/models/float8.py) and multiplied by the
+    stored codes; the per-channel weight scales are applied to the product's output columns, which
+    is exact since each belongs to one output. Elsewhere: dequantize and F.linear."""
+
     fmt = FP8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not fp8_tensor_cores(x, self):
+            return super().forward(x)
+        x8, inv_x = to_float8(x.reshape(-1, self.in_features).contiguous(), E4M3)
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        y = torch._scaled_mm(x8, self.qweight.t(), scale_a=inv_x, scale_b=one, out_dtype=x.dtype)
+        y = (y * self.scale.to(x.dtype)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(_QuantizedLinear):
