@@ -105,14 +105,20 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer) -> list[str]:
-    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
+def quantize_layers(model: Transformer, linear_cls: type, experts_cls: type) -> list[str]:
+    """Replace every quantizable layer of `model` by `linear_cls.from_linear(layer)` or
+    `experts_cls.from_experts(experts)` (in place); returns their names."""
     names = []
     for name, m in quantizable_layers(model):
-        new = Int8Linear.from_linear(m) if isinstance(m, nn.Linear) else Int8GroupedExperts.from_experts(m)
+        new = linear_cls.from_linear(m) if isinstance(m, nn.Linear) else experts_cls.from_experts(m)
         replace_module(model, name, new)
         names.append(name)
     return names
+
+
+def quantize_model(model: Transformer) -> list[str]:
+    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
+    return quantize_layers(model, Int8Linear, Int8GroupedExperts)
 
 
 def empty_int8_layer(m: nn.Module, dtype: torch.dtype) -> nn.Module | None:

@@ -30,7 +30,7 @@ from torch import nn
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.models.float8 import ALIGN, E4M3, to_float8
-from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantizable_layers, replace_module
+from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_layers
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.transformer import Transformer
 
@@ -196,16 +196,9 @@ LAYERS = {"int8": (Int8Linear, Int8GroupedExperts), "fp8": (Fp8Linear, Fp8Groupe
           "int4": (Int4Linear, Int4GroupedExperts)}
 
 
-@torch.no_grad()
 def quantize_model(model: Transformer, method: str = "int8") -> list[str]:
     """Replace every quantizable layer of `model` (the linear layers and routed experts of its blocks:
     attention, MLA, MLP, experts; not the router or head) by its `method` version, in place;
     returns their names."""
-    linear_cls, experts_cls = lookup_choice(LAYERS, method, "quantization")
-    names = []
-    for name, m in quantizable_layers(model):
-        new = linear_cls.from_linear(m) if isinstance(m, nn.Linear) else experts_cls.from_experts(m)
-        replace_module(model, name, new)
-        names.append(name)
-    return names
+    return quantize_layers(model, *lookup_choice(LAYERS, method, "quantization"))
 
