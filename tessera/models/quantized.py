@@ -9,16 +9,16 @@ nearest e4m3 value (PyTorch's cast rounds to nearest, ties to even). 1 byte per 
 
 int4: symmetric round-to-nearest, group-wise along the input dim: groups of 128 inputs when 128
 divides in_features, else one group per row (the whole in_features). Per (output channel, group),
-s = max |W| / 7 and Q = round(W / s) in [-7, 7]; no zero point (symmetric: the weights of a trained
-linear layer are centred on zero, and the dequantization stays one multiply). Q + 8 (1..15) is kept
+s = max |W| / 7 and Q = round(W / s) in [-7, 7]. Symmetric, by choice: no zero-point tensor, and
+dequantizing is one multiply; the price is code 0 (-8) left unused. Q + 8 (1..15) is kept
 as an unsigned nibble, two per uint8 byte: column 2j in the low nibble, 2j + 1 in the high one. 0.5
 byte per weight plus one fp32 scale per group. Each weight is within s / 2 of its dequantized value.
 
 Both compute by the plain PyTorch reference: dequantize to the activations' dtype, then F.linear
 (routed experts: dequantized expert by expert inside the grouped matmul). fp8 linear layers on a
 CUDA GPU with FP8 tensor cores multiply through torch._scaled_mm instead (Fp8Linear), where the
-shapes allow it; nothing requires it. As with int8 the
-embedding, norms, router and output head stay in full precision (tessera/models/int8.py).
+shapes allow it; nothing requires it. As with int8 the embedding, norms, router and output head
+stay in full precision (tessera/models/int8.py).
 """
 
 from __future__ import annotations
