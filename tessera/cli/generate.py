@@ -11,6 +11,16 @@ import sys
 from tessera.config.argument_types import int_in, seed, temperature, text, top_k, top_p
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_SEQ_LEN
+from tessera.infer.config import QUANTIZATION_METHODS
+
+
+def add_quantization_argument(p: argparse.ArgumentParser) -> None:
+    """`--quantization int8|fp8|int4` (serve and generate)."""
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="quantize the block layers' weights at load, round-to-nearest, weight-only (None: as "
+                        "stored): int8 = int8 per output channel; fp8 = float8 e4m3 per output channel; int4 = "
+                        "symmetric 4-bit, two per byte, one scale per group of 128 inputs (per row when 128 does "
+                        "not divide them). The embedding, router and output head stay in --dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole prefix every step instead of using the serving engine's KV cache "
                         "(slow: a check of the cached output)")
+    add_quantization_argument(p)
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
@@ -65,7 +76,13 @@ def _generate(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
                               "copy the model's tokenizer files into it")
-    model = load_model(args.checkpoint).model
+    loaded = load_model(args.checkpoint)
+    model = loaded.model
+    if args.quantization and args.no_cache:
+        raise ConfigError("--quantization is applied by the serving engine; drop --no-cache to use it")
+    if loaded.quantized is not None and args.quantization not in (None, "int8"):
+        raise ConfigError(f"--quantization {args.quantization} needs full-precision weights; {args.checkpoint} is "
+                          "pre-quantized int8")
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)
         print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)
@@ -85,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
         new = reference_generate(model, prompt_ids, params, use_cache=False)
     else:  # one sequence: a KV cache just big enough for it, no batching or prefix reuse to set up
         llm = LLM(model, tokenizer=tokenizer, max_num_seqs=1, enable_prefix_caching=False,
-                  max_model_len=len(prompt_ids) + params.max_tokens)
+                  max_model_len=len(prompt_ids) + params.max_tokens, quantization=args.quantization)
         new = llm.generate([prompt_ids], params)[0].token_ids
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
     return 0

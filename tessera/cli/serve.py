@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
+from tessera.cli.generate import add_quantization_argument
 from tessera.config.argument_types import int_in, port, positive_float, seed, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
@@ -105,7 +106,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding method (None: off)")
     p.add_argument("--draft-model", default=None, help="draft model directory (with --speculative draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per speculative step")
-    p.add_argument("--quantization", default=None, choices=["int8"], help="int8 weight-only quantization at load")
+    add_quantization_argument(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
     p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
@@ -133,7 +134,7 @@ def _parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): "
                         "this process and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r "
                         "with --device cuda:B; N GPUs from there must exist); N must divide the heads, KV heads, "
-                        "vocabulary and FFN dims; N > 1 decodes without CUDA graphs and serves no LoRA or int8 "
+                        "vocabulary and FFN dims; N > 1 decodes without CUDA graphs and serves no LoRA or quantized "
                         "weights. If a rank fails or exits (or a step fails on this one), requests in flight get the "
                         "error, GET /health answers 503 naming the rank, and the server shuts down with exit "
                         "status 1 for its supervisor to restart it")

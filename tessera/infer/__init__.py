@@ -1,5 +1,5 @@
 """Layer 7: serving. A paged-KV-cache engine with continuous batching, prefix reuse, speculative
-decoding, LoRA, int8 and JSON-schema constrained output, an offline `LLM` front end and an
+decoding, LoRA, int8 / fp8 / int4 weights and JSON-schema constrained output, an offline `LLM` front end and an
 OpenAI-compatible HTTP server.
 
     from tessera.infer import LLM, SamplingParams

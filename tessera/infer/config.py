@@ -1,5 +1,5 @@
 """Serving engine configuration: cache geometry, batching limits, and the optional features
-(prefix reuse, speculative decoding, LoRA, int8), one documented field at a time.
+(prefix reuse, speculative decoding, LoRA, weight quantization), one documented field at a time.
 
 Every field is validated in `__post_init__`; a bad value raises `ConfigError` naming the key,
 the value and what is allowed.
@@ -14,6 +14,7 @@ from tessera.config.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup")
+QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 
 
 def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -58,7 +59,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
     system_prompts: list[str] = field(default_factory=list)  # prefilled at start, their blocks pinned
     speculative: SpeculativeConfig | None = None
-    quantization: str | None = None  # None or "int8" (weight-only, per output channel)
+    # None, or weights quantized at load (weight-only, round-to-nearest; tessera/models/quantized.py):
+    # "int8" (per output channel), "fp8" (e4m3, per output channel), "int4" (packed, per group of 128 inputs)
+    quantization: str | None = None
     lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, served per request
     merge_lora: list[str] = field(default_factory=list)  # PEFT directories merged into the weights at load
     max_loras: int = 8  # dynamic adapters resident at once
@@ -87,7 +90,8 @@ class EngineConfig:
               "must be > 0")
         _need(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
               "must be None or > 1")
-        _need(self.quantization in (None, "int8"), "quantization", self.quantization, "None or 'int8'")
+        _need(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
+              "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
         _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
         _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
               f"at most max_loras={self.max_loras} adapters")
@@ -100,7 +104,7 @@ class EngineConfig:
             for key, value in (("lora_adapters", self.lora_adapters), ("merge_lora", self.merge_lora),
                                ("quantization", self.quantization)):
                 _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
-                      "(LoRA and int8 weights are served on one rank); use tensor_parallel_size=1")
+                      "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
         spec = self.speculative
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",

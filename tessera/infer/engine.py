@@ -34,7 +34,7 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
-from tessera.models.int8 import quantize_model
+from tessera.models.quantized import quantize_model
 from tessera.models.transformer import Transformer
 
 
@@ -76,10 +76,11 @@ class LLMEngine:
     def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
-        (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, int8
-        applied, the draft model loaded, dynamic adapters loaded, system prompts cached.
-        `prequantized`: the model's weights are int8 already. With tensor_parallel_size > 1 the
-        model is cut over that many ranks (its weights sent once to the new worker processes)."""
+        (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, weights
+        quantized, the draft model loaded, dynamic adapters loaded, system prompts cached.
+        `prequantized`: the model's weights are int8 already (a pre-quantized directory). With
+        tensor_parallel_size > 1 the model is cut over that many ranks (its weights sent once to
+        the new worker processes)."""
         config = config or EngineConfig()
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
@@ -253,13 +254,17 @@ def _check_placement(model: Transformer, config: EngineConfig) -> None:
 
 
 def _prepare_weights(model: Transformer, config: EngineConfig, prequantized: bool) -> None:
-    """Static LoRA adapters merged into the weights, then int8 applied, as `config` asks."""
+    """Static LoRA adapters merged into the weights, then quantized (config.quantization), as
+    `config` asks. A pre-quantized (int8) model takes no other method."""
     if config.merge_lora and prequantized:
         raise ConfigError("merge_lora needs full-precision weights; this directory is pre-quantized")
+    if prequantized and config.quantization not in (None, "int8"):
+        raise ConfigError(f"quantization={config.quantization!r} needs full-precision weights; this directory is "
+                          "pre-quantized int8 (serve it without --quantization, or serve its full-precision source)")
     for adapter in config.merge_lora:
         merge_adapter(model, adapter)
-    if config.quantization == "int8" and not prequantized:
-        quantize_model(model)
+    if config.quantization and not prequantized:
+        quantize_model(model, config.quantization)
 
 
 def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None:

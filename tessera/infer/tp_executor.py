@@ -5,7 +5,7 @@ rank 0's own shard (`tensor_parallel`) and wait until every worker holds its sha
 Rank 0 then drives every step: its model runner's forward is a `TensorParallelModel`, which sends
 the step to the other ranks (`tp_channel`) and runs the same forward with them. A rank that fails,
 or a step interrupted on rank 0, ends serving: `failure` says why, and every later step raises it.
-LoRA adapters and int8 weights are served on one rank only (`EngineConfig` refuses them here).
+LoRA adapters and quantized (int8, fp8, int4) weights are served on one rank only (`EngineConfig` refuses them here).
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ class Int8Linear(nn.Module):
 class Int8GroupedExperts(GroupedExperts):
     """Routed experts with int8 weights, dequantised expert by expert inside the forward pass."""
 
+    quantized = True  # not quantizable again (quantizable_layers)
+
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, dtype: torch.dtype, device=None):
         nn.Module.__init__(self)
         self.use_grouped_mm = True
@@ -86,13 +88,13 @@ class Int8GroupedExperts(GroupedExperts):
         return grouped_linear(h, self._weight("w2", d), tokens_per_expert)
 
 
-def _quantizable(model: Transformer) -> list[tuple[str, nn.Module]]:
+def quantizable_layers(model: Transformer) -> list[tuple[str, nn.Module]]:
     """Linear layers and routed experts inside the transformer blocks (not the head or router)."""
     out = []
     for name, m in model.named_modules():
         if not name.startswith("layers.") or ".router" in name:
             continue
-        if isinstance(m, (nn.Linear, GroupedExperts)) and not isinstance(m, Int8GroupedExperts):
+        if isinstance(m, (nn.Linear, GroupedExperts)) and not getattr(m, "quantized", False):
             out.append((name, m))
     return out
 
@@ -103,14 +105,20 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: Transformer) -> list[str]:
-    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
+def quantize_layers(model: Transformer, linear_cls: type, experts_cls: type) -> list[str]:
+    """Replace every quantizable layer of `model` by `linear_cls.from_linear(layer)` or
+    `experts_cls.from_experts(experts)` (in place); returns their names."""
     names = []
-    for name, m in _quantizable(model):
-        new = Int8Linear.from_linear(m) if isinstance(m, nn.Linear) else Int8GroupedExperts.from_experts(m)
+    for name, m in quantizable_layers(model):
+        new = linear_cls.from_linear(m) if isinstance(m, nn.Linear) else experts_cls.from_experts(m)
         replace_module(model, name, new)
         names.append(name)
     return names
+
+
+def quantize_model(model: Transformer) -> list[str]:
+    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
+    return quantize_layers(model, Int8Linear, Int8GroupedExperts)
 
 
 def empty_int8_layer(m: nn.Module, dtype: torch.dtype) -> nn.Module | None:

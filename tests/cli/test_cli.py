@@ -157,6 +157,28 @@ def test_generate_runs_the_serving_engine_and_equals_transformers(tmp_path, caps
     assert capsys.readouterr().out == prompt + "\n"
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_generate_quantizes_at_load(method, tmp_path, capsys):
+    """`tessera generate DIR --quantization M` prints the greedy text of the engine serving the model
+    quantized with M (the Python API's `LLM(..., quantization=M)`)."""
+    from tessera.data.tokenizer import Tokenizer
+    from tessera.infer import LLM, SamplingParams
+    from tests.infer.tiny_models import write_model
+
+    write_model(tmp_path / "hf", "llama", std=0.25, max_position_embeddings=40)
+    tok = Tokenizer.from_path(tmp_path / "hf")
+    prompt = "generate me"
+    llm = LLM(tmp_path / "hf", quantization=method)
+    assert type(llm.engine.model.layers["0"].feed_forward.w1).__name__.lower().startswith(method)
+    want = llm.generate([tok.encode(prompt, add_special_tokens=False)],
+                        SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[tok.eos_id]))[0].token_ids
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "16",
+                 "--quantization", method]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want, skip_special_tokens=True) + "\n"
+    assert main(["generate", str(tmp_path / "hf"), "--prompt", prompt, "--quantization", method, "--no-cache"]) == 2
+    assert "drop --no-cache" in capsys.readouterr().err
+
+
 def test_preprocess_text_and_sft(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("def f(x):\n    return x\n")
     assert main(["preprocess", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")]) == 0

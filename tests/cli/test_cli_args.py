@@ -58,6 +58,13 @@ def test_serve_numbers(flag, value, allowed, capsys):
     assert f"tessera serve: error: argument {flag}: {allowed}, got {value!r}" in err
 
 
+@pytest.mark.parametrize("command", [["serve", MISSING], ["generate", MISSING, "--prompt", "hi"]])
+def test_unknown_quantization_names_the_methods(command, capsys):
+    err = _refused([*command, "--quantization", "int3"], capsys)
+    assert "argument --quantization: invalid choice: 'int3' (choose from " in err  # quoted or not, by Python version
+    assert all(m in err.split("choose from ")[1] for m in ("int8", "fp8", "int4"))
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "1025"])
 def test_train_nproc(value, capsys):
     err = _refused(["train", TINY_DENSE, "--nproc", value], capsys)

@@ -84,3 +84,29 @@ def test_unsupported_adapters_are_refused(llama, tmp_path):
         llm.load_lora("none", tmp_path)
     with pytest.raises(ConfigError, match="not loaded"):
         llm.generate(["x"], GREEDY, adapter="nope")
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
+def test_dynamic_lora_on_quantized_weights(method, llama, tmp_path):
+    """Adapters served over quantized block linears give the tokens of the same adapters over a
+    full-precision model holding the dequantized weights."""
+    from tessera.hf import load_pretrained
+
+    path, _ = llama
+    make_adapter(path, "llama", tmp_path / "a", seed=1)
+    adapters = {"a": str(tmp_path / "a")}
+    quantized = LLM(path, block_size=4, quantization=method, lora_adapters=adapters)
+    reference = load_pretrained(path)
+    replaced = 0
+    for name, m in quantized.engine.model.named_modules():
+        if name.startswith("layers.") and hasattr(m, "qweight"):
+            weight = m.qweight.float() * m.scale[:, None] if method == "int8" else m.dequantized_weight(torch.float32)
+            reference.get_submodule(name).weight.data.copy_(weight)
+            replaced += 1
+    assert replaced == 14  # 2 layers x (4 attention + 3 MLP)
+    plain = LLM(reference, tokenizer=quantized.tokenizer, block_size=4, lora_adapters=adapters)
+    prompt = "adapters change the output"
+    got = {a: quantized.generate([prompt], GREEDY, adapter=a)[0].token_ids for a in ("a", None)}
+    assert got["a"] != got[None]  # the adapter matters
+    for adapter in ("a", None):
+        assert got[adapter] == plain.generate([prompt], GREEDY, adapter=adapter)[0].token_ids, adapter

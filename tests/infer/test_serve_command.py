@@ -115,3 +115,29 @@ def test_the_port_is_listened_on_before_the_model_loads():
             s.close()
     with pytest.raises(ConfigError, match="--host no-such-host.invalid --port 0 cannot be listened on"):
         _listen_sockets("no-such-host.invalid", 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_serve_quantizes_at_load(method, llama):
+    """`tessera serve DIR --quantization M`: the server's greedy completion is the one of `LLM` with
+    the same quantization in process."""
+    from tessera.infer import LLM, SamplingParams
+
+    path, _ = llama
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(path), "--port", "0", "--block-size", "4",
+                             "--quantization", method, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = serving_url(proc)
+        wait_until_serving(proc, url)
+        body = {"model": str(path), "prompt": "quantized", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
+        assert r.status_code == 200, r.text
+        want = LLM(path, block_size=4, quantization=method).generate(
+            ["quantized"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        proc.wait(HANG_S)

@@ -140,8 +140,9 @@ def test_size_that_does_not_divide_the_heads_is_refused(llama, capsys):
     assert "does not divide model.n_heads=4" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="num_blocks=2 is invalid"):  # the cache too, before any process starts
         LLM(path, tensor_parallel_size=2, num_blocks=2)
-    with pytest.raises(ConfigError, match="quantization.*tensor_parallel_size=2"):
-        EngineConfig(tensor_parallel_size=2, quantization="int8")
+    for method in ("int8", "fp8", "int4"):  # quantized weights are served on one rank
+        with pytest.raises(ConfigError, match=f"quantization='{method}'.*tensor_parallel_size=2"):
+            EngineConfig(tensor_parallel_size=2, quantization=method)
     with pytest.raises(SystemExit):
         serve_main([str(path), "--tensor-parallel-size", "0"])
 
