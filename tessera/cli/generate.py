@@ -17,8 +17,10 @@ from tessera.infer.config import QUANTIZATION_METHODS
 def add_quantization_argument(p: argparse.ArgumentParser) -> None:
     """`--quantization int8|fp8|int4` (serve and generate)."""
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="quantize the block layers' weights at load, round-to-nearest, weight-only (None: as "
-                        "stored): int8 = int8 per output channel; fp8 = float8 e4m3 per output channel; int4 = "
+                   help="quantize the block layers' weights at load, round-to-nearest (None: as stored); activations "
+                        "stay in --dtype, except fp8 on a CUDA GPU with FP8 tensor cores, which casts them to e4m3 "
+                        "per tensor for the product: int8 = int8 per output channel; fp8 = float8 e4m3 per output "
+                        "channel; int4 = "
                         "symmetric 4-bit, two per byte, one scale per group of 128 inputs (per row when 128 does "
                         "not divide them). The embedding, router and output head stay in --dtype")
 

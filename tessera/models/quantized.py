@@ -124,8 +124,11 @@ class _QuantizedLinear(nn.Module):
 def fp8_tensor_cores(x: torch.Tensor, layer: Fp8Linear) -> bool:
     """Whether `layer`'s product with `x` runs on FP8 tensor cores (torch._scaled_mm): a CUDA
     device of compute capability >= 8.9 (not ROCm), x in bf16 or fp32, and in / out features
-    multiples of 16 (what _scaled_mm takes). Else the plain PyTorch reference runs."""
+    multiples of 16 (what _scaled_mm takes), and the codes still e4m3 (`Module.to(dtype)` casts float8
+    buffers like any floating-point tensor; the reference reads such codes exactly). Else the plain
+    PyTorch reference runs."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and hasattr(torch, "_scaled_mm")
+            and layer.qweight.dtype == torch.float8_e4m3fn
             and layer.in_features % ALIGN == 0 and layer.out_features % ALIGN == 0
             and torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= FP8_MIN_CAPABILITY)
 

@@ -20,7 +20,9 @@ def fp8_layer_on_cuda() -> tuple[bool, bool, float]:
     from tessera.models.quantized import Fp8Linear, fp8_tensor_cores
 
     torch.manual_seed(0)
-    layer = Fp8Linear.from_linear(torch.nn.Linear(256, 128, bias=True)).to("cuda", torch.bfloat16)
+    # Quantized from a bf16 layer already on the GPU, as the engine does (a later .to(dtype) would cast
+    # the e4m3 codes too)
+    layer = Fp8Linear.from_linear(torch.nn.Linear(256, 128, bias=True).to("cuda", torch.bfloat16))
     x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), layer.qweight.float() * layer.scale.float()[:, None],
                                       layer.bias.float())
