@@ -46,8 +46,8 @@ DATA_KINDS = ("pretrain", "sft")
 
 @dataclass
 class DistillConfig:
-    """Knowledge distillation (tessera.train.distill): the student learns the teacher's next-token
-    distribution as well as the data. Per micro-batch, over the N loss tokens of the global batch
+    """Knowledge distillation (tessera.train.distill_loss, tessera.train.teacher): the student learns the
+    teacher's next-token distribution as well as the data. Per micro-batch, over the N loss tokens of the global batch
     (the tokens the data loss counts; under SFT the answers only):
 
         loss = (1 - weight) * sum_t CE_t / N + weight * T^2 * sum_t KL(p_teacher,t || p_student,t) / N
@@ -407,7 +407,7 @@ def validate_run_config(cfg: RunConfig) -> None:
 
 def _validate_distill(cfg: RunConfig, need: Any) -> None:
     """train.distill: its values, and the layouts and settings it runs under (the teacher itself is
-    checked against the student when the trainer loads it: tessera.train.distill)."""
+    checked against the student when the trainer loads it: tessera.train.teacher)."""
     k = cfg.train.distill
     need(k.teacher is None or bool(k.teacher), "train.distill.teacher", k.teacher,
          "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no distillation)")

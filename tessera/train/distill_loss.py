@@ -41,7 +41,9 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targ
     t_NV = teacher_logits.float().reshape(-1, V)[keep_N] / temperature
     log_q_NV = torch.log_softmax(s_NV, dim=-1)
     log_p_NV = torch.log_softmax(t_NV, dim=-1)
-    kl = (log_p_NV.exp() * (log_p_NV - log_q_NV)).sum()
+    p_NV = log_p_NV.exp()
+    # 0 * log 0 is 0: a teacher token of probability 0 (a logit of -inf) adds nothing rather than NaN
+    kl = torch.where(p_NV > 0, p_NV * (log_p_NV - log_q_NV), 0.0).sum()
     return kl * (temperature * temperature)
 
 

@@ -61,7 +61,7 @@ def check_teacher(cfg: RunConfig, teacher: ModelConfig) -> None:
             return
         theirs = load_tokenizer(source)
         mine = load_tokenizer(cfg.data.tokenizer)
-    except TesseraError as e:
+    except (TesseraError, OSError) as e:  # OSError: a tokenizer path that vanished or cannot be read
         raise ConfigError(f"{KEY}={path!r}: its tokenizer cannot be compared with data.tokenizer: {e}") from e
     their_vocab = theirs.backend.get_vocab(with_added_tokens=True)
     my_vocab = mine.backend.get_vocab(with_added_tokens=True)
