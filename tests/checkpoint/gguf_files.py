@@ -72,9 +72,11 @@ def _tokenizer_metadata(writer) -> None:
     writer.add_eos_token_id(0)
 
 
-def write_gguf(model, path: Path, kinds: tuple[str, ...], seed: int = 0, arch: str | None = None) -> Path:
+def write_gguf(model, path: Path, kinds: tuple[str, ...], seed: int = 0, arch: str | None = None,
+               head_count: int | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """`model` (a tiny_hf_model) as the GGUF file `path`, its i-th matrix in GGUF type
-    `kinds[i % len(kinds)]`; `arch` overrides the architecture the metadata names."""
+    `kinds[i % len(kinds)]`; `arch` overrides the architecture the metadata names, `head_count` the
+    query head count it states, and `extra` adds float32 tensors by GGUF name."""
     import gguf
 
     cfg = model.config
@@ -89,7 +91,7 @@ def write_gguf(model, path: Path, kinds: tuple[str, ...], seed: int = 0, arch: s
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count(cfg.num_attention_heads if head_count is None else head_count)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -115,6 +117,8 @@ def write_gguf(model, path: Path, kinds: tuple[str, ...], seed: int = 0, arch: s
             writer.add_tensor(name, random_k_blocks(kind, *w.shape, rng), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -141,6 +141,21 @@ def test_unknown_architecture_and_tensor_type_are_refused_by_name(tmp_path):
         load_gguf(tmp_path / "iq.gguf")
 
 
+def test_metadata_that_does_not_fit_the_weights_is_refused_by_name(tmp_path):
+    """A head count of 0, a head count that cannot split the query rows, and Llama 3.1's RoPE frequency
+    tensor: each a ConfigError naming it, never an arithmetic error."""
+    import numpy as np
+
+    hf = tiny_hf_model("llama")
+    with pytest.raises(ConfigError, match=r"metadata for num_attention_heads is 0; Tessera reads one positive"):
+        load_gguf(write_gguf(hf, tmp_path / "zero.gguf", ("F32",), head_count=0))
+    with pytest.raises(ConfigError, match="head"):
+        load_gguf(write_gguf(hf, tmp_path / "three.gguf", ("F32",), head_count=3))
+    rope = write_gguf(hf, tmp_path / "rope.gguf", ("F32",), extra={"rope_freqs.weight": np.ones(32)})
+    with pytest.raises(ConfigError, match="'rope_freqs' holds Llama 3.1-style RoPE frequency scaling"):
+        load_gguf(rope)
+
+
 def test_a_missing_gguf_package_is_named(q8_llama, monkeypatch):
     path, _ = q8_llama
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError

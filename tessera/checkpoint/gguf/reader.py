@@ -50,6 +50,9 @@ _REQUIRED = {"block_count": "num_hidden_layers", "embedding_length": "hidden_siz
              "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 _OPTIONAL = {"attention.head_count_kv": "num_key_value_heads", "context_length": "max_position_embeddings",
              "rope.freq_base": "rope_theta", "vocab_size": "vocab_size"}
+# config.json fields that must be one positive integer.
+_COUNTS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+           "max_position_embeddings", "vocab_size")
 # Metadata that changes the model's numerics in ways the families here do not read from GGUF.
 _REFUSED = ("rope.scaling.type", "rope.scaling.factor", "attention.sliding_window", "expert_count")
 
@@ -141,6 +144,10 @@ class GGUFFile:
         for key, name in _OPTIONAL.items():
             if f"{arch}.{key}" in fields:
                 d[name] = _field(self.reader, f"{arch}.{key}", self.path)
+        for name in _COUNTS:  # one positive number each (gguf allows arrays: per-layer head counts)
+            if name in d and (not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 1):
+                raise ConfigError(f"{str(self.path)!r}: GGUF metadata for {name} is {d[name]!r}; Tessera reads one "
+                                  "positive integer for every layer")
         d.setdefault("rope_theta", 10000.0)  # llama.cpp's and transformers' default
         if arch == "llama":  # transformers takes LLaMA's head_dim from the RoPE dimension
             dims = f"{arch}.rope.dimension_count"
@@ -166,6 +173,10 @@ class GGUFFile:
                  "attn_k": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]}
         for t in self.reader.tensors:
             base, _, suffix = t.name.rpartition(".")
+            if base == "rope_freqs":  # Llama 3.1's RoPE frequency factors
+                raise ConfigError(f"{str(self.path)!r}: tensor 'rope_freqs' holds Llama 3.1-style RoPE frequency "
+                                  "scaling, which Tessera does not read from GGUF files; convert the model from its "
+                                  "HuggingFace directory instead")
             if base not in names:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
                                   "model; is the file a language model of that architecture?")
@@ -176,6 +187,10 @@ class GGUFFile:
                                   f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
             kind = base.rpartition(".")[2]
             if permuted and kind in heads:
+                if values.shape[0] % (2 * heads[kind]):
+                    raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has {values.shape[0]} rows, which "
+                                      f"{heads[kind]} heads cannot split into RoPE halves; the metadata does not "
+                                      "fit the weights")
                 values = permute(values, heads[kind])
             yield f"{names[base]}.{suffix}", values
 
