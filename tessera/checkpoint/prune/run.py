@@ -104,10 +104,11 @@ def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, tar
     check_sizes(cfg, sizes.resolved(cfg))
     tokenizer_dir = trained_tokenizer(src)
     tokenizer = load_tokenizer(tokenizer_dir)  # the bundled one where the source has none
-    if tokenizer_dir is None and tokenizer.vocab_size > cfg.vocab_size:
-        raise DataError(f"prune: {str(src)!r} has no tokenizer of its own and the bundled one's vocabulary "
-                        f"({tokenizer.vocab_size}) is larger than the model's ({cfg.vocab_size}); add its tokenizer "
-                        "files to the directory")
+    if tokenizer.vocab_size > cfg.vocab_size:  # its ids would fall outside the embedding
+        whose = "its tokenizer's" if tokenizer_dir is not None else \
+            "it has no tokenizer of its own and the bundled one's"
+        raise DataError(f"prune: {str(src)!r}: {whose} vocabulary ({tokenizer.vocab_size}) is larger than the "
+                        f"model's ({cfg.vocab_size}); give a directory whose tokenizer fits its model")
     tokens = calibration_sequences(_calibration_texts(calibration), tokenizer, num_sequences,
                                    min(seq_len, cfg.max_seq_len))
     model = load_pretrained(src, dtype=torch.float32)
