@@ -128,6 +128,11 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
             ran.append(command)
         assert server is not None and any(c.startswith("curl") for c in ran)
         assert sum(" train " in f" {c} " for c in ran) >= 7 and any("--nproc 4" in c for c in ran)
+        # The Minitron recipe did what it says: 4 layers kept, and the pruned model trained against its teacher
+        assert json.loads((work / "runs/tiny-dense-4l/config.json").read_text())["num_hidden_layers"] == 4
+        steps = [json.loads(line) for line in (work / "runs/tiny-dense-4l-kd/metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in steps if "loss" in r]
+        assert steps and all(r["distill_loss"] > 0 for r in steps), steps
     finally:
         if server is not None:
             server.terminate()
