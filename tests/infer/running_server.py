@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import signal
 import socket
 import subprocess
 import threading
@@ -45,6 +46,22 @@ def serving_url(proc: subprocess.Popen, timeout: float = HANG_S) -> str:
                 raise AssertionError(f"exited with {proc.wait(HANG_S)} before serving: {out.decode()}")
             out += chunk
     return found.group(1).decode()
+
+
+def stop_serving(proc: subprocess.Popen) -> None:
+    """Ctrl-C to a `tessera serve` process started with stdout piped: it stops cleanly (status 0, no
+    traceback in its output)."""
+    proc.send_signal(signal.SIGINT)
+    status = proc.wait(HANG_S)
+    out = proc.stdout.read().decode()
+    assert status == 0 and "Traceback" not in out, out
+
+
+def terminate_if_running(proc: subprocess.Popen) -> None:
+    """A served process a failed test left running is stopped."""
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(HANG_S)
 
 
 def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = HANG_S) -> None:

@@ -1,7 +1,6 @@
 """`tessera serve` as a process: the contract, /health, greedy /v1/completions under the one model
 name /v1/models lists (the directory as given, or --served-model-name; no other spelling)."""
 
-import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +10,14 @@ import httpx
 import pytest
 
 from tests.hang_guard import HANG_S
-from tests.infer.running_server import free_port, serve_main, serving_url, wait_until_serving
+from tests.infer.running_server import (
+    free_port,
+    serve_main,
+    serving_url,
+    stop_serving,
+    terminate_if_running,
+    wait_until_serving,
+)
 from tests.infer.tiny_models import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,14 +48,9 @@ def test_serve_command_answers_the_contract(llama):
         # bound to 127.0.0.1 without --allowed-hosts: a foreign Host name (DNS rebinding) is refused
         assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
         assert httpx.get(url + "/v1/models", headers={"Host": f"localhost:{port}"}).status_code == 200
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
-        status = proc.wait(HANG_S)
-        out = proc.stdout.read().decode()
-        assert status == 0 and "Traceback" not in out, out
+        stop_serving(proc)  # Ctrl-C: a clean stop
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(HANG_S)
+        terminate_if_running(proc)
 
 
 @pytest.mark.slow
