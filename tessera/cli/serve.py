@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
 from tessera.cli.generate import add_quantization_argument
-from tessera.config.argument_types import int_in, port, positive_float, seed, text
+from tessera.config.argument_types import int_in, nonnegative_float, port, positive_float, seed, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
@@ -100,6 +100,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--kv-offload-gib", type=nonnegative_float(MAX_KV_CACHE_GIB), default=0.0,
+                   help="host memory for prefix blocks the device evicts; a later hit copies them back (0: none)")
+    p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="private directory of prefix blocks, shared by servers of this model and kept across "
+                        "restarts (None: none)")
+    p.add_argument("--kv-cache-dir-gib", type=positive_float(MAX_KV_CACHE_GIB), default=16.0,
+                   help="size bound of --kv-cache-dir; the least recently used files go past it")
     p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT", type=text,
                    help="prefill TEXT at start and keep its KV blocks cached (repeatable)")
     p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup"],
@@ -174,7 +181,8 @@ def engine_config(args: argparse.Namespace):
                         system_prompts=list(args.system_prompt), speculative=spec, quantization=args.quantization,
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
                         seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, kv_offload_gib=args.kv_offload_gib,
+                        kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib)
 
 
 def _check_server_options(args: argparse.Namespace):

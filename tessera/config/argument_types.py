@@ -59,6 +59,19 @@ def positive_float(high: float = math.inf) -> Callable[[str], float]:
     return parse
 
 
+def nonnegative_float(high: float = math.inf) -> Callable[[str], float]:
+    """A finite number in [0, high]."""
+    allowed = "must be a finite number >= 0" + (f" and <= {high:,.0f}" if math.isfinite(high) else "")
+
+    def parse(text: str) -> float:
+        value = _parse(text, float, allowed)
+        if not (math.isfinite(value) and 0 <= value <= high):
+            raise argparse.ArgumentTypeError(f"{allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
 def temperature(text: str) -> float:
     """0 (greedy) or a finite number >= MIN_TEMPERATURE: below it logits / T overflows fp32 to inf."""
     allowed = f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"

@@ -6,19 +6,26 @@ A block is free (in `free`), referenced (ref > 0), or unreferenced but still nam
 cache (reusable until evicted). Allocation takes free blocks first, then evicts the least
 recently used named block. Blocks shared through the prefix cache are full and never written
 again: a sequence only writes at positions >= its `num_computed`, which lie past them.
+
+With KV tiers (`kv_tiers.py`) an evicted named block is handed to the tier planner first, to be
+kept in host memory or on disk, and a prefix lookup goes on below the device where the device's
+chain ends (`find_below`); blocks found there get fresh device blocks filled before the forward.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from tessera.infer.kv_tiers import KVTierPlanner
 from tessera.infer.prefix_cache import PrefixCache, block_hash, hash_chain
 from tessera.infer.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KVTierPlanner | None = None):
         self.num_blocks = num_blocks
+        self.tiers = tiers if enable_prefix_caching else None
         self.block_size = block_size
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
@@ -42,9 +49,12 @@ class BlockManager:
         if self.free:
             block = self.free.popleft()
         else:
-            block = self.cache.evict() if self.cache is not None else None
-            if block is None:
+            evicted = self.cache.evict() if self.cache is not None else None
+            if evicted is None:
                 raise RuntimeError("KV cache out of blocks (the scheduler should have checked)")
+            block = evicted[0]
+            if self.tiers is not None:
+                self.tiers.evicted(*evicted)
         self.ref[block] = 1
         return block
 
@@ -71,20 +81,34 @@ class BlockManager:
         hashes = hash_chain(seq.token_ids, self.block_size, seq.adapter_key, limit=limit)
         return self.cache.lookup(hashes), hashes
 
+    def find_below(self, hashes: list[bytes], num_device: int) -> list:
+        """Hits below the device (`KVTierPlanner.find`) for the blocks after the `num_device` found
+        on it."""
+        if self.tiers is None or num_device >= len(hashes):
+            return []
+        return self.tiers.find(hashes[num_device:])
+
     def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
         """Whether `num_blocks` new blocks fit while the cached blocks `reusing` get referenced."""
         parked = sum(1 for b in reusing if self.ref[b] == 0) if self.cache is not None else 0
         return num_blocks <= self.num_free_blocks - parked
 
-    def adopt_prefix(self, seq: Sequence, blocks: list[int], hashes: list[bytes]) -> None:
-        """Give `seq` the cached prefix `blocks`: their tokens count as computed."""
+    def adopt_prefix(self, seq: Sequence, blocks: list[int], hashes: list[bytes], below: list = ()) -> None:
+        """Give `seq` the cached prefix `blocks`, then fresh blocks for the hits `below` the device
+        (filled from their tier before the step's forward, and named): their tokens count as computed."""
         for b in blocks:
             self._acquire(b)
         seq.block_table = list(blocks)
-        seq.block_hashes = list(hashes[:len(blocks)])
-        seq.num_computed = len(blocks) * self.block_size
+        for hit, h in zip(below, hashes[len(blocks):]):
+            block = self._take()
+            self.tiers.bring_back(hit, block)
+            self.cache.register(block, h)
+            seq.block_table.append(block)
+        found = len(seq.block_table)
+        seq.block_hashes = list(hashes[:found])
+        seq.num_computed = found * self.block_size
         if self.cache is not None:
-            self.cache.record_query(len(hashes) * self.block_size, len(blocks) * self.block_size)
+            self.cache.record_query(len(hashes) * self.block_size, found * self.block_size)
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot."""
@@ -111,6 +135,10 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first, so that a prompt's tail is evicted before
         its head (the head is the part other prompts are likeliest to share)."""
+        if self.tiers is not None:  # written to disk (if there is one) while still named
+            for b, h in zip(seq.block_table, seq.block_hashes):
+                if self.cache.hash_of.get(b) == h:
+                    self.tiers.persist(b, h)
         for b in reversed(seq.block_table):
             self._release(b)
         seq.block_table = []

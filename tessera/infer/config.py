@@ -74,6 +74,11 @@ class EngineConfig:
     # vocabulary; tensor_parallel.py). 1: one process, as without the option. N > 1 starts N - 1
     # worker processes (gloo on CPU, NCCL on GPUs, rank r on cuda:r) and decodes without CUDA graphs.
     tensor_parallel_size: int = 1
+    # KV tiers below the device (kv_tiers.py; prefix caching on, one rank): host memory for blocks the
+    # device evicts (0: none), and a private directory shared by servers and restarts (None: none)
+    kv_offload_gib: float = 0.0
+    kv_cache_dir: str | None = None
+    kv_cache_dir_gib: float = 16.0  # the directory's bound: past it the least recently used files go
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -105,10 +110,22 @@ class EngineConfig:
                                ("quantization", self.quantization)):
                 _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
                       "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
+        _need(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
+        _need(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
+        if self.has_kv_tiers:
+            key, value = ("kv_offload_gib", self.kv_offload_gib) if self.kv_offload_gib else ("kv_cache_dir",
+                                                                                             self.kv_cache_dir)
+            _need(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
+                  "hash); do not disable it")
+            _need(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
         spec = self.speculative
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
                   self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return bool(self.kv_offload_gib) or self.kv_cache_dir is not None
 
     @property
     def lookahead(self) -> int:

@@ -25,6 +25,7 @@ from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
+from tessera.infer.kv_tiers import TierMetrics, build_tiers
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.output_processor import OutputProcessor
@@ -47,7 +48,13 @@ class LLMEngine:
         self.lora = executor.lora
         self.eos_ids = frozenset(eos_ids)
         self.max_model_len, self.blocks_per_seq = executor.geometry.max_model_len, executor.geometry.blocks_per_seq
-        self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.tier_metrics = TierMetrics()
+        planner = None
+        if config.has_kv_tiers:
+            planner, executor.kv_tiers = build_tiers(executor.model, executor.local.kv, config.kv_offload_gib,
+                                                     config.kv_cache_dir, config.kv_cache_dir_gib, self.tier_metrics)
+        self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   planner)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,
                                    OutputProcessor(tokenizer, self.max_model_len, self.metrics))
@@ -208,8 +215,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one process). The engine cannot
-        step afterwards."""
-        self.executor.close()
+        step afterwards. Blocks of finished requests not yet written to the disk tier are written first."""
+        try:
+            if self.executor.failure is None:
+                self.executor.apply_kv_transfers(self.scheduler.take_kv_transfers())
+        finally:
+            self.executor.close()
 
     # ---- introspection -----------------------------------------------------------------------
     @property
@@ -241,8 +252,11 @@ class LLMEngine:
 
     def prometheus(self) -> str:
         cache = self.blocks.cache
-        return self.metrics.prometheus(self.gauges(), cache.queried_tokens if cache else 0,
+        page = self.metrics.prometheus(self.gauges(), cache.queried_tokens if cache else 0,
                                        cache.hit_tokens if cache else 0)
+        if not self.config.has_kv_tiers:
+            return page
+        return page + "\n".join(self.tier_metrics.prometheus_lines()) + "\n"
 
 
 def _check_placement(model: Transformer, config: EngineConfig) -> None:

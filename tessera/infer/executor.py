@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from tessera.infer.config import EngineConfig
+from tessera.infer.kv_tiers import KVTierStore, KVTransfers
 from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
@@ -42,6 +43,9 @@ class Executor(Protocol):
 
     def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
         """`score` and whether each target is its row's argmax (`ModelRunner.score_targets`)."""
+
+    def apply_kv_transfers(self, transfers: KVTransfers | None) -> None:
+        """Make the copies between KV tiers a plan asks (`execute_model` does, before the forward)."""
 
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero KV blocks on every rank (a request failing on inf/NaN left them)."""
@@ -77,9 +81,15 @@ class InProcessExecutor:
         self.lora = lora_manager(model, config)
         self.local, self.geometry = build_paged_model(model, config, self.lora)
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks))
+        self.kv_tiers: KVTierStore | None = None  # the host / disk tiers' bytes, when the engine has tiers
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.apply_kv_transfers(plan.kv)
         return self.runner.execute(plan)
+
+    def apply_kv_transfers(self, transfers: KVTransfers | None) -> None:
+        if transfers:
+            self.kv_tiers.apply(transfers)
 
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         return self.runner.score(chunks)

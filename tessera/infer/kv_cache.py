@@ -91,6 +91,24 @@ class PagedKVCache:
             v = v.to(dtype) * take(self.v_scale[layer])[..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
 
+    def stores(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (keys and values of each layer, then their int8 scales), each
+        [num_blocks * block_size, ...]: a block's contents are row b of each, viewed per block."""
+        scales = [*self.k_scale, *self.v_scale] if self.int8 else []
+        return [*self.k, *self.v, *scales]
+
+    def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """The contents of `blocks`: one [len(blocks), block_size * ...] tensor per store, on the
+        cache's device (copies)."""
+        idx = torch.tensor(blocks, device=self.k[0].device)
+        return [s.view(self.num_blocks, -1).index_select(0, idx) for s in self.stores()]
+
+    def write_blocks(self, blocks: list[int], contents: list[torch.Tensor]) -> None:
+        """Put `contents` (as `read_blocks` gives them, on any device) into `blocks`."""
+        idx = torch.tensor(blocks, device=self.k[0].device)
+        for store, c in zip(self.stores(), contents, strict=True):
+            store.view(self.num_blocks, -1).index_copy_(0, idx, c.to(store.device, non_blocking=True))
+
     def clear_blocks(self, blocks: list[int]) -> None:
         """Zero every slot of `blocks` in every layer (e.g. after inf/NaN was written there)."""
         if not blocks:

@@ -101,10 +101,12 @@ class PrefixCache:
             del self.block_of[h]
         self.evictable.pop(block, None)
 
-    def evict(self) -> int | None:
-        """Forget the least recently used unreferenced block and return it (None if there is none)."""
+    def evict(self) -> tuple[int, bytes] | None:
+        """Forget the least recently used unreferenced block; it and the name it had (None if there
+        is none)."""
         if not self.evictable:
             return None
         block, _ = self.evictable.popitem(last=False)
-        del self.block_of[self.hash_of.pop(block)]
-        return block
+        h = self.hash_of.pop(block)
+        del self.block_of[h]
+        return block, h

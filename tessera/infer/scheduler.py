@@ -25,6 +25,7 @@ import sys
 from collections import deque
 
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.kv_tiers import KVTransfers
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.output_processor import OutputProcessor
 from tessera.infer.response_format import GrammarError
@@ -122,7 +123,12 @@ class Scheduler:
         self._admit_waiting(out, budget)
         out.released = self._released + [victim.request_id for victim in out.preempted]
         self._released = []
+        out.kv = self.take_kv_transfers()
         return out
+
+    def take_kv_transfers(self) -> KVTransfers | None:
+        """The copies between KV tiers planned since the last call (None without tiers)."""
+        return self.blocks.tiers.take() if self.blocks.tiers is not None else None
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Speculative tokens `seq` may verify this step: not past max_tokens or max_model_len. A
@@ -175,15 +181,17 @@ class Scheduler:
                 break
             hit, hashes = self.blocks.find_prefix(seq)
             if seq.wants_prompt_logprobs:  # every prompt position must run to be scored
-                hit = []
-            start = len(hit) * self.blocks.block_size
+                hit, below = [], []
+            else:
+                below = self.blocks.find_below(hashes, len(hit))
+            start = (len(hit) + len(below)) * self.blocks.block_size
             n = min(len(seq.token_ids) - start, budget)
             need = self.blocks.blocks_for(start + n) - len(hit)
             reserve = self.watermark if self.running else 0
             if not self.blocks.can_allocate(need + reserve, hit):
                 break
             self.waiting.popleft()
-            self.blocks.adopt_prefix(seq, hit, hashes)
+            self.blocks.adopt_prefix(seq, hit, hashes, below)
             self.blocks.ensure_slots(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -42,6 +42,8 @@ from tessera.infer.sequence import RequestOutput, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from tessera.infer.kv_tiers import KVTransfers
+
 
 @dataclass
 class ScheduledSequence:
@@ -62,6 +64,8 @@ class SchedulerOutput:
     # requests finished or preempted since the last plan: state kept for them beside the scheduler
     # (a draft model's KV blocks) goes
     released: list[str] = field(default_factory=list)
+    # copies between the device's KV blocks and the host / disk tiers, made before the forward
+    kv: KVTransfers | None = None
 
 
 @dataclass

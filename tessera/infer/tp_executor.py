@@ -119,7 +119,13 @@ class TensorParallelExecutor:
             return cls(group, model, config)
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.apply_kv_transfers(plan.kv)
         return self.runner.execute(plan)
+
+    def apply_kv_transfers(self, transfers) -> None:
+        """KV tiers are refused with tensor_parallel_size > 1 (EngineConfig), so no plan has copies."""
+        if transfers:
+            raise RuntimeError("KV tiers are served on one rank; this plan has copies between tiers")
 
     def score(self, chunks: list[ScoringChunk]) -> list[torch.Tensor]:
         return self.runner.score(chunks)

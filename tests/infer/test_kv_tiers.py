@@ -1,0 +1,141 @@
+"""KV tiers below the device: blocks the device evicts come back from host memory, blocks a server
+wrote to its cache directory are found by the next server, and greedy output is the same as
+without tiers (dense, MoE, MLA; int8 KV). Damaged, truncated or foreign files are recomputed;
+the directory is private and bounded."""
+
+import os
+import stat
+
+import pytest
+
+from tessera.config.errors import ConfigError
+from tessera.infer import LLM, SamplingParams
+from tessera.infer.config import EngineConfig
+from tests.infer.tiny_models import write_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SHARED = "System: answer in one short line, politely.\n"
+FIRST = SHARED + "User: hi"
+OTHERS = [f"{i} other words fill the cache until the first is gone" for i in range(4)]
+# small enough that the other prompts push every block of the first out of the device
+SMALL = dict(block_size=4, num_blocks=20, max_model_len=80, max_num_seqs=1, decode_batch_sizes=[])
+
+
+def _run(llm, prompts):
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tier_models")
+    for family in ("llama", "mixtral", "deepseek_v3"):
+        write_model(root / family, family, std=0.25)
+    return root
+
+
+@pytest.mark.parametrize("family,kv_dtype", [("llama", None), ("llama", "int8"), ("mixtral", None),
+                                             ("deepseek_v3", None)])
+def test_evicted_prefix_comes_back_from_host_memory(dirs, family, kv_dtype):
+    prompts = [FIRST, *OTHERS, FIRST]
+    want = _run(LLM(dirs / family, **SMALL, kv_cache_dtype=kv_dtype), prompts)
+    llm = LLM(dirs / family, **SMALL, kv_cache_dtype=kv_dtype, kv_offload_gib=0.01)
+    assert _run(llm, prompts) == want
+    tiers = llm.engine.tier_metrics
+    full = (len(llm.tokenizer.encode(FIRST)) - 1) // 4
+    assert tiers.host_saved_blocks > 0 and tiers.host_hit_blocks >= full
+    assert llm.engine.blocks.cache.hit_tokens >= full * 4
+    page = llm.engine.prometheus()
+    assert f"tessera_kv_host_hit_blocks_total {tiers.host_hit_blocks}" in page
+    assert "tessera_kv_disk_hit_blocks_total 0" in page
+
+
+def test_a_host_tier_too_small_for_one_block_is_refused(dirs):
+    with pytest.raises(ConfigError, match="kv_offload_gib=1e-09 is invalid: it holds no block"):
+        LLM(dirs / "llama", **SMALL, kv_offload_gib=1e-9)
+
+
+def test_a_new_server_finds_blocks_on_disk(dirs, tmp_path):
+    cache = tmp_path / "kv"
+    prompts = [FIRST, SHARED + "User: what is 2+2?"]
+    want = _run(LLM(dirs / "llama", **SMALL), prompts)
+    first = LLM(dirs / "llama", **SMALL, kv_cache_dir=str(cache))
+    assert _run(first, prompts[:1]) == want[:1]
+    first.engine.close()
+    assert first.engine.tier_metrics.disk_written_blocks > 0
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    files = list(cache.glob("*/*.kv"))
+    assert files and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
+
+    second = LLM(dirs / "llama", **SMALL, kv_cache_dir=str(cache))
+    assert _run(second, prompts) == want
+    shared_blocks = len(second.tokenizer.encode(SHARED)) // 4
+    assert second.engine.tier_metrics.disk_hit_blocks >= shared_blocks
+    assert "tessera_kv_disk_hit_blocks_total" in second.engine.prometheus()
+
+    other = tmp_path / "other_model"
+    write_model(other, "llama", seed=3, std=0.25)  # another model: none of these files is its own
+    want_other = _run(LLM(other, **SMALL), prompts[:1])
+    third = LLM(other, **SMALL, kv_cache_dir=str(cache))
+    assert _run(third, prompts[:1]) == want_other
+    assert third.engine.tier_metrics.disk_hit_blocks == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
+def test_damaged_files_are_recomputed_not_used(dirs, tmp_path, damage):
+    cache = tmp_path / "kv"
+    want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
+    writer = LLM(dirs / "llama", **SMALL, kv_cache_dir=str(cache))
+    _run(writer, [FIRST])
+    writer.engine.close()
+    files = sorted(cache.glob("*/*.kv"))
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if damage == "flip":
+            data[-5] ^= 0x40  # a key/value byte: the checksum no longer matches
+        elif damage == "truncate":
+            data = data[:len(data) // 2]
+        elif damage == "header":
+            data = data.replace(b'"identity": "', b'"identity": "0', 1)
+        else:
+            data = bytearray()
+        f.write_bytes(bytes(data))
+    reader = LLM(dirs / "llama", **SMALL, kv_cache_dir=str(cache))
+    assert _run(reader, [FIRST]) == want
+    m = reader.engine.tier_metrics
+    assert m.disk_hit_blocks == 0 and m.disk_rejected_files >= 1
+
+
+def test_the_cache_directory_is_bounded(dirs, tmp_path):
+    cache = tmp_path / "kv"
+    llm = LLM(dirs / "llama", **SMALL, kv_cache_dir=str(cache), kv_cache_dir_gib=4e-6)  # ~4 KiB
+    _run(llm, [FIRST, *OTHERS])
+    llm.engine.close()
+    written = llm.engine.tier_metrics.disk_written_blocks
+    on_disk = list(cache.glob("*/*.kv"))
+    block = max(f.stat().st_size for f in on_disk)
+    assert 0 < len(on_disk) < written
+    assert sum(f.stat().st_size for f in on_disk) <= 4e-6 * 2**30 * 1.1 + block
+
+
+def test_directories_others_could_write_are_refused(dirs, tmp_path):
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(ConfigError, match="kv_cache_dir=.*writable by this user only"):
+        LLM(dirs / "llama", **SMALL, kv_cache_dir=str(open_dir))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target", target_is_directory=True)
+    (tmp_path / "target").mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="symlink is refused"):
+        LLM(dirs / "llama", **SMALL, kv_cache_dir=str(link))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(kv_offload_gib=1.0, enable_prefix_caching=False), "kv_offload_gib=1.0 .*needs prefix caching"),
+    (dict(kv_cache_dir="/tmp/x", tensor_parallel_size=2), "kv_cache_dir='/tmp/x' .*one rank"),
+    (dict(kv_offload_gib=-1.0), "kv_offload_gib=-1.0 .*>= 0"),
+    (dict(kv_cache_dir="/tmp/x", kv_cache_dir_gib=0.0), "kv_cache_dir_gib=0.0 .*> 0"),
+])
+def test_bad_tier_settings_are_refused_by_name(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**bad)
