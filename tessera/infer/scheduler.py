@@ -241,7 +241,8 @@ class Scheduler:
         appended, reason = self.outputs.append(seq, new)
         if sampled.logprobs is not None:  # of the tokens kept (those after a stop are dropped)
             seq.logprobs.extend(sampled.logprobs[:len(appended)])
-        if reason:
+        if reason:  # its full blocks are named first: a request ending in its prefill step leaves them too
+            self.blocks.register_computed(seq)
             return self.finish(seq, reason, appended)
         return self.outputs.running(seq, appended)
 

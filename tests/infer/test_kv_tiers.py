@@ -139,3 +139,45 @@ def test_directories_others_could_write_are_refused(dirs, tmp_path):
 def test_bad_tier_settings_are_refused_by_name(bad, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**bad)
+
+
+@pytest.mark.slow
+def test_served_blocks_survive_a_restart_and_show_on_metrics(dirs, tmp_path):
+    """`tessera serve DIR --kv-offload-gib G --kv-cache-dir D`, stopped with Ctrl-C and started again:
+    the second server answers from the blocks the first wrote (kv_disk hits on /metrics), with the
+    same text."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from tests.hang_guard import HANG_S
+    from tests.infer.running_server import serving_url, stop_serving, terminate_if_running, wait_until_serving
+
+    root = Path(__file__).resolve().parents[2]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
+    path, cache = dirs / "llama", tmp_path / "kv"
+    body = {"model": str(path), "prompt": FIRST, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    texts, pages = [], []
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(path), "--port", "0", "--block-size",
+                                 "4", "--kv-offload-gib", "0.01", "--kv-cache-dir", str(cache),
+                                 "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = serving_url(proc)
+            wait_until_serving(proc, url)
+            r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            pages.append(httpx.get(url + "/metrics", timeout=HANG_S).text)
+            stop_serving(proc)
+        finally:
+            terminate_if_running(proc)
+    want = LLM(path, block_size=4).generate([FIRST], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                    ignore_eos=True))[0].text
+    assert texts == [want, want]
+    hits = [float(line.split()[-1]) for page in pages for line in page.splitlines()
+            if line.startswith("tessera_kv_disk_hit_blocks_total ")]
+    assert hits[0] == 0 and hits[1] >= len(SHARED) // 4
+    assert any(line.startswith("tessera_kv_host_hit_blocks_total ") for line in pages[1].splitlines())
