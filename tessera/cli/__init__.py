@@ -8,6 +8,7 @@
                                                       MODEL.gguf -> HuggingFace directory)
     tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
     tessera serve MODEL_DIR|MODEL.gguf [--port P]    (OpenAI-compatible HTTP server)
+    tessera router --prefill URL --decode URL [--port P]  (prefill/decode disaggregation)
     tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
                                                      (held-out loss, HumanEval, lm-evaluation-harness tasks)
     tessera prune SRC DST [--target-params N] [--layers K --ffn-hidden-size F --num-heads H --num-kv-heads G
@@ -55,6 +56,8 @@ COMMANDS: list[Command] = [
     Command("convert", "convert between HuggingFace and Tessera checkpoints", "convert"),
     Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts", "plan"),
     Command("serve", "serve a model over an OpenAI-compatible HTTP API", "serve"),
+    Command("router", "prefill/decode disaggregation: route requests to a prefill and a decode `tessera serve`",
+            "router"),
     Command("eval", "evaluate a model: held-out loss, HumanEval, lm-evaluation-harness tasks", "eval"),
     Command("prune", "prune a HuggingFace model's layers, FFN channels, heads and experts to sizes or a "
                      "parameter target", "prune"),

@@ -105,6 +105,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                    help="private directory of prefix blocks, shared by servers of this model and kept across "
                         "restarts (None: none)")
+    p.add_argument("--kv-role", default=None, choices=["prefill", "decode"],
+                   help="prefill/decode disaggregation behind `tessera router`: 'prefill' hands out the KV blocks "
+                        "of the prompts it computes, 'decode' takes them into its host tier (needs "
+                        "--kv-offload-gib); beyond loopback it needs --api-key (None: neither)")
     p.add_argument("--kv-cache-dir-gib", type=positive_float(MAX_KV_CACHE_GIB), default=16.0,
                    help="size bound of --kv-cache-dir; the least recently used files go past it")
     p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT", type=text,
@@ -182,15 +186,19 @@ def engine_config(args: argparse.Namespace):
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
                         seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,
                         tensor_parallel_size=args.tensor_parallel_size, kv_offload_gib=args.kv_offload_gib,
-                        kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib)
+                        kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib,
+                        kv_role=args.kv_role)
 
 
 def _check_server_options(args: argparse.Namespace):
     """ConfigError for serving options that cannot work, before the model is loaded; returns the
     Host allow-list (None: any)."""
-    from tessera.infer.http_guards import allowed_hosts, check_api_key
+    from tessera.infer.http_guards import allowed_hosts, check_api_key, is_loopback
 
     check_api_key(args.api_key)
+    if args.kv_role is not None and not is_loopback(args.host) and args.api_key is None:
+        raise ConfigError(f"--kv-role {args.kv_role} on --host {args.host} (beyond this machine) needs --api-key: "
+                          "KV blocks are taken only from peers that present the shared key")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
     if args.allow_runtime_lora and not args.lora_modules_dir:
@@ -267,7 +275,8 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     name = args.served_model_name or args.model_dir
     loop = EngineLoop(engine).start()
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
-                     lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts)
+                     lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
+                     kv_role=args.kv_role)
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)

@@ -79,6 +79,9 @@ class EngineConfig:
     kv_offload_gib: float = 0.0
     kv_cache_dir: str | None = None
     kv_cache_dir_gib: float = 16.0  # the directory's bound: past it the least recently used files go
+    # prefill/decode disaggregation (kv_transfer.py): None, "prefill" (hands out the KV blocks of the
+    # prompts it computes) or "decode" (takes them into its host tier: needs kv_offload_gib)
+    kv_role: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -118,6 +121,12 @@ class EngineConfig:
             _need(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
                   "hash); do not disable it")
             _need(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
+        _need(self.kv_role in (None, "prefill", "decode"), "kv_role", self.kv_role, "None, 'prefill' or 'decode'")
+        if self.kv_role is not None:
+            _need(self.enable_prefix_caching and self.tensor_parallel_size == 1, "kv_role", self.kv_role,
+                  "needs prefix caching on and tensor_parallel_size=1")
+            _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
+                  "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
         spec = self.speculative
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",

@@ -254,7 +254,7 @@ class LLMEngine:
         cache = self.blocks.cache
         page = self.metrics.prometheus(self.gauges(), cache.queried_tokens if cache else 0,
                                        cache.hit_tokens if cache else 0)
-        if not self.config.has_kv_tiers:
+        if not self.config.has_kv_tiers and self.config.kv_role is None:
             return page
         return page + "\n".join(self.tier_metrics.prometheus_lines()) + "\n"
 

@@ -88,20 +88,23 @@ class HostCheck:
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    """Bodies up to `max_bytes`, or `path_limits[path]` on the paths it names."""
 
-    def _too_large(self):
-        return _reply(f"request body is larger than the server's limit of {self.max_bytes} bytes "
+    def __init__(self, app, max_bytes: int, path_limits: dict[str, int] | None = None):
+        self.app, self.max_bytes, self.path_limits = app, max_bytes, path_limits or {}
+
+    def _too_large(self, limit: int):
+        return _reply(f"request body is larger than the server's limit of {limit} bytes "
                       "(--max-request-bytes)", 413)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(limit)(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -109,8 +112,8 @@ class BodyLimit:
             if message["type"] != "http.request":  # the client went away
                 return
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._too_large()(scope, receive, send)
+            if size > limit:
+                await self._too_large(limit)(scope, receive, send)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):

@@ -70,6 +70,9 @@ class TierMetrics:
     disk_rejected_files: int = 0  # files found but damaged, truncated or foreign: recomputed
     disk_bytes: int = 0  # bytes read and written
     seconds: float = 0.0  # time the executor spent moving blocks
+    transfer_out_blocks: int = 0  # blocks a prefill instance sent (kv_transfer.py)
+    transfer_in_blocks: int = 0  # blocks a decode instance received into its host tier
+    transfer_rejected_blocks: int = 0  # received blocks that failed a check (the import stopped there)
 
     def prometheus_lines(self, p: str = "tessera") -> list[str]:
         rows = {
@@ -82,6 +85,10 @@ class TierMetrics:
                                              "Disk-tier files refused (damaged, truncated or foreign)."),
             "kv_disk_bytes_total": (self.disk_bytes, "Bytes read from and written to the disk tier."),
             "kv_tier_transfer_seconds_total": (self.seconds, "Time spent moving blocks between tiers."),
+            "kv_transfer_out_blocks_total": (self.transfer_out_blocks, "Blocks sent to a decode instance."),
+            "kv_transfer_in_blocks_total": (self.transfer_in_blocks, "Blocks received from a prefill instance."),
+            "kv_transfer_rejected_blocks_total": (self.transfer_rejected_blocks,
+                                                  "Received blocks that failed a check (recomputed)."),
         }
         out = []
         for name, (value, doc) in rows.items():
@@ -112,6 +119,46 @@ def model_identity(model: torch.nn.Module, kv: PagedKVCache, extra: str = "") ->
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(flat[::step][:256].float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+# ---- one block as bytes (disk files, transfers between instances) --------------------------------
+def encode_block(identity: str, layout: list[tuple[str, int]], h: bytes, contents: list[torch.Tensor]) -> bytes:
+    """MAGIC, a 4-byte header length, a JSON header (model identity, prefix hash, tensor layout,
+    checksum of the payload), then the raw bytes of `contents` (CPU tensors, in layout order)."""
+    payload = b"".join(c.contiguous().view(torch.uint8).numpy().tobytes() for c in contents)
+    header = json.dumps({"identity": identity, "hash": h.hex(), "layout": [list(x) for x in layout],
+                         "checksum": hashlib.blake2b(payload, digest_size=20).hexdigest()}).encode()
+    return MAGIC + len(header).to_bytes(4, "little") + header + payload
+
+
+def decode_block(data: bytes, identity: str, layout: list[tuple[str, int]], h: bytes) -> list[torch.Tensor] | None:
+    """The tensors of an `encode_block` record, or None unless every check holds: the magic, a
+    header that parses, this model's identity, the expected hash, this layout, the checksum and the
+    exact length."""
+    if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
+        return None
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+    start = len(MAGIC) + 4 + n
+    if n > MAX_HEADER or start > len(data):
+        return None
+    try:
+        header = json.loads(data[len(MAGIC) + 4:start])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    payload = data[start:]
+    if (not isinstance(header, dict) or header.get("identity") != identity or header.get("hash") != h.hex()
+            or header.get("layout") != [list(x) for x in layout]
+            or header.get("checksum") != hashlib.blake2b(payload, digest_size=20).hexdigest()):
+        return None
+    out, offset = [], 0
+    for dtype, numel in layout:
+        t = getattr(torch, dtype)
+        size = numel * torch.empty((), dtype=t).element_size()
+        if offset + size > len(payload):
+            return None
+        out.append(torch.frombuffer(bytearray(payload[offset:offset + size]), dtype=t))
+        offset += size
+    return out if offset == len(payload) else None
 
 
 # ---- the host tier ---------------------------------------------------------------------------
@@ -215,7 +262,7 @@ class DiskTier:
             data = p.read_bytes()
         except OSError:
             return None
-        contents = self._parse(data, h)
+        contents = decode_block(data, self.identity, self.layout, h)
         if contents is None:
             self.metrics.disk_rejected_files += 1
             p.unlink(missing_ok=True)
@@ -225,50 +272,22 @@ class DiskTier:
         self.metrics.disk_bytes += len(data)
         return contents
 
-    def _parse(self, data: bytes, h: bytes) -> list[torch.Tensor] | None:
-        if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
-            return None
-        n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
-        start = len(MAGIC) + 4 + n
-        if n > MAX_HEADER or start > len(data):
-            return None
-        try:
-            header = json.loads(data[len(MAGIC) + 4:start])
-        except (ValueError, UnicodeDecodeError):
-            return None
-        payload = data[start:]
-        if (not isinstance(header, dict) or header.get("identity") != self.identity or header.get("hash") != h.hex()
-                or header.get("layout") != [list(x) for x in self.layout]
-                or header.get("checksum") != hashlib.blake2b(payload, digest_size=20).hexdigest()):
-            return None
-        out, offset = [], 0
-        for dtype, numel in self.layout:
-            t = getattr(torch, dtype)
-            size = numel * torch.empty((), dtype=t).element_size()
-            if offset + size > len(payload):
-                return None
-            out.append(torch.frombuffer(bytearray(payload[offset:offset + size]), dtype=t))
-            offset += size
-        return out if offset == len(payload) else None
-
     def write(self, h: bytes, contents: list[torch.Tensor]) -> None:
         """Write the block atomically (a temporary file renamed), private to the user."""
         if self.path(h).is_file():
             return
-        payload = b"".join(c.contiguous().view(torch.uint8).numpy().tobytes() for c in contents)
-        header = json.dumps({"identity": self.identity, "hash": h.hex(), "layout": [list(x) for x in self.layout],
-                             "checksum": hashlib.blake2b(payload, digest_size=20).hexdigest()}).encode()
+        record = encode_block(self.identity, self.layout, h, contents)
         p = self.path(h)
         p.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + len(header).to_bytes(4, "little") + header + payload)
+            f.write(record)
         os.replace(tmp, p)
         self.known.add(h)
         self.metrics.disk_written_blocks += 1
-        self.metrics.disk_bytes += len(payload)
-        self.written += len(payload)
+        self.metrics.disk_bytes += len(record)
+        self.written += len(record)
         if self.written > self.max_bytes // 10:
             self.trim()
 

@@ -9,7 +9,9 @@ name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
 (413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
-(/health stays open for probes). Bad JSON (also nesting too deep to parse), wrong-typed or
+(/health stays open for probes). With `kv_role` (prefill/decode disaggregation, `kv_transfer.py`):
+POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instance, behind the same
+guards. Bad JSON (also nesting too deep to parse), wrong-typed or
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
 OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
 serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
@@ -35,6 +37,7 @@ from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+from tessera.infer.kv_transfer import TransferError, export_prefix, import_prefix, transfer_limit
 from tessera.infer.lora import confined_adapter_dir, read_adapter
 from tessera.infer.openai_choices import Choices, child_params
 from tessera.infer.openai_logprobs import TokenTexts
@@ -52,6 +55,7 @@ from tessera.infer.openai_protocol import (
     usage,
 )
 from tessera.infer.quoting import brief
+from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import RequestOutput
 
 
@@ -83,7 +87,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+               allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
@@ -97,7 +101,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    # a decode instance takes up to one sequence's KV blocks on /v1/kv/import
+    kv_limit = {"/v1/kv/import": transfer_limit(loop.engine)} if kv_role == "decode" else {}
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, path_limits=kv_limit)
     if api_key is not None:
         app.add_middleware(APIKeyCheck, api_key=api_key)
     if allowed_hosts is not None:
@@ -123,6 +129,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
 
     post("/v1/completions", "completions", routes.run, chat=False)
     post("/v1/chat/completions", "chat_completions", routes.run, chat=True)
+    if kv_role == "prefill":
+        post("/v1/kv/prefill", "kv_prefill", routes.kv_prefill)
+    elif kv_role == "decode":
+        post("/v1/kv/import", "kv_import", routes.kv_import)
     post("/v1/load_lora_adapter", "load_lora", routes.lora_call, load=True)
     post("/v1/unload_lora_adapter", "unload_lora", routes.lora_call, load=False)
     return app
@@ -248,6 +258,44 @@ class _Routes:
             return StreamingResponse(_stream(loop, queue, rids, rid, name, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, loop, queue, rids, rid, name, choices)
+
+    async def kv_prefill(self, request: Request) -> Response:
+        """Prefill instance: compute the prompt of `{"endpoint": "completions"|"chat", "request": {...}}`
+        (one token, greedy) and answer its full prefix blocks as a KV transfer message."""
+        body = await _json_body(request)
+        endpoint, inner = body.get("endpoint"), body.get("request")
+        if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
+            raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
+        _, adapter, prompt_ids, _, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
+                                                               endpoint == "chat")
+        if adapter is not None or len(prompt_ids) != 1:
+            raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
+        ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
+        done: asyncio.Future[RequestOutput] = event_loop.create_future()
+
+        def deliver(out: RequestOutput) -> None:
+            if out.finished:
+                event_loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+
+        rid = self.loop.submit(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), None, deliver)
+        try:
+            out = await done
+        except asyncio.CancelledError:
+            self.loop.abort(rid)
+            raise
+        if out.error is not None:
+            return _error(f"prefill failed: {out.error}", 500)
+        data = await asyncio.wrap_future(self.loop.call(lambda e: export_prefix(e, ids)))
+        return Response(content=data, media_type="application/octet-stream")
+
+    async def kv_import(self, request: Request) -> Response:
+        """Decode instance: take a KV transfer message into the host tier."""
+        data = await request.body()
+        try:
+            kept = await asyncio.wrap_future(self.loop.call(lambda e: import_prefix(e, data)))
+        except TransferError as e:
+            return _error(str(e), 400)
+        return JSONResponse({"blocks": kept})
 
     async def lora_call(self, request: Request, load: bool) -> Response:
         if not self.allow_lora_loading:

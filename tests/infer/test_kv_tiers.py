@@ -181,3 +181,47 @@ def test_served_blocks_survive_a_restart_and_show_on_metrics(dirs, tmp_path):
             if line.startswith("tessera_kv_disk_hit_blocks_total ")]
     assert hits[0] == 0 and hits[1] >= len(SHARED) // 4
     assert any(line.startswith("tessera_kv_host_hit_blocks_total ") for line in pages[1].splitlines())
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
+def test_blocks_move_from_a_prefill_engine_to_a_decode_engine(dirs, family):
+    from tessera.infer.kv_transfer import export_prefix, import_prefix
+
+    want = _run(LLM(dirs / family, **SMALL), [FIRST])
+    prefill = LLM(dirs / family, **SMALL, kv_role="prefill")
+    decode = LLM(dirs / family, **SMALL, kv_role="decode", kv_offload_gib=0.01)
+    ids = prefill.tokenizer.encode(FIRST)
+    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    message = export_prefix(prefill.engine, ids)
+    full = (len(ids) - 1) // 4
+    assert import_prefix(decode.engine, message) == full
+    assert _run(decode, [FIRST]) == want
+    m = decode.engine.tier_metrics
+    assert m.host_hit_blocks == full and m.transfer_in_blocks == full
+    assert prefill.engine.tier_metrics.transfer_out_blocks == full
+    assert f"tessera_kv_transfer_in_blocks_total {full}" in decode.engine.prometheus()
+
+
+def test_a_damaged_or_foreign_transfer_keeps_nothing_wrong(dirs, tmp_path):
+    from tessera.infer.kv_transfer import TransferError, export_prefix, import_prefix
+
+    want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
+    prefill = LLM(dirs / "llama", **SMALL, kv_role="prefill")
+    ids = prefill.tokenizer.encode(FIRST)
+    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    message = bytearray(export_prefix(prefill.engine, ids))
+    message[-10] ^= 0x01  # a value of the last block
+    decode = LLM(dirs / "llama", **SMALL, kv_role="decode", kv_offload_gib=0.01)
+    kept = import_prefix(decode.engine, bytes(message))
+    assert kept == (len(ids) - 1) // 4 - 1 and decode.engine.tier_metrics.transfer_rejected_blocks == 1
+    assert _run(decode, [FIRST]) == want
+    for bad in (b"", bytes(message[:20]), b"TSRAKVX1\xff\xff\x00\x00{}", b"GET / HTTP/1.1\r\n"):
+        with pytest.raises(TransferError):
+            import_prefix(decode.engine, bad)
+    other = tmp_path / "other"
+    write_model(other, "llama", seed=5, std=0.25)
+    stranger = LLM(other, **SMALL, kv_role="decode", kv_offload_gib=0.01)
+    with pytest.raises(TransferError, match="another model"):
+        import_prefix(stranger.engine, bytes(message))
+    with pytest.raises(ConfigError, match="kv_role='decode' .*kv_offload_gib > 0"):
+        EngineConfig(kv_role="decode")
