@@ -60,11 +60,10 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
                   allowed_hosts: frozenset[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                   answer_timeout: float = 600.0) -> FastAPI:
     check_api_key(api_key)
-    prefill, decode = _upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode")
     if not prefill_timeout > 0:
         raise ConfigError(f"--prefill-timeout {prefill_timeout} is invalid: must be > 0 seconds")
-    counters = RouterCounters()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(answer_timeout, connect=prefill_timeout))
+    routes = _Routes(_upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode"), prefill_timeout,
+                     answer_timeout)
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:
@@ -72,11 +71,40 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
 
-    def auth(request: Request) -> dict[str, str]:
-        value = request.headers.get("authorization")
-        return {"authorization": value} if value else {}
+    async def completions(request: Request) -> Response:
+        return await routes.generate(request, "completions", "/v1/completions")
 
-    async def prefill_first(endpoint: str, raw: bytes, headers: dict[str, str]) -> bool:
+    async def chat(request: Request) -> Response:
+        return await routes.generate(request, "chat", "/v1/chat/completions")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", routes.passthrough, methods=["GET"])
+    app.add_api_route("/health", routes.passthrough, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.router.add_event_handler("shutdown", routes.client.aclose)
+    app.state.counters = routes.counters
+    return app
+
+
+def _auth(request: Request) -> dict[str, str]:
+    value = request.headers.get("authorization")
+    return {"authorization": value} if value else {}
+
+
+def _unreachable(e: Exception, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"decode instance unreachable: {type(e).__name__}",
+                                   "type": "server_error", "code": status}}, status_code=status)
+
+
+class _Routes:
+    def __init__(self, prefill: str, decode: str, prefill_timeout: float, answer_timeout: float):
+        self.prefill, self.decode, self.prefill_timeout = prefill, decode, prefill_timeout
+        self.counters = RouterCounters()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(answer_timeout, connect=prefill_timeout))
+
+    async def prefill_first(self, endpoint: str, raw: bytes, headers: dict[str, str]) -> bool:
+        """Steps 1-2; False when the decode instance has to compute the prompt itself."""
         try:
             inner = json.loads(raw)
         except ValueError:
@@ -84,13 +112,13 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
         if not isinstance(inner, dict):
             return False
         try:
-            r = await client.post(f"{prefill}/v1/kv/prefill", json={"endpoint": endpoint, "request": inner},
-                                  headers=headers, timeout=prefill_timeout)
+            r = await self.client.post(f"{self.prefill}/v1/kv/prefill", json={"endpoint": endpoint, "request": inner},
+                                       headers=headers, timeout=self.prefill_timeout)
             if r.status_code != 200:
                 log.warning("prefill instance answered %d: %s", r.status_code, r.text[:200])
                 return False
-            r = await client.post(f"{decode}/v1/kv/import", content=r.content, timeout=prefill_timeout,
-                                  headers={**headers, "content-type": "application/octet-stream"})
+            r = await self.client.post(f"{self.decode}/v1/kv/import", content=r.content, timeout=self.prefill_timeout,
+                                       headers={**headers, "content-type": "application/octet-stream"})
             if r.status_code != 200:
                 log.warning("decode instance refused the blocks (%d): %s", r.status_code, r.text[:200])
                 return False
@@ -100,46 +128,30 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
             return False
         return True
 
-    async def generate(request: Request, endpoint: str, path: str) -> Response:
-        raw, headers = await request.body(), auth(request)
-        counters.requests += 1
-        if await prefill_first(endpoint, raw, headers):
-            counters.prefilled += 1
+    async def generate(self, request: Request, endpoint: str, path: str) -> Response:
+        raw, headers = await request.body(), _auth(request)
+        self.counters.requests += 1
+        if await self.prefill_first(endpoint, raw, headers):
+            self.counters.prefilled += 1
         else:
-            counters.fallbacks += 1
-        upstream = client.build_request("POST", f"{decode}{path}", content=raw,
-                                        headers={**headers, "content-type": "application/json"})
+            self.counters.fallbacks += 1
+        upstream = self.client.build_request("POST", f"{self.decode}{path}", content=raw,
+                                             headers={**headers, "content-type": "application/json"})
         try:
-            answer = await client.send(upstream, stream=True)
+            answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
-            return JSONResponse({"error": {"message": f"decode instance unreachable: {type(e).__name__}",
-                                           "type": "server_error", "code": 502}}, status_code=502)
+            return _unreachable(e, 502)
         return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
                                  media_type=answer.headers.get("content-type"),
                                  background=BackgroundTask(answer.aclose))
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completions", "/v1/completions")
-
-    async def chat(request: Request) -> Response:
-        return await generate(request, "chat", "/v1/chat/completions")
-
-    async def passthrough(request: Request) -> Response:
+    async def passthrough(self, request: Request) -> Response:
         try:
-            r = await client.get(f"{decode}{request.url.path}", headers=auth(request), timeout=prefill_timeout)
+            r = await self.client.get(f"{self.decode}{request.url.path}", headers=_auth(request),
+                                      timeout=self.prefill_timeout)
         except httpx.HTTPError as e:
-            return JSONResponse({"error": {"message": f"decode instance unreachable: {type(e).__name__}",
-                                           "type": "server_error", "code": 503}}, status_code=503)
+            return _unreachable(e, 503)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
-    async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(counters.prometheus(), media_type="text/plain; version=0.0.4")
-
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_api_route("/v1/models", passthrough, methods=["GET"])
-    app.add_api_route("/health", passthrough, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.router.add_event_handler("shutdown", client.aclose)
-    app.state.counters = counters
-    return app
+    async def metrics(self, _request: Request) -> Response:
+        return PlainTextResponse(self.counters.prometheus(), media_type="text/plain; version=0.0.4")
