@@ -113,6 +113,7 @@ def _score_round(engine: LLMEngine, running: list[_Running], budget: int) -> Non
         chunks.append(ScoringChunk(tokens[r.position:end], r.position, r.seq.block_table, targets))
         owners.append((r, end))
         left -= end - r.position
+    engine.flush_kv_transfers()  # blocks `_admit` evicted reach their tier before the scoring overwrites them
     for (r, end), scores in zip(owners, engine.executor.score_targets(chunks)):
         if scores.logprobs.numel():
             r.logprob += float(scores.logprobs.double().sum())

@@ -213,12 +213,18 @@ class LLMEngine:
         finally:
             self.executor.clear_blocks(self.scheduler.take_dirty_blocks())
 
+    def flush_kv_transfers(self) -> None:
+        """Make the copies between KV tiers planned so far. Steps do it before their forward; callers
+        that take blocks outside a step (perplexity, evaluation scoring) do it before theirs, since
+        the blocks they took may hold a prefix that must reach the host tier first."""
+        self.executor.apply_kv_transfers(self.scheduler.take_kv_transfers())
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one process). The engine cannot
         step afterwards. Blocks of finished requests not yet written to the disk tier are written first."""
         try:
             if self.executor.failure is None:
-                self.executor.apply_kv_transfers(self.scheduler.take_kv_transfers())
+                self.flush_kv_transfers()
         finally:
             self.executor.close()
 

@@ -33,6 +33,7 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
         seq = Sequence("perplexity", ids, SamplingParams(), None)
         if not engine.blocks.ensure_slots(seq, len(ids)):
             raise RuntimeError("KV cache too small for one window of max_model_len tokens")
+        engine.flush_kv_transfers()  # blocks it evicted reach their tier before the scoring overwrites them
         try:
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]

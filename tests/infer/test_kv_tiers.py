@@ -225,3 +225,18 @@ def test_a_damaged_or_foreign_transfer_keeps_nothing_wrong(dirs, tmp_path):
         import_prefix(stranger.engine, bytes(message))
     with pytest.raises(ConfigError, match="kv_role='decode' .*kv_offload_gib > 0"):
         EngineConfig(kv_role="decode")
+
+
+def test_scoring_that_evicts_blocks_saves_them_before_overwriting(dirs):
+    """Perplexity borrows KV blocks outside the scheduler's steps: the blocks it evicts are copied to
+    the host tier before its forward writes over them."""
+    from tessera.infer.perplexity import perplexity
+
+    want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
+    llm = LLM(dirs / "llama", **SMALL, kv_offload_gib=0.01)
+    assert _run(llm, [FIRST]) == want
+    text = " ".join(OTHERS) + " and more words to fill every block of the device"
+    perplexity(llm.engine, llm.tokenizer.encode(text)[:79])
+    assert llm.engine.tier_metrics.host_saved_blocks > 0
+    assert _run(llm, [FIRST]) == want
+    assert llm.engine.tier_metrics.host_hit_blocks > 0
