@@ -72,7 +72,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: Scheme, dtype: torch
             q = int_codes(block[:, i:i + 1], s[:, None], scheme)
             codes[:, column] = q[:, 0]
             err = (block[:, i] - q[:, 0].double() * s) / u[start + i, start + i]
-            block[:, i:] -= err[:, None] * u[start + i, start + i:][None, :]
+            block[:, i:] -= err[:, None] * u[start + i, start + i:stop][None, :]
             errors[:, i] = err
         w[:, stop:] -= errors @ u[start:stop, stop:]
     return QuantizedWeight(codes, scale)

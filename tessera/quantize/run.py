@@ -29,7 +29,6 @@ from torch import nn
 
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
-from tessera.checkpoint.loading import trained_tokenizer
 from tessera.checkpoint.prune.run import load_calibration, stored_dtype
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_hf_config, read_json_object
@@ -98,12 +97,12 @@ def method_scheme(method: str, options: QuantizeOptions) -> Scheme:
 
 def check_model(cfg: ModelConfig, scheme: Scheme) -> None:
     """Refuse (ConfigError) a model part the writer does not lay out, or a group that does not fit."""
-    if cfg.moe is not None:
-        raise ConfigError(f"quantize: family {cfg.family!r} has routed experts (MoE), which tessera quantize does "
-                          "not quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
     if cfg.mla is not None:
         raise ConfigError("quantize: multi-head latent attention (MLA, DeepSeek-V3) is not quantized by tessera "
                           "quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
+    if cfg.moe is not None:
+        raise ConfigError(f"quantize: family {cfg.family!r} has routed experts (MoE), which tessera quantize does "
+                          "not quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
     g = scheme.group_size
     inputs = {"dim": cfg.dim, "n_heads * head_dim": cfg.n_heads * cfg.head_dim, "ffn_dim": cfg.ffn_dim}
     bad = {k: v for k, v in inputs.items() if g is not None and v % g}
@@ -133,14 +132,12 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
     check_model(cfg, scheme)
     tokens = None
     if method in CALIBRATED:
-        tokens, tokenizer_dir = load_calibration("quantize", src, cfg, options.calibration, options.num_sequences,
-                                                 options.seq_len)
-    else:
-        tokenizer_dir = trained_tokenizer(src)
+        tokens, _ = load_calibration("quantize", src, cfg, options.calibration, options.num_sequences,
+                                     options.seq_len)
     dtype = stored_dtype(read_json_object(Path(src) / "config.json"))
     model = load_pretrained(src, dtype=torch.float32)
     quantized = quantize_linears(model, method, scheme, dtype, options, tokens)
-    write_compressed(model, quantized, scheme, dtype, Path(src), Path(dst), tokenizer_dir)
+    write_compressed(model, quantized, scheme, dtype, Path(src), Path(dst))
     return QuantizeResult(Path(dst), scheme, sorted(quantized), 0 if tokens is None else tokens.numel())
 
 
