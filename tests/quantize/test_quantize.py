@@ -18,16 +18,17 @@ from safetensors.torch import load_file
 
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.names import hf_names
-from tessera.checkpoint.prune.run import load_calibration
+from tessera.checkpoint.prune.run import load_calibration, stored_dtype
 from tessera.cli import main
-from tessera.config.hf_config import read_hf_config
+from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.quantize import QuantizeOptions, quantize
 from tessera.quantize.calibration import block_linears, input_absmax, recording_inputs
 from tessera.quantize.formats import Scheme, quantize_int
 from tessera.quantize.gptq import gptq_quantize, hessian_error
 from tessera.quantize.run import method_scheme, quantize_linears
 from tessera.quantize.smoothquant import smooth
-from tests.infer.tiny_models import write_model
+from tests.infer.tiny_models import save_tokenizer, write_model
+from tests.models.hf_families import hf_configs, random_hf_model
 
 CALIBRATION = dict(num_sequences=4, seq_len=48)
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i}\n" for i in range(200))
@@ -69,7 +70,8 @@ def _tesseras_weights(src: Path, method: str, options: QuantizeOptions) -> dict[
     if method in ("gptq", "smoothquant"):
         tokens, _ = load_calibration("test", src, cfg, options.calibration, options.num_sequences, options.seq_len)
     model = load_pretrained(src)
-    quantized = quantize_linears(model, method, method_scheme(method, options), torch.float32, options, tokens)
+    dtype = stored_dtype(read_json_object(src / "config.json"))
+    quantized = quantize_linears(model, method, method_scheme(method, options), dtype, options, tokens)
     names = hf_names(cfg)
     return {names[f"{n}.weight"][0].removesuffix(".weight"): q.dequantize() for n, q in quantized.items()}
 
@@ -80,16 +82,45 @@ def _ids() -> torch.Tensor:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_format_library_and_transformers_read_tesseras_weights(case, llama, calibration, tmp_path):
+    method, extra, tolerance = CASES[case]
+    _check_output(llama, tmp_path / "q", method, _options(method, extra, calibration), tolerance)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied_bias", "mistral"])
+def test_each_dense_family(family, calibration, tmp_path):
+    """QKV biases (qwen2), QK norm and a wider attention (qwen3), a tied head (llama_tied_bias),
+    a sliding window (mistral): GPTQ with groups of 16, its weights read back exactly."""
+    cfg = hf_configs()[family]
+    cfg.vocab_size = 128  # the character tokenizer's
+    random_hf_model(cfg, seed=2).save_pretrained(tmp_path / "src")
+    save_tokenizer(tmp_path / "src")
+    options = _options("gptq", dict(group_size=16), calibration)
+    _check_output(tmp_path / "src", tmp_path / "q", "gptq", options, 0.5)
+
+
+@pytest.mark.parametrize("method", ["rtn", "fp8"])
+def test_a_bfloat16_source_keeps_bfloat16_scales(method, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = write_model(tmp_path / "fp32", "llama", seed=4, **SIZES)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    save_tokenizer(tmp_path / "src")
+    options = QuantizeOptions(group_size=32) if method == "rtn" else QuantizeOptions()
+    _check_output(tmp_path / "src", tmp_path / "q", method, options, 0.45)
+    scales = [t for k, t in load_file(tmp_path / "q" / "model.safetensors").items() if k.endswith("weight_scale")]
+    assert scales and all(t.dtype == torch.bfloat16 for t in scales)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype="auto").dtype == torch.bfloat16
+
+
+def _check_output(src: Path, dst: Path, method: str, options: QuantizeOptions, tolerance: float) -> None:
+    """`quantize` src -> dst, then read dst with compressed-tensors and transformers (module docstring)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
     from transformers import AutoModelForCausalLM
 
-    method, extra, tolerance = CASES[case]
-    options = _options(method, extra, calibration)
-    dst = tmp_path / "q"
-    result = quantize(llama, dst, method, options)
-    ours = _tesseras_weights(llama, method, options)
-    assert len(ours) == len(result.layers) == 2 * 7
+    result = quantize(src, dst, method, options)
+    ours = _tesseras_weights(src, method, options)
+    assert len(ours) == len(result.layers) == 7 * read_hf_config(src).n_layers
     config = json.loads((dst / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(config)  # the library's own reading of the config
     assert parsed.quantization_status == "compressed" and parsed.ignore == ["lm_head"]
@@ -101,22 +132,23 @@ def test_the_format_library_and_transformers_read_tesseras_weights(case, llama, 
         local = {k.removeprefix(prefix + "."): v for k, v in stored.items() if k.startswith(prefix + ".")}
         assert "weight" in compressor.decompress(local, scheme)
         assert torch.equal(compressor.decompress(local, scheme)["weight"], weight), prefix
-    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    dtype = stored_dtype(read_json_object(src / "config.json"))  # the scales' dtype: the product's rounding
+    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=dtype).eval()
     with torch.no_grad():
-        logits = hf(_ids()).logits  # the first forward pass decompresses the weights (compressed-tensors)
+        logits = hf(_ids()).logits.float()  # the first forward pass decompresses the weights (compressed-tensors)
     for prefix, weight in ours.items():
-        assert torch.equal(hf.get_submodule(prefix).weight.float(), weight), prefix
-    source = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+        assert torch.equal(hf.get_submodule(prefix).weight.float(), weight.float()), prefix
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         original = source(_ids()).logits
         error = float((logits - original).norm() / original.norm())
         assert 0 < error < tolerance
-        if not result.scheme.dynamic_activations:  # weight-only: the source model with Tessera's weights
+        if not result.scheme.dynamic_activations and dtype == torch.float32:  # the source with Tessera's weights
             for prefix, weight in ours.items():
                 source.get_submodule(prefix).weight.copy_(weight)
             torch.testing.assert_close(logits, source(_ids()).logits, rtol=1e-5, atol=1e-5)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (dst / name).read_bytes() == (llama / name).read_bytes()
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
 
 
 def test_gptq_output_error_is_below_round_to_nearest(llama, calibration):
