@@ -186,7 +186,7 @@ def test_smoothing_alone_keeps_the_logits(llama, calibration):
         norm_before = model.layers["0"].attention_norm.weight.clone()
         assert smooth(model, input_absmax(model, tokens), alpha=0.5) == 2 * cfg.n_layers
         after = model(tokens).logits
-    changed = model.layers["0"].attention_norm.weight / norm_before
+        changed = model.layers["0"].attention_norm.weight / norm_before
     assert float(changed.max() / changed.min()) > 1.5  # the smoothing did move scale between the two
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
