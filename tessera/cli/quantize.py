@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.cli.prune import add_calibration_arguments
 from tessera.config.argument_types import int_in
 
 METHODS = ("gptq", "smoothquant", "fp8", "rtn")  # tessera.quantize.METHODS, without importing torch
@@ -24,13 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, choices=METHODS,
                    help="gptq / rtn: int weights, group-wise (W4A16 by default); smoothquant: W8A8 int8 with "
                         "smoothing; fp8: e4m3 weights and activations (FP8_DYNAMIC)")
-    p.add_argument("--calibration", action="append", default=None, metavar="DATA",
-                   help="gptq, smoothquant: text / JSONL files or directories to calibrate on (repeatable; None: "
-                        "the bundled corpus, the Python standard library's source)")
-    p.add_argument("--calibration-sequences", type=int_in(1, 1_000_000), default=16, metavar="N",
-                   help="calibration sequences")
-    p.add_argument("--calibration-length", type=int_in(1, 1_000_000), default=256, metavar="S",
-                   help="tokens per calibration sequence (at most the model's context)")
+    add_calibration_arguments(p, "to calibrate gptq and smoothquant on")
     p.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="rtn, gptq: weight bits (None: 4)")
     p.add_argument("--group-size", type=int_in(0, 1 << 20), default=None, metavar="G",
