@@ -30,7 +30,7 @@ from torch import nn
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.prune.run import load_calibration, stored_dtype
-from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.hf_config import is_hf_directory, read_hf_config, read_json_object
 from tessera.config.model import ModelConfig
 from tessera.models.int8 import quantizable_layers
@@ -128,7 +128,10 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
         check_new_destination("quantize", src, dst)
     except CheckpointError as e:  # a destination the user named wrongly is bad input here
         raise ConfigError(str(e)) from None
-    cfg = read_hf_config(src)
+    try:
+        cfg = read_hf_config(src)
+    except (ModelError, CheckpointError) as e:  # SRC is the command's input: naming another model is bad input
+        raise ConfigError(f"quantize: {str(src)!r} is not a model Tessera can quantize: {e}") from None
     check_model(cfg, scheme)
     tokens = None
     if method in CALIBRATED:

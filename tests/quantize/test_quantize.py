@@ -218,6 +218,12 @@ def test_bad_input_exits_2(llama, tmp_path, capsys):
     assert stop.value.code == 2 and "invalid choice: 'awq'" in capsys.readouterr().err
     assert main(["quantize", str(tmp_path), str(tmp_path / "q"), "--method", "rtn"]) == 2
     assert "is not a HuggingFace model directory" in capsys.readouterr().err
+    (tmp_path / "gpt2").mkdir()
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 128, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps(gpt2))
+    assert main(["quantize", str(tmp_path / "gpt2"), str(tmp_path / "q"), "--method", "rtn"]) == 2
+    assert "is not a model Tessera can quantize: unsupported architecture model_type='gpt2'" in capsys.readouterr().err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert main(["quantize", str(llama), str(tmp_path / "full"), "--method", "fp8"]) == 2
