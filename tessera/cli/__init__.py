@@ -13,6 +13,8 @@
                                                      (held-out loss, HumanEval, lm-evaluation-harness tasks)
     tessera prune SRC DST [--target-params N] [--layers K --ffn-hidden-size F --num-heads H --num-kv-heads G
                           --experts E] [--calibration DATA]   (HuggingFace in and out, ranked on calibration data)
+    tessera quantize SRC DST --method gptq|smoothquant|fp8|rtn [--calibration DATA] [--bits B --group-size G
+                             --actorder --alpha A]   (HuggingFace in, compressed-tensors HuggingFace out)
 
 Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
 runs. Every option's help shows its default.
@@ -61,6 +63,8 @@ COMMANDS: list[Command] = [
     Command("eval", "evaluate a model: held-out loss, HumanEval, lm-evaluation-harness tasks", "eval"),
     Command("prune", "prune a HuggingFace model's layers, FFN channels, heads and experts to sizes or a "
                      "parameter target", "prune"),
+    Command("quantize", "quantize a HuggingFace model once (gptq, smoothquant, fp8, rtn) into a compressed-tensors "
+                        "directory", "quantize"),
 ]
 
 

@@ -31,9 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1/2, then layers, then FFN to 1/16 and experts to top_k (None: only the sizes given)")
     for option, top, metavar, text in SIZE_OPTIONS:
         p.add_argument(option, type=int_in(1, top), default=None, metavar=metavar, help=text)
+    add_calibration_arguments(p, "whose text ranks the parts")
+
+
+def add_calibration_arguments(p: argparse.ArgumentParser, purpose: str) -> None:
+    """--calibration DATA ..., --calibration-sequences, --calibration-length (prune, quantize)."""
     p.add_argument("--calibration", action="append", default=None, metavar="DATA",
-                   help="text / JSONL files or directories whose text ranks the parts (repeatable; None: the bundled "
-                        "corpus, the Python standard library's source)")
+                   help=f"text / JSONL files or directories {purpose} (repeatable; None: the bundled corpus, the "
+                        "Python standard library's source)")
     p.add_argument("--calibration-sequences", type=int_in(1, 1_000_000), default=16, metavar="N",
                    help="calibration sequences")
     p.add_argument("--calibration-length", type=int_in(1, 1_000_000), default=256, metavar="S",

@@ -77,13 +77,31 @@ class PruneResult:
         return "\n".join(rows)
 
 
-def _calibration_texts(calibration: Sequence[str | os.PathLike] | None):
+def calibration_texts(calibration: Sequence[str | os.PathLike] | None):
+    """The documents of `calibration` (text / JSONL files or directories), or of the bundled corpus."""
     if calibration:
         return (text for text, _ in iter_text_documents(expand_inputs(calibration), jsonl_field="text"))
     return (p.read_text(encoding="utf-8", errors="replace") for p in select_stdlib_files())
 
 
-def _stored_dtype(hf: dict) -> torch.dtype:
+def load_calibration(command: str, src: str | os.PathLike, cfg, calibration: Sequence[str | os.PathLike] | None,
+                     num_sequences: int, seq_len: int) -> tuple[torch.Tensor, str | None]:
+    """[num_sequences, min(seq_len, context)] calibration token ids for model directory `src` (its
+    own tokenizer, else the bundled one), and where its own tokenizer is (None: it has none)."""
+    tokenizer_dir = trained_tokenizer(src)
+    tokenizer = load_tokenizer(tokenizer_dir)  # the bundled one where the source has none
+    if tokenizer.vocab_size > cfg.vocab_size:  # its ids would fall outside the embedding
+        whose = "its tokenizer's" if tokenizer_dir is not None else \
+            "it has no tokenizer of its own and the bundled one's"
+        raise DataError(f"{command}: {str(src)!r}: {whose} vocabulary ({tokenizer.vocab_size}) is larger than the "
+                        f"model's ({cfg.vocab_size}); give a directory whose tokenizer fits its model")
+    tokens = calibration_sequences(calibration_texts(calibration), tokenizer, num_sequences,
+                                   min(seq_len, cfg.max_seq_len))
+    return tokens, tokenizer_dir
+
+
+def stored_dtype(hf: dict) -> torch.dtype:
+    """The dtype a HuggingFace config.json says its weights are stored in (fp32 when it names none)."""
     return _STORED_DTYPES.get(hf.get("torch_dtype") or hf.get("dtype"), torch.float32)
 
 
@@ -102,15 +120,7 @@ def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, tar
         raise ConfigError(f"prune --target-params {target_params:,} is invalid: the source has {source_params:,} "
                           "parameters; give a smaller target")
     check_sizes(cfg, sizes.resolved(cfg))
-    tokenizer_dir = trained_tokenizer(src)
-    tokenizer = load_tokenizer(tokenizer_dir)  # the bundled one where the source has none
-    if tokenizer.vocab_size > cfg.vocab_size:  # its ids would fall outside the embedding
-        whose = "its tokenizer's" if tokenizer_dir is not None else \
-            "it has no tokenizer of its own and the bundled one's"
-        raise DataError(f"prune: {str(src)!r}: {whose} vocabulary ({tokenizer.vocab_size}) is larger than the "
-                        f"model's ({cfg.vocab_size}); give a directory whose tokenizer fits its model")
-    tokens = calibration_sequences(_calibration_texts(calibration), tokenizer, num_sequences,
-                                   min(seq_len, cfg.max_seq_len))
+    tokens, tokenizer_dir = load_calibration("prune", src, cfg, calibration, num_sequences, seq_len)
     model = load_pretrained(src, dtype=torch.float32)
     found = measure_importance(model, tokens)
     chosen_sizes = sizes.resolved(cfg) if target_params is None else search_sizes(cfg, target_params, sizes, found)
@@ -137,7 +147,7 @@ def _write(pruned: Transformer, src: Path, dst: Path, tokenizer_dir: str | None,
             source_hf[key] = [source_hf[key][i] for i in kept_layers]
     created = not dst.exists()
     try:
-        save_pretrained(pruned.cast(_stored_dtype(source_hf)), dst, tokenizer=tokenizer_dir)
+        save_pretrained(pruned.cast(stored_dtype(source_hf)), dst, tokenizer=tokenizer_dir)
         after = config_to_hf(pruned.cfg)
         changed = {k: v for k, v in after.items() if before.get(k) != v or k == "head_dim"}
         changed |= {a: v for k, v in list(changed.items()) for a in ALIASES.get(k, ()) if a in source_hf}

@@ -1,0 +1,169 @@
+"""`quantize(src, dst, method, ...)`: a HuggingFace directory in, the same model quantized once
+(statically) out, in compressed-tensors format.
+
+    result = quantize("llama-1b/", "llama-1b-w4a16/", "gptq")
+
+Methods (every linear layer of the transformer blocks; embedding, norms and output head stay as
+they are):
+
+- `rtn`: round-to-nearest int weights, W4A16 group 128 by default (`bits`, `group_size`);
+- `gptq`: GPTQ (gptq.py) on calibration data, block by block (calibration.py), same formats as rtn;
+- `smoothquant`: SmoothQuant smoothing (smoothquant.py), then int8 per-channel weights and dynamic
+  per-token int8 activations (W8A8);
+- `fp8`: e4m3 per-channel weights, dynamic per-token e4m3 activations (FP8_DYNAMIC); no calibration.
+
+Refused by name (ConfigError): routed experts (MoE families) and multi-head latent attention
+(DeepSeek-V3), which this writer does not lay out; a group size that does not divide a layer's
+inputs; options that do not apply to the method.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tessera.checkpoint.convert import check_new_destination
+from tessera.checkpoint.hf.load import load_pretrained
+from tessera.checkpoint.prune.run import load_calibration, stored_dtype
+from tessera.config.errors import CheckpointError, ConfigError, ModelError
+from tessera.config.hf_config import is_hf_directory, read_hf_config, read_json_object
+from tessera.config.model import ModelConfig
+from tessera.models.int8 import quantizable_layers
+from tessera.models.transformer import Transformer
+from tessera.quantize.calibration import input_absmax, quantize_blocks
+from tessera.quantize.formats import QuantizedWeight, Scheme, quantize_fp8, quantize_int
+from tessera.quantize.gptq import DEFAULT_BLOCK, DEFAULT_DAMPENING, gptq_quantize
+from tessera.quantize.smoothquant import DEFAULT_ALPHA, smooth
+from tessera.quantize.writer import write_compressed
+
+METHODS = ("rtn", "gptq", "smoothquant", "fp8")
+CALIBRATED = ("gptq", "smoothquant")
+DEFAULT_BITS = 4
+DEFAULT_GROUP = 128
+DEFAULT_SEQUENCES = 16  # GPTQ's paper calibrates on 128 x 2048 tokens; a CPU run keeps it small
+DEFAULT_SEQ_LEN = 256
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `quantize` does beyond the method; None fields: the method's default."""
+
+    bits: int | None = None  # rtn / gptq: 4 or 8 (default 4)
+    group_size: int | None = None  # rtn / gptq: inputs per scale, 0 = one per output channel (default 128)
+    actorder: bool = False  # gptq: visit columns by decreasing Hessian diagonal
+    dampening: float = DEFAULT_DAMPENING  # gptq: fraction of mean(diag H) added to the diagonal
+    block_size: int = DEFAULT_BLOCK  # gptq: columns per lazy update
+    alpha: float = DEFAULT_ALPHA  # smoothquant: migration strength
+    calibration: Sequence[str | os.PathLike] | None = None  # text / JSONL; None: the bundled corpus
+    num_sequences: int = DEFAULT_SEQUENCES
+    seq_len: int = DEFAULT_SEQ_LEN
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    path: Path
+    scheme: Scheme
+    layers: list[str]  # Tessera names of the quantized linear layers
+    calibration_tokens: int
+
+    def summary(self) -> str:
+        s = self.scheme
+        what = f"{s.kind}{s.bits} weights, " + ("per channel" if s.group_size is None else f"group {s.group_size}")
+        acts = f", dynamic per-token {s.kind}8 activations" if s.dynamic_activations else ""
+        return (f"{len(self.layers)} linear layers: {what}{acts} ({s.format}); "
+                f"{self.calibration_tokens} calibration tokens")
+
+
+def method_scheme(method: str, options: QuantizeOptions) -> Scheme:
+    """The storage scheme of `method`, refusing (ConfigError) options that do not apply to it."""
+    if method not in METHODS:
+        raise ConfigError(f"quantize --method {method!r} is unknown; choose one of {', '.join(METHODS)}")
+    if method in ("rtn", "gptq"):
+        bits = DEFAULT_BITS if options.bits is None else options.bits
+        if bits not in (4, 8):
+            raise ConfigError(f"quantize --bits {bits} is invalid: {method} writes 4 or 8 bit weights")
+        group = DEFAULT_GROUP if options.group_size is None else options.group_size
+        return Scheme("int", bits, group or None, False, options.actorder and method == "gptq")
+    if options.bits is not None or options.group_size is not None:
+        raise ConfigError(f"quantize --bits / --group-size apply to rtn and gptq; {method} writes 8-bit weights "
+                          "with one scale per output channel")
+    return Scheme("int" if method == "smoothquant" else "float", 8, None, True)
+
+
+def check_model(cfg: ModelConfig, scheme: Scheme) -> None:
+    """Refuse (ConfigError) a model part the writer does not lay out, or a group that does not fit."""
+    if cfg.mla is not None:
+        raise ConfigError("quantize: multi-head latent attention (MLA, DeepSeek-V3) is not quantized by tessera "
+                          "quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
+    if cfg.moe is not None:
+        raise ConfigError(f"quantize: family {cfg.family!r} has routed experts (MoE), which tessera quantize does "
+                          "not quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
+    g = scheme.group_size
+    inputs = {"dim": cfg.dim, "n_heads * head_dim": cfg.n_heads * cfg.head_dim, "ffn_dim": cfg.ffn_dim}
+    bad = {k: v for k, v in inputs.items() if g is not None and v % g}
+    if bad:
+        raise ConfigError(f"quantize --group-size {g} does not divide the inputs of every linear layer "
+                          f"({', '.join(f'{k}={v}' for k, v in bad.items())}); give a common divisor, or 0 for "
+                          "one scale per output channel")
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
+             options: QuantizeOptions = QuantizeOptions()) -> QuantizeResult:
+    """Write `dst`, the HuggingFace model `src` quantized by `method` (module docstring)."""
+    scheme = method_scheme(method, options)
+    if options.calibration and method not in CALIBRATED:
+        raise ConfigError(f"quantize --calibration applies to {' and '.join(CALIBRATED)}; {method} needs none")
+    if not is_hf_directory(src):
+        raise ConfigError(f"quantize: {str(src)!r} is not a HuggingFace model directory (no config.json); "
+                          "convert a Tessera checkpoint first (tessera convert)")
+    if "quantization_config" in read_json_object(Path(src) / "config.json"):
+        raise ConfigError(f"quantize: {str(src)!r} is quantized already (its config.json has a "
+                          "quantization_config); give the full-precision model")
+    try:
+        check_new_destination("quantize", src, dst)
+    except CheckpointError as e:  # a destination the user named wrongly is bad input here
+        raise ConfigError(str(e)) from None
+    try:
+        cfg = read_hf_config(src)
+    except (ModelError, CheckpointError) as e:  # SRC is the command's input: naming another model is bad input
+        raise ConfigError(f"quantize: {str(src)!r} is not a model Tessera can quantize: {e}") from None
+    check_model(cfg, scheme)
+    tokens = None
+    if method in CALIBRATED:
+        tokens, _ = load_calibration("quantize", src, cfg, options.calibration, options.num_sequences,
+                                     options.seq_len)
+    dtype = stored_dtype(read_json_object(Path(src) / "config.json"))
+    model = load_pretrained(src, dtype=torch.float32)
+    quantized = quantize_linears(model, method, scheme, dtype, options, tokens)
+    write_compressed(model, quantized, scheme, dtype, Path(src), Path(dst))
+    return QuantizeResult(Path(dst), scheme, sorted(quantized), 0 if tokens is None else tokens.numel())
+
+
+@torch.no_grad()
+def quantize_linears(model: Transformer, method: str, scheme: Scheme, dtype: torch.dtype, options: QuantizeOptions,
+                     tokens: torch.Tensor | None) -> dict[str, QuantizedWeight]:
+    """Every block linear layer of `model` quantized by `method` (scales in `dtype`), by module name.
+    smoothquant smooths `model` in place first; gptq leaves the dequantized weights in it."""
+    if method == "gptq":
+        quantized: dict[str, QuantizedWeight] = {}
+
+        def quantize_block(linears: dict[str, nn.Linear], stats) -> None:
+            for name, m in linears.items():
+                q = gptq_quantize(m.weight.to(dtype).float(), stats[name].hessian(), scheme, dtype,
+                                  options.dampening, options.block_size)
+                quantized[name] = q
+                m.weight.copy_(q.dequantize().float())
+
+        quantize_blocks(model, tokens, quantize_block)
+        return quantized
+    if method == "smoothquant":
+        smooth(model, input_absmax(model, tokens), options.alpha)
+    weights = {name: m.weight.detach().to(dtype) for name, m in quantizable_layers(model)}
+    if method == "fp8":
+        return {name: quantize_fp8(w, dtype) for name, w in weights.items()}
+    return {name: quantize_int(w, scheme, dtype) for name, w in weights.items()}
