@@ -158,3 +158,42 @@ def write_block_fp8(path: Path, arch: str = "llama", block: tuple[int, int] = (6
                                   "weight_block_size": list(block)}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return model
+
+
+@torch.no_grad()
+def write_actorder(path: Path, seed: int = 0):
+    """A W4A16 directory with activation ordering (`weight_g_idx`: each input column's group, here a
+    random permutation of the columns cut into groups of 32), which compressed-tensors 0.20 no
+    longer writes: the codes are packed by the library's `pack_to_int32` and the scales computed by
+    its `calculate_qparams`, per group of columns. Returns a transformers model holding the hand
+    dequantized weights W[:, i] = q[:, i] * s[:, g(i)] (the reference)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme("w4a16")["weights"]
+    write_compressed(path, "w4a16", seed=seed)
+    model = tiny_model("llama", seed)
+    state = dict(model.state_dict())
+    from safetensors.torch import load_file
+
+    stored = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 7)
+    for key in [k for k in stored if k.endswith(".weight_packed")]:
+        prefix = key.removesuffix(".weight_packed")
+        w = state[prefix + ".weight"].float()
+        out_f, in_f = w.shape
+        g_idx = (torch.randperm(in_f, generator=gen) // args.group_size).to(torch.int32)
+        lo = torch.stack([w[:, g_idx == j].amin(-1) for j in range(in_f // args.group_size)], -1)
+        hi = torch.stack([w[:, g_idx == j].amax(-1) for j in range(in_f // args.group_size)], -1)
+        scale, _ = calculate_qparams(lo, hi, args)
+        q = torch.round(torch.clamp(w / scale[:, g_idx.long()], -8, 7))
+        stored[key] = pack_to_int32(q.to(torch.int8), 4)
+        stored[prefix + ".weight_scale"] = scale
+        stored[prefix + ".weight_g_idx"] = g_idx
+        state[prefix + ".weight"] = q * scale[:, g_idx.long()]
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    model.load_state_dict(state)
+    return model

@@ -1,0 +1,183 @@
+"""Pre-quantized HuggingFace directories (tessera/checkpoint/prequantized): compressed-tensors
+directories written by the compressed-tensors library give the logits of the library's own
+decompressed model (its forward fake-quantizes the activations the scheme quantizes), DeepSeek-V3
+block FP8 gives transformers' FP8 dequantizing loader's logits, the weights stay quantized in
+memory, the serving engine generates greedily what the reference does, and what is not supported
+is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tessera.checkpoint.loading import load_model
+from tessera.config.errors import CheckpointError, ConfigError
+from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
+from tessera.models.stored_quant import (
+    BlockFp8Linear,
+    FloatQuantizedLinear,
+    IntQuantizedLinear,
+    PackedIntLinear,
+    StoredQuantLinear,
+)
+from tests.checkpoint.quantized_checkpoints import (
+    tiny_model,
+    write_actorder,
+    write_block_fp8,
+    write_compressed,
+)
+from tests.infer.tiny_models import hf_greedy
+
+IDS = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(3))
+# kind -> (layer class, its code buffer, the code dtype, bits per weight)
+KINDS = {
+    "w4a16": (PackedIntLinear, "weight_packed", torch.int32, 4),
+    "w4a16_asym": (PackedIntLinear, "weight_packed", torch.int32, 4),
+    "w8a16": (PackedIntLinear, "weight_packed", torch.int32, 8),
+    "w4a16_channel": (PackedIntLinear, "weight_packed", torch.int32, 4),
+    "w8a8_dynamic": (IntQuantizedLinear, "weight", torch.int8, 8),
+    "w8a8_static": (IntQuantizedLinear, "weight", torch.int8, 8),
+    "fp8_channel_dynamic": (FloatQuantizedLinear, "weight", torch.float8_e4m3fn, 8),
+    "fp8_tensor_static": (FloatQuantizedLinear, "weight", torch.float8_e4m3fn, 8),
+    "fp8_weight_only": (FloatQuantizedLinear, "weight", torch.float8_e4m3fn, 8),
+}
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def quantized_layers(model) -> dict[str, StoredQuantLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, StoredQuantLinear)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_compressed_tensors_logits_equal_the_librarys_decompression(kind, tmp_path):
+    arch = "qwen2" if kind == "fp8_channel_dynamic" else "llama"  # Qwen2: q/k/v biases beside the codes
+    reference = write_compressed(tmp_path, kind, arch=arch)
+    loaded = load_model(tmp_path)
+    want = logits(reference)
+    got = logits(loaded.model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - logits(tiny_model(arch))).abs().max() > 1e-4  # the quantization is there to see
+    layer_cls, code, code_dtype, bits = KINDS[kind]
+    layers = quantized_layers(loaded.model)
+    assert sorted(layers) == sorted(loaded.quantized) and len(layers) == 14  # 7 linears x 2 blocks; head not
+    for m in layers.values():
+        assert type(m) is layer_cls and getattr(m, code).dtype == code_dtype
+        assert getattr(m, code).numel() * getattr(m, code).element_size() == m.out_features * m.in_features * bits // 8
+        assert not any(t.is_floating_point() and t.shape == (m.out_features, m.in_features)
+                       for t in m.state_dict().values() if t.dtype != torch.float8_e4m3fn)
+    assert loaded.model.output.weight.dtype == torch.float32  # the head stays full precision
+
+
+def test_activation_order_g_idx(tmp_path):
+    reference = write_actorder(tmp_path)
+    loaded = load_model(tmp_path)
+    assert all(hasattr(m, "weight_g_idx") for m in quantized_layers(loaded.model).values())
+    torch.testing.assert_close(logits(loaded.model), logits(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_block_fp8_equals_transformers_fp8_loading(tmp_path):
+    """Blocks that divide every weight: transformers' FineGrainedFP8 loader with dequantize=True
+    (on CPU) is the reference. (It reads the block size off the scale grid, so it cannot read the
+    partial blocks of the next test.)"""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    write_block_fp8(tmp_path, block=(16, 16))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(
+        dequantize=True), dtype=torch.float32).eval()
+    loaded = load_model(tmp_path)
+    layers = quantized_layers(loaded.model)
+    assert len(layers) == 14 and all(type(m) is BlockFp8Linear and m.weight.dtype == torch.float8_e4m3fn
+                                     for m in layers.values())
+    torch.testing.assert_close(logits(loaded.model), logits(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_block_fp8_partial_blocks_equal_a_hand_dequantization(tmp_path):
+    """64 x 64 blocks over 48-, 96- and 160-wide weights: the last block row / column is partial."""
+    from safetensors.torch import load_file
+
+    full = write_block_fp8(tmp_path, block=(64, 64))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    state = dict(full.state_dict())
+    for key, scale in stored.items():
+        if key.endswith("weight_scale_inv"):
+            codes = stored[key.removesuffix("_scale_inv")].float()
+            for r in range(scale.shape[0]):
+                for c in range(scale.shape[1]):
+                    codes[r * 64:(r + 1) * 64, c * 64:(c + 1) * 64] *= scale[r, c]
+            state[key.removesuffix("_scale_inv")] = codes
+    full.load_state_dict(state)
+    torch.testing.assert_close(logits(load_model(tmp_path).model), logits(full), rtol=1e-5, atol=1e-5)
+
+
+def test_served_greedy_generation_equals_the_reference(tmp_path):
+    reference = write_compressed(tmp_path, "w4a16_asym")
+    llm = LLM(str(tmp_path), block_size=4, num_blocks=64)
+    assert quantized_layers(llm.engine.model)
+    prompt = IDS[0, :9].tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(reference, prompt, 8)
+    with pytest.raises(ConfigError, match="pre-quantized \\(compressed-tensors pack-quantized\\)"):
+        LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, num_blocks=64, quantization="int8"))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported for a pre-quantized"):
+        LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, num_blocks=64, tensor_parallel_size=2))
+
+
+def _edit_config(path, edit) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q.update(quant_method="gptq"), "quant_method='gptq' is not supported; Tessera loads pre-quantized "
+                                              "checkpoints with quant_method 'compressed-tensors' or 'fp8'"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity \\(e.g. 2:4\\) is not supported"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "KV-cache quantization"),
+    (lambda q: q.update(quantization_status="frozen"), "quantization_status='frozen' is not supported"),
+    (lambda q: q["config_groups"]["group_0"].update(format="nvfp4-pack-quantized"),
+     "format 'nvfp4-pack-quantized' is not supported; Tessera loads formats pack-quantized"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int",
+                                                                       "strategy": "token", "dynamic": True}),
+     "pack-quantized with input_activations is not supported"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3), "num_bits=3 is not supported"),
+])
+def test_foreign_quantization_config_is_refused_by_name(tmp_path, edit, message):
+    write_compressed(tmp_path, "w4a16")
+    _edit_config(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path)
+
+
+def test_a_quantized_head_is_refused_by_name(tmp_path):
+    write_compressed(tmp_path, "w8a8_dynamic", ignore=())
+    with pytest.raises(CheckpointError, match="lm_head is stored quantized, which Tessera does not load for the "
+                                              "output head"):
+        load_model(tmp_path)
+
+
+def test_targets_and_ignore_choose_the_layers(tmp_path):
+    """Only the MLP's projections targeted (a regex), and layer 1's down projection ignored by name."""
+    reference = write_compressed(tmp_path, "w8a16", targets=("re:.*mlp\\..*_proj$",),
+                                 ignore=("lm_head", "model.layers.1.mlp.down_proj"))
+    loaded = load_model(tmp_path)
+    assert sorted(loaded.quantized) == ["layers.0.feed_forward.w1", "layers.0.feed_forward.w2",
+                                        "layers.0.feed_forward.w3", "layers.1.feed_forward.w1",
+                                        "layers.1.feed_forward.w3"]
+    torch.testing.assert_close(logits(loaded.model), logits(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_full_precision_paths_refuse_a_prequantized_directory(tmp_path):
+    from tessera.checkpoint.convert import convert
+    from tessera.checkpoint.hf.load import load_pretrained
+
+    write_block_fp8(tmp_path / "m", block=(16, 16))
+    for call in (lambda: load_pretrained(tmp_path / "m"), lambda: convert(tmp_path / "m", tmp_path / "out")):
+        with pytest.raises(CheckpointError, match="is pre-quantized \\(quantization_config.quant_method='fp8'\\): "
+                                                  "this needs full-precision weights"):
+            call()
