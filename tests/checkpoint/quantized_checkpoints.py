@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 
 from tessera.data.tokenizer import DEFAULT_TOKENIZER_DIR
 
-# Awkward sizes: 96 and 160 inputs (groups of 32 divide both), 300-token vocabulary.
-COMMON = dict(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+# Awkward sizes: 96 and 160 inputs (groups of 32 divide both), 48 key/value outputs; the bundled
+# tokenizer's 4096-token vocabulary (the directories carry its tokenizer.json).
+COMMON = dict(vocab_size=4096, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
               tie_word_embeddings=False, bos_token_id=None, eos_token_id=0)
 

@@ -150,13 +150,13 @@ def _edit_config(path, edit) -> None:
 def test_foreign_quantization_config_is_refused_by_name(tmp_path, edit, message):
     write_compressed(tmp_path, "w4a16")
     _edit_config(tmp_path, edit)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(ConfigError, match=message):
         load_model(tmp_path)
 
 
 def test_a_quantized_head_is_refused_by_name(tmp_path):
     write_compressed(tmp_path, "w8a8_dynamic", ignore=())
-    with pytest.raises(CheckpointError, match="lm_head is stored quantized, which Tessera does not load for the "
+    with pytest.raises(ConfigError, match="lm_head is stored quantized, which Tessera does not load for the "
                                               "output head"):
         load_model(tmp_path)
 
@@ -178,6 +178,26 @@ def test_full_precision_paths_refuse_a_prequantized_directory(tmp_path):
 
     write_block_fp8(tmp_path / "m", block=(16, 16))
     for call in (lambda: load_pretrained(tmp_path / "m"), lambda: convert(tmp_path / "m", tmp_path / "out")):
-        with pytest.raises(CheckpointError, match="is pre-quantized \\(quantization_config.quant_method='fp8'\\): "
+        with pytest.raises(ConfigError, match="is pre-quantized \\(quantization_config.quant_method='fp8'\\): "
                                                   "this needs full-precision weights"):
             call()
+
+
+def test_damaged_quantized_tensors_are_named(tmp_path):
+    """A scale missing, codes in the wrong dtype, a stray KV-cache scale: CheckpointError naming
+    the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    write_compressed(tmp_path, "w8a8_static")
+    original = load_file(str(tmp_path / "model.safetensors"))
+    key = "model.layers.1.self_attn.o_proj"
+    for edit, message in ((lambda s: s.pop(f"{key}.weight_scale"), f"has no '{key}.weight_scale'"),
+                          (lambda s: s.update({f"{key}.weight": s[f"{key}.weight"].float()}),
+                           f"'{key}.weight' is float32; the scheme stores it as int8"),
+                          (lambda s: s.update({"model.layers.0.self_attn.k_scale": torch.ones(1)}),
+                           "it has 'model.layers.0.self_attn.k_scale', which the model has no place for")):
+        state = dict(original)
+        edit(state)
+        save_file(state, str(tmp_path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
 
 
@@ -27,10 +27,10 @@ def is_prequantized_hf(path: str | os.PathLike) -> bool:
 
 def refuse_prequantized(path: str | os.PathLike) -> None:
     """Refuse a pre-quantized directory where full-precision weights are needed (conversion,
-    training's init_from, tensor-parallel serving, pruning): CheckpointError naming its method."""
+    training's init_from, pruning): ConfigError naming its method."""
     qc = quantization_config(path)
     if qc is not None:
-        raise CheckpointError(f"{path} is pre-quantized (quantization_config.quant_method="
+        raise ConfigError(f"{path} is pre-quantized (quantization_config.quant_method="
                               f"{qc.get('quant_method')!r}): this needs full-precision weights; a pre-quantized "
                               "directory is served or generated from as it is (tessera serve / generate, one "
                               "rank), so convert, train.init_from and tensor_parallel_size > 1 take its "

@@ -25,7 +25,7 @@ from torch import nn
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
 from tessera.checkpoint.prequantized.schemes import QuantizationPlan
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.checkpoint.prequantized.detect import quantization_config
 from tessera.config.hf_config import read_hf_config
 from tessera.models.int8 import quantizable_layers, replace_module
@@ -104,7 +104,7 @@ def _fill_full_precision(model: Transformer, names: dict[str, list[str]], files:
             continue
         for key in names[name]:
             if _quantized_prefix(key, stored):
-                raise CheckpointError(
+                raise ConfigError(
                     f"{source}: {key.removesuffix('.weight')} is stored quantized, which Tessera does not load for "
                     "the output head, embedding, router or routed experts (only for the linear layers of attention "
                     "and dense / shared-expert MLPs); such modules must be in the quantization's ignore list")

@@ -1,6 +1,7 @@
 """What a HuggingFace directory's `quantization_config` says, turned into a layer for each linear.
 
-Two methods are read (anything else is refused by name, with what is allowed):
+Two methods are read; anything else is refused by name with what is allowed (ConfigError: the
+directory is well-formed, but asks for what Tessera does not run, so the CLI exits 2):
 
 - `quant_method: "compressed-tensors"` (llm-compressor's output): `config_groups`, each a scheme
   (`weights`, `input_activations`, `targets`, `format`, or the config's top-level `format`), and
@@ -22,7 +23,7 @@ import re
 from collections.abc import Callable
 from functools import partial
 
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import ConfigError
 from tessera.models.stored_quant import (
     ActivationQuant,
     BlockFp8Linear,
@@ -38,7 +39,7 @@ Factory = Callable[..., object]  # (in_features, out_features, bias, dtype) -> S
 
 def _need(ok: bool, source: str, what: str, allowed: str) -> None:
     if not ok:
-        raise CheckpointError(f"{source}: {what} is not supported; Tessera loads {allowed}")
+        raise ConfigError(f"{source}: {what} is not supported; Tessera loads {allowed}")
 
 
 def _activation(args: dict | None, source: str) -> ActivationQuant | None:
