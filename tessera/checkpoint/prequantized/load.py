@@ -24,9 +24,9 @@ from torch import nn
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
+from tessera.checkpoint.prequantized.detect import quantization_config
 from tessera.checkpoint.prequantized.schemes import QuantizationPlan
 from tessera.config.errors import CheckpointError, ConfigError
-from tessera.checkpoint.prequantized.detect import quantization_config
 from tessera.config.hf_config import read_hf_config
 from tessera.models.int8 import quantizable_layers, replace_module
 from tessera.models.stored_quant import StoredQuantLinear
@@ -60,8 +60,9 @@ def _fill_layer(layer: StoredQuantLinear, prefix: str, files: SafetensorsDir, dt
             raise CheckpointError(f"{source}: {prefix} is quantized but the checkpoint has no {key!r}")
         stored = _raw(files, key, source)
         if name in CODE_DTYPES and stored.dtype not in CODE_DTYPES[name]:
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in CODE_DTYPES[name])
             raise CheckpointError(f"{source}: {key!r} is {str(stored.dtype).removeprefix('torch.')}; the scheme "
-                                  f"stores it as {' or '.join(str(d).removeprefix('torch.') for d in CODE_DTYPES[name])}")
+                                  f"stores it as {allowed}")
         if stored.numel() != t.numel() or (name in ("weight", "weight_packed") and stored.shape != t.shape):
             raise CheckpointError(f"{source}: {key!r} has shape {list(stored.shape)}; the model needs "
                                   f"{list(t.shape)}")
