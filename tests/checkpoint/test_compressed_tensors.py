@@ -156,8 +156,8 @@ def test_foreign_quantization_config_is_refused_by_name(tmp_path, edit, message)
 
 def test_a_quantized_head_is_refused_by_name(tmp_path):
     write_compressed(tmp_path, "w8a8_dynamic", ignore=())
-    with pytest.raises(ConfigError, match="lm_head is stored quantized, which Tessera does not load for the "
-                                              "output head"):
+    with pytest.raises(ConfigError, match="lm_head is stored quantized, which Tessera does not load for "
+                                              "output.weight"):
         load_model(tmp_path)
 
 
@@ -201,3 +201,48 @@ def test_damaged_quantized_tensors_are_named(tmp_path):
         save_file(state, str(tmp_path / "model.safetensors"))
         with pytest.raises(CheckpointError, match=message):
             load_model(tmp_path)
+
+
+def _block_fp8_moe(path, quantize) -> None:
+    """Rewrite the tiny Mixtral directory at `path` as block FP8, the tensors `quantize(key)` picks."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.checkpoint.quantized_checkpoints import block_fp8_quantize
+
+    state = load_file(str(path / "model.safetensors"))
+    for key in [k for k in state if quantize(k)]:
+        state[key], state[key.removesuffix("weight") + "weight_scale_inv"] = block_fp8_quantize(state[key], (16, 16))
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_moe_attention_loads_quantized_and_quantized_routed_experts_are_refused(tmp_path):
+    """Mixtral with its attention in block FP8 loads (routed experts and router full precision) and
+    equals the same model whose attention weights are the dequantized ones, loaded full precision;
+    with its routed experts quantized too it is refused, naming the expert."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.infer.tiny_models import write_model
+
+    write_model(tmp_path / "fp", "mixtral")
+    write_model(tmp_path / "q", "mixtral")
+    _block_fp8_moe(tmp_path / "q", lambda k: ".self_attn." in k and k.endswith("proj.weight"))
+    loaded = load_model(tmp_path / "q")
+    assert len(loaded.quantized) == 4 * loaded.model.cfg.n_layers
+    dequantized = {n: m.dequantized_weight(torch.float32) for n, m in quantized_layers(loaded.model).items()}
+    state = load_file(str(tmp_path / "fp" / "model.safetensors"))
+    proj = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    for name, w in dequantized.items():
+        _, layer, _, short = name.split(".")
+        state[f"model.layers.{layer}.self_attn.{proj[short]}.weight"] = w
+    save_file(state, str(tmp_path / "fp" / "model.safetensors"), metadata={"format": "pt"})
+    ids = IDS % loaded.model.cfg.vocab_size
+    torch.testing.assert_close(logits(loaded.model, ids), logits(load_model(tmp_path / "fp").model, ids),
+                               rtol=1e-5, atol=1e-5)
+    write_model(tmp_path / "experts", "mixtral")
+    _block_fp8_moe(tmp_path / "experts", lambda k: ".experts." in k or ".self_attn." in k and k.endswith("proj.weight"))
+    with pytest.raises(ConfigError, match="model.layers.0.block_sparse_moe.experts.0.w1 is stored quantized, which "
+                                          "Tessera does not load for layers.0.moe.experts.w1"):
+        load_model(tmp_path / "experts")

@@ -107,8 +107,9 @@ def _fill_full_precision(model: Transformer, names: dict[str, list[str]], files:
             if _quantized_prefix(key, stored):
                 raise ConfigError(
                     f"{source}: {key.removesuffix('.weight')} is stored quantized, which Tessera does not load for "
-                    "the output head, embedding, router or routed experts (only for the linear layers of attention "
-                    "and dense / shared-expert MLPs); such modules must be in the quantization's ignore list")
+                    f"{name} (quantized it loads the linear layers of attention, MLA and dense / shared-expert MLPs, "
+                    "not the output head, embedding, router or routed experts); such modules must be in the "
+                    "quantization's ignore list")
             if key not in stored:
                 raise CheckpointError(f"{source}: no tensor {key!r} (for {name})")
         parts = [_raw(files, k, source) for k in names[name]]
