@@ -40,16 +40,16 @@ def tiny_model(arch: str = "llama", seed: int = 0):
     return Qwen2ForCausalLM(Qwen2Config(**COMMON)).eval()
 
 
-def scheme(name: str) -> dict:
+def scheme(name: str, group_size: int = 32) -> dict:
     """The QuantizationScheme arguments (weights, input_activations) of each kind under test."""
     from compressed_tensors.quantization import QuantizationArgs as A
 
     int8_act = dict(num_bits=8, type="int", symmetric=True)
     fp8_act = dict(num_bits=8, type="float", symmetric=True)
     return {
-        "w4a16": dict(weights=A(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True)),
-        "w4a16_asym": dict(weights=A(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)),
-        "w8a16": dict(weights=A(num_bits=8, type="int", strategy="group", group_size=32, symmetric=True)),
+        "w4a16": dict(weights=A(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=True)),
+        "w4a16_asym": dict(weights=A(num_bits=4, type="int", strategy="group", group_size=group_size, symmetric=False)),
+        "w8a16": dict(weights=A(num_bits=8, type="int", strategy="group", group_size=group_size, symmetric=True)),
         "w4a16_channel": dict(weights=A(num_bits=4, type="int", strategy="channel", symmetric=False)),
         "w8a8_dynamic": dict(weights=A(num_bits=8, type="int", strategy="channel"),
                              input_activations=A(strategy="token", dynamic=True, **int8_act)),
@@ -112,23 +112,32 @@ def _save(model, state: dict, path: Path) -> None:
     shutil.copy(DEFAULT_TOKENIZER_DIR / "tokenizer.json", path / "tokenizer.json")
 
 
-def write_compressed(path: Path, kind: str, arch: str = "llama", ignore=("lm_head",), targets=("Linear",),
-                     seed: int = 0):
-    """A compressed-tensors directory of a tiny `arch` model quantized by `scheme(kind)`; returns
-    the library's model, compressed (its forward is the reference)."""
+def compress(model, path: Path, kind: str, calib_ids: torch.Tensor, ignore=("lm_head",), targets=("Linear",),
+             group_size: int = 32):
+    """Quantize transformers `model` in place by `scheme(kind, group_size)` with compressed-tensors
+    and write it as a compressed-tensors directory at `path`; returns `model`, compressed (its
+    forward is the reference)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
 
-    model = tiny_model(arch, seed)
-    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=list(targets), **scheme(kind))},
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=list(targets),
+                                                                         **scheme(kind, group_size))},
                             ignore=list(ignore))
     apply_quantization_config(model, qc)
-    _calibrate(model, torch.randint(0, COMMON["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1)))
+    _calibrate(model, calib_ids)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     _save(model, model.state_dict(), path)
     compressor.update_config(str(path))
     return model
+
+
+def write_compressed(path: Path, kind: str, arch: str = "llama", ignore=("lm_head",), targets=("Linear",),
+                     seed: int = 0):
+    """A compressed-tensors directory of a tiny `arch` model quantized by `scheme(kind)`; returns
+    the library's model, compressed (its forward is the reference)."""
+    calib = torch.randint(0, COMMON["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    return compress(tiny_model(arch, seed), path, kind, calib, ignore, targets)
 
 
 def block_fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,10 +152,9 @@ def block_fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     return codes.contiguous(), scale
 
 
-def write_block_fp8(path: Path, arch: str = "llama", block: tuple[int, int] = (64, 64), seed: int = 0):
-    """A DeepSeek-V3-style block-FP8 directory of a tiny `arch` model (every linear of the blocks
-    quantized, the head not); returns the full-precision transformers model it was made from."""
-    model = tiny_model(arch, seed)
+def save_block_fp8(model, path: Path, block: tuple[int, int]) -> None:
+    """Write transformers `model` as a DeepSeek-V3-style block-FP8 directory: every linear of the
+    blocks quantized (`*proj.weight`), the head not."""
     state = {}
     for key, t in model.state_dict().items():
         if key.startswith("model.layers.") and key.endswith("proj.weight"):
@@ -158,6 +166,13 @@ def write_block_fp8(path: Path, arch: str = "llama", block: tuple[int, int] = (6
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                   "weight_block_size": list(block)}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_block_fp8(path: Path, arch: str = "llama", block: tuple[int, int] = (64, 64), seed: int = 0):
+    """A block-FP8 directory of a tiny `arch` model; returns the full-precision transformers model
+    it was made from."""
+    model = tiny_model(arch, seed)
+    save_block_fp8(model, path, block)
     return model
 
 
