@@ -86,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
     stored = stored_quant_method(model)
     if loaded.quantized is not None and args.quantization not in (None, "int8" if stored is None else None):
         raise ConfigError(f"--quantization {args.quantization} needs full-precision weights; {args.checkpoint} is "
-                          f"pre-quantized ({stored or 'int8'})")
+                          f"pre-quantized {stored or 'int8'}")
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)
         print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)

@@ -263,8 +263,8 @@ def _prepare_weights(model: Transformer, config: EngineConfig, prequantized: boo
     stored = stored_quant_method(model) if prequantized else None
     if prequantized and config.quantization not in (None, "int8" if stored is None else None):
         raise ConfigError(f"quantization={config.quantization!r} needs full-precision weights; this directory is "
-                          f"pre-quantized ({stored or 'int8'}): serve it without --quantization, or serve its "
-                          "full-precision source")
+                          f"pre-quantized {stored or 'int8'} (serve it without --quantization, or serve its "
+                          "full-precision source)")
     for adapter in config.merge_lora:
         merge_adapter(model, adapter)
     if config.quantization and not prequantized:

@@ -122,7 +122,7 @@ def test_served_greedy_generation_equals_the_reference(tmp_path):
     prompt = IDS[0, :9].tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert out[0].token_ids == hf_greedy(reference, prompt, 8)
-    with pytest.raises(ConfigError, match="pre-quantized \\(compressed-tensors pack-quantized\\)"):
+    with pytest.raises(ConfigError, match="pre-quantized compressed-tensors pack-quantized \\(serve it without"):
         LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, num_blocks=64, quantization="int8"))
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 is not supported for a pre-quantized"):
         LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, num_blocks=64, tensor_parallel_size=2))
@@ -246,3 +246,31 @@ def test_moe_attention_loads_quantized_and_quantized_routed_experts_are_refused(
     with pytest.raises(ConfigError, match="model.layers.0.block_sparse_moe.experts.0.w1 is stored quantized, which "
                                           "Tessera does not load for layers.0.moe.experts.w1"):
         load_model(tmp_path / "experts")
+
+
+def test_dynamic_lora_over_a_compressed_tensors_directory(tmp_path):
+    """PEFT adapters served over W4A16 layers give the tokens of the same adapters over the model
+    with those layers' dequantized weights as plain nn.Linear."""
+    import peft
+    from torch import nn
+
+    from tessera.models.int8 import replace_module
+
+    write_compressed(tmp_path / "m", "w4a16")
+    torch.manual_seed(5)
+    lora = peft.LoraConfig(r=4, lora_alpha=9, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft.get_peft_model(tiny_model("llama"), lora).save_pretrained(tmp_path / "a")
+    adapters = {"a": str(tmp_path / "a")}
+    quantized = LLM(str(tmp_path / "m"), block_size=4, num_blocks=64, lora_adapters=adapters)
+    plain_model = load_model(tmp_path / "m").model
+    for name, m in quantized_layers(plain_model).items():
+        linear = nn.Linear(m.in_features, m.out_features, bias=False)
+        linear.weight.data = m.dequantized_weight(torch.float32)
+        replace_module(plain_model, name, linear)
+    plain = LLM(plain_model, tokenizer=quantized.tokenizer, block_size=4, num_blocks=64, lora_adapters=adapters)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt = IDS[1, :7].tolist()
+    got = {a: quantized.generate([prompt], params, adapter=a)[0].token_ids for a in ("a", None)}
+    assert got["a"] != got[None]  # the adapter matters
+    for adapter in ("a", None):
+        assert got[adapter] == plain.generate([prompt], params, adapter=adapter)[0].token_ids, adapter
