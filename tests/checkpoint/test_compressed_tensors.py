@@ -218,33 +218,40 @@ def _block_fp8_moe(path, quantize) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def test_moe_attention_loads_quantized_and_quantized_routed_experts_are_refused(tmp_path):
-    """Mixtral with its attention in block FP8 loads (routed experts and router full precision) and
-    equals the same model whose attention weights are the dequantized ones, loaded full precision;
-    with its routed experts quantized too it is refused, naming the expert."""
+def _dense_linear(key: str) -> bool:
+    """Attention / MLA projections and shared experts: the linears Tessera loads quantized in an MoE model."""
+    return (".self_attn." in key or ".shared_experts." in key) and key.endswith(".weight") and "norm" not in key
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_moe_and_mla_linears_load_quantized_and_quantized_routed_experts_are_refused(family, tmp_path):
+    """Mixtral's attention, DeepSeek-V3's MLA projections and shared experts in block FP8 load
+    (routed experts and router full precision) and equal the same model whose weights there are the
+    dequantized ones, loaded full precision; with the routed experts quantized too it is refused,
+    naming the expert."""
     from safetensors.torch import load_file, save_file
 
+    from tessera.checkpoint.hf.names import hf_names
     from tests.infer.tiny_models import write_model
 
-    write_model(tmp_path / "fp", "mixtral")
-    write_model(tmp_path / "q", "mixtral")
-    _block_fp8_moe(tmp_path / "q", lambda k: ".self_attn." in k and k.endswith("proj.weight"))
+    for d in ("fp", "q", "experts"):
+        write_model(tmp_path / d, family)
+    _block_fp8_moe(tmp_path / "q", _dense_linear)
     loaded = load_model(tmp_path / "q")
-    assert len(loaded.quantized) == 4 * loaded.model.cfg.n_layers
-    dequantized = {n: m.dequantized_weight(torch.float32) for n, m in quantized_layers(loaded.model).items()}
+    layers = quantized_layers(loaded.model)
+    assert layers and all(".moe.experts" not in n and ".router" not in n for n in layers)
+    names = hf_names(loaded.model.cfg)
     state = load_file(str(tmp_path / "fp" / "model.safetensors"))
-    proj = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-    for name, w in dequantized.items():
-        _, layer, _, short = name.split(".")
-        state[f"model.layers.{layer}.self_attn.{proj[short]}.weight"] = w
+    for name, m in layers.items():
+        state[names[f"{name}.weight"][0]] = m.dequantized_weight(torch.float32)
+    assert len(layers) == sum(_dense_linear(k) for k in state)
     save_file(state, str(tmp_path / "fp" / "model.safetensors"), metadata={"format": "pt"})
     ids = IDS % loaded.model.cfg.vocab_size
     torch.testing.assert_close(logits(loaded.model, ids), logits(load_model(tmp_path / "fp").model, ids),
                                rtol=1e-5, atol=1e-5)
-    write_model(tmp_path / "experts", "mixtral")
-    _block_fp8_moe(tmp_path / "experts", lambda k: ".experts." in k or ".self_attn." in k and k.endswith("proj.weight"))
-    with pytest.raises(ConfigError, match="model.layers.0.block_sparse_moe.experts.0.w1 is stored quantized, which "
-                                          "Tessera does not load for layers.0.moe.experts.w1"):
+    _block_fp8_moe(tmp_path / "experts", lambda k: _dense_linear(k) or ".experts." in k and "shared" not in k)
+    with pytest.raises(ConfigError, match="experts.0.* is stored quantized, which Tessera does not load for "
+                                          "layers.[0-9]+.moe.experts.w1"):
         load_model(tmp_path / "experts")
 
 
