@@ -67,9 +67,12 @@ def _packed(w: dict, in_features: int, source: str, g_idx: bool) -> dict:
     if strategy == "group":
         _need(isinstance(gs, int) and gs > 0 and in_features % gs == 0, source,
               f"group_size={gs!r} for in_features={in_features}", "groups that divide the input features")
+    symmetric = w.get("symmetric", True) is not False
+    _need(symmetric or strategy != "tensor", source, "asymmetric per-tensor pack-quantized weights",
+          "zero points per group or channel")
     groups = in_features // gs if strategy == "group" else (1 if strategy == "channel" else 0)
-    return dict(num_bits=bits, groups=groups, group_size=gs if strategy == "group" else None,
-                symmetric=w.get("symmetric", True) is not False, g_idx=g_idx)
+    return dict(num_bits=bits, groups=groups, group_size=gs if strategy == "group" else None, symmetric=symmetric,
+                g_idx=g_idx)
 
 
 def ct_factory(group: dict, fmt: str | None, in_features: int, source: str, g_idx: bool) -> Factory:
