@@ -8,6 +8,8 @@ Three kinds of directory, and one kind of file, hold a model:
 - a pre-quantized int8 directory (checkpoint/int8.py: config.json + int8 weights + the list of
   quantized layers);
 - a HuggingFace model directory (config.json + safetensors) of a supported family (hf/load.py);
+  a pre-quantized one (config.json's `quantization_config`: compressed-tensors or DeepSeek-V3
+  block FP8) loads with its quantized layers kept quantized (prequantized/);
 - a Tessera checkpoint: `step_N/` with DCP files and meta.json, a `checkpoints/` root or a run
   directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset);
 - a GGUF file (gguf/: llama.cpp's format, dequantized at load), whose tokenizer is in its metadata.
@@ -27,6 +29,7 @@ from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
 from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
+from tessera.checkpoint.prequantized.detect import is_prequantized_hf
 from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import is_hf_directory, read_json_object
 from tessera.data.tokenizer import load_tokenizer
@@ -37,7 +40,7 @@ class LoadedModel(NamedTuple):
     """A model in eval mode, in the dtype and on the device it was asked for (some buffers stay fp32)."""
 
     model: Transformer
-    quantized: list[str] | None  # its int8 layers (a pre-quantized directory), else None
+    quantized: list[str] | None  # its quantized layers (a pre-quantized directory), else None
     run_config: dict | None  # the run configuration stored with a Tessera checkpoint (meta.json's plain dict)
 
 
@@ -61,6 +64,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_quantized_dir(path):
         model, layers = load_quantized(path, dtype, device)
+        return LoadedModel(model, layers, None)
+    if is_prequantized_hf(path):
+        from tessera.checkpoint.prequantized.load import load_prequantized
+
+        model, layers = load_prequantized(path, dtype, device)
         return LoadedModel(model, layers, None)
     if is_hf_directory(path):
         return LoadedModel(load_pretrained(path, dtype=dtype, device=device), None, None)

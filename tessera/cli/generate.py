@@ -73,6 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.llm import LLM
     from tessera.infer.reference_generation import reference_generate
+    from tessera.models.stored_quant import stored_quant_method
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.checkpoint)
     if tokenizer is None:
@@ -82,9 +83,10 @@ def _generate(args: argparse.Namespace) -> int:
     model = loaded.model
     if args.quantization and args.no_cache:
         raise ConfigError("--quantization is applied by the serving engine; drop --no-cache to use it")
-    if loaded.quantized is not None and args.quantization not in (None, "int8"):
+    stored = stored_quant_method(model)
+    if loaded.quantized is not None and args.quantization not in (None, "int8" if stored is None else None):
         raise ConfigError(f"--quantization {args.quantization} needs full-precision weights; {args.checkpoint} is "
-                          "pre-quantized int8")
+                          f"pre-quantized {stored or 'int8'}")
     if args.seed is None and args.temperature > 0:
         args.seed = random.SystemRandom().randrange(2**31)
         print(f"seed {args.seed} (pass --seed {args.seed} to repeat this sample)", file=sys.stderr)

@@ -36,6 +36,7 @@ from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
 from tessera.models.quantized import quantize_model
+from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
 
 
@@ -275,12 +276,15 @@ def _check_placement(model: Transformer, config: EngineConfig) -> None:
 
 def _prepare_weights(model: Transformer, config: EngineConfig, prequantized: bool) -> None:
     """Static LoRA adapters merged into the weights, then quantized (config.quantization), as
-    `config` asks. A pre-quantized (int8) model takes no other method."""
+    `config` asks. A pre-quantized int8 model takes no other method, one in a checkpoint's own
+    format (tessera/models/stored_quant.py) none."""
     if config.merge_lora and prequantized:
         raise ConfigError("merge_lora needs full-precision weights; this directory is pre-quantized")
-    if prequantized and config.quantization not in (None, "int8"):
+    stored = stored_quant_method(model) if prequantized else None
+    if prequantized and config.quantization not in (None, "int8" if stored is None else None):
         raise ConfigError(f"quantization={config.quantization!r} needs full-precision weights; this directory is "
-                          "pre-quantized int8 (serve it without --quantization, or serve its full-precision source)")
+                          f"pre-quantized {stored or 'int8'} (serve it without --quantization, or serve its "
+                          "full-precision source)")
     for adapter in config.merge_lora:
         merge_adapter(model, adapter)
     if config.quantization and not prequantized:

@@ -41,6 +41,7 @@ from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.json_text import parse_json
 from tessera.models.int8 import Int8Linear
 from tessera.models.quantized import Fp8Linear, Int4Linear
+from tessera.models.stored_quant import StoredQuantLinear
 from tessera.models.transformer import Transformer
 
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
@@ -172,7 +173,7 @@ def _linear_modules(model: Transformer) -> dict[str, str]:
             continue
         name = key[: -len(".weight")]
         m = modules.get(name)
-        if isinstance(m, nn.Linear | Int8Linear | Fp8Linear | Int4Linear):
+        if isinstance(m, nn.Linear | Int8Linear | Fp8Linear | Int4Linear | StoredQuantLinear):
             out[hf_keys[0][: -len(".weight")]] = name
     return out
 

@@ -16,6 +16,7 @@ import torch
 
 from tessera.checkpoint.int8 import is_quantized_dir
 from tessera.checkpoint.loading import load_model
+from tessera.checkpoint.prequantized.detect import is_prequantized_hf, quantization_config
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import is_hf_directory, read_hf_config
 from tessera.infer.config import EngineConfig
@@ -83,6 +84,11 @@ class TensorParallelExecutor:
         if is_quantized_dir(path):
             raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized (int8) directory; "
                               "serve it with tensor_parallel_size=1")
+        if is_prequantized_hf(path):
+            qc = quantization_config(path)
+            raise ConfigError(f"tensor_parallel_size={n} is not supported for a pre-quantized directory "
+                              f"(quant_method={qc.get('quant_method')!r}): its quantized layers are served on one "
+                              "rank; serve it with tensor_parallel_size=1")
         full, run_cfg = None, None
         if is_hf_directory(path):
             cfg = read_hf_config(path)

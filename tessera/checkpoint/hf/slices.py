@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 
@@ -50,6 +51,7 @@ class HFSliceReader:
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig):
         self.path = Path(path)
+        refuse_prequantized(self.path)  # its tensors are codes and scales, not the model's weights
         self.names = hf_names(cfg)
         self.files = SafetensorsDir(self.path)
         self.bytes_read = 0

@@ -1,0 +1,158 @@
+"""Load a pre-quantized HuggingFace directory (compressed-tensors, DeepSeek-V3 block FP8) with its
+quantized linear layers kept quantized in memory.
+
+    model, layers = load_prequantized("path/to/Llama-W4A16", dtype=torch.bfloat16)
+
+The model is built on the meta device from config.json; each linear layer of the blocks that the
+checkpoint stores quantized (schemes.QuantizationPlan) is taken out, the rest of the model gets
+storage in `dtype` and is filled from the files, then the quantized layers go back in, their
+buffers the stored tensors themselves (codes in their stored dtype, scales as stored), so no
+full-precision copy of a quantized weight is ever made. Only the linear layers of attention, MLA
+and dense / shared-expert MLPs load quantized: a quantized output head, embedding, router or
+routed expert is refused by name, and so is any tensor the model has no place for (e.g. KV-cache
+scales). The library that writes compressed-tensors is not needed to read it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from tessera.checkpoint.hf.files import SafetensorsDir
+from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
+from tessera.checkpoint.prequantized.detect import quantization_config
+from tessera.checkpoint.prequantized.schemes import QuantizationPlan
+from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.hf_config import read_hf_config
+from tessera.models.int8 import quantizable_layers, replace_module
+from tessera.models.stored_quant import StoredQuantLinear
+from tessera.models.transformer import Transformer
+
+QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_scale_inv", ".weight_zero_point", ".weight_shape",
+                  ".weight_g_idx", ".input_scale")
+CODE_DTYPES = {"weight_packed": (torch.int32,), "weight": (torch.int8, torch.float8_e4m3fn),
+               "weight_zero_point": (torch.int32, torch.int8), "weight_g_idx": (torch.int32, torch.int64)}
+
+
+def _raw(files: SafetensorsDir, key: str, source: str) -> torch.Tensor:
+    try:
+        return files.handle(files.files[key]).get_tensor(key)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{source}: cannot read tensor {key!r} ({e}); the file may be damaged") from e
+
+
+def _quantized_prefix(key: str, stored: set[str]) -> bool:
+    prefix = key.removesuffix(".weight")
+    return any(prefix + s in stored for s in QUANT_SUFFIXES) or key.endswith(QUANT_SUFFIXES)
+
+
+def _fill_layer(layer: StoredQuantLinear, prefix: str, files: SafetensorsDir, dtype: torch.dtype,
+                device: torch.device, source: str) -> set[str]:
+    """Give `layer` (built on meta) the stored tensors `prefix.<name>`; returns the keys used."""
+    used = set()
+    for name, t in list(layer.named_buffers()) + list(layer.named_parameters()):
+        key = f"{prefix}.{name}"
+        if key not in files.files:
+            raise CheckpointError(f"{source}: {prefix} is quantized but the checkpoint has no {key!r}")
+        stored = _raw(files, key, source)
+        if name in CODE_DTYPES and stored.dtype not in CODE_DTYPES[name]:
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in CODE_DTYPES[name])
+            raise CheckpointError(f"{source}: {key!r} is {str(stored.dtype).removeprefix('torch.')}; the scheme "
+                                  f"stores it as {allowed}")
+        if stored.numel() != t.numel() or (name in ("weight", "weight_packed") and stored.shape != t.shape):
+            raise CheckpointError(f"{source}: {key!r} has shape {list(stored.shape)}; the model needs "
+                                  f"{list(t.shape)}")
+        stored = stored.reshape(t.shape).to(device)
+        if name == "weight_shape" and stored.tolist() != [layer.out_features, layer.in_features]:
+            raise CheckpointError(f"{source}: {key!r} is {stored.tolist()}; the model needs "
+                                  f"{[layer.out_features, layer.in_features]}")
+        if name == "bias":
+            layer.bias = nn.Parameter(stored.to(dtype), requires_grad=False)
+        else:
+            layer._buffers[name] = stored if name != "input_scale" else stored.float()
+        used.add(key)
+    return used
+
+
+def _plan_layers(model: Transformer, plan: QuantizationPlan, names: dict[str, list[str]], stored: set[str]
+                 ) -> dict[str, tuple[str, StoredQuantLinear]]:
+    """Tessera linear name -> (HuggingFace module name, its quantized layer on meta)."""
+    layers = {}
+    for name, m in quantizable_layers(model):
+        hf = names.get(f"{name}.weight", [])
+        if not isinstance(m, nn.Linear) or len(hf) != 1:
+            continue
+        prefix = hf[0].removesuffix(".weight")
+        factory = plan.factory(prefix, m.in_features, stored)
+        if factory is not None:
+            with torch.device("meta"):
+                layers[name] = prefix, factory(m.in_features, m.out_features, m.bias is not None, m.weight.dtype)
+    return layers
+
+
+@torch.no_grad()
+def _fill_full_precision(model: Transformer, names: dict[str, list[str]], files: SafetensorsDir,
+                         stored: set[str], source: str) -> set[str]:
+    used = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in names:
+            if name.endswith("expert_bias"):
+                t.zero_()
+            continue
+        for key in names[name]:
+            if _quantized_prefix(key, stored):
+                raise ConfigError(
+                    f"{source}: {key.removesuffix('.weight')} is stored quantized, which Tessera does not load for "
+                    f"{name} (quantized it loads the linear layers of attention, MLA and dense / shared-expert MLPs, "
+                    "not the output head, embedding, router or routed experts); such modules must be in the "
+                    "quantization's ignore list")
+            if key not in stored:
+                raise CheckpointError(f"{source}: no tensor {key!r} (for {name})")
+        parts = [_raw(files, k, source) for k in names[name]]
+        value = parts[0] if len(parts) == 1 else torch.stack(parts)
+        if not value.is_floating_point():
+            raise CheckpointError(f"{source}: {names[name][0]!r} is {str(value.dtype).removeprefix('torch.')}; "
+                                  "tensors outside the quantized linear layers must be floating point")
+        if tuple(value.shape) != tuple(t.shape):
+            raise CheckpointError(f"{source}: {names[name][0]!r} has shape {list(value.shape)}; the model needs "
+                                  f"{list(t.shape)}")
+        t.copy_(value.to(t.dtype))
+        used.update(names[name])
+    return used
+
+
+def load_prequantized(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> tuple[Transformer, list[str]]:
+    """The model of pre-quantized HuggingFace directory `path` and the names of its quantized layers."""
+    path, device = Path(path), torch.device(device)
+    source = f"pre-quantized directory {str(path)!r}"
+    plan = QuantizationPlan(quantization_config(path), source)
+    cfg = read_hf_config(path)
+    names = hf_names(cfg)
+    files = SafetensorsDir(path)
+    stored = files.keys()
+    with torch.device("meta"):
+        model = Transformer(cfg, init_seed=None)
+    layers = _plan_layers(model, plan, names, stored)
+    if not layers:
+        raise CheckpointError(f"{source}: its quantization_config quantizes none of the model's linear layers")
+    for name in layers:
+        replace_module(model, name, nn.Identity())
+    model.to_empty(device=device)
+    model.cast(dtype)
+    used = _fill_full_precision(model, names, files, stored, source)
+    for name, (prefix, layer) in layers.items():
+        used |= _fill_layer(layer, prefix, files, dtype, device, source)
+        replace_module(model, name, layer)
+    extra = sorted(k for k in stored - used if not k.endswith(IGNORED_SUFFIXES)
+                   and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    if extra:
+        raise CheckpointError(f"{source}: it has {extra[0]!r}, which the model has no place for ({len(extra)} such "
+                              "tensors; KV-cache scales and quantized modules other than block linear layers are "
+                              "not supported)")
+    model.reset_rope(device)
+    return model.eval(), list(layers)
