@@ -277,3 +277,30 @@ def test_smoothing_lowers_the_w8a8_error_of_outlier_channels(llama, calibration)
 
     plain, smoothed = error(x, weights), error(x / s, [w * s for w in weights])
     assert smoothed < 0.5 * plain, (smoothed, plain)
+
+
+@pytest.mark.parametrize("case", ["rtn-w4-g32", "gptq-w4-g32", "smoothquant", "fp8"])
+def test_tessera_serves_its_own_quantized_directories(case, llama, calibration, tmp_path):
+    """What `tessera quantize` writes, Tessera serves: the pre-quantized loader keeps the codes, its
+    logits equal transformers' reading of the directory, the engine's greedy tokens transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.checkpoint.prequantized.load import load_prequantized
+    from tessera.infer import LLM, SamplingParams
+    from tests.infer.tiny_models import hf_greedy
+
+    method, extra, _ = CASES[case]
+    dst = tmp_path / "quantized"
+    result = quantize(llama, dst, method, _options(method, extra, calibration))
+    model, layers = load_prequantized(dst)
+    assert sorted(layers) and len(layers) == len(result.layers)
+    kept = {b.dtype for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ("weight_packed", "weight")}
+    assert kept and kept <= {torch.int32, torch.int8, torch.float8_e4m3fn}  # codes, not dequantized copies
+    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(_ids()).logits
+        got = model(_ids()).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    prompt = [0, *(_ids()[0, :12].tolist())]
+    out = LLM(dst, block_size=4).generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(hf, prompt, 10)
