@@ -57,7 +57,8 @@ class DistillConfig:
 
     # The teacher: a HuggingFace model directory or a Tessera checkpoint / run directory of any family
     # Tessera supports. Its vocabulary and tokenizer must be the student's (refused otherwise). It is
-    # built and cut by the student's layout (pp = 1 only), frozen, run forward only. None = no teacher.
+    # built and cut by the student's layout (under pp its layers split over the same stages), frozen, run
+    # forward only. None = no teacher.
     teacher: str | None = None
     temperature: float = 1.0  # T above: > 0; 1 = the teacher's own distribution, larger = softer
     weight: float = 0.5  # in [0, 1]: 0 = the data loss alone (the teacher is still run and logged), 1 = KD alone
@@ -415,9 +416,6 @@ def _validate_distill(cfg: RunConfig, need: Any) -> None:
     need(0 <= k.weight <= 1, "train.distill.weight", k.weight, "must be in [0, 1]")
     if k.teacher is None:
         return
-    need(cfg.parallel.pp == 1, "parallel.pp", cfg.parallel.pp,
-         "1 with train.distill.teacher (the teacher runs beside the student under pp = 1 layouts only: "
-         "dp_replicate, dp_shard, tp, ep, cp)")
     need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
          "0 or null with train.distill.teacher (distillation needs the student's logits)")
 

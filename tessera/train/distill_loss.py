@@ -48,8 +48,9 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targ
 
 
 class Distiller:
-    """The frozen teacher (built and cut like the student: tessera.train.teacher) and the objective
-    that mixes its KD term with the data loss."""
+    """The frozen teacher (built and cut like the student: tessera.train.teacher; under pp an
+    nn.ModuleList of this rank's teacher stages, run by the pipeline: tessera.train.pipeline_step)
+    and the objective that mixes its KD term with the data loss."""
 
     def __init__(self, teacher: nn.Module, temperature: float, weight: float):
         self.teacher, self.temperature, self.weight = teacher, temperature, weight
@@ -63,9 +64,12 @@ class Distiller:
                targets: torch.Tensor) -> torch.Tensor:
         return kd_loss_sum(student_logits, teacher_logits, targets, self.temperature)
 
+    def mix(self, ce_sum: torch.Tensor, kd_sum: torch.Tensor) -> torch.Tensor:
+        """(1 - w) * ce_sum + w * kd_sum: the micro-batch's summed objective before the division by N."""
+        return (1.0 - self.weight) * ce_sum + self.weight * kd_sum
+
     def objective(self, ce_sum: torch.Tensor, kd_sum: torch.Tensor, aux_loss: torch.Tensor,
                   global_loss_tokens: int, num_micro_batches: int) -> torch.Tensor:
         """This micro-batch's share of the global-batch objective (module docstring); with weight 0
         it is the data objective exactly (1.0 * ce + 0.0 * kd adds nothing in floating point)."""
-        mixed = (1.0 - self.weight) * ce_sum + self.weight * kd_sum
-        return mixed / max(global_loss_tokens, 1) + aux_loss.float() / num_micro_batches
+        return self.mix(ce_sum, kd_sum) / max(global_loss_tokens, 1) + aux_loss.float() / num_micro_batches
