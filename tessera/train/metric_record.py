@@ -45,8 +45,9 @@ def step_record(step: int, stats: dict[str, Any], throughput: dict[str, Any], to
     rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=tokens_seen, mem_gib=mem_gib)
     if stats["skipped"]:
         rec["skipped_step"] = True
-    if "distill_loss" in stats:
-        rec["distill_loss"] = stats["distill_loss"]
+    for key in ("distill_loss", "distill_hidden_loss"):
+        if key in stats:
+            rec[key] = stats[key]
     if "loss_scale" in stats:
         rec["loss_scale"] = stats["loss_scale"]
     if moe:

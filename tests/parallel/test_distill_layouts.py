@@ -24,6 +24,7 @@ STEPS = 3
 BIGGER = {"model.dim": 96, "model.ffn_dim": 192, "model.n_layers": 3}
 DISTILL = {"train.distill.temperature": 2.0, "train.distill.weight": 0.5}
 PP = {"parallel.pp": 2, "parallel.dp_shard": 1}
+HIDDEN = {"train.distill.hidden_layers": [[0, 1], [1, 2]], "train.distill.hidden_weight": 0.3}
 EVAL = {"train.eval_interval": STEPS, "data.valid_fraction": 0.2, "train.eval_steps": 2}
 
 
@@ -59,6 +60,10 @@ def teachers(small_dataset, tmp_path_factory) -> dict[str, str]:
                  id="dense-pp2-fsdp2"),
     pytest.param("dense", 4, {**PP, "parallel.tp": 2}, id="dense-pp2-tp2",
                  marks=pytest.mark.slow),
+    # Hidden-state matching: the projections replicated, their gradients summed over the ranks.
+    pytest.param("dense", 2, {"parallel.dp_shard": 2, **HIDDEN}, id="dense-fsdp2-hidden"),
+    pytest.param("dense", 2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, **HIDDEN},
+                 id="dense-replicate2-hidden", marks=pytest.mark.slow),
 ])
 def test_distillation_under_a_layout_trains_like_one_process(model, world, parallel, teachers, small_dataset,
                                                              tmp_path):
@@ -71,6 +76,8 @@ def test_distillation_under_a_layout_trains_like_one_process(model, world, paral
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         assert w["distill_loss"] > 0
         assert abs(r["distill_loss"] - w["distill_loss"]) <= 1e-5 * w["distill_loss"], (r, w)
+        if "distill_hidden_loss" in w:
+            assert r["distill_hidden_loss"] == pytest.approx(w["distill_hidden_loss"], rel=1e-5)
         if "val_loss" in w:  # evaluation measures the student alone
             assert abs(r["val_loss"] - w["val_loss"]) <= 1e-5 * w["val_loss"], (r, w)
 
