@@ -11,7 +11,8 @@
     tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
                                                      (held-out loss, HumanEval, lm-evaluation-harness tasks)
     tessera prune SRC DST [--target-params N] [--layers K --ffn-hidden-size F --num-heads H --num-kv-heads G
-                          --experts E] [--calibration DATA]   (HuggingFace in and out, ranked on calibration data)
+                          --experts E --hidden-size D] [--calibration DATA]
+                                                     (HuggingFace in and out, ranked on calibration data)
 
 Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
 runs. Every option's help shows its default.
@@ -56,7 +57,7 @@ COMMANDS: list[Command] = [
     Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts", "plan"),
     Command("serve", "serve a model over an OpenAI-compatible HTTP API", "serve"),
     Command("eval", "evaluate a model: held-out loss, HumanEval, lm-evaluation-harness tasks", "eval"),
-    Command("prune", "prune a HuggingFace model's layers, FFN channels, heads and experts to sizes or a "
+    Command("prune", "prune a HuggingFace model's layers, FFN channels, heads, experts and hidden size to sizes or a "
                      "parameter target", "prune"),
 ]
 
