@@ -3,7 +3,9 @@
 Written every `train.log_interval` steps and at the first, last, evaluation and stopping steps:
   step; loss (cross-entropy per loss token of the global batch, aux losses and the KD term
   excluded); distill_loss with train.distill.teacher (T^2 x KL(teacher || student) per loss
-  token: tessera.train.distill_loss; the objective is (1 - w) loss + w distill_loss); lr;
+  token: tessera.train.distill_loss; the objective is (1 - w) loss + w distill_loss);
+  distill_hidden_loss with train.distill.hidden_layers (the hidden-state matching per loss token:
+  tessera.train.hidden_match); lr;
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);

@@ -40,9 +40,12 @@ not used: the weights are replicated in the compute dtype and tessera.parallel.d
 holds sharded fp32 masters and AdamW state instead.
 
 Distillation. With `train.distill.teacher` a frozen teacher (tessera.train.teacher), built and
-cut by the same layout (pp = 1), runs forward on every micro-batch beside the student, and the
-objective mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs
-both, as `loss` and `distill_loss`. Evaluation measures the student's data loss only.
+cut by the same layout (under pp, stage by stage beside the student's), runs forward on every
+micro-batch beside the student, and the objective mixes its KD term with the data loss
+(tessera.train.distill_loss); metrics.jsonl logs both, as `loss` and `distill_loss`. With
+`hidden_layers` the projections of hidden-state matching (tessera.train.hidden_match) train with
+their own optimizer (`beside`: stepped, zeroed and scheduled with the model's, not checkpointed).
+Evaluation measures the student's data loss only.
 """
 
 from __future__ import annotations
