@@ -81,10 +81,11 @@ def main() -> None:
         distilled = {}
         for pair in args.distill:
             weight, temperature, *hidden = pair.split(":")
-            matching = [f"train.distill.hidden_layers={HIDDEN_LAYERS}", f"train.distill.hidden_weight={hidden[0]}"]
+            matching = ([f"train.distill.hidden_layers={HIDDEN_LAYERS}", f"train.distill.hidden_weight={hidden[0]}"]
+                        if hidden else [])
             run = train(out / f"distilled-{pair.replace(':', '-')}", args.student_steps, args.eval_steps, [
                 *STUDENT, f"train.distill.teacher={out / 'teacher'}", f"train.distill.weight={weight}",
-                f"train.distill.temperature={temperature}", *(matching if hidden else [])])
+                f"train.distill.temperature={temperature}", *matching])
             distilled[pair] = {**run, "val_loss_gain": alone["val_loss"] - run["val_loss"]}
     print(json.dumps({"machine": platform.machine(), "teacher": teacher, "alone": alone, "distilled": distilled,
                       "args": vars(args)}, indent=1))
