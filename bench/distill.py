@@ -1,6 +1,6 @@
 """A student distilled from a larger teacher vs the same student alone, on the bundled corpus.
 
-    python bench/distill.py [--teacher-steps 200] [--student-steps 150] [--distill 0.5:1 0.5:2 ...]
+    python bench/distill.py [--teacher-steps 200] [--student-steps 150] [--distill 0.5:1 0.5:2 0.9:1:0.5 ...]
 
 Three runs of one process on the bundled corpus (Python standard-library source, the bundled
 tokenizer; prepared on first use under data.cache_dir):
@@ -8,7 +8,9 @@ tokenizer; prepared on first use under data.cache_dir):
     teacher     a larger model (TEACHER) trained `--teacher-steps` steps
     alone       the student (STUDENT) trained `--student-steps` steps on the data alone
     distilled   the same student, same seed, batches, steps and tokens, with train.distill.teacher
-                set to the teacher's run, once per `--distill` weight:temperature pair
+                set to the teacher's run, once per `--distill` weight:temperature pair; a third
+                field adds hidden-state matching (train.distill.hidden_layers HIDDEN_LAYERS, with
+                that train.distill.hidden_weight)
 
 Each run ends with an evaluation on the same held-out validation batches (`--eval-steps`).
 Prints one JSON object: each run's validation loss and wall time, the parameter counts, the tokens
@@ -37,6 +39,8 @@ COMMON = ("train.device=cpu", "train.seq_len=128", "train.micro_batch_size=8", "
           "log.tensorboard=false", "log.progress_bar=false", "checkpoint.interval=0", "checkpoint.keep_last=1",
           "train.log_interval=50", "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=20")
 TEACHER = ("model.dim=192", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=512")
+# the student's 2 blocks matched to the teacher's second and last (of 4)
+HIDDEN_LAYERS = "[[0, 1], [1, 3]]"
 STUDENT = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=192")
 
 
@@ -54,8 +58,9 @@ def train(run_dir: Path, steps: int, eval_steps: int, overrides: list[str]) -> d
     last = result.records[-1]
     out = {"val_loss": last["val_loss"], "wall_s": time.perf_counter() - start, "tokens": last["tokens_seen"],
            "params": count_params(cfg.model), "train_loss_last": last["loss"]}
-    if "distill_loss" in last:
-        out["distill_loss_last"] = last["distill_loss"]
+    for key in ("distill_loss", "distill_hidden_loss"):
+        if key in last:
+            out[f"{key}_last"] = last[key]
     return out
 
 
@@ -63,8 +68,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher-steps", type=int, default=200)
     ap.add_argument("--student-steps", type=int, default=150)
-    ap.add_argument("--distill", nargs="+", default=["0.5:1"], metavar="WEIGHT:TEMPERATURE",
-                    help="one distilled student per train.distill.weight:temperature pair")
+    ap.add_argument("--distill", nargs="+", default=["0.5:1"], metavar="WEIGHT:TEMPERATURE[:HIDDEN_WEIGHT]",
+                    help="one distilled student per train.distill.weight:temperature pair (a third field: "
+                         "hidden-state matching of HIDDEN_LAYERS with that weight)")
     ap.add_argument("--eval-steps", type=int, default=8)
     ap.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
     args = ap.parse_args()
@@ -74,10 +80,12 @@ def main() -> None:
         alone = train(out / "alone", args.student_steps, args.eval_steps, list(STUDENT))
         distilled = {}
         for pair in args.distill:
-            weight, temperature = pair.split(":")
-            run = train(out / f"distilled-{weight}-{temperature}", args.student_steps, args.eval_steps, [
+            weight, temperature, *hidden = pair.split(":")
+            matching = ([f"train.distill.hidden_layers={HIDDEN_LAYERS}", f"train.distill.hidden_weight={hidden[0]}"]
+                        if hidden else [])
+            run = train(out / f"distilled-{pair.replace(':', '-')}", args.student_steps, args.eval_steps, [
                 *STUDENT, f"train.distill.teacher={out / 'teacher'}", f"train.distill.weight={weight}",
-                f"train.distill.temperature={temperature}"])
+                f"train.distill.temperature={temperature}", *matching])
             distilled[pair] = {**run, "val_loss_gain": alone["val_loss"] - run["val_loss"]}
     print(json.dumps({"machine": platform.machine(), "teacher": teacher, "alone": alone, "distilled": distilled,
                       "args": vars(args)}, indent=1))

@@ -12,7 +12,8 @@
     tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
                                                      (held-out loss, HumanEval, lm-evaluation-harness tasks)
     tessera prune SRC DST [--target-params N] [--layers K --ffn-hidden-size F --num-heads H --num-kv-heads G
-                          --experts E] [--calibration DATA]   (HuggingFace in and out, ranked on calibration data)
+                          --experts E --hidden-size D] [--calibration DATA]
+                                                     (HuggingFace in and out, ranked on calibration data)
     tessera quantize SRC DST --method gptq|smoothquant|fp8|rtn [--calibration DATA] [--bits B --group-size G
                              --actorder --alpha A]   (HuggingFace in, compressed-tensors HuggingFace out)
 
@@ -61,7 +62,7 @@ COMMANDS: list[Command] = [
     Command("router", "prefill/decode disaggregation: route requests to a prefill and a decode `tessera serve`",
             "router"),
     Command("eval", "evaluate a model: held-out loss, HumanEval, lm-evaluation-harness tasks", "eval"),
-    Command("prune", "prune a HuggingFace model's layers, FFN channels, heads and experts to sizes or a "
+    Command("prune", "prune a HuggingFace model's layers, FFN channels, heads, experts and hidden size to sizes or a "
                      "parameter target", "prune"),
     Command("quantize", "quantize a HuggingFace model once (gptq, smoothquant, fp8, rtn) into a compressed-tensors "
                         "directory", "quantize"),

@@ -1,5 +1,5 @@
 """`tessera prune SRC DST [--target-params N] [--layers K] [--ffn-hidden-size F] [--num-heads H]
-[--num-kv-heads G] [--experts E] [--calibration DATA ...]`: a HuggingFace directory pruned to explicit
+[--num-kv-heads G] [--experts E] [--hidden-size D] [--calibration DATA ...]`: a HuggingFace directory pruned to explicit
 sizes or to a parameter target, written as a HuggingFace directory of the same family
 (tessera/checkpoint/prune)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from tessera.config.argument_types import int_in
-from tessera.config.limits import MAX_EXPERTS, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS
+from tessera.config.limits import MAX_DIM, MAX_EXPERTS, MAX_FFN_DIM, MAX_HEADS, MAX_LAYERS
 
 # The explicit sizes: option, largest value, metavar, help. None keeps the source's (or leaves it to the search).
 SIZE_OPTIONS = [
@@ -20,6 +20,9 @@ SIZE_OPTIONS = [
     ("--num-kv-heads", MAX_HEADS, "G", "KV groups to keep, each with its query heads (None: the source's)"),
     ("--experts", MAX_EXPERTS, "E",
      "MoE: keep the E most routed experts of each MoE layer, at least top_k (None: all)"),
+    ("--hidden-size", MAX_DIM, "D", "keep the D embedding channels of largest mean |RMSNorm output| summed over "
+     "the norms, in every tensor that reads or writes the residual stream (None: all; never chosen by "
+     "--target-params)"),
 ]
 
 
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.checkpoint.prune import PruneSizes, prune
 
     asked = PruneSizes(layers=args.layers, ffn_dim=args.ffn_hidden_size, n_heads=args.num_heads,
-                       n_kv_heads=args.num_kv_heads, num_experts=args.experts)
+                       n_kv_heads=args.num_kv_heads, num_experts=args.experts, dim=args.hidden_size)
     result = prune(args.src, args.dst, asked, target_params=args.target_params, calibration=args.calibration,
                    num_sequences=args.calibration_sequences, seq_len=args.calibration_length)
     print(f"pruned {args.src} -> {result.path}")

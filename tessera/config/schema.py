@@ -57,10 +57,18 @@ class DistillConfig:
 
     # The teacher: a HuggingFace model directory or a Tessera checkpoint / run directory of any family
     # Tessera supports. Its vocabulary and tokenizer must be the student's (refused otherwise). It is
-    # built and cut by the student's layout (pp = 1 only), frozen, run forward only. None = no teacher.
+    # built and cut by the student's layout (under pp its layers split over the same stages), frozen, run
+    # forward only. None = no teacher.
     teacher: str | None = None
     temperature: float = 1.0  # T above: > 0; 1 = the teacher's own distribution, larger = softer
     weight: float = 0.5  # in [0, 1]: 0 = the data loss alone (the teacher is still run and logged), 1 = KD alone
+    # Hidden-state matching (tessera.train.hidden_match): pairs [student layer, teacher layer] whose block
+    # outputs are compared, the student's through a learned linear projection to the teacher's width, by
+    # the MSE per loss token; the objective adds hidden_weight x that sum / N, logged as
+    # distill_hidden_loss. Empty = off. One process and data-parallel layouts only (pp, tp, ep, cp refused),
+    # not fp16.
+    hidden_layers: list[tuple[int, int]] = field(default_factory=list)
+    hidden_weight: float = 1.0  # >= 0: the hidden-state term's weight beside the mixed CE / KD objective
 
 
 @dataclass
@@ -413,13 +421,33 @@ def _validate_distill(cfg: RunConfig, need: Any) -> None:
          "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no distillation)")
     need(0 < k.temperature <= 1e4, "train.distill.temperature", k.temperature, "must be in (0, 10000]")
     need(0 <= k.weight <= 1, "train.distill.weight", k.weight, "must be in [0, 1]")
+    need(k.teacher is not None or not k.hidden_layers, "train.distill.hidden_layers",
+         [list(pair) for pair in k.hidden_layers], "empty without train.distill.teacher")
     if k.teacher is None:
         return
-    need(cfg.parallel.pp == 1, "parallel.pp", cfg.parallel.pp,
-         "1 with train.distill.teacher (the teacher runs beside the student under pp = 1 layouts only: "
-         "dp_replicate, dp_shard, tp, ep, cp)")
     need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
          "0 or null with train.distill.teacher (distillation needs the student's logits)")
+    _validate_hidden_matching(cfg, need)
+
+
+def _validate_hidden_matching(cfg: RunConfig, need: Any) -> None:
+    """train.distill.hidden_layers: student layers that exist (the teacher's are checked when it is
+    read: tessera.train.teacher), and only the layouts hidden_match.py supports."""
+    k, p = cfg.train.distill, cfg.parallel
+    need(k.hidden_weight >= 0, "train.distill.hidden_weight", k.hidden_weight, "must be >= 0")
+    if not k.hidden_layers:
+        return
+    n = cfg.model.n_layers
+    need(all(0 <= i < n and j >= 0 for i, j in k.hidden_layers), "train.distill.hidden_layers",
+         [list(pair) for pair in k.hidden_layers],
+         f"pairs [student layer, teacher layer] with the student layer in 0..{n - 1} (model.n_layers={n}) "
+         "and the teacher layer >= 0")
+    for key, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep), ("cp", p.cp)):
+        need(value == 1, f"parallel.{key}", value,
+             "1 with train.distill.hidden_layers (hidden-state matching runs in one process and under "
+             "dp_replicate / dp_shard only)")
+    need(cfg.train.dtype != "fp16", "train.dtype", cfg.train.dtype,
+         "fp32 or bf16 with train.distill.hidden_layers (its projections are not unscaled by fp16 loss scaling)")
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:

@@ -23,7 +23,7 @@ from tessera.plan.memory import (
     model_state_bytes,
     rank_params,
     sharding_choices,
-    teacher_weight_bytes,
+    teacher_stage_bytes,
 )
 from tessera.plan.profile import ModelProfile
 from tessera.plan.recompute_terms import product_flops_per_token, recomputed_products
@@ -137,10 +137,12 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
               profile: ModelProfile | None = None, teacher: ModelConfig | None = None) -> Plan:
     """The full estimate. Raises ParallelError naming every dimension that does not divide.
     `profile` (from `ModelProfile.of(cfg, work.seq_len)`) lets many plans of one model share work.
-    `teacher` (train.distill.teacher's model) adds its frozen weights to every rank's memory."""
+    `teacher` (train.distill.teacher's model) adds its frozen weights (and under pp its hidden
+    states in flight) to every rank's memory."""
     problems = layout_problems(cfg, lay, work, even_layers=even_layers)
-    if teacher is not None and lay.pp > 1:
-        problems.append(f"a distillation teacher (train.distill.teacher) runs under pp=1 only, got pp={lay.pp}")
+    if teacher is not None and teacher.n_layers < lay.pp * lay.vpp:
+        problems.append(f"the distillation teacher (train.distill.teacher) has {teacher.n_layers} layers, fewer "
+                        f"than the {lay.pp * lay.vpp} pipeline stages it is cut into")
     if lay.world != cluster.gpus:
         problems.append(f"the layout uses {lay.world} ranks but the cluster has {cluster.gpus} GPUs")
     if problems:
@@ -151,8 +153,9 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     params = rank_params(cfg, lay, prof)
     acts = stage_activations(cfg, lay, work, activation_dtype, prof)
     m = lay.microbatches(work)
-    held = 0.0 if teacher is None else teacher_weight_bytes(teacher, lay, prec)
-    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a, held)
+    held = [0.0 if teacher is None else teacher_stage_bytes(teacher, lay, work, prec, activation_dtype, s, a)
+            for s, a in enumerate(acts)]
+    stages = [StageMemory(s, p, model_state_bytes(p, lay, prec, m), a, held[s])
               for s, (p, a) in enumerate(zip(params, acts))]
     colls = [stage_collectives(cfg, lay, work, s, p, prec, activation_dtype, prof) for s, p in enumerate(params)]
     local = [p.dense / lay.dense_shard + p.expert / lay.expert_shard for p in params]

@@ -30,7 +30,9 @@ from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import attention_params
-from tessera.plan.layout import Layout
+from tessera.plan.activation_dtypes import get_activation_dtype
+from tessera.plan.activations import StageActivations
+from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile
 
 
@@ -204,16 +206,32 @@ def model_state_bytes(params: RankParams, lay: Layout, precision: Precision, mic
                            gathered=gathered)
 
 
-def teacher_weight_bytes(teacher: ModelConfig, lay: Layout, precision: Precision) -> float:
-    """Weights of a distillation teacher (`train.distill.teacher`) on one rank: cut by the student's
-    layout at pp = 1 (tp, ep), sharded like the student's weights (dp_shard x cp under ZeRO-3, whole
-    under the distributed optimizer), in the compute copy's bytes; frozen, so no gradients, master
-    weights or optimizer state."""
-    [params] = rank_params(teacher, dataclasses.replace(lay, pp=1, vpp=1))
+def teacher_weight_bytes(teacher: ModelConfig, lay: Layout, precision: Precision, stage: int = 0) -> float:
+    """Weights of a distillation teacher (`train.distill.teacher`) on one rank of pipeline stage
+    `stage`: cut by the student's layout (tp, ep; under pp its layers split over the same stages:
+    tessera.parallel.pipeline_companion), sharded like the student's weights (dp_shard x cp under
+    ZeRO-3, whole under the distributed optimizer), in the compute copy's bytes; frozen, so no
+    gradients, master weights or optimizer state."""
+    params = rank_params(teacher, lay)[stage]
     if lay.optimizer == "distributed":
         return params.total * precision.weight_bytes
     return sum(zero_model_state_bytes(n, shard, lay.zero_stage, precision).weights
                for n, shard in ((params.dense, lay.dense_shard), (params.expert, lay.expert_shard)))
+
+
+def teacher_stage_bytes(teacher: ModelConfig, lay: Layout, work: Workload, precision: Precision,
+                        activation_dtype: str, stage: int, activations: StageActivations) -> float:
+    """What a distillation teacher adds to one rank of pipeline stage `stage`: its weights
+    (`teacher_weight_bytes`) and, on every stage but the first, its hidden states received beside
+    the student's (tessera.parallel.pipeline_companion): kept with the stage input until the
+    micro-batch's backward, so one [micro-batch, seq / cp, teacher dim] tensor in the residual
+    stream's dtype per micro-batch in flight."""
+    weights = teacher_weight_bytes(teacher, lay, precision, stage)
+    if stage == 0:
+        return weights
+    residual = get_activation_dtype(activation_dtype).residual
+    per_microbatch = work.micro_batch * work.seq_len / lay.cp * teacher.dim * residual
+    return weights + activations.in_flight * per_microbatch
 
 
 def distributed_optimizer_state_bytes(params: RankParams, lay: Layout, precision: Precision) -> ModelStateBytes:

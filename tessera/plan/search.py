@@ -222,16 +222,16 @@ def search(cfg: ModelConfig, work: Workload, cluster: Cluster, *, precision: str
     """Plan every valid layout of the cluster (or a uniform sample when the space holds more than
     `max_layouts` candidates); rank those that fit by predicted throughput (the same tokens per
     step: by step time), ties by peak memory. `overlaps` (tp_overlap, ep_overlap) apply to every
-    layout. With `teacher` (train.distill.teacher's model) every plan holds its weights and only
-    pp = 1 layouts are planned (the trainer runs a teacher beside the student at pp = 1 only)."""
+    layout. With `teacher` (train.distill.teacher's model) every plan holds its weights (cut by the
+    layout, pipeline stages included), and layouts with more stages than the teacher has layers are skipped."""
     fitting: list[Plan] = []
     too_big: list[Plan] = []
     count = 0
     profile = ModelProfile.of(cfg, work.seq_len)
     candidates = candidate_layouts(cfg, work, cluster.gpus, cluster.gpus_per_node, max_layouts)
     for lay in candidates.layouts:
-        if teacher is not None and lay.pp > 1:
-            continue
+        if teacher is not None and teacher.n_layers < lay.pp * lay.vpp:
+            continue  # the teacher is cut into the student's stages: at least one layer each
         count += 1
         if overlaps:
             lay = dataclasses.replace(lay, **overlaps)

@@ -42,6 +42,7 @@ from tessera.parallel.compile import compile_blocks
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.meta_init import materialize_by_name
+from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.train.compute_weights import cast_weight_names
 from tessera.train.distill_loss import Distiller
@@ -49,7 +50,7 @@ from tessera.train.init_from import load_initial_weights
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.optimizer import build_optimizers
 from tessera.train.parallel_step import ParallelStep
-from tessera.train.pipeline_step import Pipeline, PipelineLoss, PipelineStep
+from tessera.train.pipeline_step import Pipeline, PipelineLoss, PipelineStep, attach_teacher
 from tessera.train.precision import autocast_dtype, loss_chunk_tokens
 from tessera.train.run_layout import RunLayout
 from tessera.train.single_process_step import SingleProcessStep
@@ -164,14 +165,14 @@ def _pipeline(model: Transformer, cfg: RunConfig, dims: ParallelDims, device: to
 def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts,
                       distiller: Distiller | None = None) -> StepEngine:
     """The engine of the layout, over the finished `built` parts; `distiller`: train.distill's teacher
-    (pp = 1 layouts only, which the config checks)."""
+    (under pp its stages are attached to the student's: pipeline_step.attach_teacher)."""
     t, dims = cfg.train, layout.dims
     if dims is None:
         return SingleProcessStep(built.parts[0], t.micro_batch_size, cfg.accumulation_steps(1), layout.device,
                                  built.autocast_dtype, t.cast_weights_per_step, built.loss_scaler, distiller)
     if built.pipeline is not None:
-        if distiller is not None:
-            raise ParallelError(f"train.distill.teacher needs parallel.pp=1, got parallel.pp={dims.pp}")
+        if distiller is not None:  # the teacher's stages run beside the student's, in its schedule
+            attach_teacher(built.pipeline, distiller, cfg.model.dim)
         return PipelineStep(built.pipeline, dims, t.global_batch_size, layout.device, built.autocast_dtype,
                             built.distributed_optimizers)
     return ParallelStep(built.parts[0], dims, t.micro_batch_size, t.global_batch_size, layout.device,
@@ -180,14 +181,12 @@ def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts,
 
 def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Module:
     """`cfg.model` read from `source` (a HuggingFace directory or Tessera checkpoint) and cut by
-    `layout` as the trained model is at pp = 1 (built on the meta device, parallelized, each rank
-    reading only its shards), then frozen: eval mode, no parameter requires a gradient, no
-    recomputation or offload (it only runs forward, under no_grad). In one process its matrix
+    `layout` as the trained model is (built on the meta device, parallelized, each rank reading
+    only its shards; under pp an nn.ModuleList of this rank's stages, its layers split over the
+    same stages as the trained model's), then frozen: eval mode, no parameter requires a gradient,
+    no recomputation or offload (it only runs forward, under no_grad). In one process its matrix
     weights are held in the compute dtype (the ones autocast would cast: compute_weights.py);
     under FSDP the all-gathers cast them to it (`param_dtype`), the fp32 shards staying."""
-    if layout.dims is not None and layout.dims.pp != 1:
-        raise ParallelError(f"a frozen model runs beside the trained one under parallel.pp=1 only, got "
-                            f"parallel.pp={layout.dims.pp}")
     cfg = replace(cfg, parallel=replace(cfg.parallel, recompute="none", activation_offload=False))
     compute_dtype = autocast_dtype(cfg.train.dtype)
     cuda = [layout.device] if layout.device.type == "cuda" else []
@@ -195,10 +194,13 @@ def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Mod
         model, _ = _whole_model(cfg, layout, source)
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if layout.dims is None:
-        part = model
+        parts = [model]
+    elif layout.dims.pp == 1:
+        parts, _ = _parallelized_parts(model, cfg, layout, compute_dtype, False, None)
     else:
-        [part], _ = _parallelized_parts(model, cfg, layout, compute_dtype, False, None)
-    load_initial_weights([part], source, cfg.model, full_shapes, layout.device)
+        parts = _frozen_stages(model, cfg, layout.dims, layout.device, compute_dtype)
+    load_initial_weights(parts, source, cfg.model, full_shapes, layout.device)
+    part = parts[0] if layout.dims is None or layout.dims.pp == 1 else nn.ModuleList(parts)
     part.eval()
     part.requires_grad_(False)
     if layout.dims is None and compute_dtype is not None:
@@ -206,3 +208,19 @@ def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Mod
         for name in cast_weight_names(part):
             params[name].data = params[name].data.to(compute_dtype)
     return part
+
+
+def _frozen_stages(model: Transformer, cfg: RunConfig, dims: ParallelDims, device: torch.device,
+                   compute_dtype: torch.dtype | None) -> list[nn.Module]:
+    """This rank's pipeline stages of a frozen `model` (no schedule: they run beside the trained
+    stages, tessera.parallel.pipeline_companion), each parallelized as the trained stages are."""
+    def parallelized(m: nn.Module) -> nn.Module:
+        return parallelize(m, dims, cfg.parallel, param_dtype=compute_dtype or torch.float32,
+                           reduce_dtype=torch.float32, device_type=device.type)
+
+    try:
+        _, stages = rank_stage_modules(model, dims, cfg.parallel.vpp, 0.0, parallelized)
+    except ParallelError as e:
+        raise ParallelError(f"train.distill.teacher ({cfg.model.n_layers} layers) cannot be cut by the "
+                            f"student's pipeline: {e}") from e
+    return stages

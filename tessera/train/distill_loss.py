@@ -10,7 +10,9 @@ whole global batch (tessera.train.loss):
 KL(p || q) = sum_v p_v (log p_v - log q_v) is the forward KL (Hinton et al. 2015, "Distilling the
 Knowledge in a Neural Network"; T^2 keeps the gradient's scale independent of T). Dividing by the
 global N, as the data loss is, makes accumulated micro-batches and data-parallel ranks give the
-gradient of the whole global batch, so every layout trains like one process.
+gradient of the whole global batch, so every layout trains like one process. With
+`train.distill.hidden_layers` the objective also holds hidden_weight * hidden_sum / N, the
+matching of chosen layers' hidden states through learned projections (hidden_match.py).
 
 Logits sharded over the vocabulary by tensor parallelism (DTensors) are gathered whole before the
 softmax: each tensor-parallel rank then computes the same KL, as the vocabulary-parallel
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.train.hidden_match import HiddenMatch
 from tessera.train.loss import IGNORE_INDEX
 
 
@@ -48,11 +51,16 @@ def kd_loss_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targ
 
 
 class Distiller:
-    """The frozen teacher (built and cut like the student: tessera.train.teacher) and the objective
-    that mixes its KD term with the data loss."""
+    """The frozen teacher (built and cut like the student: tessera.train.teacher; under pp an
+    nn.ModuleList of this rank's teacher stages, run by the pipeline: tessera.train.pipeline_step)
+    and the objective that mixes its KD term with the data loss."""
 
-    def __init__(self, teacher: nn.Module, temperature: float, weight: float):
+    def __init__(self, teacher: nn.Module, temperature: float, weight: float,
+                 hidden: HiddenMatch | None = None, hidden_weight: float = 0.0):
         self.teacher, self.temperature, self.weight = teacher, temperature, weight
+        # train.distill.hidden_layers: the learned projections and block outputs (hidden_match.py)
+        self.hidden, self.hidden_weight = hidden, hidden_weight
+        self.optimizers = [] if hidden is None else [hidden.optimizer]  # stepped with the student's
 
     @torch.no_grad()
     def teacher_logits(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -63,9 +71,16 @@ class Distiller:
                targets: torch.Tensor) -> torch.Tensor:
         return kd_loss_sum(student_logits, teacher_logits, targets, self.temperature)
 
+    def mix(self, ce_sum: torch.Tensor, kd_sum: torch.Tensor) -> torch.Tensor:
+        """(1 - w) * ce_sum + w * kd_sum: the micro-batch's summed objective before the division by N."""
+        return (1.0 - self.weight) * ce_sum + self.weight * kd_sum
+
     def objective(self, ce_sum: torch.Tensor, kd_sum: torch.Tensor, aux_loss: torch.Tensor,
-                  global_loss_tokens: int, num_micro_batches: int) -> torch.Tensor:
+                  global_loss_tokens: int, num_micro_batches: int,
+                  hidden_sum: torch.Tensor | None = None) -> torch.Tensor:
         """This micro-batch's share of the global-batch objective (module docstring); with weight 0
-        it is the data objective exactly (1.0 * ce + 0.0 * kd adds nothing in floating point)."""
-        mixed = (1.0 - self.weight) * ce_sum + self.weight * kd_sum
-        return mixed / max(global_loss_tokens, 1) + aux_loss.float() / num_micro_batches
+        it is the data objective exactly (1.0 * ce + 0.0 * kd adds nothing in floating point).
+        `hidden_sum` (hidden-state matching, hidden_match.py) adds hidden_weight * hidden_sum / N."""
+        n = max(global_loss_tokens, 1)
+        objective = self.mix(ce_sum, kd_sum) / n + aux_loss.float() / num_micro_batches
+        return objective if hidden_sum is None else objective + self.hidden_weight * hidden_sum / n

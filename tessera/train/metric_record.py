@@ -3,7 +3,9 @@
 Written every `train.log_interval` steps and at the first, last, evaluation and stopping steps:
   step; loss (cross-entropy per loss token of the global batch, aux losses and the KD term
   excluded); distill_loss with train.distill.teacher (T^2 x KL(teacher || student) per loss
-  token: tessera.train.distill_loss; the objective is (1 - w) loss + w distill_loss); lr;
+  token: tessera.train.distill_loss; the objective is (1 - w) loss + w distill_loss);
+  distill_hidden_loss with train.distill.hidden_layers (the hidden-state matching per loss token:
+  tessera.train.hidden_match); lr;
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
@@ -45,8 +47,9 @@ def step_record(step: int, stats: dict[str, Any], throughput: dict[str, Any], to
     rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=tokens_seen, mem_gib=mem_gib)
     if stats["skipped"]:
         rec["skipped_step"] = True
-    if "distill_loss" in stats:
-        rec["distill_loss"] = stats["distill_loss"]
+    for key in ("distill_loss", "distill_hidden_loss"):
+        if key in stats:
+            rec[key] = stats[key]
     if "loss_scale" in stats:
         rec["loss_scale"] = stats["loss_scale"]
     if moe:

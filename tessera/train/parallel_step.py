@@ -94,6 +94,8 @@ class ParallelStep:
         local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
             before_backward=self._sync_gradients, loss_scaler=self.loss_scaler, distiller=self.distiller)
+        if self.distiller is not None and self.distiller.hidden is not None:
+            self.distiller.hidden.reduce_gradients(self.dims)  # the projections, replicated on every rank
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, micro_batches, int(batch.inputs.numel()))
 

@@ -7,6 +7,10 @@ identically on every rank on the meta device, cut into this rank's stages, each 
 schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble) that cuts this rank's rows into
 `microbatches` micro-batches (`parallel.microbatches`, default: rows / train.micro_batch_size).
 
+Distillation (train.distill): the teacher's stages run beside the student's, their activations
+travelling with the student's through the same schedule (`attach_teacher`), and the loss function
+mixes the KD term in on the last stage.
+
 Numerics are those of one process: the last stage's loss of a micro-batch is its token-loss sum /
 N (loss tokens of the whole global batch), and every stage's MoE auxiliary loss enters backward
 with weight 1/M (M = micro-batches over all data-parallel ranks) through the stage output. MoE
@@ -38,7 +42,9 @@ from tessera.parallel import PipelineRun, global_count, global_sum, token_dim
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
+from tessera.parallel.pipeline_companion import attach_companion
 from tessera.parallel.tied_embeddings import TiedEmbeddings
+from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.parallel_step import padded_batch, rank_rows
@@ -51,21 +57,35 @@ class PipelineLoss:
     N, N the loss tokens of the whole global batch (1 while evaluating: plain sums). It keeps the
     sums it saw for the step's statistics: the schedule's first step (and the first after an
     evaluation) also runs it once to infer shapes, before the real micro-batches, so only the last
-    `microbatches` entries belong to the step. fp16: the loss it returns is scaled (loss_scaler.py)."""
+    `microbatches` entries belong to the step. fp16: the loss it returns is scaled (loss_scaler.py).
+    With a `distiller` (train.distill, attached by `attach_teacher`) the last stage returns
+    (student logits, teacher logits) and, while training, the loss is the distillation objective's
+    (1 - w) CE + w KD sums / N (distill_loss.py), the KD sums kept beside the CE sums."""
 
     def __init__(self, loss_scaler: DynamicLossScaler | None = None):
         self.loss_scaler = loss_scaler
-        self.divisor = 1.0
+        self.distiller: Distiller | None = None
+        self.divisor, self.evaluating = 1.0, False
         self.sums: list[torch.Tensor] = []
+        self.kd_sums: list[torch.Tensor] = []
 
-    def start(self, divisor: float) -> None:
+    def start(self, divisor: float, evaluating: bool = False) -> None:
         """A new step (divisor N) or evaluation batch (divisor 1): forget the sums seen so far."""
-        self.divisor, self.sums = divisor, []
+        self.divisor, self.evaluating, self.sums, self.kd_sums = divisor, evaluating, [], []
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor
+                 ) -> torch.Tensor:
+        teacher_logits = None
+        if self.distiller is not None:
+            logits, teacher_logits = logits
         micro_sum = token_loss_sum(logits, targets)
         self.sums.append(micro_sum.detach())
-        loss = micro_sum / self.divisor
+        if teacher_logits is None or self.evaluating:
+            loss = micro_sum / self.divisor
+        else:
+            kd_sum = self.distiller.kd_sum(logits, teacher_logits, targets)
+            self.kd_sums.append(kd_sum.detach())
+            loss = self.distiller.mix(micro_sum, kd_sum) / self.divisor
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
 
 
@@ -79,6 +99,16 @@ class Pipeline:
     loss: PipelineLoss
     microbatches: int
     tied: TiedEmbeddings | None
+
+
+def attach_teacher(pipeline: Pipeline, distiller: Distiller, dim: int) -> None:
+    """Run the distillation teacher's stages (distiller.teacher: this rank's, in the order of the
+    student's) beside the student's stages of hidden size `dim`, their activations travelling
+    together (tessera.parallel.pipeline_companion); the loss function mixes in the KD term."""
+    run = pipeline.run
+    for stage, teacher_stage, s in zip(run.modules, distiller.teacher, run.stage_ids, strict=True):
+        attach_companion(stage, teacher_stage, dim, last=s == run.num_stages - 1)
+    pipeline.loss.distiller = distiller
 
 
 class PipelineStep:
@@ -123,6 +153,8 @@ class PipelineStep:
         local = StepStats()
         for s in self.loss.sums[-self.microbatches:]:
             local.add_loss(s)
+        for s in self.loss.kd_sums[-self.microbatches:]:
+            local.add_distill(s)
         for outputs in routing.values():
             for out in outputs[-self.microbatches:]:
                 local.add_routing(out)
@@ -145,7 +177,7 @@ class PipelineStep:
         n = 0
         for batch in batches:
             inputs, targets = rank_rows(padded_batch(batch, self.global_batch_size), self.dims)
-            self.loss.start(1.0)
+            self.loss.start(1.0, evaluating=True)
             with mixed_precision(self.device, self.autocast_dtype):
                 self.run.eval_step(inputs.to(self.device), targets.to(self.device))
             for s in self.loss.sums[-self.microbatches:]:

@@ -84,7 +84,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
     itself) runs the model, e.g. with its weights' compute copies (compute_weights.py). With
     `loss_scaler` (fp16) each micro-batch's objective is scaled (loss_scaler.py). With `distiller`
     (train.distill) the teacher runs forward on the same micro-batch and the objective mixes its
-    KD term in (distill_loss.py); the student then returns logits, never the chunked loss."""
+    KD term in (distill_loss.py), and the hidden-state matching term with `distiller.hidden`
+    (hidden_match.py); the student then returns logits, never the chunked loss."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -102,8 +103,12 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
         else:
             kd_sum = distiller.kd_sum(out.logits, teacher_logits, y)
-            objective = distiller.objective(micro_sum, kd_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+            hidden_sum = distiller.hidden.loss_sum(y) if distiller.hidden is not None else None
+            objective = distiller.objective(micro_sum, kd_sum, out.aux_loss, global_loss_tokens, global_micro_batches,
+                                            hidden_sum)
             stats.add_distill(kd_sum)
+            if hidden_sum is not None:
+                stats.add_hidden(hidden_sum)
         (objective if loss_scaler is None else loss_scaler.scale_loss(objective)).backward()
         stats.add_loss(micro_sum)
         stats.add_routing(out)

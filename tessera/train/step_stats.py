@@ -41,6 +41,7 @@ class StepStats:
     aux_parts: dict[str, float] = field(default_factory=dict)  # "layer{i}/{name}" -> sum over micro-batches
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots, summed
     distill_sum: float | None = None  # sum of the KD term's token sums (train.distill), None without a teacher
+    hidden_sum: float | None = None  # sum of the hidden-state matching sums (train.distill.hidden_layers)
     # fp64 device sums not yet read on the host: "loss", "aux", "aux/<name>"
     pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -54,6 +55,10 @@ class StepStats:
     def add_distill(self, micro_kd_sum: torch.Tensor) -> None:
         """A micro-batch's KD term (T^2 * summed KL over its loss tokens: distill_loss.py)."""
         self._add("distill", micro_kd_sum)
+
+    def add_hidden(self, micro_hidden_sum: torch.Tensor) -> None:
+        """A micro-batch's hidden-state matching sum (hidden_match.py)."""
+        self._add("hidden", micro_hidden_sum)
 
     def add_routing(self, out) -> None:
         """The auxiliary losses and routing counts of one micro-batch's ModelOutput."""
@@ -78,6 +83,8 @@ class StepStats:
                 self.aux_total += value
             elif key == "distill":
                 self.distill_sum = (self.distill_sum or 0.0) + value
+            elif key == "hidden":
+                self.hidden_sum = (self.hidden_sum or 0.0) + value
             else:
                 name = key.removeprefix("aux/")
                 self.aux_parts[name] = self.aux_parts.get(name, 0.0) + value
@@ -91,14 +98,14 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
     if dims is None:
         return local
     names = sorted(local.aux_parts)
-    distill = [] if local.distill_sum is None else [local.distill_sum]
-    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names), *distill],
+    extra = {k: v for k, v in (("distill_sum", local.distill_sum), ("hidden_sum", local.hidden_sum)) if v is not None}
+    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names), *extra.values()],
                        dtype=torch.float64)
     vec = global_sum(vec, dims, token_dim(dims))
     counts = sum_expert_counts(local.counts, dims)
     out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:2 + len(names)].tolist())),
                     {k: v.cpu() for k, v in counts.items()},
-                    distill_sum=float(vec[-1]) if local.distill_sum is not None else None)
+                    **dict(zip(extra, vec[2 + len(names):].tolist())))
     if dims.pp == 1:
         return out
     stages: list[StepStats | None] = [None] * dims.pp
@@ -117,11 +124,14 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
 def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
     """The trainer's statistics of a step from its global StepStats: loss per loss token, auxiliary
     losses per micro-batch (`micro_batches` of the whole global batch), routing counts; with a
-    teacher (train.distill) `distill_loss`, the KD term per loss token."""
+    teacher (train.distill) `distill_loss`, the KD term per loss token, and with hidden-state
+    matching `distill_hidden_loss`."""
     stats.settle()
     out = {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
            "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
            "loss_tokens": loss_tokens, "tokens": tokens}
     if stats.distill_sum is not None:  # the KD term per loss token (distill_loss.py), beside the data loss
         out["distill_loss"] = stats.distill_sum / max(loss_tokens, 1)
+    if stats.hidden_sum is not None:  # the hidden-state matching per loss token (hidden_match.py)
+        out["distill_hidden_loss"] = stats.hidden_sum / max(loss_tokens, 1)
     return out

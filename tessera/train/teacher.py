@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from torch import nn
+
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config
 from tessera.checkpoint.loading import trained_tokenizer
@@ -30,6 +32,7 @@ from tessera.config.schema import RunConfig
 from tessera.data.tokenizer import load_tokenizer
 from tessera.train.builder import build_frozen_model
 from tessera.train.distill_loss import Distiller
+from tessera.train.hidden_match import HiddenMatch
 from tessera.train.run_layout import RunLayout
 
 KEY = "train.distill.teacher"
@@ -72,13 +75,23 @@ def check_teacher(cfg: RunConfig, teacher: ModelConfig) -> None:
                           f"entries differ, e.g. {differing[0]!r}; a teacher must use the student's tokenizer")
 
 
-def build_distiller(cfg: RunConfig, layout: RunLayout) -> Distiller | None:
-    """The teacher, checked, built and frozen under `layout`, with train.distill's loss; None without one."""
+def build_distiller(cfg: RunConfig, layout: RunLayout, student: nn.Module) -> Distiller | None:
+    """The teacher, checked, built and frozen under `layout`, with train.distill's loss (and, with
+    `hidden_layers`, the projections matching `student`'s hidden states to it); None without one."""
     d = cfg.train.distill
     if d.teacher is None:
         return None
     teacher_cfg = teacher_model_config(d.teacher)
     check_teacher(cfg, teacher_cfg)
+    bad = [list(pair) for pair in d.hidden_layers if pair[1] >= teacher_cfg.n_layers]
+    if bad:
+        raise ConfigError(f"train.distill.hidden_layers={[list(p) for p in d.hidden_layers]} is invalid: {bad} name "
+                          f"teacher layers the teacher ({d.teacher}) does not have: it has {teacher_cfg.n_layers} "
+                          f"(0..{teacher_cfg.n_layers - 1})")
     with layout.phase("loading the distillation teacher"):
         teacher = build_frozen_model(replace(cfg, model=teacher_cfg), layout, d.teacher)
-    return Distiller(teacher, d.temperature, d.weight)
+    hidden = None
+    if d.hidden_layers:
+        hidden = HiddenMatch(d.hidden_layers, student, teacher, cfg.model.dim, teacher_cfg.dim, cfg.train.seed,
+                             layout.device, cfg.optim)
+    return Distiller(teacher, d.temperature, d.weight, hidden, d.hidden_weight)

@@ -40,9 +40,12 @@ not used: the weights are replicated in the compute dtype and tessera.parallel.d
 holds sharded fp32 masters and AdamW state instead.
 
 Distillation. With `train.distill.teacher` a frozen teacher (tessera.train.teacher), built and
-cut by the same layout (pp = 1), runs forward on every micro-batch beside the student, and the
-objective mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs
-both, as `loss` and `distill_loss`. Evaluation measures the student's data loss only.
+cut by the same layout (under pp, stage by stage beside the student's), runs forward on every
+micro-batch beside the student, and the objective mixes its KD term with the data loss
+(tessera.train.distill_loss); metrics.jsonl logs both, as `loss` and `distill_loss`. With
+`hidden_layers` the projections of hidden-state matching (tessera.train.hidden_match) train with
+their own optimizer (`beside`: stepped, zeroed and scheduled with the model's, not checkpointed).
+Evaluation measures the student's data loss only.
 """
 
 from __future__ import annotations
@@ -151,9 +154,11 @@ class Trainer:
         self.init_bytes_read = built.init_bytes_read  # bytes this rank read from train.init_from
         self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
         self.optimizer = self.optimizers[0]
-        self.distiller = build_distiller(cfg, self.layout)  # train.distill.teacher, frozen; None without
+        self.distiller = build_distiller(cfg, self.layout, self.model)  # train.distill.teacher, frozen; or None
         self.engine: StepEngine = build_step_engine(cfg, self.layout, built, self.distiller)
-        self.scheduler = LRScheduler(self.optimizers, cfg.optim, t.steps)
+        # optimizers of what trains beside the model and is not checkpointed (distillation's projections)
+        self.beside = self.distiller.optimizers if self.distiller is not None else []
+        self.scheduler = LRScheduler([*self.optimizers, *self.beside], cfg.optim, t.steps)
         self._build_resilience()
         self.step = 0
         self.tokens_seen = 0
@@ -256,7 +261,7 @@ class Trainer:
                 stats = self.engine.forward_backward(batch)
             spike = self.spike_rule.check(self.step, stats["loss"]) if self.spike_rule is not None else None
             grad_norm = self._update_weights(stats) if spike is None else math.nan
-        for optimizer in self.optimizers:
+        for optimizer in [*self.optimizers, *self.beside]:
             optimizer.zero_grad(set_to_none=True)
         if spike is not None:
             stats.update(spike=spike, skipped=True)
@@ -285,7 +290,7 @@ class Trainer:
             self._not_finite(grad_norm, stats["loss"])
         if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
             with self.layout.phase("optimizer step"):
-                for optimizer in self.optimizers:
+                for optimizer in [*self.optimizers, *self.beside]:
                     optimizer.step()
         return grad_norm
 

@@ -94,7 +94,8 @@ def test_pruning_keeps_exactly_the_chosen_rows_and_columns(llama, tmp_path, cali
     r = prune(llama, tmp_path / "dst", PruneSizes(layers=3, ffn_dim=32, n_kv_heads=1), calibration=[calibration],
               **CALIBRATION)
     found, chosen = r.importance, r.selection
-    assert r.sizes == PruneSizes(layers=3, ffn_dim=32, n_heads=2, n_kv_heads=1, num_experts=None)
+    assert r.sizes == PruneSizes(layers=3, ffn_dim=32, n_heads=2, n_kv_heads=1, num_experts=None,
+                                 dim=r.source_sizes.dim)
     assert chosen.layers == _top(torch.tensor([found.layers[i] for i in range(4)]), 3)
     src, dst = _weights(llama), _weights(tmp_path / "dst")
     assert len(dst) == 3 + 3 * 9  # embeddings, final norm, head; 9 tensors per layer

@@ -1,6 +1,7 @@
 """A distillation teacher (`train.distill.teacher`) in the planner: every rank holds its frozen weights
-(cut by the layout, in the compute copy's bytes, no gradients or optimizer state), pp > 1 is not
-planned, and `tessera plan` reads the teacher's shape from its directory."""
+(cut by the layout, in the compute copy's bytes, no gradients or optimizer state), each pipeline
+stage its layers and the teacher's hidden states in flight, and `tessera plan` reads the teacher's
+shape from its directory."""
 
 from __future__ import annotations
 
@@ -59,13 +60,33 @@ def test_the_teacher_is_cut_and_sharded_like_the_weights_of_a_model_of_its_shape
         assert held < whole
 
 
-def test_a_teacher_is_planned_at_pp_1_only():
-    with pytest.raises(ParallelError, match="train.distill.teacher.*pp=1 only, got pp=2"):
-        _plans(Layout(pp=2))
+@pytest.mark.parametrize("sizes,student_layers", [({"pp": 2}, 2), ({"pp": 2, "dp_shard": 2}, 2),
+                                                  ({"pp": 2, "vpp": 2, "pp_schedule": "interleaved_1f1b"}, 4)])
+def test_under_pp_each_stage_holds_its_teacher_layers_and_their_hidden_states_in_flight(sizes, student_layers):
+    """Each stage holds the weights a student of the teacher's shape would hold on that stage, and
+    every stage but the first the teacher's hidden states received per micro-batch in flight."""
+    lay = Layout(**sizes)
+    without, with_teacher = _plans(lay, student=dataclasses.replace(STUDENT, n_layers=student_layers))
+    as_student = make_plan(TEACHER, lay, WORK, Cluster.for_gpu("h100", gpus=lay.world))
+    weights = [s.states.weights for s in as_student.stages]
+    assert [teacher_weight_bytes(TEACHER, lay, get_precision("bf16"), s) for s in range(lay.pp)] == weights
+    assert sum(weights) < sum(teacher_weight_bytes(TEACHER, Layout(dp_shard=lay.dp_shard), get_precision("bf16"))
+                              for _ in range(lay.pp))  # cut over the stages
+    for s, (a, b) in enumerate(zip(without.stages, with_teacher.stages, strict=True)):
+        hidden = 0 if s == 0 else b.activations.in_flight * WORK.micro_batch * WORK.seq_len * TEACHER.dim * 4
+        assert b.activations.in_flight >= 1
+        assert b.teacher == pytest.approx(weights[s] + hidden, rel=1e-12)  # autocast-bf16: fp32 residual
+        assert b.total - a.total == pytest.approx(b.teacher, rel=1e-12)
+
+
+def test_a_teacher_with_fewer_layers_than_stages_is_refused_and_not_searched():
+    shallow = dataclasses.replace(TEACHER, n_layers=1)
+    with pytest.raises(ParallelError, match="train.distill.teacher.*has 1 layers, fewer than the 2 pipeline stages"):
+        _plans(Layout(pp=2), teacher=shallow)
     cluster = Cluster.for_gpu("h100", gpus=4)
-    result = search(STUDENT, WORK, cluster, teacher=TEACHER)
-    assert result.ranked and all(p.layout.pp == 1 and p.teacher is TEACHER for p in result.ranked)
-    assert any(p.layout.pp > 1 for p in search(STUDENT, WORK, cluster).ranked)
+    result = search(STUDENT, WORK, cluster, teacher=shallow)
+    assert result.ranked and all(p.layout.pp == 1 and p.teacher is shallow for p in result.ranked)
+    assert any(p.layout.pp > 1 for p in search(STUDENT, WORK, cluster, teacher=TEACHER).ranked)
 
 
 def test_tessera_plan_counts_the_teacher_of_the_config(tmp_path, capsys):
@@ -87,5 +108,7 @@ def test_tessera_plan_counts_the_teacher_of_the_config(tmp_path, capsys):
     assert with_teacher["peak_bytes"] - without["peak_bytes"] == teacher_params * 2
     assert main(["plan", str(config), "--gpus", "1", "--set", f"train.distill.teacher={teacher_dir}"]) == 0
     assert "teacher weights (frozen)" in capsys.readouterr().out
-    assert main(["plan", str(config), "--gpus", "2", "--set", "parallel.pp=2",
-                 "--set", f"train.distill.teacher={teacher_dir}"]) == 2
+    assert main(["plan", str(config), "--gpus", "2", "--json", "--set", "parallel.pp=2",
+                 "--set", f"train.distill.teacher={teacher_dir}"]) == 0
+    stages = json.loads(capsys.readouterr().out)["memory"]["stages"]
+    assert [s["teacher_weights"] > 0 for s in stages] == [True, True]  # each stage its share

@@ -145,7 +145,6 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused(small_dataset, 
     ("train.distill.temperature", 0, "must be in (0, 10000]"),
     ("train.distill.weight", 1.5, "must be in [0, 1]"),
     ("train.distill.teacher", '""', "a HuggingFace model directory or a Tessera checkpoint"),
-    ("parallel.pp", 2, "1 with train.distill.teacher"),
     ("train.loss_chunk_tokens", 16, "0 or null with train.distill.teacher"),
     ("train.distill.teachr", "x", "did you mean train.distill.teacher?"),
 ])

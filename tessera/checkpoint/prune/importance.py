@@ -11,7 +11,10 @@ influence, Men et al. 2024, arXiv 2403.03853):
   the input of the down projection `w2`; a channel that is always 0 scores 0;
 - a query head's: the mean over tokens of the L2 norm of its slice of the attention output (the
   input of `wo`), and a KV group's the sum over the query heads that read it;
-- a routed expert's: how many routing slots (token, choice) the router gave it, over all tokens.
+- a routed expert's: how many routing slots (token, choice) the router gave it, over all tokens;
+- an embedding (hidden) channel's: the mean over tokens of |RMSNorm output| at that channel, summed
+  over every norm of the residual stream (each block's attention_norm and ffn_norm, and the final
+  norm), Minitron's embedding-channel measure.
 
 The sequences are cut from documents (the bundled corpus, the Python standard library's source, by
 default; `tessera.data.corpus`) tokenized with the model's tokenizer and joined by its end-of-text
@@ -37,6 +40,7 @@ class Importance:
     ffn_channels: dict[int, torch.Tensor] = field(default_factory=dict)  # dense layer -> [ffn_dim]
     heads: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n_heads]
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [num_experts]
+    hidden: torch.Tensor | None = None  # [dim]: mean |norm output| per channel, summed over the norms
     tokens: int = 0  # calibration tokens seen
 
     def kv_groups(self, layer: int, n_kv_heads: int) -> torch.Tensor:
@@ -74,8 +78,14 @@ def measure_importance(model: Transformer, tokens_NS: torch.Tensor, batch_size: 
     def add(key: tuple[str, int], value) -> None:
         sums[key] = sums[key] + value if key in sums else value
 
+    def add_norm_output(m, args, out) -> None:
+        add(("hidden", -1), out.float().abs().sum(dim=(0, 1)))
+
+    handles.append(model.norm.register_forward_hook(add_norm_output))
     for key, block in model.layers.items():
         i = int(key)
+        handles += [block.attention_norm.register_forward_hook(add_norm_output),
+                    block.ffn_norm.register_forward_hook(add_norm_output)]
         handles.append(block.register_forward_hook(
             lambda m, args, out, i=i: add(("layers", i), _cosine_distance_sum(args[0], out[0]))))
         if cfg.mla is None:
@@ -96,5 +106,9 @@ def measure_importance(model: Transformer, tokens_NS: torch.Tensor, batch_size: 
     found.tokens = tokens_NS.numel()
     for (kind, i), value in sums.items():  # counts stay counts; the rest become means over tokens
         mean = value if kind == "expert_counts" else value / found.tokens
-        getattr(found, kind)[i] = mean.cpu() if isinstance(mean, torch.Tensor) else mean
+        mean = mean.cpu() if isinstance(mean, torch.Tensor) else mean
+        if kind == "hidden":
+            found.hidden = mean
+        else:
+            getattr(found, kind)[i] = mean
     return found

@@ -6,7 +6,8 @@ Load the source (any family Tessera reads), measure importance on calibration se
 (importance.py), choose the sizes (given, or searched for `target_params`: target.py) and the parts
 to keep (selection.py), and write the kept weights as a HuggingFace directory of the same family,
 dtype and tokenizer: its config.json is the source's with the changed fields replaced (the sizes,
-the renumbered dense layers, and `head_dim` always, so that fewer heads keep their width), and its
+the renumbered dense layers, and `head_dim` always, so that fewer heads, or a smaller hidden size,
+keep the heads' width), and its
 generation_config.json is the source's.
 """
 
@@ -25,6 +26,7 @@ from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.writer import save_pretrained
 from tessera.checkpoint.loading import trained_tokenizer
+from tessera.checkpoint.prune.hidden import check_hidden_axes
 from tessera.checkpoint.prune.importance import Importance, calibration_sequences, measure_importance
 from tessera.checkpoint.prune.selection import (
     PruneSizes,
@@ -68,6 +70,7 @@ class PruneResult:
         """One line per size: source -> pruned, and the parameter counts."""
         source = self.source_sizes
         rows = [f"layers {source.layers} -> {self.sizes.layers} (kept {self.selection.layers})",
+                f"hidden size {source.dim} -> {self.sizes.dim}",
                 f"ffn hidden size {source.ffn_dim} -> {self.sizes.ffn_dim}",
                 f"heads {source.n_heads} -> {self.sizes.n_heads}, KV groups {source.n_kv_heads} -> "
                 f"{self.sizes.n_kv_heads}"]
@@ -122,6 +125,8 @@ def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, tar
     check_sizes(cfg, sizes.resolved(cfg))
     tokens, tokenizer_dir = load_calibration("prune", src, cfg, calibration, num_sequences, seq_len)
     model = load_pretrained(src, dtype=torch.float32)
+    if sizes.dim is not None and sizes.dim != cfg.dim:  # every tensor's hidden axis must be known
+        check_hidden_axes({k: tuple(v.shape) for k, v in model.state_dict().items()}, cfg.dim)
     found = measure_importance(model, tokens)
     chosen_sizes = sizes.resolved(cfg) if target_params is None else search_sizes(cfg, target_params, sizes, found)
     check_sizes(cfg, chosen_sizes)

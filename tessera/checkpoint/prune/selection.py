@@ -5,7 +5,8 @@ cannot take; `select` keeps, in each place, the most important parts (importance
 source order: the `layers` most important blocks, per dense layer the `ffn_dim` most important FFN
 channels, per attention layer the `n_kv_heads` most important KV groups with, in each, its
 `n_heads / n_kv_heads` most important query heads (GQA stays grouped: query head j reads KV group
-j // (n_heads / n_kv_heads) before and after), per MoE layer the `num_experts` most routed experts.
+j // (n_heads / n_kv_heads) before and after), per MoE layer the `num_experts` most routed experts,
+and the `dim` most important embedding channels of the residual stream (hidden.py).
 Ties keep the earlier part. `pruned_config` is the source config with the new sizes and the dense /
 MoE layers renumbered; `pruned_state` is the source's tensors at the kept indices, nothing else.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.checkpoint.prune.hidden import slice_hidden
 from tessera.checkpoint.prune.importance import Importance
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
@@ -31,6 +33,7 @@ class PruneSizes:
     n_heads: int | None = None  # query heads
     n_kv_heads: int | None = None  # KV groups
     num_experts: int | None = None  # routed experts of each MoE layer
+    dim: int | None = None  # hidden size: the embedding channels every layer reads and writes (hidden.py)
 
     def resolved(self, cfg: ModelConfig) -> PruneSizes:
         """Every size filled in: the source's where None; one head count given implies the other
@@ -45,7 +48,8 @@ class PruneSizes:
                           n_heads=cfg.n_heads if heads is None else heads,
                           n_kv_heads=cfg.n_kv_heads if groups is None else groups,
                           num_experts=(cfg.moe.num_experts if cfg.moe else None) if self.num_experts is None
-                          else self.num_experts)
+                          else self.num_experts,
+                          dim=cfg.dim if self.dim is None else self.dim)
 
 
 def _need(ok: bool, option: str, value, allowed: str) -> None:
@@ -57,6 +61,7 @@ def check_sizes(cfg: ModelConfig, sizes: PruneSizes) -> None:
     """Refuse (ConfigError, naming the option and what is allowed) sizes this model cannot be pruned to.
     `sizes` are resolved (`PruneSizes.resolved`)."""
     _need(1 <= sizes.layers <= cfg.n_layers, "--layers", sizes.layers, f"must be in 1..{cfg.n_layers} (the source's)")
+    _need(1 <= sizes.dim <= cfg.dim, "--hidden-size", sizes.dim, f"must be in 1..{cfg.dim} (the source's)")
     dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
     _need(1 <= sizes.ffn_dim <= cfg.ffn_dim, "--ffn-hidden-size", sizes.ffn_dim, f"must be in 1..{cfg.ffn_dim}")
     _need(sizes.ffn_dim == cfg.ffn_dim or dense, "--ffn-hidden-size", sizes.ffn_dim,
@@ -93,6 +98,7 @@ class Selection:
     q_heads: dict[int, torch.Tensor] = field(default_factory=dict)
     kv_heads: dict[int, torch.Tensor] = field(default_factory=dict)
     experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_channels: torch.Tensor | None = None  # the embedding channels kept (all of them: the source's order)
 
 
 def most_important(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,7 +110,8 @@ def most_important(scores: torch.Tensor, k: int) -> torch.Tensor:
 def select(cfg: ModelConfig, sizes: PruneSizes, found: Importance) -> Selection:
     """The parts to keep (module docstring), for resolved, checked `sizes`."""
     layer_scores = torch.tensor([found.layers[i] for i in range(cfg.n_layers)])
-    chosen = Selection(layers=most_important(layer_scores, sizes.layers).tolist())
+    chosen = Selection(layers=most_important(layer_scores, sizes.layers).tolist(),
+                       hidden_channels=most_important(found.hidden, sizes.dim))
     group, per_group = cfg.n_heads // cfg.n_kv_heads, sizes.n_heads // sizes.n_kv_heads
     for i in chosen.layers:
         if not cfg.is_moe_layer(i):
@@ -129,7 +136,7 @@ def pruned_config(cfg: ModelConfig, sizes: PruneSizes, kept_layers: list[int]) -
         placement = (dict(first_k_dense=len(dense), dense_layers=[]) if leading
                      else dict(first_k_dense=0, dense_layers=dense, layer_freq=1))
         moe = dataclasses.replace(cfg.moe, num_experts=sizes.num_experts, **placement)
-    return dataclasses.replace(cfg, n_layers=sizes.layers, ffn_dim=sizes.ffn_dim, n_heads=sizes.n_heads,
+    return dataclasses.replace(cfg, dim=sizes.dim, n_layers=sizes.layers, ffn_dim=sizes.ffn_dim, n_heads=sizes.n_heads,
                                n_kv_heads=sizes.n_kv_heads, head_dim=cfg.head_dim, moe=moe)
 
 
@@ -155,7 +162,8 @@ def _slice(name: str, t: torch.Tensor, old: int, chosen: Selection, head_dim: in
 
 
 def pruned_state(state: dict[str, torch.Tensor], cfg: ModelConfig, chosen: Selection) -> dict[str, torch.Tensor]:
-    """The source's tensors (Tessera names) at the kept indices, the kept blocks renumbered 0..K-1."""
+    """The source's tensors (Tessera names) at the kept indices, the kept blocks renumbered 0..K-1,
+    each at the kept hidden channels (hidden.py)."""
     out = {k: v for k, v in state.items() if not k.startswith("layers.")}
     for new, old in enumerate(chosen.layers):
         prefix = f"layers.{old}."
@@ -163,4 +171,4 @@ def pruned_state(state: dict[str, torch.Tensor], cfg: ModelConfig, chosen: Selec
             if key.startswith(prefix):
                 name = key[len(prefix):]
                 out[f"layers.{new}.{name}"] = _slice(name, t, old, chosen, cfg.head_dim).contiguous()
-    return out
+    return slice_hidden(out, chosen.hidden_channels)

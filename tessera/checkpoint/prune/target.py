@@ -12,9 +12,11 @@ parameters (counted from its config: tessera/models/counting.py, the count of th
 
 Width goes first because Minitron (Muralidharan et al. 2024, arXiv 2407.14679) found width pruning
 keeps more of a model's accuracy than depth pruning at the same size. Attention heads
-are pruned only when asked (--num-heads / --num-kv-heads). Which layers a step drops is the
-measured importance's choice (selection.py), so the count of a candidate is exact for MoE models
-whose dense and MoE layers differ in size.
+are pruned only when asked (--num-heads / --num-kv-heads), and so is the hidden size (--hidden-size):
+embedding channels change every tensor and every RMSNorm's statistics at once, so the search
+leaves that choice, and its step, to the user, and searches the other sizes around a given one.
+Which layers a step drops is the measured importance's choice (selection.py), so the count of a
+candidate is exact for MoE models whose dense and MoE layers differ in size.
 """
 
 from __future__ import annotations
@@ -79,5 +81,6 @@ def search_sizes(cfg: ModelConfig, target: int, given: PruneSizes, found: Import
     if count > target:
         raise ConfigError(f"prune --target-params {target:,} is invalid: the smallest model the search reaches "
                           f"has {count:,} parameters (its sizes: {sizes}); give a larger target or smaller "
-                          "explicit sizes (--layers, --ffn-hidden-size, --num-heads, --num-kv-heads, --experts)")
+                          "explicit sizes (--layers, --ffn-hidden-size, --num-heads, --num-kv-heads, --experts, "
+                          "--hidden-size)")
     return sizes
