@@ -112,6 +112,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
+        # A later pipeline stage receives hidden states; under sequence parallelism they are this
+        # rank's 1/tp of the sequence, so the sequence is this many times longer (RoPE positions are global).
+        self.received_sequence_shards = 1
         self.tied_head: TiedHead = tied_projection  # used when cfg.tie_embeddings (module docstring)
         # Tokens per chunk of the chunked LM-head loss when `forward` gets targets; 0 = off (logits).
         self.loss_chunk_tokens = 0
@@ -172,7 +175,9 @@ class Transformer(nn.Module):
                 cache: AttentionCache | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
         """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
         `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`)."""
-        B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D]
+        B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D] (S / tp under sp)
+        if input_ids.is_floating_point():
+            S *= self.received_sequence_shards
         if positions is None:
             positions = self.position_source(B, S, input_ids.device)
         # Token ids are embedded; hidden states pass on (the last stage may hold the tied embedding).

@@ -149,6 +149,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     from one seed): each rank keeps its own slice without communication."""
     top = {k: v for k, v in model_plan(sp).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
+    if sp:  # a later pipeline stage's input is the local sequence slice of the stream
+        model.received_sequence_shards = tp_mesh.size()
     if model.cfg.tie_embeddings and model.tok_embeddings is not None:
         model.tied_head = VocabParallelTiedHead(tp_mesh, Shard(1) if sp else Replicate())
     for block in model.layers.values():

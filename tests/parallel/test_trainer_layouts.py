@@ -62,6 +62,8 @@ FP32_LAYOUTS = [
     _case("moe", 4, {"parallel.tp": 2, "parallel.dp_shard": 2}, "tp2-fsdp2", slow=True),
     _case("dense", 4, {**PP, "parallel.tp": 2}, "pp2-tp2", slow=True),
     _case("moe", 4, {**PP, "parallel.tp": 2}, "pp2-tp2"),
+    # a later stage receives its 1/tp slice of the sequence: RoPE still sees global positions
+    _case("dense", 4, {**PP, "parallel.tp": 2, "parallel.sp": True}, "pp2-tp2-sp"),
     # dp = 2 leaves two rows per rank: micro-batches of one row give the 1F1B schedule one per stage.
     _case("moe", 4, {"parallel.pp": 2, "parallel.ep": 2, "parallel.dp_shard": 2, "train.micro_batch_size": 1},
           "pp2-ep2-fsdp2"),
