@@ -20,6 +20,11 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
     tied head (tie_embeddings)  the embedding's own vocabulary shard, one DTensor weight for both
                                 (`VocabParallelTiedHead`, the model's `tied_head` seam)
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
+    mtp.{k}.block               the block's plan (multi-token prediction, models/mtp.py)
+    mtp.{k}.enorm / hnorm /     replicated; under sp they (and the projection, whose weight's
+      eh_proj / norm            gradient DTensor then sums over tp) run on the sequence slice; the
+                                modules' cross-entropy is the vocabulary-parallel one (the model's
+                                `token_loss` seam)
 
 Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and
 MoE gather the sequence on entry and reduce-scatter on exit. Without sp it is a replicated
@@ -45,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.parallel.collectives import copy_to_group
+from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
 
 
 def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
@@ -151,7 +157,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
     if model.cfg.tie_embeddings and model.tok_embeddings is not None:
         model.tied_head = VocabParallelTiedHead(tp_mesh, Shard(1) if sp else Replicate())
-    for block in model.layers.values():
+    mtp = getattr(model, "mtp", None) or {}
+    for block in [*model.layers.values(), *(m.block for m in mtp.values())]:
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
+    if mtp:
+        model.token_loss = vocab_parallel_loss_sum
+    if mtp and sp:
+        local = SequenceParallel(use_local_output=True)  # the residual stream stays a local tensor
+        for m in mtp.values():
+            parallelize_module(m, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": local,
+                                            "norm": SequenceParallel()}, src_data_rank=None)

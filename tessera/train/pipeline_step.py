@@ -92,6 +92,7 @@ class PipelineStep:
         self.microbatches = pipeline.microbatches
         self.micro_batches_global = self.microbatches * dims.dp_size
         self.parts = list(self.run.modules)
+        self.mtp = any(getattr(m, "mtp", None) is not None for m in self.parts)  # this rank holds MTP modules
         # parallel.optimizer=distributed: one per part; they reduce the gradients after the
         # schedule (its micro-batches are its own, so no reduce-scatter starts inside it)
         self.distributed_optimizers = list(distributed_optimizers)
@@ -105,7 +106,8 @@ class PipelineStep:
             self._routing.setdefault(index, []).append(ModelOutput(
                 logits=None, aux_loss=out.aux_loss.detach(),
                 aux_losses={k: v.detach() for k, v in out.aux_losses.items()},
-                expert_counts={k: v.detach() for k, v in out.expert_counts.items()}))
+                expert_counts={k: v.detach() for k, v in out.expert_counts.items()},
+                mtp_loss_sums={k: v.detach() for k, v in out.mtp_loss_sums.items()}))
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
@@ -113,8 +115,11 @@ class PipelineStep:
         self.loss.start(float(max(n_loss_tokens, 1)))
         self._routing = {}
         try:
+            # multi-token prediction: the last stage, which receives hidden states, gets the ids too
+            mtp = {} if not self.mtp else {"mtp_inputs": inputs.to(self.device),
+                                           "mtp_targets": targets.to(self.device), "mtp_divisor": self.loss.divisor}
             with mixed_precision(self.device, self.autocast_dtype):
-                self.run.step(inputs.to(self.device), targets.to(self.device))
+                self.run.step(inputs.to(self.device), targets.to(self.device), **mtp)
             if self.tied is not None:
                 self.tied.reduce_gradients()
             routing = self._routing

@@ -98,8 +98,11 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             out = forward(x, targets=y) if distiller is None else forward(x)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
+        # multi-token prediction (model.mtp_depth): its weighted token-loss sum joins the main one
+        mtp_sum = getattr(out, "mtp_loss_sum", None)
+        objective_sum = micro_sum if mtp_sum is None else micro_sum + mtp_sum
         if distiller is None:
-            objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+            objective = micro_batch_objective(objective_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
         else:
             kd_sum = distiller.kd_sum(out.logits, teacher_logits, y)
             objective = distiller.objective(micro_sum, kd_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
