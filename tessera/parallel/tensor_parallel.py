@@ -21,8 +21,8 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 (`VocabParallelTiedHead`, the model's `tied_head` seam)
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
     mtp.{k}.block               the block's plan (multi-token prediction, models/mtp.py)
-    mtp.{k}.enorm / hnorm /     replicated; under sp they (and the projection, whose weight's
-      eh_proj / norm            gradient DTensor then sums over tp) run on the sequence slice; the
+    mtp.{k}.enorm / hnorm /     replicated; under sp the norms run on the sequence slice and
+      eh_proj / norm            eh_proj gathers the sequence and returns this rank's slice; the
                                 modules' cross-entropy is the vocabulary-parallel one (the model's
                                 `token_loss` seam)
 
@@ -166,6 +166,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         model.token_loss = vocab_parallel_loss_sum
     if mtp and sp:
         local = SequenceParallel(use_local_output=True)  # the residual stream stays a local tensor
+        # The projection takes the whole sequence and hands back this rank's slice: its weight
+        # stays a plain tensor whose gradient every rank computes whole (a sequence-parallel weight's
+        # would be a partial sum).
+        whole = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
         for m in mtp.values():
-            parallelize_module(m, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": local,
+            parallelize_module(m, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": whole,
                                             "norm": SequenceParallel()}, src_data_rank=None)
