@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import config_from_hf
 from tessera.config.model import ModelConfig
+from tessera.config.presets import get_preset
+from tessera.models.counting import count_params
 from tessera.models.transformer import Transformer
 from tests.models.hf_families import hf_configs
 
@@ -71,6 +73,7 @@ def test_every_depths_loss_is_deepseek_v3s_equations_in_every_family(case):
     # the embedding and head are shared: depth 1's loss moves them, no copy of them exists
     out.mtp_loss_sums[1].backward()
     assert model.tok_embeddings.weight.grad.abs().sum() > 0
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
     names = [n for n, _ in model.named_parameters()]
     assert not any(n.startswith("mtp.") and ("embed" in n or n.endswith("output.weight")) for n in names)
 
@@ -102,3 +105,11 @@ def test_depth_zero_is_the_model_without_multi_token_prediction():
 def test_bad_settings_are_refused_by_name(key, value):
     with pytest.raises(ConfigError, match=f"model.{key}"):
         _cfg("llama", **{key: value})
+
+
+def test_deepseek_v3s_published_count_with_its_mtp_module():
+    # DeepSeek-V3's report: 671B main-model parameters plus 14B in its MTP module, 685B on HuggingFace,
+    # whose MTP layer stores its own copies of the embedding and the head; Tessera shares them
+    cfg = get_preset("deepseek-v3", mtp_depth=1)
+    copies = 2 * cfg.vocab_size * cfg.dim
+    assert round((count_params(cfg) + copies) / 1e9) == 685
