@@ -112,4 +112,4 @@ def test_deepseek_v3s_published_count_with_its_mtp_module():
     # whose MTP layer stores its own copies of the embedding and the head; Tessera shares them
     cfg = get_preset("deepseek-v3", mtp_depth=1)
     copies = 2 * cfg.vocab_size * cfg.dim
-    assert round((count_params(cfg) + copies) / 1e9) == 685
+    assert 684.0 <= (count_params(cfg) + copies) / 1e9 <= 685.0  # 684.5B: HuggingFace shows 685B
