@@ -89,6 +89,7 @@ class ModelOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
     hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
+    last_hidden: torch.Tensor | None = None  # the last layer's output [B, S, D], before the final norm
     loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when the model computed it (chunked)
     # multi-token prediction, given targets: depth k -> fp32 sum of its token losses; their
     # weighted sum mtp_loss_weight / mtp_depth * sum_k (what the objective adds to the main sum)
@@ -219,7 +220,7 @@ class Transformer(nn.Module):
         for key, layer in self.layers.items():
             h, route = layer(h, cos, sin, cache)
             self._add_route(out, f"layer{key}", int(key), route)
-        h_last = h
+        h_last = out.last_hidden = h
         h = self.norm(h) if self.norm is not None else h
         out.hidden = h
         mtp_targets = mtp_targets if mtp_targets is not None else targets
