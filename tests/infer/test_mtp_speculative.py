@@ -119,3 +119,45 @@ def test_sampling_with_mtp_drafts_keeps_the_target_distribution():
     got2 = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=8).float() / n
     got3 = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=8).float() / n
     assert tv(got2, want2) < 0.05 and tv(got3, want3) < 0.05
+
+
+def test_tessera_serve_refuses_mtp_for_a_model_without_it(llama, capsys):
+    from tessera.cli import main
+
+    status = main(["serve", str(llama[0]), "--port", "0", "--device", "cpu", "--speculative", "mtp"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "tessera serve: error: " in err and "speculative.method='mtp' needs a model with multi-token" in err
+
+
+def test_a_run_trained_with_mtp_serves_its_drafts_over_http(tmp_path):
+    """`tessera train` with model.mtp_depth=1 writes a run whose checkpoint holds the MTP module;
+    served with speculation "mtp" it answers like the run without speculation and /metrics counts
+    the drafts."""
+    import httpx
+
+    from tessera.config.schema import load_config
+    from tessera.infer import EngineConfig, LLMEngine
+    from tessera.train.trainer import Trainer
+    from tests.hang_guard import HANG_S
+    from tests.infer.running_server import RunningServer
+    from tests.train.runs import TINY_DENSE, build_small_dataset, shrink
+
+    (tmp_path / "data").mkdir()
+    data = build_small_dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    Trainer(load_config(TINY_DENSE, shrink(data, run, 4, **{"model.mtp_depth": 1, "checkpoint.interval": 4}))).train()
+    body = {"model": "tiny", "prompt": "def main(", "max_tokens": 16, "temperature": 0.0}
+    plain = LLMEngine.from_dir(run, EngineConfig(block_size=4))
+    with RunningServer(plain, name="tiny") as s:
+        want = httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S).json()["choices"][0]["text"]
+    engine = LLMEngine.from_dir(run, EngineConfig(block_size=4, speculative={"method": "mtp", "num_tokens": 2}))
+    assert engine.model.mtp is not None
+    with RunningServer(engine, name="tiny") as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        text = httpx.get(s.url + "/metrics").text
+    proposed = [ln for ln in text.splitlines() if ln.startswith("tessera_spec_proposed_tokens_total")]
+    assert proposed and float(proposed[0].split()[-1]) > 0
+    assert "# TYPE tessera_spec_acceptance_rate" in text
