@@ -13,7 +13,6 @@ from tessera.config.errors import ParallelError
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
 from tessera.parallel.dims import ParallelDims
-
 from tessera.parallel.testing import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 

@@ -49,7 +49,7 @@ class HFSliceReader:
     """Boxes of Tessera tensors read from the safetensors of HuggingFace directory `path`."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig):
-        self.path = Path(path)
+        self.path, self.cfg = Path(path), cfg
         self.names = hf_names(cfg)
         self.files = SafetensorsDir(self.path)
         self.bytes_read = 0
