@@ -420,6 +420,8 @@ def _validate_distill(cfg: RunConfig, need: Any) -> None:
          "dp_replicate, dp_shard, tp, ep, cp)")
     need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
          "0 or null with train.distill.teacher (distillation needs the student's logits)")
+    need(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth,
+         "0 with train.distill.teacher (the distillation objective has no multi-token-prediction term)")
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:

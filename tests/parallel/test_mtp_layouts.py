@@ -57,3 +57,12 @@ def test_context_parallelism_is_refused_by_name():
     with pytest.raises(ParallelError, match=r"cp=2 is invalid with model.mtp_depth=1"):
         dims.validate(cfg, 2)
     ParallelDims.from_config(ParallelConfig(cp=2, dp_shard=1), 2).validate(get_preset("tiny-llama"), 2)
+
+
+def test_distillation_with_mtp_is_refused_by_name(tmp_path):
+    from tessera.config.errors import ConfigError
+    from tessera.config.schema import load_config
+    from tests.train.runs import TINY_DENSE
+
+    with pytest.raises(ConfigError, match=r"model.mtp_depth=1 is invalid: 0 with train.distill.teacher"):
+        load_config(TINY_DENSE, [f"train.distill.teacher={tmp_path}", "model.mtp_depth=1"])
