@@ -16,7 +16,10 @@ samples, which is what one process computes with `train.micro_batch_size` of tha
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
 hook on each stage that runs before the stage hands its output on. Tied embeddings: the first and
 last stage each hold the embedding; their gradients are summed after the schedule's backward and
-the norm counts it once (tessera.parallel.tied_embeddings). fp16: the loss function returns its
+the norm counts it once (tessera.parallel.tied_embeddings); with multi-token prediction
+(model.mtp_depth) the last stage holds the embedding too, the same way, and gets the token ids,
+targets and N as the schedule's keyword arguments: its MTP loss / N rides on its auxiliary loss.
+fp16: the loss function returns its
 loss scaled, and each stage scales its auxiliary loss's gradient (loss_scaler.py). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
 step_stats.py.

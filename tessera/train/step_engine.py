@@ -13,7 +13,8 @@ They share here:
 - `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
 - `accumulate_micro_batches`: forward (with the targets, so a model whose `loss_chunk_tokens` is
   set returns its chunked LM-head loss instead of logits: `model_loss_sum`), the micro-batch's
-  share of the global-batch objective (`loss.micro_batch_objective`), multiplied by the fp16 loss
+  share of the global-batch objective (`loss.micro_batch_objective`; with multi-token prediction
+  its weighted token-loss sum joins the main one), multiplied by the fp16 loss
   scale, and backward for each micro-batch of a rank's rows, statistics
   gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
