@@ -42,9 +42,17 @@ from tessera.models.transformer import Transformer
 class _MTPState:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions 0..num_computed-1 hold the module's keys/values from the target's states
-    hidden_start: int = -1  # position of hidden[0] (-1: nothing observed yet)
+    hidden_start: int = 0  # position of hidden[0]
     hidden: torch.Tensor | None = None  # [n, D] the target's last hidden states of positions hidden_start..
     block_hashes: list[bytes] = field(default_factory=list)  # unused: no prefix reuse in the module's cache
+    drafts: bool = True  # False once positions are missing (a cached prefix, a gap): no drafts for it
+
+
+def _trim(st: _MTPState) -> None:
+    """Drop the target's states of positions the module has already run (it never reads them again)."""
+    if st.hidden is not None and st.num_computed > st.hidden_start:
+        st.hidden = st.hidden[st.num_computed - st.hidden_start:]
+        st.hidden_start = st.num_computed
 
 
 class _OneLayer:
@@ -85,16 +93,19 @@ class MTPProposer:
     def observe(self, request_id: str, start: int, hidden_TD: torch.Tensor) -> None:
         """The target's last hidden states of positions start.. of a request (this step's rows)."""
         st = self.state.setdefault(request_id, _MTPState())
+        if not st.drafts:
+            return
         if st.hidden is None:
-            st.hidden_start, st.hidden = start, hidden_TD
-            st.num_computed = start  # a prompt past cached blocks: the module never sees them
+            # a prompt past cached prefix blocks: the module would attend over positions it never ran
+            st.drafts = start == 0
+            st.hidden_start, st.hidden = start, hidden_TD if st.drafts else None
             return
         keep = start - st.hidden_start
         if keep < 0 or keep > st.hidden.shape[0]:
-            st.hidden = None  # a gap: this request drafts no more
-            st.hidden_start = 1 << 62
+            st.drafts, st.hidden = False, None  # a gap in the positions: this request drafts no more
             return
         st.hidden = torch.cat([st.hidden[:keep], hidden_TD])
+        _trim(st)
 
     def rollback(self, request_id: str, num_kept: int) -> None:
         """The target kept positions 0..num_kept-1: forget its states of the rejected drafts."""
@@ -130,6 +141,7 @@ class MTPProposer:
                 proposals[i].probs = torch.stack(qs)
         for r in rows.values():
             r.state.num_computed = len(r.seq.token_ids) - 1  # the drafts' keys/values are not kept
+            _trim(r.state)
         return proposals
 
     def _catch_up_row(self, seq: Sequence, limit: int) -> _Row | None:
@@ -137,7 +149,7 @@ class MTPProposer:
         the real next tokens (None: no drafts for it this step)."""
         st = self.state.get(seq.request_id)
         N = len(seq.token_ids)
-        if limit <= 0 or st is None or st.hidden is None:
+        if limit <= 0 or st is None or not st.drafts or st.hidden is None:
             return None
         a, b = st.num_computed, N - 1  # positions a..b-1
         if a >= b or a < st.hidden_start or b - st.hidden_start > st.hidden.shape[0]:
