@@ -112,13 +112,15 @@ def _stored_tensor_names(path: Path) -> set[str]:
         return set(weight_map) if isinstance(weight_map, dict) else set()
     names: set[str] = set()
     for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            size = int.from_bytes(head, "little") if len(head) == 8 else 0
-            if not 0 < size <= MAX_SAFETENSORS_HEADER:  # not a header: the loader names the file
-                continue
-            header = json.loads(fh.read(size))
-        names.update(k for k in header if k != "__metadata__")
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                size = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header = json.loads(fh.read(size)) if 0 < size <= MAX_SAFETENSORS_HEADER else {}
+        except (OSError, ValueError):  # a damaged file: the loader names it when it reads the weights
+            continue
+        if isinstance(header, dict):
+            names.update(k for k in header if k != "__metadata__")
     return names
 
 
