@@ -54,7 +54,9 @@ class DeepseekV3(MoEFamily):
                  n_routed_experts=e.num_experts, num_experts_per_tok=e.top_k, moe_intermediate_size=e.ffn_dim,
                  n_shared_experts=e.shared_ffn_dim // e.ffn_dim, first_k_dense_replace=e.first_k_dense,
                  n_group=e.n_groups, topk_group=e.topk_groups, routed_scaling_factor=e.scaling_factor,
-                 norm_topk_prob=e.norm_topk_prob, attention_bias=False, num_nextn_predict_layers=cfg.mtp_depth)
+                 norm_topk_prob=e.norm_topk_prob, attention_bias=False)
+        if cfg.mtp_depth:  # absent otherwise, as transformers' own export leaves the MTP layers out
+            d["num_nextn_predict_layers"] = cfg.mtp_depth
 
     # ---- multi-token prediction: the layers after the last decoder layer ----------------------
     def tensor_names(self, cfg) -> dict[str, list[str]]:
@@ -85,7 +87,7 @@ class DeepseekV3(MoEFamily):
         return out
 
     def check_mtp_exportable(self, cfg) -> None:
-        pass  # num_nextn_predict_layers: written by moe_to_hf
+        pass  # num_nextn_predict_layers: written by moe_to_hf when mtp_depth > 0
 
     def moe_requirements(self, e) -> dict[str, Any]:
         return {"score_func": "sigmoid", "softmax_before_topk": True, "expert_bias": True, "layer_freq": 1,
