@@ -119,8 +119,9 @@ class PipelineStep:
         self._routing = {}
         try:
             # multi-token prediction: the last stage, which receives hidden states, gets the ids too
-            mtp = {} if not self.mtp else {"mtp_inputs": inputs.to(self.device),
-                                           "mtp_targets": targets.to(self.device), "mtp_divisor": self.loss.divisor}
+            mtp = {} if not self.mtp else {"mtp_inputs": inputs.contiguous().to(self.device),
+                                           "mtp_targets": targets.contiguous().to(self.device),
+                                           "mtp_divisor": self.loss.divisor}
             with mixed_precision(self.device, self.autocast_dtype):
                 self.run.step(inputs.to(self.device), targets.to(self.device), **mtp)
             if self.tied is not None:
