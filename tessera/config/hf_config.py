@@ -9,6 +9,7 @@ transformers 5's `rope_parameters`, and writes the legacy keys, which every tran
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,10 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     d = read_json_object(cfg_file)
     check_config_fields(d, cfg_file)
     try:
-        return config_from_hf(d)
+        cfg = config_from_hf(d)
+        cfg.mtp_depth = stored_mtp_depth(Path(path), d, cfg.n_layers)
+        cfg.validate()
+        return cfg
     except ModelError:  # an architecture Tessera does not reproduce: already names the field
         raise
     except ConfigError as e:  # values that do not fit together: a bad file, not a bad command line
@@ -83,6 +87,41 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{str(cfg_file)!r}: required field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
+
+
+MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the safetensors format's own limit
+
+
+def stored_mtp_depth(path: Path, d: dict[str, Any], n_layers: int) -> int:
+    """DeepSeek-V3's multi-token-prediction layers (`num_nextn_predict_layers`, the layers after
+    the last decoder layer) that the directory's weights hold: all of them, or 0 when the files
+    lack them (transformers drops those layers and writes the field anyway)."""
+    depth = d.get("num_nextn_predict_layers") or 0
+    if not depth:
+        return 0
+    names = _stored_tensor_names(path)
+    wanted = {f"model.layers.{n_layers + k}.eh_proj.weight" for k in range(depth)}
+    return depth if wanted <= names else 0
+
+
+def _stored_tensor_names(path: Path) -> set[str]:
+    """The tensor names of a directory's safetensors: the index's, else each file's header."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        return set(weight_map) if isinstance(weight_map, dict) else set()
+    names: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                size = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header = json.loads(fh.read(size)) if 0 < size <= MAX_SAFETENSORS_HEADER else {}
+        except (OSError, ValueError):  # a damaged file: the loader names it when it reads the weights
+            continue
+        if isinstance(header, dict):
+            names.update(k for k in header if k != "__metadata__")
+    return names
 
 
 # Fields that decide the weights' shapes (nested ones dotted; a whole `moe` / `mla` section present in

@@ -19,6 +19,7 @@ MAX_YAML_DEPTH = 64  # nesting of sections and lists; real configs nest 4 deep
 MAX_VOCAB_SIZE = 2**22  # 4,194,304 tokens (Gemma 3: 262,144; LLaMA-3: 128,256)
 MAX_DIM = 65_536  # hidden size (LLaMA-3.1 405B: 16,384); also the MLA ranks
 MAX_LAYERS = 1_024  # decoder layers (LLaMA-3.1 405B: 126)
+MAX_MTP_DEPTH = 16  # multi-token-prediction modules (DeepSeek-V3 trains 1)
 MAX_HEADS = 1_024  # attention (and key/value) heads (405B, DeepSeek-V3: 128)
 MAX_HEAD_DIM = 4_096  # per-head size, also the MLA head parts (Gemma: 256)
 MAX_FFN_DIM = 262_144  # SwiGLU hidden size of dense, routed and shared experts (405B: 53,248)

@@ -24,6 +24,7 @@ from tessera.config.limits import (
     MAX_HEAD_DIM,
     MAX_HEADS,
     MAX_LAYERS,
+    MAX_MTP_DEPTH,
     MAX_SEQ_LEN,
     MAX_SINKHORN_ITERS,
     MAX_VOCAB_SIZE,
@@ -133,6 +134,11 @@ class ModelConfig:
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
     init_std: float = 0.02  # normal init std of every weight matrix
+    # Multi-token prediction (DeepSeek-V3 section 2.2; tessera/models/mtp.py): mtp_depth modules
+    # after the last layer, module k predicting token i+k+1; 0 = off. The training objective adds
+    # mtp_loss_weight / mtp_depth * sum_k (depth k's token-loss sum) / N (lambda in the report).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -174,6 +180,10 @@ class ModelConfig:
              self.n_kv_heads, f"must be positive and divide n_heads={self.n_heads}")
         need(0 < self.head_dim <= MAX_HEAD_DIM and (self.mla is not None or self.head_dim % 2 == 0), "head_dim",
              self.head_dim, f"must be a positive even number (RoPE rotates pairs), at most {MAX_HEAD_DIM:,}")
+        need(0 <= self.mtp_depth <= MAX_MTP_DEPTH, "mtp_depth", self.mtp_depth,
+             f"must be an integer in 0..{MAX_MTP_DEPTH} (0 = no multi-token prediction)")
+        need(_finite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0, "mtp_loss_weight", self.mtp_loss_weight,
+             "must be a finite number >= 0")
         for key in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, key)
             need(_finite(value) and value > 0, key, value, "must be a finite number > 0")

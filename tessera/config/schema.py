@@ -427,6 +427,8 @@ def _validate_distill(cfg: RunConfig, need: Any) -> None:
         return
     need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
          "0 or null with train.distill.teacher (distillation needs the student's logits)")
+    need(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth,
+         "0 with train.distill.teacher (the distillation objective has no multi-token-prediction term)")
     _validate_hidden_matching(cfg, need)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from tessera.config.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("draft", "prompt_lookup")
+SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 
 
@@ -27,7 +27,9 @@ class SpeculativeConfig:
     """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a cheap proposer guesses
     `num_tokens` tokens, the target model scores all of them in one forward pass."""
 
-    method: str = "prompt_lookup"  # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams
+    # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams; "mtp": the served
+    # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/mtp_proposer.py)
+    method: str = "prompt_lookup"
     num_tokens: int = 4  # k: tokens proposed per step (the target then scores k + 1 positions)
     draft_model: str | None = None  # HuggingFace directory of the draft model (method "draft")
     ngram_max: int = 3  # prompt lookup: the longest suffix n-gram searched for in the context
@@ -128,6 +130,13 @@ class EngineConfig:
             _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
                   "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
         spec = self.speculative
+        if spec is not None and spec.method == "mtp":
+            # the MTP draft reads the target's hidden states from the packed step on this process
+            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                  "speculative.method='mtp' drafts on one process; use tensor_parallel_size=1")
+            _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
+                  "speculative.method='mtp' decodes in the packed step (it reads its hidden states); use []")
+            self.decode_batch_sizes = []
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
                   self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")

@@ -80,7 +80,8 @@ class InProcessExecutor:
         self.model = model
         self.lora = lora_manager(model, config)
         self.local, self.geometry = build_paged_model(model, config, self.lora)
-        self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks))
+        self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
+                                                            self.local))
         self.kv_tiers: KVTierStore | None = None  # the host / disk tiers' bytes, when the engine has tiers
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:

@@ -55,6 +55,7 @@ class ModelRunner:
         proposals = self._propose(plan.scheduled)
         items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
         logits_TV, offsets = self.paged.forward_split(items)
+        self._observe(plan.scheduled, items, offsets)
         # rows each completing request samples from: its last computed position (and its drafts)
         rows = {s.seq.request_id: range(o + s.num_tokens - 1, o + len(it.tokens))
                 for s, it, o in zip(plan.scheduled, items, offsets) if s.completes}
@@ -73,6 +74,16 @@ class ModelRunner:
             return {}
         proposals = self.proposer.propose([s.seq for s in spec], [s.draft_limit for s in spec])
         return {s.seq.request_id: p for s, p in zip(spec, proposals) if p.tokens}
+
+    def _observe(self, scheduled: list[ScheduledSequence], items: list[BatchItem], offsets: list[int]) -> None:
+        """Hand a proposer that drafts from the target's hidden states (mtp_proposer.py) each
+        request's rows of this step's forward."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is None:
+            return
+        hidden_TD = self.paged.hidden
+        for s, it, o in zip(scheduled, items, offsets, strict=True):
+            observe(s.seq.request_id, it.start, hidden_TD[o:o + len(it.tokens)].clone())
 
     def _sampled(self, s: ScheduledSequence, logits_TV: torch.Tensor, rows: range, host: dict,
                  proposal: Proposal | None) -> SampledTokens:

@@ -61,6 +61,10 @@ class PagedModel:
         self.device = torch.device(device)
         self.lora = lora  # tessera.infer.lora.LoRAManager or None
         self.decoder = decoder
+        # keep the last packed forward's final hidden states before the norm, [T, D] (`hidden`):
+        # what the multi-token-prediction draft reads (mtp_proposer.py)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -107,6 +111,8 @@ class PagedModel:
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
+        if self.keep_hidden:
+            self.hidden = out.last_hidden[0]
         return out.logits[0]
 
 

@@ -4,6 +4,8 @@
   latest earlier occurrence of the context's last n tokens (n from ngram_max down to ngram_min)
   and propose the tokens that followed it. Costs no model call; pays off on text that repeats
   its context (code edits, quoting, extraction, loops).
+- `MTPProposer` (mtp_proposer.py): the target's own multi-token-prediction module drafts from
+  the target's hidden states (DeepSeek-V3's MTP; `model.mtp_depth`).
 - `DraftModelProposer`: a small model with the same vocabulary proposes k tokens autoregressively
   (Leviathan et al. 2023). It keeps its own paged KV cache; each call first catches up on the
   tokens the target accepted since the last call, in one packed forward pass.
@@ -25,17 +27,12 @@ from tessera.checkpoint.loading import load_model
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
+from tessera.infer.draft_tokens import Proposal, draw_tokens
 from tessera.infer.kv_cache import PagedKVCache
+from tessera.infer.mtp_proposer import MTPProposer
 from tessera.infer.paged_model import BatchItem, PagedModel
-from tessera.infer.sampling import processed_probs, sample_from
 from tessera.infer.sequence import Sequence
 from tessera.models.transformer import Transformer
-
-
-@dataclass
-class Proposal:
-    tokens: list[int] = field(default_factory=list)
-    probs: torch.Tensor | None = None  # [len(tokens), V] draft distributions; None: deterministic proposer
 
 
 def ngram_lookup(tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
@@ -101,21 +98,6 @@ class DraftModelProposer:
         self.paged = PagedModel(model, self.kv, device)
         self.state: dict[str, _DraftState] = {}
 
-    @staticmethod
-    def _draw(seqs: list[Sequence], logits_RV: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """The next draft token of each of `seqs` from its row of `logits_RV`: the greedy ones' argmaxes
-        come to the host in one transfer; sampled ones draw from their processed distribution q."""
-        greedy = [r for r, seq in enumerate(seqs) if seq.params.greedy]
-        argmax = dict(zip(greedy, logits_RV[greedy].argmax(-1).tolist())) if greedy else {}
-        out: list[tuple[int, torch.Tensor | None]] = []
-        for r, seq in enumerate(seqs):
-            if r in argmax:
-                out.append((argmax[r], None))
-            else:
-                q = processed_probs(logits_RV[r:r + 1], seq.params)[0]
-                out.append((sample_from(q, seq.generator), q))
-        return out
-
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
         proposals = [Proposal() for _ in seqs]
         active = []
@@ -134,7 +116,7 @@ class DraftModelProposer:
         logits = self.paged.forward(items)
         ends = np.cumsum([len(it.tokens) for it in items]) - 1
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in active}
-        drawn = self._draw([seq for _, seq, _, _ in active], logits[ends.tolist()])
+        drawn = draw_tokens([seq for _, seq, _, _ in active], logits[ends.tolist()])
         for (i, seq, st, _), (tok, q) in zip(active, drawn):
             st.num_computed = len(seq.token_ids)
             proposals[i].tokens.append(tok)
@@ -145,7 +127,7 @@ class DraftModelProposer:
             step = [(i, seq, st) for i, seq, st, lim in active if lim > j]
             items = [BatchItem([proposals[i].tokens[-1]], st.num_computed, st.block_table) for i, _, st in step]
             logits = self.paged.forward(items)
-            for (i, _, st), (tok, q) in zip(step, self._draw([seq for _, seq, _ in step], logits)):
+            for (i, _, st), (tok, q) in zip(step, draw_tokens([seq for _, seq, _ in step], logits)):
                 st.num_computed += 1
                 proposals[i].tokens.append(tok)
                 if q is not None:
@@ -167,14 +149,25 @@ class DraftModelProposer:
             self.blocks.free_sequence(st)
 
 
-def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int) -> Proposer | None:
+def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
+                   target: PagedModel | None = None) -> Proposer | None:
     """The proposer `config.speculative` asks for (None without speculative decoding); a draft
-    model is loaded from its directory, with a cache of `num_blocks` blocks like the target's."""
+    model is loaded from its directory, with a cache of `num_blocks` blocks like the target's;
+    "mtp" drafts with `target`'s own multi-token-prediction module (mtp_proposer.py), which reads
+    the hidden states of `target`'s forward passes."""
     spec = config.speculative
     if spec is None:
         return None
     if spec.method == "prompt_lookup":
         return PromptLookupProposer(spec.num_tokens, spec.ngram_max, spec.ngram_min)
+    if spec.method == "mtp":
+        if target is None:
+            raise ConfigError("speculative.method='mtp' drafts from the served model in this process; "
+                              "it is not available here (tensor_parallel_size > 1)")
+        proposer = MTPProposer(target.model, spec.num_tokens, num_blocks, config.block_size, config.torch_dtype,
+                               config.device)
+        target.keep_hidden = True
+        return proposer
     dtype = config.torch_dtype
     draft = load_model(spec.draft_model, dtype, config.device).model
     return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,

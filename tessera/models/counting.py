@@ -56,7 +56,16 @@ def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     return attention_params(cfg) + mlp_params(cfg, layer, active) + 2 * cfg.dim
 
 
+def mtp_params(cfg: ModelConfig, active: bool = False) -> int:
+    """The multi-token-prediction modules (mtp.py): per depth k its block (layer n_layers + k - 1),
+    the 2d -> d projection and three norms; the embedding and head are the model's."""
+    d = cfg.dim
+    return sum(layer_params(cfg, cfg.n_layers + k - 1, active) + 2 * d * d + 3 * d
+               for k in range(1, cfg.mtp_depth + 1))
+
+
 def count_params(cfg: ModelConfig, active: bool = False) -> int:
-    """Total parameters; active=True counts only the top-k routed experts of each MoE layer."""
+    """Total parameters, the MTP modules included; active=True counts only the top-k routed
+    experts of each MoE layer."""
     body = sum(layer_params(cfg, i, active) for i in range(cfg.n_layers))
-    return body + embedding_params(cfg) + cfg.dim
+    return body + embedding_params(cfg) + cfg.dim + mtp_params(cfg, active)

@@ -15,6 +15,12 @@ its token losses (`ModelOutput.loss_sum`, by `chunked_linear_cross_entropy`) ins
 so the whole micro-batch's full-vocabulary logits never exist. A head that tensor parallelism
 has cut over the vocabulary (a DTensor weight) keeps returning logits for the vocabulary-parallel
 loss. Shapes: B batch, S sequence, D model dim, V vocabulary.
+
+With `model.mtp_depth` > 0 the model holds DeepSeek-V3's multi-token-prediction modules
+(`mtp`, tessera/models/mtp.py) and, given targets, returns their token-loss sums
+(`ModelOutput.mtp_loss_sums`, and `mtp_loss_sum`, the weighted sum the objective adds). Their
+cross-entropy over plain logits goes through a seam, `token_loss` (a `TokenLoss`): torch's on one
+process; tensor parallelism installs the vocabulary-parallel one.
 """
 
 from __future__ import annotations
@@ -24,16 +30,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
-from tessera.models.chunked_cross_entropy import chunked_linear_cross_entropy
+from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
+from tessera.models.mtp import MTPModule, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import rope_cos_sin, rope_frequencies
 
@@ -58,6 +66,17 @@ def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
 TiedHead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# (logits [B, S, V], targets [B, S] with IGNORE_INDEX) -> fp32 sum of the token cross-entropies.
+TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def plain_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """The `TokenLoss` of one process: torch's cross-entropy in fp32, summed."""
+    V = logits_BSV.shape[-1]
+    return F.cross_entropy(logits_BSV.float().reshape(-1, V), targets_BS.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
 def tied_projection(h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Tensor:
     """The `TiedHead` of one process: logits against every row of the embedding matrix."""
     return h_BSD @ embedding_VD.T
@@ -70,7 +89,13 @@ class ModelOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
     hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
+    last_hidden: torch.Tensor | None = None  # the last layer's output [B, S, D], before the final norm
     loss_sum: torch.Tensor | None = None  # fp32 sum of token losses, when the model computed it (chunked)
+    # multi-token prediction, given targets: depth k -> fp32 sum of its token losses; their
+    # weighted sum mtp_loss_weight / mtp_depth * sum_k (what the objective adds to the main sum)
+    mtp_loss_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    mtp_loss_sum: torch.Tensor | None = None
+    mtp_objective: torch.Tensor | None = None  # mtp_loss_sum / mtp_divisor, when forward was given one
 
 
 class TransformerBlock(nn.Module):
@@ -109,6 +134,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # multi-token prediction depths 1..mtp_depth, keyed "1".. (tessera/models/mtp.py)
+        self.mtp = nn.ModuleDict({
+            str(k): MTPModule(cfg.dim, cfg.norm_eps, TransformerBlock(cfg, cfg.n_layers + k - 1))
+            for k in range(1, cfg.mtp_depth + 1)}) if cfg.mtp_depth > 0 else None
+        self.token_loss: TokenLoss = plain_token_loss  # the MTP losses' cross-entropy (module docstring)
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
@@ -172,9 +202,17 @@ class Transformer(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+                cache: AttentionCache | None = None, targets: torch.Tensor | None = None,
+                mtp_inputs: torch.Tensor | None = None, mtp_targets: torch.Tensor | None = None,
+                mtp_divisor: float | None = None) -> ModelOutput:
         """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
-        `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`)."""
+        `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`).
+
+        Multi-token prediction runs when the model has it and targets are given: `mtp_inputs` /
+        `mtp_targets` (default: `input_ids` and `targets`) are the token ids and targets of the
+        sequence, what a pipeline's last stage, which receives hidden states, is handed;
+        `mtp_divisor` N also returns `mtp_objective` = mtp_loss_sum / N (the pipeline's stage
+        adds it to its auxiliary loss)."""
         B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D] (S / tp under sp)
         if input_ids.is_floating_point():
             S *= self.received_sequence_shards
@@ -183,24 +221,55 @@ class Transformer(nn.Module):
         # Token ids are embedded; hidden states pass on (the last stage may hold the tied embedding).
         h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
-        aux_loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        aux_losses: dict[str, torch.Tensor] = {}
-        counts: dict[int, torch.Tensor] = {}
+        out = ModelOutput(logits=None, aux_loss=torch.zeros((), dtype=torch.float32, device=h.device))
         for key, layer in self.layers.items():
             h, route = layer(h, cos, sin, cache)
-            if route is not None:
-                counts[int(key)] = route.counts_E
-                for name, value in route.losses.items():
-                    aux_losses[f"layer{key}/{name}"] = value
-                    aux_loss = aux_loss + value
+            self._add_route(out, f"layer{key}", int(key), route)
+        h_last = out.last_hidden = h
         h = self.norm(h) if self.norm is not None else h
+        out.hidden = h
+        mtp_targets = mtp_targets if mtp_targets is not None else targets
+        mtp_inputs = mtp_inputs if mtp_inputs is not None else input_ids
+        if self.mtp is not None and mtp_targets is not None and not mtp_inputs.is_floating_point():
+            self._multi_token_losses(out, h_last, mtp_inputs, mtp_targets, cos, sin)
+            if mtp_divisor is not None:
+                out.mtp_objective = out.mtp_loss_sum / mtp_divisor
         if targets is not None and self.computes_chunked_loss(h):
-            loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
-                                                    targets.reshape(-1), self.loss_chunk_tokens)
-            return ModelOutput(logits=None, aux_loss=aux_loss, aux_losses=aux_losses, expert_counts=counts,
-                               hidden=h, loss_sum=loss_sum)
-        logits = self.lm_head(h)
-        return ModelOutput(logits=logits, aux_loss=aux_loss, aux_losses=aux_losses, expert_counts=counts, hidden=h)
+            out.loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
+                                                        targets.reshape(-1), self.loss_chunk_tokens)
+            return out
+        out.logits = self.lm_head(h)
+        return out
+
+    @staticmethod
+    def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | None) -> None:
+        """A block's routing counts and auxiliary losses into `out` (nothing for a dense block)."""
+        if route is None:
+            return
+        out.expert_counts[layer_id] = route.counts_E
+        for loss_name, value in route.losses.items():
+            out.aux_losses[f"{name}/{loss_name}"] = value
+            out.aux_loss = out.aux_loss + value
+
+    def _multi_token_losses(self, out: ModelOutput, h_BSD: torch.Tensor, input_ids: torch.Tensor,
+                            targets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Every depth's token-loss sum (tessera/models/mtp.py) and their weighted sum into `out`."""
+        total = None
+        for key, module in self.mtp.items():
+            k = int(key)
+            h_BSD, route = module(h_BSD, self.tok_embeddings(depth_inputs(input_ids, k)), cos, sin)
+            self._add_route(out, f"mtp{k}", self.cfg.n_layers + k - 1, route)
+            out.mtp_loss_sums[k] = self._head_loss_sum(module.norm(h_BSD), depth_targets(targets, k))
+            total = out.mtp_loss_sums[k] if total is None else total + out.mtp_loss_sums[k]
+        out.mtp_loss_sum = total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)
+
+    def _head_loss_sum(self, h_BSD: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The shared head's summed token loss of normed hidden states: chunked where the main
+        loss is, else through the `token_loss` seam."""
+        if self.computes_chunked_loss(h_BSD):
+            return chunked_linear_cross_entropy(h_BSD.reshape(-1, h_BSD.shape[-1]), self.head_weight(),
+                                                targets.reshape(-1), self.loss_chunk_tokens)
+        return self.token_loss(self.lm_head(h_BSD), targets)
 
     def lm_head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
@@ -222,8 +291,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """One aux-loss-free balancing step per MoE layer from its summed routing counts."""
+        blocks = {int(k): b for k, b in self.layers.items()}
+        blocks.update({self.cfg.n_layers + int(k) - 1: m.block for k, m in (self.mtp or {}).items()})
         for layer_id, c in counts.items():
-            key = str(layer_id)
-            if key in self.layers and hasattr(self.layers[key], "moe"):
-                self.layers[key].moe.router.update_bias(c)
+            if layer_id in blocks and hasattr(blocks[layer_id], "moe"):
+                blocks[layer_id].moe.router.update_bias(c)
 

@@ -59,7 +59,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int = 
     # param_dtype=None: the router's weight is gathered in its own dtype (fp32) and its inputs are
     # not cast (the router computes its logits in fp32 anyway).
     router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-    for block in model.layers.values():
+    mtp = getattr(model, "mtp", None) or {}  # multi-token prediction blocks: wrapped like the layers
+    for block in [*model.layers.values(), *(m.block for m in mtp.values())]:
         if dims.ep > 1 and hasattr(block, "moe"):
             fully_shard(block.moe.experts, mesh=expert_dp_mesh(dims), reshard_after_forward=reshard,
                         mp_policy=mp)

@@ -115,15 +115,21 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float,
     for key in list(model.layers.keys()):
         if int(key) not in owned:
             del model.layers[key]
-    if stage != 0 and not (model.cfg.tie_embeddings and stage == num_stages - 1):
+    # The last stage embeds too with tied embeddings (its head) or multi-token prediction (its modules).
+    embeds_last = model.cfg.tie_embeddings or getattr(model, "mtp", None) is not None
+    if stage != 0 and not (embeds_last and stage == num_stages - 1):
         model.tok_embeddings = None
     if stage != num_stages - 1:
         model.norm = None
         model.output = None
+        model.mtp = None
         model.lm_head = _pass_hidden_states  # no head here: hidden states go to the next stage
 
     def stage_output(module, args, out):
-        aux = (aux_grad_scale(out.aux_loss) if aux_grad_scale is not None else out.aux_loss) * aux_scale
+        scale = aux_grad_scale if aux_grad_scale is not None else (lambda loss: loss)
+        aux = scale(out.aux_loss) * aux_scale
+        if getattr(out, "mtp_objective", None) is not None:  # multi-token prediction's loss / N
+            aux = aux + scale(out.mtp_objective)
         return AttachAuxLoss.apply(out.logits, aux) if aux.requires_grad else out.logits
 
     model.register_forward_hook(stage_output)
@@ -158,28 +164,30 @@ class PipelineRun:
         for m in self.modules:
             yield from m.named_parameters()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> list[torch.Tensor]:
         """Forward and backward of this rank's part of the batch (cut into micro-batches by the
-        schedule); returns the last stage's per-micro-batch losses (empty elsewhere)."""
-        return self._run(self.schedule.step, inputs, targets)
+        schedule); returns the last stage's per-micro-batch losses (empty elsewhere).
+        `model_kwargs` reach every stage's forward, tensors cut into the same micro-batches
+        (multi-token prediction's token ids and targets on the last stage)."""
+        return self._run(self.schedule.step, inputs, targets, **model_kwargs)
 
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """Forward only (the schedule's eval): the last stage's per-micro-batch losses, no gradients."""
         return self._run(self.schedule.eval, inputs, targets)
 
-    def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor, **kw) -> list[torch.Tensor]:
         # A batch's inputs and targets are views of one [B, seq + 1] token tensor (row stride seq + 1);
         # torch 2.11's stages check each micro-batch's strides against the contiguous ones they expect.
         inputs, targets = inputs.contiguous(), targets.contiguous()
         losses: list[torch.Tensor] = []
         if self.has_first_stage and self.has_last_stage:
-            call(inputs, target=targets, losses=losses)
+            call(inputs, target=targets, losses=losses, **kw)
         elif self.has_first_stage:
-            call(inputs)
+            call(inputs, **kw)
         elif self.has_last_stage:
-            call(target=targets, losses=losses)
+            call(target=targets, losses=losses, **kw)
         else:
-            call()
+            call(**kw)
         return losses
 
 

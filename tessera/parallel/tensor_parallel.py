@@ -20,6 +20,11 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
     tied head (tie_embeddings)  the embedding's own vocabulary shard, one DTensor weight for both
                                 (`VocabParallelTiedHead`, the model's `tied_head` seam)
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
+    mtp.{k}.block               the block's plan (multi-token prediction, models/mtp.py)
+    mtp.{k}.enorm / hnorm /     replicated; under sp the norms run on the sequence slice and
+      eh_proj / norm            eh_proj gathers the sequence and returns this rank's slice; the
+                                modules' cross-entropy is the vocabulary-parallel one (the model's
+                                `token_loss` seam)
 
 Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and
 MoE gather the sequence on entry and reduce-scatter on exit. Without sp it is a replicated
@@ -45,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.parallel.collectives import copy_to_group
+from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
 
 
 def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
@@ -153,7 +159,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> No
         model.received_sequence_shards = tp_mesh.size()
     if model.cfg.tie_embeddings and model.tok_embeddings is not None:
         model.tied_head = VocabParallelTiedHead(tp_mesh, Shard(1) if sp else Replicate())
-    for block in model.layers.values():
+    mtp = getattr(model, "mtp", None) or {}
+    for block in [*model.layers.values(), *(m.block for m in mtp.values())]:
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
+    if mtp:
+        model.token_loss = vocab_parallel_loss_sum
+    if mtp and sp:
+        local = SequenceParallel(use_local_output=True)  # the residual stream stays a local tensor
+        # The projection takes the whole sequence and hands back this rank's slice: its weight
+        # stays a plain tensor whose gradient every rank computes whole (a sequence-parallel weight's
+        # would be a partial sum).
+        whole = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        for m in mtp.values():
+            parallelize_module(m, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": whole,
+                                            "norm": SequenceParallel()}, src_data_rank=None)

@@ -157,8 +157,10 @@ def _pipeline(model: Transformer, cfg: RunConfig, dims: ParallelDims, device: to
     run = build_pipeline(model, dims, cfg.parallel, microbatches, loss_fn=loss,
                          aux_scale=1.0 / (microbatches * dims.dp_size), parallelize_stage=parallelized,
                          device=device, aux_grad_scale=loss_scaler.scale_grad if loss_scaler is not None else None)
-    # The first and last stage each hold the tied embedding (tessera.parallel.tied_embeddings).
-    tied = TiedEmbeddings(list(run.modules), dims) if cfg.model.tie_embeddings else None
+    # The first and last stage each hold the tied embedding (tessera.parallel.tied_embeddings); the
+    # last one holds it too for multi-token prediction, which embeds the tokens i+k there.
+    shared = cfg.model.tie_embeddings or cfg.model.mtp_depth > 0
+    tied = TiedEmbeddings(list(run.modules), dims) if shared else None
     return Pipeline(run, loss, microbatches, tied)
 
 

@@ -5,7 +5,9 @@ Written every `train.log_interval` steps and at the first, last, evaluation and 
   excluded); distill_loss with train.distill.teacher (T^2 x KL(teacher || student) per loss
   token: tessera.train.distill_loss; the objective is (1 - w) loss + w distill_loss);
   distill_hidden_loss with train.distill.hidden_layers (the hidden-state matching per loss token:
-  tessera.train.hidden_match); lr;
+  tessera.train.hidden_match); with model.mtp_depth D > 0 mtp_loss and mtp_loss/{k} (depth k's
+  token-loss sum per loss token of the main loss, and their mean over depths: the objective adds
+  model.mtp_loss_weight x mtp_loss); lr;
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
   global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
@@ -50,6 +52,9 @@ def step_record(step: int, stats: dict[str, Any], throughput: dict[str, Any], to
     for key in ("distill_loss", "distill_hidden_loss"):
         if key in stats:
             rec[key] = stats[key]
+    if "mtp_loss" in stats:
+        rec["mtp_loss"] = stats["mtp_loss"]
+        rec.update({f"mtp_loss/{k}": v for k, v in stats["mtp_losses"].items()})
     if "loss_scale" in stats:
         rec["loss_scale"] = stats["loss_scale"]
     if moe:

@@ -20,7 +20,10 @@ samples, which is what one process computes with `train.micro_batch_size` of tha
 Statistics the schedule does not return (auxiliary losses, routing counts) are read by a forward
 hook on each stage that runs before the stage hands its output on. Tied embeddings: the first and
 last stage each hold the embedding; their gradients are summed after the schedule's backward and
-the norm counts it once (tessera.parallel.tied_embeddings). fp16: the loss function returns its
+the norm counts it once (tessera.parallel.tied_embeddings); with multi-token prediction
+(model.mtp_depth) the last stage holds the embedding too, the same way, and gets the token ids,
+targets and N as the schedule's keyword arguments: its MTP loss / N rides on its auxiliary loss.
+fp16: the loss function returns its
 loss scaled, and each stage scales its auxiliary loss's gradient (loss_scaler.py). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
 step_stats.py.
@@ -122,6 +125,7 @@ class PipelineStep:
         self.microbatches = pipeline.microbatches
         self.micro_batches_global = self.microbatches * dims.dp_size
         self.parts = list(self.run.modules)
+        self.mtp = any(getattr(m, "mtp", None) is not None for m in self.parts)  # this rank holds MTP modules
         # parallel.optimizer=distributed: one per part; they reduce the gradients after the
         # schedule (its micro-batches are its own, so no reduce-scatter starts inside it)
         self.distributed_optimizers = list(distributed_optimizers)
@@ -135,7 +139,8 @@ class PipelineStep:
             self._routing.setdefault(index, []).append(ModelOutput(
                 logits=None, aux_loss=out.aux_loss.detach(),
                 aux_losses={k: v.detach() for k, v in out.aux_losses.items()},
-                expert_counts={k: v.detach() for k, v in out.expert_counts.items()}))
+                expert_counts={k: v.detach() for k, v in out.expert_counts.items()},
+                mtp_loss_sums={k: v.detach() for k, v in out.mtp_loss_sums.items()}))
 
     def forward_backward(self, batch: Batch) -> dict[str, Any]:
         inputs, targets = rank_rows(batch, self.dims)
@@ -143,8 +148,12 @@ class PipelineStep:
         self.loss.start(float(max(n_loss_tokens, 1)))
         self._routing = {}
         try:
+            # multi-token prediction: the last stage, which receives hidden states, gets the ids too
+            mtp = {} if not self.mtp else {"mtp_inputs": inputs.contiguous().to(self.device),
+                                           "mtp_targets": targets.contiguous().to(self.device),
+                                           "mtp_divisor": self.loss.divisor}
             with mixed_precision(self.device, self.autocast_dtype):
-                self.run.step(inputs.to(self.device), targets.to(self.device))
+                self.run.step(inputs.to(self.device), targets.to(self.device), **mtp)
             if self.tied is not None:
                 self.tied.reduce_gradients()
             routing = self._routing

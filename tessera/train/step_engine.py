@@ -13,7 +13,8 @@ They share here:
 - `mixed_precision`: the autocast region of forward passes (bf16 compute over fp32 weights);
 - `accumulate_micro_batches`: forward (with the targets, so a model whose `loss_chunk_tokens` is
   set returns its chunked LM-head loss instead of logits: `model_loss_sum`), the micro-batch's
-  share of the global-batch objective (`loss.micro_batch_objective`), multiplied by the fp16 loss
+  share of the global-batch objective (`loss.micro_batch_objective`; with multi-token prediction
+  its weighted token-loss sum joins the main one), multiplied by the fp16 loss
   scale, and backward for each micro-batch of a rank's rows, statistics
   gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
@@ -99,8 +100,11 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             out = forward(x, targets=y) if distiller is None else forward(x)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
+        # multi-token prediction (model.mtp_depth): its weighted token-loss sum joins the main one
+        mtp_sum = getattr(out, "mtp_loss_sum", None)
+        objective_sum = micro_sum if mtp_sum is None else micro_sum + mtp_sum
         if distiller is None:
-            objective = micro_batch_objective(micro_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
+            objective = micro_batch_objective(objective_sum, out.aux_loss, global_loss_tokens, global_micro_batches)
         else:
             kd_sum = distiller.kd_sum(out.logits, teacher_logits, y)
             hidden_sum = distiller.hidden.loss_sum(y) if distiller.hidden is not None else None

@@ -42,6 +42,7 @@ class StepStats:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots, summed
     distill_sum: float | None = None  # sum of the KD term's token sums (train.distill), None without a teacher
     hidden_sum: float | None = None  # sum of the hidden-state matching sums (train.distill.hidden_layers)
+    mtp_sums: dict[int, float] = field(default_factory=dict)  # MTP depth -> sum of its token losses
     # fp64 device sums not yet read on the host: "loss", "aux", "aux/<name>"
     pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -65,6 +66,8 @@ class StepStats:
         self._add("aux", out.aux_loss)
         for name, value in out.aux_losses.items():
             self._add(f"aux/{name}", value)
+        for depth, value in getattr(out, "mtp_loss_sums", {}).items():
+            self._add(f"mtp/{depth}", value)
         for layer, c in out.expert_counts.items():
             c = c.detach()
             self.counts[layer] = self.counts[layer] + c if layer in self.counts else c.clone()
@@ -85,6 +88,9 @@ class StepStats:
                 self.distill_sum = (self.distill_sum or 0.0) + value
             elif key == "hidden":
                 self.hidden_sum = (self.hidden_sum or 0.0) + value
+            elif key.startswith("mtp/"):
+                depth = int(key.removeprefix("mtp/"))
+                self.mtp_sums[depth] = self.mtp_sums.get(depth, 0.0) + value
             else:
                 name = key.removeprefix("aux/")
                 self.aux_parts[name] = self.aux_parts.get(name, 0.0) + value
@@ -98,14 +104,17 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
     if dims is None:
         return local
     names = sorted(local.aux_parts)
+    depths = sorted(local.mtp_sums)
     extra = {k: v for k, v in (("distill_sum", local.distill_sum), ("hidden_sum", local.hidden_sum)) if v is not None}
-    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names), *extra.values()],
-                       dtype=torch.float64)
+    vec = torch.tensor([local.loss_sum, local.aux_total, *(local.aux_parts[n] for n in names),
+                        *(local.mtp_sums[d] for d in depths), *extra.values()], dtype=torch.float64)
     vec = global_sum(vec, dims, token_dim(dims))
     counts = sum_expert_counts(local.counts, dims)
-    out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:2 + len(names)].tolist())),
+    mtp_at = 2 + len(names)
+    out = StepStats(float(vec[0]), float(vec[1]), dict(zip(names, vec[2:mtp_at].tolist())),
                     {k: v.cpu() for k, v in counts.items()},
-                    **dict(zip(extra, vec[2 + len(names):].tolist())))
+                    mtp_sums=dict(zip(depths, vec[mtp_at:mtp_at + len(depths)].tolist())),
+                    **dict(zip(extra, vec[mtp_at + len(depths):].tolist())))
     if dims.pp == 1:
         return out
     stages: list[StepStats | None] = [None] * dims.pp
@@ -116,6 +125,7 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
         merged.aux_total += s.aux_total
         merged.aux_parts.update(s.aux_parts)
         merged.counts.update(s.counts)
+        merged.mtp_sums.update(s.mtp_sums)
         if s.distill_sum is not None:
             merged.distill_sum = (merged.distill_sum or 0.0) + s.distill_sum
     return merged
@@ -134,4 +144,8 @@ def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: 
         out["distill_loss"] = stats.distill_sum / max(loss_tokens, 1)
     if stats.hidden_sum is not None:  # the hidden-state matching per loss token (hidden_match.py)
         out["distill_hidden_loss"] = stats.hidden_sum / max(loss_tokens, 1)
+    if stats.mtp_sums:  # multi-token prediction: each depth's token-loss sum per main loss token
+        per_depth = {k: v / max(loss_tokens, 1) for k, v in sorted(stats.mtp_sums.items())}
+        out["mtp_losses"] = per_depth
+        out["mtp_loss"] = sum(per_depth.values()) / len(per_depth)
     return out

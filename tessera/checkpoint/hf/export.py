@@ -36,7 +36,7 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config
-from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_names
 from tessera.checkpoint.hf.writer import write_hf_directory
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
@@ -65,6 +65,9 @@ class _ShardReader:
         for key, hf_keys in hf_names(cfg).items():
             for j, h in enumerate(hf_keys):
                 self.source[h] = (key, j if len(hf_keys) > 1 else None)
+        self.copies = hf_copies(cfg)  # DeepSeek-V3's MTP layers repeat the embedding and head
+        for h, key in self.copies.items():
+            self.source[h] = (key, None)
         self.held = 0
         self.peak_bytes = 0
 
@@ -96,6 +99,8 @@ class _ShardReader:
             key, j = self.source[h]
             t = boxes[MODEL_PREFIX + key][1]
             out[h] = t if j is None else t[j - first[key]]  # a view: keeps its box alive until written
+            if h in self.copies:
+                out[h] = t.clone()  # safetensors stores no two names over one storage
         return out
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf.names import IGNORED_SUFFIXES
+from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_copies
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.checkpoint.parts import allocate
@@ -52,6 +52,7 @@ def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], sou
         if tuple(stored) != tuple(shape):
             raise CheckpointError(f"{source} does not fit the model: {key!r} has shape {list(stored)} there but "
                                   f"{list(shape)} in the model")
+    needed.update(hf_copies(reader.cfg))  # copies of tensors the model holds once: not read
     extra = sorted(k for k in reader.files.files if k not in needed and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and "output.weight" not in shapes))
     if extra:
@@ -114,7 +115,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     needed = {h for hs in reader.names.values() for h in hs}
     if cfg.tie_embeddings:
         available.discard("lm_head.weight")
-    missing, unexpected = needed - available, available - needed
+    missing, unexpected = needed - available, available - needed - set(hf_copies(cfg))
     if missing:
         raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.family}: {first_keys(missing)}")
     if unexpected:

@@ -21,6 +21,12 @@ def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return REGISTRY[cfg.family].tensor_names(cfg)
 
 
+def hf_copies(cfg: ModelConfig) -> dict[str, str]:
+    """HuggingFace key -> the Tessera key whose value it repeats (DeepSeek-V3's MTP layers hold
+    the embedding and head again): written on export, not read on import."""
+    return REGISTRY[cfg.family].tensor_copies(cfg)
+
+
 def check_exportable(cfg: ModelConfig) -> None:
     """Refuse a model whose forward pass the HuggingFace class of `cfg.family` would not reproduce:
     routed experts and latent attention where the family has them (and only there), then the
@@ -34,3 +40,4 @@ def check_exportable(cfg: ModelConfig) -> None:
         mla_families = ", ".join(name for name, f in REGISTRY.items() if f.mla)
         raise ModelError(f"multi-head latent attention (model.mla) exports only as family {mla_families}")
     family.check_exportable(cfg)
+    family.check_mtp_exportable(cfg)

@@ -50,7 +50,7 @@ class HFSliceReader:
     """Boxes of Tessera tensors read from the safetensors of HuggingFace directory `path`."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig):
-        self.path = Path(path)
+        self.path, self.cfg = Path(path), cfg
         refuse_prequantized(self.path)  # its tensors are codes and scales, not the model's weights
         self.names = hf_names(cfg)
         self.files = SafetensorsDir(self.path)

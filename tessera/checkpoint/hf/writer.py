@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf.files import INDEX
-from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_names
 from tessera.checkpoint.hf.tokenizer import (
     TOKENIZER_FILES,
     check_vocabulary,
@@ -166,6 +166,8 @@ def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
         t = state[key].detach().cpu()
         parts = [t] if len(hf_keys) == 1 else t.unbind(0)
         out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
+    for h, key in hf_copies(model.cfg).items():  # DeepSeek-V3's MTP layers repeat the embedding and head
+        out[h] = state[key].detach().cpu().clone()  # safetensors stores no two names over one storage
     return out
 
 

@@ -164,6 +164,18 @@ class Family:
             names["output.weight"] = ["lm_head.weight"]
         return names
 
+    def tensor_copies(self, cfg) -> dict[str, str]:
+        """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):
+        written with its value on export, not read on import. None for most families."""
+        return {}
+
+    def check_mtp_exportable(self, cfg) -> None:
+        """Only a family whose HuggingFace layout names multi-token-prediction layers exports them."""
+        if cfg.mtp_depth:
+            raise ModelError(f"{self.name} has no HuggingFace layout for multi-token-prediction modules "
+                             f"(model.mtp_depth={cfg.mtp_depth}); only deepseek_v3 stores them (its "
+                             "num_nextn_predict_layers); serve the Tessera checkpoint itself instead")
+
     def attention_names(self, cfg, i: int) -> dict[str, list[str]]:
         src, out = f"model.layers.{i}.self_attn", {}
         if cfg.mla is not None:

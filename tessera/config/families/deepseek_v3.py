@@ -55,6 +55,39 @@ class DeepseekV3(MoEFamily):
                  n_shared_experts=e.shared_ffn_dim // e.ffn_dim, first_k_dense_replace=e.first_k_dense,
                  n_group=e.n_groups, topk_group=e.topk_groups, routed_scaling_factor=e.scaling_factor,
                  norm_topk_prob=e.norm_topk_prob, attention_bias=False)
+        if cfg.mtp_depth:  # absent otherwise, as transformers' own export leaves the MTP layers out
+            d["num_nextn_predict_layers"] = cfg.mtp_depth
+
+    # ---- multi-token prediction: the layers after the last decoder layer ----------------------
+    def tensor_names(self, cfg) -> dict[str, list[str]]:
+        """The decoder's names, then each MTP depth k as `model.layers.{n_layers + k - 1}`: its
+        block under the usual block names, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`."""
+        names = super().tensor_names(cfg)
+        for k in range(1, cfg.mtp_depth + 1):
+            i, mine = cfg.n_layers + k - 1, f"mtp.{k}"
+            src = f"model.layers.{i}"
+            for n in ("enorm", "hnorm", "eh_proj"):
+                names[f"{mine}.{n}.weight"] = [f"{src}.{n}.weight"]
+            block = {**self.attention_names(cfg, i), **self.ffn_names(cfg, i),
+                     f"layers.{i}.attention_norm.weight": [f"{src}.input_layernorm.weight"],
+                     f"layers.{i}.ffn_norm.weight": [f"{src}.post_attention_layernorm.weight"]}
+            for key, hf in block.items():
+                names[f"{mine}.block." + key.removeprefix(f"layers.{i}.")] = hf
+            names[f"{mine}.norm.weight"] = [f"{src}.shared_head.norm.weight"]
+        return names
+
+    def tensor_copies(self, cfg) -> dict[str, str]:
+        """DeepSeek-V3's files hold each MTP layer's embedding and head although they are the
+        model's (`embed_tokens`, `shared_head.head`)."""
+        out = {}
+        for k in range(1, cfg.mtp_depth + 1):
+            src = f"model.layers.{cfg.n_layers + k - 1}"
+            out[f"{src}.embed_tokens.weight"] = "tok_embeddings.weight"
+            out[f"{src}.shared_head.head.weight"] = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
+        return out
+
+    def check_mtp_exportable(self, cfg) -> None:
+        pass  # num_nextn_predict_layers: written by moe_to_hf when mtp_depth > 0
 
     def moe_requirements(self, e) -> dict[str, Any]:
         return {"score_func": "sigmoid", "softmax_before_topk": True, "expert_bias": True, "layer_freq": 1,
@@ -64,7 +97,8 @@ class DeepseekV3(MoEFamily):
 FAMILY = DeepseekV3(
     name="deepseek_v3", architecture="DeepseekV3ForCausalLM",
     int_fields=("num_experts_per_tok", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group"),
+                "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                "num_nextn_predict_layers"),
     number_fields=("routed_scaling_factor",),
     presets={
         "deepseek-v3": dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, ffn_dim=18432, norm_eps=1e-6,
