@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "computes the prompt itself")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                    help="refuse request bodies larger than N bytes with 413")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the router's log level (failed prefills are warnings)")
 
 
 def run(args: argparse.Namespace) -> int:
