@@ -186,7 +186,8 @@ class GGUFFile:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
                                   "model; is the file a language model of that architecture?")
             kind = base.rpartition(".")[2]
-            yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", heads[kind] if permuted and kind in heads else 0)
+            rope_heads = heads[kind] if permuted and kind in heads else 0
+            yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads)
 
 
 @dataclass
