@@ -14,7 +14,8 @@ Three things differ from a HuggingFace checkpoint:
 - Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight`, taken from gguf's own
   name tables (`gguf.get_tensor_name_map`), so no table is kept here.
 - Values: quantized blocks (Q8_0, Q4_K, ...), dequantized with gguf's `quants.dequantize` into
-  float32. The model then holds plain float weights: nothing stays quantized in memory.
+  float32 (`tensors()`), or, through `stored()`, also given as the raw blocks themselves
+  (`StoredTensor.raw_blocks`) for a model that keeps them quantized (load.py's `keep_quantized`).
 - Row order: llama.cpp's converter reorders the rows of every LLaMA-architecture query and key
   projection (HuggingFace stores RoPE's two halves of a head apart; GGML's RoPE wants each pair
   adjacent), `permute` below undoes it. Qwen2 files are stored in HuggingFace's order.
