@@ -120,3 +120,14 @@ def test_serve_refuses_those_options_with_exit_2(files, tmp_path, capsys):
         assert main(["serve", path, "--gguf-keep-quantized", "--port", "0", *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def test_generate_kept_quantized_prints_the_dequantized_text(files, capsys):
+    path = str(files["qwen2", BLOCK_TYPES])
+    texts = []
+    for extra in ([], ["--gguf-keep-quantized"], ["--gguf-keep-quantized", "--no-cache"]):
+        assert main(["generate", path, "--prompt", PROMPT, "--max-new-tokens", "6", *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2] and texts[0].startswith(PROMPT)
+    assert main(["generate", path, "--prompt", PROMPT, "--gguf-keep-quantized", "--quantization", "int8"]) == 2
+    assert "--quantization int8 is not supported with --gguf-keep-quantized" in capsys.readouterr().err
