@@ -12,7 +12,8 @@ Three kinds of directory, and one kind of file, hold a model:
   block FP8) loads with its quantized layers kept quantized (prequantized/);
 - a Tessera checkpoint: `step_N/` with DCP files and meta.json, a `checkpoints/` root or a run
   directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset);
-- a GGUF file (gguf/: llama.cpp's format, dequantized at load), whose tokenizer is in its metadata.
+- a GGUF file (gguf/: llama.cpp's format, dequantized at load, or its quantized block matrices
+  kept in memory with `gguf_keep_quantized`), whose tokenizer is in its metadata.
 `tessera generate` and serving load through here.
 """
 
@@ -30,7 +31,7 @@ from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
 from tessera.checkpoint.prequantized.detect import is_prequantized_hf
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
 from tessera.data.tokenizer import load_tokenizer
 from tessera.models.transformer import Transformer
@@ -52,14 +53,18 @@ def _tessera_checkpoint(path: Path) -> Path | None:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", gguf_keep_quantized: bool = False) -> LoadedModel:
     """The model in a pre-quantized directory, a HuggingFace directory, a Tessera checkpoint or a
-    GGUF file."""
+    GGUF file (`gguf_keep_quantized`: its quantized block matrices kept so, `load_gguf`; a GGUF
+    file only)."""
     path = Path(path)
     if is_gguf_path(path):
         from tessera.checkpoint.gguf.load import load_gguf
 
-        return LoadedModel(load_gguf(path, dtype, device), None, None)
+        return LoadedModel(load_gguf(path, dtype, device, gguf_keep_quantized), None, None)
+    if gguf_keep_quantized:
+        raise ConfigError(f"gguf_keep_quantized applies to GGUF files; {str(path)!r} is not one (serve it without "
+                          "the option)")
     if not path.exists():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_quantized_dir(path):

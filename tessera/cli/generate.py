@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute the whole prefix every step instead of using the serving engine's KV cache "
                         "(slow: a check of the cached output)")
     add_quantization_argument(p)
+    p.add_argument("--gguf-keep-quantized", action="store_true",
+                   help="a GGUF file: keep its quantized attention/MLP matrices as the file's blocks in memory, "
+                        "dequantized inside each forward (as tessera serve --gguf-keep-quantized)")
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
@@ -79,7 +82,10 @@ def _generate(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
                               "copy the model's tokenizer files into it")
-    loaded = load_model(args.checkpoint)
+    if args.gguf_keep_quantized and args.quantization:
+        raise ConfigError(f"--quantization {args.quantization} is not supported with --gguf-keep-quantized (the GGUF "
+                          "blocks are served as stored); drop one of them")
+    loaded = load_model(args.checkpoint, gguf_keep_quantized=args.gguf_keep_quantized)
     model = loaded.model
     if args.quantization and args.no_cache:
         raise ConfigError("--quantization is applied by the serving engine; drop --no-cache to use it")
@@ -106,7 +112,8 @@ def _generate(args: argparse.Namespace) -> int:
         new = reference_generate(model, prompt_ids, params, use_cache=False)
     else:  # one sequence: a KV cache just big enough for it, no batching or prefix reuse to set up
         llm = LLM(model, tokenizer=tokenizer, max_num_seqs=1, enable_prefix_caching=False,
-                  max_model_len=len(prompt_ids) + params.max_tokens, quantization=args.quantization)
+                  max_model_len=len(prompt_ids) + params.max_tokens, quantization=args.quantization,
+                  gguf_keep_quantized=args.gguf_keep_quantized)
         new = llm.generate([prompt_ids], params)[0].token_ids
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
     return 0

@@ -119,6 +119,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft model directory (with --speculative draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per speculative step")
     add_quantization_argument(p)
+    p.add_argument("--gguf-keep-quantized", action="store_true",
+                   help="a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, "
+                        "dequantized inside each forward (less memory, slower on CPU); the embedding, norms and "
+                        "output head are dequantized at load as without it")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
     p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
@@ -188,7 +192,7 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,
                         tensor_parallel_size=args.tensor_parallel_size, kv_offload_gib=args.kv_offload_gib,
                         kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib,
-                        kv_role=args.kv_role)
+                        kv_role=args.kv_role, gguf_keep_quantized=args.gguf_keep_quantized)
 
 
 def _check_server_options(args: argparse.Namespace):
@@ -208,6 +212,9 @@ def _check_server_options(args: argparse.Namespace):
     if args.allow_runtime_lora and args.tensor_parallel_size > 1:
         raise ConfigError(f"--allow-runtime-lora is not supported with --tensor-parallel-size "
                           f"{args.tensor_parallel_size}: LoRA adapters are served on one rank")
+    if args.allow_runtime_lora and args.gguf_keep_quantized:
+        raise ConfigError("--allow-runtime-lora is not supported with --gguf-keep-quantized: LoRA adapters need "
+                          "the weights dequantized at load (serve without --gguf-keep-quantized)")
     if args.lora_modules_dir and not args.allow_runtime_lora:
         raise ConfigError("--lora-modules-dir has no effect without --allow-runtime-lora")
     for d in args.lora_modules_dir:

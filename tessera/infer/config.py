@@ -64,6 +64,9 @@ class EngineConfig:
     # None, or weights quantized at load (weight-only, round-to-nearest; tessera/models/quantized.py):
     # "int8" (per output channel), "fp8" (e4m3, per output channel), "int4" (packed, per group of 128 inputs)
     quantization: str | None = None
+    # A GGUF model's quantized attention/MLP matrices kept in memory in the file's block format
+    # (tessera/models/gguf_linear.py), dequantized inside each forward; False: dequantized at load
+    gguf_keep_quantized: bool = False
     lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, served per request
     merge_lora: list[str] = field(default_factory=list)  # PEFT directories merged into the weights at load
     max_loras: int = 8  # dynamic adapters resident at once
@@ -102,6 +105,11 @@ class EngineConfig:
               "must be None or > 1")
         _need(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
               "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
+        if self.gguf_keep_quantized:
+            for key, value in (("quantization", self.quantization), ("lora_adapters", self.lora_adapters),
+                               ("merge_lora", self.merge_lora)):
+                _need(not value, key, value, "not supported with gguf_keep_quantized=True (the GGUF blocks are "
+                      "served as stored, without LoRA or another quantization); serve without gguf_keep_quantized")
         _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
         _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
               f"at most max_loras={self.max_loras} adapters")
@@ -112,7 +120,8 @@ class EngineConfig:
         _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         if self.tensor_parallel_size > 1:
             for key, value in (("lora_adapters", self.lora_adapters), ("merge_lora", self.merge_lora),
-                               ("quantization", self.quantization)):
+                               ("quantization", self.quantization),
+                               ("gguf_keep_quantized", self.gguf_keep_quantized)):
                 _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
                       "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
         _need(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")

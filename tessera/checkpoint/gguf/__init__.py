@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format): a model and its tokenizer from one file, dequantized at load.
+"""GGUF files (llama.cpp's format): a model and its tokenizer from one file, dequantized at load
+(or its block matrices kept quantized: `load_gguf(..., keep_quantized=True)`).
 
 `reader.py` opens the file and gives the HuggingFace config and HuggingFace-named float32 tensors;
 `load.py` builds the `Transformer`; `tokenizer.py` the tokenizer. `tessera.checkpoint.loading`

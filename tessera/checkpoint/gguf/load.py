@@ -8,6 +8,13 @@ that family gives. The model is built on the meta device, given storage, and fil
 tensor at a time (each dequantized to float32, cast, copied, dropped), so the float32 copy of the
 whole model never exists beside it. The weights are plain float tensors afterwards: GGUF's
 quantization saves disk, not memory (int8 at load, `--quantization int8`, applies on top).
+
+With `keep_quantized=True` the block-quantized matrices of the attention and MLP linear layers
+(every type `tessera.models.gguf_blocks` reads: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K) stay
+in memory as the file stores them: the layer becomes a `GgufLinear` holding the blocks' bytes,
+dequantized inside each forward. Those layers are swapped in on the meta device, so their float
+weights are never allocated. The embedding, the norms and the output head, and any matrix stored
+as F32 / F16 / BF16, are dequantized into `dtype` as without the option.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from tessera.checkpoint.hf.writer import first_keys
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.hf_config import config_from_hf
 from tessera.config.model import ModelConfig
+from tessera.models.gguf_blocks import BLOCKS
+from tessera.models.gguf_linear import GgufLinear
+from tessera.models.int8 import replace_module
 from tessera.models.transformer import Transformer
 
 
@@ -36,28 +46,30 @@ def gguf_model_config(found: GGUFFile) -> ModelConfig:
 
 @torch.no_grad()
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> Transformer:
+              device: str | torch.device = "cpu", keep_quantized: bool = False) -> Transformer:
     """The model in GGUF file `path`, in eval mode, in `dtype` on `device` (the routing bias and
-    RoPE buffers as `Transformer.cast` keeps them). Every tensor of the model must come from the
-    file once, with the model's shape; a tensor the model has no place for is refused."""
+    RoPE buffers as `Transformer.cast` keeps them); `keep_quantized`: its block layers' quantized
+    matrices kept as `GgufLinear` blocks. Every tensor of the model must come from the file once,
+    with the model's shape; a tensor the model has no place for is refused."""
     found = GGUFFile.open(path)
     cfg = gguf_model_config(found)
+    by_hf = {hf[0]: key for key, hf in hf_names(cfg).items()}  # dense families: one HF tensor per key
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
+        kept = _keep_quantized(model, found, by_hf, dtype) if keep_quantized else set()
     model.to_empty(device=device)
     model.cast(dtype)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    by_hf = {hf[0]: key for key, hf in hf_names(cfg).items()}  # dense families: one HF tensor per key
     filled: set[str] = set()
-    for hf_name, values in found.tensors():
-        key = by_hf.get(hf_name)
+    for stored in found.stored():
+        key = by_hf.get(stored.hf_name)
         if key is None:
-            raise ConfigError(f"{str(found.path)!r}: tensor {hf_name!r} has no place in the {cfg.family} model its "
-                              "metadata describes")
-        if tuple(values.shape) != tuple(targets[key].shape):
-            raise ConfigError(f"{str(found.path)!r}: tensor {hf_name!r} has shape {list(values.shape)}, but the model "
-                              f"its metadata describes needs {list(targets[key].shape)}")
-        targets[key].copy_(values)
+            raise ConfigError(f"{str(found.path)!r}: tensor {stored.hf_name!r} has no place in the {cfg.family} "
+                              "model its metadata describes")
+        if key in kept:
+            targets[key.removesuffix(".weight") + ".blocks"].copy_(stored.raw_blocks())
+        else:
+            _fill(found, stored.hf_name, targets[key], stored.dequantized())
         filled.add(key)
     missing = set(by_hf.values()) - filled
     if missing:
@@ -65,3 +77,31 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                           f"from the file: {first_keys(missing)}")
     model.reset_rope(device)
     return model.eval()
+
+
+def _fill(found: GGUFFile, hf_name: str, target: torch.Tensor, values: torch.Tensor) -> None:
+    if tuple(values.shape) != tuple(target.shape):
+        raise ConfigError(f"{str(found.path)!r}: tensor {hf_name!r} has shape {list(values.shape)}, but the model "
+                          f"its metadata describes needs {list(target.shape)}")
+    target.copy_(values)
+
+
+def _keep_quantized(model: Transformer, found: GGUFFile, by_hf: dict[str, str], dtype: torch.dtype) -> set[str]:
+    """Swap every linear layer inside the blocks whose weight the file stores in a block type
+    `GgufLinear` reads for one of that type (on the meta device, its bias the layer's own); returns
+    the weight keys swapped. A stored shape that does not fit the layer is refused by name."""
+    modules = dict(model.named_modules())
+    kept = set()
+    for stored in found.stored():
+        key = by_hf.get(stored.hf_name, "")
+        name = key.removesuffix(".weight")
+        layer = modules.get(name)
+        if not (key.startswith("layers.") and key.endswith(".weight") and isinstance(layer, torch.nn.Linear)
+                and stored.kind in BLOCKS):
+            continue
+        _fill(found, stored.hf_name, layer.weight, torch.empty(stored.shape, device="meta"))  # the shape check
+        new = GgufLinear(stored.kind, layer.in_features, layer.out_features, False, dtype)
+        new.bias = layer.bias
+        replace_module(model, name, new)
+        kept.add(key)
+    return kept

@@ -14,7 +14,8 @@ Three things differ from a HuggingFace checkpoint:
 - Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight`, taken from gguf's own
   name tables (`gguf.get_tensor_name_map`), so no table is kept here.
 - Values: quantized blocks (Q8_0, Q4_K, ...), dequantized with gguf's `quants.dequantize` into
-  float32. The model then holds plain float weights: nothing stays quantized in memory.
+  float32 (`tensors()`), or, through `stored()`, also given as the raw blocks themselves
+  (`StoredTensor.raw_blocks`) for a model that keeps them quantized (load.py's `keep_quantized`).
 - Row order: llama.cpp's converter reorders the rows of every LLaMA-architecture query and key
   projection (HuggingFace stores RoPE's two halves of a head apart; GGML's RoPE wants each pair
   adjacent), `permute` below undoes it. Qwen2 files are stored in HuggingFace's order.
@@ -164,6 +165,11 @@ class GGUFFile:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HuggingFace name, float32 tensor in HuggingFace's shape and row order), one at a time."""
+        for stored in self.stored():
+            yield stored.hf_name, stored.dequantized()
+
+    def stored(self) -> Iterator[StoredTensor]:
+        """Every tensor of the file as stored (not yet read into memory), under its HuggingFace name."""
         gguf = gguf_module()
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.architecture)
         n_layers = self.hf_config["num_hidden_layers"]
@@ -180,19 +186,63 @@ class GGUFFile:
             if base not in names:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
                                   "model; is the file a language model of that architecture?")
-            try:
-                values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))  # a copy
-            except Exception as e:  # noqa: BLE001 - a block count that does not fit the shape, a short file
-                raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} ({t.tensor_type.name}) cannot be "
-                                  f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
             kind = base.rpartition(".")[2]
-            if permuted and kind in heads:
-                if values.shape[0] % (2 * heads[kind]):
-                    raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has {values.shape[0]} rows, which "
-                                      f"{heads[kind]} heads cannot split into RoPE halves; the metadata does not "
-                                      "fit the weights")
-                values = permute(values, heads[kind])
-            yield f"{names[base]}.{suffix}", values
+            rope_heads = heads[kind] if permuted and kind in heads else 0
+            yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads)
+
+
+@dataclass
+class StoredTensor:
+    """One tensor of a GGUF file as the file stores it: its GGML type, its HuggingFace shape, and
+    its values either dequantized (`dequantized`) or as raw blocks (`raw_blocks`), both in
+    HuggingFace's row order."""
+
+    path: Path
+    entry: Any  # gguf.ReaderTensor
+    hf_name: str
+    permute_heads: int  # > 0: llama.cpp's query/key row order, undone over this many heads
+
+    @property
+    def kind(self) -> str:
+        return self.entry.tensor_type.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.entry.shape.tolist()))  # GGUF lists the fastest dim first
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.entry.n_bytes)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 values, dequantized by gguf's own `quants.dequantize`."""
+        gguf = gguf_module()
+        try:
+            values = torch.from_numpy(gguf.quants.dequantize(self.entry.data, self.entry.tensor_type)
+                                      .astype("float32"))  # a copy
+        except Exception as e:  # noqa: BLE001 - a block count that does not fit the shape, a short file
+            raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} ({self.kind}) cannot be "
+                              f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
+        return self._rows_in_hf_order(values)
+
+    def raw_blocks(self) -> torch.Tensor:
+        """The blocks of a 2-D quantized tensor as uint8 [rows, row bytes] (a copy of the file's bytes)."""
+        data = self.entry.data
+        rows = self.shape[0]
+        if data.dtype.itemsize != 1 or data.size != self.nbytes or self.nbytes % rows:
+            raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} ({self.kind}) holds {data.size} "
+                              f"bytes, not the {self.nbytes} its shape {list(self.shape)} needs; the file may be "
+                              "damaged")
+        return self._rows_in_hf_order(torch.from_numpy(data.reshape(rows, -1).view("uint8").copy()))
+
+    def _rows_in_hf_order(self, values: torch.Tensor) -> torch.Tensor:
+        heads = self.permute_heads
+        if not heads:
+            return values
+        if values.shape[0] % (2 * heads):
+            raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} has {values.shape[0]} rows, which "
+                              f"{heads} heads cannot split into RoPE halves; the metadata does not fit the weights")
+        return permute(values, heads)
 
 
 def _hf_names(name_map, n_layers: int) -> dict[str, str]:

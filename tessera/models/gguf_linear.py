@@ -1,0 +1,45 @@
+"""A linear layer whose weight stays in a GGUF file's block format in memory (`GgufLinear`).
+
+The weight is kept as the file stores it: the raw bytes of its blocks (a uint8 buffer [out,
+row bytes], in the model's row order) with its GGML type and logical shape [out, in], so a Q4_1
+matrix takes 20 bytes per 32 weights instead of 128 (float32). The layer computes by the plain
+PyTorch reference: each forward dequantizes the whole weight on the buffer's device
+(`tessera.models.gguf_blocks`, float32, the values gguf's own dequantizer gives) and multiplies
+in the activations' dtype with F.linear. The float copy lives only for that product: memory is
+saved, time is not (docs/benchmarks.md measures both). A bias, when the layer has one, is a
+float parameter as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.models.gguf_blocks import BLOCKS, dequantize, row_bytes
+
+
+class GgufLinear(nn.Module):
+    """y = x W^T (+ b) with W held as GGML `kind` blocks ([out_features, in_features] logically)."""
+
+    quantized = True  # not quantizable again (tessera.models.int8.quantizable_layers)
+
+    def __init__(self, kind: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if kind not in BLOCKS:
+            raise ValueError(f"GGML type {kind!r} has no torch dequantizer; supported: {', '.join(BLOCKS)}")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.register_buffer("blocks", torch.zeros(out_features, row_bytes(kind, in_features), dtype=torch.uint8,
+                                                   device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.kind, self.blocks, (self.out_features, self.in_features)).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}"
