@@ -124,6 +124,21 @@ class EngineConfig:
                                ("gguf_keep_quantized", self.gguf_keep_quantized)):
                 _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
                       "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
+        self._check_kv_tiers()
+        spec = self.speculative
+        if spec is not None and spec.method == "mtp":
+            # the MTP draft reads the target's hidden states from the packed step on this process
+            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                  "speculative.method='mtp' drafts on one process; use tensor_parallel_size=1")
+            _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
+                  "speculative.method='mtp' decodes in the packed step (it reads its hidden states); use []")
+            self.decode_batch_sizes = []
+        if spec is not None:
+            _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
+                  self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
+
+    def _check_kv_tiers(self) -> None:
+        """The KV tiers' and the disaggregation role's fields (kv_tiers.py, kv_transfer.py)."""
         _need(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
         _need(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
         if self.has_kv_tiers:
@@ -138,17 +153,6 @@ class EngineConfig:
                   "needs prefix caching on and tensor_parallel_size=1")
             _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
                   "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
-        spec = self.speculative
-        if spec is not None and spec.method == "mtp":
-            # the MTP draft reads the target's hidden states from the packed step on this process
-            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-                  "speculative.method='mtp' drafts on one process; use tensor_parallel_size=1")
-            _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
-                  "speculative.method='mtp' decodes in the packed step (it reads its hidden states); use []")
-            self.decode_batch_sizes = []
-        if spec is not None:
-            _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
-                  self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
 
     @property
     def has_kv_tiers(self) -> bool:
