@@ -15,6 +15,20 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.5 * float((a - b).abs().sum())
 
 
+def assert_sampled_tokens_keep_the_target(llm: LLM, prompt: list[int], want2: torch.Tensor, want3: torch.Tensor,
+                                          n: int = 6000) -> None:
+    """n seeded 3-token samples of `prompt` with speculation: drafts were proposed and some, not all,
+    accepted, and the 2nd and 3rd tokens' frequencies are within 0.05 (total variation) of the
+    target's own marginals `want2`, `want3`."""
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    m = llm.engine.metrics
+    assert m.spec_proposed > 0 and 0 < m.acceptance_rate < 1
+    got2 = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=8).float() / n
+    got3 = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=8).float() / n
+    assert tv(got2, want2) < 0.05 and tv(got3, want3) < 0.05
+
+
 def test_greedy_verification_accepts_the_agreeing_prefix():
     assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]
     assert verify_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]
@@ -67,11 +81,4 @@ def test_engine_sampling_with_a_draft_model_keeps_the_target_distribution(tmp_pa
     llm = LLM(tmp_path / "target", block_size=4, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=False,
               speculative=SpeculativeConfig(method="draft", num_tokens=2, draft_model=str(tmp_path / "draft")))
-    n = 6000
-    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
-    outs = llm.generate([prompt] * n, params)
-    m = llm.engine.metrics
-    assert m.spec_proposed > 0 and 0 < m.acceptance_rate < 1
-    got2 = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=8).float() / n
-    got3 = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]), minlength=8).float() / n
-    assert tv(got2, want2) < 0.05 and tv(got3, want3) < 0.05
+    assert_sampled_tokens_keep_the_target(llm, prompt, want2, want3)
