@@ -123,6 +123,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, "
                         "dequantized inside each forward (less memory, slower on CPU); the embedding, norms and "
                         "output head are dequantized at load as without it")
+    p.add_argument("--no-cpu-prepack", dest="cpu_prepack", action="store_false",
+                   help="on CPU in float32, keep F.linear instead of oneDNN with the projection weights "
+                        "reordered once at load (which holds a second copy of those weights)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
     p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
@@ -190,6 +193,7 @@ def engine_config(args: argparse.Namespace):
                         system_prompts=list(args.system_prompt), speculative=spec, quantization=args.quantization,
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
                         seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,
+                        cpu_prepack=args.cpu_prepack,
                         tensor_parallel_size=args.tensor_parallel_size, kv_offload_gib=args.kv_offload_gib,
                         kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib,
                         kv_role=args.kv_role, gguf_keep_quantized=args.gguf_keep_quantized)

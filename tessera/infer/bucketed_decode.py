@@ -21,7 +21,9 @@ The packed step of `paged_attention.py` is the reference it is tested against.
 
 On CUDA a bucket is captured after a warm-up (three eager runs on a side stream) the first time
 it is used, and replayed from then on; `enforce_eager` keeps every bucket eager. On CPU the same
-step runs eagerly, its rows padded to the bucket as on a GPU (so the padded step is tested here).
+step runs eagerly, its rows padded to the bucket as on a GPU, but its attention reads each row's
+own context only (`RaggedDecodeAttention`, see ragged_attention.py: a padded gather copies and
+attends over the longest context for every row, which on a CPU costs more than the projections).
 Shapes: B rows, H query heads, G stored heads, D head dim, MB blocks per row,
 L = MB * block_size context slots.
 """
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.infer.kv_cache import PagedKVCache
+from tessera.infer.ragged_attention import RaggedContexts
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -134,6 +137,23 @@ class BlockTableAttention:
         return o_BH1D.transpose(0, 2)
 
 
+class RaggedDecodeAttention:
+    """The `AttentionCache` of an eager decode step on CPU: the step's keys/values are written to
+    the same slots as the bucket's, then each row attends to exactly its own context
+    (`ragged_attention.py`); padding rows read their one scratch slot."""
+
+    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, contexts: RaggedContexts):
+        self.kv, self.slots_B, self.contexts = kv, slots_B, contexts
+
+    def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor:
+        self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
+        q_THD = q_BHSD[0].transpose(0, 1)
+        out_THD = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_BGSD.shape[-1])
+        self.contexts.attend(self.kv, layer_id, q_THD, out_THD, scale, window)
+        return out_THD.transpose(0, 1)[None]
+
+
 class _Bucket:
     def __init__(self, decoder: BucketedDecoder, B: int, MB: int):
         d = decoder
@@ -144,9 +164,10 @@ class _Bucket:
         self.logits_BV: torch.Tensor | None = None
         self.graph_failed = False
 
-    def run(self, model: Transformer) -> torch.Tensor:
+    def run(self, model: Transformer, ragged: RaggedContexts | None = None) -> torch.Tensor:
         self.cache.prepare()
-        return model(self.ids_1B, positions=self.pos_1B, cache=self.cache).logits[0]
+        cache = self.cache if ragged is None else RaggedDecodeAttention(self.cache.kv, self.cache.slots_B, ragged)
+        return model(self.ids_1B, positions=self.pos_1B, cache=cache).logits[0]
 
 
 class BucketedDecoder:
@@ -210,6 +231,16 @@ class BucketedDecoder:
         self.lens[:B].copy_(flat[3], non_blocking=True)
         self.tables[:B, :MB].copy_(flat_tables, non_blocking=True)
 
+    def _ragged(self, rows: list[DecodeRow], B: int) -> RaggedContexts:
+        """Each row's own context (position + 1 keys), the padding rows' one scratch slot."""
+        contexts = RaggedContexts(self.kv.block_size)
+        for i, r in enumerate(rows):
+            contexts.add(i, 1, r.position + 1, r.block_table)
+        for i in range(len(rows), B):
+            contexts.add(i, 1, 1, [self.scratch_block])
+        contexts.freeze(self.device)
+        return contexts
+
     @torch.inference_mode()
     def forward(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Logits [B, V] of the padded bucket; rows len(rows).. are padding."""
@@ -234,7 +265,7 @@ class BucketedDecoder:
         if self.lora is not None and with_lora:
             self.lora.set_batch([(r.adapter_slot, 1) for r in rows] + [(-1, 1)] * (B - len(rows)), self.device)
         try:
-            return bucket.run(self.model)
+            return bucket.run(self.model, self._ragged(rows, B) if self.device.type == "cpu" else None)
         finally:
             if self.lora is not None and with_lora:
                 self.lora.clear_batch()

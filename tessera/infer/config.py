@@ -75,6 +75,9 @@ class EngineConfig:
     # None: 1, 2, 4, ... up to max_num_seqs; []: decodes run in the packed step with the prefills.
     decode_batch_sizes: list[int] | None = None
     enforce_eager: bool = False  # never capture the decode step in CUDA graphs (no effect on CPU)
+    # on CPU in fp32, a model loaded from a directory multiplies by its projection weights reordered
+    # once for oneDNN (cpu_linear.py): faster, at the cost of a second copy of those weights
+    cpu_prepack: bool = True
     # Ranks the model is split over (tensor parallelism: heads, MLP / expert hidden dims and the
     # vocabulary; tensor_parallel.py). 1: one process, as without the option. N > 1 starts N - 1
     # worker processes (gloo on CPU, NCCL on GPUs, rank r on cuda:r) and decodes without CUDA graphs.

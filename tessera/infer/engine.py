@@ -24,6 +24,7 @@ from tessera.config.errors import ConfigError
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
+from tessera.infer.cpu_linear import can_pack, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.kv_tiers import TierMetrics, build_tiers
 from tessera.infer.lora import merge_adapter
@@ -74,7 +75,7 @@ class LLMEngine:
                                                    config.gguf_keep_quantized)
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.vocab_size),
-                                  prequantized=quantized is not None)
+                                  prequantized=quantized is not None, owned=True)
         executor, run_cfg = TensorParallelExecutor.start_for_dir(path, config)
         with closed_on_error(executor.close):
             tokenizer = served_tokenizer(path, run_cfg)
@@ -83,17 +84,21 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
-                   eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False) -> LLMEngine:
+                   eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
+                   owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
         (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, weights
         quantized, the draft model loaded, dynamic adapters loaded, system prompts cached.
         `prequantized`: the model's weights are int8 already (a pre-quantized directory). With
         tensor_parallel_size > 1 the model is cut over that many ranks (its weights sent once to
-        the new worker processes)."""
+        the new worker processes). `owned`: the engine alone holds `model` (loaded for it), so its
+        projections may be packed for the CPU (cpu_linear.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
             _prepare_weights(model, config, prequantized)
+            if owned and config.cpu_prepack and can_pack(config.device, config.torch_dtype):
+                pack_linears(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")

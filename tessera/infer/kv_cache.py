@@ -59,6 +59,7 @@ class PagedKVCache:
         if int8:
             self.k_scale = [torch.ones(slots, gk, device=device) for _ in range(cfg.n_layers)]
             self.v_scale = [torch.ones(slots, gv, device=device) for _ in range(cfg.n_layers)]
+        self._workspace: dict[str, torch.Tensor] = {}  # gather_flat's buffers (CPU)
 
     def write(self, layer: int, slots_T: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> None:
         if self.int8:
@@ -89,6 +90,32 @@ class PagedKVCache:
         if self.int8:
             k = k.to(dtype) * take(self.k_scale[layer])[..., None].to(dtype)
             v = v.to(dtype) * take(self.v_scale[layer])[..., None].to(dtype)
+        return k.to(dtype), v.to(dtype)
+
+    def gather_flat(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `blocks` back to back: [len(blocks) * block_size, G, D] each, in
+        `dtype`. On CPU (full-precision cache) they are written into buffers the cache keeps and
+        grows, so the result is valid until the next call: a layer reads them before the next
+        layer gathers. Elsewhere, and for int8, fresh tensors."""
+        n = blocks.numel()
+        reuse = self.k[layer].device.type == "cpu" and not self.int8 and dtype == self.dtype
+
+        def take(store: torch.Tensor, name: str) -> torch.Tensor:
+            per_block = store.view(self.num_blocks, -1)
+            shape = (n * self.block_size, *store.shape[1:])
+            if not reuse:
+                return per_block.index_select(0, blocks).view(shape)
+            buf = self._workspace.get(name)
+            if buf is None or buf.numel() < per_block.shape[1] * n:
+                buf = self._workspace[name] = torch.empty(per_block.shape[1] * max(n, 64), dtype=store.dtype)
+            out = buf[:per_block.shape[1] * n].view(n, per_block.shape[1])
+            torch.index_select(per_block, 0, blocks, out=out)
+            return out.view(shape)
+
+        k, v = take(self.k[layer], "k"), take(self.v[layer], "v")
+        if self.int8:
+            k = k.to(dtype) * take(self.k_scale[layer], "ks")[..., None].to(dtype)
+            v = v.to(dtype) * take(self.v_scale[layer], "vs")[..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
 
     def stores(self) -> list[torch.Tensor]:

@@ -19,7 +19,9 @@ once (from pinned memory without blocking, on CUDA); `attend` selects with them 
 an op (boolean-mask indexing, `nonzero`) makes the host wait for the device, once per layer.
 
 Short queries (decodes, speculative verification) form one group; each long prefill chunk is a
-group of its own, so padding never multiplies a long chunk by the batch size. A chunk that starts
+group of its own, so padding never multiplies a long chunk by the batch size. On CPU the short
+group is not padded at all: each of its sequences attends over exactly its own context
+(ragged_attention.py), which there costs less than copying and masking the longest one N times. A chunk that starts
 at position 0 attends to its own keys directly (plain causal SDPA, nothing to gather).
 Shapes: T packed tokens, N sequences in a group, S longest query, L longest context, H query heads,
 G stored heads, D head dim.
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.infer.kv_cache import PagedKVCache
+from tessera.infer.ragged_attention import RaggedContexts
 from tessera.models.attention import causal_attention
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
@@ -58,6 +61,7 @@ class _Group:
     ctx_blocks: torch.Tensor | None  # [N, ceil(L / block_size)] blocks of each context (None: fresh prefill)
     k_valid: torch.Tensor | None  # [N, L] (CPU)
     masks: dict
+    ragged: RaggedContexts | None = None  # on CPU: each row over its own context (ragged_attention.py)
 
 
 class PagedAttentionBatch:
@@ -111,6 +115,12 @@ class PagedAttentionBatch:
             span = (offs[0], offs[0] + members[0].length)
             ctx = None if fresh else self._to_device(ctx_blocks)
             return _Group(span, None, None, None, valid, q_pos, ctx, k_valid, {}), slots_NS
+        if self.device.type == "cpu":
+            ragged = RaggedContexts(bs)
+            for m, o in zip(members, offs):
+                ragged.add(o, m.length, m.start + m.length, m.block_table)
+            ragged.freeze(self.device)
+            return _Group(None, None, None, None, valid, q_pos, None, k_valid, {}, ragged), slots_NS
         q_index = torch.where(valid, torch.tensor(offs)[:, None] + s_idx[None, :], 0)
         valid_index = valid.flatten().nonzero().flatten()  # on the host, once per step
         return _Group(None, self._to_device(q_index[valid]), self._to_device(q_index.flatten()),
@@ -138,8 +148,11 @@ class PagedAttentionBatch:
 
     def _context(self, layer_id: int, g: _Group, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [N, L, G, D] of the group's contexts (their blocks, cut at L)."""
-        k, v = self.kv.gather_blocks(layer_id, g.ctx_blocks, dtype)
         L = g.k_valid.shape[1]
+        if g.span is not None:  # one sequence: its blocks back to back (into reused buffers on CPU)
+            k, v = self.kv.gather_flat(layer_id, g.ctx_blocks[0], dtype)
+            return k[None, :L], v[None, :L]
+        k, v = self.kv.gather_blocks(layer_id, g.ctx_blocks, dtype)
         return k[:, :L], v[:, :L]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
@@ -165,6 +178,9 @@ class PagedAttentionBatch:
                 if whole:
                     return o
                 out_THD[a:b] = o[0].transpose(0, 1)
+                continue
+            if g.ragged is not None:
+                g.ragged.attend(self.kv, layer_id, q_THD, out_THD, scale, window)
                 continue
             k_NLGD, v_NLGD = self._context(layer_id, g, q_THD.dtype)
             N, S = g.valid.shape

@@ -1,0 +1,121 @@
+"""The CPU paths of the serving step: ragged attention (each row over exactly its own context)
+equals attention over the same keys read slot by slot with an explicit mask, for one-token and
+longer queries, sliding windows, GQA and the int8 cache; the gather buffers are reused across
+layers; and projections packed for oneDNN equal `F.linear` and are used only for a model the
+engine owns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.config.model import ModelConfig
+from tessera.infer import LLMEngine
+from tessera.infer.config import EngineConfig
+from tessera.infer.cpu_linear import OneDNNLinear, can_pack, pack_linears
+from tessera.infer.kv_cache import PagedKVCache
+from tessera.infer.ragged_attention import RaggedContexts
+from tests.infer.tiny_models import write_model
+
+BS = 4
+
+
+def _cache(int8: bool) -> PagedKVCache:
+    cfg = ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=64, ffn_dim=64, max_seq_len=64)
+    kv = PagedKVCache(cfg, num_blocks=40, block_size=BS, dtype=torch.float32, int8=int8)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(cfg.n_layers):
+        slots = torch.arange(40 * BS)
+        kv.write(layer, slots, torch.randn(40 * BS, 2, 8, generator=gen), torch.randn(40 * BS, 2, 8, generator=gen))
+    return kv
+
+
+def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table: list[int], scale: float,
+               window: int | None) -> torch.Tensor:
+    """The row's keys read slot by slot (dequantized), an explicit boolean mask, GQA by repeating heads."""
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(L)])
+    k, v = kv.k[layer][slots].float(), kv.v[layer][slots].float()
+    if kv.int8:
+        k, v = k * kv.k_scale[layer][slots][..., None], v * kv.v_scale[layer][slots][..., None]
+    S, H = q_SHD.shape[:2]
+    rep = H // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [L, H, D]
+    q_pos = torch.arange(L - S, L)[:, None]
+    k_pos = torch.arange(L)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    scores = torch.einsum("shd,lhd->hsl", q_SHD, k) * scale
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hsl,lhd->shd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_each_row_attends_over_exactly_its_own_context(int8, window):
+    kv = _cache(int8)
+    gen = torch.Generator().manual_seed(1)
+    # (queries, context length, block table): one-token rows, a 3-token run to verify, a row of one
+    # key, tables out of order and longer than the context (blocks past it are never read)
+    rows = [(1, 9, [7, 3, 11, 30]), (3, 14, [0, 1, 2, 3]), (1, 1, [25]), (1, 16, [39, 5, 6, 8]), (2, 6, [12, 13])]
+    T = sum(s for s, _, _ in rows)
+    q_THD = torch.randn(T, 6, 8, generator=gen)
+    contexts, at = RaggedContexts(BS), 0
+    for S, L, table in rows:
+        contexts.add(at, S, L, table)
+        at += S
+    contexts.freeze(torch.device("cpu"))
+    scale = 1 / math.sqrt(8)
+    for layer in range(2):
+        out = torch.full((T, 6, 8), float("nan"))
+        contexts.attend(kv, layer, q_THD, out, scale, window)
+        at = 0
+        for S, L, table in rows:
+            want = _reference(kv, layer, q_THD[at:at + S], L, table, scale, window)
+            torch.testing.assert_close(out[at:at + S], want, rtol=1e-5, atol=1e-5)
+            at += S
+
+
+def test_the_cpu_gather_reuses_its_buffers_across_layers():
+    kv = _cache(False)
+    blocks = torch.tensor([3, 9, 1])
+    k0, _ = kv.gather_flat(0, blocks, torch.float32)
+    first = k0.data_ptr()
+    torch.testing.assert_close(k0.view(3, BS, 2, 8), kv.k[0].view(40, BS, 2, 8)[blocks])
+    k1, v1 = kv.gather_flat(1, blocks, torch.float32)
+    assert k1.data_ptr() == first  # the same buffer: no allocation per layer
+    torch.testing.assert_close(v1.view(3, BS, 2, 8), kv.v[1].view(40, BS, 2, 8)[blocks])
+
+
+def test_packed_projections_equal_f_linear_and_keep_hooks():
+    if not can_pack("cpu", torch.float32):
+        pytest.skip("this torch has no oneDNN linear")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8, bias=False))
+    x = torch.randn(5, 3, 24)
+    want = model(x)
+    seen = []
+    model[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert pack_linears(model) == 2
+    assert all(type(m) is OneDNNLinear for m in (model[0], model[2]))
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    assert seen == [torch.Size([5, 3, 8])]
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}  # the dense weights stay
+
+
+def test_only_a_model_the_engine_loaded_is_packed(tmp_path):
+    write_model(tmp_path, "llama")
+    owned = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4))
+    packed = [m for m in owned.executor.model.modules() if isinstance(m, OneDNNLinear)]
+    assert (len(packed) > 0) == can_pack("cpu", torch.float32)
+    off = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, cpu_prepack=False))
+    assert not any(isinstance(m, OneDNNLinear) for m in off.executor.model.modules())
+    shared = off.executor.model  # handed to another engine: a model someone else may hold (a trainer)
+    LLMEngine.from_model(shared, EngineConfig(block_size=4))
+    assert not any(isinstance(m, OneDNNLinear) for m in shared.modules())
+    ids = torch.tensor([[5, 9, 2]])
+    torch.testing.assert_close(owned.executor.model(ids).logits, off.executor.model(ids).logits,
+                               rtol=1e-5, atol=1e-5)
