@@ -54,6 +54,22 @@ Held-out runs (time and memory; chosen after the constants, nothing fitted to th
   for FSDP alone and with torch.compile. Their H100s have 96 GB HBM2e at 2.4 TB/s and a 500 W
   limit, whose peak the report puts "between SXM and NVL": the `h100-96gb` preset takes the SXM's.
   The planner models neither compile nor the power limit, so each pair shares one prediction.
+  The report's peak "between SXM and NVL" brackets the prediction: it is made at the SXM's
+  (the preset) and at the NVL's, 835 TFLOP/s dense bf16 (NVIDIA H100 Tensor Core GPU datasheet,
+  2023: H100 NVL 1,671 TFLOP/s bf16 with sparsity), the lowest peak the report allows.
+- The same report's runs with Float8 linears (torchao) and full activation checkpointing, held out
+  for memory only: table 2 (Llama 3.1 8B on 8 GPUs, FSDP x CP = 8, local batch 1, sequence 32K to
+  256K) and table 4 (Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, global batch 512,
+  without and with AsyncTP; its sequence length, not in the table, is torchtitan's Llama 3 70B
+  setting, 8,192: torchtitan/models/llama/train_configs/llama3_70b.toml). Their time is not
+  compared: the planner prices bf16 GEMMs, and Float8 linears change speed by tens of percent (table
+  1). Their memory is: under full checkpointing a block keeps only its bf16 input, whatever its
+  linears compute in, and FSDP all-gathers bf16 weights (torchtitan's Float8 all-gather is off by
+  default), so Float8 leaves what the planner counts unchanged (tables 1 and 3 show it moving the
+  peak by 0.2 GiB). The context parallelism is PyTorch's experimental ring attention with its
+  default all-gather of keys and values and load-balanced (zig-zag) chunks: cp_method=allgather.
+  torchtitan's tensor parallelism splits the norms along the sequence (sp) and computes the loss
+  vocabulary-parallel, as Tessera's does. The 70B is `llama3-70b` (Llama 3.1 70B has its shapes).
 """
 
 from __future__ import annotations
@@ -81,6 +97,9 @@ class PublishedRun:
     work: Workload
     metric: str  # one of METRICS
     figure: float
+    # Why the published figure is not compared with the prediction (None: it is); such a run is
+    # checked for memory only
+    time_not_compared: str | None = None
     activation_dtype: str = "bf16"
     precision: str = "bf16"
     held_out: bool = False  # False: a calibration run (the time constants were chosen with it in view)
@@ -89,6 +108,9 @@ class PublishedRun:
     # The layout its memory is planned with, where the source's memory policies differ from what its
     # time was planned with (None: `layout` for both)
     memory_layout: Layout | None = None
+    # Where the source says its GPUs' peak is below the preset's but not by how much: the lowest peak
+    # it allows (FLOP/s); the prediction is also made at it, bracketing the time error (None: exact)
+    lowest_peak: float | None = None
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
@@ -148,6 +170,18 @@ _TORCHTITAN = "torchtitan team, end of 2024 (pytorch/torchtitan benchmarks/llama
 _TORCHTITAN_RUNS = ((8, 16, 1, (5762, 82.4), (6667, 77.0)), (128, 256, 3, (5605, 67.0), (6514, 62.0)))
 
 
+# Table 2, Llama 3.1 8B on 8 GPUs, FSDP + CP + compile + Float8, local batch 1, full checkpointing:
+# (dp_shard, cp, sequence length, tokens/s per GPU, memory GiB)
+_TORCHTITAN_CP_RUNS = ((8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0),
+                       (1, 8, 262144, 548, 84.5))
+# Table 4, Llama 3.1 70B on 256 GPUs (FSDP 32, TP 8) + compile + Float8, local batch 16, global batch 512,
+# full checkpointing: (label, tokens/s per GPU, memory GiB)
+_TORCHTITAN_70B_RUNS = (("2D", 829, 71.9), ("2D + AsyncTP", 876, 67.6))
+H100_NVL_BF16 = 835e12  # dense bf16 FLOP/s of an H100 NVL (module docstring)
+_FLOAT8 = ("Float8 linears: the planner prices bf16 GEMMs (memory only; tessera/plan/published.py "
+           "says why Float8 leaves the counted memory unchanged)")
+
+
 def _torchtitan_runs() -> list[PublishedRun]:
     out = []
     for gpus, batch, table, eager, compiled in _TORCHTITAN_RUNS:
@@ -155,14 +189,29 @@ def _torchtitan_runs() -> list[PublishedRun]:
         for label, (tps, gib) in (("FSDP", eager), ("FSDP + compile", compiled)):
             out.append(PublishedRun(f"torchtitan Llama 3.1 8B, {gpus} H100, {label}", f"{_TORCHTITAN}, table {table}",
                                     get_preset("llama3.1-8b"), "h100-96gb", gpus, lay, Workload(8192, 2, batch),
-                                    "tokens_per_second_per_gpu", float(tps), held_out=True, memory_gib=gib))
+                                    "tokens_per_second_per_gpu", float(tps), held_out=True, memory_gib=gib,
+                                    lowest_peak=H100_NVL_BF16))
+    for shard, cp, seq, tps, gib in _TORCHTITAN_CP_RUNS:
+        lay = Layout(dp_shard=shard, cp=cp, cp_method="allgather", zero_stage=3, recompute="full")
+        out.append(PublishedRun(f"torchtitan Llama 3.1 8B, 8 H100, FSDP {shard} CP {cp}, seq {seq}, Float8",
+                                f"{_TORCHTITAN}, table 2", get_preset("llama3.1-8b", max_seq_len=seq), "h100-96gb",
+                                8, lay, Workload(seq, 1, shard), "tokens_per_second_per_gpu", float(tps),
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
+    lay = Layout(tp=8, sp=True, dp_shard=32, zero_stage=3, recompute="full")
+    for label, tps, gib in _TORCHTITAN_70B_RUNS:
+        out.append(PublishedRun(f"torchtitan Llama 3.1 70B, 256 H100, {label} (FSDP 32 TP 8), Float8",
+                                f"{_TORCHTITAN}, table 4", get_preset("llama3-70b"), "h100-96gb", 256, lay,
+                                Workload(8192, 16, 512), "tokens_per_second_per_gpu", float(tps),
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
     return out
 
 
-def plan_run(run: PublishedRun, profile: str | None = None, *, memory: bool = False) -> Plan:
+def plan_run(run: PublishedRun, profile: str | None = None, *, memory: bool = False,
+             lowest_peak: bool = False) -> Plan:
     """The run planned on its GPUs with its efficiency profile (or `profile`); `memory`: with the
-    layout its memory is checked with."""
-    cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus, profile=profile or run.profile)
+    layout its memory is checked with; `lowest_peak`: at the run's `lowest_peak`."""
+    peak = {"gpu_flops": run.lowest_peak} if lowest_peak and run.lowest_peak is not None else {}
+    cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus, profile=profile or run.profile, **peak)
     lay = run.memory_layout if memory and run.memory_layout is not None else run.layout
     return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype)
 

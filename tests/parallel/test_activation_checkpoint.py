@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config import ConfigError, ParallelError, get_preset
-from tessera.config.parallel import ParallelConfig
+from tessera.config.parallel import RECOMPUTE_SAVE_CHOICES, ParallelConfig
 from tessera.models import Transformer
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
 from tessera.parallel.activation_offload import HostStore, apply_activation_offload, offload_blocks
@@ -117,3 +117,18 @@ def test_unknown_policies_and_names_are_refused():
     with pytest.raises(ConfigError, match="activation_fp8=.* needs parallel.recompute=op"):
         ParallelConfig(recompute="full", activation_fp8=["mlp_in"])
     assert ParallelConfig(recompute="op", recompute_save=["matmuls"]).recompute_save == ("matmuls",)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek"])
+def test_every_save_choice_alone_and_every_interval_keeps_gradients_bit_identical(preset):
+    """recompute=op with each entry of RECOMPUTE_SAVE_CHOICES on its own (MLA's up-projections, the
+    router, the output and down products included), and every policy at interval 2 and 3: fp32 on
+    the CPU, the gradients equal keeping everything bit for bit."""
+    ref, _, _ = _grads_and_recompute_counts("none", preset=preset)
+    cases = [("op", 1, {"save": (choice,)}) for choice in RECOMPUTE_SAVE_CHOICES]
+    cases += [(mode, k, {}) for mode in ("full", "selective", "op") for k in (2, 3)]
+    for mode, interval, policy in cases:
+        grads, _, wrapped = _grads_and_recompute_counts(mode, interval, preset=preset, **policy)
+        assert wrapped, (mode, interval, policy)
+        for n, g in ref.items():
+            assert torch.equal(grads[n], g), (preset, mode, interval, policy, n)

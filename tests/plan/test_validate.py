@@ -27,8 +27,12 @@ def test_every_calibration_run_is_predicted_within_20_percent():
     calibration = [r for r in rows if not r["held_out"]]
     assert len(calibration) == 11 and all("torchtitan" not in r["name"] for r in calibration)
     for r in rows:
-        assert r["relative_error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+        if r["time_not_compared"] is None:
+            assert r["relative_error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+        else:  # Float8 runs: the time model prices bf16 GEMMs, so their time is not compared
+            assert r["relative_error"] is None and r["held_out"] and "Float8" in r["time_not_compared"]
     for r in calibration:
+        assert r["time_not_compared"] is None
         assert abs(r["relative_error"]) < 0.20, r
     # The model must also order the runs the way the papers do, not only land near each figure.
     by_name = {r["name"]: r for r in rows}
@@ -43,13 +47,39 @@ def test_every_calibration_run_is_predicted_within_20_percent():
 def test_held_out_runs_memory_within_25_percent_of_what_they_reported():
     """torchtitan's Llama 3.1 8B runs (FSDP, operator-level selective checkpointing, sequence 8192)
     were planned at about twice the GPU's memory before the planner modelled that policy; nothing
-    was fitted to them. Their memory (the allocator's peak reservation) is within 25%."""
+    was fitted to them. Their memory (the allocator's peak reservation) is within 25%, and so is
+    that of the same report's 8B runs with context parallelism and full checkpointing at 32K-256K."""
     held_out = [r for r in validation_rows() if r["held_out"]]
-    assert len(held_out) == 4 and all("torchtitan" in r["name"] for r in held_out)
-    for r in held_out:
+    assert len(held_out) == 10 and all("torchtitan" in r["name"] for r in held_out)
+    op_policy = [r for r in held_out if "Llama 3.1 8B" in r["name"] and "CP" not in r["name"]]
+    context_parallel = [r for r in held_out if "CP" in r["name"]]
+    assert len(op_policy) == 4 and all("recompute=op" in r["layout"] for r in op_policy)
+    assert len(context_parallel) == 4 and all("recompute=full" in r["layout"] for r in context_parallel)
+    for r in op_policy + context_parallel:
         m = r["memory"]
-        assert m["fits"] and abs(m["relative_error"]) < 0.25, (r["name"], m)
-        assert "recompute=op" in r["layout"]
+        assert abs(m["relative_error"]) < 0.25, (r["name"], m)
+
+
+def test_a_peak_the_source_gives_as_a_range_brackets_the_time_error():
+    """torchtitan's H100s run at 500 W, their peak "between SXM and NVL": the prediction is made at
+    both ends, and the lower peak predicts less throughput (a smaller error, as they are over)."""
+    timed = [r for r in validation_rows() if r["held_out"] and r["relative_error"] is not None]
+    assert len(timed) == 4
+    for r in timed:
+        assert r["relative_error"] > r["lowest_peak_relative_error"] > -1, r["name"]
+    others = [r for r in validation_rows() if not r["held_out"] or r["relative_error"] is None]
+    assert all(r["lowest_peak_relative_error"] is None for r in others)
+
+
+def test_every_held_out_run_fits_where_it_ran_and_under_the_reported_reservation():
+    """Every held-out run fits the GPUs it ran on, and no plan exceeds the published figure: the
+    planner counts tensors, the published figure is the caching allocator's peak reservation,
+    which holds them. The 70B runs (table 4) are planned about a third under it, outside 25%
+    (README and docs/planning.md say so): nothing was changed for them."""
+    for r in (r for r in validation_rows() if r["held_out"]):
+        m = r["memory"]
+        assert m["fits"] and m["predicted_gib"] <= m["ran_on_gib"], (r["name"], m)
+        assert -0.5 < m["relative_error"] < 0, (r["name"], m)
 
 
 def test_deepseek_v3_plans_as_fitting_the_80_gb_h800s_it_ran_on():
@@ -80,5 +110,6 @@ def test_validate_command_prints_time_and_memory_and_the_held_out_errors(capsys)
     assert isinstance(rows, list) and len(rows) == len(published_runs())
     for r in rows:
         assert {"name", "published", "predicted", "relative_error", "held_out", "memory"} <= set(r)
-        assert isinstance(r["published"], float) and isinstance(r["relative_error"], float)
+        assert isinstance(r["published"], float)
+        assert isinstance(r["relative_error"], float) or r["time_not_compared"]
         assert {"predicted_gib", "ran_on_gib", "fits", "relative_error"} <= set(r["memory"])
