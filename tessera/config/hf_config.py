@@ -93,20 +93,13 @@ def read_language_model_config(path: str | os.PathLike) -> ModelConfig:
     """`read_hf_config`, except that a LLaVA directory gives its language model's config: what
     `model.from_hf`, `train.init_from` and a distillation teacher read of it (the weights come from
     the same directory, `tessera.checkpoint.hf.slices`)."""
-    from tessera.config.vision import is_llava_config, llava_config_from_hf
+    from tessera.config.vision import is_llava_config, read_llava_file
 
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
         d = read_json_object(cfg_file)
         if is_llava_config(d):
-            try:
-                return llava_config_from_hf(d).text
-            except ModelError:
-                raise
-            except ConfigError as e:
-                raise CheckpointError(f"{str(cfg_file)!r}: {e}") from e
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise CheckpointError(f"{str(cfg_file)!r}: a field is missing or has the wrong type ({e!r})") from e
+            return read_llava_file(d, str(cfg_file)).text
     return read_hf_config(path)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import ConfigError, ModelError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
 
@@ -187,6 +187,19 @@ def llava_config_from_hf(d: Mapping[str, Any]) -> LlavaConfig:
                        select_strategy=d.get("vision_feature_select_strategy", "default"),
                        projector_act=d.get("projector_hidden_act", "gelu"),
                        projector_bias=bool(d.get("multimodal_projector_bias", True)))
+
+
+def read_llava_file(d: Mapping[str, Any], source: str) -> LlavaConfig:
+    """`llava_config_from_hf` of config.json `source`'s object `d`: what Tessera does not reproduce is a
+    ModelError, any other problem one CheckpointError naming the file."""
+    try:
+        return llava_config_from_hf(d)
+    except ModelError:
+        raise
+    except ConfigError as e:
+        raise CheckpointError(f"{source!r}: {e}") from e
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{source!r}: a field is missing or has the wrong type ({e!r})") from e
 
 
 def vision_to_hf(v: VisionConfig) -> dict[str, Any]:

@@ -127,7 +127,7 @@ class PagedModel:
         placeholders (the vision seam: `encode_images`, through the encoder's per-image cache)."""
         if self.encoder is None:
             raise ConfigError("this model takes no images")
-        spans = [(row, span) for it, row in zip(items, _starts(items)) for span in it.images]
+        spans = [(row, span) for it, row in zip(items, packed_offsets(items)) for span in it.images]
         rows = self.encoder.features([span.image for _, span in spans])
         h = self.model.tok_embeddings(ids)
         for row, span in spans:
@@ -135,12 +135,13 @@ class PagedModel:
         return h
 
 
-def _starts(items: list[BatchItem]) -> list[int]:
-    out, t = [], 0
+def packed_offsets(items: list[BatchItem]) -> list[int]:
+    """The row where each item's tokens start when every item is packed in order."""
+    offsets, t = [], 0
     for it in items:
-        out.append(t)
+        offsets.append(t)
         t += len(it.tokens)
-    return out
+    return offsets
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,13 @@ passes its positions through `forward`'s `positions`, as context parallelism doe
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
 
 from tessera.config.errors import ModelError
 from tessera.config.vision import LlavaConfig
 from tessera.models.attention import AttentionCache
-from tessera.models.transformer import ModelOutput, Transformer
+from tessera.models.transformer import ModelOutput, Transformer, init_by_name
 from tessera.models.vision_tower import VisionTransformer, activation
 
 
@@ -61,11 +59,6 @@ class LlavaProjector(nn.Module):
         return self.linear_2(activation(self.act, self.linear_1(x)))
 
 
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 class Llava(nn.Module):
     def __init__(self, cfg: LlavaConfig, init_seed: int | None = 0):
         super().__init__()
@@ -86,16 +79,8 @@ class Llava(nn.Module):
         weights 1, biases 0, the rest N(0, init_std)."""
         self.language_model.init_weights(seed)
         norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
-        for name, p in self.named_parameters():
-            if name.startswith("language_model."):
-                continue
-            if name in norms:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                gen = torch.Generator().manual_seed(_name_seed(seed, name))
-                p.copy_(torch.empty(p.shape).normal_(0.0, self.cfg.text.init_std, generator=gen).to(p.dtype))
+        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
+        init_by_name(own, norms, seed, self.cfg.text.init_std)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """The language model's RoPE frequencies (after building on the meta device)."""

@@ -26,9 +26,9 @@ import torch
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, check_exportable, hf_names
 from tessera.checkpoint.hf.writer import first_keys, write_hf_files
-from tessera.config.errors import CheckpointError, ConfigError, ModelError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_json_object
-from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_from_hf, llava_config_to_hf
+from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
 from tessera.data.image_processor import PROCESSOR_FILE, ImageProcessor
 from tessera.models.llava import Llava
 
@@ -71,15 +71,7 @@ def is_llava_directory(path: str | os.PathLike) -> bool:
 
 def read_llava_config(path: str | os.PathLike) -> LlavaConfig:
     f = Path(path) / "config.json"
-    d = read_json_object(f)
-    try:
-        return llava_config_from_hf(d)
-    except ModelError:
-        raise
-    except ConfigError as e:
-        raise CheckpointError(f"{str(f)!r}: {e}") from e
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{str(f)!r}: a field is missing or has the wrong type ({e!r})") from e
+    return read_llava_file(read_json_object(f), str(f))
 
 
 def read_processor(path: str | os.PathLike, cfg: LlavaConfig) -> ImageProcessor:
