@@ -14,6 +14,8 @@ Three kinds of directory, and one kind of file, hold a model:
   directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset);
 - a GGUF file (gguf/: llama.cpp's format, dequantized at load, or its quantized block matrices
   kept in memory with `gguf_keep_quantized`), whose tokenizer is in its metadata.
+A vision-language model (a LLaVA directory, or a Tessera checkpoint converted from one) loads
+through `load_vision_language`, with its image processor.
 `tessera generate` and serving load through here.
 """
 
@@ -27,13 +29,17 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
+from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint, load_llava_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
+from tessera.checkpoint.hf.llava import is_llava_directory, load_llava, read_processor
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
 from tessera.checkpoint.prequantized.detect import is_prequantized_hf
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
+from tessera.data.image_processor import ImageProcessor
 from tessera.data.tokenizer import load_tokenizer
+from tessera.models.llava import Llava
 from tessera.models.transformer import Transformer
 
 
@@ -83,6 +89,22 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                               "directory, nor a Tessera checkpoint (step_*/meta.json)")
     model, run_config = load_tessera_model(found, dtype, device)
     return LoadedModel(model, None, run_config)
+
+
+def is_vision_language(path: str | os.PathLike) -> bool:
+    """A LLaVA HuggingFace directory, or a Tessera checkpoint converted from one."""
+    return is_llava_directory(path) or (not is_hf_directory(path) and not is_gguf_path(path)
+                                        and is_vision_language_checkpoint(path))
+
+
+def load_vision_language(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu") -> tuple[Llava, ImageProcessor, dict | None]:
+    """The vision-language model at `path` (`is_vision_language`), its image processor, and the run
+    configuration stored with a Tessera checkpoint (None for a HuggingFace directory)."""
+    if is_llava_directory(path):
+        model = load_llava(path, dtype, device)
+        return model, read_processor(path, model.cfg), None
+    return load_llava_checkpoint(path, dtype, device)
 
 
 def trained_tokenizer(path: str | os.PathLike) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _http_arguments(parser)
     _engine_arguments(parser)
     _adapter_arguments(parser)
+    _media_arguments(parser)
     _parallel_arguments(parser)
 
 
@@ -134,6 +136,39 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (a request's `seed` overrides it)")
 
 
+def _media_arguments(p: argparse.ArgumentParser) -> None:
+    """Images of chat requests (vision-language models), spelled as vLLM spells them."""
+    p.add_argument("--limit-mm-per-prompt", type=mm_limits, default={}, metavar="LIMITS",
+                   help="items per prompt by modality: image=2, or JSON {\"image\": 2} (default: no count limit)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image urls are read from under this directory only (default: none)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="http(s) image urls are fetched from these hosts only (default: none)")
+    p.add_argument("--max-image-bytes", type=int_in(1, 2**31), default=20 * 2**20, metavar="N",
+                   help="largest encoded image read from a url, data: url or file (default 20 MiB)")
+    p.add_argument("--media-fetch-timeout", type=positive_float(3600.0), default=10.0, metavar="S",
+                   help="seconds an http(s) image fetch may wait on the network (default 10)")
+
+
+def mm_limits(text: str) -> dict[str, int]:
+    """`image=2[,...]` or a JSON object {"image": 2}, as vLLM's --limit-mm-per-prompt takes."""
+    from tessera.infer.config import MODALITIES
+
+    text = text.strip()
+    try:
+        if text.startswith("{"):
+            value = json.loads(text)
+        else:
+            value = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in text.split(",") if item)}
+    except ValueError:
+        value = None
+    if (not isinstance(value, dict) or not set(value) <= set(MODALITIES)
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: modality=count (image=2) or a JSON object "
+                                         f"{{\"image\": 2}}; modalities: {', '.join(MODALITIES)}; counts >= 0")
+    return value
+
+
 def _adapter_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA adapters: served per request, merged at load, loaded at run time."""
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
@@ -196,7 +231,15 @@ def engine_config(args: argparse.Namespace):
                         cpu_prepack=args.cpu_prepack,
                         tensor_parallel_size=args.tensor_parallel_size, kv_offload_gib=args.kv_offload_gib,
                         kv_cache_dir=args.kv_cache_dir, kv_cache_dir_gib=args.kv_cache_dir_gib,
-                        kv_role=args.kv_role, gguf_keep_quantized=args.gguf_keep_quantized)
+                        kv_role=args.kv_role, gguf_keep_quantized=args.gguf_keep_quantized,
+                        limit_mm_per_prompt=dict(args.limit_mm_per_prompt))
+
+
+def media_policy(args: argparse.Namespace):
+    from tessera.infer.media import MediaPolicy
+
+    domains = [d for item in args.allowed_media_domains for d in item.split(",") if d]
+    return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout)
 
 
 def _check_server_options(args: argparse.Namespace):
@@ -224,6 +267,8 @@ def _check_server_options(args: argparse.Namespace):
     for d in args.lora_modules_dir:
         if not Path(d).is_dir():
             raise ConfigError(f"--lora-modules-dir {d!r} is not a directory")
+    if args.allowed_local_media_path is not None and not Path(args.allowed_local_media_path).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     return allowed_hosts(args.allowed_hosts, args.host)
 
 
@@ -288,7 +333,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     loop = EngineLoop(engine).start()
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
-                     kv_role=args.kv_role)
+                     kv_role=args.kv_role, media=media_policy(args))
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)

@@ -25,6 +25,10 @@ class DataError(TesseraError):
     """A dataset or tokenizer file is missing, truncated or malformed."""
 
 
+class ImageError(DataError, ValueError):
+    """An image that cannot be used: not an image, truncated, zero-sized, or past the pixel limit."""
+
+
 class ServingError(TesseraError, RuntimeError):
     """A request the engine could not serve: the model's numbers went inf/NaN, a rank failed."""
 

@@ -89,6 +89,20 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{str(cfg_file)!r}: a field has the wrong type ({e})") from e
 
 
+def read_language_model_config(path: str | os.PathLike) -> ModelConfig:
+    """`read_hf_config`, except that a LLaVA directory gives its language model's config: what
+    `model.from_hf`, `train.init_from` and a distillation teacher read of it (the weights come from
+    the same directory, `tessera.checkpoint.hf.slices`)."""
+    from tessera.config.vision import is_llava_config, read_llava_file
+
+    cfg_file = Path(path) / "config.json"
+    if cfg_file.is_file():
+        d = read_json_object(cfg_file)
+        if is_llava_config(d):
+            return read_llava_file(d, str(cfg_file)).text
+    return read_hf_config(path)
+
+
 MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the safetensors format's own limit
 
 

@@ -25,7 +25,7 @@ import yaml
 
 from tessera.config.dataclass_build import build_dataclass, plain
 from tessera.config.errors import ConfigError, TesseraError
-from tessera.config.hf_config import is_hf_directory, read_hf_config
+from tessera.config.hf_config import is_hf_directory, read_language_model_config
 from tessera.config.limits import (
     MAX_BATCH_SAMPLES,
     MAX_SEED,
@@ -312,7 +312,7 @@ def build_model_config(raw: dict[str, Any], from_key: str = "model.from_hf") -> 
             raise ConfigError(f"{from_key}={from_hf!r} is invalid: no config.json there (a HuggingFace model "
                               "directory is expected)")
         try:
-            base = read_hf_config(from_hf).to_dict()
+            base = read_language_model_config(from_hf).to_dict()
         except TesseraError as e:
             raise ConfigError(f"{from_key}={from_hf!r}: {e}") from e
     elif preset is not None:

@@ -78,7 +78,7 @@ class BlockManager:
         if self.cache is None or seq.block_table:
             return [], []
         limit = (len(seq.token_ids) - 1) // self.block_size
-        hashes = hash_chain(seq.token_ids, self.block_size, seq.adapter_key, limit=limit)
+        hashes = hash_chain(seq.cache_token_ids, self.block_size, seq.adapter_key, limit=limit)
         return self.cache.lookup(hashes), hashes
 
     def find_below(self, hashes: list[bytes], num_device: int) -> list:
@@ -125,10 +125,10 @@ class BlockManager:
         if self.cache is None:
             return
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
-        bs = self.block_size
+        bs, ids = self.block_size, seq.cache_token_ids
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else b""
-            h = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.adapter_key)
+            h = block_hash(parent, ids[i * bs:(i + 1) * bs], seq.adapter_key)
             seq.block_hashes.append(h)
             self.cache.register(seq.block_table[i], h)
 

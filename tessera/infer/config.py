@@ -15,6 +15,7 @@ from tessera.config.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
+MODALITIES = ("image",)  # what a request may carry besides text
 
 
 def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -90,6 +91,10 @@ class EngineConfig:
     # prefill/decode disaggregation (kv_transfer.py): None, "prefill" (hands out the KV blocks of the
     # prompts it computes) or "decode" (takes them into its host tier: needs kv_offload_gib)
     kv_role: str | None = None
+    # Multimodal items per prompt, by modality (vLLM's --limit-mm-per-prompt): {"image": N} allows at
+    # most N images in one request (0: none); a modality left out is bounded by the context length only.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_encoder_cache_images: int = 64  # a vision-language model's encoder outputs kept, by image content
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -128,6 +133,13 @@ class EngineConfig:
                 _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
                       "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
         self._check_kv_tiers()
+        _need(isinstance(self.limit_mm_per_prompt, dict) and set(self.limit_mm_per_prompt) <= set(MODALITIES)
+              and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                      for v in self.limit_mm_per_prompt.values()),
+              "limit_mm_per_prompt", self.limit_mm_per_prompt,
+              f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
+        _need(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
+              "must be >= 1")
         spec = self.speculative
         if spec is not None and spec.method == "mtp":
             # the MTP draft reads the target's hidden states from the packed step on this process
@@ -156,6 +168,16 @@ class EngineConfig:
                   "needs prefix caching on and tensor_parallel_size=1")
             _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
                   "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
+
+    def check_vision_language(self, family: str) -> None:
+        """Refuse, naming each, the features not served for a vision-language model (images need
+        one rank, and a forward that takes their feature rows)."""
+        refused = {"tensor_parallel_size": self.tensor_parallel_size > 1, "lora_adapters": bool(self.lora_adapters),
+                   "merge_lora": bool(self.merge_lora), "quantization": self.quantization is not None,
+                   "speculative": self.speculative is not None, "kv_role": self.kv_role is not None}
+        for key, on in refused.items():
+            _need(not on, key, getattr(self, key), f"not supported for the vision-language model family {family!r} "
+                  "(served on one rank, without LoRA, quantization, speculative decoding or disaggregation)")
 
     @property
     def has_kv_tiers(self) -> bool:

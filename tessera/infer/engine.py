@@ -17,10 +17,19 @@ import itertools
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer, trained_tokenizer
+from tessera.checkpoint.loading import (
+    eos_token_ids,
+    is_vision_language,
+    load_model,
+    load_vision_language,
+    model_tokenizer,
+    trained_tokenizer,
+)
 from tessera.config.errors import ConfigError
+from tessera.data.image_processor import ImageProcessor, decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
@@ -29,6 +38,7 @@ from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.kv_tiers import TierMetrics, build_tiers
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
+from tessera.infer.multimodal import ImageEncoder, expand_placeholders
 from tessera.infer.output_processor import OutputProcessor
 from tessera.infer.sampling import make_generator
 from tessera.infer.sampling_params import SamplingParams
@@ -36,6 +46,7 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
+from tessera.models.llava import Llava
 from tessera.models.quantized import quantize_model
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
@@ -63,6 +74,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+        self.vision: Llava | None = None  # a vision-language model whose language model this engine serves
+        self.image_processor: ImageProcessor | None = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -70,6 +83,12 @@ class LLMEngine:
         """Load a HuggingFace / pre-quantized / Tessera-checkpoint directory and build the engine
         around it, with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
+        if is_vision_language(path):
+            config.check_vision_language("llava")
+            model, processor, run_cfg = load_vision_language(path, config.torch_dtype, config.device)
+            tokenizer = served_tokenizer(path, run_cfg)
+            return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.text.vocab_size),
+                                  image_processor=processor)
         if config.tensor_parallel_size == 1:
             model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device,
                                                    config.gguf_keep_quantized)
@@ -83,17 +102,21 @@ class LLMEngine:
             return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
-    def from_model(cls, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
+    def from_model(cls, model: Transformer | Llava, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
-                   owned: bool = False) -> LLMEngine:
+                   image_processor: ImageProcessor | None = None, owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
         (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, weights
         quantized, the draft model loaded, dynamic adapters loaded, system prompts cached.
         `prequantized`: the model's weights are int8 already (a pre-quantized directory). With
         tensor_parallel_size > 1 the model is cut over that many ranks (its weights sent once to
-        the new worker processes). `owned`: the engine alone holds `model` (loaded for it), so its
-        projections may be packed for the CPU (cpu_linear.py); a model shared with a trainer never is."""
+        the new worker processes). A vision-language model (`Llava`) is served as its language model
+        with its image encoder beside it (`image_processor`: the one its tower ships with by default).
+        `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
+        the CPU (cpu_linear.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
+        if isinstance(model, Llava):
+            return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
             _prepare_weights(model, config, prequantized)
@@ -103,6 +126,18 @@ class LLMEngine:
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
+
+    @classmethod
+    def _serving_vision_language(cls, model: Llava, config: EngineConfig, tokenizer, eos_ids,
+                                 image_processor: ImageProcessor | None) -> LLMEngine:
+        config.check_vision_language("llava")
+        _check_placement(model.language_model, config)
+        executor = InProcessExecutor(model.language_model, config)
+        executor.local.encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
+        engine = cls._serving(executor, config, tokenizer, eos_ids)
+        engine.vision = model
+        engine.image_processor = image_processor or ImageProcessor.for_vision(model.cfg.vision)
+        return engine
 
     @classmethod
     def _serving(cls, executor: Executor, config: EngineConfig, tokenizer, eos_ids) -> LLMEngine:
@@ -136,9 +171,11 @@ class LLMEngine:
         return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, images: list[np.ndarray] | None = None) -> str:
+        """Queue a request. `images`: pixel values [C, H, W] (`image_processor`'s output) of the
+        images the prompt marks, one image token id per image, in order (multimodal.py)."""
         params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids, prompt_images = self.with_images([int(t) for t in prompt_ids], images or [])
         grammar = self.validate_request(len(prompt_ids), params, adapter)
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
@@ -154,9 +191,33 @@ class LLMEngine:
         loaded = self.lora.adapters[adapter] if adapter else None
         seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
                        adapter_key=loaded.key if loaded else b"", adapter_slot=loaded.slot if loaded else -1,
-                       stop_ids=frozenset(stop_ids), grammar=grammar, seed=seed)
+                       stop_ids=frozenset(stop_ids), grammar=grammar, seed=seed, images=prompt_images)
         self.scheduler.add(seq)
         return request_id
+
+    def with_images(self, prompt_ids: list[int], images: list[np.ndarray]) -> tuple[list[int], tuple]:
+        """The prompt with its image marks widened to placeholders, and its images (none for text);
+        ConfigError when the images are too many, of the wrong size, or do not match the marks."""
+        limit = self.config.limit_mm_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            raise ConfigError(f"the request has {len(images)} images; at most {limit} per prompt are allowed "
+                              "(limit_mm_per_prompt)")
+        if self.vision is None:
+            if images:
+                raise ConfigError("this model takes no images (it is not a vision-language model)")
+            return prompt_ids, ()
+        size = (self.vision.cfg.vision.num_channels,) + (self.vision.cfg.vision.image_size,) * 2
+        for p in images:
+            if tuple(p.shape) != size:
+                raise ConfigError(f"image pixel values must be {list(size)} (the image processor's output); got "
+                                  f"{list(p.shape)}")
+        return expand_placeholders(prompt_ids, self.vision.cfg.image_token_id, self.vision.cfg.image_tokens, images)
+
+    def pixel_values(self, image) -> np.ndarray:
+        """The model's pixel values of `image`: a PIL image, or encoded bytes (decoded as untrusted input)."""
+        if self.image_processor is None:
+            raise ConfigError("this model takes no images (it is not a vision-language model)")
+        return self.image_processor(decode_image(image) if isinstance(image, bytes | bytearray) else image)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.scheduler.abort(request_id)
@@ -178,6 +239,8 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:
             raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
                               f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
+        if self.vision is not None:
+            raise ConfigError("LoRA adapters are not supported for the vision-language model family 'llava'")
         if self.config.gguf_keep_quantized:
             raise ConfigError("LoRA adapters are not supported with gguf_keep_quantized=True; serve the GGUF "
                               "model without it (its weights dequantized at load) to use adapters")

@@ -52,10 +52,11 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
-               callback: OutputCallback) -> str:
-        """Queue a request; `callback` gets every RequestOutput, in the engine thread."""
+               callback: OutputCallback, images: list | None = None) -> str:
+        """Queue a request (`images`: its pixel values, `LLMEngine.add_request`); `callback` gets
+        every RequestOutput, in the engine thread."""
         request_id = f"req-{uuid.uuid4().hex}"
-        self._inbox.put(("add", request_id, prompt_ids, params, adapter, callback))
+        self._inbox.put(("add", request_id, prompt_ids, params, adapter, callback, images))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -81,9 +82,9 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, adapter, callback = cmd
+            _, request_id, prompt_ids, params, adapter, callback, images = cmd
             try:
-                self.engine.add_request(prompt_ids, params, adapter, request_id)
+                self.engine.add_request(prompt_ids, params, adapter, request_id, images=images)
                 self._callbacks[request_id] = callback
             except TesseraError as e:
                 callback(RequestOutput(request_id, [], "", "", [], True, "error", len(prompt_ids), str(e)))

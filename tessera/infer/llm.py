@@ -22,6 +22,7 @@ from tessera.config.errors import ConfigError, ServingError
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine import LLMEngine
 from tessera.infer.sampling_params import SamplingParams
+from tessera.models.llava import Llava
 from tessera.models.transformer import Transformer
 
 
@@ -52,12 +53,12 @@ class LLM:
     `WorkerFailure`: make a new `LLM`.
     """
 
-    def __init__(self, model: str | Path | Transformer, config: EngineConfig | None = None, *, tokenizer=None,
+    def __init__(self, model: str | Path | Transformer | Llava, config: EngineConfig | None = None, *, tokenizer=None,
                  eos_ids: Iterable[int] = (), **options: Any):
         if config is not None and options:
             raise ConfigError("pass either config= or keyword options, not both")
         self.config = config or EngineConfig(**options)
-        if isinstance(model, Transformer):
+        if isinstance(model, Transformer | Llava):
             self.engine = LLMEngine.from_model(model, self.config, tokenizer, frozenset(eos_ids))
         elif tokenizer is not None or eos_ids:
             raise ConfigError("tokenizer= and eos_ids= go with a model in memory; a directory brings its own")
@@ -74,20 +75,27 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapter: str | Sequence[str | None] | None = None) -> list[Completion]:
+                 adapter: str | Sequence[str | None] | None = None,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
         """Complete every prompt (text, or a list of token ids); `params` and `adapter` may be one
-        value for all prompts or one per prompt."""
+        value for all prompts or one per prompt. `images` (a vision-language model): one list per
+        prompt of PIL images or encoded image bytes, each in the place of one image token id of
+        the prompt (`"<image>"` in LLaVA's vocabularies), in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
         adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * n
-        if len(params_list) != n or len(adapters) != n:
-            raise ConfigError(f"got {n} prompts but {len(params_list)} params and {len(adapters)} adapters")
+        image_lists = [list(i) for i in images] if images is not None else [[] for _ in range(n)]
+        if len(params_list) != n or len(adapters) != n or len(image_lists) != n:
+            raise ConfigError(f"got {n} prompts but {len(params_list)} params, {len(adapters)} adapters and "
+                              f"{len(image_lists)} image lists")
         encoded = [self.encode(p) for p in prompts]
-        for e, p, a in zip(encoded, params_list, adapters):  # refuse before anything is queued
-            self.engine.validate_request(len(e), p, a)
-        ids = [self.engine.add_request(e, p, a) for e, p, a in zip(encoded, params_list, adapters)]
+        pixels = [[self.engine.pixel_values(im) for im in imgs] for imgs in image_lists]
+        for e, p, a, px in zip(encoded, params_list, adapters, pixels):  # refuse before anything is queued
+            self.engine.validate_request(len(self.engine.with_images(e, px)[0]), p, a)
+        ids = [self.engine.add_request(e, p, a, images=px) for e, p, a, px in zip(encoded, params_list, adapters,
+                                                                                   pixels)]
         done: dict[str, Any] = {}
         while len(done) < n:
             for out in self.engine.step():

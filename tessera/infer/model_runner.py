@@ -20,6 +20,7 @@ import torch
 
 from tessera.infer.device_sampling import HostTransfer, SamplingBatch, sample_on_device
 from tessera.infer.logprobs import LogprobRows, add_logprobs, raw_logprobs, read_logprobs
+from tessera.infer.multimodal import spans_in
 from tessera.infer.paged_model import BatchItem, PagedForward
 from tessera.infer.penalties import apply_penalties, changes_logits
 from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
@@ -135,7 +136,8 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
     read_from = s.num_tokens - 1 if s.completes else len(tokens)
     if seq.wants_prompt_logprobs:
         read_from = 0
-    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from)
+    images = spans_in(seq.images, seq.num_computed, s.num_tokens) if seq.images else []
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images)
 
 
 def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:

@@ -2,7 +2,8 @@
 
 Requests are plain JSON dicts, checked field by field so that a bad value gets a 400 naming the
 field (instead of a validation dump). Supported: `model`, `prompt` (string, list of strings, list
-of token ids, or list of such lists), `messages` (chat), `max_tokens` / `max_completion_tokens`,
+of token ids, or list of such lists), `messages` (chat; text and `image_url` parts: media.py),
+`max_tokens` / `max_completion_tokens`,
 `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `stream`,
 `stream_options.include_usage`, `n` (1..MAX_N independent choices per prompt; `best_of` only equal
 to it), `user` (ignored), `response_format` (`text`, `json_object`, `json_schema`: see
@@ -172,29 +173,6 @@ def prompts_of(body: dict) -> list[str | list[int]]:
         return list(p)
     raise ProtocolError("'prompt' must be a non-empty string, list of strings, or list(s) of token ids",
                         param="prompt")
-
-
-def messages_of(body: dict) -> list[dict[str, str]]:
-    """Chat messages with text content (OpenAI's list-of-parts content is joined)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ProtocolError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ProtocolError(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content", "")
-        if isinstance(content, list):
-            parts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
-                raise ProtocolError(f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(parts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise ProtocolError(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
-    return out
 
 
 def new_id(prefix: str) -> str:

@@ -11,7 +11,7 @@ static-shape decode step instead (`bucketed_decode.py`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -20,6 +20,7 @@ from tessera.config.errors import ConfigError
 from tessera.infer.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.multimodal import ImageEncoder, ImageSpan
 from tessera.infer.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.models.transformer import Transformer
 
@@ -33,6 +34,7 @@ class BatchItem:
     block_table: list[int]  # must cover start + len(tokens) positions
     adapter_slot: int = -1  # dynamic LoRA slot, -1 for the base model
     logits_from: int = 0  # the caller reads the logits of tokens[logits_from:] only (tensor parallelism gathers those)
+    images: list[ImageSpan] = field(default_factory=list)  # image feature rows that replace placeholder tokens
 
 
 class PagedForward(Protocol):
@@ -65,6 +67,8 @@ class PagedModel:
         # what the multi-token-prediction draft reads (mtp_proposer.py)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
+        # a vision-language model's image encoder (multimodal.py): items with images take its rows
+        self.encoder: ImageEncoder | None = None
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -75,7 +79,8 @@ class PagedModel:
         weights per step instead of two (the packed step attends a group of one-token queries over
         their blocks as the decode step does)."""
         decoder = self.decoder
-        single = [i for i, it in enumerate(items) if len(it.tokens) == 1] if decoder is not None else []
+        single = ([i for i, it in enumerate(items) if len(it.tokens) == 1 and not it.images]
+                  if decoder is not None else [])
         single = single[:decoder.max_batch] if single else []
         if single and not decoder.use_graphs and any(len(it.tokens) > 1 for it in items):
             single = []
@@ -107,13 +112,36 @@ class PagedModel:
         if self.lora is not None:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
         try:
-            out = self.model(ids[None], positions=batch.positions[None], cache=batch)
+            inputs = self._embedded(ids, items) if any(it.images for it in items) else ids
+            out = self.model(inputs[None], positions=batch.positions[None], cache=batch)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
         if self.keep_hidden:
             self.hidden = out.last_hidden[0]
         return out.logits[0]
+
+
+    def _embedded(self, ids: torch.Tensor, items: list[BatchItem]) -> torch.Tensor:
+        """Token embeddings [T, D] of the packed step with the images' feature rows in place of their
+        placeholders (the vision seam: `encode_images`, through the encoder's per-image cache)."""
+        if self.encoder is None:
+            raise ConfigError("this model takes no images")
+        spans = [(row, span) for it, row in zip(items, packed_offsets(items)) for span in it.images]
+        rows = self.encoder.features([span.image for _, span in spans])
+        h = self.model.tok_embeddings(ids)
+        for row, span in spans:
+            h[row + span.row:row + span.row + span.count] = rows[span.image.key][span.first:span.first + span.count]
+        return h
+
+
+def packed_offsets(items: list[BatchItem]) -> list[int]:
+    """The row where each item's tokens start when every item is packed in order."""
+    offsets, t = [], 0
+    for it in items:
+        offsets.append(t)
+        t += len(it.tokens)
+    return offsets
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from enum import Enum
 import torch
 
 from tessera.infer.logprobs import TokenLogprobs
+from tessera.infer.multimodal import PromptImage, cache_ids
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.structured_output import GrammarMatcher
 
@@ -66,10 +67,18 @@ class Sequence:
     seed: int = 0  # the counter-based sampling seed (device_sampling); the draws of output n use (seed, n)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of each output token (params.logprobs set)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, by the placeholders they fill (multimodal.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """What the prefix cache hashes: `token_ids`, each image's placeholders standing as its content key."""
+        if not self.images:
+            return self.token_ids
+        return cache_ids(self.prompt_ids, self.images) + self.token_ids[len(self.prompt_ids):]
 
     @property
     def num_prompt(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.errors import ConfigError, ImageError, TesseraError
 from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.kv_transfer import TransferError, export_prefix, import_prefix, transfer_limit
 from tessera.infer.lora import confined_adapter_dir, read_adapter
+from tessera.infer.media import MediaPolicy, chat_images
 from tessera.infer.openai_choices import Choices, child_params
 from tessera.infer.openai_logprobs import TokenTexts
 from tessera.infer.openai_protocol import (
@@ -48,7 +50,6 @@ from tessera.infer.openai_protocol import (
     chunk_object,
     completion_object,
     error_body,
-    messages_of,
     new_id,
     prompts_of,
     sampling_params,
@@ -87,17 +88,18 @@ async def _json_body(request: Request) -> dict[str, Any]:
 def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None) -> FastAPI:
+               allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None,
+               media: MediaPolicy | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
-    Host header."""
+    Host header; `media` says where chat images may come from (None: data: URLs only)."""
     check_api_key(api_key)
     if allow_lora_loading and not lora_dirs:
         raise ConfigError("runtime LoRA loading needs at least one adapter directory (--lora-modules-dir DIR)")
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
-    routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs])
+    routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs], media or MediaPolicy())
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
@@ -141,8 +143,9 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
 class _Routes:
     """The handlers of the routes, around the engine thread `loop`."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path]):
-        self.loop, self.engine, self.model_name = loop, loop.engine, model_name
+    def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path],
+                 media: MediaPolicy):
+        self.loop, self.engine, self.model_name, self.media = loop, loop.engine, model_name, media
         self.tokenizer = loop.engine.tokenizer
         self.allow_lora_loading, self.roots = allow_lora_loading, roots
         self.max_prompt_chars = self.engine.max_model_len * _longest_token_chars(self.tokenizer)
@@ -189,34 +192,69 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any, list[str] | None]:
-        """Body, adapter, prompt token ids, sampling parameters and the prompts' texts to echo (None:
-        no echo) of a request (in a worker thread: JSON parsing, chat templates and tokenisation may
-        take a while)."""
+    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any, list[str] | None,
+                                                       list]:
+        """Body, adapter, prompt token ids, sampling parameters, the prompts' texts to echo (None:
+        no echo) and a chat's images (pixel values) of a request (in a worker thread: JSON parsing,
+        chat templates, fetching images and tokenisation may take a while)."""
         body = _parse_json(raw)
         adapter = self.adapter_of(body)
+        pixels: list = []
         if chat:
             if self.tokenizer is None:
                 raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
             template = None if self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
-            text = self.tokenizer.apply_chat_template(messages_of(body), add_generation_prompt=True,
-                                                      chat_template=template)
-            prompt_ids, echoes = [self.encode(text, special=False)], None
+            marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
+            messages, urls = chat_images(body, marker)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+            pixels = self.images(urls)
+            prompt_ids, echoes = [self.encode_around(text, marker)], None
         else:
             prompts = prompts_of(body)
             prompt_ids = [self.encode(p) for p in prompts]
             echoes = self.echoes(body, prompts, prompt_ids)
         engine = self.engine
-        room = engine.max_model_len - max(len(p) for p in prompt_ids)
+        lengths = [len(engine.with_images(ids, pixels)[0]) for ids in prompt_ids]  # images widened
+        room = engine.max_model_len - max(lengths)
         params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
         vocab = engine.cfg.vocab_size
         if any(t >= vocab for t in params.logit_bias):
             raise ProtocolError(f"'logit_bias' token ids must be in 0..{vocab - 1}", param="logit_bias")
-        for ids in prompt_ids:
-            engine.validate_request(len(ids), params, adapter)
+        for ids, length in zip(prompt_ids, lengths):
+            engine.validate_request(length, params, adapter)
             if any(not 0 <= t < vocab for t in ids):
                 raise ProtocolError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        return body, adapter, prompt_ids, params, echoes
+        return body, adapter, prompt_ids, params, echoes, pixels
+
+    def images(self, urls: list[str]) -> list:
+        """Pixel values of a chat's images: counted against the limit before any is fetched."""
+        if not urls:
+            return []
+        if self.engine.vision is None:
+            raise ProtocolError("this model takes no images (it is not a vision-language model); send text parts "
+                                "only", param="messages")
+        limit = self.engine.config.limit_mm_per_prompt.get("image")
+        if limit is not None and len(urls) > limit:
+            raise ProtocolError(f"the request has {len(urls)} images; at most {limit} per prompt are allowed "
+                                "(--limit-mm-per-prompt)", param="messages")
+        out = []
+        for k, url in enumerate(urls):
+            try:
+                out.append(self.engine.pixel_values(self.media.fetch(url)))
+            except ImageError as e:
+                raise ProtocolError(f"image {k + 1} ({brief(url)}): {e}", param="messages") from None
+        return out
+
+    def encode_around(self, text: str, marker: str) -> list[int]:
+        """Token ids of a chat text, with the model's image token where each `marker` stands."""
+        pieces = text.split(marker)
+        if len(pieces) == 1:
+            return self.encode(text, special=False)
+        image_token = self.engine.vision.cfg.image_token_id
+        ids = self.encode(pieces[0], special=False)
+        for piece in pieces[1:]:
+            ids = ids + [image_token] + (self.encode(piece, special=False) if piece else [])
+        return ids
 
     def echoes(self, body: dict, prompts: list[str | list[int]], prompt_ids: list[list[int]]) -> list[str] | None:
         """The text each prompt echoes (`echo`: the string sent, or its token ids decoded), or None."""
@@ -229,7 +267,8 @@ class _Routes:
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, adapter, prompt_ids, params, echoes = await asyncio.to_thread(self.prepare, await request.body(), chat)
+        body, adapter, prompt_ids, params, echoes, pixels = await asyncio.to_thread(self.prepare, await request.body(),
+                                                                                     chat)
         n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -249,7 +288,7 @@ class _Routes:
             return deliver
 
         loop = self.loop
-        rids = [loop.submit(ids, child_params(params, j), adapter, callback_for(i * n + j))
+        rids = [loop.submit(ids, child_params(params, j), adapter, callback_for(i * n + j), images=pixels)
                 for i, ids in enumerate(prompt_ids) for j in range(n)]
         rid = new_id("chatcmpl" if chat else "cmpl")
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
@@ -266,7 +305,7 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, adapter, prompt_ids, _, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
+        _, adapter, prompt_ids, _, _, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
                                                                endpoint == "chat")
         if adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ParallelError
-from tessera.infer.paged_model import BatchItem, PagedModel
+from tessera.infer.paged_model import BatchItem, PagedModel, packed_offsets
 
 STEP, CLEAR, STOP, PACKED = 1, 2, 3, 4
 
@@ -47,15 +47,6 @@ def _unpack_items(flat: list[int]) -> list[BatchItem]:
         at += n + nt
         items.append(BatchItem(tokens, start, table, slot, logits_from))
     return items
-
-
-def packed_offsets(items: list[BatchItem]) -> list[int]:
-    """The row where each item's tokens start when every item is packed in order."""
-    offsets, t = [], 0
-    for it in items:
-        offsets.append(t)
-        t += len(it.tokens)
-    return offsets
 
 
 def logit_rows(items: list[BatchItem], offsets: list[int]) -> list[int]:

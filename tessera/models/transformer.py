@@ -26,7 +26,7 @@ process; tensor parallelism installs the vocabulary-parallel one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -121,9 +121,25 @@ class TransformerBlock(nn.Module):
         return x_BSD + self.feed_forward(h), None
 
 
-def _name_seed(seed: int, name: str) -> int:
+def name_seed(seed: int, name: str) -> int:
+    """The seed of parameter `name`'s initial values: the same whatever the layout or device order."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_by_name(named: Iterable[tuple[str, torch.Tensor]], norms: set[str], seed: int, std: float) -> None:
+    """Each tensor from (seed, its name) alone: the norm weights `norms` 1, biases 0, the rest
+    N(0, std) drawn in fp32."""
+    for name, p in named:
+        if name in norms:
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            gen = torch.Generator().manual_seed(name_seed(seed, name))
+            full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            p.copy_(full.to(p.dtype))
 
 
 class Transformer(nn.Module):
@@ -174,15 +190,7 @@ class Transformer(nn.Module):
         """Every tensor from (seed, its name) alone, so any layout or device order gives the same
         model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
         norms = {f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
-        for name, p in self.named_parameters():
-            if name in norms:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                gen = torch.Generator().manual_seed(_name_seed(seed, name))
-                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=gen)
-                p.copy_(full.to(p.dtype))
+        init_by_name(self.named_parameters(), norms, seed, self.cfg.init_std)
         for name, b in self.named_buffers():
             if name.endswith("expert_bias"):
                 b.zero_()
@@ -197,7 +205,7 @@ class Transformer(nn.Module):
             return torch.ones(p.shape, dtype=torch.float32)
         if name.endswith(".bias"):
             return torch.zeros(p.shape, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        gen = torch.Generator().manual_seed(name_seed(seed, name))
         return torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=gen)
 
     # ---- forward ---------------------------------------------------------------------------

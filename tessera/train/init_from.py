@@ -17,7 +17,7 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.shards import load_checkpoint_shards
 from tessera.checkpoint.hf.load import load_hf_shards
 from tessera.config.errors import CheckpointError, TesseraError
-from tessera.config.hf_config import is_hf_directory, model_differences, read_hf_config
+from tessera.config.hf_config import is_hf_directory, model_differences, read_language_model_config
 from tessera.config.model import ModelConfig
 
 
@@ -32,7 +32,7 @@ def load_initial_weights(parts: list[nn.Module], path: str, model_cfg: ModelConf
                               source=f"train.init_from={path!r}")
     except CheckpointError as e:  # say which fields of the model section make the shapes differ
         try:
-            differences = model_differences(model_cfg, read_hf_config(path), shapes_only=True)
+            differences = model_differences(model_cfg, read_language_model_config(path), shapes_only=True)
         except TesseraError:  # a config.json Tessera cannot read: the weights' own check said what is wrong
             differences = []
         if not differences:

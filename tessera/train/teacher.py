@@ -26,7 +26,7 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config
 from tessera.checkpoint.loading import trained_tokenizer
 from tessera.config.errors import ConfigError, TesseraError
-from tessera.config.hf_config import is_hf_directory, read_hf_config
+from tessera.config.hf_config import is_hf_directory, read_language_model_config
 from tessera.config.model import ModelConfig
 from tessera.config.schema import RunConfig
 from tessera.data.tokenizer import load_tokenizer
@@ -45,7 +45,7 @@ def teacher_model_config(path: str) -> ModelConfig:
                           "Tessera checkpoint / run directory is expected)")
     try:
         if is_hf_directory(path):
-            return read_hf_config(path)
+            return read_language_model_config(path)
         return stored_model_config(ckpt.resolve_checkpoint(path))
     except TesseraError as e:
         raise ConfigError(f"{KEY}={path!r} is invalid: {e}") from e

@@ -23,3 +23,12 @@ def mixtral(tmp_path_factory):
 @pytest.fixture(scope="session")
 def family_models(llama, mixtral):
     return {"llama": llama, "mixtral": mixtral}
+
+
+@pytest.fixture(scope="session")
+def llava(tmp_path_factory):
+    """(directory, transformers model) of a tiny LLaVA (CLIP tower, Llama LM) with the char tokenizer."""
+    from tests.infer.tiny_llava import write_llava
+
+    path = tmp_path_factory.mktemp("llava")
+    return path, write_llava(path)

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.checkpoint.hf.llava import is_llava_directory
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_copies
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.checkpoint.parts import allocate
-from tessera.config.errors import CheckpointError
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.config.model import ModelConfig
 from tessera.models.transformer import Transformer
@@ -53,7 +54,8 @@ def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], sou
             raise CheckpointError(f"{source} does not fit the model: {key!r} has shape {list(stored)} there but "
                                   f"{list(shape)} in the model")
     needed.update(hf_copies(reader.cfg))  # copies of tensors the model holds once: not read
-    extra = sorted(k for k in reader.files.files if k not in needed and not k.endswith(IGNORED_SUFFIXES)
+    extra = sorted(k for k in reader.files.files if k not in needed and k not in reader.foreign
+                   and not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and "output.weight" not in shapes))
     if extra:
         raise CheckpointError(f"{source} does not fit the model: it has {extra[0]!r}, which the model has no "
@@ -109,6 +111,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     after the directory is checked against the model its config.json describes (names and shapes,
     from the files' headers)."""
     path = Path(path)
+    if is_llava_directory(path):
+        raise ConfigError(f"{str(path)!r} is a LLaVA (vision-language) directory, not a language model's: load it "
+                          "with tessera.checkpoint.hf.llava.load_llava, serve it with `tessera serve` or `LLM`")
     cfg = read_hf_config(path)
     reader = HFSliceReader(path, cfg)
     available = {k for k in reader.files.keys() if not k.endswith(IGNORED_SUFFIXES)}

@@ -83,12 +83,21 @@ def write_hf_directory(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.d
     `tokenizer` (a `tessera.data.Tokenizer`, a tokenizer directory or file, "default" for the
     bundled one, or None) adds its files, special-token ids and chat template (tokenizer.py).
     Returns the names of the safetensors files written."""
-    path = Path(path)
     check_exportable(cfg)
+    return write_hf_files(path, config_to_hf(cfg), cfg.vocab_size, dtype, sizes, read_shard, max_shard_bytes,
+                          tokenizer)
+
+
+def write_hf_files(path: str | os.PathLike, hf_cfg: dict, vocab_size: int, dtype: torch.dtype,
+                   sizes: Mapping[str, int], read_shard: ShardReader, max_shard_bytes: int = 5 * 2**30,
+                   tokenizer=None, extra_files: Mapping[str, str] | None = None) -> list[str]:
+    """`write_hf_directory` for any config.json `hf_cfg` (a model of `vocab_size` tokens), with
+    `extra_files` (file name -> text, e.g. an image processor's config) written beside it."""
+    path = Path(path)
     tok = resolve_tokenizer(tokenizer)
     if tok is not None:
-        check_vocabulary(tok, cfg.vocab_size)
-    hf_cfg = config_to_hf(cfg) | special_token_ids(tok)
+        check_vocabulary(tok, vocab_size)
+    hf_cfg = hf_cfg | special_token_ids(tok)
     hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     shards = plan_shards(sizes, max_shard_bytes)
     if path.exists():
@@ -104,6 +113,8 @@ def write_hf_directory(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.d
     try:
         files = _write_shards(tmp, shards, sizes, read_shard)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         write_tokenizer_files(tmp, tok)
         _make_readable(tmp)
     except (OSError, SafetensorError) as e:  # a full disk, a quota, a file-size limit
@@ -155,7 +166,8 @@ def _make_readable(directory: Path) -> None:
 
 
 def _is_export_file(name: str) -> bool:
-    return name in ("config.json", "generation_config.json", INDEX, *TOKENIZER_FILES) or (
+    return name in ("config.json", "generation_config.json", "preprocessor_config.json", INDEX,
+                    *TOKENIZER_FILES) or (
         name.startswith("model") and name.endswith(".safetensors"))
 
 

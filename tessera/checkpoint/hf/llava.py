@@ -1,0 +1,189 @@
+"""LLaVA HuggingFace directories (`LlavaForConditionalGeneration`): read, checked, loaded, written.
+
+    model = load_llava("llava-dir", dtype=torch.float32)     # a tessera.models.llava.Llava
+    save_llava(model, "out/", tokenizer=..., processor=...)  # transformers' AutoModelForImageTextToText loads it
+
+Names are handled in transformers 5's in-memory layout (`model.language_model.*`,
+`model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.weight`). Files come in others:
+llava-hf's checkpoints (`language_model.model.*`, `language_model.lm_head.*`,
+`vision_tower.vision_model.*`, `multi_modal_projector.*`) and what transformers 5's `save_pretrained`
+writes (the same, but `vision_tower.*`). Every one is read (`current_name`); the last is written
+(`saved_name`), so an export is what transformers itself would save. The language
+model's names come from its family, the tower's from `vision_names`. The image processor travels
+as `preprocessor_config.json` (tessera/data/image_processor.py): read when present, else the
+processor the tower ships with; always written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from tessera.checkpoint.hf.files import SafetensorsDir
+from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, check_exportable, hf_names
+from tessera.checkpoint.hf.writer import first_keys, write_hf_files
+from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.hf_config import read_json_object
+from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
+from tessera.data.image_processor import PROCESSOR_FILE, ImageProcessor
+from tessera.models.llava import Llava
+
+_LEGACY = ((r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
+           (r"^language_model\.", "model.language_model."), (r"^vision_tower\.", "model.vision_tower."),
+           (r"^multi_modal_projector\.", "model.multi_modal_projector."),
+           (r"^model\.vision_tower\.vision_model\.", "model.vision_tower."))
+_BLOCK = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attention.wq": "self_attn.q_proj",
+          "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.out_proj",
+          "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+
+
+def current_name(name: str) -> str:
+    """A stored tensor name in transformers 5's layout (llava-hf's older names rewritten)."""
+    for pattern, repl in _LEGACY:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def saved_name(name: str) -> str:
+    """A tensor name of transformers 5's layout as its `save_pretrained` writes it (the language model
+    and the head under `language_model.`, the tower and projector without the `model.` prefix)."""
+    for current, saved in (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                           ("model.vision_tower.", "vision_tower."),
+                           ("model.multi_modal_projector.", "multi_modal_projector.")):
+        if name.startswith(current):
+            return saved + name[len(current):]
+    return name
+
+
+def is_llava_directory(path: str | os.PathLike) -> bool:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        return is_llava_config(read_json_object(f))
+    except CheckpointError:
+        return False
+
+
+def read_llava_config(path: str | os.PathLike) -> LlavaConfig:
+    f = Path(path) / "config.json"
+    return read_llava_file(read_json_object(f), str(f))
+
+
+def read_processor(path: str | os.PathLike, cfg: LlavaConfig) -> ImageProcessor:
+    """The directory's image processor (else the tower's own), checked to give the tower's input size."""
+    proc = (ImageProcessor.from_directory(path) if (Path(path) / PROCESSOR_FILE).is_file()
+            else ImageProcessor.for_vision(cfg.vision))
+    side = cfg.vision.image_size
+    if proc.output_size() != (side, side):
+        raise ConfigError(f"{str(Path(path) / PROCESSOR_FILE)!r} makes {proc.output_size()} images but the vision "
+                          f"tower takes ({side}, {side})")
+    return proc
+
+
+def vision_names(v: VisionConfig, prefix: str = "model.vision_tower.") -> dict[str, str]:
+    """Tessera vision-tower key -> HuggingFace key (CLIP's / SigLIP's vision model), in model order."""
+    emb = f"{prefix}embeddings."
+    names = {"patch_embedding.weight": f"{emb}patch_embedding.weight"}
+    if v.kind == "siglip":
+        names["patch_embedding.bias"] = f"{emb}patch_embedding.bias"
+    else:
+        names["class_embedding"] = f"{emb}class_embedding"
+    names["position_embedding.weight"] = f"{emb}position_embedding.weight"
+    if v.kind == "clip":
+        names.update({f"pre_norm.{p}": f"{prefix}pre_layrnorm.{p}" for p in ("weight", "bias")})
+    for i in range(v.n_layers):
+        for mine, theirs in _BLOCK.items():
+            for p in ("weight", "bias"):
+                names[f"layers.{i}.{mine}.{p}"] = f"{prefix}encoder.layers.{i}.{theirs}.{p}"
+    names.update({f"post_norm.{p}": f"{prefix}post_layernorm.{p}" for p in ("weight", "bias")})
+    if v.use_head:
+        head = ["probe", "attention.in_proj_weight", "attention.in_proj_bias", "attention.out_proj.weight",
+                "attention.out_proj.bias", "layernorm.weight", "layernorm.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                "mlp.fc2.weight", "mlp.fc2.bias"]
+        names.update({f"head.{n}": f"{prefix}head.{n}" for n in head})
+    return {f"vision_tower.{k}": h for k, h in names.items()}
+
+
+def llava_names(cfg: LlavaConfig) -> dict[str, list[str]]:
+    """Tessera `Llava` key -> HuggingFace key(s) (transformers 5's layout), in model order; routed
+    experts are one Tessera tensor and E HuggingFace ones, as in `hf_names`."""
+    names = {k: [h] for k, h in vision_names(cfg.vision).items()}
+    for p in ("linear_1", "linear_2"):
+        names[f"projector.{p}.weight"] = [f"model.multi_modal_projector.{p}.weight"]
+        if cfg.projector_bias:
+            names[f"projector.{p}.bias"] = [f"model.multi_modal_projector.{p}.bias"]
+    for key, hf_keys in hf_names(cfg.text).items():
+        names[f"language_model.{key}"] = [_in_llava(h) for h in hf_keys]
+    return names
+
+
+def load_llava(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> Llava:
+    """The `Llava` of a HuggingFace directory, in eval mode, after its tensors are checked against
+    the model config.json describes (missing, unexpected, shapes)."""
+    path = Path(path)
+    cfg = read_llava_config(path)
+    files = SafetensorsDir(path)
+    stored = {current_name(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)}
+    names = llava_names(cfg)
+    needed = {h for hs in names.values() for h in hs}
+    if cfg.text.tie_embeddings:
+        stored.pop("lm_head.weight", None)
+    missing, unexpected = needed - set(stored), set(stored) - needed
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for llava: {first_keys(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for llava: {first_keys(unexpected)}")
+    with torch.device("meta"):
+        model = Llava(cfg, init_seed=None)
+    model.to_empty(device=device)
+    model.cast(dtype)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            keys = [stored[h] for h in names[name]]
+            value = files.get(keys[0]) if len(keys) == 1 else torch.stack([files.get(k) for k in keys])
+            if tuple(value.shape) != tuple(t.shape):
+                raise CheckpointError(f"{path}: shape mismatch for {keys[0]} (-> {name}): checkpoint "
+                                      f"{list(value.shape)}, model config expects {list(t.shape)}")
+            t.copy_(value.to(t.dtype))
+    model.reset_rope(device)  # after the cast: the frequencies stay fp32
+    return model.eval()
+
+
+def save_llava(model: Llava, path: str | os.PathLike, tokenizer=None, processor: ImageProcessor | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as a LLaVA directory: config.json, safetensors, preprocessor_config.json
+    (`processor`, else the tower's own) and, with `tokenizer`, its files (hf/writer.py)."""
+    cfg = model.cfg
+    check_exportable(cfg.text)
+    state = model.state_dict()
+    tensors = {}
+    for key, hf_keys in llava_names(cfg).items():
+        t = state[key].detach().cpu()
+        parts = [t] if len(hf_keys) == 1 else t.unbind(0)  # routed experts: one tensor each
+        tensors.update({saved_name(h): part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    proc = processor or ImageProcessor.for_vision(cfg.vision)
+    extra = {PROCESSOR_FILE: json.dumps(proc.to_dict(), indent=2) + "\n"}
+    write_hf_files(path, llava_config_to_hf(cfg), cfg.text.vocab_size, next(model.parameters()).dtype, sizes,
+                   lambda keys: {k: tensors[k] for k in keys}, max_shard_bytes, tokenizer, extra)
+
+
+def _in_llava(hf_key: str) -> str:
+    """A language model's HuggingFace key as LLaVA's current layout names it."""
+    return hf_key if hf_key == "lm_head.weight" else re.sub(r"^model\.", "model.language_model.", hf_key)
+
+
+def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """A language model's Tessera -> HuggingFace names (`hf_names`) as a LLaVA directory holding
+    `stored` names them (either layout), and the stored keys that are not the language model's
+    (the vision tower and projector: a text run reads none of them)."""
+    lookup = {current_name(k): k for k in stored}
+    out = {key: [lookup.get(_in_llava(h), _in_llava(h)) for h in hs] for key, hs in names.items()}
+    used = {h for hs in out.values() for h in hs}
+    return out, {k for k in stored if k not in used}

@@ -1,0 +1,116 @@
+"""LLaVA (Liu et al. 2023, "Visual Instruction Tuning"): a vision tower, a projector, a language model.
+
+The vision seam of a vision-language model is two calls, which the engine and the trainer use
+without knowing the family:
+
+- `encode_images(pixels)` -> one [T_i, D] tensor per image: the rows that take the places of that
+  image's placeholder tokens, already in the language model's width. LLaVA runs the tower, picks
+  `feature_layer`'s hidden states (dropping the first token under the "default" strategy) and
+  projects them (linear, activation, linear); every image has `cfg.image_tokens` rows. A caller
+  may cache these per image (the serving engine does, by content hash).
+- `forward(input_ids, image_features=...)`: the token embeddings with each run of
+  `image_token_id` placeholders replaced, in order, by the images' rows (`merge_image_features`),
+  then the language model (`Transformer`, any dense family) on those embeddings with its own
+  positions, cache seam and loss.
+
+A family with its own positions for image tokens (Qwen2-VL's M-RoPE) keeps these two calls and
+passes its positions through `forward`'s `positions`, as context parallelism does for text.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.config.errors import ModelError
+from tessera.config.vision import LlavaConfig
+from tessera.models.attention import AttentionCache
+from tessera.models.transformer import ModelOutput, Transformer, init_by_name
+from tessera.models.vision_tower import VisionTransformer, activation
+
+
+def merge_image_features(embeds_BSD: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
+                         features: list[torch.Tensor]) -> torch.Tensor:
+    """`embeds_BSD` with the rows at `image_token_id` placeholders replaced, in row-major order, by
+    the rows of `features` (one [T_i, D] tensor per image, in the order the images appear)."""
+    mask = input_ids == image_token_id
+    placeholders = int(mask.sum())
+    rows = sum(int(f.shape[0]) for f in features)
+    if placeholders != rows:
+        raise ModelError(f"the prompt has {placeholders} image placeholder tokens (id {image_token_id}) but its "
+                         f"{len(features)} image(s) give {rows} feature rows; each image needs exactly its rows")
+    if not features:
+        return embeds_BSD
+    flat = torch.cat(features).to(embeds_BSD.dtype)
+    return embeds_BSD.masked_scatter(mask.unsqueeze(-1), flat)
+
+
+class LlavaProjector(nn.Module):
+    """LLaVA-1.5's two-layer MLP from the (concatenated) vision features to the model width."""
+
+    def __init__(self, cfg: LlavaConfig):
+        super().__init__()
+        self.act = cfg.projector_act
+        width = cfg.vision.dim * len(cfg.feature_layers)
+        self.linear_1 = nn.Linear(width, cfg.text.dim, bias=cfg.projector_bias)
+        self.linear_2 = nn.Linear(cfg.text.dim, cfg.text.dim, bias=cfg.projector_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(activation(self.act, self.linear_1(x)))
+
+
+class Llava(nn.Module):
+    def __init__(self, cfg: LlavaConfig, init_seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = VisionTransformer(cfg.vision)
+        self.projector = LlavaProjector(cfg)
+        self.language_model = Transformer(cfg.text, init_seed=None)
+        if init_seed is not None:
+            self.init_weights(init_seed)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """The language model by its own rule; the tower and projector from (seed, name): LayerNorm
+        weights 1, biases 0, the rest N(0, init_std)."""
+        self.language_model.init_weights(seed)
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
+        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
+        init_by_name(own, norms, seed, self.cfg.text.init_std)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """The language model's RoPE frequencies (after building on the meta device)."""
+        self.language_model.reset_rope(device)
+
+    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Llava:
+        self.to(device=device, dtype=dtype)
+        self.language_model.cast(dtype, device)
+        return self
+
+    def encode_images(self, pixels_NCHW: torch.Tensor) -> list[torch.Tensor]:
+        """One [image_tokens, D] tensor of language-model input rows per image (module docstring)."""
+        if pixels_NCHW.shape[0] == 0:
+            return []
+        hidden = self.vision_tower(pixels_NCHW, self.cfg.feature_layers)
+        if self.cfg.select_strategy == "default":
+            hidden = [h[:, 1:] for h in hidden]
+        return list(self.projector(torch.cat(hidden, dim=-1)))
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_features: list[torch.Tensor] | None = None, positions: torch.Tensor | None = None,
+                cache: AttentionCache | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+        """The language model's output on `input_ids` [B, S] whose image placeholders hold the
+        images' features: `image_features` (from `encode_images`) or `pixel_values` [N, C, H, W]
+        encoded here; neither for text (a decode step), where placeholder ids are not checked."""
+        if pixel_values is not None and image_features is not None:
+            raise ModelError("give pixel_values or image_features, not both")
+        if pixel_values is not None:
+            image_features = self.encode_images(pixel_values)
+        h = self.language_model.tok_embeddings(input_ids)
+        if image_features is not None:  # else text only: a generated placeholder id is a plain token
+            h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
+        return self.language_model(h, positions=positions, cache=cache, targets=targets)
