@@ -3,7 +3,7 @@
 The layers of tessera/models/quantized.py are Tessera's own formats, quantized at load; these hold
 the codes a compressed-tensors directory (the format llm-compressor writes) or a DeepSeek-V3
 block-FP8 directory brings, under the checkpoint's own tensor names, so the loader
-(tessera/checkpoint/prequantized.py) fills each buffer from the tensor of that name:
+(tessera/checkpoint/prequantized/load.py) fills each buffer from the tensor of that name:
 
 - `PackedIntLinear` (compressed-tensors `pack-quantized`): b-bit integers (b = 4 or 8) offset by
   2^(b-1) and packed densely into int32 words along the input dim (`weight_packed` [out,

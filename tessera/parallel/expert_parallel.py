@@ -12,7 +12,8 @@ How the expert weights [E, F, D] (w1, w3) and [E, D, F] (w2) are split:
 
 The weights stay DTensors (global shapes and names unchanged, so checkpoints reload under any
 layout); the experts' `local_weight` accessor becomes `local_shard`, so their own forward computes
-on this rank's shards. Expert weights are data-parallel over the ranks that ep does not use
+on this rank's shards. Quantized experts (a pre-quantized checkpoint's, or quantized at load) hold
+no parameters to split and are refused by name. Expert weights are data-parallel over the ranks that ep does not use
 (dp_replicate x dp_shard_mod_ep); `data_parallel.py` shards them there.
 
 Router statistics: the balancing losses need the routing counts of the whole micro-batch.
@@ -71,6 +72,10 @@ def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
     names = expert_mesh_names(dims)
     if not names:
         return
+    if not isinstance(experts, GroupedExperts) or getattr(experts, "quantized", False):
+        raise ParallelError(f"routed experts stored quantized ({type(experts).__name__}) are not split over "
+                            f"{' and '.join(names)}: expert parallelism splits full-precision expert parameters; "
+                            "run quantized experts with ep=1 and tp=1")
     mesh = dims[names]
     for pname, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
         placements = [Shard(0) if n == "ep" else Shard(hidden_dim) for n in names]

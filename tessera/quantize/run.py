@@ -3,8 +3,9 @@
 
     result = quantize("llama-1b/", "llama-1b-w4a16/", "gptq")
 
-Methods (every linear layer of the transformer blocks; embedding, norms and output head stay as
-they are):
+Methods (every linear layer of the transformer blocks, and for rtn and fp8 every routed expert's
+projections and the latent attention's (MLA) projections; embedding, norms, router and output head
+stay as they are):
 
 - `rtn`: round-to-nearest int weights, W4A16 group 128 by default (`bits`, `group_size`);
 - `gptq`: GPTQ (gptq.py) on calibration data, block by block (calibration.py), same formats as rtn;
@@ -12,9 +13,12 @@ they are):
   per-token int8 activations (W8A8);
 - `fp8`: e4m3 per-channel weights, dynamic per-token e4m3 activations (FP8_DYNAMIC); no calibration.
 
-Refused by name (ConfigError): routed experts (MoE families) and multi-head latent attention
-(DeepSeek-V3), which this writer does not lay out; a group size that does not divide a layer's
-inputs; options that do not apply to the method.
+Routed experts are quantized expert by expert, each projection its own weight and scales, and
+written under the checkpoint's per-expert names (`...experts.{j}.gate_proj`), as llm-compressor
+lays out an MoE model. Refused by name (ConfigError): gptq and smoothquant on a model with routed
+experts or latent attention (gptq's calibration hooks see linear layers, not the experts' grouped
+product, and smoothquant's fold is written for the dense attention and MLP); a group size that
+does not divide a layer's inputs; options that do not apply to the method.
 """
 
 from __future__ import annotations
@@ -68,14 +72,15 @@ class QuantizeOptions:
 class QuantizeResult:
     path: Path
     scheme: Scheme
-    layers: list[str]  # Tessera names of the quantized linear layers
+    layers: list[str]  # Tessera names of the quantized linear layers and routed experts' projections
+    matrices: int  # quantized weight matrices, as the file stores them (each expert's projections its own)
     calibration_tokens: int
 
     def summary(self) -> str:
         s = self.scheme
         what = f"{s.kind}{s.bits} weights, " + ("per channel" if s.group_size is None else f"group {s.group_size}")
         acts = f", dynamic per-token {s.kind}8 activations" if s.dynamic_activations else ""
-        return (f"{len(self.layers)} linear layers: {what}{acts} ({s.format}); "
+        return (f"{self.matrices} linear layers: {what}{acts} ({s.format}); "
                 f"{self.calibration_tokens} calibration tokens")
 
 
@@ -95,21 +100,29 @@ def method_scheme(method: str, options: QuantizeOptions) -> Scheme:
     return Scheme("int" if method == "smoothquant" else "float", 8, None, True)
 
 
-def check_model(cfg: ModelConfig, scheme: Scheme) -> None:
-    """Refuse (ConfigError) a model part the writer does not lay out, or a group that does not fit."""
-    if cfg.mla is not None:
-        raise ConfigError("quantize: multi-head latent attention (MLA, DeepSeek-V3) is not quantized by tessera "
-                          "quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
-    if cfg.moe is not None:
-        raise ConfigError(f"quantize: family {cfg.family!r} has routed experts (MoE), which tessera quantize does "
-                          "not quantize; quantize a dense model (llama, mistral, qwen2, qwen3)")
+def check_model(cfg: ModelConfig, scheme: Scheme, method: str) -> None:
+    """Refuse (ConfigError) a model part `method` does not quantize, or a group that does not fit."""
+    if method in CALIBRATED and (cfg.moe is not None or cfg.mla is not None):
+        part = "routed experts (MoE)" if cfg.moe is not None else "multi-head latent attention (MLA)"
+        why = ("its calibration hooks see linear layers, not the experts' grouped product" if method == "gptq" else
+               "its smoothing is folded into the dense attention and MLP only")
+        raise ConfigError(f"quantize --method {method}: family {cfg.family!r} has {part}, which {method} does not "
+                          f"quantize ({why}); quantize this model with --method rtn or fp8")
     g = scheme.group_size
-    inputs = {"dim": cfg.dim, "n_heads * head_dim": cfg.n_heads * cfg.head_dim, "ffn_dim": cfg.ffn_dim}
-    bad = {k: v for k, v in inputs.items() if g is not None and v % g}
+    if g is None:
+        return
+    with torch.device("meta"):
+        model = Transformer(cfg, init_seed=None)
+    inputs = {}  # in_features -> the first layer that has it
+    for name, m in quantizable_layers(model):
+        widths = [m.in_features] if isinstance(m, nn.Linear) else [m.w1.shape[2], m.w2.shape[2]]
+        for w in widths:
+            inputs.setdefault(w, name)
+    bad = {w: name for w, name in inputs.items() if w % g}
     if bad:
         raise ConfigError(f"quantize --group-size {g} does not divide the inputs of every linear layer "
-                          f"({', '.join(f'{k}={v}' for k, v in bad.items())}); give a common divisor, or 0 for "
-                          "one scale per output channel")
+                          f"({', '.join(f'{name} has {w}' for w, name in bad.items())}); give a common divisor, "
+                          "or 0 for one scale per output channel")
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
@@ -132,7 +145,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
         cfg = read_hf_config(src)
     except (ModelError, CheckpointError) as e:  # SRC is the command's input: naming another model is bad input
         raise ConfigError(f"quantize: {str(src)!r} is not a model Tessera can quantize: {e}") from None
-    check_model(cfg, scheme)
+    check_model(cfg, scheme, method)
     tokens = None
     if method in CALIBRATED:
         tokens, _ = load_calibration("quantize", src, cfg, options.calibration, options.num_sequences,
@@ -141,16 +154,18 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
     model = load_pretrained(src, dtype=torch.float32)
     quantized = quantize_linears(model, method, scheme, dtype, options, tokens)
     write_compressed(model, quantized, scheme, dtype, Path(src), Path(dst))
-    return QuantizeResult(Path(dst), scheme, sorted(quantized), 0 if tokens is None else tokens.numel())
+    matrices = sum(len(q) if isinstance(q, list) else 1 for q in quantized.values())
+    return QuantizeResult(Path(dst), scheme, sorted(quantized), matrices, 0 if tokens is None else tokens.numel())
 
 
 @torch.no_grad()
 def quantize_linears(model: Transformer, method: str, scheme: Scheme, dtype: torch.dtype, options: QuantizeOptions,
-                     tokens: torch.Tensor | None) -> dict[str, QuantizedWeight]:
-    """Every block linear layer of `model` quantized by `method` (scales in `dtype`), by module name.
-    smoothquant smooths `model` in place first; gptq leaves the dequantized weights in it."""
+                     tokens: torch.Tensor | None) -> dict[str, QuantizedWeight | list[QuantizedWeight]]:
+    """Every block linear layer of `model` quantized by `method` (scales in `dtype`), by module name;
+    routed experts (rtn and fp8) by parameter name ("layers.1.moe.experts.w1"), one weight per
+    expert. smoothquant smooths `model` in place first; gptq leaves the dequantized weights in it."""
     if method == "gptq":
-        quantized: dict[str, QuantizedWeight] = {}
+        quantized: dict[str, QuantizedWeight | list[QuantizedWeight]] = {}
 
         def quantize_block(linears: dict[str, nn.Linear], stats) -> None:
             for name, m in linears.items():
@@ -163,7 +178,15 @@ def quantize_linears(model: Transformer, method: str, scheme: Scheme, dtype: tor
         return quantized
     if method == "smoothquant":
         smooth(model, input_absmax(model, tokens), options.alpha)
-    weights = {name: m.weight.detach().to(dtype) for name, m in quantizable_layers(model)}
-    if method == "fp8":
-        return {name: quantize_fp8(w, dtype) for name, w in weights.items()}
-    return {name: quantize_int(w, scheme, dtype) for name, w in weights.items()}
+
+    def one(w: torch.Tensor) -> QuantizedWeight:
+        w = w.detach().to(dtype)
+        return quantize_fp8(w, dtype) if method == "fp8" else quantize_int(w, scheme, dtype)
+
+    out: dict[str, QuantizedWeight | list[QuantizedWeight]] = {}
+    for name, m in quantizable_layers(model):
+        if isinstance(m, nn.Linear):
+            out[name] = one(m.weight)
+        else:  # routed experts: [E, out, in] per projection
+            out.update({f"{name}.{p}": [one(w) for w in getattr(m, p)] for p in ("w1", "w2", "w3")})
+    return out

@@ -73,6 +73,20 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
+def weight_qparams(m) -> None:
+    """Weight scales (and zero points) of module `m`, which the library gave a quantization scheme,
+    by the library's `calculate_qparams` over the min / max of each group, channel or tensor."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    s = m.quantization_scheme
+    lo, hi = _minmax(m.weight.float(), s.weights)
+    scale, zp = calculate_qparams(lo, hi, s.weights)
+    m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
+    if hasattr(m, "weight_zero_point"):
+        m.weight_zero_point.copy_(zp.reshape(m.weight_zero_point.shape))
+
+
+@torch.no_grad()
 def _calibrate(model, calib_ids: torch.Tensor) -> None:
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -82,11 +96,7 @@ def _calibrate(model, calib_ids: torch.Tensor) -> None:
         s = getattr(m, "quantization_scheme", None)
         if s is None:
             continue
-        lo, hi = _minmax(m.weight.float(), s.weights)
-        scale, zp = calculate_qparams(lo, hi, s.weights)
-        m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
-        if hasattr(m, "weight_zero_point"):
-            m.weight_zero_point.copy_(zp.reshape(m.weight_zero_point.shape))
+        weight_qparams(m)
         if s.input_activations is not None and not s.input_activations.dynamic:
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, args, name=name: observed.__setitem__(name, (args[0].min(), args[0].max()))))

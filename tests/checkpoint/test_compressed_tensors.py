@@ -223,36 +223,50 @@ def _dense_linear(key: str) -> bool:
     return (".self_attn." in key or ".shared_experts." in key) and key.endswith(".weight") and "norm" not in key
 
 
+def _dequantized_state(model, state: dict) -> None:
+    """Put the dequantized weight of every checkpoint-quantized layer of `model` (linear layers, and
+    each routed expert's projections) into HuggingFace state `state`, in place."""
+    from tessera.checkpoint.hf.names import hf_names
+    from tessera.models.stored_quant_experts import PROJECTIONS, StoredQuantExperts
+
+    names = hf_names(model.cfg)
+    for name, m in model.named_modules():
+        if isinstance(m, StoredQuantExperts):
+            for p in PROJECTIONS:
+                for key, layer in zip(names[f"{name}.{p}"], getattr(m, p), strict=True):
+                    state[key] = layer.dequantized_weight(torch.float32)
+        elif isinstance(m, StoredQuantLinear) and ".moe.experts." not in name:
+            state[names[f"{name}.weight"][0]] = m.dequantized_weight(torch.float32)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_moe_and_mla_linears_load_quantized_and_quantized_routed_experts_are_refused(family, tmp_path):
-    """Mixtral's attention, DeepSeek-V3's MLA projections and shared experts in block FP8 load
-    (routed experts and router full precision) and equal the same model whose weights there are the
-    dequantized ones, loaded full precision; with the routed experts quantized too it is refused,
-    naming the expert."""
+def test_moe_and_mla_linears_and_routed_experts_load_quantized(family, tmp_path):
+    """Mixtral's attention, DeepSeek-V3's MLA projections and shared experts in block FP8 (16 x 16
+    blocks, partial ones at the edges) load quantized, first with the routed experts and router in
+    full precision, then with the routed experts quantized too, and equal the same model whose
+    weights there are the dequantized ones, loaded full precision."""
     from safetensors.torch import load_file, save_file
 
-    from tessera.checkpoint.hf.names import hf_names
     from tests.infer.tiny_models import write_model
 
     for d in ("fp", "q", "experts"):
         write_model(tmp_path / d, family)
     _block_fp8_moe(tmp_path / "q", _dense_linear)
-    loaded = load_model(tmp_path / "q")
-    layers = quantized_layers(loaded.model)
-    assert layers and all(".moe.experts" not in n and ".router" not in n for n in layers)
-    names = hf_names(loaded.model.cfg)
-    state = load_file(str(tmp_path / "fp" / "model.safetensors"))
-    for name, m in layers.items():
-        state[names[f"{name}.weight"][0]] = m.dequantized_weight(torch.float32)
-    assert len(layers) == sum(_dense_linear(k) for k in state)
-    save_file(state, str(tmp_path / "fp" / "model.safetensors"), metadata={"format": "pt"})
-    ids = IDS % loaded.model.cfg.vocab_size
-    torch.testing.assert_close(logits(loaded.model, ids), logits(load_model(tmp_path / "fp").model, ids),
-                               rtol=1e-5, atol=1e-5)
     _block_fp8_moe(tmp_path / "experts", lambda k: _dense_linear(k) or ".experts." in k and "shared" not in k)
-    with pytest.raises(ConfigError, match="experts.0.* is stored quantized, which Tessera does not load for "
-                                          "layers.[0-9]+.moe.experts.w1"):
-        load_model(tmp_path / "experts")
+    original = load_file(str(tmp_path / "fp" / "model.safetensors"))
+    ids = IDS % 128
+    for d, routed in (("q", False), ("experts", True)):
+        loaded = load_model(tmp_path / d)
+        layers = quantized_layers(loaded.model)
+        assert layers and all(".router" not in n for n in layers)
+        assert any(".moe.experts" in n for n in layers) == routed
+        state = dict(original)
+        _dequantized_state(loaded.model, state)
+        assert sum(not torch.equal(state[k], original[k]) for k in state) == sum(
+            _dense_linear(k) or routed and ".experts." in k and "shared" not in k for k in state)
+        save_file(state, str(tmp_path / "fp" / "model.safetensors"), metadata={"format": "pt"})
+        torch.testing.assert_close(logits(loaded.model, ids), logits(load_model(tmp_path / "fp").model, ids),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_lora_over_a_compressed_tensors_directory(tmp_path):

@@ -234,12 +234,17 @@ def test_bad_input_exits_2(llama, tmp_path, capsys):
     assert "is quantized already" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family, says", [("mixtral", "routed experts (MoE)"),
-                                          ("deepseek_v3", "multi-head latent attention (MLA")])
-def test_moe_and_mla_are_refused_by_name(family, says, tmp_path, capsys):
+@pytest.mark.parametrize("method, family, says", [
+    ("gptq", "mixtral", "family 'mixtral' has routed experts (MoE), which gptq does not quantize (its calibration"),
+    ("smoothquant", "deepseek_v3", "family 'deepseek_v3' has routed experts (MoE), which smoothquant does not"),
+])
+def test_calibrated_methods_refuse_moe_by_name(method, family, says, tmp_path, capsys):
+    """rtn and fp8 quantize routed experts and MLA (tests/quantize/test_quantize_moe.py); the calibrated
+    methods refuse them, naming the part and the methods that do."""
     write_model(tmp_path / "src", family)
-    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--method", "rtn", "--group-size", "0"]) == 2
-    assert says in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--method", method]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "quantize this model with --method rtn or fp8" in err
     assert not (tmp_path / "q").exists()
 
 

@@ -7,10 +7,12 @@ The model is built on the meta device from config.json; each linear layer of the
 checkpoint stores quantized (schemes.QuantizationPlan) is taken out, the rest of the model gets
 storage in `dtype` and is filled from the files, then the quantized layers go back in, their
 buffers the stored tensors themselves (codes in their stored dtype, scales as stored), so no
-full-precision copy of a quantized weight is ever made. Only the linear layers of attention, MLA
-and dense / shared-expert MLPs load quantized: a quantized output head, embedding, router or
-routed expert is refused by name, and so is any tensor the model has no place for (e.g. KV-cache
-scales). The library that writes compressed-tensors is not needed to read it.
+full-precision copy of a quantized weight is ever made. The linear layers of attention, MLA and
+dense / shared-expert MLPs load quantized, and so do routed experts (one quantized layer per
+expert and projection, in a `StoredQuantExperts`) when every projection of every expert of the
+layer is stored quantized; a layer whose experts are stored partly quantized, a quantized output
+head, embedding or router is refused by name, and so is any tensor the model has no place for
+(e.g. KV-cache scales). The library that writes compressed-tensors is not needed to read it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from tessera.checkpoint.prequantized.schemes import QuantizationPlan
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.models.int8 import quantizable_layers, replace_module
+from tessera.models.moe.experts import GroupedExperts
 from tessera.models.stored_quant import StoredQuantLinear
+from tessera.models.stored_quant_experts import PROJECTIONS, StoredQuantExperts
 from tessera.models.transformer import Transformer
 
 QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_scale_inv", ".weight_zero_point", ".weight_shape",
@@ -78,11 +82,40 @@ def _fill_layer(layer: StoredQuantLinear, prefix: str, files: SafetensorsDir, dt
     return used
 
 
+# Tessera module name -> (its quantized module on meta, [(HuggingFace prefix, quantized linear inside it)])
+Planned = dict[str, tuple[nn.Module, list[tuple[str, StoredQuantLinear]]]]
+
+
+def _plan_experts(name: str, m: GroupedExperts, plan: QuantizationPlan, names: dict[str, list[str]],
+                  stored: set[str]) -> tuple[nn.Module, list[tuple[str, StoredQuantLinear]]] | None:
+    """Routed experts `name` as a StoredQuantExperts when the checkpoint stores them quantized (None
+    when it stores them full precision; refused when it stores only some of them quantized)."""
+    E, hidden, dim = m.w1.shape
+    prefixes = {p: [k.removesuffix(".weight") for k in names[f"{name}.{p}"]] for p in PROJECTIONS}
+    inputs = {"w1": dim, "w2": hidden, "w3": dim}
+    factories = {p: [plan.factory(pre, inputs[p], stored) for pre in prefixes[p]] for p in PROJECTIONS}
+    kept = [(pre, f is not None) for p in PROJECTIONS for pre, f in zip(prefixes[p], factories[p], strict=True)]
+    if not any(q for _, q in kept):
+        return None
+    if not all(q for _, q in kept):
+        quantized, full = next(pre for pre, q in kept if q), next(pre for pre, q in kept if not q)
+        raise ConfigError(f"{plan.source}: {name} has routed experts stored partly quantized ({quantized} quantized, "
+                          f"{full} not); Tessera loads a layer's routed experts all quantized or all full precision")
+    with torch.device("meta"):
+        experts = StoredQuantExperts(E, dim, hidden, m.w1.dtype, factories)
+    return experts, [(pre, getattr(experts, p)[e]) for p in PROJECTIONS for e, pre in enumerate(prefixes[p])]
+
+
 def _plan_layers(model: Transformer, plan: QuantizationPlan, names: dict[str, list[str]], stored: set[str]
-                 ) -> dict[str, tuple[str, StoredQuantLinear]]:
-    """Tessera linear name -> (HuggingFace module name, its quantized layer on meta)."""
-    layers = {}
+                 ) -> Planned:
+    """The modules the checkpoint stores quantized, by Tessera name, with their quantized layers."""
+    layers: Planned = {}
     for name, m in quantizable_layers(model):
+        if isinstance(m, GroupedExperts):
+            planned = _plan_experts(name, m, plan, names, stored)
+            if planned is not None:
+                layers[name] = planned
+            continue
         hf = names.get(f"{name}.weight", [])
         if not isinstance(m, nn.Linear) or len(hf) != 1:
             continue
@@ -90,7 +123,8 @@ def _plan_layers(model: Transformer, plan: QuantizationPlan, names: dict[str, li
         factory = plan.factory(prefix, m.in_features, stored)
         if factory is not None:
             with torch.device("meta"):
-                layers[name] = prefix, factory(m.in_features, m.out_features, m.bias is not None, m.weight.dtype)
+                layer = factory(m.in_features, m.out_features, m.bias is not None, m.weight.dtype)
+            layers[name] = layer, [(prefix, layer)]
     return layers
 
 
@@ -107,8 +141,8 @@ def _fill_full_precision(model: Transformer, names: dict[str, list[str]], files:
             if _quantized_prefix(key, stored):
                 raise ConfigError(
                     f"{source}: {key.removesuffix('.weight')} is stored quantized, which Tessera does not load for "
-                    f"{name} (quantized it loads the linear layers of attention, MLA and dense / shared-expert MLPs, "
-                    "not the output head, embedding, router or routed experts); such modules must be in the "
+                    f"{name} (quantized it loads the linear layers of attention, MLA, dense / shared-expert MLPs and "
+                    "routed experts, not the output head, embedding or router); such modules must be in the "
                     "quantization's ignore list")
             if key not in stored:
                 raise CheckpointError(f"{source}: no tensor {key!r} (for {name})")
@@ -145,9 +179,10 @@ def load_prequantized(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     model.to_empty(device=device)
     model.cast(dtype)
     used = _fill_full_precision(model, names, files, stored, source)
-    for name, (prefix, layer) in layers.items():
-        used |= _fill_layer(layer, prefix, files, dtype, device, source)
-        replace_module(model, name, layer)
+    for name, (module, parts) in layers.items():
+        for prefix, layer in parts:
+            used |= _fill_layer(layer, prefix, files, dtype, device, source)
+        replace_module(model, name, module)
     extra = sorted(k for k in stored - used if not k.endswith(IGNORED_SUFFIXES)
                    and not (k == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
