@@ -112,9 +112,16 @@ def test_smollm2_gguf_converts_and_generates_as_transformers(tmp_path, capsys):
 
     [gguf] = Path(package.origin).parent.glob("*.gguf")
     reference = tmp_path / "transformers"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gguf_to_hf.py"), str(gguf.parent), gguf.name,
-                    str(reference)], check=True, capture_output=True, timeout=HANG_S * 4)
-    assert main(["convert", str(gguf), str(tmp_path / "tessera")]) == 0
+    # The reference export (the test's longest part) runs in its own process while this one converts:
+    # the two read the same file and write different directories, so neither waits for the other.
+    export = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gguf_to_hf.py"), str(gguf.parent), gguf.name,
+                               str(reference)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert main(["convert", str(gguf), str(tmp_path / "tessera")]) == 0
+        exported = export.communicate(timeout=HANG_S * 4)[0]
+    finally:
+        terminate_if_running(export)
+    assert export.returncode == 0, exported[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(reference)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -67,16 +67,30 @@ def test_unknown_tasks_and_tasks_without_evaluations_are_refused_before_training
         Trainer(load_config(TINY_DENSE, _overrides(small_dataset, run, local_tasks)))
 
 
+@pytest.fixture(scope="module")
+def one_process_records(small_dataset, local_tasks, tmp_path_factory) -> dict[int, dict[str, float]]:
+    """The task metrics of the same run in one process: every layout below is compared with this one
+    run, so it is trained once per module instead of once per layout (its overrides name no layout).
+    `datasets` caches under this fixture's own directory, as the autouse fixture does for a test."""
+    import datasets.config
+
+    base = tmp_path_factory.mktemp("one_process")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", base / "hf_datasets")
+        assert main(["train", TINY_DENSE, *set_args(_overrides(small_dataset, base / "one", local_tasks))]) == 0
+    return _task_records(base / "one")
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.pp=2", "parallel.dp_shard=1"]],
                          ids=["fsdp2", "pp2"])
-def test_ranks_evaluate_the_whole_model_gathered_on_rank_0(small_dataset, local_tasks, tmp_path, layout):
-    one, ranks = tmp_path / "one", tmp_path / "ranks"
-    assert main(["train", TINY_DENSE, *set_args(_overrides(small_dataset, one, local_tasks))]) == 0
+def test_ranks_evaluate_the_whole_model_gathered_on_rank_0(small_dataset, local_tasks, one_process_records,
+                                                           tmp_path, layout):
+    ranks = tmp_path / "ranks"
     overrides = _overrides(small_dataset, ranks, local_tasks) + layout
     assert main(["train", TINY_DENSE, "--nproc", "2", *set_args(overrides)]) == 0
-    expected, got = _task_records(one), _task_records(ranks)
+    expected, got = one_process_records, _task_records(ranks)
     assert sorted(got) == [2, 4]
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-9)
