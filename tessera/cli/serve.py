@@ -115,10 +115,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="size bound of --kv-cache-dir; the least recently used files go past it")
     p.add_argument("--system-prompt", action="append", default=[], metavar="TEXT", type=text,
                    help="prefill TEXT at start and keep its KV blocks cached (repeatable)")
-    p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup", "mtp"],
+    p.add_argument("--speculative", default=None, choices=["draft", "prompt_lookup", "mtp", "eagle"],
                    help="speculative decoding method (None: off; mtp: the model's own multi-token-prediction "
-                        "module drafts, for a model trained with model.mtp_depth > 0)")
-    p.add_argument("--draft-model", default=None, help="draft model directory (with --speculative draft)")
+                        "module drafts, for a model trained with model.mtp_depth > 0; eagle: an EAGLE-3 draft head "
+                        "given by --draft-model drafts from the model's hidden states)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model directory (with --speculative draft), or EAGLE-3 draft directory "
+                        "(with --speculative eagle: what tessera train with train.eagle.target writes)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per speculative step")
     add_quantization_argument(p)
     p.add_argument("--gguf-keep-quantized", action="store_true",

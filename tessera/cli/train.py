@@ -6,6 +6,7 @@ failure resumes from the newest good checkpoint as `--resume` would."""
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 
@@ -108,6 +109,8 @@ def _train(args: argparse.Namespace, cfg, progress):
     from tessera.train.trainer import Trainer
 
     restart = restart_count()
+    if cfg.train.eagle.target is not None:
+        return _train_eagle(args, cfg, restart)
     try:
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
                           task_evaluator=_task_evaluator(cfg))
@@ -130,15 +133,45 @@ def _train(args: argparse.Namespace, cfg, progress):
         shutdown_distributed()
 
 
+def _train_eagle(args: argparse.Namespace, cfg, restart: int):
+    """train.eagle.target: an EAGLE-3 draft head against the frozen target (tessera.train.eagle_trainer)."""
+    from tessera.parallel.launch import shutdown_distributed
+    from tessera.train.eagle_trainer import EagleTrainer
+
+    try:
+        trainer = EagleTrainer(cfg, resume=args.resume or restart > 0)
+        coordinator = trainer.layout.is_coordinator
+        if coordinator:
+            n = sum(p.numel() for p in trainer.draft.parameters())
+            print(f"training an EAGLE-3 draft head ({n:,} parameters, feature layers {list(trainer.layers)}, "
+                  f"{cfg.train.eagle.unroll} training-time-test steps) for the frozen target "
+                  f"{cfg.train.eagle.target} on {trainer.layout.world_size} rank(s), {trainer.device}; metrics in "
+                  f"{cfg.run_dir}/metrics.jsonl", file=sys.stderr, flush=True)
+        return trainer.train(), coordinator
+    finally:
+        shutdown_distributed()
+
+
 def _summarize(cfg, result, coordinator: bool) -> int:
     """Rank 0's last lines (what was trained, where it went, what to run next); the exit status."""
-    from tessera.train import console
-
     if not coordinator:
         return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
     if result.last_step == result.start_step and result.stopped_by_signal is None:
         print(f"nothing to train: the run is at step {result.start_step} and train.steps={cfg.train.steps}")
         return 0
+    if cfg.train.eagle.target is None:
+        return _summarize_model(cfg, result)
+    last = result.records[-1] if result.records else {}
+    print(f"trained the EAGLE draft steps {result.start_step + 1}..{result.last_step}, last loss "
+          f"{last.get('loss', math.nan):.4f}; written to {result.draft_dir}")
+    print(f"serve with it: tessera serve {cfg.train.eagle.target} --speculative eagle --draft-model {result.draft_dir}")
+    return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
+
+
+def _summarize_model(cfg, result) -> int:
+    """Rank 0's last lines of an ordinary run."""
+    from tessera.train import console
+
     last = result.records[-1] if result.records else {}
     summary = f"trained steps {result.start_step + 1}..{result.last_step}"
     if "loss" in last:

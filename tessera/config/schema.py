@@ -24,8 +24,10 @@ from typing import Any
 import yaml
 
 from tessera.config.dataclass_build import build_dataclass, plain
+from tessera.config.eagle import EagleTrainConfig, validate_eagle
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
+from tessera.config.layout_rules import need_data_parallel_only
 from tessera.config.limits import (
     MAX_BATCH_SAMPLES,
     MAX_SEED,
@@ -139,6 +141,7 @@ class TrainConfig:
     spike_factor: float | None = None
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
+    eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
 
 
 @dataclass
@@ -407,6 +410,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     need(1 <= t.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window", t.spike_window,
          f"must be in 1..{MAX_SPIKE_WINDOW} steps")
     _validate_distill(cfg, need)
+    validate_eagle(cfg, need)
     need(cfg.log.straggler_threshold > 0, "log.straggler_threshold", cfg.log.straggler_threshold,
          "must be > 0 (a fraction of the step time)")
     need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
@@ -444,10 +448,7 @@ def _validate_hidden_matching(cfg: RunConfig, need: Any) -> None:
          [list(pair) for pair in k.hidden_layers],
          f"pairs [student layer, teacher layer] with the student layer in 0..{n - 1} (model.n_layers={n}) "
          "and the teacher layer >= 0")
-    for key, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep), ("cp", p.cp)):
-        need(value == 1, f"parallel.{key}", value,
-             "1 with train.distill.hidden_layers (hidden-state matching runs in one process and under "
-             "dp_replicate / dp_shard only)")
+    need_data_parallel_only(p, need, "train.distill.hidden_layers", "hidden-state matching")
     need(cfg.train.dtype != "fp16", "train.dtype", cfg.train.dtype,
          "fp32 or bf16 with train.distill.hidden_layers (its projections are not unscaled by fp16 loss scaling)")
 

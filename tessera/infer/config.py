@@ -13,7 +13,7 @@ from typing import Any
 from tessera.config.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp")
+SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 MODALITIES = ("image",)  # what a request may carry besides text
 
@@ -29,10 +29,12 @@ class SpeculativeConfig:
     `num_tokens` tokens, the target model scores all of them in one forward pass."""
 
     # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams; "mtp": the served
-    # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/mtp_proposer.py)
+    # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/mtp_proposer.py);
+    # "eagle": an EAGLE-3 draft head fed with the target's hidden states (tessera/infer/eagle_proposer.py)
     method: str = "prompt_lookup"
     num_tokens: int = 4  # k: tokens proposed per step (the target then scores k + 1 positions)
-    draft_model: str | None = None  # HuggingFace directory of the draft model (method "draft")
+    # HuggingFace directory of the draft model (method "draft"), or the EAGLE-3 draft directory (method "eagle")
+    draft_model: str | None = None
     ngram_max: int = 3  # prompt lookup: the longest suffix n-gram searched for in the context
     ngram_min: int = 1  # ... and the shortest one tried before giving up
 
@@ -40,8 +42,8 @@ class SpeculativeConfig:
         _need(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
               f"one of {', '.join(SPECULATIVE_METHODS)}")
         _need(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
-        _need(self.method != "draft" or bool(self.draft_model), "speculative.draft_model", self.draft_model,
-              "method 'draft' needs the directory of a draft model")
+        _need(self.method not in ("draft", "eagle") or bool(self.draft_model), "speculative.draft_model",
+              self.draft_model, f"method {self.method!r} needs the directory of a draft model (--draft-model DIR)")
         _need(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
               f"must be in 1..ngram_max={self.ngram_max}")
 
@@ -141,12 +143,13 @@ class EngineConfig:
         _need(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
               "must be >= 1")
         spec = self.speculative
-        if spec is not None and spec.method == "mtp":
-            # the MTP draft reads the target's hidden states from the packed step on this process
+        if spec is not None and spec.method in ("mtp", "eagle"):
+            # the MTP and EAGLE drafts read the target's hidden states from the packed step on this process
             _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-                  "speculative.method='mtp' drafts on one process; use tensor_parallel_size=1")
+                  f"speculative.method={spec.method!r} drafts on one process; use tensor_parallel_size=1")
             _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
-                  "speculative.method='mtp' decodes in the packed step (it reads its hidden states); use []")
+                  f"speculative.method={spec.method!r} decodes in the packed step (it reads its hidden states); "
+                  "use []")
             self.decode_batch_sizes = []
         if spec is not None:
             _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",

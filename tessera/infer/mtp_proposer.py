@@ -20,6 +20,10 @@ static-shape decode step, `EngineConfig` sees to it). A request whose prompt sta
 prefix blocks has no hidden states for them and decodes without drafts. Greedy drafts are argmaxes;
 sampled ones are drawn from the processed distribution q of the module's logits, which rejection
 sampling needs (`rejection_sampling.py`), as the draft model's are.
+
+The bookkeeping (the target's hidden states per request, the catch-up, the chain, rollback) is
+`HiddenStateProposer`'s, which the EAGLE proposer (eagle_proposer.py) shares; a subclass says how
+its draft layer runs over packed rows (`_run`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tessera.config.errors import ConfigError
+from tessera.config.model import ModelConfig
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.draft_tokens import Proposal, draw_tokens
 from tessera.infer.kv_cache import PagedKVCache
@@ -55,8 +60,8 @@ def _trim(st: _MTPState) -> None:
         st.hidden_start = st.num_computed
 
 
-class _OneLayer:
-    """The module's block sees the cache as its own layer (its layer id is past the model's)."""
+class OneLayerCache:
+    """A draft's one layer sees the cache as its own layer (its layer id is past the model's)."""
 
     def __init__(self, batch: PagedAttentionBatch):
         self.batch = batch
@@ -66,7 +71,7 @@ class _OneLayer:
 
 
 @dataclass
-class _Row:
+class DraftRow:
     seq: Sequence
     state: _MTPState
     limit: int
@@ -75,19 +80,18 @@ class _Row:
     hidden: torch.Tensor  # [len(tokens), D]
 
 
-class MTPProposer:
-    """Drafts with `model.mtp["1"]` over a paged cache of `num_blocks` blocks."""
+class HiddenStateProposer:
+    """A one-layer draft fed with the target's hidden states (module docstring), over a paged cache
+    of `num_blocks` blocks shaped by `layer_cfg` (one layer); `_run` is the subclass's."""
 
-    def __init__(self, model: Transformer, num_tokens: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, source: str = "the model"):
-        if model.mtp is None:
-            raise ConfigError(f"speculative.method='mtp' needs a model with multi-token-prediction modules "
-                              f"(model.mtp_depth > 0); {source} has none: use --speculative draft or prompt_lookup")
-        self.model, self.module, self.k = model, model.mtp["1"], num_tokens
-        self.device = torch.device(device)
-        self.kv = PagedKVCache(replace(model.cfg, n_layers=1, mtp_depth=0), num_blocks, block_size, dtype, device)
+    def __init__(self, layer_cfg: ModelConfig, num_tokens: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.k, self.device = num_tokens, torch.device(device)
+        self.kv = PagedKVCache(layer_cfg, num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.state: dict[str, _MTPState] = {}
+        # the target's block counts whose residual stream `observe` receives (PagedModel.keep_hidden)
+        self.hidden_layers: tuple[int, ...] = ()
 
     # ---- what the target computed ----------------------------------------------------------
     def observe(self, request_id: str, start: int, hidden_TD: torch.Tensor) -> None:
@@ -144,7 +148,7 @@ class MTPProposer:
             _trim(r.state)
         return proposals
 
-    def _catch_up_row(self, seq: Sequence, limit: int) -> _Row | None:
+    def _catch_up_row(self, seq: Sequence, limit: int) -> DraftRow | None:
         """The first pass of a sequence: positions num_computed..N-2 with the target's states and
         the real next tokens (None: no drafts for it this step)."""
         st = self.state.get(seq.request_id)
@@ -157,20 +161,42 @@ class MTPProposer:
         if not self.blocks.ensure_slots(st, N + limit):
             return None
         hidden = st.hidden[a - st.hidden_start:b - st.hidden_start]
-        return _Row(seq, st, limit, seq.token_ids[a + 1:b + 1], a, hidden)
+        return DraftRow(seq, st, limit, seq.token_ids[a + 1:b + 1], a, hidden)
 
-    @torch.inference_mode()
-    def _run(self, rows: list[_Row]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Depth 1 over the rows packed: each row's module output at its last position [D] and
-        the logits there [R, V]."""
+    def _run(self, rows: list[DraftRow]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The draft layer over the rows packed: each row's output at its last position [D] and the
+        logits there [R, V]."""
+        raise NotImplementedError
+
+    def _packed(self, rows: list[DraftRow]) -> tuple[PagedAttentionBatch, torch.Tensor, list[int]]:
+        """The rows' attention batch over the draft's cache, their token ids [T] and each row's last index."""
         batch = PagedAttentionBatch(self.kv, [SequenceSlice(r.start, len(r.tokens), r.state.block_table)
                                               for r in rows], self.device)
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=self.device)
+        ends = (torch.tensor([len(r.tokens) for r in rows]).cumsum(0) - 1).tolist()
+        return batch, ids, ends
+
+
+class MTPProposer(HiddenStateProposer):
+    """Drafts with `model.mtp["1"]` over a paged cache of `num_blocks` blocks."""
+
+    def __init__(self, model: Transformer, num_tokens: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, source: str = "the model"):
+        if model.mtp is None:
+            raise ConfigError(f"speculative.method='mtp' needs a model with multi-token-prediction modules "
+                              f"(model.mtp_depth > 0); {source} has none: use --speculative draft or prompt_lookup")
+        super().__init__(replace(model.cfg, n_layers=1, mtp_depth=0), num_tokens, num_blocks, block_size, dtype,
+                         device)
+        self.model, self.module = model, model.mtp["1"]
+        self.hidden_layers = (model.cfg.n_layers,)  # the last layer's output, before the final norm
+
+    @torch.inference_mode()
+    def _run(self, rows: list[DraftRow]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        batch, ids, ends = self._packed(rows)
         emb = self.model.tok_embeddings(ids)[None]
         h = torch.cat([r.hidden for r in rows]).to(emb.dtype)[None]
         cos, sin = rope_cos_sin(batch.positions[None], self.model.rope_inv_freq, self.model.rope_attention_factor,
                                 emb.dtype)
-        out, _ = self.module(h, emb, cos, sin, _OneLayer(batch))
-        ends = (torch.tensor([len(r.tokens) for r in rows]).cumsum(0) - 1).tolist()
+        out, _ = self.module(h, emb, cos, sin, OneLayerCache(batch))
         last = out[0, ends]
         return list(last), self.model.lm_head(self.module.norm(last))

@@ -63,9 +63,11 @@ class PagedModel:
         self.device = torch.device(device)
         self.lora = lora  # tessera.infer.lora.LoRAManager or None
         self.decoder = decoder
-        # keep the last packed forward's final hidden states before the norm, [T, D] (`hidden`):
-        # what the multi-token-prediction draft reads (mtp_proposer.py)
-        self.keep_hidden = False
+        # block counts whose residual stream the last packed forward keeps, concatenated over the
+        # features, [T, len x D] (`hidden`; Transformer.forward's `keep_layers`): what a draft fed with
+        # the target's hidden states reads, the MTP module the last layer's output (n_layers,), an
+        # EAGLE head its low, middle and high layers' (mtp_proposer.py, eagle_proposer.py). (): none.
+        self.keep_hidden: tuple[int, ...] = ()
         self.hidden: torch.Tensor | None = None
         # a vision-language model's image encoder (multimodal.py): items with images take its rows
         self.encoder: ImageEncoder | None = None
@@ -113,12 +115,12 @@ class PagedModel:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
         try:
             inputs = self._embedded(ids, items) if any(it.images for it in items) else ids
-            out = self.model(inputs[None], positions=batch.positions[None], cache=batch)
+            out = self.model(inputs[None], positions=batch.positions[None], cache=batch, keep_layers=self.keep_hidden)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
         if self.keep_hidden:
-            self.hidden = out.last_hidden[0]
+            self.hidden = out.kept_hidden[0]
         return out.logits[0]
 
 

@@ -6,6 +6,8 @@
   its context (code edits, quoting, extraction, loops).
 - `MTPProposer` (mtp_proposer.py): the target's own multi-token-prediction module drafts from
   the target's hidden states (DeepSeek-V3's MTP; `model.mtp_depth`).
+- `EagleProposer` (eagle_proposer.py): an EAGLE-3 draft head drafts from the target's hidden
+  states of a low, a middle and a high layer (`--speculative eagle --draft-model DIR`).
 - `DraftModelProposer`: a small model with the same vocabulary proposes k tokens autoregressively
   (Leviathan et al. 2023). It keeps its own paged KV cache; each call first catches up on the
   tokens the target accepted since the last call, in one packed forward pass.
@@ -23,11 +25,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tessera.checkpoint.eagle_dir import load_eagle_draft
 from tessera.checkpoint.loading import load_model
 from tessera.config.errors import ConfigError
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
 from tessera.infer.draft_tokens import Proposal, draw_tokens
+from tessera.infer.eagle_proposer import EagleProposer
 from tessera.infer.kv_cache import PagedKVCache
 from tessera.infer.mtp_proposer import MTPProposer
 from tessera.infer.paged_model import BatchItem, PagedModel
@@ -153,22 +157,27 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
                    target: PagedModel | None = None) -> Proposer | None:
     """The proposer `config.speculative` asks for (None without speculative decoding); a draft
     model is loaded from its directory, with a cache of `num_blocks` blocks like the target's;
-    "mtp" drafts with `target`'s own multi-token-prediction module (mtp_proposer.py), which reads
-    the hidden states of `target`'s forward passes."""
+    "mtp" drafts with `target`'s own multi-token-prediction module (mtp_proposer.py) and "eagle" with
+    an EAGLE-3 head read from `draft_model` (eagle_proposer.py), both from the hidden states of
+    `target`'s forward passes, which `target` then keeps (`PagedModel.keep_hidden`)."""
     spec = config.speculative
     if spec is None:
         return None
     if spec.method == "prompt_lookup":
         return PromptLookupProposer(spec.num_tokens, spec.ngram_max, spec.ngram_min)
-    if spec.method == "mtp":
-        if target is None:
-            raise ConfigError("speculative.method='mtp' drafts from the served model in this process; "
-                              "it is not available here (tensor_parallel_size > 1)")
-        proposer = MTPProposer(target.model, spec.num_tokens, num_blocks, config.block_size, config.torch_dtype,
-                               config.device)
-        target.keep_hidden = True
-        return proposer
     dtype = config.torch_dtype
+    if spec.method in ("mtp", "eagle"):
+        if target is None:
+            raise ConfigError(f"speculative.method={spec.method!r} drafts from the served model in this process; "
+                              "it is not available here (tensor_parallel_size > 1)")
+        if spec.method == "mtp":
+            proposer = MTPProposer(target.model, spec.num_tokens, num_blocks, config.block_size, dtype, config.device)
+        else:
+            draft = load_eagle_draft(spec.draft_model, target.model.cfg, dtype, config.device)
+            proposer = EagleProposer(target.model, draft, spec.num_tokens, num_blocks, config.block_size, dtype,
+                                     config.device)
+        target.keep_hidden = proposer.hidden_layers
+        return proposer
     draft = load_model(spec.draft_model, dtype, config.device).model
     return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,
                               config.device)

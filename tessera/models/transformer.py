@@ -96,6 +96,8 @@ class ModelOutput:
     mtp_loss_sums: dict[int, torch.Tensor] = field(default_factory=dict)
     mtp_loss_sum: torch.Tensor | None = None
     mtp_objective: torch.Tensor | None = None  # mtp_loss_sum / mtp_divisor, when forward was given one
+    # the residual stream after each block count of forward's `keep_layers`, concatenated [B, S, len x D]
+    kept_hidden: torch.Tensor | None = None
 
 
 class TransformerBlock(nn.Module):
@@ -212,7 +214,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None, targets: torch.Tensor | None = None,
                 mtp_inputs: torch.Tensor | None = None, mtp_targets: torch.Tensor | None = None,
-                mtp_divisor: float | None = None) -> ModelOutput:
+                mtp_divisor: float | None = None, keep_layers: tuple[int, ...] = ()) -> ModelOutput:
         """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
         `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`).
 
@@ -220,7 +222,12 @@ class Transformer(nn.Module):
         `mtp_targets` (default: `input_ids` and `targets`) are the token ids and targets of the
         sequence, what a pipeline's last stage, which receives hidden states, is handed;
         `mtp_divisor` N also returns `mtp_objective` = mtp_loss_sum / N (the pipeline's stage
-        adds it to its auxiliary loss)."""
+        adds it to its auxiliary loss).
+
+        `keep_layers` (block counts j in 0..n_layers) also returns the residual stream after j blocks
+        (0: the embedding; n_layers: `last_hidden`) for each j, concatenated over the features in that
+        order (`kept_hidden`): what a draft fed with the target's hidden states reads (serving's
+        MTP and EAGLE proposers, EAGLE training)."""
         B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D] (S / tp under sp)
         if input_ids.is_floating_point():
             S *= self.received_sequence_shards
@@ -230,10 +237,15 @@ class Transformer(nn.Module):
         h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
         out = ModelOutput(logits=None, aux_loss=torch.zeros((), dtype=torch.float32, device=h.device))
+        kept = {0: h} if 0 in keep_layers else {}
         for key, layer in self.layers.items():
             h, route = layer(h, cos, sin, cache)
             self._add_route(out, f"layer{key}", int(key), route)
+            if int(key) + 1 in keep_layers:
+                kept[int(key) + 1] = h
         h_last = out.last_hidden = h
+        if keep_layers:
+            out.kept_hidden = torch.cat([kept[j] for j in keep_layers], dim=-1)
         h = self.norm(h) if self.norm is not None else h
         out.hidden = h
         mtp_targets = mtp_targets if mtp_targets is not None else targets

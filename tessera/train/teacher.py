@@ -38,24 +38,27 @@ from tessera.train.run_layout import RunLayout
 KEY = "train.distill.teacher"
 
 
-def teacher_model_config(path: str) -> ModelConfig:
-    """The teacher's own model shape: its config.json, or its Tessera checkpoint's run configuration."""
+def teacher_model_config(path: str, key: str = KEY) -> ModelConfig:
+    """The teacher's own model shape: its config.json, or its Tessera checkpoint's run configuration
+    (`key`: the config key that named it, for the errors; an EAGLE run's target is read the same way)."""
     if not Path(path).exists():
-        raise ConfigError(f"{KEY}={path!r} is invalid: no such directory (a HuggingFace model directory or a "
+        raise ConfigError(f"{key}={path!r} is invalid: no such directory (a HuggingFace model directory or a "
                           "Tessera checkpoint / run directory is expected)")
     try:
         if is_hf_directory(path):
             return read_language_model_config(path)
         return stored_model_config(ckpt.resolve_checkpoint(path))
     except TesseraError as e:
-        raise ConfigError(f"{KEY}={path!r} is invalid: {e}") from e
+        raise ConfigError(f"{key}={path!r} is invalid: {e}") from e
 
 
-def check_teacher(cfg: RunConfig, teacher: ModelConfig) -> None:
-    """The teacher predicts over the student's vocabulary with the student's tokenizer, or is refused."""
-    path, student_vocab = cfg.train.distill.teacher, cfg.model.vocab_size
+def check_teacher(cfg: RunConfig, teacher: ModelConfig, path: str | None = None, key: str = KEY) -> None:
+    """The teacher predicts over the student's vocabulary with the student's tokenizer, or is refused.
+    An EAGLE run checks its target (`path`, named by `key`) the same way, its own shape as `cfg.model`."""
+    path = cfg.train.distill.teacher if path is None else path
+    student_vocab = cfg.model.vocab_size
     if teacher.vocab_size != student_vocab:
-        raise ConfigError(f"{KEY}={path!r} is invalid: its vocabulary has {teacher.vocab_size} tokens, the "
+        raise ConfigError(f"{key}={path!r} is invalid: its vocabulary has {teacher.vocab_size} tokens, the "
                           f"student's (model.vocab_size) {student_vocab}; a teacher must use the student's "
                           "tokenizer and vocabulary")
     try:
@@ -65,12 +68,12 @@ def check_teacher(cfg: RunConfig, teacher: ModelConfig) -> None:
         theirs = load_tokenizer(source)
         mine = load_tokenizer(cfg.data.tokenizer)
     except (TesseraError, OSError) as e:  # OSError: a tokenizer path that vanished or cannot be read
-        raise ConfigError(f"{KEY}={path!r}: its tokenizer cannot be compared with data.tokenizer: {e}") from e
+        raise ConfigError(f"{key}={path!r}: its tokenizer cannot be compared with data.tokenizer: {e}") from e
     their_vocab = theirs.backend.get_vocab(with_added_tokens=True)
     my_vocab = mine.backend.get_vocab(with_added_tokens=True)
     if their_vocab != my_vocab:
         differing = sorted(set(their_vocab.items()) ^ set(my_vocab.items()))
-        raise ConfigError(f"{KEY}={path!r} is invalid: its tokenizer ({source}) is not the student's "
+        raise ConfigError(f"{key}={path!r} is invalid: its tokenizer ({source}) is not the student's "
                           f"(data.tokenizer={cfg.data.tokenizer or 'default'}): {len(differing)} token -> id "
                           f"entries differ, e.g. {differing[0]!r}; a teacher must use the student's tokenizer")
 
