@@ -6,10 +6,8 @@ step, a draft that does not fit the target is refused by name."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
-import jsonschema
 import pytest
 import torch
 
@@ -19,6 +17,10 @@ from tessera.config.model import ModelConfig
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.models.eagle import EagleDraft, draft_layer_config
 from tessera.models.transformer import Transformer
+from tests.infer.test_mtp_speculative import (
+    assert_a_cached_prefix_drafts_nothing_and_decodes_exactly,
+    assert_schema_requests_never_draft,
+)
 from tests.infer.test_rejection_sampling import assert_sampled_tokens_keep_the_target
 
 
@@ -74,20 +76,12 @@ def test_greedy_output_with_the_prefix_cache(tmp_path):
     computed) and still decodes exactly."""
     model = _target(seed=2, init_std=0.3)
     draft = _draft_dir(model, tmp_path / "draft", seed=2)
-    prompts = [list(range(1, 17)) + [3, 4], list(range(1, 17)) + [7]]  # 16 shared tokens: 4 cached blocks
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    plain = LLM(model, block_size=4).generate(prompts, params)
-    llm = LLM(model, block_size=4, speculative=SpeculativeConfig(method="eagle", num_tokens=2, draft_model=draft))
-    first = llm.generate(prompts[:1], params)
-    drafted = llm.engine.metrics.spec_proposed
-    second = llm.generate(prompts[1:], params)  # starts past the cached prefix
-    assert [o.token_ids for o in first + second] == [o.token_ids for o in plain]
-    assert drafted > 0 and llm.engine.metrics.spec_proposed == drafted  # none for the cached one
+    assert_a_cached_prefix_drafts_nothing_and_decodes_exactly(
+        model, SpeculativeConfig(method="eagle", num_tokens=2, draft_model=draft))
 
 
 def test_requests_with_a_json_schema_decode_one_token_per_step(tmp_path):
     from tessera.data.tokenizer import load_tokenizer
-    from tests.infer.test_structured_output import PERSON, SEEDS, as_format
     from tests.infer.tiny_models import VOCAB, save_tokenizer
 
     save_tokenizer(tmp_path)
@@ -95,13 +89,7 @@ def test_requests_with_a_json_schema_decode_one_token_per_step(tmp_path):
     llm = LLM(model, block_size=4, tokenizer=load_tokenizer(tmp_path),
               speculative=SpeculativeConfig(method="eagle", num_tokens=3,
                                             draft_model=_draft_dir(model, tmp_path / "draft")))
-    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=s, response_format=as_format(PERSON))
-              for s in SEEDS]
-    for out in llm.generate(["Answer:"] * len(SEEDS), params):
-        jsonschema.validate(json.loads(out.text), PERSON)
-    assert llm.engine.metrics.spec_steps == 0
-    llm.generate("ab ab ab", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    assert llm.engine.metrics.spec_steps > 0  # the free request drafts with the head
+    assert_schema_requests_never_draft(llm)
 
 
 def test_a_draft_that_does_not_fit_is_refused_by_name(tmp_path):

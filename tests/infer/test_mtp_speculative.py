@@ -61,10 +61,17 @@ def test_greedy_output_with_the_prefix_cache_and_an_moe_mla_model():
                    mla=MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                  v_head_dim=8),
                    moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=16, score_func="sigmoid", first_k_dense=1))
-    prompts = [list(range(1, 17)) + [3, 4], list(range(1, 17)) + [7]]  # 16 shared tokens: 4 cached blocks
+    assert_a_cached_prefix_drafts_nothing_and_decodes_exactly(model, SpeculativeConfig(method="mtp", num_tokens=2))
+
+
+def assert_a_cached_prefix_drafts_nothing_and_decodes_exactly(model, speculative: SpeculativeConfig) -> None:
+    """Two greedy prompts sharing 16 tokens (4 cached blocks of 4): the second, which starts past
+    the cached prefix, drafts nothing, and both decode as without speculation. (A proposer fed
+    with the target's hidden states has none for cached blocks; the MTP and EAGLE tests share this.)"""
+    prompts = [list(range(1, 17)) + [3, 4], list(range(1, 17)) + [7]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = LLM(model, block_size=4).generate(prompts, params)
-    llm = LLM(model, block_size=4, speculative=SpeculativeConfig(method="mtp", num_tokens=2))
+    llm = LLM(model, block_size=4, speculative=speculative)
     first = llm.generate(prompts[:1], params)
     drafted = llm.engine.metrics.spec_proposed
     second = llm.generate(prompts[1:], params)  # starts past the cached prefix
@@ -74,19 +81,26 @@ def test_greedy_output_with_the_prefix_cache_and_an_moe_mla_model():
 
 def test_requests_with_a_json_schema_decode_one_token_per_step(tmp_path):
     from tessera.data.tokenizer import load_tokenizer
-    from tests.infer.test_structured_output import PERSON, SEEDS, as_format
     from tests.infer.tiny_models import VOCAB, save_tokenizer
 
     save_tokenizer(tmp_path)
     llm = LLM(_model(seed=3, vocab_size=VOCAB), block_size=4, tokenizer=load_tokenizer(tmp_path),
               speculative=SpeculativeConfig(method="mtp", num_tokens=3))
+    assert_schema_requests_never_draft(llm)
+
+
+def assert_schema_requests_never_draft(llm: LLM) -> None:
+    """Sampled requests under a JSON schema give valid JSON with no speculative step; a free
+    request afterwards drafts (the proposer works, the schema was what kept it off)."""
+    from tests.infer.test_structured_output import PERSON, SEEDS, as_format
+
     params = [SamplingParams(max_tokens=100, temperature=1.0, seed=s, response_format=as_format(PERSON))
               for s in SEEDS]
     for out in llm.generate(["Answer:"] * len(SEEDS), params):
         jsonschema.validate(json.loads(out.text), PERSON)
     assert llm.engine.metrics.spec_steps == 0
     llm.generate("ab ab ab", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    assert llm.engine.metrics.spec_steps > 0  # the free request drafts with the module
+    assert llm.engine.metrics.spec_steps > 0
 
 
 def test_a_model_without_mtp_modules_is_refused_by_name():
