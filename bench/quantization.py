@@ -49,6 +49,21 @@ TRAIN = ("train.device=cpu", "train.seq_len=128", "train.micro_batch_size=8", "t
          "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=20", "train.eval_interval=0")
 
 
+def train_and_export(config: str, model: tuple[str, ...], out: Path, steps: int) -> tuple[dict, float, Path]:
+    """Train `config` with `model`'s and TRAIN's settings for `steps` into out/run, then export it as a
+    HuggingFace directory out/hf: (the last step's record, training seconds, that directory)."""
+    from tessera.checkpoint.convert import convert
+
+    run_dir = out / "run"
+    cfg = load_config(config, [*model, *TRAIN, f"run_dir={run_dir}", f"train.steps={steps}",
+                               f"checkpoint.interval={steps}"])
+    start = time.perf_counter()
+    last = Trainer(cfg).train().records[-1]
+    train_s = time.perf_counter() - start
+    convert(run_dir, out / "hf")
+    return last, train_s, out / "hf"
+
+
 def held_out_text(max_chars: int) -> str:
     """Standard-library source after the corpus's cut (never trained on), up to `max_chars`."""
     corpus = set(select_stdlib_files(DEFAULT_CORPUS_BYTES))

@@ -30,12 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.quantization import CONFIG, MODEL, TRAIN, held_out_text  # noqa: E402
-from tessera.checkpoint.convert import convert  # noqa: E402
-from tessera.config.schema import load_config  # noqa: E402
+from bench.quantization import CONFIG, MODEL, held_out_text, train_and_export  # noqa: E402
 from tessera.data.tokenizer import load_tokenizer  # noqa: E402
 from tessera.quantize import QuantizeOptions, quantize  # noqa: E402
-from tessera.train.trainer import Trainer  # noqa: E402
 
 WINDOW = 128
 # name -> (method, options)
@@ -94,14 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
-        run_dir = out / "run"
-        cfg = load_config(CONFIG, [*MODEL, *TRAIN, f"run_dir={run_dir}", f"train.steps={args.steps}",
-                                   f"checkpoint.interval={args.steps}"])
-        start = time.perf_counter()
-        last = Trainer(cfg).train().records[-1]
-        train_s = time.perf_counter() - start
-        source = out / "hf"
-        convert(run_dir, source)
+        last, train_s, source = train_and_export(CONFIG, MODEL, out, args.steps)
         token_ids = load_tokenizer(str(source)).encode(held_out_text(args.tokens * 8))[:args.tokens]
         results: dict[str, dict] = {}
         for name, (method, options) in RUNS.items():

@@ -34,13 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.quantization import TRAIN, held_out_text, nbytes  # noqa: E402
-from tessera.checkpoint.convert import convert  # noqa: E402
-from tessera.config.schema import load_config  # noqa: E402
+from bench.quantization import held_out_text, nbytes, train_and_export  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine  # noqa: E402
 from tessera.infer.perplexity import perplexity  # noqa: E402
 from tessera.quantize import QuantizeOptions, quantize  # noqa: E402
-from tessera.train.trainer import Trainer  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "tiny-moe.yaml")
 MODEL = ("model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=384",
@@ -86,14 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
-        run_dir = out / "run"
-        cfg = load_config(CONFIG, [*MODEL, *TRAIN, f"run_dir={run_dir}", f"train.steps={args.steps}",
-                                   f"checkpoint.interval={args.steps}"])
-        start = time.perf_counter()
-        last = Trainer(cfg).train().records[-1]
-        train_s = time.perf_counter() - start
-        source = out / "hf"
-        convert(run_dir, source)
+        last, train_s, source = train_and_export(CONFIG, MODEL, out, args.steps)
         probe = LLMEngine.from_dir(source, EngineConfig(block_size=16, num_blocks=64))
         token_ids = probe.tokenizer.encode(held_out_text(args.tokens * 8))[:args.tokens]
         del probe
