@@ -15,22 +15,18 @@ import torch.nn.functional as F
 from tessera.checkpoint.loading import load_model
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.infer import LLM, SamplingParams
-from tessera.models.stored_quant import BlockFp8Linear, FloatQuantizedLinear, IntQuantizedLinear, PackedIntLinear
+from tessera.models.stored_quant import BlockFp8Linear
 from tessera.models.stored_quant_experts import PROJECTIONS, StoredQuantExperts
 from tessera.parallel.testing import run_ranks
 from tests.checkpoint.quantized_moe_checkpoints import write_block_fp8_moe, write_compressed_moe
+from tests.checkpoint.test_compressed_tensors import KINDS as DENSE_KINDS
 from tests.infer.tiny_models import VOCAB, hf_greedy
 
 IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
-# kind -> (per-expert layer class, its code buffer, the code dtype, bits per weight)
-KINDS = {
-    "w4a16": (PackedIntLinear, "weight_packed", torch.int32, 4),
-    "w4a16_asym": (PackedIntLinear, "weight_packed", torch.int32, 4),
-    "w8a16": (PackedIntLinear, "weight_packed", torch.int32, 8),
-    "fp8_weight_only": (FloatQuantizedLinear, "weight", torch.float8_e4m3fn, 8),
-    "w8a8_dynamic": (IntQuantizedLinear, "weight", torch.int8, 8),
-    "fp8_channel_dynamic": (FloatQuantizedLinear, "weight", torch.float8_e4m3fn, 8),
-}
+# kind -> (per-expert layer class, its code buffer, the code dtype, bits per weight): the dense test's
+# rows for the schemes written on experts here
+KINDS = {kind: DENSE_KINDS[kind] for kind in
+         ("w4a16", "w4a16_asym", "w8a16", "fp8_weight_only", "w8a8_dynamic", "fp8_channel_dynamic")}
 WEIGHT_ONLY = ("w4a16", "w4a16_asym", "w8a16", "fp8_weight_only")
 
 
