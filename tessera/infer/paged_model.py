@@ -113,15 +113,36 @@ class PagedModel:
         ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         if self.lora is not None:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
+        read = self._read_rows(items)
         try:
             inputs = self._embedded(ids, items) if any(it.images for it in items) else ids
-            out = self.model(inputs[None], positions=batch.positions[None], cache=batch, keep_layers=self.keep_hidden)
+            out = self.model(inputs[None], positions=batch.positions[None], cache=batch, keep_layers=self.keep_hidden,
+                             logit_positions=read)
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()
         if self.keep_hidden:
             self.hidden = out.kept_hidden[0]
-        return out.logits[0]
+        logits = out.logits[0]
+        if read is None or logits.shape[0] == ids.shape[0]:
+            return logits
+        # Rows nobody reads stay unwritten: on CPU their pages are never touched (allocated lazily).
+        full_TV = logits.new_empty(ids.shape[0], logits.shape[-1])
+        full_TV.index_copy_(0, read, logits)
+        return full_TV
+
+    def _read_rows(self, items: list[BatchItem]) -> torch.Tensor | None:
+        """Rows of the packed step whose logits are read (each item's from `logits_from` on), or None
+        for all of them. A LoRA adapter on the output head maps its rows over every token: all then."""
+        if self.lora is not None and "output" in self.lora.weights:
+            return None
+        rows, t = [], 0
+        for it in items:
+            rows.extend(range(t + it.logits_from, t + len(it.tokens)))
+            t += len(it.tokens)
+        if len(rows) == t:
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
 
     def _embedded(self, ids: torch.Tensor, items: list[BatchItem]) -> torch.Tensor:

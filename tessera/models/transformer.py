@@ -214,7 +214,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None, targets: torch.Tensor | None = None,
                 mtp_inputs: torch.Tensor | None = None, mtp_targets: torch.Tensor | None = None,
-                mtp_divisor: float | None = None, keep_layers: tuple[int, ...] = ()) -> ModelOutput:
+                mtp_divisor: float | None = None, keep_layers: tuple[int, ...] = (),
+                logit_positions: torch.Tensor | None = None) -> ModelOutput:
         """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
         `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`).
 
@@ -227,7 +228,11 @@ class Transformer(nn.Module):
         `keep_layers` (block counts j in 0..n_layers) also returns the residual stream after j blocks
         (0: the embedding; n_layers: `last_hidden`) for each j, concatenated over the features in that
         order (`kept_hidden`): what a draft fed with the target's hidden states reads (serving's
-        MTP and EAGLE proposers, EAGLE training)."""
+        MTP and EAGLE proposers, EAGLE training).
+
+        `logit_positions` (sequence indices [R]) computes the logits of those positions only, [B, R, V]
+        (serving reads the last row of each prompt chunk, not all of them); ignored when the hidden
+        states are a DTensor (sequence-sharded), where the logits cover every position."""
         B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D] (S / tp under sp)
         if input_ids.is_floating_point():
             S *= self.received_sequence_shards
@@ -258,6 +263,8 @@ class Transformer(nn.Module):
             out.loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
                                                         targets.reshape(-1), self.loss_chunk_tokens)
             return out
+        if logit_positions is not None and not isinstance(h, DTensor):
+            h = h.index_select(1, logit_positions)
         out.logits = self.lm_head(h)
         return out
 
