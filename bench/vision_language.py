@@ -14,8 +14,11 @@ Each round, one after the other so that the machine's load falls on all alike:
                   the prompt runs
 
 Each is the time until the first token (one step of `max_tokens=1`). The encoder alone is timed on
-a batch of `--batch` images (`encode_images`). Prints one JSON object: medians over rounds, the
-ratios to a new image, and the encoder's images per second.
+a batch of `--batch` images (`encode_images`), alternating round by round with the same model
+exported (`save_llava`) and loaded by transformers' `LlavaForConditionalGeneration`, timed on its
+`get_image_features` (the tower, the feature layers and the projector: the same work), whose
+outputs are checked equal first. Prints one JSON object: medians over rounds, the ratios to a new
+image, the encoder's images per second and its ratio to transformers' in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tessera.checkpoint.hf.llava import save_llava  # noqa: E402
 from tessera.config.model import ModelConfig  # noqa: E402
 from tessera.config.vision import LlavaConfig, VisionConfig  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -55,6 +60,33 @@ def first_token_s(engine: LLMEngine, prompt: list[int], pixels: np.ndarray) -> f
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
+
+
+def encoder_rounds(model: Llava, batch: torch.Tensor, rounds: int) -> tuple[list[float], list[float], float]:
+    """Seconds per `batch` of Tessera's encoder and of transformers' on the same weights, alternated."""
+    from transformers import LlavaForConditionalGeneration
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_llava(model, tmp)
+        peer = LlavaForConditionalGeneration.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+    cfg = peer.config
+
+    def theirs() -> torch.Tensor:
+        out = peer.model.get_image_features(pixel_values=batch, vision_feature_layer=cfg.vision_feature_layer,
+                                            vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+        return torch.stack(list(out.pooler_output if hasattr(out, "pooler_output") else out))
+
+    times, peer_times = [], []
+    with torch.inference_mode():
+        max_diff = (torch.stack(model.encode_images(batch)) - theirs()).abs().max().item()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            model.encode_images(batch)
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            theirs()
+            peer_times.append(time.perf_counter() - start)
+    return times, peer_times, max_diff
 
 
 def main() -> None:
@@ -85,13 +117,7 @@ def main() -> None:
         seen.append(first_token_s(engine, prompt, pic))
         other.append(first_token_s(engine, [100 + r] + prompt, pic))
     batch = torch.from_numpy(np.stack([image() for _ in range(args.batch)]))
-    with torch.inference_mode():
-        model.encode_images(batch)
-        times = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            model.encode_images(batch)
-            times.append(time.perf_counter() - start)
+    times, peer_times, max_diff = encoder_rounds(model, batch, args.rounds)
     med = {k: statistics.median(v) for k, v in (("new_image_ttft_s", new), ("seen_image_ttft_s", seen),
                                                   ("seen_image_other_text_ttft_s", other))}
     print(json.dumps({
@@ -99,6 +125,8 @@ def main() -> None:
         "seen_over_new": med["seen_image_ttft_s"] / med["new_image_ttft_s"],
         "seen_other_text_over_new": med["seen_image_other_text_ttft_s"] / med["new_image_ttft_s"],
         "encoder_images_per_s": args.batch / statistics.median(times),
+        "encoder_speed_over_transformers": statistics.median(peer_times) / statistics.median(times),
+        "encoder_max_abs_diff_vs_transformers": max_diff,
         "image_tokens": model.cfg.image_tokens, "prompt_tokens": len(prompt) - 1 + model.cfg.image_tokens,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "args": vars(args),
