@@ -70,6 +70,17 @@ Held-out runs (time and memory; chosen after the constants, nothing fitted to th
   default all-gather of keys and values and load-balanced (zig-zag) chunks: cp_method=allgather.
   torchtitan's tensor parallelism splits the norms along the sequence (sp) and computes the loss
   vocabulary-parallel, as Tessera's does. The 70B is `llama3-70b` (Llama 3.1 70B has its shapes).
+- Every torchtitan run's loss is torch's, as torchtitan's train.py (at the report's commit 9dec370)
+  computes it: `cross_entropy(pred.flatten(0, 1).float(), labels)`, `pred` deleted before backward,
+  under torch's `loss_parallel` when TP splits the vocabulary (`loss="torch"`, loss_memory.py). Its
+  buffers at the loss, measured on CPU by tests/plan/test_loss_memory.py, are 8 bytes per logit
+  without TP and 12 with it beside the saved log-softmax, not the 6 the planner counted before: at
+  16 x 8,192 tokens and 128,256 / 8 logits per token the 70B's loss alone holds 11.7 GiB more.
+- What their memory figure is: torchtitan logs `memory` as the caching allocator's peak
+  reservation (`reserved_bytes.all.peak`, torchtitan/metrics.py), run with
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (run_llama_train.sh), so it is at least the
+  tensors' peak; the planner counts tensors, so a plan under it by a few GiB is the allocator's
+  slack, not a tensor missed.
 """
 
 from __future__ import annotations
@@ -111,6 +122,7 @@ class PublishedRun:
     # Where the source says its GPUs' peak is below the preset's but not by how much: the lowest peak
     # it allows (FLOP/s); the prediction is also made at it, bracketing the time error (None: exact)
     lowest_peak: float | None = None
+    loss: str = "tessera"  # the cross-entropy's implementation, for the memory at the loss (loss_memory.py)
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
@@ -190,19 +202,19 @@ def _torchtitan_runs() -> list[PublishedRun]:
             out.append(PublishedRun(f"torchtitan Llama 3.1 8B, {gpus} H100, {label}", f"{_TORCHTITAN}, table {table}",
                                     get_preset("llama3.1-8b"), "h100-96gb", gpus, lay, Workload(8192, 2, batch),
                                     "tokens_per_second_per_gpu", float(tps), held_out=True, memory_gib=gib,
-                                    lowest_peak=H100_NVL_BF16))
+                                    lowest_peak=H100_NVL_BF16, loss="torch"))
     for shard, cp, seq, tps, gib in _TORCHTITAN_CP_RUNS:
         lay = Layout(dp_shard=shard, cp=cp, cp_method="allgather", zero_stage=3, recompute="full")
         out.append(PublishedRun(f"torchtitan Llama 3.1 8B, 8 H100, FSDP {shard} CP {cp}, seq {seq}, Float8",
                                 f"{_TORCHTITAN}, table 2", get_preset("llama3.1-8b", max_seq_len=seq), "h100-96gb",
                                 8, lay, Workload(seq, 1, shard), "tokens_per_second_per_gpu", float(tps),
-                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib, loss="torch"))
     lay = Layout(tp=8, sp=True, dp_shard=32, zero_stage=3, recompute="full")
     for label, tps, gib in _TORCHTITAN_70B_RUNS:
         out.append(PublishedRun(f"torchtitan Llama 3.1 70B, 256 H100, {label} (FSDP 32 TP 8), Float8",
                                 f"{_TORCHTITAN}, table 4", get_preset("llama3-70b"), "h100-96gb", 256, lay,
                                 Workload(8192, 16, 512), "tokens_per_second_per_gpu", float(tps),
-                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib, loss="torch"))
     return out
 
 
@@ -213,7 +225,8 @@ def plan_run(run: PublishedRun, profile: str | None = None, *, memory: bool = Fa
     peak = {"gpu_flops": run.lowest_peak} if lowest_peak and run.lowest_peak is not None else {}
     cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus, profile=profile or run.profile, **peak)
     lay = run.memory_layout if memory and run.memory_layout is not None else run.layout
-    return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype)
+    return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype,
+                     loss=run.loss)
 
 
 def predicted_figure(run: PublishedRun, plan: Plan) -> float:
