@@ -72,6 +72,17 @@ def test_a_peak_the_source_gives_as_a_range_brackets_the_time_error():
     assert all(r["lowest_peak_relative_error"] is None for r in others)
 
 
+def test_held_out_time_within_25_percent_at_the_lowest_peak_the_source_allows():
+    """Priced with the kernels torchtitan runs (torch's SDPA, and its elementwise work unfused
+    without torch.compile), the held-out times are within 25% at the NVL's peak, the lower end of
+    the source's range; at the SXM's they are over by about a third (README says so)."""
+    timed = [r for r in validation_rows() if r["held_out"] and r["relative_error"] is not None]
+    assert len(timed) == 4
+    for r in timed:
+        assert 0 < r["lowest_peak_relative_error"] < 0.25, r["name"]
+        assert r["profile"] == ("tessera" if "compile" in r["name"] else "torch-eager"), r["name"]
+
+
 def test_torchtitan_runs_take_torchs_loss():
     runs = [r for r in published_runs() if "torchtitan" in r.source]
     assert len(runs) == 10 and all(r.loss == "torch" for r in runs)
