@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak dense FLOP/s per GPU in the compute dtype (None: the preset's bf16 peak)")
     parser.add_argument("--efficiency", type=efficiency_choice, default=None,
                         help="the kernels' efficiency profile: megatron (Megatron-class kernels, fitted to published "
-                             "runs; the default) or tessera (this project's own, unfitted until GPU measurements "
-                             "exist), or a number: the share of peak a large matrix product sustains, on megatron's")
+                             "runs; the default), tessera (this project's own, unfitted until GPU measurements "
+                             "exist), torch-eager (torch's kernels without torch.compile, unfitted), or a number: "
+                             "the share of peak a large matrix product sustains, on megatron's")
     parser.add_argument("--intra-node-bandwidth", default=None,
                         help="per-GPU collective (bus) bandwidth inside a node (None: the preset's NVLink x 0.8)")
     parser.add_argument("--inter-node-bandwidth", default=None,

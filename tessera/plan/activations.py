@@ -27,6 +27,7 @@ from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
+from tessera.plan.loss_memory import loss_buffer_bytes_per_logit
 from tessera.plan.profile import ModelProfile
 from tessera.plan.saved_terms import SavedTensor
 
@@ -113,7 +114,7 @@ class StageActivations:
     head: float  # final norm + LM head input + loss (last stage), per micro-batch
     stored: float  # in_flight x (per_microbatch + head + model-level tensors), on the GPU
     recompute_buffer: float  # one layer's full activations rebuilt during its backward
-    logits_buffer: float  # logits and their fp32 copy / gradient at the loss (last stage)
+    logits_buffer: float  # the logits and what the loss allocates beside its saved log-softmax (loss_memory.py)
     dispatch_buffer: float  # MoE all-to-all send + receive rows of one layer (ep > 1)
     offloaded: float = 0.0  # in host memory (parallel.activation_offload): in_flight x the layers' share
     reload_buffer: float = 0.0  # one layer's offloaded activations back on the GPU for its backward
@@ -135,8 +136,9 @@ class StageActivations:
 
 
 def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
-                      profile: ModelProfile | None = None) -> list[StageActivations]:
-    """Activation memory of every pipeline stage (one rank each)."""
+                      profile: ModelProfile | None = None, loss: str = "tessera") -> list[StageActivations]:
+    """Activation memory of every pipeline stage (one rank each); `loss` names the cross-entropy's
+    implementation (loss_memory.py: the trainer's, or torch's as torchtitan runs it)."""
     prof = profile or ModelProfile.of(cfg, work.seq_len)
     dt = get_activation_dtype(dtype)
     tokens = work.micro_batch * work.seq_len / lay.cp
@@ -153,6 +155,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
         return prof.memo(key, lambda: layer_device_host_bytes(cfg, prof.representative(moe), lay, work, dtype,
                                                               recompute=rc))
 
+    per_logit = loss_buffer_bytes_per_logit(loss, lay.tp, dt.compute)
     out = []
     for s in range(lay.pp):
         last = s == lay.pp - 1
@@ -167,7 +170,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
                 rebuilt = max(rebuilt, whole)
             reload = max(reload, away)
         stage_head = head if last else 0.0
-        logits = tokens * cfg.vocab_size / lay.tp * (dt.compute + 4) if last else 0.0
+        logits = tokens * cfg.vocab_size / lay.tp * per_logit if last else 0.0
         dispatch = 0.0
         if lay.ep > 1 and any(moe for moe, _ in kinds):
             dispatch = 2.0 * tokens * cfg.moe.top_k * cfg.dim * dt.residual

@@ -17,6 +17,18 @@ Those depend on the kernels a framework runs, so they come in named profiles (`-
   profile is UNFITTED until this project's GPU runs are measured (bench/, docs/benchmarks.md
   holds none yet) and the values are fitted to them.
 
+- "torch-eager": torch's kernels without torch.compile (torchtitan's runs without it): GEMMs and
+  the attention core as "tessera", elementwise work as the separate kernels eager PyTorch runs.
+  Counted on torchtitan's Llama block (pytorch/torchtitan torchtitan/models/llama/model.py and
+  norms.py, December 2024), bytes per token in bf16 for hidden h, query width q, key/value width
+  kv and FFN width f: each RMSNorm casts to fp32, squares, averages, scales, casts back and
+  multiplies by its weight (36 h; two per block), two residual adds (6 h each), RoPE casts q and k
+  to fp32, multiplies them as complex numbers and casts back (20 (q + kv)), GQA's repeat_kv copies
+  k and v to every query head (4 q + 4 kv), SwiGLU's silu and product (10 f): 84 h + 24 q + 24 kv
+  + 10 f, against the 20 h + 4 q + 4 kv + 6 f the time model counts per pass (op_time.py). For
+  Llama 3.1 8B (4096, 4096, 1024, 14336) that is 610,304 / 188,416 = 3.24 passes, for Llama 3.1
+  70B (8192, 8192, 1024, 28672) 3.21: ELEMENTWISE_PASSES_EAGER. UNFITTED, like "tessera".
+
 A float given to `--efficiency` replaces only the large-GEMM share of the chosen GPU, as before.
 """
 
@@ -27,6 +39,9 @@ from dataclasses import dataclass, field
 from tessera.config.choices import lookup_choice
 
 HOPPER = ("h100", "h800", "h200", "h100-96gb")
+ELEMENTWISE_PASSES_EAGER = 3.24  # the count of "torch-eager" (module docstring)
+# FlashAttention-2's share of peak (module docstring), the attention core of torch's kernels
+TORCH_ATTENTION = {**{g: 0.35 for g in HOPPER}, "b200": 0.35}
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,10 @@ PROFILES = {
         "megatron", True, "Megatron-class kernels, fitted with the calibration runs of tessera plan validate"),
     "tessera": EfficiencyProfile(
         "tessera", False, "Tessera's own kernels: UNFITTED priors (no GPU measurements in docs/benchmarks.md yet)",
-        attention={**{g: 0.35 for g in HOPPER}, "b200": 0.35}),
+        attention=TORCH_ATTENTION),
+    "torch-eager": EfficiencyProfile(
+        "torch-eager", False, "torch's kernels without torch.compile: UNFITTED priors, elementwise passes counted "
+        "on torchtitan's eager Llama block", attention=TORCH_ATTENTION, elementwise_passes=ELEMENTWISE_PASSES_EAGER),
 }
 DEFAULT_PROFILE = "megatron"
 

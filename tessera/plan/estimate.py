@@ -134,11 +134,13 @@ def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -
 
 def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *, precision: str = "bf16",
               activation_dtype: str = "autocast-bf16", even_layers: bool = False,
-              profile: ModelProfile | None = None, teacher: ModelConfig | None = None) -> Plan:
+              profile: ModelProfile | None = None, teacher: ModelConfig | None = None, loss: str = "tessera"
+              ) -> Plan:
     """The full estimate. Raises ParallelError naming every dimension that does not divide.
     `profile` (from `ModelProfile.of(cfg, work.seq_len)`) lets many plans of one model share work.
     `teacher` (train.distill.teacher's model) adds its frozen weights (and under pp its hidden
-    states in flight) to every rank's memory."""
+    states in flight) to every rank's memory. `loss`: the cross-entropy's implementation, whose
+    buffers peak at the last stage (loss_memory.py)."""
     problems = layout_problems(cfg, lay, work, even_layers=even_layers)
     if teacher is not None and teacher.n_layers < lay.pp * lay.vpp:
         problems.append(f"the distillation teacher (train.distill.teacher) has {teacher.n_layers} layers, fewer "
@@ -151,7 +153,7 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     get_activation_dtype(activation_dtype)
     prof = profile if profile is not None and profile.seq_len == work.seq_len else ModelProfile.of(cfg, work.seq_len)
     params = rank_params(cfg, lay, prof)
-    acts = stage_activations(cfg, lay, work, activation_dtype, prof)
+    acts = stage_activations(cfg, lay, work, activation_dtype, prof, loss)
     m = lay.microbatches(work)
     held = [0.0 if teacher is None else teacher_stage_bytes(teacher, lay, work, prec, activation_dtype, s, a)
             for s, a in enumerate(acts)]

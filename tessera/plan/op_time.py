@@ -16,7 +16,10 @@ passes over the scores instead. Norms, residual adds, RoPE and the SwiGLU
 product are bound by memory: `Cluster.elementwise_passes` reads/writes of their tensors at HBM bandwidth,
 at the width the activation dtype gives them (fp32 residual stream under autocast).
 
-Backward is twice the forward (input and weight gradients, the 2:1 of the FLOP count); full
+Backward is twice the forward (input and weight gradients, the 2:1 of the FLOP count), but for
+the fused attention core: FlashAttention keeps no s x s matrix, so its backward computes the scores
+q k^T again before the four products of the gradients (Dao 2023, arXiv 2307.08691, algorithm 2:
+five products against the forward's two), 2.5 forwards (FUSED_ATTENTION_BACKWARD); full
 recomputation adds one forward of the block, selective recomputation one forward of the core, the
 operator-level policy the forward of what it does not keep: the products not kept (each at its
 own shape), the attention core unless kept, and all elementwise work. Activation offload adds the
@@ -40,6 +43,7 @@ KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-w
 ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
 ELEMENTWISE_PASSES = 2  # each elementwise tensor read once and written once (the profiles' Cluster.elementwise_passes)
 BYTES = 2  # 16-bit operands for matrix products and elementwise work
+FUSED_ATTENTION_BACKWARD = 2.5  # backward / forward work of a fused attention core (module docstring)
 UNFUSED_SCORE_PASSES = 5  # softmax (read + write), dropout (read, write, 1-byte mask) over the s x s scores
 
 
@@ -211,9 +215,9 @@ class StageCompute:
 
 def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
                        profile: ModelProfile, dtype: str = "bf16", offloaded: float = 0.0) -> StageCompute:
-    """Forward x 3 (forward, input and weight gradients) of every layer of the stage, plus what
-    recomputation repeats, plus the LM head on the last stage, plus moving `offloaded` bytes (one
-    micro-batch's activations offloaded to host memory) there and back."""
+    """Forward x 3 (forward, input and weight gradients; the fused attention core x 3.5) of every
+    layer of the stage, plus what recomputation repeats, plus the LM head on the last stage, plus
+    moving `offloaded` bytes (one micro-batch's activations offloaded to host memory) there and back."""
     tokens = work.micro_batch * work.seq_len / lay.cp
     key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.cp_method, lay.fused_attention, work.micro_batch,
            cluster, dtype, lay.recompute, lay.recompute_save, lay.activation_fp8)
@@ -221,12 +225,13 @@ def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int
                                        for moe in set(profile.moe)
                                        for t in (layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype),)})
     matmul = attention = memory = 0.0
+    attention_passes = 1 + (FUSED_ATTENTION_BACKWARD if lay.fused_attention else 2)
     for (moe, applies), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
                                                  lay.recompute_interval).items():
         t, again = times[moe]
         matmul += n * (3 * t.matmul + (again.matmul if applies else 0.0))
         memory += n * (3 * t.memory + (again.memory if applies else 0.0))
-        attention += n * (3 * t.attention + (again.attention if applies else 0.0))
+        attention += n * (attention_passes * t.attention + (again.attention if applies else 0.0))
     if stage == lay.pp - 1:
         matmul += 3 * head_time(cfg, lay, tokens, cluster)
     return StageCompute(matmul=matmul, attention=attention, memory=memory,

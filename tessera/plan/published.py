@@ -53,10 +53,26 @@ Held-out runs (time and memory; chosen after the constants, nothing fitted to th
   mixed precision; tokens/s per GPU and memory (GiB, the caching allocator's peak reservation)
   for FSDP alone and with torch.compile. Their H100s have 96 GB HBM2e at 2.4 TB/s and a 500 W
   limit, whose peak the report puts "between SXM and NVL": the `h100-96gb` preset takes the SXM's.
-  The planner models neither compile nor the power limit, so each pair shares one prediction.
+  Their kernels are torch's, not Megatron's: the attention core is `F.scaled_dot_product_attention`
+  (torchtitan/models/llama/model.py), which on H100s in torch's December 2024 nightlies ran its
+  flash backend (FlashAttention-2), cuDNN's having been made opt-in (pytorch/pytorch issue 142132,
+  2024-12-05: 329 TFLOP/s forward against cuDNN's 631 at sequence 4,608, head 128, on
+  2.6.0.dev20241204), and without torch.compile every RMSNorm, RoPE, GQA repeat and
+  SwiGLU step is a kernel of its own. So the eager runs are priced with the `torch-eager` profile
+  and the compiled ones with `tessera` (torch's SDPA and GEMMs, elementwise work fused by compile),
+  both from published priors and counts, UNFITTED (efficiency.py); nothing was chosen on these runs.
+  The report states its convention: tokens/s per GPU is each rank's tokens over the step's wall
+  time divided by the non-data-parallel degree, and its "33% to 39% MFU" for these runs is
+  6 N (N without the embedding) + 12 l h q t FLOPs per token over the SXM's 989 TFLOP/s
+  (torchtitan train.py and utils.py at 9dec370): 5,762 and 6,667 tokens/s give 33.7% and 39.0%, so
+  the sequence of 8,192 and local batch 2 transcribed here are the ones measured.
   The report's peak "between SXM and NVL" brackets the prediction: it is made at the SXM's
   (the preset) and at the NVL's, 835 TFLOP/s dense bf16 (NVIDIA H100 Tensor Core GPU datasheet,
-  2023: H100 NVL 1,671 TFLOP/s bf16 with sparsity), the lowest peak the report allows.
+  2023: H100 NVL 1,671 TFLOP/s bf16 with sparsity), the lowest peak the report allows. At the NVL's
+  the four are within 25% (+13% to +23%), at the SXM's 30% to 39% over: the report says its 500 W
+  GPUs do not reach the SXM's peak, and by how much it does not know, so the SXM end is not a
+  peak they ran at. What the planner still leaves out, and would slow them: NCCL's FSDP kernels
+  sharing the SMs with the GEMMs they overlap, and the data loading inside the measured step.
 - The same report's runs with Float8 linears (torchao) and full activation checkpointing, held out
   for memory only: table 2 (Llama 3.1 8B on 8 GPUs, FSDP x CP = 8, local batch 1, sequence 32K to
   256K) and table 4 (Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, global batch 512,
@@ -70,6 +86,17 @@ Held-out runs (time and memory; chosen after the constants, nothing fitted to th
   default all-gather of keys and values and load-balanced (zig-zag) chunks: cp_method=allgather.
   torchtitan's tensor parallelism splits the norms along the sequence (sp) and computes the loss
   vocabulary-parallel, as Tessera's does. The 70B is `llama3-70b` (Llama 3.1 70B has its shapes).
+- Every torchtitan run's loss is torch's, as torchtitan's train.py (at the report's commit 9dec370)
+  computes it: `cross_entropy(pred.flatten(0, 1).float(), labels)`, `pred` deleted before backward,
+  under torch's `loss_parallel` when TP splits the vocabulary (`loss="torch"`, loss_memory.py). Its
+  buffers at the loss, measured on CPU by tests/plan/test_loss_memory.py, are 8 bytes per logit
+  without TP and 12 with it beside the saved log-softmax, not the 6 the planner counted before: at
+  16 x 8,192 tokens and 128,256 / 8 logits per token the 70B's loss alone holds 11.7 GiB more.
+- What their memory figure is: torchtitan logs `memory` as the caching allocator's peak
+  reservation (`reserved_bytes.all.peak`, torchtitan/metrics.py), run with
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (run_llama_train.sh), so it is at least the
+  tensors' peak; the planner counts tensors, so a plan under it by a few GiB is the allocator's
+  slack, not a tensor missed.
 """
 
 from __future__ import annotations
@@ -111,6 +138,7 @@ class PublishedRun:
     # Where the source says its GPUs' peak is below the preset's but not by how much: the lowest peak
     # it allows (FLOP/s); the prediction is also made at it, bracketing the time error (None: exact)
     lowest_peak: float | None = None
+    loss: str = "tessera"  # the cross-entropy's implementation, for the memory at the loss (loss_memory.py)
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelConfig:
@@ -186,23 +214,25 @@ def _torchtitan_runs() -> list[PublishedRun]:
     out = []
     for gpus, batch, table, eager, compiled in _TORCHTITAN_RUNS:
         lay = Layout(dp_shard=gpus, zero_stage=3, recompute="op")
-        for label, (tps, gib) in (("FSDP", eager), ("FSDP + compile", compiled)):
+        for label, (tps, gib), profile in (("FSDP", eager, "torch-eager"), ("FSDP + compile", compiled, "tessera")):
             out.append(PublishedRun(f"torchtitan Llama 3.1 8B, {gpus} H100, {label}", f"{_TORCHTITAN}, table {table}",
                                     get_preset("llama3.1-8b"), "h100-96gb", gpus, lay, Workload(8192, 2, batch),
                                     "tokens_per_second_per_gpu", float(tps), held_out=True, memory_gib=gib,
-                                    lowest_peak=H100_NVL_BF16))
+                                    lowest_peak=H100_NVL_BF16, loss="torch", profile=profile))
     for shard, cp, seq, tps, gib in _TORCHTITAN_CP_RUNS:
         lay = Layout(dp_shard=shard, cp=cp, cp_method="allgather", zero_stage=3, recompute="full")
         out.append(PublishedRun(f"torchtitan Llama 3.1 8B, 8 H100, FSDP {shard} CP {cp}, seq {seq}, Float8",
                                 f"{_TORCHTITAN}, table 2", get_preset("llama3.1-8b", max_seq_len=seq), "h100-96gb",
                                 8, lay, Workload(seq, 1, shard), "tokens_per_second_per_gpu", float(tps),
-                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib, loss="torch",
+                                profile="tessera"))
     lay = Layout(tp=8, sp=True, dp_shard=32, zero_stage=3, recompute="full")
     for label, tps, gib in _TORCHTITAN_70B_RUNS:
         out.append(PublishedRun(f"torchtitan Llama 3.1 70B, 256 H100, {label} (FSDP 32 TP 8), Float8",
                                 f"{_TORCHTITAN}, table 4", get_preset("llama3-70b"), "h100-96gb", 256, lay,
                                 Workload(8192, 16, 512), "tokens_per_second_per_gpu", float(tps),
-                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib))
+                                time_not_compared=_FLOAT8, held_out=True, memory_gib=gib, loss="torch",
+                                profile="tessera"))
     return out
 
 
@@ -213,7 +243,8 @@ def plan_run(run: PublishedRun, profile: str | None = None, *, memory: bool = Fa
     peak = {"gpu_flops": run.lowest_peak} if lowest_peak and run.lowest_peak is not None else {}
     cluster = Cluster.for_gpu(run.gpu, gpus=run.gpus, profile=profile or run.profile, **peak)
     lay = run.memory_layout if memory and run.memory_layout is not None else run.layout
-    return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype)
+    return make_plan(run.model, lay, run.work, cluster, precision=run.precision, activation_dtype=run.activation_dtype,
+                     loss=run.loss)
 
 
 def predicted_figure(run: PublishedRun, plan: Plan) -> float:

@@ -178,7 +178,7 @@ def test_efficiency_profiles_megatron_and_tessera(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["time"]["total"] > default["time"]["total"]
     with pytest.raises(SystemExit) as exit_:
         main([path, "--gpus", "8", "--efficiency", "fast"])
-    assert exit_.value.code == 2 and "one of megatron, tessera, or a number" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "one of megatron, tessera, torch-eager, or a number" in capsys.readouterr().err
 
 
 def test_search_says_when_it_sampled(tmp_path, capsys):

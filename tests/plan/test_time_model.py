@@ -11,10 +11,19 @@ from tessera.config import get_preset
 from tessera.config.errors import ConfigError
 from tessera.models.flops import attention_matmul_params, mlp_matmul_params
 from tessera.plan.cluster import Cluster
+from tessera.plan.efficiency import ELEMENTWISE_PASSES_EAGER
 from tessera.plan.estimate import make_plan
 from tessera.plan.gpus import GPUS, get_gpu
 from tessera.plan.layout import Layout, Workload
-from tessera.plan.op_time import KERNEL_OVERHEAD, attention_rate, gemm_time, layer_ops, layer_time
+from tessera.plan.op_time import (
+    KERNEL_OVERHEAD,
+    attention_rate,
+    gemm_time,
+    layer_ops,
+    layer_time,
+    stage_compute_time,
+)
+from tessera.plan.profile import ModelProfile
 from tessera.plan.search import time_components
 
 
@@ -174,3 +183,32 @@ def test_pipeline_sends_hide_only_under_schedules_that_overlap_them():
                                         recompute="full"), work, cluster)
     assert time_components(plain)["pp comm"] > 0
     assert "pp comm" not in time_components(interleaved)
+
+
+def test_fused_attention_backward_computes_the_scores_again():
+    # FlashAttention's backward: five products against the forward's two (q k^T again, then the
+    # gradients of p, v, q, k), so forward + backward is 1 + 2.5 forwards; without fusion the scores
+    # are kept and backward is the 2:1 of the FLOP count.
+    c, cfg = Cluster.for_gpu("h100", gpus=1), get_preset("llama3-8b")
+    work = Workload(seq_len=4096, micro_batch=1, global_batch=1)
+    for fused, passes in ((True, 3.5), (False, 3.0)):
+        lay = Layout(fused_attention=fused)
+        forward = layer_time(cfg, False, lay, 4096, 4096, c, "bf16").attention
+        step = stage_compute_time(cfg, lay, work, 0, c, ModelProfile.of(cfg, 4096), "bf16")
+        assert step.attention == pytest.approx(cfg.n_layers * passes * forward)
+
+
+def test_eager_profile_counts_torchtitans_elementwise_kernels():
+    # Bytes per token of torchtitan's eager Llama block (efficiency.py) over the time model's one pass
+    for preset, passes in (("llama3.1-8b", 3.24), ("llama3-70b", 3.21)):
+        cfg = get_preset(preset)
+        h, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+        assert (84 * h + 24 * q + 24 * kv + 10 * f) / (20 * h + 4 * q + 4 * kv + 6 * f) == pytest.approx(passes,
+                                                                                                     abs=0.005)
+    cfg, lay = get_preset("llama3.1-8b"), Layout()
+    eager, compiled = (Cluster.for_gpu("h100-96gb", gpus=1, profile=p) for p in ("torch-eager", "tessera"))
+    assert eager.elementwise_passes == ELEMENTWISE_PASSES_EAGER == 3.24
+    assert eager.attention_efficiency == compiled.attention_efficiency == 0.35  # both run torch's SDPA
+    ratio = (layer_time(cfg, False, lay, 8192, 8192, eager, "bf16").memory
+             / layer_time(cfg, False, lay, 8192, 8192, compiled, "bf16").memory)
+    assert ratio == pytest.approx(ELEMENTWISE_PASSES_EAGER / 2)

