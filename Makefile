@@ -35,7 +35,7 @@ demo: install
 # Python (process start-up, tokenizers, small models), so a second worker uses the second core.
 TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
 
 test-quick: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
