@@ -147,6 +147,8 @@ def _train_eagle(args: argparse.Namespace, cfg, restart: int):
                   f"{cfg.train.eagle.unroll} training-time-test steps) for the frozen target "
                   f"{cfg.train.eagle.target} on {trainer.layout.world_size} rank(s), {trainer.device}; metrics in "
                   f"{cfg.run_dir}/metrics.jsonl", file=sys.stderr, flush=True)
+            if trainer.resumed_from is not None:
+                print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
         return trainer.train(), coordinator
     finally:
         shutdown_distributed()

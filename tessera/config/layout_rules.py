@@ -101,9 +101,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
         if s.ep % s.cp != 0:
             out.append(f"ep={s.ep} must be a multiple of cp={s.cp}: experts fold over all of cp and part of dp_shard")
     if s.cp > 1:
-        if getattr(m, "mtp_depth", 0) > 0:
-            out.append(f"cp={s.cp} is invalid with model.mtp_depth={m.mtp_depth}: multi-token prediction shifts "
-                       "each sequence's tokens by k positions, across context-parallel chunks; use cp=1")
         if seq_len is not None:
             out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
             if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):

@@ -16,7 +16,13 @@ causally over the same sequence, so h^k_i sees tokens up to i+k and its target i
 Over a micro-batch of sequences of length S, depth k takes the input ids shifted left by k (the
 last k positions, which have no token i+k in the row, embed token 0) and the targets shifted
 left by k (those positions get IGNORE_INDEX: no loss). The tensors keep length S, so sequence
-parallelism cuts them like the main model's. The training loss is
+parallelism cuts them like the main model's. Only token ids move: the hidden state h^{k-1}_i stays
+at position i. Under context parallelism a rank holds only some positions of each sequence (its
+chunk, or its two zig-zag chunks), and token i+k may sit on another rank; the model therefore
+shifts through a seam, `TokenSequence` (the Transformer's `mtp_sequence`): on one process the ids
+are already the whole sequence; context parallelism installs one that all-gathers every rank's
+ids into sequence order (`whole`), shifts there and keeps this rank's positions (`own`). The
+ids are integers, so the exchange is exact and carries no gradient. The training loss is
 
     L_MTP = lambda / D * sum_k sum_t CE_k,t / N
 
@@ -48,6 +54,18 @@ def depth_inputs(input_ids_BS: torch.Tensor, k: int) -> torch.Tensor:
 def depth_targets(targets_BS: torch.Tensor, k: int) -> torch.Tensor:
     """Token i+k+1 at position i (IGNORE_INDEX where the row has none)."""
     return shift_left(targets_BS, k, IGNORE_INDEX)
+
+
+class TokenSequence:
+    """The Transformer's `mtp_sequence` seam on one process: the ids it holds are the whole sequence."""
+
+    def whole(self, t_BS: torch.Tensor) -> torch.Tensor:
+        """Every position of the held sequences, in sequence order, from this process's ids."""
+        return t_BS
+
+    def own(self, t_BS: torch.Tensor) -> torch.Tensor:
+        """This process's positions of a whole-sequence tensor, in the order it holds them."""
+        return t_BS
 
 
 class MTPModule(nn.Module):

@@ -20,7 +20,9 @@ With `model.mtp_depth` > 0 the model holds DeepSeek-V3's multi-token-prediction 
 (`mtp`, tessera/models/mtp.py) and, given targets, returns their token-loss sums
 (`ModelOutput.mtp_loss_sums`, and `mtp_loss_sum`, the weighted sum the objective adds). Their
 cross-entropy over plain logits goes through a seam, `token_loss` (a `TokenLoss`): torch's on one
-process; tensor parallelism installs the vocabulary-parallel one.
+process; tensor parallelism installs the vocabulary-parallel one. Their shifted token ids come through
+another, `mtp_sequence` (a `TokenSequence`, mtp.py): context parallelism installs one that shifts
+across its chunks.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
-from tessera.models.mtp import MTPModule, depth_inputs, depth_targets
+from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import rope_cos_sin, rope_frequencies
 
@@ -157,6 +159,8 @@ class Transformer(nn.Module):
             str(k): MTPModule(cfg.dim, cfg.norm_eps, TransformerBlock(cfg, cfg.n_layers + k - 1))
             for k in range(1, cfg.mtp_depth + 1)}) if cfg.mtp_depth > 0 else None
         self.token_loss: TokenLoss = plain_token_loss  # the MTP losses' cross-entropy (module docstring)
+        # where MTP shifts token ids: the whole sequence (context parallelism installs its own; mtp.py)
+        self.mtp_sequence = TokenSequence()
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
@@ -281,12 +285,13 @@ class Transformer(nn.Module):
     def _multi_token_losses(self, out: ModelOutput, h_BSD: torch.Tensor, input_ids: torch.Tensor,
                             targets: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Every depth's token-loss sum (tessera/models/mtp.py) and their weighted sum into `out`."""
-        total = None
+        total, seq = None, self.mtp_sequence
+        ids, tgt = seq.whole(input_ids), seq.whole(targets)  # shifts cross context-parallel chunks
         for key, module in self.mtp.items():
             k = int(key)
-            h_BSD, route = module(h_BSD, self.tok_embeddings(depth_inputs(input_ids, k)), cos, sin)
+            h_BSD, route = module(h_BSD, self.tok_embeddings(seq.own(depth_inputs(ids, k))), cos, sin)
             self._add_route(out, f"mtp{k}", self.cfg.n_layers + k - 1, route)
-            out.mtp_loss_sums[k] = self._head_loss_sum(module.norm(h_BSD), depth_targets(targets, k))
+            out.mtp_loss_sums[k] = self._head_loss_sum(module.norm(h_BSD), seq.own(depth_targets(tgt, k)))
             total = out.mtp_loss_sums[k] if total is None else total + out.mtp_loss_sums[k]
         out.mtp_loss_sum = total * (self.cfg.mtp_loss_weight / self.cfg.mtp_depth)
 

@@ -34,6 +34,10 @@ Positions: the model's `position_source` becomes `ChunkPositions`, the global po
 rank's tokens under the split (a caller that passes `positions` keeps them), so RoPE rotates every
 token as one device would.
 
+Multi-token prediction (models/mtp.py): the model's `mtp_sequence` becomes `ChunkTokens`, which
+all-gathers the cp ranks' token ids (integers: exact, no gradient) into sequence order, so that each
+depth's shift reaches tokens held by another rank, and keeps this rank's positions of the result.
+
 MoE: the router's token counts (and its per-sequence counts and Sinkhorn sums) are summed over cp
 (`MicroBatchCountReducer`, expert_parallel.py); with expert capacity the keep-or-drop decision is
 taken over the whole micro-batch in sequence order (`MicroBatchKeepMask`, context_parallel_moe.py).
@@ -53,11 +57,18 @@ from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, causal_attention, sliding_window_mask
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
+from tessera.models.mtp import TokenSequence
 from tessera.parallel.collectives import all_to_all_rows, gather_rows
 from tessera.parallel.context_parallel_moe import MicroBatchKeepMask, MicroBatchTokenReducer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.ring_attention import RingAttention
-from tessera.parallel.sequence_layout import CP_LAYOUTS, all_rank_positions, rank_positions
+from tessera.parallel.sequence_layout import (
+    CP_LAYOUTS,
+    all_rank_positions,
+    rank_positions,
+    take_rank_tokens,
+    to_sequence_order,
+)
 
 
 def _exchange_blocks(x_P: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -167,10 +178,28 @@ class ChunkPositions:
         return rank_positions(C, self.cp, self.cp_rank, self.layout, device).expand(B, C)
 
 
+class ChunkTokens(TokenSequence):
+    """The model's `mtp_sequence` under cp: token ids [B, C] of this rank become the whole [B, S] in
+    sequence order (an all-gather over cp), and a whole-sequence tensor this rank's [B, C] under
+    `layout`, so that multi-token prediction's shift by k reaches tokens on other ranks."""
+
+    def __init__(self, group: ProcessGroup, cp_rank: int, cp: int, layout: str = "contiguous"):
+        self.group, self.cp_rank, self.cp, self.layout = group, cp_rank, cp, layout
+
+    def whole(self, t_BC: torch.Tensor) -> torch.Tensor:
+        every = t_BC.new_empty((self.cp * t_BC.shape[0],) + tuple(t_BC.shape[1:]))  # [P B, C]: rank by rank
+        dist.all_gather_into_tensor(every, t_BC.contiguous(), group=self.group)
+        return to_sequence_order(every.view((self.cp,) + tuple(t_BC.shape)), self.layout)
+
+    def own(self, t_BS: torch.Tensor) -> torch.Tensor:
+        return take_rank_tokens(t_BS, self.cp, self.cp_rank, self.layout)
+
+
 def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
-    this rank's tokens (`dims.cp_layout`) on the model and, in MoE layers, Sinkhorn's micro-batch-wide
-    sums and (with expert capacity) micro-batch-wide token dropping. No-op for cp = 1."""
+    this rank's tokens (`dims.cp_layout`) and multi-token prediction's token exchange on the model
+    and, in MoE layers, Sinkhorn's micro-batch-wide sums and (with expert capacity) micro-batch-wide
+    token dropping. No-op for cp = 1."""
     if dims.cp == 1:
         return
     group = dims["cp"].get_group()
@@ -184,3 +213,4 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
             if module.cfg.capacity_factor is not None:
                 module.keep_mask = MicroBatchKeepMask(group, rank, dims.cp, dims.cp_layout)
     model.position_source = ChunkPositions(rank, dims.cp, dims.cp_layout)
+    model.mtp_sequence = ChunkTokens(group, rank, dims.cp, dims.cp_layout)

@@ -30,8 +30,13 @@ last layer would from its own state). With `train.eagle.draft_vocab_size` N the 
 the N target tokens most frequent in the data (EAGLE-3's reduced vocabulary, saved as d2t): its head
 starts from those rows, the target's distribution is taken over them (renormalised), and
 `eagle_acc` compares the drafted target token with the target's argmax over its whole vocabulary.
-The draft is not checkpointed during the run: the directory is written once, at the end (a run
-stopped early writes it at the step reached).
+Checkpoints are an ordinary run's (train_checkpoint.py) with the draft as the model: every
+`checkpoint.interval` steps, at the last step and on a stop signal, run_dir/checkpoints holds the
+draft, its AdamW state, the step, the schedule and the data position (written synchronously: the
+draft is small). `resume=True` (`tessera train --resume`) continues from the newest good one, bit
+for bit as the uninterrupted run would (the target is frozen and read again from its directory);
+without it a run_dir that holds checkpoints is refused, as for any run. The EAGLE-3 directory is
+written at the end (a run stopped early writes it at the step reached).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from tessera.checkpoint.dcp.run_lock import RunDirLock
 from tessera.checkpoint.eagle_dir import save_eagle_draft
 from tessera.config.eagle import VOCAB_SAMPLE_BATCHES
 from tessera.config.errors import ConfigError
@@ -61,12 +67,13 @@ from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.optimizer import build_optimizer
 from tessera.train.precision import autocast_dtype
 from tessera.train.rng_state import seed_everything
-from tessera.train.run_directory import open_metrics
+from tessera.train.run_directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
 from tessera.train.run_layout import build_layout
 from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import mixed_precision
 from tessera.train.stop_signal import AgreedStop, StopSignal
 from tessera.train.teacher import check_teacher, teacher_model_config
+from tessera.train.train_checkpoint import load_training_state, save_training_state
 
 KEY = "train.eagle.target"
 
@@ -103,15 +110,15 @@ class EagleTrainer:
         if cfg.train.eagle.target is None:
             raise ConfigError("train.eagle.target=None: EagleTrainer trains an EAGLE draft for a target; "
                               "set it, or train the model with tessera.train.trainer.Trainer")
-        if resume:
-            raise ConfigError("--resume is invalid with train.eagle.target: an EAGLE run writes its draft once, at "
-                              "the end, and has no checkpoint to resume from; start it again")
         target_cfg = teacher_model_config(cfg.train.eagle.target, KEY)
         self.cfg = cfg = replace(cfg, model=target_cfg)  # the layout and the data are the target's
         check_teacher(cfg, target_cfg, cfg.train.eagle.target, KEY)  # data.tokenizer is the target's
         self.layout = build_layout(cfg)
         self.device, self.dims = self.layout.device, self.layout.dims
-        self.step, t = 0, cfg.train
+        self.ckpt_root = Path(cfg.run_dir) / CHECKPOINT_DIR
+        self.run_lock = RunDirLock(Path(cfg.run_dir))  # held by rank 0 until train() returns
+        self.resumed_from = checkpoint_to_resume(self.layout, self.run_lock, Path(cfg.run_dir), resume)
+        self.step, self.tokens_seen, t = 0, 0, cfg.train
         seed_everything(t.seed)
         data = self.layout.on_coordinator(lambda: build_training_data(cfg))  # rank 0 prepares a missing corpus
         self.data = data if data is not None else build_training_data(cfg)
@@ -126,6 +133,28 @@ class EagleTrainer:
         self.optimizer = build_optimizer(self.draft, cfg.optim)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, t.steps)
         self.autocast = autocast_dtype(t.dtype)
+        if self.resumed_from is not None:
+            self._load(self.resumed_from)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict(),
+                "data": self.data.train.state_dict()}
+
+    def save(self) -> Path:
+        """Checkpoint the draft, its optimizer, the step, schedule and data position (every rank calls it)."""
+        with self.layout.phase("checkpoint save"):
+            return save_training_state(self.ckpt_root, self.step, [self.draft], [self.optimizer],
+                                       self._trainer_state(), self.cfg, self.layout.rank, self.layout.world_size)
+
+    def _load(self, path: Path) -> None:
+        shapes = {k: tuple(v.shape) for k, v in self.draft.state_dict().items()}
+        with self.layout.phase("checkpoint load"):
+            trainer = load_training_state(path, [self.draft], [self.optimizer], shapes, self.cfg,
+                                          self.layout.rank, self.layout.world_size)
+        self.step, self.tokens_seen = int(trainer["step"]), int(trainer["tokens_seen"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.data.train.load_state_dict(trainer["data"])
 
     def _new_draft(self, target_cfg) -> EagleDraft:
         """The draft from `train.seed`, its head and final norm the target's (the head's rows of the
@@ -209,6 +238,7 @@ class EagleTrainer:
     def train_step(self, batch: Batch) -> dict[str, Any]:
         """One optimizer step of the draft on a global batch; its statistics."""
         self.step += 1
+        self.tokens_seen += int(batch.inputs.numel())
         lr = self.scheduler.set_step(self.step)
         inputs, targets = self._rows(batch)
         masks = self.scored(targets)
@@ -237,33 +267,45 @@ class EagleTrainer:
         return Path(self.cfg.run_dir) / self.cfg.train.eagle.output_dir  # an absolute path replaces run_dir
 
     def train(self) -> EagleResult:
-        """Train to `train.steps` (or an agreed stop signal), then write the draft directory on rank 0."""
-        t, layout = self.cfg.train, self.layout
-        writer = open_metrics(layout, self.cfg, None)
+        """Train to `train.steps` (or an agreed stop signal), checkpointing as an ordinary run does, then
+        write the draft directory on rank 0."""
+        layout = self.layout
+        if layout.is_coordinator:
+            self.run_lock.acquire()  # again, after an earlier train() released it
+        writer = open_metrics(layout, self.cfg, self.step if self.resumed_from is not None else None)
         result = EagleResult(start_step=self.step, last_step=self.step)
-        bar = tqdm(total=t.steps, desc="eagle", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=self.cfg.train.steps, initial=self.step, desc="eagle", unit="step", dynamic_ncols=True,
                    disable=not (self.cfg.log.progress_bar and layout.is_coordinator))
         try:
             with StopSignal() as signal:
                 stop = AgreedStop(signal, layout.max_over_ranks if layout.distributed else None)
-                while self.step < t.steps and not stop.requested:
-                    start = time.perf_counter()
-                    stats = self.train_step(self.data.train.next_batch())
-                    stats["tokens_per_s"] = stats.pop("tokens") / max(time.perf_counter() - start, 1e-9)
-                    stop.agree()
-                    if self.step % t.log_interval == 0 or self.step in (1, t.steps) or stop.requested:
-                        record = {"step": self.step, **stats}
-                        if writer is not None:
-                            writer.write(record)
-                            result.records.append(record)
-                    bar.update(1)
+                self._run_steps(stop, writer, bar, result)
                 result.stopped_by_signal = stop.received
             result.draft_dir = layout.on_coordinator(lambda: save_eagle_draft(self.draft, self.draft_dir()))
         finally:
             bar.close()
             if writer is not None:
                 writer.close()
+            self.run_lock.release()
         result.last_step = self.step
         if layout.is_coordinator:
             print(f"EAGLE draft written to {result.draft_dir}", file=sys.stderr)
         return result
+
+    def _run_steps(self, stop: AgreedStop, writer, bar: tqdm, result: EagleResult) -> None:
+        """Steps until `train.steps` or an agreed stop, each logged and checkpointed when due."""
+        t, interval = self.cfg.train, self.cfg.checkpoint.interval
+        while self.step < t.steps and not stop.requested:
+            start = time.perf_counter()
+            stats = self.train_step(self.data.train.next_batch())
+            stats["tokens_per_s"] = stats.pop("tokens") / max(time.perf_counter() - start, 1e-9)
+            stop.agree()
+            last = self.step == t.steps
+            if self.step % t.log_interval == 0 or self.step in (result.start_step + 1, t.steps) or stop.requested:
+                record = {"step": self.step, **stats}
+                if writer is not None:
+                    writer.write(record)
+                    result.records.append(record)
+            bar.update(1)
+            if last or stop.requested or (interval > 0 and self.step % interval == 0):
+                self.save()
