@@ -55,6 +55,7 @@ from tessera.train.precision import autocast_dtype, loss_chunk_tokens
 from tessera.train.run_layout import RunLayout
 from tessera.train.single_process_step import SingleProcessStep
 from tessera.train.step_engine import StepEngine
+from tessera.train.vision_language import build_vision_model, check_vision_layout, is_vision_run
 
 
 @dataclass
@@ -82,12 +83,13 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
     `init_from`: the weights to start from (None: from `train.seed`); `compile`: the resolved
     `train.compile` (tessera.parallel.compile.resolve_compile)."""
     t, on_ranks = cfg.train, layout.dims is not None
+    check_vision_layout(cfg, on_ranks)
     compute_dtype = autocast_dtype(t.dtype)
     model, reference = _whole_model(cfg, layout, init_from)
     fp8_layers = convert_to_float8(model) if t.fp8 else []
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     bytes_read = 0
-    if init_from is not None and not on_ranks:
+    if init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
         bytes_read = load_initial_weights([model], init_from, cfg.model, full_shapes, layout.device)
     loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     parts, pipeline = _parallelized_parts(model, cfg, layout, compute_dtype, compile, loss_scaler)
@@ -106,6 +108,10 @@ def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None) -> tu
     """The whole model in train mode and, on ranks without `init_from`, the meta `reference` that
     names every tensor for `materialize_by_name`."""
     t, reference = cfg.train, None
+    if is_vision_run(cfg):  # a LLaVA (tessera.train.vision_language), one process only
+        model = build_vision_model(cfg, layout.device, init_from)
+        model.language_model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, layout.device)
+        return model, None
     if layout.dims is not None:
         with torch.device("meta"):
             model = Transformer(cfg.model, init_seed=None)

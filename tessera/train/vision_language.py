@@ -1,0 +1,124 @@
+"""The model side of a vision-language fine-tune (`data.kind=vision_sft`, tessera.config.vision_training).
+
+    llava_cfg, processor = vision_model_config(cfg)     # from train.init_from's LLaVA, else the config
+    model = build_vision_model(cfg, device, init_from)  # a Llava, its frozen parts frozen
+
+The step engines need nothing of their own for it: a batch's `pixel_values` reach
+`Llava.forward(input_ids, pixel_values=..., targets=...)` (step_engine.accumulate_micro_batches),
+which encodes the images and puts their features at the image placeholders. A checkpoint's
+meta.json holds the LLaVA config and image processor (`vision_language_entry`, the entry
+tessera.checkpoint.dcp.vision_language reads), so `tessera convert` and `checkpoint.export_hf`
+write a LLaVA directory from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.hf_config import model_differences
+from tessera.config.schema import RunConfig
+from tessera.config.vision import LlavaConfig, llava_config_from_hf, llava_config_to_hf
+from tessera.config.vision_training import DATA_KIND
+from tessera.data.image_processor import ImageProcessor
+from tessera.models.llava import Llava
+
+FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
+                "freeze_language_model": "language_model"}
+
+
+def is_vision_run(cfg: RunConfig) -> bool:
+    return cfg.data.kind == DATA_KIND
+
+
+def _source(cfg: RunConfig) -> str | None:
+    """"hf" or "checkpoint" when train.init_from holds a whole LLaVA, else None."""
+    from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint
+    from tessera.checkpoint.hf.llava import is_llava_directory
+
+    path = cfg.train.init_from
+    if path is None:
+        return None
+    if is_llava_directory(path):
+        return "hf"
+    if is_vision_language_checkpoint(path):
+        return "checkpoint"
+    raise ConfigError(f"train.init_from={path!r} is invalid with data.kind={DATA_KIND}: a LLaVA HuggingFace directory "
+                      "or a Tessera vision-language checkpoint (tessera convert LLAVA_DIR OUT writes one); null: "
+                      "the tower and projector of train.vision_language, built from train.seed")
+
+
+def vision_model_config(cfg: RunConfig) -> tuple[LlavaConfig, ImageProcessor]:
+    """The LLaVA to train and its image processor: train.init_from's, else train.vision_language's
+    tower and projector over the `model` section's language model."""
+    source = _source(cfg)
+    if source == "hf":
+        from tessera.checkpoint.hf.llava import read_llava_config, read_processor
+
+        llava = read_llava_config(cfg.train.init_from)
+        processor = read_processor(cfg.train.init_from, llava)
+    elif source == "checkpoint":
+        from tessera.checkpoint.dcp import store as ckpt
+        from tessera.checkpoint.dcp.vision_language import ENTRY
+
+        found = ckpt.resolve_checkpoint(cfg.train.init_from)
+        entry = ckpt.read_meta(found)[ENTRY]
+        llava = llava_config_from_hf(entry["config"])
+        processor = ImageProcessor.from_dict(entry["processor"], f"{found}/meta.json")
+    else:
+        v = cfg.train.vision_language
+        token = v.image_token_id if v.image_token_id is not None else cfg.model.vocab_size - 1
+        layers = v.feature_layer[0] if len(v.feature_layer) == 1 else list(v.feature_layer)
+        try:
+            llava = LlavaConfig(text=cfg.model, vision=v.tower, image_token_id=token, feature_layer=layers,
+                                select_strategy=v.select_strategy, projector_act=v.projector_act)
+        except ConfigError as e:
+            raise ConfigError(f"train.vision_language: {e}") from e
+        return llava, ImageProcessor.for_vision(v.tower)
+    differences = model_differences(cfg.model, llava.text, shapes_only=True)
+    if differences:
+        raise ConfigError(f"the model section differs from train.init_from={cfg.train.init_from!r}'s language model in "
+                          f"{', '.join(differences[:4])}: leave the model section empty to take the source's")
+    return llava, processor
+
+
+def build_vision_model(cfg: RunConfig, device: torch.device, init_from: str | None) -> Llava:
+    """The LLaVA of `cfg` on `device` in train mode: read from `init_from` (the start of a run; None
+    when resuming, where the checkpoint fills it) or initialised from train.seed; then the parts
+    the freeze switches name stop requiring gradients (so the optimizer holds no state for them)."""
+    llava_cfg, _ = vision_model_config(cfg)
+    if init_from is None:
+        model = Llava(llava_cfg, init_seed=cfg.train.seed).to(device)
+    elif _source(cfg) == "hf":
+        from tessera.checkpoint.hf.llava import load_llava
+
+        model = load_llava(init_from, torch.float32, device)
+    else:
+        from tessera.checkpoint.dcp.vision_language import load_llava_checkpoint
+
+        model, _, _ = load_llava_checkpoint(init_from, torch.float32, device)
+    if model.cfg != llava_cfg:
+        raise CheckpointError(f"train.init_from={init_from!r} holds another model than its config describes")
+    for switch, part in FROZEN_PARTS.items():
+        if getattr(cfg.train.vision_language, switch):
+            getattr(model, part).requires_grad_(False)
+    return model.train()
+
+
+def check_vision_layout(cfg: RunConfig, distributed: bool) -> None:
+    """Refuse every layout but one process, by name (what is allowed: one process)."""
+    if is_vision_run(cfg) and distributed:
+        p = cfg.parallel
+        raise ConfigError(
+            f"data.kind={DATA_KIND} trains in one process only (no --nproc, torchrun or process group); this run has "
+            f"several ranks (parallel.dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, tp={p.tp}, pp={p.pp}, "
+            f"cp={p.cp}, ep={p.ep}): data, tensor, pipeline, context and expert parallelism are not supported for "
+            "vision-language training yet")
+
+
+def vision_language_entry(cfg: RunConfig) -> dict:
+    """meta.json's `vision_language` entry of a checkpoint of this run: LLaVA's config.json, the image
+    processor and the tokenizer an export writes (data.tokenizer, the bundled one when unset)."""
+    llava_cfg, processor = vision_model_config(cfg)
+    return {"config": llava_config_to_hf(llava_cfg), "processor": processor.to_dict(),
+            "tokenizer": cfg.data.tokenizer or "default"}
