@@ -102,7 +102,18 @@ def build_vision_model(cfg: RunConfig, device: torch.device, init_from: str | No
     for switch, part in FROZEN_PARTS.items():
         if getattr(cfg.train.vision_language, switch):
             getattr(model, part).requires_grad_(False)
+    for module in unused_tower_modules(model):
+        module.requires_grad_(False)
     return model.train()
+
+
+def unused_tower_modules(model: Llava) -> list[torch.nn.Module]:
+    """The tower's modules LLaVA never runs: the blocks past the deepest feature layer and the final
+    LayerNorm. They can get no gradient, so they hold no optimizer state either (their weights travel
+    unchanged to the export, which keeps them)."""
+    tower = model.vision_tower
+    deepest = max(model.cfg.feature_layers)
+    return [block for key, block in tower.layers.items() if int(key) >= deepest] + [tower.post_norm]
 
 
 def check_vision_layout(cfg: RunConfig, distributed: bool) -> None:
