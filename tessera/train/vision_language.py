@@ -20,8 +20,13 @@ from tessera.config.hf_config import model_differences
 from tessera.config.schema import RunConfig
 from tessera.config.vision import LlavaConfig, llava_config_from_hf, llava_config_to_hf
 from tessera.config.vision_training import DATA_KIND
+from tessera.data.batching import Batch
 from tessera.data.image_processor import ImageProcessor
 from tessera.models.llava import Llava
+from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
+from tessera.parallel.data_parallel_batch import dp_rows
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
                 "freeze_language_model": "language_model"}
@@ -116,15 +121,32 @@ def unused_tower_modules(model: Llava) -> list[torch.nn.Module]:
     return [block for key, block in tower.layers.items() if int(key) >= deepest] + [tower.post_norm]
 
 
-def check_vision_layout(cfg: RunConfig, distributed: bool) -> None:
-    """Refuse every layout but one process, by name (what is allowed: one process)."""
-    if is_vision_run(cfg) and distributed:
-        p = cfg.parallel
-        raise ConfigError(
-            f"data.kind={DATA_KIND} trains in one process only (no --nproc, torchrun or process group); this run has "
-            f"several ranks (parallel.dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, tp={p.tp}, pp={p.pp}, "
-            f"cp={p.cp}, ep={p.ep}): data, tensor, pipeline, context and expert parallelism are not supported for "
-            "vision-language training yet")
+def parallelize_vision(model: Llava, dims: ParallelDims, param_dtype: torch.dtype, zero_stage: int,
+                       device_type: str) -> Llava:
+    """`model` under the layouts the config allows: tensor parallelism of the language model (its
+    plans, without sequence parallelism: the embedding's output is the whole sequence, where the
+    image rows are merged; the tower and projector are replicated, and the gradient reaching them
+    is whole on every tp rank), then FSDP over the language model's blocks and one root unit over
+    the rest (tower, projector, embeddings, final norm, head), which `Llava.forward` uses before the
+    language model runs. Every rank built the same whole model from the seed (or read it), so the
+    shards are one process's weights."""
+    dims.validate(model.cfg.text, dims.world_size)
+    if dims.mesh is None:
+        dims.build_mesh(device_type)
+    if dims.tp > 1:
+        apply_tensor_parallel(model.language_model, dims["tp"], sp=False)
+    if needs_data_parallel(dims, param_dtype):
+        apply_data_parallel(model, dims, zero_stage, param_dtype, torch.float32,
+                            blocks=model.language_model.layers)
+    return model
+
+
+def rank_images(batch: Batch, dims: ParallelDims | None) -> list[torch.Tensor] | None:
+    """This rank's rows' images of a vision-language batch (None for text), as `shard_global_batch`
+    takes its rows."""
+    if batch.pixel_values is None or dims is None:
+        return batch.pixel_values
+    return batch.pixel_values[dp_rows(len(batch.pixel_values), dims)]
 
 
 def vision_language_entry(cfg: RunConfig) -> dict:

@@ -1,7 +1,8 @@
 """`tessera train` with data.kind=vision_sft: a LLaVA fine-tuned on image-text conversations in one
 process. The first step's loss is the LLaVA's answer-only loss on the batch's images; frozen parts get
 no gradient and no optimizer state and stay bit-identical; a resumed run equals an uninterrupted
-one; a LLaVA directory is a starting point; every other layout is refused by name."""
+one; a LLaVA directory is a starting point; dp_shard, dp_replicate and tp (with dp_shard too) on gloo ranks
+equal one process (fp32, 1e-5); pipeline, context and expert parallelism are refused by name."""
 
 import copy
 
@@ -13,11 +14,12 @@ from tessera.config.errors import ConfigError
 from tessera.config.schema import load_config
 from tessera.data.batching import BatchIterator
 from tessera.models.llava import Llava
-from tessera.parallel.testing import RankFailure, run_ranks
+from tessera.parallel.testing import run_ranks
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.trainer import Trainer
 from tessera.train.vision_language import unused_tower_modules, vision_model_config
 from tests.hang_guard import HANG_S
+from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny-llava.yaml")
@@ -118,12 +120,39 @@ def test_what_vision_training_does_not_support_is_refused_by_name(tmp_path, sett
         load_config(CONFIG, overrides(tmp_path, 1) + settings)
 
 
-def _start(config, run_overrides):
-    Trainer(load_config(config, run_overrides))
+@pytest.mark.parametrize("key", ["pp", "cp", "ep"])
+def test_other_layouts_are_refused_by_name(tmp_path, key):
+    with pytest.raises(ConfigError, match=f"parallel.{key}=2 is invalid: 1 with data.kind=vision_sft"):
+        load_config(CONFIG, overrides(tmp_path, 1) + [f"parallel.{key}=2"])
+    with pytest.raises(ConfigError, match="parallel.sp=True is invalid: false with vision-language"):
+        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.tp=2", "parallel.sp=true"])
+    with pytest.raises(ConfigError, match="parallel.optimizer='distributed' is invalid: fsdp with vision-language"):
+        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.optimizer=distributed"])
+
+
+def _train_on_ranks(run_overrides):
+    trainer = Trainer(load_config(CONFIG, run_overrides))
+    result = trainer.train()
+    return {"losses": _losses(result), "weights": whole_parameters(trainer.parts)}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [{"parallel.dp_shard": 2}, {"parallel.tp": 2, "parallel.dp_shard": 1}])
-def test_every_layout_of_several_ranks_is_refused_by_name(tmp_path, layout):
-    with pytest.raises(RankFailure, match="data.kind=vision_sft trains in one process only"):
-        run_ranks(_start, 2, CONFIG, overrides(tmp_path / "run", 1, **layout), timeout=HANG_S)
+@pytest.mark.parametrize("layout", [{"parallel.dp_shard": 2},
+                                    {"parallel.dp_replicate": 2, "parallel.dp_shard": 1,
+                                     "train.vision_language.freeze_vision_tower": "true"},
+                                    {"parallel.tp": 2, "parallel.dp_shard": 1},
+                                    {"parallel.tp": 2, "parallel.dp_shard": 2,
+                                     "train.vision_language.freeze_language_model": "true"}])
+def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
+    steps = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 0}
+    frozen = {k: v for k, v in layout.items() if "freeze" in k}
+    one = _trainer(tmp_path / "one", 3, **steps, **frozen)
+    want_losses = _losses(one.train())
+    want = {k: v.detach() for k, v in one.model.named_parameters()}
+    world = int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.dp_shard", 1)) * int(
+        layout.get("parallel.dp_replicate", 1))
+    got = run_ranks(_train_on_ranks, world, overrides(tmp_path / "ranks", 3, **steps, **layout), timeout=HANG_S)[0]
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    assert set(got["weights"]) == set(want)
+    for name, value in got["weights"].items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
