@@ -156,3 +156,24 @@ def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
     assert set(got["weights"]) == set(want)
     for name, value in got["weights"].items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _resume_on_ranks(run_overrides):
+    trainer = Trainer(load_config(CONFIG, run_overrides), resume=True)
+    start = trainer.step
+    result = trainer.train()
+    return {"start": start, "losses": _losses(result), "weights": whole_parameters(trainer.parts)}
+
+
+@pytest.mark.dist
+def test_a_one_process_checkpoint_resumes_under_dp_shard_and_tp(tmp_path):
+    steps = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 2}
+    whole = _trainer(tmp_path / "whole", 4, **steps)
+    want_losses = _losses(whole.train())
+    _trainer(tmp_path / "cut", 2, **steps).train()
+    layout = {"parallel.tp": 2, "parallel.dp_shard": 1}
+    got = run_ranks(_resume_on_ranks, 2, overrides(tmp_path / "cut", 4, **steps, **layout), timeout=HANG_S)[0]
+    assert got["start"] == 2
+    assert got["losses"] == pytest.approx(want_losses[2:], rel=1e-5, abs=1e-5)
+    for name, value in whole.model.named_parameters():
+        torch.testing.assert_close(got["weights"][name], value.detach(), rtol=1e-5, atol=1e-5, msg=name)
