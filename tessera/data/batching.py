@@ -59,8 +59,8 @@ def collate(samples: list[Sample]) -> Batch:
     tokens = np.stack([s.tokens for s in samples]).astype(np.int64, copy=False)
     mask = np.stack([np.ones(len(s.tokens), dtype=bool) if s.loss_mask is None else s.loss_mask
                      for s in samples])
-    pixels = ([torch.from_numpy(s.pixels) for s in samples] if any(s.pixels is not None for s in samples)
-              else None)
+    # vision-language samples (tessera.data.vision_sft.VisionSample) carry their images
+    pixels = [torch.from_numpy(s.pixels) for s in samples] if hasattr(samples[0], "pixels") else None
     return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask), pixel_values=pixels)
 
 

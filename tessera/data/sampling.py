@@ -30,12 +30,10 @@ SPLITS = ("train", "valid")
 
 
 class Sample(NamedTuple):
-    """`tokens`: int64 `[seq_len + 1]`; `loss_mask`: bool `[seq_len + 1]`, or None (every token counts);
-    `pixels`: the images of a vision-language sample, float32 `[N, C, H, W]` (tessera.data.vision_sft)."""
+    """`tokens`: int64 `[seq_len + 1]`; `loss_mask`: bool `[seq_len + 1]`, or None (every token counts)."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray | None
-    pixels: np.ndarray | None = None
 
 
 class SampleDataset(Protocol):

@@ -33,19 +33,26 @@ import os
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from tessera.config.errors import DataError, ImageError
 from tessera.data.documents import expand_inputs, iter_jsonl
 from tessera.data.image_processor import ImageProcessor, decode_image
-from tessera.data.sampling import Sample
 from tessera.data.sft import ANSWER_ROLE, render_with_answer_spans
 from tessera.data.tokenizer import Tokenizer
 
 IMAGE_MARK = "<image>"  # where an image goes in a rendered conversation (LLaVA's own spelling)
 LLAVA_ROLES = {"human": "user", "gpt": ANSWER_ROLE, "system": "system"}
+
+
+class VisionSample(NamedTuple):
+    """A `Sample` (tessera.data.sampling) with its images: float32 `pixels` [N, C, H, W] (N may be 0)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    pixels: np.ndarray
 
 
 def read_image_source(src: Any, base: Path, where: str) -> bytes:
@@ -156,7 +163,7 @@ def tokenize_with_images(tokenizer: Tokenizer, messages: list[dict[str, str]], i
 
 def load_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: ImageProcessor,
                     image_token_id: int, tokens_per_image: int, seq_len: int,
-                    chat_template: str | None = None) -> list[Sample]:
+                    chat_template: str | None = None) -> list[VisionSample]:
     """Every conversation of the JSONL `inputs` as a sample of `seq_len + 1` tokens with its mask and
     its images' pixel values [N, C, H, W] (N = 0 for a text-only conversation)."""
     shape = (3, *processor.output_size())
@@ -178,7 +185,7 @@ def load_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, p
                 except ImageError as e:
                     raise DataError(f"{where}: image {k + 1}: {e}") from None
             pad = seq_len + 1 - len(ids)
-            samples.append(Sample(np.array(ids + [0] * pad, dtype=np.int64),
+            samples.append(VisionSample(np.array(ids + [0] * pad, dtype=np.int64),
                                   np.array(mask + [0] * pad, dtype=bool), pixels))
     if not samples:
         raise DataError(f"no conversations found in {', '.join(str(p) for p in inputs)}")
@@ -188,17 +195,17 @@ def load_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, p
 class VisionSFTDataset:
     """Samples in memory (a `SampleDataset`): the conversations are few enough to hold, images included."""
 
-    def __init__(self, samples: list[Sample], seq_len: int):
+    def __init__(self, samples: list[VisionSample], seq_len: int):
         self.samples, self.seq_len = samples, seq_len
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> Sample:
+    def __getitem__(self, index: int) -> VisionSample:
         return self.samples[index]
 
 
-def split_samples(samples: list[Sample], valid_fraction: float) -> tuple[list[Sample], list[Sample]]:
+def split_samples(samples: list[VisionSample], valid_fraction: float) -> tuple[list[VisionSample], list[VisionSample]]:
     """(training, validation): the last `valid_fraction` of the conversations (rounded half up, at
     least one when positive) are held out, as tessera.data.sampling splits packed samples."""
     n_valid = 0 if valid_fraction <= 0 else max(1, math.floor(len(samples) * valid_fraction + 0.5))
