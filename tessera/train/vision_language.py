@@ -4,8 +4,9 @@
     model = build_vision_model(cfg, device, init_from)  # a Llava, its frozen parts frozen
     parallelize_vision(model, dims, ...)                # on ranks: tp of the language model, FSDP
 
-The model is built whole on every rank (these are small models), then cut by the layout; the
-step engines need nothing of their own for it beyond each rank's images (`rank_images`): a batch's `pixel_values` reach
+The model is built whole on every rank (no meta-device build: each rank holds the whole model
+until the layout cuts it), then cut by the layout. The step engines need nothing of their own for
+it beyond each rank's images (`rank_images`): a batch's `pixel_values` reach
 `Llava.forward(input_ids, pixel_values=..., targets=...)` (step_engine.accumulate_micro_batches),
 which encodes the images and puts their features at the image placeholders. A checkpoint's
 meta.json holds the LLaVA config and image processor (`vision_language_entry`, the entry
