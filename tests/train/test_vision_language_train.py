@@ -6,6 +6,7 @@ equal one process (fp32, 1e-5); pipeline, context and expert parallelism are ref
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,34 @@ def test_the_first_step_is_the_llavas_answer_loss_on_the_batch_images(tmp_path):
     blank = float(loss([torch.zeros_like(p) for p in batch.pixel_values]))
     assert abs(blank - want) > 1e-4  # the images change the loss: they reached the model
     assert int((targets != IGNORE_INDEX).sum()) < int((batch.inputs != 0).sum()) // 2  # answers only
+
+
+def _evaluate(run_overrides):
+    trainer = Trainer(load_config(CONFIG, run_overrides))
+    return trainer.evaluate()["val_loss"]
+
+
+@pytest.mark.dist
+def test_validation_loss_is_the_llavas_on_the_held_out_conversations_with_their_images(tmp_path):
+    extra = {"data.valid_fraction": 0.25, "train.eval_interval": 1, "train.eval_steps": 1,
+             "train.global_batch_size": 4, "train.micro_batch_size": 2}
+    trainer = _trainer(tmp_path / "run", 1, **extra)
+    held_out = trainer.data.valid.samples
+    assert len(held_out) == 2 and len(held_out[0].pixels) == 1 and len(held_out[1].pixels) == 0
+    tokens = torch.from_numpy(np.stack([s.tokens for s in held_out]))
+    mask = torch.from_numpy(np.stack([s.loss_mask for s in held_out]))
+    targets = masked_targets(tokens[:, 1:], mask[:, 1:])
+    with torch.no_grad():
+        trainer.model.eval()
+        logits = trainer.model(tokens[:, :-1], pixel_values=torch.cat([torch.from_numpy(s.pixels)
+                                                                       for s in held_out])).logits
+    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                   ignore_index=IGNORE_INDEX))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(want, rel=1e-6)
+    # under dp_shard=2 the ranks split the rows, padding the short batch: the same loss
+    layout = {"parallel.dp_shard": 2}
+    got = run_ranks(_evaluate, 2, overrides(tmp_path / "ranks", 1, **extra, **layout), timeout=HANG_S)[0]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("frozen", [("vision_tower",), ("projector",), ("language_model",),
