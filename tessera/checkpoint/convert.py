@@ -98,7 +98,9 @@ def _convert_llava(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, t
         recorded = None if source is None else str(source)
         return "tessera", save_llava_checkpoint(model, dst, read_processor(src, model.cfg), recorded)
     model, processor, run_config = load_llava_checkpoint(src, DTYPES[dtype])
-    recorded = (run_config.get("data") or {}).get("tokenizer")  # the source directory's own, or none
+    # a vision-language run's own (its entry names it); else the source directory's own, or none
+    recorded = (ckpt.read_meta(ckpt.resolve_checkpoint(src)).get("vision_language", {}).get("tokenizer")
+                or (run_config.get("data") or {}).get("tokenizer"))
     save_llava(model, dst, tokenizer=tokenizer or recorded, processor=processor)
     return "huggingface", Path(dst)
 

@@ -39,11 +39,12 @@ from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
+from tessera.config.vision_training import VisionLanguageTrainConfig, validate_vision_language
 from tessera.config.yaml_text import read_config_file
 
 DTYPES = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
-DATA_KINDS = ("pretrain", "sft")
+DATA_KINDS = ("pretrain", "sft", "vision_sft")
 
 
 @dataclass
@@ -142,6 +143,8 @@ class TrainConfig:
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
+    # data.kind=vision_sft: the vision tower, projector and freeze switches of a LLaVA fine-tune
+    vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
 
 
 @dataclass
@@ -174,7 +177,9 @@ class OptimConfig:
 class DatasetEntry:
     """One dataset of a blend."""
 
-    path: str  # the dataset prefix written by `tessera preprocess` (`--sft` for kind=sft: tokens + answer mask)
+    # the dataset prefix written by `tessera preprocess` (`--sft` for kind=sft: tokens + answer mask);
+    # for kind=vision_sft a JSONL file of image-text conversations (tessera.data.vision_sft)
+    path: str
     weight: float = 1.0  # relative sampling weight within the blend
 
 
@@ -182,7 +187,9 @@ class DatasetEntry:
 class DataConfig:
     """Where the tokens come from."""
 
-    kind: str = "pretrain"  # pretrain (packed documents, loss on every token) or sft (loss on answers only)
+    # pretrain (packed documents, loss on every token), sft (loss on answers only) or vision_sft (image-text
+    # conversations from JSONL, one per sample, loss on answers only: train.vision_language)
+    kind: str = "pretrain"
     # Datasets blended by weight. Empty = the bundled corpus (Python standard-library source, tokenized
     # with the bundled tokenizer), prepared on first use under `cache_dir` and reused afterwards.
     datasets: list[DatasetEntry] = field(default_factory=list)
@@ -411,6 +418,7 @@ def validate_run_config(cfg: RunConfig) -> None:
          f"must be in 1..{MAX_SPIKE_WINDOW} steps")
     _validate_distill(cfg, need)
     validate_eagle(cfg, need)
+    validate_vision_language(cfg, need)
     need(cfg.log.straggler_threshold > 0, "log.straggler_threshold", cfg.log.straggler_threshold,
          "must be > 0 (a fraction of the step time)")
     need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,

@@ -32,11 +32,14 @@ STATE_FORMAT = "tessera.data.BatchIterator/1"
 class Batch:
     """`tokens`: int64 `[B, seq_len + 1]`; `loss_mask`: bool, same shape, True where a token counts.
 
-    A model reads `inputs` and is scored on `targets` where `target_mask` is True.
+    A model reads `inputs` and is scored on `targets` where `target_mask` is True. `pixel_values`:
+    a vision-language batch's images, one float32 `[N_i, C, H, W]` per row (N_i may be 0), in the
+    order of the row's image placeholders; None for text.
     """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
+    pixel_values: list[torch.Tensor] | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -56,7 +59,9 @@ def collate(samples: list[Sample]) -> Batch:
     tokens = np.stack([s.tokens for s in samples]).astype(np.int64, copy=False)
     mask = np.stack([np.ones(len(s.tokens), dtype=bool) if s.loss_mask is None else s.loss_mask
                      for s in samples])
-    return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask))
+    # vision-language samples (tessera.data.vision_sft.VisionSample) carry their images
+    pixels = [torch.from_numpy(s.pixels) for s in samples] if hasattr(samples[0], "pixels") else None
+    return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask), pixel_values=pixels)
 
 
 class BatchIterator:

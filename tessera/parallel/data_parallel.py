@@ -50,8 +50,10 @@ def needs_data_parallel(dims: ParallelDims, param_dtype: torch.dtype) -> bool:
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int = 3,
                         param_dtype: torch.dtype = torch.float32,
-                        reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Wrap blocks, expert groups and the root with `fully_shard`; gradients are summed."""
+                        reduce_dtype: torch.dtype = torch.float32, blocks: nn.ModuleDict | None = None) -> None:
+    """Wrap blocks, expert groups and the root with `fully_shard`; gradients are summed. `blocks`:
+    the transformer blocks when they are not `model.layers` (a vision-language model's language
+    model's; everything else, the tower included, is then in the root's unit)."""
     mp = MixedPrecisionPolicy(param_dtype=None if param_dtype == torch.float32 else param_dtype,
                               reduce_dtype=reduce_dtype)
     reshard = zero_stage == 3
@@ -60,7 +62,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, zero_stage: int = 
     # not cast (the router computes its logits in fp32 anyway).
     router_mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     mtp = getattr(model, "mtp", None) or {}  # multi-token prediction blocks: wrapped like the layers
-    for block in [*model.layers.values(), *(m.block for m in mtp.values())]:
+    for block in [*(model.layers if blocks is None else blocks).values(), *(m.block for m in mtp.values())]:
         if dims.ep > 1 and hasattr(block, "moe"):
             fully_shard(block.moe.experts, mesh=expert_dp_mesh(dims), reshard_after_forward=reshard,
                         mp_policy=mp)

@@ -55,6 +55,7 @@ from tessera.train.precision import autocast_dtype, loss_chunk_tokens
 from tessera.train.run_layout import RunLayout
 from tessera.train.single_process_step import SingleProcessStep
 from tessera.train.step_engine import StepEngine
+from tessera.train.vision_language import build_vision_model, is_vision_run, parallelize_vision
 
 
 @dataclass
@@ -87,11 +88,11 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
     fp8_layers = convert_to_float8(model) if t.fp8 else []
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     bytes_read = 0
-    if init_from is not None and not on_ranks:
+    if init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
         bytes_read = load_initial_weights([model], init_from, cfg.model, full_shapes, layout.device)
     loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     parts, pipeline = _parallelized_parts(model, cfg, layout, compute_dtype, compile, loss_scaler)
-    if on_ranks:
+    if on_ranks and not is_vision_run(cfg):  # a LLaVA is built whole on every rank, from the seed or read
         with layout.phase("initialising the weights"):
             if init_from is not None:
                 bytes_read = load_initial_weights(parts, init_from, cfg.model, full_shapes, layout.device)
@@ -106,6 +107,10 @@ def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None) -> tu
     """The whole model in train mode and, on ranks without `init_from`, the meta `reference` that
     names every tensor for `materialize_by_name`."""
     t, reference = cfg.train, None
+    if is_vision_run(cfg):  # a LLaVA (tessera.train.vision_language), whole on every rank
+        model = build_vision_model(cfg, layout.device, init_from)
+        model.language_model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, layout.device)
+        return model, None
     if layout.dims is not None:
         with torch.device("meta"):
             model = Transformer(cfg.model, init_seed=None)
@@ -139,6 +144,8 @@ def _parallelized_parts(model: Transformer, cfg: RunConfig, layout: RunLayout, c
                            device_type=layout.device.type, compile_blocks=compile)
 
     with layout.phase("parallelizing the model"):
+        if is_vision_run(cfg):  # data parallelism only (the config refuses the rest)
+            return [parallelize_vision(model, dims, param_dtype, cfg.parallel.zero_stage, layout.device.type)], None
         if dims.pp == 1:
             return [parallelized(model)], None
         pipeline = _pipeline(model, cfg, dims, layout.device, parallelized, loss_scaler)

@@ -70,6 +70,8 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
     """Tokenizer, training batches and validation samples for `cfg` (preparing the corpus if needed)."""
     d, t = cfg.data, cfg.train
     tokenizer = load_tokenizer(d.tokenizer)
+    if d.kind == "vision_sft":
+        return _vision_data(cfg, tokenizer)
     if d.datasets:
         prefixes = [entry.path for entry in d.datasets]
         weights = [entry.weight for entry in d.datasets]
@@ -93,3 +95,24 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
         valid = _blend(valid_parts, weights, t.seed)
     train = BatchIterator(_blend(train_parts, weights, t.seed), t.global_batch_size, seed=t.seed)
     return TrainingData(tokenizer=tokenizer, train=train, valid=valid, global_batch_size=t.global_batch_size)
+
+
+def _vision_data(cfg: RunConfig, tokenizer: Tokenizer) -> TrainingData:
+    """data.kind=vision_sft: the JSONL conversations of data.datasets, each a sample with its images
+    (tessera.data.vision_sft), the last data.valid_fraction of them held out."""
+    from tessera.data.vision_sft import VisionSFTDataset, load_vision_sft, split_samples
+    from tessera.train.vision_language import vision_model_config
+
+    t = cfg.train
+    llava, processor = vision_model_config(cfg)
+    samples = load_vision_sft([e.path for e in cfg.data.datasets], tokenizer, processor, llava.image_token_id,
+                              llava.image_tokens, t.seq_len)
+    for s in samples:
+        if int(s.tokens.max()) >= cfg.model.vocab_size:
+            raise DataError(f"a conversation has token id {int(s.tokens.max())}, outside model.vocab_size="
+                            f"{cfg.model.vocab_size}: the tokenizer does not fit the model")
+    train, valid = split_samples(samples, cfg.data.valid_fraction)
+    return TrainingData(tokenizer=tokenizer, train=BatchIterator(VisionSFTDataset(train, t.seq_len),
+                                                                 t.global_batch_size, seed=t.seed),
+                        valid=VisionSFTDataset(valid, t.seq_len) if valid else None,
+                        global_batch_size=t.global_batch_size)

@@ -77,7 +77,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
                              before_backward: Callable[[bool], None] | None = None,
                              forward: Callable[..., Any] | None = None,
                              loss_scaler: DynamicLossScaler | None = None,
-                             distiller: Distiller | None = None) -> StepStats:
+                             distiller: Distiller | None = None,
+                             pixels: list[torch.Tensor] | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
@@ -86,7 +87,9 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
     `loss_scaler` (fp16) each micro-batch's objective is scaled (loss_scaler.py). With `distiller`
     (train.distill) the teacher runs forward on the same micro-batch and the objective mixes its
     KD term in (distill_loss.py), and the hidden-state matching term with `distiller.hidden`
-    (hidden_match.py); the student then returns logits, never the chunked loss."""
+    (hidden_match.py); the student then returns logits, never the chunked loss. `pixels` (a
+    vision-language batch: one [N_i, C, H, W] per row of `inputs`) go to the model's forward as the
+    micro-batch's `pixel_values`, its rows' images in order."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -96,8 +99,9 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         y = targets[rows].to(device, non_blocking=True)
         if before_backward is not None:
             before_backward(i == accumulation - 1)
+        images = {} if pixels is None else {"pixel_values": torch.cat(pixels[rows]).to(device)}
         with mixed_precision(device, autocast_dtype):
-            out = forward(x, targets=y) if distiller is None else forward(x)
+            out = forward(x, targets=y, **images) if distiller is None else forward(x)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
         # multi-token prediction (model.mtp_depth): its weighted token-loss sum joins the main one
@@ -126,18 +130,21 @@ def model_loss_sum(out: Any, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int,
+def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, ...]], micro_batch_size: int,
                        device: torch.device, autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, int]:
     """(fp64 sum of token losses, loss tokens) of `model` over every (inputs, targets) of `rows`,
-    micro-batch by micro-batch, summed in that order."""
+    micro-batch by micro-batch, summed in that order; a third element, when a row has one, is its
+    vision-language batch's pixel values (one tensor per row, as `accumulate_micro_batches` takes)."""
     total = torch.zeros((), dtype=torch.float64)
     n = 0
-    for inputs, targets in rows:
+    for inputs, targets, *pixels in rows:
         for i in range(0, inputs.shape[0], micro_batch_size):
             x = inputs[i:i + micro_batch_size].to(device)
             y = targets[i:i + micro_batch_size].to(device)
+            images = ({"pixel_values": torch.cat(pixels[0][i:i + micro_batch_size]).to(device)}
+                      if pixels and pixels[0] is not None else {})
             with mixed_precision(device, autocast_dtype):
-                out = model(x, targets=y)
+                out = model(x, targets=y, **images)
             total += model_loss_sum(out, y).double().cpu()
             n += int((y != IGNORE_INDEX).sum())
     return total, n

@@ -56,6 +56,7 @@ from tessera.config.json_text import parse_json
 from tessera.config.schema import RunConfig
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.train.rng_state import capture_rng_state, decode_rng_state, encode_rng_state, restore_rng_state
+from tessera.train.vision_language import is_vision_run, vision_language_entry
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -89,7 +90,10 @@ def training_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimize
     model_sd, optim_sd = model_and_optimizer_state(parts, optimizers)
     state = {"model": model_sd, "optim": optim_sd, "trainer": json.dumps(trainer_state),
              "rng": {f"rank{rank}": json.dumps(encode_rng_state(capture_rng_state()))}}
-    return state, {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
+    meta = {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
+    if is_vision_run(cfg):  # the LLaVA config and image processor, for tessera convert / export_hf
+        meta["vision_language"] = vision_language_entry(cfg)
+    return state, meta
 
 
 def save_training_state(root: Path, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],

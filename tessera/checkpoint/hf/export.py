@@ -126,6 +126,8 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
     CheckpointError naming the file; the refusal rules and crash safety are `save_pretrained`'s:
     a failed export leaves any earlier `out_dir` as it was."""
     found = ckpt.verified(ckpt.resolve_checkpoint(checkpoint))
+    if isinstance(ckpt.read_meta(found).get("vision_language"), dict):  # a LLaVA run: written whole
+        return _export_llava(found, out_dir, dtype, tokenizer, max_shard_bytes)
     cfg = stored_model_config(found)
     check_exportable(cfg)
     with torch.device("meta"):
@@ -138,3 +140,20 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
     except OSError as e:  # a full disk, a read-only file system: the export is removed, out_dir untouched
         raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
     return ExportResult(Path(out_dir), found, files, sum(sizes.values()), reader.peak_bytes)
+
+
+def _export_llava(found: Path, out_dir: str | os.PathLike, dtype: torch.dtype, tokenizer,
+                  max_shard_bytes: int) -> ExportResult:
+    """A vision-language checkpoint (tessera.checkpoint.dcp.vision_language) as a LLaVA directory:
+    the model is loaded whole (these are small models) and written by `save_llava`."""
+    from tessera.checkpoint.dcp.vision_language import load_llava_checkpoint
+    from tessera.checkpoint.hf.llava import save_llava
+
+    model, processor, _ = load_llava_checkpoint(found, dtype)
+    try:
+        save_llava(model, out_dir, tokenizer=tokenizer, processor=processor, max_shard_bytes=max_shard_bytes)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
+    files = sorted(p.name for p in Path(out_dir).glob("*.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return ExportResult(Path(out_dir), found, files, total, total)
