@@ -1,0 +1,156 @@
+"""Qwen2-VL / Qwen2.5-VL HuggingFace directories (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`): read, checked, loaded, written.
+
+    model = load_qwen_vl("qwen2.5-vl-dir", dtype=torch.float32)   # a tessera.models.qwen_vl.QwenVL
+    save_qwen_vl(model, "out/", tokenizer=..., processor=...)     # AutoModelForImageTextToText loads it
+
+Names are handled in transformers 5's in-memory layout (`model.language_model.*`, `model.visual.*`,
+`lm_head.weight`); files hold Qwen's own layout (`model.embed_tokens`, `model.layers.*`,
+`model.norm`, `visual.*`), which is what transformers' `save_pretrained` writes too. Both are
+read (`current_name`); the file layout is written (`saved_name`). The language model's names come
+from the qwen2 family, the tower's from `vision_names`. The image processor travels as
+`preprocessor_config.json` (tessera/data/qwen_image_processor.py): read when present, else the
+processor the tower's patch sizes imply; always written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from tessera.checkpoint.hf.files import SafetensorsDir
+from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
+from tessera.checkpoint.hf.writer import first_keys, write_hf_files
+from tessera.config.errors import CheckpointError
+from tessera.config.hf_config import read_json_object
+from tessera.config.qwen_vl import (
+    QwenVisionConfig,
+    QwenVLConfig,
+    is_qwen_vl_config,
+    qwen_vl_config_to_hf,
+    read_qwen_vl_file,
+)
+from tessera.data.image_processor import PROCESSOR_FILE
+from tessera.data.qwen_image_processor import QwenImageProcessor
+from tessera.models.qwen_vl import QwenVL
+
+_TEXT = re.compile(r"^model\.(embed_tokens|layers|norm)\.")
+
+
+def current_name(name: str) -> str:
+    """A stored tensor name in transformers 5's in-memory layout."""
+    if name.startswith("visual."):
+        return "model." + name
+    return _TEXT.sub(r"model.language_model.\1.", name)
+
+
+def saved_name(name: str) -> str:
+    """An in-memory name as the files (and transformers' `save_pretrained`) hold it."""
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    return name.replace("model.language_model.", "model.", 1)
+
+
+def is_qwen_vl_directory(path: str | os.PathLike) -> bool:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        return is_qwen_vl_config(read_json_object(f))
+    except CheckpointError:
+        return False
+
+
+def read_qwen_vl_config(path: str | os.PathLike) -> QwenVLConfig:
+    f = Path(path) / "config.json"
+    return read_qwen_vl_file(read_json_object(f), str(f))
+
+
+def read_processor(path: str | os.PathLike, cfg: QwenVLConfig) -> QwenImageProcessor:
+    """The directory's image processor (else the tower's own), checked to cut the tower's patches."""
+    if (Path(path) / PROCESSOR_FILE).is_file():
+        proc = QwenImageProcessor.from_directory(path)
+        proc.check_tower(cfg.vision, str(Path(path) / PROCESSOR_FILE))
+        return proc
+    return QwenImageProcessor.for_vision(cfg.vision)
+
+
+def vision_names(v: QwenVisionConfig) -> dict[str, str]:
+    """Tessera vision-tower key -> HuggingFace key, in model order."""
+    pre = "model.visual."
+    layer_norm = v.version == "qwen2_vl"
+    norm_params = ("weight", "bias") if layer_norm else ("weight",)
+    mlp = {"fc1": "fc1", "fc2": "fc2"} if layer_norm else {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    names = {"patch_embed.weight": f"{pre}patch_embed.proj.weight"}
+    for i in range(v.n_layers):
+        b = f"{pre}blocks.{i}."
+        names.update({f"layers.{i}.norm1.{p}": f"{b}norm1.{p}" for p in norm_params})
+        for p in ("weight", "bias"):
+            names[f"layers.{i}.attention.wqkv.{p}"] = f"{b}attn.qkv.{p}"
+            names[f"layers.{i}.attention.wo.{p}"] = f"{b}attn.proj.{p}"
+        names.update({f"layers.{i}.norm2.{p}": f"{b}norm2.{p}" for p in norm_params})
+        names.update({f"layers.{i}.mlp.{mine}.{p}": f"{b}mlp.{theirs}.{p}"
+                      for mine, theirs in mlp.items() for p in ("weight", "bias")})
+    names.update({f"merger.norm.{p}": f"{pre}merger.ln_q.{p}" for p in norm_params})
+    for mine, theirs in (("linear_1", "mlp.0"), ("linear_2", "mlp.2")):
+        names.update({f"merger.{mine}.{p}": f"{pre}merger.{theirs}.{p}" for p in ("weight", "bias")})
+    return {f"vision_tower.{k}": h for k, h in names.items()}
+
+
+def qwen_vl_names(cfg: QwenVLConfig) -> dict[str, str]:
+    """Tessera `QwenVL` key -> HuggingFace key (transformers 5's in-memory layout), in model order."""
+    names = dict(vision_names(cfg.vision))
+    for key, hf_keys in hf_names(cfg.text).items():
+        (h,) = hf_keys
+        names[f"language_model.{key}"] = h if h == "lm_head.weight" else h.replace("model.", "model.language_model.", 1)
+    return names
+
+
+def load_qwen_vl(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> QwenVL:
+    """The `QwenVL` of a HuggingFace directory, in eval mode, after its tensors are checked against
+    the model config.json describes (missing, unexpected, shapes)."""
+    path = Path(path)
+    cfg = read_qwen_vl_config(path)
+    files = SafetensorsDir(path)
+    stored = {current_name(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)}
+    names = qwen_vl_names(cfg)
+    if cfg.text.tie_embeddings:
+        stored.pop("lm_head.weight", None)
+    missing, unexpected = set(names.values()) - set(stored), set(stored) - set(names.values())
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.version}: {first_keys(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.version}: "
+                              f"{first_keys(unexpected)}")
+    with torch.device("meta"):
+        model = QwenVL(cfg, init_seed=None)
+    model.to_empty(device=device)
+    model.cast(dtype)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            value = files.get(stored[names[name]])
+            if tuple(value.shape) != tuple(t.shape):
+                raise CheckpointError(f"{path}: shape mismatch for {stored[names[name]]} (-> {name}): checkpoint "
+                                      f"{list(value.shape)}, model config expects {list(t.shape)}")
+            t.copy_(value.to(t.dtype))
+    model.reset_rope(device)  # after the cast: the frequencies stay fp32
+    return model.eval()
+
+
+def save_qwen_vl(model: QwenVL, path: str | os.PathLike, tokenizer=None, processor: QwenImageProcessor | None = None,
+                 max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` as a Qwen2-VL / Qwen2.5-VL directory: config.json, safetensors,
+    preprocessor_config.json (`processor`, else the tower's own) and, with `tokenizer`, its files."""
+    cfg = model.cfg
+    state = model.state_dict()
+    tensors = {saved_name(h): state[key].detach().cpu().contiguous() for key, h in qwen_vl_names(cfg).items()}
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    proc = processor or QwenImageProcessor.for_vision(cfg.vision)
+    extra = {PROCESSOR_FILE: json.dumps(proc.to_dict(), indent=2) + "\n"}
+    write_hf_files(path, qwen_vl_config_to_hf(cfg), cfg.text.vocab_size, next(model.parameters()).dtype, sizes,
+                   lambda keys: {k: tensors[k] for k in keys}, max_shard_bytes, tokenizer, extra)
