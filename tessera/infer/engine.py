@@ -27,6 +27,7 @@ from tessera.checkpoint.loading import (
     load_vision_language,
     model_tokenizer,
     trained_tokenizer,
+    vision_language_family,
 )
 from tessera.config.errors import ConfigError
 from tessera.data.image_processor import ImageProcessor, decode_image
@@ -48,6 +49,7 @@ from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
 from tessera.models.llava import Llava
 from tessera.models.quantized import quantize_model
+from tessera.models.qwen_vl import QwenVL
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
 
@@ -84,7 +86,7 @@ class LLMEngine:
         around it, with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
         if is_vision_language(path):
-            config.check_vision_language("llava")
+            config.check_vision_language(vision_language_family(path))
             model, processor, run_cfg = load_vision_language(path, config.torch_dtype, config.device)
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.text.vocab_size),
@@ -102,7 +104,7 @@ class LLMEngine:
             return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
-    def from_model(cls, model: Transformer | Llava, config: EngineConfig | None = None, tokenizer=None,
+    def from_model(cls, model: Transformer | Llava | QwenVL, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
                    image_processor: ImageProcessor | None = None, owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
@@ -115,6 +117,8 @@ class LLMEngine:
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
         the CPU (cpu_linear.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
+        if isinstance(model, QwenVL):
+            config.check_vision_language(model.cfg.version)  # refused by name
         if isinstance(model, Llava):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
         _check_placement(model, config)

@@ -106,8 +106,13 @@ def qwen_vl_names(cfg: QwenVLConfig) -> dict[str, str]:
     names = dict(vision_names(cfg.vision))
     for key, hf_keys in hf_names(cfg.text).items():
         (h,) = hf_keys
-        names[f"language_model.{key}"] = h if h == "lm_head.weight" else h.replace("model.", "model.language_model.", 1)
+        names[f"language_model.{key}"] = _in_memory(h)
     return names
+
+
+def _in_memory(hf_key: str) -> str:
+    """A qwen2 language model's HuggingFace key as Qwen2-VL's in-memory layout names it."""
+    return hf_key if hf_key == "lm_head.weight" else hf_key.replace("model.", "model.language_model.", 1)
 
 
 def load_qwen_vl(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -154,3 +159,14 @@ def save_qwen_vl(model: QwenVL, path: str | os.PathLike, tokenizer=None, process
     extra = {PROCESSOR_FILE: json.dumps(proc.to_dict(), indent=2) + "\n"}
     write_hf_files(path, qwen_vl_config_to_hf(cfg), cfg.text.vocab_size, next(model.parameters()).dtype, sizes,
                    lambda keys: {k: tensors[k] for k in keys}, max_shard_bytes, tokenizer, extra)
+
+
+def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple[dict[str, list[str]], set[str]]:
+    """A qwen2 language model's Tessera -> HuggingFace names (`hf_names`) as a Qwen2-VL directory
+    holding `stored` names them (either layout), and the stored keys that are not the language
+    model's (the vision tower: a text run reads none of them)."""
+    lookup = {current_name(k): k for k in stored}
+
+    out = {key: [lookup.get(_in_memory(h), h) for h in hs] for key, hs in names.items()}
+    used = {h for hs in out.values() for h in hs}
+    return out, {k for k in stored if k not in used}
