@@ -90,8 +90,10 @@ def _convert_vision_language(src: str | os.PathLike, dst: str | os.PathLike, dty
     """A LLaVA / Qwen2-VL / Qwen2.5-VL directory <-> a Tessera checkpoint (dcp/vision_language.py),
     image processor included."""
     if layout:
-        raise ConfigError("convert --set parallel.* is not supported for vision-language models (llava, qwen2_vl, "
-                          "qwen2_5_vl): the checkpoint is written whole; give no --set")
+        family = "llava" if is_llava_directory(src) else "qwen2_vl, qwen2_5_vl" if is_qwen_vl_directory(src) else \
+            "llava, qwen2_vl, qwen2_5_vl"
+        raise ConfigError(f"convert --set parallel.* is not supported for vision-language models ({family}): the "
+                          "checkpoint is written whole; give no --set")
     from tessera.checkpoint.dcp.vision_language import (
         load_vision_language_checkpoint,
         save_vision_language_checkpoint,

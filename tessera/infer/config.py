@@ -16,7 +16,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 MODALITIES = ("image",)  # what a request may carry besides text
-UNSERVED_VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # loaded, converted and trained, not served
 
 
 def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -175,13 +174,7 @@ class EngineConfig:
 
     def check_vision_language(self, family: str) -> None:
         """Refuse, naming each, the features not served for a vision-language model (images need
-        one rank, and a forward that takes their feature rows). Qwen2-VL and Qwen2.5-VL are not
-        served: the paged engine carries one position per token, not their M-RoPE positions."""
-        if family in UNSERVED_VISION_FAMILIES:
-            raise ConfigError(f"serving the vision-language model family {family!r} is not supported: the paged "
-                              "engine does not carry its multimodal rotary positions (M-RoPE); load it with "
-                              "tessera.checkpoint.hf.qwen_vl.load_qwen_vl, convert it with `tessera convert`, or "
-                              "fine-tune its language model (train.init_from)")
+        one rank, and a forward that takes their feature rows)."""
         refused = {"tensor_parallel_size": self.tensor_parallel_size > 1, "lora_adapters": bool(self.lora_adapters),
                    "merge_lora": bool(self.merge_lora), "quantization": self.quantization is not None,
                    "speculative": self.speculative is not None, "kv_role": self.kv_role is not None}

@@ -1,7 +1,7 @@
 """Qwen2-VL / Qwen2.5-VL directories: transformers' own directory loads (the files' layout and the
 in-memory one), Tessera's export loads back into transformers' auto classes with the same logits
 and, through AutoImageProcessor, the same pixel values; `tessera convert` goes to a checkpoint and
-back; bad directories are refused by name; the models are refused by name for serving."""
+back; bad directories are refused by name."""
 
 import json
 
@@ -127,18 +127,5 @@ def test_tessera_convert_round_trip_through_a_checkpoint(tmp_path, capsys):
         assert written[key] == source[key], key
     capsys.readouterr()
     assert tessera_main(["convert", str(tmp_path / "hf"), str(tmp_path / "cut"), "--set", "parallel.tp=2"]) == 2
-    assert "not supported for vision-language models (llava, qwen2_vl, qwen2_5_vl)" in capsys.readouterr().err
+    assert "not supported for vision-language models (qwen2_vl, qwen2_5_vl)" in capsys.readouterr().err
 
-
-def test_serving_refuses_qwen_vl_by_name(tmp_path):
-    from tessera.cli import main as tessera_main
-    from tessera.infer.llm import LLM
-
-    hf_qwen_vl("qwen2_vl").save_pretrained(tmp_path / "hf")
-    with pytest.raises(ConfigError, match="serving the vision-language model family 'qwen2_vl' is not supported"):
-        LLM(str(tmp_path / "hf"))
-    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported: .*M-RoPE"):
-        LLM(load_qwen_vl(tmp_path / "hf"))
-    assert tessera_main(["convert", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
-    with pytest.raises(ConfigError, match="family 'qwen2_vl' is not supported"):
-        LLM(str(tmp_path / "ckpt"))
