@@ -17,7 +17,6 @@ from tests.models.qwen_vl_cases import (
     VISION_START,
     hf_processor,
     hf_qwen_vl,
-    mm_token_types,
     sample_images,
 )
 
@@ -31,18 +30,18 @@ def _served_dir(version, tmp_path):
     return tmp_path / "hf", hf
 
 
-def hf_greedy(hf, prompt: list[int], images, steps: int) -> list[int]:
+def hf_greedy(hf, prompt: list[int], images, steps: int, image_id: int = IMAGE) -> list[int]:
     """transformers' greedy tokens for `prompt` with each image mark widened as its processor says."""
     ids = list(prompt)
     kwargs = {}
     if images:
         out = hf_processor()(images, return_tensors="pt")
         counts = iter(int(g.prod()) // 4 for g in out["image_grid_thw"])
-        ids = [t for tok in prompt for t in ([IMAGE] * next(counts) if tok == IMAGE else [tok])]
+        ids = [t for tok in prompt for t in ([image_id] * next(counts) if tok == image_id else [tok])]
         kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
     x = torch.tensor([ids])
     with torch.no_grad():
-        got = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), mm_token_type_ids=mm_token_types(x),
+        got = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), mm_token_type_ids=(x == image_id).int(),
                           max_new_tokens=steps, do_sample=False, **kwargs)
     return got[0, len(ids):].tolist()
 
@@ -102,3 +101,45 @@ def test_a_converted_checkpoint_serves_the_same_and_refusals_name_the_family(tmp
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4))
     with pytest.raises(ConfigError, match=r"a Qwen2-VL image must be \(patch rows"):
         engine.with_images([IMAGE], [engine.pixel_values(sample_images()[0])[0]])  # rows without their grid
+
+
+def test_chat_with_image_url_parts_equals_transformers(tmp_path):
+    """`/v1/chat/completions` over real HTTP: a data: URL image part becomes the image's placeholders
+    between the vision start and end tokens, as Qwen2-VL's chat template writes it."""
+    import base64
+    import io
+
+    import httpx
+
+    from tests.hang_guard import HANG_S
+    from tests.infer.running_server import RunningServer
+    from tests.infer.tiny_models import VOCAB, char_tokenizer, save_tokenizer
+
+    hf = hf_qwen_vl("qwen2_5_vl", seed=5, vocab=VOCAB)
+    hf.save_pretrained(tmp_path / "hf")
+    hf_processor().save_pretrained(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    image, start, end = VOCAB - 1, VOCAB - 3, VOCAB - 2
+    buf = io.BytesIO()
+    sample_images()[1].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": url}},
+             {"type": "text", "text": "!"}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    engine = LLMEngine.from_dir(tmp_path / "hf", EngineConfig(block_size=4))
+    with RunningServer(engine, name="tiny") as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    tok = char_tokenizer()
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    ids = enc("<user>see ") + [start, image, end] + enc("!\n<assistant>")
+    from PIL import Image
+
+    decoded = Image.open(io.BytesIO(buf.getvalue()))
+    want = hf_greedy(hf, ids, [decoded], 6, image_id=image)
+    assert tok.encode(r.json()["choices"][0]["message"]["content"], add_special_tokens=False).ids == want
+

@@ -26,15 +26,18 @@ VISION = {
 VERSIONS = sorted(VISION)
 
 
-def hf_qwen_vl(version: str, seed: int = 0, tie: bool = False):
-    """A transformers Qwen2-VL / Qwen2.5-VL with every weight random (norms near 1), fp32, eval mode."""
+def hf_qwen_vl(version: str, seed: int = 0, tie: bool = False, vocab: int = 96):
+    """A transformers Qwen2-VL / Qwen2.5-VL with every weight random (norms near 1), fp32, eval mode;
+    its image, vision start / end and video tokens the last four ids of its `vocab`."""
     import transformers as tf
 
     cls, model_cls = ((tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration) if version == "qwen2_vl"
                       else (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration))
-    cfg = cls(text_config={**TEXT, "tie_word_embeddings": tie, "bos_token_id": None, "eos_token_id": None},
-              vision_config=VISION[version], image_token_id=IMAGE, vision_start_token_id=VISION_START,
-              vision_end_token_id=VISION_END, video_token_id=VIDEO, tie_word_embeddings=tie)
+    shift = vocab - 96
+    cfg = cls(text_config={**TEXT, "vocab_size": vocab, "tie_word_embeddings": tie, "bos_token_id": None,
+                           "eos_token_id": None},
+              vision_config=VISION[version], image_token_id=IMAGE + shift, vision_start_token_id=VISION_START + shift,
+              vision_end_token_id=VISION_END + shift, video_token_id=VIDEO + shift, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
