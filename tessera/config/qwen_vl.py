@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import CheckpointError, ConfigError, ModelError
+from tessera.config.errors import ConfigError, ModelError
 from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
+from tessera.config.vision import read_config_file
 
 VERSIONS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
@@ -196,16 +197,8 @@ def qwen_vl_config_from_hf(d: Mapping[str, Any]) -> QwenVLConfig:
 
 
 def read_qwen_vl_file(d: Mapping[str, Any], source: str) -> QwenVLConfig:
-    """`qwen_vl_config_from_hf` of config.json `source`'s object `d`: what Tessera does not reproduce is
-    a ModelError, any other problem one CheckpointError naming the file."""
-    try:
-        return qwen_vl_config_from_hf(d)
-    except ModelError:
-        raise
-    except ConfigError as e:
-        raise CheckpointError(f"{source!r}: {e}") from e
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{source!r}: a field is missing or has the wrong type ({e!r})") from e
+    """`qwen_vl_config_from_hf` of config.json `source`'s object `d` (`read_config_file`)."""
+    return read_config_file(qwen_vl_config_from_hf, d, source)
 
 
 def vision_to_hf(v: QwenVisionConfig) -> dict[str, Any]:

@@ -15,12 +15,10 @@ alone (`image_tokens`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +26,17 @@ from PIL import Image
 
 from tessera.config.errors import ConfigError, ImageError
 from tessera.config.qwen_vl import QwenVisionConfig
-from tessera.data.image_processor import BICUBIC, CLIP_MEAN, CLIP_STD, PROCESSOR_FILE, _resize, _to_rgb
+from tessera.data.image_processor import (
+    BICUBIC,
+    CLIP_MEAN,
+    CLIP_STD,
+    PROCESSOR_FILE,
+    _resize,
+    check_filter_and_statistics,
+    image_array,
+    read_processor_file,
+    rescale_and_normalize,
+)
 
 TYPE = "Qwen2VLImageProcessor"
 MAX_ASPECT = 200  # the longest side over the shortest; transformers refuses more
@@ -108,14 +116,7 @@ class QwenImageProcessor:
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> QwenImageProcessor:
-        f = Path(path) / PROCESSOR_FILE
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{str(f)!r} cannot be read as JSON ({type(e).__name__})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{str(f)!r} holds no JSON object")
-        return cls.from_dict(d, str(f))
+        return cls.from_dict(*read_processor_file(path))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
@@ -129,12 +130,7 @@ class QwenImageProcessor:
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ConfigError(f"{source}: {key}={getattr(self, key)!r} must be a positive integer")
-        if self.resample not in range(6):
-            raise ConfigError(f"{source}: resample={self.resample!r} is not a Pillow filter (0..5)")
-        for key in ("image_mean", "image_std"):
-            value = getattr(self, key)
-            if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int | float) for v in value):
-                raise ConfigError(f"{source}: {key}={value!r} must be three numbers")
+        check_filter_and_statistics(self, source)
 
     def check_tower(self, vision: QwenVisionConfig, source: str) -> None:
         """A ConfigError unless this processor cuts the patches `vision` takes."""
@@ -166,23 +162,11 @@ class QwenImageProcessor:
 
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Patch rows [h x w, C x T x patch_size^2] float32 and the grid (1, h, w) of one decoded image."""
-        if self.do_convert_rgb:
-            image = _to_rgb(image)
-        pixels = np.asarray(image)
-        if pixels.ndim == 2:
-            pixels = pixels[..., None]
+        pixels = image_array(image, self.do_convert_rgb)
         size = self.resized_size(pixels.shape[0], pixels.shape[1])
         if self.do_resize:
             pixels = _resize(pixels, size, self.resample)
-        chw = np.moveaxis(pixels, -1, 0)
-        if self.do_rescale:
-            chw = (chw.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            x = chw if np.issubdtype(chw.dtype, np.floating) else chw.astype(np.float32)
-            mean = np.array(self.image_mean, dtype=x.dtype)[:, None, None]
-            std = np.array(self.image_std, dtype=x.dtype)[:, None, None]
-            chw = (x - mean) / std
-        return self.patchify(np.asarray(chw, dtype=np.float32))
+        return self.patchify(rescale_and_normalize(np.moveaxis(pixels, -1, 0), self))
 
     def patchify(self, chw: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
         C, H, W = chw.shape

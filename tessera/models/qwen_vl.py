@@ -18,15 +18,13 @@ passes those positions (2-D [B, S] is enough: the three coordinates are equal af
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tessera.config.errors import ModelError
 from tessera.config.qwen_vl import QwenVLConfig
 from tessera.models.attention import AttentionCache
-from tessera.models.llava import merge_image_features
-from tessera.models.norm import RMSNorm
+from tessera.models.llava import VisionLanguageModel, merge_image_features
 from tessera.models.qwen_vision import QwenVisionTransformer
-from tessera.models.transformer import ModelOutput, Transformer, init_by_name
+from tessera.models.transformer import ModelOutput, Transformer
 
 
 def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grids: list[tuple[int, int, int]],
@@ -69,7 +67,7 @@ def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grids: list[tu
     return out.to(input_ids.device), deltas.to(input_ids.device)
 
 
-class QwenVL(nn.Module):
+class QwenVL(VisionLanguageModel):
     def __init__(self, cfg: QwenVLConfig, init_seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
@@ -78,27 +76,6 @@ class QwenVL(nn.Module):
         self.language_model.mrope_section = list(cfg.mrope_section)
         if init_seed is not None:
             self.init_weights(init_seed)
-
-    @property
-    def image_token_id(self) -> int:
-        return self.cfg.image_token_id
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """The language model by its own rule; the tower from (seed, name): norm weights 1, biases 0,
-        the rest N(0, init_std)."""
-        self.language_model.init_weights(seed)
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm | RMSNorm)}
-        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
-        init_by_name(own, norms, seed, self.cfg.text.init_std)
-
-    def reset_rope(self, device: torch.device | str | None = None) -> None:
-        self.language_model.reset_rope(device)
-
-    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> QwenVL:
-        self.to(device=device, dtype=dtype)
-        self.language_model.cast(dtype, device)
-        return self
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """One [t x h x w / merge^2, D] tensor of language-model input rows per image."""

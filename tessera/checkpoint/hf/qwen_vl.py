@@ -15,18 +15,14 @@ processor the tower's patch sizes imply; always written.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
-from tessera.checkpoint.hf.writer import first_keys, write_hf_files
-from tessera.config.errors import CheckpointError
-from tessera.config.hf_config import read_json_object
+from tessera.checkpoint.hf.composite import config_says, load_composite, read_directory_config, save_composite
+from tessera.checkpoint.hf.names import hf_names
 from tessera.config.qwen_vl import (
     QwenVisionConfig,
     QwenVLConfig,
@@ -56,18 +52,11 @@ def saved_name(name: str) -> str:
 
 
 def is_qwen_vl_directory(path: str | os.PathLike) -> bool:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        return False
-    try:
-        return is_qwen_vl_config(read_json_object(f))
-    except CheckpointError:
-        return False
+    return config_says(path, is_qwen_vl_config)
 
 
 def read_qwen_vl_config(path: str | os.PathLike) -> QwenVLConfig:
-    f = Path(path) / "config.json"
-    return read_qwen_vl_file(read_json_object(f), str(f))
+    return read_directory_config(path, read_qwen_vl_file)
 
 
 def read_processor(path: str | os.PathLike, cfg: QwenVLConfig) -> QwenImageProcessor:
@@ -121,44 +110,20 @@ def load_qwen_vl(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     the model config.json describes (missing, unexpected, shapes)."""
     path = Path(path)
     cfg = read_qwen_vl_config(path)
-    files = SafetensorsDir(path)
-    stored = {current_name(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)}
-    names = qwen_vl_names(cfg)
-    if cfg.text.tie_embeddings:
-        stored.pop("lm_head.weight", None)
-    missing, unexpected = set(names.values()) - set(stored), set(stored) - set(names.values())
-    if missing:
-        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for {cfg.version}: {first_keys(missing)}")
-    if unexpected:
-        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.version}: "
-                              f"{first_keys(unexpected)}")
     with torch.device("meta"):
         model = QwenVL(cfg, init_seed=None)
-    model.to_empty(device=device)
-    model.cast(dtype)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            value = files.get(stored[names[name]])
-            if tuple(value.shape) != tuple(t.shape):
-                raise CheckpointError(f"{path}: shape mismatch for {stored[names[name]]} (-> {name}): checkpoint "
-                                      f"{list(value.shape)}, model config expects {list(t.shape)}")
-            t.copy_(value.to(t.dtype))
-    model.reset_rope(device)  # after the cast: the frequencies stay fp32
-    return model.eval()
+    names = {k: [h] for k, h in qwen_vl_names(cfg).items()}
+    return load_composite(path, model, names, current_name, cfg.version, dtype, device)
 
 
 def save_qwen_vl(model: QwenVL, path: str | os.PathLike, tokenizer=None, processor: QwenImageProcessor | None = None,
                  max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` as a Qwen2-VL / Qwen2.5-VL directory: config.json, safetensors,
     preprocessor_config.json (`processor`, else the tower's own) and, with `tokenizer`, its files."""
-    cfg = model.cfg
-    state = model.state_dict()
-    tensors = {saved_name(h): state[key].detach().cpu().contiguous() for key, h in qwen_vl_names(cfg).items()}
-    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    proc = processor or QwenImageProcessor.for_vision(cfg.vision)
-    extra = {PROCESSOR_FILE: json.dumps(proc.to_dict(), indent=2) + "\n"}
-    write_hf_files(path, qwen_vl_config_to_hf(cfg), cfg.text.vocab_size, next(model.parameters()).dtype, sizes,
-                   lambda keys: {k: tensors[k] for k in keys}, max_shard_bytes, tokenizer, extra)
+    proc = processor or QwenImageProcessor.for_vision(model.cfg.vision)
+    names = {k: [h] for k, h in qwen_vl_names(model.cfg).items()}
+    save_composite(model, path, names, saved_name, qwen_vl_config_to_hf(model.cfg), proc.to_dict(), tokenizer,
+                   max_shard_bytes)
 
 
 def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple[dict[str, list[str]], set[str]]:
