@@ -14,8 +14,9 @@ Three kinds of directory, and one kind of file, hold a model:
   directory (dcp/model.py), whose tokenizer is its run's `data.tokenizer` (the bundled one when unset);
 - a GGUF file (gguf/: llama.cpp's format, dequantized at load, or its quantized block matrices
   kept in memory with `gguf_keep_quantized`), whose tokenizer is in its metadata.
-A vision-language model (a LLaVA directory, or a Tessera checkpoint converted from one) loads
-through `load_vision_language`, with its image processor.
+A vision-language model (a LLaVA, Qwen2-VL or Qwen2.5-VL directory, or a Tessera checkpoint converted
+from one) loads through `load_vision_language`, with its image processor; `vision_language_family`
+names its family.
 `tessera generate` and serving load through here.
 """
 
@@ -29,8 +30,10 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
-from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint, load_llava_checkpoint
+from tessera.checkpoint.dcp.vision_language import ENTRY as VISION_LANGUAGE_ENTRY
+from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint, load_vision_language_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
+from tessera.checkpoint.hf import qwen_vl
 from tessera.checkpoint.hf.llava import is_llava_directory, load_llava, read_processor
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
@@ -38,8 +41,10 @@ from tessera.checkpoint.prequantized.detect import is_prequantized_hf
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
 from tessera.data.image_processor import ImageProcessor
+from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.tokenizer import load_tokenizer
 from tessera.models.llava import Llava
+from tessera.models.qwen_vl import QwenVL
 from tessera.models.transformer import Transformer
 
 
@@ -92,19 +97,32 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 
 def is_vision_language(path: str | os.PathLike) -> bool:
-    """A LLaVA HuggingFace directory, or a Tessera checkpoint converted from one."""
-    return is_llava_directory(path) or (not is_hf_directory(path) and not is_gguf_path(path)
-                                        and is_vision_language_checkpoint(path))
+    """A LLaVA / Qwen2-VL / Qwen2.5-VL HuggingFace directory, or a Tessera checkpoint converted from one."""
+    return is_llava_directory(path) or qwen_vl.is_qwen_vl_directory(path) or (
+        not is_hf_directory(path) and not is_gguf_path(path) and is_vision_language_checkpoint(path))
+
+
+def vision_language_family(path: str | os.PathLike) -> str:
+    """"llava", "qwen2_vl" or "qwen2_5_vl": the family of the vision-language model at `path`."""
+    if is_hf_directory(path):
+        d = read_json_object(Path(path) / "config.json")
+    else:
+        d = (ckpt.read_meta(ckpt.resolve_checkpoint(path)).get(VISION_LANGUAGE_ENTRY) or {}).get("config") or {}
+    return str(d.get("model_type"))
 
 
 def load_vision_language(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu") -> tuple[Llava, ImageProcessor, dict | None]:
+                         device: str | torch.device = "cpu",
+                         ) -> tuple[Llava | QwenVL, ImageProcessor | QwenImageProcessor, dict | None]:
     """The vision-language model at `path` (`is_vision_language`), its image processor, and the run
     configuration stored with a Tessera checkpoint (None for a HuggingFace directory)."""
     if is_llava_directory(path):
         model = load_llava(path, dtype, device)
         return model, read_processor(path, model.cfg), None
-    return load_llava_checkpoint(path, dtype, device)
+    if qwen_vl.is_qwen_vl_directory(path):
+        model = qwen_vl.load_qwen_vl(path, dtype, device)
+        return model, qwen_vl.read_processor(path, model.cfg), None
+    return load_vision_language_checkpoint(path, dtype, device)
 
 
 def trained_tokenizer(path: str | os.PathLike) -> str | None:

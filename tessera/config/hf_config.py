@@ -90,9 +90,11 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def read_language_model_config(path: str | os.PathLike) -> ModelConfig:
-    """`read_hf_config`, except that a LLaVA directory gives its language model's config: what
-    `model.from_hf`, `train.init_from` and a distillation teacher read of it (the weights come from
-    the same directory, `tessera.checkpoint.hf.slices`)."""
+    """`read_hf_config`, except that a LLaVA, Qwen2-VL or Qwen2.5-VL directory gives its language
+    model's config: what `model.from_hf`, `train.init_from` and a distillation teacher read of it
+    (the weights come from the same directory, `tessera.checkpoint.hf.slices`). A Qwen2-VL language
+    model read alone is a qwen2 decoder: on text its M-RoPE positions are plain positions."""
+    from tessera.config.qwen_vl import is_qwen_vl_config, read_qwen_vl_file
     from tessera.config.vision import is_llava_config, read_llava_file
 
     cfg_file = Path(path) / "config.json"
@@ -100,6 +102,8 @@ def read_language_model_config(path: str | os.PathLike) -> ModelConfig:
         d = read_json_object(cfg_file)
         if is_llava_config(d):
             return read_llava_file(d, str(cfg_file)).text
+        if is_qwen_vl_config(d):
+            return read_qwen_vl_file(d, str(cfg_file)).text
     return read_hf_config(path)
 
 

@@ -16,7 +16,7 @@ No torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,10 +190,15 @@ def llava_config_from_hf(d: Mapping[str, Any]) -> LlavaConfig:
 
 
 def read_llava_file(d: Mapping[str, Any], source: str) -> LlavaConfig:
-    """`llava_config_from_hf` of config.json `source`'s object `d`: what Tessera does not reproduce is a
+    """`llava_config_from_hf` of config.json `source`'s object `d` (`read_config_file`)."""
+    return read_config_file(llava_config_from_hf, d, source)
+
+
+def read_config_file(parse: Callable[[Mapping[str, Any]], Any], d: Mapping[str, Any], source: str) -> Any:
+    """`parse(d)` of config.json `source`'s object `d`: what Tessera does not reproduce is a
     ModelError, any other problem one CheckpointError naming the file."""
     try:
-        return llava_config_from_hf(d)
+        return parse(d)
     except ModelError:
         raise
     except ConfigError as e:

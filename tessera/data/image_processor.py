@@ -112,14 +112,7 @@ class ImageProcessor:
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> ImageProcessor:
-        f = Path(path) / PROCESSOR_FILE
-        try:
-            d = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{str(f)!r} cannot be read as JSON ({type(e).__name__})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{str(f)!r} holds no JSON object")
-        return cls.from_dict(d, str(f))
+        return cls.from_dict(*read_processor_file(path))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -136,12 +129,7 @@ class ImageProcessor:
                                   "{'height': H, 'width': W} with positive integers")
         if self.do_center_crop and set(self.crop_size) != {"height", "width"}:
             raise ConfigError(f"{source}: crop_size {self.crop_size!r} needs height and width")
-        if self.resample not in range(6):
-            raise ConfigError(f"{source}: resample={self.resample!r} is not a Pillow filter (0..5)")
-        for key in ("image_mean", "image_std"):
-            value = getattr(self, key)
-            if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int | float) for v in value):
-                raise ConfigError(f"{source}: {key}={value!r} must be three numbers")
+        check_filter_and_statistics(self, source)
 
     def output_size(self) -> tuple[int, int]:
         """(height, width) of every output, when it does not depend on the image; else a ConfigError."""
@@ -154,24 +142,13 @@ class ImageProcessor:
     # ---- the pipeline --------------------------------------------------------------------------
     def __call__(self, image: Image.Image) -> np.ndarray:
         """Pixel values [C, H, W] float32 of one decoded image."""
-        if self.do_convert_rgb:
-            image = _to_rgb(image)
-        pixels = np.asarray(image)
-        if pixels.ndim == 2:
-            pixels = pixels[..., None]
+        pixels = image_array(image, self.do_convert_rgb)
         if self.do_resize:
             pixels = _resize(pixels, self._resized_size(pixels.shape[0], pixels.shape[1]), self.resample)
         chw = np.moveaxis(pixels, -1, 0)
         if self.do_center_crop:
             chw = _center_crop(chw, self.crop_size["height"], self.crop_size["width"])
-        if self.do_rescale:
-            chw = (chw.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            x = chw if np.issubdtype(chw.dtype, np.floating) else chw.astype(np.float32)
-            mean = np.array(self.image_mean, dtype=x.dtype)[:, None, None]
-            std = np.array(self.image_std, dtype=x.dtype)[:, None, None]
-            chw = (x - mean) / std
-        return np.ascontiguousarray(chw, dtype=np.float32)
+        return rescale_and_normalize(chw, self)
 
     def _resized_size(self, height: int, width: int) -> tuple[int, int]:
         if "shortest_edge" not in self.size:
@@ -180,6 +157,47 @@ class ImageProcessor:
         short, long = (width, height) if width <= height else (height, width)
         new_long = int(target * long / short)
         return (new_long, target) if width <= height else (target, new_long)
+
+
+def read_processor_file(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """The JSON object of `path`'s preprocessor_config.json and the file's name (for messages)."""
+    f = Path(path) / PROCESSOR_FILE
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{str(f)!r} cannot be read as JSON ({type(e).__name__})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{str(f)!r} holds no JSON object")
+    return d, str(f)
+
+
+def check_filter_and_statistics(proc: Any, source: str) -> None:
+    """A processor's Pillow filter (`resample`) and normalisation statistics, checked."""
+    if proc.resample not in range(6):
+        raise ConfigError(f"{source}: resample={proc.resample!r} is not a Pillow filter (0..5)")
+    for key in ("image_mean", "image_std"):
+        value = getattr(proc, key)
+        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int | float) for v in value):
+            raise ConfigError(f"{source}: {key}={value!r} must be three numbers")
+
+
+def image_array(image: Image.Image, convert_rgb: bool) -> np.ndarray:
+    """The image's pixels [H, W, C] (RGB when `convert_rgb`), as the processors read them."""
+    pixels = np.asarray(_to_rgb(image) if convert_rgb else image)
+    return pixels[..., None] if pixels.ndim == 2 else pixels
+
+
+def rescale_and_normalize(chw: np.ndarray, proc: Any) -> np.ndarray:
+    """The processors' last steps as they compute them: rescale in float64 then float32, normalise in
+    float32 (each when the processor says so); [C, H, W] float32 out."""
+    if proc.do_rescale:
+        chw = (chw.astype(np.float64) * proc.rescale_factor).astype(np.float32)
+    if proc.do_normalize:
+        x = chw if np.issubdtype(chw.dtype, np.floating) else chw.astype(np.float32)
+        mean = np.array(proc.image_mean, dtype=x.dtype)[:, None, None]
+        std = np.array(proc.image_std, dtype=x.dtype)[:, None, None]
+        chw = (x - mean) / std
+    return np.ascontiguousarray(chw, dtype=np.float32)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

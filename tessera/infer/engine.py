@@ -27,9 +27,11 @@ from tessera.checkpoint.loading import (
     load_vision_language,
     model_tokenizer,
     trained_tokenizer,
+    vision_language_family,
 )
 from tessera.config.errors import ConfigError
 from tessera.data.image_processor import ImageProcessor, decode_image
+from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
@@ -48,6 +50,7 @@ from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
 from tessera.models.llava import Llava
 from tessera.models.quantized import quantize_model
+from tessera.models.qwen_vl import QwenVL
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
 
@@ -84,7 +87,7 @@ class LLMEngine:
         around it, with the directory's tokenizer and end-of-sequence ids."""
         config = config or EngineConfig()
         if is_vision_language(path):
-            config.check_vision_language("llava")
+            config.check_vision_language(vision_language_family(path))
             model, processor, run_cfg = load_vision_language(path, config.torch_dtype, config.device)
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.text.vocab_size),
@@ -102,7 +105,7 @@ class LLMEngine:
             return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
-    def from_model(cls, model: Transformer | Llava, config: EngineConfig | None = None, tokenizer=None,
+    def from_model(cls, model: Transformer | Llava | QwenVL, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
                    image_processor: ImageProcessor | None = None, owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
@@ -115,7 +118,7 @@ class LLMEngine:
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
         the CPU (cpu_linear.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
-        if isinstance(model, Llava):
+        if isinstance(model, Llava | QwenVL):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
@@ -128,15 +131,17 @@ class LLMEngine:
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
 
     @classmethod
-    def _serving_vision_language(cls, model: Llava, config: EngineConfig, tokenizer, eos_ids,
-                                 image_processor: ImageProcessor | None) -> LLMEngine:
-        config.check_vision_language("llava")
+    def _serving_vision_language(cls, model: Llava | QwenVL, config: EngineConfig, tokenizer, eos_ids,
+                                 image_processor: ImageProcessor | QwenImageProcessor | None) -> LLMEngine:
+        qwen = isinstance(model, QwenVL)
+        config.check_vision_language(model.cfg.version if qwen else "llava")
         _check_placement(model.language_model, config)
         executor = InProcessExecutor(model.language_model, config)
         executor.local.encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
         engine = cls._serving(executor, config, tokenizer, eos_ids)
         engine.vision = model
-        engine.image_processor = image_processor or ImageProcessor.for_vision(model.cfg.vision)
+        engine.image_processor = image_processor or (QwenImageProcessor if qwen else ImageProcessor).for_vision(
+            model.cfg.vision)
         return engine
 
     @classmethod
@@ -206,6 +211,8 @@ class LLMEngine:
             if images:
                 raise ConfigError("this model takes no images (it is not a vision-language model)")
             return prompt_ids, ()
+        if isinstance(self.vision, QwenVL):
+            return qwen_placeholders(prompt_ids, self.vision.cfg, images)
         size = (self.vision.cfg.vision.num_channels,) + (self.vision.cfg.vision.image_size,) * 2
         for p in images:
             if tuple(p.shape) != size:
@@ -213,8 +220,9 @@ class LLMEngine:
                                   f"{list(p.shape)}")
         return expand_placeholders(prompt_ids, self.vision.cfg.image_token_id, self.vision.cfg.image_tokens, images)
 
-    def pixel_values(self, image) -> np.ndarray:
-        """The model's pixel values of `image`: a PIL image, or encoded bytes (decoded as untrusted input)."""
+    def pixel_values(self, image) -> np.ndarray | tuple[np.ndarray, tuple[int, int, int]]:
+        """The model's pixel values of `image`: a PIL image, or encoded bytes (decoded as untrusted input).
+        Qwen2-VL: its patch rows and (t, h, w) grid."""
         if self.image_processor is None:
             raise ConfigError("this model takes no images (it is not a vision-language model)")
         return self.image_processor(decode_image(image) if isinstance(image, bytes | bytearray) else image)
@@ -374,3 +382,16 @@ def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None
         return load_tokenizer(trained_tokenizer(path))
     except Exception:  # noqa: BLE001 - any unreadable tokenizer: serve token ids only
         return None
+
+
+def qwen_placeholders(prompt_ids: list[int], cfg, images: list) -> tuple[list[int], tuple]:
+    """`expand_placeholders` for Qwen2-VL: each image (patch rows, grid) takes grid / merge^2 tokens."""
+    rows = cfg.vision.patch_values
+    for im in images:
+        ok = isinstance(im, tuple) and len(im) == 2 and len(im[1]) == 3
+        if not ok or im[0].ndim != 2 or im[0].shape != (int(np.prod(im[1])), rows):
+            raise ConfigError(f"a Qwen2-VL image must be (patch rows [t*h*w, {rows}], (t, h, w)) as the image "
+                              "processor makes it")
+    grids = [tuple(int(x) for x in im[1]) for im in images]
+    return expand_placeholders(prompt_ids, cfg.image_token_id, [cfg.image_tokens(g) for g in grids],
+                               [im[0] for im in images], grids)

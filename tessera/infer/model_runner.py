@@ -137,7 +137,8 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
     if seq.wants_prompt_logprobs:
         read_from = 0
     images = spans_in(seq.images, seq.num_computed, s.num_tokens) if seq.images else []
-    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images)
+    mrope = seq.images if seq.images and seq.images[0].grid is not None else ()
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope)
 
 
 def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:

@@ -20,7 +20,7 @@ from tessera.config.errors import ConfigError
 from tessera.infer.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
-from tessera.infer.multimodal import ImageEncoder, ImageSpan
+from tessera.infer.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.models.transformer import Transformer
 
@@ -35,6 +35,8 @@ class BatchItem:
     adapter_slot: int = -1  # dynamic LoRA slot, -1 for the base model
     logits_from: int = 0  # the caller reads the logits of tokens[logits_from:] only (tensor parallelism gathers those)
     images: list[ImageSpan] = field(default_factory=list)  # image feature rows that replace placeholder tokens
+    # Qwen2-VL: every image of the sequence's prompt, whose grids give its tokens' M-RoPE positions
+    mrope_images: tuple[PromptImage, ...] = ()
 
 
 class PagedForward(Protocol):
@@ -81,7 +83,7 @@ class PagedModel:
         weights per step instead of two (the packed step attends a group of one-token queries over
         their blocks as the decode step does)."""
         decoder = self.decoder
-        single = ([i for i, it in enumerate(items) if len(it.tokens) == 1 and not it.images]
+        single = ([i for i, it in enumerate(items) if len(it.tokens) == 1 and not it.images and not it.mrope_images]
                   if decoder is not None else [])
         single = single[:decoder.max_batch] if single else []
         if single and not decoder.use_graphs and any(len(it.tokens) > 1 for it in items):
@@ -116,7 +118,9 @@ class PagedModel:
         read = self._read_rows(items)
         try:
             inputs = self._embedded(ids, items) if any(it.images for it in items) else ids
-            out = self.model(inputs[None], positions=batch.positions[None], cache=batch, keep_layers=self.keep_hidden,
+            positions = self._mrope_positions(items, batch.positions) if any(it.mrope_images for it in items) \
+                else batch.positions[None]
+            out = self.model(inputs[None], positions=positions, cache=batch, keep_layers=self.keep_hidden,
                              logit_positions=read)
         finally:
             if self.lora is not None:
@@ -144,6 +148,17 @@ class PagedModel:
             return None
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+
+    def _mrope_positions(self, items: list[BatchItem], positions: torch.Tensor) -> torch.Tensor:
+        """[3, 1, T] rotary positions of the packed step: M-RoPE ones for the items of sequences
+        with Qwen2-VL images, each other token's position three times."""
+        merge = self.encoder.model.cfg.vision.spatial_merge_size
+        out = positions[None, None].expand(3, 1, -1).clone()
+        for it, row in zip(items, packed_offsets(items), strict=True):
+            if it.mrope_images:
+                rows = mrope_rows(it.mrope_images, it.start, len(it.tokens), merge)
+                out[:, 0, row:row + len(it.tokens)] = rows.to(out.device)
+        return out
 
     def _embedded(self, ids: torch.Tensor, items: list[BatchItem]) -> torch.Tensor:
         """Token embeddings [T, D] of the packed step with the images' feature rows in place of their

@@ -58,6 +58,7 @@ from tessera.infer.openai_protocol import (
 from tessera.infer.quoting import brief
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import RequestOutput
+from tessera.models.qwen_vl import QwenVL
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -246,14 +247,18 @@ class _Routes:
         return out
 
     def encode_around(self, text: str, marker: str) -> list[int]:
-        """Token ids of a chat text, with the model's image token where each `marker` stands."""
+        """Token ids of a chat text, with the model's image token where each `marker` stands (Qwen2-VL:
+        between its vision start and end tokens)."""
         pieces = text.split(marker)
         if len(pieces) == 1:
             return self.encode(text, special=False)
-        image_token = self.engine.vision.cfg.image_token_id
+        cfg = self.engine.vision.cfg
+        image = [cfg.image_token_id]
+        if isinstance(self.engine.vision, QwenVL):  # as Qwen2-VL's chat template writes an image part
+            image = [cfg.vision_start_token_id, *image, cfg.vision_end_token_id]
         ids = self.encode(pieces[0], special=False)
         for piece in pieces[1:]:
-            ids = ids + [image_token] + (self.encode(piece, special=False) if piece else [])
+            ids = ids + image + (self.encode(piece, special=False) if piece else [])
         return ids
 
     def echoes(self, body: dict, prompts: list[str | list[int]], prompt_ids: list[list[int]]) -> list[str] | None:

@@ -25,6 +25,7 @@ from torch import nn
 from tessera.config.errors import ModelError
 from tessera.config.vision import LlavaConfig
 from tessera.models.attention import AttentionCache
+from tessera.models.norm import RMSNorm
 from tessera.models.transformer import ModelOutput, Transformer, init_by_name
 from tessera.models.vision_tower import VisionTransformer, activation
 
@@ -59,7 +60,37 @@ class LlavaProjector(nn.Module):
         return self.linear_2(activation(self.act, self.linear_1(x)))
 
 
-class Llava(nn.Module):
+class VisionLanguageModel(nn.Module):
+    """What the vision-language families share: `cfg` (with `text` and `image_token_id`), a
+    `language_model` (`Transformer`) and the image side, every module but the language model."""
+
+    cfg: LlavaConfig
+    language_model: Transformer
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """The language model by its own rule; the image side from (seed, name): norm weights 1,
+        biases 0, the rest N(0, init_std)."""
+        self.language_model.init_weights(seed)
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm | RMSNorm)}
+        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
+        init_by_name(own, norms, seed, self.cfg.text.init_std)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """The language model's RoPE frequencies (after building on the meta device)."""
+        self.language_model.reset_rope(device)
+
+    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> VisionLanguageModel:
+        self.to(device=device, dtype=dtype)
+        self.language_model.cast(dtype, device)
+        return self
+
+
+class Llava(VisionLanguageModel):
     def __init__(self, cfg: LlavaConfig, init_seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
@@ -68,28 +99,6 @@ class Llava(nn.Module):
         self.language_model = Transformer(cfg.text, init_seed=None)
         if init_seed is not None:
             self.init_weights(init_seed)
-
-    @property
-    def image_token_id(self) -> int:
-        return self.cfg.image_token_id
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """The language model by its own rule; the tower and projector from (seed, name): LayerNorm
-        weights 1, biases 0, the rest N(0, init_std)."""
-        self.language_model.init_weights(seed)
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
-        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
-        init_by_name(own, norms, seed, self.cfg.text.init_std)
-
-    def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """The language model's RoPE frequencies (after building on the meta device)."""
-        self.language_model.reset_rope(device)
-
-    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Llava:
-        self.to(device=device, dtype=dtype)
-        self.language_model.cast(dtype, device)
-        return self
 
     def encode_images(self, pixels_NCHW: torch.Tensor) -> list[torch.Tensor]:
         """One [image_tokens, D] tensor of language-model input rows per image (module docstring)."""

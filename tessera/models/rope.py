@@ -75,14 +75,26 @@ def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
 
 
 def rope_cos_sin(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [B, S, D] (the D/2 angles repeated twice), computed in fp32."""
-    freqs = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)[None, None, :]
+                 dtype: torch.dtype, sections: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, S, D] (the D/2 angles repeated twice), computed in fp32.
+
+    Multimodal RoPE (Qwen2-VL's M-RoPE): positions [3, B, S] give each token a (temporal, height,
+    width) position, and `sections` (three counts summing to D/2) splits the frequency pairs into
+    three consecutive groups, each rotated by its own coordinate. A text token has all three equal,
+    where this is plain RoPE."""
+    if positions_BS.dim() == 3:
+        if sections is None or positions_BS.shape[0] != len(sections):
+            raise ValueError(f"3-D rotary positions {list(positions_BS.shape)} need an mrope_section of as many "
+                             f"groups; got {sections!r}")
+        freqs_3 = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)
+        freqs = torch.cat([part[i] for i, part in enumerate(freqs_3.split(sections, dim=-1))], dim=-1)
+    else:
+        freqs = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)[None, None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -94,4 +106,4 @@ def apply_rope(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
     if interleaved:
         x_BSHD = torch.cat((x_BSHD[..., 0::2], x_BSHD[..., 1::2]), dim=-1)
     cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
-    return x_BSHD * cos + _rotate_half(x_BSHD) * sin
+    return x_BSHD * cos + rotate_half(x_BSHD) * sin

@@ -164,6 +164,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
+        # Multimodal RoPE (Qwen2-VL): the (t, h, w) groups of rotary pairs that positions [3, B, S] rotate.
+        self.mrope_section: list[int] | None = None
         # A later pipeline stage receives hidden states; under sequence parallelism they are this
         # rank's 1/tp of the sequence, so the sequence is this many times longer (RoPE positions are global).
         self.received_sequence_shards = 1
@@ -244,7 +246,7 @@ class Transformer(nn.Module):
             positions = self.position_source(B, S, input_ids.device)
         # Token ids are embedded; hidden states pass on (the last stage may hold the tied embedding).
         h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype, self.mrope_section)
         out = ModelOutput(logits=None, aux_loss=torch.zeros((), dtype=torch.float32, device=h.device))
         kept = {0: h} if 0 in keep_layers else {}
         for key, layer in self.layers.items():

@@ -102,9 +102,9 @@ def build_vision_model(cfg: RunConfig, device: torch.device, init_from: str | No
 
         model = load_llava(init_from, torch.float32, device)
     else:
-        from tessera.checkpoint.dcp.vision_language import load_llava_checkpoint
+        from tessera.checkpoint.dcp.vision_language import load_vision_language_checkpoint
 
-        model, _, _ = load_llava_checkpoint(init_from, torch.float32, device)
+        model, _, _ = load_vision_language_checkpoint(init_from, torch.float32, device)
     if model.cfg != llava_cfg:
         raise CheckpointError(f"train.init_from={init_from!r} holds another model than its config describes")
     for switch, part in FROZEN_PARTS.items():

@@ -144,14 +144,17 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
 
 def _export_llava(found: Path, out_dir: str | os.PathLike, dtype: torch.dtype, tokenizer,
                   max_shard_bytes: int) -> ExportResult:
-    """A vision-language checkpoint (tessera.checkpoint.dcp.vision_language) as a LLaVA directory:
-    the model is loaded whole (these are small models) and written by `save_llava`."""
-    from tessera.checkpoint.dcp.vision_language import load_llava_checkpoint
+    """A vision-language checkpoint (tessera.checkpoint.dcp.vision_language) as a LLaVA or Qwen2-VL
+    directory: the model is loaded whole (these are small models) and written by its family's writer."""
+    from tessera.checkpoint.dcp.vision_language import load_vision_language_checkpoint
     from tessera.checkpoint.hf.llava import save_llava
+    from tessera.checkpoint.hf.qwen_vl import save_qwen_vl
+    from tessera.models.qwen_vl import QwenVL
 
-    model, processor, _ = load_llava_checkpoint(found, dtype)
+    model, processor, _ = load_vision_language_checkpoint(found, dtype)
+    save = save_qwen_vl if isinstance(model, QwenVL) else save_llava
     try:
-        save_llava(model, out_dir, tokenizer=tokenizer, processor=processor, max_shard_bytes=max_shard_bytes)
+        save(model, out_dir, tokenizer=tokenizer, processor=processor, max_shard_bytes=max_shard_bytes)
     except OSError as e:
         raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
     files = sorted(p.name for p in Path(out_dir).glob("*.safetensors"))

@@ -16,18 +16,15 @@ processor the tower ships with; always written.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, check_exportable, hf_names
-from tessera.checkpoint.hf.writer import first_keys, write_hf_files
-from tessera.config.errors import CheckpointError, ConfigError
-from tessera.config.hf_config import read_json_object
+from tessera.checkpoint.hf.composite import config_says, load_composite, read_directory_config, save_composite
+from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.config.errors import ConfigError
 from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
 from tessera.data.image_processor import PROCESSOR_FILE, ImageProcessor
 from tessera.models.llava import Llava
@@ -60,18 +57,11 @@ def saved_name(name: str) -> str:
 
 
 def is_llava_directory(path: str | os.PathLike) -> bool:
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        return False
-    try:
-        return is_llava_config(read_json_object(f))
-    except CheckpointError:
-        return False
+    return config_says(path, is_llava_config)
 
 
 def read_llava_config(path: str | os.PathLike) -> LlavaConfig:
-    f = Path(path) / "config.json"
-    return read_llava_file(read_json_object(f), str(f))
+    return read_directory_config(path, read_llava_file)
 
 
 def read_processor(path: str | os.PathLike, cfg: LlavaConfig) -> ImageProcessor:
@@ -128,50 +118,19 @@ def load_llava(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     the model config.json describes (missing, unexpected, shapes)."""
     path = Path(path)
     cfg = read_llava_config(path)
-    files = SafetensorsDir(path)
-    stored = {current_name(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)}
-    names = llava_names(cfg)
-    needed = {h for hs in names.values() for h in hs}
-    if cfg.text.tie_embeddings:
-        stored.pop("lm_head.weight", None)
-    missing, unexpected = needed - set(stored), set(stored) - needed
-    if missing:
-        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing for llava: {first_keys(missing)}")
-    if unexpected:
-        raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for llava: {first_keys(unexpected)}")
     with torch.device("meta"):
         model = Llava(cfg, init_seed=None)
-    model.to_empty(device=device)
-    model.cast(dtype)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            keys = [stored[h] for h in names[name]]
-            value = files.get(keys[0]) if len(keys) == 1 else torch.stack([files.get(k) for k in keys])
-            if tuple(value.shape) != tuple(t.shape):
-                raise CheckpointError(f"{path}: shape mismatch for {keys[0]} (-> {name}): checkpoint "
-                                      f"{list(value.shape)}, model config expects {list(t.shape)}")
-            t.copy_(value.to(t.dtype))
-    model.reset_rope(device)  # after the cast: the frequencies stay fp32
-    return model.eval()
+    return load_composite(path, model, llava_names(cfg), current_name, "llava", dtype, device)
 
 
 def save_llava(model: Llava, path: str | os.PathLike, tokenizer=None, processor: ImageProcessor | None = None,
                max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` as a LLaVA directory: config.json, safetensors, preprocessor_config.json
     (`processor`, else the tower's own) and, with `tokenizer`, its files (hf/writer.py)."""
-    cfg = model.cfg
-    check_exportable(cfg.text)
-    state = model.state_dict()
-    tensors = {}
-    for key, hf_keys in llava_names(cfg).items():
-        t = state[key].detach().cpu()
-        parts = [t] if len(hf_keys) == 1 else t.unbind(0)  # routed experts: one tensor each
-        tensors.update({saved_name(h): part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
-    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    proc = processor or ImageProcessor.for_vision(cfg.vision)
-    extra = {PROCESSOR_FILE: json.dumps(proc.to_dict(), indent=2) + "\n"}
-    write_hf_files(path, llava_config_to_hf(cfg), cfg.text.vocab_size, next(model.parameters()).dtype, sizes,
-                   lambda keys: {k: tensors[k] for k in keys}, max_shard_bytes, tokenizer, extra)
+    check_exportable(model.cfg.text)
+    proc = processor or ImageProcessor.for_vision(model.cfg.vision)
+    save_composite(model, path, llava_names(model.cfg), saved_name, llava_config_to_hf(model.cfg), proc.to_dict(),
+                   tokenizer, max_shard_bytes)
 
 
 def _in_llava(hf_key: str) -> str:

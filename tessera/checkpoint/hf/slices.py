@@ -30,6 +30,8 @@ from safetensors import SafetensorError
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.llava import is_llava_directory, language_model_names
 from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.qwen_vl import is_qwen_vl_directory
+from tessera.checkpoint.hf.qwen_vl import language_model_names as qwen_vl_language_model_names
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
@@ -62,6 +64,8 @@ class HFSliceReader:
         self.foreign: set[str] = set()
         if is_llava_directory(self.path):
             self.names, self.foreign = language_model_names(self.names, self.files.keys())
+        elif is_qwen_vl_directory(self.path):
+            self.names, self.foreign = qwen_vl_language_model_names(self.names, self.files.keys())
 
     def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         f = self.files.files[hf_key]

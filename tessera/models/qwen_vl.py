@@ -1,0 +1,110 @@
+"""Qwen2-VL and Qwen2.5-VL: the native-resolution vision tower (tessera/models/qwen_vision.py) and a
+Qwen2 language model with multimodal rotary positions (M-RoPE).
+
+The vision seam is LLaVA's (tessera/models/llava.py), with the images' patch grids beside their
+pixels: `encode_images(pixel_values, image_grid_thw)` gives one [T_i, D] tensor per image, T_i =
+t x h x w / merge^2 known from the grid before the forward, and `forward(input_ids,
+image_features=..., image_grid_thw=...)` puts them in the places of the `image_token_id`
+placeholders (`merge_image_features`).
+
+Positions are 3-D (`mrope_positions`): a text token at running position p has (p, p, p); an
+image's tokens, starting at p, have (p + frame, p + row, p + column) of their merged grid, and the
+text after the image resumes at p + max(rows, columns). Rows without images are plain 0..S-1. A
+decode step continues from the prompt's largest position + 1, so token j of a row (j >= S) sits
+at j + delta with delta = max position + 1 - S (`mrope_positions`' second result); the caller
+passes those positions (2-D [B, S] is enough: the three coordinates are equal after the prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.config.errors import ModelError
+from tessera.config.qwen_vl import QwenVLConfig
+from tessera.models.attention import AttentionCache
+from tessera.models.llava import VisionLanguageModel, merge_image_features
+from tessera.models.qwen_vision import QwenVisionTransformer
+from tessera.models.transformer import ModelOutput, Transformer
+
+
+def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grids: list[tuple[int, int, int]],
+                    merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE positions [3, B, S] of `input_ids` [B, S] whose placeholder runs take the images of
+    `grids` ((t, h, w) patches each, in row-major order of their placeholders), and each row's
+    decode offset [B] (max position + 1 - S)."""
+    B, S = input_ids.shape
+    out = torch.empty(3, B, S, dtype=torch.long)
+    deltas = torch.empty(B, dtype=torch.long)
+    is_image = (input_ids == image_token_id).cpu()
+    images = iter(grids)
+    for b in range(B):
+        j, pos = 0, 0
+        flags = is_image[b].tolist()
+        while j < S:
+            if not flags[j]:
+                end = j
+                while end < S and not flags[end]:
+                    end += 1
+                out[:, b, j:end] = torch.arange(pos, pos + end - j)
+                pos += end - j
+                j = end
+                continue
+            grid = next(images, None)
+            if grid is None:
+                raise ModelError(f"row {b} has more image placeholder runs than the {len(grids)} image grid(s) given")
+            t, H, W = grid[0], grid[1] // merge, grid[2] // merge
+            n = t * H * W
+            if j + n > S or not all(flags[j:j + n]):
+                raise ModelError(f"row {b}: an image with grid {grid} needs {n} consecutive placeholder tokens "
+                                 f"(id {image_token_id}) from position {j}")
+            thw = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(H), torch.arange(W), indexing="ij"))
+            out[:, b, j:j + n] = thw.reshape(3, -1) + pos
+            pos += max(H, W)
+            j += n
+        deltas[b] = int(out[:, b].max()) + 1 - S if S else 0
+    if next(images, None) is not None:
+        raise ModelError(f"{len(grids)} image grid(s) given but the placeholders hold fewer images")
+    return out.to(input_ids.device), deltas.to(input_ids.device)
+
+
+class QwenVL(VisionLanguageModel):
+    def __init__(self, cfg: QwenVLConfig, init_seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = QwenVisionTransformer(cfg.vision)
+        self.language_model = Transformer(cfg.text, init_seed=None)
+        self.language_model.mrope_section = list(cfg.mrope_section)
+        if init_seed is not None:
+            self.init_weights(init_seed)
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """One [t x h x w / merge^2, D] tensor of language-model input rows per image."""
+        if image_grid_thw.shape[0] == 0:
+            return []
+        return self.vision_tower(pixel_values, image_grid_thw)
+
+    def rope_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """M-RoPE positions [3, B, S] of a prompt (module docstring)."""
+        grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]
+        return mrope_positions(input_ids, self.cfg.image_token_id, grids, self.cfg.vision.spatial_merge_size)[0]
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, image_features: list[torch.Tensor] | None = None,
+                positions: torch.Tensor | None = None, cache: AttentionCache | None = None,
+                targets: torch.Tensor | None = None) -> ModelOutput:
+        """The language model's output on `input_ids` [B, S] whose placeholders hold the images'
+        features: `image_features` (from `encode_images`) or `pixel_values` encoded here, with the
+        images' `image_grid_thw` [N, 3] either way. Without `positions`, a prompt's M-RoPE positions
+        from the grids; neither images nor positions: a text prompt at 0..S-1."""
+        if pixel_values is not None and image_features is not None:
+            raise ModelError("give pixel_values or image_features, not both")
+        if (pixel_values is not None or image_features is not None) and image_grid_thw is None:
+            raise ModelError("images need their image_grid_thw (t, h, w patches each, from the image processor)")
+        if pixel_values is not None:
+            image_features = self.encode_images(pixel_values, image_grid_thw)
+        h = self.language_model.tok_embeddings(input_ids)
+        if image_features is not None:
+            h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
+            if positions is None:
+                positions = self.rope_positions(input_ids, image_grid_thw)
+        return self.language_model(h, positions=positions, cache=cache, targets=targets)
