@@ -7,12 +7,6 @@ oneDNN's linear takes the weight reordered once into its own blocked layout
 CPU model) and multiplies by it directly. Measured on this project's 2-core machine: 2-3x faster
 per projection at 8-32 rows, about 1.3x for a prompt chunk (docs/benchmarks.md).
 
-At the two ends oneDNN's packed layout loses to a plain BLAS product over the weight stored
-transposed ([in, out] contiguous): one row (a single stream's decode step, where the product only
-streams the weight through memory) and long prompt chunks. So the dense weight is re-laid out once
-into that order (same values and shape, a transposed view of [in, out] storage; no extra copy) and
-`F.linear` over it takes rows == 1 and rows >= `BLAS_MIN_ROWS`; oneDNN the rows between.
-
 `pack_linears(model)` turns every plain `nn.Linear` of a model the engine owns (loaded by
 `LLMEngine.from_dir`) into a `OneDNNLinear` in place (the modules keep their identity, so forward
 hooks, such as those of LoRA adapters, still see them); the dense `weight` stays as it is for
@@ -27,21 +21,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-
-BLAS_MIN_ROWS = 256  # from here up a prompt chunk multiplies faster by BLAS over [in, out] storage
 
 
 class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose forward multiplies by `packed`, its weight in oneDNN's layout, for
-    2..BLAS_MIN_ROWS-1 rows, and by its dense weight (stored [in, out]) otherwise."""
+    """An `nn.Linear` whose forward multiplies by `packed`, its weight in oneDNN's layout."""
 
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if rows == 1 or rows >= BLAS_MIN_ROWS:
-            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -52,20 +39,12 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> int:
-    """Make every plain fp32 CPU `nn.Linear` of `model` a `OneDNNLinear`; returns how many.
-    A weight held by one module only is re-laid out to [in, out] storage; a shared one (an output
-    head tied to the embedding, which looks rows up) keeps its layout."""
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
+    """Make every plain fp32 CPU `nn.Linear` of `model` a `OneDNNLinear`; returns how many."""
     n = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
             continue
         module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        if holders[id(module.weight)] == 1:
-            module.weight.data = module.weight.detach().t().contiguous().t()
         module.__class__ = OneDNNLinear
         n += 1
     return n
