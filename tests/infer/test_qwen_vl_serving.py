@@ -105,14 +105,17 @@ def test_a_converted_checkpoint_serves_the_same_and_refusals_name_the_family(tmp
 
 def test_chat_with_image_url_parts_equals_transformers(tmp_path):
     """`/v1/chat/completions` over real HTTP: a data: URL image part becomes the image's placeholders
-    between the vision start and end tokens, as Qwen2-VL's chat template writes it."""
+    between the vision start and end tokens, as Qwen2-VL's chat template writes it; requests with a
+    non-image, a truncated file or a decompression bomb get a 400 naming it and the server goes on."""
     import base64
     import io
 
     import httpx
 
+    from tests.data.test_image_processor import _png_header
     from tests.hang_guard import HANG_S
     from tests.infer.running_server import RunningServer
+    from tests.infer.test_llava_server import chat, data_url, image_part
     from tests.infer.tiny_models import VOCAB, char_tokenizer, save_tokenizer
 
     hf = hf_qwen_vl("qwen2_5_vl", seed=5, vocab=VOCAB)
@@ -129,6 +132,13 @@ def test_chat_with_image_url_parts_equals_transformers(tmp_path):
             "ignore_eos": True}
     engine = LLMEngine.from_dir(tmp_path / "hf", EngineConfig(block_size=4))
     with RunningServer(engine, name="tiny") as server:
+        # a bad image fails only its own request, with a 400 naming the problem (the code LLaVA's
+        # requests go through, here with Qwen's processor behind it)
+        for bad, problem in ((data_url(b"hello, not an image"), "not an image"),
+                             (data_url(buf.getvalue()[:60]), "truncated"),
+                             (data_url(_png_header(200_000, 200_000)), "decompression bomb")):
+            refused = chat(server, [image_part(bad), {"type": "text", "text": "?"}])
+            assert refused.status_code == 400 and problem in refused.json()["error"]["message"], refused.text
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     tok = char_tokenizer()
