@@ -4,8 +4,9 @@ grids. From a transformers Qwen2-VL / Qwen2.5-VL directory, step 1's loss is tra
 cross-entropy on the batch images; the freeze switches (the tower, the patch merger, the language
 model) keep their parts bit-identical with no optimizer state; the validation loss is the model's on
 the held-out conversations; a resumed run equals an uninterrupted one; the export loads in
-transformers with equal logits; dp_shard and tp on gloo ranks equal one process (fp32, 1e-5); the
-layouts LLaVA refuses are refused by the same names."""
+transformers with equal logits, and served, a chat takes the training sample's prompt tokens; dp_shard
+and tp on gloo ranks equal one process (fp32, 1e-5); the layouts LLaVA refuses are refused by the same
+names."""
 
 import copy
 
@@ -169,6 +170,46 @@ def test_the_export_loads_in_transformers_with_equal_logits(tmp_path, family):
         got = hf(input_ids=batch.inputs, pixel_values=pixels, image_grid_thw=grids,
                  mm_token_type_ids=(batch.inputs == hf.config.image_token_id).int()).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _greedy(model, ids: list[int], pixels: torch.Tensor, grids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy continuation of `ids`, the whole sequence run each step (its M-RoPE positions from the grids)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([out]), pixel_values=pixels, image_grid_thw=grids).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def test_the_server_sees_the_training_samples_prompt(tmp_path):
+    """The exported run served: a chat with two images of different sizes takes exactly the prompt tokens
+    the training sample of the same conversation holds before its answer (vision start, each image's
+    own placeholders, vision end, the text pieces), and the server's greedy answer is the trained
+    model's on those tokens."""
+    import base64
+
+    import httpx
+
+    from tessera.infer import EngineConfig, LLMEngine
+    from tests.infer.running_server import RunningServer
+
+    trainer = _trainer(tmp_path / "run", 2, **{"checkpoint.export_hf": "true"})
+    result = trainer.train()
+    sample = trainer.data.train.dataset.samples[10]  # sizes.jsonl's two-image conversation
+    assert sample.grids.tolist() == [[1, 6, 10], [1, 4, 4]]
+    prompt = sample.tokens[:int(np.argmax(sample.loss_mask))].tolist()  # through the assistant header
+    pixels, grids = torch.from_numpy(sample.pixels), torch.from_numpy(sample.grids)
+    want = _greedy(trainer.model.eval(), prompt, pixels, grids, 6)
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        (SHAPES / name).read_bytes()).decode()}} for name in ("green_ellipse.png", "red_circle.png")]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": parts + [
+        {"type": "text", "text": "Which one is green?"}]}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with RunningServer(LLMEngine.from_dir(result.hf_export, EngineConfig(block_size=4))) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+    assert max(want) < 4096 and r.json()["choices"][0]["message"]["content"] == trainer.data.tokenizer.decode(want)
 
 
 def _evaluate(run_overrides):
