@@ -262,6 +262,58 @@ def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("config", ["tiny-qwen2-vl", "tiny-llava"])
+def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_path, config, write_mixed):
+    """Step 1's seeded order puts the two text-only conversations on rank 0 and the two with images on
+    rank 1: rank 0's tower and projector take part with zero gradients (`image_side_in_graph`), so
+    both ranks reduce the same parameters (before, gloo failed) and the run equals one process."""
+    path = str(ROOT / "configs" / f"{config}.yaml")
+    steps = {"train.global_batch_size": 4, "train.micro_batch_size": 2, "checkpoint.interval": 0,
+             "data.datasets": f"[{{path: {write_mixed}}}]"}
+    one = Trainer(load_config(path, overrides(tmp_path / "one", 2, **steps)))
+    first = BatchIterator(one.data.train.dataset, 4, seed=one.data.train.seed).next_batch()
+    assert [len(p) > 0 for p in first.pixel_values] == [False, False, True, True]  # rank 0: rows 0 and 1
+    before = {k: v.clone() for k, v in one.model.state_dict().items()}
+    want_losses = _losses(one.train())
+    want = {k: v.detach() for k, v in one.model.named_parameters()}
+    assert not torch.equal(want["vision_tower.layers.0.mlp.fc1.weight"], before["vision_tower.layers.0.mlp.fc1.weight"])
+    got = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **{
+        "parallel.dp_shard": 2}), timeout=HANG_S)[0]
+    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    for name, value in got["weights"].items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _train_config_on_ranks(config, run_overrides):
+    trainer = Trainer(load_config(config, run_overrides))
+    return {"losses": _losses(trainer.train()), "weights": whole_parameters(trainer.parts)}
+
+
+@pytest.fixture
+def write_mixed(tmp_path):
+    """Four conversations, the first and third text-only (seed 0's first order is 2, 0, 1, 3)."""
+    import json
+    import shutil
+
+    for name in ("red_bar.png", "green_ellipse.png"):
+        shutil.copy(SHAPES / name, tmp_path / name)
+
+    def image(name, answer):
+        return {"messages": [{"role": "user", "content": [{"type": "image", "image": name},
+                                                          {"type": "text", "text": "What is this?"}]},
+                             {"role": "assistant", "content": answer}]}
+
+    def text(question, answer):
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+    records = [text("Name a colour.", "Blue."), image("red_bar.png", "A red bar."), text("Name a shape.", "A circle."),
+               image("green_ellipse.png", "A green ellipse.")]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 @pytest.mark.parametrize("key", ["pp", "cp", "ep"])
 def test_other_layouts_are_refused_by_name_as_for_llava(tmp_path, key):
     with pytest.raises(ConfigError, match=f"parallel.{key}=2 is invalid: 1 with data.kind=vision_sft"):
