@@ -95,6 +95,14 @@ class QwenVisionConfig:
                  f"a multiple of patch_size x spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
 
 
+def default_mrope_section(head_dim: int) -> list[int]:
+    """Qwen's split of a head's rotary pairs over (temporal, height, width): 3/8 each to height and
+    width, the rest (about 1/4) temporal; [16, 24, 24] for head_dim 128."""
+    half = head_dim // 2
+    side = 3 * half // 8
+    return [half - 2 * side, side, side]
+
+
 @dataclass
 class QwenVLConfig:
     """Qwen2-VL / Qwen2.5-VL: the tower's merged tokens take the places of `image_token_id` placeholders."""

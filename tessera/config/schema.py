@@ -143,7 +143,7 @@ class TrainConfig:
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
-    # data.kind=vision_sft: the vision tower, projector and freeze switches of a LLaVA fine-tune
+    # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
 
 

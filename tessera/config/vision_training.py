@@ -1,23 +1,27 @@
-"""`train.vision_language`: supervised fine-tuning of a vision-language model (LLaVA) on image-text
-conversations (`data.kind=vision_sft`, tessera.data.vision_sft).
+"""`train.vision_language`: supervised fine-tuning of a vision-language model (LLaVA, Qwen2-VL or
+Qwen2.5-VL) on image-text conversations (`data.kind=vision_sft`, tessera.data.vision_sft).
 
     tessera train configs/tiny-llava.yaml
+    tessera train configs/tiny-qwen2-vl.yaml
 
-The model is LLaVA (tessera.models.llava): the `model` section is its language model, this
-section its vision tower and projector. With `train.init_from` a LLaVA HuggingFace directory or a
-Tessera vision-language checkpoint (what `tessera convert` writes from one, or a run of this kind)
-the tower, projector, image token and image processor are that source's and `tower`,
-`image_token_id`, `feature_layer`, `select_strategy` and `projector_act` here are not used; the
-freeze switches always apply. A frozen part's parameters get no gradient and no optimizer state,
-so they stay bit-identical through training.
+The model is `family`'s (tessera.models.llava, tessera.models.qwen_vl): the `model` section is its
+language model (a qwen2 decoder for the Qwen families), this section the image side. With
+`train.init_from` a LLaVA / Qwen2-VL / Qwen2.5-VL HuggingFace directory or a Tessera
+vision-language checkpoint (what `tessera convert` writes from one, or a run of this kind) the
+family, tower, projector, special tokens and image processor are that source's and the fields
+here that describe them are not used (Qwen's `min_pixels` / `max_pixels` still apply: they change
+the preprocessing, not the weights); the freeze switches always apply. A frozen part's parameters
+get no gradient and no optimizer state, so they stay bit-identical through training. For the Qwen
+families the projector is the tower's patch merger, and `freeze_vision_tower` the rest of the tower.
 
 One process, data parallelism (dp_replicate, dp_shard: FSDP over the language model's blocks, the
 tower, projector, embeddings and head in the root's unit) and tensor parallelism of the language
 model (parallel.tp, without sequence parallelism; the tower and projector replicated on the tp
 ranks): tessera.train.vision_language. Pipeline, context and expert parallelism and parallel.sp
 are refused by name, and so are parallel.optimizer=distributed, distillation, EAGLE, FP8, compile,
-recomputation, activation offload and multi-token prediction. Checkpoints and `--resume` work;
-`checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA directory transformers loads.
+recomputation, activation offload and multi-token prediction, for every family. Checkpoints and
+`--resume` work; `checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA / Qwen2-VL /
+Qwen2.5-VL directory transformers loads.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.config.qwen_vl import VERSIONS as QWEN_VERSIONS
+from tessera.config.qwen_vl import QwenVisionConfig
 from tessera.config.vision import ACTIVATIONS, STRATEGIES, VisionConfig
 
 DATA_KIND = "vision_sft"
+FAMILIES = ("llava", *QWEN_VERSIONS)  # llava, qwen2_vl, qwen2_5_vl
 
 
 def _tiny_tower() -> VisionConfig:
@@ -35,10 +42,18 @@ def _tiny_tower() -> VisionConfig:
     return VisionConfig(kind="clip", image_size=16, patch_size=4, dim=32, n_layers=2, n_heads=2, ffn_dim=64)
 
 
+def _tiny_qwen_tower() -> QwenVisionConfig:
+    # a small native-resolution tower: 4x4 patches, 2x2 merged, so a 16x16 image takes 4 tokens
+    return QwenVisionConfig(dim=32, n_layers=2, n_heads=2, ffn_dim=64, patch_size=4, window_size=16)
+
+
 @dataclass
 class VisionLanguageTrainConfig:
     """The vision side of a `data.kind=vision_sft` run, and what of the model trains."""
 
+    # The model built from train.seed when train.init_from holds none: llava (`tower` and the
+    # projector fields below), qwen2_vl or qwen2_5_vl (`qwen_tower`, the vision tokens, mrope_section).
+    family: str = "llava"
     # The vision tower built from train.seed when there is no LLaVA source in train.init_from (a
     # CLIP or SigLIP ViT: tessera.config.vision.VisionConfig's fields). The image processor is the
     # one such a tower ships with (resize and crop to tower.image_size, CLIP's or SigLIP's statistics).
@@ -51,8 +66,24 @@ class VisionLanguageTrainConfig:
     feature_layer: list[int] = field(default_factory=lambda: [-2])
     select_strategy: str = "default"  # default: drop the first token (CLIP's class token); full: keep all
     projector_act: str = "gelu"  # between the projector's two linear layers (one of ACTIVATIONS)
-    freeze_vision_tower: bool = False  # the tower gets no gradient and no optimizer state
-    freeze_projector: bool = False  # the projector likewise
+    # Qwen2-VL / Qwen2.5-VL built from train.seed: the native-resolution tower (QwenVisionConfig's
+    # fields; its version is `family` and its out_dim the model's dim, both set here).
+    qwen_tower: QwenVisionConfig = field(default_factory=_tiny_qwen_tower)
+    # The tokens Qwen's chat template writes around each image's placeholders; None = the language
+    # model's third-to-last and second-to-last ids (the video token, written to config.json only,
+    # is the fourth-to-last).
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    # M-RoPE's rotary pairs per (temporal, height, width) coordinate, summing to head_dim / 2; None =
+    # Qwen's proportions (1/4, 3/8, 3/8: [16, 24, 24] for head_dim 128).
+    mrope_section: list[int] | None = None
+    # Qwen's image processor's pixel range (smart_resize keeps an image's area within it, so it
+    # bounds each image's tokens: area / (patch_size x merge)^2); None = the source's processor's,
+    # else Qwen's defaults (56 x 56 and 28 x 28 x 1280). Used with train.init_from too.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    freeze_vision_tower: bool = False  # the tower gets no gradient and no optimizer state (Qwen: all but the merger)
+    freeze_projector: bool = False  # the projector likewise (Qwen: the patch merger)
     freeze_language_model: bool = False  # the language model likewise (its embeddings and head included)
 
 
@@ -61,6 +92,13 @@ def validate_vision_language(cfg: Any, need: Any) -> None:
     v, t, p = cfg.train.vision_language, cfg.train, cfg.parallel
     if cfg.data.kind != DATA_KIND:
         return
+    need(v.family in FAMILIES, "train.vision_language.family", v.family, f"one of {', '.join(FAMILIES)}")
+    for key in ("min_pixels", "max_pixels"):
+        need(getattr(v, key) is None or getattr(v, key) > 0, f"train.vision_language.{key}", getattr(v, key),
+             "null or a positive number of pixels")
+    if v.min_pixels is not None and v.max_pixels is not None:
+        need(v.min_pixels <= v.max_pixels, "train.vision_language.min_pixels", v.min_pixels,
+             f"at most max_pixels={v.max_pixels}")
     need(v.select_strategy in STRATEGIES, "train.vision_language.select_strategy", v.select_strategy,
          f"one of {', '.join(STRATEGIES)}")
     need(v.projector_act in ACTIVATIONS, "train.vision_language.projector_act", v.projector_act,

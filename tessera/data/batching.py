@@ -33,13 +33,16 @@ class Batch:
     """`tokens`: int64 `[B, seq_len + 1]`; `loss_mask`: bool, same shape, True where a token counts.
 
     A model reads `inputs` and is scored on `targets` where `target_mask` is True. `pixel_values`:
-    a vision-language batch's images, one float32 `[N_i, C, H, W]` per row (N_i may be 0), in the
-    order of the row's image placeholders; None for text.
+    a vision-language batch's images, one float32 tensor per row in the order of the row's image
+    placeholders: LLaVA's `[N_i, C, H, W]` (N_i may be 0), Qwen2-VL's patch rows `[P_i, C x T x
+    p^2]` of its images together, with `image_grid_thw` `[N_i, 3]` per row beside them (each
+    image's patch grid, which decides its size and positions); None for text (grids: None but Qwen's).
     """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
     pixel_values: list[torch.Tensor] | None = None
+    image_grid_thw: list[torch.Tensor] | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -61,7 +64,10 @@ def collate(samples: list[Sample]) -> Batch:
                      for s in samples])
     # vision-language samples (tessera.data.vision_sft.VisionSample) carry their images
     pixels = [torch.from_numpy(s.pixels) for s in samples] if hasattr(samples[0], "pixels") else None
-    return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask), pixel_values=pixels)
+    grids = ([torch.from_numpy(s.grids) for s in samples] if getattr(samples[0], "grids", None) is not None
+             else None)
+    return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask), pixel_values=pixels,
+                 image_grid_thw=grids)
 
 
 class BatchIterator:

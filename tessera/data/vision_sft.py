@@ -1,4 +1,5 @@
-"""Image-text conversations for supervised fine-tuning of a vision-language model (LLaVA).
+"""Image-text conversations for supervised fine-tuning of a vision-language model (LLaVA, Qwen2-VL,
+Qwen2.5-VL).
 
 Each JSONL record is one conversation, in one of two formats:
 
@@ -12,16 +13,19 @@ Each JSONL record is one conversation, in one of two formats:
 An image SRC is a path relative to the JSONL file (or absolute), a `file://` url, or a `data:`
 url (base64). http(s) is refused: training never downloads. Images are decoded by Pillow as
 untrusted input and turned into pixel values by the model's image processor
-(tessera/data/image_processor.py).
+(tessera/data/image_processor.py; Qwen's: tessera/data/qwen_image_processor.py).
 
 A conversation is rendered with the tokenizer's chat template (or `PLAIN_CHAT_TEMPLATE`) with the
 text `<image>` where each image goes; the text between images is tokenized piece by piece and
-each image becomes `tokens_per_image` copies of the model's image token, exactly as the server
-tokenizes a chat request (tessera/infer/server.py, `encode_around`), so a model is trained on the
-token sequences it is served. The loss mask is 1 on the assistant answers only (tessera.data.sft:
-the same spans), never on image placeholders. One conversation is one sample of `seq_len + 1`
-tokens, padded with token 0 (masked); a longer one is refused with a DataError naming it (an image
-must never be cut).
+each image becomes its tokens, exactly as the server tokenizes a chat request
+(tessera/infer/server.py, `encode_around`, then the engine's placeholders), so a model is trained
+on the token sequences it is served: for LLaVA (`load_vision_sft`) `tokens_per_image` copies of
+the image token; for Qwen2-VL / Qwen2.5-VL (`load_qwen_vision_sft`) the vision start token, the
+image's own number of image tokens (its patch grid from Qwen's processor, t x h x w / merge^2) and
+the vision end token, what Qwen's chat template and processor write for an image part. The loss
+mask is 1 on the assistant answers only (tessera.data.sft: the same spans), never on image
+tokens. One conversation is one sample of `seq_len + 1` tokens, padded with token 0 (masked); a
+longer one is refused with a DataError naming it (an image must never be cut).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import binascii
 import math
 import os
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,6 +44,7 @@ import numpy as np
 from tessera.config.errors import DataError, ImageError
 from tessera.data.documents import expand_inputs, iter_jsonl
 from tessera.data.image_processor import ImageProcessor, decode_image
+from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.sft import ANSWER_ROLE, render_with_answer_spans
 from tessera.data.tokenizer import Tokenizer
 
@@ -48,11 +53,14 @@ LLAVA_ROLES = {"human": "user", "gpt": ANSWER_ROLE, "system": "system"}
 
 
 class VisionSample(NamedTuple):
-    """A `Sample` (tessera.data.sampling) with its images: float32 `pixels` [N, C, H, W] (N may be 0)."""
+    """A `Sample` (tessera.data.sampling) with its images: float32 `pixels`, LLaVA's [N, C, H, W] (N
+    may be 0) or Qwen's patch rows [P, C x T x p^2] of all its images, with their int64 `grids`
+    [N, 3] (None for LLaVA)."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     pixels: np.ndarray
+    grids: np.ndarray | None = None
 
 
 def read_image_source(src: Any, base: Path, where: str) -> bytes:
@@ -136,60 +144,113 @@ def vision_conversation(record: dict[str, Any], where: str) -> tuple[list[dict[s
     return messages, images
 
 
-def tokenize_with_images(tokenizer: Tokenizer, messages: list[dict[str, str]], image_token_id: int,
-                         tokens_per_image: int, chat_template: str | None = None,
+def tokenize_with_images(tokenizer: Tokenizer, messages: list[dict[str, str]], images: list[list[int]],
+                         reserved: set[int], chat_template: str | None = None,
                          where: str = "record") -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation, each `IMAGE_MARK` widened to `tokens_per_image`
-    image tokens, and the 0/1 answer mask (module docstring)."""
+    """Token ids of the rendered conversation, the k-th `IMAGE_MARK` replaced by `images[k]` (that
+    image's tokens), and the 0/1 answer mask (module docstring). Text that tokenizes to a `reserved`
+    id (the image tokens) is refused: an image's place must come from an image only."""
     text, spans = render_with_answer_spans(tokenizer, messages, chat_template, where)
     ids: list[int] = []
     mask: list[int] = []
     pos = 0
     for k, piece in enumerate(text.split(IMAGE_MARK)):
         if k:
-            ids += [image_token_id] * tokens_per_image
-            mask += [0] * tokens_per_image
+            ids += images[k - 1]
+            mask += [0] * len(images[k - 1])
             pos += len(IMAGE_MARK)
         if piece:
             piece_ids, offsets = tokenizer.encode_with_offsets(piece, add_special_tokens=False)
-            if image_token_id in piece_ids:
-                raise DataError(f"{where}: the text tokenizes to the image token id {image_token_id}; the image "
-                                "token must be one no text gives (train.vision_language.image_token_id)")
+            clash = reserved.intersection(piece_ids)
+            if clash:
+                raise DataError(f"{where}: the text tokenizes to the image token id(s) {sorted(clash)}; the image "
+                                "tokens must be ones no text gives (train.vision_language.image_token_id, and "
+                                "vision_start_token_id / vision_end_token_id for Qwen2-VL)")
             ids += piece_ids
             mask += [int(any(pos + s < b and pos + e > a for a, b in spans)) for s, e in offsets]
         pos += len(piece)
     return ids, mask
 
 
-def load_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: ImageProcessor,
-                    image_token_id: int, tokens_per_image: int, seq_len: int,
-                    chat_template: str | None = None) -> list[VisionSample]:
-    """Every conversation of the JSONL `inputs` as a sample of `seq_len + 1` tokens with its mask and
-    its images' pixel values [N, C, H, W] (N = 0 for a text-only conversation)."""
-    shape = (3, *processor.output_size())
+# (the images' decoded sources, where) -> (pixels, grids or None, each image's tokens)
+ImageEncoder = Callable[[list[Any], str], tuple[np.ndarray, np.ndarray | None, list[list[int]]]]
+
+
+def _load(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, encode: ImageEncoder, reserved: set[int],
+          seq_len: int, chat_template: str | None) -> list[VisionSample]:
+    """Every conversation of the JSONL `inputs` as a sample, its images made by `encode`."""
     samples = []
     for path in expand_inputs(inputs, suffixes=(".jsonl",)):
         for number, record, _ in iter_jsonl(path):
             where = f"{path}:{number}"
             messages, sources = vision_conversation(record, where)
-            ids, mask = tokenize_with_images(tokenizer, messages, image_token_id, tokens_per_image, chat_template,
-                                             where)
-            if len(ids) > seq_len + 1:
-                raise DataError(f"{where}: the conversation takes {len(ids)} tokens with its {len(sources)} image(s) "
-                                f"({tokens_per_image} tokens each), more than train.seq_len + 1 = {seq_len + 1}; "
-                                "raise train.seq_len or shorten the conversation (an image is never cut)")
-            pixels = np.zeros((len(sources), *shape), dtype=np.float32)
+            images = []
             for k, src in enumerate(sources):
                 try:
-                    pixels[k] = processor(decode_image(read_image_source(src, path.parent, where)))
+                    images.append(decode_image(read_image_source(src, path.parent, where)))
                 except ImageError as e:
                     raise DataError(f"{where}: image {k + 1}: {e}") from None
+            try:
+                pixels, grids, image_ids = encode(images, where)
+            except ImageError as e:
+                raise DataError(f"{where}: {e}") from None
+            ids, mask = tokenize_with_images(tokenizer, messages, image_ids, reserved, chat_template, where)
+            if len(ids) > seq_len + 1:
+                raise DataError(f"{where}: the conversation takes {len(ids)} tokens with its {len(sources)} image(s) "
+                                f"({sum(map(len, image_ids))} image tokens), more than train.seq_len + 1 = "
+                                f"{seq_len + 1}; raise train.seq_len or shorten the conversation (an image is never "
+                                "cut)")
             pad = seq_len + 1 - len(ids)
             samples.append(VisionSample(np.array(ids + [0] * pad, dtype=np.int64),
-                                  np.array(mask + [0] * pad, dtype=bool), pixels))
+                                        np.array(mask + [0] * pad, dtype=bool), pixels, grids))
     if not samples:
         raise DataError(f"no conversations found in {', '.join(str(p) for p in inputs)}")
     return samples
+
+
+def load_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: ImageProcessor,
+                    image_token_id: int, tokens_per_image: int, seq_len: int,
+                    chat_template: str | None = None) -> list[VisionSample]:
+    """LLaVA: every conversation of the JSONL `inputs` as a sample of `seq_len + 1` tokens with its
+    mask and its images' pixel values [N, C, H, W] (N = 0 for a text-only conversation)."""
+    shape = (3, *processor.output_size())
+
+    def encode(images: list[Any], where: str) -> tuple[np.ndarray, None, list[list[int]]]:
+        pixels = np.zeros((len(images), *shape), dtype=np.float32)
+        for k, image in enumerate(images):
+            try:
+                pixels[k] = processor(image)
+            except ImageError as e:
+                raise ImageError(f"image {k + 1}: {e}") from None
+        return pixels, None, [[image_token_id] * tokens_per_image for _ in images]
+
+    return _load(inputs, tokenizer, encode, {image_token_id}, seq_len, chat_template)
+
+
+def load_qwen_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: QwenImageProcessor,
+                         image_token_id: int, vision_start_token_id: int, vision_end_token_id: int, seq_len: int,
+                         chat_template: str | None = None) -> list[VisionSample]:
+    """Qwen2-VL / Qwen2.5-VL: every conversation of the JSONL `inputs` as a sample of `seq_len + 1`
+    tokens with its mask, its images' patch rows [P, C x T x p^2] (all its images, in order) and
+    their grids [N, 3]; each image is vision start, its t x h x w / merge^2 image tokens, vision end."""
+    rows = 3 * processor.temporal_patch_size * processor.patch_size**2
+
+    def encode(images: list[Any], where: str) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+        pixels, grids = [], []
+        for k, image in enumerate(images):
+            try:
+                p, grid = processor(image)
+            except ImageError as e:
+                raise ImageError(f"image {k + 1}: {e}") from None
+            pixels.append(p)
+            grids.append(grid)
+        ids = [[vision_start_token_id] + [image_token_id] * (t * h * w // processor.merge_size**2)
+               + [vision_end_token_id] for t, h, w in grids]
+        values = np.concatenate(pixels) if pixels else np.zeros((0, rows), dtype=np.float32)
+        return values, np.array(grids, dtype=np.int64).reshape(-1, 3), ids
+
+    reserved = {image_token_id, vision_start_token_id, vision_end_token_id}
+    return _load(inputs, tokenizer, encode, reserved, seq_len, chat_template)
 
 
 class VisionSFTDataset:

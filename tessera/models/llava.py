@@ -80,6 +80,20 @@ class VisionLanguageModel(nn.Module):
         own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
         init_by_name(own, norms, seed, self.cfg.text.init_std)
 
+    def image_side_in_graph(self, h: torch.Tensor) -> torch.Tensor:
+        """`h`, in training with gradients on, plus 0 x the image side's trainable parameters: a
+        forward without image rows still gives each of them a (zero) gradient. Under data
+        parallelism every rank reduces the gradients its parameters hold, so a rank whose rows were
+        all text would otherwise leave the tower's out and reduce another set than its peers (gloo
+        fails, NCCL hangs); one process follows the same rule, so a step without images anywhere
+        steps the optimizer alike in both."""
+        if not (self.training and torch.is_grad_enabled()):
+            return h
+        params = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("language_model.")]
+        if not params:
+            return h
+        return h + 0.0 * torch.stack([p.sum() for p in params]).sum().to(h.dtype)
+
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """The language model's RoPE frequencies (after building on the meta device)."""
         self.language_model.reset_rope(device)
@@ -122,4 +136,6 @@ class Llava(VisionLanguageModel):
         h = self.language_model.tok_embeddings(input_ids)
         if image_features is not None:  # else text only: a generated placeholder id is a plain token
             h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
+        if not image_features:
+            h = self.image_side_in_graph(h)
         return self.language_model(h, positions=positions, cache=cache, targets=targets)

@@ -107,4 +107,6 @@ class QwenVL(VisionLanguageModel):
             h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
             if positions is None:
                 positions = self.rope_positions(input_ids, image_grid_thw)
+        if not image_features:
+            h = self.image_side_in_graph(h)
         return self.language_model(h, positions=positions, cache=cache, targets=targets)

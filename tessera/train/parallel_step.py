@@ -53,7 +53,7 @@ from tessera.train.step_engine import (
     update_parts_expert_bias,
 )
 from tessera.train.step_stats import reduce_over_ranks, step_result
-from tessera.train.vision_language import rank_images
+from tessera.train.vision_language import rank_image_grids, rank_images
 
 
 def rank_rows(batch: Batch, dims: ParallelDims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +72,8 @@ def padded_batch(batch: Batch, rows: int) -> Batch:
     tokens = torch.cat([batch.tokens, batch.tokens[:1].expand(missing, -1)])
     mask = torch.cat([batch.loss_mask, torch.zeros(missing, batch.loss_mask.shape[1], dtype=torch.bool)])
     pixels = None if batch.pixel_values is None else batch.pixel_values + batch.pixel_values[:1] * missing
-    return Batch(tokens=tokens, loss_mask=mask, pixel_values=pixels)
+    grids = None if batch.image_grid_thw is None else batch.image_grid_thw + batch.image_grid_thw[:1] * missing
+    return Batch(tokens=tokens, loss_mask=mask, pixel_values=pixels, image_grid_thw=grids)
 
 
 class ParallelStep:
@@ -96,7 +97,7 @@ class ParallelStep:
         local = accumulate_micro_batches(
             self.model, inputs, targets, self.mb, n_loss_tokens, micro_batches, self.device, self.autocast_dtype,
             before_backward=self._sync_gradients, loss_scaler=self.loss_scaler, distiller=self.distiller,
-            pixels=rank_images(batch, self.dims))
+            pixels=rank_images(batch, self.dims), grids=rank_image_grids(batch, self.dims))
         if self.distiller is not None and self.distiller.hidden is not None:
             self.distiller.hidden.reduce_gradients(self.dims)  # the projections, replicated on every rank
         stats = reduce_over_ranks(local, self.dims)
@@ -120,7 +121,7 @@ class ParallelStep:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches, summed over ranks."""
         padded = (padded_batch(b, self.global_batch_size) for b in batches)
-        rows = ((*rank_rows(b, self.dims), rank_images(b, self.dims)) for b in padded)
+        rows = ((*rank_rows(b, self.dims), rank_images(b, self.dims), rank_image_grids(b, self.dims)) for b in padded)
         total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         both = global_sum(torch.stack([total, torch.tensor(float(n), dtype=torch.float64)]), self.dims,
                           token_dim(self.dims))

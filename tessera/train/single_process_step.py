@@ -57,7 +57,8 @@ class SingleProcessStep:
         stats = accumulate_micro_batches(
             self.model, batch.inputs[:rows], targets[:rows], self.mb, n_loss_tokens, self.accumulation,
             self.device, self.autocast_dtype, forward=forward, loss_scaler=self.loss_scaler,
-            distiller=self.distiller, pixels=batch.pixel_values[:rows] if batch.pixel_values is not None else None)
+            distiller=self.distiller, pixels=batch.pixel_values[:rows] if batch.pixel_values is not None else None,
+            grids=batch.image_grid_thw[:rows] if batch.image_grid_thw is not None else None)
         return step_result(stats, n_loss_tokens, self.accumulation, int(batch.inputs.numel()))
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -68,6 +69,7 @@ class SingleProcessStep:
 
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         """(sum of token losses, loss tokens) over the validation batches."""
-        rows = ((b.inputs, masked_targets(b.targets, b.target_mask), b.pixel_values) for b in batches)
+        rows = ((b.inputs, masked_targets(b.targets, b.target_mask), b.pixel_values, b.image_grid_thw)
+                for b in batches)
         total, n = loss_sum_over_rows(self.model, rows, self.mb, self.device, self.autocast_dtype)
         return float(total), n

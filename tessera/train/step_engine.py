@@ -78,7 +78,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
                              forward: Callable[..., Any] | None = None,
                              loss_scaler: DynamicLossScaler | None = None,
                              distiller: Distiller | None = None,
-                             pixels: list[torch.Tensor] | None = None) -> StepStats:
+                             pixels: list[torch.Tensor] | None = None,
+                             grids: list[torch.Tensor] | None = None) -> StepStats:
     """Forward and backward of every micro-batch of this rank's rows, in order; their statistics.
 
     `before_backward(last)` runs before each micro-batch's forward (`last`: the rank's final one),
@@ -88,8 +89,9 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
     (train.distill) the teacher runs forward on the same micro-batch and the objective mixes its
     KD term in (distill_loss.py), and the hidden-state matching term with `distiller.hidden`
     (hidden_match.py); the student then returns logits, never the chunked loss. `pixels` (a
-    vision-language batch: one [N_i, C, H, W] per row of `inputs`) go to the model's forward as the
-    micro-batch's `pixel_values`, its rows' images in order."""
+    vision-language batch: one tensor per row of `inputs`) go to the model's forward as the
+    micro-batch's `pixel_values`, its rows' images in order, and `grids` (Qwen2-VL's, one [N_i, 3]
+    per row) as its `image_grid_thw` (`micro_batch_images`)."""
     forward = forward if forward is not None else model
     stats = StepStats()
     accumulation = inputs.shape[0] // micro_batch_size
@@ -99,7 +101,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         y = targets[rows].to(device, non_blocking=True)
         if before_backward is not None:
             before_backward(i == accumulation - 1)
-        images = {} if pixels is None else {"pixel_values": torch.cat(pixels[rows]).to(device)}
+        images = micro_batch_images(pixels, grids, rows, device)
         with mixed_precision(device, autocast_dtype):
             out = forward(x, targets=y, **images) if distiller is None else forward(x)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
@@ -123,6 +125,18 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
     return stats
 
 
+def micro_batch_images(pixels: list[torch.Tensor] | None, grids: list[torch.Tensor] | None, rows: slice,
+                       device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's image arguments for the micro-batch `rows` of a batch's per-row images: none for
+    text, `pixel_values` (the rows' images in order) and, with `grids`, `image_grid_thw`."""
+    if pixels is None:
+        return {}
+    images = {"pixel_values": torch.cat(pixels[rows]).to(device)}
+    if grids is not None:  # the grids stay where the model reads them to place and position the images
+        images["image_grid_thw"] = torch.cat(grids[rows])
+    return images
+
+
 def model_loss_sum(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """The micro-batch's token-loss sum: the model's own (chunked LM-head loss, when it computed
     one) or `token_loss_sum` of its logits."""
@@ -134,15 +148,16 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, ...]
                        device: torch.device, autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, int]:
     """(fp64 sum of token losses, loss tokens) of `model` over every (inputs, targets) of `rows`,
     micro-batch by micro-batch, summed in that order; a third element, when a row has one, is its
-    vision-language batch's pixel values (one tensor per row, as `accumulate_micro_batches` takes)."""
+    vision-language batch's pixel values (one tensor per row, as `accumulate_micro_batches` takes)
+    and a fourth its image grids (Qwen2-VL's; None otherwise)."""
     total = torch.zeros((), dtype=torch.float64)
     n = 0
-    for inputs, targets, *pixels in rows:
+    for inputs, targets, *images_of in rows:
+        pixels, grids = (list(images_of) + [None, None])[:2]
         for i in range(0, inputs.shape[0], micro_batch_size):
             x = inputs[i:i + micro_batch_size].to(device)
             y = targets[i:i + micro_batch_size].to(device)
-            images = ({"pixel_values": torch.cat(pixels[0][i:i + micro_batch_size]).to(device)}
-                      if pixels and pixels[0] is not None else {})
+            images = micro_batch_images(pixels, grids, slice(i, i + micro_batch_size), device)
             with mixed_precision(device, autocast_dtype):
                 out = model(x, targets=y, **images)
             total += model_loss_sum(out, y).double().cpu()

@@ -91,7 +91,7 @@ def training_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimize
     state = {"model": model_sd, "optim": optim_sd, "trainer": json.dumps(trainer_state),
              "rng": {f"rank{rank}": json.dumps(encode_rng_state(capture_rng_state()))}}
     meta = {"config": cfg.to_dict(), "layout": layout_signature(cfg, world_size)}
-    if is_vision_run(cfg):  # the LLaVA config and image processor, for tessera convert / export_hf
+    if is_vision_run(cfg):  # the LLaVA / Qwen-VL config and image processor, for tessera convert / export_hf
         meta["vision_language"] = vision_language_entry(cfg)
     return state, meta
 

@@ -126,7 +126,7 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
     CheckpointError naming the file; the refusal rules and crash safety are `save_pretrained`'s:
     a failed export leaves any earlier `out_dir` as it was."""
     found = ckpt.verified(ckpt.resolve_checkpoint(checkpoint))
-    if isinstance(ckpt.read_meta(found).get("vision_language"), dict):  # a LLaVA run: written whole
+    if isinstance(ckpt.read_meta(found).get("vision_language"), dict):  # a LLaVA / Qwen-VL run: written whole
         return _export_llava(found, out_dir, dtype, tokenizer, max_shard_bytes)
     cfg = stored_model_config(found)
     check_exportable(cfg)
