@@ -11,13 +11,16 @@ the tower, projector, image token and image processor are that source's and `tow
 freeze switches always apply. A frozen part's parameters get no gradient and no optimizer state,
 so they stay bit-identical through training.
 
-One process, data parallelism (dp_replicate, dp_shard: FSDP over the language model's blocks, the
-tower, projector, embeddings and head in the root's unit) and tensor parallelism of the language
-model (parallel.tp, without sequence parallelism; the tower and projector replicated on the tp
-ranks): tessera.train.vision_language. Pipeline, context and expert parallelism and parallel.sp
-are refused by name, and so are parallel.optimizer=distributed, distillation, EAGLE, FP8, compile,
-recomputation, activation offload and multi-token prediction. Checkpoints and `--resume` work;
-`checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA directory transformers loads.
+One process and every layout of the language model (tessera.parallel.vision_language): data
+parallelism (dp_replicate, dp_shard: FSDP over the language model's blocks, the tower, projector,
+embeddings and head in the root's unit; or parallel.optimizer=distributed), tensor parallelism with
+or without parallel.sp (the tower and projector replicated on the tp ranks, the image rows merged
+before the sequence is cut), context parallelism (each cp rank encodes the micro-batch's images and
+keeps its chunk's rows), expert parallelism of an MoE language model, and pipeline parallelism (the
+tower and projector on the first stage, which alone gets the images). Distillation, EAGLE, FP8,
+compile, recomputation, activation offload and multi-token prediction are refused by name.
+Checkpoints and `--resume` work, also across layouts; `checkpoint.export_hf` and
+`tessera convert RUN OUT` write a LLaVA directory transformers loads.
 """
 
 from __future__ import annotations
@@ -69,12 +72,6 @@ def validate_vision_language(cfg: Any, need: Any) -> None:
          "train.vision_language.freeze_language_model", True,
          "at most two of freeze_vision_tower, freeze_projector, freeze_language_model (nothing would train)")
     what = "vision-language fine-tuning (data.kind=vision_sft)"
-    for key in ("pp", "cp", "ep"):
-        need(getattr(p, key) == 1, f"parallel.{key}", getattr(p, key),
-             f"1 with data.kind={DATA_KIND} (vision-language fine-tuning runs in one process, under dp_replicate / "
-             "dp_shard and under tp without sequence parallelism)")
-    need(not p.sp, "parallel.sp", p.sp, f"false with {what} (the image features are merged into the whole sequence)")
-    need(p.optimizer == "fsdp", "parallel.optimizer", p.optimizer, f"fsdp with {what}")
     need(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher, f"null with {what}")
     need(t.eagle.target is None, "train.eagle.target", t.eagle.target, f"null with {what}")
     need(not t.fp8, "train.fp8", t.fp8, f"false with {what}")

@@ -2,13 +2,16 @@
 
     llava_cfg, processor = vision_model_config(cfg)     # from train.init_from's LLaVA, else the config
     model = build_vision_model(cfg, device, init_from)  # a Llava, its frozen parts frozen
-    parallelize_vision(model, dims, ...)                # on ranks: tp of the language model, FSDP
 
 The model is built whole on every rank (no meta-device build: each rank holds the whole model
-until the layout cuts it), then cut by the layout. The step engines need nothing of their own for
-it beyond each rank's images (`rank_images`): a batch's `pixel_values` reach
-`Llava.forward(input_ids, pixel_values=..., targets=...)` (step_engine.accumulate_micro_batches),
-which encodes the images and puts their features at the image placeholders. A checkpoint's
+until the layout cuts it), then cut by the layout (tessera.train.builder): every layout of the
+language model (dp_replicate, dp_shard, tp with or without sp, cp, ep, pp), the tower and
+projector beside it and on the first pipeline stage only (tessera.parallel.vision_language). The
+step engines need nothing of their own for it beyond each rank's images (`rank_images`): a batch's
+`pixel_values` reach `Llava.forward(input_ids, pixel_values=..., targets=...)`
+(step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's rows at a
+time: pipeline_step.PipelineStep), which encodes the images and puts their features at the image
+placeholders. A checkpoint's
 meta.json holds the LLaVA config and image processor (`vision_language_entry`, the entry
 tessera.checkpoint.dcp.vision_language reads), so `tessera convert` and `checkpoint.export_hf`
 write a LLaVA directory from it.
@@ -26,10 +29,8 @@ from tessera.config.vision_training import DATA_KIND
 from tessera.data.batching import Batch
 from tessera.data.image_processor import ImageProcessor
 from tessera.models.llava import Llava
-from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.data_parallel_batch import dp_rows
 from tessera.parallel.dims import ParallelDims
-from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
                 "freeze_language_model": "language_model"}
@@ -122,26 +123,6 @@ def unused_tower_modules(model: Llava) -> list[torch.nn.Module]:
     tower = model.vision_tower
     deepest = max(model.cfg.feature_layers)
     return [block for key, block in tower.layers.items() if int(key) >= deepest] + [tower.post_norm]
-
-
-def parallelize_vision(model: Llava, dims: ParallelDims, param_dtype: torch.dtype, zero_stage: int,
-                       device_type: str) -> Llava:
-    """`model` under the layouts the config allows: tensor parallelism of the language model (its
-    plans, without sequence parallelism: the embedding's output is the whole sequence, where the
-    image rows are merged; the tower and projector are replicated, and the gradient reaching them
-    is whole on every tp rank), then FSDP over the language model's blocks and one root unit over
-    the rest (tower, projector, embeddings, final norm, head), which `Llava.forward` uses before the
-    language model runs. Every rank built the same whole model from the seed (or read it), so the
-    shards are one process's weights."""
-    dims.validate(model.cfg.text, dims.world_size)
-    if dims.mesh is None:
-        dims.build_mesh(device_type)
-    if dims.tp > 1:
-        apply_tensor_parallel(model.language_model, dims["tp"], sp=False)
-    if needs_data_parallel(dims, param_dtype):
-        apply_data_parallel(model, dims, zero_stage, param_dtype, torch.float32,
-                            blocks=model.language_model.layers)
-    return model
 
 
 def rank_images(batch: Batch, dims: ParallelDims | None) -> list[torch.Tensor] | None:
