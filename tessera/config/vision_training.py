@@ -14,13 +14,20 @@ the preprocessing, not the weights); the freeze switches always apply. A frozen 
 get no gradient and no optimizer state, so they stay bit-identical through training. For the Qwen
 families the projector is the tower's patch merger, and `freeze_vision_tower` the rest of the tower.
 
-One process, data parallelism (dp_replicate, dp_shard: FSDP over the language model's blocks, the
-tower, projector, embeddings and head in the root's unit) and tensor parallelism of the language
-model (parallel.tp, without sequence parallelism; the tower and projector replicated on the tp
-ranks): tessera.train.vision_language. Pipeline, context and expert parallelism and parallel.sp
-are refused by name, and so are parallel.optimizer=distributed, distillation, EAGLE, FP8, compile,
-recomputation, activation offload and multi-token prediction, for every family. Checkpoints and
-`--resume` work; `checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA / Qwen2-VL /
+LLaVA trains in one process and under every layout of its language model
+(tessera.parallel.vision_language): data parallelism (dp_replicate, dp_shard: FSDP over the
+language model's blocks, the tower, projector, embeddings and head in the root's unit; or
+parallel.optimizer=distributed), tensor parallelism with or without parallel.sp (the tower and
+projector replicated on the tp ranks, the image rows merged before the sequence is cut), context
+parallelism (each cp rank encodes the micro-batch's images and keeps its chunk's rows), expert
+parallelism of an MoE language model, and pipeline parallelism (the tower and projector on the
+first stage, which alone gets the images). Qwen2-VL / Qwen2.5-VL train in one process, under data
+parallelism and under tensor parallelism without sp; their M-RoPE positions are computed from the
+whole rows, which pipeline stages, cp chunks and sp slices do not carry yet, so pp, cp, ep, sp and
+the distributed optimizer are refused by name for them (`refuse_qwen_layouts`, also when the family
+comes from train.init_from). Distillation, EAGLE, FP8, compile, recomputation, activation offload
+and multi-token prediction are refused by name for every family. Checkpoints and `--resume` work,
+also across layouts; `checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA / Qwen2-VL /
 Qwen2.5-VL directory transformers loads.
 """
 
@@ -107,12 +114,8 @@ def validate_vision_language(cfg: Any, need: Any) -> None:
          "train.vision_language.freeze_language_model", True,
          "at most two of freeze_vision_tower, freeze_projector, freeze_language_model (nothing would train)")
     what = "vision-language fine-tuning (data.kind=vision_sft)"
-    for key in ("pp", "cp", "ep"):
-        need(getattr(p, key) == 1, f"parallel.{key}", getattr(p, key),
-             f"1 with data.kind={DATA_KIND} (vision-language fine-tuning runs in one process, under dp_replicate / "
-             "dp_shard and under tp without sequence parallelism)")
-    need(not p.sp, "parallel.sp", p.sp, f"false with {what} (the image features are merged into the whole sequence)")
-    need(p.optimizer == "fsdp", "parallel.optimizer", p.optimizer, f"fsdp with {what}")
+    if v.family != "llava":
+        refuse_qwen_layouts(p, need)
     need(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher, f"null with {what}")
     need(t.eagle.target is None, "train.eagle.target", t.eagle.target, f"null with {what}")
     need(not t.fp8, "train.fp8", t.fp8, f"false with {what}")
@@ -123,3 +126,14 @@ def validate_vision_language(cfg: Any, need: Any) -> None:
     for i, entry in enumerate(cfg.data.datasets):
         need(entry.weight == 1.0, f"data.datasets[{i}].weight", entry.weight,
              f"1.0 with {what} (the JSONL files' records are read in turn, not blended)")
+
+
+def refuse_qwen_layouts(p: Any, need: Any) -> None:
+    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take yet (module docstring), refused by
+    name; `need(ok, key, value, allowed)` raises (tessera.config.schema's, or a ConfigError raiser)."""
+    for key in ("pp", "cp", "ep"):
+        need(getattr(p, key) == 1, f"parallel.{key}", getattr(p, key),
+             f"1 with data.kind={DATA_KIND} on Qwen2-VL / Qwen2.5-VL (M-RoPE positions come from whole rows)")
+    need(not p.sp, "parallel.sp", p.sp, "false with vision-language fine-tuning of Qwen2-VL / Qwen2.5-VL")
+    need(p.optimizer == "fsdp", "parallel.optimizer", p.optimizer,
+         "fsdp with vision-language fine-tuning of Qwen2-VL / Qwen2.5-VL")

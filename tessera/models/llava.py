@@ -15,6 +15,13 @@ without knowing the family:
 
 A family with its own positions for image tokens (Qwen2-VL's M-RoPE) keeps these two calls and
 passes its positions through `forward`'s `positions`, as context parallelism does for text.
+
+Training layouts reach LLaVA through two seams, installed from outside
+(tessera.parallel.vision_language): `sequence` (a `TokenSequence`: the whole sequence's ids from the
+ones this rank holds, and this rank's rows of the merged embeddings; context and sequence
+parallelism cut the sequence only after the image rows are in it), and a pipeline stage's cut
+(tessera.parallel.pipeline: the tower and projector stay on the first stage, a later stage's
+`forward` receives the previous stage's hidden states and hands them to its layers).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from tessera.config.errors import ModelError
 from tessera.config.vision import LlavaConfig
 from tessera.models.attention import AttentionCache
+from tessera.models.mtp import TokenSequence
 from tessera.models.norm import RMSNorm
 from tessera.models.transformer import ModelOutput, Transformer, init_by_name
 from tessera.models.vision_tower import VisionTransformer, activation
@@ -38,8 +46,9 @@ def merge_image_features(embeds_BSD: torch.Tensor, input_ids: torch.Tensor, imag
     placeholders = int(mask.sum())
     rows = sum(int(f.shape[0]) for f in features)
     if placeholders != rows:
+        images = sum(1 for f in features if f.shape[0])  # an empty tensor: no image (it keeps the tower in the graph)
         raise ModelError(f"the prompt has {placeholders} image placeholder tokens (id {image_token_id}) but its "
-                         f"{len(features)} image(s) give {rows} feature rows; each image needs exactly its rows")
+                         f"{images} image(s) give {rows} feature rows; each image needs exactly its rows")
     if not features:
         return embeds_BSD
     flat = torch.cat(features).to(embeds_BSD.dtype)
@@ -103,6 +112,10 @@ class VisionLanguageModel(nn.Module):
         self.language_model.cast(dtype, device)
         return self
 
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """The language model's aux-loss-free balancing step (an MoE language model's routers)."""
+        self.language_model.update_expert_bias(counts)
+
 
 class Llava(VisionLanguageModel):
     def __init__(self, cfg: LlavaConfig, init_seed: int | None = 0):
@@ -111,6 +124,8 @@ class Llava(VisionLanguageModel):
         self.vision_tower = VisionTransformer(cfg.vision)
         self.projector = LlavaProjector(cfg)
         self.language_model = Transformer(cfg.text, init_seed=None)
+        # Where this rank's tokens sit in the whole sequence (module docstring): all of it on one process.
+        self.sequence = TokenSequence()
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -118,24 +133,46 @@ class Llava(VisionLanguageModel):
         """One [image_tokens, D] tensor of language-model input rows per image (module docstring)."""
         if pixels_NCHW.shape[0] == 0:
             return []
+        return list(self.image_rows(pixels_NCHW).split(self.cfg.image_tokens))
+
+    def image_rows(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
+        """Every image's rows, in order: [N x image_tokens, D]. With N = 0 the tower and projector
+        still run (on nothing), so the empty result depends on their parameters."""
         hidden = self.vision_tower(pixels_NCHW, self.cfg.feature_layers)
         if self.cfg.select_strategy == "default":
             hidden = [h[:, 1:] for h in hidden]
-        return list(self.projector(torch.cat(hidden, dim=-1)))
+        return self.projector(torch.cat(hidden, dim=-1)).flatten(0, 1)
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_features: list[torch.Tensor] | None = None, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None, targets: torch.Tensor | None = None) -> ModelOutput:
+                cache: AttentionCache | None = None, targets: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None) -> ModelOutput:
         """The language model's output on `input_ids` [B, S] whose image placeholders hold the
         images' features: `image_features` (from `encode_images`) or `pixel_values` [N, C, H, W]
-        encoded here; neither for text (a decode step), where placeholder ids are not checked."""
+        encoded here; neither for text (a decode step), where placeholder ids are not checked.
+
+        `image_mask` [B, K] with `pixel_values` [B, K, C, H, W]: each row's images padded to K, the
+        true ones taken in row order. A pipeline schedule cuts its keyword tensors into micro-batches
+        by rows, which one stack of a varying number of images per row cannot be.
+
+        On a later pipeline stage `input_ids` are the previous stage's hidden states [B, S, D]: they
+        go to this stage's layers (the stage has no image side, and images given to it are not used:
+        an interleaved schedule hands every stage of a rank the same keyword arguments)."""
+        if input_ids.is_floating_point():
+            return self.language_model(input_ids, positions=positions, cache=cache, targets=targets)
         if pixel_values is not None and image_features is not None:
             raise ModelError("give pixel_values or image_features, not both")
+        if image_mask is not None:
+            pixel_values = pixel_values[image_mask]
         if pixel_values is not None:
-            image_features = self.encode_images(pixel_values)
-        h = self.language_model.tok_embeddings(input_ids)
+            # Also for a micro-batch without images ([one empty tensor]): the image side then takes
+            # part in every backward (with zero gradients there), so every data-parallel rank has the
+            # same gradients to reduce, and one process the same to step.
+            image_features = list(self.image_rows(pixel_values).split(self.cfg.image_tokens))
+        ids = self.sequence.whole(input_ids)
+        h = self.language_model.tok_embeddings(ids)
         if image_features is not None:  # else text only: a generated placeholder id is a plain token
-            h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
-        if not image_features:
+            h = merge_image_features(h, ids, self.cfg.image_token_id, image_features)
+        else:  # no image side ran: in training, still a (zero) gradient for each of its parameters
             h = self.image_side_in_graph(h)
-        return self.language_model(h, positions=positions, cache=cache, targets=targets)
+        return self.language_model(self.sequence.own(h), positions=positions, cache=cache, targets=targets)

@@ -45,7 +45,7 @@ class VisionAttention(nn.Module):
         q, k, v = (w(x_NTD).view(N, T, self.n_heads, self.head_dim).transpose(1, 2)  # [N, heads, T, d]
                    for w in (self.wq, self.wk, self.wv))
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)  # every token sees every token
-        return self.wo(out.transpose(1, 2).reshape(N, T, -1))
+        return self.wo(out.transpose(1, 2).reshape(N, T, self.n_heads * self.head_dim))  # N may be 0
 
 
 class VisionMLP(nn.Module):

@@ -10,6 +10,9 @@ Each forward collective has the backward that is its transpose:
                                                  with the split sizes swapped.
 - `gather_rows`       all-gather / reduce-scatter along dim 0 (equal sizes on every rank).
 - `reduce_scatter_rows` reduce-scatter / all-gather along dim 0.
+- `split_rows`        keep this rank's block / all-gather along dim 0: Megatron-LM's scatter to the
+                      sequence-parallel region (Korthikanti et al. 2022), for a tensor every rank
+                      holds whole.
 
 All of them are the identity on a group of one rank and take `group=None` as that case. Inside a
 torch.compile'd region (`train.compile`) they run eagerly, between the compiled graphs: traced, the
@@ -101,6 +104,20 @@ class _ReduceScatterRows(torch.autograd.Function):
         return grad, None
 
 
+class _SplitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = _size(group)
+        return x.chunk(n)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = g.new_empty((g.shape[0] * _size(ctx.group),) + tuple(g.shape[1:]))
+        dist.all_gather_into_tensor(grad, g.contiguous(), group=ctx.group)
+        return grad, None
+
+
 @torch.compiler.disable
 def _eager(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, never traced (see above): forward and backward run eagerly."""
@@ -131,3 +148,9 @@ def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over the group, then keep this rank's equal block of rows."""
     return x if _size(group) == 1 else _eager(_ReduceScatterRows, x, group)
+
+
+def split_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's equal block of the rows of `x`, which every rank of the group holds whole; the
+    gradient comes back whole on every rank (all-gathered)."""
+    return x if _size(group) == 1 else _eager(_SplitRows, x, group)

@@ -108,6 +108,7 @@ class DistributedOptimizer:
                  fused: bool = False, overlap: bool = True, key_prefix: str = "part0"):
         self.dims = dims
         self.param_dtype = param_dtype
+        self.device = next(model.parameters()).device  # of the norm's sum, also with nothing to train
         self.overlap, self.key_prefix = overlap, key_prefix
         self.reduce_scatters_launched = 0  # this backward's, for the overlap test and the curious
         self._last_micro_batch = True
@@ -278,8 +279,9 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def local_squared_norm(self) -> torch.Tensor:
-        """Sum of squares of the gradient shards this rank counts (after `finish_gradients`)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grads.device)
+        """Sum of squares of the gradient shards this rank counts (after `finish_gradients`); 0 for a
+        part with nothing to train (a pipeline stage of a frozen language model has no bucket)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for bucket in self.buckets:
             for piece in bucket.pieces:
                 if piece.master is not None and piece.counts_in_norm:
@@ -351,7 +353,7 @@ def clip_grad_norm(optimizers: list[DistributedOptimizer], max_norm: float) -> f
     `max_norm` (<= 0: only measured). Returns the norm before clipping."""
     for optimizer in optimizers:
         optimizer.finish_gradients()
-    total = sum((o.local_squared_norm() for o in optimizers), torch.zeros((), dtype=torch.float32))
+    total = sum((o.local_squared_norm() for o in optimizers[1:]), optimizers[0].local_squared_norm())
     dist.all_reduce(total)
     norm = total.sqrt()
     if max_norm > 0:

@@ -7,7 +7,11 @@ r holds stages r, r + pp, r + 2 pp, ... (the looped placement of interleaved 1F1
 al. 2021). A stage is the Transformer with the layers it does not own deleted (names of the rest
 unchanged: `layers` is keyed by layer index), `tok_embeddings` only on stage 0 and `norm` /
 `output` only on stage S-1; a stage without the head passes its hidden states on. With tied
-embeddings stage S-1 keeps `tok_embeddings` too, as its head's weight (tied_embeddings.py).
+embeddings stage S-1 keeps `tok_embeddings` too, as its head's weight (tied_embeddings.py). A
+vision-language model (tessera.models.llava) is cut in its `language_model` the same way, and its
+image side (the tower and projector: every other child) is kept on stage 0 only, which encodes the
+micro-batch's images given to it as keyword arguments; every stage keeps the model's parameter
+names.
 
 Schedules: "gpipe" (Huang et al. 2019: all forwards, then all backwards), "1f1b" (PipeDream-
 Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-down),
@@ -106,24 +110,35 @@ def _pass_hidden_states(h_BSD: torch.Tensor) -> torch.Tensor:
     return h_BSD
 
 
+def language_model(model: nn.Module) -> nn.Module:
+    """The decoder a pipeline cuts: `model` itself, or a vision-language model's `language_model`."""
+    return getattr(model, "language_model", model)
+
+
 def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float,
                 aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
     """Turn `model` (in place) into pipeline stage `stage`: keep its layers, drop the rest, and
     make its forward return one tensor (hidden states, or logits on the last stage).
-    `aux_grad_scale` (fp16 loss scaling) takes the auxiliary loss before it is weighted."""
-    owned = stage_layer_ids(len(model.layers), num_stages)[stage]
-    for key in list(model.layers.keys()):
+    `aux_grad_scale` (fp16 loss scaling) takes the auxiliary loss before it is weighted. A
+    vision-language model is cut in its language model; its image side stays on stage 0 only."""
+    lm = language_model(model)
+    owned = stage_layer_ids(len(lm.layers), num_stages)[stage]
+    for key in list(lm.layers.keys()):
         if int(key) not in owned:
-            del model.layers[key]
+            del lm.layers[key]
     # The last stage embeds too with tied embeddings (its head) or multi-token prediction (its modules).
-    embeds_last = model.cfg.tie_embeddings or getattr(model, "mtp", None) is not None
+    embeds_last = lm.cfg.tie_embeddings or getattr(lm, "mtp", None) is not None
     if stage != 0 and not (embeds_last and stage == num_stages - 1):
-        model.tok_embeddings = None
+        lm.tok_embeddings = None
+    if stage != 0 and lm is not model:  # the tower and projector: the first stage's
+        for name, _ in list(model.named_children()):
+            if name != "language_model":
+                setattr(model, name, None)
     if stage != num_stages - 1:
-        model.norm = None
-        model.output = None
-        model.mtp = None
-        model.lm_head = _pass_hidden_states  # no head here: hidden states go to the next stage
+        lm.norm = None
+        lm.output = None
+        lm.mtp = None
+        lm.lm_head = _pass_hidden_states  # no head here: hidden states go to the next stage
 
     def stage_output(module, args, out):
         scale = aux_grad_scale if aux_grad_scale is not None else (lambda loss: loss)
@@ -171,9 +186,10 @@ class PipelineRun:
         (multi-token prediction's token ids and targets on the last stage)."""
         return self._run(self.schedule.step, inputs, targets, **model_kwargs)
 
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        """Forward only (the schedule's eval): the last stage's per-micro-batch losses, no gradients."""
-        return self._run(self.schedule.eval, inputs, targets)
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> list[torch.Tensor]:
+        """Forward only (the schedule's eval): the last stage's per-micro-batch losses, no gradients;
+        `model_kwargs` as in `step`."""
+        return self._run(self.schedule.eval, inputs, targets, **model_kwargs)
 
     def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor, **kw) -> list[torch.Tensor]:
         # A batch's inputs and targets are views of one [B, seq + 1] token tensor (row stride seq + 1);
@@ -230,7 +246,7 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
                           f"{cfg.pp_schedule} with parallel.pp={dims.pp}: the schedule needs at least one "
                           "micro-batch per stage rank (m >= pp) and, interleaved, m // pp rounds of equal size "
                           f"(m a multiple of m // pp); allowed up to {4 * dims.pp}: {fits}")
-    dims.validate(model.cfg, dims.world_size, vpp=cfg.vpp)
+    dims.validate(language_model(model).cfg, dims.world_size, vpp=cfg.vpp)
     if dims.mesh is None:
         dims.build_mesh(str(device).split(":")[0])
     num_stages = dims.pp * cfg.vpp

@@ -138,11 +138,13 @@ class VocabParallelTiedHead:
         return h_BSD @ embedding_VD.T  # [B, S, V] sharded on V: Replicate x Shard(1)
 
 
-def model_plan(sp: bool) -> dict[str, ParallelStyle]:
-    """Embedding, final norm and head (names relative to the Transformer)."""
+def model_plan(sp: bool, whole_embeddings: bool = False) -> dict[str, ParallelStyle]:
+    """Embedding, final norm and head (names relative to the Transformer). `whole_embeddings`: the
+    embedding's output is the whole sequence even under sp (module docstring of apply_tensor_parallel)."""
     stream = Shard(1) if sp else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Replicate() if whole_embeddings else stream),
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
     }
     if sp:
@@ -150,10 +152,13 @@ def model_plan(sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole_embeddings: bool = False) -> None:
     """Apply the plans in place. Weights must already be identical on every tp rank (initialised
-    from one seed): each rank keeps its own slice without communication."""
-    top = {k: v for k, v in model_plan(sp).items() if getattr(model, k, None) is not None}
+    from one seed): each rank keeps its own slice without communication. `whole_embeddings`: under
+    sp the embedding still returns the whole sequence on every tp rank (all-reduced, not
+    reduce-scattered), and the caller cuts this rank's slice of it: a vision-language model merges
+    its image rows into the whole sequence first (tessera.parallel.vision_language)."""
+    top = {k: v for k, v in model_plan(sp, whole_embeddings).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
     if sp:  # a later pipeline stage's input is the local sequence slice of the stream
         model.received_sequence_shards = tp_mesh.size()

@@ -45,7 +45,8 @@ class TiedEmbeddings:
 
     def __init__(self, parts: list[nn.Module], dims: ParallelDims):
         self.group = embedding_group(dims)
-        self.holders = [m for m in parts if getattr(m, "tok_embeddings", None) is not None]
+        decoders = [getattr(m, "language_model", m) for m in parts]  # a vision-language stage's decoder
+        self.holders = [m for m in decoders if getattr(m, "tok_embeddings", None) is not None]
 
     # Looked up on each call: materialising a meta-built model replaces its parameters.
     @property

@@ -15,7 +15,9 @@ one process has, docs/architecture.md, "Numerics contract"):
 3. one process with `init_from`: its weights are read;
 4. parallelisation: one process compiles each block (`train.compile`); pp = 1 layouts
    `parallelize` the model; pp > 1 layouts cut it into this rank's stages, parallelize each and
-   build the schedule and the tied-embedding group (`Pipeline`);
+   build the schedule and the tied-embedding group (`Pipeline`). A vision-language model (built
+   whole on every rank, never on the meta device) takes `parallelize_vision_language` instead,
+   the same way (tessera.parallel.vision_language);
 5. on ranks: this rank's storage is allocated and initialised by name from the seed
    (tessera.parallel.meta_init) or read from `init_from`, each rank only its shards;
 6. the optimizers over the materialised parameters: AdamW per part, or with
@@ -44,6 +46,7 @@ from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.meta_init import materialize_by_name
 from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
+from tessera.parallel.vision_language import parallelize_vision_language
 from tessera.train.compute_weights import cast_weight_names
 from tessera.train.distill_loss import Distiller
 from tessera.train.init_from import load_initial_weights
@@ -55,7 +58,7 @@ from tessera.train.precision import autocast_dtype, loss_chunk_tokens
 from tessera.train.run_layout import RunLayout
 from tessera.train.single_process_step import SingleProcessStep
 from tessera.train.step_engine import StepEngine
-from tessera.train.vision_language import build_vision_model, is_vision_run, parallelize_vision
+from tessera.train.vision_language import build_vision_model, is_vision_run
 
 
 @dataclass
@@ -140,12 +143,13 @@ def _parallelized_parts(model: Transformer, cfg: RunConfig, layout: RunLayout, c
     param_dtype = compute_dtype or torch.float32
 
     def parallelized(m: nn.Module) -> nn.Module:
+        if is_vision_run(cfg):  # the language model's layouts, the image side beside it (first stage under pp)
+            return parallelize_vision_language(m, dims, cfg.parallel, param_dtype=param_dtype,
+                                               reduce_dtype=torch.float32, device_type=layout.device.type)
         return parallelize(m, dims, cfg.parallel, param_dtype=param_dtype, reduce_dtype=torch.float32,
                            device_type=layout.device.type, compile_blocks=compile)
 
     with layout.phase("parallelizing the model"):
-        if is_vision_run(cfg):  # data parallelism only (the config refuses the rest)
-            return [parallelize_vision(model, dims, param_dtype, cfg.parallel.zero_stage, layout.device.type)], None
         if dims.pp == 1:
             return [parallelized(model)], None
         pipeline = _pipeline(model, cfg, dims, layout.device, parallelized, loss_scaler)

@@ -50,12 +50,20 @@ def weight_decay_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `weight_decay_groups(model, cfg)`; the schedule sets `lr` before each step."""
+    """AdamW over `weight_decay_groups(model, cfg)`; the schedule sets `lr` before each step. A part
+    with nothing to train (a pipeline stage of a frozen language model) gets one empty group: an
+    optimizer that steps nothing and holds no state (`has_parameters`)."""
     groups = [g for g in weight_decay_groups(model, cfg) if g["params"]]
+    groups = groups or weight_decay_groups(model, cfg)[1:]  # torch refuses an optimizer with no group
     for g in groups:
         del g["names"]  # the optimizer's state_dict must stay plain data; names live in the model
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=True if cfg.fused else None)
+
+
+def has_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` updates any parameter (`build_optimizer`: a frozen part's does not)."""
+    return any(g["params"] for g in optimizer.param_groups)
 
 
 def check_distributed_optimizer(cfg: RunConfig, dims: ParallelDims | None) -> None:

@@ -23,6 +23,9 @@ last stage each hold the embedding; their gradients are summed after the schedul
 the norm counts it once (tessera.parallel.tied_embeddings); with multi-token prediction
 (model.mtp_depth) the last stage holds the embedding too, the same way, and gets the token ids,
 targets and N as the schedule's keyword arguments: its MTP loss / N rides on its auxiliary loss.
+A vision-language model's first stage (which holds the tower and projector) gets the images of its
+rows as keyword arguments too, padded per row (`padded_images`), so that the schedule cuts them into
+the micro-batches of the rows; no other rank is given them.
 fp16: the loss function returns its
 loss scaled, and each stage scales its auxiliary loss's gradient (loss_scaler.py). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
@@ -53,6 +56,7 @@ from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.parallel_step import padded_batch, rank_rows
 from tessera.train.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
 from tessera.train.step_stats import StepStats, reduce_over_ranks, step_result
+from tessera.train.vision_language import rank_images
 
 
 class PipelineLoss:
@@ -90,6 +94,23 @@ class PipelineLoss:
             self.kd_sums.append(kd_sum.detach())
             loss = self.distiller.mix(micro_sum, kd_sum) / self.divisor
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
+
+
+def padded_images(pixels: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """`Llava.forward`'s keyword arguments for the images of a rank's rows (one [N_i, C, H, W] per
+    row): `pixel_values` [B, K, C, H, W], each row's images padded to K = max N_i (0 when no row has
+    one), and `image_mask` [B, K], true at the real ones. A schedule cuts every keyword tensor into
+    micro-batches along dim 0, which one stack of all the rows' images could not follow. Empty for
+    a text batch."""
+    if pixels is None:
+        return {}
+    K = max(len(p) for p in pixels)
+    padded = pixels[0].new_zeros((len(pixels), K) + tuple(pixels[0].shape[1:]))
+    mask = torch.zeros(len(pixels), K, dtype=torch.bool)
+    for i, p in enumerate(pixels):
+        padded[i, :len(p)] = p
+        mask[i, :len(p)] = True
+    return {"pixel_values": padded, "image_mask": mask}
 
 
 @dataclass
@@ -153,7 +174,7 @@ class PipelineStep:
                                            "mtp_targets": targets.contiguous().to(self.device),
                                            "mtp_divisor": self.loss.divisor}
             with mixed_precision(self.device, self.autocast_dtype):
-                self.run.step(inputs.to(self.device), targets.to(self.device), **mtp)
+                self.run.step(inputs.to(self.device), targets.to(self.device), **mtp, **self._images(batch))
             if self.tied is not None:
                 self.tied.reduce_gradients()
             routing = self._routing
@@ -170,6 +191,12 @@ class PipelineStep:
         stats = reduce_over_ranks(local, self.dims)
         return step_result(stats, n_loss_tokens, self.micro_batches_global, int(batch.inputs.numel()))
 
+    def _images(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The first stage's images of this rank's rows (`padded_images`), on the device; none elsewhere."""
+        if not self.run.has_first_stage:
+            return {}
+        return {k: v.to(self.device) for k, v in padded_images(rank_images(batch, self.dims)).items()}
+
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.distributed_optimizers:
             return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
@@ -185,10 +212,11 @@ class PipelineStep:
         total = torch.zeros((), dtype=torch.float64)
         n = 0
         for batch in batches:
-            inputs, targets = rank_rows(padded_batch(batch, self.global_batch_size), self.dims)
+            batch = padded_batch(batch, self.global_batch_size)
+            inputs, targets = rank_rows(batch, self.dims)
             self.loss.start(1.0, evaluating=True)
             with mixed_precision(self.device, self.autocast_dtype):
-                self.run.eval_step(inputs.to(self.device), targets.to(self.device))
+                self.run.eval_step(inputs.to(self.device), targets.to(self.device), **self._images(batch))
             for s in self.loss.sums[-self.microbatches:]:
                 total += s.double().cpu()
             n += int((targets != IGNORE_INDEX).sum())

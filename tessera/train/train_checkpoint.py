@@ -55,6 +55,7 @@ from tessera.config.errors import CheckpointError
 from tessera.config.json_text import parse_json
 from tessera.config.schema import RunConfig
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.train.optimizer import has_parameters
 from tessera.train.rng_state import capture_rng_state, decode_rng_state, encode_rng_state, restore_rng_state
 from tessera.train.vision_language import is_vision_run, vision_language_entry
 
@@ -77,10 +78,18 @@ def model_and_optimizer_state(parts: list[nn.Module], optimizers: list[torch.opt
             model_sd.update(get_model_state_dict(module, options=STATE_OPTIONS))
             optim_sd.update(optimizer.sharded_state_dict())
             continue
-        m, o = get_state_dict(module, optimizer, options=STATE_OPTIONS)
+        m, o = part_state(module, optimizer)
         model_sd.update(m)
         optim_sd.update(o)
     return model_sd, optim_sd
+
+
+def part_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One part's model and optimizer state; a part with nothing to train (a pipeline stage of a
+    frozen language model) has its weights only (torch refuses an empty optimizer state here)."""
+    if not has_parameters(optimizer):
+        return get_model_state_dict(module, options=STATE_OPTIONS), {}
+    return get_state_dict(module, optimizer, options=STATE_OPTIONS)
 
 
 def training_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], trainer_state: dict[str, Any],
@@ -123,14 +132,14 @@ def load_training_state(path: Path, parts: list[nn.Module], optimizers: list[tor
     if sharded:
         per_part = [model_and_optimizer_state([m], [o]) for m, o in zip(parts, optimizers, strict=True)]
     else:
-        per_part = [get_state_dict(m, o, options=STATE_OPTIONS) for m, o in zip(parts, optimizers, strict=True)]
+        per_part = [part_state(m, o) for m, o in zip(parts, optimizers, strict=True)]
     state: dict[str, Any] = {"model": {k: v for m, _ in per_part for k, v in m.items()},
                              "optim": {k: v for _, o in per_part for k, v in o.items()}, "trainer": ""}
     if f"rng.{rng_key}" in stored:
         state["rng"] = {rng_key: ""}
     ckpt.load_checkpoint(path, state)  # tensors are loaded in place, resharded to this layout
     for module, optimizer, (mine_m, mine_o) in zip(parts, optimizers, per_part, strict=True):
-        if sharded:  # the optimizer's shards were loaded in place
+        if sharded or not has_parameters(optimizer):  # the optimizer's shards were loaded in place, or it has none
             set_model_state_dict(module, {k: state["model"][k] for k in mine_m}, options=STATE_OPTIONS)
             continue
         set_state_dict(module, optimizer, model_state_dict={k: state["model"][k] for k in mine_m},

@@ -2,19 +2,24 @@
 
     model_cfg, processor = vision_model_config(cfg)     # from train.init_from's model, else the config
     model = build_vision_model(cfg, device, init_from)  # a Llava or QwenVL, its frozen parts frozen
-    parallelize_vision(model, dims, ...)                # on ranks: tp of the language model, FSDP
 
 The model is built whole on every rank (no meta-device build: each rank holds the whole model
-until the layout cuts it), then cut by the layout. The step engines need nothing of their own for
-it beyond each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their patch grids,
-`rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids, pixel_values=...,
-targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=..., targets=...)`
-(step_engine.accumulate_micro_batches), which encodes the images and puts their features at the
-image placeholders; QwenVL computes each row's M-RoPE positions from the grids there, the function
-its parity with transformers rests on (`mrope_positions`), so training runs the positions serving
-and transformers use. A checkpoint's meta.json holds the model's HuggingFace config and image
-processor (`vision_language_entry`, the entry tessera.checkpoint.dcp.vision_language reads), so
-`tessera convert` and `checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory from it.
+until the layout cuts it), then cut by the layout (tessera.train.builder, through
+tessera.parallel.vision_language): for LLaVA every layout of the language model (dp_replicate,
+dp_shard, tp with or without sp, cp, ep, pp), the tower and projector beside it and on the first
+pipeline stage only; for Qwen2-VL / Qwen2.5-VL data parallelism and tp without sp
+(tessera.config.vision_training says why the rest are refused). The step engines need nothing of
+their own for it beyond each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their
+patch grids, `rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids,
+pixel_values=..., targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=...,
+targets=...)` (step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's
+rows at a time: pipeline_step.PipelineStep), which encodes the images and puts their features at
+the image placeholders; QwenVL computes each row's M-RoPE positions from the grids there, the
+function its parity with transformers rests on (`mrope_positions`), so training runs the positions
+serving and transformers use. A checkpoint's meta.json holds the model's HuggingFace config and
+image processor (`vision_language_entry`, the entry tessera.checkpoint.dcp.vision_language reads),
+so `tessera convert` and `checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory
+from it.
 """
 
 from __future__ import annotations
@@ -35,16 +40,14 @@ from tessera.config.qwen_vl import (
 )
 from tessera.config.schema import RunConfig
 from tessera.config.vision import LlavaConfig, llava_config_from_hf, llava_config_to_hf
-from tessera.config.vision_training import DATA_KIND
+from tessera.config.vision_training import DATA_KIND, refuse_qwen_layouts
 from tessera.data.batching import Batch
 from tessera.data.image_processor import ImageProcessor
 from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.models.llava import Llava
 from tessera.models.qwen_vl import QwenVL
-from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.data_parallel_batch import dp_rows
 from tessera.parallel.dims import ParallelDims
-from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
                 "freeze_language_model": "language_model"}
@@ -109,11 +112,18 @@ def vision_model_config(cfg: RunConfig) -> tuple[VisionModelConfig, Processor]:
     else:
         model_cfg = _qwen_from_config(cfg)
         return model_cfg, _pixel_range(cfg, QwenImageProcessor.for_vision(model_cfg.vision))
+    if isinstance(model_cfg, QwenVLConfig):  # the family comes from the source: its layouts checked here
+        refuse_qwen_layouts(cfg.parallel, _refuse)
     differences = model_differences(cfg.model, model_cfg.text, shapes_only=True)
     if differences:
         raise ConfigError(f"the model section differs from train.init_from={cfg.train.init_from!r}'s language model in "
                           f"{', '.join(differences[:4])}: leave the model section empty to take the source's")
     return model_cfg, _pixel_range(cfg, processor)
+
+
+def _refuse(cond: bool, key: str, value, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 def _llava_from_config(cfg: RunConfig) -> LlavaConfig:
@@ -216,27 +226,6 @@ def unused_tower_modules(model: Llava | QwenVL) -> list[nn.Module]:
     tower = model.vision_tower
     deepest = max(model.cfg.feature_layers)
     return [block for key, block in tower.layers.items() if int(key) >= deepest] + [tower.post_norm]
-
-
-def parallelize_vision(model: Llava | QwenVL, dims: ParallelDims, param_dtype: torch.dtype, zero_stage: int,
-                       device_type: str) -> Llava | QwenVL:
-    """`model` under the layouts the config allows: tensor parallelism of the language model (its
-    plans, without sequence parallelism: the embedding's output is the whole sequence, where the
-    image rows are merged; the tower and projector are replicated, and the gradient reaching them
-    is whole on every tp rank), then FSDP over the language model's blocks and one root unit over
-    the rest (tower, projector, embeddings, final norm, head), which the model's forward uses before
-    the language model runs. Every rank built the same whole model from the seed (or read it), so the
-    shards are one process's weights. Qwen's M-RoPE positions are computed from the whole rows on
-    every rank, before the language model, so tp needs nothing more."""
-    dims.validate(model.cfg.text, dims.world_size)
-    if dims.mesh is None:
-        dims.build_mesh(device_type)
-    if dims.tp > 1:
-        apply_tensor_parallel(model.language_model, dims["tp"], sp=False)
-    if needs_data_parallel(dims, param_dtype):
-        apply_data_parallel(model, dims, zero_stage, param_dtype, torch.float32,
-                            blocks=model.language_model.layers)
-    return model
 
 
 def rank_images(batch: Batch, dims: ParallelDims | None) -> list[torch.Tensor] | None:

@@ -338,3 +338,17 @@ def test_other_layouts_are_refused_by_name_as_for_llava(tmp_path, key):
 def test_bad_qwen_settings_are_refused_by_name(tmp_path, settings, problem):
     with pytest.raises(ConfigError, match=problem):
         vision_model_config(load_config(CONFIG, overrides(tmp_path, 1) + settings))
+
+
+@pytest.mark.parametrize("setting, problem", [
+    ("parallel.pp=2", "parallel.pp=2 is invalid: 1 with data.kind=vision_sft on Qwen2-VL"),
+    ("parallel.optimizer=distributed", "parallel.optimizer='distributed' is invalid: fsdp with vision-language"),
+])
+def test_a_qwen_source_in_init_from_is_refused_the_layouts_by_name_too(tmp_path, setting, problem):
+    # the family comes from the directory, not train.vision_language.family (llava by default)
+    _hf_directory("qwen2_vl", tmp_path / "hf")
+    cfg = load_config(None, overrides(tmp_path / "run", 1, **{"train.init_from": tmp_path / "hf"}) + [
+        "data.kind=vision_sft", "train.device=cpu", setting])
+    assert cfg.train.vision_language.family == "llava"
+    with pytest.raises(ConfigError, match=problem):
+        vision_model_config(cfg)

@@ -1,10 +1,15 @@
-"""`tessera train` with data.kind=vision_sft: a LLaVA fine-tuned on image-text conversations in one
-process. The first step's loss is the LLaVA's answer-only loss on the batch's images; frozen parts get
-no gradient and no optimizer state and stay bit-identical; a resumed run equals an uninterrupted
-one; a LLaVA directory is a starting point; dp_shard, dp_replicate and tp (with dp_shard too) on gloo ranks
-equal one process (fp32, 1e-5); pipeline, context and expert parallelism are refused by name."""
+"""`tessera train` with data.kind=vision_sft: a LLaVA fine-tuned on image-text conversations. The first
+step's loss is the LLaVA's answer-only loss on the batch's images; frozen parts get no gradient and no
+optimizer state and stay bit-identical; a resumed run equals an uninterrupted one; a LLaVA directory is
+a starting point. On gloo ranks every layout of the language model equals one process (fp32, losses
+and weights 1e-5): dp_shard, dp_replicate, tp (with dp_shard too), tp with sp, pp (the tower and
+projector on the first stage only, which alone gets the images; with dp_shard, with tp and sp and tied
+embeddings, interleaved, with a frozen language model), cp (both splits), ep of an MoE language model
+(with dp_shard, with cp) and the distributed optimizer; a rank whose rows hold no image trains too; a
+one-process checkpoint resumes under tp and under pp."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -18,9 +23,9 @@ from tessera.models.llava import Llava
 from tessera.parallel.testing import run_ranks
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.trainer import Trainer
-from tessera.train.vision_language import unused_tower_modules, vision_model_config
+from tessera.train.vision_language import FROZEN_PARTS, unused_tower_modules, vision_model_config
 from tests.hang_guard import HANG_S
-from tests.parallel.trainer_runs import whole_parameters
+from tests.parallel.trainer_runs import merged_weights, whole_parameters
 from tests.train.runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny-llava.yaml")
@@ -149,20 +154,48 @@ def test_what_vision_training_does_not_support_is_refused_by_name(tmp_path, sett
         load_config(CONFIG, overrides(tmp_path, 1) + settings)
 
 
-@pytest.mark.parametrize("key", ["pp", "cp", "ep"])
-def test_other_layouts_are_refused_by_name(tmp_path, key):
-    with pytest.raises(ConfigError, match=f"parallel.{key}=2 is invalid: 1 with data.kind=vision_sft"):
-        load_config(CONFIG, overrides(tmp_path, 1) + [f"parallel.{key}=2"])
-    with pytest.raises(ConfigError, match="parallel.sp=True is invalid: false with vision-language"):
-        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.tp=2", "parallel.sp=true"])
-    with pytest.raises(ConfigError, match="parallel.optimizer='distributed' is invalid: fsdp with vision-language"):
-        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.optimizer=distributed"])
-
-
 def _train_on_ranks(run_overrides):
     trainer = Trainer(load_config(CONFIG, run_overrides))
+    pipeline = getattr(trainer.engine, "run", None)
+    stages = pipeline.stage_ids if pipeline is not None else [0]
+    given_images = set()  # the stages whose forward was given pixel values
+    for stage, part in zip(stages, trainer.parts, strict=True):
+        part.register_forward_pre_hook(
+            lambda m, args, kwargs, stage=stage: given_images.add(stage) if "pixel_values" in kwargs else None,
+            with_kwargs=True)
     result = trainer.train()
-    return {"losses": _losses(result), "weights": whole_parameters(trainer.parts)}
+    towers = {stage for stage, part in zip(stages, trainer.parts, strict=True) if part.vision_tower is not None}
+    return {"losses": _losses(result), "weights": whole_parameters(trainer.parts), "stages": stages,
+            "given_images": given_images, "towers": towers, "records": result.records}
+
+
+def _world(layout):
+    return int(np.prod([int(layout.get(f"parallel.{k}", 1)) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]))
+
+
+def _assert_equal_to_one_process(tmp_path, layout, steps=3, **extra):
+    """`layout` on gloo ranks against one process (both with `extra` and the layout's own non-parallel
+    settings): losses, aux losses and every weight 1e-5, frozen parts bit-identical; returns the ranks'
+    results."""
+    settings = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 0, **extra}
+    model = {k: v for k, v in layout.items() if not k.startswith("parallel.")}
+    one = _trainer(tmp_path / "one", steps, **settings, **model)
+    result = one.train()
+    want = {k: v.detach() for k, v in one.model.named_parameters()}
+    got = run_ranks(_train_on_ranks, _world(layout), overrides(tmp_path / "ranks", steps, **settings, **layout),
+                    timeout=HANG_S)
+    assert got[0]["losses"] == pytest.approx(_losses(result), rel=1e-5, abs=1e-5)
+    for r, w in zip(got[0]["records"], result.records, strict=True):
+        if "aux_loss" in w:
+            assert r["aux_loss"] == pytest.approx(w["aux_loss"], rel=1e-5, abs=1e-9)
+    weights = merged_weights(got)
+    assert set(weights) == set(want)
+    frozen = [p for k, p in FROZEN_PARTS.items() if layout.get(f"train.vision_language.{k}") == "true"]
+    for name, value in weights.items():
+        if name.split(".")[0] in frozen:
+            assert torch.equal(value, want[name]), name
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    return got
 
 
 @pytest.mark.dist
@@ -171,20 +204,94 @@ def _train_on_ranks(run_overrides):
                                      "train.vision_language.freeze_vision_tower": "true"},
                                     {"parallel.tp": 2, "parallel.dp_shard": 1},
                                     {"parallel.tp": 2, "parallel.dp_shard": 2,
-                                     "train.vision_language.freeze_language_model": "true"}])
+                                     "train.vision_language.freeze_language_model": "true"},
+                                    {"parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 1},
+                                    {"parallel.dp_shard": 2, "parallel.optimizer": "distributed"}],
+                         ids=["dp_shard", "dp_replicate-frozen_tower", "tp", "tp-dp_shard-frozen_lm", "tp-sp",
+                              "dp_shard-distributed_optimizer"])
 def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
-    steps = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 0}
-    frozen = {k: v for k, v in layout.items() if "freeze" in k}
-    one = _trainer(tmp_path / "one", 3, **steps, **frozen)
-    want_losses = _losses(one.train())
-    want = {k: v.detach() for k, v in one.model.named_parameters()}
-    world = int(layout.get("parallel.tp", 1)) * int(layout.get("parallel.dp_shard", 1)) * int(
-        layout.get("parallel.dp_replicate", 1))
-    got = run_ranks(_train_on_ranks, world, overrides(tmp_path / "ranks", 3, **steps, **layout), timeout=HANG_S)[0]
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    assert set(got["weights"]) == set(want)
-    for name, value in got["weights"].items():
-        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    _assert_equal_to_one_process(tmp_path, layout)
+
+
+PIPELINES = {
+    "pp": {"parallel.pp": 2, "parallel.dp_shard": 1},
+    "pp-dp_shard-frozen_tower": {"parallel.pp": 2, "parallel.dp_shard": 2,
+                                 "train.vision_language.freeze_vision_tower": "true"},
+    "pp-tp-sp-tied": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 1,
+                      "model.tie_embeddings": "true"},
+    "pp-frozen_lm": {"parallel.pp": 2, "parallel.dp_shard": 1, "train.vision_language.freeze_language_model": "true"},
+    "pp-dp_shard-distributed_optimizer-frozen_lm": {
+        "parallel.pp": 2, "parallel.dp_shard": 2, "parallel.optimizer": "distributed",
+        "train.vision_language.freeze_language_model": "true"},
+    "pp-interleaved": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved_1f1b",
+                       "parallel.dp_shard": 1, "model.n_layers": 4},
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", PIPELINES.values(), ids=PIPELINES.keys())
+def test_pipeline_parallel_equals_one_process_with_the_tower_on_the_first_stage(tmp_path, layout):
+    got = _assert_equal_to_one_process(tmp_path, layout)
+    for rank in got:  # the tower and projector live on stage 0; only its rank is given images
+        first = 0 in rank["stages"]
+        assert rank["towers"] == ({0} if first else set()), rank["stages"]
+        # (torch hands every stage of a rank the same keyword arguments: under the interleaved
+        # schedule stage 0's rank also gives them to its later stage, which has no tower to use them)
+        assert (0 in rank["given_images"]) == first and (first or not rank["given_images"]), rank["stages"]
+        image_side = {n for n in rank["weights"] if n.startswith(("vision_tower.", "projector."))}
+        assert bool(image_side) == first
+
+
+CONTEXTS = {"cp-contiguous": {"parallel.cp": 2, "parallel.dp_shard": 1},
+            "cp-zigzag-tp-sp": {"parallel.cp": 2, "parallel.cp_method": "ring", "parallel.tp": 2,
+                                "parallel.sp": "true", "parallel.dp_shard": 1}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", CONTEXTS.values(), ids=CONTEXTS.keys())
+def test_context_parallel_equals_one_process(tmp_path, layout):
+    _assert_equal_to_one_process(tmp_path, layout)
+
+
+# A Mixtral-style language model behind the tower: 4 experts, the Switch loss and the aux-loss-free bias
+MOE = {"model.preset": "tiny-moe", "model.moe.num_experts": 4, "model.moe.ffn_dim": 32,
+       "model.moe.aux_loss_coef": 0.01, "model.moe.expert_bias": "true", "model.moe.score_func": "sigmoid"}
+EXPERTS = {"ep-dp_shard": {"parallel.ep": 2, "parallel.dp_shard": 2},
+           "ep-cp": {"parallel.ep": 2, "parallel.cp": 2, "parallel.dp_shard": 1}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", EXPERTS.values(), ids=EXPERTS.keys())
+def test_expert_parallel_of_an_moe_language_model_equals_one_process(tmp_path, layout):
+    got = _assert_equal_to_one_process(tmp_path, {**layout, **MOE})
+    assert all("aux_loss" in r for r in got[0]["records"])
+    experts = [v for k, v in merged_weights(got).items() if k.endswith("moe.experts.w1")]
+    assert experts and experts[0].shape[0] == 4
+
+
+def _text_heavy_data(directory):
+    """The shapes with six of the eight conversations text-only, so that whole ranks' rows and
+    pipeline micro-batches hold no image."""
+    directory.mkdir()
+    lines = (ROOT / "examples" / "data" / "shapes" / "shapes.jsonl").read_text().splitlines()
+    for png in (ROOT / "examples" / "data" / "shapes").glob("*.png"):
+        (directory / png.name).write_bytes(png.read_bytes())
+    text = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]}
+    records = lines[:2] + [json.dumps(text)] * 6
+    (directory / "mixed.jsonl").write_text("".join(r + "\n" for r in records))
+    return str(directory / "mixed.jsonl")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [{"parallel.dp_shard": 2}, {"parallel.pp": 2, "parallel.dp_shard": 1}],
+                         ids=["dp_shard", "pp"])
+def test_ranks_and_micro_batches_without_images_equal_one_process(tmp_path, layout):
+    # The image side takes part in every backward (zero gradients without images), so FSDP reduces
+    # the same tensors on every rank; before, a rank without images left them out and the
+    # reduce-scatter failed.
+    data = _text_heavy_data(tmp_path / "data")
+    _assert_equal_to_one_process(tmp_path, layout, steps=4, **{
+        "data.datasets": f"[{{path: {data}}}]", "train.global_batch_size": 4, "optim.eps": 1e-3})
 
 
 def _resume_on_ranks(run_overrides):
@@ -195,14 +302,24 @@ def _resume_on_ranks(run_overrides):
 
 
 @pytest.mark.dist
-def test_a_one_process_checkpoint_resumes_under_dp_shard_and_tp(tmp_path):
-    steps = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 2}
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2, "parallel.dp_shard": 1},
+                                    {"parallel.pp": 2, "parallel.dp_shard": 1},
+                                    {"parallel.pp": 2, "parallel.dp_shard": 1,
+                                     "train.vision_language.freeze_language_model": "true"}],
+                         ids=["tp", "pp", "pp-frozen_lm"])
+def test_a_one_process_checkpoint_resumes_under_another_layout(tmp_path, layout):
+    # (with a frozen language model the last stage has no optimizer state to read: its weights only)
+    steps = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 2,
+             **{k: v for k, v in layout.items() if not k.startswith("parallel.")}}
     whole = _trainer(tmp_path / "whole", 4, **steps)
     want_losses = _losses(whole.train())
     _trainer(tmp_path / "cut", 2, **steps).train()
-    layout = {"parallel.tp": 2, "parallel.dp_shard": 1}
-    got = run_ranks(_resume_on_ranks, 2, overrides(tmp_path / "cut", 4, **steps, **layout), timeout=HANG_S)[0]
+    layout = {k: v for k, v in layout.items() if k.startswith("parallel.")}
+    results = run_ranks(_resume_on_ranks, 2, overrides(tmp_path / "cut", 4, **steps, **layout), timeout=HANG_S)
+    got = results[0]
     assert got["start"] == 2
     assert got["losses"] == pytest.approx(want_losses[2:], rel=1e-5, abs=1e-5)
+    weights = merged_weights(results)
+    assert set(weights) == {name for name, _ in whole.model.named_parameters()}
     for name, value in whole.model.named_parameters():
-        torch.testing.assert_close(got["weights"][name], value.detach(), rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(weights[name], value.detach(), rtol=1e-5, atol=1e-5, msg=name)
