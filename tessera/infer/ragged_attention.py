@@ -7,11 +7,13 @@ it copies and attends over the longest context N times. With contexts of 32-640 
 about twice the bytes a step needs, and the fresh tensors of each layer's gather cost more again
 (an allocator that returns large blocks to the kernel pays page faults on every reuse).
 
-Here, on CPU: the blocks of every row's context are gathered once per layer with one
-`index_select` into a buffer kept by the cache (`PagedKVCache.gather_flat`), back to back; each
-row then runs SDPA over its own slice of it, starting at the first key its window lets any of its
-queries see. A one-token query needs no mask; a longer one (speculative tokens to verify, a short
-prompt chunk) gets a causal bias over its slice, built on the host once per row and window.
+Here, on CPU: a full-precision cache is read in place by a C++ kernel, one call per layer
+(`cpu_attention.py`). Without it (an int8 cache, or where the kernel cannot be built) the blocks of
+every row's context are gathered once per layer with one `index_select` into a buffer kept by the
+cache (`PagedKVCache.gather_flat`), back to back; each row then runs SDPA over its own slice of it,
+starting at the first key its window lets any of its queries see. A one-token query needs no mask;
+a longer one (speculative tokens to verify, a short prompt chunk) gets a causal bias over its slice,
+built on the host once per row and window.
 Everything is computed from host lists when the step is built: no op reads device data back.
 Shapes: T packed query tokens, H query heads, G stored heads, D head dim, S a row's queries,
 L a row's context (the positions before its queries plus the queries).
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tessera.infer import cpu_attention
 from tessera.infer.kv_cache import PagedKVCache
 
 
@@ -73,10 +76,17 @@ class RaggedContexts:
 
     def freeze(self, device: torch.device) -> None:
         self.block_index = torch.tensor(self.blocks, dtype=torch.long, device=device)
+        # the kernel's view of the rows: (q_row, S, L, first block in block_index) each
+        self.rows_R4 = torch.tensor([(r.q_row, r.S, r.L, r.key_at // self.block_size) for r in self.rows],
+                                    dtype=torch.long, device=device).reshape(-1, 4)
 
     def attend(self, kv: PagedKVCache, layer_id: int, q_THD: torch.Tensor, out_THD: torch.Tensor,
                scale: float, window: int | None) -> None:
         """Write each row's attention output into out_THD at its query rows."""
+        if not kv.int8 and q_THD.stride(-1) == 1 and cpu_attention.usable(kv.k[layer_id], q_THD):
+            cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
+                                   self.block_size, scale, window or 0)
+            return
         k_flat, v_flat = kv.gather_flat(layer_id, self.block_index, q_THD.dtype)  # [slots, G, D]
         gqa = q_THD.shape[1] != k_flat.shape[1]
         for r in self.rows:

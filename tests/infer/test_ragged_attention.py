@@ -1,8 +1,10 @@
 """The CPU paths of the serving step: ragged attention (each row over exactly its own context)
 equals attention over the same keys read slot by slot with an explicit mask, for one-token and
-longer queries, sliding windows, GQA and the int8 cache; the gather buffers are reused across
-layers; and projections packed for oneDNN equal `F.linear` and are used only for a model the
-engine owns."""
+longer queries, sliding windows, GQA and the int8 cache, both through the C++ kernel that reads the
+cache in place (its AVX2 loops and its portable ones: head dims of 64, 8 and 12, keys and values of
+different widths, bf16) and through PyTorch ops (`TESSERA_CPU_ATTENTION=torch`); an engine decodes
+the same tokens either way; the gather buffers are reused across layers; and projections packed
+for oneDNN equal `F.linear` and are used only for a model the engine owns."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.infer import LLMEngine
+from tessera.infer import LLM, LLMEngine, SamplingParams, cpu_attention
 from tessera.infer.config import EngineConfig
 from tessera.infer.cpu_linear import OneDNNLinear, can_pack, pack_linears
 from tessera.infer.kv_cache import PagedKVCache
@@ -23,14 +25,34 @@ from tests.infer.tiny_models import write_model
 BS = 4
 
 
-def _cache(int8: bool) -> PagedKVCache:
-    cfg = ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=64, ffn_dim=64, max_seq_len=64)
-    kv = PagedKVCache(cfg, num_blocks=40, block_size=BS, dtype=torch.float32, int8=int8)
+def _cache(int8: bool, dk: int = 8, dv: int | None = None, groups: int = 2,
+           dtype: torch.dtype = torch.float32) -> PagedKVCache:
+    """Two layers of random keys [slots, groups, dk] and values [slots, groups, dv] (dv differs from dk
+    as MLA's decompressed keys and values do)."""
+    dv = dk if dv is None else dv
+    cfg = ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=groups, vocab_size=64, ffn_dim=64, max_seq_len=64,
+                      head_dim=dk)
+    kv = PagedKVCache(cfg, num_blocks=40, block_size=BS, dtype=dtype, int8=int8)
+    if dv != dk:
+        kv.v = [torch.zeros(40 * BS, groups, dv, dtype=dtype) for _ in range(cfg.n_layers)]
     gen = torch.Generator().manual_seed(0)
     for layer in range(cfg.n_layers):
         slots = torch.arange(40 * BS)
-        kv.write(layer, slots, torch.randn(40 * BS, 2, 8, generator=gen), torch.randn(40 * BS, 2, 8, generator=gen))
+        kv.write(layer, slots, torch.randn(40 * BS, groups, dk, generator=gen),
+                 torch.randn(40 * BS, groups, dv, generator=gen))
     return kv
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """Which CPU attention serves: the C++ kernel (which must build here: the project installs
+    ninja and the machines have a C++ compiler), or PyTorch ops."""
+    if request.param == "kernel":
+        monkeypatch.delenv(cpu_attention.ENV, raising=False)
+        assert cpu_attention.kernel() is not None, "the CPU attention kernel did not build (see the log)"
+    else:
+        monkeypatch.setenv(cpu_attention.ENV, "torch")
+    return request.param
 
 
 def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table: list[int], scale: float,
@@ -55,27 +77,45 @@ def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table:
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("window", [None, 5])
-def test_each_row_attends_over_exactly_its_own_context(int8, window):
-    kv = _cache(int8)
+def test_each_row_attends_over_exactly_its_own_context(int8, window, path):
+    _attends_each_row_over_its_own_context(_cache(int8), window)
+
+
+@pytest.mark.parametrize("dk, dv, groups, dtype", [
+    (64, 64, 2, torch.float32),  # the AVX2 loops for keys and values
+    (8, 8, 6, torch.float32),  # AVX2 scores, portable values; one stored head per query head
+    (12, 12, 1, torch.float32),  # portable loops; one stored head for all
+    (24, 16, 3, torch.float32),  # keys and values of different widths, as MLA's
+    (16, 16, 2, torch.bfloat16),  # a bf16 cache (accumulated in fp32)
+])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_kernel_equals_the_slot_by_slot_reference_at_every_geometry(dk, dv, groups, dtype, window, path):
+    _attends_each_row_over_its_own_context(_cache(False, dk, dv, groups, dtype), window)
+
+
+def _attends_each_row_over_its_own_context(kv: PagedKVCache, window: int | None) -> None:
+    dk, dv, dtype = kv.k[0].shape[-1], kv.v[0].shape[-1], kv.dtype
     gen = torch.Generator().manual_seed(1)
     # (queries, context length, block table): one-token rows, a 3-token run to verify, a row of one
     # key, tables out of order and longer than the context (blocks past it are never read)
     rows = [(1, 9, [7, 3, 11, 30]), (3, 14, [0, 1, 2, 3]), (1, 1, [25]), (1, 16, [39, 5, 6, 8]), (2, 6, [12, 13])]
+    rows += [(16, 40, list(range(14, 24))), (1, 37, list(range(39, 29, -1)))]  # a 16-token chunk, a long row
     T = sum(s for s, _, _ in rows)
-    q_THD = torch.randn(T, 6, 8, generator=gen)
+    q_THD = torch.randn(T, 6, dk, generator=gen).to(dtype)
     contexts, at = RaggedContexts(BS), 0
     for S, L, table in rows:
         contexts.add(at, S, L, table)
         at += S
     contexts.freeze(torch.device("cpu"))
-    scale = 1 / math.sqrt(8)
+    scale = 1 / math.sqrt(dk)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for layer in range(2):
-        out = torch.full((T, 6, 8), float("nan"))
+        out = torch.full((T, 6, dv), float("nan"), dtype=dtype)
         contexts.attend(kv, layer, q_THD, out, scale, window)
         at = 0
         for S, L, table in rows:
-            want = _reference(kv, layer, q_THD[at:at + S], L, table, scale, window)
-            torch.testing.assert_close(out[at:at + S], want, rtol=1e-5, atol=1e-5)
+            want = _reference(kv, layer, q_THD[at:at + S].float(), L, table, scale, window)
+            torch.testing.assert_close(out[at:at + S].float(), want, rtol=tol, atol=tol)
             at += S
 
 
@@ -119,3 +159,16 @@ def test_only_a_model_the_engine_loaded_is_packed(tmp_path):
     ids = torch.tensor([[5, 9, 2]])
     torch.testing.assert_close(owned.executor.model(ids).logits, off.executor.model(ids).logits,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_decodes_the_same_tokens_with_the_kernel_and_with_torch_ops(tmp_path, monkeypatch):
+    write_model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), EngineConfig(block_size=4, max_num_seqs=8, enable_prefix_caching=False))
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6][:n] for n in (1, 3, 9, 6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    monkeypatch.delenv(cpu_attention.ENV, raising=False)
+    assert cpu_attention.kernel() is not None
+    with_kernel = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv(cpu_attention.ENV, "torch")
+    with_torch = [o.token_ids for o in llm.generate(prompts, params)]
+    assert with_kernel == with_torch and all(len(t) == 12 for t in with_kernel)

@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache read in place, on CPU: a small C++ kernel built at first use.
+
+The serving step's short queries (decodes, speculative tokens to verify, short prompt chunks) attend
+over their own contexts (`ragged_attention.py`). Done with PyTorch ops, that is a gather of every
+row's blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the
+copy moves as many bytes per step as the model's weights, and the per-row calls cost more in
+dispatch than in arithmetic (measured in docs/benchmarks.md). The kernel in
+`csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the cache, once per
+(row, KV head), for all the queries of that head group, in one call per layer parallel over
+(row, KV head) pairs; vLLM's CPU backend has a kernel of the same kind.
+
+It is compiled with `torch.utils.cpp_extension` the first time a CPU server needs it (tens of seconds,
+cached in `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) for this CPU's vector
+extensions (AVX2 or AVX-512, read from `torch.backends.cpu.get_cpu_capability()`). Where it cannot be
+built (no C++ compiler, no ninja) the server logs why once and attends with the PyTorch ops, which
+compute the same thing; `TESSERA_CPU_ATTENTION=torch` chooses them outright. Both are tested against
+each other and against keys read slot by slot (tests/infer/test_cpu_attention.py).
+Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tessera.infer")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
+
+
+def _vector_flags() -> tuple[str, list[str]]:
+    """The kernel's name suffix and compiler flags for this CPU's vector extensions (the build is
+    cached per name, so a cache directory shared by different CPUs keeps one build for each)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+    if capability == "AVX2":
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+@functools.cache
+def kernel():
+    """The compiled op (`torch.ops.tessera_cpu.paged_attention`), or None where it cannot be had
+    (the reason is logged once)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        suffix, flags = _vector_flags()
+        load(name=f"tessera_cpu_attention_{suffix}", sources=[str(SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+        return torch.ops.tessera_cpu.paged_attention
+    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch ops serve instead
+        log.warning("the CPU paged-attention kernel could not be built (%s: %s); attending with PyTorch ops",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def usable(kv_store: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the kernel serves a layer whose cache tensor is `kv_store` for queries `q` (read at
+    every call, so `TESSERA_CPU_ATTENTION=torch` set in a running process takes effect at once)."""
+    if os.environ.get(ENV, "").lower() == "torch":
+        return False
+    return (kv_store.device.type == "cpu" and kv_store.dtype == q.dtype
+            and kv_store.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernel() is not None)
