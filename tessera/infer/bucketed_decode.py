@@ -4,9 +4,10 @@ per bucket in a CUDA graph and replayed (as vLLM, SGLang and rtp-llm do) instead
 hundreds of small kernels from Python every token.
 
 A bucket is (batch size B, blocks per sequence MB): B is the smallest configured decode batch
-size that holds the step's sequences; MB, when the step replays a CUDA graph, is the smallest
-power of two (capped at what the longest sequence may need) that covers the longest block table,
-and when it runs eagerly the longest block table itself (spare blocks would only be read and
+size that holds the step's sequences (on CPU, where nothing is captured, exactly the step's
+sequences: padding rows would only add work); MB, when the step replays a CUDA graph, is the
+smallest power of two (capped at what the longest sequence may need) that covers the longest block
+table, and when it runs eagerly the longest block table itself (spare blocks would only be read and
 masked out). The inputs of a bucket are views of
 buffers allocated once at the largest bucket: token ids, positions, the slot each new key/value
 is written to, block tables and sequence lengths. Padding rows decode token 0 at position 0 into
@@ -21,9 +22,9 @@ The packed step of `paged_attention.py` is the reference it is tested against.
 
 On CUDA a bucket is captured after a warm-up (three eager runs on a side stream) the first time
 it is used, and replayed from then on; `enforce_eager` keeps every bucket eager. On CPU the same
-step runs eagerly, its rows padded to the bucket as on a GPU, but its attention reads each row's
-own context only (`RaggedDecodeAttention`, see ragged_attention.py: a padded gather copies and
-attends over the longest context for every row, which on a CPU costs more than the projections).
+step runs eagerly over exactly its rows, and its attention reads each row's own context only
+(`RaggedDecodeAttention`, see ragged_attention.py: a padded gather copies and attends over the
+longest context for every row, which on a CPU costs more than the projections).
 Shapes: B rows, H query heads, G stored heads, D head dim, MB blocks per row,
 L = MB * block_size context slots.
 """
@@ -199,6 +200,7 @@ class BucketedDecoder:
         self.graph_pool = None
         self.replays = 0  # steps served by a captured graph
         self.eager_runs = 0  # steps run eagerly at a bucket's shape
+        self.widest = 0  # the most rows one step has run (padding rows included)
 
     @property
     def max_batch(self) -> int:
@@ -243,16 +245,21 @@ class BucketedDecoder:
 
     @torch.inference_mode()
     def forward(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Logits [B, V] of the padded bucket; rows len(rows).. are padding."""
+        """Logits [B, V] of the bucket; rows len(rows).. are padding (none on CPU)."""
         need = max(r.position // self.kv.block_size + 1 for r in rows)
         with_lora = any(r.adapter_slot >= 0 for r in rows)
         graphed = self.use_graphs and not with_lora
         B, MB = self.bucket_for(len(rows), need)
         if not graphed:  # block counts are bucketed for graph replays only: an eager step reads no spare blocks
             MB = need
+            if self.device.type == "cpu":  # and on CPU, where no kernel launch is saved, no padding rows
+                B = len(rows)
         bucket = self.buckets.get((B, MB))
         if bucket is None:
-            bucket = self.buckets[(B, MB)] = _Bucket(self, B, MB)
+            bucket = _Bucket(self, B, MB)
+            if graphed:  # an eager bucket is a few views: made again next time instead of kept
+                self.buckets[(B, MB)] = bucket
+        self.widest = max(self.widest, B)
         self._fill(rows, B, MB)
         if graphed and not bucket.graph_failed:
             if bucket.graph is None:
