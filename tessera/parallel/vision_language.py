@@ -44,19 +44,23 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tessera.config.parallel import ParallelConfig
-from tessera.models.mtp import TokenSequence
+from tessera.models.llava import RowSequence
 from tessera.parallel.collectives import split_rows
 from tessera.parallel.context_parallel import ChunkTokens, apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_parallel import apply_expert_parallel
+from tessera.parallel.sequence_layout import take_rank_tokens
 from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 
-class RankRows(TokenSequence):
+class RankRows(RowSequence):
     """A vision-language model's `sequence` seam under cp and / or sp (module docstring): `whole`
     gathers the whole sequences' ids from the cp ranks' chunks; `own` keeps this rank's rows of the
-    merged embeddings [B, S, D]: its cp chunk, then under sp its tp rank's slice of that."""
+    merged embeddings [B, S, D]: its cp chunk, then under sp its tp rank's slice of that;
+    `own_positions` keeps its cp chunk of rotary positions computed on the whole rows (Qwen2-VL's
+    M-RoPE, [3, B, S]), not the sp slice: under sp the language model's RoPE rotates the sequence
+    its attention gathers, so it takes the positions of the whole sequence (of this cp chunk)."""
 
     def __init__(self, chunks: ChunkTokens | None, sp_group: ProcessGroup | None):
         self.chunks, self.sp_group = chunks, sp_group
@@ -70,6 +74,12 @@ class RankRows(TokenSequence):
         if self.sp_group is not None:
             h_BSD = split_rows(h_BSD.transpose(0, 1), self.sp_group).transpose(0, 1).contiguous()
         return h_BSD
+
+    def own_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.chunks is None:
+            return positions
+        c = self.chunks
+        return take_rank_tokens(positions, c.cp, c.cp_rank, c.layout, dim=positions.dim() - 1)
 
 
 def parallelize_vision_language(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,

@@ -46,7 +46,7 @@ from tessera.data.image_processor import ImageProcessor
 from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.models.llava import Llava
 from tessera.models.qwen_vl import QwenVL
-from tessera.parallel.data_parallel_batch import dp_rows
+from tessera.parallel.data_parallel_batch import dp_rows, sequence_chunk
 from tessera.parallel.dims import ParallelDims
 
 FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
@@ -241,6 +241,20 @@ def rank_image_grids(batch: Batch, dims: ParallelDims | None) -> list[torch.Tens
     if batch.image_grid_thw is None or dims is None:
         return batch.image_grid_thw
     return batch.image_grid_thw[dp_rows(len(batch.image_grid_thw), dims)]
+
+
+def rank_row_positions(model: nn.Module, batch: Batch, dims: ParallelDims) -> torch.Tensor | None:
+    """A pipeline rank's rotary positions of its tokens when the model computes its own from the
+    whole rows (Qwen2-VL / Qwen2.5-VL's M-RoPE; None otherwise): `mrope_positions` of its rows'
+    ids and grids, whole, then its cp chunk of them, in the order it holds its tokens, rows first
+    [B, 3, C] (`QwenVL.forward`'s `row_positions`). Every rank holds the global batch, so no stage
+    waits for another's: the later stages, which receive hidden states, rotate by the same
+    positions as the first, which receives the ids. `model` is one of this rank's stages."""
+    if batch.image_grid_thw is None or not isinstance(model, QwenVL):
+        return None
+    ids = batch.inputs[dp_rows(batch.inputs.shape[0], dims)]
+    positions = model.rope_positions(ids, torch.cat(rank_image_grids(batch, dims)))  # [3, B, S]
+    return sequence_chunk(positions.transpose(0, 1), dims, dim=2).contiguous()
 
 
 def vision_language_entry(cfg: RunConfig) -> dict:
