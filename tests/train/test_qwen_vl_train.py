@@ -3,7 +3,7 @@ of several sizes (each its own number of tokens between vision start / end), M-R
 grids. From a transformers Qwen2-VL / Qwen2.5-VL directory, step 1's loss is transformers' answer-only
 cross-entropy on the batch images; the freeze switches (the tower, the patch merger, the language
 model) keep their parts bit-identical with no optimizer state; the validation loss is the model's on
-the held-out conversations; a resumed run equals an uninterrupted one; the export loads in
+the held-out conversations (one process, dp_shard, pp, cp); a resumed run equals an uninterrupted one; the export loads in
 transformers with equal logits, and served, a chat takes the training sample's prompt tokens. On gloo
 ranks every layout of the language model equals one process (fp32, losses and weights 1e-5): dp_shard,
 tp, tp with sp, cp (both splits, also with tp and sp), the distributed optimizer, and pp (the tower on
@@ -220,7 +220,8 @@ def _evaluate(run_overrides):
 
 @pytest.mark.dist
 def test_validation_loss_is_the_models_on_the_held_out_conversations_with_their_images(tmp_path):
-    extra = {"data.valid_fraction": 0.25, "train.eval_interval": 1, "train.eval_steps": 1}
+    # (init_std 0.3: attention far from uniform, so that positions change the loss)
+    extra = {"data.valid_fraction": 0.25, "train.eval_interval": 1, "train.eval_steps": 1, "model.init_std": 0.3}
     trainer = _trainer(tmp_path / "run", 1, **extra)
     held_out = trainer.data.valid.samples
     assert [len(s.grids) for s in held_out] == [1, 2, 1]  # the last three of sizes.jsonl
@@ -234,10 +235,12 @@ def test_validation_loss_is_the_models_on_the_held_out_conversations_with_their_
     want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX))
     assert trainer.evaluate()["val_loss"] == pytest.approx(want, rel=1e-6)
-    # under dp_shard=2 the ranks split the rows (the short batch padded): the same loss
-    got = run_ranks(_evaluate, 2, overrides(tmp_path / "ranks", 1, **extra, **{"parallel.dp_shard": 2}),
-                    timeout=HANG_S)[0]
-    assert got == pytest.approx(want, rel=1e-5)
+    # under dp_shard=2 the ranks split the rows (the short batch padded), under pp=2 the last stage
+    # scores them with the M-RoPE positions it was handed, under zig-zag cp=2 each rank its chunks: the same loss
+    for i, layout in enumerate([{"parallel.dp_shard": 2}, {"parallel.pp": 2, "parallel.dp_shard": 1},
+                                {"parallel.cp": 2, "parallel.cp_method": "ring", "parallel.dp_shard": 1}]):
+        got = run_ranks(_evaluate, 2, overrides(tmp_path / f"ranks{i}", 1, **extra, **layout), timeout=HANG_S)[0]
+        assert got == pytest.approx(want, rel=1e-5), layout
 
 
 def _train_on_ranks(run_overrides):
