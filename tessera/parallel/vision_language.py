@@ -1,5 +1,6 @@
-"""A vision-language model (tessera.models.llava: a vision tower, a projector, a language model)
-under every training layout of its language model, the image side beside it.
+"""A vision-language model (tessera.models.llava: a vision tower, a projector, a language model;
+tessera.models.qwen_vl: Qwen2-VL / Qwen2.5-VL's tower with its patch merger and a qwen2 language
+model) under every training layout of its language model, the image side beside it.
 
     model = parallelize_vision_language(llava, dims, cfg.parallel)   # the whole model or one pipeline stage
 
@@ -14,19 +15,25 @@ of the language model, then FSDP. What each layout does with the images and the 
   the image features are merged into it, and only then each tp rank keeps its slice of the
   sequence (`split_rows`; its backward all-gathers the slices' gradients, so the features' gradient
   is whole on every tp rank). The language model then runs as a later pipeline stage of a text
-  model does under sp: its input is the local slice, its positions global.
+  model does under sp: its input is the local slice, its positions global (Qwen's M-RoPE
+  positions, computed on the whole rows, are passed whole).
 - cp: a cp rank holds its chunk of every sequence's ids (`shard_global_batch`, the split of
   `dims.cp_layout`: contiguous, or zig-zag for allgather / ring attention). The model's `sequence`
   seam all-gathers the ids (integers: exact, no gradient) into the whole sequences, every cp rank
   encodes all of the micro-batch's images (the tower is small and replicated), merges them into
   the whole sequence's embeddings and keeps the rows of its own chunk, in the order it holds them
-  (`ChunkTokens`). The gradient that reaches the tower, projector and embedding on a cp rank is its
-  chunk's share; FSDP sums the shares over dp_shard x cp, as for every dense weight.
+  (`ChunkTokens`); Qwen computes its M-RoPE positions [3, B, S] on the whole rows there and keeps
+  its chunk's positions the same way (`RankRows.own_positions`). The gradient that reaches the
+  tower, projector and embedding on a cp rank is its chunk's share; FSDP sums the shares over
+  dp_shard x cp, as for every dense weight.
 - ep: the routed experts of an MoE language model are split over ep (expert_parallel.py); the
-  tower and projector are dense weights outside them.
+  tower and projector are dense weights outside them. (Qwen2-VL / Qwen2.5-VL's language model is a
+  dense qwen2 decoder: ep is refused for them, tessera.config.vision_training.)
 - pp: the model is cut in its language model (pipeline.split_stage): the tower and projector live
   on the first stage only, which alone receives each micro-batch's images; later stages receive
-  hidden states. This function parallelizes one such stage like the whole model.
+  hidden states; Qwen's M-RoPE positions reach every stage as a keyword tensor the step engine
+  computes from each rank's rows (tessera.train.pipeline_step). This function parallelizes one such
+  stage like the whole model.
 - dp_replicate / dp_shard: FSDP over the language model's blocks (each one unit, the experts
   another under ep) and one root unit over the rest (tower, projector, embedding, final norm,
   head), which the model uses before and after its blocks. With `parallel.optimizer=distributed`

@@ -5,21 +5,23 @@
 
 The model is built whole on every rank (no meta-device build: each rank holds the whole model
 until the layout cuts it), then cut by the layout (tessera.train.builder, through
-tessera.parallel.vision_language): for LLaVA every layout of the language model (dp_replicate,
-dp_shard, tp with or without sp, cp, ep, pp), the tower and projector beside it and on the first
-pipeline stage only; for Qwen2-VL / Qwen2.5-VL data parallelism and tp without sp
-(tessera.config.vision_training says why the rest are refused). The step engines need nothing of
-their own for it beyond each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their
-patch grids, `rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids,
-pixel_values=..., targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=...,
-targets=...)` (step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's
-rows at a time: pipeline_step.PipelineStep), which encodes the images and puts their features at
-the image placeholders; QwenVL computes each row's M-RoPE positions from the grids there, the
-function its parity with transformers rests on (`mrope_positions`), so training runs the positions
-serving and transformers use. A checkpoint's meta.json holds the model's HuggingFace config and
-image processor (`vision_language_entry`, the entry tessera.checkpoint.dcp.vision_language reads),
-so `tessera convert` and `checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory
-from it.
+tessera.parallel.vision_language): every layout of the language model (dp_replicate, dp_shard, tp
+with or without sp, cp, pp, and ep of an MoE language model, which Qwen2-VL / Qwen2.5-VL's dense
+qwen2 decoder is not: tessera.config.vision_training refuses it), the tower and projector beside
+it and on the first pipeline stage only. The step engines need little of their own for it:
+each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their patch grids,
+`rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids, pixel_values=...,
+targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=..., targets=...)`
+(step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's rows at a
+time: pipeline_step.PipelineStep), which encodes the images and puts their features at the image
+placeholders; QwenVL computes each row's M-RoPE positions from the grids there, on the whole rows
+(gathered from the cp chunks), the function its parity with transformers rests on
+(`mrope_positions`), so training runs the positions serving and transformers use. Under pp every
+stage needs them but only the first receives ids: each rank computes its rows' positions from the
+batch (`rank_row_positions`) and the pipeline hands them to all its stages. A checkpoint's
+meta.json holds the model's HuggingFace config and image processor (`vision_language_entry`, the
+entry tessera.checkpoint.dcp.vision_language reads), so `tessera convert` and
+`checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory from it.
 """
 
 from __future__ import annotations

@@ -3,12 +3,13 @@ of several sizes (each its own number of tokens between vision start / end), M-R
 grids. From a transformers Qwen2-VL / Qwen2.5-VL directory, step 1's loss is transformers' answer-only
 cross-entropy on the batch images; the freeze switches (the tower, the patch merger, the language
 model) keep their parts bit-identical with no optimizer state; the validation loss is the model's on
-the held-out conversations (one process, dp_shard, pp, cp); a resumed run equals an uninterrupted one; the export loads in
-transformers with equal logits, and served, a chat takes the training sample's prompt tokens. On gloo
-ranks every layout of the language model equals one process (fp32, losses and weights 1e-5): dp_shard,
-tp, tp with sp, cp (both splits, also with tp and sp), the distributed optimizer, and pp (the tower on
-the first stage, every stage given its rows' M-RoPE positions; also interleaved with cp); expert
-parallelism is refused by name (the qwen2 decoder is dense)."""
+the held-out conversations (one process, dp_shard, pp, cp); a resumed run equals an uninterrupted
+one; the export loads in transformers with equal logits, and served, a chat takes the training
+sample's prompt tokens. On gloo ranks every layout of the language model equals one process (fp32,
+losses and weights 1e-5): dp_shard, tp, tp with sp, cp (both splits, also with tp and sp), the
+distributed optimizer, and pp (the tower on the first stage, every stage given its rows' M-RoPE
+positions; also interleaved with cp); expert parallelism is refused by name (the qwen2 decoder is
+dense)."""
 
 import copy
 
