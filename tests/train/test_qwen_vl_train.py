@@ -269,11 +269,15 @@ def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("config", ["tiny-qwen2-vl", "tiny-llava"])
-def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_path, config, write_mixed):
+@pytest.mark.parametrize("config, layout", [("tiny-qwen2-vl", {"parallel.dp_shard": 2}),
+                                            ("tiny-llava", {"parallel.dp_shard": 2}),
+                                            ("tiny-qwen2-vl", {"parallel.pp": 2, "parallel.dp_shard": 1})],
+                         ids=["qwen-dp_shard", "llava-dp_shard", "qwen-pp"])
+def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_path, config, layout, write_mixed):
     """Step 1's seeded order puts the two text-only conversations on rank 0 and the two with images on
     rank 1: rank 0's tower and projector take part with zero gradients (`image_side_in_graph`), so
-    both ranks reduce the same parameters (before, gloo failed) and the run equals one process."""
+    both ranks reduce the same parameters (before, gloo failed) and the run equals one process. Under
+    pp the same rows make the first micro-batch all text: its padded images are none."""
     path = str(ROOT / "configs" / f"{config}.yaml")
     steps = {"train.global_batch_size": 4, "train.micro_batch_size": 2, "checkpoint.interval": 0,
              "data.datasets": f"[{{path: {write_mixed}}}]"}
@@ -284,10 +288,12 @@ def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_p
     want_losses = _losses(one.train())
     want = {k: v.detach() for k, v in one.model.named_parameters()}
     assert not torch.equal(want["vision_tower.layers.0.mlp.fc1.weight"], before["vision_tower.layers.0.mlp.fc1.weight"])
-    got = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **{
-        "parallel.dp_shard": 2}), timeout=HANG_S)[0]
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    for name, value in got["weights"].items():
+    results = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **layout),
+                        timeout=HANG_S)
+    assert results[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    weights = merged_weights(results)
+    assert set(weights) == set(want)
+    for name, value in weights.items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
