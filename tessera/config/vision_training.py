@@ -14,21 +14,22 @@ the preprocessing, not the weights); the freeze switches always apply. A frozen 
 get no gradient and no optimizer state, so they stay bit-identical through training. For the Qwen
 families the projector is the tower's patch merger, and `freeze_vision_tower` the rest of the tower.
 
-LLaVA trains in one process and under every layout of its language model
+LLaVA, Qwen2-VL and Qwen2.5-VL train in one process and under every layout of their language model
 (tessera.parallel.vision_language): data parallelism (dp_replicate, dp_shard: FSDP over the
 language model's blocks, the tower, projector, embeddings and head in the root's unit; or
 parallel.optimizer=distributed), tensor parallelism with or without parallel.sp (the tower and
 projector replicated on the tp ranks, the image rows merged before the sequence is cut), context
 parallelism (each cp rank encodes the micro-batch's images and keeps its chunk's rows), expert
 parallelism of an MoE language model, and pipeline parallelism (the tower and projector on the
-first stage, which alone gets the images). Qwen2-VL / Qwen2.5-VL train in one process, under data
-parallelism and under tensor parallelism without sp; their M-RoPE positions are computed from the
-whole rows, which pipeline stages, cp chunks and sp slices do not carry yet, so pp, cp, ep, sp and
-the distributed optimizer are refused by name for them (`refuse_qwen_layouts`, also when the family
-comes from train.init_from). Distillation, EAGLE, FP8, compile, recomputation, activation offload
-and multi-token prediction are refused by name for every family. Checkpoints and `--resume` work,
-also across layouts; `checkpoint.export_hf` and `tessera convert RUN OUT` write a LLaVA / Qwen2-VL /
-Qwen2.5-VL directory transformers loads.
+first stage, which alone gets the images). Qwen's M-RoPE positions are computed from the whole rows
+and their grids, and each rank keeps its tokens' positions: its cp chunk's (whole under sp, as the
+language model's RoPE takes them), and under pp every stage is handed its rows' positions
+(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL
+(`refuse_qwen_layouts`, also when the family comes from train.init_from): their language model is a
+dense qwen2 decoder, which has no routed experts to split. Distillation, EAGLE, FP8, compile,
+recomputation, activation offload and multi-token prediction are refused by name for every family.
+Checkpoints and `--resume` work, also across layouts; `checkpoint.export_hf` and `tessera convert
+RUN OUT` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory transformers loads.
 """
 
 from __future__ import annotations
@@ -129,11 +130,8 @@ def validate_vision_language(cfg: Any, need: Any) -> None:
 
 
 def refuse_qwen_layouts(p: Any, need: Any) -> None:
-    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take yet (module docstring), refused by
+    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take (module docstring), refused by
     name; `need(ok, key, value, allowed)` raises (tessera.config.schema's, or a ConfigError raiser)."""
-    for key in ("pp", "cp", "ep"):
-        need(getattr(p, key) == 1, f"parallel.{key}", getattr(p, key),
-             f"1 with data.kind={DATA_KIND} on Qwen2-VL / Qwen2.5-VL (M-RoPE positions come from whole rows)")
-    need(not p.sp, "parallel.sp", p.sp, "false with vision-language fine-tuning of Qwen2-VL / Qwen2.5-VL")
-    need(p.optimizer == "fsdp", "parallel.optimizer", p.optimizer,
-         "fsdp with vision-language fine-tuning of Qwen2-VL / Qwen2.5-VL")
+    need(p.ep == 1, "parallel.ep", p.ep,
+         f"1 with data.kind={DATA_KIND} on Qwen2-VL / Qwen2.5-VL: their language model is a dense qwen2 decoder, "
+         "which has no routed experts to split over ep")

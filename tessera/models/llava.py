@@ -17,9 +17,10 @@ A family with its own positions for image tokens (Qwen2-VL's M-RoPE) keeps these
 passes its positions through `forward`'s `positions`, as context parallelism does for text.
 
 Training layouts reach LLaVA through two seams, installed from outside
-(tessera.parallel.vision_language): `sequence` (a `TokenSequence`: the whole sequence's ids from the
+(tessera.parallel.vision_language): `sequence` (a `RowSequence`: the whole sequence's ids from the
 ones this rank holds, and this rank's rows of the merged embeddings; context and sequence
-parallelism cut the sequence only after the image rows are in it), and a pipeline stage's cut
+parallelism cut the sequence only after the image rows are in it; a family with its own positions
+keeps this rank's of the whole rows' through `own_positions`), and a pipeline stage's cut
 (tessera.parallel.pipeline: the tower and projector stay on the first stage, a later stage's
 `forward` receives the previous stage's hidden states and hands them to its layers).
 """
@@ -53,6 +54,18 @@ def merge_image_features(embeds_BSD: torch.Tensor, input_ids: torch.Tensor, imag
         return embeds_BSD
     flat = torch.cat(features).to(embeds_BSD.dtype)
     return embeds_BSD.masked_scatter(mask.unsqueeze(-1), flat)
+
+
+class RowSequence(TokenSequence):
+    """A vision-language model's `sequence` seam on one process: the ids it holds are the whole rows
+    (`whole`), the merged embeddings all its own (`own`), and so are rotary positions computed from
+    the whole rows (`own_positions`). Context and sequence parallelism install `RankRows`
+    (tessera.parallel.vision_language)."""
+
+    def own_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of the whole rows' rotary positions [..., S] (the sequence last), in
+        the order it holds its tokens: the positions the language model's RoPE takes for its input."""
+        return positions
 
 
 class LlavaProjector(nn.Module):
@@ -125,7 +138,7 @@ class Llava(VisionLanguageModel):
         self.projector = LlavaProjector(cfg)
         self.language_model = Transformer(cfg.text, init_seed=None)
         # Where this rank's tokens sit in the whole sequence (module docstring): all of it on one process.
-        self.sequence = TokenSequence()
+        self.sequence = RowSequence()
         if init_seed is not None:
             self.init_weights(init_seed)
 

@@ -13,6 +13,17 @@ text after the image resumes at p + max(rows, columns). Rows without images are 
 decode step continues from the prompt's largest position + 1, so token j of a row (j >= S) sits
 at j + delta with delta = max position + 1 - S (`mrope_positions`' second result); the caller
 passes those positions (2-D [B, S] is enough: the three coordinates are equal after the prompt).
+
+Training layouts reach QwenVL through LLaVA's seams (tessera.parallel.vision_language), and the
+positions follow the rows. Under cp and sp the `sequence` seam gives `forward` the whole rows' ids:
+it merges the images into the whole rows, computes their M-RoPE positions there, and keeps this
+rank's rows of the embeddings (`own`: its cp chunk, then its sp slice) and its positions of the
+positions (`own_positions`: its cp chunk only; under sp the language model's RoPE takes the
+positions of the whole sequence, as its attention rotates the gathered one, which is what a later
+pipeline stage of a text model under sp does). Under pp only the first stage gets ids, yet every
+stage's RoPE needs the positions: the step engine computes each rank's rows' positions from the
+batch it holds and hands them to every stage, rows first (`row_positions`), and the first stage's
+images padded per row (`image_mask`), so that the schedule cuts both into its micro-batches.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import torch
 from tessera.config.errors import ModelError
 from tessera.config.qwen_vl import QwenVLConfig
 from tessera.models.attention import AttentionCache
-from tessera.models.llava import VisionLanguageModel, merge_image_features
+from tessera.models.llava import RowSequence, VisionLanguageModel, merge_image_features
 from tessera.models.qwen_vision import QwenVisionTransformer
 from tessera.models.transformer import ModelOutput, Transformer
 
@@ -67,6 +78,18 @@ def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grids: list[tu
     return out.to(input_ids.device), deltas.to(input_ids.device)
 
 
+def unpadded_images(pixels_BPF: torch.Tensor, grids_BK3: torch.Tensor, mask_BK: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patch rows [sum P_i, F], grids [N, 3]) in row order from each row's images padded for a
+    pipeline schedule (pipeline_step.padded_images): `grids_BK3` each row's grids padded to K,
+    `mask_BK` true at the real ones, `pixels_BPF` each row's patch rows padded to P, of which the
+    first t x h x w of each real grid, summed, are real."""
+    grids = grids_BK3[mask_BK]
+    patches = (grids_BK3.prod(-1) * mask_BK).sum(-1)  # [B] real patch rows per row
+    keep = torch.arange(pixels_BPF.shape[1], device=pixels_BPF.device) < patches.to(pixels_BPF.device)[:, None]
+    return pixels_BPF[keep], grids
+
+
 class QwenVL(VisionLanguageModel):
     def __init__(self, cfg: QwenVLConfig, init_seed: int | None = 0):
         super().__init__()
@@ -74,6 +97,8 @@ class QwenVL(VisionLanguageModel):
         self.vision_tower = QwenVisionTransformer(cfg.vision)
         self.language_model = Transformer(cfg.text, init_seed=None)
         self.language_model.mrope_section = list(cfg.mrope_section)
+        # Where this rank's tokens sit in the whole rows (module docstring): all of them on one process.
+        self.sequence = RowSequence()
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -91,22 +116,41 @@ class QwenVL(VisionLanguageModel):
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, image_features: list[torch.Tensor] | None = None,
                 positions: torch.Tensor | None = None, cache: AttentionCache | None = None,
-                targets: torch.Tensor | None = None) -> ModelOutput:
+                targets: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+                row_positions: torch.Tensor | None = None) -> ModelOutput:
         """The language model's output on `input_ids` [B, S] whose placeholders hold the images'
         features: `image_features` (from `encode_images`) or `pixel_values` encoded here, with the
         images' `image_grid_thw` [N, 3] either way. Without `positions`, a prompt's M-RoPE positions
-        from the grids; neither images nor positions: a text prompt at 0..S-1."""
+        from the grids, computed on the whole rows (module docstring); neither images nor positions:
+        a text prompt at 0..S-1 (the language model's own positions, this rank's under cp).
+
+        A pipeline schedule cuts its keyword tensors into micro-batches by rows, which one stack of
+        a varying number of images (and patch rows) per row cannot be, nor positions [3, B, S]:
+        `image_mask` [B, K] with `image_grid_thw` [B, K, 3] and `pixel_values` [B, P, F] are each
+        row's grids padded to K and patch rows to P (`unpadded_images`), and `row_positions`
+        [B, 3, S] are `positions` rows first.
+
+        On a later pipeline stage `input_ids` are the previous stage's hidden states [B, S, D]: they
+        go to this stage's layers with those positions (images given to it are not used: an
+        interleaved schedule hands every stage of a rank the same keyword arguments)."""
+        if row_positions is not None:
+            positions = row_positions.transpose(0, 1)
+        if input_ids.is_floating_point():
+            return self.language_model(input_ids, positions=positions, cache=cache, targets=targets)
         if pixel_values is not None and image_features is not None:
             raise ModelError("give pixel_values or image_features, not both")
         if (pixel_values is not None or image_features is not None) and image_grid_thw is None:
             raise ModelError("images need their image_grid_thw (t, h, w patches each, from the image processor)")
+        if image_mask is not None:
+            pixel_values, image_grid_thw = unpadded_images(pixel_values, image_grid_thw, image_mask)
         if pixel_values is not None:
             image_features = self.encode_images(pixel_values, image_grid_thw)
-        h = self.language_model.tok_embeddings(input_ids)
+        ids = self.sequence.whole(input_ids)  # under cp the whole rows, gathered from the chunks
+        h = self.language_model.tok_embeddings(ids)
         if image_features is not None:
-            h = merge_image_features(h, input_ids, self.cfg.image_token_id, image_features)
+            h = merge_image_features(h, ids, self.cfg.image_token_id, image_features)
             if positions is None:
-                positions = self.rope_positions(input_ids, image_grid_thw)
+                positions = self.sequence.own_positions(self.rope_positions(ids, image_grid_thw))
         if not image_features:
             h = self.image_side_in_graph(h)
-        return self.language_model(h, positions=positions, cache=cache, targets=targets)
+        return self.language_model(self.sequence.own(h), positions=positions, cache=cache, targets=targets)

@@ -1,5 +1,6 @@
-"""A vision-language model (tessera.models.llava: a vision tower, a projector, a language model)
-under every training layout of its language model, the image side beside it.
+"""A vision-language model (tessera.models.llava: a vision tower, a projector, a language model;
+tessera.models.qwen_vl: Qwen2-VL / Qwen2.5-VL's tower with its patch merger and a qwen2 language
+model) under every training layout of its language model, the image side beside it.
 
     model = parallelize_vision_language(llava, dims, cfg.parallel)   # the whole model or one pipeline stage
 
@@ -14,19 +15,25 @@ of the language model, then FSDP. What each layout does with the images and the 
   the image features are merged into it, and only then each tp rank keeps its slice of the
   sequence (`split_rows`; its backward all-gathers the slices' gradients, so the features' gradient
   is whole on every tp rank). The language model then runs as a later pipeline stage of a text
-  model does under sp: its input is the local slice, its positions global.
+  model does under sp: its input is the local slice, its positions global (Qwen's M-RoPE
+  positions, computed on the whole rows, are passed whole).
 - cp: a cp rank holds its chunk of every sequence's ids (`shard_global_batch`, the split of
   `dims.cp_layout`: contiguous, or zig-zag for allgather / ring attention). The model's `sequence`
   seam all-gathers the ids (integers: exact, no gradient) into the whole sequences, every cp rank
   encodes all of the micro-batch's images (the tower is small and replicated), merges them into
   the whole sequence's embeddings and keeps the rows of its own chunk, in the order it holds them
-  (`ChunkTokens`). The gradient that reaches the tower, projector and embedding on a cp rank is its
-  chunk's share; FSDP sums the shares over dp_shard x cp, as for every dense weight.
+  (`ChunkTokens`); Qwen computes its M-RoPE positions [3, B, S] on the whole rows there and keeps
+  its chunk's positions the same way (`RankRows.own_positions`). The gradient that reaches the
+  tower, projector and embedding on a cp rank is its chunk's share; FSDP sums the shares over
+  dp_shard x cp, as for every dense weight.
 - ep: the routed experts of an MoE language model are split over ep (expert_parallel.py); the
-  tower and projector are dense weights outside them.
+  tower and projector are dense weights outside them. (Qwen2-VL / Qwen2.5-VL's language model is a
+  dense qwen2 decoder: ep is refused for them, tessera.config.vision_training.)
 - pp: the model is cut in its language model (pipeline.split_stage): the tower and projector live
   on the first stage only, which alone receives each micro-batch's images; later stages receive
-  hidden states. This function parallelizes one such stage like the whole model.
+  hidden states; Qwen's M-RoPE positions reach every stage as a keyword tensor the step engine
+  computes from each rank's rows (tessera.train.pipeline_step). This function parallelizes one such
+  stage like the whole model.
 - dp_replicate / dp_shard: FSDP over the language model's blocks (each one unit, the experts
   another under ep) and one root unit over the rest (tower, projector, embedding, final norm,
   head), which the model uses before and after its blocks. With `parallel.optimizer=distributed`
@@ -44,19 +51,23 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tessera.config.parallel import ParallelConfig
-from tessera.models.mtp import TokenSequence
+from tessera.models.llava import RowSequence
 from tessera.parallel.collectives import split_rows
 from tessera.parallel.context_parallel import ChunkTokens, apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_parallel import apply_expert_parallel
+from tessera.parallel.sequence_layout import take_rank_tokens
 from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 
-class RankRows(TokenSequence):
+class RankRows(RowSequence):
     """A vision-language model's `sequence` seam under cp and / or sp (module docstring): `whole`
     gathers the whole sequences' ids from the cp ranks' chunks; `own` keeps this rank's rows of the
-    merged embeddings [B, S, D]: its cp chunk, then under sp its tp rank's slice of that."""
+    merged embeddings [B, S, D]: its cp chunk, then under sp its tp rank's slice of that;
+    `own_positions` keeps its cp chunk of rotary positions computed on the whole rows (Qwen2-VL's
+    M-RoPE, [3, B, S]), not the sp slice: under sp the language model's RoPE rotates the sequence
+    its attention gathers, so it takes the positions of the whole sequence (of this cp chunk)."""
 
     def __init__(self, chunks: ChunkTokens | None, sp_group: ProcessGroup | None):
         self.chunks, self.sp_group = chunks, sp_group
@@ -70,6 +81,12 @@ class RankRows(TokenSequence):
         if self.sp_group is not None:
             h_BSD = split_rows(h_BSD.transpose(0, 1), self.sp_group).transpose(0, 1).contiguous()
         return h_BSD
+
+    def own_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.chunks is None:
+            return positions
+        c = self.chunks
+        return take_rank_tokens(positions, c.cp, c.cp_rank, c.layout, dim=positions.dim() - 1)
 
 
 def parallelize_vision_language(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,

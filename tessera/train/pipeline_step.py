@@ -25,7 +25,10 @@ the norm counts it once (tessera.parallel.tied_embeddings); with multi-token pre
 targets and N as the schedule's keyword arguments: its MTP loss / N rides on its auxiliary loss.
 A vision-language model's first stage (which holds the tower and projector) gets the images of its
 rows as keyword arguments too, padded per row (`padded_images`), so that the schedule cuts them into
-the micro-batches of the rows; no other rank is given them.
+the micro-batches of the rows; no other rank is given them. Qwen2-VL / Qwen2.5-VL's M-RoPE positions
+come from the whole rows and their grids, which only the first stage is given: every rank computes
+its rows' positions from the batch it holds (`rank_row_positions`) and hands them to all its stages
+as a keyword tensor, rows first, cut into the same micro-batches.
 fp16: the loss function returns its
 loss scaled, and each stage scales its auxiliary loss's gradient (loss_scaler.py). A `StepEngine`: mixed
 precision, clipping, the expert-bias step and the statistics are those of step_engine.py and
@@ -56,7 +59,7 @@ from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.parallel_step import padded_batch, rank_rows
 from tessera.train.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
 from tessera.train.step_stats import StepStats, reduce_over_ranks, step_result
-from tessera.train.vision_language import rank_images
+from tessera.train.vision_language import rank_image_grids, rank_images, rank_row_positions
 
 
 class PipelineLoss:
@@ -96,21 +99,36 @@ class PipelineLoss:
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
 
 
-def padded_images(pixels: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """`Llava.forward`'s keyword arguments for the images of a rank's rows (one [N_i, C, H, W] per
-    row): `pixel_values` [B, K, C, H, W], each row's images padded to K = max N_i (0 when no row has
-    one), and `image_mask` [B, K], true at the real ones. A schedule cuts every keyword tensor into
-    micro-batches along dim 0, which one stack of all the rows' images could not follow. Empty for
-    a text batch."""
+def _padded_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K, ...] of the rows' [N_i, ...] tensors, each padded with zeros to K = max N_i, and the
+    mask [B, K], true at the real entries."""
+    K = max(len(t) for t in tensors)
+    padded = tensors[0].new_zeros((len(tensors), K) + tuple(tensors[0].shape[1:]))
+    mask = torch.zeros(len(tensors), K, dtype=torch.bool)
+    for i, t in enumerate(tensors):
+        padded[i, :len(t)] = t
+        mask[i, :len(t)] = True
+    return padded, mask
+
+
+def padded_images(pixels: list[torch.Tensor] | None, grids: list[torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for the images of a rank's rows. A schedule cuts every keyword
+    tensor into micro-batches along dim 0, which one stack of all the rows' images could not follow,
+    so each row's are padded. LLaVA (`pixels` one [N_i, C, H, W] per row): `pixel_values`
+    [B, K, C, H, W], padded to K = max N_i (0 when no row has one), and `image_mask` [B, K], true at
+    the real ones. Qwen2-VL / Qwen2.5-VL (`pixels` each row's patch rows [P_i, F], `grids` its
+    [N_i, 3] grids): `pixel_values` [B, P, F] padded to P = max P_i, `image_grid_thw` [B, K, 3]
+    padded with zero grids and `image_mask` [B, K] (`qwen_vl.unpadded_images`). Empty for a text
+    batch."""
     if pixels is None:
         return {}
-    K = max(len(p) for p in pixels)
-    padded = pixels[0].new_zeros((len(pixels), K) + tuple(pixels[0].shape[1:]))
-    mask = torch.zeros(len(pixels), K, dtype=torch.bool)
-    for i, p in enumerate(pixels):
-        padded[i, :len(p)] = p
-        mask[i, :len(p)] = True
-    return {"pixel_values": padded, "image_mask": mask}
+    if grids is None:
+        pixel_values, mask = _padded_rows(pixels)
+        return {"pixel_values": pixel_values, "image_mask": mask}
+    pixel_values, _ = _padded_rows(pixels)  # a row's real patch rows follow from its grids
+    image_grid_thw, mask = _padded_rows(grids)
+    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "image_mask": mask}
 
 
 @dataclass
@@ -192,10 +210,17 @@ class PipelineStep:
         return step_result(stats, n_loss_tokens, self.micro_batches_global, int(batch.inputs.numel()))
 
     def _images(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The first stage's images of this rank's rows (`padded_images`), on the device; none elsewhere."""
-        if not self.run.has_first_stage:
-            return {}
-        return {k: v.to(self.device) for k, v in padded_images(rank_images(batch, self.dims)).items()}
+        """The first stage's images of this rank's rows (`padded_images`), none elsewhere; and for a
+        model whose positions come from the whole rows (Qwen2-VL's M-RoPE), every stage's positions
+        of this rank's tokens (`rank_row_positions`): only the first stage sees the ids they come
+        from, but every stage's RoPE rotates by them. On the device."""
+        kw = {}
+        if self.run.has_first_stage:
+            kw.update(padded_images(rank_images(batch, self.dims), rank_image_grids(batch, self.dims)))
+        positions = rank_row_positions(self.parts[0], batch, self.dims)
+        if positions is not None:
+            kw["row_positions"] = positions
+        return {k: v.to(self.device) for k, v in kw.items()}
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.distributed_optimizers:

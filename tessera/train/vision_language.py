@@ -5,21 +5,23 @@
 
 The model is built whole on every rank (no meta-device build: each rank holds the whole model
 until the layout cuts it), then cut by the layout (tessera.train.builder, through
-tessera.parallel.vision_language): for LLaVA every layout of the language model (dp_replicate,
-dp_shard, tp with or without sp, cp, ep, pp), the tower and projector beside it and on the first
-pipeline stage only; for Qwen2-VL / Qwen2.5-VL data parallelism and tp without sp
-(tessera.config.vision_training says why the rest are refused). The step engines need nothing of
-their own for it beyond each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their
-patch grids, `rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids,
-pixel_values=..., targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=...,
-targets=...)` (step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's
-rows at a time: pipeline_step.PipelineStep), which encodes the images and puts their features at
-the image placeholders; QwenVL computes each row's M-RoPE positions from the grids there, the
-function its parity with transformers rests on (`mrope_positions`), so training runs the positions
-serving and transformers use. A checkpoint's meta.json holds the model's HuggingFace config and
-image processor (`vision_language_entry`, the entry tessera.checkpoint.dcp.vision_language reads),
-so `tessera convert` and `checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory
-from it.
+tessera.parallel.vision_language): every layout of the language model (dp_replicate, dp_shard, tp
+with or without sp, cp, pp, and ep of an MoE language model, which Qwen2-VL / Qwen2.5-VL's dense
+qwen2 decoder is not: tessera.config.vision_training refuses it), the tower and projector beside
+it and on the first pipeline stage only. The step engines need little of their own for it:
+each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their patch grids,
+`rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids, pixel_values=...,
+targets=...)` or `QwenVL.forward(input_ids, pixel_values=..., image_grid_thw=..., targets=...)`
+(step_engine.accumulate_micro_batches; under pp the first stage's, one micro-batch's rows at a
+time: pipeline_step.PipelineStep), which encodes the images and puts their features at the image
+placeholders; QwenVL computes each row's M-RoPE positions from the grids there, on the whole rows
+(gathered from the cp chunks), the function its parity with transformers rests on
+(`mrope_positions`), so training runs the positions serving and transformers use. Under pp every
+stage needs them but only the first receives ids: each rank computes its rows' positions from the
+batch (`rank_row_positions`) and the pipeline hands them to all its stages. A checkpoint's
+meta.json holds the model's HuggingFace config and image processor (`vision_language_entry`, the
+entry tessera.checkpoint.dcp.vision_language reads), so `tessera convert` and
+`checkpoint.export_hf` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory from it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tessera.data.image_processor import ImageProcessor
 from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.models.llava import Llava
 from tessera.models.qwen_vl import QwenVL
-from tessera.parallel.data_parallel_batch import dp_rows
+from tessera.parallel.data_parallel_batch import dp_rows, sequence_chunk
 from tessera.parallel.dims import ParallelDims
 
 FROZEN_PARTS = {"freeze_vision_tower": "vision_tower", "freeze_projector": "projector",
@@ -241,6 +243,20 @@ def rank_image_grids(batch: Batch, dims: ParallelDims | None) -> list[torch.Tens
     if batch.image_grid_thw is None or dims is None:
         return batch.image_grid_thw
     return batch.image_grid_thw[dp_rows(len(batch.image_grid_thw), dims)]
+
+
+def rank_row_positions(model: nn.Module, batch: Batch, dims: ParallelDims) -> torch.Tensor | None:
+    """A pipeline rank's rotary positions of its tokens when the model computes its own from the
+    whole rows (Qwen2-VL / Qwen2.5-VL's M-RoPE; None otherwise): `mrope_positions` of its rows'
+    ids and grids, whole, then its cp chunk of them, in the order it holds its tokens, rows first
+    [B, 3, C] (`QwenVL.forward`'s `row_positions`). Every rank holds the global batch, so no stage
+    waits for another's: the later stages, which receive hidden states, rotate by the same
+    positions as the first, which receives the ids. `model` is one of this rank's stages."""
+    if batch.image_grid_thw is None or not isinstance(model, QwenVL):
+        return None
+    ids = batch.inputs[dp_rows(batch.inputs.shape[0], dims)]
+    positions = model.rope_positions(ids, torch.cat(rank_image_grids(batch, dims)))  # [3, B, S]
+    return sequence_chunk(positions.transpose(0, 1), dims, dim=2).contiguous()
 
 
 def vision_language_entry(cfg: RunConfig) -> dict:

@@ -3,10 +3,13 @@ of several sizes (each its own number of tokens between vision start / end), M-R
 grids. From a transformers Qwen2-VL / Qwen2.5-VL directory, step 1's loss is transformers' answer-only
 cross-entropy on the batch images; the freeze switches (the tower, the patch merger, the language
 model) keep their parts bit-identical with no optimizer state; the validation loss is the model's on
-the held-out conversations; a resumed run equals an uninterrupted one; the export loads in
-transformers with equal logits, and served, a chat takes the training sample's prompt tokens; dp_shard
-and tp on gloo ranks equal one process (fp32, 1e-5); the layouts LLaVA refuses are refused by the same
-names."""
+the held-out conversations (one process, dp_shard, pp, cp); a resumed run equals an uninterrupted
+one; the export loads in transformers with equal logits, and served, a chat takes the training
+sample's prompt tokens. On gloo ranks every layout of the language model equals one process (fp32,
+losses and weights 1e-5): dp_shard, tp, tp with sp, cp (both splits, also with tp and sp), the
+distributed optimizer, and pp (the tower on the first stage, every stage given its rows' M-RoPE
+positions; also interleaved with cp); expert parallelism is refused by name (the qwen2 decoder is
+dense)."""
 
 import copy
 
@@ -26,7 +29,7 @@ from tessera.train.trainer import Trainer
 from tessera.train.vision_language import vision_model_config
 from tests.hang_guard import HANG_S
 from tests.models.qwen_vl_cases import hf_processor, hf_qwen_vl
-from tests.parallel.trainer_runs import whole_parameters
+from tests.parallel.trainer_runs import merged_weights, whole_parameters
 from tests.train.runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny-qwen2-vl.yaml")
@@ -218,7 +221,8 @@ def _evaluate(run_overrides):
 
 @pytest.mark.dist
 def test_validation_loss_is_the_models_on_the_held_out_conversations_with_their_images(tmp_path):
-    extra = {"data.valid_fraction": 0.25, "train.eval_interval": 1, "train.eval_steps": 1}
+    # (init_std 0.3: attention far from uniform, so that positions change the loss)
+    extra = {"data.valid_fraction": 0.25, "train.eval_interval": 1, "train.eval_steps": 1, "model.init_std": 0.3}
     trainer = _trainer(tmp_path / "run", 1, **extra)
     held_out = trainer.data.valid.samples
     assert [len(s.grids) for s in held_out] == [1, 2, 1]  # the last three of sizes.jsonl
@@ -232,10 +236,12 @@ def test_validation_loss_is_the_models_on_the_held_out_conversations_with_their_
     want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX))
     assert trainer.evaluate()["val_loss"] == pytest.approx(want, rel=1e-6)
-    # under dp_shard=2 the ranks split the rows (the short batch padded): the same loss
-    got = run_ranks(_evaluate, 2, overrides(tmp_path / "ranks", 1, **extra, **{"parallel.dp_shard": 2}),
-                    timeout=HANG_S)[0]
-    assert got == pytest.approx(want, rel=1e-5)
+    # under dp_shard=2 the ranks split the rows (the short batch padded), under pp=2 the last stage
+    # scores them with the M-RoPE positions it was handed, under zig-zag cp=2 each rank its chunks: the same loss
+    for i, layout in enumerate([{"parallel.dp_shard": 2}, {"parallel.pp": 2, "parallel.dp_shard": 1},
+                                {"parallel.cp": 2, "parallel.cp_method": "ring", "parallel.dp_shard": 1}]):
+        got = run_ranks(_evaluate, 2, overrides(tmp_path / f"ranks{i}", 1, **extra, **layout), timeout=HANG_S)[0]
+        assert got == pytest.approx(want, rel=1e-5), layout
 
 
 def _train_on_ranks(run_overrides):
@@ -263,11 +269,15 @@ def test_data_and_tensor_parallel_equal_one_process(tmp_path, layout):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("config", ["tiny-qwen2-vl", "tiny-llava"])
-def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_path, config, write_mixed):
+@pytest.mark.parametrize("config, layout", [("tiny-qwen2-vl", {"parallel.dp_shard": 2}),
+                                            ("tiny-llava", {"parallel.dp_shard": 2}),
+                                            ("tiny-qwen2-vl", {"parallel.pp": 2, "parallel.dp_shard": 1})],
+                         ids=["qwen-dp_shard", "llava-dp_shard", "qwen-pp"])
+def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_path, config, layout, write_mixed):
     """Step 1's seeded order puts the two text-only conversations on rank 0 and the two with images on
     rank 1: rank 0's tower and projector take part with zero gradients (`image_side_in_graph`), so
-    both ranks reduce the same parameters (before, gloo failed) and the run equals one process."""
+    both ranks reduce the same parameters (before, gloo failed) and the run equals one process. Under
+    pp the same rows make the first micro-batch all text: its padded images are none."""
     path = str(ROOT / "configs" / f"{config}.yaml")
     steps = {"train.global_batch_size": 4, "train.micro_batch_size": 2, "checkpoint.interval": 0,
              "data.datasets": f"[{{path: {write_mixed}}}]"}
@@ -278,10 +288,12 @@ def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_p
     want_losses = _losses(one.train())
     want = {k: v.detach() for k, v in one.model.named_parameters()}
     assert not torch.equal(want["vision_tower.layers.0.mlp.fc1.weight"], before["vision_tower.layers.0.mlp.fc1.weight"])
-    got = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **{
-        "parallel.dp_shard": 2}), timeout=HANG_S)[0]
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    for name, value in got["weights"].items():
+    results = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **layout),
+                        timeout=HANG_S)
+    assert results[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    weights = merged_weights(results)
+    assert set(weights) == set(want)
+    for name, value in weights.items():
         torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -314,14 +326,89 @@ def write_mixed(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("key", ["pp", "cp", "ep"])
-def test_other_layouts_are_refused_by_name_as_for_llava(tmp_path, key):
-    with pytest.raises(ConfigError, match=f"parallel.{key}=2 is invalid: 1 with data.kind=vision_sft"):
-        load_config(CONFIG, overrides(tmp_path, 1) + [f"parallel.{key}=2"])
-    with pytest.raises(ConfigError, match="parallel.sp=True is invalid: false with vision-language"):
-        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.tp=2", "parallel.sp=true"])
-    with pytest.raises(ConfigError, match="parallel.optimizer='distributed' is invalid: fsdp with vision-language"):
-        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.optimizer=distributed"])
+def _train_layout_on_ranks(run_overrides):
+    """One rank of a layout: its losses and whole weights, and per stage the tower it holds and the
+    keyword arguments its forward was given (images, positions)."""
+    trainer = Trainer(load_config(CONFIG, run_overrides))
+    pipeline = getattr(trainer.engine, "run", None)
+    stages = pipeline.stage_ids if pipeline is not None else [0]
+    given = {stage: set() for stage in stages}
+    for stage, part in zip(stages, trainer.parts, strict=True):
+        part.register_forward_pre_hook(lambda m, args, kwargs, stage=stage: given[stage].update(kwargs),
+                                       with_kwargs=True)
+    result = trainer.train()
+    towers = {stage for stage, part in zip(stages, trainer.parts, strict=True) if part.vision_tower is not None}
+    return {"losses": _losses(result), "weights": whole_parameters(trainer.parts), "stages": stages,
+            "given": given, "towers": towers}
+
+
+def _world(layout):
+    return int(np.prod([int(layout.get(f"parallel.{k}", 1)) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]))
+
+
+def _assert_layout_equals_one_process(tmp_path, layout):
+    """`layout` on gloo ranks against one process (both with the layout's non-parallel settings), 3
+    steps of 8 rows in micro-batches of 2: losses and every weight 1e-5; returns the ranks' results."""
+    settings = {"train.global_batch_size": 8, "train.micro_batch_size": 2, "checkpoint.interval": 0}
+    model = {k: v for k, v in layout.items() if not k.startswith("parallel.")}
+    one = _trainer(tmp_path / "one", 3, **settings, **model)
+    want_losses = _losses(one.train())
+    want = {k: v.detach() for k, v in one.model.named_parameters()}
+    got = run_ranks(_train_layout_on_ranks, _world(layout), overrides(tmp_path / "ranks", 3, **settings, **layout),
+                    timeout=HANG_S)
+    assert got[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    weights = merged_weights(got)
+    assert set(weights) == set(want)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    return got
+
+
+# Each sequence of 64 tokens holds images of 4 to 15 placeholders, which the cp chunks (32 tokens, or
+# zig-zag 16 + 16) and sp slices cut through: their M-RoPE positions come from the whole rows.
+SEQUENCES = {
+    "tp-sp": {"parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 1},
+    "cp-contiguous": {"parallel.cp": 2, "parallel.dp_shard": 1},
+    "cp-zigzag-qwen2_5_vl": {"parallel.cp": 2, "parallel.cp_method": "ring", "parallel.dp_shard": 1,
+                             "train.vision_language.family": "qwen2_5_vl"},
+    "cp-zigzag-tp-sp": {"parallel.cp": 2, "parallel.cp_method": "allgather", "parallel.tp": 2, "parallel.sp": "true",
+                        "parallel.dp_shard": 1},
+    "dp_shard-distributed_optimizer": {"parallel.dp_shard": 2, "parallel.optimizer": "distributed"},
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", SEQUENCES.values(), ids=SEQUENCES.keys())
+def test_sequence_and_context_parallel_and_the_distributed_optimizer_equal_one_process(tmp_path, layout):
+    _assert_layout_equals_one_process(tmp_path, layout)
+
+
+PIPELINES = {
+    "pp": {"parallel.pp": 2, "parallel.dp_shard": 1},
+    "pp-interleaved-cp-zigzag": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.pp_schedule": "interleaved_1f1b",
+                                 "parallel.cp": 2, "parallel.cp_method": "allgather", "parallel.dp_shard": 1,
+                                 "model.n_layers": 4},
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", PIPELINES.values(), ids=PIPELINES.keys())
+def test_pipeline_parallel_equals_one_process_with_the_positions_on_every_stage(tmp_path, layout):
+    got = _assert_layout_equals_one_process(tmp_path, layout)
+    for rank in got:
+        first = 0 in rank["stages"]
+        assert rank["towers"] == ({0} if first else set()), rank["stages"]
+        for stage, kwargs in rank["given"].items():
+            # every stage rotates by its rows' M-RoPE positions; only stage 0's rank is given images
+            # (an interleaved schedule hands a rank's later stage its first stage's arguments too)
+            assert "row_positions" in kwargs, stage
+            assert ("pixel_values" in kwargs) == first, stage
+
+
+def test_expert_parallel_is_refused_by_name_for_the_dense_qwen2_decoder(tmp_path):
+    with pytest.raises(ConfigError, match="parallel.ep=2 is invalid: 1 with data.kind=vision_sft on Qwen2-VL / "
+                                          "Qwen2.5-VL: their language model is a dense qwen2 decoder"):
+        load_config(CONFIG, overrides(tmp_path, 1) + ["parallel.ep=2"])
 
 
 @pytest.mark.parametrize("settings, problem", [
@@ -340,15 +427,11 @@ def test_bad_qwen_settings_are_refused_by_name(tmp_path, settings, problem):
         vision_model_config(load_config(CONFIG, overrides(tmp_path, 1) + settings))
 
 
-@pytest.mark.parametrize("setting, problem", [
-    ("parallel.pp=2", "parallel.pp=2 is invalid: 1 with data.kind=vision_sft on Qwen2-VL"),
-    ("parallel.optimizer=distributed", "parallel.optimizer='distributed' is invalid: fsdp with vision-language"),
-])
-def test_a_qwen_source_in_init_from_is_refused_the_layouts_by_name_too(tmp_path, setting, problem):
+def test_a_qwen_source_in_init_from_is_refused_expert_parallelism_by_name_too(tmp_path):
     # the family comes from the directory, not train.vision_language.family (llava by default)
     _hf_directory("qwen2_vl", tmp_path / "hf")
     cfg = load_config(None, overrides(tmp_path / "run", 1, **{"train.init_from": tmp_path / "hf"}) + [
-        "data.kind=vision_sft", "train.device=cpu", setting])
+        "data.kind=vision_sft", "train.device=cpu", "parallel.ep=2"])
     assert cfg.train.vision_language.family == "llava"
-    with pytest.raises(ConfigError, match=problem):
+    with pytest.raises(ConfigError, match="parallel.ep=2 is invalid: 1 with data.kind=vision_sft on Qwen2-VL"):
         vision_model_config(cfg)
