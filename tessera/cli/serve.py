@@ -319,21 +319,28 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     hosts = _check_server_options(args)
     socks = [sockets.enter_context(sock) for sock in _listen_sockets(args.host, args.port)]
+    import torch
     import uvicorn
 
     from tessera.infer.engine import LLMEngine
     from tessera.infer.engine_loop import EngineLoop
     from tessera.infer.server import create_app
 
-    engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
-    if engine.tokenizer is None:
-        engine.close()
-        raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
-                              "copy the model's tokenizer files into it, or export a Tessera run with "
-                              "`tessera convert RUN_DIR OUT`, which writes them")
+    def make_engine() -> LLMEngine:
+        engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
+        if engine.tokenizer is None:
+            engine.close()
+            raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
+                                  "copy the model's tokenizer files into it, or export a Tessera run with "
+                                  "`tessera convert RUN_DIR OUT`, which writes them")
+        return engine
+
+    # Built and run in the engine thread, on this process's compute threads (OMP_NUM_THREADS, or
+    # PyTorch's default: the cores); this thread, which answers HTTP, keeps one (engine_loop.py says why).
+    loop = EngineLoop.build(make_engine, torch.get_num_threads())
+    engine = loop.engine
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
-    loop = EngineLoop(engine).start()
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
                      kv_role=args.kv_role, media=media_policy(args))
