@@ -131,6 +131,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cpu-prepack", dest="cpu_prepack", action="store_false",
                    help="on CPU in float32, keep F.linear instead of oneDNN with the projection weights "
                         "reordered once at load (which holds a second copy of those weights)")
+    p.add_argument("--no-cpu-keep-freed", dest="cpu_keep_freed", action="store_false",
+                   help="on CPU, leave the C library's allocator as it is instead of keeping freed activation "
+                        "memory in the process for the next step (tessera/infer/cpu_memory.py)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)")
     p.add_argument("--decode-batch-sizes", type=batch_sizes, default=None, metavar="B1,B2,...",
@@ -322,12 +325,16 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     import torch
     import uvicorn
 
+    from tessera.infer.cpu_memory import keep_freed_memory
     from tessera.infer.engine import LLMEngine
     from tessera.infer.engine_loop import EngineLoop
     from tessera.infer.server import create_app
 
     def make_engine() -> LLMEngine:
-        engine = LLMEngine.from_dir(args.model_dir, engine_config(args))
+        config = engine_config(args)
+        if config.device == "cpu" and args.cpu_keep_freed:
+            keep_freed_memory()
+        engine = LLMEngine.from_dir(args.model_dir, config)
         if engine.tokenizer is None:
             engine.close()
             raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "

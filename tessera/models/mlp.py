@@ -13,4 +13,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        if torch.is_inference_mode_enabled() and type(gate) is torch.Tensor:
+            # serving (no autograd to keep the gate for): silu and the product in the gate's own buffer,
+            # two fewer [tokens, hidden_dim] allocations per layer; the same values
+            return self.w2(F.silu(gate, inplace=True).mul_(self.w3(x)))
+        return self.w2(F.silu(gate) * self.w3(x))
