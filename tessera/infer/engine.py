@@ -35,7 +35,7 @@ from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_linear import can_pack, pack_linears
+from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.kv_tiers import TierMetrics, build_tiers
 from tessera.infer.lora import merge_adapter
@@ -125,6 +125,7 @@ class LLMEngine:
             _prepare_weights(model, config, prequantized)
             if owned and config.cpu_prepack and can_pack(config.device, config.torch_dtype):
                 pack_linears(model)
+                fuse_projections(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")

@@ -52,6 +52,10 @@ def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
 
 # (q [B, H, S, D], k [B, G, S, D], v [B, G, S, Dv], scale, window) -> [B, H, S, Dv], as causal_attention.
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None], torch.Tensor]
+# Several projections of one input in one product, their outputs in order, or None where it does not
+# apply right now (then the modules run one by one): serving on CPU fuses q/k/v and the MLP's gate/up
+# (tessera.infer.cpu_linear.fuse_projections); None everywhere else.
+FusedProjection = Callable[[torch.Tensor], tuple[torch.Tensor, ...] | None]
 
 
 class Attention(nn.Module):
@@ -67,13 +71,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: AttentionCache | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
-        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)  # [B, S, G, D]
-        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
+        if qkv is None:
+            qkv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        q = qkv[0].view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
+        k = qkv[1].view(B, S, -1, self.head_dim)  # [B, S, G, D]
+        v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

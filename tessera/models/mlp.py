@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.models.attention import FusedProjection
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -11,8 +13,13 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.fused_gate_up: FusedProjection | None = None  # w1 and w3 in one product (models/attention.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
+        if gate_up is not None:
+            gate, up = gate_up
+            return self.w2(F.silu(gate, inplace=True).mul_(up))  # serving: views of one fresh product
         gate = self.w1(x)
         if torch.is_inference_mode_enabled() and type(gate) is torch.Tensor:
             # serving (no autograd to keep the gate for): silu and the product in the gate's own buffer,

@@ -17,7 +17,7 @@ from torch import nn
 from tessera.config.model import ModelConfig
 from tessera.infer import LLM, LLMEngine, SamplingParams, cpu_attention
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_linear import OneDNNLinear, can_pack, pack_linears
+from tessera.infer.cpu_linear import FusedLinear, OneDNNLinear, can_pack, fuse_projections, pack_linears
 from tessera.infer.kv_cache import PagedKVCache
 from tessera.infer.ragged_attention import RaggedContexts
 from tests.infer.tiny_models import write_model
@@ -144,6 +144,34 @@ def test_packed_projections_equal_f_linear_and_keep_hooks():
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     assert seen == [torch.Size([5, 3, 8])]
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}  # the dense weights stay
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_projections_equal_the_separate_ones_and_step_aside_for_hooks(tmp_path, family):
+    if not can_pack("cpu", torch.float32):
+        pytest.skip("this torch has no oneDNN linear")
+    write_model(tmp_path, family)
+    model = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, cpu_prepack=False)).executor.model
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3]])
+    with torch.inference_mode():
+        want = model(ids).logits
+    pack_linears(model)
+    assert fuse_projections(model) == 2 * model.cfg.n_layers  # each layer's q/k/v and gate/up
+    attention, mlp = model.layers["0"].attention, model.layers["0"].feed_forward
+    assert isinstance(attention.fused_qkv, FusedLinear) and isinstance(mlp.fused_gate_up, FusedLinear)
+    assert type(attention.wq) is nn.Linear and not hasattr(attention.wq, "packed")  # one packed copy, the fused one
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+    # a hook on one member (as a LoRA adapter's): the modules run one by one, so the hook sees its call
+    seen = []
+    handle = attention.wk.register_forward_hook(lambda m, i, o: seen.append(o.shape) or o * 0)
+    with torch.inference_mode():
+        hooked = model(ids).logits
+    handle.remove()
+    assert seen == [torch.Size([1, 6, attention.wk.out_features])]
+    assert not torch.allclose(hooked, want, rtol=1e-3, atol=1e-3)  # the hook's zeroed keys reached the logits
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_only_a_model_the_engine_loaded_is_packed(tmp_path):
