@@ -44,6 +44,19 @@ def _vector_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def _find_ninja() -> None:
+    """PyTorch's builder runs `ninja` from PATH; the PyPI package (a dependency) puts its binary in the
+    environment's bin folder, which is not on PATH when the environment was not activated (`make test`
+    runs .venv/bin/python). Appended, so a ninja already on PATH is still the one used."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = path + os.pathsep + ninja.BIN_DIR if path else ninja.BIN_DIR
+
+
 @functools.cache
 def kernel():
     """The compiled op (`torch.ops.tessera_cpu.paged_attention`), or None where it cannot be had
@@ -51,6 +64,7 @@ def kernel():
     try:
         from torch.utils.cpp_extension import load
 
+        _find_ninja()
         suffix, flags = _vector_flags()
         load(name=f"tessera_cpu_attention_{suffix}", sources=[str(SOURCE)], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)

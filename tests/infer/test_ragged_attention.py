@@ -9,6 +9,7 @@ for oneDNN equal `F.linear` and are used only for a model the engine owns."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -200,3 +201,28 @@ def test_an_engine_decodes_the_same_tokens_with_the_kernel_and_with_torch_ops(tm
     monkeypatch.setenv(cpu_attention.ENV, "torch")
     with_torch = [o.token_ids for o in llm.generate(prompts, params)]
     assert with_kernel == with_torch and all(len(t) == 12 for t in with_kernel)
+
+
+@pytest.mark.slow
+def test_the_kernel_builds_with_the_ninja_package_alone(tmp_path):
+    """A machine without a system ninja (only the PyPI package's, in the environment's bin folder, which
+    is not on PATH when the environment is not activated): the kernel still builds, from nothing."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.hang_guard import HANG_S
+    from tests.train.runs import ROOT
+
+    bin_dir = tmp_path / "bin"  # every program of the system's folders but ninja
+    bin_dir.mkdir()
+    for folder in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for program in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if program != "ninja" and not (bin_dir / program).exists():
+                (bin_dir / program).symlink_to(os.path.join(folder, program))
+    env = {**os.environ, "PATH": str(bin_dir), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(ROOT)}
+    probe = "import shutil; from tessera.infer.cpu_attention import kernel; print(shutil.which('ninja'), kernel())"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["None", "tessera_cpu.paged_attention"], run.stdout + run.stderr[-2000:]
+    assert shutil.which("g++", path=str(bin_dir))  # the build had its compiler, and no ninja but the package's
