@@ -61,6 +61,27 @@ def merged_weights(results: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_merged_weights_equal(results: list[dict], want: dict[str, torch.Tensor], tol: float = 1e-5) -> None:
+    """The ranks' parts together are exactly `want`'s parameters, each equal to it within `tol`."""
+    weights = merged_weights(results)
+    assert set(weights) == set(want)
+    for name, value in weights.items():
+        torch.testing.assert_close(value, want[name], rtol=tol, atol=tol, msg=name)
+
+
+def assert_frozen_parts_untouched(trainer, before: dict[str, torch.Tensor], frozen) -> None:
+    """After `trainer.train()`: each parameter `frozen(name, p)` names is bit-identical to `before`,
+    has no gradient, does not require one and has no optimizer state; every other one has moved."""
+    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    for name, p in trainer.model.named_parameters():
+        if frozen(name, p):
+            assert torch.equal(p, before[name]), name
+            assert p.grad is None and not p.requires_grad and id(p) not in optimized, name
+            assert p not in trainer.optimizer.state, name
+        else:
+            assert not torch.equal(p, before[name]), name
+
+
 def assert_same_training(got: list[dict], ref: dict, rtol: float) -> None:
     """Logged losses (and MoE aux losses) and final weights of a layout equal the one-process run."""
     records, want = got[0]["records"], ref["records"]

@@ -29,7 +29,7 @@ from tessera.train.trainer import Trainer
 from tessera.train.vision_language import vision_model_config
 from tests.hang_guard import HANG_S
 from tests.models.qwen_vl_cases import hf_processor, hf_qwen_vl
-from tests.parallel.trainer_runs import merged_weights, whole_parameters
+from tests.parallel.trainer_runs import assert_frozen_parts_untouched, assert_merged_weights_equal, whole_parameters
 from tests.train.runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny-qwen2-vl.yaml")
@@ -124,16 +124,9 @@ def test_frozen_parts_stay_bit_identical_without_gradient_or_optimizer_state(tmp
     trainer = _trainer(tmp_path / "run", 3, **switches)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
-    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
     parts = {_part(name) for name, _ in trainer.model.named_parameters()}
     assert parts == {"vision_tower", "projector", "language_model"}
-    for name, p in trainer.model.named_parameters():
-        if _part(name) in frozen:
-            assert torch.equal(p, before[name]), name
-            assert p.grad is None and not p.requires_grad and id(p) not in optimized, name
-            assert p not in trainer.optimizer.state, name
-        else:
-            assert not torch.equal(p, before[name]), name
+    assert_frozen_parts_untouched(trainer, before, lambda name, p: _part(name) in frozen)
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
@@ -291,10 +284,7 @@ def test_a_rank_whose_rows_are_all_text_still_reduces_the_towers_gradients(tmp_p
     results = run_ranks(_train_config_on_ranks, 2, path, overrides(tmp_path / "ranks", 2, **steps, **layout),
                         timeout=HANG_S)
     assert results[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    weights = merged_weights(results)
-    assert set(weights) == set(want)
-    for name, value in weights.items():
-        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert_merged_weights_equal(results, want)
 
 
 def _train_config_on_ranks(config, run_overrides):
@@ -357,10 +347,7 @@ def _assert_layout_equals_one_process(tmp_path, layout):
     got = run_ranks(_train_layout_on_ranks, _world(layout), overrides(tmp_path / "ranks", 3, **settings, **layout),
                     timeout=HANG_S)
     assert got[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    weights = merged_weights(got)
-    assert set(weights) == set(want)
-    for name, value in weights.items():
-        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert_merged_weights_equal(got, want)
     return got
 
 

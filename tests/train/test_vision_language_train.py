@@ -25,7 +25,12 @@ from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.trainer import Trainer
 from tessera.train.vision_language import FROZEN_PARTS, unused_tower_modules, vision_model_config
 from tests.hang_guard import HANG_S
-from tests.parallel.trainer_runs import merged_weights, whole_parameters
+from tests.parallel.trainer_runs import (
+    assert_frozen_parts_untouched,
+    assert_merged_weights_equal,
+    merged_weights,
+    whole_parameters,
+)
 from tests.train.runs import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny-llava.yaml")
@@ -102,17 +107,10 @@ def test_frozen_parts_stay_bit_identical_without_gradient_or_optimizer_state(tmp
     trainer = _trainer(tmp_path / "run", 3, **switches)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
-    optimized = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
     # the tower's last block and final norm are past feature_layer=-2: never run, so never trained
     unused = {id(p) for m in unused_tower_modules(trainer.model) for p in m.parameters()}
     assert len(unused) == len(list(trainer.model.vision_tower.layers["1"].parameters())) + 2
-    for name, p in trainer.model.named_parameters():
-        if name.split(".")[0] in frozen or id(p) in unused:
-            assert torch.equal(p, before[name]), name
-            assert p.grad is None and not p.requires_grad and id(p) not in optimized, name
-            assert p not in trainer.optimizer.state, name
-        else:
-            assert not torch.equal(p, before[name]), name
+    assert_frozen_parts_untouched(trainer, before, lambda name, p: name.split(".")[0] in frozen or id(p) in unused)
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
@@ -319,7 +317,4 @@ def test_a_one_process_checkpoint_resumes_under_another_layout(tmp_path, layout)
     got = results[0]
     assert got["start"] == 2
     assert got["losses"] == pytest.approx(want_losses[2:], rel=1e-5, abs=1e-5)
-    weights = merged_weights(results)
-    assert set(weights) == {name for name, _ in whole.model.named_parameters()}
-    for name, value in whole.model.named_parameters():
-        torch.testing.assert_close(weights[name], value.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    assert_merged_weights_equal(results, {name: p.detach() for name, p in whole.model.named_parameters()})
