@@ -14,7 +14,7 @@ cached in `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) for this
 extensions (AVX2 or AVX-512, read from `torch.backends.cpu.get_cpu_capability()`). Where it cannot be
 built (no C++ compiler, no ninja) the server logs why once and attends with the PyTorch ops, which
 compute the same thing; `TESSERA_CPU_ATTENTION=torch` chooses them outright. Both are tested against
-each other and against keys read slot by slot (tests/infer/test_cpu_attention.py).
+each other and against keys read slot by slot (tests/infer/test_ragged_attention.py).
 Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
 """
 

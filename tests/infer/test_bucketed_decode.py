@@ -72,8 +72,8 @@ def test_block_table_attention_equals_packed_reference(family, kv_dtype, tmp_pat
 
 @pytest.mark.parametrize("sizes", [None, [2, 3], [1]])
 def test_batch_of_different_lengths_matches_hf(llama, sizes):
-    """Default buckets; odd buckets with padding; a largest bucket of 1 (the rest of the decodes
-    go through the packed step in the same engine step)."""
+    """Default buckets; odd buckets (padded on a GPU, exact rows on CPU); a largest bucket of 1 (the
+    rest of the decodes go through the packed step in the same engine step)."""
     path, hf = llama
     llm = LLM(path, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False, decode_batch_sizes=sizes)
     outs = llm.generate(PROMPTS, GREEDY)
