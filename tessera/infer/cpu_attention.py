@@ -1,13 +1,15 @@
 """Attention over the paged KV cache read in place, on CPU: a small C++ kernel built at first use.
 
-The serving step's short queries (decodes, speculative tokens to verify, short prompt chunks) attend
-over their own contexts (`ragged_attention.py`). Done with PyTorch ops, that is a gather of every
-row's blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the
-copy moves as many bytes per step as the model's weights, and the per-row calls cost more in
-dispatch than in arithmetic (measured in docs/benchmarks.md). The kernel in
-`csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the cache, once per
-(row, KV head), for all the queries of that head group, in one call per layer parallel over
-(row, KV head) pairs; vLLM's CPU backend has a kernel of the same kind.
+Every row of a CPU serving step (decodes, speculative tokens to verify, prompt chunks) attends over
+its own context (`ragged_attention.py`). Done with PyTorch ops, that is a gather of every row's
+blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the copy
+moves as many bytes per step as the model's weights, and the per-row calls cost more in dispatch
+than in arithmetic; a prompt chunk after earlier context needs an explicit mask, with which
+PyTorch's CPU flash attention computes the whole square of scores (measured in docs/benchmarks.md).
+The kernel in `csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the
+cache, in one call per layer: a short row once per (row, KV head) for all the queries of that head
+group (vLLM's CPU backend has a kernel of the same kind), a long one per (row, head) in tiles of
+queries over blocks of keys with an online softmax, skipping the keys no query of a tile sees.
 
 It is compiled with `torch.utils.cpp_extension` the first time a CPU server needs it (tens of seconds,
 cached in `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) for this CPU's vector
@@ -26,6 +28,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from tessera.infer.kv_cache import PagedKVCache
 
 log = logging.getLogger("tessera.infer")
 
@@ -73,6 +77,12 @@ def kernel():
         log.warning("the CPU paged-attention kernel could not be built (%s: %s); attending with PyTorch ops",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def serves(kv: PagedKVCache) -> bool:
+    """Whether the kernel serves every row of a step over cache `kv` (queries in the cache's dtype):
+    a full-precision cache on CPU, a kernel that builds, no `TESSERA_CPU_ATTENTION=torch`."""
+    return not kv.int8 and bool(kv.k) and usable(kv.k[0], kv.k[0])
 
 
 def usable(kv_store: torch.Tensor, q: torch.Tensor) -> bool:

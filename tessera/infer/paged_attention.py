@@ -19,10 +19,13 @@ once (from pinned memory without blocking, on CUDA); `attend` selects with them 
 an op (boolean-mask indexing, `nonzero`) makes the host wait for the device, once per layer.
 
 Short queries (decodes, speculative verification) form one group; each long prefill chunk is a
-group of its own, so padding never multiplies a long chunk by the batch size. On CPU the short
-group is not padded at all: each of its sequences attends over exactly its own context
-(ragged_attention.py), which there costs less than copying and masking the longest one N times. A chunk that starts
-at position 0 attends to its own keys directly (plain causal SDPA, nothing to gather).
+group of its own, so padding never multiplies a long chunk by the batch size. A chunk that starts
+at position 0 attends to its own keys directly (plain causal SDPA, nothing to gather). On CPU nothing
+is padded: each sequence attends over exactly its own context (ragged_attention.py), which there
+costs less than copying and masking the longest one N times; with the C++ kernel (cpu_attention.py)
+every row of the step, prompt chunks included, is one ragged group read in place from the cache in
+one call per layer, which also spares a chunk after earlier context the whole square of scores
+that SDPA computes under an explicit mask.
 Shapes: T packed tokens, N sequences in a group, S longest query, L longest context, H query heads,
 G stored heads, D head dim.
 """
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tessera.infer import cpu_attention
 from tessera.infer.kv_cache import PagedKVCache
 from tessera.infer.ragged_attention import RaggedContexts
 from tessera.models.attention import causal_attention
@@ -74,9 +78,15 @@ class PagedAttentionBatch:
             offsets.append(t)
             t += s.length
         self.num_tokens = t
-        short = [i for i, s in enumerate(slices) if s.length <= SHORT_QUERY]
-        groups = [short] if len(short) > 1 else [[i] for i in short]
-        groups += [[i] for i, s in enumerate(slices) if s.length > SHORT_QUERY]
+        # On CPU with the kernel every row is one ragged group (one kernel call per layer); else short
+        # queries share a padded group and each long chunk is a group of its own
+        self.all_ragged = self.device.type == "cpu" and bool(slices) and cpu_attention.serves(kv)
+        if self.all_ragged:
+            groups = [list(range(len(slices)))]
+        else:
+            short = [i for i, s in enumerate(slices) if s.length <= SHORT_QUERY]
+            groups = [short] if len(short) > 1 else [[i] for i in short]
+            groups += [[i] for i, s in enumerate(slices) if s.length > SHORT_QUERY]
         self.groups: list[_Group] = []
         slot_parts, pos_parts = [None] * len(groups), [None] * len(groups)
         for gi, members in enumerate(groups):
@@ -111,7 +121,7 @@ class PagedAttentionBatch:
         slots_NS = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1).gather(1, q_pos.clamp(max=L - 1))
         fresh = N == 1 and members[0].start == 0
         k_valid = None if fresh else torch.arange(L)[None, :] < (starts + lengths)[:, None]
-        if N == 1:
+        if N == 1 and not self.all_ragged:
             span = (offs[0], offs[0] + members[0].length)
             ctx = None if fresh else self._to_device(ctx_blocks)
             return _Group(span, None, None, None, valid, q_pos, ctx, k_valid, {}), slots_NS

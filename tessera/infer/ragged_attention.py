@@ -1,4 +1,4 @@
-"""Attention of short queries over exactly their own contexts, one sequence at a time (on CPU).
+"""Attention of each row over exactly its own context, one sequence at a time (on CPU).
 
 The padded paths (`bucketed_decode.BlockTableAttention`, the short-query group of
 `paged_attention.PagedAttentionBatch`) gather every row's blocks into [N, L_max] keys and values
@@ -8,7 +8,8 @@ about twice the bytes a step needs, and the fresh tensors of each layer's gather
 (an allocator that returns large blocks to the kernel pays page faults on every reuse).
 
 Here, on CPU: a full-precision cache is read in place by a C++ kernel, one call per layer
-(`cpu_attention.py`). Without it (an int8 cache, or where the kernel cannot be built) the blocks of
+(`cpu_attention.py`), for the short queries and, when the kernel serves the step, its prompt chunks
+too. Without it (an int8 cache, or where the kernel cannot be built) the blocks of
 every row's context are gathered once per layer with one `index_select` into a buffer kept by the
 cache (`PagedKVCache.gather_flat`), back to back; each row then runs SDPA over its own slice of it,
 starting at the first key its window lets any of its queries see. A one-token query needs no mask;

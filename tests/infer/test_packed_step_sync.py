@@ -46,7 +46,8 @@ def test_a_mixed_step_forward_has_no_data_dependent_op(llama, monkeypatch, decod
     done.update({o.request_id: o for o in engine.step() if o.finished})
     lengths = shapes[0]
     assert lengths.count(1) == 2 and sum(1 < n <= 16 for n in lengths) == 3 and lengths[-1] > 16, lengths
-    assert any("scaled_dot_product" in name for name in mode.seen)  # the mode saw the attention run
+    # the mode saw the attention run: PyTorch's SDPA, or on CPU the kernel reading the cache in place
+    assert any("scaled_dot_product" in name or name == "paged_attention" for name in mode.seen)
     assert mode.found == []
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})

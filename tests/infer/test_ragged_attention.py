@@ -77,7 +77,7 @@ def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table:
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 70])
 def test_each_row_attends_over_exactly_its_own_context(int8, window, path):
     _attends_each_row_over_its_own_context(_cache(int8), window)
 
@@ -89,7 +89,7 @@ def test_each_row_attends_over_exactly_its_own_context(int8, window, path):
     (24, 16, 3, torch.float32),  # keys and values of different widths, as MLA's
     (16, 16, 2, torch.bfloat16),  # a bf16 cache (accumulated in fp32)
 ])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 70])
 def test_the_kernel_equals_the_slot_by_slot_reference_at_every_geometry(dk, dv, groups, dtype, window, path):
     _attends_each_row_over_its_own_context(_cache(False, dk, dv, groups, dtype), window)
 
@@ -101,6 +101,10 @@ def _attends_each_row_over_its_own_context(kv: PagedKVCache, window: int | None)
     # key, tables out of order and longer than the context (blocks past it are never read)
     rows = [(1, 9, [7, 3, 11, 30]), (3, 14, [0, 1, 2, 3]), (1, 1, [25]), (1, 16, [39, 5, 6, 8]), (2, 6, [12, 13])]
     rows += [(16, 40, list(range(14, 24))), (1, 37, list(range(39, 29, -1)))]  # a 16-token chunk, a long row
+    # prompt chunks past 16 queries (the kernel's tiled loops: 32 queries by 64 keys): one from position 0,
+    # one after 30 positions of context (three query tiles, the last partial; keys in three blocks),
+    # one of 40 queries after 110 positions (its first tile's keys start mid-block with a window)
+    rows += [(17, 17, [9, 4, 31, 2, 20]), (70, 100, list(range(39, -1, -1))[:25]), (40, 150, list(range(38)))]
     T = sum(s for s, _, _ in rows)
     q_THD = torch.randn(T, 6, dk, generator=gen).to(dtype)
     contexts, at = RaggedContexts(BS), 0

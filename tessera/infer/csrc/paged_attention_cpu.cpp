@@ -1,14 +1,28 @@
-// Attention of short queries over their own contexts, read in place from the paged KV cache (CPU).
+// Attention over contexts read in place from the paged KV cache (CPU): the decode rows, the
+// speculative tokens to verify and the prompt chunks of one serving step, in one call per layer.
 //
-// One call per layer. Row r of `rows` [R, 4] is (q_row, S, L, table_at): its S queries sit at rows
+// Row r of `rows` [R, 4] is (q_row, S, L, table_at): its S queries sit at rows
 // q_row .. q_row + S - 1 of q / out and are the last S positions of a context of L positions, whose
 // blocks are blocks[table_at ..] (position j lives in slot blocks[table_at + j / bs] * bs + j % bs of
 // the cache). Query s (position L - S + s) sees keys j <= L - S + s, and with a sliding window only
-// those with (L - S + s) - j < window. Work is split over (row, kv head) pairs; each pair reads its
-// keys and values for the queries of its head group one query at a time (they stay in the core's
-// caches between queries): scores, softmax, then the weighted sum of values, in fp32 whatever the
-// storage type. fp32 with head dims a multiple of 8 (of 64 for values) takes AVX2 loops where the
-// build has AVX2 and FMA; everything else the portable loops, which compute the same sums.
+// those with (L - S + s) - j < window. Scores, softmax and the weighted sum of values are fp32
+// whatever the storage type.
+//
+// Two ways of working, chosen per row:
+// - short rows (S <= SHORT_ROW: decodes, tokens to verify) are split over (row, kv head) pairs; each
+//   pair reads its keys and values for the queries of its head group one query at a time (they stay
+//   in the core's caches between queries): the bytes of the context are read once, which is what a
+//   decode step is bound by.
+// - long rows (prompt chunks) are split over (row, query head, tile of QT queries); each tile walks
+//   its visible keys KT at a time, flash-attention style: the tile's keys are copied (transposed) and
+//   its values copied into fp32 buffers, the scores of QT x KT come from register-blocked products
+//   (four queries by sixteen keys), an online softmax (running maximum and sum per query) rescales
+//   the tile's output, and the values are added in four queries by sixteen dimensions. Keys past a
+//   tile's last query are never read: a chunk at position 0 does half the products of the whole
+//   square, where a mask would do them all.
+// fp32 with head dims a multiple of 8 (of 64 for a short row's values, of 16 for a long row's) takes
+// AVX2 loops where the build has AVX2 and FMA; everything else the portable loops, which compute the
+// same sums.
 // Shapes: q [T, H, Dk], out [T, H, Dv] (last dim contiguous), k_cache [slots, G, Dk], v_cache
 // [slots, G, Dv] (contiguous); H a multiple of G (grouped-query attention).
 
@@ -99,6 +113,62 @@ inline float exp_nonpositive(float x) {
   return p * two_n * below;
 }
 
+// The largest of x[0 .. n) (n >= 1).
+inline float max_of(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = x[0];
+#ifdef TESSERA_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(x);
+    for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    m = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// x[j] = exp(x[j] - m) for j in [0, n); returns their sum. With AVX2 eight at a time by the same
+// reduction and polynomial as exp_nonpositive (the compiler does not vectorize that loop itself).
+inline float exp_shifted(float* x, int64_t n, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#ifdef TESSERA_AVX2
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f), one = _mm256_set1_ps(1.0f);
+  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f);
+  const __m256 p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f);
+  const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
+    const __m256 keep = _mm256_cmp_ps(v, lo, _CMP_GE_OQ);  // below -87: 0
+    v = _mm256_max_ps(v, lo);
+    const __m256 nf = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(nf, c2, _mm256_fnmadd_ps(nf, c1, v));
+    __m256 poly = _mm256_fmadd_ps(p0, r, p1);
+    poly = _mm256_fmadd_ps(poly, r, p2);
+    poly = _mm256_fmadd_ps(poly, r, p3);
+    poly = _mm256_fmadd_ps(poly, r, p4);
+    poly = _mm256_fmadd_ps(poly, r, p5);
+    poly = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
+    _mm256_storeu_ps(x + j, y);
+    acc = _mm256_add_ps(acc, y);
+  }
+  sum = hsum(acc);
+#endif
+  for (; j < n; ++j) {
+    x[j] = exp_nonpositive(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
 // The scores of query `qf` (scaled, fp32) against keys kptr[0 .. n) into out[0 .. n).
 template <typename scalar_t>
 inline void score_keys(const float* qf, const scalar_t* const* kptr, int64_t n, int64_t Dk, float* out) {
@@ -153,59 +223,260 @@ inline void weigh_values(const float* p, const scalar_t* const* vptr, int64_t n,
   for (int64_t j = 0; j < n; ++j) axpy(p[j], vptr[j], acc, Dv);
 }
 
+constexpr int64_t SHORT_ROW = 16;  // rows of up to this many queries take the per-query loop
+constexpr int64_t QT = 32;         // queries of a long row's tile
+constexpr int64_t KT = 64;         // keys walked at a time by a tile (16 per register block)
+
+// sc[i][0 .. KT) = sum over d of qf[i][d] * kt[d][0 .. KT) for the tile's nq queries (qf: [nq, Dk],
+// kt: [Dk, KT], sc: [nq, KT]).
+inline void tile_scores(const float* qf, int64_t nq, const float* kt, int64_t Dk, float* sc) {
+  int64_t i = 0;
+#ifdef TESSERA_AVX2
+  for (; i + 4 <= nq; i += 4) {
+    const float* q0 = qf + i * Dk;
+    for (int64_t j = 0; j < KT; j += 16) {
+      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * KT + j), k1 = _mm256_loadu_ps(kt + d * KT + j + 8);
+        __m256 x = _mm256_broadcast_ss(q0 + d);
+        a00 = _mm256_fmadd_ps(x, k0, a00);
+        a01 = _mm256_fmadd_ps(x, k1, a01);
+        x = _mm256_broadcast_ss(q0 + Dk + d);
+        a10 = _mm256_fmadd_ps(x, k0, a10);
+        a11 = _mm256_fmadd_ps(x, k1, a11);
+        x = _mm256_broadcast_ss(q0 + 2 * Dk + d);
+        a20 = _mm256_fmadd_ps(x, k0, a20);
+        a21 = _mm256_fmadd_ps(x, k1, a21);
+        x = _mm256_broadcast_ss(q0 + 3 * Dk + d);
+        a30 = _mm256_fmadd_ps(x, k0, a30);
+        a31 = _mm256_fmadd_ps(x, k1, a31);
+      }
+      float* o = sc + i * KT + j;
+      _mm256_storeu_ps(o, a00);
+      _mm256_storeu_ps(o + 8, a01);
+      _mm256_storeu_ps(o + KT, a10);
+      _mm256_storeu_ps(o + KT + 8, a11);
+      _mm256_storeu_ps(o + 2 * KT, a20);
+      _mm256_storeu_ps(o + 2 * KT + 8, a21);
+      _mm256_storeu_ps(o + 3 * KT, a30);
+      _mm256_storeu_ps(o + 3 * KT + 8, a31);
+    }
+  }
+#endif
+  for (; i < nq; ++i) {
+    float* o = sc + i * KT;
+    std::fill(o, o + KT, 0.f);
+    for (int64_t d = 0; d < Dk; ++d) {
+      const float x = qf[i * Dk + d];
+      const float* k = kt + d * KT;
+#pragma omp simd
+      for (int64_t j = 0; j < KT; ++j) o[j] += x * k[j];
+    }
+  }
+}
+
+// acc[i][0 .. Dv) += sum over j < KT of p[i][j] * vt[j][0 .. Dv) (p: [nq, KT], vt: [KT, Dv], acc: [nq, Dv]).
+inline void tile_values(const float* p, int64_t nq, const float* vt, int64_t Dv, float* acc) {
+  int64_t i = 0;
+#ifdef TESSERA_AVX2
+  if (Dv % 16 == 0) {
+    for (; i + 4 <= nq; i += 4) {
+      const float* p0 = p + i * KT;
+      for (int64_t c = 0; c < Dv; c += 16) {
+        float* o = acc + i * Dv + c;
+        __m256 a00 = _mm256_loadu_ps(o), a01 = _mm256_loadu_ps(o + 8);
+        __m256 a10 = _mm256_loadu_ps(o + Dv), a11 = _mm256_loadu_ps(o + Dv + 8);
+        __m256 a20 = _mm256_loadu_ps(o + 2 * Dv), a21 = _mm256_loadu_ps(o + 2 * Dv + 8);
+        __m256 a30 = _mm256_loadu_ps(o + 3 * Dv), a31 = _mm256_loadu_ps(o + 3 * Dv + 8);
+        for (int64_t j = 0; j < KT; ++j) {
+          const __m256 v0 = _mm256_loadu_ps(vt + j * Dv + c), v1 = _mm256_loadu_ps(vt + j * Dv + c + 8);
+          __m256 w = _mm256_broadcast_ss(p0 + j);
+          a00 = _mm256_fmadd_ps(w, v0, a00);
+          a01 = _mm256_fmadd_ps(w, v1, a01);
+          w = _mm256_broadcast_ss(p0 + KT + j);
+          a10 = _mm256_fmadd_ps(w, v0, a10);
+          a11 = _mm256_fmadd_ps(w, v1, a11);
+          w = _mm256_broadcast_ss(p0 + 2 * KT + j);
+          a20 = _mm256_fmadd_ps(w, v0, a20);
+          a21 = _mm256_fmadd_ps(w, v1, a21);
+          w = _mm256_broadcast_ss(p0 + 3 * KT + j);
+          a30 = _mm256_fmadd_ps(w, v0, a30);
+          a31 = _mm256_fmadd_ps(w, v1, a31);
+        }
+        _mm256_storeu_ps(o, a00);
+        _mm256_storeu_ps(o + 8, a01);
+        _mm256_storeu_ps(o + Dv, a10);
+        _mm256_storeu_ps(o + Dv + 8, a11);
+        _mm256_storeu_ps(o + 2 * Dv, a20);
+        _mm256_storeu_ps(o + 2 * Dv + 8, a21);
+        _mm256_storeu_ps(o + 3 * Dv, a30);
+        _mm256_storeu_ps(o + 3 * Dv + 8, a31);
+      }
+    }
+  }
+#endif
+  for (; i < nq; ++i)
+    for (int64_t j = 0; j < KT; ++j) axpy(p[i * KT + j], vt + j * Dv, acc + i * Dv, Dv);
+}
+
+template <typename scalar_t>
+struct Attention {
+  const scalar_t *qp, *kp, *vp;
+  scalar_t* op;
+  const int64_t *rows, *blocks;
+  int64_t H, Dk, G, Dv, per_group, qs0, qs1, os0, os1, bs, window;
+  float scale;
+
+  const scalar_t* key(int64_t table_at, int64_t j, int64_t g) const {
+    return kp + ((blocks[table_at + j / bs] * bs + j % bs) * G + g) * Dk;
+  }
+  const scalar_t* value(int64_t table_at, int64_t j, int64_t g) const {
+    return vp + ((blocks[table_at + j / bs] * bs + j % bs) * G + g) * Dv;
+  }
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+
+  struct ShortBuffers {
+    std::vector<float> qf, scores, acc;
+    std::vector<const scalar_t*> kptr, vptr;
+  };
+
+  // Every query of row r's head group g, one query at a time over keys read where they lie.
+  void short_row(int64_t r, int64_t g, ShortBuffers& b) const {
+    const int64_t q_row = rows[4 * r], S = rows[4 * r + 1], L = rows[4 * r + 2], table_at = rows[4 * r + 3];
+    // Query s (position L - S + s) sees keys [first_key(L - S + s), L - S + s]: one contiguous range each.
+    const int64_t lo = first_key(L - S);  // the first key any query of the row sees
+    const int64_t n_keys = L - lo;
+    b.qf.resize(Dk);
+    b.acc.resize(Dv);
+    b.kptr.resize(n_keys);
+    b.vptr.resize(n_keys);
+    for (int64_t j = lo; j < L; ++j) {  // where each key and value of this head lies in the cache
+      b.kptr[j - lo] = key(table_at, j, g);
+      b.vptr[j - lo] = value(table_at, j, g);
+    }
+    b.scores.resize(n_keys);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t a = first_key(L - S + s) - lo, n = L - S + s + 1 - first_key(L - S + s);
+      for (int64_t h = 0; h < per_group; ++h) {
+        const int64_t head = g * per_group + h;
+        const scalar_t* src = qp + (q_row + s) * qs0 + head * qs1;
+        for (int64_t d = 0; d < Dk; ++d) b.qf[d] = static_cast<float>(src[d]) * scale;
+        float* sc = b.scores.data();
+        score_keys(b.qf.data(), b.kptr.data() + a, n, Dk, sc);
+        const float m = max_of(sc, n);
+        const float sum = exp_shifted(sc, n, m);
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+        weigh_values(sc, b.vptr.data() + a, n, Dv, b.acc.data());
+        scalar_t* dst = op + (q_row + s) * os0 + head * os1;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(b.acc[d]);
+      }
+    }
+  }
+
+  struct TileBuffers {
+    std::vector<float> qf, kt, vt, sc, acc, m, l;
+  };
+
+  // Every query of row r for head `head`, flash-attention style: the keys any of them sees are
+  // copied once into fp32 buffers, each block of KT keys transposed to [Dk, KT] (one block's rows
+  // are contiguous: a whole-context [Dk, L] would put the rows a power of two apart, into the same
+  // few sets of the L1 cache), their values as [keys, Dv]; then each tile of QT queries walks its
+  // visible keys KT at a time with an online softmax.
+  void long_row(int64_t r, int64_t head, TileBuffers& b) const {
+    const int64_t q_row = rows[4 * r], S = rows[4 * r + 1], L = rows[4 * r + 2], table_at = rows[4 * r + 3];
+    const int64_t g = head / per_group, P = L - S;
+    const int64_t lo = first_key(P), n_keys = L - lo, ld = (n_keys + KT - 1) / KT * KT;  // keys [lo, L)
+    b.kt.resize(Dk * ld);
+    b.vt.resize(ld * Dv);
+    for (int64_t j = 0; j < ld; ++j) {  // zeros past the last key: products of KT keys at a time
+      if (j < n_keys) {
+        const scalar_t* k = key(table_at, lo + j, g);
+        const scalar_t* v = value(table_at, lo + j, g);
+        for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = static_cast<float>(k[d]);
+        for (int64_t d = 0; d < Dv; ++d) b.vt[j * Dv + d] = static_cast<float>(v[d]);
+      } else {
+        for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = 0.f;
+        std::fill(b.vt.begin() + j * Dv, b.vt.begin() + (j + 1) * Dv, 0.f);
+      }
+    }
+    b.qf.resize(QT * Dk);
+    b.sc.resize(QT * KT);
+    for (int64_t s0 = 0; s0 < S; s0 += QT) {
+      const int64_t nq = std::min(QT, S - s0);
+      b.acc.assign(QT * Dv, 0.f);
+      b.m.assign(QT, -INFINITY);
+      b.l.assign(QT, 0.f);
+      for (int64_t i = 0; i < nq; ++i) {
+        const scalar_t* src = qp + (q_row + s0 + i) * qs0 + head * qs1;
+        for (int64_t d = 0; d < Dk; ++d) b.qf[i * Dk + d] = static_cast<float>(src[d]) * scale;
+      }
+      // keys [first_key(P + s0), P + s0 + nq) are seen by some query of the tile; walked from the
+      // KT-aligned block (relative to lo) that holds the first
+      const int64_t k_end = P + s0 + nq;
+      for (int64_t k0 = lo + (first_key(P + s0) - lo) / KT * KT; k0 < k_end; k0 += KT) {
+        const int64_t nk = std::min(KT, k_end - k0);
+        tile_scores(b.qf.data(), nq, b.kt.data() + (k0 - lo) * Dk, Dk, b.sc.data());
+        for (int64_t i = 0; i < nq; ++i) {  // mask, then the online softmax of each query
+          float* sc = b.sc.data() + i * KT;
+          const int64_t pos = P + s0 + i;
+          const int64_t a = std::max<int64_t>(0, first_key(pos) - k0), e = std::min<int64_t>(nk, pos - k0 + 1);
+          if (a >= e) {  // no key of this block is visible to the query
+            std::fill(sc, sc + KT, 0.f);
+            continue;
+          }
+          const float m_new = std::max(b.m[i], max_of(sc + a, e - a));
+          const float corr = exp_nonpositive(b.m[i] - m_new);  // 0 for the first block the query sees
+          std::fill(sc, sc + a, 0.f);
+          const float sum = exp_shifted(sc + a, e - a, m_new);
+          std::fill(sc + e, sc + KT, 0.f);
+          if (corr != 1.f) {
+            float* o = b.acc.data() + i * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) o[d] *= corr;
+          }
+          b.l[i] = b.l[i] * corr + sum;
+          b.m[i] = m_new;
+        }
+        tile_values(b.sc.data(), nq, b.vt.data() + (k0 - lo) * Dv, Dv, b.acc.data());
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        const float inv = 1.f / b.l[i];
+        scalar_t* dst = op + (q_row + s0 + i) * os0 + head * os1;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(b.acc[i * Dv + d] * inv);
+      }
+    }
+  }
+};
+
 template <typename scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const int64_t* rows, const int64_t* blocks, int64_t R, int64_t bs, double scale, int64_t window) {
-  const int64_t H = q.size(1), Dk = q.size(2), G = k_cache.size(1), Dv = v_cache.size(2);
-  const int64_t per_group = H / G;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, R * G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(Dk), scores, acc(Dv);
-    std::vector<const scalar_t*> kptr, vptr;
+  Attention<scalar_t> a{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), rows, blocks, q.size(1), q.size(2), k_cache.size(1),
+                        v_cache.size(2), q.size(1) / k_cache.size(1), q.stride(0), q.stride(1), out.stride(0),
+                        out.stride(1), bs, window, static_cast<float>(scale)};
+  // The work: (row, kv head) for a short row, (row, query head) for a long one.
+  struct Unit { int64_t r, head, s0; };
+  std::vector<Unit> units;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t S = rows[4 * r + 1];
+    if (S <= SHORT_ROW) {
+      for (int64_t g = 0; g < a.G; ++g) units.push_back({r, g, -1});
+    } else {
+      for (int64_t h = 0; h < a.H; ++h) units.push_back({r, h, 0});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    typename Attention<scalar_t>::ShortBuffers sb;
+    typename Attention<scalar_t>::TileBuffers tb;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / G, g = w % G;
-      const int64_t q_row = rows[4 * r], S = rows[4 * r + 1], L = rows[4 * r + 2], table_at = rows[4 * r + 3];
-      // Query s (position L - S + s) sees keys [first(s), L - S + s]: one contiguous range each.
-      auto first = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, L - S + s - window + 1) : 0; };
-      const int64_t lo = first(0);  // the first key any query of the row sees
-      const int64_t n_keys = L - lo;
-      kptr.resize(n_keys);
-      vptr.resize(n_keys);
-      for (int64_t j = lo; j < L; ++j) {  // where each key and value of this head lies in the cache
-        const int64_t slot = blocks[table_at + j / bs] * bs + j % bs;
-        kptr[j - lo] = kp + (slot * G + g) * Dk;
-        vptr[j - lo] = vp + (slot * G + g) * Dv;
-      }
-      scores.resize(n_keys);
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t a = first(s) - lo, n = L - S + s + 1 - first(s);
-        for (int64_t h = 0; h < per_group; ++h) {
-          const int64_t head = g * per_group + h;
-          const scalar_t* src = qp + (q_row + s) * qs0 + head * qs1;
-          for (int64_t d = 0; d < Dk; ++d) qf[d] = static_cast<float>(src[d]) * fscale;
-          float* sc = scores.data();
-          score_keys(qf.data(), kptr.data() + a, n, Dk, sc);
-          float m = sc[0];
-          for (int64_t j = 1; j < n; ++j) m = std::max(m, sc[j]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sc[j] = exp_nonpositive(sc[j] - m);
-            sum += sc[j];
-          }
-          const float inv = 1.f / sum;
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-          weigh_values(sc, vptr.data() + a, n, Dv, acc.data());
-          scalar_t* dst = op + (q_row + s) * os0 + head * os1;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(acc[d]);
-        }
+      const Unit& u = units[w];
+      if (u.s0 < 0) {
+        a.short_row(u.r, u.head, sb);
+      } else {
+        a.long_row(u.r, u.head, tb);
       }
     }
   });
