@@ -227,39 +227,46 @@ constexpr int64_t SHORT_ROW = 16;  // rows of up to this many queries take the p
 constexpr int64_t QT = 32;         // queries of a long row's tile
 constexpr int64_t KT = 64;         // keys walked at a time by a tile (16 per register block)
 
+#ifdef TESSERA_AVX2
+// The register block of both tile products: four rows by sixteen columns in eight registers.
+using Block4x16 = __m256[4][2];
+
+inline void load_4x16(Block4x16& a, const float* o, int64_t ld) {
+  for (int r = 0; r < 4; ++r) {
+    a[r][0] = _mm256_loadu_ps(o + r * ld);
+    a[r][1] = _mm256_loadu_ps(o + r * ld + 8);
+  }
+}
+
+inline void store_4x16(float* o, int64_t ld, const Block4x16& a) {
+  for (int r = 0; r < 4; ++r) {
+    _mm256_storeu_ps(o + r * ld, a[r][0]);
+    _mm256_storeu_ps(o + r * ld + 8, a[r][1]);
+  }
+}
+
+// a[r] += x[r * xs] * v (v: sixteen columns at v16) for the four rows r.
+inline void fma_4x16(Block4x16& a, const float* x, int64_t xs, const float* v16) {
+  const __m256 v0 = _mm256_loadu_ps(v16), v1 = _mm256_loadu_ps(v16 + 8);
+  for (int r = 0; r < 4; ++r) {
+    const __m256 w = _mm256_broadcast_ss(x + r * xs);
+    a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+    a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+  }
+}
+#endif
+
 // sc[i][0 .. KT) = sum over d of qf[i][d] * kt[d][0 .. KT) for the tile's nq queries (qf: [nq, Dk],
 // kt: [Dk, KT], sc: [nq, KT]).
 inline void tile_scores(const float* qf, int64_t nq, const float* kt, int64_t Dk, float* sc) {
   int64_t i = 0;
 #ifdef TESSERA_AVX2
   for (; i + 4 <= nq; i += 4) {
-    const float* q0 = qf + i * Dk;
     for (int64_t j = 0; j < KT; j += 16) {
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-      for (int64_t d = 0; d < Dk; ++d) {
-        const __m256 k0 = _mm256_loadu_ps(kt + d * KT + j), k1 = _mm256_loadu_ps(kt + d * KT + j + 8);
-        __m256 x = _mm256_broadcast_ss(q0 + d);
-        a00 = _mm256_fmadd_ps(x, k0, a00);
-        a01 = _mm256_fmadd_ps(x, k1, a01);
-        x = _mm256_broadcast_ss(q0 + Dk + d);
-        a10 = _mm256_fmadd_ps(x, k0, a10);
-        a11 = _mm256_fmadd_ps(x, k1, a11);
-        x = _mm256_broadcast_ss(q0 + 2 * Dk + d);
-        a20 = _mm256_fmadd_ps(x, k0, a20);
-        a21 = _mm256_fmadd_ps(x, k1, a21);
-        x = _mm256_broadcast_ss(q0 + 3 * Dk + d);
-        a30 = _mm256_fmadd_ps(x, k0, a30);
-        a31 = _mm256_fmadd_ps(x, k1, a31);
-      }
-      float* o = sc + i * KT + j;
-      _mm256_storeu_ps(o, a00);
-      _mm256_storeu_ps(o + 8, a01);
-      _mm256_storeu_ps(o + KT, a10);
-      _mm256_storeu_ps(o + KT + 8, a11);
-      _mm256_storeu_ps(o + 2 * KT, a20);
-      _mm256_storeu_ps(o + 2 * KT + 8, a21);
-      _mm256_storeu_ps(o + 3 * KT, a30);
-      _mm256_storeu_ps(o + 3 * KT + 8, a31);
+      Block4x16 a;
+      for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < Dk; ++d) fma_4x16(a, qf + i * Dk + d, Dk, kt + d * KT + j);
+      store_4x16(sc + i * KT + j, KT, a);
     }
   }
 #endif
@@ -281,36 +288,11 @@ inline void tile_values(const float* p, int64_t nq, const float* vt, int64_t Dv,
 #ifdef TESSERA_AVX2
   if (Dv % 16 == 0) {
     for (; i + 4 <= nq; i += 4) {
-      const float* p0 = p + i * KT;
       for (int64_t c = 0; c < Dv; c += 16) {
-        float* o = acc + i * Dv + c;
-        __m256 a00 = _mm256_loadu_ps(o), a01 = _mm256_loadu_ps(o + 8);
-        __m256 a10 = _mm256_loadu_ps(o + Dv), a11 = _mm256_loadu_ps(o + Dv + 8);
-        __m256 a20 = _mm256_loadu_ps(o + 2 * Dv), a21 = _mm256_loadu_ps(o + 2 * Dv + 8);
-        __m256 a30 = _mm256_loadu_ps(o + 3 * Dv), a31 = _mm256_loadu_ps(o + 3 * Dv + 8);
-        for (int64_t j = 0; j < KT; ++j) {
-          const __m256 v0 = _mm256_loadu_ps(vt + j * Dv + c), v1 = _mm256_loadu_ps(vt + j * Dv + c + 8);
-          __m256 w = _mm256_broadcast_ss(p0 + j);
-          a00 = _mm256_fmadd_ps(w, v0, a00);
-          a01 = _mm256_fmadd_ps(w, v1, a01);
-          w = _mm256_broadcast_ss(p0 + KT + j);
-          a10 = _mm256_fmadd_ps(w, v0, a10);
-          a11 = _mm256_fmadd_ps(w, v1, a11);
-          w = _mm256_broadcast_ss(p0 + 2 * KT + j);
-          a20 = _mm256_fmadd_ps(w, v0, a20);
-          a21 = _mm256_fmadd_ps(w, v1, a21);
-          w = _mm256_broadcast_ss(p0 + 3 * KT + j);
-          a30 = _mm256_fmadd_ps(w, v0, a30);
-          a31 = _mm256_fmadd_ps(w, v1, a31);
-        }
-        _mm256_storeu_ps(o, a00);
-        _mm256_storeu_ps(o + 8, a01);
-        _mm256_storeu_ps(o + Dv, a10);
-        _mm256_storeu_ps(o + Dv + 8, a11);
-        _mm256_storeu_ps(o + 2 * Dv, a20);
-        _mm256_storeu_ps(o + 2 * Dv + 8, a21);
-        _mm256_storeu_ps(o + 3 * Dv, a30);
-        _mm256_storeu_ps(o + 3 * Dv + 8, a31);
+        Block4x16 a;
+        load_4x16(a, acc + i * Dv + c, Dv);
+        for (int64_t j = 0; j < KT; ++j) fma_4x16(a, p + i * KT + j, KT, vt + j * Dv + c);
+        store_4x16(acc + i * Dv + c, Dv, a);
       }
     }
   }
