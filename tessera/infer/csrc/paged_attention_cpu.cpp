@@ -13,13 +13,13 @@
 //   pair reads its keys and values for the queries of its head group one query at a time (they stay
 //   in the core's caches between queries): the bytes of the context are read once, which is what a
 //   decode step is bound by.
-// - long rows (prompt chunks) are split over (row, query head, tile of QT queries); each tile walks
-//   its visible keys KT at a time, flash-attention style: the tile's keys are copied (transposed) and
-//   its values copied into fp32 buffers, the scores of QT x KT come from register-blocked products
-//   (four queries by sixteen keys), an online softmax (running maximum and sum per query) rescales
-//   the tile's output, and the values are added in four queries by sixteen dimensions. Keys past a
-//   tile's last query are never read: a chunk at position 0 does half the products of the whole
-//   square, where a mask would do them all.
+// - long rows (prompt chunks) are split over (row, query head) pairs; each pair copies the keys
+//   any of its queries sees (transposed, in blocks of KT) and their values into fp32 buffers once,
+//   then each tile of QT queries walks its visible keys KT at a time, flash-attention style: the
+//   scores of QT x KT come from register-blocked products (four queries by sixteen keys), an online
+//   softmax (running maximum and sum per query) rescales the tile's output, and the values are added
+//   in four queries by sixteen dimensions. Keys past a tile's last query are never read: a chunk at
+//   position 0 does half the products of the whole square, where a mask would do them all.
 // fp32 with head dims a multiple of 8 (of 64 for a short row's values, of 16 for a long row's) takes
 // AVX2 loops where the build has AVX2 and FMA; everything else the portable loops, which compute the
 // same sums.
@@ -440,25 +440,21 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
                         v_cache.size(2), q.size(1) / k_cache.size(1), q.stride(0), q.stride(1), out.stride(0),
                         out.stride(1), bs, window, static_cast<float>(scale)};
   // The work: (row, kv head) for a short row, (row, query head) for a long one.
-  struct Unit { int64_t r, head, s0; };
+  struct Unit { int64_t r, head; bool tiled; };  // head: the kv head of a short row, the query head of a long one
   std::vector<Unit> units;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t S = rows[4 * r + 1];
-    if (S <= SHORT_ROW) {
-      for (int64_t g = 0; g < a.G; ++g) units.push_back({r, g, -1});
-    } else {
-      for (int64_t h = 0; h < a.H; ++h) units.push_back({r, h, 0});
-    }
+    const bool tiled = rows[4 * r + 1] > SHORT_ROW;
+    for (int64_t h = 0; h < (tiled ? a.H : a.G); ++h) units.push_back({r, h, tiled});
   }
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     typename Attention<scalar_t>::ShortBuffers sb;
     typename Attention<scalar_t>::TileBuffers tb;
     for (int64_t w = begin; w < end; ++w) {
       const Unit& u = units[w];
-      if (u.s0 < 0) {
-        a.short_row(u.r, u.head, sb);
-      } else {
+      if (u.tiled) {
         a.long_row(u.r, u.head, tb);
+      } else {
+        a.short_row(u.r, u.head, sb);
       }
     }
   });
