@@ -23,6 +23,7 @@ Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch p
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -33,7 +34,8 @@ from tessera.infer.kv_cache import PagedKVCache
 
 log = logging.getLogger("tessera.infer")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp"]  # one library: torch.ops.tessera_cpu
 ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
 
 
@@ -70,8 +72,11 @@ def kernel():
 
         _find_ninja()
         suffix, flags = _vector_flags()
-        load(name=f"tessera_cpu_attention_{suffix}", sources=[str(SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+        # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
+        load(name=f"tessera_cpu_attention_{suffix}", sources=[str(s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", f"-DTESSERA_HEADERS_{headers}", *flags], extra_ldflags=["-fopenmp"],
+             extra_include_paths=[str(CSRC)], verbose=False)
         return torch.ops.tessera_cpu.paged_attention
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch ops serve instead
         log.warning("the CPU paged-attention kernel could not be built (%s: %s); attending with PyTorch ops",

@@ -35,6 +35,7 @@ from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.config import EngineConfig
+from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.kv_tiers import TierMetrics, build_tiers
@@ -116,7 +117,8 @@ class LLMEngine:
         the new worker processes). A vision-language model (`Llava`) is served as its language model
         with its image encoder beside it (`image_processor`: the one its tower ships with by default).
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
-        the CPU (cpu_linear.py); a model shared with a trainer never is."""
+        the CPU (cpu_linear.py) and its norms, rotary embedding and activation done by one-pass kernels
+        (cpu_layer_ops.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
         if isinstance(model, Llava | QwenVL):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
@@ -126,6 +128,7 @@ class LLMEngine:
             if owned and config.cpu_prepack and can_pack(config.device, config.torch_dtype):
                 pack_linears(model)
                 fuse_projections(model)
+                fuse_layer_ops(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")

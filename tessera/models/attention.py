@@ -72,6 +72,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
+        # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
+        # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
+        self.fused_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: AttentionCache | None = None) -> torch.Tensor:
@@ -84,7 +87,10 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused_rope is not None and not torch.is_grad_enabled():
+            self.fused_rope(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
         if cache is not None:

@@ -1,5 +1,7 @@
 """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): w2(silu(w1 x) * w3 x)."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
         self.fused_gate_up: FusedProjection | None = None  # w1 and w3 in one product (models/attention.py)
+        # (gate, up) -> silu(gate) * up in one call where the fused product runs: serving on CPU
+        # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
+        self.fused_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
@@ -21,5 +26,7 @@ class FeedForward(nn.Module):
             # serving (no autograd): silu and the product in the fused result's own buffer, two fewer
             # [tokens, hidden_dim] allocations per layer; the same values
             gate, up = gate_up
+            if self.fused_act is not None:
+                return self.w2(self.fused_act(gate, up))
             return self.w2(F.silu(gate, inplace=True).mul_(up))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

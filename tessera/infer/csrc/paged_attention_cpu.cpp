@@ -31,19 +31,20 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TESSERA_AVX2 1
-#endif
-
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <type_traits>
 #include <cmath>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using tessera_vec::exp_nonpositive;
+#ifdef TESSERA_AVX2
+using tessera_vec::hsum;
+#endif
 
 template <typename scalar_t>
 inline float dot(const scalar_t* a, const float* b, int64_t n) {
@@ -63,13 +64,6 @@ inline void axpy(float w, const scalar_t* x, float* y, int64_t n) {
 // fp32 with head dims a multiple of 8: the scores of four keys for one query at a time (four
 // independent accumulators, so the FMAs do not wait on each other), and the weighted sum of values
 // one query at a time with its output held in registers across the keys.
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-
 inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t n,
                  float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -93,26 +87,6 @@ inline float dot1(const float* q, const float* k, int64_t n) {
 }
 #endif
 
-// exp(x) for x <= 0 (scores minus their maximum), written so that the compiler vectorizes the loop
-// around it (the C library's expf is one call per element): Cody-Waite reduction by ln 2 and a
-// degree-6 polynomial on [-ln 2 / 2, ln 2 / 2] (the coefficients of the Cephes library's expf),
-// within 2 ulp of expf; inputs below -87 (e^-87 ~ 1.6e-38, the smallest normal float) give 0.
-inline float exp_nonpositive(float x) {
-  const float below = x < -87.0f ? 0.0f : 1.0f;
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return p * two_n * below;
-}
-
 // The largest of x[0 .. n) (n >= 1).
 inline float max_of(const float* x, int64_t n) {
   int64_t j = 0;
@@ -132,31 +106,15 @@ inline float max_of(const float* x, int64_t n) {
 }
 
 // x[j] = exp(x[j] - m) for j in [0, n); returns their sum. With AVX2 eight at a time by the same
-// reduction and polynomial as exp_nonpositive (the compiler does not vectorize that loop itself).
+// reduction and polynomial (vec_math.h).
 inline float exp_shifted(float* x, int64_t n, float m) {
   int64_t j = 0;
   float sum = 0.f;
 #ifdef TESSERA_AVX2
-  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f), one = _mm256_set1_ps(1.0f);
-  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f);
-  const __m256 p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f);
-  const __m256 p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+  const __m256 vm = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
-    const __m256 keep = _mm256_cmp_ps(v, lo, _CMP_GE_OQ);  // below -87: 0
-    v = _mm256_max_ps(v, lo);
-    const __m256 nf = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, _mm256_set1_ps(0.5f)));
-    const __m256 r = _mm256_fmadd_ps(nf, c2, _mm256_fnmadd_ps(nf, c1, v));
-    __m256 poly = _mm256_fmadd_ps(p0, r, p1);
-    poly = _mm256_fmadd_ps(poly, r, p2);
-    poly = _mm256_fmadd_ps(poly, r, p3);
-    poly = _mm256_fmadd_ps(poly, r, p4);
-    poly = _mm256_fmadd_ps(poly, r, p5);
-    poly = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
+    const __m256 y = tessera_vec::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
     _mm256_storeu_ps(x + j, y);
     acc = _mm256_add_ps(acc, y);
   }
