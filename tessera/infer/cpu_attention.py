@@ -35,7 +35,7 @@ from tessera.infer.kv_cache import PagedKVCache
 log = logging.getLogger("tessera.infer")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp"]  # one library: torch.ops.tessera_cpu
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]  # one library: torch.ops.tessera_cpu
 ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
 
 

@@ -1,36 +1,55 @@
-"""Projections of a served model on CPU through oneDNN, with weights reordered once at load.
+"""Projections of a served model on CPU, with weights packed once at load for the kernel that multiplies.
 
 `F.linear` on CPU multiplies by the weight as stored ([out, in], row-major) on every call; for the
 few rows of a decode step (M = 1..64) that reads the weight in an order its kernels handle poorly.
-oneDNN's linear takes the weight reordered once into its own blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, the same op PyTorch's inductor uses when it freezes a
-CPU model) and multiplies by it directly. Measured on this project's 2-core machine: 2-3x faster
-per projection at 8-32 rows, about 1.3x for a prompt chunk (docs/benchmarks.md).
+`pack_linears(model)` packs each projection once for one of two kernels:
+- the panel kernel (`csrc/linear_cpu.cpp`, in the library cpu_attention.py builds): the weight as
+  panels of 16 output columns, each [in, 16], read from start to end once per product through a
+  register block of 6 rows by 16 columns. A decode step's few rows are bound by reading the
+  weights, which it reads at the memory's pace; measured on this project's 2-core machine against
+  oneDNN's linear over the same weights (`bench/cpu_linear.py`, docs/benchmarks.md): 1.5-2x faster at
+  1 row, 1.1-1.5x at 8, about even at a prompt chunk of 256;
+- oneDNN's linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout PyTorch's inductor uses
+  when it freezes a CPU model), where the library does not build (no compiler) or is switched off
+  (`TESSERA_CPU_ATTENTION=torch`): 2-3x faster than `F.linear` at 8-32 rows.
 
-`pack_linears(model)` turns every plain `nn.Linear` of a model the engine owns (loaded by
-`LLMEngine.from_dir`) into a `OneDNNLinear` in place (the modules keep their identity, so forward
-hooks, such as those of LoRA adapters, still see them); the dense `weight` stays as it is for
-everything that reads it, so the packed copy is a second copy of the projection weights (turned off
-by `EngineConfig.cpu_prepack=False`). Quantized, sharded and other linear types are left alone.
-Results differ from `F.linear` by the order of the sums (fp32 rounding, ~1e-6 relative); a model
-in training is never packed (the copy would go stale with the first optimizer step).
+`pack_linears` turns every plain `nn.Linear` of a model the engine owns (loaded by
+`LLMEngine.from_dir`) into a `PanelLinear` (or `OneDNNLinear`) in place (the modules keep their
+identity, so forward hooks, such as those of LoRA adapters, still see them); the dense `weight` stays
+as it is for everything that reads it, so the packed copy is a second copy of the projection weights
+(turned off by `EngineConfig.cpu_prepack=False`). Quantized, sharded and other linear types are left
+alone. Results differ from `F.linear` by the order of the sums (fp32 rounding, ~1e-6 relative); a
+model in training is never packed (the copy would go stale with the first optimizer step).
 Only fp32 on CPU: elsewhere (CUDA, other dtypes) nothing changes.
 
 `fuse_projections(model)` then multiplies the projections that read the same input in one product:
 an attention's q, k and v (`Attention.fused_qkv`) and an MLP's gate and up (`FeedForward.fused_gate_up`),
 the models' `FusedProjection` seam. A product over the concatenated weight reads the input once and
 runs one wide kernel instead of three (or two) narrow ones; measured on this project's 2-core
-machine over 12 layers of the 110M model (docs/benchmarks.md): 1 row 14.5 -> 13.4 ms, 8 rows 19.4 ->
-17.4 ms, 256 rows 221 -> 212 ms. The fused modules give their own packed copies up (the concatenated
-one replaces them: still two copies of the weights in all) and fall back to `F.linear` over their
-dense weights when they run alone, which they do whenever a forward hook or pre-hook is on any of
-them (a LoRA adapter's: it must see each module's own output).
+machine over 12 layers of the 110M model (docs/benchmarks.md, with oneDNN's kernel): 1 row 14.5 ->
+13.4 ms, 8 rows 19.4 -> 17.4 ms, 256 rows 221 -> 212 ms. The fused modules give their own packed
+copies up (the concatenated one replaces them: still two copies of the weights in all) and fall back
+to `F.linear` over their dense weights when they run alone, which they do whenever a forward hook or
+pre-hook is on any of them (a LoRA adapter's: it must see each module's own output).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from tessera.infer import cpu_layer_ops
+
+
+class PanelLinear(nn.Linear):
+    """An `nn.Linear` whose forward multiplies by `packed`, its weight in panels (the panel kernel)."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _panel_multiply(x, self.packed, self.bias, self.out_features)
 
 
 class OneDNNLinear(nn.Linear):
@@ -39,23 +58,49 @@ class OneDNNLinear(nn.Linear):
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _onednn_multiply(x, self.packed, self.bias, self.out_features)
+
+
+def _panel_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.ops.tessera_cpu.panel_linear(x, packed, bias, n)
+
+
+def _onednn_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _packing() -> tuple[type[nn.Linear], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """The packed module type and the weight packer this process uses: the panel kernel where the
+    C++ library builds and is not switched off, else oneDNN's, else None."""
+    if cpu_layer_ops.available():
+        return PanelLinear, torch.ops.tessera_cpu.pack_panels
+    if _onednn_available():
+        return OneDNNLinear, torch.ops.mkldnn._reorder_linear_weight
+    return None
 
 
 def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and _packing() is not None
 
 
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> int:
-    """Make every plain fp32 CPU `nn.Linear` of `model` a `OneDNNLinear`; returns how many."""
+    """Make every plain fp32 CPU `nn.Linear` of `model` a `PanelLinear` (or, without the panel kernel,
+    a `OneDNNLinear`); returns how many."""
+    packing = _packing()
+    if packing is None:
+        return 0
+    cls, pack = packing
     n = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
             continue
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
-        module.__class__ = OneDNNLinear
+        module.packed = pack(module.weight.detach())
+        module.__class__ = cls
         n += 1
     return n
 
@@ -64,9 +109,11 @@ class FusedLinear:
     """`members` (nn.Linear over the same input) as one oneDNN product: called with x, their outputs
     in order (views of one result), or None with gradients on or while a hook is on any member."""
 
-    def __init__(self, members: list[nn.Linear]):
+    def __init__(self, members: list[PanelLinear | OneDNNLinear]):
         weights = torch.cat([m.weight.detach() for m in members])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weights)
+        panel = type(members[0]) is PanelLinear
+        self.multiply = _panel_multiply if panel else _onednn_multiply
+        self.packed = (torch.ops.tessera_cpu.pack_panels if panel else torch.ops.mkldnn._reorder_linear_weight)(weights)
         self.bias = None
         if any(m.bias is not None for m in members):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
@@ -77,13 +124,13 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         if torch.is_grad_enabled() or any(m._forward_hooks or m._forward_pre_hooks for m in self.members):
             return None  # autograd, or a hook that must see each member's own call
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = self.multiply(x, self.packed, self.bias, sum(self.sizes))
         return out.split(self.sizes, dim=-1)
 
 
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
-    """Give every attention whose wq, wk, wv and every MLP whose w1, w3 are `OneDNNLinear`s (after
+    """Give every attention whose wq, wk, wv and every MLP whose w1, w3 are packed the same way (after
     `pack_linears`) one fused product (module docstring); returns how many were fused."""
     from tessera.models.attention import Attention
     from tessera.models.mlp import FeedForward
@@ -96,7 +143,7 @@ def fuse_projections(model: nn.Module) -> int:
             members, slot = [module.w1, module.w3], "fused_gate_up"
         else:
             continue
-        if not all(type(m) is OneDNNLinear for m in members):
+        if type(members[0]) not in (PanelLinear, OneDNNLinear) or any(type(m) is not type(members[0]) for m in members):
             continue
         setattr(module, slot, FusedLinear(members))
         for m in members:  # the fused copy replaces theirs; alone they multiply by their dense weights

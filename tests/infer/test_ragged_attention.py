@@ -18,7 +18,7 @@ from torch import nn
 from tessera.config.model import ModelConfig
 from tessera.infer import LLM, LLMEngine, SamplingParams, cpu_attention
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_linear import FusedLinear, OneDNNLinear, can_pack, fuse_projections, pack_linears
+from tessera.infer.cpu_linear import FusedLinear, PanelLinear, can_pack, fuse_projections, pack_linears
 from tessera.infer.kv_cache import PagedKVCache
 from tessera.infer.ragged_attention import RaggedContexts
 from tests.infer.tiny_models import write_model
@@ -145,7 +145,7 @@ def test_packed_projections_equal_f_linear_and_keep_hooks():
     seen = []
     model[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))
     assert pack_linears(model) == 2
-    assert all(type(m) is OneDNNLinear for m in (model[0], model[2]))
+    assert all(type(m) is PanelLinear for m in (model[0], model[2]))
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     assert seen == [torch.Size([5, 3, 8])]
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight"}  # the dense weights stay
@@ -182,13 +182,13 @@ def test_fused_projections_equal_the_separate_ones_and_step_aside_for_hooks(tmp_
 def test_only_a_model_the_engine_loaded_is_packed(tmp_path):
     write_model(tmp_path, "llama")
     owned = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4))
-    packed = [m for m in owned.executor.model.modules() if isinstance(m, OneDNNLinear)]
+    packed = [m for m in owned.executor.model.modules() if isinstance(m, PanelLinear)]
     assert (len(packed) > 0) == can_pack("cpu", torch.float32)
     off = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, cpu_prepack=False))
-    assert not any(isinstance(m, OneDNNLinear) for m in off.executor.model.modules())
+    assert not any(isinstance(m, PanelLinear) for m in off.executor.model.modules())
     shared = off.executor.model  # handed to another engine: a model someone else may hold (a trainer)
     LLMEngine.from_model(shared, EngineConfig(block_size=4))
-    assert not any(isinstance(m, OneDNNLinear) for m in shared.modules())
+    assert not any(isinstance(m, PanelLinear) for m in shared.modules())
     ids = torch.tensor([[5, 9, 2]])
     torch.testing.assert_close(owned.executor.model(ids).logits, off.executor.model(ids).logits,
                                rtol=1e-5, atol=1e-5)

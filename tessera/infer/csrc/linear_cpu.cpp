@@ -1,0 +1,172 @@
+// y = x W^T + b for a served model's projections on CPU (fp32), with W packed once into panels.
+//
+// pack_panels(W [N, K]) -> [ceil(N / 16), K, 16]: panel p holds output columns 16p .. 16p + 15, each
+// row k of it the sixteen weights that input k contributes to them (zeros past column N). A product
+// then reads every panel from start to end exactly once, the order the hardware prefetcher streams.
+//
+// panel_linear(x [..., K], panels, bias, N) -> [..., N]: each thread takes whole panels; for a
+// panel, the rows of x go six at a time (fewer for the last) through a register block of 6 rows by
+// 16 columns (twelve accumulators; per input k two loads of weights, one broadcast per row, two FMAs
+// per row). The few rows of a decode step are bound by reading the weights, which this reads at the
+// memory's pace; a prompt chunk of hundreds of rows re-reads each panel from the core's cache for
+// every six rows. Sums run over k in order, in fp32; the portable loops (no AVX2) compute the same
+// sums one column at a time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t NB = 16;  // output columns of a panel
+constexpr int MB = 6;       // rows of x in one register block
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_panels takes an fp32 CPU weight [out, in], got ", weight.scalar_type(), " ", weight.sizes(),
+              " on ", weight.device());
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NB - 1) / NB;
+  at::Tensor out = at::zeros({P, K, NB}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < NB && p * NB + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * NB + c] = src[(p * NB + c) * K + k];
+  });
+  return out;
+}
+
+// Rows [0, R) of x (row stride ldx) against one panel p [K, 16] into y (row stride ldy): all 16
+// columns (the caller gives a scratch block for a panel past column N).
+template <int R>
+inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy) {
+#ifdef TESSERA_AVX2
+  static_assert(R >= 1 && R <= MB);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+  for (int64_t k = 0; k < K; ++k, p += NB) {
+    const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
+    __m256 a = _mm256_broadcast_ss(x0 + k);
+    c00 = _mm256_fmadd_ps(a, b0, c00);
+    c01 = _mm256_fmadd_ps(a, b1, c01);
+    if constexpr (R > 1) {
+      a = _mm256_broadcast_ss(x1 + k);
+      c10 = _mm256_fmadd_ps(a, b0, c10);
+      c11 = _mm256_fmadd_ps(a, b1, c11);
+    }
+    if constexpr (R > 2) {
+      a = _mm256_broadcast_ss(x2 + k);
+      c20 = _mm256_fmadd_ps(a, b0, c20);
+      c21 = _mm256_fmadd_ps(a, b1, c21);
+    }
+    if constexpr (R > 3) {
+      a = _mm256_broadcast_ss(x3 + k);
+      c30 = _mm256_fmadd_ps(a, b0, c30);
+      c31 = _mm256_fmadd_ps(a, b1, c31);
+    }
+    if constexpr (R > 4) {
+      a = _mm256_broadcast_ss(x4 + k);
+      c40 = _mm256_fmadd_ps(a, b0, c40);
+      c41 = _mm256_fmadd_ps(a, b1, c41);
+    }
+    if constexpr (R > 5) {
+      a = _mm256_broadcast_ss(x5 + k);
+      c50 = _mm256_fmadd_ps(a, b0, c50);
+      c51 = _mm256_fmadd_ps(a, b1, c51);
+    }
+  }
+  const __m256 acc[2 * MB] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[2 * r]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[2 * r + 1]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < NB; ++c) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[r * ldx + k] * p[k * NB + c];
+      y[r * ldy + c] = s;
+    }
+#endif
+}
+
+// Rows [0, M) against panel p, R rows at a time.
+void panel(const float* x, int64_t M, int64_t K, const float* p, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) panel_rows<MB>(x + m * K, K, p, K, y + m * ldy, ldy);
+  const float* xm = x + m * K;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 5: panel_rows<5>(xm, K, p, K, ym, ldy); break;
+    case 4: panel_rows<4>(xm, K, p, K, ym, ldy); break;
+    case 3: panel_rows<3>(xm, K, p, K, ym, ldy); break;
+    case 2: panel_rows<2>(xm, K, p, K, ym, ldy); break;
+    case 1: panel_rows<1>(xm, K, p, K, ym, ldy); break;
+    default: break;
+  }
+}
+
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t N) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be an fp32 CPU tensor, got ",
+              x_in.scalar_type(), " on ", x_in.device());
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == NB &&
+                  panels.is_contiguous(), "panels must come from pack_panels");
+  const int64_t P = panels.size(0), K = panels.size(1);
+  TORCH_CHECK(N > 0 && (N + NB - 1) / NB == P, "N = ", N, " does not match ", P, " panels");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "x's last dim must be ", K, ", got ", x_in.sizes());
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->is_contiguous(), "bias must be fp32 [", N, "]");
+    bp = bias->data_ptr<float>();
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tail;  // the last panel's block when it runs past column N
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = p * NB, nc = std::min(NB, N - c0);
+      if (nc == NB) {
+        panel(xp, M, K, pp + p * K * NB, yp + c0, N);
+      } else {
+        tail.resize(M * NB);
+        panel(xp, M, K, pp + p * K * NB, tail.data(), NB);
+        for (int64_t m = 0; m < M; ++m) std::copy_n(tail.data() + m * NB, nc, yp + m * N + c0);
+      }
+      if (bp != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t c = 0; c < nc; ++c) yp[m * N + c0 + c] += bp[c0 + c];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tessera_cpu, m) {
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+}

@@ -1,0 +1,100 @@
+"""The panel kernel of a served model's projections on CPU (csrc/linear_cpu.cpp) against F.linear, and
+the oneDNN packing that serves where the kernel is switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.infer import LLM, SamplingParams, cpu_attention
+from tessera.infer.config import EngineConfig
+from tessera.infer.cpu_linear import FusedLinear, OneDNNLinear, PanelLinear, fuse_projections, pack_linears
+from tests.infer.tiny_models import write_model
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    monkeypatch.delenv(cpu_attention.ENV, raising=False)
+    assert cpu_attention.kernel() is not None, "the CPU kernels did not build (see the log)"
+    return torch.ops.tessera_cpu
+
+
+# rows: fewer than one register block, one, one and a remainder of each size, many; columns: whole
+# panels, a last panel of 1 and of 15 columns, fewer than one panel
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 8, 11, 13, 64, 300])
+@pytest.mark.parametrize("K,N", [(64, 32), (24, 17), (40, 31), (8, 5), (96, 48)])
+def test_panel_linear_equals_f_linear(ops, M, K, N):
+    gen = torch.Generator().manual_seed(M * 1000 + K + N)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    x = torch.randn(M, K, generator=gen)
+    panels = ops.pack_panels(w)
+    assert panels.shape == (-(-N // 16), K, 16)
+    torch.testing.assert_close(ops.panel_linear(x, panels, b, N), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.panel_linear(x, panels, None, N), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_panel_linear_takes_any_leading_shape_and_strided_rows(ops):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(20, 12, generator=gen)
+    panels = ops.pack_panels(w)
+    x = torch.randn(2, 3, 12, generator=gen)
+    out = ops.panel_linear(x, panels, None, 20)
+    assert out.shape == (2, 3, 20)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(5, 36, generator=gen)  # rows of a wider product: a strided view
+    torch.testing.assert_close(ops.panel_linear(wide[:, 12:24], panels, None, 20), F.linear(wide[:, 12:24], w),
+                               rtol=1e-5, atol=1e-5)
+    assert ops.panel_linear(torch.empty(0, 12), panels, None, 20).shape == (0, 20)
+
+
+def test_panel_linear_refuses_what_it_cannot_compute(ops):
+    panels = ops.pack_panels(torch.randn(20, 12))
+    with pytest.raises(RuntimeError, match="fp32 CPU"):
+        ops.panel_linear(torch.randn(3, 12).bfloat16(), panels, None, 20)
+    with pytest.raises(RuntimeError, match="last dim must be 12"):
+        ops.panel_linear(torch.randn(3, 10), panels, None, 20)
+    with pytest.raises(RuntimeError, match="does not match 2 panels"):
+        ops.panel_linear(torch.randn(3, 12), panels, None, 40)
+    with pytest.raises(RuntimeError, match=r"bias must be fp32 \[20\]"):
+        ops.panel_linear(torch.randn(3, 12), panels, torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="pack_panels takes an fp32 CPU weight"):
+        ops.pack_panels(torch.randn(4, 4).double())
+
+
+def test_without_the_library_projections_pack_for_onednn(tmp_path, monkeypatch):
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setenv(cpu_attention.ENV, "torch")  # the switch that keeps the C++ library out
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8, bias=False))
+    x = torch.randn(5, 3, 24)
+    want = model(x)
+    assert pack_linears(model) == 2 and all(type(m) is OneDNNLinear for m in (model[0], model[2]))
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    # an engine served so: oneDNN's products, PyTorch's norms and attention, the same greedy tokens
+    write_model(tmp_path, "qwen2")  # q/k/v biases through the fused product
+    config = dict(block_size=4, max_num_seqs=8, enable_prefix_caching=False)
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6][:n] for n in (1, 3, 9, 6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    onednn = LLM(str(tmp_path), EngineConfig(**config))
+    attention = onednn.engine.executor.model.layers["0"].attention
+    assert isinstance(attention.fused_qkv, FusedLinear) and attention.fused_qkv.multiply.__name__ == "_onednn_multiply"
+    plain = LLM(str(tmp_path), EngineConfig(cpu_prepack=False, **config))
+    got = [o.token_ids for o in onednn.generate(prompts, params)]
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    monkeypatch.delenv(cpu_attention.ENV)
+    panels = LLM(str(tmp_path), EngineConfig(**config))
+    assert type(panels.engine.executor.model.output) is PanelLinear
+    assert got == [o.token_ids for o in panels.generate(prompts, params)]
+
+
+def test_fused_projections_need_members_packed_alike(ops):
+    from tessera.models.mlp import FeedForward
+
+    mlp = FeedForward(16, 24)
+    pack_linears(mlp)
+    assert type(mlp.w1) is PanelLinear
+    mlp.w3.__class__ = OneDNNLinear  # packed another way: not fused
+    assert fuse_projections(mlp) == 0 and mlp.fused_gate_up is None
