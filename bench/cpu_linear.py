@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split(":"))
         weights = [torch.randn(n, k, generator=gen) * k**-0.5 for _ in range(max(2, int(args.bytes // (4 * k * n))))]
-        sides = {"panel": ([ops.pack_panels(w) for w in weights], lambda x, w: ops.panel_linear(x, w, None, n)),
+        sides = {"panel": ([ops.pack_panels(w) for w in weights], lambda x, w, n=n: ops.panel_linear(x, w, None, n)),
                  "onednn": ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights],
                             lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
         for m in args.rows:
