@@ -7,7 +7,9 @@ chunk at position 512, each through the engine's own step (`PagedModel.forward_s
 attention over the paged cache read in place by the C++ kernel and by PyTorch ops
 (`TESSERA_CPU_ATTENTION=torch`), alternated in the same process, the minimum and median of
 `--repeats` runs each. `--keep-freed` sets the allocator as `tessera serve` does on CPU
-(cpu_memory.py); `--no-fuse` leaves q/k/v and gate/up as separate products. Run it once with and once
+(cpu_memory.py); `--no-fuse` leaves q/k/v and gate/up as separate products; `--onednn` multiplies
+with oneDNN's linear instead of the panel kernel (cpu_linear.py); `--no-layer-ops` leaves RMSNorm,
+the rotary embedding and the activation to PyTorch ops (cpu_layer_ops.py). Run it once with and once
 without a switch, alternately, to compare those (they are the process's, not the step's).
 Writes one JSON object to stdout.
 """
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--keep-freed", action="store_true")
     p.add_argument("--no-fuse", action="store_true")
+    p.add_argument("--onednn", action="store_true")
+    p.add_argument("--no-layer-ops", action="store_true")
     args = p.parse_args(argv)
 
     import torch
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.serve_vs_vllm import build_model
     from tessera.checkpoint.loading import load_model
     from tessera.infer import EngineConfig, cpu_attention
+    from tessera.infer.cpu_layer_ops import fuse_layer_ops
     from tessera.infer.cpu_linear import fuse_projections, pack_linears
     from tessera.infer.cpu_memory import keep_freed_memory
     from tessera.infer.paged_model import BatchItem, build_paged_model
@@ -50,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         build_model(args.model)
     model = load_model(args.model, torch.float32, "cpu").model.eval()
-    pack_linears(model)
+    pack_linears(model, onednn=args.onednn)
     if not args.no_fuse:
         fuse_projections(model)
+    if not args.no_layer_ops:
+        fuse_layer_ops(model)
     config = EngineConfig(kv_cache_gib=1.0, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024)
     paged, _ = build_paged_model(model, config)
     bs, rng, next_block = config.block_size, random.Random(0), 0
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 paged.forward_split(items)
                 times[name][path].append(time.perf_counter() - t)
     result = {"threads": torch.get_num_threads(), "keep_freed": args.keep_freed, "fused": not args.no_fuse,
+              "linear": "onednn" if args.onednn else "panel", "layer_ops": not args.no_layer_ops,
               "steps_ms": {name: {path: {"min": round(min(ts[1:]) * 1e3, 1),
                                          "median": round(sorted(ts[1:])[len(ts[1:]) // 2] * 1e3, 1)}
                                   for path, ts in paths.items()} for name, paths in times.items()}}

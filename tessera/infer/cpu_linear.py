@@ -73,10 +73,10 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _packing() -> tuple[type[nn.Linear], Callable[[torch.Tensor], torch.Tensor]] | None:
+def _packing(onednn: bool = False) -> tuple[type[nn.Linear], Callable[[torch.Tensor], torch.Tensor]] | None:
     """The packed module type and the weight packer this process uses: the panel kernel where the
-    C++ library builds and is not switched off, else oneDNN's, else None."""
-    if cpu_layer_ops.available():
+    C++ library builds and is not switched off (and `onednn` is not asked for), else oneDNN's, else None."""
+    if not onednn and cpu_layer_ops.available():
         return PanelLinear, torch.ops.tessera_cpu.pack_panels
     if _onednn_available():
         return OneDNNLinear, torch.ops.mkldnn._reorder_linear_weight
@@ -88,10 +88,10 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> int:
-    """Make every plain fp32 CPU `nn.Linear` of `model` a `PanelLinear` (or, without the panel kernel,
-    a `OneDNNLinear`); returns how many."""
-    packing = _packing()
+def pack_linears(model: nn.Module, onednn: bool = False) -> int:
+    """Make every plain fp32 CPU `nn.Linear` of `model` a `PanelLinear` (or, without the panel kernel
+    or with `onednn`, which benchmarks use to compare the two, a `OneDNNLinear`); returns how many."""
+    packing = _packing(onednn)
     if packing is None:
         return 0
     cls, pack = packing
