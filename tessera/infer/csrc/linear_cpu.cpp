@@ -56,34 +56,18 @@ inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, f
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < K; ++k, p += NB) {
     const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
-    __m256 a = _mm256_broadcast_ss(x0 + k);
-    c00 = _mm256_fmadd_ps(a, b0, c00);
-    c01 = _mm256_fmadd_ps(a, b1, c01);
-    if constexpr (R > 1) {
-      a = _mm256_broadcast_ss(x1 + k);
-      c10 = _mm256_fmadd_ps(a, b0, c10);
-      c11 = _mm256_fmadd_ps(a, b1, c11);
-    }
-    if constexpr (R > 2) {
-      a = _mm256_broadcast_ss(x2 + k);
-      c20 = _mm256_fmadd_ps(a, b0, c20);
-      c21 = _mm256_fmadd_ps(a, b1, c21);
-    }
-    if constexpr (R > 3) {
-      a = _mm256_broadcast_ss(x3 + k);
-      c30 = _mm256_fmadd_ps(a, b0, c30);
-      c31 = _mm256_fmadd_ps(a, b1, c31);
-    }
-    if constexpr (R > 4) {
-      a = _mm256_broadcast_ss(x4 + k);
-      c40 = _mm256_fmadd_ps(a, b0, c40);
-      c41 = _mm256_fmadd_ps(a, b1, c41);
-    }
-    if constexpr (R > 5) {
-      a = _mm256_broadcast_ss(x5 + k);
-      c50 = _mm256_fmadd_ps(a, b0, c50);
-      c51 = _mm256_fmadd_ps(a, b1, c51);
-    }
+    // one row's two FMAs; named registers, not an array, which the compiler kept partly in memory
+    const auto row = [&](const float* xr, __m256& lo, __m256& hi) {
+      const __m256 a = _mm256_broadcast_ss(xr + k);
+      lo = _mm256_fmadd_ps(a, b0, lo);
+      hi = _mm256_fmadd_ps(a, b1, hi);
+    };
+    row(x0, c00, c01);
+    if constexpr (R > 1) row(x1, c10, c11);
+    if constexpr (R > 2) row(x2, c20, c21);
+    if constexpr (R > 3) row(x3, c30, c31);
+    if constexpr (R > 4) row(x4, c40, c41);
+    if constexpr (R > 5) row(x5, c50, c51);
   }
   const __m256 acc[2 * MB] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
   for (int r = 0; r < R; ++r) {
