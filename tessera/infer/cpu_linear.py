@@ -8,7 +8,7 @@ few rows of a decode step (M = 1..64) that reads the weight in an order its kern
   register block of 6 rows by 16 columns. A decode step's few rows are bound by reading the
   weights, which it reads at the memory's pace; measured on this project's 2-core machine against
   oneDNN's linear over the same weights (`bench/cpu_linear.py`, docs/benchmarks.md): 1.5-2x faster at
-  1 row, 1.1-1.5x at 8, about even at a prompt chunk of 256;
+  1 row, 1.0-1.5x at 8 (oneDNN's own times move by up to 30% between runs), even at 256-1024 rows;
 - oneDNN's linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout PyTorch's inductor uses
   when it freezes a CPU model), where the library does not build (no compiler) or is switched off
   (`TESSERA_CPU_ATTENTION=torch`): 2-3x faster than `F.linear` at 8-32 rows.
