@@ -18,6 +18,10 @@ built (no C++ compiler, no ninja) the server logs why once and attends with the 
 compute the same thing; `TESSERA_CPU_ATTENTION=torch` chooses them outright. Both are tested against
 each other and against keys read slot by slot (tests/infer/test_ragged_attention.py).
 Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
+
+The same library (`torch.ops.tessera_cpu`) holds the one-pass layer kernels (cpu_layer_ops.py) and
+the panel kernel for projections (cpu_linear.py); `library_available()` says whether it can serve
+them, and the same switch turns them off.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ def _find_ninja() -> None:
 
 @functools.cache
 def kernel():
-    """The compiled op (`torch.ops.tessera_cpu.paged_attention`), or None where it cannot be had
-    (the reason is logged once)."""
+    """The compiled op (`torch.ops.tessera_cpu.paged_attention`; its library holds the other CPU
+    kernels too), or None where it cannot be had (the reason is logged once)."""
     try:
         from torch.utils.cpp_extension import load
 
@@ -80,9 +84,16 @@ def kernel():
              extra_include_paths=[str(CSRC)], verbose=False)
         return torch.ops.tessera_cpu.paged_attention
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch ops serve instead
-        log.warning("the CPU paged-attention kernel could not be built (%s: %s); attending with PyTorch ops",
+        log.warning("the CPU kernels could not be built (%s: %s); attending and normalizing with PyTorch ops, "
+                    "multiplying with oneDNN's linear",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def library_available() -> bool:
+    """Whether the library's kernels can be had here: it builds, and `TESSERA_CPU_ATTENTION=torch` is
+    not set (read when a model is loaded: the layer and panel kernels are installed then)."""
+    return os.environ.get(ENV, "").lower() != "torch" and kernel() is not None
 
 
 def serves(kv: PagedKVCache) -> bool:

@@ -17,29 +17,22 @@ sums (tests/infer/test_cpu_layer_ops.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from tessera.infer import cpu_attention
 
 
-def available() -> bool:
-    """Whether the kernels can be had here (the library builds; not turned off by the switch)."""
-    return os.environ.get(cpu_attention.ENV, "").lower() != "torch" and cpu_attention.kernel() is not None
-
-
 @torch.no_grad()
 def fuse_layer_ops(model: nn.Module) -> int:
     """Install the one-pass kernels at every seam of `model`, a model computing in fp32 on CPU (its
     projections may hold int8 weights; a module with floating-point weights of another dtype or
-    device is left alone); returns how many seams took one (0 where the kernels are not `available`)."""
+    device is left alone); returns how many seams took one (0 where the library is not available)."""
     from tessera.models.attention import Attention
     from tessera.models.mlp import FeedForward
     from tessera.models.norm import RMSNorm
 
-    if not available():
+    if not cpu_attention.library_available():
         return 0
     ops = torch.ops.tessera_cpu
     n = 0

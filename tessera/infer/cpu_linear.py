@@ -40,25 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tessera.infer import cpu_layer_ops
-
-
-class PanelLinear(nn.Linear):
-    """An `nn.Linear` whose forward multiplies by `packed`, its weight in panels (the panel kernel)."""
-
-    packed: torch.Tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _panel_multiply(x, self.packed, self.bias, self.out_features)
-
-
-class OneDNNLinear(nn.Linear):
-    """An `nn.Linear` whose forward multiplies by `packed`, its weight in oneDNN's layout."""
-
-    packed: torch.Tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _onednn_multiply(x, self.packed, self.bias, self.out_features)
+from tessera.infer import cpu_attention
 
 
 def _panel_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -69,17 +51,44 @@ def _onednn_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` whose forward multiplies by `packed`, its weight as `pack` lays it out, through
+    `multiply` (x, packed, bias, out_features) -> y; the subclasses name a kernel."""
+
+    packed: torch.Tensor
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    multiply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.multiply(x, self.packed, self.bias, self.out_features)
+
+
+class PanelLinear(PackedLinear):
+    """Packed in panels for the panel kernel (module docstring)."""
+
+    # a lambda: the library's ops exist only once it is built, so they are looked up at the call
+    pack = staticmethod(lambda w: torch.ops.tessera_cpu.pack_panels(w))
+    multiply = staticmethod(_panel_multiply)
+
+
+class OneDNNLinear(PackedLinear):
+    """Packed in oneDNN's layout for its linear."""
+
+    pack = staticmethod(lambda w: torch.ops.mkldnn._reorder_linear_weight(w))
+    multiply = staticmethod(_onednn_multiply)
+
+
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def _packing(onednn: bool = False) -> tuple[type[nn.Linear], Callable[[torch.Tensor], torch.Tensor]] | None:
-    """The packed module type and the weight packer this process uses: the panel kernel where the
-    C++ library builds and is not switched off (and `onednn` is not asked for), else oneDNN's, else None."""
-    if not onednn and cpu_layer_ops.available():
-        return PanelLinear, torch.ops.tessera_cpu.pack_panels
+def _packing(onednn: bool = False) -> type[PackedLinear] | None:
+    """The packed module type this process uses: the panel kernel's where the C++ library builds and
+    is not switched off (and `onednn` is not asked for), else oneDNN's, else None."""
+    if not onednn and cpu_attention.library_available():
+        return PanelLinear
     if _onednn_available():
-        return OneDNNLinear, torch.ops.mkldnn._reorder_linear_weight
+        return OneDNNLinear
     return None
 
 
@@ -91,29 +100,28 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module, onednn: bool = False) -> int:
     """Make every plain fp32 CPU `nn.Linear` of `model` a `PanelLinear` (or, without the panel kernel
     or with `onednn`, which benchmarks use to compare the two, a `OneDNNLinear`); returns how many."""
-    packing = _packing(onednn)
-    if packing is None:
+    cls = _packing(onednn)
+    if cls is None:
         return 0
-    cls, pack = packing
     n = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
             continue
-        module.packed = pack(module.weight.detach())
+        module.packed = cls.pack(module.weight.detach())
         module.__class__ = cls
         n += 1
     return n
 
 
 class FusedLinear:
-    """`members` (nn.Linear over the same input) as one oneDNN product: called with x, their outputs
-    in order (views of one result), or None with gradients on or while a hook is on any member."""
+    """`members` (packed linears of one type, over the same input) as one product of that type's
+    kernel: called with x, their outputs in order (views of one result), or None with gradients on or
+    while a hook is on any member."""
 
-    def __init__(self, members: list[PanelLinear | OneDNNLinear]):
-        weights = torch.cat([m.weight.detach() for m in members])
-        panel = type(members[0]) is PanelLinear
-        self.multiply = _panel_multiply if panel else _onednn_multiply
-        self.packed = (torch.ops.tessera_cpu.pack_panels if panel else torch.ops.mkldnn._reorder_linear_weight)(weights)
+    def __init__(self, members: list[PackedLinear]):
+        kind = type(members[0])
+        self.multiply = kind.multiply
+        self.packed = kind.pack(torch.cat([m.weight.detach() for m in members]))
         self.bias = None
         if any(m.bias is not None for m in members):
             self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
@@ -143,7 +151,7 @@ def fuse_projections(model: nn.Module) -> int:
             members, slot = [module.w1, module.w3], "fused_gate_up"
         else:
             continue
-        if type(members[0]) not in (PanelLinear, OneDNNLinear) or any(type(m) is not type(members[0]) for m in members):
+        if not isinstance(members[0], PackedLinear) or any(type(m) is not type(members[0]) for m in members):
             continue
         setattr(module, slot, FusedLinear(members))
         for m in members:  # the fused copy replaces theirs; alone they multiply by their dense weights
