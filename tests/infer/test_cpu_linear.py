@@ -21,9 +21,10 @@ def ops(monkeypatch):
     return torch.ops.tessera_cpu
 
 
-# rows: fewer than one register block, one, one and a remainder of each size, many; columns: whole
-# panels, a last panel of 1 and of 15 columns, fewer than one panel
-@pytest.mark.parametrize("M", [1, 5, 6, 7, 8, 11, 13, 64, 300])
+# rows: fewer than one register block, one, one and a remainder of each size, blocks of unequal
+# sizes (13: 5+4+4, 32: 6+6+5+5+5+5), one row past the last count that prefetches the next panel
+# (97), many; columns: whole panels, a last panel of 1 and of 15 columns, fewer than one panel
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 8, 11, 13, 32, 64, 97, 300])
 @pytest.mark.parametrize("K,N", [(64, 32), (24, 17), (40, 31), (8, 5), (96, 48), (600, 20)])
 def test_panel_linear_equals_f_linear(ops, M, K, N):
     gen = torch.Generator().manual_seed(M * 1000 + K + N)

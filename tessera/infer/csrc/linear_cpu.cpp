@@ -5,10 +5,11 @@
 // then reads every panel from start to end exactly once, the order the hardware prefetcher streams.
 //
 // panel_linear(x [..., K], panels, bias, N) -> [..., N]: each thread takes whole panels; for a
-// panel, the rows of x go six at a time (fewer for the last) through a register block of 6 rows by
+// panel, the rows of x go up to six at a time (split evenly) through a register block of 6 rows by
 // 16 columns (twelve accumulators; per input k two loads of weights, one broadcast per row, two FMAs
-// per row). The few rows of a decode step are bound by reading the weights, which this reads at the
-// memory's pace; a prompt chunk of hundreds of rows re-reads each panel from the core's cache for
+// per row). The few rows of a decode step are bound by reading the weights: up to 96 rows, a thread
+// working on one panel prefetches the next into L2, a line every few inputs k, so that the panel
+// is in the cache when its first block starts instead of being waited on; a prompt chunk of hundreds of rows re-reads each panel from the core's cache for
 // every six rows. Sums run over k in order, in fp32; the portable loops (no AVX2) compute the same
 // sums one column at a time.
 
@@ -27,6 +28,12 @@ namespace {
 
 constexpr int64_t NB = 16;  // output columns of a panel
 constexpr int MB = 6;       // rows of x in one register block
+// Products of up to this many row blocks (96 rows) prefetch the next panel into L2 as they go: a
+// block of 6 rows takes 6 cycles per input k, so the first block over a panel read from memory
+// would wait on it; measured in bench/cpu_linear.py it is worth 1.1-1.6x at 4-64 rows, nothing at
+// one row and slightly less than nothing (0.97x) at hundreds of rows, where a panel is reread
+// from L2 for every block anyway.
+constexpr int64_t PREFETCH_MAX_BLOCKS = 16;
 
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
@@ -48,13 +55,21 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // Rows [0, R) of x (row stride ldx) against one panel p [K, 16] into y (row stride ldy): all 16
 // columns (the caller gives a scratch block for a panel past column N).
 template <int R>
-inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy) {
+// `pf`: where to prefetch one line every `pf_every` inputs k, or null.
+inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy,
+                       const float* pf, int64_t pf_every) {
 #ifdef TESSERA_AVX2
   static_assert(R >= 1 && R <= MB);
+  int64_t count = 0;
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
   for (int64_t k = 0; k < K; ++k, p += NB) {
+    if (pf != nullptr && ++count == pf_every) {  // one line (one k row) of the next panel into L2
+      count = 0;
+      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+      pf += NB;
+    }
     const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
     // one row's two FMAs; named registers, not an array, which the compiler kept partly in memory
     const auto row = [&](const float* xr, __m256& lo, __m256& hi) {
@@ -75,6 +90,8 @@ inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, f
     _mm256_storeu_ps(y + r * ldy + 8, acc[2 * r + 1]);
   }
 #else
+  (void)pf;
+  (void)pf_every;
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < NB; ++c) {
       float s = 0.f;
@@ -84,19 +101,37 @@ inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, f
 #endif
 }
 
-// Rows [0, M) against panel p, R rows at a time.
-void panel(const float* x, int64_t M, int64_t K, const float* p, float* y, int64_t ldy) {
+// Rows [0, M) against panel p, in blocks of up to MB rows; `next`: the panel after it (or null). Where
+// prefetching, block b of the `blocks` takes lines [b, b + 1) * (K / blocks) of the next panel
+// (a panel's row k is one 64-byte line), one every `blocks` inputs k.
+void panel(const float* x, int64_t M, int64_t K, const float* p, float* y, int64_t ldy, const float* next) {
+  const int64_t blocks = (M + MB - 1) / MB;
+  const bool prefetch = next != nullptr && blocks <= PREFETCH_MAX_BLOCKS;
   int64_t m = 0;
-  for (; m + MB <= M; m += MB) panel_rows<MB>(x + m * K, K, p, K, y + m * ldy, ldy);
-  const float* xm = x + m * K;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 5: panel_rows<5>(xm, K, p, K, ym, ldy); break;
-    case 4: panel_rows<4>(xm, K, p, K, ym, ldy); break;
-    case 3: panel_rows<3>(xm, K, p, K, ym, ldy); break;
-    case 2: panel_rows<2>(xm, K, p, K, ym, ldy); break;
-    case 1: panel_rows<1>(xm, K, p, K, ym, ldy); break;
-    default: break;
+  const float* ahead = next;
+  const auto pf = [&]() -> const float* {
+    if (!prefetch) return nullptr;
+    const float* at = ahead;
+    ahead += K / blocks * NB;
+    return at;
+  };
+  // The rows split evenly over the blocks (sizes differ by at most one): a block of one or two
+  // rows has too few accumulators to keep both FMA units busy, so 32 rows go as 6+6+5+5+5+5,
+  // not 6+6+6+6+6+2.
+  const int64_t base = M / blocks, extra = M % blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rows = base + (b < extra ? 1 : 0);
+    const float* xm = x + m * K;
+    float* ym = y + m * ldy;
+    switch (rows) {
+      case 6: panel_rows<6>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+      case 5: panel_rows<5>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+      case 4: panel_rows<4>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+      case 3: panel_rows<3>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+      case 2: panel_rows<2>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+      default: panel_rows<1>(xm, K, p, K, ym, ldy, pf(), blocks); break;
+    }
+    m += rows;
   }
 }
 
@@ -129,10 +164,10 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * NB, nc = std::min(NB, N - c0);
       if (nc == NB) {
-        panel(xp, M, K, pp + p * K * NB, yp + c0, N);
+        panel(xp, M, K, pp + p * K * NB, yp + c0, N, p + 1 < end ? pp + (p + 1) * K * NB : nullptr);
       } else {
         tail.resize(M * NB);
-        panel(xp, M, K, pp + p * K * NB, tail.data(), NB);
+        panel(xp, M, K, pp + p * K * NB, tail.data(), NB, nullptr);
         for (int64_t m = 0; m < M; ++m) std::copy_n(tail.data() + m * NB, nc, yp + m * N + c0);
       }
       if (bp != nullptr)
