@@ -19,8 +19,10 @@ Setup: both servers serve `--model` (a HuggingFace LLaMA directory; `--build-mod
 110M-parameter one of docs/benchmarks.md there if it holds none: random weights of seed 0, the
 bundled tokenizer), fp32, `--kv-cache-gib` of KV cache, `--threads` threads (vLLM's bound to
 cores 0..threads-1), the same `--max-num-seqs`, `--max-num-batched-tokens` and `--max-model-len`,
-prefix caching on. One client drives both: streaming `/v1/completions` with token-id prompts,
-greedy, end-of-sequence ignored.
+prefix caching on; each its default queue order (Tessera's `--scheduling-policy`: requests arriving
+between the same two steps shortest prompt first; vLLM's first come, first served), or Tessera's
+first come, first served too with `--scheduling-policy fcfs`. One client drives both: streaming
+`/v1/completions` with token-id prompts, greedy, end-of-sequence ignored.
 
 Phases, each run four times in the order Tessera, vLLM, vLLM, Tessera (A B B A: a drift in the
 machine's load hits both sides alike); pair 1 is the first two runs and pair 2 the last two, each
@@ -162,7 +164,8 @@ def tessera_server(args, port: int, log: Path) -> ServerProcess:
     cmd = [sys.executable, "-m", "tessera", "serve", str(args.model), "--port", str(port), "--served-model-name",
            "bench", "--log-level", "warning", "--dtype", "float32", "--device", "cpu", "--kv-cache-gib",
            str(args.kv_cache_gib), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-           str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+           str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len), "--scheduling-policy",
+           args.scheduling_policy]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     return ServerProcess("tessera", cmd, env, port, log, 600)
 
@@ -319,6 +322,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--scheduling-policy", default="shortest_first", choices=["shortest_first", "fcfs"],
+                   help="Tessera's queue order (vLLM's is first come, first served)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="streams of the mixed phases")
     p.add_argument("--requests", type=int, nargs="+", default=[64],
                    help="requests per run of a mixed phase: one count for all, or one per --concurrency")

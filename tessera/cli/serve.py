@@ -102,6 +102,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--scheduling-policy", default="shortest_first", choices=["shortest_first", "fcfs"],
+                   help="order waiting requests are admitted in: arrival order, and those arriving between the same "
+                        "two steps shortest prompt first (shortest_first); or arrival order alone (fcfs)")
     p.add_argument("--kv-offload-gib", type=nonnegative_float(MAX_KV_CACHE_GIB), default=0.0,
                    help="host memory for prefix blocks the device evicts; a later hit copies them back (0: none)")
     p.add_argument("--kv-cache-dir", default=None, metavar="DIR",
@@ -231,6 +234,7 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_gib=args.kv_cache_gib, kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        scheduling_policy=args.scheduling_policy,
                         system_prompts=list(args.system_prompt), speculative=spec, quantization=args.quantization,
                         lora_adapters=adapters, merge_lora=list(args.merge_lora), max_loras=args.max_loras,
                         seed=args.seed, enforce_eager=args.enforce_eager, decode_batch_sizes=args.decode_batch_sizes,

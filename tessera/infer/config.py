@@ -15,6 +15,7 @@ from tessera.config.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
+SCHEDULING_POLICIES = ("shortest_first", "fcfs")  # the order of the waiting queue (scheduler.py)
 MODALITIES = ("image",)  # what a request may carry besides text
 
 
@@ -62,6 +63,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + completion limit; None: the model's max_seq_len
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    # The order waiting requests are admitted in (scheduler.py): "shortest_first": arrival order, and
+    # the requests that arrived between the same two steps shortest prompt first; "fcfs": arrival order
+    scheduling_policy: str = "shortest_first"
     system_prompts: list[str] = field(default_factory=list)  # prefilled at start, their blocks pinned
     speculative: SpeculativeConfig | None = None
     # None, or weights quantized at load (weight-only, round-to-nearest; tessera/models/quantized.py):
@@ -111,6 +115,8 @@ class EngineConfig:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
         _need(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
               "must be > 0")
+        _need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+              "one of " + ", ".join(map(repr, SCHEDULING_POLICIES)))
         _need(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
               "must be None or > 1")
         _need(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,

@@ -74,7 +74,8 @@ class LLMEngine:
                                    planner)
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,
-                                   OutputProcessor(tokenizer, self.max_model_len, self.metrics))
+                                   OutputProcessor(tokenizer, self.max_model_len, self.metrics),
+                                   config.scheduling_policy)
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)

@@ -4,8 +4,15 @@ their results do to them.
 Every step has a token budget (`max_num_batched_tokens`). Running sequences come first, in
 arrival order: a decoding sequence costs 1 token (plus `lookahead` speculative slots), a prompt
 still being prefilled gets the next chunk that fits (chunked prefill). Waiting requests are then
-admitted first come, first served while budget, sequence slots and KV blocks last; a prompt whose
-leading blocks are in the prefix cache starts past them.
+admitted in queue order while budget, sequence slots and KV blocks last; a prompt whose leading
+blocks are in the prefix cache starts past them.
+
+The queue order (`policy`): "fcfs" is arrival order. "shortest_first" (the default) is arrival order
+between steps and, among the requests that arrived since the previous step (which the engine sees
+at the same moment), the shortest prompt first: a burst of prompts is prefilled shortest first,
+which lowers their times to first token (the mean is least when the shortest go first) and starts
+more of them decoding while the longer ones are still being prefilled, inside steps whose cost the
+prefill sets. No request waits behind one that arrived after a step it could have been admitted in.
 
 When a running sequence needs a block and none is left, the most recently arrived running
 sequence is preempted: its blocks are released (they stay in the prefix cache while nobody
@@ -25,6 +32,7 @@ import sys
 from collections import deque
 
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.config import SCHEDULING_POLICIES as POLICIES
 from tessera.infer.kv_tiers import KVTransfers
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.output_processor import OutputProcessor
@@ -49,7 +57,10 @@ class Scheduler:
     without a tokenizer or a length limit when not given)."""
 
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int = 0,
-                 outputs: OutputProcessor | None = None):
+                 outputs: OutputProcessor | None = None, policy: str = "shortest_first"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -58,6 +69,7 @@ class Scheduler:
         self.metrics = self.outputs.metrics
         self.requests: dict[str, Sequence] = {}  # every request not finished yet, waiting or running
         self.waiting: deque[Sequence] = deque()
+        self._arrived = 0  # the last this many of `waiting` arrived since the previous plan
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Admitting a new request keeps this many blocks free for the running ones to grow into.
@@ -73,6 +85,7 @@ class Scheduler:
         self.metrics.prompt_tokens += len(seq.prompt_ids)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._arrived += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -82,6 +95,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
+            if self.waiting.index(seq) >= len(self.waiting) - self._arrived:
+                self._arrived -= 1
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
 
@@ -118,6 +133,7 @@ class Scheduler:
 
     # ---- the plan of a step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._order_arrivals()
         out = SchedulerOutput([], [])
         budget = self._schedule_running(out)
         self._admit_waiting(out, budget)
@@ -125,6 +141,16 @@ class Scheduler:
         self._released = []
         out.kv = self.take_kv_transfers()
         return out
+
+    def _order_arrivals(self) -> None:
+        """Under "shortest_first", the requests that arrived since the previous plan (the end of the
+        queue) shortest prompt first, ties in arrival order."""
+        n, self._arrived = self._arrived, 0
+        if self.policy != "shortest_first" or n < 2:
+            return
+        arrived = [self.waiting.pop() for _ in range(n)][::-1]
+        arrived.sort(key=lambda seq: len(seq.token_ids))
+        self.waiting.extend(arrived)
 
     def take_kv_transfers(self) -> KVTransfers | None:
         """The copies between KV tiers planned since the last call (None without tiers)."""

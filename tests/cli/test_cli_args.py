@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tessera.cli import build_parser, main
+from tessera.cli.serve import engine_config
 from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE
 
@@ -63,6 +64,15 @@ def test_unknown_quantization_names_the_methods(command, capsys):
     err = _refused([*command, "--quantization", "int3"], capsys)
     assert "argument --quantization: invalid choice: 'int3' (choose from " in err  # quoted or not, by Python version
     assert all(m in err.split("choose from ")[1] for m in ("int8", "fp8", "int4"))
+
+
+def test_unknown_scheduling_policy_names_the_policies(capsys):
+    err = _refused(["serve", MISSING, "--scheduling-policy", "lifo"], capsys)
+    assert "argument --scheduling-policy: invalid choice: 'lifo' (choose from " in err
+    assert all(m in err.split("choose from ")[1] for m in ("shortest_first", "fcfs"))
+    args = build_parser().parse_args(["serve", MISSING, "--scheduling-policy", "fcfs", "--device", "cpu"])
+    assert engine_config(args).scheduling_policy == "fcfs"
+    assert build_parser().parse_args(["serve", MISSING]).scheduling_policy == "shortest_first"
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1025"])

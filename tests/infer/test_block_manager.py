@@ -1,6 +1,10 @@
 """Paged KV bookkeeping and the prefix cache: reference counts, hash chains, LRU eviction of
-unreferenced cached blocks, pinning, and the scheduler's token budget and preemption."""
+unreferenced cached blocks, pinning, and the scheduler's token budget, preemption and queue order."""
 
+import pytest
+
+from tessera.config.errors import ConfigError
+from tessera.infer import EngineConfig
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.prefix_cache import hash_chain
 from tessera.infer.sampling_params import SamplingParams
@@ -68,7 +72,7 @@ def test_pinned_blocks_are_never_evicted():
 
 def test_scheduler_budget_chunks_prefill_and_preempts_newest():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=10)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=10, policy="fcfs")
     a, b = seq("a", list(range(14))), seq("b", list(range(6)))
     sched.add(a)
     sched.add(b)
@@ -93,3 +97,55 @@ def test_scheduler_budget_chunks_prefill_and_preempts_newest():
             break
     assert preempted == [b] and b.num_computed == 0 and b.block_table == [] and sched.waiting[0] is b
     assert sched.num_preemptions == 1
+
+
+def _admitted(sched: Scheduler) -> list[str]:
+    return [s.seq.request_id for s in sched.schedule().scheduled]
+
+
+def test_requests_arriving_between_two_steps_are_admitted_shortest_prompt_first():
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    assert sched.policy == "shortest_first"  # the default
+    for rid, n in (("a", 14), ("b", 6), ("c", 10), ("d", 6)):
+        sched.add(seq(rid, list(range(n))))
+    assert _admitted(sched) == ["b", "d", "c", "a"]  # ties (b, d) in arrival order
+
+
+def test_shortest_first_never_puts_a_later_arrival_before_an_earlier_one():
+    # one sequence slot: x runs, the rest wait across steps
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100)
+    x = seq("x", list(range(8)))
+    sched.add(x)
+    assert _admitted(sched) == ["x"]
+    x.num_computed = 8
+    x.token_ids.append(0)  # x decodes: one token a step
+    sched.add(seq("long", list(range(30))))
+    sched.add(seq("short", list(range(5))))
+    assert _admitted(sched) == ["x"]
+    x.num_computed += 1
+    x.token_ids.append(0)
+    assert [s.request_id for s in sched.waiting] == ["short", "long"]
+    sched.add(seq("tiny", list(range(2))))  # arrived a step later: behind both, however short
+    p = seq("p", list(range(3)))
+    sched.add(p)
+    sched.abort("p")  # a removed arrival leaves the count of arrivals right
+    assert _admitted(sched) == ["x"]
+    assert [s.request_id for s in sched.waiting] == ["short", "long", "tiny"]
+
+
+def test_fcfs_admits_in_arrival_order():
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, policy="fcfs")
+    for rid, n in (("a", 14), ("b", 6), ("c", 10)):
+        sched.add(seq(rid, list(range(n))))
+    assert _admitted(sched) == ["a", "b", "c"]
+
+
+def test_an_unknown_scheduling_policy_is_refused_by_name():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="'lifo'.*shortest_first, fcfs"):
+        Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=8, policy="lifo")
+    with pytest.raises(ConfigError, match="scheduling_policy='lifo' is invalid: one of 'shortest_first', 'fcfs'"):
+        EngineConfig(scheduling_policy="lifo")

@@ -26,12 +26,32 @@ def test_one_prompt_matches_hf(family, family_models):
     assert out.finish_reason == "length" and len(out.text) == 24
 
 
+@pytest.mark.parametrize("policy", ["shortest_first", "fcfs"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batch_of_different_lengths_matches_hf(family, family_models):
+def test_batch_of_different_lengths_matches_hf(family, family_models, policy):
     path, hf = family_models[family]
-    llm = LLM(path, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False)
+    llm = LLM(path, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False, scheduling_policy=policy)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == _expected(hf, llm, PROMPTS)
+
+
+@pytest.mark.parametrize("policy", ["shortest_first", "fcfs"])
+def test_prompts_queued_together_get_their_first_tokens_in_policy_order(llama, policy):
+    """Prompts queued at once under a 20-token budget: shortest_first prefills them shortest first,
+    fcfs in the order they came; either way each gets its first token no later than the next."""
+    path, _ = llama
+    llm = LLM(path, block_size=4, max_num_batched_tokens=20, enable_prefix_caching=False, scheduling_policy=policy)
+    engine = llm.engine
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    first_step, step = {}, 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            first_step.setdefault(out.request_id, step)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if policy == "shortest_first" else range(5)
+    steps = [first_step[ids[i]] for i in order]
+    assert steps == sorted(steps) and steps[0] == 1 and steps[-1] > 1, steps
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -304,8 +304,10 @@ def test_blocks_a_failed_request_leaves_are_zeroed_even_when_the_step_then_raise
     pytest.importorskip("peft")
     path, _ = llama
     overflowing_adapter(path, tmp_path / "boom")
+    # fcfs: the hostile request (the longer prompt) is applied first, as it came first
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4,
-                                                   lora_adapters={"boom": str(tmp_path / "boom")}))
+                                                   lora_adapters={"boom": str(tmp_path / "boom")},
+                                                   scheduling_policy="fcfs"))
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     hostile = engine.add_request(engine.tokenizer.encode("hostile " * 3), greedy, adapter="boom")
     normal = engine.add_request(engine.tokenizer.encode("a normal request"), greedy)
