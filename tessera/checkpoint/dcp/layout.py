@@ -94,7 +94,12 @@ def rank_boxes(model_cfg: ModelConfig, pcfg: ParallelConfig, world: int, rank: i
 def layout_boxes(model_cfg: ModelConfig, pcfg: ParallelConfig) -> dict[str, list[Box]]:
     """Every tensor's distinct boxes over all ranks of the layout, in rank order."""
     world = layout_world(pcfg)
-    ctx = multiprocessing.get_context("fork")
+    # Each rank in a process of its own, forked from a fork server that imported this module and
+    # nothing else: forking the caller itself copies whatever its other threads were doing (a serving
+    # engine, OpenMP teams), and a child that then crashed in its garbage collector left the pool
+    # waiting for its result forever.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     with ctx.Pool(min(world, os.cpu_count() or 1), maxtasksperchild=1) as pool:
         per_rank = pool.starmap(rank_boxes, [(model_cfg, pcfg, world, r) for r in range(world)])
     out: dict[str, list[Box]] = {}
