@@ -19,9 +19,8 @@ Setup: both servers serve `--model` (a HuggingFace LLaMA directory; `--build-mod
 110M-parameter one of docs/benchmarks.md there if it holds none: random weights of seed 0, the
 bundled tokenizer), fp32, `--kv-cache-gib` of KV cache, `--threads` threads (vLLM's bound to
 cores 0..threads-1), the same `--max-num-seqs`, `--max-num-batched-tokens` and `--max-model-len`,
-prefix caching on; each its default queue order (Tessera's `--scheduling-policy`: requests arriving
-between the same two steps shortest prompt first; vLLM's first come, first served), or Tessera's
-first come, first served too with `--scheduling-policy fcfs`. One client drives both: streaming
+prefix caching on, both first come, first served (Tessera's `--scheduling-policy shortest_first`
+admits the requests that arrive between the same two steps shortest prompt first). One client drives both: streaming
 `/v1/completions` with token-id prompts, greedy, end-of-sequence ignored.
 
 Phases, each run four times in the order Tessera, vLLM, vLLM, Tessera (A B B A: a drift in the
@@ -322,7 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--scheduling-policy", default="shortest_first", choices=["shortest_first", "fcfs"],
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest_first"],
                    help="Tessera's queue order (vLLM's is first come, first served)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="streams of the mixed phases")
     p.add_argument("--requests", type=int, nargs="+", default=[64],

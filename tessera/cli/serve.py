@@ -102,9 +102,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
-    p.add_argument("--scheduling-policy", default="shortest_first", choices=["shortest_first", "fcfs"],
-                   help="order waiting requests are admitted in: arrival order, and those arriving between the same "
-                        "two steps shortest prompt first (shortest_first); or arrival order alone (fcfs)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest_first"],
+                   help="order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those "
+                        "arriving between the same two steps shortest prompt first (shortest_first)")
     p.add_argument("--kv-offload-gib", type=nonnegative_float(MAX_KV_CACHE_GIB), default=0.0,
                    help="host memory for prefix blocks the device evicts; a later hit copies them back (0: none)")
     p.add_argument("--kv-cache-dir", default=None, metavar="DIR",

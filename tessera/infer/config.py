@@ -15,7 +15,7 @@ from tessera.config.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
-SCHEDULING_POLICIES = ("shortest_first", "fcfs")  # the order of the waiting queue (scheduler.py)
+SCHEDULING_POLICIES = ("fcfs", "shortest_first")  # the order of the waiting queue (scheduler.py)
 MODALITIES = ("image",)  # what a request may carry besides text
 
 
@@ -63,9 +63,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
     max_model_len: int | None = None  # prompt + completion limit; None: the model's max_seq_len
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
-    # The order waiting requests are admitted in (scheduler.py): "shortest_first": arrival order, and
-    # the requests that arrived between the same two steps shortest prompt first; "fcfs": arrival order
-    scheduling_policy: str = "shortest_first"
+    # The order waiting requests are admitted in (scheduler.py): "fcfs": arrival order; "shortest_first":
+    # arrival order, and the requests that arrived between the same two steps shortest prompt first
+    scheduling_policy: str = "fcfs"
     system_prompts: list[str] = field(default_factory=list)  # prefilled at start, their blocks pinned
     speculative: SpeculativeConfig | None = None
     # None, or weights quantized at load (weight-only, round-to-nearest; tessera/models/quantized.py):

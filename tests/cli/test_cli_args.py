@@ -69,10 +69,10 @@ def test_unknown_quantization_names_the_methods(command, capsys):
 def test_unknown_scheduling_policy_names_the_policies(capsys):
     err = _refused(["serve", MISSING, "--scheduling-policy", "lifo"], capsys)
     assert "argument --scheduling-policy: invalid choice: 'lifo' (choose from " in err
-    assert all(m in err.split("choose from ")[1] for m in ("shortest_first", "fcfs"))
-    args = build_parser().parse_args(["serve", MISSING, "--scheduling-policy", "fcfs", "--device", "cpu"])
-    assert engine_config(args).scheduling_policy == "fcfs"
-    assert build_parser().parse_args(["serve", MISSING]).scheduling_policy == "shortest_first"
+    assert all(m in err.split("choose from ")[1] for m in ("fcfs", "shortest_first"))
+    args = build_parser().parse_args(["serve", MISSING, "--scheduling-policy", "shortest_first", "--device", "cpu"])
+    assert engine_config(args).scheduling_policy == "shortest_first"
+    assert build_parser().parse_args(["serve", MISSING]).scheduling_policy == "fcfs"
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1025"])

@@ -105,8 +105,7 @@ def _admitted(sched: Scheduler) -> list[str]:
 
 def test_requests_arriving_between_two_steps_are_admitted_shortest_prompt_first():
     bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
-    assert sched.policy == "shortest_first"  # the default
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, policy="shortest_first")
     for rid, n in (("a", 14), ("b", 6), ("c", 10), ("d", 6)):
         sched.add(seq(rid, list(range(n))))
     assert _admitted(sched) == ["b", "d", "c", "a"]  # ties (b, d) in arrival order
@@ -115,7 +114,7 @@ def test_requests_arriving_between_two_steps_are_admitted_shortest_prompt_first(
 def test_shortest_first_never_puts_a_later_arrival_before_an_earlier_one():
     # one sequence slot: x runs, the rest wait across steps
     bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100, policy="shortest_first")
     x = seq("x", list(range(8)))
     sched.add(x)
     assert _admitted(sched) == ["x"]
@@ -137,7 +136,8 @@ def test_shortest_first_never_puts_a_later_arrival_before_an_earlier_one():
 
 def test_fcfs_admits_in_arrival_order():
     bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, policy="fcfs")
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    assert sched.policy == "fcfs"  # the default
     for rid, n in (("a", 14), ("b", 6), ("c", 10)):
         sched.add(seq(rid, list(range(n))))
     assert _admitted(sched) == ["a", "b", "c"]
@@ -145,7 +145,7 @@ def test_fcfs_admits_in_arrival_order():
 
 def test_an_unknown_scheduling_policy_is_refused_by_name():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match="'lifo'.*shortest_first, fcfs"):
+    with pytest.raises(ValueError, match="'lifo'.*fcfs, shortest_first"):
         Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=8, policy="lifo")
-    with pytest.raises(ConfigError, match="scheduling_policy='lifo' is invalid: one of 'shortest_first', 'fcfs'"):
+    with pytest.raises(ConfigError, match="scheduling_policy='lifo' is invalid: one of 'fcfs', 'shortest_first'"):
         EngineConfig(scheduling_policy="lifo")

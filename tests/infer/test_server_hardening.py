@@ -304,7 +304,7 @@ def test_blocks_a_failed_request_leaves_are_zeroed_even_when_the_step_then_raise
     pytest.importorskip("peft")
     path, _ = llama
     overflowing_adapter(path, tmp_path / "boom")
-    # fcfs: the hostile request (the longer prompt) is applied first, as it came first
+    # fcfs (the default, named: the test needs it): the hostile request, the longer prompt, is applied first
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4,
                                                    lora_adapters={"boom": str(tmp_path / "boom")},
                                                    scheduling_policy="fcfs"))
