@@ -9,8 +9,8 @@
 // 16 columns (twelve accumulators; per input k two loads of weights, one broadcast per row, two FMAs
 // per row). The few rows of a decode step are bound by reading the weights: up to 96 rows, a thread
 // working on one panel prefetches the next into L2, a line every few inputs k, so that the panel
-// is in the cache when its first block starts instead of being waited on; a prompt chunk of hundreds of rows re-reads each panel from the core's cache for
-// every six rows. Sums run over k in order, in fp32; the portable loops (no AVX2) compute the same
+// is in the cache when its first block starts instead of being waited on; a prompt chunk of
+// hundreds of rows re-reads each panel from the core's cache for every six rows. Sums run over k in order, in fp32; the portable loops (no AVX2) compute the same
 // sums one column at a time.
 
 #include <ATen/ATen.h>
@@ -30,9 +30,9 @@ constexpr int64_t NB = 16;  // output columns of a panel
 constexpr int MB = 6;       // rows of x in one register block
 // Products of up to this many row blocks (96 rows) prefetch the next panel into L2 as they go: a
 // block of 6 rows takes 6 cycles per input k, so the first block over a panel read from memory
-// would wait on it; measured in bench/cpu_linear.py it is worth 1.1-1.6x at 4-64 rows, nothing at
-// one row and slightly less than nothing (0.97x) at hundreds of rows, where a panel is reread
-// from L2 for every block anyway.
+// would wait on it. Measured against no prefetch (docs/benchmarks.md): 1.2-1.6x at 4-8 rows,
+// 1.1-1.2x at 32, even at 96, 0.94-0.99x at 128 rows and more, where a panel is reread from L2 for
+// every block anyway.
 constexpr int64_t PREFETCH_MAX_BLOCKS = 16;
 
 at::Tensor pack_panels(const at::Tensor& weight) {
@@ -53,9 +53,9 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 }
 
 // Rows [0, R) of x (row stride ldx) against one panel p [K, 16] into y (row stride ldy): all 16
-// columns (the caller gives a scratch block for a panel past column N).
+// columns (the caller gives a scratch block for a panel past column N); `pf`: where to prefetch
+// one line every `pf_every` inputs k, or null.
 template <int R>
-// `pf`: where to prefetch one line every `pf_every` inputs k, or null.
 inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy,
                        const float* pf, int64_t pf_every) {
 #ifdef TESSERA_AVX2
@@ -101,8 +101,8 @@ inline void panel_rows(const float* x, int64_t ldx, const float* p, int64_t K, f
 #endif
 }
 
-// Rows [0, M) against panel p, in blocks of up to MB rows; `next`: the panel after it (or null). Where
-// prefetching, block b of the `blocks` takes lines [b, b + 1) * (K / blocks) of the next panel
+// Rows [0, M) against panel p, in blocks of up to MB rows; `next`: the panel after it (or null).
+// Where prefetching, block b of the `blocks` takes lines [b, b + 1) * (K / blocks) of the next panel
 // (a panel's row k is one 64-byte line), one every `blocks` inputs k.
 void panel(const float* x, int64_t M, int64_t K, const float* p, float* y, int64_t ldy, const float* next) {
   const int64_t blocks = (M + MB - 1) / MB;
