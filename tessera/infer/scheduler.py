@@ -97,9 +97,10 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
-            if self.waiting.index(seq) >= len(self.waiting) - self._arrived:
+            at = self.waiting.index(seq)
+            if at >= len(self.waiting) - self._arrived:  # one of the arrivals since the last plan
                 self._arrived -= 1
-            self.waiting.remove(seq)
+            del self.waiting[at]
         self.blocks.free_sequence(seq)
 
     def finish(self, seq: Sequence, reason: str, appended: list[int], error: str | None = None,

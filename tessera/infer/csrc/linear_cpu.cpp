@@ -10,8 +10,8 @@
 // per row). The few rows of a decode step are bound by reading the weights: up to 96 rows, a thread
 // working on one panel prefetches the next into L2, a line every few inputs k, so that the panel
 // is in the cache when its first block starts instead of being waited on; a prompt chunk of
-// hundreds of rows re-reads each panel from the core's cache for every six rows. Sums run over k in order, in fp32; the portable loops (no AVX2) compute the same
-// sums one column at a time.
+// hundreds of rows re-reads each panel from the core's cache for every six rows. Sums run over k in
+// order, in fp32; the portable loops (no AVX2) compute the same sums one column at a time.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
