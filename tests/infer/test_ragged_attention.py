@@ -83,7 +83,9 @@ def test_each_row_attends_over_exactly_its_own_context(int8, window, path):
 
 
 @pytest.mark.parametrize("dk, dv, groups, dtype", [
-    (64, 64, 2, torch.float32),  # the AVX2 loops for keys and values
+    (64, 64, 2, torch.float32),  # the AVX2 loops for keys and values; three query heads scored together
+    (32, 32, 3, torch.float32),  # two query heads together, values 32 dimensions at a time
+    (64, 96, 1, torch.float32),  # all six query heads on one stored head, values 32 at a time
     (8, 8, 6, torch.float32),  # AVX2 scores, portable values; one stored head per query head
     (12, 12, 1, torch.float32),  # portable loops; one stored head for all
     (24, 16, 3, torch.float32),  # keys and values of different widths, as MLA's

@@ -10,9 +10,13 @@
 //
 // Two ways of working, chosen per row:
 // - short rows (S <= SHORT_ROW: decodes, tokens to verify) are split over (row, kv head) pairs; each
-//   pair reads its keys and values for the queries of its head group one query at a time (they stay
-//   in the core's caches between queries): the bytes of the context are read once, which is what a
-//   decode step is bound by.
+//   pair reads its keys and values where they lie, the bytes of the context once, which is what a
+//   decode step is bound by. fp32 with AVX2 scores the queries of the whole head group together,
+//   eight keys at a time (the key from memory for the first query, from L1 for the others), and
+//   weighs the values the same way; other types go one query head at a time (the context stays in
+//   L2 between heads). While a pair scores, it requests the next pair's keys and values into L2 a
+//   few lines at a time (memory would otherwise sit idle while it computes, then stall it when the
+//   next pair starts: 1.3x on a 32-row decode step's attention, docs/benchmarks.md).
 // - long rows (prompt chunks) are split over (row, query head) pairs; each pair copies the keys
 //   any of its queries sees (transposed, in blocks of KT) and their values into fp32 buffers once,
 //   then each tile of QT queries walks its visible keys KT at a time, flash-attention style: the
@@ -181,7 +185,56 @@ inline void weigh_values(const float* p, const scalar_t* const* vptr, int64_t n,
   for (int64_t j = 0; j < n; ++j) axpy(p[j], vptr[j], acc, Dv);
 }
 
+#ifdef TESSERA_AVX2
+// Eight registers' sums as the eight lanes of one (lane i: the sum of a[i]'s lanes).
+inline __m256 hsum8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// sc[h * ld + i] = q[h] . k[i] for the nh queries q [nh, Dk] of one head group and eight keys k[0 .. 8)
+// (Dk a multiple of 8): the keys come from memory for the first query, from L1 for the others.
+inline void group_scores8(const float* q, int64_t nh, const float* const* k, int64_t Dk, float* sc, int64_t ld) {
+  for (int64_t h = 0; h < nh; ++h) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+    const float* qh = q + h * Dk;
+    for (int64_t d = 0; d < Dk; d += 8) {
+      const __m256 x = _mm256_loadu_ps(qh + d);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[i] + d), a[i]);
+    }
+    _mm256_storeu_ps(sc + h * ld, hsum8(a));
+  }
+}
+
+// acc[h * Dv + c] += sum over j < n of p[h * ld + j] * v[j][c] for the nh queries of one head group
+// (Dv a multiple of 8 * W): W registers of one query's output held across the n values, which come
+// from memory for the first query and from L1 for the others.
+template <int W>
+inline void group_values(const float* p, int64_t ld, int64_t nh, const float* const* v, int64_t n, int64_t Dv,
+                         float* acc) {
+  for (int64_t c = 0; c < Dv; c += 8 * W) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* o = acc + h * Dv + c;
+      const float* ph = p + h * ld;
+      __m256 r[W];
+      for (int i = 0; i < W; ++i) r[i] = _mm256_loadu_ps(o + 8 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 w = _mm256_broadcast_ss(ph + j);
+        const float* vj = v[j] + c;
+        for (int i = 0; i < W; ++i) r[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * i), r[i]);
+      }
+      for (int i = 0; i < W; ++i) _mm256_storeu_ps(o + 8 * i, r[i]);
+    }
+  }
+}
+#endif
+
 constexpr int64_t SHORT_ROW = 16;  // rows of up to this many queries take the per-query loop
+constexpr int64_t PF_KEYS = 16;    // a short row requests some of the next unit's lines every this many keys scored
+constexpr int64_t VB = 32;         // values a grouped short row weighs at a time (they stay in L1 across its heads)
 constexpr int64_t QT = 32;         // queries of a long row's tile
 constexpr int64_t KT = 64;         // keys walked at a time by a tile (16 per register block)
 
@@ -267,18 +320,132 @@ struct Attention {
   int64_t H, Dk, G, Dv, per_group, qs0, qs1, os0, os1, bs, window;
   float scale;
 
-  const scalar_t* key(int64_t table_at, int64_t j, int64_t g) const {
-    return kp + ((blocks[table_at + j / bs] * bs + j % bs) * G + g) * Dk;
-  }
-  const scalar_t* value(int64_t table_at, int64_t j, int64_t g) const {
-    return vp + ((blocks[table_at + j / bs] * bs + j % bs) * G + g) * Dv;
+  // kptr[j - lo] and vptr[j - lo]: where key and value j of kv head g lie, for j in [lo, L), walked
+  // block by block (one division per block, not two per key).
+  void locate(int64_t table_at, int64_t lo, int64_t L, int64_t g, const scalar_t** kptr, const scalar_t** vptr) const {
+    for (int64_t j = lo; j < L;) {
+      const int64_t blk = j / bs, end = std::min(L, (blk + 1) * bs);
+      const int64_t slot = blocks[table_at + blk] * bs + j % bs;
+      const scalar_t* k = kp + (slot * G + g) * Dk;
+      const scalar_t* v = vp + (slot * G + g) * Dv;
+      for (; j < end; ++j, k += G * Dk, v += G * Dv) {
+        kptr[j - lo] = k;
+        vptr[j - lo] = v;
+      }
+    }
   }
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
+  // The lines of a short unit's keys and values (kv head g of row r), requested into L2 a few at a
+  // time while the unit before it computes, so that they are there when it starts.
+  struct Prefetch {
+    const Attention* at = nullptr;
+    int64_t table_at = 0, j = 0, L = 0, g = 0, line = 0, kl = 0, vl = 0;
+    const char* k = nullptr;
+    const char* v = nullptr;
+
+    void seek() {
+      const int64_t slot = at->blocks[table_at + j / at->bs] * at->bs + j % at->bs;
+      k = reinterpret_cast<const char*>(at->kp + (slot * at->G + g) * at->Dk);
+      v = reinterpret_cast<const char*>(at->vp + (slot * at->G + g) * at->Dv);
+    }
+    // Starts on unit (r, g); returns how many lines it will request.
+    int64_t start(const Attention& a, int64_t r, int64_t g_) {
+      at = &a;
+      g = g_;
+      L = a.rows[4 * r + 2];
+      table_at = a.rows[4 * r + 3];
+      j = a.first_key(L - a.rows[4 * r + 1]);
+      line = 0;
+      kl = (a.Dk * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+      vl = (a.Dv * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+      if (j < L) seek();
+      return (L - j) * (kl + vl);
+    }
+    void stop() { j = L; }
+    void step(int64_t n) {
+#ifdef TESSERA_AVX2
+      for (; n > 0 && j < L; --n) {
+        _mm_prefetch(line < kl ? k + 64 * line : v + 64 * (line - kl), _MM_HINT_T1);
+        if (++line == kl + vl) {
+          line = 0;
+          if (++j < L) {
+            if (j % at->bs == 0) {
+              seek();
+            } else {
+              k += at->G * at->Dk * static_cast<int64_t>(sizeof(scalar_t));
+              v += at->G * at->Dv * static_cast<int64_t>(sizeof(scalar_t));
+            }
+          }
+        }
+      }
+#else
+      (void)n;
+#endif
+    }
+  };
+
   struct ShortBuffers {
+    Prefetch next;
+    int64_t pf_per_chunk = 0;  // lines of the next unit to request per chunk of PF_KEYS keys scored
     std::vector<float> qf, scores, acc;
     std::vector<const scalar_t*> kptr, vptr;
   };
+
+#ifdef TESSERA_AVX2
+  // short_row for fp32 with Dk a multiple of 8 and Dv of 32: the queries of the whole head group at
+  // once, so each key and value is read from memory once per query position, not once per head.
+  void short_row_group(int64_t r, int64_t g, ShortBuffers& b) const {
+    const int64_t q_row = rows[4 * r], S = rows[4 * r + 1], L = rows[4 * r + 2], table_at = rows[4 * r + 3];
+    const int64_t lo = first_key(L - S), n_keys = L - lo, nh = per_group;
+    const int64_t ld = (n_keys + 7) / 8 * 8;  // a head's scores: whole blocks of eight keys
+    b.qf.resize(nh * Dk);
+    b.acc.resize(nh * Dv);
+    b.kptr.resize(n_keys);
+    b.vptr.resize(n_keys);
+    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data());
+    b.scores.resize(nh * ld);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t a = first_key(L - S + s) - lo, n = L - S + s + 1 - first_key(L - S + s);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* src = qp + (q_row + s) * qs0 + (g * nh + h) * qs1;
+        for (int64_t d = 0; d < Dk; ++d) b.qf[h * Dk + d] = src[d] * scale;
+      }
+      // keys a .. a + n in blocks of eight; the last block's missing keys repeat its last one
+      float* sc = b.scores.data();
+      int64_t j8 = 0;
+      for (; j8 + 8 <= n; j8 += 8) {
+        group_scores8(b.qf.data(), nh, b.kptr.data() + a + j8, Dk, sc + j8, ld);
+        if (j8 % PF_KEYS == 0) b.next.step(b.pf_per_chunk);
+      }
+      if (j8 < n) {
+        const float* tail[8];
+        for (int64_t i = 0; i < 8; ++i) tail[i] = b.kptr[a + std::min(j8 + i, n - 1)];
+        group_scores8(b.qf.data(), nh, tail, Dk, sc + j8, ld);
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float* sh = sc + h * ld;
+        const float m = max_of(sh, n);
+        const float inv = 1.f / exp_shifted(sh, n, m);
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+      }
+      std::fill(b.acc.begin(), b.acc.end(), 0.f);
+      for (int64_t j = 0; j < n; j += VB) {
+        const int64_t nb = std::min(VB, n - j);
+        if (Dv % 64 == 0) {
+          group_values<8>(sc + j, ld, nh, b.vptr.data() + a + j, nb, Dv, b.acc.data());
+        } else {
+          group_values<4>(sc + j, ld, nh, b.vptr.data() + a + j, nb, Dv, b.acc.data());
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float* dst = op + (q_row + s) * os0 + (g * nh + h) * os1;
+        std::copy(b.acc.begin() + h * Dv, b.acc.begin() + (h + 1) * Dv, dst);
+      }
+    }
+  }
+#endif
 
   // Every query of row r's head group g, one query at a time over keys read where they lie.
   void short_row(int64_t r, int64_t g, ShortBuffers& b) const {
@@ -290,10 +457,7 @@ struct Attention {
     b.acc.resize(Dv);
     b.kptr.resize(n_keys);
     b.vptr.resize(n_keys);
-    for (int64_t j = lo; j < L; ++j) {  // where each key and value of this head lies in the cache
-      b.kptr[j - lo] = key(table_at, j, g);
-      b.vptr[j - lo] = value(table_at, j, g);
-    }
+    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data());
     b.scores.resize(n_keys);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t a = first_key(L - S + s) - lo, n = L - S + s + 1 - first_key(L - S + s);
@@ -302,7 +466,10 @@ struct Attention {
         const scalar_t* src = qp + (q_row + s) * qs0 + head * qs1;
         for (int64_t d = 0; d < Dk; ++d) b.qf[d] = static_cast<float>(src[d]) * scale;
         float* sc = b.scores.data();
-        score_keys(b.qf.data(), b.kptr.data() + a, n, Dk, sc);
+        for (int64_t c = 0; c < n; c += PF_KEYS) {
+          score_keys(b.qf.data(), b.kptr.data() + a + c, std::min(PF_KEYS, n - c), Dk, sc + c);
+          b.next.step(b.pf_per_chunk);
+        }
         const float m = max_of(sc, n);
         const float sum = exp_shifted(sc, n, m);
         const float inv = 1.f / sum;
@@ -315,8 +482,26 @@ struct Attention {
     }
   }
 
+  // Whether short rows take short_row_group (fp32 with AVX2, Dk a multiple of 8, Dv of 32).
+  bool grouped() const {
+#ifdef TESSERA_AVX2
+    if constexpr (std::is_same_v<scalar_t, float>) return Dk % 8 == 0 && Dv % 32 == 0;
+#endif
+    return false;
+  }
+
+  void short_row_dispatch(int64_t r, int64_t g, ShortBuffers& b) const {
+#ifdef TESSERA_AVX2
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (grouped()) return short_row_group(r, g, b);
+    }
+#endif
+    short_row(r, g, b);
+  }
+
   struct TileBuffers {
     std::vector<float> qf, kt, vt, sc, acc, m, l;
+    std::vector<const scalar_t*> kptr, vptr;
   };
 
   // Every query of row r for head `head`, flash-attention style: the keys any of them sees are
@@ -330,10 +515,13 @@ struct Attention {
     const int64_t lo = first_key(P), n_keys = L - lo, ld = (n_keys + KT - 1) / KT * KT;  // keys [lo, L)
     b.kt.resize(Dk * ld);
     b.vt.resize(ld * Dv);
+    b.kptr.resize(n_keys);
+    b.vptr.resize(n_keys);
+    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data());
     for (int64_t j = 0; j < ld; ++j) {  // zeros past the last key: products of KT keys at a time
       if (j < n_keys) {
-        const scalar_t* k = key(table_at, lo + j, g);
-        const scalar_t* v = value(table_at, lo + j, g);
+        const scalar_t* k = b.kptr[j];
+        const scalar_t* v = b.vptr[j];
         for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = static_cast<float>(k[d]);
         for (int64_t d = 0; d < Dv; ++d) b.vt[j * Dv + d] = static_cast<float>(v[d]);
       } else {
@@ -412,7 +600,17 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
       if (u.tiled) {
         a.long_row(u.r, u.head, tb);
       } else {
-        a.short_row(u.r, u.head, sb);
+        sb.next.stop();
+        sb.pf_per_chunk = 0;
+        if (w + 1 < end && !units[w + 1].tiled) {
+          // the next unit's lines spread over the first half of this unit's scoring: its queries
+          // times its heads (one pass of the group for the grouped loop) times its chunks of keys
+          const int64_t lines = sb.next.start(a, units[w + 1].r, units[w + 1].head);
+          const int64_t S = rows[4 * u.r + 1], L = rows[4 * u.r + 2];
+          const int64_t chunks = S * (a.grouped() ? 1 : a.per_group) * ((L - a.first_key(L - S) + PF_KEYS - 1) / PF_KEYS);
+          sb.pf_per_chunk = (2 * lines + chunks - 1) / std::max<int64_t>(1, chunks);
+        }
+        a.short_row_dispatch(u.r, u.head, sb);
       }
     }
   });
