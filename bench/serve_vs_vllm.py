@@ -28,7 +28,9 @@ machine's load hits both sides alike); pair 1 is the first two runs and pair 2 t
 pair on its own prompts (so no run finds the previous run's prompts in a cache):
 - single_stream: one client, one request at a time;
 - streams_8, streams_32: that many concurrent clients over mixed requests (prompt and output
-  lengths drawn uniformly from `--prompt-range` and `--output-range`);
+  lengths drawn uniformly from `--prompt-range` and `--output-range`; each phase draws its own,
+  or with `--same-mix` every phase's pair p the same lengths over different tokens, so that
+  throughput at 8 and at 32 streams is compared on one mix, e.g. `--requests 32 32 --same-mix`);
 - shared_prefix: requests sharing one `--prefix-tokens` prefix, all sent at once after one
   request that puts the prefix in both caches.
 Each run reports output tokens/s (completion tokens over the run's wall time), time to first
@@ -97,14 +99,17 @@ def corpus_ids(model_dir: Path, n_tokens: int) -> list[int]:
 
 
 def mixed_requests(ids: list[int], n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                   seed: int) -> list[tuple[list[int], int]]:
+                   seed: int, content_seed: int | None = None) -> list[tuple[list[int], int]]:
     """`n` (prompt ids, max_tokens): prompt windows of the corpus and output lengths, both drawn
-    uniformly from their ranges (inclusive)."""
+    uniformly from their ranges (inclusive). With `content_seed`, where each window starts comes from
+    that seed and the lengths from `seed` alone: two calls with one `seed` and two content seeds give
+    the same lengths over different tokens (no prefix cache finds one in the other)."""
     rng = random.Random(seed)
+    starts = rng if content_seed is None else random.Random(content_seed)
     out = []
     for _ in range(n):
         length = rng.randint(*prompt_range)
-        start = rng.randrange(len(ids) - length)
+        start = starts.randrange(len(ids) - length)
         out.append((ids[start:start + length], rng.randint(*output_range)))
     return out
 
@@ -244,7 +249,8 @@ def phase_plan(args, ids: list[int]) -> dict[str, dict]:
                          f"got {len(args.requests)}")
     for c, n in zip(args.concurrency, counts):
         plan[f"streams_{c}"] = {"concurrency": c, "pairs": [
-            mixed_requests(ids, n, args.prompt_range, args.output_range, seed=100 * c + p)
+            mixed_requests(ids, n, args.prompt_range, args.output_range, seed=100 + p, content_seed=100 * c + p)
+            if args.same_mix else mixed_requests(ids, n, args.prompt_range, args.output_range, seed=100 * c + p)
             for p in (1, 2)]}
     pairs, primes = [], []
     for p in (1, 2):
@@ -326,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="streams of the mixed phases")
     p.add_argument("--requests", type=int, nargs="+", default=[64],
                    help="requests per run of a mixed phase: one count for all, or one per --concurrency")
+    p.add_argument("--same-mix", action="store_true",
+                   help="every mixed phase's pair p draws the same prompt and output lengths (their first "
+                        "--requests), over different tokens: throughput compared across concurrency on one mix")
     p.add_argument("--prompt-range", type=int_range, default=(32, 512), metavar="LO,HI")
     p.add_argument("--output-range", type=int_range, default=(32, 128), metavar="LO,HI")
     p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream phase (both pairs)")

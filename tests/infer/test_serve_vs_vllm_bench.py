@@ -85,6 +85,23 @@ def test_each_phase_runs_a_b_b_a_on_two_distinct_sets_of_prompts(tmp_path):
     assert list(only) == ["streams_32"]
 
 
+def test_same_mix_gives_every_concurrency_the_same_lengths_over_other_tokens(tmp_path):
+    bench = _bench()
+    ids = list(range(20_000))
+    plan = bench.phase_plan(bench.parse_args(["--model", str(tmp_path), "--requests", "12", "20", "--same-mix"]), ids)
+    for p in (0, 1):
+        eight, thirty_two = plan["streams_8"]["pairs"][p], plan["streams_32"]["pairs"][p]
+        assert len(eight) == 12 and len(thirty_two) == 20
+        # the same prompt and output lengths, request by request (the first 12 of the 20)...
+        assert [(len(q), m) for q, m in eight] == [(len(q), m) for q, m in thirty_two[:12]]
+        # ...over other tokens: no prompt of one phase starts another's (a prefix cache finds none)
+        assert not {tuple(q[:16]) for q, _ in eight} & {tuple(q[:16]) for q, _ in thirty_two}
+        assert all(q == ids[q[0]:q[0] + len(q)] for q, _ in eight + thirty_two)
+    assert [len(q) for q, _ in plan["streams_8"]["pairs"][0]] != [len(q) for q, _ in plan["streams_8"]["pairs"][1]]
+    drawn = bench.phase_plan(bench.parse_args(["--model", str(tmp_path), "--requests", "12"]), ids)  # without it
+    assert [len(q) for q, _ in drawn["streams_8"]["pairs"][0]] != [len(q) for q, _ in drawn["streams_32"]["pairs"][0]]
+
+
 def test_summary_percentiles_and_pair_ratios():
     bench = _bench()
     records = [{"ok": True, "ttft": t / 10, "tpot": t / 100, "tokens": 10} for t in range(1, 11)]
