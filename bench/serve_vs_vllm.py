@@ -33,6 +33,10 @@ pair on its own prompts (so no run finds the previous run's prompts in a cache):
   throughput at 8 and at 32 streams is compared on one mix, e.g. `--requests 32 32 --same-mix`);
 - shared_prefix: requests sharing one `--prefix-tokens` prefix, all sent at once after one
   request that puts the prefix in both caches.
+A phase's clients start at once; with `--stagger-ms S` client i sends its first request i * S ms
+after the start, so that both servers receive a burst in the order of its list (all at once, the
+order the connections happen to open in decides which prompts a first-come queue prefills first,
+and with it the median time to first token of a 32-request burst).
 Each run reports output tokens/s (completion tokens over the run's wall time), time to first
 token (TTFT) and time per output token after it (TPOT) at p50/p90/p99, and the 1-minute load
 average of the machine before and after it. The ratio Tessera / vLLM is given per pair (tokens/s:
@@ -186,15 +190,19 @@ def vllm_server(args, port: int, log: Path) -> ServerProcess:
 
 
 # ---- the client ---------------------------------------------------------------------------------
-async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: int, timeout: float) -> dict:
+async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: int, timeout: float,
+                stagger: float = 0.0) -> dict:
     """`concurrency` clients, each sending the next request of the list as soon as its previous
-    one has finished."""
+    one has finished; client i sends its first `stagger` * i seconds after the start (0: all at
+    once, in whatever order the connections open)."""
     import httpx
 
     todo = list(reversed(requests))
     records: list[dict] = []
 
-    async def client_loop(client) -> None:
+    async def client_loop(client, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
         while todo:
             prompt, max_tokens = todo.pop()
             try:
@@ -209,7 +217,7 @@ async def drive(url: str, requests: list[tuple[list[int], int]], concurrency: in
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency + 1)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        await asyncio.gather(*(client_loop(client, stagger * i) for i in range(concurrency)))
     return summarize(records, time.perf_counter() - t0, concurrency, (load_before, os.getloadavg()[0]))
 
 
@@ -262,7 +270,7 @@ def phase_plan(args, ids: list[int]) -> dict[str, dict]:
     return {name: plan[name] for name in args.phases} if args.phases else plan
 
 
-def run_phases(plan: dict[str, dict], servers: dict[str, ServerProcess], timeout: float) -> dict:
+def run_phases(plan: dict[str, dict], servers: dict[str, ServerProcess], timeout: float, stagger: float = 0.0) -> dict:
     out = {}
     for name, phase in plan.items():
         runs = []
@@ -271,7 +279,7 @@ def run_phases(plan: dict[str, dict], servers: dict[str, ServerProcess], timeout
             url = servers[side].url
             if "primes" in phase:  # the prefix computed once, then reused by every request of the run
                 asyncio.run(drive(url, [(phase["primes"][pair] + [13], 1)], 1, timeout))
-            result = asyncio.run(drive(url, phase["pairs"][pair], phase["concurrency"], timeout))
+            result = asyncio.run(drive(url, phase["pairs"][pair], phase["concurrency"], timeout, stagger))
             runs.append({"side": side, "pair": pair + 1, **result})
             print(f"  {name} {side} pair {pair + 1}: {json.dumps(result)}", flush=True)
         by = {(r["side"], r["pair"]): r for r in runs}
@@ -335,6 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--same-mix", action="store_true",
                    help="every mixed phase's pair p draws the same prompt and output lengths (their first "
                         "--requests), over different tokens: throughput compared across concurrency on one mix")
+    p.add_argument("--stagger-ms", type=float, default=0.0,
+                   help="client i of a phase sends its first request i times this many ms after the start, so "
+                        "that both servers receive a burst in one order (default 0: all at once)")
     p.add_argument("--prompt-range", type=int_range, default=(32, 512), metavar="LO,HI")
     p.add_argument("--output-range", type=int_range, default=(32, 128), metavar="LO,HI")
     p.add_argument("--single-requests", type=int, default=8, help="requests of the single-stream phase (both pairs)")
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(drive(server.url, [(ids[:64], 8)], 1, args.request_timeout))
         result["greedy"] = greedy_check(servers, ids, args.greedy_prompts)
         print(f"greedy: {result['greedy']}", flush=True)
-        result["phases"] = run_phases(plan, servers, args.request_timeout)
+        result["phases"] = run_phases(plan, servers, args.request_timeout, args.stagger_ms / 1000)
     result["total_s"] = round(time.perf_counter() - t0, 1)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for name, phase in result["phases"].items():

@@ -102,6 +102,49 @@ def test_same_mix_gives_every_concurrency_the_same_lengths_over_other_tokens(tmp
     assert [len(q) for q, _ in drawn["streams_8"]["pairs"][0]] != [len(q) for q, _ in drawn["streams_32"]["pairs"][0]]
 
 
+def test_a_staggered_burst_reaches_the_server_in_request_order():
+    """Eight clients over a server on 127.0.0.1 (the standard library's, one token per request, held
+    half a second so that each client sends one request) that records the order the prompts
+    arrive in and when: staggered, the list's order, 50 ms apart."""
+    import asyncio
+    import http.server
+    import threading
+    import time
+
+    bench = _bench()
+    arrived: list[tuple[int, float]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            arrived.append((body["prompt"][0], time.perf_counter()))
+            time.sleep(0.5)
+            chunks = [{"choices": [{"text": "x"}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+            data = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = asyncio.run(bench.drive(url, [([i, 1, 2], 1) for i in range(8)], 8, HANG_S, stagger=0.05))
+    finally:
+        server.shutdown()
+    assert result["requests"] == 8 and result["failed"] == 0
+    assert [i for i, _ in arrived] == list(range(8))
+    gaps = [b - a for (_, a), (_, b) in zip(arrived, arrived[1:])]
+    assert min(gaps) > 0.03, gaps  # all at once (stagger 0) they come within a few ms
+
+
 def test_summary_percentiles_and_pair_ratios():
     bench = _bench()
     records = [{"ok": True, "ttft": t / 10, "tpot": t / 100, "tokens": 10} for t in range(1, 11)]
