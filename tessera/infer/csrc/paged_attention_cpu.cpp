@@ -336,8 +336,8 @@ struct Attention {
   }
   int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
-  // The lines of a short unit's keys and values (kv head g of row r), requested into L2 a few at a
-  // time while the unit before it computes, so that they are there when it starts.
+  // The lines of a short (row r, kv head g) unit's keys and values, requested into L2 a few at a
+  // time while the unit before it on the same thread computes, so that they are there when it starts.
   struct Prefetch {
     const Attention* at = nullptr;
     int64_t table_at = 0, j = 0, L = 0, g = 0, line = 0, kl = 0, vl = 0;
@@ -606,8 +606,8 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
           // the next unit's lines spread over the first half of this unit's scoring: its queries
           // times its heads (one pass of the group for the grouped loop) times its chunks of keys
           const int64_t lines = sb.next.start(a, units[w + 1].r, units[w + 1].head);
-          const int64_t S = rows[4 * u.r + 1], L = rows[4 * u.r + 2];
-          const int64_t chunks = S * (a.grouped() ? 1 : a.per_group) * ((L - a.first_key(L - S) + PF_KEYS - 1) / PF_KEYS);
+          const int64_t S = rows[4 * u.r + 1], L = rows[4 * u.r + 2], keys = L - a.first_key(L - S);
+          const int64_t chunks = S * (a.grouped() ? 1 : a.per_group) * ((keys + PF_KEYS - 1) / PF_KEYS);
           sb.pf_per_chunk = (2 * lines + chunks - 1) / std::max<int64_t>(1, chunks);
         }
         a.short_row_dispatch(u.r, u.head, sb);
