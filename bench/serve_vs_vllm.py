@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.stream_client import free_port, one_request, percentile  # noqa: E402
+from tessera.infer.config import SCHEDULING_POLICIES  # noqa: E402
 
 ORDER = ("tessera", "vllm", "vllm", "tessera")  # A B B A
 INSTALL = ("vLLM is not installed for this benchmark. Install its CPU build in a venv of its own:\n"
@@ -335,7 +336,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest_first"],
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="Tessera's queue order (vLLM's is first come, first served)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="streams of the mixed phases")
     p.add_argument("--requests", type=int, nargs="+", default=[64],

@@ -24,6 +24,7 @@ from tessera.cli.generate import add_quantization_argument
 from tessera.config.argument_types import int_in, nonnegative_float, port, positive_float, seed, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
+from tessera.infer.config import SCHEDULING_POLICIES
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 # Seconds requests in flight get to finish when the server shuts down (Ctrl-C, or an engine that failed).
@@ -102,7 +103,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit (None: the model's max_seq_len)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "shortest_first"],
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those "
                         "arriving between the same two steps shortest prompt first (shortest_first)")
     p.add_argument("--kv-offload-gib", type=nonnegative_float(MAX_KV_CACHE_GIB), default=0.0,

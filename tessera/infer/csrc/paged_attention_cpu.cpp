@@ -362,7 +362,6 @@ struct Attention {
       if (j < L) seek();
       return (L - j) * (kl + vl);
     }
-    void stop() { j = L; }
     void step(int64_t n) {
 #ifdef TESSERA_AVX2
       for (; n > 0 && j < L; --n) {
@@ -600,8 +599,7 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
       if (u.tiled) {
         a.long_row(u.r, u.head, tb);
       } else {
-        sb.next.stop();
-        sb.pf_per_chunk = 0;
+        sb.pf_per_chunk = 0;  // step(0) requests nothing
         if (w + 1 < end && !units[w + 1].tiled) {
           // the next unit's lines spread over the first half of this unit's scoring: its queries
           // times its heads (one pass of the group for the grouped loop) times its chunks of keys
