@@ -22,8 +22,11 @@
 //   then each tile of QT queries walks its visible keys KT at a time, flash-attention style: the
 //   scores of QT x KT come from register-blocked products (four queries by sixteen keys), an online
 //   softmax (running maximum and sum per query) rescales the tile's output, and the values are added
-//   in four queries by sixteen dimensions. Keys past a tile's last query are never read: a chunk at
-//   position 0 does half the products of the whole square, where a mask would do them all.
+//   in four queries by sixteen dimensions. Each block of four queries stops at the last key the
+//   fourth of them sees (rounded up to sixteen for the scores): a chunk at position 0 does half the
+//   products of the whole square, where a mask would do them all, and a tile's diagonal costs a few
+//   keys per query, not up to a block of 64 plus the tile's 32 (~10% less attention time in a
+//   32-request burst's prompt steps, docs/benchmarks.md).
 // fp32 with head dims a multiple of 8 (of 64 for a short row's values, of 16 for a long row's) takes
 // AVX2 loops where the build has AVX2 and FMA; everything else the portable loops, which compute the
 // same sums.
@@ -267,13 +270,23 @@ inline void fma_4x16(Block4x16& a, const float* x, int64_t xs, const float* v16)
 }
 #endif
 
-// sc[i][0 .. KT) = sum over d of qf[i][d] * kt[d][0 .. KT) for the tile's nq queries (qf: [nq, Dk],
-// kt: [Dk, KT], sc: [nq, KT]).
-inline void tile_scores(const float* qf, int64_t nq, const float* kt, int64_t Dk, float* sc) {
+// Row i of a tile (query position pos0 + i) sees keys up to pos0 + i: of a block that starts at key
+// k0, columns [0, seen(i)), with seen(i) = clamp(pos0 + i + 1 - k0, 0, nk) (nk: the block's keys). A
+// product for rows [i, i + 4) stops at the last of those columns (the scores at the next multiple of
+// 16, the register block's width), so the keys past a tile's diagonal cost nothing but that rounding.
+inline int64_t seen(int64_t i, int64_t pos0, int64_t k0, int64_t nk) {
+  return std::clamp<int64_t>(pos0 + i + 1 - k0, 0, nk);
+}
+
+// sc[i][0 .. c) = sum over d of qf[i][d] * kt[d][0 .. c) for the tile's nq queries (qf: [nq, Dk],
+// kt: [Dk, KT], sc: [nq, KT]), with c at least seen(i) (above); columns past it are left unwritten.
+inline void tile_scores(const float* qf, int64_t nq, const float* kt, int64_t Dk, float* sc, int64_t pos0, int64_t k0,
+                        int64_t nk) {
   int64_t i = 0;
 #ifdef TESSERA_AVX2
   for (; i + 4 <= nq; i += 4) {
-    for (int64_t j = 0; j < KT; j += 16) {
+    const int64_t cols = seen(i + 3, pos0, k0, nk);
+    for (int64_t j = 0; j < cols; j += 16) {
       Block4x16 a;
       for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
       for (int64_t d = 0; d < Dk; ++d) fma_4x16(a, qf + i * Dk + d, Dk, kt + d * KT + j);
@@ -283,33 +296,39 @@ inline void tile_scores(const float* qf, int64_t nq, const float* kt, int64_t Dk
 #endif
   for (; i < nq; ++i) {
     float* o = sc + i * KT;
-    std::fill(o, o + KT, 0.f);
+    const int64_t cols = seen(i, pos0, k0, nk);
+    std::fill(o, o + cols, 0.f);
     for (int64_t d = 0; d < Dk; ++d) {
       const float x = qf[i * Dk + d];
       const float* k = kt + d * KT;
 #pragma omp simd
-      for (int64_t j = 0; j < KT; ++j) o[j] += x * k[j];
+      for (int64_t j = 0; j < cols; ++j) o[j] += x * k[j];
     }
   }
 }
 
-// acc[i][0 .. Dv) += sum over j < KT of p[i][j] * vt[j][0 .. Dv) (p: [nq, KT], vt: [KT, Dv], acc: [nq, Dv]).
-inline void tile_values(const float* p, int64_t nq, const float* vt, int64_t Dv, float* acc) {
+// acc[i][0 .. Dv) += sum over j < seen(i) of p[i][j] * vt[j][0 .. Dv) (p: [nq, KT], vt: [KT, Dv],
+// acc: [nq, Dv]); the rows of a register block go to the last of their seen(i), where p is zero for
+// the keys a row does not see.
+inline void tile_values(const float* p, int64_t nq, const float* vt, int64_t Dv, float* acc, int64_t pos0,
+                        int64_t k0, int64_t nk) {
   int64_t i = 0;
 #ifdef TESSERA_AVX2
   if (Dv % 16 == 0) {
     for (; i + 4 <= nq; i += 4) {
+      const int64_t keys = seen(i + 3, pos0, k0, nk);
+      if (keys == 0) continue;
       for (int64_t c = 0; c < Dv; c += 16) {
         Block4x16 a;
         load_4x16(a, acc + i * Dv + c, Dv);
-        for (int64_t j = 0; j < KT; ++j) fma_4x16(a, p + i * KT + j, KT, vt + j * Dv + c);
+        for (int64_t j = 0; j < keys; ++j) fma_4x16(a, p + i * KT + j, KT, vt + j * Dv + c);
         store_4x16(acc + i * Dv + c, Dv, a);
       }
     }
   }
 #endif
   for (; i < nq; ++i)
-    for (int64_t j = 0; j < KT; ++j) axpy(p[i * KT + j], vt + j * Dv, acc + i * Dv, Dv);
+    for (int64_t j = 0, e = seen(i, pos0, k0, nk); j < e; ++j) axpy(p[i * KT + j], vt + j * Dv, acc + i * Dv, Dv);
 }
 
 template <typename scalar_t>
@@ -544,20 +563,20 @@ struct Attention {
       const int64_t k_end = P + s0 + nq;
       for (int64_t k0 = lo + (first_key(P + s0) - lo) / KT * KT; k0 < k_end; k0 += KT) {
         const int64_t nk = std::min(KT, k_end - k0);
-        tile_scores(b.qf.data(), nq, b.kt.data() + (k0 - lo) * Dk, Dk, b.sc.data());
+        tile_scores(b.qf.data(), nq, b.kt.data() + (k0 - lo) * Dk, Dk, b.sc.data(), P + s0, k0, nk);
         for (int64_t i = 0; i < nq; ++i) {  // mask, then the online softmax of each query
           float* sc = b.sc.data() + i * KT;
           const int64_t pos = P + s0 + i;
           const int64_t a = std::max<int64_t>(0, first_key(pos) - k0), e = std::min<int64_t>(nk, pos - k0 + 1);
           if (a >= e) {  // no key of this block is visible to the query
-            std::fill(sc, sc + KT, 0.f);
+            std::fill(sc, sc + nk, 0.f);
             continue;
           }
           const float m_new = std::max(b.m[i], max_of(sc + a, e - a));
           const float corr = exp_nonpositive(b.m[i] - m_new);  // 0 for the first block the query sees
           std::fill(sc, sc + a, 0.f);
           const float sum = exp_shifted(sc + a, e - a, m_new);
-          std::fill(sc + e, sc + KT, 0.f);
+          std::fill(sc + e, sc + nk, 0.f);  // a register block's rows may weigh keys up to nk
           if (corr != 1.f) {
             float* o = b.acc.data() + i * Dv;
 #pragma omp simd
@@ -566,7 +585,7 @@ struct Attention {
           b.l[i] = b.l[i] * corr + sum;
           b.m[i] = m_new;
         }
-        tile_values(b.sc.data(), nq, b.vt.data() + (k0 - lo) * Dv, Dv, b.acc.data());
+        tile_values(b.sc.data(), nq, b.vt.data() + (k0 - lo) * Dv, Dv, b.acc.data(), P + s0, k0, nk);
       }
       for (int64_t i = 0; i < nq; ++i) {
         const float inv = 1.f / b.l[i];
