@@ -8,11 +8,12 @@ two thousand op calls per step for a 12-layer model. `csrc/layer_ops_cpu.cpp` do
 over the rows, in the same library as the paged-attention kernel (cpu_attention.py builds both).
 
 `fuse_layer_ops(model)` installs them at the models' seams (`RMSNorm.fused`, `Attention.fused_rope`,
-`FeedForward.fused_act`), which use them only without autograd (a served model), so the same
-modules still train. The engine calls it for a model it owns, on CPU in fp32 with its projections
-packed (cpu_linear.py), when the library builds; `TESSERA_CPU_ATTENTION=torch` turns the kernels off
-as it does the attention kernel's. The values are those of the PyTorch ops up to the order of fp32
-sums (tests/infer/test_cpu_layer_ops.py).
+`FeedForward.fused_act`, and `FeedForward.fused_swiglu` where the gate and up product runs on the
+panel kernel: the activation in that product's epilogue, cpu_linear.py), which use them only
+without autograd (a served model), so the same modules still train. The engine calls it for a
+model it owns, on CPU in fp32 with its projections packed (cpu_linear.py), when the library builds;
+`TESSERA_CPU_ATTENTION=torch` turns the kernels off as it does the attention kernel's. The values
+are those of the PyTorch ops up to the order of fp32 sums (tests/infer/test_cpu_layer_ops.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def fuse_layer_ops(model: nn.Module) -> int:
     """Install the one-pass kernels at every seam of `model`, a model computing in fp32 on CPU (its
     projections may hold int8 weights; a module with floating-point weights of another dtype or
     device is left alone); returns how many seams took one (0 where the library is not available)."""
+    from tessera.infer.cpu_linear import FusedLinear
     from tessera.models.attention import Attention
     from tessera.models.mlp import FeedForward
     from tessera.models.norm import RMSNorm
@@ -43,6 +45,9 @@ def fuse_layer_ops(model: nn.Module) -> int:
             module.fused_rope = ops.rope_
         elif isinstance(module, FeedForward) and _fp32_cpu(getattr(module.w1, "weight", None)):
             module.fused_act = ops.silu_mul
+            fused = module.fused_gate_up
+            if isinstance(fused, FusedLinear) and fused.has_swiglu:  # the activation in the product's epilogue
+                module.fused_swiglu = fused.swiglu
         else:
             continue
         n += 1
@@ -62,6 +67,7 @@ def unfuse_layer_ops(model: nn.Module) -> None:
             module.fused_rope = None
         elif isinstance(module, FeedForward):
             module.fused_act = None
+            module.fused_swiglu = None
 
 
 def _fp32_cpu(weight: torch.Tensor | None) -> bool:

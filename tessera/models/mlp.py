@@ -19,8 +19,15 @@ class FeedForward(nn.Module):
         # (gate, up) -> silu(gate) * up in one call where the fused product runs: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
         self.fused_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # x -> silu(w1 x) * w3 x in one product whose epilogue applies the activation (serving on CPU
+        # with the panel kernel, tessera.infer.cpu_linear); it answers None where it cannot run (autograd,
+        # a hook on w1 or w3), and the fused product or the plain modules take over
+        self.fused_swiglu: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = self.fused_swiglu(x) if self.fused_swiglu is not None else None
+        if act is not None:
+            return self.w2(act)
         gate_up = self.fused_gate_up(x) if self.fused_gate_up is not None else None
         if gate_up is not None:
             # serving (no autograd): silu and the product in the fused result's own buffer, two fewer

@@ -137,10 +137,12 @@ def test_the_engine_installs_the_kernels_on_cpu_unless_switched_off(ops, tmp_pat
     with_kernels = LLM(str(tmp_path), EngineConfig(**config))
     model = with_kernels.engine.executor.model
     assert model.norm.fused is ops.rms_norm and model.layers["1"].feed_forward.fused_act is ops.silu_mul
+    mlp = model.layers["1"].feed_forward  # hidden size 48: three panel pairs, the activation in the product
+    assert mlp.fused_swiglu is not None and mlp.fused_swiglu == mlp.fused_gate_up.swiglu
     monkeypatch.setenv(cpu_attention.ENV, "torch")
     without = LLM(str(tmp_path), EngineConfig(**config))
     plain = without.engine.executor.model
     assert plain.norm.fused is None and plain.layers["0"].attention.fused_rope is None
-    assert plain.layers["1"].feed_forward.fused_act is None
+    assert plain.layers["1"].feed_forward.fused_act is None and plain.layers["1"].feed_forward.fused_swiglu is None
     got = [o.token_ids for o in with_kernels.generate(prompts, params)]
     assert got == [o.token_ids for o in without.generate(prompts, params)] and all(len(t) == 12 for t in got)

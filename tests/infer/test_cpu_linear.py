@@ -99,3 +99,75 @@ def test_fused_projections_need_members_packed_alike(ops):
     assert type(mlp.w1) is PanelLinear
     mlp.w3.__class__ = OneDNNLinear  # packed another way: not fused
     assert fuse_projections(mlp) == 0 and mlp.fused_gate_up is None
+
+
+# rows as above; the hidden size one panel pair, three, and a K that is not a multiple of 8
+@pytest.mark.parametrize("M", [1, 5, 13, 32, 97, 300])
+@pytest.mark.parametrize("K,F_", [(64, 16), (24, 48), (37, 32)])
+def test_panel_swiglu_gives_the_bits_of_the_product_then_silu_mul(ops, M, K, F_):
+    gen = torch.Generator().manual_seed(M * 100 + K + F_)
+    w = torch.randn(2 * F_, K, generator=gen) * K**-0.5  # [gate; up]
+    x = torch.randn(M, K, generator=gen)
+    panels = ops.pack_panels(w)
+    gate_up = ops.panel_linear(x, panels, None, 2 * F_)
+    want = ops.silu_mul(gate_up[:, :F_], gate_up[:, F_:])
+    got = ops.panel_swiglu(x, panels, F_)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, F.silu(F.linear(x, w[:F_])) * F.linear(x, w[F_:]), rtol=1e-5, atol=1e-5)
+    assert ops.panel_swiglu(x.reshape(1, M, K), panels, F_).shape == (1, M, F_)
+
+
+def test_panel_swiglu_refuses_what_it_cannot_compute(ops):
+    panels = ops.pack_panels(torch.randn(64, 12))
+    with pytest.raises(RuntimeError, match="must be a multiple of 16 and half the 64"):
+        ops.panel_swiglu(torch.randn(3, 12), panels, 16)
+    with pytest.raises(RuntimeError, match="must be a multiple of 16"):
+        ops.panel_swiglu(torch.randn(3, 12), ops.pack_panels(torch.randn(40, 12)), 20)
+    with pytest.raises(RuntimeError, match="last dim must be 12"):
+        ops.panel_swiglu(torch.randn(3, 10), panels, 32)
+    with pytest.raises(RuntimeError, match="fp32 CPU"):
+        ops.panel_swiglu(torch.randn(3, 12).double(), panels, 32)
+
+
+def test_the_swiglu_epilogue_serves_an_mlp_and_steps_aside_for_hooks_and_autograd(ops):
+    from tessera.infer.cpu_layer_ops import fuse_layer_ops, unfuse_layer_ops
+    from tessera.models.mlp import FeedForward
+
+    torch.manual_seed(0)
+    mlp = FeedForward(24, 32)
+    x = torch.randn(2, 7, 24)
+    with torch.no_grad():
+        want = mlp.w2(F.silu(mlp.w1(x)) * mlp.w3(x))
+    pack_linears(mlp)
+    fuse_projections(mlp)
+    assert mlp.fused_gate_up.has_swiglu and fuse_layer_ops(mlp) == 1
+    assert mlp.fused_swiglu == mlp.fused_gate_up.swiglu
+    with torch.no_grad():
+        got = mlp(x)
+        gate, up = mlp.fused_gate_up(x)
+        assert torch.equal(mlp.fused_swiglu(x), ops.silu_mul(gate, up))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    seen = []
+    handle = mlp.w1.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        assert mlp.fused_swiglu(x) is None  # the hook must see w1's own call
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+    assert seen == [(2, 7, 32)]
+    handle.remove()
+    assert mlp.fused_swiglu(x.requires_grad_()) is None  # autograd: the fused product steps aside too
+    assert mlp.fused_gate_up(x) is None
+    unfuse_layer_ops(mlp)
+    assert mlp.fused_swiglu is None and mlp.fused_act is None
+
+
+@pytest.mark.parametrize("sizes,bias,onednn", [((32, 16), False, False), ((24, 24), False, False),
+                                               ((32, 32), True, False), ((32, 32), False, True)])
+def test_the_swiglu_epilogue_needs_equal_sizes_of_whole_panels_without_bias_on_the_panel_kernel(
+        ops, sizes, bias, onednn):
+    if onednn and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    members = [nn.Linear(8, n, bias=bias) for n in sizes]
+    for m in members:
+        m.packed = (OneDNNLinear if onednn else PanelLinear).pack(m.weight.detach())
+        m.__class__ = OneDNNLinear if onednn else PanelLinear
+    assert not FusedLinear(members).has_swiglu

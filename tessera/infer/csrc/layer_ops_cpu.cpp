@@ -131,26 +131,6 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 
 // ---- SwiGLU's activation ------------------------------------------------------------------------
 
-// silu(x) = x * sigmoid(x), sigmoid from e = exp(-|x|) (never overflows): 1 / (1 + e) for x >= 0,
-// e / (1 + e) below.
-void silu_mul_row(const float* g, const float* u, float* out, int64_t F) {
-  int64_t i = 0;
-#ifdef TESSERA_AVX2
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= F; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = tessera_vec::exp_nonpositive(_mm256_or_ps(x, sign));  // exp(-|x|)
-    const __m256 num = _mm256_blendv_ps(one, e, x);                          // sign bit set: e
-    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-  }
-#endif
-  for (; i < F; ++i) {
-    const float x = g[i], e = tessera_vec::exp_nonpositive(-std::fabs(x));
-    out[i] = x * ((std::signbit(x) ? e : 1.f) / (1.f + e)) * u[i];
-  }
-}
-
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_float_cpu(gate, "gate");
   check_float_cpu(up, "up");
@@ -166,7 +146,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   float* op = out.data_ptr<float>();
   const int64_t gs = g2.stride(0), us = u2.stride(0);
   at::parallel_for(0, rows, grain(F, 8192), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, up_ + r * us, op + r * F, F);
+    for (int64_t r = begin; r < end; ++r) tessera_vec::silu_mul_row(gp + r * gs, up_ + r * us, op + r * F, F);
   });
   return out;
 }

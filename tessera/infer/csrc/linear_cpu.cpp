@@ -12,6 +12,12 @@
 // is in the cache when its first block starts instead of being waited on; a prompt chunk of
 // hundreds of rows re-reads each panel from the core's cache for every six rows. Sums run over k in
 // order, in fp32; the portable loops (no AVX2) compute the same sums one column at a time.
+//
+// panel_swiglu(x [..., K], panels, F) -> [..., F]: silu(x W1^T) * (x W3^T) for panels packed from
+// [W1; W3] (2F rows, F a multiple of 16): gate panel j and up panel F / 16 + j cover the same
+// sixteen columns, so a thread computes the pair over all rows into two small buffers and writes
+// their SwiGLU: the [rows, 2F] product is never stored and read back (the layer kernel's silu_mul
+// pass), and the values are the bits of panel_linear then silu_mul.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -178,14 +184,49 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
   return y;
 }
 
+at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be an fp32 CPU tensor, got ",
+              x_in.scalar_type(), " on ", x_in.device());
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == NB &&
+                  panels.is_contiguous(), "panels must come from pack_panels");
+  const int64_t P = panels.size(0), K = panels.size(1);
+  TORCH_CHECK(F > 0 && F % NB == 0 && 2 * F / NB == P, "F = ", F, " must be a multiple of ", NB,
+              " and half the ", P * NB, " packed columns");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "x's last dim must be ", K, ", got ", x_in.sizes());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  auto sizes = x.sizes().vec();
+  sizes.back() = F;
+  at::Tensor y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t half = P / 2;
+  at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(M * NB), up(M * NB);
+    for (int64_t j = begin; j < end; ++j) {
+      const float* g = pp + j * K * NB;
+      const float* u = pp + (half + j) * K * NB;
+      panel(xp, M, K, g, gate.data(), NB, u);
+      panel(xp, M, K, u, up.data(), NB, j + 1 < end ? pp + (j + 1) * K * NB : nullptr);
+      for (int64_t m = 0; m < M; ++m)
+        tessera_vec::silu_mul_row(gate.data() + m * NB, up.data() + m * NB, yp + m * F + j * NB, NB);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tessera_cpu, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
+  m.def("panel_swiglu(Tensor x, Tensor panels, int F) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_swiglu", &panel_swiglu);
 }

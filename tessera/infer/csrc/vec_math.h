@@ -1,5 +1,6 @@
-// Small vector helpers shared by the CPU kernels (paged_attention_cpu.cpp, layer_ops_cpu.cpp):
-// a horizontal sum and exp(x) for x <= 0, scalar and eight lanes at a time.
+// Small vector helpers shared by the CPU kernels (paged_attention_cpu.cpp, layer_ops_cpu.cpp,
+// linear_cpu.cpp): a horizontal sum, exp(x) for x <= 0, scalar and eight lanes at a time, and SwiGLU's
+// activation.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -61,5 +62,26 @@ inline __m256 exp_nonpositive(__m256 v) {
   return _mm256_and_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(e)), keep);
 }
 #endif
+
+// out[0 .. F) = silu(g) * u, silu(x) = x * sigmoid(x) with sigmoid from e = exp(-|x|) (never
+// overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below. One function for the layer kernel's
+// silu_mul and the panel kernel's SwiGLU epilogue, so the two give the same bits.
+inline void silu_mul_row(const float* g, const float* u, float* out, int64_t F) {
+  int64_t i = 0;
+#ifdef TESSERA_AVX2
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= F; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  // exp(-|x|)
+    const __m256 num = _mm256_blendv_ps(one, e, x);            // sign bit set: e
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < F; ++i) {
+    const float x = g[i], e = exp_nonpositive(-std::fabs(x));
+    out[i] = x * ((std::signbit(x) ? e : 1.f) / (1.f + e)) * u[i];
+  }
+}
 
 }  // namespace tessera_vec
