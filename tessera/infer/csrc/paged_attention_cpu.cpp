@@ -17,7 +17,9 @@
 //   L2 between heads). While a pair scores, it requests the next pair's keys and values into L2 a
 //   few lines at a time (memory would otherwise sit idle while it computes, then stall it when the
 //   next pair starts: 1.3x on a 32-row decode step's attention, docs/benchmarks.md).
-// - long rows (prompt chunks) are split over (row, query head) pairs; each pair copies the keys
+// - long rows (prompt chunks) are split over (row, query head) pairs, which the threads take costliest
+//   first, each the next one left as it finishes (a chunk's time grows with the square of its
+//   length, so an even split in order would leave a thread idle); each pair copies the keys
 //   any of its queries sees (transposed, in blocks of KT) and their values into fp32 buffers once,
 //   then each tile of QT queries walks its visible keys KT at a time, flash-attention style: the
 //   scores of QT x KT come from register-blocked products (four queries by sixteen keys), an online
@@ -39,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <cmath>
@@ -604,31 +607,50 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
                         v_cache.size(2), q.size(1) / k_cache.size(1), q.stride(0), q.stride(1), out.stride(0),
                         out.stride(1), bs, window, static_cast<float>(scale)};
   // The work: (row, kv head) for a short row, (row, query head) for a long one.
-  struct Unit { int64_t r, head; bool tiled; };  // head: the kv head of a short row, the query head of a long one
-  std::vector<Unit> units;
+  struct Unit { int64_t r, head, cost; };  // head: the kv head of a short row, the query head of a long one
+  std::vector<Unit> longs, shorts;
   for (int64_t r = 0; r < R; ++r) {
-    const bool tiled = rows[4 * r + 1] > SHORT_ROW;
-    for (int64_t h = 0; h < (tiled ? a.H : a.G); ++h) units.push_back({r, h, tiled});
+    const int64_t S = rows[4 * r + 1], L = rows[4 * r + 2];
+    if (S <= SHORT_ROW) {
+      for (int64_t g = 0; g < a.G; ++g) shorts.push_back({r, g, 0});
+      continue;
+    }
+    int64_t keys = 0;  // the keys its queries see, summed: what a long unit's time grows with
+    if (a.window > 0) {
+      for (int64_t pos = L - S; pos < L; ++pos) keys += pos + 1 - a.first_key(pos);
+    } else {
+      keys = S * (L - S) + S * (S + 1) / 2;
+    }
+    for (int64_t h = 0; h < a.H; ++h) longs.push_back({r, h, keys});
   }
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  // Long units first, the costliest first, each thread taking the next one left as it finishes: a
+  // prompt chunk's time grows with the square of its length, so a chunk of 500 tokens beside three
+  // of 150 would keep one thread busy while the other waited at the end of an even split.
+  if (!longs.empty()) {
+    std::stable_sort(longs.begin(), longs.end(), [](const Unit& x, const Unit& y) { return x.cost > y.cost; });
+    std::atomic<int64_t> taken{0};
+    const int64_t n = static_cast<int64_t>(longs.size());
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+      typename Attention<scalar_t>::TileBuffers tb;
+      for (int64_t w = taken.fetch_add(1); w < n; w = taken.fetch_add(1)) a.long_row(longs[w].r, longs[w].head, tb);
+    });
+  }
+  // Short units split evenly in order, so that each thread knows the unit it does next and can
+  // request that unit's keys and values while it computes this one.
+  at::parallel_for(0, static_cast<int64_t>(shorts.size()), 1, [&](int64_t begin, int64_t end) {
     typename Attention<scalar_t>::ShortBuffers sb;
-    typename Attention<scalar_t>::TileBuffers tb;
     for (int64_t w = begin; w < end; ++w) {
-      const Unit& u = units[w];
-      if (u.tiled) {
-        a.long_row(u.r, u.head, tb);
-      } else {
-        sb.pf_per_chunk = 0;  // step(0) requests nothing
-        if (w + 1 < end && !units[w + 1].tiled) {
-          // the next unit's lines spread over the first half of this unit's scoring: its queries
-          // times its heads (one pass of the group for the grouped loop) times its chunks of keys
-          const int64_t lines = sb.next.start(a, units[w + 1].r, units[w + 1].head);
-          const int64_t S = rows[4 * u.r + 1], L = rows[4 * u.r + 2], keys = L - a.first_key(L - S);
-          const int64_t chunks = S * (a.grouped() ? 1 : a.per_group) * ((keys + PF_KEYS - 1) / PF_KEYS);
-          sb.pf_per_chunk = (2 * lines + chunks - 1) / std::max<int64_t>(1, chunks);
-        }
-        a.short_row_dispatch(u.r, u.head, sb);
+      const Unit& u = shorts[w];
+      sb.pf_per_chunk = 0;  // step(0) requests nothing
+      if (w + 1 < end) {
+        // the next unit's lines spread over the first half of this unit's scoring: its queries
+        // times its heads (one pass of the group for the grouped loop) times its chunks of keys
+        const int64_t lines = sb.next.start(a, shorts[w + 1].r, shorts[w + 1].head);
+        const int64_t S = rows[4 * u.r + 1], L = rows[4 * u.r + 2], keys = L - a.first_key(L - S);
+        const int64_t chunks = S * (a.grouped() ? 1 : a.per_group) * ((keys + PF_KEYS - 1) / PF_KEYS);
+        sb.pf_per_chunk = (2 * lines + chunks - 1) / std::max<int64_t>(1, chunks);
       }
+      a.short_row_dispatch(u.r, u.head, sb);
     }
   });
 }
