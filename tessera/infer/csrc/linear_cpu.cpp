@@ -141,26 +141,39 @@ void panel(const float* x, int64_t M, int64_t K, const float* p, float* y, int64
   }
 }
 
-at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        int64_t N) {
+// What panel_linear and panel_swiglu check and prepare: x (fp32, CPU) made contiguous, its rows M,
+// the panels' inputs K and count P, and y with x's leading dims and `cols` columns.
+struct Operands {
+  at::Tensor x, y;
+  int64_t M, K, P;
+};
+
+Operands operands(const at::Tensor& x_in, const at::Tensor& panels, int64_t cols) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be an fp32 CPU tensor, got ",
               x_in.scalar_type(), " on ", x_in.device());
   TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == NB &&
                   panels.is_contiguous(), "panels must come from pack_panels");
   const int64_t P = panels.size(0), K = panels.size(1);
-  TORCH_CHECK(N > 0 && (N + NB - 1) / NB == P, "N = ", N, " does not match ", P, " panels");
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "x's last dim must be ", K, ", got ", x_in.sizes());
+  at::Tensor x = x_in.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = std::max<int64_t>(cols, 0);
+  at::Tensor y = at::empty(sizes, x.options());
+  return {x, y, K > 0 ? x.numel() / K : 0, K, P};
+}
+
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t N) {
+  const Operands o = operands(x_in, panels, N);
+  const at::Tensor &x = o.x, &y = o.y;
+  const int64_t M = o.M, K = o.K, P = o.P;
+  TORCH_CHECK(N > 0 && (N + NB - 1) / NB == P, "N = ", N, " does not match ", P, " panels");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N &&
                     bias->is_contiguous(), "bias must be fp32 [", N, "]");
     bp = bias->data_ptr<float>();
   }
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
@@ -185,19 +198,11 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
 }
 
 at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F) {
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be an fp32 CPU tensor, got ",
-              x_in.scalar_type(), " on ", x_in.device());
-  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.dim() == 3 && panels.size(2) == NB &&
-                  panels.is_contiguous(), "panels must come from pack_panels");
-  const int64_t P = panels.size(0), K = panels.size(1);
+  const Operands o = operands(x_in, panels, F);
+  const at::Tensor &x = o.x, &y = o.y;
+  const int64_t M = o.M, K = o.K, P = o.P;
   TORCH_CHECK(F > 0 && F % NB == 0 && 2 * F / NB == P, "F = ", F, " must be a multiple of ", NB,
               " and half the ", P * NB, " packed columns");
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "x's last dim must be ", K, ", got ", x_in.sizes());
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = K > 0 ? x.numel() / K : 0;
-  auto sizes = x.sizes().vec();
-  sizes.back() = F;
-  at::Tensor y = at::empty(sizes, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
