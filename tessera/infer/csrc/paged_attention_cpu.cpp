@@ -342,14 +342,16 @@ struct Attention {
   int64_t H, Dk, G, Dv, per_group, qs0, qs1, os0, os1, bs, window;
   float scale;
 
+  // The cache slot of position j of the context whose block table starts at blocks[table_at].
+  int64_t slot(int64_t table_at, int64_t j) const { return blocks[table_at + j / bs] * bs + j % bs; }
+
   // kptr[j - lo] and vptr[j - lo]: where key and value j of kv head g lie, for j in [lo, L), walked
   // block by block (one division per block, not two per key).
   void locate(int64_t table_at, int64_t lo, int64_t L, int64_t g, const scalar_t** kptr, const scalar_t** vptr) const {
     for (int64_t j = lo; j < L;) {
-      const int64_t blk = j / bs, end = std::min(L, (blk + 1) * bs);
-      const int64_t slot = blocks[table_at + blk] * bs + j % bs;
-      const scalar_t* k = kp + (slot * G + g) * Dk;
-      const scalar_t* v = vp + (slot * G + g) * Dv;
+      const int64_t end = std::min(L, (j / bs + 1) * bs), at = slot(table_at, j);
+      const scalar_t* k = kp + (at * G + g) * Dk;
+      const scalar_t* v = vp + (at * G + g) * Dv;
       for (; j < end; ++j, k += G * Dk, v += G * Dv) {
         kptr[j - lo] = k;
         vptr[j - lo] = v;
@@ -367,9 +369,9 @@ struct Attention {
     const char* v = nullptr;
 
     void seek() {
-      const int64_t slot = at->blocks[table_at + j / at->bs] * at->bs + j % at->bs;
-      k = reinterpret_cast<const char*>(at->kp + (slot * at->G + g) * at->Dk);
-      v = reinterpret_cast<const char*>(at->vp + (slot * at->G + g) * at->Dv);
+      const int64_t s = at->slot(table_at, j);
+      k = reinterpret_cast<const char*>(at->kp + (s * at->G + g) * at->Dk);
+      v = reinterpret_cast<const char*>(at->vp + (s * at->G + g) * at->Dv);
     }
     // Starts on unit (r, g); returns how many lines it will request.
     int64_t start(const Attention& a, int64_t r, int64_t g_) {
@@ -570,7 +572,7 @@ struct Attention {
         for (int64_t i = 0; i < nq; ++i) {  // mask, then the online softmax of each query
           float* sc = b.sc.data() + i * KT;
           const int64_t pos = P + s0 + i;
-          const int64_t a = std::max<int64_t>(0, first_key(pos) - k0), e = std::min<int64_t>(nk, pos - k0 + 1);
+          const int64_t a = std::max<int64_t>(0, first_key(pos) - k0), e = seen(i, P + s0, k0, nk);
           if (a >= e) {  // no key of this block is visible to the query
             std::fill(sc, sc + nk, 0.f);
             continue;
