@@ -60,6 +60,7 @@ from tessera.config.errors import ConfigError
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.eagle import EagleDraft, default_feature_layers, draft_layer_config, unrolled_outputs
+from tessera.models.model_input import ModelInput
 from tessera.parallel import global_sum, shard_global_batch, token_dim
 from tessera.train.builder import build_frozen_model
 from tessera.train.data_source import build_training_data
@@ -211,7 +212,7 @@ class EagleTrainer:
         """Forward and backward of one micro-batch: per step, its cross-entropy sums and correct argmaxes."""
         D = self.cfg.model.dim
         with torch.no_grad(), mixed_precision(self.device, self.autocast):
-            out = self.target(inputs.to(self.device), keep_layers=(0, *self.layers))
+            out = self.target(ModelInput(tokens=inputs.to(self.device), keep_layers=(0, *self.layers)))
         kept = out.kept_hidden.float()
         emb = torch.cat([kept[:, 1:, :D], torch.zeros_like(kept[:, :1, :D])], dim=1)  # token i+1 at position i
         logits = torch.cat([out.logits[:, 1:], out.logits[:, :1]], dim=1).float()  # the target at i+1
