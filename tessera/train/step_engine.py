@@ -43,6 +43,7 @@ from tessera.parallel.dims import ParallelDims
 from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.results import StepResult
 from tessera.train.step_stats import StepStats
 
 
@@ -50,8 +51,8 @@ from tessera.train.step_stats import StepStats
 class StepEngine(Protocol):
     parts: list[nn.Module]  # the model modules this rank optimises and checkpoints
 
-    def forward_backward(self, batch: Batch) -> dict[str, Any]:
-        """Accumulate the gradient of one global batch; return its statistics (`step_result`)."""
+    def forward_backward(self, batch: Batch) -> StepResult:
+        """Accumulate the gradient of one global batch; return its figures (results.py)."""
         ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
