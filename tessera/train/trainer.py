@@ -50,10 +50,9 @@ Distillation (an objective term of the language-model mode). With `train.distill
 frozen teacher (tessera.train.teacher), built and cut by the same layout (under pp, stage by stage
 beside the student's), runs forward on every micro-batch beside the student, and the objective
 mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs both, as
-`loss` and `distill_loss`. With
-`hidden_layers` the projections of hidden-state matching (tessera.train.hidden_match) train with
-their own optimizer (`beside`: stepped, zeroed and scheduled with the model's, not checkpointed).
-Evaluation measures the student's data loss only.
+`loss` and `distill_loss`. With `hidden_layers` the projections of hidden-state matching
+(tessera.train.hidden_match) train with their own optimizer (`beside`: stepped, zeroed and scheduled
+with the model's, not checkpointed). Evaluation measures the student's data loss only.
 """
 
 from __future__ import annotations
@@ -110,7 +109,8 @@ def _number(x: float) -> float | str:
 
 
 class Trainer:
-    """Builds model, optimizer, schedule and data from a RunConfig, then trains (any parallel layout)."""
+    """Builds the data, the run's mode's parts and the schedule from a RunConfig, then trains (any mode,
+    any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
                  task_evaluator: TaskEvaluator | None = None):
