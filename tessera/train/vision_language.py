@@ -42,7 +42,8 @@ from tessera.config.qwen_vl import (
 )
 from tessera.config.schema import RunConfig
 from tessera.config.vision import LlavaConfig, llava_config_from_hf, llava_config_to_hf
-from tessera.config.vision_training import DATA_KIND, refuse_qwen_layouts
+from tessera.config.qwen_vl import refuse_qwen_layouts
+from tessera.config.vision_training import DATA_KIND
 from tessera.data.batching import Batch
 from tessera.data.image_processor import ImageProcessor
 from tessera.data.qwen_image_processor import QwenImageProcessor
