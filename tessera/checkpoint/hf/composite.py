@@ -1,6 +1,7 @@
 """The steps a vision-language HuggingFace directory (hf/llava.py, hf/qwen_vl.py) shares: telling
 it by its config.json, loading its tensors into the model after checking them against the names the
-config implies, and writing the model back with its image processor's config.
+config implies (`load_directory`), reading its image processor (`read_processor`), and writing the
+model back with its image processor's config.
 
 Names are given as Tessera key -> HuggingFace key(s) in the in-memory layout (more than one for
 routed experts, stacked into one Tessera tensor), with the family's rename from a stored name to
@@ -41,6 +42,30 @@ def read_directory_config(path: str | os.PathLike, read_file: Callable[[Mapping[
     """`read_file` of `path`'s config.json object and the file's name."""
     f = Path(path) / "config.json"
     return read_file(read_json_object(f), str(f))
+
+
+def load_directory(path: str | os.PathLike, read_file: Callable[[Mapping[str, Any], str], Any],
+                   model_class: Callable[..., nn.Module], names: Callable[[Any], dict[str, list[str]]],
+                   current: Callable[[str], str], dtype: torch.dtype, device: str | torch.device) -> Any:
+    """The model of directory `path`, in eval mode: its config.json read by `read_file`, the model
+    built from it on the meta device (`model_class(cfg, init_seed=None)`), then its tensors loaded
+    under `names(cfg)` (`load_composite`)."""
+    path = Path(path)
+    cfg = read_directory_config(path, read_file)
+    with torch.device("meta"):
+        model = model_class(cfg, init_seed=None)
+    return load_composite(path, model, names(cfg), current, cfg.family, dtype, device)
+
+
+def read_processor(path: str | os.PathLike, cfg: Any, processor_class: Any) -> Any:
+    """Directory `path`'s image processor (`processor_class` read from its preprocessor_config.json,
+    checked to make what `cfg`'s tower takes), else the one the tower ships with."""
+    f = Path(path) / PROCESSOR_FILE
+    if not f.is_file():
+        return processor_class.for_vision(cfg.vision)
+    proc = processor_class.from_directory(path)
+    proc.check_tower(cfg.vision, str(f))
+    return proc
 
 
 def load_composite(path: Path, model: nn.Module, names: dict[str, list[str]], current: Callable[[str], str],

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.hf.composite import config_says, load_composite, read_directory_config, save_composite
+from tessera.checkpoint.hf.composite import config_says, load_directory, save_composite
 from tessera.checkpoint.hf.names import check_exportable, hf_names
-from tessera.config.errors import ConfigError
 from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
-from tessera.data.image_processor import PROCESSOR_FILE, ImageProcessor
+from tessera.data.image_processor import ImageProcessor
 from tessera.models.llava import Llava
 
 _LEGACY = ((r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
@@ -59,20 +57,6 @@ def saved_name(name: str) -> str:
 def is_llava_directory(path: str | os.PathLike) -> bool:
     return config_says(path, is_llava_config)
 
-
-def read_llava_config(path: str | os.PathLike) -> LlavaConfig:
-    return read_directory_config(path, read_llava_file)
-
-
-def read_processor(path: str | os.PathLike, cfg: LlavaConfig) -> ImageProcessor:
-    """The directory's image processor (else the tower's own), checked to give the tower's input size."""
-    proc = (ImageProcessor.from_directory(path) if (Path(path) / PROCESSOR_FILE).is_file()
-            else ImageProcessor.for_vision(cfg.vision))
-    side = cfg.vision.image_size
-    if proc.output_size() != (side, side):
-        raise ConfigError(f"{str(Path(path) / PROCESSOR_FILE)!r} makes {proc.output_size()} images but the vision "
-                          f"tower takes ({side}, {side})")
-    return proc
 
 
 def vision_names(v: VisionConfig, prefix: str = "model.vision_tower.") -> dict[str, str]:
@@ -116,11 +100,7 @@ def load_llava(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> Llava:
     """The `Llava` of a HuggingFace directory, in eval mode, after its tensors are checked against
     the model config.json describes (missing, unexpected, shapes)."""
-    path = Path(path)
-    cfg = read_llava_config(path)
-    with torch.device("meta"):
-        model = Llava(cfg, init_seed=None)
-    return load_composite(path, model, llava_names(cfg), current_name, "llava", dtype, device)
+    return load_directory(path, read_llava_file, Llava, llava_names, current_name, dtype, device)
 
 
 def save_llava(model: Llava, path: str | os.PathLike, tokenizer=None, processor: ImageProcessor | None = None,
