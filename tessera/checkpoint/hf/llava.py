@@ -58,7 +58,6 @@ def is_llava_directory(path: str | os.PathLike) -> bool:
     return config_says(path, is_llava_config)
 
 
-
 def vision_names(v: VisionConfig, prefix: str = "model.vision_tower.") -> dict[str, str]:
     """Tessera vision-tower key -> HuggingFace key (CLIP's / SigLIP's vision model), in model order."""
     emb = f"{prefix}embeddings."

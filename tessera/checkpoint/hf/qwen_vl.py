@@ -53,7 +53,6 @@ def is_qwen_vl_directory(path: str | os.PathLike) -> bool:
     return config_says(path, is_qwen_vl_config)
 
 
-
 def vision_names(v: QwenVisionConfig) -> dict[str, str]:
     """Tessera vision-tower key -> HuggingFace key, in model order."""
     pre = "model.visual."
