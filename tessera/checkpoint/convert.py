@@ -106,7 +106,7 @@ def _convert_vision_language(src: str | os.PathLike, dst: str | os.PathLike, dty
     # a vision-language run's own (its entry names it); else the source directory's own, or none
     recorded = (ckpt.read_meta(ckpt.resolve_checkpoint(src)).get("vision_language", {}).get("tokenizer")
                 or (run_config.get("data") or {}).get("tokenizer"))
-    REGISTRY[model.family].save(model, dst, tokenizer=tokenizer or recorded, processor=processor)
+    REGISTRY[model.family].directory.save(model, dst, tokenizer=tokenizer or recorded, processor=processor)
     return "huggingface", Path(dst)
 
 

@@ -7,7 +7,8 @@ family). Serving, training, conversion and export ask `REGISTRY[model.family]` (
 family) instead of testing for a family:
 
     family = REGISTRY[model.family]
-    processor = family.processor.for_vision(model.cfg.vision)   # the processor its tower ships with
+    family.directory.save(model, "out/")                          # its HuggingFace directory written
+    processor = default_processor(model.cfg)                      # the processor its tower ships with
     model, processor = load_directory_model(path, torch.bfloat16) # any family's HuggingFace directory
 """
 
@@ -22,15 +23,11 @@ from typing import Any
 import torch
 
 from tessera.checkpoint.hf import llava, qwen_vl
-from tessera.checkpoint.hf.composite import read_directory_config, read_processor
+from tessera.checkpoint.hf.composite import DirectoryFormat, read_directory_config
 from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import read_json_object
 from tessera.config.vision_families import read_vision_language_file
-from tessera.data.image_processor import ImageProcessor, ImageProcessorFile
-from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.vision_sft import llava_samples, qwen_vl_samples
-from tessera.models.llava import Llava
-from tessera.models.qwen_vl import QwenVL
 from tessera.models.vision_language import VisionLanguageModel
 
 
@@ -38,22 +35,16 @@ from tessera.models.vision_language import VisionLanguageModel
 class VisionLanguageFamily:
     """A vision-language family's parts (module docstring)."""
 
-    model: type[VisionLanguageModel]  # built as model(cfg, init_seed=seed, or None for no initialisation)
-    processor: type[ImageProcessorFile]  # its image processor (the interface: tessera/data/image_processor.py)
-    load: Callable[..., VisionLanguageModel]  # (path, dtype, device): the model of its HuggingFace directory
-    save: Callable[..., None]  # (model, path, tokenizer=, processor=, max_shard_bytes=): written as one
-    # (a language model's names, the stored keys) -> those names as its directory holds them, and the
-    # keys that are not the language model's (a text model read from the directory: hf/slices.py)
-    language_model_names: Callable[[dict[str, list[str]], set[str]], tuple[dict[str, list[str]], set[str]]]
+    # its HuggingFace directory: config.json both ways, model and image processor classes, tensor
+    # names, load / read_processor / save (tessera/checkpoint/hf/composite.py)
+    directory: DirectoryFormat
     # (JSONL inputs, tokenizer, processor, config, seq_len) -> data.kind=vision_sft's samples (data/vision_sft.py)
     samples: Callable[..., list]
 
 
-_QWEN_VL = VisionLanguageFamily(QwenVL, QwenImageProcessor, qwen_vl.load_qwen_vl, qwen_vl.save_qwen_vl,
-                                qwen_vl.language_model_names, qwen_vl_samples)
+_QWEN_VL = VisionLanguageFamily(qwen_vl.DIRECTORY, qwen_vl_samples)
 REGISTRY: dict[str, VisionLanguageFamily] = {
-    "llava": VisionLanguageFamily(Llava, ImageProcessor, llava.load_llava, llava.save_llava,
-                                  llava.language_model_names, llava_samples),
+    "llava": VisionLanguageFamily(llava.DIRECTORY, llava_samples),
     "qwen2_vl": _QWEN_VL,
     "qwen2_5_vl": _QWEN_VL,
 }
@@ -84,15 +75,20 @@ def read_directory_model_config(path: str | os.PathLike) -> Any:
 
 def read_directory_processor(path: str | os.PathLike, cfg: Any) -> Any:
     """The image processor of vision-language directory `path` whose model config is `cfg`."""
-    return read_processor(path, cfg, REGISTRY[cfg.family].processor)
+    return REGISTRY[cfg.family].directory.read_processor(path, cfg)
+
+
+def default_processor(cfg: Any) -> Any:
+    """The image processor the tower of family config `cfg` ships with."""
+    return REGISTRY[cfg.family].directory.processor.for_vision(cfg.vision)
 
 
 def load_directory_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                          device: str | torch.device = "cpu") -> tuple[VisionLanguageModel, Any]:
     """The model of vision-language HuggingFace directory `path`, in eval mode, and its image processor."""
     family = REGISTRY[read_directory_model_config(path).family]
-    model = family.load(path, dtype, device)
-    return model, read_directory_processor(path, model.cfg)
+    model = family.directory.load(path, dtype, device)
+    return model, family.directory.read_processor(path, model.cfg)
 
 
 def family_names(family: VisionLanguageFamily | None = None) -> list[str]:

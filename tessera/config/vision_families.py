@@ -15,9 +15,10 @@ layers below it (tests/test_layers.py), so each layer holds the family's parts i
   freeze switches name);
 - data: its image processor (the interface of `ImageProcessorFile`, tessera/data/image_processor.py)
   and its fine-tuning samples (tessera/data/vision_sft.py);
-- checkpoint: its HuggingFace directory (tensor names, load, save), and the family's whole spec,
-  which names the model class, processor and samples of the layers below: a
-  `VisionLanguageFamily` in tessera/checkpoint/vision_families.py's `REGISTRY`.
+- checkpoint: its HuggingFace directory (a `DirectoryFormat`, tessera/checkpoint/hf/composite.py:
+  config.json both ways, model and processor classes, tensor names, load and save), and the
+  family's whole spec, that directory and its samples: a `VisionLanguageFamily` in
+  tessera/checkpoint/vision_families.py's `REGISTRY`.
 Serving and training (tessera/infer, tessera/train) name no family: they ask the model and the
 registries, by the model's `family`.
 
@@ -28,8 +29,8 @@ Adding a family "x":
    whose default it changes (`image_input` always).
 3. tessera/data/x_image_processor.py: its image processor; its samples function in
    tessera/data/vision_sft.py.
-4. tessera/checkpoint/hf/x.py: its names, load (`composite.load_directory`) and save; its line in
-   tessera/checkpoint/vision_families.py's `REGISTRY`.
+4. tessera/checkpoint/hf/x.py: its tensor names and its `DIRECTORY` (a `DirectoryFormat` of its
+   parts); its line in tessera/checkpoint/vision_families.py's `REGISTRY`.
 5. Its tests: parity with transformers (tests/models), serving (tests/infer), fine-tuning
    (tests/train) and conversion (tests/checkpoint).
 No torch.

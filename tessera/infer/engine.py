@@ -29,7 +29,7 @@ from tessera.checkpoint.loading import (
     trained_tokenizer,
     vision_language_family,
 )
-from tessera.checkpoint.vision_families import REGISTRY as VISION_LANGUAGE
+from tessera.checkpoint.vision_families import default_processor
 from tessera.config.errors import ConfigError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
@@ -144,8 +144,7 @@ class LLMEngine:
         engine = cls._serving(InProcessExecutor(model.language_model, config, encoder=encoder), config, tokenizer,
                               eos_ids)
         engine.vision = model
-        engine.image_processor = image_processor or VISION_LANGUAGE[model.family].processor.for_vision(
-            model.cfg.vision)
+        engine.image_processor = image_processor or default_processor(model.cfg)
         return engine
 
     @classmethod

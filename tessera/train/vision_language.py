@@ -38,6 +38,7 @@ from torch import nn
 
 from tessera.checkpoint.vision_families import (
     REGISTRY,
+    default_processor,
     is_vision_language_directory,
     read_directory_model_config,
     read_directory_processor,
@@ -87,7 +88,7 @@ def vision_model_config(cfg: RunConfig) -> tuple[Any, Any]:
     if source is None:
         model_cfg = CONFIG_REGISTRY[cfg.train.vision_language.family].from_section(cfg.train.vision_language,
                                                                                    cfg.model)
-        return model_cfg, _pixel_range(cfg, REGISTRY[model_cfg.family].processor.for_vision(model_cfg.vision))
+        return model_cfg, _pixel_range(cfg, default_processor(model_cfg))
     if source == "directory":
         model_cfg = read_directory_model_config(cfg.train.init_from)
         processor = read_directory_processor(cfg.train.init_from, model_cfg)
@@ -123,11 +124,11 @@ def build_vision_model(cfg: RunConfig, device: torch.device, init_from: str | No
     the freeze switches name stop requiring gradients (so the optimizer holds no state for them),
     and so do the tower's modules no forward runs (they could get no gradient)."""
     model_cfg, _ = vision_model_config(cfg)
-    family = REGISTRY[model_cfg.family]
+    directory = REGISTRY[model_cfg.family].directory
     if init_from is None:
-        model = family.model(model_cfg, init_seed=cfg.train.seed).to(device)
+        model = directory.model(model_cfg, init_seed=cfg.train.seed).to(device)
     elif _source(cfg) == "directory":
-        model = family.load(init_from, torch.float32, device)
+        model = directory.load(init_from, torch.float32, device)
     else:
         from tessera.checkpoint.dcp.vision_language import load_vision_language_checkpoint
 

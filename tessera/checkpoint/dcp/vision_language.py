@@ -53,7 +53,7 @@ def read_vision_language_entry(found: Path) -> tuple[Any, Any]:
     entry = ckpt.read_meta(found).get(ENTRY)
     try:
         cfg = vision_language_config_from_hf(entry["config"])
-        processor = REGISTRY[cfg.family].processor.from_dict(entry["processor"], f"{found}/meta.json")
+        processor = REGISTRY[cfg.family].directory.processor.from_dict(entry["processor"], f"{found}/meta.json")
     except (TesseraError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {str(found)!r}: its {ENTRY!r} entry in meta.json is invalid ({e})") from e
     return cfg, processor
@@ -64,7 +64,7 @@ def load_vision_language_checkpoint(path: str | os.PathLike, dtype: torch.dtype 
     """The model, image processor and stored run configuration of a vision-language checkpoint."""
     found = ckpt.resolve_checkpoint(path)
     cfg, processor = read_vision_language_entry(found)
-    model = REGISTRY[cfg.family].model(cfg, init_seed=None)
+    model = REGISTRY[cfg.family].directory.model(cfg, init_seed=None)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     load_checkpoint_shards([model], found, shapes, torch.device("cpu"))
     model.cast(dtype, device)

@@ -152,8 +152,8 @@ def _export_vision_language(found: Path, out_dir: str | os.PathLike, dtype: torc
 
     model, processor, _ = load_vision_language_checkpoint(found, dtype)
     try:
-        REGISTRY[model.family].save(model, out_dir, tokenizer=tokenizer, processor=processor,
-                                    max_shard_bytes=max_shard_bytes)
+        REGISTRY[model.family].directory.save(model, out_dir, tokenizer=tokenizer, processor=processor,
+                                              max_shard_bytes=max_shard_bytes)
     except OSError as e:
         raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
     files = sorted(p.name for p in Path(out_dir).glob("*.safetensors"))

@@ -18,9 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-import torch
-
-from tessera.checkpoint.hf.composite import config_says, load_directory, save_composite
+from tessera.checkpoint.hf.composite import DirectoryFormat, config_says
 from tessera.checkpoint.hf.names import hf_names
 from tessera.config.qwen_vl import (
     QwenVisionConfig,
@@ -94,22 +92,6 @@ def _in_memory(hf_key: str) -> str:
     return hf_key if hf_key == "lm_head.weight" else hf_key.replace("model.", "model.language_model.", 1)
 
 
-def load_qwen_vl(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> QwenVL:
-    """The `QwenVL` of a HuggingFace directory, in eval mode, after its tensors are checked against
-    the model config.json describes (missing, unexpected, shapes)."""
-    return load_directory(path, read_qwen_vl_file, QwenVL, _listed_names, current_name, dtype, device)
-
-
-def save_qwen_vl(model: QwenVL, path: str | os.PathLike, tokenizer=None, processor: QwenImageProcessor | None = None,
-                 max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Qwen2-VL / Qwen2.5-VL directory: config.json, safetensors,
-    preprocessor_config.json (`processor`, else the tower's own) and, with `tokenizer`, its files."""
-    proc = processor or QwenImageProcessor.for_vision(model.cfg.vision)
-    save_composite(model, path, _listed_names(model.cfg), saved_name, qwen_vl_config_to_hf(model.cfg),
-                   proc.to_dict(), tokenizer, max_shard_bytes)
-
-
 def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple[dict[str, list[str]], set[str]]:
     """A qwen2 language model's Tessera -> HuggingFace names (`hf_names`) as a Qwen2-VL directory
     holding `stored` names them (either layout), and the stored keys that are not the language
@@ -119,3 +101,9 @@ def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple
     out = {key: [lookup.get(_in_memory(h), h) for h in hs] for key, hs in names.items()}
     used = {h for hs in out.values() for h in hs}
     return out, {k for k in stored if k not in used}
+
+
+DIRECTORY = DirectoryFormat(read_qwen_vl_file, qwen_vl_config_to_hf, QwenVL, QwenImageProcessor, _listed_names,
+                            current_name, saved_name, language_model_names)
+load_qwen_vl = DIRECTORY.load  # (path, dtype, device) -> the directory's `QwenVL`, in eval mode
+save_qwen_vl = DIRECTORY.save  # (model, path, tokenizer=, processor=, max_shard_bytes=): its directory written

@@ -63,7 +63,7 @@ class HFSliceReader:
         self.foreign: set[str] = set()
         family = directory_family(self.path)
         if family is not None:
-            self.names, self.foreign = family.language_model_names(self.names, self.files.keys())
+            self.names, self.foreign = family.directory.language_model_names(self.names, self.files.keys())
 
     def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         f = self.files.files[hf_key]
