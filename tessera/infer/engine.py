@@ -38,7 +38,9 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
-from tessera.infer.kv_tiers import TierMetrics, build_tiers
+from tessera.infer.kv_tier_planner import KVTierPlanner
+from tessera.infer.kv_tier_store import build_tier_store
+from tessera.infer.kv_tiers import TierMetrics
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.multimodal import ImageEncoder, expand_placeholders
@@ -67,8 +69,10 @@ class LLMEngine:
         self.tier_metrics = TierMetrics()
         planner = None
         if config.has_kv_tiers:
-            planner, executor.kv_tiers = build_tiers(executor.model, executor.local.kv, config.kv_offload_gib,
-                                                     config.kv_cache_dir, config.kv_cache_dir_gib, self.tier_metrics)
+            executor.kv_tiers = build_tier_store(executor.model, executor.local.kv, config.kv_offload_gib,
+                                                 config.kv_cache_dir, config.kv_cache_dir_gib)
+            self.tier_metrics = executor.kv_tiers.metrics
+            planner = KVTierPlanner.over(executor.kv_tiers)
         self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
                                    planner)
         self.metrics = EngineMetrics()

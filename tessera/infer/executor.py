@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 
 from tessera.infer.config import EngineConfig
-from tessera.infer.kv_tiers import KVTierStore, KVTransfers
+from tessera.infer.kv_tier_store import KVTierStore
+from tessera.infer.kv_tiers import KVTransfers
 from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
 from tessera.infer.multimodal import ImageEncoder

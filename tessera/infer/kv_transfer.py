@@ -7,7 +7,7 @@ finds them as a prefix hit and computes only the rest. `tessera router` (`router
 pair over HTTP.
 
 The message: MAGIC, a 4-byte header length, a JSON header (model identity, block size, the prompt's
-token ids, each block record's length), then the records, each `kv_tiers.encode_block`'s (its own
+token ids, each block record's length), then the records, each `kv_tier_store.encode_block`'s (its own
 identity, prefix hash, layout and checksum). The receiver recomputes the prefix hashes from the
 token ids and its own block size, and keeps blocks in order while every check holds: the first
 block that fails ends the import, so later blocks never attach to a wrong prefix. Nothing is
@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import json
 
-from tessera.infer.kv_tiers import MAX_HEADER, block_bytes, block_layout, decode_block, encode_block, model_identity
+from tessera.infer.kv_tier_store import (
+    MAX_HEADER,
+    block_bytes,
+    block_layout,
+    decode_block,
+    encode_block,
+    model_identity,
+)
 from tessera.infer.prefix_cache import hash_chain
 
 MAGIC = b"TSRAKVX1"
