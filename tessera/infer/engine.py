@@ -39,7 +39,6 @@ from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.kv_tier_planner import KVTierPlanner
-from tessera.infer.kv_tier_store import build_tier_store
 from tessera.infer.kv_tiers import TierMetrics
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
@@ -66,13 +65,9 @@ class LLMEngine:
         self.lora = executor.lora
         self.eos_ids = frozenset(eos_ids)
         self.max_model_len, self.blocks_per_seq = executor.geometry.max_model_len, executor.geometry.blocks_per_seq
-        self.tier_metrics = TierMetrics()
-        planner = None
-        if config.has_kv_tiers:
-            executor.kv_tiers = build_tier_store(executor.model, executor.local.kv, config.kv_offload_gib,
-                                                 config.kv_cache_dir, config.kv_cache_dir_gib)
-            self.tier_metrics = executor.kv_tiers.metrics
-            planner = KVTierPlanner.over(executor.kv_tiers)
+        store = executor.kv_tiers  # the KV tiers' bytes, built by the executor over its cache
+        self.tier_metrics = store.metrics if store is not None else TierMetrics()
+        planner = KVTierPlanner.over(store) if store is not None else None
         self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
                                    planner)
         self.metrics = EngineMetrics()

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from tessera.infer.config import EngineConfig
-from tessera.infer.kv_tier_store import KVTierStore
+from tessera.infer.kv_tier_store import KVTierStore, build_tier_store
 from tessera.infer.kv_tiers import KVTransfers
 from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
@@ -36,6 +36,7 @@ class Executor(Protocol):
     lora: LoRAManager  # its dynamic LoRA adapters
     geometry: CacheGeometry
     runner: ModelRunner
+    kv_tiers: KVTierStore | None  # the bytes of the KV tiers below that cache (None: no tiers)
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run the plan's forward on every rank and sample: each completing request's new tokens."""
@@ -78,7 +79,8 @@ def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
 class InProcessExecutor:
     """The model in this process: `model` is in `config.dtype` on `config.device`; `encoder`: a
     vision-language model's image encoder (multimodal.py), whose feature rows the items with images
-    take (`model` is then its language model)."""
+    take (`model` is then its language model). With KV tiers (`config.has_kv_tiers`) their store is
+    built over this process's cache (`kv_tiers`); the engine plans over it (`KVTierPlanner.over`)."""
 
     def __init__(self, model: Transformer, config: EngineConfig, encoder: ImageEncoder | None = None):
         self.model = model
@@ -86,7 +88,10 @@ class InProcessExecutor:
         self.local, self.geometry = build_paged_model(model, config, self.lora, encoder=encoder)
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
                                                             self.local))
-        self.kv_tiers: KVTierStore | None = None  # the host / disk tiers' bytes, when the engine has tiers
+        self.kv_tiers: KVTierStore | None = None
+        if config.has_kv_tiers:  # the host / disk tiers' bytes, below this process's cache
+            self.kv_tiers = build_tier_store(model, self.local.kv, config.kv_offload_gib, config.kv_cache_dir,
+                                             config.kv_cache_dir_gib)
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         self.apply_kv_transfers(plan.kv)
