@@ -38,6 +38,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
+from tessera.infer.kv_exchange import KVExchange
 from tessera.infer.kv_tier_planner import KVTierPlanner
 from tessera.infer.kv_tiers import TierMetrics
 from tessera.infer.lora import merge_adapter
@@ -70,6 +71,7 @@ class LLMEngine:
         planner = KVTierPlanner.over(store) if store is not None else None
         self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
                                    planner)
+        self.kv_exchange = KVExchange(executor, self.blocks, self.tier_metrics)  # for kv_transfer.py
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,
                                    OutputProcessor(tokenizer, self.max_model_len, self.metrics),

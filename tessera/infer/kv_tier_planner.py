@@ -107,6 +107,10 @@ class KVTierPlanner:
             self.pending.from_disk.append((hit, block))
             self.metrics.disk_hit_blocks += 1
 
+    @property
+    def has_host(self) -> bool:
+        return self.host is not None
+
     def holds(self, h: bytes) -> bool:
         """Whether the host tier holds `h` (neither marked used nor locked)."""
         return self.host is not None and h in self.host.slot_of
