@@ -8,20 +8,14 @@ the value and what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import require
 
 DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 SCHEDULING_POLICIES = ("fcfs", "shortest_first")  # the order of the waiting queue (scheduler.py)
 MODALITIES = ("image",)  # what a request may carry besides text
-
-
-def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 @dataclass
@@ -40,13 +34,13 @@ class SpeculativeConfig:
     ngram_min: int = 1  # ... and the shortest one tried before giving up
 
     def __post_init__(self) -> None:
-        _need(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
-              f"one of {', '.join(SPECULATIVE_METHODS)}")
-        _need(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
-        _need(self.method not in ("draft", "eagle") or bool(self.draft_model), "speculative.draft_model",
-              self.draft_model, f"method {self.method!r} needs the directory of a draft model (--draft-model DIR)")
-        _need(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
-              f"must be in 1..ngram_max={self.ngram_max}")
+        require(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
+                f"one of {', '.join(SPECULATIVE_METHODS)}")
+        require(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
+        require(self.method not in ("draft", "eagle") or bool(self.draft_model), "speculative.draft_model",
+                self.draft_model, f"method {self.method!r} needs the directory of a draft model (--draft-model DIR)")
+        require(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
+                f"must be in 1..ngram_max={self.ngram_max}")
 
 
 @dataclass
@@ -105,78 +99,78 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
-        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        _need(self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
-              self.block_size, "must be a positive power of two")
-        _need(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
-              "must be None or a positive integer")
-        _need(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
-        _need(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
-        _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
-        _need(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
-              "must be > 0")
-        _need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
-              "one of " + ", ".join(map(repr, SCHEDULING_POLICIES)))
-        _need(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
-              "must be None or > 1")
-        _need(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
-              "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
+        require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        require(self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
+                self.block_size, "must be a positive power of two")
+        require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
+                "must be None or a positive integer")
+        require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
+        require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
+        require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
+                "must be > 0")
+        require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                "one of " + ", ".join(map(repr, SCHEDULING_POLICIES)))
+        require(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
+                "must be None or > 1")
+        require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
+                "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
         if self.gguf_keep_quantized:
             for key, value in (("quantization", self.quantization), ("lora_adapters", self.lora_adapters),
                                ("merge_lora", self.merge_lora)):
-                _need(not value, key, value, "not supported with gguf_keep_quantized=True (the GGUF blocks are "
-                      "served as stored, without LoRA or another quantization); serve without gguf_keep_quantized")
-        _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
-        _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
-              f"at most max_loras={self.max_loras} adapters")
+                require(not value, key, value, "not supported with gguf_keep_quantized=True (the GGUF blocks are "
+                        "served as stored, without LoRA or another quantization); serve without gguf_keep_quantized")
+        require(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
+        require(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
+                f"at most max_loras={self.max_loras} adapters")
         if self.decode_batch_sizes is not None:
             self.decode_batch_sizes = sorted({int(b) for b in self.decode_batch_sizes})
-            _need(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
-                  "must be positive batch sizes (or [] for no static-shape decode step)")
-        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+            require(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
+                    "must be positive batch sizes (or [] for no static-shape decode step)")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         if self.tensor_parallel_size > 1:
             for key, value in (("lora_adapters", self.lora_adapters), ("merge_lora", self.merge_lora),
                                ("quantization", self.quantization),
                                ("gguf_keep_quantized", self.gguf_keep_quantized)):
-                _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
-                      "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
+                require(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
+                        "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
         self._check_kv_tiers()
-        _need(isinstance(self.limit_mm_per_prompt, dict) and set(self.limit_mm_per_prompt) <= set(MODALITIES)
-              and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                      for v in self.limit_mm_per_prompt.values()),
-              "limit_mm_per_prompt", self.limit_mm_per_prompt,
-              f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
-        _need(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
-              "must be >= 1")
+        require(isinstance(self.limit_mm_per_prompt, dict) and set(self.limit_mm_per_prompt) <= set(MODALITIES)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                        for v in self.limit_mm_per_prompt.values()),
+                "limit_mm_per_prompt", self.limit_mm_per_prompt,
+                f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
+        require(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
+                "must be >= 1")
         spec = self.speculative
         if spec is not None and spec.method in ("mtp", "eagle"):
             # the MTP and EAGLE drafts read the target's hidden states from the packed step on this process
-            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-                  f"speculative.method={spec.method!r} drafts on one process; use tensor_parallel_size=1")
-            _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
-                  f"speculative.method={spec.method!r} decodes in the packed step (it reads its hidden states); "
-                  "use []")
+            require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                    f"speculative.method={spec.method!r} drafts on one process; use tensor_parallel_size=1")
+            require(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
+                    f"speculative.method={spec.method!r} decodes in the packed step (it reads its hidden states); "
+                    "use []")
             self.decode_batch_sizes = []
         if spec is not None:
-            _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
-                  self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
+            require(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
+                    self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
 
     def _check_kv_tiers(self) -> None:
         """The KV tiers' and the disaggregation role's fields (kv_tiers.py, kv_transfer.py)."""
-        _need(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
-        _need(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
+        require(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
+        require(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
         if self.has_kv_tiers:
             key, value = ("kv_offload_gib", self.kv_offload_gib) if self.kv_offload_gib else ("kv_cache_dir",
                                                                                              self.kv_cache_dir)
-            _need(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
-                  "hash); do not disable it")
-            _need(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
-        _need(self.kv_role in (None, "prefill", "decode"), "kv_role", self.kv_role, "None, 'prefill' or 'decode'")
+            require(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
+                    "hash); do not disable it")
+            require(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
+        require(self.kv_role in (None, "prefill", "decode"), "kv_role", self.kv_role, "None, 'prefill' or 'decode'")
         if self.kv_role is not None:
-            _need(self.enable_prefix_caching and self.tensor_parallel_size == 1, "kv_role", self.kv_role,
-                  "needs prefix caching on and tensor_parallel_size=1")
-            _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
-                  "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
+            require(self.enable_prefix_caching and self.tensor_parallel_size == 1, "kv_role", self.kv_role,
+                    "needs prefix caching on and tensor_parallel_size=1")
+            require(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
+                    "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
 
     def check_vision_language(self, family: str) -> None:
         """Refuse, naming each, the features not served for a vision-language model (images need
@@ -185,8 +179,8 @@ class EngineConfig:
                    "merge_lora": bool(self.merge_lora), "quantization": self.quantization is not None,
                    "speculative": self.speculative is not None, "kv_role": self.kv_role is not None}
         for key, on in refused.items():
-            _need(not on, key, getattr(self, key), f"not supported for the vision-language model family {family!r} "
-                  "(served on one rank, without LoRA, quantization, speculative decoding or disaggregation)")
+            require(not on, key, getattr(self, key), f"not supported for the vision-language model family {family!r} "
+                    "(served on one rank, without LoRA, quantization, speculative decoding or disaggregation)")
 
     @property
     def has_kv_tiers(self) -> bool:

@@ -115,17 +115,12 @@ def vision_model_config(cfg: RunConfig) -> tuple[VisionModelConfig, Processor]:
         model_cfg = _qwen_from_config(cfg)
         return model_cfg, _pixel_range(cfg, QwenImageProcessor.for_vision(model_cfg.vision))
     if isinstance(model_cfg, QwenVLConfig):  # the family comes from the source: its layouts checked here
-        refuse_qwen_layouts(cfg.parallel, _refuse)
+        refuse_qwen_layouts(cfg.parallel)
     differences = model_differences(cfg.model, model_cfg.text, shapes_only=True)
     if differences:
         raise ConfigError(f"the model section differs from train.init_from={cfg.train.init_from!r}'s language model in "
                           f"{', '.join(differences[:4])}: leave the model section empty to take the source's")
     return model_cfg, _pixel_range(cfg, processor)
-
-
-def _refuse(cond: bool, key: str, value, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 def _llava_from_config(cfg: RunConfig) -> LlavaConfig:
