@@ -249,14 +249,9 @@ class LLMEngine:
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
-        if self.config.tensor_parallel_size > 1:
-            raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
-                              f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
+        self.config.check_runtime_lora()  # one rank, weights dequantized at load: the config's rule
         if self.vision is not None:
             raise ConfigError("LoRA adapters are not supported for the vision-language model family 'llava'")
-        if self.config.gguf_keep_quantized:
-            raise ConfigError("LoRA adapters are not supported with gguf_keep_quantized=True; serve the GGUF "
-                              "model without it (its weights dequantized at load) to use adapters")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
