@@ -147,10 +147,9 @@ class EngineConfig:
         "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "
         "and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r with --device cuda:B; N GPUs "
         "from there must exist); N must divide the heads, KV heads, vocabulary and FFN dims; N > 1 decodes "
-        "without CUDA graphs and serves no LoRA or quantized weights. Under tessera serve, if a rank fails or "
-        "exits (or a step fails on this one), requests in flight get the error, GET /health answers 503 naming "
-        "the rank, and the server shuts down with exit status 1 for its supervisor to restart it",
-        type=int_in(1, 1024),
+        "without CUDA graphs and serves no LoRA or quantized weights. If a rank fails or exits (or a step fails "
+        "on this one), requests in flight get the error, GET /health answers 503 naming the rank, and tessera "
+        "serve exits with status 1 for its supervisor to restart it", type=int_in(1, 1024),
         metavar="N"))
     # KV tiers below the device (kv_tiers.py; prefix caching on, one rank)
     kv_offload_gib: float = field(default=0.0, metadata=flag(
