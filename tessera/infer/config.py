@@ -19,7 +19,7 @@ from typing import Any
 from tessera.config.argument_types import int_in, nonnegative_float, positive_float, seed, text
 from tessera.config.devices import resolve_device
 from tessera.config.dtypes import DTYPES, dtype_argument, dtype_name, torch_dtype
-from tessera.config.errors import ConfigError, require
+from tessera.config.errors import ConfigError, RequestError, require
 from tessera.config.flags import add_flags, flag, flag_text, section, values_from_args
 from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
 from tessera.infer.engine_arguments import MODALITIES, batch_sizes, mm_limits, named_adapters
@@ -273,6 +273,14 @@ class EngineConfig:
                 f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
         require(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
                 "must be >= 1")
+
+    def check_media_count(self, modality: str, count: int) -> None:
+        """Refuse a request carrying more items of `modality` than limit_mm_per_prompt allows
+        (RequestError naming its images; the server counts a chat's before fetching any)."""
+        limit = self.limit_mm_per_prompt.get(modality)
+        if limit is not None and count > limit:
+            raise RequestError(f"the request has {count} {modality}s; at most {limit} per prompt are allowed "
+                               "(limit_mm_per_prompt, --limit-mm-per-prompt)", field="images")
 
     def _check_speculative(self) -> None:
         spec = self.speculative
