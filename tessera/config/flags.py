@@ -32,13 +32,14 @@ class Flag:
     type: Callable[[str], Any] | None = None  # argparse's converter of the text given
     choices: Sequence[Any] | None = None
     metavar: str | None = None
-    action: str | None = None  # "store_true" (a switch) or "append" (repeatable); None: one value
+    # "store_true" (a switch), "store_false" (a switch that clears the field: --no-X) or "append"
+    # (repeatable); None: one value
+    action: str | None = None
     default: Any = _UNSET  # the option's default where it differs from the field's (say why where declared)
     to_field: Callable[[Any], Any] | None = None  # the parsed value -> the field's value (None: as parsed)
-
-    def dest(self) -> str:
-        """The attribute argparse stores the option's value under (its own default for the spelling)."""
-        return self.name.lstrip("-").replace("-", "_")
+    # the attribute argparse stores the value under ("": as argparse names the option; a store_false
+    # switch's is the field's own)
+    dest: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ def _flags(cls: type, names: Iterable[str] | None) -> list[tuple[dataclasses.Fie
     for name in chosen:
         f = fields[name]
         spec = f.metadata["flag"]
-        if isinstance(spec, Flag) and not spec.name:
-            spec = dataclasses.replace(spec, name="--" + f.name.replace("_", "-"))
+        if isinstance(spec, Flag):
+            option = spec.name or "--" + f.name.replace("_", "-")
+            dest = f.name if spec.action == "store_false" else option.lstrip("-").replace("-", "_")
+            spec = dataclasses.replace(spec, name=option, dest=spec.dest or dest)
         out.append((f, spec))
     return out
 
@@ -98,7 +101,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         options = {k: v for k, v in options.items() if v is not None}
         if spec.action is not None:
             options["action"] = spec.action
-        parser.add_argument(spec.name, dest=spec.dest(), default=_default(f, spec), help=spec.help, **options)
+        parser.add_argument(spec.name, dest=spec.dest, default=_default(f, spec), help=spec.help, **options)
 
 
 def values_from_args(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def values_from_args(cls: type, args: argparse.Namespace, names: Iterable[str] |
             inner = values_from_args(spec.cls, args)
             values[f.name] = spec.cls(**inner) if inner[spec.key] is not None else None
             continue
-        value = getattr(args, spec.dest())
+        value = getattr(args, spec.dest)
         values[f.name] = spec.to_field(value) if spec.to_field is not None else value
     return values
 

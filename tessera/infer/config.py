@@ -140,8 +140,7 @@ class EngineConfig:
     # a model loaded from a directory (cpu_linear.py)
     cpu_prepack: bool = field(default=True, metadata=flag(
         "on CPU in float32, keep F.linear instead of oneDNN with the projection weights reordered once at load "
-        "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_true",
-        to_field=lambda off: not off))
+        "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_false"))
     # Ranks the model is split over (tensor_parallel.py). 1: one process, as without the option.
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "
