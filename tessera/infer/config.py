@@ -27,8 +27,6 @@ from tessera.infer.engine_arguments import MODALITIES, batch_sizes, mm_limits, n
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 SCHEDULING_POLICIES = ("fcfs", "shortest_first")  # the order of the waiting queue (scheduler.py)
-__all__ = ["MODALITIES", "QUANTIZATION_METHODS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS", "EngineConfig",
-           "SpeculativeConfig"]
 
 
 @dataclass
