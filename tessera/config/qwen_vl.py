@@ -16,7 +16,7 @@ own coordinate of the token's 3-D position. No torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.config.errors import ConfigError, ModelError, require
@@ -117,8 +117,11 @@ class QwenVLConfig:
         self.validate()
 
     @property
-    def version(self) -> str:
+    def family(self) -> str:
+        """The vision-language family (config.json's model_type; tessera/config/vision_families.py)."""
         return self.vision.version
+
+    version = family  # which of Qwen2-VL and Qwen2.5-VL
 
     def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Placeholder tokens of an image with this patch grid (known before any forward)."""
@@ -230,3 +233,35 @@ def qwen_vl_config_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
     return {"architectures": [VERSIONS[cfg.version]], "model_type": cfg.version, "text_config": text,
             "vision_config": vision_to_hf(cfg.vision), **{k: getattr(cfg, k) for k in _TOKEN_DEFAULTS},
             "tie_word_embeddings": cfg.text.tie_embeddings}
+
+
+def qwen_vl_config_from_section(v: Any, text: ModelConfig) -> QwenVLConfig:
+    """The Qwen2-VL / Qwen2.5-VL (`v.family`) of a fine-tune's train.vision_language fields `v`
+    (tessera.config.vision_training) over language model `text` (a qwen2 decoder): its special
+    tokens the vocabulary's last ids unless given, the tower's output the model's width."""
+    vocab = text.vocab_size
+    tokens = {"image_token_id": vocab - 1 if v.image_token_id is None else v.image_token_id,
+              "vision_start_token_id": vocab - 3 if v.vision_start_token_id is None else v.vision_start_token_id,
+              "vision_end_token_id": vocab - 2 if v.vision_end_token_id is None else v.vision_end_token_id,
+              "video_token_id": vocab - 4}
+    for key, token in tokens.items():
+        same = [k for k, t in tokens.items() if t == token and k != key]
+        if not 0 <= token < vocab or same:
+            shown = f"train.vision_language.{key}" if key != "video_token_id" else "the video token (vocab_size - 4)"
+            why = f"the same id as {', '.join(same)}" if same else "outside the vocabulary"
+            raise ConfigError(f"{shown}={token} is invalid ({why}): the image, vision start / end and video tokens "
+                              f"are distinct ids of the language model's vocabulary (0..{vocab - 1}); got {tokens}")
+    section = list(v.mrope_section) if v.mrope_section is not None else default_mrope_section(text.head_dim)
+    try:
+        return QwenVLConfig(text=text, vision=replace(v.qwen_tower, version=v.family, out_dim=text.dim),
+                            mrope_section=section, **tokens)
+    except ConfigError as e:
+        raise ConfigError(f"train.vision_language: {e}") from e
+
+
+def refuse_qwen_layouts(p: Any) -> None:
+    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take, refused by name (ConfigError):
+    expert parallelism (the language model is a dense qwen2 decoder)."""
+    require(p.ep == 1, "parallel.ep", p.ep,
+            "1 with data.kind=vision_sft on Qwen2-VL / Qwen2.5-VL: their language model is a dense qwen2 decoder, "
+            "which has no routed experts to split over ep")

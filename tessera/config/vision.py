@@ -109,6 +109,11 @@ class LlavaConfig:
         self.validate()
 
     @property
+    def family(self) -> str:
+        """The vision-language family (config.json's model_type; tessera/config/vision_families.py)."""
+        return "llava"
+
+    @property
     def feature_layers(self) -> list[int]:
         """The tower's hidden-state indices in 0..n_layers, in the order they are concatenated."""
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
@@ -185,6 +190,18 @@ def llava_config_from_hf(d: Mapping[str, Any]) -> LlavaConfig:
                        select_strategy=d.get("vision_feature_select_strategy", "default"),
                        projector_act=d.get("projector_hidden_act", "gelu"),
                        projector_bias=bool(d.get("multimodal_projector_bias", True)))
+
+
+def llava_config_from_section(v: Any, text: ModelConfig) -> LlavaConfig:
+    """The LLaVA of a fine-tune's train.vision_language fields `v` (tessera.config.vision_training)
+    over language model `text`: its image token the vocabulary's last id unless given."""
+    token = v.image_token_id if v.image_token_id is not None else text.vocab_size - 1
+    layers = v.feature_layer[0] if len(v.feature_layer) == 1 else list(v.feature_layer)
+    try:
+        return LlavaConfig(text=text, vision=v.tower, image_token_id=token, feature_layer=layers,
+                           select_strategy=v.select_strategy, projector_act=v.projector_act)
+    except ConfigError as e:
+        raise ConfigError(f"train.vision_language: {e}") from e
 
 
 def read_llava_file(d: Mapping[str, Any], source: str) -> LlavaConfig:

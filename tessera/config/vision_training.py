@@ -24,10 +24,11 @@ parallelism of an MoE language model, and pipeline parallelism (the tower and pr
 first stage, which alone gets the images). Qwen's M-RoPE positions are computed from the whole rows
 and their grids, and each rank keeps its tokens' positions: its cp chunk's (whole under sp, as the
 language model's RoPE takes them), and under pp every stage is handed its rows' positions
-(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL
-(`refuse_qwen_layouts`, also when the family comes from train.init_from): their language model is a
-dense qwen2 decoder, which has no routed experts to split. Distillation, EAGLE, FP8, compile,
-recomputation, activation offload and multi-token prediction are refused by name for every family.
+(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL (their
+family's `refuse_layouts`, tessera/config/vision_families.py, also when the family comes from
+train.init_from): their language model is a dense qwen2 decoder, which has no routed experts to
+split. Distillation, EAGLE, FP8, compile, recomputation, activation offload and multi-token
+prediction are refused by name for every family.
 Checkpoints and `--resume` work, also across layouts; `checkpoint.export_hf` and `tessera convert
 RUN OUT` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory transformers loads.
 """
@@ -38,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.config.errors import require
-from tessera.config.qwen_vl import VERSIONS as QWEN_VERSIONS
 from tessera.config.qwen_vl import QwenVisionConfig
 from tessera.config.vision import ACTIVATIONS, STRATEGIES, VisionConfig
+from tessera.config.vision_families import REGISTRY
 
 DATA_KIND = "vision_sft"
-FAMILIES = ("llava", *QWEN_VERSIONS)  # llava, qwen2_vl, qwen2_5_vl
+FAMILIES = tuple(REGISTRY)  # llava, qwen2_vl, qwen2_5_vl (tessera/config/vision_families.py)
 
 
 def _tiny_tower() -> VisionConfig:
@@ -116,8 +117,7 @@ def validate_vision_language(cfg: Any) -> None:
             "train.vision_language.freeze_language_model", True,
             "at most two of freeze_vision_tower, freeze_projector, freeze_language_model (nothing would train)")
     what = "vision-language fine-tuning (data.kind=vision_sft)"
-    if v.family != "llava":
-        refuse_qwen_layouts(p)
+    REGISTRY[v.family].refuse_layouts(p)
     require(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher, f"null with {what}")
     require(t.eagle.target is None, "train.eagle.target", t.eagle.target, f"null with {what}")
     require(not t.fp8, "train.fp8", t.fp8, f"false with {what}")
@@ -129,10 +129,3 @@ def validate_vision_language(cfg: Any) -> None:
         require(entry.weight == 1.0, f"data.datasets[{i}].weight", entry.weight,
                 f"1.0 with {what} (the JSONL files' records are read in turn, not blended)")
 
-
-def refuse_qwen_layouts(p: Any) -> None:
-    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take (module docstring), refused by
-    name (ConfigError)."""
-    require(p.ep == 1, "parallel.ep", p.ep,
-            f"1 with data.kind={DATA_KIND} on Qwen2-VL / Qwen2.5-VL: their language model is a dense qwen2 decoder, "
-            "which has no routed experts to split over ep")

@@ -29,9 +29,9 @@ from tessera.checkpoint.loading import (
     trained_tokenizer,
     vision_language_family,
 )
+from tessera.checkpoint.vision_families import default_processor
 from tessera.config.errors import ConfigError, RequestError
-from tessera.data.image_processor import ImageProcessor, decode_image
-from tessera.data.qwen_image_processor import QwenImageProcessor
+from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
 from tessera.infer.checked_request import CheckedRequest
@@ -50,11 +50,10 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
-from tessera.models.llava import Llava
 from tessera.models.quantized import quantize_model
-from tessera.models.qwen_vl import QwenVL
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
+from tessera.models.vision_language import VisionLanguageModel
 
 
 class LLMEngine:
@@ -80,8 +79,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.vision: Llava | None = None  # a vision-language model whose language model this engine serves
-        self.image_processor: ImageProcessor | None = None
+        self.vision: VisionLanguageModel | None = None  # a vision-language model whose language model it serves
+        self.image_processor = None  # that model's image processor (its family's: pixel values of an image)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -108,21 +107,22 @@ class LLMEngine:
             return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
-    def from_model(cls, model: Transformer | Llava | QwenVL, config: EngineConfig | None = None, tokenizer=None,
+    def from_model(cls, model: Transformer | VisionLanguageModel, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
-                   image_processor: ImageProcessor | None = None, owned: bool = False) -> LLMEngine:
+                   image_processor=None, owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
         (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, weights
         quantized, the draft model loaded, dynamic adapters loaded, system prompts cached.
         `prequantized`: the model's weights are int8 already (a pre-quantized directory). With
         tensor_parallel_size > 1 the model is cut over that many ranks (its weights sent once to
-        the new worker processes). A vision-language model (`Llava`) is served as its language model
-        with its image encoder beside it (`image_processor`: the one its tower ships with by default).
+        the new worker processes). A vision-language model (`VisionLanguageModel`) is served as its
+        language model with its image encoder beside it (`image_processor`: the one its tower ships
+        with by default).
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
         the CPU (cpu_linear.py) and its norms, rotary embedding and activation done by one-pass kernels
         (cpu_layer_ops.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
-        if isinstance(model, Llava | QwenVL):
+        if isinstance(model, VisionLanguageModel):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
@@ -137,17 +137,15 @@ class LLMEngine:
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
 
     @classmethod
-    def _serving_vision_language(cls, model: Llava | QwenVL, config: EngineConfig, tokenizer, eos_ids,
-                                 image_processor: ImageProcessor | QwenImageProcessor | None) -> LLMEngine:
-        qwen = isinstance(model, QwenVL)
-        config.check_vision_language(model.cfg.version if qwen else "llava")
+    def _serving_vision_language(cls, model: VisionLanguageModel, config: EngineConfig, tokenizer, eos_ids,
+                                 image_processor) -> LLMEngine:
+        config.check_vision_language(model.family)
         _check_placement(model.language_model, config)
-        executor = InProcessExecutor(model.language_model, config)
-        executor.local.encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
-        engine = cls._serving(executor, config, tokenizer, eos_ids)
+        encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
+        engine = cls._serving(InProcessExecutor(model.language_model, config, encoder=encoder), config, tokenizer,
+                              eos_ids)
         engine.vision = model
-        engine.image_processor = image_processor or (QwenImageProcessor if qwen else ImageProcessor).for_vision(
-            model.cfg.vision)
+        engine.image_processor = image_processor or default_processor(model.cfg)
         return engine
 
     @classmethod
@@ -244,18 +242,13 @@ class LLMEngine:
             if images:
                 raise ConfigError("this model takes no images (it is not a vision-language model)")
             return prompt_ids, ()
-        if isinstance(self.vision, QwenVL):
-            return qwen_placeholders(prompt_ids, self.vision.cfg, images)
-        size = (self.vision.cfg.vision.num_channels,) + (self.vision.cfg.vision.image_size,) * 2
-        for p in images:
-            if tuple(p.shape) != size:
-                raise ConfigError(f"image pixel values must be {list(size)} (the image processor's output); got "
-                                  f"{list(p.shape)}")
-        return expand_placeholders(prompt_ids, self.vision.cfg.image_token_id, self.vision.cfg.image_tokens, images)
+        inputs = [self.vision.image_input(p) for p in images]  # each checked as its family takes it
+        return expand_placeholders(prompt_ids, self.vision.image_token_id, [i.tokens for i in inputs],
+                                   [i.pixels for i in inputs], [i.grid for i in inputs])
 
     def pixel_values(self, image) -> np.ndarray | tuple[np.ndarray, tuple[int, int, int]]:
         """The model's pixel values of `image`: a PIL image, or encoded bytes (decoded as untrusted input).
-        Qwen2-VL: its patch rows and (t, h, w) grid."""
+        Qwen2-VL: its patch rows and (t, h, w) grid (what the family's `image_input` takes)."""
         if self.image_processor is None:
             raise ConfigError("this model takes no images (it is not a vision-language model)")
         return self.image_processor(decode_image(image) if isinstance(image, bytes | bytearray) else image)
@@ -279,7 +272,8 @@ class LLMEngine:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
         self.config.check_runtime_lora()  # one rank, weights dequantized at load: the config's rule
         if self.vision is not None:
-            raise ConfigError("LoRA adapters are not supported for the vision-language model family 'llava'")
+            raise ConfigError(f"LoRA adapters are not supported for the vision-language model family "
+                              f"{self.vision.family!r}")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
@@ -411,15 +405,3 @@ def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None
     except Exception:  # noqa: BLE001 - any unreadable tokenizer: serve token ids only
         return None
 
-
-def qwen_placeholders(prompt_ids: list[int], cfg, images: list) -> tuple[list[int], tuple]:
-    """`expand_placeholders` for Qwen2-VL: each image (patch rows, grid) takes grid / merge^2 tokens."""
-    rows = cfg.vision.patch_values
-    for im in images:
-        ok = isinstance(im, tuple) and len(im) == 2 and len(im[1]) == 3
-        if not ok or im[0].ndim != 2 or im[0].shape != (int(np.prod(im[1])), rows):
-            raise ConfigError(f"a Qwen2-VL image must be (patch rows [t*h*w, {rows}], (t, h, w)) as the image "
-                              "processor makes it")
-    grids = [tuple(int(x) for x in im[1]) for im in images]
-    return expand_placeholders(prompt_ids, cfg.image_token_id, [cfg.image_tokens(g) for g in grids],
-                               [im[0] for im in images], grids)

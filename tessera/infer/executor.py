@@ -22,6 +22,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.kv_tiers import KVTierStore, KVTransfers
 from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
+from tessera.infer.multimodal import ImageEncoder
 from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
 from tessera.infer.speculative import build_proposer
 from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk, TargetScores
@@ -74,12 +75,14 @@ def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
 
 
 class InProcessExecutor:
-    """The model in this process: `model` is in `config.dtype` on `config.device`."""
+    """The model in this process: `model` is in `config.dtype` on `config.device`; `encoder`: a
+    vision-language model's image encoder (multimodal.py), whose feature rows the items with images
+    take (`model` is then its language model)."""
 
-    def __init__(self, model: Transformer, config: EngineConfig):
+    def __init__(self, model: Transformer, config: EngineConfig, encoder: ImageEncoder | None = None):
         self.model = model
         self.lora = lora_manager(model, config)
-        self.local, self.geometry = build_paged_model(model, config, self.lora)
+        self.local, self.geometry = build_paged_model(model, config, self.lora, encoder=encoder)
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
                                                             self.local))
         self.kv_tiers: KVTierStore | None = None  # the host / disk tiers' bytes, when the engine has tiers

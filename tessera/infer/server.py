@@ -59,7 +59,6 @@ from tessera.infer.openai_protocol import (
 from tessera.infer.quoting import brief
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import RequestOutput
-from tessera.models.qwen_vl import QwenVL
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -252,15 +251,12 @@ class _Routes:
         return out
 
     def encode_around(self, text: str, marker: str) -> list[int]:
-        """Token ids of a chat text, with the model's image token where each `marker` stands (Qwen2-VL:
-        between its vision start and end tokens)."""
+        """Token ids of a chat text, with the model's image part where each `marker` stands (its image
+        token; Qwen2-VL's between its vision start and end tokens: `image_part_ids`)."""
         pieces = text.split(marker)
         if len(pieces) == 1:
             return self.encode(text, special=False)
-        cfg = self.engine.vision.cfg
-        image = [cfg.image_token_id]
-        if isinstance(self.engine.vision, QwenVL):  # as Qwen2-VL's chat template writes an image part
-            image = [cfg.vision_start_token_id, *image, cfg.vision_end_token_id]
+        image = self.engine.vision.image_part_ids()
         ids = self.encode(pieces[0], special=False)
         for piece in pieces[1:]:
             ids = ids + image + (self.encode(piece, special=False) if piece else [])
