@@ -15,17 +15,16 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.loading import trained_tokenizer
 from tessera.checkpoint.vision_families import REGISTRY, directory_family, family_names, load_directory_model
+from tessera.config.dtypes import short_dtype_argument, torch_dtype
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in ("fp32", "bf16")}  # what a converted checkpoint is written in
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
@@ -41,6 +40,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     `layout` (`parallel.K=V` overrides, HF -> Tessera only) cuts the checkpoint's chunks into the
     shards of that layout without loading the whole model (dcp/layout.py).
     """
+    dtype = short_dtype_argument(dtype)  # bfloat16 is bf16 (tessera.config.dtypes)
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     check_new_destination("convert", src, dst)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import CheckpointError, ConfigError, ModelError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError, require
 from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
 
@@ -79,18 +79,16 @@ class VisionConfig:
         return self.patches + (1 if self.kind == "clip" else 0)
 
     def validate(self) -> None:
-        def need(cond: bool, key: str, allowed: str) -> None:
-            if not cond:
-                raise ConfigError(f"vision.{key}={getattr(self, key)!r} is invalid: {allowed}")
-
-        need(self.kind in ("clip", "siglip"), "kind", "one of clip, siglip")
-        need(self.act in ACTIVATIONS, "act", f"one of {', '.join(ACTIVATIONS)}")
-        need(0 < self.patch_size <= self.image_size <= MAX_IMAGE_SIZE, "image_size",
-             f"must be in patch_size={self.patch_size}..{MAX_IMAGE_SIZE}")
+        require(self.kind in ("clip", "siglip"), "vision.kind", self.kind, "one of clip, siglip")
+        require(self.act in ACTIVATIONS, "vision.act", self.act, f"one of {', '.join(ACTIVATIONS)}")
+        require(0 < self.patch_size <= self.image_size <= MAX_IMAGE_SIZE, "vision.image_size", self.image_size,
+                f"must be in patch_size={self.patch_size}..{MAX_IMAGE_SIZE}")
         for key in ("num_channels", "dim", "n_layers", "n_heads", "ffn_dim"):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key, "must be a positive integer")
-        need(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}")
-        need(self.use_head is False or self.kind == "siglip", "use_head", "only SigLIP has an attention-pooling head")
+            value = getattr(self, key)
+            require(isinstance(value, int) and value > 0, f"vision.{key}", value, "must be a positive integer")
+        require(self.dim % self.n_heads == 0, "vision.n_heads", self.n_heads, f"must divide dim={self.dim}")
+        require(self.use_head is False or self.kind == "siglip", "vision.use_head", self.use_head,
+                "only SigLIP has an attention-pooling head")
 
 
 @dataclass

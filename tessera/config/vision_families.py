@@ -53,7 +53,7 @@ from tessera.config.qwen_vl import (
 from tessera.config.vision import llava_config_from_hf, llava_config_from_section, llava_config_to_hf, read_config_file
 
 
-def _every_layout(parallel: Any, need: Any) -> None:
+def _every_layout(parallel: Any) -> None:
     """A family whose fine-tune takes every layout of its language model refuses none."""
 
 
@@ -64,8 +64,8 @@ class ConfigFamily:
     from_hf: Callable[[Mapping[str, Any]], Any]  # config.json -> its config (ModelError: not reproducible)
     to_hf: Callable[[Any], dict[str, Any]]  # its config -> config.json, every field written
     from_section: Callable[[Any, ModelConfig], Any]  # train.vision_language's fields over a language model
-    # (parallel section, need): refuse by name the layouts its fine-tune does not take
-    refuse_layouts: Callable[[Any, Any], None] = _every_layout
+    # (parallel section): refuse by name (ConfigError) the layouts its fine-tune does not take
+    refuse_layouts: Callable[[Any], None] = _every_layout
 
 
 _QWEN_VL = ConfigFamily(qwen_vl_config_from_hf, qwen_vl_config_to_hf, qwen_vl_config_from_section,

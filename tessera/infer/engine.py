@@ -30,10 +30,11 @@ from tessera.checkpoint.loading import (
     vision_language_family,
 )
 from tessera.checkpoint.vision_families import default_processor
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, RequestError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.checked_request import CheckedRequest
 from tessera.infer.config import EngineConfig
 from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
@@ -162,55 +163,82 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, num_prompt_tokens: int, params: SamplingParams,
                          adapter: str | None) -> GrammarMatcher | None:
-        """Raise ConfigError if the request cannot be served as asked. Returns the request's own
-        grammar matcher (None for free text), which `add_request` keeps: compiling a schema again
-        (after the compiled-grammar cache let it go) would stall the engine thread's batch."""
+        """Raise RequestError (a ConfigError naming the request field at fault) if a prompt of
+        `num_prompt_tokens` cannot be served as asked. Returns the request's own grammar matcher
+        (None for free text), which `add_request` keeps: compiling a schema again (after the
+        compiled-grammar cache let it go) would stall the engine thread's batch."""
         if num_prompt_tokens < 1:
-            raise ConfigError("prompt is empty: it needs at least one token")
+            raise RequestError("prompt is empty: it needs at least one token", field="prompt")
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ConfigError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                              f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}")
-        if adapter is not None and adapter not in self.lora.adapters:
-            raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                               f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}",
+                               field="prompt")
+        self._loaded_adapter(adapter)
         bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
-            raise ConfigError(f"logit_bias token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
+            raise RequestError(f"logit_bias token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}",
+                               field="logit_bias")
         if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+            raise RequestError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)",
+                               field="stop")
         return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None, images: list[np.ndarray] | None = None) -> str:
-        """Queue a request. `images`: pixel values [C, H, W] (`image_processor`'s output) of the
-        images the prompt marks, one image token id per image, in order (multimodal.py)."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
+                      images: list[np.ndarray] | None = None) -> CheckedRequest:
+        """The one check of a request (checked_request.py): its images against the prompt's marks
+        (`with_images`), its token ids, then `validate_request`. RequestError naming the field at fault."""
         params = params or SamplingParams()
-        prompt_ids, prompt_images = self.with_images([int(t) for t in prompt_ids], images or [])
-        grammar = self.validate_request(len(prompt_ids), params, adapter)
+        try:
+            prompt_ids, prompt_images = self.with_images([int(t) for t in prompt_ids], images or [])
+        except RequestError:
+            raise
+        except ConfigError as e:
+            raise RequestError(str(e), field="images") from None
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
+            raise RequestError(f"prompt token ids must be in 0..{self.cfg.vocab_size - 1} (token id {bad[0]} is not)",
+                               field="prompt")
+        grammar = self.validate_request(len(prompt_ids), params, adapter)
+        return CheckedRequest(prompt_ids, params, adapter, prompt_images, grammar)
+
+    def add_request(self, prompt_ids: list[int] | CheckedRequest, params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    images: list[np.ndarray] | None = None) -> str:
+        """Queue a request: `prompt_ids` with its `params`, `adapter` and `images` (pixel values
+        [C, H, W], `image_processor`'s output, of the images the prompt marks, one image token id per
+        image, in order: multimodal.py), checked here (`check_request`); or a request checked already,
+        queued as it is (the other arguments but `request_id` unused)."""
+        request = (prompt_ids if isinstance(prompt_ids, CheckedRequest)
+                   else self.check_request(prompt_ids, params, adapter, images))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
             raise ConfigError(f"request_id {request_id!r} is already in use")
+        loaded = self._loaded_adapter(request.adapter)  # unloaded since a check in another thread: refused
+        params = request.params
         generator, seed = None, 0
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
             generator = make_generator(seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-        loaded = self.lora.adapters[adapter] if adapter else None
-        seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
+        seq = Sequence(request_id, request.prompt_ids, params, generator, adapter=request.adapter,
                        adapter_key=loaded.key if loaded else b"", adapter_slot=loaded.slot if loaded else -1,
-                       stop_ids=frozenset(stop_ids), grammar=grammar, seed=seed, images=prompt_images)
+                       stop_ids=frozenset(stop_ids), grammar=request.grammar, seed=seed, images=request.images)
         self.scheduler.add(seq)
         return request_id
+
+    def _loaded_adapter(self, name: str | None):
+        """The loaded LoRA adapter `name` (None for the base model); RequestError when it is not loaded."""
+        if name is None:
+            return None
+        if name not in self.lora.adapters:
+            raise RequestError(f"lora adapter {name!r} is not loaded; loaded: {sorted(self.lora.adapters)}",
+                               field="adapter")
+        return self.lora.adapters[name]
 
     def with_images(self, prompt_ids: list[int], images: list[np.ndarray]) -> tuple[list[int], tuple]:
         """The prompt with its image marks widened to placeholders, and its images (none for text);
         ConfigError when the images are too many, of the wrong size, or do not match the marks."""
-        limit = self.config.limit_mm_per_prompt.get("image")
-        if limit is not None and len(images) > limit:
-            raise ConfigError(f"the request has {len(images)} images; at most {limit} per prompt are allowed "
-                              "(limit_mm_per_prompt)")
+        self.config.check_media_count("image", len(images))
         if self.vision is None:
             if images:
                 raise ConfigError("this model takes no images (it is not a vision-language model)")
@@ -243,15 +271,10 @@ class LLMEngine:
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
-        if self.config.tensor_parallel_size > 1:
-            raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
-                              f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
+        self.config.check_runtime_lora()  # one rank, weights dequantized at load: the config's rule
         if self.vision is not None:
             raise ConfigError(f"LoRA adapters are not supported for the vision-language model family "
                               f"{self.vision.family!r}")
-        if self.config.gguf_keep_quantized:
-            raise ConfigError("LoRA adapters are not supported with gguf_keep_quantized=True; serve the GGUF "
-                              "model without it (its weights dequantized at load) to use adapters")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:

@@ -92,10 +92,9 @@ class LLM:
                               f"{len(image_lists)} image lists")
         encoded = [self.encode(p) for p in prompts]
         pixels = [[self.engine.pixel_values(im) for im in imgs] for imgs in image_lists]
-        for e, p, a, px in zip(encoded, params_list, adapters, pixels):  # refuse before anything is queued
-            self.engine.validate_request(len(self.engine.with_images(e, px)[0]), p, a)
-        ids = [self.engine.add_request(e, p, a, images=px) for e, p, a, px in zip(encoded, params_list, adapters,
-                                                                                   pixels)]
+        checked = [self.engine.check_request(e, p, a, px)  # all refused before anything is queued
+                   for e, p, a, px in zip(encoded, params_list, adapters, pixels)]
+        ids = [self.engine.add_request(request) for request in checked]
         done: dict[str, Any] = {}
         while len(done) < n:
             for out in self.engine.step():

@@ -97,17 +97,12 @@ def vision_model_config(cfg: RunConfig) -> tuple[Any, Any]:
         from tessera.checkpoint.dcp.vision_language import read_vision_language_entry
 
         model_cfg, processor = read_vision_language_entry(ckpt.resolve_checkpoint(cfg.train.init_from))
-    CONFIG_REGISTRY[model_cfg.family].refuse_layouts(cfg.parallel, _refuse)  # the family comes from the source
+    CONFIG_REGISTRY[model_cfg.family].refuse_layouts(cfg.parallel)  # the family comes from the source
     differences = model_differences(cfg.model, model_cfg.text, shapes_only=True)
     if differences:
         raise ConfigError(f"the model section differs from train.init_from={cfg.train.init_from!r}'s language model in "
                           f"{', '.join(differences[:4])}: leave the model section empty to take the source's")
     return model_cfg, _pixel_range(cfg, processor)
-
-
-def _refuse(cond: bool, key: str, value, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 def _pixel_range(cfg: RunConfig, processor: Any) -> Any:
