@@ -61,11 +61,11 @@ def pytest_collection_modifyitems(config, items):
 def cpu_only_resolve_device(original):
     """`resolve_device` that refuses every device but cpu (what a CPU test must ask for)."""
 
-    def resolve(name: str, local_rank: int | None = None) -> torch.device:
+    def resolve(name: str, local_rank: int | None = None, key: str = "device") -> str:
         if name != CPU_ONLY:
             raise AssertionError(f"a CPU test built a Trainer with train.device={name!r}: CPU tests must pin "
                                  "train.device=cpu (tests.train.runs.shrink does), or be marked `gpu`")
-        return original(name, local_rank)
+        return original(name, local_rank, key)
 
     return resolve
 

@@ -2,7 +2,9 @@
 layers below it (the planner only configs and models), no module of `tessera` is part of an import
 circle, and the planner runs without torch. Every import counts, also those inside functions and
 under TYPE_CHECKING. Files stay short enough to read (at most 500 lines), and so do the functions of
-the engine and the trainer (at most 60 lines in `tessera/infer` and `tessera/train`)."""
+the engine and the trainer (at most 60 lines in `tessera/infer` and `tessera/train`). The serving
+and training cores name no vision-language family: they ask the family registries and the model
+(tessera/config/vision_families.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ def _imports(path: Path) -> set[str]:
     return {name for name in found if name.startswith("tessera.")}
 
 
+# The serving and training cores, and the modules (or names) of one vision-language family they must not import.
+FAMILY_FREE = ("infer/engine.py", "infer/server.py", "infer/llm.py", "train/builder.py", "train/data_source.py")
+VISION_LANGUAGE_FAMILY = ("tessera.models.llava", "tessera.models.qwen_vl", "tessera.models.qwen_vision",
+                          "tessera.config.vision", "tessera.config.qwen_vl", "tessera.checkpoint.hf.llava",
+                          "tessera.checkpoint.hf.qwen_vl", "tessera.data.qwen_image_processor",
+                          "tessera.data.image_processor.ImageProcessor")
+
+
 def _folder(module: str) -> str:
     name = module.split(".")[1]
     return ALIAS.get(name, name)
@@ -54,6 +64,12 @@ def test_every_folder_imports_only_the_layers_below_it():
             if target not in allowed:
                 wrong.append(f"{module} (layer {LAYER[src]}) imports tessera.{target} (layer {LAYER[target]})")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_serving_and_training_name_no_vision_language_family():
+    wrong = [f"tessera/{rel} imports {name}" for rel in FAMILY_FREE for name in sorted(_imports(PACKAGE / rel))
+             if any(name == family or name.startswith(family + ".") for family in VISION_LANGUAGE_FAMILY)]
+    assert not wrong, "ask the family registries or the model instead:\n" + "\n".join(wrong)
 
 
 def _packages(module: str) -> list[str]:

@@ -3,10 +3,10 @@
 `convert` writes one format as the other: HF -> a checkpoint root holding `step_00000000/` (model
 weights only; cut into the shards of a layout without loading the model: dcp/layout.py), Tessera ->
 HF (read one safetensors file's tensors at a time, never the whole model: hf/export.py), GGUF -> HF
-(dequantized, with the file's tokenizer: gguf/). A LLaVA, Qwen2-VL or Qwen2.5-VL directory converts to a
-checkpoint holding the whole vision-language model and its image processor, and back
-(dcp/vision_language.py). Reading
-checks the files against their recorded checksums first and unpickles nothing beyond plain data.
+(dequantized, with the file's tokenizer: gguf/). A vision-language family's directory (LLaVA,
+Qwen2-VL, Qwen2.5-VL: checkpoint/vision_families.py) converts to a checkpoint holding the whole
+model and its image processor, and back (dcp/vision_language.py). Reading checks the files against
+their recorded checksums first and unpickles nothing beyond plain data.
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
-from tessera.checkpoint.hf.llava import is_llava_directory
-from tessera.checkpoint.hf.qwen_vl import is_qwen_vl_directory
 from tessera.checkpoint.loading import trained_tokenizer
+from tessera.checkpoint.vision_families import REGISTRY, directory_family, family_names, load_directory_model
+from tessera.config.dtypes import short_dtype_argument, torch_dtype
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in ("fp32", "bf16")}  # what a converted checkpoint is written in
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
@@ -42,6 +40,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     `layout` (`parallel.K=V` overrides, HF -> Tessera only) cuts the checkpoint's chunks into the
     shards of that layout without loading the whole model (dcp/layout.py).
     """
+    dtype = short_dtype_argument(dtype)  # bfloat16 is bf16 (tessera.config.dtypes)
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     check_new_destination("convert", src, dst)
@@ -59,8 +58,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokeniz
     """`convert` once its destination is known to be new or empty and writable."""
     if is_gguf_path(src):
         return "huggingface", _gguf_to_hf(src, dst, dtype, tokenizer, layout)
-    if (is_llava_directory(src) or is_qwen_vl_directory(src)
-            or (not is_hf_directory(src) and is_vision_language_checkpoint(src))):
+    if directory_family(src) is not None or (not is_hf_directory(src) and is_vision_language_checkpoint(src)):
         return _convert_vision_language(src, dst, dtype, tokenizer, layout)
     if is_hf_directory(src):
         own = trained_tokenizer(src)
@@ -87,33 +85,28 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokeniz
 
 def _convert_vision_language(src: str | os.PathLike, dst: str | os.PathLike, dtype: str,
                              tokenizer: str | os.PathLike | None, layout: list[str] | None) -> tuple[str, Path]:
-    """A LLaVA / Qwen2-VL / Qwen2.5-VL directory <-> a Tessera checkpoint (dcp/vision_language.py),
-    image processor included."""
+    """A vision-language family's directory (LLaVA, Qwen2-VL, Qwen2.5-VL) <-> a Tessera checkpoint
+    (dcp/vision_language.py), image processor included."""
+    family = directory_family(src)
     if layout:
-        family = "llava" if is_llava_directory(src) else "qwen2_vl, qwen2_5_vl" if is_qwen_vl_directory(src) else \
-            "llava, qwen2_vl, qwen2_5_vl"
-        raise ConfigError(f"convert --set parallel.* is not supported for vision-language models ({family}): the "
-                          "checkpoint is written whole; give no --set")
+        raise ConfigError(f"convert --set parallel.* is not supported for vision-language models "
+                          f"({', '.join(family_names(family))}): the checkpoint is written whole; give no --set")
     from tessera.checkpoint.dcp.vision_language import (
         load_vision_language_checkpoint,
         save_vision_language_checkpoint,
     )
-    from tessera.checkpoint.hf import llava, qwen_vl
-    from tessera.models.qwen_vl import QwenVL
 
-    hf = llava if is_llava_directory(src) else qwen_vl if is_qwen_vl_directory(src) else None
-    if hf is not None:
-        model = hf.load_llava(src, DTYPES[dtype]) if hf is llava else hf.load_qwen_vl(src, DTYPES[dtype])
+    if family is not None:
+        model, processor = load_directory_model(src, DTYPES[dtype])
         own = trained_tokenizer(src)
         source = tokenizer or (str(Path(own).resolve()) if own is not None else None)
         recorded = None if source is None else str(source)
-        return "tessera", save_vision_language_checkpoint(model, dst, hf.read_processor(src, model.cfg), recorded)
+        return "tessera", save_vision_language_checkpoint(model, dst, processor, recorded)
     model, processor, run_config = load_vision_language_checkpoint(src, DTYPES[dtype])
     # a vision-language run's own (its entry names it); else the source directory's own, or none
     recorded = (ckpt.read_meta(ckpt.resolve_checkpoint(src)).get("vision_language", {}).get("tokenizer")
                 or (run_config.get("data") or {}).get("tokenizer"))
-    save = qwen_vl.save_qwen_vl if isinstance(model, QwenVL) else llava.save_llava
-    save(model, dst, tokenizer=tokenizer or recorded, processor=processor)
+    REGISTRY[model.family].directory.save(model, dst, tokenizer=tokenizer or recorded, processor=processor)
     return "huggingface", Path(dst)
 
 

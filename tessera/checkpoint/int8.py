@@ -1,6 +1,6 @@
 """The pre-quantized int8 model directory: config.json, int8 weights, the list of quantized layers.
 
-    save_quantized(model, quantize_model(model), "out/", source_dir="path/to/hf")
+    save_quantized(model, quantize_model(model, "int8"), "out/", source_dir="path/to/hf")
     model, layers = load_quantized("out/", dtype=torch.bfloat16)
 
 The weights are the state dict of a model whose block layers are int8 (tessera/models/int8.py) in

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,19 +33,15 @@ from tessera.checkpoint.dcp.model import load_tessera_model, stored_run_config
 from tessera.checkpoint.dcp.vision_language import ENTRY as VISION_LANGUAGE_ENTRY
 from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint, load_vision_language_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
-from tessera.checkpoint.hf import qwen_vl
-from tessera.checkpoint.hf.llava import is_llava_directory, load_llava, read_processor
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
 from tessera.checkpoint.prequantized.detect import is_prequantized_hf
+from tessera.checkpoint.vision_families import is_vision_language_directory, load_directory_model
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
-from tessera.data.image_processor import ImageProcessor
-from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.data.tokenizer import load_tokenizer
-from tessera.models.llava import Llava
-from tessera.models.qwen_vl import QwenVL
 from tessera.models.transformer import Transformer
+from tessera.models.vision_language import VisionLanguageModel
 
 
 class LoadedModel(NamedTuple):
@@ -97,8 +93,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 
 def is_vision_language(path: str | os.PathLike) -> bool:
-    """A LLaVA / Qwen2-VL / Qwen2.5-VL HuggingFace directory, or a Tessera checkpoint converted from one."""
-    return is_llava_directory(path) or qwen_vl.is_qwen_vl_directory(path) or (
+    """A vision-language family's HuggingFace directory (LLaVA, Qwen2-VL, Qwen2.5-VL), or a Tessera
+    checkpoint converted from one."""
+    return is_vision_language_directory(path) or (
         not is_hf_directory(path) and not is_gguf_path(path) and is_vision_language_checkpoint(path))
 
 
@@ -112,16 +109,11 @@ def vision_language_family(path: str | os.PathLike) -> str:
 
 
 def load_vision_language(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                         device: str | torch.device = "cpu",
-                         ) -> tuple[Llava | QwenVL, ImageProcessor | QwenImageProcessor, dict | None]:
+                         device: str | torch.device = "cpu") -> tuple[VisionLanguageModel, Any, dict | None]:
     """The vision-language model at `path` (`is_vision_language`), its image processor, and the run
     configuration stored with a Tessera checkpoint (None for a HuggingFace directory)."""
-    if is_llava_directory(path):
-        model = load_llava(path, dtype, device)
-        return model, read_processor(path, model.cfg), None
-    if qwen_vl.is_qwen_vl_directory(path):
-        model = qwen_vl.load_qwen_vl(path, dtype, device)
-        return model, qwen_vl.read_processor(path, model.cfg), None
+    if is_vision_language_directory(path):
+        return (*load_directory_model(path, dtype, device), None)
     return load_vision_language_checkpoint(path, dtype, device)
 
 

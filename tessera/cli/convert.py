@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.config.dtypes import short_dtype_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a HuggingFace model directory, a Tessera run directory / checkpoint, or a GGUF file "
                                 "(MODEL.gguf, written as a HuggingFace directory)")
     p.add_argument("dst", help="the directory to write (the other format)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the written weights")
+    p.add_argument("--dtype", default="fp32", type=short_dtype_argument, choices=["fp32", "bf16"],  # torch's names too
+                   help="dtype of the written weights")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer written with the weights (Tessera -> HuggingFace) or recorded with them "
                         "(HuggingFace -> Tessera); None: the run's data.tokenizer, else the bundled one / the "

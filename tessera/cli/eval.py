@@ -16,7 +16,11 @@ from pathlib import Path
 
 from tessera.config.argument_types import int_in, positive_float, temperature
 from tessera.config.errors import ConfigError
-from tessera.config.limits import MAX_KV_CACHE_GIB, MAX_LOCAL_RANKS
+from tessera.config.flags import values_from_args
+from tessera.config.limits import MAX_LOCAL_RANKS
+from tessera.infer.config import EngineConfig
+
+ENGINE_OPTIONS = ("tensor_parallel_size", "dtype", "kv_cache_gib")  # the served model's, as `tessera serve` spells them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,12 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="loss only: evaluate on N local ranks under the checkpoint's parallel layout (or --set "
                         "parallel.*)")
     engine = p.add_argument_group("serving engine (lm-eval tasks, humaneval)")
-    engine.add_argument("--tensor-parallel-size", type=int_in(1, MAX_LOCAL_RANKS), default=1, metavar="N",
-                        help="split the served model over N ranks")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="dtype of the served weights and activations")
-    engine.add_argument("--kv-cache-gib", type=positive_float(MAX_KV_CACHE_GIB), default=1.0,
-                        help="memory of the KV cache")
+    EngineConfig.add_arguments(engine, ENGINE_OPTIONS)
     code = p.add_argument_group("humaneval")
     code.add_argument("--samples", type=int_in(1, 1000), default=1,
                       help="completions per problem (1: greedy, pass@1; n: sampled, pass@k for k in 1, 10, 100 <= n)")
@@ -68,8 +67,7 @@ def _settings(args: argparse.Namespace):
     from tessera.eval.sandbox import SandboxLimits
     from tessera.eval.suite import EvalSettings
 
-    engine = {"tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
-              "kv_cache_gib": args.kv_cache_gib}
+    engine = values_from_args(EngineConfig, args, ENGINE_OPTIONS)
     humaneval = HumanEvalConfig(num_samples=args.samples, temperature=args.temperature,
                                 max_tokens=args.max_new_tokens, workers=args.workers)
     return EvalSettings(data=args.data, include_path=args.include_path, limit=args.limit,

@@ -10,19 +10,11 @@ import sys
 
 from tessera.config.argument_types import int_in, seed, temperature, text, top_k, top_p
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.config.flags import values_from_args
 from tessera.config.limits import MAX_SEQ_LEN
-from tessera.infer.config import QUANTIZATION_METHODS
+from tessera.infer.config import EngineConfig
 
-
-def add_quantization_argument(p: argparse.ArgumentParser) -> None:
-    """`--quantization int8|fp8|int4` (serve and generate)."""
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="quantize the block layers' weights at load, round-to-nearest (None: as stored); activations "
-                        "stay in --dtype, except fp8 on a CUDA GPU with FP8 tensor cores, which casts them to e4m3 "
-                        "per tensor for the product: int8 = int8 per output channel; fp8 = float8 e4m3 per output "
-                        "channel; int4 = "
-                        "symmetric 4-bit, two per byte, one scale per group of 128 inputs (per row when 128 does "
-                        "not divide them). The embedding, router and output head stay in --dtype")
+ENGINE_OPTIONS = ("quantization", "gguf_keep_quantized")  # the serving engine's, as `tessera serve` spells them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,10 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole prefix every step instead of using the serving engine's KV cache "
                         "(slow: a check of the cached output)")
-    add_quantization_argument(p)
-    p.add_argument("--gguf-keep-quantized", action="store_true",
-                   help="a GGUF file: keep its quantized attention/MLP matrices as the file's blocks in memory, "
-                        "dequantized inside each forward (as tessera serve --gguf-keep-quantized)")
+    EngineConfig.add_arguments(p, ENGINE_OPTIONS)
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
@@ -82,9 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
                               "copy the model's tokenizer files into it")
-    if args.gguf_keep_quantized and args.quantization:
-        raise ConfigError(f"--quantization {args.quantization} is not supported with --gguf-keep-quantized (the GGUF "
-                          "blocks are served as stored); drop one of them")
+    engine_options = values_from_args(EngineConfig, args, ENGINE_OPTIONS)
+    EngineConfig(**engine_options)  # refuses options that do not go together before the model loads
     loaded = load_model(args.checkpoint, gguf_keep_quantized=args.gguf_keep_quantized)
     model = loaded.model
     if args.quantization and args.no_cache:
@@ -112,8 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
         new = reference_generate(model, prompt_ids, params, use_cache=False)
     else:  # one sequence: a KV cache just big enough for it, no batching or prefix reuse to set up
         llm = LLM(model, tokenizer=tokenizer, max_num_seqs=1, enable_prefix_caching=False,
-                  max_model_len=len(prompt_ids) + params.max_tokens, quantization=args.quantization,
-                  gguf_keep_quantized=args.gguf_keep_quantized)
+                  max_model_len=len(prompt_ids) + params.max_tokens, **engine_options)
         new = llm.generate([prompt_ids], params)[0].token_ids
     print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
     return 0

@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 
-from tessera.config.argument_types import port, positive_float, text
-from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
+from tessera.cli.listening import add_listen_arguments, listen_sockets
+from tessera.config.argument_types import positive_float, text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,32 +19,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the prefill instance, e.g. http://127.0.0.1:8001 (`tessera serve DIR --kv-role prefill`)")
     p.add_argument("--decode", required=True, metavar="URL", type=text,
                    help="the decode instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
-    p.add_argument("--port", type=port, default=8000, help="TCP port to listen on, 0..65535 (0: any free one)")
-    p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"), type=text,
-                   help="require 'Authorization: Bearer KEY' (passed on to both instances: give them the same key; "
-                        "default from $TESSERA_API_KEY)")
-    p.add_argument("--allowed-hosts", default=None, metavar="NAMES", type=text,
-                   help="comma list of Host header names to answer, '*' for any (None: loopback names when bound "
-                        "to loopback, else any)")
+    add_listen_arguments(
+        p, api_key_help="require 'Authorization: Bearer KEY' (passed on to both instances: give them the same "
+                        "key; default from $TESSERA_API_KEY)",
+        allowed_hosts_help="comma list of Host header names to answer, '*' for any (None: loopback names when "
+                           "bound to loopback, else any)")
     p.add_argument("--prefill-timeout", type=positive_float(3600), default=30.0, metavar="S",
                    help="seconds the prefill and the transfer of one request may take before the decode instance "
                         "computes the prompt itself")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help="refuse request bodies larger than N bytes with 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the router's log level (failed prefills are warnings)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
-    from tessera.cli.serve import _listen_sockets
     from tessera.infer.http_guards import allowed_hosts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(s) for s in _listen_sockets(args.host, args.port)]
+        socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
 
         from tessera.infer.router import create_router

@@ -48,24 +48,22 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
 def positive_float(high: float = math.inf) -> Callable[[str], float]:
     """A finite number in (0, high]."""
-    allowed = "must be a finite number > 0" + (f" and <= {high:,.0f}" if math.isfinite(high) else "")
-
-    def parse(text: str) -> float:
-        value = _parse(text, float, allowed)
-        if not (math.isfinite(value) and 0 < value <= high):
-            raise argparse.ArgumentTypeError(f"{allowed}, got {text!r}")
-        return value
-
-    return parse
+    return _finite_float(high, zero_allowed=False)
 
 
 def nonnegative_float(high: float = math.inf) -> Callable[[str], float]:
     """A finite number in [0, high]."""
-    allowed = "must be a finite number >= 0" + (f" and <= {high:,.0f}" if math.isfinite(high) else "")
+    return _finite_float(high, zero_allowed=True)
+
+
+def _finite_float(high: float, *, zero_allowed: bool) -> Callable[[str], float]:
+    """A finite number > 0 (or >= 0 where `zero_allowed`) and <= high."""
+    allowed = f"must be a finite number {'>=' if zero_allowed else '>'} 0" + (
+        f" and <= {high:,.0f}" if math.isfinite(high) else "")
 
     def parse(text: str) -> float:
         value = _parse(text, float, allowed)
-        if not (math.isfinite(value) and 0 <= value <= high):
+        if not (math.isfinite(value) and (0 <= value if zero_allowed else 0 < value) and value <= high):
             raise argparse.ArgumentTypeError(f"{allowed}, got {text!r}")
         return value
 

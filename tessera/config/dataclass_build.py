@@ -55,39 +55,55 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """`value` checked against the annotation `tp`; ints widen to float, lists become tuples."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        sections = [a for a in args if dataclasses.is_dataclass(a)]
-        if isinstance(value, dict) and sections:  # a section: its own errors name the inner key
-            return build_dataclass(sections[0], value, key + ".")
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key)
-            except _WrongType:  # try the next type; a value of the right type but out of range is final
-                continue
-        expected = " or ".join(map(_type_name, args))
-        raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
+        return _coerce_union(value, typing.get_args(tp), key)
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value if value is not None else {}, key + ".")
-    if origin is list:
-        if not isinstance(value, list):
-            raise _WrongType(f"{key}={value!r} has the wrong type: expected a list")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
-    if origin is tuple:
-        fixed = bool(args) and args[-1] is not Ellipsis
-        if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
-            expected = f"a list of {len(args)} values" if fixed else "a list"
-            raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
-        elem = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args)
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, elem)))
+    if origin in (list, tuple):
+        return _coerce_sequence(value, origin, typing.get_args(tp), key)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise _WrongType(f"{key}={value!r} has the wrong type: expected a mapping")
         return value
+    return _coerce_scalar(value, tp, key)
+
+
+def _coerce_union(value: Any, args: tuple, key: str) -> Any:
+    """The first member of `X | Y | None` that `value` fits; a mapping builds the union's section."""
+    if value is None and type(None) in args:
+        return None
+    sections = [a for a in args if dataclasses.is_dataclass(a)]
+    if isinstance(value, dict) and sections:  # a section: its own errors name the inner key
+        return build_dataclass(sections[0], value, key + ".")
+    for arg in (a for a in args if a is not type(None)):
+        try:
+            return _coerce(value, arg, key)
+        except _WrongType:  # try the next type; a value of the right type but out of range is final
+            continue
+    expected = " or ".join(map(_type_name, args))
+    raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
+
+
+def _coerce_sequence(value: Any, origin: type, args: tuple, key: str) -> list | tuple:
+    """A `list[X]` (each element checked), or a `tuple[X, Y]` / `tuple[X, ...]` from a list."""
+    if origin is list:
+        if not isinstance(value, list):
+            raise _WrongType(f"{key}={value!r} has the wrong type: expected a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    fixed = bool(args) and args[-1] is not Ellipsis
+    if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
+        expected = f"a list of {len(args)} values" if fixed else "a list"
+        raise _WrongType(f"{key}={value!r} has the wrong type: expected {expected}")
+    elem = [args[0]] * len(value) if args and args[-1] is Ellipsis else list(args)
+    return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, elem)))
+
+
+def _coerce_scalar(value: Any, tp: Any, key: str) -> Any:
+    """A boolean, a 64-bit integer, a finite number (from an int, or a string YAML left unread), a
+    string (from a number YAML read as one), or an instance of another class."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -97,14 +113,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigError(f"{key}={value!r} is invalid: integers must fit 64 bits (|value| <= {MAX_INT})")
             return value
     elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value) if abs(value) <= 1e308 else math.inf
-        elif isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
+        number = _number(value)
         if number is not None:
             if not math.isfinite(number):  # .inf and .nan pass every `> 0` check below them
                 raise ConfigError(f"{key}={value!r} is invalid: must be a finite number")
@@ -117,6 +126,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
     raise _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float (an int past 1e308 as inf), None when it is not a number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) if abs(value) <= 1e308 else math.inf
+    if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def config_key(f: dataclasses.Field) -> str:

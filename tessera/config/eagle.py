@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.config.errors import require
 from tessera.config.layout_rules import need_data_parallel_only
 
 MAX_UNROLL = 16
@@ -49,22 +50,22 @@ class EagleTrainConfig:
     output_dir: str = "draft"  # where the draft directory goes, under run_dir (an absolute path replaces it)
 
 
-def validate_eagle(cfg: Any, need: Any) -> None:
+def validate_eagle(cfg: Any) -> None:
     """train.eagle's values and the layouts and settings it trains under (the target's own shape is
     checked when it is read: tessera.train.eagle_step)."""
     e, p = cfg.train.eagle, cfg.parallel
-    need(e.target is None or bool(e.target), "train.eagle.target", e.target,
-         "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no EAGLE training)")
-    need(1 <= e.unroll <= MAX_UNROLL, "train.eagle.unroll", e.unroll, f"must be in 1..{MAX_UNROLL}")
-    need(all(int(j) >= 0 for j in e.feature_layers), "train.eagle.feature_layers", list(e.feature_layers),
-         "block counts >= 0 ([] = the default low, middle and high layers)")
-    need(bool(e.output_dir), "train.eagle.output_dir", e.output_dir, "a non-empty path")
-    need(e.draft_vocab_size is None or e.draft_vocab_size > 0, "train.eagle.draft_vocab_size", e.draft_vocab_size,
-         "null (the target's vocabulary) or a number of tokens > 0")
+    require(e.target is None or bool(e.target), "train.eagle.target", e.target,
+            "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no EAGLE training)")
+    require(1 <= e.unroll <= MAX_UNROLL, "train.eagle.unroll", e.unroll, f"must be in 1..{MAX_UNROLL}")
+    require(all(int(j) >= 0 for j in e.feature_layers), "train.eagle.feature_layers", list(e.feature_layers),
+            "block counts >= 0 ([] = the default low, middle and high layers)")
+    require(bool(e.output_dir), "train.eagle.output_dir", e.output_dir, "a non-empty path")
+    require(e.draft_vocab_size is None or e.draft_vocab_size > 0, "train.eagle.draft_vocab_size", e.draft_vocab_size,
+            "null (the target's vocabulary) or a number of tokens > 0")
     if e.target is None:
         return
-    need_data_parallel_only(p, need, "train.eagle.target", "EAGLE draft training")
-    need(cfg.train.dtype != "fp16", "train.dtype", cfg.train.dtype,
-         "fp32 or bf16 with train.eagle.target (the draft is trained without fp16 loss scaling)")
-    need(cfg.train.distill.teacher is None, "train.distill.teacher", cfg.train.distill.teacher,
-         "null with train.eagle.target (an EAGLE run trains the draft head only)")
+    need_data_parallel_only(p, "train.eagle.target", "EAGLE draft training")
+    require(cfg.train.dtype != "fp16", "train.dtype", cfg.train.dtype,
+            "fp32 or bf16 with train.eagle.target (the draft is trained without fp16 loss scaling)")
+    require(cfg.train.distill.teacher is None, "train.distill.teacher", cfg.train.distill.teacher,
+            "null with train.eagle.target (an EAGLE run trains the draft head only)")

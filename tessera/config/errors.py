@@ -44,3 +44,22 @@ class TrainingError(TesseraError, RuntimeError):
 
 class EvaluationError(TesseraError):
     """An evaluation cannot run as asked: generated code cannot be sandboxed, a task's data is missing."""
+
+
+class RequestError(ConfigError):
+    """A request the engine refuses as asked (a prompt too long, a token id past the vocabulary,
+    an adapter not loaded, a bad sampling value); `field` names the request field at fault, so that
+    the HTTP server answers with it as the error's `param` (None: no one field is)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def require(cond: bool, key: str, value: object, allowed: str, error: type[TesseraError] = ConfigError,
+            sep: str = "=") -> None:
+    """Refuse a value unless `cond`: raise `error` saying `key=value is invalid: allowed`, the one
+    form every configuration check uses (the key as the user spells it, the value as given, what
+    is allowed). `sep` joins key and value (" " for a command-line option: `--layers 5`)."""
+    if not cond:
+        raise error(f"{key}{sep}{value!r} is invalid: {allowed}")

@@ -94,16 +94,13 @@ def read_language_model_config(path: str | os.PathLike) -> ModelConfig:
     model's config: what `model.from_hf`, `train.init_from` and a distillation teacher read of it
     (the weights come from the same directory, `tessera.checkpoint.hf.slices`). A Qwen2-VL language
     model read alone is a qwen2 decoder: on text its M-RoPE positions are plain positions."""
-    from tessera.config.qwen_vl import is_qwen_vl_config, read_qwen_vl_file
-    from tessera.config.vision import is_llava_config, read_llava_file
+    from tessera.config.vision_families import is_vision_language_config, read_vision_language_file
 
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
         d = read_json_object(cfg_file)
-        if is_llava_config(d):
-            return read_llava_file(d, str(cfg_file)).text
-        if is_qwen_vl_config(d):
-            return read_qwen_vl_file(d, str(cfg_file)).text
+        if is_vision_language_config(d):
+            return read_vision_language_file(d, str(cfg_file)).text
     return read_hf_config(path)
 
 

@@ -20,9 +20,10 @@ Each message names the dimension, the value and what it fails against.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from tessera.config.errors import require
 
 if TYPE_CHECKING:
     from tessera.config.model import ModelConfig
@@ -130,11 +131,10 @@ def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> st
     return None
 
 
-def need_data_parallel_only(parallel: Any, need: Callable[[bool, str, Any, str], None], setting: str,
-                            what: str) -> None:
-    """Refuse (through `need`, naming the key) pp, tp, ep or cp above 1 for a `setting` that trains
+def need_data_parallel_only(parallel: Any, setting: str, what: str) -> None:
+    """Refuse (ConfigError naming the key) pp, tp, ep or cp above 1 for a `setting` that trains
     `what` in one process or under dp_replicate / dp_shard only."""
     for key in ("pp", "tp", "ep", "cp"):
         value = getattr(parallel, key)
-        need(value == 1, f"parallel.{key}", value,
-             f"1 with {setting} ({what} runs in one process and under dp_replicate / dp_shard only)")
+        require(value == 1, f"parallel.{key}", value,
+                f"1 with {setting} ({what} runs in one process and under dp_replicate / dp_shard only)")

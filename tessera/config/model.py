@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, require
 from tessera.config.families import REGISTRY
 from tessera.config.limits import (
     MAX_DIM,
@@ -165,77 +165,101 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
-        def need(cond: bool, key: str, value: Any, allowed: str) -> None:
-            if not cond:
-                raise ConfigError(f"model.{key}={value!r} is invalid: {allowed}")
+        """Refuse (ConfigError naming `model.KEY`, the value and what is allowed) a shape Tessera
+        cannot build: the family and sizes, then RoPE scaling, MLA and MoE, each in its own step."""
+        self._check_family()
+        self._check_sizes()
+        self._check_rope_scaling()
+        if self.mla is not None:
+            self._check_mla(self.mla)
+        if self.moe is not None:
+            self._check_moe_router(self.moe)
+            self._check_moe_experts(self.moe)
 
-        need(self.family in FAMILIES, "family", self.family, f"one of {', '.join(FAMILIES)}")
-        need((self.moe is not None) == (self.family in MOE_FAMILIES), "family", self.family,
-             f"MoE families ({', '.join(MOE_FAMILIES)}) need a model.moe section and the others must not have one"
-             f" (model.moe is {'set' if self.moe is not None else 'unset'})")
+    def _check_family(self) -> None:
+        require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
+        require((self.moe is not None) == (self.family in MOE_FAMILIES), "model.family", self.family,
+                f"MoE families ({', '.join(MOE_FAMILIES)}) need a model.moe section and the others must not have one"
+                f" (model.moe is {'set' if self.moe is not None else 'unset'})")
+
+    def _check_sizes(self) -> None:
+        """The decoder's sizes, multi-token prediction and the numbers of its layers."""
         for key, top in (("vocab_size", MAX_VOCAB_SIZE), ("dim", MAX_DIM), ("n_layers", MAX_LAYERS),
                          ("n_heads", MAX_HEADS), ("ffn_dim", MAX_FFN_DIM), ("max_seq_len", MAX_SEQ_LEN)):
-            need(0 < getattr(self, key) <= top, key, getattr(self, key), f"must be an integer in 1..{top:,}")
-        need(0 < self.n_kv_heads <= MAX_HEADS and self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-             self.n_kv_heads, f"must be positive and divide n_heads={self.n_heads}")
-        need(0 < self.head_dim <= MAX_HEAD_DIM and (self.mla is not None or self.head_dim % 2 == 0), "head_dim",
-             self.head_dim, f"must be a positive even number (RoPE rotates pairs), at most {MAX_HEAD_DIM:,}")
-        need(0 <= self.mtp_depth <= MAX_MTP_DEPTH, "mtp_depth", self.mtp_depth,
-             f"must be an integer in 0..{MAX_MTP_DEPTH} (0 = no multi-token prediction)")
-        need(_finite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0, "mtp_loss_weight", self.mtp_loss_weight,
-             "must be a finite number >= 0")
+            require(0 < getattr(self, key) <= top, f"model.{key}", getattr(self, key),
+                    f"must be an integer in 1..{top:,}")
+        require(0 < self.n_kv_heads <= MAX_HEADS and self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads",
+                self.n_kv_heads, f"must be positive and divide n_heads={self.n_heads}")
+        require(0 < self.head_dim <= MAX_HEAD_DIM and (self.mla is not None or self.head_dim % 2 == 0),
+                "model.head_dim", self.head_dim,
+                f"must be a positive even number (RoPE rotates pairs), at most {MAX_HEAD_DIM:,}")
+        require(0 <= self.mtp_depth <= MAX_MTP_DEPTH, "model.mtp_depth", self.mtp_depth,
+                f"must be an integer in 0..{MAX_MTP_DEPTH} (0 = no multi-token prediction)")
+        require(_finite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0, "model.mtp_loss_weight",
+                self.mtp_loss_weight, "must be a finite number >= 0")
         for key in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, key)
-            need(_finite(value) and value > 0, key, value, "must be a finite number > 0")
-        need(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "sliding_window",
-             self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            need(kind in ROPE_SCALING_KEYS, "rope_scaling.rope_type", kind, f"one of {', '.join(ROPE_SCALING_KEYS)}")
-            for key in ROPE_SCALING_KEYS[kind]:
-                value = self.rope_scaling.get(key)
-                need(_finite(value) and value > 0, f"rope_scaling.{key}", value,
-                     f"rope_type {kind} needs a finite number > 0")
-        if self.mla is not None:
-            m = self.mla
-            need(0 < m.kv_lora_rank <= MAX_DIM, "mla.kv_lora_rank", m.kv_lora_rank, f"must be in 1..{MAX_DIM:,}")
-            need(m.q_lora_rank is None or 0 < m.q_lora_rank <= MAX_DIM, "mla.q_lora_rank", m.q_lora_rank,
-                 f"must be None or in 1..{MAX_DIM:,}")
-            need(0 < m.qk_rope_head_dim <= MAX_HEAD_DIM and m.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim",
-                 m.qk_rope_head_dim, f"must be a positive even number, at most {MAX_HEAD_DIM:,}")
-            need(0 <= m.qk_nope_head_dim <= MAX_HEAD_DIM, "mla.qk_nope_head_dim", m.qk_nope_head_dim,
-                 f"must be in 0..{MAX_HEAD_DIM:,}")
-            need(0 < m.v_head_dim <= MAX_HEAD_DIM, "mla.v_head_dim", m.v_head_dim, f"must be in 1..{MAX_HEAD_DIM:,}")
-        if self.moe is not None:
-            e = self.moe
-            need(0 < e.num_experts <= MAX_EXPERTS, "moe.num_experts", e.num_experts, f"must be in 1..{MAX_EXPERTS:,}")
-            need(0 < e.top_k <= e.num_experts, "moe.top_k", e.top_k,
-                 f"must be in 1..num_experts={e.num_experts}")
-            need(0 < e.ffn_dim <= MAX_FFN_DIM, "moe.ffn_dim", e.ffn_dim, f"must be in 1..{MAX_FFN_DIM:,}")
-            need(e.layer_freq > 0, "moe.layer_freq", e.layer_freq, "must be > 0")
-            need(e.score_func in ("softmax", "sigmoid"), "moe.score_func", e.score_func,
-                 "one of softmax, sigmoid")
-            need(e.n_groups > 0 and e.num_experts % e.n_groups == 0, "moe.n_groups", e.n_groups,
-                 f"must divide num_experts={e.num_experts}")
-            need(0 < e.topk_groups <= e.n_groups, "moe.topk_groups", e.topk_groups,
-                 f"must be in 1..n_groups={e.n_groups}")
-            need(e.n_groups == 1 or e.num_experts // e.n_groups >= 2, "moe.n_groups", e.n_groups,
-                 "each group needs at least 2 experts (groups are ranked by their top-2 sum)")
-            need(e.n_groups == 1 or e.top_k <= e.topk_groups * e.num_experts // e.n_groups,
-                 "moe.top_k", e.top_k, "must not exceed the experts of the kept groups")
-            need(e.capacity_factor is None or (_finite(e.capacity_factor) and e.capacity_factor > 0),
-                 "moe.capacity_factor", e.capacity_factor, "must be None (dropless) or a finite number > 0")
-            need(_finite(e.scaling_factor) and e.scaling_factor > 0, "moe.scaling_factor", e.scaling_factor,
-                 "must be a finite number > 0")
-            need(e.drop_policy in ("probs", "position"), "moe.drop_policy", e.drop_policy,
-                 "one of probs, position")
-            for key in ("jitter_eps", "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-                value = getattr(e, key)
-                need(_finite(value) and value >= 0, f"moe.{key}", value, "must be a finite number >= 0")
-            need(0 < e.sinkhorn_iters <= MAX_SINKHORN_ITERS, "moe.sinkhorn_iters", e.sinkhorn_iters,
-                 f"must be in 1..{MAX_SINKHORN_ITERS:,}")
-            need(0 <= e.shared_ffn_dim <= MAX_FFN_DIM, "moe.shared_ffn_dim", e.shared_ffn_dim,
-                 f"must be in 0..{MAX_FFN_DIM:,} (0 = none)")
+            require(_finite(value) and value > 0, f"model.{key}", value, "must be a finite number > 0")
+        require(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "model.sliding_window",
+                self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+        require(kind in ROPE_SCALING_KEYS, "model.rope_scaling.rope_type", kind,
+                f"one of {', '.join(ROPE_SCALING_KEYS)}")
+        for key in ROPE_SCALING_KEYS[kind]:
+            value = self.rope_scaling.get(key)
+            require(_finite(value) and value > 0, f"model.rope_scaling.{key}", value,
+                    f"rope_type {kind} needs a finite number > 0")
+
+    @staticmethod
+    def _check_mla(m: MLAConfig) -> None:
+        require(0 < m.kv_lora_rank <= MAX_DIM, "model.mla.kv_lora_rank", m.kv_lora_rank, f"must be in 1..{MAX_DIM:,}")
+        require(m.q_lora_rank is None or 0 < m.q_lora_rank <= MAX_DIM, "model.mla.q_lora_rank", m.q_lora_rank,
+                f"must be None or in 1..{MAX_DIM:,}")
+        require(0 < m.qk_rope_head_dim <= MAX_HEAD_DIM and m.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
+                m.qk_rope_head_dim, f"must be a positive even number, at most {MAX_HEAD_DIM:,}")
+        require(0 <= m.qk_nope_head_dim <= MAX_HEAD_DIM, "model.mla.qk_nope_head_dim", m.qk_nope_head_dim,
+                f"must be in 0..{MAX_HEAD_DIM:,}")
+        require(0 < m.v_head_dim <= MAX_HEAD_DIM, "model.mla.v_head_dim", m.v_head_dim,
+                f"must be in 1..{MAX_HEAD_DIM:,}")
+
+    @staticmethod
+    def _check_moe_router(e: MoEConfig) -> None:
+        """The experts' count and how tokens are routed to them (top-k, groups, scores)."""
+        require(0 < e.num_experts <= MAX_EXPERTS, "model.moe.num_experts", e.num_experts,
+                f"must be in 1..{MAX_EXPERTS:,}")
+        require(0 < e.top_k <= e.num_experts, "model.moe.top_k", e.top_k, f"must be in 1..num_experts={e.num_experts}")
+        require(0 < e.ffn_dim <= MAX_FFN_DIM, "model.moe.ffn_dim", e.ffn_dim, f"must be in 1..{MAX_FFN_DIM:,}")
+        require(e.layer_freq > 0, "model.moe.layer_freq", e.layer_freq, "must be > 0")
+        require(e.score_func in ("softmax", "sigmoid"), "model.moe.score_func", e.score_func, "one of softmax, sigmoid")
+        require(e.n_groups > 0 and e.num_experts % e.n_groups == 0, "model.moe.n_groups", e.n_groups,
+                f"must divide num_experts={e.num_experts}")
+        require(0 < e.topk_groups <= e.n_groups, "model.moe.topk_groups", e.topk_groups,
+                f"must be in 1..n_groups={e.n_groups}")
+        require(e.n_groups == 1 or e.num_experts // e.n_groups >= 2, "model.moe.n_groups", e.n_groups,
+                "each group needs at least 2 experts (groups are ranked by their top-2 sum)")
+        require(e.n_groups == 1 or e.top_k <= e.topk_groups * e.num_experts // e.n_groups,
+                "model.moe.top_k", e.top_k, "must not exceed the experts of the kept groups")
+
+    @staticmethod
+    def _check_moe_experts(e: MoEConfig) -> None:
+        """Capacity, scaling, dropping, the auxiliary losses' weights and the shared expert."""
+        require(e.capacity_factor is None or (_finite(e.capacity_factor) and e.capacity_factor > 0),
+                "model.moe.capacity_factor", e.capacity_factor, "must be None (dropless) or a finite number > 0")
+        require(_finite(e.scaling_factor) and e.scaling_factor > 0, "model.moe.scaling_factor", e.scaling_factor,
+                "must be a finite number > 0")
+        require(e.drop_policy in ("probs", "position"), "model.moe.drop_policy", e.drop_policy,
+                "one of probs, position")
+        for key in ("jitter_eps", "aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(e, key)
+            require(_finite(value) and value >= 0, f"model.moe.{key}", value, "must be a finite number >= 0")
+        require(0 < e.sinkhorn_iters <= MAX_SINKHORN_ITERS, "model.moe.sinkhorn_iters", e.sinkhorn_iters,
+                f"must be in 1..{MAX_SINKHORN_ITERS:,}")
+        require(0 <= e.shared_ffn_dim <= MAX_FFN_DIM, "model.moe.shared_ffn_dim", e.shared_ffn_dim,
+                f"must be in 0..{MAX_FFN_DIM:,} (0 = none)")
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -16,10 +16,10 @@ own coordinate of the token's 3-D position. No torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tessera.config.errors import ConfigError, ModelError
+from tessera.config.errors import ConfigError, ModelError, require
 from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
 from tessera.config.vision import read_config_file
@@ -73,26 +73,24 @@ class QwenVisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     def validate(self) -> None:
-        def need(cond: bool, key: str, allowed: str) -> None:
-            if not cond:
-                raise ConfigError(f"vision.{key}={getattr(self, key)!r} is invalid: {allowed}")
-
-        need(self.version in VERSIONS, "version", f"one of {', '.join(VERSIONS)}")
-        need(self.act in VISION_ACTS, "act", f"one of {', '.join(VISION_ACTS)}")
+        require(self.version in VERSIONS, "vision.version", self.version, f"one of {', '.join(VERSIONS)}")
+        require(self.act in VISION_ACTS, "vision.act", self.act, f"one of {', '.join(VISION_ACTS)}")
         for key in ("dim", "n_layers", "n_heads", "ffn_dim", "out_dim", "in_channels", "patch_size",
                     "temporal_patch_size", "spatial_merge_size", "window_size"):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key, "must be a positive integer")
-        need(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}")
-        need(self.head_dim % 4 == 0, "n_heads", f"must leave a head size divisible by 4 (rows and columns "
-             f"each rotate a quarter of its pairs); dim / n_heads = {self.head_dim}")
-        need(all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.fullatt_blocks), "fullatt_blocks",
-             f"block indices in 0..{self.n_layers - 1}")
+            value = getattr(self, key)
+            require(isinstance(value, int) and value > 0, f"vision.{key}", value, "must be a positive integer")
+        require(self.dim % self.n_heads == 0, "vision.n_heads", self.n_heads, f"must divide dim={self.dim}")
+        require(self.head_dim % 4 == 0, "vision.n_heads", self.n_heads, "must leave a head size divisible by 4 (rows "
+                f"and columns each rotate a quarter of its pairs); dim / n_heads = {self.head_dim}")
+        require(all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.fullatt_blocks),
+                "vision.fullatt_blocks", self.fullatt_blocks, f"block indices in 0..{self.n_layers - 1}")
         if self.version == "qwen2_vl":
-            need(self.ffn_dim % self.dim == 0, "ffn_dim",
-                 f"Qwen2-VL's MLP is dim x mlp_ratio: a multiple of {self.dim}")
+            require(self.ffn_dim % self.dim == 0, "vision.ffn_dim", self.ffn_dim,
+                    f"Qwen2-VL's MLP is dim x mlp_ratio: a multiple of {self.dim}")
         else:
-            need(self.window_size % (self.patch_size * self.spatial_merge_size) == 0, "window_size",
-                 f"a multiple of patch_size x spatial_merge_size = {self.patch_size * self.spatial_merge_size}")
+            unit = self.patch_size * self.spatial_merge_size
+            require(self.window_size % unit == 0, "vision.window_size", self.window_size,
+                    f"a multiple of patch_size x spatial_merge_size = {unit}")
 
 
 def default_mrope_section(head_dim: int) -> list[int]:
@@ -119,8 +117,11 @@ class QwenVLConfig:
         self.validate()
 
     @property
-    def version(self) -> str:
+    def family(self) -> str:
+        """The vision-language family (config.json's model_type; tessera/config/vision_families.py)."""
         return self.vision.version
+
+    version = family  # which of Qwen2-VL and Qwen2.5-VL
 
     def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Placeholder tokens of an image with this patch grid (known before any forward)."""
@@ -232,3 +233,35 @@ def qwen_vl_config_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
     return {"architectures": [VERSIONS[cfg.version]], "model_type": cfg.version, "text_config": text,
             "vision_config": vision_to_hf(cfg.vision), **{k: getattr(cfg, k) for k in _TOKEN_DEFAULTS},
             "tie_word_embeddings": cfg.text.tie_embeddings}
+
+
+def qwen_vl_config_from_section(v: Any, text: ModelConfig) -> QwenVLConfig:
+    """The Qwen2-VL / Qwen2.5-VL (`v.family`) of a fine-tune's train.vision_language fields `v`
+    (tessera.config.vision_training) over language model `text` (a qwen2 decoder): its special
+    tokens the vocabulary's last ids unless given, the tower's output the model's width."""
+    vocab = text.vocab_size
+    tokens = {"image_token_id": vocab - 1 if v.image_token_id is None else v.image_token_id,
+              "vision_start_token_id": vocab - 3 if v.vision_start_token_id is None else v.vision_start_token_id,
+              "vision_end_token_id": vocab - 2 if v.vision_end_token_id is None else v.vision_end_token_id,
+              "video_token_id": vocab - 4}
+    for key, token in tokens.items():
+        same = [k for k, t in tokens.items() if t == token and k != key]
+        if not 0 <= token < vocab or same:
+            shown = f"train.vision_language.{key}" if key != "video_token_id" else "the video token (vocab_size - 4)"
+            why = f"the same id as {', '.join(same)}" if same else "outside the vocabulary"
+            raise ConfigError(f"{shown}={token} is invalid ({why}): the image, vision start / end and video tokens "
+                              f"are distinct ids of the language model's vocabulary (0..{vocab - 1}); got {tokens}")
+    section = list(v.mrope_section) if v.mrope_section is not None else default_mrope_section(text.head_dim)
+    try:
+        return QwenVLConfig(text=text, vision=replace(v.qwen_tower, version=v.family, out_dim=text.dim),
+                            mrope_section=section, **tokens)
+    except ConfigError as e:
+        raise ConfigError(f"train.vision_language: {e}") from e
+
+
+def refuse_qwen_layouts(p: Any) -> None:
+    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take, refused by name (ConfigError):
+    expert parallelism (the language model is a dense qwen2 decoder)."""
+    require(p.ep == 1, "parallel.ep", p.ep,
+            "1 with data.kind=vision_sft on Qwen2-VL / Qwen2.5-VL: their language model is a dense qwen2 decoder, "
+            "which has no routed experts to split over ep")

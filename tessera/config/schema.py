@@ -16,7 +16,6 @@ impossible value raises `ConfigError` with the dotted key, the value and what is
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,27 +23,17 @@ from typing import Any
 import yaml
 
 from tessera.config.dataclass_build import build_dataclass, plain
-from tessera.config.eagle import EagleTrainConfig, validate_eagle
+from tessera.config.dtypes import short_dtype_argument
+from tessera.config.eagle import EagleTrainConfig
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
-from tessera.config.layout_rules import need_data_parallel_only
-from tessera.config.limits import (
-    MAX_BATCH_SAMPLES,
-    MAX_SEED,
-    MAX_SPIKE_WINDOW,
-    MAX_TIMEOUT_S,
-    MAX_TOKENS_PER_STEP,
-)
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
-from tessera.config.vision_training import VisionLanguageTrainConfig, validate_vision_language
+from tessera.config.run_checks import validate_run_config
+from tessera.config.vision_training import VisionLanguageTrainConfig
 from tessera.config.yaml_text import read_config_file
-
-DTYPES = ("fp32", "bf16", "fp16")
-SCHEDULES = ("constant", "cosine", "linear", "wsd")
-DATA_KINDS = ("pretrain", "sft", "vision_sft")
 
 
 @dataclass
@@ -145,6 +134,9 @@ class TrainConfig:
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
+
+    def __post_init__(self) -> None:
+        self.dtype = short_dtype_argument(self.dtype)  # bfloat16 is bf16 (tessera.config.dtypes); others: refused later
 
 
 @dataclass
@@ -342,123 +334,6 @@ def build_model_config(raw: dict[str, Any], from_key: str = "model.from_hf") -> 
                 raw[key] = {**base[key], **raw[key]}
         raw = {**base, **raw}
     return build_dataclass(ModelConfig, raw, "model.")
-
-
-def validate_run_config(cfg: RunConfig) -> None:
-    """Value checks across fields; types were checked while building."""
-    t, o, d, c = cfg.train, cfg.optim, cfg.data, cfg.checkpoint
-
-    def need(cond: bool, key: str, value: Any, allowed: str) -> None:
-        if not cond:
-            raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
-
-    need(bool(cfg.run_dir), "run_dir", cfg.run_dir, "must be a non-empty path")
-    need(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
-    need(0 <= t.seed <= MAX_SEED, "train.seed", t.seed, f"must be in 0..{MAX_SEED}")
-    need(t.seq_len >= 1, "train.seq_len", t.seq_len, "must be >= 1")
-    need(t.seq_len <= cfg.model.max_seq_len, "train.seq_len", t.seq_len,
-         f"must be <= model.max_seq_len={cfg.model.max_seq_len}")
-    need(1 <= t.micro_batch_size <= MAX_BATCH_SAMPLES, "train.micro_batch_size", t.micro_batch_size,
-         f"must be in 1..{MAX_BATCH_SAMPLES:,} samples")
-    need(1 <= t.global_batch_size <= MAX_BATCH_SAMPLES, "train.global_batch_size", t.global_batch_size,
-         f"must be in 1..{MAX_BATCH_SAMPLES:,} samples")
-    need(t.global_batch_size % t.micro_batch_size == 0,
-         "train.global_batch_size", t.global_batch_size,
-         f"must be a positive multiple of train.micro_batch_size={t.micro_batch_size}")
-    need(t.global_batch_size * t.seq_len <= MAX_TOKENS_PER_STEP, "train.global_batch_size", t.global_batch_size,
-         f"times train.seq_len={t.seq_len} must be at most {MAX_TOKENS_PER_STEP:,} tokens per step")
-    need(t.dtype in DTYPES, "train.dtype", t.dtype, f"one of {', '.join(DTYPES)}")
-    need(re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", t.device) is not None, "train.device",
-         t.device, "one of auto, cpu, cuda, cuda:N")
-    need(not (t.fp8 and t.device == "cpu"), "train.fp8", t.fp8,
-         "FP8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
-         "train.device=cpu has none: set train.fp8=false")
-    need(t.loss_chunk_tokens is None or t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", t.loss_chunk_tokens,
-         "must be null (4096 on CUDA, off on CPU), 0 (off) or a positive number of tokens")
-    need(t.log_interval >= 1, "train.log_interval", t.log_interval, "must be >= 1")
-    need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 = never)")
-    need(t.eval_steps >= 1, "train.eval_steps", t.eval_steps, "must be >= 1")
-    need(not t.eval_tasks or t.eval_interval > 0, "train.eval_tasks", t.eval_tasks,
-         "runs at each evaluation: set train.eval_interval > 0")
-    need(all(isinstance(n, str) and n.strip() and n != "loss" for n in t.eval_tasks), "train.eval_tasks",
-         t.eval_tasks, "must be task names (lm-eval's, or humaneval); the loss is val_loss already")
-    need(t.eval_tasks_limit is None or t.eval_tasks_limit >= 1, "train.eval_tasks_limit", t.eval_tasks_limit,
-         "must be null (all) or >= 1")
-    need(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
-    need(t.memory_budget_gib is None or t.memory_budget_gib > 0, "train.memory_budget_gib", t.memory_budget_gib,
-         "must be null (the GPU's memory) or > 0 GiB")
-    need(0 < t.collective_timeout_s <= MAX_TIMEOUT_S, "train.collective_timeout_s", t.collective_timeout_s,
-         f"must be in (0, {MAX_TIMEOUT_S:.0f}] seconds")
-    need(o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    need(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, f"must be in [0, optim.lr={o.lr}]")
-    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-         "two numbers in [0, 1)")
-    need(o.eps > 0, "optim.eps", o.eps, "must be > 0")
-    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    need(o.schedule in SCHEDULES, "optim.schedule", o.schedule, f"one of {', '.join(SCHEDULES)}")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    need(o.decay_steps is None or o.decay_steps >= 0, "optim.decay_steps", o.decay_steps, "None or >= 0")
-    need(o.total_steps is None or o.total_steps >= 1, "optim.total_steps", o.total_steps, "None or >= 1")
-    need(d.kind in DATA_KINDS, "data.kind", d.kind, f"one of {', '.join(DATA_KINDS)}")
-    need(0 <= d.valid_fraction < 1, "data.valid_fraction", d.valid_fraction, "must be in [0, 1)")
-    for i, entry in enumerate(d.datasets):
-        need(entry.weight > 0, f"data.datasets[{i}].weight", entry.weight, "must be > 0")
-        need(bool(entry.path), f"data.datasets[{i}].path", entry.path, "must be a non-empty path")
-    need(d.kind == "pretrain" or bool(d.datasets), "data.kind", d.kind,
-         "sft needs data.datasets (the bundled corpus is plain text for pretraining)")
-    need(t.eval_interval == 0 or d.valid_fraction > 0, "train.eval_interval", t.eval_interval,
-         "must be 0 when data.valid_fraction is 0 (there is no validation split to evaluate)")
-    need(c.interval >= 0, "checkpoint.interval", c.interval, "must be >= 0 (0 = only at the end)")
-    need(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
-    need(c.export_hf_dir is None or bool(c.export_hf_dir), "checkpoint.export_hf_dir", c.export_hf_dir,
-         "null (run_dir/hf) or a non-empty path")
-    need(t.spike_factor is None or t.spike_factor > 1, "train.spike_factor", t.spike_factor,
-         "must be null (off) or > 1 (a loss above spike_factor x the running median is a spike)")
-    need(1 <= t.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window", t.spike_window,
-         f"must be in 1..{MAX_SPIKE_WINDOW} steps")
-    _validate_distill(cfg, need)
-    validate_eagle(cfg, need)
-    validate_vision_language(cfg, need)
-    need(cfg.log.straggler_threshold > 0, "log.straggler_threshold", cfg.log.straggler_threshold,
-         "must be > 0 (a fraction of the step time)")
-    need(cfg.log.peak_flops is None or cfg.log.peak_flops > 0, "log.peak_flops", cfg.log.peak_flops,
-         "None or > 0 (FLOP/s of one device)")
-
-
-def _validate_distill(cfg: RunConfig, need: Any) -> None:
-    """train.distill: its values, and the layouts and settings it runs under (the teacher itself is
-    checked against the student when the trainer loads it: tessera.train.teacher)."""
-    k = cfg.train.distill
-    need(k.teacher is None or bool(k.teacher), "train.distill.teacher", k.teacher,
-         "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no distillation)")
-    need(0 < k.temperature <= 1e4, "train.distill.temperature", k.temperature, "must be in (0, 10000]")
-    need(0 <= k.weight <= 1, "train.distill.weight", k.weight, "must be in [0, 1]")
-    need(k.teacher is not None or not k.hidden_layers, "train.distill.hidden_layers",
-         [list(pair) for pair in k.hidden_layers], "empty without train.distill.teacher")
-    if k.teacher is None:
-        return
-    need(not cfg.train.loss_chunk_tokens, "train.loss_chunk_tokens", cfg.train.loss_chunk_tokens,
-         "0 or null with train.distill.teacher (distillation needs the student's logits)")
-    need(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth,
-         "0 with train.distill.teacher (the distillation objective has no multi-token-prediction term)")
-    _validate_hidden_matching(cfg, need)
-
-
-def _validate_hidden_matching(cfg: RunConfig, need: Any) -> None:
-    """train.distill.hidden_layers: student layers that exist (the teacher's are checked when it is
-    read: tessera.train.teacher), and only the layouts hidden_match.py supports."""
-    k, p = cfg.train.distill, cfg.parallel
-    need(k.hidden_weight >= 0, "train.distill.hidden_weight", k.hidden_weight, "must be >= 0")
-    if not k.hidden_layers:
-        return
-    n = cfg.model.n_layers
-    need(all(0 <= i < n and j >= 0 for i, j in k.hidden_layers), "train.distill.hidden_layers",
-         [list(pair) for pair in k.hidden_layers],
-         f"pairs [student layer, teacher layer] with the student layer in 0..{n - 1} (model.n_layers={n}) "
-         "and the teacher layer >= 0")
-    need_data_parallel_only(p, need, "train.distill.hidden_layers", "hidden-state matching")
-    need(cfg.train.dtype != "fp16", "train.dtype", cfg.train.dtype,
-         "fp32 or bf16 with train.distill.hidden_layers (its projections are not unscaled by fp16 loss scaling)")
 
 
 def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:

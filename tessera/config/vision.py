@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import CheckpointError, ConfigError, ModelError
+from tessera.config.errors import CheckpointError, ConfigError, ModelError, require
 from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
 
@@ -79,18 +79,16 @@ class VisionConfig:
         return self.patches + (1 if self.kind == "clip" else 0)
 
     def validate(self) -> None:
-        def need(cond: bool, key: str, allowed: str) -> None:
-            if not cond:
-                raise ConfigError(f"vision.{key}={getattr(self, key)!r} is invalid: {allowed}")
-
-        need(self.kind in ("clip", "siglip"), "kind", "one of clip, siglip")
-        need(self.act in ACTIVATIONS, "act", f"one of {', '.join(ACTIVATIONS)}")
-        need(0 < self.patch_size <= self.image_size <= MAX_IMAGE_SIZE, "image_size",
-             f"must be in patch_size={self.patch_size}..{MAX_IMAGE_SIZE}")
+        require(self.kind in ("clip", "siglip"), "vision.kind", self.kind, "one of clip, siglip")
+        require(self.act in ACTIVATIONS, "vision.act", self.act, f"one of {', '.join(ACTIVATIONS)}")
+        require(0 < self.patch_size <= self.image_size <= MAX_IMAGE_SIZE, "vision.image_size", self.image_size,
+                f"must be in patch_size={self.patch_size}..{MAX_IMAGE_SIZE}")
         for key in ("num_channels", "dim", "n_layers", "n_heads", "ffn_dim"):
-            need(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key, "must be a positive integer")
-        need(self.dim % self.n_heads == 0, "n_heads", f"must divide dim={self.dim}")
-        need(self.use_head is False or self.kind == "siglip", "use_head", "only SigLIP has an attention-pooling head")
+            value = getattr(self, key)
+            require(isinstance(value, int) and value > 0, f"vision.{key}", value, "must be a positive integer")
+        require(self.dim % self.n_heads == 0, "vision.n_heads", self.n_heads, f"must divide dim={self.dim}")
+        require(self.use_head is False or self.kind == "siglip", "vision.use_head", self.use_head,
+                "only SigLIP has an attention-pooling head")
 
 
 @dataclass
@@ -109,6 +107,11 @@ class LlavaConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def family(self) -> str:
+        """The vision-language family (config.json's model_type; tessera/config/vision_families.py)."""
+        return "llava"
 
     @property
     def feature_layers(self) -> list[int]:
@@ -187,6 +190,18 @@ def llava_config_from_hf(d: Mapping[str, Any]) -> LlavaConfig:
                        select_strategy=d.get("vision_feature_select_strategy", "default"),
                        projector_act=d.get("projector_hidden_act", "gelu"),
                        projector_bias=bool(d.get("multimodal_projector_bias", True)))
+
+
+def llava_config_from_section(v: Any, text: ModelConfig) -> LlavaConfig:
+    """The LLaVA of a fine-tune's train.vision_language fields `v` (tessera.config.vision_training)
+    over language model `text`: its image token the vocabulary's last id unless given."""
+    token = v.image_token_id if v.image_token_id is not None else text.vocab_size - 1
+    layers = v.feature_layer[0] if len(v.feature_layer) == 1 else list(v.feature_layer)
+    try:
+        return LlavaConfig(text=text, vision=v.tower, image_token_id=token, feature_layer=layers,
+                           select_strategy=v.select_strategy, projector_act=v.projector_act)
+    except ConfigError as e:
+        raise ConfigError(f"train.vision_language: {e}") from e
 
 
 def read_llava_file(d: Mapping[str, Any], source: str) -> LlavaConfig:

@@ -24,10 +24,11 @@ parallelism of an MoE language model, and pipeline parallelism (the tower and pr
 first stage, which alone gets the images). Qwen's M-RoPE positions are computed from the whole rows
 and their grids, and each rank keeps its tokens' positions: its cp chunk's (whole under sp, as the
 language model's RoPE takes them), and under pp every stage is handed its rows' positions
-(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL
-(`refuse_qwen_layouts`, also when the family comes from train.init_from): their language model is a
-dense qwen2 decoder, which has no routed experts to split. Distillation, EAGLE, FP8, compile,
-recomputation, activation offload and multi-token prediction are refused by name for every family.
+(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL (their
+family's `refuse_layouts`, tessera/config/vision_families.py, also when the family comes from
+train.init_from): their language model is a dense qwen2 decoder, which has no routed experts to
+split. Distillation, EAGLE, FP8, compile, recomputation, activation offload and multi-token
+prediction are refused by name for every family.
 Checkpoints and `--resume` work, also across layouts; `checkpoint.export_hf` and `tessera convert
 RUN OUT` write a LLaVA / Qwen2-VL / Qwen2.5-VL directory transformers loads.
 """
@@ -37,12 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.qwen_vl import VERSIONS as QWEN_VERSIONS
+from tessera.config.errors import require
 from tessera.config.qwen_vl import QwenVisionConfig
 from tessera.config.vision import ACTIVATIONS, STRATEGIES, VisionConfig
+from tessera.config.vision_families import REGISTRY
 
 DATA_KIND = "vision_sft"
-FAMILIES = ("llava", *QWEN_VERSIONS)  # llava, qwen2_vl, qwen2_5_vl
+FAMILIES = tuple(REGISTRY)  # llava, qwen2_vl, qwen2_5_vl (tessera/config/vision_families.py)
 
 
 def _tiny_tower() -> VisionConfig:
@@ -95,43 +97,35 @@ class VisionLanguageTrainConfig:
     freeze_language_model: bool = False  # the language model likewise (its embeddings and head included)
 
 
-def validate_vision_language(cfg: Any, need: Any) -> None:
+def validate_vision_language(cfg: Any) -> None:
     """Checks across sections for a `data.kind=vision_sft` run (the layout is checked at start-up)."""
     v, t, p = cfg.train.vision_language, cfg.train, cfg.parallel
     if cfg.data.kind != DATA_KIND:
         return
-    need(v.family in FAMILIES, "train.vision_language.family", v.family, f"one of {', '.join(FAMILIES)}")
+    require(v.family in FAMILIES, "train.vision_language.family", v.family, f"one of {', '.join(FAMILIES)}")
     for key in ("min_pixels", "max_pixels"):
-        need(getattr(v, key) is None or getattr(v, key) > 0, f"train.vision_language.{key}", getattr(v, key),
-             "null or a positive number of pixels")
+        require(getattr(v, key) is None or getattr(v, key) > 0, f"train.vision_language.{key}", getattr(v, key),
+                "null or a positive number of pixels")
     if v.min_pixels is not None and v.max_pixels is not None:
-        need(v.min_pixels <= v.max_pixels, "train.vision_language.min_pixels", v.min_pixels,
-             f"at most max_pixels={v.max_pixels}")
-    need(v.select_strategy in STRATEGIES, "train.vision_language.select_strategy", v.select_strategy,
-         f"one of {', '.join(STRATEGIES)}")
-    need(v.projector_act in ACTIVATIONS, "train.vision_language.projector_act", v.projector_act,
-         f"one of {', '.join(ACTIVATIONS)}")
-    need(not (v.freeze_vision_tower and v.freeze_projector and v.freeze_language_model),
-         "train.vision_language.freeze_language_model", True,
-         "at most two of freeze_vision_tower, freeze_projector, freeze_language_model (nothing would train)")
+        require(v.min_pixels <= v.max_pixels, "train.vision_language.min_pixels", v.min_pixels,
+                f"at most max_pixels={v.max_pixels}")
+    require(v.select_strategy in STRATEGIES, "train.vision_language.select_strategy", v.select_strategy,
+            f"one of {', '.join(STRATEGIES)}")
+    require(v.projector_act in ACTIVATIONS, "train.vision_language.projector_act", v.projector_act,
+            f"one of {', '.join(ACTIVATIONS)}")
+    require(not (v.freeze_vision_tower and v.freeze_projector and v.freeze_language_model),
+            "train.vision_language.freeze_language_model", True,
+            "at most two of freeze_vision_tower, freeze_projector, freeze_language_model (nothing would train)")
     what = "vision-language fine-tuning (data.kind=vision_sft)"
-    if v.family != "llava":
-        refuse_qwen_layouts(p, need)
-    need(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher, f"null with {what}")
-    need(t.eagle.target is None, "train.eagle.target", t.eagle.target, f"null with {what}")
-    need(not t.fp8, "train.fp8", t.fp8, f"false with {what}")
-    need(t.compile is not True, "train.compile", t.compile, f"null or false with {what}")
-    need(p.recompute == "none", "parallel.recompute", p.recompute, f"none with {what}")
-    need(not p.activation_offload, "parallel.activation_offload", p.activation_offload, f"false with {what}")
-    need(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth, f"0 with {what}")
+    REGISTRY[v.family].refuse_layouts(p)
+    require(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher, f"null with {what}")
+    require(t.eagle.target is None, "train.eagle.target", t.eagle.target, f"null with {what}")
+    require(not t.fp8, "train.fp8", t.fp8, f"false with {what}")
+    require(t.compile is not True, "train.compile", t.compile, f"null or false with {what}")
+    require(p.recompute == "none", "parallel.recompute", p.recompute, f"none with {what}")
+    require(not p.activation_offload, "parallel.activation_offload", p.activation_offload, f"false with {what}")
+    require(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth, f"0 with {what}")
     for i, entry in enumerate(cfg.data.datasets):
-        need(entry.weight == 1.0, f"data.datasets[{i}].weight", entry.weight,
-             f"1.0 with {what} (the JSONL files' records are read in turn, not blended)")
+        require(entry.weight == 1.0, f"data.datasets[{i}].weight", entry.weight,
+                f"1.0 with {what} (the JSONL files' records are read in turn, not blended)")
 
-
-def refuse_qwen_layouts(p: Any, need: Any) -> None:
-    """The layouts a Qwen2-VL / Qwen2.5-VL fine-tune does not take (module docstring), refused by
-    name; `need(ok, key, value, allowed)` raises (tessera.config.schema's, or a ConfigError raiser)."""
-    need(p.ep == 1, "parallel.ep", p.ep,
-         f"1 with data.kind={DATA_KIND} on Qwen2-VL / Qwen2.5-VL: their language model is a dense qwen2 decoder, "
-         "which has no routed experts to split over ep")

@@ -65,8 +65,33 @@ def decode_image(data: bytes, max_pixels: int | None = None) -> Image.Image:
     return image
 
 
+class ImageProcessorFile:
+    """What every vision-language family's image processor shares: read from a directory's
+    `preprocessor_config.json` (`from_directory`, through the class's `from_dict`) and built from
+    the file's fields (`from_fields`). A family's processor (a dataclass of the file's fields, this
+    module's and tessera/data/qwen_image_processor.py's) also has `for_vision(vision)` (the one the
+    tower ships with), `to_dict()`, `check(source)`, `check_tower(vision, source)` (it makes what
+    the tower takes), `with_pixel_range(min_pixels, max_pixels, source)` and `__call__(image)` (its
+    pixel values): what tessera/checkpoint/vision_families.py, serving and training ask of it."""
+
+    @classmethod
+    def from_fields(cls, base: dict[str, Any], known: dict[str, Any], kind: str, source: str) -> Any:
+        """The processor of fields `base` (its defaults) with the file's `known` ones (its JSON
+        arrays as lists) and type `kind`, checked (`check`, naming `source`)."""
+        for key in ("image_mean", "image_std"):
+            if isinstance(known.get(key), tuple):
+                known[key] = list(known[key])
+        proc = cls(**{**base, **known, "image_processor_type": kind})
+        proc.check(source)
+        return proc
+
+    @classmethod
+    def from_directory(cls, path: str | os.PathLike) -> Any:
+        return cls.from_dict(*read_processor_file(path))
+
+
 @dataclass
-class ImageProcessor:
+class ImageProcessor(ImageProcessorFile):
     """The fields of a CLIP / SigLIP `preprocessor_config.json` that decide the pixel values."""
 
     image_processor_type: str = "CLIPImageProcessor"  # one of TYPES
@@ -103,16 +128,7 @@ class ImageProcessor:
         for key in ("size", "crop_size"):  # transformers may write every size key, the unused ones null
             if isinstance(known.get(key), dict):
                 known[key] = {k: v for k, v in known[key].items() if v is not None}
-        for key in ("image_mean", "image_std"):
-            if isinstance(known.get(key), tuple):
-                known[key] = list(known[key])
-        proc = cls(**{**base, **known, "image_processor_type": kind})
-        proc.check(source)
-        return proc
-
-    @classmethod
-    def from_directory(cls, path: str | os.PathLike) -> ImageProcessor:
-        return cls.from_dict(*read_processor_file(path))
+        return cls.from_fields(base, known, kind, source)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,6 +146,18 @@ class ImageProcessor:
         if self.do_center_crop and set(self.crop_size) != {"height", "width"}:
             raise ConfigError(f"{source}: crop_size {self.crop_size!r} needs height and width")
         check_filter_and_statistics(self, source)
+
+    def check_tower(self, vision: VisionConfig, source: str) -> None:
+        """A ConfigError unless this processor makes the tower's input size."""
+        side = vision.image_size
+        if self.output_size() != (side, side):
+            raise ConfigError(f"{source!r} makes {self.output_size()} images but the vision tower takes ({side}, "
+                              f"{side})")
+
+    def with_pixel_range(self, min_pixels: int | None, max_pixels: int | None, source: str) -> ImageProcessor:
+        """Refused: every image is resized to the tower's size (a pixel range is Qwen's processor's)."""
+        raise ConfigError(f"{source}.min_pixels / max_pixels apply to Qwen2-VL / Qwen2.5-VL models; LLaVA's processor "
+                          "resizes every image to the tower's size: leave them null")
 
     def output_size(self) -> tuple[int, int]:
         """(height, width) of every output, when it does not depend on the image; else a ConfigError."""

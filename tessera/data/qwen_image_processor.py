@@ -16,9 +16,8 @@ alone (`image_tokens`).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,10 +30,10 @@ from tessera.data.image_processor import (
     CLIP_MEAN,
     CLIP_STD,
     PROCESSOR_FILE,
+    ImageProcessorFile,
     _resize,
     check_filter_and_statistics,
     image_array,
-    read_processor_file,
     rescale_and_normalize,
 )
 
@@ -61,7 +60,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 @dataclass
-class QwenImageProcessor:
+class QwenImageProcessor(ImageProcessorFile):
     """The fields of a Qwen2-VL `preprocessor_config.json` that decide the pixel values."""
 
     image_processor_type: str = TYPE
@@ -107,16 +106,7 @@ class QwenImageProcessor:
             if old in size:
                 size[new] = size.pop(old)
         known["size"] = size
-        for key in ("image_mean", "image_std"):
-            if isinstance(known.get(key), tuple):
-                known[key] = list(known[key])
-        proc = cls(**{**base, **known, "image_processor_type": TYPE})
-        proc.check(source)
-        return proc
-
-    @classmethod
-    def from_directory(cls, path: str | os.PathLike) -> QwenImageProcessor:
-        return cls.from_dict(*read_processor_file(path))
+        return cls.from_fields(base, known, TYPE, source)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
@@ -139,6 +129,14 @@ class QwenImageProcessor:
         if mine != theirs:
             raise ConfigError(f"{source}: (patch_size, temporal_patch_size, merge_size) = {mine} but the vision "
                               f"tower takes {theirs}")
+
+    def with_pixel_range(self, min_pixels: int | None, max_pixels: int | None, source: str) -> QwenImageProcessor:
+        """This processor keeping each image's area within [min_pixels, max_pixels] (None: its own
+        bound), checked."""
+        size = {"shortest_edge": min_pixels or self.min_pixels, "longest_edge": max_pixels or self.max_pixels}
+        out = replace(self, size=size)
+        out.check(f"{source} (min_pixels, max_pixels)")
+        return out
 
     # ---- the pipeline --------------------------------------------------------------------------
     def resized_size(self, height: int, width: int) -> tuple[int, int]:

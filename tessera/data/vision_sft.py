@@ -22,7 +22,9 @@ each image becomes its tokens, exactly as the server tokenizes a chat request
 on the token sequences it is served: for LLaVA (`load_vision_sft`) `tokens_per_image` copies of
 the image token; for Qwen2-VL / Qwen2.5-VL (`load_qwen_vision_sft`) the vision start token, the
 image's own number of image tokens (its patch grid from Qwen's processor, t x h x w / merge^2) and
-the vision end token, what Qwen's chat template and processor write for an image part. The loss
+the vision end token, what Qwen's chat template and processor write for an image part
+(`llava_samples` / `qwen_vl_samples` read those tokens from the model's config: what each family's
+entry in tessera/checkpoint/vision_families.py names). The loss
 mask is 1 on the assistant answers only (tessera.data.sft: the same spans), never on image
 tokens. One conversation is one sample of `seq_len + 1` tokens, padded with token 0 (masked); a
 longer one is refused with a DataError naming it (an image must never be cut).
@@ -251,6 +253,19 @@ def load_qwen_vision_sft(inputs: Sequence[str | os.PathLike], tokenizer: Tokeniz
 
     reserved = {image_token_id, vision_start_token_id, vision_end_token_id}
     return _load(inputs, tokenizer, encode, reserved, seq_len, chat_template)
+
+
+def llava_samples(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: ImageProcessor, cfg: Any,
+                  seq_len: int) -> list[VisionSample]:
+    """`load_vision_sft` with LLaVA config `cfg`'s image token, `image_tokens` of it per image."""
+    return load_vision_sft(inputs, tokenizer, processor, cfg.image_token_id, cfg.image_tokens, seq_len)
+
+
+def qwen_vl_samples(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, processor: QwenImageProcessor,
+                    cfg: Any, seq_len: int) -> list[VisionSample]:
+    """`load_qwen_vision_sft` with Qwen2-VL / Qwen2.5-VL config `cfg`'s image, vision start and end tokens."""
+    return load_qwen_vision_sft(inputs, tokenizer, processor, cfg.image_token_id, cfg.vision_start_token_id,
+                                cfg.vision_end_token_id, seq_len)
 
 
 class VisionSFTDataset:

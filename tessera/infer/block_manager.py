@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tessera.infer.kv_tiers import KVTierPlanner
+from tessera.infer.kv_tier_planner import KVTierPlanner
 from tessera.infer.prefix_cache import PrefixCache, block_hash, hash_chain
 from tessera.infer.sequence import Sequence
 

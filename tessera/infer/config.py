@@ -1,27 +1,32 @@
 """Serving engine configuration: cache geometry, batching limits, and the optional features
 (prefix reuse, speculative decoding, LoRA, weight quantization), one documented field at a time.
 
-Every field is validated in `__post_init__`; a bad value raises `ConfigError` naming the key,
-the value and what is allowed.
+Each field that `tessera serve` (and `eval`, `generate`) can set declares its option where it is
+declared (`tessera.config.flags`): help, default, choices and converter in one place;
+`EngineConfig.add_arguments` and `EngineConfig.from_args` are the commands' only way to them.
+Every field is validated in `__post_init__`, and every refusal of two fields together lives here
+too; a bad value raises `ConfigError` naming the key, the value and what is allowed (and, for
+two options refused together, the command-line spelling of both).
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.argument_types import int_in, nonnegative_float, positive_float, seed, text
+from tessera.config.devices import resolve_device
+from tessera.config.dtypes import DTYPES, dtype_argument, dtype_name, torch_dtype
+from tessera.config.errors import ConfigError, RequestError, require
+from tessera.config.flags import add_flags, flag, flag_text, section, values_from_args
+from tessera.config.limits import MAX_KV_BLOCKS, MAX_KV_CACHE_GIB
+from tessera.infer.engine_arguments import MODALITIES, batch_sizes, mm_limits, named_adapters
 
-DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 SCHEDULING_POLICIES = ("fcfs", "shortest_first")  # the order of the waiting queue (scheduler.py)
-MODALITIES = ("image",)  # what a request may carry besides text
-
-
-def _need(cond: bool, key: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
 @dataclass
@@ -31,152 +36,262 @@ class SpeculativeConfig:
 
     # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams; "mtp": the served
     # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/mtp_proposer.py);
-    # "eagle": an EAGLE-3 draft head fed with the target's hidden states (tessera/infer/eagle_proposer.py)
-    method: str = "prompt_lookup"
-    num_tokens: int = 4  # k: tokens proposed per step (the target then scores k + 1 positions)
-    # HuggingFace directory of the draft model (method "draft"), or the EAGLE-3 draft directory (method "eagle")
-    draft_model: str | None = None
+    # "eagle": an EAGLE-3 draft head fed with the target's hidden states (tessera/infer/eagle_proposer.py).
+    # The option's default is None: no speculative decoding, no SpeculativeConfig.
+    method: str = field(default="prompt_lookup", metadata=flag(
+        "speculative decoding method (None: off; mtp: the model's own multi-token-prediction module drafts, for "
+        "a model trained with model.mtp_depth > 0; eagle: an EAGLE-3 draft head given by --draft-model drafts "
+        "from the model's hidden states)", name="--speculative", choices=SPECULATIVE_METHODS, default=None))
+    # k: tokens proposed per step (the target then scores k + 1 positions)
+    num_tokens: int = field(default=4, metadata=flag("tokens proposed per speculative step",
+                                                     name="--num-speculative-tokens", type=int))
+    draft_model: str | None = field(default=None, metadata=flag(
+        "draft model directory (with --speculative draft), or EAGLE-3 draft directory (with --speculative eagle: "
+        "what tessera train with train.eagle.target writes)"))
     ngram_max: int = 3  # prompt lookup: the longest suffix n-gram searched for in the context
     ngram_min: int = 1  # ... and the shortest one tried before giving up
 
     def __post_init__(self) -> None:
-        _need(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
-              f"one of {', '.join(SPECULATIVE_METHODS)}")
-        _need(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
-        _need(self.method not in ("draft", "eagle") or bool(self.draft_model), "speculative.draft_model",
-              self.draft_model, f"method {self.method!r} needs the directory of a draft model (--draft-model DIR)")
-        _need(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
-              f"must be in 1..ngram_max={self.ngram_max}")
+        require(self.method in SPECULATIVE_METHODS, "speculative.method", self.method,
+                f"one of {', '.join(SPECULATIVE_METHODS)}")
+        require(1 <= self.num_tokens <= 16, "speculative.num_tokens", self.num_tokens, "must be in 1..16")
+        require(self.method not in ("draft", "eagle") or bool(self.draft_model), "speculative.draft_model",
+                self.draft_model, f"method {self.method!r} needs the directory of a draft model (--draft-model DIR)")
+        require(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", self.ngram_min,
+                f"must be in 1..ngram_max={self.ngram_max}")
+
+
+# Why two features are not served together, by the field that rules the other out: the GGUF blocks
+# kept quantized (tessera/models/gguf_linear.py), and the ranks of tensor parallelism (tensor_parallel.py).
+_RULED_OUT_BY = {
+    "gguf_keep_quantized": ("the GGUF blocks are served as stored, without LoRA or another quantization",
+                            "serve without gguf_keep_quantized"),
+    "tensor_parallel_size": ("LoRA and quantized weights are served on one rank", "use tensor_parallel_size=1"),
+}
 
 
 @dataclass
 class EngineConfig:
     """How the engine lays out its KV cache and batches requests."""
 
-    dtype: str = "float32"  # weights and activations; float32 is the fast and exact choice on CPU
-    device: str = "cpu"
-    block_size: int = 16  # tokens per KV-cache block (the unit of allocation and of prefix reuse)
-    num_blocks: int | None = None  # None: from kv_cache_gib, capped at what max_num_seqs full sequences need
-    kv_cache_gib: float = 1.0  # memory for the KV cache when num_blocks is None
-    kv_cache_dtype: str | None = None  # None: the model dtype; "int8": per-token, per-head absmax scales
-    max_num_seqs: int = 64  # sequences in flight at once
-    max_num_batched_tokens: int = 1024  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int | None = None  # prompt + completion limit; None: the model's max_seq_len
-    enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
-    # The order waiting requests are admitted in (scheduler.py): "fcfs": arrival order; "shortest_first":
-    # arrival order, and the requests that arrived between the same two steps shortest prompt first
-    scheduling_policy: str = "fcfs"
-    system_prompts: list[str] = field(default_factory=list)  # prefilled at start, their blocks pinned
-    speculative: SpeculativeConfig | None = None
-    # None, or weights quantized at load (weight-only, round-to-nearest; tessera/models/quantized.py):
-    # "int8" (per output channel), "fp8" (e4m3, per output channel), "int4" (packed, per group of 128 inputs)
-    quantization: str | None = None
-    # A GGUF model's quantized attention/MLP matrices kept in memory in the file's block format
-    # (tessera/models/gguf_linear.py), dequantized inside each forward; False: dequantized at load
-    gguf_keep_quantized: bool = False
-    lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, served per request
-    merge_lora: list[str] = field(default_factory=list)  # PEFT directories merged into the weights at load
-    max_loras: int = 8  # dynamic adapters resident at once
-    seed: int = 0  # seed of requests that do not give one
+    dtype: str = field(default="float32", metadata=flag(  # float32 is the fast and exact choice on CPU
+        "dtype of the weights and activations (fp32, bf16, fp16 as in train.dtype are accepted)",
+        type=dtype_argument, choices=tuple(DTYPES)))
+    # the option's default is auto (the GPU when there is one); the Python API's stays on the CPU
+    device: str = field(default="cpu", metadata=flag(
+        "auto (cuda when available, else cpu), cpu, cuda or cuda:N; as train.device", default="auto",
+        to_field=lambda name: resolve_device(name, key="--device")))
+    # the unit of allocation and of prefix reuse
+    block_size: int = field(default=16, metadata=flag("tokens per KV-cache block", type=int))
+    # None: from kv_cache_gib, capped at what max_num_seqs full sequences need
+    num_blocks: int | None = field(default=None, metadata=flag(
+        "KV-cache blocks (None: from --kv-cache-gib)", type=int_in(1, MAX_KV_BLOCKS)))
+    kv_cache_gib: float = field(default=1.0, metadata=flag(
+        "memory for the KV cache when --num-blocks is unset", type=positive_float(MAX_KV_CACHE_GIB)))
+    # "int8": per-token, per-head absmax scales
+    kv_cache_dtype: str | None = field(default=None, metadata=flag(
+        "store keys/values as int8 (None: in --dtype)", choices=("int8",)))
+    max_num_seqs: int = field(default=64, metadata=flag("sequences in flight at once", type=int))
+    # prefill chunks + decodes
+    max_num_batched_tokens: int = field(default=1024, metadata=flag("token budget of one engine step", type=int))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "prompt + completion limit (None: the model's max_seq_len)", type=int))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "do not reuse KV blocks of shared prefixes", name="--no-prefix-caching", action="store_true",
+        to_field=lambda off: not off))
+    scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
+        "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "
+        "between the same two steps shortest prompt first (shortest_first)", choices=SCHEDULING_POLICIES))
+    system_prompts: list[str] = field(default_factory=list, metadata=flag(  # their blocks pinned
+        "prefill TEXT at start and keep its KV blocks cached (repeatable)", name="--system-prompt",
+        action="append", metavar="TEXT", type=text, to_field=list))
+    speculative: SpeculativeConfig | None = field(default=None, metadata=section(SpeculativeConfig, "method"))
+    # weight-only, round-to-nearest (tessera/models/quantized.py)
+    quantization: str | None = field(default=None, metadata=flag(
+        "quantize the block layers' weights at load, round-to-nearest (None: as stored); activations stay in "
+        "--dtype, except fp8 on a CUDA GPU with FP8 tensor cores, which casts them to e4m3 per tensor for the "
+        "product: int8 = int8 per output channel; fp8 = float8 e4m3 per output channel; int4 = symmetric 4-bit, "
+        "two per byte, one scale per group of 128 inputs (per row when 128 does not divide them). The embedding, "
+        "router and output head stay in --dtype", choices=QUANTIZATION_METHODS))
+    # in the file's block format (tessera/models/gguf_linear.py); False: dequantized at load
+    gguf_keep_quantized: bool = field(default=False, metadata=flag(
+        "a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, dequantized "
+        "inside each forward (less memory, slower on CPU); the embedding, norms and output head are dequantized "
+        "at load as without it", action="store_true"))
+    # name -> PEFT directory, served per request
+    lora_adapters: dict[str, str] = field(default_factory=dict, metadata=flag(
+        "serve the PEFT adapter DIR under model name NAME (repeatable)", name="--lora", action="append",
+        metavar="NAME=DIR", default=[], to_field=named_adapters))
+    merge_lora: list[str] = field(default_factory=list, metadata=flag(
+        "merge the PEFT adapter DIR into the weights at load (repeatable)", action="append", metavar="DIR",
+        to_field=list))
+    max_loras: int = field(default=8, metadata=flag("LoRA adapters held at once", type=int))
+    seed: int = field(default=0, metadata=flag(  # of requests that do not give one
+        "seed of the sampler (a request's `seed` overrides it)", type=seed))
     # Batch sizes of the static-shape decode step (a step's decodes are padded up to the next one);
     # None: 1, 2, 4, ... up to max_num_seqs; []: decodes run in the packed step with the prefills.
-    decode_batch_sizes: list[int] | None = None
-    enforce_eager: bool = False  # never capture the decode step in CUDA graphs (no effect on CPU)
-    # on CPU in fp32, a model loaded from a directory multiplies by its projection weights reordered
-    # once for oneDNN (cpu_linear.py): faster, at the cost of a second copy of those weights
-    cpu_prepack: bool = True
-    # Ranks the model is split over (tensor parallelism: heads, MLP / expert hidden dims and the
-    # vocabulary; tensor_parallel.py). 1: one process, as without the option. N > 1 starts N - 1
-    # worker processes (gloo on CPU, NCCL on GPUs, rank r on cuda:r) and decodes without CUDA graphs.
-    tensor_parallel_size: int = 1
-    # KV tiers below the device (kv_tiers.py; prefix caching on, one rank): host memory for blocks the
-    # device evicts (0: none), and a private directory shared by servers and restarts (None: none)
-    kv_offload_gib: float = 0.0
-    kv_cache_dir: str | None = None
-    kv_cache_dir_gib: float = 16.0  # the directory's bound: past it the least recently used files go
-    # prefill/decode disaggregation (kv_transfer.py): None, "prefill" (hands out the KV blocks of the
-    # prompts it computes) or "decode" (takes them into its host tier: needs kv_offload_gib)
-    kv_role: str | None = None
+    decode_batch_sizes: list[int] | None = field(default=None, metadata=flag(
+        "batch-size buckets of the static-shape decode step (None: 1,2,4,... up to --max-num-seqs; 'none': "
+        "decode in the packed step)", type=batch_sizes, metavar="B1,B2,..."))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)", action="store_true"))
+    # a model loaded from a directory (cpu_linear.py)
+    cpu_prepack: bool = field(default=True, metadata=flag(
+        "on CPU in float32, keep F.linear instead of oneDNN with the projection weights reordered once at load "
+        "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_false"))
+    # Ranks the model is split over (tensor_parallel.py). 1: one process, as without the option.
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "
+        "and N-1 workers it starts, gloo on CPU, NCCL on GPUs (rank r on cuda:B+r with --device cuda:B; N GPUs "
+        "from there must exist); N must divide the heads, KV heads, vocabulary and FFN dims; N > 1 decodes "
+        "without CUDA graphs and serves no LoRA or quantized weights. If a rank fails or exits (or a step fails "
+        "on this one), requests in flight get the error, GET /health answers 503 naming the rank, and tessera "
+        "serve exits with status 1 for its supervisor to restart it", type=int_in(1, 1024),
+        metavar="N"))
+    # KV tiers below the device (kv_tiers.py; prefix caching on, one rank)
+    kv_offload_gib: float = field(default=0.0, metadata=flag(
+        "host memory for prefix blocks the device evicts; a later hit copies them back (0: none)",
+        type=nonnegative_float(MAX_KV_CACHE_GIB)))
+    kv_cache_dir: str | None = field(default=None, metadata=flag(
+        "private directory of prefix blocks, shared by servers of this model and kept across restarts "
+        "(None: none)", metavar="DIR"))
+    kv_cache_dir_gib: float = field(default=16.0, metadata=flag(
+        "size bound of --kv-cache-dir; the least recently used files go past it",
+        type=positive_float(MAX_KV_CACHE_GIB)))
+    # prefill/decode disaggregation (kv_transfer.py)
+    kv_role: str | None = field(default=None, metadata=flag(
+        "prefill/decode disaggregation behind `tessera router`: 'prefill' hands out the KV blocks of the prompts "
+        "it computes, 'decode' takes them into its host tier (needs --kv-offload-gib); beyond loopback it needs "
+        "--api-key (None: neither)", choices=("prefill", "decode")))
     # Multimodal items per prompt, by modality (vLLM's --limit-mm-per-prompt): {"image": N} allows at
     # most N images in one request (0: none); a modality left out is bounded by the context length only.
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict, metadata=flag(
+        "items per prompt by modality: image=2, or JSON {\"image\": 2} (default: no count limit)",
+        type=mm_limits, metavar="LIMITS", to_field=dict))
     mm_encoder_cache_images: int = 64  # a vision-language model's encoder outputs kept, by image content
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                      names: Iterable[str] | None = None) -> None:
+        """Add the options of the fields in `names` (None: all that have one) to a command's parser."""
+        add_flags(parser, cls, names)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, names: Iterable[str] | None = None, **fields: Any) -> EngineConfig:
+        """The config the parsed options (those `add_arguments` added for `names`) and `fields` give."""
+        return cls(**values_from_args(cls, args, names), **fields)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
-        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
-        _need(self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
-              self.block_size, "must be a positive power of two")
-        _need(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
-              "must be None or a positive integer")
-        _need(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
-        _need(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
-        _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
-        _need(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
-              "must be > 0")
-        _need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
-              "one of " + ", ".join(map(repr, SCHEDULING_POLICIES)))
-        _need(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
-              "must be None or > 1")
-        _need(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
-              "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
-        if self.gguf_keep_quantized:
-            for key, value in (("quantization", self.quantization), ("lora_adapters", self.lora_adapters),
-                               ("merge_lora", self.merge_lora)):
-                _need(not value, key, value, "not supported with gguf_keep_quantized=True (the GGUF blocks are "
-                      "served as stored, without LoRA or another quantization); serve without gguf_keep_quantized")
-        _need(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
-        _need(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
-              f"at most max_loras={self.max_loras} adapters")
+        self.dtype = dtype_name(self.dtype)  # train.dtype's bf16 is bfloat16 (tessera.config.dtypes)
+        self._check_cache()
+        self._check_features()
+        self._check_kv_tiers()
+        self._check_media()
+        self._check_speculative()
+
+    def _check_cache(self) -> None:
+        """The KV cache's geometry and the batching limits."""
+        require(self.block_size > 0 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
+                self.block_size, "must be a positive power of two")
+        require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
+                "must be None or a positive integer")
+        require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
+        require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
+        require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
+                "must be > 0")
+        require(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                "one of " + ", ".join(map(repr, SCHEDULING_POLICIES)))
+        require(self.max_model_len is None or self.max_model_len > 1, "max_model_len", self.max_model_len,
+                "must be None or > 1")
         if self.decode_batch_sizes is not None:
             self.decode_batch_sizes = sorted({int(b) for b in self.decode_batch_sizes})
-            _need(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
-                  "must be positive batch sizes (or [] for no static-shape decode step)")
-        _need(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+            require(all(b > 0 for b in self.decode_batch_sizes), "decode_batch_sizes", self.decode_batch_sizes,
+                    "must be positive batch sizes (or [] for no static-shape decode step)")
+
+    def _check_features(self) -> None:
+        """Quantization, LoRA, GGUF blocks and tensor parallelism, and which of them go together."""
+        require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
+                "None or one of " + ", ".join(map(repr, QUANTIZATION_METHODS)))
+        if self.gguf_keep_quantized:
+            for key in ("quantization", "lora_adapters", "merge_lora"):
+                self._refuse_with(key, "gguf_keep_quantized")
+        require(self.max_loras > 0, "max_loras", self.max_loras, "must be > 0")
+        require(len(self.lora_adapters) <= self.max_loras, "lora_adapters", sorted(self.lora_adapters),
+                f"at most max_loras={self.max_loras} adapters")
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         if self.tensor_parallel_size > 1:
-            for key, value in (("lora_adapters", self.lora_adapters), ("merge_lora", self.merge_lora),
-                               ("quantization", self.quantization),
-                               ("gguf_keep_quantized", self.gguf_keep_quantized)):
-                _need(not value, key, value, f"not supported with tensor_parallel_size={self.tensor_parallel_size} "
-                      "(LoRA and quantized weights are served on one rank); use tensor_parallel_size=1")
-        self._check_kv_tiers()
-        _need(isinstance(self.limit_mm_per_prompt, dict) and set(self.limit_mm_per_prompt) <= set(MODALITIES)
-              and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                      for v in self.limit_mm_per_prompt.values()),
-              "limit_mm_per_prompt", self.limit_mm_per_prompt,
-              f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
-        _need(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
-              "must be >= 1")
-        spec = self.speculative
-        if spec is not None and spec.method in ("mtp", "eagle"):
-            # the MTP and EAGLE drafts read the target's hidden states from the packed step on this process
-            _need(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-                  f"speculative.method={spec.method!r} drafts on one process; use tensor_parallel_size=1")
-            _need(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
-                  f"speculative.method={spec.method!r} decodes in the packed step (it reads its hidden states); "
-                  "use []")
-            self.decode_batch_sizes = []
-        if spec is not None:
-            _need(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
-                  self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
+            for key in ("lora_adapters", "merge_lora", "quantization", "gguf_keep_quantized"):
+                self._refuse_with(key, "tensor_parallel_size")
+
+    def _refuse_with(self, key: str, ruler: str) -> None:
+        """Refuse `key` set while `ruler` (a key of _RULED_OUT_BY) is, naming both as fields and as options."""
+        value, ruling = getattr(self, key), getattr(self, ruler)
+        why, fix = _RULED_OUT_BY[ruler]
+        require(not value, key, value, f"not supported with {ruler}={ruling!r} ({flag_text(EngineConfig, key, value)} "
+                f"is not supported with {flag_text(EngineConfig, ruler, ruling)}: {why}); {fix}")
+
+    def check_runtime_lora(self) -> None:
+        """Refuse loading LoRA adapters while serving (`LLMEngine.load_lora`; `tessera serve
+        --allow-runtime-lora` refuses to start) where adapters cannot be served, by the same rule
+        as lora_adapters and merge_lora."""
+        for ruler, on in (("tensor_parallel_size", self.tensor_parallel_size > 1),
+                          ("gguf_keep_quantized", self.gguf_keep_quantized)):
+            if on:
+                ruling = getattr(self, ruler)
+                why, fix = _RULED_OUT_BY[ruler]
+                raise ConfigError(f"LoRA adapters are not supported with {ruler}={ruling!r} (--allow-runtime-lora "
+                                  f"is not supported with {flag_text(EngineConfig, ruler, ruling)}: {why}); {fix}")
 
     def _check_kv_tiers(self) -> None:
         """The KV tiers' and the disaggregation role's fields (kv_tiers.py, kv_transfer.py)."""
-        _need(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
-        _need(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
+        require(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0 (0: no host tier)")
+        require(self.kv_cache_dir_gib > 0, "kv_cache_dir_gib", self.kv_cache_dir_gib, "must be > 0")
         if self.has_kv_tiers:
             key, value = ("kv_offload_gib", self.kv_offload_gib) if self.kv_offload_gib else ("kv_cache_dir",
                                                                                              self.kv_cache_dir)
-            _need(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
-                  "hash); do not disable it")
-            _need(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
-        _need(self.kv_role in (None, "prefill", "decode"), "kv_role", self.kv_role, "None, 'prefill' or 'decode'")
+            require(self.enable_prefix_caching, key, value, "needs prefix caching (blocks are found by their prefix "
+                    "hash); do not disable it")
+            require(self.tensor_parallel_size == 1, key, value, "is served on one rank; use tensor_parallel_size=1")
+        require(self.kv_role in (None, "prefill", "decode"), "kv_role", self.kv_role, "None, 'prefill' or 'decode'")
         if self.kv_role is not None:
-            _need(self.enable_prefix_caching and self.tensor_parallel_size == 1, "kv_role", self.kv_role,
-                  "needs prefix caching on and tensor_parallel_size=1")
-            _need(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
-                  "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
+            require(self.enable_prefix_caching and self.tensor_parallel_size == 1, "kv_role", self.kv_role,
+                    "needs prefix caching on and tensor_parallel_size=1")
+            require(self.kv_role != "decode" or self.kv_offload_gib > 0, "kv_role", self.kv_role,
+                    "'decode' receives blocks into the host tier: give kv_offload_gib > 0")
+
+    def _check_media(self) -> None:
+        require(isinstance(self.limit_mm_per_prompt, dict) and set(self.limit_mm_per_prompt) <= set(MODALITIES)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                        for v in self.limit_mm_per_prompt.values()),
+                "limit_mm_per_prompt", self.limit_mm_per_prompt,
+                f"a mapping from modality ({', '.join(MODALITIES)}) to a count >= 0, e.g. {{'image': 2}}")
+        require(self.mm_encoder_cache_images >= 1, "mm_encoder_cache_images", self.mm_encoder_cache_images,
+                "must be >= 1")
+
+    def check_media_count(self, modality: str, count: int) -> None:
+        """Refuse a request carrying more items of `modality` than limit_mm_per_prompt allows
+        (RequestError naming its images; the server counts a chat's before fetching any)."""
+        limit = self.limit_mm_per_prompt.get(modality)
+        if limit is not None and count > limit:
+            raise RequestError(f"the request has {count} {modality}s; at most {limit} per prompt are allowed "
+                               "(limit_mm_per_prompt, --limit-mm-per-prompt)", field="images")
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative
+        if spec is not None and spec.method in ("mtp", "eagle"):
+            # the MTP and EAGLE drafts read the target's hidden states from the packed step on this process
+            require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+                    f"speculative.method={spec.method!r} drafts on one process; use tensor_parallel_size=1")
+            require(not self.decode_batch_sizes, "decode_batch_sizes", self.decode_batch_sizes,
+                    f"speculative.method={spec.method!r} decodes in the packed step (it reads its hidden states); "
+                    "use []")
+            self.decode_batch_sizes = []
+        if spec is not None:
+            require(self.max_num_batched_tokens >= spec.num_tokens + 1, "max_num_batched_tokens",
+                    self.max_num_batched_tokens, f"must be >= speculative.num_tokens + 1 = {spec.num_tokens + 1}")
 
     def check_vision_language(self, family: str) -> None:
         """Refuse, naming each, the features not served for a vision-language model (images need
@@ -185,8 +300,9 @@ class EngineConfig:
                    "merge_lora": bool(self.merge_lora), "quantization": self.quantization is not None,
                    "speculative": self.speculative is not None, "kv_role": self.kv_role is not None}
         for key, on in refused.items():
-            _need(not on, key, getattr(self, key), f"not supported for the vision-language model family {family!r} "
-                  "(served on one rank, without LoRA, quantization, speculative decoding or disaggregation)")
+            require(not on, key, getattr(self, key), f"not supported for the vision-language model family "
+                    f"{family!r} (served on one rank, without LoRA, quantization, speculative decoding or "
+                    "disaggregation)")
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -199,8 +315,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self):
-        """`dtype` as a torch dtype (torch is imported here, not with the module: `tessera serve
+        """`dtype` as a torch dtype (torch is imported there, not with this module: `tessera serve
         --help` reads this file without torch)."""
-        import torch
-
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return torch_dtype(self.dtype)

@@ -39,8 +39,9 @@ from tessera.infer.kv_cache import PagedKVCache
 log = logging.getLogger("tessera.infer")
 
 CSRC = Path(__file__).with_name("csrc")
-# one library, torch.ops.tessera_cpu: the attention, the layer ops (cpu_layer_ops.py), the projections (cpu_linear.py)
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
+# one library, torch.ops.tessera_cpu (its ops registered in library.cpp): the attention, the layer ops
+# (cpu_layer_ops.py), the projections (cpu_linear.py)
+SOURCES = [CSRC / "library.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
 ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
 
 

@@ -13,14 +13,15 @@ few rows of a decode step (M = 1..64) that reads the weight in an order its kern
   when it freezes a CPU model), where the library does not build (no compiler) or is switched off
   (`TESSERA_CPU_ATTENTION=torch`): 2-3x faster than `F.linear` at 8-32 rows.
 
-`pack_linears` turns every plain `nn.Linear` of a model the engine owns (loaded by
-`LLMEngine.from_dir`) into a `PanelLinear` (or `OneDNNLinear`) in place (the modules keep their
-identity, so forward hooks, such as those of LoRA adapters, still see them); the dense `weight` stays
-as it is for everything that reads it, so the packed copy is a second copy of the projection weights
-(turned off by `EngineConfig.cpu_prepack=False`). Quantized, sharded and other linear types are left
-alone. Results differ from `F.linear` by the order of the sums (fp32 rounding, ~1e-6 relative); a
-model in training is never packed (the copy would go stale with the first optimizer step).
-Only fp32 on CPU: elsewhere (CUDA, other dtypes) nothing changes.
+`pack_linears` replaces every plain `nn.Linear` of a model the engine owns (loaded by
+`LLMEngine.from_dir`) by a `PanelLinear` (or `OneDNNLinear`) built over the same parameters, in its
+parent: no copy, the same `state_dict`, and the same hooks (forward hooks, such as those of LoRA
+adapters, still see it); the dense `weight` stays as it is for everything that reads it, so the
+packed copy is a second copy of the projection weights (turned off by `EngineConfig.cpu_prepack=False`).
+Quantized, sharded and other linear types are left alone. Results differ from `F.linear` by the
+order of the sums (fp32 rounding, ~1e-6 relative); a model in training is never packed (the copy
+would go stale with the first optimizer step). Only fp32 on CPU: elsewhere (CUDA, other dtypes)
+nothing changes.
 
 `fuse_projections(model)` then multiplies the projections that read the same input in one product:
 an attention's q, k and v (`Attention.fused_qkv`) and an MLP's gate and up (`FeedForward.fused_gate_up`),
@@ -28,8 +29,9 @@ the models' `FusedProjection` seam. A product over the concatenated weight reads
 runs one wide kernel instead of three (or two) narrow ones; measured on this project's 2-core
 machine over 12 layers of the 110M model (docs/benchmarks.md, with oneDNN's kernel): 1 row 14.5 ->
 13.4 ms, 8 rows 19.4 -> 17.4 ms, 256 rows 221 -> 212 ms. The fused modules give their own packed
-copies up (the concatenated one replaces them: still two copies of the weights in all) and fall back
-to `F.linear` over their dense weights when they run alone, which they do whenever a forward hook or
+copies up (each is replaced by a plain `nn.Linear` over its parameters, with its hooks; the
+concatenated copy replaces theirs: still two copies of the weights in all) and fall back to
+`F.linear` over their dense weights when they run alone, which they do whenever a forward hook or
 pre-hook is on any of them (a LoRA adapter's: it must see each module's own output).
 
 A fused gate and up on the panel kernel also multiply as `FusedLinear.swiglu` (`panel_swiglu`): each
@@ -48,6 +50,7 @@ import torch
 from torch import nn
 
 from tessera.infer import cpu_attention
+from tessera.models.int8 import replace_module
 
 
 def _panel_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -58,6 +61,19 @@ def _onednn_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def linear_over(kind: type[nn.Linear], linear: nn.Linear) -> nn.Linear:
+    """A new `kind` module over `linear`'s own parameters (no copy: the state_dict's keys and values are
+    `linear`'s), in its mode and with its hooks: the same hook tables, so a handle taken on `linear`
+    still removes its hook. Built on the meta device, so `nn.Linear` allocates no weight of its own."""
+    new = kind(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    new.weight, new.bias = linear.weight, linear.bias
+    new.train(linear.training)
+    for name, table in vars(linear).items():
+        if "hook" in name:  # forward (pre-)hooks, backward and state_dict hooks, with their flags
+            vars(new)[name] = table
+    return new
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` whose forward multiplies by `packed`, its weight as `pack` lays it out, through
     `multiply` (x, packed, bias, out_features) -> y; the subclasses name a kernel."""
@@ -65,6 +81,13 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor
     pack: Callable[[torch.Tensor], torch.Tensor]
     multiply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+    @classmethod
+    def over(cls, linear: nn.Linear) -> PackedLinear:
+        """`linear` as this type (`linear_over`), its weight packed once."""
+        new = linear_over(cls, linear)
+        new.packed = cls.pack(linear.weight.detach())
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.multiply(x, self.packed, self.bias, self.out_features)
@@ -105,28 +128,32 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, onednn: bool = False) -> int:
-    """Make every plain fp32 CPU `nn.Linear` of `model` a `PanelLinear` (or, without the panel kernel
-    or with `onednn`, which benchmarks use to compare the two, a `OneDNNLinear`); returns how many."""
+    """Replace every plain fp32 CPU `nn.Linear` below `model` by a `PanelLinear` over its parameters
+    (or, without the panel kernel or with `onednn`, which benchmarks use to compare the two, a
+    `OneDNNLinear`), under every name `model` holds it by; returns how many."""
     cls = _packing(onednn)
     if cls is None:
         return 0
-    n = 0
-    for module in model.modules():
-        if type(module) is not nn.Linear or module.weight.dtype != torch.float32 or module.weight.device.type != "cpu":
-            continue
-        module.packed = cls.pack(module.weight.detach())
-        module.__class__ = cls
-        n += 1
-    return n
+    packed: dict[nn.Module, PackedLinear] = {}  # one packed module for a linear held under two names
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if name and _plain_fp32_cpu(module):
+            if module not in packed:
+                packed[module] = cls.over(module)
+            replace_module(model, name, packed[module])
+    return len(packed)
+
+
+def _plain_fp32_cpu(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
 
 
 class FusedLinear:
-    """`members` (packed linears of one type, over the same input) as one product of that type's
-    kernel: called with x, their outputs in order (views of one result), or None with gradients on or
-    while a hook is on any member."""
+    """`members` (linears over the same input) as one product of the kernel of `kind`, a packed type
+    (default: the members' own): called with x, their outputs in order (views of one result), or None
+    with gradients on or while a hook is on any member."""
 
-    def __init__(self, members: list[PackedLinear]):
-        kind = type(members[0])
+    def __init__(self, members: list[nn.Linear], kind: type[PackedLinear] | None = None):
+        kind = kind or type(members[0])
         self.multiply = kind.multiply
         self.packed = kind.pack(torch.cat([m.weight.detach() for m in members]))
         self.bias = None
@@ -171,18 +198,20 @@ def fuse_projections(model: nn.Module) -> int:
     from tessera.models.mlp import FeedForward
 
     n = 0
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, Attention):
-            members, slot = [module.wq, module.wk, module.wv], "fused_qkv"
+            names, slot = ("wq", "wk", "wv"), "fused_qkv"
         elif isinstance(module, FeedForward):
-            members, slot = [module.w1, module.w3], "fused_gate_up"
+            names, slot = ("w1", "w3"), "fused_gate_up"
         else:
             continue
-        if not isinstance(members[0], PackedLinear) or any(type(m) is not type(members[0]) for m in members):
+        kind = type(getattr(module, names[0]))
+        if not issubclass(kind, PackedLinear) or any(type(getattr(module, m)) is not kind for m in names):
             continue
-        setattr(module, slot, FusedLinear(members))
-        for m in members:  # the fused copy replaces theirs; alone they multiply by their dense weights
-            del m.packed
-            m.__class__ = nn.Linear
+        # the fused copy replaces theirs: alone they multiply by their dense weights, as plain nn.Linear
+        plain = [linear_over(nn.Linear, getattr(module, m)) for m in names]
+        for name, linear in zip(names, plain, strict=True):
+            setattr(module, name, linear)
+        setattr(module, slot, FusedLinear(plain, kind))
         n += 1
     return n

@@ -29,16 +29,19 @@ from tessera.checkpoint.loading import (
     trained_tokenizer,
     vision_language_family,
 )
-from tessera.config.errors import ConfigError
-from tessera.data.image_processor import ImageProcessor, decode_image
-from tessera.data.qwen_image_processor import QwenImageProcessor
+from tessera.checkpoint.vision_families import default_processor
+from tessera.config.errors import ConfigError, RequestError
+from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.block_manager import BlockManager
+from tessera.infer.checked_request import CheckedRequest
 from tessera.infer.config import EngineConfig
 from tessera.infer.cpu_layer_ops import fuse_layer_ops
 from tessera.infer.cpu_linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.executor import Executor, InProcessExecutor, closed_on_error
-from tessera.infer.kv_tiers import TierMetrics, build_tiers
+from tessera.infer.kv_exchange import KVExchange
+from tessera.infer.kv_tier_planner import KVTierPlanner
+from tessera.infer.kv_tiers import TierMetrics
 from tessera.infer.lora import merge_adapter
 from tessera.infer.metrics import EngineMetrics
 from tessera.infer.multimodal import ImageEncoder, expand_placeholders
@@ -49,11 +52,10 @@ from tessera.infer.scheduler import Scheduler
 from tessera.infer.sequence import RequestOutput, Sequence
 from tessera.infer.structured_output import GrammarCompiler, GrammarMatcher
 from tessera.infer.tp_executor import TensorParallelExecutor
-from tessera.models.llava import Llava
 from tessera.models.quantized import quantize_model
-from tessera.models.qwen_vl import QwenVL
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
+from tessera.models.vision_language import VisionLanguageModel
 
 
 class LLMEngine:
@@ -65,13 +67,12 @@ class LLMEngine:
         self.lora = executor.lora
         self.eos_ids = frozenset(eos_ids)
         self.max_model_len, self.blocks_per_seq = executor.geometry.max_model_len, executor.geometry.blocks_per_seq
-        self.tier_metrics = TierMetrics()
-        planner = None
-        if config.has_kv_tiers:
-            planner, executor.kv_tiers = build_tiers(executor.model, executor.local.kv, config.kv_offload_gib,
-                                                     config.kv_cache_dir, config.kv_cache_dir_gib, self.tier_metrics)
+        store = executor.kv_tiers  # the KV tiers' bytes, built by the executor over its cache
+        self.tier_metrics = store.metrics if store is not None else TierMetrics()
+        planner = KVTierPlanner.over(store) if store is not None else None
         self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
                                    planner)
+        self.kv_exchange = KVExchange(executor, self.blocks, self.tier_metrics)  # for kv_transfer.py
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,
                                    OutputProcessor(tokenizer, self.max_model_len, self.metrics),
@@ -79,8 +80,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.vision: Llava | None = None  # a vision-language model whose language model this engine serves
-        self.image_processor: ImageProcessor | None = None
+        self.vision: VisionLanguageModel | None = None  # a vision-language model whose language model it serves
+        self.image_processor = None  # that model's image processor (its family's: pixel values of an image)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -107,21 +108,22 @@ class LLMEngine:
             return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
-    def from_model(cls, model: Transformer | Llava | QwenVL, config: EngineConfig | None = None, tokenizer=None,
+    def from_model(cls, model: Transformer | VisionLanguageModel, config: EngineConfig | None = None, tokenizer=None,
                    eos_ids: set[int] | frozenset[int] = frozenset(), prequantized: bool = False,
-                   image_processor: ImageProcessor | None = None, owned: bool = False) -> LLMEngine:
+                   image_processor=None, owned: bool = False) -> LLMEngine:
         """Build the engine around a model in memory, already in `config.dtype` on `config.device`
         (loaders keep some buffers in fp32, so the engine does not cast): static LoRA merged, weights
         quantized, the draft model loaded, dynamic adapters loaded, system prompts cached.
         `prequantized`: the model's weights are int8 already (a pre-quantized directory). With
         tensor_parallel_size > 1 the model is cut over that many ranks (its weights sent once to
-        the new worker processes). A vision-language model (`Llava`) is served as its language model
-        with its image encoder beside it (`image_processor`: the one its tower ships with by default).
+        the new worker processes). A vision-language model (`VisionLanguageModel`) is served as its
+        language model with its image encoder beside it (`image_processor`: the one its tower ships
+        with by default).
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
         the CPU (cpu_linear.py) and its norms, rotary embedding and activation done by one-pass kernels
         (cpu_layer_ops.py); a model shared with a trainer never is."""
         config = config or EngineConfig()
-        if isinstance(model, Llava | QwenVL):
+        if isinstance(model, VisionLanguageModel):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
         _check_placement(model, config)
         if config.tensor_parallel_size == 1:
@@ -136,17 +138,15 @@ class LLMEngine:
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
 
     @classmethod
-    def _serving_vision_language(cls, model: Llava | QwenVL, config: EngineConfig, tokenizer, eos_ids,
-                                 image_processor: ImageProcessor | QwenImageProcessor | None) -> LLMEngine:
-        qwen = isinstance(model, QwenVL)
-        config.check_vision_language(model.cfg.version if qwen else "llava")
+    def _serving_vision_language(cls, model: VisionLanguageModel, config: EngineConfig, tokenizer, eos_ids,
+                                 image_processor) -> LLMEngine:
+        config.check_vision_language(model.family)
         _check_placement(model.language_model, config)
-        executor = InProcessExecutor(model.language_model, config)
-        executor.local.encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
-        engine = cls._serving(executor, config, tokenizer, eos_ids)
+        encoder = ImageEncoder(model, config.device, config.mm_encoder_cache_images)
+        engine = cls._serving(InProcessExecutor(model.language_model, config, encoder=encoder), config, tokenizer,
+                              eos_ids)
         engine.vision = model
-        engine.image_processor = image_processor or (QwenImageProcessor if qwen else ImageProcessor).for_vision(
-            model.cfg.vision)
+        engine.image_processor = image_processor or default_processor(model.cfg)
         return engine
 
     @classmethod
@@ -163,71 +163,93 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def validate_request(self, num_prompt_tokens: int, params: SamplingParams,
                          adapter: str | None) -> GrammarMatcher | None:
-        """Raise ConfigError if the request cannot be served as asked. Returns the request's own
-        grammar matcher (None for free text), which `add_request` keeps: compiling a schema again
-        (after the compiled-grammar cache let it go) would stall the engine thread's batch."""
+        """Raise RequestError (a ConfigError naming the request field at fault) if a prompt of
+        `num_prompt_tokens` cannot be served as asked. Returns the request's own grammar matcher
+        (None for free text), which `add_request` keeps: compiling a schema again (after the
+        compiled-grammar cache let it go) would stall the engine thread's batch."""
         if num_prompt_tokens < 1:
-            raise ConfigError("prompt is empty: it needs at least one token")
+            raise RequestError("prompt is empty: it needs at least one token", field="prompt")
         if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ConfigError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                              f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}")
-        if adapter is not None and adapter not in self.lora.adapters:
-            raise ConfigError(f"lora adapter {adapter!r} is not loaded; loaded: {sorted(self.lora.adapters)}")
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                               f"has {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens}",
+                               field="prompt")
+        self._loaded_adapter(adapter)
         bad = [t for t in params.logit_bias if t >= self.cfg.vocab_size]
         if bad:
-            raise ConfigError(f"logit_bias token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
+            raise RequestError(f"logit_bias token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}",
+                               field="logit_bias")
         if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
+            raise RequestError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)",
+                               field="stop")
         return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None, images: list[np.ndarray] | None = None) -> str:
-        """Queue a request. `images`: pixel values [C, H, W] (`image_processor`'s output) of the
-        images the prompt marks, one image token id per image, in order (multimodal.py)."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
+                      images: list[np.ndarray] | None = None) -> CheckedRequest:
+        """The one check of a request (checked_request.py): its images against the prompt's marks
+        (`with_images`), its token ids, then `validate_request`. RequestError naming the field at fault."""
         params = params or SamplingParams()
-        prompt_ids, prompt_images = self.with_images([int(t) for t in prompt_ids], images or [])
-        grammar = self.validate_request(len(prompt_ids), params, adapter)
+        try:
+            prompt_ids, prompt_images = self.with_images([int(t) for t in prompt_ids], images or [])
+        except RequestError:
+            raise
+        except ConfigError as e:
+            raise RequestError(str(e), field="images") from None
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token id {bad[0]} is out of range 0..{self.cfg.vocab_size - 1}")
+            raise RequestError(f"prompt token ids must be in 0..{self.cfg.vocab_size - 1} (token id {bad[0]} is not)",
+                               field="prompt")
+        grammar = self.validate_request(len(prompt_ids), params, adapter)
+        return CheckedRequest(prompt_ids, params, adapter, prompt_images, grammar)
+
+    def add_request(self, prompt_ids: list[int] | CheckedRequest, params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    images: list[np.ndarray] | None = None) -> str:
+        """Queue a request: `prompt_ids` with its `params`, `adapter` and `images` (pixel values
+        [C, H, W], `image_processor`'s output, of the images the prompt marks, one image token id per
+        image, in order: multimodal.py), checked here (`check_request`); or a request checked already,
+        queued as it is (the other arguments but `request_id` unused)."""
+        request = (prompt_ids if isinstance(prompt_ids, CheckedRequest)
+                   else self.check_request(prompt_ids, params, adapter, images))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests:
             raise ConfigError(f"request_id {request_id!r} is already in use")
+        loaded = self._loaded_adapter(request.adapter)  # unloaded since a check in another thread: refused
+        params = request.params
         generator, seed = None, 0
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
             generator = make_generator(seed)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-        loaded = self.lora.adapters[adapter] if adapter else None
-        seq = Sequence(request_id, prompt_ids, params, generator, adapter=adapter,
+        seq = Sequence(request_id, request.prompt_ids, params, generator, adapter=request.adapter,
                        adapter_key=loaded.key if loaded else b"", adapter_slot=loaded.slot if loaded else -1,
-                       stop_ids=frozenset(stop_ids), grammar=grammar, seed=seed, images=prompt_images)
+                       stop_ids=frozenset(stop_ids), grammar=request.grammar, seed=seed, images=request.images)
         self.scheduler.add(seq)
         return request_id
+
+    def _loaded_adapter(self, name: str | None):
+        """The loaded LoRA adapter `name` (None for the base model); RequestError when it is not loaded."""
+        if name is None:
+            return None
+        if name not in self.lora.adapters:
+            raise RequestError(f"lora adapter {name!r} is not loaded; loaded: {sorted(self.lora.adapters)}",
+                               field="adapter")
+        return self.lora.adapters[name]
 
     def with_images(self, prompt_ids: list[int], images: list[np.ndarray]) -> tuple[list[int], tuple]:
         """The prompt with its image marks widened to placeholders, and its images (none for text);
         ConfigError when the images are too many, of the wrong size, or do not match the marks."""
-        limit = self.config.limit_mm_per_prompt.get("image")
-        if limit is not None and len(images) > limit:
-            raise ConfigError(f"the request has {len(images)} images; at most {limit} per prompt are allowed "
-                              "(limit_mm_per_prompt)")
+        self.config.check_media_count("image", len(images))
         if self.vision is None:
             if images:
                 raise ConfigError("this model takes no images (it is not a vision-language model)")
             return prompt_ids, ()
-        if isinstance(self.vision, QwenVL):
-            return qwen_placeholders(prompt_ids, self.vision.cfg, images)
-        size = (self.vision.cfg.vision.num_channels,) + (self.vision.cfg.vision.image_size,) * 2
-        for p in images:
-            if tuple(p.shape) != size:
-                raise ConfigError(f"image pixel values must be {list(size)} (the image processor's output); got "
-                                  f"{list(p.shape)}")
-        return expand_placeholders(prompt_ids, self.vision.cfg.image_token_id, self.vision.cfg.image_tokens, images)
+        inputs = [self.vision.image_input(p) for p in images]  # each checked as its family takes it
+        return expand_placeholders(prompt_ids, self.vision.image_token_id, [i.tokens for i in inputs],
+                                   [i.pixels for i in inputs], [i.grid for i in inputs])
 
     def pixel_values(self, image) -> np.ndarray | tuple[np.ndarray, tuple[int, int, int]]:
         """The model's pixel values of `image`: a PIL image, or encoded bytes (decoded as untrusted input).
-        Qwen2-VL: its patch rows and (t, h, w) grid."""
+        Qwen2-VL: its patch rows and (t, h, w) grid (what the family's `image_input` takes)."""
         if self.image_processor is None:
             raise ConfigError("this model takes no images (it is not a vision-language model)")
         return self.image_processor(decode_image(image) if isinstance(image, bytes | bytearray) else image)
@@ -249,14 +271,10 @@ class LLMEngine:
     # ---- LoRA --------------------------------------------------------------------------------
     def load_lora(self, name: str, path: str | Path, weights: dict | None = None) -> None:
         """Load the adapter at `path` under `name`; `weights` when already read (`read_adapter`)."""
-        if self.config.tensor_parallel_size > 1:
-            raise ConfigError(f"LoRA adapters are not supported with tensor_parallel_size="
-                              f"{self.config.tensor_parallel_size}; serve them with tensor_parallel_size=1")
+        self.config.check_runtime_lora()  # one rank, weights dequantized at load: the config's rule
         if self.vision is not None:
-            raise ConfigError("LoRA adapters are not supported for the vision-language model family 'llava'")
-        if self.config.gguf_keep_quantized:
-            raise ConfigError("LoRA adapters are not supported with gguf_keep_quantized=True; serve the GGUF "
-                              "model without it (its weights dequantized at load) to use adapters")
+            raise ConfigError(f"LoRA adapters are not supported for the vision-language model family "
+                              f"{self.vision.family!r}")
         self.lora.load(name, path, weights)
 
     def unload_lora(self, name: str) -> None:
@@ -388,15 +406,3 @@ def served_tokenizer(path: str | Path, run_cfg: dict | None) -> Tokenizer | None
     except Exception:  # noqa: BLE001 - any unreadable tokenizer: serve token ids only
         return None
 
-
-def qwen_placeholders(prompt_ids: list[int], cfg, images: list) -> tuple[list[int], tuple]:
-    """`expand_placeholders` for Qwen2-VL: each image (patch rows, grid) takes grid / merge^2 tokens."""
-    rows = cfg.vision.patch_values
-    for im in images:
-        ok = isinstance(im, tuple) and len(im) == 2 and len(im[1]) == 3
-        if not ok or im[0].ndim != 2 or im[0].shape != (int(np.prod(im[1])), rows):
-            raise ConfigError(f"a Qwen2-VL image must be (patch rows [t*h*w, {rows}], (t, h, w)) as the image "
-                              "processor makes it")
-    grids = [tuple(int(x) for x in im[1]) for im in images]
-    return expand_placeholders(prompt_ids, cfg.image_token_id, [cfg.image_tokens(g) for g in grids],
-                               [im[0] for im in images], grids)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tessera.config.errors import TesseraError
+from tessera.infer.checked_request import CheckedRequest
 from tessera.infer.engine import LLMEngine
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import RequestOutput
@@ -95,13 +96,19 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: str | None,
+    def submit(self, prompt_ids: list[int] | CheckedRequest, params: SamplingParams, adapter: str | None,
                callback: OutputCallback, images: list | None = None) -> str:
-        """Queue a request (`images`: its pixel values, `LLMEngine.add_request`); `callback` gets
-        every RequestOutput, in the engine thread."""
+        """Queue a request (`images`: its pixel values; `LLMEngine.add_request` checks it, or queues
+        it as it is when it is a `CheckedRequest`); `callback` gets every RequestOutput, in the
+        engine thread."""
         request_id = f"req-{uuid.uuid4().hex}"
         self._inbox.put(("add", request_id, prompt_ids, params, adapter, callback, images))
         return request_id
+
+    def submit_checked(self, request: CheckedRequest, callback: OutputCallback) -> str:
+        """Queue a request `LLMEngine.check_request` has checked in the caller's thread: the engine
+        thread queues it without checking it again."""
+        return self.submit(request, request.params, request.adapter, callback)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -131,7 +138,8 @@ class EngineLoop:
                 self.engine.add_request(prompt_ids, params, adapter, request_id, images=images)
                 self._callbacks[request_id] = callback
             except TesseraError as e:
-                callback(RequestOutput(request_id, [], "", "", [], True, "error", len(prompt_ids), str(e)))
+                ids = prompt_ids.prompt_ids if isinstance(prompt_ids, CheckedRequest) else prompt_ids
+                callback(RequestOutput(request_id, [], "", "", [], True, "error", len(ids), str(e)))
         elif kind == "abort":
             out = self.engine.abort(cmd[1])
             if out is not None:

@@ -19,9 +19,11 @@ from typing import Protocol
 import torch
 
 from tessera.infer.config import EngineConfig
-from tessera.infer.kv_tiers import KVTierStore, KVTransfers
+from tessera.infer.kv_tier_store import KVTierStore, build_tier_store
+from tessera.infer.kv_tiers import KVTransfers
 from tessera.infer.lora import LoRAManager
 from tessera.infer.model_runner import ModelRunner
+from tessera.infer.multimodal import ImageEncoder
 from tessera.infer.paged_model import CacheGeometry, PagedModel, build_paged_model
 from tessera.infer.speculative import build_proposer
 from tessera.infer.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk, TargetScores
@@ -34,6 +36,7 @@ class Executor(Protocol):
     lora: LoRAManager  # its dynamic LoRA adapters
     geometry: CacheGeometry
     runner: ModelRunner
+    kv_tiers: KVTierStore | None  # the bytes of the KV tiers below that cache (None: no tiers)
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         """Run the plan's forward on every rank and sample: each completing request's new tokens."""
@@ -74,15 +77,21 @@ def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
 
 
 class InProcessExecutor:
-    """The model in this process: `model` is in `config.dtype` on `config.device`."""
+    """The model in this process: `model` is in `config.dtype` on `config.device`; `encoder`: a
+    vision-language model's image encoder (multimodal.py), whose feature rows the items with images
+    take (`model` is then its language model). With KV tiers (`config.has_kv_tiers`) their store is
+    built over this process's cache (`kv_tiers`); the engine plans over it (`KVTierPlanner.over`)."""
 
-    def __init__(self, model: Transformer, config: EngineConfig):
+    def __init__(self, model: Transformer, config: EngineConfig, encoder: ImageEncoder | None = None):
         self.model = model
         self.lora = lora_manager(model, config)
-        self.local, self.geometry = build_paged_model(model, config, self.lora)
+        self.local, self.geometry = build_paged_model(model, config, self.lora, encoder=encoder)
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
                                                             self.local))
-        self.kv_tiers: KVTierStore | None = None  # the host / disk tiers' bytes, when the engine has tiers
+        self.kv_tiers: KVTierStore | None = None
+        if config.has_kv_tiers:  # the host / disk tiers' bytes, below this process's cache
+            self.kv_tiers = build_tier_store(model, self.local.kv, config.kv_offload_gib, config.kv_cache_dir,
+                                             config.kv_cache_dir_gib)
 
     def execute_model(self, plan: SchedulerOutput) -> RunnerOutput:
         self.apply_kv_transfers(plan.kv)

@@ -7,18 +7,21 @@ finds them as a prefix hit and computes only the rest. `tessera router` (`router
 pair over HTTP.
 
 The message: MAGIC, a 4-byte header length, a JSON header (model identity, block size, the prompt's
-token ids, each block record's length), then the records, each `kv_tiers.encode_block`'s (its own
+token ids, each block record's length), then the records, each `kv_tier_store.encode_block`'s (its own
 identity, prefix hash, layout and checksum). The receiver recomputes the prefix hashes from the
 token ids and its own block size, and keeps blocks in order while every check holds: the first
 block that fails ends the import, so later blocks never attach to a wrong prefix. Nothing is
 deserialized as code.
+
+Both ends go through the engine's `kv_exchange` (kv_exchange.py): its cache's identity and layout,
+the device blocks of a hash chain, room in its host tier, the transfer counters.
 """
 
 from __future__ import annotations
 
 import json
 
-from tessera.infer.kv_tiers import MAX_HEADER, block_bytes, block_layout, decode_block, encode_block, model_identity
+from tessera.infer.kv_tier_store import MAX_HEADER, decode_block, encode_block
 from tessera.infer.prefix_cache import hash_chain
 
 MAGIC = b"TSRAKVX1"
@@ -31,35 +34,23 @@ class TransferError(ValueError):
 def transfer_limit(engine) -> int:
     """The largest message one sequence's blocks make: its records (data and a header each) and the
     message header with its token ids."""
-    return engine.blocks_per_seq * (block_bytes(engine.kv) + 2048) + engine.max_model_len * 12 + 4096
+    x = engine.kv_exchange
+    return x.blocks_per_seq * (x.block_bytes + 2048) + x.max_model_len * 12 + 4096
 
 
-def identity_of(engine) -> str:
-    """The model identity of `engine`'s cache (kept on the engine: computing it reads every weight)."""
-    ident = getattr(engine, "_kv_identity", None)
-    if ident is None:
-        ident = engine._kv_identity = model_identity(engine.model, engine.kv)
-    return ident
-
-
-def _full_hashes(engine, prompt_ids: list[int]) -> list[bytes]:
-    bs = engine.config.block_size
-    return hash_chain(prompt_ids, bs, limit=(len(prompt_ids) - 1) // bs)
+def _full_hashes(block_size: int, prompt_ids: list[int]) -> list[bytes]:
+    return hash_chain(prompt_ids, block_size, limit=(len(prompt_ids) - 1) // block_size)
 
 
 def export_prefix(engine, prompt_ids: list[int]) -> bytes:
     """The message carrying the blocks of `prompt_ids`' full prefix blocks that `engine`'s device
     cache holds (in the engine thread, after the prompt ran)."""
-    identity, layout = identity_of(engine), block_layout(engine.kv)
-    hashes = _full_hashes(engine, prompt_ids)
-    blocks = engine.blocks.cache.lookup(hashes) if engine.blocks.cache is not None else []
-    records = []
-    if blocks:
-        contents = [c.cpu() for c in engine.kv.read_blocks(blocks)]
-        records = [encode_block(identity, layout, h, [c[i] for c in contents])
-                   for i, h in enumerate(hashes[:len(blocks)])]
-        engine.tier_metrics.transfer_out_blocks += len(records)
-    header = json.dumps({"identity": identity, "block_size": engine.config.block_size,
+    x = engine.kv_exchange
+    identity, layout = x.identity, x.layout
+    hashes = _full_hashes(x.block_size, prompt_ids)
+    records = [encode_block(identity, layout, h, contents) for h, contents in zip(hashes, x.device_blocks(hashes))]
+    x.metrics.transfer_out_blocks += len(records)
+    header = json.dumps({"identity": identity, "block_size": x.block_size,
                          "tokens": [int(t) for t in prompt_ids], "records": [len(r) for r in records]}).encode()
     return MAGIC + len(header).to_bytes(4, "little") + header + b"".join(records)
 
@@ -87,23 +78,20 @@ def import_prefix(engine, data: bytes) -> int:
     """Put the blocks of a message into `engine`'s host tier (in the engine thread); how many were
     kept. TransferError when the message is malformed or made for another model or block size."""
     header, offset = _header(data)
-    identity, layout = identity_of(engine), block_layout(engine.kv)
-    if header.get("identity") != identity or header.get("block_size") != engine.config.block_size:
+    x = engine.kv_exchange
+    identity, layout = x.identity, x.layout
+    if header.get("identity") != identity or header.get("block_size") != x.block_size:
         raise TransferError("the KV blocks were computed by another model, cache layout or block size")
-    hashes = _full_hashes(engine, header["tokens"])
-    planner, store = engine.blocks.tiers, engine.executor.kv_tiers
+    hashes = _full_hashes(x.block_size, header["tokens"])
     kept = 0
     for h, length in zip(hashes, header["records"]):
         contents = decode_block(data[offset:offset + length], identity, layout, h)
         offset += length
         if contents is None:
-            engine.tier_metrics.transfer_rejected_blocks += 1
+            x.metrics.transfer_rejected_blocks += 1
             break
-        if h not in planner.host.slot_of:
-            slot = planner.host.reserve(h)
-            if slot is None:  # every slot is in use by the plan being built
-                break
-            store.host.write([slot], [c[None] for c in contents])
+        if not x.take_into_host(h, contents):  # every slot is in use by the plan being built
+            break
         kept += 1
-    engine.tier_metrics.transfer_in_blocks += kept
+    x.metrics.transfer_in_blocks += kept
     return kept

@@ -22,9 +22,8 @@ from tessera.config.errors import ConfigError, ServingError
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine import LLMEngine
 from tessera.infer.sampling_params import SamplingParams
-from tessera.models.llava import Llava
-from tessera.models.qwen_vl import QwenVL
 from tessera.models.transformer import Transformer
+from tessera.models.vision_language import VisionLanguageModel
 
 
 @dataclass
@@ -54,12 +53,12 @@ class LLM:
     `WorkerFailure`: make a new `LLM`.
     """
 
-    def __init__(self, model: str | Path | Transformer | Llava | QwenVL, config: EngineConfig | None = None, *,
+    def __init__(self, model: str | Path | Transformer | VisionLanguageModel, config: EngineConfig | None = None, *,
                  tokenizer=None, eos_ids: Iterable[int] = (), **options: Any):
         if config is not None and options:
             raise ConfigError("pass either config= or keyword options, not both")
         self.config = config or EngineConfig(**options)
-        if isinstance(model, Transformer | Llava | QwenVL):
+        if isinstance(model, Transformer | VisionLanguageModel):
             self.engine = LLMEngine.from_model(model, self.config, tokenizer, frozenset(eos_ids))
         elif tokenizer is not None or eos_ids:
             raise ConfigError("tokenizer= and eos_ids= go with a model in memory; a directory brings its own")
@@ -93,10 +92,9 @@ class LLM:
                               f"{len(image_lists)} image lists")
         encoded = [self.encode(p) for p in prompts]
         pixels = [[self.engine.pixel_values(im) for im in imgs] for imgs in image_lists]
-        for e, p, a, px in zip(encoded, params_list, adapters, pixels):  # refuse before anything is queued
-            self.engine.validate_request(len(self.engine.with_images(e, px)[0]), p, a)
-        ids = [self.engine.add_request(e, p, a, images=px) for e, p, a, px in zip(encoded, params_list, adapters,
-                                                                                   pixels)]
+        checked = [self.engine.check_request(e, p, a, px)  # all refused before anything is queued
+                   for e, p, a, px in zip(encoded, params_list, adapters, pixels)]
+        ids = [self.engine.add_request(request) for request in checked]
         done: dict[str, Any] = {}
         while len(done) < n:
             for out in self.engine.step():

@@ -18,19 +18,26 @@ import time
 import uuid
 from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import RequestError
 from tessera.infer.quoting import brief
 from tessera.infer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _NUMBER = (int, float)
 
 
-class ProtocolError(ConfigError):
-    """A request the API refuses; `status` is the HTTP status to answer with."""
+class ProtocolError(RequestError):
+    """A request the API refuses; `status` is the HTTP status to answer with, `param` the field at fault."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
+        super().__init__(message, field=param)
         self.status, self.param = status, param
+
+    @classmethod
+    def of(cls, e: RequestError, chat: bool) -> ProtocolError:
+        """The HTTP answer to a request the engine (or `SamplingParams`) refused: 400, its field as
+        the API names it (a prompt is a chat's `messages`, and so are its images; an adapter, `model`)."""
+        field = {"adapter": "model", "images": "messages"}.get(e.field, e.field)
+        return cls(str(e), param="messages" if chat and field == "prompt" else field)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -96,8 +103,8 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> 
                               frequency_penalty=float(_field(body, "frequency_penalty", _NUMBER, 0.0)),
                               repetition_penalty=float(_field(body, "repetition_penalty", _NUMBER, 1.0)),
                               logit_bias=logit_bias)
-    except ConfigError as e:
-        raise ProtocolError(str(e), param=str(e).split("=")[0]) from e
+    except RequestError as e:
+        raise ProtocolError.of(e, chat) from e
 
 
 def choices_per_prompt(body: dict) -> int:

@@ -60,7 +60,7 @@ class PagedModel:
     `decoder` (the static-shape decode step; None: every item packed), LoRA adapters per item."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, device: torch.device | str, lora=None,
-                 decoder: BucketedDecoder | None = None):
+                 decoder: BucketedDecoder | None = None, encoder: ImageEncoder | None = None):
         self.model = model
         self.kv = kv
         self.device = torch.device(device)
@@ -73,7 +73,7 @@ class PagedModel:
         self.keep_hidden: tuple[int, ...] = ()
         self.hidden: torch.Tensor | None = None
         # a vision-language model's image encoder (multimodal.py): items with images take its rows
-        self.encoder: ImageEncoder | None = None
+        self.encoder = encoder
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -219,10 +219,12 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
 
 
 def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
-                      device: torch.device | str | None = None) -> tuple[PagedModel, CacheGeometry]:
+                      device: torch.device | str | None = None,
+                      encoder: ImageEncoder | None = None) -> tuple[PagedModel, CacheGeometry]:
     """`model` over a paged KV cache with its static-shape decode step, as `config` lays them out
-    (the engine's, and each tensor-parallel rank's, the same way). CUDA graphs are
-    not captured under tensor parallelism (all ranks would have to replay in lockstep)."""
+    (the engine's, and each tensor-parallel rank's, the same way), with a vision-language model's
+    image `encoder` when it has one. CUDA graphs are not captured under tensor parallelism (all
+    ranks would have to replay in lockstep)."""
     geometry = cache_geometry(model.cfg, config)
     device = torch.device(config.device if device is None else device)
     dtype, tp = config.torch_dtype, config.tensor_parallel_size
@@ -234,4 +236,4 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
-    return PagedModel(model, kv, device, lora, decoder), geometry
+    return PagedModel(model, kv, device, lora, decoder, encoder), geometry

@@ -11,15 +11,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import RequestError
 from tessera.infer.quoting import brief
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-class GrammarError(ConfigError):
+class GrammarError(RequestError):
     """A `response_format` that cannot be served: a malformed field or a schema that does not compile."""
+
+    def __init__(self, message: str, field: str | None = "response_format"):
+        super().__init__(message, field)
 
 
 def invalid_format(value: Any, why: str) -> GrammarError:

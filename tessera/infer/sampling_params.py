@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import RequestError
 from tessera.infer.quoting import brief
 from tessera.infer.response_format import schema_of
 
@@ -92,7 +92,7 @@ class SamplingParams:
         ]
         for ok, key, value, allowed in checks:
             if not ok:
-                raise ConfigError(f"{key}={brief(value)} is invalid: {allowed}")
+                raise RequestError(f"{key}={brief(value)} is invalid: {allowed}", field=key)
         schema_of(self.response_format)  # its shape; the schema itself compiles when the request is admitted
 
     @property

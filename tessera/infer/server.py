@@ -33,9 +33,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tessera.config.errors import ConfigError, ImageError, TesseraError
+from tessera.config.errors import ConfigError, ImageError, RequestError, TesseraError
 from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
+from tessera.infer.checked_request import CheckedRequest
 from tessera.infer.engine_loop import EngineLoop
 from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.kv_transfer import TransferError, export_prefix, import_prefix, transfer_limit
@@ -58,7 +59,6 @@ from tessera.infer.openai_protocol import (
 from tessera.infer.quoting import brief
 from tessera.infer.sampling_params import SamplingParams
 from tessera.infer.sequence import RequestOutput
-from tessera.models.qwen_vl import QwenVL
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -193,11 +193,13 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, str | None, list[list[int]], Any, list[str] | None,
-                                                       list]:
-        """Body, adapter, prompt token ids, sampling parameters, the prompts' texts to echo (None:
-        no echo) and a chat's images (pixel values) of a request (in a worker thread: JSON parsing,
-        chat templates, fetching images and tokenisation may take a while)."""
+    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
+                                                       list[CheckedRequest]]:
+        """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo)
+        and the checked requests (`n` per prompt, in order) of a request (in a worker thread: JSON
+        parsing, chat templates, fetching images, tokenisation and compiling a schema may take a
+        while). The engine checks each request once, here (`LLMEngine.check_request`); a refusal
+        is a 400 naming the field."""
         body = _parse_json(raw)
         adapter = self.adapter_of(body)
         pixels: list = []
@@ -215,17 +217,19 @@ class _Routes:
             prompt_ids = [self.encode(p) for p in prompts]
             echoes = self.echoes(body, prompts, prompt_ids)
         engine = self.engine
-        lengths = [len(engine.with_images(ids, pixels)[0]) for ids in prompt_ids]  # images widened
-        room = engine.max_model_len - max(lengths)
-        params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
-        vocab = engine.cfg.vocab_size
-        if any(t >= vocab for t in params.logit_bias):
-            raise ProtocolError(f"'logit_bias' token ids must be in 0..{vocab - 1}", param="logit_bias")
-        for ids, length in zip(prompt_ids, lengths):
-            engine.validate_request(length, params, adapter)
-            if any(not 0 <= t < vocab for t in ids):
-                raise ProtocolError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        return body, adapter, prompt_ids, params, echoes, pixels
+        try:
+            room = engine.max_model_len - max(len(engine.with_images(ids, pixels)[0]) for ids in prompt_ids)
+            params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
+            n = choices_per_prompt(body)
+            requests = [engine.check_request(ids, child_params(params, j), adapter, pixels)
+                        for ids in prompt_ids for j in range(n)]
+        except ProtocolError:
+            raise
+        except RequestError as e:
+            raise ProtocolError.of(e, chat) from None
+        except ConfigError as e:  # the images do not fit their marks (`with_images`)
+            raise ProtocolError(str(e), param="messages" if chat else "prompt") from None
+        return body, prompt_ids, params, echoes, requests
 
     def images(self, urls: list[str]) -> list:
         """Pixel values of a chat's images: counted against the limit before any is fetched."""
@@ -234,10 +238,10 @@ class _Routes:
         if self.engine.vision is None:
             raise ProtocolError("this model takes no images (it is not a vision-language model); send text parts "
                                 "only", param="messages")
-        limit = self.engine.config.limit_mm_per_prompt.get("image")
-        if limit is not None and len(urls) > limit:
-            raise ProtocolError(f"the request has {len(urls)} images; at most {limit} per prompt are allowed "
-                                "(--limit-mm-per-prompt)", param="messages")
+        try:
+            self.engine.config.check_media_count("image", len(urls))
+        except RequestError as e:
+            raise ProtocolError.of(e, chat=True) from None
         out = []
         for k, url in enumerate(urls):
             try:
@@ -247,15 +251,12 @@ class _Routes:
         return out
 
     def encode_around(self, text: str, marker: str) -> list[int]:
-        """Token ids of a chat text, with the model's image token where each `marker` stands (Qwen2-VL:
-        between its vision start and end tokens)."""
+        """Token ids of a chat text, with the model's image part where each `marker` stands (its image
+        token; Qwen2-VL's between its vision start and end tokens: `image_part_ids`)."""
         pieces = text.split(marker)
         if len(pieces) == 1:
             return self.encode(text, special=False)
-        cfg = self.engine.vision.cfg
-        image = [cfg.image_token_id]
-        if isinstance(self.engine.vision, QwenVL):  # as Qwen2-VL's chat template writes an image part
-            image = [cfg.vision_start_token_id, *image, cfg.vision_end_token_id]
+        image = self.engine.vision.image_part_ids()
         ids = self.encode(pieces[0], special=False)
         for piece in pieces[1:]:
             ids = ids + image + (self.encode(piece, special=False) if piece else [])
@@ -272,8 +273,7 @@ class _Routes:
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, adapter, prompt_ids, params, echoes, pixels = await asyncio.to_thread(self.prepare, await request.body(),
-                                                                                     chat)
+        body, prompt_ids, params, echoes, requests = await asyncio.to_thread(self.prepare, await request.body(), chat)
         n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -293,8 +293,7 @@ class _Routes:
             return deliver
 
         loop = self.loop
-        rids = [loop.submit(ids, child_params(params, j), adapter, callback_for(i * n + j), images=pixels)
-                for i, ids in enumerate(prompt_ids) for j in range(n)]
+        rids = [loop.submit_checked(r, callback_for(k)) for k, r in enumerate(requests)]  # k = prompt x n + choice
         rid = new_id("chatcmpl" if chat else "cmpl")
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
         choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer))
@@ -310,9 +309,9 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, adapter, prompt_ids, _, _, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
-                                                               endpoint == "chat")
-        if adapter is not None or len(prompt_ids) != 1:
+        _, prompt_ids, _, _, requests = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
+                                                             endpoint == "chat")
+        if requests[0].adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
         ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
         done: asyncio.Future[RequestOutput] = event_loop.create_future()

@@ -72,6 +72,7 @@ class TensorParallelExecutor:
         self.local, self.geometry = build_paged_model(model, config, self.lora)
         proposer = build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks)
         self.runner = ModelRunner(TensorParallelModel(self.local, workers), proposer)
+        self.kv_tiers = None  # KV tiers are served on one rank (EngineConfig refuses them here)
 
     @classmethod
     def start_for_dir(cls, path: str | Path, config: EngineConfig) -> tuple[TensorParallelExecutor, dict | None]:

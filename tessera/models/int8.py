@@ -8,9 +8,10 @@ Routed experts ([E, out, in]) get one scale per (expert, output channel). The em
 lookup, not a product), norms, the router and the output head stay in full precision: the head
 and the router are where rounding hurts most (logits and expert choices).
 
-Quantized layers take a quarter of their fp32 memory (half of bf16). `quantize_model` converts a
-model in place; `empty_int8_layer` is the storage-free int8 twin of a layer, which the
-pre-quantized directory format (tessera/checkpoint/int8.py) fills from its files.
+Quantized layers take a quarter of their fp32 memory (half of bf16). `quantize_layers` converts a
+model in place (called as `quantize_model(model, "int8")`, tessera/models/quantized.py);
+`empty_int8_layer` is the storage-free int8 twin of a layer, which the pre-quantized directory
+format (tessera/checkpoint/int8.py) fills from its files.
 """
 
 from __future__ import annotations
@@ -114,11 +115,6 @@ def quantize_layers(model: Transformer, linear_cls: type, experts_cls: type) -> 
         replace_module(model, name, new)
         names.append(name)
     return names
-
-
-def quantize_model(model: Transformer) -> list[str]:
-    """Replace every quantizable layer of `model` by its int8 version (in place); returns their names."""
-    return quantize_layers(model, Int8Linear, Int8GroupedExperts)
 
 
 def empty_int8_layer(m: nn.Module, dtype: torch.dtype) -> nn.Module | None:

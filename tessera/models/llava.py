@@ -1,7 +1,7 @@
 """LLaVA (Liu et al. 2023, "Visual Instruction Tuning"): a vision tower, a projector, a language model.
 
-The vision seam of a vision-language model is two calls, which the engine and the trainer use
-without knowing the family:
+The vision seam of a vision-language model (tessera/models/vision_language.py) is two calls, which
+the engine and the trainer use without knowing the family:
 
 - `encode_images(pixels)` -> one [T_i, D] tensor per image: the rows that take the places of that
   image's placeholder tokens, already in the language model's width. LLaVA runs the tower, picks
@@ -30,43 +30,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.config.errors import ModelError
+from tessera.config.errors import ConfigError, ModelError
 from tessera.config.vision import LlavaConfig
 from tessera.models.attention import AttentionCache
 from tessera.models.model_input import ModelInput
-from tessera.models.mtp import TokenSequence
-from tessera.models.norm import RMSNorm
-from tessera.models.transformer import ModelOutput, Transformer, init_by_name
+from tessera.models.transformer import ModelOutput, Transformer
+from tessera.models.vision_language import ImageInput, RowSequence, VisionLanguageModel, merge_image_features
 from tessera.models.vision_tower import VisionTransformer, activation
-
-
-def merge_image_features(embeds_BSD: torch.Tensor, input_ids: torch.Tensor, image_token_id: int,
-                         features: list[torch.Tensor]) -> torch.Tensor:
-    """`embeds_BSD` with the rows at `image_token_id` placeholders replaced, in row-major order, by
-    the rows of `features` (one [T_i, D] tensor per image, in the order the images appear)."""
-    mask = input_ids == image_token_id
-    placeholders = int(mask.sum())
-    rows = sum(int(f.shape[0]) for f in features)
-    if placeholders != rows:
-        images = sum(1 for f in features if f.shape[0])  # an empty tensor: no image (it keeps the tower in the graph)
-        raise ModelError(f"the prompt has {placeholders} image placeholder tokens (id {image_token_id}) but its "
-                         f"{images} image(s) give {rows} feature rows; each image needs exactly its rows")
-    if not features:
-        return embeds_BSD
-    flat = torch.cat(features).to(embeds_BSD.dtype)
-    return embeds_BSD.masked_scatter(mask.unsqueeze(-1), flat)
-
-
-class RowSequence(TokenSequence):
-    """A vision-language model's `sequence` seam on one process: the ids it holds are the whole rows
-    (`whole`), the merged embeddings all its own (`own`), and so are rotary positions computed from
-    the whole rows (`own_positions`). Context and sequence parallelism install `RankRows`
-    (tessera.parallel.vision_language)."""
-
-    def own_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """This rank's positions of the whole rows' rotary positions [..., S] (the sequence last), in
-        the order it holds its tokens: the positions the language model's RoPE takes for its input."""
-        return positions
 
 
 class LlavaProjector(nn.Module):
@@ -81,54 +51,6 @@ class LlavaProjector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(activation(self.act, self.linear_1(x)))
-
-
-class VisionLanguageModel(nn.Module):
-    """What the vision-language families share: `cfg` (with `text` and `image_token_id`), a
-    `language_model` (`Transformer`) and the image side, every module but the language model."""
-
-    cfg: LlavaConfig
-    language_model: Transformer
-
-    @property
-    def image_token_id(self) -> int:
-        return self.cfg.image_token_id
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """The language model by its own rule; the image side from (seed, name): norm weights 1,
-        biases 0, the rest N(0, init_std)."""
-        self.language_model.init_weights(seed)
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, nn.LayerNorm | RMSNorm)}
-        own = ((n, p) for n, p in self.named_parameters() if not n.startswith("language_model."))
-        init_by_name(own, norms, seed, self.cfg.text.init_std)
-
-    def image_side_in_graph(self, h: torch.Tensor) -> torch.Tensor:
-        """`h`, in training with gradients on, plus 0 x the image side's trainable parameters: a
-        forward without image rows still gives each of them a (zero) gradient. Under data
-        parallelism every rank reduces the gradients its parameters hold, so a rank whose rows were
-        all text would otherwise leave the tower's out and reduce another set than its peers (gloo
-        fails, NCCL hangs); one process follows the same rule, so a step without images anywhere
-        steps the optimizer alike in both."""
-        if not (self.training and torch.is_grad_enabled()):
-            return h
-        params = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("language_model.")]
-        if not params:
-            return h
-        return h + 0.0 * torch.stack([p.sum() for p in params]).sum().to(h.dtype)
-
-    def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """The language model's RoPE frequencies (after building on the meta device)."""
-        self.language_model.reset_rope(device)
-
-    def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> VisionLanguageModel:
-        self.to(device=device, dtype=dtype)
-        self.language_model.cast(dtype, device)
-        return self
-
-    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
-        """The language model's aux-loss-free balancing step (an MoE language model's routers)."""
-        self.language_model.update_expert_bias(counts)
 
 
 class Llava(VisionLanguageModel):
@@ -148,6 +70,21 @@ class Llava(VisionLanguageModel):
         if pixels_NCHW.shape[0] == 0:
             return []
         return list(self.image_rows(pixels_NCHW).split(self.cfg.image_tokens))
+
+    def image_input(self, image) -> ImageInput:
+        """A served image: pixel values [C, H, W] of the tower's size, `image_tokens` placeholders."""
+        size = (self.cfg.vision.num_channels,) + (self.cfg.vision.image_size,) * 2
+        if tuple(image.shape) != size:
+            raise ConfigError(f"image pixel values must be {list(size)} (the image processor's output); got "
+                              f"{list(image.shape)}")
+        return ImageInput(image, self.cfg.image_tokens, None)
+
+    def unused_tower_modules(self) -> list[nn.Module]:
+        """The tower's blocks past the deepest feature layer and its final LayerNorm: no forward runs
+        them (their weights travel unchanged to an export, which keeps them)."""
+        deepest = max(self.cfg.feature_layers)
+        return [block for key, block in self.vision_tower.layers.items() if int(key) >= deepest] + [
+            self.vision_tower.post_norm]
 
     def image_rows(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
         """Every image's rows, in order: [N x image_tokens, D]. With N = 0 the tower and projector

@@ -1,11 +1,11 @@
 """Qwen2-VL and Qwen2.5-VL: the native-resolution vision tower (tessera/models/qwen_vision.py) and a
 Qwen2 language model with multimodal rotary positions (M-RoPE).
 
-The vision seam is LLaVA's (tessera/models/llava.py), with the images' patch grids beside their
-pixels: `encode_images(pixel_values, image_grid_thw)` gives one [T_i, D] tensor per image, T_i =
-t x h x w / merge^2 known from the grid before the forward, and `forward(input_ids,
-image_features=..., image_grid_thw=...)` puts them in the places of the `image_token_id`
-placeholders (`merge_image_features`).
+The vision seam is every vision-language model's (tessera/models/vision_language.py), with the
+images' patch grids beside their pixels: `encode_images(pixel_values, image_grid_thw)` gives one
+[T_i, D] tensor per image, T_i = t x h x w / merge^2 known from the grid before the forward, and
+`forward(input_ids, image_features=..., image_grid_thw=...)` puts them in the places of the
+`image_token_id` placeholders (`merge_image_features`).
 
 Positions are 3-D (`mrope_positions`): a text token at running position p has (p, p, p); an
 image's tokens, starting at p, have (p + frame, p + row, p + column) of their merged grid, and the
@@ -28,15 +28,18 @@ images padded per row (`image_mask`), so that the schedule cuts both into its mi
 
 from __future__ import annotations
 
-import torch
+import math
 
-from tessera.config.errors import ModelError
+import torch
+from torch import nn
+
+from tessera.config.errors import ConfigError, ModelError
 from tessera.config.qwen_vl import QwenVLConfig
 from tessera.models.attention import AttentionCache
-from tessera.models.llava import RowSequence, VisionLanguageModel, merge_image_features
 from tessera.models.model_input import ModelInput
 from tessera.models.qwen_vision import QwenVisionTransformer
 from tessera.models.transformer import ModelOutput, Transformer
+from tessera.models.vision_language import ImageInput, RowSequence, VisionLanguageModel, merge_image_features
 
 
 def mrope_positions(input_ids: torch.Tensor, image_token_id: int, grids: list[tuple[int, int, int]],
@@ -108,6 +111,28 @@ class QwenVL(VisionLanguageModel):
         if image_grid_thw.shape[0] == 0:
             return []
         return self.vision_tower(pixel_values, image_grid_thw)
+
+    def image_input(self, image) -> ImageInput:
+        """A served image: (patch rows [t x h x w, patch values], (t, h, w)) as the image processor
+        makes it, taking t x h x w / merge^2 placeholders."""
+        rows = self.cfg.vision.patch_values
+        ok = isinstance(image, tuple) and len(image) == 2 and len(image[1]) == 3
+        if not ok or image[0].ndim != 2 or image[0].shape != (math.prod(int(x) for x in image[1]), rows):
+            raise ConfigError(f"a Qwen2-VL image must be (patch rows [t*h*w, {rows}], (t, h, w)) as the image "
+                              "processor makes it")
+        grid = tuple(int(x) for x in image[1])
+        return ImageInput(image[0], self.cfg.image_tokens(grid), grid)
+
+    def image_part_ids(self) -> list[int]:
+        """As Qwen2-VL's chat template writes an image part: the image token between vision start and end."""
+        return [self.cfg.vision_start_token_id, self.cfg.image_token_id, self.cfg.vision_end_token_id]
+
+    def part_modules(self, part: str) -> list[nn.Module]:
+        """The projector is the tower's patch merger (what maps the tower's features into the language
+        model's width, as LLaVA's projector does), so the vision tower is the rest of the tower."""
+        tower = self.vision_tower
+        return {"vision_tower": [tower.patch_embed, tower.layers], "projector": [tower.merger],
+                "language_model": [self.language_model]}[part]
 
     def rope_positions(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
         """M-RoPE positions [3, B, S] of a prompt (module docstring)."""

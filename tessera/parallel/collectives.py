@@ -72,50 +72,38 @@ class _AllToAllRows(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((x.shape[0] * _size(group),) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+def _all_gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's `x` concatenated along dim 0 in rank order, into a fresh buffer."""
+    out = x.new_empty((x.shape[0] * _size(group),) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's equal block of dim 0 of the sum of every rank's `x`, into a fresh buffer."""
+    n = _size(group)
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _own_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's equal block of dim 0 of `x`, which every rank holds whole (no communication)."""
+    return x.chunk(_size(group))[dist.get_rank(group)].contiguous()
+
+
+class _Rows(torch.autograd.Function):
+    """A collective along dim 0 whose backward is its transpose: `forward_op(x, group)` forward,
+    `backward_op(g, group)` backward (the gather, reduce-scatter and split of rows)."""
 
     @staticmethod
-    def backward(ctx, g):
-        n = _size(ctx.group)
-        grad = g.new_empty((g.shape[0] // n,) + tuple(g.shape[1:]))
-        dist.reduce_scatter_tensor(grad, g.contiguous(), group=ctx.group)
-        return grad, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = _size(group)
-        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        grad = g.new_empty((g.shape[0] * _size(ctx.group),) + tuple(g.shape[1:]))
-        dist.all_gather_into_tensor(grad, g.contiguous(), group=ctx.group)
-        return grad, None
-
-
-class _SplitRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = _size(group)
-        return x.chunk(n)[dist.get_rank(group)].contiguous()
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        grad = g.new_empty((g.shape[0] * _size(ctx.group),) + tuple(g.shape[1:]))
-        dist.all_gather_into_tensor(grad, g.contiguous(), group=ctx.group)
-        return grad, None
+        return ctx.backward_op(g, ctx.group), None, None, None
 
 
 @torch.compiler.disable
@@ -142,15 +130,15 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
 
 def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's rows in rank order (every rank must hold the same number)."""
-    return x if _size(group) == 1 else _eager(_GatherRows, x, group)
+    return x if _size(group) == 1 else _eager(_Rows, x, group, _all_gather_rows, _reduce_scatter_rows)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over the group, then keep this rank's equal block of rows."""
-    return x if _size(group) == 1 else _eager(_ReduceScatterRows, x, group)
+    return x if _size(group) == 1 else _eager(_Rows, x, group, _reduce_scatter_rows, _all_gather_rows)
 
 
 def split_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's equal block of the rows of `x`, which every rank of the group holds whole; the
     gradient comes back whole on every rank (all-gathered)."""
-    return x if _size(group) == 1 else _eager(_SplitRows, x, group)
+    return x if _size(group) == 1 else _eager(_Rows, x, group, _own_rows, _all_gather_rows)

@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tessera.config.parallel import ParallelConfig
-from tessera.models.llava import RowSequence
+from tessera.models.vision_language import RowSequence
 from tessera.parallel.collectives import split_rows
 from tessera.parallel.context_parallel import ChunkTokens, apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel

@@ -163,6 +163,19 @@ def _swiglu(s: _SavedSet, name: str, x: _Tensor, rows: float, h: int, f: int, it
 
 
 def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens: int, batch: int) -> None:
+    """A routed MoE layer on its normalised input `x`, in the order its ops run: router and balancing
+    losses, dispatch, the routed experts, combine, shared experts."""
+    logits = _router(s, cfg, x)
+    _balance_losses(s, cfg, logits, batch)
+    gathered, rows = _dispatch(s, cfg, x, dt, tokens)
+    _swiglu(s, "moe.experts", gathered, rows, cfg.dim, cfg.moe.ffn_dim, dt.compute, dt)
+    _combine(s, cfg, dt)
+    if cfg.moe.shared_ffn_dim > 0:
+        _shared_experts(s, cfg, x, dt)
+
+
+def _router(s: _SavedSet, cfg: ModelConfig, x: _Tensor) -> _Tensor:
+    """Scores and top-k choice of the router (with its input jitter). Returns its fp32 logits."""
     e, h = cfg.moe, cfg.dim
     E, k = e.num_experts, e.top_k
     xr = x  # the router's input: jittered in training (the experts see the original tokens)
@@ -183,6 +196,12 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
         if e.norm_topk_prob and k > 1:
             s.new("moe.router.topk_weights", k, 4, "seq")
             s.new("moe.router.topk_sum", 1, 4, "seq")
+    return logits
+
+
+def _balance_losses(s: _SavedSet, cfg: ModelConfig, logits: _Tensor, batch: int) -> None:
+    """The load-balancing losses (global and per sequence) and the router z-loss, where switched on."""
+    e, E = cfg.moe, cfg.moe.num_experts
     if e.aux_loss_coef > 0 or e.seq_aux_loss_coef > 0:
         s.new("moe.balance.probs", E, 4, "seq")
         if e.score_func == "sigmoid":
@@ -194,16 +213,22 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
     if e.z_loss_coef > 0:
         s.keep(logits)  # logsumexp(logits.float()) keeps its input
         s.new("moe.z_loss.logsumexp", 1, 4, "seq")
-    # Dispatch (LocalDispatcher): all T*k routing slots in expert order, a gather of x by token
-    # index (the index is kept, and kept again by the combine's index_add). With a capacity, the
-    # dropped slots' rows are zeroed by a `where` on the bool keep mask (that `where` and the
-    # combine's keep the mask, one storage); padding then copies the rows into an [E*capacity + 1, D] buffer (the
-    # last row a scratch row for dropped slots) whose first E*capacity rows the experts take, a
-    # view that keeps the whole storage. The experts' grouped GEMMs (or their loop fallback) cast
-    # their input and weights to the autocast dtype as nn.Linear would, so they keep what a linear
-    # layer keeps (`_linear_input`: under autocast, w1 and w3 each their own bf16 copy of the fp32
-    # rows, without the scratch row) and compute in dt.compute; `_grouped_mm` applies when the
-    # rows are 16-byte aligned in that dtype.
+
+
+def _dispatch(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens: int
+              ) -> tuple[_Tensor, float]:
+    """Dispatch (LocalDispatcher): all T*k routing slots in expert order, a gather of x by token
+    index (the index is kept, and kept again by the combine's index_add). With a capacity, the
+    dropped slots' rows are zeroed by a `where` on the bool keep mask (that `where` and the
+    combine's keep the mask, one storage); padding then copies the rows into an [E*capacity + 1, D] buffer (the
+    last row a scratch row for dropped slots) whose first E*capacity rows the experts take, a
+    view that keeps the whole storage. The experts' grouped GEMMs (or their loop fallback) cast
+    their input and weights to the autocast dtype as nn.Linear would, so they keep what a linear
+    layer keeps (`_linear_input`: under autocast, w1 and w3 each their own bf16 copy of the fp32
+    rows, without the scratch row) and compute in dt.compute; `_grouped_mm` applies when the
+    rows are 16-byte aligned in that dtype. Returns the experts' input and its rows per token."""
+    e, h = cfg.moe, cfg.dim
+    k = e.top_k
     capacity, padded = e.capacity_factor is not None, e.capacity_factor is not None and e.pad_to_capacity
     rows = expert_rows(cfg, tokens)
     s.new("moe.dispatch.token_index", k, 8, "rep")
@@ -216,26 +241,35 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
         gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep", fixed=h)
     if grouped_experts_apply(cfg, dt):
         for name in ("w1", "w3", "w2"):
-            s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=E)
-    _swiglu(s, "moe.experts", gathered, rows, h, e.ffn_dim, dt.compute, dt)
-    # Combine, on the experts' output y (dt.compute): when padded, a gather of the slots' rows
-    # (keeps its own index: the padded row, 0 for dropped slots); with a capacity, a `where` that
-    # zeroes the dropped slots' rows (keeps only the mask, counted above); the gate weights
-    # gathered by slot index (keeps it); y.float() * gate (keeps both; y.float() is y itself when
-    # y is fp32), cast back to y's dtype; index_add by token index (keeps its source, and the
-    # index counted above).
-    if padded:
+            s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=e.num_experts)
+    return gathered, rows
+
+
+def _combine(s: _SavedSet, cfg: ModelConfig, dt: ActivationDtype) -> None:
+    """Combine, on the experts' output y (dt.compute): when padded, a gather of the slots' rows
+    (keeps its own index: the padded row, 0 for dropped slots); with a capacity, a `where` that
+    zeroes the dropped slots' rows (keeps only the mask, counted by `_dispatch`); the gate weights
+    gathered by slot index (keeps it); y.float() * gate (keeps both; y.float() is y itself when
+    y is fp32), cast back to y's dtype; index_add by token index (keeps its source, and the
+    index counted by `_dispatch`)."""
+    e, h = cfg.moe, cfg.dim
+    k = e.top_k
+    if e.capacity_factor is not None and e.pad_to_capacity:
         s.new("moe.combine.padded_row", k, 8, "rep")
     s.new("moe.combine.slot_index", k, 8, "rep")
     s.new("moe.combine.y_fp32", k * h, 4, "rep")
     s.new("moe.combine.gate", k, 4, "rep")
     s.new("moe.combine.weighted", k * h, dt.compute, "rep")
-    if e.shared_ffn_dim > 0:
-        _swiglu(s, "moe.shared", x, 1, h, e.shared_ffn_dim, dt.compute, dt)
-        if e.shared_expert_gate:
-            _linear_input(s, x, h, "moe.shared_gate", dt)
-            s.new("moe.shared_gate.sigmoid", 1, dt.compute, "seq")
-            s.new("moe.shared.out", h, dt.compute, "seq")
+
+
+def _shared_experts(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype) -> None:
+    """The shared experts' SwiGLU on every token, and its sigmoid gate where the model has one."""
+    h = cfg.dim
+    _swiglu(s, "moe.shared", x, 1, h, cfg.moe.shared_ffn_dim, dt.compute, dt)
+    if cfg.moe.shared_expert_gate:
+        _linear_input(s, x, h, "moe.shared_gate", dt)
+        s.new("moe.shared_gate.sigmoid", 1, dt.compute, "seq")
+        s.new("moe.shared.out", h, dt.compute, "seq")
 
 
 def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:

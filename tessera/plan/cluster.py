@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, require
 from tessera.plan.efficiency import DEFAULT_PROFILE, get_profile
 from tessera.plan.gpus import get_gpu
 
@@ -109,25 +109,21 @@ class Cluster:
         return cls(gpus=gpus, gpus_per_node=gpus_per_node, **values)
 
     def __post_init__(self) -> None:
-        def need(cond: bool, key: str, value: object, allowed: str) -> None:
-            if not cond:
-                raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
-
-        need(isinstance(self.gpus, int) and self.gpus >= 1, "gpus", self.gpus, "an integer >= 1")
-        need(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1, "gpus_per_node",
-             self.gpus_per_node, "an integer >= 1")
-        need(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus", self.gpus,
-             f"at most one node or a multiple of gpus_per_node={self.gpus_per_node}")
+        require(isinstance(self.gpus, int) and self.gpus >= 1, "gpus", self.gpus, "an integer >= 1")
+        require(isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1, "gpus_per_node",
+                self.gpus_per_node, "an integer >= 1")
+        require(self.gpus <= self.gpus_per_node or self.gpus % self.gpus_per_node == 0, "gpus", self.gpus,
+                f"at most one node or a multiple of gpus_per_node={self.gpus_per_node}")
         for key in ("gpu_memory", "gpu_flops", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bandwidth",
                     "host_bandwidth"):
-            need(getattr(self, key) > 0, key, getattr(self, key), "must be > 0")
-        need(0 < self.efficiency <= 1, "efficiency", self.efficiency, "must be in (0, 1]")
-        need(0 < self.attention_efficiency <= 1, "attention_efficiency", self.attention_efficiency,
-             "must be in (0, 1]")
+            require(getattr(self, key) > 0, key, getattr(self, key), "must be > 0")
+        require(0 < self.efficiency <= 1, "efficiency", self.efficiency, "must be in (0, 1]")
+        require(0 < self.attention_efficiency <= 1, "attention_efficiency", self.attention_efficiency,
+                "must be in (0, 1]")
         for key in ("intra_node_latency", "inter_node_latency"):
-            need(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0 seconds")
-        need(0 <= self.reserved_bytes < self.gpu_memory, "reserved_bytes", self.reserved_bytes,
-             "must be >= 0 and below gpu_memory")
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0 seconds")
+        require(0 <= self.reserved_bytes < self.gpu_memory, "reserved_bytes", self.reserved_bytes,
+                "must be >= 0 and below gpu_memory")
 
     @property
     def usable_memory(self) -> float:

@@ -28,10 +28,11 @@ again for its backward (`_unit_collectives` has the pipeline case).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
-from tessera.plan.activation_dtypes import get_activation_dtype
+from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import Precision, RankParams
 from tessera.plan.profile import ModelProfile
@@ -79,6 +80,33 @@ def group_strides(lay: Layout) -> dict[str, int]:
             "dp_replicate": tp * cp * sh, "pp": tp * cp * sh * lay.dp_replicate}
 
 
+# `add(group, group_size, op, what, size, per_microbatch, per_step=0.0, overlap="none")`: records a
+# collective where its group has more than one rank and it moves something (stage_collectives).
+AddCollective = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class _StageCounts:
+    """Layer counts of one pipeline stage that set how often its per-layer collectives run."""
+
+    layers: int
+    recomputed: int  # blocks replayed in backward: those the policy applies to under full and op, else 0
+    cores: int  # attention cores re-run in backward: the layers the policy (any but none) applies to
+    moe_layers: int
+    moe_recomputed: int  # MoE blocks among `recomputed`
+
+    @classmethod
+    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str) -> _StageCounts:
+        """From `ModelProfile.stage_kinds`: layers counted by (is MoE, does the policy apply)."""
+        # Collectives re-run in backward: the whole block's under full and op recomputation (the block
+        # replays; collective outputs are not kept), the attention core's under any policy.
+        applied = sum(c for (_, applies), c in kinds.items() if applies)
+        recomputed = applied if recompute in ("full", "op") else 0
+        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
+        return cls(layers=sum(kinds.values()), recomputed=recomputed, cores=applied,
+                   moe_layers=sum(c for (moe, _), c in kinds.items() if moe), moe_recomputed=moe_recomputed)
+
+
 def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, params: RankParams,
                       precision: Precision, dtype: str, profile: ModelProfile | None = None) -> list[Collective]:
     """Every collective one rank of pipeline stage `stage` takes part in during a step."""
@@ -87,7 +115,6 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     st = group_strides(lay)
     kinds = prof.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute, lay.recompute_interval)
     T = work.micro_batch * work.seq_len / lay.cp
-    h = cfg.dim
     out: list[Collective] = []
 
     def add(group: str, size_: int, op: str, what: str, size: float, per_mb: float, per_step: float = 0.0,
@@ -95,13 +122,27 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         if size_ > 1 and size > 0 and (per_mb > 0 or per_step > 0):
             out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
 
-    n = sum(kinds.values())
-    # Collectives re-run in backward: the whole block's under full and op recomputation (the block
-    # replays; collective outputs are not kept), the attention core's under any policy.
-    applied = sum(c for (_, applies), c in kinds.items() if applies)
-    recomputed = applied if lay.recompute in ("full", "op") else 0
-    cores = applied
-    act = T * h * dt.compute
+    counts = _StageCounts.of(kinds, lay.recompute)
+    _tp_collectives(lay, stage, counts, T * cfg.dim * dt.compute, add)
+    if lay.cp > 1:
+        _cp_collectives(cfg, lay, counts, T, dt, add)
+    if lay.ep > 1 and counts.moe_layers:
+        rows = T * cfg.moe.top_k * cfg.dim * dt.residual
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows,
+            4 * counts.moe_layers + 2 * counts.moe_recomputed)
+    if lay.pp > 1:
+        boundary = T * cfg.dim * dt.residual / (lay.tp if lay.sp else 1)
+        add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
+    for unit in fsdp_units(lay, params, precision):
+        _unit_collectives(unit, lay, add)
+    return out
+
+
+def _tp_collectives(lay: Layout, stage: int, counts: _StageCounts, act: float, add: AddCollective) -> None:
+    """Per block two all-reduces of the `act` bytes of activations forward, two backward and two in a
+    recomputed forward (with sequence parallelism each an all-gather plus a reduce-scatter); the first
+    stage's vocabulary-parallel embedding one more."""
+    n, recomputed = counts.layers, counts.recomputed
     if lay.sp:
         calls = 2 * n + 2 * n + 2 * recomputed  # forward, backward, recomputed forward: per block one each
         add("tp", lay.tp, "all-gather", "sequence-parallel activations", act, calls)
@@ -111,55 +152,64 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     if stage == 0:
         add("tp", lay.tp, "all-reduce", "vocab-parallel embedding", act, 1)
 
-    if lay.cp > 1 and lay.cp_method == "ring":
-        # Ring attention (tessera.parallel.ring_attention): every layer passes this rank's k/v block
-        # (MLA: its decompressed heads) cp - 1 hops in the forward, the recomputed forward and the backward,
-        # and the block's fp32 dk/dv accumulator cp hops in the backward.
-        if cfg.mla is not None:
-            kv = cfg.n_heads / lay.tp * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim + cfg.mla.v_head_dim)
-        else:
-            kv = 2 * max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
-        add("cp", lay.cp, "send/recv", "key/value blocks around the ring", T * kv * dt.compute,
-            (lay.cp - 1) * (2 * n + cores), overlap="attention")
-        add("cp", lay.cp, "send/recv", "key/value gradient accumulators around the ring", T * kv * 4,
-            lay.cp * n, overlap="attention")
-    elif lay.cp > 1 and lay.cp_method == "alltoall" and (cfg.n_heads // lay.tp) % lay.cp == 0:
-        # All-to-all attention (DeepSpeed-Ulysses), what tessera.parallel.context_parallel picks when cp
-        # divides the local query heads: q, k, v go heads <-> sequence and the output back, per layer,
-        # forward, backward and recomputed forward. GQA kv heads are repeated until cp divides them.
-        q_heads = cfg.n_heads // lay.tp
-        if cfg.mla is not None:
-            m = cfg.mla
-            per_token = q_heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
-        else:
-            kv_heads = max(cfg.n_kv_heads // lay.tp, 1)
-            kv_heads *= next(r for r in range(1, q_heads // kv_heads + 1)
-                             if (q_heads // kv_heads) % r == 0 and (kv_heads * r) % lay.cp == 0)
-            per_token = (2 * q_heads + 2 * kv_heads) * cfg.head_dim
-        add("cp", lay.cp, "all-to-all", "q, k, v and attention output, heads <-> sequence (Ulysses)",
-            T * per_token * dt.compute, 2 * n + cores)
-    elif lay.cp > 1:  # the all-gather attention (Llama 3): whole-sequence keys and values on every rank
-        if cfg.mla is not None:
-            kv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        else:
-            kv = 2 * cfg.n_kv_heads * cfg.head_dim / lay.tp
-        full = T * lay.cp * kv * dt.compute
-        add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * n + cores, overlap="attention")
-        add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, n, overlap="attention")
 
-    moe_layers = sum(c for (moe, _), c in kinds.items() if moe)
-    if lay.ep > 1 and moe_layers:
-        rows = T * cfg.moe.top_k * h * dt.residual
-        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows, 4 * moe_layers + 2 * moe_recomputed)
+def _cp_collectives(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T: float, dt: ActivationDtype,
+                    add: AddCollective) -> None:
+    """Context parallelism (cp > 1) of `T` tokens per rank, by the attention `cp_method` runs."""
+    if lay.cp_method == "ring":
+        _ring_attention(cfg, lay, counts, T, dt, add)
+    elif lay.cp_method == "alltoall" and (cfg.n_heads // lay.tp) % lay.cp == 0:
+        _ulysses_attention(cfg, lay, counts, T, dt, add)
+    else:  # allgather, and alltoall where cp does not divide the local query heads
+        _allgather_attention(cfg, lay, counts, T, dt, add)
 
-    if lay.pp > 1:
-        boundary = T * h * dt.residual / (lay.tp if lay.sp else 1)
-        add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
 
-    for unit in fsdp_units(lay, params, precision):
-        _unit_collectives(unit, lay, add)
-    return out
+def _ring_attention(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T: float, dt: ActivationDtype,
+                    add: AddCollective) -> None:
+    """Ring attention (tessera.parallel.ring_attention): every layer passes this rank's k/v block
+    (MLA: its decompressed heads) cp - 1 hops in the forward, the recomputed forward and the backward,
+    and the block's fp32 dk/dv accumulator cp hops in the backward."""
+    n = counts.layers
+    if cfg.mla is not None:
+        kv = cfg.n_heads / lay.tp * (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim + cfg.mla.v_head_dim)
+    else:
+        kv = 2 * max(cfg.n_kv_heads // lay.tp, 1) * cfg.head_dim
+    add("cp", lay.cp, "send/recv", "key/value blocks around the ring", T * kv * dt.compute,
+        (lay.cp - 1) * (2 * n + counts.cores), overlap="attention")
+    add("cp", lay.cp, "send/recv", "key/value gradient accumulators around the ring", T * kv * 4,
+        lay.cp * n, overlap="attention")
+
+
+def _ulysses_attention(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T: float, dt: ActivationDtype,
+                       add: AddCollective) -> None:
+    """All-to-all attention (DeepSpeed-Ulysses), what tessera.parallel.context_parallel picks when cp
+    divides the local query heads: q, k, v go heads <-> sequence and the output back, per layer,
+    forward, backward and recomputed forward. GQA kv heads are repeated until cp divides them."""
+    q_heads = cfg.n_heads // lay.tp
+    if cfg.mla is not None:
+        m = cfg.mla
+        per_token = q_heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+    else:
+        kv_heads = max(cfg.n_kv_heads // lay.tp, 1)
+        kv_heads *= next(r for r in range(1, q_heads // kv_heads + 1)
+                         if (q_heads // kv_heads) % r == 0 and (kv_heads * r) % lay.cp == 0)
+        per_token = (2 * q_heads + 2 * kv_heads) * cfg.head_dim
+    add("cp", lay.cp, "all-to-all", "q, k, v and attention output, heads <-> sequence (Ulysses)",
+        T * per_token * dt.compute, 2 * counts.layers + counts.cores)
+
+
+def _allgather_attention(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T: float, dt: ActivationDtype,
+                         add: AddCollective) -> None:
+    """The all-gather attention (Llama 3): whole-sequence keys and values (MLA: its compressed
+    latent) on every rank, gathered forward and again backward, their gradients reduce-scattered."""
+    if cfg.mla is not None:
+        kv = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    else:
+        kv = 2 * cfg.n_kv_heads * cfg.head_dim / lay.tp
+    full = T * lay.cp * kv * dt.compute
+    add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * counts.layers + counts.cores,
+        overlap="attention")
+    add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, counts.layers, overlap="attention")
 
 
 @dataclass(frozen=True)
@@ -194,7 +244,7 @@ def fsdp_units(lay: Layout, params: RankParams, precision: Precision) -> list[Fs
     return [u for u in units if u.count > 0 and u.params > 0]
 
 
-def _unit_collectives(u: FsdpUnit, lay: Layout, add) -> None:
+def _unit_collectives(u: FsdpUnit, lay: Layout, add: AddCollective) -> None:
     """What the trainer's FSDP2 does for `u` in one step of m micro-batches.
 
     Gradients: one reduce-scatter per unit per step, in the last micro-batch's backward (gradient

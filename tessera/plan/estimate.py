@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tessera.config.dtypes import short_dtype_argument
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import embedding_params
@@ -36,6 +37,7 @@ TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16"), "fp
 def precisions_for_train_dtype(dtype: str) -> tuple[str, str]:
     """(model-state precision, activation dtype) for `train.dtype`: the trainer runs bf16 as autocast
     over fp32 parameters."""
+    dtype = short_dtype_argument(dtype)  # bfloat16 is bf16 (tessera.config.dtypes)
     if dtype not in TRAIN_DTYPES:
         raise ConfigError(f"train.dtype={dtype!r} is invalid: one of {', '.join(TRAIN_DTYPES)}")
     return TRAIN_DTYPES[dtype]

@@ -99,21 +99,16 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
 
 def _vision_data(cfg: RunConfig, tokenizer: Tokenizer) -> TrainingData:
     """data.kind=vision_sft: the JSONL conversations of data.datasets, each a sample with its images
-    (tessera.data.vision_sft, as the model's family writes them), the last data.valid_fraction of them
-    held out."""
-    from tessera.config.qwen_vl import QwenVLConfig
-    from tessera.data.vision_sft import VisionSFTDataset, load_qwen_vision_sft, load_vision_sft, split_samples
+    (tessera.data.vision_sft, as the model's family writes them: its `samples` in
+    tessera.checkpoint.vision_families), the last data.valid_fraction of them held out."""
+    from tessera.checkpoint.vision_families import REGISTRY
+    from tessera.data.vision_sft import VisionSFTDataset, split_samples
     from tessera.train.vision_language import vision_model_config
 
     t = cfg.train
     model_cfg, processor = vision_model_config(cfg)
     files = [e.path for e in cfg.data.datasets]
-    if isinstance(model_cfg, QwenVLConfig):  # each image its own number of tokens, between vision start / end
-        samples = load_qwen_vision_sft(files, tokenizer, processor, model_cfg.image_token_id,
-                                       model_cfg.vision_start_token_id, model_cfg.vision_end_token_id, t.seq_len)
-    else:
-        samples = load_vision_sft(files, tokenizer, processor, model_cfg.image_token_id, model_cfg.image_tokens,
-                                  t.seq_len)
+    samples = REGISTRY[model_cfg.family].samples(files, tokenizer, processor, model_cfg, t.seq_len)
     for s in samples:
         if int(s.tokens.max()) >= cfg.model.vocab_size:
             raise DataError(f"a conversation has token id {int(s.tokens.max())}, outside model.vocab_size="

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from tessera.config.devices import resolve_device
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.schema import RunConfig
 from tessera.parallel.collective_timeout import collective_phase
@@ -34,14 +35,8 @@ __all__ = ["ROUND_SCHEDULES", "RunLayout", "build_layout", "check_batch_layout",
 T = TypeVar("T")
 
 
-def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
-    """`train.device` as a torch device; on several ranks `auto` / `cuda` mean this rank's GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} is invalid: CUDA is not available here; use cpu or auto")
-    if name == "cuda" and local_rank is not None:
-        name = f"cuda:{local_rank}"
+def _take_device(name: str) -> torch.device:
+    """The resolved `train.device` as a torch device, made this process's current GPU when it names one."""
     device = torch.device(name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
@@ -169,7 +164,7 @@ def build_layout(cfg: RunConfig) -> RunLayout:
     """Join the process group (if any), validate the parallel layout and build the mesh."""
     t = cfg.train
     env = rank_env()
-    device = resolve_device(t.device, env.local_rank if env.distributed else None)
+    device = _take_device(resolve_device(t.device, env.local_rank if env.distributed else None, "train.device"))
     env = init_distributed(device, t.collective_timeout_s)
     if not env.distributed:
         cfg.parallel.resolved_dp_shard(1)  # one process: refuse a layout that needs several ranks

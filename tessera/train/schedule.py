@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from tessera.config.errors import ConfigError
-from tessera.config.schema import SCHEDULES, OptimConfig
+from tessera.config.run_checks import SCHEDULES
+from tessera.config.schema import OptimConfig
 
 WSD_DEFAULT_DECAY_FRACTION = 0.2  # share of total steps the wsd decay takes when decay_steps is None
 

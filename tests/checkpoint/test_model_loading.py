@@ -34,7 +34,7 @@ def test_one_loader_reads_every_kind_of_model_directory_and_says_where_its_token
     from tessera.config import CheckpointError, get_preset
     from tessera.hf import save_pretrained
     from tessera.models import Transformer
-    from tessera.models.int8 import quantize_model
+    from tessera.models.quantized import quantize_model
 
     hf = tmp_path / "hf"
     write_model(hf, "llama")

@@ -58,7 +58,7 @@ def test_serve_defaults_to_the_gpu_when_there_is_one():
     assert args.device == "auto"
     import torch
 
-    from tessera.cli.serve import resolve_device
+    from tessera.config.devices import resolve_device
 
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == "cpu"

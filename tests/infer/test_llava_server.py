@@ -11,8 +11,8 @@ import threading
 import httpx
 import pytest
 
-from tessera.cli.serve import mm_limits
 from tessera.infer import EngineConfig, LLMEngine
+from tessera.infer.engine_arguments import mm_limits
 from tessera.infer.media import MediaPolicy
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer

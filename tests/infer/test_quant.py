@@ -14,8 +14,8 @@ from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import QUANTIZATION_METHODS
 from tessera.infer.perplexity import perplexity
 from tessera.infer.reference_generation import reference_generate
-from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_model, quantize_per_channel
-from tessera.models.quantized import LAYERS, Fp8Linear, Int4Linear
+from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_per_channel
+from tessera.models.quantized import LAYERS, Fp8Linear, Int4Linear, quantize_model
 from tessera.models.quantized import quantize_model as quantize_by_method
 from tests.infer.tiny_models import write_model
 
@@ -61,7 +61,7 @@ def test_int8_model_stays_close_and_saved_copy_matches(family, family_models, tm
 
 
 def test_quantize_command_writes_a_servable_directory(llama, tmp_path):
-    from tessera.infer.quant import main
+    from tessera.quantize.int8_directory import main
 
     assert main([str(llama[0]), str(tmp_path / "q8")]) == 0
     out = LLM(tmp_path / "q8", block_size=4).generate(["x"], SamplingParams(max_tokens=4, temperature=0.0))

@@ -94,7 +94,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
 def test_the_port_is_listened_on_before_the_model_loads():
     """Bound and listening (a socket only bound could still be taken by another SO_REUSEADDR
     server, such as a second `tessera serve`), one socket per address the host resolves to."""
-    from tessera.cli.serve import _listen_sockets
+    from tessera.cli.listening import listen_sockets as _listen_sockets
     from tessera.config.errors import ConfigError
 
     first = _listen_sockets("127.0.0.1", 0)

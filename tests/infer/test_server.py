@@ -113,6 +113,13 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, body, s
     assert ok.status_code == 200
 
 
+def test_a_request_the_engine_refuses_gets_a_400_naming_the_field(server):
+    """The engine checks a request once (LLMEngine.check_request); its refusal names the API's field."""
+    for body, param in (({"prompt": [1] * 300}, "prompt"), ({"prompt": "a", "logit_bias": {"999": 1}}, "logit_bias")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=HANG_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def _hold_engine(server):
     """Block the engine thread between steps until the returned event is set."""
     gate, entered = threading.Event(), threading.Event()

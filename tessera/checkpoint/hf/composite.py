@@ -1,6 +1,8 @@
 """The steps a vision-language HuggingFace directory (hf/llava.py, hf/qwen_vl.py) shares: telling
 it by its config.json, loading its tensors into the model after checking them against the names the
-config implies, and writing the model back with its image processor's config.
+config implies, reading its image processor, and writing the model back with its image processor's
+config. A family's directory is a `DirectoryFormat` of its parts, whose `load`, `read_processor`
+and `save` are these steps.
 
 Names are given as Tessera key -> HuggingFace key(s) in the in-memory layout (more than one for
 routed experts, stacked into one Tessera tensor), with the family's rename from a stored name to
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,59 @@ def read_directory_config(path: str | os.PathLike, read_file: Callable[[Mapping[
     """`read_file` of `path`'s config.json object and the file's name."""
     f = Path(path) / "config.json"
     return read_file(read_json_object(f), str(f))
+
+
+def _exports_as_is(cfg: Any) -> None:
+    """A family whose export refuses nothing its config does not already refuse."""
+
+
+@dataclass(frozen=True)
+class DirectoryFormat:
+    """One vision-language family's HuggingFace directory (hf/llava.py, hf/qwen_vl.py): how its
+    config.json is read (`read_file(d, source)`) and written (`to_hf(cfg)`), its model and image
+    processor classes (`model(cfg, init_seed=None)`, `processor.for_vision(cfg.vision)`), its
+    tensors' names (`names(cfg)` in the in-memory layout, `current` / `saved` the renames from a
+    stored name and back), its language model's names alone (`language_model_names`: a text model
+    read from the directory, hf/slices.py) and what its export refuses (`check(cfg)`)."""
+
+    read_file: Callable[[Mapping[str, Any], str], Any]
+    to_hf: Callable[[Any], dict[str, Any]]
+    model: Callable[..., nn.Module]
+    processor: Any
+    names: Callable[[Any], dict[str, list[str]]]
+    current: Callable[[str], str]
+    saved: Callable[[str], str]
+    language_model_names: Callable[[dict[str, list[str]], set[str]], tuple[dict[str, list[str]], set[str]]]
+    check: Callable[[Any], None] = _exports_as_is
+
+    def load(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> Any:
+        """The model of directory `path`, in eval mode, after its tensors are checked against the
+        model its config.json describes (missing, unexpected, shapes)."""
+        path = Path(path)
+        cfg = read_directory_config(path, self.read_file)
+        with torch.device("meta"):
+            model = self.model(cfg, init_seed=None)
+        return load_composite(path, model, self.names(cfg), self.current, cfg.family, dtype, device)
+
+    def read_processor(self, path: str | os.PathLike, cfg: Any) -> Any:
+        """Directory `path`'s image processor (read from its preprocessor_config.json and checked to
+        make what `cfg`'s tower takes), else the one the tower ships with."""
+        f = Path(path) / PROCESSOR_FILE
+        if not f.is_file():
+            return self.processor.for_vision(cfg.vision)
+        proc = self.processor.from_directory(path)
+        proc.check_tower(cfg.vision, str(f))
+        return proc
+
+    def save(self, model: nn.Module, path: str | os.PathLike, tokenizer=None, processor: Any = None,
+             max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write `model` as a directory: config.json, safetensors, preprocessor_config.json
+        (`processor`, else the tower's own) and, with `tokenizer`, its files (hf/writer.py)."""
+        self.check(model.cfg)
+        proc = processor or self.processor.for_vision(model.cfg.vision)
+        save_composite(model, path, self.names(model.cfg), self.saved, self.to_hf(model.cfg), proc.to_dict(),
+                       tokenizer, max_shard_bytes)
 
 
 def load_composite(path: Path, model: nn.Module, names: dict[str, list[str]], current: Callable[[str], str],

@@ -126,8 +126,8 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
     CheckpointError naming the file; the refusal rules and crash safety are `save_pretrained`'s:
     a failed export leaves any earlier `out_dir` as it was."""
     found = ckpt.verified(ckpt.resolve_checkpoint(checkpoint))
-    if isinstance(ckpt.read_meta(found).get("vision_language"), dict):  # a LLaVA / Qwen-VL run: written whole
-        return _export_llava(found, out_dir, dtype, tokenizer, max_shard_bytes)
+    if isinstance(ckpt.read_meta(found).get("vision_language"), dict):  # a vision-language run: written whole
+        return _export_vision_language(found, out_dir, dtype, tokenizer, max_shard_bytes)
     cfg = stored_model_config(found)
     check_exportable(cfg)
     with torch.device("meta"):
@@ -142,19 +142,18 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
     return ExportResult(Path(out_dir), found, files, sum(sizes.values()), reader.peak_bytes)
 
 
-def _export_llava(found: Path, out_dir: str | os.PathLike, dtype: torch.dtype, tokenizer,
-                  max_shard_bytes: int) -> ExportResult:
-    """A vision-language checkpoint (tessera.checkpoint.dcp.vision_language) as a LLaVA or Qwen2-VL
-    directory: the model is loaded whole (these are small models) and written by its family's writer."""
+def _export_vision_language(found: Path, out_dir: str | os.PathLike, dtype: torch.dtype, tokenizer,
+                            max_shard_bytes: int) -> ExportResult:
+    """A vision-language checkpoint (tessera.checkpoint.dcp.vision_language) as its family's directory
+    (LLaVA, Qwen2-VL, Qwen2.5-VL): the model is loaded whole (these are small models) and written by
+    its family's writer (tessera.checkpoint.vision_families)."""
     from tessera.checkpoint.dcp.vision_language import load_vision_language_checkpoint
-    from tessera.checkpoint.hf.llava import save_llava
-    from tessera.checkpoint.hf.qwen_vl import save_qwen_vl
-    from tessera.models.qwen_vl import QwenVL
+    from tessera.checkpoint.vision_families import REGISTRY
 
     model, processor, _ = load_vision_language_checkpoint(found, dtype)
-    save = save_qwen_vl if isinstance(model, QwenVL) else save_llava
     try:
-        save(model, out_dir, tokenizer=tokenizer, processor=processor, max_shard_bytes=max_shard_bytes)
+        REGISTRY[model.family].directory.save(model, out_dir, tokenizer=tokenizer, processor=processor,
+                                              max_shard_bytes=max_shard_bytes)
     except OSError as e:
         raise CheckpointError(f"cannot write {str(out_dir)!r}: {e.strerror or e}") from e
     files = sorted(p.name for p in Path(out_dir).glob("*.safetensors"))

@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
-import torch
-
-from tessera.checkpoint.hf.composite import config_says, load_composite, read_directory_config, save_composite
+from tessera.checkpoint.hf.composite import DirectoryFormat, config_says
 from tessera.checkpoint.hf.names import check_exportable, hf_names
-from tessera.config.errors import ConfigError
 from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
-from tessera.data.image_processor import PROCESSOR_FILE, ImageProcessor
+from tessera.data.image_processor import ImageProcessor
 from tessera.models.llava import Llava
 
 _LEGACY = ((r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
@@ -58,21 +54,6 @@ def saved_name(name: str) -> str:
 
 def is_llava_directory(path: str | os.PathLike) -> bool:
     return config_says(path, is_llava_config)
-
-
-def read_llava_config(path: str | os.PathLike) -> LlavaConfig:
-    return read_directory_config(path, read_llava_file)
-
-
-def read_processor(path: str | os.PathLike, cfg: LlavaConfig) -> ImageProcessor:
-    """The directory's image processor (else the tower's own), checked to give the tower's input size."""
-    proc = (ImageProcessor.from_directory(path) if (Path(path) / PROCESSOR_FILE).is_file()
-            else ImageProcessor.for_vision(cfg.vision))
-    side = cfg.vision.image_size
-    if proc.output_size() != (side, side):
-        raise ConfigError(f"{str(Path(path) / PROCESSOR_FILE)!r} makes {proc.output_size()} images but the vision "
-                          f"tower takes ({side}, {side})")
-    return proc
 
 
 def vision_names(v: VisionConfig, prefix: str = "model.vision_tower.") -> dict[str, str]:
@@ -112,27 +93,6 @@ def llava_names(cfg: LlavaConfig) -> dict[str, list[str]]:
     return names
 
 
-def load_llava(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Llava:
-    """The `Llava` of a HuggingFace directory, in eval mode, after its tensors are checked against
-    the model config.json describes (missing, unexpected, shapes)."""
-    path = Path(path)
-    cfg = read_llava_config(path)
-    with torch.device("meta"):
-        model = Llava(cfg, init_seed=None)
-    return load_composite(path, model, llava_names(cfg), current_name, "llava", dtype, device)
-
-
-def save_llava(model: Llava, path: str | os.PathLike, tokenizer=None, processor: ImageProcessor | None = None,
-               max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a LLaVA directory: config.json, safetensors, preprocessor_config.json
-    (`processor`, else the tower's own) and, with `tokenizer`, its files (hf/writer.py)."""
-    check_exportable(model.cfg.text)
-    proc = processor or ImageProcessor.for_vision(model.cfg.vision)
-    save_composite(model, path, llava_names(model.cfg), saved_name, llava_config_to_hf(model.cfg), proc.to_dict(),
-                   tokenizer, max_shard_bytes)
-
-
 def _in_llava(hf_key: str) -> str:
     """A language model's HuggingFace key as LLaVA's current layout names it."""
     return hf_key if hf_key == "lm_head.weight" else re.sub(r"^model\.", "model.language_model.", hf_key)
@@ -146,3 +106,13 @@ def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple
     out = {key: [lookup.get(_in_llava(h), _in_llava(h)) for h in hs] for key, hs in names.items()}
     used = {h for hs in out.values() for h in hs}
     return out, {k for k in stored if k not in used}
+
+
+def _exportable(cfg: LlavaConfig) -> None:
+    check_exportable(cfg.text)
+
+
+DIRECTORY = DirectoryFormat(read_llava_file, llava_config_to_hf, Llava, ImageProcessor, llava_names, current_name,
+                            saved_name, language_model_names, _exportable)
+load_llava = DIRECTORY.load  # (path, dtype, device) -> the directory's `Llava`, in eval mode
+save_llava = DIRECTORY.save  # (model, path, tokenizer=, processor=, max_shard_bytes=): a LLaVA directory written

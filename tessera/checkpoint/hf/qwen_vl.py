@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
-import torch
-
-from tessera.checkpoint.hf.composite import config_says, load_composite, read_directory_config, save_composite
+from tessera.checkpoint.hf.composite import DirectoryFormat, config_says
 from tessera.checkpoint.hf.names import hf_names
 from tessera.config.qwen_vl import (
     QwenVisionConfig,
@@ -30,7 +27,6 @@ from tessera.config.qwen_vl import (
     qwen_vl_config_to_hf,
     read_qwen_vl_file,
 )
-from tessera.data.image_processor import PROCESSOR_FILE
 from tessera.data.qwen_image_processor import QwenImageProcessor
 from tessera.models.qwen_vl import QwenVL
 
@@ -53,19 +49,6 @@ def saved_name(name: str) -> str:
 
 def is_qwen_vl_directory(path: str | os.PathLike) -> bool:
     return config_says(path, is_qwen_vl_config)
-
-
-def read_qwen_vl_config(path: str | os.PathLike) -> QwenVLConfig:
-    return read_directory_config(path, read_qwen_vl_file)
-
-
-def read_processor(path: str | os.PathLike, cfg: QwenVLConfig) -> QwenImageProcessor:
-    """The directory's image processor (else the tower's own), checked to cut the tower's patches."""
-    if (Path(path) / PROCESSOR_FILE).is_file():
-        proc = QwenImageProcessor.from_directory(path)
-        proc.check_tower(cfg.vision, str(Path(path) / PROCESSOR_FILE))
-        return proc
-    return QwenImageProcessor.for_vision(cfg.vision)
 
 
 def vision_names(v: QwenVisionConfig) -> dict[str, str]:
@@ -99,31 +82,14 @@ def qwen_vl_names(cfg: QwenVLConfig) -> dict[str, str]:
     return names
 
 
+def _listed_names(cfg: QwenVLConfig) -> dict[str, list[str]]:
+    """`qwen_vl_names` with each HuggingFace key in a list, as the composite steps take them."""
+    return {k: [h] for k, h in qwen_vl_names(cfg).items()}
+
+
 def _in_memory(hf_key: str) -> str:
     """A qwen2 language model's HuggingFace key as Qwen2-VL's in-memory layout names it."""
     return hf_key if hf_key == "lm_head.weight" else hf_key.replace("model.", "model.language_model.", 1)
-
-
-def load_qwen_vl(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> QwenVL:
-    """The `QwenVL` of a HuggingFace directory, in eval mode, after its tensors are checked against
-    the model config.json describes (missing, unexpected, shapes)."""
-    path = Path(path)
-    cfg = read_qwen_vl_config(path)
-    with torch.device("meta"):
-        model = QwenVL(cfg, init_seed=None)
-    names = {k: [h] for k, h in qwen_vl_names(cfg).items()}
-    return load_composite(path, model, names, current_name, cfg.version, dtype, device)
-
-
-def save_qwen_vl(model: QwenVL, path: str | os.PathLike, tokenizer=None, processor: QwenImageProcessor | None = None,
-                 max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Qwen2-VL / Qwen2.5-VL directory: config.json, safetensors,
-    preprocessor_config.json (`processor`, else the tower's own) and, with `tokenizer`, its files."""
-    proc = processor or QwenImageProcessor.for_vision(model.cfg.vision)
-    names = {k: [h] for k, h in qwen_vl_names(model.cfg).items()}
-    save_composite(model, path, names, saved_name, qwen_vl_config_to_hf(model.cfg), proc.to_dict(), tokenizer,
-                   max_shard_bytes)
 
 
 def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple[dict[str, list[str]], set[str]]:
@@ -135,3 +101,9 @@ def language_model_names(names: dict[str, list[str]], stored: set[str]) -> tuple
     out = {key: [lookup.get(_in_memory(h), h) for h in hs] for key, hs in names.items()}
     used = {h for hs in out.values() for h in hs}
     return out, {k for k in stored if k not in used}
+
+
+DIRECTORY = DirectoryFormat(read_qwen_vl_file, qwen_vl_config_to_hf, QwenVL, QwenImageProcessor, _listed_names,
+                            current_name, saved_name, language_model_names)
+load_qwen_vl = DIRECTORY.load  # (path, dtype, device) -> the directory's `QwenVL`, in eval mode
+save_qwen_vl = DIRECTORY.save  # (model, path, tokenizer=, processor=, max_shard_bytes=): its directory written

@@ -12,7 +12,8 @@ the safetensors files, with safetensors' lazy `get_slice`:
         offsets, sizes = local_box(p)
         local = reader.read(name, offsets, sizes, dtype=torch.float32)
 
-Names follow `names.hf_names` (in a LLaVA directory, its language model's: hf/llava.py); routed
+Names follow `names.hf_names` (in a vision-language directory, its language model's as its family
+names them: tessera/checkpoint/vision_families.py); routed
 experts are E HuggingFace tensors stacked as one
 [E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
 tensors, each cut to the box's other dimensions. `bytes_read` counts the bytes of every box read
@@ -28,11 +29,9 @@ import torch
 from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.llava import is_llava_directory, language_model_names
 from tessera.checkpoint.hf.names import hf_names
-from tessera.checkpoint.hf.qwen_vl import is_qwen_vl_directory
-from tessera.checkpoint.hf.qwen_vl import language_model_names as qwen_vl_language_model_names
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
+from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 
@@ -59,13 +58,12 @@ class HFSliceReader:
         self.names = hf_names(cfg)
         self.files = SafetensorsDir(self.path)
         self.bytes_read = 0
-        # stored tensors that belong to no part of this model: a LLaVA directory's vision tower and
-        # projector when a text model reads its language model (llava.py)
+        # stored tensors that belong to no part of this model: a vision-language directory's image
+        # side when a text model reads its language model (its family's names: llava.py, qwen_vl.py)
         self.foreign: set[str] = set()
-        if is_llava_directory(self.path):
-            self.names, self.foreign = language_model_names(self.names, self.files.keys())
-        elif is_qwen_vl_directory(self.path):
-            self.names, self.foreign = qwen_vl_language_model_names(self.names, self.files.keys())
+        family = directory_family(self.path)
+        if family is not None:
+            self.names, self.foreign = family.directory.language_model_names(self.names, self.files.keys())
 
     def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         f = self.files.files[hf_key]

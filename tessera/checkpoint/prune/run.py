@@ -37,6 +37,7 @@ from tessera.checkpoint.prune.selection import (
     select,
 )
 from tessera.checkpoint.prune.target import search_sizes
+from tessera.config.dtypes import DTYPES, torch_dtype
 from tessera.config.errors import CheckpointError, ConfigError, DataError
 from tessera.config.hf_config import config_to_hf, is_hf_directory, read_hf_config, read_json_object
 from tessera.data.atomic_write import atomic_output
@@ -53,7 +54,6 @@ PER_LAYER_KEYS = ("layer_types",)
 # config.json names of one field that transformers releases spell differently (Tessera reads either, so
 # a source may hold the one Tessera does not write): a changed field changes its other names too
 ALIASES = {"num_experts": ("num_local_experts",), "num_local_experts": ("num_experts",)}
-_STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ def load_calibration(command: str, src: str | os.PathLike, cfg, calibration: Seq
 
 def stored_dtype(hf: dict) -> torch.dtype:
     """The dtype a HuggingFace config.json says its weights are stored in (fp32 when it names none)."""
-    return _STORED_DTYPES.get(hf.get("torch_dtype") or hf.get("dtype"), torch.float32)
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    return torch_dtype(name) if name in DTYPES else torch.float32
 
 
 def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, target_params: int | None = None,

@@ -20,7 +20,7 @@ import torch
 
 from tessera.checkpoint.prune.hidden import slice_hidden
 from tessera.checkpoint.prune.importance import Importance
-from tessera.config.errors import ConfigError
+from tessera.config.errors import require
 from tessera.config.model import ModelConfig
 
 
@@ -52,41 +52,39 @@ class PruneSizes:
                           dim=cfg.dim if self.dim is None else self.dim)
 
 
-def _need(ok: bool, option: str, value, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"prune {option} {value} is invalid: {allowed}")
-
-
 def check_sizes(cfg: ModelConfig, sizes: PruneSizes) -> None:
     """Refuse (ConfigError, naming the option and what is allowed) sizes this model cannot be pruned to.
     `sizes` are resolved (`PruneSizes.resolved`)."""
-    _need(1 <= sizes.layers <= cfg.n_layers, "--layers", sizes.layers, f"must be in 1..{cfg.n_layers} (the source's)")
-    _need(1 <= sizes.dim <= cfg.dim, "--hidden-size", sizes.dim, f"must be in 1..{cfg.dim} (the source's)")
+    def option(ok: bool, flag: str, value: int | None, allowed: str) -> None:
+        require(ok, f"prune {flag}", value, allowed, sep=" ")  # `prune --layers 5 is invalid: ...`
+
+    option(1 <= sizes.layers <= cfg.n_layers, "--layers", sizes.layers, f"must be in 1..{cfg.n_layers} (the source's)")
+    option(1 <= sizes.dim <= cfg.dim, "--hidden-size", sizes.dim, f"must be in 1..{cfg.dim} (the source's)")
     dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
-    _need(1 <= sizes.ffn_dim <= cfg.ffn_dim, "--ffn-hidden-size", sizes.ffn_dim, f"must be in 1..{cfg.ffn_dim}")
-    _need(sizes.ffn_dim == cfg.ffn_dim or dense, "--ffn-hidden-size", sizes.ffn_dim,
-          f"the {cfg.family} model has no dense FFN layer (every layer is MoE); prune experts with --experts")
+    option(1 <= sizes.ffn_dim <= cfg.ffn_dim, "--ffn-hidden-size", sizes.ffn_dim, f"must be in 1..{cfg.ffn_dim}")
+    option(sizes.ffn_dim == cfg.ffn_dim or bool(dense), "--ffn-hidden-size", sizes.ffn_dim,
+           f"the {cfg.family} model has no dense FFN layer (every layer is MoE); prune experts with --experts")
     if cfg.mla is not None:
-        _need(sizes.n_heads == cfg.n_heads and sizes.n_kv_heads == cfg.n_kv_heads, "--num-heads", sizes.n_heads,
-              "multi-head latent attention heads cannot be pruned (their keys share one compressed projection)")
+        option(sizes.n_heads == cfg.n_heads and sizes.n_kv_heads == cfg.n_kv_heads, "--num-heads", sizes.n_heads,
+               "multi-head latent attention heads cannot be pruned (their keys share one compressed projection)")
     group = cfg.n_heads // cfg.n_kv_heads
-    _need(1 <= sizes.n_kv_heads <= cfg.n_kv_heads, "--num-kv-heads", sizes.n_kv_heads,
-          f"must be in 1..{cfg.n_kv_heads} (the source's KV groups)")
-    _need(1 <= sizes.n_heads <= cfg.n_heads and sizes.n_heads % sizes.n_kv_heads == 0, "--num-heads", sizes.n_heads,
-          f"must be in 1..{cfg.n_heads} and a multiple of the {sizes.n_kv_heads} KV groups")
-    _need(sizes.n_heads // sizes.n_kv_heads <= group, "--num-heads", sizes.n_heads,
-          f"{sizes.n_heads // sizes.n_kv_heads} query heads per KV group is more than the source's {group}; "
-          f"at most {sizes.n_kv_heads * group} for {sizes.n_kv_heads} KV groups (drop KV groups with --num-kv-heads)")
+    option(1 <= sizes.n_kv_heads <= cfg.n_kv_heads, "--num-kv-heads", sizes.n_kv_heads,
+           f"must be in 1..{cfg.n_kv_heads} (the source's KV groups)")
+    option(1 <= sizes.n_heads <= cfg.n_heads and sizes.n_heads % sizes.n_kv_heads == 0, "--num-heads", sizes.n_heads,
+           f"must be in 1..{cfg.n_heads} and a multiple of the {sizes.n_kv_heads} KV groups")
+    option(sizes.n_heads // sizes.n_kv_heads <= group, "--num-heads", sizes.n_heads,
+           f"{sizes.n_heads // sizes.n_kv_heads} query heads per KV group is more than the source's {group}; "
+           f"at most {sizes.n_kv_heads * group} for {sizes.n_kv_heads} KV groups (drop KV groups with --num-kv-heads)")
     if cfg.moe is None:
-        _need(sizes.num_experts is None, "--experts", sizes.num_experts,
-              f"the {cfg.family} model is dense: it has no experts to prune")
+        option(sizes.num_experts is None, "--experts", sizes.num_experts,
+               f"the {cfg.family} model is dense: it has no experts to prune")
         return
     e = cfg.moe
     if sizes.num_experts != e.num_experts:
-        _need(e.n_groups == 1, "--experts", sizes.num_experts, f"the {cfg.family} model routes within "
-              f"{e.n_groups} expert groups (group-limited routing); its experts cannot be pruned one by one")
-    _need(e.top_k <= sizes.num_experts <= e.num_experts, "--experts", sizes.num_experts,
-          f"must be in {e.top_k}..{e.num_experts}: at least the {e.top_k} experts each token is routed to (top_k)")
+        option(e.n_groups == 1, "--experts", sizes.num_experts, f"the {cfg.family} model routes within "
+               f"{e.n_groups} expert groups (group-limited routing); its experts cannot be pruned one by one")
+    option(e.top_k <= sizes.num_experts <= e.num_experts, "--experts", sizes.num_experts,
+           f"must be in {e.top_k}..{e.num_experts}: at least the {e.top_k} experts each token is routed to (top_k)")
 
 
 @dataclass

@@ -13,11 +13,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -56,7 +56,9 @@ void norm_row(const float* x, const float* w, float* out, int64_t D, float eps) 
   for (; d < D; ++d) out[d] = w[d] * (x[d] * r);
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+}  // namespace
+
+at::Tensor tessera_cpu::rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   check_float_cpu(x_in, "x");
   check_float_cpu(weight, "weight");
   const int64_t D = x_in.size(-1);
@@ -75,6 +77,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
 }
 
 // ---- rotary embedding ---------------------------------------------------------------------------
+
+namespace {
 
 // One head vector x [D] in place: (x1 * c1 - x2 * s1, x2 * c2 + x1 * s2) over the halves.
 void rotate(float* x, const float* c, const float* s, int64_t half) {
@@ -97,7 +101,9 @@ void rotate(float* x, const float* c, const float* s, int64_t half) {
   }
 }
 
-void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+}  // namespace
+
+void tessera_cpu::rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
   check_float_cpu(q, "q");
   check_float_cpu(k, "k");
   check_float_cpu(cos, "cos");
@@ -131,7 +137,7 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 
 // ---- SwiGLU's activation ------------------------------------------------------------------------
 
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+at::Tensor tessera_cpu::silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_float_cpu(gate, "gate");
   check_float_cpu(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate ", gate.sizes(), " and up ", up.sizes(), " differ");
@@ -149,18 +155,4 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
     for (int64_t r = begin; r < end; ++r) tessera_vec::silu_mul_row(gp + r * gs, up_ + r * us, op + r * F, F);
   });
   return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tessera_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_", &rope_);
-  m.impl("silu_mul", &silu_mul);
 }

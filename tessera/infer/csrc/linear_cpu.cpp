@@ -21,13 +21,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -41,7 +41,9 @@ constexpr int MB = 6;       // rows of x in one register block
 // every block anyway.
 constexpr int64_t PREFETCH_MAX_BLOCKS = 16;
 
-at::Tensor pack_panels(const at::Tensor& weight) {
+}  // namespace
+
+at::Tensor tessera_cpu::pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "pack_panels takes an fp32 CPU weight [out, in], got ", weight.scalar_type(), " ", weight.sizes(),
               " on ", weight.device());
@@ -57,6 +59,8 @@ at::Tensor pack_panels(const at::Tensor& weight) {
   });
   return out;
 }
+
+namespace {
 
 // Rows [0, R) of x (row stride ldx) against one panel p [K, 16] into y (row stride ldy): all 16
 // columns (the caller gives a scratch block for a panel past column N); `pf`: where to prefetch
@@ -162,8 +166,10 @@ Operands operands(const at::Tensor& x_in, const at::Tensor& panels, int64_t cols
   return {x, y, K > 0 ? x.numel() / K : 0, K, P};
 }
 
-at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        int64_t N) {
+}  // namespace
+
+at::Tensor tessera_cpu::panel_linear(const at::Tensor& x_in, const at::Tensor& panels,
+                                     const std::optional<at::Tensor>& bias, int64_t N) {
   const Operands o = operands(x_in, panels, N);
   const at::Tensor &x = o.x, &y = o.y;
   const int64_t M = o.M, K = o.K, P = o.P;
@@ -197,7 +203,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const 
   return y;
 }
 
-at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F) {
+at::Tensor tessera_cpu::panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F) {
   const Operands o = operands(x_in, panels, F);
   const at::Tensor &x = o.x, &y = o.y;
   const int64_t M = o.M, K = o.K, P = o.P;
@@ -220,18 +226,4 @@ at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_
     }
   });
   return y;
-}
-
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tessera_cpu, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
-  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
-  m.def("panel_swiglu(Tensor x, Tensor panels, int F) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
-  m.impl("pack_panels", &pack_panels);
-  m.impl("panel_linear", &panel_linear);
-  m.impl("panel_swiglu", &panel_swiglu);
 }

@@ -38,7 +38,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +46,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -657,9 +657,11 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   });
 }
 
-void paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& rows, const at::Tensor& blocks, int64_t block_size, double scale,
-                     int64_t window) {
+}  // namespace
+
+void tessera_cpu::paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& blocks,
+                                  int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "expected 3-d tensors");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous last dimension");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache tensors must be contiguous");
@@ -675,12 +677,3 @@ void paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_c
     attend<scalar_t>(q, out, k_cache, v_cache, rp, bp, rows.size(0), block_size, scale, window);
   });
 }
-
-}  // namespace
-
-TORCH_LIBRARY(tessera_cpu, m) {
-  m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor blocks, "
-        "int block_size, float scale, int window) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

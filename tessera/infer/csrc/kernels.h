@@ -1,0 +1,28 @@
+// The CPU kernels of the tessera_cpu library, one declaration each: library.cpp registers them (the
+// op schemas), the files named beside them define them and say what they compute.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace tessera_cpu {
+
+// paged_attention_cpu.cpp
+void paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& rows, const at::Tensor& blocks, int64_t block_size, double scale,
+                     int64_t window);
+
+// layer_ops_cpu.cpp
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps);
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// linear_cpu.cpp
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t N);
+at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F);
+
+}  // namespace tessera_cpu
