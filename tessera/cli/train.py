@@ -6,8 +6,6 @@ failure resumes from the newest good checkpoint as `--resume` would."""
 from __future__ import annotations
 
 import argparse
-import math
-import signal
 import sys
 
 from tessera.config.argument_types import int_in
@@ -94,32 +92,28 @@ def run(args: argparse.Namespace) -> int:
 
     progress = RankProgress.from_env()  # what the launcher of `--nproc` learns of this rank
     try:
-        result, coordinator = _train(args, cfg, progress)
+        result, coordinator, closing = _train(args, cfg, progress)
     except Exception as e:
         if progress is not None:
             progress.failed(f"{type(e).__name__}: {e}")
         raise
-    return _summarize(cfg, result, coordinator)
+    return _summarize(cfg, result, coordinator, closing)
 
 
 def _train(args: argparse.Namespace, cfg, progress):
-    """Build the trainer (resuming on `--resume` and in a restarted rank), say what it trains, train."""
+    """Build the trainer (resuming on `--resume` and in a restarted rank), say what it trains (its
+    mode's start-up lines: tessera.train.modes), train; the result, whether this rank is rank 0, and
+    what the mode says at the end."""
     from tessera.parallel.launch import restart_count, shutdown_distributed
-    from tessera.train import console
     from tessera.train.trainer import Trainer
 
     restart = restart_count()
-    if cfg.train.eagle.target is not None:
-        return _train_eagle(args, cfg, restart)
     try:
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
                           task_evaluator=_task_evaluator(cfg))
         coordinator = trainer.layout.is_coordinator
         if coordinator:
-            warning = console.schedule_warning(cfg)
-            lines = console.startup_summary(cfg, trainer.layout.world_size, str(trainer.device), trainer.accumulation,
-                                            trainer.step, trainer.layout.backend)
-            print("\n".join(lines + ([warning] if warning else [])), file=sys.stderr, flush=True)
+            print("\n".join(trainer.startup_lines()), file=sys.stderr, flush=True)
         if trainer.resumed_from is not None and coordinator:
             again = f", restart {restart}" if restart else ""
             print(f"resuming from {trainer.resumed_from} (step {trainer.step}{again})", file=sys.stderr)
@@ -128,59 +122,22 @@ def _train(args: argparse.Namespace, cfg, progress):
         if trainer.init_from is not None and coordinator:
             print(f"weights from {trainer.init_from} ({trainer.init_bytes_read / 2**20:.1f} MiB read by rank 0)",
                   file=sys.stderr)
-        return trainer.train(), coordinator
+        return trainer.train(), coordinator, trainer.closing_lines
     finally:
         shutdown_distributed()
 
 
-def _train_eagle(args: argparse.Namespace, cfg, restart: int):
-    """train.eagle.target: an EAGLE-3 draft head against the frozen target (tessera.train.eagle_trainer)."""
-    from tessera.parallel.launch import shutdown_distributed
-    from tessera.train.eagle_trainer import EagleTrainer
-
-    try:
-        trainer = EagleTrainer(cfg, resume=args.resume or restart > 0)
-        coordinator = trainer.layout.is_coordinator
-        if coordinator:
-            n = sum(p.numel() for p in trainer.draft.parameters())
-            print(f"training an EAGLE-3 draft head ({n:,} parameters, feature layers {list(trainer.layers)}, "
-                  f"{cfg.train.eagle.unroll} training-time-test steps) for the frozen target "
-                  f"{cfg.train.eagle.target} on {trainer.layout.world_size} rank(s), {trainer.device}; metrics in "
-                  f"{cfg.run_dir}/metrics.jsonl", file=sys.stderr, flush=True)
-            if trainer.resumed_from is not None:
-                print(f"resuming from {trainer.resumed_from} (step {trainer.step})", file=sys.stderr)
-        return trainer.train(), coordinator
-    finally:
-        shutdown_distributed()
-
-
-def _summarize(cfg, result, coordinator: bool) -> int:
-    """Rank 0's last lines (what was trained, where it went, what to run next); the exit status."""
+def _summarize(cfg, result, coordinator: bool, closing) -> int:
+    """Rank 0's last lines (what was trained, where it went, what to run next: the mode's); the exit
+    status."""
+    status = 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
     if not coordinator:
-        return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
+        return status
     if result.last_step == result.start_step and result.stopped_by_signal is None:
         print(f"nothing to train: the run is at step {result.start_step} and train.steps={cfg.train.steps}")
         return 0
-    if cfg.train.eagle.target is None:
-        return _summarize_model(cfg, result)
-    last = result.records[-1] if result.records else {}
-    print(f"trained the EAGLE draft steps {result.start_step + 1}..{result.last_step}, last loss "
-          f"{last.get('loss', math.nan):.4f}; written to {result.draft_dir}")
-    print(f"serve with it: tessera serve {cfg.train.eagle.target} --speculative eagle --draft-model {result.draft_dir}")
-    return 128 + result.stopped_by_signal if result.stopped_by_signal is not None else 0
-
-
-def _summarize_model(cfg, result) -> int:
-    """Rank 0's last lines of an ordinary run."""
-    from tessera.train import console
-
-    last = result.records[-1] if result.records else {}
-    summary = f"trained steps {result.start_step + 1}..{result.last_step}"
-    if "loss" in last:
-        summary += f", last loss {last['loss']:.4f}"
-    print(summary)
-    print("\n".join(console.next_steps(cfg, result.checkpoint)))
-    if result.stopped_by_signal is not None:
-        print(f"stopped by {signal.Signals(result.stopped_by_signal).name}", file=sys.stderr)
-        return 128 + result.stopped_by_signal
-    return 0
+    out, err = closing(result)
+    print("\n".join(out))
+    if err:
+        print("\n".join(err), file=sys.stderr)
+    return status

@@ -1,18 +1,19 @@
-"""`train.eagle`: train an EAGLE-3 draft head against a frozen target (tessera.train.eagle_trainer,
-tessera.models.eagle) instead of training the `model` section's model.
+"""`train.eagle`: train an EAGLE-3 draft head against a frozen target (the EAGLE mode of the training
+loop: tessera.train.eagle_step, tessera.models.eagle) instead of training the `model` section's model.
 
     tessera train configs/tiny-dense.yaml --set train.eagle.target=runs/tiny-dense
 
 The target (a HuggingFace directory or a Tessera run / checkpoint) is read and frozen; its shape is
 its own, so the config's `model` section is not used. The draft layer takes the target's width,
 heads and RoPE (tessera.models.eagle.draft_layer_config). Data, batch sizes, `optim`, `train.steps`,
-`train.seed`, `train.dtype`, `train.grad_clip` and `train.log_interval` apply as to any run (there is
-no evaluation and no checkpoint: `eagle_acc/{j}` in metrics.jsonl is the measure to watch). The draft is written to
+`train.seed`, `train.dtype`, `train.grad_clip`, `train.log_interval` and `checkpoint` (but `export_hf`)
+apply as to any run (there is no evaluation: `eagle_acc/{j}` in metrics.jsonl is the measure to
+watch). The draft is written to
 `run_dir/<output_dir>` at the end in the EAGLE-3 directory format vLLM and SGLang load
 (tessera.checkpoint.eagle_dir), which `tessera serve TARGET --speculative eagle --draft-model DIR`
 serves. Data parallelism only (dp_replicate, dp_shard): the draft is held whole on every rank and
-its gradients summed over the ranks; pp, tp, cp and ep are refused by name, and so are fp16,
-distillation and `--resume` (the draft is written once, at the end).
+its gradients summed over the ranks; pp, tp, cp and ep are refused by name, and so are fp16 and
+distillation.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class EagleTrainConfig:
 
 def validate_eagle(cfg: Any) -> None:
     """train.eagle's values and the layouts and settings it trains under (the target's own shape is
-    checked when it is read: tessera.train.eagle_trainer)."""
+    checked when it is read: tessera.train.eagle_step)."""
     e, p = cfg.train.eagle, cfg.parallel
     require(e.target is None or bool(e.target), "train.eagle.target", e.target,
             "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no EAGLE training)")

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from tessera.infer.kv_cache import PagedKVCache
 from tessera.infer.ragged_attention import RaggedContexts
+from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -168,7 +169,7 @@ class _Bucket:
     def run(self, model: Transformer, ragged: RaggedContexts | None = None) -> torch.Tensor:
         self.cache.prepare()
         cache = self.cache if ragged is None else RaggedDecodeAttention(self.cache.kv, self.cache.slots_B, ragged)
-        return model(self.ids_1B, positions=self.pos_1B, cache=cache).logits[0]
+        return model(ModelInput(tokens=self.ids_1B, positions=self.pos_1B, cache=cache)).logits[0]
 
 
 class BucketedDecoder:

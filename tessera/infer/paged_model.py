@@ -22,6 +22,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.kv_cache import PagedKVCache, bytes_per_block
 from tessera.infer.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.paged_attention import PagedAttentionBatch, SequenceSlice
+from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
 log = logging.getLogger("tessera.infer")
@@ -117,11 +118,12 @@ class PagedModel:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
         read = self._read_rows(items)
         try:
-            inputs = self._embedded(ids, items) if any(it.images for it in items) else ids
+            sequence = ({"hidden": self._embedded(ids, items)[None]} if any(it.images for it in items)
+                        else {"tokens": ids[None]})
             positions = self._mrope_positions(items, batch.positions) if any(it.mrope_images for it in items) \
                 else batch.positions[None]
-            out = self.model(inputs[None], positions=positions, cache=batch, keep_layers=self.keep_hidden,
-                             logit_positions=read)
+            out = self.model(ModelInput(**sequence, positions=positions, cache=batch, keep_layers=self.keep_hidden,
+                                        logit_positions=read))
         finally:
             if self.lora is not None:
                 self.lora.clear_batch()

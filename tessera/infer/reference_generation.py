@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tessera.infer.device_sampling import SamplingBatch, sample_on_device
 from tessera.infer.sampling_params import SamplingParams
-from tessera.models import Transformer
+from tessera.models import ModelInput, Transformer
 
 
 class ConcatKVCache:
@@ -70,7 +70,7 @@ def reference_generate(model: Transformer, prompt_ids: list[int], params: Sampli
         start = cache.length() if cache is not None else 0
         x = torch.tensor([pending if cache is not None else ids], device=device)
         positions = torch.arange(start, start + x.shape[1], device=device)[None]
-        logits = model(x, positions=positions, cache=cache).logits[0, -1]
+        logits = model(ModelInput(tokens=x, positions=positions, cache=cache)).logits[0, -1]
         batch = SamplingBatch.build([(params, seed, len(out))], logits.shape[-1], logits.device)
         token = int(sample_on_device(logits[None], batch)[0])
         out.append(token)

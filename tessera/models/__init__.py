@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from tessera.config.model import MLAConfig, ModelConfig, MoEConfig
 
 if TYPE_CHECKING:
+    from tessera.models.model_input import ModelInput
     from tessera.models.transformer import ModelOutput, Transformer, TransformerBlock
 
-_LAZY = {"ModelOutput": "tessera.models.transformer", "Transformer": "tessera.models.transformer",
-         "TransformerBlock": "tessera.models.transformer"}
+_LAZY = {"ModelInput": "tessera.models.model_input", "ModelOutput": "tessera.models.transformer",
+         "Transformer": "tessera.models.transformer", "TransformerBlock": "tessera.models.transformer"}
 
-__all__ = ["MLAConfig", "ModelConfig", "ModelOutput", "MoEConfig", "Transformer", "TransformerBlock"]
+__all__ = ["MLAConfig", "ModelConfig", "ModelInput", "ModelOutput", "MoEConfig", "Transformer", "TransformerBlock"]
 
 
 def __getattr__(name: str) -> Any:

@@ -33,6 +33,7 @@ from torch import nn
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.vision import LlavaConfig
 from tessera.models.attention import AttentionCache
+from tessera.models.model_input import ModelInput
 from tessera.models.transformer import ModelOutput, Transformer
 from tessera.models.vision_language import ImageInput, RowSequence, VisionLanguageModel, merge_image_features
 from tessera.models.vision_tower import VisionTransformer, activation
@@ -109,7 +110,8 @@ class Llava(VisionLanguageModel):
         go to this stage's layers (the stage has no image side, and images given to it are not used:
         an interleaved schedule hands every stage of a rank the same keyword arguments)."""
         if input_ids.is_floating_point():
-            return self.language_model(input_ids, positions=positions, cache=cache, targets=targets)
+            return self.language_model(ModelInput(hidden=input_ids, positions=positions, cache=cache,
+                                                  targets=targets))
         if pixel_values is not None and image_features is not None:
             raise ModelError("give pixel_values or image_features, not both")
         if image_mask is not None:
@@ -125,4 +127,5 @@ class Llava(VisionLanguageModel):
             h = merge_image_features(h, ids, self.cfg.image_token_id, image_features)
         else:  # no image side ran: in training, still a (zero) gradient for each of its parameters
             h = self.image_side_in_graph(h)
-        return self.language_model(self.sequence.own(h), positions=positions, cache=cache, targets=targets)
+        return self.language_model(ModelInput(hidden=self.sequence.own(h), positions=positions, cache=cache,
+                                              targets=targets))

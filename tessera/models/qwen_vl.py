@@ -36,6 +36,7 @@ from torch import nn
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.qwen_vl import QwenVLConfig
 from tessera.models.attention import AttentionCache
+from tessera.models.model_input import ModelInput
 from tessera.models.qwen_vision import QwenVisionTransformer
 from tessera.models.transformer import ModelOutput, Transformer
 from tessera.models.vision_language import ImageInput, RowSequence, VisionLanguageModel, merge_image_features
@@ -161,7 +162,8 @@ class QwenVL(VisionLanguageModel):
         if row_positions is not None:
             positions = row_positions.transpose(0, 1)
         if input_ids.is_floating_point():
-            return self.language_model(input_ids, positions=positions, cache=cache, targets=targets)
+            return self.language_model(ModelInput(hidden=input_ids, positions=positions, cache=cache,
+                                                  targets=targets))
         if pixel_values is not None and image_features is not None:
             raise ModelError("give pixel_values or image_features, not both")
         if (pixel_values is not None or image_features is not None) and image_grid_thw is None:
@@ -178,4 +180,5 @@ class QwenVL(VisionLanguageModel):
                 positions = self.sequence.own_positions(self.rope_positions(ids, image_grid_thw))
         if not image_features:
             h = self.image_side_in_graph(h)
-        return self.language_model(self.sequence.own(h), positions=positions, cache=cache, targets=targets)
+        return self.language_model(ModelInput(hidden=self.sequence.own(h), positions=positions, cache=cache,
+                                              targets=targets))

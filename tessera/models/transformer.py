@@ -1,7 +1,9 @@
 """The decoder: embedding, pre-norm blocks (attention + SwiGLU or MoE), final RMSNorm, LM head.
 
 A plain single-device module. Layers live in an `nn.ModuleDict` keyed by str(layer index), so a
-pipeline stage that drops layers keeps the names of the ones it owns.
+pipeline stage that drops layers keeps the names of the ones it owns. `forward` reads one
+`ModelInput` (model_input.py: token ids or hidden states, positions, cache, targets, and what a
+call computes besides logits), or token ids alone: `model(ids)`.
 
 Where a token sits in its sequence (what RoPE rotates by) is a seam, `position_source` (a
 `PositionSource`), used when the caller passes no `positions`: on one process token j of the
@@ -41,6 +43,7 @@ from tessera.models.attention import Attention, AttentionCache
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
+from tessera.models.model_input import ModelInput
 from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
 from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
@@ -217,16 +220,13 @@ class Transformer(nn.Module):
         return torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=gen)
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None, targets: torch.Tensor | None = None,
-                mtp_inputs: torch.Tensor | None = None, mtp_targets: torch.Tensor | None = None,
-                mtp_divisor: float | None = None, keep_layers: tuple[int, ...] = (),
-                logit_positions: torch.Tensor | None = None) -> ModelOutput:
-        """Logits of every position; with `targets` [B, S] (IGNORE_INDEX: no loss) and
-        `loss_chunk_tokens` > 0, the summed token loss instead (`ModelOutput.loss_sum`).
+    def forward(self, inp: ModelInput | torch.Tensor) -> ModelOutput:
+        """Logits of every position of `inp` (a `ModelInput`, or token ids [B, S] alone); with
+        `targets` [B, S] (IGNORE_INDEX: no loss) and `loss_chunk_tokens` > 0, the summed token loss
+        instead (`ModelOutput.loss_sum`).
 
         Multi-token prediction runs when the model has it and targets are given: `mtp_inputs` /
-        `mtp_targets` (default: `input_ids` and `targets`) are the token ids and targets of the
+        `mtp_targets` (default: `tokens` and `targets`) are the token ids and targets of the
         sequence, what a pipeline's last stage, which receives hidden states, is handed;
         `mtp_divisor` N also returns `mtp_objective` = mtp_loss_sum / N (the pipeline's stage
         adds it to its auxiliary loss).
@@ -239,40 +239,55 @@ class Transformer(nn.Module):
         `logit_positions` (sequence indices [R]) computes the logits of those positions only, [B, R, V]
         (serving reads the last row of each prompt chunk, not all of them); ignored when the hidden
         states are a DTensor (sequence-sharded), where the logits cover every position."""
-        B, S = input_ids.shape[:2]  # a later pipeline stage receives hidden states [B, S, D] (S / tp under sp)
-        if input_ids.is_floating_point():
-            S *= self.received_sequence_shards
-        if positions is None:
-            positions = self.position_source(B, S, input_ids.device)
-        # Token ids are embedded; hidden states pass on (the last stage may hold the tied embedding).
-        h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype, self.mrope_section)
+        inp = ModelInput.of(inp)
+        h, cos, sin = self._entry(inp)
         out = ModelOutput(logits=None, aux_loss=torch.zeros((), dtype=torch.float32, device=h.device))
-        kept = {0: h} if 0 in keep_layers else {}
-        for key, layer in self.layers.items():
-            h, route = layer(h, cos, sin, cache)
-            self._add_route(out, f"layer{key}", int(key), route)
-            if int(key) + 1 in keep_layers:
-                kept[int(key) + 1] = h
-        h_last = out.last_hidden = h
-        if keep_layers:
-            out.kept_hidden = torch.cat([kept[j] for j in keep_layers], dim=-1)
-        h = self.norm(h) if self.norm is not None else h
+        h_last = out.last_hidden = self._blocks(out, h, cos, sin, inp)
+        h = self.norm(h_last) if self.norm is not None else h_last
         out.hidden = h
-        mtp_targets = mtp_targets if mtp_targets is not None else targets
-        mtp_inputs = mtp_inputs if mtp_inputs is not None else input_ids
-        if self.mtp is not None and mtp_targets is not None and not mtp_inputs.is_floating_point():
+        mtp_targets = inp.mtp_targets if inp.mtp_targets is not None else inp.targets
+        mtp_inputs = inp.mtp_inputs if inp.mtp_inputs is not None else inp.tokens
+        if self.mtp is not None and mtp_targets is not None and mtp_inputs is not None:
             self._multi_token_losses(out, h_last, mtp_inputs, mtp_targets, cos, sin)
-            if mtp_divisor is not None:
-                out.mtp_objective = out.mtp_loss_sum / mtp_divisor
-        if targets is not None and self.computes_chunked_loss(h):
+            if inp.mtp_divisor is not None:
+                out.mtp_objective = out.mtp_loss_sum / inp.mtp_divisor
+        if inp.targets is not None and self.computes_chunked_loss(h):
             out.loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
-                                                        targets.reshape(-1), self.loss_chunk_tokens)
+                                                        inp.targets.reshape(-1), self.loss_chunk_tokens)
             return out
-        if logit_positions is not None and not isinstance(h, DTensor):
-            h = h.index_select(1, logit_positions)
+        if inp.logit_positions is not None and not isinstance(h, DTensor):
+            h = h.index_select(1, inp.logit_positions)
         out.logits = self.lm_head(h)
         return out
+
+    def _entry(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hidden states entering the first layer and RoPE's cos / sin at the input's positions.
+        Token ids are embedded; hidden states pass on (the last pipeline stage may hold the tied
+        embedding), and under sequence parallelism they are this rank's 1/tp of the sequence, so the
+        sequence is this many times longer (RoPE positions are global)."""
+        x = inp.sequence
+        B, S = x.shape[:2]
+        if inp.hidden is not None:
+            S *= self.received_sequence_shards
+        positions = inp.positions if inp.positions is not None else self.position_source(B, S, x.device)
+        h = inp.hidden if inp.hidden is not None else self.tok_embeddings(inp.tokens)
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype, self.mrope_section)
+        return h, cos, sin
+
+    def _blocks(self, out: ModelOutput, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                inp: ModelInput) -> torch.Tensor:
+        """The layers over `h`, their routing into `out`, and `out.kept_hidden` of `inp.keep_layers`;
+        returns the last layer's output."""
+        keep = inp.keep_layers
+        kept = {0: h} if 0 in keep else {}
+        for key, layer in self.layers.items():
+            h, route = layer(h, cos, sin, inp.cache)
+            self._add_route(out, f"layer{key}", int(key), route)
+            if int(key) + 1 in keep:
+                kept[int(key) + 1] = h
+        if keep:
+            out.kept_hidden = torch.cat([kept[j] for j in keep], dim=-1)
+        return h
 
     @staticmethod
     def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | None) -> None:

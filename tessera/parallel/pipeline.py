@@ -6,7 +6,9 @@ holds a contiguous run of layers (`stage_layer_ids`, earlier stages take the rem
 r holds stages r, r + pp, r + 2 pp, ... (the looped placement of interleaved 1F1B, Narayanan et
 al. 2021). A stage is the Transformer with the layers it does not own deleted (names of the rest
 unchanged: `layers` is keyed by layer index), `tok_embeddings` only on stage 0 and `norm` /
-`output` only on stage S-1; a stage without the head passes its hidden states on. With tied
+`output` only on stage S-1; a stage without the head passes its hidden states on. The schedule
+calls a stage with one tensor, token ids on stage 0 and hidden states on the others, and the step's
+keyword arguments: a forward pre-hook turns them into the decoder's `ModelInput`. With tied
 embeddings stage S-1 keeps `tok_embeddings` too, as its head's weight (tied_embeddings.py). A
 vision-language model (tessera.models.llava) is cut in its `language_model` the same way, and its
 image side (the tower and projector: every other child) is kept on stage 0 only, which encodes the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -45,6 +48,7 @@ from torch.distributed.pipelining import (
 
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.parallel import ParallelConfig
+from tessera.models.model_input import ModelInput
 from tessera.parallel.dims import ParallelDims
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -110,6 +114,17 @@ def _pass_hidden_states(h_BSD: torch.Tensor) -> torch.Tensor:
     return h_BSD
 
 
+def _stage_input(first: bool, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A decoder stage's `ModelInput` from what the schedule hands it: `stage(x, **model_kwargs)`,
+    `x` the token ids on the first stage and the previous stage's hidden states on the others, the
+    keyword arguments its fields (multi-token prediction's on the last stage). A `ModelInput` given
+    whole passes as it is (a companion stage run beside this one: pipeline_companion.py)."""
+    (x,) = args
+    if isinstance(x, ModelInput):
+        return None
+    return (ModelInput(tokens=x, **kwargs) if first else ModelInput(hidden=x, **kwargs),), {}
+
+
 def language_model(model: nn.Module) -> nn.Module:
     """The decoder a pipeline cuts: `model` itself, or a vision-language model's `language_model`."""
     return getattr(model, "language_model", model)
@@ -148,6 +163,8 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, aux_scale: float,
         return AttachAuxLoss.apply(out.logits, aux) if aux.requires_grad else out.logits
 
     model.register_forward_hook(stage_output)
+    if lm is model:  # a vision-language model's forward takes the schedule's arguments itself
+        model.register_forward_pre_hook(partial(_stage_input, stage == 0), with_kwargs=True)
     model.pipeline_stage = (stage, num_stages)
     return model
 

@@ -18,15 +18,19 @@ the trained model's activation dtype (the trained stages' numerics never change;
 autocast the residual streams of both are fp32 anyway). Under sequence or context parallelism
 both halves are this rank's sequence slice, the companion cut like the trained model.
 
-The split and the join are a forward pre-hook and a forward hook on the trained stage module
-(the hooks `split_stage` already uses to turn a stage's ModelOutput into one tensor), registered
-after that one, so the join sees the stage's tensor output.
+The split and the join are a forward pre-hook and a forward hook on the trained stage module,
+registered after those `split_stage` installs, so the split sees the stage's `ModelInput` and the
+join the stage's tensor output; the companion stage is handed its own `ModelInput`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
+
+from tessera.models.model_input import ModelInput
 
 
 class CompanionStage:
@@ -34,15 +38,15 @@ class CompanionStage:
 
     def __init__(self, companion: nn.Module, dim: int, last: bool):
         self.companion, self.dim, self.last = companion, dim, last
-        self._pending: torch.Tensor | None = None  # the companion's input, between the two hooks
+        self._pending: ModelInput | None = None  # the companion's input, between the two hooks
 
-    def split_input(self, module: nn.Module, args: tuple) -> tuple | None:
-        x = args[0]
-        if not x.is_floating_point():  # token ids: the first stage feeds both models the same ones
-            self._pending = x
+    def split_input(self, module: nn.Module, args: tuple[ModelInput]) -> tuple | None:
+        inp = args[0]
+        if inp.hidden is None:  # token ids: the first stage feeds both models the same ones
+            self._pending = ModelInput(tokens=inp.tokens)
             return None
-        self._pending = x[..., self.dim:].detach()
-        return (x[..., :self.dim], *args[1:])
+        self._pending = ModelInput(hidden=inp.hidden[..., self.dim:].detach())
+        return (replace(inp, hidden=inp.hidden[..., :self.dim]), *args[1:])
 
     def join_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> object:
         x, self._pending = self._pending, None

@@ -23,7 +23,7 @@ norm, skips the update if it is not finite and calls `update`. The norm is reduc
 ranks, so every rank (every pipeline stage too) skips, backs off and grows alike.
 
     scaler = DynamicLossScaler()
-    scaler.scale_loss(objective(model(x, targets=y))).backward()
+    scaler.scale_loss(objective(model(ModelInput(tokens=x, targets=y)))).backward()
     scaler.unscale_(parts)                                        # grads back to their true size
     norm = clip(...); skipped = not isfinite(norm); scaler.update(found_inf=skipped)
 """

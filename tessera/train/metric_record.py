@@ -15,14 +15,17 @@ Written every `train.log_interval` steps and at the first, last, evaluation and 
   backward used); for MoE models aux_loss, aux/layer{i}/{name} and
   expert_load/layer{i}/{max_over_mean, max_tokens, mean_tokens} (routing slots per expert, summed
   over the step's micro-batches); with log.comm_stats, comm/<kind>_calls and comm/<kind>_bytes
-  (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes. Evaluation steps add
-  val_loss and val_ppl (Trainer.evaluate).
+  (tessera.parallel.comm_stats, summed over ranks) and comm/max_rank_bytes; on several ranks each
+  rank's step and wait times and the straggler (rank_timing.py). Evaluation steps add val_loss and
+  val_ppl (Trainer.evaluate). An EAGLE run writes its own line (eagle_step.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from tessera.train.results import StepResult
 
 
 @dataclass
@@ -40,30 +43,42 @@ class ThroughputWindow:
         self.tokens, self.seconds = 0, 0.0
 
 
-def step_record(step: int, stats: dict[str, Any], throughput: dict[str, Any], tokens_seen: int, mem_gib: float,
-                moe: bool) -> dict[str, Any]:
-    """The metrics line of `step` from the step's `stats` (Trainer.train_step) and the window's
-    `throughput` (tessera.train.throughput.step_throughput)."""
-    rec: dict[str, Any] = {"step": step, "loss": stats["loss"], "lr": stats["lr"], "grad_norm": stats["grad_norm"]}
-    rec.update(throughput)
-    rec.update(loss_tokens=stats["loss_tokens"], tokens_seen=tokens_seen, mem_gib=mem_gib)
-    if stats["skipped"]:
+@dataclass
+class StepFigures:
+    """What the loop measured over the steps since the last metrics line, beside the step's result."""
+
+    throughput: dict[str, Any]  # tokens_per_s, tflops, mfu (tessera.train.throughput.step_throughput)
+    tokens_seen: int
+    mem_gib: float  # peak
+    rank_times: dict[str, Any] = field(default_factory=dict)  # on ranks: each rank's times (rank_timing.py)
+
+
+def step_record(step: int, result: StepResult, figures: StepFigures, moe: bool) -> dict[str, Any]:
+    """The metrics line of `step` of a model's run from the step's `result` (Trainer.train_step) and
+    what the loop measured (`figures`); the mode's own scalars, when it has any, before comm."""
+    rec: dict[str, Any] = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
+    rec.update(figures.throughput)
+    rec.update(loss_tokens=result.loss_tokens, tokens_seen=figures.tokens_seen, mem_gib=figures.mem_gib)
+    if result.skipped:
         rec["skipped_step"] = True
-    for key in ("distill_loss", "distill_hidden_loss"):
-        if key in stats:
-            rec[key] = stats[key]
-    if "mtp_loss" in stats:
-        rec["mtp_loss"] = stats["mtp_loss"]
-        rec.update({f"mtp_loss/{k}": v for k, v in stats["mtp_losses"].items()})
-    if "loss_scale" in stats:
-        rec["loss_scale"] = stats["loss_scale"]
+    if result.distill_loss is not None:
+        rec["distill_loss"] = result.distill_loss
+    if result.distill_hidden_loss is not None:
+        rec["distill_hidden_loss"] = result.distill_hidden_loss
+    if result.mtp_losses:
+        rec["mtp_loss"] = result.mtp_loss
+        rec.update({f"mtp_loss/{k}": v for k, v in result.mtp_losses.items()})
+    if result.loss_scale is not None:
+        rec["loss_scale"] = result.loss_scale
     if moe:
-        rec["aux_loss"] = stats["aux_loss"]
-        rec.update({f"aux/{k}": v for k, v in sorted(stats["aux_parts"].items())})
-        for layer, c in sorted(stats["counts"].items()):
+        rec["aux_loss"] = result.aux_loss
+        rec.update({f"aux/{k}": v for k, v in sorted(result.aux_parts.items())})
+        for layer, c in sorted(result.counts.items()):
             c = c.float()
             rec[f"expert_load/layer{layer}/max_over_mean"] = float(c.max() / c.mean().clamp_min(1e-9))
             rec[f"expert_load/layer{layer}/max_tokens"] = float(c.max())
             rec[f"expert_load/layer{layer}/mean_tokens"] = float(c.mean())
-    rec.update(stats.get("comm", {}))
+    rec.update(result.scalars)
+    rec.update(result.comm)
+    rec.update(figures.rank_times)
     return rec

@@ -32,7 +32,6 @@ each gradient bucket during that micro-batch's backward, and measure the gradien
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +45,7 @@ from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed
 from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, masked_targets
 from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.results import StepResult
 from tessera.train.step_engine import (
     accumulate_micro_batches,
     clip_parts_grad_norm,
@@ -90,7 +90,7 @@ class ParallelStep:
         # parallel.optimizer=distributed: they reduce the gradients and measure their norm
         self.distributed_optimizers = list(distributed_optimizers)
 
-    def forward_backward(self, batch: Batch) -> dict[str, Any]:
+    def forward_backward(self, batch: Batch) -> StepResult:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         micro_batches = inputs.shape[0] // self.mb * self.dims.dp_size

@@ -57,6 +57,7 @@ from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.parallel_step import padded_batch, rank_rows
+from tessera.train.results import StepResult
 from tessera.train.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
 from tessera.train.step_stats import StepStats, reduce_over_ranks, step_result
 from tessera.train.vision_language import rank_image_grids, rank_images, rank_row_positions
@@ -181,7 +182,7 @@ class PipelineStep:
                 expert_counts={k: v.detach() for k, v in out.expert_counts.items()},
                 mtp_loss_sums={k: v.detach() for k, v in out.mtp_loss_sums.items()}))
 
-    def forward_backward(self, batch: Batch) -> dict[str, Any]:
+    def forward_backward(self, batch: Batch) -> StepResult:
         inputs, targets = rank_rows(batch, self.dims)
         n_loss_tokens = global_count(int((targets != IGNORE_INDEX).sum()), self.dims)
         self.loss.start(float(max(n_loss_tokens, 1)))

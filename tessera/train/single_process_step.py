@@ -13,7 +13,6 @@ arithmetic as autocast casting them in every forward.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from tessera.train.compute_weights import CachedComputeWeights
 from tessera.train.distill_loss import Distiller
 from tessera.train.loss import count_loss_tokens, masked_targets
 from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.results import StepResult
 from tessera.train.step_engine import (
     accumulate_micro_batches,
     clip_parts_grad_norm,
@@ -45,7 +45,7 @@ class SingleProcessStep:
         self.compute_weights = (CachedComputeWeights(model, autocast_dtype)
                                 if autocast_dtype is not None and cast_weights_per_step else None)
 
-    def forward_backward(self, batch: Batch) -> dict[str, Any]:
+    def forward_backward(self, batch: Batch) -> StepResult:
         """Accumulate the gradient of one global batch; return its loss statistics."""
         n_loss_tokens = count_loss_tokens(batch.targets, batch.target_mask)
         rows = self.accumulation * self.mb

@@ -37,11 +37,13 @@ import torch
 from torch import nn
 
 from tessera.data.batching import Batch
+from tessera.models.model_input import ModelInput
 from tessera.parallel import clip_grad_norm_
 from tessera.parallel.dims import ParallelDims
 from tessera.train.distill_loss import Distiller
 from tessera.train.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.results import StepResult
 from tessera.train.step_stats import StepStats
 
 
@@ -49,8 +51,8 @@ from tessera.train.step_stats import StepStats
 class StepEngine(Protocol):
     parts: list[nn.Module]  # the model modules this rank optimises and checkpoints
 
-    def forward_backward(self, batch: Batch) -> dict[str, Any]:
-        """Accumulate the gradient of one global batch; return its statistics (`step_result`)."""
+    def forward_backward(self, batch: Batch) -> StepResult:
+        """Accumulate the gradient of one global batch; return its figures (results.py)."""
         ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -103,7 +105,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             before_backward(i == accumulation - 1)
         images = micro_batch_images(pixels, grids, rows, device)
         with mixed_precision(device, autocast_dtype):
-            out = forward(x, targets=y, **images) if distiller is None else forward(x)
+            out = micro_batch_output(forward, x, y if distiller is None else None, images)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
         # multi-token prediction (model.mtp_depth): its weighted token-loss sum joins the main one
@@ -137,6 +139,16 @@ def micro_batch_images(pixels: list[torch.Tensor] | None, grids: list[torch.Tens
     return images
 
 
+def micro_batch_output(forward: Callable[..., Any], x: torch.Tensor, y: torch.Tensor | None,
+                       images: dict[str, torch.Tensor]) -> Any:
+    """`forward` on a micro-batch's token ids `x` (with its targets `y` unless None): a decoder's
+    one `ModelInput`, or, with `images` (`micro_batch_images`), a vision-language model's ids with its
+    images and targets as its forward's keyword arguments."""
+    if images:
+        return forward(x, targets=y, **images)
+    return forward(ModelInput(tokens=x, targets=y))
+
+
 def model_loss_sum(out: Any, targets: torch.Tensor) -> torch.Tensor:
     """The micro-batch's token-loss sum: the model's own (chunked LM-head loss, when it computed
     one) or `token_loss_sum` of its logits."""
@@ -159,7 +171,7 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, ...]
             y = targets[i:i + micro_batch_size].to(device)
             images = micro_batch_images(pixels, grids, slice(i, i + micro_batch_size), device)
             with mixed_precision(device, autocast_dtype):
-                out = model(x, targets=y, **images)
+                out = micro_batch_output(model, x, y, images)
             total += model_loss_sum(out, y).double().cpu()
             n += int((y != IGNORE_INDEX).sum())
     return total, n

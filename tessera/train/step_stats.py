@@ -14,7 +14,7 @@ layers it holds. `reduce_over_ranks` then makes the step's global figures, the s
   its own layers only, so the stages' dictionaries are merged.
 
 The summed routing counts drive the aux-loss-free expert-bias step, which must be identical on
-every rank. `step_result` turns the global figures into what the trainer logs.
+every rank. `step_result` turns the global figures into the step's `StepResult` (results.py).
 
 The sums are kept on the device (fp64, the same additions as Python floats) while micro-batches
 run and read on the host once, when the step's figures are needed (`settle`): reading a loss per
@@ -25,13 +25,13 @@ next forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tessera.parallel.data_parallel_batch import global_sum, sum_expert_counts, token_dim
 from tessera.parallel.dims import ParallelDims
+from tessera.train.results import StepResult
 
 
 @dataclass
@@ -131,21 +131,16 @@ def reduce_over_ranks(local: StepStats, dims: ParallelDims | None) -> StepStats:
     return merged
 
 
-def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> dict[str, Any]:
-    """The trainer's statistics of a step from its global StepStats: loss per loss token, auxiliary
-    losses per micro-batch (`micro_batches` of the whole global batch), routing counts; with a
-    teacher (train.distill) `distill_loss`, the KD term per loss token, and with hidden-state
-    matching `distill_hidden_loss`."""
+def step_result(stats: StepStats, loss_tokens: int, micro_batches: int, tokens: int) -> StepResult:
+    """The step's `StepResult` from its global StepStats: loss per loss token, auxiliary losses per
+    micro-batch (`micro_batches` of the whole global batch), routing counts; with a teacher
+    (train.distill) the KD term per loss token, with hidden-state matching that term per loss token,
+    with multi-token prediction each depth's token-loss sum per main loss token."""
     stats.settle()
-    out = {"loss": stats.loss_sum / max(loss_tokens, 1), "aux_loss": stats.aux_total / micro_batches,
-           "aux_parts": {k: v / micro_batches for k, v in stats.aux_parts.items()}, "counts": stats.counts,
-           "loss_tokens": loss_tokens, "tokens": tokens}
-    if stats.distill_sum is not None:  # the KD term per loss token (distill_loss.py), beside the data loss
-        out["distill_loss"] = stats.distill_sum / max(loss_tokens, 1)
-    if stats.hidden_sum is not None:  # the hidden-state matching per loss token (hidden_match.py)
-        out["distill_hidden_loss"] = stats.hidden_sum / max(loss_tokens, 1)
-    if stats.mtp_sums:  # multi-token prediction: each depth's token-loss sum per main loss token
-        per_depth = {k: v / max(loss_tokens, 1) for k, v in sorted(stats.mtp_sums.items())}
-        out["mtp_losses"] = per_depth
-        out["mtp_loss"] = sum(per_depth.values()) / len(per_depth)
-    return out
+    n = max(loss_tokens, 1)
+    return StepResult(
+        loss=stats.loss_sum / n, tokens=tokens, loss_tokens=loss_tokens, aux_loss=stats.aux_total / micro_batches,
+        aux_parts={k: v / micro_batches for k, v in stats.aux_parts.items()}, counts=stats.counts,
+        distill_loss=stats.distill_sum / n if stats.distill_sum is not None else None,
+        distill_hidden_loss=stats.hidden_sum / n if stats.hidden_sum is not None else None,
+        mtp_losses={k: v / n for k, v in sorted(stats.mtp_sums.items())})

@@ -13,6 +13,13 @@ backward, the step here unscales, skips a non-finite step and adapts the scale).
 the MoE expert bias takes one aux-loss-free balancing step from the step's summed routing counts.
 Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: run_directory.py.
 
+Modes. What is trained is the run's mode (modes.py, chosen by the config; training_mode.py): the
+language-model mode (lm_mode.py) trains the `model` section's model, the EAGLE mode
+(eagle_step.py) a draft head against a frozen target. A mode hands the loop its step engine, parts
+and optimizers, how a step is logged, its start-up and closing lines and its end-of-run hook (the
+HuggingFace export of `checkpoint.export_hf`, the EAGLE draft directory); everything below is the
+loop's, the same for every mode.
+
 Resilience. A step whose gradient is not finite is skipped on every rank (train.skip_nonfinite; false
 stops the run instead); with train.spike_factor a step whose loss spikes is refused and the run
 rolls back to its last checkpoint, skipping the batches since (loss_spike.py); both are events in
@@ -39,13 +46,13 @@ reduced in fp32), except the MoE router's, which FSDP keeps in fp32
 not used: the weights are replicated in the compute dtype and tessera.parallel.distributed_optimizer
 holds sharded fp32 masters and AdamW state instead.
 
-Distillation. With `train.distill.teacher` a frozen teacher (tessera.train.teacher), built and
-cut by the same layout (under pp, stage by stage beside the student's), runs forward on every
-micro-batch beside the student, and the objective mixes its KD term with the data loss
-(tessera.train.distill_loss); metrics.jsonl logs both, as `loss` and `distill_loss`. With
-`hidden_layers` the projections of hidden-state matching (tessera.train.hidden_match) train with
-their own optimizer (`beside`: stepped, zeroed and scheduled with the model's, not checkpointed).
-Evaluation measures the student's data loss only.
+Distillation (an objective term of the language-model mode). With `train.distill.teacher` a
+frozen teacher (tessera.train.teacher), built and cut by the same layout (under pp, stage by stage
+beside the student's), runs forward on every micro-batch beside the student, and the objective
+mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs both, as
+`loss` and `distill_loss`. With `hidden_layers` the projections of hidden-state matching
+(tessera.train.hidden_match) train with their own optimizer (`beside`: stepped, zeroed and scheduled
+with the model's, not checkpointed). Evaluation measures the student's data loss only.
 """
 
 from __future__ import annotations
@@ -54,7 +61,6 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +75,20 @@ from tessera.config.schema import RunConfig
 from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.parallel.compile import resolve_compile
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.parallel.job_events import append_event
 from tessera.parallel.job_progress import RankProgress
-from tessera.train.builder import build_step_engine, build_training_parts
 from tessera.train.comm_metrics import comm_record
 from tessera.train.console import eval_line, task_line
 from tessera.train.data_source import TrainingData, build_training_data
 from tessera.train.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
-from tessera.train.metric_record import ThroughputWindow, step_record
+from tessera.train.metric_record import StepFigures, ThroughputWindow
 from tessera.train.metrics_writer import MetricsWriter
+from tessera.train.modes import training_mode
 from tessera.train.optimizer import check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.rank_timing import RankTiming
+from tessera.train.results import StepResult, TrainResult
 from tessera.train.rng_state import seed_everything
 from tessera.train.run_directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
 from tessera.train.run_layout import RunLayout, build_layout, resolve_device
@@ -88,9 +96,9 @@ from tessera.train.schedule import LRScheduler
 from tessera.train.step_engine import StepEngine
 from tessera.train.stop_signal import AgreedStop, StopSignal
 from tessera.train.task_evaluation import TaskEvaluator, evaluate_tasks
-from tessera.train.teacher import build_distiller
 from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
 from tessera.train.train_checkpoint import load_training_state, save_training_state, training_state
+from tessera.train.training_mode import ModeContext, ModeParts
 
 __all__ = ["CHECKPOINT_DIR", "TrainResult", "Trainer", "resolve_device"]
 
@@ -100,26 +108,16 @@ def _number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-@dataclass
-class TrainResult:
-    """What a `train()` call did."""
-
-    start_step: int  # the step the run started from (0, or the resumed checkpoint's)
-    last_step: int  # the last completed optimizer step
-    stopped_by_signal: int | None = None  # SIGTERM/SIGINT number when stopped early, else None
-    checkpoint: Path | None = None  # the last checkpoint written
-    records: list[dict[str, Any]] = field(default_factory=list)  # the metric records written (rank 0)
-    hf_export: Path | None = None  # the HuggingFace directory written (checkpoint.export_hf)
-
-
 class Trainer:
-    """Builds model, optimizer, schedule and data from a RunConfig, then trains (any parallel layout)."""
+    """Builds the data, the run's mode's parts and the schedule from a RunConfig, then trains (any mode,
+    any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
                  task_evaluator: TaskEvaluator | None = None):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
         runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks)."""
-        self.cfg = cfg
+        self.mode = training_mode(cfg)  # modes.py: what the run trains
+        self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
         t = cfg.train
         if t.eval_tasks and task_evaluator is None:
@@ -146,18 +144,8 @@ class Trainer:
 
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
-        self.init_from = t.init_from if self.resumed_from is None else None
-        built = build_training_parts(cfg, self.layout, self.init_from, self.compile)
-        self.parts, self.optimizers, self.loss_scaler = built.parts, built.optimizers, built.loss_scaler
-        self.distributed_optimizers = built.distributed_optimizers
-        self.full_shapes, self.fp8_layers = built.full_shapes, built.fp8_layers
-        self.init_bytes_read = built.init_bytes_read  # bytes this rank read from train.init_from
-        self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
-        self.optimizer = self.optimizers[0]
-        self.distiller = build_distiller(cfg, self.layout, self.model)  # train.distill.teacher, frozen; or None
-        self.engine: StepEngine = build_step_engine(cfg, self.layout, built, self.distiller)
-        # optimizers of what trains beside the model and is not checkpointed (distillation's projections)
-        self.beside = self.distiller.optimizers if self.distiller is not None else []
+        init_from = t.init_from if self.resumed_from is None else None
+        self._take(self.mode.build(ModeContext(cfg, self.layout, self.data, init_from, self.compile)))
         self.scheduler = LRScheduler([*self.optimizers, *self.beside], cfg.optim, t.steps)
         self._build_resilience()
         self.step = 0
@@ -166,6 +154,20 @@ class Trainer:
             self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
+
+    def _take(self, built: ModeParts) -> None:
+        """The mode's finished parts: its step engine, what it optimises and checkpoints."""
+        self.built = built
+        self.engine: StepEngine = built.engine
+        self.parts, self.optimizers, self.loss_scaler = built.engine.parts, built.optimizers, built.loss_scaler
+        # the optimizers that reduce gradients themselves (parallel.optimizer=distributed)
+        self.distributed_optimizers = [o for o in self.optimizers if isinstance(o, DistributedOptimizer)]
+        self.full_shapes, self.fp8_layers = built.full_shapes, built.fp8_layers
+        self.init_from, self.init_bytes_read = built.init_from, built.init_bytes_read  # bytes this rank read
+        self.model = self.parts[0]  # the whole model in one process; this rank's first stage under pp
+        self.optimizer = self.optimizers[0]
+        # optimizers of what trains beside the model and is not checkpointed (distillation's projections)
+        self.beside = built.beside
 
     def _build_resilience(self) -> None:
         """The background saver (on ranks its process group is made here, by every rank alike), the
@@ -180,13 +182,9 @@ class Trainer:
 
     def _build_data(self) -> TrainingData:
         """Every rank builds the same batches; rank 0 first, so that it alone prepares a missing
-        corpus. The tokenizer must fit the model's vocabulary."""
+        corpus (the mode checks that the tokenizer fits its model)."""
         data = self.layout.on_coordinator(lambda: build_training_data(self.cfg))
-        data = data if data is not None else build_training_data(self.cfg)
-        if data.vocab_size > self.cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={self.cfg.model.vocab_size} is invalid: the tokenizer has "
-                              f"{data.vocab_size} tokens, so it must be >= {data.vocab_size}")
-        return data
+        return data if data is not None else build_training_data(self.cfg)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -233,20 +231,10 @@ class Trainer:
         if self.spike_rule is not None:
             self.spike_rule.load_state_dict(trainer.get("spike_rule", {}))
 
-    def _export_hf(self, checkpoint: Path) -> Path:
-        """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file
-        at a time (tessera.checkpoint.hf.export); the other ranks wait, and fail with it if it fails."""
-        from tessera.checkpoint.hf.export import export_checkpoint_to_hf
-
-        out = self.run_dir / (self.cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
-        tokenizer = self.cfg.data.tokenizer or "default"
-        self.layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
-        return out
-
     # ---- one step --------------------------------------------------------------------------
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step on the next global batch; returns the step's statistics. A step the
-        loss-spike rule refuses updates nothing and has `stats["spike"]`."""
+    def train_step(self) -> StepResult:
+        """One optimizer step on the next global batch; returns the step's result. A step the
+        loss-spike rule refuses updates nothing and has `result.spike`."""
         self.step += 1
         if self.progress is not None:
             self.progress.began(self.step)
@@ -258,37 +246,37 @@ class Trainer:
         counter = CollectiveCounter() if self.cfg.log.comm_stats else None
         with counter if counter is not None else nullcontext():
             with self.layout.phase("forward/backward"):
-                stats = self.engine.forward_backward(batch)
-            spike = self.spike_rule.check(self.step, stats["loss"]) if self.spike_rule is not None else None
-            grad_norm = self._update_weights(stats) if spike is None else math.nan
+                result = self.engine.forward_backward(batch)
+            spike = self.spike_rule.check(self.step, result.loss) if self.spike_rule is not None else None
+            grad_norm = self._update_weights(result) if spike is None else math.nan
         for optimizer in [*self.optimizers, *self.beside]:
             optimizer.zero_grad(set_to_none=True)
         if spike is not None:
-            stats.update(spike=spike, skipped=True)
-        elif stats["counts"]:
-            self.engine.update_expert_bias(stats["counts"])
-        self.tokens_seen += stats["tokens"]
-        stats.update(lr=lr, grad_norm=grad_norm)
+            result.spike, result.skipped = spike, True
+        elif result.counts:
+            self.engine.update_expert_bias(result.counts)
+        self.tokens_seen += result.tokens
+        result.lr, result.grad_norm = lr, grad_norm
         if counter is not None:
             with self.layout.phase("communication statistics"):
-                stats["comm"] = comm_record(counter, self.layout)
-        return stats
+                result.comm = comm_record(counter, self.layout)
+        return result
 
-    def _update_weights(self, stats: dict[str, Any]) -> float:
+    def _update_weights(self, result: StepResult) -> float:
         """The optimizer step on the accumulated gradients: unscaled (fp16), their norm measured and
-        clipped, skipped when it is not finite (sets `stats["skipped"]`); returns the norm. The norm
+        clipped, skipped when it is not finite (sets `result.skipped`); returns the norm. The norm
         is the whole model's, the same on every rank, so every rank skips (and backs off) alike."""
         if self.loss_scaler is not None:
-            stats["loss_scale"] = self.loss_scaler.scale
+            result.loss_scale = self.loss_scaler.scale
             self.loss_scaler.unscale_(self.parts)
         with self.layout.phase("gradient norm"), self.timing.waiting() if self.timing else nullcontext():
             grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
-        stats["skipped"] = not math.isfinite(grad_norm)
+        result.skipped = not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf=stats["skipped"])
-        elif stats["skipped"]:
-            self._not_finite(grad_norm, stats["loss"])
-        if not stats["skipped"]:  # a non-finite gradient would poison the weights and Adam's moments
+            self.loss_scaler.update(found_inf=result.skipped)
+        elif result.skipped:
+            self._not_finite(grad_norm, result.loss)
+        if not result.skipped:  # a non-finite gradient would poison the weights and Adam's moments
             with self.layout.phase("optimizer step"):
                 for optimizer in [*self.optimizers, *self.beside]:
                     optimizer.step()
@@ -312,21 +300,30 @@ class Trainer:
             append_event(self.run_dir, event, {"step": self.step, **fields}, f"tessera train: {message}",
                          say=lambda line: tqdm.write(line, file=sys.stderr))
 
-    def _timed_step(self, window: ThroughputWindow, stop: AgreedStop) -> dict[str, Any]:
+    def _timed_step(self, window: ThroughputWindow, stop: AgreedStop) -> StepResult:
         """`train_step`, its tokens and wall time (the device synchronised around it) added to `window`;
         then the ranks agree whether a stop signal came (the step's last synchronisation point)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        stats = self.train_step()
+        result = self.train_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        window.add(stats["tokens"], time.perf_counter() - start)
+        window.add(result.tokens, time.perf_counter() - start)
         with self.timing.waiting() if self.timing else nullcontext():
             stop.agree()  # several ranks: a signal that reached any rank stops all after this step
         if self.timing is not None:
             self.timing.step_done(time.perf_counter() - start)
-        return stats
+        return result
+
+    # ---- what the mode says ----------------------------------------------------------------
+    def startup_lines(self) -> list[str]:
+        """What the run's mode says before its first step (`tessera train` prints it on rank 0)."""
+        return self.built.summary(self.step)
+
+    def closing_lines(self, result: TrainResult) -> tuple[list[str], list[str]]:
+        """What the run's mode says after `result`: (stdout lines, stderr lines)."""
+        return self.built.closing(result)
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -352,8 +349,8 @@ class Trainer:
             self.run_lock.acquire()  # again, after an earlier train() released it
         writer = open_metrics(self.layout, self.cfg, self.step if self.resumed_from is not None else None)
         result = TrainResult(start_step=self.step, last_step=self.step)
-        bar = tqdm(total=self.cfg.train.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=not (self.cfg.log.progress_bar and self.layout.is_coordinator))
+        bar = tqdm(total=self.cfg.train.steps, initial=self.step, desc=self.built.label, unit="step",
+                   dynamic_ncols=True, disable=not (self.cfg.log.progress_bar and self.layout.is_coordinator))
         try:
             with StopSignal() as signal:
                 stop = AgreedStop(signal, self.layout.max_over_ranks if self.layout.distributed else None)
@@ -361,13 +358,8 @@ class Trainer:
                 result.stopped_by_signal = stop.received
                 if stop.requested and saved_at != self.step and self.step > result.start_step:
                     result.checkpoint = self.save()
-                self.finish_save()  # the last checkpoint is complete before it is exported or the run ends
-                # A run that reached train.steps is complete, also when a stop signal came during its
-                # last step; a run the signal ended early is not exported.
-                if self.cfg.checkpoint.export_hf and self.step >= self.cfg.train.steps:
-                    # The checkpoint of this step: the one just saved or, when the call started at
-                    # train.steps (resumed there), the one resumed from; never a second save of it.
-                    result.hf_export = self._export_hf(self.latest_checkpoint)
+                self.finish_save()  # the last checkpoint is complete before the mode's hook reads it
+                result.written = self.built.finish(self.step, self.latest_checkpoint)  # end-of-run hook
         finally:
             self._abandon_save()
             bar.close()
@@ -384,15 +376,15 @@ class Trainer:
         due. Returns the step last saved (None: none)."""
         t, window, saved_at = self.cfg.train, ThroughputWindow(), None
         while self.step < t.steps and not stop.requested:
-            stats = self._timed_step(window, stop)
-            if "spike" in stats and self._roll_back(stats["spike"], writer, result, bar):
+            step = self._timed_step(window, stop)
+            if step.spike is not None and self._roll_back(step.spike, writer, result, bar):
                 continue
             last = self.step == t.steps
-            evaluate = t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
+            evaluate = self.built.evaluates and t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
             if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
                     or evaluate or stop.requested:
-                self._log(stats, window, evaluate, writer, result)
-                bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
+                self._log(step, window, evaluate, writer, result)
+                bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{step.lr:.2e}", refresh=False)
             bar.update(1)
             interval = self.cfg.checkpoint.interval
             if last or stop.requested or (interval > 0 and self.step % interval == 0):
@@ -439,31 +431,37 @@ class Trainer:
         bar.refresh()
         return True
 
-    def _name_straggler(self, rec: dict[str, Any]) -> None:
+    def _name_straggler(self, times: dict[str, Any]) -> None:
         """An event when a rank starts to lag (or another rank takes over), not at every line it goes on."""
-        rank = rec.get("straggler_rank")
+        rank = times.get("straggler_rank")
         if rank is not None and rank != self._straggler:
-            step_s = rec["rank_step_s"][rank]
-            self._event("straggler", {"rank": rank, "lag_s": rec["straggler_lag_s"], "step_s": step_s},
-                        f"step {self.step}: rank {rank} is the slowest: {rec['straggler_lag_s']:.3f} s of its "
+            step_s = times["rank_step_s"][rank]
+            self._event("straggler", {"rank": rank, "lag_s": times["straggler_lag_s"], "step_s": step_s},
+                        f"step {self.step}: rank {rank} is the slowest: {times['straggler_lag_s']:.3f} s of its "
                         f"{step_s:.3f} s steps are work the median rank does not have (others wait for it)")
         self._straggler = rank
 
-    def _log(self, stats: dict[str, Any], window: ThroughputWindow, evaluate: bool, writer: MetricsWriter | None,
+    def _rank_times(self, result: TrainResult) -> dict[str, Any]:
+        """On several ranks every rank's step and wait times since the last line (a collective), the
+        straggler named; empty in one process."""
+        if self.timing is None:
+            return {}
+        with self.layout.phase("gathering rank times"):
+            times = self.timing.gather()
+        if self.step == result.start_step + 1:  # a first step's time is mostly each rank's warm-up
+            times = {k: v for k, v in times.items() if not k.startswith("straggler")}
+        self._name_straggler(times)
+        return times
+
+    def _log(self, step: StepResult, window: ThroughputWindow, evaluate: bool, writer: MetricsWriter | None,
              result: TrainResult) -> None:
-        """The step's metrics line (with the evaluation when due, and on ranks every rank's times),
-        written by rank 0; a new window."""
+        """The step's metrics line, the mode's (with the evaluation when due, and on ranks every
+        rank's times), written by rank 0; a new window."""
         throughput = step_throughput(window.tokens, window.seconds, self.flops_per_token, self.peak_flops,
                                      self.layout.world_size)
-        rec = step_record(self.step, stats, throughput, self.tokens_seen, memory_gib(self.device),
-                          self.cfg.model.is_moe)
-        if self.timing is not None:
-            with self.layout.phase("gathering rank times"):
-                times = self.timing.gather()
-            if self.step == result.start_step + 1:  # a first step's time is mostly each rank's warm-up
-                times = {k: v for k, v in times.items() if not k.startswith("straggler")}
-            rec.update(times)
-            self._name_straggler(rec)
+        mem = memory_gib(self.device)
+        figures = StepFigures(throughput, self.tokens_seen, mem, self._rank_times(result))
+        rec = self.built.record(self.step, step, figures)
         if evaluate:
             rec.update(self.evaluate())
             if self.layout.is_coordinator:

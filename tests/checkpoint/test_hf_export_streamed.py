@@ -40,7 +40,7 @@ def run(small_dataset, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("streamed") / "run"
     result = Trainer(load_config(TINY_MOE, moe_shrink(small_dataset, run_dir, 2, **{"checkpoint.export_hf": True}))
                      ).train()
-    assert result.hf_export == run_dir / "hf" and result.checkpoint == run_dir / "checkpoints" / "step_00000002"
+    assert result.written == run_dir / "hf" and result.checkpoint == run_dir / "checkpoints" / "step_00000002"
     return run_dir
 
 
@@ -128,7 +128,7 @@ def test_a_run_resumed_at_its_last_step_exports_its_checkpoint(run, small_datase
     overrides = moe_shrink(small_dataset, run, 2, **{"checkpoint.export_hf": True,
                                                      "checkpoint.export_hf_dir": str(tmp_path / "hf")})
     result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
-    assert (result.start_step, result.last_step, result.hf_export) == (2, 2, tmp_path / "hf")
+    assert (result.start_step, result.last_step, result.written) == (2, 2, tmp_path / "hf")
     assert result.checkpoint is None and _files_as_they_are(run / "checkpoints") == before
     _same_directories(tmp_path / "hf", run / "hf")
 
@@ -139,7 +139,7 @@ def test_a_relative_export_directory_is_under_run_dir(run, small_dataset, tmp_pa
                                                      "checkpoint.export_hf_dir": "exports/hf"})
     try:
         result = Trainer(load_config(TINY_MOE, overrides), resume=True).train()
-        assert result.hf_export == run / "exports" / "hf"
+        assert result.written == run / "exports" / "hf"
         _same_directories(run / "exports" / "hf", run / "hf")
         assert list(tmp_path.iterdir()) == []
     finally:
@@ -169,7 +169,7 @@ def test_a_stop_signal_in_the_last_step_still_exports(small_dataset, tmp_path, s
     result = trainer.train()
     assert (result.stopped_by_signal, result.last_step) == (signal.SIGTERM, signal_at)
     assert result.checkpoint == run_dir / "checkpoints" / f"step_{signal_at:08d}"
-    assert result.hf_export == (run_dir / "hf" if exported else None)
+    assert result.written == (run_dir / "hf" if exported else None)
     assert (run_dir / "hf" / "model.safetensors").is_file() == exported
 
 

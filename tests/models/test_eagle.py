@@ -17,6 +17,7 @@ from tessera.checkpoint.eagle_dir import load_eagle_draft, save_eagle_draft
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.models.eagle import EagleDraft, default_feature_layers, draft_layer_config, unrolled_outputs
+from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
 TARGET = ModelConfig(vocab_size=48, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
@@ -42,7 +43,7 @@ def test_kept_layers_are_the_residual_stream_after_that_many_blocks():
     for block in model.layers.values():
         block.register_forward_hook(lambda m, a, out: outputs.append(out[0]))
     with torch.no_grad():
-        out = model(ids, keep_layers=(0, 2, 4))
+        out = model(ModelInput(tokens=ids, keep_layers=(0, 2, 4)))
     D = TARGET.dim
     torch.testing.assert_close(out.kept_hidden[..., :D], model.tok_embeddings(ids), rtol=0, atol=0)
     torch.testing.assert_close(out.kept_hidden[..., D:2 * D], outputs[1], rtol=0, atol=0)

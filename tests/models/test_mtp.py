@@ -14,6 +14,7 @@ from tessera.config.hf_config import config_from_hf
 from tessera.config.model import ModelConfig
 from tessera.config.presets import get_preset
 from tessera.models.counting import count_params
+from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 from tests.models.hf_families import hf_configs
 
@@ -59,7 +60,7 @@ def test_every_depths_loss_is_deepseek_v3s_equations_in_every_family(case):
     model = Transformer(cfg, init_seed=3)
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
     targets = torch.randint(0, cfg.vocab_size, (2, 12))
-    out = model(ids, targets=targets)
+    out = model(ModelInput(tokens=ids, targets=targets))
     want = _by_hand(model, ids, targets)
     assert sorted(out.mtp_loss_sums) == [1, 2]
     for k, w in enumerate(want, start=1):
@@ -84,7 +85,7 @@ def test_masked_targets_and_short_rows_count_no_loss():
     ids = torch.randint(0, cfg.vocab_size, (1, 3))
     targets = torch.full((1, 3), -100)
     targets[0, 0] = 5  # depth k reads target k.. only: nothing is left for any depth
-    out = model(ids, targets=targets)
+    out = model(ModelInput(tokens=ids, targets=targets))
     assert all(float(v.detach()) == 0.0 for v in out.mtp_loss_sums.values())
 
 
@@ -96,7 +97,7 @@ def test_depth_zero_is_the_model_without_multi_token_prediction():
     assert set(shared) == {n for n, _ in plain.named_parameters()}
     assert all(torch.equal(shared[n], p) for n, p in plain.named_parameters())
     ids = torch.randint(0, cfg.vocab_size, (2, 7))
-    a, b = plain(ids, targets=ids), with_mtp(ids, targets=ids)
+    a, b = plain(ModelInput(tokens=ids, targets=ids)), with_mtp(ModelInput(tokens=ids, targets=ids))
     assert torch.equal(a.logits, b.logits) and not a.mtp_loss_sums and a.mtp_loss_sum is None
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tessera.config import ConfigError, ModelConfig, ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
-from tessera.models import Transformer
+from tessera.models import ModelInput, Transformer
 from tessera.models.moe import MoE
 from tessera.parallel import ParallelDims, parallelize, shard_global_batch
 from tessera.parallel.context_parallel import ChunkPositions
@@ -122,8 +122,8 @@ def test_chunk_positions_are_global_unless_given():
     model = Transformer(get_preset("tiny-llama"), init_seed=0)
     x = torch.randint(0, model.cfg.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
     given = torch.arange(4, 8).expand(2, 4)
-    want = model(x, given).logits
+    want = model(ModelInput(tokens=x, positions=given)).logits
     model.position_source = ChunkPositions(cp_rank=1)
     assert torch.equal(model(x).logits, want)  # the source places the chunk where it belongs
-    assert torch.equal(model(x, given).logits, want)  # and explicit positions win over it
-    assert not torch.equal(model(x, torch.arange(4).expand(2, 4)).logits, want)
+    assert torch.equal(model(ModelInput(tokens=x, positions=given)).logits, want)  # and explicit positions win over it
+    assert not torch.equal(model(ModelInput(tokens=x, positions=torch.arange(4).expand(2, 4))).logits, want)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config import ConfigError
 from tessera.config.schema import load_config
-from tessera.models import Transformer
+from tessera.models import ModelInput, Transformer
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.train.loss import token_loss_sum
 from tessera.train.loss_scaler import DynamicLossScaler
@@ -101,14 +101,14 @@ def test_model_loss_seam_returns_the_chunked_loss_and_its_gradients(tie):
     x = torch.randint(0, model.cfg.vocab_size, (2, 12))
     y = torch.randint(0, model.cfg.vocab_size, (2, 12))
     y[0, :3] = IGNORE_INDEX
-    out = model(x, targets=y)  # off by default: logits, as serving and the HF parity tests expect
+    out = model(ModelInput(tokens=x, targets=y))  # off by default: logits, as serving and the HF parity tests expect
     assert out.loss_sum is None and out.logits.shape == (2, 12, model.cfg.vocab_size)
     want = token_loss_sum(out.logits, y)
     want.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     model.loss_chunk_tokens = 5
-    out = model(x, targets=y)
+    out = model(ModelInput(tokens=x, targets=y))
     assert out.logits is None
     out.loss_sum.backward()
     torch.testing.assert_close(out.loss_sum, want, rtol=1e-6, atol=1e-6)
@@ -123,10 +123,10 @@ def test_fp16_loss_scaler_scales_the_chunked_loss():
     scaler = DynamicLossScaler(scale=1024.0)
     x = torch.randint(0, model.cfg.vocab_size, (2, 12))
     y = torch.randint(0, model.cfg.vocab_size, (2, 12))
-    model(x, targets=y).loss_sum.backward()
+    model(ModelInput(tokens=x, targets=y)).loss_sum.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    scaler.scale_loss(model(x, targets=y).loss_sum).backward()
+    scaler.scale_loss(model(ModelInput(tokens=x, targets=y)).loss_sum).backward()
     head = model.output.weight.grad
     torch.testing.assert_close(head, plain["output.weight"] * 1024.0, rtol=1e-5, atol=1e-6)
     scaler.unscale_([model])

@@ -99,7 +99,7 @@ def test_teacher_is_frozen_in_the_compute_dtype_with_no_optimizer_state(small_da
             "distill_loss)") in startup_summary(cfg, 1, "cpu", 2, 0)
     trainer = Trainer(cfg)
     records = trainer.train().records
-    model = trainer.distiller.teacher
+    model = trainer.engine.distiller.teacher
     assert not model.training and all(math.isfinite(r["distill_loss"]) for r in records)
     params = dict(model.named_parameters())
     assert not any(p.requires_grad or p.grad is not None for p in params.values())

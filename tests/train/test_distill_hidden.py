@@ -50,7 +50,7 @@ def test_hidden_loss_equals_a_hand_computation_and_trains_the_projections(teache
         "train.distill.hidden_weight": 0.7, "checkpoint.export_hf": True})
     cfg = load_config(TINY_DENSE, overrides)
     trainer = Trainer(cfg)
-    projections = {k: v.weight.detach().clone() for k, v in trainer.distiller.hidden.projections.items()}
+    projections = {k: v.weight.detach().clone() for k, v in trainer.engine.distiller.hidden.projections.items()}
     records = trainer.train().records
 
     seed_everything(cfg.train.seed)
@@ -74,7 +74,7 @@ def test_hidden_loss_equals_a_hand_computation_and_trains_the_projections(teache
     assert first["distill_hidden_loss"] == pytest.approx(total / n, rel=1e-5)
     assert first["distill_hidden_loss"] > 0 and "distill_loss" in first
 
-    trained = trainer.distiller.hidden.projections
+    trained = trainer.engine.distiller.hidden.projections
     assert all(not torch.equal(trained[k].weight, w) for k, w in projections.items())  # they train
     assert not any("projection" in name for name in trainer.model.state_dict())
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")  # the student alone

@@ -1,4 +1,4 @@
-"""`tessera train` with `train.eagle.target` (tessera/train/eagle_trainer.py): an EAGLE-3 draft head
+"""`tessera train` with `train.eagle.target` (tessera/train/eagle_step.py): an EAGLE-3 draft head
 trained against a frozen target. A few steps lower the draft's loss, the target's weights stay as
 they were, two data-parallel ranks train the one-process draft, other layouts are refused by name,
 and the directory written is what `tessera serve --speculative eagle` serves: greedy output equal to
@@ -47,11 +47,11 @@ def _files_digest(run: str) -> str:
 
 def test_training_lowers_the_draft_loss_and_leaves_the_target_as_it_was(small_dataset, target_run, tmp_path):
     from tessera.checkpoint.eagle_dir import load_eagle_draft
-    from tessera.train.eagle_trainer import EagleTrainer
+    from tessera.train.trainer import Trainer
 
     before = _files_digest(target_run)
-    trainer = EagleTrainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, target_run, tmp_path / "e", 12)))
-    target_before = {k: v.clone() for k, v in trainer.target.state_dict().items()}
+    trainer = Trainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, target_run, tmp_path / "e", 12)))
+    target_before = {k: v.clone() for k, v in trainer.engine.target.state_dict().items()}
     result = trainer.train()
     losses = [r["loss"] for r in result.records]
     assert len(losses) == 12 and all(k in result.records[0] for k in ("eagle_loss/0", "eagle_loss/1", "eagle_acc/0"))
@@ -60,11 +60,11 @@ def test_training_lowers_the_draft_loss_and_leaves_the_target_as_it_was(small_da
     kl = [r["eagle_kl/0"] + r["eagle_kl/1"] for r in result.records]
     assert sum(kl[-3:]) < 0.6 * sum(kl[:3]), kl
     assert _files_digest(target_run) == before  # the target's checkpoint is untouched ...
-    for k, v in trainer.target.state_dict().items():  # ... and so is the target the run held
+    for k, v in trainer.engine.target.state_dict().items():  # ... and so is the target the run held
         torch.testing.assert_close(v, target_before[k], rtol=0, atol=0, msg=k)
-    assert all(not p.requires_grad for p in trainer.target.parameters())
-    back = load_eagle_draft(result.draft_dir, trainer.cfg.model, torch.float32, "cpu")
-    for (name, a), (_, b) in zip(trainer.draft.state_dict().items(), back.state_dict().items(), strict=True):
+    assert all(not p.requires_grad for p in trainer.engine.target.parameters())
+    back = load_eagle_draft(result.written, trainer.cfg.model, torch.float32, "cpu")
+    for (name, a), (_, b) in zip(trainer.engine.draft.state_dict().items(), back.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
@@ -75,16 +75,16 @@ def test_a_reduced_draft_vocabulary_is_the_datas_most_frequent_tokens(small_data
     from tessera.config.eagle import VOCAB_SAMPLE_BATCHES
     from tessera.infer import LLM, SamplingParams, SpeculativeConfig
     from tessera.train.data_source import build_training_data
-    from tessera.train.eagle_trainer import EagleTrainer
+    from tessera.train.trainer import Trainer
 
-    trainer = EagleTrainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, target_run, tmp_path / "e", 3,
+    trainer = Trainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, target_run, tmp_path / "e", 3,
                                                                     **{"train.eagle.draft_vocab_size": 300})))
     result = trainer.train()
     batches = build_training_data(trainer.cfg).train
     V = trainer.cfg.model.vocab_size
     counts = sum(torch.bincount(batches.next_batch().tokens.reshape(-1), minlength=V)
                  for _ in range(VOCAB_SAMPLE_BATCHES))
-    draft = load_eagle_draft(result.draft_dir, trainer.cfg.model, torch.float32, "cpu")
+    draft = load_eagle_draft(result.written, trainer.cfg.model, torch.float32, "cpu")
     chosen = torch.arange(300) + draft.d2t
     assert len(set(chosen.tolist())) == 300 and chosen.tolist() == sorted(chosen.tolist())
     others = torch.ones(V, dtype=torch.bool)
@@ -94,17 +94,17 @@ def test_a_reduced_draft_vocabulary_is_the_datas_most_frequent_tokens(small_data
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = LLM(target_run, block_size=4).generate(prompts, params)
     llm = LLM(target_run, block_size=4, speculative=SpeculativeConfig(method="eagle", num_tokens=3,
-                                                                        draft_model=str(result.draft_dir)))
+                                                                        draft_model=str(result.written)))
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     assert llm.engine.metrics.spec_proposed > 0
 
 
 def _train_on_rank(overrides: list[str]) -> dict:
-    from tessera.train.eagle_trainer import EagleTrainer
+    from tessera.train.trainer import Trainer
 
-    trainer = EagleTrainer(load_config(TINY_DENSE, overrides))
+    trainer = Trainer(load_config(TINY_DENSE, overrides))
     result = trainer.train()
-    return {"records": result.records, "draft": {k: v.clone() for k, v in trainer.draft.state_dict().items()}}
+    return {"records": result.records, "draft": {k: v.clone() for k, v in trainer.engine.draft.state_dict().items()}}
 
 
 @pytest.mark.dist
@@ -132,19 +132,19 @@ def test_layouts_other_than_data_parallelism_are_refused_by_name(small_dataset, 
 
 
 def test_a_missing_target_is_refused(small_dataset, tmp_path):
-    from tessera.train.eagle_trainer import EagleTrainer
+    from tessera.train.trainer import Trainer
 
     with pytest.raises(ConfigError, match="train.eagle.target='/nowhere' is invalid: no such directory"):
-        EagleTrainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, "/nowhere", tmp_path / "e", 2)))
+        Trainer(load_config(TINY_DENSE, _eagle_overrides(small_dataset, "/nowhere", tmp_path / "e", 2)))
 
 
 def _train_draft(overrides: list[str], resume: bool = False) -> dict:
-    from tessera.train.eagle_trainer import EagleTrainer
+    from tessera.train.trainer import Trainer
 
-    trainer = EagleTrainer(load_config(TINY_DENSE, overrides), resume=resume)
+    trainer = Trainer(load_config(TINY_DENSE, overrides), resume=resume)
     result = trainer.train()
     return {"records": result.records, "start_step": result.start_step, "resumed_from": trainer.resumed_from,
-            "draft": {k: v.clone() for k, v in trainer.draft.state_dict().items()},
+            "draft": {k: v.clone() for k, v in trainer.engine.draft.state_dict().items()},
             "optim": trainer.optimizer.state_dict()}
 
 

@@ -92,12 +92,12 @@ def test_trainer_skips_the_overflowing_step_and_backs_off(small_dataset, tmp_pat
     trainer.loss_scaler.scale = 2.0**100  # scaled gradients overflow fp16
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     stats = trainer.train_step()
-    assert stats["skipped"] and stats["loss_scale"] == 2.0**100
+    assert stats.skipped and stats.loss_scale == 2.0**100
     assert trainer.loss_scaler.scale == 2.0**99
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     trainer.loss_scaler.scale = 2.0**10
     stats = trainer.train_step()
-    assert not stats["skipped"]
+    assert not stats.skipped
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
@@ -213,10 +213,10 @@ def _pipeline_overflow(overrides: list[str]) -> dict:
 
     trainer.loss_scaler.scale = 2.0**100
     overflow = trainer.train_step()
-    after_overflow = (overflow["skipped"], overflow["loss_scale"], trainer.loss_scaler.scale, unchanged())
+    after_overflow = (overflow.skipped, overflow.loss_scale, trainer.loss_scaler.scale, unchanged())
     trainer.loss_scaler.scale = 2.0**10
     finite = trainer.train_step()
-    return {"overflow": after_overflow, "finite": (finite["skipped"], trainer.loss_scaler.scale, unchanged())}
+    return {"overflow": after_overflow, "finite": (finite.skipped, trainer.loss_scaler.scale, unchanged())}
 
 
 @pytest.mark.dist

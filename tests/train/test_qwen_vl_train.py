@@ -148,7 +148,7 @@ def test_the_export_loads_in_transformers_with_equal_logits(tmp_path, family):
 
     trainer = _trainer(tmp_path / "run", 2, **{"checkpoint.export_hf": "true", "train.vision_language.family": family})
     result = trainer.train()
-    hf = AutoModelForImageTextToText.from_pretrained(result.hf_export, dtype=torch.float32).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(result.written, dtype=torch.float32).eval()
     assert type(hf).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     data = trainer.data.train
@@ -156,7 +156,7 @@ def test_the_export_loads_in_transformers_with_equal_logits(tmp_path, family):
     from PIL import Image
 
     image = Image.open(SHAPES / "green_ellipse.png")
-    theirs = AutoImageProcessor.from_pretrained(result.hf_export)(image, return_tensors="np")
+    theirs = AutoImageProcessor.from_pretrained(result.written)(image, return_tensors="np")
     _, processor = vision_model_config(trainer.cfg)
     pixels, grid = processor(image)
     assert np.array_equal(pixels, theirs["pixel_values"]) and list(grid) == theirs["image_grid_thw"][0].tolist()
@@ -201,7 +201,7 @@ def test_the_server_sees_the_training_samples_prompt(tmp_path):
         (SHAPES / name).read_bytes()).decode()}} for name in ("green_ellipse.png", "red_circle.png")]
     body = {"model": "tiny", "messages": [{"role": "user", "content": parts + [
         {"type": "text", "text": "Which one is green?"}]}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with RunningServer(LLMEngine.from_dir(result.hf_export, EngineConfig(block_size=4))) as server:
+    with RunningServer(LLMEngine.from_dir(result.written, EngineConfig(block_size=4))) as server:
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(prompt)

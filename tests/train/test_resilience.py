@@ -87,7 +87,7 @@ def _spiking(trainer: Trainer, at: set[int], times: int = 1) -> list[torch.Tenso
         stats = forward_backward(batch)
         seen[trainer.step] = seen.get(trainer.step, 0) + 1
         if trainer.step in at and seen[trainer.step] <= times:
-            stats["loss"] *= 100
+            stats.loss *= 100
         return stats
 
     def recorded():
