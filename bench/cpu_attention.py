@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=2 .venv/bin/python bench/cpu_attention.py
 
-The kernel (`tessera/infer/csrc/paged_attention_cpu.cpp`, through `RaggedContexts.attend`) reads the
+The kernel (`tessera/infer/cpu/csrc/paged_attention_cpu.cpp`, through `RaggedContexts.attend`) reads the
 chunk's keys and values where they lie in a paged cache (blocks of 16 in shuffled order); SDPA gets
 the same keys gathered beforehand (the gather not timed), with `is_causal` for a chunk from position 0
 (as the serving step's PyTorch path does) and an explicit mask for a chunk after earlier context.
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from tessera.infer import cpu_attention
-    from tessera.infer.ragged_attention import RaggedContexts
+    from tessera.infer.cpu import attention as cpu_attention
+    from tessera.infer.runner.ragged_attention import RaggedContexts
 
     torch.set_num_threads(args.threads)
     kernel = cpu_attention.kernel()

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from tessera.infer import cpu_attention
+    from tessera.infer.cpu import attention as cpu_attention
 
     torch.set_num_threads(args.threads)
     assert cpu_attention.kernel() is not None, "the CPU kernels did not build"

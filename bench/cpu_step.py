@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.serve_vs_vllm import build_model
     from tessera.checkpoint.loading import load_model
-    from tessera.infer import EngineConfig, cpu_attention
-    from tessera.infer.cpu_layer_ops import fuse_layer_ops
-    from tessera.infer.cpu_linear import fuse_projections, pack_linears
-    from tessera.infer.cpu_memory import keep_freed_memory
-    from tessera.infer.paged_model import BatchItem, build_paged_model
+    from tessera.infer import EngineConfig
+    from tessera.infer.cpu import attention as cpu_attention
+    from tessera.infer.cpu.layer_ops import fuse_layer_ops
+    from tessera.infer.cpu.linear import fuse_projections, pack_linears
+    from tessera.infer.cpu.memory import keep_freed_memory
+    from tessera.infer.runner.paged_model import BatchItem, build_paged_model
 
     if args.keep_freed:
         keep_freed_memory()

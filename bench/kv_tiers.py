@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from tessera.config.model import ModelConfig  # noqa: E402
 from tessera.infer.config import EngineConfig  # noqa: E402
-from tessera.infer.engine import LLMEngine  # noqa: E402
-from tessera.infer.sampling_params import SamplingParams  # noqa: E402
+from tessera.infer.engine.llm_engine import LLMEngine  # noqa: E402
+from tessera.infer.sampling.params import SamplingParams  # noqa: E402
 from tessera.models.transformer import Transformer  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -57,7 +57,7 @@ def run_engine(side: str, args) -> dict[str, float]:
         import torch
 
         from tessera.infer import LLM, SamplingParams
-        from tessera.infer.cpu_memory import keep_freed_memory
+        from tessera.infer.cpu.memory import keep_freed_memory
 
         keep_freed_memory()  # as `tessera serve` does on CPU
         torch.set_num_threads(args.threads)

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import profile
 
     from tessera.infer.config import EngineConfig
-    from tessera.infer.engine import LLMEngine
-    from tessera.infer.sampling_params import SamplingParams
+    from tessera.infer.engine.llm_engine import LLMEngine
+    from tessera.infer.sampling.params import SamplingParams
 
     ids = corpus_ids(args.model, 200_000)
     # serve_vs_vllm's --same-mix pair 1 (seed 101, content seed 100 * 32 + 1) and, to warm up, pair 2's

@@ -38,7 +38,7 @@ from tessera.checkpoint.hf.writer import save_pretrained  # noqa: E402
 from tessera.config.schema import load_config  # noqa: E402
 from tessera.data.corpus import DEFAULT_CORPUS_BYTES, select_stdlib_files  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine  # noqa: E402
-from tessera.infer.perplexity import perplexity  # noqa: E402
+from tessera.infer.engine.perplexity import perplexity  # noqa: E402
 from tessera.models.int8 import quantizable_layers  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
 

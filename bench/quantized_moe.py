@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.quantization import held_out_text, nbytes, train_and_export  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine  # noqa: E402
-from tessera.infer.perplexity import perplexity  # noqa: E402
+from tessera.infer.engine.perplexity import perplexity  # noqa: E402
 from tessera.quantize import QuantizeOptions, quantize  # noqa: E402
 
 CONFIG = str(ROOT / "configs" / "tiny-moe.yaml")

@@ -49,7 +49,7 @@ from tessera.config.model import ModelConfig  # noqa: E402
 from tessera.data.corpus import select_stdlib_files  # noqa: E402
 from tessera.hf import save_pretrained  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine  # noqa: E402
-from tessera.infer.perplexity import perplexity  # noqa: E402
+from tessera.infer.engine.perplexity import perplexity  # noqa: E402
 from tessera.models.transformer import Transformer  # noqa: E402
 
 SPECIALS = ["<s>", "</s>", "<unk>"]

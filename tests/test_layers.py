@@ -38,7 +38,8 @@ def _imports(path: Path) -> set[str]:
 
 
 # The serving and training cores, and the modules (or names) of one vision-language family they must not import.
-FAMILY_FREE = ("infer/engine.py", "infer/server.py", "infer/llm.py", "train/builder.py", "train/data_source.py")
+FAMILY_FREE = ("infer/engine/llm_engine.py", "infer/api/server.py", "infer/engine/llm.py", "train/builder.py",
+               "train/data_source.py")
 VISION_LANGUAGE_FAMILY = ("tessera.models.llava", "tessera.models.qwen_vl", "tessera.models.qwen_vision",
                           "tessera.config.vision", "tessera.config.qwen_vl", "tessera.checkpoint.hf.llava",
                           "tessera.checkpoint.hf.qwen_vl", "tessera.data.qwen_image_processor",

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int, stop_ids: list[int]):
     """The flags (already checked by their argparse types) as the engine's `SamplingParams`."""
-    from tessera.infer.sampling_params import SamplingParams
+    from tessera.infer.sampling.params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
                           top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed or 0,
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from tessera.checkpoint.loading import load_model, model_tokenizer
     from tessera.data.tokenizer import load_tokenizer
-    from tessera.infer.llm import LLM
-    from tessera.infer.reference_generation import reference_generate
+    from tessera.infer.engine.llm import LLM
+    from tessera.infer.engine.reference_generation import reference_generate
     from tessera.models.stored_quant import stored_quant_method
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.checkpoint)

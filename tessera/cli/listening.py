@@ -10,7 +10,7 @@ import socket
 
 from tessera.config.argument_types import port, text
 from tessera.config.errors import ConfigError
-from tessera.infer.http_guards import DEFAULT_MAX_REQUEST_BYTES
+from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
 def add_listen_arguments(p: argparse.ArgumentParser, api_key_help: str, allowed_hosts_help: str) -> None:

@@ -1,7 +1,7 @@
 """`tessera router --prefill URL --decode URL [--host 127.0.0.1] [--port P] [--api-key K]`: an
 OpenAI-compatible front for a prefill instance (`tessera serve DIR --kv-role prefill`) and a decode
 instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same model
-(`tessera.infer.router`), until interrupted."""
+(`tessera.infer.api.router`), until interrupted."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
-    from tessera.infer.http_guards import allowed_hosts
+    from tessera.infer.api.http_guards import allowed_hosts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
 
-        from tessera.infer.router import create_router
+        from tessera.infer.api.router import create_router
 
         app = create_router(args.prefill, args.decode, args.prefill_timeout, args.api_key, hosts,
                             args.max_request_bytes)

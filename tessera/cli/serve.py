@@ -1,5 +1,5 @@
 """`tessera serve MODEL_DIR|MODEL.gguf [--port P] [--host 127.0.0.1] [--api-key K] ...`: the OpenAI-compatible
-HTTP server (`tessera.infer.server`) in front of the engine thread, until interrupted.
+HTTP server (`tessera.infer.api.server`) in front of the engine thread, until interrupted.
 
 The defaults are the safe ones: bound to 127.0.0.1 and answering only loopback Host names, request
 bodies up to 8 MiB, no adapter loading at run time.
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_arguments(parser)
     parser.add_argument("--no-cpu-keep-freed", dest="cpu_keep_freed", action="store_false",
                         help="on CPU, leave the C library's allocator as it is instead of keeping freed activation "
-                             "memory in the process for the next step (tessera/infer/cpu_memory.py)")
+                             "memory in the process for the next step (tessera/infer/cpu/memory.py)")
     _adapter_arguments(parser)
     _media_arguments(parser)
 
@@ -83,7 +83,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def media_policy(args: argparse.Namespace):
-    from tessera.infer.media import MediaPolicy
+    from tessera.infer.api.media import MediaPolicy
 
     domains = [d for item in args.allowed_media_domains for d in item.split(",") if d]
     return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout)
@@ -92,7 +92,7 @@ def media_policy(args: argparse.Namespace):
 def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, frozenset[str] | None]:
     """ConfigError for serving options that cannot work, before the model is loaded; returns the
     engine's configuration and the Host allow-list (None: any)."""
-    from tessera.infer.http_guards import allowed_hosts, check_api_key, is_loopback
+    from tessera.infer.api.http_guards import allowed_hosts, check_api_key, is_loopback
 
     check_api_key(args.api_key)
     if args.kv_role is not None and not is_loopback(args.host) and args.api_key is None:
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     """The options checked, the port listened on, the engine loaded: then HTTP until it ends."""
     import uvicorn
 
-    from tessera.infer.server import create_app
+    from tessera.infer.api.server import create_app
 
     config, hosts = _check_server_options(args)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
@@ -161,9 +161,9 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig):
     """The engine thread, its engine loaded from `args.model_dir`; CheckpointError when it has no tokenizer."""
     import torch
 
-    from tessera.infer.cpu_memory import keep_freed_memory
-    from tessera.infer.engine import LLMEngine
-    from tessera.infer.engine_loop import EngineLoop
+    from tessera.infer.cpu.memory import keep_freed_memory
+    from tessera.infer.engine.llm_engine import LLMEngine
+    from tessera.infer.engine.loop import EngineLoop
 
     def make_engine() -> LLMEngine:
         if config.device == "cpu" and args.cpu_keep_freed:
@@ -177,7 +177,7 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig):
         return engine
 
     # Built and run in the engine thread, on this process's compute threads (OMP_NUM_THREADS, or
-    # PyTorch's default: the cores); this thread, which answers HTTP, keeps one (engine_loop.py says why).
+    # PyTorch's default: the cores); this thread, which answers HTTP, keeps one (infer/engine/loop.py says why).
     return EngineLoop.build(make_engine, torch.get_num_threads())
 
 

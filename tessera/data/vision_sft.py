@@ -18,7 +18,7 @@ untrusted input and turned into pixel values by the model's image processor
 A conversation is rendered with the tokenizer's chat template (or `PLAIN_CHAT_TEMPLATE`) with the
 text `<image>` where each image goes; the text between images is tokenized piece by piece and
 each image becomes its tokens, exactly as the server tokenizes a chat request
-(tessera/infer/server.py, `encode_around`, then the engine's placeholders), so a model is trained
+(tessera/infer/api/server.py, `encode_around`, then the engine's placeholders), so a model is trained
 on the token sequences it is served: for LLaVA (`load_vision_sft`) `tokens_per_image` copies of
 the image token; for Qwen2-VL / Qwen2.5-VL (`load_qwen_vision_sft`) the vision start token, the
 image's own number of image tokens (its patch grid from Qwen's processor, t x h x w / merge^2) and

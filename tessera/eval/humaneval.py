@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
 from tessera.eval.sandbox import Sandbox, Verdict
-from tessera.infer.llm import LLM
-from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.engine.llm import LLM
+from tessera.infer.sampling.params import SamplingParams
 
 log = logging.getLogger("tessera.eval")
 

@@ -32,8 +32,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from tessera.config.errors import ConfigError
 from tessera.eval.scoring import ScoreRequest, score_requests
-from tessera.infer.llm import LLM
-from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.engine.llm import LLM
+from tessera.infer.sampling.params import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for tasks that do not say
 

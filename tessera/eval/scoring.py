@@ -6,7 +6,7 @@ log p(continuation token | everything before it), summed, and whether each was t
 `is_greedy`: the continuation is what greedy decoding would produce).
 
 Requests run through the engine's executor (`Executor.score_targets`: on every rank under tensor
-parallelism) over its paged KV cache, the way `infer/perplexity.py` scores text: each request
+parallelism) over its paged KV cache, the way `infer/engine/perplexity.py` scores text: each request
 borrows KV blocks for its length, and is fed in pieces so that one forward holds at most
 `max_num_batched_tokens` tokens, several requests packed together; a piece after the first reads
 the keys/values of the earlier ones back from the cache, as generation does. Pieces of context
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from tessera.config.errors import ConfigError
-from tessera.infer.engine import LLMEngine
-from tessera.infer.sampling_params import SamplingParams
-from tessera.infer.sequence import Sequence
-from tessera.infer.step_outputs import ScoringChunk
+from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.engine.sequence import Sequence
+from tessera.infer.engine.step_outputs import ScoringChunk
+from tessera.infer.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def evaluate(model: str, tasks: list[str], settings: EvalSettings | None = None)
 
         results[LOSS] = evaluate_loss(model, settings.data, settings.limit, settings.overrides, settings.keep_layout)
     if any(t != LOSS for t in tasks):
-        from tessera.infer.llm import LLM
+        from tessera.infer.engine.llm import LLM
 
         with LLM(model, **settings.engine) as llm:
             results.update(runner.on_llm(llm))

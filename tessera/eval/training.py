@@ -16,7 +16,7 @@ from tessera.config.errors import ConfigError
 from tessera.config.schema import RunConfig
 from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.suite import EvalSettings, TaskRunner
-from tessera.infer.llm import LLM
+from tessera.infer.engine.llm import LLM
 from tessera.models.transformer import Transformer
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 _EXPORTS = {
     "EngineConfig": "tessera.infer.config", "SpeculativeConfig": "tessera.infer.config",
-    "LLMEngine": "tessera.infer.engine", "LLM": "tessera.infer.llm", "Completion": "tessera.infer.llm",
-    "SamplingParams": "tessera.infer.sampling_params", "RequestOutput": "tessera.infer.sequence",
+    "LLMEngine": "tessera.infer.engine.llm_engine", "LLM": "tessera.infer.engine.llm",
+    "Completion": "tessera.infer.engine.llm",
+    "SamplingParams": "tessera.infer.sampling.params", "RequestOutput": "tessera.infer.engine.sequence",
 }
 
 __all__ = ["LLM", "Completion", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "SpeculativeConfig"]

@@ -35,8 +35,8 @@ class SpeculativeConfig:
     `num_tokens` tokens, the target model scores all of them in one forward pass."""
 
     # "draft": a small model with the same tokenizer; "prompt_lookup": n-grams; "mtp": the served
-    # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/mtp_proposer.py);
-    # "eagle": an EAGLE-3 draft head fed with the target's hidden states (tessera/infer/eagle_proposer.py).
+    # model's own multi-token-prediction module (model.mtp_depth > 0; tessera/infer/runner/mtp_proposer.py);
+    # "eagle": an EAGLE-3 draft head fed with the target's hidden states (tessera/infer/runner/eagle_proposer.py).
     # The option's default is None: no speculative decoding, no SpeculativeConfig.
     method: str = field(default="prompt_lookup", metadata=flag(
         "speculative decoding method (None: off; mtp: the model's own multi-token-prediction module drafts, for "
@@ -135,7 +135,7 @@ class EngineConfig:
         "decode in the packed step)", type=batch_sizes, metavar="B1,B2,..."))
     enforce_eager: bool = field(default=False, metadata=flag(
         "run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)", action="store_true"))
-    # a model loaded from a directory (cpu_linear.py)
+    # a model loaded from a directory (infer/cpu/linear.py)
     cpu_prepack: bool = field(default=True, metadata=flag(
         "on CPU in float32, keep F.linear instead of oneDNN with the projection weights reordered once at load "
         "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_false"))

@@ -54,7 +54,7 @@ def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None], torch.Tensor]
 # Several projections of one input in one product, their outputs in order, or None where it does not
 # apply right now (then the modules run one by one): serving on CPU fuses q/k/v and the MLP's gate/up
-# (tessera.infer.cpu_linear.fuse_projections); None everywhere else.
+# (tessera.infer.cpu.linear.fuse_projections); None everywhere else.
 FusedProjection = Callable[[torch.Tensor], tuple[torch.Tensor, ...] | None]
 
 
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
-        # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
+        # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
         self.fused_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

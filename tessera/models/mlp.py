@@ -17,10 +17,10 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
         self.fused_gate_up: FusedProjection | None = None  # w1 and w3 in one product (models/attention.py)
         # (gate, up) -> silu(gate) * up in one call where the fused product runs: serving on CPU
-        # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
+        # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
         self.fused_act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # x -> silu(w1 x) * w3 x in one product whose epilogue applies the activation (serving on CPU
-        # with the panel kernel, tessera.infer.cpu_linear); it answers None where it cannot run (autograd,
+        # with the panel kernel, tessera.infer.cpu.linear); it answers None where it cannot run (autograd,
         # a hook on w1 or w3), and the fused product or the plain modules take over
         self.fused_swiglu: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 

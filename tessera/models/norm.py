@@ -12,7 +12,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         # (x, weight, eps) -> the same values in one call, used without autograd: serving on CPU
-        # installs a one-pass kernel (tessera.infer.cpu_layer_ops); None everywhere else
+        # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
         self.fused: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

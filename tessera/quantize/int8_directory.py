@@ -4,8 +4,7 @@ directory, which `tessera serve DST` loads without the full-precision weights.
 The layers are those `EngineConfig.quantization="int8"` quantizes at load (`quantize_model`,
 tessera/models/quantized.py: round-to-nearest, one scale per output channel); the directory is
 Tessera's own format (tessera/checkpoint/int8.py), not compressed-tensors (`quantize`, run.py).
-From the command line: `python -m tessera.quantize.int8_directory SRC DST` (also spelled
-`python -m tessera.infer.quant SRC DST`).
+From the command line: `python -m tessera.quantize.int8_directory SRC DST`.
 """
 
 from __future__ import annotations

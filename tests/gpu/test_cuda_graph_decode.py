@@ -52,7 +52,7 @@ def moe_graph_blocker(path: str) -> str | None:
     import torch
 
     from tessera.config.hf_config import read_hf_config
-    from tessera.infer.bucketed_decode import graph_blocker
+    from tessera.infer.runner.bucketed_decode import graph_blocker
 
     return graph_blocker(read_hf_config(path), torch.bfloat16, "cuda")
 

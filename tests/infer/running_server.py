@@ -15,9 +15,9 @@ import httpx
 import uvicorn
 
 from tessera.cli import main as tessera_main
-from tessera.infer.engine import LLMEngine
-from tessera.infer.engine_loop import EngineLoop
-from tessera.infer.server import create_app
+from tessera.infer.api.server import create_app
+from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.engine.loop import EngineLoop
 from tests.hang_guard import HANG_S
 
 

@@ -5,11 +5,11 @@ import pytest
 
 from tessera.config.errors import ConfigError
 from tessera.infer import EngineConfig
-from tessera.infer.block_manager import BlockManager
-from tessera.infer.prefix_cache import hash_chain
-from tessera.infer.sampling_params import SamplingParams
-from tessera.infer.scheduler import Scheduler
-from tessera.infer.sequence import Sequence
+from tessera.infer.engine.sequence import Sequence
+from tessera.infer.sampling.params import SamplingParams
+from tessera.infer.scheduling.block_manager import BlockManager
+from tessera.infer.scheduling.prefix_cache import hash_chain
+from tessera.infer.scheduling.scheduler import Scheduler
 
 
 def seq(rid: str, tokens: list[int], adapter_key: bytes = b"") -> Sequence:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tessera.config.errors import ConfigError
-from tessera.infer import LLM, LLMEngine, SamplingParams, device_sampling
-from tessera.infer.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
+from tessera.infer import LLM, LLMEngine, SamplingParams
 from tessera.infer.config import EngineConfig
-from tessera.infer.paged_model import BatchItem
+from tessera.infer.runner.bucketed_decode import DecodeRow, block_buckets, default_batch_buckets, graph_blocker
+from tessera.infer.runner.paged_model import BatchItem
+from tessera.infer.sampling import device_sampling
 from tests.infer.host_transfers import HostTransfers
 from tests.infer.tiny_models import hf_greedy, write_model
 
@@ -162,8 +163,8 @@ def test_a_decode_step_transfers_to_the_host_once(llama, monkeypatch):
         sampled_on.append(type(logits))
         return real_sample(logits, batch)
 
-    monkeypatch.setattr("tessera.infer.device_sampling.tokens_to_host", counting_transfer)
-    monkeypatch.setattr("tessera.infer.model_runner.sample_on_device", recording_sample)
+    monkeypatch.setattr("tessera.infer.sampling.device_sampling.tokens_to_host", counting_transfer)
+    monkeypatch.setattr("tessera.infer.runner.model_runner.sample_on_device", recording_sample)
     for _ in range(5):
         transfers.clear()
         with HostTransfers() as mode:

@@ -1,4 +1,4 @@
-"""The one-pass CPU kernels of a served layer (tessera/infer/cpu_layer_ops.py) against the PyTorch
+"""The one-pass CPU kernels of a served layer (tessera/infer/cpu/layer_ops.py) against the PyTorch
 ops they replace, and a served model with them against the same model without."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.infer import LLM, LLMEngine, SamplingParams, cpu_attention
+from tessera.infer import LLM, LLMEngine, SamplingParams
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_layer_ops import fuse_layer_ops, unfuse_layer_ops
+from tessera.infer.cpu import attention as cpu_attention
+from tessera.infer.cpu.layer_ops import fuse_layer_ops, unfuse_layer_ops
 from tessera.models.mlp import FeedForward
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope, rope_cos_sin, rope_frequencies

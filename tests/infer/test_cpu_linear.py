@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.infer import LLM, SamplingParams, cpu_attention
+from tessera.infer import LLM, SamplingParams
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_linear import FusedLinear, OneDNNLinear, PanelLinear, fuse_projections, pack_linears
+from tessera.infer.cpu import attention as cpu_attention
+from tessera.infer.cpu.linear import FusedLinear, OneDNNLinear, PanelLinear, fuse_projections, pack_linears
 from tests.infer.tiny_models import write_model
 
 
@@ -130,7 +131,7 @@ def test_panel_swiglu_refuses_what_it_cannot_compute(ops):
 
 
 def test_the_swiglu_epilogue_serves_an_mlp_and_steps_aside_for_hooks_and_autograd(ops):
-    from tessera.infer.cpu_layer_ops import fuse_layer_ops, unfuse_layer_ops
+    from tessera.infer.cpu.layer_ops import fuse_layer_ops, unfuse_layer_ops
     from tessera.models.mlp import FeedForward
 
     torch.manual_seed(0)

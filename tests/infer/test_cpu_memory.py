@@ -19,7 +19,7 @@ from tests.train.runs import ROOT
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
-    from tessera.infer.cpu_memory import keep_freed_memory
+    from tessera.infer.cpu.memory import keep_freed_memory
 
     took = keep_freed_memory() if sys.argv[1] == "keep" else None
     page = os.sysconf("SC_PAGE_SIZE")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from tessera.infer.device_sampling import SamplingBatch, sample_on_device, uniform_noise
-from tessera.infer.sampling import processed_probs
-from tessera.infer.sampling_params import SamplingParams
+from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_device, uniform_noise
+from tessera.infer.sampling.params import SamplingParams
+from tessera.infer.sampling.sampler import processed_probs
 
 V = 8
 

@@ -1,5 +1,5 @@
 """Speculative decoding with an EAGLE-3 draft head (`speculative.method="eagle"`,
-tessera/infer/eagle_proposer.py) through the existing verification: greedy output is the output
+tessera/infer/runner/eagle_proposer.py) through the existing verification: greedy output is the output
 without speculation (a draft over the target's vocabulary and one over a smaller one placed by d2t),
 sampled output keeps the target's distribution, requests under a JSON schema decode one token per
 step, a draft that does not fit the target is refused by name."""

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tessera.config.errors import ConfigError
-from tessera.infer.engine_loop import EngineLoop
+from tessera.infer.engine.loop import EngineLoop
 from tests.hang_guard import HANG_S
 from tests.infer.tiny_models import hf_greedy, write_model
 from tests.train.runs import ROOT
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, threading
     import torch
     from tessera.infer import EngineConfig, LLMEngine, SamplingParams
-    from tessera.infer.engine_loop import EngineLoop
+    from tessera.infer.engine.loop import EngineLoop
 
     loop = EngineLoop.build(lambda: LLMEngine.from_dir(sys.argv[1], EngineConfig(block_size=4)), 2)
     done, out = threading.Event(), {}

@@ -185,7 +185,7 @@ def test_served_blocks_survive_a_restart_and_show_on_metrics(dirs, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
 def test_blocks_move_from_a_prefill_engine_to_a_decode_engine(dirs, family):
-    from tessera.infer.kv_transfer import export_prefix, import_prefix
+    from tessera.infer.scheduling.kv_transfer import export_prefix, import_prefix
 
     want = _run(LLM(dirs / family, **SMALL), [FIRST])
     prefill = LLM(dirs / family, **SMALL, kv_role="prefill")
@@ -203,7 +203,7 @@ def test_blocks_move_from_a_prefill_engine_to_a_decode_engine(dirs, family):
 
 
 def test_a_damaged_or_foreign_transfer_keeps_nothing_wrong(dirs, tmp_path):
-    from tessera.infer.kv_transfer import TransferError, export_prefix, import_prefix
+    from tessera.infer.scheduling.kv_transfer import TransferError, export_prefix, import_prefix
 
     want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
     prefill = LLM(dirs / "llama", **SMALL, kv_role="prefill")
@@ -230,7 +230,7 @@ def test_a_damaged_or_foreign_transfer_keeps_nothing_wrong(dirs, tmp_path):
 def test_scoring_that_evicts_blocks_saves_them_before_overwriting(dirs):
     """Perplexity borrows KV blocks outside the scheduler's steps: the blocks it evicts are copied to
     the host tier before its forward writes over them."""
-    from tessera.infer.perplexity import perplexity
+    from tessera.infer.engine.perplexity import perplexity
 
     want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
     llm = LLM(dirs / "llama", **SMALL, kv_offload_gib=0.01)

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from tessera.infer import EngineConfig, LLMEngine
+from tessera.infer.api.media import MediaPolicy
 from tessera.infer.engine_arguments import mm_limits
-from tessera.infer.media import MediaPolicy
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.tiny_llava import IMAGE, hf_greedy, images, png

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams
-from tessera.infer.paged_model import BatchItem
+from tessera.infer.runner.paged_model import BatchItem
 from tests.infer.tiny_models import hf_greedy, write_model
 
 

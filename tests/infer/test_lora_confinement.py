@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.infer import EngineConfig, LLMEngine
-from tessera.infer.engine_loop import EngineLoop
-from tessera.infer.lora import confined_adapter_dir, read_adapter_config
-from tessera.infer.server import create_app
+from tessera.infer.api.server import create_app
+from tessera.infer.engine.loop import EngineLoop
+from tessera.infer.runner.lora import confined_adapter_dir, read_adapter_config
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 

@@ -1,5 +1,5 @@
 """Speculative decoding with the served model's own MTP module (`speculative.method="mtp"`,
-tessera/infer/mtp_proposer.py), through the existing verification: greedy output is the output
+tessera/infer/runner/mtp_proposer.py), through the existing verification: greedy output is the output
 without speculation, sampled output keeps the target's distribution (the statistical check the
 draft model's test makes), requests under a JSON schema decode one token per step, and the
 acceptance counters are those of every speculation."""

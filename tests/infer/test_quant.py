@@ -12,8 +12,8 @@ from tessera.config.errors import ConfigError
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import QUANTIZATION_METHODS
-from tessera.infer.perplexity import perplexity
-from tessera.infer.reference_generation import reference_generate
+from tessera.infer.engine.perplexity import perplexity
+from tessera.infer.engine.reference_generation import reference_generate
 from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_per_channel
 from tessera.models.quantized import LAYERS, Fp8Linear, Int4Linear, quantize_model
 from tessera.models.quantized import quantize_model as quantize_by_method

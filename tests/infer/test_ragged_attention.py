@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.infer import LLM, LLMEngine, SamplingParams, cpu_attention
+from tessera.infer import LLM, LLMEngine, SamplingParams
 from tessera.infer.config import EngineConfig
-from tessera.infer.cpu_linear import FusedLinear, PanelLinear, can_pack, fuse_projections, pack_linears
-from tessera.infer.kv_cache import PagedKVCache
-from tessera.infer.ragged_attention import RaggedContexts
+from tessera.infer.cpu import attention as cpu_attention
+from tessera.infer.cpu.linear import FusedLinear, PanelLinear, can_pack, fuse_projections, pack_linears
+from tessera.infer.runner.ragged_attention import RaggedContexts
+from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tests.infer.tiny_models import write_model
 
 BS = 4
@@ -227,7 +228,7 @@ def test_the_kernel_builds_with_the_ninja_package_alone(tmp_path):
             if program != "ninja" and not (bin_dir / program).exists():
                 (bin_dir / program).symlink_to(os.path.join(folder, program))
     env = {**os.environ, "PATH": str(bin_dir), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(ROOT)}
-    probe = "import shutil; from tessera.infer.cpu_attention import kernel; print(shutil.which('ninja'), kernel())"
+    probe = "import shutil; from tessera.infer.cpu.attention import kernel; print(shutil.which('ninja'), kernel())"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["None", "tessera_cpu.paged_attention"], run.stdout + run.stderr[-2000:]

@@ -10,8 +10,8 @@ import torch
 from tessera.config import ConfigError, get_preset
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams
-from tessera.infer.reference_generation import reference_generate
-from tessera.infer.sampling import next_token
+from tessera.infer.engine.reference_generation import reference_generate
+from tessera.infer.sampling.sampler import next_token
 from tessera.models import Transformer
 from tests.infer.tiny_models import hf_greedy
 

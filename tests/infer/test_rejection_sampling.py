@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
-from tessera.infer.rejection_sampling import verify_greedy, verify_sampled
+from tessera.infer.runner.rejection_sampling import verify_greedy, verify_sampled
 from tests.infer.tiny_models import write_model
 
 

@@ -6,8 +6,8 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
-from tessera.infer.detokenizer import IncrementalDetokenizer
-from tessera.infer.sampling import processed_probs
+from tessera.infer.engine.detokenizer import IncrementalDetokenizer
+from tessera.infer.sampling.sampler import processed_probs
 from tests.infer.tiny_models import char_tokenizer
 
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from tessera.config.errors import ConfigError
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams
-from tessera.infer.engine_loop import EngineLoop
-from tessera.infer.http_guards import allowed_hosts, host_name
-from tessera.infer.prefix_cache import hash_chain
-from tessera.infer.server import create_app
+from tessera.infer.api.http_guards import allowed_hosts, host_name
+from tessera.infer.api.server import create_app
+from tessera.infer.engine.loop import EngineLoop
+from tessera.infer.scheduling.prefix_cache import hash_chain
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer, serve_main
 from tests.infer.test_server import _hold_engine

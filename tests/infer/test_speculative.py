@@ -3,7 +3,7 @@
 import pytest
 
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
-from tessera.infer.speculative import ngram_lookup
+from tessera.infer.runner.speculative import ngram_lookup
 from tests.infer.host_transfers import HostTransfers
 from tests.infer.tiny_models import hf_greedy, write_model
 

@@ -17,7 +17,7 @@ from tessera.config.errors import ConfigError
 from tessera.data.tokenizer import DEFAULT_TOKENIZER_DIR
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import SpeculativeConfig
-from tessera.infer.structured_output import unpack_bitmask
+from tessera.infer.sampling.structured_output import unpack_bitmask
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.test_server import _hold_engine, _wait_for_inbox
@@ -293,7 +293,7 @@ def test_a_schema_the_grammar_engine_fails_on_while_decoding_gets_400_alone(serv
 
 
 def test_missing_library_or_tokenizer_is_named(monkeypatch):
-    from tessera.infer.structured_output import GrammarCompiler, GrammarError
+    from tessera.infer.sampling.structured_output import GrammarCompiler, GrammarError
 
     with pytest.raises(GrammarError, match="needs a tokenizer"):
         GrammarCompiler(None, 128, frozenset({1})).matcher({"type": "json_object"})

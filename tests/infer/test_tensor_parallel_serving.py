@@ -25,8 +25,8 @@ from tessera.config.hf_config import read_hf_config
 from tessera.hf import load_pretrained
 from tessera.infer import LLM, SamplingParams, SpeculativeConfig
 from tessera.infer.config import EngineConfig
-from tessera.infer.tensor_parallel import serving_dims
-from tessera.infer.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
+from tessera.infer.runner.tensor_parallel import serving_dims
+from tessera.infer.runner.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer, serve_main, serving_url, wait_until_serving
 from tests.infer.tiny_models import hf_greedy
@@ -228,8 +228,8 @@ def test_perplexity_on_two_ranks_equals_one_rank(llama, monkeypatch):
     rank 0 reads full-vocabulary rows, so it equals one rank's. The text fills two windows of
     max_model_len tokens, the second ending on a chunk of one token that predicts nothing."""
     from tessera.infer import LLMEngine
-    from tessera.infer.perplexity import perplexity
-    from tessera.infer.tp_executor import TensorParallelExecutor
+    from tessera.infer.engine.perplexity import perplexity
+    from tessera.infer.runner.tp_executor import TensorParallelExecutor
 
     path, _ = llama
     options = dict(block_size=4, max_model_len=24, enable_prefix_caching=False)

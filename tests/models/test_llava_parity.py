@@ -9,7 +9,7 @@ import torch
 
 from tessera.checkpoint.hf.llava import load_llava
 from tessera.config.errors import ModelError
-from tessera.infer.reference_generation import ConcatKVCache
+from tessera.infer.engine.reference_generation import ConcatKVCache
 from tests.models.llava_cases import CASES, hf_llava, hf_processor, prompt_rows, sample_images
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 
 from tessera.checkpoint.hf.qwen_vl import load_qwen_vl
 from tessera.config.errors import ModelError
-from tessera.infer.reference_generation import ConcatKVCache
+from tessera.infer.engine.reference_generation import ConcatKVCache
 from tessera.models.qwen_vl import mrope_positions
 from tests.models.qwen_vl_cases import IMAGE, VERSIONS, hf_inputs, hf_qwen_vl, mm_token_types, prompt_rows
 

@@ -1,0 +1,74 @@
+"""The choices of one OpenAI request: which engine request each is, and its JSON as the outputs come.
+
+A request of P prompts and `n` choices per prompt runs P * n engine requests; choice index
+i * n + j is prompt i's j-th sample (vLLM's numbering). With a `seed`, sample j of a prompt uses
+seed + j, so the choices differ from each other and the request is reproducible. `echo`
+(completions) puts the prompt's text (the string sent, or the decoding of the token ids sent)
+before the completion, and with `logprobs` the prompt's tokens before the completion's in the
+logprobs object (`openai_logprobs`). When streaming, the echo comes with the choice's first chunk,
+and each chunk carries the log-probabilities of the tokens its step produced (whose text may come
+in a later chunk, when the stop-string check holds it back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tessera.infer.api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
+from tessera.infer.api.openai_protocol import choice
+from tessera.infer.engine.sequence import RequestOutput
+from tessera.infer.sampling.params import SamplingParams
+
+
+def child_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The sampling parameters of a prompt's j-th choice: its own seed when the request has one."""
+    if j == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j) % 2**63)
+
+
+class Choices:
+    """The JSON of each choice of one request; `prompts`: each prompt's token ids, `echoes` its
+    text to echo (None: no echo)."""
+
+    def __init__(self, chat: bool, params: SamplingParams, n: int, prompts: list[list[int]],
+                 echoes: list[str] | None, texts: TokenTexts):
+        self.chat, self.params, self.n, self.prompts, self.echoes, self.texts = chat, params, n, prompts, echoes, texts
+        self.offsets: dict[int, int] = {}  # streamed completions: where the next token's text starts
+        self.started: set[int] = set()
+
+    def _echo(self, index: int, out: RequestOutput) -> tuple[str, list]:
+        """The echoed text and logprobs entries of choice `index` (nothing without echo)."""
+        if self.echoes is None:
+            return "", []
+        prompt = self.prompts[index // self.n]
+        entries = []
+        if out.prompt_logprobs is not None:
+            entries = [(prompt[0], None)] + [(lp.token_id, lp) for lp in out.prompt_logprobs]
+        return self.echoes[index // self.n], entries
+
+    def _logprobs(self, index: int, echoed: list, new: list, offset: int) -> dict | None:
+        if self.params.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.texts, new)
+        return completion_logprobs(self.texts, echoed + [(lp.token_id, lp) for lp in new], offset)
+
+    def final(self, index: int, out: RequestOutput) -> dict:
+        """A finished choice of a response that is not streamed."""
+        echo_text, echoed = self._echo(index, out)
+        logprobs = self._logprobs(index, echoed, out.logprobs or [], 0)
+        return choice(index, echo_text + out.text, out.finish_reason, self.chat, stream=False, logprobs=logprobs)
+
+    def chunk(self, index: int, out: RequestOutput) -> dict | None:
+        """The streamed chunk of one output of choice `index` (None when it brings nothing)."""
+        first = index not in self.started
+        self.started.add(index)
+        echo_text, echoed = self._echo(index, out) if first else ("", [])
+        new = (out.logprobs or [])[len(out.logprobs or []) - len(out.new_token_ids):] if out.logprobs else []
+        if not (out.delta or out.finished or echo_text or new):
+            return None
+        logprobs = self._logprobs(index, echoed, new, self.offsets.get(index, 0))
+        if logprobs is not None and not self.chat:
+            self.offsets[index] = text_length(logprobs) or self.offsets.get(index, 0)
+        return choice(index, echo_text + out.delta, out.finish_reason, self.chat, True, logprobs=logprobs)

@@ -1,0 +1,157 @@
+"""`tessera router`: prefill/decode disaggregation in front of two `tessera serve` instances.
+
+For each POST /v1/completions or /v1/chat/completions the router
+1. asks the prefill instance (`--kv-role prefill`) to compute the prompt (POST /v1/kv/prefill) and
+   receives the KV blocks of its full prefix blocks;
+2. hands them to the decode instance (`--kv-role decode`, POST /v1/kv/import), into its host tier;
+3. sends the request itself to the decode instance, which finds the prompt's prefix there, computes
+   the rest and answers; the answer (streamed or not) is passed back unchanged.
+Steps 1-2 are an optimisation: if the prefill instance is down, slow past `prefill_timeout`, or
+answers an error, or the import fails, the decode instance computes the prompt itself (counted in
+`tessera_router_prefill_fallbacks_total`). A request whose body is not JSON goes straight to the
+decode instance, which says what is wrong with it. GET /v1/models and /health are the decode
+instance's; /metrics is the router's own.
+
+The client's Authorization header is passed on to both instances: give the three processes the same
+`--api-key`. The router has the server's guards (Host allow-list, body limit, API key).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from tessera.config.errors import ConfigError
+from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+
+log = logging.getLogger("tessera.router")
+
+
+@dataclass
+class RouterCounters:
+    requests: int = 0
+    prefilled: int = 0  # requests whose blocks reached the decode instance
+    fallbacks: int = 0  # requests the decode instance computed alone
+
+    def prometheus(self) -> str:
+        rows = {"router_requests_total": (self.requests, "Generation requests routed."),
+                "router_prefilled_total": (self.prefilled, "Requests whose prompt the prefill instance computed."),
+                "router_prefill_fallbacks_total": (self.fallbacks,
+                                                   "Requests the decode instance computed alone (prefill failed).")}
+        lines = []
+        for name, (value, doc) in rows.items():
+            lines += [f"# HELP tessera_{name} {doc}", f"# TYPE tessera_{name} counter", f"tessera_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def _upstream(url: str, option: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{option} {url!r} is invalid: an http:// or https:// URL of a `tessera serve` instance")
+    return url.rstrip("/")
+
+
+def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30.0, api_key: str | None = None,
+                  allowed_hosts: frozenset[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                  answer_timeout: float = 600.0) -> FastAPI:
+    check_api_key(api_key)
+    if not prefill_timeout > 0:
+        raise ConfigError(f"--prefill-timeout {prefill_timeout} is invalid: must be > 0 seconds")
+    routes = _Routes(_upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode"), prefill_timeout,
+                     answer_timeout)
+    app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+
+    async def completions(request: Request) -> Response:
+        return await routes.generate(request, "completions", "/v1/completions")
+
+    async def chat(request: Request) -> Response:
+        return await routes.generate(request, "chat", "/v1/chat/completions")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", routes.passthrough, methods=["GET"])
+    app.add_api_route("/health", routes.passthrough, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    app.router.add_event_handler("shutdown", routes.client.aclose)
+    app.state.counters = routes.counters
+    return app
+
+
+def _auth(request: Request) -> dict[str, str]:
+    value = request.headers.get("authorization")
+    return {"authorization": value} if value else {}
+
+
+def _unreachable(e: Exception, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"decode instance unreachable: {type(e).__name__}",
+                                   "type": "server_error", "code": status}}, status_code=status)
+
+
+class _Routes:
+    def __init__(self, prefill: str, decode: str, prefill_timeout: float, answer_timeout: float):
+        self.prefill, self.decode, self.prefill_timeout = prefill, decode, prefill_timeout
+        self.counters = RouterCounters()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(answer_timeout, connect=prefill_timeout))
+
+    async def prefill_first(self, endpoint: str, raw: bytes, headers: dict[str, str]) -> bool:
+        """Steps 1-2; False when the decode instance has to compute the prompt itself."""
+        try:
+            inner = json.loads(raw)
+        except ValueError:
+            return False
+        if not isinstance(inner, dict):
+            return False
+        try:
+            r = await self.client.post(f"{self.prefill}/v1/kv/prefill", json={"endpoint": endpoint, "request": inner},
+                                       headers=headers, timeout=self.prefill_timeout)
+            if r.status_code != 200:
+                log.warning("prefill instance answered %d: %s", r.status_code, r.text[:200])
+                return False
+            r = await self.client.post(f"{self.decode}/v1/kv/import", content=r.content, timeout=self.prefill_timeout,
+                                       headers={**headers, "content-type": "application/octet-stream"})
+            if r.status_code != 200:
+                log.warning("decode instance refused the blocks (%d): %s", r.status_code, r.text[:200])
+                return False
+        except httpx.HTTPError as e:
+            log.warning("prefill/transfer failed (%s: %s); the decode instance computes the prompt",
+                        type(e).__name__, e)
+            return False
+        return True
+
+    async def generate(self, request: Request, endpoint: str, path: str) -> Response:
+        raw, headers = await request.body(), _auth(request)
+        self.counters.requests += 1
+        if await self.prefill_first(endpoint, raw, headers):
+            self.counters.prefilled += 1
+        else:
+            self.counters.fallbacks += 1
+        upstream = self.client.build_request("POST", f"{self.decode}{path}", content=raw,
+                                             headers={**headers, "content-type": "application/json"})
+        try:
+            answer = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            return _unreachable(e, 502)
+        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
+                                 media_type=answer.headers.get("content-type"),
+                                 background=BackgroundTask(answer.aclose))
+
+    async def passthrough(self, request: Request) -> Response:
+        try:
+            r = await self.client.get(f"{self.decode}{request.url.path}", headers=_auth(request),
+                                      timeout=self.prefill_timeout)
+        except httpx.HTTPError as e:
+            return _unreachable(e, 503)
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def metrics(self, _request: Request) -> Response:
+        return PlainTextResponse(self.counters.prometheus(), media_type="text/plain; version=0.0.4")

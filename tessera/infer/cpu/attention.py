@@ -1,0 +1,112 @@
+"""Attention over the paged KV cache read in place, on CPU: a small C++ kernel built at first use.
+
+Every row of a CPU serving step (decodes, speculative tokens to verify, prompt chunks) attends over
+its own context (`ragged_attention.py`). Done with PyTorch ops, that is a gather of every row's
+blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the copy
+moves as many bytes per step as the model's weights, and the per-row calls cost more in dispatch
+than in arithmetic; a prompt chunk after earlier context needs an explicit mask, with which
+PyTorch's CPU flash attention computes the whole square of scores (measured in docs/benchmarks.md).
+The kernel in `csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the
+cache, in one call per layer: a short row once per (row, KV head) for all the queries of that head
+group (vLLM's CPU backend has a kernel of the same kind), a long one per (row, head) in tiles of
+queries over blocks of keys with an online softmax, skipping the keys no query of a tile sees.
+
+It is compiled with `torch.utils.cpp_extension` the first time a CPU server needs it (tens of seconds,
+cached in `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) for this CPU's vector
+extensions (AVX2 or AVX-512, read from `torch.backends.cpu.get_cpu_capability()`). Where it cannot be
+built (no C++ compiler, no ninja) the server logs why once and attends with the PyTorch ops, which
+compute the same thing; `TESSERA_CPU_ATTENTION=torch` chooses them outright. Both are tested against
+each other and against keys read slot by slot (tests/infer/test_ragged_attention.py).
+Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
+
+The same library (`torch.ops.tessera_cpu`) holds the one-pass layer kernels (infer/cpu/layer_ops.py) and
+the panel kernel for projections (infer/cpu/linear.py); `library_available()` says whether it can serve
+them, and the same switch turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.infer.scheduling.kv_cache import PagedKVCache
+
+log = logging.getLogger("tessera.infer")
+
+CSRC = Path(__file__).with_name("csrc")
+# one library, torch.ops.tessera_cpu (its ops registered in library.cpp): the attention, the layer ops
+# (infer/cpu/layer_ops.py), the projections (infer/cpu/linear.py)
+SOURCES = [CSRC / "library.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
+ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
+
+
+def _vector_flags() -> tuple[str, list[str]]:
+    """The kernel's name suffix and compiler flags for this CPU's vector extensions (the build is
+    cached per name, so a cache directory shared by different CPUs keeps one build for each)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if capability.startswith("AVX512"):
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+    if capability == "AVX2":
+        return "avx2", ["-mavx2", "-mfma"]
+    return "generic", []
+
+
+def _find_ninja() -> None:
+    """PyTorch's builder runs `ninja` from PATH; the PyPI package (a dependency) puts its binary in the
+    environment's bin folder, which is not on PATH when the environment was not activated (`make test`
+    runs .venv/bin/python). Appended, so a ninja already on PATH is still the one used."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = path + os.pathsep + ninja.BIN_DIR if path else ninja.BIN_DIR
+
+
+@functools.cache
+def kernel():
+    """The compiled op (`torch.ops.tessera_cpu.paged_attention`; its library holds the other CPU
+    kernels too), or None where it cannot be had (the reason is logged once)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        _find_ninja()
+        suffix, flags = _vector_flags()
+        # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
+        load(name=f"tessera_cpu_attention_{suffix}", sources=[str(s) for s in SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", f"-DTESSERA_HEADERS_{headers}", *flags], extra_ldflags=["-fopenmp"],
+             extra_include_paths=[str(CSRC)], verbose=False)
+        return torch.ops.tessera_cpu.paged_attention
+    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch ops serve instead
+        log.warning("the CPU kernels could not be built (%s: %s); attending and normalizing with PyTorch ops, "
+                    "multiplying with oneDNN's linear",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def library_available() -> bool:
+    """Whether the library's kernels can be had here: it builds, and `TESSERA_CPU_ATTENTION=torch` is
+    not set (read when a model is loaded: the layer and panel kernels are installed then)."""
+    return os.environ.get(ENV, "").lower() != "torch" and kernel() is not None
+
+
+def serves(kv: PagedKVCache) -> bool:
+    """Whether the kernel serves every row of a step over cache `kv` (queries in the cache's dtype):
+    a full-precision cache on CPU, a kernel that builds, no `TESSERA_CPU_ATTENTION=torch`."""
+    return not kv.int8 and bool(kv.k) and usable(kv.k[0], kv.k[0])
+
+
+def usable(kv_store: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the kernel serves a layer whose cache tensor is `kv_store` for queries `q` (read at
+    every call, so `TESSERA_CPU_ATTENTION=torch` set in a running process takes effect at once)."""
+    if os.environ.get(ENV, "").lower() == "torch":
+        return False
+    return (kv_store.device.type == "cpu" and kv_store.dtype == q.dtype
+            and kv_store.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernel() is not None)

@@ -1,0 +1,26 @@
+// The tessera_cpu library (torch.ops.tessera_cpu, built by tessera/infer/cpu/attention.py): every op's
+// schema and its CPU kernel (kernels.h), in one place.
+#include <torch/library.h>
+
+#include "kernels.h"
+
+TORCH_LIBRARY(tessera_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor blocks, "
+        "int block_size, float scale, int window) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
+  m.def("panel_swiglu(Tensor x, Tensor panels, int F) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
+  m.impl("paged_attention", &tessera_cpu::paged_attention);
+  m.impl("rms_norm", &tessera_cpu::rms_norm);
+  m.impl("rope_", &tessera_cpu::rope_);
+  m.impl("silu_mul", &tessera_cpu::silu_mul);
+  m.impl("pack_panels", &tessera_cpu::pack_panels);
+  m.impl("panel_linear", &tessera_cpu::panel_linear);
+  m.impl("panel_swiglu", &tessera_cpu::panel_swiglu);
+}

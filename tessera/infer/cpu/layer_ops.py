@@ -1,0 +1,77 @@
+"""The elementwise work of a served fp32 model on CPU, one kernel call each instead of a chain of ops.
+
+RMSNorm (x.float(), pow, mean, add, rsqrt, two products, casts), the rotary embedding of q and k
+(per tensor: two unsqueezes, chunk, negation, cat, two products, a sum) and SwiGLU's activation
+(silu, then a product) are each five to ten PyTorch ops, every one a dispatch and a pass over its
+rows. In a decode step of a few rows the rows are short and the dispatches are what costs: about
+two thousand op calls per step for a 12-layer model. `csrc/layer_ops_cpu.cpp` does each in one pass
+over the rows, in the same library as the paged-attention kernel (infer/cpu/attention.py builds both).
+
+`fuse_layer_ops(model)` installs them at the models' seams (`RMSNorm.fused`, `Attention.fused_rope`,
+`FeedForward.fused_act`, and `FeedForward.fused_swiglu` where the gate and up product runs on the
+panel kernel: the activation in that product's epilogue, infer/cpu/linear.py), which use them only
+without autograd (a served model), so the same modules still train. The engine calls it for a
+model it owns, on CPU in fp32 with its projections packed (infer/cpu/linear.py), when the library builds;
+`TESSERA_CPU_ATTENTION=torch` turns the kernels off as it does the attention kernel's. The values
+are those of the PyTorch ops up to the order of fp32 sums (tests/infer/test_cpu_layer_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.infer.cpu import attention as cpu_attention
+
+
+@torch.no_grad()
+def fuse_layer_ops(model: nn.Module) -> int:
+    """Install the one-pass kernels at every seam of `model`, a model computing in fp32 on CPU (its
+    projections may hold int8 weights; a module with floating-point weights of another dtype or
+    device is left alone); returns how many seams took one (0 where the library is not available)."""
+    from tessera.infer.cpu.linear import FusedLinear
+    from tessera.models.attention import Attention
+    from tessera.models.mlp import FeedForward
+    from tessera.models.norm import RMSNorm
+
+    if not cpu_attention.library_available():
+        return 0
+    ops = torch.ops.tessera_cpu
+    n = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and _fp32_cpu(module.weight):
+            module.fused = ops.rms_norm
+        elif type(module) is Attention and _fp32_cpu(getattr(module.wq, "weight", None)):
+            module.fused_rope = ops.rope_
+        elif isinstance(module, FeedForward) and _fp32_cpu(getattr(module.w1, "weight", None)):
+            module.fused_act = ops.silu_mul
+            fused = module.fused_gate_up
+            if isinstance(fused, FusedLinear) and fused.has_swiglu:  # the activation in the product's epilogue
+                module.fused_swiglu = fused.swiglu
+        else:
+            continue
+        n += 1
+    return n
+
+
+def unfuse_layer_ops(model: nn.Module) -> None:
+    """Take the kernels out again: every seam back to the PyTorch ops (benchmarks alternate the two)."""
+    from tessera.models.attention import Attention
+    from tessera.models.mlp import FeedForward
+    from tessera.models.norm import RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = None
+        elif isinstance(module, Attention):
+            module.fused_rope = None
+        elif isinstance(module, FeedForward):
+            module.fused_act = None
+            module.fused_swiglu = None
+
+
+def _fp32_cpu(weight: torch.Tensor | None) -> bool:
+    """A weight on CPU, fp32 or integer (quantized, computing in fp32); None: a module holding its
+    weight elsewhere (quantized types), taken to compute as the model does."""
+    return weight is None or (weight.device.type == "cpu"
+                              and (weight.dtype == torch.float32 or not weight.is_floating_point()))

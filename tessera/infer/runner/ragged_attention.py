@@ -1,0 +1,100 @@
+"""Attention of each row over exactly its own context, one sequence at a time (on CPU).
+
+The padded paths (`bucketed_decode.BlockTableAttention`, the short-query group of
+`paged_attention.PagedAttentionBatch`) gather every row's blocks into [N, L_max] keys and values
+and mask the padding: the right shape for a CUDA graph or one kernel launch per layer, but on a CPU
+it copies and attends over the longest context N times. With contexts of 32-640 tokens that is
+about twice the bytes a step needs, and the fresh tensors of each layer's gather cost more again
+(an allocator that returns large blocks to the kernel pays page faults on every reuse).
+
+Here, on CPU: a full-precision cache is read in place by a C++ kernel, one call per layer
+(`infer/cpu/attention.py`), for the short queries and, when the kernel serves the step, its prompt chunks
+too. Without it (an int8 cache, or where the kernel cannot be built) the blocks of
+every row's context are gathered once per layer with one `index_select` into a buffer kept by the
+cache (`PagedKVCache.gather_flat`), back to back; each row then runs SDPA over its own slice of it,
+starting at the first key its window lets any of its queries see. A one-token query needs no mask;
+a longer one (speculative tokens to verify, a short prompt chunk) gets a causal bias over its slice,
+built on the host once per row and window.
+Everything is computed from host lists when the step is built: no op reads device data back.
+Shapes: T packed query tokens, H query heads, G stored heads, D head dim, S a row's queries,
+L a row's context (the positions before its queries plus the queries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tessera.infer.cpu import attention as cpu_attention
+from tessera.infer.scheduling.kv_cache import PagedKVCache
+
+
+@dataclass
+class RaggedRow:
+    """One row: queries packed at rows [q_row, q_row + S) of the step, context keys at
+    [key_at, key_at + L) of the gathered buffer (key_at + i is position i)."""
+
+    q_row: int
+    S: int
+    L: int
+    key_at: int
+    biases: dict = field(default_factory=dict)
+
+    def first_key(self, window: int | None) -> int:
+        """The first position any of the row's queries may see (0 without a window)."""
+        return 0 if window is None else max(0, self.L - self.S - window + 1)
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """[1, 1, S, L - first_key] additive causal (and window) bias; None for one query."""
+        if self.S == 1:
+            return None
+        if window not in self.biases:
+            lo = self.first_key(window)
+            q_pos = torch.arange(self.L - self.S, self.L)[:, None]
+            diff = q_pos - torch.arange(lo, self.L)[None, :]
+            allowed = diff >= 0
+            if window is not None:
+                allowed &= diff < window
+            bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            self.biases[window] = bias[None, None]
+        return self.biases[window]
+
+
+class RaggedContexts:
+    """The rows of one step and the blocks of their contexts, in order (see the module docstring)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.rows: list[RaggedRow] = []
+        self.blocks: list[int] = []
+
+    def add(self, q_row: int, S: int, L: int, block_table: list[int]) -> None:
+        n = -(-L // self.block_size)
+        self.rows.append(RaggedRow(q_row, S, L, len(self.blocks) * self.block_size))
+        self.blocks.extend(block_table[:n])
+
+    def freeze(self, device: torch.device) -> None:
+        self.block_index = torch.tensor(self.blocks, dtype=torch.long, device=device)
+        # the kernel's view of the rows: (q_row, S, L, first block in block_index) each
+        self.rows_R4 = torch.tensor([(r.q_row, r.S, r.L, r.key_at // self.block_size) for r in self.rows],
+                                    dtype=torch.long, device=device).reshape(-1, 4)
+
+    def attend(self, kv: PagedKVCache, layer_id: int, q_THD: torch.Tensor, out_THD: torch.Tensor,
+               scale: float, window: int | None) -> None:
+        """Write each row's attention output into out_THD at its query rows."""
+        if not kv.int8 and q_THD.stride(-1) == 1 and cpu_attention.usable(kv.k[layer_id], q_THD):
+            cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
+                                   self.block_size, scale, window or 0)
+            return
+        k_flat, v_flat = kv.gather_flat(layer_id, self.block_index, q_THD.dtype)  # [slots, G, D]
+        gqa = q_THD.shape[1] != k_flat.shape[1]
+        for r in self.rows:
+            lo = r.first_key(window)
+            k = k_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
+            v = v_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
+            q = q_THD[r.q_row:r.q_row + r.S].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=r.bias(window, q.dtype), scale=scale,
+                                               enable_gqa=gqa)
+            out_THD[r.q_row:r.q_row + r.S] = o[0].transpose(0, 1)

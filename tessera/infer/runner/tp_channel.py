@@ -1,0 +1,117 @@
+"""How the ranks of tensor-parallel serving run a step together: the control messages of rank 0
+(the driver) and the loop of the other ranks.
+
+Rank 0 owns the scheduler, the block manager and sampling. Every step it broadcasts the step's
+inputs to the other ranks over a CPU (gloo) control group, all ranks run the same
+`PagedModel.forward_split` (so they take the same packed / bucketed paths and join the same
+collectives), and the logits rows that are sampled from are gathered to rank 0 (each rank holds V/N
+columns of them). Scoring runs `PagedModel.forward` instead (every item packed) and gathers every
+row. The control message is one int64 header [kind, length] and one int64 payload:
+
+    STEP:   [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, tokens..., table...)*]
+    PACKED: the same items, run by `PagedModel.forward`
+    CLEAR:  [block ids...]      (KV blocks a request failing on inf/NaN leaves; `Scheduler.update_from_output`)
+    STOP:   []
+
+Rank 0's side is `tp_executor.TensorParallelModel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tessera.config.errors import ParallelError
+from tessera.infer.runner.paged_model import BatchItem, PagedModel, packed_offsets
+
+STEP, CLEAR, STOP, PACKED = 1, 2, 3, 4
+
+
+def pack_items(items: list[BatchItem]) -> list[int]:
+    out = [len(items)]
+    for it in items:
+        out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from]
+        out += it.tokens
+        out += it.block_table
+    return out
+
+
+def _unpack_items(flat: list[int]) -> list[BatchItem]:
+    items, at = [], 1
+    for _ in range(flat[0]):
+        n, start, nt, slot, logits_from = flat[at:at + 5]
+        at += 5
+        tokens = flat[at:at + n]
+        table = flat[at + n:at + n + nt]
+        at += n + nt
+        items.append(BatchItem(tokens, start, table, slot, logits_from))
+    return items
+
+
+def logit_rows(items: list[BatchItem], offsets: list[int]) -> list[int]:
+    """Rows of the step's logits that the driver reads: each item's from `logits_from` on."""
+    return [o + r for it, o in zip(items, offsets) for r in range(it.logits_from, len(it.tokens))]
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+class StepChannel:
+    """The control plane: rank 0 sends (kind, payload) messages, the other ranks receive them."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def send(self, kind: int, payload: list[int]) -> None:
+        dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.long), 0, group=self.group)
+        if payload:
+            dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+
+    def receive(self) -> tuple[int, list[int]]:
+        header = torch.empty(2, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.group)
+        kind, n = header.tolist()
+        if not n:
+            return kind, []
+        payload = torch.empty(n, dtype=torch.long)
+        dist.broadcast(payload, 0, group=self.group)
+        return kind, payload.tolist()
+
+
+def run_step(paged: PagedModel, kind: int, items: list[BatchItem], vocab_size: int
+             ) -> tuple[torch.Tensor | None, list[int]]:
+    """One STEP or PACKED message on any rank: the same forward on every rank, then the rows the
+    driver reads gathered to rank 0 ([T, V] there with those rows filled, None elsewhere)."""
+    if kind == STEP:
+        logits, offsets = paged.forward_split(items)
+    else:
+        logits, offsets = paged.forward(items), packed_offsets(items)
+    local_TV = _local(logits)
+    rows = logit_rows(items, offsets)
+    index = torch.tensor(rows, dtype=torch.long, device=local_TV.device)
+    mine_RV = local_TV.index_select(0, index).contiguous()
+    world = dist.get_world_size()
+    if dist.get_rank() != 0:
+        dist.gather(mine_RV, None, dst=0)
+        return None, offsets
+    parts = [torch.empty_like(mine_RV) for _ in range(world)]
+    dist.gather(mine_RV, parts, dst=0)
+    full_TV = local_TV.new_empty(local_TV.shape[0], vocab_size)
+    full_TV[index] = torch.cat(parts, dim=-1)
+    return full_TV, offsets
+
+
+def serve_worker_steps(paged: PagedModel, channel: StepChannel, vocab_size: int) -> None:
+    """A worker rank's loop: mirror every message of the driver until STOP."""
+    while True:
+        kind, payload = channel.receive()
+        if kind == STOP:
+            return
+        if kind == CLEAR:
+            paged.clear_blocks(payload)
+        elif kind in (STEP, PACKED):
+            run_step(paged, kind, _unpack_items(payload), vocab_size)
+        else:
+            raise ParallelError(f"unknown control message kind {kind} from the driver")

@@ -1,0 +1,158 @@
+"""Paged KV-cache bookkeeping (Kwon et al. 2023, "Efficient Memory Management for Large Language
+Model Serving with PagedAttention"): fixed-size blocks, a block table per sequence, reference
+counts so that sequences can share the blocks of a common prefix.
+
+A block is free (in `free`), referenced (ref > 0), or unreferenced but still named in the prefix
+cache (reusable until evicted). Allocation takes free blocks first, then evicts the least
+recently used named block. Blocks shared through the prefix cache are full and never written
+again: a sequence only writes at positions >= its `num_computed`, which lie past them.
+
+With KV tiers (`kv_tiers.py`) an evicted named block is handed to the tier planner first, to be
+kept in host memory or on disk, and a prefix lookup goes on below the device where the device's
+chain ends (`find_below`); blocks found there get fresh device blocks filled before the forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tessera.infer.engine.sequence import Sequence
+from tessera.infer.scheduling.kv_tier_planner import KVTierPlanner
+from tessera.infer.scheduling.prefix_cache import PrefixCache, block_hash, hash_chain
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KVTierPlanner | None = None):
+        self.num_blocks = num_blocks
+        self.tiers = tiers if enable_prefix_caching else None
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.cache = PrefixCache() if enable_prefix_caching else None
+
+    # ---- counting --------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get now: free ones and unreferenced cached ones."""
+        return len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.cache.pinned) if self.cache is not None else 0
+
+    # ---- single blocks ---------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        else:
+            evicted = self.cache.evict() if self.cache is not None else None
+            if evicted is None:
+                raise RuntimeError("KV cache out of blocks (the scheduler should have checked)")
+            block = evicted[0]
+            if self.tiers is not None:
+                self.tiers.evicted(*evicted)
+        self.ref[block] = 1
+        return block
+
+    def _acquire(self, block: int) -> None:
+        if self.ref[block] == 0 and self.cache is not None:
+            self.cache.unpark(block)
+        self.ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if self.cache is not None and self.cache.is_named(block):
+                self.cache.park(block)
+            else:
+                self.free.append(block)
+
+    # ---- sequences -------------------------------------------------------------------------
+    def find_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Cached blocks that hold the start of `seq` and their hashes. At least one token is
+        left to compute, since the last prompt position must run to give the next token."""
+        if self.cache is None or seq.block_table:
+            return [], []
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        hashes = hash_chain(seq.cache_token_ids, self.block_size, seq.adapter_key, limit=limit)
+        return self.cache.lookup(hashes), hashes
+
+    def find_below(self, hashes: list[bytes], num_device: int) -> list:
+        """Hits below the device (`KVTierPlanner.find`) for the blocks after the `num_device` found
+        on it."""
+        if self.tiers is None or num_device >= len(hashes):
+            return []
+        return self.tiers.find(hashes[num_device:])
+
+    def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
+        """Whether `num_blocks` new blocks fit while the cached blocks `reusing` get referenced."""
+        parked = sum(1 for b in reusing if self.ref[b] == 0) if self.cache is not None else 0
+        return num_blocks <= self.num_free_blocks - parked
+
+    def adopt_prefix(self, seq: Sequence, blocks: list[int], hashes: list[bytes], below: list = ()) -> None:
+        """Give `seq` the cached prefix `blocks`, then fresh blocks for the hits `below` the device
+        (filled from their tier before the step's forward, and named): their tokens count as computed."""
+        for b in blocks:
+            self._acquire(b)
+        seq.block_table = list(blocks)
+        for hit, h in zip(below, hashes[len(blocks):]):
+            block = self._take()
+            self.tiers.bring_back(hit, block)
+            self.cache.register(block, h)
+            seq.block_table.append(block)
+        found = len(seq.block_table)
+        seq.block_hashes = list(hashes[:found])
+        seq.num_computed = found * self.block_size
+        if self.cache is not None:
+            self.cache.record_query(len(hashes) * self.block_size, found * self.block_size)
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take() for _ in range(need))
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Name every full block of `seq` whose tokens are all computed and final."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        bs, ids = self.block_size, seq.cache_token_ids
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = block_hash(parent, ids[i * bs:(i + 1) * bs], seq.adapter_key)
+            seq.block_hashes.append(h)
+            self.cache.register(seq.block_table[i], h)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop `seq`'s references, last block first, so that a prompt's tail is evicted before
+        its head (the head is the part other prompts are likeliest to share)."""
+        if self.tiers is not None:  # written to disk (if there is one) while still named
+            for b, h in zip(seq.block_table, seq.block_hashes):
+                if self.cache.hash_of.get(b) == h:
+                    self.tiers.persist(b, h)
+        for b in reversed(seq.block_table):
+            self._release(b)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def pin_sequence(self, seq: Sequence) -> int:
+        """Keep the named full blocks of `seq` cached for good; returns how many were pinned."""
+        if self.cache is None:
+            return 0
+        pinned = 0
+        for b in seq.block_table[:len(seq.block_hashes)]:
+            if self.cache.is_named(b) and b not in self.cache.pinned:
+                self._acquire(b)
+                self.cache.pinned.add(b)
+                pinned += 1
+        return pinned

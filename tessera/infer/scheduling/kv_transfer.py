@@ -1,0 +1,97 @@
+"""KV blocks moved between engine instances: prefill/decode disaggregation.
+
+A prefill instance (`tessera serve --kv-role prefill`) computes a prompt and hands back the KV
+blocks of its full prefix blocks as one message (`export_prefix`); a decode instance (`--kv-role
+decode`) takes such a message into its host tier (`import_prefix`), where the request that follows
+finds them as a prefix hit and computes only the rest. `tessera router` (`router.py`) drives the
+pair over HTTP.
+
+The message: MAGIC, a 4-byte header length, a JSON header (model identity, block size, the prompt's
+token ids, each block record's length), then the records, each `kv_tier_store.encode_block`'s (its own
+identity, prefix hash, layout and checksum). The receiver recomputes the prefix hashes from the
+token ids and its own block size, and keeps blocks in order while every check holds: the first
+block that fails ends the import, so later blocks never attach to a wrong prefix. Nothing is
+deserialized as code.
+
+Both ends go through the engine's `kv_exchange` (kv_exchange.py): its cache's identity and layout,
+the device blocks of a hash chain, room in its host tier, the transfer counters.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tessera.infer.scheduling.kv_tier_store import MAX_HEADER, decode_block, encode_block
+from tessera.infer.scheduling.prefix_cache import hash_chain
+
+MAGIC = b"TSRAKVX1"
+
+
+class TransferError(ValueError):
+    """A message that is not a well-formed transfer for this model."""
+
+
+def transfer_limit(engine) -> int:
+    """The largest message one sequence's blocks make: its records (data and a header each) and the
+    message header with its token ids."""
+    x = engine.kv_exchange
+    return x.blocks_per_seq * (x.block_bytes + 2048) + x.max_model_len * 12 + 4096
+
+
+def _full_hashes(block_size: int, prompt_ids: list[int]) -> list[bytes]:
+    return hash_chain(prompt_ids, block_size, limit=(len(prompt_ids) - 1) // block_size)
+
+
+def export_prefix(engine, prompt_ids: list[int]) -> bytes:
+    """The message carrying the blocks of `prompt_ids`' full prefix blocks that `engine`'s device
+    cache holds (in the engine thread, after the prompt ran)."""
+    x = engine.kv_exchange
+    identity, layout = x.identity, x.layout
+    hashes = _full_hashes(x.block_size, prompt_ids)
+    records = [encode_block(identity, layout, h, contents) for h, contents in zip(hashes, x.device_blocks(hashes))]
+    x.metrics.transfer_out_blocks += len(records)
+    header = json.dumps({"identity": identity, "block_size": x.block_size,
+                         "tokens": [int(t) for t in prompt_ids], "records": [len(r) for r in records]}).encode()
+    return MAGIC + len(header).to_bytes(4, "little") + header + b"".join(records)
+
+
+def _header(data: bytes) -> tuple[dict, int]:
+    if data[:len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 4:
+        raise TransferError("not a KV transfer message")
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+    start = len(MAGIC) + 4 + n
+    if n > MAX_HEADER + 32 * 2**20 or start > len(data):
+        raise TransferError("KV transfer header is truncated or too large")
+    try:
+        header = json.loads(data[len(MAGIC) + 4:start])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TransferError("KV transfer header is not JSON") from e
+    records = header.get("records") if isinstance(header, dict) else None
+    tokens = header.get("tokens") if isinstance(header, dict) else None
+    if (not isinstance(records, list) or not all(isinstance(r, int) and r > 0 for r in records)
+            or not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens)):
+        raise TransferError("KV transfer header needs 'records' (positive lengths) and 'tokens' (token ids)")
+    return header, start
+
+
+def import_prefix(engine, data: bytes) -> int:
+    """Put the blocks of a message into `engine`'s host tier (in the engine thread); how many were
+    kept. TransferError when the message is malformed or made for another model or block size."""
+    header, offset = _header(data)
+    x = engine.kv_exchange
+    identity, layout = x.identity, x.layout
+    if header.get("identity") != identity or header.get("block_size") != x.block_size:
+        raise TransferError("the KV blocks were computed by another model, cache layout or block size")
+    hashes = _full_hashes(x.block_size, header["tokens"])
+    kept = 0
+    for h, length in zip(hashes, header["records"]):
+        contents = decode_block(data[offset:offset + length], identity, layout, h)
+        offset += length
+        if contents is None:
+            x.metrics.transfer_rejected_blocks += 1
+            break
+        if not x.take_into_host(h, contents):  # every slot is in use by the plan being built
+            break
+        kept += 1
+    x.metrics.transfer_in_blocks += kept
+    return kept
