@@ -49,7 +49,7 @@ from tessera.hf import config_to_hf  # noqa: E402
 from tessera.models.counting import count_params  # noqa: E402
 from tessera.models.flops import flops_per_token  # noqa: E402
 from tessera.train.data_source import build_training_data  # noqa: E402
-from tessera.train.throughput import peak_flops_for_device  # noqa: E402
+from tessera.train.run.throughput import peak_flops_for_device  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
 
 SHAPE = {"model.dim": 2048, "model.n_heads": 16, "model.n_kv_heads": 8, "model.vocab_size": 4096,

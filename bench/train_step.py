@@ -11,7 +11,7 @@ Both run in fp32 on the CPU in the same process, alternating step by step so tha
 load affects both alike. Prints one JSON object: tokens/s of each and the ratio Tessera / HF.
 
 Parallel layouts: for each config, the same trainer also runs on two forked gloo ranks
-(tessera.parallel.testing.run_ranks, one intra-op thread per rank) under each layout of
+(tests.forked_ranks.run_ranks, one intra-op thread per rank) under each layout of
 `--layouts` (fsdp2, replicate2, tp2, tp2-sp, pp2-1f1b, and ep2-fsdp2 for MoE configs); the JSON
 gets, per layout, the median step time and tokens/s of the whole global batch. They run first,
 before this process computes anything, so that the forked ranks start from a process whose
@@ -40,9 +40,9 @@ import torch.distributed as dist  # noqa: E402
 from tessera.config.schema import load_config  # noqa: E402
 from tessera.hf import save_pretrained  # noqa: E402
 from tessera.models.counting import count_params  # noqa: E402
-from tessera.parallel.testing import run_ranks  # noqa: E402
 from tessera.train.data_source import build_training_data  # noqa: E402
 from tessera.train.trainer import Trainer  # noqa: E402
+from tests.forked_ranks import run_ranks  # noqa: E402
 
 
 class HFLoop:

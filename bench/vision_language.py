@@ -43,7 +43,7 @@ from tessera.checkpoint.hf.llava import save_llava  # noqa: E402
 from tessera.config.model import ModelConfig  # noqa: E402
 from tessera.config.vision import LlavaConfig, VisionConfig  # noqa: E402
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from tessera.models.llava import Llava  # noqa: E402
+from tessera.models.vision.llava import Llava  # noqa: E402
 
 
 def build(args) -> Llava:

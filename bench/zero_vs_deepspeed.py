@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/zero_vs_deepspeed.py [--config configs/tiny-dense.yaml] [--steps 6]
 
 Both sides train the same `tessera.models.Transformer` (built on every rank from the same seed)
-on two forked gloo ranks with one intra-op thread each (tessera.parallel.testing.run_ranks), in
+on two forked gloo ranks with one intra-op thread each (tests.forked_ranks.run_ranks), in
 fp32, on the same random global batches (global_batch_size x seq_len tokens of the config, cut
 into two contiguous row blocks, one per rank, one micro-batch per rank), with the same AdamW
 (`tessera.train.optimizer.build_optimizer`: the config's betas, eps, decay groups; constant
@@ -60,9 +60,9 @@ from tessera.parallel import (  # noqa: E402
     parallelize,
     shard_global_batch,
 )
-from tessera.parallel.testing import run_ranks  # noqa: E402
-from tessera.train.loss import token_loss_sum  # noqa: E402
+from tessera.train.objectives.loss import token_loss_sum  # noqa: E402
 from tessera.train.optimizer import build_optimizer  # noqa: E402
+from tests.forked_ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 INIT_SEED = 0

@@ -12,9 +12,9 @@ from tessera.cli.exit_status import FAILED
 
 def _launched_as_rank() -> bool:
     """Whether a launcher started this process as a rank of a process group (`--nproc N` for any
-    N, torchrun): the rule by which the trainer joins one (tessera.parallel.launch)."""
+    N, torchrun): the rule by which the trainer joins one (tessera.parallel.jobs.launch)."""
     from tessera.config.errors import TesseraError
-    from tessera.parallel.launch import rank_env
+    from tessera.parallel.jobs.launch import rank_env
 
     try:
         return rank_env().distributed

@@ -1,6 +1,6 @@
 """Suite-wide rules that keep the CPU tests CPU-only on machines that have CUDA.
 
-The multi-process tests fork their ranks (tessera.parallel.testing), and a forked child cannot use
+The multi-process tests fork their ranks (tests.forked_ranks), and a forked child cannot use
 CUDA once its parent has initialised it. So:
   - tests marked `gpu` are skipped where CUDA is absent; they start their processes with spawn;
   - every other test must pin `train.device=cpu`: a Trainer that resolves any other device in a
@@ -44,7 +44,7 @@ if _visible_gpus is None:
 else:
     os.environ["CUDA_VISIBLE_DEVICES"] = _visible_gpus
 
-import tessera.train.run_layout as run_layout  # noqa: E402
+import tessera.train.run.layout as run_layout  # noqa: E402
 
 CPU_ONLY = "cpu"
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tessera"
-LAYER = {"config": 1, "models": 2, "parallel": 3, "data": 4, "checkpoint": 5, "train": 6, "quantize": 6, "infer": 7,
-         "plan": 8, "eval": 9, "cli": 10}
+LAYER = {"config": 1, "models": 2, "parallel": 3, "data": 4, "checkpoint": 5, "train": 6, "quantize": 6, "prune": 6,
+         "infer": 7, "plan": 8, "eval": 9, "cli": 10}
 ALIAS = {"hf": "checkpoint", "__main__": "cli"}  # tessera/hf.py re-exports checkpoint/hf/; `python -m tessera`
 ONLY = {"plan": {"config", "models"}}  # the planner is analytic: it may use configs and model counts only
 
@@ -40,10 +40,10 @@ def _imports(path: Path) -> set[str]:
 # The serving and training cores, and the modules (or names) of one vision-language family they must not import.
 FAMILY_FREE = ("infer/engine/llm_engine.py", "infer/api/server.py", "infer/engine/llm.py", "train/builder.py",
                "train/data_source.py")
-VISION_LANGUAGE_FAMILY = ("tessera.models.llava", "tessera.models.qwen_vl", "tessera.models.qwen_vision",
-                          "tessera.config.vision", "tessera.config.qwen_vl", "tessera.checkpoint.hf.llava",
-                          "tessera.checkpoint.hf.qwen_vl", "tessera.data.qwen_image_processor",
-                          "tessera.data.image_processor.ImageProcessor")
+VISION_LANGUAGE_FAMILY = ("tessera.models.vision.llava", "tessera.models.vision.qwen_vl",
+                          "tessera.models.vision.qwen_vision", "tessera.config.vision", "tessera.config.qwen_vl",
+                          "tessera.checkpoint.hf.llava", "tessera.checkpoint.hf.qwen_vl",
+                          "tessera.data.qwen_image_processor", "tessera.data.image_processor.ImageProcessor")
 
 
 def _folder(module: str) -> str:

@@ -41,7 +41,7 @@ from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
 from tessera.data.tokenizer import load_tokenizer
 from tessera.models.transformer import Transformer
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 
 
 class LoadedModel(NamedTuple):

@@ -28,7 +28,7 @@ from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import read_json_object
 from tessera.config.vision_families import read_vision_language_file
 from tessera.data.vision_sft import llava_samples, qwen_vl_samples
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def _settings(args: argparse.Namespace):
 
 def _launch_ranks(args: argparse.Namespace, tasks: list[str]) -> int:
     """`--nproc N`: this command once per rank, without --nproc; rank 0 reports."""
-    from tessera.parallel.launch import launch_local, module_command
+    from tessera.parallel.jobs.launch import launch_local, module_command
 
     if tasks != ["loss"]:
         raise ConfigError(f"--nproc evaluates the loss task only (got --tasks {args.tasks}); serve the other tasks "
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = parse_tasks(args.tasks)
     if args.nproc is not None:
         return _launch_ranks(args, tasks)
-    from tessera.parallel.launch import rank_env, shutdown_distributed
+    from tessera.parallel.jobs.launch import rank_env, shutdown_distributed
 
     settings = _settings(args)
     env = rank_env()

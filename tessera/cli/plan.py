@@ -133,7 +133,7 @@ def teacher_model(path: str | None) -> ModelConfig | None:
     """train.distill.teacher's model shape (its config.json or checkpoint), read only when one is set."""
     if path is None:
         return None
-    from tessera.train.teacher import teacher_model_config
+    from tessera.train.objectives.teacher import teacher_model_config
 
     return teacher_model_config(path)
 

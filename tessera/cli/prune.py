@@ -1,7 +1,7 @@
 """`tessera prune SRC DST [--target-params N] [--layers K] [--ffn-hidden-size F] [--num-heads H]
 [--num-kv-heads G] [--experts E] [--hidden-size D] [--calibration DATA ...]`: a HuggingFace directory pruned to explicit
 sizes or to a parameter target, written as a HuggingFace directory of the same family
-(tessera/checkpoint/prune)."""
+(tessera/prune)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def add_calibration_arguments(p: argparse.ArgumentParser, purpose: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.prune import PruneSizes, prune
+    from tessera.prune import PruneSizes, prune
 
     asked = PruneSizes(layers=args.layers, ffn_dim=args.ffn_hidden_size, n_heads=args.num_heads,
                        n_kv_heads=args.num_kv_heads, num_experts=args.experts, dim=args.hidden_size)

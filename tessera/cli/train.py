@@ -32,8 +32,8 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     """`--nproc N`: check the layout against N ranks, then run this command once per rank (N = 1
     too: the rank runs in a process group of one, as under torchrun --nproc-per-node 1)."""
     from tessera.parallel.dims import ParallelDims
-    from tessera.parallel.launch import launch_local, module_command
-    from tessera.train.run_layout import check_batch_layout
+    from tessera.parallel.jobs.launch import launch_local, module_command
+    from tessera.train.run.layout import check_batch_layout
 
     dims = ParallelDims.from_config(cfg.parallel, args.nproc)
     dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
         return _launch_ranks(args, cfg)
-    from tessera.parallel.job_progress import RankProgress
+    from tessera.parallel.jobs.progress import RankProgress
 
     progress = RankProgress.from_env()  # what the launcher of `--nproc` learns of this rank
     try:
@@ -102,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg, progress):
     """Build the trainer (resuming on `--resume` and in a restarted rank), say what it trains (its
-    mode's start-up lines: tessera.train.modes), train; the result, whether this rank is rank 0, and
+    mode's start-up lines: tessera.train.modes.registry), train; the result, whether this rank is rank 0, and
     what the mode says at the end."""
-    from tessera.parallel.launch import restart_count, shutdown_distributed
+    from tessera.parallel.jobs.launch import restart_count, shutdown_distributed
     from tessera.train.trainer import Trainer
 
     restart = restart_count()

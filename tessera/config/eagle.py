@@ -1,5 +1,5 @@
 """`train.eagle`: train an EAGLE-3 draft head against a frozen target (the EAGLE mode of the training
-loop: tessera.train.eagle_step, tessera.models.eagle) instead of training the `model` section's model.
+loop: tessera.train.modes.eagle, tessera.models.eagle) instead of training the `model` section's model.
 
     tessera train configs/tiny-dense.yaml --set train.eagle.target=runs/tiny-dense
 
@@ -52,7 +52,7 @@ class EagleTrainConfig:
 
 def validate_eagle(cfg: Any) -> None:
     """train.eagle's values and the layouts and settings it trains under (the target's own shape is
-    checked when it is read: tessera.train.eagle_step)."""
+    checked when it is read: tessera.train.modes.eagle)."""
     e, p = cfg.train.eagle, cfg.parallel
     require(e.target is None or bool(e.target), "train.eagle.target", e.target,
             "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no EAGLE training)")

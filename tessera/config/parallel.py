@@ -60,7 +60,7 @@ class ParallelConfig:
     # losses and expert capacity are per pipeline micro-batch (rows / microbatches samples; Megatron-Core's
     # convention), as one process with that train.micro_batch_size computes them. 1f1b and the
     # interleaved schedules need m >= pp; interleaved_1f1b / zero_bubble also m in [pp, 2 pp) or a
-    # multiple of m // pp (train/run_layout.py refuses the rest before anything is built).
+    # multiple of m // pp (train/run/layout.py refuses the rest before anything is built).
     microbatches: int | None = None
     ep: int = 1  # expert parallel, folded over dp_shard x cp
     # How MoE tokens reach experts on other ranks (tessera/parallel/expert_dispatch.py): "alltoall" sends

@@ -130,7 +130,7 @@ def _check_log(log: Any) -> None:
 
 def _check_distill(cfg: Any) -> None:
     """train.distill: its values, and the layouts and settings it runs under (the teacher itself is
-    checked against the student when the trainer loads it: tessera.train.teacher)."""
+    checked against the student when the trainer loads it: tessera.train.objectives.teacher)."""
     k = cfg.train.distill
     require(k.teacher is None or bool(k.teacher), "train.distill.teacher", k.teacher,
             "a HuggingFace model directory or a Tessera checkpoint / run directory (null = no distillation)")
@@ -149,7 +149,7 @@ def _check_distill(cfg: Any) -> None:
 
 def _check_hidden_matching(cfg: Any) -> None:
     """train.distill.hidden_layers: student layers that exist (the teacher's are checked when it is
-    read: tessera.train.teacher), and only the layouts hidden_match.py supports."""
+    read: tessera.train.objectives.teacher), and only the layouts hidden_match.py supports."""
     k, p = cfg.train.distill, cfg.parallel
     require(k.hidden_weight >= 0, "train.distill.hidden_weight", k.hidden_weight, "must be >= 0")
     if not k.hidden_layers:

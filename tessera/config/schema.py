@@ -38,9 +38,9 @@ from tessera.config.yaml_text import read_config_file
 
 @dataclass
 class DistillConfig:
-    """Knowledge distillation (tessera.train.distill_loss, tessera.train.teacher): the student learns the
-    teacher's next-token distribution as well as the data. Per micro-batch, over the N loss tokens of the global batch
-    (the tokens the data loss counts; under SFT the answers only):
+    """Knowledge distillation (tessera.train.objectives.distill_loss, tessera.train.objectives.teacher): the student
+    learns the teacher's next-token distribution as well as the data. Per micro-batch, over the N loss tokens of the
+    global batch (the tokens the data loss counts; under SFT the answers only):
 
         loss = (1 - weight) * sum_t CE_t / N + weight * T^2 * sum_t KL(p_teacher,t || p_student,t) / N
 
@@ -54,7 +54,7 @@ class DistillConfig:
     teacher: str | None = None
     temperature: float = 1.0  # T above: > 0; 1 = the teacher's own distribution, larger = softer
     weight: float = 0.5  # in [0, 1]: 0 = the data loss alone (the teacher is still run and logged), 1 = KD alone
-    # Hidden-state matching (tessera.train.hidden_match): pairs [student layer, teacher layer] whose block
+    # Hidden-state matching (tessera.train.objectives.hidden_match): pairs [student layer, teacher layer] whose block
     # outputs are compared, the student's through a learned linear projection to the teacher's width, by
     # the MSE per loss token; the objective adds hidden_weight x that sum / N, logged as
     # distill_hidden_loss. Empty = off. One process and data-parallel layouts only (pp, tp, ep, cp refused),
@@ -75,7 +75,7 @@ class TrainConfig:
     # it must be a multiple of micro_batch_size x data-parallel size.
     global_batch_size: int = 16
     # fp32; bf16: bf16 compute (autocast) over fp32 master weights and optimizer; fp16: the same in
-    # fp16, for GPUs without bf16, with dynamic loss scaling (tessera.train.loss_scaler) so that small
+    # fp16, for GPUs without bf16, with dynamic loss scaling (tessera.train.steps.loss_scaler) so that small
     # gradients do not underflow fp16's range.
     dtype: str = "fp32"
     # FP8 matrix products in the transformer blocks' linear layers (tessera.models.float8: tensor-wise
@@ -94,7 +94,7 @@ class TrainConfig:
     # rounding, not bit for bit). Under parallel.tp > 1 the vocabulary-parallel loss runs instead.
     loss_chunk_tokens: int | None = None
     # bf16/fp16 on one process: cast the matrix weights to the compute dtype once per optimizer step
-    # (tessera.train.compute_weights) instead of in every micro-batch's forward; the same arithmetic.
+    # (tessera.train.steps.compute_weights) instead of in every micro-batch's forward; the same arithmetic.
     # false: autocast casts them each time (2 bytes per weight less memory between steps).
     cast_weights_per_step: bool = True
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
@@ -127,7 +127,7 @@ class TrainConfig:
     skip_nonfinite: bool = True
     # A step whose loss exceeds spike_factor x the median of the spike_window steps before it is not
     # applied: the run goes back to its last checkpoint and skips the batches up to the spike
-    # (tessera.train.loss_spike). None = off.
+    # (tessera.train.run.loss_spike). None = off.
     spike_factor: float | None = None
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
@@ -226,7 +226,7 @@ class LogConfig:
     # comm/<kind>_bytes (summed over ranks). Off by default: it adds per-operator Python overhead.
     comm_stats: bool = False
     # On ranks, metrics lines have each rank's step and wait times; the slowest rank is named when its
-    # work exceeds the median rank's by more than this fraction of the step (tessera.train.rank_timing).
+    # work exceeds the median rank's by more than this fraction of the step (tessera.train.run.rank_timing).
     straggler_threshold: float = 0.1
 
 

@@ -9,7 +9,7 @@ layers below it (tests/test_layers.py), so each layer holds the family's parts i
 - config (here): its config class (`text`, `vision`, `image_token_id`, a `family` property giving
   the name), config.json in both directions, its config from a fine-tune's train.vision_language
   fields, and the training layouts it refuses: a `ConfigFamily` in `REGISTRY` below;
-- models: its model class, a `VisionLanguageModel` (tessera/models/vision_language.py): the
+- models: its model class, a `VisionLanguageModel` (tessera/models/vision/vision_language.py): the
   vision seam (`encode_images`, `forward`) and what the engine and the trainer ask of a family
   (placeholders of a served image, a chat's image part, its own rotary positions, the parts the
   freeze switches name);

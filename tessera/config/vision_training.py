@@ -4,7 +4,7 @@ Qwen2.5-VL) on image-text conversations (`data.kind=vision_sft`, tessera.data.vi
     tessera train configs/tiny-llava.yaml
     tessera train configs/tiny-qwen2-vl.yaml
 
-The model is `family`'s (tessera.models.llava, tessera.models.qwen_vl): the `model` section is its
+The model is `family`'s (tessera.models.vision.llava, tessera.models.vision.qwen_vl): the `model` section is its
 language model (a qwen2 decoder for the Qwen families), this section the image side. With
 `train.init_from` a LLaVA / Qwen2-VL / Qwen2.5-VL HuggingFace directory or a Tessera
 vision-language checkpoint (what `tessera convert` writes from one, or a run of this kind) the
@@ -24,7 +24,7 @@ parallelism of an MoE language model, and pipeline parallelism (the tower and pr
 first stage, which alone gets the images). Qwen's M-RoPE positions are computed from the whole rows
 and their grids, and each rank keeps its tokens' positions: its cp chunk's (whole under sp, as the
 language model's RoPE takes them), and under pp every stage is handed its rows' positions
-(tessera.models.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL (their
+(tessera.models.vision.qwen_vl). Expert parallelism is refused by name for Qwen2-VL / Qwen2.5-VL (their
 family's `refuse_layouts`, tessera/config/vision_families.py, also when the family comes from
 train.init_from): their language model is a dense qwen2 decoder, which has no routed experts to
 split. Distillation, EAGLE, FP8, compile, recomputation, activation offload and multi-token

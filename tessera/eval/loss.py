@@ -117,8 +117,8 @@ def loss_on(cfg: RunConfig, batches: Iterable[Batch]) -> dict[str, float]:
     """{"loss", "perplexity", "tokens"} of the model `cfg.train.init_from` over `batches`, by the
     trainer's builder and step engine under this process's layout (one process, or its rank)."""
     from tessera.train.builder import build_step_engine, build_training_parts
-    from tessera.train.rng_state import seed_everything
-    from tessera.train.run_layout import build_layout
+    from tessera.train.run.layout import build_layout
+    from tessera.train.run.rng_state import seed_everything
 
     layout = build_layout(cfg)
     seed_everything(cfg.train.seed)

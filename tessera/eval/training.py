@@ -1,4 +1,4 @@
-"""`train.eval_tasks`: the evaluator a run calls at each evaluation (`tessera.train.task_evaluation`).
+"""`train.eval_tasks`: the evaluator a run calls at each evaluation (`tessera.train.run.task_evaluation`).
 
     trainer = Trainer(cfg, task_evaluator=TrainingTasks(cfg))     # what `tessera train` does
 

@@ -8,6 +8,11 @@ OpenAI-compatible HTTP server.
     out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     print(out[0].text)
 
+Its wings, one job each: `engine/` (the engine, its loop and `LLM`), `scheduling/` (what runs in a
+step, KV blocks and tiers), `runner/` (executors, the model over the paged cache, sampling and
+speculative proposers run there), `sampling/`, `cpu/` (the CPU kernels) and `api/` (the HTTP
+server). `config.py` holds every engine option with its command-line flag (`EngineConfig`).
+
 The names below are imported on first use (PEP 562), so that `tessera serve --help`, which only
 needs `tessera.cli.serve`, does not import torch.
 """

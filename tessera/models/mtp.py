@@ -26,7 +26,7 @@ ids are integers, so the exchange is exact and carries no gradient. The training
 
     L_MTP = lambda / D * sum_k sum_t CE_k,t / N
 
-(N: the main loss's tokens of the global batch, as every loss of tessera/train/loss.py), added to
+(N: the main loss's tokens of the global batch, as every loss of tessera/train/objectives/loss.py), added to
 the main loss.
 """
 

@@ -10,7 +10,7 @@ unchanged: `layers` is keyed by layer index), `tok_embeddings` only on stage 0 a
 calls a stage with one tensor, token ids on stage 0 and hidden states on the others, and the step's
 keyword arguments: a forward pre-hook turns them into the decoder's `ModelInput`. With tied
 embeddings stage S-1 keeps `tok_embeddings` too, as its head's weight (tied_embeddings.py). A
-vision-language model (tessera.models.llava) is cut in its `language_model` the same way, and its
+vision-language model (tessera.models.vision.llava) is cut in its `language_model` the same way, and its
 image side (the tower and projector: every other child) is kept on stage 0 only, which encodes the
 micro-batch's images given to it as keyword arguments; every stage keeps the model's parameter
 names.

@@ -1,5 +1,5 @@
 """A frozen companion model run stage by stage beside a pipelined model (the distillation teacher
-under pp > 1: tessera.train.pipeline_step).
+under pp > 1: tessera.train.steps.pipeline_step).
 
 The companion is cut by the same layout: its layers split over the same S = pp x vpp stages
 (`stage_layer_ids` of its own depth), each of this rank's stages held beside the trained model's

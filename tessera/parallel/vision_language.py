@@ -1,5 +1,5 @@
-"""A vision-language model (tessera.models.llava: a vision tower, a projector, a language model;
-tessera.models.qwen_vl: Qwen2-VL / Qwen2.5-VL's tower with its patch merger and a qwen2 language
+"""A vision-language model (tessera.models.vision.llava: a vision tower, a projector, a language model;
+tessera.models.vision.qwen_vl: Qwen2-VL / Qwen2.5-VL's tower with its patch merger and a qwen2 language
 model) under every training layout of its language model, the image side beside it.
 
     model = parallelize_vision_language(llava, dims, cfg.parallel)   # the whole model or one pipeline stage
@@ -32,7 +32,7 @@ of the language model, then FSDP. What each layout does with the images and the 
 - pp: the model is cut in its language model (pipeline.split_stage): the tower and projector live
   on the first stage only, which alone receives each micro-batch's images; later stages receive
   hidden states; Qwen's M-RoPE positions reach every stage as a keyword tensor the step engine
-  computes from each rank's rows (tessera.train.pipeline_step). This function parallelizes one such
+  computes from each rank's rows (tessera.train.steps.pipeline_step). This function parallelizes one such
   stage like the whole model.
 - dp_replicate / dp_shard: FSDP over the language model's blocks (each one unit, the experts
   another under ep) and one root unit over the rest (tower, projector, embedding, final norm,
@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from tessera.config.parallel import ParallelConfig
-from tessera.models.vision_language import RowSequence
+from tessera.models.vision.vision_language import RowSequence
 from tessera.parallel.collectives import split_rows
 from tessera.parallel.context_parallel import ChunkTokens, apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel

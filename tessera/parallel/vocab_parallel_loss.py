@@ -11,7 +11,7 @@ Rank r holds logits z[:, v] for v in its slice [r V/tp, (r+1) V/tp). Per token:
 
 `vocab_parallel_loss_sum` takes the model's logits as a DTensor sharded on the vocabulary and
 returns the sum of the token losses in fp32 (targets equal to IGNORE_INDEX count none). The
-training loss, `tessera.train.loss.token_loss_sum`, calls it for such logits: it is the one loss
+training loss, `tessera.train.objectives.loss.token_loss_sum`, calls it for such logits: it is the one loss
 function of every layout, and this is its tensor-parallel implementation.
 """
 

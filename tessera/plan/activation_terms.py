@@ -320,7 +320,7 @@ def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTens
 
 
 def head_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
-    """Final norm, LM head input, and a cross-entropy computed in fp32 as `tessera.train.loss` does
+    """Final norm, LM head input, and a cross-entropy computed in fp32 as `tessera.train.objectives.loss` does
     (it keeps the fp32 log-softmax, V per token, cut by vocabulary-parallel tp, and the int64
     targets)."""
     dt = get_activation_dtype(dtype)

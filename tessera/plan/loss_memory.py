@@ -5,8 +5,8 @@ With E = tokens x vocabulary / tp logits on a rank, c the bytes of a logit as th
 already), each implementation peaks at (bytes per logit, beside the 4-byte log-softmax or softmax
 it saves, which the head's saved tensors count):
 
-- "tessera", the trainer's `tessera.train.loss.token_loss_sum`, whose step keeps the logits until
-  the micro-batch's backward is done (tessera/train/step_engine.py):
+- "tessera", the trainer's `tessera.train.objectives.loss.token_loss_sum`, whose step keeps the logits until
+  the micro-batch's backward is done (tessera/train/steps/step_engine.py):
   tp = 1, `F.cross_entropy(logits.float())`: in backward the logits (c), nll_loss's gradient (4) and
   log_softmax's gradient (4): c + 8.
   tp > 1, `tessera.parallel.vocab_parallel_loss`: in forward the logits (c), their fp32 copy, the

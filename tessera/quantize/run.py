@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tessera.checkpoint.calibration import load_calibration, stored_dtype
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
-from tessera.checkpoint.prune.run import load_calibration, stored_dtype
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.hf_config import is_hf_directory, read_hf_config, read_json_object
 from tessera.config.model import ModelConfig

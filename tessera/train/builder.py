@@ -47,17 +47,17 @@ from tessera.parallel.meta_init import materialize_by_name
 from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.parallel.vision_language import parallelize_vision_language
-from tessera.train.compute_weights import cast_weight_names
-from tessera.train.distill_loss import Distiller
 from tessera.train.init_from import load_initial_weights
-from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.objectives.distill_loss import Distiller
 from tessera.train.optimizer import build_optimizers
-from tessera.train.parallel_step import ParallelStep
-from tessera.train.pipeline_step import Pipeline, PipelineLoss, PipelineStep, attach_teacher
 from tessera.train.precision import autocast_dtype, loss_chunk_tokens
-from tessera.train.run_layout import RunLayout
-from tessera.train.single_process_step import SingleProcessStep
-from tessera.train.step_engine import StepEngine
+from tessera.train.run.layout import RunLayout
+from tessera.train.steps.compute_weights import cast_weight_names
+from tessera.train.steps.loss_scaler import DynamicLossScaler
+from tessera.train.steps.parallel_step import ParallelStep
+from tessera.train.steps.pipeline_step import Pipeline, PipelineLoss, PipelineStep, attach_teacher
+from tessera.train.steps.single_process_step import SingleProcessStep
+from tessera.train.steps.step_engine import StepEngine
 from tessera.train.vision_language import build_vision_model, is_vision_run
 
 

@@ -4,7 +4,7 @@ global batch, completed by the trainer's update) and `TrainResult` (what a `Trai
 A step engine (step_engine.py) fills the figures of its forward and backward: the loss, token
 counts, routing statistics and the objective terms' losses (distillation, multi-token prediction),
 and a mode's own named figures in `scalars` (EAGLE's per-step losses and accuracies:
-eagle_step.py). The trainer adds the update's: learning rate, gradient norm, whether the update was
+train/modes/eagle.py). The trainer adds the update's: learning rate, gradient norm, whether the update was
 skipped, the fp16 loss scale, a loss spike, the step's communication. A mode's record function
 (metric_record.py for a model's run) turns it into the metrics line.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tessera.train.loss_spike import Spike
+from tessera.train.run.loss_spike import Spike
 
 
 @dataclass

@@ -6,16 +6,16 @@
 One optimizer step takes one global batch of `train.global_batch_size` samples from the data
 pipeline; the step engine (step_engine.py: one process, pp = 1 layouts, pipelines) splits it into
 micro-batches and accumulates gradients of `loss.micro_batch_objective`, so that the step's
-gradient is that of the whole global batch (`tessera.train.loss`). In bf16 mode the fp32 weights
+gradient is that of the whole global batch (`tessera.train.objectives.loss`). In bf16 mode the fp32 weights
 are the master copy: forward and backward run under autocast, the optimizer updates the fp32
 parameters; fp16 likewise, with dynamic loss scaling (loss_scaler.py: the engines scale the
 backward, the step here unscales, skips a non-finite step and adapts the scale). After the update
 the MoE expert bias takes one aux-loss-free balancing step from the step's summed routing counts.
-Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: run_directory.py.
+Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: train/run/directory.py.
 
-Modes. What is trained is the run's mode (modes.py, chosen by the config; training_mode.py): the
-language-model mode (lm_mode.py) trains the `model` section's model, the EAGLE mode
-(eagle_step.py) a draft head against a frozen target. A mode hands the loop its step engine, parts
+Modes. What is trained is the run's mode (train/modes/registry.py, chosen by the config; train/modes/mode.py): the
+language-model mode (train/modes/lm.py) trains the `model` section's model, the EAGLE mode
+(train/modes/eagle.py) a draft head against a frozen target. A mode hands the loop its step engine, parts
 and optimizers, how a step is logged, its start-up and closing lines and its end-of-run hook (the
 HuggingFace export of `checkpoint.export_hf`, the EAGLE draft directory); everything below is the
 loop's, the same for every mode.
@@ -23,15 +23,15 @@ loop's, the same for every mode.
 Resilience. A step whose gradient is not finite is skipped on every rank (train.skip_nonfinite; false
 stops the run instead); with train.spike_factor a step whose loss spikes is refused and the run
 rolls back to its last checkpoint, skipping the batches since (loss_spike.py); both are events in
-run_dir/events.jsonl (tessera.parallel.job_events). With checkpoint.async a save is a CPU copy
+run_dir/events.jsonl (tessera.parallel.jobs.events). With checkpoint.async a save is a CPU copy
 written in the background (tessera.checkpoint.dcp.background), waited for before the next save, a
 roll-back, an export and the end of the run. On ranks every metrics line has each rank's step and
 wait times and names a straggler (rank_timing.py). A rank started by `--nproc` tells its launcher
-which step it trains (tessera.parallel.job_progress), so that a restart after a failure is logged
+which step it trains (tessera.parallel.jobs.progress), so that a restart after a failure is logged
 with its step.
 
 Layouts. On ranks (`tessera train --nproc N`, torchrun, or a process group the caller made; a job
-of one rank too) the `parallel` section decides the layout (run_layout.py) and tessera.train.builder
+of one rank too) the `parallel` section decides the layout (train/run/layout.py) and tessera.train.builder
 builds this rank's parts: the model built on the meta device, cut into its shards or pipeline
 stages, then only those allocated and initialised by name from the seed, to the values one
 process has, or with `train.init_from` read from the source, each rank only its shards
@@ -47,11 +47,11 @@ not used: the weights are replicated in the compute dtype and tessera.parallel.d
 holds sharded fp32 masters and AdamW state instead.
 
 Distillation (an objective term of the language-model mode). With `train.distill.teacher` a
-frozen teacher (tessera.train.teacher), built and cut by the same layout (under pp, stage by stage
+frozen teacher (tessera.train.objectives.teacher), built and cut by the same layout (under pp, stage by stage
 beside the student's), runs forward on every micro-batch beside the student, and the objective
-mixes its KD term with the data loss (tessera.train.distill_loss); metrics.jsonl logs both, as
+mixes its KD term with the data loss (tessera.train.objectives.distill_loss); metrics.jsonl logs both, as
 `loss` and `distill_loss`. With `hidden_layers` the projections of hidden-state matching
-(tessera.train.hidden_match) train with their own optimizer (`beside`: stepped, zeroed and scheduled
+(tessera.train.objectives.hidden_match) train with their own optimizer (`beside`: stepped, zeroed and scheduled
 with the model's, not checkpointed). Evaluation measures the student's data loss only.
 """
 
@@ -76,29 +76,29 @@ from tessera.models.flops import flops_per_token
 from tessera.parallel.comm_stats import CollectiveCounter
 from tessera.parallel.compile import resolve_compile
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
-from tessera.parallel.job_events import append_event
-from tessera.parallel.job_progress import RankProgress
-from tessera.train.comm_metrics import comm_record
-from tessera.train.console import eval_line, task_line
+from tessera.parallel.jobs.events import append_event
+from tessera.parallel.jobs.progress import RankProgress
 from tessera.train.data_source import TrainingData, build_training_data
-from tessera.train.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
-from tessera.train.metric_record import StepFigures, ThroughputWindow
-from tessera.train.metrics_writer import MetricsWriter
-from tessera.train.modes import training_mode
+from tessera.train.modes.mode import ModeContext, ModeParts
+from tessera.train.modes.registry import training_mode
 from tessera.train.optimizer import check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
-from tessera.train.rank_timing import RankTiming
 from tessera.train.results import StepResult, TrainResult
-from tessera.train.rng_state import seed_everything
-from tessera.train.run_directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
-from tessera.train.run_layout import RunLayout, build_layout, resolve_device
+from tessera.train.run.comm_metrics import comm_record
+from tessera.train.run.console import eval_line, task_line
+from tessera.train.run.directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
+from tessera.train.run.layout import RunLayout, build_layout, resolve_device
+from tessera.train.run.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
+from tessera.train.run.metric_record import StepFigures, ThroughputWindow
+from tessera.train.run.metrics_writer import MetricsWriter
+from tessera.train.run.rank_timing import RankTiming
+from tessera.train.run.rng_state import seed_everything
+from tessera.train.run.stop_signal import AgreedStop, StopSignal
+from tessera.train.run.task_evaluation import TaskEvaluator, evaluate_tasks
+from tessera.train.run.throughput import memory_gib, peak_flops_for_device, step_throughput
+from tessera.train.run.train_checkpoint import load_training_state, save_training_state, training_state
 from tessera.train.schedule import LRScheduler
-from tessera.train.step_engine import StepEngine
-from tessera.train.stop_signal import AgreedStop, StopSignal
-from tessera.train.task_evaluation import TaskEvaluator, evaluate_tasks
-from tessera.train.throughput import memory_gib, peak_flops_for_device, step_throughput
-from tessera.train.train_checkpoint import load_training_state, save_training_state, training_state
-from tessera.train.training_mode import ModeContext, ModeParts
+from tessera.train.steps.step_engine import StepEngine
 
 __all__ = ["CHECKPOINT_DIR", "TrainResult", "Trainer", "resolve_device"]
 
@@ -116,7 +116,7 @@ class Trainer:
                  task_evaluator: TaskEvaluator | None = None):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
         runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks)."""
-        self.mode = training_mode(cfg)  # modes.py: what the run trains
+        self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
         t = cfg.train

@@ -50,7 +50,7 @@ from tessera.config.vision_families import REGISTRY as CONFIG_REGISTRY
 from tessera.config.vision_families import vision_language_config_to_hf
 from tessera.config.vision_training import DATA_KIND
 from tessera.data.batching import Batch
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 from tessera.parallel.data_parallel_batch import dp_rows, sequence_chunk
 from tessera.parallel.dims import ParallelDims
 

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.config.schema import load_config
-from tessera.parallel.testing import run_ranks
-from tessera.train.metrics_writer import read_metrics
+from tessera.train.run.metrics_writer import read_metrics
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE, TINY_MOE, moe_shrink, read_losses, set_args, shrink
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tessera.checkpoint.calibration import calibration_sequences
 from tessera.checkpoint.hf.load import load_pretrained
-from tessera.checkpoint.prune import PruneSizes, prune
-from tessera.checkpoint.prune.importance import calibration_sequences
 from tessera.cli import main
 from tessera.data.tokenizer import load_tokenizer
+from tessera.prune import PruneSizes, prune
 from tests.infer.tiny_models import save_tokenizer, write_model
 from tests.models.hf_families import hf_configs, random_hf_model
 

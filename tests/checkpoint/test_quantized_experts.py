@@ -17,9 +17,9 @@ from tessera.config.errors import ConfigError, ParallelError
 from tessera.infer import LLM, SamplingParams
 from tessera.models.stored_quant import BlockFp8Linear
 from tessera.models.stored_quant_experts import PROJECTIONS, StoredQuantExperts
-from tessera.parallel.testing import run_ranks
 from tests.checkpoint.quantized_moe_checkpoints import write_block_fp8_moe, write_compressed_moe
 from tests.checkpoint.test_compressed_tensors import KINDS as DENSE_KINDS
+from tests.forked_ranks import run_ranks
 from tests.infer.tiny_models import VOCAB, hf_greedy
 
 IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))

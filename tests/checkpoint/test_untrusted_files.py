@@ -21,8 +21,8 @@ from tessera.config import CheckpointError, get_preset
 from tessera.hf import load_pretrained, save_pretrained
 from tessera.infer import LLM
 from tessera.models import Transformer
-from tessera.train.rng_state import capture_rng_state, seed_everything
-from tessera.train.train_checkpoint import layout_signature, load_training_state, model_and_optimizer_state
+from tessera.train.run.rng_state import capture_rng_state, seed_everything
+from tessera.train.run.train_checkpoint import layout_signature, load_training_state, model_and_optimizer_state
 from tests.checkpoint.untrusted_checkpoints import RunsShellCommand, plant_code_in_metadata, small_checkpoint
 from tests.train.runs import TINY_DENSE, build_small_dataset, set_args, shrink
 

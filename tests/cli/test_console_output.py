@@ -9,7 +9,7 @@ import re
 from tessera.cli import main
 from tessera.config.schema import load_config
 from tessera.models.counting import count_params
-from tessera.train.console import schedule_warning, startup_summary
+from tessera.train.run.console import schedule_warning, startup_summary
 from tests.train.runs import TINY_MOE, moe_shrink, set_args
 
 

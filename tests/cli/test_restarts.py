@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
-from tessera.parallel.job_events import read_events
+from tessera.parallel.jobs.events import read_events
 from tests.hang_guard import HANG_S
 from tests.train.runs import ROOT, TINY_DENSE, read_losses, set_args, shrink
 

@@ -46,7 +46,7 @@ def run_ranks_after_cuda_init() -> str:
     """Runs in the child: initialise CUDA, then ask the fork harness for ranks."""
     import torch
 
-    from tessera.parallel.testing import CudaInitializedError, run_ranks
+    from tests.forked_ranks import CudaInitializedError, run_ranks
 
     torch.zeros(1, device="cuda")
     try:

@@ -10,7 +10,7 @@ import torch
 from tessera.checkpoint.hf.qwen_vl import load_qwen_vl
 from tessera.config.errors import ModelError
 from tessera.infer.engine.reference_generation import ConcatKVCache
-from tessera.models.qwen_vl import mrope_positions
+from tessera.models.vision.qwen_vl import mrope_positions
 from tests.models.qwen_vl_cases import IMAGE, VERSIONS, hf_inputs, hf_qwen_vl, mm_token_types, prompt_rows
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ def test_vision_tower_matches_transformers_alone():
     pixels, grids = hf_inputs()
     from tessera.checkpoint.hf.qwen_vl import qwen_vl_names
     from tessera.config.qwen_vl import qwen_vl_config_from_hf
-    from tessera.models.qwen_vl import QwenVL
+    from tessera.models.vision.qwen_vl import QwenVL
 
     model = QwenVL(qwen_vl_config_from_hf(hf.config.to_dict()), init_seed=None).eval()
     theirs = hf.state_dict()

@@ -25,7 +25,7 @@ from tessera.models import Transformer
 from tessera.models.rope import rope_cos_sin
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
 from tessera.parallel.compile import compile_blocks, resolve_compile
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
 from tests.train.runs import ROOT, TINY_DENSE, read_losses
 

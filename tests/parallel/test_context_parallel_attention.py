@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tessera.config.errors import ParallelError
 from tessera.models.attention import causal_attention
 from tessera.parallel.context_parallel import ContextParallelAttention, kv_repeats
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 
 B, S = 2, 16
 # name: (query heads, kv heads, qk head dim, v head dim, sliding window, method; None = automatic)

@@ -16,7 +16,7 @@ from tessera.models.moe import MoE
 from tessera.parallel import ParallelDims, parallelize, shard_global_batch
 from tessera.parallel.context_parallel import ChunkPositions
 from tessera.parallel.context_parallel_moe import MicroBatchKeepMask
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.training_step import full_tensors
 
 B, S = 2, 16

@@ -12,7 +12,7 @@ from tessera.config.model import MoEConfig
 from tessera.models.moe import Router
 from tessera.parallel.context_parallel_moe import MicroBatchTokenReducer
 from tessera.parallel.expert_parallel import MicroBatchCountReducer
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 
 D, B, S = 16, 2, 6
 CFGS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tessera.parallel.testing as testing
+import tests.forked_ranks as testing
 from tessera.config.schema import load_config
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink

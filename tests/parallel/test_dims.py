@@ -8,7 +8,7 @@ import torch.distributed as dist
 from tessera.config import ModelConfig, ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.parallel import ParallelDims, dp_rows, global_count, shard_global_batch, sum_expert_counts
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 
 
 def dims_for(world: int, **kw) -> ParallelDims:

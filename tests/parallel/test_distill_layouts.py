@@ -10,8 +10,8 @@ import pytest
 
 from tessera.config.errors import ParallelError
 from tessera.config.schema import load_config
-from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import (
     MODELS,
     assert_same_training,

@@ -10,8 +10,8 @@ import torch
 from tessera.config.errors import ConfigError
 from tessera.config.parallel import ParallelConfig
 from tessera.config.schema import load_config
-from tessera.parallel.testing import RankFailure, run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import RankFailure, run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import (
     MODELS,

@@ -10,8 +10,8 @@ from tessera.config.errors import ConfigError
 from tessera.config.parallel import ParallelConfig
 from tessera.config.schema import load_config
 from tessera.models.moe import MoE
-from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import MODELS, assert_same_training, overrides_for, train_one_process, whole_parameters
 
 STEPS = 3

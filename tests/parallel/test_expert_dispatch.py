@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tessera.models.moe import GroupedExperts, LocalDispatcher
 from tessera.parallel.expert_dispatch import AllGatherDispatcher, AllToAllDispatcher
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 
 E, D, F, T, K = 4, 16, 8, 6, 2
 

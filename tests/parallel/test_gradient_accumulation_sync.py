@@ -15,8 +15,8 @@ import random
 import pytest
 
 from tessera.config.schema import load_config
-from tessera.parallel.testing import run_ranks
 from tessera.train.data_source import build_training_data
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 from tests.train.runs import TINY_DENSE
 

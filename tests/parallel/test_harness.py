@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.parallel.testing import RankFailure, run_ranks
+from tests.forked_ranks import RankFailure, run_ranks
 
 
 def _sum_of_ranks():

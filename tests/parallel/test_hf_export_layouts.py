@@ -17,7 +17,7 @@ import torch
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.cli import main
 from tessera.data.tokenizer import default_tokenizer
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
 
 STEPS = 2

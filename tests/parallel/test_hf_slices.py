@@ -12,8 +12,8 @@ from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.config.schema import load_config
 from tessera.hf import save_pretrained
 from tessera.models import Transformer
-from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import MODELS, overrides_for
 
 

@@ -18,8 +18,8 @@ from tessera.checkpoint.hf.slices import local_box
 from tessera.config.schema import load_config
 from tessera.hf import load_pretrained, save_pretrained
 from tessera.models import Transformer
-from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import EQUALITY_OVERRIDES, assert_same_training, whole_parameters
 from tests.train.runs import TINY_DEEPSEEK, TINY_DENSE, TINY_MOE, deepseek_shrink, moe_shrink, shrink
 

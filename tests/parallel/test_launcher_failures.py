@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tessera.parallel.launch import FAILURE_GRACE_S, KILL_AFTER_S, launch_local
+from tessera.parallel.jobs.launch import FAILURE_GRACE_S, KILL_AFTER_S, launch_local
 from tests.hang_guard import HANG_S
 
 # Rank 0 waits (as a rank blocked in a collective with a dead peer would, up to its collective timeout);

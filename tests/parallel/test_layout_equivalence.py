@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from tessera.config import get_preset
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.training_step import assert_same_step, layout_step, reference_step
 
 _refs: dict = {}

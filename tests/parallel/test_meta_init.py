@@ -10,8 +10,8 @@ import torch
 from tessera.config.schema import load_config
 from tessera.models import Transformer
 from tessera.parallel.meta_init import materialize_by_name
-from tessera.parallel.testing import run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import MODELS, overrides_for, whole_parameters
 
 

@@ -12,8 +12,8 @@ from tessera.config import get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
 from tessera.parallel import ParallelDims, global_sum, parallelize, shard_global_batch
-from tessera.parallel.testing import run_ranks
-from tessera.train.loss import token_loss_sum
+from tessera.train.objectives.loss import token_loss_sum
+from tests.forked_ranks import run_ranks
 from tests.parallel.training_step import global_batch, reference_step
 
 

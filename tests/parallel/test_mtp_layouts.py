@@ -16,7 +16,7 @@ from tessera.models.chunked_cross_entropy import IGNORE_INDEX
 from tessera.models.mtp import depth_targets
 from tessera.parallel.context_parallel import ChunkTokens
 from tessera.parallel.sequence_layout import take_rank_tokens
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 
 STEPS = 3

@@ -13,9 +13,9 @@ from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
 from tessera.parallel import ParallelDims, clip_grad_norm_, parallelize, shard_global_batch
 from tessera.parallel.pipeline import SCHEDULES, build_pipeline, split_stage, stage_layer_ids, stages_of_rank
-from tessera.parallel.testing import RankFailure, run_ranks
-from tessera.train.loss import token_loss_sum
-from tessera.train.run_layout import schedule_accepts_microbatches
+from tessera.train.objectives.loss import token_loss_sum
+from tessera.train.run.layout import schedule_accepts_microbatches
+from tests.forked_ranks import RankFailure, run_ranks
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks
 from tests.parallel.training_step import LR, MAX_NORM, SEED, full_tensors, global_batch, reference_step
 

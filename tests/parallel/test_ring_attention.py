@@ -13,7 +13,7 @@ from tessera.config.errors import ParallelError
 from tessera.models.attention import causal_attention
 from tessera.parallel.context_parallel import ChunkPositions, ContextParallelAttention
 from tessera.parallel.sequence_layout import all_rank_positions, rank_positions, take_rank_tokens, to_sequence_order
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.test_context_parallel_attention import case_tensors
 
 B, S = 2, 16

@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from tessera.config.schema import load_config
-from tessera.parallel.testing import RankFailure, run_ranks
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import RankFailure, run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks
 from tests.train.runs import TINY_DENSE
@@ -69,7 +69,7 @@ def test_comm_stats_of_tp2_x_fsdp2_match_the_shapes(small_dataset, tmp_path):
 def _rank1_stalls(overrides: list[str], checks_in: bool) -> None:
     trainer = Trainer(load_config(TINY_DENSE, overrides))
     if dist.get_rank() == 1:
-        if checks_in:  # a step's first collective: the check-in after the batch (tessera.train.rank_timing)
+        if checks_in:  # a step's first collective: the check-in after the batch (tessera.train.run.rank_timing)
             trainer.data.train.next_batch()
             trainer.layout.check_in()
         time.sleep(30)  # alive (its connections stay open) but never enters the step's (next) collectives

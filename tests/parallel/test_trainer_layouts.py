@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 
 STEPS = 3

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 
 from tessera.config import get_preset
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 from tests.parallel.training_step import assert_same_step, layout_step, reference_step
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tessera.checkpoint.dcp import store as ckpt
-from tessera.parallel.testing import run_ranks
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 
 FSDP4 = {"parallel.dp_shard": 4}

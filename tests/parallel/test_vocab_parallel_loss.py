@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from tessera.parallel.testing import run_ranks
-from tessera.train.loss import token_loss_sum
+from tessera.train.objectives.loss import token_loss_sum
+from tests.forked_ranks import run_ranks
 
 B, S, V = 2, 5, 12
 

@@ -17,7 +17,7 @@ from tessera.parallel import (
     parallelize,
     shard_global_batch,
 )
-from tessera.train.loss import token_loss_sum
+from tessera.train.objectives.loss import token_loss_sum
 
 SEED = 0
 LR = 1e-2

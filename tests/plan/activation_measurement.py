@@ -6,7 +6,7 @@ keeps its input; selective: the attention core seam re-runs; op: the block re-ru
 operators its save list keeps, optionally in FP8) on every `interval`-th block, then
 `offload_blocks` (what the blocks save goes to a host store; on CPU the trainer itself refuses the
 option, since it frees nothing there, so the test drives the same hooks directly).
-The loss is `tessera.train.loss.token_loss_sum` plus the MoE auxiliary loss, as the trainer computes it.
+The loss is `tessera.train.objectives.loss.token_loss_sum` plus the MoE auxiliary loss, as the trainer computes it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tessera.models import Transformer
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
 from tessera.parallel.activation_offload import HostStore, offload_blocks
 from tessera.plan.saved_tensors import SavedTensorCounter
-from tessera.train.loss import token_loss_sum
+from tessera.train.objectives.loss import token_loss_sum
 
 
 def build_model(cfg: ModelConfig, dtype: str, recompute: str = "none", interval: int = 1, *,

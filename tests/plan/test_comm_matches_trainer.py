@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from tessera.config.schema import load_config
-from tessera.parallel.testing import run_ranks
 from tessera.plan.comm import stage_collectives
 from tessera.plan.estimate import precisions_for_train_dtype
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import get_precision, rank_params
+from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import MODELS, overrides_for, train_on_ranks
 from tests.train.runs import build_small_dataset
 

@@ -22,7 +22,7 @@ from tessera.plan.layout import Layout, Workload
 from tessera.plan.layout import layout_problems as plan_problems
 from tessera.plan.run_inputs import load_run_inputs
 from tessera.plan.search import divisors, search
-from tessera.train.run_layout import check_batch_layout
+from tessera.train.run.layout import check_batch_layout
 
 TINY_CONFIGS = ("configs/tiny-dense.yaml", "configs/tiny-moe.yaml")
 

@@ -21,11 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from tessera.config.errors import ConfigError
 from tessera.config.presets import get_preset
-from tessera.parallel.testing import run_ranks
 from tessera.plan.activations import stage_activations
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.loss_memory import loss_buffer_bytes_per_logit
-from tessera.train.loss import token_loss_sum
+from tessera.train.objectives.loss import token_loss_sum
+from tests.forked_ranks import run_ranks
 
 TOKENS, VOCAB, HIDDEN = 256, 4096, 8
 SAVED = 4  # bytes per logit of the saved fp32 log-softmax / softmax

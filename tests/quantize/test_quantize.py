@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tessera.checkpoint.calibration import load_calibration, stored_dtype
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.names import hf_names
-from tessera.checkpoint.prune.run import load_calibration, stored_dtype
 from tessera.cli import main
 from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.quantize import QuantizeOptions, quantize

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tessera.checkpoint.calibration import stored_dtype
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.names import hf_names
 from tessera.checkpoint.loading import load_model
-from tessera.checkpoint.prune.run import stored_dtype
 from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.infer import LLM, SamplingParams
 from tessera.models.stored_quant_experts import StoredQuantExperts

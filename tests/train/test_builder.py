@@ -10,11 +10,11 @@ import torch
 from tessera.config.schema import load_config
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
 from tessera.train.builder import build_step_engine, build_training_parts
-from tessera.train.loss_scaler import DynamicLossScaler
-from tessera.train.parallel_step import ParallelStep
-from tessera.train.pipeline_step import PipelineStep
-from tessera.train.run_layout import build_layout
-from tessera.train.single_process_step import SingleProcessStep
+from tessera.train.run.layout import build_layout
+from tessera.train.steps.loss_scaler import DynamicLossScaler
+from tessera.train.steps.parallel_step import ParallelStep
+from tessera.train.steps.pipeline_step import PipelineStep
+from tessera.train.steps.single_process_step import SingleProcessStep
 from tests.hang_guard import HANG_S
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
@@ -63,7 +63,7 @@ def _build_on_rank(overrides: list[str]) -> dict:
     ({"parallel.dp_replicate": 2, "parallel.dp_shard": 1}, ParallelStep),
 ], ids=["pp2", "dp2"])
 def test_engine_on_ranks_gets_the_built_parts_and_distributed_optimizers(small_dataset, tmp_path, parallel, engine):
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
 
     overrides = moe_shrink(small_dataset, tmp_path, 1, **{"parallel.optimizer": "distributed", "train.dtype": "bf16",
                                                           **parallel})

@@ -13,9 +13,9 @@ from tessera.config import ConfigError
 from tessera.config.schema import load_config
 from tessera.models import ModelInput, Transformer
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
-from tessera.train.loss import token_loss_sum
-from tessera.train.loss_scaler import DynamicLossScaler
+from tessera.train.objectives.loss import token_loss_sum
 from tessera.train.precision import loss_chunk_tokens
+from tessera.train.steps.loss_scaler import DynamicLossScaler
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 

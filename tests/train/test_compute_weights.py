@@ -1,4 +1,4 @@
-"""bf16 compute copies of the weights made once per optimizer step (tessera.train.compute_weights):
+"""bf16 compute copies of the weights made once per optimizer step (tessera.train.steps.compute_weights):
 the same arithmetic as autocast (losses over 5 steps, gradients of one step), with each weight
 cast once per step instead of once per micro-batch; fp32 runs do not use them."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.schema import load_config
-from tessera.train.compute_weights import cast_weight_names
+from tessera.train.steps.compute_weights import cast_weight_names
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 

@@ -18,10 +18,10 @@ from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.config.schema import load_config
 from tessera.models import Transformer
-from tessera.train.console import startup_summary
 from tessera.train.data_source import build_training_data
-from tessera.train.loss import masked_targets
-from tessera.train.rng_state import seed_everything
+from tessera.train.objectives.loss import masked_targets
+from tessera.train.run.console import startup_summary
+from tessera.train.run.rng_state import seed_everything
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, set_args, shrink
 

@@ -16,8 +16,8 @@ from tessera.config.schema import load_config
 from tessera.models import Transformer
 from tessera.models.rope import rope_cos_sin
 from tessera.train.data_source import build_training_data
-from tessera.train.hidden_match import SEED_OFFSET
-from tessera.train.rng_state import seed_everything
+from tessera.train.objectives.hidden_match import SEED_OFFSET
+from tessera.train.run.rng_state import seed_everything
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, shrink
 

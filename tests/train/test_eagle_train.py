@@ -1,4 +1,4 @@
-"""`tessera train` with `train.eagle.target` (tessera/train/eagle_step.py): an EAGLE-3 draft head
+"""`tessera train` with `train.eagle.target` (tessera/train/modes/eagle.py): an EAGLE-3 draft head
 trained against a frozen target. A few steps lower the draft's loss, the target's weights stay as
 they were, two data-parallel ranks train the one-process draft, other layouts are refused by name,
 and the directory written is what `tessera serve --speculative eagle` serves: greedy output equal to
@@ -110,7 +110,7 @@ def _train_on_rank(overrides: list[str]) -> dict:
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", ["dp_shard", "dp_replicate"])
 def test_two_data_parallel_ranks_train_the_one_process_draft(small_dataset, target_run, tmp_path, layout):
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
 
     ref = _train_on_rank(_eagle_overrides(small_dataset, target_run, tmp_path / "one", 3))
     dp = {"parallel.dp_shard": 2} if layout == "dp_shard" else {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}
@@ -184,7 +184,7 @@ def test_stop_and_resume_continues_the_draft_bit_for_bit(small_dataset, target_r
 def test_a_two_rank_run_resumes_in_one_process_like_the_straight_run(small_dataset, target_run, tmp_path):
     """Checkpoints written by two data-parallel ranks (the draft replicated) resume in one process:
     the resumed steps equal the one-process straight run's (fp32 within 1e-5)."""
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
 
     full = _train_draft(_eagle_overrides(small_dataset, target_run, tmp_path / "full", 4))
     run_ranks(_train_draft, 2, _eagle_overrides(small_dataset, target_run, tmp_path / "split", 2,

@@ -9,9 +9,9 @@ from tessera.checkpoint.hf.llava import save_llava
 from tessera.config.errors import CheckpointError
 from tessera.config.schema import load_config
 from tessera.config.vision import LlavaConfig, VisionConfig
-from tessera.models.llava import Llava
-from tessera.parallel.testing import run_ranks
+from tessera.models.vision.llava import Llava
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import TINY_DENSE, shrink

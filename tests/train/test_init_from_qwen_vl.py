@@ -8,9 +8,9 @@ import torch
 from tessera.checkpoint.hf.qwen_vl import save_qwen_vl
 from tessera.config.qwen_vl import QwenVisionConfig, QwenVLConfig
 from tessera.config.schema import load_config
-from tessera.models.qwen_vl import QwenVL
-from tessera.parallel.testing import run_ranks
+from tessera.models.vision.qwen_vl import QwenVL
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import TINY_DENSE, shrink

@@ -6,7 +6,7 @@ import torch
 
 from tessera.config import get_preset
 from tessera.models import Transformer
-from tessera.train.loss import count_loss_tokens, micro_batch_objective, token_loss_sum
+from tessera.train.objectives.loss import count_loss_tokens, micro_batch_objective, token_loss_sum
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from tessera.config.schema import load_config
 from tessera.models import Transformer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.pipeline import build_pipeline
-from tessera.train.run_layout import check_batch_layout, schedule_accepts_microbatches
+from tessera.train.run.layout import check_batch_layout, schedule_accepts_microbatches
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
 PP2 = {"parallel.pp": 2, "parallel.dp_shard": 1}

@@ -1,4 +1,4 @@
-"""The registry of training modes (tessera/train/modes.py): the config chooses the mode, and each
+"""The registry of training modes (tessera/train/modes/registry.py): the config chooses the mode, and each
 mode's step engine has the interface the one training loop calls."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import inspect
 
 from tessera.config.schema import load_config
-from tessera.train.eagle_step import EagleStep
-from tessera.train.modes import MODES, training_mode
-from tessera.train.step_engine import StepEngine
+from tessera.train.modes.eagle import EagleStep
+from tessera.train.modes.registry import MODES, training_mode
+from tessera.train.steps.step_engine import StepEngine
 from tests.train.runs import TINY_DENSE
 
 METHODS = ("forward_backward", "clip_grad_norm", "update_expert_bias", "evaluate")

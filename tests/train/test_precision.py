@@ -19,8 +19,8 @@ from tessera.models.float8 import Float8Linear
 from tessera.plan import precisions_for_train_dtype
 from tessera.train import precision
 from tessera.train import trainer as trainer_module
-from tessera.train.loss_scaler import DynamicLossScaler
 from tessera.train.precision import autocast_dtype, check_fp8
+from tessera.train.steps.loss_scaler import DynamicLossScaler
 from tessera.train.trainer import Trainer
 from tests.hang_guard import HANG_S
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
@@ -161,7 +161,7 @@ def test_fp8_is_refused_with_what_it_needs(monkeypatch):
 def test_fp16_under_fsdp_follows_one_process(small_dataset, tmp_path):
     """Loss scaling on sharded gradients: two FSDP ranks (fp16 compute copies, fp32 reduction) log
     the one-process fp16 losses within the bf16 contract's 5e-3, with the same scale."""
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
     from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
 
     fp16 = {"train.dtype": "fp16"}
@@ -183,7 +183,7 @@ def test_fp16_under_pipeline_follows_one_process(small_dataset, tmp_path, model)
     two pipeline ranks log the one-process fp16 losses and grad norms and end with its weights
     within the bf16 contract's 5e-3 (observed: 6e-5; an unscaled auxiliary loss moves the MoE
     weights by 2e-2), with the same loss scale and no skipped step."""
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
     from tests.parallel.trainer_runs import assert_same_training, overrides_for, train_on_ranks, train_one_process
 
     fp16 = {"train.dtype": "fp16", "train.micro_batch_size": 1}
@@ -223,7 +223,7 @@ def _pipeline_overflow(overrides: list[str]) -> dict:
 def test_fp16_overflow_under_pipeline_is_skipped_on_every_rank(small_dataset, tmp_path):
     """The gradient norm is reduced over the stages, so an overflow on any stage skips the step and
     backs the scale off on every rank alike; the next finite step updates every stage."""
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
 
     overrides = moe_shrink(small_dataset, tmp_path, 2, **{"train.dtype": "fp16", "checkpoint.interval": 0,
                                                           **PIPELINE})
@@ -276,7 +276,7 @@ def _fp8_losses(overrides: list[str]) -> list[float]:
 def test_fp8_composes_with_fsdp_and_compile(small_dataset, tmp_path):
     """FP8 layers under FSDP2 (two ranks, each all-gathered weight cast to FP8 in the forward) and
     in compiled blocks log the one-process eager FP8 losses within the bf16 contract's 5e-3."""
-    from tessera.parallel.testing import run_ranks
+    from tests.forked_ranks import run_ranks
     from tests.parallel.trainer_runs import overrides_for
 
     bf16 = {"train.dtype": "bf16"}

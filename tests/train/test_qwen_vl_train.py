@@ -22,11 +22,11 @@ from tessera.config.errors import ConfigError
 from tessera.config.schema import load_config
 from tessera.data.batching import BatchIterator
 from tessera.data.qwen_image_processor import QwenImageProcessor
-from tessera.models.qwen_vl import QwenVL
-from tessera.parallel.testing import run_ranks
-from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.models.vision.qwen_vl import QwenVL
+from tessera.train.objectives.loss import IGNORE_INDEX, masked_targets
 from tessera.train.trainer import Trainer
 from tessera.train.vision_language import vision_model_config
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.models.qwen_vl_cases import hf_processor, hf_qwen_vl
 from tests.parallel.trainer_runs import assert_frozen_parts_untouched, assert_merged_weights_equal, whole_parameters

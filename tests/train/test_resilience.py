@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from tessera.config.errors import TrainingError
 from tessera.config.schema import load_config
-from tessera.parallel.job_events import read_events
-from tessera.parallel.testing import run_ranks
-from tessera.train.loss_spike import MAX_ROLLBACKS, LossSpikeRule
-from tessera.train.metrics_writer import read_metrics
-from tessera.train.rank_timing import slowest_rank
+from tessera.parallel.jobs.events import read_events
+from tessera.train.run.loss_spike import MAX_ROLLBACKS, LossSpikeRule
+from tessera.train.run.metrics_writer import read_metrics
+from tessera.train.run.rank_timing import slowest_rank
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import TINY_DENSE, shrink

@@ -9,10 +9,10 @@ import torch
 
 from tessera.config import get_preset
 from tessera.models import Transformer
-from tessera.train.parallel_step import ParallelStep
-from tessera.train.pipeline_step import PipelineStep
-from tessera.train.single_process_step import SingleProcessStep
-from tessera.train.step_engine import StepEngine
+from tessera.train.steps.parallel_step import ParallelStep
+from tessera.train.steps.pipeline_step import PipelineStep
+from tessera.train.steps.single_process_step import SingleProcessStep
+from tessera.train.steps.step_engine import StepEngine
 
 METHODS = ("forward_backward", "clip_grad_norm", "update_expert_bias", "evaluate")
 

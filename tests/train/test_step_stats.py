@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.schema import load_config
 from tessera.models import Transformer
-from tessera.train.loss import token_loss_sum
-from tessera.train.step_engine import accumulate_micro_batches
+from tessera.train.objectives.loss import token_loss_sum
+from tessera.train.steps.step_engine import accumulate_micro_batches
 from tests.train.runs import TINY_DENSE, TINY_MOE, moe_shrink, shrink
 
 

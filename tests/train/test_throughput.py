@@ -7,7 +7,7 @@ import torch
 
 from tessera.config import get_preset
 from tessera.models.flops import flops_per_token
-from tessera.train.throughput import PEAK_BF16_FLOPS, peak_flops_for_device, step_throughput
+from tessera.train.run.throughput import PEAK_BF16_FLOPS, peak_flops_for_device, step_throughput
 
 
 def test_peaks():

@@ -19,11 +19,11 @@ from tessera.checkpoint.hf.llava import save_llava
 from tessera.config.errors import ConfigError
 from tessera.config.schema import load_config
 from tessera.data.batching import BatchIterator
-from tessera.models.llava import Llava
-from tessera.parallel.testing import run_ranks
-from tessera.train.loss import IGNORE_INDEX, masked_targets
+from tessera.models.vision.llava import Llava
+from tessera.train.objectives.loss import IGNORE_INDEX, masked_targets
 from tessera.train.trainer import Trainer
 from tessera.train.vision_language import FROZEN_PARTS, unused_tower_modules, vision_model_config
+from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.parallel.trainer_runs import (
     assert_frozen_parts_untouched,

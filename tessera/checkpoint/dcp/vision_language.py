@@ -23,7 +23,7 @@ from tessera.checkpoint.vision_families import REGISTRY
 from tessera.config.errors import CheckpointError, TesseraError
 from tessera.config.schema import RunConfig
 from tessera.config.vision_families import vision_language_config_from_hf, vision_language_config_to_hf
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 
 ENTRY = "vision_language"  # meta.json key
 

@@ -42,7 +42,7 @@ from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
 from tessera.models.transformer import Transformer, kept_in_fp32
 
-MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (tessera/train/train_checkpoint.py)
+MODEL_PREFIX = "model."  # training checkpoints keep the weights under "model" (tessera/train/run/train_checkpoint.py)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """LLaVA HuggingFace directories (`LlavaForConditionalGeneration`): read, checked, loaded, written.
 
-    model = load_llava("llava-dir", dtype=torch.float32)     # a tessera.models.llava.Llava
+    model = load_llava("llava-dir", dtype=torch.float32)     # a tessera.models.vision.llava.Llava
     save_llava(model, "out/", tokenizer=..., processor=...)  # transformers' AutoModelForImageTextToText loads it
 
 Names are handled in transformers 5's in-memory layout (`model.language_model.*`,
@@ -23,7 +23,7 @@ from tessera.checkpoint.hf.composite import DirectoryFormat, config_says
 from tessera.checkpoint.hf.names import check_exportable, hf_names
 from tessera.config.vision import LlavaConfig, VisionConfig, is_llava_config, llava_config_to_hf, read_llava_file
 from tessera.data.image_processor import ImageProcessor
-from tessera.models.llava import Llava
+from tessera.models.vision.llava import Llava
 
 _LEGACY = ((r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head\.", "lm_head."),
            (r"^language_model\.", "model.language_model."), (r"^vision_tower\.", "model.vision_tower."),

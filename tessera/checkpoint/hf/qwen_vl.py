@@ -1,7 +1,7 @@
 """Qwen2-VL / Qwen2.5-VL HuggingFace directories (`Qwen2VLForConditionalGeneration`,
 `Qwen2_5_VLForConditionalGeneration`): read, checked, loaded, written.
 
-    model = load_qwen_vl("qwen2.5-vl-dir", dtype=torch.float32)   # a tessera.models.qwen_vl.QwenVL
+    model = load_qwen_vl("qwen2.5-vl-dir", dtype=torch.float32)   # a tessera.models.vision.qwen_vl.QwenVL
     save_qwen_vl(model, "out/", tokenizer=..., processor=...)     # AutoModelForImageTextToText loads it
 
 Names are handled in transformers 5's in-memory layout (`model.language_model.*`, `model.visual.*`,
@@ -28,7 +28,7 @@ from tessera.config.qwen_vl import (
     read_qwen_vl_file,
 )
 from tessera.data.qwen_image_processor import QwenImageProcessor
-from tessera.models.qwen_vl import QwenVL
+from tessera.models.vision.qwen_vl import QwenVL
 
 _TEXT = re.compile(r"^model\.(embed_tokens|layers|norm)\.")
 

@@ -1,1 +1,5 @@
-"""tessera/infer/api."""
+"""The HTTP side: the OpenAI-compatible server (server.py) with its request protocol, choices and
+log-probabilities (openai_*.py), the guards every request passes (http_guards.py), image fetches
+(media.py), quoting of client values in errors (quoting.py), and `tessera router` in front of a
+prefill and a decode instance (router.py).
+"""

@@ -23,7 +23,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models.transformer import Transformer
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 
 
 @dataclass

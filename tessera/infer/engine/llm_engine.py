@@ -55,7 +55,7 @@ from tessera.infer.scheduling.scheduler import Scheduler
 from tessera.models.quantized import quantize_model
 from tessera.models.stored_quant import stored_quant_method
 from tessera.models.transformer import Transformer
-from tessera.models.vision_language import VisionLanguageModel
+from tessera.models.vision.vision_language import VisionLanguageModel
 
 
 class LLMEngine:

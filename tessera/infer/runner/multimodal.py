@@ -8,13 +8,13 @@ any prompt token. An image is named by a hash of its pixel values (`image_key`):
 hashes a block by `Sequence.cache_token_ids`, where each image's placeholders stand as a value
 derived from its key (negative, so never a real token id), so two prompts share a block exactly
 when their tokens and the images in it are equal, and a repeated image reuses its KV blocks.
-`ImageEncoder` keeps the vision seam's outputs (`encode_images`, tessera/models/llava.py) per key,
+`ImageEncoder` keeps the vision seam's outputs (`encode_images`, tessera/models/vision/llava.py) per key,
 least recently used out, so a prompt chunked over several steps, or an image seen again, is
 encoded once.
 
 Qwen2-VL / Qwen2.5-VL images carry their patch grid (`PromptImage.grid`): each takes its own
 number of placeholders, and the tokens of a sequence with such images are rotated by M-RoPE
-positions (`mrope_rows`, from the images alone: tessera/models/qwen_vl.py's rule), the paged
+positions (`mrope_rows`, from the images alone: tessera/models/vision/qwen_vl.py's rule), the paged
 step passing them for every token of the sequence, decodes included.
 """
 
