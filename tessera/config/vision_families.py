@@ -25,14 +25,15 @@ registries, by the model's `family`.
 Adding a family "x":
 1. tessera/config/x.py: `XConfig` and its functions (config.json both ways, from_section, the
    layouts it refuses); its line in `REGISTRY` below.
-2. tessera/models/x.py: `X(VisionLanguageModel)`, with `encode_images`, `forward` and the answers
+2. tessera/models/vision/x.py: `X(VisionLanguageModel)`, with `encode_images`, `forward` and the answers
    whose default it changes (`image_input` always).
 3. tessera/data/x_image_processor.py: its image processor; its samples function in
    tessera/data/vision_sft.py.
 4. tessera/checkpoint/hf/x.py: its tensor names and its `DIRECTORY` (a `DirectoryFormat` of its
    parts); its line in tessera/checkpoint/vision_families.py's `REGISTRY`.
 5. Its tests: parity with transformers (tests/models), serving (tests/infer), fine-tuning
-   (tests/train) and conversion (tests/checkpoint).
+   (tests/train) and conversion (tests/checkpoint); its modules in tests/test_layers.py's
+   `VISION_LANGUAGE_FAMILY` (the cores must not import them).
 No torch.
 """
 

@@ -23,15 +23,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf.llava import is_llava_directory
+from tessera.checkpoint.hf.composite import config_says
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_copies
-from tessera.checkpoint.hf.qwen_vl import is_qwen_vl_directory
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.checkpoint.parts import allocate
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_hf_config
 from tessera.config.model import ModelConfig
+from tessera.config.vision_families import is_vision_language_config
 from tessera.models.transformer import Transformer
 
 
@@ -112,13 +112,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     after the directory is checked against the model its config.json describes (names and shapes,
     from the files' headers)."""
     path = Path(path)
-    if is_llava_directory(path):
-        raise ConfigError(f"{str(path)!r} is a LLaVA (vision-language) directory, not a language model's: load it "
-                          "with tessera.checkpoint.hf.llava.load_llava, serve it with `tessera serve` or `LLM`")
-    if is_qwen_vl_directory(path):
-        raise ConfigError(f"{str(path)!r} is a Qwen2-VL / Qwen2.5-VL (vision-language) directory, not a language "
-                          "model's: load it with tessera.checkpoint.hf.qwen_vl.load_qwen_vl, or train its language "
-                          "model with train.init_from")
+    if config_says(path, is_vision_language_config):
+        raise ConfigError(f"{str(path)!r} is a vision-language directory, not a language model's: serve it with "
+                          "`tessera serve` or `LLM`, convert it with `tessera convert`, or train its language model "
+                          "with train.init_from")
     cfg = read_hf_config(path)
     reader = HFSliceReader(path, cfg)
     available = {k for k in reader.files.keys() if not k.endswith(IGNORED_SUFFIXES)}
