@@ -5,7 +5,8 @@ its own context (`ragged_attention.py`). Done with PyTorch ops, that is a gather
 blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the copy
 moves as many bytes per step as the model's weights, and the per-row calls cost more in dispatch
 than in arithmetic; a prompt chunk after earlier context needs an explicit mask, with which
-PyTorch's CPU flash attention computes the whole square of scores (measured in docs/benchmarks.md).
+PyTorch's CPU flash attention computes the whole square of scores (docs/benchmarks.md, "attention of
+prompt chunks: the kernel vs SDPA").
 The kernel in `csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the
 cache, in one call per layer: a short row once per (row, KV head) for all the queries of that head
 group (vLLM's CPU backend has a kernel of the same kind), a long one per (row, head) in tiles of
