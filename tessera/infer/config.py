@@ -137,8 +137,9 @@ class EngineConfig:
         "run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)", action="store_true"))
     # a model loaded from a directory (infer/cpu/linear.py)
     cpu_prepack: bool = field(default=True, metadata=flag(
-        "on CPU in float32, keep F.linear instead of oneDNN with the projection weights reordered once at load "
-        "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_false"))
+        "on CPU in float32, keep F.linear instead of the packed projections (the panel kernel, oneDNN where it does "
+        "not apply) with the weights reordered once at load (which holds a second copy of those weights)",
+        name="--no-cpu-prepack", action="store_false"))
     # Ranks the model is split over (tensor_parallel.py). 1: one process, as without the option.
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "

@@ -39,7 +39,7 @@ module's own output).
 A fused gate and up on the panel kernel also multiply as `FusedLinear.swiglu` (`panel_swiglu`): each
 thread computes a gate panel and its up panel over all rows and writes silu(gate) * up, so the
 [tokens, 2 x hidden] product is neither stored nor read back by a separate activation pass; the
-same bits as the product then the layer kernel's silu_mul. `cpu_layer_ops.fuse_layer_ops` installs
+same bits as the product then the layer kernel's silu_mul. `layer_ops.fuse_layer_ops` installs
 it at `FeedForward.fused_swiglu`. It gains most where a step has few rows and the separate pass
 would be a large share of its work, a decode step, and little on a prompt chunk, whose products
 dominate (docs/benchmarks/2026-11-28-serving-vs-vllm-9-prompt-attention-swiglu.md).
