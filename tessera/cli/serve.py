@@ -119,8 +119,12 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
 
 
 def _check_kv_options(args: argparse.Namespace, config: EngineConfig) -> bytes | None:
-    """Before the model loads: the KV peer secret a --kv-role instance needs (returned; refused
-    without one)."""
+    """Before the model loads: --kv-cache-dir usable (`private_directory`: created, private, writable),
+    and the KV peer secret a --kv-role instance needs (returned; refused without one)."""
+    if config.kv_cache_dir is not None:
+        from tessera.infer.scheduling.kv_tier_store import private_directory
+
+        private_directory(config.kv_cache_dir)
     secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key)
     if args.kv_role is None:
         if args.kv_peer_secret_file is not None:
