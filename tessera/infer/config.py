@@ -162,8 +162,8 @@ class EngineConfig:
     # prefill/decode disaggregation (kv_transfer.py)
     kv_role: str | None = field(default=None, metadata=flag(
         "prefill/decode disaggregation behind `tessera router`: 'prefill' hands out the KV blocks of the prompts "
-        "it computes, 'decode' takes them into its host tier (needs --kv-offload-gib); beyond loopback it needs "
-        "--api-key (None: neither)", choices=("prefill", "decode")))
+        "it computes, 'decode' takes them into its host tier (needs --kv-offload-gib); both need the KV peer secret "
+        "(--kv-peer-secret-file), and beyond loopback --api-key (None: neither)", choices=("prefill", "decode")))
     # Multimodal items per prompt, by modality (vLLM's --limit-mm-per-prompt): {"image": N} allows at
     # most N images in one request (0: none); a modality left out is bounded by the context length only.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict, metadata=flag(
