@@ -2,7 +2,8 @@
 OpenAI-compatible front for a prefill instance (`tessera serve DIR --kv-role prefill`) and a decode
 instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same model
 (`tessera.infer.api.router`), until interrupted. The three share a KV peer secret
-(`--kv-peer-secret-file FILE` or $TESSERA_KV_PEER_SECRET; kv_peer.py)."""
+(`--kv-peer-secret-file FILE` or $TESSERA_KV_PEER_SECRET; without either, when all three listen and
+call on loopback, their user's own: kv_peer.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import sys
+import urllib.parse
 
 from tessera.cli.listening import add_listen_arguments, listen_sockets
 from tessera.config.argument_types import positive_float, text
@@ -36,11 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
-    from tessera.infer.api.http_guards import allowed_hosts
+    from tessera.infer.api.http_guards import allowed_hosts, is_loopback
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
-    kv_peer_secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key)
+    backends = [urllib.parse.urlsplit(url).hostname or "" for url in (args.prefill, args.decode)]
+    on_loopback = all(is_loopback(h) for h in [args.host, *backends])
+    kv_peer_secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key, on_loopback)
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn

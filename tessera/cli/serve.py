@@ -125,12 +125,14 @@ def _check_kv_options(args: argparse.Namespace, config: EngineConfig) -> bytes |
         from tessera.infer.scheduling.kv_tier_store import private_directory
 
         private_directory(config.kv_cache_dir)
-    secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key)
     if args.kv_role is None:
         if args.kv_peer_secret_file is not None:
             raise ConfigError("--kv-peer-secret-file has no effect without --kv-role")
         return None
-    return require_peer_secret(secret, f"--kv-role {args.kv_role}")
+    from tessera.infer.api.http_guards import is_loopback
+
+    secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key, on_loopback=is_loopback(args.host))
+    return require_peer_secret(secret, f"--kv-role {args.kv_role} on --host {args.host}")
 
 
 def run(args: argparse.Namespace) -> int:

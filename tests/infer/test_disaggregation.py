@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tessera.config.errors import ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.scheduling.kv_peer import PEER_SECRET_ENV, PEER_SIGNATURE_HEADER, sign_prefill_request
 from tests.hang_guard import HANG_S
@@ -186,7 +187,7 @@ def test_a_kv_header_nested_too_deeply_is_a_400(peers):
 
 
 @pytest.mark.parametrize("secret, fragment", [
-    (None, "--kv-role decode needs a KV peer secret"),
+    (None, "--kv-role decode on --host 0.0.0.0 needs a KV peer secret"),
     ("short", "the KV peer secret has 5 bytes, at least 16"),
     (API_KEY, "the KV peer secret must differ from --api-key"),
     ("file:644", "other users may read or change it (mode 644; chmod 600 it)"),
@@ -197,7 +198,7 @@ def test_kv_roles_start_only_with_a_peer_secret(llama, tmp_path, monkeypatch, ca
 
     monkeypatch.delenv(PEER_SECRET_ENV, raising=False)
     argv = ["serve", str(llama[0]), "--port", "0", "--api-key", API_KEY, "--kv-role", "decode",
-            "--kv-offload-gib", "0.01"]
+            "--kv-offload-gib", "0.01", "--host", "0.0.0.0"]  # beyond loopback: no user's own secret
     if secret is not None and secret.startswith("file:"):
         path = tmp_path / "secret"
         if secret == "file:fifo":
@@ -213,10 +214,31 @@ def test_kv_roles_start_only_with_a_peer_secret(llama, tmp_path, monkeypatch, ca
     assert fragment in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_processes_on_loopback_share_their_users_own_secret(tmp_path, monkeypatch):
+    """Without a secret given, instances and a router that all listen and call on loopback (the
+    README's one-machine example, as it ran before secrets existed) read one made once for their
+    user, in a file only that user can read; none is made for a process beyond loopback."""
+    from tessera.infer.scheduling.kv_peer import local_secret_file, read_kv_peer_secret
+
+    monkeypatch.delenv(PEER_SECRET_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert read_kv_peer_secret(None, API_KEY, on_loopback=False) is None
+    assert not local_secret_file().exists()
+    first = read_kv_peer_secret(None, API_KEY, on_loopback=True)
+    assert len(first) >= 32 and read_kv_peer_secret(None, API_KEY, on_loopback=True) == first
+    assert local_secret_file().stat().st_mode & 0o777 == 0o600
+    assert local_secret_file().parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in local_secret_file().parent.iterdir()] == ["kv-peer-secret"]
+    local_secret_file().chmod(0o644)  # loosened by hand: refused as a given file would be
+    with pytest.raises(ConfigError, match="other users may read or change it"):
+        read_kv_peer_secret(None, API_KEY, on_loopback=True)
+
+
 def test_the_router_starts_only_with_a_peer_secret(monkeypatch, capsys):
     from tessera.cli import main
 
     monkeypatch.delenv(PEER_SECRET_ENV, raising=False)
-    assert main(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"]) == 2
+    # a backend beyond loopback: the router cannot share its user's own secret with it
+    assert main(["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://10.0.0.2:2", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "tessera router needs a KV peer secret" in err and len(err.strip().splitlines()) == 1, err

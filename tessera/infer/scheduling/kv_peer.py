@@ -13,7 +13,11 @@ computes for its tokens.
 
 `tessera serve --kv-role` and `tessera router` read the secret from a file (`--kv-peer-secret-file
 FILE`, readable by its owner only, as an SSH key is) or from $TESSERA_KV_PEER_SECRET; never from the
-command line, which every user of the machine can read (`ps`); without one they refuse to start
+command line, which every user of the machine can read (`ps`). Given neither, processes that all
+listen and call on loopback (the three of the README's example on one machine) share their user's
+own secret (`local_peer_secret`: made once, 32 random bytes, in a file only that user can read), so
+the commands of a one-machine deployment run as they always did while no API client holds the
+secret; a process listening or calling beyond loopback without one refuses to start
 (`require_peer_secret`). This module imports no torch (`tessera serve --help` reads it).
 """
 
@@ -23,7 +27,9 @@ import argparse
 import hashlib
 import hmac
 import os
+import secrets
 import stat
+from pathlib import Path
 
 from tessera.config.errors import ConfigError, TesseraError
 
@@ -70,8 +76,42 @@ def require_peer_secret(secret: bytes | None, who: str) -> bytes:
     if not secret:
         raise ConfigError(f"{who} needs a KV peer secret, shared by the prefill instance, the decode instance and "
                           "the router and held by no API client (KV blocks are taken only from a peer holding it): "
-                          f"give --kv-peer-secret-file FILE or set ${PEER_SECRET_ENV}")
+                          f"give --kv-peer-secret-file FILE or set ${PEER_SECRET_ENV} (processes that all listen "
+                          "and call on loopback share their user's own without either)")
     return secret
+
+
+def local_secret_file() -> Path:
+    """Where this user's own KV peer secret lives: $XDG_CONFIG_HOME (~/.config)/tessera/kv-peer-secret."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tessera" / "kv-peer-secret"
+
+
+def local_peer_secret() -> bytes:
+    """This user's own KV peer secret, for a deployment whose processes all listen and call on
+    loopback: read from `local_secret_file()`, made there first if missing (written whole to a private
+    temporary file, then linked into place, so a process starting at the same moment reads either
+    nothing, and makes its own link attempt, or the whole secret)."""
+    path = local_secret_file()
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not path.exists():
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secrets.token_hex(32).encode())
+            finally:
+                os.close(fd)
+            try:
+                os.link(temporary, path)
+            except FileExistsError:  # another process made it first: theirs is the one
+                pass
+            finally:
+                temporary.unlink()
+    except OSError as e:
+        raise ConfigError(f"the KV peer secret of this user could not be made at {str(path)!r} ({e.strerror or e}); "
+                          f"give --kv-peer-secret-file FILE or set ${PEER_SECRET_ENV}") from None
+    return _read_secret_file(str(path), "this user's KV peer secret")
 
 
 def add_kv_peer_argument(p: argparse.ArgumentParser, who: str) -> None:
@@ -81,17 +121,19 @@ def add_kv_peer_argument(p: argparse.ArgumentParser, who: str) -> None:
                         f"${PEER_SECRET_ENV})")
 
 
-def read_kv_peer_secret(file: str | None, api_key: str | None) -> bytes | None:
-    """The secret in `file`, else in $TESSERA_KV_PEER_SECRET (None: neither is given); ConfigError,
-    one line, for one shorter than MIN_SECRET_BYTES or equal to the API key, or a file that is not a
-    regular file its owner alone can read."""
+def read_kv_peer_secret(file: str | None, api_key: str | None, on_loopback: bool = False) -> bytes | None:
+    """The secret in `file`, else in $TESSERA_KV_PEER_SECRET, else, for a process that listens and
+    calls on loopback only (`on_loopback`), this user's own (`local_peer_secret`); None: none of them.
+    ConfigError, one line, for one shorter than MIN_SECRET_BYTES or equal to the API key, or a file
+    that is not a regular file its owner alone can read."""
     if file is not None:
         source, secret = f"--kv-peer-secret-file {file!r}", _read_secret_file(file)
+    elif os.environ.get(PEER_SECRET_ENV) is not None:
+        source, secret = f"${PEER_SECRET_ENV}", os.fsencode(os.environ[PEER_SECRET_ENV]).strip()
+    elif on_loopback:
+        source, secret = str(local_secret_file()), local_peer_secret()
     else:
-        value = os.environ.get(PEER_SECRET_ENV)
-        if value is None:
-            return None
-        source, secret = f"${PEER_SECRET_ENV}", os.fsencode(value).strip()
+        return None
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(f"{source}: the KV peer secret has {len(secret)} bytes, at least {MIN_SECRET_BYTES} are "
                           "needed (make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
@@ -100,8 +142,8 @@ def read_kv_peer_secret(file: str | None, api_key: str | None) -> bytes | None:
     return secret
 
 
-def _read_secret_file(file: str) -> bytes:
-    invalid = f"--kv-peer-secret-file {file!r} is invalid"
+def _read_secret_file(file: str, what: str = "--kv-peer-secret-file") -> bytes:
+    invalid = f"{what} {file!r} is invalid"
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not hold the start
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
