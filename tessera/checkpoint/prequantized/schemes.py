@@ -34,6 +34,7 @@ from tessera.models.stored_quant import (
 
 METHODS = ("compressed-tensors", "fp8")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+FORMAT_TYPES = {"int-quantized": "int", "float-quantized": "float"}  # the weights' `type` each format stores
 Factory = Callable[..., object]  # (in_features, out_features, bias, dtype) -> StoredQuantLinear
 
 
@@ -88,6 +89,8 @@ def ct_factory(group: dict, fmt: str | None, in_features: int, source: str, g_id
         _need(act is None, source, "pack-quantized with input_activations", "pack-quantized weight-only (W4A16, W8A16)")
         return partial(PackedIntLinear, **_packed(w, in_features, source, g_idx))
     _need(w.get("num_bits") == 8, source, f"{fmt} weights num_bits={w.get('num_bits')}", "8-bit weights")
+    _need(FORMAT_TYPES.get(fmt, kind) == kind, source, f"format {fmt} with weights type={kind!r}",
+          "float-quantized formats of float (e4m3) weights and int-quantized ones of int8 weights")
     if kind == "int":
         _need(strategy in ("channel", "tensor"), source, f"int8 weight strategy={strategy!r}", "channel or tensor")
         return partial(IntQuantizedLinear, per_channel=strategy == "channel",
