@@ -153,6 +153,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     import uvicorn
 
     from tessera.infer.api.server import create_app
+    from tessera.infer.api.shutdown import EndCancelledRequests
 
     config, hosts = _check_server_options(args)
     kv_peer_secret = _check_kv_options(args, config)
@@ -167,8 +168,10 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=bound_port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    # a request still running when the graceful shutdown gives up ends in a 503 and a line, not a traceback
+    server = uvicorn.Server(uvicorn.Config(EndCancelledRequests(app), host=args.host, port=bound_port,
+                                           log_level=args.log_level, access_log=False,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     reason = _run_until_done(server, socks, loop)
     if reason is not None:
         print(f"tessera serve: error: {reason}; the server shut down (exit status {FAILED})", file=sys.stderr,
