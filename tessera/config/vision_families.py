@@ -24,7 +24,7 @@ registries, by the model's `family`.
 
 Adding a family "x":
 1. tessera/config/x.py: `XConfig` and its functions (config.json both ways, from_section, the
-   layouts it refuses); its line in `REGISTRY` below.
+   layouts it refuses); its line in `REGISTRY` below (its title and loader for messages, then those).
 2. tessera/models/vision/x.py: `X(VisionLanguageModel)`, with `encode_images`, `forward` and the answers
    whose default it changes (`image_input` always).
 3. tessera/data/x_image_processor.py: its image processor; its samples function in
