@@ -1,4 +1,4 @@
 """The terms of the training objective: the token loss normalised over the global batch (loss.py),
-knowledge distillation from a frozen teacher (distill_loss.py, teacher.py) and hidden-state
-matching (hidden_match.py).
+knowledge distillation from a frozen teacher (distill_loss.py, teacher.py), hidden-state
+matching (hidden_match.py), and the DPO mode's loss on preference pairs (preference_loss.py).
 """
