@@ -24,16 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config.errors import ConfigError
-from tessera.train.objectives.loss import IGNORE_INDEX
+from tessera.train.objectives.loss import IGNORE_INDEX, token_logps
 
 
 def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 [R] sum of each row's answer-token log-probabilities, int64 [R] its answer tokens) of
     logits [R, S, V] and targets [R, S] (IGNORE_INDEX outside the answer)."""
-    R, S, V = logits.shape
-    token_logps = -F.cross_entropy(logits.float().reshape(R * S, V), targets.reshape(R * S),
-                                   ignore_index=IGNORE_INDEX, reduction="none")
-    return token_logps.view(R, S).sum(-1), (targets != IGNORE_INDEX).sum(-1)
+    return token_logps(logits, targets).sum(-1), (targets != IGNORE_INDEX).sum(-1)
 
 
 @dataclass
