@@ -65,7 +65,11 @@ def _media_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-bytes", type=int_in(1, 2**31), default=20 * 2**20, metavar="N",
                    help="largest encoded image read from a url, data: url or file (default 20 MiB)")
     p.add_argument("--media-fetch-timeout", type=positive_float(3600.0), default=10.0, metavar="S",
-                   help="seconds an http(s) image fetch may wait on the network (default 10)")
+                   help="seconds one http(s) image fetch may take in all: connecting, the answer's head and "
+                        "its whole body (a host that sends slowly is cut off too; default 10)")
+    p.add_argument("--max-media-fetches", type=int_in(1, 4096), default=16, metavar="N",
+                   help="http(s) image fetches in flight at once, over all requests; a request that would start "
+                        "one more gets 503 at once (default 16)")
 
 
 def _adapter_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,7 +90,8 @@ def media_policy(args: argparse.Namespace):
     from tessera.infer.api.media import MediaPolicy
 
     domains = [d for item in args.allowed_media_domains for d in item.split(",") if d]
-    return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout)
+    return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout,
+                       args.max_media_fetches)
 
 
 def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, frozenset[str] | None]:
