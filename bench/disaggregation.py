@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -34,9 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.stream_client import free_port, one_request, percentile  # noqa: E402
 
+KV_PEER_SECRET = secrets.token_hex(32)  # shared by the pair and the router (tessera/infer/scheduling/kv_peer.py)
+
 
 def start(argv: list[str], threads: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
+           "TESSERA_KV_PEER_SECRET": KV_PEER_SECRET}
     return subprocess.Popen([sys.executable, "-m", "tessera", *argv, "--log-level", "warning"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -1,7 +1,8 @@
 """Calibration data for the passes that measure a model before changing it (pruning's importance,
 GPTQ's and SmoothQuant's statistics): token sequences cut from text files or the bundled corpus, in
-the model directory's own tokenizer, and the dtype a directory stores its weights in (what the
-changed model is written back as).
+the model directory's own tokenizer; the dtype a directory stores its weights in (what the changed
+model is written back as); and the check both make of the source's weights before any work (every
+one finite).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tessera.checkpoint.hf.slices import HFSliceReader
 from tessera.checkpoint.loading import trained_tokenizer
 from tessera.config.dtypes import DTYPES, torch_dtype
-from tessera.config.errors import DataError
+from tessera.config.errors import ConfigError, DataError
 from tessera.data.corpus import select_stdlib_files
 from tessera.data.documents import expand_inputs, iter_text_documents
 from tessera.data.tokenizer import load_tokenizer
@@ -60,3 +62,17 @@ def stored_dtype(hf: dict) -> torch.dtype:
     """The dtype a HuggingFace config.json says its weights are stored in (fp32 when it names none)."""
     name = hf.get("torch_dtype") or hf.get("dtype")
     return torch_dtype(name) if name in DTYPES else torch.float32
+
+
+def check_finite_weights(command: str, src: str | os.PathLike, cfg) -> None:
+    """Refuse (ConfigError, naming the tensor and its file) a source one of whose weights that the
+    model reads holds a NaN or an infinity: quantizing or pruning it would write a model that
+    computes NaN (GPTQ's Cholesky factorization fails on it). Read tensor by tensor, before any work."""
+    reader = HFSliceReader(src, cfg)
+    stored = reader.files.keys()
+    for key in sorted({k for keys in reader.names.values() for k in keys if k in stored}):
+        finite = torch.isfinite(reader.files.get(key))
+        if not bool(finite.all()):
+            raise ConfigError(f"{command}: {str(src)!r}: tensor {key!r} (in {reader.files.files[key].name}) is not "
+                              f"finite ({int((~finite).sum())} of its {finite.numel()} values are NaN or infinite); "
+                              f"refusing to {command} a damaged model")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from tessera.config.argument_types import int_in, positive_float, temperature
 from tessera.config.errors import ConfigError
@@ -94,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     from tessera.eval.suite import parse_tasks
 
     tasks = parse_tasks(args.tasks)
+    if args.output is not None:
+        from tessera.eval.report import check_output
+
+        check_output(args.output)  # now, not after the whole evaluation
     if args.nproc is not None:
         return _launch_ranks(args, tasks)
     from tessera.parallel.jobs.launch import rank_env, shutdown_distributed
@@ -111,11 +114,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(report.table())
     if args.output is not None:
-        from tessera.data.atomic_write import atomic_output
+        from tessera.eval.report import write_output
 
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(out) as tmp:
-            tmp.write_text(report.dumps())
-        print(f"results written to {out}", file=sys.stderr)
+        write_output(report, args.output)
+        print(f"results written to {args.output}", file=sys.stderr)
     return 0

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.loading import load_model, model_tokenizer
+    from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.engine.llm import LLM
     from tessera.infer.engine.reference_generation import reference_generate
@@ -94,7 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
     if room < 1:
         raise ConfigError(f"--prompt is {len(prompt_ids)} tokens; the model takes at most {model.cfg.max_seq_len} "
                           "positions, leaving none to generate: shorten the prompt")
-    stop = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    stop = sorted(eos_token_ids(args.checkpoint, tokenizer, model.cfg.vocab_size))  # as serving stops, checked
     params = _sampling_params(args, min(args.max_new_tokens, room), stop)
     if args.no_cache:
         new = reference_generate(model, prompt_ids, params, use_cache=False)

@@ -42,10 +42,10 @@ def add_calibration_arguments(p: argparse.ArgumentParser, purpose: str) -> None:
     p.add_argument("--calibration", action="append", default=None, metavar="DATA",
                    help=f"text / JSONL files or directories {purpose} (repeatable; None: the bundled corpus, the "
                         "Python standard library's source)")
-    p.add_argument("--calibration-sequences", type=int_in(1, 1_000_000), default=16, metavar="N",
-                   help="calibration sequences")
-    p.add_argument("--calibration-length", type=int_in(1, 1_000_000), default=256, metavar="S",
-                   help="tokens per calibration sequence (at most the model's context)")
+    p.add_argument("--calibration-sequences", type=int_in(1, 1_000_000), default=None, metavar="N",
+                   help="calibration sequences (None: 16)")
+    p.add_argument("--calibration-length", type=int_in(1, 1_000_000), default=None, metavar="S",
+                   help="tokens per calibration sequence, at most the model's context (None: 256)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,8 @@
 """`tessera quantize SRC DST --method gptq|smoothquant|fp8|rtn [--calibration DATA ...]`: a HuggingFace
 directory quantized once and written as a HuggingFace directory in compressed-tensors format
-(tessera/quantize), which vLLM and transformers load."""
+(tessera/quantize), which vLLM and transformers load. Each option says which methods it applies to;
+given to another method (`--alpha` with gptq, `--dampening` with smoothquant, `--actorder` with
+rtn) it is refused naming both, exit 2, rather than ignored."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", required=True, choices=METHODS,
                    help="gptq / rtn: int weights, group-wise (W4A16 by default); smoothquant: W8A8 int8 with "
                         "smoothing; fp8: e4m3 weights and activations (FP8_DYNAMIC)")
-    add_calibration_arguments(p, "to calibrate gptq and smoothquant on")
+    add_calibration_arguments(p, "to calibrate gptq and smoothquant on")  # each refused with rtn and fp8
     p.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="rtn, gptq: weight bits (None: 4)")
     p.add_argument("--group-size", type=int_in(0, 1 << 20), default=None, metavar="G",
@@ -33,10 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "channel (None: 128)")
     p.add_argument("--actorder", action="store_true",
                    help="gptq: quantize columns by decreasing Hessian diagonal (groups and layout unchanged)")
-    p.add_argument("--dampening", type=_fraction, default=0.01, metavar="F",
-                   help="gptq: fraction of the Hessian's mean diagonal added to its diagonal")
-    p.add_argument("--alpha", type=_fraction, default=0.5, metavar="A",
-                   help="smoothquant: migration strength (s = max|X|^A / max|W|^(1-A))")
+    p.add_argument("--dampening", type=_fraction, default=None, metavar="F",
+                   help="gptq: fraction of the Hessian's mean diagonal added to its diagonal (None: 0.01)")
+    p.add_argument("--alpha", type=_fraction, default=None, metavar="A",
+                   help="smoothquant: migration strength, s = max|X|^A / max|W|^(1-A) (None: 0.5)")
 
 
 def run(args: argparse.Namespace) -> int:

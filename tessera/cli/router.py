@@ -1,7 +1,9 @@
 """`tessera router --prefill URL --decode URL [--host 127.0.0.1] [--port P] [--api-key K]`: an
 OpenAI-compatible front for a prefill instance (`tessera serve DIR --kv-role prefill`) and a decode
 instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same model
-(`tessera.infer.api.router`), until interrupted."""
+(`tessera.infer.api.router`), until interrupted. The three share a KV peer secret
+(`--kv-peer-secret-file FILE` or $TESSERA_KV_PEER_SECRET; without either, when all three listen and
+call on loopback, their user's own: kv_peer.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import argparse
 import contextlib
 import logging
 import sys
+import urllib.parse
 
 from tessera.cli.listening import add_listen_arguments, listen_sockets
 from tessera.config.argument_types import positive_float, text
+from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,16 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=positive_float(3600), default=30.0, metavar="S",
                    help="seconds the prefill and the transfer of one request may take before the decode instance "
                         "computes the prompt itself")
+    add_kv_peer_argument(p, "the router and both instances")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the router's log level (failed prefills are warnings)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
-    from tessera.infer.api.http_guards import allowed_hosts
+    from tessera.infer.api.http_guards import allowed_hosts, is_loopback
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
+    backends = [urllib.parse.urlsplit(url).hostname or "" for url in (args.prefill, args.decode)]
+    on_loopback = all(is_loopback(h) for h in [args.host, *backends])
+    kv_peer_secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key, on_loopback)
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
@@ -44,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         from tessera.infer.api.router import create_router
 
         app = create_router(args.prefill, args.decode, args.prefill_timeout, args.api_key, hosts,
-                            args.max_request_bytes)
+                            args.max_request_bytes, kv_peer_secret=kv_peer_secret)
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} (prefill {args.prefill}, "
               f"decode {args.decode})", file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],

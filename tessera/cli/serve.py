@@ -21,6 +21,7 @@ from tessera.cli.listening import add_listen_arguments, listen_sockets
 from tessera.config.argument_types import int_in, positive_float, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.infer.config import EngineConfig
+from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret, require_peer_secret
 
 # Seconds requests in flight get to finish when the server shuts down (Ctrl-C, or an engine that failed).
 GRACEFUL_SHUTDOWN_S = 10
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     The engine's are `EngineConfig`'s, declared with its fields (tessera/infer/config.py)."""
     _http_arguments(parser)
     EngineConfig.add_arguments(parser)
+    add_kv_peer_argument(parser, "this --kv-role instance, its peer and the router")
     parser.add_argument("--no-cpu-keep-freed", dest="cpu_keep_freed", action="store_false",
                         help="on CPU, leave the C library's allocator as it is instead of keeping freed activation "
                              "memory in the process for the next step (tessera/infer/cpu/memory.py)")
@@ -102,7 +104,7 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
     check_api_key(args.api_key)
     if args.kv_role is not None and not is_loopback(args.host) and args.api_key is None:
         raise ConfigError(f"--kv-role {args.kv_role} on --host {args.host} (beyond this machine) needs --api-key: "
-                          "KV blocks are taken only from peers that present the shared key")
+                          "its routes would answer anyone who can reach it")
     if args.max_request_bytes < 1:
         raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
     if args.allow_runtime_lora and not args.lora_modules_dir:
@@ -119,6 +121,23 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
     if args.allowed_local_media_path is not None and not Path(args.allowed_local_media_path).is_dir():
         raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a directory")
     return config, allowed_hosts(args.allowed_hosts, args.host)
+
+
+def _check_kv_options(args: argparse.Namespace, config: EngineConfig) -> bytes | None:
+    """Before the model loads: --kv-cache-dir usable (`private_directory`: created, private, writable),
+    and the KV peer secret a --kv-role instance needs (returned; refused without one)."""
+    if config.kv_cache_dir is not None:
+        from tessera.infer.scheduling.kv_tier_store import private_directory
+
+        private_directory(config.kv_cache_dir)
+    if args.kv_role is None:
+        if args.kv_peer_secret_file is not None:
+            raise ConfigError("--kv-peer-secret-file has no effect without --kv-role")
+        return None
+    from tessera.infer.api.http_guards import is_loopback
+
+    secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key, on_loopback=is_loopback(args.host))
+    return require_peer_secret(secret, f"--kv-role {args.kv_role} on --host {args.host}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,21 +158,25 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     import uvicorn
 
     from tessera.infer.api.server import create_app
+    from tessera.infer.api.shutdown import EndCancelledRequests
 
     config, hosts = _check_server_options(args)
+    kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
     loop = _start_engine(args, config)
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
-                     kv_role=args.kv_role, media=media_policy(args))
+                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret)
     engine = loop.engine
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "
           f"{'any' if hosts is None else ','.join(sorted(hosts))})", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=bound_port, log_level=args.log_level,
-                                           access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    # a request still running when the graceful shutdown gives up ends in a 503 and a line, not a traceback
+    server = uvicorn.Server(uvicorn.Config(EndCancelledRequests(app), host=args.host, port=bound_port,
+                                           log_level=args.log_level, access_log=False,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     reason = _run_until_done(server, socks, loop)
     if reason is not None:
         print(f"tessera serve: error: {reason}; the server shut down (exit status {FAILED})", file=sys.stderr,

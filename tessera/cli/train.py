@@ -94,10 +94,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         result, coordinator, closing = _train(args, cfg, progress)
     except Exception as e:
+        error = _lost_peer(e) or e  # a peer that ended under a collective outside any phase: one line too
         if progress is not None:
-            progress.failed(f"{type(e).__name__}: {e}")
+            progress.failed(f"{type(error).__name__}: {error}")
+        if error is not e:
+            raise error from e
         raise
     return _summarize(cfg, result, coordinator, closing)
+
+
+def _lost_peer(error: Exception):
+    from tessera.parallel.jobs.collective_timeout import lost_peer
+    from tessera.parallel.jobs.launch import rank_env
+
+    env = rank_env()
+    return lost_peer(error, env.rank, env.world_size)
 
 
 def _train(args: argparse.Namespace, cfg, progress):

@@ -7,6 +7,9 @@ in sorted order, so the same tree always yields the same documents in the same o
   one (`text_mode="line"`). Files must be UTF-8.
 - `.jsonl`: one JSON object per line; blank lines are skipped. Pretraining reads the string field
   `jsonl_field` (default `"text"`); supervised fine-tuning reads whole records.
+
+A file that holds no document (empty, or only blank lines / whitespace) is refused naming it
+(DataError), whether named or found in a directory: it is a file that was meant to hold data.
 """
 
 from __future__ import annotations
@@ -56,9 +59,17 @@ def _decode(raw: bytes, where: str) -> str:
         raise DataError(f"{where}: not valid UTF-8 at byte {error.start}") from error
 
 
+def _no_documents(path: Path) -> DataError:
+    """An input file that holds nothing: refused by name where it enters (preprocessing, training,
+    calibration), since a dataset silently built without it, or of nothing, trains on the wrong data."""
+    return DataError(f"{path}: no documents found: the file is empty or holds only blank lines; remove it from the "
+                     "inputs or fill it")
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any], int]]:
-    """`(line_number, record, size_in_bytes)` for each non-blank line of a JSONL file."""
+    """`(line_number, record, size_in_bytes)` for each non-blank line of a JSONL file (at least one)."""
     skipped = 0  # bytes of blank lines, reported with the next record so progress adds up
+    records = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             line = _decode(raw, f"{path}:{number}")
@@ -68,8 +79,11 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any], int]]:
             record = parse_json(line, f"{path}:{number}", DataError)
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number}: expected a JSON object, found {type(record).__name__}")
+            records += 1
             yield number, record, len(raw) + skipped
             skipped = 0
+    if not records:
+        raise _no_documents(path)
 
 
 def iter_text_documents(paths: Sequence[Path], *, jsonl_field: str = "text",
@@ -90,14 +104,25 @@ def iter_text_documents(paths: Sequence[Path], *, jsonl_field: str = "text",
                 yield text, size
         elif text_mode == "document":
             raw = path.read_bytes()
-            yield _decode(raw, str(path)), len(raw)
+            text = _decode(raw, str(path))
+            if not text.strip():
+                raise _no_documents(path)
+            yield text, len(raw)
         else:
-            skipped = 0
-            with open(path, "rb") as f:
-                for number, raw in enumerate(f, start=1):
-                    line = _decode(raw, f"{path}:{number}").rstrip("\r\n")
-                    if line.strip():
-                        yield line, len(raw) + skipped
-                        skipped = 0
-                    else:
-                        skipped += len(raw)
+            yield from _lines(path)
+
+
+def _lines(path: Path) -> Iterator[tuple[str, int]]:
+    """`(line, size_in_bytes)` for each non-blank line of a text file (at least one)."""
+    skipped = lines = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw, f"{path}:{number}").rstrip("\r\n")
+            if line.strip():
+                lines += 1
+                yield line, len(raw) + skipped
+                skipped = 0
+            else:
+                skipped += len(raw)
+    if not lines:
+        raise _no_documents(path)

@@ -83,8 +83,6 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                 flush()
         if batch:
             flush()
-        if documents == 0:  # raised inside the block, so nothing is written
-            raise DataError(f"no documents found in {', '.join(str(p) for p in files)}")
         tokens = writer.num_tokens
         if tokens == 0:
             raise DataError(f"the {documents} documents of {', '.join(str(p) for p in files)} hold no tokens "

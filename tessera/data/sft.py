@@ -126,8 +126,6 @@ def preprocess_sft(inputs: Sequence[str | os.PathLike], output_prefix: str | os.
                 documents += 1
                 loss_tokens += sum(mask)
                 progress.update(size)
-        if documents == 0:
-            raise DataError(f"no records found in {', '.join(str(p) for p in files)}")
         tokens = token_writer.num_tokens
     return PreprocessStats(output_prefix=os.fspath(output_prefix), files=len(files), documents=documents,
                            tokens=tokens, input_bytes=total_bytes, seconds=time.perf_counter() - start,

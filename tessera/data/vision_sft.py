@@ -205,8 +205,6 @@ def _load(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, encode: Ima
             pad = seq_len + 1 - len(ids)
             samples.append(VisionSample(np.array(ids + [0] * pad, dtype=np.int64),
                                         np.array(mask + [0] * pad, dtype=bool), pixels, grids))
-    if not samples:
-        raise DataError(f"no conversations found in {', '.join(str(p) for p in inputs)}")
     return samples
 
 

@@ -6,12 +6,15 @@
 
 A program is untrusted: code a model wrote. `sandbox_init.py` runs it in a fresh interpreter inside
 new user, mount, network and pid namespaces: every mount read-only, a size-limited tmpfs as its
-working directory (the only place it can write), no network interface up, no capability left, and
+working directory (the only place it can write), no network interface up, no capability left, a
+system-call filter that opens sockets of the inet families only (a Unix-domain socket of the host
+shows through the read-only file system, and vsock or netlink reach past any network namespace), and
 rlimits on CPU time, address space, file size, open files and processes (the process limit binds
 inside a user namespace, so a fork bomb stops there); a wall-clock limit ends its pid namespace,
-which kills every process it started. So it cannot touch the caller's files, reach the network,
-exhaust the machine's processes or outlive its time. It can read what the caller can read; nothing
-it reads can leave except its pass/fail verdict and the tail of its stderr.
+which kills every process it started. So it cannot touch the caller's files, reach the network or
+the host's local services, exhaust the machine's processes or outlive its time. It can read what
+the caller can read; nothing it reads can leave except its pass/fail verdict and the tail of its
+stderr.
 
 Where user namespaces are unavailable (a container that forbids them, a kernel built without
 them), `Sandbox` refuses with `EvaluationError` unless it was made with `allow_unsandboxed=True`

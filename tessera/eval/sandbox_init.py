@@ -17,7 +17,9 @@ pid, IPC and UTS namespace and forks the new pid namespace's init (pid 1), which
 1. makes every mount private and remounts each one read-only (keeping its locked nosuid / nodev /
    noexec / atime flags), then mounts a fresh /proc (only the namespace's processes) and a tmpfs
    of `scratch_bytes` on /tmp (or, where the interpreter lives under /tmp, the first of /var/tmp,
-   /dev/shm, /mnt that holds none of it), the program's working directory: the only place it can write;
+   /dev/shm, /mnt that holds none of it), the program's working directory: the only place it can write,
+   and installs a system-call filter (seccomp: no socket but AF_INET / AF_INET6, no io_uring, no
+   other ABI) that it and everything it starts inherit;
 2. forks the program (pid 2) with rlimits (CPU seconds, address space, file size, open files,
    processes, no core dumps), its capabilities in the namespace dropped for good (securebits
    NOROOT, empty bounding set, no_new_privs), so that it cannot undo a mount, and stdin / stdout /
@@ -41,8 +43,10 @@ sandbox contains code, it does not certify an adversary's score.
 """
 
 import ctypes
+import errno
 import json
 import os
+import platform
 import resource
 import shutil
 import signal
@@ -60,6 +64,18 @@ MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noa
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# The system-call filter of the namespace (seccomp, inherited by every process it starts). socket() is
+# allowed for AF_INET and AF_INET6 only, which the namespace's network (a loopback, down) contains; any
+# other family fails with EAFNOSUPPORT: AF_UNIX above all, since the read-only view of the file system
+# still shows the host's path sockets and connect() needs no write to a file system, and AF_VSOCK,
+# AF_NETLINK and the rest, which no network namespace contains. io_uring (it makes and connects sockets
+# without socket()) and every system call of another ABI (x32, 32-bit compat: socketcall) fail with
+# ENOSYS. socketpair() stays: its two ends reach nothing else. Per machine: (AUDIT_ARCH, socket,
+# io_uring_setup); on another machine there is no filter, and so no sandbox ("unavailable").
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6
+X32_SYSCALL_BIT = 0x40000000
 # SECBIT_NOROOT (+ locked): execve gives uid 0 no capabilities; NO_SETUID_FIXUP and KEEP_CAPS locked
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -175,6 +191,38 @@ def _read_only_world(scratch: str, scratch_bytes: int) -> None:
     _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch_bytes},mode=0700")
 
 
+class SockFprog(ctypes.Structure):
+    """struct sock_fprog: a filter's length and its instructions."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _filter_program() -> list[tuple[int, int, int, int]]:
+    """The classic-BPF filter (code, jt, jf, k) over struct seccomp_data (nr at 0, arch at 4, args[0]
+    at 16) that SECCOMP_ARCHES describes. Raises OSError on a machine it does not know."""
+    machine = platform.machine()
+    if machine not in SECCOMP_ARCHES or sys.byteorder != "little":
+        raise OSError(f"no system-call filter for this machine ({machine}): generated code could reach the "
+                      "host's Unix-domain sockets")
+    arch, socket_nr, io_uring_nr = SECCOMP_ARCHES[machine]
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+    return [(load, 0, 0, 4), (jeq, 0, 9, arch),  # another ABI: ENOSYS (the last instruction)
+            (load, 0, 0, 0), (jge, 7, 0, X32_SYSCALL_BIT), (jeq, 6, 0, io_uring_nr),
+            (jeq, 0, 4, socket_nr),  # not socket(): allowed
+            (load, 0, 0, 16), (jeq, 2, 0, SOCKET_FAMILIES[0]), (jeq, 1, 0, SOCKET_FAMILIES[1]),
+            (ret, 0, 0, deny | errno.EAFNOSUPPORT), (ret, 0, 0, allow), (ret, 0, 0, deny | errno.ENOSYS)]
+
+
+def _filter_system_calls() -> None:
+    """Install the filter on this process (pid 1), so that everything it starts inherits it."""
+    program = _filter_program()
+    filters = (ctypes.c_uint64 * len(program))(*(code | jt << 16 | jf << 24 | k << 32 for code, jt, jf, k in program))
+    fprog = SockFprog(len(program), ctypes.addressof(filters))
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
+
+
 def _limit(request: dict) -> None:
     """The program's rlimits (set in pid 2, inherited by whatever it starts)."""
     cpu = max(1, int(request["timeout_s"] + 0.999))
@@ -286,6 +334,7 @@ def _namespace_init(request: dict) -> None:
     try:
         scratch = scratch_point()
         _read_only_world(scratch, request["scratch_bytes"])
+        _filter_system_calls()
     except OSError as e:
         _emit("unavailable", str(e))
         os._exit(0)

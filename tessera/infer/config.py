@@ -137,8 +137,9 @@ class EngineConfig:
         "run the decode step eagerly instead of replaying CUDA graphs (no effect on CPU)", action="store_true"))
     # a model loaded from a directory (infer/cpu/linear.py)
     cpu_prepack: bool = field(default=True, metadata=flag(
-        "on CPU in float32, keep F.linear instead of oneDNN with the projection weights reordered once at load "
-        "(which holds a second copy of those weights)", name="--no-cpu-prepack", action="store_false"))
+        "on CPU in float32, keep F.linear instead of the packed projections (the panel kernel, oneDNN where it does "
+        "not apply) with the weights reordered once at load (which holds a second copy of those weights)",
+        name="--no-cpu-prepack", action="store_false"))
     # Ranks the model is split over (tensor_parallel.py). 1: one process, as without the option.
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "
@@ -161,8 +162,8 @@ class EngineConfig:
     # prefill/decode disaggregation (kv_transfer.py)
     kv_role: str | None = field(default=None, metadata=flag(
         "prefill/decode disaggregation behind `tessera router`: 'prefill' hands out the KV blocks of the prompts "
-        "it computes, 'decode' takes them into its host tier (needs --kv-offload-gib); beyond loopback it needs "
-        "--api-key (None: neither)", choices=("prefill", "decode")))
+        "it computes, 'decode' takes them into its host tier (needs --kv-offload-gib); both need the KV peer secret "
+        "(--kv-peer-secret-file), and beyond loopback --api-key (None: neither)", choices=("prefill", "decode")))
     # Multimodal items per prompt, by modality (vLLM's --limit-mm-per-prompt): {"image": N} allows at
     # most N images in one request (0: none); a modality left out is bounded by the context length only.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict, metadata=flag(

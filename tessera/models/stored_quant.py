@@ -185,7 +185,11 @@ class BlockFp8Linear(StoredQuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  block: tuple[int, int], scale_name: str, act: ActivationQuant | None = None):
         super().__init__(in_features, out_features, bias, dtype, act)
-        self.block, self.scale_name = tuple(block), scale_name
+        # A block as large as the weight or larger is one block along that dim: the same scale grid
+        # (ceil(dim / block) = 1) and the same values, but repeating a scale never asks for more
+        # rows or columns than the weight has (a config's block of 2^40 is not 4 TB of scales).
+        block = (min(int(block[0]), out_features), min(int(block[1]), in_features))
+        self.block, self.scale_name = block, scale_name
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         rows, cols = -(-out_features // block[0]), -(-in_features // block[1])
         self.register_buffer(scale_name, torch.ones(rows, cols, dtype=torch.float32))

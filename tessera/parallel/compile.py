@@ -4,8 +4,8 @@ One compiled region per block (not one for the whole model): every block has the
 shapes, so the first block's graph is reused by the others, compile time stays that of one block,
 and the per-block seams the other parallelisms use stay where they are. The step runs in
 `parallelize`'s fixed order after expert and context parallelism and activation checkpointing,
-and before FSDP (docs/architecture.md, "Training"), and in the one-process trainer on the plain
-model.
+and before FSDP (docs/architecture.md, "Parallelize and its seams"), and in the one-process trainer
+on the plain model.
 
 What is compiled is the block's `forward` (like activation checkpointing, which replaces the same
 attribute): module hooks stay outside the compiled region, so FSDP2's all-gather / reduce-scatter

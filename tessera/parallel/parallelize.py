@@ -1,7 +1,7 @@
 """`parallelize(model, dims, cfg)`: every parallelism applied from outside, in one place, in a fixed
-order (docs/architecture.md, "Training"): tensor/sequence parallel, expert parallel, context parallel, activation
-checkpointing, compile (`compile_blocks=True`), activation offload, data parallel. Pipeline splitting, when used,
-happens before, on each stage.
+order (docs/architecture.md, "Parallelize and its seams"): tensor/sequence parallel, expert parallel, context
+parallel, activation checkpointing, compile (`compile_blocks=True`), activation offload, data parallel. Pipeline
+splitting, when used, happens before, on each stage.
 
 Initialisation: build the full model on every rank from one seed (`Transformer(cfg, init_seed)`
 initialises every tensor from (seed, its name), so all ranks hold the same weights), then call

@@ -2,7 +2,8 @@
 
     result = prune("llama-1b/", "llama-700m/", PruneSizes(layers=12), target_params=None)
 
-Load the source (any family Tessera reads), measure importance on calibration sequences
+Load the source (any family Tessera reads; a weight that holds a NaN or an infinity is refused by
+name before any work), measure importance on calibration sequences
 (importance.py), choose the sizes (given, or searched for `target_params`: target.py) and the parts
 to keep (selection.py), and write the kept weights as a HuggingFace directory of the same family,
 dtype and tokenizer: its config.json is the source's with the changed fields replaced (the sizes,
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.checkpoint.calibration import load_calibration, stored_dtype
+from tessera.checkpoint.calibration import check_finite_weights, load_calibration, stored_dtype
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.writer import save_pretrained
@@ -77,10 +78,11 @@ class PruneResult:
 
 
 def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, target_params: int | None = None,
-          calibration: Sequence[str | os.PathLike] | None = None, num_sequences: int = DEFAULT_SEQUENCES,
-          seq_len: int = DEFAULT_SEQ_LEN) -> PruneResult:
+          calibration: Sequence[str | os.PathLike] | None = None, num_sequences: int | None = None,
+          seq_len: int | None = None) -> PruneResult:
     """Write `dst`, the HuggingFace model `src` pruned to `sizes` (None fields: the source's, or the
-    search's for `target_params`), ranked on `calibration` (text / JSONL files; None: the bundled corpus)."""
+    search's for `target_params`), ranked on `calibration` (text / JSONL files; None: the bundled corpus)
+    in `num_sequences` sequences of `seq_len` tokens (None: DEFAULT_SEQUENCES, DEFAULT_SEQ_LEN)."""
     if not is_hf_directory(src):
         raise CheckpointError(f"prune: {str(src)!r} is not a HuggingFace model directory (no config.json); "
                               "convert a Tessera checkpoint first (tessera convert)")
@@ -91,7 +93,9 @@ def prune(src: str | os.PathLike, dst: str | os.PathLike, sizes: PruneSizes, tar
         raise ConfigError(f"prune --target-params {target_params:,} is invalid: the source has {source_params:,} "
                           "parameters; give a smaller target")
     check_sizes(cfg, sizes.resolved(cfg))
-    tokens, tokenizer_dir = load_calibration("prune", src, cfg, calibration, num_sequences, seq_len)
+    check_finite_weights("prune", src, cfg)
+    tokens, tokenizer_dir = load_calibration("prune", src, cfg, calibration, num_sequences or DEFAULT_SEQUENCES,
+                                             seq_len or DEFAULT_SEQ_LEN)
     model = load_pretrained(src, dtype=torch.float32)
     if sizes.dim is not None and sizes.dim != cfg.dim:  # every tensor's hidden axis must be known
         check_hidden_axes({k: tuple(v.shape) for k, v in model.state_dict().items()}, cfg.dim)

@@ -18,20 +18,23 @@ written under the checkpoint's per-expert names (`...experts.{j}.gate_proj`), as
 lays out an MoE model. Refused by name (ConfigError): gptq and smoothquant on a model with routed
 experts or latent attention (gptq's calibration hooks see linear layers, not the experts' grouped
 product, and smoothquant's fold is written for the dense attention and MLP); a group size that
-does not divide a layer's inputs; options that do not apply to the method.
+does not divide a layer's inputs; options that do not apply to the method (`--alpha` for gptq,
+`--dampening` for smoothquant, `--actorder` for rtn: never accepted and ignored); a source whose
+weights hold a NaN or an infinity, naming the tensor, before any work (GPTQ's Cholesky factorization
+would fail on it, and the other methods would write it silently).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tessera.checkpoint.calibration import load_calibration, stored_dtype
+from tessera.checkpoint.calibration import check_finite_weights, load_calibration, stored_dtype
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
@@ -55,17 +58,33 @@ DEFAULT_SEQ_LEN = 256
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """What `quantize` does beyond the method; None fields: the method's default."""
+    """What `quantize` does beyond the method; None fields: the method's default. An option given
+    (not None, not False) to a method it does not apply to is refused (`check_method_options`)."""
 
     bits: int | None = None  # rtn / gptq: 4 or 8 (default 4)
     group_size: int | None = None  # rtn / gptq: inputs per scale, 0 = one per output channel (default 128)
     actorder: bool = False  # gptq: visit columns by decreasing Hessian diagonal
-    dampening: float = DEFAULT_DAMPENING  # gptq: fraction of mean(diag H) added to the diagonal
+    dampening: float | None = None  # gptq: fraction of mean(diag H) added to the diagonal (default 0.01)
     block_size: int = DEFAULT_BLOCK  # gptq: columns per lazy update
-    alpha: float = DEFAULT_ALPHA  # smoothquant: migration strength
-    calibration: Sequence[str | os.PathLike] | None = None  # text / JSONL; None: the bundled corpus
-    num_sequences: int = DEFAULT_SEQUENCES
-    seq_len: int = DEFAULT_SEQ_LEN
+    alpha: float | None = None  # smoothquant: migration strength (default 0.5)
+    calibration: Sequence[str | os.PathLike] | None = None  # gptq / smoothquant: text / JSONL; None: the bundled corpus
+    num_sequences: int | None = None  # gptq / smoothquant (default 16)
+    seq_len: int | None = None  # gptq / smoothquant (default 256)
+
+    def resolved(self) -> QuantizeOptions:
+        """These options with the defaults in place of the None fields the methods read."""
+        return replace(self, dampening=DEFAULT_DAMPENING if self.dampening is None else self.dampening,
+                       alpha=DEFAULT_ALPHA if self.alpha is None else self.alpha,
+                       num_sequences=DEFAULT_SEQUENCES if self.num_sequences is None else self.num_sequences,
+                       seq_len=DEFAULT_SEQ_LEN if self.seq_len is None else self.seq_len)
+
+
+# The options of some methods only: field -> (the option as the command line spells it, the methods it applies to)
+METHOD_OPTIONS = {"bits": ("--bits", ("rtn", "gptq")), "group_size": ("--group-size", ("rtn", "gptq")),
+                  "actorder": ("--actorder", ("gptq",)), "dampening": ("--dampening", ("gptq",)),
+                  "alpha": ("--alpha", ("smoothquant",)), "calibration": ("--calibration", CALIBRATED),
+                  "num_sequences": ("--calibration-sequences", CALIBRATED),
+                  "seq_len": ("--calibration-length", CALIBRATED)}
 
 
 @dataclass(frozen=True)
@@ -84,19 +103,33 @@ class QuantizeResult:
                 f"{self.calibration_tokens} calibration tokens")
 
 
-def method_scheme(method: str, options: QuantizeOptions) -> Scheme:
-    """The storage scheme of `method`, refusing (ConfigError) options that do not apply to it."""
+def check_method_options(method: str, options: QuantizeOptions) -> None:
+    """Refuse (ConfigError, naming the option and the methods it belongs to) an option given to a
+    method that would ignore it."""
     if method not in METHODS:
         raise ConfigError(f"quantize --method {method!r} is unknown; choose one of {', '.join(METHODS)}")
+    for field, (option, methods) in METHOD_OPTIONS.items():
+        value = getattr(options, field)
+        if method in methods or value is None or value is False or (isinstance(value, (list, tuple)) and not value):
+            continue
+        if field in ("bits", "group_size"):
+            raise ConfigError(f"quantize --bits / --group-size apply to rtn and gptq; {method} writes 8-bit weights "
+                              "with one scale per output channel")
+        if field == "calibration":
+            raise ConfigError(f"quantize --calibration applies to {' and '.join(CALIBRATED)}; {method} needs none")
+        raise ConfigError(f"quantize {option} applies to {' and '.join(methods)} only, not to {method}; leave it out "
+                          f"or quantize with --method {' or '.join(methods)}")
+
+
+def method_scheme(method: str, options: QuantizeOptions) -> Scheme:
+    """The storage scheme of `method`, refusing (ConfigError) options that do not apply to it."""
+    check_method_options(method, options)
     if method in ("rtn", "gptq"):
         bits = DEFAULT_BITS if options.bits is None else options.bits
         if bits not in (4, 8):
             raise ConfigError(f"quantize --bits {bits} is invalid: {method} writes 4 or 8 bit weights")
         group = DEFAULT_GROUP if options.group_size is None else options.group_size
-        return Scheme("int", bits, group or None, False, options.actorder and method == "gptq")
-    if options.bits is not None or options.group_size is not None:
-        raise ConfigError(f"quantize --bits / --group-size apply to rtn and gptq; {method} writes 8-bit weights "
-                          "with one scale per output channel")
+        return Scheme("int", bits, group or None, False, options.actorder)
     return Scheme("int" if method == "smoothquant" else "float", 8, None, True)
 
 
@@ -129,8 +162,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
              options: QuantizeOptions = QuantizeOptions()) -> QuantizeResult:
     """Write `dst`, the HuggingFace model `src` quantized by `method` (module docstring)."""
     scheme = method_scheme(method, options)
-    if options.calibration and method not in CALIBRATED:
-        raise ConfigError(f"quantize --calibration applies to {' and '.join(CALIBRATED)}; {method} needs none")
+    options = options.resolved()
     if not is_hf_directory(src):
         raise ConfigError(f"quantize: {str(src)!r} is not a HuggingFace model directory (no config.json); "
                           "convert a Tessera checkpoint first (tessera convert)")
@@ -146,6 +178,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, method: str,
     except (ModelError, CheckpointError) as e:  # SRC is the command's input: naming another model is bad input
         raise ConfigError(f"quantize: {str(src)!r} is not a model Tessera can quantize: {e}") from None
     check_model(cfg, scheme, method)
+    check_finite_weights("quantize", src, cfg)
     tokens = None
     if method in CALIBRATED:
         tokens, _ = load_calibration("quantize", src, cfg, options.calibration, options.num_sequences,
@@ -164,6 +197,7 @@ def quantize_linears(model: Transformer, method: str, scheme: Scheme, dtype: tor
     """Every block linear layer of `model` quantized by `method` (scales in `dtype`), by module name;
     routed experts (rtn and fp8) by parameter name ("layers.1.moe.experts.w1"), one weight per
     expert. smoothquant smooths `model` in place first; gptq leaves the dequantized weights in it."""
+    options = options.resolved()
     if method == "gptq":
         quantized: dict[str, QuantizedWeight | list[QuantizedWeight]] = {}
 

@@ -223,3 +223,13 @@ def write_actorder(path: Path, seed: int = 0):
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     model.load_state_dict(state)
     return model
+
+
+def edited_quantization_config(source: Path, path: Path, edit) -> Path:
+    """A copy of pre-quantized directory `source` at `path` whose config.json's quantization_config
+    `edit` (a function of the dict) has changed in place."""
+    shutil.copytree(source, path)
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

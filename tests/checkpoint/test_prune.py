@@ -5,7 +5,7 @@ at the chosen indices (read from both directories' safetensors by HuggingFace na
 indices are the most important by the documented measures, which constructed models confirm (an
 identity layer, silent FFN channels, a silent KV group) and which transformers' own router logits
 confirm for experts; the output loads in transformers and in Tessera; a parameter target is met;
-bad requests exit 2 naming the option."""
+bad requests exit 2 naming the option, and a weight that is NaN or infinite naming the tensor."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.prune import PruneSizes, prune
 from tests.infer.tiny_models import save_tokenizer, write_model
 from tests.models.hf_families import hf_configs, random_hf_model
+from tests.quantize.damaged_sources import with_nonfinite_weight
 
 CALIBRATION = dict(num_sequences=4, seq_len=48)
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i}\n" for i in range(200))
@@ -239,6 +240,17 @@ def test_bad_requests_exit_2_naming_the_option(llama, tmp_path, calibration, cap
                  "--calibration-sequences", "2", "--calibration-length", "16", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("key, value", [("model.layers.2.mlp.up_proj.weight", float("nan")),
+                                        ("lm_head.weight", float("inf"))])
+def test_non_finite_weights_are_refused_by_name_before_any_work(key, value, llama, tmp_path, calibration, capsys):
+    src = with_nonfinite_weight(llama, tmp_path / "src", key, value)
+    assert main(["prune", str(src), str(tmp_path / "dst"), "--layers", "2", "--calibration", str(calibration)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"tensor {key!r} (in model.safetensors) is not finite (1 of its" in err and "refusing to prune" in err
     assert not (tmp_path / "dst").exists()
 
 

@@ -144,12 +144,52 @@ def test_ranks_killed_at_random_steps_restart_and_end_bit_identical(small_datase
     assert [e["restart"] for e in restarts] == [1, 2, 3], context
     assert all(e["cause"] == "was killed by SIGKILL" and e["step"] is not None for e in restarts), restarts
     assert job.text().count("tessera train: restart ") == 3 and len(set(killed)) == 3, context
+    assert "Traceback" not in job.text(), context
 
     assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, reference, steps, **common)),
                  "--nproc", "4"]) == 0
     assert _logged_steps(run) == list(range(1, steps + 1)), context  # each step once
     assert read_losses(run) == read_losses(reference), context
     _assert_same_state(_final_state(run, tmp_path / "a.pt"), _final_state(reference, tmp_path / "b.pt"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_killed_rank_is_one_line_in_the_jobs_output_not_a_traceback(small_dataset, tmp_path):
+    """SIGKILL one rank of two: the other fails under the collective it shared with the dead one. That
+    consequence is one line naming the phase; the cause is the launcher's restart line (its event in
+    events.jsonl); the job's output holds no traceback, and the restarted job finishes."""
+    run = tmp_path / "run"
+    job = _Job(["tessera", "train", TINY_DENSE, *set_args(shrink(small_dataset, run, 6, **FSDP2,
+                                                                 **{"checkpoint.interval": 2})),
+                "--nproc", "2", "--max-restarts", "1"])
+    _kill_at(job, run, 3, 0, random.Random(0))
+    assert job.finish() == 0, job.text()[-3000:]
+    text = job.text()
+    assert "Traceback" not in text, text[-6000:]
+    [restart] = read_events(run, "restart")
+    assert restart["cause"] == "was killed by SIGKILL", restart
+    assert text.count(f"tessera train: restart 1 of 1: rank {restart['rank']} was killed by SIGKILL") == 1, text
+    survivor = [line for line in text.splitlines() if "another rank of the job ended" in line]
+    assert len(survivor) <= 1 and all(line.startswith("tessera train: error: [rank ") for line in survivor), text
+
+
+def test_a_peer_lost_under_a_collective_is_a_one_line_error():
+    """gloo's error in the rank that outlived its peer becomes a TrainingError naming the phase, which
+    the launcher still counts as a consequence of another rank's failure, not as the cause."""
+    from tessera.config.errors import TrainingError
+    from tessera.parallel.jobs.collective_timeout import collective_phase, lost_peer
+    from tessera.parallel.jobs.restarts import RankExit, failing_rank
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:24968: Connection reset by peer")
+    with pytest.raises(TrainingError, match="another rank of the job ended during forward/backward") as caught:
+        with collective_phase("forward/backward", 0, 2, 30.0):
+            raise gloo
+    assert "\n" not in str(caught.value) and "Connection reset by peer" in str(caught.value)
+    assert lost_peer(gloo, 0, 1) is None and lost_peer(RuntimeError("CUDA out of memory"), 0, 2) is None
+    assert lost_peer(caught.value, 0, 2) is None  # already said
+    survivor = RankExit(0, 1, 4, f"TrainingError: {caught.value}")
+    assert survivor.peer_caused and failing_rank([survivor, RankExit(1, 3, 4, "ValueError: bad")]).rank == 1
 
 
 @pytest.mark.dist

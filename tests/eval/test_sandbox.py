@@ -1,17 +1,19 @@
 """Generated code runs contained: a sandboxed program cannot write the caller's files, reach the
-network, exceed its memory, run past its time, fork without bound, keep capabilities, or see or
-outlive anything outside its pid namespace. Each hostile program below attempts its damage, swallows
-the error, and then asserts what it observed, so a pass means the attempt really ran and was stopped;
-the caller's side is checked from outside as well. Where user namespaces are unavailable, the
-sandbox refuses unless unsandboxed runs are allowed."""
+network or a Unix-domain socket of the host, exceed its memory, run past its time, fork without
+bound, keep capabilities, or see or outlive anything outside its pid namespace. Each hostile program
+below attempts its damage, swallows the error, and then asserts what it observed, so a pass means
+the attempt really ran and was stopped; the caller's side is checked from outside as well. Where
+user namespaces are unavailable, the sandbox refuses unless unsandboxed runs are allowed."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -94,6 +96,91 @@ def test_the_network_is_unreachable(sandbox):
             listener.accept()
     finally:
         listener.close()
+
+
+def _visible_directory() -> Path:
+    """A directory of the caller's that the sandbox shows read-only (not under its scratch tmpfs)."""
+    from tessera.eval.sandbox_init import scratch_point
+
+    hidden = scratch_point()
+    for candidate in (tempfile.gettempdir(), "/var/tmp", "/dev/shm", str(ROOT)):
+        real = os.path.realpath(candidate)
+        if os.path.isdir(real) and os.access(real, os.W_OK) and not (real + "/").startswith(hidden + "/"):
+            return Path(real)
+    pytest.skip(f"no writable directory outside the sandbox's scratch point {hidden}")
+
+
+def test_no_unix_domain_socket_of_the_host_is_reachable(sandbox):
+    """A path socket shows through the read-only view of the file system (connect() writes nothing
+    to it), and an abstract one lives in the network namespace: neither may be reached. Sockets of
+    any family the program does not need are refused; a socketpair and an inet socket still work."""
+    directory = Path(tempfile.mkdtemp(dir=_visible_directory(), prefix="sock"))
+    path_listener, abstract_listener = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    abstract = b"\0tessera-sandbox-test-" + str(os.getpid()).encode()
+    try:
+        directory.chmod(0o755)
+        path_listener.bind(str(directory / "s"))
+        (directory / "s").chmod(0o777)
+        abstract_listener.bind(abstract)
+        for listener in (path_listener, abstract_listener):
+            listener.listen()
+            listener.setblocking(False)
+        verdict = _run(sandbox, f"""
+            import os, socket
+            assert os.path.exists({str(directory / "s")!r})  # the host's socket file is in view
+            reached = []
+            for address in ({str(directory / "s")!r}, {abstract!r}):
+                try:
+                    client = socket.socket(socket.AF_UNIX)
+                    client.connect(address)
+                    client.sendall(b"out")
+                    reached.append(address)
+                except OSError:
+                    pass
+            assert reached == [], reached
+            for family in ("AF_UNIX", "AF_NETLINK", "AF_PACKET", "AF_VSOCK", "AF_ALG"):
+                try:
+                    socket.socket(getattr(socket, family), socket.SOCK_DGRAM).close()
+                    raise AssertionError(family + " allowed")
+                except (OSError, AttributeError):
+                    pass
+            a, b = socket.socketpair()
+            a.sendall(b"ok")
+            assert b.recv(2) == b"ok"
+            socket.socket(socket.AF_INET).close()
+        """)
+        assert verdict.passed, verdict.detail
+        for listener in (path_listener, abstract_listener):
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+    finally:
+        path_listener.close()
+        abstract_listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_io_uring_and_other_abis_are_refused(sandbox):
+    """io_uring makes and connects sockets without socket(); a 32-bit or x32 system call is another
+    table of numbers that the filter's socket() rule would not match."""
+    verdict = _run(sandbox, """
+        import ctypes, errno, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        params = ctypes.create_string_buffer(120)
+        assert libc.syscall(425, 8, params) == -1 and ctypes.get_errno() == errno.ENOSYS  # io_uring_setup
+        if platform.machine() == "x86_64":
+            assert libc.syscall(0x40000000 | 41, 1, 1, 0) == -1 and ctypes.get_errno() == errno.ENOSYS
+    """)
+    assert verdict.passed, verdict.detail
+
+
+def test_a_machine_without_a_system_call_filter_gets_no_sandbox(monkeypatch):
+    """Without the filter the host's sockets would be reachable: "unavailable", never a silent run."""
+    from tessera.eval import sandbox_init
+
+    assert sandbox_init._filter_program()[-1][3] & 0xFFFF == errno.ENOSYS
+    monkeypatch.setattr(sandbox_init.platform, "machine", lambda: "mips")
+    with pytest.raises(OSError, match="no system-call filter"):
+        sandbox_init._filter_program()
 
 
 def test_memory_is_limited(sandbox):

@@ -11,6 +11,7 @@ import pytest
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
 from tessera.infer.config import EngineConfig
+from tests.infer.kv_messages import PEER_SECRET, body_of, forged, nested, signed
 from tests.infer.tiny_models import write_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -185,16 +186,16 @@ def test_served_blocks_survive_a_restart_and_show_on_metrics(dirs, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "deepseek_v3"])
 def test_blocks_move_from_a_prefill_engine_to_a_decode_engine(dirs, family):
-    from tessera.infer.scheduling.kv_transfer import export_prefix, import_prefix
+    from tessera.infer.scheduling.kv_transfer import export_prefix, import_prefix, open_transfer
 
     want = _run(LLM(dirs / family, **SMALL), [FIRST])
     prefill = LLM(dirs / family, **SMALL, kv_role="prefill")
     decode = LLM(dirs / family, **SMALL, kv_role="decode", kv_offload_gib=0.01)
     ids = prefill.tokenizer.encode(FIRST)
     prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
-    message = export_prefix(prefill.engine, ids)
+    message = export_prefix(prefill.engine, ids, PEER_SECRET)
     full = (len(ids) - 1) // 4
-    assert import_prefix(decode.engine, message) == full
+    assert import_prefix(decode.engine, open_transfer(message, PEER_SECRET)) == full
     assert _run(decode, [FIRST]) == want
     m = decode.engine.tier_metrics
     assert m.host_hit_blocks == full and m.transfer_in_blocks == full
@@ -203,28 +204,50 @@ def test_blocks_move_from_a_prefill_engine_to_a_decode_engine(dirs, family):
 
 
 def test_a_damaged_or_foreign_transfer_keeps_nothing_wrong(dirs, tmp_path):
-    from tessera.infer.scheduling.kv_transfer import TransferError, export_prefix, import_prefix
+    from tessera.infer.scheduling.kv_transfer import TransferError, export_prefix, import_prefix, open_transfer
 
     want = _run(LLM(dirs / "llama", **SMALL), [FIRST])
     prefill = LLM(dirs / "llama", **SMALL, kv_role="prefill")
     ids = prefill.tokenizer.encode(FIRST)
     prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
-    message = bytearray(export_prefix(prefill.engine, ids))
-    message[-10] ^= 0x01  # a value of the last block
+    message = bytearray(export_prefix(prefill.engine, ids, PEER_SECRET))
+    message[-10] ^= 0x01  # a value of the last block, damaged at the peer (signed as it is)
+    message = signed(body_of(bytes(message)))
     decode = LLM(dirs / "llama", **SMALL, kv_role="decode", kv_offload_gib=0.01)
-    kept = import_prefix(decode.engine, bytes(message))
+    kept = import_prefix(decode.engine, open_transfer(message, PEER_SECRET))
     assert kept == (len(ids) - 1) // 4 - 1 and decode.engine.tier_metrics.transfer_rejected_blocks == 1
     assert _run(decode, [FIRST]) == want
-    for bad in (b"", bytes(message[:20]), b"TSRAKVX1\xff\xff\x00\x00{}", b"GET / HTTP/1.1\r\n"):
+    for bad in (b"", message[:20], b"GET / HTTP/1.1\r\n", signed(body_of(message)[:60]),  # truncated
+                signed(b"\xff\xff\x00\x00{}"), signed(b"\x05\x00\x00\x00[1, 2"), signed(b"\x02\x00\x00\x00[]")):
         with pytest.raises(TransferError):
-            import_prefix(decode.engine, bad)
+            open_transfer(bad, PEER_SECRET)
     other = tmp_path / "other"
     write_model(other, "llama", seed=5, std=0.25)
     stranger = LLM(other, **SMALL, kv_role="decode", kv_offload_gib=0.01)
     with pytest.raises(TransferError, match="another model"):
-        import_prefix(stranger.engine, bytes(message))
+        import_prefix(stranger.engine, open_transfer(message, PEER_SECRET))
     with pytest.raises(ConfigError, match="kv_role='decode' .*kv_offload_gib > 0"):
         EngineConfig(kv_role="decode")
+
+
+def test_blocks_not_made_with_the_peer_secret_are_refused_before_they_are_read(dirs):
+    """Whoever holds a genuine message but not the KV peer secret cannot plant blocks: replacing the
+    keys and values and recomputing the checksums leaves a tag that no longer verifies; a message made
+    with another secret is refused the same way. A peer's header nested 20,000 deep is a TransferError."""
+    from tessera.infer.scheduling.kv_peer import UnauthenticatedPeer
+    from tessera.infer.scheduling.kv_transfer import TransferError, export_prefix, open_transfer
+
+    prefill = LLM(dirs / "llama", **SMALL, kv_role="prefill")
+    ids = prefill.tokenizer.encode(FIRST)
+    prefill.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+    message = export_prefix(prefill.engine, ids, PEER_SECRET)
+    assert open_transfer(message, PEER_SECRET).header["tokens"] == ids
+    for bad in (forged(message), signed(body_of(forged(message)), b"another secret, not the peers'"),
+                signed(nested(20_000), b"another secret, not the peers'")):
+        with pytest.raises(UnauthenticatedPeer, match="not made with this instance's KV peer secret"):
+            open_transfer(bad, PEER_SECRET)
+    with pytest.raises(TransferError, match="KV transfer header is nested too deeply"):
+        open_transfer(signed(nested(20_000)), PEER_SECRET)
 
 
 def test_scoring_that_evicts_blocks_saves_them_before_overwriting(dirs):

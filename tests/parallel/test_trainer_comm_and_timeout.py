@@ -80,7 +80,7 @@ def _rank1_stalls(overrides: list[str], checks_in: bool) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("checks_in, phase, operation", [
     (True, "forward/backward", "global_sum"),  # stuck in its forward: rank 0 waits in the loss's all-reduce
-    (False, "step check-in", "run_layout.py:check_in"),  # never starts the step
+    (False, "step check-in", "layout.py:check_in"),  # never starts the step (train/run/layout.py)
 ])
 def test_a_stalled_rank_fails_naming_rank_phase_and_operation(small_dataset, tmp_path, checks_in, phase, operation):
     overrides = overrides_for("dense", small_dataset, tmp_path, 2, **{"parallel.dp_shard": 2,

@@ -5,7 +5,8 @@ each layer decompressed by the format's registered compressor) and loaded by tra
 (`AutoModelForCausalLM.from_pretrained`, which decompresses through compressed-tensors on CPU); both
 give exactly the weights Tessera quantized and dequantized, and logits near the source model's.
 GPTQ's output error on the calibration data is below round-to-nearest's at the same bits and group;
-smoothing alone keeps the function; bad input exits 2 naming what was wrong."""
+smoothing alone keeps the function; bad input exits 2 naming what was wrong (an option of another
+method, a weight that is NaN or infinite, by tensor name, before any work)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tessera.checkpoint.calibration import load_calibration, stored_dtype
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.names import hf_names
 from tessera.cli import main
+from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.quantize import QuantizeOptions, quantize
 from tessera.quantize.calibration import block_linears, input_absmax, recording_inputs
@@ -29,6 +31,7 @@ from tessera.quantize.run import method_scheme, quantize_linears
 from tessera.quantize.smoothquant import smooth, smoothing_scales
 from tests.infer.tiny_models import save_tokenizer, write_model
 from tests.models.hf_families import hf_configs, random_hf_model
+from tests.quantize.damaged_sources import with_nonfinite_weight
 
 CALIBRATION = dict(num_sequences=4, seq_len=48)
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i}\n" for i in range(200))
@@ -205,10 +208,46 @@ def test_cli_writes_the_directory(llama, tmp_path, capsys):
     (["--method", "rtn", "--group-size", "64"], "--group-size 64 does not divide"),
     (["--method", "fp8", "--bits", "4"], "--bits / --group-size apply to rtn and gptq"),
     (["--method", "rtn", "--calibration", "x.txt"], "--calibration applies to gptq and smoothquant"),
+    # an option of another method is refused naming it and its method, never accepted and ignored
+    (["--method", "gptq", "--alpha", "0.3"], "--alpha applies to smoothquant only, not to gptq"),
+    (["--method", "smoothquant", "--dampening", "0.1"], "--dampening applies to gptq only, not to smoothquant"),
+    (["--method", "rtn", "--actorder"], "--actorder applies to gptq only, not to rtn"),
+    (["--method", "fp8", "--dampening", "0"], "--dampening applies to gptq only, not to fp8"),
+    (["--method", "rtn", "--calibration-sequences", "4"], "--calibration-sequences applies to gptq and smoothquant"),
+    (["--method", "fp8", "--calibration-length", "16"], "--calibration-length applies to gptq and smoothquant"),
+    (["--method", "smoothquant", "--group-size", "0"], "--bits / --group-size apply to rtn and gptq"),
 ])
 def test_bad_options_exit_2(llama, tmp_path, capsys, args, says):
     assert main(["quantize", str(llama), str(tmp_path / "q"), *args]) == 2
-    assert says in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("method, option", [("gptq", dict(alpha=0.5)), ("smoothquant", dict(dampening=0.01)),
+                                            ("rtn", dict(actorder=True)), ("fp8", dict(num_sequences=16))])
+def test_the_api_refuses_options_of_other_methods_too(method, option, llama, tmp_path):
+    """Even at an option's default value: given is given."""
+    with pytest.raises(ConfigError, match=f"applies to .* only, not to {method}"):
+        quantize(llama, tmp_path / "q", method, QuantizeOptions(**option))
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("method, key, value", [
+    ("rtn", "model.layers.1.mlp.down_proj.weight", float("nan")),
+    ("gptq", "model.layers.0.self_attn.q_proj.weight", float("nan")),  # was a LinAlgError traceback
+    ("smoothquant", "model.layers.0.input_layernorm.weight", float("inf")),
+    ("fp8", "model.embed_tokens.weight", float("-inf")),
+])
+def test_non_finite_weights_are_refused_by_name_before_any_work(method, key, value, llama, calibration, tmp_path,
+                                                                capsys):
+    src = with_nonfinite_weight(llama, tmp_path / "src", key, value)
+    calibrated = ["--calibration", str(calibration)] if method in ("gptq", "smoothquant") else []
+    extra = ["--group-size", "32"] if method in ("rtn", "gptq") else []
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--method", method, *calibrated, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"tensor {key!r} (in model.safetensors) is not finite (1 of its" in err and "refusing to quantize" in err
     assert not (tmp_path / "q").exists()
 
 

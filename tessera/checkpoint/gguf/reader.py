@@ -8,7 +8,9 @@
 The file is read with the `gguf` package (llama.cpp's own reader; a dev/optional dependency,
 imported only here). What it holds is untrusted input: a file that is not GGUF, a truncated one,
 an architecture or a tensor type Tessera does not read, or metadata that is missing a field is one
-ConfigError naming the file and what is allowed (the CLI exits 2).
+ConfigError naming the file and what is allowed (the CLI exits 2). Before gguf's reader walks the
+metadata, header.py walks it with every count bounded by the file's size (gguf's reader believes
+them: 10^9 declared array items would be minutes of work and gigabytes of memory).
 
 Three things differ from a HuggingFace checkpoint:
 - Names: `blk.N.attn_q.weight` for `model.layers.N.self_attn.q_proj.weight`, taken from gguf's own
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tessera.checkpoint.gguf.header import read_metadata
 from tessera.config.errors import ConfigError
 
 MAGIC = b"GGUF"
@@ -110,6 +113,7 @@ class GGUFFile:
         with open(path, "rb") as f:
             if f.read(4) != MAGIC:
                 raise ConfigError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        read_metadata(path)  # every count bounded by the file's size before gguf's reader believes it
         gguf = gguf_module()
         try:
             reader = gguf.GGUFReader(path)
@@ -158,9 +162,12 @@ class GGUFFile:
             d["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in fields else \
                 _field(self.reader, f"{arch}.vocab_size", self.path)
         d["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
-        for gguf_key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-            if f"tokenizer.ggml.{gguf_key}" in fields:
-                d[name] = _field(self.reader, f"tokenizer.ggml.{gguf_key}", self.path)
+        for name in ("bos_token_id", "eos_token_id"):  # a stop rule that can never fire is refused
+            if f"tokenizer.ggml.{name}" in fields:
+                d[name] = _field(self.reader, f"tokenizer.ggml.{name}", self.path)
+                if not isinstance(d[name], int) or isinstance(d[name], bool) or not 0 <= d[name] < d["vocab_size"]:
+                    raise ConfigError(f"{str(self.path)!r}: GGUF metadata 'tokenizer.ggml.{name}' is {d[name]!r}, "
+                                      f"outside the model's vocabulary of {d['vocab_size']} tokens")
         return d
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

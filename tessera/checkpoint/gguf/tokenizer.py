@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from tessera.checkpoint.gguf.header import read_metadata
 from tessera.config.errors import ConfigError
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -20,6 +21,7 @@ from tessera.data.tokenizer import Tokenizer, load_tokenizer
 def gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer in GGUF file `path`; ConfigError when the file holds none transformers can build."""
     path = Path(path)
+    read_metadata(path)  # transformers reads the file with gguf's reader: its counts are bounded first
     try:
         from transformers import AutoTokenizer
     except ImportError as e:

@@ -38,8 +38,8 @@ from tessera.models.transformer import Transformer
 
 QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_scale_inv", ".weight_zero_point", ".weight_shape",
                   ".weight_g_idx", ".input_scale")
-CODE_DTYPES = {"weight_packed": (torch.int32,), "weight": (torch.int8, torch.float8_e4m3fn),
-               "weight_zero_point": (torch.int32, torch.int8), "weight_g_idx": (torch.int32, torch.int64)}
+CODE_DTYPES = {"weight_packed": (torch.int32,), "weight_zero_point": (torch.int32, torch.int8),
+               "weight_g_idx": (torch.int32, torch.int64)}  # `weight`: the layer's own (int8 or float8_e4m3fn)
 
 
 def _raw(files: SafetensorsDir, key: str, source: str) -> torch.Tensor:
@@ -63,8 +63,11 @@ def _fill_layer(layer: StoredQuantLinear, prefix: str, files: SafetensorsDir, dt
         if key not in files.files:
             raise CheckpointError(f"{source}: {prefix} is quantized but the checkpoint has no {key!r}")
         stored = _raw(files, key, source)
-        if name in CODE_DTYPES and stored.dtype not in CODE_DTYPES[name]:
-            allowed = " or ".join(str(d).removeprefix("torch.") for d in CODE_DTYPES[name])
+        # The codes of `weight` are what the layer's scheme says (int8 or float8_e4m3fn), never the other:
+        # int8 codes read as e4m3 (or the reverse) would be served as wrong weights without a word.
+        dtypes = (t.dtype,) if name == "weight" else CODE_DTYPES.get(name)
+        if dtypes is not None and stored.dtype not in dtypes:
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise CheckpointError(f"{source}: {key!r} is {str(stored.dtype).removeprefix('torch.')}; the scheme "
                                   f"stores it as {allowed}")
         if stored.numel() != t.numel() or (name in ("weight", "weight_packed") and stored.shape != t.shape):

@@ -19,11 +19,11 @@ directory is well-formed, but asks for what Tessera does not run, so the CLI exi
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from functools import partial
 
-from tessera.config.errors import ConfigError
+from tessera.checkpoint.patterns import file_pattern
+from tessera.config.errors import CheckpointError, ConfigError
 from tessera.models.stored_quant import (
     ActivationQuant,
     BlockFp8Linear,
@@ -34,6 +34,7 @@ from tessera.models.stored_quant import (
 
 METHODS = ("compressed-tensors", "fp8")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+FORMAT_TYPES = {"int-quantized": "int", "float-quantized": "float"}  # the weights' `type` each format stores
 Factory = Callable[..., object]  # (in_features, out_features, bias, dtype) -> StoredQuantLinear
 
 
@@ -88,6 +89,8 @@ def ct_factory(group: dict, fmt: str | None, in_features: int, source: str, g_id
         _need(act is None, source, "pack-quantized with input_activations", "pack-quantized weight-only (W4A16, W8A16)")
         return partial(PackedIntLinear, **_packed(w, in_features, source, g_idx))
     _need(w.get("num_bits") == 8, source, f"{fmt} weights num_bits={w.get('num_bits')}", "8-bit weights")
+    _need(FORMAT_TYPES.get(fmt, kind) == kind, source, f"format {fmt} with weights type={kind!r}",
+          "float-quantized formats of float (e4m3) weights and int-quantized ones of int8 weights")
     if kind == "int":
         _need(strategy in ("channel", "tensor"), source, f"int8 weight strategy={strategy!r}", "channel or tensor")
         return partial(IntQuantizedLinear, per_channel=strategy == "channel",
@@ -103,12 +106,30 @@ def ct_factory(group: dict, fmt: str | None, in_features: int, source: str, g_id
     return partial(FloatQuantizedLinear, per_channel=strategy == "channel", act=act)
 
 
-def _matches(name: str, target: str) -> bool:
-    if target == "Linear":  # every candidate is a linear layer
-        return True
-    if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), name) is not None
-    return target == name
+def _matchers(targets: object, where: str) -> list[Callable[[str], bool]]:
+    """A compressed-tensors target list (`targets`, `ignore`) as one test per entry: "Linear" (every
+    candidate is a linear layer), "re:PATTERN" (matched at the start of the name, in linear time:
+    tessera.checkpoint.patterns) or an exact module name. CheckpointError naming the key otherwise."""
+    if targets is None:
+        return []
+    if not isinstance(targets, list):
+        raise CheckpointError(f"{where} must be a list of module names or 're:' patterns, got "
+                              f"{type(targets).__name__}")
+    tests = []
+    for i, target in enumerate(targets):
+        if not isinstance(target, str):
+            raise CheckpointError(f"{where}[{i}] must be a string, got {type(target).__name__}")
+        if target == "Linear":
+            tests.append(lambda name: True)
+        elif target.startswith("re:"):
+            tests.append(partial(_regex_match, file_pattern(target.removeprefix("re:"), f"{where}[{i}]")))
+        else:
+            tests.append(target.__eq__)
+    return tests
+
+
+def _regex_match(regex, name: str) -> bool:
+    return regex.match(name) is not None
 
 
 class QuantizationPlan:
@@ -121,7 +142,8 @@ class QuantizationPlan:
               f"pre-quantized checkpoints with quant_method {' or '.join(map(repr, METHODS))}")
         self.method = method
         self.block = self.groups = None
-        self.ignore: list[str] = []
+        self.ignore: list[Callable[[str], bool]] = []
+        self.targets: dict[str, list[Callable[[str], bool]]] = {}
         if method == "fp8":
             self._fp8(qc)
         else:
@@ -134,8 +156,7 @@ class QuantizationPlan:
         _need(qc.get("activation_scheme", "dynamic") == "dynamic", self.source,
               f"activation_scheme={qc.get('activation_scheme')!r}", "activation_scheme 'dynamic'")
         _need(qc.get("fmt", "e4m3") == "e4m3", self.source, f"fmt={qc.get('fmt')!r}", "fmt 'e4m3'")
-        self.block = tuple(block)
-        self.ignore = list(qc.get("modules_to_not_convert") or [])
+        self.block = tuple(block)  # modules_to_not_convert need no list: they are stored without weight_scale_inv
 
     def _compressed_tensors(self, qc: dict) -> None:
         status = qc.get("quantization_status", "compressed")
@@ -147,9 +168,14 @@ class QuantizationPlan:
         groups = qc.get("config_groups")
         _need(isinstance(groups, dict) and bool(groups), self.source, "a quantization_config without config_groups",
               "compressed-tensors configs with config_groups")
+        where = f"{self.source}: config.json quantization_config"
+        for name, group in groups.items():
+            if not isinstance(group, dict):
+                raise CheckpointError(f"{where}.config_groups.{name} must be an object, got {type(group).__name__}")
+            self.targets[name] = _matchers(group.get("targets"), f"{where}.config_groups.{name}.targets")
         self.groups = groups
         self.format = qc.get("format")
-        self.ignore = list(qc.get("ignore") or [])
+        self.ignore = _matchers(qc.get("ignore"), f"{where}.ignore")
 
     def factory(self, hf_name: str, in_features: int, stored: set[str]) -> Factory | None:
         """The layer HuggingFace linear `hf_name` loads as, or None when it is stored full precision."""
@@ -158,11 +184,10 @@ class QuantizationPlan:
             if f"{hf_name}.weight_scale_inv" not in stored:
                 return None
             return partial(BlockFp8Linear, block=self.block, scale_name="weight_scale_inv")
-        if any(_matches(hf_name, t) for t in self.ignore):
+        if any(test(hf_name) for test in self.ignore):
             return None
-        for group in self.groups.values():
-            targets = group.get("targets") or []
-            if any(_matches(hf_name, t) for t in targets):
+        for name, group in self.groups.items():
+            if any(test(hf_name) for test in self.targets[name]):
                 return ct_factory(group, group.get("format") or self.format, in_features, source,
                                   f"{hf_name}.weight_g_idx" in stored)
         return None

@@ -13,7 +13,10 @@ decode instance, which says what is wrong with it. GET /v1/models and /health ar
 instance's; /metrics is the router's own.
 
 The client's Authorization header is passed on to both instances: give the three processes the same
-`--api-key`. The router has the server's guards (Host allow-list, body limit, API key).
+`--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
+transfer itself is authenticated apart from the API key (kv_peer.py): the router signs its prefill
+requests with the KV peer secret the three processes share, and the decode instance takes only
+blocks the prefill instance made with it; the router needs the secret to start.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from starlette.background import BackgroundTask
 
 from tessera.config.errors import ConfigError
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+from tessera.infer.scheduling.kv_peer import PEER_SIGNATURE_HEADER, require_peer_secret, sign_prefill_request
 
 log = logging.getLogger("tessera.router")
 
@@ -58,12 +62,13 @@ def _upstream(url: str, option: str) -> str:
 
 def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30.0, api_key: str | None = None,
                   allowed_hosts: frozenset[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                  answer_timeout: float = 600.0) -> FastAPI:
+                  answer_timeout: float = 600.0, kv_peer_secret: bytes | None = None) -> FastAPI:
     check_api_key(api_key)
     if not prefill_timeout > 0:
         raise ConfigError(f"--prefill-timeout {prefill_timeout} is invalid: must be > 0 seconds")
-    routes = _Routes(_upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode"), prefill_timeout,
-                     answer_timeout)
+    prefill, decode = _upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode")
+    routes = _Routes(prefill, decode, prefill_timeout, answer_timeout, require_peer_secret(kv_peer_secret,
+                                                                                           "tessera router"))
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:
@@ -98,8 +103,9 @@ def _unreachable(e: Exception, status: int) -> JSONResponse:
 
 
 class _Routes:
-    def __init__(self, prefill: str, decode: str, prefill_timeout: float, answer_timeout: float):
+    def __init__(self, prefill: str, decode: str, prefill_timeout: float, answer_timeout: float, kv_key: bytes):
         self.prefill, self.decode, self.prefill_timeout = prefill, decode, prefill_timeout
+        self.kv_key = kv_key  # the KV peer secret: signs the requests to the prefill instance
         self.counters = RouterCounters()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(answer_timeout, connect=prefill_timeout))
 
@@ -112,8 +118,10 @@ class _Routes:
         if not isinstance(inner, dict):
             return False
         try:
-            r = await self.client.post(f"{self.prefill}/v1/kv/prefill", json={"endpoint": endpoint, "request": inner},
-                                       headers=headers, timeout=self.prefill_timeout)
+            body = json.dumps({"endpoint": endpoint, "request": inner}).encode()
+            r = await self.client.post(f"{self.prefill}/v1/kv/prefill", content=body, timeout=self.prefill_timeout,
+                                       headers={**headers, "content-type": "application/json",
+                                                PEER_SIGNATURE_HEADER: sign_prefill_request(self.kv_key, body)})
             if r.status_code != 200:
                 log.warning("prefill instance answered %d: %s", r.status_code, r.text[:200])
                 return False

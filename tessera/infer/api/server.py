@@ -11,7 +11,8 @@ In front of the routes (`http_guards`): an allow-list of `Host` names, a request
 (413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
 (/health stays open for probes). With `kv_role` (prefill/decode disaggregation, `kv_transfer.py`):
 POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instance, behind the same
-guards. Bad JSON (also nesting too deep to parse), wrong-typed or
+guards and, apart from the API key, the KV peer secret (kv_peer.py: a prefill request signed with
+it, a transfer message made with it; 403 otherwise). Bad JSON (also nesting too deep to parse), wrong-typed or
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
 OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
 serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
@@ -60,7 +61,19 @@ from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sequence import RequestOutput
 from tessera.infer.runner.lora import confined_adapter_dir, read_adapter
 from tessera.infer.sampling.params import SamplingParams
-from tessera.infer.scheduling.kv_transfer import TransferError, export_prefix, import_prefix, transfer_limit
+from tessera.infer.scheduling.kv_peer import (
+    PEER_SIGNATURE_HEADER,
+    UnauthenticatedPeer,
+    check_prefill_request,
+    require_peer_secret,
+)
+from tessera.infer.scheduling.kv_transfer import (
+    TransferError,
+    export_prefix,
+    import_prefix,
+    open_transfer,
+    transfer_limit,
+)
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -92,17 +105,21 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None,
-               media: MediaPolicy | None = None) -> FastAPI:
+               media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
-    Host header; `media` says where chat images may come from (None: data: URLs only)."""
+    Host header; `media` says where chat images may come from (None: data: URLs only); `kv_role`
+    needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py)."""
     check_api_key(api_key)
+    if kv_role is not None:
+        require_peer_secret(kv_peer_secret, f"kv_role={kv_role!r}")
     if allow_lora_loading and not lora_dirs:
         raise ConfigError("runtime LoRA loading needs at least one adapter directory (--lora-modules-dir DIR)")
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
-    routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs], media or MediaPolicy())
+    routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs], media or MediaPolicy(),
+                     kv_peer_secret or b"")
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
@@ -147,8 +164,9 @@ class _Routes:
     """The handlers of the routes, around the engine thread `loop`."""
 
     def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path],
-                 media: MediaPolicy):
+                 media: MediaPolicy, kv_key: bytes):
         self.loop, self.engine, self.model_name, self.media = loop, loop.engine, model_name, media
+        self.kv_key = kv_key  # the KV peer secret (b"": no KV role)
         self.tokenizer = loop.engine.tokenizer
         self.allow_lora_loading, self.roots = allow_lora_loading, roots
         self.max_prompt_chars = self.engine.max_model_len * _longest_token_chars(self.tokenizer)
@@ -329,8 +347,14 @@ class _Routes:
 
     async def kv_prefill(self, request: Request) -> Response:
         """Prefill instance: compute the prompt of `{"endpoint": "completions"|"chat", "request": {...}}`
-        (one token, greedy) and answer its full prefix blocks as a KV transfer message."""
-        body = await _json_body(request)
+        (one token, greedy) and answer its full prefix blocks as a KV transfer message; only to a request
+        signed with the KV peer secret (the router's)."""
+        raw = await request.body()
+        try:
+            check_prefill_request(self.kv_key, raw, request.headers.get(PEER_SIGNATURE_HEADER))
+        except UnauthenticatedPeer as e:
+            return _error(str(e), 403)
+        body = await asyncio.to_thread(_parse_json, raw)
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
@@ -352,14 +376,18 @@ class _Routes:
             raise
         if out.error is not None:
             return _error(f"prefill failed: {out.error}", 500)
-        data = await asyncio.wrap_future(self.loop.call(lambda e: export_prefix(e, ids)))
+        data = await asyncio.wrap_future(self.loop.call(lambda e: export_prefix(e, ids, self.kv_key)))
         return Response(content=data, media_type="application/octet-stream")
 
     async def kv_import(self, request: Request) -> Response:
-        """Decode instance: take a KV transfer message into the host tier."""
+        """Decode instance: take a KV transfer message made with the KV peer secret into the host tier
+        (403 for any other, before anything in it is read)."""
         data = await request.body()
         try:
-            kept = await asyncio.wrap_future(self.loop.call(lambda e: import_prefix(e, data)))
+            transfer = await asyncio.to_thread(open_transfer, data, self.kv_key)
+            kept = await asyncio.wrap_future(self.loop.call(lambda e: import_prefix(e, transfer)))
+        except UnauthenticatedPeer as e:
+            return _error(str(e), 403)
         except TransferError as e:
             return _error(str(e), 400)
         return JSONResponse({"blocks": kept})

@@ -5,18 +5,22 @@ its own context (`ragged_attention.py`). Done with PyTorch ops, that is a gather
 blocks into one buffer per layer, then one SDPA per row: at 32 rows of a few hundred tokens the copy
 moves as many bytes per step as the model's weights, and the per-row calls cost more in dispatch
 than in arithmetic; a prompt chunk after earlier context needs an explicit mask, with which
-PyTorch's CPU flash attention computes the whole square of scores (measured in docs/benchmarks.md).
+PyTorch's CPU flash attention computes the whole square of scores (docs/benchmarks.md, "attention of
+prompt chunks: the kernel vs SDPA").
 The kernel in `csrc/paged_attention_cpu.cpp` reads each row's keys and values where they lie in the
 cache, in one call per layer: a short row once per (row, KV head) for all the queries of that head
 group (vLLM's CPU backend has a kernel of the same kind), a long one per (row, head) in tiles of
 queries over blocks of keys with an online softmax, skipping the keys no query of a tile sees.
 
-It is compiled with `torch.utils.cpp_extension` the first time a CPU server needs it (tens of seconds,
-cached in `TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions) for this CPU's vector
-extensions (AVX2 or AVX-512, read from `torch.backends.cpu.get_cpu_capability()`). Where it cannot be
-built (no C++ compiler, no ninja) the server logs why once and attends with the PyTorch ops, which
-compute the same thing; `TESSERA_CPU_ATTENTION=torch` chooses them outright. Both are tested against
-each other and against keys read slot by slot (tests/infer/test_ragged_attention.py).
+It is compiled with `torch.utils.cpp_extension` the first time a CPU server needs it (tens of seconds to
+minutes, said in one log line) and cached in `TORCH_EXTENSIONS_DIR` (by default ~/.cache/torch_extensions),
+in a directory named by this CPU's vector extensions (AVX2 or AVX-512, read from
+`torch.backends.cpu.get_cpu_capability()`) and by a short hash of this checkout's csrc path, so that two
+clones on one machine do not rebuild each other's library in turn; a build killed midway leaves no lock
+that stalls the next (build.py). Where it cannot be built (no C++ compiler, no ninja) the server logs
+why once and attends with the PyTorch ops, which compute the same thing; `TESSERA_CPU_ATTENTION=torch`
+chooses them outright. Both are tested against each other and against keys read slot by slot
+(tests/infer/test_ragged_attention.py).
 Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
 
 The same library (`torch.ops.tessera_cpu`) holds the one-pass layer kernels (infer/cpu/layer_ops.py) and
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.infer.cpu.build import library_name, load_library
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 
 log = logging.getLogger("tessera.infer")
@@ -69,20 +74,25 @@ def _find_ninja() -> None:
         os.environ["PATH"] = path + os.pathsep + ninja.BIN_DIR if path else ninja.BIN_DIR
 
 
+def library() -> str:
+    """The library's name, and its build directory's: this CPU's vector extensions and a short hash
+    of this checkout's csrc path (build.library_name)."""
+    return library_name(f"tessera_cpu_attention_{_vector_flags()[0]}", CSRC)
+
+
 @functools.cache
 def kernel():
     """The compiled op (`torch.ops.tessera_cpu.paged_attention`; its library holds the other CPU
     kernels too), or None where it cannot be had (the reason is logged once)."""
     try:
-        from torch.utils.cpp_extension import load
-
         _find_ninja()
-        suffix, flags = _vector_flags()
+        flags = _vector_flags()[1]
         # PyTorch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
-        headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
-        load(name=f"tessera_cpu_attention_{suffix}", sources=[str(s) for s in SOURCES], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", f"-DTESSERA_HEADERS_{headers}", *flags], extra_ldflags=["-fopenmp"],
-             extra_include_paths=[str(CSRC)], verbose=False)
+        headers = sorted(CSRC.glob("*.h"))
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in headers)).hexdigest()[:16]
+        load_library(library(), SOURCES, headers,
+                     extra_cflags=["-O3", "-fopenmp", f"-DTESSERA_HEADERS_{digest}", *flags],
+                     extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)])
         return torch.ops.tessera_cpu.paged_attention
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch ops serve instead
         log.warning("the CPU kernels could not be built (%s: %s); attending and normalizing with PyTorch ops, "

@@ -6,12 +6,13 @@ few rows of a decode step (M = 1..64) that reads the weight in an order its kern
 - the panel kernel (`csrc/linear_cpu.cpp`, in the library infer/cpu/attention.py builds): the weight as
   panels of 16 output columns, each [in, 16], read from start to end once per product through a
   register block of 6 rows by 16 columns. A decode step's few rows are bound by reading the
-  weights, which it reads at the memory's pace; measured on this project's 2-core machine against
-  oneDNN's linear over the same weights (`bench/cpu_linear.py`, docs/benchmarks.md): 1.5-2x faster at
-  1 row, 1.0-1.5x at 8 (oneDNN's own times move by up to 30% between runs), even at 256-1024 rows;
+  weights, which it reads at the memory's pace: faster than oneDNN's linear over the same weights
+  at one and a few rows, the gap closing as the rows grow to a few dozen, even with it for a prompt
+  chunk (docs/benchmarks.md, "projections: panel kernel vs oneDNN", `bench/cpu_linear.py`);
 - oneDNN's linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout PyTorch's inductor uses
   when it freezes a CPU model), where the library does not build (no compiler) or is switched off
-  (`TESSERA_CPU_ATTENTION=torch`): 2-3x faster than `F.linear` at 8-32 rows.
+  (`TESSERA_CPU_ATTENTION=torch`): faster than `F.linear` over the weight as stored for the rows of
+  a decode step (docs/benchmarks/2026-11-25-serving-vs-vllm-2-cpu-decode-path.md).
 
 `pack_linears` replaces every plain `nn.Linear` of a model the engine owns (loaded by
 `LLMEngine.from_dir`) by a `PanelLinear` (or `OneDNNLinear`) built over the same parameters, in its
@@ -26,20 +27,22 @@ nothing changes.
 `fuse_projections(model)` then multiplies the projections that read the same input in one product:
 an attention's q, k and v (`Attention.fused_qkv`) and an MLP's gate and up (`FeedForward.fused_gate_up`),
 the models' `FusedProjection` seam. A product over the concatenated weight reads the input once and
-runs one wide kernel instead of three (or two) narrow ones; measured on this project's 2-core
-machine over 12 layers of the 110M model (docs/benchmarks.md, with oneDNN's kernel): 1 row 14.5 ->
-13.4 ms, 8 rows 19.4 -> 17.4 ms, 256 rows 221 -> 212 ms. The fused modules give their own packed
-copies up (each is replaced by a plain `nn.Linear` over its parameters, with its hooks; the
-concatenated copy replaces theirs: still two copies of the weights in all) and fall back to
-`F.linear` over their dense weights when they run alone, which they do whenever a forward hook or
-pre-hook is on any of them (a LoRA adapter's: it must see each module's own output).
+runs one wide kernel instead of three (or two) narrow ones, which pays where the kernels are
+short, the few rows of a decode step, and is lost in the noise on a prompt chunk
+(docs/benchmarks/2026-11-27-serving-vs-vllm-4-attention-kernel.md, "q/k/v and gate/up fused").
+The fused modules give their own packed copies up (each is replaced by a plain `nn.Linear` over
+its parameters, with its hooks; the concatenated copy replaces theirs: still two copies of the
+weights in all) and fall back to `F.linear` over their dense weights when they run alone, which
+they do whenever a forward hook or pre-hook is on any of them (a LoRA adapter's: it must see each
+module's own output).
 
 A fused gate and up on the panel kernel also multiply as `FusedLinear.swiglu` (`panel_swiglu`): each
 thread computes a gate panel and its up panel over all rows and writes silu(gate) * up, so the
 [tokens, 2 x hidden] product is neither stored nor read back by a separate activation pass; the
-same bits as the product then the layer kernel's silu_mul. `cpu_layer_ops.fuse_layer_ops` installs
-it at `FeedForward.fused_swiglu`. Measured in one process (weights out of cache, alternated, median
-ratio of 48): 1.07x at 1,024 rows, 1.09x at 32, 1.22x at 8, 1.36x at 1 row (docs/benchmarks.md).
+same bits as the product then the layer kernel's silu_mul. `layer_ops.fuse_layer_ops` installs
+it at `FeedForward.fused_swiglu`. It gains most where a step has few rows and the separate pass
+would be a large share of its work, a decode step, and little on a prompt chunk, whose products
+dominate (docs/benchmarks/2026-11-28-serving-vs-vllm-9-prompt-attention-swiglu.md).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ them by the end of the step. glibc's malloc serves blocks that large with fresh 
 heap's top back to the kernel once a few hundred kilobytes are free; either way the next step touches
 new pages, and each first touch is a page fault. Raising the mmap threshold to its maximum (32 MiB on
 64-bit) and the trim threshold past anything a step frees keeps those pages in the process, where the
-next step's allocations find them. Measured on this project's 2-core machine (docs/benchmarks.md): a
-512-token chunk of the 110M model 5-9% faster, decode steps unchanged. The memory kept is the
-largest step's activations, which the server needs again anyway. The same reason makes vLLM advise
-TCMalloc for its CPU backend.
+next step's allocations find them: a prompt chunk, whose activations are large, gets faster;
+decode steps, whose activations are small, do not change
+(docs/benchmarks/2026-11-27-serving-vs-vllm-4-attention-kernel.md, "Freed activations kept"). The
+memory kept is the largest step's activations, which the server needs again anyway. The same
+reason makes vLLM advise TCMalloc for its CPU backend.
 
 `tessera serve` on CPU calls `keep_freed_memory()` before it loads the model (`--no-cpu-keep-freed`
 leaves the allocator as it is); elsewhere, and with another C library, it does nothing.

@@ -12,9 +12,10 @@ it the process's compute threads, the other threads one each. PyTorch's CPU kern
 OpenMP teams, one pool of threads per thread that starts parallel work; with GNU OpenMP, once the
 process holds more such threads than cores, every idle team thread stops spinning almost at once
 and sleeps, and each of the hundreds of parallel regions of a decode step then waits for its team
-to wake. A model loaded on the main thread and served from this one is two pools: measured on a
-2-core machine, a one-row decode step of a 110M model took 33-39 ms in this thread against 26 ms
-on the main thread, and 26-30 ms here once the main thread started no team of its own.
+to wake. A model loaded on the main thread and served from this one is two pools: a one-row
+decode step ran markedly slower in this thread than on the main thread, and as fast once the main
+thread started no team of its own (docs/benchmarks/2026-11-27-serving-vs-vllm-4-attention-kernel.md,
+"The engine's OpenMP threads").
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.patterns import file_pattern
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.json_text import parse_json
 from tessera.models.int8 import Int8Linear
@@ -60,17 +61,16 @@ MAX_CONFIG_BYTES = 1 << 20
 _PATTERN_KEY = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
+def _pattern(key: str, field: str):
     """PEFT's rank_pattern / alpha_pattern: a key matches a module name ending in it (a regular
-    expression, as PEFT reads it). `read_adapter_config` lets only plain module names through for
-    adapters loaded at run time, since a crafted expression could backtrack for minutes."""
+    expression, as PEFT reads it), run in linear time (tessera.checkpoint.patterns)."""
+    return file_pattern(rf"(.*\.)?({key})$", f"adapter_config.json: {field} key {key[:200]!r}")
+
+
+def _pattern_value(patterns: dict, field: str, module: str, default: float) -> float:
     for key, value in patterns.items():
-        try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return value
-        except re.error as e:
-            raise CheckpointError(f"adapter_config.json: pattern key {key[:200]!r} is not a valid regular "
-                                  f"expression ({e})") from None
+        if _pattern(key, field).match(module):
+            return value
     return default
 
 
@@ -159,6 +159,7 @@ def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
             if untrusted and (not _PATTERN_KEY.match(name) or len(name) > 256):
                 raise CheckpointError(f"adapter_config.json: {key!r} keys must be module names (letters, digits, "
                                       "'_' and '.'); regular expressions are not supported")
+            _pattern(name, key)  # a key that is no expression RE2 runs: refused before any weight is read
             if not check(value):
                 raise CheckpointError(f"adapter_config.json: {key!r} values must be {what}")
     return cfg
@@ -239,10 +240,10 @@ def read_adapter(path: str | Path, model: Transformer, root: str | Path | None =
         if A.shape[1] != in_f or B.shape[0] != out_f or A.shape[0] != B.shape[1]:
             raise CheckpointError(f"{path}: {hf_module} lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not "
                                   f"fit a {out_f}x{in_f} layer")
-        r = _pattern_value(rank_pattern, hf_module, cfg["r"])
+        r = _pattern_value(rank_pattern, "rank_pattern", hf_module, cfg["r"])
         if r != A.shape[0]:
             raise CheckpointError(f"{path}: {hf_module} has rank {A.shape[0]} but adapter_config.json gives r={r}")
-        a = _pattern_value(alpha_pattern, hf_module, alpha)
+        a = _pattern_value(alpha_pattern, "alpha_pattern", hf_module, alpha)
         out[name] = AdapterWeights(A, B, a / (math.sqrt(r) if rslora else r))
     if not out:
         raise CheckpointError(f"{path}: the adapter has no LoRA weights")

@@ -79,8 +79,9 @@ class KVTierPlanner:
         self.persist(block, h)
 
     def persist(self, block: int, h: bytes) -> None:
-        """Write `block` (holding `h`) to disk, unless it is there or planned already."""
-        if self.disk is not None and h not in self.planned and not self.disk.contains(h):
+        """Write `block` (holding `h`) to disk, unless it is there or planned already, or writes to
+        the disk tier are paused after a failure."""
+        if self.disk is not None and self.disk.writable and h not in self.planned and not self.disk.contains(h):
             self.planned.add(h)
             self.pending.to_disk.append((block, h))
 

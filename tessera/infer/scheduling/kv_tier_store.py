@@ -10,8 +10,11 @@ built over the store, sharing its disk tier and counters.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import stat
 import time
@@ -25,6 +28,8 @@ from tessera.infer.scheduling.kv_tiers import KVTransfers, TierMetrics
 
 MAGIC = b"TSRAKV1\n"
 MAX_HEADER = 1 << 16
+
+log = logging.getLogger("tessera.kv")
 
 
 # ---- identity and layout ---------------------------------------------------------------------
@@ -74,7 +79,7 @@ def decode_block(data: bytes, identity: str, layout: list[tuple[str, int]], h: b
         return None
     try:
         header = json.loads(data[len(MAGIC) + 4:start])
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested too deeply to parse
         return None
     payload = data[start:]
     if (not isinstance(header, dict) or header.get("identity") != identity or header.get("hash") != h.hex()
@@ -118,67 +123,157 @@ def host_slots(kv: PagedKVCache, gib: float) -> int:
 
 
 # ---- the disk tier ---------------------------------------------------------------------------
+RETRY_WRITES_S = 30.0  # after a write fails (a read-only or full file system) the tier only reads this long
+_NO_WAIT = os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)  # opening a FIFO never blocks; a symlink is refused
+
+
+def _shown(path: str) -> str:
+    """`path` for a one-line message (a very long one shortened)."""
+    return repr(path if len(path) <= 160 else path[:80] + "..." + path[-60:])
+
+
 def private_directory(path: str | Path) -> Path:
-    """`path`, created 0700 if missing; refused when it is not a directory of this user that only
-    this user can write (another user could plant files there)."""
+    """`path`, created 0700 if missing. ConfigError (one line) when it cannot be created (a file is
+    there, its parent is unwritable, it is too long), is not a directory of this user that only this
+    user can write (another user could plant files there), or a block file cannot be written in it
+    (a read-only or virtual file system such as /proc, a path too long for the files below it)."""
     path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
+    invalid = f"kv_cache_dir={_shown(str(path))} is invalid"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except FileExistsError:
+        raise ConfigError(f"{invalid}: it exists and is not a directory") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in it
+        raise ConfigError(f"{invalid}: it cannot be created ({getattr(e, 'strerror', None) or e})") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"kv_cache_dir={str(path)!r} is invalid: not a directory (a symlink is refused)")
+        raise ConfigError(f"{invalid}: not a directory (a symlink is refused)")
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise ConfigError(f"kv_cache_dir={str(path)!r} is invalid: it must belong to this user and be writable "
-                          f"by this user only (mode {stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
+        raise ConfigError(f"{invalid}: it must belong to this user and be writable by this user only "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
+    probe = path / "00" / f".{'0' * 40}.kv.{os.getpid()}.probe"  # as long as a block's temporary file
+    try:
+        probe.parent.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NO_WAIT, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{invalid}: a block file cannot be written in it ({e.strerror or e})") from None
     return path
 
 
+def _discard(p: Path) -> None:
+    with contextlib.suppress(OSError):
+        p.unlink(missing_ok=True)
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:  # a directory that cannot be searched any more
+        return False
+
+
 class DiskTier:
-    """Blocks as files under a private directory, named by the model identity and prefix hash."""
+    """Blocks as files under a private directory, named by the model identity and prefix hash.
+
+    An I/O failure while serving (the directory made read-only or removed, a full disk) never fails
+    a request: the block is recomputed, or not written, the failure counted (`disk_errors`) and
+    logged once until a write works again; after a failed write the tier only reads for
+    RETRY_WRITES_S seconds (`writable`). Only regular files no larger than a block's record are read
+    (a FIFO would block, a huge sparse file would fill memory); others are refused like a damaged
+    file (`disk_rejected_files`)."""
 
     def __init__(self, path: str | Path, identity: str, layout: list[tuple[str, int]], max_bytes: int,
                  metrics: TierMetrics):
         self.root = private_directory(path)
         self.identity, self.layout, self.max_bytes, self.metrics = identity, layout, max_bytes, metrics
+        self.max_record = len(MAGIC) + 4 + MAX_HEADER + sum(n * getattr(torch, d).itemsize for d, n in layout)
         self.written = 0  # bytes this process wrote since it last measured the directory
         self.known: set[bytes] = set()  # hashes this process wrote or read
+        self.retry_writes_at = 0.0  # time.monotonic() from which writes are tried again
+        self.failing = False  # a failure was logged and no write has worked since
 
     def path(self, h: bytes) -> Path:
         name = hashlib.blake2b(self.identity.encode() + h, digest_size=20).hexdigest()
         return self.root / name[:2] / f"{name}.kv"
 
+    @property
+    def writable(self) -> bool:
+        return time.monotonic() >= self.retry_writes_at
+
     def contains(self, h: bytes) -> bool:
-        return h in self.known or self.path(h).is_file()
+        return h in self.known or _exists(self.path(h))
+
+    def _failed(self, doing: str, e: OSError) -> None:
+        self.metrics.disk_errors += 1
+        if not self.failing:
+            self.failing = True
+            log.warning("KV disk tier %s: %s failed (%s); requests go on without it (blocks recomputed or not "
+                        "kept), counted in tessera_kv_disk_errors_total; said once until a write works again",
+                        self.root, doing, e.strerror or e)
 
     def read(self, h: bytes) -> list[torch.Tensor] | None:
-        """The block's tensors (CPU), or None when there is no such file or it fails a check (the
-        file is then removed)."""
+        """The block's tensors (CPU), or None when there is no such file, it cannot be read, or it
+        fails a check (the file is then removed)."""
         p = self.path(h)
         try:
-            data = p.read_bytes()
-        except OSError:
+            data = self._read_file(p)
+        except FileNotFoundError:
             return None
-        contents = decode_block(data, self.identity, self.layout, h)
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # a symlink is refused as a damaged file is; anything else is the tier's
+                self._failed("reading a block", e)
+                return None
+            data = None
+        contents = None if data is None else decode_block(data, self.identity, self.layout, h)
         if contents is None:
             self.metrics.disk_rejected_files += 1
-            p.unlink(missing_ok=True)
+            _discard(p)
             return None
-        os.utime(p)  # most recently used
+        with contextlib.suppress(OSError):  # a read-only directory keeps its times
+            os.utime(p)  # most recently used
         self.known.add(h)
         self.metrics.disk_bytes += len(data)
         return contents
 
+    def _read_file(self, p: Path) -> bytes | None:
+        """The bytes of block file `p`; None, unread, when it is not a regular file or is larger than
+        a block's record."""
+        fd = os.open(p, os.O_RDONLY | _NO_WAIT)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self.max_record:
+                return None
+            chunks, size = [], 0
+            while size <= self.max_record and (chunk := os.read(fd, self.max_record + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks) if size <= self.max_record else None  # it grew while read
+
     def write(self, h: bytes, contents: list[torch.Tensor]) -> None:
-        """Write the block atomically (a temporary file renamed), private to the user."""
-        if self.path(h).is_file():
+        """Write the block atomically (a temporary file renamed), private to the user; after a failure
+        nothing is left behind."""
+        p = self.path(h)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        if not self.writable or _exists(p):
             return
         record = encode_block(self.identity, self.layout, h, contents)
-        p = self.path(h)
-        p.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(record)
-        os.replace(tmp, p)
+        try:
+            p.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NO_WAIT, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(record)
+            os.replace(tmp, p)
+        except OSError as e:
+            self.retry_writes_at = time.monotonic() + RETRY_WRITES_S
+            self._failed("writing a block", e)
+            _discard(tmp)
+            return
+        if self.failing:
+            self.failing = False
+            log.warning("KV disk tier %s: writing works again", self.root)
         self.known.add(h)
         self.metrics.disk_written_blocks += 1
         self.metrics.disk_bytes += len(record)
@@ -190,19 +285,25 @@ class DiskTier:
         """Remove the least recently used files until the directory holds at most 90% of its bound."""
         self.written = 0
         files = []
-        for p in self.root.glob("*/*.kv"):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime, st.st_size, p))
+        try:
+            for p in self.root.glob("*/*.kv"):
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    st = p.lstat()
+                    files.append((st.st_mtime, st.st_size, p))
+        except OSError as e:
+            self._failed("listing the directory", e)
+            return
         total = sum(size for _, size, _ in files)
         for _, size, p in sorted(files):
             if total <= self.max_bytes * 0.9:
                 break
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:
+                self._failed("removing a block", e)
+                break
             total -= size
-        self.known = {h for h in self.known if self.path(h).is_file()}
+        self.known = {h for h in self.known if _exists(self.path(h))}
 
 
 # ---- the store -------------------------------------------------------------------------------

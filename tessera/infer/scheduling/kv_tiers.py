@@ -67,6 +67,8 @@ class TierMetrics:
     disk_rejected_files: int = _counter("kv_disk_rejected_files_total",  # recomputed
                                         "Disk-tier files refused (damaged, truncated or foreign).")
     disk_bytes: int = _counter("kv_disk_bytes_total", "Bytes read from and written to the disk tier.")
+    disk_errors: int = _counter("kv_disk_errors_total",  # the request went on without the disk tier
+                                "Disk-tier reads and writes that failed (read-only or full file system).")
     seconds: float = _counter("kv_tier_transfer_seconds_total", "Time spent moving blocks between tiers.", 0.0)
     transfer_out_blocks: int = _counter("kv_transfer_out_blocks_total", "Blocks sent to a decode instance.")
     transfer_in_blocks: int = _counter("kv_transfer_in_blocks_total",  # into its host tier

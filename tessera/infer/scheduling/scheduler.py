@@ -10,11 +10,10 @@ blocks are in the prefix cache starts past them.
 The queue order (`policy`): "fcfs" (the default, as vLLM's) is arrival order. "shortest_first" is
 arrival order between steps and, among the requests that arrived since the previous step (which the
 engine sees at the same moment), the shortest prompt first: a burst of prompts is prefilled shortest
-first, which lowers the median time to first token (measured: 23-42% for 32 prompts of 32-512
-tokens at once, docs/benchmarks.md), at the price of the time per output token of the requests that
-then decode inside the longer prompts' prefill steps and of 4-14% of the throughput served (0-10%
-either way offline). No request waits behind one that arrived after a step it could have been
-admitted in.
+first, which lowers the median time to first token, at the price of the time per output token of the
+requests that then decode inside the longer prompts' prefill steps and of some of the throughput
+served: a trade, not a gain (docs/benchmarks.md, "`--scheduling-policy shortest_first` vs `fcfs`").
+No request waits behind one that arrived after a step it could have been admitted in.
 
 When a running sequence needs a block and none is left, the most recently arrived running
 sequence is preempted: its blocks are released (they stay in the prefix cache while nobody

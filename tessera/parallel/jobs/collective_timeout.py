@@ -12,6 +12,11 @@ re-raises such a failure as a `ParallelError`:
 The operation is read off the traceback: the innermost frame inside `torch.distributed` is the
 collective that was waiting (`all_reduce`, `all_gather_single`, `wait_tensor`, ...), and the
 innermost frame outside torch says who called it.
+
+A peer that ends under a collective (killed, failed, stopped by its launcher) shows up at once instead,
+as gloo's "Connection reset by peer" / "Connection closed by peer" or a broken pipe: a consequence in
+this rank, whose cause the launcher names (tessera.parallel.jobs.restarts). It becomes a one-line
+`TrainingError` saying so (`lost_peer`), not a traceback in the job's output.
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tessera.config.errors import ParallelError
+from tessera.config.errors import ParallelError, TesseraError, TrainingError
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
+# Error text of a rank that failed only because a peer died or hung under a collective (gloo, the
+# store, the collective timeout, `lost_peer`'s own line): such a rank is a consequence, not the cause.
+PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused",
+                        "socket closed", "did not complete within", "another rank of the job ended")
+_PEER_LOSS_MARKERS = PEER_FAILURE_MARKERS[:5]
 _TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _TORCH = os.sep + "torch" + os.sep
 
@@ -46,12 +56,28 @@ def waiting_operation(error: BaseException) -> str:
     return f"{op or 'unknown'} in {where}"
 
 
+def lost_peer(error: BaseException, rank: int, world_size: int, phase: str | None = None) -> TrainingError | None:
+    """The one-line error of a rank whose collective failed because a peer ended (None: `error` is not
+    that, or this is a job of one rank)."""
+    if world_size <= 1 or not isinstance(error, RuntimeError) or isinstance(error, TesseraError):
+        return None
+    if not any(marker in str(error).lower() for marker in _PEER_LOSS_MARKERS):
+        return None
+    first_line = " ".join(str(error).split())[:200]
+    during = f" during {phase} (operation: {waiting_operation(error)})" if phase else ""
+    return TrainingError(f"another rank of the job ended{during}, so rank {rank} of {world_size} stops too; the "
+                         f"launcher's line names the cause. Backend said: {first_line}")
+
+
 @contextmanager
 def collective_phase(phase: str, rank: int, world_size: int, timeout_s: float) -> Iterator[None]:
     """Re-raise a collective timeout inside the block as a ParallelError naming rank, phase and operation."""
     try:
         yield
     except RuntimeError as e:
+        peer = lost_peer(e, rank, world_size, phase)
+        if peer is not None:
+            raise peer from e
         if world_size <= 1 or not is_collective_timeout(e):
             raise
         first_line = " ".join(str(e).split())[:200]

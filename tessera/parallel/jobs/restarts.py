@@ -21,12 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.parallel.jobs.collective_timeout import PEER_FAILURE_MARKERS
 from tessera.parallel.jobs.events import append_event
-
-# Error text of a rank that failed only because a peer died or hung under a collective (gloo, the
-# store, the collective timeout): such a rank is a consequence, not the cause.
-_PEER_FAILURE_MARKERS = ("connection closed", "connection reset", "broken pipe", "connection refused",
-                         "socket closed", "did not complete within")
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class RankExit:
     @property
     def peer_caused(self) -> bool:
         return self.returncode > 0 and self.error is not None and any(
-            m in self.error.lower() for m in _PEER_FAILURE_MARKERS)
+            m in self.error.lower() for m in PEER_FAILURE_MARKERS)
 
 
 def failing_rank(exits: list[RankExit]) -> RankExit:

@@ -10,7 +10,7 @@ trains under, `build` the finished `ModeParts` the loop drives (a step engine, i
 optimizers, how a step is logged, the start-up and closing lines, the end-of-run hook).
 
 Adding a mode (an objective such as preference or RL training, an adapter scheme such as LoRA):
-1. One module under tessera/train, e.g. `preference_step.py`, with
+1. One module under tessera/train/modes, e.g. `preference.py`, with
    - a step engine (the `StepEngine` protocol of step_engine.py) whose `forward_backward(batch)`
      accumulates the gradient of one global batch over this rank's rows and returns a `StepResult`
      (results.py): `loss` and `tokens` at least, its own figures in `scalars` (logged by name);

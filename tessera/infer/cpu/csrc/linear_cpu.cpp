@@ -36,9 +36,9 @@ constexpr int64_t NB = 16;  // output columns of a panel
 constexpr int MB = 6;       // rows of x in one register block
 // Products of up to this many row blocks (96 rows) prefetch the next panel into L2 as they go: a
 // block of 6 rows takes 6 cycles per input k, so the first block over a panel read from memory
-// would wait on it. Measured against no prefetch (docs/benchmarks.md): 1.2-1.6x at 4-8 rows,
-// 1.1-1.2x at 32, even at 96, 0.94-0.99x at 128 rows and more, where a panel is reread from L2 for
-// every block anyway.
+// would wait on it. The gain is largest at a few rows and gone by 96; past that a panel is reread
+// from L2 for every block anyway and the prefetch only costs (docs/benchmarks.md, "next panel
+// prefetched vs not").
 constexpr int64_t PREFETCH_MAX_BLOCKS = 16;
 
 }  // namespace

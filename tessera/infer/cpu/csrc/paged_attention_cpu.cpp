@@ -16,7 +16,8 @@
 //   weighs the values the same way; other types go one query head at a time (the context stays in
 //   L2 between heads). While a pair scores, it requests the next pair's keys and values into L2 a
 //   few lines at a time (memory would otherwise sit idle while it computes, then stall it when the
-//   next pair starts: 1.3x on a 32-row decode step's attention, docs/benchmarks.md).
+//   next pair starts; scoring the heads together pays only with the prefetch feeding it:
+//   docs/benchmarks.md, "decode attention with prefetch and head groups").
 // - long rows (prompt chunks) are split over (row, query head) pairs, which the threads take costliest
 //   first, each the next one left as it finishes (a chunk's time grows with the square of its
 //   length, so an even split in order would leave a thread idle); each pair copies the keys
@@ -27,8 +28,8 @@
 //   in four queries by sixteen dimensions. Each block of four queries stops at the last key the
 //   fourth of them sees (rounded up to sixteen for the scores): a chunk at position 0 does half the
 //   products of the whole square, where a mask would do them all, and a tile's diagonal costs a few
-//   keys per query, not up to a block of 64 plus the tile's 32 (~10% less attention time in a
-//   32-request burst's prompt steps, docs/benchmarks.md).
+//   keys per query, not up to a block of 64 plus the tile's 32 (docs/benchmarks.md, "32-request
+//   prompt burst in process": the notebook measures this stop and the costliest-first order apart).
 // fp32 with head dims a multiple of 8 (of 64 for a short row's values, of 16 for a long row's) takes
 // AVX2 loops where the build has AVX2 and FMA; everything else the portable loops, which compute the
 // same sums.
