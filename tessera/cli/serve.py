@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
-from tessera.cli.listening import add_listen_arguments, listen_sockets
+from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
 from tessera.config.argument_types import int_in, positive_float, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.infer.config import EngineConfig
@@ -105,8 +105,7 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
     if args.kv_role is not None and not is_loopback(args.host) and args.api_key is None:
         raise ConfigError(f"--kv-role {args.kv_role} on --host {args.host} (beyond this machine) needs --api-key: "
                           "its routes would answer anyone who can reach it")
-    if args.max_request_bytes < 1:
-        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
+    check_listen_options(args)
     if args.allow_runtime_lora and not args.lora_modules_dir:
         raise ConfigError("--allow-runtime-lora needs --lora-modules-dir DIR: the directories adapters may be "
                           "loaded from")

@@ -213,19 +213,21 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    async def prepared(self, raw: bytes, chat: bool) -> tuple[dict, list[list[int]], SamplingParams,
-                                                               list[str] | None, list[CheckedRequest]]:
-        """`prepare`'s result for a request body: parsed (and a chat's images counted) in a worker
-        thread, the images fetched on the event loop (`MediaPolicy.fetch_all`: a slow image host
-        holds no thread that other requests need), the rest in a worker thread again."""
+    async def prepared(self, raw: bytes | dict, chat: bool) -> tuple[dict, list[list[int]], SamplingParams,
+                                                                      list[str] | None, list[CheckedRequest]]:
+        """`prepare`'s result for a request body (its bytes, or the document a KV prefill request
+        holds, parsed already: written back as JSON it could be too deep to parse again): parsed (and
+        a chat's images counted) in a worker thread, the images fetched on the event loop
+        (`MediaPolicy.fetch_all`: a slow image host holds no thread that other requests need), the
+        rest in a worker thread again."""
         body, chat_parts = await asyncio.to_thread(self.parse, raw, chat)
         blobs = await self.media.fetch_all(chat_parts[1]) if chat_parts else []
         return await asyncio.to_thread(self.prepare, body, chat_parts, blobs)
 
-    def parse(self, raw: bytes, chat: bool) -> tuple[dict, tuple[list[dict[str, str]], list[str], str] | None]:
+    def parse(self, raw: bytes | dict, chat: bool) -> tuple[dict, tuple[list[dict[str, str]], list[str], str] | None]:
         """The body and, for a chat, its messages as text (each image a marker), the images' urls
         (their number checked) and the marker."""
-        body = _parse_json(raw)
+        body = raw if isinstance(raw, dict) else _parse_json(raw)
         self.adapter_of(body)
         if not chat:
             return body, None
@@ -358,7 +360,7 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, prompt_ids, _, _, requests = await self.prepared(json.dumps(inner).encode(), endpoint == "chat")
+        _, prompt_ids, _, _, requests = await self.prepared(inner, endpoint == "chat")
         if requests[0].adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
         ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
