@@ -131,6 +131,8 @@ class ModelConfig:
     out_bias: bool = False  # LLaMA's attention_bias also puts one on the output projection
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys only
+    # Layers whose attention has no positional encoding (SmolLM3's NoPE layers: every 4th); the rest rotate by RoPE.
+    nope_layers: list[int] = field(default_factory=list)
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
     init_std: float = 0.02  # normal init std of every weight matrix
@@ -202,6 +204,11 @@ class ModelConfig:
             require(_finite(value) and value > 0, f"model.{key}", value, "must be a finite number > 0")
         require(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "model.sliding_window",
                 self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
+        require(isinstance(self.nope_layers, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)
+            and len(set(self.nope_layers)) == len(self.nope_layers) and (self.mla is None or not self.nope_layers),
+            "model.nope_layers", self.nope_layers,
+            f"must be a list of distinct layer indices in 0..{self.n_layers - 1} (none with MLA, whose RoPE is split)")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:

@@ -1,5 +1,5 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
-optional QKV bias (Qwen2) and per-head QK RMSNorm (Qwen3).
+optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3) and layers without RoPE (SmolLM3's NoPE).
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -65,6 +65,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
+        self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -87,9 +88,9 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_rope is not None and not torch.is_grad_enabled():
+        if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)
-        else:
+        elif self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5

@@ -125,8 +125,9 @@ def select(cfg: ModelConfig, sizes: PruneSizes, found: Importance) -> Selection:
 
 
 def pruned_config(cfg: ModelConfig, sizes: PruneSizes, kept_layers: list[int]) -> ModelConfig:
-    """The source config with the new sizes; its dense layers among `kept_layers` keep being dense under
-    their new numbers (a leading run as first_k_dense where the source counted them so, else listed)."""
+    """The source config with the new sizes; its dense layers (and layers without RoPE) among
+    `kept_layers` keep being so under their new numbers (the dense ones as a leading run, first_k_dense,
+    where the source counted them so, else listed)."""
     moe = None
     if cfg.moe is not None:
         dense = [new for new, old in enumerate(kept_layers) if not cfg.is_moe_layer(old)]
@@ -134,8 +135,9 @@ def pruned_config(cfg: ModelConfig, sizes: PruneSizes, kept_layers: list[int]) -
         placement = (dict(first_k_dense=len(dense), dense_layers=[]) if leading
                      else dict(first_k_dense=0, dense_layers=dense, layer_freq=1))
         moe = dataclasses.replace(cfg.moe, num_experts=sizes.num_experts, **placement)
+    nope = [new for new, old in enumerate(kept_layers) if old in cfg.nope_layers]  # NoPE layers stay NoPE
     return dataclasses.replace(cfg, dim=sizes.dim, n_layers=sizes.layers, ffn_dim=sizes.ffn_dim, n_heads=sizes.n_heads,
-                               n_kv_heads=sizes.n_kv_heads, head_dim=cfg.head_dim, moe=moe)
+                               n_kv_heads=sizes.n_kv_heads, head_dim=cfg.head_dim, moe=moe, nope_layers=nope)
 
 
 def _head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:

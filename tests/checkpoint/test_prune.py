@@ -21,7 +21,7 @@ from tessera.checkpoint.hf.load import load_pretrained
 from tessera.cli import main
 from tessera.data.tokenizer import load_tokenizer
 from tessera.prune import PruneSizes, prune
-from tests.infer.tiny_models import save_tokenizer, write_model
+from tests.infer.tiny_models import hf_config, save_tokenizer, write_model
 from tests.models.hf_families import hf_configs, random_hf_model
 from tests.quantize.damaged_sources import with_nonfinite_weight
 
@@ -200,8 +200,6 @@ def test_target_params_gives_at_most_that_many(family, fraction, request, tmp_pa
 def _constructed(path: Path) -> None:
     """The llama fixture's model with layer 2 made an identity (o_proj and down_proj zero), FFN channels
     5 and 7 silent in every layer (their up_proj rows zero) and KV group 1 silent (its v_proj rows zero)."""
-    from tests.infer.tiny_models import hf_config
-
     model = random_hf_model(hf_config("llama", num_hidden_layers=4), seed=3)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
@@ -212,6 +210,24 @@ def _constructed(path: Path) -> None:
                 layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(path)
     save_tokenizer(path)
+
+
+def test_dropping_layers_keeps_the_kept_layers_without_rope_so(tmp_path, calibration):
+    """SmolLM3 with layers 1 and 3 of 4 without RoPE, layer 2 contributing nothing: the pruned model
+    has 3 layers, its layers 1 and 2 (the old 1 and 3) without RoPE, and transformers agrees."""
+    model = random_hf_model(hf_config("smollm3", num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0]), seed=3)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight.zero_()
+        model.model.layers[2].mlp.down_proj.weight.zero_()
+    model.save_pretrained(tmp_path / "src")
+    save_tokenizer(tmp_path / "src")
+    r = prune(tmp_path / "src", tmp_path / "dst", PruneSizes(layers=3), calibration=[calibration], **CALIBRATION)
+    assert r.selection.layers == [0, 1, 3]
+    assert json.loads((tmp_path / "dst" / "config.json").read_text())["no_rope_layers"] == [1, 0, 0]
+    with torch.no_grad():
+        want = model(_tokens()).logits
+        torch.testing.assert_close(_hf(tmp_path / "dst")(_tokens()).logits, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(load_pretrained(tmp_path / "dst")(_tokens()).logits, want, rtol=1e-4, atol=1e-5)
 
 
 def test_importance_drops_what_contributes_nothing_first(tmp_path, calibration):

@@ -22,7 +22,7 @@ def test_a_preset_round_trips_through_its_families_config_json(name):
     cfg = PRESETS[name]
     back = config_from_hf(config_to_hf(cfg))
     kept = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_theta",
-            "rope_scaling", "max_seq_len", "qkv_bias", "out_bias", "qk_norm", "mla")
+            "rope_scaling", "max_seq_len", "qkv_bias", "out_bias", "qk_norm", "mla", "nope_layers")
     assert {k: getattr(back, k) for k in kept} == {k: getattr(cfg, k) for k in kept}
     assert (back.moe is None) == (cfg.moe is None) == (not REGISTRY[cfg.family].moe)
     if cfg.moe is None:
@@ -59,3 +59,40 @@ def test_a_family_without_a_sliding_window_refuses_to_export_a_model_with_one(fa
     with pytest.raises(ModelError, match=rf"{family} has no sliding attention window \(model.sliding_window=4096\)"):
         config_to_hf(cfg)
     assert config_to_hf(replace(PRESETS["mistral-7b"], sliding_window=4096))["sliding_window"] == 4096
+
+
+def test_layers_without_rope_export_only_as_smollm3():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    cfg = replace(PRESETS["llama3-8b"], nope_layers=[3, 7])
+    with pytest.raises(ModelError, match=r"llama rotates every layer by RoPE \(model.nope_layers=\[3, 7\]\); export it "
+                                         "as smollm3"):
+        config_to_hf(cfg)
+    d = config_to_hf(replace(cfg, family="smollm3"))
+    assert d["no_rope_layers"][:8] == [1, 1, 1, 0, 1, 1, 1, 0] and sum(d["no_rope_layers"]) == 30
+    assert config_from_hf(d).nope_layers == [3, 7]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"no_rope_layers": [1, 0]}, r"no_rope_layers=\[1, 0\] is invalid: must be a list of 0 \(NoPE\) or 1 \(RoPE\), one "
+                                 r"per layer \(36\)"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 0}, r"no_rope_layer_interval=0 is invalid: must be an integer"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window=true is not supported for smollm3"),
+])
+def test_a_smollm3_file_tessera_cannot_reproduce_is_refused_naming_the_field(change, message, tmp_path):
+    import json
+
+    from tessera.config import CheckpointError, ModelError
+    from tessera.config.hf_config import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(PRESETS["smollm3-3b"]) | change))
+    with pytest.raises((CheckpointError, ModelError), match=message):
+        read_hf_config(tmp_path)
+
+
+def test_smollm3_without_a_list_puts_a_nope_layer_every_interval():
+    d = config_to_hf(PRESETS["smollm3-3b"])
+    del d["no_rope_layers"]
+    assert config_from_hf(d | {"no_rope_layer_interval": 3}).nope_layers == list(range(2, 36, 3))

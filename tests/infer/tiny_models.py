@@ -52,6 +52,8 @@ def hf_config(family: str, **overrides):
         return tf.MistralConfig(**{"sliding_window": 6, **common})
     if family == "qwen2":  # q/k/v with biases
         return tf.Qwen2Config(**common)
+    if family == "smollm3":  # the second layer without RoPE (NoPE)
+        return tf.SmolLM3Config(**{"no_rope_layers": [1, 0], "pad_token_id": None, **common})
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True)

@@ -26,13 +26,14 @@ def test_forward_shapes_and_param_count(name):
 
 def test_published_parameter_counts():
     # Mixtral 8x7B: 46.7B total, 12.9B active; DeepSeek-V3: 671B total, 37B active (arXiv 2412.19437);
-    # Qwen3-30B-A3B: 30.5B / 3.3B; LLaMA-3-8B: 8.0B.
+    # Qwen3-30B-A3B: 30.5B / 3.3B; LLaMA-3-8B: 8.0B; SmolLM3-3B: 3.08B (tied embeddings).
     assert round(count_params(get_preset("mixtral-8x7b")) / 1e9, 1) == 46.7
     assert round(count_params(get_preset("mixtral-8x7b"), active=True) / 1e9, 1) == 12.9
     assert round(count_params(get_preset("deepseek-v3")) / 1e9) == 671
     assert round(count_params(get_preset("deepseek-v3"), active=True) / 1e9) in (37, 38)
     assert round(count_params(get_preset("qwen3-30b-a3b")) / 1e9, 1) == 30.5
     assert round(count_params(get_preset("llama3-8b")) / 1e9, 1) == 8.0
+    assert round(count_params(get_preset("smollm3-3b")) / 1e9, 2) == 3.08
 
 
 def test_every_preset_validates():
@@ -96,6 +97,8 @@ def test_bf16_forward():
     ("family", "gpt2", "model.family"),
     ("dim", 0, "model.dim"),
     ("sliding_window", -1, "model.sliding_window"),
+    ("nope_layers", [2], r"model.nope_layers=\[2\] is invalid: must be a list of distinct layer indices in 0..1"),
+    ("nope_layers", [1, 1], "model.nope_layers"),
 ])
 def test_invalid_model_config_names_the_field(field, value, needle):
     with pytest.raises(ConfigError, match=needle):

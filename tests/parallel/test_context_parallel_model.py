@@ -1,7 +1,7 @@
 """Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
 chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
 Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
-and expert capacity, where the tokens dropped must be those one process drops."""
+layers without RoPE (SmolLM3), and expert capacity, where the tokens dropped must be those one process drops."""
 
 from __future__ import annotations
 
@@ -32,12 +32,14 @@ def _config(name: str) -> ModelConfig:
         return get_preset("tiny-deepseek")
     if name == "sliding-window":
         return get_preset("tiny-llama", sliding_window=6)
+    if name == "nope":  # SmolLM3: the second layer without RoPE, the first rotated at global positions
+        return get_preset("tiny-llama", family="smollm3", nope_layers=[1])
     if name == "capacity-probs":
         return _moe_preset(capacity_factor=1.0, drop_policy="probs")
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "capacity-probs", "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

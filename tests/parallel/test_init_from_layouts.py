@@ -30,6 +30,7 @@ FAMILIES = {
     "mistral": (TINY_DENSE, shrink, {"model.family": "mistral", "model.sliding_window": 8}),
     "qwen2": (TINY_DENSE, shrink, {"model.family": "qwen2", "model.qkv_bias": True}),
     "qwen3": (TINY_DENSE, shrink, {"model.family": "qwen3", "model.qk_norm": True}),
+    "smollm3": (TINY_DENSE, shrink, {"model.family": "smollm3", "model.nope_layers": [1]}),
     "mixtral": (TINY_MOE, moe_shrink, {}),
     "qwen2_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen2_moe", "model.qkv_bias": True,
                                          "model.moe.shared_ffn_dim": 32,
@@ -113,6 +114,8 @@ LAYOUTS = [
     _case("mistral", 2, TP2, "tp2"),
     _case("qwen2", 2, TP2, "tp2"),
     _case("qwen3", 2, PP2, "pp2"),
+    _case("smollm3", 2, TP2, "tp2"),
+    _case("smollm3", 2, PP2, "pp2"),
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
 ]
 

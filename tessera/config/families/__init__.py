@@ -8,7 +8,17 @@ export checks. Adding a family: a module here, its line below, and its case in t
 (tests/models/hf_families.py).
 """
 
-from tessera.config.families import deepseek_v3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from tessera.config.families import (
+    deepseek_v3,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from tessera.config.families.base import Family
 
 REGISTRY: dict[str, Family] = {f.name: f for f in (
@@ -16,6 +26,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     mistral.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    smollm3.FAMILY,
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,

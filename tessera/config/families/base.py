@@ -64,6 +64,7 @@ class Family:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> ModelConfig fields
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
+    nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,6 +135,9 @@ class Family:
         else:
             self.check_no_window(cfg)
         self.check_qk_norm(cfg)
+        if cfg.nope_layers and not self.nope:
+            raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
+                             "export it as smollm3, or train without NoPE layers")
 
     def check_no_window(self, cfg) -> None:
         """A family without a sliding window cannot carry a model trained with one (its export would
