@@ -83,6 +83,9 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
         if m.mla is None:
             out.append(_divides("tp", s.tp, "model.n_kv_heads", m.n_kv_heads))
         out.append(_divides("tp", s.tp, "model.vocab_size", m.vocab_size))
+        if m.qk_norm_all_heads:
+            out.append(f"tp={s.tp} cannot split a QK norm over all heads (model.qk_norm_all_heads=true, OLMo 2): "
+                       "its mean spans every rank's heads; use tp=1 (fsdp, pp, cp and dp take the model)")
         if any(not m.is_moe_layer(i) for i in range(m.n_layers)):
             out.append(_divides("tp", s.tp, "model.ffn_dim", m.ffn_dim))
         if m.moe is not None:

@@ -1,11 +1,11 @@
 """Model configuration: the shape of a dense or MoE decoder, one documented field at a time.
 
-`ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, Mixtral,
-Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings, `MLAConfig`
-the multi-head latent attention shapes. Each family is a module of `families/` (its HuggingFace
-mapping and its named configurations, which `presets.py` collects: `get_preset("mixtral-8x7b")`);
-parameter and FLOP counts of a configuration are in `tessera/models/counting.py` and `flops.py`,
-beside the modules they count.
+`ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, OLMo 2,
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings,
+`MLAConfig` the multi-head latent attention shapes. Each family is a module of `families/` (its
+HuggingFace mapping and its named configurations, which `presets.py` collects:
+`get_preset("mixtral-8x7b")`); parameter and FLOP counts of a configuration are in
+`tessera/models/counting.py` and `flops.py`, beside the modules they count.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tessera.config.limits import (
     MAX_VOCAB_SIZE,
 )
 
+BLOCK_NORMS = ("pre", "post", "pre_post")  # ModelConfig.block_norms
 FAMILIES = tuple(REGISTRY)  # tessera/config/families: one module each
 MOE_FAMILIES = tuple(name for name, family in REGISTRY.items() if family.moe)
 # The keys each kind of RoPE scaling needs (see tessera/models/rope.py).
@@ -39,6 +40,12 @@ ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
 }
+
+
+def _layer_list(layers: Any, n_layers: int) -> bool:
+    """A list of distinct layer indices in 0..n_layers-1."""
+    return isinstance(layers, list) and len(set(layers)) == len(layers) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in layers)
 
 
 def _finite(value: Any) -> bool:
@@ -133,6 +140,12 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` keys only
     # Layers whose attention has no positional encoding (SmolLM3's NoPE layers: every 4th); the rest rotate by RoPE.
     nope_layers: list[int] = field(default_factory=list)
+    # With sliding_window: the layers it applies to (OLMo 3: three of every four); None: every layer (Mistral).
+    window_layers: list[int] | None = None
+    # Where each block's RMSNorms sit: "pre" before attention and MLP (LLaMA); "post" on their outputs,
+    # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
+    block_norms: str = "pre"
+    qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q, one over all of k (OLMo 2)
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
     init_std: float = 0.02  # normal init std of every weight matrix
@@ -160,6 +173,10 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i's attention (None: it sees every earlier position)."""
+        return self.sliding_window if self.window_layers is None or i in self.window_layers else None
 
     @property
     def moe_layers(self) -> list[int]:
@@ -204,11 +221,17 @@ class ModelConfig:
             require(_finite(value) and value > 0, f"model.{key}", value, "must be a finite number > 0")
         require(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "model.sliding_window",
                 self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
-        require(isinstance(self.nope_layers, list) and all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)
-            and len(set(self.nope_layers)) == len(self.nope_layers) and (self.mla is None or not self.nope_layers),
+        require(_layer_list(self.nope_layers, self.n_layers) and (self.mla is None or not self.nope_layers),
             "model.nope_layers", self.nope_layers,
             f"must be a list of distinct layer indices in 0..{self.n_layers - 1} (none with MLA, whose RoPE is split)")
+        require(self.window_layers is None or (self.sliding_window is not None and _layer_list(
+            self.window_layers, self.n_layers)), "model.window_layers", self.window_layers,
+            f"must be None (the window on every layer) or, with a sliding_window, distinct layer indices in "
+            f"0..{self.n_layers - 1}")
+        require(self.block_norms in BLOCK_NORMS, "model.block_norms", self.block_norms,
+                f"one of {', '.join(BLOCK_NORMS)}")
+        require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",
+                self.qk_norm_all_heads, "needs model.qk_norm=true and no MLA")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:

@@ -1,5 +1,6 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
-optional QKV bias (Qwen2), per-head QK RMSNorm (Qwen3) and layers without RoPE (SmolLM3's NoPE).
+optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
+every layer (Mistral) or on some (OLMo 3), and layers without RoPE (SmolLM3's NoPE).
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -64,14 +65,18 @@ class Attention(nn.Module):
         self.attention_core: AttentionCore = causal_attention  # the seam (module docstring)
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.sliding_window
+        self.window = cfg.layer_window(layer_id)
         self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # per head over head_dim (Qwen3), or over all heads at once (OLMo 2: qk_norm_all_heads)
+        self.qk_norm_all_heads = cfg.qk_norm_all_heads
+        q_width, k_width = ((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_all_heads
+                            else (cfg.head_dim, cfg.head_dim))
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
@@ -83,10 +88,13 @@ class Attention(nn.Module):
         qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
         if qkv is None:
             qkv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
-        q = qkv[0].view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
-        k = qkv[1].view(B, S, -1, self.head_dim)  # [B, S, G, D]
+        q, k = qkv[0], qkv[1]
+        if self.q_norm is not None and self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
+        k = k.view(B, S, -1, self.head_dim)  # [B, S, G, D]
         v = qkv[2].view(B, S, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)

@@ -30,9 +30,14 @@ def attention_params(cfg: ModelConfig) -> int:
         n += q + 2 * kv
     if cfg.out_bias:
         n += h
-    if cfg.qk_norm:
-        n += 2 * hd
-    return n
+    return n + qk_norm_params(cfg)
+
+
+def qk_norm_params(cfg: ModelConfig) -> int:
+    """The QK norms' gains: one head_dim each (per head, Qwen3), or every head's (OLMo 2)."""
+    if not cfg.qk_norm:
+        return 0
+    return (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm_all_heads else 2 * cfg.head_dim
 
 
 def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -52,8 +57,13 @@ def embedding_params(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
 
 
+def block_norm_params(cfg: ModelConfig) -> int:
+    """A block's RMSNorm gains: two (before or after attention and MLP), four with both."""
+    return (4 if cfg.block_norms == "pre_post" else 2) * cfg.dim
+
+
 def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
-    return attention_params(cfg) + mlp_params(cfg, layer, active) + 2 * cfg.dim
+    return attention_params(cfg) + mlp_params(cfg, layer, active) + block_norm_params(cfg)
 
 
 def mtp_params(cfg: ModelConfig, active: bool = False) -> int:

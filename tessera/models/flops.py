@@ -29,7 +29,7 @@ from __future__ import annotations
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES
-from tessera.models.counting import attention_params
+from tessera.models.counting import attention_params, qk_norm_params
 
 
 def attention_matmul_params(cfg: ModelConfig) -> int:
@@ -44,9 +44,7 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
         n -= (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
     if cfg.out_bias:
         n -= cfg.dim
-    if cfg.qk_norm:
-        n -= 2 * hd
-    return n
+    return n - qk_norm_params(cfg)
 
 
 def mlp_matmul_params(cfg: ModelConfig, layer: int) -> int:

@@ -105,27 +105,41 @@ class ModelOutput:
     kept_hidden: torch.Tensor | None = None
 
 
+def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
+    return x_BSD if norm is None else norm(x_BSD)
+
+
 class TransformerBlock(nn.Module):
+    """Attention then MLP (or MoE), each added to the residual stream, with RMSNorms before them
+    (`attention_norm`, `ffn_norm`), after them (`attention_post_norm`, `ffn_post_norm`) or both, as
+    `cfg.block_norms` says; the norms a block does not have are None."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
         attn_cls = MultiHeadLatentAttention if cfg.mla is not None else Attention
         self.attention = attn_cls(cfg, layer_id)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.dim, cfg.moe)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: AttentionCache | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
-        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, cache)
-        h = self.ffn_norm(x_BSD)
+        a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache)
+        x_BSD = x_BSD + _normed(self.attention_post_norm, a)
+        h = _normed(self.ffn_norm, x_BSD)
+        route = None
         if hasattr(self, "moe"):
             y, route = self.moe(h)
-            return x_BSD + y, route
-        return x_BSD + self.feed_forward(h), None
+        else:
+            y = self.feed_forward(h)
+        return x_BSD + _normed(self.ffn_post_norm, y), route
 
 
 def name_seed(seed: int, name: str) -> int:

@@ -75,9 +75,10 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         # dim as sharded makes DTensor sum their gradient over tp.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if sp:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
+    if sp:  # every RMSNorm of the stream the block has: before and / or after attention and MLP
+        for norm in ("attention_norm", "ffn_norm", "attention_post_norm", "ffn_post_norm"):
+            if getattr(block, norm) is not None:
+                plan[norm] = SequenceParallel()
         plan["attention"] = _gather_sequence_on_entry(4)  # (x, cos, sin, cache)
     if hasattr(block, "moe"):
         if sp:

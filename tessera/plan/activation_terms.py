@@ -117,9 +117,9 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
     q = _Tensor("attention.q", a * d, dt.compute, "tp")
     k = _Tensor("attention.k", g * d, dt.compute, "tp")
     v = _Tensor("attention.v", g * d, dt.compute, "tp")
-    if cfg.qk_norm:
-        q = _rms_norm(s, "attention.q_norm", q, a * d, a, dt)
-        k = _rms_norm(s, "attention.k_norm", k, g * d, g, dt)
+    if cfg.qk_norm:  # one 1/rms per head, or one per token over all heads (OLMo 2)
+        q = _rms_norm(s, "attention.q_norm", q, a * d, 1 if cfg.qk_norm_all_heads else a, dt)
+        k = _rms_norm(s, "attention.k_norm", k, g * d, 1 if cfg.qk_norm_all_heads else g, dt)
     # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype.
     q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
     k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
@@ -299,14 +299,19 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         return op_saved_tensors(cfg, layer, dtype, save, fp8, tokens=tokens, local_experts=local_experts,
                                 core_kept=core_kept)
     s = _SavedSet()
-    xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt)
+    pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
+    xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt) if pre else layer_input
     (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)
+    if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
+        _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt)
     mid = _Tensor("layer.mid", h, dt.residual, "seq")  # x + attention(x): residual dtype
-    xn = _rms_norm(s, "ffn_norm", mid, h, 1, dt)
+    xn = _rms_norm(s, "ffn_norm", mid, h, 1, dt) if pre else mid
     if cfg.is_moe_layer(layer):
         _moe(s, cfg, xn, dt, tokens, batch)
     else:
         _swiglu(s, "feed_forward", xn, 1, h, cfg.ffn_dim, dt.compute, dt)
+    if post:
+        _rms_norm(s, "ffn_post_norm", _Tensor("ffn.out", h, dt.compute, "seq"), h, 1, dt)
     return list(s.items.values())
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
-from tessera.models.counting import attention_params
+from tessera.models.counting import attention_params, block_norm_params, qk_norm_params
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activations import StageActivations
 from tessera.plan.layout import Layout, Workload
@@ -134,14 +134,14 @@ def _attention_split(cfg: ModelConfig, tp: int) -> float:
         cut += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim) + cfg.n_heads * m.v_head_dim * h
         return rep + cut / tp
     total = attention_params(cfg)
-    rep = (h if cfg.out_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    rep = (h if cfg.out_bias else 0) + qk_norm_params(cfg)
     return rep + (total - rep) / tp
 
 
 def layer_rank_params(cfg: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
     """(dense, expert) parameters of decoder layer `layer` on one rank."""
     h = cfg.dim
-    dense = _attention_split(cfg, tp) + 2 * h
+    dense = _attention_split(cfg, tp) + block_norm_params(cfg)
     if not cfg.is_moe_layer(layer):
         return dense + 3 * h * cfg.ffn_dim / tp, 0.0
     e = cfg.moe

@@ -30,7 +30,8 @@ INPUT_COLUMNS = ("tok_embeddings.weight", "output.weight", "attention.wq.weight"
                  "moe.shared_experts.w3.weight", "moe.shared_gate.weight", "moe.experts.w1", "moe.experts.w3")
 OUTPUT_ROWS = {"attention.wo.weight": 0, "attention.wo.bias": 0, "feed_forward.w2.weight": 0,
                "moe.shared_experts.w2.weight": 0, "moe.experts.w2": 1}
-NORMS = ("norm.weight", "attention_norm.weight", "ffn_norm.weight")
+NORMS = ("norm.weight", "attention_norm.weight", "ffn_norm.weight", "attention_post_norm.weight",
+         "ffn_post_norm.weight")
 NO_HIDDEN_AXIS = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias", "attention.q_norm.weight",
                   "attention.k_norm.weight", "attention.kv_norm.weight", "attention.wq_b.weight",
                   "attention.wkv_b.weight", "moe.router.expert_bias")

@@ -13,8 +13,8 @@ influence, Men et al. 2024, arXiv 2403.03853):
   input of `wo`), and a KV group's the sum over the query heads that read it;
 - a routed expert's: how many routing slots (token, choice) the router gave it, over all tokens;
 - an embedding (hidden) channel's: the mean over tokens of |RMSNorm output| at that channel, summed
-  over every norm of the residual stream (each block's attention_norm and ffn_norm, and the final
-  norm), Minitron's embedding-channel measure.
+  over every norm of the residual stream (each block's attention_norm and ffn_norm, or its norms
+  after attention and MLP, and the final norm), Minitron's embedding-channel measure.
 
 The sequences are cut from documents (the bundled corpus, the Python standard library's source, by
 default; `tessera.data.corpus`) tokenized with the model's tokenizer and joined by its end-of-text
@@ -68,8 +68,8 @@ def measure_importance(model: Transformer, tokens_NS: torch.Tensor, batch_size: 
     handles.append(model.norm.register_forward_hook(add_norm_output))
     for key, block in model.layers.items():
         i = int(key)
-        handles += [block.attention_norm.register_forward_hook(add_norm_output),
-                    block.ffn_norm.register_forward_hook(add_norm_output)]
+        handles += [norm.register_forward_hook(add_norm_output) for norm in (
+            block.attention_norm, block.ffn_norm, block.attention_post_norm, block.ffn_post_norm) if norm is not None]
         handles.append(block.register_forward_hook(
             lambda m, args, out, i=i: add(("layers", i), _cosine_distance_sum(args[0], out[0]))))
         if cfg.mla is None:

@@ -141,6 +141,10 @@ def check_model(cfg: ModelConfig, scheme: Scheme, method: str) -> None:
                "its smoothing is folded into the dense attention and MLP only")
         raise ConfigError(f"quantize --method {method}: family {cfg.family!r} has {part}, which {method} does not "
                           f"quantize ({why}); quantize this model with --method rtn or fp8")
+    if method == "smoothquant" and cfg.block_norms == "post":
+        raise ConfigError(f"quantize --method smoothquant folds its scales into the RMSNorm before each projection; "
+                          f"family {cfg.family!r} has none there (its norms follow attention and MLP); quantize this "
+                          "model with --method gptq, rtn or fp8")
     g = scheme.group_size
     if g is None:
         return

@@ -96,3 +96,24 @@ def test_smollm3_without_a_list_puts_a_nope_layer_every_interval():
     d = config_to_hf(PRESETS["smollm3-3b"])
     del d["no_rope_layers"]
     assert config_from_hf(d | {"no_rope_layer_interval": 3}).nope_layers == list(range(2, 36, 3))
+
+
+def test_norms_after_the_sublayers_and_an_all_heads_qk_norm_export_only_as_olmo():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    olmo2 = PRESETS["olmo2-7b"]
+    with pytest.raises(ModelError, match=r"qwen3's QK norm is per head \(model.qk_norm_all_heads must be false\)"):
+        config_to_hf(replace(olmo2, family="qwen3"))
+    with pytest.raises(ModelError, match=r"qwen3's blocks have block_norms='pre' \(model.block_norms='post'\)"):
+        config_to_hf(replace(olmo2, family="qwen3", qk_norm_all_heads=False))
+    assert config_from_hf(config_to_hf(olmo2)) == olmo2
+
+
+def test_tensor_parallelism_refuses_a_qk_norm_over_all_heads_naming_it():
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    [problem] = layout_problems(PRESETS["olmo2-7b"], LayoutSizes(tp=2))
+    assert problem.startswith("tp=2 cannot split a QK norm over all heads (model.qk_norm_all_heads=true, OLMo 2)")
+    assert layout_problems(PRESETS["olmo2-7b"], LayoutSizes(pp=2, dp_shard=2)) == []

@@ -54,6 +54,8 @@ def hf_config(family: str, **overrides):
         return tf.Qwen2Config(**common)
     if family == "smollm3":  # the second layer without RoPE (NoPE)
         return tf.SmolLM3Config(**{"no_rope_layers": [1, 0], "pad_token_id": None, **common})
+    if family == "olmo2":  # norms after attention and MLP, QK norm over all heads
+        return tf.Olmo2Config(**{"pad_token_id": None, **common})
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True)

@@ -22,6 +22,7 @@ def hf_configs() -> dict[str, object]:
         "qwen3": tf.Qwen3Config(**COMMON, head_dim=16),
         "smollm3": tf.SmolLM3Config(**COMMON, no_rope_layers=[1, 0, 1], bos_token_id=0, eos_token_id=1,
                                     pad_token_id=None),  # layer 1 without RoPE
+        "olmo2": tf.Olmo2Config(**COMMON, attention_bias=True, pad_token_id=None, eos_token_id=1),
         "mixtral": tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": tf.Qwen2MoeConfig(**COMMON, **moe, shared_expert_intermediate_size=24, norm_topk_prob=False,
                                        decoder_sparse_step=1, mlp_only_layers=[1]),

@@ -9,10 +9,13 @@ from tessera.config import ConfigError, ModelConfig, MoEConfig, get_preset, pres
 from tessera.models import Transformer
 from tessera.models.counting import count_params
 
+SHAPES = {"olmo2-like": dict(family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True),
+          "gemma3-like-norms": dict(block_norms="pre_post", qk_norm=True)}
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek"])
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", *SHAPES])
 def test_forward_shapes_and_param_count(name):
-    cfg = get_preset(name)
+    cfg = get_preset("tiny-llama", **SHAPES[name]) if name in SHAPES else get_preset(name)
     model = Transformer(cfg)
     out = model(torch.randint(0, cfg.vocab_size, (2, 9)))
     assert out.logits.shape == (2, 9, cfg.vocab_size)
@@ -34,6 +37,8 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("qwen3-30b-a3b")) / 1e9, 1) == 30.5
     assert round(count_params(get_preset("llama3-8b")) / 1e9, 1) == 8.0
     assert round(count_params(get_preset("smollm3-3b")) / 1e9, 2) == 3.08
+    assert round(count_params(get_preset("olmo2-7b")) / 1e9, 1) == 7.3  # OLMo 2 7B: 7.30B, 13B: 13.7B
+    assert round(count_params(get_preset("olmo2-13b")) / 1e9, 1) == 13.7
 
 
 def test_every_preset_validates():
@@ -99,6 +104,10 @@ def test_bf16_forward():
     ("sliding_window", -1, "model.sliding_window"),
     ("nope_layers", [2], r"model.nope_layers=\[2\] is invalid: must be a list of distinct layer indices in 0..1"),
     ("nope_layers", [1, 1], "model.nope_layers"),
+    ("window_layers", [0], r"model.window_layers=\[0\] is invalid: must be None \(the window on every layer\) or, "
+                           "with a sliding_window"),
+    ("block_norms", "mid", r"model.block_norms='mid' is invalid: one of pre, post, pre_post"),
+    ("qk_norm_all_heads", True, r"model.qk_norm_all_heads=True is invalid: needs model.qk_norm=true"),
 ])
 def test_invalid_model_config_names_the_field(field, value, needle):
     with pytest.raises(ConfigError, match=needle):

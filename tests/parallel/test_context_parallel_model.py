@@ -1,7 +1,7 @@
 """Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
 chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
 Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
-layers without RoPE (SmolLM3), and expert capacity, where the tokens dropped must be those one process drops."""
+layers without RoPE (SmolLM3), OLMo 2's norms, and expert capacity, where the tokens dropped must be those one process drops."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def _config(name: str) -> ModelConfig:
         return get_preset("tiny-llama", sliding_window=6)
     if name == "nope":  # SmolLM3: the second layer without RoPE, the first rotated at global positions
         return get_preset("tiny-llama", family="smollm3", nope_layers=[1])
+    if name == "olmo2":  # norms after attention and MLP, QK norm over all heads
+        return get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True)
     if name == "capacity-probs":
         return _moe_preset(capacity_factor=1.0, drop_policy="probs")
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "nope", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "capacity-probs", "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,8 @@ FAMILIES = {
     "qwen2": (TINY_DENSE, shrink, {"model.family": "qwen2", "model.qkv_bias": True}),
     "qwen3": (TINY_DENSE, shrink, {"model.family": "qwen3", "model.qk_norm": True}),
     "smollm3": (TINY_DENSE, shrink, {"model.family": "smollm3", "model.nope_layers": [1]}),
+    "olmo2": (TINY_DENSE, shrink, {"model.family": "olmo2", "model.block_norms": "post", "model.qk_norm": True,
+                                   "model.qk_norm_all_heads": True}),
     "mixtral": (TINY_MOE, moe_shrink, {}),
     "qwen2_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen2_moe", "model.qkv_bias": True,
                                          "model.moe.shared_ffn_dim": 32,
@@ -116,6 +118,8 @@ LAYOUTS = [
     _case("qwen3", 2, PP2, "pp2"),
     _case("smollm3", 2, TP2, "tp2"),
     _case("smollm3", 2, PP2, "pp2"),
+    _case("olmo2", 2, FSDP2, "fsdp2"),
+    _case("olmo2", 2, PP2, "pp2"),
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
 ]
 

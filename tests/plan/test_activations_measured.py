@@ -62,6 +62,9 @@ VARIANTS = {
     "qk-norm-bias-tied": get_preset("tiny-llama", qk_norm=True, qkv_bias=True, out_bias=True, tie_embeddings=True),
     # SmolLM3-style: the second layer without RoPE keeps q and k unrotated.
     "nope-layer": get_preset("tiny-llama", family="smollm3", nope_layers=[1]),
+    # OLMo 2: RMSNorms after attention and MLP (none before), QK norm over all heads.
+    "olmo2-post-norms": get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True,
+                                   qk_norm_all_heads=True),
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),

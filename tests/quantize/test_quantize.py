@@ -89,10 +89,11 @@ def test_the_format_library_and_transformers_read_tesseras_weights(case, llama, 
     _check_output(llama, tmp_path / "q", method, _options(method, extra, calibration), tolerance)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied_bias", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama_tied_bias", "mistral", "smollm3", "olmo2"])
 def test_each_dense_family(family, calibration, tmp_path):
     """QKV biases (qwen2), QK norm and a wider attention (qwen3), a tied head (llama_tied_bias),
-    a sliding window (mistral): GPTQ with groups of 16, its weights read back exactly."""
+    a sliding window (mistral), layers without RoPE (smollm3), norms after attention and MLP and a
+    QK norm over all heads (olmo2): GPTQ with groups of 16, its weights read back exactly."""
     cfg = hf_configs()[family]
     cfg.vocab_size = 128  # the character tokenizer's
     random_hf_model(cfg, seed=2).save_pretrained(tmp_path / "src")
@@ -284,6 +285,16 @@ def test_calibrated_methods_refuse_moe_by_name(method, family, says, tmp_path, c
     assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--method", method]) == 2
     err = capsys.readouterr().err
     assert says in err and "quantize this model with --method rtn or fp8" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_smoothquant_refuses_norms_after_the_sublayers_by_name(tmp_path, capsys):
+    """OLMo 2 has no RMSNorm before its projections to fold the smoothing into; gptq quantizes it."""
+    write_model(tmp_path / "src", "olmo2")
+    capsys.readouterr()
+    assert main(["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--method", "smoothquant"]) == 2
+    err = capsys.readouterr().err
+    assert "family 'olmo2' has none there" in err and "--method gptq, rtn or fp8" in err and err.count("\n") == 1
     assert not (tmp_path / "q").exists()
 
 

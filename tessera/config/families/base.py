@@ -28,6 +28,14 @@ ATTENTION = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 MLA_ATTENTION = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
                  "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
 MLP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# HuggingFace's names of a block's RMSNorms, by where they sit (ModelConfig.block_norms): LLaMA's two
+# before attention and MLP, OLMo 2's two after them, Gemma 3's four
+BLOCK_NORM_NAMES = {
+    "pre": {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+    "post": {"attention_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
+    "pre_post": {"attention_norm": "input_layernorm", "attention_post_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
+}
 
 
 def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -61,6 +69,8 @@ class Family:
     sliding_window: bool = False  # config.json's sliding_window applies to every layer (Mistral)
     int_fields: tuple[str, ...] = ()  # config.json fields it reads as integers, beyond INT_FIELDS
     number_fields: tuple[str, ...] = ()  # ... and as numbers, beyond NUMBER_FIELDS
+    block_norms: str = "pre"  # where its blocks' RMSNorms sit (ModelConfig.block_norms)
+    qk_norm_all_heads: bool = False  # with qk_norm: over all heads at once (OLMo 2), else per head (Qwen3)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> ModelConfig fields
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
@@ -96,7 +106,8 @@ class Family:
         else:
             fields["qkv_bias"] = fields["out_bias"] = bool(d.get("attention_bias", False))
         if self.qk_norm:
-            fields["qk_norm"] = True
+            fields.update(qk_norm=True, qk_norm_all_heads=self.qk_norm_all_heads)
+        fields["block_norms"] = self.block_norms
         if self.sliding_window:
             fields["sliding_window"] = d.get("sliding_window")
         elif d.get("use_sliding_window"):
@@ -147,10 +158,17 @@ class Family:
                              f"{cfg.sliding_window}); export it as mistral, or train without the window")
 
     def check_qk_norm(self, cfg) -> None:
+        """QK norm, and the block's norms, as the class has them."""
         if self.qk_norm and not cfg.qk_norm:
             raise ModelError(f"{self.name} always has QK norm (model.qk_norm must be true)")
         if not self.qk_norm and cfg.qk_norm:
             raise ModelError(f"{self.name} has no QK norm; export to qwen3 / qwen3_moe instead")
+        if cfg.qk_norm and cfg.qk_norm_all_heads != self.qk_norm_all_heads:
+            raise ModelError(f"{self.name}'s QK norm is {'over all heads' if self.qk_norm_all_heads else 'per head'} "
+                             f"(model.qk_norm_all_heads must be {str(self.qk_norm_all_heads).lower()})")
+        if cfg.block_norms != self.block_norms:
+            raise ModelError(f"{self.name}'s blocks have block_norms={self.block_norms!r} (model.block_norms="
+                             f"{cfg.block_norms!r}); export it as a family whose norms sit there")
 
     # ---- tensor names --------------------------------------------------------------------------
     def tensor_names(self, cfg) -> dict[str, list[str]]:
@@ -159,9 +177,9 @@ class Family:
         entry lists E keys, stacked on load and split on save."""
         names: dict[str, list[str]] = {"tok_embeddings.weight": ["model.embed_tokens.weight"]}
         for i in range(cfg.n_layers):
-            names[f"layers.{i}.attention_norm.weight"] = [f"model.layers.{i}.input_layernorm.weight"]
+            names.update({f"layers.{i}.{n}.weight": [f"model.layers.{i}.{h}.weight"]
+                          for n, h in BLOCK_NORM_NAMES[cfg.block_norms].items()})
             names.update(self.attention_names(cfg, i))
-            names[f"layers.{i}.ffn_norm.weight"] = [f"model.layers.{i}.post_attention_layernorm.weight"]
             names.update(self.ffn_names(cfg, i))
         names["norm.weight"] = ["model.norm.weight"]
         if not cfg.tie_embeddings:
