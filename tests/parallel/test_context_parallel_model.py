@@ -1,7 +1,8 @@
 """Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
 chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
 Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
-layers without RoPE (SmolLM3), OLMo 2's norms, and expert capacity, where the tokens dropped must be those one process drops."""
+layers without RoPE (SmolLM3), OLMo 2's norms, and expert capacity, where the tokens dropped must
+be those one process drops."""
 
 from __future__ import annotations
 
