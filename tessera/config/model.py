@@ -142,6 +142,9 @@ class ModelConfig:
     nope_layers: list[int] = field(default_factory=list)
     # With sliding_window: the layers it applies to (OLMo 3: three of every four); None: every layer (Mistral).
     window_layers: list[int] | None = None
+    # The RoPE base of the window_layers, unscaled (OLMo 3 with YaRN on its full layers, Gemma 3's local
+    # base); None: they rotate as the other layers do (rope_theta, rope_scaling).
+    local_rope_theta: float | None = None
     # Where each block's RMSNorms sit: "pre" before attention and MLP (LLaMA); "post" on their outputs,
     # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
     block_norms: str = "pre"
@@ -228,6 +231,9 @@ class ModelConfig:
             self.window_layers, self.n_layers)), "model.window_layers", self.window_layers,
             f"must be None (the window on every layer) or, with a sliding_window, distinct layer indices in "
             f"0..{self.n_layers - 1}")
+        require(self.local_rope_theta is None or (self.window_layers is not None and _finite(self.local_rope_theta)
+                                                  and self.local_rope_theta > 0), "model.local_rope_theta",
+                self.local_rope_theta, "must be None or, with model.window_layers, a finite number > 0")
         require(self.block_norms in BLOCK_NORMS, "model.block_norms", self.block_norms,
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",

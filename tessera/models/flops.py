@@ -69,21 +69,24 @@ def attention_keys_per_query(seq_len: int, *, causal: bool = True, window: int |
     return window - window * window / (2 * s)  # band area s w - w^2/2, per query
 
 
-def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of q k^T and p v for one token in one layer: 2 a (d_qk + d_v) keys."""
+def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True,
+                                   layer: int | None = None) -> float:
+    """Forward FLOPs of q k^T and p v for one token in layer `layer`: 2 a (d_qk + d_v) keys; None:
+    the mean over the layers (which differ where only some have a window, model.window_layers)."""
     if cfg.mla is not None:
         d_qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
         d_v = cfg.mla.v_head_dim
     else:
         d_qk = d_v = cfg.head_dim
-    keys = attention_keys_per_query(seq_len, causal=causal, window=cfg.sliding_window)
-    return 2.0 * cfg.n_heads * (d_qk + d_v) * keys
+    layers = range(cfg.n_layers) if layer is None else (layer,)
+    keys = sum(attention_keys_per_query(seq_len, causal=causal, window=cfg.layer_window(i)) for i in layers)
+    return 2.0 * cfg.n_heads * (d_qk + d_v) * keys / len(layers)
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int, *, causal: bool = True) -> float:
     """Forward FLOPs of one token through decoder layer `layer` (MoE layers count the top-k experts)."""
     weights = attention_matmul_params(cfg) + mlp_matmul_params(cfg, layer)
-    return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal)
+    return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal, layer=layer)
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> float:

@@ -50,6 +50,22 @@ from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_tar
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import rope_cos_sin, rope_frequencies
 
+
+@dataclass
+class RopeTables:
+    """RoPE's cos and sin [B, S, D] for every layer, and the window layers' own (`local`, a (cos, sin)
+    pair) when they rotate by another base (model.local_rope_theta)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    local: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def of_layer(self, cfg: ModelConfig, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.local is not None and cfg.layer_window(layer_id) is not None:
+            return self.local
+        return self.cos, self.sin
+
+
 # (B, S, device) -> positions [B, S] of the input's tokens in their sequences.
 PositionSource = Callable[[int, int, torch.device], torch.Tensor]
 
@@ -179,6 +195,7 @@ class Transformer(nn.Module):
         # where MTP shifts token ids: the whole sequence (context parallelism installs its own; mtp.py)
         self.mtp_sequence = TokenSequence()
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
+        self.register_buffer("local_rope_inv_freq", torch.empty(0), persistent=False)
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
         # Multimodal RoPE (Qwen2-VL): the (t, h, w) groups of rotary pairs that positions [3, B, S] rotate.
@@ -196,8 +213,21 @@ class Transformer(nn.Module):
         """(Re)compute the RoPE frequencies, e.g. after building on the meta device."""
         cfg = self.cfg
         rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+        device = device if device is not None else self.rope_inv_freq.device
         inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.rope_inv_freq = inv_freq.to(device if device is not None else self.rope_inv_freq.device)
+        self.rope_inv_freq = inv_freq.to(device)
+        # the window layers' own RoPE (model.local_rope_theta), unscaled; empty when they share the above
+        self.local_rope_inv_freq = (rope_frequencies(rope_dim, cfg.local_rope_theta)[0].to(device)
+                                    if cfg.local_rope_theta is not None else torch.empty(0, device=device))
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """RoPE's cos and sin at `positions` (`rope_cos_sin`), and the window layers' own where they
+        have one (model.local_rope_theta)."""
+        cos_sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
+        local = None
+        if self.local_rope_inv_freq.numel():
+            local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, self.mrope_section)
+        return RopeTables(*cos_sin, local)
 
     def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Transformer:
         """`to(device, dtype)`, except that the tensors of `kept_in_fp32` stay fp32 (their values
@@ -254,9 +284,10 @@ class Transformer(nn.Module):
         (serving reads the last row of each prompt chunk, not all of them); ignored when the hidden
         states are a DTensor (sequence-sharded), where the logits cover every position."""
         inp = ModelInput.of(inp)
-        h, cos, sin = self._entry(inp)
+        h, rope = self._entry(inp)
+        cos, sin = rope.cos, rope.sin
         out = ModelOutput(logits=None, aux_loss=torch.zeros((), dtype=torch.float32, device=h.device))
-        h_last = out.last_hidden = self._blocks(out, h, cos, sin, inp)
+        h_last = out.last_hidden = self._blocks(out, h, rope, inp)
         h = self.norm(h_last) if self.norm is not None else h_last
         out.hidden = h
         mtp_targets = inp.mtp_targets if inp.mtp_targets is not None else inp.targets
@@ -274,8 +305,8 @@ class Transformer(nn.Module):
         out.logits = self.lm_head(h)
         return out
 
-    def _entry(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The hidden states entering the first layer and RoPE's cos / sin at the input's positions.
+    def _entry(self, inp: ModelInput) -> tuple[torch.Tensor, RopeTables]:
+        """The hidden states entering the first layer and RoPE's tables at the input's positions.
         Token ids are embedded; hidden states pass on (the last pipeline stage may hold the tied
         embedding), and under sequence parallelism they are this rank's 1/tp of the sequence, so the
         sequence is this many times longer (RoPE positions are global)."""
@@ -285,17 +316,15 @@ class Transformer(nn.Module):
             S *= self.received_sequence_shards
         positions = inp.positions if inp.positions is not None else self.position_source(B, S, x.device)
         h = inp.hidden if inp.hidden is not None else self.tok_embeddings(inp.tokens)
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, h.dtype, self.mrope_section)
-        return h, cos, sin
+        return h, self.rope_tables(positions, h.dtype)
 
-    def _blocks(self, out: ModelOutput, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                inp: ModelInput) -> torch.Tensor:
+    def _blocks(self, out: ModelOutput, h: torch.Tensor, rope: RopeTables, inp: ModelInput) -> torch.Tensor:
         """The layers over `h`, their routing into `out`, and `out.kept_hidden` of `inp.keep_layers`;
         returns the last layer's output."""
         keep = inp.keep_layers
         kept = {0: h} if 0 in keep else {}
         for key, layer in self.layers.items():
-            h, route = layer(h, cos, sin, inp.cache)
+            h, route = layer(h, *rope.of_layer(self.cfg, int(key)), inp.cache)
             self._add_route(out, f"layer{key}", int(key), route)
             if int(key) + 1 in keep:
                 kept[int(key) + 1] = h

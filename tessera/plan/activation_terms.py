@@ -302,6 +302,7 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt) if pre else layer_input
     (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)
+    _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
     if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
         _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt)
     mid = _Tensor("layer.mid", h, dt.residual, "seq")  # x + attention(x): residual dtype
@@ -315,13 +316,23 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     return list(s.items.values())
 
 
+def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: ActivationDtype) -> None:
+    """A windowed layer shorter than the sequence attends under an [S, S] mask, which SDPA keeps in
+    the attention's dtype (one per layer: each call builds its own)."""
+    window = cfg.layer_window(layer)
+    if window is not None and window < seq:
+        s.new("attention.window_mask", 0, dt.compute, "rep", fixed=seq * seq)
+
+
 def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
     """Saved once per micro-batch whatever the layers: the token ids (embedding backward) and the
-    RoPE cos and sin tables every layer multiplies by (one storage each, shared)."""
+    RoPE cos and sin tables every layer multiplies by (one storage each, shared; the window layers'
+    own pair besides, model.local_rope_theta)."""
     dt = get_activation_dtype(dtype)
     rope = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
-    return [SavedTensor("input_ids", 1, 8, "rep"), SavedTensor("rope.cos", rope, dt.residual, "rep"),
-            SavedTensor("rope.sin", rope, dt.residual, "rep")]
+    tables = ("rope", "local_rope") if cfg.local_rope_theta is not None else ("rope",)  # the window layers' own
+    return [SavedTensor("input_ids", 1, 8, "rep")] + [SavedTensor(f"{t}.{f}", rope, dt.residual, "rep")
+                                                      for t in tables for f in ("cos", "sin")]
 
 
 def head_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.models.rope import rope_cos_sin
 from tessera.models.transformer import Transformer
 
 BATCH = 4  # calibration sequences per forward pass
@@ -90,15 +89,16 @@ def quantize_blocks(model: Transformer, tokens_NS: torch.Tensor,
     B, S = batches[0].shape
     dtype = hidden[0].dtype
     positions = model.position_source(B, S, tokens_NS.device)
-    cos, sin = rope_cos_sin(positions, model.rope_inv_freq, model.rope_attention_factor, dtype)
+    tables = model.rope_tables(positions, dtype)
 
-    def rope(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(h: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = tables.of_layer(model.cfg, layer_id)
         return cos[:h.shape[0]], sin[:h.shape[0]]  # the last batch may be smaller
 
     for key, block in model.layers.items():
         linears = block_linears(model, key)
         with recording_inputs(linears, hessian=True) as stats:
             for h in hidden:
-                block(h, *rope(h))
+                block(h, *rope(h, int(key)))
         quantize_block(linears, stats)
-        hidden = [block(h, *rope(h))[0] for h in hidden]
+        hidden = [block(h, *rope(h, int(key)))[0] for h in hidden]

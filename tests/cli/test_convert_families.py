@@ -13,9 +13,9 @@ from tests.infer.tiny_models import save_tokenizer
 from tests.models.hf_families import hf_configs, random_hf_model
 
 transformers = pytest.importorskip("transformers")
-# fields whose value decides the function; each family's own per-layer lists among them
-KEPT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "no_rope_layers")
+# fields whose value decides the function, and each family's own per-layer ones
+KEPT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+OWN = {"smollm3": ("no_rope_layers",), "olmo3": ("layer_types", "sliding_window")}
 
 
 @pytest.mark.parametrize("name", sorted(hf_configs()))
@@ -36,4 +36,5 @@ def test_convert_to_tessera_and_back_keeps_the_logits(name, tmp_path, capsys):
         torch.testing.assert_close(back(ids).logits, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(load_model(tmp_path / "ckpt").model(ids).logits, want, atol=1e-4, rtol=1e-4)
     before, after = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("hf", "back"))
-    assert {k: after.get(k) for k in KEPT} == {k: before.get(k) for k in KEPT}
+    kept = KEPT + OWN.get(before["model_type"], ())
+    assert {k: after.get(k) for k in kept} == {k: before.get(k) for k in kept}

@@ -117,3 +117,50 @@ def test_tensor_parallelism_refuses_a_qk_norm_over_all_heads_naming_it():
     [problem] = layout_problems(PRESETS["olmo2-7b"], LayoutSizes(tp=2))
     assert problem.startswith("tp=2 cannot split a QK norm over all heads (model.qk_norm_all_heads=true, OLMo 2)")
     assert layout_problems(PRESETS["olmo2-7b"], LayoutSizes(pp=2, dp_shard=2)) == []
+
+
+def test_windows_on_some_layers_and_their_own_rope_export_only_as_olmo3():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    olmo3 = PRESETS["olmo3-7b"]
+    with pytest.raises(ModelError, match=r"olmo2 has no sliding attention window \(model.sliding_window=4096\); "
+                                         r"export it as mistral \(a window on every layer\) or olmo3"):
+        config_to_hf(replace(olmo3, family="olmo2"))
+    with pytest.raises(ModelError, match=r"mistral has no per-layer windows or RoPE \(model.window_layers=\[0, 1, 2, "):
+        config_to_hf(replace(olmo3, family="mistral", qk_norm=False, qk_norm_all_heads=False, block_norms="pre"))
+    with pytest.raises(ModelError, match="olmo3 keeps some layers without a window: give model.window_layers"):
+        config_to_hf(replace(olmo3, window_layers=None, local_rope_theta=None))
+    with pytest.raises(ModelError, match="with model.rope_scaling set, model.local_rope_theta must say their base"):
+        config_to_hf(replace(olmo3, local_rope_theta=None))
+    d = config_to_hf(olmo3)
+    assert d["layer_types"][:4] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert d["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert config_from_hf(d) == olmo3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["sliding_attention"] * 3}, r"layer_types=.* is invalid: must list 'sliding_attention' or "
+                                                 r"'full_attention' for each of the 32 layers"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     r"rope_parameters.sliding_attention=.* is not supported: Tessera's sliding layers rotate by unscaled RoPE"),
+])
+def test_an_olmo3_file_tessera_cannot_reproduce_is_refused_naming_the_field(change, message, tmp_path):
+    import json
+
+    from tessera.config import CheckpointError, ModelError
+    from tessera.config.hf_config import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(PRESETS["olmo3-7b"]) | change))
+    with pytest.raises((CheckpointError, ModelError), match=message):
+        read_hf_config(tmp_path)
+
+
+def test_olmo3_legacy_rope_keys_read_as_transformers_reads_them():
+    """rope_scaling on the full layers only; rope_theta read for the full layers, the sliding ones
+    at the class default (transformers 5's Olmo3Config)."""
+    d = config_to_hf(PRESETS["olmo3-7b"])
+    del d["rope_parameters"]
+    cfg = config_from_hf(d | {"rope_theta": 20000.0})
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["rope_type"]) == (20000.0, 500000.0, "yarn")

@@ -56,6 +56,12 @@ def hf_config(family: str, **overrides):
         return tf.SmolLM3Config(**{"no_rope_layers": [1, 0], "pad_token_id": None, **common})
     if family == "olmo2":  # norms after attention and MLP, QK norm over all heads
         return tf.Olmo2Config(**{"pad_token_id": None, **common})
+    if family == "olmo3":  # the first layer in a window of 5 with its own RoPE base, YaRN on the second
+        rope = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                   "rope_theta": 20000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
+        return tf.Olmo3Config(**{"pad_token_id": None, "sliding_window": 5, "layer_types": [
+            "sliding_attention", "full_attention"], "rope_parameters": rope, **common})
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True)

@@ -23,6 +23,12 @@ def hf_configs() -> dict[str, object]:
         "smollm3": tf.SmolLM3Config(**COMMON, no_rope_layers=[1, 0, 1], bos_token_id=0, eos_token_id=1,
                                     pad_token_id=None),  # layer 1 without RoPE
         "olmo2": tf.Olmo2Config(**COMMON, attention_bias=True, pad_token_id=None, eos_token_id=1),
+        "olmo3": tf.Olmo3Config(**COMMON, sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                "sliding_attention"], pad_token_id=None, eos_token_id=1,
+                                rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                    "original_max_position_embeddings": 32,
+                                                                    "attention_factor": 1.2, "rope_theta": 20000.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}),
         "mixtral": tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": tf.Qwen2MoeConfig(**COMMON, **moe, shared_expert_intermediate_size=24, norm_topk_prob=False,
                                        decoder_sparse_step=1, mlp_only_layers=[1]),

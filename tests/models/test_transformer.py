@@ -39,6 +39,8 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("smollm3-3b")) / 1e9, 2) == 3.08
     assert round(count_params(get_preset("olmo2-7b")) / 1e9, 1) == 7.3  # OLMo 2 7B: 7.30B, 13B: 13.7B
     assert round(count_params(get_preset("olmo2-13b")) / 1e9, 1) == 13.7
+    assert round(count_params(get_preset("olmo3-7b")) / 1e9, 1) == 7.3  # OLMo 3 7B: 7.30B, 32B: 32.2B
+    assert round(count_params(get_preset("olmo3-32b")) / 1e9, 1) == 32.2
 
 
 def test_every_preset_validates():
@@ -106,6 +108,7 @@ def test_bf16_forward():
     ("nope_layers", [1, 1], "model.nope_layers"),
     ("window_layers", [0], r"model.window_layers=\[0\] is invalid: must be None \(the window on every layer\) or, "
                            "with a sliding_window"),
+    ("local_rope_theta", 5e4, r"model.local_rope_theta=50000.0 is invalid: must be None or, with model.window_layers"),
     ("block_norms", "mid", r"model.block_norms='mid' is invalid: one of pre, post, pre_post"),
     ("qk_norm_all_heads", True, r"model.qk_norm_all_heads=True is invalid: needs model.qk_norm=true"),
 ])

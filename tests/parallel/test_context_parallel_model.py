@@ -1,7 +1,7 @@
 """Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
 chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
 Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
-layers without RoPE (SmolLM3), OLMo 2's norms, and expert capacity, where the tokens dropped must
+layers without RoPE (SmolLM3), OLMo 2's norms, OLMo 3's windows, and expert capacity, where the tokens dropped must
 be those one process drops."""
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def _config(name: str) -> ModelConfig:
         return get_preset("tiny-llama", sliding_window=6)
     if name == "nope":  # SmolLM3: the second layer without RoPE, the first rotated at global positions
         return get_preset("tiny-llama", family="smollm3", nope_layers=[1])
+    if name == "olmo3":  # OLMo 2's blocks, a window and its own RoPE base on the first layer, YaRN on the second
+        return get_preset("tiny-llama", family="olmo3", block_norms="post", qk_norm=True, qk_norm_all_heads=True,
+                          sliding_window=5, window_layers=[0], local_rope_theta=5000.0,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
     if name == "olmo2":  # norms after attention and MLP, QK norm over all heads
         return get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True)
     if name == "capacity-probs":
@@ -42,7 +46,7 @@ def _config(name: str) -> ModelConfig:
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "capacity-probs", "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,9 @@ FAMILIES = {
     "smollm3": (TINY_DENSE, shrink, {"model.family": "smollm3", "model.nope_layers": [1]}),
     "olmo2": (TINY_DENSE, shrink, {"model.family": "olmo2", "model.block_norms": "post", "model.qk_norm": True,
                                    "model.qk_norm_all_heads": True}),
+    "olmo3": (TINY_DENSE, shrink, {"model.family": "olmo3", "model.block_norms": "post", "model.qk_norm": True,
+                                   "model.qk_norm_all_heads": True, "model.sliding_window": 8,
+                                   "model.window_layers": [0], "model.local_rope_theta": 5000.0}),
     "mixtral": (TINY_MOE, moe_shrink, {}),
     "qwen2_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen2_moe", "model.qkv_bias": True,
                                          "model.moe.shared_ffn_dim": 32,
@@ -120,6 +123,8 @@ LAYOUTS = [
     _case("smollm3", 2, PP2, "pp2"),
     _case("olmo2", 2, FSDP2, "fsdp2"),
     _case("olmo2", 2, PP2, "pp2"),
+    _case("olmo3", 2, FSDP2, "fsdp2"),
+    _case("olmo3", 2, PP2, "pp2"),
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
 ]
 

@@ -65,6 +65,11 @@ VARIANTS = {
     # OLMo 2: RMSNorms after attention and MLP (none before), QK norm over all heads.
     "olmo2-post-norms": get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True,
                                    qk_norm_all_heads=True),
+    # OLMo 3: OLMo 2's blocks, a window on the first layer with its own RoPE base, YaRN on the second.
+    "olmo3-windows": get_preset("tiny-llama", family="olmo3", block_norms="post", qk_norm=True, qk_norm_all_heads=True,
+                                sliding_window=16, window_layers=[0], local_rope_theta=5000.0,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),

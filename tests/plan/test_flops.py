@@ -8,6 +8,7 @@ from tessera.config import ModelConfig, get_preset
 from tessera.config.errors import ConfigError
 from tessera.models.counting import count_params
 from tessera.models.flops import (
+    attention_core_flops_per_token,
     attention_keys_per_query,
     flops_per_token,
     forward_flops_per_token,
@@ -67,6 +68,19 @@ def test_sliding_window_counts_the_band():
     assert attention_keys_per_query(4096, window=4096) == 2048
     assert attention_keys_per_query(8192, window=4096) == 4096 - 4096**2 / (2 * 8192)
     assert attention_keys_per_query(8192, causal=False, window=1024) == 1024
+
+
+def test_a_window_on_some_layers_counts_the_band_there_only():
+    """OLMo 3: three layers of four in a 4096 window at 65,536 positions; the full layer attends to
+    half the sequence, the windowed ones to the band, and the mean is over the four."""
+    from tessera.config import get_preset
+
+    cfg = get_preset("olmo3-7b", n_layers=4, window_layers=[0, 1, 2])
+    s, per_key = 65536, 2 * cfg.n_heads * 2 * cfg.head_dim
+    band = attention_keys_per_query(s, window=4096)
+    assert attention_core_flops_per_token(cfg, s, layer=1) == per_key * band
+    assert attention_core_flops_per_token(cfg, s, layer=3) == per_key * s / 2
+    assert attention_core_flops_per_token(cfg, s) == pytest.approx(per_key * (3 * band + s / 2) / 4)
 
 
 def test_six_nd_seed_figures():

@@ -75,6 +75,7 @@ class Family:
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
+    layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,6 +147,9 @@ class Family:
         else:
             self.check_no_window(cfg)
         self.check_qk_norm(cfg)
+        if not self.layer_windows and (cfg.window_layers is not None or cfg.local_rope_theta is not None):
+            raise ModelError(f"{self.name} has no per-layer windows or RoPE (model.window_layers="
+                             f"{cfg.window_layers}, model.local_rope_theta={cfg.local_rope_theta}); export it as olmo3")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
@@ -155,7 +159,8 @@ class Family:
         attend to every position)."""
         if cfg.sliding_window is not None:
             raise ModelError(f"{self.name} has no sliding attention window (model.sliding_window="
-                             f"{cfg.sliding_window}); export it as mistral, or train without the window")
+                             f"{cfg.sliding_window}); export it as mistral (a window on every layer) or olmo3 "
+                             "(model.window_layers), or train without the window")
 
     def check_qk_norm(self, cfg) -> None:
         """QK norm, and the block's norms, as the class has them."""
