@@ -1,6 +1,6 @@
 """Model configuration: the shape of a dense or MoE decoder, one documented field at a time.
 
-`ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, OLMo 2,
+`ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, OLMo 2/3,
 Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings,
 `MLAConfig` the multi-head latent attention shapes. Each family is a module of `families/` (its
 HuggingFace mapping and its named configurations, which `presets.py` collects:

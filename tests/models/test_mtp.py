@@ -32,14 +32,13 @@ def _cfg(case: str, **extra) -> ModelConfig:
 def _by_hand(model: Transformer, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
     """Each depth's summed cross-entropy, DeepSeek-V3 section 2.2 written out over the valid
     positions only (S - k per row), from the model's own parameters."""
-    from tessera.models.rope import rope_cos_sin
-
     S = ids.shape[1]
     pos = torch.arange(S).expand(ids.shape[0], S)
-    cos, sin = rope_cos_sin(pos, model.rope_inv_freq, model.rope_attention_factor, torch.float32)
+    tables = model.rope_tables(pos, torch.float32)  # RoPE's cos / sin, and the window layers' own (OLMo 3)
+    cos, sin = tables.cos, tables.sin
     h = model.tok_embeddings(ids)
-    for layer in model.layers.values():
-        h, _ = layer(h, cos, sin)
+    for key, layer in model.layers.items():
+        h, _ = layer(h, *tables.of_layer(model.cfg, int(key)))
     head = model.output.weight if model.output is not None else model.tok_embeddings.weight
     sums = []
     for k in range(1, model.cfg.mtp_depth + 1):
