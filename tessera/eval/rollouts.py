@@ -57,7 +57,6 @@ class EngineRollouts:
         self.model: nn.Module | None = None  # what the engine runs: the policy itself, or its whole copy
         self.source: nn.Module | None = None  # the sharded policy the copy is gathered from (dp_shard)
         self.device = torch.device("cpu")
-        self.last_engine: LLMEngine | None = None  # the engine of the last phase, closed (for tests to inspect)
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s weights: shared where its tensors are whole, else gathered each phase."""
@@ -100,7 +99,6 @@ class EngineRollouts:
         finally:
             engine.close()
         seconds = time.perf_counter() - start
-        self.last_engine = engine
         del engine  # its KV cache goes with it
         rewards, failures = [], 0
         for i, out in enumerate(outputs):
