@@ -88,14 +88,14 @@ class EngineRollouts:
                               seed=self.cfg.train.seed)
         return LLMEngine.from_model(self.model, config, self.tokenizer, self.eos_ids)
 
-    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seed: int) -> Rollouts:
+    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """`group_size` completions of each prompt, their engine log-probabilities and rewards."""
         self.sync()
         G = self.g.group_size
         start = time.perf_counter()
         engine = self.engine(len(prompts) * G)
         try:
-            outputs = _generate(engine, prompts, G, self.g.max_new_tokens, self.g.temperature, seed)
+            outputs = _generate(engine, prompts, G, self.g.max_new_tokens, self.g.temperature, seeds)
         finally:
             engine.close()
         seconds = time.perf_counter() - start
@@ -111,13 +111,12 @@ class EngineRollouts:
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
-              temperature: float, seed: int) -> list[Any]:
+              temperature: float, seeds: list[int]) -> list[Any]:
     """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run."""
     ids = []
-    for i, prompt in enumerate(prompts):
+    for prompt, seed in zip(prompts, seeds, strict=True):
         for j in range(group_size):
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i * group_size + j,
-                                    logprobs=0)
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + j, logprobs=0)
             ids.append(engine.add_request(prompt, params))
     done: dict[str, Any] = {}
     while len(done) < len(ids):

@@ -2,7 +2,8 @@
 tessera/eval/rollouts.py): one step's loss, figures and gradients on fixed rollouts equal a
 hand-written reference (token- and sequence-level averaging, temperature, TIS weights, k3 KL to the
 initial weights, entropy); after an optimizer step the engine's logits equal the trainer's (fp32
-1e-5) with no copy in one process; the engine's KV cache is released after each rollout phase; a
+1e-5) with no copy in one process, and from a gathered copy under dp_shard, where two forked ranks
+train the one-process policy; the engine's KV cache is released after each rollout phase; a
 tiny seeded task (a completion that starts with a digit) raises its mean reward by a set margin
 within a fixed budget of steps through `tessera train`, every step logging the GRPO metrics; bad
 input (a prompt longer than the context, a reward that raises or returns NaN, a reward module that
@@ -32,7 +33,10 @@ from tessera.models.model_input import ModelInput
 from tessera.train.modes.grpo import Rollouts
 from tessera.train.modes.registry import training_mode
 from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
+from tests.hang_guard import HANG_S
 from tests.infer.tiny_models import save_tokenizer
+from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import TINY_DENSE, set_args
 
 KEYS = ("reward_mean", "reward_std", "kl", "clip_fraction", "response_length", "logprob_diff_max",
@@ -78,7 +82,7 @@ class FixedRollouts:
     def bind(self, model, layout) -> None:
         self.model = model
 
-    def rollouts(self, prompts, records, seed) -> Rollouts:
+    def rollouts(self, prompts, records, seeds) -> Rollouts:
         self.seen.append(prompts)
         n = len(prompts) * self.group_size
         completions = [[(7 * k + 3 * t) % 120 + 3 for t in range(1 + (3 * k) % 5)] for k in range(n)]
@@ -147,7 +151,7 @@ def test_one_step_loss_figures_and_gradients_equal_a_hand_written_reference(root
 
     prompts = rollouts.seen[0]
     assert prompts == [row[mask].tolist() for row, mask in zip(batch.tokens, batch.loss_mask)]
-    ro = rollouts.rollouts(prompts, [], 0)
+    ro = rollouts.rollouts(prompts, [], [])
     want, figures = _hand_objective(policy, initial, prompts, ro, cfg.train.grpo, averaging)
     want.backward()
     assert result.loss == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
@@ -286,3 +290,38 @@ def test_the_config_chooses_the_grpo_mode_and_a_trainer_without_rollouts_is_told
     with pytest.raises(ConfigError, match=r"train.objective=grpo needs the serving engine's rollouts: .* pass "
                                           r"Trainer\(cfg, rollouts=tessera.eval.rollouts.EngineRollouts\(cfg\)\)"):
         Trainer(cfg)
+
+
+def _grpo_on_ranks(overrides: list[str]) -> dict:
+    """Runs on every rank (and in one process): train; the records, the whole weights and, after the
+    last step, the largest difference between the engine's logits and the policy's."""
+    cfg = load_config(TINY_DENSE, overrides)
+    rollouts = EngineRollouts(cfg)
+    trainer = Trainer(cfg, rollouts=rollouts)
+    result = trainer.train()
+    ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
+    with torch.no_grad():
+        want = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
+    rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
+    engine = rollouts.engine(1)
+    got = _engine_logits(engine, ids)
+    engine.close()
+    return {"records": result.records, "weights": whole_parameters(trainer.parts),
+            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model}
+
+
+@pytest.mark.dist
+def test_under_dp_shard_the_engine_reads_gathered_weights_and_two_ranks_train_the_one_process_policy(root):
+    extra = {"optim.lr": 1e-2, "optim.eps": 1e-3, "train.micro_batch_size": 1}
+    ref = _grpo_on_ranks(_overrides(root, "one", steps=3, **extra))
+    got = run_ranks(_grpo_on_ranks, 2, _overrides(root, "two", steps=3, **{**extra, "parallel.dp_shard": 2}),
+                    timeout=HANG_S)
+    assert ref["shared"] and not got[0]["shared"]  # FSDP shards: the engine holds a gathered copy
+    for rank in got:
+        assert rank["engine_diff"] < 1e-5, rank["engine_diff"]
+        for name, value in ref["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert ref["engine_diff"] < 1e-5 and all(r["grad_norm"] > 0 for r in ref["records"])  # the policy moved
+    for mine, want in zip(got[0]["records"], ref["records"], strict=True):  # the same completions and rewards
+        for key in ("reward_mean", "reward_std", "response_length", "loss"):
+            assert mine[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (mine["step"], key)

@@ -80,8 +80,9 @@ class RolloutSource(Protocol):
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s current weights from now on (called once, when the policy is built)."""
 
-    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seed: int) -> Rollouts:
-        """`group_size` completions of each prompt (its token ids; `records`: what the reward reads)."""
+    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """`group_size` completions of each prompt (its token ids; `records`: what the reward reads;
+        `seeds`: its completions' sampling seeds are seed, seed + 1, ..., seed + group_size - 1)."""
 
 
 class GRPOStep:
@@ -95,16 +96,19 @@ class GRPOStep:
         self.dims, self.device = layout.dims, layout.device
         self.mb, self.autocast, self.g = cfg.train.micro_batch_size, built.autocast_dtype, cfg.train.grpo
         self.seed, self.calls = cfg.train.seed, 0
-        self.rank = layout.dims.dp_rank if layout.dims is not None else 0
         self.distributed_optimizers = built.distributed_optimizers
         rollouts.bind(self.model, layout)
 
-    def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]]]:
-        """This rank's prompts of the global batch: their token ids and records."""
-        n = batch.tokens.shape[0]
+    def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
+        """This rank's prompts of the global batch: their token ids, records and sampling seeds (each
+        from the run's seed, the step and the prompt's row in the global batch, so that every layout
+        samples the same completions as one process)."""
+        n, G = batch.tokens.shape[0], self.g.group_size
         rows = range(n) if self.dims is None else range(n)[dp_rows(n, self.dims)]
         records = batch.records or [{} for _ in range(n)]
-        return [batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows]
+        base = hash((self.seed, self.calls)) % 2**31  # ints hash the same in every process
+        return ([batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows],
+                [base + r * G for r in rows])
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         for optimizer in self.distributed_optimizers:
@@ -143,10 +147,9 @@ class GRPOStep:
     def forward_backward(self, batch: Batch) -> StepResult:
         """Rollouts of this rank's prompts, then the policy's gradient of the global batch's GRPO
         objective (summed over the ranks); the step's figures (`scalars`, module docstring)."""
-        prompts, records = self._rows(batch)
         self.calls += 1
-        seed = hash((self.seed, self.calls, self.rank)) % (2**31)
-        ro = self.rollout_source.rollouts(prompts, records, seed)
+        prompts, records, seeds = self._rows(batch)
+        ro = self.rollout_source.rollouts(prompts, records, seeds)
         self.model.train()
         G = self.g.group_size
         rewards = torch.tensor(ro.rewards, dtype=torch.float32)
