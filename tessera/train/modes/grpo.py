@@ -35,7 +35,7 @@ scored 0). `loss_tokens` counts completion tokens. There is no evaluation; check
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -90,23 +90,23 @@ class GRPOStep:
     the frozen reference; in one process or under dp_replicate / dp_shard (module docstring)."""
 
     def __init__(self, cfg: RunConfig, layout: RunLayout, built: TrainingParts, reference: nn.Module | None,
-                 rollouts: RolloutSource):
+                 rollouts: RolloutSource, position: Callable[[], int]):
         self.parts = built.parts
         self.model, self.reference, self.rollout_source = built.parts[0], reference, rollouts
         self.dims, self.device = layout.dims, layout.device
         self.mb, self.autocast, self.g = cfg.train.micro_batch_size, built.autocast_dtype, cfg.train.grpo
-        self.seed, self.calls = cfg.train.seed, 0
+        self.seed, self.position = cfg.train.seed, position  # position: samples the run has drawn (resumed too)
         self.distributed_optimizers = built.distributed_optimizers
         rollouts.bind(self.model, layout)
 
     def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
         """This rank's prompts of the global batch: their token ids, records and sampling seeds (each
         from the run's seed, the step and the prompt's row in the global batch, so that every layout
-        samples the same completions as one process)."""
+        samples the same completions as one process, and a resumed run those of the straight one)."""
         n, G = batch.tokens.shape[0], self.g.group_size
         rows = range(n) if self.dims is None else range(n)[dp_rows(n, self.dims)]
         records = batch.records or [{} for _ in range(n)]
-        base = hash((self.seed, self.calls)) % 2**31  # ints hash the same in every process
+        base = hash((self.seed, self.position())) % 2**31  # ints hash the same in every process
         return ([batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows],
                 [base + r * G for r in rows])
 
@@ -147,7 +147,6 @@ class GRPOStep:
     def forward_backward(self, batch: Batch) -> StepResult:
         """Rollouts of this rank's prompts, then the policy's gradient of the global batch's GRPO
         objective (summed over the ranks); the step's figures (`scalars`, module docstring)."""
-        self.calls += 1
         prompts, records, seeds = self._rows(batch)
         ro = self.rollout_source.rollouts(prompts, records, seeds)
         self.model.train()
@@ -251,7 +250,8 @@ def build_grpo_mode(ctx: ModeContext) -> ModeParts:
         with layout.phase("building the GRPO reference model"):
             reference = build_frozen_model(cfg, layout, cfg.train.init_from)
     return ModeParts(
-        engine=GRPOStep(cfg, layout, built, reference, ctx.rollouts), optimizers=built.optimizers,
+        engine=GRPOStep(cfg, layout, built, reference, ctx.rollouts, lambda: ctx.data.train.samples_seen),
+        optimizers=built.optimizers,
         full_shapes=built.full_shapes, record=partial(step_record, moe=cfg.model.is_moe),
         summary=partial(_summary, cfg, layout), closing=partial(lm_closing, cfg),
         finish=partial(export_hf, cfg, layout), label="grpo", evaluates=False, init_from=ctx.init_from,
