@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
+        if cfg.train.objective == "grpo":  # a reward that cannot be loaded stops the launcher, not each rank
+            from tessera.eval.rewards import load_reward
+
+            load_reward(cfg.train.grpo)
         return _launch_ranks(args, cfg)
     from tessera.parallel.jobs.progress import RankProgress
 

@@ -251,6 +251,8 @@ def test_a_reward_module_that_does_not_exist_is_refused_in_one_line_before_start
     err = capsys.readouterr().err
     assert "train.grpo.reward='no_such_module:score' is invalid: no module named 'no_such_module'" in err
     assert not (root / "missing").exists()
+    assert main(["train", TINY_DENSE, "--nproc", "2", *set_args(args)]) == 2  # the launcher refuses, no rank starts
+    assert "no module named 'no_such_module'" in capsys.readouterr().err and not (root / "missing").exists()
     with pytest.raises(ConfigError, match=r"module 'json' has no function 'nothing'"):
         EngineRollouts(load_config(TINY_DENSE, _overrides(root, "r", **{"train.grpo.reward": "json:nothing"})))
 
