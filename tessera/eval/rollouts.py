@@ -16,8 +16,8 @@ the policy as the trainer built it:
   over the shards' ranks) into that copy in place.
 
 Each rollout phase builds the engine (its paged KV cache sized for the phase's sequences), adds
-`group_size` requests per prompt (one seeded request per completion: the engine batches them
-continuously and the prompt's KV blocks are shared by its prefix cache), steps it until every
+`group_size` requests per prompt (one seeded request per completion, which the engine batches
+continuously, with its prefix cache on), steps it until every
 request has finished, and closes it: the KV cache is released between rollout phases (the training
 step's activations have the memory to themselves) and allocated again for the next one. Every
 request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the raw
