@@ -54,7 +54,8 @@ def draft_layer_config(target: ModelConfig) -> ModelConfig:
     heads = target.n_heads
     return replace(target, family="llama", n_layers=1, n_kv_heads=target.n_kv_heads or heads,
                    head_dim=target.dim // heads if target.mla is not None else target.head_dim, mla=None, moe=None,
-                   mtp_depth=0, qkv_bias=False, out_bias=False, qk_norm=False, sliding_window=None, nope_layers=[],
+                   mtp_depth=0, qkv_bias=False, out_bias=False, qk_norm=False, qk_norm_all_heads=False,
+                   sliding_window=None, window_layers=None, local_rope_theta=None, nope_layers=[], block_norms="pre",
                    tie_embeddings=False)
 
 

@@ -185,3 +185,17 @@ def test_a_directory_that_is_not_an_eagle3_draft_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ConfigError, match="LlamaForCausalLM directory; --speculative eagle takes an EAGLE-3 draft"):
         load_eagle_draft(tmp_path, TARGET, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("preset", ["smollm3-3b", "olmo2-7b", "olmo3-7b"])
+def test_the_draft_layer_of_any_family_is_llama_attention(preset):
+    """NoPE layers, norms after the sublayers, an all-heads QK norm and per-layer windows are the
+    target's: the draft layer keeps its width, heads and RoPE and drops the rest."""
+    from tessera.config import get_preset
+
+    target = get_preset(preset)
+    cfg = draft_layer_config(target)
+    assert (cfg.family, cfg.dim, cfg.n_heads, cfg.rope_theta, cfg.rope_scaling) == (
+        "llama", target.dim, target.n_heads, target.rope_theta, target.rope_scaling)
+    assert (cfg.nope_layers, cfg.block_norms, cfg.qk_norm, cfg.sliding_window, cfg.window_layers) == (
+        [], "pre", False, None, None)
