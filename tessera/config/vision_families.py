@@ -24,7 +24,7 @@ registries, by the model's `family`.
 
 Adding a family "x":
 1. tessera/config/x.py: `XConfig` and its functions (config.json both ways, from_section, the
-   layouts it refuses); its line in `REGISTRY` below.
+   layouts it refuses); its line in `REGISTRY` below (its title and loader for messages, then those).
 2. tessera/models/vision/x.py: `X(VisionLanguageModel)`, with `encode_images`, `forward` and the answers
    whose default it changes (`image_input` always).
 3. tessera/data/x_image_processor.py: its image processor; its samples function in
@@ -62,6 +62,8 @@ def _every_layout(parallel: Any) -> None:
 class ConfigFamily:
     """A vision-language family's config functions: the config layer's entry."""
 
+    title: str  # the family as people name it, for messages ("LLaVA")
+    loader: str  # the function that loads its directory, for messages that point to it
     from_hf: Callable[[Mapping[str, Any]], Any]  # config.json -> its config (ModelError: not reproducible)
     to_hf: Callable[[Any], dict[str, Any]]  # its config -> config.json, every field written
     from_section: Callable[[Any, ModelConfig], Any]  # train.vision_language's fields over a language model
@@ -69,13 +71,20 @@ class ConfigFamily:
     refuse_layouts: Callable[[Any], None] = _every_layout
 
 
-_QWEN_VL = ConfigFamily(qwen_vl_config_from_hf, qwen_vl_config_to_hf, qwen_vl_config_from_section,
-                        refuse_qwen_layouts)
+_QWEN_VL = ConfigFamily("Qwen2-VL / Qwen2.5-VL", "tessera.checkpoint.hf.qwen_vl.load_qwen_vl", qwen_vl_config_from_hf,
+                        qwen_vl_config_to_hf, qwen_vl_config_from_section, refuse_qwen_layouts)
 REGISTRY: dict[str, ConfigFamily] = {
-    "llava": ConfigFamily(llava_config_from_hf, llava_config_to_hf, llava_config_from_section),
+    "llava": ConfigFamily("LLaVA", "tessera.checkpoint.hf.llava.load_llava", llava_config_from_hf, llava_config_to_hf,
+                          llava_config_from_section),
     "qwen2_vl": _QWEN_VL,
     "qwen2_5_vl": _QWEN_VL,
 }
+
+
+def family_of_config(d: Mapping[str, Any]) -> ConfigFamily | None:
+    """The vision-language family whose config.json object `d` is; None for any other."""
+    name = d.get("model_type")
+    return REGISTRY.get(name) if isinstance(name, str) else None
 
 
 def is_vision_language_config(d: Mapping[str, Any]) -> bool:

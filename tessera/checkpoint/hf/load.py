@@ -23,15 +23,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf.composite import config_says
 from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_copies
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.checkpoint.parts import allocate
 from tessera.config.errors import CheckpointError, ConfigError
-from tessera.config.hf_config import read_hf_config
+from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.config.model import ModelConfig
-from tessera.config.vision_families import is_vision_language_config
+from tessera.config.vision_families import family_of_config
 from tessera.models.transformer import Transformer
 
 
@@ -112,10 +111,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     after the directory is checked against the model its config.json describes (names and shapes,
     from the files' headers)."""
     path = Path(path)
-    if config_says(path, is_vision_language_config):
-        raise ConfigError(f"{str(path)!r} is a vision-language directory, not a language model's: serve it with "
-                          "`tessera serve` or `LLM`, convert it with `tessera convert`, or train its language model "
-                          "with train.init_from")
+    _refuse_vision_language(path)
     cfg = read_hf_config(path)
     reader = HFSliceReader(path, cfg)
     available = {k for k in reader.files.keys() if not k.endswith(IGNORED_SUFFIXES)}
@@ -135,3 +131,17 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             raise CheckpointError(f"{path}: shape mismatch for {reader.names[key][0]} (-> {key}): checkpoint "
                                   f"{reader.shape(key)}, model config expects {shape}")
     return build_from_hf(path, cfg, dtype, device)
+
+
+def _refuse_vision_language(path: Path) -> None:
+    """ConfigError when `path` is a vision-language family's directory (its config.json's model_type),
+    naming the family and what loads it."""
+    f = path / "config.json"
+    try:
+        family = family_of_config(read_json_object(f)) if f.is_file() else None
+    except CheckpointError:  # read_hf_config, next, says what is wrong with the file
+        return
+    if family is not None:
+        raise ConfigError(f"{str(path)!r} is a {family.title} (vision-language) directory, not a language model's: "
+                          f"load it with {family.loader}, serve it with `tessera serve` or `LLM`, or train its "
+                          "language model with train.init_from")
