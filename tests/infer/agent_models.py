@@ -5,17 +5,24 @@ added tokens, as in Qwen2.5's and Qwen3's tokenizers) and a chat template of the
 written from the published templates: Qwen2.5-Instruct's (tools in the system turn, calls as
 `<tool_call>` blocks, results as `<tool_response>` in a user turn) and Qwen3's (the same, an earlier
 turn's `reasoning_content` in a `<think>` block; its generation prompt opens the `<think>` block as
-the thinking models' does, and holds an empty closed one with `enable_thinking: false`)."""
+the thinking models' does, and holds an empty closed one with `enable_thinking: false`).
+
+A random model never calls a tool unless decoding is constrained, so the tests of `tool_choice: auto`
+serve a scripted agent (`write_scripted_agent`): a tiny Llama trained, in a few seconds, until its
+greedy decoding writes a given completion after each of a few prompts, so that it really calls its
+tools, reasons and answers as an agent model does."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import torch
 from tokenizers import AddedToken, Tokenizer
 
 from tessera.data.tokenizer import DEFAULT_TOKENIZER_DIR
-from tests.infer.tiny_models import write_model
+from tests.infer.tiny_models import hf_config, write_model
 
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 PLAIN = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
@@ -147,9 +154,87 @@ def write_agent_model(path: Path, template: str, seed: int = 0, **overrides) -> 
     config = dict(vocab_size=tok.get_vocab_size(), eos_token_id=ids["<|im_end|>"], bos_token_id=None,
                   max_position_embeddings=4096)
     write_model(path, "llama", seed=seed, std=0.25, **{**config, **overrides})
+    _write_tokenizer(path, tok, template)
+    return ids
+
+
+
+def render(template: str, messages: list[dict], tools: list[dict] | None = None, **variables) -> str:
+    """`messages` as transformers renders them with `template` (the prompt a scripted agent learns)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=qwen_tokenizer(), chat_template=template)
+    return hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **variables)
+
+
+def _batch(tok: Tokenizer, script: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and labels (the completions' tokens; -100 elsewhere), right-padded."""
+    pairs = [(tok.encode(p, add_special_tokens=False).ids, tok.encode(c, add_special_tokens=False).ids)
+             for p, c in script]
+    width = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.zeros(len(pairs), width, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (p, c) in enumerate(pairs):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, :len(p) + len(c)] = 1
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+    return ids, mask, labels
+
+
+def _completion_logits(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """The logits that predict each completion token, and those tokens (the vocabulary projection
+    only where a label is: most of each sequence is prompt)."""
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    where = labels[:, 1:] != -100
+    return model.lm_head(hidden[where]), labels[:, 1:][where]
+
+
+def _learnt(logits: torch.Tensor, target: torch.Tensor, margin: float) -> bool:
+    """Whether every completion token leads the next-best one by `margin` logits (so that greedy
+    decoding writes the completion, in Tessera's arithmetic as in transformers')."""
+    right = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    others = logits.scatter(-1, target.unsqueeze(-1), float("-inf")).amax(-1)
+    return bool((right - others > margin).all())
+
+
+def write_scripted_agent(path: Path, template: str, script: list[tuple[str, str]], seed: int = 0,
+                         max_steps: int = 400) -> None:
+    """A tiny Llama at `path`, served with `template`, trained until greedy decoding writes each
+    completion of `script` (`(prompt text, completion text)` pairs; a completion ends with
+    `<|im_end|>`) after its prompt. AssertionError if it has not learnt them in `max_steps`."""
+    from transformers import AutoModelForCausalLM
+
+    tok = qwen_tokenizer()
+    torch.manual_seed(seed)
+    config = hf_config("llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                       eos_token_id=tok.token_to_id("<|im_end|>"), bos_token_id=None, max_position_embeddings=2048)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    ids, mask, labels = _batch(tok, script)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(max_steps):
+        logits, target = _completion_logits(model, ids, mask, labels)
+        if _learnt(logits.detach(), target, margin=2.0):
+            break
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    else:
+        raise AssertionError(f"the scripted agent did not learn its script in {max_steps} steps")
+    model.eval().save_pretrained(path)
+    _write_tokenizer(path, tok, template)
+
+
+def _write_tokenizer(path: Path, tok: Tokenizer, template: str) -> None:
     tok.save(str(path / "tokenizer.json"))
     base = json.loads((DEFAULT_TOKENIZER_DIR / "tokenizer_config.json").read_text())
     base.update({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": template})
     (path / "tokenizer_config.json").write_text(json.dumps(base))
-    return ids
 
+
+def with_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the model directory `src` at `dst` whose tokenizer carries `template`."""
+    shutil.copytree(src, dst)
+    _write_tokenizer(dst, qwen_tokenizer(), template)
+    return dst

@@ -37,6 +37,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tessera.config.errors import ConfigError, ImageError, RequestError, TesseraError
 from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
+from tessera.infer.agents.options import AgentOptions
+from tessera.infer.agents.turn_plan import AgentTurns, TurnPlan
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.api.media import MediaPolicy, chat_images
 from tessera.infer.api.openai_choices import Choices, child_params
@@ -51,8 +53,8 @@ from tessera.infer.api.openai_protocol import (
     new_id,
     prompts_of,
     sampling_params,
-    usage,
 )
+from tessera.infer.api.openai_tools import chat_turn
 from tessera.infer.api.quoting import brief
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.loop import EngineLoop
@@ -103,12 +105,14 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None,
-               media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None) -> FastAPI:
+               media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None,
+               agents: AgentOptions | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
     Host header; `media` says where chat images may come from (None: data: URLs only); `kv_role`
-    needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py)."""
+    needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py); `agents`: how tool
+    calls and reasoning are read (None: `AgentOptions()`, neither)."""
     check_api_key(api_key)
     if kv_role is not None:
         require_peer_secret(kv_peer_secret, f"kv_role={kv_role!r}")
@@ -117,7 +121,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
     routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs], media or MediaPolicy(),
-                     kv_peer_secret or b"")
+                     kv_peer_secret or b"", agents or AgentOptions())
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
@@ -132,6 +136,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     @app.exception_handler(ProtocolError)
     async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
         return _error(str(e), e.status, e.param)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, e: RequestError) -> JSONResponse:
+        return _error(str(e), 400, e.field)  # a field the request spells (the agent turn's refusals)
 
     @app.exception_handler(TesseraError)
     async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
@@ -162,12 +170,14 @@ class _Routes:
     """The handlers of the routes, around the engine thread `loop`."""
 
     def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path],
-                 media: MediaPolicy, kv_key: bytes):
+                 media: MediaPolicy, kv_key: bytes, agents: AgentOptions):
         self.loop, self.engine, self.model_name, self.media = loop, loop.engine, model_name, media
         self.kv_key = kv_key  # the KV peer secret (b"": no KV role)
         self.tokenizer = loop.engine.tokenizer
         self.allow_lora_loading, self.roots = allow_lora_loading, roots
         self.max_prompt_chars = self.engine.max_model_len * _longest_token_chars(self.tokenizer)
+        template = None if self.tokenizer is None or self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
+        self.turns = AgentTurns(agents, self.tokenizer, template)  # tools, calls and reasoning of chat turns
 
     async def health(self) -> Response:
         if not self.loop.alive:
@@ -212,22 +222,23 @@ class _Routes:
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
     def prepare(self, raw: bytes, chat: bool) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
-                                                       list[CheckedRequest]]:
-        """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo)
-        and the checked requests (`n` per prompt, in order) of a request (in a worker thread: JSON
-        parsing, chat templates, fetching images, tokenisation and compiling a schema may take a
-        while). The engine checks each request once, here (`LLMEngine.check_request`); a refusal
-        is a 400 naming the field."""
+                                                       list[CheckedRequest], TurnPlan | None]:
+        """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo),
+        the checked requests (`n` per prompt, in order) and a chat's agent turn (None for completions)
+        of a request (in a worker thread: JSON parsing, chat templates, fetching images, tokenisation
+        and compiling a schema may take a while). The engine checks each request once, here
+        (`LLMEngine.check_request`); a refusal is a 400 naming the field."""
         body = _parse_json(raw)
         adapter = self.adapter_of(body)
         pixels: list = []
+        turn = None
         if chat:
             if self.tokenizer is None:
                 raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
-            template = None if self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
             marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
             messages, urls = chat_images(body, marker)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+            turn = self.turns.prepare(chat_turn(body, messages))  # tools, tool choice, template kwargs
+            text = turn.prompt
             pixels = self.images(urls)
             prompt_ids, echoes = [self.encode_around(text, marker)], None
         else:
@@ -238,6 +249,7 @@ class _Routes:
         try:
             room = engine.max_model_len - max(len(engine.with_images(ids, pixels)[0]) for ids in prompt_ids)
             params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
+            params = turn.sampling(params) if turn is not None else params  # the tool-call grammar
             n = choices_per_prompt(body)
             requests = [engine.check_request(ids, child_params(params, j), adapter, pixels)
                         for ids in prompt_ids for j in range(n)]
@@ -247,7 +259,7 @@ class _Routes:
             raise ProtocolError.of(e, chat) from None
         except ConfigError as e:  # the images do not fit their marks (`with_images`)
             raise ProtocolError(str(e), param="messages" if chat else "prompt") from None
-        return body, prompt_ids, params, echoes, requests
+        return body, prompt_ids, params, echoes, requests, turn
 
     def images(self, urls: list[str]) -> list:
         """Pixel values of a chat's images: counted against the limit before any is fetched."""
@@ -291,7 +303,8 @@ class _Routes:
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, prompt_ids, params, echoes, requests = await asyncio.to_thread(self.prepare, await request.body(), chat)
+        body, prompt_ids, params, echoes, requests, turn = await asyncio.to_thread(self.prepare, await request.body(),
+                                                                                   chat)
         n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -314,7 +327,7 @@ class _Routes:
         rids = [loop.submit_checked(r, callback_for(k)) for k, r in enumerate(requests)]  # k = prompt x n + choice
         rid = new_id("chatcmpl" if chat else "cmpl")
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
-        choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer))
+        choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer), turn)
         if stream:
             return StreamingResponse(_stream(loop, queue, rids, rid, name, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -333,8 +346,8 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, prompt_ids, _, _, requests = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
-                                                             endpoint == "chat")
+        _, prompt_ids, _, _, requests, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
+                                                                endpoint == "chat")
         if requests[0].adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
         ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
@@ -409,10 +422,10 @@ async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rid
     if failed:
         return _error(*_failure(failed[0]))
     outs = [done[i] for i in range(len(rids))]
-    use = usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
-                sum(len(o.token_ids) for o in outs))
-    return JSONResponse(completion_object(rid, name, [choices.final(i, o) for i, o in enumerate(outs)], use,
-                                          choices.chat))
+    finals = [choices.final(i, o) for i, o in enumerate(outs)]
+    use = choices.usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
+                        sum(len(o.token_ids) for o in outs))
+    return JSONResponse(completion_object(rid, name, finals, use, choices.chat))
 
 
 def _failure(out: RequestOutput) -> tuple[str, int, str | None]:
@@ -451,7 +464,7 @@ async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: 
                 prompt_tokens += out.prompt_tokens if index % choices.n == 0 else 0
                 completion_tokens += len(out.token_ids)
         if include_usage:
-            yield _sse(chunk_object(rid, name, [], chat, usage(prompt_tokens, completion_tokens)))
+            yield _sse(chunk_object(rid, name, [], chat, choices.usage(prompt_tokens, completion_tokens)))
         yield _sse("[DONE]")
     finally:
         for i, r in enumerate(rids):
