@@ -42,7 +42,14 @@ def uniform_noise(seeds_B: torch.Tensor, counters_B: torch.Tensor, vocab: int) -
     key = _mix32(key ^ _mix32(counters_B + 0x9E3779B9))  # [B]
     v = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
     bits = _mix32(key[:, None] ^ _mix32(v[None, :] * 0x27D4EB2F + 0x165667B1))  # [B, V]
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_uniforms(bits)
+
+
+def unit_uniforms(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> fp32 uniforms strictly inside (0, 1): the top 23 bits as odd multiples of
+    2^-24, each exact in fp32, from 2^-24 to 1 - 2^-24. (A draw that rounded to 1 would make its
+    exponential 0, and a forbidden token's 0 / 0 a NaN that argmax picks.)"""
+    return ((bits >> 9) * 2 + 1).float() * (1.0 / (1 << 24))
 
 
 @dataclass
