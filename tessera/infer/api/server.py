@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server
 `"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
 prompt, with their log-probabilities in `openai_choices`, collected or streamed by `openai_answers`;
 a chat's tools, tool calls and reasoning in `openai_tools`, over the agent turn of
-tessera/infer/agents/turn_plan.py), GET /v1/models, GET /health, GET /metrics
+tessera/infer/agents/turn_plan.py), POST /v1/responses and GET /v1/responses/{id} (the Responses
+API, over the same agent turn: `responses_route`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
 request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
 name of a loaded LoRA adapter.
@@ -58,6 +59,7 @@ from tessera.infer.api.openai_protocol import (
 )
 from tessera.infer.api.openai_tools import chat_turn
 from tessera.infer.api.quoting import brief
+from tessera.infer.api.responses_route import add_responses_routes
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sequence import RequestOutput
@@ -148,6 +150,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
 
     post("/v1/completions", "completions", routes.run, chat=False)
     post("/v1/chat/completions", "chat_completions", routes.run, chat=True)
+    add_responses_routes(app, routes)  # POST /v1/responses, GET /v1/responses/{id} (responses_route.py)
     if kv_role == "prefill":
         post("/v1/kv/prefill", "kv_prefill", routes.kv_prefill)
     elif kv_role == "decode":
