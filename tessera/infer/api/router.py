@@ -12,7 +12,7 @@ answers an error, or the import fails, the decode instance computes the prompt i
 decode instance, which says what is wrong with it. GET /v1/models and /health are the decode
 instance's; /metrics is the router's own.
 
-The client's Authorization header is passed on to both instances: give the three processes the same
+The client's Authorization (or x-api-key) header is passed on to both instances: give the three processes the same
 `--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
 transfer itself is authenticated apart from the API key (kv_peer.py): the router signs its prefill
 requests with the KV peer secret the three processes share, and the decode instance takes only
@@ -93,8 +93,8 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
 
 
 def _auth(request: Request) -> dict[str, str]:
-    value = request.headers.get("authorization")
-    return {"authorization": value} if value else {}
+    """The client's API key headers (either the guard takes), to pass on."""
+    return {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
 
 
 def _unreachable(e: Exception, status: int) -> JSONResponse:
