@@ -99,6 +99,11 @@ class Choices:
             return None
         return {"index": index, "delta": chat_delta(read), "logprobs": logprobs, "finish_reason": read.finish_reason}
 
+    @property
+    def constraint_field(self) -> str:
+        """The request field whose constraint decoding follows: the tools' where calls are constrained."""
+        return "tools" if self.turn is not None and self.turn.guided_grammar is not None else "response_format"
+
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The request's usage, with its reasoning tokens where a reasoning parser reads them."""
         use = usage(prompt_tokens, completion_tokens)

@@ -2,8 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
 `"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
-prompt, with their log-probabilities in `openai_choices`), POST /v1/messages (Anthropic's Messages
-API, in its own shapes: `anthropic_route`), GET /v1/models, GET /health, GET /metrics
+prompt, with their log-probabilities in `openai_choices`, collected or streamed by `openai_answers`;
+a chat's tools, tool calls and reasoning in `openai_tools`, over the agent turn of
+tessera/infer/agents/turn_plan.py), POST /v1/messages (Anthropic's Messages API, over the same turn
+and in its own shapes: `anthropic_route`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
 request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
 name of a loaded LoRA adapter.
@@ -16,9 +18,9 @@ POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instan
 guards and, apart from the API key, the KV peer secret (kv_peer.py: a prefill request signed with
 it, a transfer message made with it; 403 otherwise). Bad JSON (also nesting too deep to parse), wrong-typed or
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
-OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
-serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
-never stalls the event loop. Runtime adapter loading reads only from the configured adapter
+OpenAI-style error body (Anthropic's on /v1/messages) that never quotes more than a short piece of
+the request; the engine keeps serving. Parsing, chat templates and tokenisation run in worker threads
+so that a large request never stalls the event loop. Runtime adapter loading reads only from the configured adapter
 directories. A client that disconnects has its request aborted, which frees its KV blocks.
 /health answers 503 when the engine cannot serve any more (its thread has ended, or a
 tensor-parallel rank failed or exited); `tessera serve` then shuts down with exit status 1.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +46,13 @@ from tessera.infer.agents.turn_plan import AgentTurns, TurnPlan
 from tessera.infer.api.anthropic_route import serve_messages
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.api.media import MediaPolicy, chat_images
+from tessera.infer.api.openai_answers import collect
+from tessera.infer.api.openai_answers import stream as stream_answer
 from tessera.infer.api.openai_choices import Choices, child_params
 from tessera.infer.api.openai_logprobs import TokenTexts
 from tessera.infer.api.openai_protocol import (
     ProtocolError,
-    choice,
     choices_per_prompt,
-    chunk_object,
-    completion_object,
     error_body,
     new_id,
     prompts_of,
@@ -136,18 +137,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
 
-    @app.exception_handler(ProtocolError)
-    async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
-        return _error(str(e), e.status, e.param)
-
-    @app.exception_handler(RequestError)
-    async def request_error(_request: Request, e: RequestError) -> JSONResponse:
-        return _error(str(e), 400, e.field)  # a field the request spells (the agent turn's refusals)
-
-    @app.exception_handler(TesseraError)
-    async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
-        return _error(str(e), 400)
-
+    _answer_errors(app)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -168,6 +158,21 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     post("/v1/load_lora_adapter", "load_lora", routes.lora_call, load=True)
     post("/v1/unload_lora_adapter", "unload_lora", routes.lora_call, load=False)
     return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """A refused request's answer: its status (400 unless the error says) naming its field."""
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
+        return _error(str(e), e.status, e.param)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, e: RequestError) -> JSONResponse:
+        return _error(str(e), 400, e.field)  # a field the request spells (the agent turn's refusals)
+
+    @app.exception_handler(TesseraError)
+    async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
+        return _error(str(e), 400)
 
 
 class _Routes:
@@ -333,9 +338,9 @@ class _Routes:
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
         choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer), turn)
         if stream:
-            return StreamingResponse(_stream(loop, queue, rids, rid, name, choices, include_usage),
+            return StreamingResponse(stream_answer(loop, queue, rids, rid, name, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, loop, queue, rids, rid, name, choices)
+        return await collect(request, loop, queue, rids, rid, name, choices)
 
     async def kv_prefill(self, request: Request) -> Response:
         """Prefill instance: compute the prompt of `{"endpoint": "completions"|"chat", "request": {...}}`
@@ -402,75 +407,3 @@ class _Routes:
         else:
             await asyncio.wrap_future(self.loop.call(lambda e: e.unload_lora(name)))
         return JSONResponse({"status": "ok", "lora_name": name})
-
-
-async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str,
-                   choices: Choices) -> Response:
-    """Wait for every choice; abort them all if the client goes away first."""
-    done: dict[int, RequestOutput] = {}
-    try:
-        while len(done) < len(rids):
-            try:
-                index, out = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
-            if out.finished:
-                done[index] = out
-    finally:
-        for i, r in enumerate(rids):
-            if i not in done:
-                loop.abort(r)
-    failed = [o for o in done.values() if o.finish_reason == "error"]
-    if failed:
-        return _error(*_failure(failed[0]))
-    outs = [done[i] for i in range(len(rids))]
-    finals = [choices.final(i, o) for i, o in enumerate(outs)]
-    use = choices.usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
-                        sum(len(o.token_ids) for o in outs))
-    return JSONResponse(completion_object(rid, name, finals, use, choices.chat))
-
-
-def _failure(out: RequestOutput) -> tuple[str, int, str | None]:
-    """Message, HTTP status and offending field of a request that failed while generating: 400
-    when its own schema failed in the grammar engine, 500 when the server failed it."""
-    if out.client_error:
-        return f"generation failed: {out.error}", 400, "response_format"
-    return f"generation failed: {out.error}", 500, None
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str, choices: Choices,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per step with new text, the finish reason last, then [DONE]."""
-    finished: set[int] = set()
-    prompt_tokens = completion_tokens = 0
-    chat = choices.chat
-    try:
-        if chat:
-            for i in range(len(rids)):
-                yield _sse(chunk_object(rid, name, [choice(i, "", None, chat, True, first=True)], chat))
-        while len(finished) < len(rids):
-            index, out = await queue.get()
-            if out.finish_reason == "error":
-                finished.add(index)
-                yield _sse(error_body(*_failure(out)))  # the status line said 200 already
-                continue
-            c = choices.chunk(index, out)
-            if c is not None:
-                yield _sse(chunk_object(rid, name, [c], chat))
-            if out.finished:
-                finished.add(index)
-                prompt_tokens += out.prompt_tokens if index % choices.n == 0 else 0
-                completion_tokens += len(out.token_ids)
-        if include_usage:
-            yield _sse(chunk_object(rid, name, [], chat, choices.usage(prompt_tokens, completion_tokens)))
-        yield _sse("[DONE]")
-    finally:
-        for i, r in enumerate(rids):
-            if i not in finished:
-                loop.abort(r)
