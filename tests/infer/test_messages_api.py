@@ -5,11 +5,12 @@ in a second turn; every `tool_choice` streams what it answers whole, the `input_
 putting together each call's input; `stop_sequences` and `max_tokens` end the turn with their stop
 reasons; with `--reasoning-parser qwen3` the `<think>` block is a `thinking` block counted in usage;
 `x-api-key` is accepted (and a wrong one refused, in Anthropic's error shape); bad requests are 4xx
-naming the field while a request in flight finishes untouched."""
+naming the field while a request in flight finishes untouched; docs/serving.md's agent loop runs."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -227,3 +228,17 @@ def test_bad_requests_are_refused_by_field_and_a_request_in_flight_goes_on(agent
         final = stream.get_final_message()
     assert (_calls(final), final.stop_reason) == ([PARIS, ROME], "tool_use")
     assert agent.wait_idle()
+
+
+def _docs_agent_loop() -> str:
+    """The `python` block of docs/serving.md's Messages API section."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    return guide[guide.index("```python\n", guide.index("## Anthropic's Messages API")) + 10:].split("```", 1)[0]
+
+
+def test_the_guides_agent_loop_runs(agent, capsys):
+    """The loop, pointed at this server: the model calls, the loop answers each call, the model replies
+    from the results."""
+    code = _docs_agent_loop().replace("http://127.0.0.1:8000", agent.url).replace('"qwen2.5"', '"agent"')
+    exec(compile(code, "docs/serving.md", "exec"), {})
+    assert capsys.readouterr().out == ANSWER + "\n"
