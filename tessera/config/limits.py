@@ -41,6 +41,7 @@ MAX_SPIKE_WINDOW = 100_000  # steps of loss history the spike rule keeps (and st
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout of a week; longer is a hang, not a wait
 MIN_TEMPERATURE = 1e-5  # smallest sampling temperature above 0: logits / T stays finite in fp32
 MAX_PORT = 65_535
+MAX_REQUEST_BYTES = 2**31  # `--max-request-bytes` of `tessera serve` and `tessera router` (default: 8 MiB)
 
 # ---- serving ------------------------------------------------------------------------------------
 MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)

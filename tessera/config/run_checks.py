@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tessera.config.dpo import PREFERENCE_KIND, validate_objective
 from tessera.config.dtypes import short_dtype_name
 from tessera.config.eagle import validate_eagle
 from tessera.config.errors import require
@@ -17,7 +18,7 @@ from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW,
 from tessera.config.vision_training import validate_vision_language
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
-DATA_KINDS = ("pretrain", "sft", "vision_sft")
+DATA_KINDS = ("pretrain", "sft", "vision_sft", PREFERENCE_KIND)
 
 
 def validate_run_config(cfg: Any) -> None:
@@ -27,6 +28,7 @@ def validate_run_config(cfg: Any) -> None:
     _check_train(cfg.train)
     _check_optim(cfg.optim)
     _check_data(cfg)
+    validate_objective(cfg)
     _check_checkpoint(cfg.checkpoint)
     _check_spikes(cfg.train)
     _check_distill(cfg)
@@ -102,7 +104,7 @@ def _check_data(cfg: Any) -> None:
         require(entry.weight > 0, f"data.datasets[{i}].weight", entry.weight, "must be > 0")
         require(bool(entry.path), f"data.datasets[{i}].path", entry.path, "must be a non-empty path")
     require(d.kind == "pretrain" or bool(d.datasets), "data.kind", d.kind,
-            "sft needs data.datasets (the bundled corpus is plain text for pretraining)")
+            f"{d.kind} needs data.datasets (the bundled corpus is plain text for pretraining)")
     require(t.eval_interval == 0 or d.valid_fraction > 0, "train.eval_interval", t.eval_interval,
             "must be 0 when data.valid_fraction is 0 (there is no validation split to evaluate)")
 

@@ -37,6 +37,8 @@ class Batch:
     placeholders: LLaVA's `[N_i, C, H, W]` (N_i may be 0), Qwen2-VL's patch rows `[P_i, C x T x
     p^2]` of its images together, with `image_grid_thw` `[N_i, 3]` per row beside them (each
     image's patch grid, which decides its size and positions); None for text (grids: None but Qwen's).
+    A batch of preference pairs (tessera.data.preference) holds `tokens` and `loss_mask` of
+    [B, 2, seq_len + 1], each pair's chosen then rejected sequence; the DPO mode reads them as such.
     """
 
     tokens: torch.Tensor

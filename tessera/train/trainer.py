@@ -15,10 +15,11 @@ Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: 
 
 Modes. What is trained is the run's mode (train/modes/registry.py, chosen by the config; train/modes/mode.py): the
 language-model mode (train/modes/lm.py) trains the `model` section's model, the EAGLE mode
-(train/modes/eagle.py) a draft head against a frozen target. A mode hands the loop its step engine, parts
-and optimizers, how a step is logged, its start-up and closing lines and its end-of-run hook (the
-HuggingFace export of `checkpoint.export_hf`, the EAGLE draft directory); everything below is the
-loop's, the same for every mode.
+(train/modes/eagle.py) a draft head against a frozen target, the DPO mode (train/modes/dpo.py,
+train.objective=dpo) the model on preference pairs against its frozen initial weights. A mode hands
+the loop its step engine, parts and optimizers, how a step is logged, its start-up and closing lines
+and its end-of-run hook (the HuggingFace export of `checkpoint.export_hf`, the EAGLE draft
+directory); everything below is the loop's, the same for every mode.
 
 Resilience. A step whose gradient is not finite is skipped on every rank (train.skip_nonfinite; false
 stops the run instead); with train.spike_factor a step whose loss spikes is refused and the run

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_device, uniform_noise
+from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_device, uniform_noise, unit_interval
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import processed_probs
 
@@ -24,6 +24,15 @@ def test_noise_is_uniform_and_keyed_by_seed_and_counter():
     assert abs(flat.mean().item() - 0.5) < 0.01 and abs(flat.var().item() - 1 / 12) < 0.005
     counts = torch.histc(flat, bins=16, min=0, max=1)
     assert (counts - len(flat) / 16).abs().max() < 5 * (len(flat) / 16) ** 0.5
+
+
+def test_noise_never_reaches_0_or_1_at_the_extreme_bits():
+    """The largest 32-bit value once mapped to exactly 1.0 in fp32 (-log(u) = 0: an infinite race for
+    an allowed token, NaN for a masked one), once in 2^24 draws per token."""
+    u = unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 512, 2**32 - 2, 2**32 - 1]))
+    assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
+    assert bool(torch.isfinite(1.0 / -torch.log(u)).all())
+    assert u[-1] > u[2] > u[0]
 
 
 def _batch(params: list[SamplingParams], seeds: list[int], counters: list[int]) -> SamplingBatch:

@@ -26,7 +26,8 @@ def test_top_k_top_p_and_greedy_distributions():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-1), dict(max_tokens=0),
-                                 dict(stop=[""]), dict(seed=-3)])
+                                 dict(stop=[""]), dict(seed=-3), dict(logit_bias={"\u00b2": 1.0}),
+                                 dict(logit_bias={"5": "big"}), dict(logit_bias=[1]), dict(stop_token_ids=["x"])])
 def test_out_of_range_params_are_refused(bad):
     with pytest.raises(ConfigError):
         SamplingParams(**bad)

@@ -20,8 +20,10 @@ it, a transfer message made with it; 403 otherwise). Bad JSON (also nesting too 
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
 OpenAI-style error body (Anthropic's on /v1/messages) that never quotes more than a short piece of
 the request; the engine keeps serving. Parsing, chat templates and tokenisation run in worker threads
-so that a large request never stalls the event loop. Runtime adapter loading reads only from the configured adapter
-directories. A client that disconnects has its request aborted, which frees its KV blocks.
+so that a large request never stalls the event loop; a chat's images are fetched on the event loop
+between them (`media`), so that a slow image host holds no thread another request needs. Runtime
+adapter loading reads only from the configured adapter directories. A client that disconnects has
+its request aborted, which frees its KV blocks.
 /health answers 503 when the engine cannot serve any more (its thread has ended, or a
 tensor-parallel rank failed or exited); `tessera serve` then shuts down with exit status 1.
 """
@@ -29,7 +31,6 @@ tensor-parallel rank failed or exited); `tessera serve` then shuts down with exi
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -230,25 +231,49 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
-                                                       list[CheckedRequest], TurnPlan | None]:
+    async def prepared(self, raw: bytes | dict, chat: bool) -> tuple[dict, list[list[int]], SamplingParams,
+                                                                      list[str] | None, list[CheckedRequest],
+                                                                      TurnPlan | None]:
+        """`prepare`'s result for a request body (its bytes, or the document a KV prefill request
+        holds, parsed already: written back as JSON it could be too deep to parse again): parsed (and
+        a chat's images counted) in a worker thread, the images fetched on the event loop
+        (`MediaPolicy.fetch_all`: a slow image host holds no thread that other requests need), the
+        rest in a worker thread again."""
+        body, chat_parts = await asyncio.to_thread(self.parse, raw, chat)
+        blobs = await self.media.fetch_all(chat_parts[1]) if chat_parts else []
+        return await asyncio.to_thread(self.prepare, body, chat_parts, blobs)
+
+    def parse(self, raw: bytes | dict, chat: bool) -> tuple[dict, tuple[list[dict[str, str]], list[str], str] | None]:
+        """The body and, for a chat, its messages as text (each image a marker), the images' urls
+        (their number checked) and the marker."""
+        body = raw if isinstance(raw, dict) else _parse_json(raw)
+        self.adapter_of(body)
+        if not chat:
+            return body, None
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
+        marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
+        messages, urls = chat_images(body, marker)
+        self.check_images(urls)
+        return body, (messages, urls, marker)
+
+    def prepare(self, body: dict, chat_parts: tuple[list[dict[str, str]], list[str], str] | None,
+                blobs: list[bytes]) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
+                                             list[CheckedRequest], TurnPlan | None]:
         """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo),
         the checked requests (`n` per prompt, in order) and a chat's agent turn (None for completions)
-        of a request (in a worker thread: JSON parsing, chat templates, fetching images, tokenisation
-        and compiling a schema may take a while). The engine checks each request once, here
-        (`LLMEngine.check_request`); a refusal is a 400 naming the field."""
-        body = _parse_json(raw)
-        adapter = self.adapter_of(body)
+        of a request (in a worker thread: chat templates, decoding images, tokenisation and compiling
+        a schema may take a while); a chat comes with `parse`'s parts and its images' bytes. The
+        engine checks each request once, here (`LLMEngine.check_request`); a refusal is a 400 naming
+        the field."""
+        adapter, chat = self.adapter_of(body), chat_parts is not None
         pixels: list = []
         turn = None
         if chat:
-            if self.tokenizer is None:
-                raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
-            marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
-            messages, urls = chat_images(body, marker)
+            messages, urls, marker = chat_parts
             turn = self.turns.prepare(chat_turn(body, messages))  # tools, tool choice, template kwargs
             text = turn.prompt
-            pixels = self.images(urls)
+            pixels = self.pixels(urls, blobs)
             prompt_ids, echoes = [self.encode_around(text, marker)], None
         else:
             prompts = prompts_of(body)
@@ -270,10 +295,10 @@ class _Routes:
             raise ProtocolError(str(e), param="messages" if chat else "prompt") from None
         return body, prompt_ids, params, echoes, requests, turn
 
-    def images(self, urls: list[str]) -> list:
-        """Pixel values of a chat's images: counted against the limit before any is fetched."""
+    def check_images(self, urls: list[str]) -> None:
+        """A chat's images are counted against the limit before any is fetched."""
         if not urls:
-            return []
+            return
         if self.engine.vision is None:
             raise ProtocolError("this model takes no images (it is not a vision-language model); send text parts "
                                 "only", param="messages")
@@ -281,10 +306,13 @@ class _Routes:
             self.engine.config.check_media_count("image", len(urls))
         except RequestError as e:
             raise ProtocolError.of(e, chat=True) from None
+
+    def pixels(self, urls: list[str], blobs: list[bytes]) -> list:
+        """Pixel values of a chat's images (their encoded bytes decoded as untrusted input)."""
         out = []
-        for k, url in enumerate(urls):
+        for k, (url, blob) in enumerate(zip(urls, blobs)):
             try:
-                out.append(self.engine.pixel_values(self.media.fetch(url)))
+                out.append(self.engine.pixel_values(blob))
             except ImageError as e:
                 raise ProtocolError(f"image {k + 1} ({brief(url)}): {e}", param="messages") from None
         return out
@@ -312,8 +340,7 @@ class _Routes:
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, prompt_ids, params, echoes, requests, turn = await asyncio.to_thread(self.prepare, await request.body(),
-                                                                                   chat)
+        body, prompt_ids, params, echoes, requests, turn = await self.prepared(await request.body(), chat)
         n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -355,8 +382,7 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, prompt_ids, _, _, requests, _ = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
-                                                                endpoint == "chat")
+        _, prompt_ids, _, _, requests, _ = await self.prepared(inner, endpoint == "chat")
         if requests[0].adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
         ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
