@@ -5,24 +5,26 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server
 prompt, with their log-probabilities in `openai_choices`, collected or streamed by `openai_answers`;
 a chat's tools, tool calls and reasoning in `openai_tools`, over the agent turn of
 tessera/infer/agents/turn_plan.py), POST /v1/responses and GET /v1/responses/{id} (the Responses
-API, over the same agent turn: `responses_route`), GET /v1/models, GET /health, GET /metrics
+API, over the same agent turn: `responses_route`), POST /v1/messages (Anthropic's Messages API, over
+the same turn and in its own shapes: `anthropic_route`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
 request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
 name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
-(413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
-(/health stays open for probes). With `kv_role` (prefill/decode disaggregation, `kv_transfer.py`):
+(413) and, with an API key, `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's
+clients send it) on every /v1 route and /metrics (/health stays open for probes). With `kv_role`
+(prefill/decode disaggregation, `kv_transfer.py`):
 POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instance, behind the same
 guards and, apart from the API key, the KV peer secret (kv_peer.py: a prefill request signed with
 it, a transfer message made with it; 403 otherwise). Bad JSON (also nesting too deep to parse), wrong-typed or
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
-OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
-serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
-never stalls the event loop; a chat's images are fetched on the event loop between them (`media`),
-so that a slow image host holds no thread another request needs. Runtime adapter loading reads
-only from the configured adapter directories. A client that disconnects has its request aborted,
-which frees its KV blocks.
+OpenAI-style error body (Anthropic's on /v1/messages) that never quotes more than a short piece of
+the request; the engine keeps serving. Parsing, chat templates and tokenisation run in worker threads
+so that a large request never stalls the event loop; a chat's images are fetched on the event loop
+between them (`media`), so that a slow image host holds no thread another request needs. Runtime
+adapter loading reads only from the configured adapter directories. A client that disconnects has
+its request aborted, which frees its KV blocks.
 /health answers 503 when the engine cannot serve any more (its thread has ended, or a
 tensor-parallel rank failed or exited); `tessera serve` then shuts down with exit status 1.
 """
@@ -43,6 +45,7 @@ from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.agents.options import AgentOptions
 from tessera.infer.agents.turn_plan import AgentTurns, TurnPlan
+from tessera.infer.api.anthropic_route import serve_messages
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.api.media import MediaPolicy, chat_images
 from tessera.infer.api.openai_answers import collect
@@ -151,6 +154,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     post("/v1/completions", "completions", routes.run, chat=False)
     post("/v1/chat/completions", "chat_completions", routes.run, chat=True)
     add_responses_routes(app, routes)  # POST /v1/responses, GET /v1/responses/{id} (responses_route.py)
+    post("/v1/messages", "messages", lambda request: serve_messages(routes, request))
     if kv_role == "prefill":
         post("/v1/kv/prefill", "kv_prefill", routes.kv_prefill)
     elif kv_role == "decode":
