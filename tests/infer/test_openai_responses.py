@@ -148,7 +148,7 @@ def _build(pieces: list[str], reason: str = "stop") -> tuple[dict, list[dict]]:
 
 def _no_ids(obj):
     if isinstance(obj, dict):
-        return {k: _no_ids(v) for k, v in obj.items() if k not in ("id", "item_id", "call_id", "completed_at")}
+        return {k: _no_ids(v) for k, v in obj.items() if k not in ("id", "item_id", "call_id", "created_at", "completed_at")}
     return [_no_ids(v) for v in obj] if isinstance(obj, list) else obj
 
 
