@@ -4,10 +4,11 @@ Optimization (the DPO mode of the training loop: tessera.train.modes.dpo).
     tessera train configs/tiny-dense.yaml --set train.objective=dpo --set data.kind=preference \
         --set 'data.datasets=[{path: prefs.jsonl}]' --set train.init_from=runs/tiny-dense-hf
 
-`train.objective` is `lm` (the default: next-token prediction on the data, pretraining or SFT) or
-`dpo` (Rafailov et al. 2023: the model learns to prefer each pair's chosen answer over its rejected
-one, measured against a frozen reference model, the run's initial weights). DPO reads
-`data.kind=preference` data, and that data kind trains only under `dpo`. The `model` section, the
+`train.objective` is `lm` (the default: next-token prediction on the data, pretraining or SFT),
+`grpo` (rewarded completions of prompts sampled by the serving engine: tessera.config.grpo, whose
+runs these checks share) or `dpo` (Rafailov et al. 2023: the model learns to prefer each pair's
+chosen answer over its rejected one, measured against a frozen reference model, the run's initial
+weights). DPO reads `data.kind=preference` data, and that data kind trains only under `dpo`. The `model` section, the
 layout, `optim`, the schedule and `checkpoint` apply as to any run; `train.global_batch_size` and
 `train.micro_batch_size` count pairs. Data parallelism only (dp_replicate, dp_shard, the distributed
 optimizer): pp, tp, cp and ep are refused by name, and so are fp16, distillation, an EAGLE target,
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config.errors import require
+from tessera.config.grpo import PROMPTS_KIND, validate_grpo
 from tessera.config.layout_rules import need_data_parallel_only
 
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo")
 PREFERENCE_KIND = "preference"
 
@@ -45,28 +47,36 @@ class DPOConfig:
 
 
 def validate_objective(cfg: Any) -> None:
-    """train.objective and train.dpo's values; the data, layouts and settings DPO trains under."""
+    """train.objective and train.dpo's values; the data, layouts and settings DPO and GRPO train under."""
     t, d = cfg.train, cfg.data
     require(t.objective in OBJECTIVES, "train.objective", t.objective,
-            f"one of {', '.join(OBJECTIVES)} (lm: next-token prediction on the data; dpo: preference pairs)")
+            f"one of {', '.join(OBJECTIVES)} (lm: next-token prediction on the data; dpo: preference pairs; "
+            "grpo: rewarded completions of prompts)")
     require(math.isfinite(t.dpo.beta) and t.dpo.beta > 0, "train.dpo.beta", t.dpo.beta, "a finite number > 0")
     require(t.dpo.loss in DPO_LOSSES, "train.dpo.loss", t.dpo.loss, f"one of {', '.join(DPO_LOSSES)}")
-    if t.objective != "dpo":
-        require(d.kind != PREFERENCE_KIND, "data.kind", d.kind,
-                f"pretrain, sft or vision_sft with train.objective={t.objective} (preference pairs train "
-                "under train.objective=dpo)")
+    for objective, kind, what in (("dpo", PREFERENCE_KIND, "preference pairs"), ("grpo", PROMPTS_KIND, "prompts")):
+        if t.objective != objective:
+            require(d.kind != kind, "data.kind", d.kind,
+                    f"pretrain, sft or vision_sft with train.objective={t.objective} ({what} train under "
+                    f"train.objective={objective})")
+    if t.objective == "lm":
         return
-    require(d.kind == PREFERENCE_KIND, "data.kind", d.kind,
-            "preference with train.objective=dpo (JSONL of prompt / chosen / rejected records)")
-    need_data_parallel_only(cfg.parallel, "train.objective=dpo", "DPO")
-    require(t.dtype != "fp16", "train.dtype", t.dtype,
-            "fp32 or bf16 with train.objective=dpo (DPO trains without fp16 loss scaling)")
+    name = t.objective.upper()
+    setting = f"train.objective={t.objective}"
+    kind, records = ((PREFERENCE_KIND, "JSONL of prompt / chosen / rejected records") if t.objective == "dpo"
+                     else (PROMPTS_KIND, "JSONL of prompt records"))
+    require(d.kind == kind, "data.kind", d.kind, f"{kind} with {setting} ({records})")
+    need_data_parallel_only(cfg.parallel, setting, name)
+    require(t.dtype != "fp16", "train.dtype", t.dtype, f"fp32 or bf16 with {setting} ({name} trains without fp16 "
+            "loss scaling)")
     require(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher,
-            "null with train.objective=dpo (the reference model is the run's initial weights)")
+            f"null with {setting} (the reference model is the run's initial weights)")
     require(t.eagle.target is None, "train.eagle.target", t.eagle.target,
-            "null with train.objective=dpo (an EAGLE run trains a draft head on next tokens)")
+            f"null with {setting} (an EAGLE run trains a draft head on next tokens)")
     require(cfg.model.mtp_depth == 0, "model.mtp_depth", cfg.model.mtp_depth,
-            "0 with train.objective=dpo (the DPO objective has no multi-token-prediction term)")
+            f"0 with {setting} (the {name} objective has no multi-token-prediction term)")
     require(t.eval_interval == 0, "train.eval_interval", t.eval_interval,
-            "0 with train.objective=dpo (preference data has no validation split; the rewards/* "
-            "figures of metrics.jsonl measure the run)")
+            f"0 with {setting} ({kind} data has no validation split; the reward figures of metrics.jsonl "
+            "measure the run)")
+    if t.objective == "grpo":
+        validate_grpo(cfg)

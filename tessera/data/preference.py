@@ -57,6 +57,19 @@ def _messages(value: Any, key: str, where: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def prompt_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """A record's `prompt` as messages: a string as one user turn (after its `system` turn), or a list
+    of messages, validated (also tessera.data.prompts')."""
+    prompt = record["prompt"]
+    if not isinstance(prompt, str):
+        return _messages(prompt, "prompt", where)
+    system = record.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: field 'system' must be a string, found {type(system).__name__}")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return messages + [{"role": "user", "content": prompt}]
+
+
 def pair_conversations(record: dict[str, Any], where: str) -> tuple[list[dict[str, str]], list[list[dict[str, str]]]]:
     """The prompt's messages and each answer's (chosen, rejected) of one record, validated."""
     missing = [key for key in ("prompt", *ANSWERS) if key not in record]
@@ -64,15 +77,7 @@ def pair_conversations(record: dict[str, Any], where: str) -> tuple[list[dict[st
         present = ", ".join(sorted(record)) or "none"
         raise DataError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'; missing "
                         f"{', '.join(repr(k) for k in missing)} (fields present: {present})")
-    prompt = record["prompt"]
-    if isinstance(prompt, str):
-        system = record.get("system")
-        if system is not None and not isinstance(system, str):
-            raise DataError(f"{where}: field 'system' must be a string, found {type(system).__name__}")
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        messages.append({"role": "user", "content": prompt})
-    else:
-        messages = _messages(prompt, "prompt", where)
+    messages = prompt_messages(record, where)
     answers = []
     for key in ANSWERS:
         value = record[key]

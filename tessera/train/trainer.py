@@ -114,9 +114,10 @@ class Trainer:
     any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
-                 task_evaluator: TaskEvaluator | None = None):
+                 task_evaluator: TaskEvaluator | None = None, rollouts: Any = None):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
-        runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks)."""
+        runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks);
+        `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts)."""
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
@@ -146,7 +147,7 @@ class Trainer:
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
         init_from = t.init_from if self.resumed_from is None else None
-        self._take(self.mode.build(ModeContext(cfg, self.layout, self.data, init_from, self.compile)))
+        self._take(self.mode.build(ModeContext(cfg, self.layout, self.data, init_from, self.compile, rollouts)))
         self.scheduler = LRScheduler([*self.optimizers, *self.beside], cfg.optim, t.steps)
         self._build_resilience()
         self.step = 0

@@ -134,7 +134,7 @@ def test_two_data_parallel_ranks_train_the_one_process_policy(prefs, tmp_path, m
 
 
 @pytest.mark.parametrize("extra,message", [
-    ({"train.objective": "grpo"}, r"train.objective='grpo' is invalid: one of lm, dpo"),
+    ({"train.objective": "ppo"}, r"train.objective='ppo' is invalid: one of lm, dpo, grpo"),
     ({"data.kind": "sft"}, r"data.kind='sft' is invalid: preference with train.objective=dpo"),
     ({"train.objective": "lm"}, r"data.kind='preference' is invalid: pretrain, sft or vision_sft with "
                                 r"train.objective=lm"),

@@ -37,6 +37,7 @@ from __future__ import annotations
 from tessera.config.schema import RunConfig
 from tessera.train.modes.dpo import build_dpo_mode
 from tessera.train.modes.eagle import build_eagle_mode, configure_eagle
+from tessera.train.modes.grpo import build_grpo_mode
 from tessera.train.modes.lm import build_lm_mode
 from tessera.train.modes.mode import TrainingMode
 
@@ -49,6 +50,10 @@ def _dpo(cfg: RunConfig) -> bool:
     return cfg.train.objective == "dpo"
 
 
+def _grpo(cfg: RunConfig) -> bool:
+    return cfg.train.objective == "grpo"
+
+
 def _always(cfg: RunConfig) -> bool:
     return True
 
@@ -56,6 +61,7 @@ def _always(cfg: RunConfig) -> bool:
 MODES: tuple[TrainingMode, ...] = (
     TrainingMode("eagle", _eagle, build_eagle_mode, configure_eagle),
     TrainingMode("dpo", _dpo, build_dpo_mode),
+    TrainingMode("grpo", _grpo, build_grpo_mode),
     TrainingMode("lm", _always, build_lm_mode),
 )
 
