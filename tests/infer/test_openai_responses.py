@@ -146,9 +146,12 @@ def _build(pieces: list[str], reason: str = "stop") -> tuple[dict, list[dict]]:
     return builder.response, events
 
 
+VARYING = ("id", "item_id", "call_id", "created_at", "completed_at")  # ids and clock seconds
+
+
 def _no_ids(obj):
     if isinstance(obj, dict):
-        return {k: _no_ids(v) for k, v in obj.items() if k not in ("id", "item_id", "call_id", "created_at", "completed_at")}
+        return {k: _no_ids(v) for k, v in obj.items() if k not in VARYING}
     return [_no_ids(v) for v in obj] if isinstance(obj, list) else obj
 
 
