@@ -5,7 +5,8 @@ in a second turn; every `tool_choice` streams what it answers whole, the `input_
 putting together each call's input; `stop_sequences` and `max_tokens` end the turn with their stop
 reasons; with `--reasoning-parser qwen3` the `<think>` block is a `thinking` block counted in usage;
 `x-api-key` is accepted (and a wrong one refused, in Anthropic's error shape); bad requests are 4xx
-naming the field while a request in flight finishes untouched; docs/serving.md's agent loop runs."""
+naming the field while a request in flight finishes untouched; the agent loops of docs/serving.md
+and the README run."""
 
 from __future__ import annotations
 
@@ -230,15 +231,19 @@ def test_bad_requests_are_refused_by_field_and_a_request_in_flight_goes_on(agent
     assert agent.wait_idle()
 
 
-def _docs_agent_loop() -> str:
-    """The `python` block of docs/serving.md's Messages API section."""
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
-    return guide[guide.index("```python\n", guide.index("## Anthropic's Messages API")) + 10:].split("```", 1)[0]
+def _agent_loop(path: str, after: str) -> str:
+    """The first `python` block of the file at `path` (from the repository's root) after `after`."""
+    text = (Path(__file__).resolve().parents[2] / path).read_text()
+    return text[text.index("```python\n", text.index(after)) + 10:].split("```", 1)[0]
 
 
-def test_the_guides_agent_loop_runs(agent, capsys):
-    """The loop, pointed at this server: the model calls, the loop answers each call, the model replies
-    from the results."""
-    code = _docs_agent_loop().replace("http://127.0.0.1:8000", agent.url).replace('"qwen2.5"', '"agent"')
-    exec(compile(code, "docs/serving.md", "exec"), {})
+@pytest.mark.parametrize("path, after", [("docs/serving.md", "## Anthropic's Messages API"),
+                                         ("README.md", "The same loop with the official `anthropic` client")])
+def test_the_documented_agent_loops_run(agent, capsys, path, after):
+    """The guide's and the README's loops, pointed at this server: the model calls, the loop answers
+    each call, the model replies from the results."""
+    code = _agent_loop(path, after)
+    assert "import anthropic" in code
+    code = code.replace("http://127.0.0.1:8000", agent.url).replace('"qwen2.5"', '"agent"')
+    exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out == ANSWER + "\n"
