@@ -20,6 +20,7 @@ from tessera.cli.exit_status import FAILED, one_line
 from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
 from tessera.config.argument_types import int_in, positive_float, text
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.infer.agents.options import AgentOptions
 from tessera.infer.config import EngineConfig
 from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret, require_peer_secret
 
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "memory in the process for the next step (tessera/infer/cpu/memory.py)")
     _adapter_arguments(parser)
     _media_arguments(parser)
+    AgentOptions.add_arguments(parser)  # tool calls and reasoning (tessera/infer/agents/options.py)
 
 
 def _http_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,6 +162,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     from tessera.infer.api.shutdown import EndCancelledRequests
 
     config, hosts = _check_server_options(args)
+    agents = AgentOptions.from_args(args)  # refused before the model loads
     kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
     loop = _start_engine(args, config)
@@ -167,7 +170,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
-                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret)
+                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret, agents=agents)
     engine = loop.engine
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "

@@ -46,6 +46,10 @@ MAX_REQUEST_BYTES = 2**31  # `--max-request-bytes` of `tessera serve` and `tesse
 # ---- serving ------------------------------------------------------------------------------------
 MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)
 MAX_KV_CACHE_GIB = 2.0**20  # `tessera serve --kv-cache-gib` (a PiB; a GPU holds ~0.1 TiB)
+# the tools one agent request offers (tessera/infer/agents/turn.py); every schema is compiled to check it
+MAX_TOOLS = 256  # tools a request offers (OpenAI's limit: 128; agents with many MCP servers send ~100)
+MAX_TOOL_DESCRIPTION_CHARS = 2**16  # one tool's description (long coding-agent ones are ~10k characters)
+MAX_TOOL_SCHEMA_CHARS = 2**16  # one tool's parameter schema as JSON text (real ones: a few KiB)
 
 # ---- chat templates (code from a model or tokenizer directory; tessera/data/chat_template.py) ---
 MAX_TEMPLATE_SECONDS = 10.0  # rendering one conversation (real templates take milliseconds)

@@ -57,6 +57,20 @@ def test_stop_tokens_and_stop_strings(llama):
     cut = free.text.find(stop_str)
     out = llm.generate(["stop here"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop_str, "\x00never"]))[0]
     assert out.finish_reason == "stop" and out.text == free.text[:cut]
+    # the engine's output names the stop string that ended it (the Messages API's stop_sequence), none for a token
+    assert _last_output(llm, SamplingParams(max_tokens=20, temperature=0.0, stop=["\x00never", stop_str])).stop_string \
+        == stop_str
+    assert _last_output(llm, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_tok])).stop_string \
+        is None
+
+
+def _last_output(llm: LLM, params: SamplingParams):
+    """The finished engine output of "stop here" under `params`."""
+    rid = llm.engine.add_request(llm.encode("stop here"), params)
+    while True:
+        for out in llm.engine.step():
+            if out.request_id == rid and out.finished:
+                return out
 
 
 def test_streamed_text_never_sends_a_partial_stop_string():

@@ -17,8 +17,8 @@ Each call to an instance has deadlines (connect, response head, whole answer); a
 streamed answer broken off ends with an error event. A request that comes back to the router (its
 `--decode` or `--prefill` leading back to it) is a 508 (router_relay.py).
 
-The client's Authorization header is passed on to both instances: give the three processes the same
-`--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
+The client's Authorization (or x-api-key) header is passed on to both instances: give the three
+processes the same `--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
 transfer itself is authenticated apart from the API key (kv_peer.py): the router signs its prefill
 requests with the KV peer secret the three processes share, and the decode instance takes only
 blocks the prefill instance made with it; the router needs the secret to start.
@@ -126,8 +126,8 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
 
 
 def _auth(request: Request) -> dict[str, str]:
-    value = request.headers.get("authorization")
-    return {"authorization": value} if value else {}
+    """The client's API key headers (either the guard takes), to pass on."""
+    return {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
 
 
 class _Routes:

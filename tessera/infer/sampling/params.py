@@ -30,6 +30,9 @@ class SamplingParams:
     `response_format` constrains the output to JSON as in the OpenAI API: `{"type": "json_object"}`
     or `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (see
     `structured_output`); the request then also stops when the document is complete.
+    `guided_grammar` does the same for a grammar in llguidance's Lark syntax, which the server builds
+    for constrained tool calls (`tessera/infer/agents/tool_grammar.py`); not an API field, and never
+    together with `response_format`.
 
     Before temperature and the cuts, the logits are changed as vLLM does (in this order):
     `logit_bias` (token id -> value in [-100, 100]) is added; `repetition_penalty` (HuggingFace's
@@ -59,6 +62,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +96,8 @@ class SamplingParams:
              "must be > 0 (1 = off) and at most 1e4"),
             (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()), "logit_bias",
              self.logit_bias, "must map token ids >= 0 to values in [-100, 100]"),
+            (self.guided_grammar is None or self.response_format is None, "response_format", self.response_format,
+             "must be unset when the output is already constrained (to tool calls: tool_choice)"),
         ]
         for ok, key, value, allowed in checks:
             if not ok:
