@@ -14,6 +14,7 @@ from tessera.config.eagle import validate_eagle
 from tessera.config.errors import require
 from tessera.config.layout_rules import need_data_parallel_only
 from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW, MAX_TIMEOUT_S, MAX_TOKENS_PER_STEP
+from tessera.config.lora import validate_lora
 from tessera.config.vision_training import validate_vision_language
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -32,6 +33,7 @@ def validate_run_config(cfg: Any) -> None:
     _check_distill(cfg)
     validate_eagle(cfg)
     validate_vision_language(cfg)
+    validate_lora(cfg)
     _check_log(cfg.log)
 
 

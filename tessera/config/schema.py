@@ -27,6 +27,7 @@ from tessera.config.dtypes import short_dtype_argument
 from tessera.config.eagle import EagleTrainConfig
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
+from tessera.config.lora import LoRAConfig
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
@@ -132,6 +133,8 @@ class TrainConfig:
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
+    # low-rank adapters over the frozen model, optionally quantized (LoRA / QLoRA: tessera.config.lora); off by default
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
 

@@ -83,7 +83,19 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
     k = t.distill
     distill = ([f"distillation: teacher {k.teacher}, temperature {k.temperature:g}, weight {k.weight:g} (objective "
                 f"{1 - k.weight:g} x loss + {k.weight:g} x distill_loss)"] if k.teacher is not None else [])
-    return [model, layout, f"data: {_data(cfg)}", batch, *distill, evaluation, *where]
+    return [model, layout, f"data: {_data(cfg)}", batch, *distill, *_adapters(cfg), evaluation, *where]
+
+
+def _adapters(cfg: RunConfig) -> list[str]:
+    """train.lora's line: what the adapters are and what stays frozen (none without adapters)."""
+    lora = cfg.train.lora
+    if not lora.enabled:
+        return []
+    alpha = lora.alpha if lora.alpha is not None else lora.rank
+    saved = f", {', '.join(lora.modules_to_save)} trained whole" if lora.modules_to_save else ""
+    base = f"frozen, held {lora.quantize_base}" if lora.quantize_base else "frozen"
+    return [f"adapters: LoRA rank {lora.rank}, alpha {alpha:g} ({'rs' if lora.rslora else ''}scale "
+            f"{lora.scaling:g}) on {', '.join(lora.target_modules)}{saved}; the base {base}"]
 
 
 def schedule_warning(cfg: RunConfig) -> str | None:
