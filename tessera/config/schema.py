@@ -204,7 +204,8 @@ class CheckpointConfig:
     # directory (config.json, fp32 safetensors, data.tokenizer's files), as `tessera convert` would:
     # rank 0 reads it from the checkpoint one safetensors file at a time, under any parallel layout,
     # while the other ranks wait (up to train.collective_timeout_s: for a model too large to export
-    # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). Off by default.
+    # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). With train.lora: the
+    # adapters as a PEFT directory (what `tessera convert RUN_DIR OUT --lora-adapter` writes). Off by default.
     export_hf: bool = False
     # Where export_hf writes; None = run_dir/hf. A relative path is under run_dir, like everything
     # else the run writes; an absolute one is taken as is. Files an export would not write there

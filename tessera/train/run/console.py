@@ -124,9 +124,15 @@ def next_steps(cfg: RunConfig, checkpoint: Path | None) -> list[str]:
     if checkpoint is None:
         return []
     run = Path(cfg.run_dir)
-    return [f"checkpoint: {checkpoint}",
-            f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
-            f"{cfg.train.steps})",
+    resume = [f"checkpoint: {checkpoint}",
+              f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
+              f"{cfg.train.steps})"]
+    if cfg.train.lora.enabled:  # the checkpoint holds the base and the adapters: export them to use them
+        base = cfg.train.init_from or "BASE"
+        return resume + [f"  adapter:  tessera convert {run} {run}-adapter --lora-adapter   (a PEFT directory)",
+                         f"  serve:    tessera serve {base} --lora {run.name}={run}-adapter",
+                         f"  merged:   tessera convert {run} {run}-merged --merge-lora   (a HuggingFace directory)"]
+    return resume + [
             f"  generate: tessera generate {run} --prompt 'def main(' --temperature 0.8",
             f"  serve:    tessera serve {run}",
             f"  export:   tessera convert {run} {run}-hf   (a HuggingFace directory with its tokenizer)"]
