@@ -12,8 +12,9 @@ which is PEFT's LoraLayer with its `default` adapter (the names differ from PEFT
 tessera.checkpoint.hf.peft maps them). The layer stays what it was, so the checkpoint names, the
 HuggingFace names and the parallel plans of the base are unchanged; tensor parallelism cuts A and B to
 match the base (tessera.parallel.tensor_parallel: a column-parallel layer's B by rows, a row-parallel
-layer's A by columns). The hook reads everything from the module it is called on, so a copied module
-(pipeline stages) carries its own.
+layer's A by columns) and fills the seam `lora_delta` (the adapter's product, `adapter_delta` in one
+process) with one whose replicated factor's gradient is whole on every rank. The hook reads everything
+from the module it is called on, so a copied module (pipeline stages) carries its own.
 
 Initialisation is by name from the run's seed, as every tensor of the model (`Transformer.initial_value`
 asks the factor): A from U(-1/sqrt(in), 1/sqrt(in)), the bound of PEFT's kaiming-uniform with a = sqrt(5),
@@ -61,10 +62,14 @@ class AdapterFactor(nn.Module):
         return torch.empty(self.out_features, self.in_features).uniform_(-bound, bound, generator=gen)
 
 
+def adapter_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """s * B (A dropout(x)) of adapted layer `module`: the `lora_delta` seam's one-process product."""
+    return module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+
+
 def adapter_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-    """The forward hook of an adapted layer: its output plus s * B (A dropout(x))."""
-    x = inputs[0]
-    return output + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+    """The forward hook of an adapted layer: its output plus its adapter's product (`lora_delta`)."""
+    return output + module.lora_delta(module, inputs[0])
 
 
 def layer_sides(module: nn.Module) -> tuple[int, int]:
@@ -83,6 +88,8 @@ def add_adapter(module: nn.Module, name: str, rank: int, scaling: float, dropout
     module.lora_B = AdapterFactor(rank, out_f, device)
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     module.lora_scaling = scaling
+    # the seam (module docstring): (layer, x) -> s * B (A dropout(x)); tensor parallelism installs its own
+    module.lora_delta = adapter_delta
     module.register_forward_hook(adapter_output)
 
 
