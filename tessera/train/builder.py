@@ -50,7 +50,7 @@ from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.parallel.vision_language import parallelize_vision_language
 from tessera.train.init_from import load_initial_weights
-from tessera.train.lora import apply_lora
+from tessera.train.lora import apply_lora, holds_quantized_base, load_quantized_base
 from tessera.train.objectives.distill_loss import Distiller
 from tessera.train.optimizer import build_optimizers
 from tessera.train.precision import autocast_dtype, loss_chunk_tokens
@@ -90,11 +90,14 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
     `train.compile` (tessera.parallel.compile.resolve_compile)."""
     t, on_ranks = cfg.train, layout.dims is not None
     compute_dtype = autocast_dtype(t.dtype)
-    model, reference = _whole_model(cfg, layout, init_from)
+    quantized = holds_quantized_base(cfg, on_ranks)  # QLoRA: built on the meta device, filled quantized
+    model, reference = _whole_model(cfg, layout, init_from, meta=quantized)
     fp8_layers = convert_to_float8(model) if t.fp8 else []
     base_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what init_from fills
     bytes_read = 0
-    if init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
+    if quantized:
+        bytes_read = load_quantized_base(model, cfg, init_from, layout.device)
+    elif init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
         bytes_read = load_initial_weights([model], init_from, cfg.model, base_shapes, layout.device)
     apply_lora(model, reference, cfg, on_ranks)  # train.lora: the base frozen (quantized), adapters added
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -112,18 +115,19 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
                          compute_dtype)
 
 
-def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None) -> tuple[Transformer, Transformer | None]:
+def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None,
+                 meta: bool = False) -> tuple[Transformer, Transformer | None]:
     """The whole model in train mode and, on ranks without `init_from`, the meta `reference` that
-    names every tensor for `materialize_by_name`."""
+    names every tensor for `materialize_by_name`. `meta`: built on the meta device in one process too."""
     t, reference = cfg.train, None
     if is_vision_run(cfg):  # a LLaVA (tessera.train.vision_language), whole on every rank
         model = build_vision_model(cfg, layout.device, init_from)
         model.language_model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, layout.device)
         return model, None
-    if layout.dims is not None:
+    if layout.dims is not None or meta:
         with torch.device("meta"):
             model = Transformer(cfg.model, init_seed=None)
-            reference = Transformer(cfg.model, init_seed=None) if init_from is None else None
+            reference = Transformer(cfg.model, init_seed=None) if init_from is None and not meta else None
     else:
         model = Transformer(cfg.model, init_seed=t.seed if init_from is None else None).to(layout.device)
     model.train()

@@ -123,3 +123,26 @@ def test_qlora_trains_in_bf16_with_fp32_adapters(small_dataset, base, tmp_path):
     assert {bf16.model.get_parameter(n).dtype for n in adapter_parameter_names(bf16.model)} == {torch.float32}
     for got, want in zip(bf16.result.records, fp32.result.records, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
+
+
+def test_the_quantized_base_reads_each_source_alike(small_dataset, tmp_path):
+    """From a Tessera run, from its HuggingFace export and (without train.init_from) from the seed, the
+    base is the source's weights rounded, read one tensor at a time."""
+    plain = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "plain", 1, **{"model.ffn_dim": 256})))
+    plain.train()
+    convert(tmp_path / "plain", tmp_path / "hf")
+    q = {**LORA, "train.lora.quantize_base": "int4"}
+    states = [Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / name, 1, **{
+        "train.init_from": str(tmp_path / source), **q}))).model.state_dict() for name, source in (
+        ("a", "plain"), ("b", "hf"))]
+    assert states[0].keys() == states[1].keys()
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key
+    seeded = Trainer(load_config(TINY_DENSE, shrink(small_dataset, tmp_path / "c", 1, **q))).model
+    reference = Transformer(seeded.cfg, init_seed=0)
+    quantize_model(reference, "int4")
+    for name, module in reference.named_modules():
+        if isinstance(module, Int4Linear):
+            assert torch.equal(seeded.get_submodule(name).qweight, module.qweight), name
+            assert torch.equal(seeded.get_submodule(name).scale, module.scale), name
+    assert torch.equal(seeded.tok_embeddings.weight, reference.tok_embeddings.weight)
