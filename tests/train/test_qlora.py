@@ -146,3 +146,27 @@ def test_the_quantized_base_reads_each_source_alike(small_dataset, tmp_path):
             assert torch.equal(seeded.get_submodule(name).qweight, module.qweight), name
             assert torch.equal(seeded.get_submodule(name).scale, module.scale), name
     assert torch.equal(seeded.tok_embeddings.weight, reference.tok_embeddings.weight)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_quantized_layer_saves_no_dequantized_weight_for_backward(method):
+    """The input's gradient through a quantized layer equals autograd's through its dequantized weight, and
+    backward makes that weight again from the codes: autograd saves nothing of the weight's size."""
+    from tessera.checkpoint.hf.peft import base_weight
+    from tessera.models.quantized import LAYERS as QUANTIZED
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96, bias=True)
+    layer = QUANTIZED[method][0].from_linear(linear).requires_grad_(False)
+    x = torch.randn(3, 5, 256, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = layer(x)
+    assert (96, 256) not in saved and (256, 96) not in saved
+    weights = torch.randn(y.shape)
+    (y * weights).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    reference = torch.nn.functional.linear(x2, base_weight(layer, "weight"), layer.bias)
+    torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
