@@ -28,7 +28,8 @@ DTYPES = {name: torch_dtype(name) for name in ("fp32", "bf16")}  # what a conver
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
-            tokenizer: str | os.PathLike | None = None, layout: list[str] | None = None) -> tuple[str, Path]:
+            tokenizer: str | os.PathLike | None = None, layout: list[str] | None = None,
+            lora: str | None = None) -> tuple[str, Path]:
     """HF directory -> Tessera checkpoint root, Tessera checkpoint -> HF directory, or GGUF file ->
     HF directory (weights dequantized into `dtype`; `tokenizer` when given, else the file's own).
 
@@ -39,6 +40,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     Returns ("tessera" | "huggingface", what was written). `dst` must not be `src`.
     `layout` (`parallel.K=V` overrides, HF -> Tessera only) cuts the checkpoint's chunks into the
     shards of that layout without loading the whole model (dcp/layout.py).
+    `lora` (a run trained with train.lora): "adapter" writes its adapters as a PEFT directory,
+    "merge" the model with them merged as a HuggingFace directory (hf/peft.py); such a run's
+    checkpoint converts only so.
     """
     dtype = short_dtype_argument(dtype)  # bfloat16 is bf16 (tessera.config.dtypes)
     if dtype not in DTYPES:
@@ -46,6 +50,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp32",
     check_new_destination("convert", src, dst)
     created = not Path(dst).exists()
     try:
+        if lora is not None:
+            return _convert_lora(src, dst, dtype, tokenizer, layout, lora)
         return _convert(src, dst, dtype, tokenizer, layout)
     except BaseException:
         if created:  # nothing partial is left: the directory was this call's
@@ -77,10 +83,33 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokeniz
         raise ConfigError("convert --set parallel.* applies to HuggingFace -> Tessera only: a HuggingFace "
                           "export has no layout")
     from tessera.checkpoint.hf.export import export_checkpoint_to_hf
+    from tessera.checkpoint.hf.peft import stored_lora
 
     found = ckpt.resolve_checkpoint(src)  # saved under any layout; read one shard file at a time
+    if stored_lora(found).enabled:
+        raise ConfigError(f"{str(src)!r} was trained with train.lora: convert it with --lora-adapter (a PEFT adapter "
+                          "directory over its base) or --merge-lora (a HuggingFace directory with the adapters merged)")
     export_checkpoint_to_hf(found, dst, dtype=DTYPES[dtype], tokenizer=tokenizer or trained_tokenizer(found))
     return "huggingface", Path(dst)
+
+
+def _convert_lora(src: str | os.PathLike, dst: str | os.PathLike, dtype: str, tokenizer: str | os.PathLike | None,
+                  layout: list[str] | None, lora: str) -> tuple[str, Path]:
+    """A LoRA run's checkpoint -> its PEFT adapter directory ("adapter") or its merged model ("merge")."""
+    if lora not in ("adapter", "merge"):
+        raise ConfigError(f"convert: lora={lora!r} is invalid: adapter (--lora-adapter) or merge (--merge-lora)")
+    if layout:
+        raise ConfigError("convert --set parallel.* applies to HuggingFace -> Tessera only: --lora-adapter and "
+                          "--merge-lora write HuggingFace / PEFT directories, which have no layout")
+    if is_hf_directory(src) or is_gguf_path(src):
+        raise ConfigError(f"convert --lora-adapter / --merge-lora read a run trained with train.lora; {str(src)!r} "
+                          "is a model file or directory, not a run")
+    from tessera.checkpoint.hf.peft import write_merged_lora, write_peft_adapter
+
+    found = ckpt.resolve_checkpoint(src)
+    if lora == "adapter":
+        return "peft", write_peft_adapter(found, dst, DTYPES[dtype])
+    return "huggingface", write_merged_lora(found, dst, DTYPES[dtype], tokenizer or trained_tokenizer(found))
 
 
 def _convert_vision_language(src: str | os.PathLike, dst: str | os.PathLike, dtype: str,

@@ -1,6 +1,7 @@
 """`tessera convert SRC DST [--dtype D] [--tokenizer T] [--set parallel.K=V ...]`: a HuggingFace
 directory <-> a Tessera checkpoint, or a GGUF file -> a HuggingFace directory, tokenizer included;
-with `--set`, the checkpoint's chunks are that layout's shards."""
+with `--set`, the checkpoint's chunks are that layout's shards. A run trained with train.lora:
+`--lora-adapter` writes its PEFT adapter directory, `--merge-lora` its merged HuggingFace directory."""
 
 from __future__ import annotations
 
@@ -25,9 +26,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "give dp_shard explicitly, unset counts as 1)")
 
 
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--lora-adapter", dest="lora", action="store_const", const="adapter", default=None,
+                      help="SRC is a run trained with train.lora: write its adapters as a PEFT directory "
+                           "(adapter_config.json, adapter_model.safetensors) over its HuggingFace base, which "
+                           "peft, vLLM and `tessera serve BASE --lora NAME=DST` load")
+    lora.add_argument("--merge-lora", dest="lora", action="store_const", const="merge", default=None,
+                      help="SRC is a run trained with train.lora: write its model with the adapters merged into the "
+                           "weights (a quantized base dequantized) as a HuggingFace directory")
+
+
 def run(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert
 
-    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer, layout=args.layout)
+    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer, layout=args.layout,
+                         lora=args.lora)
     print(f"wrote {kind} directory {path}")
     return 0

@@ -19,7 +19,8 @@ from tessera.config.flags import values_from_args
 from tessera.config.limits import MAX_LOCAL_RANKS
 from tessera.infer.config import EngineConfig
 
-ENGINE_OPTIONS = ("tensor_parallel_size", "dtype", "kv_cache_gib")  # the served model's, as `tessera serve` spells them
+# the served model's, as `tessera serve` spells them (--merge-lora DIR: a PEFT adapter merged at load)
+ENGINE_OPTIONS = ("tensor_parallel_size", "dtype", "kv_cache_gib", "merge_lora")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from tessera.config.errors import require
 from tessera.config.grpo import PROMPTS_KIND
 from tessera.config.layout_rules import need_data_parallel_only
 from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW, MAX_TIMEOUT_S, MAX_TOKENS_PER_STEP
+from tessera.config.lora import validate_lora
 from tessera.config.vision_training import validate_vision_language
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
@@ -35,6 +36,7 @@ def validate_run_config(cfg: Any) -> None:
     _check_distill(cfg)
     validate_eagle(cfg)
     validate_vision_language(cfg)
+    validate_lora(cfg)
     _check_log(cfg.log)
 
 

@@ -29,6 +29,7 @@ from tessera.config.eagle import EagleTrainConfig
 from tessera.config.errors import ConfigError, TesseraError
 from tessera.config.grpo import GRPOConfig
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
+from tessera.config.lora import LoRAConfig
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
@@ -140,6 +141,8 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)  # train.objective=dpo: beta and the loss
     grpo: GRPOConfig = field(default_factory=GRPOConfig)  # train.objective=grpo: group, reward, sampling, loss
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
+    # low-rank adapters over the frozen model, optionally quantized (LoRA / QLoRA: tessera.config.lora); off by default
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
 
@@ -214,7 +217,8 @@ class CheckpointConfig:
     # directory (config.json, fp32 safetensors, data.tokenizer's files), as `tessera convert` would:
     # rank 0 reads it from the checkpoint one safetensors file at a time, under any parallel layout,
     # while the other ranks wait (up to train.collective_timeout_s: for a model too large to export
-    # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). Off by default.
+    # in that time, raise it or run `tessera convert RUN_DIR OUT` afterwards). With train.lora: the
+    # adapters as a PEFT directory (what `tessera convert RUN_DIR OUT --lora-adapter` writes). Off by default.
     export_hf: bool = False
     # Where export_hf writes; None = run_dir/hf. A relative path is under run_dir, like everything
     # else the run writes; an absolute one is taken as is. Files an export would not write there

@@ -32,6 +32,32 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+class FrozenWeightProduct(torch.autograd.Function):
+    """A quantized layer's product where autograd needs the input's gradient (QLoRA: train.lora.quantize_base):
+    the full-precision weight it computes with is made again in backward from the codes, not saved, so a
+    forward and backward over the whole model never holds the dequantized weights of every layer at
+    once. The codes take no gradient; a bias that requires one gets it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, layer: nn.Module) -> torch.Tensor:
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return layer.product(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        dx = ctx.layer.input_grad(dy).to(ctx.x_dtype)
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.bias_grad else None
+        return dx, db, None
+
+
+def frozen_weight_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer.product(x)`, through FrozenWeightProduct where autograd wants the input's gradient."""
+    if torch.is_grad_enabled() and (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
+        return FrozenWeightProduct.apply(x, layer.bias, layer)
+    return layer.product(x)
+
+
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights and one fp32 scale per output channel."""
 
@@ -52,8 +78,15 @@ class Int8Linear(nn.Module):
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_weight_forward(self, x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         return y + self.bias if self.bias is not None else y
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        """d product / dx applied to `dy` (as autograd would: the scale, then the codes)."""
+        return (dy * self.scale.to(dy.dtype)) @ self.qweight.to(dy.dtype)
 
 
 class Int8GroupedExperts(GroupedExperts):

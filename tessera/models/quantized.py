@@ -14,7 +14,9 @@ dequantizing is one multiply; the price is code 0 (-8) left unused. Q + 8 (1..15
 as an unsigned nibble, two per uint8 byte: column 2j in the low nibble, 2j + 1 in the high one. 0.5
 byte per weight plus one fp32 scale per group. Each weight is within s / 2 of its dequantized value.
 
-Both compute by the plain PyTorch reference: dequantize to the activations' dtype, then F.linear
+Both compute by the plain PyTorch reference: dequantize to the activations' dtype, then F.linear (where
+autograd wants the input's gradient, QLoRA's training, the weight is dequantized again in backward
+rather than saved: int8.FrozenWeightProduct)
 (routed experts: dequantized expert by expert inside the grouped matmul). fp8 linear layers on a
 CUDA GPU with FP8 tensor cores multiply through torch._scaled_mm instead (Fp8Linear), where the
 shapes allow it; nothing requires it. As with int8 the embedding, norms, router and output head
@@ -30,7 +32,7 @@ from torch import nn
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.models.float8 import ALIGN, E4M3, to_float8
-from tessera.models.int8 import Int8GroupedExperts, Int8Linear, quantize_layers
+from tessera.models.int8 import Int8GroupedExperts, Int8Linear, frozen_weight_forward, quantize_layers
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.transformer import Transformer
 
@@ -118,7 +120,14 @@ class _QuantizedLinear(nn.Module):
         return self.fmt.dequantize(self.qweight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_weight_forward(self, x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def input_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        """d product / dx applied to `dy`, with the weight dequantized again (int8.FrozenWeightProduct)."""
+        return dy @ self.dequantized_weight(dy.dtype)
 
 
 def fp8_tensor_cores(x: torch.Tensor, layer: Fp8Linear) -> bool:
@@ -142,7 +151,7 @@ class Fp8Linear(_QuantizedLinear):
     fmt = FP8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not fp8_tensor_cores(x, self):
+        if not fp8_tensor_cores(x, self) or torch.is_grad_enabled():  # training: the reference's product
             return super().forward(x)
         x8, inv_x = to_float8(x.reshape(-1, self.in_features).contiguous(), E4M3)
         one = torch.ones((), dtype=torch.float32, device=x.device)

@@ -253,9 +253,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The whole fp32 CPU value `init_weights(seed)` gives parameter `name`, computed alone: a
-        model built on the meta device and then sharded initialises each shard from it."""
+        model built on the meta device and then sharded initialises each shard from it. A submodule
+        with an `initial_value(name, seed)` of its own gives it (an adapter factor: models/lora.py)."""
         p = self.get_parameter(name)
         owner, _, leaf = name.rpartition(".")
+        own = getattr(self.get_submodule(owner), "initial_value", None) if owner else None
+        if own is not None:
+            return own(name, seed)
         if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm):
             return torch.ones(p.shape, dtype=torch.float32)
         if name.endswith(".bias"):

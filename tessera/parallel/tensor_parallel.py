@@ -26,6 +26,15 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 modules' cross-entropy is the vocabulary-parallel one (the model's
                                 `token_loss` seam)
 
+A layer that carries a LoRA adapter (train.lora, tessera.models.lora) is cut with its adapter: in a
+colwise layer B [out, r] by rows as the weight (each rank adds its own outputs' part), A whole; in a
+rowwise layer A [r, in] by columns as the weight (A x is a partial sum, B of it too, reduced with the
+layer's own output), B whole (`Colwise`, `Rowwise`). The rank is never cut. The replicated factor's
+gradient would be a partial sum on each rank; the adapter's seam `lora_delta` is filled with a product
+that makes it whole (`colwise_adapter_delta`, `rowwise_adapter_delta`: one all-reduce of [tokens, r]).
+SequenceParallel makes its parameters anew, requiring gradients: a frozen one (a LoRA run's norms)
+is frozen again after the plans are applied.
+
 Under sp the residual stream between sublayers is a local [B, S/tp, D] tensor; attention, MLP and
 MoE gather the sequence on entry and reduce-scatter on exit. Without sp it is a replicated
 [B, S, D] tensor. Every rank keeps the full sequence for RoPE (positions are global).
@@ -37,7 +46,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -53,6 +62,59 @@ from tessera.parallel.collectives import copy_to_group
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
 
 
+def colwise_adapter_delta(module: nn.Module, x: DTensor) -> DTensor:
+    """The `lora_delta` seam of a column-parallel layer: s * B (A x), B cut by rows. A x is replicated and
+    each rank's B rows give its part of its gradient: DTensor.from_local's backward sums it over tp
+    (an all-reduce of [tokens, r]), so the replicated A's gradient is whole on every rank."""
+    h = module.lora_A(module.lora_dropout(x))
+    h = DTensor.from_local(h.to_local(), h.device_mesh, h.placements, run_check=False)
+    return module.lora_B(h) * module.lora_scaling
+
+
+def rowwise_adapter_delta(module: nn.Module, x: DTensor) -> DTensor:
+    """The `lora_delta` seam of a row-parallel layer: s * B (A x), A cut by columns. A x is a partial sum,
+    made whole (an all-reduce of [tokens, r]) so that the replicated B's gradient is whole on every rank;
+    B of it, replicated, joins the layer's partial output as a 1/tp share on each rank (DTensor's add),
+    reduced with it."""
+    h = module.lora_A(module.lora_dropout(x)).redistribute(placements=[Replicate()])
+    return module.lora_B(h) * module.lora_scaling
+
+
+class Colwise(ColwiseParallel):
+    """ColwiseParallel that cuts a layer's LoRA adapter with it (module docstring): B by rows, A
+    replicated (distribute_module replicates what is left), and fills its `lora_delta` seam."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if hasattr(module, "lora_delta"):
+            module.lora_delta = colwise_adapter_delta
+        return super()._apply(module, device_mesh)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name == "lora_B" or name == "":  # the layer's own weight and bias, or B: by output rows
+            for key, p in list(module._parameters.items()):
+                if p is not None:
+                    module.register_parameter(key, nn.Parameter(distribute_tensor(
+                        p, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank), requires_grad=p.requires_grad))
+
+
+class Rowwise(RowwiseParallel):
+    """RowwiseParallel that cuts a layer's LoRA adapter with it (module docstring): A by input
+    columns, B replicated, and fills its `lora_delta` seam."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if hasattr(module, "lora_delta"):
+            module.lora_delta = rowwise_adapter_delta
+        return super()._apply(module, device_mesh)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name == "lora_A":
+            p = module.weight
+            module.register_parameter("weight", nn.Parameter(distribute_tensor(
+                p, device_mesh, [Shard(1)], src_data_rank=self.src_data_rank), requires_grad=p.requires_grad))
+        elif name == "":
+            super()._partition_linear_fn(name, module, device_mesh)
+
+
 def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
     """Under sp: the first input arrives sharded on the sequence; the module wants it whole."""
     rest = (None,) * (num_inputs - 1)
@@ -65,10 +127,10 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
     mla = isinstance(block.attention, MultiHeadLatentAttention)
     plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
+        "attention.wq": Colwise(),
+        "attention.wk": Colwise(),
+        "attention.wv": Colwise(),
+        "attention.wo": Rowwise(output_layouts=stream),
     }
     if not mla and block.attention.q_norm is not None:
         # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
@@ -89,15 +151,15 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
                 output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
                 use_local_output=True)
         if block.moe.shared_experts is not None:
-            plan["moe.shared_experts.w1"] = ColwiseParallel()
-            plan["moe.shared_experts.w3"] = ColwiseParallel()
-            plan["moe.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+            plan["moe.shared_experts.w1"] = Colwise()
+            plan["moe.shared_experts.w3"] = Colwise()
+            plan["moe.shared_experts.w2"] = Rowwise(output_layouts=Replicate())
     else:
         if sp:
             plan["feed_forward"] = _gather_sequence_on_entry(1)
-        plan["feed_forward.w1"] = ColwiseParallel()
-        plan["feed_forward.w3"] = ColwiseParallel()
-        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=stream)
+        plan["feed_forward.w1"] = Colwise()
+        plan["feed_forward.w3"] = Colwise()
+        plan["feed_forward.w2"] = Rowwise(output_layouts=stream)
     return plan
 
 
@@ -105,8 +167,8 @@ def _mla_plan(attention: MultiHeadLatentAttention, stream: Placement) -> dict[st
     """Multi-head latent attention: the per-head up-projections split by heads, the shared
     down-projections (and their norms) left replicated."""
     q_up = "attention.wq" if hasattr(attention, "wq") else "attention.wq_b"
-    return {q_up: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream)}
+    return {q_up: Colwise(), "attention.wkv_b": Colwise(),
+            "attention.wo": Rowwise(output_layouts=stream)}
 
 
 class SumOverRanksHeads:
@@ -159,6 +221,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
     sp the embedding still returns the whole sequence on every tp rank (all-reduced, not
     reduce-scattered), and the caller cuts this rank's slice of it: a vision-language model merges
     its image rows into the whole sequence first (tessera.parallel.vision_language)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # train.lora's base, a frozen tower
     top = {k: v for k, v in model_plan(sp, whole_embeddings).items() if getattr(model, k, None) is not None}
     parallelize_module(model, tp_mesh, top, src_data_rank=None)
     if sp:  # a later pipeline stage's input is the local sequence slice of the stream
@@ -183,3 +246,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
         for m in mtp.values():
             parallelize_module(m, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": whole,
                                             "norm": SequenceParallel()}, src_data_rank=None)
+    for name, p in model.named_parameters():  # SequenceParallel makes its parameters anew, requiring gradients
+        if name in frozen:
+            p.requires_grad_(False)

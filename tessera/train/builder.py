@@ -10,9 +10,10 @@ one process has, docs/architecture.md, "Numerics contract"):
    (unless `init_from` fills it); on ranks built on the meta device, with a second meta copy
    (`reference`) that names every tensor for initialisation by name;
 2. train mode, the chunked LM-head loss (`train.loss_chunk_tokens`), the FP8 linear layers
-   (`train.fp8`, before any parallelisation), and `full_shapes`: the whole model's tensor shapes,
-   what checkpoint and `init_from` loading check against;
-3. one process with `init_from`: its weights are read;
+   (`train.fp8`, before any parallelisation);
+3. one process with `init_from`: its weights are read; then `train.lora` freezes the base and adds
+   the adapters (tessera.train.lora), and `full_shapes` are the whole model's tensor shapes, what
+   checkpoint loading checks against (`init_from` checks the base's);
 4. parallelisation: one process compiles each block (`train.compile`); pp = 1 layouts
    `parallelize` the model; pp > 1 layouts cut it into this rank's stages, parallelize each and
    build the schedule and the tied-embedding group (`Pipeline`). A vision-language model (built
@@ -37,6 +38,7 @@ from tessera.config.errors import ParallelError
 from tessera.config.schema import RunConfig
 from tessera.models import Transformer
 from tessera.models.float8 import convert_to_float8
+from tessera.models.lora import init_adapters
 from tessera.parallel import build_pipeline, parallelize
 from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
 from tessera.parallel.activation_offload import apply_activation_offload
@@ -48,6 +50,7 @@ from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.parallel.vision_language import parallelize_vision_language
 from tessera.train.init_from import load_initial_weights
+from tessera.train.lora import apply_lora, holds_quantized_base, load_quantized_base
 from tessera.train.objectives.distill_loss import Distiller
 from tessera.train.optimizer import build_optimizers
 from tessera.train.precision import autocast_dtype, loss_chunk_tokens
@@ -87,18 +90,24 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
     `train.compile` (tessera.parallel.compile.resolve_compile)."""
     t, on_ranks = cfg.train, layout.dims is not None
     compute_dtype = autocast_dtype(t.dtype)
-    model, reference = _whole_model(cfg, layout, init_from)
+    quantized = holds_quantized_base(cfg, on_ranks)  # QLoRA: built on the meta device, filled quantized
+    model, reference = _whole_model(cfg, layout, init_from, meta=quantized)
     fp8_layers = convert_to_float8(model) if t.fp8 else []
-    full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    base_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # what init_from fills
     bytes_read = 0
-    if init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
-        bytes_read = load_initial_weights([model], init_from, cfg.model, full_shapes, layout.device)
+    if quantized:
+        bytes_read = load_quantized_base(model, cfg, init_from, layout.device)
+    elif init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
+        bytes_read = load_initial_weights([model], init_from, cfg.model, base_shapes, layout.device)
+    apply_lora(model, reference, cfg, on_ranks)  # train.lora: the base frozen (quantized), adapters added
+    full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     parts, pipeline = _parallelized_parts(model, cfg, layout, compute_dtype, compile, loss_scaler)
     if on_ranks and not is_vision_run(cfg):  # a LLaVA is built whole on every rank, from the seed or read
         with layout.phase("initialising the weights"):
             if init_from is not None:
-                bytes_read = load_initial_weights(parts, init_from, cfg.model, full_shapes, layout.device)
+                bytes_read = load_initial_weights(parts, init_from, cfg.model, base_shapes, layout.device)
+                init_adapters(parts, t.seed)  # train.lora's adapters, which the source does not hold
             else:
                 materialize_by_name(parts, reference, t.seed, layout.device)
     optimizers = build_optimizers(parts, cfg, layout.dims, compute_dtype or torch.float32)
@@ -106,18 +115,19 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
                          compute_dtype)
 
 
-def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None) -> tuple[Transformer, Transformer | None]:
+def _whole_model(cfg: RunConfig, layout: RunLayout, init_from: str | None,
+                 meta: bool = False) -> tuple[Transformer, Transformer | None]:
     """The whole model in train mode and, on ranks without `init_from`, the meta `reference` that
-    names every tensor for `materialize_by_name`."""
+    names every tensor for `materialize_by_name`. `meta`: built on the meta device in one process too."""
     t, reference = cfg.train, None
     if is_vision_run(cfg):  # a LLaVA (tessera.train.vision_language), whole on every rank
         model = build_vision_model(cfg, layout.device, init_from)
         model.language_model.loss_chunk_tokens = loss_chunk_tokens(t.loss_chunk_tokens, layout.device)
         return model, None
-    if layout.dims is not None:
+    if layout.dims is not None or meta:
         with torch.device("meta"):
             model = Transformer(cfg.model, init_seed=None)
-            reference = Transformer(cfg.model, init_seed=None) if init_from is None else None
+            reference = Transformer(cfg.model, init_seed=None) if init_from is None and not meta else None
     else:
         model = Transformer(cfg.model, init_seed=t.seed if init_from is None else None).to(layout.device)
     model.train()

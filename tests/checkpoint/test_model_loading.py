@@ -62,3 +62,22 @@ def test_one_loader_reads_every_kind_of_model_directory_and_says_where_its_token
         load_model(tmp_path / "empty")
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+def test_a_read_lets_its_file_pages_go(tmp_path, monkeypatch):
+    """Each tensor read from a HuggingFace directory closes its file's mapping after it (the pages it
+    touched stop counting in resident memory, so reading a model costs one tensor's, not the file's),
+    and the next read opens the file again: the model loads whole, equal to its source."""
+    from tessera.checkpoint.hf.files import SafetensorsDir
+
+    path = tmp_path / "hf"
+    hf = write_model(path, "llama")
+    released, opened = [], []
+    original_release, original_handle = SafetensorsDir.release, SafetensorsDir.handle
+    monkeypatch.setattr(SafetensorsDir, "release", lambda self, f: released.append(f) or original_release(self, f))
+    monkeypatch.setattr(SafetensorsDir, "handle", lambda self, f: opened.append(f in self._open) or
+                        original_handle(self, f))
+    model = load_pretrained(path)
+    # one release per tensor read; every read after the first (whose file the shape checks opened) opens anew
+    assert len(released) == len(model.state_dict()) and not any(opened[-len(released) + 1:])
+    torch.testing.assert_close(model.output.weight, hf.lm_head.weight, rtol=0, atol=0)

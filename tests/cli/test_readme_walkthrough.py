@@ -8,7 +8,8 @@ What the walk-through changes, so that it takes a minute instead of hours:
   instead (preparing the whole corpus takes half a minute; tests/train/test_bundled_corpus.py
   covers that);
 - `tessera serve ... &` starts a real server in the background on a free port instead of 8000,
-  and the `curl` that follows asks that port; the server is stopped at the end;
+  and the `curl` that follows asks that port; the server is stopped when the next one starts, and
+  at the end;
 - `make` (the whole setup), `torchrun` and `sbatch` (clusters) are not run.
 `tessera` commands run in this process through `tessera.cli.main` (a process per command would cost
 seconds of imports each), except `serve` and the ranks `--nproc` starts, which are processes.
@@ -113,6 +114,9 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
             args = words[1:]
             if args[-1] == "&":
                 assert args[0] == "serve", command
+                if server is not None:  # a later server takes the port: the earlier one is done
+                    server.terminate()
+                    server.wait(HANG_S)
                 server = subprocess.Popen([sys.executable, "-m", "tessera", *args[:-1], "--log-level", "warning"],
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           env={**os.environ})

@@ -28,7 +28,7 @@ def test_serve_parses_to_the_config_defaults_but_the_device():
 
 def test_commands_share_the_engine_options_word_for_word():
     serve = _options("serve")
-    for command, flags in (("eval", ["--tensor-parallel-size", "--dtype", "--kv-cache-gib"]),
+    for command, flags in (("eval", ["--tensor-parallel-size", "--dtype", "--kv-cache-gib", "--merge-lora"]),
                            ("generate", ["--quantization", "--gguf-keep-quantized"])):
         options = _options(command)
         for f in flags:

@@ -15,6 +15,7 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.parts import allocate
 
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+PARTIAL_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # what `shapes` names
 
 
 @torch.no_grad()
@@ -23,15 +24,18 @@ def load_checkpoint_shards(parts: Iterable[nn.Module], path: str | os.PathLike,
     """Fill `parts` (Transformers or stages of one, parallelized or not; allocated on `device` first
     if they are on the meta device) with the model weights of Tessera checkpoint `path` (checked
     against its checksums and `shapes`, the whole model's), DCP reading only the stored chunks that
-    overlap this rank's shards. Returns the bytes read from the checkpoint's files."""
+    overlap this rank's shards. A tensor of the parts that `shapes` does not name is left for the
+    caller to fill (the adapters of train.lora over a base read from a checkpoint). Returns the bytes
+    read from the checkpoint's files."""
     parts = list(parts)
     path = ckpt.verified(Path(path))
     ckpt.check_compatible(path, "model", shapes)
     allocate(parts, torch.device(device))
-    states = [get_model_state_dict(m, options=STATE_OPTIONS) for m in parts]
+    states = [{k: v for k, v in get_model_state_dict(m, options=STATE_OPTIONS).items() if k in shapes}
+              for m in parts]
     wrapped = {"model": {k: v for s in states for k, v in s.items()}}
     bytes_read = ckpt.load_checkpoint(path, wrapped)
     for module, state in zip(parts, states, strict=True):
-        set_model_state_dict(module, {k: wrapped["model"][k] for k in state}, options=STATE_OPTIONS)
+        set_model_state_dict(module, {k: wrapped["model"][k] for k in state}, options=PARTIAL_OPTIONS)
         module.reset_rope(torch.device(device))
     return bytes_read

@@ -70,10 +70,15 @@ class SafetensorsDir:
         return set(self.files)
 
     def handle(self, f: Path):
-        """The open safetensors file `f` (opened once)."""
+        """The open safetensors file `f` (opened once, until `release`)."""
         if f not in self._open:
             self._open[f] = _open(f)
         return self._open[f]
+
+    def release(self, f: Path) -> None:
+        """Close `f`'s mapping: the pages a read touched stop counting in this process's resident memory
+        (a tensor read from it owns its data; the next read opens the file again)."""
+        self._open.pop(f, None)
 
     def get(self, key: str) -> torch.Tensor:
         f = self.files[key]

@@ -77,6 +77,8 @@ class HFSliceReader:
             t = view[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_key!r} ({e}); the file may be damaged") from e
+        finally:  # each read's file pages are let go at once: reading a model costs one tensor's, not the file's
+            self.files.release(f)
         if not t.is_floating_point():
             raise CheckpointError(f"{str(f)!r}: tensor {hf_key!r} has dtype {str(t.dtype).removeprefix('torch.')}; "
                                   "model weights must be floating point (float32, bfloat16, float16)")

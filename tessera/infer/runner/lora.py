@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.peft import PREFIX
 from tessera.checkpoint.patterns import file_pattern
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.json_text import parse_json
@@ -45,7 +46,7 @@ from tessera.models.quantized import Fp8Linear, Int4Linear
 from tessera.models.stored_quant import StoredQuantLinear
 from tessera.models.transformer import Transformer
 
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+_KEY = re.compile(rf"^{re.escape(PREFIX)}(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 _REFUSED = ("lora_embedding_", "lora_magnitude_vector", "lora_bias", ".bias")
 
 
@@ -186,7 +187,7 @@ def _lora_parts(path: Path, tensors: dict[str, torch.Tensor], targets: dict[str,
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if key.endswith(".base_layer.weight"):  # PEFT saves a copy of a targeted head: it must be the base's
-            hf_module = key.removeprefix("base_model.model.").removesuffix(".base_layer.weight")
+            hf_module = key.removeprefix(PREFIX).removesuffix(".base_layer.weight")
             base = modules.get(targets.get(hf_module, ""))
             if not isinstance(base, nn.Linear) or base.weight.shape != t.shape or not torch.allclose(
                     base.weight.float().cpu(), t.float(), atol=1e-6):

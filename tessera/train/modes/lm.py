@@ -6,7 +6,8 @@ term and, with hidden_layers, hidden-state matching, tessera.train.objectives.te
 tessera.train.builder (this rank's model, cut by the layout, its optimizers and the fp16 loss
 scaler) and the step engine of the layout drives them. A logged step is metric_record.py's line;
 the start-up and closing lines are console.py's; at the end of a run that reached train.steps,
-`checkpoint.export_hf` writes the last checkpoint as a HuggingFace directory.
+`checkpoint.export_hf` writes the last checkpoint as a HuggingFace directory (with train.lora: its
+adapters as a PEFT directory, tessera.checkpoint.hf.peft).
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def export_hf(cfg: RunConfig, layout: RunLayout, step: int, checkpoint: Path | N
     if not (cfg.checkpoint.export_hf and step >= cfg.train.steps):
         return None
     from tessera.checkpoint.hf.export import export_checkpoint_to_hf
+    from tessera.checkpoint.hf.peft import write_peft_adapter
 
     out = Path(cfg.run_dir) / (cfg.checkpoint.export_hf_dir or "hf")  # an absolute path replaces run_dir
     tokenizer = cfg.data.tokenizer or "default"
-    layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
+    if cfg.train.lora.enabled:  # the adapters, as a PEFT directory over the base
+        layout.on_coordinator(lambda: write_peft_adapter(checkpoint, out))
+    else:
+        layout.on_coordinator(lambda: export_checkpoint_to_hf(checkpoint, out, tokenizer=tokenizer))
     return out

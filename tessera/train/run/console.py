@@ -89,7 +89,19 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
     k = t.distill
     distill = ([f"distillation: teacher {k.teacher}, temperature {k.temperature:g}, weight {k.weight:g} (objective "
                 f"{1 - k.weight:g} x loss + {k.weight:g} x distill_loss)"] if k.teacher is not None else [])
-    return [model, layout, f"data: {_data(cfg)}", batch, *distill, evaluation, *where]
+    return [model, layout, f"data: {_data(cfg)}", batch, *distill, *_adapters(cfg), evaluation, *where]
+
+
+def _adapters(cfg: RunConfig) -> list[str]:
+    """train.lora's line: what the adapters are and what stays frozen (none without adapters)."""
+    lora = cfg.train.lora
+    if not lora.enabled:
+        return []
+    alpha = lora.alpha if lora.alpha is not None else lora.rank
+    saved = f", {', '.join(lora.modules_to_save)} trained whole" if lora.modules_to_save else ""
+    base = f"frozen, held {lora.quantize_base}" if lora.quantize_base else "frozen"
+    return [f"adapters: LoRA rank {lora.rank}, alpha {alpha:g} ({'rs' if lora.rslora else ''}scale "
+            f"{lora.scaling:g}) on {', '.join(lora.target_modules)}{saved}; the base {base}"]
 
 
 def schedule_warning(cfg: RunConfig) -> str | None:
@@ -118,9 +130,15 @@ def next_steps(cfg: RunConfig, checkpoint: Path | None) -> list[str]:
     if checkpoint is None:
         return []
     run = Path(cfg.run_dir)
-    return [f"checkpoint: {checkpoint}",
-            f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
-            f"{cfg.train.steps})",
+    resume = [f"checkpoint: {checkpoint}",
+              f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
+              f"{cfg.train.steps})"]
+    if cfg.train.lora.enabled:  # the checkpoint holds the base and the adapters: export them to use them
+        base = cfg.train.init_from or "BASE"
+        return resume + [f"  adapter:  tessera convert {run} {run}-adapter --lora-adapter   (a PEFT directory)",
+                         f"  serve:    tessera serve {base} --lora {run.name}={run}-adapter",
+                         f"  merged:   tessera convert {run} {run}-merged --merge-lora   (a HuggingFace directory)"]
+    return resume + [
             f"  generate: tessera generate {run} --prompt 'def main(' --temperature 0.8",
             f"  serve:    tessera serve {run}",
             f"  export:   tessera convert {run} {run}-hf   (a HuggingFace directory with its tokenizer)"]
