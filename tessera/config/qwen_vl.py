@@ -237,7 +237,7 @@ def qwen_vl_config_to_hf(cfg: QwenVLConfig) -> dict[str, Any]:
 
 def qwen_vl_config_from_section(v: Any, text: ModelConfig) -> QwenVLConfig:
     """The Qwen2-VL / Qwen2.5-VL (`v.family`) of a fine-tune's train.vision_language fields `v`
-    (tessera.config.vision_training) over language model `text` (a qwen2 decoder): its special
+    (tessera.config.training.vision_training) over language model `text` (a qwen2 decoder): its special
     tokens the vocabulary's last ids unless given, the tower's output the model's width."""
     vocab = text.vocab_size
     tokens = {"image_token_id": vocab - 1 if v.image_token_id is None else v.image_token_id,

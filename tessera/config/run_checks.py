@@ -9,15 +9,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tessera.config.dpo import PREFERENCE_KIND, validate_objective
 from tessera.config.dtypes import short_dtype_name
-from tessera.config.eagle import validate_eagle
 from tessera.config.errors import require
-from tessera.config.grpo import PROMPTS_KIND
 from tessera.config.layout_rules import need_data_parallel_only
 from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW, MAX_TIMEOUT_S, MAX_TOKENS_PER_STEP
-from tessera.config.lora import validate_lora
-from tessera.config.vision_training import validate_vision_language
+from tessera.config.training.dpo import PREFERENCE_KIND, validate_objective
+from tessera.config.training.eagle import validate_eagle
+from tessera.config.training.grpo import PROMPTS_KIND
+from tessera.config.training.lora import validate_lora
+from tessera.config.training.vision_training import validate_vision_language
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DATA_KINDS = ("pretrain", "sft", "vision_sft", PREFERENCE_KIND, PROMPTS_KIND)

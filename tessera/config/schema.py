@@ -23,19 +23,19 @@ from typing import Any
 import yaml
 
 from tessera.config.dataclass_build import build_dataclass, plain
-from tessera.config.dpo import DPOConfig
 from tessera.config.dtypes import short_dtype_argument
-from tessera.config.eagle import EagleTrainConfig
 from tessera.config.errors import ConfigError, TesseraError
-from tessera.config.grpo import GRPOConfig
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
-from tessera.config.lora import LoRAConfig
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
 from tessera.config.presets import get_preset
 from tessera.config.run_checks import validate_run_config
-from tessera.config.vision_training import VisionLanguageTrainConfig
+from tessera.config.training.dpo import DPOConfig
+from tessera.config.training.eagle import EagleTrainConfig
+from tessera.config.training.grpo import GRPOConfig
+from tessera.config.training.lora import LoRAConfig
+from tessera.config.training.vision_training import VisionLanguageTrainConfig
 from tessera.config.yaml_text import read_config_file
 
 
@@ -71,7 +71,7 @@ class TrainConfig:
     """What one training run does, step by step."""
 
     steps: int = 1000  # optimizer steps in total; a resumed run continues up to this number
-    # What the model learns (tessera.config.dpo): lm = the data's next tokens (pretraining, SFT); dpo = to
+    # What the model learns (tessera.config.training.dpo): lm = the data's next tokens (pretraining, SFT); dpo = to
     # prefer each pair's chosen answer over its rejected one (data.kind=preference, train.dpo); grpo = to raise
     # the reward of completions the serving engine samples for prompts (data.kind=prompts, train.grpo)
     objective: str = "lm"
@@ -141,7 +141,7 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)  # train.objective=dpo: beta and the loss
     grpo: GRPOConfig = field(default_factory=GRPOConfig)  # train.objective=grpo: group, reward, sampling, loss
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
-    # low-rank adapters over the frozen model, optionally quantized (LoRA / QLoRA: tessera.config.lora); off by default
+    # low-rank adapters over the frozen model, maybe quantized (LoRA / QLoRA: config/training/lora.py); off by default
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)

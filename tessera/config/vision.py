@@ -193,7 +193,7 @@ def llava_config_from_hf(d: Mapping[str, Any]) -> LlavaConfig:
 
 
 def llava_config_from_section(v: Any, text: ModelConfig) -> LlavaConfig:
-    """The LLaVA of a fine-tune's train.vision_language fields `v` (tessera.config.vision_training)
+    """The LLaVA of a fine-tune's train.vision_language fields `v` (tessera.config.training.vision_training)
     over language model `text`: its image token the vocabulary's last id unless given."""
     token = v.image_token_id if v.image_token_id is not None else text.vocab_size - 1
     layers = v.feature_layer[0] if len(v.feature_layer) == 1 else list(v.feature_layer)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tessera.config.errors import ConfigError
-from tessera.config.grpo import BUILTIN_REWARDS, GRPOConfig
+from tessera.config.training.grpo import BUILTIN_REWARDS, GRPOConfig
 from tessera.eval.humaneval import check_program
 from tessera.eval.sandbox import Sandbox, SandboxLimits
 

@@ -28,7 +28,7 @@ of the language model, then FSDP. What each layout does with the images and the 
   dp_shard x cp, as for every dense weight.
 - ep: the routed experts of an MoE language model are split over ep (expert_parallel.py); the
   tower and projector are dense weights outside them. (Qwen2-VL / Qwen2.5-VL's language model is a
-  dense qwen2 decoder: ep is refused for them, tessera.config.vision_training.)
+  dense qwen2 decoder: ep is refused for them, tessera.config.training.vision_training.)
 - pp: the model is cut in its language model (pipeline.split_stage): the tower and projector live
   on the first stage only, which alone receives each micro-batch's images; later stages receive
   hidden states; Qwen's M-RoPE positions reach every stage as a keyword tensor the step engine

@@ -1,4 +1,4 @@
-"""The model side of a vision-language fine-tune (`data.kind=vision_sft`, tessera.config.vision_training).
+"""The model side of a vision-language fine-tune (`data.kind=vision_sft`, tessera.config.training.vision_training).
 
     model_cfg, processor = vision_model_config(cfg)     # from train.init_from's model, else the config
     model = build_vision_model(cfg, device, init_from)  # its family's model, its frozen parts frozen
@@ -12,7 +12,7 @@ The model is built whole on every rank (no meta-device build: each rank holds th
 until the layout cuts it), then cut by the layout (tessera.train.builder, through
 tessera.parallel.vision_language): every layout of the language model (dp_replicate, dp_shard, tp
 with or without sp, cp, pp, and ep of an MoE language model, which Qwen2-VL / Qwen2.5-VL's dense
-qwen2 decoder is not: tessera.config.vision_training refuses it), the tower and projector beside
+qwen2 decoder is not: tessera.config.training.vision_training refuses it), the tower and projector beside
 it and on the first pipeline stage only. The step engines need little of their own for it:
 each rank's images (`rank_images`, and for Qwen2-VL / Qwen2.5-VL their patch grids,
 `rank_image_grids`): a batch's `pixel_values` reach `Llava.forward(input_ids, pixel_values=...,
@@ -46,9 +46,9 @@ from tessera.checkpoint.vision_families import (
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import model_differences
 from tessera.config.schema import RunConfig
+from tessera.config.training.vision_training import DATA_KIND
 from tessera.config.vision_families import REGISTRY as CONFIG_REGISTRY
 from tessera.config.vision_families import vision_language_config_to_hf
-from tessera.config.vision_training import DATA_KIND
 from tessera.data.batching import Batch
 from tessera.models.vision.vision_language import VisionLanguageModel
 from tessera.parallel.data_parallel_batch import dp_rows, sequence_chunk

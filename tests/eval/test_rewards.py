@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tessera.config.errors import ConfigError
-from tessera.config.grpo import GRPOConfig
+from tessera.config.training.grpo import GRPOConfig
 from tessera.eval.rewards import exact_numeric, load_reward, regex_format, score
 
 

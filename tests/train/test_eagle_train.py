@@ -72,7 +72,7 @@ def test_a_reduced_draft_vocabulary_is_the_datas_most_frequent_tokens(small_data
     """train.eagle.draft_vocab_size: the head predicts over the most frequent target tokens of the
     data, the directory maps them back (d2t), and the target served with it decodes as without it."""
     from tessera.checkpoint.eagle_dir import load_eagle_draft
-    from tessera.config.eagle import VOCAB_SAMPLE_BATCHES
+    from tessera.config.training.eagle import VOCAB_SAMPLE_BATCHES
     from tessera.infer import LLM, SamplingParams, SpeculativeConfig
     from tessera.train.data_source import build_training_data
     from tessera.train.trainer import Trainer

@@ -13,8 +13,8 @@ import torch
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.writer import save_pretrained
 from tessera.config.errors import ConfigError
-from tessera.config.lora import LoRAConfig, lora_targets
 from tessera.config.schema import load_config
+from tessera.config.training.lora import LoRAConfig, lora_targets
 from tessera.models import Transformer
 from tessera.models.lora import adapter_parameter_names, add_adapters
 from tessera.train.trainer import Trainer

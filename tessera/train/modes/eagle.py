@@ -59,10 +59,10 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from tessera.checkpoint.eagle_dir import save_eagle_draft
-from tessera.config.eagle import VOCAB_SAMPLE_BATCHES
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.model import ModelConfig
 from tessera.config.schema import RunConfig
+from tessera.config.training.eagle import VOCAB_SAMPLE_BATCHES
 from tessera.data.batching import Batch
 from tessera.models.eagle import EagleDraft, default_feature_layers, draft_layer_config, unrolled_outputs
 from tessera.models.model_input import ModelInput

@@ -1,4 +1,4 @@
-"""The DPO objective (train.objective=dpo, tessera.config.dpo): answer log-probabilities and the
+"""The DPO objective (train.objective=dpo, tessera.config.training.dpo): answer log-probabilities and the
 per-pair losses and rewards, pure functions of tensors (the DPO mode, tessera.train.modes.dpo,
 runs the models and sums them over the global batch).
 

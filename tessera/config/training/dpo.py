@@ -5,7 +5,7 @@ Optimization (the DPO mode of the training loop: tessera.train.modes.dpo).
         --set 'data.datasets=[{path: prefs.jsonl}]' --set train.init_from=runs/tiny-dense-hf
 
 `train.objective` is `lm` (the default: next-token prediction on the data, pretraining or SFT),
-`grpo` (rewarded completions of prompts sampled by the serving engine: tessera.config.grpo, whose
+`grpo` (rewarded completions of prompts sampled by the serving engine: tessera.config.training.grpo, whose
 runs these checks share) or `dpo` (Rafailov et al. 2023: the model learns to prefer each pair's
 chosen answer over its rejected one, measured against a frozen reference model, the run's initial
 weights). DPO reads `data.kind=preference` data, and that data kind trains only under `dpo`. The `model` section, the
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config.errors import require
-from tessera.config.grpo import PROMPTS_KIND, validate_grpo
 from tessera.config.layout_rules import need_data_parallel_only
+from tessera.config.training.grpo import PROMPTS_KIND, validate_grpo
 
 OBJECTIVES = ("lm", "dpo", "grpo")
 DPO_LOSSES = ("sigmoid", "ipo")
