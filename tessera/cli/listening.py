@@ -10,6 +10,7 @@ import socket
 
 from tessera.config.argument_types import port, text
 from tessera.config.errors import ConfigError
+from tessera.config.limits import MAX_REQUEST_BYTES
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -20,7 +21,13 @@ def add_listen_arguments(p: argparse.ArgumentParser, api_key_help: str, allowed_
     p.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"), type=text, help=api_key_help)
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES", type=text, help=allowed_hosts_help)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
-                   help="refuse request bodies larger than N bytes with 413")
+                   help=f"refuse request bodies larger than N bytes with 413 (1..{MAX_REQUEST_BYTES})")
+
+
+def check_listen_options(args: argparse.Namespace) -> None:
+    """ConfigError for a listening option that cannot work (checked before anything starts)."""
+    if not 1 <= args.max_request_bytes <= MAX_REQUEST_BYTES:
+        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be in 1..{MAX_REQUEST_BYTES}")
 
 
 def listen_sockets(host: str, port: int) -> list[socket.socket]:

@@ -13,7 +13,7 @@ import logging
 import sys
 import urllib.parse
 
-from tessera.cli.listening import add_listen_arguments, listen_sockets
+from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
 from tessera.config.argument_types import positive_float, text
 from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret
 
@@ -31,16 +31,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=positive_float(3600), default=30.0, metavar="S",
                    help="seconds the prefill and the transfer of one request may take before the decode instance "
                         "computes the prompt itself")
+    _deadline_arguments(p)
     add_kv_peer_argument(p, "the router and both instances")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the router's log level (failed prefills are warnings)")
 
 
+def _deadline_arguments(p: argparse.ArgumentParser) -> None:
+    """Each call to an instance is bounded by these (tessera/infer/api/router_relay.py)."""
+    p.add_argument("--backend-connect-timeout", type=positive_float(3600), default=10.0, metavar="S",
+                   help="seconds to connect to an instance (a miss: 504 naming it)")
+    p.add_argument("--backend-first-byte-timeout", type=positive_float(86400), default=600.0, metavar="S",
+                   help="seconds to an instance's response head; for an answer that is not streamed that is the "
+                        "whole generation (a miss: 504 naming the instance)")
+    p.add_argument("--backend-timeout", type=positive_float(7 * 86400), default=3600.0, metavar="S",
+                   help="seconds an instance's whole answer may take; a stream past it ends with an error event")
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
     from tessera.infer.api.http_guards import allowed_hosts, is_loopback
+    from tessera.infer.api.router import check_backends
+    from tessera.infer.api.router_relay import Deadlines
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_listen_options(args)
+    check_backends(args.prefill, args.decode, args.host, args.port)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     backends = [urllib.parse.urlsplit(url).hostname or "" for url in (args.prefill, args.decode)]
     on_loopback = all(is_loopback(h) for h in [args.host, *backends])
@@ -52,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         from tessera.infer.api.router import create_router
 
         app = create_router(args.prefill, args.decode, args.prefill_timeout, args.api_key, hosts,
-                            args.max_request_bytes, kv_peer_secret=kv_peer_secret)
+                            args.max_request_bytes, kv_peer_secret=kv_peer_secret,
+                            deadlines=Deadlines(args.backend_connect_timeout, args.backend_first_byte_timeout,
+                                                args.backend_timeout))
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} (prefill {args.prefill}, "
               f"decode {args.decode})", file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],

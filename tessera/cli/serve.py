@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
-from tessera.cli.listening import add_listen_arguments, listen_sockets
+from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
 from tessera.config.argument_types import int_in, positive_float, text
 from tessera.config.errors import CheckpointError, ConfigError
+from tessera.infer.agents.options import AgentOptions
 from tessera.infer.config import EngineConfig
 from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret, require_peer_secret
 
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "memory in the process for the next step (tessera/infer/cpu/memory.py)")
     _adapter_arguments(parser)
     _media_arguments(parser)
+    AgentOptions.add_arguments(parser)  # tool calls and reasoning (tessera/infer/agents/options.py)
 
 
 def _http_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,7 +69,11 @@ def _media_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-bytes", type=int_in(1, 2**31), default=20 * 2**20, metavar="N",
                    help="largest encoded image read from a url, data: url or file (default 20 MiB)")
     p.add_argument("--media-fetch-timeout", type=positive_float(3600.0), default=10.0, metavar="S",
-                   help="seconds an http(s) image fetch may wait on the network (default 10)")
+                   help="seconds one http(s) image fetch may take in all: connecting, the answer's head and "
+                        "its whole body (a host that sends slowly is cut off too; default 10)")
+    p.add_argument("--max-media-fetches", type=int_in(1, 4096), default=16, metavar="N",
+                   help="http(s) image fetches in flight at once, over all requests; a request that would start "
+                        "one more gets 503 at once (default 16)")
 
 
 def _adapter_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,7 +94,8 @@ def media_policy(args: argparse.Namespace):
     from tessera.infer.api.media import MediaPolicy
 
     domains = [d for item in args.allowed_media_domains for d in item.split(",") if d]
-    return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout)
+    return MediaPolicy(args.allowed_local_media_path, domains, args.max_image_bytes, args.media_fetch_timeout,
+                       args.max_media_fetches)
 
 
 def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, frozenset[str] | None]:
@@ -100,8 +107,7 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
     if args.kv_role is not None and not is_loopback(args.host) and args.api_key is None:
         raise ConfigError(f"--kv-role {args.kv_role} on --host {args.host} (beyond this machine) needs --api-key: "
                           "its routes would answer anyone who can reach it")
-    if args.max_request_bytes < 1:
-        raise ConfigError(f"--max-request-bytes {args.max_request_bytes} is invalid: must be >= 1")
+    check_listen_options(args)
     if args.allow_runtime_lora and not args.lora_modules_dir:
         raise ConfigError("--allow-runtime-lora needs --lora-modules-dir DIR: the directories adapters may be "
                           "loaded from")
@@ -156,6 +162,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     from tessera.infer.api.shutdown import EndCancelledRequests
 
     config, hosts = _check_server_options(args)
+    agents = AgentOptions.from_args(args)  # refused before the model loads
     kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
     loop = _start_engine(args, config)
@@ -163,7 +170,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
-                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret)
+                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret, agents=agents)
     engine = loop.engine
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "

@@ -76,6 +76,16 @@ def _task_evaluator(cfg):
     return TrainingTasks(cfg)
 
 
+def _rollouts(cfg):
+    """What samples a GRPO run's completions: the serving engine and the reward (tessera.eval.rollouts),
+    made before the trainer so that a reward that cannot be loaded stops the run in one line; else None."""
+    if cfg.train.objective != "grpo":
+        return None
+    from tessera.eval.rollouts import EngineRollouts
+
+    return EngineRollouts(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     from tessera.config.errors import ConfigError
     from tessera.config.schema import load_config
@@ -87,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
+        if cfg.train.objective == "grpo":  # a reward that cannot be loaded stops the launcher, not each rank
+            from tessera.eval.rewards import load_reward
+
+            load_reward(cfg.train.grpo)
         return _launch_ranks(args, cfg)
     from tessera.parallel.jobs.progress import RankProgress
 
@@ -121,7 +135,7 @@ def _train(args: argparse.Namespace, cfg, progress):
     restart = restart_count()
     try:
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
-                          task_evaluator=_task_evaluator(cfg))
+                          task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg))
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             print("\n".join(trainer.startup_lines()), file=sys.stderr, flush=True)

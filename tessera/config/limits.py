@@ -41,10 +41,15 @@ MAX_SPIKE_WINDOW = 100_000  # steps of loss history the spike rule keeps (and st
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a collective timeout of a week; longer is a hang, not a wait
 MIN_TEMPERATURE = 1e-5  # smallest sampling temperature above 0: logits / T stays finite in fp32
 MAX_PORT = 65_535
+MAX_REQUEST_BYTES = 2**31  # `--max-request-bytes` of `tessera serve` and `tessera router` (default: 8 MiB)
 
 # ---- serving ------------------------------------------------------------------------------------
 MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)
 MAX_KV_CACHE_GIB = 2.0**20  # `tessera serve --kv-cache-gib` (a PiB; a GPU holds ~0.1 TiB)
+# the tools one agent request offers (tessera/infer/agents/turn.py); every schema is compiled to check it
+MAX_TOOLS = 256  # tools a request offers (OpenAI's limit: 128; agents with many MCP servers send ~100)
+MAX_TOOL_DESCRIPTION_CHARS = 2**16  # one tool's description (long coding-agent ones are ~10k characters)
+MAX_TOOL_SCHEMA_CHARS = 2**16  # one tool's parameter schema as JSON text (real ones: a few KiB)
 
 # ---- chat templates (code from a model or tokenizer directory; tessera/data/chat_template.py) ---
 MAX_TEMPLATE_SECONDS = 10.0  # rendering one conversation (real templates take milliseconds)

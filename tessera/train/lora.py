@@ -1,5 +1,5 @@
 """`train.lora` in the builder (tessera.train.builder): the model's base frozen, held quantized with
-`quantize_base`, and low-rank adapters added on the layers the config targets (tessera.config.lora,
+`quantize_base`, and low-rank adapters added on the layers the config targets (tessera.config.adapters.lora,
 tessera.models.lora), before the model is parallelized.
 
 In one process the adapters are added after `train.init_from` has filled the base, and initialised by
@@ -26,9 +26,9 @@ from torch import nn
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.hf.load import check_hf_fits
 from tessera.checkpoint.hf.slices import HFSliceReader
+from tessera.config.adapters.lora import SAVED_MODULES, lora_targets
 from tessera.config.errors import ParallelError
 from tessera.config.hf_config import is_hf_directory
-from tessera.config.lora import SAVED_MODULES, lora_targets
 from tessera.config.schema import RunConfig
 from tessera.models.int8 import quantize_per_channel
 from tessera.models.lora import add_adapters

@@ -15,10 +15,11 @@ Metrics: metric_record.py; checkpoints: train_checkpoint.py; the run directory: 
 
 Modes. What is trained is the run's mode (train/modes/registry.py, chosen by the config; train/modes/mode.py): the
 language-model mode (train/modes/lm.py) trains the `model` section's model, the EAGLE mode
-(train/modes/eagle.py) a draft head against a frozen target. A mode hands the loop its step engine, parts
-and optimizers, how a step is logged, its start-up and closing lines and its end-of-run hook (the
-HuggingFace export of `checkpoint.export_hf`, the EAGLE draft directory); everything below is the
-loop's, the same for every mode.
+(train/modes/eagle.py) a draft head against a frozen target, the DPO mode (train/modes/dpo.py,
+train.objective=dpo) the model on preference pairs against its frozen initial weights. A mode hands
+the loop its step engine, parts and optimizers, how a step is logged, its start-up and closing lines
+and its end-of-run hook (the HuggingFace export of `checkpoint.export_hf`, the EAGLE draft
+directory); everything below is the loop's, the same for every mode.
 
 Resilience. A step whose gradient is not finite is skipped on every rank (train.skip_nonfinite; false
 stops the run instead); with train.spike_factor a step whose loss spikes is refused and the run
@@ -113,9 +114,10 @@ class Trainer:
     any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
-                 task_evaluator: TaskEvaluator | None = None):
+                 task_evaluator: TaskEvaluator | None = None, rollouts: Any = None):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
-        runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks)."""
+        runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks);
+        `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts)."""
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
@@ -145,7 +147,7 @@ class Trainer:
         seed_everything(t.seed)
         self.data: TrainingData = self._build_data()
         init_from = t.init_from if self.resumed_from is None else None
-        self._take(self.mode.build(ModeContext(cfg, self.layout, self.data, init_from, self.compile)))
+        self._take(self.mode.build(ModeContext(cfg, self.layout, self.data, init_from, self.compile, rollouts)))
         self.scheduler = LRScheduler([*self.optimizers, *self.beside], cfg.optim, t.steps)
         self._build_resilience()
         self.step = 0

@@ -32,3 +32,15 @@ def llava(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("llava")
     return path, write_llava(path)
+
+
+@pytest.fixture(scope="session")
+def scripted_agent(tmp_path_factory):
+    """The directory of the scripted agent of the tool tests (agent_scripts.py), trained once a session
+    for every API's tests (Qwen2.5's template; `with_template` for Qwen3's)."""
+    from tests.infer.agent_models import QWEN25_TEMPLATE, write_scripted_agent
+    from tests.infer.agent_scripts import script
+
+    path = tmp_path_factory.mktemp("scripted-agent")
+    write_scripted_agent(path, QWEN25_TEMPLATE, script())
+    return path

@@ -1,12 +1,13 @@
 """On-device sampling: the counter-based noise is uniform and a pure function of (seed, counter,
-token); draws follow `processed_probs` (greedy, temperature, top-k, top-p) row by row in a mixed
-batch; a request's tokens do not depend on its neighbours."""
+token), strictly inside (0, 1); draws follow `processed_probs` (greedy, temperature, top-k, top-p) row
+by row in a mixed batch, and never a forbidden token; a request's tokens do not depend on its
+neighbours."""
 
 from __future__ import annotations
 
 import torch
 
-from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_device, uniform_noise
+from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_device, uniform_noise, unit_interval
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import processed_probs
 
@@ -24,6 +25,15 @@ def test_noise_is_uniform_and_keyed_by_seed_and_counter():
     assert abs(flat.mean().item() - 0.5) < 0.01 and abs(flat.var().item() - 1 / 12) < 0.005
     counts = torch.histc(flat, bins=16, min=0, max=1)
     assert (counts - len(flat) / 16).abs().max() < 5 * (len(flat) / 16) ** 0.5
+
+
+def test_noise_never_reaches_0_or_1_at_the_extreme_bits():
+    """The largest 32-bit value once mapped to exactly 1.0 in fp32 (-log(u) = 0: an infinite race for
+    an allowed token, NaN for a masked one), once in 2^24 draws per token."""
+    u = unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 512, 2**32 - 2, 2**32 - 1]))
+    assert bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
+    assert bool(torch.isfinite(1.0 / -torch.log(u)).all())
+    assert u[-1] > u[2] > u[0]
 
 
 def _batch(params: list[SamplingParams], seeds: list[int], counters: list[int]) -> SamplingBatch:
@@ -57,3 +67,17 @@ def test_mixed_batch_rows_are_independent_of_their_neighbours():
         assert alone.item() == together[i].item()
     other_seed = [sample_on_device(logits[1:2], _batch([params[1]], [s], [3])).item() for s in range(40)]
     assert len(set(other_seed)) > 1  # the seed matters
+
+
+def test_a_forbidden_token_is_never_drawn_in_a_large_vocabulary():
+    """A token at -inf (a grammar's mask, top-k, top-p) has probability 0, and 0 / E must never win the
+    race, over 2,000 draws of a 49,152-token vocabulary (with the noise that could reach 1.0, about one
+    step in 340 drew a masked token: constrained tool calls met it on SmolLM2's vocabulary)."""
+    vocab, allowed = 49_152, 216
+    logits = torch.full((vocab,), float("-inf"))
+    logits[allowed] = 24.8
+    for start in range(0, 2000, 250):
+        n = 250
+        batch = SamplingBatch.build([(SamplingParams(temperature=0.8), 0, c) for c in range(start, start + n)],
+                                    vocab, torch.device("cpu"))
+        assert bool((sample_on_device(logits.expand(n, vocab), batch) == allowed).all())

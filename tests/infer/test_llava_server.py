@@ -1,18 +1,24 @@
 """Images through the OpenAI chat API over real HTTP on 127.0.0.1: `image_url` parts as data: URLs,
 local files under --allowed-local-media-path, http(s) from --allowed-media-domains; every bad
 image or url fails only its own request with a 400 naming the problem, echoing nothing of the
-server's files; --limit-mm-per-prompt as vLLM spells it."""
+server's files; image hosts that trickle bytes hold up no other request, are cut off at the fetch's
+deadline and take at most --max-media-fetches slots; --limit-mm-per-prompt as vLLM spells it."""
 
 import argparse
+import asyncio
 import base64
 import http.server
+import os
+import socket
 import threading
+import time
 
 import httpx
 import pytest
 
 from tessera.infer import EngineConfig, LLMEngine
 from tessera.infer.api.media import MediaPolicy
+from tessera.infer.api.openai_protocol import ProtocolError
 from tessera.infer.engine_arguments import mm_limits
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
@@ -20,6 +26,10 @@ from tests.infer.tiny_llava import IMAGE, hf_greedy, images, png
 from tests.infer.tiny_models import char_tokenizer
 
 TRUNCATED = png(images()[0])[:60]
+# More pending fetches than the worker threads of the server's event loop (asyncio's default
+# executor: min(32, cores + 4)), which parse and tokenise every request: were a fetch to hold one,
+# these would hold them all.
+TRICKLING = min(32, (os.cpu_count() or 1) + 4) + 2
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
@@ -60,7 +70,8 @@ def server(llava, tmp_path_factory, image_host):
     (outside / "cat.png").write_bytes(png(images()[0]))
     path, _ = llava
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, limit_mm_per_prompt={"image": 2}))
-    policy = MediaPolicy(str(media), ["127.0.0.1"], max_image_bytes=50_000, fetch_timeout_s=HANG_S)
+    policy = MediaPolicy(str(media), ["127.0.0.1"], max_image_bytes=50_000, fetch_timeout_s=HANG_S,
+                         max_fetches=TRICKLING)
     with RunningServer(engine, name="tiny", media=policy) as s:
         s.media, s.outside = media, outside
         yield s
@@ -104,6 +115,10 @@ def test_chat_with_images_equals_transformers(server, llava, image_host):
     ("data:image/png;base64,@@@", "invalid base64"),
     ("ftp://127.0.0.1/x.png", "scheme must be"),
     ("http://example.com/cat.png", "not in --allowed-media-domains"),
+    ("file:///tmp/%00cat.png", "NUL character"),
+    ("file:///tmp/\0cat.png", "NUL character"),
+    ("http://[::1/cat.png", "not a valid url"),
+    ("http://127.0.0.1:99999/cat.png", "not a valid url"),
 ])
 def test_bad_images_fail_only_their_request_with_400(server, url, problem):
     r = chat(server, [image_part(url)])
@@ -138,6 +153,80 @@ def test_http_images_redirects_errors_and_size(server, image_host):
     assert r.status_code == 400 and "answered HTTP 404" in r.text, r.text
     r = chat(server, [image_part(f"{image_host}/big.png")])
     assert r.status_code == 400 and "larger than 50,000 bytes" in r.text, r.text
+
+
+class _Trickle:
+    """An image host on 127.0.0.1 that answers every GET with the head of a 40,000-byte image, then
+    one byte of it every 0.2 s until it is closed: a fetch from it lasts as long as the test wants."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/slow.png"
+        self.closed, self.connections = threading.Event(), []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        try:
+            while b"\r\n\r\n" not in conn.recv(65536):
+                pass
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 40000\r\n\r\n")
+            while not self.closed.wait(0.2):
+                conn.sendall(b"\0")
+        except OSError:  # the fetch gave up
+            pass
+
+    def wait_for(self, count: int) -> None:
+        deadline = time.monotonic() + HANG_S
+        while len(self.connections) < count:
+            assert time.monotonic() < deadline, f"{len(self.connections)} of {count} fetches reached the host"
+            time.sleep(0.05)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closed.set()
+        self.listener.close()
+        for conn in self.connections:
+            conn.close()
+
+
+def test_trickling_image_hosts_hold_up_no_other_request(server):
+    """TRICKLING chats whose image host sends a byte now and then: while every fetch is pending, a
+    text chat is answered, and one more image fetch is refused at once (503, --max-media-fetches);
+    when the host goes away, each of the pending ones fails alone with a 400."""
+    answers: list[httpx.Response] = []
+    with _Trickle() as host:
+        pending = [threading.Thread(target=lambda: answers.append(chat(server, [image_part(host.url)])))
+                   for _ in range(TRICKLING)]
+        for thread in pending:
+            thread.start()
+        host.wait_for(TRICKLING)
+        r = chat(server, [{"type": "text", "text": "meanwhile"}])
+        assert r.status_code == 200, r.text
+        r = chat(server, [image_part(host.url)])
+        assert r.status_code == 503 and "--max-media-fetches" in r.json()["error"]["message"], r.text
+        assert not answers  # the fetches were pending all along
+    for thread in pending:
+        thread.join(HANG_S)
+    assert len(answers) == TRICKLING
+    assert all(a.status_code == 400 and "could not be fetched" in a.text for a in answers), answers[0].text
+
+
+def test_the_fetch_timeout_bounds_the_whole_fetch():
+    policy = MediaPolicy(None, ["127.0.0.1"], fetch_timeout_s=0.5)
+    with _Trickle() as host, pytest.raises(ProtocolError, match=r"timed out.*--media-fetch-timeout"):
+        asyncio.run(policy.fetch_all([host.url]))
+    assert policy._in_flight == 0
 
 
 def test_too_many_images_and_malformed_parts(server):

@@ -26,7 +26,8 @@ def test_top_k_top_p_and_greedy_distributions():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=-1), dict(max_tokens=0),
-                                 dict(stop=[""]), dict(seed=-3)])
+                                 dict(stop=[""]), dict(seed=-3), dict(logit_bias={"\u00b2": 1.0}),
+                                 dict(logit_bias={"5": "big"}), dict(logit_bias=[1]), dict(stop_token_ids=["x"])])
 def test_out_of_range_params_are_refused(bad):
     with pytest.raises(ConfigError):
         SamplingParams(**bad)
@@ -56,6 +57,20 @@ def test_stop_tokens_and_stop_strings(llama):
     cut = free.text.find(stop_str)
     out = llm.generate(["stop here"], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop_str, "\x00never"]))[0]
     assert out.finish_reason == "stop" and out.text == free.text[:cut]
+    # the engine's output names the stop string that ended it (the Messages API's stop_sequence), none for a token
+    assert _last_output(llm, SamplingParams(max_tokens=20, temperature=0.0, stop=["\x00never", stop_str])).stop_string \
+        == stop_str
+    assert _last_output(llm, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_tok])).stop_string \
+        is None
+
+
+def _last_output(llm: LLM, params: SamplingParams):
+    """The finished engine output of "stop here" under `params`."""
+    rid = llm.engine.add_request(llm.encode("stop here"), params)
+    while True:
+        for out in llm.engine.step():
+            if out.request_id == rid and out.finished:
+                return out
 
 
 def test_streamed_text_never_sends_a_partial_stop_string():

@@ -248,6 +248,7 @@ def test_n_gives_n_independent_choices(server):
     ("completions", "logit_bias", {"5": 101}, "[-100, 100]"),
     ("completions", "logit_bias", {"5": "big"}, "[-100, 100]"),
     ("completions", "logit_bias", {"x": 1}, "token ids"),
+    ("completions", "logit_bias", {"\u00b2": 1}, "token ids"),  # str.isdigit() takes it, int() does not
     ("chat", "logit_bias", {"128": 1}, "0..127"),
     ("completions", "logit_bias", [1, 2], "an object"),
     ("completions", "seed", -1, "[0, 2^63)"),

@@ -12,8 +12,8 @@ import torch
 
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.hf.writer import save_pretrained
+from tessera.config.adapters.lora import LoRAConfig, lora_targets
 from tessera.config.errors import ConfigError
-from tessera.config.lora import LoRAConfig, lora_targets
 from tessera.config.schema import load_config
 from tessera.models import Transformer
 from tessera.models.lora import adapter_parameter_names, add_adapters
@@ -155,6 +155,8 @@ def test_modules_to_save_train_whole_beside_the_adapters(small_dataset, tmp_path
      r"parallel.tp=2 is invalid: 1 with train.lora.quantize_base='int8' \(a quantized base trains in one process\)"),
     ({"train.lora.rank": 4, "train.eagle.target": "somewhere"}, r"train.eagle.target='somewhere' is invalid: null "
      r"with train.lora"),
+    ({"train.lora.rank": 4, "train.objective": "dpo", "data.kind": "preference"},
+     r"train.objective='dpo' is invalid: lm with train.lora"),
 ])
 def test_what_cannot_be_adapted_is_refused_by_name(tmp_path, setting, message):
     if "train.lora.target_modules" in setting:

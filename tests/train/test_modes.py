@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 from tessera.config.schema import load_config
+from tessera.train.modes.dpo import DPOStep
 from tessera.train.modes.eagle import EagleStep
 from tessera.train.modes.registry import MODES, training_mode
 from tessera.train.steps.step_engine import StepEngine
@@ -21,7 +22,8 @@ def test_the_config_chooses_the_mode_and_the_language_model_mode_is_the_default(
     assert training_mode(eagle).name == "eagle"
 
 
-def test_the_eagle_step_engine_has_the_interface_with_its_signatures():
-    for name in METHODS:
-        want = list(inspect.signature(getattr(StepEngine, name)).parameters)
-        assert list(inspect.signature(getattr(EagleStep, name)).parameters) == want, name
+def test_the_eagle_and_dpo_step_engines_have_the_interface_with_its_signatures():
+    for engine in (EagleStep, DPOStep):
+        for name in METHODS:
+            want = list(inspect.signature(getattr(StepEngine, name)).parameters)
+            assert list(inspect.signature(getattr(engine, name)).parameters) == want, (engine, name)

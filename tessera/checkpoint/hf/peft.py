@@ -1,4 +1,4 @@
-"""A LoRA run's checkpoint (train.lora, tessera.config.lora) as a PEFT adapter directory, or merged into
+"""A LoRA run's checkpoint (train.lora, tessera.config.adapters.lora) as a PEFT adapter directory, or merged into
 a HuggingFace directory: `tessera convert RUN OUT --lora-adapter` / `--merge-lora`.
 
     write_peft_adapter("runs/sft-lora", "out/adapter")          # adapter_config.json + adapter_model.safetensors
@@ -7,7 +7,7 @@ a HuggingFace directory: `tessera convert RUN OUT --lora-adapter` / `--merge-lor
 The adapter directory is what `peft.PeftModel.from_pretrained(base, DIR)` loads over the HuggingFace
 base (`train.init_from`), what vLLM's LoRA loader reads and `tessera serve BASE --lora NAME=DIR` serves
 (tessera.infer.runner.lora reads the same names): PEFT's names, `base_model.model.` + the HuggingFace
-module (the family registry's, tessera.config.lora.lora_targets) + `.lora_A.weight` / `.lora_B.weight`,
+module (the family registry's, tessera.config.adapters.lora.lora_targets) + `.lora_A.weight` / `.lora_B.weight`,
 and a module of `modules_to_save` under its HuggingFace name, as `PeftModel.save_pretrained` writes
 them. `target_modules` lists the short names the run adapted (never `all-linear`, which PEFT would
 also apply to layers the run left alone, such as routed experts). Only the adapters' tensors are read
@@ -32,9 +32,9 @@ from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config, stored_run_config
 from tessera.checkpoint.dcp.shards import load_checkpoint_shards
 from tessera.checkpoint.hf.names import check_exportable, hf_names
+from tessera.config.adapters.lora import SAVED_MODULES, LoRAConfig, lora_targets
 from tessera.config.dataclass_build import build_dataclass
 from tessera.config.errors import CheckpointError
-from tessera.config.lora import SAVED_MODULES, LoRAConfig, lora_targets
 from tessera.config.model import ModelConfig
 from tessera.models.lora import FACTORS, adapted_layers, add_adapters, merged_delta
 from tessera.models.quantized import quantize_model

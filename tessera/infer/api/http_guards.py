@@ -7,8 +7,10 @@
 - `BodyLimit`: refuses a request body over `max_bytes` with 413, from `Content-Length` before a
   byte of the body is read, or as soon as a chunked body passes the limit. The body it lets
   through is handed to the app in one piece.
-- `APIKeyCheck`: `/v1` routes and `/metrics` need `Authorization: Bearer <key>`; `/health`
-  stays open for liveness probes.
+- `APIKeyCheck`: `/v1` routes and `/metrics` need `Authorization: Bearer <key>` or `x-api-key: <key>`
+  (the header Anthropic's clients send); `/health` stays open for liveness probes.
+
+A refusal is an OpenAI-style error body, or Anthropic's on the Messages API's path (anthropic_output.py).
 
 Each is a plain ASGI wrapper, not Starlette's BaseHTTPMiddleware, which would hide client
 disconnects from the streaming handlers.
@@ -21,16 +23,22 @@ import ipaddress
 import json
 
 from tessera.config.errors import ConfigError
-from tessera.infer.api.openai_protocol import error_body
+from tessera.infer.api import anthropic_output, openai_protocol
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20  # 8 MiB: a 128k-token prompt as text or as ids fits easily
 
 
-def _reply(message: str, status: int):
-    """An ASGI app answering an OpenAI-style JSON error (kept free of web-framework imports, so
-    that `tessera --help` does not load one)."""
-    body = json.dumps(error_body(message, status)).encode()
+def error_body(path: str, message: str, status: int) -> dict:
+    """The error object of the API served at `path`: Anthropic's on the Messages API's, else OpenAI's."""
+    api = anthropic_output if path == anthropic_output.MESSAGES_PATH else openai_protocol
+    return api.error_body(message, status)
+
+
+def _reply(message: str, status: int, path: str = ""):
+    """An ASGI app answering a JSON error in the shape of the API at `path` (kept free of web-framework
+    imports, so that `tessera --help` does not load one)."""
+    body = json.dumps(error_body(path, message, status)).encode()
 
     async def app(_scope, _receive, send) -> None:
         await send({"type": "http.response.start", "status": status,
@@ -81,8 +89,8 @@ class HostCheck:
         if scope["type"] == "http":
             header = dict(scope["headers"]).get(b"host", b"")
             if host_name(header) not in self.allowed:
-                await _reply("this server does not answer to that Host header (see --allowed-hosts)", 400)(
-                    scope, receive, send)
+                await _reply("this server does not answer to that Host header (see --allowed-hosts)", 400,
+                             scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -93,9 +101,9 @@ class BodyLimit:
     def __init__(self, app, max_bytes: int, path_limits: dict[str, int] | None = None):
         self.app, self.max_bytes, self.path_limits = app, max_bytes, path_limits or {}
 
-    def _too_large(self, limit: int):
+    def _too_large(self, limit: int, path: str):
         return _reply(f"request body is larger than the server's limit of {limit} bytes "
-                      "(--max-request-bytes)", 413)
+                      "(--max-request-bytes)", 413, path)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -104,7 +112,7 @@ class BodyLimit:
         limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._too_large(limit)(scope, receive, send)
+            await self._too_large(limit, scope.get("path", ""))(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
@@ -113,7 +121,7 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             if size > limit:
-                await self._too_large(limit)(scope, receive, send)
+                await self._too_large(limit, scope.get("path", ""))(scope, receive, send)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -132,15 +140,21 @@ class BodyLimit:
 
 class APIKeyCheck:
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+
+    def authorised(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether `Authorization: Bearer <key>` or `x-api-key: <key>` carries the key (both compared
+        in constant time, whichever is sent)."""
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+        header = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        return bearer or header
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                await _reply("missing or wrong API key (send 'Authorization: Bearer <key>')", 401)(
-                    scope, receive, send)
+            if not self.authorised(dict(scope["headers"])):
+                await _reply("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                             401, path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -10,30 +10,40 @@ image token there. `MediaPolicy.fetch` reads the bytes of one url, as vLLM's opt
 - `file://` URLs only under `allowed_local_media_path` (vLLM's `--allowed-local-media-path`; off by
   default), the path resolved (links followed) before the check;
 - `http://` / `https://` only from hosts named in `allowed_media_domains` (vLLM's
-  `--allowed-media-domains`; none by default), within `fetch_timeout_s` for the whole body, no
-  redirects, and at most `max_image_bytes` read.
+  `--allowed-media-domains`; none by default), no redirects, at most `max_image_bytes` read, and
+  within `fetch_timeout_s` for the whole fetch: connecting, the answer's head and every byte of its
+  body (a host that trickles bytes is cut off at the deadline, not only one that stops).
 
-Every refusal is a `ProtocolError` (HTTP 400) naming the problem and what is allowed; it quotes the
-client's url shortly and never anything read from the server's files.
+`MediaPolicy.fetch_all` is a coroutine: the server awaits it on its event loop between parsing a
+request and tokenising it (both in worker threads), so a slow image host holds no thread that
+other requests or the engine need. At most `max_fetches` http(s) fetches are in flight at once,
+over all requests; a request that would start one more is refused at once with 503 (it may retry)
+instead of queueing behind them.
+
+Every refusal of the url or of what it holds is a `ProtocolError` (HTTP 400, param `messages`)
+naming the problem and what is allowed; it quotes the client's url shortly and never anything read
+from the server's files.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
-import time
-import urllib.error
+import ssl
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from tessera.infer.api.openai_protocol import ProtocolError
 from tessera.infer.api.quoting import brief
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20  # one image's encoded bytes, whichever way it comes
-DEFAULT_FETCH_TIMEOUT_S = 10.0
+DEFAULT_FETCH_TIMEOUT_S = 10.0  # one http(s) fetch, whole: connect, head and body
+DEFAULT_MAX_FETCHES = 16  # http(s) fetches in flight at once, over all requests
 
 
 def chat_images(body: dict, marker: str) -> tuple[list[dict[str, str]], list[str]]:
@@ -74,32 +84,62 @@ def _part_text(i: int, j: int, part: Any, marker: str, urls: list[str]) -> str:
                         f"'image_url': {{'url': ...}}}}; got type {brief(kind)}", param="messages")
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102 - refuse every redirect
-        raise ProtocolError(f"image url {brief(req.full_url)} redirects ({code}); redirects are not followed",
-                            param="messages")
+def _bad_url(url: str, problem: str, status: int = 400) -> ProtocolError:
+    return ProtocolError(f"image url {brief(url)}: {problem}", status=status, param="messages")
 
 
 @dataclass
 class MediaPolicy:
-    """Where images may come from, and how much of one is read."""
+    """Where images may come from, how much of one is read, and how many are fetched at once."""
 
     allowed_local_media_path: str | None = None  # file:// urls under this directory; None: none
     allowed_media_domains: list[str] = field(default_factory=list)  # http(s) hosts allowed; []: none
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S  # one http(s) fetch, whole
+    max_fetches: int = DEFAULT_MAX_FETCHES  # http(s) fetches in flight at once; past it: 503 at once
+    _in_flight: int = field(default=0, init=False, repr=False)  # touched on the event loop only
+    _tls: ssl.SSLContext | None = field(default=None, init=False, repr=False)
 
-    def fetch(self, url: str) -> bytes:
-        """The encoded bytes of the image at `url` (module docstring: what is allowed)."""
+    async def fetch_all(self, urls: list[str]) -> list[bytes]:
+        """The encoded bytes of the image at each url, in order; every url is checked before any is
+        read (module docstring: what is allowed). Local files are read in a worker thread, http(s)
+        images on the event loop, one after the other."""
+        kinds = [self._check(url) for url in urls]
+        out = []
+        for url, kind in zip(urls, kinds):
+            if kind == "http":
+                out.append(await self._http(url))
+            else:
+                out.append(await asyncio.to_thread(self._data if kind == "data" else self._file, url))
+        return out
+
+    def _check(self, url: str) -> str:
+        """The kind of `url` ("data", "file" or "http") if it is allowed; ProtocolError naming what is
+        wrong with it otherwise (an unparsable url, a NUL in a path, a host or place not allowed)."""
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
-            return self._data(url)
+            return "data"
+        if scheme not in ("file", "http", "https"):
+            raise _bad_url(url, "the scheme must be data:, file: (under --allowed-local-media-path) or http(s): "
+                                "(from --allowed-media-domains)")
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            host, _ = (parsed.hostname or "").lower(), parsed.port  # .port: ValueError when out of range
+        except ValueError as e:
+            raise _bad_url(url, f"not a valid url ({e})") from None
+        if "\0" in url or "\0" in urllib.parse.unquote(parsed.path):
+            raise _bad_url(url, "a NUL character (or %00) has no place in an image url")
         if scheme == "file":
-            return self._file(url)
-        if scheme in ("http", "https"):
-            return self._http(url)
-        raise ProtocolError(f"image url {brief(url)}: the scheme must be data:, file: (under "
-                            "--allowed-local-media-path) or http(s): (from --allowed-media-domains)", param="messages")
+            if self.allowed_local_media_path is None:
+                raise _bad_url(url, "local files are not allowed (the server was started without "
+                                    "--allowed-local-media-path)")
+            if parsed.netloc not in ("", "localhost"):
+                raise _bad_url(url, "a file: url names no host")
+            return "file"
+        if host not in {d.lower() for d in self.allowed_media_domains}:
+            raise _bad_url(url, f"host {brief(host)} is not in --allowed-media-domains "
+                                f"({', '.join(self.allowed_media_domains) or 'none allowed'})")
+        return "http"
 
     def _too_big(self, url: str) -> ProtocolError:
         return ProtocolError(f"image {brief(url)} is larger than {self.max_image_bytes:,} bytes", param="messages")
@@ -116,14 +156,13 @@ class MediaPolicy:
             raise ProtocolError("the data: image url holds invalid base64", param="messages") from None
 
     def _file(self, url: str) -> bytes:
-        if self.allowed_local_media_path is None:
-            raise ProtocolError(f"image url {brief(url)}: local files are not allowed (the server was started "
-                                "without --allowed-local-media-path)", param="messages")
-        parsed = urllib.parse.urlparse(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise ProtocolError(f"image url {brief(url)}: a file: url names no host", param="messages")
+        """A file under allowed_local_media_path, the path resolved (links followed) before the check
+        (`_check` has refused the urls that cannot name one)."""
         root = Path(self.allowed_local_media_path).resolve()
-        path = Path(urllib.parse.unquote(parsed.path)).resolve()
+        try:
+            path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
+        except (OSError, RuntimeError, ValueError):  # a link loop, a name too long
+            raise _bad_url(url, "no readable file there") from None
         if not path.is_relative_to(root):
             raise ProtocolError(f"image url {brief(url)} is outside --allowed-local-media-path", param="messages")
         try:
@@ -132,43 +171,50 @@ class MediaPolicy:
             with open(path, "rb") as f:
                 data = f.read(self.max_image_bytes + 1)
         except OSError:
-            raise ProtocolError(f"image url {brief(url)}: no readable file there", param="messages") from None
+            raise _bad_url(url, "no readable file there") from None
         if len(data) > self.max_image_bytes:
             raise self._too_big(url)
         return data
 
-    def _http(self, url: str) -> bytes:
-        host = (urllib.parse.urlparse(url).hostname or "").lower()
-        if host not in {d.lower() for d in self.allowed_media_domains}:
-            raise ProtocolError(f"image url {brief(url)}: host {brief(host)} is not in --allowed-media-domains "
-                                f"({', '.join(self.allowed_media_domains) or 'none allowed'})", param="messages")
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)  # the named host itself
+    async def _http(self, url: str) -> bytes:
+        """The body at `url`, fetched within fetch_timeout_s in all, in one of max_fetches slots."""
+        if self._in_flight >= self.max_fetches:
+            raise _bad_url(url, f"the server is fetching {self._in_flight} images already (at most {self.max_fetches} "
+                                "at once: --max-media-fetches); retry later", status=503)
+        self._in_flight += 1
         try:
-            with opener.open(url, timeout=self.fetch_timeout_s) as response:
-                length = response.headers.get("Content-Length")
-                if length is not None and length.isdigit() and int(length) > self.max_image_bytes:
-                    raise self._too_big(url)
-                data = self._read(response, url, time.monotonic() + self.fetch_timeout_s)
+            async with asyncio.timeout(self.fetch_timeout_s):
+                return await self._download(url)
+        except TimeoutError:
+            raise _bad_url(url, f"could not be fetched (timed out: not complete within {self.fetch_timeout_s:g} s, "
+                                "--media-fetch-timeout)") from None
         except ProtocolError:
             raise
-        except urllib.error.HTTPError as e:
-            raise ProtocolError(f"image url {brief(url)} answered HTTP {e.code}", param="messages") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = "timed out" if "timed out" in str(e) else type(e).__name__
-            raise ProtocolError(f"image url {brief(url)} could not be fetched ({reason})", param="messages") from None
-        return data
+        except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as e:
+            reason = "timed out" if isinstance(e, httpx.TimeoutException) else type(e).__name__
+            raise _bad_url(url, f"could not be fetched ({reason})") from None
+        finally:
+            self._in_flight -= 1
 
-    def _read(self, response, url: str, deadline: float) -> bytes:
-        """The body, at most max_image_bytes of it, read before `deadline` (a server that sends slowly
-        is cut off, not only one that stops)."""
-        chunks, size = [], 0
-        while True:
-            if time.monotonic() > deadline:
-                raise ProtocolError(f"image url {brief(url)} could not be fetched (timed out)", param="messages")
-            chunk = response.read(min(1 << 16, self.max_image_bytes + 1 - size))
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > self.max_image_bytes:
+    async def _download(self, url: str) -> bytes:
+        """GET `url` from the host itself (no proxy from the environment), refusing redirects and
+        bodies over max_image_bytes; the bytes as sent (no content decoding asked for or done)."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        async with httpx.AsyncClient(verify=self._tls, trust_env=False, follow_redirects=False,
+                                     timeout=self.fetch_timeout_s) as client, \
+                client.stream("GET", url, headers={"accept-encoding": "identity"}) as response:
+            if 300 <= response.status_code < 400:
+                raise _bad_url(url, f"redirects ({response.status_code}); redirects are not followed")
+            if response.status_code >= 400:
+                raise _bad_url(url, f"answered HTTP {response.status_code}")
+            length = response.headers.get("content-length", "")
+            if length.isascii() and length.isdigit() and int(length) > self.max_image_bytes:
                 raise self._too_big(url)
+            chunks, size = [], 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > self.max_image_bytes:
+                    raise self._too_big(url)
+                chunks.append(chunk)
+            return b"".join(chunks)

@@ -8,14 +8,21 @@ before the completion, and with `logprobs` the prompt's tokens before the comple
 logprobs object (`openai_logprobs`). When streaming, the echo comes with the choice's first chunk,
 and each chunk carries the log-probabilities of the tokens its step produced (whose text may come
 in a later chunk, when the stop-string check holds it back).
+
+A chat request whose output is read (a reasoning parser, or tools whose calls are read: the agent
+turn's plan, tessera/infer/agents/turn_plan.py) answers with the turn's reasoning, content and tool
+calls (`openai_tools`), whole or delta by delta, and usage counts its reasoning tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from tessera.infer.agents.turn_output import TurnDecoder
+from tessera.infer.agents.turn_plan import TurnPlan
 from tessera.infer.api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
-from tessera.infer.api.openai_protocol import choice
+from tessera.infer.api.openai_protocol import choice, usage
+from tessera.infer.api.openai_tools import chat_delta, chat_message, usage_details
 from tessera.infer.engine.sequence import RequestOutput
 from tessera.infer.sampling.params import SamplingParams
 
@@ -32,10 +39,13 @@ class Choices:
     text to echo (None: no echo)."""
 
     def __init__(self, chat: bool, params: SamplingParams, n: int, prompts: list[list[int]],
-                 echoes: list[str] | None, texts: TokenTexts):
+                 echoes: list[str] | None, texts: TokenTexts, turn: TurnPlan | None = None):
         self.chat, self.params, self.n, self.prompts, self.echoes, self.texts = chat, params, n, prompts, echoes, texts
         self.offsets: dict[int, int] = {}  # streamed completions: where the next token's text starts
         self.started: set[int] = set()
+        self.turn = turn if turn is not None and turn.reads_output else None  # None: the output is all content
+        self.decoders: dict[int, TurnDecoder] = {}
+        self.reasoning_tokens = 0
 
     def _echo(self, index: int, out: RequestOutput) -> tuple[str, list]:
         """The echoed text and logprobs entries of choice `index` (nothing without echo)."""
@@ -58,6 +68,11 @@ class Choices:
         """A finished choice of a response that is not streamed."""
         echo_text, echoed = self._echo(index, out)
         logprobs = self._logprobs(index, echoed, out.logprobs or [], 0)
+        if self.turn is not None:
+            read = self.turn.output(out)
+            self.reasoning_tokens += read.reasoning_tokens
+            return {"index": index, "message": chat_message(read, self.turn.reads_reasoning), "logprobs": logprobs,
+                    "finish_reason": read.finish_reason}
         return choice(index, echo_text + out.text, out.finish_reason, self.chat, stream=False, logprobs=logprobs)
 
     def chunk(self, index: int, out: RequestOutput) -> dict | None:
@@ -71,4 +86,26 @@ class Choices:
         logprobs = self._logprobs(index, echoed, new, self.offsets.get(index, 0))
         if logprobs is not None and not self.chat:
             self.offsets[index] = text_length(logprobs) or self.offsets.get(index, 0)
+        if self.turn is not None:
+            return self._turn_chunk(index, out, logprobs)
         return choice(index, echo_text + out.delta, out.finish_reason, self.chat, True, logprobs=logprobs)
+
+    def _turn_chunk(self, index: int, out: RequestOutput, logprobs: dict | None) -> dict | None:
+        decoder = self.decoders.setdefault(index, self.turn.decoder())
+        read = decoder.step(out)
+        if out.finished:
+            self.reasoning_tokens += decoder.reasoning_tokens
+        if not (read or logprobs):
+            return None
+        return {"index": index, "delta": chat_delta(read), "logprobs": logprobs, "finish_reason": read.finish_reason}
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field whose constraint decoding follows: the tools' where calls are constrained."""
+        return "tools" if self.turn is not None and self.turn.guided_grammar is not None else "response_format"
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The request's usage, with its reasoning tokens where a reasoning parser reads them."""
+        use = usage(prompt_tokens, completion_tokens)
+        return usage_details(use, self.reasoning_tokens) if self.turn is not None and self.turn.reads_reasoning \
+            else use

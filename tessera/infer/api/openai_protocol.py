@@ -154,7 +154,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     bias = _field(body, "logit_bias", dict, {})
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 12):
+        # ASCII digits only: str.isdigit() also takes "²" and other digits that int() refuses
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
             raise ProtocolError(f"'logit_bias' keys must be token ids (non-negative integers), got {brief(key)}",
                                 param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, _NUMBER):

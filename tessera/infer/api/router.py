@@ -12,8 +12,13 @@ answers an error, or the import fails, the decode instance computes the prompt i
 decode instance, which says what is wrong with it. GET /v1/models and /health are the decode
 instance's; /metrics is the router's own.
 
-The client's Authorization header is passed on to both instances: give the three processes the same
-`--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
+Each call to an instance has deadlines (connect, response head, whole answer); a missed one is a
+504, an instance that cannot be reached or breaks off its answer a 502, each naming the instance; a
+streamed answer broken off ends with an error event. A request that comes back to the router (its
+`--decode` or `--prefill` leading back to it) is a 508 (router_relay.py).
+
+The client's Authorization (or x-api-key) header is passed on to both instances: give the three
+processes the same `--api-key`. The router has the server's guards (Host allow-list, body limit, API key). The KV
 transfer itself is authenticated apart from the API key (kv_peer.py): the router signs its prefill
 requests with the KV peer secret the three processes share, and the decode instance takes only
 blocks the prefill instance made with it; the router needs the secret to start.
@@ -21,17 +26,25 @@ blocks the prefill instance made with it; the router needs the secret to start.
 
 from __future__ import annotations
 
-import json
 import logging
+import urllib.parse
 from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import PlainTextResponse, Response
 
-from tessera.config.errors import ConfigError
-from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+from tessera.config.errors import ConfigError, RequestError
+from tessera.config.json_text import parse_json
+from tessera.infer.api.http_guards import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIKeyCheck,
+    BodyLimit,
+    HostCheck,
+    check_api_key,
+    is_loopback,
+)
+from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, relay
 from tessera.infer.scheduling.kv_peer import PEER_SIGNATURE_HEADER, require_peer_secret, sign_prefill_request
 
 log = logging.getLogger("tessera.router")
@@ -55,20 +68,40 @@ class RouterCounters:
 
 
 def _upstream(url: str, option: str) -> str:
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{option} {url!r} is invalid: an http:// or https:// URL of a `tessera serve` instance")
+    allowed = "an http:// or https:// URL of a `tessera serve` instance, with a port in 1..65535 if any"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{option} {url!r} is invalid: {allowed}")
     return url.rstrip("/")
+
+
+def check_backends(prefill_url: str, decode_url: str, host: str, port: int) -> None:
+    """ConfigError for a backend URL that is invalid or is the router's own address (`host`:`port`,
+    as it binds them), before the router listens: a router forwarding to itself is a loop."""
+    everywhere = host in ("0.0.0.0", "::", "")
+    for url, option in ((prefill_url, "--prefill"), (decode_url, "--decode")):
+        parts = urllib.parse.urlsplit(_upstream(url, option))
+        target = parts.port or (443 if parts.scheme == "https" else 80)
+        same_host = parts.hostname == host or (is_loopback(parts.hostname) and (everywhere or is_loopback(host)))
+        if port and target == port and same_host:
+            raise ConfigError(f"{option} {url} is this router's own address (it listens on {host}:{port}): give the "
+                              "URL of a `tessera serve` instance")
 
 
 def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30.0, api_key: str | None = None,
                   allowed_hosts: frozenset[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                  answer_timeout: float = 600.0, kv_peer_secret: bytes | None = None) -> FastAPI:
+                  kv_peer_secret: bytes | None = None, deadlines: Deadlines | None = None) -> FastAPI:
+    """The router's app; `deadlines` bound each call to an instance (router_relay.py)."""
     check_api_key(api_key)
     if not prefill_timeout > 0:
         raise ConfigError(f"--prefill-timeout {prefill_timeout} is invalid: must be > 0 seconds")
     prefill, decode = _upstream(prefill_url, "--prefill"), _upstream(decode_url, "--decode")
-    routes = _Routes(prefill, decode, prefill_timeout, answer_timeout, require_peer_secret(kv_peer_secret,
-                                                                                           "tessera router"))
+    routes = _Routes(prefill, decode, prefill_timeout, deadlines or Deadlines(), require_peer_secret(kv_peer_secret,
+                                                                                      "tessera router"))
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:
@@ -93,32 +126,29 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
 
 
 def _auth(request: Request) -> dict[str, str]:
-    value = request.headers.get("authorization")
-    return {"authorization": value} if value else {}
-
-
-def _unreachable(e: Exception, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"message": f"decode instance unreachable: {type(e).__name__}",
-                                   "type": "server_error", "code": status}}, status_code=status)
+    """The client's API key headers (either the guard takes), to pass on."""
+    return {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
 
 
 class _Routes:
-    def __init__(self, prefill: str, decode: str, prefill_timeout: float, answer_timeout: float, kv_key: bytes):
-        self.prefill, self.decode, self.prefill_timeout = prefill, decode, prefill_timeout
+    def __init__(self, prefill: str, decode: str, prefill_timeout: float, deadlines: Deadlines, kv_key: bytes):
+        self.prefill, self.decode, self.prefill_timeout, self.deadlines = prefill, decode, prefill_timeout, deadlines
         self.kv_key = kv_key  # the KV peer secret: signs the requests to the prefill instance
-        self.counters = RouterCounters()
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(answer_timeout, connect=prefill_timeout))
+        self.counters, self.loops = RouterCounters(), LoopGuard()
+        # reads are bounded by `relay`'s deadlines; a connection by the connect deadline
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=deadlines.connect_s))
 
     async def prefill_first(self, endpoint: str, raw: bytes, headers: dict[str, str]) -> bool:
         """Steps 1-2; False when the decode instance has to compute the prompt itself."""
         try:
-            inner = json.loads(raw)
-        except ValueError:
+            inner = parse_json(raw, "request body", RequestError)  # the decode instance says what is wrong
+        except RequestError:
             return False
         if not isinstance(inner, dict):
             return False
         try:
-            body = json.dumps({"endpoint": endpoint, "request": inner}).encode()
+            # the client's bytes as they came (written back from `inner`, a deep document could break json.dumps)
+            body = b'{"endpoint": "' + endpoint.encode() + b'", "request": ' + raw + b"}"
             r = await self.client.post(f"{self.prefill}/v1/kv/prefill", content=body, timeout=self.prefill_timeout,
                                        headers={**headers, "content-type": "application/json",
                                                 PEER_SIGNATURE_HEADER: sign_prefill_request(self.kv_key, body)})
@@ -137,7 +167,9 @@ class _Routes:
         return True
 
     async def generate(self, request: Request, endpoint: str, path: str) -> Response:
-        raw, headers = await request.body(), _auth(request)
+        if (loop := self.loops.refusal(request)) is not None:
+            return loop
+        raw, headers = await request.body(), {**_auth(request), **self.loops.headers(request)}
         self.counters.requests += 1
         if await self.prefill_first(endpoint, raw, headers):
             self.counters.prefilled += 1
@@ -145,20 +177,16 @@ class _Routes:
             self.counters.fallbacks += 1
         upstream = self.client.build_request("POST", f"{self.decode}{path}", content=raw,
                                              headers={**headers, "content-type": "application/json"})
-        try:
-            answer = await self.client.send(upstream, stream=True)
-        except httpx.HTTPError as e:
-            return _unreachable(e, 502)
-        return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
-                                 media_type=answer.headers.get("content-type"),
-                                 background=BackgroundTask(answer.aclose))
+        return await relay(self.client, upstream, f"decode instance {self.decode}", self.deadlines)
 
     async def passthrough(self, request: Request) -> Response:
+        if (loop := self.loops.refusal(request)) is not None:
+            return loop
         try:
-            r = await self.client.get(f"{self.decode}{request.url.path}", headers=_auth(request),
-                                      timeout=self.prefill_timeout)
+            r = await self.client.get(f"{self.decode}{request.url.path}", timeout=self.prefill_timeout,
+                                      headers={**_auth(request), **self.loops.headers(request)})
         except httpx.HTTPError as e:
-            return _unreachable(e, 503)
+            return backend_error(f"decode instance {self.decode} is unreachable ({type(e).__name__})", 503)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
     async def metrics(self, _request: Request) -> Response:

@@ -2,22 +2,29 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with server-sent events when
 `"stream": true`; their sampling fields in `openai_protocol`, the choices of a request, `n` per
-prompt, with their log-probabilities in `openai_choices`), GET /v1/models, GET /health, GET /metrics
+prompt, with their log-probabilities in `openai_choices`, collected or streamed by `openai_answers`;
+a chat's tools, tool calls and reasoning in `openai_tools`, over the agent turn of
+tessera/infer/agents/turn_plan.py), POST /v1/responses and GET /v1/responses/{id} (the Responses
+API, over the same agent turn: `responses_route`), POST /v1/messages (Anthropic's Messages API, over
+the same turn and in its own shapes: `anthropic_route`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
 request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
 name of a loaded LoRA adapter.
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
-(413) and, with an API key, `Authorization: Bearer <key>` on every /v1 route and /metrics
-(/health stays open for probes). With `kv_role` (prefill/decode disaggregation, `kv_transfer.py`):
+(413) and, with an API key, `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's
+clients send it) on every /v1 route and /metrics (/health stays open for probes). With `kv_role`
+(prefill/decode disaggregation, `kv_transfer.py`):
 POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instance, behind the same
 guards and, apart from the API key, the KV peer secret (kv_peer.py: a prefill request signed with
 it, a transfer message made with it; 403 otherwise). Bad JSON (also nesting too deep to parse), wrong-typed or
 out-of-range fields, an unknown model or a prompt too long for the context get a 4xx with an
-OpenAI-style error body that never quotes more than a short piece of the request; the engine keeps
-serving. Parsing, chat templates and tokenisation run in worker threads so that a large request
-never stalls the event loop. Runtime adapter loading reads only from the configured adapter
-directories. A client that disconnects has its request aborted, which frees its KV blocks.
+OpenAI-style error body (Anthropic's on /v1/messages) that never quotes more than a short piece of
+the request; the engine keeps serving. Parsing, chat templates and tokenisation run in worker threads
+so that a large request never stalls the event loop; a chat's images are fetched on the event loop
+between them (`media`), so that a slow image host holds no thread another request needs. Runtime
+adapter loading reads only from the configured adapter directories. A client that disconnects has
+its request aborted, which frees its KV blocks.
 /health answers 503 when the engine cannot serve any more (its thread has ended, or a
 tensor-parallel rank failed or exited); `tessera serve` then shuts down with exit status 1.
 """
@@ -25,9 +32,8 @@ tensor-parallel rank failed or exited); `tessera serve` then shuts down with exi
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +43,26 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from tessera.config.errors import ConfigError, ImageError, RequestError, TesseraError
 from tessera.config.json_text import parse_json
 from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
+from tessera.infer.agents.options import AgentOptions
+from tessera.infer.agents.turn_plan import AgentTurns, TurnPlan
+from tessera.infer.api.anthropic_route import serve_messages
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.api.media import MediaPolicy, chat_images
+from tessera.infer.api.openai_answers import collect
+from tessera.infer.api.openai_answers import stream as stream_answer
 from tessera.infer.api.openai_choices import Choices, child_params
 from tessera.infer.api.openai_logprobs import TokenTexts
 from tessera.infer.api.openai_protocol import (
     ProtocolError,
-    choice,
     choices_per_prompt,
-    chunk_object,
-    completion_object,
     error_body,
     new_id,
     prompts_of,
     sampling_params,
-    usage,
 )
+from tessera.infer.api.openai_tools import chat_turn
 from tessera.infer.api.quoting import brief
+from tessera.infer.api.responses_route import add_responses_routes
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sequence import RequestOutput
@@ -103,12 +112,14 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                allow_lora_loading: bool = False,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None,
-               media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None) -> FastAPI:
+               media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None,
+               agents: AgentOptions | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
     Host header; `media` says where chat images may come from (None: data: URLs only); `kv_role`
-    needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py)."""
+    needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py); `agents`: how tool
+    calls and reasoning are read (None: `AgentOptions()`, neither)."""
     check_api_key(api_key)
     if kv_role is not None:
         require_peer_secret(kv_peer_secret, f"kv_role={kv_role!r}")
@@ -117,7 +128,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} is invalid: must be >= 1")
     routes = _Routes(loop, model_name, allow_lora_loading, [Path(d) for d in lora_dirs], media or MediaPolicy(),
-                     kv_peer_secret or b"")
+                     kv_peer_secret or b"", agents or AgentOptions())
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
@@ -129,14 +140,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
 
-    @app.exception_handler(ProtocolError)
-    async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
-        return _error(str(e), e.status, e.param)
-
-    @app.exception_handler(TesseraError)
-    async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
-        return _error(str(e), 400)
-
+    _answer_errors(app)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -149,6 +153,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
 
     post("/v1/completions", "completions", routes.run, chat=False)
     post("/v1/chat/completions", "chat_completions", routes.run, chat=True)
+    add_responses_routes(app, routes)  # POST /v1/responses, GET /v1/responses/{id} (responses_route.py)
+    post("/v1/messages", "messages", lambda request: serve_messages(routes, request))
     if kv_role == "prefill":
         post("/v1/kv/prefill", "kv_prefill", routes.kv_prefill)
     elif kv_role == "decode":
@@ -158,16 +164,33 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     return app
 
 
+def _answer_errors(app: FastAPI) -> None:
+    """A refused request's answer: its status (400 unless the error says) naming its field."""
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(_request: Request, e: ProtocolError) -> JSONResponse:
+        return _error(str(e), e.status, e.param)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, e: RequestError) -> JSONResponse:
+        return _error(str(e), 400, e.field)  # a field the request spells (the agent turn's refusals)
+
+    @app.exception_handler(TesseraError)
+    async def tessera_error(_request: Request, e: TesseraError) -> JSONResponse:
+        return _error(str(e), 400)
+
+
 class _Routes:
     """The handlers of the routes, around the engine thread `loop`."""
 
     def __init__(self, loop: EngineLoop, model_name: str, allow_lora_loading: bool, roots: list[Path],
-                 media: MediaPolicy, kv_key: bytes):
+                 media: MediaPolicy, kv_key: bytes, agents: AgentOptions):
         self.loop, self.engine, self.model_name, self.media = loop, loop.engine, model_name, media
         self.kv_key = kv_key  # the KV peer secret (b"": no KV role)
         self.tokenizer = loop.engine.tokenizer
         self.allow_lora_loading, self.roots = allow_lora_loading, roots
         self.max_prompt_chars = self.engine.max_model_len * _longest_token_chars(self.tokenizer)
+        template = None if self.tokenizer is None or self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
+        self.turns = AgentTurns(agents, self.tokenizer, template)  # tools, calls and reasoning of chat turns
 
     async def health(self) -> Response:
         if not self.loop.alive:
@@ -211,24 +234,49 @@ class _Routes:
                                 param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=special)
 
-    def prepare(self, raw: bytes, chat: bool) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
-                                                       list[CheckedRequest]]:
-        """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo)
-        and the checked requests (`n` per prompt, in order) of a request (in a worker thread: JSON
-        parsing, chat templates, fetching images, tokenisation and compiling a schema may take a
-        while). The engine checks each request once, here (`LLMEngine.check_request`); a refusal
-        is a 400 naming the field."""
-        body = _parse_json(raw)
-        adapter = self.adapter_of(body)
+    async def prepared(self, raw: bytes | dict, chat: bool) -> tuple[dict, list[list[int]], SamplingParams,
+                                                                      list[str] | None, list[CheckedRequest],
+                                                                      TurnPlan | None]:
+        """`prepare`'s result for a request body (its bytes, or the document a KV prefill request
+        holds, parsed already: written back as JSON it could be too deep to parse again): parsed (and
+        a chat's images counted) in a worker thread, the images fetched on the event loop
+        (`MediaPolicy.fetch_all`: a slow image host holds no thread that other requests need), the
+        rest in a worker thread again."""
+        body, chat_parts = await asyncio.to_thread(self.parse, raw, chat)
+        blobs = await self.media.fetch_all(chat_parts[1]) if chat_parts else []
+        return await asyncio.to_thread(self.prepare, body, chat_parts, blobs)
+
+    def parse(self, raw: bytes | dict, chat: bool) -> tuple[dict, tuple[list[dict[str, str]], list[str], str] | None]:
+        """The body and, for a chat, its messages as text (each image a marker), the images' urls
+        (their number checked) and the marker."""
+        body = raw if isinstance(raw, dict) else _parse_json(raw)
+        self.adapter_of(body)
+        if not chat:
+            return body, None
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
+        marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
+        messages, urls = chat_images(body, marker)
+        self.check_images(urls)
+        return body, (messages, urls, marker)
+
+    def prepare(self, body: dict, chat_parts: tuple[list[dict[str, str]], list[str], str] | None,
+                blobs: list[bytes]) -> tuple[dict, list[list[int]], SamplingParams, list[str] | None,
+                                             list[CheckedRequest], TurnPlan | None]:
+        """Body, prompt token ids, sampling parameters, the prompts' texts to echo (None: no echo),
+        the checked requests (`n` per prompt, in order) and a chat's agent turn (None for completions)
+        of a request (in a worker thread: chat templates, decoding images, tokenisation and compiling
+        a schema may take a while); a chat comes with `parse`'s parts and its images' bytes. The
+        engine checks each request once, here (`LLMEngine.check_request`); a refusal is a 400 naming
+        the field."""
+        adapter, chat = self.adapter_of(body), chat_parts is not None
         pixels: list = []
+        turn = None
         if chat:
-            if self.tokenizer is None:
-                raise ProtocolError("this model has no tokenizer, so no chat template", param="messages")
-            template = None if self.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
-            marker = f"<tessera-image-{uuid.uuid4().hex}>"  # a client cannot forge an image's place
-            messages, urls = chat_images(body, marker)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
-            pixels = self.images(urls)
+            messages, urls, marker = chat_parts
+            turn = self.turns.prepare(chat_turn(body, messages))  # tools, tool choice, template kwargs
+            text = turn.prompt
+            pixels = self.pixels(urls, blobs)
             prompt_ids, echoes = [self.encode_around(text, marker)], None
         else:
             prompts = prompts_of(body)
@@ -238,6 +286,7 @@ class _Routes:
         try:
             room = engine.max_model_len - max(len(engine.with_images(ids, pixels)[0]) for ids in prompt_ids)
             params = sampling_params(body, default_max_tokens=max(1, room) if chat else 16, chat=chat)
+            params = turn.sampling(params) if turn is not None else params  # the tool-call grammar
             n = choices_per_prompt(body)
             requests = [engine.check_request(ids, child_params(params, j), adapter, pixels)
                         for ids in prompt_ids for j in range(n)]
@@ -247,12 +296,12 @@ class _Routes:
             raise ProtocolError.of(e, chat) from None
         except ConfigError as e:  # the images do not fit their marks (`with_images`)
             raise ProtocolError(str(e), param="messages" if chat else "prompt") from None
-        return body, prompt_ids, params, echoes, requests
+        return body, prompt_ids, params, echoes, requests, turn
 
-    def images(self, urls: list[str]) -> list:
-        """Pixel values of a chat's images: counted against the limit before any is fetched."""
+    def check_images(self, urls: list[str]) -> None:
+        """A chat's images are counted against the limit before any is fetched."""
         if not urls:
-            return []
+            return
         if self.engine.vision is None:
             raise ProtocolError("this model takes no images (it is not a vision-language model); send text parts "
                                 "only", param="messages")
@@ -260,10 +309,13 @@ class _Routes:
             self.engine.config.check_media_count("image", len(urls))
         except RequestError as e:
             raise ProtocolError.of(e, chat=True) from None
+
+    def pixels(self, urls: list[str], blobs: list[bytes]) -> list:
+        """Pixel values of a chat's images (their encoded bytes decoded as untrusted input)."""
         out = []
-        for k, url in enumerate(urls):
+        for k, (url, blob) in enumerate(zip(urls, blobs)):
             try:
-                out.append(self.engine.pixel_values(self.media.fetch(url)))
+                out.append(self.engine.pixel_values(blob))
             except ImageError as e:
                 raise ProtocolError(f"image {k + 1} ({brief(url)}): {e}", param="messages") from None
         return out
@@ -291,7 +343,7 @@ class _Routes:
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     async def run(self, request: Request, chat: bool) -> Response:
-        body, prompt_ids, params, echoes, requests = await asyncio.to_thread(self.prepare, await request.body(), chat)
+        body, prompt_ids, params, echoes, requests, turn = await self.prepared(await request.body(), chat)
         n = choices_per_prompt(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -314,11 +366,11 @@ class _Routes:
         rids = [loop.submit_checked(r, callback_for(k)) for k, r in enumerate(requests)]  # k = prompt x n + choice
         rid = new_id("chatcmpl" if chat else "cmpl")
         name = body.get("model") if isinstance(body.get("model"), str) else self.model_name
-        choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer))
+        choices = Choices(chat, params, n, prompt_ids, echoes, TokenTexts(self.tokenizer), turn)
         if stream:
-            return StreamingResponse(_stream(loop, queue, rids, rid, name, choices, include_usage),
+            return StreamingResponse(stream_answer(loop, queue, rids, rid, name, choices, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, loop, queue, rids, rid, name, choices)
+        return await collect(request, loop, queue, rids, rid, name, choices)
 
     async def kv_prefill(self, request: Request) -> Response:
         """Prefill instance: compute the prompt of `{"endpoint": "completions"|"chat", "request": {...}}`
@@ -333,8 +385,7 @@ class _Routes:
         endpoint, inner = body.get("endpoint"), body.get("request")
         if endpoint not in ("completions", "chat") or not isinstance(inner, dict):
             raise ProtocolError("KV prefill takes {'endpoint': 'completions' or 'chat', 'request': {...}}")
-        _, prompt_ids, _, _, requests = await asyncio.to_thread(self.prepare, json.dumps(inner).encode(),
-                                                             endpoint == "chat")
+        _, prompt_ids, _, _, requests, _ = await self.prepared(inner, endpoint == "chat")
         if requests[0].adapter is not None or len(prompt_ids) != 1:
             raise ProtocolError("KV prefill carries the blocks of one prompt of the base model")
         ids, event_loop = prompt_ids[0], asyncio.get_running_loop()
@@ -385,75 +436,3 @@ class _Routes:
         else:
             await asyncio.wrap_future(self.loop.call(lambda e: e.unload_lora(name)))
         return JSONResponse({"status": "ok", "lora_name": name})
-
-
-async def _collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str,
-                   choices: Choices) -> Response:
-    """Wait for every choice; abort them all if the client goes away first."""
-    done: dict[int, RequestOutput] = {}
-    try:
-        while len(done) < len(rids):
-            try:
-                index, out = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
-            if out.finished:
-                done[index] = out
-    finally:
-        for i, r in enumerate(rids):
-            if i not in done:
-                loop.abort(r)
-    failed = [o for o in done.values() if o.finish_reason == "error"]
-    if failed:
-        return _error(*_failure(failed[0]))
-    outs = [done[i] for i in range(len(rids))]
-    use = usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
-                sum(len(o.token_ids) for o in outs))
-    return JSONResponse(completion_object(rid, name, [choices.final(i, o) for i, o in enumerate(outs)], use,
-                                          choices.chat))
-
-
-def _failure(out: RequestOutput) -> tuple[str, int, str | None]:
-    """Message, HTTP status and offending field of a request that failed while generating: 400
-    when its own schema failed in the grammar engine, 500 when the server failed it."""
-    if out.client_error:
-        return f"generation failed: {out.error}", 400, "response_format"
-    return f"generation failed: {out.error}", 500, None
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
-async def _stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: str, name: str, choices: Choices,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per step with new text, the finish reason last, then [DONE]."""
-    finished: set[int] = set()
-    prompt_tokens = completion_tokens = 0
-    chat = choices.chat
-    try:
-        if chat:
-            for i in range(len(rids)):
-                yield _sse(chunk_object(rid, name, [choice(i, "", None, chat, True, first=True)], chat))
-        while len(finished) < len(rids):
-            index, out = await queue.get()
-            if out.finish_reason == "error":
-                finished.add(index)
-                yield _sse(error_body(*_failure(out)))  # the status line said 200 already
-                continue
-            c = choices.chunk(index, out)
-            if c is not None:
-                yield _sse(chunk_object(rid, name, [c], chat))
-            if out.finished:
-                finished.add(index)
-                prompt_tokens += out.prompt_tokens if index % choices.n == 0 else 0
-                completion_tokens += len(out.token_ids)
-        if include_usage:
-            yield _sse(chunk_object(rid, name, [], chat, usage(prompt_tokens, completion_tokens)))
-        yield _sse("[DONE]")
-    finally:
-        for i, r in enumerate(rids):
-            if i not in finished:
-                loop.abort(r)

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 
-from tessera.infer.api.openai_protocol import error_body
+from tessera.infer.api.http_guards import error_body
 
 log = logging.getLogger("tessera.serve")
 SHUTTING_DOWN = "the server is shutting down: the request did not finish within its graceful shutdown"
@@ -46,14 +46,15 @@ class EndCancelledRequests:
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
             log.warning("%s %s cancelled: %s", scope.get("method", ""), scope.get("path", ""), SHUTTING_DOWN)
-            await _end(send, sent)
+            await _end(send, sent, scope.get("path", ""))
 
 
-async def _end(send, sent: dict) -> None:
-    """A 503 when nothing was sent, the end of the body when a response started but did not end."""
+async def _end(send, sent: dict, path: str) -> None:
+    """A 503 (in the shape of the API at `path`) when nothing was sent, the end of the body when a
+    response started but did not end."""
     try:
         if not sent["started"]:
-            body = json.dumps(error_body(SHUTTING_DOWN, 503)).encode()
+            body = json.dumps(error_body(path, SHUTTING_DOWN, 503)).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})

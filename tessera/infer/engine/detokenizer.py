@@ -4,7 +4,8 @@ The completion text is re-decoded from all completion tokens (so multi-token cha
 byte-level merges come out right), and only the part that can no longer change is released:
 text ending in an incomplete UTF-8 sequence (U+FFFD) is held back, and so are the last
 `len(longest stop string) - 1` characters, which could still turn out to start a stop string.
-When a stop string appears, the text is cut before it and generation stops.
+When a stop string appears, the text is cut before it and generation stops; `matched` says which
+(the one that starts first: the Messages API answers it as `stop_sequence`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded text, cut at a stop string once one is found
         self.sent = 0  # characters of `text` already released
         self.stopped = False
+        self.matched: str | None = None  # the stop string the text was cut at
 
     def add(self, token_id: int) -> bool:
         """Append one token; True when the text now contains a stop string (generation must stop)."""
@@ -36,9 +38,10 @@ class IncrementalDetokenizer:
         self.text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if self.stop:
             search_from = max(0, min(before, len(self.text)) - self.hold)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                at, self.matched = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[:at]
                 self.stopped = True
         return self.stopped
 

@@ -181,7 +181,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)",
                                field="stop")
-        return self.grammars.matcher(params.response_format)  # an invalid schema is refused here, before queueing
+        # an invalid schema or grammar is refused here, before queueing
+        if params.guided_grammar is not None:
+            return self.grammars.lark_matcher(params.guided_grammar)
+        return self.grammars.matcher(params.response_format)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
                       images: list[np.ndarray] | None = None) -> CheckedRequest:

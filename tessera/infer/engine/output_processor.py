@@ -68,7 +68,8 @@ class OutputProcessor:
         detok = self.detokenizers.pop(seq.request_id)
         delta = detok.release(final=True)
         return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
-                             error, client_error, **_logprobs_of(seq))
+                             error, client_error, **_logprobs_of(seq),
+                             stop_string=detok.matched if reason == "stop" else None)
 
 
 def _logprobs_of(seq: Sequence) -> dict:

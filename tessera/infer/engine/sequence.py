@@ -41,6 +41,7 @@ class RequestOutput:
     client_error: bool = False  # the error lies in the request itself (its schema), not in the server
     logprobs: list[TokenLogprobs] | None = None  # of each token of `token_ids`, when the request asks them
     prompt_logprobs: list[TokenLogprobs] | None = None  # of each prompt token after the first, when asked
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"), None for any other end
 
 
 @dataclass

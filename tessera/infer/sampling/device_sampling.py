@@ -41,8 +41,16 @@ def uniform_noise(seeds_B: torch.Tensor, counters_B: torch.Tensor, vocab: int) -
     key = _mix32(_mix32(seeds_B >> 32) ^ (seeds_B & _MASK32))
     key = _mix32(key ^ _mix32(counters_B + 0x9E3779B9))  # [B]
     v = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
-    bits = _mix32(key[:, None] ^ _mix32(v[None, :] * 0x27D4EB2F + 0x165667B1))  # [B, V]
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_mix32(key[:, None] ^ _mix32(v[None, :] * 0x27D4EB2F + 0x165667B1)))  # [B, V]
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit values (int64) as fp32 in (0, 1), never 0 or 1: the top 23 bits and a half, so that every
+    value is exact in fp32's 24-bit mantissa. (With 24 bits, (2^24 - 1 + 0.5) / 2^24 rounds to 1.0:
+    -log(u) = 0 then makes the race of `sample_on_device` infinite for an allowed token, or NaN for a
+    masked one, which argmax picks: once in 2^24 draws per token, so most sampled steps of a large
+    vocabulary had a token chosen at random.)"""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from tessera.config.errors import RequestError
@@ -29,6 +30,9 @@ class SamplingParams:
     `response_format` constrains the output to JSON as in the OpenAI API: `{"type": "json_object"}`
     or `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (see
     `structured_output`); the request then also stops when the document is complete.
+    `guided_grammar` does the same for a grammar in llguidance's Lark syntax, which the server builds
+    for constrained tool calls (`tessera/infer/agents/tool_grammar.py`); not an API field, and never
+    together with `response_format`.
 
     Before temperature and the cuts, the logits are changed as vLLM does (in this order):
     `logit_bias` (token id -> value in [-100, 100]) is added; `repetition_penalty` (HuggingFace's
@@ -58,13 +62,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        self.stop_token_ids = _converted("stop_token_ids", self.stop_token_ids,
+                                         lambda ids: [_token_id(t) for t in ids])
+        self.logit_bias = _converted("logit_bias", self.logit_bias,
+                                     lambda bias: {_token_id(k): float(v) for k, v in dict(bias).items()})
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
              "must be an integer >= 1"),
@@ -89,6 +96,8 @@ class SamplingParams:
              "must be > 0 (1 = off) and at most 1e4"),
             (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()), "logit_bias",
              self.logit_bias, "must map token ids >= 0 to values in [-100, 100]"),
+            (self.guided_grammar is None or self.response_format is None, "response_format", self.response_format,
+             "must be unset when the output is already constrained (to tool calls: tool_choice)"),
         ]
         for ok, key, value, allowed in checks:
             if not ok:
@@ -110,3 +119,25 @@ class SamplingParams:
         """Whether every step must sample exactly one token from the row's own logits (no speculative
         drafts): the logits are changed by the tokens so far, or their log-probabilities are asked."""
         return self.changes_logits or self.logprobs is not None
+
+
+def _token_id(value: object) -> int:
+    """A token id given as an integer (Python's, NumPy's, a 0-d tensor's: anything with __index__)
+    or as a string of the digits 0-9 (a JSON object's key), not as a boolean. str.isdigit() would also
+    take superscripts and other digits ("²") that int() refuses."""
+    if isinstance(value, bool):
+        raise TypeError("a token id is an integer, not a boolean")
+    if isinstance(value, str):
+        if not (value.isascii() and value.isdigit()):
+            raise ValueError(f"a token id is written in the digits 0-9, got {value!r}")
+        return int(value)
+    return operator.index(value)
+
+
+def _converted(key: str, value, convert):
+    """`convert(value)`; RequestError naming `key` when it cannot be converted (a TypeError or ValueError)."""
+    try:
+        return convert(value)
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError(f"{key}={brief(value)} is invalid: token ids must be integers >= 0"
+                           + (" mapped to numbers in [-100, 100]" if key == "logit_bias" else ""), field=key) from None

@@ -1,4 +1,5 @@
-"""Structured output: decoding constrained to a JSON schema, as the OpenAI API's `response_format`.
+"""Structured output: decoding constrained to a JSON schema, as the OpenAI API's `response_format`,
+or to a grammar in llguidance's Lark syntax (`SamplingParams.guided_grammar`: constrained tool calls).
 
 The JSON schema a request's `response_format` asks for (`response_format.schema_of`) is compiled
 into a grammar by llguidance (a Rust library with an Earley parser over the tokenizer's token trie)
@@ -124,21 +125,39 @@ class GrammarCompiler:
         schema = schema_of(response_format)
         if schema is None:
             return None
+
+        def refused(why: str) -> GrammarError:
+            return invalid_format(response_format, f"the schema cannot be compiled: {why}")
+
+        def grammar(llg):
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise invalid_format(response_format, f"json_schema.schema: {str(e)[:300]}") from e
+
+        return self._matcher(json.dumps(schema, sort_keys=True), grammar, refused)
+
+    def lark_matcher(self, guided_grammar: str) -> GrammarMatcher:
+        """A fresh matcher of a grammar in llguidance's Lark syntax (`SamplingParams.guided_grammar`,
+        which the server builds: a tool-call grammar); GrammarError naming `tools` when it does not
+        compile."""
+        return self._matcher("lark:" + guided_grammar, lambda llg: llg.LLMatcher.grammar_from_lark(guided_grammar),
+                             lambda why: GrammarError(f"the tools' grammar cannot be compiled: {why}", "tools"))
+
+    def _matcher(self, key: str, grammar, refused) -> GrammarMatcher:
+        """A copy of the compiled matcher cached under `key`, compiling `grammar(llguidance)` first
+        when there is none; `refused(why)` is the error of a grammar that does not compile."""
         llg = _llguidance()
         tokenizer = self._ll_tokenizer()
-        key = json.dumps(schema, sort_keys=True)
         with self._lock:
             prototype = self._cache.get(key)
             if prototype is not None:
                 self._cache.move_to_end(key)
                 return GrammarMatcher(prototype.deep_copy(), (tokenizer.vocab_size + 31) // 32)
-        try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as e:
-            raise invalid_format(response_format, f"json_schema.schema: {str(e)[:300]}") from e
-        prototype = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=llg.LLParserLimits(verbose_errors=False))
+        prototype = llg.LLMatcher(tokenizer, grammar(llg), log_level=0,
+                                  limits=llg.LLParserLimits(verbose_errors=False))
         if prototype.is_error():
-            raise invalid_format(response_format, f"the schema cannot be compiled: {prototype.get_error()[:300]}")
+            raise refused(prototype.get_error()[:300])
         with self._lock:
             self._cache[key] = prototype
             while len(self._cache) > _CACHED_GRAMMARS:

@@ -39,14 +39,14 @@ def build_lm_mode(ctx: ModeContext) -> ModeParts:
     return ModeParts(
         engine=build_step_engine(cfg, layout, built, distiller), optimizers=built.optimizers,
         full_shapes=built.full_shapes, record=partial(step_record, moe=cfg.model.is_moe),
-        summary=partial(_summary, cfg, layout), closing=partial(_closing, cfg), finish=partial(_export_hf, cfg, layout),
-        loss_scaler=built.loss_scaler,
+        summary=partial(lm_summary, cfg, layout), closing=partial(lm_closing, cfg),
+        finish=partial(export_hf, cfg, layout), loss_scaler=built.loss_scaler,
         # what trains beside the model and is not checkpointed (distillation's projections)
         beside=distiller.optimizers if distiller is not None else [],
         init_from=ctx.init_from, init_bytes_read=built.init_bytes_read, fp8_layers=built.fp8_layers)
 
 
-def _summary(cfg: RunConfig, layout: RunLayout, start_step: int) -> list[str]:
+def lm_summary(cfg: RunConfig, layout: RunLayout, start_step: int) -> list[str]:
     """What is trained, on what layout and data, where it goes; the schedule's warning."""
     lines = startup_summary(cfg, layout.world_size, str(layout.device), cfg.accumulation_steps(layout.dp_size),
                             start_step, layout.backend)
@@ -54,7 +54,7 @@ def _summary(cfg: RunConfig, layout: RunLayout, start_step: int) -> list[str]:
     return lines + ([warning] if warning else [])
 
 
-def _closing(cfg: RunConfig, result: TrainResult) -> tuple[list[str], list[str]]:
+def lm_closing(cfg: RunConfig, result: TrainResult) -> tuple[list[str], list[str]]:
     """The steps trained and the last loss, the checkpoint and what to run next; the stop signal."""
     last = result.records[-1] if result.records else {}
     summary = f"trained steps {result.start_step + 1}..{result.last_step}"
@@ -66,7 +66,7 @@ def _closing(cfg: RunConfig, result: TrainResult) -> tuple[list[str], list[str]]
     return out, [f"stopped by {signal.Signals(result.stopped_by_signal).name}"]
 
 
-def _export_hf(cfg: RunConfig, layout: RunLayout, step: int, checkpoint: Path | None) -> Path | None:
+def export_hf(cfg: RunConfig, layout: RunLayout, step: int, checkpoint: Path | None) -> Path | None:
     """checkpoint.export_hf: rank 0 writes `checkpoint` as a HuggingFace directory, one shard file at a
     time (tessera.checkpoint.hf.export); the other ranks wait, and fail with it if it fails. A run
     that reached train.steps is complete, also when a stop signal came during its last step; a run

@@ -44,6 +44,9 @@ class ModeContext:
     data: TrainingData  # the run's batches (built, not yet drawn from)
     init_from: str | None  # train.init_from on a fresh run; None when resuming (the checkpoint has the weights)
     compile: bool  # train.compile as resolved for this layout (tessera.parallel.compile.resolve_compile)
+    # what samples a GRPO run's completions (train/modes/grpo.py's RolloutSource: the serving engine, which this
+    # layer does not import, so the caller passes it: Trainer(cfg, rollouts=...)); None for the other modes
+    rollouts: Any = None
 
 
 @dataclass

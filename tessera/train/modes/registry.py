@@ -1,6 +1,7 @@
 """The training modes, by name: what the one training loop (trainer.py) trains, chosen by the config.
 
     "eagle"  train.eagle.target set: an EAGLE-3 draft head against a frozen target (train/modes/eagle.py)
+    "dpo"    train.objective=dpo: the model on preference pairs against its frozen initial weights (train/modes/dpo.py)
     "lm"     otherwise: the `model` section's model on the data's next tokens (train/modes/lm.py), with its
              objective terms (MoE auxiliary losses, multi-token prediction, distillation)
 
@@ -34,7 +35,9 @@ Adding a mode (an objective such as preference or RL training, an adapter scheme
 from __future__ import annotations
 
 from tessera.config.schema import RunConfig
+from tessera.train.modes.dpo import build_dpo_mode
 from tessera.train.modes.eagle import build_eagle_mode, configure_eagle
+from tessera.train.modes.grpo import build_grpo_mode
 from tessera.train.modes.lm import build_lm_mode
 from tessera.train.modes.mode import TrainingMode
 
@@ -43,12 +46,22 @@ def _eagle(cfg: RunConfig) -> bool:
     return cfg.train.eagle.target is not None
 
 
+def _dpo(cfg: RunConfig) -> bool:
+    return cfg.train.objective == "dpo"
+
+
+def _grpo(cfg: RunConfig) -> bool:
+    return cfg.train.objective == "grpo"
+
+
 def _always(cfg: RunConfig) -> bool:
     return True
 
 
 MODES: tuple[TrainingMode, ...] = (
     TrainingMode("eagle", _eagle, build_eagle_mode, configure_eagle),
+    TrainingMode("dpo", _dpo, build_dpo_mode),
+    TrainingMode("grpo", _grpo, build_grpo_mode),
     TrainingMode("lm", _always, build_lm_mode),
 )
 

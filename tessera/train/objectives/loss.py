@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from tessera.parallel.vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_loss_sum
 
-__all__ = ["IGNORE_INDEX", "count_loss_tokens", "masked_targets", "micro_batch_objective", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "count_loss_tokens", "masked_targets", "micro_batch_objective", "token_logps",
+           "token_loss_sum"]
 
 
 def masked_targets(targets: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
@@ -54,6 +55,14 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch
     V = logits.shape[-1]
     return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, S] log-probability of each target token under `logits` [B, S, V] (a plain tensor),
+    0 where the target is IGNORE_INDEX: what DPO sums over an answer and a policy gradient weighs."""
+    B, S, V = logits.shape
+    return -F.cross_entropy(logits.float().reshape(B * S, V), targets.reshape(B * S), ignore_index=IGNORE_INDEX,
+                            reduction="none").view(B, S)
 
 
 def micro_batch_objective(loss_sum: torch.Tensor, aux_loss: torch.Tensor, global_loss_tokens: int,

@@ -51,6 +51,10 @@ def _data(cfg: RunConfig) -> str:
     else:
         sources = "the bundled corpus (Python standard library source)"
     tokenizer = d.tokenizer or "the bundled tokenizer"
+    if d.kind == "preference":  # tessera.data.preference: every pair trains
+        return f"{d.kind} pairs from {sources}; tokenizer {tokenizer}; none held out"
+    if d.kind == "prompts":  # tessera.data.prompts: every prompt trains (GRPO)
+        return f"prompts from {sources}; tokenizer {tokenizer}; none held out"
     return (f"{d.kind} on {sources}; tokenizer {tokenizer}; {d.valid_fraction:.0%} of documents held out "
             "for validation")
 
@@ -67,7 +71,9 @@ def startup_summary(cfg: RunConfig, world_size: int, device: str, accumulation: 
     horizon = o.total_steps or t.steps
     steps = f"steps {start_step + 1}..{t.steps}" if start_step else f"{t.steps} steps"
     precision = f"{t.dtype} + FP8 linear layers" if t.fp8 else t.dtype
-    batch = (f"batch: {t.global_batch_size} sequences x {t.seq_len} tokens per step (micro-batch {t.micro_batch_size}"
+    unit = {"preference": "pairs of sequences", "prompts": f"prompts x {t.grpo.group_size} completions"}.get(
+        cfg.data.kind, "sequences")
+    batch = (f"batch: {t.global_batch_size} {unit} x {t.seq_len} tokens per step (micro-batch {t.micro_batch_size}"
              f", {accumulation} accumulated per rank), {steps}, {precision}; lr {o.lr:g} {o.schedule} to {o.min_lr:g} "
              f"over {horizon} steps, warm-up {o.warmup_steps}")
     run = Path(cfg.run_dir)

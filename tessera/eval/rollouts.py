@@ -1,0 +1,129 @@
+"""GRPO's rollouts by Tessera's own serving engine, in the training process (the `RolloutSource` of
+tessera.train.modes.grpo; `tessera train` passes one to the trainer for train.objective=grpo).
+
+    trainer = Trainer(cfg, rollouts=EngineRollouts(cfg))
+
+Made before the trainer, it loads the reward (tessera.eval.rewards: a reward module that does not
+exist stops the run in one line before anything is built) and the run's tokenizer. `bind` gives it
+the policy as the trainer built it:
+
+- in one process (and under dp_replicate, where every rank holds whole tensors) the engine is built
+  around the policy module itself (`LLMEngine.from_model`, not owned: no packing or fusing), so it
+  reads the very parameters the optimizer updates in place: after each step it decodes with the new
+  weights, with no copy and no checkpoint;
+- under dp_shard, where the policy's parameters are shards (DTensors), it keeps a whole copy of the
+  model, and before each rollout phase every rank gathers each parameter (`full_tensor`, a collective
+  over the shards' ranks) into that copy in place.
+
+Each rollout phase builds the engine (its paged KV cache sized for the phase's sequences), adds
+`group_size` requests per prompt (one seeded request per completion, which the engine batches
+continuously, with its prefix cache on), steps it until every
+request has finished, and closes it: the KV cache is released between rollout phases (the training
+step's activations have the memory to themselves) and allocated again for the next one. Every
+request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the raw
+distribution), which the step compares with the trainer's. The completion's text (special tokens
+skipped) is scored by the reward with the record's fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tessera.config.errors import ConfigError, TrainingError
+from tessera.config.schema import RunConfig
+from tessera.data.tokenizer import load_tokenizer
+from tessera.eval.rewards import RewardFn, load_reward, score
+from tessera.infer.config import EngineConfig
+from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.sampling.params import SamplingParams
+from tessera.models.transformer import Transformer
+from tessera.train.modes.grpo import Rollouts
+from tessera.train.run.layout import RunLayout
+
+
+class EngineRollouts:
+    """The serving engine and the reward of a GRPO run (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, reward: RewardFn | None = None):
+        self.cfg, self.g = cfg, cfg.train.grpo
+        self.reward = reward if reward is not None else load_reward(self.g)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.eos_ids = frozenset() if self.tokenizer.eos_id is None else frozenset({self.tokenizer.eos_id})
+        self.model: nn.Module | None = None  # what the engine runs: the policy itself, or its whole copy
+        self.source: nn.Module | None = None  # the sharded policy the copy is gathered from (dp_shard)
+        self.device = torch.device("cpu")
+
+    def bind(self, model: nn.Module, layout: RunLayout) -> None:
+        """Sample with `model`'s weights: shared where its tensors are whole, else gathered each phase."""
+        self.device = layout.device
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            self.source = model
+            with torch.device(self.device):
+                self.model = Transformer(self.cfg.model).requires_grad_(False)
+        else:
+            self.model = model
+
+    def sync(self) -> None:
+        """The copy's parameters gathered from the policy's shards (every rank calls it; none without a copy)."""
+        if self.source is None:
+            return
+        mine = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.source.named_parameters():
+                mine[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+
+    def engine(self, sequences: int) -> LLMEngine:
+        """The engine around the bound model for a phase of `sequences` requests."""
+        if self.model is None:
+            raise ConfigError("EngineRollouts.bind(model, layout) must come before the first rollout")
+        dtype = next(self.model.parameters()).dtype
+        config = EngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(self.device),
+                              max_model_len=min(self.cfg.train.seq_len + 1, self.cfg.model.max_seq_len),
+                              max_num_seqs=max(sequences, 1), enforce_eager=True, cpu_prepack=False,
+                              seed=self.cfg.train.seed)
+        return LLMEngine.from_model(self.model, config, self.tokenizer, self.eos_ids)
+
+    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """`group_size` completions of each prompt, their engine log-probabilities and rewards."""
+        self.sync()
+        G = self.g.group_size
+        start = time.perf_counter()
+        engine = self.engine(len(prompts) * G)
+        try:
+            outputs = _generate(engine, prompts, G, self.g.max_new_tokens, self.g.temperature, seeds)
+        finally:
+            engine.close()
+        seconds = time.perf_counter() - start
+        del engine  # its KV cache goes with it
+        rewards, failures = [], 0
+        for i, out in enumerate(outputs):
+            value, failed = score(self.reward, records[i // G].get("prompt"), out.text, records[i // G])
+            rewards.append(value)
+            failures += failed
+        return Rollouts(completions=[list(o.token_ids) for o in outputs],
+                        engine_logps=[[lp.logprob for lp in o.logprobs] for o in outputs], rewards=rewards,
+                        reward_failures=failures, seconds=seconds)
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
+              temperature: float, seeds: list[int]) -> list[Any]:
+    """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run."""
+    ids = []
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        for j in range(group_size):
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + j, logprobs=0)
+            ids.append(engine.add_request(prompt, params))
+    done: dict[str, Any] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    failed = [o for o in done.values() if o.finish_reason == "error"]
+    if failed:
+        raise TrainingError(f"the serving engine failed a GRPO rollout: {failed[0].error}")
+    return [done[rid] for rid in ids]

@@ -1,0 +1,269 @@
+"""The GRPO mode (train/modes/registry.py, `train.objective: grpo`): Group Relative Policy Optimization
+of the `model` section's model on prompts (data.kind=prompts, tessera.data.prompts), with rollouts
+sampled by Tessera's own serving engine in the same process.
+
+    rollouts = tessera.eval.rollouts.EngineRollouts(cfg)       # the engine and the reward; tessera train makes it
+    trainer = Trainer(cfg, rollouts=rollouts)
+
+The training layer does not import the serving engine (tests/test_layers.py), so the engine comes in
+as a `RolloutSource`: the mode binds it to the policy once it is built (`bind`: the engine then reads
+the policy's own parameters, so after each optimizer step it decodes with the new weights without a
+checkpoint), and each step asks it for `group_size` completions of each of this rank's prompts with
+their rewards and the engine's log-probabilities of the sampled tokens (`Rollouts`).
+
+A step, on each rank for its rows of the global batch (`train.global_batch_size` prompts, each rank
+taking its share, `train.micro_batch_size` prompts a micro-batch): the rollouts; each group's rewards
+normalised into advantages; the policy's log-probabilities of the completions (the logits divided by
+`train.grpo.temperature`, the distribution the engine sampled from) in one forward with the gradient;
+the clipped policy-gradient loss (tessera.train.objectives.policy_gradient: one update per rollout,
+so the sampling policy is the policy itself and its ratio is 1), weighted by the truncated importance
+weights of the engine's log-probabilities against the trainer's (`tis_cap`), plus `kl_coef` x the k3
+KL to a frozen reference (the run's initial weights, built only when kl_coef > 0) and minus
+`entropy_coef` x the entropy. Each micro-batch backpropagates its loss sum divided by the global
+batch's divisor (its completion tokens, or its completions), so every data-parallel layout
+accumulates the one-process gradient.
+
+metrics.jsonl logs, besides an ordinary step's figures, `loss` (the objective), `reward_mean`,
+`reward_std` (over the global batch's completions), `kl` (mean k3 per completion token; 0 without a
+reference), `clip_fraction` (of completion tokens), `response_length` (mean completion tokens),
+`logprob_diff_max`, `logprob_diff_mean` (|engine - trainer| log-probability of the sampled tokens, both
+of the raw distribution), `rollout_tokens_per_s` (completion tokens the engine sampled per second of
+rollout, over the ranks) and `reward_failures` (completions whose reward raised or was not a number,
+scored 0). `loss_tokens` counts completion tokens. There is no evaluation; checkpoints, resuming and
+`checkpoint.export_hf` are a language-model run's (train/modes/lm.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from tessera.config.errors import ConfigError, TrainingError
+from tessera.config.schema import RunConfig
+from tessera.data.batching import Batch
+from tessera.models.model_input import ModelInput
+from tessera.parallel import dp_rows, global_sum
+from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
+from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
+from tessera.train.modes.lm import export_hf, lm_closing, lm_summary
+from tessera.train.modes.mode import ModeContext, ModeParts
+from tessera.train.objectives.loss import IGNORE_INDEX, token_logps
+from tessera.train.objectives.policy_gradient import group_advantages, policy_loss_sum, tis_weights, token_entropy
+from tessera.train.results import StepResult
+from tessera.train.run.layout import RunLayout
+from tessera.train.run.metric_record import step_record
+from tessera.train.steps.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
+from tessera.train.steps.step_stats import StepStats, reduce_over_ranks
+
+
+@dataclass
+class Rollouts:
+    """What a `RolloutSource` returns for P prompts: P x group_size completions, prompt 0's first."""
+
+    completions: list[list[int]]  # each completion's token ids (at least one token)
+    engine_logps: list[list[float]]  # the engine's log-probability of each of them (raw distribution)
+    rewards: list[float]  # each completion's reward (0.0 where the reward failed)
+    reward_failures: int  # completions whose reward raised or gave no finite number
+    seconds: float  # wall-clock seconds the sampling took
+
+
+class RolloutSource(Protocol):
+    """The serving engine as the GRPO step sees it (tessera.eval.rollouts.EngineRollouts)."""
+
+    def bind(self, model: nn.Module, layout: RunLayout) -> None:
+        """Sample with `model`'s current weights from now on (called once, when the policy is built)."""
+
+    def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """`group_size` completions of each prompt (its token ids; `records`: what the reward reads;
+        `seeds`: its completions' sampling seeds are seed, seed + 1, ..., seed + group_size - 1)."""
+
+
+class GRPOStep:
+    """The `StepEngine` of a GRPO run: the policy (its one part), the rollouts and, with kl_coef > 0,
+    the frozen reference; in one process or under dp_replicate / dp_shard (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, layout: RunLayout, built: TrainingParts, reference: nn.Module | None,
+                 rollouts: RolloutSource, position: Callable[[], int]):
+        self.parts = built.parts
+        self.model, self.reference, self.rollout_source = built.parts[0], reference, rollouts
+        self.dims, self.device = layout.dims, layout.device
+        self.mb, self.autocast, self.g = cfg.train.micro_batch_size, built.autocast_dtype, cfg.train.grpo
+        self.seed, self.position = cfg.train.seed, position  # position: samples the run has drawn (resumed too)
+        self.distributed_optimizers = built.distributed_optimizers
+        rollouts.bind(self.model, layout)
+
+    def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
+        """This rank's prompts of the global batch: their token ids, records and sampling seeds (each
+        from the run's seed, the step and the prompt's row in the global batch, so that every layout
+        samples the same completions as one process, and a resumed run those of the straight one)."""
+        n, G = batch.tokens.shape[0], self.g.group_size
+        rows = range(n) if self.dims is None else range(n)[dp_rows(n, self.dims)]
+        records = batch.records or [{} for _ in range(n)]
+        base = hash((self.seed, self.position())) % 2**31  # ints hash the same in every process
+        return ([batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows],
+                [base + r * G for r in rows])
+
+    def _sync_gradients(self, last_micro_batch: bool) -> None:
+        for optimizer in self.distributed_optimizers:
+            optimizer.start_micro_batch(last_micro_batch)
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
+
+    def _micro_batch(self, seqs: torch.Tensor, mask: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor,
+                     divisor: int, micro_batches: int, stats: StepStats) -> torch.Tensor:
+        """Forward and backward of the policy on completions [n, L] (`mask`: completion targets); its
+        loss, clipped, kl and |engine - trainer| sums (fp64) and the largest difference."""
+        g = self.g
+        x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].masked_fill(~mask, IGNORE_INDEX).to(self.device)
+        m, engine = mask.to(self.device), engine.to(self.device)
+        with mixed_precision(self.device, self.autocast):
+            out = self.model(ModelInput(tokens=x))
+        logits = out.logits.float()
+        raw = token_logps(logits, y)  # the distribution the engine reports
+        logps = raw if g.temperature == 1 else token_logps(logits / g.temperature, y)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad(), mixed_precision(self.device, self.autocast):
+                ref_logits = self.reference(ModelInput(tokens=x)).logits.float()
+            ref = token_logps(ref_logits if g.temperature == 1 else ref_logits / g.temperature, y)
+        weights = tis_weights(raw, engine, g.tis_cap) if g.tis_cap is not None else None
+        entropies = token_entropy(logits / g.temperature) if g.entropy_coef else None
+        pl = policy_loss_sum(logps, logps.detach(), advantages.to(self.device), m, clip_low=g.clip_low,
+                             clip_high=g.clip_high, averaging=g.loss_averaging, ref_logps=ref, kl_coef=g.kl_coef,
+                             weights=weights, entropies=entropies, entropy_coef=g.entropy_coef)
+        (pl.loss_sum / divisor + out.aux_loss.float() / micro_batches).backward()
+        stats.add_routing(out)
+        diff = ((raw.detach() - engine).abs() * m).double()
+        return torch.stack([pl.loss_sum.detach().double(), pl.clipped.double(), pl.kl_sum.double(), diff.sum(),
+                            diff.max()])
+
+    def forward_backward(self, batch: Batch) -> StepResult:
+        """Rollouts of this rank's prompts, then the policy's gradient of the global batch's GRPO
+        objective (summed over the ranks); the step's figures (`scalars`, module docstring)."""
+        prompts, records, seeds = self._rows(batch)
+        ro = self.rollout_source.rollouts(prompts, records, seeds)
+        self.model.train()
+        G = self.g.group_size
+        rewards = torch.tensor(ro.rewards, dtype=torch.float32)
+        advantages = group_advantages(rewards, G, scale=self.g.scale_rewards)
+        seqs, mask, engine = pack_rollouts(prompts, ro, G)
+        local = _local_divisor(mask, self.g.loss_averaging)
+        divisor = int(local if self.dims is None else global_sum(local, self.dims).item())
+        n_local = len(prompts) // self.mb
+        micro_batches = n_local * (self.dims.dp_size if self.dims is not None else 1)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        diff_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        stats = StepStats()
+        for i in range(n_local):
+            self._sync_gradients(i == n_local - 1)
+            rows = slice(i * self.mb * G, (i + 1) * self.mb * G)
+            out = self._micro_batch(seqs[rows], mask[rows], engine[rows], advantages[rows], max(divisor, 1),
+                                    micro_batches, stats)
+            sums += out[:4]
+            diff_max = torch.maximum(diff_max, out[4])
+        counts = torch.tensor([rewards.sum(), (rewards.double() ** 2).sum(), rewards.numel(), mask.sum(),
+                               ro.reward_failures, ro.seconds, seqs.numel()], dtype=torch.float64)
+        return self._result(batch, sums.cpu(), diff_max.cpu(), counts, divisor, stats, micro_batches)
+
+    def _result(self, batch: Batch, sums: torch.Tensor, diff_max: torch.Tensor, counts: torch.Tensor, divisor: int,
+                stats: StepStats, micro_batches: int) -> StepResult:
+        """The step's figures over every rank (module docstring)."""
+        seconds = counts[5].clone()
+        if self.dims is not None:
+            sums, counts = global_sum(sums, self.dims), global_sum(counts, self.dims)
+            diff_max, seconds = _global_max(diff_max, self.dims), _global_max(seconds, self.dims)
+        stats = reduce_over_ranks(stats, self.dims)
+        loss_sum, clipped, kl_sum, diff_sum = sums.tolist()
+        r_sum, r_sq, n, tokens, failures, _, seq_tokens = counts.tolist()
+        mean = r_sum / n
+        scalars = {"reward_mean": mean, "reward_std": max(r_sq / n - mean * mean, 0.0) ** 0.5,
+                   "kl": kl_sum / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1),
+                   "response_length": tokens / n, "logprob_diff_max": float(diff_max),
+                   "logprob_diff_mean": diff_sum / max(tokens, 1),
+                   "rollout_tokens_per_s": tokens / max(float(seconds), 1e-9), "reward_failures": failures}
+        return StepResult(loss=loss_sum / max(divisor, 1), tokens=int(seq_tokens), loss_tokens=int(tokens),
+                          aux_loss=stats.aux_total / micro_batches,
+                          aux_parts={k: v / micro_batches for k, v in stats.aux_parts.items()},
+                          counts=stats.counts, scalars=scalars)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.distributed_optimizers:
+            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
+
+    def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        update_parts_expert_bias(self.parts, counts, self.device)
+
+    def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
+        raise TrainingError("a GRPO run has no validation loss: its reward figures in metrics.jsonl measure it, "
+                            "and its mode does not evaluate (train.eval_interval must be 0)")
+
+
+def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each completion after its prompt, padded with 0 to the longest: tokens [N, L], the mask of the
+    completion's targets [N, L - 1] and the engine's log-probabilities on them [N, L - 1] (fp32)."""
+    rows = [prompts[i // group_size] + c for i, c in enumerate(ro.completions)]
+    length = max(len(r) for r in rows)
+    seqs = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
+    engine = torch.zeros(len(rows), length - 1, dtype=torch.float32)
+    for i, (row, completion) in enumerate(zip(rows, ro.completions)):
+        start = len(row) - len(completion) - 1  # the target index of the completion's first token
+        seqs[i, :len(row)] = torch.tensor(row)
+        mask[i, start:len(row) - 1] = True
+        engine[i, start:len(row) - 1] = torch.tensor(ro.engine_logps[i], dtype=torch.float32)
+    return seqs, mask, engine
+
+
+def _local_divisor(mask: torch.Tensor, averaging: str) -> int:
+    return int(mask.sum()) if averaging == "token" else int(mask.shape[0])
+
+
+def _global_max(value: torch.Tensor, dims: Any) -> torch.Tensor:
+    t = value.detach().clone().to(torch.float64)
+    if dims.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dims["dp"].get_group())
+    return t
+
+
+def build_grpo_mode(ctx: ModeContext) -> ModeParts:
+    """The policy (the run's model, its optimizer), the frozen reference when kl_coef > 0, and their
+    step engine bound to the rollout source the run was given."""
+    cfg, layout = ctx.cfg, ctx.layout
+    if ctx.rollouts is None:
+        raise ConfigError("train.objective=grpo needs the serving engine's rollouts: tessera train makes them; from "
+                          "Python pass Trainer(cfg, rollouts=tessera.eval.rollouts.EngineRollouts(cfg))")
+    if ctx.data.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is invalid: the tokenizer has "
+                          f"{ctx.data.vocab_size} tokens, so it must be >= {ctx.data.vocab_size}")
+    built = build_training_parts(cfg, layout, ctx.init_from, False)  # the engine runs the blocks as they are
+    reference = None
+    if cfg.train.grpo.kl_coef > 0:
+        with layout.phase("building the GRPO reference model"):
+            reference = build_frozen_model(cfg, layout, cfg.train.init_from)
+    return ModeParts(
+        engine=GRPOStep(cfg, layout, built, reference, ctx.rollouts, lambda: ctx.data.train.samples_seen),
+        optimizers=built.optimizers,
+        full_shapes=built.full_shapes, record=partial(step_record, moe=cfg.model.is_moe),
+        summary=partial(_summary, cfg, layout), closing=partial(lm_closing, cfg),
+        finish=partial(export_hf, cfg, layout), label="grpo", evaluates=False, init_from=ctx.init_from,
+        init_bytes_read=built.init_bytes_read, fp8_layers=built.fp8_layers)
+
+
+def _summary(cfg: RunConfig, layout: RunLayout, start_step: int) -> list[str]:
+    """A language-model run's lines, and what GRPO samples and rewards."""
+    g = cfg.train.grpo
+    kl = f"k3 KL x {g.kl_coef:g} to the initial weights" if g.kl_coef > 0 else "no KL term"
+    return lm_summary(cfg, layout, start_step) + [
+        f"objective: GRPO, {g.group_size} completions per prompt of up to {g.max_new_tokens} tokens at temperature "
+        f"{g.temperature:g} from the serving engine, reward {g.reward}, {g.loss_averaging}-level averaging, {kl}; "
+        "metrics reward_mean, reward_std, kl, clip_fraction, response_length, logprob_diff_max, logprob_diff_mean, "
+        "rollout_tokens_per_s"]
