@@ -155,6 +155,8 @@ def test_modules_to_save_train_whole_beside_the_adapters(small_dataset, tmp_path
      r"parallel.tp=2 is invalid: 1 with train.lora.quantize_base='int8' \(a quantized base trains in one process\)"),
     ({"train.lora.rank": 4, "train.eagle.target": "somewhere"}, r"train.eagle.target='somewhere' is invalid: null "
      r"with train.lora"),
+    ({"train.lora.rank": 4, "train.objective": "dpo", "data.kind": "preference"},
+     r"train.objective='dpo' is invalid: lm with train.lora"),
 ])
 def test_what_cannot_be_adapted_is_refused_by_name(tmp_path, setting, message):
     if "train.lora.target_modules" in setting:

@@ -13,10 +13,9 @@ HuggingFace and PEFT name them (`q_proj` .. `down_proj`, or `all-linear`), throu
 `peft.PeftModel.from_pretrained`, vLLM and `tessera serve --lora` load (tessera.checkpoint.hf.peft), and
 `--merge-lora` a merged HuggingFace directory.
 
-What is refused by name, before anything is allocated: a target the model has no linear layer of (the
-message lists those it has), a rank of 0 or larger than a targeted layer, the routed experts of an MoE
-model (its adapters go on attention), a quantized base under any layout but one process, EAGLE and
-vision-language runs.
+What is refused by name: a target the model has no linear layer of (the message lists those it has), a
+rank of 0 or larger than a targeted layer, the routed experts of an MoE model (its adapters go on
+attention), a quantized base under any layout but one process, EAGLE, DPO, GRPO and vision-language runs.
 """
 
 from __future__ import annotations
@@ -135,6 +134,8 @@ def _check_runs(cfg: Any) -> None:
     t, lora, p = cfg.train, cfg.train.lora, cfg.parallel
     require(t.eagle.target is None, "train.eagle.target", t.eagle.target,
             "null with train.lora (an EAGLE run trains a draft head, not adapters)")
+    require(t.objective == "lm", "train.objective", t.objective,
+            "lm with train.lora (adapters are trained on the data's next tokens; DPO and GRPO train the whole model)")
     require(cfg.data.kind != "vision_sft", "data.kind", cfg.data.kind,
             "pretrain or sft with train.lora (adapters on vision-language models are not supported)")
     require(not t.eval_tasks, "train.eval_tasks", t.eval_tasks,
