@@ -1,7 +1,8 @@
-"""`tessera train CONFIG [--set key=value ...] [--resume] [--nproc N [--max-restarts K]]`: train a
-model from a run configuration, in this process, on N local ranks (`--nproc`), or as one rank
+"""`tessera train CONFIG [--set key=value ...] [--resume] [--nproc N [--max-restarts K]] [--profile A:B]`:
+train a model from a run configuration, in this process, on N local ranks (`--nproc`), or as one rank
 torchrun started. A rank that its launcher (`--max-restarts`, or torchrun's) started again after a
-failure resumes from the newest good checkpoint as `--resume` would."""
+failure resumes from the newest good checkpoint as `--resume` would. `--profile A:B` records steps A
+to B on every rank into run_dir/profile (`tessera profile RUN_DIR` reads them)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --nproc: when a rank fails, start all ranks again from the newest good checkpoint, "
                         "up to K times (not after a failure that repeats at the same step); restarts and their "
                         "causes go to run_dir/events.jsonl")
+    p.add_argument("--profile", default=None, metavar="A:B",
+                   help="record steps A to B (e.g. 20:25) on every rank into run_dir/profile: each phase's wall "
+                        "time (data, forward/backward per micro-batch, each collective by group, optimizer, "
+                        "checkpoint); `tessera profile RUN_DIR` analyses them; None: no recording")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
@@ -39,6 +44,7 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
     check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
+    argv += ["--profile", args.profile] if args.profile is not None else []
     return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])),
                         max_restarts=args.max_restarts, run_dir=cfg.run_dir)
 
@@ -94,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-restarts={args.max_restarts} is invalid without --nproc N: the launcher that "
                           "--nproc starts is what restarts ranks (use --nproc 1 for one rank; under torchrun, "
                           "its own --max-restarts)")
+    if args.profile is not None:
+        from tessera.train.run.profile_record import parse_window
+
+        parse_window(args.profile)  # a bad window is refused before any rank starts
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
@@ -134,8 +144,11 @@ def _train(args: argparse.Namespace, cfg, progress):
 
     restart = restart_count()
     try:
+        from tessera.train.run.profile_record import parse_window
+
+        window = parse_window(args.profile) if args.profile is not None else None
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
-                          task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg))
+                          task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg), profile=window)
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             print("\n".join(trainer.startup_lines()), file=sys.stderr, flush=True)

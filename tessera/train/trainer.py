@@ -92,6 +92,7 @@ from tessera.train.run.layout import RunLayout, build_layout, resolve_device
 from tessera.train.run.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
 from tessera.train.run.metric_record import StepFigures, ThroughputWindow
 from tessera.train.run.metrics_writer import MetricsWriter
+from tessera.train.run.profile_record import mark, recorder_for
 from tessera.train.run.rank_timing import RankTiming
 from tessera.train.run.rng_state import seed_everything
 from tessera.train.run.stop_signal import AgreedStop, StopSignal
@@ -114,10 +115,12 @@ class Trainer:
     any parallel layout)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
-                 task_evaluator: TaskEvaluator | None = None, rollouts: Any = None):
+                 task_evaluator: TaskEvaluator | None = None, rollouts: Any = None,
+                 profile: tuple[int, int] | None = None):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
         runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks);
-        `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts)."""
+        `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts);
+        `profile` the steps (first, last) to record into run_dir/profile (train/run/profile_record.py)."""
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
@@ -156,6 +159,7 @@ class Trainer:
             self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
+        self.recorder = recorder_for(profile, cfg, self.layout, self.flops_per_token, self.peak_flops)
 
     def _take(self, built: ModeParts) -> None:
         """The mode's finished parts: its step engine, what it optimises and checkpoints."""
@@ -205,12 +209,12 @@ class Trainer:
         have is returned at once, and `finish_save` waits for it."""
         rank, world = self.layout.rank, self.layout.world_size
         if self.background is None:
-            with self.layout.phase("checkpoint save"):
+            with self.layout.phase("checkpoint save"), mark("checkpoint", "save"):
                 self.latest_checkpoint = save_training_state(self.ckpt_root, self.step, self.parts, self.optimizers,
                                                              self._trainer_state(), self.cfg, rank, world)
             return self.latest_checkpoint
         self.finish_save()
-        with self.layout.phase("checkpoint save (copy to CPU)"):
+        with self.layout.phase("checkpoint save (copy to CPU)"), mark("checkpoint", "copy to CPU"):
             state, meta = training_state(self.parts, self.optimizers, self._trainer_state(), self.cfg, rank, world)
             return self.background.start(self.ckpt_root, self.step, state, meta, self.cfg.checkpoint.keep_last)
 
@@ -241,7 +245,8 @@ class Trainer:
         if self.progress is not None:
             self.progress.began(self.step)
         lr = self.scheduler.set_step(self.step)
-        batch = self.data.train.next_batch()
+        with mark("data", "next batch"):
+            batch = self.data.train.next_batch()
         if self.timing is not None:
             with self.timing.waiting():
                 self.layout.check_in()
@@ -271,7 +276,8 @@ class Trainer:
         if self.loss_scaler is not None:
             result.loss_scale = self.loss_scaler.scale
             self.loss_scaler.unscale_(self.parts)
-        with self.layout.phase("gradient norm"), self.timing.waiting() if self.timing else nullcontext():
+        with self.layout.phase("gradient norm"), self.timing.waiting() if self.timing else nullcontext(), \
+                mark("optimizer", "gradient norm"):
             grad_norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
         result.skipped = not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
@@ -279,7 +285,7 @@ class Trainer:
         elif result.skipped:
             self._not_finite(grad_norm, result.loss)
         if not result.skipped:  # a non-finite gradient would poison the weights and Adam's moments
-            with self.layout.phase("optimizer step"):
+            with self.layout.phase("optimizer step"), mark("optimizer", "step"):
                 for optimizer in [*self.optimizers, *self.beside]:
                     optimizer.step()
         return grad_norm
@@ -378,20 +384,22 @@ class Trainer:
         due. Returns the step last saved (None: none)."""
         t, window, saved_at = self.cfg.train, ThroughputWindow(), None
         while self.step < t.steps and not stop.requested:
-            step = self._timed_step(window, stop)
-            if step.spike is not None and self._roll_back(step.spike, writer, result, bar):
-                continue
-            last = self.step == t.steps
-            evaluate = self.built.evaluates and t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
-            if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
-                    or evaluate or stop.requested:
-                self._log(step, window, evaluate, writer, result)
-                bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{step.lr:.2e}", refresh=False)
-            bar.update(1)
-            interval = self.cfg.checkpoint.interval
-            if last or stop.requested or (interval > 0 and self.step % interval == 0):
-                result.checkpoint = self.save()
-                saved_at = self.step
+            # --profile A:B: the step, its metrics line and its checkpoint recorded (profile_record.py)
+            with self.recorder.step_block(self.step + 1) if self.recorder is not None else nullcontext():
+                step = self._timed_step(window, stop)
+                if step.spike is not None and self._roll_back(step.spike, writer, result, bar):
+                    continue
+                last = self.step == t.steps
+                evaluate = self.built.evaluates and t.eval_interval > 0 and (self.step % t.eval_interval == 0 or last)
+                if self.step % t.log_interval == 0 or self.step == result.start_step + 1 or last \
+                        or evaluate or stop.requested:
+                    self._log(step, window, evaluate, writer, result)
+                    bar.set_postfix(loss=f"{step.loss:.4f}", lr=f"{step.lr:.2e}", refresh=False)
+                bar.update(1)
+                interval = self.cfg.checkpoint.interval
+                if last or stop.requested or (interval > 0 and self.step % interval == 0):
+                    result.checkpoint = self.save()
+                    saved_at = self.step
         return saved_at
 
     def _abandon_save(self) -> None:

@@ -1,0 +1,196 @@
+"""Recording a profile of training steps A..B (`tessera train ... --profile A:B`): wall-clock intervals
+of each phase of a step, on every rank, into `run_dir/profile/rank<R>.jsonl` (`tessera profile RUN_DIR`
+reads them: tessera.profiling).
+
+    with mark("compute", "forward mb0"):     # a no-op (one global read) unless a step is recorded
+        ...
+
+Kinds: `step` (one per step, the whole of it), `data` (reading the batch), `compute` (forward and
+backward of each micro-batch), `comm` (each collective, with its process group's name: dp, tp, pp,
+ep, cp, ...; `overlapped` when it runs beside compute), `optimizer` (gradient norm and update),
+`checkpoint` (a save), `sync` (host synchronisations). Collectives are seen by a dispatch mode
+(`CollectiveTimer`, on the profiled steps only) that times every c10d and functional collective;
+on those steps a collective that returns a pending `Work` is waited for where it is issued (a
+point-to-point send or receive is not: the schedule that posts it waits for it), so that its time is
+its own. Outside the window nothing is installed and `mark` returns a shared null context.
+
+A line is `{"step", "kind", "name", "t0", "t1"[, "group", "overlapped"]}` (seconds since the epoch,
+so ranks of one machine share a clock); the first line of a file is `{"meta": {...}}`: rank, world,
+the window, the layout's sizes, tokens and model FLOPs per step, the peak FLOP/s when known.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tessera.config.errors import ConfigError, require
+from tessera.parallel.comm_stats import collective_payload
+
+PROFILE_DIR = "profile"  # under run_dir
+_NULL = nullcontext()
+_ACTIVE: StepRecorder | None = None  # the recorder of the step being profiled, else None
+# the names a process group goes by, coarse last (a later name wins when two dims share one group)
+GROUP_NAMES = ("dp_shard_mod_ep", "dp_shard_in_ep", "dp_shard_cp", "dp_cp", "dp_replicate", "dp_shard", "dp",
+               "ep", "cp", "tp", "pp")
+_P2P = {"send", "recv_", "recv_any_source_"}
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """`A:B` (steps A to B, both included, 1 <= A <= B) from `--profile`."""
+    first, sep, last = text.partition(":")
+    ok = sep == ":" and first.strip().isdigit() and last.strip().isdigit()
+    require(ok and 1 <= int(first) <= int(last), "--profile", text,
+            "A:B with 1 <= A <= B, the steps to record (e.g. 20:25)", ConfigError, " ")
+    return int(first), int(last)
+
+
+def mark(kind: str, name: str = "", **fields: Any):
+    """A context manager recording the block as one interval of `kind` when a step is being profiled."""
+    recorder = _ACTIVE
+    return _NULL if recorder is None else recorder.interval(kind, name, fields)
+
+
+def profiling() -> bool:
+    return _ACTIVE is not None
+
+
+class CollectiveTimer(TorchDispatchMode):
+    """Times every collective issued on this thread (and in backward) as a `comm` interval of its group."""
+
+    def __init__(self, recorder: StepRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor's collectives come back here as functional ones
+        name = func._overloadpacket.__name__
+        found = collective_payload(func.namespace, name, args)
+        if found is None and name not in _P2P:
+            return func(*args, **kwargs)
+        kind = found[0] if found is not None else "send_recv"
+        group = self.recorder.group_of(args)
+        t0 = time.time()
+        out = run_collective(func, args, kwargs, group, wait=name not in _P2P)
+        self.recorder.add("comm", kind, t0, time.time(), group=group, overlapped=False)
+        return out
+
+
+def run_collective(func, args: tuple, kwargs: dict, group: str, wait: bool):
+    """Issue one collective and, unless `wait` is false, wait for it to complete."""
+    out = func(*args, **kwargs)
+    if not wait:
+        return out
+    if isinstance(out, torch.Tensor) and func.namespace != "c10d":  # functional: an async tensor
+        torch.ops._c10d_functional.wait_tensor(out)
+    else:
+        for item in out if isinstance(out, tuple | list) else (out,):
+            if hasattr(item, "wait") and not isinstance(item, torch.Tensor):
+                item.wait()
+    return out
+
+
+class StepRecorder:
+    """This rank's recorder of the steps of the window: intervals buffered in memory during a step,
+    appended to the rank's file when the step ends."""
+
+    def __init__(self, run_dir: Path, window: tuple[int, int], rank: int, world: int, meta: dict[str, Any],
+                 groups: dict[str, str] | None = None):
+        self.first, self.last = window
+        self.path = Path(run_dir) / PROFILE_DIR / f"rank{rank}.jsonl"
+        self.groups = groups or {}  # process-group name -> the layout's name for it
+        self.meta = {"rank": rank, "world": world, "window": [self.first, self.last], **meta}
+        self.lines: list[dict[str, Any]] = []
+        self.step = 0
+        self._timer: CollectiveTimer | None = None
+
+    def records(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+    def group_of(self, args: tuple) -> str:
+        """The layout's name of the process group a collective's arguments name ("world" for another)."""
+        for a in args:
+            if isinstance(a, str) and a in self.groups:  # functional collectives name their group
+                return self.groups[a]
+            if isinstance(a, torch.ScriptObject):  # c10d operators take the ProcessGroup, boxed
+                try:
+                    return self.groups.get(dist.ProcessGroup.unbox(a).group_name, "world")
+                except RuntimeError:  # another boxed argument (the reduce op)
+                    continue
+        return "world"
+
+    def add(self, kind: str, name: str, t0: float, t1: float, **fields: Any) -> None:
+        self.lines.append({"step": self.step, "kind": kind, "name": name, "t0": t0, "t1": t1, **fields})
+
+    @contextmanager
+    def interval(self, kind: str, name: str, fields: dict[str, Any]) -> Iterator[None]:
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.add(kind, name, t0, time.time(), **fields)
+
+    @contextmanager
+    def step_block(self, step: int) -> Iterator[None]:
+        """Step `step` recorded when it is in the window (collectives timed, markers on), else as is."""
+        global _ACTIVE
+        if not self.records(step):
+            yield
+            return
+        self.step, _ACTIVE = step, self
+        self._timer = CollectiveTimer(self)
+        t0 = time.time()
+        try:
+            with self._timer:
+                yield
+        finally:
+            _ACTIVE, self._timer = None, None
+            self.add("step", f"step {step}", t0, time.time())
+            self._flush(first=step == self.first)
+
+    def _flush(self, first: bool) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w" if first else "a") as f:
+            if first:
+                f.write(json.dumps({"meta": self.meta}) + "\n")
+            f.writelines(json.dumps(line) + "\n" for line in self.lines)
+        self.lines = []
+
+
+def group_names(dims) -> dict[str, str]:
+    """Process-group name -> the layout's dimension name (dp, tp, pp, ep, cp, ...) of a built mesh."""
+    if dims is None or dims.mesh is None:
+        return {}
+    out: dict[str, str] = {}
+    for name in GROUP_NAMES:
+        if dims.size(name) > 1:
+            out[dims[name].get_group().group_name] = "dp" if name.startswith("dp") and name != "dp_cp" else name
+    return out
+
+
+def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: float,
+                 peak_flops: float | None) -> StepRecorder | None:
+    """The trainer's recorder for `--profile A:B` (None without one): what the analysis needs to know
+    of the run beside the intervals goes in the files' first line."""
+    if window is None:
+        return None
+    t, dims = cfg.train, layout.dims
+    sizes = {d: (dims.size(d) if dims is not None else 1) for d in ("pp", "dp", "tp", "cp", "ep")}
+    microbatches = cfg.parallel.microbatches or t.global_batch_size // (t.micro_batch_size * sizes["dp"])
+    meta = {"sizes": sizes, "microbatches": microbatches, "pp_schedule": cfg.parallel.pp_schedule,
+            "tokens_per_step": t.global_batch_size * t.seq_len, "flops_per_token": flops_per_token,
+            "peak_flops": peak_flops, "device": layout.device.type}
+    return StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims))
