@@ -17,7 +17,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tessera"
 LAYER = {"config": 1, "models": 2, "parallel": 3, "data": 4, "checkpoint": 5, "train": 6, "quantize": 6, "prune": 6,
-         "infer": 7, "plan": 8, "eval": 9, "cli": 10}
+         "infer": 7, "plan": 8, "eval": 9, "profiling": 9,
+         "cli": 10}
 ALIAS = {"hf": "checkpoint", "__main__": "cli"}  # tessera/hf.py re-exports checkpoint/hf/; `python -m tessera`
 ONLY = {"plan": {"config", "models"}}  # the planner is analytic: it may use configs and model counts only
 

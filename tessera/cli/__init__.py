@@ -7,6 +7,7 @@
                                                       --set: the checkpoint's chunks are that layout's shards;
                                                       MODEL.gguf -> HuggingFace directory)
     tessera plan CONFIG --gpus N [--search]          (memory, FLOPs, communication; layout search)
+    tessera profile RUN_DIR [--html F] [--png F] [--json F]  (a `train --profile A:B` run's steps against the plan)
     tessera serve MODEL_DIR|MODEL.gguf [--port P]    (OpenAI-compatible HTTP server)
     tessera router --prefill URL --decode URL [--port P]  (prefill/decode disaggregation)
     tessera eval MODEL --tasks T1,T2 [--data PATH] [--include-path DIR] [--limit N] [--output FILE]
@@ -58,6 +59,7 @@ COMMANDS: list[Command] = [
     Command("generate", "continue a prompt with a trained model", "generate"),
     Command("convert", "convert between HuggingFace and Tessera checkpoints", "convert"),
     Command("plan", "estimate memory, FLOPs, bubble and communication of a run; search layouts", "plan"),
+    Command("profile", "say what a profiled run's steps spent their time on, against the plan", "profile"),
     Command("serve", "serve a model over an OpenAI-compatible HTTP API", "serve"),
     Command("router", "prefill/decode disaggregation: route requests to a prefill and a decode `tessera serve`",
             "router"),
