@@ -63,6 +63,15 @@ def compute_by_kind(events: list[dict[str, Any]]) -> dict[str, float]:
     return dict(out)
 
 
+def comm_by_kind(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds in each group's collectives by kind ("dp/all_gather"), overlapped or not."""
+    out: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e["kind"] == "comm":
+            out[f"{e.get('group', 'world')}/{e['name']}"] += e["t1"] - e["t0"]
+    return dict(out)
+
+
 def overlapped_comm(events: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for e in events:
@@ -83,7 +92,8 @@ def rank_steps(events: list[dict[str, Any]], pipeline: bool) -> dict[int, dict[s
             continue
         out[step] = {"step_s": whole["t1"] - whole["t0"],
                      "terms": step_split(items, whole["t0"], whole["t1"], pipeline),
-                     "compute_by_kind": compute_by_kind(items), "overlapped": overlapped_comm(items)}
+                     "compute_by_kind": compute_by_kind(items), "comm_by_kind": comm_by_kind(items),
+                     "overlapped": overlapped_comm(items)}
     return out
 
 

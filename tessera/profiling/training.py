@@ -45,7 +45,7 @@ def _rank_report(data: dict[str, Any]) -> dict[str, Any]:
     steps = rank_steps(data["events"], pipeline)
     step_s = sum(s["step_s"] for s in steps.values()) / max(len(steps), 1)
     return {"step_s": step_s, "terms": mean_terms(steps), "compute_by_kind": mean_terms(steps, "compute_by_kind"),
-            "overlapped": mean_terms(steps, "overlapped"),
+            "comm_by_kind": mean_terms(steps, "comm_by_kind"), "overlapped": mean_terms(steps, "overlapped"),
             "steps": {str(k): {"step_s": v["step_s"], "terms": v["terms"]} for k, v in steps.items()}}
 
 

@@ -252,7 +252,7 @@ class Trainer:
                 self.layout.check_in()
         counter = CollectiveCounter() if self.cfg.log.comm_stats else None
         with counter if counter is not None else nullcontext():
-            with self.layout.phase("forward/backward"):
+            with self.layout.phase("forward/backward"), mark("region", "forward/backward"):
                 result = self.engine.forward_backward(batch)
             spike = self.spike_rule.check(self.step, result.loss) if self.spike_rule is not None else None
             grad_norm = self._update_weights(result) if spike is None else math.nan
