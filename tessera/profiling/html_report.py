@@ -31,7 +31,8 @@ def _terms_table(report: dict[str, Any]) -> str:
     rows = ["<tr><th>term</th><th>measured s/step</th><th>planned s/step</th></tr>"]
     for name, v in report["terms"].items():
         planned = "-" if v["planned_s"] is None else f"{v['planned_s']:.4f}"
-        rows.append(f"<tr><td>{escape(name)}</td><td>{v['measured_s']:.4f}</td><td>{planned}</td></tr>")
+        measured = "-" if v["measured_s"] is None else f"{v['measured_s']:.4f}"
+        rows.append(f"<tr><td>{escape(name)}</td><td>{measured}</td><td>{planned}</td></tr>")
     return "<table>" + "".join(rows) + "</table>"
 
 

@@ -60,11 +60,10 @@ def _timeline(profile: dict[int, dict[str, Any]], top: float, boxes: list[Box], 
     top += ROW
     order = ["step", *reversed(PRIORITY)]  # lowest priority drawn first, the telling ones on top
     for rank, data in sorted(profile.items()):
-        pipeline = data["meta"]["sizes"].get("pp", 1) > 1
         texts.append(Text(10, top + 15, f"rank {rank}"))
         for kind in order:
             for e in (e for e in data["events"] if e["kind"] == kind and not e.get("overlapped")):
-                colour = COLOURS["pipeline_bubble" if kind == "region" and pipeline else kind]
+                colour = COLOURS[kind]
                 label = e["name"] + (f" [{e['group']}]" if "group" in e else "")
                 boxes.append(Box(LEFT + (e["t0"] - start) * scale, top + 2, max((e["t1"] - e["t0"]) * scale, 0.5),
                                  ROW - 4, colour, f"{label}: {(e['t1'] - e['t0']) * 1e3:.2f} ms"))
@@ -75,22 +74,23 @@ def _timeline(profile: dict[int, dict[str, Any]], top: float, boxes: list[Box], 
 def _waterfall(report: dict[str, Any], top: float, boxes: list[Box], texts: list[Text]) -> float:
     terms = report["terms"]
     planned_total = sum(v["planned_s"] or 0.0 for v in terms.values())
-    span = max(sum(v["measured_s"] for v in terms.values()), planned_total, 1e-9)
+    span = max(sum(v["measured_s"] or 0.0 for v in terms.values()), planned_total, 1e-9)
     scale = (WIDTH - LEFT - 10) / span
     texts.append(Text(10, top + 14, f"waterfall: measured step {report['job']['step_s']:.3f} s, "
                                     f"planned {planned_total:.3f} s (thin bars)"))
     top += ROW
     at = 0.0
     for name, v in terms.items():
-        if v["measured_s"] <= 0 and not v["planned_s"]:
+        measured = v["measured_s"] or 0.0  # None: not measured (pipeline_bubble under pp)
+        if measured <= 0 and not v["planned_s"]:
             continue
         texts.append(Text(10, top + 14, name))
-        boxes.append(Box(LEFT + at * scale, top + 2, max(v["measured_s"] * scale, 0.5), ROW - 8, _colour(name),
-                         f"{name}: measured {v['measured_s']:.4f} s"))
+        boxes.append(Box(LEFT + at * scale, top + 2, max(measured * scale, 0.5), ROW - 8, _colour(name),
+                         f"{name}: measured {measured:.4f} s"))
         if v["planned_s"] is not None:
             boxes.append(Box(LEFT + at * scale, top + ROW - 6, max(v["planned_s"] * scale, 0.5), 3,
                              COLOURS["planned"], f"{name}: planned {v['planned_s']:.4f} s"))
-        at += v["measured_s"]
+        at += measured
         top += ROW
     return top
 

@@ -41,8 +41,7 @@ def read_profile(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def _rank_report(data: dict[str, Any]) -> dict[str, Any]:
-    pipeline = data["meta"]["sizes"].get("pp", 1) > 1
-    steps = rank_steps(data["events"], pipeline)
+    steps = rank_steps(data["events"])
     step_s = sum(s["step_s"] for s in steps.values()) / max(len(steps), 1)
     return {"step_s": step_s, "terms": mean_terms(steps), "compute_by_kind": mean_terms(steps, "compute_by_kind"),
             "comm_by_kind": mean_terms(steps, "comm_by_kind"), "overlapped": mean_terms(steps, "overlapped"),
@@ -85,8 +84,12 @@ def analyse(run_dir: Path | str, plan: bool = True) -> dict[str, Any]:
     names = sorted(set(measured) | set(planned["terms"]), key=_order)
     unplanned = 0.0 if planned["terms"] else None  # a term the plan has no line for, it predicts none of
     terms = {n: {"measured_s": measured.get(n, 0.0), "planned_s": planned["terms"].get(n, unplanned)} for n in names}
+    notes = []
+    if meta["sizes"].get("pp", 1) > 1:  # split.py: the schedule's waits are inside compute
+        terms["pipeline_bubble"]["measured_s"] = None
+        notes.append("pp > 1: the pipeline bubble is not measured; the stages' waits for each other are in compute")
     differences = sorted(({"term": n, **v, "difference_s": v["measured_s"] - v["planned_s"]}
-                          for n, v in terms.items() if v["planned_s"] is not None),
+                          for n, v in terms.items() if v["planned_s"] is not None and v["measured_s"] is not None),
                          key=lambda d: -abs(d["difference_s"]))[:TOP_DIFFERENCES]
     flops = meta.get("flops_per_token", 0.0) * meta.get("tokens_per_step", 0)
     peak = meta.get("peak_flops")
@@ -95,7 +98,8 @@ def analyse(run_dir: Path | str, plan: bool = True) -> dict[str, Any]:
             "ranks": {str(r): v for r, v in ranks.items()},
             "job": {"step_s": step_s, "model_flops_per_step": flops,
                     "mfu": flops / (step_s * peak * meta["world"]) if peak and step_s > 0 else None},
-            "terms": terms, "differences": differences, "straggler": straggler(ranks), "planned": planned}
+            "terms": terms, "differences": differences, "straggler": straggler(ranks), "planned": planned,
+            "notes": notes}
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -106,12 +110,14 @@ def summary(report: dict[str, Any]) -> str:
     lines.append(f"  {'term':28s} {'measured s':>11s} {'planned s':>10s}")
     for name, v in report["terms"].items():
         planned = "-" if v["planned_s"] is None else f"{v['planned_s']:.4f}"
-        lines.append(f"  {name:28s} {v['measured_s']:11.4f} {planned:>10s}")
+        measured = "-" if v["measured_s"] is None else f"{v['measured_s']:.4f}"
+        lines.append(f"  {name:28s} {measured:>11s} {planned:>10s}")
     if report["differences"]:
         lines.append("largest differences from the plan: " + "; ".join(
             f"{d['term']} {d['difference_s']:+.3f} s" for d in report["differences"]))
     if "error" in report["planned"]:
         lines.append(f"no plan: {report['planned']['error']}")
+    lines += [f"note: {n}" for n in report["notes"]]
     s = report["straggler"]
     if s["rank"] is not None:
         verdict = "the straggler" if s["named"] else "the slowest, within noise"

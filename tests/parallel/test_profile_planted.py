@@ -28,8 +28,8 @@ from tests.train.runs import shrink
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WINDOW = (2, 3)  # step 1 warms up; the run's last step (4) saves a checkpoint, outside the window
-STRAGGLER_S = 0.4  # rank 1's extra work per step
+WINDOW = (2, 4)  # step 1 warms up; the run's last step (5) saves a checkpoint, outside the window
+STRAGGLER_S = 1.0  # rank 1's extra work per step (large against the noise of a shared CPU's ranks)
 DATA_STALL_S = 0.2  # every rank's wait for its batch
 COMM_DELAY_S = 0.03  # each dp collective's delay
 
@@ -66,11 +66,11 @@ def _delayed_dp_collectives(overrides: list[str]) -> None:
 
 def test_a_slowed_rank_is_the_straggler_and_a_stalled_loader_is_data_wait(small_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    run_ranks(_straggler_and_stalled_data, 2, shrink(small_dataset, run_dir, 4, **{"parallel.dp_shard": 2,
+    run_ranks(_straggler_and_stalled_data, 2, shrink(small_dataset, run_dir, 5, **{"parallel.dp_shard": 2,
                                                                                     "checkpoint.interval": 0}),
               timeout=120)
     report = analyse(run_dir, plan=False)
-    assert report["steps"] == [2, 3]
+    assert report["steps"] == [2, 3, 4]
     s = report["straggler"]
     assert s["rank"] == 1 and s["named"]
     assert s["lag_s"] == pytest.approx(STRAGGLER_S, rel=0.2)
@@ -98,7 +98,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 def test_delayed_dp_collectives_are_exposed_dp_communication_and_the_report_renders(small_dataset, tmp_path,
                                                                                       capsys):
     run_dir = tmp_path / "run"
-    overrides = shrink(small_dataset, run_dir, 4, **{"parallel.dp_shard": 2, "parallel.tp": 2,
+    overrides = shrink(small_dataset, run_dir, 5, **{"parallel.dp_shard": 2, "parallel.tp": 2,
                                                      "checkpoint.interval": 0})
     run_ranks(_delayed_dp_collectives, 4, overrides, timeout=180)
     out = tmp_path / "out"
