@@ -55,6 +55,10 @@ def _http_arguments(p: argparse.ArgumentParser) -> None:
                            "address, any name otherwise (set it when serving beyond this machine)")
     p.add_argument("--served-model-name", default=None, type=text,
                    help="the `model` requests must name, as /v1/models lists it (None: MODEL_DIR as given)")
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="answer POST /profile/start and /profile/stop: the engine's steps between them (tokens, "
+                        "time split, each request's life) go to DIR/engine.jsonl for `tessera profile DIR`; "
+                        "None: no profiling routes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
 
@@ -170,7 +174,8 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
                      lora_dirs=args.lora_modules_dir, max_request_bytes=args.max_request_bytes, allowed_hosts=hosts,
-                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret, agents=agents)
+                     kv_role=args.kv_role, media=media_policy(args), kv_peer_secret=kv_peer_secret, agents=agents,
+                     profile_dir=args.profile_dir)
     engine = loop.engine
     print(f"tessera serve: {name!r} on http://{args.host}:{bound_port} (max_model_len {engine.max_model_len}, "
           f"{engine.blocks.num_blocks} KV blocks of {engine.config.block_size}; answers Host "

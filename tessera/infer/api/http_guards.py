@@ -151,7 +151,7 @@ class APIKeyCheck:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1") or path == "/metrics"):
+        if scope["type"] == "http" and (path.startswith(("/v1", "/profile/")) or path == "/metrics"):
             if not self.authorised(dict(scope["headers"])):
                 await _reply("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                              401, path)(scope, receive, send)

@@ -61,6 +61,7 @@ from tessera.infer.api.openai_protocol import (
     sampling_params,
 )
 from tessera.infer.api.openai_tools import chat_turn
+from tessera.infer.api.profile_routes import add_profile_routes
 from tessera.infer.api.quoting import brief
 from tessera.infer.api.responses_route import add_responses_routes
 from tessera.infer.engine.checked_request import CheckedRequest
@@ -113,13 +114,14 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                lora_dirs: Sequence[str | Path] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                allowed_hosts: frozenset[str] | None = None, kv_role: str | None = None,
                media: MediaPolicy | None = None, kv_peer_secret: bytes | None = None,
-               agents: AgentOptions | None = None) -> FastAPI:
+               agents: AgentOptions | None = None, profile_dir: str | Path | None = None) -> FastAPI:
     """The app. Requests name the base model by `model_name` exactly, the name /v1/models lists
     (any other name gets a 404 naming the served ones). Runtime adapter loading
     (`allow_lora_loading`) reads only from inside `lora_dirs`; `allowed_hosts` None answers any
     Host header; `media` says where chat images may come from (None: data: URLs only); `kv_role`
     needs `kv_peer_secret`, which authenticates KV transfers (kv_transfer.py); `agents`: how tool
-    calls and reasoning are read (None: `AgentOptions()`, neither)."""
+    calls and reasoning are read (None: `AgentOptions()`, neither); `profile_dir`: POST /profile/start and
+    /profile/stop record engine steps there (profile_routes.py; None: no such routes)."""
     check_api_key(api_key)
     if kv_role is not None:
         require_peer_secret(kv_peer_secret, f"kv_role={kv_role!r}")
@@ -159,6 +161,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
         post("/v1/kv/prefill", "kv_prefill", routes.kv_prefill)
     elif kv_role == "decode":
         post("/v1/kv/import", "kv_import", routes.kv_import)
+    if profile_dir is not None:
+        add_profile_routes(app, loop, profile_dir)
     post("/v1/load_lora_adapter", "load_lora", routes.lora_call, load=True)
     post("/v1/unload_lora_adapter", "unload_lora", routes.lora_call, load=False)
     return app

@@ -40,6 +40,7 @@ from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.metrics import EngineMetrics
 from tessera.infer.engine.output_processor import OutputProcessor
 from tessera.infer.engine.sequence import RequestOutput, Sequence
+from tessera.infer.engine.step_profile import EngineProfile
 from tessera.infer.runner.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.runner.lora import merge_adapter
 from tessera.infer.runner.multimodal import ImageEncoder, expand_placeholders
@@ -82,6 +83,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.vision: VisionLanguageModel | None = None  # a vision-language model whose language model it serves
         self.image_processor = None  # that model's image processor (its family's: pixel values of an image)
+        self.profile: EngineProfile | None = None  # `tessera serve --profile-dir`: steps recorded (step_profile.py)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -313,6 +315,8 @@ class LLMEngine:
         """One step: the scheduler's plan, run by the executor, its results applied by the
         scheduler. The KV blocks a request failing on inf/NaN leaves are zeroed on every rank before
         the next step can hand them to another request, also when applying the results raised."""
+        if self.profile is not None and self.profile.recording:
+            return self.profile.timed_step(self)
         plan = self.scheduler.schedule()
         result = self.executor.execute_model(plan)
         try:

@@ -1,0 +1,87 @@
+"""Recording the serving engine's steps between `POST /profile/start` and `POST /profile/stop`
+(`tessera serve --profile-dir DIR`), for `tessera profile DIR` (tessera/profiling/serving.py).
+
+While recording, each step is timed in its parts, on the engine thread:
+
+    schedule_s   the scheduler's plan (admission, chunking, preemption, KV tier planning)
+    forward_s    the executor: the model's forward over the plan's tokens and the sampling
+    update_s     applying the results (detokenizing, stops, finishing requests)
+
+with the plan's prefill and decode tokens, and for each request what happened to it in the step: a
+prefill chunk (its tokens), a decode, a preemption, its end (with the reason). A request's first
+line also says how long it queued (from its arrival to the step that first scheduled it).
+
+Each recording session is appended to DIR/engine.jsonl on stop: a `{"session": N, "start": t}` line,
+then one line per step `{"step", "t0", "t1", "schedule_s", "forward_s", "update_s",
+"prefill_tokens", "decode_tokens", "requests": [{"id", "phase", "tokens"[, "queued_s"|"reason"]}]}`,
+times in seconds (monotonic clock). Outside a session the engine's step is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE_FILE = "engine.jsonl"
+
+
+class EngineProfile:
+    """The recorder one engine holds (`LLMEngine.profile`); `start`/`stop` run on the engine thread."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        self.recording = False
+        self.lines: list[dict[str, Any]] = []
+        self.sessions = 0
+        self._seen: set[str] = set()  # requests whose queueing was recorded
+
+    def start(self) -> dict[str, Any]:
+        if not self.recording:
+            self.recording, self.sessions = True, self.sessions + 1
+            self.lines = [{"session": self.sessions, "start": time.monotonic()}]
+        return {"recording": True, "session": self.sessions}
+
+    def stop(self) -> dict[str, Any]:
+        """Append the session to DIR/engine.jsonl; the steps it held."""
+        if not self.recording:
+            return {"recording": False, "steps": 0}
+        self.recording = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / ENGINE_FILE, "a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in self.lines)
+        steps, self.lines = len(self.lines) - 1, []
+        return {"recording": False, "session": self.sessions, "steps": steps, "file": ENGINE_FILE}
+
+    def timed_step(self, engine) -> list:
+        """`engine.step()` with its parts timed and its plan described (the module docstring)."""
+        t0 = time.monotonic()
+        plan = engine.scheduler.schedule()
+        t1 = time.monotonic()
+        result = engine.executor.execute_model(plan)
+        t2 = time.monotonic()
+        try:
+            outputs = engine.scheduler.update_from_output(plan, result).outputs
+        finally:
+            engine.executor.clear_blocks(engine.scheduler.take_dirty_blocks())
+        t3 = time.monotonic()
+        requests = [self._scheduled(s, t0) for s in plan.scheduled]
+        requests += [{"id": seq.request_id, "phase": "preempted", "tokens": 0} for seq in plan.preempted]
+        requests += [{"id": o.request_id, "phase": "finished", "tokens": 0, "reason": o.finish_reason}
+                     for o in outputs if o.finished]
+        prefill = sum(r["tokens"] for r in requests if r["phase"] == "prefill")
+        decode = sum(r["tokens"] for r in requests if r["phase"] == "decode")
+        self.lines.append({"step": len(self.lines), "t0": t0, "t1": t3, "schedule_s": t1 - t0, "forward_s": t2 - t1,
+                           "update_s": t3 - t2, "prefill_tokens": prefill, "decode_tokens": decode,
+                           "requests": requests})
+        return outputs
+
+    def _scheduled(self, s, t0: float) -> dict[str, Any]:
+        seq = s.seq
+        phase = "prefill" if seq.num_computed < seq.num_prompt else "decode"
+        line: dict[str, Any] = {"id": seq.request_id, "phase": phase, "tokens": s.num_tokens}
+        if seq.request_id not in self._seen:
+            self._seen.add(seq.request_id)
+            line["queued_s"] = max(t0 - seq.arrival, 0.0)
+        return line

@@ -1,0 +1,118 @@
+"""`tessera profile DIR` on a serving profile (`tessera serve --profile-dir DIR`, POST /profile/start
+and /profile/stop: DIR/engine.jsonl, tessera/infer/engine/step_profile.py): each step's composition
+and each request's life.
+
+    {"kind": "serving", "steps": [{"step", "session", "t0", "t1", "schedule_s", "forward_s", "update_s",
+     "prefill_tokens", "decode_tokens"}, ...],
+     "terms": {"schedule"|"forward"|"update"|"idle": {"measured_s", "planned_s": None}} (per step),
+     "tokens": {"prefill", "decode"},
+     "requests": {id: {"queued_s", "prefill_chunks", "prefill_tokens", "decode_steps", "preemptions",
+                       "finish_reason", "life": [[phase, t0, t1], ...]}}}
+
+`idle` is the time between the recorded steps (the engine waiting for work, or between sessions).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tessera.config.errors import ConfigError
+from tessera.profiling.picture import COLOURS, LEFT, ROW, WIDTH, Box, Scene, Text
+
+ENGINE_FILE = "engine.jsonl"
+_PARTS = ("schedule", "forward", "update")
+_PHASE_COLOURS = {"prefill": COLOURS["compute"], "decode": COLOURS["optimizer"], "preempted": COLOURS["comm"],
+                  "finished": "#333333"}
+MAX_REQUEST_ROWS = 40
+
+
+def is_serving_profile(directory: Path) -> bool:
+    return (Path(directory) / ENGINE_FILE).is_file()
+
+
+def read_steps(directory: Path) -> list[dict[str, Any]]:
+    steps, session = [], 0
+    for line in (Path(directory) / ENGINE_FILE).read_text().splitlines():
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if "session" in item:
+            session = item["session"]
+        else:
+            steps.append({**item, "session": session})
+    if not steps:
+        raise ConfigError(f"{ENGINE_FILE} in {Path(directory).name!r} is invalid: it holds no engine step; "
+                          "POST /profile/start, send requests, then POST /profile/stop")
+    return steps
+
+
+def _request_lives(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    lives: dict[str, dict[str, Any]] = {}
+    for s in steps:
+        for r in s["requests"]:
+            life = lives.setdefault(r["id"], {"queued_s": None, "prefill_chunks": 0, "prefill_tokens": 0,
+                                              "decode_steps": 0, "preemptions": 0, "finish_reason": None, "life": []})
+            if "queued_s" in r and life["queued_s"] is None:
+                life["queued_s"] = r["queued_s"]
+                life["life"].append(["queued", s["t0"] - r["queued_s"], s["t0"]])
+            phase = r["phase"]
+            if phase == "prefill":
+                life["prefill_chunks"] += 1
+                life["prefill_tokens"] += r["tokens"]
+            elif phase == "decode":
+                life["decode_steps"] += 1
+            elif phase == "preempted":
+                life["preemptions"] += 1
+            else:
+                life["finish_reason"] = r.get("reason")
+            life["life"].append([phase, s["t0"], s["t1"]])
+    return lives
+
+
+def analyse_serving(directory: Path | str) -> dict[str, Any]:
+    steps = read_steps(Path(directory))
+    n = len(steps)
+    gaps = sum(max(b["t0"] - a["t1"], 0.0) for a, b in zip(steps, steps[1:], strict=False))
+    terms = {p: {"measured_s": sum(s[f"{p}_s"] for s in steps) / n, "planned_s": None} for p in _PARTS}
+    terms["idle"] = {"measured_s": gaps / n, "planned_s": None}
+    keep = ("step", "session", "t0", "t1", "schedule_s", "forward_s", "update_s", "prefill_tokens", "decode_tokens")
+    return {"kind": "serving", "steps": [{k: s[k] for k in keep} for s in steps], "terms": terms,
+            "tokens": {"prefill": sum(s["prefill_tokens"] for s in steps),
+                       "decode": sum(s["decode_tokens"] for s in steps)},
+            "requests": _request_lives(steps)}
+
+
+def serving_summary(report: dict[str, Any]) -> str:
+    steps, requests = report["steps"], report["requests"]
+    lines = [f"{len(steps)} engine steps, {report['tokens']['prefill']} prefill and {report['tokens']['decode']} "
+             f"decode tokens, {len(requests)} requests"]
+    lines += [f"  {name:10s} {v['measured_s'] * 1e3:9.3f} ms per step" for name, v in report["terms"].items()]
+    preempted = {k: v["preemptions"] for k, v in requests.items() if v["preemptions"]}
+    if preempted:
+        lines.append("preempted: " + ", ".join(f"{k} ({n}x)" for k, n in preempted.items()))
+    return "\n".join(lines)
+
+
+def serving_scene(report: dict[str, Any]) -> Scene:
+    """The engine's steps split into their parts on one row, then each request's life on its own."""
+    steps = report["steps"]
+    lives = list(report["requests"].items())[:MAX_REQUEST_ROWS]
+    start = min([steps[0]["t0"], *(seg[1] for _, v in lives for seg in v["life"])])
+    scale = (WIDTH - LEFT - 10) / max(steps[-1]["t1"] - start, 1e-9)
+    boxes, texts = [], [Text(10, 19, "engine steps")]
+    for s in steps:
+        at = s["t0"]
+        for part, colour in zip(_PARTS, (COLOURS["data"], COLOURS["compute"], COLOURS["checkpoint"]), strict=True):
+            boxes.append(Box(LEFT + (at - start) * scale, 7, max(s[f"{part}_s"] * scale, 0.5), ROW - 4, colour,
+                             f"step {s['step']} {part}: {s[f'{part}_s'] * 1e3:.2f} ms"))
+            at += s[f"{part}_s"]
+    top = 5 + ROW * 1.5
+    for rid, life in lives:
+        texts.append(Text(10, top + 15, rid[:22]))
+        for phase, t0, t1 in life["life"]:
+            boxes.append(Box(LEFT + (t0 - start) * scale, top + 2, max((t1 - t0) * scale, 1.0), ROW - 4,
+                             _PHASE_COLOURS.get(phase, COLOURS["idle"]), f"{rid} {phase}"))
+        top += ROW
+    return Scene(WIDTH, int(top + 10), boxes, texts)

@@ -1,0 +1,68 @@
+"""`tessera serve --profile-dir DIR`: POST /profile/start and /profile/stop on a real server record the
+engine's steps (prefill and decode tokens, schedule / forward / update time) and each request's life;
+a request the scheduler preempted (a KV cache too small for every request at once) shows the
+preemption in its life, then its prefill again (recompute) and its end. `tessera profile DIR` reports
+them, its pictures render, and the routes need the API key when the server has one."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from html.parser import HTMLParser
+
+import httpx
+
+from tessera.cli import main
+from tessera.infer.config import EngineConfig
+from tessera.infer.engine.llm_engine import LLMEngine
+from tests.hang_guard import HANG_S
+from tests.infer.running_server import RunningServer
+
+PROMPTS = [f"prompt number {i} is here" for i in range(6)]
+
+
+def _complete(url: str, prompt: str) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_preempted_request_shows_its_preemption_and_the_report_renders(llama, tmp_path, capsys):
+    directory = tmp_path / "prof"
+    engine = LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=24, max_model_len=64, max_num_seqs=8,
+                                                       enable_prefix_caching=False))
+    with RunningServer(engine, name="tiny", profile_dir=directory) as server:
+        assert httpx.post(server.url + "/profile/start", timeout=HANG_S).json()["recording"] is True
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: _complete(server.url, p), PROMPTS))
+        stopped = httpx.post(server.url + "/profile/stop", timeout=HANG_S).json()
+        assert stopped["recording"] is False and stopped["steps"] > 0
+    assert engine.metrics.preemptions > 0
+    assert main(["profile", str(directory), "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"),
+                 "--png", str(tmp_path / "r.png")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    requests = report["requests"]
+    assert len(requests) == len(PROMPTS) and len(report["steps"]) == stopped["steps"]
+    assert sum(r["preemptions"] for r in requests.values()) == engine.metrics.preemptions
+    generated = sum(a["usage"]["completion_tokens"] for a in answers)
+    assert report["tokens"]["decode"] + len(PROMPTS) >= generated  # each prefill samples a request's first token
+    preempted = next(r for r in requests.values() if r["preemptions"])
+    phases = [phase for phase, _, _ in preempted["life"]]
+    at = phases.index("preempted")
+    assert "prefill" in phases[at:] and phases[-1] == "finished" and preempted["finish_reason"] == "length"
+    assert all(r["queued_s"] is not None and r["queued_s"] >= 0 for r in requests.values())
+    assert "preempted:" in capsys.readouterr().out
+    parser = HTMLParser()
+    parser.feed((tmp_path / "r.html").read_text())
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_profile_routes_need_the_api_key(llama, tmp_path):
+    engine = LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=64))
+    with RunningServer(engine, name="tiny", api_key="k" * 16, profile_dir=tmp_path / "p") as server:
+        assert httpx.post(server.url + "/profile/start", timeout=HANG_S).status_code == 401
+        r = httpx.post(server.url + "/profile/start", headers={"Authorization": "Bearer " + "k" * 16}, timeout=HANG_S)
+        assert r.status_code == 200 and r.json()["recording"] is True
+        r = httpx.post(server.url + "/profile/stop", headers={"Authorization": "Bearer " + "k" * 16}, timeout=HANG_S)
+        assert r.json() == {"recording": False, "session": 1, "steps": 0, "file": "engine.jsonl"}
