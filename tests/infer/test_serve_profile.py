@@ -46,11 +46,16 @@ def test_a_preempted_request_shows_its_preemption_and_the_report_renders(llama, 
     assert len(requests) == len(PROMPTS) and len(report["steps"]) == stopped["steps"]
     assert sum(r["preemptions"] for r in requests.values()) == engine.metrics.preemptions
     generated = sum(a["usage"]["completion_tokens"] for a in answers)
-    assert report["tokens"]["decode"] + len(PROMPTS) >= generated  # each prefill samples a request's first token
+    # a decode step samples one token, and so does the end of each prefill (the first, and one again after
+    # each preemption's recomputation)
+    assert report["tokens"]["decode"] + len(PROMPTS) + engine.metrics.preemptions == generated
+    assert report["tokens"]["prefill"] >= sum(a["usage"]["prompt_tokens"] for a in answers)
     preempted = next(r for r in requests.values() if r["preemptions"])
     phases = [phase for phase, _, _ in preempted["life"]]
     at = phases.index("preempted")
     assert "prefill" in phases[at:] and phases[-1] == "finished" and preempted["finish_reason"] == "length"
+    # recomputed after the preemption: its prompt and the tokens it had generated are prefilled again
+    assert preempted["prefill_tokens"] > max(a["usage"]["prompt_tokens"] for a in answers)
     assert all(r["queued_s"] is not None and r["queued_s"] >= 0 for r in requests.values())
     assert "preempted:" in capsys.readouterr().out
     parser = HTMLParser()

@@ -59,6 +59,7 @@ class EngineProfile:
         t0 = time.monotonic()
         plan = engine.scheduler.schedule()
         t1 = time.monotonic()
+        requests = [self._scheduled(s, t0) for s in plan.scheduled]  # before the step moves the sequences on
         result = engine.executor.execute_model(plan)
         t2 = time.monotonic()
         try:
@@ -66,7 +67,6 @@ class EngineProfile:
         finally:
             engine.executor.clear_blocks(engine.scheduler.take_dirty_blocks())
         t3 = time.monotonic()
-        requests = [self._scheduled(s, t0) for s in plan.scheduled]
         requests += [{"id": seq.request_id, "phase": "preempted", "tokens": 0} for seq in plan.preempted]
         requests += [{"id": o.request_id, "phase": "finished", "tokens": 0, "reason": o.finish_reason}
                      for o in outputs if o.finished]
@@ -79,7 +79,7 @@ class EngineProfile:
 
     def _scheduled(self, s, t0: float) -> dict[str, Any]:
         seq = s.seq
-        phase = "prefill" if seq.num_computed < seq.num_prompt else "decode"
+        phase = "decode" if seq.is_decoding else "prefill"  # a recomputation after a preemption is a prefill
         line: dict[str, Any] = {"id": seq.request_id, "phase": phase, "tokens": s.num_tokens}
         if seq.request_id not in self._seen:
             self._seen.add(seq.request_id)
