@@ -43,6 +43,7 @@ _ACTIVE: StepRecorder | None = None  # the recorder of the step being profiled, 
 GROUP_NAMES = ("dp_shard_mod_ep", "dp_shard_in_ep", "dp_shard_cp", "dp_cp", "dp_replicate", "dp_shard", "dp",
                "ep", "cp", "tp", "pp")
 _P2P = {"send", "recv_", "recv_any_source_"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
 
 
 def parse_window(text: str) -> tuple[int, int]:
@@ -73,10 +74,10 @@ class CollectiveTimer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor's collectives come back here as functional ones
+        if getattr(func, "namespace", None) not in _COLLECTIVE_NAMESPACES:  # aten, and higher-order operators
+            return func(*args, **kwargs)
         name = func._overloadpacket.__name__
         found = collective_payload(func.namespace, name, args)
         if found is None and name not in _P2P:
@@ -108,7 +109,9 @@ class StepRecorder:
     appended to the rank's file when the step ends."""
 
     def __init__(self, run_dir: Path, window: tuple[int, int], rank: int, world: int, meta: dict[str, Any],
-                 groups: dict[str, str] | None = None):
+                 groups: dict[str, str] | None = None, collectives: bool = True):
+        """`collectives`: time them (a dispatch mode that sees every operator: a cost per operator, so
+        not installed in one process, where there are none)."""
         self.first, self.last = window
         self.path = Path(run_dir) / PROFILE_DIR / f"rank{rank}.jsonl"
         self.groups = groups or {}  # process-group name -> the layout's name for it
@@ -116,6 +119,7 @@ class StepRecorder:
         self.lines: list[dict[str, Any]] = []
         self.step = 0
         self._timer: CollectiveTimer | None = None
+        self.collectives = collectives
 
     def records(self, step: int) -> bool:
         return self.first <= step <= self.last
@@ -151,10 +155,10 @@ class StepRecorder:
             yield
             return
         self.step, _ACTIVE = step, self
-        self._timer = CollectiveTimer(self)
+        self._timer = CollectiveTimer(self) if self.collectives else None
         t0 = time.time()
         try:
-            with self._timer:
+            with self._timer if self._timer is not None else _NULL:
                 yield
         finally:
             _ACTIVE, self._timer = None, None
@@ -193,4 +197,5 @@ def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: f
     meta = {"sizes": sizes, "microbatches": microbatches, "pp_schedule": cfg.parallel.pp_schedule,
             "tokens_per_step": t.global_batch_size * t.seq_len, "flops_per_token": flops_per_token,
             "peak_flops": peak_flops, "device": layout.device.type}
-    return StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims))
+    return StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
+                        collectives=layout.distributed)
