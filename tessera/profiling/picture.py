@@ -60,10 +60,11 @@ def _timeline(profile: dict[int, dict[str, Any]], top: float, boxes: list[Box], 
     top += ROW
     order = ["step", *reversed(PRIORITY)]  # lowest priority drawn first, the telling ones on top
     for rank, data in sorted(profile.items()):
+        pipeline = data["meta"]["sizes"].get("pp", 1) > 1
         texts.append(Text(10, top + 15, f"rank {rank}"))
         for kind in order:
             for e in (e for e in data["events"] if e["kind"] == kind and not e.get("overlapped")):
-                colour = COLOURS[kind]
+                colour = COLOURS["pipeline_bubble" if kind == "region" and pipeline else kind]
                 label = e["name"] + (f" [{e['group']}]" if "group" in e else "")
                 boxes.append(Box(LEFT + (e["t0"] - start) * scale, top + 2, max((e["t1"] - e["t0"]) * scale, 0.5),
                                  ROW - 4, colour, f"{label}: {(e['t1'] - e['t0']) * 1e3:.2f} ms"))

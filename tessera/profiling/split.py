@@ -8,9 +8,10 @@ forward/backward outside any micro-batch marker). Summed over the step:
 
     compute              forward and backward (with the host work between micro-batches)
     exposed_comm/<group> collectives of that group (dp, tp, pp, ep, cp, world) not overlapped
-    pipeline_bubble      not measured yet: the pipeline schedule's micro-batches carry no markers,
-                         so under pp the stage's waits for its neighbours are inside `compute`
-                         (the report says so and leaves the measured bubble out)
+    pipeline_bubble      under pipeline parallelism, the forward/backward time of a stage outside
+                         its micro-batches' forward and backward and its other collectives, and its
+                         sends and receives to the neighbouring stages: waiting for them (with the
+                         transfers and the schedule's host work)
     data_wait            reading the batch
     optimizer            gradient norm and update (less their collectives)
     checkpoint           saves
@@ -32,16 +33,18 @@ TERMS = ("compute", "pipeline_bubble", "data_wait", "optimizer", "checkpoint", "
 _TERM = {"data": "data_wait", "checkpoint": "checkpoint", "optimizer": "optimizer", "compute": "compute"}
 
 
-def _label(event: dict[str, Any]) -> str:
+def _label(event: dict[str, Any], pipeline: bool) -> str:
     kind = event["kind"]
     if kind == "comm":
+        if pipeline and event.get("group") == "pp" and event["name"] == "send_recv":
+            return "pipeline_bubble"  # a stage's send or receive waits for the neighbouring stage
         return f"exposed_comm/{event.get('group', 'world')}"
     if kind == "region":
-        return "compute"
+        return "pipeline_bubble" if pipeline else "compute"
     return _TERM[kind]
 
 
-def step_split(events: list[dict[str, Any]], start: float, end: float) -> dict[str, float]:
+def step_split(events: list[dict[str, Any]], start: float, end: float, pipeline: bool = False) -> dict[str, float]:
     """Seconds of each term in the step [start, end] from its intervals (see the module docstring)."""
     ranked = sorted((e for e in events if e["kind"] in PRIORITY and not e.get("overlapped")),
                     key=lambda e: PRIORITY.index(e["kind"]))
@@ -50,7 +53,7 @@ def step_split(events: list[dict[str, Any]], start: float, end: float) -> dict[s
     for a, b in zip(cuts, cuts[1:], strict=False):
         middle = (a + b) / 2
         owner = next((e for e in ranked if e["t0"] <= middle < e["t1"]), None)
-        out["idle" if owner is None else _label(owner)] += b - a
+        out["idle" if owner is None else _label(owner, pipeline)] += b - a
     return dict(out)
 
 
@@ -80,7 +83,7 @@ def overlapped_comm(events: list[dict[str, Any]]) -> dict[str, float]:
     return dict(out)
 
 
-def rank_steps(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def rank_steps(events: list[dict[str, Any]], pipeline: bool = False) -> dict[int, dict[str, Any]]:
     """Step -> {"step_s", "terms", "compute_by_kind", "overlapped"} of one rank's events."""
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
@@ -91,7 +94,7 @@ def rank_steps(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         if whole is None:  # a step the run did not finish
             continue
         out[step] = {"step_s": whole["t1"] - whole["t0"],
-                     "terms": step_split(items, whole["t0"], whole["t1"]),
+                     "terms": step_split(items, whole["t0"], whole["t1"], pipeline),
                      "compute_by_kind": compute_by_kind(items), "comm_by_kind": comm_by_kind(items),
                      "overlapped": overlapped_comm(items)}
     return out

@@ -41,7 +41,7 @@ def read_profile(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def _rank_report(data: dict[str, Any]) -> dict[str, Any]:
-    steps = rank_steps(data["events"])
+    steps = rank_steps(data["events"], data["meta"]["sizes"].get("pp", 1) > 1)
     step_s = sum(s["step_s"] for s in steps.values()) / max(len(steps), 1)
     return {"step_s": step_s, "terms": mean_terms(steps), "compute_by_kind": mean_terms(steps, "compute_by_kind"),
             "comm_by_kind": mean_terms(steps, "comm_by_kind"), "overlapped": mean_terms(steps, "overlapped"),
@@ -80,14 +80,14 @@ def analyse(run_dir: Path | str, plan: bool = True) -> dict[str, Any]:
     ranks = {r: _rank_report(d) for r, d in sorted(profile.items())}
     measured = _job_terms(ranks)
     step_s = sum(r["step_s"] for r in ranks.values()) / len(ranks)
-    planned = _planned(run_dir, meta["world"], measured.get("compute", 0.0)) if plan else {"terms": {}}
+    # the plan's compute is the slowest pipeline stage's: under pp the rates are scaled to that rank's
+    pipelined = meta["sizes"].get("pp", 1) > 1
+    compute = max(r["terms"].get("compute", 0.0) for r in ranks.values()) if pipelined else measured.get("compute", 0.0)
+    planned = _planned(run_dir, meta["world"], compute) if plan else {"terms": {}}
     names = sorted(set(measured) | set(planned["terms"]), key=_order)
     unplanned = 0.0 if planned["terms"] else None  # a term the plan has no line for, it predicts none of
     terms = {n: {"measured_s": measured.get(n, 0.0), "planned_s": planned["terms"].get(n, unplanned)} for n in names}
     notes = []
-    if meta["sizes"].get("pp", 1) > 1:  # split.py: the schedule's waits are inside compute
-        terms["pipeline_bubble"]["measured_s"] = None
-        notes.append("pp > 1: the pipeline bubble is not measured; the stages' waits for each other are in compute")
     differences = sorted(({"term": n, **v, "difference_s": v["measured_s"] - v["planned_s"]}
                           for n, v in terms.items() if v["planned_s"] is not None and v["measured_s"] is not None),
                          key=lambda d: -abs(d["difference_s"]))[:TOP_DIFFERENCES]

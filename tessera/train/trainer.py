@@ -159,7 +159,7 @@ class Trainer:
             self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
-        self.recorder = recorder_for(profile, cfg, self.layout, self.flops_per_token, self.peak_flops)
+        self.recorder = recorder_for(profile, cfg, self.layout, self.flops_per_token, self.peak_flops, self.engine)
 
     def _take(self, built: ModeParts) -> None:
         """The mode's finished parts: its step engine, what it optimises and checkpoints."""

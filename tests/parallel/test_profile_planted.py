@@ -1,7 +1,8 @@
 """`tessera train --profile A:B` and `tessera profile RUN_DIR` name causes planted on real gloo ranks:
 a rank slowed on purpose is the straggler with its lag, a data loader stalled on purpose shows as data
 wait, the collectives of one process group delayed on purpose show as that group's exposed
-communication (and as the largest difference from the plan); the report's files are a parsable HTML
+communication (and as the largest difference from the plan), a pipeline with too few micro-batches
+shows the bubble the planner predicts; the report's files are a parsable HTML
 page, a PNG of the picture's size and JSON of the contract, holding no path of the machine but the run
 directory's. The plants are sleeps put around the real parts (the step engine, the data pipeline, the
 function that issues a timed collective); the expected figures are those sleeps."""
@@ -9,6 +10,7 @@ function that issues a timed collective); the expected figures are those sleeps.
 from __future__ import annotations
 
 import json
+import statistics
 import struct
 import time
 from html.parser import HTMLParser
@@ -134,19 +136,30 @@ def test_delayed_dp_collectives_are_exposed_dp_communication_and_the_report_rend
             assert root not in text
 
 
-def _profiled(overrides: list[str]) -> None:
-    Trainer(load_config(TINY_DENSE, overrides), profile=WINDOW).train()
+def _profiled_long(overrides: list[str]) -> None:
+    Trainer(load_config(TINY_DENSE, overrides), profile=(2, 6)).train()
 
 
-def test_a_pipeline_run_is_profiled_and_its_bubble_left_to_the_plan(small_dataset, tmp_path):
-    """Under pp the stages' sends and receives are seen on the pp group (not waited for where they are
-    issued: the schedule waits for them), and the measured bubble is left out, with a note, until the
-    schedule's micro-batches carry markers; the plan's bubble for 2 stages and 2 micro-batches stands."""
+def test_a_pipeline_with_too_few_micro_batches_shows_the_bubble_the_plan_predicts(small_dataset, tmp_path):
+    """2 stages, 2 micro-batches, GPipe: the planner's bubble is (p - 1) / m = half the slowest stage's
+    compute; the stages' waits for each other (their time outside their micro-batches' forward and
+    backward, their sends and receives on the pp group) average to it within 20%. The model is larger
+    than elsewhere so that compute, not the schedule's host work, sets the stages' pace."""
     run_dir = tmp_path / "run"
-    run_ranks(_profiled, 2, shrink(small_dataset, run_dir, 5, **{"parallel.pp": 2, "parallel.pp_schedule": "gpipe",
-                                                                  "checkpoint.interval": 0}), timeout=120)
+    bigger = {"model.dim": 256, "model.ffn_dim": 512, "model.n_heads": 8, "model.n_kv_heads": 4,
+              "model.max_seq_len": 128, "train.seq_len": 128}
+    layout = {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "checkpoint.interval": 0}
+    run_ranks(_profiled_long, 2, shrink(small_dataset, run_dir, 7, **layout, **bigger), timeout=300)
     report = analyse(run_dir)
-    assert report["sizes"]["pp"] == 2 and report["steps"] == [2, 3, 4]
+    assert report["sizes"]["pp"] == 2 and report["steps"] == [2, 3, 4, 5, 6]
     assert any(k.startswith("pp/send_recv") for r in report["ranks"].values() for k in r["comm_by_kind"])
-    bubble = report["terms"]["pipeline_bubble"]
-    assert bubble["measured_s"] is None and bubble["planned_s"] > 0 and report["notes"]
+    assert {"forward", "backward"} <= set(report["ranks"]["0"]["compute_by_kind"])  # the stages' chunks, marked
+    terms = report["terms"]
+    planned_share = terms["pipeline_bubble"]["planned_s"] / terms["compute"]["planned_s"]  # of the slowest stage
+    assert planned_share == pytest.approx(0.5, rel=0.05)
+    # each step's bubble (averaged over the stages) against its slowest stage's compute; the median step,
+    # so that a step another job on the machine stretched does not decide
+    steps = [[r["steps"][str(s)]["terms"] for r in report["ranks"].values()] for s in report["steps"]]
+    shares = [statistics.mean(t["pipeline_bubble"] for t in step) / max(t["compute"] for t in step) for step in steps]
+    assert statistics.median(shares) == pytest.approx(planned_share, rel=0.2)
+    assert terms["pipeline_bubble"]["measured_s"] > 0

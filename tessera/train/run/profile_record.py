@@ -120,6 +120,7 @@ class StepRecorder:
         self.step = 0
         self._timer: CollectiveTimer | None = None
         self.collectives = collectives
+        self.stages: list[Any] = []  # a pipeline schedule's stages on this rank, their chunks marked (`watch`)
 
     def records(self, step: int) -> bool:
         return self.first <= step <= self.last
@@ -156,14 +157,29 @@ class StepRecorder:
             return
         self.step, _ACTIVE = step, self
         self._timer = CollectiveTimer(self) if self.collectives else None
+        self._watch(True)
         t0 = time.time()
         try:
             with self._timer if self._timer is not None else _NULL:
                 yield
         finally:
+            self._watch(False)
             _ACTIVE, self._timer = None, None
             self.add("step", f"step {step}", t0, time.time())
             self._flush(first=step == self.first)
+
+    def _watch(self, on: bool) -> None:
+        """While a step is recorded, each pipeline stage's forward and backward of a micro-batch (the
+        methods its schedule calls) is a `compute` interval; the instance's own attribute is dropped
+        afterwards, so the stage is as it was."""
+        for stage in self.stages:
+            for method, name in _CHUNKS.items():
+                if not hasattr(type(stage), method):
+                    continue
+                if on:
+                    setattr(stage, method, _marked(getattr(stage, method), name))
+                else:
+                    stage.__dict__.pop(method, None)
 
     def _flush(self, first: bool) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +188,27 @@ class StepRecorder:
                 f.write(json.dumps({"meta": self.meta}) + "\n")
             f.writelines(json.dumps(line) + "\n" for line in self.lines)
         self.lines = []
+
+
+_CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward",
+           "backward_weight_one_chunk": "backward weight"}
+
+
+def _marked(method, name: str):
+    def call(*args, **kwargs):
+        with mark("compute", f"{name} mb{args[0] if args else ''}"):
+            return method(*args, **kwargs)
+
+    return call
+
+
+def pipeline_stages(engine) -> list[Any]:
+    """The stages of a pipeline step engine's schedule on this rank (none for another engine)."""
+    schedule = getattr(getattr(engine, "run", None), "schedule", None)
+    stages = getattr(schedule, "_stages", None)
+    if stages is None and getattr(schedule, "_stage", None) is not None:
+        stages = [schedule._stage]
+    return list(stages or [])
 
 
 def group_names(dims) -> dict[str, str]:
@@ -186,7 +223,7 @@ def group_names(dims) -> dict[str, str]:
 
 
 def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: float,
-                 peak_flops: float | None) -> StepRecorder | None:
+                 peak_flops: float | None, engine: Any = None) -> StepRecorder | None:
     """The trainer's recorder for `--profile A:B` (None without one): what the analysis needs to know
     of the run beside the intervals goes in the files' first line."""
     if window is None:
@@ -197,5 +234,7 @@ def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: f
     meta = {"sizes": sizes, "microbatches": microbatches, "pp_schedule": cfg.parallel.pp_schedule,
             "tokens_per_step": t.global_batch_size * t.seq_len, "flops_per_token": flops_per_token,
             "peak_flops": peak_flops, "device": layout.device.type}
-    return StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
-                        collectives=layout.distributed)
+    recorder = StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
+                            collectives=layout.distributed)
+    recorder.stages = pipeline_stages(engine)
+    return recorder
