@@ -5,12 +5,12 @@
 The tiny dense config (by default 2 layers of dim 256, sequences of 128, 4 samples a step, so that a
 step takes a fraction of a second on a CPU) trains `--steps` steps on two forked gloo ranks
 (parallel.dp_shard=2: FSDP's all-gathers and reduce-scatters are the collectives timed) and in one
-process, once with steps 2..N recorded and once without, alternated round by round so that the
-machine's load falls on both alike. A step's time is the rank's own (train/run/rank_timing.py's
-`rank_step_s` on ranks, tokens / tokens_per_s in one process), the first step left out (warm-up).
+process, every other step recorded (`StepRecorder.step_block`, as `--profile` does), so that the
+machine's load falls on both alike; on ranks every step starts at a barrier. A step's time is rank
+0's wall time of `Trainer.train_step`, the first two steps left out (warm-up).
 
-Prints one JSON object: for each case the median over rounds of the profiled / plain step-time
-ratio, and each round's ratio (`per_round`: the spread a shared machine gives).
+Prints one JSON object: for each case the median over rounds of the ratio of the median recorded
+step to the median plain step, and each round's ratio (`per_round`: the spread a shared machine gives).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -37,39 +39,38 @@ SIZE = {"model.dim": 256, "model.ffn_dim": 512, "model.n_heads": 8, "model.n_kv_
         "train.seq_len": 128, "train.micro_batch_size": 2, "train.global_batch_size": 4, "checkpoint.interval": 0}
 
 
-def _step_times(records: list[dict], tokens: int) -> list[float]:
-    """Seconds of each logged step after the first (metrics lines of every step: log_interval 1)."""
-    out = []
-    for r in records:
-        if r["step"] < 2:
-            continue
-        out.append(max(r["rank_step_s"]) if "rank_step_s" in r else tokens / r["tokens_per_s"])
-    return out
+def _alternate(overrides: list[str], steps: int) -> dict[str, float]:
+    """Train `steps` steps, every other one recorded (on ranks, all start each step together); the
+    median seconds of the plain and of the recorded steps after the first two (warm-up)."""
+    import torch.distributed as dist
 
-
-def _train(overrides: list[str], window: tuple[int, int] | None) -> list[dict]:
-    trainer = Trainer(load_config(TINY_DENSE, overrides), profile=window)
-    return trainer.train().records
+    trainer = Trainer(load_config(TINY_DENSE, overrides), profile=(1, 10**9))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(steps):
+        recorded = i % 2 == 1
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        with trainer.recorder.step_block(trainer.step + 1) if recorded else nullcontext():
+            trainer.train_step()
+        if i >= 2:
+            times[recorded].append(time.perf_counter() - start)
+    return {"plain_s": statistics.median(times[False]), "profiled_s": statistics.median(times[True])}
 
 
 def _one_case(dataset: str, work: Path, steps: int, ranks: int, extra: list[str], n: int) -> float:
-    """Median profiled step / median plain step for run `n` of one case."""
-    times = {}
-    for profiled in (False, True):
-        run_dir = work / f"r{ranks}-{n}-{int(profiled)}"
-        overrides = shrink(dataset, run_dir, steps, **SIZE, **({"parallel.dp_shard": 2} if ranks > 1 else {}))
-        overrides += extra
-        window = (2, steps) if profiled else None
-        records = (run_ranks(_train, ranks, overrides, window, timeout=600)[0] if ranks > 1
-                   else _train(overrides, window))
-        times[profiled] = statistics.median(_step_times(records, 4 * 128))
-    return times[True] / times[False]
+    """Median recorded step / median plain step of one run of the case."""
+    run_dir = work / f"r{ranks}-{n}"
+    overrides = shrink(dataset, run_dir, steps, **SIZE, **({"parallel.dp_shard": 2} if ranks > 1 else {}))
+    overrides += extra
+    out = run_ranks(_alternate, ranks, overrides, steps, timeout=600)[0] if ranks > 1 else _alternate(overrides, steps)
+    return out["profiled_s"] / out["plain_s"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
     torch.set_num_threads(1)
