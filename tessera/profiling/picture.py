@@ -65,7 +65,8 @@ def _timeline(profile: dict[int, dict[str, Any]], top: float, boxes: list[Box], 
         for kind in order:
             for e in (e for e in data["events"] if e["kind"] == kind and not e.get("overlapped")):
                 colour = COLOURS["pipeline_bubble" if kind == "region" and pipeline else kind]
-                label = e["name"] + (f" [{e['group']}]" if "group" in e else "")
+                label = e["name"] + (f" [{e['group']}]" if "group" in e else "") + \
+                    (f" mb{e['microbatch']}" if e.get("microbatch") is not None else "")
                 boxes.append(Box(LEFT + (e["t0"] - start) * scale, top + 2, max((e["t1"] - e["t0"]) * scale, 0.5),
                                  ROW - 4, colour, f"{label}: {(e['t1'] - e['t0']) * 1e3:.2f} ms"))
         top += ROW

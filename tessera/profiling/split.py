@@ -58,11 +58,11 @@ def step_split(events: list[dict[str, Any]], start: float, end: float, pipeline:
 
 
 def compute_by_kind(events: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds of forward and of backward (the markers' first word), collectives inside included."""
+    """Seconds of forward, backward (and a zero-bubble schedule's backward weight), collectives inside included."""
     out: dict[str, float] = defaultdict(float)
     for e in events:
         if e["kind"] == "compute":
-            out[e["name"].split(" ")[0]] += e["t1"] - e["t0"]
+            out[e["name"]] += e["t1"] - e["t0"]
     return dict(out)
 
 

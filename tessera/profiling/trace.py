@@ -19,6 +19,7 @@ def chrome_trace(profile: dict[int, dict[str, Any]]) -> dict[str, Any]:
         for e in data["events"]:
             tid = KIND_THREADS.index(e["kind"]) if e["kind"] in KIND_THREADS else len(KIND_THREADS)
             name = e["name"] if e["kind"] != "comm" else f"{e['name']} [{e.get('group', 'world')}]"
+            name += f" mb{e['microbatch']}" if e.get("microbatch") is not None else ""
             args = {k: v for k, v in e.items() if k not in ("t0", "t1", "name", "kind")}
             events.append({"ph": "X", "name": name, "cat": e["kind"], "pid": rank, "tid": tid,
                            "ts": (e["t0"] - start) * 1e6, "dur": (e["t1"] - e["t0"]) * 1e6, "args": args})

@@ -41,8 +41,8 @@ def test_one_process_records_the_window_and_profile_reports_it(small_dataset, tm
     assert {line["step"] for line in lines[1:]} == {2}
     kinds = {line["kind"] for line in lines[1:]}
     assert {"step", "data", "region", "compute", "optimizer"} <= kinds and "comm" not in kinds
-    assert {line["name"] for line in lines[1:] if line["kind"] == "compute"} == {"forward mb0", "backward mb0",
-                                                                                 "forward mb1", "backward mb1"}
+    assert {(line["name"], line["microbatch"]) for line in lines[1:] if line["kind"] == "compute"} == {
+        ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)}
     capsys.readouterr()
     assert main(["profile", str(run), "--json", str(tmp_path / "r.json")]) == 0
     assert "steps 2..2 on 1 rank(s)" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 of each phase of a step, on every rank, into `run_dir/profile/rank<R>.jsonl` (`tessera profile RUN_DIR`
 reads them: tessera.profiling).
 
-    with mark("compute", "forward mb0"):     # a no-op (one global read) unless a step is recorded
+    with mark("compute", "forward", microbatch=0):  # a no-op (one global read) unless a step is recorded
         ...
 
 Kinds: `step` (one per step, the whole of it), `data` (reading the batch), `compute` (forward and
@@ -196,7 +196,7 @@ _CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward",
 
 def _marked(method, name: str):
     def call(*args, **kwargs):
-        with mark("compute", f"{name} mb{args[0] if args else ''}"):
+        with mark("compute", name, microbatch=args[0] if args and isinstance(args[0], int) else None):
             return method(*args, **kwargs)
 
     return call

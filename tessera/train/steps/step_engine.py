@@ -105,7 +105,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         if before_backward is not None:
             before_backward(i == accumulation - 1)
         images = micro_batch_images(pixels, grids, rows, device)
-        with mixed_precision(device, autocast_dtype), mark("compute", f"forward mb{i}", microbatch=i):
+        with mixed_precision(device, autocast_dtype), mark("compute", "forward", microbatch=i):
             out = micro_batch_output(forward, x, y if distiller is None else None, images)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
         micro_sum = model_loss_sum(out, y)
@@ -122,7 +122,7 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
             stats.add_distill(kd_sum)
             if hidden_sum is not None:
                 stats.add_hidden(hidden_sum)
-        with mark("compute", f"backward mb{i}", microbatch=i):
+        with mark("compute", "backward", microbatch=i):
             (objective if loss_scaler is None else loss_scaler.scale_loss(objective)).backward()
         stats.add_loss(micro_sum)
         stats.add_routing(out)
