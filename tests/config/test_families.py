@@ -164,3 +164,36 @@ def test_olmo3_legacy_rope_keys_read_as_transformers_reads_them():
     del d["rope_parameters"]
     cfg = config_from_hf(d | {"rope_theta": 20000.0})
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["rope_type"]) == (20000.0, 500000.0, "yarn")
+
+
+def test_seed_oss_keeps_its_qkv_and_output_biases_apart():
+    from dataclasses import replace
+
+    cfg = PRESETS["seed-oss-36b"]
+    d = config_to_hf(cfg)
+    assert (d["attention_bias"], d["attention_out_bias"], d["residual_dropout"]) == (True, False, 0.0)
+    assert (config_from_hf(d).qkv_bias, config_from_hf(d).out_bias) == (True, False)
+    assert config_from_hf({k: v for k, v in d.items() if k != "attention_bias"}).qkv_bias  # the class's default
+    both = replace(cfg, out_bias=True)
+    assert config_from_hf(config_to_hf(both)).out_bias
+
+
+def test_exaone4_global_layers_are_the_nope_ones():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    cfg = PRESETS["exaone4-32b"]
+    d = config_to_hf(cfg)
+    assert d["layer_types"][:4] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert config_from_hf(d) == cfg
+    legacy = config_from_hf({k: v for k, v in d.items() if k != "layer_types"} | {"sliding_window_pattern": "LLLG"})
+    assert (legacy.window_layers, legacy.nope_layers) == (cfg.window_layers, cfg.nope_layers)
+    small = config_to_hf(PRESETS["exaone4-1.2b"])
+    assert small["sliding_window"] is None and set(small["layer_types"]) == {"full_attention"}
+    assert config_from_hf(small).nope_layers == []
+    with pytest.raises(ModelError, match=r"exaone4's layers without RoPE are exactly its full-attention ones when it "
+                                         r"has a sliding window, and none without one \(model.nope_layers=\[3\]"):
+        config_to_hf(replace(cfg, nope_layers=[3]))
+    with pytest.raises(ModelError, match=r"exaone4 rotates every layer by one RoPE \(model.local_rope_theta=5000.0\)"):
+        config_to_hf(replace(cfg, local_rope_theta=5000.0))

@@ -41,6 +41,9 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("olmo2-13b")) / 1e9, 1) == 13.7
     assert round(count_params(get_preset("olmo3-7b")) / 1e9, 1) == 7.3  # OLMo 3 7B: 7.30B, 32B: 32.2B
     assert round(count_params(get_preset("olmo3-32b")) / 1e9, 1) == 32.2
+    assert round(count_params(get_preset("seed-oss-36b")) / 1e9, 1) == 36.2  # Seed-OSS-36B: 36.15B
+    assert round(count_params(get_preset("exaone4-1.2b")) / 1e9, 2) == 1.28  # EXAONE 4.0: 1.28B, 32.0B
+    assert round(count_params(get_preset("exaone4-32b")) / 1e9, 1) == 32.0
 
 
 def test_every_preset_validates():

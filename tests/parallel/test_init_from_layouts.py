@@ -36,6 +36,9 @@ FAMILIES = {
     "olmo3": (TINY_DENSE, shrink, {"model.family": "olmo3", "model.block_norms": "post", "model.qk_norm": True,
                                    "model.qk_norm_all_heads": True, "model.sliding_window": 8,
                                    "model.window_layers": [0], "model.local_rope_theta": 5000.0}),
+    "seed_oss": (TINY_DENSE, shrink, {"model.family": "seed_oss", "model.qkv_bias": True, "model.head_dim": 8}),
+    "exaone4": (TINY_DENSE, shrink, {"model.family": "exaone4", "model.block_norms": "post", "model.qk_norm": True,
+                                     "model.sliding_window": 8, "model.window_layers": [0], "model.nope_layers": [1]}),
     "mixtral": (TINY_MOE, moe_shrink, {}),
     "qwen2_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen2_moe", "model.qkv_bias": True,
                                          "model.moe.shared_ffn_dim": 32,
@@ -125,6 +128,9 @@ LAYOUTS = [
     _case("olmo2", 2, PP2, "pp2"),
     _case("olmo3", 2, FSDP2, "fsdp2"),
     _case("olmo3", 2, PP2, "pp2"),
+    _case("seed_oss", 2, TP2, "tp2"),
+    _case("exaone4", 2, TP2, "tp2"),
+    _case("exaone4", 2, PP2, "pp2"),
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
 ]
 

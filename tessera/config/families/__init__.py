@@ -10,6 +10,7 @@ export checks. Adding a family: a module here, its line below, and its case in t
 
 from tessera.config.families import (
     deepseek_v3,
+    exaone4,
     llama,
     mistral,
     mixtral,
@@ -19,6 +20,7 @@ from tessera.config.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    seed_oss,
     smollm3,
 )
 from tessera.config.families.base import Family
@@ -31,6 +33,8 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     smollm3.FAMILY,
     olmo2.FAMILY,
     olmo3.FAMILY,
+    seed_oss.FAMILY,
+    exaone4.FAMILY,
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
