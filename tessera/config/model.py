@@ -145,6 +145,9 @@ class ModelConfig:
     # The RoPE base of the window_layers, unscaled (OLMo 3 with YaRN on its full layers, Gemma 3's local
     # base); None: they rotate as the other layers do (rope_theta, rope_scaling).
     local_rope_theta: float | None = None
+    # Llama 4's chunked local attention: each layer with RoPE (not in nope_layers) lets position i see only
+    # the positions of its own chunk of this many, i - i % size .. i; None: no chunks.
+    attention_chunk_size: int | None = None
     # Where each block's RMSNorms sit: "pre" before attention and MLP (LLaMA); "post" on their outputs,
     # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
     block_norms: str = "pre"
@@ -234,6 +237,10 @@ class ModelConfig:
         require(self.local_rope_theta is None or (self.window_layers is not None and _finite(self.local_rope_theta)
                                                   and self.local_rope_theta > 0), "model.local_rope_theta",
                 self.local_rope_theta, "must be None or, with model.window_layers, a finite number > 0")
+        chunk = self.attention_chunk_size
+        require(chunk is None or (0 < chunk <= MAX_SEQ_LEN and self.sliding_window is None),
+                "model.attention_chunk_size", chunk,
+                f"must be None or an integer in 1..{MAX_SEQ_LEN:,}, without a sliding_window")
         require(self.block_norms in BLOCK_NORMS, "model.block_norms", self.block_norms,
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",

@@ -320,6 +320,8 @@ def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: Activ
     """A windowed layer shorter than the sequence attends under an [S, S] mask, which SDPA keeps in
     the attention's dtype (one per layer: each call builds its own)."""
     window = cfg.layer_window(layer)
+    if cfg.attention_chunk_size is not None and layer not in cfg.nope_layers:  # Llama 4's chunks: a mask too
+        window = cfg.attention_chunk_size
     if window is not None and window < seq:
         s.new("attention.window_mask", 0, dt.compute, "rep", fixed=seq * seq)
 

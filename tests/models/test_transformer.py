@@ -112,6 +112,7 @@ def test_bf16_forward():
     ("window_layers", [0], r"model.window_layers=\[0\] is invalid: must be None \(the window on every layer\) or, "
                            "with a sliding_window"),
     ("local_rope_theta", 5e4, r"model.local_rope_theta=50000.0 is invalid: must be None or, with model.window_layers"),
+    ("attention_chunk_size", 0, r"model.attention_chunk_size=0 is invalid: must be None or an integer in 1.."),
     ("block_norms", "mid", r"model.block_norms='mid' is invalid: one of pre, post, pre_post"),
     ("qk_norm_all_heads", True, r"model.qk_norm_all_heads=True is invalid: needs model.qk_norm=true"),
 ])

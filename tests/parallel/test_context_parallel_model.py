@@ -42,6 +42,8 @@ def _config(name: str) -> ModelConfig:
     if name == "exaone4":  # post-norms, per-head QK norm, a window with RoPE on layer 0, layer 1 global without
         return get_preset("tiny-llama", family="exaone4", block_norms="post", qk_norm=True, sliding_window=5,
                           window_layers=[0], nope_layers=[1])
+    if name == "chunked":  # Llama 4's chunks on the rotated layer 0, across the ranks' sequence cuts
+        return get_preset("tiny-llama", attention_chunk_size=5, nope_layers=[1])
     if name == "olmo2":  # norms after attention and MLP, QK norm over all heads
         return get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True)
     if name == "capacity-probs":
@@ -49,7 +51,7 @@ def _config(name: str) -> ModelConfig:
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "chunked", "capacity-probs", "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

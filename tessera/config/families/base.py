@@ -76,6 +76,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +151,9 @@ class Family:
         if not self.layer_windows and (cfg.window_layers is not None or cfg.local_rope_theta is not None):
             raise ModelError(f"{self.name} has no per-layer windows or RoPE (model.window_layers="
                              f"{cfg.window_layers}, model.local_rope_theta={cfg.local_rope_theta}); export it as olmo3")
+        if cfg.attention_chunk_size is not None and not self.chunked_attention:
+            raise ModelError(f"{self.name} has no chunked attention (model.attention_chunk_size="
+                             f"{cfg.attention_chunk_size}); train without it")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
