@@ -1,7 +1,8 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
 every layer (Mistral) or on some (OLMo 3), chunked local attention on the rotated layers (Llama 4's
-`ChunkedWindow`), and layers without RoPE (SmolLM3's NoPE).
+`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), and Llama 4's weightless QK norm on the rotated
+layers and temperature on the others.
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -104,6 +105,12 @@ AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Windo
 FusedProjection = Callable[[torch.Tensor], tuple[torch.Tensor, ...] | None]
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / RMS(x) over the last dimension, computed in fp32 (Llama 4's weightless QK norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -124,13 +131,17 @@ class Attention(nn.Module):
                             else (cfg.head_dim, cfg.head_dim))
         self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.qk_l2_norm = cfg.qk_l2_norm and self.rotary  # Llama 4: unit RMS per head, no weight, rotated layers
+        self.norm_eps = cfg.norm_eps
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
         self.fused_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: AttentionCache | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`q_scale` [B, S, 1, 1] (fp32) multiplies the queries of a layer without RoPE: Llama 4's
+        temperature at each position (`Transformer.rope_tables`); None: no scaling."""
         B, S, _ = x_BSD.shape
         qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
         if qkv is None:
@@ -147,6 +158,10 @@ class Attention(nn.Module):
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_l2_norm:
+            q, k = unit_rms(q, self.norm_eps), unit_rms(k, self.norm_eps)
+        if q_scale is not None and not self.rotary:
+            q = (q * q_scale).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
         if cache is not None:

@@ -112,6 +112,7 @@ def test_bf16_forward():
     ("window_layers", [0], r"model.window_layers=\[0\] is invalid: must be None \(the window on every layer\) or, "
                            "with a sliding_window"),
     ("local_rope_theta", 5e4, r"model.local_rope_theta=50000.0 is invalid: must be None or, with model.window_layers"),
+    ("nope_attn_scale", -0.1, r"model.nope_attn_scale=-0.1 is invalid: must be a finite number >= 0"),
     ("attention_chunk_size", 0, r"model.attention_chunk_size=0 is invalid: must be None or an integer in 1.."),
     ("block_norms", "mid", r"model.block_norms='mid' is invalid: one of pre, post, pre_post"),
     ("qk_norm_all_heads", True, r"model.qk_norm_all_heads=True is invalid: needs model.qk_norm=true"),
@@ -127,6 +128,7 @@ def test_invalid_model_config_names_the_field(field, value, needle):
     ({"n_groups": 3}, "moe.n_groups"),
     ({"capacity_factor": 0.0}, "moe.capacity_factor"),
     ({"drop_policy": "random"}, "moe.drop_policy"),
+    ({"gate_input": True}, r"model.moe.gate_input=True is invalid: needs top_k=1 \(Llama 4 scales each token by"),
 ])
 def test_invalid_moe_config_names_the_field(kw, needle):
     with pytest.raises(ConfigError, match=needle):

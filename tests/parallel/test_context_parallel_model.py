@@ -51,7 +51,8 @@ def _config(name: str) -> ModelConfig:
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "chunked", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "chunked", "capacity-probs",
+           "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
