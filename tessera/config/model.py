@@ -151,6 +151,7 @@ class ModelConfig:
     attention_chunk_size: int | None = None
     # Llama 4's use_qk_norm: q and k of the layers with RoPE divided by their RMS over each head, no weight.
     qk_l2_norm: bool = False
+    rope_interleave: bool = False  # Llama 4: RoPE rotates adjacent pairs (x0, x1), (x2, x3) ..., not the two halves
     # Llama 4's attention temperature tuning: the queries of the layers without RoPE (nope_layers) at
     # position p times 1 + nope_attn_scale * log(1 + floor((p + 1) / nope_floor_scale)); 0: off.
     nope_attn_scale: float = 0.0

@@ -131,6 +131,7 @@ class Attention(nn.Module):
                             else (cfg.head_dim, cfg.head_dim))
         self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.interleaved = cfg.rope_interleave  # rotary pairs side by side (Llama 4), returned as halves
         self.qk_l2_norm = cfg.qk_l2_norm and self.rotary  # Llama 4: unit RMS per head, no weight, rotated layers
         self.norm_eps = cfg.norm_eps
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
@@ -154,10 +155,10 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
+        if self.rotary and self.fused_rope is not None and not self.interleaved and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
         if self.qk_l2_norm:
             q, k = unit_rms(q, self.norm_eps), unit_rms(k, self.norm_eps)
         if q_scale is not None and not self.rotary:

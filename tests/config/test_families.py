@@ -197,3 +197,30 @@ def test_exaone4_global_layers_are_the_nope_ones():
         config_to_hf(replace(cfg, nope_layers=[3]))
     with pytest.raises(ModelError, match=r"exaone4 rotates every layer by one RoPE \(model.local_rope_theta=5000.0\)"):
         config_to_hf(replace(cfg, local_rope_theta=5000.0))
+
+
+def test_llama4_text_maps_its_layers_both_ways_and_refuses_what_it_cannot_reproduce():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    scout, maverick = PRESETS["llama4-scout-17b-16e"], PRESETS["llama4-maverick-17b-128e"]
+    d = config_to_hf(maverick)
+    assert d["no_rope_layers"][:4] == [1, 1, 1, 0] and d["layer_types"][:4] == ["chunked_attention"] * 3 + [
+        "full_attention"]
+    assert d["moe_layers"] == list(range(1, 48, 2)) and (d["intermediate_size"], d["intermediate_size_mlp"]) == (
+        8192, 16384)
+    assert config_from_hf(d) == maverick and config_from_hf(config_to_hf(scout)) == scout
+    legacy = {k: v for k, v in d.items() if k not in ("moe_layers", "layer_types")} | {"interleave_moe_layer_step": 2}
+    assert config_from_hf(legacy).moe_layers == maverick.moe_layers
+    with pytest.raises(ModelError, match=r"layer_types=.* is not supported: Tessera's Llama 4 attends in chunks on "
+                                         r"exactly the layers with RoPE"):
+        config_from_hf(d | {"layer_types": ["full_attention"] * 48})
+    with pytest.raises(ModelError, match=r"llama4_text rotates adjacent pairs \(model.rope_interleave must be true\)"):
+        config_to_hf(replace(maverick, rope_interleave=False))
+    from tessera.checkpoint.hf.names import check_exportable
+
+    with pytest.raises(ModelError, match=r"model.moe.top_k=2 cannot be exported as llama4_text"):
+        check_exportable(replace(maverick, moe=replace(maverick.moe, top_k=2, gate_input=False)))
+    with pytest.raises(ModelError, match=r"llama has no chunked attention \(model.attention_chunk_size=8192\)"):
+        config_to_hf(replace(PRESETS["llama3-8b"], attention_chunk_size=8192))

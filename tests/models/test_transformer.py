@@ -44,6 +44,11 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("seed-oss-36b")) / 1e9, 1) == 36.2  # Seed-OSS-36B: 36.15B
     assert round(count_params(get_preset("exaone4-1.2b")) / 1e9, 2) == 1.28  # EXAONE 4.0: 1.28B, 32.0B
     assert round(count_params(get_preset("exaone4-32b")) / 1e9, 1) == 32.0
+    # Llama 4 (text): Scout 17B active of 108B (109B with its vision encoder), Maverick 17B of 400B
+    assert round(count_params(get_preset("llama4-scout-17b-16e")) / 1e9) == 108
+    assert round(count_params(get_preset("llama4-maverick-17b-128e")) / 1e9) == 401
+    for name in ("llama4-scout-17b-16e", "llama4-maverick-17b-128e"):
+        assert round(count_params(get_preset(name), active=True) / 1e9) == 17
 
 
 def test_every_preset_validates():

@@ -12,6 +12,7 @@ from tessera.config.families import (
     deepseek_v3,
     exaone4,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,
@@ -39,6 +40,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
     deepseek_v3.FAMILY,
+    llama4_text.FAMILY,
 )}
 
 __all__ = ["REGISTRY", "Family"]

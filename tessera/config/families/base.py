@@ -52,6 +52,16 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling or None
 
 
+@dataclass(frozen=True)
+class TensorPart:
+    """A Tessera tensor [..., out, in] that is part of a fused HuggingFace tensor [..., in, count * out]
+    (Llama 4's experts.gate_up_proj): the `index`-th of `count` equal cuts of its last dimension,
+    transposed. `Family.tensor_parts` names them; the loaders cut and the writers join them."""
+
+    index: int
+    count: int
+
+
 # config.json fields every family reads as integers / numbers (when present; checked before use)
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
@@ -194,6 +204,11 @@ class Family:
         if not cfg.tie_embeddings:
             names["output.weight"] = ["lm_head.weight"]
         return names
+
+    def tensor_parts(self, cfg) -> dict[str, TensorPart]:
+        """Tessera key -> the part of its (one) HuggingFace tensor it is, where that is a fused
+        tensor (`TensorPart`); none for most families."""
+        return {}
 
     def tensor_copies(self, cfg) -> dict[str, str]:
         """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):
