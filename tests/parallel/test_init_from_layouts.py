@@ -140,6 +140,7 @@ LAYOUTS = [
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("llama4_text", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("llama4_text", 2, TP2, "tp2"),
+    _case("llama4_text", 2, PP2, "pp2"),
 ]
 
 
