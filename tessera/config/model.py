@@ -1,9 +1,9 @@
 """Model configuration: the shape of a dense or MoE decoder, one documented field at a time.
 
 `ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, OLMo 2/3,
-Seed-OSS, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, Llama 4 text). `MoEConfig` holds the router and expert settings,
-`MLAConfig` the multi-head latent attention shapes. Each family is a module of `families/` (its
-HuggingFace mapping and its named configurations, which `presets.py` collects:
+Seed-OSS, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, Llama 4 text). `MoEConfig` holds the
+router and expert settings, `MLAConfig` the multi-head latent attention shapes. Each family is a
+module of `families/` (its HuggingFace mapping and its named configurations, which `presets.py` collects:
 `get_preset("mixtral-8x7b")`); parameter and FLOP counts of a configuration are in
 `tessera/models/counting.py` and `flops.py`, beside the modules they count.
 """
