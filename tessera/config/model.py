@@ -1,9 +1,9 @@
 """Model configuration: the shape of a dense or MoE decoder, one documented field at a time.
 
 `ModelConfig` describes every family Tessera runs (LLaMA 2/3, Mistral, Qwen2/3, SmolLM3, OLMo 2/3,
-Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3). `MoEConfig` holds the router and expert settings,
-`MLAConfig` the multi-head latent attention shapes. Each family is a module of `families/` (its
-HuggingFace mapping and its named configurations, which `presets.py` collects:
+Seed-OSS, EXAONE 4, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, Llama 4 text). `MoEConfig` holds the
+router and expert settings, `MLAConfig` the multi-head latent attention shapes. Each family is a
+module of `families/` (its HuggingFace mapping and its named configurations, which `presets.py` collects:
 `get_preset("mixtral-8x7b")`); parameter and FLOP counts of a configuration are in
 `tessera/models/counting.py` and `flops.py`, beside the modules they count.
 """
@@ -96,6 +96,7 @@ class MoEConfig:
     # Shared experts, always applied (DeepSeek, Qwen2-MoE).
     shared_ffn_dim: int = 0  # hidden size of the shared SwiGLU (0 = none)
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ w)
+    gate_input: bool = False  # Llama 4: the gate weight scales the token going into its expert (top-1), not the output
     grouped_gemm: bool = True  # torch._grouped_mm where it applies, else a per-expert loop
 
     def is_moe_layer(self, i: int) -> bool:
@@ -145,6 +146,16 @@ class ModelConfig:
     # The RoPE base of the window_layers, unscaled (OLMo 3 with YaRN on its full layers, Gemma 3's local
     # base); None: they rotate as the other layers do (rope_theta, rope_scaling).
     local_rope_theta: float | None = None
+    # Llama 4's chunked local attention: each layer with RoPE (not in nope_layers) lets position i see only
+    # the positions of its own chunk of this many, i - i % size .. i; None: no chunks.
+    attention_chunk_size: int | None = None
+    # Llama 4's use_qk_norm: q and k of the layers with RoPE divided by their RMS over each head, no weight.
+    qk_l2_norm: bool = False
+    rope_interleave: bool = False  # Llama 4: RoPE rotates adjacent pairs (x0, x1), (x2, x3) ..., not the two halves
+    # Llama 4's attention temperature tuning: the queries of the layers without RoPE (nope_layers) at
+    # position p times 1 + nope_attn_scale * log(1 + floor((p + 1) / nope_floor_scale)); 0: off.
+    nope_attn_scale: float = 0.0
+    nope_floor_scale: int = 8192
     # Where each block's RMSNorms sit: "pre" before attention and MLP (LLaMA); "post" on their outputs,
     # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
     block_norms: str = "pre"
@@ -234,6 +245,14 @@ class ModelConfig:
         require(self.local_rope_theta is None or (self.window_layers is not None and _finite(self.local_rope_theta)
                                                   and self.local_rope_theta > 0), "model.local_rope_theta",
                 self.local_rope_theta, "must be None or, with model.window_layers, a finite number > 0")
+        require(_finite(self.nope_attn_scale) and self.nope_attn_scale >= 0, "model.nope_attn_scale",
+                self.nope_attn_scale, "must be a finite number >= 0 (0 = no temperature tuning)")
+        require(0 < self.nope_floor_scale <= MAX_SEQ_LEN, "model.nope_floor_scale", self.nope_floor_scale,
+                f"must be an integer in 1..{MAX_SEQ_LEN:,}")
+        chunk = self.attention_chunk_size
+        require(chunk is None or (0 < chunk <= MAX_SEQ_LEN and self.sliding_window is None),
+                "model.attention_chunk_size", chunk,
+                f"must be None or an integer in 1..{MAX_SEQ_LEN:,}, without a sliding_window")
         require(self.block_norms in BLOCK_NORMS, "model.block_norms", self.block_norms,
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",
@@ -277,6 +296,8 @@ class ModelConfig:
                 f"must be in 1..n_groups={e.n_groups}")
         require(e.n_groups == 1 or e.num_experts // e.n_groups >= 2, "model.moe.n_groups", e.n_groups,
                 "each group needs at least 2 experts (groups are ranked by their top-2 sum)")
+        require(not e.gate_input or e.top_k == 1, "model.moe.gate_input", e.gate_input,
+                f"needs top_k=1 (Llama 4 scales each token by its one expert's gate), not {e.top_k}")
         require(e.n_groups == 1 or e.top_k <= e.topk_groups * e.num_experts // e.n_groups,
                 "model.moe.top_k", e.top_k, "must not exceed the experts of the kept groups")
 

@@ -1,6 +1,8 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
-every layer (Mistral) or on some (OLMo 3), and layers without RoPE (SmolLM3's NoPE).
+every layer (Mistral) or on some (OLMo 3), chunked local attention on the rotated layers (Llama 4's
+`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), and Llama 4's weightless QK norm on the rotated
+layers and temperature on the others.
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -13,6 +15,7 @@ over everything cached. Shapes: B batch, S sequence, H query heads, G kv heads, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,24 +29,67 @@ from tessera.models.rope import apply_rope
 
 class AttentionCache(Protocol):
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor: ...
+               scale: float, window: Window) -> torch.Tensor: ...
 
 
-def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean [Sq, Sk] mask, True where query i may see key j: j <= i and i - j < window."""
+@dataclass(frozen=True)
+class ChunkedWindow:
+    """Chunked local attention (Llama 4's `attention_chunk_size`): the query at position i sees the
+    keys of its own chunk up to itself, positions i - i % size .. i. It goes where a sliding
+    window's int goes (the `window` of the attention core and of a cache's `attend`), and is
+    hashable, so masks cached per window keep working."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a chunk holds at least one position (size={self.size})")
+
+
+Window = int | ChunkedWindow | None  # what a layer's attention may see beyond causality (None: everything)
+
+
+def window_allows(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Window) -> torch.Tensor | bool:
+    """Where key position `k_pos` lies inside query position `q_pos`'s window (broadcast; causality
+    is the caller's): i - j < window for a sliding window, the same chunk for a `ChunkedWindow`."""
+    if window is None:
+        return True
+    if isinstance(window, ChunkedWindow):
+        return torch.div(q_pos, window.size, rounding_mode="floor") == torch.div(k_pos, window.size,
+                                                                                  rounding_mode="floor")
+    return (q_pos - k_pos) < window
+
+
+def first_visible(q_pos: int, window: Window) -> int:
+    """The first key position the query at `q_pos` may see."""
+    if window is None:
+        return 0
+    if isinstance(window, ChunkedWindow):
+        return q_pos - q_pos % window.size
+    return max(0, q_pos - window + 1)
+
+
+def sees_all(window: Window, length: int) -> bool:
+    """Whether every query of a sequence of `length` positions from 0 sees all earlier positions."""
+    return window is None or (window.size if isinstance(window, ChunkedWindow) else window) >= length
+
+
+def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Window) -> torch.Tensor:
+    """Boolean [Sq, Sk] mask, True where query i may see key j: j <= i and j inside i's window
+    (`window_allows`: i - j < window, or the same chunk)."""
     diff = q_pos[:, None] - k_pos[None, :]
     allowed = diff >= 0
     if window is not None:
-        allowed &= diff < window
+        allowed &= window_allows(q_pos[:, None], k_pos[None, :], window)
     return allowed
 
 
 def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: Window = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups."""
     S = q_BHSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
-    if window is None or window >= S:
+    if sees_all(window, S):
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
     pos = torch.arange(S, device=q_BHSD.device)
@@ -52,11 +98,17 @@ def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
 
 
 # (q [B, H, S, D], k [B, G, S, D], v [B, G, S, Dv], scale, window) -> [B, H, S, Dv], as causal_attention.
-AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int | None], torch.Tensor]
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Window], torch.Tensor]
 # Several projections of one input in one product, their outputs in order, or None where it does not
 # apply right now (then the modules run one by one): serving on CPU fuses q/k/v and the MLP's gate/up
 # (tessera.infer.cpu.linear.fuse_projections); None everywhere else.
 FusedProjection = Callable[[torch.Tensor], tuple[torch.Tensor, ...] | None]
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / RMS(x) over the last dimension, computed in fp32 (Llama 4's weightless QK norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -65,8 +117,10 @@ class Attention(nn.Module):
         self.attention_core: AttentionCore = causal_attention  # the seam (module docstring)
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.window = cfg.layer_window(layer_id)
         self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
+        # a sliding window, or chunks on the rotated layers (model.attention_chunk_size, Llama 4)
+        chunked = cfg.attention_chunk_size is not None and self.rotary
+        self.window: Window = ChunkedWindow(cfg.attention_chunk_size) if chunked else cfg.layer_window(layer_id)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -77,13 +131,18 @@ class Attention(nn.Module):
                             else (cfg.head_dim, cfg.head_dim))
         self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.interleaved = cfg.rope_interleave  # rotary pairs side by side (Llama 4), returned as halves
+        self.qk_l2_norm = cfg.qk_l2_norm and self.rotary  # Llama 4: unit RMS per head, no weight, rotated layers
+        self.norm_eps = cfg.norm_eps
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
         self.fused_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: AttentionCache | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`q_scale` [B, S, 1, 1] (fp32) multiplies the queries of a layer without RoPE: Llama 4's
+        temperature at each position (`Transformer.rope_tables`); None: no scaling."""
         B, S, _ = x_BSD.shape
         qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
         if qkv is None:
@@ -96,10 +155,14 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
+        if self.rotary and self.fused_rope is not None and not self.interleaved and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
+        if self.qk_l2_norm:
+            q, k = unit_rms(q, self.norm_eps), unit_rms(k, self.norm_eps)
+        if q_scale is not None and not self.rotary:
+            q = (q * q_scale).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
         if cache is not None:

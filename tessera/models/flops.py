@@ -69,6 +69,22 @@ def attention_keys_per_query(seq_len: int, *, causal: bool = True, window: int |
     return window - window * window / (2 * s)  # band area s w - w^2/2, per query
 
 
+def chunked_keys_per_query(seq_len: int, chunk: int, *, causal: bool = True) -> float:
+    """Mean keys a query attends to when each sees only its own chunk of `chunk` positions (Llama 4):
+    q whole chunks and a last one of r, each a triangle (causal, the half-matrix convention) or a square."""
+    q, r = divmod(seq_len, chunk)
+    area = q * chunk * chunk + r * r
+    return area / (2.0 if causal else 1.0) / seq_len
+
+
+def layer_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, *, causal: bool = True) -> float:
+    """`attention_keys_per_query` of layer `layer`: its sliding window, or its chunks (model.attention_chunk_size
+    on the layers with RoPE)."""
+    if cfg.attention_chunk_size is not None and layer not in cfg.nope_layers:
+        return chunked_keys_per_query(seq_len, cfg.attention_chunk_size, causal=causal)
+    return attention_keys_per_query(seq_len, causal=causal, window=cfg.layer_window(layer))
+
+
 def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True,
                                    layer: int | None = None) -> float:
     """Forward FLOPs of q k^T and p v for one token in layer `layer`: 2 a (d_qk + d_v) keys; None:
@@ -79,7 +95,7 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bo
     else:
         d_qk = d_v = cfg.head_dim
     layers = range(cfg.n_layers) if layer is None else (layer,)
-    keys = sum(attention_keys_per_query(seq_len, causal=causal, window=cfg.layer_window(i)) for i in layers)
+    keys = sum(layer_keys_per_query(cfg, i, seq_len, causal=causal) for i in layers)
     return 2.0 * cfg.n_heads * (d_qk + d_v) * keys / len(layers)
 
 

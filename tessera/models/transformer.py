@@ -59,6 +59,10 @@ class RopeTables:
     cos: torch.Tensor
     sin: torch.Tensor
     local: tuple[torch.Tensor, torch.Tensor] | None = None
+    q_scale: torch.Tensor | None = None  # [B, S, 1, 1] fp32: the NoPE layers' query temperature (Llama 4)
+
+    def query_scale(self, cfg: ModelConfig, layer_id: int) -> torch.Tensor | None:
+        return self.q_scale if layer_id in cfg.nope_layers else None
 
     def of_layer(self, cfg: ModelConfig, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.local is not None and cfg.layer_window(layer_id) is not None:
@@ -145,9 +149,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: AttentionCache | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
-        a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache)
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
+                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
+        a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache, **(
+            {} if q_scale is None else {"q_scale": q_scale}))
         x_BSD = x_BSD + _normed(self.attention_post_norm, a)
         h = _normed(self.ffn_norm, x_BSD)
         route = None
@@ -227,7 +232,11 @@ class Transformer(nn.Module):
         local = None
         if self.local_rope_inv_freq.numel():
             local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, self.mrope_section)
-        return RopeTables(*cos_sin, local)
+        q_scale = None
+        if self.cfg.nope_attn_scale > 0:  # Llama 4's temperature tuning (model.nope_attn_scale)
+            steps = torch.floor((positions.float() + 1.0) / self.cfg.nope_floor_scale)
+            q_scale = (1.0 + self.cfg.nope_attn_scale * torch.log1p(steps))[..., None, None]
+        return RopeTables(*cos_sin, local, q_scale)
 
     def cast(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Transformer:
         """`to(device, dtype)`, except that the tensors of `kept_in_fp32` stay fp32 (their values
@@ -328,7 +337,8 @@ class Transformer(nn.Module):
         keep = inp.keep_layers
         kept = {0: h} if 0 in keep else {}
         for key, layer in self.layers.items():
-            h, route = layer(h, *rope.of_layer(self.cfg, int(key)), inp.cache)
+            h, route = layer(h, *rope.of_layer(self.cfg, int(key)), inp.cache,
+                             q_scale=rope.query_scale(self.cfg, int(key)))
             self._add_route(out, f"layer{key}", int(key), route)
             if int(key) + 1 in keep:
                 kept[int(key) + 1] = h

@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import CP_METHODS
-from tessera.models.attention import Attention, causal_attention, sliding_window_mask
+from tessera.models.attention import Attention, Window, causal_attention, sliding_window_mask
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.models.mtp import TokenSequence
@@ -106,7 +106,7 @@ def kv_repeats(q_heads: int, kv_heads: int, cp: int) -> int:
 
 
 def alltoall_attention(q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
-                       window: int | None, group: ProcessGroup) -> torch.Tensor:
+                       window: Window, group: ProcessGroup) -> torch.Tensor:
     """Exact causal attention of the whole sequence from this rank's chunk (Ulysses); [B, H, C, Dv]."""
     cp = dist.get_world_size(group)
     r = kv_repeats(q_BHCD.shape[1], k_BGCD.shape[1], cp)
@@ -124,7 +124,7 @@ def gather_sequence(x_BGCD: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def allgather_attention(q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
-                        window: int | None, group: ProcessGroup, layout: str = "contiguous") -> torch.Tensor:
+                        window: Window, group: ProcessGroup, layout: str = "contiguous") -> torch.Tensor:
     """Exact causal attention of this rank's queries over the gathered keys/values; [B, H, C, Dv].
     The mask takes every token's global position under `layout` (sequence_layout.py)."""
     C, device = q_BHCD.shape[2], q_BHCD.device
@@ -157,7 +157,7 @@ class ContextParallelAttention:
         return "alltoall" if q_heads % self.cp == 0 and self.layout == "contiguous" else "allgather"
 
     def __call__(self, q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: Window = None) -> torch.Tensor:
         method = self.method_for(q_BHCD.shape[1])
         if method == "alltoall":
             return alltoall_attention(q_BHCD, k_BGCD, v_BGCD, scale, window, self.group)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tessera.models.attention import sliding_window_mask
+from tessera.models.attention import Window, sliding_window_mask
 from tessera.parallel.sequence_layout import all_rank_positions
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -63,7 +63,7 @@ class _Ring:
         return incoming, requests
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None):
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Window):
     """The block pair's work: the query rows and key columns with any visible (query, key) pair, and
     the mask between them. Under the zig-zag split an off-diagonal pair keeps half its rows (the
     later source) or half its columns (the earlier one), so every rank computes the same area."""
@@ -85,7 +85,7 @@ def _sum_groups(x_BHCD: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def _begin_step(ring: _Ring, kv: torch.Tensor, step: int, q_pos: torch.Tensor, positions_PC: torch.Tensor,
-                window: int | None, trace, phase: str):
+                window: Window, trace, phase: str):
     """Start a ring step: post the transfer of the block held now to the next rank (before any compute
     on it, so the transfer overlaps that compute), then say which (rows, cols) of the block held now,
     from rank r - step, this rank's queries see. Returns (incoming, requests, rows, cols, mask)."""
@@ -184,7 +184,7 @@ class RingAttention:
         self.trace: Trace = _no_trace
 
     def __call__(self, q_BHCD: torch.Tensor, k_BGCD: torch.Tensor, v_BGCD: torch.Tensor, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: Window = None) -> torch.Tensor:
         positions = all_rank_positions(q_BHCD.shape[2], dist.get_world_size(self.group), self.layout,
                                        q_BHCD.device)
         with torch.autocast(q_BHCD.device.type, enabled=False):

@@ -110,7 +110,18 @@ def _attention_core(s: _SavedSet, name: str, q: _Tensor, k: _Tensor, v: _Tensor,
     return out
 
 
-def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str) -> None:
+def _unit_rms(s: _SavedSet, name: str, src: _Tensor, n: float, rows: float) -> _Tensor:
+    """Llama 4's weightless QK norm, in fp32: keeps its fp32 input (a copy unless already fp32) and
+    1/rms per head; its output is cast back to the input's dtype."""
+    if src.itemsize == 4:
+        s.keep(src)
+    else:
+        s.new(f"{name}.input_fp32", n, 4, src.split)
+    s.new(f"{name}.rstd", rows, 4, src.split)
+    return _Tensor(f"{name}.out", n, src.itemsize, src.split)
+
+
+def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0) -> None:
     h, a, g, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     for name in ("wq", "wk", "wv"):
         _linear_input(s, x, h, f"attention.{name}", dt)
@@ -123,10 +134,14 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
     # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype.
     q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
     k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
+    if cfg.qk_l2_norm and layer not in cfg.nope_layers:  # Llama 4, after RoPE
+        q, k = _unit_rms(s, "attention.q_l2", q, a * d, a), _unit_rms(s, "attention.k_l2", k, g * d, g)
+    if cfg.nope_attn_scale > 0 and layer in cfg.nope_layers:  # q times the temperature (model-level): a new q
+        q = _Tensor("attention.q_tempered", a * d, q.itemsize, "tp")
     _attention_core(s, "attention.sdpa", q, k, v, a * d, g * d, a * d, a, dt, recompute)
 
 
-def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str) -> None:
+def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0) -> None:
     m, h, a = cfg.mla, cfg.dim, cfg.n_heads
     nope, rope, vd, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
     roped = max(dt.compute, dt.residual)  # RoPE output and the concatenations that hold it
@@ -167,7 +182,12 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
     losses, dispatch, the routed experts, combine, shared experts."""
     logits = _router(s, cfg, x)
     _balance_losses(s, cfg, logits, batch)
-    gathered, rows = _dispatch(s, cfg, x, dt, tokens)
+    x_in = x
+    if cfg.moe.gate_input:  # Llama 4: x.float() * gate keeps both (x itself when fp32); cast back
+        s.keep(x if x.itemsize == 4 else _Tensor("moe.gate_input.x_fp32", cfg.dim, 4, x.split))
+        s.new("moe.gate_input.gate", cfg.moe.top_k, 4, "seq")
+        x_in = _Tensor("moe.gate_input.x", cfg.dim, x.itemsize, x.split)
+    gathered, rows = _dispatch(s, cfg, x_in, dt, tokens)
     _swiglu(s, "moe.experts", gathered, rows, cfg.dim, cfg.moe.ffn_dim, dt.compute, dt)
     _combine(s, cfg, dt)
     if cfg.moe.shared_ffn_dim > 0:
@@ -256,8 +276,9 @@ def _combine(s: _SavedSet, cfg: ModelConfig, dt: ActivationDtype) -> None:
     k = e.top_k
     if e.capacity_factor is not None and e.pad_to_capacity:
         s.new("moe.combine.padded_row", k, 8, "rep")
-    s.new("moe.combine.slot_index", k, 8, "rep")
-    s.new("moe.combine.y_fp32", k * h, 4, "rep")
+    if not e.gate_input:  # with it the gates are ones: no gradient, so neither the index nor y.float() stays
+        s.new("moe.combine.slot_index", k, 8, "rep")
+        s.new("moe.combine.y_fp32", k * h, 4, "rep")
     s.new("moe.combine.gate", k, 4, "rep")
     s.new("moe.combine.weighted", k * h, dt.compute, "rep")
 
@@ -301,7 +322,7 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     s = _SavedSet()
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt) if pre else layer_input
-    (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute)
+    (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute, layer)
     _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
     if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
         _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt)
@@ -320,6 +341,8 @@ def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: Activ
     """A windowed layer shorter than the sequence attends under an [S, S] mask, which SDPA keeps in
     the attention's dtype (one per layer: each call builds its own)."""
     window = cfg.layer_window(layer)
+    if cfg.attention_chunk_size is not None and layer not in cfg.nope_layers:  # Llama 4's chunks: a mask too
+        window = cfg.attention_chunk_size
     if window is not None and window < seq:
         s.new("attention.window_mask", 0, dt.compute, "rep", fixed=seq * seq)
 
@@ -331,6 +354,9 @@ def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTens
     dt = get_activation_dtype(dtype)
     rope = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
     tables = ("rope", "local_rope") if cfg.local_rope_theta is not None else ("rope",)  # the window layers' own
+    if cfg.nope_attn_scale > 0 and cfg.nope_layers:  # Llama 4's query temperature per position, fp32, shared
+        return [SavedTensor("input_ids", 1, 8, "rep"), SavedTensor("nope_temperature", 1, 4, "rep")] + [
+            SavedTensor(f"{t}.{f}", rope, dt.residual, "rep") for t in tables for f in ("cos", "sin")]
     return [SavedTensor("input_ids", 1, 8, "rep")] + [SavedTensor(f"{t}.{f}", rope, dt.residual, "rep")
                                                       for t in tables for f in ("cos", "sin")]
 

@@ -164,3 +164,63 @@ def test_olmo3_legacy_rope_keys_read_as_transformers_reads_them():
     del d["rope_parameters"]
     cfg = config_from_hf(d | {"rope_theta": 20000.0})
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["rope_type"]) == (20000.0, 500000.0, "yarn")
+
+
+def test_seed_oss_keeps_its_qkv_and_output_biases_apart():
+    from dataclasses import replace
+
+    cfg = PRESETS["seed-oss-36b"]
+    d = config_to_hf(cfg)
+    assert (d["attention_bias"], d["attention_out_bias"], d["residual_dropout"]) == (True, False, 0.0)
+    assert (config_from_hf(d).qkv_bias, config_from_hf(d).out_bias) == (True, False)
+    assert config_from_hf({k: v for k, v in d.items() if k != "attention_bias"}).qkv_bias  # the class's default
+    both = replace(cfg, out_bias=True)
+    assert config_from_hf(config_to_hf(both)).out_bias
+
+
+def test_exaone4_global_layers_are_the_nope_ones():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    cfg = PRESETS["exaone4-32b"]
+    d = config_to_hf(cfg)
+    assert d["layer_types"][:4] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert config_from_hf(d) == cfg
+    legacy = config_from_hf({k: v for k, v in d.items() if k != "layer_types"} | {"sliding_window_pattern": "LLLG"})
+    assert (legacy.window_layers, legacy.nope_layers) == (cfg.window_layers, cfg.nope_layers)
+    small = config_to_hf(PRESETS["exaone4-1.2b"])
+    assert small["sliding_window"] is None and set(small["layer_types"]) == {"full_attention"}
+    assert config_from_hf(small).nope_layers == []
+    with pytest.raises(ModelError, match=r"exaone4's layers without RoPE are exactly its full-attention ones when it "
+                                         r"has a sliding window, and none without one \(model.nope_layers=\[3\]"):
+        config_to_hf(replace(cfg, nope_layers=[3]))
+    with pytest.raises(ModelError, match=r"exaone4 rotates every layer by one RoPE \(model.local_rope_theta=5000.0\)"):
+        config_to_hf(replace(cfg, local_rope_theta=5000.0))
+
+
+def test_llama4_text_maps_its_layers_both_ways_and_refuses_what_it_cannot_reproduce():
+    from dataclasses import replace
+
+    from tessera.config import ModelError
+
+    scout, maverick = PRESETS["llama4-scout-17b-16e"], PRESETS["llama4-maverick-17b-128e"]
+    d = config_to_hf(maverick)
+    assert d["no_rope_layers"][:4] == [1, 1, 1, 0] and d["layer_types"][:4] == ["chunked_attention"] * 3 + [
+        "full_attention"]
+    assert d["moe_layers"] == list(range(1, 48, 2)) and (d["intermediate_size"], d["intermediate_size_mlp"]) == (
+        8192, 16384)
+    assert config_from_hf(d) == maverick and config_from_hf(config_to_hf(scout)) == scout
+    legacy = {k: v for k, v in d.items() if k not in ("moe_layers", "layer_types")} | {"interleave_moe_layer_step": 2}
+    assert config_from_hf(legacy).moe_layers == maverick.moe_layers
+    with pytest.raises(ModelError, match=r"layer_types=.* is not supported: Tessera's Llama 4 attends in chunks on "
+                                         r"exactly the layers with RoPE"):
+        config_from_hf(d | {"layer_types": ["full_attention"] * 48})
+    with pytest.raises(ModelError, match=r"llama4_text rotates adjacent pairs \(model.rope_interleave must be true\)"):
+        config_to_hf(replace(maverick, rope_interleave=False))
+    from tessera.checkpoint.hf.names import check_exportable
+
+    with pytest.raises(ModelError, match=r"model.moe.top_k=2 cannot be exported as llama4_text"):
+        check_exportable(replace(maverick, moe=replace(maverick.moe, top_k=2, gate_input=False)))
+    with pytest.raises(ModelError, match=r"llama has no chunked attention \(model.attention_chunk_size=8192\)"):
+        config_to_hf(replace(PRESETS["llama3-8b"], attention_chunk_size=8192))

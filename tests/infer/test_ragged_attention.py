@@ -1,6 +1,6 @@
 """The CPU paths of the serving step: ragged attention (each row over exactly its own context)
 equals attention over the same keys read slot by slot with an explicit mask, for one-token and
-longer queries, sliding windows, GQA and the int8 cache, both through the C++ kernel that reads the
+longer queries, sliding windows, Llama 4's chunks, GQA and the int8 cache, both through the C++ kernel that reads the
 cache in place (its AVX2 loops and its portable ones: head dims of 64, 8 and 12, keys and values of
 different widths, bf16) and through PyTorch ops (`TESSERA_CPU_ATTENTION=torch`); an engine decodes
 the same tokens either way; the gather buffers are reused across layers; and projections packed
@@ -22,6 +22,7 @@ from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.cpu.linear import FusedLinear, PanelLinear, can_pack, fuse_projections, pack_linears
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
+from tessera.models.attention import ChunkedWindow
 from tests.infer.tiny_models import write_model
 
 BS = 4
@@ -70,7 +71,9 @@ def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table:
     q_pos = torch.arange(L - S, L)[:, None]
     k_pos = torch.arange(L)[None, :]
     allowed = k_pos <= q_pos
-    if window is not None:
+    if isinstance(window, ChunkedWindow):  # Llama 4: the query's own chunk only
+        allowed &= q_pos // window.size == k_pos // window.size
+    elif window is not None:
         allowed &= q_pos - k_pos < window
     scores = torch.einsum("shd,lhd->hsl", q_SHD, k) * scale
     scores = scores.masked_fill(~allowed[None], float("-inf"))
@@ -78,7 +81,7 @@ def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table:
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("window", [None, 5, 70, ChunkedWindow(8)])
 def test_each_row_attends_over_exactly_its_own_context(int8, window, path):
     _attends_each_row_over_its_own_context(_cache(int8), window)
 

@@ -41,6 +41,17 @@ def test_sliding_window_cache_matches_recomputation():
                                                                                use_cache=False)
 
 
+def test_chunked_attention_cache_matches_recomputation():
+    """Llama 4's chunks on the rotated layer 0 (layer 1 without RoPE sees everything): the cache attends
+    within each token's chunk as the whole-sequence mask does, and the chunks change the tokens."""
+    cfg = get_preset("tiny-llama", attention_chunk_size=3, nope_layers=[1], init_std=0.2)
+    model, prompt = Transformer(cfg, init_seed=1), [1, 2, 3, 4, 5]
+    cached = reference_generate(model, prompt, _greedy(8))
+    assert cached == reference_generate(model, prompt, _greedy(8), use_cache=False)
+    whole = Transformer(get_preset("tiny-llama", nope_layers=[1], init_std=0.2), init_seed=1)
+    assert cached != reference_generate(whole, prompt, _greedy(8))
+
+
 def test_reference_greedy_equals_transformers(llama):
     path, hf = llama
     model = load_pretrained(path)
@@ -49,8 +60,9 @@ def test_reference_greedy_equals_transformers(llama):
 
 
 @pytest.mark.parametrize("name, overrides", [("tiny-llama", {}), ("tiny-llama", {"sliding_window": 3}),
+                                             ("tiny-llama", {"attention_chunk_size": 3, "nope_layers": [1]}),
                                              ("tiny-moe", {}), ("tiny-deepseek", {})],
-                         ids=["llama", "sliding-window", "moe", "mla"])
+                         ids=["llama", "sliding-window", "chunked", "moe", "mla"])
 def test_engine_gives_the_reference_tokens(name, overrides):
     """Paged cache, chunked prefill (a token budget of 3) and the engine's stop rules: the same
     tokens as the eager reference, greedy and sampled with a seed, and the same stop at a stop id."""

@@ -62,6 +62,15 @@ def hf_config(family: str, **overrides):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
         return tf.Olmo3Config(**{"pad_token_id": None, "sliding_window": 5, "layer_types": [
             "sliding_attention", "full_attention"], "rope_parameters": rope, **common})
+    if family == "seed_oss":  # biases on q, k and v, none on o
+        return tf.SeedOssConfig(**{"pad_token_id": None, "head_dim": 8, **common})
+    if family == "exaone4":  # the first layer in a window of 5 with RoPE, the second global without
+        return tf.Exaone4Config(**{"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+                                   **common})
+    if family == "llama4_text":  # layer 0 in chunks of 5 with RoPE and QK norm, layer 1 NoPE with its experts
+        return tf.Llama4TextConfig(**common, num_local_experts=3, interleave_moe_layer_step=2, attention_chunk_size=5,
+                                   no_rope_layers=[1, 0], floor_scale=4, attn_scale=0.5, intermediate_size_mlp=40,
+                                   pad_token_id=None)
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True)

@@ -29,7 +29,20 @@ def hf_configs() -> dict[str, object]:
                                                                     "original_max_position_embeddings": 32,
                                                                     "attention_factor": 1.2, "rope_theta": 20000.0},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}),
+        "seed_oss": tf.SeedOssConfig(**COMMON, head_dim=12, pad_token_id=None, eos_token_id=1),  # no bias on o
+        "exaone4": tf.Exaone4Config(**COMMON, head_dim=12, sliding_window=4, layer_types=[  # layer 1 global, NoPE
+            "sliding_attention", "full_attention", "sliding_attention"]),
+        "exaone4_global": tf.Exaone4Config(**COMMON, sliding_window=None, layer_types=["full_attention"] * 3,
+                                           tie_word_embeddings=True),  # every layer global, with RoPE
         "mixtral": tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "llama4_text": tf.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=12, intermediate_size_mlp=40,
+                                           num_local_experts=3, interleave_moe_layer_step=2, attention_chunk_size=5,
+                                           no_rope_layers=[1, 1, 0, 1], floor_scale=4, attn_scale=0.5,
+                                           pad_token_id=None, eos_token_id=1,
+                                           rope_parameters={"rope_type": "llama3", "rope_theta": 20000.0,
+                                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 16}),
         "qwen2_moe": tf.Qwen2MoeConfig(**COMMON, **moe, shared_expert_intermediate_size=24, norm_topk_prob=False,
                                        decoder_sparse_step=1, mlp_only_layers=[1]),
         "qwen3_moe": tf.Qwen3MoeConfig(**COMMON, **moe, head_dim=16, norm_topk_prob=True),

@@ -41,6 +41,14 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("olmo2-13b")) / 1e9, 1) == 13.7
     assert round(count_params(get_preset("olmo3-7b")) / 1e9, 1) == 7.3  # OLMo 3 7B: 7.30B, 32B: 32.2B
     assert round(count_params(get_preset("olmo3-32b")) / 1e9, 1) == 32.2
+    assert round(count_params(get_preset("seed-oss-36b")) / 1e9, 1) == 36.2  # Seed-OSS-36B: 36.15B
+    assert round(count_params(get_preset("exaone4-1.2b")) / 1e9, 2) == 1.28  # EXAONE 4.0: 1.28B, 32.0B
+    assert round(count_params(get_preset("exaone4-32b")) / 1e9, 1) == 32.0
+    # Llama 4 (text): Scout 17B active of 108B (109B with its vision encoder), Maverick 17B of 400B
+    assert round(count_params(get_preset("llama4-scout-17b-16e")) / 1e9) == 108
+    assert round(count_params(get_preset("llama4-maverick-17b-128e")) / 1e9) == 401
+    for name in ("llama4-scout-17b-16e", "llama4-maverick-17b-128e"):
+        assert round(count_params(get_preset(name), active=True) / 1e9) == 17
 
 
 def test_every_preset_validates():
@@ -109,6 +117,8 @@ def test_bf16_forward():
     ("window_layers", [0], r"model.window_layers=\[0\] is invalid: must be None \(the window on every layer\) or, "
                            "with a sliding_window"),
     ("local_rope_theta", 5e4, r"model.local_rope_theta=50000.0 is invalid: must be None or, with model.window_layers"),
+    ("nope_attn_scale", -0.1, r"model.nope_attn_scale=-0.1 is invalid: must be a finite number >= 0"),
+    ("attention_chunk_size", 0, r"model.attention_chunk_size=0 is invalid: must be None or an integer in 1.."),
     ("block_norms", "mid", r"model.block_norms='mid' is invalid: one of pre, post, pre_post"),
     ("qk_norm_all_heads", True, r"model.qk_norm_all_heads=True is invalid: needs model.qk_norm=true"),
 ])
@@ -123,6 +133,7 @@ def test_invalid_model_config_names_the_field(field, value, needle):
     ({"n_groups": 3}, "moe.n_groups"),
     ({"capacity_factor": 0.0}, "moe.capacity_factor"),
     ({"drop_policy": "random"}, "moe.drop_policy"),
+    ({"gate_input": True}, r"model.moe.gate_input=True is invalid: needs top_k=1 \(Llama 4 scales each token by"),
 ])
 def test_invalid_moe_config_names_the_field(kw, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -39,6 +39,14 @@ def _config(name: str) -> ModelConfig:
         return get_preset("tiny-llama", family="olmo3", block_norms="post", qk_norm=True, qk_norm_all_heads=True,
                           sliding_window=5, window_layers=[0], local_rope_theta=5000.0,
                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    if name == "exaone4":  # post-norms, per-head QK norm, a window with RoPE on layer 0, layer 1 global without
+        return get_preset("tiny-llama", family="exaone4", block_norms="post", qk_norm=True, sliding_window=5,
+                          window_layers=[0], nope_layers=[1])
+    if name == "chunked":  # Llama 4's chunks on the rotated layer 0, across the ranks' sequence cuts
+        return get_preset("tiny-llama", attention_chunk_size=5, nope_layers=[1])
+    if name == "llama4":  # and the NoPE layer's temperature at global positions, the weightless QK norm, rotary pairs
+        return get_preset("tiny-llama", attention_chunk_size=5, nope_layers=[1], qk_l2_norm=True, nope_attn_scale=0.5,
+                          nope_floor_scale=3, rope_interleave=True)
     if name == "olmo2":  # norms after attention and MLP, QK norm over all heads
         return get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True)
     if name == "capacity-probs":
@@ -46,7 +54,8 @@ def _config(name: str) -> ModelConfig:
     return _moe_preset(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True)
 
 
-CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "capacity-probs", "capacity-position-padded")
+CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "chunked", "llama4", "capacity-probs",
+           "capacity-position-padded")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,16 @@ FAMILIES = {
     "olmo3": (TINY_DENSE, shrink, {"model.family": "olmo3", "model.block_norms": "post", "model.qk_norm": True,
                                    "model.qk_norm_all_heads": True, "model.sliding_window": 8,
                                    "model.window_layers": [0], "model.local_rope_theta": 5000.0}),
+    "seed_oss": (TINY_DENSE, shrink, {"model.family": "seed_oss", "model.qkv_bias": True, "model.head_dim": 8}),
+    "exaone4": (TINY_DENSE, shrink, {"model.family": "exaone4", "model.block_norms": "post", "model.qk_norm": True,
+                                     "model.sliding_window": 8, "model.window_layers": [0], "model.nope_layers": [1]}),
     "mixtral": (TINY_MOE, moe_shrink, {}),
+    "llama4_text": (TINY_MOE, moe_shrink, {
+        "model.family": "llama4_text", "model.moe.top_k": 1, "model.moe.score_func": "sigmoid",
+        "model.moe.norm_topk_prob": False, "model.moe.gate_input": True, "model.moe.shared_ffn_dim": 32,
+        "model.moe.dense_layers": [0], "model.attention_chunk_size": 8, "model.nope_layers": [1],
+        "model.qk_l2_norm": True, "model.nope_attn_scale": 0.5, "model.nope_floor_scale": 4,
+        "model.rope_interleave": True}),
     "qwen2_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen2_moe", "model.qkv_bias": True,
                                          "model.moe.shared_ffn_dim": 32,
                                          "model.moe.shared_expert_gate": True, "model.moe.norm_topk_prob": False}),
@@ -125,7 +134,13 @@ LAYOUTS = [
     _case("olmo2", 2, PP2, "pp2"),
     _case("olmo3", 2, FSDP2, "fsdp2"),
     _case("olmo3", 2, PP2, "pp2"),
+    _case("seed_oss", 2, TP2, "tp2"),
+    _case("exaone4", 2, TP2, "tp2"),
+    _case("exaone4", 2, PP2, "pp2"),
     _case("qwen2_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
+    _case("llama4_text", 2, EP2_FSDP2, "ep2-fsdp2"),
+    _case("llama4_text", 2, TP2, "tp2"),
+    _case("llama4_text", 2, PP2, "pp2"),
 ]
 
 

@@ -98,3 +98,20 @@ def test_four_rank_moe_layouts(parallel):
     got = run_ranks(layout_step, 4, "tiny-moe", parallel)
     dp = parallel.get("dp_replicate", 1) * parallel["dp_shard"]
     assert_same_step(got[0], reference("tiny-moe", dp))
+
+
+def _llama4() -> dict:
+    # Llama 4's parts: chunks on the rotated layer 0, temperature tuning on the NoPE layer 1, the weightless
+    # QK norm, and one sigmoid gate scaling the token into its expert beside a shared expert.
+    moe = dataclasses.replace(get_preset("tiny-moe").moe, top_k=1, score_func="sigmoid", norm_topk_prob=False,
+                              gate_input=True, shared_ffn_dim=64)
+    return {"moe": moe, "attention_chunk_size": 5, "nope_layers": [1], "qk_l2_norm": True, "nope_attn_scale": 0.5,
+            "nope_floor_scale": 4}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,micro", [(dict(ep=2, dp_shard=2), 2), (dict(tp=2, sp=True, dp_shard=1), 1)],
+                         ids=["ep2-fsdp2", "tp2-sp"])
+def test_llama4_parts_under_ep_and_tp_sp(parallel, micro):
+    got = run_ranks(layout_step, 2, "tiny-moe", parallel, config_overrides=_llama4())
+    assert_same_step(got[0], reference("tiny-moe", micro, _llama4()))

@@ -70,6 +70,12 @@ VARIANTS = {
                                 sliding_window=16, window_layers=[0], local_rope_theta=5000.0,
                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64}),
+    # Llama 4: chunks on the rotated layer 0 (an [S, S] mask), temperature on the NoPE layer 1, the weightless
+    # QK norm, adjacent rotary pairs, one sigmoid gate scaling each token into its expert beside a shared one.
+    "llama4": get_preset("tiny-moe", attention_chunk_size=16, nope_layers=[1], qk_l2_norm=True, nope_attn_scale=0.5,
+                         nope_floor_scale=8, rope_interleave=True,
+                         moe=MoEConfig(num_experts=8, top_k=1, ffn_dim=64, score_func="sigmoid", norm_topk_prob=False,
+                                       gate_input=True, shared_ffn_dim=64)),
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),

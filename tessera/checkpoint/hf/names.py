@@ -8,8 +8,11 @@ so their entry lists E keys, stacked on load and split on save.
 
 from __future__ import annotations
 
+import torch
+
 from tessera.config.errors import ModelError
 from tessera.config.families import REGISTRY
+from tessera.config.families.base import TensorPart
 from tessera.config.model import ModelConfig
 
 # HuggingFace tensors no Tessera tensor comes from (recomputed buffers).
@@ -19,6 +22,17 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
     """Tessera key -> HuggingFace key(s), in model order."""
     return REGISTRY[cfg.family].tensor_names(cfg)
+
+
+def hf_parts(cfg: ModelConfig) -> dict[str, TensorPart]:
+    """Tessera key -> its part of a fused HuggingFace tensor (Llama 4's experts), where it is one."""
+    return REGISTRY[cfg.family].tensor_parts(cfg)
+
+
+def fused_tensor(parts: list[tuple[TensorPart, torch.Tensor]]) -> torch.Tensor:
+    """The HuggingFace tensor [..., in, count * out] of its Tessera parts [..., out, in] (any order)."""
+    ordered = sorted(parts, key=lambda p: p[0].index)
+    return torch.cat([t.transpose(-1, -2) for _, t in ordered], dim=-1).contiguous()
 
 
 def hf_copies(cfg: ModelConfig) -> dict[str, str]:

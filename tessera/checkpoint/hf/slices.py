@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.names import hf_names, hf_parts
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -56,6 +56,7 @@ class HFSliceReader:
         self.path, self.cfg = Path(path), cfg
         refuse_prequantized(self.path)  # its tensors are codes and scales, not the model's weights
         self.names = hf_names(cfg)
+        self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.files = SafetensorsDir(self.path)
         self.bytes_read = 0
         # stored tensors that belong to no part of this model: a vision-language directory's image
@@ -95,6 +96,8 @@ class HFSliceReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_keys[0]!r} ({e}); the file may be "
                                   "damaged") from e
+        if key in self.parts:  # [..., in, count * out] -> [..., out, in]
+            return (*shape[:-2], shape[-1] // self.parts[key].count, shape[-2])
         return shape if len(hf_keys) == 1 else (len(hf_keys), *shape)
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -103,7 +106,12 @@ class HFSliceReader:
         if key not in self.names:
             raise CheckpointError(f"{self.path}: the model has a tensor {key!r} that no HuggingFace tensor maps to")
         hf_keys = self.names[key]
-        if len(hf_keys) == 1:
+        if key in self.parts:  # the box of the transposed part: its rows are columns of the fused tensor
+            out = self.shape(key)[-2]
+            at = self.parts[key].index * out + offsets[-2]
+            t = self._slice(hf_keys[0], (*offsets[:-2], offsets[-1], at), (*sizes[:-2], sizes[-1], sizes[-2]))
+            t = t.transpose(-1, -2).contiguous()
+        elif len(hf_keys) == 1:
             t = self._slice(hf_keys[0], offsets, sizes)
         else:  # routed experts: one HF tensor per expert along dim 0
             first, count = offsets[0], sizes[0]

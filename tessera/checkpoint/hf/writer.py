@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf.files import INDEX
-from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_names
+from tessera.checkpoint.hf.names import check_exportable, fused_tensor, hf_copies, hf_names, hf_parts
 from tessera.checkpoint.hf.tokenizer import (
     TOKENIZER_FILES,
     check_vocabulary,
@@ -173,11 +173,17 @@ def _is_export_file(name: str) -> bool:
 
 def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's tensors under their HuggingFace names, in model order (routed experts split)."""
-    state, out = model.state_dict(), {}
+    state, out, fused = model.state_dict(), {}, {}
+    cut = hf_parts(model.cfg)
     for key, hf_keys in hf_names(model.cfg).items():
         t = state[key].detach().cpu()
+        if key in cut:  # a part of a fused tensor (Llama 4's experts): joined below, in the first part's place
+            fused.setdefault(hf_keys[0], []).append((cut[key], t))
+            out.setdefault(hf_keys[0], None)
+            continue
         parts = [t] if len(hf_keys) == 1 else t.unbind(0)
         out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
+    out.update({h: fused_tensor(parts) for h, parts in fused.items()})
     for h, key in hf_copies(model.cfg).items():  # DeepSeek-V3's MTP layers repeat the embedding and head
         out[h] = state[key].detach().cpu().clone()  # safetensors stores no two names over one storage
     return out

@@ -10,7 +10,9 @@ export checks. Adding a family: a module here, its line below, and its case in t
 
 from tessera.config.families import (
     deepseek_v3,
+    exaone4,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,
@@ -19,6 +21,7 @@ from tessera.config.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    seed_oss,
     smollm3,
 )
 from tessera.config.families.base import Family
@@ -31,10 +34,13 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     smollm3.FAMILY,
     olmo2.FAMILY,
     olmo3.FAMILY,
+    seed_oss.FAMILY,
+    exaone4.FAMILY,
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
     deepseek_v3.FAMILY,
+    llama4_text.FAMILY,
 )}
 
 __all__ = ["REGISTRY", "Family"]

@@ -52,6 +52,16 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling or None
 
 
+@dataclass(frozen=True)
+class TensorPart:
+    """A Tessera tensor [..., out, in] that is part of a fused HuggingFace tensor [..., in, count * out]
+    (Llama 4's experts.gate_up_proj): the `index`-th of `count` equal cuts of its last dimension,
+    transposed. `Family.tensor_parts` names them; the loaders cut and the writers join them."""
+
+    index: int
+    count: int
+
+
 # config.json fields every family reads as integers / numbers (when present; checked before use)
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
@@ -76,6 +86,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +161,9 @@ class Family:
         if not self.layer_windows and (cfg.window_layers is not None or cfg.local_rope_theta is not None):
             raise ModelError(f"{self.name} has no per-layer windows or RoPE (model.window_layers="
                              f"{cfg.window_layers}, model.local_rope_theta={cfg.local_rope_theta}); export it as olmo3")
+        if cfg.attention_chunk_size is not None and not self.chunked_attention:
+            raise ModelError(f"{self.name} has no chunked attention (model.attention_chunk_size="
+                             f"{cfg.attention_chunk_size}); train without it")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
@@ -190,6 +204,11 @@ class Family:
         if not cfg.tie_embeddings:
             names["output.weight"] = ["lm_head.weight"]
         return names
+
+    def tensor_parts(self, cfg) -> dict[str, TensorPart]:
+        """Tessera key -> the part of its (one) HuggingFace tensor it is, where that is a fused
+        tensor (`TensorPart`); none for most families."""
+        return {}
 
     def tensor_copies(self, cfg) -> dict[str, str]:
         """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
+from tessera.models.attention import Window, window_allows
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -107,27 +108,27 @@ class BlockTableAttention:
 
     def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, tables_BM: torch.Tensor, lens_B: torch.Tensor):
         self.kv, self.slots_B, self.tables_BM, self.lens_B = kv, slots_B, tables_BM, lens_B
-        self.masks: dict[int | None, torch.Tensor] = {}
+        self.masks: dict[Window, torch.Tensor] = {}
 
     def prepare(self) -> None:
         self.masks = {}
 
-    def _mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    def _mask(self, window: Window, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, 1, L] additive, in the queries' dtype: 0 where key j is visible (j < length and, with
-        a window, length-1-j < window), -inf elsewhere. Built once per step and window; SDPA would
-        otherwise turn a boolean mask into this in every layer."""
+        a window, j inside the window of the query at length-1: `window_allows`), -inf elsewhere. Built
+        once per step and window; SDPA would otherwise turn a boolean mask into this in every layer."""
         if window not in self.masks:
             k_pos = torch.arange(self.tables_BM.shape[1] * self.kv.block_size, device=self.lens_B.device)
             lens = self.lens_B[:, None]
             allowed = k_pos[None, :] < lens
             if window is not None:
-                allowed &= (lens - 1 - k_pos[None, :]) < window
+                allowed &= window_allows(lens - 1, k_pos[None, :], window)
             bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
             self.masks[window] = bias[:, None, None, :]
         return self.masks[window]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: Window) -> torch.Tensor:
         # the model sees the rows packed as one sequence: [1, H, B, D]
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_BH1D = q_BHSD.transpose(0, 2)
@@ -148,7 +149,7 @@ class RaggedDecodeAttention:
         self.kv, self.slots_B, self.contexts = kv, slots_B, contexts
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: Window) -> torch.Tensor:
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_THD = q_BHSD[0].transpose(0, 1)
         out_THD = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_BGSD.shape[-1])

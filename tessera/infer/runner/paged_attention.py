@@ -9,7 +9,8 @@ object is the model's `AttentionCache` for one step and does that:
 1. write the step's keys/values into their slots (one `index_copy_` per layer);
 2. for each group of sequences, gather the blocks of their whole context from the cache into
    padded [N, L] tensors and run SDPA with an additive mask over absolute positions (built once
-   per step): key j is visible to query i iff j <= i, i - j < window (sliding window) and j lies
+   per step): key j is visible to query i iff j <= i, j lies inside i's window (i - j < window for a
+   sliding window, i's own chunk for chunked attention: `window_allows`) and j lies
    inside the sequence's context;
 3. scatter the outputs back to the packed order.
 
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import causal_attention
+from tessera.models.attention import Window, causal_attention, sees_all, window_allows
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
 
@@ -136,21 +137,21 @@ class PagedAttentionBatch:
         return _Group(None, self._to_device(q_index[valid]), self._to_device(q_index.flatten()),
                       self._to_device(valid_index), valid, q_pos, self._to_device(ctx_blocks), k_valid, {}), slots_NS
 
-    def _mask(self, g: _Group, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    def _mask(self, g: _Group, window: Window, dtype: torch.dtype) -> torch.Tensor | None:
         """[N, 1, S, L] additive, in the queries' dtype: 0 where key j is visible to query i (causal
         over absolute positions, inside the context, inside the window), -inf elsewhere. None when
         nothing is masked (one query at the end of a context shorter than the window). Built once
         per step and window; SDPA would otherwise turn a boolean mask into this in every layer."""
         if window not in g.masks:
             L = g.k_valid.shape[1]
-            if g.span is not None and g.q_pos.shape[1] == 1 and (window is None or window >= L):
+            if g.span is not None and g.q_pos.shape[1] == 1 and sees_all(window, L):
                 g.masks[window] = None
                 return None
             k_pos = torch.arange(L)
             diff = g.q_pos[:, :, None] - k_pos[None, None, :]
             allowed = (diff >= 0) & g.k_valid[:, None, :]
             if window is not None:
-                allowed &= diff < window
+                allowed &= window_allows(g.q_pos[:, :, None], k_pos[None, None, :], window)
             allowed |= (~g.valid)[:, :, None] & (k_pos == 0)  # padding rows: no all-masked NaN rows
             bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
             g.masks[window] = self._to_device(bias[:, None])
@@ -166,7 +167,7 @@ class PagedAttentionBatch:
         return k[:, :L], v[:, :L]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor:
+               scale: float, window: Window) -> torch.Tensor:
         q_THD = q_BHSD[0].transpose(0, 1)
         k_TGD, v_TGD = k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1)
         self.kv.write(layer_id, self.slot_mapping, k_TGD, v_TGD)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.scheduling.kv_cache import PagedKVCache
+from tessera.models.attention import ChunkedWindow, Window, first_visible, window_allows
 
 
 @dataclass
@@ -42,11 +43,11 @@ class RaggedRow:
     key_at: int
     biases: dict = field(default_factory=dict)
 
-    def first_key(self, window: int | None) -> int:
+    def first_key(self, window: Window) -> int:
         """The first position any of the row's queries may see (0 without a window)."""
-        return 0 if window is None else max(0, self.L - self.S - window + 1)
+        return first_visible(self.L - self.S, window)
 
-    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    def bias(self, window: Window, dtype: torch.dtype) -> torch.Tensor | None:
         """[1, 1, S, L - first_key] additive causal (and window) bias; None for one query."""
         if self.S == 1:
             return None
@@ -56,7 +57,7 @@ class RaggedRow:
             diff = q_pos - torch.arange(lo, self.L)[None, :]
             allowed = diff >= 0
             if window is not None:
-                allowed &= diff < window
+                allowed &= window_allows(q_pos, torch.arange(lo, self.L)[None, :], window)
             bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
             self.biases[window] = bias[None, None]
         return self.biases[window]
@@ -82,9 +83,11 @@ class RaggedContexts:
                                     dtype=torch.long, device=device).reshape(-1, 4)
 
     def attend(self, kv: PagedKVCache, layer_id: int, q_THD: torch.Tensor, out_THD: torch.Tensor,
-               scale: float, window: int | None) -> None:
-        """Write each row's attention output into out_THD at its query rows."""
-        if not kv.int8 and q_THD.stride(-1) == 1 and cpu_attention.usable(kv.k[layer_id], q_THD):
+               scale: float, window: Window) -> None:
+        """Write each row's attention output into out_THD at its query rows (the kernel knows sliding
+        windows, not chunks: a chunked layer attends here)."""
+        chunked = isinstance(window, ChunkedWindow)
+        if not kv.int8 and not chunked and q_THD.stride(-1) == 1 and cpu_attention.usable(kv.k[layer_id], q_THD):
             cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
                                    self.block_size, scale, window or 0)
             return

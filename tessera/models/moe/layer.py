@@ -2,6 +2,8 @@
 
     y = sum_{e in topk(x)} g_e(x) * Expert_e(x)  [+ sigmoid(x w_s) *] SharedExperts(x)
 
+or, with `gate_input` (Llama 4, one expert per token), Expert_e(g_e(x) * x) + SharedExperts(x).
+
 Shared experts (DeepSeekMoE, Dai et al. 2024) see every token; Qwen2-MoE scales their output by
 a learned sigmoid gate. Model code stays single-device: communication, if any, hides behind the
 seams that parallel code injects: `self.dispatcher` (dispatcher.py), `self.keep_mask`
@@ -51,8 +53,11 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         route = self.router(x_TD, (B, S))
         keep, cap = self.capacity_mask(route, (B, S))
-        rows, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TD, route.indices_Tk, keep, cap)
-        out_TD = self.dispatcher.combine(self.experts(rows, tokens_per_expert), route.weights_Tk, ctx)
+        x_in, gates_Tk = x_TD, route.weights_Tk
+        if self.cfg.gate_input:  # Llama 4: the one gate scales the token going in; the outputs add as they are
+            x_in, gates_Tk = (x_TD.float() * gates_Tk).to(x_TD.dtype), torch.ones_like(gates_Tk)
+        rows, tokens_per_expert, ctx = self.dispatcher.dispatch(x_in, route.indices_Tk, keep, cap)
+        out_TD = self.dispatcher.combine(self.experts(rows, tokens_per_expert), gates_Tk, ctx)
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
             if self.shared_gate is not None:
