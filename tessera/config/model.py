@@ -149,6 +149,8 @@ class ModelConfig:
     # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
     block_norms: str = "pre"
     qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q, one over all of k (OLMo 2)
+    # The share of each head's dimensions RoPE rotates (the first ones; GLM-4.5's 0.5); the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
     init_std: float = 0.02  # normal init std of every weight matrix
@@ -176,6 +178,13 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (MLA: its decoupled RoPE part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i's attention (None: it sees every earlier position)."""
@@ -238,6 +247,11 @@ class ModelConfig:
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",
                 self.qk_norm_all_heads, "needs model.qk_norm=true and no MLA")
+        f = self.partial_rotary_factor
+        require(_finite(f) and 0 < f <= 1 and (f == 1 or (self.mla is None and int(self.head_dim * f) > 0
+                                                          and int(self.head_dim * f) % 2 == 0)),
+                "model.partial_rotary_factor", f,
+                "must be in (0, 1], rotating an even number > 0 of each head's dimensions (no MLA below 1)")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:

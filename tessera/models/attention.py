@@ -96,7 +96,9 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
+        # the one-pass kernel rotates whole heads: a partial rotary goes through apply_rope
+        fused = self.fused_rope is not None and not torch.is_grad_enabled() and cos.shape[-1] == self.head_dim
+        if self.rotary and fused:
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

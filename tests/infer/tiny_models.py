@@ -70,6 +70,10 @@ def hf_config(family: str, **overrides):
                                    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                                    first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
                                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    if family == "glm4_moe":  # RoPE on half of each head, q/k/v biases, QK norm, grouped sigmoid routing
+        return tf.Glm4MoeConfig(**common, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, head_dim=12)
     raise ValueError(family)
 
 

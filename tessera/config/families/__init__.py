@@ -10,6 +10,7 @@ export checks. Adding a family: a module here, its line below, and its case in t
 
 from tessera.config.families import (
     deepseek_v3,
+    glm4_moe,
     llama,
     mistral,
     mixtral,
@@ -35,6 +36,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
     deepseek_v3.FAMILY,
+    glm4_moe.FAMILY,
 )}
 
 __all__ = ["REGISTRY", "Family"]

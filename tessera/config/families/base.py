@@ -44,7 +44,7 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling:
-        scaling = dict(scaling)
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}  # a family's own field
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
@@ -76,6 +76,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    partial_rotary: ClassVar[bool] = False  # RoPE on a share of each head (model.partial_rotary_factor): GLM-4.5
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +151,9 @@ class Family:
         if not self.layer_windows and (cfg.window_layers is not None or cfg.local_rope_theta is not None):
             raise ModelError(f"{self.name} has no per-layer windows or RoPE (model.window_layers="
                              f"{cfg.window_layers}, model.local_rope_theta={cfg.local_rope_theta}); export it as olmo3")
+        if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
+            raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
+                             f"{cfg.partial_rotary_factor}); export it as glm4_moe, or train with 1.0")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
