@@ -50,3 +50,26 @@ def test_a_partial_rotary_model_exports_only_as_a_family_that_has_it():
 def test_a_partial_rotary_factor_that_rotates_no_even_share_is_refused(factor):
     with pytest.raises(ConfigError, match=rf"model.partial_rotary_factor={factor} is invalid: must be in \(0, 1\]"):
         ModelConfig(family="llama", dim=64, n_heads=4, partial_rotary_factor=factor)
+
+
+def test_the_stored_mtp_layer_is_left_unread_as_transformers_leaves_it(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tessera.hf import load_pretrained
+    from tests.models.hf_families import hf_configs, random_hf_model
+
+    hf = random_hf_model(hf_configs()["glm4_moe"])
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    n = hf.config.num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(32, 64)  # GLM-4.5's files hold one MTP layer here
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    d = json.loads((tmp_path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    model = load_pretrained(tmp_path, dtype=torch.float32)
+    assert model.cfg.mtp_depth == 0 and model.mtp is None
+    ids = torch.arange(9)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)

@@ -74,6 +74,7 @@ class Family:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> ModelConfig fields
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
+    mtp_layers: ClassVar[bool] = False  # reads the MTP layers its files store after the last layer (DeepSeek-V3)
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
     partial_rotary: ClassVar[bool] = False  # RoPE on a share of each head (model.partial_rotary_factor): GLM-4.5
@@ -199,6 +200,11 @@ class Family:
         """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):
         written with its value on export, not read on import. None for most families."""
         return {}
+
+    def unread_tensor(self, cfg, key: str) -> bool:
+        """Whether HuggingFace tensor `key`, stored in this family's files, is one its transformers class
+        leaves unread too (none for most families)."""
+        return False
 
     def check_mtp_exportable(self, cfg) -> None:
         """Only a family whose HuggingFace layout names multi-token-prediction layers exports them."""

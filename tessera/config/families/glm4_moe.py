@@ -53,6 +53,11 @@ class Glm4Moe(MoEFamily):
         self.check_no_window(cfg)
         d.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor)
 
+    def unread_tensor(self, cfg, key: str) -> bool:
+        """The multi-token-prediction layer after the last decoder layer, which transformers skips too."""
+        parts = key.split(".")
+        return key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= cfg.n_layers
+
     def moe_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         ffn = d["moe_intermediate_size"]
         return dict(num_experts=d.get("n_routed_experts") or d.get("num_local_experts"), top_k=d["num_experts_per_tok"],
