@@ -1,6 +1,8 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
-every layer (Mistral) or on some (OLMo 3), and layers without RoPE (SmolLM3's NoPE).
+every layer (Mistral) or on some (OLMo 3, gpt-oss), layers without RoPE (SmolLM3's NoPE), and
+attention sinks (gpt-oss: a learned logit per head in the softmax, passed to the core and the cache
+as `sinks` where a layer has them; a core or cache without them is never handed any).
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -20,13 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
+from tessera.models.attention_sinks import AttentionSinks, sink_attention
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope
 
 
 class AttentionCache(Protocol):
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: int | None) -> torch.Tensor: ...
+               scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -39,10 +42,14 @@ def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | 
 
 
 def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups."""
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups; with
+    `sinks` [H], each head's sink logit in the softmax (attention_sinks.py)."""
     S = q_BHSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
+    if sinks is not None:
+        pos = torch.arange(S, device=q_BHSD.device)
+        return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, sliding_window_mask(pos, pos, window))
     if window is None or window >= S:
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
@@ -77,6 +84,8 @@ class Attention(nn.Module):
                             else (cfg.head_dim, cfg.head_dim))
         self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        # a learned logit per head in the softmax (gpt-oss; attention_sinks.py), passed to the core and the cache
+        self.sinks = AttentionSinks(cfg.n_heads) if cfg.attention_sinks else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
@@ -104,8 +113,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.local()}
         if cache is not None:
-            out = cache.attend(self.layer_id, q, k, v, scale, self.window)
+            out = cache.attend(self.layer_id, q, k, v, scale, self.window, **sinks)
         else:
-            out = self.attention_core(q, k, v, scale, self.window)
+            out = self.attention_core(q, k, v, scale, self.window, **sinks)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

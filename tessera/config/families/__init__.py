@@ -11,6 +11,7 @@ export checks. Adding a family: a module here, its line below, and its case in t
 from tessera.config.families import (
     deepseek_v3,
     glm4_moe,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -37,6 +38,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen3_moe.FAMILY,
     deepseek_v3.FAMILY,
     glm4_moe.FAMILY,
+    gpt_oss.FAMILY,
 )}
 
 __all__ = ["REGISTRY", "Family"]
