@@ -52,3 +52,12 @@ def test_what_gpt_oss_cannot_express_is_refused_by_name():
         from tessera.checkpoint.hf.names import check_exportable
 
         check_exportable(replace(cfg, moe=replace(cfg.moe, expert_activation="swiglu")))
+
+
+def test_context_parallelism_is_refused_for_attention_sinks_by_name():
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    problems = layout_problems(get_preset("tiny-gpt-oss"), LayoutSizes(cp=2))
+    assert any(p.startswith("cp=2 cannot attend with attention sinks (model.attention_sinks=true, gpt-oss)")
+               for p in problems), problems
+    assert not layout_problems(get_preset("tiny-gpt-oss"), LayoutSizes(ep=2, dp_shard=2))
