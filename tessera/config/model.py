@@ -259,6 +259,8 @@ class ModelConfig:
                                                           and int(self.head_dim * f) % 2 == 0)),
                 "model.partial_rotary_factor", f,
                 "must be in (0, 1], rotating an even number > 0 of each head's dimensions (no MLA below 1)")
+        require(not self.attention_sinks or self.mla is None, "model.attention_sinks", self.attention_sinks,
+                "needs grouped-query attention (no model.mla: latent attention has no sinks)")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:

@@ -61,3 +61,10 @@ def test_context_parallelism_is_refused_for_attention_sinks_by_name():
     assert any(p.startswith("cp=2 cannot attend with attention sinks (model.attention_sinks=true, gpt-oss)")
                for p in problems), problems
     assert not layout_problems(get_preset("tiny-gpt-oss"), LayoutSizes(ep=2, dp_shard=2))
+
+
+def test_sinks_on_latent_attention_are_refused_by_name():
+    from tessera.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.attention_sinks=True is invalid: needs grouped-query attention"):
+        get_preset("tiny-deepseek", attention_sinks=True)
