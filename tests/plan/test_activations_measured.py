@@ -70,6 +70,7 @@ VARIANTS = {
                                 sliding_window=16, window_layers=[0], local_rope_theta=5000.0,
                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64}),
+    "glm4-moe-partial-rotary": get_preset("tiny-glm4-moe"),  # RoPE tables as wide as the rotated half of a head
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),
