@@ -76,7 +76,7 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     check_config_fields(d, cfg_file)
     try:
         cfg = config_from_hf(d)
-        cfg.mtp_depth = stored_mtp_depth(Path(path), d, cfg.n_layers)
+        cfg.mtp_depth = stored_mtp_depth(Path(path), d, cfg.n_layers) if REGISTRY[cfg.family].mtp_layers else 0
         cfg.validate()
         return cfg
     except ModelError:  # an architecture Tessera does not reproduce: already names the field

@@ -105,6 +105,9 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
         if s.ep % s.cp != 0:
             out.append(f"ep={s.ep} must be a multiple of cp={s.cp}: experts fold over all of cp and part of dp_shard")
     if s.cp > 1:
+        if m.attention_sinks:
+            out.append(f"cp={s.cp} cannot attend with attention sinks (model.attention_sinks=true, gpt-oss): the "
+                       "context-parallel attention cores take none; use cp=1 (tp, ep, fsdp and pp take the model)")
         if seq_len is not None:
             out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
             if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):

@@ -98,6 +98,12 @@ class MoEConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ w)
     gate_input: bool = False  # Llama 4: the gate weight scales the token going into its expert (top-1), not the output
     grouped_gemm: bool = True  # torch._grouped_mm where it applies, else a per-expert loop
+    # gpt-oss: a bias on the router's logits, and experts with biases whose activation is the clamped
+    # SwiGLU (up + 1) * g * sigmoid(alpha g), g = min(gate, limit), up clamped to +-limit (models/moe/biased_experts.py)
+    router_bias: bool = False
+    expert_activation: str = "swiglu"  # "swiglu" or "clamped_swiglu" (experts with biases, gpt-oss's layout)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense and i not in self.dense_layers and i % self.layer_freq == 0
@@ -160,6 +166,9 @@ class ModelConfig:
     # before the residual add (OLMo 2); "pre_post" both (Gemma 3).
     block_norms: str = "pre"
     qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q, one over all of k (OLMo 2)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each query's softmax denominator
+    # The share of each head's dimensions RoPE rotates (the first ones; GLM-4.5's 0.5); the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
     init_std: float = 0.02  # normal init std of every weight matrix
@@ -187,6 +196,13 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (MLA: its decoupled RoPE part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, i: int) -> int | None:
         """The sliding window of layer i's attention (None: it sees every earlier position)."""
@@ -257,6 +273,13 @@ class ModelConfig:
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",
                 self.qk_norm_all_heads, "needs model.qk_norm=true and no MLA")
+        f = self.partial_rotary_factor
+        require(_finite(f) and 0 < f <= 1 and (f == 1 or (self.mla is None and int(self.head_dim * f) > 0
+                                                          and int(self.head_dim * f) % 2 == 0)),
+                "model.partial_rotary_factor", f,
+                "must be in (0, 1], rotating an even number > 0 of each head's dimensions (no MLA below 1)")
+        require(not self.attention_sinks or self.mla is None, "model.attention_sinks", self.attention_sinks,
+                "needs grouped-query attention (no model.mla: latent attention has no sinks)")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:
@@ -315,6 +338,11 @@ class ModelConfig:
             require(_finite(value) and value >= 0, f"model.moe.{key}", value, "must be a finite number >= 0")
         require(0 < e.sinkhorn_iters <= MAX_SINKHORN_ITERS, "model.moe.sinkhorn_iters", e.sinkhorn_iters,
                 f"must be in 1..{MAX_SINKHORN_ITERS:,}")
+        require(e.expert_activation in ("swiglu", "clamped_swiglu"), "model.moe.expert_activation",
+                e.expert_activation, "one of swiglu, clamped_swiglu")
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            require(_finite(getattr(e, key)) and getattr(e, key) > 0, f"model.moe.{key}", getattr(e, key),
+                    "must be a finite number > 0")
         require(0 <= e.shared_ffn_dim <= MAX_FFN_DIM, "model.moe.shared_ffn_dim", e.shared_ffn_dim,
                 f"must be in 0..{MAX_FFN_DIM:,} (0 = none)")
 

@@ -1,8 +1,11 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
-every layer (Mistral) or on some (OLMo 3), chunked local attention on the rotated layers (Llama 4's
-`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), and Llama 4's weightless QK norm on the rotated
-layers and temperature on the others.
+optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
+every layer (Mistral) or on some (OLMo 3, gpt-oss), chunked local attention on the rotated layers (Llama 4's
+`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), Llama 4's weightless QK norm on the rotated
+layers and temperature on the others, and attention sinks (gpt-oss: a learned logit per head in the
+softmax, passed to the core and the cache as `sinks` where a layer has them; a core or cache without
+them is never handed any).
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -23,13 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
+from tessera.models.attention_sinks import AttentionSinks, sink_attention
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope
 
 
 class AttentionCache(Protocol):
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: Window) -> torch.Tensor: ...
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -85,10 +89,14 @@ def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Window
 
 
 def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float,
-                     window: Window = None) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups."""
+                     window: Window = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v over one whole sequence; GQA by head groups; with
+    `sinks` [H], each head's sink logit in the softmax (attention_sinks.py)."""
     S = q_BHSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
+    if sinks is not None:
+        pos = torch.arange(S, device=q_BHSD.device)
+        return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, sliding_window_mask(pos, pos, window))
     if sees_all(window, S):
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
@@ -134,6 +142,8 @@ class Attention(nn.Module):
         self.interleaved = cfg.rope_interleave  # rotary pairs side by side (Llama 4), returned as halves
         self.qk_l2_norm = cfg.qk_l2_norm and self.rotary  # Llama 4: unit RMS per head, no weight, rotated layers
         self.norm_eps = cfg.norm_eps
+        # a learned logit per head in the softmax (gpt-oss; attention_sinks.py), passed to the core and the cache
+        self.sinks = AttentionSinks(cfg.n_heads) if cfg.attention_sinks else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
@@ -155,7 +165,10 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and self.fused_rope is not None and not self.interleaved and not torch.is_grad_enabled():
+        # the one-pass kernel rotates whole heads in halves: a partial or interleaved rotary goes through apply_rope
+        fused = (self.fused_rope is not None and not torch.is_grad_enabled() and not self.interleaved
+                 and cos.shape[-1] == self.head_dim)
+        if self.rotary and fused:
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
             q, k = apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
@@ -165,8 +178,9 @@ class Attention(nn.Module):
             q = (q * q_scale).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         scale = self.head_dim**-0.5
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.local()}
         if cache is not None:
-            out = cache.attend(self.layer_id, q, k, v, scale, self.window)
+            out = cache.attend(self.layer_id, q, k, v, scale, self.window, **sinks)
         else:
-            out = self.attention_core(q, k, v, scale, self.window)
+            out = self.attention_core(q, k, v, scale, self.window, **sinks)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

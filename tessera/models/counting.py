@@ -30,6 +30,8 @@ def attention_params(cfg: ModelConfig) -> int:
         n += q + 2 * kv
     if cfg.out_bias:
         n += h
+    if cfg.attention_sinks:  # one logit per head (gpt-oss)
+        n += cfg.n_heads
     return n + qk_norm_params(cfg)
 
 
@@ -49,6 +51,10 @@ def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     n = e.num_experts * h + experts * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
     if e.shared_expert_gate:
         n += h
+    if e.router_bias:
+        n += e.num_experts
+    if e.expert_activation == "clamped_swiglu":  # gpt-oss's experts: biases on both products
+        n += experts * (2 * e.ffn_dim + h)
     return n
 
 

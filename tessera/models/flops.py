@@ -44,6 +44,8 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
         n -= (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
     if cfg.out_bias:
         n -= cfg.dim
+    if cfg.attention_sinks:
+        n -= cfg.n_heads
     return n - qk_norm_params(cfg)
 
 

@@ -8,6 +8,8 @@ Frequencies: theta_j = base^(-2j/d). Variants, selected by `rope_scaling["rope_t
   arXiv 2309.00071), as DeepSeek-V2/V3 use.
 
 Rotation uses the "half" layout: the pair (x[j], x[j + d/2]) is rotated by angle p * theta_j.
+Partial rotary (GLM-4.5's `partial_rotary_factor`): tables narrower than the head rotate its first
+dimensions only, the rest pass unchanged (`apply_rope` reads the width from the tables).
 Shapes: B batch, S sequence, H heads, D rotary dimension.
 """
 
@@ -106,4 +108,8 @@ def apply_rope(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
     if interleaved:
         x_BSHD = torch.cat((x_BSHD[..., 0::2], x_BSHD[..., 1::2]), dim=-1)
     cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
+    R = cos.shape[-1]
+    if R < x_BSHD.shape[-1]:  # partial rotary: the first R dimensions rotate, the rest pass
+        x_rot, x_pass = x_BSHD[..., :R], x_BSHD[..., R:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
     return x_BSHD * cos + rotate_half(x_BSHD) * sin

@@ -217,7 +217,7 @@ class Transformer(nn.Module):
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the RoPE frequencies, e.g. after building on the meta device."""
         cfg = self.cfg
-        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+        rope_dim = cfg.rope_dim  # the head's rotated part: all of it, MLA's RoPE part, or a partial share
         device = device if device is not None else self.rope_inv_freq.device
         inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.rope_inv_freq = inv_freq.to(device)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import EP_DISPATCHERS
+from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.dims import ParallelDims
@@ -61,23 +62,25 @@ class MicroBatchCountReducer:
         return both[:-1].to(counts_E.dtype), int(both[-1].item())
 
 
-def expert_mesh_names(dims: ParallelDims) -> tuple[str, ...]:
-    """Mesh dims the expert weights are split over (empty: not split)."""
-    return tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1)
+def expert_mesh_names(dims: ParallelDims, experts: nn.Module | None = None) -> tuple[str, ...]:
+    """Mesh dims the expert weights are split over (empty: not split); experts whose hidden dim is not
+    cut (`split_dims` None: gpt-oss's biased experts) are whole on every tp rank."""
+    whole_over_tp = experts is not None and None in getattr(experts, "split_dims", {}).values()
+    return tuple(n for n, size in (("ep", dims.ep), ("tp", dims.tp)) if size > 1 and not (n == "tp" and whole_over_tp))
 
 
 def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
     """Replace the full expert weights (identical on every rank) by DTensors holding this rank's
     shard; no communication (each rank cuts its own piece)."""
-    names = expert_mesh_names(dims)
+    names = expert_mesh_names(dims, experts)
     if not names:
         return
-    if not isinstance(experts, GroupedExperts) or getattr(experts, "quantized", False):
+    if not isinstance(experts, GroupedExperts | BiasedExperts) or getattr(experts, "quantized", False):
         raise ParallelError(f"routed experts stored quantized ({type(experts).__name__}) are not split over "
                             f"{' and '.join(names)}: expert parallelism splits full-precision expert parameters; "
                             "run quantized experts with ep=1 and tp=1")
     mesh = dims[names]
-    for pname, hidden_dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+    for pname, hidden_dim in experts.split_dims.items():
         placements = [Shard(0) if n == "ep" else Shard(hidden_dim) for n in names]
         full = getattr(experts, pname)
         sharded = distribute_tensor(full.detach(), mesh, placements, src_data_rank=None)
@@ -91,12 +94,12 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str 
     if dispatcher not in EP_DISPATCHERS:
         raise ParallelError(f"parallel.ep_dispatcher={dispatcher!r} is invalid: one of {', '.join(EP_DISPATCHERS)}")
     ep_group = dims["ep"].get_group() if dims.ep > 1 else None
-    tp_group = dims["tp"].get_group() if dims.tp > 1 else None
     cp_group = dims["cp"].get_group() if dims.cp > 1 else None
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
         cfg = module.cfg
+        tp_group = dims["tp"].get_group() if "tp" in expert_mesh_names(dims, module.experts) else None
         if ep_group is not None or tp_group is not None:
             shard_expert_weights(module.experts, dims)
             if dispatcher == "allgather":

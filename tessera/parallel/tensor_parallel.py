@@ -19,6 +19,7 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 `vocab_parallel_loss_sum` never gathers them
     tied head (tie_embeddings)  the embedding's own vocabulary shard, one DTensor weight for both
                                 (`VocabParallelTiedHead`, the model's `tied_head` seam)
+    attention.sinks             by heads (gpt-oss's sink logits, with the heads they belong to)
     *_norm, norm                replicated; under sp they run on a 1/tp slice of the sequence
     mtp.{k}.block               the block's plan (multi-token prediction, models/mtp.py)
     mtp.{k}.enorm / hnorm /     replicated; under sp the norms run on the sequence slice and
@@ -115,6 +116,17 @@ class Rowwise(RowwiseParallel):
             super()._partition_linear_fn(name, module, device_mesh)
 
 
+class HeadSharded(ParallelStyle):
+    """A parameter with one entry per query head (gpt-oss's attention sinks) cut with the heads, as
+    the colwise q projection cuts them: Shard(0) over tp, each rank cutting its own piece."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for key, p in list(module._parameters.items()):
+            sharded = distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(key, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        return module
+
+
 def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
     """Under sp: the first input arrives sharded on the sequence; the module wants it whole."""
     rest = (None,) * (num_inputs - 1)
@@ -132,6 +144,8 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         "attention.wv": Colwise(),
         "attention.wo": Rowwise(output_layouts=stream),
     }
+    if not mla and block.attention.sinks is not None:
+        plan["attention.sinks"] = HeadSharded()  # this rank's heads' sink logits (AttentionSinks.local)
     if not mla and block.attention.q_norm is not None:
         # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
         # dim as sharded makes DTensor sum their gradient over tp.

@@ -352,7 +352,7 @@ def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTens
     RoPE cos and sin tables every layer multiplies by (one storage each, shared; the window layers'
     own pair besides, model.local_rope_theta)."""
     dt = get_activation_dtype(dtype)
-    rope = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+    rope = cfg.rope_dim  # the rotated part of a head: all of it, MLA's RoPE part, or a partial share (GLM-4.5)
     tables = ("rope", "local_rope") if cfg.local_rope_theta is not None else ("rope",)  # the window layers' own
     if cfg.nope_attn_scale > 0 and cfg.nope_layers:  # Llama 4's query temperature per position, fp32, shared
         return [SavedTensor("input_ids", 1, 8, "rep"), SavedTensor("nope_temperature", 1, 4, "rep")] + [

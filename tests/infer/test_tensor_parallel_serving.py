@@ -481,7 +481,7 @@ def test_ranks_get_consecutive_gpus_that_must_exist():
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_tied_bias", "mistral", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3",
-                                    "smollm3",
+                                    "smollm3", "glm4_moe", "gpt_oss",
                                     "seed_oss", "exaone4", "llama4_text"])
 def test_two_ranks_match_hf_for_every_family(family, tmp_path):
     """Tied embeddings with attention biases, sliding windows, QKV biases, QK norms, shared

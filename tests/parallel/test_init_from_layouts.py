@@ -51,6 +51,8 @@ FAMILIES = {
                                          "model.moe.shared_expert_gate": True, "model.moe.norm_topk_prob": False}),
     "qwen3_moe": (TINY_MOE, moe_shrink, {"model.family": "qwen3_moe", "model.qk_norm": True}),
     "deepseek_v3": (TINY_DEEPSEEK, deepseek_shrink, {}),
+    "glm4_moe": (TINY_MOE, moe_shrink, {"model.family": "glm4_moe", "model.qkv_bias": True, "model.qk_norm": True, "model.partial_rotary_factor": 0.5, "model.moe.score_func": "sigmoid", "model.moe.expert_bias": True, "model.moe.first_k_dense": 1, "model.moe.shared_ffn_dim": 32, "model.moe.n_groups": 2, "model.moe.aux_loss_coef": 0.0}),  # noqa: E501
+    "gpt_oss": (TINY_MOE, moe_shrink, {"model.family": "gpt_oss", "model.qkv_bias": True, "model.out_bias": True, "model.attention_sinks": True, "model.sliding_window": 8, "model.window_layers": [0], "model.moe.softmax_before_topk": False, "model.moe.router_bias": True, "model.moe.expert_activation": "clamped_swiglu"}),  # noqa: E501
 }
 TP2 = {"parallel.tp": 2, "parallel.dp_shard": 1}
 PP2 = {"parallel.pp": 2, "parallel.dp_shard": 1}
@@ -141,6 +143,9 @@ LAYOUTS = [
     _case("llama4_text", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("llama4_text", 2, TP2, "tp2"),
     _case("llama4_text", 2, PP2, "pp2"),
+    _case("glm4_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
+    _case("gpt_oss", 2, EP2_FSDP2, "ep2-fsdp2"),
+    _case("gpt_oss", 2, TP2, "tp2"),
 ]
 
 

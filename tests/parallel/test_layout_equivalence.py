@@ -31,6 +31,10 @@ LAYOUTS = [
     pytest.param("tiny-moe", dict(tp=2, dp_shard=1), 2, 1, id="moe-tp2"),
     pytest.param("tiny-moe", dict(tp=2, sp=True, dp_shard=1), 2, 1, id="moe-tp2-sp"),
     pytest.param("tiny-moe", dict(ep=2, dp_shard=2), 2, 2, id="moe-ep2-fsdp2"),
+    pytest.param("tiny-glm4-moe", dict(ep=2, dp_shard=2), 2, 2, id="glm4-moe-ep2-fsdp2"),
+    pytest.param("tiny-glm4-moe", dict(tp=2, sp=True, dp_shard=1), 2, 1, id="glm4-moe-tp2-sp"),
+    pytest.param("tiny-gpt-oss", dict(ep=2, dp_shard=2), 2, 2, id="gpt-oss-ep2-fsdp2"),
+    pytest.param("tiny-gpt-oss", dict(tp=2, sp=True, dp_shard=1), 2, 1, id="gpt-oss-tp2-sp"),
     pytest.param("tiny-llama", dict(tp=2, dp_shard=2), 4, 2, id="llama-tp2-fsdp2"),
     # Recomputation inside sharded / communicating blocks must not change anything.
     pytest.param("tiny-moe", dict(ep=2, dp_shard=2, recompute="full"), 2, 2, id="moe-ep2-recompute-full"),

@@ -76,6 +76,7 @@ VARIANTS = {
                          nope_floor_scale=8, rope_interleave=True,
                          moe=MoEConfig(num_experts=8, top_k=1, ffn_dim=64, score_func="sigmoid", norm_topk_prob=False,
                                        gate_input=True, shared_ffn_dim=64)),
+    "glm4-moe-partial-rotary": get_preset("tiny-glm4-moe"),  # RoPE tables as wide as the rotated half of a head
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),

@@ -19,6 +19,12 @@ from tessera.config.model import ModelConfig
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def unread(cfg: ModelConfig, key: str) -> bool:
+    """Whether HuggingFace tensor `key` is stored but never read: a recomputed buffer, or what the
+    family's transformers class skips too (GLM-4.5's multi-token-prediction layer)."""
+    return key.endswith(IGNORED_SUFFIXES) or REGISTRY[cfg.family].unread_tensor(cfg, key)
+
+
 def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
     """Tessera key -> HuggingFace key(s), in model order."""
     return REGISTRY[cfg.family].tensor_names(cfg)

@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
+from tessera.checkpoint.hf.mxfp4 import Mxfp4Tensors
 from tessera.checkpoint.hf.names import hf_names, hf_parts
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
@@ -58,6 +59,10 @@ class HFSliceReader:
         self.names = hf_names(cfg)
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.files = SafetensorsDir(self.path)
+        # MXFP4 pairs (gpt-oss's experts, mxfp4.py) stand in for their plain tensors, dequantized on read
+        self.mxfp4 = Mxfp4Tensors(self.files.keys(), lambda k, o, n: self._slice(k, o, n, codes=True))
+        self.packed = {k: self.files.files.pop(k) for pair in self.mxfp4.pairs.values() for k in pair}
+        self.files.files.update({plain: self.packed[pair[0]] for plain, pair in self.mxfp4.pairs.items()})
         self.bytes_read = 0
         # stored tensors that belong to no part of this model: a vision-language directory's image
         # side when a text model reads its language model (its family's names: llava.py, qwen_vl.py)
@@ -66,8 +71,13 @@ class HFSliceReader:
         if family is not None:
             self.names, self.foreign = family.directory.language_model_names(self.names, self.files.keys())
 
-    def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        f = self.files.files[hf_key]
+    def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], codes: bool = False
+               ) -> torch.Tensor:
+        """The box of stored tensor `hf_key` (an MXFP4 pair's plain name: dequantized); `codes`: an
+        MXFP4 pair's own uint8 tensor."""
+        if not codes and hf_key in self.mxfp4.pairs:
+            return self.mxfp4.read(hf_key, offsets, sizes, self._stored_shape)
+        f = self.packed[hf_key] if codes else self.files.files[hf_key]
         handle = self.files.handle(f)
         try:
             view = handle.get_slice(hf_key)
@@ -80,7 +90,7 @@ class HFSliceReader:
             raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_key!r} ({e}); the file may be damaged") from e
         finally:  # each read's file pages are let go at once: reading a model costs one tensor's, not the file's
             self.files.release(f)
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not codes:
             raise CheckpointError(f"{str(f)!r}: tensor {hf_key!r} has dtype {str(t.dtype).removeprefix('torch.')}; "
                                   "model weights must be floating point (float32, bfloat16, float16)")
         self.bytes_read += t.numel() * t.element_size()
@@ -90,15 +100,19 @@ class HFSliceReader:
         """The whole shape of Tessera tensor `key` as stored (routed experts: [E, ...]), from the
         files' headers; no data is read."""
         hf_keys = self.names[key]
-        f = self.files.files[hf_keys[0]]
-        try:
-            shape = tuple(self.files.handle(f).get_slice(hf_keys[0]).get_shape())
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_keys[0]!r} ({e}); the file may be "
-                                  "damaged") from e
+        shape = self._stored_shape(hf_keys[0])
         if key in self.parts:  # [..., in, count * out] -> [..., out, in]
             return (*shape[:-2], shape[-1] // self.parts[key].count, shape[-2])
         return shape if len(hf_keys) == 1 else (len(hf_keys), *shape)
+
+    def _stored_shape(self, hf_key: str) -> tuple[int, ...]:
+        if hf_key in self.mxfp4.pairs:
+            return self.mxfp4.stored_shape(hf_key, self._stored_shape)
+        f = self.files.files.get(hf_key) or self.packed[hf_key]
+        try:
+            return tuple(self.files.handle(f).get_slice(hf_key).get_shape())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_key!r} ({e}); the file may be damaged") from e
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              dtype: torch.dtype | None = None) -> torch.Tensor:

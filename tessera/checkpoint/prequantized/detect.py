@@ -21,15 +21,21 @@ def quantization_config(path: str | os.PathLike) -> dict | None:
     return qc
 
 
+# quant_methods whose weights the HuggingFace reader dequantizes as it reads them (gpt-oss's MXFP4
+# experts: tessera/checkpoint/hf/mxfp4.py): such a directory loads as a full-precision one
+DEQUANTIZED_AT_LOAD = ("mxfp4",)
+
+
 def is_prequantized_hf(path: str | os.PathLike) -> bool:
-    return is_hf_directory(path) and quantization_config(path) is not None
+    qc = quantization_config(path) if is_hf_directory(path) else None
+    return qc is not None and qc.get("quant_method") not in DEQUANTIZED_AT_LOAD
 
 
 def refuse_prequantized(path: str | os.PathLike) -> None:
     """Refuse a pre-quantized directory where full-precision weights are needed (conversion,
     training's init_from, pruning): ConfigError naming its method."""
     qc = quantization_config(path)
-    if qc is not None:
+    if qc is not None and qc.get("quant_method") not in DEQUANTIZED_AT_LOAD:
         raise ConfigError(f"{path} is pre-quantized (quantization_config.quant_method="
                               f"{qc.get('quant_method')!r}): this needs full-precision weights; a pre-quantized "
                               "directory is served or generated from as it is (tessera serve / generate, one "

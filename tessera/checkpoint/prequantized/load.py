@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_names
+from tessera.checkpoint.hf.names import hf_names, unread
 from tessera.checkpoint.prequantized.detect import quantization_config
 from tessera.checkpoint.prequantized.schemes import QuantizationPlan
 from tessera.config.errors import CheckpointError, ConfigError
@@ -186,7 +186,7 @@ def load_prequantized(path: str | os.PathLike, dtype: torch.dtype = torch.float3
         for prefix, layer in parts:
             used |= _fill_layer(layer, prefix, files, dtype, device, source)
         replace_module(model, name, module)
-    extra = sorted(k for k in stored - used if not k.endswith(IGNORED_SUFFIXES)
+    extra = sorted(k for k in stored - used if not unread(cfg, k)
                    and not (k == "lm_head.weight" and cfg.tie_embeddings))
     if extra:
         raise CheckpointError(f"{source}: it has {extra[0]!r}, which the model has no place for ({len(extra)} such "

@@ -11,6 +11,8 @@ export checks. Adding a family: a module here, its line below, and its case in t
 from tessera.config.families import (
     deepseek_v3,
     exaone4,
+    glm4_moe,
+    gpt_oss,
     llama,
     llama4_text,
     mistral,
@@ -41,6 +43,8 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen3_moe.FAMILY,
     deepseek_v3.FAMILY,
     llama4_text.FAMILY,
+    glm4_moe.FAMILY,
+    gpt_oss.FAMILY,
 )}
 
 __all__ = ["REGISTRY", "Family"]

@@ -44,7 +44,7 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling:
-        scaling = dict(scaling)
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}  # a family's own field
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
@@ -84,9 +84,11 @@ class Family:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> ModelConfig fields
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
+    mtp_layers: ClassVar[bool] = False  # reads the MTP layers its files store after the last layer (DeepSeek-V3)
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
     chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
+    partial_rotary: ClassVar[bool] = False  # RoPE on a share of each head (model.partial_rotary_factor): GLM-4.5
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,6 +166,9 @@ class Family:
         if cfg.attention_chunk_size is not None and not self.chunked_attention:
             raise ModelError(f"{self.name} has no chunked attention (model.attention_chunk_size="
                              f"{cfg.attention_chunk_size}); train without it")
+        if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
+            raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
+                             f"{cfg.partial_rotary_factor}); export it as glm4_moe, or train with 1.0")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
@@ -214,6 +219,11 @@ class Family:
         """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):
         written with its value on export, not read on import. None for most families."""
         return {}
+
+    def unread_tensor(self, cfg, key: str) -> bool:
+        """Whether HuggingFace tensor `key`, stored in this family's files, is one its transformers class
+        leaves unread too (none for most families)."""
+        return False
 
     def check_mtp_exportable(self, cfg) -> None:
         """Only a family whose HuggingFace layout names multi-token-prediction layers exports them."""

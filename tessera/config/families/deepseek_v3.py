@@ -21,6 +21,7 @@ class DeepseekV3(MoEFamily):
     shared experts as a multiple of one expert)."""
 
     mla: ClassVar[bool] = True
+    mtp_layers: ClassVar[bool] = True
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         fields = super().attention_from_hf(d)

@@ -19,6 +19,7 @@ from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_devi
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models import ModelInput, Transformer
 from tessera.models.attention import Window, window_allows
+from tessera.models.attention_sinks import sink_attention
 
 
 class ConcatKVCache:
@@ -33,7 +34,7 @@ class ConcatKVCache:
         return next(iter(self.keys.values())).shape[2] if self.keys else 0
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: Window) -> torch.Tensor:
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if layer_id in self.keys:
             k_BGSD = torch.cat([self.keys[layer_id], k_BGSD], dim=2)
             v_BGSD = torch.cat([self.values[layer_id], v_BGSD], dim=2)
@@ -45,6 +46,8 @@ class ConcatKVCache:
         allowed = diff >= 0
         if window is not None:
             allowed &= window_allows(q_pos[:, None], k_pos[None, :], window)
+        if sinks is not None:  # gpt-oss's sink logits (tessera/models/attention_sinks.py)
+            return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, allowed)
         gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=allowed, scale=scale,
                                               enable_gqa=gqa)

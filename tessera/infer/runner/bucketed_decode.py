@@ -35,8 +35,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from tessera.infer.runner.paged_attention import masked_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import Window, window_allows
@@ -128,15 +128,14 @@ class BlockTableAttention:
         return self.masks[window]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: Window) -> torch.Tensor:
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # the model sees the rows packed as one sequence: [1, H, B, D]
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_BH1D = q_BHSD.transpose(0, 2)
         k_BLGD, v_BLGD = self.kv.gather_blocks(layer_id, self.tables_BM, q_BHSD.dtype)
         gqa = q_BHSD.shape[1] != k_BLGD.shape[2]
-        o_BH1D = F.scaled_dot_product_attention(q_BH1D, k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
-                                                attn_mask=self._mask(window, q_BHSD.dtype), scale=scale,
-                                                enable_gqa=gqa)
+        o_BH1D = masked_attention(q_BH1D, k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
+                                  self._mask(window, q_BHSD.dtype), scale, gqa, sinks)
         return o_BH1D.transpose(0, 2)
 
 
@@ -149,11 +148,11 @@ class RaggedDecodeAttention:
         self.kv, self.slots_B, self.contexts = kv, slots_B, contexts
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: Window) -> torch.Tensor:
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_THD = q_BHSD[0].transpose(0, 1)
         out_THD = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_BGSD.shape[-1])
-        self.contexts.attend(self.kv, layer_id, q_THD, out_THD, scale, window)
+        self.contexts.attend(self.kv, layer_id, q_THD, out_THD, scale, window, sinks)
         return out_THD.transpose(0, 1)[None]
 
 

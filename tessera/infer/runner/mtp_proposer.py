@@ -66,8 +66,8 @@ class OneLayerCache:
     def __init__(self, batch: PagedAttentionBatch):
         self.batch = batch
 
-    def attend(self, layer_id, q, k, v, scale, window):
-        return self.batch.attend(0, q, k, v, scale, window)
+    def attend(self, layer_id, q, k, v, scale, window, sinks=None):
+        return self.batch.attend(0, q, k, v, scale, window, sinks)
 
 
 @dataclass

@@ -42,8 +42,18 @@ from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import Window, causal_attention, sees_all, window_allows
+from tessera.models.attention_sinks import sink_attention
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
+
+
+def masked_attention(q_NHSD: torch.Tensor, k_NGLD: torch.Tensor, v_NGLD: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, gqa: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA under an additive mask; a layer with attention sinks (gpt-oss) takes the explicit softmax
+    with its sink column instead (tessera/models/attention_sinks.py)."""
+    if sinks is not None:
+        return sink_attention(q_NHSD, k_NGLD, v_NGLD, scale, sinks, mask)
+    return F.scaled_dot_product_attention(q_NHSD, k_NGLD, v_NGLD, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 @dataclass
@@ -167,7 +177,7 @@ class PagedAttentionBatch:
         return k[:, :L], v[:, :L]
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
-               scale: float, window: Window) -> torch.Tensor:
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
         q_THD = q_BHSD[0].transpose(0, 1)
         k_TGD, v_TGD = k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1)
         self.kv.write(layer_id, self.slot_mapping, k_TGD, v_TGD)
@@ -180,25 +190,23 @@ class PagedAttentionBatch:
                 a, b = g.span
                 q = q_BHSD[:, :, a:b]  # [1, H, S, D]
                 if g.ctx_blocks is None:  # a chunk from position 0: its own keys are the whole context
-                    o = causal_attention(q, k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], scale, window)
+                    o = causal_attention(q, k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], scale, window, sinks)
                 else:
                     k, v = self._context(layer_id, g, q.dtype)  # [1, L, G, D]
-                    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                                       attn_mask=self._mask(g, window, q.dtype), scale=scale,
-                                                       enable_gqa=gqa)
+                    o = masked_attention(q, k.transpose(1, 2), v.transpose(1, 2), self._mask(g, window, q.dtype),
+                                         scale, gqa, sinks)
                 if whole:
                     return o
                 out_THD[a:b] = o[0].transpose(0, 1)
                 continue
             if g.ragged is not None:
-                g.ragged.attend(self.kv, layer_id, q_THD, out_THD, scale, window)
+                g.ragged.attend(self.kv, layer_id, q_THD, out_THD, scale, window, sinks)
                 continue
             k_NLGD, v_NLGD = self._context(layer_id, g, q_THD.dtype)
             N, S = g.valid.shape
             q_NHSD = q_THD.index_select(0, g.q_index).unflatten(0, (N, S)).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_NHSD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2),
-                                               attn_mask=self._mask(g, window, q_THD.dtype), scale=scale,
-                                               enable_gqa=gqa)
+            o = masked_attention(q_NHSD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2),
+                                 self._mask(g, window, q_THD.dtype), scale, gqa, sinks)
             o_flat = o.transpose(1, 2).flatten(0, 1)  # [N * S, H, D], (n, s) order
             out_THD.index_copy_(0, g.rows, o_flat.index_select(0, g.valid_index))
         return out_THD.transpose(0, 1)[None]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import ChunkedWindow, Window, first_visible, window_allows
+from tessera.models.attention_sinks import sink_attention
 
 
 @dataclass
@@ -83,11 +84,13 @@ class RaggedContexts:
                                     dtype=torch.long, device=device).reshape(-1, 4)
 
     def attend(self, kv: PagedKVCache, layer_id: int, q_THD: torch.Tensor, out_THD: torch.Tensor,
-               scale: float, window: Window) -> None:
-        """Write each row's attention output into out_THD at its query rows (the kernel knows sliding
-        windows, not chunks: a chunked layer attends here)."""
+               scale: float, window: Window, sinks: torch.Tensor | None = None) -> None:
+        """Write each row's attention output into out_THD at its query rows. The C++ kernel knows
+        sliding windows, not chunks, and takes no attention sinks (gpt-oss): a chunked layer, or one
+        with sinks, attends here in Python."""
         chunked = isinstance(window, ChunkedWindow)
-        if not kv.int8 and not chunked and q_THD.stride(-1) == 1 and cpu_attention.usable(kv.k[layer_id], q_THD):
+        if (sinks is None and not kv.int8 and not chunked and q_THD.stride(-1) == 1
+                and cpu_attention.usable(kv.k[layer_id], q_THD)):
             cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
                                    self.block_size, scale, window or 0)
             return
@@ -98,6 +101,9 @@ class RaggedContexts:
             k = k_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
             v = v_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
             q = q_THD[r.q_row:r.q_row + r.S].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=r.bias(window, q.dtype), scale=scale,
-                                               enable_gqa=gqa)
+            if sinks is not None:
+                o = sink_attention(q, k, v, scale, sinks, r.bias(window, q.dtype))
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=r.bias(window, q.dtype), scale=scale,
+                                                   enable_gqa=gqa)
             out_THD[r.q_row:r.q_row + r.S] = o[0].transpose(0, 1)

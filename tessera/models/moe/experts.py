@@ -79,6 +79,9 @@ def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: t
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: w2(silu(w1 x) * w3 x), each on its own contiguous block of rows."""
 
+    # each weight's hidden dim F, which expert tensor parallelism cuts (the experts' dim 0 is ep's)
+    split_dims = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, use_grouped_mm: bool = True):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # gate

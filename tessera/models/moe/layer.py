@@ -18,6 +18,7 @@ from torch import nn
 
 from tessera.config.model import MoEConfig
 from tessera.models.mlp import FeedForward
+from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.capacity import KeepMask, expert_capacity, local_keep_mask
 from tessera.models.moe.dispatcher import LocalDispatcher, TokenDispatcher
 from tessera.models.moe.experts import GroupedExperts
@@ -29,7 +30,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(dim, cfg)
-        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
+        self.experts = (GroupedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
+                        if cfg.expert_activation == "swiglu" else  # gpt-oss's experts: biases, clamped SwiGLU
+                        BiasedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
+                                      cfg.grouped_gemm))
         self.shared_experts = FeedForward(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim > 0 else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts, cfg.pad_to_capacity)

@@ -59,6 +59,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_bias else None  # gpt-oss
         if cfg.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
@@ -75,6 +76,8 @@ class Router(nn.Module):
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - cfg.jitter_eps, 1 + cfg.jitter_eps)
         with torch.autocast(x_TD.device.type, enabled=False):  # [T, E] in fp32 whatever the model dtype
             logits = x_TD.float() @ self.weight.float().T
+            if self.bias is not None:
+                logits = logits + self.bias.float()
         choice = (sinkhorn(logits, cfg.sinkhorn_iters, reduce=self.reduce_over_tokens)
                   if (cfg.sinkhorn and self.training) else None)
         idx, weights = topk_gates(

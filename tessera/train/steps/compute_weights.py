@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.experts import GroupedExperts
 
 
@@ -50,6 +51,8 @@ def cast_weight_names(model: nn.Module) -> list[str]:
             leaves = ("weight", "bias")
         elif isinstance(module, GroupedExperts):
             leaves = ("w1", "w2", "w3")
+        elif isinstance(module, BiasedExperts):  # gpt-oss's: the products' weights, not their biases
+            leaves = ("gate_up_proj", "down_proj")
         else:
             continue
         for leaf in leaves:
