@@ -67,7 +67,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.layer_window(layer_id)
         self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # gated attention (Qwen3-Next): wq also projects a per-head gate, each head's [q | gate] side by side
+        self.output_gate = cfg.attention_output_gate
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
@@ -75,8 +77,9 @@ class Attention(nn.Module):
         self.qk_norm_all_heads = cfg.qk_norm_all_heads
         q_width, k_width = ((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_all_heads
                             else (cfg.head_dim, cfg.head_dim))
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.partial_rotary = cfg.rope_dim < cfg.head_dim
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
@@ -88,7 +91,10 @@ class Attention(nn.Module):
         qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
         if qkv is None:
             qkv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
-        q, k = qkv[0], qkv[1]
+        q, k, gate = qkv[0], qkv[1], None
+        if self.output_gate:
+            q, gate = q.view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, S, -1), gate.reshape(B, S, -1)
         if self.q_norm is not None and self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
@@ -96,7 +102,7 @@ class Attention(nn.Module):
         v = qkv[2].view(B, S, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
+        if self.rotary and self.fused_rope is not None and not self.partial_rotary and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)
         elif self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -106,4 +112,5 @@ class Attention(nn.Module):
             out = cache.attend(self.layer_id, q, k, v, scale, self.window)
         else:
             out = self.attention_core(q, k, v, scale, self.window)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))

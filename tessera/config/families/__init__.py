@@ -19,6 +19,7 @@ from tessera.config.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
     smollm3,
 )
 from tessera.config.families.base import Family
@@ -34,6 +35,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
 )}
 

@@ -76,6 +76,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated partial-rotary attention, (1 + w) norms: Qwen3-Next
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,6 +151,10 @@ class Family:
         if not self.layer_windows and (cfg.window_layers is not None or cfg.local_rope_theta is not None):
             raise ModelError(f"{self.name} has no per-layer windows or RoPE (model.window_layers="
                              f"{cfg.window_layers}, model.local_rope_theta={cfg.local_rope_theta}); export it as olmo3")
+        if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate or cfg.norm_unit_offset
+                                or cfg.rope_dim != cfg.head_dim and cfg.mla is None):
+            raise ModelError(f"{self.name} has no linear-attention layers, attention output gate, partial rotary "
+                             "or (1 + weight) norms; export it as qwen3_next")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
