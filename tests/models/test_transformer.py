@@ -13,7 +13,7 @@ SHAPES = {"olmo2-like": dict(family="olmo2", block_norms="post", qk_norm=True, q
           "gemma3-like-norms": dict(block_norms="pre_post", qk_norm=True)}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", *SHAPES])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next", *SHAPES])
 def test_forward_shapes_and_param_count(name):
     cfg = get_preset("tiny-llama", **SHAPES[name]) if name in SHAPES else get_preset(name)
     model = Transformer(cfg)
@@ -41,6 +41,8 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("olmo2-13b")) / 1e9, 1) == 13.7
     assert round(count_params(get_preset("olmo3-7b")) / 1e9, 1) == 7.3  # OLMo 3 7B: 7.30B, 32B: 32.2B
     assert round(count_params(get_preset("olmo3-32b")) / 1e9, 1) == 32.2
+    assert round(count_params(get_preset("qwen3-next-80b-a3b")) / 1e9, 1) == 79.7  # 80B total, 3B active
+    assert round(count_params(get_preset("qwen3-next-80b-a3b"), active=True) / 1e9, 1) == 3.9
 
 
 def test_every_preset_validates():
