@@ -71,3 +71,13 @@ def test_tiny_model_trains_its_deltanet_and_gates():
     for p in (block.attention.A_log, block.attention.conv1d.weight, model.layers["3"].attention.wq.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
     assert model.norm.weight.abs().sum() == 0  # (1 + w) norms start at w = 0
+
+
+def test_tensor_and_context_parallelism_refuse_deltanet_layers():
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    cfg = get_preset("tiny-qwen3-next")
+    for sizes in (LayoutSizes(tp=2), LayoutSizes(cp=2, dp_shard=1)):
+        assert any("Gated DeltaNet layers (model.linear_attention) are not split" in p
+                   for p in layout_problems(cfg, sizes))
+    assert layout_problems(cfg, LayoutSizes(dp_shard=2, ep=2)) == []
