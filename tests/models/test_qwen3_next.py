@@ -81,3 +81,16 @@ def test_tensor_and_context_parallelism_refuse_deltanet_layers():
         assert any("Gated DeltaNet layers (model.linear_attention) are not split" in p
                    for p in layout_problems(cfg, sizes))
     assert layout_problems(cfg, LayoutSizes(dp_shard=2, ep=2)) == []
+
+
+def test_published_mtp_tensors_are_skipped_as_transformers_does(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, model = pair
+    hf.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.arange(12).view(1, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(load_pretrained(tmp_path, dtype=torch.float32)(ids).logits, model(ids).logits)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.checkpoint.hf.names import IGNORED_SUFFIXES, hf_copies
+from tessera.checkpoint.hf.names import hf_copies, unread
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.checkpoint.parts import allocate
@@ -55,7 +55,7 @@ def check_hf_fits(reader: HFSliceReader, shapes: dict[str, tuple[int, ...]], sou
                                   f"{list(shape)} in the model")
     needed.update(hf_copies(reader.cfg))  # copies of tensors the model holds once: not read
     extra = sorted(k for k in reader.files.files if k not in needed and k not in reader.foreign
-                   and not k.endswith(IGNORED_SUFFIXES)
+                   and not unread(reader.cfg, k)
                    and not (k == "lm_head.weight" and "output.weight" not in shapes))
     if extra:
         raise CheckpointError(f"{source} does not fit the model: it has {extra[0]!r}, which the model has no "
@@ -114,7 +114,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     _refuse_vision_language(path)
     cfg = read_hf_config(path)
     reader = HFSliceReader(path, cfg)
-    available = {k for k in reader.files.keys() if not k.endswith(IGNORED_SUFFIXES)}
+    available = {k for k in reader.files.keys() if not unread(cfg, k)}
     needed = {h for hs in reader.names.values() for h in hs}
     if cfg.tie_embeddings:
         available.discard("lm_head.weight")

@@ -21,6 +21,12 @@ def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return REGISTRY[cfg.family].tensor_names(cfg)
 
 
+def unread(cfg: ModelConfig, hf_key: str) -> bool:
+    """Whether a HuggingFace tensor is one the family's class does not load either (Qwen3-Next's
+    multi-token-prediction layers, `mtp.*`): skipped on import, never an unexpected tensor."""
+    return hf_key.endswith(IGNORED_SUFFIXES) or hf_key.startswith(REGISTRY[cfg.family].unread_prefixes)
+
+
 def hf_copies(cfg: ModelConfig) -> dict[str, str]:
     """HuggingFace key -> the Tessera key whose value it repeats (DeepSeek-V3's MTP layers hold
     the embedding and head again): written on export, not read on import."""

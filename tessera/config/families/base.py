@@ -76,6 +76,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    unread_prefixes: ClassVar[tuple[str, ...]] = ()  # HuggingFace tensors its class does not load (Qwen3-Next's mtp.)
     hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated partial-rotary attention, (1 + w) norms: Qwen3-Next
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------

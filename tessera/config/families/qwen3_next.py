@@ -39,6 +39,7 @@ class Qwen3Next(QwenMoE):
     int_fields: tuple[str, ...] = QwenMoE.int_fields + tuple(LINEAR_FIELDS) + ("full_attention_interval",)
     number_fields: tuple[str, ...] = QwenMoE.number_fields + ("partial_rotary_factor",)
     hybrid: ClassVar[bool] = True
+    unread_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)  # its multi-token-prediction layers, unread as transformers
 
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         fields = super().config_from_hf(d)
