@@ -17,11 +17,20 @@ inference cache (the `forward` argument attention layers get) it reads and keeps
 through `recurrent_state(layer_id)` / `keep_recurrent_state(layer_id, state)`
 (`RecurrentStateCache`); a cache without them (the serving engine's paged one) cannot run it.
 Prompts and training run the chunked form, a single new token the recurrent one (equal; tested).
+
+Under tensor parallelism each rank runs whole key-head groups (its in_proj_qkvz / in_proj_ba
+columns, out_proj rows; HuggingFace's layout is per group, so a rank's part is contiguous). The
+tensors all heads' channels share a dimension of, the convolution's taps ([q | k | v] channels),
+A_log and dt_bias (per value head), and the gated norm's weight (shared by all heads), are read
+through a seam, `own_part` (an `OwnPart`: (name, tensor) -> this rank's part of it): whole on one
+process; tensor parallelism installs one that slices this rank's channels and heads and sums the
+gradient over the ranks (tessera/parallel/tensor_parallel.py).
 Shapes: B batch, S sequence, D model dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,14 +60,28 @@ class RecurrentStateCache(Protocol):
     def keep_recurrent_state(self, layer_id: int, state: DeltaNetState) -> None: ...
 
 
+# (name: "conv", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
+OwnPart = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The `OwnPart` of one process: every head is here."""
+    return t
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) (over the last dim, in fp32, cast back before the weight) * silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
 class GatedRMSNorm(RMSNorm):
     """RMSNorm of x (weight * x / rms(x)) times silu(gate), per value head."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        dtype = x.dtype
-        xf = x.float()
-        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (normed * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -77,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.n_value_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(la.n_value_heads * la.value_head_dim, cfg.dim, bias=False)
+        self.own_part: OwnPart = whole  # the seam (module docstring)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
@@ -99,18 +123,19 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r).split([r, r], dim=-1)
         hk = q.shape[2]
         mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
-        conv_w = self.conv1d.weight.squeeze(1)
+        conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
         mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
         q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
         q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
         k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
         v = v.reshape(B, S, hk * r, vd)
         beta = b.reshape(B, S, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + self.dt_bias.float())
+        A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + dt_bias.float())
         recurrent = S == 1 if recurrent is None else recurrent
         rule = recurrent_delta_rule if recurrent else chunked_delta_rule
         kwargs = {} if recurrent else {"chunk": self.chunk}
         out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
-        out = self.norm(out, z.reshape(B, S, hk * r, vd))
+        out = gated_rms_norm(out, z.reshape(B, S, hk * r, vd), self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.out_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)
