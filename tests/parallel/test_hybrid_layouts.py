@@ -31,3 +31,50 @@ def _reference(micro: int) -> dict:
 def test_hybrid_layouts_match_one_process(parallel, micro):
     got = run_ranks(layout_step, 2, "tiny-qwen3-next", parallel, config_overrides=SHORT_CHUNKS)
     assert_same_step(got[0], _reference(micro))
+
+
+CONFIG = """model:
+  preset: tiny-qwen3-next
+  vocab_size: 4096
+  linear_attention: {chunk_size: 8}
+train: {seed: 0, dtype: fp32, grad_clip: 1.0}
+data: {kind: pretrain}
+"""
+
+
+def _train(config: str, overrides: list[str]) -> dict:
+    from tessera.config.schema import load_config
+    from tessera.train.trainer import Trainer
+    from tests.parallel.trainer_runs import whole_parameters
+
+    trainer = Trainer(load_config(config, overrides))
+    return {"records": trainer.train().records, "weights": whole_parameters(trainer.parts)}
+
+
+def _as_scales(result: dict) -> dict:
+    """The (1 + w) norms' scales in place of their weights, which start at 0 (a relative error of
+    a weight near 0 says nothing); the DeltaNet's gated norm scales by its weight itself."""
+    offset = {n for n in result["weights"] if n.endswith("norm.weight") and not n.endswith("attention.norm.weight")}
+    return {**result, "weights": {n: w + 1 if n in offset else w for n, w in result["weights"].items()}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [{"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"},
+                                      {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}],
+                         ids=["pp2-1f1b", "tp2-sp"])
+def test_trainer_under_pipeline_and_tensor_parallelism_trains_like_one_process(parallel, small_dataset, tmp_path):
+    """The real Trainer, three steps: a hybrid model cut into two pipeline stages (DeltaNet layers in
+    the first, the attention layer in the second), or tp2 + sp, logs one process's losses and ends
+    with its weights."""
+    from tests.parallel.trainer_runs import EQUALITY_OVERRIDES, assert_same_training
+    from tests.train.runs import shrink
+
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+
+    def overrides(run_dir, **extra):
+        base = shrink(small_dataset, run_dir, 3, **{**EQUALITY_OVERRIDES, **extra})
+        return [o for o in base if not o.startswith("model.")] + ["model.max_seq_len=64"]
+
+    ref = _train(str(tmp_path / "cfg.yaml"), overrides(tmp_path / "one"))
+    got = run_ranks(_train, 2, str(tmp_path / "cfg.yaml"), overrides(tmp_path / "ranks", **parallel))
+    assert_same_training([_as_scales(r) for r in got], _as_scales(ref), rtol=1e-5)
