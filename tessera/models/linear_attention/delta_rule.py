@@ -10,7 +10,8 @@ strength beta_t in (0, 1):
 
 `recurrent_delta_rule` runs that loop token by token: what decoding one token costs. `chunked_delta_rule`
 computes the same outputs and final state a chunk of C tokens at a time: inside a chunk, the C
-writes solve one unit lower-triangular system (the WY / UT form), so the work is matrix products,
+writes solve one unit lower-triangular system (the WY / UT form; its inverse as a product of
+log2(C) factors, `unit_lower_inverse`), so the work is matrix products,
 and only the chunk count is sequential. Within a chunk with start state S0, cumulative log-decay
 c_i = g_1 + ... + g_i and the matrix A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i):
 
@@ -93,6 +94,21 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
     return out.transpose(1, 2).to(v_BSHV.dtype), state
 
 
+def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 of strictly lower-triangular matrices A [..., C, C]. A is nilpotent (A^C = 0), so
+    the inverse is the finite series sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)...: log2(C) pairs of
+    batched products (a batched triangular solve is one slow loop per matrix on CPU)."""
+    C = A.shape[-1]
+    power = -A
+    inverse = torch.eye(C, dtype=A.dtype, device=A.device) + power
+    span = 2
+    while span < C:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        span *= 2
+    return inverse
+
+
 def _one_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk [B, H, C, .] from start state `state` [B, H, K, V]: (its outputs, the end state)."""
@@ -102,9 +118,9 @@ def _one_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()  # [B, H, C, C]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * decay_ij
-    system = A.tril(-1) + torch.eye(C, device=q.device)
-    U = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    Wk = torch.linalg.solve_triangular(system, kb * c.exp()[..., None], upper=False, unitriangular=True)
+    T = unit_lower_inverse(A.tril(-1))
+    U = T @ (v * beta[..., None])
+    Wk = T @ (kb * c.exp()[..., None])
     delta = U - Wk @ state  # [B, H, C, V]
     scores = (q @ k.transpose(-1, -2)) * decay_ij
     out = (q * c.exp()[..., None]) @ state + scores @ delta
