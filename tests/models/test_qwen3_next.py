@@ -94,3 +94,13 @@ def test_published_mtp_tensors_are_skipped_as_transformers_does(pair, tmp_path):
     ids = torch.arange(12).view(1, 12)
     with torch.no_grad():
         torch.testing.assert_close(load_pretrained(tmp_path, dtype=torch.float32)(ids).logits, model(ids).logits)
+
+
+def test_prune_refuses_deltanet_layers(pair, tmp_path):
+    from tessera.config import ConfigError
+    from tessera.prune.run import prune
+    from tessera.prune.selection import PruneSizes
+
+    save_pretrained(pair[1], tmp_path / "src")
+    with pytest.raises(ConfigError, match=r"prune: the qwen3_next model has Gated DeltaNet layers"):
+        prune(tmp_path / "src", tmp_path / "dst", PruneSizes(layers=2))
