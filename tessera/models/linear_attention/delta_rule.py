@@ -80,17 +80,29 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule `chunk` tokens at a time (module docstring); the last chunk may be
-    shorter. Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
+    """The gated delta rule `chunk` tokens at a time (module docstring). Every chunk's own terms are
+    computed at once; only the state passes from chunk to chunk. The sequence is padded to whole
+    chunks with tokens that write nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to
+    `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     q, k, v, g, beta = _prepared(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)
     state = _initial(state_BHKV, B, H, K, V, q.device)
-    out = q.new_empty(B, H, S, V)
-    for start in range(0, S, chunk):
-        end = min(start + chunk, S)
-        out[:, :, start:end], state = _one_chunk(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                                 g[:, :, start:end], beta[:, :, start:end], state)
+    C = min(chunk, S)
+    pad = -S % C
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    N = (S + pad) // C
+    q, k, v = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v))
+    U, W, scores, q_decayed, k_to_end, chunk_decay = _chunk_terms(q, k, v, g.reshape(B, H, N, C),
+                                                                  beta.reshape(B, H, N, C))
+    out = q.new_empty(B, H, N, C, V)
+    for n in range(N):
+        delta = U[:, :, n] - W[:, :, n] @ state  # [B, H, C, V]
+        out[:, :, n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ delta
+        state = state * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ delta
+    out = out.reshape(B, H, N * C, V)[:, :, :S]
     return out.transpose(1, 2).to(v_BSHV.dtype), state
 
 
@@ -109,22 +121,18 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def _one_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk [B, H, C, .] from start state `state` [B, H, K, V]: (its outputs, the end state)."""
-    C = q.shape[2]
-    c = g.cumsum(dim=-1)  # [B, H, C]
+def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """What each chunk [B, H, N, C, .] needs of itself (module docstring's notation): U and W (the
+    writes as U - W S0), the decayed scores q_i.k_j (j <= i), q_i exp(c_i), k_j exp(c_C - c_j) and
+    exp(c_C) [B, H, N, 1, 1]."""
+    C = q.shape[-2]
+    c = g.cumsum(dim=-1)  # [B, H, N, C]
     before = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
-    decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()  # [B, H, C, C]
+    decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2)) * decay_ij
-    T = unit_lower_inverse(A.tril(-1))
+    T = unit_lower_inverse(((kb @ k.transpose(-1, -2)) * decay_ij).tril(-1))
     U = T @ (v * beta[..., None])
-    Wk = T @ (kb * c.exp()[..., None])
-    delta = U - Wk @ state  # [B, H, C, V]
+    W = T @ (kb * c.exp()[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay_ij
-    out = (q * c.exp()[..., None]) @ state + scores @ delta
-    last = c[..., -1:]  # [B, H, 1]
-    k_to_end = k * (last - c).exp()[..., None]
-    state = state * last.exp()[..., None] + k_to_end.transpose(-1, -2) @ delta
-    return out, state
+    last = c[..., -1:]  # [B, H, N, 1]
+    return U, W, scores, q * c.exp()[..., None], k * (last - c).exp()[..., None], last.exp()[..., None]
