@@ -98,9 +98,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
     if m.linear_attention is not None:
         out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
-        if s.cp > 1:
-            out.append(f"cp={s.cp}: the Gated DeltaNet layers (model.linear_attention) do not pass their state from "
-                       "one context-parallel chunk to the next yet (issue 50); use cp=1 (fsdp, tp, ep take it)")
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

@@ -24,7 +24,11 @@ tensors all heads' channels share a dimension of, the convolution's taps ([q | k
 A_log and dt_bias (per value head), and the gated norm's weight (shared by all heads), are read
 through a seam, `own_part` (an `OwnPart`: (name, tensor) -> this rank's part of it): whole on one
 process; tensor parallelism installs one that slices this rank's channels and heads and sums the
-gradient over the ranks (tessera/parallel/tensor_parallel.py).
+gradient over the ranks (tessera/parallel/tensor_parallel.py). The sequence it mixes is a seam
+too, `sequence` (a `TokenSequence`, models/mtp.py: `whole` / `own`): on one process the input is the
+whole sequence; context parallelism installs one that all-gathers the ranks' chunks (in sequence
+order, the gradient reduce-scattered back), so the layer runs over the whole sequence and keeps its
+own positions' outputs.
 Shapes: B batch, S sequence, D model dim.
 """
 
@@ -40,6 +44,7 @@ from torch import nn
 
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
+from tessera.models.mtp import TokenSequence
 from tessera.models.norm import RMSNorm
 
 
@@ -100,17 +105,18 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.n_value_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(la.n_value_heads * la.value_head_dim, cfg.dim, bias=False)
-        self.own_part: OwnPart = whole  # the seam (module docstring)
+        self.own_part: OwnPart = whole  # the seams (module docstring)
+        self.sequence = TokenSequence()
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
         state = cache.recurrent_state(self.layer_id) if cache is not None else None
-        y, state = self.mix(x_BSD, state)
+        y, state = self.mix(self.sequence.whole(x_BSD), state)
         if cache is not None:
             cache.keep_recurrent_state(self.layer_id, state)
-        return y
+        return self.sequence.own(y)
 
     def mix(self, x_BSD: torch.Tensor, state: DeltaNetState | None = None, recurrent: bool | None = None
             ) -> tuple[torch.Tensor, DeltaNetState]:
