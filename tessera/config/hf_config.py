@@ -145,7 +145,8 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_
                 "qkv_bias", "out_bias", "qk_norm", "moe", "moe.num_experts", "moe.ffn_dim", "moe.shared_ffn_dim",
                 "moe.shared_expert_gate", "moe.first_k_dense", "moe.dense_layers", "moe.layer_freq",
                 "moe.expert_bias", "mla", "mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim",
-                "mla.qk_rope_head_dim", "mla.v_head_dim")
+                "mla.qk_rope_head_dim", "mla.v_head_dim", "linear_attention", "linear_attention.layers",
+                "attention_output_gate")
 
 
 def model_differences(mine: ModelConfig, theirs: ModelConfig, shapes_only: bool = False) -> list[str]:

@@ -96,6 +96,8 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             what = "sequence length (sp=true splits it)" if s.cp == 1 else \
                 f"the context-parallel chunk (sequence length {seq_len} / cp={s.cp}; sp=true splits it)"
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
+    if m.linear_attention is not None:
+        out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

@@ -123,6 +123,21 @@ class MLAConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet layers of a hybrid decoder (Qwen3-Next; tessera/models/linear_attention): the
+    layers that run it instead of softmax attention, and its shapes. Each key head serves
+    n_value_heads / n_key_heads value heads."""
+
+    layers: list[int] = field(default_factory=list)  # layer indices whose mixer is Gated DeltaNet
+    n_key_heads: int = 16
+    n_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_width: int = 4  # taps of the short causal convolution on q, k, v
+    chunk_size: int = 64  # tokens per chunk of the chunked (training and prompt) form; not in config.json
+
+
+@dataclass
 class ModelConfig:
     """Shape of a decoder-only language model. Defaults are a LLaMA-style 7B-ish block."""
 
@@ -177,12 +192,17 @@ class ModelConfig:
     # mtp_loss_weight / mtp_depth * sum_k (depth k's token-loss sum) / N (lambda in the report).
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.3
+    linear_attention: LinearAttentionConfig | None = None  # hybrid: Gated DeltaNet on its layers (Qwen3-Next)
+    attention_output_gate: bool = False  # Qwen3-Next: wq also projects a gate, output *= sigmoid(gate)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight), weight starting at 0 (Qwen3-Next)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.linear_attention, dict):
+            self.linear_attention = LinearAttentionConfig(**self.linear_attention)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None and self.n_heads > 0:
@@ -208,6 +228,9 @@ class ModelConfig:
         """The sliding window of layer i's attention (None: it sees every earlier position)."""
         return self.sliding_window if self.window_layers is None or i in self.window_layers else None
 
+    def is_linear_attention_layer(self, i: int) -> bool:
+        return self.linear_attention is not None and i in self.linear_attention.layers
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
@@ -224,6 +247,8 @@ class ModelConfig:
         if self.moe is not None:
             self._check_moe_router(self.moe)
             self._check_moe_experts(self.moe)
+        if self.linear_attention is not None:
+            self._check_linear_attention(self.linear_attention)
 
     def _check_family(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
@@ -304,6 +329,17 @@ class ModelConfig:
         require(0 < m.v_head_dim <= MAX_HEAD_DIM, "model.mla.v_head_dim", m.v_head_dim,
                 f"must be in 1..{MAX_HEAD_DIM:,}")
 
+    def _check_linear_attention(self, la: LinearAttentionConfig) -> None:
+        require(_layer_list(la.layers, self.n_layers) and self.mla is None, "model.linear_attention.layers",
+                la.layers, f"must be distinct layer indices in 0..{self.n_layers - 1} (and no model.mla)")
+        for key, top in (("n_key_heads", MAX_HEADS), ("n_value_heads", MAX_HEADS), ("key_head_dim", MAX_HEAD_DIM),
+                         ("value_head_dim", MAX_HEAD_DIM), ("conv_width", 64), ("chunk_size", MAX_SEQ_LEN)):
+            require(0 < getattr(la, key) <= top, f"model.linear_attention.{key}", getattr(la, key),
+                    f"must be an integer in 1..{top:,}")
+        require(la.n_value_heads % la.n_key_heads == 0, "model.linear_attention.n_value_heads", la.n_value_heads,
+                f"must be a multiple of n_key_heads={la.n_key_heads}")
+        require(la.conv_width >= 2, "model.linear_attention.conv_width", la.conv_width, "must be at least 2")
+
     @staticmethod
     def _check_moe_router(e: MoEConfig) -> None:
         """The experts' count and how tokens are routed to them (top-k, groups, scores)."""
@@ -357,7 +393,7 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model key(s) {unknown}; allowed: {sorted(known)}")
         d = dict(d)
-        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig)):
+        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig), ("linear_attention", LinearAttentionConfig)):
             if isinstance(d.get(key), dict):
                 sub_known = {f.name for f in dataclasses.fields(sub)}
                 bad = sorted(set(d[key]) - sub_known)

@@ -129,7 +129,9 @@ class Attention(nn.Module):
         # a sliding window, or chunks on the rotated layers (model.attention_chunk_size, Llama 4)
         chunked = cfg.attention_chunk_size is not None and self.rotary
         self.window: Window = ChunkedWindow(cfg.attention_chunk_size) if chunked else cfg.layer_window(layer_id)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # gated attention (Qwen3-Next): wq also projects a per-head gate, each head's [q | gate] side by side
+        self.output_gate = cfg.attention_output_gate
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.out_bias)
@@ -137,8 +139,8 @@ class Attention(nn.Module):
         self.qk_norm_all_heads = cfg.qk_norm_all_heads
         q_width, k_width = ((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_all_heads
                             else (cfg.head_dim, cfg.head_dim))
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.interleaved = cfg.rope_interleave  # rotary pairs side by side (Llama 4), returned as halves
         self.qk_l2_norm = cfg.qk_l2_norm and self.rotary  # Llama 4: unit RMS per head, no weight, rotated layers
         self.norm_eps = cfg.norm_eps
@@ -157,7 +159,10 @@ class Attention(nn.Module):
         qkv = self.fused_qkv(x_BSD) if self.fused_qkv is not None else None
         if qkv is None:
             qkv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
-        q, k = qkv[0], qkv[1]
+        q, k, gate = qkv[0], qkv[1], None
+        if self.output_gate:
+            q, gate = q.view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, S, -1), gate.reshape(B, S, -1)
         if self.q_norm is not None and self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, S, -1, self.head_dim)  # [B, S, H, D]; -1 keeps local heads under TP
@@ -183,4 +188,5 @@ class Attention(nn.Module):
             out = cache.attend(self.layer_id, q, k, v, scale, self.window, **sinks)
         else:
             out = self.attention_core(q, k, v, scale, self.window, **sinks)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))

@@ -11,8 +11,20 @@ from __future__ import annotations
 from tessera.config.model import ModelConfig
 
 
-def attention_params(cfg: ModelConfig) -> int:
+def linear_attention_params(cfg: ModelConfig) -> int:
+    """A Gated DeltaNet mixer (linear_attention/gated_deltanet.py): its projections in (q, k, v, z;
+    b, a) and out, the depthwise convolution, A_log and dt_bias per value head, the gated norm."""
+    la, h = cfg.linear_attention, cfg.dim
+    keys, values = la.n_key_heads * la.key_head_dim, la.n_value_heads * la.value_head_dim
+    projections = h * (2 * keys + 2 * values) + h * 2 * la.n_value_heads + values * h
+    return projections + (2 * keys + values) * la.conv_width + 2 * la.n_value_heads + la.value_head_dim
+
+
+def attention_params(cfg: ModelConfig, layer: int | None = None) -> int:
+    """Layer `layer`'s token mixer (None: a softmax-attention layer's)."""
     h = cfg.dim
+    if layer is not None and cfg.is_linear_attention_layer(layer):
+        return linear_attention_params(cfg)
     if cfg.mla is not None:
         m = cfg.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -25,9 +37,9 @@ def attention_params(cfg: ModelConfig) -> int:
         return q + kv + cfg.n_heads * m.v_head_dim * h
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-    n = h * (q + 2 * kv) + q * h
+    n = h * (q + 2 * kv) + q * h + (h * q if cfg.attention_output_gate else 0)
     if cfg.qkv_bias:
-        n += q + 2 * kv
+        n += q * (2 if cfg.attention_output_gate else 1) + 2 * kv
     if cfg.out_bias:
         n += h
     if cfg.attention_sinks:  # one logit per head (gpt-oss)
@@ -69,7 +81,7 @@ def block_norm_params(cfg: ModelConfig) -> int:
 
 
 def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
-    return attention_params(cfg) + mlp_params(cfg, layer, active) + block_norm_params(cfg)
+    return attention_params(cfg, layer) + mlp_params(cfg, layer, active) + block_norm_params(cfg)
 
 
 def mtp_params(cfg: ModelConfig, active: bool = False) -> int:

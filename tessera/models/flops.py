@@ -18,7 +18,10 @@ Convention (say it wherever an MFU is quoted):
   PaLM's 6N + 12 l h s do. With a sliding window w < s the band s w - w^2/2 of the matrix counts.
 
 Per token, per layer, forward: 2 * (matmul weights of the layer) + 2 * n_heads * (d_qk + d_v) * keys.
-Per token, LM head, forward: 2 * V * h. So for a dense GPT with ffn = 4h (or SwiGLU with
+Per token, LM head, forward: 2 * V * h.
+A Gated DeltaNet layer (Qwen3-Next's linear attention) counts its projections as weights and, for
+its core, the recurrent form's 6 K V per value head (read the state's guess, write, read the output),
+whatever the sequence length: its state does not grow. So for a dense GPT with ffn = 4h (or SwiGLU with
 ffn = 8h/3), no GQA, causal=False and full recomputation, a step of B sequences costs
 `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` (Narayanan et al. 2021, arXiv 2104.04473, appendix);
 without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both.
@@ -32,8 +35,13 @@ from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.models.counting import attention_params, qk_norm_params
 
 
-def attention_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one attention block that multiply every token (biases and norm gains excluded)."""
+def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
+    """Weights of layer `layer`'s token mixer that multiply every token (biases, norm gains and
+    a DeltaNet's convolution and per-head gains excluded); None: a softmax-attention layer's."""
+    if layer is not None and cfg.is_linear_attention_layer(layer):
+        la = cfg.linear_attention
+        keys, values = la.n_key_heads * la.key_head_dim, la.n_value_heads * la.value_head_dim
+        return cfg.dim * (2 * keys + 2 * values + 2 * la.n_value_heads + values)
     n = attention_params(cfg)
     if cfg.mla is not None:
         m = cfg.mla
@@ -41,7 +49,7 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
         return n
     hd = cfg.head_dim
     if cfg.qkv_bias:
-        n -= (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+        n -= (cfg.n_heads * (2 if cfg.attention_output_gate else 1) + 2 * cfg.n_kv_heads) * hd
     if cfg.out_bias:
         n -= cfg.dim
     if cfg.attention_sinks:
@@ -97,13 +105,16 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bo
     else:
         d_qk = d_v = cfg.head_dim
     layers = range(cfg.n_layers) if layer is None else (layer,)
-    keys = sum(layer_keys_per_query(cfg, i, seq_len, causal=causal) for i in layers)
-    return 2.0 * cfg.n_heads * (d_qk + d_v) * keys / len(layers)
+    la = cfg.linear_attention
+    total = sum(2.0 * la.n_value_heads * 3 * la.key_head_dim * la.value_head_dim if cfg.is_linear_attention_layer(i)
+                else 2.0 * cfg.n_heads * (d_qk + d_v) * layer_keys_per_query(cfg, i, seq_len, causal=causal)
+                for i in layers)
+    return total / len(layers)
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int, *, causal: bool = True) -> float:
     """Forward FLOPs of one token through decoder layer `layer` (MoE layers count the top-k experts)."""
-    weights = attention_matmul_params(cfg) + mlp_matmul_params(cfg, layer)
+    weights = attention_matmul_params(cfg, layer) + mlp_matmul_params(cfg, layer)
     return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal, layer=layer)
 
 

@@ -104,12 +104,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor,
                interleaved: bool = False) -> torch.Tensor:
     """Rotate x. interleaved=True takes pairs (x[2j], x[2j+1]) (DeepSeek's layout) and returns them
-    de-interleaved (evens then odds); q and k get the same permutation, so q.k is unchanged."""
+    de-interleaved (evens then odds); q and k get the same permutation, so q.k is unchanged. Tables
+    narrower than x rotate its first dims only and pass the rest (partial rotary: GLM-4.5, Qwen3-Next)."""
+    rotated = cos_BSD.shape[-1]
+    if rotated < x_BSHD.shape[-1]:
+        head, tail = x_BSHD[..., :rotated], x_BSHD[..., rotated:]
+        return torch.cat([apply_rope(head, cos_BSD, sin_BSD, interleaved), tail], dim=-1)
     if interleaved:
         x_BSHD = torch.cat((x_BSHD[..., 0::2], x_BSHD[..., 1::2]), dim=-1)
     cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
-    R = cos.shape[-1]
-    if R < x_BSHD.shape[-1]:  # partial rotary: the first R dimensions rotate, the rest pass
-        x_rot, x_pass = x_BSHD[..., :R], x_BSHD[..., R:]
-        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
     return x_BSHD * cos + rotate_half(x_BSHD) * sin

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
+from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.model_input import ModelInput
@@ -129,6 +130,15 @@ def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
     return x_BSD if norm is None else norm(x_BSD)
 
 
+def token_mixer(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet on a hybrid model's
+    linear-attention layers (tessera/models/linear_attention), multi-head latent attention
+    (DeepSeek), else softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
+    if cfg.is_linear_attention_layer(layer_id):
+        return GatedDeltaNet(cfg, layer_id)
+    return (MultiHeadLatentAttention if cfg.mla is not None else Attention)(cfg, layer_id)
+
+
 class TransformerBlock(nn.Module):
     """Attention then MLP (or MoE), each added to the residual stream, with RMSNorms before them
     (`attention_norm`, `ffn_norm`), after them (`attention_post_norm`, `ffn_post_norm`) or both, as
@@ -138,16 +148,16 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
-        attn_cls = MultiHeadLatentAttention if cfg.mla is not None else Attention
-        self.attention = attn_cls(cfg, layer_id)
-        self.attention_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if pre else None
+        eps, offset = cfg.norm_eps, cfg.norm_unit_offset
+        self.attention_norm = RMSNorm(cfg.dim, eps, offset) if pre else None
+        self.attention = token_mixer(cfg, layer_id)
+        self.attention_post_norm = RMSNorm(cfg.dim, eps, offset) if post else None
+        self.ffn_norm = RMSNorm(cfg.dim, eps, offset) if pre else None
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.dim, cfg.moe)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
-        self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if post else None
+        self.ffn_post_norm = RMSNorm(cfg.dim, eps, offset) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
                 q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
@@ -170,12 +180,13 @@ def name_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_by_name(named: Iterable[tuple[str, torch.Tensor]], norms: set[str], seed: int, std: float) -> None:
-    """Each tensor from (seed, its name) alone: the norm weights `norms` 1, biases 0, the rest
-    N(0, std) drawn in fp32."""
+def init_by_name(named: Iterable[tuple[str, torch.Tensor]], norms: set[str] | dict[str, float], seed: int,
+                 std: float) -> None:
+    """Each tensor from (seed, its name) alone: the norm weights `norms` 1 (or, given a dict, the
+    value it names), biases 0, the rest N(0, std) drawn in fp32."""
     for name, p in named:
         if name in norms:
-            p.fill_(1.0)
+            p.fill_(norms[name] if isinstance(norms, dict) else 1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:
@@ -190,7 +201,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # multi-token prediction depths 1..mtp_depth, keyed "1".. (tessera/models/mtp.py)
         self.mtp = nn.ModuleDict({
@@ -253,7 +264,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Every tensor from (seed, its name) alone, so any layout or device order gives the same
         model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
-        norms = {f"{mn}.weight" for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
+        norms = {f"{mn}.weight": m.initial_weight for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
         init_by_name(self.named_parameters(), norms, seed, self.cfg.init_std)
         for name, b in self.named_buffers():
             if name.endswith("expert_bias"):
@@ -270,7 +281,7 @@ class Transformer(nn.Module):
         if own is not None:
             return own(name, seed)
         if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm):
-            return torch.ones(p.shape, dtype=torch.float32)
+            return torch.full(p.shape, self.get_submodule(owner).initial_weight, dtype=torch.float32)
         if name.endswith(".bias"):
             return torch.zeros(p.shape, dtype=torch.float32)
         gen = torch.Generator().manual_seed(name_seed(seed, name))

@@ -55,6 +55,7 @@ from torch.distributed import ProcessGroup
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, Window, causal_attention, sliding_window_mask
+from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.models.mtp import TokenSequence
@@ -195,6 +196,19 @@ class ChunkTokens(TokenSequence):
         return take_rank_tokens(t_BS, self.cp, self.cp_rank, self.layout)
 
 
+class ChunkHidden(ChunkTokens):
+    """A Gated DeltaNet's `sequence` under cp: this rank's hidden states [B, C, D] become the whole
+    [B, S, D] in sequence order (an all-gather whose backward reduce-scatters: each rank's share of
+    the gradient of every position, summed), and the layer's whole output this rank's [B, C, D]. The
+    layer runs over the whole sequence on every rank (its state cannot start mid-sequence); each
+    rank's parameter gradients come from its own positions' outputs and are summed over cp with the
+    data-parallel ones."""
+
+    def whole(self, t_BCD: torch.Tensor) -> torch.Tensor:
+        every = gather_rows(t_BCD.contiguous(), self.group)  # [P B, C, D], rank by rank
+        return to_sequence_order(every.view((self.cp,) + tuple(t_BCD.shape)), self.layout)
+
+
 def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
     this rank's tokens (`dims.cp_layout`) and multi-token prediction's token exchange on the model
@@ -208,6 +222,8 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
+        elif isinstance(module, GatedDeltaNet):
+            module.sequence = ChunkHidden(group, rank, dims.cp, dims.cp_layout)
         elif isinstance(module, MoE):
             module.router.reduce_over_tokens = MicroBatchTokenReducer(group)
             if module.cfg.capacity_factor is not None:

@@ -4,8 +4,10 @@ The norm must cover every parameter of the whole model exactly once, however it 
 DTensor's shards live on different ranks (sum them), its replicas on others (count one), plain
 tensors are replicated over every rank of their pipeline stage (count one), and pipeline stages
 hold different parameters (sum them). Each rank adds |g|^p of the local pieces it is
-responsible for: a piece counts on this rank iff this rank's coordinate is 0 along every mesh
-dimension (except pp) over which that piece is replicated. One all-reduce over the world then
+responsible for: a gradient still a partial sum over some mesh dimension (a sequence-parallel
+norm's weight under sp: each rank's share of the sequence) is summed over it first, then a piece
+counts on this rank iff this rank's coordinate is 0 along every mesh dimension (except pp) over
+which that piece is replicated. One all-reduce over the world then
 gives sum |g|^p of the full model, identical on every rank. A parameter held twice under one
 name by two pipeline stages (tied embeddings, tied_embeddings.py) is clipped on both and counted
 on one: the other copy is passed as `uncounted`.
@@ -18,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from tessera.parallel.dims import BASE_DIMS, FLAT_DIMS, ParallelDims
 
@@ -48,6 +50,8 @@ def grad_norm(parameters: Iterable[torch.Tensor], dims: ParallelDims | None = No
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):  # a collective: every rank, in order
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
         if coords is not None and not counts_on_this_rank(g, coords):
             continue
         local = (g.to_local() if isinstance(g, DTensor) else g).float()

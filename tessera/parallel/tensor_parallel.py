@@ -11,6 +11,12 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
          kv_norm                by all heads; the colwise inputs' backward sums their gradient over
                                 tp, and the shared RoPE key's gradient is summed over tp by the seam
                                 `share_rope_key` (each rank's heads use it: `SumOverRanksHeads`)
+    Gated DeltaNet (hybrid      key-head groups split: in_proj_qkvz, in_proj_ba colwise (HuggingFace's
+      layers): attention.*      per-group layout makes a rank's groups contiguous), out_proj rowwise;
+                                the conv taps of this rank's q, k, v channels, its heads' A_log and
+                                dt_bias, and the shared gated-norm weight are sliced from replicated
+                                tensors by the layer's `own_part` seam, their gradient summed over tp
+                                (`DeltaNetRankPart`)
     feed_forward.w1 / w3        colwise   SwiGLU hidden dim split
     feed_forward.w2             rowwise
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
@@ -58,6 +64,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.parallel.collectives import copy_to_group
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
@@ -138,15 +145,18 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
     mla = isinstance(block.attention, MultiHeadLatentAttention)
+    deltanet = isinstance(block.attention, GatedDeltaNet)
     plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else {
+        "attention.in_proj_qkvz": Colwise(), "attention.in_proj_ba": Colwise(),
+        "attention.out_proj": Rowwise(output_layouts=stream)} if deltanet else {
         "attention.wq": Colwise(),
         "attention.wk": Colwise(),
         "attention.wv": Colwise(),
         "attention.wo": Rowwise(output_layouts=stream),
     }
-    if not mla and block.attention.sinks is not None:
+    if not mla and not deltanet and block.attention.sinks is not None:
         plan["attention.sinks"] = HeadSharded()  # this rank's heads' sink logits (AttentionSinks.local)
-    if not mla and block.attention.q_norm is not None:
+    if not mla and not deltanet and block.attention.q_norm is not None:
         # QK-norm weights are shared by all heads but each rank sees H/tp heads: treating the head
         # dim as sharded makes DTensor sum their gradient over tp.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -198,6 +208,35 @@ class SumOverRanksHeads:
         return copy_to_group(k_rope_BSR, self.group)
 
 
+class DeltaNetRankPart:
+    """A Gated DeltaNet's `own_part` under tp (module docstring): this rank's channels of the
+    convolution ([q | k | v], each cut by key-head groups), its value heads' A_log and dt_bias, and
+    the gated norm's weight whole, each through `copy_to_group` (forward the identity, backward the
+    gradient summed over tp: each rank's part is only its heads' share of it)."""
+
+    def __init__(self, layer: GatedDeltaNet, group: ProcessGroup):
+        tp, rank = group.size(), group.rank()
+        keys, values = self._sizes(layer)
+        k_part, v_part = keys // tp, values // tp
+        self.group = group
+        self.conv = torch.cat([torch.arange(start + rank * part, start + (rank + 1) * part)
+                               for start, part in ((0, k_part), (keys, k_part), (2 * keys, v_part))])
+        heads = layer.A_log.shape[0] // tp
+        self.heads = slice(rank * heads, (rank + 1) * heads)
+
+    @staticmethod
+    def _sizes(layer: GatedDeltaNet) -> tuple[int, int]:
+        channels = layer.conv1d.weight.shape[0]
+        values = layer.A_log.shape[0] * layer.value_dim
+        return (channels - values) // 2, values
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = copy_to_group(t, self.group)
+        if name == "conv":
+            return t.index_select(0, self.conv.to(t.device))
+        return t if name == "norm" else t[self.heads]
+
+
 class VocabParallelTiedHead:
     """The model's `tied_head` under tp: logits of this rank's vocabulary slice from the
     embedding's own weight (a DTensor sharded on the vocabulary, the one the vocab-parallel
@@ -247,6 +286,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
         if isinstance(block.attention, MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
+        if isinstance(block.attention, GatedDeltaNet):
+            block.attention.own_part = DeltaNetRankPart(block.attention, tp_mesh.get_group())
     if mtp:
         model.token_loss = vocab_parallel_loss_sum
     if mtp and sp:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.config.errors import require
+from tessera.config.errors import ConfigError, require
 from tessera.config.model import ModelConfig
 from tessera.prune.hidden import slice_hidden
 from tessera.prune.importance import Importance
@@ -58,6 +58,9 @@ def check_sizes(cfg: ModelConfig, sizes: PruneSizes) -> None:
     def option(ok: bool, flag: str, value: int | None, allowed: str) -> None:
         require(ok, f"prune {flag}", value, allowed, sep=" ")  # `prune --layers 5 is invalid: ...`
 
+    if cfg.linear_attention is not None:
+        raise ConfigError(f"prune: the {cfg.family} model has Gated DeltaNet layers (model.linear_attention), whose "
+                          "importance pruning does not measure; prune a model without linear-attention layers")
     option(1 <= sizes.layers <= cfg.n_layers, "--layers", sizes.layers, f"must be in 1..{cfg.n_layers} (the source's)")
     option(1 <= sizes.dim <= cfg.dim, "--hidden-size", sizes.dim, f"must be in 1..{cfg.dim} (the source's)")
     dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]

@@ -68,7 +68,7 @@ def test_every_depths_loss_is_deepseek_v3s_equations_in_every_family(case):
     # the block of depth k is the family's layer n_layers + k - 1: same attention kind and MoE rule
     for k in (1, 2):
         block = model.mtp[str(k)].block
-        assert type(block.attention) is type(model.layers["0"].attention)
+        assert type(block.attention) is type(model.layers[str(cfg.n_layers - 1)].attention)  # a hybrid: attention
         assert hasattr(block, "moe") == cfg.is_moe_layer(cfg.n_layers + k - 1)
     # the embedding and head are shared: depth 1's loss moves them, no copy of them exists
     out.mtp_loss_sums[1].backward()

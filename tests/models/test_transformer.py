@@ -13,7 +13,7 @@ SHAPES = {"olmo2-like": dict(family="olmo2", block_norms="post", qk_norm=True, q
           "gemma3-like-norms": dict(block_norms="pre_post", qk_norm=True)}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", *SHAPES])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next", *SHAPES])
 def test_forward_shapes_and_param_count(name):
     cfg = get_preset("tiny-llama", **SHAPES[name]) if name in SHAPES else get_preset(name)
     model = Transformer(cfg)
@@ -49,6 +49,8 @@ def test_published_parameter_counts():
     assert round(count_params(get_preset("llama4-maverick-17b-128e")) / 1e9) == 401
     for name in ("llama4-scout-17b-16e", "llama4-maverick-17b-128e"):
         assert round(count_params(get_preset(name), active=True) / 1e9) == 17
+    assert round(count_params(get_preset("qwen3-next-80b-a3b")) / 1e9, 1) == 79.7  # 80B total, 3B active
+    assert round(count_params(get_preset("qwen3-next-80b-a3b"), active=True) / 1e9, 1) == 3.9
 
 
 def test_every_preset_validates():

@@ -21,7 +21,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def unread(cfg: ModelConfig, key: str) -> bool:
     """Whether HuggingFace tensor `key` is stored but never read: a recomputed buffer, or what the
-    family's transformers class skips too (GLM-4.5's multi-token-prediction layer)."""
+    family's transformers class skips too (GLM-4.5's and Qwen3-Next's multi-token-prediction layers)."""
     return key.endswith(IGNORED_SUFFIXES) or REGISTRY[cfg.family].unread_tensor(cfg, key)
 
 

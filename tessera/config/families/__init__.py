@@ -23,6 +23,7 @@ from tessera.config.families import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
 )
@@ -41,6 +42,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
     llama4_text.FAMILY,
     glm4_moe.FAMILY,

@@ -89,6 +89,7 @@ class Family:
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
     chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
     partial_rotary: ClassVar[bool] = False  # RoPE on a share of each head (model.partial_rotary_factor): GLM-4.5
+    hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated partial-rotary attention, (1 + w) norms: Qwen3-Next
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,7 +169,10 @@ class Family:
                              f"{cfg.attention_chunk_size}); train without it")
         if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
             raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
-                             f"{cfg.partial_rotary_factor}); export it as glm4_moe, or train with 1.0")
+                             f"{cfg.partial_rotary_factor}); export it as glm4_moe or qwen3_next, or train with 1.0")
+        if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate or cfg.norm_unit_offset):
+            raise ModelError(f"{self.name} has no linear-attention layers, attention output gate "
+                             "or (1 + weight) norms; export it as qwen3_next")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")

@@ -30,7 +30,7 @@ from tessera.checkpoint.loading import (
     vision_language_family,
 )
 from tessera.checkpoint.vision_families import default_processor
-from tessera.config.errors import ConfigError, RequestError
+from tessera.config.errors import ConfigError, ModelError, RequestError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.config import EngineConfig
@@ -63,6 +63,7 @@ class LLMEngine:
     def __init__(self, executor: Executor, config: EngineConfig, tokenizer=None,
                  eos_ids: set[int] | frozenset[int] = frozenset()):
         """The engine around `executor`'s model (`from_dir` / `from_model` build both)."""
+        refuse_recurrent_layers(executor.model.cfg)
         self.executor, self.config = executor, config
         self.model, self.cfg, self.tokenizer = executor.model.eval(), executor.model.cfg, tokenizer
         self.lora = executor.lora
@@ -374,6 +375,16 @@ class LLMEngine:
         if not self.config.has_kv_tiers and self.config.kv_role is None:
             return page
         return page + "\n".join(self.tier_metrics.prometheus_lines()) + "\n"
+
+
+def refuse_recurrent_layers(cfg) -> None:
+    """The paged cache holds attention keys and values only: a hybrid model's linear-attention layers
+    (Gated DeltaNet) need a per-request recurrent state beside the blocks (docs/architecture.md,
+    "Recurrent state beside paged blocks"; issue 50), which the engine does not have yet."""
+    if cfg.linear_attention is not None:
+        raise ModelError(f"model.family={cfg.family} has linear-attention layers (model.linear_attention.layers="
+                         f"{cfg.linear_attention.layers}): hybrid layers need the recurrent-state cache, which the "
+                         "serving engine does not hold yet (issue 50); generate with `tessera generate --no-cache`")
 
 
 def _check_placement(model: Transformer, config: EngineConfig) -> None:

@@ -4,7 +4,8 @@ The serving engine (`LLMEngine`: paged cache, continuous batching, chunked prefi
 `tessera generate`, `LLM` and the server run. This is the small, exact reference the engine is
 checked against: the prompt is run once, then each new token costs one position, with keys and
 values kept in a cache that plugs into the attention's cache seam
-(`attend(layer_id, q, k, v, scale, window)`). With `use_cache=False` every step recomputes the
+(`attend(layer_id, q, k, v, scale, window)`); a hybrid model's linear-attention layers keep their
+recurrent state in it too (`recurrent_state` / `keep_recurrent_state`). With `use_cache=False` every step recomputes the
 whole prefix, a check of the cache itself. Tokens are picked by the engine's own sampler
 (`tessera.infer.sampling.device_sampling`, counter-based seeds), so both paths read `SamplingParams` the
 same way and a seeded request gives the same tokens on both.
@@ -29,9 +30,18 @@ class ConcatKVCache:
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.states: dict[int, object] = {}  # linear-attention layer -> its recurrent state (DeltaNetState)
 
     def length(self) -> int:
-        return next(iter(self.keys.values())).shape[2] if self.keys else 0
+        if self.keys:
+            return next(iter(self.keys.values())).shape[2]
+        return next(iter(self.states.values())).tokens if self.states else 0
+
+    def recurrent_state(self, layer_id: int) -> object | None:
+        return self.states.get(layer_id)
+
+    def keep_recurrent_state(self, layer_id: int, state) -> None:
+        self.states[layer_id] = state
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next's hybrid layers.
+
+A decoder block's mixer (`TransformerBlock.attention`) is this module on the layers
+`model.linear_attention.layers` lists, softmax attention on the others. Per token it projects
+q, k (per key head), v and an output gate z (per value head) in one product laid out per key-head
+group as HuggingFace's `in_proj_qkvz` is ([q | k | v of the group's value heads | their z]), and
+b, a per value head (`in_proj_ba`, [b | a] per group). q, k and v pass a short causal depthwise
+convolution with SiLU; then the gated delta rule (delta_rule.py) with beta = sigmoid(b) and
+log-decay g = -exp(A_log) * softplus(a + dt_bias), each key head serving n_value_heads /
+n_key_heads consecutive value heads; the output is RMS-normed per head, gated by silu(z)
+(`GatedRMSNorm`), and projected back (`out_proj`).
+
+Its recurrent state (`DeltaNetState`: the convolution's last inputs and the delta rule's state) is
+what an attention layer's key/value cache is to it: a fixed size per sequence, whatever its length.
+`mix(x, state)` takes and returns it, so a sequence fed in pieces equals it fed whole. Given an
+inference cache (the `forward` argument attention layers get) it reads and keeps the state there,
+through `recurrent_state(layer_id)` / `keep_recurrent_state(layer_id, state)`
+(`RecurrentStateCache`); a cache without them (the serving engine's paged one) cannot run it.
+Prompts and training run the chunked form, a single new token the recurrent one (equal; tested).
+
+Under tensor parallelism each rank runs whole key-head groups (its in_proj_qkvz / in_proj_ba
+columns, out_proj rows; HuggingFace's layout is per group, so a rank's part is contiguous). The
+tensors all heads' channels share a dimension of, the convolution's taps ([q | k | v] channels),
+A_log and dt_bias (per value head), and the gated norm's weight (shared by all heads), are read
+through a seam, `own_part` (an `OwnPart`: (name, tensor) -> this rank's part of it): whole on one
+process; tensor parallelism installs one that slices this rank's channels and heads and sums the
+gradient over the ranks (tessera/parallel/tensor_parallel.py). The sequence it mixes is a seam
+too, `sequence` (a `TokenSequence`, models/mtp.py: `whole` / `own`): on one process the input is the
+whole sequence; context parallelism installs one that all-gathers the ranks' chunks (in sequence
+order, the gradient reduce-scattered back), so the layer runs over the whole sequence and keeps its
+own positions' outputs.
+Shapes: B batch, S sequence, D model dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.config.model import ModelConfig
+from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
+from tessera.models.mtp import TokenSequence
+from tessera.models.norm import RMSNorm
+
+
+@dataclass
+class DeltaNetState:
+    """One layer's recurrent state of a batch of sequences: the convolution's last W-1 inputs
+    [B, channels, W-1], the delta rule's state [B, value heads, key dim, value dim] (fp32), and
+    how many tokens it has read."""
+
+    conv: torch.Tensor
+    delta: torch.Tensor
+    tokens: int = 0
+
+
+class RecurrentStateCache(Protocol):
+    def recurrent_state(self, layer_id: int) -> DeltaNetState | None: ...
+
+    def keep_recurrent_state(self, layer_id: int, state: DeltaNetState) -> None: ...
+
+
+# (name: "conv", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
+OwnPart = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The `OwnPart` of one process: every head is here."""
+    return t
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) (over the last dim, in fp32, cast back before the weight) * silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm of x (weight * x / rms(x)) times silu(gate), per value head."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        la = cfg.linear_attention
+        self.layer_id = layer_id
+        self.key_dim, self.value_dim, self.chunk = la.key_head_dim, la.value_head_dim, la.chunk_size
+        self.group = la.n_value_heads // la.n_key_heads  # value heads per key head
+        qkvz = la.n_key_heads * (2 * la.key_head_dim + 2 * self.group * la.value_head_dim)
+        self.in_proj_qkvz = nn.Linear(cfg.dim, qkvz, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.dim, 2 * la.n_value_heads, bias=False)
+        channels = 2 * la.n_key_heads * la.key_head_dim + la.n_value_heads * la.value_head_dim
+        self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.n_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.n_value_heads))
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(la.n_value_heads * la.value_head_dim, cfg.dim, bias=False)
+        self.own_part: OwnPart = whole  # the seams (module docstring)
+        self.sequence = TokenSequence()
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                cache: RecurrentStateCache | None = None) -> torch.Tensor:
+        """The mixer's output; with an inference cache, continuing the state kept there (module
+        docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
+        state = cache.recurrent_state(self.layer_id) if cache is not None else None
+        y, state = self.mix(self.sequence.whole(x_BSD), state)
+        if cache is not None:
+            cache.keep_recurrent_state(self.layer_id, state)
+        return self.sequence.own(y)
+
+    def mix(self, x_BSD: torch.Tensor, state: DeltaNetState | None = None, recurrent: bool | None = None
+            ) -> tuple[torch.Tensor, DeltaNetState]:
+        """(output [B, S, D], the state after the last token) from `state` (None: a sequence's
+        start). `recurrent` picks the form: default token by token for one token, chunked otherwise."""
+        B, S, _ = x_BSD.shape
+        kd, vd, r = self.key_dim, self.value_dim, self.group
+        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * kd + 2 * r * vd)  # -1: local key heads under TP
+        q, k, v, z = qkvz.split([kd, kd, r * vd, r * vd], dim=-1)
+        b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r).split([r, r], dim=-1)
+        hk = q.shape[2]
+        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
+        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
+        q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
+        q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
+        k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
+        v = v.reshape(B, S, hk * r, vd)
+        beta = b.reshape(B, S, -1).sigmoid()
+        A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + dt_bias.float())
+        recurrent = S == 1 if recurrent is None else recurrent
+        rule = recurrent_delta_rule if recurrent else chunked_delta_rule
+        kwargs = {} if recurrent else {"chunk": self.chunk}
+        out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
+        out = gated_rms_norm(out, z.reshape(B, S, hk * r, vd), self.own_part("norm", self.norm.weight), self.norm.eps)
+        seen = S + (0 if state is None else state.tokens)
+        return self.out_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)

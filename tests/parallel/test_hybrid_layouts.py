@@ -1,0 +1,137 @@
+"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention, routed experts) under
+data, expert and tensor (+ sequence) parallelism equals one process (fp32, 1e-5), with sequences of
+several DeltaNet chunks, so that the chunked form's state passes from chunk to chunk inside each
+rank; under tp each rank runs one of the two key-head groups, its conv channels and heads' gains;
+under cp each rank runs the DeltaNet layers over the gathered whole sequence (contiguous and
+zig-zag chunks) and keeps its own positions."""
+
+import dataclasses
+
+import pytest
+
+from tessera.config import get_preset
+from tests.forked_ranks import run_ranks
+from tests.parallel.training_step import assert_same_step, layout_step, reference_step
+
+SHORT_CHUNKS = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3-next").linear_attention, chunk_size=4)}
+
+
+_refs: dict = {}
+
+
+def _reference(micro: int) -> dict:
+    if micro not in _refs:
+        _refs[micro] = reference_step("tiny-qwen3-next", micro, SHORT_CHUNKS)
+    return _refs[micro]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,micro", [
+    (dict(dp_shard=2), 2), (dict(dp_replicate=2, dp_shard=1), 2), (dict(ep=2, dp_shard=2), 2),
+    (dict(tp=2, dp_shard=1), 1), (dict(tp=2, sp=True, dp_shard=1), 1)],
+    ids=["fsdp2", "replicate2", "ep2-fsdp2", "tp2", "tp2-sp"])
+def test_hybrid_layouts_match_one_process(parallel, micro):
+    got = run_ranks(layout_step, 2, "tiny-qwen3-next", parallel, config_overrides=SHORT_CHUNKS)
+    assert_same_step(got[0], _reference(micro))
+
+
+def _cp_rank(cp_method: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from tessera.config.parallel import ParallelConfig
+    from tessera.models import Transformer
+    from tessera.parallel import ParallelDims, parallelize, shard_global_batch
+    from tessera.parallel.sequence_layout import rank_positions
+    from tests.parallel.training_step import full_tensors
+
+    cfg = get_preset("tiny-qwen3-next", **SHORT_CHUNKS)
+    pcfg = ParallelConfig(cp=2, dp_shard=1, cp_method=cp_method)
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
+    dims.validate(cfg, dims.world_size, seq_len=16)
+    model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
+    tokens, upstream = (shard_global_batch(t, dims) for t in _cp_batch(cfg.vocab_size))
+    out = model(tokens)
+    (torch.sum(out.logits * upstream) + out.aux_loss).backward()
+    positions = rank_positions(8, 2, dims.local_rank("cp"), dims.cp_layout)
+    return {"logits": out.logits.detach(), "positions": positions, "aux": out.aux_loss.detach(),
+            "grads": full_tensors((n, p.grad) for n, p in model.named_parameters())}
+
+
+def _cp_batch(vocab: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    return torch.randint(0, vocab, (2, 16), generator=gen), torch.randn(2, 16, vocab, generator=gen)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp_method", ["alltoall", "ring"], ids=["cp2-contiguous", "cp2-ring-zigzag"])
+def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method):
+    """Logits position by position, the ranks' auxiliary losses and the gradients of a cp=2 forward
+    and backward (the DeltaNet layers over the gathered whole sequence) equal one process's."""
+    import torch
+
+    from tessera.models import Transformer
+
+    model = Transformer(get_preset("tiny-qwen3-next", **SHORT_CHUNKS), init_seed=0)
+    tokens, upstream = _cp_batch(model.cfg.vocab_size)
+    ref = model(tokens)
+    (torch.sum(ref.logits * upstream) + ref.aux_loss).backward()
+    got = run_ranks(_cp_rank, 2, cp_method)
+    logits = torch.empty_like(ref.logits)
+    for r in got:
+        logits[:, r["positions"]] = r["logits"]
+    torch.testing.assert_close(logits, ref.logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(r["aux"] for r in got), ref.aux_loss.detach(), rtol=1e-5, atol=1e-7)
+    for name, p in model.named_parameters():
+        err = float((got[0]["grads"][name] - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
+        assert err <= 1e-5, f"gradient of {name} differs by {err:.2e} (relative norm)"
+
+
+CONFIG = """model:
+  preset: tiny-qwen3-next
+  vocab_size: 4096
+  linear_attention: {chunk_size: 8}
+train: {seed: 0, dtype: fp32, grad_clip: 1.0}
+data: {kind: pretrain}
+"""
+
+
+def _train(config: str, overrides: list[str]) -> dict:
+    from tessera.config.schema import load_config
+    from tessera.train.trainer import Trainer
+    from tests.parallel.trainer_runs import whole_parameters
+
+    trainer = Trainer(load_config(config, overrides))
+    return {"records": trainer.train().records, "weights": whole_parameters(trainer.parts)}
+
+
+def _as_scales(result: dict) -> dict:
+    """The (1 + w) norms' scales in place of their weights, which start at 0 (a relative error of
+    a weight near 0 says nothing); the DeltaNet's gated norm scales by its weight itself."""
+    offset = {n for n in result["weights"] if n.endswith("norm.weight") and not n.endswith("attention.norm.weight")}
+    return {**result, "weights": {n: w + 1 if n in offset else w for n, w in result["weights"].items()}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel", [{"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"},
+                                      {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1},
+                                      {"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": "ring"}],
+                         ids=["pp2-1f1b", "tp2-sp", "cp2-ring"])
+def test_trainer_under_pipeline_and_tensor_parallelism_trains_like_one_process(parallel, small_dataset, tmp_path):
+    """The real Trainer, three steps: a hybrid model cut into two pipeline stages (DeltaNet layers in
+    the first, the attention layer in the second), under tp2 + sp, or under cp2 (ring attention,
+    zig-zag chunks), logs one process's losses and ends with its weights."""
+    from tests.parallel.trainer_runs import EQUALITY_OVERRIDES, assert_same_training
+    from tests.train.runs import shrink
+
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+
+    def overrides(run_dir, **extra):
+        base = shrink(small_dataset, run_dir, 3, **{**EQUALITY_OVERRIDES, **extra})
+        return [o for o in base if not o.startswith("model.")] + ["model.max_seq_len=64"]
+
+    ref = _train(str(tmp_path / "cfg.yaml"), overrides(tmp_path / "one"))
+    got = run_ranks(_train, 2, str(tmp_path / "cfg.yaml"), overrides(tmp_path / "ranks", **parallel))
+    assert_same_training([_as_scales(r) for r in got], _as_scales(ref), rtol=1e-5)
