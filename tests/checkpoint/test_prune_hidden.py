@@ -104,6 +104,10 @@ def test_prunes_the_channels_of_largest_norm_output_from_every_tensor(llama, tmp
 
 
 FAMILIES = sorted(hf_configs())
+# families whose hidden size prune refuses, and the reason it names: gpt-oss's sink logits and biased
+# experts are tensors prune/hidden.py does not place; Qwen3-Next's DeltaNet layers are not measured
+REFUSED = {"gpt_oss": "attention.sinks.weight' is not one whose hidden axis is known",
+           "qwen3_next": "Gated DeltaNet layers"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -113,6 +117,11 @@ def test_every_family_prunes_its_hidden_size_to_a_directory_transformers_and_tes
     cfg.vocab_size = 128
     random_hf_model(cfg, seed=3).save_pretrained(tmp_path / "src")
     save_tokenizer(tmp_path / "src")
+    refusal = REFUSED.get(family)
+    if refusal is not None:  # refused by name rather than sliced by guess
+        with pytest.raises(ConfigError, match=refusal):
+            prune(tmp_path / "src", tmp_path / "dst", PruneSizes(dim=24), calibration=[calibration], **CALIBRATION)
+        return
     r = prune(tmp_path / "src", tmp_path / "dst", PruneSizes(dim=24), calibration=[calibration], **CALIBRATION)
     hf = _hf(tmp_path / "dst")
     assert hf.config.hidden_size == 24 and sum(p.numel() for p in hf.parameters()) == r.params

@@ -167,12 +167,12 @@ class Family:
         if cfg.attention_chunk_size is not None and not self.chunked_attention:
             raise ModelError(f"{self.name} has no chunked attention (model.attention_chunk_size="
                              f"{cfg.attention_chunk_size}); train without it")
-        if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
-            raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
-                             f"{cfg.partial_rotary_factor}); export it as glm4_moe or qwen3_next, or train with 1.0")
         if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate or cfg.norm_unit_offset):
             raise ModelError(f"{self.name} has no linear-attention layers, attention output gate "
                              "or (1 + weight) norms; export it as qwen3_next")
+        if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
+            raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
+                             f"{cfg.partial_rotary_factor}); export it as glm4_moe or qwen3_next, or train with 1.0")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
