@@ -1,6 +1,8 @@
 """Causal self-attention: multi-head and grouped-query (Ainslie et al. 2023, GQA), with RoPE,
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
-every layer (Mistral) or on some (OLMo 3), and layers without RoPE (SmolLM3's NoPE).
+every layer (Mistral) or on some (OLMo 3), layers without RoPE (SmolLM3's NoPE), RoPE on the first
+share of each head only (Phi-4-mini's partial rotary), and a softmax scale of its own (Gemma 3's
+query_pre_attn_scalar).
 
 The attention core is a seam (`attention_core`, an `AttentionCore`), declared here and injected
 like the MoE dispatcher: by default `causal_attention`, causal SDPA over the sequence; context
@@ -67,6 +69,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.layer_window(layer_id)
         self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
+        self.rotary_dim = cfg.rotary_dim  # the first dims of each head RoPE rotates (partial rotary: fewer)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -75,8 +79,8 @@ class Attention(nn.Module):
         self.qk_norm_all_heads = cfg.qk_norm_all_heads
         q_width, k_width = ((cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_all_heads
                             else (cfg.head_dim, cfg.head_dim))
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.fused_qkv: FusedProjection | None = None  # wq, wk, wv in one product (the seam above)
         # (q, k, cos, sin): apply_rope to q and k in place, used without autograd: serving on CPU
         # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
@@ -98,10 +102,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary and self.fused_rope is not None and not torch.is_grad_enabled():
             self.fused_rope(q, k, cos, sin)
+        elif self.rotary and self.rotary_dim < self.head_dim:
+            q, k = (torch.cat((apply_rope(t[..., :self.rotary_dim], cos, sin), t[..., self.rotary_dim:]), dim=-1)
+                    for t in (q, k))
         elif self.rotary:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        scale = self.head_dim**-0.5
+        scale = self.scale
         if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, scale, self.window)
         else:

@@ -1,4 +1,7 @@
-"""RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+"""RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, computed in fp32.
+
+With `unit_offset` (Gemma's norm) the scale is (1 + weight), its weight starting at 0, and the
+product is taken in fp32 before the cast back, as transformers' Gemma3RMSNorm does."""
 
 from collections.abc import Callable
 
@@ -7,13 +10,19 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         # (x, weight, eps) -> the same values in one call, used without autograd: serving on CPU
-        # installs a one-pass kernel (tessera.infer.cpu.layer_ops); None everywhere else
+        # installs a one-pass kernel (tessera.infer.cpu.layer_ops) where the norm has no offset; None elsewhere
         self.fused: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+
+    @property
+    def initial_weight(self) -> float:
+        """The value every weight starts at: the identity scale."""
+        return 0.0 if self.unit_offset else 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and not torch.is_grad_enabled():
@@ -21,4 +30,6 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)

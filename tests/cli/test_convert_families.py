@@ -15,7 +15,9 @@ from tests.models.hf_families import hf_configs, random_hf_model
 transformers = pytest.importorskip("transformers")
 # fields whose value decides the function, and each family's own per-layer ones
 KEPT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-OWN = {"smollm3": ("no_rope_layers",), "olmo3": ("layer_types", "sliding_window")}
+OWN = {"smollm3": ("no_rope_layers",), "olmo3": ("layer_types", "sliding_window"),
+       "phi3": ("sliding_window", "original_max_position_embeddings", "partial_rotary_factor"),
+       "gemma3_text": ("layer_types", "sliding_window", "query_pre_attn_scalar")}
 
 
 @pytest.mark.parametrize("name", sorted(hf_configs()))

@@ -36,7 +36,7 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config
-from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_names
+from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_fused_rows, hf_names
 from tessera.checkpoint.hf.writer import write_hf_directory
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
@@ -62,7 +62,13 @@ class _ShardReader:
     def __init__(self, checkpoint: Path, cfg: ModelConfig, dtype: torch.dtype, shapes: Mapping[str, tuple[int, ...]]):
         self.checkpoint, self.dtype, self.shapes = checkpoint, dtype, shapes
         self.source: dict[str, tuple[str, int | None]] = {}  # HF key -> (Tessera key, expert index or None)
+        self.joined: dict[str, list[str]] = {}  # a fused HF key -> the Tessera keys it joins, in order
+        fused = hf_fused_rows(cfg)
         for key, hf_keys in hf_names(cfg).items():
+            if key in fused:
+                self.joined.setdefault(hf_keys[0], []).append(key)
+                self.source.setdefault(hf_keys[0], (key, None))
+                continue
             for j, h in enumerate(hf_keys):
                 self.source[h] = (key, j if len(hf_keys) > 1 else None)
         self.copies = hf_copies(cfg)  # DeepSeek-V3's MTP layers repeat the embedding and head
@@ -75,6 +81,8 @@ class _ShardReader:
         return torch.float32 if kept_in_fp32(key) else self.dtype
 
     def size(self, hf_key: str) -> int:
+        if hf_key in self.joined:
+            return sum(torch.Size(self.shapes[k]).numel() * self.dtype_of(k).itemsize for k in self.joined[hf_key])
         key, j = self.source[hf_key]
         shape = self.shapes[key][1:] if j is not None else self.shapes[key]
         return torch.Size(shape).numel() * self.dtype_of(key).itemsize
@@ -82,8 +90,8 @@ class _ShardReader:
     def __call__(self, hf_keys: list[str]) -> dict[str, torch.Tensor]:
         wanted: dict[str, list[int | None]] = {}  # Tessera key -> expert indices (contiguous, in order)
         for h in hf_keys:
-            key, j = self.source[h]
-            wanted.setdefault(key, []).append(j)
+            for key in self.joined.get(h, [self.source[h][0]]):
+                wanted.setdefault(key, []).append(self.source[h][1] if h not in self.joined else None)
         boxes, first = {}, {}
         for key, indices in wanted.items():
             shape = self.shapes[key]
@@ -96,6 +104,9 @@ class _ShardReader:
         ckpt.load_boxes(self.checkpoint, boxes)
         out = {}
         for h in hf_keys:
+            if h in self.joined:  # Phi-3's qkv_proj / gate_up_proj: the parts' rows in order
+                out[h] = torch.cat([boxes[MODEL_PREFIX + k][1] for k in self.joined[h]])
+                continue
             key, j = self.source[h]
             t = boxes[MODEL_PREFIX + key][1]
             out[h] = t if j is None else t[j - first[key]]  # a view: keeps its box alive until written

@@ -16,7 +16,8 @@ Names follow `names.hf_names` (in a vision-language directory, its language mode
 names them: tessera/checkpoint/vision_families.py); routed
 experts are E HuggingFace tensors stacked as one
 [E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
-tensors, each cut to the box's other dimensions. `bytes_read` counts the bytes of every box read
+tensors, each cut to the box's other dimensions; a tensor stored as rows of a fused one (Phi-3's
+qkv_proj) is read as a box at its rows' offset. `bytes_read` counts the bytes of every box read
 (what this rank took from the files), which is how a test proves a rank read about its share.
 """
 
@@ -29,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -56,6 +57,7 @@ class HFSliceReader:
         self.path, self.cfg = Path(path), cfg
         refuse_prequantized(self.path)  # its tensors are codes and scales, not the model's weights
         self.names = hf_names(cfg)
+        self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
         self.bytes_read = 0
         # stored tensors that belong to no part of this model: a vision-language directory's image
@@ -95,6 +97,9 @@ class HFSliceReader:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{str(f)!r}: cannot read tensor {hf_keys[0]!r} ({e}); the file may be "
                                   "damaged") from e
+        if key in self.rows:
+            start, stop = self.rows[key]
+            return (stop - start, *shape[1:])
         return shape if len(hf_keys) == 1 else (len(hf_keys), *shape)
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -103,7 +108,9 @@ class HFSliceReader:
         if key not in self.names:
             raise CheckpointError(f"{self.path}: the model has a tensor {key!r} that no HuggingFace tensor maps to")
         hf_keys = self.names[key]
-        if len(hf_keys) == 1:
+        if key in self.rows:  # rows of a fused tensor
+            t = self._slice(hf_keys[0], (offsets[0] + self.rows[key][0], *offsets[1:]), sizes)
+        elif len(hf_keys) == 1:
             t = self._slice(hf_keys[0], offsets, sizes)
         else:  # routed experts: one HF tensor per expert along dim 0
             first, count = offsets[0], sizes[0]

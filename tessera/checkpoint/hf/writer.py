@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf.files import INDEX
-from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_names
+from tessera.checkpoint.hf.names import check_exportable, hf_copies, hf_fused_rows, hf_names
 from tessera.checkpoint.hf.tokenizer import (
     TOKENIZER_FILES,
     check_vocabulary,
@@ -172,10 +172,14 @@ def _is_export_file(name: str) -> bool:
 
 
 def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's tensors under their HuggingFace names, in model order (routed experts split)."""
-    state, out = model.state_dict(), {}
+    """The model's tensors under their HuggingFace names, in model order (routed experts split,
+    fused tensors joined)."""
+    state, out, fused = model.state_dict(), {}, hf_fused_rows(model.cfg)
     for key, hf_keys in hf_names(model.cfg).items():
         t = state[key].detach().cpu()
+        if key in fused:
+            out[hf_keys[0]] = torch.cat((out[hf_keys[0]], t)) if hf_keys[0] in out else t
+            continue
         parts = [t] if len(hf_keys) == 1 else t.unbind(0)
         out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})
     for h, key in hf_copies(model.cfg).items():  # DeepSeek-V3's MTP layers repeat the embedding and head

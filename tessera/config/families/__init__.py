@@ -10,11 +10,13 @@ export checks. Adding a family: a module here, its line below, and its case in t
 
 from tessera.config.families import (
     deepseek_v3,
+    gemma3_text,
     llama,
     mistral,
     mixtral,
     olmo2,
     olmo3,
+    phi3,
     qwen2,
     qwen2_moe,
     qwen3,
@@ -31,6 +33,8 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     smollm3.FAMILY,
     olmo2.FAMILY,
     olmo3.FAMILY,
+    phi3.FAMILY,
+    gemma3_text.FAMILY,
     mixtral.FAMILY,
     qwen2_moe.FAMILY,
     qwen3_moe.FAMILY,

@@ -52,6 +52,12 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling or None
 
 
+# ModelConfig fields of parts only some families have, with the value every other family needs
+# (Gemma 3's GeGLU, (1 + weight) norms, scaled embeddings and softmax scale; Phi-4-mini's partial rotary)
+OWN_PARTS = {"activation": "silu", "norm_unit_offset": False, "embed_scale": False, "query_pre_attn_scalar": None,
+             "partial_rotary_factor": 1.0}
+
+
 # config.json fields every family reads as integers / numbers (when present; checked before use)
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
@@ -76,6 +82,7 @@ class Family:
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
+    own_parts: ClassVar[tuple[str, ...]] = ()  # the OWN_PARTS fields its class expresses (the others must be default)
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,6 +160,19 @@ class Family:
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
+        self.check_own_parts(cfg)
+
+    def check_own_parts(self, cfg) -> None:
+        """The parts only some families' classes have (OWN_PARTS) at the value this one's needs."""
+        for key, default in OWN_PARTS.items():
+            if key not in self.own_parts and getattr(cfg, key) != default:
+                owners = "gemma3_text" if key != "partial_rotary_factor" else "phi3"
+                raise ModelError(f"{self.name} has no such part (model.{key}={getattr(cfg, key)!r}, its class needs "
+                                 f"{default!r}); export it as {owners}")
+        kind = (cfg.rope_scaling or {}).get("rope_type")
+        if kind == "longrope" and "rope_scaling" not in self.own_parts:
+            raise ModelError(f"{self.name}'s class has no LongRoPE (model.rope_scaling.rope_type=longrope); export "
+                             "it as phi3")
 
     def check_no_window(self, cfg) -> None:
         """A family without a sliding window cannot carry a model trained with one (its export would
@@ -190,6 +210,13 @@ class Family:
         if not cfg.tie_embeddings:
             names["output.weight"] = ["lm_head.weight"]
         return names
+
+    def fused_rows(self, cfg) -> dict[str, tuple[int, int]]:
+        """Tessera keys stored as rows [start, stop) of a HuggingFace tensor that holds several of
+        them (Phi-3's qkv_proj and gate_up_proj): their `tensor_names` entry names the fused tensor,
+        read as a box at that row offset and written by joining the keys in model order. None for
+        most families."""
+        return {}
 
     def tensor_copies(self, cfg) -> dict[str, str]:
         """HuggingFace keys that hold a copy of a Tessera tensor (HuggingFace key -> Tessera key):
