@@ -53,7 +53,8 @@ class Phi3(Family):
         (transformers would otherwise build an embedding whose padding row it does not have)."""
         d = super().config_to_hf(cfg)
         d.update({k: None for k, v in _DEFAULT_TOKEN_IDS.items() if v >= cfg.vocab_size})
-        d["partial_rotary_factor"] = cfg.partial_rotary_factor if cfg.partial_rotary_factor != 1 else None
+        if cfg.partial_rotary_factor != 1:
+            d["partial_rotary_factor"] = cfg.partial_rotary_factor
         if cfg.rope_scaling is not None:
             if cfg.rope_scaling.get("rope_type") != "longrope":
                 raise ModelError(f"phi3 has LongRoPE or no scaling (model.rope_scaling.rope_type="
