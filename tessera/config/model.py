@@ -282,7 +282,7 @@ class ModelConfig:
                 value = self.rope_scaling.get(key)
                 require(isinstance(value, list) and len(value) == self.rotary_dim // 2 and all(
                     _finite(v) and v > 0 for v in value), f"model.rope_scaling.{key}", value,
-                    f"rope_type longrope needs a list of {self.rotary_dim // 2} finite numbers > 0 (one per rotary pair)")
+                    f"rope_type longrope needs {self.rotary_dim // 2} finite numbers > 0, one per rotary pair")
 
     @staticmethod
     def _check_mla(m: MLAConfig) -> None:

@@ -9,7 +9,6 @@ from torch import nn
 
 from tessera.models.attention import FusedProjection
 
-
 ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),

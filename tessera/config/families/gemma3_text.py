@@ -77,7 +77,8 @@ class Gemma3Text(Family):
         d = super().config_to_hf(cfg)
         del d["hidden_act"]
         scalar = cfg.query_pre_attn_scalar  # transformers' field is an integer
-        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+        d.update(hidden_activation="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                  final_logit_softcapping=None, attn_logit_softcapping=None)
         return d
 

@@ -80,8 +80,9 @@ class Phi3(Family):
         rows: dict[str, tuple[int, int]] = {}
         for i in range(cfg.n_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            rows.update({f"{a}.wq.weight": (0, q), f"{a}.wk.weight": (q, q + kv), f"{a}.wv.weight": (q + kv, q + 2 * kv),
-                         f"{m}.w1.weight": (0, f), f"{m}.w3.weight": (f, 2 * f)})
+            rows.update({f"{a}.wq.weight": (0, q), f"{a}.wk.weight": (q, q + kv),
+                         f"{a}.wv.weight": (q + kv, q + 2 * kv), f"{m}.w1.weight": (0, f),
+                         f"{m}.w3.weight": (f, 2 * f)})
         return rows
 
     def check_exportable(self, cfg) -> None:
