@@ -78,6 +78,14 @@ def kept_in_fp32(name: str) -> bool:
     return name.endswith("expert_bias")
 
 
+def sequence_extent(source: PositionSource, S: int) -> int:
+    """How many positions the whole sequence spans when `source` places an input of S tokens: S on
+    one process; a source whose input is a chunk of the sequence says so (`sequence_length`:
+    context parallelism's). LongRoPE picks its table by it, the same on every rank."""
+    length = getattr(source, "sequence_length", None)
+    return length(S) if length is not None else S
+
+
 def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
     """The `PositionSource` of one process: the input is the whole sequence, from position 0."""
     return torch.arange(S, device=device).expand(B, S)
@@ -237,13 +245,18 @@ class Transformer(nn.Module):
         self.local_rope_inv_freq = (rope_frequencies(rope_dim, cfg.local_rope_theta)[0].to(device)
                                     if cfg.local_rope_theta is not None else torch.empty(0, device=device))
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, extent: int | None = None) -> RopeTables:
         """RoPE's cos and sin at `positions` (`rope_cos_sin`), and the window layers' own where they
-        have one (model.local_rope_theta)."""
+        have one (model.local_rope_theta). LongRoPE's table is the long one when the sequence spans
+        more than its original length: `extent` positions when the caller knows it, else the call's
+        largest position decides (rope.py)."""
         inv_freq = self.rope_inv_freq
-        if self.rope_long_inv_freq.numel():  # LongRoPE: the call's largest position picks the table (rope.py)
-            inv_freq = longrope_pick(positions, inv_freq, self.rope_long_inv_freq,
-                                     int(self.cfg.rope_scaling["original_max_position_embeddings"]))
+        if self.rope_long_inv_freq.numel():
+            original = int(self.cfg.rope_scaling["original_max_position_embeddings"])
+            if extent is None:
+                inv_freq = longrope_pick(positions, inv_freq, self.rope_long_inv_freq, original)
+            elif extent > original:
+                inv_freq = self.rope_long_inv_freq
         cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
         local = None
         if self.local_rope_inv_freq.numel():
@@ -342,9 +355,10 @@ class Transformer(nn.Module):
         B, S = x.shape[:2]
         if inp.hidden is not None:
             S *= self.received_sequence_shards
+        extent = None if inp.positions is not None else sequence_extent(self.position_source, S)
         positions = inp.positions if inp.positions is not None else self.position_source(B, S, x.device)
         h = inp.hidden if inp.hidden is not None else self.tok_embeddings(inp.tokens)
-        return h, self.rope_tables(positions, h.dtype)
+        return h, self.rope_tables(positions, h.dtype, extent)
 
     def _blocks(self, out: ModelOutput, h: torch.Tensor, rope: RopeTables, inp: ModelInput) -> torch.Tensor:
         """The layers over `h`, their routing into `out`, and `out.kept_hidden` of `inp.keep_layers`;
