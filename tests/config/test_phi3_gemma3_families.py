@@ -25,7 +25,8 @@ def test_gemma3_file_reads_as_transformers_reads_it():
     sliding ones; five sliding layers to one global by default (sliding_window_pattern)."""
     d = {"model_type": "gemma3_text", "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 7,
          "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 48, "head_dim": 16,
-         "rope_theta": 20000.0, "rope_local_base_freq": 5000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 4}
+         "rope_theta": 20000.0, "rope_local_base_freq": 5000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+         "sliding_window": 4}
     cfg = config_from_hf(d)
     assert cfg.window_layers == [0, 1, 2, 3, 4, 6]
     assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (20000.0, 5000.0,
