@@ -59,6 +59,10 @@ class Phi3(Family):
             if cfg.rope_scaling.get("rope_type") != "longrope":
                 raise ModelError(f"phi3 has LongRoPE or no scaling (model.rope_scaling.rope_type="
                                  f"{cfg.rope_scaling.get('rope_type')!r}); export it as llama or qwen2")
+            if cfg.head_dim != cfg.dim // cfg.n_heads:  # transformers sizes the tables by hidden_size // heads
+                raise ModelError(f"phi3's LongRoPE tables are sized by hidden_size // num_attention_heads in "
+                                 f"transformers ({cfg.dim} // {cfg.n_heads}), not model.head_dim={cfg.head_dim}; "
+                                 "export a model whose head_dim is dim // n_heads")
             d["original_max_position_embeddings"] = cfg.rope_scaling["original_max_position_embeddings"]
             d["rope_scaling"] = {k: v for k, v in cfg.rope_scaling.items() if k != "original_max_position_embeddings"}
         return d
