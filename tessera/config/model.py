@@ -39,7 +39,9 @@ ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings"),  # and short_factor, long_factor: lists
 }
+ACTIVATIONS = ("silu", "gelu_tanh")  # ModelConfig.activation: SwiGLU, or GeGLU with tanh-approximated GELU
 
 
 def _layer_list(layers: Any, n_layers: int) -> bool:
@@ -182,7 +184,14 @@ class ModelConfig:
     block_norms: str = "pre"
     qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q, one over all of k (OLMo 2)
     attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each query's softmax denominator
-    # The share of each head's dimensions RoPE rotates (the first ones; GLM-4.5's 0.5); the rest pass unrotated.
+    # The MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with tanh GELU: Gemma 3).
+    activation: str = "silu"
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), weight starting at 0 (Gemma 3, Qwen3-Next)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim), rounded to the model's dtype (Gemma 3)
+    # The softmax scale is query_pre_attn_scalar^-0.5 (Gemma 3); None: head_dim^-0.5.
+    query_pre_attn_scalar: float | None = None
+    # The share of each head's dimensions RoPE rotates (the first ones; GLM-4.5's 0.5, Phi-4-mini's 0.75,
+    # Qwen3-Next's 0.25); the rest pass unrotated.
     partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None  # set for multi-head latent attention (DeepSeek-V2/V3)
     moe: MoEConfig | None = None  # set for MoE models
@@ -194,7 +203,6 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3
     linear_attention: LinearAttentionConfig | None = None  # hybrid: Gated DeltaNet on its layers (Qwen3-Next)
     attention_output_gate: bool = False  # Qwen3-Next: wq also projects a gate, output *= sigmoid(gate)
-    norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight), weight starting at 0 (Qwen3-Next)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -241,6 +249,7 @@ class ModelConfig:
         cannot build: the family and sizes, then RoPE scaling, MLA and MoE, each in its own step."""
         self._check_family()
         self._check_sizes()
+        self._check_gemma_parts()
         self._check_rope_scaling()
         if self.mla is not None:
             self._check_mla(self.mla)
@@ -298,13 +307,20 @@ class ModelConfig:
                 f"one of {', '.join(BLOCK_NORMS)}")
         require(not self.qk_norm_all_heads or (self.qk_norm and self.mla is None), "model.qk_norm_all_heads",
                 self.qk_norm_all_heads, "needs model.qk_norm=true and no MLA")
-        f = self.partial_rotary_factor
-        require(_finite(f) and 0 < f <= 1 and (f == 1 or (self.mla is None and int(self.head_dim * f) > 0
-                                                          and int(self.head_dim * f) % 2 == 0)),
-                "model.partial_rotary_factor", f,
-                "must be in (0, 1], rotating an even number > 0 of each head's dimensions (no MLA below 1)")
         require(not self.attention_sinks or self.mla is None, "model.attention_sinks", self.attention_sinks,
                 "needs grouped-query attention (no model.mla: latent attention has no sinks)")
+
+    def _check_gemma_parts(self) -> None:
+        """The MLP's activation, the softmax scale and the rotated share of each head."""
+        require(self.activation in ACTIVATIONS and (self.activation == "silu" or self.moe is None), "model.activation",
+                self.activation, f"one of {', '.join(ACTIVATIONS)} (routed experts are SwiGLU: silu with model.moe)")
+        require(self.query_pre_attn_scalar is None or (_finite(self.query_pre_attn_scalar)
+                                                       and self.query_pre_attn_scalar > 0),
+                "model.query_pre_attn_scalar", self.query_pre_attn_scalar, "must be None or a finite number > 0")
+        f = self.partial_rotary_factor
+        require((self.mla is not None and f == 1) or (self.mla is None and _finite(f) and 0 < f <= 1 and int(
+            self.head_dim * f) % 2 == 0 and int(self.head_dim * f) > 0), "model.partial_rotary_factor", f,
+                f"must be in (0, 1] rotating an even number of the head_dim={self.head_dim} dimensions (1 with MLA)")
 
     def _check_rope_scaling(self) -> None:
         if self.rope_scaling is None:
@@ -316,6 +332,12 @@ class ModelConfig:
             value = self.rope_scaling.get(key)
             require(_finite(value) and value > 0, f"model.rope_scaling.{key}", value,
                     f"rope_type {kind} needs a finite number > 0")
+        if kind == "longrope":
+            for key in ("short_factor", "long_factor"):
+                value = self.rope_scaling.get(key)
+                require(isinstance(value, list) and len(value) == self.rope_dim // 2 and all(
+                    _finite(v) and v > 0 for v in value), f"model.rope_scaling.{key}", value,
+                    f"rope_type longrope needs {self.rope_dim // 2} finite numbers > 0, one per rotary pair")
 
     @staticmethod
     def _check_mla(m: MLAConfig) -> None:

@@ -2,8 +2,10 @@
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
 optional QKV bias (Qwen2), QK RMSNorm per head (Qwen3) or over all heads (OLMo 2), a sliding window on
 every layer (Mistral) or on some (OLMo 3, gpt-oss), chunked local attention on the rotated layers (Llama 4's
-`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), Llama 4's weightless QK norm on the rotated
-layers and temperature on the others, and attention sinks (gpt-oss: a learned logit per head in the
+`ChunkedWindow`), layers without RoPE (SmolLM3's NoPE), RoPE on the first share of each head only
+(partial rotary: GLM-4.5, Phi-4-mini, Qwen3-Next), a softmax scale of its own (Gemma 3's
+query_pre_attn_scalar), Llama 4's weightless QK norm on the rotated layers and temperature on the
+others, an output gate (Qwen3-Next), and attention sinks (gpt-oss: a learned logit per head in the
 softmax, passed to the core and the cache as `sinks` where a layer has them; a core or cache without
 them is never handed any).
 
@@ -129,6 +131,7 @@ class Attention(nn.Module):
         # a sliding window, or chunks on the rotated layers (model.attention_chunk_size, Llama 4)
         chunked = cfg.attention_chunk_size is not None and self.rotary
         self.window: Window = ChunkedWindow(cfg.attention_chunk_size) if chunked else cfg.layer_window(layer_id)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         # gated attention (Qwen3-Next): wq also projects a per-head gate, each head's [q | gate] side by side
         self.output_gate = cfg.attention_output_gate
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
@@ -182,7 +185,7 @@ class Attention(nn.Module):
         if q_scale is not None and not self.rotary:
             q = (q * q_scale).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        scale = self.head_dim**-0.5
+        scale = self.scale
         sinks = {} if self.sinks is None else {"sinks": self.sinks.local()}
         if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, scale, self.window, **sinks)

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): w2(silu(w1 x) * w3 x)."""
+"""Gated feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): w2(act(w1 x) * w3 x), SwiGLU
+(act = silu) or GeGLU with the tanh-approximated GELU (Gemma 3), `ModelConfig.activation`."""
 
 from collections.abc import Callable
 
@@ -8,10 +9,17 @@ from torch import nn
 
 from tessera.models.attention import FusedProjection
 
+ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu"):
         super().__init__()
+        self.activation = activation  # the fused kernels below are SwiGLU's: installed only for silu
+        self.act = ACTIVATION_FUNCTIONS[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
@@ -33,7 +41,9 @@ class FeedForward(nn.Module):
             # serving (no autograd): silu and the product in the fused result's own buffer, two fewer
             # [tokens, hidden_dim] allocations per layer; the same values
             gate, up = gate_up
+            if self.activation != "silu":
+                return self.w2(self.act(gate).mul_(up))
             if self.fused_act is not None:
                 return self.w2(self.fused_act(gate, up))
             return self.w2(F.silu(gate, inplace=True).mul_(up))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))

@@ -5,7 +5,14 @@ Frequencies: theta_j = base^(-2j/d). Variants, selected by `rope_scaling["rope_t
 - "llama3": low frequencies divided by `factor`, high ones kept, a smooth ramp between
   (Meta, LLaMA 3.1 report);
 - "yarn": NTK-by-parts interpolation plus an attention temperature (Peng et al. 2023, YaRN,
-  arXiv 2309.00071), as DeepSeek-V2/V3 use.
+  arXiv 2309.00071), as DeepSeek-V2/V3 use;
+- "longrope": each frequency divided by its own searched factor, one table (`short_factor`) for
+  sequences within `original_max_position_embeddings` and another (`long_factor`) beyond, with an
+  attention temperature sqrt(1 + ln(factor) / ln(original)) (Ding et al. 2024, LongRoPE, arXiv
+  2402.13753; Phi-3 / Phi-4). Which table a call uses depends on its longest sequence, so it is a
+  seam of its own: `rope_frequencies` gives the short table, `longrope_long_frequencies` the long
+  one, and `longrope_pick` chooses per call on the device (as transformers does: the whole call by
+  its largest position).
 
 Rotation uses the "half" layout: the pair (x[j], x[j + d/2]) is rotated by angle p * theta_j.
 Partial rotary (GLM-4.5's `partial_rotary_factor`): tables narrower than the head rotate its first
@@ -65,7 +72,33 @@ def rope_frequencies(dim: int, base: float, scaling: dict[str, Any] | None = Non
         extrapolate = 1 - ramp  # 1 = keep the original frequency (high frequencies)
         inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
         return inv_freq, float(attn)
+    if kind == "longrope":
+        return _longrope(dim, base, scaling, "short_factor")
     raise ValueError(f"unknown rope_type {kind!r}")
+
+
+def _longrope(dim: int, base: float, scaling: dict[str, Any], table: str) -> tuple[torch.Tensor, float]:
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    ext = torch.tensor(scaling[table], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**shape), float(attn)
+
+
+def longrope_long_frequencies(dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor | None:
+    """LongRoPE's table for sequences longer than `original_max_position_embeddings` (None for any
+    other kind of RoPE, which has one table)."""
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "longrope":
+        return None
+    return _longrope(dim, base, scaling, "long_factor")[0]
+
+
+def longrope_pick(positions: torch.Tensor, short: torch.Tensor, long: torch.Tensor, original: int) -> torch.Tensor:
+    """The table a call rotates by: the long one when its largest position is at or past `original`,
+    chosen on the device (no host sync)."""
+    return torch.where(positions.max() + 1 > original, long.to(positions.device), short.to(positions.device))
 
 
 def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:

@@ -49,7 +49,7 @@ from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
 from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
-from tessera.models.rope import rope_cos_sin, rope_frequencies
+from tessera.models.rope import longrope_long_frequencies, longrope_pick, rope_cos_sin, rope_frequencies
 
 
 @dataclass
@@ -81,6 +81,14 @@ def kept_in_fp32(name: str) -> bool:
     chooses experts by comparisons a rounding can flip (HuggingFace keeps e_score_correction_bias
     in fp32 as well)."""
     return name.endswith("expert_bias")
+
+
+def sequence_extent(source: PositionSource, S: int) -> int:
+    """How many positions the whole sequence spans when `source` places an input of S tokens: S on
+    one process; a source whose input is a chunk of the sequence says so (`sequence_length`:
+    context parallelism's). LongRoPE picks its table by it, the same on every rank."""
+    length = getattr(source, "sequence_length", None)
+    return length(S) if length is not None else S
 
 
 def sequence_positions(B: int, S: int, device: torch.device) -> torch.Tensor:
@@ -126,6 +134,20 @@ class ModelOutput:
     kept_hidden: torch.Tensor | None = None
 
 
+def block_norm(cfg: ModelConfig) -> RMSNorm:
+    """An RMSNorm over the model dimension, with Gemma's (1 + weight) where the model has it."""
+    return RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings multiplied by sqrt(dim) (model.embed_scale, Gemma 3), the factor first
+    rounded to the weight's dtype as transformers does; the weight itself (a tied head's) unscaled."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = float(torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype))
+        return super().forward(ids) * scale
+
+
 def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
     return x_BSD if norm is None else norm(x_BSD)
 
@@ -148,16 +170,15 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
-        eps, offset = cfg.norm_eps, cfg.norm_unit_offset
-        self.attention_norm = RMSNorm(cfg.dim, eps, offset) if pre else None
+        self.attention_norm = block_norm(cfg) if pre else None
         self.attention = token_mixer(cfg, layer_id)
-        self.attention_post_norm = RMSNorm(cfg.dim, eps, offset) if post else None
-        self.ffn_norm = RMSNorm(cfg.dim, eps, offset) if pre else None
+        self.attention_post_norm = block_norm(cfg) if post else None
+        self.ffn_norm = block_norm(cfg) if pre else None
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.dim, cfg.moe)
         else:
-            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
-        self.ffn_post_norm = RMSNorm(cfg.dim, eps, offset) if post else None
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation)
+        self.ffn_post_norm = block_norm(cfg) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
                 q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
@@ -199,9 +220,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, init_seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = (ScaledEmbedding if cfg.embed_scale else nn.Embedding)(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
+        self.norm = block_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # multi-token prediction depths 1..mtp_depth, keyed "1".. (tessera/models/mtp.py)
         self.mtp = nn.ModuleDict({
@@ -212,6 +233,7 @@ class Transformer(nn.Module):
         self.mtp_sequence = TokenSequence()
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
         self.register_buffer("local_rope_inv_freq", torch.empty(0), persistent=False)
+        self.register_buffer("rope_long_inv_freq", torch.empty(0), persistent=False)  # LongRoPE's long table
         self.reset_rope()
         self.position_source: PositionSource = sequence_positions
         # Multimodal RoPE (Qwen2-VL): the (t, h, w) groups of rotary pairs that positions [3, B, S] rotate.
@@ -232,14 +254,25 @@ class Transformer(nn.Module):
         device = device if device is not None else self.rope_inv_freq.device
         inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.rope_inv_freq = inv_freq.to(device)
+        long = longrope_long_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_long_inv_freq = long.to(device) if long is not None else torch.empty(0, device=device)
         # the window layers' own RoPE (model.local_rope_theta), unscaled; empty when they share the above
         self.local_rope_inv_freq = (rope_frequencies(rope_dim, cfg.local_rope_theta)[0].to(device)
                                     if cfg.local_rope_theta is not None else torch.empty(0, device=device))
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, extent: int | None = None) -> RopeTables:
         """RoPE's cos and sin at `positions` (`rope_cos_sin`), and the window layers' own where they
-        have one (model.local_rope_theta)."""
-        cos_sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
+        have one (model.local_rope_theta). LongRoPE's table is the long one when the sequence spans
+        more than its original length: `extent` positions when the caller knows it, else the call's
+        largest position decides (rope.py)."""
+        inv_freq = self.rope_inv_freq
+        if self.rope_long_inv_freq.numel():
+            original = int(self.cfg.rope_scaling["original_max_position_embeddings"])
+            if extent is None:
+                inv_freq = longrope_pick(positions, inv_freq, self.rope_long_inv_freq, original)
+            elif extent > original:
+                inv_freq = self.rope_long_inv_freq
+        cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
         local = None
         if self.local_rope_inv_freq.numel():
             local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, self.mrope_section)
@@ -266,6 +299,9 @@ class Transformer(nn.Module):
         model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
         norms = {f"{mn}.weight": m.initial_weight for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
         init_by_name(self.named_parameters(), norms, seed, self.cfg.init_std)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(m.initial_weight)  # 1, or Gemma's 0 under its (1 + weight)
         for name, b in self.named_buffers():
             if name.endswith("expert_bias"):
                 b.zero_()
@@ -338,9 +374,10 @@ class Transformer(nn.Module):
         B, S = x.shape[:2]
         if inp.hidden is not None:
             S *= self.received_sequence_shards
+        extent = None if inp.positions is not None else sequence_extent(self.position_source, S)
         positions = inp.positions if inp.positions is not None else self.position_source(B, S, x.device)
         h = inp.hidden if inp.hidden is not None else self.tok_embeddings(inp.tokens)
-        return h, self.rope_tables(positions, h.dtype)
+        return h, self.rope_tables(positions, h.dtype, extent)
 
     def _blocks(self, out: ModelOutput, h: torch.Tensor, rope: RopeTables, inp: ModelInput) -> torch.Tensor:
         """The layers over `h`, their routing into `out`, and `out.kept_hidden` of `inp.keep_layers`;

@@ -178,6 +178,10 @@ class ChunkPositions:
     def __call__(self, B: int, C: int, device: torch.device) -> torch.Tensor:
         return rank_positions(C, self.cp, self.cp_rank, self.layout, device).expand(B, C)
 
+    def sequence_length(self, C: int) -> int:
+        """The whole sequence's length when this rank holds C of its tokens (LongRoPE's table choice)."""
+        return C * self.cp
+
 
 class ChunkTokens(TokenSequence):
     """The model's `mtp_sequence` under cp: token ids [B, C] of this rank become the whole [B, S] in

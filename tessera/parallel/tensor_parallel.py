@@ -162,9 +162,12 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sp:  # every RMSNorm of the stream the block has: before and / or after attention and MLP
-        for norm in ("attention_norm", "ffn_norm", "attention_post_norm", "ffn_post_norm"):
+        for norm in ("attention_norm", "ffn_norm"):
             if getattr(block, norm) is not None:
                 plan[norm] = SequenceParallel()
+        for norm in ("attention_post_norm", "ffn_post_norm"):  # their output joins the (local) residual stream
+            if getattr(block, norm) is not None:
+                plan[norm] = SequenceParallel(use_local_output=True)
         plan["attention"] = _gather_sequence_on_entry(4)  # (x, cos, sin, cache)
     if hasattr(block, "moe"):
         if sp:

@@ -70,14 +70,21 @@ class _SavedSet:
         return t
 
 
-def _rms_norm(s: _SavedSet, name: str, src: _Tensor, n: float, rows: float, dt: ActivationDtype) -> _Tensor:
+def _rms_norm(s: _SavedSet, name: str, src: _Tensor, n: float, rows: float, dt: ActivationDtype,
+              offset_width: int = 0) -> _Tensor:
     """RMSNorm in fp32: keeps its fp32 input (a copy unless already fp32), 1/rms per row and the
-    normalised value in the input dtype (for the gain's gradient). Returns its output."""
+    normalised value in the input dtype (for the gain's gradient). Returns its output. Gemma's
+    (1 + weight) norm (`offset_width`: the weight's length) multiplies in fp32, so it keeps the
+    normalised value in fp32 and its fp32 (1 + weight), and returns the input's dtype."""
     if src.itemsize == 4:
         s.keep(src)  # x.float() is x itself; for a view this is the whole base storage
     else:
         s.new(f"{name}.input_fp32", n, 4, src.split)
     s.new(f"{name}.rstd", rows, 4, src.split)
+    if offset_width:
+        s.new(f"{name}.normalised", n, 4, src.split)
+        s.new(f"{name}.one_plus_weight", 0, 4, "rep", fixed=offset_width)
+        return _Tensor(f"{name}.out", n, src.itemsize, src.split)
     s.new(f"{name}.normalised", n, src.itemsize, src.split)
     return _Tensor(f"{name}.out", n, max(dt.weight, src.itemsize), src.split)
 
@@ -129,8 +136,11 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
     k = _Tensor("attention.k", g * d, dt.compute, "tp")
     v = _Tensor("attention.v", g * d, dt.compute, "tp")
     if cfg.qk_norm:  # one 1/rms per head, or one per token over all heads (OLMo 2)
-        q = _rms_norm(s, "attention.q_norm", q, a * d, 1 if cfg.qk_norm_all_heads else a, dt)
-        k = _rms_norm(s, "attention.k_norm", k, g * d, 1 if cfg.qk_norm_all_heads else g, dt)
+        all_heads = cfg.qk_norm_all_heads
+        q = _rms_norm(s, "attention.q_norm", q, a * d, 1 if all_heads else a, dt,
+                      cfg.norm_unit_offset * (a * d if all_heads else d))
+        k = _rms_norm(s, "attention.k_norm", k, g * d, 1 if all_heads else g, dt,
+                      cfg.norm_unit_offset * (g * d if all_heads else d))
     # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype.
     q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
     k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
@@ -321,19 +331,20 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
                                 core_kept=core_kept)
     s = _SavedSet()
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
-    xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt) if pre else layer_input
+    off = h if cfg.norm_unit_offset else 0  # (1 + weight) norms: Gemma 3, Qwen3-Next
+    xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt, off) if pre else layer_input
     (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute, layer)
     _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
     if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
-        _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt)
+        _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt, off)
     mid = _Tensor("layer.mid", h, dt.residual, "seq")  # x + attention(x): residual dtype
-    xn = _rms_norm(s, "ffn_norm", mid, h, 1, dt) if pre else mid
+    xn = _rms_norm(s, "ffn_norm", mid, h, 1, dt, off) if pre else mid
     if cfg.is_moe_layer(layer):
         _moe(s, cfg, xn, dt, tokens, batch)
     else:
         _swiglu(s, "feed_forward", xn, 1, h, cfg.ffn_dim, dt.compute, dt)
     if post:
-        _rms_norm(s, "ffn_post_norm", _Tensor("ffn.out", h, dt.compute, "seq"), h, 1, dt)
+        _rms_norm(s, "ffn_post_norm", _Tensor("ffn.out", h, dt.compute, "seq"), h, 1, dt, off)
     return list(s.items.values())
 
 
@@ -367,7 +378,8 @@ def head_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTenso
     targets)."""
     dt = get_activation_dtype(dtype)
     s = _SavedSet()
-    xn = _rms_norm(s, "norm", _Tensor("final.input", cfg.dim, dt.residual, "seq"), cfg.dim, 1, dt)
+    xn = _rms_norm(s, "norm", _Tensor("final.input", cfg.dim, dt.residual, "seq"), cfg.dim, 1, dt,
+                   cfg.dim if cfg.norm_unit_offset else 0)
     _linear_input(s, xn, cfg.dim, "output", dt)
     s.new("loss.log_softmax", cfg.vocab_size, 4, "tp")
     s.new("loss.targets", 1, 8, "rep")

@@ -37,6 +37,7 @@ from torch import nn
 from tessera.checkpoint.calibration import check_finite_weights, load_calibration, stored_dtype
 from tessera.checkpoint.convert import check_new_destination
 from tessera.checkpoint.hf.load import load_pretrained
+from tessera.checkpoint.hf.names import hf_fused_rows
 from tessera.config.errors import CheckpointError, ConfigError, ModelError
 from tessera.config.hf_config import is_hf_directory, read_hf_config, read_json_object
 from tessera.config.model import ModelConfig
@@ -141,6 +142,10 @@ def check_model(cfg: ModelConfig, scheme: Scheme, method: str) -> None:
                "its smoothing is folded into the dense attention and MLP only")
         raise ConfigError(f"quantize --method {method}: family {cfg.family!r} has {part}, which {method} does not "
                           f"quantize ({why}); quantize this model with --method rtn or fp8")
+    if hf_fused_rows(cfg):
+        raise ConfigError(f"quantize --method {method}: family {cfg.family!r} stores q, k, v and the MLP's gate and up "
+                          "projections fused (qkv_proj, gate_up_proj), which the quantized directory's per-layer "
+                          "scales do not split; serve or convert the full-precision model instead")
     if method == "smoothquant" and cfg.block_norms == "post":
         raise ConfigError(f"quantize --method smoothquant folds its scales into the RMSNorm before each projection; "
                           f"family {cfg.family!r} has none there (its norms follow attention and MLP); quantize this "

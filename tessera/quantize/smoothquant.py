@@ -47,7 +47,8 @@ def smooth(model: Transformer, act_absmax: dict[str, torch.Tensor], alpha: float
             linears = [block.get_submodule(n) for n in linear_names]
             s = smoothing_scales(act_absmax[f"layers.{key}.{linear_names[0]}"], [m.weight for m in linears], alpha)
             norm = block.get_submodule(norm_name)
-            norm.weight.copy_((norm.weight.double() / s).to(norm.weight.dtype))
+            offset = 1.0 if norm.unit_offset else 0.0  # Gemma's norm scales by (1 + weight)
+            norm.weight.copy_(((norm.weight.double() + offset) / s - offset).to(norm.weight.dtype))
             for m in linears:
                 m.weight.copy_((m.weight.double() * s[None, :]).to(m.weight.dtype))
             count += 1

@@ -108,8 +108,12 @@ def test_preemption_recomputes_to_the_same_output(llama):
     assert llm.engine.blocks.num_free_blocks == 24
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3_moe", "deepseek_v3", "smollm3", "olmo2", "olmo3",
-                                    "seed_oss", "exaone4", "llama4_text", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", [
+    "mistral", "qwen3_moe", "deepseek_v3", "smollm3", "olmo2", "olmo3",
+    "seed_oss", "exaone4", "llama4_text", "glm4_moe", "gpt_oss",
+    "phi3",
+    "gemma3_text",
+])
 def test_other_families_match_hf(family, tmp_path):
     hf = write_model(tmp_path, family, std=0.25)
     llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=16)

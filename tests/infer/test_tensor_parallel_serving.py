@@ -482,7 +482,8 @@ def test_ranks_get_consecutive_gpus_that_must_exist():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama_tied_bias", "mistral", "qwen2", "qwen3", "qwen2_moe", "deepseek_v3",
                                     "smollm3", "glm4_moe", "gpt_oss",
-                                    "seed_oss", "exaone4", "llama4_text"])
+                                    "seed_oss", "exaone4", "llama4_text",
+                                    "gemma3_text"])
 def test_two_ranks_match_hf_for_every_family(family, tmp_path):
     """Tied embeddings with attention biases, sliding windows, QKV biases, QK norms, shared
     experts and latent attention (MLA), each split over two ranks: greedy tokens as HuggingFace."""
@@ -493,6 +494,19 @@ def test_two_ranks_match_hf_for_every_family(family, tmp_path):
     hf.save_pretrained(tmp_path)
     save_tokenizer(tmp_path)
     prompts = [[0, 5, 17, 33, 2, 9, 40, 41, 42, 43, 44], [0, 70], [0] + list(range(3, 30))]
+    want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(tmp_path, tensor_parallel_size=2, **OPTIONS) as two:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want
+
+
+@pytest.mark.slow
+def test_two_ranks_match_hf_for_phi3(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj, read as each rank's rows of them, with partial
+    rotary and LongRoPE's long table (every prompt is past its original length of 2)."""
+    from tests.infer.tiny_models import write_model
+
+    hf = write_model(tmp_path, "phi3", std=0.25)
+    prompts = [[0, 5, 17, 33, 2, 9, 40, 41, 42, 43, 44], [0, 70, 71], [0] + list(range(3, 30))]
     want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     with LLM(tmp_path, tensor_parallel_size=2, **OPTIONS) as two:
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want

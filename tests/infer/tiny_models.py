@@ -71,6 +71,18 @@ def hf_config(family: str, **overrides):
         return tf.Llama4TextConfig(**common, num_local_experts=3, interleave_moe_layer_step=2, attention_chunk_size=5,
                                    no_rope_layers=[1, 0], floor_scale=4, attn_scale=0.5, intermediate_size_mlp=40,
                                    pad_token_id=None)
+    if family == "phi3":  # fused projections, a window of 6, partial rotary; LongRoPE's long table from position 2
+        return tf.Phi3Config(**{"pad_token_id": None, "sliding_window": 6, "partial_rotary_factor": 0.5,
+                                "original_max_position_embeddings": 2, "rope_scaling": {
+                                    "rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [1.5, 4.0]},
+                                **common})
+    if family == "gemma3_text":  # a window of 5 with its own RoPE base on the first layer, linear scaling on the second
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
+        return tf.Gemma3TextConfig(**{"pad_token_id": None, "sliding_window": 5, "head_dim": 8,
+                                      "query_pre_attn_scalar": 12, "layer_types": ["sliding_attention",
+                                                                                   "full_attention"],
+                                      "rope_parameters": rope, **common})
     if family == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                  head_dim=16, norm_topk_prob=True)

@@ -34,6 +34,9 @@ def hf_configs() -> dict[str, object]:
             "sliding_attention", "full_attention", "sliding_attention"]),
         "exaone4_global": tf.Exaone4Config(**COMMON, sliding_window=None, layer_types=["full_attention"] * 3,
                                            tie_word_embeddings=True),  # every layer global, with RoPE
+        "phi3": tf.Phi3Config(**{**COMMON, "hidden_size": 48, "intermediate_size": 40, "num_attention_heads": 6}, sliding_window=7, pad_token_id=None, eos_token_id=1, original_max_position_embeddings=8, partial_rotary_factor=0.75, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0], "long_factor": [1.5, 3.0, 6.5]}),  # noqa: E501
+        "phi3_short": tf.Phi3Config(**{**COMMON, "max_position_embeddings": 64}, pad_token_id=None, eos_token_id=1, original_max_position_embeddings=16, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.7, 2.5], "long_factor": [2.0, 3.0, 5.0, 9.0]}),  # noqa: E501
+        "gemma3_text": tf.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=12, sliding_window=4, query_pre_attn_scalar=20, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}, pad_token_id=None, bos_token_id=2, eos_token_id=1),  # noqa: E501
         "mixtral": tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "llama4_text": tf.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=12, intermediate_size_mlp=40,
                                            num_local_experts=3, interleave_moe_layer_step=2, attention_chunk_size=5,

@@ -51,6 +51,10 @@ def test_published_parameter_counts():
         assert round(count_params(get_preset(name), active=True) / 1e9) == 17
     assert round(count_params(get_preset("qwen3-next-80b-a3b")) / 1e9, 1) == 79.7  # 80B total, 3B active
     assert round(count_params(get_preset("qwen3-next-80b-a3b"), active=True) / 1e9, 1) == 3.9
+    assert count_params(get_preset("phi3-mini-4k")) == 3_821_079_552  # Phi-3-mini: 3.82B; Phi-4-mini: 3.84B
+    assert round(count_params(get_preset("phi4-mini")) / 1e9, 2) == 3.84
+    assert count_params(get_preset("gemma3-1b")) == 999_885_952  # Gemma 3 1B; the text models of 4B, 12B, 27B
+    assert [round(count_params(get_preset(f"gemma3-{n}")) / 1e9, 1) for n in ("4b", "12b", "27b")] == [3.9, 11.8, 27.0]
 
 
 def test_every_preset_validates():

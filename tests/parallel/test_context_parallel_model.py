@@ -1,8 +1,9 @@
 """Whole models under context parallelism (`parallelize` with cp=2) against one process: logits
 chunk by chunk, the ranks' auxiliary losses adding up to the micro-batch's, and gradients.
 Covers what the trainer tests do not: multi-head latent attention (DeepSeek), a sliding window,
-layers without RoPE (SmolLM3), OLMo 2's norms, OLMo 3's windows, and expert capacity, where the tokens dropped must
-be those one process drops."""
+layers without RoPE (SmolLM3), OLMo 2's norms, OLMo 3's windows, Gemma 3's parts, Phi-3's LongRoPE
+(S = 16 past its original 12: each rank's chunk alone would pick the short table), and expert
+capacity, where the tokens dropped must be those one process drops."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def _config(name: str) -> ModelConfig:
     if name == "llama4":  # and the NoPE layer's temperature at global positions, the weightless QK norm, rotary pairs
         return get_preset("tiny-llama", attention_chunk_size=5, nope_layers=[1], qk_l2_norm=True, nope_attn_scale=0.5,
                           nope_floor_scale=3, rope_interleave=True)
+    if name == "gemma3":  # (1 + weight) norms before and after, GeGLU, scaled embeddings, a local window and base
+        return get_preset("tiny-llama", family="gemma3_text", block_norms="pre_post", qk_norm=True,
+                          norm_unit_offset=True, activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=20.0,
+                          sliding_window=5, window_layers=[0], local_rope_theta=5000.0, tie_embeddings=True)
+    if name == "phi3":  # partial rotary; LongRoPE's long table, which the sequence (not a rank's chunk) picks
+        return get_preset("tiny-llama", family="phi3", sliding_window=6, partial_rotary_factor=0.5, rope_scaling={
+            "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 12,
+            "short_factor": [1.0, 1.2, 2.0, 3.0], "long_factor": [1.5, 2.5, 4.0, 8.0]})
     if name == "olmo2":  # norms after attention and MLP, QK norm over all heads
         return get_preset("tiny-llama", family="olmo2", block_norms="post", qk_norm=True, qk_norm_all_heads=True)
     if name == "capacity-probs":
@@ -55,7 +64,7 @@ def _config(name: str) -> ModelConfig:
 
 
 CONFIGS = ("mla", "sliding-window", "nope", "olmo2", "olmo3", "exaone4", "chunked", "llama4", "capacity-probs",
-           "capacity-position-padded")
+           "capacity-position-padded", "gemma3", "phi3")
 
 
 def _batch(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

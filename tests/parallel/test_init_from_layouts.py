@@ -39,6 +39,9 @@ FAMILIES = {
     "seed_oss": (TINY_DENSE, shrink, {"model.family": "seed_oss", "model.qkv_bias": True, "model.head_dim": 8}),
     "exaone4": (TINY_DENSE, shrink, {"model.family": "exaone4", "model.block_norms": "post", "model.qk_norm": True,
                                      "model.sliding_window": 8, "model.window_layers": [0], "model.nope_layers": [1]}),
+    "phi3": (TINY_DENSE, shrink, {"model.family": "phi3", "model.sliding_window": 8, "model.partial_rotary_factor": 0.5,
+                                  "model.rope_scaling": "{rope_type: longrope, factor: 4.0, original_max_position_embeddings: 16, short_factor: [1.0, 1.2, 2.0, 3.0], long_factor: [1.5, 2.5, 4.0, 8.0]}"}),  # noqa: E501
+    "gemma3_text": (TINY_DENSE, shrink, {"model.family": "gemma3_text", "model.block_norms": "pre_post", "model.qk_norm": True, "model.norm_unit_offset": True, "model.activation": "gelu_tanh", "model.embed_scale": True, "model.query_pre_attn_scalar": 20.0, "model.sliding_window": 8, "model.window_layers": [0], "model.local_rope_theta": 5000.0, "model.tie_embeddings": True}),  # noqa: E501
     "mixtral": (TINY_MOE, moe_shrink, {}),
     "llama4_text": (TINY_MOE, moe_shrink, {
         "model.family": "llama4_text", "model.moe.top_k": 1, "model.moe.score_func": "sigmoid",
@@ -59,6 +62,7 @@ PP2 = {"parallel.pp": 2, "parallel.dp_shard": 1}
 TP2_PP2 = {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 1}
 EP2_FSDP2 = {"parallel.ep": 2, "parallel.dp_shard": 2}
 FSDP2 = {"parallel.dp_shard": 2}
+TP2_SP = {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}
 
 
 def family_overrides(family: str, dataset: str, run_dir: Path, **extra: object) -> list[str]:
@@ -146,6 +150,12 @@ LAYOUTS = [
     _case("glm4_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("gpt_oss", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("gpt_oss", 2, TP2, "tp2"),
+    _case("phi3", 2, TP2_SP, "tp2-sp", slow=False),  # the fused qkv_proj / gate_up_proj read as each rank's box of rows
+    _case("phi3", 2, PP2, "pp2"),
+    _case("phi3", 2, FSDP2, "fsdp2"),
+    _case("gemma3_text", 2, TP2_SP, "tp2-sp", slow=False),  # scaled embeddings cut over the vocabulary
+    _case("gemma3_text", 2, PP2, "pp2"),
+    _case("gemma3_text", 2, FSDP2, "fsdp2"),
 ]
 
 

@@ -77,6 +77,15 @@ VARIANTS = {
                          moe=MoEConfig(num_experts=8, top_k=1, ffn_dim=64, score_func="sigmoid", norm_topk_prob=False,
                                        gate_input=True, shared_ffn_dim=64)),
     "glm4-moe-partial-rotary": get_preset("tiny-glm4-moe"),  # RoPE tables as wide as the rotated half of a head
+    # Gemma 3: norms before and after, (1 + weight) norms, GeGLU, scaled embeddings, a window with its own base.
+    "gemma3-parts": get_preset("tiny-llama", family="gemma3_text", block_norms="pre_post", qk_norm=True,
+                               norm_unit_offset=True, activation="gelu_tanh", embed_scale=True,
+                               query_pre_attn_scalar=20.0, sliding_window=16, window_layers=[0],
+                               local_rope_theta=5000.0),
+    # Phi-4-mini: RoPE on three quarters of each head, LongRoPE.
+    "phi3-partial-longrope": get_preset("tiny-llama", family="phi3", partial_rotary_factor=0.75, rope_scaling={
+        "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}),
     # Megatron's order: top-k on the logits, then a softmax over the k chosen; Switch aux loss.
     "topk-then-softmax": get_preset("tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64, aux_loss_coef=0.01,
                                                              softmax_before_topk=False)),

@@ -23,11 +23,12 @@ from tessera.checkpoint.hf.names import hf_names
 from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.config.hf_config import read_hf_config, read_json_object
+from tessera.config.presets import get_preset
 from tessera.quantize import QuantizeOptions, quantize
 from tessera.quantize.calibration import block_linears, input_absmax, recording_inputs
 from tessera.quantize.formats import Scheme, quantize_int
 from tessera.quantize.gptq import gptq_quantize, hessian_error
-from tessera.quantize.run import method_scheme, quantize_linears
+from tessera.quantize.run import check_model, method_scheme, quantize_linears
 from tessera.quantize.smoothquant import smooth, smoothing_scales
 from tests.infer.tiny_models import save_tokenizer, write_model
 from tests.models.hf_families import hf_configs, random_hf_model
@@ -100,6 +101,22 @@ def test_each_dense_family(family, calibration, tmp_path):
     save_tokenizer(tmp_path / "src")
     options = _options("gptq", dict(group_size=16), calibration)
     _check_output(tmp_path / "src", tmp_path / "q", "gptq", options, 0.5)
+
+
+def test_smoothquant_folds_its_scales_into_gemmas_offset_norms(calibration, tmp_path):
+    """Gemma 3's norms scale by (1 + weight): the smoothing divides that gain, not the stored weight
+    (dividing the stored weight leaves the tiny model's logits 0.59 off; the fold, 0.07)."""
+    cfg = hf_configs()["gemma3_text"]
+    cfg.vocab_size = 128
+    random_hf_model(cfg, seed=2).save_pretrained(tmp_path / "src")
+    save_tokenizer(tmp_path / "src")
+    _check_output(tmp_path / "src", tmp_path / "q", "smoothquant", _options("smoothquant", {}, calibration), 0.1)
+
+
+def test_phi3s_fused_projections_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"family 'phi3' stores q, k, v and the MLP's gate and up projections "
+                                          r"fused \(qkv_proj, gate_up_proj\)"):
+        check_model(get_preset("phi3-mini-4k"), None, "rtn")
 
 
 @pytest.mark.parametrize("method", ["rtn", "fp8"])

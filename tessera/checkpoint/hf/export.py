@@ -36,7 +36,7 @@ import torch
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config
-from tessera.checkpoint.hf.names import check_exportable, fused_tensor, hf_copies, hf_names, hf_parts
+from tessera.checkpoint.hf.names import check_exportable, fused_tensor, hf_copies, hf_fused_rows, hf_names, hf_parts
 from tessera.checkpoint.hf.writer import write_hf_directory
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
@@ -62,10 +62,11 @@ class _ShardReader:
     def __init__(self, checkpoint: Path, cfg: ModelConfig, dtype: torch.dtype, shapes: Mapping[str, tuple[int, ...]]):
         self.checkpoint, self.dtype, self.shapes = checkpoint, dtype, shapes
         self.source: dict[str, tuple[str, int | None]] = {}  # HF key -> (Tessera key, expert index or None)
-        self.parts = hf_parts(cfg)  # Llama 4's experts: a fused HF tensor joins two Tessera tensors
-        self.fused: dict[str, list[str]] = {}  # fused HF key -> its Tessera parts
+        self.parts = hf_parts(cfg)  # Llama 4's experts: Tessera tensors cut from a fused HF tensor's columns
+        rows = hf_fused_rows(cfg)  # Phi-3's qkv_proj / gate_up_proj: Tessera tensors as a fused HF tensor's rows
+        self.fused: dict[str, list[str]] = {}  # fused HF key -> its Tessera parts, in model order
         for key, hf_keys in hf_names(cfg).items():
-            if key in self.parts:
+            if key in self.parts or key in rows:
                 self.fused.setdefault(hf_keys[0], []).append(key)
             for j, h in enumerate(hf_keys):
                 self.source[h] = (key, j if len(hf_keys) > 1 else None)
@@ -103,7 +104,11 @@ class _ShardReader:
         out = {}
         for h in hf_keys:
             if h in self.fused:  # joined from its parts' whole tensors (counted as one more tensor held)
-                out[h] = self._held(fused_tensor([(self.parts[k], boxes[MODEL_PREFIX + k][1]) for k in self.fused[h]]))
+                parts = self.fused[h]
+                if parts[0] in self.parts:  # columns of the parts transposed (Llama 4's experts)
+                    out[h] = self._held(fused_tensor([(self.parts[k], boxes[MODEL_PREFIX + k][1]) for k in parts]))
+                else:  # the parts' rows in order (Phi-3)
+                    out[h] = self._held(torch.cat([boxes[MODEL_PREFIX + k][1] for k in parts]))
                 continue
             key, j = self.source[h]
             t = boxes[MODEL_PREFIX + key][1]

@@ -3,7 +3,9 @@ each model's family (tessera/config/families).
 
 `hf_names(cfg)` maps every Tessera state-dict key to the HuggingFace key(s) that hold it. Routed
 experts are one [E, out, in] tensor in Tessera and E separate tensors in HuggingFace checkpoints,
-so their entry lists E keys, stacked on load and split on save.
+so their entry lists E keys, stacked on load and split on save. `hf_fused_rows(cfg)` names the
+Tessera tensors stored as rows of one fused HuggingFace tensor (Phi-3's qkv_proj, gate_up_proj): each
+such key maps to the fused tensor, read at its rows and written by joining its parts in model order.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def fused_tensor(parts: list[tuple[TensorPart, torch.Tensor]]) -> torch.Tensor:
     """The HuggingFace tensor [..., in, count * out] of its Tessera parts [..., out, in] (any order)."""
     ordered = sorted(parts, key=lambda p: p[0].index)
     return torch.cat([t.transpose(-1, -2) for _, t in ordered], dim=-1).contiguous()
+def hf_fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Tessera key -> its rows [start, stop) of the fused HuggingFace tensor its name maps to."""
+    return REGISTRY[cfg.family].fused_rows(cfg)
 
 
 def hf_copies(cfg: ModelConfig) -> dict[str, str]:

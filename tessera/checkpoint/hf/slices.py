@@ -16,7 +16,8 @@ Names follow `names.hf_names` (in a vision-language directory, its language mode
 names them: tessera/checkpoint/vision_families.py); routed
 experts are E HuggingFace tensors stacked as one
 [E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
-tensors, each cut to the box's other dimensions. `bytes_read` counts the bytes of every box read
+tensors, each cut to the box's other dimensions; a tensor stored as rows of a fused one (Phi-3's
+qkv_proj) is read as a box at its rows' offset. `bytes_read` counts the bytes of every box read
 (what this rank took from the files), which is how a test proves a rank read about its share.
 """
 
@@ -30,7 +31,7 @@ from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.mxfp4 import Mxfp4Tensors
-from tessera.checkpoint.hf.names import hf_names, hf_parts
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -58,6 +59,7 @@ class HFSliceReader:
         refuse_prequantized(self.path)  # its tensors are codes and scales, not the model's weights
         self.names = hf_names(cfg)
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
+        self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
         # MXFP4 pairs (gpt-oss's experts, mxfp4.py) stand in for their plain tensors, dequantized on read
         self.mxfp4 = Mxfp4Tensors(self.files.keys(), lambda k, o, n: self._slice(k, o, n, codes=True))
@@ -103,6 +105,9 @@ class HFSliceReader:
         shape = self._stored_shape(hf_keys[0])
         if key in self.parts:  # [..., in, count * out] -> [..., out, in]
             return (*shape[:-2], shape[-1] // self.parts[key].count, shape[-2])
+        if key in self.rows:
+            start, stop = self.rows[key]
+            return (stop - start, *shape[1:])
         return shape if len(hf_keys) == 1 else (len(hf_keys), *shape)
 
     def _stored_shape(self, hf_key: str) -> tuple[int, ...]:
@@ -125,6 +130,8 @@ class HFSliceReader:
             at = self.parts[key].index * out + offsets[-2]
             t = self._slice(hf_keys[0], (*offsets[:-2], offsets[-1], at), (*sizes[:-2], sizes[-1], sizes[-2]))
             t = t.transpose(-1, -2).contiguous()
+        elif key in self.rows:  # rows of a fused tensor
+            t = self._slice(hf_keys[0], (offsets[0] + self.rows[key][0], *offsets[1:]), sizes)
         elif len(hf_keys) == 1:
             t = self._slice(hf_keys[0], offsets, sizes)
         else:  # routed experts: one HF tensor per expert along dim 0

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from tessera.checkpoint.hf.files import INDEX
-from tessera.checkpoint.hf.names import check_exportable, fused_tensor, hf_copies, hf_names, hf_parts
+from tessera.checkpoint.hf.names import check_exportable, fused_tensor, hf_copies, hf_fused_rows, hf_names, hf_parts
 from tessera.checkpoint.hf.tokenizer import (
     TOKENIZER_FILES,
     check_vocabulary,
@@ -172,14 +172,18 @@ def _is_export_file(name: str) -> bool:
 
 
 def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's tensors under their HuggingFace names, in model order (routed experts split)."""
+    """The model's tensors under their HuggingFace names, in model order (routed experts split,
+    fused tensors joined)."""
     state, out, fused = model.state_dict(), {}, {}
-    cut = hf_parts(model.cfg)
+    cut, rows = hf_parts(model.cfg), hf_fused_rows(model.cfg)
     for key, hf_keys in hf_names(model.cfg).items():
         t = state[key].detach().cpu()
         if key in cut:  # a part of a fused tensor (Llama 4's experts): joined below, in the first part's place
             fused.setdefault(hf_keys[0], []).append((cut[key], t))
             out.setdefault(hf_keys[0], None)
+            continue
+        if key in rows:  # rows of a fused tensor (Phi-3's qkv_proj / gate_up_proj), joined in model order
+            out[hf_keys[0]] = torch.cat((out[hf_keys[0]], t)) if hf_keys[0] in out else t
             continue
         parts = [t] if len(hf_keys) == 1 else t.unbind(0)
         out.update({h: part.contiguous() for h, part in zip(hf_keys, parts, strict=True)})

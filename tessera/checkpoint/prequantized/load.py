@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from tessera.checkpoint.hf.files import SafetensorsDir
-from tessera.checkpoint.hf.names import hf_names, unread
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, unread
 from tessera.checkpoint.prequantized.detect import quantization_config
 from tessera.checkpoint.prequantized.schemes import QuantizationPlan
 from tessera.config.errors import CheckpointError, ConfigError
@@ -169,6 +169,10 @@ def load_prequantized(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     source = f"pre-quantized directory {str(path)!r}"
     plan = QuantizationPlan(quantization_config(path), source)
     cfg = read_hf_config(path)
+    if hf_fused_rows(cfg):
+        raise CheckpointError(f"{source}: family {cfg.family!r} keeps q, k, v and gate/up fused (qkv_proj, "
+                              "gate_up_proj), whose quantized blocks Tessera does not split; load a full-precision "
+                              "copy")
     names = hf_names(cfg)
     files = SafetensorsDir(path)
     stored = files.keys()

@@ -62,6 +62,15 @@ class TensorPart:
     count: int
 
 
+# ModelConfig fields of parts only some families have, with the value every other family needs
+# (Gemma 3's GeGLU, (1 + weight) norms, scaled embeddings and softmax scale; partial rotary)
+OWN_PARTS = {"activation": "silu", "norm_unit_offset": False, "embed_scale": False, "query_pre_attn_scalar": None,
+             "partial_rotary_factor": 1.0}
+# the families to export such a part as, where others than Gemma 3 have it
+OWN_PART_FAMILIES = {"partial_rotary_factor": "phi3, glm4_moe or qwen3_next",
+                     "norm_unit_offset": "gemma3_text or qwen3_next"}
+
+
 # config.json fields every family reads as integers / numbers (when present; checked before use)
 INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings")
@@ -88,8 +97,8 @@ class Family:
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3
     layer_windows: ClassVar[bool] = False  # a window on some layers (model.window_layers), their own RoPE: OLMo 3
     chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
-    partial_rotary: ClassVar[bool] = False  # RoPE on a share of each head (model.partial_rotary_factor): GLM-4.5
-    hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated partial-rotary attention, (1 + w) norms: Qwen3-Next
+    hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated attention: Qwen3-Next
+    own_parts: ClassVar[tuple[str, ...]] = ()  # the OWN_PARTS fields its class expresses (the others must be default)
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,15 +176,25 @@ class Family:
         if cfg.attention_chunk_size is not None and not self.chunked_attention:
             raise ModelError(f"{self.name} has no chunked attention (model.attention_chunk_size="
                              f"{cfg.attention_chunk_size}); train without it")
-        if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate or cfg.norm_unit_offset):
-            raise ModelError(f"{self.name} has no linear-attention layers, attention output gate "
-                             "or (1 + weight) norms; export it as qwen3_next")
-        if cfg.partial_rotary_factor != 1 and not self.partial_rotary:
-            raise ModelError(f"{self.name} rotates whole heads (model.partial_rotary_factor="
-                             f"{cfg.partial_rotary_factor}); export it as glm4_moe or qwen3_next, or train with 1.0")
+        if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate):
+            raise ModelError(f"{self.name} has no linear-attention layers or attention output gate; export it as "
+                             "qwen3_next")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")
+        self.check_own_parts(cfg)
+
+    def check_own_parts(self, cfg) -> None:
+        """The parts only some families' classes have (OWN_PARTS) at the value this one's needs."""
+        for key, default in OWN_PARTS.items():
+            if key not in self.own_parts and getattr(cfg, key) != default:
+                owners = OWN_PART_FAMILIES.get(key, "gemma3_text")
+                raise ModelError(f"{self.name} has no such part (model.{key}={getattr(cfg, key)!r}, its class needs "
+                                 f"{default!r}); export it as {owners}")
+        kind = (cfg.rope_scaling or {}).get("rope_type")
+        if kind == "longrope" and "rope_scaling" not in self.own_parts:
+            raise ModelError(f"{self.name}'s class has no LongRoPE (model.rope_scaling.rope_type=longrope); export "
+                             "it as phi3")
 
     def check_no_window(self, cfg) -> None:
         """A family without a sliding window cannot carry a model trained with one (its export would
@@ -217,6 +236,13 @@ class Family:
     def tensor_parts(self, cfg) -> dict[str, TensorPart]:
         """Tessera key -> the part of its (one) HuggingFace tensor it is, where that is a fused
         tensor (`TensorPart`); none for most families."""
+        return {}
+
+    def fused_rows(self, cfg) -> dict[str, tuple[int, int]]:
+        """Tessera keys stored as rows [start, stop) of a HuggingFace tensor that holds several of
+        them (Phi-3's qkv_proj and gate_up_proj): their `tensor_names` entry names the fused tensor,
+        read as a box at that row offset and written by joining the keys in model order. None for
+        most families."""
         return {}
 
     def tensor_copies(self, cfg) -> dict[str, str]:

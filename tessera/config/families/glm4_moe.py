@@ -31,7 +31,7 @@ def partial_rotary_from_hf(d: Mapping[str, Any]) -> float:
 class Glm4Moe(MoEFamily):
     """GLM-4.5's attention fields (q/k/v biases, QK norm, partial rotary) and expert fields."""
 
-    partial_rotary: ClassVar[bool] = True
+    own_parts: ClassVar[tuple[str, ...]] = ("partial_rotary_factor",)
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         if d.get("use_sliding_window"):

@@ -39,7 +39,7 @@ class Qwen3Next(QwenMoE):
     int_fields: tuple[str, ...] = QwenMoE.int_fields + tuple(LINEAR_FIELDS) + ("full_attention_interval",)
     number_fields: tuple[str, ...] = QwenMoE.number_fields + ("partial_rotary_factor",)
     hybrid: ClassVar[bool] = True
-    partial_rotary: ClassVar[bool] = True  # RoPE on the first quarter of each head
+    own_parts: ClassVar[tuple[str, ...]] = ("partial_rotary_factor", "norm_unit_offset")  # a quarter rotated; (1 + w)
 
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         fields = super().config_from_hf(d)

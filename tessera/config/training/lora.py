@@ -68,10 +68,16 @@ def linear_layers(model_cfg: Any) -> tuple[dict[str, dict[str, str]], set[str]]:
     """The block linear layers adapters may wrap, by HuggingFace short name: {q_proj: {Tessera module:
     HuggingFace module}}, from the family's tensor names; and the short names of the routed
     experts' projections (an MoE model's, none elsewhere), which take no adapter. An FFN name the
-    routed experts share is not offered even where a dense layer has it: PEFT would match the experts too."""
+    routed experts share is not offered even where a dense layer has it: PEFT would match the experts too.
+    Nor is a fused HuggingFace projection (Phi-3's qkv_proj, gate_up_proj), whose one PEFT adapter spans
+    several Tessera layers."""
     layers: dict[str, dict[str, str]] = {}
     experts: set[str] = set()
-    for key, hf_keys in REGISTRY[model_cfg.family].tensor_names(model_cfg).items():
+    family = REGISTRY[model_cfg.family]
+    fused = family.fused_rows(model_cfg)
+    for key, hf_keys in family.tensor_names(model_cfg).items():
+        if key in fused:
+            continue
         if ".moe." in key:
             experts.update(h.split(".")[-2] for h in hf_keys if ".experts." in h and ".shared" not in h)
             continue

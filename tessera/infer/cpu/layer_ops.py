@@ -26,7 +26,8 @@ from tessera.infer.cpu import attention as cpu_attention
 
 @torch.no_grad()
 def fuse_layer_ops(model: nn.Module) -> int:
-    """Install the one-pass kernels at every seam of `model`, a model computing in fp32 on CPU (its
+    """Install the one-pass kernels at every seam of `model` they compute (SwiGLU, an RMSNorm without
+    Gemma's offset, RoPE over the whole head), a model computing in fp32 on CPU (its
     projections may hold int8 weights; a module with floating-point weights of another dtype or
     device is left alone); returns how many seams took one (0 where the library is not available)."""
     from tessera.infer.cpu.linear import FusedLinear
@@ -39,11 +40,13 @@ def fuse_layer_ops(model: nn.Module) -> int:
     ops = torch.ops.tessera_cpu
     n = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm) and _fp32_cpu(module.weight):
+        if isinstance(module, RMSNorm) and not module.unit_offset and _fp32_cpu(module.weight):
             module.fused = ops.rms_norm
         elif type(module) is Attention and _fp32_cpu(getattr(module.wq, "weight", None)):
+            # (a partial or interleaved rotary steps aside from it in Attention.forward)
             module.fused_rope = ops.rope_
-        elif isinstance(module, FeedForward) and _fp32_cpu(getattr(module.w1, "weight", None)):
+        elif (isinstance(module, FeedForward) and module.activation == "silu"
+              and _fp32_cpu(getattr(module.w1, "weight", None))):
             module.fused_act = ops.silu_mul
             fused = module.fused_gate_up
             if isinstance(fused, FusedLinear) and fused.has_swiglu:  # the activation in the product's epilogue

@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names
 from tessera.checkpoint.hf.peft import PREFIX
 from tessera.checkpoint.patterns import file_pattern
 from tessera.config.errors import CheckpointError, ConfigError
@@ -169,9 +169,9 @@ def read_adapter_config(cfg_file: Path, untrusted: bool = True) -> dict:
 def _linear_modules(model: Transformer) -> dict[str, str]:
     """HuggingFace module name -> Tessera module name, for every linear layer an adapter may target."""
     modules = dict(model.named_modules())
-    out = {}
+    out, fused = {}, hf_fused_rows(model.cfg)  # a fused projection (Phi-3's qkv_proj) spans several layers: none
     for key, hf_keys in hf_names(model.cfg).items():
-        if len(hf_keys) != 1 or not key.endswith(".weight") or not hf_keys[0].endswith(".weight"):
+        if key in fused or len(hf_keys) != 1 or not key.endswith(".weight") or not hf_keys[0].endswith(".weight"):
             continue
         name = key[: -len(".weight")]
         m = modules.get(name)
