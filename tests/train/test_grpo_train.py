@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tessera.cli import main
 from tessera.config.errors import ConfigError, DataError
@@ -46,6 +47,10 @@ WORDS = ["cat", "dog", "sun", "map", "red", "box", "cup", "pen"]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
+    return grpo_root(tmp_path_factory)
+
+
+def grpo_root(tmp_path_factory) -> Path:
     """A character-level tokenizer (128 ids, a digit is ~8% of a random model's tokens) and eight prompts."""
     root = tmp_path_factory.mktemp("grpo")
     save_tokenizer(root / "tok")
@@ -277,7 +282,8 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_its_line(root, tmp_p
     ({"data.kind": "preference"}, r"data.kind='preference' is invalid: pretrain, sft or vision_sft with "
                                   r"train.objective=grpo"),
     ({"train.objective": "lm"}, r"data.kind='prompts' is invalid: pretrain, sft or vision_sft with train.objective=lm"),
-    ({"parallel.tp": 2}, r"parallel.tp=2 is invalid: 1 with train.objective=grpo \(GRPO runs in one process"),
+    ({"parallel.cp": 2}, r"parallel.cp=2 is invalid: 1 with train.objective=grpo \(GRPO runs in one process and "
+                         r"under dp_replicate / dp_shard / tp only\)"),
     ({"train.dtype": "fp16"}, r"train.dtype='fp16' is invalid: fp32 or bf16 with train.objective=grpo"),
     ({"train.eval_interval": 5}, r"train.eval_interval=5 is invalid: 0 with train.objective=grpo"),
 ])
@@ -304,6 +310,7 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
     with torch.no_grad():
         want = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
+    want = want.full_tensor() if isinstance(want, DTensor) else want  # tp: sharded on the vocabulary
     rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
     engine = rollouts.engine(1)
     got = _engine_logits(engine, ids)
@@ -312,13 +319,31 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
             "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model}
 
 
+GRPO_LAYOUTS = [
+    pytest.param(2, {"parallel.dp_shard": 2}, id="fsdp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="tp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, id="tp2-sp"),
+    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2", marks=pytest.mark.slow),
+]
+
+
+LAYOUT_RUN = {"optim.lr": 1e-2, "optim.eps": 1e-3, "train.micro_batch_size": 1}
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> dict:
+    """The one-process run every layout must equal."""
+    return _grpo_on_ranks(_overrides(root, "one", steps=3, **LAYOUT_RUN))
+
+
 @pytest.mark.dist
-def test_under_dp_shard_the_engine_reads_gathered_weights_and_two_ranks_train_the_one_process_policy(root):
-    extra = {"optim.lr": 1e-2, "optim.eps": 1e-3, "train.micro_batch_size": 1}
-    ref = _grpo_on_ranks(_overrides(root, "one", steps=3, **extra))
-    got = run_ranks(_grpo_on_ranks, 2, _overrides(root, "two", steps=3, **{**extra, "parallel.dp_shard": 2}),
-                    timeout=HANG_S)
-    assert ref["shared"] and not got[0]["shared"]  # FSDP shards: the engine holds a gathered copy
+@pytest.mark.parametrize("world,layout", GRPO_LAYOUTS)
+def test_under_dp_shard_and_tp_the_engine_reads_gathered_weights_and_the_ranks_train_the_one_process_policy(
+        root, one_process, world, layout):
+    ref, extra = one_process, LAYOUT_RUN
+    run = "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
+    got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**extra, **layout}), timeout=HANG_S)
+    assert ref["shared"] and not got[0]["shared"]  # shards (FSDP, tp): the engine holds a gathered copy
     for rank in got:
         assert rank["engine_diff"] < 1e-5, rank["engine_diff"]
         for name, value in ref["weights"].items():

@@ -1,0 +1,101 @@
+"""GRPO's train.grpo.updates_per_rollout and train.grpo.bitwise.
+
+More than one update on a rollout moves the policy away from the one that sampled it, so its ratio
+leaves the clip range (clip_fraction > 0), while a rollout sampled once per step never does; the
+engine samples once per step whatever the number of updates, and the optimizer steps that many
+times. In the bitwise mode the log-probabilities of the sampled tokens that the importance weights
+and logprob_diff_* read are scored by the trainer's own forward, so they equal the trainer's
+exactly (logprob_diff_max == 0, in one process and under tp and dp_shard), where the paged engine's
+differ in the last bits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.config.errors import ConfigError
+from tessera.config.schema import load_config
+from tessera.eval.rollouts import EngineRollouts
+from tessera.train.trainer import Trainer
+from tests.forked_ranks import run_ranks
+from tests.hang_guard import HANG_S
+from tests.train.runs import TINY_DENSE
+from tests.train.test_grpo_train import _overrides, _records, grpo_root
+
+HIGH_LR = {"optim.lr": 5e-2, "train.steps": 3}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return grpo_root(tmp_path_factory)
+
+
+def _train(root, run: str, monkeypatch=None, **extra) -> tuple[list[dict], dict[str, int]]:
+    """Train; the records and how often the engine sampled and the optimizer stepped."""
+    cfg = load_config(TINY_DENSE, _overrides(root, run, **extra))
+    rollouts = EngineRollouts(cfg)
+    trainer = Trainer(cfg, rollouts=rollouts)
+    calls = {"rollouts": 0, "optimizer_steps": 0}
+    if monkeypatch is not None:  # counts what the real parts do
+        sample, step = rollouts.rollouts, trainer.optimizer.step
+
+        def counted_rollouts(*args, **kwargs):
+            calls["rollouts"] += 1
+            return sample(*args, **kwargs)
+
+        def counted_step(*args, **kwargs):
+            calls["optimizer_steps"] += 1
+            return step(*args, **kwargs)
+        monkeypatch.setattr(rollouts, "rollouts", counted_rollouts)
+        monkeypatch.setattr(trainer.optimizer, "step", counted_step)
+    trainer.train()
+    return _records(root / run), calls
+
+
+def test_more_updates_per_rollout_move_the_ratio_out_of_the_clip_range(root, monkeypatch):
+    once, calls_once = _train(root, "updates-1", monkeypatch, **HIGH_LR)
+    four, calls_four = _train(root, "updates-4", monkeypatch, **{**HIGH_LR, "train.grpo.updates_per_rollout": 4})
+    assert calls_once == {"rollouts": 3, "optimizer_steps": 3}
+    assert calls_four == {"rollouts": 3, "optimizer_steps": 12}  # one rollout, four updates a step
+    assert all(r["clip_fraction"] == 0 for r in once)  # the sampling policy is the policy: ratio 1
+    assert max(r["clip_fraction"] for r in four) > 0.02, [r["clip_fraction"] for r in four]
+    # the first step samples the same completions either way: the same rewards, the same engine figures
+    for key in ("reward_mean", "response_length", "logprob_diff_max"):
+        assert four[0][key] == once[0][key], key
+
+
+def test_updates_per_rollout_below_1_is_refused_by_name(root):
+    with pytest.raises(ConfigError, match=r"train.grpo.updates_per_rollout=0 is invalid: >= 1"):
+        load_config(TINY_DENSE, _overrides(root, "r", **{"train.grpo.updates_per_rollout": 0}))
+
+
+def test_the_bitwise_mode_scores_the_sampled_tokens_exactly_as_the_trainer(root):
+    paged, _ = _train(root, "paged", **HIGH_LR)
+    bitwise, _ = _train(root, "bitwise", **{**HIGH_LR, "train.grpo.bitwise": "true"})
+    assert all(r["logprob_diff_max"] > 0 for r in paged)  # the paged engine's last bits differ
+    assert max(r["logprob_diff_max"] for r in paged) < 1e-5
+    for r in bitwise:
+        assert r["logprob_diff_max"] == 0 and r["logprob_diff_mean"] == 0, r
+    for mine, theirs in zip(bitwise, paged, strict=True):  # the engine samples the same tokens
+        assert mine["reward_mean"] == theirs["reward_mean"] and mine["response_length"] == theirs["response_length"]
+
+
+def _bitwise_on_ranks(overrides: list[str]) -> list[dict]:
+    cfg = load_config(TINY_DENSE, overrides)
+    return Trainer(cfg, rollouts=EngineRollouts(cfg)).train().records
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2, "parallel.dp_shard": 1}, {"parallel.dp_shard": 2}],
+                         ids=["tp2", "fsdp2"])
+def test_the_bitwise_mode_is_exact_under_tp_and_dp_shard(root, layout):
+    run = "bitwise-" + "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
+    extra = {**HIGH_LR, "train.grpo.bitwise": "true", "train.micro_batch_size": 1, **layout}
+    records = run_ranks(_bitwise_on_ranks, 2, _overrides(root, run, **extra), timeout=HANG_S)[0]
+    assert len(records) == 3 and any(r["grad_norm"] > 0 for r in records)
+    for r in records:
+        assert r["logprob_diff_max"] == 0 and r["logprob_diff_mean"] == 0, r
+        assert torch.isfinite(torch.tensor(r["loss"]))
