@@ -12,10 +12,8 @@ does not exist, group_size 1) is refused in one line or counted, as issue 48 ask
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import math
-import weakref
 from pathlib import Path
 
 import pytest
@@ -186,24 +184,31 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 def test_after_a_step_the_engine_decodes_with_the_new_weights_and_releases_its_kv(root, monkeypatch):
-    cfg = load_config(TINY_DENSE, _overrides(root, "sync", steps=1, **{"optim.lr": 1e-2}))
+    cfg = load_config(TINY_DENSE, _overrides(root, "sync", steps=2, **{"optim.lr": 1e-2}))
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
     assert rollouts.model is trainer.model  # one process: the engine runs the policy's own parameters
-    caches = []  # every engine a rollout phase builds, traced: its KV cache must be gone once the phase is done
-    build = LLMEngine.from_model
+    engines, awake_bytes = [], []  # every engine the rollout phases build, and its KV bytes at each phase's end
+    build, sleep = LLMEngine.from_model, LLMEngine.sleep
 
     def traced(*args, **kwargs):
         engine = build(*args, **kwargs)
-        caches.append(weakref.ref(engine.kv))
+        engines.append(engine)
         return engine
+
+    def traced_sleep(engine):
+        awake_bytes.append(engine.kv.nbytes)
+        sleep(engine)
     monkeypatch.setattr(LLMEngine, "from_model", traced)
+    monkeypatch.setattr(LLMEngine, "sleep", traced_sleep)
     ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
     with torch.no_grad():
         before = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     trainer.train()
-    gc.collect()
-    assert len(caches) == 1 and caches[0]() is None
+    # one engine for both phases, its KV cache allocated during each and released after it
+    assert len(engines) == 1 and engines[0] is rollouts.kept
+    assert len(awake_bytes) == 2 and awake_bytes[0] == awake_bytes[1] > 0
+    assert rollouts.kept.sleeping and rollouts.kept.kv.nbytes == 0 and len(rollouts.kept.blocks.cache) == 0
     with torch.no_grad():
         after = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     engine = rollouts.engine(1)

@@ -263,6 +263,31 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- sleep and wake ----------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return isinstance(self.executor, InProcessExecutor) and self.kv.released
+
+    def sleep(self) -> None:
+        """Release the paged KV cache's memory while the engine is not used (between the rollout
+        phases of a GRPO run, whose training step then has it); `wake` allocates it again. The prefix
+        cache is emptied: its blocks' contents go (and the weights may change before `wake`). Only
+        with no unfinished request, in one process, without pinned system prompts or KV tiers."""
+        if self.sleeping:
+            return
+        if not isinstance(self.executor, InProcessExecutor) or self.executor.kv_tiers is not None:
+            raise ConfigError("sleep() needs the engine in one process without KV tiers "
+                              "(tensor_parallel_size=1, kv_offload_gib=0, no kv_cache_dir)")
+        if self.has_unfinished() or self.blocks.num_pinned_blocks:
+            raise ConfigError("sleep() needs an idle engine: no unfinished request and no pinned system prompt")
+        self.blocks.drop_cached()
+        self.kv.release()
+
+    def wake(self) -> None:
+        """Allocate the KV cache `sleep` released (empty); nothing to do when it is awake."""
+        if self.sleeping:
+            self.kv.reclaim()
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (at shutdown)."""
         return self.scheduler.fail_all(message)
@@ -313,6 +338,8 @@ class LLMEngine:
         """One step: the scheduler's plan, run by the executor, its results applied by the
         scheduler. The KV blocks a request failing on inf/NaN leaves are zeroed on every rank before
         the next step can hand them to another request, also when applying the results raised."""
+        if self.sleeping:
+            raise ConfigError("the engine sleeps (its KV cache is released): call wake() before stepping it")
         plan = self.scheduler.schedule()
         result = self.executor.execute_model(plan)
         try:
