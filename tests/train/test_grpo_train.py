@@ -104,31 +104,38 @@ def _hand_advantages(rewards: list[float], group: int) -> list[float]:
     return out
 
 
-def _hand_objective(policy, initial, prompts, ro: Rollouts, g, averaging: str):
-    """The GRPO objective of the rollouts, token by token, written out (its value carries the gradient)."""
+def _hand_objective(policy, initial, prompts, ro: Rollouts, g, averaging: str, old=None):
+    """The GRPO objective of the rollouts, token by token, written out (its value carries the gradient).
+    `old`: the policy that the rollouts' ratio is taken against (None: `policy` itself, ratio 1)."""
     advantages = _hand_advantages(ro.rewards, g.group_size)
-    terms, figures = [], {"kl": 0.0, "diff": 0.0, "tokens": 0}
+    terms, figures = [], {"kl": 0.0, "diff": 0.0, "tokens": 0, "clipped": 0}
     for k, completion in enumerate(ro.completions):
         seq = prompts[k // g.group_size] + completion
         x = torch.tensor([seq[:-1]])
         logits = policy(ModelInput(tokens=x)).logits[0].float()
         with torch.no_grad():
             ref_logits = initial(ModelInput(tokens=x)).logits[0].float()
+            old_logits = logits.detach() if old is None else old(ModelInput(tokens=x)).logits[0].float()
         seq_terms = []
         for t, token in enumerate(completion):
             pos = len(seq) - len(completion) - 1 + t
             logp = torch.log_softmax(logits[pos] / g.temperature, -1)[token]
-            raw = torch.log_softmax(logits[pos], -1)[token].item()
+            old_logp = torch.log_softmax(old_logits[pos] / g.temperature, -1)[token]
+            raw = torch.log_softmax(old_logits[pos], -1)[token].item()  # the sampling policy's
             ref = torch.log_softmax(ref_logits[pos] / g.temperature, -1)[token].item()
             probs = torch.softmax(logits[pos] / g.temperature, -1)
             entropy = -(probs * probs.log()).sum()
             weight = min(math.exp(raw - ro.engine_logps[k][t]), g.tis_cap)
-            ratio = torch.exp(logp - logp.detach())  # 1, with the policy's gradient
+            ratio = torch.exp(logp - old_logp)  # 1 with old None, with the policy's gradient
+            a = advantages[k]
+            clipped = (ratio.item() > 1 + g.clip_high and a > 0) or (ratio.item() < 1 - g.clip_low and a < 0)
+            surrogate = torch.minimum(ratio * a, ratio.clamp(1 - g.clip_low, 1 + g.clip_high) * a)
             k3 = torch.exp(ref - logp) - (ref - logp) - 1
-            seq_terms.append(-advantages[k] * ratio * weight + g.kl_coef * k3 - g.entropy_coef * entropy)
+            seq_terms.append(-surrogate * weight + g.kl_coef * k3 - g.entropy_coef * entropy)
             figures["kl"] += k3.item()
             figures["diff"] += abs(raw - ro.engine_logps[k][t])
             figures["tokens"] += 1
+            figures["clipped"] += clipped
         terms.append(torch.stack(seq_terms))
     if averaging == "token":
         return torch.cat(terms).sum() / figures["tokens"], figures

@@ -11,6 +11,7 @@ differ in the last bits.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tessera.train.trainer import Trainer
 from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.train.runs import TINY_DENSE
-from tests.train.test_grpo_train import _overrides, _records, grpo_root
+from tests.train.test_grpo_train import FixedRollouts, _hand_objective, _overrides, _records, grpo_root
 
 HIGH_LR = {"optim.lr": 5e-2, "train.steps": 3}
 
@@ -99,3 +100,35 @@ def test_the_bitwise_mode_is_exact_under_tp_and_dp_shard(root, layout):
     for r in records:
         assert r["logprob_diff_max"] == 0 and r["logprob_diff_mean"] == 0, r
         assert torch.isfinite(torch.tensor(r["loss"]))
+
+
+def test_the_second_update_on_a_rollout_equals_a_hand_written_reference(root):
+    """updates_per_rollout=2 on fixed rollouts: the step applies the first update itself and leaves the
+    second's gradient, which is that of the clipped objective at the moved policy against the
+    sampling policy's log-probabilities (and its TIS weights); the logged loss and clip fraction are
+    the means of the two updates'."""
+    cfg = load_config(TINY_DENSE, _overrides(root, "hand-updates", **{
+        "train.grpo.updates_per_rollout": 2, "optim.lr": 3e-2, "train.grpo.temperature": 0.7,
+        "train.grpo.kl_coef": 0.1, "train.grpo.tis_cap": 1.5, "train.grpo.group_size": 2,
+        "train.grpo.clip_low": 0.05, "train.grpo.clip_high": 0.05}))
+    rollouts = FixedRollouts(2)
+    trainer = Trainer(cfg, rollouts=rollouts)
+    initial = copy.deepcopy(trainer.model)
+    batch = trainer.data.train.next_batch()
+    result = trainer.engine.forward_backward(batch)  # the first update applied, the second's gradient left
+    moved = copy.deepcopy(trainer.model)
+    assert any(not torch.equal(p, q) for p, q in zip(moved.parameters(), initial.parameters()))
+    prompts = rollouts.seen[0]
+    ro = rollouts.rollouts(prompts, [], [])
+    g = cfg.train.grpo
+    first, first_figures = _hand_objective(copy.deepcopy(initial), initial, prompts, ro, g, "token")
+    second, figures = _hand_objective(moved, initial, prompts, ro, g, "token", old=initial)
+    second.backward()
+    assert first_figures["clipped"] == 0 and figures["clipped"] > 0
+    assert result.loss == pytest.approx((first.item() + second.item()) / 2, rel=1e-5, abs=1e-7)
+    assert result.scalars["clip_fraction"] == pytest.approx(figures["clipped"] / (2 * figures["tokens"]), abs=1e-12)
+    grads = dict(moved.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        want = grads[name].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
