@@ -318,6 +318,12 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     cfg = load_config(TINY_DENSE, overrides)
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
+    sampled, sample = [], rollouts.rollouts  # the prompts this rank's engine samples (counted)
+
+    def counted(prompts, *args):
+        sampled.extend(prompts)
+        return sample(prompts, *args)
+    rollouts.rollouts = counted
     result = trainer.train()
     ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
     with torch.no_grad():
@@ -328,7 +334,8 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     got = _engine_logits(engine, ids)
     engine.close()
     return {"records": result.records, "weights": whole_parameters(trainer.parts),
-            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model}
+            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model,
+            "sampled": len(sampled)}
 
 
 GRPO_LAYOUTS = [
@@ -356,6 +363,8 @@ def test_under_dp_shard_and_tp_the_engine_reads_gathered_weights_and_the_ranks_t
     run = "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
     got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**extra, **layout}), timeout=HANG_S)
     assert ref["shared"] and not got[0]["shared"]  # shards (FSDP, tp): the engine holds a gathered copy
+    # every rank samples its share of the 12 prompts of the run: dp ranks their rows, tp peers every tp-th of them
+    assert ref["sampled"] == 12 and all(rank["sampled"] == 12 // world for rank in got)
     for rank in got:
         assert rank["engine_diff"] < 1e-5, rank["engine_diff"]
         for name, value in ref["weights"].items():

@@ -22,7 +22,8 @@ when kl_coef > 0) and minus `entropy_coef` x the entropy. Each micro-batch backp
 sum divided by the global batch's divisor (its completion tokens, or its completions), so every
 data-parallel and tensor-parallel layout accumulates the one-process gradient (under tp the
 log-probabilities come from the vocabulary-sharded logits: objectives/loss.py `token_logps`; under
-sp the packed rollouts are padded to a multiple of tp).
+sp the packed rollouts are padded to a multiple of tp). Tensor-parallel peers, which hold the same
+prompts, sample every tp-th of them each and gather the others' (`_rollouts`).
 
 `updates_per_rollout` = k: the step makes k passes over its rollouts (PPO epochs); the first is at
 the sampling policy (ratio 1) and records its log-probabilities, the others at the policy the
@@ -127,6 +128,19 @@ class GRPOStep:
         return ([batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows],
                 [base + r * G for r in rows])
 
+    def _rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """The rollouts of this rank's prompts. Tensor-parallel peers hold the same prompts: each samples
+        every tp-th of them (their seeds unchanged, so the completions are those one rank would sample)
+        and the peers gather the others' (`merge_rollouts`)."""
+        tp = self.dims.tp if self.dims is not None else 1
+        if tp == 1:
+            return self.rollout_source.rollouts(prompts, records, seeds)
+        r = self.dims.local_rank("tp")
+        mine = self.rollout_source.rollouts(prompts[r::tp], records[r::tp], seeds[r::tp])
+        parts: list[Any] = [None] * tp
+        dist.all_gather_object(parts, mine, group=self.dims["tp"].get_group())
+        return merge_rollouts(parts, len(prompts), self.g.group_size)
+
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
 
@@ -191,7 +205,7 @@ class GRPOStep:
         each but the last applied here, the last one's gradient of the global batch's GRPO objective
         (summed over the ranks) left to the trainer; the step's figures (`scalars`, module docstring)."""
         prompts, records, seeds = self._rows(batch)
-        ro = self.rollout_source.rollouts(prompts, records, seeds)
+        ro = self._rollouts(prompts, records, seeds)
         self.model.train()
         G, updates = self.g.group_size, self.g.updates_per_rollout
         rewards = torch.tensor(ro.rewards, dtype=torch.float32)
@@ -270,6 +284,18 @@ def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int, multi
         mask[i, start:len(row) - 1] = True
         engine[i, start:len(row) - 1] = torch.tensor(ro.engine_logps[i], dtype=torch.float32)
     return seqs, mask, engine
+
+
+def merge_rollouts(parts: list[Rollouts], prompts: int, group_size: int) -> Rollouts:
+    """The rollouts of `prompts` prompts from `parts`, part r holding those of prompts r, r + n, r + 2n, ...
+    (n = len(parts)), in prompt order; failures summed, seconds the longest part's."""
+    n, order = len(parts), []
+    for i in range(prompts):
+        order += [(i % n, (i // n) * group_size + j) for j in range(group_size)]
+    return Rollouts(completions=[parts[r].completions[k] for r, k in order],
+                    engine_logps=[parts[r].engine_logps[k] for r, k in order],
+                    rewards=[parts[r].rewards[k] for r, k in order],
+                    reward_failures=sum(p.reward_failures for p in parts), seconds=max(p.seconds for p in parts))
 
 
 def _local_divisor(mask: torch.Tensor, averaging: str) -> int:
