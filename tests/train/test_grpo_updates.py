@@ -25,6 +25,7 @@ from tessera.train.trainer import Trainer
 from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.infer.tiny_models import write_model
+from tests.parallel.trainer_runs import whole_parameters
 from tests.train.runs import TINY_DENSE
 from tests.train.test_grpo_train import FixedRollouts, _hand_objective, _overrides, _records, grpo_root
 
@@ -151,3 +152,39 @@ def test_the_smollm2_recipe_runs_as_written_on_a_model_of_its_shape(tmp_path, mo
     records = _records(run)
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 <= r["reward_mean"] <= 1 and r["logprob_diff_max"] < 1e-4 for r in records)
+
+
+UPDATES = {**HIGH_LR, "train.grpo.updates_per_rollout": 3, "optim.eps": 1e-3, "train.micro_batch_size": 1}
+
+
+@pytest.fixture(scope="module")
+def updates_one_process(root) -> dict:
+    return _updates_on_ranks(_overrides(root, "updates-one", **UPDATES))
+
+
+def _updates_on_ranks(overrides: list[str]) -> dict:
+    cfg = load_config(TINY_DENSE, overrides)
+    trainer = Trainer(cfg, rollouts=EngineRollouts(cfg))
+    return {"records": trainer.train().records, "weights": whole_parameters(trainer.parts)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [
+    pytest.param({"parallel.dp_shard": 2}, id="fsdp2"),
+    pytest.param({"parallel.optimizer": "distributed", "parallel.bucket_mb": 0.1, "parallel.dp_replicate": 2,
+                  "parallel.dp_shard": 1}, id="distributed-optimizer"),
+    pytest.param({"parallel.tp": 2, "parallel.dp_shard": 1}, id="tp2"),
+])
+def test_updates_per_rollout_on_ranks_train_the_one_process_policy(root, updates_one_process, layout):
+    """The updates the step applies itself (clipped, stepped, zeroed) under each layout's gradient
+    reduction and optimizer, then the trainer's: the one-process run's figures and weights."""
+    ref, extra = updates_one_process, UPDATES
+    run = "updates-" + "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
+    got = run_ranks(_updates_on_ranks, 2, _overrides(root, run, **{**extra, **layout}), timeout=HANG_S)
+    assert max(r["clip_fraction"] for r in ref["records"]) > 0
+    for mine, want in zip(got[0]["records"], ref["records"], strict=True):
+        for key in ("reward_mean", "response_length", "clip_fraction"):
+            assert mine[key] == pytest.approx(want[key], abs=1e-9), (mine["step"], key)
+        assert mine["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6), mine["step"]
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(got[0]["weights"][name], value, rtol=1e-4, atol=1e-5, msg=name)
