@@ -80,6 +80,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+        self._asleep = False  # `sleep`: the KV cache released until `wake`
         self.vision: VisionLanguageModel | None = None  # a vision-language model whose language model it serves
         self.image_processor = None  # that model's image processor (its family's: pixel values of an image)
 
@@ -266,7 +267,7 @@ class LLMEngine:
     # ---- sleep and wake ----------------------------------------------------------------------
     @property
     def sleeping(self) -> bool:
-        return isinstance(self.executor, InProcessExecutor) and self.kv.released
+        return self._asleep
 
     def sleep(self) -> None:
         """Release the paged KV cache's memory while the engine is not used (between the rollout
@@ -282,11 +283,13 @@ class LLMEngine:
             raise ConfigError("sleep() needs an idle engine: no unfinished request and no pinned system prompt")
         self.blocks.drop_cached()
         self.kv.release()
+        self._asleep = True
 
     def wake(self) -> None:
         """Allocate the KV cache `sleep` released (empty); nothing to do when it is awake."""
         if self.sleeping:
             self.kv.reclaim()
+            self._asleep = False
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (at shutdown)."""
