@@ -139,10 +139,12 @@ def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> st
     return None
 
 
-def need_data_parallel_only(parallel: Any, setting: str, what: str) -> None:
+def need_data_parallel_only(parallel: Any, setting: str, what: str, tensor_parallel: bool = False) -> None:
     """Refuse (ConfigError naming the key) pp, tp, ep or cp above 1 for a `setting` that trains
-    `what` in one process or under dp_replicate / dp_shard only."""
-    for key in ("pp", "tp", "ep", "cp"):
+    `what` in one process or under dp_replicate / dp_shard only (and tp, with `tensor_parallel`)."""
+    keys = ("pp", "ep", "cp") if tensor_parallel else ("pp", "tp", "ep", "cp")
+    layouts = "dp_replicate / dp_shard / tp" if tensor_parallel else "dp_replicate / dp_shard"
+    for key in keys:
         value = getattr(parallel, key)
         require(value == 1, f"parallel.{key}", value,
-                f"1 with {setting} ({what} runs in one process and under dp_replicate / dp_shard only)")
+                f"1 with {setting} ({what} runs in one process and under {layouts} only)")

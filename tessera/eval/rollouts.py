@@ -11,17 +11,18 @@ the policy as the trainer built it:
   around the policy module itself (`LLMEngine.from_model`, not owned: no packing or fusing), so it
   reads the very parameters the optimizer updates in place: after each step it decodes with the new
   weights, with no copy and no checkpoint;
-- under dp_shard, where the policy's parameters are shards (DTensors), it keeps a whole copy of the
-  model, and before each rollout phase every rank gathers each parameter (`full_tensor`, a collective
-  over the shards' ranks) into that copy in place.
+- under dp_shard and tp, where the policy's parameters are shards (DTensors), it keeps a whole copy
+  of the model, and before each rollout phase every rank gathers each parameter (`full_tensor`, a
+  collective over the shards' ranks) into that copy in place.
 
-Each rollout phase builds the engine (its paged KV cache sized for the phase's sequences), adds
-`group_size` requests per prompt (one seeded request per completion, which the engine batches
-continuously, with its prefix cache on), steps it until every
-request has finished, and closes it: the KV cache is released between rollout phases (the training
-step's activations have the memory to themselves) and allocated again for the next one. Every
-request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the raw
-distribution), which the step compares with the trainer's. The completion's text (special tokens
+The engine is built at the first rollout phase (its paged KV cache sized for the phase's
+sequences) and kept: each phase wakes it (the KV cache allocated again, empty), adds `group_size`
+requests per prompt (one seeded request per completion, which the engine batches continuously,
+with its prefix cache on), steps it until every request has finished, and puts it to sleep
+(`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
+phase decodes with new weights), so the training step's activations have the memory to themselves.
+Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
+raw distribution), which the step compares with the trainer's. The completion's text (special tokens
 skipped) is scored by the reward with the record's fields.
 """
 
@@ -57,6 +58,7 @@ class EngineRollouts:
         self.model: nn.Module | None = None  # what the engine runs: the policy itself, or its whole copy
         self.source: nn.Module | None = None  # the sharded policy the copy is gathered from (dp_shard)
         self.device = torch.device("cpu")
+        self.kept: LLMEngine | None = None  # the engine of the rollout phases, asleep between them
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s weights: shared where its tensors are whole, else gathered each phase."""
@@ -88,18 +90,31 @@ class EngineRollouts:
                               seed=self.cfg.train.seed)
         return LLMEngine.from_model(self.model, config, self.tokenizer, self.eos_ids)
 
+    def phase_engine(self, sequences: int) -> LLMEngine:
+        """The kept engine, awake (built again only when a phase has more sequences than it was built for)."""
+        if self.kept is not None and self.kept.config.max_num_seqs < sequences:
+            self.kept.close()
+            self.kept = None
+        if self.kept is None:
+            self.kept = self.engine(sequences)
+        self.kept.wake()
+        return self.kept
+
     def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """`group_size` completions of each prompt, their engine log-probabilities and rewards."""
         self.sync()
         G = self.g.group_size
         start = time.perf_counter()
-        engine = self.engine(len(prompts) * G)
+        engine = self.phase_engine(len(prompts) * G)
+        self.model.eval()  # the trainer's step put the policy in training mode
         try:
             outputs = _generate(engine, prompts, G, self.g.max_new_tokens, self.g.temperature, seeds)
-        finally:
+        except BaseException:
             engine.close()
+            self.kept = None
+            raise
+        engine.sleep()
         seconds = time.perf_counter() - start
-        del engine  # its KV cache goes with it
         rewards, failures = [], 0
         for i, out in enumerate(outputs):
             value, failed = score(self.reward, records[i // G].get("prompt"), out.text, records[i // G])

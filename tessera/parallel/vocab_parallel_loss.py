@@ -70,6 +70,13 @@ def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Ten
     logits [B, S, V]: a DTensor sharded on V over a one-dimensional tensor-parallel mesh (what
     `parallelize` makes of the LM head); targets [B, S] ids.
     """
+    return vocab_parallel_token_losses(logits, targets).sum()
+
+
+def vocab_parallel_token_losses(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's cross-entropy, fp32, shaped as `targets` (0 where it is IGNORE_INDEX), from
+    logits sharded on the vocabulary as `vocab_parallel_loss_sum` takes them: minus the target's
+    log-probability, which DPO and GRPO read per token (tessera.train.objectives.loss.token_logps)."""
     targets_N = targets.reshape(-1)
     placements = logits.placements
     if logits.device_mesh.ndim != 1 or not (placements[0].is_shard() and
@@ -85,4 +92,4 @@ def vocab_parallel_loss_sum(logits: DTensor, targets: torch.Tensor) -> torch.Ten
         raise ParallelError(f"vocabulary {V} is not evenly split over tp={mesh.size()}")
     per_token = vocab_parallel_cross_entropy(local.reshape(-1, V_local), targets_N, vocab_start,
                                              mesh.get_group())
-    return per_token.sum()
+    return per_token.view(targets.shape)

@@ -108,20 +108,25 @@ def test_the_reference_is_the_frozen_initial_weights_and_a_resumed_run_continues
 
 
 LAYOUTS = [
-    pytest.param("dense", {"parallel.dp_shard": 2}, id="dense-fsdp2"),
-    pytest.param("moe", {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}, id="moe-replicate2"),
-    pytest.param("dense", {"parallel.optimizer": "distributed", "parallel.bucket_mb": 0.1,
-                           "parallel.dp_replicate": 2, "parallel.dp_shard": 1}, id="dense-distributed-optimizer"),
+    pytest.param("dense", 2, {"parallel.dp_shard": 2}, id="dense-fsdp2"),
+    pytest.param("moe", 2, {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}, id="moe-replicate2"),
+    pytest.param("dense", 2, {"parallel.optimizer": "distributed", "parallel.bucket_mb": 0.1,
+                              "parallel.dp_replicate": 2, "parallel.dp_shard": 1}, id="dense-distributed-optimizer"),
+    # tensor parallelism: the log-probabilities from the vocabulary-sharded logits, never gathered
+    pytest.param("dense", 2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="dense-tp2"),
+    pytest.param("dense", 2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, id="dense-tp2-sp"),
+    pytest.param("dense", 4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="dense-tp2-fsdp2",
+                 marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("model,layout", LAYOUTS)
-def test_two_data_parallel_ranks_train_the_one_process_policy(prefs, tmp_path, model, layout):
+@pytest.mark.parametrize("model,world,layout", LAYOUTS)
+def test_data_and_tensor_parallel_ranks_train_the_one_process_policy(prefs, tmp_path, model, world, layout):
     extra = {**DPO, "train.micro_batch_size": 1}  # two micro-batches per rank: accumulation before the reduction
     ref = train_one_process(model, overrides_for(model, prefs, tmp_path / "one", 3, **extra))
-    got = run_ranks(train_on_ranks, 2, model, overrides_for(model, prefs, tmp_path / "two", 3, **extra, **layout),
-                    timeout=HANG_S)
+    got = run_ranks(train_on_ranks, world, model,
+                    overrides_for(model, prefs, tmp_path / "two", 3, **extra, **layout), timeout=HANG_S)
     assert_same_training(got, ref, rtol=1e-5)
     for r, w in zip(got[0]["records"], ref["records"], strict=True):
         # a reward is beta x a difference of two log-probabilities: within 1e-5 of their scale
@@ -140,7 +145,8 @@ def test_two_data_parallel_ranks_train_the_one_process_policy(prefs, tmp_path, m
                                 r"train.objective=lm"),
     ({"train.dpo.beta": 0}, r"train.dpo.beta=0.0 is invalid: a finite number > 0"),
     ({"train.dpo.loss": "hinge"}, r"train.dpo.loss='hinge' is invalid: one of sigmoid, ipo"),
-    ({"parallel.tp": 2}, r"parallel.tp=2 is invalid: 1 with train.objective=dpo \(DPO runs in one process"),
+    ({"parallel.cp": 2}, r"parallel.cp=2 is invalid: 1 with train.objective=dpo \(DPO runs in one process and "
+                        r"under dp_replicate / dp_shard / tp only\)"),
     ({"parallel.pp": 2}, r"parallel.pp=2 is invalid: 1 with train.objective=dpo"),
     ({"train.dtype": "fp16"}, r"train.dtype='fp16' is invalid: fp32 or bf16 with train.objective=dpo"),
     ({"train.eval_interval": 5}, r"train.eval_interval=5 is invalid: 0 with train.objective=dpo"),

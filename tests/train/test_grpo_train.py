@@ -12,14 +12,13 @@ does not exist, group_size 1) is refused in one line or counted, as issue 48 ask
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import math
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tessera.cli import main
 from tessera.config.errors import ConfigError, DataError
@@ -46,6 +45,10 @@ WORDS = ["cat", "dog", "sun", "map", "red", "box", "cup", "pen"]
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
+    return grpo_root(tmp_path_factory)
+
+
+def grpo_root(tmp_path_factory) -> Path:
     """A character-level tokenizer (128 ids, a digit is ~8% of a random model's tokens) and eight prompts."""
     root = tmp_path_factory.mktemp("grpo")
     save_tokenizer(root / "tok")
@@ -101,31 +104,38 @@ def _hand_advantages(rewards: list[float], group: int) -> list[float]:
     return out
 
 
-def _hand_objective(policy, initial, prompts, ro: Rollouts, g, averaging: str):
-    """The GRPO objective of the rollouts, token by token, written out (its value carries the gradient)."""
+def _hand_objective(policy, initial, prompts, ro: Rollouts, g, averaging: str, old=None):
+    """The GRPO objective of the rollouts, token by token, written out (its value carries the gradient).
+    `old`: the policy that the rollouts' ratio is taken against (None: `policy` itself, ratio 1)."""
     advantages = _hand_advantages(ro.rewards, g.group_size)
-    terms, figures = [], {"kl": 0.0, "diff": 0.0, "tokens": 0}
+    terms, figures = [], {"kl": 0.0, "diff": 0.0, "tokens": 0, "clipped": 0}
     for k, completion in enumerate(ro.completions):
         seq = prompts[k // g.group_size] + completion
         x = torch.tensor([seq[:-1]])
         logits = policy(ModelInput(tokens=x)).logits[0].float()
         with torch.no_grad():
             ref_logits = initial(ModelInput(tokens=x)).logits[0].float()
+            old_logits = logits.detach() if old is None else old(ModelInput(tokens=x)).logits[0].float()
         seq_terms = []
         for t, token in enumerate(completion):
             pos = len(seq) - len(completion) - 1 + t
             logp = torch.log_softmax(logits[pos] / g.temperature, -1)[token]
-            raw = torch.log_softmax(logits[pos], -1)[token].item()
+            old_logp = torch.log_softmax(old_logits[pos] / g.temperature, -1)[token]
+            raw = torch.log_softmax(old_logits[pos], -1)[token].item()  # the sampling policy's
             ref = torch.log_softmax(ref_logits[pos] / g.temperature, -1)[token].item()
             probs = torch.softmax(logits[pos] / g.temperature, -1)
             entropy = -(probs * probs.log()).sum()
             weight = min(math.exp(raw - ro.engine_logps[k][t]), g.tis_cap)
-            ratio = torch.exp(logp - logp.detach())  # 1, with the policy's gradient
+            ratio = torch.exp(logp - old_logp)  # 1 with old None, with the policy's gradient
+            a = advantages[k]
+            clipped = (ratio.item() > 1 + g.clip_high and a > 0) or (ratio.item() < 1 - g.clip_low and a < 0)
+            surrogate = torch.minimum(ratio * a, ratio.clamp(1 - g.clip_low, 1 + g.clip_high) * a)
             k3 = torch.exp(ref - logp) - (ref - logp) - 1
-            seq_terms.append(-advantages[k] * ratio * weight + g.kl_coef * k3 - g.entropy_coef * entropy)
+            seq_terms.append(-surrogate * weight + g.kl_coef * k3 - g.entropy_coef * entropy)
             figures["kl"] += k3.item()
             figures["diff"] += abs(raw - ro.engine_logps[k][t])
             figures["tokens"] += 1
+            figures["clipped"] += clipped
         terms.append(torch.stack(seq_terms))
     if averaging == "token":
         return torch.cat(terms).sum() / figures["tokens"], figures
@@ -181,24 +191,31 @@ def _engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 
 def test_after_a_step_the_engine_decodes_with_the_new_weights_and_releases_its_kv(root, monkeypatch):
-    cfg = load_config(TINY_DENSE, _overrides(root, "sync", steps=1, **{"optim.lr": 1e-2}))
+    cfg = load_config(TINY_DENSE, _overrides(root, "sync", steps=2, **{"optim.lr": 1e-2}))
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
     assert rollouts.model is trainer.model  # one process: the engine runs the policy's own parameters
-    caches = []  # every engine a rollout phase builds, traced: its KV cache must be gone once the phase is done
-    build = LLMEngine.from_model
+    engines, awake_bytes = [], []  # every engine the rollout phases build, and its KV bytes at each phase's end
+    build, sleep = LLMEngine.from_model, LLMEngine.sleep
 
     def traced(*args, **kwargs):
         engine = build(*args, **kwargs)
-        caches.append(weakref.ref(engine.kv))
+        engines.append(engine)
         return engine
+
+    def traced_sleep(engine):
+        awake_bytes.append(engine.kv.nbytes)
+        sleep(engine)
     monkeypatch.setattr(LLMEngine, "from_model", traced)
+    monkeypatch.setattr(LLMEngine, "sleep", traced_sleep)
     ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
     with torch.no_grad():
         before = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     trainer.train()
-    gc.collect()
-    assert len(caches) == 1 and caches[0]() is None
+    # one engine for both phases, its KV cache allocated during each and released after it
+    assert len(engines) == 1 and engines[0] is rollouts.kept
+    assert len(awake_bytes) == 2 and awake_bytes[0] == awake_bytes[1] > 0
+    assert rollouts.kept.sleeping and rollouts.kept.kv.nbytes == 0 and len(rollouts.kept.blocks.cache) == 0
     with torch.no_grad():
         after = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     engine = rollouts.engine(1)
@@ -277,7 +294,8 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_its_line(root, tmp_p
     ({"data.kind": "preference"}, r"data.kind='preference' is invalid: pretrain, sft or vision_sft with "
                                   r"train.objective=grpo"),
     ({"train.objective": "lm"}, r"data.kind='prompts' is invalid: pretrain, sft or vision_sft with train.objective=lm"),
-    ({"parallel.tp": 2}, r"parallel.tp=2 is invalid: 1 with train.objective=grpo \(GRPO runs in one process"),
+    ({"parallel.cp": 2}, r"parallel.cp=2 is invalid: 1 with train.objective=grpo \(GRPO runs in one process and "
+                         r"under dp_replicate / dp_shard / tp only\)"),
     ({"train.dtype": "fp16"}, r"train.dtype='fp16' is invalid: fp32 or bf16 with train.objective=grpo"),
     ({"train.eval_interval": 5}, r"train.eval_interval=5 is invalid: 0 with train.objective=grpo"),
 ])
@@ -300,25 +318,53 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     cfg = load_config(TINY_DENSE, overrides)
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
+    sampled, sample = [], rollouts.rollouts  # the prompts this rank's engine samples (counted)
+
+    def counted(prompts, *args):
+        sampled.extend(prompts)
+        return sample(prompts, *args)
+    rollouts.rollouts = counted
     result = trainer.train()
     ids = trainer.data.train.next_batch().tokens[0, :20].tolist()
     with torch.no_grad():
         want = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
+    want = want.full_tensor() if isinstance(want, DTensor) else want  # tp: sharded on the vocabulary
     rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
     engine = rollouts.engine(1)
     got = _engine_logits(engine, ids)
     engine.close()
     return {"records": result.records, "weights": whole_parameters(trainer.parts),
-            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model}
+            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model,
+            "sampled": len(sampled)}
+
+
+GRPO_LAYOUTS = [
+    pytest.param(2, {"parallel.dp_shard": 2}, id="fsdp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="tp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, id="tp2-sp"),
+    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2", marks=pytest.mark.slow),
+]
+
+
+LAYOUT_RUN = {"optim.lr": 1e-2, "optim.eps": 1e-3, "train.micro_batch_size": 1}
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> dict:
+    """The one-process run every layout must equal."""
+    return _grpo_on_ranks(_overrides(root, "one", steps=3, **LAYOUT_RUN))
 
 
 @pytest.mark.dist
-def test_under_dp_shard_the_engine_reads_gathered_weights_and_two_ranks_train_the_one_process_policy(root):
-    extra = {"optim.lr": 1e-2, "optim.eps": 1e-3, "train.micro_batch_size": 1}
-    ref = _grpo_on_ranks(_overrides(root, "one", steps=3, **extra))
-    got = run_ranks(_grpo_on_ranks, 2, _overrides(root, "two", steps=3, **{**extra, "parallel.dp_shard": 2}),
-                    timeout=HANG_S)
-    assert ref["shared"] and not got[0]["shared"]  # FSDP shards: the engine holds a gathered copy
+@pytest.mark.parametrize("world,layout", GRPO_LAYOUTS)
+def test_under_dp_shard_and_tp_the_engine_reads_gathered_weights_and_the_ranks_train_the_one_process_policy(
+        root, one_process, world, layout):
+    ref, extra = one_process, LAYOUT_RUN
+    run = "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
+    got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**extra, **layout}), timeout=HANG_S)
+    assert ref["shared"] and not got[0]["shared"]  # shards (FSDP, tp): the engine holds a gathered copy
+    # every rank samples its share of the 12 prompts of the run: dp ranks their rows, tp peers every tp-th of them
+    assert ref["sampled"] == 12 and all(rank["sampled"] == 12 // world for rank in got)
     for rank in got:
         assert rank["engine_diff"] < 1e-5, rank["engine_diff"]
         for name, value in ref["weights"].items():

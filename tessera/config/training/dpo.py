@@ -10,9 +10,10 @@ runs these checks share) or `dpo` (Rafailov et al. 2023: the model learns to pre
 chosen answer over its rejected one, measured against a frozen reference model, the run's initial
 weights). DPO reads `data.kind=preference` data, and that data kind trains only under `dpo`. The `model` section, the
 layout, `optim`, the schedule and `checkpoint` apply as to any run; `train.global_batch_size` and
-`train.micro_batch_size` count pairs. Data parallelism only (dp_replicate, dp_shard, the distributed
-optimizer): pp, tp, cp and ep are refused by name, and so are fp16, distillation, an EAGLE target,
-multi-token prediction and a validation loss (there is no held-out split of preference data).
+`train.micro_batch_size` count pairs. Data and tensor parallelism only (dp_replicate, dp_shard, the
+distributed optimizer, tp with or without sp): pp, cp and ep are refused by name, and so are fp16,
+distillation, an EAGLE target, multi-token prediction and a validation loss (there is no held-out
+split of preference data).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def validate_objective(cfg: Any) -> None:
     kind, records = ((PREFERENCE_KIND, "JSONL of prompt / chosen / rejected records") if t.objective == "dpo"
                      else (PROMPTS_KIND, "JSONL of prompt records"))
     require(d.kind == kind, "data.kind", d.kind, f"{kind} with {setting} ({records})")
-    need_data_parallel_only(cfg.parallel, setting, name)
+    need_data_parallel_only(cfg.parallel, setting, name, tensor_parallel=True)
     require(t.dtype != "fp16", "train.dtype", t.dtype, f"fp32 or bf16 with {setting} ({name} trains without fp16 "
             "loss scaling)")
     require(t.distill.teacher is None, "train.distill.teacher", t.distill.teacher,

@@ -8,11 +8,12 @@ Each step the run's own serving engine (tessera.infer) samples `group_size` comp
 `max_new_tokens` tokens for each prompt of the global batch at `temperature`, with the policy's
 current weights; `reward` scores each (a built-in verifier of tessera.eval.rewards, or a user's
 `module:function` called as `reward(prompt, completion, **fields_of_the_record) -> float`); the
-policy then takes one step on the clipped policy-gradient loss of the group-normalised advantages
-(tessera.train.objectives.policy_gradient), with an optional k3 KL to the run's initial weights
-(`kl_coef`), an entropy bonus and the truncated importance-sampling correction of the engine's
-log-probabilities. `train.global_batch_size` and `train.micro_batch_size` count prompts. One
-process and data parallelism only (pp, tp, cp, ep refused by name), not fp16, no distillation,
+policy then takes `updates_per_rollout` steps on the clipped policy-gradient loss of the
+group-normalised advantages (tessera.train.objectives.policy_gradient), with an optional k3 KL to
+the run's initial weights (`kl_coef`), an entropy bonus and the truncated importance-sampling
+correction of the engine's log-probabilities (`bitwise`: scored by the trainer's own forward, so
+they equal its own exactly). `train.global_batch_size` and `train.micro_batch_size` count prompts.
+One process, data and tensor parallelism only (pp, cp, ep refused by name), not fp16, no distillation,
 EAGLE target, multi-token prediction or validation loss.
 """
 
@@ -48,6 +49,13 @@ class GRPOConfig:
     loss_averaging: str = "token"  # token: every completion token alike; sequence: every completion alike
     scale_rewards: bool = True  # advantages divided by the group's reward std (False: centred only)
     tis_cap: float | None = 2.0  # > 0: cap of the truncated importance weight engine -> trainer; None = off
+    # >= 1: optimizer updates on each rollout (PPO epochs): the first at the sampling policy (ratio 1), the
+    # others at the moved policy, whose ratio to the sampling policy the clip range bounds
+    updates_per_rollout: int = 1
+    # true: the log-probabilities of the sampled tokens that the importance weights and logprob_diff_* read are
+    # scored by the trainer's own forward (its kernels, micro-batches and reduction order), not the paged
+    # engine's, so they equal the trainer's exactly; the engine still samples the tokens
+    bitwise: bool = False
 
 
 def validate_grpo(cfg: Any) -> None:
@@ -67,6 +75,8 @@ def validate_grpo(cfg: Any) -> None:
     require(g.clip_low < 1, "train.grpo.clip_low", g.clip_low, "< 1 (the ratio's lower bound 1 - clip_low > 0)")
     require(g.loss_averaging in AVERAGING, "train.grpo.loss_averaging", g.loss_averaging,
             f"one of {', '.join(AVERAGING)}")
+    require(g.updates_per_rollout >= 1, "train.grpo.updates_per_rollout", g.updates_per_rollout,
+            ">= 1 (optimizer updates on each rollout)")
     require(g.tis_cap is None or (math.isfinite(g.tis_cap) and g.tis_cap > 0), "train.grpo.tis_cap", g.tis_cap,
             "null (off) or a finite number > 0")
 

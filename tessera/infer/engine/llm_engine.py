@@ -82,6 +82,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.eos_ids)
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+        self._asleep = False  # `sleep`: the KV cache released until `wake`
         self.vision: VisionLanguageModel | None = None  # a vision-language model whose language model it serves
         self.image_processor = None  # that model's image processor (its family's: pixel values of an image)
         self.profile: EngineProfile | None = None  # `tessera serve --profile-dir`: steps recorded (step_profile.py)
@@ -266,6 +267,33 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- sleep and wake ----------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Release the paged KV cache's memory while the engine is not used (between the rollout
+        phases of a GRPO run, whose training step then has it); `wake` allocates it again. The prefix
+        cache is emptied: its blocks' contents go (and the weights may change before `wake`). Only
+        with no unfinished request, in one process, without pinned system prompts or KV tiers."""
+        if self.sleeping:
+            return
+        if not isinstance(self.executor, InProcessExecutor) or self.executor.kv_tiers is not None:
+            raise ConfigError("sleep() needs the engine in one process without KV tiers "
+                              "(tensor_parallel_size=1, kv_offload_gib=0, no kv_cache_dir)")
+        if self.has_unfinished() or self.blocks.num_pinned_blocks:
+            raise ConfigError("sleep() needs an idle engine: no unfinished request and no pinned system prompt")
+        self.blocks.drop_cached()
+        self.kv.release()
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Allocate the KV cache `sleep` released (empty); nothing to do when it is awake."""
+        if self.sleeping:
+            self.kv.reclaim()
+            self._asleep = False
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request with an error (at shutdown)."""
         return self.scheduler.fail_all(message)
@@ -316,6 +344,8 @@ class LLMEngine:
         """One step: the scheduler's plan, run by the executor, its results applied by the
         scheduler. The KV blocks a request failing on inf/NaN leaves are zeroed on every rank before
         the next step can hand them to another request, also when applying the results raised."""
+        if self.sleeping:
+            raise ConfigError("the engine sleeps (its KV cache is released): call wake() before stepping it")
         if self.profile is not None and self.profile.recording:
             return self.profile.timed_step(self)
         plan = self.scheduler.schedule()

@@ -156,3 +156,12 @@ class BlockManager:
                 self.cache.pinned.add(b)
                 pinned += 1
         return pinned
+
+    def drop_cached(self) -> None:
+        """Forget every unreferenced block the prefix cache names and free it: their contents are
+        gone (the engine's KV cache was released) or stale (the weights changed)."""
+        if self.cache is None:
+            return
+        for block in list(self.cache.evictable):
+            self.cache.forget(block)
+            self.free.append(block)

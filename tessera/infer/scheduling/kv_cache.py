@@ -10,6 +10,9 @@ x ~= q * s, s = max|x| / 127 over the head dim (symmetric absmax quantisation). 
 token drops to about a quarter of fp32 (half of bf16); attention reads dequantised values.
 A prefill chunk that starts at position 0 attends to its own keys before they are stored, so only
 later reads see the rounding (see paged_attention.py).
+
+`release` gives the stores' memory back and `reclaim` allocates it again (the engine's sleep and
+wake, between the rollout phases of a GRPO run that trains in the same process).
 Shapes: T tokens, N sequences, L context length, G heads stored, D head dim.
 """
 
@@ -60,6 +63,7 @@ class PagedKVCache:
             self.k_scale = [torch.ones(slots, gk, device=device) for _ in range(cfg.n_layers)]
             self.v_scale = [torch.ones(slots, gv, device=device) for _ in range(cfg.n_layers)]
         self._workspace: dict[str, torch.Tensor] = {}  # gather_flat's buffers (CPU)
+        self._sizes: list[int] = []  # each store's bytes while released (`release`, `reclaim`)
 
     def write(self, layer: int, slots_T: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> None:
         if self.int8:
@@ -147,3 +151,30 @@ class PagedKVCache:
         if self.int8:  # a NaN scale times a zero value is still NaN
             for scale in (*self.k_scale, *self.v_scale):
                 scale.index_fill_(0, slots, 1.0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache's stores hold now (0 while released)."""
+        return sum(t.untyped_storage().nbytes() for t in self.stores())
+
+    @property
+    def released(self) -> bool:
+        return self.nbytes == 0
+
+    def release(self) -> None:
+        """Give the stores' memory back (each storage resized to 0 bytes, the tensors kept, so that
+        whoever holds them holds them again after `reclaim`); the CPU gather buffers go too."""
+        self._sizes = [t.untyped_storage().nbytes() for t in self.stores()]
+        for t in self.stores():
+            t.untyped_storage().resize_(0)
+        self._workspace.clear()
+
+    def reclaim(self) -> None:
+        """Allocate the released stores again, as they were made: values 0, int8 scales 1."""
+        for t, size in zip(self.stores(), self._sizes, strict=True):
+            t.untyped_storage().resize_(size)
+        for t in (*self.k, *self.v):
+            t.zero_()
+        if self.int8:
+            for t in (*self.k_scale, *self.v_scale):
+                t.fill_(1.0)

@@ -34,14 +34,12 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.model_input import ModelInput
 from tessera.parallel import dp_rows, global_sum
-from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
 from tessera.train.modes.lm import export_hf, lm_closing, lm_summary
 from tessera.train.modes.mode import ModeContext, ModeParts
@@ -50,7 +48,12 @@ from tessera.train.objectives.preference_loss import answer_logps, pair_scores
 from tessera.train.results import StepResult
 from tessera.train.run.layout import RunLayout
 from tessera.train.run.metric_record import step_record
-from tessera.train.steps.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
+from tessera.train.steps.step_engine import (
+    clip_parts_grad_norm,
+    mixed_precision,
+    sync_gradients,
+    update_parts_expert_bias,
+)
 from tessera.train.steps.step_stats import StepStats, reduce_over_ranks
 
 # the sums a rank keeps over its pairs, in this order (`DPOStep.forward_backward` divides them)
@@ -78,10 +81,7 @@ class DPOStep:
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """Reduce gradients over the data-parallel ranks in the backward of the rank's last micro-batch only."""
-        for optimizer in self.distributed_optimizers:
-            optimizer.start_micro_batch(last_micro_batch)
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
+        sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
 
     def _micro_batch(self, tokens: torch.Tensor, mask: torch.Tensor, pairs: int, micro_batches: int,
                      stats: StepStats) -> torch.Tensor:
@@ -133,9 +133,8 @@ class DPOStep:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The policy's whole gradient norm, clipped (every rank the same)."""
-        if self.distributed_optimizers:
-            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
-        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims,
+                                    distributed_optimizers=self.distributed_optimizers)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         update_parts_expert_bias(self.parts, counts, self.device)

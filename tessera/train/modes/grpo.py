@@ -15,13 +15,24 @@ A step, on each rank for its rows of the global batch (`train.global_batch_size`
 taking its share, `train.micro_batch_size` prompts a micro-batch): the rollouts; each group's rewards
 normalised into advantages; the policy's log-probabilities of the completions (the logits divided by
 `train.grpo.temperature`, the distribution the engine sampled from) in one forward with the gradient;
-the clipped policy-gradient loss (tessera.train.objectives.policy_gradient: one update per rollout,
-so the sampling policy is the policy itself and its ratio is 1), weighted by the truncated importance
-weights of the engine's log-probabilities against the trainer's (`tis_cap`), plus `kl_coef` x the k3
-KL to a frozen reference (the run's initial weights, built only when kl_coef > 0) and minus
-`entropy_coef` x the entropy. Each micro-batch backpropagates its loss sum divided by the global
-batch's divisor (its completion tokens, or its completions), so every data-parallel layout
-accumulates the one-process gradient.
+the clipped policy-gradient loss (tessera.train.objectives.policy_gradient), weighted by the truncated
+importance weights of the engine's log-probabilities against the trainer's at the sampling policy
+(`tis_cap`), plus `kl_coef` x the k3 KL to a frozen reference (the run's initial weights, built only
+when kl_coef > 0) and minus `entropy_coef` x the entropy. Each micro-batch backpropagates its loss
+sum divided by the global batch's divisor (its completion tokens, or its completions), so every
+data-parallel and tensor-parallel layout accumulates the one-process gradient (under tp the
+log-probabilities come from the vocabulary-sharded logits: objectives/loss.py `token_logps`; under
+sp the packed rollouts are padded to a multiple of tp). Tensor-parallel peers, which hold the same
+prompts, sample every tp-th of them each and gather the others' (`_rollouts`).
+
+`updates_per_rollout` = k: the step makes k passes over its rollouts (PPO epochs); the first is at
+the sampling policy (ratio 1) and records its log-probabilities, the others at the policy the
+previous passes moved, whose ratio to them the clip range bounds. The step applies the first k - 1
+updates itself (clipped as the trainer clips, `_inner_update`) and leaves the last one's gradient to
+the trainer; `loss`, `kl` and `clip_fraction` are means over the k passes, the MoE routing figures
+those of the last. `bitwise`: before the first pass the policy scores the sampled tokens under
+no_grad in the very micro-batches the passes run (`_score`), and these replace the engine's
+log-probabilities, so the importance weights are exactly 1 and logprob_diff_* exactly 0.
 
 metrics.jsonl logs, besides an ordinary step's figures, `loss` (the objective), `reward_mean`,
 `reward_std` (over the global batch's completions), `kl` (mean k3 per completion token; 0 without a
@@ -35,6 +46,7 @@ scored 0). `loss_tokens` counts completion tokens. There is no evaluation; check
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -43,14 +55,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
 from tessera.models.model_input import ModelInput
 from tessera.parallel import dp_rows, global_sum
-from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
 from tessera.train.modes.lm import export_hf, lm_closing, lm_summary
 from tessera.train.modes.mode import ModeContext, ModeParts
@@ -59,7 +69,12 @@ from tessera.train.objectives.policy_gradient import group_advantages, policy_lo
 from tessera.train.results import StepResult
 from tessera.train.run.layout import RunLayout
 from tessera.train.run.metric_record import step_record
-from tessera.train.steps.step_engine import clip_parts_grad_norm, mixed_precision, update_parts_expert_bias
+from tessera.train.steps.step_engine import (
+    clip_parts_grad_norm,
+    mixed_precision,
+    sync_gradients,
+    update_parts_expert_bias,
+)
 from tessera.train.steps.step_stats import StepStats, reduce_over_ranks
 
 
@@ -97,6 +112,9 @@ class GRPOStep:
         self.mb, self.autocast, self.g = cfg.train.micro_batch_size, built.autocast_dtype, cfg.train.grpo
         self.seed, self.position = cfg.train.seed, position  # position: samples the run has drawn (resumed too)
         self.distributed_optimizers = built.distributed_optimizers
+        self.optimizers, self.grad_clip = built.optimizers, cfg.train.grad_clip  # updates_per_rollout > 1
+        # sequence parallelism splits each sequence over the tp ranks: packed rollouts are padded to it
+        self.sequence_multiple = layout.dims.tp if layout.dims is not None and layout.dims.sp else 1
         rollouts.bind(self.model, layout)
 
     def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
@@ -110,64 +128,109 @@ class GRPOStep:
         return ([batch.tokens[r][batch.loss_mask[r]].tolist() for r in rows], [records[r] for r in rows],
                 [base + r * G for r in rows])
 
-    def _sync_gradients(self, last_micro_batch: bool) -> None:
-        for optimizer in self.distributed_optimizers:
-            optimizer.start_micro_batch(last_micro_batch)
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
+    def _rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """The rollouts of this rank's prompts. Tensor-parallel peers hold the same prompts: each samples
+        every tp-th of them (their seeds unchanged, so the completions are those one rank would sample)
+        and the peers gather the others' (`merge_rollouts`)."""
+        tp = self.dims.tp if self.dims is not None else 1
+        if tp == 1:
+            return self.rollout_source.rollouts(prompts, records, seeds)
+        r = self.dims.local_rank("tp")
+        mine = self.rollout_source.rollouts(prompts[r::tp], records[r::tp], seeds[r::tp])
+        parts: list[Any] = [None] * tp
+        dist.all_gather_object(parts, mine, group=self.dims["tp"].get_group())
+        return merge_rollouts(parts, len(prompts), self.g.group_size)
 
-    def _micro_batch(self, seqs: torch.Tensor, mask: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor,
-                     divisor: int, micro_batches: int, stats: StepStats) -> torch.Tensor:
-        """Forward and backward of the policy on completions [n, L] (`mask`: completion targets); its
-        loss, clipped, kl and |engine - trainer| sums (fp64) and the largest difference."""
-        g = self.g
+    def _sync_gradients(self, last_micro_batch: bool) -> None:
+        sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
+
+    def _forward_logps(self, seqs: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The policy's forward on completions [n, L]: its output, the targets (IGNORE_INDEX outside
+        the completions) and the raw fp32 logits."""
         x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].masked_fill(~mask, IGNORE_INDEX).to(self.device)
-        m, engine = mask.to(self.device), engine.to(self.device)
         with mixed_precision(self.device, self.autocast):
             out = self.model(ModelInput(tokens=x))
-        logits = out.logits.float()
+        return out, y, out.logits.float()
+
+    @torch.no_grad()
+    def _score(self, seqs: torch.Tensor, mask: torch.Tensor, chunks: list[slice]) -> torch.Tensor:
+        """train.grpo.bitwise: the log-probabilities of the sampled tokens [N, L - 1] by the scoring pass
+        the trainer runs (the policy module, its micro-batches, their padding), so that they equal
+        the trainer's bit for bit."""
+        engine = torch.zeros(mask.shape, dtype=torch.float32)
+        for rows in chunks:
+            _, y, logits = self._forward_logps(seqs[rows], mask[rows])
+            engine[rows] = token_logps(logits, y).cpu()
+        return engine
+
+    def _micro_batch(self, seqs: torch.Tensor, mask: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor,
+                     old: tuple[torch.Tensor, torch.Tensor] | None, divisor: int, micro_batches: int,
+                     stats: StepStats) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Forward and backward of the policy on completions [n, L] (`mask`: completion targets); its
+        loss, clipped, kl and |engine - trainer| sums (fp64) and the largest difference, and the
+        (tempered, raw) log-probabilities of the rollout's policy (`old`: those of the first update)."""
+        g = self.g
+        m, engine = mask.to(self.device), engine.to(self.device)
+        out, y, logits = self._forward_logps(seqs, mask)
         raw = token_logps(logits, y)  # the distribution the engine reports
         logps = raw if g.temperature == 1 else token_logps(logits / g.temperature, y)
+        old = old if old is not None else (logps.detach(), raw.detach())  # the first update: the sampling policy
         ref = None
         if self.reference is not None:
             with torch.no_grad(), mixed_precision(self.device, self.autocast):
-                ref_logits = self.reference(ModelInput(tokens=x)).logits.float()
+                ref_logits = self.reference(ModelInput(tokens=seqs[:, :-1].to(self.device))).logits.float()
             ref = token_logps(ref_logits if g.temperature == 1 else ref_logits / g.temperature, y)
-        weights = tis_weights(raw, engine, g.tis_cap) if g.tis_cap is not None else None
+        weights = tis_weights(old[1], engine, g.tis_cap) if g.tis_cap is not None else None
         entropies = token_entropy(logits / g.temperature) if g.entropy_coef else None
-        pl = policy_loss_sum(logps, logps.detach(), advantages.to(self.device), m, clip_low=g.clip_low,
+        pl = policy_loss_sum(logps, old[0], advantages.to(self.device), m, clip_low=g.clip_low,
                              clip_high=g.clip_high, averaging=g.loss_averaging, ref_logps=ref, kl_coef=g.kl_coef,
                              weights=weights, entropies=entropies, entropy_coef=g.entropy_coef)
         (pl.loss_sum / divisor + out.aux_loss.float() / micro_batches).backward()
         stats.add_routing(out)
-        diff = ((raw.detach() - engine).abs() * m).double()
+        diff = ((old[1] - engine).abs() * m).double()
         return torch.stack([pl.loss_sum.detach().double(), pl.clipped.double(), pl.kl_sum.double(), diff.sum(),
-                            diff.max()])
+                            diff.max()]), old
+
+    def _inner_update(self) -> None:
+        """An optimizer step of updates_per_rollout > 1 before the last (whose gradients the trainer
+        clips and applies): clipped as the trainer clips, skipped when the norm is not finite."""
+        if math.isfinite(self.clip_grad_norm(self.grad_clip)):
+            for optimizer in self.optimizers:
+                optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def forward_backward(self, batch: Batch) -> StepResult:
-        """Rollouts of this rank's prompts, then the policy's gradient of the global batch's GRPO
-        objective (summed over the ranks); the step's figures (`scalars`, module docstring)."""
+        """Rollouts of this rank's prompts, then `updates_per_rollout` updates of the policy on them:
+        each but the last applied here, the last one's gradient of the global batch's GRPO objective
+        (summed over the ranks) left to the trainer; the step's figures (`scalars`, module docstring)."""
         prompts, records, seeds = self._rows(batch)
-        ro = self.rollout_source.rollouts(prompts, records, seeds)
+        ro = self._rollouts(prompts, records, seeds)
         self.model.train()
-        G = self.g.group_size
+        G, updates = self.g.group_size, self.g.updates_per_rollout
         rewards = torch.tensor(ro.rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, G, scale=self.g.scale_rewards)
-        seqs, mask, engine = pack_rollouts(prompts, ro, G)
+        seqs, mask, engine = pack_rollouts(prompts, ro, G, self.sequence_multiple)
         local = _local_divisor(mask, self.g.loss_averaging)
-        divisor = int(local if self.dims is None else global_sum(local, self.dims).item())
+        divisor = max(int(local if self.dims is None else global_sum(local, self.dims).item()), 1)
         n_local = len(prompts) // self.mb
         micro_batches = n_local * (self.dims.dp_size if self.dims is not None else 1)
+        chunks = [slice(i * self.mb * G, (i + 1) * self.mb * G) for i in range(n_local)]
+        if self.g.bitwise:
+            engine = self._score(seqs, mask, chunks)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         diff_max = torch.zeros((), dtype=torch.float64, device=self.device)
-        stats = StepStats()
-        for i in range(n_local):
-            self._sync_gradients(i == n_local - 1)
-            rows = slice(i * self.mb * G, (i + 1) * self.mb * G)
-            out = self._micro_batch(seqs[rows], mask[rows], engine[rows], advantages[rows], max(divisor, 1),
-                                    micro_batches, stats)
-            sums += out[:4]
-            diff_max = torch.maximum(diff_max, out[4])
+        old: list[Any] = [None] * n_local
+        for update in range(updates):
+            if update:
+                self._inner_update()
+            stats = StepStats()  # the routing of the last update, whose gradient the trainer applies
+            for i, rows in enumerate(chunks):
+                self._sync_gradients(i == n_local - 1)
+                out, old[i] = self._micro_batch(seqs[rows], mask[rows], engine[rows], advantages[rows], old[i],
+                                                divisor, micro_batches, stats)
+                sums += torch.cat([out[:3] / updates, out[3:4] * (update == 0)])
+                diff_max = torch.maximum(diff_max, out[4])
         counts = torch.tensor([rewards.sum(), (rewards.double() ** 2).sum(), rewards.numel(), mask.sum(),
                                ro.reward_failures, ro.seconds, seqs.numel()], dtype=torch.float64)
         return self._result(batch, sums.cpu(), diff_max.cpu(), counts, divisor, stats, micro_batches)
@@ -194,9 +257,8 @@ class GRPOStep:
                           counts=stats.counts, scalars=scalars)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.distributed_optimizers:
-            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
-        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims,
+                                    distributed_optimizers=self.distributed_optimizers)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         update_parts_expert_bias(self.parts, counts, self.device)
@@ -206,12 +268,13 @@ class GRPOStep:
                             "and its mode does not evaluate (train.eval_interval must be 0)")
 
 
-def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int
+def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int, multiple: int = 1
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each completion after its prompt, padded with 0 to the longest: tokens [N, L], the mask of the
-    completion's targets [N, L - 1] and the engine's log-probabilities on them [N, L - 1] (fp32)."""
+    completion's targets [N, L - 1] and the engine's log-probabilities on them [N, L - 1] (fp32).
+    L - 1 is rounded up to a multiple of `multiple` (sequence parallelism splits the inputs over tp)."""
     rows = [prompts[i // group_size] + c for i, c in enumerate(ro.completions)]
-    length = max(len(r) for r in rows)
+    length = -(-(max(len(r) for r in rows) - 1) // multiple) * multiple + 1
     seqs = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
     engine = torch.zeros(len(rows), length - 1, dtype=torch.float32)
@@ -221,6 +284,18 @@ def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int
         mask[i, start:len(row) - 1] = True
         engine[i, start:len(row) - 1] = torch.tensor(ro.engine_logps[i], dtype=torch.float32)
     return seqs, mask, engine
+
+
+def merge_rollouts(parts: list[Rollouts], prompts: int, group_size: int) -> Rollouts:
+    """The rollouts of `prompts` prompts from `parts`, part r holding those of prompts r, r + n, r + 2n, ...
+    (n = len(parts)), in prompt order; failures summed, seconds the longest part's."""
+    n, order = len(parts), []
+    for i in range(prompts):
+        order += [(i % n, (i // n) * group_size + j) for j in range(group_size)]
+    return Rollouts(completions=[parts[r].completions[k] for r, k in order],
+                    engine_logps=[parts[r].engine_logps[k] for r, k in order],
+                    rewards=[parts[r].rewards[k] for r, k in order],
+                    reward_failures=sum(p.reward_failures for p in parts), seconds=max(p.seconds for p in parts))
 
 
 def _local_divisor(mask: torch.Tensor, averaging: str) -> int:

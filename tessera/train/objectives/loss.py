@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tessera.parallel.vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_loss_sum
+from tessera.parallel.vocab_parallel_loss import IGNORE_INDEX, vocab_parallel_loss_sum, vocab_parallel_token_losses
 
 __all__ = ["IGNORE_INDEX", "count_loss_tokens", "masked_targets", "micro_batch_objective", "token_logps",
            "token_loss_sum"]
@@ -58,8 +58,12 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """fp32 [B, S] log-probability of each target token under `logits` [B, S, V] (a plain tensor),
-    0 where the target is IGNORE_INDEX: what DPO sums over an answer and a policy gradient weighs."""
+    """fp32 [B, S] log-probability of each target token under `logits` [B, S, V], 0 where the target
+    is IGNORE_INDEX: what DPO sums over an answer and a policy gradient weighs. Logits sharded on
+    the vocabulary by tensor parallelism (a DTensor) go through the vocabulary-parallel cross-entropy,
+    never gathered."""
+    if isinstance(logits, DTensor):
+        return -vocab_parallel_token_losses(logits.float(), targets)
     B, S, V = logits.shape
     return -F.cross_entropy(logits.float().reshape(B * S, V), targets.reshape(B * S), ignore_index=IGNORE_INDEX,
                             reduction="none").view(B, S)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ConfigError
 
@@ -74,7 +75,10 @@ def tis_weights(old_logps: torch.Tensor, engine_logps: torch.Tensor, cap: float)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Per position, the entropy (nats, fp32) of the distribution `logits` [..., V] define."""
+    """Per position, the entropy (nats, fp32) of the distribution `logits` [..., V] define (logits
+    sharded on the vocabulary by tensor parallelism are gathered whole first)."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 

@@ -35,13 +35,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from tessera.data.batching import Batch
 from tessera.parallel import global_count, global_sum, shard_global_batch, token_dim
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
-from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train.objectives.distill_loss import Distiller
 from tessera.train.objectives.loss import IGNORE_INDEX, masked_targets
 from tessera.train.results import StepResult
@@ -50,6 +48,7 @@ from tessera.train.steps.step_engine import (
     accumulate_micro_batches,
     clip_parts_grad_norm,
     loss_sum_over_rows,
+    sync_gradients,
     update_parts_expert_bias,
 )
 from tessera.train.steps.step_stats import reduce_over_ranks, step_result
@@ -105,15 +104,11 @@ class ParallelStep:
 
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         """Reduce gradients over data-parallel ranks in this backward only on the step's last micro-batch."""
-        for optimizer in self.distributed_optimizers:
-            optimizer.start_micro_batch(last_micro_batch)
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last_micro_batch, recurse=True)
+        sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.distributed_optimizers:
-            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
-        return clip_parts_grad_norm(self.parts, max_norm, self.dims)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims,
+                                    distributed_optimizers=self.distributed_optimizers)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         update_parts_expert_bias(self.parts, counts, self.device)

@@ -50,7 +50,6 @@ from tessera.models.transformer import ModelOutput
 from tessera.parallel import PipelineRun, global_count, global_sum, token_dim
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
-from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.parallel.pipeline_companion import attach_companion
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.train.objectives.distill_loss import Distiller
@@ -224,10 +223,8 @@ class PipelineStep:
         return {k: v.to(self.device) for k, v in kw.items()}
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.distributed_optimizers:
-            return distributed_clip_grad_norm(self.distributed_optimizers, max_norm)
         uncounted = self.tied.uncounted if self.tied is not None else ()
-        return clip_parts_grad_norm(self.parts, max_norm, self.dims, uncounted)
+        return clip_parts_grad_norm(self.parts, max_norm, self.dims, uncounted, self.distributed_optimizers)
 
     def update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         update_parts_expert_bias(self.parts, counts, self.device)

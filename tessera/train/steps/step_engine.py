@@ -19,7 +19,10 @@ They share here:
   gathered in a `StepStats` (the pipeline schedule runs its own micro-batches);
 - `loss_sum_over_rows`: the evaluation sums (token-loss sum, loss tokens) of a rank's rows;
 - `clip_parts_grad_norm`: the whole model's gradient norm, clipped (torch's `clip_grad_norm_` in one
-  process, the reference arithmetic; `tessera.parallel.clip_grad_norm_` over a layout);
+  process, the reference arithmetic; `tessera.parallel.clip_grad_norm_` over a layout; the
+  distributed optimizers' own under parallel.optimizer=distributed);
+- `sync_gradients`: the gradient reduction over data-parallel ranks turned on for a rank's last
+  micro-batch only (FSDP, or the distributed optimizers);
 - `update_parts_expert_bias`: the aux-loss-free balancing step of every part's MoE layers.
 
 Targets arrive with the positions outside an SFT loss mask set to IGNORE_INDEX (`masked_targets`),
@@ -29,17 +32,20 @@ so the loss and the token counts need no mask.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from tessera.data.batching import Batch
 from tessera.models.model_input import ModelInput
 from tessera.parallel import clip_grad_norm_
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.distributed_optimizer import clip_grad_norm as distributed_clip_grad_norm
 from tessera.train.objectives.distill_loss import Distiller
 from tessera.train.objectives.loss import IGNORE_INDEX, micro_batch_objective, token_loss_sum
 from tessera.train.results import StepResult
@@ -180,15 +186,30 @@ def loss_sum_over_rows(model: nn.Module, rows: Iterable[tuple[torch.Tensor, ...]
 
 
 def clip_parts_grad_norm(parts: list[nn.Module], max_norm: float, dims: ParallelDims | None,
-                   uncounted: Iterable[torch.Tensor] = ()) -> float:
+                         uncounted: Iterable[torch.Tensor] = (),
+                         distributed_optimizers: Sequence[DistributedOptimizer] = ()) -> float:
     """Clip the gradients of `parts` so the whole model's norm is at most `max_norm` (<= 0: only
     measure it); return the norm before clipping. `dims` None: one process. `uncounted`: second
-    copies of a parameter (tied embeddings on the last pipeline stage), clipped, not counted."""
+    copies of a parameter (tied embeddings on the last pipeline stage), clipped, not counted. With
+    `distributed_optimizers` (parallel.optimizer=distributed) they hold the reduced gradients and
+    measure and clip them."""
+    if distributed_optimizers:
+        return distributed_clip_grad_norm(distributed_optimizers, max_norm)
     params = [p for m in parts for p in m.parameters() if p.grad is not None]
     limit = max_norm if max_norm > 0 else math.inf
     if dims is None:
         return float(torch.nn.utils.clip_grad_norm_(params, limit))
     return float(clip_grad_norm_(params, limit, dims, uncounted=uncounted))
+
+
+def sync_gradients(model: nn.Module, distributed_optimizers: Sequence[DistributedOptimizer],
+                   last_micro_batch: bool) -> None:
+    """Before a micro-batch's backward: reduce gradients over the data-parallel ranks in it only if it
+    is the rank's last of the step (FSDP's gradient sync, or the distributed optimizers' buckets)."""
+    for optimizer in distributed_optimizers:
+        optimizer.start_micro_batch(last_micro_batch)
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last_micro_batch, recurse=True)
 
 
 def update_parts_expert_bias(parts: list[nn.Module], counts: dict[int, torch.Tensor], device: torch.device) -> None:
