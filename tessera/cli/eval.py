@@ -82,7 +82,8 @@ def _settings(args: argparse.Namespace):
 
 
 def start_line(args: argparse.Namespace, tasks: list[str]) -> str:
-    """The line said before the model loads: what runs, so minutes of generation are not silent."""
+    """The line said when the evaluation is still running after a moment: what runs, so that minutes of
+    generation are not silent."""
     what = ", ".join(tasks)
     if "humaneval" in tasks:
         n = "164" if args.limit is None else f"up to {args.limit}"
@@ -120,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     env = rank_env()
     settings.keep_layout = env.launched  # a rank: the layout of the checkpoint (or --set parallel.*)
+    from tessera.cli.notice import notice_if_slow
     from tessera.eval.suite import evaluate
 
-    if env.rank == 0:
-        print(start_line(args, tasks), file=sys.stderr, flush=True)
     try:
-        report = evaluate(args.model, tasks, settings)
+        with notice_if_slow(start_line(args, tasks) if env.rank == 0 else ""):
+            report = evaluate(args.model, tasks, settings)
     finally:
         shutdown_distributed()
     if env.rank != 0:

@@ -158,6 +158,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     """The options checked, the port listened on, the engine loaded: then HTTP until it ends."""
     import uvicorn
 
+    from tessera.cli.notice import notice_if_slow
     from tessera.infer.api.server import create_app
     from tessera.infer.api.shutdown import EndCancelledRequests
 
@@ -165,7 +166,8 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     agents = AgentOptions.from_args(args)  # refused before the model loads
     kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
-    loop = _start_engine(args, config)
+    with notice_if_slow(f"tessera serve: loading {args.model_dir}; the server answers once it has loaded"):
+        loop = _start_engine(args, config)
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,

@@ -1,0 +1,29 @@
+"""A one-line notice on stderr for a long phase (loading a model, quantizing, generating), printed
+only when the phase is still running after `NOTICE_AFTER_S` seconds: a command that finishes or
+fails at once keeps its one line, and one that works for minutes does not work in silence."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+NOTICE_AFTER_S = 2.0
+
+
+@contextmanager
+def notice_if_slow(text: str, after_s: float | None = None) -> Iterator[None]:
+    """Print `text` on stderr if the block is still running after `after_s` (NOTICE_AFTER_S) seconds
+    (nothing when `text` is empty)."""
+    if not text:
+        yield
+        return
+    timer = threading.Timer(NOTICE_AFTER_S if after_s is None else after_s,
+                            lambda: print(text, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
