@@ -1,6 +1,7 @@
-"""A one-line notice on stderr for a long phase (loading a model, quantizing, generating), printed
-only when the phase is still running after `NOTICE_AFTER_S` seconds: a command that finishes or
-fails at once keeps its one line, and one that works for minutes does not work in silence."""
+"""What a command tells the user on stderr before it works: a one-line notice for a long phase
+(loading a model, quantizing, generating), printed only when the phase is still running after
+`NOTICE_AFTER_S` seconds, so that a command that fails at once keeps its one line and one that works
+for minutes does not work in silence; and which file a package's name stood for (`packaged_model`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def notice_if_slow(text: str, after_s: float | None = None) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+def packaged_model(name: str, command: str) -> str:
+    """`name`, or the GGUF file of the installed package it names (`tessera.checkpoint.gguf.packaged`),
+    said on stderr so that the user learns where the file is."""
+    from tessera.checkpoint.gguf.packaged import model_source
+
+    path = model_source(name)
+    if path != name:
+        print(f"tessera {command}: {name} is the package's GGUF file {path}", file=sys.stderr, flush=True)
+    return path
