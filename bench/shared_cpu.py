@@ -73,7 +73,8 @@ def run_demo(policy: str, steps: int, run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens = 16 * 128  # the config's global batch x the demo's sequence
     step_s = [tokens / r["tokens_per_s"] for r in records if r["step"] >= 2]
-    return {"policy": policy, "step_s": statistics.median(step_s), "steps_s": step_s, "wall_s": wall,
+    return {"policy": policy, "step_s": statistics.median(step_s) if step_s else None, "steps_s": step_s,
+            "wall_s": wall,
             "runnable_mean": statistics.mean(sampler.samples) if sampler.samples else None,
             "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0])}
 
