@@ -19,7 +19,8 @@
                              --actorder --alpha A]   (HuggingFace in, compressed-tensors HuggingFace out)
 
 Parsing imports no torch (`tessera --help` is instant): each command imports what it needs when it
-runs. Every option's help shows its default.
+runs. Before it, the OpenMP threads are set to wait passively unless the user chose (`threads.py`).
+Every option's help shows its default.
 
 A subcommand is a module of this package with `add_arguments(parser)` and `run(args) -> int`, and a
 `Command` line in COMMANDS. An error Tessera reports (`TesseraError`) prints one line on stderr, no
@@ -87,7 +88,9 @@ def build_parser(commands: list[Command] | None = None) -> argparse.ArgumentPars
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `tessera` and `python -m tessera`; returns the exit status."""
     from tessera.cli.exit_status import report
+    from tessera.cli.threads import apply_thread_defaults
 
+    apply_thread_defaults()  # before any command imports torch (threads.py)
     args = build_parser().parse_args(argv)
     try:
         return args._run(args)

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tessera.checkpoint.convert import convert
+    from tessera.cli.notice import packaged_model
 
-    kind, path = convert(args.src, args.dst, args.dtype, tokenizer=args.tokenizer, layout=args.layout,
-                         lora=args.lora)
+    kind, path = convert(packaged_model(args.src, "convert"), args.dst, args.dtype, tokenizer=args.tokenizer,
+                         layout=args.layout, lora=args.lora)
     print(f"wrote {kind} directory {path}")
     return 0

@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="completions per problem (1: greedy, pass@1; n: sampled, pass@k for k in 1, 10, 100 <= n)")
     code.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature when --samples > 1")
     code.add_argument("--max-new-tokens", type=int_in(1, 2**20), default=512, help="tokens per completion at most")
+    code.add_argument("--humaneval-mode", choices=("raw", "chat"), default="raw",
+                      help="raw: the model continues the bare prompt (base models); chat: the prompt goes through the "
+                           "model's chat template with an instruction to complete the function, and the code block "
+                           "of the answer is tested (instruct models: the instruct protocol of evalplus / bigcode)")
     code.add_argument("--timeout", type=positive_float(3600), default=10.0,
                       help="seconds of wall-clock (and CPU) time each program may run")
     code.add_argument("--workers", type=int_in(1, 256), default=max(1, min(8, os.cpu_count() or 1)),
@@ -69,11 +73,23 @@ def _settings(args: argparse.Namespace):
 
     engine = values_from_args(EngineConfig, args, ENGINE_OPTIONS)
     humaneval = HumanEvalConfig(num_samples=args.samples, temperature=args.temperature,
-                                max_tokens=args.max_new_tokens, workers=args.workers)
+                                max_tokens=args.max_new_tokens, workers=args.workers,
+                                mode=args.humaneval_mode)
     return EvalSettings(data=args.data, include_path=args.include_path, limit=args.limit,
                         num_fewshot=args.num_fewshot, overrides=list(args.overrides), engine=engine,
                         humaneval=humaneval, sandbox=SandboxLimits(timeout_s=args.timeout),
                         allow_unsandboxed=args.allow_unsandboxed_code)
+
+
+def start_line(args: argparse.Namespace, tasks: list[str]) -> str:
+    """The line said when the evaluation is still running after a moment: what runs, so that minutes of
+    generation are not silent."""
+    what = ", ".join(tasks)
+    if "humaneval" in tasks:
+        n = "164" if args.limit is None else f"up to {args.limit}"
+        what += (f" (humaneval: {n} problems x {args.samples} sample(s), {args.humaneval_mode} mode, up to "
+                 f"{args.max_new_tokens} tokens each, then each program in the sandbox)")
+    return f"tessera eval: loading {args.model}, then {what}; this may take minutes"
 
 
 def _launch_ranks(args: argparse.Namespace, tasks: list[str]) -> int:
@@ -105,10 +121,12 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     env = rank_env()
     settings.keep_layout = env.launched  # a rank: the layout of the checkpoint (or --set parallel.*)
+    from tessera.cli.notice import notice_if_slow
     from tessera.eval.suite import evaluate
 
     try:
-        report = evaluate(args.model, tasks, settings)
+        with notice_if_slow(start_line(args, tasks) if env.rank == 0 else ""):
+            report = evaluate(args.model, tasks, settings)
     finally:
         shutdown_distributed()
     if env.rank != 0:

@@ -62,11 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer
+    from tessera.cli.notice import packaged_model
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.engine.llm import LLM
     from tessera.infer.engine.reference_generation import reference_generate
     from tessera.models.stored_quant import stored_quant_method
 
+    args.checkpoint = packaged_model(args.checkpoint, "generate")
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.checkpoint)
     if tokenizer is None:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "

@@ -42,12 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tessera.cli.notice import notice_if_slow
     from tessera.quantize import QuantizeOptions, quantize
 
     options = QuantizeOptions(bits=args.bits, group_size=args.group_size, actorder=args.actorder,
                               dampening=args.dampening, alpha=args.alpha, calibration=args.calibration,
                               num_sequences=args.calibration_sequences, seq_len=args.calibration_length)
-    result = quantize(args.src, args.dst, args.method, options)
+    calibrated = args.method in ("gptq", "smoothquant")
+    data = ", ".join(args.calibration) if args.calibration else "the bundled corpus"
+    text = (f"tessera quantize: loading {args.src}, then {args.method}" + (f" calibrated on {data}" if calibrated
+                                                                          else "")
+            + f", writing {args.dst}; this may take minutes")
+    with notice_if_slow(text):
+        result = quantize(args.src, args.dst, args.method, options)
     print(f"quantized {args.src} -> {result.path} ({args.method})")
     print(result.summary())
     return 0

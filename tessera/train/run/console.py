@@ -3,6 +3,9 @@
 - at start: what is trained (parameters, active per token), on what layout and data, the batch and
   schedule, and where metrics, TensorBoard events and checkpoints go (`startup_summary`); a
   warning when `train.steps` outruns the learning-rate schedule (`schedule_warning`);
+- at each logged step, when no progress bar shows it (the bar is off, or the console is not a
+  terminal: a log file, a batch job), one text line on stdout, as Megatron-LM prints them
+  (`step_line`, `wants_step_lines`);
 - at each evaluation: the validation loss and perplexity (`eval_line`);
 - at the end: the checkpoint written and the commands that resume, sample, serve and export it
   (`next_steps`).
@@ -112,6 +115,29 @@ def schedule_warning(cfg: RunConfig) -> str | None:
     return (f"warning: train.steps={t.steps} is beyond optim.total_steps={o.total_steps}: steps "
             f"{o.total_steps + 1}..{t.steps} train at optim.min_lr={o.min_lr:g}; leave optim.total_steps unset "
             "to let the schedule follow train.steps, or set it to the length you want")
+
+
+def wants_step_lines(progress_bar: bool, console) -> bool:
+    """Whether each logged step gets a text line: the progress bar is off, or `console` (where the
+    bar would draw) is not a terminal."""
+    isatty = getattr(console, "isatty", None)
+    return not progress_bar or not (isatty is not None and isatty())
+
+
+def step_line(record: dict, total_steps: int, elapsed_s: float) -> str:
+    """`step 10/200 | loss 4.1234 | lr 1.00e-03 | grad norm 0.8123 | tokens/s 1,234 | elapsed 0:00:12`:
+    a metrics record's figures (those it has) in one line."""
+    parts = [f"step {record['step']}/{total_steps}"]
+    for key, label, fmt in (("loss", "loss", ".4f"), ("lr", "lr", ".2e"), ("grad_norm", "grad norm", ".4f"),
+                            ("tokens_per_s", "tokens/s", ",.0f")):
+        value = record.get(key)
+        if isinstance(value, int | float):
+            parts.append(f"{label} {value:{fmt}}")
+    if record.get("skipped_step"):
+        parts.append("skipped (gradient not finite)")
+    seconds = int(elapsed_s)
+    parts.append(f"elapsed {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
+    return " | ".join(parts)
 
 
 def eval_line(step: int, val_loss: float, val_ppl: float) -> str:
