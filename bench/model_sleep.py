@@ -72,7 +72,7 @@ def main() -> None:
         slept = loop.call(sleep_level1).result()
         held["level1"] = {"weights": weight_bytes(loop.engine), "kv": kv_bytes(loop.engine)}
         t0 = time.perf_counter()
-        loop.call(lambda e: wake_level1(e, slept)).result()
+        loop.call(lambda e, slept=slept: wake_level1(e, slept)).result()
         warm.append(time.perf_counter() - t0)
         assert answer(loop) == reference, "woken from level 1, the model answered differently"
         loop.stop()
