@@ -194,6 +194,20 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error(replicas):
         assert again.status_code == 200 and odd.received == 1
 
 
+def test_the_prefix_index_is_bounded_and_forgets_a_replica():
+    index = PrefixIndex(chunk_chars=4, max_entries=5)
+    keys = index.keys("abcdefghijklmnopqrstuvwxyz")  # 6 whole chunks, the rest none
+    assert len(keys) == 6
+    index.record(keys[:3], "A", 0)
+    assert index.match(index.keys("abcdefghijkl-other")) == {"A": 3}
+    index.record(keys, "B", 3)
+    assert len(index.holders) == 5  # the least recently used key dropped
+    assert index.match(keys) == {}  # its first chunk's key went first: no prefix is known any more
+    index.record(keys, "B", 0)
+    index.forget("B")
+    assert index.match(keys) == {} and all(h == ["A"] for h in index.holders.values())
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "needs --replica URL (repeatable), or --prefill URL and --decode URL"),
     (["--replica", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8"], "are exclusive"),
