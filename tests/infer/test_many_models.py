@@ -149,10 +149,15 @@ def test_keep_alive_puts_an_idle_model_to_sleep(llama):
         assert _text(server.complete("a", PROMPTS[0])) == _expected(*llama, PROMPTS[0])
 
 
-def test_a_model_whose_files_vanish_while_asleep_fails_alone(llama, mixtral, tmp_path):
+def test_a_model_that_cannot_load_or_wake_fails_alone(llama, mixtral, tmp_path):
+    """One model's files never there, another's gone while it sleeps at level 2: each fails its own
+    requests with the reason (503), the third serves on."""
     copy = tmp_path / "copy"
     shutil.copytree(llama[0], copy)
-    with ManyModelServer({"a": str(copy), "b": str(mixtral[0])}, sleep_level=2) as server:
+    never = tmp_path / "never-there"
+    with ManyModelServer({"a": str(copy), "never": str(never), "b": str(mixtral[0])}, sleep_level=2) as server:
+        failed = server.complete("never", PROMPTS[0])  # failed to load at start: fails alone, tried again
+        assert failed.status_code == 503 and str(never) in failed.json()["error"]["message"], failed.text
         assert _text(server.complete("a", PROMPTS[0])) == _expected(*llama, PROMPTS[0])
         httpx.post(server.url + "/sleep", params={"level": 2, "model": "a"}, timeout=HANG_S)
         shutil.rmtree(copy)

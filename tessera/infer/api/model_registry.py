@@ -171,7 +171,7 @@ class ModelRegistry:
                                 param="model")
         return model
 
-    async def acquire(self, model: ServedModel) -> ServedModel:
+    async def acquire(self, model: ServedModel, count: bool = True) -> ServedModel:
         """`model` awake, with this request counted in flight (`release` when done); a sleeping one
         woken first, within `wake_timeout_s` (503 past it, or naming why the wake failed)."""
         deadline = time.monotonic() + self.wake_timeout_s
@@ -186,7 +186,7 @@ class ModelRegistry:
             except WakeFailed as e:
                 raise ProtocolError(f"model {model.name!r} is unavailable: {e}", status=503) from None
         model.in_flight += 1
-        model.requests += 1
+        model.requests += count
         model.last_used = time.monotonic()
         return model
 
@@ -221,8 +221,13 @@ class ModelRegistry:
         model.last_wake_seconds = time.perf_counter() - started
         model.wakes += 1
         model.wake_seconds += model.last_wake_seconds
-        if model.resident_bytes() + sum(m.resident_bytes() for m in self.others(model)) > self.budget:
-            await self._make_room(0, model)  # first measured now (it had failed to load before)
+        if model.weights + model.kv > self.budget:  # first measured now (it had failed to load before)
+            await asyncio.to_thread(self._close, model)
+            model.error = (f"model {model.name!r} holds {(model.weights + model.kv) / GIB:.3f} GiB, more than "
+                           f"--memory-budget-gib {self.budget_gib:g}")
+            raise WakeFailed(model.error)
+        if self.resident_total() > self.budget:
+            await self._make_room(0, model)
 
     def others(self, model: ServedModel) -> list[ServedModel]:
         return [m for m in self.models.values() if m is not model]
@@ -270,7 +275,7 @@ class ModelRegistry:
 
     async def wake(self, model: ServedModel) -> None:
         """POST /wake_up: `model` awake now (503 when it cannot be)."""
-        await self.acquire(model)
+        await self.acquire(model, count=False)
         self.release(model)
 
     # ---- keep-alive ----------------------------------------------------------------------------
