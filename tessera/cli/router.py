@@ -113,7 +113,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
 
         router = ReplicaRouter(urls, args.policy, Deadlines(args.backend_connect_timeout,
                                                             args.backend_first_byte_timeout, args.backend_timeout),
-                               health_interval_s=args.health_interval)
+                               health_interval_s=args.health_interval, api_key=args.api_key)
         app = create_replica_router(router, args.api_key, hosts, args.max_request_bytes)
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} ({args.policy} over "
               f"{', '.join(urls)})", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """Real HTTP servers on 127.0.0.1 that misbehave as a router's replicas can: one that answers
 garbage, one that hangs up after reading a request, one that dies mid-stream, and one that holds
 each request until the test lets it go (to load replicas deterministically). Each answers
-GET /health with 200, as a replica that looks alive would."""
+GET /health with 200 and GET /v1/models with the model "tiny", as a replica that looks alive would."""
 
 from __future__ import annotations
 
@@ -77,6 +77,9 @@ class OddReplica:
             line = _read_request(conn)
             if line.startswith("GET /health"):
                 _reply(conn, b'{"status": "ok"}')
+                return
+            if line.startswith("GET /v1/models"):
+                _reply(conn, b'{"object": "list", "data": [{"id": "tiny", "object": "model"}]}')
                 return
             self.received += 1
             if self.mode == "garbage":

@@ -5,7 +5,8 @@ conversations; round-robin takes the replicas in turn; least-loaded sends each r
 with nothing in flight (replicas that hold requests until released make the load certain); a replica
 that is gone, hangs up, hangs or answers garbage costs a retry on another replica, and the answer is
 the model's own, streamed or not; one lost mid-stream ends that stream with an error event (no
-second answer after the first one's start); bad options exit 2."""
+second answer after the first one's start); a request goes to the replicas that serve its model;
+bad options exit 2."""
 
 from __future__ import annotations
 
@@ -117,6 +118,23 @@ def test_round_robin_takes_the_replicas_in_turn(replicas):
         assert order[:3] == order[3:] and sorted(order[:3]) == [0, 1, 2]
 
 
+def test_requests_go_to_the_replicas_that_serve_their_model(replicas, llama):
+    other = RunningServer(LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, kv_cache_gib=0.001)), name="other")
+    with other, RunningRouter([s.url for s in replicas[:2]] + [other.url], "least_loaded") as router:
+        _wait(lambda: all(r.models is not None for r in router.router.replicas))  # the first health checks
+        listed = [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]]
+        assert listed == ["tiny", "other"]
+        everyone = [*replicas[:2], other]
+        for _ in range(2):
+            body = {"model": "other", "prompt": "which", "max_tokens": 2}
+            where, _ = _where(everyone, lambda b=body: httpx.post(router.url + "/v1/completions", json=b,
+                                                                   timeout=HANG_S))
+            assert where == 2
+            where, _ = _where(everyone, lambda b=body: httpx.post(router.url + "/v1/completions",
+                                                                   json={**b, "model": "tiny"}, timeout=HANG_S))
+            assert where in (0, 1)
+
+
 def test_least_loaded_sends_each_request_where_nothing_is_in_flight():
     with OddReplica("hold") as a, OddReplica("hold") as b, OddReplica("hold") as c, \
             RunningRouter([a.url, b.url, c.url], "least_loaded") as router, ThreadPoolExecutor(4) as pool:
@@ -151,29 +169,32 @@ def _wait(condition) -> None:
 
 @contextlib.contextmanager
 def _odd(kind: str, llama):
-    """The URL of a replica that is `kind`: "gone" (a server stopped: connections refused), or an
-    OddReplica mode."""
+    """The URL of a replica that is `kind`, and what to call to make it so: "gone" (a server that
+    answers until it is stopped), or an OddReplica mode."""
     if kind != "gone":
         with OddReplica("hold" if kind == "hangs" else kind) as odd:
-            yield odd.url
+            yield odd.url, lambda: None
         return
     spare = RunningServer(LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, kv_cache_gib=0.001)))
     with spare:
-        url = spare.url
-    yield url
+        yield spare.url, lambda: spare.__exit__(None, None, None)  # stopped: connections refused
 
 
 @pytest.mark.parametrize("kind", ["gone", "hang_up", "garbage", "hangs"])
 def test_a_lost_replica_costs_a_retry(replicas, llama, kind):
     messages = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "still there?"}]
     want = _chat(replicas[0].url, messages).json()["choices"][0]["message"]["content"]
-    with _odd(kind, llama) as odd, RunningRouter([odd, replicas[0].url], "round_robin", first_byte_s=1.0) as router:
+    with _odd(kind, llama) as (odd, lose), RunningRouter([odd, replicas[0].url], "round_robin", first_byte_s=1.0,
+                                                         health_interval_s=HANG_S) as router:
+        _wait(lambda: all(r.models is not None for r in router.router.replicas))  # the first health check
+        lose()
         r = _chat(router.url, messages)  # the odd replica's turn first
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
         metrics = httpx.get(router.url + "/metrics").text
-        assert _metric(metrics, f'tessera_router_replica_failures_total{{replica="{odd}"}}') >= 1
+        assert _metric(metrics, f'tessera_router_replica_failures_total{{replica="{odd}"}}') == 1
         assert _metric(metrics, 'tessera_router_decisions_total{reason="retry"}') == 1
-        streamed = _chat(router.url, messages, stream=True)
+        assert _metric(metrics, f'tessera_router_replica_healthy{{replica="{odd}"}}') == 0
+        streamed = _chat(router.url, messages, stream=True)  # the odd one out of service: no retry now
         events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == want
 

@@ -14,9 +14,12 @@ answers 502/503/504, or sends nothing within --backend-first-byte-timeout is tak
 and the request is tried on another replica (each at most once). A streamed answer is committed to
 a replica at its first chunk: a replica lost after that ends the client's stream with an error
 event and `[DONE]`, never a second answer after a first one's beginning. Health checks (GET /health
-every `health_interval_s`) take replicas out and put them back. GET /v1/models is the first healthy
-replica's; /health is 200 while one replica is healthy; /metrics is the router's: per replica its
-requests, in flight, failures and health, the policy's decisions and the prefix index's hit rate.
+every `health_interval_s`) take replicas out and put them back, and read each one's /v1/models: a
+request goes to the replicas that serve its `model` (while any does; a replica whose list is not
+known yet may), so replicas of different models, or `tessera serve --model` servers, share a router.
+GET /v1/models lists what the healthy replicas list (each id once); /health is 200 while one replica
+is healthy; /metrics is the router's: per replica its requests, in flight, failures and health, the
+policy's decisions and the prefix index's hit rate.
 The guards, the client's API key passed on and the loop guard are the P/D router's (router.py).
 """
 
@@ -57,6 +60,7 @@ class Replica:
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
+    models: frozenset[str] | None = None  # what its /v1/models lists (None: not known yet)
 
 
 @dataclass
@@ -71,13 +75,15 @@ class Decisions:
 
 class ReplicaRouter:
     def __init__(self, urls: list[str], policy: str, deadlines: Deadlines, balance_slack: int = 4,
-                 health_interval_s: float = 5.0, index: PrefixIndex | None = None, min_match: float = 0.5):
+                 health_interval_s: float = 5.0, index: PrefixIndex | None = None, min_match: float = 0.5,
+                 api_key: str | None = None):
         if policy not in POLICIES:
             raise ConfigError(f"--policy {policy!r} is invalid: allowed {', '.join(POLICIES)}")
         self.replicas = [Replica(url) for url in urls]
         self.policy, self.deadlines, self.balance_slack = policy, deadlines, balance_slack
         self.min_match = min_match  # the share of a prompt's chunks a replica must hold to be chosen for it
         self.health_interval_s = health_interval_s
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}  # for its own /v1/models calls
         self.index = index or PrefixIndex()
         self.turn = itertools.count()
         self.decisions, self.loops = Decisions(), LoopGuard()
@@ -88,10 +94,13 @@ class ReplicaRouter:
     def _in_turn(self, among: list[Replica]) -> Replica:
         return among[next(self.turn) % len(among)]
 
-    def choose(self, keys: list[bytes], tried: list[Replica]) -> tuple[Replica | None, int]:
-        """The replica for a request with prefix `keys` (None: none left), and how many chunks of it
-        that replica was sent before."""
+    def choose(self, keys: list[bytes], tried: list[Replica], model: str | None = None) -> tuple[Replica | None, int]:
+        """The replica for a request for `model` with prefix `keys` (None: none left), and how many
+        chunks of it that replica was sent before. Only replicas that serve `model` (or may: not
+        known yet) are chosen, while any does."""
         healthy = [r for r in self.replicas if r.healthy and r not in tried]
+        serving = [r for r in healthy if r.models is None or model in r.models]
+        healthy = serving if model is not None and serving else healthy
         if not healthy:
             return None, 0
         if self.policy == "round_robin":
@@ -124,10 +133,10 @@ class ReplicaRouter:
         headers = {**{k: v for k in ("authorization", "x-api-key", "anthropic-version")
                       if (v := request.headers.get(k))}, **self.loops.headers(request),
                    "content-type": "application/json"}
-        keys = await asyncio.to_thread(self._keys, raw) if self.policy == "cache_aware" else []
+        model, keys = await asyncio.to_thread(self._read, raw)
         tried: list[Replica] = []
         while True:
-            replica, matched = self.choose(keys, tried)
+            replica, matched = self.choose(keys, tried, model)
             if replica is None:
                 break
             if tried:
@@ -145,12 +154,16 @@ class ReplicaRouter:
         names = ", ".join(r.url for r in tried) or "none is healthy"
         return backend_error(f"no replica could answer (tried: {names})", 503)
 
-    def _keys(self, raw: bytes) -> list[bytes]:
+    def _read(self, raw: bytes) -> tuple[str | None, list[bytes]]:
+        """The request's `model` and, for the cache-aware policy, its prompt's prefix keys."""
         try:
             body = parse_json(raw, "request body", RequestError)
         except RequestError:
-            return []  # the replica says what is wrong with it
-        return self.index.keys(prompt_text(body)) if isinstance(body, dict) else []
+            return None, []  # the replica says what is wrong with it
+        if not isinstance(body, dict):
+            return None, []
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        return model, self.index.keys(prompt_text(body)) if self.policy == "cache_aware" else []
 
     async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict) -> Response:
         """`replica`'s answer; ReplicaFailed before anything of it is committed to the client."""
@@ -213,15 +226,25 @@ class ReplicaRouter:
                 ok = False
             if not ok:
                 self.out_of_service(replica, "its /health check failed")
-            elif not replica.healthy:
+                return
+            if not replica.healthy:
                 log.info("replica %s is back in service", replica.url)
                 replica.healthy = True
+            replica.models = await self._models_of(replica)
         await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def _models_of(self, replica: Replica) -> frozenset[str] | None:
+        try:
+            r = await self.client.get(replica.url + "/v1/models", timeout=self.deadlines.connect_s,
+                                      headers=self.auth)
+            return frozenset(m["id"] for m in r.json()["data"] if isinstance(m.get("id"), str))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return replica.models  # unknown (or behind a key the router lacks): as before
 
     async def _check_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
             await self.check_health()
+            await asyncio.sleep(self.health_interval_s)
 
     def start(self) -> None:
         if self._checker is None:
@@ -236,16 +259,26 @@ class ReplicaRouter:
 
     # ---- the other routes ----------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        """Every model the healthy replicas list, each id once (the first replica's entry)."""
+        headers = {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
+        seen: dict[str, dict] = {}
+        answered = None
         for replica in [r for r in self.replicas if r.healthy]:
             try:
                 r = await self.client.get(replica.url + "/v1/models", timeout=self.deadlines.connect_s,
-                                          headers={k: v for k in ("authorization", "x-api-key")
-                                                   if (v := request.headers.get(k))})
-            except httpx.HTTPError as e:
+                                          headers=headers)
+                data = r.json()["data"] if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 self.out_of_service(replica, type(e).__name__)
                 continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return backend_error("no replica is healthy", 503)
+            if data is None:  # a refusal (the API key, say): passed on as it is
+                return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            answered = True
+            for entry in data:
+                seen.setdefault(str(entry.get("id")), entry)
+        if answered is None:
+            return backend_error("no replica is healthy", 503)
+        return Response(json.dumps({"object": "list", "data": list(seen.values())}), media_type="application/json")
 
     async def health(self, _request: Request) -> Response:
         if any(r.healthy for r in self.replicas):
