@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.loop import EngineLoop
 from tests.hang_guard import HANG_S
-from tests.infer.running_server import serve_main
+from tests.infer.running_server import serve_main, serving_url, stop_serving, terminate_if_running
 from tests.infer.tiny_models import hf_greedy
 
 PROMPTS = ("many models", "one server", "asleep")
@@ -188,3 +190,26 @@ def test_a_budget_smaller_than_a_model_is_refused_by_name(llama, mixtral, capsys
 def test_bad_model_options_exit_2(argv, message, capsys):
     assert serve_main([*argv, "--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_serve_command_serves_several_models(llama, mixtral):
+    """`tessera serve --model ... --model ...` as a process: both models answer, one sleeps on
+    request, Ctrl-C stops it cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", "--model", f"a={llama[0]}", "--model",
+                             f"b={mixtral[0]}", "--memory-budget-gib", "1", "--keep-alive", "0", "--port", "0",
+                             "--block-size", "4", "--kv-cache-gib", "0.001", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    try:
+        url = serving_url(proc)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["a", "b"]
+        for name, (path, hf) in (("a", llama), ("b", mixtral)):
+            body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
+            assert _text(r) == _expected(path, hf, PROMPTS[0])
+        r = httpx.post(url + "/sleep", params={"model": "b", "level": 2}, timeout=HANG_S)
+        assert r.json() == {"model": "b", "is_sleeping": True, "level": 2}
+        stop_serving(proc)
+    finally:
+        terminate_if_running(proc)
