@@ -2,7 +2,7 @@
 models behind one server, each asleep when idle or when the others need its room
 (tessera/infer/api/model_registry.py; the routes: tessera/infer/api/multi_model_app.py). Every
 model takes the engine options given; the options of one served model alone (`--served-model-name`,
-`--kv-role`, KV tiers, adapters loaded at run time) are refused with --model."""
+`--kv-role`, KV tiers, adapters loaded at start or at run time) are refused with --model."""
 
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ def serve_models(args: argparse.Namespace, sockets: contextlib.ExitStack, check_
 
     models = _check(args)
     config, hosts = check_server_options(args)
+    if config.lora_adapters:
+        raise ConfigError("--lora is not supported with --model yet: a request's `model` names one of the served "
+                          "models (serve an adapter as a model of its own: --model NAME=ADAPTER_OR_MERGED_DIR)")
     if config.has_kv_tiers:
         raise ConfigError("--kv-offload-gib and --kv-cache-dir are not supported with --model (a sleeping model "
                           "frees its whole KV cache)")

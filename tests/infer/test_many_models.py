@@ -186,6 +186,8 @@ def test_a_budget_smaller_than_a_model_is_refused_by_name(llama, mixtral, capsys
     (["--model", "a=x"], "--model needs --memory-budget-gib"),
     (["somewhere", "--model", "a=x", "--memory-budget-gib", "1"], "MODEL_DIR 'somewhere' and --model are exclusive"),
     ([], "needs MODEL_DIR, or --model NAME=PATH"),
+    (["--model", "a=x", "--memory-budget-gib", "1", "--lora", "x=y"], "--lora is not supported with --model"),
+    (["--model", "a=x", "--memory-budget-gib", "1", "--kv-role", "decode"], "--kv-role is not supported"),
 ])
 def test_bad_model_options_exit_2(argv, message, capsys):
     assert serve_main([*argv, "--port", "0"]) == 2
