@@ -33,7 +33,14 @@ from tessera.config.errors import ConfigError
 from tessera.infer.api.openai_protocol import ProtocolError
 from tessera.infer.api.quoting import brief
 from tessera.infer.engine.loop import EngineLoop
-from tessera.infer.engine.sleep import SleptEngine, kv_bytes, sleep_level1, wake_level1, weight_bytes
+from tessera.infer.engine.sleep import (
+    SleptEngine,
+    kv_bytes,
+    level1_supported,
+    sleep_level1,
+    wake_level1,
+    weight_bytes,
+)
 
 log = logging.getLogger("tessera.serve")
 GIB = 2**30
@@ -257,6 +264,8 @@ class ModelRegistry:
                                 "once they finish", status=409)
         if level <= model.level:
             return
+        if level == 1 and not level1_supported(model.loop.engine):
+            level = 2  # tensor parallelism or captured CUDA graphs (sleep.py)
         if level == 1:
             model.slept = await asyncio.wrap_future(model.loop.call(sleep_level1))
             model.level = 1

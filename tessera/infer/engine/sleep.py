@@ -9,8 +9,10 @@ to be rebuilt. The KV cache comes back zeroed (its int8 scales at one) and the p
 what the blocks held is gone, so no lookup may find it. Weights on an accelerator are copied to host
 memory first and copied back on waking. On the CPU the weights already are host memory: level 1
 there frees the KV cache and leaves the weights where they are (the registry keeps counting them).
-An engine sleeps only when idle (no request queued or running) and runs one process (no tensor
-parallelism, whose other ranks hold their own shards); `check_can_sleep` refuses the others.
+An engine sleeps only when idle (no request queued or running), runs one process (no tensor
+parallelism, whose other ranks hold their own shards) and, off the CPU, replays no captured CUDA
+graphs (they hold the old addresses); `check_can_sleep` refuses the others, which the registry puts
+to level 2 instead. Off the CPU this path is written and not yet run (no GPU here).
 Level 2 (weights dropped, read again from their files) is the registry's: it closes the engine.
 """
 
@@ -59,10 +61,17 @@ def kv_bytes(engine: LLMEngine) -> int:
     return sum(s.nbytes() for s in _storages(engine.kv.stores()))
 
 
+def level1_supported(engine: LLMEngine) -> bool:
+    """One process, and no captured CUDA graphs (they hold the addresses of the storages that level 1
+    allocates again): on the CPU, or with --enforce-eager."""
+    on_cpu = torch.device(engine.config.device).type == "cpu"
+    return engine.config.tensor_parallel_size == 1 and (on_cpu or engine.config.enforce_eager)
+
+
 def check_can_sleep(engine: LLMEngine) -> None:
-    if engine.config.tensor_parallel_size != 1:
-        raise ConfigError("sleep level 1 needs tensor_parallel_size=1 (the other ranks hold their own shards); "
-                          "level 2 closes the engine instead")
+    if not level1_supported(engine):
+        raise ConfigError("sleep level 1 needs tensor_parallel_size=1 and, off the CPU, enforce_eager (decode "
+                          "graphs hold the cache's addresses); level 2 closes the engine instead")
     if engine.has_unfinished():
         raise ConfigError("the engine has requests queued or running; it sleeps once they finish")
 
