@@ -3,7 +3,10 @@ OpenAI-compatible front for a prefill instance (`tessera serve DIR --kv-role pre
 instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same model
 (`tessera.infer.api.router`), until interrupted. The three share a KV peer secret
 (`--kv-peer-secret-file FILE` or $TESSERA_KV_PEER_SECRET; without either, when all three listen and
-call on loopback, their user's own: kv_peer.py)."""
+call on loopback, their user's own: kv_peer.py).
+
+`tessera router --replica URL [--replica URL ...] [--policy cache_aware|round_robin|least_loaded]`:
+one front for several replicas of the same models instead (`tessera.infer.api.replica_router`)."""
 
 from __future__ import annotations
 
@@ -15,14 +18,21 @@ import urllib.parse
 
 from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
 from tessera.config.argument_types import positive_float, text
+from tessera.config.errors import ConfigError
 from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_secret
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, metavar="URL", type=text,
+    p.add_argument("--prefill", default=None, metavar="URL", type=text,
                    help="the prefill instance, e.g. http://127.0.0.1:8001 (`tessera serve DIR --kv-role prefill`)")
-    p.add_argument("--decode", required=True, metavar="URL", type=text,
+    p.add_argument("--decode", default=None, metavar="URL", type=text,
                    help="the decode instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`)")
+    p.add_argument("--replica", dest="replicas", action="append", default=[], metavar="URL", type=text,
+                   help="a `tessera serve` replica (repeatable; instead of --prefill and --decode)")
+    p.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
+                   help="with --replica: where each request goes (tessera/infer/api/replica_router.py)")
+    p.add_argument("--health-interval", type=positive_float(3600), default=5.0, metavar="S",
+                   help="with --replica: seconds between health checks of the replicas")
     add_listen_arguments(
         p, api_key_help="require 'Authorization: Bearer KEY' (passed on to both instances: give them the same "
                         "key; default from $TESSERA_API_KEY)",
@@ -56,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_listen_options(args)
+    if args.replicas:
+        return _run_replicas(args)
+    if args.prefill is None or args.decode is None:
+        raise ConfigError("tessera router needs --replica URL (repeatable), or --prefill URL and --decode URL")
     check_backends(args.prefill, args.decode, args.host, args.port)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     backends = [urllib.parse.urlsplit(url).hostname or "" for url in (args.prefill, args.decode)]
@@ -73,6 +87,36 @@ def run(args: argparse.Namespace) -> int:
                                                 args.backend_timeout))
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} (prefill {args.prefill}, "
               f"decode {args.decode})", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],
+                                               log_level=args.log_level, access_log=False))
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=socks)
+    return 0
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    """`--replica` mode: serve until interrupted (exit 0)."""
+    from tessera.infer.api.http_guards import allowed_hosts
+    from tessera.infer.api.router import check_urls
+    from tessera.infer.api.router_relay import Deadlines
+
+    if args.prefill is not None or args.decode is not None:
+        raise ConfigError("--replica and --prefill/--decode are exclusive: route to replicas, or to a prefill "
+                          "and a decode instance")
+    urls = check_urls([(url, "--replica") for url in args.replicas], args.host, args.port)
+    hosts = allowed_hosts(args.allowed_hosts, args.host)
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
+        import uvicorn
+
+        from tessera.infer.api.replica_router import ReplicaRouter, create_replica_router
+
+        router = ReplicaRouter(urls, args.policy, Deadlines(args.backend_connect_timeout,
+                                                            args.backend_first_byte_timeout, args.backend_timeout),
+                               health_interval_s=args.health_interval, api_key=args.api_key)
+        app = create_replica_router(router, args.api_key, hosts, args.max_request_bytes)
+        print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} ({args.policy} over "
+              f"{', '.join(urls)})", file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],
                                                log_level=args.log_level, access_log=False))
         with contextlib.suppress(KeyboardInterrupt):

