@@ -43,9 +43,9 @@ class ManyModelServer:
     """A registry of `models` behind the multi-model app, on a free 127.0.0.1 port, in a thread."""
 
     def __init__(self, models: dict[str, str], budget_gib: float = 1.0, keep_alive_s: float = 0.0,
-                 sleep_level: int = 1):
+                 sleep_level: int = 1, wake_timeout_s: float = HANG_S):
         self.registry = ModelRegistry(models, _load, lambda loop, name: create_app(loop, name), budget_gib,
-                                      keep_alive_s, sleep_level, wake_timeout_s=HANG_S)
+                                      keep_alive_s, sleep_level, wake_timeout_s=wake_timeout_s)
         self.registry.start()
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
@@ -140,6 +140,27 @@ def test_the_budget_is_never_exceeded(llama, mixtral):
             assert registry.resident_total() <= registry.budget
             states = {m["id"]: m["state"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
             assert states == {name: "awake", ({"a", "b"} - {name}).pop(): "asleep"}
+
+
+def test_two_sleeping_models_woken_at_once_under_a_budget_for_one_both_answer(llama, mixtral):
+    """Each wake needs the room the other holds at level 1 (its weights, on the CPU) while the other's
+    wake is queued behind it: the first wake puts the queued one deeper (level 2) instead of waiting
+    for it, which would wait out --wake-timeout and answer 503."""
+    (lpath, lhf), (mpath, mhf) = llama, mixtral
+    with ManyModelServer({"a": str(lpath), "b": str(mpath)}) as probe:
+        sizes = {m.name: m.weights + m.kv for m in probe.registry.models.values()}
+    expected = {"a": [_expected(lpath, lhf, p) for p in PROMPTS], "b": [_expected(mpath, mhf, p) for p in PROMPTS]}
+    with ManyModelServer({"a": str(lpath), "b": str(mpath)}, budget_gib=max(sizes.values()) * 1.01 / GIB,
+                         wake_timeout_s=HANG_S / 4) as server:
+        for _ in range(2):
+            for name in ("a", "b"):  # both asleep, b at level 1 (weights held)
+                r = httpx.post(server.url + "/sleep", params={"level": 1, "model": name}, timeout=HANG_S)
+                assert r.status_code == 200, r.text
+            jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("b", "a")]
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                answers = list(pool.map(lambda job: server.complete(job[0], PROMPTS[job[1]]), jobs))
+            assert [_text(r) for r in answers] == [expected[name][i] for name, i in jobs]
+            assert server.registry.resident_total() <= server.registry.budget
 
 
 def test_keep_alive_puts_an_idle_model_to_sleep(llama):

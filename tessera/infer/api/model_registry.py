@@ -63,6 +63,7 @@ class ServedModel:
     weights: int = 0  # bytes, measured at the first load
     kv: int = 0
     in_flight: int = 0
+    waiting: int = 0  # requests in `acquire`, about to run on it once it is awake
     last_used: float = field(default_factory=time.monotonic)
     requests: int = 0
     wakes: int = 0
@@ -182,16 +183,20 @@ class ModelRegistry:
         """`model` awake, with this request counted in flight (`release` when done); a sleeping one
         woken first, within `wake_timeout_s` (503 past it, or naming why the wake failed)."""
         deadline = time.monotonic() + self.wake_timeout_s
-        while not (model.level == 0 and model.task is None):
-            if model.task is None:
-                model.task = asyncio.ensure_future(self._transition(model, self._wake(model)))
-            try:
-                await asyncio.wait_for(asyncio.shield(model.task), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise ProtocolError(f"model {model.name!r} did not wake within {self.wake_timeout_s:g} s "
-                                    "(--wake-timeout)", status=503) from None
-            except WakeFailed as e:
-                raise ProtocolError(f"model {model.name!r} is unavailable: {e}", status=503) from None
+        model.waiting += 1  # a model just woken for its waiters is not another wake's to evict (_make_room)
+        try:
+            while not (model.level == 0 and model.task is None):
+                if model.task is None:
+                    model.task = asyncio.ensure_future(self._transition(model, self._wake(model)))
+                try:
+                    await asyncio.wait_for(asyncio.shield(model.task), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise ProtocolError(f"model {model.name!r} did not wake within {self.wake_timeout_s:g} s "
+                                        "(--wake-timeout)", status=503) from None
+                except WakeFailed as e:
+                    raise ProtocolError(f"model {model.name!r} is unavailable: {e}", status=503) from None
+        finally:
+            model.waiting -= 1
         model.in_flight += 1
         model.requests += count
         model.last_used = time.monotonic()
@@ -247,7 +252,8 @@ class ModelRegistry:
         (deeper, to level 2, where level 1 leaves too much); waits for busy ones within the bound."""
         deadline = time.monotonic() + self.wake_timeout_s
         while self.resident_total() + need > self.budget:
-            idle = [m for m in self.others(keep) if m.in_flight == 0 and m.task is None and m.resident_bytes() > 0]
+            idle = [m for m in self.others(keep)
+                    if m.in_flight == 0 and m.resident_bytes() > 0 and not self._claimed(m)]
             if not idle:
                 if time.monotonic() > deadline:
                     raise WakeFailed(f"no room under --memory-budget-gib {self.budget_gib:g}: the other models "
@@ -257,6 +263,14 @@ class ModelRegistry:
             victim = min(idle, key=lambda m: m.last_used)
             level = self.sleep_level if victim.level == 0 else 2
             await self._sleep(victim, level)
+
+    @staticmethod
+    def _claimed(model: ServedModel) -> bool:
+        """Whether `model` is awake for requests about to run on it (they need no lock, so they will
+        run and release it). Any other model's sleep or wake is queued behind the lock the caller
+        holds (`_transition`), so waiting for it would wait forever: such a model may be put deeper
+        to sleep, and its queued wake then loads it again."""
+        return model.level == 0 and model.task is None and model.waiting > 0
 
     async def _sleep(self, model: ServedModel, level: int) -> None:
         if model.in_flight:
