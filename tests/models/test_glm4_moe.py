@@ -39,8 +39,8 @@ def test_partial_rotary_turns_the_first_dimensions_and_passes_the_rest():
 
 def test_a_partial_rotary_model_exports_only_as_a_family_that_has_it():
     cfg = get_preset("tiny-llama", partial_rotary_factor=0.5)
-    with pytest.raises(ModelError, match=r"llama rotates whole heads \(model.partial_rotary_factor=0.5\); "
-                                         "export it as glm4_moe"):
+    with pytest.raises(ModelError, match=r"llama has no such part \(model.partial_rotary_factor=0.5, its class needs "
+                                         r"1.0\); export it as phi3, glm4_moe or qwen3_next"):
         config_to_hf(cfg)
     with pytest.raises(ModelError, match=r"glm4_moe's output projection has no bias \(model.out_bias must be false"):
         config_to_hf(replace(get_preset("tiny-glm4-moe"), out_bias=True))
