@@ -72,6 +72,10 @@ def test_the_readme_vision_language_example_runs_as_written(tmp_path, monkeypatc
                 args += ["--set", "train.steps=6", "--set", "log.progress_bar=false"]
             status = main(args)
             assert status == 0, capsys.readouterr().err[-3000:]
+            if args[0] == "train":  # it says where its export went, and next steps for an image model
+                out = capsys.readouterr().out
+                assert re.search(r"^exported: \S*runs/tiny-llava/hf$", out, re.M), out
+                assert "image_url" in out and "tessera generate" not in out, out
     finally:
         if server is not None:
             server.terminate()

@@ -60,7 +60,7 @@ def lm_closing(cfg: RunConfig, result: TrainResult) -> tuple[list[str], list[str
     summary = f"trained steps {result.start_step + 1}..{result.last_step}"
     if "loss" in last:
         summary += f", last loss {last['loss']:.4f}"
-    out = [summary, "\n".join(next_steps(cfg, result.checkpoint))]
+    out = [summary, "\n".join(next_steps(cfg, result.checkpoint, result.written))]
     if result.stopped_by_signal is None:
         return out, []
     return out, [f"stopped by {signal.Signals(result.stopped_by_signal).name}"]

@@ -150,20 +150,27 @@ def task_line(step: int, record: dict) -> str:
     return f"step {step}: {metrics or 'no task metrics'}"
 
 
-def next_steps(cfg: RunConfig, checkpoint: Path | None) -> list[str]:
-    """The final lines: the checkpoint, and the commands that continue from it. The run directory's
-    config.yaml is the whole configuration, overrides included, so resuming needs nothing else."""
+def next_steps(cfg: RunConfig, checkpoint: Path | None, written: Path | None = None) -> list[str]:
+    """The final lines: the checkpoint, where the run's export went (`written`: checkpoint.export_hf's
+    directory), and the commands that continue from it. The run directory's config.yaml is the whole
+    configuration, overrides included, so resuming needs nothing else."""
     if checkpoint is None:
         return []
     run = Path(cfg.run_dir)
-    resume = [f"checkpoint: {checkpoint}",
-              f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
-              f"{cfg.train.steps})"]
+    resume = [f"checkpoint: {checkpoint}"] + ([f"exported: {written}"] if written is not None else []) + [
+        f"  resume:   tessera train {run / 'config.yaml'} --resume   (with --set train.steps=N to go past "
+        f"{cfg.train.steps})"]
     if cfg.train.lora.enabled:  # the checkpoint holds the base and the adapters: export them to use them
         base = cfg.train.init_from or "BASE"
         return resume + [f"  adapter:  tessera convert {run} {run}-adapter --lora-adapter   (a PEFT directory)",
                          f"  serve:    tessera serve {base} --lora {run.name}={run}-adapter",
                          f"  merged:   tessera convert {run} {run}-merged --merge-lora   (a HuggingFace directory)"]
+    if cfg.data.kind == "vision_sft":  # an image-text model: its requests carry images (docs/serving.md)
+        family = cfg.train.vision_language.family
+        return resume + [
+            f"  serve:    tessera serve {written or run}   (its chat messages may carry images: image_url parts)",
+            f"  export:   tessera convert {run} {run}-hf   (a {family} HuggingFace directory with its "
+            "tokenizer and image processor)"]
     return resume + [
             f"  generate: tessera generate {run} --prompt 'def main(' --temperature 0.8",
             f"  serve:    tessera serve {run}",
