@@ -1,0 +1,78 @@
+"""`tessera train --profile A:B` splits the recorded steps' compute by kind (attention, mlp, norm, loss,
+other, optimizer) with module hooks that live only for the window: a model whose MLP is made heavy
+(a feed-forward 64x its width) shows mlp as the largest kind; the kinds' intervals never overlap, so
+they add up to no more than the measured compute; no hook is left on the model after the window.
+`--profile-torch` writes torch.profiler's trace of the window as parsable Chrome-trace JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from tessera.cli import main
+from tessera.config.schema import load_config
+from tessera.profiling.training import analyse
+from tessera.train.run.module_marks import kind_of
+from tessera.train.trainer import Trainer
+from tests.train.runs import TINY_DENSE, set_args, shrink
+
+HEAVY_MLP = {"model.ffn_dim": 4096, "checkpoint.interval": 0}  # dim 64: the MLP is ~32x attention's weights
+
+
+def _module_events(run_dir) -> list[dict]:
+    lines = [json.loads(line) for line in (run_dir / "profile" / "rank0.jsonl").read_text().splitlines()]
+    return [line for line in lines[1:] if line["kind"] == "module"]
+
+
+def _hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               + len(m._backward_pre_hooks) for m in module.modules())
+
+
+def test_a_heavy_mlp_is_the_largest_kind_and_the_kinds_fit_in_compute(small_dataset, tmp_path):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY_DENSE, shrink(small_dataset, run, 3, **HEAVY_MLP)), profile=(2, 3))
+    trainer.train()
+    assert all(_hooks(part) == 0 for part in trainer.engine.parts)  # removed after the window
+    events = _module_events(run)
+    assert {e["step"] for e in events} == {2, 3}  # the window only
+    assert {(e["name"], e["phase"]) for e in events} >= {
+        (k, p) for k in ("attention", "mlp", "norm") for p in ("forward", "backward")} | {("loss", "forward")}
+    spans = sorted((e["t0"], e["t1"]) for e in events)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # nested modules counted once
+    report = analyse(run, plan=False)
+    kinds = {k: v["measured_s"] for k, v in report["compute_by_kind"].items()}
+    assert list(kinds) == ["attention", "mlp", "norm", "loss", "other", "optimizer"]
+    assert max(("attention", "mlp", "norm", "loss"), key=kinds.__getitem__) == "mlp"
+    compute = report["terms"]["compute"]["measured_s"]
+    assert sum(kinds[k] for k in ("attention", "mlp", "norm", "loss")) <= compute + 1e-9
+    assert sum(kinds[k] for k in ("attention", "mlp", "norm", "loss", "other")) == pytest.approx(compute)
+    assert kinds["optimizer"] == pytest.approx(report["terms"]["optimizer"]["measured_s"])
+
+
+@pytest.mark.parametrize(("name", "module", "kind"), [
+    ("layers.0.attention", nn.Identity(), "attention"), ("layers.0.attention.q_norm", nn.LayerNorm(4), "norm"),
+    ("layers.1.feed_forward", nn.Identity(), "mlp"), ("layers.1.moe", nn.Identity(), "mlp"),
+    ("output", nn.Linear(2, 2), "loss"), ("tok_embeddings", nn.Embedding(2, 2), None),
+    ("layers.0", nn.Identity(), None)])
+def test_module_kinds_by_name_and_class(name, module, kind):
+    assert kind_of(name, module) == kind
+
+
+def test_profile_torch_writes_a_chrome_trace_of_the_window(small_dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", TINY_DENSE, *set_args(shrink(small_dataset, run, 2, **{"checkpoint.interval": 0})),
+                 "--profile", "2:2", "--profile-torch"]) == 0
+    trace = json.loads((run / "profile" / "torch_rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names)  # the window's operators
+    capsys.readouterr()
+    assert main(["profile", str(run)]) == 0
+    assert "compute by kind: attention" in capsys.readouterr().out
+
+
+def test_profile_torch_without_a_window_is_refused(capsys):
+    assert main(["train", TINY_DENSE, "--profile-torch"]) == 2
+    assert "--profile-torch is invalid without --profile A:B" in capsys.readouterr().err
