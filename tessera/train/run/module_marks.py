@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 KINDS = ("attention", "mlp", "norm", "loss")
@@ -48,6 +49,7 @@ class ModuleMarks:
         self.handles: list[Any] = []
         self.open: tuple[int, str] | None = None  # (id of the module being timed, "forward" | "backward")
         self.t0 = 0.0
+        self.waiting: list[int] = []  # backwards begun while another was open, not yet ended
 
     def install(self, modules: list[nn.Module]) -> None:
         seen: set[int] = set()
@@ -63,21 +65,45 @@ class ModuleMarks:
         key = id(module)
         self.handles += [
             module.register_forward_pre_hook(lambda m, args: self._begin(key, "forward")),
-            module.register_forward_hook(lambda m, args, out: self._end(key, "forward", kind)),
-            module.register_full_backward_pre_hook(lambda m, grad_out: self._begin(key, "backward")),
-            module.register_full_backward_hook(lambda m, grad_in, grad_out: self._end(key, "backward", kind)),
+            module.register_forward_hook(lambda m, args, kwargs, out: self._forward_end(key, kind, args, kwargs, out),
+                                         with_kwargs=True),
         ]
+
+    def _forward_end(self, key: int, kind: str, args: tuple, kwargs: dict, out: Any) -> None:
+        """The forward's interval; and its backward's, from the gradient of its output (the first to
+        arrive) to that of its input (the first): hooks on those tensors, not the module's full
+        backward hooks, which would hand back views of the outputs (that FSDP2 and in-place ops refuse)."""
+        self._end(key, "forward", kind)
+        if not torch.is_grad_enabled():
+            return
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = [t for t in (out if isinstance(out, tuple | list) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs or not outputs:  # no gradient reaches an input: the backward would never close
+            return
+        for t in outputs:
+            t.register_hook(lambda grad: self._begin(key, "backward"))
+        for t in inputs:
+            t.register_hook(lambda grad: self._end(key, "backward", kind))
 
     def _begin(self, key: int, phase: str) -> None:
         if self.open is None:
             self.open, self.t0 = (key, phase), time.time()
+        elif phase == "backward":  # one module's output is the next one's input: its begin may come first
+            self.waiting.append(key)
 
     def _end(self, key: int, phase: str, kind: str) -> None:
         if self.open == (key, phase):
-            self.add("module", kind, self.t0, time.time(), phase=phase)
+            now = time.time()
+            self.add("module", kind, self.t0, now, phase=phase)
             self.open = None
+            if self.waiting:  # a backward that began at the gradient that closed this one
+                self.open, self.t0 = (self.waiting.pop(), "backward"), now
+                self.waiting.clear()
+        elif phase == "backward" and key in self.waiting:  # nested inside the open one: counted there
+            self.waiting.remove(key)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles, self.open = [], None
+        self.handles, self.open, self.waiting = [], None, []
