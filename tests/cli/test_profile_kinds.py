@@ -13,6 +13,11 @@ from torch import nn
 
 from tessera.cli import main
 from tessera.config.schema import load_config
+from tessera.plan.cluster import Cluster
+from tessera.plan.estimate import make_plan
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.op_time import layer_ops
+from tessera.profiling.planned_kinds import planned_kinds
 from tessera.profiling.training import analyse
 from tessera.train.run.module_marks import kind_of
 from tessera.train.trainer import Trainer
@@ -42,14 +47,33 @@ def test_a_heavy_mlp_is_the_largest_kind_and_the_kinds_fit_in_compute(small_data
         (k, p) for k in ("attention", "mlp", "norm") for p in ("forward", "backward")} | {("loss", "forward")}
     spans = sorted((e["t0"], e["t1"]) for e in events)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # nested modules counted once
-    report = analyse(run, plan=False)
+    report = analyse(run)
     kinds = {k: v["measured_s"] for k, v in report["compute_by_kind"].items()}
+    planned = {k: v["planned_s"] for k, v in report["compute_by_kind"].items()}
+    assert planned["norm"] is None and planned["other"] is None  # the planner folds them into elementwise work
+    assert planned["mlp"] > planned["attention"] > 0 and planned["loss"] > 0
+    assert planned["attention"] + planned["mlp"] + planned["loss"] <= report["terms"]["compute"]["planned_s"]
     assert list(kinds) == ["attention", "mlp", "norm", "loss", "other", "optimizer"]
     assert max(("attention", "mlp", "norm", "loss"), key=kinds.__getitem__) == "mlp"
     compute = report["terms"]["compute"]["measured_s"]
     assert sum(kinds[k] for k in ("attention", "mlp", "norm", "loss")) <= compute + 1e-9
     assert sum(kinds[k] for k in ("attention", "mlp", "norm", "loss", "other")) == pytest.approx(compute)
     assert kinds["optimizer"] == pytest.approx(report["terms"]["optimizer"]["measured_s"])
+
+
+@pytest.mark.parametrize("ffn_dim", [128, 4096])
+def test_the_planned_kinds_and_the_elementwise_work_are_the_plans_compute(ffn_dim):
+    """No recomputation, one stage: attention + mlp + loss + 3 x each layer's elementwise term is the
+    plan's compute exactly (op_time.stage_compute_time, micro-batch by micro-batch)."""
+    cfg = load_config(TINY_DENSE, [f"model.ffn_dim={ffn_dim}"])
+    cluster, lay, work = Cluster.for_gpu("h100", gpus=1, gpus_per_node=1), Layout.from_parallel(cfg.parallel, 1), \
+        Workload(32, 2, 8)
+    plan = make_plan(cfg.model, lay, work, cluster, activation_dtype="fp32")
+    kinds = planned_kinds(cfg.model, lay, work, cluster, "fp32")
+    ops = layer_ops(cfg.model, False, lay, 64, 32, cluster, "fp32")  # one micro-batch: 2 x 32 tokens
+    elementwise = sum(o.seconds for o in ops if o.kind == "memory")
+    total = sum(kinds.values()) + lay.microbatches(work) * cfg.model.n_layers * 3 * elementwise
+    assert total == pytest.approx(plan.time.compute, rel=1e-9)
 
 
 @pytest.mark.parametrize(("name", "module", "kind"), [
