@@ -42,10 +42,14 @@ def kind_of(name: str, module: nn.Module) -> str | None:
 
 class ModuleMarks:
     """The hooks of one recorder: `install(modules)` when a recorded step begins, `remove()` after it.
-    `add(kind, name, t0, t1, **fields)` is the recorder's."""
+    `add(kind, name, t0, t1, **fields)` is the recorder's. With `cuda`, a module's time is that of
+    its kernels (CUDA events around it on the current stream), not of their launch."""
 
-    def __init__(self, add: Callable[..., None]):
+    def __init__(self, add: Callable[..., None], cuda: bool = False):
         self.add = add
+        self.cuda = cuda
+        self.event: Any = None  # the open interval's start event (cuda)
+        self.pending: list[tuple[str, str, float, Any, Any]] = []  # (kind, phase, t0, start, end) events
         self.handles: list[Any] = []
         self.open: tuple[int, str] | None = None  # (id of the module being timed, "forward" | "backward")
         self.t0 = 0.0
@@ -86,24 +90,41 @@ class ModuleMarks:
         for t in inputs:
             t.register_hook(lambda grad: self._end(key, "backward", kind))
 
+    def _open(self, key: int, phase: str, now: float) -> None:
+        self.open, self.t0 = (key, phase), now
+        if self.cuda:
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+
     def _begin(self, key: int, phase: str) -> None:
         if self.open is None:
-            self.open, self.t0 = (key, phase), time.time()
+            self._open(key, phase, time.time())
         elif phase == "backward":  # one module's output is the next one's input: its begin may come first
             self.waiting.append(key)
 
     def _end(self, key: int, phase: str, kind: str) -> None:
         if self.open == (key, phase):
             now = time.time()
-            self.add("module", kind, self.t0, now, phase=phase)
+            if self.cuda:  # the kernels' time, read when the step ends (`remove`)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.pending.append((kind, phase, self.t0, self.event, end))
+            else:
+                self.add("module", kind, self.t0, now, phase=phase)
             self.open = None
             if self.waiting:  # a backward that began at the gradient that closed this one
-                self.open, self.t0 = (self.waiting.pop(), "backward"), now
+                self._open(self.waiting.pop(), "backward", now)
                 self.waiting.clear()
         elif phase == "backward" and key in self.waiting:  # nested inside the open one: counted there
             self.waiting.remove(key)
 
     def remove(self) -> None:
+        """The hooks removed; on a GPU the step's intervals written, each from where the host began it
+        for as long as its kernels ran between its two events."""
         for handle in self.handles:
             handle.remove()
-        self.handles, self.open, self.waiting = [], None, []
+        if self.pending:
+            torch.cuda.synchronize()
+        for kind, phase, t0, begin, end in self.pending:
+            self.add("module", kind, t0, t0 + begin.elapsed_time(end) / 1e3, phase=phase)
+        self.handles, self.open, self.waiting, self.pending = [], None, [], []

@@ -127,7 +127,7 @@ class StepRecorder:
         self.collectives = collectives
         self.stages: list[Any] = []  # a pipeline schedule's stages on this rank, their chunks marked (`watch`)
         self.modules = modules or []
-        self.marks = ModuleMarks(self.add) if modules else None
+        self.marks = ModuleMarks(self.add, cuda=meta.get("device") == "cuda") if modules else None
         self.torch_trace = TorchTrace(self.path.parent / f"torch_rank{rank}.json") if torch_trace else None
 
     def records(self, step: int) -> bool:
@@ -174,11 +174,11 @@ class StepRecorder:
                 yield
         finally:
             self._watch(False)
-            if self.torch_trace is not None and step == self.last:
-                self.torch_trace.stop()
             _ACTIVE, self._timer = None, None
             self.add("step", f"step {step}", t0, time.time())
             self._flush(first=step == self.first)
+            if self.torch_trace is not None and step == self.last:
+                self.torch_trace.stop()  # its file written outside the step it would lengthen
 
     def close(self) -> None:
         """The end of training: a torch.profiler trace still open (the run ended inside the window) written."""
