@@ -71,17 +71,29 @@ def _overlap(a: dict[str, Any], spans: list[dict[str, Any]]) -> float:
                if s["t0"] < a["t1"] and s["t1"] > a["t0"])
 
 
-def compute_by_kind(events: list[dict[str, Any]], terms: dict[str, float]) -> dict[str, float]:
+def _union(spans: list[dict[str, Any]]) -> list[dict[str, float]]:
+    out: list[dict[str, float]] = []
+    for e in sorted(spans, key=lambda e: e["t0"]):
+        if out and e["t0"] <= out[-1]["t1"]:
+            out[-1]["t1"] = max(out[-1]["t1"], e["t1"])
+        else:
+            out.append({"t0": e["t0"], "t1": e["t1"]})
+    return out
+
+
+def compute_by_kind(events: list[dict[str, Any]], terms: dict[str, float], pipeline: bool = False) -> dict[str, float]:
     """The step's compute by kind: the `module` intervals' seconds (attention, mlp, norm, loss; at most
-    one open at a time, so none counted twice) less the exposed collectives inside them, `other` the
-    rest of the `compute` term, and `optimizer` the term of that name. Empty when no module was timed."""
+    one open at a time, so none counted twice) inside the step's compute (an evaluation's forward is
+    not) less the exposed collectives inside them, `other` the rest of the `compute` term, and
+    `optimizer` the term of that name. Empty when no module was timed."""
     modules = [e for e in events if e["kind"] == "module"]
     if not modules:
         return {}
+    compute = _union([e for e in events if e["kind"] == "compute" or (e["kind"] == "region" and not pipeline)])
     waits = [e for e in events if e["kind"] == "comm" and not e.get("overlapped")]
     out: dict[str, float] = defaultdict(float)
     for e in modules:
-        out[e["name"]] += max(0.0, e["t1"] - e["t0"] - _overlap(e, waits))
+        out[e["name"]] += max(0.0, _overlap(e, compute) - _overlap(e, waits))
     out["other"] = max(0.0, terms.get("compute", 0.0) - sum(out.values()))
     out["optimizer"] = terms.get("optimizer", 0.0)
     return dict(out)
@@ -117,7 +129,8 @@ def rank_steps(events: list[dict[str, Any]], pipeline: bool = False) -> dict[int
             continue
         terms = step_split(items, whole["t0"], whole["t1"], pipeline)
         out[step] = {"step_s": whole["t1"] - whole["t0"], "terms": terms,
-                     "compute_by_kind": compute_by_kind(items, terms), "compute_by_phase": compute_by_phase(items),
+                     "compute_by_kind": compute_by_kind(items, terms, pipeline),
+                     "compute_by_phase": compute_by_phase(items),
                      "comm_by_kind": comm_by_kind(items),
                      "overlapped": overlapped_comm(items)}
     return out

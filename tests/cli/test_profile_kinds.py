@@ -23,7 +23,8 @@ from tessera.train.run.module_marks import kind_of
 from tessera.train.trainer import Trainer
 from tests.train.runs import TINY_DENSE, set_args, shrink
 
-HEAVY_MLP = {"model.ffn_dim": 4096, "checkpoint.interval": 0}  # dim 64: the MLP is ~32x attention's weights
+HEAVY_MLP = {"model.ffn_dim": 4096, "checkpoint.interval": 0,  # dim 64: the MLP is ~32x attention's weights
+             "train.eval_interval": 1, "train.eval_steps": 1}  # an evaluation's forward in each recorded step
 
 
 def _module_events(run_dir) -> list[dict]:
@@ -47,6 +48,9 @@ def test_a_heavy_mlp_is_the_largest_kind_and_the_kinds_fit_in_compute(small_data
         (k, p) for k in ("attention", "mlp", "norm") for p in ("forward", "backward")} | {("loss", "forward")}
     spans = sorted((e["t0"], e["t1"]) for e in events)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # nested modules counted once
+    lines = [json.loads(line) for line in (run / "profile" / "rank0.jsonl").read_text().splitlines()[1:]]
+    ends = {e["step"]: e["t1"] for e in lines if e["kind"] == "region"}  # the step engine's forward/backward
+    assert any(e["t0"] >= ends[e["step"]] for e in events)  # the evaluation's forward: timed, not compute
     report = analyse(run)
     kinds = {k: v["measured_s"] for k, v in report["compute_by_kind"].items()}
     planned = {k: v["planned_s"] for k, v in report["compute_by_kind"].items()}
