@@ -99,6 +99,9 @@ def test_profile_torch_writes_a_chrome_trace_of_the_window(small_dataset, tmp_pa
     capsys.readouterr()
     assert main(["profile", str(run)]) == 0
     assert "compute by kind: attention" in capsys.readouterr().out
+    merged = json.loads((run / "profile" / "trace.json").read_text())["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in merged if e.get("name") == "thread_name"}
+    assert {threads[e["tid"]] for e in merged if e.get("cat") == "module"} == {"module"}  # the kinds, a lane apart
 
 
 def test_profile_torch_without_a_window_is_refused(capsys):
