@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record steps A to B (e.g. 20:25) on every rank into run_dir/profile: each phase's wall "
                         "time (data, forward/backward per micro-batch, each collective by group, optimizer, "
                         "checkpoint); `tessera profile RUN_DIR` analyses them; None: no recording")
+    p.add_argument("--profile-torch", action="store_true",
+                   help="with --profile A:B: torch.profiler over the same steps too, each rank's operators as a "
+                        "Chrome trace in run_dir/profile/torch_rank<R>.json (large: keep the window short)")
 
 
 def _launch_ranks(args: argparse.Namespace, cfg) -> int:
@@ -45,6 +48,7 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
     argv += ["--profile", args.profile] if args.profile is not None else []
+    argv += ["--profile-torch"] if args.profile_torch else []
     return launch_local(args.nproc, module_command("tessera", argv + (["--resume"] if args.resume else [])),
                         max_restarts=args.max_restarts, run_dir=cfg.run_dir)
 
@@ -104,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         from tessera.train.run.profile_record import parse_window
 
         parse_window(args.profile)  # a bad window is refused before any rank starts
+    if args.profile_torch and args.profile is None:
+        raise ConfigError("--profile-torch is invalid without --profile A:B: it traces the steps --profile records")
     cfg = load_config(args.config, args.overrides)  # before importing torch: config errors come at once
     _warn_if_it_will_not_fit(cfg, args.nproc)
     if args.nproc is not None:  # ranks in a process group, even one; without --nproc this process trains
@@ -148,7 +154,8 @@ def _train(args: argparse.Namespace, cfg, progress):
 
         window = parse_window(args.profile) if args.profile is not None else None
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
-                          task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg), profile=window)
+                          task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg), profile=window,
+                          profile_torch=args.profile_torch)
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             print("\n".join(trainer.startup_lines()), file=sys.stderr, flush=True)

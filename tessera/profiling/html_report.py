@@ -27,9 +27,9 @@ def svg(picture: Scene) -> str:
     return "\n".join(parts)
 
 
-def _terms_table(report: dict[str, Any]) -> str:
-    rows = ["<tr><th>term</th><th>measured s/step</th><th>planned s/step</th></tr>"]
-    for name, v in report["terms"].items():
+def _terms_table(report: dict[str, Any], key: str = "terms", head: str = "term") -> str:
+    rows = [f"<tr><th>{head}</th><th>measured s/step</th><th>planned s/step</th></tr>"]
+    for name, v in report.get(key, {}).items():
         planned = "-" if v["planned_s"] is None else f"{v['planned_s']:.4f}"
         measured = "-" if v["measured_s"] is None else f"{v['measured_s']:.4f}"
         rows.append(f"<tr><td>{escape(name)}</td><td>{measured}</td><td>{planned}</td></tr>")
@@ -43,4 +43,5 @@ def html_page(report: dict[str, Any], text: str, picture: Scene, title: str = "t
                            "idle", "planned"))
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body>\n<h1>{escape(title)}</h1>\n<pre>{escape(text)}</pre>\n"
-            f"{_terms_table(report)}\n<p class=\"key\">{key}</p>\n{svg(picture)}\n</body></html>\n")
+            f"{_terms_table(report)}\n{_terms_table(report, 'compute_by_kind', 'compute by kind')}\n"
+            f"<p class=\"key\">{key}</p>\n{svg(picture)}\n</body></html>\n")

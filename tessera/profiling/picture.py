@@ -20,6 +20,8 @@ ROW = 22
 COLOURS = {"compute": "#4e79a7", "region": "#9cb3d4", "pipeline_bubble": "#f28e2b", "comm": "#e15759",
            "exposed_comm": "#e15759", "data": "#76b7b2", "data_wait": "#76b7b2", "optimizer": "#59a14f",
            "checkpoint": "#edc948", "idle": "#d3cfcb", "step": "#d3cfcb", "planned": "#333333"}
+# compute by kind: the waterfall's rows under `compute` (shades of compute's blue; optimizer its own)
+KIND_COLOURS = {"attention": "#2f5d8a", "mlp": "#6a9fd4", "norm": "#a9c6e8", "loss": "#3d7fbf", "other": "#c8d6e5"}
 
 
 @dataclass
@@ -92,6 +94,26 @@ def _waterfall(report: dict[str, Any], top: float, boxes: list[Box], texts: list
         if v["planned_s"] is not None:
             boxes.append(Box(LEFT + at * scale, top + ROW - 6, max(v["planned_s"] * scale, 0.5), 3,
                              COLOURS["planned"], f"{name}: planned {v['planned_s']:.4f} s"))
+        top += ROW
+        if name == "compute":
+            top = _kinds(report.get("compute_by_kind", {}), LEFT + at * scale, scale, top, boxes, texts)
+        at += measured
+    return top
+
+
+def _kinds(kinds: dict[str, Any], left: float, scale: float, top: float, boxes: list[Box], texts: list[Text]) -> float:
+    """The compute bar split by kind, one row each, laid end to end under it (optimizer has its own term)."""
+    at = 0.0
+    for kind, v in kinds.items():
+        if kind == "optimizer":
+            continue
+        measured = v["measured_s"] or 0.0
+        texts.append(Text(22, top + 14, f"compute: {kind}"))
+        boxes.append(Box(left + at * scale, top + 2, max(measured * scale, 0.5), ROW - 8,
+                         KIND_COLOURS.get(kind, "#999999"), f"{kind}: measured {measured:.4f} s"))
+        if v.get("planned_s") is not None:
+            boxes.append(Box(left + at * scale, top + ROW - 6, max(v["planned_s"] * scale, 0.5), 3,
+                             COLOURS["planned"], f"{kind}: planned {v['planned_s']:.4f} s"))
         at += measured
         top += ROW
     return top

@@ -18,6 +18,7 @@ from tessera.config.schema import load_config
 from tessera.plan.cluster import Cluster
 from tessera.plan.estimate import make_plan, precisions_for_train_dtype
 from tessera.plan.layout import Layout, Workload
+from tessera.profiling.planned_kinds import planned_kinds
 
 _CALIBRATION_ROUNDS = 3  # compute time is close to linear in the rates: a few rescalings settle it
 
@@ -26,8 +27,12 @@ def _plan(cfg, world: int, cluster: Cluster):
     layout = Layout.from_parallel(cfg.parallel, world)
     t = cfg.train
     precision, act_dtype = precisions_for_train_dtype(t.dtype)
-    return make_plan(cfg.model, layout, Workload(t.seq_len, t.micro_batch_size, t.global_batch_size), cluster,
-                     precision=precision, activation_dtype=act_dtype)
+    return make_plan(cfg.model, layout, _workload(cfg), cluster, precision=precision, activation_dtype=act_dtype)
+
+
+def _workload(cfg) -> Workload:
+    t = cfg.train
+    return Workload(t.seq_len, t.micro_batch_size, t.global_batch_size)
 
 
 def _scaled(cluster: Cluster, k: float) -> Cluster:
@@ -54,5 +59,7 @@ def planned_terms(run_dir: Path, world: int, measured_compute_s: float, gpu: str
         terms[name] = terms.get(name, 0.0) + seconds
     hardware = (f"{gpu} links, compute rates scaled to the measured compute "
                 f"({cluster.gpu_flops / 1e9:.3g} GFLOP/s peak, efficiency {cluster.efficiency:.2f})")
+    kinds = planned_kinds(cfg.model, plan.layout, _workload(cfg), cluster, plan.activation_dtype)
     return {"terms": terms, "hardware": hardware, "total_s": plan.time.total,
+            "compute_by_kind": {**kinds, "optimizer": time["optimizer"]},
             "model_flops_per_step": plan.model_flops_per_step}

@@ -57,12 +57,45 @@ def step_split(events: list[dict[str, Any]], start: float, end: float, pipeline:
     return dict(out)
 
 
-def compute_by_kind(events: list[dict[str, Any]]) -> dict[str, float]:
+def compute_by_phase(events: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds of forward, backward (and a zero-bubble schedule's backward weight), collectives inside included."""
     out: dict[str, float] = defaultdict(float)
     for e in events:
         if e["kind"] == "compute":
             out[e["name"]] += e["t1"] - e["t0"]
+    return dict(out)
+
+
+def _overlap(a: dict[str, Any], spans: list[dict[str, Any]]) -> float:
+    return sum(max(0.0, min(a["t1"], s["t1"]) - max(a["t0"], s["t0"])) for s in spans
+               if s["t0"] < a["t1"] and s["t1"] > a["t0"])
+
+
+def _union(spans: list[dict[str, Any]]) -> list[dict[str, float]]:
+    out: list[dict[str, float]] = []
+    for e in sorted(spans, key=lambda e: e["t0"]):
+        if out and e["t0"] <= out[-1]["t1"]:
+            out[-1]["t1"] = max(out[-1]["t1"], e["t1"])
+        else:
+            out.append({"t0": e["t0"], "t1": e["t1"]})
+    return out
+
+
+def compute_by_kind(events: list[dict[str, Any]], terms: dict[str, float], pipeline: bool = False) -> dict[str, float]:
+    """The step's compute by kind: the `module` intervals' seconds (attention, mlp, norm, loss; at most
+    one open at a time, so none counted twice) inside the step's compute (an evaluation's forward is
+    not) less the exposed collectives inside them, `other` the rest of the `compute` term, and
+    `optimizer` the term of that name. Empty when no module was timed."""
+    modules = [e for e in events if e["kind"] == "module"]
+    if not modules:
+        return {}
+    compute = _union([e for e in events if e["kind"] == "compute" or (e["kind"] == "region" and not pipeline)])
+    waits = [e for e in events if e["kind"] == "comm" and not e.get("overlapped")]
+    out: dict[str, float] = defaultdict(float)
+    for e in modules:
+        out[e["name"]] += max(0.0, _overlap(e, compute) - _overlap(e, waits))
+    out["other"] = max(0.0, terms.get("compute", 0.0) - sum(out.values()))
+    out["optimizer"] = terms.get("optimizer", 0.0)
     return dict(out)
 
 
@@ -84,7 +117,8 @@ def overlapped_comm(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def rank_steps(events: list[dict[str, Any]], pipeline: bool = False) -> dict[int, dict[str, Any]]:
-    """Step -> {"step_s", "terms", "compute_by_kind", "overlapped"} of one rank's events."""
+    """Step -> {"step_s", "terms", "compute_by_kind", "compute_by_phase", "comm_by_kind", "overlapped"}
+    of one rank's events."""
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         by_step[e["step"]].append(e)
@@ -93,9 +127,11 @@ def rank_steps(events: list[dict[str, Any]], pipeline: bool = False) -> dict[int
         whole = next((e for e in items if e["kind"] == "step"), None)
         if whole is None:  # a step the run did not finish
             continue
-        out[step] = {"step_s": whole["t1"] - whole["t0"],
-                     "terms": step_split(items, whole["t0"], whole["t1"], pipeline),
-                     "compute_by_kind": compute_by_kind(items), "comm_by_kind": comm_by_kind(items),
+        terms = step_split(items, whole["t0"], whole["t1"], pipeline)
+        out[step] = {"step_s": whole["t1"] - whole["t0"], "terms": terms,
+                     "compute_by_kind": compute_by_kind(items, terms, pipeline),
+                     "compute_by_phase": compute_by_phase(items),
+                     "comm_by_kind": comm_by_kind(items),
                      "overlapped": overlapped_comm(items)}
     return out
 

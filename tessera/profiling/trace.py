@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-KIND_THREADS = ("step", "data", "compute", "region", "comm", "optimizer", "checkpoint", "sync")
+KIND_THREADS = ("step", "data", "compute", "region", "module", "comm", "optimizer", "checkpoint", "sync")
 
 
 def chrome_trace(profile: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -5,8 +5,9 @@ and say it in a few lines.
 The report (`analyse`), seconds per step averaged over the profiled steps:
 
     {"steps": [20, 21, ...], "world": W, "ranks": {"0": {"step_s", "terms", "compute_by_kind",
-     "overlapped", "steps": {"20": {"step_s", "terms"}}}, ...},
+     "compute_by_phase", "comm_by_kind", "overlapped", "steps": {"20": {"step_s", "terms"}}}, ...},
      "job": {"step_s", "mfu"}, "terms": {name: {"measured_s", "planned_s"}},
+     "compute_by_kind": {kind: {"measured_s", "planned_s"}} (attention, mlp, norm, loss, other, optimizer),
      "differences": [{"term", "measured_s", "planned_s", "difference_s"}, ...] (largest first),
      "straggler": {"rank", "lag_s", "lag_fraction", "named", "own_work_s"}, "planned": {...}}
 """
@@ -44,14 +45,15 @@ def _rank_report(data: dict[str, Any]) -> dict[str, Any]:
     steps = rank_steps(data["events"], data["meta"]["sizes"].get("pp", 1) > 1)
     step_s = sum(s["step_s"] for s in steps.values()) / max(len(steps), 1)
     return {"step_s": step_s, "terms": mean_terms(steps), "compute_by_kind": mean_terms(steps, "compute_by_kind"),
+            "compute_by_phase": mean_terms(steps, "compute_by_phase"),
             "comm_by_kind": mean_terms(steps, "comm_by_kind"), "overlapped": mean_terms(steps, "overlapped"),
             "steps": {str(k): {"step_s": v["step_s"], "terms": v["terms"]} for k, v in steps.items()}}
 
 
-def _job_terms(ranks: dict[int, dict[str, Any]]) -> dict[str, float]:
-    """Each term averaged over ranks (a term a rank lacks counts 0 there)."""
-    names = sorted({n for r in ranks.values() for n in r["terms"]})
-    return {n: sum(r["terms"].get(n, 0.0) for r in ranks.values()) / len(ranks) for n in names}
+def _job_terms(ranks: dict[int, dict[str, Any]], key: str = "terms") -> dict[str, float]:
+    """Each term (of `key`) averaged over ranks (a term a rank lacks counts 0 there)."""
+    names = sorted({n for r in ranks.values() for n in r[key]})
+    return {n: sum(r[key].get(n, 0.0) for r in ranks.values()) / len(ranks) for n in names}
 
 
 def _planned(run_dir: Path, world: int, compute_s: float) -> dict[str, Any]:
@@ -70,6 +72,17 @@ def _order(term: str) -> tuple[int, str]:
     """The waterfall's order: from compute to the measured step."""
     return next((i for i, p in enumerate(_ORDER) if term == p or (p.endswith("/") and term.startswith(p))),
                 len(_ORDER)), term
+
+
+KIND_ORDER = ("attention", "mlp", "norm", "loss", "other", "optimizer")
+
+
+def _by_kind(ranks: dict[int, dict[str, Any]], planned: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """The job's compute by kind (averaged over ranks) beside the plan's, where it has one."""
+    measured = _job_terms(ranks, "compute_by_kind")
+    plan = planned.get("compute_by_kind", {})
+    names = sorted(measured, key=lambda k: (KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER), k))
+    return {k: {"measured_s": measured[k], "planned_s": plan.get(k)} for k in names}
 
 
 def analyse(run_dir: Path | str, plan: bool = True) -> dict[str, Any]:
@@ -98,7 +111,8 @@ def analyse(run_dir: Path | str, plan: bool = True) -> dict[str, Any]:
             "ranks": {str(r): v for r, v in ranks.items()},
             "job": {"step_s": step_s, "model_flops_per_step": flops,
                     "mfu": flops / (step_s * peak * meta["world"]) if peak and step_s > 0 else None},
-            "terms": terms, "differences": differences, "straggler": straggler(ranks), "planned": planned,
+            "terms": terms, "compute_by_kind": _by_kind(ranks, planned), "differences": differences,
+            "straggler": straggler(ranks), "planned": planned,
             "notes": notes}
 
 
@@ -112,6 +126,10 @@ def summary(report: dict[str, Any]) -> str:
         planned = "-" if v["planned_s"] is None else f"{v['planned_s']:.4f}"
         measured = "-" if v["measured_s"] is None else f"{v['measured_s']:.4f}"
         lines.append(f"  {name:28s} {measured:>11s} {planned:>10s}")
+    if report["compute_by_kind"]:
+        lines.append("compute by kind: " + ", ".join(
+            f"{k} {v['measured_s']:.4f} s" + ("" if v["planned_s"] is None else f" (plan {v['planned_s']:.4f})")
+            for k, v in report["compute_by_kind"].items()))
     if report["differences"]:
         lines.append("largest differences from the plan: " + "; ".join(
             f"{d['term']} {d['difference_s']:+.3f} s" for d in report["differences"]))

@@ -116,11 +116,12 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
                  task_evaluator: TaskEvaluator | None = None, rollouts: Any = None,
-                 profile: tuple[int, int] | None = None):
+                 profile: tuple[int, int] | None = None, profile_torch: bool = False):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
         runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks);
         `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts);
-        `profile` the steps (first, last) to record into run_dir/profile (train/run/profile_record.py)."""
+        `profile` the steps (first, last) to record into run_dir/profile (train/run/profile_record.py),
+        with torch.profiler's trace too when `profile_torch`."""
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
         self.progress = progress
@@ -160,7 +161,8 @@ class Trainer:
             self._load(self.resumed_from)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak_flops = peak_flops_for_device(self.device, cfg.log.peak_flops)
-        self.recorder = recorder_for(profile, cfg, self.layout, self.flops_per_token, self.peak_flops, self.engine)
+        self.recorder = recorder_for(profile, cfg, self.layout, self.flops_per_token, self.peak_flops, self.engine,
+                                     compiled=self.compile, torch_trace=profile_torch)
 
     def _take(self, built: ModeParts) -> None:
         """The mode's finished parts: its step engine, what it optimises and checkpoints."""
@@ -373,6 +375,8 @@ class Trainer:
                 result.written = self.built.finish(self.step, self.latest_checkpoint)  # end-of-run hook
         finally:
             self._abandon_save()
+            if self.recorder is not None:
+                self.recorder.close()
             bar.close()
             if writer is not None:
                 writer.close()

@@ -153,7 +153,8 @@ def test_a_pipeline_with_too_few_micro_batches_shows_the_bubble_the_plan_predict
     report = analyse(run_dir)
     assert report["sizes"]["pp"] == 2 and report["steps"] == [2, 3, 4, 5, 6]
     assert any(k.startswith("pp/send_recv") for r in report["ranks"].values() for k in r["comm_by_kind"])
-    assert {"forward", "backward"} <= set(report["ranks"]["0"]["compute_by_kind"])  # the stages' chunks, marked
+    assert {"forward", "backward"} <= set(report["ranks"]["0"]["compute_by_phase"])  # the stages' chunks, marked
+    assert {"attention", "mlp", "norm"} <= set(report["ranks"]["1"]["compute_by_kind"])  # the stages' modules, hooked
     terms = report["terms"]
     planned_share = terms["pipeline_bubble"]["planned_s"] / terms["compute"]["planned_s"]  # of the slowest stage
     assert planned_share == pytest.approx(0.5, rel=0.05)

@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.errors import ConfigError, require
 from tessera.parallel.comm_stats import collective_payload
+from tessera.train.run.module_marks import ModuleMarks
+from tessera.train.run.torch_trace import TorchTrace
 
 PROFILE_DIR = "profile"  # under run_dir
 _NULL = nullcontext()
@@ -109,9 +111,12 @@ class StepRecorder:
     appended to the rank's file when the step ends."""
 
     def __init__(self, run_dir: Path, window: tuple[int, int], rank: int, world: int, meta: dict[str, Any],
-                 groups: dict[str, str] | None = None, collectives: bool = True):
+                 groups: dict[str, str] | None = None, collectives: bool = True, modules: list[Any] | None = None,
+                 torch_trace: bool = False):
         """`collectives`: time them (a dispatch mode that sees every operator: a cost per operator, so
-        not installed in one process, where there are none)."""
+        not installed in one process, where there are none); `modules`: the model's parts on this rank,
+        their attention, MLP, norm and LM-head modules timed by kind (module_marks.py; None: not);
+        `torch_trace`: torch.profiler over the window too (torch_trace.py)."""
         self.first, self.last = window
         self.path = Path(run_dir) / PROFILE_DIR / f"rank{rank}.jsonl"
         self.groups = groups or {}  # process-group name -> the layout's name for it
@@ -121,6 +126,9 @@ class StepRecorder:
         self._timer: CollectiveTimer | None = None
         self.collectives = collectives
         self.stages: list[Any] = []  # a pipeline schedule's stages on this rank, their chunks marked (`watch`)
+        self.modules = modules or []
+        self.marks = ModuleMarks(self.add, cuda=meta.get("device") == "cuda") if modules else None
+        self.torch_trace = TorchTrace(self.path.parent / f"torch_rank{rank}.json") if torch_trace else None
 
     def records(self, step: int) -> bool:
         return self.first <= step <= self.last
@@ -158,6 +166,8 @@ class StepRecorder:
         self.step, _ACTIVE = step, self
         self._timer = CollectiveTimer(self) if self.collectives else None
         self._watch(True)
+        if self.torch_trace is not None:
+            self.torch_trace.start()
         t0 = time.time()
         try:
             with self._timer if self._timer is not None else _NULL:
@@ -167,11 +177,23 @@ class StepRecorder:
             _ACTIVE, self._timer = None, None
             self.add("step", f"step {step}", t0, time.time())
             self._flush(first=step == self.first)
+            if self.torch_trace is not None and step == self.last:
+                self.torch_trace.stop()  # its file written outside the step it would lengthen
+
+    def close(self) -> None:
+        """The end of training: a torch.profiler trace still open (the run ended inside the window) written."""
+        if self.torch_trace is not None:
+            self.torch_trace.stop()
 
     def _watch(self, on: bool) -> None:
         """While a step is recorded, each pipeline stage's forward and backward of a micro-batch (the
-        methods its schedule calls) is a `compute` interval; the instance's own attribute is dropped
-        afterwards, so the stage is as it was."""
+        methods its schedule calls) is a `compute` interval, and the model's modules are timed by kind
+        (module_marks.py); the instance's own attribute and the hooks are dropped afterwards, so the
+        stages and modules are as they were."""
+        if self.marks is not None and on:
+            self.marks.install(self.modules)
+        elif self.marks is not None:
+            self.marks.remove()
         for stage in self.stages:
             for method, name in _CHUNKS.items():
                 if not hasattr(type(stage), method):
@@ -223,9 +245,11 @@ def group_names(dims) -> dict[str, str]:
 
 
 def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: float,
-                 peak_flops: float | None, engine: Any = None) -> StepRecorder | None:
+                 peak_flops: float | None, engine: Any = None, compiled: bool = False,
+                 torch_trace: bool = False) -> StepRecorder | None:
     """The trainer's recorder for `--profile A:B` (None without one): what the analysis needs to know
-    of the run beside the intervals goes in the files' first line."""
+    of the run beside the intervals goes in the files' first line. Under `compiled` blocks the
+    modules are not timed by kind (hooks would change the compiled graphs)."""
     if window is None:
         return None
     t, dims = cfg.train, layout.dims
@@ -234,7 +258,8 @@ def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: f
     meta = {"sizes": sizes, "microbatches": microbatches, "pp_schedule": cfg.parallel.pp_schedule,
             "tokens_per_step": t.global_batch_size * t.seq_len, "flops_per_token": flops_per_token,
             "peak_flops": peak_flops, "device": layout.device.type}
+    modules = None if compiled else list(getattr(engine, "parts", None) or [])
     recorder = StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
-                            collectives=layout.distributed)
+                            collectives=layout.distributed, modules=modules, torch_trace=torch_trace)
     recorder.stages = pipeline_stages(engine)
     return recorder

@@ -114,7 +114,8 @@ def accumulate_micro_batches(model: nn.Module, inputs: torch.Tensor, targets: to
         with mixed_precision(device, autocast_dtype), mark("compute", "forward", microbatch=i):
             out = micro_batch_output(forward, x, y if distiller is None else None, images)
             teacher_logits = distiller.teacher_logits(x) if distiller is not None else None
-        micro_sum = model_loss_sum(out, y)
+        with mark("module", "loss", phase="forward"):
+            micro_sum = model_loss_sum(out, y)
         # multi-token prediction (model.mtp_depth): its weighted token-loss sum joins the main one
         mtp_sum = getattr(out, "mtp_loss_sum", None)
         objective_sum = micro_sum if mtp_sum is None else micro_sum + mtp_sum
