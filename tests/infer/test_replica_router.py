@@ -111,6 +111,42 @@ def test_cache_aware_keeps_each_conversation_on_one_replica(replicas):
         assert 'tessera_router_decisions_total{reason="prefix"} 6' in metrics
 
 
+def _cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_replica_that_lost_its_cache_stops_attracting_its_prefixes(replicas):
+    """Two conversations sent to one replica; that replica loses its prefix cache (put to sleep and
+    woken: the KV cache comes back empty). The next turn of the first still goes there (the index
+    cannot know yet), the replica reports no cached tokens, and the router forgets it: the second
+    conversation's next turn is placed by load, not by a prefix the replica no longer holds. A
+    replica that keeps its cache reports the hit and is not corrected."""
+    two = replicas[:2]
+    talks = [[{"role": "system", "content": f"You are assistant number {k} of the forgetful replica test."},
+              {"role": "user", "content": "first question"}] for k in range(3)]
+    with RunningRouter([s.url for s in two], "cache_aware") as router:
+        placed = [_where(two, lambda m=m: _chat(router.url, m))[0] for m in talks]
+        assert placed[0] == placed[2] != placed[1], placed  # by load, in turn: 0 and 2 share a replica
+        for m in talks:
+            m += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "second question"}]
+        kept, r = _where(two, lambda: _chat(router.url, talks[1]))  # its replica kept its cache
+        assert kept == placed[1] and _cached(r) > 0
+        assert router.router.decisions.corrected == 0
+        lost = two[placed[0]]
+        for route in ("/sleep", "/wake_up"):
+            assert httpx.post(lost.url + route, params={"level": 1}, timeout=HANG_S).status_code == 200
+        where, r = _where(two, lambda: _chat(router.url, talks[0]))
+        assert where == placed[0] and _cached(r) == 0  # predicted there, found nothing there
+        assert router.router.decisions.corrected == 1
+        by_prefix = router.router.decisions.by_prefix
+        _where(two, lambda: _chat(router.url, talks[2]))
+        assert router.router.decisions.by_prefix == by_prefix  # not sent by a prefix the replica lost
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'tessera_router_decisions_total{reason="corrected"} 1' in metrics
+        name = f'tessera_router_replica_cached_tokens_total{{replica="{two[placed[1]].url}"}}'
+        assert _metric(metrics, name) > 0  # the hits the replica that kept its cache reported
+
+
 def test_round_robin_takes_the_replicas_in_turn(replicas):
     with RunningRouter([s.url for s in replicas], "round_robin") as router:
         messages = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "again"}]

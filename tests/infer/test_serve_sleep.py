@@ -5,11 +5,17 @@ a running request is a 409; with --api-key the routes need the key."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 
 from tessera.data.tokenizer import Tokenizer
+from tessera.infer.api.openai_protocol import ProtocolError
+from tessera.infer.api.sleep_routes import EngineSleep
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.engine.loop import EngineLoop
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.tiny_models import hf_greedy
@@ -38,6 +44,8 @@ def test_sleep_wake_and_a_request_that_wakes_it(llama):
         assert _complete(url, "asleep").json()["choices"][0]["text"] == expected["asleep"]
         held = _kv_bytes(engine)
         assert held > 0
+        again = _complete(url, "asleep").json()["usage"]  # its prompt's full blocks found in the prefix cache
+        assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] // 4 * 4 > 0
 
         two = httpx.post(url + "/sleep", params={"level": 2}, headers=KEY, timeout=HANG_S)
         assert two.status_code == 400 and two.json()["error"]["param"] == "level"
@@ -50,6 +58,7 @@ def test_sleep_wake_and_a_request_that_wakes_it(llama):
 
         woken = _complete(url, "asleep")  # woken by the request, served, not refused
         assert woken.status_code == 200 and woken.json()["choices"][0]["text"] == expected["asleep"]
+        assert woken.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the cache came back empty
         assert _kv_bytes(engine) == held
         assert httpx.get(url + "/is_sleeping", headers=KEY).json()["is_sleeping"] is False
 
@@ -60,16 +69,22 @@ def test_sleep_wake_and_a_request_that_wakes_it(llama):
 
 
 def test_a_sleep_under_a_running_request_is_a_409(llama):
+    """A request counted in flight (as SleepGate counts each POST under /v1 while it runs) keeps the
+    engine awake: the sleep is refused with 409 until it leaves."""
     engine = LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, max_num_seqs=4, kv_cache_gib=0.001))
-    with RunningServer(engine) as server:
-        body = {"model": "tiny", "prompt": "stream", "max_tokens": 20, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as stream:
-            lines = stream.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))  # the request runs
-            r = httpx.post(server.url + "/sleep", params={"level": 1}, timeout=HANG_S)
-            assert r.status_code == 409 and "in flight" in r.json()["error"]["message"], r.text
-            rest = [line for line in lines if line]
-            assert rest[-1] == "data: [DONE]"  # the refused sleep left the request running to its end
-        assert server.wait_idle()
-        r = httpx.post(server.url + "/sleep", params={"level": 1}, timeout=HANG_S)
-        assert r.status_code == 200 and r.json()["is_sleeping"] is True, r.text
+    loop = EngineLoop(engine).start()
+    state = EngineSleep(loop, "tiny")
+
+    async def scenario() -> None:
+        await state.enter()
+        with pytest.raises(ProtocolError, match="1 request.s. in flight") as refused:
+            await state.sleep(1)
+        assert refused.value.status == 409 and state.slept is None
+        state.leave()
+        await state.sleep(1)
+        assert state.state() == {"model": "tiny", "is_sleeping": True, "level": 1} and _kv_bytes(engine) == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()

@@ -8,6 +8,12 @@ at its end from one turn of a conversation to the next): chunk k's key is a hash
 key of chunk k-1, so one key stands for the whole prefix up to it. The index keeps the
 `max_entries` most recently used keys (least recently used dropped first), each with the replicas
 that hold it, most recent last; a replica taken out of service is forgotten everywhere.
+
+The replicas correct it: each answer's usage says how many prompt tokens the replica found in its
+prefix cache (`prompt_tokens_details.cached_tokens`, `reported_hit`). A replica that reports well
+under half the share of the prompt the index expected it to hold has lost what it was sent
+(evicted under memory pressure, put to sleep, restarted): the router forgets it everywhere, and only
+what that request has just put there is recorded again (replica_router.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ def prompt_text(body: dict) -> str:
         if key in body:
             parts.append(json.dumps(body[key], ensure_ascii=False))
     return "\n".join(parts)
+
+
+def reported_hit(content: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, of which found in the prefix cache) from an OpenAI answer's usage; None when
+    the answer does not say (not JSON, or a server that does not report cached tokens)."""
+    try:
+        usage = json.loads(content).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        prompt = usage.get("prompt_tokens")
+    except (ValueError, AttributeError):
+        return None
+    ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, cached))
+    return (prompt, cached) if ok and prompt > 0 else None
 
 
 class PrefixIndex:

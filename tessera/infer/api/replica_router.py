@@ -8,7 +8,9 @@ chosen by the policy among the healthy ones:
 - `cache_aware`: the one that was sent the longest prefix of this request's prompt (prefix_index.py),
   if that prefix is at least `min_match` of the prompt (a few shared characters, the start of every
   chat's JSON, say, do not count) and that replica has at most `balance_slack` requests in flight
-  beyond the least loaded one; otherwise the least loaded one takes it.
+  beyond the least loaded one; otherwise the least loaded one takes it. The index is corrected by
+  the prefix-cache hits the replicas report in their answers' usage (`correct`): a replica that
+  lost what it was sent stops attracting its prefixes.
 A replica that cannot be reached, breaks off, answers something that is not HTTP or not JSON,
 answers 502/503/504, or sends nothing within --backend-first-byte-timeout is taken out of service
 and the request is tried on another replica (each at most once). A streamed answer is committed to
@@ -40,7 +42,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
-from tessera.infer.api.prefix_index import PrefixIndex, prompt_text
+from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit
 from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, error_body
 
 log = logging.getLogger("tessera.router")
@@ -61,6 +63,8 @@ class Replica:
     requests: int = 0
     failures: int = 0
     models: frozenset[str] | None = None  # what its /v1/models lists (None: not known yet)
+    prompt_tokens: int = 0  # of the answers that reported their prefix-cache hit
+    cached_tokens: int = 0  # of those, found in its prefix cache
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Decisions:
     in_turn: int = 0  # round robin
     retries: int = 0
     unanswered: int = 0  # no replica could answer
+    corrected: int = 0  # a replica reported a prefix-cache hit far below the index's: forgotten
     counts: dict = field(default_factory=dict)
 
 
@@ -148,11 +153,29 @@ class ReplicaRouter:
                 self.out_of_service(replica, str(e))
                 continue
             if self.policy == "cache_aware":
+                self.correct(replica, keys, matched, answer)
                 self.index.record(keys, replica.url, matched)
             return answer
         self.decisions.unanswered += 1
         names = ", ".join(r.url for r in tried) or "none is healthy"
         return backend_error(f"no replica could answer (tried: {names})", 503)
+
+    def correct(self, replica: Replica, keys: list[bytes], matched: int, answer: Response) -> None:
+        """Count the prefix-cache hit `replica` reports for a whole (not streamed) answer, and forget
+        the replica in the index when it is under half the share of the prompt the index expected
+        there (prefix_index.py)."""
+        if isinstance(answer, StreamingResponse) or answer.status_code != 200:
+            return
+        hit = reported_hit(answer.body)
+        if hit is None:
+            return
+        replica.prompt_tokens += hit[0]
+        replica.cached_tokens += hit[1]
+        if matched and hit[1] / hit[0] < 0.5 * matched / len(keys):
+            self.decisions.corrected += 1
+            log.info("replica %s holds less of a prompt than it was sent (%d of %d tokens cached): forgotten in "
+                     "the prefix index", replica.url, hit[1], hit[0])
+            self.index.forget(replica.url)
 
     def _read(self, raw: bytes) -> tuple[str | None, list[bytes]]:
         """The request's `model` and, for the cache-aware policy, its prompt's prefix keys."""
@@ -290,7 +313,11 @@ class ReplicaRouter:
         per_replica = [("router_replica_requests_total", "counter", "Requests sent to the replica.", "requests"),
                        ("router_replica_in_flight", "gauge", "Requests in flight at the replica.", "in_flight"),
                        ("router_replica_failures_total", "counter", "Requests the replica failed.", "failures"),
-                       ("router_replica_healthy", "gauge", "1 while the replica is in service.", "healthy")]
+                       ("router_replica_healthy", "gauge", "1 while the replica is in service.", "healthy"),
+                       ("router_replica_prompt_tokens_total", "counter", "Prompt tokens of answers reporting "
+                        "their prefix-cache hit.", "prompt_tokens"),
+                       ("router_replica_cached_tokens_total", "counter", "Of those, found in the replica's "
+                        "prefix cache.", "cached_tokens")]
         for name, kind, doc, attr in per_replica:
             lines += [f"# HELP tessera_{name} {doc}", f"# TYPE tessera_{name} {kind}"]
             lines += [f'tessera_{name}{{replica="{r.url}"}} {int(getattr(r, attr))}' for r in self.replicas]
@@ -299,7 +326,7 @@ class ReplicaRouter:
                   "# TYPE tessera_router_decisions_total counter"]
         lines += [f'tessera_router_decisions_total{{reason="{k}"}} {v}' for k, v in
                   (("prefix", d.by_prefix), ("load", d.by_load), ("turn", d.in_turn), ("retry", d.retries),
-                   ("unanswered", d.unanswered))]
+                   ("unanswered", d.unanswered), ("corrected", d.corrected))]
         lines += ["# HELP tessera_router_prefix_hit_rate Prompt chunks found at the chosen replica.",
                   "# TYPE tessera_router_prefix_hit_rate gauge",
                   f"tessera_router_prefix_hit_rate {self.index.hit_rate}"]
