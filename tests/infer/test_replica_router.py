@@ -120,7 +120,8 @@ def test_a_replica_that_lost_its_cache_stops_attracting_its_prefixes(replicas):
     woken: the KV cache comes back empty). The next turn of the first still goes there (the index
     cannot know yet), the replica reports no cached tokens, and the router forgets it: the second
     conversation's next turn is placed by load, not by a prefix the replica no longer holds. A
-    replica that keeps its cache reports the hit and is not corrected."""
+    replica that keeps its cache reports the hit and is not corrected; a stream's usage (at its end)
+    corrects the index too."""
     two = replicas[:2]
     talks = [[{"role": "system", "content": f"You are assistant number {k} of the forgetful replica test."},
               {"role": "user", "content": "first question"}] for k in range(3)]
@@ -145,6 +146,18 @@ def test_a_replica_that_lost_its_cache_stops_attracting_its_prefixes(replicas):
         assert 'tessera_router_decisions_total{reason="corrected"} 1' in metrics
         name = f'tessera_router_replica_cached_tokens_total{{replica="{two[placed[1]].url}"}}'
         assert _metric(metrics, name) > 0  # the hits the replica that kept its cache reported
+
+        holder = two[placed[1]]  # now it loses its cache, and the report comes at the end of a stream
+        for route in ("/sleep", "/wake_up"):
+            assert httpx.post(holder.url + route, params={"level": 1}, timeout=HANG_S).status_code == 200
+        talks[1] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "third question"}]
+        body = {"model": "tiny", "messages": talks[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=HANG_S) as stream:
+            events = [line for line in stream.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert router.router.decisions.corrected == 2
 
 
 def test_round_robin_takes_the_replicas_in_turn(replicas):

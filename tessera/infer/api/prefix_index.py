@@ -10,7 +10,8 @@ key of chunk k-1, so one key stands for the whole prefix up to it. The index kee
 that hold it, most recent last; a replica taken out of service is forgotten everywhere.
 
 The replicas correct it: each answer's usage says how many prompt tokens the replica found in its
-prefix cache (`prompt_tokens_details.cached_tokens`, `reported_hit`). A replica that reports well
+prefix cache (`prompt_tokens_details.cached_tokens`, `reported_hit`; a stream's last usage event,
+`streamed_hit`). A replica that reports well
 under half the share of the prompt the index expected it to hold has lost what it was sent
 (evicted under memory pressure, put to sleep, restarted): the router forgets it everywhere, and only
 what that request has just put there is recorded again (replica_router.py).
@@ -45,6 +46,14 @@ def reported_hit(content: bytes) -> tuple[int, int] | None:
     return (prompt, cached) if ok and prompt > 0 else None
 
 
+def streamed_hit(tail: bytes) -> tuple[int, int] | None:
+    """`reported_hit` of the last server-sent event of a stream's `tail` that carries a usage."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return reported_hit(line[len(b"data: "):])
+    return None
+
+
 class PrefixIndex:
     def __init__(self, chunk_chars: int = 64, max_entries: int = 100_000):
         self.chunk_chars, self.max_entries = chunk_chars, max_entries
@@ -73,10 +82,12 @@ class PrefixIndex:
                 found[replica] = depth
         return found
 
-    def record(self, keys: list[bytes], replica: str, matched: int) -> None:
-        """`replica` was sent the prefix `keys` (`matched` of them were known to be there)."""
-        self.queried_chunks += len(keys)
-        self.matched_chunks += matched
+    def record(self, keys: list[bytes], replica: str, matched: int, count: bool = True) -> None:
+        """`replica` was sent the prefix `keys` (`matched` of them were known to be there; `count`:
+        in the hit rate, once per request)."""
+        if count:
+            self.queried_chunks += len(keys)
+            self.matched_chunks += matched
         for key in keys:
             holders = self.holders.pop(key, [])
             if replica in holders:

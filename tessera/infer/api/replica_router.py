@@ -42,13 +42,14 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
-from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit
+from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
 from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, error_body
 
 log = logging.getLogger("tessera.router")
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 RETRY_STATUSES = frozenset({502, 503, 504})
+TAIL_BYTES = 4096  # of a stream, searched for its usage
 
 
 class ReplicaFailed(Exception):
@@ -148,34 +149,41 @@ class ReplicaRouter:
                 self.decisions.retries += 1
             tried.append(replica)
             try:
-                answer = await self._send(replica, request.url.path, raw, headers)
+                settle = self._settler(replica, keys, matched)
+                answer = await self._send(replica, request.url.path, raw, headers, settle)
             except ReplicaFailed as e:
                 self.out_of_service(replica, str(e))
                 continue
-            if self.policy == "cache_aware":
-                self.correct(replica, keys, matched, answer)
-                self.index.record(keys, replica.url, matched)
+            if isinstance(answer, StreamingResponse):  # its usage, if any, comes at its end (`_events`)
+                if self.policy == "cache_aware":
+                    self.index.record(keys, replica.url, matched)
+            else:
+                settle(reported_hit(answer.body) if answer.status_code == 200 else None)
             return answer
         self.decisions.unanswered += 1
         names = ", ".join(r.url for r in tried) or "none is healthy"
         return backend_error(f"no replica could answer (tried: {names})", 503)
 
-    def correct(self, replica: Replica, keys: list[bytes], matched: int, answer: Response) -> None:
-        """Count the prefix-cache hit `replica` reports for a whole (not streamed) answer, and forget
-        the replica in the index when it is under half the share of the prompt the index expected
-        there (prefix_index.py)."""
-        if isinstance(answer, StreamingResponse) or answer.status_code != 200:
-            return
-        hit = reported_hit(answer.body)
-        if hit is None:
-            return
-        replica.prompt_tokens += hit[0]
-        replica.cached_tokens += hit[1]
-        if matched and hit[1] / hit[0] < 0.5 * matched / len(keys):
-            self.decisions.corrected += 1
-            log.info("replica %s holds less of a prompt than it was sent (%d of %d tokens cached): forgotten in "
-                     "the prefix index", replica.url, hit[1], hit[0])
-            self.index.forget(replica.url)
+    def _settler(self, replica: Replica, keys: list[bytes], matched: int):
+        """What to do with the prefix-cache hit `replica` reports for a request (None: it said none):
+        count it, forget the replica in the index when the hit is under half the share of the prompt
+        the index expected there (prefix_index.py), and record the prompt as the replica's now
+        (`recorded`: a stream's prompt was recorded when it started; again only after forgetting)."""
+        def settle(hit: tuple[int, int] | None, recorded: bool = False) -> None:
+            if hit is not None:
+                replica.prompt_tokens += hit[0]
+                replica.cached_tokens += hit[1]
+            if self.policy != "cache_aware":
+                return
+            lost = hit is not None and matched > 0 and hit[1] / hit[0] < 0.5 * matched / len(keys)
+            if lost:
+                self.decisions.corrected += 1
+                log.info("replica %s holds less of a prompt than it was sent (%d of %d tokens cached): forgotten "
+                         "in the prefix index", replica.url, hit[1], hit[0])
+                self.index.forget(replica.url)
+            if lost or not recorded:
+                self.index.record(keys, replica.url, matched, count=not recorded)
+        return settle
 
     def _read(self, raw: bytes) -> tuple[str | None, list[bytes]]:
         """The request's `model` and, for the cache-aware policy, its prompt's prefix keys."""
@@ -188,7 +196,7 @@ class ReplicaRouter:
         model = body.get("model") if isinstance(body.get("model"), str) else None
         return model, self.index.keys(prompt_text(body)) if self.policy == "cache_aware" else []
 
-    async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict) -> Response:
+    async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict, settle) -> Response:
         """`replica`'s answer; ReplicaFailed before anything of it is committed to the client."""
         replica.in_flight += 1
         replica.requests += 1
@@ -205,7 +213,7 @@ class ReplicaRouter:
                 if media_type.startswith("text/event-stream"):
                     first = await anext(chunks, b"")
                     streaming = True
-                    return StreamingResponse(self._events(replica, answer, first, chunks),
+                    return StreamingResponse(self._events(replica, answer, first, chunks, settle),
                                              status_code=answer.status_code, media_type=media_type,
                                              headers={"Cache-Control": "no-cache"})
             async with asyncio.timeout(self.deadlines.whole_s):
@@ -224,13 +232,17 @@ class ReplicaRouter:
                 replica.in_flight -= 1
 
     async def _events(self, replica: Replica, answer: httpx.Response, first: bytes,
-                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The stream from its first chunk on; a replica lost now ends it with an error event."""
+                      chunks: AsyncIterator[bytes], settle) -> AsyncIterator[bytes]:
+        """The stream from its first chunk on; a replica lost now ends it with an error event. Its
+        last events are kept for the usage a stream may end with (`stream_options.include_usage`)."""
+        tail = first[-TAIL_BYTES:]
         try:
             yield first
             async with asyncio.timeout(self.deadlines.whole_s):
                 async for chunk in chunks:
+                    tail = (tail + chunk)[-TAIL_BYTES:]
                     yield chunk
+            settle(streamed_hit(tail), recorded=True)
         except (httpx.HTTPError, TimeoutError) as e:
             message = f"replica {replica.url} broke off its answer ({type(e).__name__})"
             self.out_of_service(replica, message)
