@@ -28,6 +28,7 @@ from tessera.infer.api.router_relay import Deadlines
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tests.hang_guard import HANG_S
+from tests.infer.kv_messages import PEER_SECRET
 from tests.infer.odd_replicas import ANSWER, OddReplica
 from tests.infer.running_server import RunningServer
 
@@ -49,10 +50,12 @@ def replicas(llama):
 
 
 class RunningRouter:
-    def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2):
+    def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2,
+                 prefills: list[str] = ()):
         self.router = ReplicaRouter(urls, policy, Deadlines(5.0, first_byte_s, HANG_S),
                                     health_interval_s=health_interval_s,
-                                    index=PrefixIndex(chunk_chars=16))
+                                    index=PrefixIndex(chunk_chars=16), prefills=prefills,
+                                    kv_peer_secret=PEER_SECRET if prefills else None)
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(create_replica_router(self.router), log_level="warning"))
@@ -158,6 +161,40 @@ def test_a_replica_that_lost_its_cache_stops_attracting_its_prefixes(replicas):
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert router.router.decisions.corrected == 2
+
+
+def test_a_prefill_pool_computes_the_prompts_of_the_decode_replicas(llama):
+    """`--prefill URL --prefill URL` beside `--replica URL ...`: each request's prompt is computed by a
+    prefill instance (in turn) and its blocks handed to the decode replica the policy chose, whose
+    answer is the model's own."""
+    def engine(**kv):
+        return LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, **kv))
+
+    prompts = [f"System: answer briefly.\nUser: tell me about pool member {k} please" for k in range(4)]
+    want = {}
+    with RunningServer(engine()) as plain:
+        for p in prompts:
+            want[p] = httpx.post(plain.url + "/v1/completions", json=_greedy(p), timeout=HANG_S).json()
+    with contextlib.ExitStack() as stack:
+        prefills = [stack.enter_context(RunningServer(engine(kv_role="prefill"), kv_role="prefill",
+                                                      kv_peer_secret=PEER_SECRET)) for _ in range(2)]
+        decodes = [stack.enter_context(RunningServer(engine(kv_role="decode", kv_offload_gib=0.01), kv_role="decode",
+                                                     kv_peer_secret=PEER_SECRET)) for _ in range(2)]
+        router = RunningRouter([d.url for d in decodes], "cache_aware", prefills=[p.url for p in prefills])
+        with router:
+            for p in prompts:
+                r = httpx.post(router.url + "/v1/completions", json=_greedy(p), timeout=HANG_S)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want[p]["choices"][0]["text"]
+            decisions = router.router.decisions
+            assert (decisions.prefilled, decisions.prefill_fallbacks) == (4, 0)
+        sent = [_metric(httpx.get(p.url + "/metrics").text, "tessera_kv_transfer_out_blocks_total") for p in prefills]
+        taken = [_metric(httpx.get(d.url + "/metrics").text, "tessera_kv_transfer_in_blocks_total") for d in decodes]
+        assert all(n > 0 for n in sent) and sum(taken) == sum(sent)  # both prefills used, every block taken
+
+
+def _greedy(prompt: str) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 def test_round_robin_takes_the_replicas_in_turn(replicas):
@@ -280,7 +317,7 @@ def test_the_prefix_index_is_bounded_and_forgets_a_replica():
 
 @pytest.mark.parametrize("argv, message", [
     ([], "needs --replica URL (repeatable), or --prefill URL and --decode URL"),
-    (["--replica", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8"], "are exclusive"),
+    (["--replica", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:8"], "are exclusive"),
     (["--replica", "ftp://x"], "--replica 'ftp://x' is invalid"),
 ])
 def test_bad_router_options_exit_2(argv, message, capsys):

@@ -22,6 +22,10 @@ known yet may), so replicas of different models, or `tessera serve --model` serv
 GET /v1/models lists what the healthy replicas list (each id once); /health is 200 while one replica
 is healthy; /metrics is the router's: per replica its requests, in flight, failures and health, the
 policy's decisions and the prefix index's hit rate.
+With a prefill pool (`--prefill URL ...` beside `--replica URL ...`, the replicas then decode
+instances), a prefill instance (the least loaded, in turn) first computes each completion or chat
+prompt and hands its blocks to the chosen replica, as the one-pair P/D router does (router.py's
+`prefill_into`; a failed prefill costs the replica a recompute, never the request).
 The guards, the client's API key passed on and the loop guard are the P/D router's (router.py).
 """
 
@@ -43,13 +47,16 @@ from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
 from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
+from tessera.infer.api.router import prefill_into
 from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, error_body
+from tessera.infer.scheduling.kv_peer import require_peer_secret
 
 log = logging.getLogger("tessera.router")
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 RETRY_STATUSES = frozenset({502, 503, 504})
 TAIL_BYTES = 4096  # of a stream, searched for its usage
+PREFILL_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # what a prefill pool takes
 
 
 class ReplicaFailed(Exception):
@@ -76,16 +83,24 @@ class Decisions:
     retries: int = 0
     unanswered: int = 0  # no replica could answer
     corrected: int = 0  # a replica reported a prefix-cache hit far below the index's: forgotten
+    prefilled: int = 0  # with a prefill pool: prompts a prefill instance computed for the chosen replica
+    prefill_fallbacks: int = 0  # ... and those the chosen replica computed itself (the prefill failed)
     counts: dict = field(default_factory=dict)
 
 
 class ReplicaRouter:
     def __init__(self, urls: list[str], policy: str, deadlines: Deadlines, balance_slack: int = 4,
                  health_interval_s: float = 5.0, index: PrefixIndex | None = None, min_match: float = 0.5,
-                 api_key: str | None = None):
+                 api_key: str | None = None, prefills: list[str] = (), kv_peer_secret: bytes | None = None,
+                 prefill_timeout_s: float = 30.0):
+        """`prefills`: a pool of `--kv-role prefill` instances in front of the replicas, which are then
+        `--kv-role decode` instances (`prefill_into`, router.py), all sharing `kv_peer_secret`."""
         if policy not in POLICIES:
             raise ConfigError(f"--policy {policy!r} is invalid: allowed {', '.join(POLICIES)}")
         self.replicas = [Replica(url) for url in urls]
+        self.prefills = [Replica(url) for url in prefills]
+        self.kv_key = require_peer_secret(kv_peer_secret, "tessera router --prefill") if prefills else b""
+        self.prefill_timeout_s = prefill_timeout_s
         self.policy, self.deadlines, self.balance_slack = policy, deadlines, balance_slack
         self.min_match = min_match  # the share of a prompt's chunks a replica must hold to be chosen for it
         self.health_interval_s = health_interval_s
@@ -148,6 +163,8 @@ class ReplicaRouter:
             if tried:
                 self.decisions.retries += 1
             tried.append(replica)
+            if self.prefills and request.url.path in PREFILL_ENDPOINTS:
+                await self._prefill(replica, PREFILL_ENDPOINTS[request.url.path], raw, headers)
             try:
                 settle = self._settler(replica, keys, matched)
                 answer = await self._send(replica, request.url.path, raw, headers, settle)
@@ -163,6 +180,27 @@ class ReplicaRouter:
         self.decisions.unanswered += 1
         names = ", ".join(r.url for r in tried) or "none is healthy"
         return backend_error(f"no replica could answer (tried: {names})", 503)
+
+    async def _prefill(self, decode: Replica, endpoint: str, raw: bytes, headers: dict) -> None:
+        """A prefill instance (the least loaded healthy one, in turn) computes the prompt and hands its
+        blocks to `decode`; if none can, `decode` computes it itself."""
+        healthy = [r for r in self.prefills if r.healthy]
+        least = min((r.in_flight for r in healthy), default=0)
+        prefill = self._in_turn([r for r in healthy if r.in_flight == least]) if healthy else None
+        done = False
+        if prefill is not None:
+            prefill.in_flight += 1
+            prefill.requests += 1
+            try:
+                done = await prefill_into(self.client, prefill.url, decode.url, endpoint, raw, headers, self.kv_key,
+                                          self.prefill_timeout_s)
+            finally:
+                prefill.in_flight -= 1
+            prefill.failures += not done
+        if done:
+            self.decisions.prefilled += 1
+        else:
+            self.decisions.prefill_fallbacks += 1
 
     def _settler(self, replica: Replica, keys: list[bytes], matched: int):
         """What to do with the prefix-cache hit `replica` reports for a request (None: it said none):
@@ -266,7 +304,7 @@ class ReplicaRouter:
                 log.info("replica %s is back in service", replica.url)
                 replica.healthy = True
             replica.models = await self._models_of(replica)
-        await asyncio.gather(*(one(r) for r in self.replicas))
+        await asyncio.gather(*(one(r) for r in [*self.replicas, *self.prefills]))
 
     async def _models_of(self, replica: Replica) -> frozenset[str] | None:
         try:
@@ -332,13 +370,15 @@ class ReplicaRouter:
                         "prefix cache.", "cached_tokens")]
         for name, kind, doc, attr in per_replica:
             lines += [f"# HELP tessera_{name} {doc}", f"# TYPE tessera_{name} {kind}"]
-            lines += [f'tessera_{name}{{replica="{r.url}"}} {int(getattr(r, attr))}' for r in self.replicas]
+            lines += [f'tessera_{name}{{replica="{r.url}"}} {int(getattr(r, attr))}'
+                      for r in [*self.replicas, *self.prefills]]
         d = self.decisions
         lines += ["# HELP tessera_router_decisions_total Routing decisions, by reason.",
                   "# TYPE tessera_router_decisions_total counter"]
         lines += [f'tessera_router_decisions_total{{reason="{k}"}} {v}' for k, v in
                   (("prefix", d.by_prefix), ("load", d.by_load), ("turn", d.in_turn), ("retry", d.retries),
-                   ("unanswered", d.unanswered), ("corrected", d.corrected))]
+                   ("unanswered", d.unanswered), ("corrected", d.corrected), ("prefilled", d.prefilled),
+                   ("prefill_fallback", d.prefill_fallbacks))]
         lines += ["# HELP tessera_router_prefix_hit_rate Prompt chunks found at the chosen replica.",
                   "# TYPE tessera_router_prefix_hit_rate gauge",
                   f"tessera_router_prefix_hit_rate {self.index.hit_rate}"]
