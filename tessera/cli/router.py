@@ -127,7 +127,8 @@ def _run_replicas(args: argparse.Namespace) -> int:
                                kv_peer_secret=secret, prefill_timeout_s=args.prefill_timeout)
         app = create_replica_router(router, args.api_key, hosts, args.max_request_bytes)
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} ({args.policy} over "
-              f"{', '.join(urls)})", file=sys.stderr, flush=True)
+              f"{', '.join(urls)}{', prefill pool ' + ', '.join(prefills) if prefills else ''})", file=sys.stderr,
+              flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],
                                                log_level=args.log_level, access_log=False))
         with contextlib.suppress(KeyboardInterrupt):
