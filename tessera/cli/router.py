@@ -6,7 +6,9 @@ instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same m
 call on loopback, their user's own: kv_peer.py).
 
 `tessera router --replica URL [--replica URL ...] [--policy cache_aware|round_robin|least_loaded]`:
-one front for several replicas of the same models instead (`tessera.infer.api.replica_router`)."""
+one front for several replicas of the same models instead (`tessera.infer.api.replica_router`); with
+`--prefill URL [--prefill URL ...]` beside them, a pool of prefill instances computes each prompt
+for the chosen replica (then a `--kv-role decode` instance)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from tessera.infer.scheduling.kv_peer import add_kv_peer_argument, read_kv_peer_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", default=None, metavar="URL", type=text,
-                   help="the prefill instance, e.g. http://127.0.0.1:8001 (`tessera serve DIR --kv-role prefill`)")
+    p.add_argument("--prefill", dest="prefills", action="append", default=[], metavar="URL", type=text,
+                   help="the prefill instance, e.g. http://127.0.0.1:8001 (`tessera serve DIR --kv-role prefill`); "
+                        "with --replica repeatable: a prefill pool in front of the replicas (decode instances)")
     p.add_argument("--decode", default=None, metavar="URL", type=text,
                    help="the decode instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`)")
     p.add_argument("--replica", dest="replicas", action="append", default=[], metavar="URL", type=text,
@@ -68,8 +71,11 @@ def run(args: argparse.Namespace) -> int:
     check_listen_options(args)
     if args.replicas:
         return _run_replicas(args)
-    if args.prefill is None or args.decode is None:
+    if len(args.prefills) > 1:
+        raise ConfigError("--prefill is repeatable with --replica only (a prefill pool); with --decode give one")
+    if not args.prefills or args.decode is None:
         raise ConfigError("tessera router needs --replica URL (repeatable), or --prefill URL and --decode URL")
+    args.prefill = args.prefills[0]
     check_backends(args.prefill, args.decode, args.host, args.port)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     backends = [urllib.parse.urlsplit(url).hostname or "" for url in (args.prefill, args.decode)]
@@ -96,15 +102,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_replicas(args: argparse.Namespace) -> int:
     """`--replica` mode: serve until interrupted (exit 0)."""
-    from tessera.infer.api.http_guards import allowed_hosts
+    from tessera.infer.api.http_guards import allowed_hosts, is_loopback
     from tessera.infer.api.router import check_urls
     from tessera.infer.api.router_relay import Deadlines
 
-    if args.prefill is not None or args.decode is not None:
-        raise ConfigError("--replica and --prefill/--decode are exclusive: route to replicas, or to a prefill "
-                          "and a decode instance")
+    if args.decode is not None:
+        raise ConfigError("--replica and --decode are exclusive: with --prefill URL (repeatable) the replicas are "
+                          "the decode instances")
     urls = check_urls([(url, "--replica") for url in args.replicas], args.host, args.port)
+    prefills = check_urls([(url, "--prefill") for url in args.prefills], args.host, args.port)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
+    on_loopback = all(is_loopback(urllib.parse.urlsplit(u).hostname or "") for u in [*urls, *prefills]) \
+        and is_loopback(args.host)
+    secret = read_kv_peer_secret(args.kv_peer_secret_file, args.api_key, on_loopback) if prefills else None
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
@@ -113,10 +123,12 @@ def _run_replicas(args: argparse.Namespace) -> int:
 
         router = ReplicaRouter(urls, args.policy, Deadlines(args.backend_connect_timeout,
                                                             args.backend_first_byte_timeout, args.backend_timeout),
-                               health_interval_s=args.health_interval, api_key=args.api_key)
+                               health_interval_s=args.health_interval, api_key=args.api_key, prefills=prefills,
+                               kv_peer_secret=secret, prefill_timeout_s=args.prefill_timeout)
         app = create_replica_router(router, args.api_key, hosts, args.max_request_bytes)
         print(f"tessera router: on http://{args.host}:{socks[0].getsockname()[1]} ({args.policy} over "
-              f"{', '.join(urls)})", file=sys.stderr, flush=True)
+              f"{', '.join(urls)}{', prefill pool ' + ', '.join(prefills) if prefills else ''})", file=sys.stderr,
+              flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=socks[0].getsockname()[1],
                                                log_level=args.log_level, access_log=False))
         with contextlib.suppress(KeyboardInterrupt):

@@ -28,6 +28,7 @@ from tessera.infer.api.router_relay import Deadlines
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tests.hang_guard import HANG_S
+from tests.infer.kv_messages import PEER_SECRET
 from tests.infer.odd_replicas import ANSWER, OddReplica
 from tests.infer.running_server import RunningServer
 
@@ -49,10 +50,12 @@ def replicas(llama):
 
 
 class RunningRouter:
-    def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2):
+    def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2,
+                 prefills: list[str] = ()):
         self.router = ReplicaRouter(urls, policy, Deadlines(5.0, first_byte_s, HANG_S),
                                     health_interval_s=health_interval_s,
-                                    index=PrefixIndex(chunk_chars=16))
+                                    index=PrefixIndex(chunk_chars=16), prefills=prefills,
+                                    kv_peer_secret=PEER_SECRET if prefills else None)
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(create_replica_router(self.router), log_level="warning"))
@@ -109,6 +112,89 @@ def test_cache_aware_keeps_each_conversation_on_one_replica(replicas):
         assert len({next(iter(places)) for places in landed.values()}) == 3  # spread over the replicas
         metrics = httpx.get(router.url + "/metrics").text
         assert 'tessera_router_decisions_total{reason="prefix"} 6' in metrics
+
+
+def _cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_replica_that_lost_its_cache_stops_attracting_its_prefixes(replicas):
+    """Two conversations sent to one replica; that replica loses its prefix cache (put to sleep and
+    woken: the KV cache comes back empty). The next turn of the first still goes there (the index
+    cannot know yet), the replica reports no cached tokens, and the router forgets it: the second
+    conversation's next turn is placed by load, not by a prefix the replica no longer holds. A
+    replica that keeps its cache reports the hit and is not corrected; a stream's usage (at its end)
+    corrects the index too."""
+    two = replicas[:2]
+    talks = [[{"role": "system", "content": f"You are assistant number {k} of the forgetful replica test."},
+              {"role": "user", "content": "first question"}] for k in range(3)]
+    with RunningRouter([s.url for s in two], "cache_aware") as router:
+        placed = [_where(two, lambda m=m: _chat(router.url, m))[0] for m in talks]
+        assert placed[0] == placed[2] != placed[1], placed  # by load, in turn: 0 and 2 share a replica
+        for m in talks:
+            m += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "second question"}]
+        kept, r = _where(two, lambda: _chat(router.url, talks[1]))  # its replica kept its cache
+        assert kept == placed[1] and _cached(r) > 0
+        assert router.router.decisions.corrected == 0
+        lost = two[placed[0]]
+        for route in ("/sleep", "/wake_up"):
+            assert httpx.post(lost.url + route, params={"level": 1}, timeout=HANG_S).status_code == 200
+        where, r = _where(two, lambda: _chat(router.url, talks[0]))
+        assert where == placed[0] and _cached(r) == 0  # predicted there, found nothing there
+        assert router.router.decisions.corrected == 1
+        by_prefix = router.router.decisions.by_prefix
+        _where(two, lambda: _chat(router.url, talks[2]))
+        assert router.router.decisions.by_prefix == by_prefix  # not sent by a prefix the replica lost
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'tessera_router_decisions_total{reason="corrected"} 1' in metrics
+        name = f'tessera_router_replica_cached_tokens_total{{replica="{two[placed[1]].url}"}}'
+        assert _metric(metrics, name) > 0  # the hits the replica that kept its cache reported
+
+        holder = two[placed[1]]  # now it loses its cache, and the report comes at the end of a stream
+        for route in ("/sleep", "/wake_up"):
+            assert httpx.post(holder.url + route, params={"level": 1}, timeout=HANG_S).status_code == 200
+        talks[1] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "third question"}]
+        body = {"model": "tiny", "messages": talks[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=HANG_S) as stream:
+            events = [line for line in stream.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert router.router.decisions.corrected == 2
+
+
+def test_a_prefill_pool_computes_the_prompts_of_the_decode_replicas(llama):
+    """`--prefill URL --prefill URL` beside `--replica URL ...`: each request's prompt is computed by a
+    prefill instance (in turn) and its blocks handed to the decode replica the policy chose, whose
+    answer is the model's own."""
+    def engine(**kv):
+        return LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, **kv))
+
+    prompts = [f"System: answer briefly.\nUser: tell me about pool member {k} please" for k in range(4)]
+    want = {}
+    with RunningServer(engine()) as plain:
+        for p in prompts:
+            want[p] = httpx.post(plain.url + "/v1/completions", json=_greedy(p), timeout=HANG_S).json()
+    with contextlib.ExitStack() as stack:
+        prefills = [stack.enter_context(RunningServer(engine(kv_role="prefill"), kv_role="prefill",
+                                                      kv_peer_secret=PEER_SECRET)) for _ in range(2)]
+        decodes = [stack.enter_context(RunningServer(engine(kv_role="decode", kv_offload_gib=0.01), kv_role="decode",
+                                                     kv_peer_secret=PEER_SECRET)) for _ in range(2)]
+        router = RunningRouter([d.url for d in decodes], "cache_aware", prefills=[p.url for p in prefills])
+        with router:
+            for p in prompts:
+                r = httpx.post(router.url + "/v1/completions", json=_greedy(p), timeout=HANG_S)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == want[p]["choices"][0]["text"]
+            decisions = router.router.decisions
+            assert (decisions.prefilled, decisions.prefill_fallbacks) == (4, 0)
+        sent = [_metric(httpx.get(p.url + "/metrics").text, "tessera_kv_transfer_out_blocks_total") for p in prefills]
+        taken = [_metric(httpx.get(d.url + "/metrics").text, "tessera_kv_transfer_in_blocks_total") for d in decodes]
+        assert all(n > 0 for n in sent) and sum(taken) == sum(sent)  # both prefills used, every block taken
+
+
+def _greedy(prompt: str) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 def test_round_robin_takes_the_replicas_in_turn(replicas):
@@ -231,7 +317,7 @@ def test_the_prefix_index_is_bounded_and_forgets_a_replica():
 
 @pytest.mark.parametrize("argv, message", [
     ([], "needs --replica URL (repeatable), or --prefill URL and --decode URL"),
-    (["--replica", "http://127.0.0.1:9", "--prefill", "http://127.0.0.1:8"], "are exclusive"),
+    (["--replica", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:8"], "are exclusive"),
     (["--replica", "ftp://x"], "--replica 'ftp://x' is invalid"),
 ])
 def test_bad_router_options_exit_2(argv, message, capsys):

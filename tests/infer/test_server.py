@@ -43,7 +43,8 @@ def test_health_models_and_greedy_completion(server, llama):
     tok = server.engine.tokenizer
     from tests.infer.tiny_models import hf_greedy
     assert tok.encode(text, add_special_tokens=False) == hf_greedy(llama[1], tok.encode("hello world"), 12)
-    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 12, "total_tokens": 24}
+    assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 12, "total_tokens": 24,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert out["choices"][0]["finish_reason"] == "length"
 
 

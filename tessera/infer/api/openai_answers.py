@@ -44,8 +44,9 @@ async def collect(request: Request, loop: EngineLoop, queue: asyncio.Queue, rids
         return JSONResponse(error_body(message, status, param), status_code=status)
     outs = [done[i] for i in range(len(rids))]
     finals = [choices.final(i, o) for i, o in enumerate(outs)]
-    use = choices.usage(sum(o.prompt_tokens for i, o in enumerate(outs) if i % choices.n == 0),  # each prompt once
-                        sum(len(o.token_ids) for o in outs))
+    firsts = [o for i, o in enumerate(outs) if i % choices.n == 0]  # each prompt once
+    use = choices.usage(sum(o.prompt_tokens for o in firsts), sum(len(o.token_ids) for o in outs),
+                        sum(o.cached_tokens for o in firsts))
     return JSONResponse(completion_object(rid, name, finals, use, choices.chat))
 
 
@@ -66,7 +67,7 @@ async def stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: s
                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step with new text, the finish reason last, then [DONE]."""
     finished: set[int] = set()
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     chat = choices.chat
     try:
         if chat:
@@ -84,9 +85,10 @@ async def stream(loop: EngineLoop, queue: asyncio.Queue, rids: list[str], rid: s
             if out.finished:
                 finished.add(index)
                 prompt_tokens += out.prompt_tokens if index % choices.n == 0 else 0
+                cached_tokens += out.cached_tokens if index % choices.n == 0 else 0
                 completion_tokens += len(out.token_ids)
         if include_usage:
-            yield sse(chunk_object(rid, name, [], chat, choices.usage(prompt_tokens, completion_tokens)))
+            yield sse(chunk_object(rid, name, [], chat, choices.usage(prompt_tokens, completion_tokens, cached_tokens)))
         yield sse("[DONE]")
     finally:
         for i, r in enumerate(rids):

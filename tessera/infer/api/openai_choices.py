@@ -104,8 +104,8 @@ class Choices:
         """The request field whose constraint decoding follows: the tools' where calls are constrained."""
         return "tools" if self.turn is not None and self.turn.guided_grammar is not None else "response_format"
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The request's usage, with its reasoning tokens where a reasoning parser reads them."""
-        use = usage(prompt_tokens, completion_tokens)
+        use = usage(prompt_tokens, completion_tokens, cached_tokens)
         return usage_details(use, self.reasoning_tokens) if self.turn is not None and self.turn.reads_reasoning \
             else use

@@ -8,6 +8,13 @@ at its end from one turn of a conversation to the next): chunk k's key is a hash
 key of chunk k-1, so one key stands for the whole prefix up to it. The index keeps the
 `max_entries` most recently used keys (least recently used dropped first), each with the replicas
 that hold it, most recent last; a replica taken out of service is forgotten everywhere.
+
+The replicas correct it: each answer's usage says how many prompt tokens the replica found in its
+prefix cache (`prompt_tokens_details.cached_tokens`, `reported_hit`; a stream's last usage event,
+`streamed_hit`). A replica that reports well
+under half the share of the prompt the index expected it to hold has lost what it was sent
+(evicted under memory pressure, put to sleep, restarted): the router forgets it everywhere, and only
+what that request has just put there is recorded again (replica_router.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,27 @@ def prompt_text(body: dict) -> str:
         if key in body:
             parts.append(json.dumps(body[key], ensure_ascii=False))
     return "\n".join(parts)
+
+
+def reported_hit(content: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, of which found in the prefix cache) from an OpenAI answer's usage; None when
+    the answer does not say (not JSON, or a server that does not report cached tokens)."""
+    try:
+        usage = json.loads(content).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        prompt = usage.get("prompt_tokens")
+    except (ValueError, AttributeError):
+        return None
+    ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, cached))
+    return (prompt, cached) if ok and prompt > 0 else None
+
+
+def streamed_hit(tail: bytes) -> tuple[int, int] | None:
+    """`reported_hit` of the last server-sent event of a stream's `tail` that carries a usage."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return reported_hit(line[len(b"data: "):])
+    return None
 
 
 class PrefixIndex:
@@ -54,10 +82,12 @@ class PrefixIndex:
                 found[replica] = depth
         return found
 
-    def record(self, keys: list[bytes], replica: str, matched: int) -> None:
-        """`replica` was sent the prefix `keys` (`matched` of them were known to be there)."""
-        self.queried_chunks += len(keys)
-        self.matched_chunks += matched
+    def record(self, keys: list[bytes], replica: str, matched: int, count: bool = True) -> None:
+        """`replica` was sent the prefix `keys` (`matched` of them were known to be there; `count`:
+        in the hit rate, once per request)."""
+        if count:
+            self.queried_chunks += len(keys)
+            self.matched_chunks += matched
         for key in keys:
             holders = self.holders.pop(key, [])
             if replica in holders:

@@ -8,7 +8,9 @@ chosen by the policy among the healthy ones:
 - `cache_aware`: the one that was sent the longest prefix of this request's prompt (prefix_index.py),
   if that prefix is at least `min_match` of the prompt (a few shared characters, the start of every
   chat's JSON, say, do not count) and that replica has at most `balance_slack` requests in flight
-  beyond the least loaded one; otherwise the least loaded one takes it.
+  beyond the least loaded one; otherwise the least loaded one takes it. The index is corrected by
+  the prefix-cache hits the replicas report in their answers' usage (`correct`): a replica that
+  lost what it was sent stops attracting its prefixes.
 A replica that cannot be reached, breaks off, answers something that is not HTTP or not JSON,
 answers 502/503/504, or sends nothing within --backend-first-byte-timeout is taken out of service
 and the request is tried on another replica (each at most once). A streamed answer is committed to
@@ -20,6 +22,10 @@ known yet may), so replicas of different models, or `tessera serve --model` serv
 GET /v1/models lists what the healthy replicas list (each id once); /health is 200 while one replica
 is healthy; /metrics is the router's: per replica its requests, in flight, failures and health, the
 policy's decisions and the prefix index's hit rate.
+With a prefill pool (`--prefill URL ...` beside `--replica URL ...`, the replicas then decode
+instances), a prefill instance (the least loaded, in turn) first computes each completion or chat
+prompt and hands its blocks to the chosen replica, as the one-pair P/D router does (router.py's
+`prefill_into`; a failed prefill costs the replica a recompute, never the request).
 The guards, the client's API key passed on and the loop guard are the P/D router's (router.py).
 """
 
@@ -40,13 +46,17 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
-from tessera.infer.api.prefix_index import PrefixIndex, prompt_text
+from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
+from tessera.infer.api.router import prefill_into
 from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, error_body
+from tessera.infer.scheduling.kv_peer import require_peer_secret
 
 log = logging.getLogger("tessera.router")
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 RETRY_STATUSES = frozenset({502, 503, 504})
+TAIL_BYTES = 4096  # of a stream, searched for its usage
+PREFILL_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # what a prefill pool takes
 
 
 class ReplicaFailed(Exception):
@@ -61,6 +71,8 @@ class Replica:
     requests: int = 0
     failures: int = 0
     models: frozenset[str] | None = None  # what its /v1/models lists (None: not known yet)
+    prompt_tokens: int = 0  # of the answers that reported their prefix-cache hit
+    cached_tokens: int = 0  # of those, found in its prefix cache
 
 
 @dataclass
@@ -70,16 +82,25 @@ class Decisions:
     in_turn: int = 0  # round robin
     retries: int = 0
     unanswered: int = 0  # no replica could answer
+    corrected: int = 0  # a replica reported a prefix-cache hit far below the index's: forgotten
+    prefilled: int = 0  # with a prefill pool: prompts a prefill instance computed for the chosen replica
+    prefill_fallbacks: int = 0  # ... and those the chosen replica computed itself (the prefill failed)
     counts: dict = field(default_factory=dict)
 
 
 class ReplicaRouter:
     def __init__(self, urls: list[str], policy: str, deadlines: Deadlines, balance_slack: int = 4,
                  health_interval_s: float = 5.0, index: PrefixIndex | None = None, min_match: float = 0.5,
-                 api_key: str | None = None):
+                 api_key: str | None = None, prefills: list[str] = (), kv_peer_secret: bytes | None = None,
+                 prefill_timeout_s: float = 30.0):
+        """`prefills`: a pool of `--kv-role prefill` instances in front of the replicas, which are then
+        `--kv-role decode` instances (`prefill_into`, router.py), all sharing `kv_peer_secret`."""
         if policy not in POLICIES:
             raise ConfigError(f"--policy {policy!r} is invalid: allowed {', '.join(POLICIES)}")
         self.replicas = [Replica(url) for url in urls]
+        self.prefills = [Replica(url) for url in prefills]
+        self.kv_key = require_peer_secret(kv_peer_secret, "tessera router --prefill") if prefills else b""
+        self.prefill_timeout_s = prefill_timeout_s
         self.policy, self.deadlines, self.balance_slack = policy, deadlines, balance_slack
         self.min_match = min_match  # the share of a prompt's chunks a replica must hold to be chosen for it
         self.health_interval_s = health_interval_s
@@ -142,17 +163,65 @@ class ReplicaRouter:
             if tried:
                 self.decisions.retries += 1
             tried.append(replica)
+            if self.prefills and request.url.path in PREFILL_ENDPOINTS:
+                await self._prefill(replica, PREFILL_ENDPOINTS[request.url.path], raw, headers)
             try:
-                answer = await self._send(replica, request.url.path, raw, headers)
+                settle = self._settler(replica, keys, matched)
+                answer = await self._send(replica, request.url.path, raw, headers, settle)
             except ReplicaFailed as e:
                 self.out_of_service(replica, str(e))
                 continue
-            if self.policy == "cache_aware":
-                self.index.record(keys, replica.url, matched)
+            if isinstance(answer, StreamingResponse):  # its usage, if any, comes at its end (`_events`)
+                if self.policy == "cache_aware":
+                    self.index.record(keys, replica.url, matched)
+            else:
+                settle(reported_hit(answer.body) if answer.status_code == 200 else None)
             return answer
         self.decisions.unanswered += 1
         names = ", ".join(r.url for r in tried) or "none is healthy"
         return backend_error(f"no replica could answer (tried: {names})", 503)
+
+    async def _prefill(self, decode: Replica, endpoint: str, raw: bytes, headers: dict) -> None:
+        """A prefill instance (the least loaded healthy one, in turn) computes the prompt and hands its
+        blocks to `decode`; if none can, `decode` computes it itself."""
+        healthy = [r for r in self.prefills if r.healthy]
+        least = min((r.in_flight for r in healthy), default=0)
+        prefill = self._in_turn([r for r in healthy if r.in_flight == least]) if healthy else None
+        done = False
+        if prefill is not None:
+            prefill.in_flight += 1
+            prefill.requests += 1
+            try:
+                done = await prefill_into(self.client, prefill.url, decode.url, endpoint, raw, headers, self.kv_key,
+                                          self.prefill_timeout_s)
+            finally:
+                prefill.in_flight -= 1
+            prefill.failures += not done
+        if done:
+            self.decisions.prefilled += 1
+        else:
+            self.decisions.prefill_fallbacks += 1
+
+    def _settler(self, replica: Replica, keys: list[bytes], matched: int):
+        """What to do with the prefix-cache hit `replica` reports for a request (None: it said none):
+        count it, forget the replica in the index when the hit is under half the share of the prompt
+        the index expected there (prefix_index.py), and record the prompt as the replica's now
+        (`recorded`: a stream's prompt was recorded when it started; again only after forgetting)."""
+        def settle(hit: tuple[int, int] | None, recorded: bool = False) -> None:
+            if hit is not None:
+                replica.prompt_tokens += hit[0]
+                replica.cached_tokens += hit[1]
+            if self.policy != "cache_aware":
+                return
+            lost = hit is not None and matched > 0 and hit[1] / hit[0] < 0.5 * matched / len(keys)
+            if lost:
+                self.decisions.corrected += 1
+                log.info("replica %s holds less of a prompt than it was sent (%d of %d tokens cached): forgotten "
+                         "in the prefix index", replica.url, hit[1], hit[0])
+                self.index.forget(replica.url)
+            if lost or not recorded:
+                self.index.record(keys, replica.url, matched, count=not recorded)
+        return settle
 
     def _read(self, raw: bytes) -> tuple[str | None, list[bytes]]:
         """The request's `model` and, for the cache-aware policy, its prompt's prefix keys."""
@@ -165,7 +234,7 @@ class ReplicaRouter:
         model = body.get("model") if isinstance(body.get("model"), str) else None
         return model, self.index.keys(prompt_text(body)) if self.policy == "cache_aware" else []
 
-    async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict) -> Response:
+    async def _send(self, replica: Replica, path: str, raw: bytes, headers: dict, settle) -> Response:
         """`replica`'s answer; ReplicaFailed before anything of it is committed to the client."""
         replica.in_flight += 1
         replica.requests += 1
@@ -182,7 +251,7 @@ class ReplicaRouter:
                 if media_type.startswith("text/event-stream"):
                     first = await anext(chunks, b"")
                     streaming = True
-                    return StreamingResponse(self._events(replica, answer, first, chunks),
+                    return StreamingResponse(self._events(replica, answer, first, chunks, settle),
                                              status_code=answer.status_code, media_type=media_type,
                                              headers={"Cache-Control": "no-cache"})
             async with asyncio.timeout(self.deadlines.whole_s):
@@ -201,13 +270,17 @@ class ReplicaRouter:
                 replica.in_flight -= 1
 
     async def _events(self, replica: Replica, answer: httpx.Response, first: bytes,
-                      chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The stream from its first chunk on; a replica lost now ends it with an error event."""
+                      chunks: AsyncIterator[bytes], settle) -> AsyncIterator[bytes]:
+        """The stream from its first chunk on; a replica lost now ends it with an error event. Its
+        last events are kept for the usage a stream may end with (`stream_options.include_usage`)."""
+        tail = first[-TAIL_BYTES:]
         try:
             yield first
             async with asyncio.timeout(self.deadlines.whole_s):
                 async for chunk in chunks:
+                    tail = (tail + chunk)[-TAIL_BYTES:]
                     yield chunk
+            settle(streamed_hit(tail), recorded=True)
         except (httpx.HTTPError, TimeoutError) as e:
             message = f"replica {replica.url} broke off its answer ({type(e).__name__})"
             self.out_of_service(replica, message)
@@ -231,7 +304,7 @@ class ReplicaRouter:
                 log.info("replica %s is back in service", replica.url)
                 replica.healthy = True
             replica.models = await self._models_of(replica)
-        await asyncio.gather(*(one(r) for r in self.replicas))
+        await asyncio.gather(*(one(r) for r in [*self.replicas, *self.prefills]))
 
     async def _models_of(self, replica: Replica) -> frozenset[str] | None:
         try:
@@ -290,16 +363,22 @@ class ReplicaRouter:
         per_replica = [("router_replica_requests_total", "counter", "Requests sent to the replica.", "requests"),
                        ("router_replica_in_flight", "gauge", "Requests in flight at the replica.", "in_flight"),
                        ("router_replica_failures_total", "counter", "Requests the replica failed.", "failures"),
-                       ("router_replica_healthy", "gauge", "1 while the replica is in service.", "healthy")]
+                       ("router_replica_healthy", "gauge", "1 while the replica is in service.", "healthy"),
+                       ("router_replica_prompt_tokens_total", "counter", "Prompt tokens of answers reporting "
+                        "their prefix-cache hit.", "prompt_tokens"),
+                       ("router_replica_cached_tokens_total", "counter", "Of those, found in the replica's "
+                        "prefix cache.", "cached_tokens")]
         for name, kind, doc, attr in per_replica:
             lines += [f"# HELP tessera_{name} {doc}", f"# TYPE tessera_{name} {kind}"]
-            lines += [f'tessera_{name}{{replica="{r.url}"}} {int(getattr(r, attr))}' for r in self.replicas]
+            lines += [f'tessera_{name}{{replica="{r.url}"}} {int(getattr(r, attr))}'
+                      for r in [*self.replicas, *self.prefills]]
         d = self.decisions
         lines += ["# HELP tessera_router_decisions_total Routing decisions, by reason.",
                   "# TYPE tessera_router_decisions_total counter"]
         lines += [f'tessera_router_decisions_total{{reason="{k}"}} {v}' for k, v in
                   (("prefix", d.by_prefix), ("load", d.by_load), ("turn", d.in_turn), ("retry", d.retries),
-                   ("unanswered", d.unanswered))]
+                   ("unanswered", d.unanswered), ("corrected", d.corrected), ("prefilled", d.prefilled),
+                   ("prefill_fallback", d.prefill_fallbacks))]
         lines += ["# HELP tessera_router_prefix_hit_rate Prompt chunks found at the chosen replica.",
                   "# TYPE tessera_router_prefix_hit_rate gauge",
                   f"tessera_router_prefix_hit_rate {self.index.hit_rate}"]

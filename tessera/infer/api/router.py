@@ -131,6 +131,38 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
     return app
 
 
+async def prefill_into(client: httpx.AsyncClient, prefill: str, decode: str, endpoint: str, raw: bytes,
+                       headers: dict[str, str], kv_key: bytes, timeout: float) -> bool:
+    """Steps 1-2 (module docstring): the instance at `prefill` computes the prompt of the request
+    `raw` ("completions" or "chat" `endpoint`), the one at `decode` takes its blocks; False when the
+    decode instance has to compute the prompt itself."""
+    try:
+        inner = parse_json(raw, "request body", RequestError)  # the decode instance says what is wrong
+    except RequestError:
+        return False
+    if not isinstance(inner, dict):
+        return False
+    try:
+        # the client's bytes as they came (written back from `inner`, a deep document could break json.dumps)
+        body = b'{"endpoint": "' + endpoint.encode() + b'", "request": ' + raw + b"}"
+        r = await client.post(f"{prefill}/v1/kv/prefill", content=body, timeout=timeout,
+                              headers={**headers, "content-type": "application/json",
+                                       PEER_SIGNATURE_HEADER: sign_prefill_request(kv_key, body)})
+        if r.status_code != 200:
+            log.warning("prefill instance %s answered %d: %s", prefill, r.status_code, r.text[:200])
+            return False
+        r = await client.post(f"{decode}/v1/kv/import", content=r.content, timeout=timeout,
+                              headers={**headers, "content-type": "application/octet-stream"})
+        if r.status_code != 200:
+            log.warning("decode instance %s refused the blocks (%d): %s", decode, r.status_code, r.text[:200])
+            return False
+    except httpx.HTTPError as e:
+        log.warning("prefill/transfer failed (%s: %s); the decode instance computes the prompt",
+                    type(e).__name__, e)
+        return False
+    return True
+
+
 def _auth(request: Request) -> dict[str, str]:
     """The client's API key headers (either the guard takes), to pass on."""
     return {k: v for k in ("authorization", "x-api-key") if (v := request.headers.get(k))}
@@ -146,31 +178,8 @@ class _Routes:
 
     async def prefill_first(self, endpoint: str, raw: bytes, headers: dict[str, str]) -> bool:
         """Steps 1-2; False when the decode instance has to compute the prompt itself."""
-        try:
-            inner = parse_json(raw, "request body", RequestError)  # the decode instance says what is wrong
-        except RequestError:
-            return False
-        if not isinstance(inner, dict):
-            return False
-        try:
-            # the client's bytes as they came (written back from `inner`, a deep document could break json.dumps)
-            body = b'{"endpoint": "' + endpoint.encode() + b'", "request": ' + raw + b"}"
-            r = await self.client.post(f"{self.prefill}/v1/kv/prefill", content=body, timeout=self.prefill_timeout,
-                                       headers={**headers, "content-type": "application/json",
-                                                PEER_SIGNATURE_HEADER: sign_prefill_request(self.kv_key, body)})
-            if r.status_code != 200:
-                log.warning("prefill instance answered %d: %s", r.status_code, r.text[:200])
-                return False
-            r = await self.client.post(f"{self.decode}/v1/kv/import", content=r.content, timeout=self.prefill_timeout,
-                                       headers={**headers, "content-type": "application/octet-stream"})
-            if r.status_code != 200:
-                log.warning("decode instance refused the blocks (%d): %s", r.status_code, r.text[:200])
-                return False
-        except httpx.HTTPError as e:
-            log.warning("prefill/transfer failed (%s: %s); the decode instance computes the prompt",
-                        type(e).__name__, e)
-            return False
-        return True
+        return await prefill_into(self.client, self.prefill, self.decode, endpoint, raw, headers, self.kv_key,
+                                  self.prefill_timeout)
 
     async def generate(self, request: Request, endpoint: str, path: str) -> Response:
         if (loop := self.loops.refusal(request)) is not None:

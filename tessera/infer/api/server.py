@@ -9,11 +9,12 @@ API, over the same agent turn: `responses_route`), POST /v1/messages (Anthropic'
 the same turn and in its own shapes: `anthropic_route`), GET /v1/models, GET /health, GET /metrics
 (Prometheus text), and, when enabled, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
 request's `model` is one of the names /v1/models lists: the served model name (base weights) or the
-name of a loaded LoRA adapter.
+name of a loaded LoRA adapter. vLLM's sleep routes, POST /sleep?level=1, POST /wake_up and
+GET /is_sleeping (`sleep_routes`: level 1 frees the KV cache; a request arriving asleep wakes it).
 
 In front of the routes (`http_guards`): an allow-list of `Host` names, a request-body size limit
 (413) and, with an API key, `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's
-clients send it) on every /v1 route and /metrics (/health stays open for probes). With `kv_role`
+clients send it) on every /v1 route, the sleep routes and /metrics (/health stays open for probes). With `kv_role`
 (prefill/decode disaggregation, `kv_transfer.py`):
 POST /v1/kv/prefill on a prefill instance, POST /v1/kv/import on a decode instance, behind the same
 guards and, apart from the API key, the KV peer secret (kv_peer.py: a prefill request signed with
@@ -64,6 +65,8 @@ from tessera.infer.api.openai_tools import chat_turn
 from tessera.infer.api.profile_routes import add_profile_routes
 from tessera.infer.api.quoting import brief
 from tessera.infer.api.responses_route import add_responses_routes
+from tessera.infer.api.sleep_routes import PATHS as SLEEP_PATHS
+from tessera.infer.api.sleep_routes import add_sleep_routes
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sequence import RequestOutput
@@ -136,9 +139,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     # outermost last: Host first, then the key, then the body is read (only for the authorised)
     # a decode instance takes up to one sequence's KV blocks on /v1/kv/import
     kv_limit = {"/v1/kv/import": transfer_limit(loop.engine)} if kv_role == "decode" else {}
+    add_sleep_routes(app, loop, model_name)  # POST /sleep, /wake_up, GET /is_sleeping; innermost: wakes /v1 POSTs
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, path_limits=kv_limit)
     if api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
+        app.add_middleware(APIKeyCheck, api_key=api_key, also=SLEEP_PATHS)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
 

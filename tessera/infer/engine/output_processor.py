@@ -69,7 +69,8 @@ class OutputProcessor:
         delta = detok.release(final=True)
         return RequestOutput(seq.request_id, appended, delta, detok.text, seq.output_ids, True, reason, seq.num_prompt,
                              error, client_error, **_logprobs_of(seq),
-                             stop_string=detok.matched if reason == "stop" else None)
+                             stop_string=detok.matched if reason == "stop" else None,
+                             cached_tokens=seq.prompt_cached or 0)
 
 
 def _logprobs_of(seq: Sequence) -> dict:

@@ -42,6 +42,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # of each token of `token_ids`, when the request asks them
     prompt_logprobs: list[TokenLogprobs] | None = None  # of each prompt token after the first, when asked
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"), None for any other end
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (on the last output)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + completion
     num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    prompt_cached: int | None = None  # prompt tokens the prefix cache held when first admitted (None: not yet)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the registered full blocks
     status: SequenceStatus = SequenceStatus.WAITING

@@ -117,6 +117,8 @@ class BlockManager:
         found = len(seq.block_table)
         seq.block_hashes = list(hashes[:found])
         seq.num_computed = found * self.block_size
+        if seq.prompt_cached is None:  # a preempted request's second admission finds its own blocks
+            seq.prompt_cached = seq.num_computed
         if self.cache is not None:
             self.cache.record_query(len(hashes) * self.block_size, found * self.block_size)
 
