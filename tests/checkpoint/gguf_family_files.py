@@ -18,9 +18,10 @@ from tests.checkpoint.gguf_files import _tokenizer_metadata
 VOCAB = 4096  # the bundled tokenizer's, written as the file's token list
 
 
-def tiny_family_model(arch: str, seed: int = 0, blocks: bool = False):
+def tiny_family_model(arch: str, seed: int = 0, blocks: bool = False, layer_types: list[str] | None = None):
     """A random transformers model of GGUF architecture `arch` with awkward shapes; `blocks`: every
-    matrix's row a multiple of 32 values (Q8_0 blocks)."""
+    matrix's row a multiple of 32 values (Q8_0 blocks); `layer_types`: Gemma 3's, instead of its
+    one global layer in six."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -41,7 +42,8 @@ def tiny_family_model(arch: str, seed: int = 0, blocks: bool = False):
         return tf.SeedOssForCausalLM(tf.SeedOssConfig(**common, num_hidden_layers=3, head_dim=12)).eval()
     # llama.cpp's Gemma 3: one global layer in six, sliding layers by base 10,000, the softmax scaled by
     # head_dim^-0.5; the global layers' base and linear scaling come from the metadata
-    cfg = tf.Gemma3TextConfig(**common, num_hidden_layers=7, head_dim=12, sliding_window=4, query_pre_attn_scalar=12,
+    cfg = tf.Gemma3TextConfig(**common, num_hidden_layers=7, head_dim=12, layer_types=layer_types, sliding_window=4,
+                              query_pre_attn_scalar=12,
                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                   "rope_theta": 20000.0},
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
@@ -74,6 +76,8 @@ def _metadata(writer, cfg, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
     else:
         writer.add_sliding_window(cfg.sliding_window)
+        if getattr(cfg, "gguf_pattern", False):  # what newer converters write: one flag per layer
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
         full = cfg.rope_parameters["full_attention"]
         writer.add_rope_freq_base(full["rope_theta"])
         writer.add_key_length(head_dim)

@@ -89,6 +89,31 @@ def test_phi3_fused_blocks_kept_quantized_equal_dequantized(tmp_path):
         torch.testing.assert_close(kept(_ids()).logits, plain(_ids()).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_gemma3_sliding_pattern_from_the_metadata(tmp_path):
+    """`attention.sliding_window_pattern` (one flag per layer) replaces llama.cpp's one global layer in six."""
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"] + ["sliding_attention"] * 3
+    hf = tiny_family_model("gemma3", seed=3, layer_types=types)
+    hf.config.gguf_pattern = True
+    model = load_gguf(write_family_gguf(hf, tmp_path / "pattern.gguf", "gemma3"))
+    assert model.cfg.window_layers == [i for i, t in enumerate(types) if t == "sliding_attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_olmo3_written_as_olmo2_is_refused_naming_the_window(tmp_path):
+    import gguf
+
+    path = tmp_path / "olmo3.gguf"
+    writer = gguf.GGUFWriter(str(path), "olmo2")
+    writer.add_sliding_window(4096)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=r"metadata olmo2.attention.sliding_window is not supported"):
+        GGUFFile.open(path)
+
+
 def test_gemma3_norm_offset_is_taken_off(family_files):
     """The file stores 1 + HuggingFace's weight (llama.cpp's convention); Tessera reads HuggingFace's."""
     path, hf = family_files["gemma3"]
