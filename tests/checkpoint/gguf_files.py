@@ -20,6 +20,7 @@ import torch
 
 from tessera.data.tokenizer import DEFAULT_TOKENIZER_DIR
 
+LLAMA_LIKE = ("llama", "qwen2")  # the architectures tiny_hf_model makes (test_gguf_families.py: the others)
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # ggml's K-quant super-block (256 values): its bytes, and where its fp16 scale fields are
 # (ggml-common.h: block_q2_K ends with d, dmin; q3_K ends with d; q4_K / q5_K start with d, dmin;
@@ -56,14 +57,17 @@ def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -
     return blocks.reshape(rows, -1)
 
 
-def _tokenizer_metadata(writer) -> None:
+def _tokenizer_metadata(writer, control: dict[int, str] | None = None) -> None:
+    """The bundled tokenizer as `tokenizer.ggml.*`; `control`: tokens replaced by these control tokens."""
     data = json.loads((DEFAULT_TOKENIZER_DIR / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
     tokens = [None] * len(vocab)
     for token, index in vocab.items():
         tokens[index] = token
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    special = {t["id"] for t in data["added_tokens"] if t.get("special")}
+    special = {t["id"] for t in data["added_tokens"] if t.get("special")} | set(control or {})
+    for index, token in (control or {}).items():
+        tokens[index] = token
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.checkpoint.gguf import ARCHITECTURES, TENSOR_TYPES, GGUFFile, load_gguf
+from tessera.checkpoint.gguf import TENSOR_TYPES, GGUFFile, load_gguf
 from tessera.checkpoint.loading import load_model, model_tokenizer
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.models.int8 import Int8Linear
-from tests.checkpoint.gguf_files import QUANTIZABLE, hf_from_gguf, tiny_hf_model, write_gguf
+from tests.checkpoint.gguf_files import LLAMA_LIKE, QUANTIZABLE, hf_from_gguf, tiny_hf_model, write_gguf
 from tests.infer.tiny_models import hf_greedy
 
 PROMPT = "def main():\n    return"
@@ -26,7 +26,7 @@ def gguf_files(tmp_path_factory):
     """arch -> (a GGUF file holding every supported tensor type, transformers' model of it)."""
     root = tmp_path_factory.mktemp("gguf")
     files = {}
-    for arch in ARCHITECTURES:
+    for arch in LLAMA_LIKE:
         path = write_gguf(tiny_hf_model(arch), root / f"tiny-{arch}.gguf", TENSOR_TYPES)
         files[arch] = (path, hf_from_gguf(path))
     return files
@@ -39,7 +39,7 @@ def q8_llama(tmp_path_factory):
     return path, hf_from_gguf(path)
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", list(LLAMA_LIKE))
 def test_every_tensor_type_gives_transformers_logits(arch, gguf_files):
     path, hf = gguf_files[arch]
     stored = {t.tensor_type.name for t in GGUFFile.open(path).reader.tensors}

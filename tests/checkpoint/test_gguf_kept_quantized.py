@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.checkpoint.gguf import ARCHITECTURES, TENSOR_TYPES, GGUFFile, load_gguf
+from tessera.checkpoint.gguf import TENSOR_TYPES, GGUFFile, load_gguf
 from tessera.checkpoint.loading import load_model
 from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.models.gguf_blocks import BLOCKS
 from tessera.models.gguf_linear import GgufLinear
-from tests.checkpoint.gguf_files import tiny_hf_model, write_gguf
+from tests.checkpoint.gguf_files import LLAMA_LIKE, tiny_hf_model, write_gguf
 
 PROMPT = "def main():\n    return"
 # Every matrix in a block type, so that LLaMA's permuted query/key rows are kept as blocks too.
@@ -28,14 +28,14 @@ def files(tmp_path_factory):
     """(arch, types) -> a tiny GGUF file: every type Tessera reads, or block types only."""
     root = tmp_path_factory.mktemp("gguf-kept")
     return {(arch, kinds): write_gguf(tiny_hf_model(arch, seed=3), root / f"{arch}-{len(kinds)}.gguf", kinds)
-            for arch in ARCHITECTURES for kinds in (TENSOR_TYPES, BLOCK_TYPES)}
+            for arch in LLAMA_LIKE for kinds in (TENSOR_TYPES, BLOCK_TYPES)}
 
 
 def _kept_layers(model) -> dict[str, GgufLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, GgufLinear)}
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", list(LLAMA_LIKE))
 @pytest.mark.parametrize("kinds", [TENSOR_TYPES, BLOCK_TYPES], ids=["every-type", "block-types"])
 def test_kept_blocks_give_the_logits_of_the_dequantized_model(arch, kinds, files):
     path = files[arch, kinds]

@@ -24,7 +24,7 @@ import os
 import torch
 
 from tessera.checkpoint.gguf.reader import GGUFFile
-from tessera.checkpoint.hf.names import hf_names
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.hf_config import config_from_hf
@@ -53,30 +53,49 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with the model's shape; a tensor the model has no place for is refused."""
     found = GGUFFile.open(path)
     cfg = gguf_model_config(found)
-    by_hf = {hf[0]: key for key, hf in hf_names(cfg).items()}  # dense families: one HF tensor per key
+    by_hf: dict[str, list[str]] = {}  # dense families: one HF tensor per key, several keys for a fused one
+    for key, hf in hf_names(cfg).items():
+        by_hf.setdefault(hf[0], []).append(key)
+    rows = hf_fused_rows(cfg)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
-        kept = _keep_quantized(model, found, by_hf, dtype) if keep_quantized else set()
+        kept = _keep_quantized(model, found, by_hf, rows, dtype) if keep_quantized else set()
     model.to_empty(device=device)
     model.cast(dtype)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: set[str] = set()
     for stored in found.stored():
-        key = by_hf.get(stored.hf_name)
-        if key is None:
+        keys = by_hf.get(stored.hf_name)
+        if keys is None:
             raise ConfigError(f"{str(found.path)!r}: tensor {stored.hf_name!r} has no place in the {cfg.family} "
                               "model its metadata describes")
-        if key in kept:
-            targets[key.removesuffix(".weight") + ".blocks"].copy_(stored.raw_blocks())
-        else:
-            _fill(found, stored.hf_name, targets[key], stored.dequantized())
-        filled.add(key)
-    missing = set(by_hf.values()) - filled
+        quantized = [k for k in keys if k in kept]
+        values = stored.raw_blocks() if quantized else stored.dequantized()
+        for key, part in _parts(found, stored.hf_name, values, keys, rows):
+            if key in kept:
+                targets[key.removesuffix(".weight") + ".blocks"].copy_(part)
+            else:
+                _fill(found, stored.hf_name, targets[key], part)
+            filled.add(key)
+    missing = {k for keys in by_hf.values() for k in keys} - filled
     if missing:
         raise ConfigError(f"{str(found.path)!r}: {len(missing)} tensor(s) of the {cfg.family} model are missing "
                           f"from the file: {first_keys(missing)}")
     model.reset_rope(device)
     return model.eval()
+
+
+def _parts(found: GGUFFile, hf_name: str, values: torch.Tensor, keys: list[str],
+           rows: dict[str, tuple[int, int]]) -> list[tuple[str, torch.Tensor]]:
+    """(key, its values) for each Tessera key of a stored tensor: the whole tensor, or each key's rows
+    of a fused one (Phi-3's attn_qkv, ffn_up), whose row count must be the parts' together."""
+    if len(keys) == 1 and keys[0] not in rows:
+        return [(keys[0], values)]
+    total = max(rows[k][1] for k in keys)
+    if values.shape[0] != total:
+        raise ConfigError(f"{str(found.path)!r}: tensor {hf_name!r} has {values.shape[0]} rows, but the model its "
+                          f"metadata describes reads {total} from it")
+    return [(k, values[rows[k][0]:rows[k][1]]) for k in keys]
 
 
 def _fill(found: GGUFFile, hf_name: str, target: torch.Tensor, values: torch.Tensor) -> None:
@@ -86,22 +105,31 @@ def _fill(found: GGUFFile, hf_name: str, target: torch.Tensor, values: torch.Ten
     target.copy_(values)
 
 
-def _keep_quantized(model: Transformer, found: GGUFFile, by_hf: dict[str, str], dtype: torch.dtype) -> set[str]:
+def _keep_quantized(model: Transformer, found: GGUFFile, by_hf: dict[str, list[str]],
+                    rows: dict[str, tuple[int, int]], dtype: torch.dtype) -> set[str]:
     """Swap every linear layer inside the blocks whose weight the file stores in a block type
     `GgufLinear` reads for one of that type (on the meta device, its bias the layer's own); returns
     the weight keys swapped. A stored shape that does not fit the layer is refused by name."""
     modules = dict(model.named_modules())
     kept = set()
     for stored in found.stored():
-        key = by_hf.get(stored.hf_name, "")
-        name = key.removesuffix(".weight")
-        layer = modules.get(name)
-        if not (key.startswith("layers.") and key.endswith(".weight") and isinstance(layer, torch.nn.Linear)
-                and stored.kind in BLOCKS):
-            continue
-        _fill(found, stored.hf_name, layer.weight, torch.empty(stored.shape, device="meta"))  # the shape check
-        new = GgufLinear(stored.kind, layer.in_features, layer.out_features, False, dtype)
-        new.bias = layer.bias
-        replace_module(model, name, new)
-        kept.add(key)
+        for key in by_hf.get(stored.hf_name, []):
+            if _kept(model, modules, found, stored, key, rows, dtype):
+                kept.add(key)
     return kept
+
+
+def _kept(model: Transformer, modules: dict, found: GGUFFile, stored, key: str, rows: dict[str, tuple[int, int]],
+          dtype: torch.dtype) -> bool:
+    """Swap the layer of weight `key` for a `GgufLinear` of the stored tensor's type, where it is one."""
+    name = key.removesuffix(".weight")
+    layer = modules.get(name)
+    if not (key.startswith("layers.") and key.endswith(".weight") and isinstance(layer, torch.nn.Linear)
+            and stored.kind in BLOCKS):
+        return False
+    shape = (rows[key][1] - rows[key][0], *stored.shape[1:]) if key in rows else stored.shape
+    _fill(found, stored.hf_name, layer.weight, torch.empty(shape, device="meta"))  # the shape check
+    new = GgufLinear(stored.kind, layer.in_features, layer.out_features, False, dtype)
+    new.bias = layer.bias
+    replace_module(model, name, new)
+    return True

@@ -22,6 +22,9 @@ Three things differ from a HuggingFace checkpoint:
   projection (HuggingFace stores RoPE's two halves of a head apart; GGML's RoPE wants each pair
   adjacent), `permute` below undoes it. Qwen2 files are stored in HuggingFace's order.
 
+What differs between architectures (the per-layer modules, config fields only the metadata of that
+architecture holds, Gemma's norm offset) is architectures.py's table.
+
 Mistral has no GGUF architecture of its own: llama.cpp writes Mistral models as `llama`, and they
 load as the llama family (without a sliding window, as llama.cpp runs them).
 """
@@ -36,14 +39,11 @@ from typing import Any
 
 import torch
 
+from tessera.checkpoint.gguf.architectures import ARCHITECTURES, Metadata
 from tessera.checkpoint.gguf.header import read_metadata
 from tessera.config.errors import ConfigError
 
 MAGIC = b"GGUF"
-
-# GGUF architecture -> the Tessera family (HuggingFace model_type) it loads as, and whether
-# llama.cpp permuted its query/key rows.
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
 
 # Tensor types read (each covered by tests/checkpoint/test_gguf.py); gguf's dequantize reads them all.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -123,7 +123,7 @@ class GGUFFile:
         arch = _field(reader, "general.architecture", path)
         if arch not in ARCHITECTURES:
             raise ConfigError(f"{str(path)!r}: GGUF architecture {arch!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)}")
+                              f"{', '.join(ARCHITECTURES)}{_from_hf(arch)}")
         found = cls(path, arch, {}, reader)
         found._check_tensor_types()
         found.hf_config = found._config()
@@ -137,13 +137,12 @@ class GGUFFile:
 
     def _config(self) -> dict[str, Any]:
         """config.json's fields, as transformers' GGUF loader makes them for this architecture."""
-        arch, fields = self.architecture, self.reader.fields
+        arch, fields, spec = self.architecture, self.reader.fields, ARCHITECTURES[self.architecture]
         for key in _REFUSED:
-            if f"{arch}.{key}" in fields:
+            if f"{arch}.{key}" in fields and key not in spec.reads:
                 raise ConfigError(f"{str(self.path)!r}: metadata {arch}.{key} is not supported (Tessera reads "
-                                  f"GGUF {', '.join(ARCHITECTURES)} models without RoPE scaling, sliding windows "
-                                  "or experts)")
-        d: dict[str, Any] = {"model_type": ARCHITECTURES[arch][0]}
+                                  f"GGUF {arch} models without {key})")
+        d: dict[str, Any] = {"model_type": spec.family}
         for key, name in _REQUIRED.items():
             d[name] = _field(self.reader, f"{arch}.{key}", self.path)
         for key, name in _OPTIONAL.items():
@@ -161,6 +160,9 @@ class GGUFFile:
         if "vocab_size" not in d:  # older files: the vocabulary's length
             d["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in fields else \
                 _field(self.reader, f"{arch}.vocab_size", self.path)
+        if spec.config is not None:
+            d.update(spec.config(Metadata(self.path, arch, lambda key: _field(self.reader, key, self.path), fields,
+                                          self._small_tensor), d))
         d["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
         for name in ("bos_token_id", "eos_token_id"):  # a stop rule that can never fire is refused
             if f"tokenizer.ggml.{name}" in fields:
@@ -169,6 +171,13 @@ class GGUFFile:
                     raise ConfigError(f"{str(self.path)!r}: GGUF metadata 'tokenizer.ggml.{name}' is {d[name]!r}, "
                                       f"outside the model's vocabulary of {d['vocab_size']} tokens")
         return d
+
+    def _small_tensor(self, name: str):
+        """The float values of 1-D tensor `name` or `name.weight` (a config table such as LongRoPE's), or None."""
+        for t in self.reader.tensors:
+            if t.name in (name, f"{name}.weight"):
+                return gguf_module().quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+        return None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HuggingFace name, float32 tensor in HuggingFace's shape and row order), one at a time."""
@@ -180,8 +189,9 @@ class GGUFFile:
         gguf = gguf_module()
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.architecture)
         n_layers = self.hf_config["num_hidden_layers"]
-        names = _hf_names(gguf.get_tensor_name_map(arch, n_layers), n_layers)
-        permuted = ARCHITECTURES[self.architecture][1]
+        spec = ARCHITECTURES[self.architecture]
+        names = _hf_names(gguf.get_tensor_name_map(arch, n_layers), n_layers, spec.layer_modules)
+        permuted = spec.permuted
         heads = {"attn_q": self.hf_config["num_attention_heads"],
                  "attn_k": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]}
         for t in self.reader.tensors:
@@ -190,12 +200,15 @@ class GGUFFile:
                 raise ConfigError(f"{str(self.path)!r}: tensor 'rope_freqs' holds Llama 3.1-style RoPE frequency "
                                   "scaling, which Tessera does not read from GGUF files; convert the model from its "
                                   "HuggingFace directory instead")
+            if base in spec.config_tensors:  # read into the config
+                continue
             if base not in names:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
                                   "model; is the file a language model of that architecture?")
             kind = base.rpartition(".")[2]
             rope_heads = heads[kind] if permuted and kind in heads else 0
-            yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads)
+            offset = spec.norm_offset if base.endswith("norm") else 0.0
+            yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads, offset)
 
 
 @dataclass
@@ -208,6 +221,7 @@ class StoredTensor:
     entry: Any  # gguf.ReaderTensor
     hf_name: str
     permute_heads: int  # > 0: llama.cpp's query/key row order, undone over this many heads
+    offset: float = 0.0  # what llama.cpp's converter added to the values (Gemma's norms), taken off
 
     @property
     def kind(self) -> str:
@@ -230,7 +244,7 @@ class StoredTensor:
         except Exception as e:  # noqa: BLE001 - a block count that does not fit the shape, a short file
             raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} ({self.kind}) cannot be "
                               f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
-        return self._rows_in_hf_order(values)
+        return self._rows_in_hf_order(values - self.offset if self.offset else values)
 
     def raw_blocks(self) -> torch.Tensor:
         """The blocks of a 2-D quantized tensor as uint8 [rows, row bytes] (a copy of the file's bytes)."""
@@ -252,14 +266,26 @@ class StoredTensor:
         return permute(values, heads)
 
 
-def _hf_names(name_map, n_layers: int) -> dict[str, str]:
+def _hf_names(name_map, n_layers: int, per_layer: tuple[str, ...]) -> dict[str, str]:
     """GGUF tensor name (without .weight/.bias) -> HuggingFace module name, for a decoder of
-    `n_layers`, from gguf's own table (which maps HuggingFace names to GGUF ones)."""
+    `n_layers` with modules `per_layer`, from gguf's own table (which maps HuggingFace names to GGUF ones)."""
     modules = ["model.embed_tokens", "model.norm", "lm_head"]
-    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                 "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     modules += [f"model.layers.{i}.{m}" for i in range(n_layers) for m in per_layer]
     return {name_map.get_name(m): m for m in modules}
+
+
+# llama.cpp's names of architectures whose Tessera family is built from HuggingFace directories but
+# whose GGUF files are not read yet.
+NOT_READ = {"exaone4": "exaone4", "smollm3": "smollm3",
+            "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "llama4": "llama4_text", "qwen3next": "qwen3_next",
+            "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3"}
+
+
+def _from_hf(arch: str) -> str:
+    if arch not in NOT_READ:
+        return ""
+    return (f" (Tessera builds the {NOT_READ[arch]} family, but from its HuggingFace directory: convert that "
+            "instead of the GGUF file)")
 
 
 def _field(reader, key: str, path: Path) -> Any:

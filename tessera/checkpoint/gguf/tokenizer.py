@@ -3,7 +3,10 @@
 transformers builds a fast tokenizer from that metadata (`AutoTokenizer.from_pretrained(dir,
 gguf_file=name)`: vocabulary, merges, special tokens, chat template); it is saved into a temporary
 directory and read back by `tessera.data.tokenizer`, the one reader of tokenizers, so a GGUF
-model's tokenizer is the one `tessera convert MODEL.gguf OUT` writes beside its weights. Needs
+model's tokenizer is the one `tessera convert MODEL.gguf OUT` writes beside its weights. Where
+transformers' GGUF loader does not know the architecture (it reads the model's config first:
+olmo2, seed_oss), the tokenizer is built by transformers' fast tokenizer class from the same
+metadata, which needs no config. Needs
 transformers (a dev/optional dependency here), imported only when a GGUF tokenizer is asked for.
 """
 
@@ -30,10 +33,23 @@ def gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     try:
         built = AutoTokenizer.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError... on a file it cannot read
-        raise ConfigError(f"{str(path)!r}: no tokenizer can be built from its GGUF metadata "
-                          f"({type(e).__name__}: {e})") from None
+        built = _without_config(path, e)
     with tempfile.TemporaryDirectory(prefix="tessera-gguf-tokenizer-") as tmp:
         built.save_pretrained(tmp)
         tokenizer = load_tokenizer(tmp)
     tokenizer.source = str(path)
     return tokenizer
+
+
+def _without_config(path: Path, error: Exception):
+    """The tokenizer of a file whose architecture transformers' GGUF loader refuses (`error`), built
+    from its metadata alone; ConfigError naming `error` when that fails too."""
+    from transformers import PreTrainedTokenizerFast
+
+    if "architecture" in str(error):
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)
+        except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+            pass
+    raise ConfigError(f"{str(path)!r}: no tokenizer can be built from its GGUF metadata "
+                      f"({type(error).__name__}: {error})") from None
