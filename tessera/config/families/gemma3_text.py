@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tessera.config.errors import ConfigError, ModelError
+from tessera.config.errors import ModelError
 from tessera.config.families.base import Family, rope_from_hf
+from tessera.config.families.olmo3 import FULL, SLIDING, window_fields
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig.default_theta
 
 
@@ -58,20 +58,7 @@ class Gemma3Text(Family):
         return fields
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
-        fields = super().attention_from_hf(d)
-        n_layers = d["num_hidden_layers"]
-        pattern = d.get("sliding_window_pattern", 6)
-        types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
-        if not isinstance(types, list) or len(types) < n_layers or any(t not in (SLIDING, FULL) for t in types):
-            raise ConfigError(f"layer_types={types!r} is invalid: must list {SLIDING!r} or {FULL!r} for each of the "
-                              f"{n_layers} layers")
-        sliding = [i for i in range(n_layers) if types[i] == SLIDING]
-        theta, scaling, local = layer_ropes(d)
-        fields.update(rope_theta=theta, rope_scaling=scaling)
-        if sliding:
-            fields.update(sliding_window=d.get("sliding_window") or 4096, window_layers=sliding,
-                          local_rope_theta=None if local == theta and scaling is None else local)
-        return fields
+        return super().attention_from_hf(d) | window_fields(d, d.get("sliding_window_pattern", 6), layer_ropes)
 
     def config_to_hf(self, cfg) -> dict[str, Any]:
         d = super().config_to_hf(cfg)

@@ -7,7 +7,7 @@ only): the full layers' is `rope_theta` / `rope_scaling`, the sliding layers' an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,24 +35,32 @@ def layer_ropes(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, flo
     return theta, scaling, DEFAULT_THETA if "rope_theta" in d else theta
 
 
+def window_fields(d: Mapping[str, Any], period: int,
+                  ropes: Callable[[Mapping[str, Any]], tuple[float, dict[str, Any] | None, float]]) -> dict[str, Any]:
+    """The RoPE and windows of a model whose `layer_types` mark its sliding and full layers (every
+    `period`-th layer full when config.json lists none; OLMo 3, Gemma 3): rope_theta and
+    rope_scaling, and where some layers slide their window, those layers and their own RoPE base
+    (`ropes`: the family's (full theta, scaling, sliding theta) from config.json)."""
+    n_layers = d["num_hidden_layers"]
+    types = d.get("layer_types") or [SLIDING if (i + 1) % period else FULL for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) < n_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise ConfigError(f"layer_types={types!r} is invalid: must list {SLIDING!r} or {FULL!r} for each of the "
+                          f"{n_layers} layers")
+    sliding = [i for i in range(n_layers) if types[i] == SLIDING]
+    theta, scaling, local = ropes(d)
+    fields: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling)
+    if sliding:
+        fields.update(sliding_window=d.get("sliding_window") or 4096, window_layers=sliding,
+                      local_rope_theta=None if local == theta and scaling is None else local)
+    return fields
+
+
 @dataclass(frozen=True)
 class Olmo3(Family):
     layer_windows: ClassVar[bool] = True
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
-        fields = super().attention_from_hf(d)
-        n_layers = d["num_hidden_layers"]
-        types = d.get("layer_types") or [SLIDING if (i + 1) % 4 else FULL for i in range(n_layers)]
-        if not isinstance(types, list) or len(types) < n_layers or any(t not in (SLIDING, FULL) for t in types):
-            raise ConfigError(f"layer_types={types!r} is invalid: must list {SLIDING!r} or {FULL!r} for each of the "
-                              f"{n_layers} layers")
-        sliding = [i for i in range(n_layers) if types[i] == SLIDING]
-        theta, scaling, local = layer_ropes(d)
-        fields.update(rope_theta=theta, rope_scaling=scaling)
-        if sliding:
-            fields.update(sliding_window=d.get("sliding_window") or 4096, window_layers=sliding,
-                          local_rope_theta=None if local == theta and scaling is None else local)
-        return fields
+        return super().attention_from_hf(d) | window_fields(d, 4, layer_ropes)
 
     def attention_to_hf(self, cfg, d: dict[str, Any]) -> None:
         windowed = [i for i in range(cfg.n_layers) if cfg.layer_window(i) is not None]
