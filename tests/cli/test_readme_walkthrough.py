@@ -1,5 +1,6 @@
 """Every command of the README's ```bash blocks runs as written, in order, in a fresh copy of the
-checkout (configs/ and examples/; the package itself is imported from this tree).
+checkout (configs/ and examples/; the package itself is imported from this tree), and after them the
+guides' recipes the README names and links to instead of printing them (GUIDE_BLOCKS).
 
 What the walk-through changes, so that it takes a minute instead of hours:
 - every `tessera train` gets `--set` overrides appended (they win over the README's own): two steps
@@ -43,6 +44,14 @@ SMALL_MOE = {"model.moe.ffn_dim": 32}
 SMALL_DEEPSEEK = {"model.moe.ffn_dim": 32, "model.moe.shared_ffn_dim": 32, "model.n_kv_heads": 4}
 
 
+# (guide, heading): the first ```bash block after the heading, run after the README's blocks, in this
+# order (they use the runs and data the README's commands made)
+GUIDE_BLOCKS = (("docs/training.md", "## LoRA and QLoRA"),
+                ("docs/training.md", "## Preference optimization (DPO)"),
+                ("docs/training.md", "## Reinforcement learning on rewards (GRPO)"),
+                ("docs/training.md", "## Knowledge distillation"))
+
+
 def readme_commands(text: str) -> list[str]:
     """The commands of every ```bash block, continuation lines joined, comment lines dropped."""
     commands = []
@@ -50,6 +59,15 @@ def readme_commands(text: str) -> list[str]:
         for command in block.replace("\\\n", " ").splitlines():
             if command.strip() and not command.lstrip().startswith("#"):
                 commands.append(command)
+    return commands
+
+
+def walkthrough_commands() -> list[str]:
+    """The README's commands, then those of each of GUIDE_BLOCKS."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    for guide, heading in GUIDE_BLOCKS:
+        text = (ROOT / guide).read_text()
+        commands += readme_commands(re.search(r"```bash\n.*?```", text[text.index(heading):], re.S).group(0))
     return commands
 
 
@@ -74,7 +92,7 @@ def _train_overrides(words: list[str], dataset: str) -> list[str]:
 
 
 def test_readme_commands_find_their_runner():
-    commands = readme_commands((ROOT / "README.md").read_text())
+    commands = walkthrough_commands()
     assert len(commands) >= 15
     for command in commands:
         assert shlex.split(command)[0] in (TESSERA, "curl", *NOT_RUN), command
@@ -94,7 +112,7 @@ def test_every_readme_command_runs_in_order(tmp_path, monkeypatch, capsys):
     server: subprocess.Popen | None = None
     ran: list[str] = []
     try:
-        for command in readme_commands((ROOT / "README.md").read_text()):
+        for command in walkthrough_commands():
             if "8000" in command:
                 port = port or free_port()
                 command = command.replace("8000", str(port))

@@ -1,10 +1,10 @@
-"""The README's vision-language worked example runs as written, in order, in a fresh copy of configs/
-and examples/: `tessera train configs/tiny-llava.yaml` fine-tunes the tiny LLaVA on the bundled
-shapes, `tessera convert` writes the run as a LLaVA directory, `tessera serve` serves it on
-127.0.0.1 and the `curl` (run by bash, as a user would) sends a bundled PNG as a data: URL. The
-export loads in transformers with logits equal to Tessera's, and the one checkpoint.export_hf wrote
-is the same files. The example's only change: port 8000 becomes a free port (and 40 steps become 6,
-to keep the test cheap)."""
+"""The vision-language worked example of docs/models.md (the README points to it) runs as written,
+in order, in a fresh copy of configs/ and examples/: `tessera train configs/tiny-llava.yaml`
+fine-tunes the tiny LLaVA on the bundled shapes, `tessera convert` writes the run as a LLaVA
+directory, `tessera serve` serves it on 127.0.0.1 and the `curl` (run by bash, as a user would)
+sends a bundled PNG as a data: URL. The export loads in transformers with logits equal to
+Tessera's, and the one checkpoint.export_hf wrote is the same files. The example's only change:
+port 8000 becomes a free port (and 40 steps become 6, to keep the test cheap)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ HEADING = "#### Fine-tune a vision-language model on image-text conversations"
 
 def example_commands() -> list[str]:
     """The `$ ` commands of the first ```console block after the example's heading."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs/models.md").read_text()
     section = text[text.index(HEADING):]
     block = re.search(r"```console\n(.*?)```", section, re.S).group(1)
     return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
@@ -53,7 +53,7 @@ def test_the_readme_vision_language_example_runs_as_written(tmp_path, monkeypatc
         for command in commands:
             command = command.replace("8000", str(port))
             words = shlex.split(command, comments=True)
-            if words[0] == "curl":  # bash runs it: the README's $(base64 ...) is part of the example
+            if words[0] == "curl":  # bash runs it: the guide's $(base64 ...) is part of the example
                 wait_until_serving(server, f"http://127.0.0.1:{port}", timeout=HANG_S)
                 out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=HANG_S, env=env)
                 assert out.returncode == 0, out.stderr

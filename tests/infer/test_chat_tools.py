@@ -131,15 +131,15 @@ def test_chat_template_kwargs_reach_the_template(thinker):
         assert answer.usage.completion_tokens_details.reasoning_tokens == 0
 
 
-def _readme_agent_loop() -> str:
-    """The `python` block of the README's serving section (after "**Agents**")."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return readme[readme.index("```python\n", readme.index("**Agents**")) + 10:].split("```", 1)[0]
+def _guide_agent_loop() -> str:
+    """The `python` block of the serving guide's tool-call section (the README points to it)."""
+    guide = (Path(__file__).resolve().parents[2] / "docs/serving.md").read_text()
+    return guide[guide.index("```python\n", guide.index("## Tool calls and reasoning")) + 10:].split("```", 1)[0]
 
 
-def test_the_readmes_agent_loop_runs(agent, capsys):
-    """The README's loop, pointed at this server: the model calls, the loop answers each call, the
+def test_the_guides_agent_loop_runs(agent, capsys):
+    """The serving guide's loop, pointed at this server: the model calls, the loop answers each call, the
     model replies from the results."""
-    code = _readme_agent_loop().replace("http://127.0.0.1:8000/v1", str(agent.base_url)).replace('"qwen2.5"', '"agent"')
-    exec(compile(code, "README.md", "exec"), {})
+    code = _guide_agent_loop().replace("http://127.0.0.1:8000/v1", str(agent.base_url)).replace('"qwen2.5"', '"agent"')
+    exec(compile(code, "docs/serving.md", "exec"), {})
     assert capsys.readouterr().out == ANSWER + "\n"

@@ -5,8 +5,8 @@ in a second turn; every `tool_choice` streams what it answers whole, the `input_
 putting together each call's input; `stop_sequences` and `max_tokens` end the turn with their stop
 reasons; with `--reasoning-parser qwen3` the `<think>` block is a `thinking` block counted in usage;
 `x-api-key` is accepted (and a wrong one refused, in Anthropic's error shape); bad requests are 4xx
-naming the field while a request in flight finishes untouched; the agent loops of docs/serving.md
-and the README run."""
+naming the field while a request in flight finishes untouched; the agent loop of docs/serving.md
+(the one the README points to) runs."""
 
 from __future__ import annotations
 
@@ -237,11 +237,10 @@ def _agent_loop(path: str, after: str) -> str:
     return text[text.index("```python\n", text.index(after)) + 10:].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("path, after", [("docs/serving.md", "## Anthropic's Messages API"),
-                                         ("README.md", "The same loop with the official `anthropic` client")])
+@pytest.mark.parametrize("path, after", [("docs/serving.md", "## Anthropic's Messages API")])
 def test_the_documented_agent_loops_run(agent, capsys, path, after):
-    """The guide's and the README's loops, pointed at this server: the model calls, the loop answers
-    each call, the model replies from the results."""
+    """The guide's loop, pointed at this server: the model calls, the loop answers each call, the
+    model replies from the results."""
     code = _agent_loop(path, after)
     assert "import anthropic" in code
     code = code.replace("http://127.0.0.1:8000", agent.url).replace('"qwen2.5"', '"agent"')

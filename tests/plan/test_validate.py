@@ -75,7 +75,7 @@ def test_a_peak_the_source_gives_as_a_range_brackets_the_time_error():
 def test_held_out_time_within_25_percent_at_the_lowest_peak_the_source_allows():
     """Priced with the kernels torchtitan runs (torch's SDPA, and its elementwise work unfused
     without torch.compile), the held-out times are within 25% at the NVL's peak, the lower end of
-    the source's range; at the SXM's they are over by about a third (README says so)."""
+    the source's range; at the SXM's they are over by about a third (docs/planning.md's validate output shows both)."""
     timed = [r for r in validation_rows() if r["held_out"] and r["relative_error"] is not None]
     assert len(timed) == 4
     for r in timed:
