@@ -9,6 +9,11 @@ process, every other step recorded (`StepRecorder.step_block`, as `--profile` do
 machine's load falls on both alike; on ranks every step starts at a barrier. A step's time is rank
 0's wall time of `Trainer.train_step`, the first two steps left out (warm-up).
 
+On ranks the collectives are timed by wrapping the process groups' methods (what `--profile` does
+under data and pipeline parallelism alone); the case `two_ranks_fsdp_dispatch` times them by the
+dispatch mode that sees every operator instead (what tensor, context and expert parallelism need,
+and what every layout used before), as a peer measured in the same run. The cases' rounds alternate.
+
 Prints one JSON object: for each case the median over rounds of the ratio of the median recorded
 step to the median plain step, and each round's ratio (`per_round`: the spread a shared machine gives).
 """
@@ -39,12 +44,13 @@ SIZE = {"model.dim": 256, "model.ffn_dim": 512, "model.n_heads": 8, "model.n_kv_
         "train.seq_len": 128, "train.micro_batch_size": 2, "train.global_batch_size": 4, "checkpoint.interval": 0}
 
 
-def _alternate(overrides: list[str], steps: int) -> dict[str, float]:
+def _alternate(overrides: list[str], steps: int, dispatch: bool = False) -> dict[str, float]:
     """Train `steps` steps, every other one recorded (on ranks, all start each step together); the
     median seconds of the plain and of the recorded steps after the first two (warm-up)."""
     import torch.distributed as dist
 
     trainer = Trainer(load_config(TINY_DENSE, overrides), profile=(1, 10**9))
+    trainer.recorder.functional = trainer.recorder.functional or dispatch
     times: dict[bool, list[float]] = {False: [], True: []}
     for i in range(steps):
         recorded = i % 2 == 1
@@ -58,12 +64,13 @@ def _alternate(overrides: list[str], steps: int) -> dict[str, float]:
     return {"plain_s": statistics.median(times[False]), "profiled_s": statistics.median(times[True])}
 
 
-def _one_case(dataset: str, work: Path, steps: int, ranks: int, extra: list[str], n: int) -> float:
+def _one_case(dataset: str, work: Path, steps: int, ranks: int, extra: list[str], n: int, dispatch: bool) -> float:
     """Median recorded step / median plain step of one run of the case."""
-    run_dir = work / f"r{ranks}-{n}"
+    run_dir = work / f"r{ranks}-{n}-{int(dispatch)}"
     overrides = shrink(dataset, run_dir, steps, **SIZE, **({"parallel.dp_shard": 2} if ranks > 1 else {}))
     overrides += extra
-    out = run_ranks(_alternate, ranks, overrides, steps, timeout=600)[0] if ranks > 1 else _alternate(overrides, steps)
+    out = (run_ranks(_alternate, ranks, overrides, steps, dispatch, timeout=600)[0] if ranks > 1
+           else _alternate(overrides, steps))
     return out["profiled_s"] / out["plain_s"]
 
 
@@ -78,10 +85,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         dataset = build_small_dataset(work)
-        for name, ranks in (("two_ranks_fsdp", 2), ("one_process", 1)):
-            ratios = [_one_case(dataset, work, args.steps, ranks, args.overrides, n) for n in range(args.rounds)]
-            out["cases"][name] = {"profiled_over_plain": statistics.median(ratios),
-                                  "per_round": [round(r, 4) for r in ratios]}
+        cases = {"two_ranks_fsdp": (2, False), "two_ranks_fsdp_dispatch": (2, True), "one_process": (1, False)}
+        ratios: dict[str, list[float]] = {name: [] for name in cases}
+        for n in range(args.rounds):
+            for name, (ranks, dispatch) in cases.items():
+                ratios[name].append(_one_case(dataset, work, args.steps, ranks, args.overrides, n, dispatch))
+        for name, values in ratios.items():
+            out["cases"][name] = {"profiled_over_plain": statistics.median(values),
+                                  "per_round": [round(r, 4) for r in values]}
     print(json.dumps(out, indent=2))
 
 

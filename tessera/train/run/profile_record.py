@@ -8,11 +8,15 @@ reads them: tessera.profiling).
 Kinds: `step` (one per step, the whole of it), `data` (reading the batch), `compute` (forward and
 backward of each micro-batch), `comm` (each collective, with its process group's name: dp, tp, pp,
 ep, cp, ...; `overlapped` when it runs beside compute), `optimizer` (gradient norm and update),
-`checkpoint` (a save), `sync` (host synchronisations). Collectives are seen by a dispatch mode
-(`CollectiveTimer`, on the profiled steps only) that times every c10d and functional collective;
-on those steps a collective that returns a pending `Work` is waited for where it is issued (a
-point-to-point send or receive is not: the schedule that posts it waits for it), so that its time is
-its own. Outside the window nothing is installed and `mark` returns a shared null context.
+`checkpoint` (a save), `sync` (host synchronisations). Collectives are timed on the profiled steps
+only: under data and pipeline parallelism alone, where every collective goes through a process
+group's own methods (FSDP2's, the gradient all-reduce, the pipeline's sends), by wrapping those methods
+for the step (`ProcessGroupTimer`: a cost per collective, none per operator); where tensor, context or
+expert parallelism issue functional collectives through DTensor, by a dispatch mode that sees every
+operator (`CollectiveTimer`: a Python call per operator of the step). On those steps a collective
+that returns a pending `Work` is waited for where it is issued (a point-to-point send or receive is
+not: the schedule that posts it waits for it), so that its time is its own. Outside the window
+nothing is installed and `mark` returns a shared null context.
 
 A line is `{"step", "kind", "name", "t0", "t1"[, "group", "overlapped"]}` (seconds since the epoch,
 so ranks of one machine share a clock); the first line of a file is `{"meta": {...}}`: rank, world,
@@ -92,6 +96,53 @@ class CollectiveTimer(TorchDispatchMode):
         return out
 
 
+# process-group method -> the collective's kind (comm_stats.KINDS); a method not on this build is skipped
+_PG_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
+               "_allgather_base": "all_gather", "all_gather_single": "all_gather",
+               "allgather_coalesced": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+               "all_gather_single_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
+               "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+               "reduce_scatter_tensor_coalesced": "reduce_scatter",
+               "reduce_scatter_single_coalesced": "reduce_scatter", "alltoall": "all_to_all",
+               "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+               "send": "send_recv", "recv": "send_recv", "recv_anysource": "send_recv"}
+
+
+class ProcessGroupTimer:
+    """Times every collective issued through a `ProcessGroup` method (what `torch.distributed`'s
+    functions and FSDP2 call) as a `comm` interval of its group, while entered: the methods of the
+    class are wrapped on entry and put back on exit, so operators that are not collectives cost nothing."""
+
+    def __init__(self, recorder: StepRecorder):
+        self.recorder = recorder
+        self.saved: dict[str, Any] = {}
+
+    def __enter__(self) -> ProcessGroupTimer:
+        cls = dist.ProcessGroup
+        for method, kind in _PG_METHODS.items():
+            if method in vars(cls):
+                self.saved[method] = vars(cls)[method]
+                setattr(cls, method, self._timed(getattr(cls, method), kind))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for method, original in self.saved.items():
+            setattr(dist.ProcessGroup, method, original)
+        self.saved = {}
+
+    def _timed(self, method, kind: str):
+        recorder = self.recorder
+
+        def call(pg, *args, **kwargs):
+            group = recorder.groups.get(pg.group_name, "world")
+            t0 = time.time()
+            out = run_collective(method, (pg, *args), kwargs, group, wait=kind != "send_recv")
+            recorder.add("comm", kind, t0, time.time(), group=group, overlapped=False)
+            return out
+
+        return call
+
+
 def run_collective(func, args: tuple, kwargs: dict, group: str, wait: bool):
     """Issue one collective and, unless `wait` is false, wait for it to complete."""
     out = func(*args, **kwargs)
@@ -112,9 +163,11 @@ class StepRecorder:
 
     def __init__(self, run_dir: Path, window: tuple[int, int], rank: int, world: int, meta: dict[str, Any],
                  groups: dict[str, str] | None = None, collectives: bool = True, modules: list[Any] | None = None,
-                 torch_trace: bool = False):
-        """`collectives`: time them (a dispatch mode that sees every operator: a cost per operator, so
-        not installed in one process, where there are none); `modules`: the model's parts on this rank,
+                 torch_trace: bool = False, functional: bool = True):
+        """`collectives`: time them (not in one process, where there are none); `functional`: the
+        layout issues functional collectives (tensor, context or expert parallelism), which only a
+        dispatch mode that sees every operator finds (a cost per operator), else the process groups'
+        methods are wrapped (a cost per collective); `modules`: the model's parts on this rank,
         their attention, MLP, norm and LM-head modules timed by kind (module_marks.py; None: not);
         `torch_trace`: torch.profiler over the window too (torch_trace.py)."""
         self.first, self.last = window
@@ -123,8 +176,9 @@ class StepRecorder:
         self.meta = {"rank": rank, "world": world, "window": [self.first, self.last], **meta}
         self.lines: list[dict[str, Any]] = []
         self.step = 0
-        self._timer: CollectiveTimer | None = None
+        self._timer: CollectiveTimer | ProcessGroupTimer | None = None
         self.collectives = collectives
+        self.functional = functional
         self.stages: list[Any] = []  # a pipeline schedule's stages on this rank, their chunks marked (`watch`)
         self.modules = modules or []
         self.marks = ModuleMarks(self.add, cuda=meta.get("device") == "cuda") if modules else None
@@ -164,7 +218,8 @@ class StepRecorder:
             yield
             return
         self.step, _ACTIVE = step, self
-        self._timer = CollectiveTimer(self) if self.collectives else None
+        self._timer = None if not self.collectives else \
+            CollectiveTimer(self) if self.functional else ProcessGroupTimer(self)
         self._watch(True)
         if self.torch_trace is not None:
             self.torch_trace.start()
@@ -260,6 +315,7 @@ def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: f
             "peak_flops": peak_flops, "device": layout.device.type}
     modules = None if compiled else list(getattr(engine, "parts", None) or [])
     recorder = StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
-                            collectives=layout.distributed, modules=modules, torch_trace=torch_trace)
+                            collectives=layout.distributed, modules=modules, torch_trace=torch_trace,
+                            functional=any(sizes[d] > 1 for d in ("tp", "cp", "ep")))
     recorder.stages = pipeline_stages(engine)
     return recorder
