@@ -5,6 +5,9 @@ and each request's life.
     {"kind": "serving", "steps": [{"step", "session", "t0", "t1", "schedule_s", "forward_s", "update_s",
      "prefill_tokens", "decode_tokens"}, ...],
      "terms": {"schedule"|"forward"|"update"|"idle": {"measured_s", "planned_s": None}} (per step),
+     and the forward's parts, "forward/attention", "forward/mlp", "forward/norm", "forward/lm_head",
+     "forward/model_other", "forward/sampling", "forward/kv_copies" (forward_parts.py; they add up to
+     "forward"; absent from a profile recorded before the split),
      "tokens": {"prefill", "decode"},
      "requests": {id: {"queued_s", "prefill_chunks", "prefill_tokens", "decode_steps", "preemptions",
                        "finish_reason", "life": [[phase, t0, t1], ...]}}}
@@ -23,6 +26,7 @@ from tessera.profiling.picture import COLOURS, LEFT, ROW, WIDTH, Box, Scene, Tex
 
 ENGINE_FILE = "engine.jsonl"
 _PARTS = ("schedule", "forward", "update")
+FORWARD_PARTS = ("attention", "mlp", "norm", "lm_head", "model_other", "sampling", "kv_copies")
 _PHASE_COLOURS = {"prefill": COLOURS["compute"], "decode": COLOURS["optimizer"], "preempted": COLOURS["comm"],
                   "finished": "#333333"}
 MAX_REQUEST_ROWS = 40
@@ -75,9 +79,13 @@ def analyse_serving(directory: Path | str) -> dict[str, Any]:
     steps = read_steps(Path(directory))
     n = len(steps)
     gaps = sum(max(b["t0"] - a["t1"], 0.0) for a, b in zip(steps, steps[1:], strict=False))
-    terms = {p: {"measured_s": sum(s[f"{p}_s"] for s in steps) / n, "planned_s": None} for p in _PARTS}
+    split = all("attention_s" in s for s in steps)
+    names = ["schedule", "forward", *(f"forward/{part}" for part in FORWARD_PARTS if split), "update"]
+    terms = {name: {"measured_s": sum(s[f"{name.split('/')[-1]}_s"] for s in steps) / n, "planned_s": None}
+             for name in names}
     terms["idle"] = {"measured_s": gaps / n, "planned_s": None}
-    keep = ("step", "session", "t0", "t1", "schedule_s", "forward_s", "update_s", "prefill_tokens", "decode_tokens")
+    keep = ("step", "session", "t0", "t1", "schedule_s", "forward_s", "update_s", "prefill_tokens", "decode_tokens",
+            *(f"{part}_s" for part in FORWARD_PARTS if split))
     return {"kind": "serving", "steps": [{k: s[k] for k in keep} for s in steps], "terms": terms,
             "tokens": {"prefill": sum(s["prefill_tokens"] for s in steps),
                        "decode": sum(s["decode_tokens"] for s in steps)},
@@ -88,7 +96,8 @@ def serving_summary(report: dict[str, Any]) -> str:
     steps, requests = report["steps"], report["requests"]
     lines = [f"{len(steps)} engine steps, {report['tokens']['prefill']} prefill and {report['tokens']['decode']} "
              f"decode tokens, {len(requests)} requests"]
-    lines += [f"  {name:10s} {v['measured_s'] * 1e3:9.3f} ms per step" for name, v in report["terms"].items()]
+    lines += [f"  {name:10s} {v['measured_s'] * 1e3:9.3f} ms per step" if "/" not in name else
+              f"    {name.split('/')[1]:12s} {v['measured_s'] * 1e3:9.3f} ms" for name, v in report["terms"].items()]
     preempted = {k: v["preemptions"] for k, v in requests.items() if v["preemptions"]}
     if preempted:
         lines.append("preempted: " + ", ".join(f"{k} ({n}x)" for k, n in preempted.items()))

@@ -1,5 +1,6 @@
 """`tessera serve --profile-dir DIR`: POST /profile/start and /profile/stop on a real server record the
-engine's steps (prefill and decode tokens, schedule / forward / update time) and each request's life;
+engine's steps (prefill and decode tokens, schedule / forward / update time, the forward split into
+attention, MLP, norms, LM head, the rest of the model, sampling and KV copies) and each request's life;
 a request the scheduler preempted (a KV cache too small for every request at once) shows the
 preemption in its life, then its prefill again (recompute) and its end. `tessera profile DIR` reports
 them, its pictures render, and the routes need the API key when the server has one."""
@@ -7,14 +8,20 @@ them, its pictures render, and the routes need the API key when the server has o
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 
 import httpx
+import pytest
 
 from tessera.cli import main
+from tessera.infer import SamplingParams
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.engine.step_profile import EngineProfile
+from tessera.infer.runner import model_runner
+from tessera.profiling.serving import FORWARD_PARTS, read_steps
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 
@@ -71,3 +78,45 @@ def test_the_profile_routes_need_the_api_key(llama, tmp_path):
         assert r.status_code == 200 and r.json()["recording"] is True
         r = httpx.post(server.url + "/profile/stop", headers={"Authorization": "Bearer " + "k" * 16}, timeout=HANG_S)
         assert r.json() == {"recording": False, "session": 1, "steps": 0, "file": "engine.jsonl"}
+
+
+ATTENTION_DELAY_S = 0.004  # each attention module's extra time in each forward
+SAMPLING_DELAY_S = 0.02  # each step's extra time bringing the logits to the host and sampling
+
+
+def _slowed(fn, seconds: float):
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return slow
+
+
+def test_the_forward_splits_into_attention_mlp_sampling_and_the_rest(llama, tmp_path, monkeypatch, capsys):
+    """Sleeps planted in every attention module and in the step's sampling show in those parts, the
+    parts add up to each step's forward, and the model's hooks and wrappers are gone after each step."""
+    engine = LLMEngine.from_dir(llama[0], EngineConfig(block_size=4, num_blocks=64, max_model_len=64))
+    blocks = list(engine.model.layers.values())
+    for block in blocks:
+        block.attention.forward = _slowed(block.attention.forward, ATTENTION_DELAY_S)
+    monkeypatch.setattr(model_runner, "_to_host", _slowed(model_runner._to_host, SAMPLING_DELAY_S))
+    engine.profile = EngineProfile(tmp_path / "prof")
+    engine.profile.start()
+    for prompt in PROMPTS[:2]:
+        engine.add_request(engine.tokenizer.encode(prompt), SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.model.modules())
+        assert "forward_split" not in vars(engine.executor.runner.paged)
+    engine.profile.stop()
+    steps = read_steps(tmp_path / "prof")
+    layers = len(blocks)
+    for s in steps:
+        parts = [s[f"{p}_s"] for p in FORWARD_PARTS]
+        assert sum(parts) == pytest.approx(s["forward_s"], rel=1e-6, abs=1e-6)
+        assert s["attention_s"] >= layers * ATTENTION_DELAY_S  # one forward of every layer a step
+        assert s["sampling_s"] >= SAMPLING_DELAY_S
+        assert s["mlp_s"] > 0 and s["norm_s"] > 0 and s["lm_head_s"] > 0
+    assert main(["profile", str(tmp_path / "prof")]) == 0
+    out = capsys.readouterr().out
+    assert "attention" in out and "sampling" in out

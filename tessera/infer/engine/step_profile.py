@@ -7,13 +7,16 @@ While recording, each step is timed in its parts, on the engine thread:
     forward_s    the executor: the model's forward over the plan's tokens and the sampling
     update_s     applying the results (detokenizing, stops, finishing requests)
 
+and forward_s split into attention_s, mlp_s, norm_s, lm_head_s, model_other_s, sampling_s and
+kv_copies_s (forward_parts.py), which add up to it;
+
 with the plan's prefill and decode tokens, and for each request what happened to it in the step: a
 prefill chunk (its tokens), a decode, a preemption, its end (with the reason). A request's first
 line also says how long it queued (from its arrival to the step that first scheduled it).
 
 Each recording session is appended to DIR/engine.jsonl on stop: a `{"session": N, "start": t}` line,
-then one line per step `{"step", "t0", "t1", "schedule_s", "forward_s", "update_s",
-"prefill_tokens", "decode_tokens", "requests": [{"id", "phase", "tokens"[, "queued_s"|"reason"]}]}`,
+then one line per step `{"step", "t0", "t1", "schedule_s", "forward_s", "update_s", the forward's
+parts, "prefill_tokens", "decode_tokens", "requests": [{"id", "phase", "tokens"[, "queued_s"|"reason"]}]}`,
 times in seconds (monotonic clock). Outside a session the engine's step is untouched.
 """
 
@@ -23,6 +26,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+from tessera.infer.engine.forward_parts import ForwardParts
 
 ENGINE_FILE = "engine.jsonl"
 
@@ -60,7 +65,8 @@ class EngineProfile:
         plan = engine.scheduler.schedule()
         t1 = time.monotonic()
         requests = [self._scheduled(s, t0) for s in plan.scheduled]  # before the step moves the sequences on
-        result = engine.executor.execute_model(plan)
+        with ForwardParts(engine.executor) as parts:
+            result = engine.executor.execute_model(plan)
         t2 = time.monotonic()
         try:
             outputs = engine.scheduler.update_from_output(plan, result).outputs
@@ -73,8 +79,8 @@ class EngineProfile:
         prefill = sum(r["tokens"] for r in requests if r["phase"] == "prefill")
         decode = sum(r["tokens"] for r in requests if r["phase"] == "decode")
         self.lines.append({"step": len(self.lines), "t0": t0, "t1": t3, "schedule_s": t1 - t0, "forward_s": t2 - t1,
-                           "update_s": t3 - t2, "prefill_tokens": prefill, "decode_tokens": decode,
-                           "requests": requests})
+                           "update_s": t3 - t2, **parts.split(t2 - t1), "prefill_tokens": prefill,
+                           "decode_tokens": decode, "requests": requests})
         return outputs
 
     def _scheduled(self, s, t0: float) -> dict[str, Any]:
