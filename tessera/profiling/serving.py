@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config.errors import ConfigError
-from tessera.profiling.picture import COLOURS, LEFT, ROW, WIDTH, Box, Scene, Text
+from tessera.profiling.picture import COLOURS, KIND_COLOURS, LEFT, ROW, WIDTH, Box, Scene, Text
 
 ENGINE_FILE = "engine.jsonl"
 _PARTS = ("schedule", "forward", "update")
 FORWARD_PARTS = ("attention", "mlp", "norm", "lm_head", "model_other", "sampling", "kv_copies")
+_FORWARD_COLOURS = {"attention": KIND_COLOURS["attention"], "mlp": KIND_COLOURS["mlp"], "norm": KIND_COLOURS["norm"],
+                    "lm_head": KIND_COLOURS["loss"], "model_other": KIND_COLOURS["other"],
+                    "sampling": COLOURS["optimizer"], "kv_copies": COLOURS["comm"]}
 _PHASE_COLOURS = {"prefill": COLOURS["compute"], "decode": COLOURS["optimizer"], "preempted": COLOURS["comm"],
                   "finished": "#333333"}
 MAX_REQUEST_ROWS = 40
@@ -114,9 +117,13 @@ def serving_scene(report: dict[str, Any]) -> Scene:
     for s in steps:
         at = s["t0"]
         for part, colour in zip(_PARTS, (COLOURS["data"], COLOURS["compute"], COLOURS["checkpoint"]), strict=True):
-            boxes.append(Box(LEFT + (at - start) * scale, 7, max(s[f"{part}_s"] * scale, 0.5), ROW - 4, colour,
-                             f"step {s['step']} {part}: {s[f'{part}_s'] * 1e3:.2f} ms"))
-            at += s[f"{part}_s"]
+            inner = [p for p in FORWARD_PARTS if f"{p}_s" in s] if part == "forward" else []
+            for name in inner or [part]:  # the forward drawn as its parts when it was split
+                seconds = s[f"{name}_s"]
+                title = f"step {s['step']} {name}: {seconds * 1e3:.2f} ms"
+                boxes.append(Box(LEFT + (at - start) * scale, 7, max(seconds * scale, 0.5), ROW - 4,
+                                 _FORWARD_COLOURS.get(name, colour), title))
+                at += seconds
     top = 5 + ROW * 1.5
     for rid, life in lives:
         texts.append(Text(10, top + 15, rid[:22]))

@@ -21,7 +21,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.step_profile import EngineProfile
 from tessera.infer.runner import model_runner
-from tessera.profiling.serving import FORWARD_PARTS, read_steps
+from tessera.profiling.serving import FORWARD_PARTS, analyse_serving, read_steps, serving_scene
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 
@@ -120,3 +120,7 @@ def test_the_forward_splits_into_attention_mlp_sampling_and_the_rest(llama, tmp_
     assert main(["profile", str(tmp_path / "prof")]) == 0
     out = capsys.readouterr().out
     assert "attention" in out and "sampling" in out
+    report = analyse_serving(tmp_path / "prof")  # the picture draws the forward as its parts
+    boxes = serving_scene(report).boxes
+    titles = {box.title.split(":")[0].split()[-1] for box in boxes if box.title.startswith("step")}
+    assert {"schedule", "update", *FORWARD_PARTS} <= titles and "forward" not in titles
