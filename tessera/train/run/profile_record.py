@@ -111,7 +111,9 @@ _PG_METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "
 class ProcessGroupTimer:
     """Times every collective issued through a `ProcessGroup` method (what `torch.distributed`'s
     functions and FSDP2 call) as a `comm` interval of its group, while entered: the methods of the
-    class are wrapped on entry and put back on exit, so operators that are not collectives cost nothing."""
+    class are wrapped on entry and put back on exit, so operators that are not collectives cost nothing.
+    The class is the process's: a collective another thread issues meanwhile (a background checkpoint
+    save's) is timed as one of the step's too."""
 
     def __init__(self, recorder: StepRecorder):
         self.recorder = recorder
