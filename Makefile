@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The bundled default: a ~24M-parameter, 8-expert top-2 MoE trained on the Python standard library's
-# own source for 150 steps on CPU (about 23 CPU-minutes, README), then a sample from it.
+# own source for 150 steps on CPU (4.7 CPU-minutes measured, README), then a sample from it.
 DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 150
 demo: install
