@@ -22,8 +22,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tessera.train.run.module_marks import ModuleMarks
-
 PARTS = ("attention", "mlp", "norm", "lm_head", "model_other", "sampling", "kv_copies")
 _KIND_PART = {"attention": "attention", "mlp": "mlp", "norm": "norm", "loss": "lm_head"}
 
@@ -36,6 +34,9 @@ class ForwardParts:
         self.executor = executor
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.model_s = 0.0
+        # imported here: the serving engine loads no training module unless a step is recorded
+        from tessera.train.run.module_marks import ModuleMarks
+
         model = getattr(executor, "model", None)
         cuda = model is not None and any(p.is_cuda for p in model.parameters())
         self.marks = ModuleMarks(self._module, cuda=cuda) if model is not None else None
