@@ -1,0 +1,133 @@
+"""Sliding-window and chunked layers keep only the blocks they can still see (`--windowed-kv bounded`,
+tessera/infer/scheduling/window_blocks.py): a sequence many windows long holds at most its window's
+blocks in the windowed layers' pool while the full layers keep all of theirs, and decodes the tokens
+transformers does (Gemma 3's local layers, gpt-oss's with sinks, Llama 4's chunks); given-back
+blocks serve another request; preemption, speculative drafts, perplexity and loglikelihood scoring
+give what the engine that keeps every block gives."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from tessera.config.errors import ConfigError
+from tessera.eval.scoring import ScoreRequest, score_requests
+from tessera.infer import LLM, SamplingParams
+from tessera.infer.config import SpeculativeConfig
+from tessera.infer.engine.perplexity import paged_nll
+from tests.infer.tiny_models import hf_greedy, write_model
+
+PROMPTS = ["a window of five sees little", "hi", "the second one, a little longer than the first"]
+
+
+def _run(llm: LLM, prompts: list[str], max_tokens: int, watch=None) -> list[list[int]]:
+    """Greedy completions of `prompts`, stepping the engine by hand; `watch(engine)` after each step."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.scheduler.requests[engine.add_request(llm.encode(p), params)] for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        if watch is not None:
+            watch(engine)
+    return [s.output_ids for s in seqs]
+
+
+def _expected(hf, llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    return [hf_greedy(hf, llm.encode(p), max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_path):
+    """Windows (or chunks) of 5 on layer 0, blocks of 4, prompt chunks of 8: after every step a
+    decoding sequence holds at most ceil(5 / 4) + 1 blocks of the windowed pool, one prefilling at
+    most one chunk's more, while its full-attention table covers every position (10+ windows)."""
+    hf = write_model(tmp_path, family, std=0.25)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8)
+    blocks = llm.engine.blocks
+    pool = blocks.window
+    assert pool is not None and pool.layers.layers == {0}
+    bound = pool.layers.blocks_per_seq(4)
+    assert bound == 3
+    seen = {"decode": 0, "prefill": 0, "longest": 0}
+
+    def watch(engine):
+        for seq in engine.scheduler.running:
+            held = len(pool.held(seq))
+            assert len(seq.block_table) == len(seq.window_table) == blocks.blocks_for(seq.num_computed)
+            phase = "decode" if seq.output_ids else "prefill"
+            seen[phase] = max(seen[phase], held)
+            seen["longest"] = max(seen["longest"], seq.num_computed)
+        assert pool.num_used_blocks == sum(len(pool.held(s)) for s in engine.scheduler.running)
+
+    outs = _run(llm, PROMPTS, 40, watch)
+    assert outs == _expected(hf, llm, PROMPTS, 40)
+    assert 0 < seen["decode"] <= bound and seen["prefill"] <= bound + 2
+    assert seen["longest"] >= 10 * 5  # ten windows and more
+    assert pool.num_free_blocks == pool.num_blocks and blocks.num_free_blocks == pool.num_blocks
+
+
+def test_given_back_blocks_serve_another_request(tmp_path):
+    """Two requests of 15 blocks each run at once from a windowed pool of 8 blocks: each takes blocks
+    the other gave back, and both decode transformers' tokens."""
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    pool = llm.engine.blocks.window
+    holders = defaultdict(set)
+
+    def watch(engine):
+        for seq in engine.scheduler.running:
+            for b in pool.held(seq):
+                holders[b].add(seq.request_id)
+
+    prompts = PROMPTS[:1] + PROMPTS[2:]
+    outs = _run(llm, prompts, 48, watch)
+    assert outs == _expected(hf, llm, prompts, 48)
+    need = sum(llm.engine.blocks.blocks_for(len(llm.encode(p)) + 48) for p in prompts)
+    assert pool.num_blocks == 8 < need
+    assert any(len(ids) == 2 for ids in holders.values())
+
+
+def test_preempted_requests_decode_the_same(tmp_path):
+    hf = write_model(tmp_path, "gpt_oss", std=0.25)
+    llm = LLM(tmp_path, block_size=4, num_blocks=24, max_model_len=64, max_num_seqs=8)
+    prompts = [f"prompt number {i} is here" for i in range(5)]
+    outs = _run(llm, prompts, 24)
+    assert llm.engine.metrics.preemptions > 0
+    assert outs == _expected(hf, llm, prompts, 24)
+    blocks = llm.engine.blocks
+    assert blocks.num_free_blocks == 24 and blocks.window.num_free_blocks == blocks.window.num_blocks
+
+
+def test_speculative_drafts_over_a_windowed_pool(tmp_path):
+    """The target as its own draft (every proposal accepted): three speculative slots a step, still
+    at most the window's blocks and those slots' held."""
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=16,
+              speculative=SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(tmp_path)))
+    pool = llm.engine.blocks.window
+    most = []
+    outs = _run(llm, PROMPTS[:2], 40, lambda e: most.extend(len(pool.held(s)) for s in e.scheduler.running))
+    assert outs == _expected(hf, llm, PROMPTS[:2], 40)
+    assert llm.engine.metrics.spec_proposed > 0
+    assert max(most) <= pool.layers.blocks_per_seq(4, lookahead=3)
+
+
+def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
+    """Perplexity and loglikelihood requests (the borrowed cache, piece by piece) give what the
+    engine that keeps every block gives; `kept` has no windowed pool, and KV tiers ask for it."""
+    write_model(tmp_path, "gemma3_text", std=0.25)
+    ids = list(range(3, 70))
+    got = {}
+    for mode in ("bounded", "kept"):
+        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8, windowed_kv=mode)
+        assert (llm.engine.blocks.window is None) == (mode == "kept")
+        got[mode] = (paged_nll(llm.engine, ids, chunk=8),
+                     score_requests(llm.engine, [ScoreRequest(ids[:50], 9), ScoreRequest(ids[10:60], 30)]))
+    (nll_b, n_b), scores_b = got["bounded"]
+    (nll_k, n_k), scores_k = got["kept"]
+    assert n_b == n_k and nll_b == pytest.approx(nll_k, rel=1e-5)
+    for (lp_b, greedy_b), (lp_k, greedy_k) in zip(scores_b, scores_k, strict=True):
+        assert lp_b == pytest.approx(lp_k, rel=1e-5) and greedy_b == greedy_k
+    with pytest.raises(ConfigError, match="windowed_kv='bounded' is invalid: 'kept' with KV tiers"):
+        LLM(tmp_path, block_size=4, kv_offload_gib=0.01)
