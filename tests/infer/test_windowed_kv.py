@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+import torch
 
 from tessera.config.errors import ConfigError
 from tessera.eval.scoring import ScoreRequest, score_requests
 from tessera.infer import LLM, SamplingParams
 from tessera.infer.config import SpeculativeConfig
 from tessera.infer.engine.perplexity import paged_nll
+from tessera.infer.runner.bucketed_decode import DecodeRow, _Bucket
+from tessera.infer.runner.paged_model import BatchItem
 from tests.infer.tiny_models import hf_greedy, write_model
 
 PROMPTS = ["a window of five sees little", "hi", "the second one, a little longer than the first"]
@@ -131,3 +134,37 @@ def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
         assert lp_b == pytest.approx(lp_k, rel=1e-5) and greedy_b == greedy_k
     with pytest.raises(ConfigError, match="windowed_kv='bounded' is invalid: 'kept' with KV tiers"):
         LLM(tmp_path, block_size=4, kv_offload_gib=0.01)
+
+
+def test_the_static_decode_step_reads_the_window_tables(tmp_path):
+    """Mid-decode, with blocks given back: the decode step's padded block-table attention (the CUDA
+    graph's, run eagerly here) and its ragged CPU rows equal the packed step, and NaN in every
+    windowed block no table holds changes nothing."""
+    write_model(tmp_path, "gemma3_text", std=0.25)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    seqs = [engine.scheduler.requests[engine.add_request(llm.encode(p), params)] for p in PROMPTS]
+    while min(s.num_computed for s in seqs) < 36:
+        engine.step()
+    pool, kv = engine.blocks.window, engine.kv
+    for s in seqs:
+        assert engine.blocks.ensure_slots(s, s.num_computed + 1)
+        assert pool.released in s.window_table  # blocks before the window were given back
+    free = torch.tensor(list(pool.free))
+    slots = (free[:, None] * 4 + torch.arange(4)).flatten()
+    for layer in pool.layers.layers:
+        kv.k[layer][slots] = float("nan")
+        kv.v[layer][slots] = float("nan")
+    tokens = [s.token_ids[s.num_computed] for s in seqs]
+    items = [BatchItem([t], s.num_computed, s.block_table, window_table=s.window_table) for t, s in zip(tokens, seqs)]
+    rows = [DecodeRow(t, s.num_computed, s.block_table, window_table=s.window_table) for t, s in zip(tokens, seqs)]
+    want = engine.executor.local.forward(items)
+    decoder = engine.decoder
+    ragged = decoder.forward(rows)
+    MB = max(len(s.block_table) for s in seqs)
+    decoder._fill(rows, 4, MB)
+    padded = _Bucket(decoder, 4, MB).run(decoder.model)  # a padding row too
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(ragged, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[:3], want, rtol=1e-5, atol=1e-5)

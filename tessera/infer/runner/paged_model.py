@@ -101,8 +101,8 @@ class PagedModel:
         if packed:
             parts.append(self.forward([items[i] for i in packed]))
         if single:
-            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot)
-                    for i in single]
+            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot,
+                              items[i].window_table) for i in single]
             parts.append(decoder.forward(rows)[:len(single)])
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), offsets
 
@@ -265,8 +265,6 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
                       geometry.num_window_blocks + 1)
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
-    if windowed is not None:  # the static-shape decode step reads one table per row: decodes are packed
-        sizes = []
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
