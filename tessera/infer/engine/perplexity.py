@@ -33,11 +33,11 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
         if len(ids) < 2:
             break
         seq = Sequence("perplexity", ids, SamplingParams(), None)
-        window = engine.blocks.window
+        pool = engine.blocks.window  # the windowed layers' block pool, or None
         try:
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
-                if not engine.blocks.ensure_slots(seq, len(ids) if window is None else start + len(piece)):
+                if not engine.blocks.ensure_slots(seq, len(ids) if pool is None else start + len(piece)):
                     raise RuntimeError("KV cache too small for one window of max_model_len tokens")
                 engine.flush_kv_transfers()  # blocks it evicted reach their tier before the scoring overwrites them
                 targets = ids[start + 1:start + 1 + len(piece)]
@@ -45,9 +45,9 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
                                                            seq.window_table or None)])[0]
                 total -= float(logp.sum())
                 count += len(targets)
-                if window is not None:
+                if pool is not None:
                     seq.num_computed = start + len(piece)
-                    window.release_unseen(seq)
+                    pool.release_unseen(seq)
         finally:
             engine.blocks.free_sequence(seq)
     return total, count
