@@ -117,16 +117,17 @@ def test_speculative_drafts_over_a_windowed_pool(tmp_path):
 
 
 def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
-    """Perplexity and loglikelihood requests (the borrowed cache, piece by piece) give what the
-    engine that keeps every block gives; `kept` has no windowed pool, and KV tiers ask for it."""
+    """Perplexity (a text of three max_model_len windows) and loglikelihood requests (the borrowed
+    cache, piece by piece) give what the engine that keeps every block gives; `kept` has no windowed
+    pool, and KV tiers ask for it."""
     write_model(tmp_path, "gemma3_text", std=0.25)
     ids = list(range(3, 70))
     got = {}
     for mode in ("bounded", "kept"):
-        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8, windowed_kv=mode)
+        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8, max_model_len=32, windowed_kv=mode)
         assert (llm.engine.blocks.window is None) == (mode == "kept")
         got[mode] = (paged_nll(llm.engine, ids, chunk=8),
-                     score_requests(llm.engine, [ScoreRequest(ids[:50], 9), ScoreRequest(ids[10:60], 30)]))
+                     score_requests(llm.engine, [ScoreRequest(ids[:30], 9), ScoreRequest(ids[10:43], 20)]))
     (nll_b, n_b), scores_b = got["bounded"]
     (nll_k, n_k), scores_k = got["kept"]
     assert n_b == n_k and nll_b == pytest.approx(nll_k, rel=1e-5)
