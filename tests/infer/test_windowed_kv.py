@@ -2,8 +2,9 @@
 tessera/infer/scheduling/window_blocks.py): a sequence many windows long holds at most its window's
 blocks in the windowed layers' pool while the full layers keep all of theirs, and decodes the tokens
 transformers does (Gemma 3's local layers, gpt-oss's with sinks, Llama 4's chunks); given-back
-blocks serve another request; preemption, speculative drafts, perplexity and loglikelihood scoring
-give what the engine that keeps every block gives."""
+blocks serve another request; preemption, speculative drafts, the static-shape decode step,
+perplexity and loglikelihood scoring give what the engine that keeps every block gives; a request
+failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
 
 from __future__ import annotations
 
@@ -12,13 +13,19 @@ from collections import defaultdict
 import pytest
 import torch
 
+from tessera.config import get_preset
 from tessera.config.errors import ConfigError
 from tessera.eval.scoring import ScoreRequest, score_requests
 from tessera.infer import LLM, SamplingParams
 from tessera.infer.config import SpeculativeConfig
 from tessera.infer.engine.perplexity import paged_nll
+from tessera.infer.engine.sequence import Sequence
 from tessera.infer.runner.bucketed_decode import DecodeRow, _Bucket
 from tessera.infer.runner.paged_model import BatchItem
+from tessera.infer.scheduling.block_manager import BlockManager
+from tessera.infer.scheduling.kv_cache import PagedKVCache
+from tessera.infer.scheduling.scheduler import Scheduler
+from tessera.infer.scheduling.window_blocks import WindowedLayers, WindowPool
 from tests.infer.tiny_models import hf_greedy, write_model
 
 PROMPTS = ["a window of five sees little", "hi", "the second one, a little longer than the first"]
@@ -169,3 +176,35 @@ def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     assert torch.isfinite(want).all()
     torch.testing.assert_close(ragged, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded[:3], want, rtol=1e-5, atol=1e-5)
+
+
+def test_clearing_a_failed_requests_blocks_reaches_each_pool():
+    """-1 - b names block b of the windowed pool (how a request failing on inf/NaN hands its window
+    blocks to be zeroed): zeroed in the windowed layers only, b >= 0 in the full layers only."""
+    cfg = get_preset("tiny-llama", n_layers=2, sliding_window=4, window_layers=[0])
+    kv = PagedKVCache(cfg, 6, 4, torch.float32, window_layers=frozenset({0}), window_blocks=3)
+    assert kv.k[0].shape[0] == 3 * 4 and kv.k[1].shape[0] == 6 * 4
+    for store in (*kv.k, *kv.v):
+        store.fill_(float("nan"))
+    kv.clear_blocks([-1 - 2, 5])
+    for store in (kv.k[0], kv.v[0]):
+        blocks = store.view(3, -1)
+        assert blocks[2].eq(0).all() and blocks[:2].isnan().all()
+    for store in (kv.k[1], kv.v[1]):
+        blocks = store.view(6, -1)
+        assert blocks[5].eq(0).all() and blocks[:5].isnan().all()
+
+
+def test_a_request_failing_on_nan_leaves_its_window_blocks_to_be_zeroed():
+    cfg = get_preset("tiny-llama", n_layers=2, sliding_window=4, window_layers=[0], max_seq_len=64)
+    pool = WindowPool(8, 4, WindowedLayers.of(cfg, 64))
+    blocks = BlockManager(16, 4, enable_prefix_caching=False, window=pool)
+    scheduler = Scheduler(blocks, max_num_seqs=2, max_num_batched_tokens=32)
+    seq = Sequence("r", list(range(3, 13)), SamplingParams(max_tokens=4), None)
+    scheduler.add(seq)
+    scheduler.schedule()
+    held, own = pool.held(seq), list(seq.block_table)
+    assert len(held) == 3 and pool.num_free_blocks == 5
+    scheduler._fail_alone(seq, FloatingPointError("inf"))
+    assert sorted(scheduler.take_dirty_blocks()) == sorted(own + [-1 - b for b in held])
+    assert pool.num_free_blocks == 8 and blocks.num_free_blocks == 8
