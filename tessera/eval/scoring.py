@@ -12,6 +12,8 @@ borrows KV blocks for its length, and is fed in pieces so that one forward holds
 the keys/values of the earlier ones back from the cache, as generation does. Pieces of context
 carry no targets; the continuation's pieces carry them. Requests are admitted while blocks and
 sequence slots last and leave as they finish, so a long request never holds up the short ones.
+With a windowed block pool (infer/scheduling/window_blocks.py) a request takes its blocks piece by
+piece instead, giving back after each piece the windowed layers' blocks no later piece sees.
 """
 
 from __future__ import annotations
@@ -91,7 +93,10 @@ def _admit(engine: LLMEngine, requests: list[ScoreRequest], waiting: list[int], 
     while waiting and len(running) < engine.config.max_num_seqs:
         i = waiting[-1]
         seq = Sequence(f"score-{i}", requests[i].tokens, SamplingParams(), None)
-        if not engine.blocks.ensure_slots(seq, len(requests[i].tokens) - 1):
+        upfront = len(requests[i].tokens) - 1
+        if engine.blocks.window is not None:  # piece by piece (`_score_round`)
+            upfront = min(upfront, engine.config.max_num_batched_tokens)
+        if not engine.blocks.ensure_slots(seq, upfront):
             if not running:
                 raise RuntimeError(f"the KV cache ({engine.blocks.num_free_blocks} free blocks) cannot hold one "
                                    f"request of {len(requests[i].tokens)} tokens; raise kv_cache_gib")
@@ -110,7 +115,10 @@ def _score_round(engine: LLMEngine, running: list[_Running], budget: int) -> Non
         end = min(stop, r.position + left)
         tokens = r.request.tokens
         targets = tokens[r.position + 1:end + 1] if r.position >= r.first_target_row else []
-        chunks.append(ScoringChunk(tokens[r.position:end], r.position, r.seq.block_table, targets))
+        if not engine.blocks.ensure_slots(r.seq, end):  # only a windowed pool's requests grow here
+            raise RuntimeError(f"the KV cache's windowed pool cannot hold a piece of {end - r.position} tokens")
+        chunks.append(ScoringChunk(tokens[r.position:end], r.position, r.seq.block_table, targets,
+                                   r.seq.window_table or None))
         owners.append((r, end))
         left -= end - r.position
     engine.flush_kv_transfers()  # blocks `_admit` evicted reach their tier before the scoring overwrites them
@@ -118,4 +126,6 @@ def _score_round(engine: LLMEngine, running: list[_Running], budget: int) -> Non
         if scores.logprobs.numel():
             r.logprob += float(scores.logprobs.double().sum())
             r.greedy = r.greedy and bool(scores.is_argmax.all())
-        r.position = end
+        r.position = r.seq.num_computed = end
+        if engine.blocks.window is not None:
+            engine.blocks.window.release_unseen(r.seq)

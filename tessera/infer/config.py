@@ -99,6 +99,12 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "do not reuse KV blocks of shared prefixes", name="--no-prefix-caching", action="store_true",
         to_field=lambda off: not off))
+    # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
+    # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
+    windowed_kv: str = field(default="bounded", metadata=flag(
+        "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, blocks before the "
+        "window freed; no prefix caching for such models) or kept (every block kept, prefix caching as "
+        "for any model)", choices=("bounded", "kept")))
     scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
         "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "
         "between the same two steps shortest prompt first (shortest_first)", choices=SCHEDULING_POLICIES))

@@ -80,6 +80,14 @@ def sees_all(window: Window, length: int) -> bool:
     return window is None or (window.size if isinstance(window, ChunkedWindow) else window) >= length
 
 
+def layer_window(cfg: ModelConfig, layer_id: int) -> Window:
+    """The window of layer `layer_id`'s attention: chunks on the rotated layers of a model with
+    `attention_chunk_size` (Llama 4), else the layer's sliding window (`ModelConfig.layer_window`)."""
+    if cfg.attention_chunk_size is not None and layer_id not in cfg.nope_layers:
+        return ChunkedWindow(cfg.attention_chunk_size)
+    return cfg.layer_window(layer_id)
+
+
 def sliding_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Window) -> torch.Tensor:
     """Boolean [Sq, Sk] mask, True where query i may see key j: j <= i and j inside i's window
     (`window_allows`: i - j < window, or the same chunk)."""
@@ -129,8 +137,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rotary = layer_id not in cfg.nope_layers  # False: a NoPE layer (SmolLM3), q and k are not rotated
         # a sliding window, or chunks on the rotated layers (model.attention_chunk_size, Llama 4)
-        chunked = cfg.attention_chunk_size is not None and self.rotary
-        self.window: Window = ChunkedWindow(cfg.attention_chunk_size) if chunked else cfg.layer_window(layer_id)
+        self.window: Window = layer_window(cfg, layer_id)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         # gated attention (Qwen3-Next): wq also projects a per-head gate, each head's [q | gate] side by side
         self.output_gate = cfg.attention_output_gate

@@ -26,7 +26,9 @@ def test_sink_layers_decode_as_transformers_on_every_path(kernel, tmp_path, monk
 
     monkeypatch.setattr(PagedAttentionBatch, "attend", counting)
     hf = write_model(tmp_path, "gpt_oss", std=0.25)
-    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=True)
+    # every block kept: prefix reuse and the static-shape decode step (the windowed pool's own test:
+    # test_windowed_kv.py)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=12, enable_prefix_caching=True, windowed_kv="kept")
     want = [hf_greedy(hf, llm.tokenizer.encode(p), GREEDY.max_tokens) for p in PROMPTS]
     outs = llm.generate(PROMPTS, GREEDY)
     again = llm.generate(PROMPTS[:1], GREEDY)  # its prefix from the cache

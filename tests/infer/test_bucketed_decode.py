@@ -40,7 +40,9 @@ def test_block_table_attention_equals_packed_reference(family, kv_dtype, tmp_pat
     """Prefill sequences of different lengths, then compute one decode step both ways on the same
     cache: the packed eager step (the reference) and the static-shape bucket's step."""
     write_model(tmp_path, family, std=0.25)
-    llm = LLM(tmp_path, block_size=4, num_blocks=64, kv_cache_dtype=kv_dtype, decode_batch_sizes=[4])
+    # windowed_kv="kept": a windowed pool's engine packs its decodes (no static-shape step to test)
+    llm = LLM(tmp_path, block_size=4, num_blocks=64, kv_cache_dtype=kv_dtype, decode_batch_sizes=[4],
+              windowed_kv="kept")
     engine = llm.engine
     lengths = [3, 9, 14]  # sliding window 6 (mistral) cuts into the longer ones
     tables, next_block = [], 0

@@ -42,7 +42,7 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=5), dict(decode_batch_sizes=[4])],
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=5), dict(decode_batch_sizes=[4], windowed_kv="kept")],
                          ids=["chunked-prefill", "static-decode"])
 def test_the_engine_decodes_the_tokens_of_full_recomputation(attention_path, options):
     """Chunks of 5 on layer 0 (layer 1 without RoPE sees everything), blocks of 4: prompts and

@@ -497,6 +497,14 @@ def test_two_ranks_match_hf_for_every_family(family, tmp_path):
     want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     with LLM(tmp_path, tensor_parallel_size=2, **OPTIONS) as two:
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == want
+        # sliding-window and chunked layers serve from a pool of their own on both ranks (window_blocks.py)
+        window = two.engine.blocks.window
+        assert (window is not None) == (family in WINDOWED)
+        if window is not None:
+            assert window.num_free_blocks == window.num_blocks
+
+
+WINDOWED = ("mistral", "gpt_oss", "exaone4", "llama4_text", "gemma3_text")
 
 
 @pytest.mark.slow

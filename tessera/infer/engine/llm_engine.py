@@ -48,7 +48,7 @@ from tessera.infer.runner.tp_executor import TensorParallelExecutor
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import make_generator
 from tessera.infer.sampling.structured_output import GrammarCompiler, GrammarMatcher
-from tessera.infer.scheduling.block_manager import BlockManager
+from tessera.infer.scheduling.block_manager import engine_blocks
 from tessera.infer.scheduling.kv_exchange import KVExchange
 from tessera.infer.scheduling.kv_tier_planner import KVTierPlanner
 from tessera.infer.scheduling.kv_tiers import TierMetrics
@@ -72,8 +72,7 @@ class LLMEngine:
         store = executor.kv_tiers  # the KV tiers' bytes, built by the executor over its cache
         self.tier_metrics = store.metrics if store is not None else TierMetrics()
         planner = KVTierPlanner.over(store) if store is not None else None
-        self.blocks = BlockManager(executor.geometry.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   planner)
+        self.blocks = engine_blocks(executor.geometry, config, planner)
         self.kv_exchange = KVExchange(executor, self.blocks, self.tier_metrics)  # for kv_transfer.py
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,

@@ -4,7 +4,9 @@ The text is fed in chunks through the engine's executor (`Executor.score`: on ev
 tensor parallelism) and paged KV cache, so every chunk after the first attends to keys/values read
 back from the cache (dequantised when the cache is int8), exactly as generation would.
 perplexity = exp(mean over predicted tokens of -log p(token | everything before it)). Text longer
-than the context is scored in independent windows of `max_model_len` tokens.
+than the context is scored in independent windows of `max_model_len` tokens. With a windowed block
+pool (infer/scheduling/window_blocks.py) blocks are taken chunk by chunk, and the windowed layers'
+blocks no later chunk sees given back after each.
 """
 
 from __future__ import annotations
@@ -31,16 +33,21 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
         if len(ids) < 2:
             break
         seq = Sequence("perplexity", ids, SamplingParams(), None)
-        if not engine.blocks.ensure_slots(seq, len(ids)):
-            raise RuntimeError("KV cache too small for one window of max_model_len tokens")
-        engine.flush_kv_transfers()  # blocks it evicted reach their tier before the scoring overwrites them
+        pool = engine.blocks.window  # the windowed layers' block pool, or None
         try:
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
+                if not engine.blocks.ensure_slots(seq, len(ids) if pool is None else start + len(piece)):
+                    raise RuntimeError("KV cache too small for one window of max_model_len tokens")
+                engine.flush_kv_transfers()  # blocks it evicted reach their tier before the scoring overwrites them
                 targets = ids[start + 1:start + 1 + len(piece)]
-                logp = engine.executor.score([ScoringChunk(piece, start, seq.block_table, targets)])[0]
+                logp = engine.executor.score([ScoringChunk(piece, start, seq.block_table, targets,
+                                                           seq.window_table or None)])[0]
                 total -= float(logp.sum())
                 count += len(targets)
+                if pool is not None:
+                    seq.num_computed = start + len(piece)
+                    pool.release_unseen(seq)
         finally:
             engine.blocks.free_sequence(seq)
     return total, count

@@ -60,6 +60,9 @@ class Sequence:
     prompt_cached: int | None = None  # prompt tokens the prefix cache held when first admitted (None: not yet)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of the registered full blocks
+    # the windowed layers' blocks, entry i for positions of block i; given-back ones are the pool's scratch
+    # block (tessera/infer/scheduling/window_blocks.py); empty when the model has no windowed pool
+    window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     first_token_time: float | None = None

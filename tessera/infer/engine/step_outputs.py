@@ -106,6 +106,7 @@ class ScoringChunk:
     start: int
     block_table: list[int]
     targets: list[int]
+    window_table: list[int] | None = None  # the windowed layers' blocks, where the cache has a windowed pool
 
 
 @dataclass

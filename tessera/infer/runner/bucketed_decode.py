@@ -19,6 +19,9 @@ sequences' tables, MB of them per row: it gathers those blocks into [B, MB * blo
 values (`PagedKVCache.gather_blocks`) and runs SDPA with an additive mask over positions (inside
 the sequence, inside the sliding window), built once per step.
 The packed step of `paged_attention.py` is the reference it is tested against.
+With a windowed pool (`PagedKVCache.window_layers`, scheduling/window_blocks.py) each row also has a
+window table: the windowed layers write and read through a second set of slot and table buffers, whose
+padding points at that pool's scratch block (its last one), as the first set's at the full pool's.
 
 On CUDA a bucket is captured after a warm-up (three eager runs on a side stream) the first time
 it is used, and replayed from then on; `enforce_eager` keeps every bucket eager. On CPU the same
@@ -97,6 +100,7 @@ class DecodeRow:
     position: int  # its absolute position (= tokens already in the cache)
     block_table: list[int]  # covers position + 1 tokens (blocks past those are not read)
     adapter_slot: int = -1
+    window_table: list[int] | None = None  # the windowed layers' blocks, where the cache has such a pool
 
 
 class BlockTableAttention:
@@ -106,12 +110,16 @@ class BlockTableAttention:
     derives from them once per step (inside the captured region, so a replay recomputes them from
     the updated inputs)."""
 
-    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, tables_BM: torch.Tensor, lens_B: torch.Tensor):
+    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, tables_BM: torch.Tensor, lens_B: torch.Tensor,
+                 windowed: BlockTableAttention | None = None):
         self.kv, self.slots_B, self.tables_BM, self.lens_B = kv, slots_B, tables_BM, lens_B
+        self.windowed = windowed  # the windowed layers' (over the window tables), or None
         self.masks: dict[Window, torch.Tensor] = {}
 
     def prepare(self) -> None:
         self.masks = {}
+        if self.windowed is not None:
+            self.windowed.prepare()
 
     def _mask(self, window: Window, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, 1, L] additive, in the queries' dtype: 0 where key j is visible (j < length and, with
@@ -129,6 +137,8 @@ class BlockTableAttention:
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.windowed is not None and layer_id in self.kv.window_layers:
+            return self.windowed.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, window, sinks)
         # the model sees the rows packed as one sequence: [1, H, B, D]
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_BH1D = q_BHSD.transpose(0, 2)
@@ -144,11 +154,14 @@ class RaggedDecodeAttention:
     the same slots as the bucket's, then each row attends to exactly its own context
     (`ragged_attention.py`); padding rows read their one scratch slot."""
 
-    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, contexts: RaggedContexts):
-        self.kv, self.slots_B, self.contexts = kv, slots_B, contexts
+    def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, contexts: RaggedContexts,
+                 windowed: RaggedDecodeAttention | None = None):
+        self.kv, self.slots_B, self.contexts, self.windowed = kv, slots_B, contexts, windowed
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.windowed is not None and layer_id in self.kv.window_layers:
+            return self.windowed.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, window, sinks)
         self.kv.write(layer_id, self.slots_B, k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1))
         q_THD = q_BHSD[0].transpose(0, 1)
         out_THD = q_THD.new_empty(q_THD.shape[0], q_THD.shape[1], v_BGSD.shape[-1])
@@ -161,14 +174,21 @@ class _Bucket:
         d = decoder
         self.B, self.MB = B, MB
         self.ids_1B, self.pos_1B = d.ids[:, :B], d.positions[:, :B]
-        self.cache = BlockTableAttention(d.kv, d.slots[:B], d.tables[:B, :MB], d.lens[:B])
+        windowed = (BlockTableAttention(d.kv, d.w_slots[:B], d.w_tables[:B, :MB], d.lens[:B])
+                    if d.w_slots is not None else None)
+        self.cache = BlockTableAttention(d.kv, d.slots[:B], d.tables[:B, :MB], d.lens[:B], windowed)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits_BV: torch.Tensor | None = None
         self.graph_failed = False
 
-    def run(self, model: Transformer, ragged: RaggedContexts | None = None) -> torch.Tensor:
+    def run(self, model: Transformer, ragged: tuple[RaggedContexts, RaggedContexts | None] | None = None
+            ) -> torch.Tensor:
         self.cache.prepare()
-        cache = self.cache if ragged is None else RaggedDecodeAttention(self.cache.kv, self.cache.slots_B, ragged)
+        cache = self.cache
+        if ragged is not None:
+            c, w = self.cache, self.cache.windowed
+            cache = RaggedDecodeAttention(c.kv, c.slots_B, ragged[0],
+                                          RaggedDecodeAttention(c.kv, w.slots_B, ragged[1]) if w is not None else None)
         return model(ModelInput(tokens=self.ids_1B, positions=self.pos_1B, cache=cache)).logits[0]
 
 
@@ -182,6 +202,7 @@ class BucketedDecoder:
         self.batch_sizes = sorted(set(batch_sizes))
         self.block_counts = block_buckets(max_blocks)
         self.scratch_block = scratch_block
+        self.window_scratch = kv.window_blocks - 1  # the windowed pool's scratch block (its store's last)
         # what the caller asked for (False under enforce_eager), kept apart from what runs: on CPU,
         # or for a model a graph cannot hold, the step is eager whatever was asked
         self.graphs_requested = use_graphs
@@ -196,6 +217,9 @@ class BucketedDecoder:
         self.positions = torch.zeros(1, Bmax, **long)
         self.slots = torch.zeros(Bmax, **long)
         self.tables = torch.zeros(Bmax, MBmax, **long)
+        windowed = bool(kv.window_layers)  # the windowed layers' slots and tables (None: no such pool)
+        self.w_slots = torch.zeros(Bmax, **long) if windowed else None
+        self.w_tables = torch.zeros(Bmax, MBmax, **long) if windowed else None
         self.lens = torch.ones(Bmax, **long)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.graph_pool = None
@@ -214,35 +238,45 @@ class BucketedDecoder:
 
     def _fill(self, rows: list[DecodeRow], B: int, MB: int) -> None:
         """Write the step's inputs into the static buffers (one host -> device copy of a packed array)."""
-        bs, scratch = self.kv.block_size, self.scratch_block
         n = len(rows)
         ids = [r.token for r in rows] + [0] * (B - n)
         pos = [r.position for r in rows] + [0] * (B - n)
-        slots = [r.block_table[r.position // bs] * bs + r.position % bs for r in rows]
-        slots += [scratch * bs] * (B - n)
         lens = [r.position + 1 for r in rows] + [1] * (B - n)
-        in_use = [r.block_table[:r.position // bs + 1] for r in rows]  # blocks past these are never read
-        tables = [t + [scratch] * (MB - len(t)) for t in in_use]
-        tables += [[scratch] * MB] * (B - n)
+        slots, tables = self._addresses([r.block_table for r in rows], rows, B, MB, self.scratch_block)
         flat = torch.tensor([ids, pos, slots, lens], dtype=torch.long)
         flat_tables = torch.tensor(tables, dtype=torch.long)
-        if self.device.type == "cuda":
-            flat, flat_tables = flat.pin_memory(), flat_tables.pin_memory()
-        self.ids[0, :B].copy_(flat[0], non_blocking=True)
-        self.positions[0, :B].copy_(flat[1], non_blocking=True)
-        self.slots[:B].copy_(flat[2], non_blocking=True)
-        self.lens[:B].copy_(flat[3], non_blocking=True)
-        self.tables[:B, :MB].copy_(flat_tables, non_blocking=True)
+        buffers = [(flat[0], self.ids[0, :B]), (flat[1], self.positions[0, :B]), (flat[2], self.slots[:B]),
+                   (flat[3], self.lens[:B]), (flat_tables, self.tables[:B, :MB])]
+        if self.w_slots is not None:
+            w_slots, w_tables = self._addresses([r.window_table for r in rows], rows, B, MB, self.window_scratch)
+            buffers += [(torch.tensor(w_slots, dtype=torch.long), self.w_slots[:B]),
+                        (torch.tensor(w_tables, dtype=torch.long), self.w_tables[:B, :MB])]
+        for host, buffer in buffers:
+            buffer.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
 
-    def _ragged(self, rows: list[DecodeRow], B: int) -> RaggedContexts:
-        """Each row's own context (position + 1 keys), the padding rows' one scratch slot."""
-        contexts = RaggedContexts(self.kv.block_size)
-        for i, r in enumerate(rows):
-            contexts.add(i, 1, r.position + 1, r.block_table)
-        for i in range(len(rows), B):
-            contexts.add(i, 1, 1, [self.scratch_block])
-        contexts.freeze(self.device)
-        return contexts
+    def _addresses(self, tables_in: list[list[int]], rows: list[DecodeRow], B: int, MB: int,
+                   scratch: int) -> tuple[list[int], list[list[int]]]:
+        """The slot each row writes and the MB blocks each row reads, from `tables_in` (one per row);
+        padding rows and entries past a row's blocks at `scratch`."""
+        bs, n = self.kv.block_size, len(rows)
+        slots = [t[r.position // bs] * bs + r.position % bs for t, r in zip(tables_in, rows)] + [scratch * bs] * (B - n)
+        in_use = [t[:r.position // bs + 1] for t, r in zip(tables_in, rows)]  # blocks past these are never read
+        return slots, [t + [scratch] * (MB - len(t)) for t in in_use] + [[scratch] * MB] * (B - n)
+
+    def _ragged(self, rows: list[DecodeRow], B: int) -> tuple[RaggedContexts, RaggedContexts | None]:
+        """Each row's own context (position + 1 keys), the padding rows' one scratch slot: over the
+        block tables, and over the window tables where the cache has a windowed pool."""
+        def contexts(tables: list[list[int]], scratch: int) -> RaggedContexts:
+            out = RaggedContexts(self.kv.block_size)
+            for i, (r, t) in enumerate(zip(rows, tables)):
+                out.add(i, 1, r.position + 1, t)
+            for i in range(len(rows), B):
+                out.add(i, 1, 1, [scratch])
+            out.freeze(self.device)
+            return out
+
+        windowed = contexts([r.window_table for r in rows], self.window_scratch) if self.w_slots is not None else None
+        return contexts([r.block_table for r in rows], self.scratch_block), windowed
 
     @torch.inference_mode()
     def forward(self, rows: list[DecodeRow]) -> torch.Tensor:

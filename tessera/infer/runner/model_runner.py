@@ -117,7 +117,8 @@ class ModelRunner:
 
     def score_targets(self, chunks: list[ScoringChunk]) -> list[TargetScores]:
         """`score`, and for each target whether it is its row's argmax."""
-        logits_TV = self.paged.forward([BatchItem(c.tokens, c.start, c.block_table) for c in chunks]).float()
+        logits_TV = self.paged.forward([BatchItem(c.tokens, c.start, c.block_table, window_table=c.window_table)
+                                       for c in chunks]).float()
         out, row = [], 0
         for c in chunks:
             logp = torch.log_softmax(logits_TV[row:row + len(c.targets)], dim=-1)
@@ -138,7 +139,8 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
         read_from = 0
     images = spans_in(seq.images, seq.num_computed, s.num_tokens) if seq.images else []
     mrope = seq.images if seq.images and seq.images[0].grid is not None else ()
-    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope)
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope,
+                     seq.window_table or None)
 
 
 def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:

@@ -27,6 +27,9 @@ costs less than copying and masking the longest one N times; with the C++ kernel
 every row of the step, prompt chunks included, is one ragged group read in place from the cache in
 one call per layer, which also spares a chunk after earlier context the whole square of scores
 that SDPA computes under an explicit mask.
+With a windowed pool (`PagedKVCache.window_layers`, scheduling/window_blocks.py) the windowed layers
+attend through a second batch of the same rows built over the sequences' `window_table`s: their
+keys are written to, and read from, that pool's blocks.
 Shapes: T packed tokens, N sequences in a group, S longest query, L longest context, H query heads,
 G stored heads, D head dim.
 """
@@ -63,6 +66,7 @@ class SequenceSlice:
     start: int
     length: int
     block_table: list[int]
+    window_table: list[int] | None = None  # the windowed layers' blocks (None: the cache has no windowed pool)
 
 
 @dataclass
@@ -82,8 +86,16 @@ class _Group:
 class PagedAttentionBatch:
     """The `AttentionCache` of one engine step (see the module docstring)."""
 
-    def __init__(self, kv: PagedKVCache, slices: list[SequenceSlice], device: torch.device | str = "cpu"):
+    def __init__(self, kv: PagedKVCache, slices: list[SequenceSlice], device: torch.device | str = "cpu",
+                 window_pool: bool = False):
         self.kv, self.device = kv, torch.device(device)
+        # the windowed layers' batch: the same rows over the window tables (their blocks' own pool)
+        self.windowed: PagedAttentionBatch | None = None
+        if kv.window_layers and not window_pool:
+            if any(s.window_table is None for s in slices):
+                raise ValueError("a cache with a windowed pool needs every sequence's window_table")
+            self.windowed = PagedAttentionBatch(kv, [SequenceSlice(s.start, s.length, s.window_table)
+                                                     for s in slices], device, window_pool=True)
         offsets, t = [], 0
         for s in slices:
             offsets.append(t)
@@ -178,6 +190,8 @@ class PagedAttentionBatch:
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.windowed is not None and layer_id in self.kv.window_layers:
+            return self.windowed.attend(layer_id, q_BHSD, k_BGSD, v_BGSD, scale, window, sinks)
         q_THD = q_BHSD[0].transpose(0, 1)
         k_TGD, v_TGD = k_BGSD[0].transpose(0, 1), v_BGSD[0].transpose(0, 1)
         self.kv.write(layer_id, self.slot_mapping, k_TGD, v_TGD)

@@ -16,12 +16,13 @@ from typing import Protocol
 
 import torch
 
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, require
 from tessera.infer.config import EngineConfig
 from tessera.infer.runner.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -38,6 +39,7 @@ class BatchItem:
     images: list[ImageSpan] = field(default_factory=list)  # image feature rows that replace placeholder tokens
     # Qwen2-VL: every image of the sequence's prompt, whose grids give its tokens' M-RoPE positions
     mrope_images: tuple[PromptImage, ...] = ()
+    window_table: list[int] | None = None  # the windowed layers' blocks (scheduling/window_blocks.py)
 
 
 class PagedForward(Protocol):
@@ -99,8 +101,8 @@ class PagedModel:
         if packed:
             parts.append(self.forward([items[i] for i in packed]))
         if single:
-            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot)
-                    for i in single]
+            rows = [DecodeRow(items[i].tokens[0], items[i].start, items[i].block_table, items[i].adapter_slot,
+                              items[i].window_table) for i in single]
             parts.append(decoder.forward(rows)[:len(single)])
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), offsets
 
@@ -111,7 +113,7 @@ class PagedModel:
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> torch.Tensor:
         """Logits [T, V] of every packed token, in the order of `items`."""
-        slices = [SequenceSlice(it.start, len(it.tokens), it.block_table) for it in items]
+        slices = [SequenceSlice(it.start, len(it.tokens), it.block_table, it.window_table) for it in items]
         batch = PagedAttentionBatch(self.kv, slices, self.device)
         ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         if self.lora is not None:
@@ -189,23 +191,51 @@ class CacheGeometry:
     max_model_len: int  # prompt + completion limit
     blocks_per_seq: int  # blocks one sequence of max_model_len (+ speculative lookahead) needs
     num_blocks: int  # blocks the block manager hands out (the cache holds one more: the scratch block)
+    windowed: WindowedLayers | None = None  # layers whose blocks come from a pool of their own (None: no such pool)
+    num_window_blocks: int = 0  # that pool's blocks (its stores hold one more: its scratch block)
+
+
+def windowed_layers(cfg, config: EngineConfig, max_model_len: int) -> WindowedLayers | None:
+    """The layers served from the windowed pool: those with a window shorter than max_model_len,
+    under `windowed_kv="bounded"` (scheduling/window_blocks.py). KV tiers and disaggregation, which
+    move blocks by their prefix, are refused with such a pool."""
+    windowed = WindowedLayers.of(cfg, max_model_len) if config.windowed_kv == "bounded" else None
+    require(windowed is None or (not config.has_kv_tiers and config.kv_role is None), "windowed_kv",
+            config.windowed_kv, "'kept' with KV tiers or kv_role for a model with sliding-window or chunked "
+            "layers (those move blocks by their prefix, which a windowed pool gives back)")
+    return windowed
+
+
+def window_pool_blocks(windowed: WindowedLayers, config: EngineConfig) -> int:
+    """Blocks of the windowed pool: each of max_num_seqs decoding sequences' window, and a step's
+    worth of prompt chunks on top (a pool that still runs short preempts, as the full one does)."""
+    bs = config.block_size
+    per_seq = windowed.blocks_per_seq(bs, config.lookahead)
+    return config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
 
 
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     """The KV cache's size from the engine config. Under tensor parallelism each rank stores
     1/tensor_parallel_size of the heads, so the same memory budget holds that many times the blocks;
-    every rank computes the same numbers."""
+    every rank computes the same numbers. The windowed pool, if any, is paid from the budget first."""
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
         raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "
                           f"{cfg.max_seq_len} positions")
     bs, k = config.block_size, config.lookahead
     blocks_per_seq = -(-(max_model_len + k) // bs)
+    windowed = windowed_layers(cfg, config, max_model_len)
+    n_window = 0 if windowed is None else len(windowed.layers)
+    num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
     if num_blocks is None:  # from the memory budget, but always room for one full sequence
-        per_block = bytes_per_block(cfg, bs, config.torch_dtype, config.kv_cache_dtype == "int8",
-                                    config.tensor_parallel_size)
-        num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq + 1)
+        int8, tp = config.kv_cache_dtype == "int8", config.tensor_parallel_size
+        per_block = bytes_per_block(cfg, bs, config.torch_dtype, int8, tp, cfg.n_layers - n_window)
+        budget = int(config.kv_cache_gib * 2**30) - num_window * bytes_per_block(cfg, bs, config.torch_dtype,
+                                                                                  int8, tp, n_window)
+        num_blocks = config.max_num_seqs * blocks_per_seq + 1
+        if per_block:
+            num_blocks = min(max(budget, 0) // per_block, num_blocks)
         if num_blocks < blocks_per_seq:
             log.warning("kv_cache_gib=%s holds %d blocks; using %d (%.2f GiB) to fit one sequence of %d tokens",
                         config.kv_cache_gib, num_blocks, blocks_per_seq, blocks_per_seq * per_block / 2**30,
@@ -215,7 +245,7 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
         raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
                           f"{max_model_len} (+{k} speculative) needs {blocks_per_seq} blocks of "
                           f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks)
+    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks))
 
 
 def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
@@ -229,8 +259,10 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     device = torch.device(config.device if device is None else device)
     dtype, tp = config.torch_dtype, config.tensor_parallel_size
     # one block more than the block manager hands out: the scratch block of the decode step's padding rows
+    windowed = geometry.windowed
     kv = PagedKVCache(model.cfg, geometry.num_blocks + 1, config.block_size, dtype, device,
-                      config.kv_cache_dtype == "int8", tp)
+                      config.kv_cache_dtype == "int8", tp, windowed.layers if windowed else frozenset(),
+                      geometry.num_window_blocks + 1)
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     decoder = None if not sizes else BucketedDecoder(

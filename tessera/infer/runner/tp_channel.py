@@ -31,21 +31,26 @@ STEP, CLEAR, STOP, PACKED = 1, 2, 3, 4
 def pack_items(items: list[BatchItem]) -> list[int]:
     out = [len(items)]
     for it in items:
-        out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from]
+        window = it.window_table if it.window_table is not None else []
+        out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from,
+                len(window) if it.window_table is not None else -1]
         out += it.tokens
         out += it.block_table
+        out += window
     return out
 
 
 def _unpack_items(flat: list[int]) -> list[BatchItem]:
     items, at = [], 1
     for _ in range(flat[0]):
-        n, start, nt, slot, logits_from = flat[at:at + 5]
-        at += 5
+        n, start, nt, slot, logits_from, nw = flat[at:at + 6]
+        at += 6
         tokens = flat[at:at + n]
         table = flat[at + n:at + n + nt]
         at += n + nt
-        items.append(BatchItem(tokens, start, table, slot, logits_from))
+        window = flat[at:at + nw] if nw >= 0 else None  # -1: no window table
+        at += max(nw, 0)
+        items.append(BatchItem(tokens, start, table, slot, logits_from, window_table=window))
     return items
 
 

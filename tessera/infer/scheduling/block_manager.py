@@ -10,20 +10,32 @@ again: a sequence only writes at positions >= its `num_computed`, which lie past
 With KV tiers (`kv_tiers.py`) an evicted named block is handed to the tier planner first, to be
 kept in host memory or on disk, and a prefix lookup goes on below the device where the device's
 chain ends (`find_below`); blocks found there get fresh device blocks filled before the forward.
+
+With a `WindowPool` (window_blocks.py) the windowed layers' blocks come from a second pool: every
+allocation takes from both, and after each step the blocks no later query of a sequence can see go
+back to that pool (`register_computed`). Such a manager has no prefix cache.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
+from tessera.infer.config import EngineConfig
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.scheduling.kv_tier_planner import KVTierPlanner
 from tessera.infer.scheduling.prefix_cache import PrefixCache, block_hash, hash_chain
+from tessera.infer.scheduling.window_blocks import WindowPool
+
+log = logging.getLogger("tessera.infer")
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: KVTierPlanner | None = None):
+                 tiers: KVTierPlanner | None = None, window: WindowPool | None = None):
+        if window is not None and (enable_prefix_caching or tiers is not None):
+            raise ValueError("a windowed block pool goes without prefix caching (its blocks are given back)")
+        self.window = window
         self.num_blocks = num_blocks
         self.tiers = tiers if enable_prefix_caching else None
         self.block_size = block_size
@@ -37,8 +49,10 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can get now: free ones and unreferenced cached ones."""
-        return len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
+        """Blocks an allocation can get now: free ones and unreferenced cached ones (in each pool:
+        the fewer of the two)."""
+        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
+        return free if self.window is None else min(free, self.window.num_free_blocks)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -53,6 +67,8 @@ class BlockManager:
         self.free = deque(range(self.num_blocks))
         if self.cache is not None:
             self.cache.clear()
+        if self.window is not None:
+            self.window.forget_all()
 
     # ---- single blocks ---------------------------------------------------------------------
     def _take(self) -> int:
@@ -125,15 +141,22 @@ class BlockManager:
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        if need <= 0:
+        window_need = self.window.need(seq, num_tokens) if self.window is not None else 0
+        if need <= 0 and window_need <= 0:
             return True
-        if need > self.num_free_blocks:
+        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
+        if need > free or (self.window is not None and window_need > self.window.num_free_blocks):
             return False
         seq.block_table.extend(self._take() for _ in range(need))
+        if self.window is not None:
+            self.window.grow(seq, num_tokens)
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Name every full block of `seq` whose tokens are all computed and final."""
+        """Name every full block of `seq` whose tokens are all computed and final; with a windowed
+        pool, give back the window blocks no later query of `seq` sees instead."""
+        if self.window is not None:
+            self.window.release_unseen(seq)
         if self.cache is None:
             return
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
@@ -153,6 +176,8 @@ class BlockManager:
                     self.tiers.persist(b, h)
         for b in reversed(seq.block_table):
             self._release(b)
+        if self.window is not None:
+            self.window.free_sequence(seq)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
@@ -177,3 +202,16 @@ class BlockManager:
         for block in list(self.cache.evictable):
             self.cache.forget(block)
             self.free.append(block)
+
+
+def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None) -> BlockManager:
+    """The engine's block manager over `geometry` (runner/paged_model.py's `CacheGeometry`). With a
+    windowed pool (`geometry.windowed`; KV tiers and disaggregation were refused with it) it has no
+    prefix cache."""
+    if geometry.windowed is None:
+        return BlockManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching, tiers)
+    if config.enable_prefix_caching:
+        log.info("prefix caching is off: the sliding-window and chunked layers' blocks are given back as "
+                 "sequences advance (--windowed-kv kept keeps them, with prefix caching)")
+    window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed)
+    return BlockManager(geometry.num_blocks, config.block_size, False, None, window)

@@ -13,6 +13,9 @@ later reads see the rounding (see paged_attention.py).
 
 `release` gives the stores' memory back and `reclaim` allocates it again (the engine's sleep and
 wake, between the rollout phases of a GRPO run that trains in the same process).
+With `window_layers` (window_blocks.py) those layers' stores hold `window_blocks` blocks of their own
+pool, addressed by a sequence's `window_table`, and the others `num_blocks`; a store's blocks are
+its rows / block_size.
 Shapes: T tokens, N sequences, L context length, G heads stored, D head dim.
 """
 
@@ -35,11 +38,13 @@ def kv_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int, int]:
     return g, cfg.head_dim, g, cfg.head_dim
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1,
+                    layers: int | None = None) -> int:
+    """Bytes of one block in `layers` layers (None: every layer)."""
     gk, dk, gv, dv = kv_shapes(cfg, tp_size)
     elem = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0)
-    return per_token * block_size * cfg.n_layers
+    return per_token * block_size * (cfg.n_layers if layers is None else layers)
 
 
 def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +57,18 @@ def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", int8: bool = False, tp_size: int = 1):
+                 device: torch.device | str = "cpu", int8: bool = False, tp_size: int = 1,
+                 window_layers: frozenset[int] = frozenset(), window_blocks: int = 0):
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
+        self.window_layers, self.window_blocks = window_layers, window_blocks
         gk, dk, gv, dv = kv_shapes(cfg, tp_size)
-        slots = num_blocks * block_size
+        slots = [(window_blocks if i in window_layers else num_blocks) * block_size for i in range(cfg.n_layers)]
         store = torch.int8 if int8 else dtype
-        self.k = [torch.zeros(slots, gk, dk, dtype=store, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(slots, gv, dv, dtype=store, device=device) for _ in range(cfg.n_layers)]
+        self.k = [torch.zeros(n, gk, dk, dtype=store, device=device) for n in slots]
+        self.v = [torch.zeros(n, gv, dv, dtype=store, device=device) for n in slots]
         if int8:
-            self.k_scale = [torch.ones(slots, gk, device=device) for _ in range(cfg.n_layers)]
-            self.v_scale = [torch.ones(slots, gv, device=device) for _ in range(cfg.n_layers)]
+            self.k_scale = [torch.ones(n, gk, device=device) for n in slots]
+            self.v_scale = [torch.ones(n, gv, device=device) for n in slots]
         self._workspace: dict[str, torch.Tensor] = {}  # gather_flat's buffers (CPU)
         self._sizes: list[int] = []  # each store's bytes while released (`release`, `reclaim`)
 
@@ -87,7 +94,7 @@ class PagedKVCache:
         flat = blocks_NM.reshape(-1)
 
         def take(store: torch.Tensor) -> torch.Tensor:
-            per_block = store.view(self.num_blocks, -1)  # [blocks, block_size * G * D]
+            per_block = self._per_block(store)  # [blocks, block_size * G * D]
             return per_block.index_select(0, flat).view(N, M * self.block_size, *store.shape[1:])
 
         k, v = take(self.k[layer]), take(self.v[layer])
@@ -105,7 +112,7 @@ class PagedKVCache:
         reuse = self.k[layer].device.type == "cpu" and not self.int8 and dtype == self.dtype
 
         def take(store: torch.Tensor, name: str) -> torch.Tensor:
-            per_block = store.view(self.num_blocks, -1)
+            per_block = self._per_block(store)
             shape = (n * self.block_size, *store.shape[1:])
             if not reuse:
                 return per_block.index_select(0, blocks).view(shape)
@@ -122,6 +129,14 @@ class PagedKVCache:
             v = v.to(dtype) * take(self.v_scale[layer], "vs")[..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
 
+    def _per_block(self, store: torch.Tensor) -> torch.Tensor:
+        return store.view(store.shape[0] // self.block_size, -1)
+
+    def layer_nbytes(self, layers) -> int:
+        """Bytes the stores of `layers` hold now (keys, values and their int8 scales)."""
+        lists = [self.k, self.v, *([self.k_scale, self.v_scale] if self.int8 else [])]
+        return sum(t[i].untyped_storage().nbytes() for t in lists for i in layers)
+
     def stores(self) -> list[torch.Tensor]:
         """Every tensor of the cache (keys and values of each layer, then their int8 scales), each
         [num_blocks * block_size, ...]: a block's contents are row b of each, viewed per block."""
@@ -132,25 +147,32 @@ class PagedKVCache:
         """The contents of `blocks`: one [len(blocks), block_size * ...] tensor per store, on the
         cache's device (copies)."""
         idx = torch.tensor(blocks, device=self.k[0].device)
-        return [s.view(self.num_blocks, -1).index_select(0, idx) for s in self.stores()]
+        return [self._per_block(s).index_select(0, idx) for s in self.stores()]
 
     def write_blocks(self, blocks: list[int], contents: list[torch.Tensor]) -> None:
         """Put `contents` (as `read_blocks` gives them, on any device) into `blocks`."""
         idx = torch.tensor(blocks, device=self.k[0].device)
         for store, c in zip(self.stores(), contents, strict=True):
-            store.view(self.num_blocks, -1).index_copy_(0, idx, c.to(store.device, non_blocking=True))
+            self._per_block(store).index_copy_(0, idx, c.to(store.device, non_blocking=True))
 
     def clear_blocks(self, blocks: list[int]) -> None:
-        """Zero every slot of `blocks` in every layer (e.g. after inf/NaN was written there)."""
+        """Zero every slot of `blocks` in every layer (e.g. after inf/NaN was written there); -1 - b
+        names block b of the windowed layers' pool (zeroed in those layers only, as b >= 0 in the others)."""
         if not blocks:
             return
-        b = torch.tensor(blocks, device=self.k[0].device)
-        slots = (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).flatten()
-        for cache in (*self.k, *self.v):
-            cache.index_fill_(0, slots, 0)
-        if self.int8:  # a NaN scale times a zero value is still NaN
-            for scale in (*self.k_scale, *self.v_scale):
-                scale.index_fill_(0, slots, 1.0)
+        for window in (False, True):
+            chosen = [-1 - b if window else b for b in blocks if (b < 0) == window]
+            layers = [i for i in range(len(self.k)) if (i in self.window_layers) == window]
+            if not chosen or not layers:
+                continue
+            b = torch.tensor(chosen, device=self.k[0].device)
+            slots = (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).flatten()
+            for i in layers:
+                self.k[i].index_fill_(0, slots, 0)
+                self.v[i].index_fill_(0, slots, 0)
+                if self.int8:  # a NaN scale times a zero value is still NaN
+                    self.k_scale[i].index_fill_(0, slots, 1.0)
+                    self.v_scale[i].index_fill_(0, slots, 1.0)
 
     @property
     def nbytes(self) -> int:
