@@ -37,24 +37,31 @@ from tessera.infer.sampling.logprobs import LogprobRows, add_logprobs, raw_logpr
 from tessera.infer.sampling.penalties import apply_penalties, changes_logits
 from tessera.infer.sampling.sampler import processed_probs
 from tessera.infer.sampling.structured_output import mask_logits
+from tessera.infer.scheduling.recurrent_state import StateSlots
 
 
 class ModelRunner:
     """Drives `paged` (this process's model, or every rank's) on the driver; `proposer` drafts
     speculative tokens (None: no speculative decoding)."""
 
-    def __init__(self, paged: PagedForward, proposer: Proposer | None = None):
+    def __init__(self, paged: PagedForward, proposer: Proposer | None = None, slots: StateSlots | None = None):
         self.paged, self.proposer = paged, proposer
+        self.slots = slots  # a hybrid model's recurrent-state slots by request (recurrent_state.py)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The new tokens of every request of `plan` whose step completes."""
         if self.proposer is not None:
             for request_id in plan.released:
                 self.proposer.release(request_id)
+        if self.slots is not None:
+            self.slots.release(plan.released)
         if not plan.scheduled:
             return RunnerOutput({})
         proposals = self._propose(plan.scheduled)
         items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
+        if self.slots is not None:
+            for s, it in zip(plan.scheduled, items):
+                it.state_slot = self.slots.slot(s.seq.request_id)
         logits_TV, offsets = self.paged.forward_split(items)
         self._observe(plan.scheduled, items, offsets)
         # rows each completing request samples from: its last computed position (and its drafts)

@@ -5,7 +5,8 @@ model runner drives it (or, under tensor parallelism, rank 0's copy of it togeth
 ranks' copies: `tp_executor.TensorParallelModel`); the draft model of speculative decoding has one
 of its own. The packing and the attention over the cache are described in `paged_attention.py`.
 With a `BucketedDecoder`, `forward_split` sends the single-token items (decodes) through the
-static-shape decode step instead (`bucketed_decode.py`).
+static-shape decode step instead (`bucketed_decode.py`). A hybrid model's linear-attention layers
+read and write their per-sequence states in `states`, a slot per item (`recurrent_step.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.runner.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
+from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -38,6 +41,7 @@ class BatchItem:
     images: list[ImageSpan] = field(default_factory=list)  # image feature rows that replace placeholder tokens
     # Qwen2-VL: every image of the sequence's prompt, whose grids give its tokens' M-RoPE positions
     mrope_images: tuple[PromptImage, ...] = ()
+    state_slot: int = -1  # a hybrid model's recurrent-state slot (recurrent_state.py), -1 for none
 
 
 class PagedForward(Protocol):
@@ -74,6 +78,8 @@ class PagedModel:
         self.hidden: torch.Tensor | None = None
         # a vision-language model's image encoder (multimodal.py): items with images take its rows
         self.encoder = encoder
+        # a hybrid model's recurrent-state slots (recurrent_state.py; its items carry `state_slot`)
+        self.states: RecurrentStatePool | None = None
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -113,6 +119,10 @@ class PagedModel:
         """Logits [T, V] of every packed token, in the order of `items`."""
         slices = [SequenceSlice(it.start, len(it.tokens), it.block_table) for it in items]
         batch = PagedAttentionBatch(self.kv, slices, self.device)
+        if self.states is not None:
+            segments = [Segment(o, len(it.tokens), it.state_slot, it.start)
+                        for it, o in zip(items, packed_offsets(items), strict=True)]
+            batch = StatefulStep(batch, RecurrentStep(self.states, segments, self.device))
         ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         if self.lora is not None:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
@@ -194,7 +204,9 @@ class CacheGeometry:
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     """The KV cache's size from the engine config. Under tensor parallelism each rank stores
     1/tensor_parallel_size of the heads, so the same memory budget holds that many times the blocks;
-    every rank computes the same numbers."""
+    every rank computes the same numbers. The settings a hybrid model's state slots cannot serve are
+    refused here, before any tensor-parallel process starts."""
+    refuse_unsupported(cfg, config)
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
         raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "
@@ -202,10 +214,11 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     bs, k = config.block_size, config.lookahead
     blocks_per_seq = -(-(max_model_len + k) // bs)
     num_blocks = config.num_blocks
-    if num_blocks is None:  # from the memory budget, but always room for one full sequence
+    if num_blocks is None:  # from the memory budget (less the recurrent-state slots), but always room for one sequence
         per_block = bytes_per_block(cfg, bs, config.torch_dtype, config.kv_cache_dtype == "int8",
                                     config.tensor_parallel_size)
-        num_blocks = min(int(config.kv_cache_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq + 1)
+        budget = int(config.kv_cache_gib * 2**30) - config.max_num_seqs * bytes_per_slot(cfg, config.torch_dtype)
+        num_blocks = min(max(budget, 0) // per_block, config.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < blocks_per_seq:
             log.warning("kv_cache_gib=%s holds %d blocks; using %d (%.2f GiB) to fit one sequence of %d tokens",
                         config.kv_cache_gib, num_blocks, blocks_per_seq, blocks_per_seq * per_block / 2**30,
@@ -224,7 +237,8 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     """`model` over a paged KV cache with its static-shape decode step, as `config` lays them out
     (the engine's, and each tensor-parallel rank's, the same way), with a vision-language model's
     image `encoder` when it has one. CUDA graphs are not captured under tensor parallelism (all
-    ranks would have to replay in lockstep)."""
+    ranks would have to replay in lockstep). A hybrid model gets its recurrent-state slots, one per
+    sequence in flight, and every item packed (the static-shape decode step has no state slots)."""
     geometry = cache_geometry(model.cfg, config)
     device = torch.device(config.device if device is None else device)
     dtype, tp = config.torch_dtype, config.tensor_parallel_size
@@ -233,7 +247,12 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
                       config.kv_cache_dtype == "int8", tp)
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
+    states = None
+    if model.cfg.linear_attention is not None:
+        states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device), []
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
-    return PagedModel(model, kv, device, lora, decoder, encoder), geometry
+    paged = PagedModel(model, kv, device, lora, decoder, encoder)
+    paged.states = states
+    return paged, geometry

@@ -15,7 +15,9 @@ what an attention layer's key/value cache is to it: a fixed size per sequence, w
 `mix(x, state)` takes and returns it, so a sequence fed in pieces equals it fed whole. Given an
 inference cache (the `forward` argument attention layers get) it reads and keeps the state there,
 through `recurrent_state(layer_id)` / `keep_recurrent_state(layer_id, state)`
-(`RecurrentStateCache`); a cache without them (the serving engine's paged one) cannot run it.
+(`RecurrentStateCache`). The serving engine's cache of a packed step (many sequences' tokens in one
+row) offers `mix_recurrent(layer_id, mix, x)` instead (`PackedRecurrentCache`): it runs this layer's
+`mix` over each sequence's tokens from that sequence's state slot (tessera/infer/runner/recurrent_step.py).
 Prompts and training run the chunked form, a single new token the recurrent one (equal; tested).
 
 Under tensor parallelism each rank runs whole key-head groups (its in_proj_qkvz / in_proj_ba
@@ -65,6 +67,11 @@ class RecurrentStateCache(Protocol):
     def keep_recurrent_state(self, layer_id: int, state: DeltaNetState) -> None: ...
 
 
+class PackedRecurrentCache(Protocol):
+    def mix_recurrent(self, layer_id: int, mix: Callable[..., tuple[torch.Tensor, DeltaNetState]],
+                      x_1TD: torch.Tensor) -> torch.Tensor: ...
+
+
 # (name: "conv", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
 OwnPart = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -112,6 +119,9 @@ class GatedDeltaNet(nn.Module):
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
+        packed = getattr(cache, "mix_recurrent", None)
+        if packed is not None:  # the serving engine's packed step: each sequence from its own slot
+            return self.sequence.own(packed(self.layer_id, self.mix, self.sequence.whole(x_BSD)))
         state = cache.recurrent_state(self.layer_id) if cache is not None else None
         y, state = self.mix(self.sequence.whole(x_BSD), state)
         if cache is not None:
