@@ -35,6 +35,14 @@ def test_hybrid_layouts_match_one_process(parallel, micro):
     assert_same_step(got[0], _reference(micro))
 
 
+@pytest.mark.dist
+def test_qwen3_5_split_projections_under_fsdp_match_one_process():
+    """Qwen3.5's DeltaNet (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; dense MLPs) sharded by FSDP."""
+    short = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3.5").linear_attention, chunk_size=4)}
+    got = run_ranks(layout_step, 2, "tiny-qwen3.5", dict(dp_shard=2), config_overrides=short)
+    assert_same_step(got[0], reference_step("tiny-qwen3.5", 2, short))
+
+
 def _cp_rank(cp_method: str) -> dict:
     import torch
     import torch.distributed as dist
