@@ -3,17 +3,23 @@ engine, each running sequence's recurrent state in its own slot (infer/schedulin
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
 chunk to chunk), under preemption (the state recomputed from the prompt), over HTTP, and from
-`tessera generate`. Prefix caching is off for it, every slot comes back when its request ends, and
-the settings a state slot cannot serve are refused by name."""
+`tessera generate`. Prefix caching is off for it, every slot comes back when its request ends, the
+slots are paid out of the KV budget, and the settings a state slot cannot serve (and scoring given
+tokens past a first chunk) are refused by name."""
 
 import httpx
 import pytest
+import torch
 
 from tessera.cli import main
-from tessera.config import ConfigError
+from tessera.config import ConfigError, ModelError, get_preset
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import SpeculativeConfig
+from tessera.infer.engine.perplexity import paged_nll
+from tessera.infer.runner.paged_model import cache_geometry
 from tessera.infer.runner.recurrent_step import RecurrentStep
+from tessera.infer.scheduling.kv_cache import bytes_per_block
+from tessera.infer.scheduling.recurrent_state import bytes_per_slot
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.tiny_models import char_tokenizer, hf_greedy, save_tokenizer
@@ -104,3 +110,25 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
     with pytest.raises(ConfigError, match=message):
         LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, **options))
+
+
+def test_state_slots_are_paid_out_of_the_kv_budget():
+    cfg = get_preset("tiny-qwen3-next")
+    config = EngineConfig(kv_cache_gib=0.001, max_num_seqs=8, block_size=4)
+    per_block, per_slot = bytes_per_block(cfg, 4, torch.float32, False), bytes_per_slot(cfg, torch.float32)
+    assert per_slot == 3 * (4 * (2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16 * 4)  # 3 layers: conv window, delta state
+    want = (int(0.001 * 2**30) - 8 * per_slot) // per_block
+    assert cache_geometry(cfg, config).num_blocks == want < int(0.001 * 2**30) // per_block
+
+
+def test_scoring_past_a_first_chunk_is_refused_by_name(hybrid):
+    path, hf, _ = hybrid
+    llm = LLM(path, block_size=4)
+    ids = PROMPTS[0]
+    logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    want = -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum())
+    nll, n = paged_nll(llm.engine, ids, chunk=len(ids))  # one chunk: from a zero state
+    assert n == len(ids) - 1 and abs(nll - want) < 1e-3
+    with pytest.raises(ModelError, match=r"tokens at positions 8\.\. need the recurrent state of the positions "
+                                         r"before them, which only a running request's slot keeps"):
+        paged_nll(llm.engine, ids, chunk=8)
