@@ -2,10 +2,11 @@
 engine, each running sequence's recurrent state in its own slot (infer/scheduling/recurrent_state.py):
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
-chunk to chunk), under preemption (the state recomputed from the prompt), over HTTP, and from
-`tessera generate`. Prefix caching is off for it, every slot comes back when its request ends, the
-slots are paid out of the KV budget, and the settings a state slot cannot serve (and scoring given
-tokens past a first chunk) are refused by name."""
+chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
+(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Prefix caching is
+off for it, every slot comes back when its request ends, the slots are paid out of the KV budget,
+and the settings a state slot cannot serve (and scoring given tokens past a first chunk) are refused
+by name."""
 
 import httpx
 import pytest
@@ -17,9 +18,10 @@ from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.config import SpeculativeConfig
 from tessera.infer.engine.perplexity import paged_nll
 from tessera.infer.runner.paged_model import cache_geometry
-from tessera.infer.runner.recurrent_step import RecurrentStep
+from tessera.infer.runner.recurrent_step import RecurrentStep, Segment
 from tessera.infer.scheduling.kv_cache import bytes_per_block
-from tessera.infer.scheduling.recurrent_state import bytes_per_slot
+from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot
+from tessera.models import Transformer
 from tests.hang_guard import HANG_S
 from tests.infer.running_server import RunningServer
 from tests.infer.tiny_models import char_tokenizer, hf_greedy, save_tokenizer
@@ -99,10 +101,8 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"speculative": SpeculativeConfig(method="prompt_lookup")},
-     r"speculative=prompt_lookup is invalid for this model: model.family=qwen3_next has linear-attention layers "
-     r"\[0, 1, 2\], and speculative decoding would need the recurrent state rolled back"),
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: .*does not cut the "
+    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
+                                  r"linear-attention layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
                                   r"linear-attention layers yet; use 1"),
     ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes need "
                                              r"prefix caching, which hybrid models do not use"),
@@ -110,6 +110,39 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
     with pytest.raises(ConfigError, match=message):
         LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, **options))
+
+
+def test_speculative_drafts_rejected_leave_no_trace_in_the_state(hybrid):
+    """Prompt-lookup drafts verified by the hybrid target: the slot keeps the state after the accepted
+    tokens only, so the tokens equal transformers' though drafts were rejected."""
+    path, _, want = hybrid
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16,
+              speculative=SpeculativeConfig(method="prompt_lookup", num_tokens=3))
+    outs = llm.generate(PROMPTS, GREEDY)
+    metrics = llm.engine.metrics
+    assert [o.token_ids for o in outs] == want
+    assert metrics.spec_proposed > metrics.spec_accepted  # drafts were rejected and rolled back
+
+
+def test_a_verified_step_keeps_the_state_after_its_accepted_tokens():
+    """The state a slot keeps after verifying drafts is the one after exactly the kept tokens, for
+    every count kept (one decoded token, then each accepted draft)."""
+    cfg = get_preset("tiny-qwen3-next", vocab_size=64)
+    layer = Transformer(cfg, init_seed=1).layers["0"].attention
+    x_1SD = torch.randn(1, 4, cfg.dim, generator=torch.Generator().manual_seed(0))
+    pool = RecurrentStatePool(cfg, 2, torch.float32)
+    start = layer.mix(torch.randn(1, 3, cfg.dim))[1]
+    for kept in range(1, 5):
+        pool.write(0, torch.tensor([1]), start)
+        step = RecurrentStep(pool, [Segment(0, 4, 1, 3, drafts=3)], torch.device("cpu"))
+        with torch.no_grad():
+            step.mix_recurrent(0, layer.mix, x_1SD)
+            torch.testing.assert_close(pool.read(0, torch.tensor([1])).delta, start.delta)  # nothing kept yet
+            step.commit(1, kept)
+            want = layer.mix(x_1SD[:, :kept], start)[1]
+        got = pool.read(0, torch.tensor([1]))
+        torch.testing.assert_close(got.delta, want.delta)
+        torch.testing.assert_close(got.conv, want.conv)
 
 
 def test_state_slots_are_paid_out_of_the_kv_budget():
@@ -132,3 +165,10 @@ def test_scoring_past_a_first_chunk_is_refused_by_name(hybrid):
     with pytest.raises(ModelError, match=r"tokens at positions 8\.\. need the recurrent state of the positions "
                                          r"before them, which only a running request's slot keeps"):
         paged_nll(llm.engine, ids, chunk=8)
+
+
+def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
+    spec = SpeculativeConfig(method="draft", draft_model=str(hybrid[0]))
+    with pytest.raises(ConfigError, match=r"speculative.draft_model is a hybrid model \(model.family=qwen3_next\); "
+                                          r"a draft model's cache holds attention keys and values only"):
+        LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, speculative=spec))

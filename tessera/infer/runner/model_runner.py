@@ -72,9 +72,13 @@ class ModelRunner:
         host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals, prompt_asks)
         scored = {ask.key[1]: PromptLogprobs(first, read_logprobs(host, ask, host["top_k"]))
                   for ask, first, _ in prompt_asks}
-        return RunnerOutput({s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
-                                                             proposals.get(s.seq.request_id))
-                             for s in completing}, scored)
+        sampled = {s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
+                                                   proposals.get(s.seq.request_id)) for s in completing}
+        if self.slots is not None and proposals:  # each slot keeps the state of its verified tokens
+            self.paged.keep_verified({it.state_slot: s.num_tokens + len(sampled[s.seq.request_id].token_ids) - 1
+                                      for s, it in zip(plan.scheduled, items)
+                                      if it.drafts and not sampled[s.seq.request_id].error})
+        return RunnerOutput(sampled, scored)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
         spec = [s for s in scheduled if s.draft_limit > 0]
@@ -145,7 +149,8 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
         read_from = 0
     images = spans_in(seq.images, seq.num_computed, s.num_tokens) if seq.images else []
     mrope = seq.images if seq.images and seq.images[0].grid is not None else ()
-    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope)
+    return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope,
+                     drafts=len(proposal.tokens) if proposal is not None else 0)
 
 
 def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:

@@ -42,6 +42,7 @@ class BatchItem:
     # Qwen2-VL: every image of the sequence's prompt, whose grids give its tokens' M-RoPE positions
     mrope_images: tuple[PromptImage, ...] = ()
     state_slot: int = -1  # a hybrid model's recurrent-state slot (recurrent_state.py), -1 for none
+    drafts: int = 0  # speculative tokens at the end of `tokens`, verified after the forward
 
 
 class PagedForward(Protocol):
@@ -80,6 +81,7 @@ class PagedModel:
         self.encoder = encoder
         # a hybrid model's recurrent-state slots (recurrent_state.py; its items carry `state_slot`)
         self.states: RecurrentStatePool | None = None
+        self.recurrent: RecurrentStep | None = None  # the last packed step's, until its drafts are verified
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -114,15 +116,22 @@ class PagedModel:
         """Zero KV blocks (after a request wrote inf/NaN there)."""
         self.kv.clear_blocks(blocks)
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """After the last forward's drafts were verified: each recurrent-state slot keeps the state
+        after its item's first `kept[slot]` tokens (recurrent_step.py)."""
+        for slot, n in kept.items():
+            self.recurrent.commit(slot, n)
+
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> torch.Tensor:
         """Logits [T, V] of every packed token, in the order of `items`."""
         slices = [SequenceSlice(it.start, len(it.tokens), it.block_table) for it in items]
         batch = PagedAttentionBatch(self.kv, slices, self.device)
         if self.states is not None:
-            segments = [Segment(o, len(it.tokens), it.state_slot, it.start)
+            segments = [Segment(o, len(it.tokens), it.state_slot, it.start, it.drafts)
                         for it, o in zip(items, packed_offsets(items), strict=True)]
-            batch = StatefulStep(batch, RecurrentStep(self.states, segments, self.device))
+            self.recurrent = RecurrentStep(self.states, segments, self.device)
+            batch = StatefulStep(batch, self.recurrent)
         ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         if self.lora is not None:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)

@@ -9,6 +9,11 @@ back, the recurrent form; each longer item (a prompt chunk) runs alone from its 
 chunked form, and leaves its state there for the next chunk. An item without a slot (the engine's
 scoring of given tokens) runs from a zero state and keeps nothing, so it must start at position 0.
 
+An item with speculative drafts to verify (`Segment.drafts`) runs token by token, the recurrent form,
+keeping the state after each of its tokens; nothing is written to its slot until the verification
+says how many drafts were accepted: `commit(slot, kept)` writes the state after its first `kept`
+tokens (rolling back is choosing a kept state, not recomputing).
+
 `StatefulStep` is the step's cache: the attention batch's `attend` and everything else it has, plus
 `mix_recurrent`.
 """
@@ -36,6 +41,7 @@ class Segment:
     length: int
     slot: int
     start: int
+    drafts: int = 0  # speculative tokens at its end, to be verified before its state is kept
 
 
 class RecurrentStep:
@@ -52,6 +58,8 @@ class RecurrentStep:
         self.decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
         self.decode_slots = torch.tensor([s.slot for s in decodes], dtype=torch.long, device=device)
         self.chunks = [(s, torch.tensor([s.slot], device=device)) for s in segments if s not in decodes]
+        # slot -> layer -> the state after each of a speculative item's tokens, until `commit`
+        self.pending: dict[int, dict[int, list[DeltaNetState]]] = {s.slot: {} for s in segments if s.drafts}
 
     def mix_recurrent(self, layer_id: int, mix: Mix, x_1TD: torch.Tensor) -> torch.Tensor:
         """The layer's output [1, T, D'] over the packed step, each sequence from its own state."""
@@ -64,8 +72,11 @@ class RecurrentStep:
             out_1TD[0].index_copy_(0, self.decode_rows, y_N1D[:, 0])
         for s, index in self.chunks:
             state = self.pool.read(layer_id, index) if s.slot >= 0 else None
-            y, state = mix(x_1TD[:, s.row:s.row + s.length], state)
-            if s.slot >= 0:
+            if s.drafts:
+                y = self._each_token(layer_id, mix, x_1TD[:, s.row:s.row + s.length], s.slot, state)
+            else:
+                y, state = mix(x_1TD[:, s.row:s.row + s.length], state)
+            if s.slot >= 0 and not s.drafts:
                 self.pool.write(layer_id, index, state)
             if out_1TD is None:
                 if len(self.chunks) == 1 and s.length == x_1TD.shape[1]:
@@ -73,6 +84,24 @@ class RecurrentStep:
                 out_1TD = y.new_empty(1, x_1TD.shape[1], y.shape[-1])
             out_1TD[:, s.row:s.row + s.length] = y
         return out_1TD
+
+    def _each_token(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, slot: int,
+                    state: DeltaNetState) -> torch.Tensor:
+        """A speculative item's output, token by token, keeping the state after each (module docstring)."""
+        kept, outputs = [], []
+        for t in range(x_1SD.shape[1]):
+            y, state = mix(x_1SD[:, t:t + 1], state)
+            outputs.append(y)
+            kept.append(state)
+        self.pending[slot][layer_id] = kept
+        return torch.cat(outputs, dim=1)
+
+    def commit(self, slot: int, kept: int) -> None:
+        """Keep in `slot` the state after the first `kept` tokens of its speculative item (its verified
+        tokens: the one it decoded and the accepted drafts)."""
+        index = torch.tensor([slot], device=self.decode_slots.device)
+        for layer_id, states in self.pending.pop(slot).items():
+            self.pool.write(layer_id, index, states[kept - 1])
 
 
 class StatefulStep:

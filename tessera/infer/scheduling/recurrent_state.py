@@ -16,10 +16,12 @@ prefill, and every decode step, starts from the state the previous one left ther
 `max_num_seqs` slots, the most sequences the scheduler runs at once, so admission never waits for a
 slot; their bytes are paid out of the KV budget first (`bytes_per_slot`; `paged_model.cache_geometry`).
 
+Speculative decoding: a step verifying drafts keeps the state after each of the item's tokens and
+writes back the one after the accepted drafts (`recurrent_step.py`), so rejected drafts leave no trace.
+
 What the slot cannot do (`refuse_unsupported`, a typed error naming the setting): the state after a
 prompt prefix is not reconstructible from cached KV blocks, so prefix caching is off for hybrid
-models (`prefix_caching`); speculative decoding (draft models, n-gram lookup, MTP) would need the
-state rolled back to the accepted draft; the KV tiers, disaggregated prefill and system prompts move
+models (`prefix_caching`); the KV tiers, disaggregated prefill and system prompts move
 or pin KV blocks whose states are not kept; tensor-parallel serving does not cut the DeltaNet
 layers yet.
 Shapes: N slots, C convolution channels, W convolution width, H value heads, K key dim, V value dim.
@@ -121,8 +123,6 @@ def refuse_unsupported(cfg: ModelConfig, config) -> None:
         return
     what = f"model.family={cfg.family} has linear-attention layers {cfg.linear_attention.layers}"
     refused = [
-        (config.speculative is not None, f"speculative={config.speculative.method if config.speculative else None}",
-         "speculative decoding would need the recurrent state rolled back to the accepted drafts"),
         (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}",
          "tensor-parallel serving does not cut the linear-attention layers yet; use 1"),
         (config.has_kv_tiers, f"kv_offload_gib={config.kv_offload_gib}, kv_cache_dir={config.kv_cache_dir}",
