@@ -98,9 +98,6 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
     if m.linear_attention is not None:
         out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
-        if s.tp > 1 and m.linear_attention.projections == "split":
-            out.append(f"tp={s.tp} cannot split model.linear_attention.projections=split (Qwen3.5's in_proj_qkv) over "
-                       "tensor-parallel ranks yet; use tp=1")
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

@@ -2,8 +2,8 @@
 tests/cli/test_convert_families.py): a prompt of several DeltaNet chunks gives transformers' logits,
 greedy generation through the eager reference and through the serving engine (recurrent-state slots,
 chunked prefill, requests batched together) gives transformers' tokens, a saved model loads back
-with the same logits and config, Qwen3-Next's projection layout is refused on export, and tensor
-parallelism is refused for its split projections by name."""
+with the same logits and config, and Qwen3-Next's projection layout is refused on export (its
+layouts: tests/parallel/test_hybrid_layouts.py)."""
 
 import pytest
 import torch
@@ -65,9 +65,3 @@ def test_config_maps_both_ways_and_the_other_layout_is_refused():
     with pytest.raises(ModelError, match=r"projections=grouped\); export it as qwen3_next"):
         config_to_hf(grouped)
 
-
-def test_tensor_parallelism_refuses_split_projections():
-    from tessera.config.layout_rules import LayoutSizes, layout_problems
-
-    problems = layout_problems(get_preset("tiny-qwen3.5"), LayoutSizes(tp=2))
-    assert any("tp=2 cannot split model.linear_attention.projections=split" in p for p in problems if p)

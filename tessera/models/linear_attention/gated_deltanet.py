@@ -12,7 +12,10 @@ n_key_heads consecutive value heads; the output is RMS-normed per head, gated by
 
 Qwen3.5 lays the same projections out otherwise (`model.linear_attention.projections` "split"):
 `in_proj_qkv` holds all heads' q, then k, then v (the convolution's channel order), `in_proj_z`,
-`in_proj_b` and `in_proj_a` each its part per value head; the layer computes the same thing.
+`in_proj_b` and `in_proj_a` each its part per value head; the layer computes the same thing. Under
+tensor parallelism in_proj_z, in_proj_b and in_proj_a are cut by rows (value heads), and in_proj_qkv,
+whose rows of one rank are three ranges, is read through `own_part` ("qkv": this rank's rows, as the
+convolution's channels; "input": the input, whose gradient from them is summed over the ranks).
 
 Its recurrent state (`DeltaNetState`: the convolution's last inputs and the delta rule's state) is
 what an attention layer's key/value cache is to it: a fixed size per sequence, whatever its length.
@@ -76,7 +79,7 @@ class PackedRecurrentCache(Protocol):
                       x_1TD: torch.Tensor) -> torch.Tensor: ...
 
 
-# (name: "conv", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
+# (name: "conv", "qkv", "input", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
 OwnPart = Callable[[str, torch.Tensor], torch.Tensor]
 
 
@@ -172,7 +175,11 @@ class GatedDeltaNet(nn.Module):
         kd, vd, r = self.key_dim, self.value_dim, self.group
         if self.split:
             z = self.in_proj_z(x_BSD).view(B, S, -1, vd)
-            return self.in_proj_qkv(x_BSD), z, self.in_proj_b(x_BSD), self.in_proj_a(x_BSD)
+            if self.own_part is whole:
+                mixed = self.in_proj_qkv(x_BSD)
+            else:  # a rank's q, k, v rows are three ranges: read through the seam as the conv's channels
+                mixed = F.linear(self.own_part("input", x_BSD), self.own_part("qkv", self.in_proj_qkv.weight))
+            return mixed, z, self.in_proj_b(x_BSD), self.in_proj_a(x_BSD)
         qkvz = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * kd + 2 * r * vd)
         q, k, v, z = qkvz.split([kd, kd, r * vd, r * vd], dim=-1)
         b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r).split([r, r], dim=-1)
