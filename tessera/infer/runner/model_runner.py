@@ -10,6 +10,10 @@ rows; sampled tokens, argmaxes and finiteness flags come to the host in one tran
 rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
 tokens, or the error that fails it alone.
 
+A hybrid model's items carry their request's recurrent-state slot (`StateSlots`: taken the first
+step a request runs, given back when the plan releases it); after drafts are verified, each slot
+keeps the state after its accepted tokens (`PagedModel.keep_verified`).
+
 `score` runs given tokens and returns the log-probabilities of given targets (perplexity);
 `score_targets` also says whether each target is its row's argmax (what lm-eval's `is_greedy` is).
 """
