@@ -137,6 +137,9 @@ class LinearAttentionConfig:
     value_head_dim: int = 128
     conv_width: int = 4  # taps of the short causal convolution on q, k, v
     chunk_size: int = 64  # tokens per chunk of the chunked (training and prompt) form; not in config.json
+    # how the input projections are laid out: "grouped" (Qwen3-Next: in_proj_qkvz and in_proj_ba, per
+    # key-head group) or "split" (Qwen3.5: in_proj_qkv as [q | k | v], in_proj_z, in_proj_b, in_proj_a); the family's
+    projections: str = "grouped"
 
 
 @dataclass
@@ -361,6 +364,8 @@ class ModelConfig:
         require(la.n_value_heads % la.n_key_heads == 0, "model.linear_attention.n_value_heads", la.n_value_heads,
                 f"must be a multiple of n_key_heads={la.n_key_heads}")
         require(la.conv_width >= 2, "model.linear_attention.conv_width", la.conv_width, "must be at least 2")
+        require(la.projections in ("grouped", "split"), "model.linear_attention.projections", la.projections,
+                "must be grouped (Qwen3-Next) or split (Qwen3.5)")
 
     @staticmethod
     def _check_moe_router(e: MoEConfig) -> None:

@@ -16,7 +16,9 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 the conv taps of this rank's q, k, v channels, its heads' A_log and
                                 dt_bias, and the shared gated-norm weight are sliced from replicated
                                 tensors by the layer's `own_part` seam, their gradient summed over tp
-                                (`DeltaNetRankPart`)
+                                (`DeltaNetRankPart`). Qwen3.5's split layout: in_proj_z, in_proj_b,
+                                in_proj_a colwise (by value heads); in_proj_qkv replicated, this rank's
+                                q, k, v rows read through the seam as the conv's channels are
     feed_forward.w1 / w3        colwise   SwiGLU hidden dim split
     feed_forward.w2             rowwise
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
@@ -146,9 +148,8 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
     mla = isinstance(block.attention, MultiHeadLatentAttention)
     deltanet = isinstance(block.attention, GatedDeltaNet)
-    plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else {
-        "attention.in_proj_qkvz": Colwise(), "attention.in_proj_ba": Colwise(),
-        "attention.out_proj": Rowwise(output_layouts=stream)} if deltanet else {
+    plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else _deltanet_plan(
+        block.attention, stream) if deltanet else {
         "attention.wq": Colwise(),
         "attention.wk": Colwise(),
         "attention.wv": Colwise(),
@@ -188,6 +189,13 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan["feed_forward.w3"] = Colwise()
         plan["feed_forward.w2"] = Rowwise(output_layouts=stream)
     return plan
+
+
+def _deltanet_plan(attention: GatedDeltaNet, stream: Placement) -> dict[str, ParallelStyle]:
+    """Gated DeltaNet: its projections cut by key-head groups (grouped layout) or value heads (split
+    layout: in_proj_qkv stays whole, read by this rank's rows through `DeltaNetRankPart`)."""
+    cut = ("in_proj_z", "in_proj_b", "in_proj_a") if attention.split else ("in_proj_qkvz", "in_proj_ba")
+    return {f"attention.{n}": Colwise() for n in cut} | {"attention.out_proj": Rowwise(output_layouts=stream)}
 
 
 def _mla_plan(attention: MultiHeadLatentAttention, stream: Placement) -> dict[str, ParallelStyle]:
@@ -235,9 +243,9 @@ class DeltaNetRankPart:
 
     def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = copy_to_group(t, self.group)
-        if name == "conv":
+        if name in ("conv", "qkv"):  # [q | k | v] channels by rows (Qwen3.5's in_proj_qkv: the same rows)
             return t.index_select(0, self.conv.to(t.device))
-        return t if name == "norm" else t[self.heads]
+        return t if name in ("norm", "input") else t[self.heads]
 
 
 class VocabParallelTiedHead:

@@ -1,42 +1,174 @@
-"""A hybrid model (Qwen3-Next's Gated DeltaNet layers) cannot be served by the paged engine yet:
-`LLM`, `tessera serve` and the cached `tessera generate` refuse it by name (hybrid layers need the
-recurrent-state cache), while `tessera generate --no-cache` runs it on the model's own forward."""
+"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention) served by the paged
+engine, each running sequence's recurrent state in its own slot (infer/scheduling/recurrent_state.py):
+greedy tokens equal transformers' for requests of different lengths arriving while others decode
+(continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
+chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
+(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Prefix caching is
+off for it, every slot comes back when its request ends, the slots are paid out of the KV budget,
+and the settings a state slot cannot serve (and scoring given tokens past a first chunk) are refused
+by name."""
 
+import httpx
 import pytest
 import torch
 
 from tessera.cli import main
-from tessera.config import ModelError, get_preset
-from tessera.hf import save_pretrained
-from tessera.infer import LLM, SamplingParams
-from tessera.infer.engine.reference_generation import reference_generate
+from tessera.config import ConfigError, ModelError, get_preset
+from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
+from tessera.infer.config import SpeculativeConfig
+from tessera.infer.engine.perplexity import paged_nll
+from tessera.infer.runner.paged_model import cache_geometry
+from tessera.infer.runner.recurrent_step import RecurrentStep, Segment
+from tessera.infer.scheduling.kv_cache import bytes_per_block
+from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot
 from tessera.models import Transformer
-from tests.infer.tiny_models import char_tokenizer, save_tokenizer
+from tests.hang_guard import HANG_S
+from tests.infer.running_server import RunningServer
+from tests.infer.tiny_models import char_tokenizer, hf_greedy, save_tokenizer
+from tests.models.hf_families import hf_configs, random_hf_model
 
-REFUSAL = r"model.family=qwen3_next has linear-attention layers .*hybrid layers need the recurrent-state cache"
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPTS = [[3, 50, 7, 81, 22, 9, 64, 5, 13, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6],
+           [9, 8, 7, 6, 5, 4, 3, 2, 1, 40], [60, 4, 77, 31, 31, 2, 90, 65, 12, 44, 20, 19, 7]]
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    model = Transformer(get_preset("tiny-qwen3-next", vocab_size=128, init_std=0.2), init_seed=2)
+    """A random transformers Qwen3-Next (three DeltaNet layers, one attention layer), saved with the
+    test tokenizer, and its greedy completions of PROMPTS."""
     path = tmp_path_factory.mktemp("hybrid") / "hf"
-    save_pretrained(model, path)
+    hf = random_hf_model(hf_configs()["qwen3_next"], seed=3, std=0.2)
+    hf.save_pretrained(path)
     save_tokenizer(path)
-    return model, path
+    return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def test_engine_refuses_a_hybrid_model(hybrid):
-    with pytest.raises(ModelError, match=REFUSAL):
-        LLM(hybrid[0])
+def test_requests_joining_while_others_decode_equal_transformers(hybrid, monkeypatch):
+    """Requests arrive one step apart under a budget of 8 tokens: prompt chunks of later ones run in
+    the same steps as earlier ones' decodes, each sequence from its own slot."""
+    path, _, want = hybrid
+    steps = []
+    init = RecurrentStep.__init__
+
+    def recording(self, pool, segments, device):
+        steps.append([(s.length, s.start) for s in segments])
+        init(self, pool, segments, device)
+
+    monkeypatch.setattr(RecurrentStep, "__init__", recording)
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4))
+    assert engine.blocks.cache is None  # prefix caching is off for a hybrid model
+    ids, done = [], {}
+    for prompt in PROMPTS:
+        ids.append(engine.add_request(prompt, GREEDY))
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert [done[i] for i in ids] == want
+    chunked = any(start > 0 and n > 1 for step in steps for n, start in step)
+    mixed = any(any(n == 1 for n, _ in step) and any(n > 1 for n, _ in step) for step in steps)
+    assert chunked and mixed  # a prompt continued from its state; decodes beside a prompt chunk
+    slots = engine.runner.slots
+    assert list(slots.owner) == [ids[-1]]  # the last to finish is released with the next plan
+    engine.step()
+    assert not slots.owner and sorted(slots.free) == list(range(4))  # every slot given back
 
 
-def test_serve_and_cached_generate_refuse_it_and_no_cache_generates(hybrid, capsys):
-    model, path = hybrid
-    assert main(["serve", str(path), "--port", "0", "--device", "cpu"]) == 1
-    assert main(["generate", str(path), "--prompt", "ab", "--max-new-tokens", "4"]) == 1
-    assert "hybrid layers need the recurrent-state cache" in capsys.readouterr().err
-    assert main(["generate", str(path), "--prompt", "ab", "--max-new-tokens", "4", "--no-cache"]) == 0
-    prompt = char_tokenizer().encode("ab", add_special_tokens=False).ids
-    with torch.no_grad():
-        want = reference_generate(model, prompt, SamplingParams(max_tokens=4, temperature=0.0))
-    assert capsys.readouterr().out.strip() == "ab" + char_tokenizer().decode(want, skip_special_tokens=True)
+def test_preemption_recomputes_the_state_to_the_same_tokens(hybrid):
+    path, _, want = hybrid
+    llm = LLM(path, block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.metrics.preemptions > 0
+    assert [o.token_ids for o in outs] == want
+
+
+def test_served_over_http_and_by_generate(hybrid, capsys):
+    path, hf, _ = hybrid
+    tok = char_tokenizer()
+    prompt = tok.encode("state", add_special_tokens=False).ids
+    with RunningServer(LLMEngine.from_dir(path, EngineConfig(block_size=4)), name="hybrid") as server:
+        body = {"model": "hybrid", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    assert tok.encode(r.json()["choices"][0]["text"], add_special_tokens=False).ids == hf_greedy(hf, prompt, 6)
+    assert main(["generate", str(path), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
+    ab = tok.encode("ab", add_special_tokens=False).ids
+    assert capsys.readouterr().out.strip() == "ab" + tok.decode(hf_greedy(hf, ab, 4), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
+                                  r"linear-attention layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
+                                  r"linear-attention layers yet; use 1"),
+    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes need "
+                                             r"prefix caching, which hybrid models do not use"),
+])
+def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, **options))
+
+
+def test_speculative_drafts_rejected_leave_no_trace_in_the_state(hybrid):
+    """Prompt-lookup drafts verified by the hybrid target: the slot keeps the state after the accepted
+    tokens only, so the tokens equal transformers' though drafts were rejected."""
+    path, _, want = hybrid
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16,
+              speculative=SpeculativeConfig(method="prompt_lookup", num_tokens=3))
+    outs = llm.generate(PROMPTS, GREEDY)
+    metrics = llm.engine.metrics
+    assert [o.token_ids for o in outs] == want
+    assert metrics.spec_proposed > metrics.spec_accepted  # drafts were rejected and rolled back
+
+
+def test_a_verified_step_keeps_the_state_after_its_accepted_tokens():
+    """The state a slot keeps after verifying drafts is the one after exactly the kept tokens, for
+    every count kept (one decoded token, then each accepted draft)."""
+    cfg = get_preset("tiny-qwen3-next", vocab_size=64)
+    layer = Transformer(cfg, init_seed=1).layers["0"].attention
+    x_1SD = torch.randn(1, 4, cfg.dim, generator=torch.Generator().manual_seed(0))
+    pool = RecurrentStatePool(cfg, 2, torch.float32)
+    start = layer.mix(torch.randn(1, 3, cfg.dim))[1]
+    for kept in range(1, 5):
+        pool.write(0, torch.tensor([1]), start)
+        step = RecurrentStep(pool, [Segment(0, 4, 1, 3, drafts=3)], torch.device("cpu"))
+        with torch.no_grad():
+            step.mix_recurrent(0, layer.mix, x_1SD)
+            torch.testing.assert_close(pool.read(0, torch.tensor([1])).delta, start.delta)  # nothing kept yet
+            step.commit(1, kept)
+            want = layer.mix(x_1SD[:, :kept], start)[1]
+        got = pool.read(0, torch.tensor([1]))
+        torch.testing.assert_close(got.delta, want.delta)
+        torch.testing.assert_close(got.conv, want.conv)
+
+
+def test_state_slots_are_paid_out_of_the_kv_budget():
+    cfg = get_preset("tiny-qwen3-next")
+    config = EngineConfig(kv_cache_gib=0.001, max_num_seqs=8, block_size=4)
+    per_block, per_slot = bytes_per_block(cfg, 4, torch.float32, False), bytes_per_slot(cfg, torch.float32)
+    assert per_slot == 3 * (4 * (2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16 * 4)  # 3 layers: conv window, delta state
+    want = (int(0.001 * 2**30) - 8 * per_slot) // per_block
+    assert cache_geometry(cfg, config).num_blocks == want < int(0.001 * 2**30) // per_block
+
+
+def test_scoring_past_a_first_chunk_is_refused_by_name(hybrid):
+    path, hf, _ = hybrid
+    llm = LLM(path, block_size=4)
+    ids = PROMPTS[0]
+    logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+    want = -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum())
+    nll, n = paged_nll(llm.engine, ids, chunk=len(ids))  # one chunk: from a zero state
+    assert n == len(ids) - 1 and abs(nll - want) < 1e-3
+    with pytest.raises(ModelError, match=r"tokens at positions 8\.\. need the recurrent state of the positions "
+                                         r"before them, which only a running request's slot keeps"):
+        paged_nll(llm.engine, ids, chunk=8)
+
+
+def test_a_hybrid_draft_model_is_refused_by_name(hybrid):
+    spec = SpeculativeConfig(method="draft", draft_model=str(hybrid[0]))
+    with pytest.raises(ConfigError, match=r"speculative.draft_model is a hybrid model \(model.family=qwen3_next\); "
+                                          r"a draft model's cache holds attention keys and values only"):
+        LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, speculative=spec))

@@ -13,7 +13,8 @@ SHAPES = {"olmo2-like": dict(family="olmo2", block_norms="post", qk_norm=True, q
           "gemma3-like-norms": dict(block_norms="pre_post", qk_norm=True)}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next", *SHAPES])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next", "tiny-qwen3.5",
+                                  *SHAPES])
 def test_forward_shapes_and_param_count(name):
     cfg = get_preset("tiny-llama", **SHAPES[name]) if name in SHAPES else get_preset(name)
     model = Transformer(cfg)

@@ -35,6 +35,18 @@ def test_hybrid_layouts_match_one_process(parallel, micro):
     assert_same_step(got[0], _reference(micro))
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,micro", [
+    (dict(dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1), (dict(tp=2, sp=True, dp_shard=1), 1)],
+    ids=["fsdp2", "tp2", "tp2-sp"])
+def test_qwen3_5_split_projections_match_one_process(parallel, micro):
+    """Qwen3.5's DeltaNet (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; dense MLPs): under tp each
+    rank reads its q, k, v rows of in_proj_qkv through the seam, the others cut by value heads."""
+    short = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3.5").linear_attention, chunk_size=4)}
+    got = run_ranks(layout_step, 2, "tiny-qwen3.5", parallel, config_overrides=short)
+    assert_same_step(got[0], reference_step("tiny-qwen3.5", micro, short))
+
+
 def _cp_rank(cp_method: str) -> dict:
     import torch
     import torch.distributed as dist

@@ -34,12 +34,16 @@ def _layer_types(d: Mapping[str, Any]) -> list[str]:
     return types
 
 
-@dataclass(frozen=True)
-class Qwen3Next(QwenMoE):
-    int_fields: tuple[str, ...] = QwenMoE.int_fields + tuple(LINEAR_FIELDS) + ("full_attention_interval",)
-    number_fields: tuple[str, ...] = QwenMoE.number_fields + ("partial_rotary_factor",)
+class HybridLayers:
+    """What a Gated DeltaNet hybrid's class adds to its family (Qwen3-Next's, and Qwen3.5's in
+    qwen3_5.py): `layer_types`, the linear-attention sizes, partial rotary, the attention output gate
+    and (1 + w) norms in config.json; the DeltaNet tensors by their HuggingFace names, laid out as
+    `projections` says (model.linear_attention.projections)."""
+
     hybrid: ClassVar[bool] = True
     own_parts: ClassVar[tuple[str, ...]] = ("partial_rotary_factor", "norm_unit_offset")  # a quarter rotated; (1 + w)
+    projections: ClassVar[str] = "grouped"
+    linear_tensors: ClassVar[tuple[str, ...]] = LINEAR_TENSORS
 
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         fields = super().config_from_hf(d)
@@ -50,6 +54,7 @@ class Qwen3Next(QwenMoE):
         types = _layer_types(d)
         linear = {ours: d[theirs] for theirs, ours in LINEAR_FIELDS.items() if theirs in d}
         linear["layers"] = [i for i, t in enumerate(types) if t == "linear_attention"]
+        linear["projections"] = self.projections
         return fields | dict(head_dim=head_dim, partial_rotary_factor=float(factor), attention_output_gate=True,
                              norm_unit_offset=True, linear_attention=linear)
 
@@ -58,6 +63,10 @@ class Qwen3Next(QwenMoE):
         if la is None or not cfg.attention_output_gate or not cfg.norm_unit_offset or not cfg.qk_norm:
             raise ModelError(f"{self.name} needs model.linear_attention, attention_output_gate, norm_unit_offset and "
                              "qk_norm (its HuggingFace class has each)")
+        if la.projections != self.projections:
+            raise ModelError(f"{self.name}'s DeltaNet projections are {self.projections} (model.linear_attention."
+                             f"projections={la.projections}); export it as "
+                             f"{'qwen3_next' if la.projections == 'grouped' else 'qwen3_5_text'}")
         d = super().config_to_hf(cfg)
         d["layer_types"] = [LAYER_TYPES[0] if i in la.layers else LAYER_TYPES[1] for i in range(cfg.n_layers)]
         d.update({theirs: getattr(la, ours) for theirs, ours in LINEAR_FIELDS.items()})
@@ -70,7 +79,13 @@ class Qwen3Next(QwenMoE):
     def attention_names(self, cfg, i: int) -> dict[str, list[str]]:
         if not cfg.is_linear_attention_layer(i):
             return super().attention_names(cfg, i)
-        return {f"layers.{i}.attention.{n}": [f"model.layers.{i}.linear_attn.{n}"] for n in LINEAR_TENSORS}
+        return {f"layers.{i}.attention.{n}": [f"model.layers.{i}.linear_attn.{n}"] for n in self.linear_tensors}
+
+
+@dataclass(frozen=True)
+class Qwen3Next(HybridLayers, QwenMoE):
+    int_fields: tuple[str, ...] = QwenMoE.int_fields + tuple(LINEAR_FIELDS) + ("full_attention_interval",)
+    number_fields: tuple[str, ...] = QwenMoE.number_fields + ("partial_rotary_factor",)
 
 
 FAMILY = Qwen3Next(

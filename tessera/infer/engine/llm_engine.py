@@ -30,7 +30,7 @@ from tessera.checkpoint.loading import (
     vision_language_family,
 )
 from tessera.checkpoint.vision_families import default_processor
-from tessera.config.errors import ConfigError, ModelError, RequestError
+from tessera.config.errors import ConfigError, RequestError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.config import EngineConfig
@@ -52,6 +52,7 @@ from tessera.infer.scheduling.block_manager import engine_blocks
 from tessera.infer.scheduling.kv_exchange import KVExchange
 from tessera.infer.scheduling.kv_tier_planner import KVTierPlanner
 from tessera.infer.scheduling.kv_tiers import TierMetrics
+from tessera.infer.scheduling.recurrent_state import prefix_caching
 from tessera.infer.scheduling.scheduler import Scheduler
 from tessera.models.quantized import quantize_model
 from tessera.models.stored_quant import stored_quant_method
@@ -63,7 +64,6 @@ class LLMEngine:
     def __init__(self, executor: Executor, config: EngineConfig, tokenizer=None,
                  eos_ids: set[int] | frozenset[int] = frozenset()):
         """The engine around `executor`'s model (`from_dir` / `from_model` build both)."""
-        refuse_recurrent_layers(executor.model.cfg)
         self.executor, self.config = executor, config
         self.model, self.cfg, self.tokenizer = executor.model.eval(), executor.model.cfg, tokenizer
         self.lora = executor.lora
@@ -72,7 +72,8 @@ class LLMEngine:
         store = executor.kv_tiers  # the KV tiers' bytes, built by the executor over its cache
         self.tier_metrics = store.metrics if store is not None else TierMetrics()
         planner = KVTierPlanner.over(store) if store is not None else None
-        self.blocks = engine_blocks(executor.geometry, config, planner)
+        self.blocks = engine_blocks(executor.geometry, config, planner,
+                                    prefix_caching(executor.model.cfg, config.enable_prefix_caching))
         self.kv_exchange = KVExchange(executor, self.blocks, self.tier_metrics)  # for kv_transfer.py
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,
@@ -404,16 +405,6 @@ class LLMEngine:
         if not self.config.has_kv_tiers and self.config.kv_role is None:
             return page
         return page + "\n".join(self.tier_metrics.prometheus_lines()) + "\n"
-
-
-def refuse_recurrent_layers(cfg) -> None:
-    """The paged cache holds attention keys and values only: a hybrid model's linear-attention layers
-    (Gated DeltaNet) need a per-request recurrent state beside the blocks (docs/architecture.md,
-    "Recurrent state beside paged blocks"; issue 50), which the engine does not have yet."""
-    if cfg.linear_attention is not None:
-        raise ModelError(f"model.family={cfg.family} has linear-attention layers (model.linear_attention.layers="
-                         f"{cfg.linear_attention.layers}): hybrid layers need the recurrent-state cache, which the "
-                         "serving engine does not hold yet (issue 50); generate with `tessera generate --no-cache`")
 
 
 def _check_placement(model: Transformer, config: EngineConfig) -> None:

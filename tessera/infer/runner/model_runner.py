@@ -10,6 +10,10 @@ rows; sampled tokens, argmaxes and finiteness flags come to the host in one tran
 rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
 tokens, or the error that fails it alone.
 
+A hybrid model's items carry their request's recurrent-state slot (`StateSlots`: taken the first
+step a request runs, given back when the plan releases it); after drafts are verified, each slot
+keeps the state after its accepted tokens (`PagedModel.keep_verified`).
+
 `score` runs given tokens and returns the log-probabilities of given targets (perplexity);
 `score_targets` also says whether each target is its row's argmax (what lm-eval's `is_greedy` is).
 """
@@ -37,24 +41,31 @@ from tessera.infer.sampling.logprobs import LogprobRows, add_logprobs, raw_logpr
 from tessera.infer.sampling.penalties import apply_penalties, changes_logits
 from tessera.infer.sampling.sampler import processed_probs
 from tessera.infer.sampling.structured_output import mask_logits
+from tessera.infer.scheduling.recurrent_state import StateSlots
 
 
 class ModelRunner:
     """Drives `paged` (this process's model, or every rank's) on the driver; `proposer` drafts
     speculative tokens (None: no speculative decoding)."""
 
-    def __init__(self, paged: PagedForward, proposer: Proposer | None = None):
+    def __init__(self, paged: PagedForward, proposer: Proposer | None = None, slots: StateSlots | None = None):
         self.paged, self.proposer = paged, proposer
+        self.slots = slots  # a hybrid model's recurrent-state slots by request (recurrent_state.py)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The new tokens of every request of `plan` whose step completes."""
         if self.proposer is not None:
             for request_id in plan.released:
                 self.proposer.release(request_id)
+        if self.slots is not None:
+            self.slots.release(plan.released)
         if not plan.scheduled:
             return RunnerOutput({})
         proposals = self._propose(plan.scheduled)
         items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
+        if self.slots is not None:
+            for s, it in zip(plan.scheduled, items):
+                it.state_slot = self.slots.slot(s.seq.request_id)
         logits_TV, offsets = self.paged.forward_split(items)
         self._observe(plan.scheduled, items, offsets)
         # rows each completing request samples from: its last computed position (and its drafts)
@@ -65,9 +76,13 @@ class ModelRunner:
         host = _to_host(logits_TV, [s.seq for s in completing], rows, proposals, prompt_asks)
         scored = {ask.key[1]: PromptLogprobs(first, read_logprobs(host, ask, host["top_k"]))
                   for ask, first, _ in prompt_asks}
-        return RunnerOutput({s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
-                                                             proposals.get(s.seq.request_id))
-                             for s in completing}, scored)
+        sampled = {s.seq.request_id: self._sampled(s, logits_TV, rows[s.seq.request_id], host,
+                                                   proposals.get(s.seq.request_id)) for s in completing}
+        if self.slots is not None and proposals:  # each slot keeps the state of its verified tokens
+            self.paged.keep_verified({it.state_slot: s.num_tokens + len(sampled[s.seq.request_id].token_ids) - 1
+                                      for s, it in zip(plan.scheduled, items)
+                                      if it.drafts and not sampled[s.seq.request_id].error})
+        return RunnerOutput(sampled, scored)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
         spec = [s for s in scheduled if s.draft_limit > 0]
@@ -140,7 +155,7 @@ def _batch_item(s: ScheduledSequence, proposal: Proposal | None) -> BatchItem:
     images = spans_in(seq.images, seq.num_computed, s.num_tokens) if seq.images else []
     mrope = seq.images if seq.images and seq.images[0].grid is not None else ()
     return BatchItem(tokens, seq.num_computed, seq.block_table, seq.adapter_slot, read_from, images, mrope,
-                     seq.window_table or None)
+                     seq.window_table or None, drafts=len(proposal.tokens) if proposal is not None else 0)
 
 
 def _prompt_asks(scheduled: list[ScheduledSequence], offsets: list[int]) -> list[tuple[LogprobRows, int, list[int]]]:

@@ -5,7 +5,8 @@ model runner drives it (or, under tensor parallelism, rank 0's copy of it togeth
 ranks' copies: `tp_executor.TensorParallelModel`); the draft model of speculative decoding has one
 of its own. The packing and the attention over the cache are described in `paged_attention.py`.
 With a `BucketedDecoder`, `forward_split` sends the single-token items (decodes) through the
-static-shape decode step instead (`bucketed_decode.py`).
+static-shape decode step instead (`bucketed_decode.py`). A hybrid model's linear-attention layers
+read and write their per-sequence states in `states`, a slot per item (`recurrent_step.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.runner.bucketed_decode import BucketedDecoder, DecodeRow, default_batch_buckets
 from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
+from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
@@ -40,6 +43,8 @@ class BatchItem:
     # Qwen2-VL: every image of the sequence's prompt, whose grids give its tokens' M-RoPE positions
     mrope_images: tuple[PromptImage, ...] = ()
     window_table: list[int] | None = None  # the windowed layers' blocks (scheduling/window_blocks.py)
+    state_slot: int = -1  # a hybrid model's recurrent-state slot (recurrent_state.py), -1 for none
+    drafts: int = 0  # speculative tokens at the end of `tokens`, verified after the forward
 
 
 class PagedForward(Protocol):
@@ -76,6 +81,9 @@ class PagedModel:
         self.hidden: torch.Tensor | None = None
         # a vision-language model's image encoder (multimodal.py): items with images take its rows
         self.encoder = encoder
+        # a hybrid model's recurrent-state slots (recurrent_state.py; its items carry `state_slot`)
+        self.states: RecurrentStatePool | None = None
+        self.recurrent: RecurrentStep | None = None  # the last packed step's, until its drafts are verified
 
     def forward_split(self, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         """Logits of every computed token, and the row where each item's tokens start. Single-token
@@ -110,11 +118,22 @@ class PagedModel:
         """Zero KV blocks (after a request wrote inf/NaN there)."""
         self.kv.clear_blocks(blocks)
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """After the last forward's drafts were verified: each recurrent-state slot keeps the state
+        after its item's first `kept[slot]` tokens (recurrent_step.py)."""
+        for slot, n in kept.items():
+            self.recurrent.commit(slot, n)
+
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> torch.Tensor:
         """Logits [T, V] of every packed token, in the order of `items`."""
         slices = [SequenceSlice(it.start, len(it.tokens), it.block_table, it.window_table) for it in items]
         batch = PagedAttentionBatch(self.kv, slices, self.device)
+        if self.states is not None:
+            segments = [Segment(o, len(it.tokens), it.state_slot, it.start, it.drafts)
+                        for it, o in zip(items, packed_offsets(items), strict=True)]
+            self.recurrent = RecurrentStep(self.states, segments, self.device)
+            batch = StatefulStep(batch, self.recurrent)
         ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.long, device=self.device)
         if self.lora is not None:
             self.lora.set_batch([(it.adapter_slot, len(it.tokens)) for it in items], self.device)
@@ -217,7 +236,10 @@ def window_pool_blocks(windowed: WindowedLayers, config: EngineConfig) -> int:
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     """The KV cache's size from the engine config. Under tensor parallelism each rank stores
     1/tensor_parallel_size of the heads, so the same memory budget holds that many times the blocks;
-    every rank computes the same numbers. The windowed pool, if any, is paid from the budget first."""
+    every rank computes the same numbers. The windowed pool, if any, is paid from the budget first, and
+    a hybrid model's recurrent-state slots before it; the settings those slots cannot serve are
+    refused here, before any tensor-parallel process starts."""
+    refuse_unsupported(cfg, config)
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
         raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "
@@ -228,11 +250,13 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     n_window = 0 if windowed is None else len(windowed.layers)
     num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
-    if num_blocks is None:  # from the memory budget, but always room for one full sequence
+    if num_blocks is None:  # from the memory budget (less the windowed pool and the recurrent-state slots),
+        # but always room for one full sequence
         int8, tp = config.kv_cache_dtype == "int8", config.tensor_parallel_size
         per_block = bytes_per_block(cfg, bs, config.torch_dtype, int8, tp, cfg.n_layers - n_window)
         budget = int(config.kv_cache_gib * 2**30) - num_window * bytes_per_block(cfg, bs, config.torch_dtype,
                                                                                   int8, tp, n_window)
+        budget -= config.max_num_seqs * bytes_per_slot(cfg, config.torch_dtype)
         num_blocks = config.max_num_seqs * blocks_per_seq + 1
         if per_block:
             num_blocks = min(max(budget, 0) // per_block, num_blocks)
@@ -254,7 +278,8 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     """`model` over a paged KV cache with its static-shape decode step, as `config` lays them out
     (the engine's, and each tensor-parallel rank's, the same way), with a vision-language model's
     image `encoder` when it has one. CUDA graphs are not captured under tensor parallelism (all
-    ranks would have to replay in lockstep)."""
+    ranks would have to replay in lockstep). A hybrid model gets its recurrent-state slots, one per
+    sequence in flight, and every item packed (the static-shape decode step has no state slots)."""
     geometry = cache_geometry(model.cfg, config)
     device = torch.device(config.device if device is None else device)
     dtype, tp = config.torch_dtype, config.tensor_parallel_size
@@ -265,7 +290,12 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
                       geometry.num_window_blocks + 1)
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
+    states = None
+    if model.cfg.linear_attention is not None:
+        states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device), []
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)
-    return PagedModel(model, kv, device, lora, decoder, encoder), geometry
+    paged = PagedModel(model, kv, device, lora, decoder, encoder)
+    paged.states = states
+    return paged, geometry

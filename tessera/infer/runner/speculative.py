@@ -179,5 +179,8 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
         target.keep_hidden = proposer.hidden_layers
         return proposer
     draft = load_model(spec.draft_model, dtype, config.device).model
+    if draft.cfg.linear_attention is not None:
+        raise ConfigError(f"speculative.draft_model is a hybrid model (model.family={draft.cfg.family}); a draft "
+                          "model's cache holds attention keys and values only: draft with an attention-only model")
     return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,
                               config.device)

@@ -204,13 +204,13 @@ class BlockManager:
             self.free.append(block)
 
 
-def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None) -> BlockManager:
+def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None, prefix: bool) -> BlockManager:
     """The engine's block manager over `geometry` (runner/paged_model.py's `CacheGeometry`). With a
     windowed pool (`geometry.windowed`; KV tiers and disaggregation were refused with it) it has no
-    prefix cache."""
+    prefix cache; `prefix` is whether the model allows one at all (not a hybrid's recurrent state)."""
     if geometry.windowed is None:
-        return BlockManager(geometry.num_blocks, config.block_size, config.enable_prefix_caching, tiers)
-    if config.enable_prefix_caching:
+        return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers)
+    if prefix:
         log.info("prefix caching is off: the sliding-window and chunked layers' blocks are given back as "
                  "sequences advance (--windowed-kv kept keeps them, with prefix caching)")
     window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed)

@@ -10,12 +10,21 @@ log-decay g = -exp(A_log) * softplus(a + dt_bias), each key head serving n_value
 n_key_heads consecutive value heads; the output is RMS-normed per head, gated by silu(z)
 (`GatedRMSNorm`), and projected back (`out_proj`).
 
+Qwen3.5 lays the same projections out otherwise (`model.linear_attention.projections` "split"):
+`in_proj_qkv` holds all heads' q, then k, then v (the convolution's channel order), `in_proj_z`,
+`in_proj_b` and `in_proj_a` each its part per value head; the layer computes the same thing. Under
+tensor parallelism in_proj_z, in_proj_b and in_proj_a are cut by rows (value heads), and in_proj_qkv,
+whose rows of one rank are three ranges, is read through `own_part` ("qkv": this rank's rows, as the
+convolution's channels; "input": the input, whose gradient from them is summed over the ranks).
+
 Its recurrent state (`DeltaNetState`: the convolution's last inputs and the delta rule's state) is
 what an attention layer's key/value cache is to it: a fixed size per sequence, whatever its length.
 `mix(x, state)` takes and returns it, so a sequence fed in pieces equals it fed whole. Given an
 inference cache (the `forward` argument attention layers get) it reads and keeps the state there,
 through `recurrent_state(layer_id)` / `keep_recurrent_state(layer_id, state)`
-(`RecurrentStateCache`); a cache without them (the serving engine's paged one) cannot run it.
+(`RecurrentStateCache`). The serving engine's cache of a packed step (many sequences' tokens in one
+row) offers `mix_recurrent(layer_id, mix, x)` instead (`PackedRecurrentCache`): it runs this layer's
+`mix` over each sequence's tokens from that sequence's state slot (tessera/infer/runner/recurrent_step.py).
 Prompts and training run the chunked form, a single new token the recurrent one (equal; tested).
 
 Under tensor parallelism each rank runs whole key-head groups (its in_proj_qkvz / in_proj_ba
@@ -65,7 +74,12 @@ class RecurrentStateCache(Protocol):
     def keep_recurrent_state(self, layer_id: int, state: DeltaNetState) -> None: ...
 
 
-# (name: "conv", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
+class PackedRecurrentCache(Protocol):
+    def mix_recurrent(self, layer_id: int, mix: Callable[..., tuple[torch.Tensor, DeltaNetState]],
+                      x_1TD: torch.Tensor) -> torch.Tensor: ...
+
+
+# (name: "conv", "qkv", "input", "A_log", "dt_bias" or "norm"; the whole tensor) -> the part this rank's heads use.
 OwnPart = Callable[[str, torch.Tensor], torch.Tensor]
 
 
@@ -96,10 +110,17 @@ class GatedDeltaNet(nn.Module):
         self.layer_id = layer_id
         self.key_dim, self.value_dim, self.chunk = la.key_head_dim, la.value_head_dim, la.chunk_size
         self.group = la.n_value_heads // la.n_key_heads  # value heads per key head
-        qkvz = la.n_key_heads * (2 * la.key_head_dim + 2 * self.group * la.value_head_dim)
-        self.in_proj_qkvz = nn.Linear(cfg.dim, qkvz, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.dim, 2 * la.n_value_heads, bias=False)
         channels = 2 * la.n_key_heads * la.key_head_dim + la.n_value_heads * la.value_head_dim
+        self.split = la.projections == "split"
+        if self.split:  # Qwen3.5's layout (module docstring)
+            self.in_proj_qkv = nn.Linear(cfg.dim, channels, bias=False)
+            self.in_proj_z = nn.Linear(cfg.dim, la.n_value_heads * la.value_head_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.dim, la.n_value_heads, bias=False)
+            self.in_proj_a = nn.Linear(cfg.dim, la.n_value_heads, bias=False)
+        else:
+            qkvz = la.n_key_heads * (2 * la.key_head_dim + 2 * self.group * la.value_head_dim)
+            self.in_proj_qkvz = nn.Linear(cfg.dim, qkvz, bias=False)
+            self.in_proj_ba = nn.Linear(cfg.dim, 2 * la.n_value_heads, bias=False)
         self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(la.n_value_heads))
         self.A_log = nn.Parameter(torch.zeros(la.n_value_heads))
@@ -112,6 +133,9 @@ class GatedDeltaNet(nn.Module):
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
+        packed = getattr(cache, "mix_recurrent", None)
+        if packed is not None:  # the serving engine's packed step: each sequence from its own slot
+            return self.sequence.own(packed(self.layer_id, self.mix, self.sequence.whole(x_BSD)))
         state = cache.recurrent_state(self.layer_id) if cache is not None else None
         y, state = self.mix(self.sequence.whole(x_BSD), state)
         if cache is not None:
@@ -124,24 +148,40 @@ class GatedDeltaNet(nn.Module):
         start). `recurrent` picks the form: default token by token for one token, chunked otherwise."""
         B, S, _ = x_BSD.shape
         kd, vd, r = self.key_dim, self.value_dim, self.group
-        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * kd + 2 * r * vd)  # -1: local key heads under TP
-        q, k, v, z = qkvz.split([kd, kd, r * vd, r * vd], dim=-1)
-        b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r).split([r, r], dim=-1)
-        hk = q.shape[2]
-        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        mixed, z, b, a = self._projections(x_BSD)
+        hk = b.shape[-1] // r
         conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
         mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
         q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
         q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
         k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
         v = v.reshape(B, S, hk * r, vd)
-        beta = b.reshape(B, S, -1).sigmoid()
+        beta = b.sigmoid()
         A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
-        g = -A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + dt_bias.float())
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         recurrent = S == 1 if recurrent is None else recurrent
         rule = recurrent_delta_rule if recurrent else chunked_delta_rule
         kwargs = {} if recurrent else {"chunk": self.chunk}
         out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
-        out = gated_rms_norm(out, z.reshape(B, S, hk * r, vd), self.own_part("norm", self.norm.weight), self.norm.eps)
+        out = gated_rms_norm(out, z, self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.out_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)
+
+    def _projections(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's input [B, S, q | k | v channels], the gate z [B, S, value heads, V] and b, a
+        [B, S, value heads], from either layout (grouped: each key-head group's q, k, v, z then b, a;
+        -1 below: the local key heads under tensor parallelism)."""
+        B, S, _ = x_BSD.shape
+        kd, vd, r = self.key_dim, self.value_dim, self.group
+        if self.split:
+            z = self.in_proj_z(x_BSD).view(B, S, -1, vd)
+            if self.own_part is whole:
+                mixed = self.in_proj_qkv(x_BSD)
+            else:  # a rank's q, k, v rows are three ranges: read through the seam as the conv's channels
+                mixed = F.linear(self.own_part("input", x_BSD), self.own_part("qkv", self.in_proj_qkv.weight))
+            return mixed, z, self.in_proj_b(x_BSD), self.in_proj_a(x_BSD)
+        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * kd + 2 * r * vd)
+        q, k, v, z = qkvz.split([kd, kd, r * vd, r * vd], dim=-1)
+        b, a = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        return mixed, z.reshape(B, S, -1, vd), b.reshape(B, S, -1), a.reshape(B, S, -1)
