@@ -20,6 +20,7 @@ as F32 / F16 / BF16, are dequantized into `dtype` as without the option.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -53,9 +54,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with the model's shape; a tensor the model has no place for is refused."""
     found = GGUFFile.open(path)
     cfg = gguf_model_config(found)
-    by_hf: dict[str, list[str]] = {}  # dense families: one HF tensor per key, several keys for a fused one
-    for key, hf in hf_names(cfg).items():
-        by_hf.setdefault(hf[0], []).append(key)
+    by_hf = _keys_by_hf_name(cfg)
     rows = hf_fused_rows(cfg)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
@@ -74,8 +73,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         for key, part in _parts(found, stored.hf_name, values, keys, rows):
             if key in kept:
                 targets[key.removesuffix(".weight") + ".blocks"].copy_(part)
-            else:
-                _fill(found, stored.hf_name, targets[key], part)
+            else:  # the whole tensor, or its interleaved share of a fused one (gpt-oss's gate / up)
+                start, step = stored.into or (0, 1)
+                _fill(found, stored.hf_name, targets[key][..., start::step], part)
             filled.add(key)
     missing = {k for keys in by_hf.values() for k in keys} - filled
     if missing:
@@ -83,6 +83,17 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                           f"from the file: {first_keys(missing)}")
     model.reset_rope(device)
     return model.eval()
+
+
+def _keys_by_hf_name(cfg: ModelConfig) -> dict[str, list[str]]:
+    """HuggingFace name -> the Tessera keys it fills: one per name, several for a fused tensor (Phi-3's
+    rows). Routed experts, E HuggingFace tensors of one Tessera tensor, are one name with `*` for the
+    expert (`model.layers.1.mlp.experts.*.gate_proj.weight`): GGUF stores them stacked as Tessera does."""
+    by_hf: dict[str, list[str]] = {}
+    for key, hf in hf_names(cfg).items():
+        name = re.sub(r"\.experts\.0\.", ".experts.*.", hf[0]) if len(hf) > 1 else hf[0]
+        by_hf.setdefault(name, []).append(key)
+    return by_hf
 
 
 def _parts(found: GGUFFile, hf_name: str, values: torch.Tensor, keys: list[str],
