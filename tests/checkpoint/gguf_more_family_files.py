@@ -6,6 +6,8 @@ the way llama.cpp's converter lays them out:
 - GLM-4.5: experts stacked into one [E, out, in] tensor per projection (`ffn_*_exps`), the routing
   bias as `exp_probs_b.bias`, and one multi-token-prediction block past the model's layers that the
   reader must skip.
+- Llama 4: transformers' fused experts cut into gate, up and down [E, out, in]; its Llama 3 scaling
+  as `rope_freqs`; the chunk size, NoPE period and temperature llama.cpp fixes (8,192, 4, 0.1).
 - gpt-oss: gate and up cut out of transformers' interleaved fused tensor and stored apart,
   transposed to [E, out, in], with their biases; the down projection transposed; the sinks as
   `attn_sinks.weight`; `mxfp4`: the expert matrices in MXFP4 (the transformers model's expert weights
@@ -23,7 +25,8 @@ import torch
 from tests.checkpoint.gguf_family_files import VOCAB
 from tests.checkpoint.gguf_files import _tokenizer_metadata, llama_cpp_permute
 
-ARCHS = {"smollm3": "smollm3", "exaone4": "exaone4", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
+ARCHS = {"smollm3": "smollm3", "exaone4": "exaone4", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
+         "llama4": "llama4_text"}
 # EXAONE 4's Llama 3 scaling: with head_dim 12 and base 10,000 two of the six pairs lie between the bounds
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
           "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
@@ -43,6 +46,12 @@ def tiny_model(arch: str, seed: int = 0):
                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                             "full_attention"], rope_parameters=dict(LLAMA3))
         model = tf.Exaone4ForCausalLM(cfg)
+    elif arch == "llama4":  # layers 1 and 3 routed, layer 3 without RoPE
+        cfg = tf.Llama4TextConfig(**{**common, "intermediate_size": 16}, intermediate_size_mlp=40, num_hidden_layers=4,
+                                  head_dim=12, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                  attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True,
+                                  floor_scale=8192, attn_scale=0.1, rope_parameters=dict(LLAMA3))
+        model = tf.Llama4ForCausalLM(cfg)
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=12, partial_rotary_factor=0.5,
                                attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
@@ -82,7 +91,8 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
     writer.add_block_count(blocks)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if arch != "llama4":
+        writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -92,6 +102,13 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
     writer.add_value_length(head_dim)
     if arch == "smollm3":
         writer.add_rope_dimension_count(head_dim)
+    elif arch == "llama4":
+        writer.add_feed_forward_length(cfg.intermediate_size_mlp)  # the dense layers' (replaces the one above)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
     elif arch == "exaone4":
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
@@ -133,6 +150,14 @@ def _gguf_tensors(model, arch: str):
             yield f"blk.{layer}.attn_sinks", "weight", w
         elif hf_name.endswith("e_score_correction_bias"):
             yield f"blk.{layer}.exp_probs_b", "bias", w
+        elif "feed_forward.experts." in hf_name:  # Llama 4: gate_up [E, in, 2 x ff], down [E, ff, in]
+            w = w.swapaxes(-1, -2)
+            if base.endswith("gate_up_proj") or hf_name.endswith("gate_up_proj"):
+                half = w.shape[1] // 2
+                yield f"blk.{layer}.ffn_gate_exps", "weight", w[:, :half]
+                yield f"blk.{layer}.ffn_up_exps", "weight", w[:, half:]
+            else:
+                yield f"blk.{layer}.ffn_down_exps", "weight", w
         elif "mlp.experts." in hf_name:
             yield from _experts(arch, layer, hf_name.rpartition(".")[2], w)
         else:
@@ -190,7 +215,7 @@ def write_gguf(model, path: Path, arch: str, mxfp4: bool = False) -> Path:
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))
-    if arch == "exaone4":
+    if arch in ("exaone4", "llama4"):
         writer.add_tensor("rope_freqs.weight", rope_freqs(LLAMA3, 12, LLAMA3["rope_theta"]))
     if arch == "glm4moe":  # the multi-token-prediction block llama.cpp writes after the model's layers
         writer.add_tensor(f"blk.{n}.nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size), np.float32))

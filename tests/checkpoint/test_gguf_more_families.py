@@ -1,10 +1,11 @@
-"""GGUF files of smollm3, exaone4, glm4moe and gpt-oss (as llama.cpp's converter writes them) load as
+"""GGUF files of smollm3, exaone4, glm4moe, gpt-oss and llama4 (as llama.cpp's converter writes them) load as
 the transformers model they were written from (fp32 logits, 1e-4), convert to a directory
 transformers loads with the same logits, and are served by the paged engine with transformers'
 greedy tokens: SmolLM3's NoPE layers; EXAONE 4's sliding pattern and Llama 3 RoPE scaling read back
 from `rope_freqs`; GLM-4.5's stacked experts, routing bias, dense first layer and skipped
 multi-token-prediction block; gpt-oss's sinks, YaRN, and gate / up experts written into
-transformers' interleaved fused tensor, also from MXFP4 blocks."""
+transformers' interleaved fused tensor, also from MXFP4 blocks; Llama 4's routed and dense layers,
+fused experts as Tessera's parts, Llama 3 scaling and NoPE layer."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def test_gguf_gives_transformers_logits(arch, files):
         assert cfg.rope_scaling == {k: v for k, v in LLAMA3.items() if k != "rope_theta"} | {"low_freq_factor": 1.0}
     elif arch == "glm4moe":
         assert cfg.n_layers == 3 and cfg.moe.first_k_dense == 1 and cfg.partial_rotary_factor == 0.5
+    elif arch == "llama4":
+        assert cfg.moe_layers == [1, 3] and cfg.nope_layers == [3] and cfg.qk_l2_norm
+        assert cfg.attention_chunk_size == 8192 and cfg.rope_scaling["rope_type"] == "llama3"
     else:
         assert cfg.attention_sinks and cfg.window_layers == [0, 2] and cfg.rope_scaling["rope_type"] == "yarn"
 

@@ -32,7 +32,14 @@ For `olmo2` and `seed_oss` the head size is `attention.key_length` and the biase
   router with a bias, and experts whose gate and up llama.cpp stores apart (`ffn_gate_exps`,
   `ffn_up_exps`, [E, out, in], with [E, out] biases) and transformers interleaved in one fused
   [E, in, 2 x out] tensor: each is written into its columns. Experts are often MXFP4.
-Llama 3's RoPE scaling (LLaMA, SmolLM3, EXAONE 4) is the tensor `rope_freqs`, read back as
+- `llama4` (Llama 4 text): every `interleave_moe_layer_step`-th layer routed (top-1, a sigmoid gate on
+  the input) beside a shared expert (`ffn_*_shexp`), the others dense; experts [E, out, in] as
+  Tessera holds them (`#i` names the i-th part of HuggingFace's fused tensor). What llama.cpp fixes
+  and its metadata leaves out: no RoPE on every 4th layer, chunks of 8,192 on the others (none where
+  `attention.sliding_window` is 0), the NoPE layers' temperature (`attention.temperature_scale`,
+  `attention.temperature_length`, else 0.1 and 8,192), and the L2 QK norm except for the 128-expert
+  model (Maverick). Rows are stored unpermuted (HuggingFace's Llama 4 rotates adjacent pairs).
+Llama 3's RoPE scaling (LLaMA, SmolLM3, EXAONE 4, Llama 4) is the tensor `rope_freqs`, read back as
 `rope_scaling` by rope_freqs.py.
 """
 
@@ -203,6 +210,20 @@ def _gpt_oss(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _llama4(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    n, experts = d["num_hidden_layers"], meta.count("expert_count", 0)
+    chunked = meta.get("attention.sliding_window", 8192) != 0
+    return {"intermediate_size_mlp": d["intermediate_size"], "num_local_experts": experts,
+            "intermediate_size": meta.count("expert_feed_forward_length", 0),
+            "num_experts_per_tok": meta.count("expert_used_count", 1),
+            "head_dim": meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"]),
+            "interleave_moe_layer_step": meta.count("interleave_moe_layer_step", 1),
+            "attention_chunk_size": 8192 if chunked else None,
+            "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)], "use_qk_norm": experts != 128,
+            "attn_temperature_tuning": True, "attn_scale": float(meta.get("attention.temperature_scale", 0.1)),
+            "floor_scale": meta.count("attention.temperature_length", 8192)}
+
+
 def _exps(name: str) -> Placed:
     return Placed({"weight": f"mlp.experts.*.{name}.weight"})
 
@@ -217,6 +238,10 @@ _GPT_OSS_PLACED = {"attn_sinks": Placed({"weight": "self_attn.sinks"}),
                    "ffn_down_exps": Placed({"weight": "mlp.experts.down_proj", "bias": "mlp.experts.down_proj_bias"},
                                            transposed=True)}
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_LLAMA4_PLACED = {f"ffn_{kind}_exps": Placed({"weight": f"feed_forward.experts.{hf}#{i}"})
+                  for kind, hf, i in (("gate", "gate_up_proj", 0), ("up", "gate_up_proj", 1), ("down", "down_proj", 0))}
+_FF = tuple(f"feed_forward.{m}" for m in ("gate_proj", "up_proj", "down_proj", "router", "shared_expert.gate_proj",
+                                           "shared_expert.up_proj", "shared_expert.down_proj"))
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", permuted=True, rope_freqs=True),
@@ -244,4 +269,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt-oss": Architecture("gpt_oss", layer_modules=LLAMA_LAYER[:6] + ("mlp.router",), reads=(
         "expert_count", "attention.sliding_window", "rope.scaling.type", "rope.scaling.factor"),
         config=_gpt_oss, placed=_GPT_OSS_PLACED),
+    "llama4": Architecture("llama4_text", layer_modules=LLAMA_LAYER[:6] + _FF, reads=(
+        "expert_count", "attention.sliding_window"), config=_llama4, placed=_LLAMA4_PLACED, rope_freqs=True),
 }

@@ -25,7 +25,7 @@ import re
 import torch
 
 from tessera.checkpoint.gguf.reader import GGUFFile
-from tessera.checkpoint.hf.names import hf_fused_rows, hf_names
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.hf_config import config_from_hf
@@ -88,11 +88,14 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 def _keys_by_hf_name(cfg: ModelConfig) -> dict[str, list[str]]:
     """HuggingFace name -> the Tessera keys it fills: one per name, several for a fused tensor (Phi-3's
     rows). Routed experts, E HuggingFace tensors of one Tessera tensor, are one name with `*` for the
-    expert (`model.layers.1.mlp.experts.*.gate_proj.weight`): GGUF stores them stacked as Tessera does."""
+    expert (`model.layers.1.mlp.experts.*.gate_proj.weight`): GGUF stores them stacked as Tessera does;
+    a Tessera tensor that is the i-th part of a fused one (Llama 4's experts) is that name with `#i`,
+    in Tessera's [E, out, in] layout as GGUF stores it."""
     by_hf: dict[str, list[str]] = {}
+    parts = hf_parts(cfg)
     for key, hf in hf_names(cfg).items():
         name = re.sub(r"\.experts\.0\.", ".experts.*.", hf[0]) if len(hf) > 1 else hf[0]
-        by_hf.setdefault(name, []).append(key)
+        by_hf.setdefault(f"{name}#{parts[key].index}" if key in parts else name, []).append(key)
     return by_hf
 
 

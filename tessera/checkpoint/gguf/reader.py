@@ -302,7 +302,7 @@ def _hf_names(name_map, n_layers: int, per_layer: tuple[str, ...]) -> dict[str, 
 
 # llama.cpp's names of architectures whose Tessera family is built from HuggingFace directories but
 # whose GGUF files are not read yet.
-NOT_READ = {"llama4": "llama4_text", "qwen3next": "qwen3_next",
+NOT_READ = {"qwen3next": "qwen3_next",
             "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3"}
 
 
