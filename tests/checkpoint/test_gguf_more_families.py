@@ -19,6 +19,7 @@ from tessera.checkpoint.loading import load_model, model_tokenizer
 from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
+from tessera.models.moe.mxfp4_experts import Mxfp4Experts
 from tests.checkpoint.gguf_family_files import VOCAB
 from tests.checkpoint.gguf_files import tiny_hf_model
 from tests.checkpoint.gguf_files import write_gguf as write_llama_gguf
@@ -116,6 +117,27 @@ def test_llama_file_with_llama3_rope_freqs_gives_the_scaled_transformers_logits(
         want = scaled(_ids()).logits
         assert not torch.allclose(want, hf(_ids()).logits, rtol=1e-4, atol=1e-4)  # the scaling shows
         torch.testing.assert_close(model(_ids()).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gpt_oss_mxfp4_experts_kept_packed_serve_as_dequantized(tmp_path):
+    """`keep_quantized`: gpt-oss's MXFP4 experts stay the file's blocks (`Mxfp4Experts`, about a
+    quarter of fp16's bytes) and give the logits and greedy tokens of the model dequantized at load."""
+    hf = tiny_model("gpt-oss", seed=2)
+    mxfp4_experts(hf)
+    path = write_gguf(hf, tmp_path / "mxfp4.gguf", "gpt-oss", mxfp4=True)
+    kept, plain = load_gguf(path, keep_quantized=True), load_gguf(path)
+    experts = kept.layers["0"].moe.experts
+    assert isinstance(experts, Mxfp4Experts) and experts.gate_blocks.dtype == torch.uint8
+    packed = sum(getattr(experts, f"{n}_blocks").numel() for n in ("gate", "up", "down"))
+    dense = plain.layers["0"].moe.experts
+    assert packed < 0.3 * 2 * (dense.gate_up_proj.numel() + dense.down_proj.numel())  # 17 / 64 of fp16's bytes
+    with torch.no_grad():
+        torch.testing.assert_close(kept(_ids()).logits, plain(_ids()).logits, rtol=1e-4, atol=1e-4)
+    ids = _ids()[0, :9].tolist()
+    llm = LLM(str(path), gguf_keep_quantized=True, max_num_seqs=1, max_model_len=48, block_size=4)
+    assert isinstance(llm.engine.model.layers["1"].moe.experts, Mxfp4Experts)
+    got = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == hf_greedy(hf, ids, 12)
 
 
 @pytest.mark.parametrize("scaling", [
