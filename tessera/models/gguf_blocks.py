@@ -22,6 +22,8 @@ fixed-size blocks (ggml-common.h's `block_*` structs), all little-endian:
 - Q5_K (256, 176): as Q4_K with 32 bytes of fifth bits (bit k of byte i: value 32k + i).
 - Q6_K (256, 210): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales, fp16 d;
   x = d * scale * (q - 32) per 16 values.
+- MXFP4 (32, 17; gpt-oss's experts): one E8M0 byte e, then nibbles as Q4_0, each an E2M1 code; x =
+  2^(e - 128) * v[q], v the E2M1 values doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives).
 
 `dequantize(kind, blocks, shape)` gives float32 values with the same operations in the same
 order as gguf's own `gguf.quants.dequantize`, so the two agree bit for bit (test_gguf_blocks.py).
@@ -36,7 +38,9 @@ QK_K = 256  # values per super-block of the K types
 
 # GGML type -> (values per block, bytes per block)
 BLOCKS = {"Q8_0": (QK, 34), "Q4_0": (QK, 18), "Q4_1": (QK, 20), "Q5_0": (QK, 22), "Q5_1": (QK, 24),
-          "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+          "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+          "MXFP4": (QK, 17)}
+_E2M1_DOUBLED = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
 
 
 def row_bytes(kind: str, cols: int) -> int:
@@ -149,8 +153,15 @@ def _q6_k(b):
     return (d * q).reshape(n, QK_K)
 
 
+def _mxfp4(b):
+    e = b[:, :1].to(torch.int32)  # 2^(e - 128) built as ggml builds it (subnormal below e = 2)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    values = torch.tensor(_E2M1_DOUBLED, device=b.device)[_nibbles(b[:, 1:]).long()]
+    return values * bits.view(torch.float32)
+
+
 _DEQUANTIZE = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
-               "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+               "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 
 
 def dequantize(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -128,7 +128,8 @@ def _unit_rms(s: _SavedSet, name: str, src: _Tensor, n: float, rows: float) -> _
     return _Tensor(f"{name}.out", n, src.itemsize, src.split)
 
 
-def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0) -> None:
+def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0,
+         seq: int = 0) -> None:
     h, a, g, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     for name in ("wq", "wk", "wv"):
         _linear_input(s, x, h, f"attention.{name}", dt)
@@ -148,7 +149,31 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
         q, k = _unit_rms(s, "attention.q_l2", q, a * d, a), _unit_rms(s, "attention.k_l2", k, g * d, g)
     if cfg.nope_attn_scale > 0 and layer in cfg.nope_layers:  # q times the temperature (model-level): a new q
         q = _Tensor("attention.q_tempered", a * d, q.itemsize, "tp")
-    _attention_core(s, "attention.sdpa", q, k, v, a * d, g * d, a * d, a, dt, recompute)
+    if cfg.attention_sinks and recompute != "selective":
+        _sink_core(s, q, k, v, a, g, d, dt, seq)
+    else:
+        _attention_core(s, "attention.sdpa", q, k, v, a * d, g * d, a * d, a, dt, recompute)
+
+
+def _sink_core(s: _SavedSet, q: _Tensor, k: _Tensor, v: _Tensor, a: int, g: int, d: int, dt: ActivationDtype,
+               seq: int) -> None:
+    """gpt-oss's attention with sinks (models/attention_sinks.py), explicit in fp32: the two products
+    keep fp32 q, k and v with k and v repeated to every query head (copies unless already fp32 and
+    one per head), its bool [S, S] mask (every layer, causal or windowed), the fp32 probabilities
+    over the S keys and the sink (softmax keeps its output), and the output (the output projection's
+    input). Under autocast the products' bf16 copies of q, k^T, the probabilities and v instead."""
+    for t, n in ((q, a * d), (k, g * d), (v, g * d)):
+        if dt.autocast:
+            s.new(f"{t.key}.sinks_bf16", a * d, 2, "tp")
+        elif t.itemsize == 4 and n == a * d:
+            s.keep(t)
+        else:
+            s.new(f"{t.key}.sinks_fp32", a * d, 4, "tp")
+    s.new("attention.sinks.mask", 0, 1, "rep", fixed=seq * seq)
+    s.new("attention.sinks.probs", a * (seq + 1), 4, "tp")
+    if dt.autocast:
+        s.new("attention.sinks.probs_bf16", a * seq, 2, "tp")
+    s.keep(_Tensor("attention.sdpa.out", a * d, dt.compute, "tp"))
 
 
 def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0) -> None:
@@ -198,10 +223,26 @@ def _moe(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, tokens
         s.new("moe.gate_input.gate", cfg.moe.top_k, 4, "seq")
         x_in = _Tensor("moe.gate_input.x", cfg.dim, x.itemsize, x.split)
     gathered, rows = _dispatch(s, cfg, x_in, dt, tokens)
-    _swiglu(s, "moe.experts", gathered, rows, cfg.dim, cfg.moe.ffn_dim, dt.compute, dt)
+    if cfg.moe.expert_activation == "clamped_swiglu":
+        _clamped_swiglu(s, cfg, gathered, rows, dt)
+    else:
+        _swiglu(s, "moe.experts", gathered, rows, cfg.dim, cfg.moe.ffn_dim, dt.compute, dt)
     _combine(s, cfg, dt)
     if cfg.moe.shared_ffn_dim > 0:
         _shared_experts(s, cfg, x, dt)
+
+
+def _clamped_swiglu(s: _SavedSet, cfg: ModelConfig, x: _Tensor, rows: float, dt: ActivationDtype) -> None:
+    """gpt-oss's biased experts (models/moe/biased_experts.py): one product into the interleaved
+    gate / up h (the clamps keep h), then sigmoid(alpha g), g, u + 1 and g * sigmoid kept by the
+    products, and the down projection's input; each bias added by row keeps its repeat index."""
+    f = cfg.moe.ffn_dim
+    _linear_input(s, x, cfg.dim * rows, "moe.experts.gate_up", dt)
+    s.new("moe.experts.gate_up_out", rows * 2 * f, dt.compute, "rep")
+    for part in ("sigmoid", "gate", "up_plus_1", "gated", "product"):
+        s.new(f"moe.experts.{part}", rows * f, dt.compute, "rep")
+    for name in ("gate_up", "down"):
+        s.new(f"moe.experts.{name}_bias.row_index", cfg.moe.top_k, 8, "rep")
 
 
 def _router(s: _SavedSet, cfg: ModelConfig, x: _Tensor) -> _Tensor:
@@ -269,8 +310,8 @@ def _dispatch(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, t
         s.new("moe.dispatch.padded_row", k, 8, "rep")  # index_copy keeps its index and source
         s.keep(gathered)
         gathered = _Tensor("moe.dispatch.padded", rows * h, x.itemsize, "rep", fixed=h)
-    if grouped_experts_apply(cfg, dt):
-        for name in ("w1", "w3", "w2"):
+    if grouped_experts_apply(cfg, dt):  # one offsets tensor per grouped product
+        for name in ("gate_up", "down") if e.expert_activation == "clamped_swiglu" else ("w1", "w3", "w2"):
             s.new(f"moe.experts.{name}.offsets", 0, 4, "rep", fixed=e.num_experts)
     return gathered, rows
 
@@ -333,7 +374,10 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
     off = h if cfg.norm_unit_offset else 0  # (1 + weight) norms: Gemma 3, Qwen3-Next
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt, off) if pre else layer_input
-    (_mla if cfg.mla is not None else _gqa)(s, cfg, xn, dt, recompute, layer)
+    if cfg.mla is not None:
+        _mla(s, cfg, xn, dt, recompute, layer)
+    else:
+        _gqa(s, cfg, xn, dt, recompute, layer, tokens // max(batch, 1))
     _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
     if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
         _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt, off)
@@ -350,7 +394,10 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
 
 def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: ActivationDtype) -> None:
     """A windowed layer shorter than the sequence attends under an [S, S] mask, which SDPA keeps in
-    the attention's dtype (one per layer: each call builds its own)."""
+    the attention's dtype (one per layer: each call builds its own). Sink layers count their bool
+    mask in `_sink_core`."""
+    if cfg.attention_sinks:
+        return
     window = cfg.layer_window(layer)
     if cfg.attention_chunk_size is not None and layer not in cfg.nope_layers:  # Llama 4's chunks: a mask too
         window = cfg.attention_chunk_size

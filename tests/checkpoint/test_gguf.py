@@ -142,8 +142,8 @@ def test_unknown_architecture_and_tensor_type_are_refused_by_name(tmp_path):
 
 
 def test_metadata_that_does_not_fit_the_weights_is_refused_by_name(tmp_path):
-    """A head count of 0, a head count that cannot split the query rows, and Llama 3.1's RoPE frequency
-    tensor: each a ConfigError naming it, never an arithmetic error."""
+    """A head count of 0, a head count that cannot split the query rows, and a Llama 3 RoPE frequency
+    tensor in an architecture without one (Qwen2): each a ConfigError naming it, never an arithmetic error."""
     import numpy as np
 
     hf = tiny_hf_model("llama")
@@ -151,8 +151,9 @@ def test_metadata_that_does_not_fit_the_weights_is_refused_by_name(tmp_path):
         load_gguf(write_gguf(hf, tmp_path / "zero.gguf", ("F32",), head_count=0))
     with pytest.raises(ConfigError, match="head"):
         load_gguf(write_gguf(hf, tmp_path / "three.gguf", ("F32",), head_count=3))
-    rope = write_gguf(hf, tmp_path / "rope.gguf", ("F32",), extra={"rope_freqs.weight": np.ones(32)})
-    with pytest.raises(ConfigError, match="'rope_freqs' holds Llama 3.1-style RoPE frequency scaling"):
+    qwen2 = tiny_hf_model("qwen2")
+    rope = write_gguf(qwen2, tmp_path / "rope.gguf", ("F32",), extra={"rope_freqs.weight": np.ones(32)})
+    with pytest.raises(ConfigError, match="'rope_freqs' holds Llama 3-style RoPE frequency scaling, which a qwen2"):
         load_gguf(rope)
 
 

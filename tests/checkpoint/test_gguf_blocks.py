@@ -78,3 +78,14 @@ def test_wrong_sizes_and_types_are_refused_by_name():
         dequantize("Q8_0", torch.zeros(34, dtype=torch.uint8), (2, 32))
     with pytest.raises(ValueError, match="GGML type 'IQ4_NL' has no torch dequantizer; supported: Q8_0"):
         GgufLinear("IQ4_NL", 32, 2, bias=False, dtype=torch.float32)
+
+
+def test_mxfp4_blocks_with_every_scale_byte_equal_gguf():
+    """Random MXFP4 blocks (every bit pattern is one), the scale bytes 0 and 1 (subnormal scales) among them."""
+    import gguf
+
+    raw = np.random.default_rng(0).integers(0, 256, size=(6, 17 * 3), dtype=np.uint8)
+    raw[:, 0] = [0, 1, 2, 127, 128, 254]
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).astype(np.float32)
+    got = dequantize("MXFP4", torch.from_numpy(raw), (6, 96))
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))

@@ -150,6 +150,8 @@ LAYOUTS = [
     _case("glm4_moe", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("gpt_oss", 2, EP2_FSDP2, "ep2-fsdp2"),
     _case("gpt_oss", 2, TP2, "tp2"),
+    _case("gpt_oss", 2, PP2, "pp2"),
+    _case("glm4_moe", 2, PP2, "pp2"),
     _case("phi3", 2, TP2_SP, "tp2-sp", slow=False),  # the fused qkv_proj / gate_up_proj read as each rank's box of rows
     _case("phi3", 2, PP2, "pp2"),
     _case("phi3", 2, FSDP2, "fsdp2"),

@@ -91,6 +91,10 @@ SCHEDULE_CASES = [
     pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="interleaved_1f1b", vpp=2), 4,
                  {"n_layers": 4}, id="interleaved-1f1b"),
     pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="zero_bubble"), 4, {}, id="zero-bubble"),
+    # gpt-oss's sinks, windowed first layer and biased experts; GLM-4.5's dense first layer and grouped
+    # sigmoid routing with a bias that moves with the load: each stage holds one kind of layer
+    pytest.param("tiny-gpt-oss", dict(pp=2, dp_shard=1, pp_schedule="1f1b"), 2, {}, id="1f1b-gpt-oss"),
+    pytest.param("tiny-glm4-moe", dict(pp=2, dp_shard=1, pp_schedule="1f1b"), 2, {}, id="1f1b-glm4-moe"),
 ]
 
 

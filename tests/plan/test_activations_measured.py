@@ -77,6 +77,9 @@ VARIANTS = {
                          moe=MoEConfig(num_experts=8, top_k=1, ffn_dim=64, score_func="sigmoid", norm_topk_prob=False,
                                        gate_input=True, shared_ffn_dim=64)),
     "glm4-moe-partial-rotary": get_preset("tiny-glm4-moe"),  # RoPE tables as wide as the rotated half of a head
+    # gpt-oss: attention with sinks (explicit fp32 scores, a bool mask on every layer, the probabilities over
+    # keys and sink), a window on the first layer, biased experts with the clamped SwiGLU on interleaved gate / up
+    "gpt-oss-sinks-biased-experts": get_preset("tiny-gpt-oss"),
     # Gemma 3: norms before and after, (1 + weight) norms, GeGLU, scaled embeddings, a window with its own base.
     "gemma3-parts": get_preset("tiny-llama", family="gemma3_text", block_norms="pre_post", qk_norm=True,
                                norm_unit_offset=True, activation="gelu_tanh", embed_scale=True,

@@ -20,6 +20,27 @@ llama.cpp's converter leaves to the architecture (reader.py reads the common one
   `attention.sliding_window`), as is every architecture not listed here.
 - `seed_oss` (Seed-OSS): LLaMA's decoder with biases on q, k and v (and on o where the file has them).
 For `olmo2` and `seed_oss` the head size is `attention.key_length` and the biases are the file's.
+- `smollm3` (SmolLM3): LLaMA's decoder (rows permuted as LLaMA's) with no RoPE on every 4th layer,
+  which llama.cpp fixes and transformers' default is.
+- `exaone4` (EXAONE 4): OLMo 2's post-norms with per-head QK norms; a sliding window on the layers
+  `attention.sliding_window_pattern` flags, the others full and without RoPE.
+- `glm4moe` (GLM-4.5): `leading_dense_block_count` dense layers, then routed experts (one [E, out, in]
+  tensor each, `ffn_*_exps`) under sigmoid routing with a bias (`exp_probs_b`) and shared experts
+  (`ffn_*_shexp`); RoPE on `rope.dimension_count` of each head. Its multi-token-prediction blocks,
+  counted in `block_count` (`nextn_predict_layers`), are not read, as transformers does not.
+- `gpt-oss`: attention sinks (`attn_sinks`), a window on every other layer from the first, YaRN, a
+  router with a bias, and experts whose gate and up llama.cpp stores apart (`ffn_gate_exps`,
+  `ffn_up_exps`, [E, out, in], with [E, out] biases) and transformers interleaved in one fused
+  [E, in, 2 x out] tensor: each is written into its columns. Experts are often MXFP4.
+- `llama4` (Llama 4 text): every `interleave_moe_layer_step`-th layer routed (top-1, a sigmoid gate on
+  the input) beside a shared expert (`ffn_*_shexp`), the others dense; experts [E, out, in] as
+  Tessera holds them (`#i` names the i-th part of HuggingFace's fused tensor). What llama.cpp fixes
+  and its metadata leaves out: no RoPE on every 4th layer, chunks of 8,192 on the others (none where
+  `attention.sliding_window` is 0), the NoPE layers' temperature (`attention.temperature_scale`,
+  `attention.temperature_length`, else 0.1 and 8,192), and the L2 QK norm except for the 128-expert
+  model (Maverick). Rows are stored unpermuted (HuggingFace's Llama 4 rotates adjacent pairs).
+Llama 3's RoPE scaling (LLaMA, SmolLM3, EXAONE 4, Llama 4) is the tensor `rope_freqs`, read back as
+`rope_scaling` by rope_freqs.py.
 """
 
 from __future__ import annotations
@@ -63,6 +84,22 @@ class Architecture:
     config: Callable[[Metadata, dict[str, Any]], dict[str, Any]] | None = None
     config_tensors: tuple[str, ...] = ()  # GGUF tensors that are config values, not weights
     norm_offset: float = 0.0  # what llama.cpp's converter added to every norm weight
+    placed: dict[str, Placed] | None = None  # per-layer GGUF tensors stored otherwise in HuggingFace
+    rope_freqs: bool = False  # Llama 3's RoPE scaling may be the tensor rope_freqs
+    extra_blocks: bool = False  # blocks past num_hidden_layers (multi-token prediction) are skipped
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A per-layer GGUF tensor (by its kind, e.g. `ffn_gate_exps`) that HuggingFace names or lays out
+    otherwise: its HuggingFace name under `model.layers.N.` per suffix (weight / bias; `*` for every
+    expert, stacked along the first dimension as Tessera holds them), its matrix transposed in the
+    last two dimensions (`transposed`, weights only), and written into every `into[1]`-th entry of
+    the last dimension from `into[0]` (one of the parts of an interleaved fused tensor)."""
+
+    names: dict[str, str]
+    transposed: bool = False
+    into: tuple[int, int] | None = None
 
 
 def _phi3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
@@ -83,16 +120,7 @@ def _phi3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
 def _gemma3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
     n, heads = d["num_hidden_layers"], d["num_attention_heads"]
     head_dim = meta.count("attention.key_length", d["hidden_size"] // heads)
-    pattern = meta.get("attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # one flag per layer: true where it slides
-        sliding = [bool(p) for p in pattern]
-    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
-        sliding = [(i + 1) % pattern != 0 for i in range(n)]
-    else:
-        sliding = []
-    if len(sliding) != n:
-        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata gemma3.attention.sliding_window_pattern is {pattern!r}; "
-                          f"Tessera reads a period or one flag for each of the {n} layers")
+    sliding = _sliding(meta, n, 6)
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": d["rope_theta"]}
     scaling = meta.get("rope.scaling.type")
     if scaling == "linear":
@@ -107,6 +135,22 @@ def _gemma3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
             "query_pre_attn_scalar": d["hidden_size"] // heads if n == 62 else head_dim}
 
 
+def _sliding(meta: Metadata, n: int, default: int) -> list[bool]:
+    """Which layers slide: `attention.sliding_window_pattern` as one flag per layer, or a period whose
+    last layer is global (`default` where absent)."""
+    pattern = meta.get("attention.sliding_window_pattern", default)
+    if isinstance(pattern, list):  # one flag per layer: true where it slides
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        sliding = [(i + 1) % pattern != 0 for i in range(n)]
+    else:
+        sliding = []
+    if len(sliding) != n:
+        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata {meta.arch}.attention.sliding_window_pattern is "
+                          f"{pattern!r}; Tessera reads a period or one flag for each of the {n} layers")
+    return sliding
+
+
 def _biases(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
     """The head size (`attention.key_length`) and which attention projections have biases (the file's tensors)."""
     return {"head_dim": meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"]),
@@ -114,8 +158,93 @@ def _biases(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
             "attention_out_bias": meta.tensor("blk.0.attn_output.bias") is not None}
 
 
+def _exaone4(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    out = {"head_dim": meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"])}
+    if "attention.sliding_window" in meta:  # hybrid: the sliding layers rotate, the full ones do not
+        sliding = _sliding(meta, d["num_hidden_layers"], 4)
+        out.update(sliding_window=meta.count("attention.sliding_window", 4096),
+                   layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    return out
+
+
+def _experts(meta: Metadata) -> dict[str, Any]:
+    return {"num_experts_per_tok": meta.count("expert_used_count", 0),
+            "moe_intermediate_size": meta.count("expert_feed_forward_length", 0)}
+
+
+def _glm4moe(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    head_dim = meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"])
+    mtp = meta.get("nextn_predict_layers", 0)
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or not 0 <= mtp < d["num_hidden_layers"]:
+        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata glm4moe.nextn_predict_layers is {mtp!r}; Tessera reads "
+                          "a count of the trailing blocks, below block_count")
+    return {**_experts(meta), "head_dim": head_dim, "num_hidden_layers": d["num_hidden_layers"] - mtp,
+            "partial_rotary_factor": meta.count("rope.dimension_count", head_dim) / head_dim,
+            "attention_bias": meta.tensor("blk.0.attn_q.bias") is not None,
+            "use_qk_norm": meta.tensor("blk.0.attn_q_norm") is not None,
+            "n_routed_experts": meta.count("expert_count", 0), "n_shared_experts": meta.count("expert_shared_count", 1),
+            "first_k_dense_replace": meta.get("leading_dense_block_count", 0),
+            "routed_scaling_factor": float(meta.get("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(meta.get("expert_weights_norm", True)),
+            "n_group": meta.count("expert_group_count", 1), "topk_group": meta.count("expert_group_used_count", 1)}
+
+
+def _gpt_oss(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    n, head_dim = d["num_hidden_layers"], d["hidden_size"] // d["num_attention_heads"]
+    out = {**_experts(meta), "head_dim": meta.count("attention.key_length", head_dim),
+           "num_local_experts": meta.count("expert_count", 0),
+           "sliding_window": meta.count("attention.sliding_window", 128),
+           "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+           "attention_bias": meta.tensor("blk.0.attn_q.bias") is not None}
+    out["intermediate_size"] = out.pop("moe_intermediate_size")
+    kind = meta.get("rope.scaling.type")
+    if kind == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(meta.get("rope.scaling.factor", 1.0)),
+                               "original_max_position_embeddings": meta.count("rope.scaling.original_context_length",
+                                                                              4096),
+                               "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    elif kind not in (None, "none"):
+        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata gpt-oss.rope.scaling.type is {kind!r}; gpt-oss files "
+                          "have YaRN or none")
+    return out
+
+
+def _llama4(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    n, experts = d["num_hidden_layers"], meta.count("expert_count", 0)
+    chunked = meta.get("attention.sliding_window", 8192) != 0
+    return {"intermediate_size_mlp": d["intermediate_size"], "num_local_experts": experts,
+            "intermediate_size": meta.count("expert_feed_forward_length", 0),
+            "num_experts_per_tok": meta.count("expert_used_count", 1),
+            "head_dim": meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"]),
+            "interleave_moe_layer_step": meta.count("interleave_moe_layer_step", 1),
+            "attention_chunk_size": 8192 if chunked else None,
+            "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)], "use_qk_norm": experts != 128,
+            "attn_temperature_tuning": True, "attn_scale": float(meta.get("attention.temperature_scale", 0.1)),
+            "floor_scale": meta.count("attention.temperature_length", 8192)}
+
+
+def _exps(name: str) -> Placed:
+    return Placed({"weight": f"mlp.experts.*.{name}.weight"})
+
+
+_GLM4MOE_EXPERTS = {"ffn_gate_exps": _exps("gate_proj"), "ffn_up_exps": _exps("up_proj"),
+                    "ffn_down_exps": _exps("down_proj"),
+                    "exp_probs_b": Placed({"bias": "mlp.gate.e_score_correction_bias"})}
+_GATE_UP = {"weight": "mlp.experts.gate_up_proj", "bias": "mlp.experts.gate_up_proj_bias"}
+_GPT_OSS_PLACED = {"attn_sinks": Placed({"weight": "self_attn.sinks"}),
+                   "ffn_gate_exps": Placed(_GATE_UP, transposed=True, into=(0, 2)),
+                   "ffn_up_exps": Placed(_GATE_UP, transposed=True, into=(1, 2)),
+                   "ffn_down_exps": Placed({"weight": "mlp.experts.down_proj", "bias": "mlp.experts.down_proj_bias"},
+                                           transposed=True)}
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_LLAMA4_PLACED = {f"ffn_{kind}_exps": Placed({"weight": f"feed_forward.experts.{hf}#{i}"})
+                  for kind, hf, i in (("gate", "gate_up_proj", 0), ("up", "gate_up_proj", 1), ("down", "down_proj", 0))}
+_FF = tuple(f"feed_forward.{m}" for m in ("gate_proj", "up_proj", "down_proj", "router", "shared_expert.gate_proj",
+                                           "shared_expert.up_proj", "shared_expert.down_proj"))
+
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("llama", permuted=True),
+    "llama": Architecture("llama", permuted=True, rope_freqs=True),
     "qwen2": Architecture("qwen2"),
     "phi3": Architecture("phi3", layer_modules=(
         "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
@@ -130,4 +259,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj"), config=_biases),
     "seed_oss": Architecture("seed_oss", config=_biases),
+    "smollm3": Architecture("smollm3", permuted=True, rope_freqs=True),
+    "exaone4": Architecture("exaone4", layer_modules=(
+        "post_attention_layernorm", "post_feedforward_layernorm", *_QK_NORMS, *LLAMA_LAYER[2:]),
+        reads=("attention.sliding_window",), config=_exaone4, rope_freqs=True),
+    "glm4moe": Architecture("glm4_moe", layer_modules=LLAMA_LAYER + _QK_NORMS + (
+        "mlp.gate", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"),
+        reads=("expert_count",), config=_glm4moe, placed=_GLM4MOE_EXPERTS, extra_blocks=True),
+    "gpt-oss": Architecture("gpt_oss", layer_modules=LLAMA_LAYER[:6] + ("mlp.router",), reads=(
+        "expert_count", "attention.sliding_window", "rope.scaling.type", "rope.scaling.factor"),
+        config=_gpt_oss, placed=_GPT_OSS_PLACED),
+    "llama4": Architecture("llama4_text", layer_modules=LLAMA_LAYER[:6] + _FF, reads=(
+        "expert_count", "attention.sliding_window"), config=_llama4, placed=_LLAMA4_PLACED, rope_freqs=True),
 }

@@ -14,17 +14,19 @@ With `keep_quantized=True` the block-quantized matrices of the attention and MLP
 in memory as the file stores them: the layer becomes a `GgufLinear` holding the blocks' bytes,
 dequantized inside each forward. Those layers are swapped in on the meta device, so their float
 weights are never allocated. The embedding, the norms and the output head, and any matrix stored
-as F32 / F16 / BF16, are dequantized into `dtype` as without the option.
+as F32 / F16 / BF16, are dequantized into `dtype` as without the option. gpt-oss's experts stored in MXFP4 stay so too
+(`Mxfp4Experts`: the gate, up and down blocks, each expert dequantized in the forward).
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from tessera.checkpoint.gguf.reader import GGUFFile
-from tessera.checkpoint.hf.names import hf_fused_rows, hf_names
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts
 from tessera.checkpoint.hf.writer import first_keys
 from tessera.config.errors import ConfigError, ModelError
 from tessera.config.hf_config import config_from_hf
@@ -32,6 +34,8 @@ from tessera.config.model import ModelConfig
 from tessera.models.gguf_blocks import BLOCKS
 from tessera.models.gguf_linear import GgufLinear
 from tessera.models.int8 import replace_module
+from tessera.models.moe.biased_experts import BiasedExperts
+from tessera.models.moe.mxfp4_experts import Mxfp4Experts
 from tessera.models.transformer import Transformer
 
 
@@ -53,18 +57,22 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with the model's shape; a tensor the model has no place for is refused."""
     found = GGUFFile.open(path)
     cfg = gguf_model_config(found)
-    by_hf: dict[str, list[str]] = {}  # dense families: one HF tensor per key, several keys for a fused one
-    for key, hf in hf_names(cfg).items():
-        by_hf.setdefault(hf[0], []).append(key)
+    by_hf = _keys_by_hf_name(cfg)
     rows = hf_fused_rows(cfg)
     with torch.device("meta"):
         model = Transformer(cfg, init_seed=None)
         kept = _keep_quantized(model, found, by_hf, rows, dtype) if keep_quantized else set()
+        packed = _keep_mxfp4_experts(model, found, dtype) if keep_quantized else {}
     model.to_empty(device=device)
     model.cast(dtype)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: set[str] = set()
     for stored in found.stored():
+        if stored.entry.name in packed:  # gpt-oss's MXFP4 experts, kept as the file's blocks
+            buffer, key = packed[stored.entry.name]
+            targets[buffer].copy_(stored.raw_blocks().reshape(targets[buffer].shape))
+            filled.add(key)
+            continue
         keys = by_hf.get(stored.hf_name)
         if keys is None:
             raise ConfigError(f"{str(found.path)!r}: tensor {stored.hf_name!r} has no place in the {cfg.family} "
@@ -74,8 +82,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         for key, part in _parts(found, stored.hf_name, values, keys, rows):
             if key in kept:
                 targets[key.removesuffix(".weight") + ".blocks"].copy_(part)
-            else:
-                _fill(found, stored.hf_name, targets[key], part)
+            else:  # the whole tensor, or its interleaved share of a fused one (gpt-oss's gate / up)
+                start, step = stored.into or (0, 1)
+                _fill(found, stored.hf_name, targets[key][..., start::step], part)
             filled.add(key)
     missing = {k for keys in by_hf.values() for k in keys} - filled
     if missing:
@@ -83,6 +92,20 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                           f"from the file: {first_keys(missing)}")
     model.reset_rope(device)
     return model.eval()
+
+
+def _keys_by_hf_name(cfg: ModelConfig) -> dict[str, list[str]]:
+    """HuggingFace name -> the Tessera keys it fills: one per name, several for a fused tensor (Phi-3's
+    rows). Routed experts, E HuggingFace tensors of one Tessera tensor, are one name with `*` for the
+    expert (`model.layers.1.mlp.experts.*.gate_proj.weight`): GGUF stores them stacked as Tessera does;
+    a Tessera tensor that is the i-th part of a fused one (Llama 4's experts) is that name with `#i`,
+    in Tessera's [E, out, in] layout as GGUF stores it."""
+    by_hf: dict[str, list[str]] = {}
+    parts = hf_parts(cfg)
+    for key, hf in hf_names(cfg).items():
+        name = re.sub(r"\.experts\.0\.", ".experts.*.", hf[0]) if len(hf) > 1 else hf[0]
+        by_hf.setdefault(f"{name}#{parts[key].index}" if key in parts else name, []).append(key)
+    return by_hf
 
 
 def _parts(found: GGUFFile, hf_name: str, values: torch.Tensor, keys: list[str],
@@ -117,6 +140,28 @@ def _keep_quantized(model: Transformer, found: GGUFFile, by_hf: dict[str, list[s
             if _kept(model, modules, found, stored, key, rows, dtype):
                 kept.add(key)
     return kept
+
+
+def _keep_mxfp4_experts(model: Transformer, found: GGUFFile, dtype: torch.dtype) -> dict[str, tuple[str, str]]:
+    """Swap each gpt-oss expert block whose gate, up and down the file stores in MXFP4 for an
+    `Mxfp4Experts` (on the meta device); returns GGUF tensor name -> (its blocks' buffer, the Tessera
+    key it stands for)."""
+    modules, moe = dict(model.named_modules()), model.cfg.moe
+    by_layer: dict[str, dict[str, str]] = {}
+    for stored in found.stored():
+        block, _, kind = stored.entry.name.rpartition(".")[0].partition(".")[2].partition(".")
+        if stored.kind == "MXFP4" and kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            by_layer.setdefault(block, {})[kind.split("_")[1]] = stored.entry.name
+    out = {}
+    for block, names in by_layer.items():
+        name = f"layers.{block}.moe.experts"
+        if len(names) < 3 or not isinstance(modules.get(name), BiasedExperts):
+            continue
+        replace_module(model, name, Mxfp4Experts(moe.num_experts, model.cfg.dim, moe.ffn_dim, moe.swiglu_alpha,
+                                                 moe.swiglu_limit, dtype))
+        for part, gguf_name in names.items():
+            out[gguf_name] = (f"{name}.{part}_blocks", f"{name}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
+    return out
 
 
 def _kept(model: Transformer, modules: dict, found: GGUFFile, stored, key: str, rows: dict[str, tuple[int, int]],

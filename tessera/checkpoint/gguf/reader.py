@@ -22,8 +22,12 @@ Three things differ from a HuggingFace checkpoint:
   projection (HuggingFace stores RoPE's two halves of a head apart; GGML's RoPE wants each pair
   adjacent), `permute` below undoes it. Qwen2 files are stored in HuggingFace's order.
 
+- Experts: one [E, out, in] tensor per projection (`ffn_gate_exps`), named for HuggingFace's E
+  tensors with `*` for the expert (load.py fills Tessera's stacked tensor with it), or written into
+  the columns of a fused HuggingFace tensor (gpt-oss's interleaved gate / up; `Placed`).
+
 What differs between architectures (the per-layer modules, config fields only the metadata of that
-architecture holds, Gemma's norm offset) is architectures.py's table.
+architecture holds, Gemma's norm offset, the tensors placed otherwise) is architectures.py's table.
 
 Mistral has no GGUF architecture of its own: llama.cpp writes Mistral models as `llama`, and they
 load as the llama family (without a sliding window, as llama.cpp runs them).
@@ -39,14 +43,16 @@ from typing import Any
 
 import torch
 
-from tessera.checkpoint.gguf.architectures import ARCHITECTURES, Metadata
+from tessera.checkpoint.gguf.architectures import ARCHITECTURES, Metadata, Placed
 from tessera.checkpoint.gguf.header import read_metadata
+from tessera.checkpoint.gguf.rope_freqs import llama3_from_rope_freqs
 from tessera.config.errors import ConfigError
 
 MAGIC = b"GGUF"
 
 # Tensor types read (each covered by tests/checkpoint/test_gguf.py); gguf's dequantize reads them all.
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "MXFP4")
 
 # `{arch}.KEY` metadata -> config.json field; the required ones first.
 _REQUIRED = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
@@ -153,7 +159,7 @@ class GGUFFile:
                 raise ConfigError(f"{str(self.path)!r}: GGUF metadata for {name} is {d[name]!r}; Tessera reads one "
                                   "positive integer for every layer")
         d.setdefault("rope_theta", 10000.0)  # llama.cpp's and transformers' default
-        if arch == "llama":  # transformers takes LLaMA's head_dim from the RoPE dimension
+        if spec.permuted:  # transformers takes LLaMA's head_dim from the RoPE dimension
             dims = f"{arch}.rope.dimension_count"
             d["head_dim"] = _field(self.reader, dims, self.path) if dims in fields else \
                 d["hidden_size"] // d["num_attention_heads"]
@@ -163,6 +169,10 @@ class GGUFFile:
         if spec.config is not None:
             d.update(spec.config(Metadata(self.path, arch, lambda key: _field(self.reader, key, self.path), fields,
                                           self._small_tensor), d))
+        freqs = self._small_tensor("rope_freqs") if spec.rope_freqs else None
+        if freqs is not None:
+            d["rope_scaling"] = llama3_from_rope_freqs(self.path, freqs, d.get("head_dim") or d["hidden_size"] //
+                                                       d["num_attention_heads"], d["rope_theta"])
         d["tie_word_embeddings"] = all(t.name != "output.weight" for t in self.reader.tensors)
         for name in ("bos_token_id", "eos_token_id"):  # a stop rule that can never fire is refused
             if f"tokenizer.ggml.{name}" in fields:
@@ -196,11 +206,16 @@ class GGUFFile:
                  "attn_k": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]}
         for t in self.reader.tensors:
             base, _, suffix = t.name.rpartition(".")
-            if base == "rope_freqs":  # Llama 3.1's RoPE frequency factors
-                raise ConfigError(f"{str(self.path)!r}: tensor 'rope_freqs' holds Llama 3.1-style RoPE frequency "
-                                  "scaling, which Tessera does not read from GGUF files; convert the model from its "
-                                  "HuggingFace directory instead")
-            if base in spec.config_tensors:  # read into the config
+            if base == "rope_freqs" and not spec.rope_freqs:  # Llama 3's RoPE frequency factors
+                raise ConfigError(f"{str(self.path)!r}: tensor 'rope_freqs' holds Llama 3-style RoPE frequency "
+                                  f"scaling, which a {self.architecture} model does not have")
+            if base in spec.config_tensors or base == "rope_freqs":  # read into the config
+                continue
+            block, _, kind = base.partition(".")[2].partition(".")
+            if spec.extra_blocks and block.isdigit() and int(block) >= n_layers:  # multi-token prediction
+                continue
+            if spec.placed and kind in spec.placed and base.startswith("blk."):
+                yield _placed(self.path, t, int(block), spec.placed[kind], suffix)
                 continue
             if base not in names:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
@@ -209,6 +224,14 @@ class GGUFFile:
             rope_heads = heads[kind] if permuted and kind in heads else 0
             offset = spec.norm_offset if base.endswith("norm") else 0.0
             yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads, offset)
+
+
+def _placed(path: Path, entry, layer: int, placed: Placed, suffix: str) -> StoredTensor:
+    if suffix not in placed.names:
+        raise ConfigError(f"{str(path)!r}: tensor {entry.name!r} has no place in the model; Tessera reads "
+                          f"{', '.join(placed.names)} of it")
+    return StoredTensor(path, entry, f"model.layers.{layer}.{placed.names[suffix]}", 0,
+                        transposed=placed.transposed and suffix == "weight", into=placed.into)
 
 
 @dataclass
@@ -222,6 +245,8 @@ class StoredTensor:
     hf_name: str
     permute_heads: int  # > 0: llama.cpp's query/key row order, undone over this many heads
     offset: float = 0.0  # what llama.cpp's converter added to the values (Gemma's norms), taken off
+    transposed: bool = False  # HuggingFace holds the matrices transposed (gpt-oss's experts)
+    into: tuple[int, int] | None = None  # (start, step) of the entries of the HuggingFace tensor's last dim
 
     @property
     def kind(self) -> str:
@@ -244,7 +269,8 @@ class StoredTensor:
         except Exception as e:  # noqa: BLE001 - a block count that does not fit the shape, a short file
             raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} ({self.kind}) cannot be "
                               f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
-        return self._rows_in_hf_order(values - self.offset if self.offset else values)
+        values = self._rows_in_hf_order(values - self.offset if self.offset else values)
+        return values.transpose(-1, -2).contiguous() if self.transposed else values
 
     def raw_blocks(self) -> torch.Tensor:
         """The blocks of a 2-D quantized tensor as uint8 [rows, row bytes] (a copy of the file's bytes)."""
@@ -276,8 +302,7 @@ def _hf_names(name_map, n_layers: int, per_layer: tuple[str, ...]) -> dict[str, 
 
 # llama.cpp's names of architectures whose Tessera family is built from HuggingFace directories but
 # whose GGUF files are not read yet.
-NOT_READ = {"exaone4": "exaone4", "smollm3": "smollm3",
-            "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "llama4": "llama4_text", "qwen3next": "qwen3_next",
+NOT_READ = {"qwen3next": "qwen3_next",
             "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3"}
 
 

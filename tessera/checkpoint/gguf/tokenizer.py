@@ -4,9 +4,9 @@ transformers builds a fast tokenizer from that metadata (`AutoTokenizer.from_pre
 gguf_file=name)`: vocabulary, merges, special tokens, chat template); it is saved into a temporary
 directory and read back by `tessera.data.tokenizer`, the one reader of tokenizers, so a GGUF
 model's tokenizer is the one `tessera convert MODEL.gguf OUT` writes beside its weights. Where
-transformers' GGUF loader does not know the architecture (it reads the model's config first:
-olmo2, seed_oss), the tokenizer is built by transformers' fast tokenizer class from the same
-metadata, which needs no config. Needs
+transformers' GGUF loader does not know the architecture or fails on its config (it reads the
+model's config first: olmo2, seed_oss; gpt-oss's YaRN metadata), the tokenizer is built by
+transformers' fast tokenizer class from the same metadata, which needs no config. Needs
 transformers (a dev/optional dependency here), imported only when a GGUF tokenizer is asked for.
 """
 
@@ -42,14 +42,13 @@ def gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def _without_config(path: Path, error: Exception):
-    """The tokenizer of a file whose architecture transformers' GGUF loader refuses (`error`), built
+    """The tokenizer of a file whose config transformers' GGUF loader cannot read (`error`), built
     from its metadata alone; ConfigError naming `error` when that fails too."""
     from transformers import PreTrainedTokenizerFast
 
-    if "architecture" in str(error):
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)
-        except Exception:  # noqa: BLE001, S110 - the first error is the one to report
-            pass
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent.resolve()), gguf_file=path.name)
+    except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+        pass
     raise ConfigError(f"{str(path)!r}: no tokenizer can be built from its GGUF metadata "
                       f"({type(error).__name__}: {error})") from None
