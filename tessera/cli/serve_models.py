@@ -1,6 +1,6 @@
 """`tessera serve --model NAME=PATH [--model ...] --memory-budget-gib G [--keep-alive S]`: several
 models behind one server, each asleep when idle or when the others need its room
-(tessera/infer/api/model_registry.py; the routes: tessera/infer/api/multi_model_app.py). Every
+(tessera/infer/fleet/model_registry.py; the routes: tessera/infer/fleet/multi_model_app.py). Every
 model takes the engine options given; the options of one served model alone (`--served-model-name`,
 `--kv-role`, KV tiers, adapters loaded at start or at run time) are refused with --model."""
 
@@ -20,7 +20,7 @@ from tessera.infer.agents.options import AgentOptions
 
 def _check(args: argparse.Namespace) -> dict[str, str]:
     """ConfigError for --model options that cannot work; the models, NAME -> PATH."""
-    from tessera.infer.api.model_registry import parse_model_option
+    from tessera.infer.fleet.model_registry import parse_model_option
 
     if not args.models:
         raise ConfigError("tessera serve needs MODEL_DIR, or --model NAME=PATH (repeatable)")
@@ -50,10 +50,10 @@ def serve_models(args: argparse.Namespace, sockets: contextlib.ExitStack, check_
     import torch
     import uvicorn
 
-    from tessera.infer.api.model_registry import ModelRegistry
-    from tessera.infer.api.multi_model_app import create_multi_model_app
     from tessera.infer.api.server import create_app
     from tessera.infer.api.shutdown import EndCancelledRequests
+    from tessera.infer.fleet.model_registry import ModelRegistry
+    from tessera.infer.fleet.multi_model_app import create_multi_model_app
 
     models = _check(args)
     config, hosts = check_server_options(args)

@@ -1,4 +1,4 @@
-"""Several models behind one server (`tessera serve --model NAME=PATH ...`, tessera/infer/api/model_registry.py),
+"""Several models behind one server (`tessera serve --model NAME=PATH ...`, tessera/infer/fleet/model_registry.py),
 over real HTTP on 127.0.0.1: each answers as HuggingFace's greedy generation of that model alone,
 interleaved with the others; a model put to sleep (level 1: KV cache freed; level 2: engine and
 weights dropped) wakes on its next request and answers the same; under a budget that holds one
@@ -9,26 +9,23 @@ served is a 404 naming the served ones, and a budget smaller than a model is ref
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from tessera.data.tokenizer import Tokenizer
-from tessera.infer.api.model_registry import GIB, ModelRegistry
-from tessera.infer.api.multi_model_app import create_multi_model_app
 from tessera.infer.api.server import create_app
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.loop import EngineLoop
+from tessera.infer.fleet.model_registry import GIB, ModelRegistry
+from tessera.infer.fleet.multi_model_app import create_multi_model_app
 from tests.hang_guard import HANG_S
-from tests.infer.running_server import serve_main, serving_url, stop_serving, terminate_if_running
+from tests.infer.running_server import AppServer, serve_main, serving_url, stop_serving, terminate_if_running
 from tests.infer.tiny_models import hf_greedy
 
 PROMPTS = ("many models", "one server", "asleep")
@@ -39,7 +36,7 @@ def _load(path: str) -> EngineLoop:
                                                                            kv_cache_gib=0.001)), 1)
 
 
-class ManyModelServer:
+class ManyModelServer(AppServer):
     """A registry of `models` behind the multi-model app, on a free 127.0.0.1 port, in a thread."""
 
     def __init__(self, models: dict[str, str], budget_gib: float = 1.0, keep_alive_s: float = 0.0,
@@ -47,25 +44,7 @@ class ManyModelServer:
         self.registry = ModelRegistry(models, _load, lambda loop, name: create_app(loop, name), budget_gib,
                                       keep_alive_s, sleep_level, wake_timeout_s=wake_timeout_s)
         self.registry.start()
-        self.socket = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        app = create_multi_model_app(self.registry)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self) -> ManyModelServer:
-        self.thread.start()
-        deadline = time.monotonic() + HANG_S
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG_S)
-        self.socket.close()
-        self.registry.close()
+        super().__init__(create_multi_model_app(self.registry), close=self.registry.close)
 
     def complete(self, model: str, prompt: str) -> httpx.Response:
         body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
