@@ -128,3 +128,10 @@ class RunningServer(AppServer):
                 return True
             time.sleep(0.02)
         return False
+
+
+def prefix_hit_tokens(url: str) -> int:
+    """The server's `/metrics` count of prompt tokens found in the prefix cache so far."""
+    text = httpx.get(url + "/metrics", timeout=HANG_S).text
+    [line] = [line for line in text.splitlines() if line.startswith("tessera_prefix_cache_hit_tokens_total ")]
+    return int(float(line.split()[1]))
