@@ -223,6 +223,9 @@ class _Routes:
             return None
         if name in self.engine.lora.adapters:
             return name
+        adapter = name.removeprefix(self.model_name + ":")  # MODEL:ADAPTER, as the several-models server names it
+        if adapter != name and adapter in self.engine.lora.adapters:
+            return adapter
         known = [self.model_name, *self.engine.lora.adapters]
         raise ProtocolError(f"model {brief(name)} does not exist; served: {known}", status=404, param="model")
 
