@@ -32,6 +32,7 @@ from typing import Any
 from tessera.config.errors import ConfigError
 from tessera.infer.api.openai_protocol import ProtocolError
 from tessera.infer.api.quoting import brief
+from tessera.infer.cpu.memory import release_freed_memory
 from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sleep import (
     SleptEngine,
@@ -169,7 +170,9 @@ class ModelRegistry:
             loop.stop()
             loop.engine.close()
         del loop
+        _forget_endpoint_callables()
         gc.collect()
+        release_freed_memory()  # its weights back to the kernel (tessera serve keeps freed pages otherwise)
 
     # ---- requests ------------------------------------------------------------------------------
     def lookup(self, name: Any) -> ServedModel:
@@ -362,3 +365,18 @@ def _logged(task: asyncio.Task) -> None:
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else 'no detail'}"[:500]
+
+
+def _forget_endpoint_callables() -> None:
+    """FastAPI (0.16x) classifies each endpoint callable once and keeps the answers in caches of 4096
+    entries, the callables included: each route's bound method of a dropped model's app, and through
+    it the engine and its weights, would stay alive. A model put down to level 2 clears them (FastAPI
+    classifies the live apps' endpoints again on their next requests)."""
+    try:
+        from fastapi.dependencies import models as dependencies
+    except ImportError:  # pragma: no cover - FastAPI is a dependency of serving
+        return
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cache_clear = getattr(getattr(dependencies, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
