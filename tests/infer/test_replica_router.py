@@ -304,3 +304,32 @@ def test_the_prefix_index_is_bounded_and_forgets_a_replica():
 def test_bad_router_options_exit_2(argv, message, capsys):
     assert tessera_main(["router", *argv, "--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_responses_and_messages_apis_report_their_hits_to_the_router(replicas):
+    """The router reads a replica's prefix-cache hits in every API's usage: the Responses API's
+    `input_tokens_details.cached_tokens` and the Messages API's `cache_read_input_tokens`, whole and
+    at the end of a stream (tessera/infer/fleet/prefix_index.py's `reported_hit`)."""
+    replica = replicas[0]
+    system = "You are the assistant of the router's hit counting test, which repeats its long system prompt."
+    name = f'tessera_router_replica_cached_tokens_total{{replica="{replica.url}"}}'
+    requests = [("/v1/responses", {"instructions": system, "input": "hello", "max_output_tokens": 2},
+                 lambda j: j["usage"]["input_tokens_details"]["cached_tokens"]),
+                ("/v1/messages", {"system": system, "messages": [{"role": "user", "content": "hello"}],
+                                  "max_tokens": 2}, lambda j: j["usage"]["cache_read_input_tokens"])]
+    with RunningRouter([replica.url], "cache_aware") as router:
+        counted = lambda: _metric(httpx.get(router.url + "/metrics").text, name)  # noqa: E731
+        for path, body, hit in requests:
+            for _ in range(2):  # the second finds the first's prompt cached
+                before = counted()
+                r = httpx.post(router.url + path, json={"model": "tiny", "temperature": 0, **body}, timeout=HANG_S)
+                assert r.status_code == 200, r.text
+                assert counted() - before == hit(r.json())
+            assert hit(r.json()) > 0
+        before = counted()
+        body = {"model": "tiny", "temperature": 0, "stream": True, **requests[1][1]}
+        with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=HANG_S) as stream:
+            data = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+        [end] = [e for e in data if e["type"] == "message_delta"]
+        assert end["usage"]["cache_read_input_tokens"] > 0
+        _wait(lambda: counted() - before == end["usage"]["cache_read_input_tokens"])
