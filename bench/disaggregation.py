@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stream_client import free_port, one_request, percentile  # noqa: E402
+from bench.stream_client import free_port, one_request, percentile, wait_healthy  # noqa: E402
 
 KV_PEER_SECRET = secrets.token_hex(32)  # shared by the pair and the router (tessera/infer/scheduling/kv_peer.py)
 
@@ -43,18 +43,6 @@ def start(argv: list[str], threads: int) -> subprocess.Popen:
            "TESSERA_KV_PEER_SECRET": KV_PEER_SECRET}
     return subprocess.Popen([sys.executable, "-m", "tessera", *argv, "--log-level", "warning"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def launch(kind: str, model: Path, engine: list[str]) -> tuple[list[subprocess.Popen], str]:

@@ -1,5 +1,5 @@
 """Waking a sleeping model against starting it cold, and what a sleeping model holds
-(tessera/infer/engine/sleep.py, tessera/infer/api/model_registry.py).
+(tessera/infer/engine/sleep.py, tessera/infer/fleet/model_registry.py).
 
     PYTHONPATH=$PWD python bench/model_sleep.py --out sleep.json
 

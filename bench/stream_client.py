@@ -9,12 +9,27 @@ import json
 import socket
 import time
 
+import httpx
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 300) -> None:
+    """Wait for a server started by a bench to answer `url`/health."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not come up")
 
 
 def percentile(values: list[float], q: float) -> float | None:

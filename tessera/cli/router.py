@@ -1,12 +1,12 @@
 """`tessera router --prefill URL --decode URL [--host 127.0.0.1] [--port P] [--api-key K]`: an
 OpenAI-compatible front for a prefill instance (`tessera serve DIR --kv-role prefill`) and a decode
 instance (`tessera serve DIR --kv-role decode --kv-offload-gib G`) of the same model
-(`tessera.infer.api.router`), until interrupted. The three share a KV peer secret
+(`tessera.infer.fleet.router`), until interrupted. The three share a KV peer secret
 (`--kv-peer-secret-file FILE` or $TESSERA_KV_PEER_SECRET; without either, when all three listen and
 call on loopback, their user's own: kv_peer.py).
 
 `tessera router --replica URL [--replica URL ...] [--policy cache_aware|round_robin|least_loaded]`:
-one front for several replicas of the same models instead (`tessera.infer.api.replica_router`); with
+one front for several replicas of the same models instead (`tessera.infer.fleet.replica_router`); with
 `--prefill URL [--prefill URL ...]` beside them, a pool of prefill instances computes each prompt
 for the chosen replica (then a `--kv-role decode` instance)."""
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", dest="replicas", action="append", default=[], metavar="URL", type=text,
                    help="a `tessera serve` replica (repeatable; instead of --prefill and --decode)")
     p.add_argument("--policy", default="cache_aware", choices=["cache_aware", "round_robin", "least_loaded"],
-                   help="with --replica: where each request goes (tessera/infer/api/replica_router.py)")
+                   help="with --replica: where each request goes (tessera/infer/fleet/replica_router.py)")
     p.add_argument("--health-interval", type=positive_float(3600), default=5.0, metavar="S",
                    help="with --replica: seconds between health checks of the replicas")
     add_listen_arguments(
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _deadline_arguments(p: argparse.ArgumentParser) -> None:
-    """Each call to an instance is bounded by these (tessera/infer/api/router_relay.py)."""
+    """Each call to an instance is bounded by these (tessera/infer/fleet/router_relay.py)."""
     p.add_argument("--backend-connect-timeout", type=positive_float(3600), default=10.0, metavar="S",
                    help="seconds to connect to an instance (a miss: 504 naming it)")
     p.add_argument("--backend-first-byte-timeout", type=positive_float(86400), default=600.0, metavar="S",
@@ -64,8 +64,8 @@ def _deadline_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (exit 0); a bad option or a port in use is exit 2."""
     from tessera.infer.api.http_guards import allowed_hosts, is_loopback
-    from tessera.infer.api.router import check_backends
-    from tessera.infer.api.router_relay import Deadlines
+    from tessera.infer.fleet.router import check_backends
+    from tessera.infer.fleet.router_relay import Deadlines
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_listen_options(args)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
 
-        from tessera.infer.api.router import create_router
+        from tessera.infer.fleet.router import create_router
 
         app = create_router(args.prefill, args.decode, args.prefill_timeout, args.api_key, hosts,
                             args.max_request_bytes, kv_peer_secret=kv_peer_secret,
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_replicas(args: argparse.Namespace) -> int:
     """`--replica` mode: serve until interrupted (exit 0)."""
     from tessera.infer.api.http_guards import allowed_hosts, is_loopback
-    from tessera.infer.api.router import check_urls
-    from tessera.infer.api.router_relay import Deadlines
+    from tessera.infer.fleet.router import check_urls
+    from tessera.infer.fleet.router_relay import Deadlines
 
     if args.decode is not None:
         raise ConfigError("--replica and --decode are exclusive: with --prefill URL (repeatable) the replicas are "
@@ -119,7 +119,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
         socks = [stack.enter_context(s) for s in listen_sockets(args.host, args.port)]
         import uvicorn
 
-        from tessera.infer.api.replica_router import ReplicaRouter, create_replica_router
+        from tessera.infer.fleet.replica_router import ReplicaRouter, create_replica_router
 
         router = ReplicaRouter(urls, args.policy, Deadlines(args.backend_connect_timeout,
                                                             args.backend_first_byte_timeout, args.backend_timeout),

@@ -67,7 +67,7 @@ def _http_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _many_models_arguments(p: argparse.ArgumentParser) -> None:
-    """Several models in one server, asleep when idle (tessera/infer/api/model_registry.py)."""
+    """Several models in one server, asleep when idle (tessera/infer/fleet/model_registry.py)."""
     p.add_argument("--model", dest="models", action="append", default=[], metavar="NAME=PATH", type=text,
                    help="serve the model at PATH (what MODEL_DIR may be) as NAME, the `model` requests name "
                         "(repeatable; instead of MODEL_DIR); each takes the engine options given")

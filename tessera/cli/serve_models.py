@@ -1,14 +1,16 @@
 """`tessera serve --model NAME=PATH [--model ...] --memory-budget-gib G [--keep-alive S]`: several
 models behind one server, each asleep when idle or when the others need its room
-(tessera/infer/api/model_registry.py; the routes: tessera/infer/api/multi_model_app.py). Every
-model takes the engine options given; the options of one served model alone (`--served-model-name`,
-`--kv-role`, KV tiers, adapters loaded at start or at run time) are refused with --model."""
+(tessera/infer/fleet/model_registry.py; the routes: tessera/infer/fleet/multi_model_app.py). Every
+model takes the engine options given; `--lora MODEL:ADAPTER=DIR` serves an adapter on one of them
+(tessera/infer/fleet/model_adapters.py). The options of one served model alone (`--served-model-name`,
+`--kv-role`, KV tiers, adapters loaded at run time) are refused with --model."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import dataclasses
 import signal
 import sys
 import threading
@@ -20,7 +22,7 @@ from tessera.infer.agents.options import AgentOptions
 
 def _check(args: argparse.Namespace) -> dict[str, str]:
     """ConfigError for --model options that cannot work; the models, NAME -> PATH."""
-    from tessera.infer.api.model_registry import parse_model_option
+    from tessera.infer.fleet.model_registry import parse_model_option
 
     if not args.models:
         raise ConfigError("tessera serve needs MODEL_DIR, or --model NAME=PATH (repeatable)")
@@ -50,16 +52,15 @@ def serve_models(args: argparse.Namespace, sockets: contextlib.ExitStack, check_
     import torch
     import uvicorn
 
-    from tessera.infer.api.model_registry import ModelRegistry
-    from tessera.infer.api.multi_model_app import create_multi_model_app
     from tessera.infer.api.server import create_app
     from tessera.infer.api.shutdown import EndCancelledRequests
+    from tessera.infer.fleet.model_adapters import adapters_per_model
+    from tessera.infer.fleet.model_registry import ModelRegistry
+    from tessera.infer.fleet.multi_model_app import create_multi_model_app
 
     models = _check(args)
     config, hosts = check_server_options(args)
-    if config.lora_adapters:
-        raise ConfigError("--lora is not supported with --model yet: a request's `model` names one of the served "
-                          "models (serve an adapter as a model of its own: --model NAME=ADAPTER_OR_MERGED_DIR)")
+    adapters = adapters_per_model(config.lora_adapters, list(models))
     if config.has_kv_tiers:
         raise ConfigError("--kv-offload-gib and --kv-cache-dir are not supported with --model (a sleeping model "
                           "frees its whole KV cache)")
@@ -69,9 +70,11 @@ def serve_models(args: argparse.Namespace, sockets: contextlib.ExitStack, check_
     def make_app(loop, name: str):
         return create_app(loop, name, max_request_bytes=args.max_request_bytes, media=media, agents=agents)
 
-    registry = ModelRegistry(models, lambda path: start_engine(path, args, copy.deepcopy(config)), make_app,
-                             args.memory_budget_gib, args.keep_alive, args.sleep_level, args.wake_timeout,
-                             cpu=torch.device(config.device).type == "cpu")
+    def load(path: str, lora: dict[str, str]):
+        return start_engine(path, args, dataclasses.replace(copy.deepcopy(config), lora_adapters=dict(lora)))
+
+    registry = ModelRegistry(models, load, make_app, args.memory_budget_gib, args.keep_alive, args.sleep_level,
+                             args.wake_timeout, cpu=torch.device(config.device).type == "cpu", adapters=adapters)
     registry.start()
     try:
         app = create_multi_model_app(registry, args.api_key, hosts, args.max_request_bytes)

@@ -11,7 +11,8 @@ OpenAI-compatible HTTP server.
 Its wings, one job each: `engine/` (the engine, its loop and `LLM`), `scheduling/` (what runs in a
 step, KV blocks and tiers), `runner/` (executors, the model over the paged cache, sampling and
 speculative proposers run there), `sampling/`, `cpu/` (the CPU kernels), `agents/` (tool calls and
-reasoning read out of generated text) and `api/` (the HTTP server). `config.py` holds every engine
+reasoning read out of generated text), `api/` (the HTTP server) and `fleet/` (several models behind
+one server, `tessera router`). `config.py` holds every engine
 option with its command-line flag (`EngineConfig`).
 
 The names below are imported on first use (PEP 562), so that `tessera serve --help`, which only

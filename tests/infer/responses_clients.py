@@ -12,12 +12,13 @@ import openai
 FLAT_WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather of a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
                 "strict": False}
-_RANDOM = {"id", "call_id", "item_id", "created_at", "completed_at", "previous_response_id"}
+# what differs between two equal requests: ids, times, and what the prefix cache held of the prompt
+_RANDOM = {"id", "call_id", "item_id", "created_at", "completed_at", "previous_response_id", "input_tokens_details"}
 _ENDS = ("response.completed", "response.incomplete")
 
 
 def shape(obj: Any) -> Any:
-    """A response (or item) as plain JSON without its ids and times."""
+    """A response (or item) as plain JSON without its ids, times and cached prompt tokens."""
     if hasattr(obj, "model_dump"):
         obj = obj.model_dump(exclude_none=True)
     if isinstance(obj, dict):

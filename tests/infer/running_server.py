@@ -81,21 +81,20 @@ def wait_until_serving(proc: subprocess.Popen, url: str, timeout: float = HANG_S
         time.sleep(0.2)
 
 
-class RunningServer:
-    def __init__(self, engine: LLMEngine, name: str = "tiny", api_key: str | None = None,
-                 allow_lora_loading: bool = False, **app_options):
-        """`app_options`: create_app's other keywords (lora_dirs, max_request_bytes, allowed_hosts)."""
-        self.loop = EngineLoop(engine).start()
-        self.engine = engine
-        app = create_app(self.loop, name, api_key=api_key, allow_lora_loading=allow_lora_loading, **app_options)
+class AppServer:
+    """Any ASGI `app` served by uvicorn on a free 127.0.0.1 port, in a thread of the test process;
+    `close` runs after the server stopped (what the app holds: an engine loop, a registry)."""
+
+    def __init__(self, app, close=None):
         self.socket = socket.create_server(("127.0.0.1", 0))  # bound now: no other process can take the port
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self._close = close
 
-    def __enter__(self) -> RunningServer:
+    def __enter__(self):
         self.thread.start()
         deadline = time.monotonic() + HANG_S
         while not self.server.started:
@@ -106,9 +105,20 @@ class RunningServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(HANG_S)
         self.socket.close()
-        self.loop.stop()
+        if self._close is not None:
+            self._close()
+
+
+class RunningServer(AppServer):
+    def __init__(self, engine: LLMEngine, name: str = "tiny", api_key: str | None = None,
+                 allow_lora_loading: bool = False, **app_options):
+        """`app_options`: create_app's other keywords (lora_dirs, max_request_bytes, allowed_hosts)."""
+        self.loop = EngineLoop(engine).start()
+        self.engine = engine
+        app = create_app(self.loop, name, api_key=api_key, allow_lora_loading=allow_lora_loading, **app_options)
+        super().__init__(app, close=self.loop.stop)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """True once the engine has no request left (aborts are processed asynchronously)."""
@@ -118,3 +128,10 @@ class RunningServer:
                 return True
             time.sleep(0.02)
         return False
+
+
+def prefix_hit_tokens(url: str) -> int:
+    """The server's `/metrics` count of prompt tokens found in the prefix cache so far."""
+    text = httpx.get(url + "/metrics", timeout=HANG_S).text
+    [line] = [line for line in text.splitlines() if line.startswith("tessera_prefix_cache_hit_tokens_total ")]
+    return int(float(line.split()[1]))

@@ -1,4 +1,4 @@
-"""Several models behind one server (`tessera serve --model NAME=PATH ...`, tessera/infer/api/model_registry.py),
+"""Several models behind one server (`tessera serve --model NAME=PATH ...`, tessera/infer/fleet/model_registry.py),
 over real HTTP on 127.0.0.1: each answers as HuggingFace's greedy generation of that model alone,
 interleaved with the others; a model put to sleep (level 1: KV cache freed; level 2: engine and
 weights dropped) wakes on its next request and answers the same; under a budget that holds one
@@ -9,83 +9,26 @@ served is a 404 naming the served ones, and a budget smaller than a model is ref
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
-from tessera.data.tokenizer import Tokenizer
-from tessera.infer.api.model_registry import GIB, ModelRegistry
-from tessera.infer.api.multi_model_app import create_multi_model_app
-from tessera.infer.api.server import create_app
-from tessera.infer.config import EngineConfig
-from tessera.infer.engine.llm_engine import LLMEngine
-from tessera.infer.engine.loop import EngineLoop
+from tessera.infer.fleet.model_registry import GIB
 from tests.hang_guard import HANG_S
+from tests.infer.many_models import ManyModelServer, answer_text, expected_text
 from tests.infer.running_server import serve_main, serving_url, stop_serving, terminate_if_running
-from tests.infer.tiny_models import hf_greedy
 
 PROMPTS = ("many models", "one server", "asleep")
 
 
-def _load(path: str) -> EngineLoop:
-    return EngineLoop.build(lambda: LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_seqs=8,
-                                                                           kv_cache_gib=0.001)), 1)
-
-
-class ManyModelServer:
-    """A registry of `models` behind the multi-model app, on a free 127.0.0.1 port, in a thread."""
-
-    def __init__(self, models: dict[str, str], budget_gib: float = 1.0, keep_alive_s: float = 0.0,
-                 sleep_level: int = 1, wake_timeout_s: float = HANG_S):
-        self.registry = ModelRegistry(models, _load, lambda loop, name: create_app(loop, name), budget_gib,
-                                      keep_alive_s, sleep_level, wake_timeout_s=wake_timeout_s)
-        self.registry.start()
-        self.socket = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        app = create_multi_model_app(self.registry)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self) -> ManyModelServer:
-        self.thread.start()
-        deadline = time.monotonic() + HANG_S
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG_S)
-        self.socket.close()
-        self.registry.close()
-
-    def complete(self, model: str, prompt: str) -> httpx.Response:
-        body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=HANG_S)
-
-
-def _expected(path, hf, prompt: str) -> str:
-    tok = Tokenizer.from_path(path)
-    return tok.decode(hf_greedy(hf, tok.encode(prompt), 6))
-
-
-def _text(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
 def test_two_models_answer_as_each_alone_interleaved(llama, mixtral):
     (lpath, lhf), (mpath, mhf) = llama, mixtral
-    expected = {("a", p): _expected(lpath, lhf, p) for p in PROMPTS}
-    expected |= {("b", p): _expected(mpath, mhf, p) for p in PROMPTS}
+    expected = {("a", p): expected_text(lpath, lhf, p) for p in PROMPTS}
+    expected |= {("b", p): expected_text(mpath, mhf, p) for p in PROMPTS}
     assert expected[("a", PROMPTS[0])] != expected[("b", PROMPTS[0])]  # two different models
     with ManyModelServer({"a": str(lpath), "b": str(mpath)}) as server:
         listed = httpx.get(server.url + "/v1/models").json()["data"]
@@ -93,7 +36,7 @@ def test_two_models_answer_as_each_alone_interleaved(llama, mixtral):
         assert {m["id"]: m["state"] for m in listed} == {"a": "asleep", "b": "awake"}  # measured one at a time
         jobs = [(name, p) for p in PROMPTS for name in ("a", "b")] * 2
         with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda job: _text(server.complete(*job)), jobs))
+            answers = list(pool.map(lambda job: answer_text(server.complete(*job)), jobs))
         assert answers == [expected[job] for job in jobs]
         missing = server.complete("c", "x")
         assert missing.status_code == 404 and "['a', 'b']" in missing.json()["error"]["message"]
@@ -106,8 +49,8 @@ def test_two_models_answer_as_each_alone_interleaved(llama, mixtral):
 def test_a_sleeping_model_wakes_and_answers_the_same(llama, mixtral, level):
     (lpath, lhf), (mpath, _) = llama, mixtral
     with ManyModelServer({"a": str(lpath), "b": str(mpath)}) as server:
-        before = _text(server.complete("a", PROMPTS[0]))
-        assert before == _expected(lpath, lhf, PROMPTS[0])
+        before = answer_text(server.complete("a", PROMPTS[0]))
+        assert before == expected_text(lpath, lhf, PROMPTS[0])
         r = httpx.post(server.url + "/sleep", params={"level": level, "model": "a"}, timeout=HANG_S)
         assert r.status_code == 200 and r.json()["level"] == level, r.text
         asleep = httpx.get(server.url + "/is_sleeping", params={"model": "a"}).json()
@@ -118,8 +61,8 @@ def test_a_sleeping_model_wakes_and_answers_the_same(llama, mixtral, level):
             assert a.resident_bytes() == a.weights
         else:  # no engine, no weights
             assert a.loop is None and a.resident_bytes() == 0
-        assert _text(server.complete("a", PROMPTS[0])) == before  # woken by the request
-        assert _text(server.complete("a", PROMPTS[1])) == _expected(lpath, lhf, PROMPTS[1])
+        assert answer_text(server.complete("a", PROMPTS[0])) == before  # woken by the request
+        assert answer_text(server.complete("a", PROMPTS[1])) == expected_text(lpath, lhf, PROMPTS[1])
         assert httpx.get(server.url + "/is_sleeping", params={"model": "a"}).json()["is_sleeping"] is False
         several = httpx.get(server.url + "/is_sleeping")
         assert several.status_code == 400 and several.json()["error"]["param"] == "model"
@@ -136,7 +79,7 @@ def test_the_budget_is_never_exceeded(llama, mixtral):
     with ManyModelServer({"a": str(lpath), "b": str(mpath)}, budget_gib=budget / GIB) as server:
         registry = server.registry
         for name, path, hf in [("a", lpath, lhf), ("b", mpath, mhf)] * 2:
-            assert _text(server.complete(name, PROMPTS[2])) == _expected(path, hf, PROMPTS[2])
+            assert answer_text(server.complete(name, PROMPTS[2])) == expected_text(path, hf, PROMPTS[2])
             assert registry.resident_total() <= registry.budget
             states = {m["id"]: m["state"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
             assert states == {name: "awake", ({"a", "b"} - {name}).pop(): "asleep"}
@@ -149,7 +92,8 @@ def test_two_sleeping_models_woken_at_once_under_a_budget_for_one_both_answer(ll
     (lpath, lhf), (mpath, mhf) = llama, mixtral
     with ManyModelServer({"a": str(lpath), "b": str(mpath)}) as probe:
         sizes = {m.name: m.weights + m.kv for m in probe.registry.models.values()}
-    expected = {"a": [_expected(lpath, lhf, p) for p in PROMPTS], "b": [_expected(mpath, mhf, p) for p in PROMPTS]}
+    expected = {"a": [expected_text(lpath, lhf, p) for p in PROMPTS],
+                "b": [expected_text(mpath, mhf, p) for p in PROMPTS]}
     with ManyModelServer({"a": str(lpath), "b": str(mpath)}, budget_gib=max(sizes.values()) * 1.01 / GIB,
                          wake_timeout_s=HANG_S / 4) as server:
         for _ in range(2):
@@ -159,7 +103,7 @@ def test_two_sleeping_models_woken_at_once_under_a_budget_for_one_both_answer(ll
             jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("b", "a")]
             with ThreadPoolExecutor(len(jobs)) as pool:
                 answers = list(pool.map(lambda job: server.complete(job[0], PROMPTS[job[1]]), jobs))
-            assert [_text(r) for r in answers] == [expected[name][i] for name, i in jobs]
+            assert [answer_text(r) for r in answers] == [expected[name][i] for name, i in jobs]
             assert server.registry.resident_total() <= server.registry.budget
 
 
@@ -169,7 +113,7 @@ def test_keep_alive_puts_an_idle_model_to_sleep(llama):
         while not httpx.get(server.url + "/is_sleeping").json()["is_sleeping"]:
             assert time.monotonic() < deadline, "the idle model never went to sleep"
             time.sleep(0.1)
-        assert _text(server.complete("a", PROMPTS[0])) == _expected(*llama, PROMPTS[0])
+        assert answer_text(server.complete("a", PROMPTS[0])) == expected_text(*llama, PROMPTS[0])
 
 
 def test_a_model_that_cannot_load_or_wake_fails_alone(llama, mixtral, tmp_path):
@@ -181,14 +125,14 @@ def test_a_model_that_cannot_load_or_wake_fails_alone(llama, mixtral, tmp_path):
     with ManyModelServer({"a": str(copy), "never": str(never), "b": str(mixtral[0])}, sleep_level=2) as server:
         failed = server.complete("never", PROMPTS[0])  # failed to load at start: fails alone, tried again
         assert failed.status_code == 503 and str(never) in failed.json()["error"]["message"], failed.text
-        assert _text(server.complete("a", PROMPTS[0])) == _expected(*llama, PROMPTS[0])
+        assert answer_text(server.complete("a", PROMPTS[0])) == expected_text(*llama, PROMPTS[0])
         httpx.post(server.url + "/sleep", params={"level": 2, "model": "a"}, timeout=HANG_S)
         shutil.rmtree(copy)
         r = server.complete("a", PROMPTS[0])
         assert r.status_code == 503, r.text
         message = r.json()["error"]["message"]
         assert "model 'a' is unavailable" in message and str(copy) in message
-        assert _text(server.complete("b", PROMPTS[0])) == _expected(*mixtral, PROMPTS[0])
+        assert answer_text(server.complete("b", PROMPTS[0])) == expected_text(*mixtral, PROMPTS[0])
         listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
         assert str(copy) in listed["a"]["error"] and "error" not in listed["b"]
 
@@ -207,7 +151,10 @@ def test_a_budget_smaller_than_a_model_is_refused_by_name(llama, mixtral, capsys
     (["--model", "a=x"], "--model needs --memory-budget-gib"),
     (["somewhere", "--model", "a=x", "--memory-budget-gib", "1"], "MODEL_DIR 'somewhere' and --model are exclusive"),
     ([], "needs MODEL_DIR, or --model NAME=PATH"),
-    (["--model", "a=x", "--memory-budget-gib", "1", "--lora", "x=y"], "--lora is not supported with --model"),
+    (["--model", "a=x", "--model", "b=y", "--memory-budget-gib", "1", "--lora", "x=z"],
+     "--lora x=z is invalid with several models: name the model it adapts, --lora MODEL:ADAPTER=DIR"),
+    (["--model", "a=x", "--model", "b=y", "--memory-budget-gib", "1", "--lora", "a:b=z"],
+     "the adapter's name 'b' must be non-empty and differ from the served models' names"),
     (["--model", "a=x", "--memory-budget-gib", "1", "--kv-role", "decode"], "--kv-role is not supported"),
 ])
 def test_bad_model_options_exit_2(argv, message, capsys):
@@ -230,7 +177,7 @@ def test_the_serve_command_serves_several_models(llama, mixtral):
         for name, (path, hf) in (("a", llama), ("b", mixtral)):
             body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
             r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
-            assert _text(r) == _expected(path, hf, PROMPTS[0])
+            assert answer_text(r) == expected_text(path, hf, PROMPTS[0])
         r = httpx.post(url + "/sleep", params={"model": "b", "level": 2}, timeout=HANG_S)
         assert r.json() == {"model": "b", "is_sleeping": True, "level": 2}
         stop_serving(proc)

@@ -6,7 +6,8 @@ putting together each call's input; `stop_sequences` and `max_tokens` end the tu
 reasons; with `--reasoning-parser qwen3` the `<think>` block is a `thinking` block counted in usage;
 `x-api-key` is accepted (and a wrong one refused, in Anthropic's error shape); bad requests are 4xx
 naming the field while a request in flight finishes untouched; the agent loop of docs/serving.md
-(the one the README points to) runs."""
+(the one the README points to) runs; a request that repeats a long prefix reports the prompt tokens
+the prefix cache held as `cache_read_input_tokens`, apart from `input_tokens`, whole and streamed."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.infer.agent_models import (
     write_scripted_agent,
 )
 from tests.infer.agent_scripts import ANSWER, GREETING, REASONING, RESULTS, call_text, script
-from tests.infer.running_server import RunningServer
+from tests.infer.running_server import RunningServer, prefix_hit_tokens
 
 pytest.importorskip("llguidance")
 
@@ -70,6 +71,11 @@ def thinker(scripted, tmp_path_factory):
     options = AgentOptions(tool_call_parser="hermes", enable_auto_tool_choice=True, reasoning_parser="qwen3")
     with _serve(path, options) as s:
         yield _client(s.url)
+
+
+def _prompt(use) -> int:
+    """The prompt's tokens: those computed and those the prefix cache held (Anthropic counts them apart)."""
+    return use.input_tokens + use.cache_read_input_tokens
 
 
 def _calls(message) -> list[tuple[str, dict]]:
@@ -132,8 +138,7 @@ def test_every_tool_choice_streams_what_it_answers_whole(agent, mode):
     stream = _streamed(client, **request)
     assert (_calls(stream), _text(stream), stream.stop_reason) == (calls, text, whole.stop_reason)
     assert [b.type for b in stream.content] == [b.type for b in whole.content]
-    assert (stream.usage.input_tokens, stream.usage.output_tokens) == (whole.usage.input_tokens,
-                                                                       whole.usage.output_tokens)
+    assert (_prompt(stream.usage), stream.usage.output_tokens) == (_prompt(whole.usage), whole.usage.output_tokens)
 
 
 def test_stop_sequences_and_max_tokens_end_the_turn(agent):
@@ -246,3 +251,31 @@ def test_the_documented_agent_loops_run(agent, capsys, path, after):
     code = code.replace("http://127.0.0.1:8000", agent.url).replace('"qwen2.5"', '"agent"')
     exec(compile(code, path, "exec"), {})
     assert capsys.readouterr().out == ANSWER + "\n"
+
+
+
+# unlike any other test's prompt, so that the first request finds nothing of it cached
+LONG_SYSTEM = ("Quokka archivists of the southern fjords catalogue every barnacle, tide table and lantern "
+               "they find, in triplicate, before the evening ferry leaves the harbour for the islands.")
+BLOCK = 16  # the block size _serve gives the engine
+
+
+def test_a_repeated_long_prefix_reports_the_cache_read_tokens(agent):
+    client = _client(agent.url)
+    request = dict(model="agent", max_tokens=4, system=LONG_SYSTEM, messages=HELLO, extra_body={"temperature": 0})
+    first = client.messages.create(**request)
+    assert (first.usage.cache_read_input_tokens, first.usage.cache_creation_input_tokens) == (0, 0)
+    hits = prefix_hit_tokens(agent.url)
+    again = client.messages.create(**request)
+    prompt = _prompt(again.usage)
+    assert prompt == first.usage.input_tokens > 2 * BLOCK
+    # every full block but the one holding the last prompt token, which runs again to give the next token
+    assert again.usage.cache_read_input_tokens == (prompt - 1) // BLOCK * BLOCK
+    assert again.usage.input_tokens == prompt - again.usage.cache_read_input_tokens
+    assert prefix_hit_tokens(agent.url) - hits == again.usage.cache_read_input_tokens
+    other = client.messages.create(**(request | {"messages": ASK_ONE}))  # the same system prompt only
+    assert 0 < other.usage.cache_read_input_tokens < _prompt(other.usage)
+    assert other.usage.cache_read_input_tokens % BLOCK == 0
+    stream = _streamed(client, **request)
+    assert (stream.usage.input_tokens, stream.usage.cache_read_input_tokens) == (again.usage.input_tokens,
+                                                                                 again.usage.cache_read_input_tokens)

@@ -1,4 +1,4 @@
-"""`tessera router --replica URL ... --policy P` (tessera/infer/api/replica_router.py) over real
+"""`tessera router --replica URL ... --policy P` (tessera/infer/fleet/replica_router.py) over real
 HTTP on 127.0.0.1: with three `tessera serve` replicas of a tiny model, cache-aware routing keeps
 each conversation (a shared system prompt, turn after turn) on one replica and spreads the
 conversations; round-robin takes the replicas in turn; least-loaded sends each request to a replica
@@ -12,25 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from tessera.cli import main as tessera_main
-from tessera.infer.api.prefix_index import PrefixIndex
-from tessera.infer.api.replica_router import ReplicaRouter, create_replica_router
-from tessera.infer.api.router_relay import Deadlines
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.fleet.prefix_index import PrefixIndex
+from tessera.infer.fleet.replica_router import ReplicaRouter, create_replica_router
+from tessera.infer.fleet.router_relay import Deadlines
 from tests.hang_guard import HANG_S
 from tests.infer.kv_messages import PEER_SECRET
 from tests.infer.odd_replicas import ANSWER, OddReplica
-from tests.infer.running_server import RunningServer
+from tests.infer.running_server import AppServer, RunningServer
 
 SYSTEMS = ["You are a terse pirate who answers in riddles about the sea.",
            "You are a careful librarian who cites every shelf and row.",
@@ -49,30 +46,14 @@ def replicas(llama):
         s.__exit__(None, None, None)
 
 
-class RunningRouter:
+class RunningRouter(AppServer):
     def __init__(self, urls: list[str], policy: str, first_byte_s: float = HANG_S, health_interval_s: float = 0.2,
                  prefills: list[str] = ()):
         self.router = ReplicaRouter(urls, policy, Deadlines(5.0, first_byte_s, HANG_S),
                                     health_interval_s=health_interval_s,
                                     index=PrefixIndex(chunk_chars=16), prefills=prefills,
                                     kv_peer_secret=PEER_SECRET if prefills else None)
-        self.socket = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_replica_router(self.router), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self) -> RunningRouter:
-        self.thread.start()
-        deadline = time.monotonic() + HANG_S
-        while not self.server.started:
-            assert time.monotonic() < deadline, "router did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG_S)
-        self.socket.close()
+        super().__init__(create_replica_router(self.router))
 
 
 def _finished(server: RunningServer) -> int:
@@ -323,3 +304,32 @@ def test_the_prefix_index_is_bounded_and_forgets_a_replica():
 def test_bad_router_options_exit_2(argv, message, capsys):
     assert tessera_main(["router", *argv, "--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_responses_and_messages_apis_report_their_hits_to_the_router(replicas):
+    """The router reads a replica's prefix-cache hits in every API's usage: the Responses API's
+    `input_tokens_details.cached_tokens` and the Messages API's `cache_read_input_tokens`, whole and
+    at the end of a stream (tessera/infer/fleet/prefix_index.py's `reported_hit`)."""
+    replica = replicas[0]
+    system = "You are the assistant of the router's hit counting test, which repeats its long system prompt."
+    name = f'tessera_router_replica_cached_tokens_total{{replica="{replica.url}"}}'
+    requests = [("/v1/responses", {"instructions": system, "input": "hello", "max_output_tokens": 2},
+                 lambda j: j["usage"]["input_tokens_details"]["cached_tokens"]),
+                ("/v1/messages", {"system": system, "messages": [{"role": "user", "content": "hello"}],
+                                  "max_tokens": 2}, lambda j: j["usage"]["cache_read_input_tokens"])]
+    with RunningRouter([replica.url], "cache_aware") as router:
+        counted = lambda: _metric(httpx.get(router.url + "/metrics").text, name)  # noqa: E731
+        for path, body, hit in requests:
+            for _ in range(2):  # the second finds the first's prompt cached
+                before = counted()
+                r = httpx.post(router.url + path, json={"model": "tiny", "temperature": 0, **body}, timeout=HANG_S)
+                assert r.status_code == 200, r.text
+                assert counted() - before == hit(r.json())
+            assert hit(r.json()) > 0
+        before = counted()
+        body = {"model": "tiny", "temperature": 0, "stream": True, **requests[1][1]}
+        with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=HANG_S) as stream:
+            data = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+        [end] = [e for e in data if e["type"] == "message_delta"]
+        assert end["usage"]["cache_read_input_tokens"] > 0
+        _wait(lambda: counted() - before == end["usage"]["cache_read_input_tokens"])

@@ -5,7 +5,8 @@ and answers): every `tool_choice`, streamed and not, the stream's events in orde
 make up exactly the whole answer; a two-turn tool loop continued by `previous_response_id` and by
 sending the items back; a stored response read back by id, and `store: false` keeping nothing; with
 `--reasoning-parser qwen3` the `<think>` block is a `reasoning` output item, counted in usage, apart
-from the call after it."""
+from the call after it; a request that repeats a long prefix reports the prompt tokens the prefix cache
+held (`usage.input_tokens_details.cached_tokens`), as many as the server's own cache counted."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.infer.agent_models import QWEN3_TEMPLATE, qwen_tokenizer, with_templa
 from tests.infer.agent_scripts import ANSWER, ASK, ASK_ONE, GREETING, HELLO, REASONING, RESULTS, call_text
 from tests.infer.chat_clients import client
 from tests.infer.responses_clients import FLAT_WEATHER, calls, reasoning, shape, streamed
-from tests.infer.running_server import RunningServer
+from tests.infer.running_server import RunningServer, prefix_hit_tokens
 
 pytest.importorskip("llguidance")
 
@@ -128,3 +129,29 @@ def test_reasoning_is_an_output_item_apart_from_the_call_and_counted(thinker):
     assert answer.usage.output_tokens_details.reasoning_tokens == thought < answer.usage.output_tokens
     stream = streamed(thinker, **request)
     assert shape(stream) == shape(answer)
+
+
+# unlike any other test's prompt, so that the first request finds nothing of it cached
+LONG_SYSTEM = ("Quokka archivists of the northern fjords catalogue every barnacle, tide table and lantern "
+               "they find, in triplicate, before the evening ferry leaves the harbour for the islands.")
+BLOCK = 16  # the block size _serve gives the engine
+
+
+def test_a_repeated_long_prefix_reports_the_cached_tokens(agent):
+    url = str(agent.base_url).removesuffix("/").removesuffix("/v1")
+    request = dict(model="agent", instructions=LONG_SYSTEM, input=HELLO[0]["content"], temperature=0,
+                   max_output_tokens=4)
+    first = agent.responses.create(**request)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    hits = prefix_hit_tokens(url)
+    again = agent.responses.create(**request)
+    prompt = again.usage.input_tokens
+    assert prompt == first.usage.input_tokens > 2 * BLOCK
+    # every full block but the one holding the last prompt token, which runs again to give the next token
+    assert again.usage.input_tokens_details.cached_tokens == (prompt - 1) // BLOCK * BLOCK
+    assert prefix_hit_tokens(url) - hits == again.usage.input_tokens_details.cached_tokens
+    other = agent.responses.create(**(request | {"input": ASK[0]["content"]}))  # the same instructions only
+    cached = other.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < other.usage.input_tokens and cached % BLOCK == 0
+    stream = streamed(agent, **request)
+    assert stream.usage.input_tokens_details.cached_tokens == again.usage.input_tokens_details.cached_tokens

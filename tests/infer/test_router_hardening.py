@@ -19,8 +19,8 @@ import pytest
 import uvicorn
 
 from tessera.infer import EngineConfig, LLMEngine
-from tessera.infer.api.router import create_router
-from tessera.infer.api.router_relay import Deadlines
+from tessera.infer.fleet.router import create_router
+from tessera.infer.fleet.router_relay import Deadlines
 from tessera.infer.scheduling.kv_peer import PEER_SIGNATURE_HEADER, sign_prefill_request
 from tests.infer.running_server import RunningServer, free_port
 

@@ -6,13 +6,16 @@ read, with a `signature` that is "": Tessera signs nothing), a `text` block, the
 (`id`, `name`, `input`: the arguments object) for each call; a block is there only when it has something
 to hold. `stop_reason` is `tool_use` (the model stopped after calling), `max_tokens` (it ran out of
 tokens, `max_tokens` or the context), `stop_sequence` (with `stop_sequence` the string of
-`stop_sequences` that ended it) or `end_turn`. `usage` counts `input_tokens` and `output_tokens`, and,
-where a reasoning parser is on, `output_tokens_details.thinking_tokens` (the `<think>` block's).
+`stop_sequences` that ended it) or `end_turn`. `usage` counts `input_tokens` (the prompt tokens
+computed), `cache_read_input_tokens` (those the prefix cache held: the prompt is their sum),
+`output_tokens`, and, where a reasoning parser is on, `output_tokens_details.thinking_tokens` (the
+`<think>` block's).
 
 Streamed, as server-sent events named by their `type`: `message_start` (the message with no content
 and usage so far), for each block `content_block_start`, its `content_block_delta`s (`thinking_delta`,
 `text_delta`, or `input_json_delta` whose `partial_json` fragments put together are the call's input
-as JSON text) and `content_block_stop`, then `message_delta` (`stop_reason`, `stop_sequence`, usage)
+as JSON text) and `content_block_stop`, then `message_delta` (`stop_reason`, `stop_sequence`, the
+whole usage: `message_start`'s counts the whole prompt as `input_tokens`, the cache not being read yet)
 and `message_stop`; a failure after the stream started is an `error` event. The deltas are the agent
 turn's (tessera/infer/agents/turn_output.py), so the streamed blocks hold what the whole message does;
 text the model writes after its calls (rare: the turn reads it as content) comes, streamed, in a
@@ -58,9 +61,13 @@ def stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str |
     return "end_turn", None
 
 
-def usage(input_tokens: int, output_tokens: int, thinking_tokens: int | None) -> dict[str, Any]:
-    """`usage`; `thinking_tokens` None where no reasoning parser reads the output."""
-    use: dict[str, Any] = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+def usage(prompt_tokens: int, output_tokens: int, thinking_tokens: int | None,
+          cached_tokens: int = 0) -> dict[str, Any]:
+    """`usage`; `thinking_tokens` None where no reasoning parser reads the output. As Anthropic counts
+    them, `input_tokens` are the prompt tokens computed, apart from `cache_read_input_tokens` (found in
+    the prefix cache); no request writes the cache on purpose, so `cache_creation_input_tokens` is 0."""
+    use: dict[str, Any] = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+                           "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
     if thinking_tokens is not None:
         use["output_tokens_details"] = {"thinking_tokens": thinking_tokens}
     return use

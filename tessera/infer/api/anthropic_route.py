@@ -154,7 +154,8 @@ async def _whole(request: Request, outputs: _Outputs, prepared: _Prepared, messa
         return JSONResponse(error_body(message, status, field), status_code=status)
     plan = prepared.plan
     read = plan.output(out)
-    use = usage(out.prompt_tokens, len(out.token_ids), read.reasoning_tokens if plan.reads_reasoning else None)
+    use = usage(out.prompt_tokens, len(out.token_ids), read.reasoning_tokens if plan.reads_reasoning else None,
+                out.cached_tokens)
     return JSONResponse(message_object(message_id, prepared.model, read,
                                        stop_reason(read.finish_reason, out.stop_string), use))
 
@@ -176,7 +177,8 @@ async def _stream(outputs: _Outputs, prepared: _Prepared, message_id: str):
                 yield sse(event)
             if out.finished:
                 break
-        use = usage(out.prompt_tokens, len(out.token_ids), decoder.reasoning_tokens if plan.reads_reasoning else None)
+        use = usage(out.prompt_tokens, len(out.token_ids), decoder.reasoning_tokens if plan.reads_reasoning else None,
+                    out.cached_tokens)
         for event in events.end(stop_reason(read.finish_reason, out.stop_string), use):
             yield sse(event)
     finally:

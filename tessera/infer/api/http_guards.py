@@ -167,3 +167,14 @@ def check_api_key(api_key: str | None) -> None:
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty (or $TESSERA_API_KEY is set to an empty string): give a "
                           "non-empty key, or unset it to serve without one")
+
+
+def add_guards(app, api_key: str | None, allowed_hosts: frozenset[str] | None, max_request_bytes: int,
+               path_limits: dict[str, int] | None = None, key_also: frozenset[str] = frozenset()) -> None:
+    """The guards every app of a server or router passes, outermost last: the Host first, then the
+    key, then the body is read (only for the authorised)."""
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, path_limits=path_limits)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key, also=key_also)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)

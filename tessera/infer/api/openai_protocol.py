@@ -189,7 +189,7 @@ def new_id(prefix: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; `cached_tokens`: prompt tokens found in the prefix cache (a router reads
-    them, replica_router.py)."""
+    them, infer/fleet/replica_router.py)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -19,7 +19,8 @@ Each item is announced by `response.output_item.added` (status `in_progress`) an
 and ends with `response.completed` (the model stopped, or called tools), `response.incomplete`
 (`max_output_tokens` reached: `incomplete_details.reason: "max_output_tokens"`, the cut item
 `incomplete`) or `response.failed` (`error`). An output with no item at all is one empty message.
-`usage`: `input_tokens`, `output_tokens`, `output_tokens_details.reasoning_tokens`, `total_tokens`.
+`usage`: `input_tokens` (all of the prompt), `input_tokens_details.cached_tokens` (those found in the
+prefix cache), `output_tokens`, `output_tokens_details.reasoning_tokens`, `total_tokens`.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ class ResponseBuilder:
         if status == "failed":
             response["error"] = {"code": "server_error", "message": f"generation failed: {out.error}"}
         output_tokens = len(out.token_ids)
-        response["usage"] = {"input_tokens": out.prompt_tokens, "output_tokens": output_tokens,
+        response["usage"] = {"input_tokens": out.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": out.cached_tokens},
+                             "output_tokens": output_tokens,
                              "output_tokens_details": {"reasoning_tokens": self.decoder.reasoning_tokens},
                              "total_tokens": out.prompt_tokens + output_tokens}
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")

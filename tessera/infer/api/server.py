@@ -47,7 +47,7 @@ from tessera.data.chat_template import PLAIN_CHAT_TEMPLATE
 from tessera.infer.agents.options import AgentOptions
 from tessera.infer.agents.turn_plan import AgentTurns, TurnPlan
 from tessera.infer.api.anthropic_route import serve_messages
-from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
+from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, add_guards, check_api_key
 from tessera.infer.api.media import MediaPolicy, chat_images
 from tessera.infer.api.openai_answers import collect
 from tessera.infer.api.openai_answers import stream as stream_answer
@@ -136,15 +136,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
                      kv_peer_secret or b"", agents or AgentOptions())
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
 
-    # outermost last: Host first, then the key, then the body is read (only for the authorised)
     # a decode instance takes up to one sequence's KV blocks on /v1/kv/import
     kv_limit = {"/v1/kv/import": transfer_limit(loop.engine)} if kv_role == "decode" else {}
     add_sleep_routes(app, loop, model_name)  # POST /sleep, /wake_up, GET /is_sleeping; innermost: wakes /v1 POSTs
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, path_limits=kv_limit)
-    if api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=api_key, also=SLEEP_PATHS)
-    if allowed_hosts is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    add_guards(app, api_key, allowed_hosts, max_request_bytes, kv_limit, key_also=SLEEP_PATHS)
 
     _answer_errors(app)
     app.add_api_route("/health", routes.health, methods=["GET"])
@@ -228,6 +223,9 @@ class _Routes:
             return None
         if name in self.engine.lora.adapters:
             return name
+        adapter = name.removeprefix(self.model_name + ":")  # MODEL:ADAPTER, as the several-models server names it
+        if adapter != name and adapter in self.engine.lora.adapters:
+            return adapter
         known = [self.model_name, *self.engine.lora.adapters]
         raise ProtocolError(f"model {brief(name)} does not exist; served: {known}", status=404, param="model")
 

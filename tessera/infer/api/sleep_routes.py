@@ -5,7 +5,7 @@ they need the key, as /v1 routes do.
 Level 1 is tessera/infer/engine/sleep.py's: the KV cache freed (and, off the CPU, the weights moved
 to host memory), run on the engine thread between steps. Level 2 (weights dropped, read again from
 their files) needs the files and a loader, which only the several-models server keeps
-(model_registry.py): here it is a 400 naming level 1. An engine that cannot sleep at level 1
+(infer/fleet/model_registry.py): here it is a 400 naming level 1. An engine that cannot sleep at level 1
 (tensor parallelism, or captured CUDA graphs off the CPU) gets a 400 saying why; one with requests
 in flight a 409 (sleep once they finish).
 

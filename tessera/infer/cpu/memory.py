@@ -13,6 +13,11 @@ reason makes vLLM advise TCMalloc for its CPU backend.
 
 `tessera serve` on CPU calls `keep_freed_memory()` before it loads the model (`--no-cpu-keep-freed`
 leaves the allocator as it is); elsewhere, and with another C library, it does nothing.
+
+What a model puts to sleep is another matter: its memory is meant for the other models, and kept
+freed pages would stay in the process. `release_freed_memory()` (glibc's `malloc_trim(0)`) gives
+the free pages back to the kernel; the several-models server calls it after a model is put down to
+level 2.
 """
 
 from __future__ import annotations
@@ -45,3 +50,15 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.info("the C library refused the allocator settings; freed memory goes back as before")
     return bool(ok)
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the kernel (glibc's `malloc_trim(0)`), whatever
+    `keep_freed_memory` set: after a model's weights were freed to make room. True when
+    something was given back; False without glibc."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim(0) == 1

@@ -1,6 +1,6 @@
 """Sleep level 1 of a serving engine: its KV cache freed, its weights moved to host memory, and both
 brought back on waking; and the bytes an engine holds (weights, KV cache), which the model registry
-of `tessera serve --model NAME=PATH` counts against its memory budget (tessera/infer/api/model_registry.py).
+of `tessera serve --model NAME=PATH` counts against its memory budget (tessera/infer/fleet/model_registry.py).
 
 Level 1 works on tensor storages in place: every tensor that views a storage (the KV cache's layers,
 the decode step's views of them, a weight and its packed panels) keeps its storage object, whose

@@ -4,7 +4,7 @@ A prefill instance (`tessera serve --kv-role prefill`) computes a prompt and han
 blocks of its full prefix blocks as one message (`export_prefix`); a decode instance (`--kv-role
 decode`) takes such a message into its host tier (`open_transfer`, then `import_prefix`), where the
 request that follows finds them as a prefix hit and computes only the rest. `tessera router`
-(`router.py`) drives the pair over HTTP.
+(`infer/fleet/router.py`) drives the pair over HTTP.
 
 The message: MAGIC, a tag (kv_peer.py: an HMAC keyed with the KV peer secret the prefill
 instance, the decode instance and the router share, over everything after it), a 4-byte header

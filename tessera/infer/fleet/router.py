@@ -38,13 +38,11 @@ from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import (
     DEFAULT_MAX_REQUEST_BYTES,
-    APIKeyCheck,
-    BodyLimit,
-    HostCheck,
+    add_guards,
     check_api_key,
     is_loopback,
 )
-from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, relay
+from tessera.infer.fleet.router_relay import Deadlines, LoopGuard, backend_error, relay
 from tessera.infer.scheduling.kv_peer import PEER_SIGNATURE_HEADER, require_peer_secret, sign_prefill_request
 
 log = logging.getLogger("tessera.router")
@@ -109,11 +107,7 @@ def create_router(prefill_url: str, decode_url: str, prefill_timeout: float = 30
     routes = _Routes(prefill, decode, prefill_timeout, deadlines or Deadlines(), require_peer_secret(kv_peer_secret,
                                                                                       "tessera router"))
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    if api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
-    if allowed_hosts is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    add_guards(app, api_key, allowed_hosts, max_request_bytes)
 
     async def completions(request: Request) -> Response:
         return await routes.generate(request, "completions", "/v1/completions")

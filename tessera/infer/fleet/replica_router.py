@@ -45,10 +45,10 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
-from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, check_api_key
-from tessera.infer.api.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
-from tessera.infer.api.router import prefill_into
-from tessera.infer.api.router_relay import Deadlines, LoopGuard, backend_error, error_body
+from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, add_guards, check_api_key
+from tessera.infer.fleet.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
+from tessera.infer.fleet.router import prefill_into
+from tessera.infer.fleet.router_relay import Deadlines, LoopGuard, backend_error, error_body
 from tessera.infer.scheduling.kv_peer import require_peer_secret
 
 log = logging.getLogger("tessera.router")
@@ -391,11 +391,7 @@ def create_replica_router(router: ReplicaRouter, api_key: str | None = None,
     """The routes of `router` behind the server's guards."""
     check_api_key(api_key)
     app = FastAPI(title="Tessera router", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    if api_key is not None:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
-    if allowed_hosts is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    add_guards(app, api_key, allowed_hosts, max_request_bytes)
     for path in PATHS:
         app.add_api_route(path, router.generate, methods=["POST"])
     app.add_api_route("/v1/models", router.models, methods=["GET"])

@@ -32,6 +32,7 @@ from typing import Any
 from tessera.config.errors import ConfigError
 from tessera.infer.api.openai_protocol import ProtocolError
 from tessera.infer.api.quoting import brief
+from tessera.infer.cpu.memory import release_freed_memory
 from tessera.infer.engine.loop import EngineLoop
 from tessera.infer.engine.sleep import (
     SleptEngine,
@@ -41,6 +42,7 @@ from tessera.infer.engine.sleep import (
     wake_level1,
     weight_bytes,
 )
+from tessera.infer.fleet.model_adapters import owners, qualified_names
 
 log = logging.getLogger("tessera.serve")
 GIB = 2**30
@@ -71,6 +73,7 @@ class ServedModel:
     last_wake_seconds: float = 0.0
     tokens: list[int] = field(default_factory=lambda: [0, 0])  # prompt, generated, of engines closed since
     error: str | None = None  # why the last load or wake failed
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served on it, name -> PEFT directory
 
     def resident_bytes(self) -> int:
         if self.level == 0:
@@ -96,19 +99,21 @@ def parse_model_option(text: str) -> tuple[str, str]:
 
 
 class ModelRegistry:
-    """The served models (module docstring). `load(path)` builds a model's engine thread (raising
-    on failure), `make_app(loop, name)` the app that serves it."""
+    """The served models (module docstring). `load(path, adapters)` builds a model's engine thread
+    with its LoRA adapters (name -> directory; raising on failure), `make_app(loop, name)` the app that
+    serves it; `adapters`: each model's (model_adapters.py)."""
 
     def __init__(self, models: dict[str, str], load: Callable[[str], EngineLoop], make_app: Callable[..., Any],
                  budget_gib: float, keep_alive_s: float = 300.0, sleep_level: int = 1, wake_timeout_s: float = 300.0,
-                 cpu: bool = True):
+                 cpu: bool = True, adapters: dict[str, dict[str, str]] | None = None):
         if not models:
             raise ConfigError("--model NAME=PATH is needed at least once")
         if not budget_gib > 0:
             raise ConfigError(f"--memory-budget-gib {budget_gib} is invalid: must be > 0")
         if sleep_level not in (1, 2):
             raise ConfigError(f"--sleep-level {sleep_level} is invalid: allowed 1 or 2")
-        self.models = {name: ServedModel(name, path, cpu) for name, path in models.items()}
+        self.models = {name: ServedModel(name, path, cpu, adapters=dict((adapters or {}).get(name, {})))
+                       for name, path in models.items()}
         self.load_engine, self.make_app = load, make_app
         self.budget, self.budget_gib = int(budget_gib * GIB), budget_gib
         self.keep_alive_s, self.sleep_level, self.wake_timeout_s = keep_alive_s, sleep_level, wake_timeout_s
@@ -148,7 +153,7 @@ class ModelRegistry:
     def _load(self, model: ServedModel) -> None:
         """A fresh engine for `model` from its files (in a worker thread when serving)."""
         started = time.perf_counter()
-        model.loop = self.load_engine(model.path)
+        model.loop = self.load_engine(model.path, model.adapters)
         engine = model.loop.engine
         model.weights, model.kv = weight_bytes(engine), kv_bytes(engine)
         model.app = self.make_app(model.loop, model.name)
@@ -165,19 +170,28 @@ class ModelRegistry:
             loop.stop()
             loop.engine.close()
         del loop
+        _forget_endpoint_callables()
         gc.collect()
+        release_freed_memory()  # its weights back to the kernel (tessera serve keeps freed pages otherwise)
 
     # ---- requests ------------------------------------------------------------------------------
     def lookup(self, name: Any) -> ServedModel:
-        """The model a request's `model` names: 404 naming the served ones."""
+        """The model a request's `model` names, itself or one of its adapters (model_adapters.py): 404
+        naming the served ones, 400 for an adapter's name that several models have."""
+        adapters = {m.name: m.adapters for m in self.models.values()}
+        served = [*self.models, *qualified_names(adapters)]
         if not isinstance(name, str):
-            raise ProtocolError(f"'model' must be one of {list(self.models)}", param="model",
+            raise ProtocolError(f"'model' must be one of {served}", param="model",
                                 status=400 if name is not None else 404)
-        model = self.models.get(name)
-        if model is None:
-            raise ProtocolError(f"model {brief(name)} does not exist; served: {list(self.models)}", status=404,
-                                param="model")
-        return model
+        if name in self.models:
+            return self.models[name]
+        found = owners(name, adapters)
+        if len(found) > 1:
+            raise ProtocolError(f"model {brief(name)} is an adapter of several models: name one of "
+                                f"{[f'{m}:{name}' for m in found]}", param="model")
+        if not found:
+            raise ProtocolError(f"model {brief(name)} does not exist; served: {served}", status=404, param="model")
+        return self.models[found[0]]
 
     async def acquire(self, model: ServedModel, count: bool = True) -> ServedModel:
         """`model` awake, with this request counted in flight (`release` when done); a sleeping one
@@ -321,7 +335,9 @@ class ModelRegistry:
     def listing(self) -> list[dict]:
         return [{"id": m.name, "object": "model", "owned_by": "tessera", "state": m.state, "sleep_level": m.level,
                  **({"max_model_len": m.loop.engine.max_model_len} if m.loop is not None else {}),
-                 **({"error": m.error} if m.error else {})} for m in self.models.values()]
+                 **({"error": m.error} if m.error else {})} for m in self.models.values()] + [
+            {"id": f"{m.name}:{a}", "object": "model", "owned_by": "tessera", "parent": m.name, "state": m.state}
+            for m in self.models.values() for a in m.adapters]
 
     def prometheus(self) -> str:
         rows = [("model_requests_total", "counter", "Requests routed to the model.", lambda m: m.requests),
@@ -349,3 +365,18 @@ def _logged(task: asyncio.Task) -> None:
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else 'no detail'}"[:500]
+
+
+def _forget_endpoint_callables() -> None:
+    """FastAPI (0.16x) classifies each endpoint callable once and keeps the answers in caches of 4096
+    entries, the callables included: each route's bound method of a dropped model's app, and through
+    it the engine and its weights, would stay alive. A model put down to level 2 clears them (FastAPI
+    classifies the live apps' endpoints again on their next requests)."""
+    try:
+        from fastapi.dependencies import models as dependencies
+    except ImportError:  # pragma: no cover - FastAPI is a dependency of serving
+        return
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cache_clear = getattr(getattr(dependencies, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, APIKeyCheck, BodyLimit, HostCheck, error_body
-from tessera.infer.api.model_registry import ModelRegistry, ServedModel
 from tessera.infer.api.openai_protocol import ProtocolError
+from tessera.infer.fleet.model_registry import ModelRegistry, ServedModel
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 SLEEP_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping"})

@@ -10,8 +10,8 @@ key of chunk k-1, so one key stands for the whole prefix up to it. The index kee
 that hold it, most recent last; a replica taken out of service is forgotten everywhere.
 
 The replicas correct it: each answer's usage says how many prompt tokens the replica found in its
-prefix cache (`prompt_tokens_details.cached_tokens`, `reported_hit`; a stream's last usage event,
-`streamed_hit`). A replica that reports well
+prefix cache (`prompt_tokens_details.cached_tokens`, or the Responses and Messages APIs' spellings,
+`reported_hit`; a stream's last usage event, `streamed_hit`). A replica that reports well
 under half the share of the prompt the index expected it to hold has lost what it was sent
 (evicted under memory pressure, put to sleep, restarted): the router forgets it everywhere, and only
 what that request has just put there is recorded again (replica_router.py).
@@ -34,16 +34,28 @@ def prompt_text(body: dict) -> str:
 
 
 def reported_hit(content: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, of which found in the prefix cache) from an OpenAI answer's usage; None when
-    the answer does not say (not JSON, or a server that does not report cached tokens)."""
+    """(prompt tokens, of which found in the prefix cache) from an answer's usage, in any of the APIs'
+    spellings: chat and completions (`prompt_tokens`, `prompt_tokens_details.cached_tokens`), the
+    Responses API (`input_tokens`, `input_tokens_details.cached_tokens`; streamed, in the `response` of
+    its last event), Anthropic's Messages API (`cache_read_input_tokens` apart from `input_tokens`);
+    None when the answer does not say (not JSON, or a server that does not report cached tokens)."""
     try:
-        usage = json.loads(content).get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        prompt = usage.get("prompt_tokens")
-    except (ValueError, AttributeError):
+        body = json.loads(content)
+        usage = body.get("usage") or (body.get("response") or {}).get("usage") or {}
+        if "prompt_tokens" in usage:
+            prompt, cached = usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        elif "cache_read_input_tokens" in usage:
+            computed, cached = usage.get("input_tokens"), usage.get("cache_read_input_tokens")
+            prompt = computed + cached if _count(computed) and _count(cached) else None
+        else:
+            prompt, cached = usage.get("input_tokens"), (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError, TypeError):
         return None
-    ok = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, cached))
-    return (prompt, cached) if ok and prompt > 0 else None
+    return (prompt, cached) if _count(prompt) and _count(cached) and prompt > 0 else None
+
+
+def _count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def streamed_hit(tail: bytes) -> tuple[int, int] | None:
