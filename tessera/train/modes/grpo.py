@@ -90,7 +90,11 @@ class Rollouts:
 
 
 class RolloutSource(Protocol):
-    """The serving engine as the GRPO step sees it (tessera.eval.rollouts.EngineRollouts)."""
+    """The serving engine as the GRPO step sees it (tessera.eval.rollouts.EngineRollouts). Under tp,
+    `spans_tp` says that the tp peers sample together, one engine over their shards: each is then
+    handed all of its step's prompts and returns the same rollouts (read only when tp > 1)."""
+
+    spans_tp: bool
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s current weights from now on (called once, when the policy is built)."""
@@ -131,9 +135,10 @@ class GRPOStep:
     def _rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """The rollouts of this rank's prompts. Tensor-parallel peers hold the same prompts: each samples
         every tp-th of them (their seeds unchanged, so the completions are those one rank would sample)
-        and the peers gather the others' (`merge_rollouts`)."""
+        and the peers gather the others' (`merge_rollouts`), unless the source's engine spans the tp
+        group (its shards the policy's: `spans_tp`), which samples them all together."""
         tp = self.dims.tp if self.dims is not None else 1
-        if tp == 1:
+        if tp == 1 or self.rollout_source.spans_tp:
             return self.rollout_source.rollouts(prompts, records, seeds)
         r = self.dims.local_rank("tp")
         mine = self.rollout_source.rollouts(prompts[r::tp], records[r::tp], seeds[r::tp])
