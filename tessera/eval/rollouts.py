@@ -35,6 +35,7 @@ skipped) is scored by the reward with the record's fields.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -181,7 +182,21 @@ class EngineRollouts:
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
               temperature: float, seeds: list[int]) -> list[Any]:
-    """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run."""
+    """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run.
+    Python's cyclic garbage collector is off meanwhile: the engine's steps make many small objects,
+    and each full collection they set off would walk the trainer's whole heap (the model, its
+    optimizer state, the run's records) for cycles the loop does not make; it runs again after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _stepped(engine, prompts, group_size, max_new_tokens, temperature, seeds)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _stepped(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
+             temperature: float, seeds: list[int]) -> list[Any]:
     ids = []
     for prompt, seed in zip(prompts, seeds, strict=True):
         for j in range(group_size):
