@@ -159,12 +159,18 @@ class EngineRollouts:
             try:
                 outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
                                     seeds)
+                got[0] = self._scored(outputs, records, time.perf_counter() - start)
+            except Exception as e:  # the peers hear of it instead of waiting for rollouts
+                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
+                raise
             finally:
                 engine.close()  # its STOP ends the peers' serving
-            got[0] = self._scored(outputs, records, time.perf_counter() - start)
+                dist.broadcast_object_list(got, group=group, group_src=0)
         else:
             serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
-        dist.broadcast_object_list(got, group=group, group_src=0)
+            dist.broadcast_object_list(got, group=group, group_src=0)
+            if isinstance(got[0], str):
+                raise TrainingError(got[0])
         return got[0]
 
     def _scored(self, outputs: list[Any], records: list[dict[str, Any]], seconds: float) -> Rollouts:

@@ -5,7 +5,8 @@ and after the optimizer steps, so no copy exists; the steps moved the weights, a
 tp group drives over those shards decodes with them: its logits equal the trainer's (fp32 1e-5) and
 differ from the initial weights', and its greedy completions equal those of a one-process engine
 built on the gathered updated weights. The tp group samples every prompt with one engine (rank 0
-drives it, its peer serves the same steps). Under dp_shard the layouts differ and the engine keeps
+drives it, its peer serves the same steps); a rollout that fails on rank 0 stops the peer with the
+reason instead of leaving it waiting. Under dp_shard the layouts differ and the engine keeps
 a gathered copy (tests/train/test_grpo_train.py)."""
 
 from __future__ import annotations
@@ -121,3 +122,29 @@ def test_under_tp_the_engine_shards_are_the_trainers_and_decode_the_updated_weig
     assert lead["engine_moved"] > 1e-4  # 10x the tolerance below: the engine sees the steps
     assert lead["engine_diff"] < 1e-5, lead["engine_diff"]
     assert lead["greedy"] == lead["greedy_one"] and all(lead["greedy"])
+
+
+def _failing_run(overrides: list[str]) -> str:
+    """Train, rank 0's engine failing its first rollout (a request error, as `_generate` raises it);
+    what each rank's training raised."""
+    import tessera.eval.rollouts as rollouts_module
+
+    cfg = load_config(TINY_DENSE, overrides)
+    trainer = Trainer(cfg, rollouts=EngineRollouts(cfg))
+    if dist.get_rank() == 0:
+        def failing(*args, **kwargs):
+            raise RuntimeError("boom")
+        rollouts_module._generate = failing  # this forked rank's module only
+    try:
+        trainer.train()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+@pytest.mark.dist
+def test_a_rollout_that_fails_on_the_driving_rank_stops_its_tp_peer_with_the_reason(root):
+    run = _overrides(root, "tp-shared-fail", steps=1, **{"parallel.tp": 2, "parallel.dp_shard": 1})
+    driver, peer = run_ranks(_failing_run, 2, run, timeout=HANG_S)
+    assert "boom" in driver
+    assert peer == "TrainingError: the tp group's rank 0 failed its rollouts: boom"
