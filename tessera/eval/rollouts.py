@@ -11,12 +11,19 @@ the policy as the trainer built it:
   around the policy module itself (`LLMEngine.from_model`, not owned: no packing or fusing), so it
   reads the very parameters the optimizer updates in place: after each step it decodes with the new
   weights, with no copy and no checkpoint;
-- under dp_shard and tp, where the policy's parameters are shards (DTensors), it keeps a whole copy
-  of the model, and before each rollout phase every rank gathers each parameter (`full_tensor`, a
-  collective over the shards' ranks) into that copy in place.
+- under tp alone, where the serving plan cuts the model as the trainer did, the engine's shards are
+  the trainer's (`tessera.infer.runner.tp_shared.alias_shards`: the same storage, no copy, updates
+  seen without a sync): the tp group's rank 0 drives one engine over all of the step's prompts
+  (`LLMEngine.from_group_shard`), its peers run the same forwards on their shards
+  (`serve_group_steps`), and rank 0's rollouts are broadcast to them (`spans_tp`: the step hands
+  every tp rank all of its prompts);
+- under dp_shard (with or without tp), where the policy's parameters are shards of another layout,
+  it keeps a whole copy of the model, and before each rollout phase every rank gathers each
+  parameter (`full_tensor`, a collective over the shards' ranks) into that copy in place.
 
-The engine is built at the first rollout phase (its paged KV cache sized for the phase's
-sequences) and kept: each phase wakes it (the KV cache allocated again, empty), adds `group_size`
+The tp-sharing engine is built for each rollout phase and closed after it (which releases the
+peers). Any other engine is built at the first rollout phase (its paged KV cache sized for the
+phase's sequences) and kept: each phase wakes it (the KV cache allocated again, empty), adds `group_size`
 requests per prompt (one seeded request per completion, which the engine batches continuously,
 with its prefix cache on), steps it until every request has finished, and puts it to sleep
 (`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
@@ -28,10 +35,12 @@ skipped) is scored by the reward with the record's fields.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +50,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.rewards import RewardFn, load_reward, score
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
+from tessera.infer.runner.tp_shared import alias_shards, serve_group_steps
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models.transformer import Transformer
 from tessera.train.modes.grpo import Rollouts
@@ -59,11 +69,22 @@ class EngineRollouts:
         self.source: nn.Module | None = None  # the sharded policy the copy is gathered from (dp_shard)
         self.device = torch.device("cpu")
         self.kept: LLMEngine | None = None  # the engine of the rollout phases, asleep between them
+        self.tp_group = None  # the trainer's tp group when the engine's shards are the policy's (spans_tp)
+
+    @property
+    def spans_tp(self) -> bool:
+        """Whether the tp ranks sample together (each is handed all of its step's prompts)."""
+        return self.tp_group is not None
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
-        """Sample with `model`'s weights: shared where its tensors are whole, else gathered each phase."""
+        """Sample with `model`'s weights: shared where its tensors are whole or cut as serving cuts
+        them, else gathered each phase."""
         self.device = layout.device
-        if any(isinstance(p, DTensor) for p in model.parameters()):
+        dims = layout.dims
+        shards = alias_shards(model, dims) if dims is not None and dims.tp > 1 else None
+        if shards is not None:
+            self.model, self.tp_group = shards, dims["tp"].get_group()
+        elif any(isinstance(p, DTensor) for p in model.parameters()):
             self.source = model
             with torch.device(self.device):
                 self.model = Transformer(self.cfg.model).requires_grad_(False)
@@ -79,15 +100,23 @@ class EngineRollouts:
             for name, p in self.source.named_parameters():
                 mine[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
 
-    def engine(self, sequences: int) -> LLMEngine:
-        """The engine around the bound model for a phase of `sequences` requests."""
+    def config(self, sequences: int) -> EngineConfig:
+        """The engine's settings for a phase of `sequences` requests (every tp rank's alike)."""
         if self.model is None:
             raise ConfigError("EngineRollouts.bind(model, layout) must come before the first rollout")
         dtype = next(self.model.parameters()).dtype
-        config = EngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(self.device),
-                              max_model_len=min(self.cfg.train.seq_len + 1, self.cfg.model.max_seq_len),
-                              max_num_seqs=max(sequences, 1), enforce_eager=True, cpu_prepack=False,
-                              seed=self.cfg.train.seed)
+        tp = dist.get_world_size(self.tp_group) if self.spans_tp else 1
+        return EngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(self.device),
+                            max_model_len=min(self.cfg.train.seq_len + 1, self.cfg.model.max_seq_len),
+                            max_num_seqs=max(sequences, 1), enforce_eager=True, cpu_prepack=False,
+                            seed=self.cfg.train.seed, tensor_parallel_size=tp)
+
+    def engine(self, sequences: int) -> LLMEngine:
+        """The engine around the bound model for a phase of `sequences` requests (on the tp group's
+        rank 0 when the shards are the policy's: its peers must be serving, `serve_group_steps`)."""
+        config = self.config(sequences)
+        if self.spans_tp:
+            return LLMEngine.from_group_shard(self.model, config, self.tokenizer, self.eos_ids, self.tp_group)
         return LLMEngine.from_model(self.model, config, self.tokenizer, self.eos_ids)
 
     def phase_engine(self, sequences: int) -> LLMEngine:
@@ -102,6 +131,8 @@ class EngineRollouts:
 
     def rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """`group_size` completions of each prompt, their engine log-probabilities and rewards."""
+        if self.spans_tp:
+            return self._group_rollouts(prompts, records, seeds)
         self.sync()
         G = self.g.group_size
         start = time.perf_counter()
@@ -114,7 +145,37 @@ class EngineRollouts:
             self.kept = None
             raise
         engine.sleep()
-        seconds = time.perf_counter() - start
+        return self._scored(outputs, records, time.perf_counter() - start)
+
+    def _group_rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
+        """The tp group's rollouts of all of `prompts`: rank 0 drives an engine over its shard for the
+        phase (closing it releases the peers), the peers serve its steps, and its rollouts reach them
+        by broadcast. The engine is built for each phase: its KV cache lives only during it."""
+        group, start = self.tp_group, time.perf_counter()
+        got: list[Any] = [None]
+        self.model.eval()
+        if dist.get_rank(group) == 0:
+            engine = self.engine(len(prompts) * self.g.group_size)
+            try:
+                outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
+                                    seeds)
+                got[0] = self._scored(outputs, records, time.perf_counter() - start)
+            except Exception as e:  # the peers hear of it instead of waiting for rollouts
+                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
+                raise
+            finally:
+                engine.close()  # its STOP ends the peers' serving
+                dist.broadcast_object_list(got, group=group, group_src=0)
+        else:
+            serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
+            dist.broadcast_object_list(got, group=group, group_src=0)
+            if isinstance(got[0], str):
+                raise TrainingError(got[0])
+        return got[0]
+
+    def _scored(self, outputs: list[Any], records: list[dict[str, Any]], seconds: float) -> Rollouts:
+        """The rollouts of the engine's `outputs`: their tokens, log-probabilities and rewards."""
+        G = self.g.group_size
         rewards, failures = [], 0
         for i, out in enumerate(outputs):
             value, failed = score(self.reward, records[i // G].get("prompt"), out.text, records[i // G])
@@ -127,7 +188,21 @@ class EngineRollouts:
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
               temperature: float, seeds: list[int]) -> list[Any]:
-    """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run."""
+    """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run.
+    Python's cyclic garbage collector is off meanwhile: the engine's steps make many small objects,
+    and each full collection they set off would walk the trainer's whole heap (the model, its
+    optimizer state, the run's records) for cycles the loop does not make; it runs again after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _stepped(engine, prompts, group_size, max_new_tokens, temperature, seeds)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _stepped(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
+             temperature: float, seeds: list[int]) -> list[Any]:
     ids = []
     for prompt, seed in zip(prompts, seeds, strict=True):
         for j in range(group_size):

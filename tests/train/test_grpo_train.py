@@ -329,20 +329,24 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     with torch.no_grad():
         want = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     want = want.full_tensor() if isinstance(want, DTensor) else want  # tp: sharded on the vocabulary
-    rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
-    engine = rollouts.engine(1)
-    got = _engine_logits(engine, ids)
-    engine.close()
+    if rollouts.spans_tp:  # tp: one engine over the group's shards, which are the policy's (rank 0 reads it)
+        from tests.train.test_grpo_tp_shared import on_group
+        got = on_group(rollouts, 1, lambda engine: _engine_logits(engine, ids))
+    else:
+        rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
+        engine = rollouts.engine(1)
+        got = _engine_logits(engine, ids)
+        engine.close()
     return {"records": result.records, "weights": whole_parameters(trainer.parts),
-            "engine_diff": float((got - want).abs().max()), "shared": rollouts.model is trainer.model,
-            "sampled": len(sampled)}
+            "engine_diff": float((got - want).abs().max()) if got is not None else None,
+            "shared": rollouts.model is trainer.model, "spans_tp": rollouts.spans_tp, "sampled": len(sampled)}
 
 
-GRPO_LAYOUTS = [
-    pytest.param(2, {"parallel.dp_shard": 2}, id="fsdp2"),
-    pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="tp2"),
-    pytest.param(2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, id="tp2-sp"),
-    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2", marks=pytest.mark.slow),
+GRPO_LAYOUTS = [  # (ranks, layout, whether the engine's shards are the policy's: tp alone)
+    pytest.param(2, {"parallel.dp_shard": 2}, False, id="fsdp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, True, id="tp2"),
+    pytest.param(2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, True, id="tp2-sp"),
+    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, False, id="tp2-fsdp2", marks=pytest.mark.slow),
 ]
 
 
@@ -356,19 +360,25 @@ def one_process(root) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,layout", GRPO_LAYOUTS)
-def test_under_dp_shard_and_tp_the_engine_reads_gathered_weights_and_the_ranks_train_the_one_process_policy(
-        root, one_process, world, layout):
+@pytest.mark.parametrize("world,layout,aliased", GRPO_LAYOUTS)
+def test_under_dp_shard_and_tp_the_engine_reads_the_policys_weights_and_the_ranks_train_the_one_process_policy(
+        root, one_process, world, layout, aliased):
     ref, extra = one_process, LAYOUT_RUN
     run = "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
     got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**extra, **layout}), timeout=HANG_S)
-    assert ref["shared"] and not got[0]["shared"]  # shards (FSDP, tp): the engine holds a gathered copy
-    # every rank samples its share of the 12 prompts of the run: dp ranks their rows, tp peers every tp-th of them
-    assert ref["sampled"] == 12 and all(rank["sampled"] == 12 // world for rank in got)
+    assert ref["shared"] and not got[0]["shared"]  # shards: no whole model shared with the engine
+    # tp alone: the engine's shards are the policy's (tests/train/test_grpo_tp_shared.py); with dp_shard a copy
+    assert all(rank["spans_tp"] == aliased for rank in got)
+    # the 12 prompts of the run: each dp rank samples its rows; tp peers every tp-th of them, or, when one
+    # engine spans them, each is handed all of its rows (rank 0 drives the engine for them all)
+    tp = 2 if "parallel.tp" in layout else 1
+    share = 12 * tp // world if aliased else 12 // world
+    assert ref["sampled"] == 12 and all(rank["sampled"] == share for rank in got)
     for rank in got:
-        assert rank["engine_diff"] < 1e-5, rank["engine_diff"]
+        assert rank["engine_diff"] is None or rank["engine_diff"] < 1e-5, rank["engine_diff"]
         for name, value in ref["weights"].items():
             torch.testing.assert_close(rank["weights"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert got[0]["engine_diff"] is not None  # rank 0 reads the engine in every layout
     assert ref["engine_diff"] < 1e-5 and sum(r["grad_norm"] > 0 for r in ref["records"]) >= 2  # the policy moved
     for mine, want in zip(got[0]["records"], ref["records"], strict=True):  # the same completions and rewards
         for key in ("reward_mean", "reward_std", "response_length", "loss"):

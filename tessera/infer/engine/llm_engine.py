@@ -45,6 +45,7 @@ from tessera.infer.runner.executor import Executor, InProcessExecutor, closed_on
 from tessera.infer.runner.lora import merge_adapter
 from tessera.infer.runner.multimodal import ImageEncoder, expand_placeholders
 from tessera.infer.runner.tp_executor import TensorParallelExecutor
+from tessera.infer.runner.tp_shared import GroupPeers
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import make_generator
 from tessera.infer.sampling.structured_output import GrammarCompiler, GrammarMatcher
@@ -140,6 +141,13 @@ class LLMEngine:
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
+
+    @classmethod
+    def from_group_shard(cls, model: Transformer, config: EngineConfig, tokenizer, eos_ids, group) -> LLMEngine:
+        """Serve `model`, this rank's tensor-parallel shard (plain tensors, `runner.tp_shared.alias_shards`),
+        on rank 0 of the running process `group`, whose other ranks call `tp_shared.serve_group_steps`
+        meanwhile; `close()` releases them (config.tensor_parallel_size is the group's size)."""
+        return cls._serving(TensorParallelExecutor(GroupPeers(group), model, config), config, tokenizer, eos_ids)
 
     @classmethod
     def _serving_vision_language(cls, model: VisionLanguageModel, config: EngineConfig, tokenizer, eos_ids,

@@ -64,31 +64,34 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 
 class StepChannel:
-    """The control plane: rank 0 sends (kind, payload) messages, the other ranks receive them."""
+    """The control plane: rank 0 sends (kind, payload) messages, the other ranks receive them.
+    `data`: the group the steps' logits are gathered over (None: the world, where the serving workers
+    run; a trainer's tp group when the engine runs on its ranks, tp_shared.py)."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, data: dist.ProcessGroup | None = None):
+        self.group, self.data = group, data
 
     def send(self, kind: int, payload: list[int]) -> None:
-        dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.long), 0, group=self.group)
+        dist.broadcast(torch.tensor([kind, len(payload)], dtype=torch.long), group=self.group, group_src=0)
         if payload:
-            dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+            dist.broadcast(torch.tensor(payload, dtype=torch.long), group=self.group, group_src=0)
 
     def receive(self) -> tuple[int, list[int]]:
         header = torch.empty(2, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
+        dist.broadcast(header, group=self.group, group_src=0)
         kind, n = header.tolist()
         if not n:
             return kind, []
         payload = torch.empty(n, dtype=torch.long)
-        dist.broadcast(payload, 0, group=self.group)
+        dist.broadcast(payload, group=self.group, group_src=0)
         return kind, payload.tolist()
 
 
-def run_step(paged: PagedModel, kind: int, items: list[BatchItem], vocab_size: int
-             ) -> tuple[torch.Tensor | None, list[int]]:
-    """One STEP or PACKED message on any rank: the same forward on every rank, then the rows the
-    driver reads gathered to rank 0 ([T, V] there with those rows filled, None elsewhere)."""
+def run_step(paged: PagedModel, kind: int, items: list[BatchItem], vocab_size: int,
+             group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor | None, list[int]]:
+    """One STEP or PACKED message on any rank of `group` (None: the world): the same forward on every
+    rank, then the rows the driver reads gathered to the group's rank 0 ([T, V] there with those rows
+    filled, None elsewhere)."""
     if kind == STEP:
         logits, offsets = paged.forward_split(items)
     else:
@@ -97,12 +100,12 @@ def run_step(paged: PagedModel, kind: int, items: list[BatchItem], vocab_size: i
     rows = logit_rows(items, offsets)
     index = torch.tensor(rows, dtype=torch.long, device=local_TV.device)
     mine_RV = local_TV.index_select(0, index).contiguous()
-    world = dist.get_world_size()
-    if dist.get_rank() != 0:
-        dist.gather(mine_RV, None, dst=0)
+    world = dist.get_world_size(group)
+    if dist.get_rank(group) != 0:
+        dist.gather(mine_RV, None, group=group, group_dst=0)
         return None, offsets
     parts = [torch.empty_like(mine_RV) for _ in range(world)]
-    dist.gather(mine_RV, parts, dst=0)
+    dist.gather(mine_RV, parts, group=group, group_dst=0)
     full_TV = local_TV.new_empty(local_TV.shape[0], vocab_size)
     full_TV[index] = torch.cat(parts, dim=-1)
     return full_TV, offsets
@@ -117,6 +120,6 @@ def serve_worker_steps(paged: PagedModel, channel: StepChannel, vocab_size: int)
         if kind == CLEAR:
             paged.clear_blocks(payload)
         elif kind in (STEP, PACKED):
-            run_step(paged, kind, _unpack_items(payload), vocab_size)
+            run_step(paged, kind, _unpack_items(payload), vocab_size, channel.data)
         else:
             raise ParallelError(f"unknown control message kind {kind} from the driver")

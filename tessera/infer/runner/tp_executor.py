@@ -48,7 +48,7 @@ class TensorParallelModel:
     def _run(self, kind: int, items: list[BatchItem]) -> tuple[torch.Tensor, list[int]]:
         def step():
             self.workers.channel.send(kind, pack_items(items))
-            logits, offsets = run_step(self.local, kind, items, self.vocab_size)
+            logits, offsets = run_step(self.local, kind, items, self.vocab_size, self.workers.channel.data)
             if logits.is_cuda:
                 # NCCL collectives only queue work: a rank that died or failed shows at the next
                 # wait on the device. Waiting here makes that happen inside `guarded`, which

@@ -9,6 +9,7 @@ Shapes: R rows, V vocabulary, K top tokens.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -31,8 +32,9 @@ def float_bits(values: torch.Tensor) -> torch.Tensor:
 
 
 def bits_float(values: list[int]) -> list[float]:
-    """The fp32 values whose bit patterns `float_bits` gave."""
-    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32).tolist()
+    """The fp32 values whose bit patterns `float_bits` gave (read on the host: a request's row or two a
+    step, where making tensors of them cost more than the step's sampling)."""
+    return list(struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}i", *values)))
 
 
 @dataclass

@@ -90,7 +90,11 @@ class Rollouts:
 
 
 class RolloutSource(Protocol):
-    """The serving engine as the GRPO step sees it (tessera.eval.rollouts.EngineRollouts)."""
+    """The serving engine as the GRPO step sees it (tessera.eval.rollouts.EngineRollouts). Under tp,
+    `spans_tp` says that the tp peers sample together, one engine over their shards: each is then
+    handed all of its step's prompts and returns the same rollouts (read only when tp > 1)."""
+
+    spans_tp: bool
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s current weights from now on (called once, when the policy is built)."""
@@ -131,9 +135,10 @@ class GRPOStep:
     def _rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """The rollouts of this rank's prompts. Tensor-parallel peers hold the same prompts: each samples
         every tp-th of them (their seeds unchanged, so the completions are those one rank would sample)
-        and the peers gather the others' (`merge_rollouts`)."""
+        and the peers gather the others' (`merge_rollouts`), unless the source's engine spans the tp
+        group (its shards the policy's: `spans_tp`), which samples them all together."""
         tp = self.dims.tp if self.dims is not None else 1
-        if tp == 1:
+        if tp == 1 or self.rollout_source.spans_tp:
             return self.rollout_source.rollouts(prompts, records, seeds)
         r = self.dims.local_rank("tp")
         mine = self.rollout_source.rollouts(prompts[r::tp], records[r::tp], seeds[r::tp])
@@ -144,13 +149,21 @@ class GRPOStep:
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
 
-    def _forward_logps(self, seqs: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def _forward_logps(self, seqs: torch.Tensor, mask: torch.Tensor
+                       ) -> tuple[Any, torch.Tensor, torch.Tensor, ModelInput, int]:
         """The policy's forward on completions [n, L]: its output, the targets (IGNORE_INDEX outside
-        the completions) and the raw fp32 logits."""
+        the completions), the raw fp32 logits, the input (which the reference reads too) and `first`:
+        the logits and targets cover target positions [first, L - 1) only, from the chunk's earliest
+        completion target on (the head and the softmax of the prompts' positions, whose targets are
+        ignored, are not computed; a sequence-sharded input keeps every position, first = 0)."""
+        first = int(mask.any(0).nonzero()[0]) if bool(mask.any()) else 0
+        positions = torch.arange(first, mask.shape[1], device=self.device) if first else None
         x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].masked_fill(~mask, IGNORE_INDEX).to(self.device)
+        inp = ModelInput(tokens=x, logit_positions=positions)
         with mixed_precision(self.device, self.autocast):
-            out = self.model(ModelInput(tokens=x))
-        return out, y, out.logits.float()
+            out = self.model(inp)
+        first = first if out.logits.shape[1] < y.shape[1] else 0
+        return out, y[:, first:], out.logits.float(), inp, first
 
     @torch.no_grad()
     def _score(self, seqs: torch.Tensor, mask: torch.Tensor, chunks: list[slice]) -> torch.Tensor:
@@ -159,8 +172,8 @@ class GRPOStep:
         the trainer's bit for bit."""
         engine = torch.zeros(mask.shape, dtype=torch.float32)
         for rows in chunks:
-            _, y, logits = self._forward_logps(seqs[rows], mask[rows])
-            engine[rows] = token_logps(logits, y).cpu()
+            _, y, logits, _, first = self._forward_logps(seqs[rows], mask[rows])
+            engine[rows, first:] = token_logps(logits, y).cpu()
         return engine
 
     def _micro_batch(self, seqs: torch.Tensor, mask: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor,
@@ -170,15 +183,17 @@ class GRPOStep:
         loss, clipped, kl and |engine - trainer| sums (fp64) and the largest difference, and the
         (tempered, raw) log-probabilities of the rollout's policy (`old`: those of the first update)."""
         g = self.g
-        m, engine = mask.to(self.device), engine.to(self.device)
-        out, y, logits = self._forward_logps(seqs, mask)
+        out, y, logits, inp, first = self._forward_logps(seqs, mask)
+        m, engine = mask[:, first:].to(self.device), engine[:, first:].to(self.device)
         raw = token_logps(logits, y)  # the distribution the engine reports
         logps = raw if g.temperature == 1 else token_logps(logits / g.temperature, y)
         old = old if old is not None else (logps.detach(), raw.detach())  # the first update: the sampling policy
         ref = None
         if self.reference is not None:
             with torch.no_grad(), mixed_precision(self.device, self.autocast):
-                ref_logits = self.reference(ModelInput(tokens=seqs[:, :-1].to(self.device))).logits.float()
+                ref_logits = self.reference(inp).logits.float()
+            if ref_logits.shape[1] > y.shape[1]:  # the reference kept every position
+                ref_logits = ref_logits[:, -y.shape[1]:]
             ref = token_logps(ref_logits if g.temperature == 1 else ref_logits / g.temperature, y)
         weights = tis_weights(old[1], engine, g.tis_cap) if g.tis_cap is not None else None
         entropies = token_entropy(logits / g.temperature) if g.entropy_coef else None

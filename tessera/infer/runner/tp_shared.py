@@ -1,0 +1,103 @@
+"""Tensor-parallel serving on ranks that already run together, over weights they already hold: the
+serving engine of a GRPO run under tensor parallelism (tessera/eval/rollouts.py).
+
+A trainer under tp holds its policy cut over the tp group, each weight a DTensor whose local tensor is
+this rank's shard. When the serving plan cuts the model the same way (the same tp size, so the same
+shard boundaries: both are `tessera.parallel.tensor_parallel`'s plan), `alias_shards` builds the serving
+model over those very tensors: a model shell on the meta device, cut by the plan, each parameter then
+the trainer's own tensor (a DTensor where cut, the whole tensor where not: norms), and turned into
+plain local tensors with the plan's collectives as hooks (`tensor_parallel.to_plain_tensors`). The
+engine's weights are then the trainer's storage: no copy is made, and an optimizer step that updates
+them in place is what the next decode reads. Where the layouts differ (the trainer also shards over
+dp_shard, a weight is placed otherwise, a row-parallel bias, whose copy the serving plan zeroes on
+all ranks but one) it returns None and the caller gathers a whole copy instead.
+
+The group's rank 0 drives the engine: `LLMEngine.from_group_shard` builds it over a
+`TensorParallelExecutor` whose workers are the group's other ranks (`GroupPeers`), already running:
+each of them calls `serve_group_steps`, which mirrors every step (tp_channel.py) until the driver's
+engine closes (its STOP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tessera.infer.config import EngineConfig
+from tessera.infer.runner.paged_model import build_paged_model
+from tessera.infer.runner.tensor_parallel import to_plain_tensors
+from tessera.infer.runner.tp_channel import STOP, StepChannel, serve_worker_steps
+from tessera.models.transformer import Transformer
+from tessera.parallel.dims import ParallelDims
+from tessera.parallel.tensor_parallel import apply_tensor_parallel
+
+
+@torch.no_grad()
+def alias_shards(policy: Transformer, dims: ParallelDims) -> Transformer | None:
+    """A serving model of this rank's tp shard whose parameters are `policy`'s local tensors (module
+    docstring), or None where the trainer's layout is not the serving plan's."""
+    params = dict(policy.named_parameters())
+    tp_mesh = dims["tp"]
+    cut = [p for p in params.values() if isinstance(p, DTensor)]
+    if not cut or any(p.device_mesh != tp_mesh for p in cut) or getattr(policy.cfg, "moe", None) is not None:
+        return None  # no weight cut, one cut over more than the tp group (dp_shard), or experts (their own plan)
+    with torch.device("meta"):
+        shell = Transformer(policy.cfg, init_seed=None)
+    apply_tensor_parallel(shell, tp_mesh, sp=False)  # the plan of serving (and of training, less its sp hooks)
+    mine = dict(shell.named_parameters())
+    if mine.keys() != params.keys() or not all(_same_box(mine[k], params[k]) for k in mine):
+        return None
+    for module in shell.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None and module.weight.placements[-1] == Shard(1):
+            return None  # to_plain_tensors zeroes the bias of a row-parallel layer on all ranks but one
+    for name, p in params.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(shell.get_submodule(owner), leaf, nn.Parameter(_served(mine[name], p), requires_grad=False))
+    shell.reset_rope(cut[0].device)
+    return to_plain_tensors(shell.eval(), tp_mesh.get_group())
+
+
+def _whole(t: torch.Tensor) -> bool:
+    return not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements)
+
+
+def _same_box(serving: torch.Tensor, trained: torch.Tensor) -> bool:
+    """Both cut alike (DTensors of one placement), or both whole (a norm's weight: plain, or replicated
+    under sp), one shape."""
+    if _whole(serving) != _whole(trained):
+        return False
+    placed = _whole(trained) or tuple(serving.placements) == tuple(trained.placements)
+    return placed and serving.shape == trained.shape and serving.dtype == trained.dtype
+
+
+def _served(serving: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """The tensor the serving model holds for `trained`: its DTensor where serving cuts it too, else
+    its whole local tensor (the same storage either way)."""
+    if isinstance(trained, DTensor) and not isinstance(serving, DTensor):
+        return trained.detach().to_local()
+    return trained.detach()
+
+
+class GroupPeers:
+    """The other ranks of `group` as `TensorParallelExecutor` drives its workers: already running
+    (`serve_group_steps`), so nothing to start or watch; stopping them is the STOP message."""
+
+    failure = None
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.channel = StepChannel(group, data=group)
+
+    def guarded(self, fn):
+        return fn()
+
+    def stop(self) -> None:
+        self.channel.send(STOP, [])
+
+
+def serve_group_steps(model: Transformer, config: EngineConfig, group: dist.ProcessGroup) -> None:
+    """A rank of `group` other than 0: its shard's paged model (a KV cache of this phase, freed on
+    return) mirrors the driver's steps until its engine closes."""
+    paged, _ = build_paged_model(model, config, None)
+    serve_worker_steps(paged, StepChannel(group, data=group), model.cfg.vocab_size)
