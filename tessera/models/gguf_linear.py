@@ -12,6 +12,8 @@ float parameter as usual.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,8 @@ class GgufLinear(nn.Module):
     """y = x W^T (+ b) with W held as GGML `kind` blocks ([out_features, in_features] logically)."""
 
     quantized = True  # not quantizable again (tessera.models.int8.quantizable_layers)
+    # (layer, x) -> y, or None to take the reference; set per layer by tessera.infer.cpu.gguf_matmul
+    fused: Callable[[nn.Module, torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, kind: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
@@ -38,6 +42,10 @@ class GgufLinear(nn.Module):
         return dequantize(self.kind, self.blocks, (self.out_features, self.in_features)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            y = self.fused(self, x)
+            if y is not None:
+                return y
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
