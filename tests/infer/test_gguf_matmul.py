@@ -1,6 +1,6 @@
 """The CPU kernel that multiplies by GGUF block matrices without dequantizing them
 (csrc/gguf_matmul_cpu.cpp, infer/cpu/gguf_matmul.py): for every block type it serves, the product by
-the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int8
+the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int16
 rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
 the same bits on AVX2 and in the portable loops, on one thread and two, a row alone or among others;
 and GgufLinear taking it only where it is installed and serves."""
@@ -38,13 +38,13 @@ def blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind]))
 
 
-def int8_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel rounds it (per row and 32 inputs: d = max|x| / 127, q = round(x / d)), and
+def int16_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel rounds it (per row and 32 inputs: d = max|x| / 32767, q = round(x / d)), and
     each input's group maximum |x|."""
     groups = x.reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * torch.where(amax > 0, 127.0 / amax, 0.0))
-    return (q * (amax / 127.0)).reshape(x.shape), amax.expand_as(groups).reshape(x.shape)
+    q = torch.round(groups * torch.where(amax > 0, 32767.0 / amax, 0.0))
+    return (q * (amax / 32767.0)).reshape(x.shape), amax.expand_as(groups).reshape(x.shape)
 
 
 def cols_of(kind: str) -> int:
@@ -53,7 +53,7 @@ def cols_of(kind: str) -> int:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M", [1, 3, 17])
-def test_product_equals_the_dequantized_weights_within_the_int8_rounding(kind, M):
+def test_product_equals_the_dequantized_weights_within_the_int16_rounding(kind, M):
     K, N = cols_of(kind), 13  # N: not a multiple of 8 or of the threads' shares
     raw = blocks(kind, N, K, seed=M)
     w = dequantize(kind, raw, (N, K))
@@ -64,10 +64,10 @@ def test_product_equals_the_dequantized_weights_within_the_int8_rounding(kind, M
     y = gguf_linear(x, raw, kind, N, bias)
     slack = 2e-6 * (x.abs() @ w.abs().T) + 1e-6  # fp32 sums in another order
     # With the activations rounded as the kernel rounds them, only the order of fp32 sums differs.
-    xq, amax = int8_rounded(x)
+    xq, amax = int16_rounded(x)
     assert ((y - F.linear(xq, w, bias)).abs() <= slack).all()
-    # Against the exact activations: each input moves by at most its group's max |x| / 254.
-    error, bound = (y - F.linear(x, w, bias)).abs(), (amax / 254) @ w.abs().T + slack
+    # Against the exact activations: each input moves by at most its group's max |x| / 65534.
+    error, bound = (y - F.linear(x, w, bias)).abs(), (amax / 65534) @ w.abs().T + slack
     assert (error <= bound).all(), (error / bound).max()
     assert error.max() > 0  # the bound is what is tested, not equality
 

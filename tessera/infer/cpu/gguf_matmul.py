@@ -3,26 +3,29 @@
 `tessera.models.gguf_linear.GgufLinear` keeps a GGUF file's block matrix as its bytes; by itself it
 multiplies by dequantizing the whole matrix in every forward (the reference). `csrc/gguf_matmul_cpu.cpp`
 (`torch.ops.tessera_cpu.gguf_linear`, in the library infer/cpu/attention.py builds) multiplies by
-the blocks as they lie, as llama.cpp's CPU kernels do: the activations are quantized to int8 per
+the blocks as they lie, in the manner of llama.cpp's CPU kernels: the activations are quantized per
 row and per 32 inputs (a scale per 32, and their sum for the types with an offset), each 32 weights
-are unpacked to small integers in registers and multiplied by them in int8 / int16 / int32 (AVX2
-`maddubs` / `madd`, chosen at run time; portable loops elsewhere), the blocks' scales and offsets
-applied once per 32 in fp32. A decode step reads each weight row once at the format's bytes per
-weight (Q4_1: 0.625 bytes, against 4 for the dequantized fp32 model).
+are unpacked to small integers in registers and multiplied by them in integers (AVX2 `madd`, chosen
+at run time; portable loops elsewhere), the blocks' scales and offsets applied once per 32 in fp32.
+A decode step reads each weight row once at the format's bytes per weight (Q4_1: 0.625 bytes,
+against 4 for the dequantized fp32 model).
 
-Types: `KINDS` (Q2_K and Q3_K keep the reference). The result differs from the product by the
-dequantized weight by the int8 rounding of the activations only: per 32 inputs with maximum |x| = a,
-each input moves by at most a / 254, so |y - y_ref| <= sum over the 32-groups of a / 254 * sum |w|
-(plus fp32 rounding); tests/infer/test_gguf_matmul.py checks that bound, and the kernel against the
-product by the dequantized weight and the int8-rounded activations to fp32 rounding. Every output
-is computed by one thread in one order (the C++ file's comment), so the result is the same bits
-for any thread count, with the AVX2 path or the portable one (`portable=True`, which tests use),
-and whatever other rows share the product.
+The activations are rounded to int16, not to llama.cpp's int8: with int8 the perplexity of SmolLM2's
+Q4_1 file on a held-out text rose by 1.4% over the dequantized model (one large input in a group of
+32 leaves the others a few levels), with int16 it is the dequantized model's to 0.01% (the C++
+file's comment; tests/infer/test_gguf_matmul_smollm2.py). Types: `KINDS` (Q2_K and Q3_K keep the
+reference). The result differs from the product by the dequantized weight by that rounding only:
+per 32 inputs with maximum |x| = a, each input moves by at most a / 65534, so |y - y_ref| <= sum over
+the 32-groups of a / 65534 * sum |w| (plus fp32 rounding); tests/infer/test_gguf_matmul.py checks
+that bound, and the kernel against the product by the dequantized weight and the rounded activations
+to fp32 rounding. Every output is computed by one thread in one order (the C++ file's comment), so
+the result is the same bits for any thread count, with the AVX2 path or the portable one
+(`portable=True`, which tests use), and whatever other rows share the product. No AVX-512 path.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
 autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks keep the
-reference, dequantizing the matrix once for all their rows, which then costs less than the int8
+reference, dequantizing the matrix once for all their rows, which then costs less than the integer
 products per row. `TESSERA_CPU_ATTENTION=torch` turns it off with the library's other kernels.
 """
 
@@ -34,7 +37,7 @@ from torch import nn
 from tessera.infer.cpu import attention as cpu_attention
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-MAX_ROWS = 64  # rows of x up to which the int8 products beat dequantizing the matrix once
+MAX_ROWS = 64  # rows of x up to which the integer products beat dequantizing the matrix once
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int,
