@@ -96,6 +96,14 @@ def test_bits_do_not_depend_on_threads_or_the_other_rows(kind):
     assert torch.equal(one, alone)  # a decode row gets the same bits whatever else is in the step
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_gives_the_reference_bits(kind):
+    K, N = cols_of(kind), 11
+    raw = blocks(kind, N, K, seed=8)
+    got = torch.ops.tessera_cpu.gguf_dequantize(raw, kind, N, K)
+    assert torch.equal(got.view(torch.int32), dequantize(kind, raw, (N, K)).view(torch.int32))
+
+
 def test_leading_shapes_and_refusals():
     raw = blocks("Q4_0", 5, 64, seed=1)
     x = torch.randn(2, 3, 64)

@@ -56,9 +56,9 @@ def _vector_flags() -> tuple[str, list[str]]:
     cached per name, so a cache directory shared by different CPUs keeps one build for each)."""
     capability = torch.backends.cpu.get_cpu_capability().upper()
     if capability.startswith("AVX512"):
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX2":
-        return "avx2", ["-mavx2", "-mfma"]
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
 

@@ -12,7 +12,7 @@ against 4 for the dequantized fp32 model).
 
 The activations are rounded to int16, not to llama.cpp's int8: with int8 the perplexity of SmolLM2's
 Q4_1 file on a held-out text rose by 1.4% over the dequantized model (one large input in a group of
-32 leaves the others a few levels), with int16 it is the dequantized model's to 0.01% (the C++
+32 leaves the others a few levels), with int16 it is the dequantized model's to 0.001% (the C++
 file's comment; tests/infer/test_gguf_matmul_smollm2.py). Types: `KINDS` (Q2_K and Q3_K keep the
 reference). The result differs from the product by the dequantized weight by that rounding only:
 per 32 inputs with maximum |x| = a, each input moves by at most a / 65534, so |y - y_ref| <= sum over
@@ -24,9 +24,11 @@ the result is the same bits for any thread count, with the AVX2 path or the port
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
-autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks keep the
-reference, dequantizing the matrix once for all their rows, which then costs less than the integer
-products per row. `TESSERA_CPU_ATTENTION=torch` turns it off with the library's other kernels.
+autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks take the
+reference's arithmetic, the matrix dequantized once for all their rows (which then costs less than
+the integer products per row), dequantized by the same library (`gguf_dequantize`: gguf_blocks'
+values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
+with the library's other kernels.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 from tessera.infer.cpu import attention as cpu_attention
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-MAX_ROWS = 64  # rows of x up to which the integer products beat dequantizing the matrix once
+MAX_ROWS = 32  # rows of x up to which the integer products beat dequantizing the matrix once (measured)
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int,
@@ -50,11 +52,14 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: 
 
 
 def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """`layer`'s product by the kernel (a `GgufLinear.fused`), or None where it keeps the reference:
-    autograd on, activations not fp32 on CPU, more than `MAX_ROWS` rows."""
-    if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
-            or x.numel() > MAX_ROWS * x.shape[-1]):
+    """`layer`'s product by the kernel (a `GgufLinear.fused`), or None where it keeps the reference
+    (autograd on, activations not fp32 on CPU); past `MAX_ROWS` rows, the reference's product with
+    the matrix dequantized by `gguf_dequantize` (the same values)."""
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
+    if x.numel() > MAX_ROWS * x.shape[-1]:  # the reference's bits, its matrix dequantized in C++
+        weight = torch.ops.tessera_cpu.gguf_dequantize(layer.blocks, layer.kind, layer.out_features, layer.in_features)
+        return torch.nn.functional.linear(x, weight, layer.bias)
     return gguf_linear(x, layer.blocks, layer.kind, layer.out_features, layer.bias)
 
 

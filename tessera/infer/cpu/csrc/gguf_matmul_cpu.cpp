@@ -33,6 +33,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,10 +49,15 @@ namespace {
 constexpr int QK = 32;
 constexpr int LANE[8] = {0, 4, 16, 20, 8, 12, 24, 28};  // first input of each accumulator's four
 
+// fp16 -> fp32 is exact: F16C's instruction (a build with -mf16c) and c10's bit operations agree.
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 // A sub-block's factors: weight = lo * w + c for its first 16 values, hi * w + c for the others.
@@ -71,7 +77,8 @@ inline void scale_min_k4(const uint8_t* s, int j, int& scale, int& min) {
 }
 
 // Each type: VALUES per block, BYTES per block, SIGNED weights or not; values(block, j, w) writes the
-// 32 integers of sub-block j, factors(block, j) its factors.
+// 32 integers of sub-block j, factors(block, j) its factors. OFFSET (Q4_0, Q5_0): c = -OFFSET * f,
+// which gguf_dequantize applies as f * (w - OFFSET), the reference's operations.
 struct Q8_0 {
   static constexpr int VALUES = 32, BYTES = 34;
   static constexpr bool SIGNED = true;
@@ -93,7 +100,7 @@ inline void fifth_bits(const uint8_t* qh, int16_t* w) {
 }
 
 struct Q4_0 {
-  static constexpr int VALUES = 32, BYTES = 18;
+  static constexpr int VALUES = 32, BYTES = 18, OFFSET = 8;
   static constexpr bool SIGNED = false;
   static void values(const uint8_t* b, int, int16_t* w) { nibbles(b + 2, w); }
   static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), -8.0f * f16(b)}; }
@@ -107,7 +114,7 @@ struct Q4_1 {
 };
 
 struct Q5_0 {
-  static constexpr int VALUES = 32, BYTES = 22;
+  static constexpr int VALUES = 32, BYTES = 22, OFFSET = 16;
   static constexpr bool SIGNED = false;
   static void values(const uint8_t* b, int, int16_t* w) {
     nibbles(b + 6, w);
@@ -169,6 +176,12 @@ struct Q6_K {
             d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j])), 0.0f};
   }
 };
+
+template <class T>
+constexpr int offset_of() {
+  if constexpr (requires { T::OFFSET; }) return T::OFFSET;
+  return 0;
+}
 
 // x quantized per row and sub-block (file comment): q [M, K], d and s [M, K / 32].
 struct Activations {
@@ -328,7 +341,8 @@ TESSERA_AVX2_TARGET void dot_rows_avx2(const uint8_t* row, const Activations& a,
     __m256i w_lo, w_hi;
     vec_widen<T::SIGNED>(vec_values<T>(blk, j), w_lo, w_hi);
     const Factors f = T::factors(blk, j);
-    const __m256 lohi = _mm256_setr_ps(f.lo, f.lo, f.hi, f.hi, f.lo, f.lo, f.hi, f.hi);  // as LANE
+    const __m256 lohi = std::is_same_v<T, Q6_K> ? _mm256_setr_ps(f.lo, f.lo, f.hi, f.hi, f.lo, f.lo, f.hi, f.hi)  // as LANE
+                                                : _mm256_set1_ps(f.lo);  // (lo == hi)
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * a.nb + b;
       const __m256 scale = _mm256_mul_ps(lohi, _mm256_set1_ps(a.d[at]));
@@ -390,7 +404,74 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t N, co
   return y;
 }
 
+// One sub-block's 32 values; a product then a sum, never contracted into an fma (GCC contracts in C++).
+template <bool SIGNED, int OFF>
+__attribute__((optimize("fp-contract=off"))) void dequantize_sub(const int16_t* v, const Factors& f, float* o) {
+  for (int i = 0; i < QK; ++i) {
+    const float scale = i < 16 ? f.lo : f.hi;
+    if constexpr (SIGNED) o[i] = scale * static_cast<float>(v[i]);
+    else if constexpr (OFF != 0) o[i] = scale * static_cast<float>(v[i] - OFF);
+    else o[i] = scale * static_cast<float>(v[i]) + f.c;
+  }
+}
+
+// [N, K] fp32 from the blocks, the values (and bits) of tessera/models/gguf_blocks.py: the same
+// fp32 operations in the same order.
+template <class T>
+at::Tensor dequantize_rows(const at::Tensor& blocks, int64_t N, int64_t K) {
+  constexpr int SUBS = T::VALUES / QK, OFF = offset_of<T>();
+  TORCH_CHECK(K % T::VALUES == 0 && blocks.numel() == N * (K / T::VALUES) * T::BYTES, "gguf_dequantize: blocks hold ",
+              blocks.numel(), " bytes, not those of [", N, ", ", K, "]");
+  at::Tensor y = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int16_t v[QK];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        const uint8_t* blk = w + n * row_bytes + (b / SUBS) * T::BYTES;
+        const int j = static_cast<int>(b % SUBS);
+        T::values(blk, j, v);
+        const Factors f = T::factors(blk, j);
+        dequantize_sub<T::SIGNED, OFF>(v, f, out + n * K + b * QK);
+      }
+  });
+  return y;
+}
+
+template <template <class> class F, class... Args>
+auto by_kind(const std::string& k, Args&&... args) {
+  if (k == "Q8_0") return F<Q8_0>::run(args...);
+  if (k == "Q4_0") return F<Q4_0>::run(args...);
+  if (k == "Q4_1") return F<Q4_1>::run(args...);
+  if (k == "Q5_0") return F<Q5_0>::run(args...);
+  if (k == "Q5_1") return F<Q5_1>::run(args...);
+  if (k == "Q4_K") return F<Q4_K>::run(args...);
+  if (k == "Q5_K") return F<Q5_K>::run(args...);
+  if (k == "Q6_K") return F<Q6_K>::run(args...);
+  TORCH_CHECK(false, "gguf_linear: no kernel for GGML type ", k, "; kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K");
+}
+
+template <class T>
+struct Multiply {
+  static at::Tensor run(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& b,
+                        bool portable) {
+    return multiply<T>(x, w, N, b, portable);
+  }
+};
+
+template <class T>
+struct Dequantize {
+  static at::Tensor run(const at::Tensor& w, int64_t N, int64_t K) { return dequantize_rows<T>(w, N, K); }
+};
+
 }  // namespace
+
+at::Tensor tessera_cpu::gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte, "gguf_dequantize takes uint8 CPU blocks");
+  return by_kind<Dequantize>(std::string(kind), blocks.contiguous(), N, K);
+}
 
 at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind,
                                     int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
@@ -400,14 +481,5 @@ at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& bl
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "gguf_linear: bias must be fp32 [N]");
   const at::Tensor x = x_in.contiguous(), w = blocks.contiguous();
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  const std::string k(kind);
-  if (k == "Q8_0") return multiply<Q8_0>(x, w, N, b, portable);
-  if (k == "Q4_0") return multiply<Q4_0>(x, w, N, b, portable);
-  if (k == "Q4_1") return multiply<Q4_1>(x, w, N, b, portable);
-  if (k == "Q5_0") return multiply<Q5_0>(x, w, N, b, portable);
-  if (k == "Q5_1") return multiply<Q5_1>(x, w, N, b, portable);
-  if (k == "Q4_K") return multiply<Q4_K>(x, w, N, b, portable);
-  if (k == "Q5_K") return multiply<Q5_K>(x, w, N, b, portable);
-  if (k == "Q6_K") return multiply<Q6_K>(x, w, N, b, portable);
-  TORCH_CHECK(false, "gguf_linear: no kernel for GGML type ", k, "; kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K");
+  return by_kind<Multiply>(std::string(kind), x, w, N, b, portable);
 }
