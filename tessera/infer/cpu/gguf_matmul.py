@@ -12,7 +12,7 @@ against 4 for the dequantized fp32 model).
 
 The activations are rounded to int16, not to llama.cpp's int8: with int8 the perplexity of SmolLM2's
 Q4_1 file on a held-out text rose by 1.4% over the dequantized model (one large input in a group of
-32 leaves the others a few levels), with int16 it is the dequantized model's to 0.001% (the C++
+32 leaves the others a few levels), with int16 it is the dequantized model's to 0.003% (the C++
 file's comment; tests/infer/test_gguf_matmul_smollm2.py). Types: `KINDS` (Q2_K and Q3_K keep the
 reference). The result differs from the product by the dequantized weight by that rounding only:
 per 32 inputs with maximum |x| = a, each input moves by at most a / 65534, so |y - y_ref| <= sum over
