@@ -2,15 +2,20 @@
 
 The weight is kept as the file stores it: the raw bytes of its blocks (a uint8 buffer [out,
 row bytes], in the model's row order) with its GGML type and logical shape [out, in], so a Q4_1
-matrix takes 20 bytes per 32 weights instead of 128 (float32). The layer computes by the plain
-PyTorch reference: each forward dequantizes the whole weight on the buffer's device
-(`tessera.models.gguf_blocks`, float32, the values gguf's own dequantizer gives) and multiplies
-in the activations' dtype with F.linear. The float copy lives only for that product: memory is
-saved, time is not (docs/benchmarks.md measures both). A bias, when the layer has one, is a
-float parameter as usual.
+matrix takes 20 bytes per 32 weights instead of 128 (float32). The layer's own forward is the plain
+PyTorch reference: it dequantizes the whole weight on the buffer's device
+(`tessera.models.gguf_blocks`, float32, the values gguf's own dequantizer gives) and multiplies in
+the activations' dtype with F.linear; the float copy lives only for that product. A served model
+on CPU in fp32 multiplies by the blocks instead: the engine installs a kernel at `fused`
+(tessera.infer.cpu.gguf_matmul: the activations rounded to int16 per 32 inputs, integer products
+with the unpacked blocks, the scales applied per 32), which takes the decode steps and short prompt
+chunks without autograd and leaves the rest to the reference (docs/benchmarks.md measures both).
+A bias, when the layer has one, is a float parameter as usual.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,8 @@ class GgufLinear(nn.Module):
     """y = x W^T (+ b) with W held as GGML `kind` blocks ([out_features, in_features] logically)."""
 
     quantized = True  # not quantizable again (tessera.models.int8.quantizable_layers)
+    # (layer, x) -> y, or None to take the reference; set per layer by tessera.infer.cpu.gguf_matmul
+    fused: Callable[[nn.Module, torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, kind: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):
@@ -38,6 +45,10 @@ class GgufLinear(nn.Module):
         return dequantize(self.kind, self.blocks, (self.out_features, self.in_features)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            y = self.fused(self, x)
+            if y is not None:
+                return y
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

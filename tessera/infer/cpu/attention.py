@@ -45,8 +45,9 @@ log = logging.getLogger("tessera.infer")
 
 CSRC = Path(__file__).with_name("csrc")
 # one library, torch.ops.tessera_cpu (its ops registered in library.cpp): the attention, the layer ops
-# (infer/cpu/layer_ops.py), the projections (infer/cpu/linear.py)
-SOURCES = [CSRC / "library.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
+# (infer/cpu/layer_ops.py), the projections (infer/cpu/linear.py), GGUF blocks (infer/cpu/gguf_matmul.py)
+SOURCES = [CSRC / "library.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp",
+           CSRC / "gguf_matmul_cpu.cpp"]
 ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
 
 
@@ -55,9 +56,9 @@ def _vector_flags() -> tuple[str, list[str]]:
     cached per name, so a cache directory shared by different CPUs keeps one build for each)."""
     capability = torch.backends.cpu.get_cpu_capability().upper()
     if capability.startswith("AVX512"):
-        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"]
+        return "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
     if capability == "AVX2":
-        return "avx2", ["-mavx2", "-mfma"]
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "generic", []
 
 

@@ -34,6 +34,7 @@ from tessera.config.errors import ConfigError, RequestError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.config import EngineConfig
+from tessera.infer.cpu.gguf_matmul import use_block_kernels
 from tessera.infer.cpu.layer_ops import fuse_layer_ops
 from tessera.infer.cpu.linear import can_pack, fuse_projections, pack_linears
 from tessera.infer.engine.checked_request import CheckedRequest
@@ -125,8 +126,9 @@ class LLMEngine:
         language model with its image encoder beside it (`image_processor`: the one its tower ships
         with by default).
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
-        the CPU (infer/cpu/linear.py) and its norms, rotary embedding and activation done by one-pass kernels
-        (infer/cpu/layer_ops.py); a model shared with a trainer never is."""
+        the CPU (infer/cpu/linear.py), its norms, rotary embedding and activation done by one-pass kernels
+        (infer/cpu/layer_ops.py) and its GGUF block matrices multiplied as blocks (infer/cpu/gguf_matmul.py);
+        a model shared with a trainer never is."""
         config = config or EngineConfig()
         if isinstance(model, VisionLanguageModel):
             return cls._serving_vision_language(model, config, tokenizer, eos_ids, image_processor)
@@ -137,6 +139,7 @@ class LLMEngine:
                 pack_linears(model)
                 fuse_projections(model)
                 fuse_layer_ops(model)
+                use_block_kernels(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")

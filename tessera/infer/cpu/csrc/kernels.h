@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <cstdint>
 #include <optional>
@@ -24,5 +25,10 @@ at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t N);
 at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_t F);
+
+// gguf_matmul_cpu.cpp
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind, int64_t N,
+                       const std::optional<at::Tensor>& bias, bool portable);
+at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
 
 }  // namespace tessera_cpu

@@ -13,6 +13,8 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
   m.def("panel_swiglu(Tensor x, Tensor panels, int F) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, str kind, int N, Tensor? bias, bool portable=False) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
@@ -23,4 +25,6 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("pack_panels", &tessera_cpu::pack_panels);
   m.impl("panel_linear", &tessera_cpu::panel_linear);
   m.impl("panel_swiglu", &tessera_cpu::panel_swiglu);
+  m.impl("gguf_linear", &tessera_cpu::gguf_linear);
+  m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
 }

@@ -1,0 +1,485 @@
+// y = x W^T + b with W kept in a GGUF file's block format (tessera/models/gguf_blocks.py describes the
+// layouts), multiplied without dequantizing the matrix: gguf_linear(x [M, K], blocks [N, row bytes],
+// kind, N, bias, portable) -> [M, N], fp32.
+//
+// Activations are quantized first, per row and per 32 inputs (a "sub-block"): d = max|x| / 32767,
+// q = round(x / d) in int16, and s = d * sum(q). (llama.cpp rounds them to int8, for maddubs; on
+// SmolLM2's Q4_1 file that moved the perplexity of a held-out text by +1.4%, so int16 it is, at
+// about the same count of instructions: madd on int16 pairs.) Every block type is then read 32
+// weights at a time as small integers w (unsigned 0..31, or signed for Q8_0 and Q6_K) with
+// per-sub-block float factors:
+// weight = f * w + c (f per 16 values for Q6_K, c = 0 for the signed types). A sub-block contributes
+//   sum_i weight_i * d q_i = (f d) * sum_i w_i q_i + c * s,
+// the first sum exact in integers, so the only rounding beyond fp32's is that of the activations
+// (|x - d q| <= d / 2 per input, max|x| / 65534).
+//
+// Each output element is computed by one thread, in one fixed order: eight fp32 accumulators, one
+// per four consecutive inputs of a sub-block (lane l: inputs LANE[l] .. LANE[l] + 3, the order of AVX2's
+// hadd; acc_l = fma(f d, dot_l, acc_l), sub-blocks in order),
+// the constant terms in a ninth (fma(c, s, acc)), reduced at the end as ((a0+a4)+(a2+a6)) +
+// ((a1+a5)+(a3+a7)), then + the ninth, then + bias. The AVX2 path (weights widened to int16, madd, hadd;
+// chosen at run time with __builtin_cpu_supports) and the portable loops compute those same operations, so
+// they agree bit for bit, and so do any thread counts (threads split the output columns). Rows of x
+// go four at a time over each weight row, which is unpacked once per four rows.
+// No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TESSERA_X86 1
+#define TESSERA_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#endif
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int LANE[8] = {0, 4, 16, 20, 8, 12, 24, 28};  // first input of each accumulator's four
+
+// fp16 -> fp32 is exact: F16C's instruction (a build with -mf16c) and c10's bit operations agree.
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// A sub-block's factors: weight = lo * w + c for its first 16 values, hi * w + c for the others.
+struct Factors {
+  float lo, hi, c;
+};
+
+// Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 bytes at s.
+inline void scale_min_k4(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Each type: VALUES per block, BYTES per block, SIGNED weights or not; values(block, j, w) writes the
+// 32 integers of sub-block j, factors(block, j) its factors. OFFSET (Q4_0, Q5_0): c = -OFFSET * f,
+// which gguf_dequantize applies as f * (w - OFFSET), the reference's operations.
+struct Q8_0 {
+  static constexpr int VALUES = 32, BYTES = 34;
+  static constexpr bool SIGNED = true;
+  static void values(const uint8_t* b, int, int16_t* w) {
+    for (int i = 0; i < QK; ++i) w[i] = static_cast<int8_t>(b[2 + i]);
+  }
+  static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), 0.0f}; }
+};
+
+inline void nibbles(const uint8_t* qs, int16_t* w) {
+  for (int i = 0; i < 16; ++i) {
+    w[i] = qs[i] & 0xF;
+    w[i + 16] = qs[i] >> 4;
+  }
+}
+
+inline void fifth_bits(const uint8_t* qh, int16_t* w) {
+  for (int i = 0; i < QK; ++i) w[i] |= ((qh[i / 8] >> (i % 8)) & 1) << 4;
+}
+
+struct Q4_0 {
+  static constexpr int VALUES = 32, BYTES = 18, OFFSET = 8;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int, int16_t* w) { nibbles(b + 2, w); }
+  static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), -8.0f * f16(b)}; }
+};
+
+struct Q4_1 {
+  static constexpr int VALUES = 32, BYTES = 20;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int, int16_t* w) { nibbles(b + 4, w); }
+  static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), f16(b + 2)}; }
+};
+
+struct Q5_0 {
+  static constexpr int VALUES = 32, BYTES = 22, OFFSET = 16;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int, int16_t* w) {
+    nibbles(b + 6, w);
+    fifth_bits(b + 2, w);
+  }
+  static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), -16.0f * f16(b)}; }
+};
+
+struct Q5_1 {
+  static constexpr int VALUES = 32, BYTES = 24;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int, int16_t* w) {
+    nibbles(b + 8, w);
+    fifth_bits(b + 4, w);
+  }
+  static Factors factors(const uint8_t* b, int) { return {f16(b), f16(b), f16(b + 2)}; }
+};
+
+inline Factors k4_factors(const uint8_t* b, int j) {
+  int scale, min;
+  scale_min_k4(b + 4, j, scale, min);
+  const float f = f16(b) * static_cast<float>(scale);
+  return {f, f, -(f16(b + 2) * static_cast<float>(min))};
+}
+
+struct Q4_K {
+  static constexpr int VALUES = 256, BYTES = 144;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int j, int16_t* w) {
+    const uint8_t* qs = b + 16 + 32 * (j / 2);
+    for (int i = 0; i < QK; ++i) w[i] = j % 2 ? qs[i] >> 4 : qs[i] & 0xF;
+  }
+  static Factors factors(const uint8_t* b, int j) { return k4_factors(b, j); }
+};
+
+struct Q5_K {
+  static constexpr int VALUES = 256, BYTES = 176;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int j, int16_t* w) {
+    const uint8_t* qs = b + 48 + 32 * (j / 2);
+    for (int i = 0; i < QK; ++i) w[i] = (j % 2 ? qs[i] >> 4 : qs[i] & 0xF) | (((b[16 + i] >> j) & 1) << 4);
+  }
+  static Factors factors(const uint8_t* b, int j) { return k4_factors(b, j); }
+};
+
+struct Q6_K {
+  static constexpr int VALUES = 256, BYTES = 210;
+  static constexpr bool SIGNED = true;
+  static void values(const uint8_t* b, int j, int16_t* w) {
+    const int half = j / 4, k = j % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (k & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+    for (int i = 0; i < QK; ++i)
+      w[i] = ((k >> 1 ? ql[i] >> 4 : ql[i] & 0xF) | (((qh[i] >> (2 * k)) & 3) << 4)) - 32;
+  }
+  static Factors factors(const uint8_t* b, int j) {
+    const float d = f16(b + 208);
+    return {d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j])),
+            d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j])), 0.0f};
+  }
+};
+
+template <class T>
+constexpr int offset_of() {
+  if constexpr (requires { T::OFFSET; }) return T::OFFSET;
+  return 0;
+}
+
+// x quantized per row and sub-block (file comment): q [M, K], d and s [M, K / 32].
+struct Activations {
+  const int16_t* q;
+  const float* d;
+  const float* s;
+  int64_t K, nb;
+};
+
+struct Quantized {
+  std::vector<int16_t> q;
+  std::vector<float> d, s;
+};
+
+Quantized quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  Quantized a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t r = m0 * nb; r < m1 * nb; ++r) {
+      const float* v = x + r * QK;
+      float amax = 0.0f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < QK; ++i) {
+        const int q = static_cast<int>(std::nearbyint(v[i] * inv));
+        a.q[r * QK + i] = static_cast<int16_t>(q);
+        sum += q;
+      }
+      a.d[r] = d;
+      a.s[r] = d * static_cast<float>(sum);
+    }
+  });
+  return a;
+}
+
+// The fixed reduction of the file comment.
+inline float reduce(const float* a, float c) {
+  return (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) + c;
+}
+
+// Rows m0 .. m0 + R of x against weight row `row`: out[r] = the reduced sums, portable loops.
+template <class T>
+void dot_rows_portable(const uint8_t* row, const Activations& a, int64_t m0, int R, float* out) {
+  constexpr int SUBS = T::VALUES / QK;
+  float acc[4][8] = {}, cst[4] = {};
+  int16_t w[QK];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = row + (b / SUBS) * T::BYTES;
+    const int j = static_cast<int>(b % SUBS);
+    T::values(blk, j, w);
+    const Factors f = T::factors(blk, j);
+    for (int r = 0; r < R; ++r) {
+      const int16_t* q = a.q + (m0 + r) * a.K + b * QK;
+      const float da = a.d[(m0 + r) * a.nb + b], lo = f.lo * da, hi = f.hi * da;
+      for (int l = 0; l < 8; ++l) {
+        int dot = 0;
+        for (int i = LANE[l]; i < LANE[l] + 4; ++i) dot += w[i] * q[i];
+        acc[r][l] = std::fma(LANE[l] < 16 ? lo : hi, static_cast<float>(dot), acc[r][l]);
+      }
+      if (!T::SIGNED) cst[r] = std::fma(f.c, a.s[(m0 + r) * a.nb + b], cst[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], cst[r]);
+}
+
+#ifdef TESSERA_X86
+
+// The 32 weights of a sub-block in bytes, in order (unsigned, or signed for the SIGNED types).
+template <class T>
+TESSERA_AVX2_TARGET inline __m256i vec_values(const uint8_t* b, int j);
+
+TESSERA_AVX2_TARGET inline __m256i vec_nibbles(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+// Bit i of the little-endian word at qh as 0x10 in byte i.
+TESSERA_AVX2_TARGET inline __m256i vec_fifth_bits(const uint8_t* qh) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(h)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q8_0>(const uint8_t* b, int) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+}
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q4_0>(const uint8_t* b, int) { return vec_nibbles(b + 2); }
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q4_1>(const uint8_t* b, int) { return vec_nibbles(b + 4); }
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q5_0>(const uint8_t* b, int) {
+  return _mm256_or_si256(vec_nibbles(b + 6), vec_fifth_bits(b + 2));
+}
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q5_1>(const uint8_t* b, int) {
+  return _mm256_or_si256(vec_nibbles(b + 8), vec_fifth_bits(b + 4));
+}
+
+TESSERA_AVX2_TARGET inline __m256i vec_k_nibbles(const uint8_t* qs, int j) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+  return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0xF));
+}
+
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q4_K>(const uint8_t* b, int j) { return vec_k_nibbles(b + 16, j); }
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q5_K>(const uint8_t* b, int j) {
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
+  return _mm256_or_si256(vec_k_nibbles(b + 48, j), high);
+}
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<Q6_K>(const uint8_t* b, int j) {
+  const int half = j / 4, k = j % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (k & 1)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i low = _mm256_and_si256(k >> 1 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0xF));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+}
+
+// The 32 weights' bytes as int16: values 0..15, then 16..31.
+template <bool SIGNED>
+TESSERA_AVX2_TARGET inline void vec_widen(__m256i w, __m256i& lo, __m256i& hi) {
+  const __m128i a = _mm256_castsi256_si128(w), b = _mm256_extracti128_si256(w, 1);
+  lo = SIGNED ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
+  hi = SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+}
+
+// The eight four-input sums of w . q (exact int32), lane l over inputs LANE[l] .. LANE[l] + 3.
+TESSERA_AVX2_TARGET inline __m256i vec_dot(__m256i w_lo, __m256i w_hi, const int16_t* q) {
+  const __m256i p = _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m256i r = _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+  return _mm256_hadd_epi32(p, r);
+}
+
+template <class T, int R>
+TESSERA_AVX2_TARGET void dot_rows_avx2(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
+  constexpr int SUBS = T::VALUES / QK;
+  __m256 acc[R];
+  float cst[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    cst[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = row + (b / SUBS) * T::BYTES;
+    const int j = static_cast<int>(b % SUBS);
+    __m256i w_lo, w_hi;
+    vec_widen<T::SIGNED>(vec_values<T>(blk, j), w_lo, w_hi);
+    const Factors f = T::factors(blk, j);
+    const __m256 lohi = std::is_same_v<T, Q6_K> ? _mm256_setr_ps(f.lo, f.lo, f.hi, f.hi, f.lo, f.lo, f.hi, f.hi)  // as LANE
+                                                : _mm256_set1_ps(f.lo);  // (lo == hi)
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + b;
+      const __m256 scale = _mm256_mul_ps(lohi, _mm256_set1_ps(a.d[at]));
+      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(vec_dot(w_lo, w_hi, a.q + at * QK)), acc[r]);
+      if (!T::SIGNED) cst[r] = std::fma(f.c, a.s[at], cst[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    out[r] = reduce(lanes, cst[r]);
+  }
+}
+
+template <class T>
+void dot_rows_avx2(const uint8_t* row, const Activations& a, int64_t m0, int R, float* out) {
+  switch (R) {
+    case 4: return dot_rows_avx2<T, 4>(row, a, m0, out);
+    case 3: return dot_rows_avx2<T, 3>(row, a, m0, out);
+    case 2: return dot_rows_avx2<T, 2>(row, a, m0, out);
+    default: return dot_rows_avx2<T, 1>(row, a, m0, out);
+  }
+}
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
+#else
+bool has_avx2() { return false; }
+#endif
+
+template <class T>
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const std::optional<at::Tensor>& bias,
+                    bool portable) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % T::VALUES == 0, "gguf_linear: ", K, " inputs are not whole blocks of ", T::VALUES);
+  TORCH_CHECK(blocks.numel() == N * (K / T::VALUES) * T::BYTES, "gguf_linear: blocks hold ", blocks.numel(),
+              " bytes, [", N, ", ", K, "] needs ", N * (K / T::VALUES) * T::BYTES);
+  const Quantized q = quantize_rows(x.data_ptr<float>(), M, K);
+  const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const bool vec = !portable && has_avx2();
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    float part[4];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; m += 4) {
+        const int R = static_cast<int>(std::min<int64_t>(4, M - m));
+#ifdef TESSERA_X86
+        if (vec)
+          dot_rows_avx2<T>(w + n * row_bytes, a, m, R, part);
+        else
+#endif
+          dot_rows_portable<T>(w + n * row_bytes, a, m, R, part);
+        for (int r = 0; r < R; ++r) out[(m + r) * N + n] = b ? part[r] + b[n] : part[r];
+      }
+  });
+  return y;
+}
+
+// One sub-block's 32 values; a product then a sum, never contracted into an fma (GCC contracts in C++).
+template <bool SIGNED, int OFF>
+__attribute__((optimize("fp-contract=off"))) void dequantize_sub(const int16_t* v, const Factors& f, float* o) {
+  for (int i = 0; i < QK; ++i) {
+    const float scale = i < 16 ? f.lo : f.hi;
+    if constexpr (SIGNED) o[i] = scale * static_cast<float>(v[i]);
+    else if constexpr (OFF != 0) o[i] = scale * static_cast<float>(v[i] - OFF);
+    else o[i] = scale * static_cast<float>(v[i]) + f.c;
+  }
+}
+
+// [N, K] fp32 from the blocks, the values (and bits) of tessera/models/gguf_blocks.py: the same
+// fp32 operations in the same order.
+template <class T>
+at::Tensor dequantize_rows(const at::Tensor& blocks, int64_t N, int64_t K) {
+  constexpr int SUBS = T::VALUES / QK, OFF = offset_of<T>();
+  TORCH_CHECK(K % T::VALUES == 0 && blocks.numel() == N * (K / T::VALUES) * T::BYTES, "gguf_dequantize: blocks hold ",
+              blocks.numel(), " bytes, not those of [", N, ", ", K, "]");
+  at::Tensor y = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int16_t v[QK];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        const uint8_t* blk = w + n * row_bytes + (b / SUBS) * T::BYTES;
+        const int j = static_cast<int>(b % SUBS);
+        T::values(blk, j, v);
+        const Factors f = T::factors(blk, j);
+        dequantize_sub<T::SIGNED, OFF>(v, f, out + n * K + b * QK);
+      }
+  });
+  return y;
+}
+
+template <template <class> class F, class... Args>
+auto by_kind(const std::string& k, Args&&... args) {
+  if (k == "Q8_0") return F<Q8_0>::run(args...);
+  if (k == "Q4_0") return F<Q4_0>::run(args...);
+  if (k == "Q4_1") return F<Q4_1>::run(args...);
+  if (k == "Q5_0") return F<Q5_0>::run(args...);
+  if (k == "Q5_1") return F<Q5_1>::run(args...);
+  if (k == "Q4_K") return F<Q4_K>::run(args...);
+  if (k == "Q5_K") return F<Q5_K>::run(args...);
+  if (k == "Q6_K") return F<Q6_K>::run(args...);
+  TORCH_CHECK(false, "gguf_linear: no kernel for GGML type ", k, "; kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K");
+}
+
+template <class T>
+struct Multiply {
+  static at::Tensor run(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& b,
+                        bool portable) {
+    return multiply<T>(x, w, N, b, portable);
+  }
+};
+
+template <class T>
+struct Dequantize {
+  static at::Tensor run(const at::Tensor& w, int64_t N, int64_t K) { return dequantize_rows<T>(w, N, K); }
+};
+
+}  // namespace
+
+at::Tensor tessera_cpu::gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte, "gguf_dequantize takes uint8 CPU blocks");
+  return by_kind<Dequantize>(std::string(kind), blocks.contiguous(), N, K);
+}
+
+at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind,
+                                    int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "gguf_linear takes fp32 CPU activations [M, K], got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte, "gguf_linear takes uint8 CPU blocks");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "gguf_linear: bias must be fp32 [N]");
+  const at::Tensor x = x_in.contiguous(), w = blocks.contiguous();
+  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  return by_kind<Multiply>(std::string(kind), x, w, N, b, portable);
+}

@@ -1,0 +1,77 @@
+"""Products by GGUF block matrices on CPU without dequantizing them: the kernel `GgufLinear` uses.
+
+`tessera.models.gguf_linear.GgufLinear` keeps a GGUF file's block matrix as its bytes; by itself it
+multiplies by dequantizing the whole matrix in every forward (the reference). `csrc/gguf_matmul_cpu.cpp`
+(`torch.ops.tessera_cpu.gguf_linear`, in the library infer/cpu/attention.py builds) multiplies by
+the blocks as they lie, in the manner of llama.cpp's CPU kernels: the activations are quantized per
+row and per 32 inputs (a scale per 32, and their sum for the types with an offset), each 32 weights
+are unpacked to small integers in registers and multiplied by them in integers (AVX2 `madd`, chosen
+at run time; portable loops elsewhere), the blocks' scales and offsets applied once per 32 in fp32.
+A decode step reads each weight row once at the format's bytes per weight (Q4_1: 0.625 bytes,
+against 4 for the dequantized fp32 model).
+
+The activations are rounded to int16, not to llama.cpp's int8: with int8 the perplexity of SmolLM2's
+Q4_1 file on a held-out text rose by 1.4% over the dequantized model (one large input in a group of
+32 leaves the others a few levels), with int16 it is the dequantized model's to 0.003% (the C++
+file's comment; tests/infer/test_gguf_matmul_smollm2.py). Types: `KINDS` (Q2_K and Q3_K keep the
+reference). The result differs from the product by the dequantized weight by that rounding only:
+per 32 inputs with maximum |x| = a, each input moves by at most a / 65534, so |y - y_ref| <= sum over
+the 32-groups of a / 65534 * sum |w| (plus fp32 rounding); tests/infer/test_gguf_matmul.py checks
+that bound, and the kernel against the product by the dequantized weight and the rounded activations
+to fp32 rounding. Every output is computed by one thread in one order (the C++ file's comment), so
+the result is the same bits for any thread count, with the AVX2 path or the portable one
+(`portable=True`, which tests use), and whatever other rows share the product. No AVX-512 path.
+
+`use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
+CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
+autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks take the
+reference's arithmetic, the matrix dequantized once for all their rows (which then costs less than
+the integer products per row), dequantized by the same library (`gguf_dequantize`: gguf_blocks'
+values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
+with the library's other kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.infer.cpu import attention as cpu_attention
+
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+MAX_ROWS = 32  # rows of x up to which the integer products beat dequantizing the matrix once (measured)
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int,
+                bias: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+    """x [..., in] (fp32, CPU) times the `kind` block matrix `blocks` ([out, row bytes] uint8) transposed,
+    plus `bias`: [..., out]. `portable`: the portable loops instead of AVX2 (the same bits)."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.tessera_cpu.gguf_linear(rows, blocks, kind, out_features, bias, portable)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer`'s product by the kernel (a `GgufLinear.fused`), or None where it keeps the reference
+    (autograd on, activations not fp32 on CPU); past `MAX_ROWS` rows, the reference's product with
+    the matrix dequantized by `gguf_dequantize` (the same values)."""
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if x.numel() > MAX_ROWS * x.shape[-1]:  # the reference's bits, its matrix dequantized in C++
+        weight = torch.ops.tessera_cpu.gguf_dequantize(layer.blocks, layer.kind, layer.out_features, layer.in_features)
+        return torch.nn.functional.linear(x, weight, layer.bias)
+    return gguf_linear(x, layer.blocks, layer.kind, layer.out_features, layer.bias)
+
+
+def use_block_kernels(model: nn.Module) -> int:
+    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel; returns
+    how many (0 where the library is not available)."""
+    from tessera.models.gguf_linear import GgufLinear
+
+    if not cpu_attention.library_available():
+        return 0
+    layers = [m for m in model.modules()
+              if isinstance(m, GgufLinear) and m.kind in KINDS and m.blocks.device.type == "cpu"]
+    for layer in layers:
+        layer.fused = block_product
+    return len(layers)

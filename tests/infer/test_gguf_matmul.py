@@ -1,0 +1,134 @@
+"""The CPU kernel that multiplies by GGUF block matrices without dequantizing them
+(csrc/gguf_matmul_cpu.cpp, infer/cpu/gguf_matmul.py): for every block type it serves, the product by
+the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int16
+rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
+the same bits on AVX2 and in the portable loops, on one thread and two, a row alone or among others;
+and GgufLinear taking it only where it is installed and serves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.infer.cpu import attention as cpu_attention
+from tessera.infer.cpu.gguf_matmul import KINDS, MAX_ROWS, gguf_linear, use_block_kernels
+from tessera.models.gguf_blocks import BLOCKS, dequantize
+from tessera.models.gguf_linear import GgufLinear
+from tests.checkpoint.gguf_files import K_BLOCKS, random_k_blocks
+
+
+@pytest.fixture(autouse=True)
+def built(monkeypatch):
+    monkeypatch.delenv(cpu_attention.ENV, raising=False)
+    assert cpu_attention.kernel() is not None, "the CPU kernels did not build (see the log)"
+
+
+def blocks(kind: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A [rows, cols] `kind` matrix as uint8 blocks: quantized by gguf from Gaussian weights of varied
+    row scales, or random blocks with valid fp16 scales for the K types (gguf cannot quantize them)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if kind in K_BLOCKS:
+        return torch.from_numpy(random_k_blocks(kind, rows, cols, rng))
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.01, 3.0, size=(rows, 1))
+    w[0, :5] = 0.0
+    return torch.from_numpy(gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind]))
+
+
+def int16_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel rounds it (per row and 32 inputs: d = max|x| / 32767, q = round(x / d)), and
+    each input's group maximum |x|."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(amax > 0, 32767.0 / amax, 0.0))
+    return (q * (amax / 32767.0)).reshape(x.shape), amax.expand_as(groups).reshape(x.shape)
+
+
+def cols_of(kind: str) -> int:
+    return 2 * BLOCKS[kind][0] if BLOCKS[kind][0] == 256 else 7 * 32  # two super-blocks; an odd count of blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_product_equals_the_dequantized_weights_within_the_int16_rounding(kind, M):
+    K, N = cols_of(kind), 13  # N: not a multiple of 8 or of the threads' shares
+    raw = blocks(kind, N, K, seed=M)
+    w = dequantize(kind, raw, (N, K))
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen) * torch.rand(M, K // 32, 1, generator=gen).expand(M, K // 32, 32).reshape(M, K)
+    x[0, :32] = 0.0  # a group of zeros (scale 0)
+    bias = torch.randn(N, generator=gen)
+    y = gguf_linear(x, raw, kind, N, bias)
+    slack = 2e-6 * (x.abs() @ w.abs().T) + 1e-6  # fp32 sums in another order
+    # With the activations rounded as the kernel rounds them, only the order of fp32 sums differs.
+    xq, amax = int16_rounded(x)
+    assert ((y - F.linear(xq, w, bias)).abs() <= slack).all()
+    # Against the exact activations: each input moves by at most its group's max |x| / 65534.
+    error, bound = (y - F.linear(x, w, bias)).abs(), (amax / 65534) @ w.abs().T + slack
+    assert (error <= bound).all(), (error / bound).max()
+    assert error.max() > 0  # the bound is what is tested, not equality
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx2_and_portable_loops_give_the_same_bits(kind):
+    K, N = cols_of(kind), 21
+    raw, x, bias = blocks(kind, N, K, seed=4), torch.randn(9, K), torch.randn(N)
+    assert torch.equal(gguf_linear(x, raw, kind, N, bias), gguf_linear(x, raw, kind, N, bias, portable=True))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+def test_bits_do_not_depend_on_threads_or_the_other_rows(kind):
+    K, N = cols_of(kind), 67
+    raw, x = blocks(kind, N, K, seed=6), torch.randn(17, K)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_linear(x, raw, kind, N)
+        torch.set_num_threads(2)
+        two = gguf_linear(x, raw, kind, N)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = torch.cat([gguf_linear(x[i:i + 1], raw, kind, N) for i in range(17)])
+    assert torch.equal(one, alone)  # a decode row gets the same bits whatever else is in the step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_gives_the_reference_bits(kind):
+    K, N = cols_of(kind), 11
+    raw = blocks(kind, N, K, seed=8)
+    got = torch.ops.tessera_cpu.gguf_dequantize(raw, kind, N, K)
+    assert torch.equal(got.view(torch.int32), dequantize(kind, raw, (N, K)).view(torch.int32))
+
+
+def test_leading_shapes_and_refusals():
+    raw = blocks("Q4_0", 5, 64, seed=1)
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(gguf_linear(x, raw, "Q4_0", 5), gguf_linear(x.reshape(6, 64), raw, "Q4_0", 5).reshape(2, 3, 5))
+    with pytest.raises(RuntimeError, match="no kernel for GGML type Q2_K"):
+        gguf_linear(torch.randn(1, 256), torch.from_numpy(random_k_blocks("Q2_K", 5, 256, np.random.default_rng(0))),
+                    "Q2_K", 5)
+    with pytest.raises(RuntimeError, match=r"blocks hold 180 bytes, \[4, 64\] needs 144"):
+        gguf_linear(torch.randn(1, 64), raw, "Q4_0", 4)
+
+
+def test_gguf_linear_uses_the_kernel_once_installed_and_only_where_it_serves():
+    layer = GgufLinear("Q4_1", 64, 9, bias=True, dtype=torch.float32)
+    layer.blocks.copy_(blocks("Q4_1", 9, 64, seed=2))
+    layer.bias.data.normal_()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        reference = layer(x)
+        assert use_block_kernels(torch.nn.Sequential(layer)) == 1
+        fused = layer(x)
+        assert torch.equal(fused, gguf_linear(x, layer.blocks, "Q4_1", 9, layer.bias))
+        assert not torch.equal(fused, reference)
+        many = torch.randn(MAX_ROWS + 1, 64)  # a long prompt chunk: the matrix dequantized once
+        torch.testing.assert_close(layer(many), F.linear(many, layer.dequantized_weight(torch.float32), layer.bias),
+                                   rtol=0, atol=0)
+    assert torch.equal(layer(x), reference)  # autograd on: the reference
+    q2 = GgufLinear("Q2_K", 256, 4, bias=False, dtype=torch.float32)
+    assert use_block_kernels(torch.nn.Sequential(q2)) == 0 and q2.fused is None
