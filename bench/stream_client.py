@@ -43,12 +43,13 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client, prompt: str | list[int], max_tokens: int, timeout: float | None = None) -> dict:
     """One greedy streamed completion of `max_tokens` tokens (ignore_eos): `ttft` to the first chunk
     with text, `tpot` over the tokens after the first, `latency`, and the completion tokens the server
-    counted; `ok` False (with `status`) for an HTTP error status or no text."""
+    counted (the chunks with text, for a server that sends no usage); `ok` False (with `status`) for
+    an HTTP error status or no text."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     options = {} if timeout is None else {"timeout": timeout}
     async with client.stream("POST", "/v1/completions", json=body, **options) as r:
         if r.status_code != 200:
@@ -62,7 +63,9 @@ async def one_request(client, prompt: str | list[int], max_tokens: int, timeout:
             elif chunk.get("choices") and chunk["choices"][0].get("text"):
                 last = time.perf_counter()
                 first = first or last
+                chunks += 1
     end = time.perf_counter()
+    tokens = tokens or chunks
     if first is None:
         return {"ok": False, "status": "no tokens"}
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None

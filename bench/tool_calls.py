@@ -163,8 +163,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     args = ap.parse_args()
     model = args.model or default_model()
+    # the GGUF file dequantized at load, as its figures in docs/benchmarks.md were measured
     engine = LLMEngine.from_dir(model, EngineConfig(block_size=16, max_num_seqs=max(args.batch),
-                                                    enable_prefix_caching=False))
+                                                    enable_prefix_caching=False, gguf_keep_quantized=False))
     template = None if engine.tokenizer.has_chat_template else PLAIN_CHAT_TEMPLATE
     turns = AgentTurns(AgentOptions(tool_call_parser="hermes"), engine.tokenizer, template)
     plan = turns.prepare(AgentTurn(MESSAGES, TOOLS, ToolChoice("required"), parallel_tool_calls=False))

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tessera.checkpoint.gguf.reader import is_gguf_path
     from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer
     from tessera.cli.notice import packaged_model
     from tessera.data.tokenizer import load_tokenizer
@@ -74,8 +75,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{args.checkpoint} has no tokenizer (tokenizer.json); pass --tokenizer, or "
                               "copy the model's tokenizer files into it")
     engine_options = values_from_args(EngineConfig, args, ENGINE_OPTIONS)
-    EngineConfig(**engine_options)  # refuses options that do not go together before the model loads
-    loaded = load_model(args.checkpoint, gguf_keep_quantized=args.gguf_keep_quantized)
+    config = EngineConfig(**engine_options)  # refuses options that do not go together before the model loads
+    kept = config.gguf_blocks_kept(is_gguf_path(args.checkpoint))
+    loaded = load_model(args.checkpoint, gguf_keep_quantized=kept)
     model = loaded.model
     if args.quantization and args.no_cache:
         raise ConfigError("--quantization is applied by the serving engine; drop --no-cache to use it")

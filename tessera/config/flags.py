@@ -40,6 +40,11 @@ class Flag:
     # the attribute argparse stores the value under ("": as argparse names the option; a store_false
     # switch's is the field's own)
     dest: str = ""
+    # A switch with an opposite (`--gguf-dequantize` of `--gguf-keep-quantized`): the field is True with
+    # the option, False with the opposite, its own default (None: decided where it is read) with
+    # neither; the two together are an argparse error (exit 2). "": no opposite.
+    opposite: str = ""
+    opposite_help: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ def _flags(cls: type, names: Iterable[str] | None) -> list[tuple[dataclasses.Fie
 def _default(f: dataclasses.Field, spec: Flag) -> Any:
     if spec.default is not _UNSET:
         return spec.default
-    if spec.action == "store_true":
+    if spec.action == "store_true" and not spec.opposite:
         return False
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
@@ -97,11 +102,22 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         if isinstance(spec, Section):
             add_flags(parser, spec.cls)
             continue
+        if spec.opposite:
+            _add_switch_pair(parser, spec, _default(f, spec))
+            continue
         options = {"type": spec.type, "choices": spec.choices, "metavar": spec.metavar}
         options = {k: v for k, v in options.items() if v is not None}
         if spec.action is not None:
             options["action"] = spec.action
         parser.add_argument(spec.name, dest=spec.dest, default=_default(f, spec), help=spec.help, **options)
+
+
+def _add_switch_pair(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: Flag, default: Any) -> None:
+    """A switch and its opposite, one destination, refused together by argparse."""
+    pair = parser.add_mutually_exclusive_group()
+    pair.add_argument(spec.name, dest=spec.dest, action="store_const", const=True, default=default, help=spec.help)
+    pair.add_argument(spec.opposite, dest=spec.dest, action="store_const", const=False, default=default,
+                      help=spec.opposite_help)
 
 
 def values_from_args(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None) -> dict[str, Any]:
@@ -120,11 +136,14 @@ def values_from_args(cls: type, args: argparse.Namespace, names: Iterable[str] |
 
 def flag_text(cls: type, name: str, value: Any) -> str:
     """Field `name` of `cls` set to `value` as a command line gives it (`--tensor-parallel-size 2`,
-    `--gguf-keep-quantized`; the option alone for a switch or a repeatable one), for an error a
+    `--gguf-keep-quantized`, `--gguf-dequantize` for its opposite; the option alone for a switch or a
+    repeatable one), for an error a
     command-line user reads; `name=value` for a field without an option."""
     if "flag" not in next(f for f in dataclasses.fields(cls) if f.name == name).metadata:
         return f"{name}={value!r}"
     [(_, spec)] = _flags(cls, [name])
+    if isinstance(spec, Flag) and spec.opposite and value is False:
+        return spec.opposite
     if isinstance(spec, Section) or spec.action is not None:
         return spec.name if isinstance(spec, Flag) else name
     return f"{spec.name} {value}"

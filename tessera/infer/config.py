@@ -65,7 +65,7 @@ class SpeculativeConfig:
 # kept quantized (tessera/models/gguf_linear.py), and the ranks of tensor parallelism (tensor_parallel.py).
 _RULED_OUT_BY = {
     "gguf_keep_quantized": ("the GGUF blocks are served as stored, without LoRA or another quantization",
-                            "serve without gguf_keep_quantized"),
+                            "drop gguf_keep_quantized (by default a GGUF file is dequantized where they need it)"),
     "tensor_parallel_size": ("LoRA and quantized weights are served on one rank", "use tensor_parallel_size=1"),
 }
 
@@ -119,11 +119,16 @@ class EngineConfig:
         "product: int8 = int8 per output channel; fp8 = float8 e4m3 per output channel; int4 = symmetric 4-bit, "
         "two per byte, one scale per group of 128 inputs (per row when 128 does not divide them). The embedding, "
         "router and output head stay in --dtype", choices=QUANTIZATION_METHODS))
-    # in the file's block format (tessera/models/gguf_linear.py); False: dequantized at load
-    gguf_keep_quantized: bool = field(default=False, metadata=flag(
-        "a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, dequantized "
-        "inside each forward (less memory, slower on CPU); the embedding, norms and output head are dequantized "
-        "at load as without it", action="store_true"))
+    # In the file's block format (tessera/models/gguf_linear.py); False: dequantized at load; None (the
+    # default): kept where nothing here rules it out (`gguf_blocks_kept`), so that a command that
+    # served a GGUF file dequantized before keeps working with the options it gives.
+    gguf_keep_quantized: bool | None = field(default=None, metadata=flag(
+        "a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, multiplied in the "
+        "block format in each forward; the embedding, norms and output head are dequantized at load. None: kept "
+        "unless --quantization, --lora, --merge-lora, --tensor-parallel-size > 1 or --allow-runtime-lora need "
+        "them dequantized; with this switch those options are refused instead", action="store_true",
+        opposite="--gguf-dequantize", opposite_help=(
+            "a GGUF model: dequantize all its weights into --dtype at load (more memory; what those options need)")))
     # name -> PEFT directory, served per request
     lora_adapters: dict[str, str] = field(default_factory=dict, metadata=flag(
         "serve the PEFT adapter DIR under model name NAME (repeatable)", name="--lora", action="append",
@@ -232,6 +237,16 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             for key in ("lora_adapters", "merge_lora", "quantization", "gguf_keep_quantized"):
                 self._refuse_with(key, "tensor_parallel_size")
+
+    def gguf_blocks_kept(self, is_gguf: bool) -> bool:
+        """Whether a model loads with its GGUF blocks kept (`is_gguf`: it is a GGUF file): as
+        gguf_keep_quantized says, or by default for a GGUF file unless quantization, LoRA or
+        tensor parallelism need its weights dequantized. True for a file that is not GGUF only when
+        asked for (the loader refuses it)."""
+        if self.gguf_keep_quantized is not None:
+            return self.gguf_keep_quantized
+        return is_gguf and not (self.quantization or self.lora_adapters or self.merge_lora
+                                or self.tensor_parallel_size > 1)
 
     def _refuse_with(self, key: str, ruler: str) -> None:
         """Refuse `key` set while `ruler` (a key of _RULED_OUT_BY) is, naming both as fields and as options."""

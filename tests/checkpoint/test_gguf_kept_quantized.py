@@ -2,7 +2,9 @@
 (`gguf_keep_quantized`): the same logits as the model dequantized at load from the same file (the
 dequantized weights are the same bits, so the products are too), the same greedy tokens through
 the engine, the file's bytes in memory instead of 4 bytes per weight, and the options it cannot go
-with refused by name."""
+with refused by name. Kept is the default for a GGUF file (`--gguf-dequantize` opts out), except
+where an option needs the weights dequantized: there the default dequantizes, so a command that
+served the file before still does; the two switches together are a usage error."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import torch
 
 from tessera.checkpoint.gguf import TENSOR_TYPES, GGUFFile, load_gguf
 from tessera.checkpoint.loading import load_model
-from tessera.cli import main
+from tessera.cli import build_parser, main
+from tessera.cli.serve import _check_server_options
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.models.gguf_blocks import BLOCKS
 from tessera.models.gguf_linear import GgufLinear
+from tessera.models.quantized import Int8Linear
 from tests.checkpoint.gguf_files import LLAMA_LIKE, tiny_hf_model, write_gguf
 
 PROMPT = "def main():\n    return"
@@ -77,7 +81,7 @@ def test_engine_greedy_tokens_equal_the_dequantized_path(files):
     path = files["llama", BLOCK_TYPES]
     options = dict(max_num_seqs=2, max_model_len=64, block_size=4)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    dense = LLM(path, **options).generate([PROMPT, "x = 1"], params)
+    dense = LLM(path, gguf_keep_quantized=False, **options).generate([PROMPT, "x = 1"], params)
     kept_llm = LLM(path, gguf_keep_quantized=True, **options)
     assert _kept_layers(kept_llm.engine.model)
     kept = kept_llm.generate([PROMPT, "x = 1"], params)
@@ -125,9 +129,51 @@ def test_serve_refuses_those_options_with_exit_2(files, tmp_path, capsys):
 def test_generate_kept_quantized_prints_the_dequantized_text(files, capsys):
     path = str(files["qwen2", BLOCK_TYPES])
     texts = []
-    for extra in ([], ["--gguf-keep-quantized"], ["--gguf-keep-quantized", "--no-cache"]):
+    for extra in (["--gguf-dequantize"], [], ["--gguf-keep-quantized"], ["--gguf-keep-quantized", "--no-cache"],
+                  ["--quantization", "int8"]):  # the last: int8 of the dequantized weights, as before the default
         assert main(["generate", path, "--prompt", PROMPT, "--max-new-tokens", "6", *extra]) == 0
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] == texts[2] and texts[0].startswith(PROMPT)
+    assert texts[0] == texts[1] == texts[2] == texts[3] and texts[0].startswith(PROMPT)
+    assert texts[4].startswith(PROMPT)
     assert main(["generate", path, "--prompt", PROMPT, "--gguf-keep-quantized", "--quantization", "int8"]) == 2
     assert "--quantization int8 is not supported with --gguf-keep-quantized" in capsys.readouterr().err
+
+
+def test_a_gguf_file_is_kept_quantized_by_default_and_dequantized_on_request(files, tmp_path):
+    path = files["llama", BLOCK_TYPES]
+    options = dict(max_num_seqs=1, max_model_len=32, block_size=4)
+    default, opted_out = LLM(path, **options), LLM(path, gguf_keep_quantized=False, **options)
+    assert len(_kept_layers(default.engine.model)) == 2 * 7 and not _kept_layers(opted_out.engine.model)
+    # settled as the file loads (the caller's config unchanged): runtime adapters are refused on it
+    assert default.config.gguf_keep_quantized is None and default.engine.config.gguf_keep_quantized is True
+    with pytest.raises(ConfigError, match="LoRA adapters are not supported with gguf_keep_quantized=True"):
+        default.engine.load_lora("a", tmp_path)
+    opted_out.engine.close()
+    default.engine.close()
+
+
+def test_the_default_dequantizes_where_an_option_needs_it(files, tmp_path):
+    assert EngineConfig().gguf_blocks_kept(True) and not EngineConfig().gguf_blocks_kept(False)
+    assert not EngineConfig(gguf_keep_quantized=False).gguf_blocks_kept(True)
+    for fields in ({"quantization": "int8"}, {"lora_adapters": {"a": str(tmp_path)}}, {"merge_lora": [str(tmp_path)]},
+                   {"tensor_parallel_size": 2}):
+        assert not EngineConfig(**fields).gguf_blocks_kept(True), fields  # not refused either: dequantized
+    llm = LLM(files["llama", BLOCK_TYPES], quantization="int8", max_num_seqs=1, max_model_len=32, block_size=4)
+    assert not _kept_layers(llm.engine.model) and any(isinstance(m, Int8Linear) for m in llm.engine.model.modules())
+    assert llm.engine.config.gguf_keep_quantized is False
+    llm.engine.close()
+
+
+def test_serve_switches_contradictory_or_runtime_lora(files, tmp_path, capsys):
+    path = str(files["llama", BLOCK_TYPES])
+    with pytest.raises(SystemExit) as exit_status:
+        main(["serve", path, "--gguf-keep-quantized", "--gguf-dequantize", "--port", "0"])
+    assert exit_status.value.code == 2
+    assert "--gguf-dequantize: not allowed with argument --gguf-keep-quantized" in capsys.readouterr().err
+
+    def served(*extra):
+        return _check_server_options(build_parser().parse_args(["serve", path, *extra]))[0].gguf_keep_quantized
+
+    assert served() is None and served("--gguf-keep-quantized") is True and served("--gguf-dequantize") is False
+    # adapters may be loaded while serving: the default dequantizes instead of refusing them
+    assert served("--allow-runtime-lora", "--lora-modules-dir", str(tmp_path)) is False

@@ -29,7 +29,7 @@ def test_serve_parses_to_the_config_defaults_but_the_device():
 def test_commands_share_the_engine_options_word_for_word():
     serve = _options("serve")
     for command, flags in (("eval", ["--tensor-parallel-size", "--dtype", "--kv-cache-gib", "--merge-lora"]),
-                           ("generate", ["--quantization", "--gguf-keep-quantized"])):
+                           ("generate", ["--quantization", "--gguf-keep-quantized", "--gguf-dequantize"])):
         options = _options(command)
         for f in flags:
             mine, served = options[f], serve[f]
@@ -55,6 +55,9 @@ def test_a_refusal_of_two_options_names_both_spellings():
     with pytest.raises(ConfigError, match="--allow-runtime-lora is not supported with --tensor-parallel-size 2"):
         EngineConfig(tensor_parallel_size=2).check_runtime_lora()
     assert flag_text(EngineConfig, "mm_encoder_cache_images", 3) == "mm_encoder_cache_images=3"
+    # a switch with an opposite: each value spelled as the option that gives it
+    assert [flag_text(EngineConfig, "gguf_keep_quantized", v) for v in (True, False)] == ["--gguf-keep-quantized",
+                                                                                        "--gguf-dequantize"]
 
 
 def test_one_dtype_table_and_one_require():

@@ -13,6 +13,7 @@ it requests through a queue.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.loading import (
     eos_token_ids,
     is_vision_language,
@@ -101,9 +103,11 @@ class LLMEngine:
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.text.vocab_size),
                                   image_processor=processor)
+        if config.gguf_keep_quantized is None and is_gguf_path(path):  # settled here, as loaded (load_lora reads it)
+            config = dataclasses.replace(config, gguf_keep_quantized=config.gguf_blocks_kept(True))
         if config.tensor_parallel_size == 1:
             model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device,
-                                                   config.gguf_keep_quantized)
+                                                   bool(config.gguf_keep_quantized))
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.vocab_size),
                                   prequantized=quantized is not None, owned=True)
