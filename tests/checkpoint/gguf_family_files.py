@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tests.checkpoint.gguf_files import _tokenizer_metadata
+from tests.infer.tiny_models import hf_greedy
 
 VOCAB = 4096  # the bundled tokenizer's, written as the file's token list
 
@@ -121,3 +122,28 @@ def write_family_gguf(model, path: Path, arch: str, q8: bool = False) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def check_convert(path: Path, hf, model_type: str, out: Path, capsys, ids: torch.Tensor) -> None:
+    """`tessera convert FILE OUT` writes a directory transformers loads as `model_type`, with `hf`'s logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tessera.cli import main
+
+    assert main(["convert", str(path), str(out)]) == 0
+    assert f"wrote huggingface directory {out}" in capsys.readouterr().out
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert converted.config.model_type == model_type
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def check_served_greedy(path: Path, hf, ids: list[int], tokens: int = 14) -> None:
+    """The paged engine serving the file decodes transformers' greedy tokens."""
+    from tessera.checkpoint.loading import load_model, model_tokenizer
+    from tessera.infer import LLM, SamplingParams
+
+    llm = LLM(load_model(path).model, tokenizer=model_tokenizer(path), max_num_seqs=1, max_model_len=48,
+              block_size=4)
+    got = llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == hf_greedy(hf, ids, tokens)

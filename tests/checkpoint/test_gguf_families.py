@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from tessera.checkpoint.gguf import ARCHITECTURES, GGUFFile, load_gguf
-from tessera.checkpoint.loading import load_model, model_tokenizer
-from tessera.cli import main
 from tessera.config.errors import ConfigError
-from tessera.infer import LLM, SamplingParams
 from tessera.models.gguf_linear import GgufLinear
-from tests.checkpoint.gguf_family_files import VOCAB, tiny_family_model, write_family_gguf
-from tests.infer.tiny_models import hf_greedy
+from tests.checkpoint.gguf_family_files import (
+    VOCAB,
+    check_convert,
+    check_served_greedy,
+    tiny_family_model,
+    write_family_gguf,
+)
 
 FAMILIES = {"phi3": "phi3", "gemma3": "gemma3_text", "olmo2": "olmo2", "seed_oss": "seed_oss"}
 
@@ -56,27 +58,15 @@ def test_family_gguf_gives_transformers_logits(arch, family_files):
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_converts_to_a_directory_transformers_loads(arch, family_files, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     path, hf = family_files[arch]
-    out = tmp_path / "hf"
-    assert main(["convert", str(path), str(out)]) == 0
-    assert f"wrote huggingface directory {out}" in capsys.readouterr().out
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert converted.config.model_type == FAMILIES[arch]
-    with torch.no_grad():
-        torch.testing.assert_close(converted(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+    check_convert(path, hf, FAMILIES[arch], tmp_path / "hf", capsys, _ids())
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_serves_transformers_greedy_tokens(arch, family_files):
     """The paged engine (sliding windows, Gemma's local layers) decodes the tokens transformers does."""
     path, hf = family_files[arch]
-    loaded = load_model(path)
-    ids = _ids()[0, :9].tolist()
-    llm = LLM(loaded.model, tokenizer=model_tokenizer(path), max_num_seqs=1, max_model_len=48, block_size=4)
-    got = llm.generate([ids], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))[0].token_ids
-    assert got == hf_greedy(hf, ids, 14)
+    check_served_greedy(path, hf, _ids()[0, :9].tolist())
 
 
 def test_phi3_fused_blocks_kept_quantized_equal_dequantized(tmp_path):

@@ -15,12 +15,10 @@ import torch
 
 from tessera.checkpoint.gguf import ARCHITECTURES, GGUFFile, load_gguf
 from tessera.checkpoint.gguf.rope_freqs import llama3_from_rope_freqs, llama3_table
-from tessera.checkpoint.loading import load_model, model_tokenizer
-from tessera.cli import main
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
-from tests.checkpoint.gguf_family_files import VOCAB
+from tests.checkpoint.gguf_family_files import VOCAB, check_convert, check_served_greedy
 from tests.checkpoint.gguf_files import tiny_hf_model
 from tests.checkpoint.gguf_files import write_gguf as write_llama_gguf
 from tests.checkpoint.gguf_more_family_files import ARCHS, LLAMA3, mxfp4_experts, rope_freqs, tiny_model, write_gguf
@@ -65,26 +63,14 @@ def test_gguf_gives_transformers_logits(arch, files):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_gguf_converts_to_a_directory_transformers_loads(arch, files, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     path, hf = files[arch]
-    out = tmp_path / "hf"
-    assert main(["convert", str(path), str(out)]) == 0
-    assert f"wrote huggingface directory {out}" in capsys.readouterr().out
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert converted.config.model_type == ARCHS[arch]
-    with torch.no_grad():
-        torch.testing.assert_close(converted(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+    check_convert(path, hf, ARCHS[arch], tmp_path / "hf", capsys, _ids())
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_gguf_serves_transformers_greedy_tokens(arch, files):
     path, hf = files[arch]
-    loaded = load_model(path)
-    ids = _ids()[0, :9].tolist()
-    llm = LLM(loaded.model, tokenizer=model_tokenizer(path), max_num_seqs=1, max_model_len=48, block_size=4)
-    got = llm.generate([ids], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))[0].token_ids
-    assert got == hf_greedy(hf, ids, 14)
+    check_served_greedy(path, hf, _ids()[0, :9].tolist())
 
 
 def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):

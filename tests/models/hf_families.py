@@ -91,3 +91,15 @@ def random_hf_model(config, seed: int = 0, std: float = 0.08):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
     return model
+
+
+def check_save_load_round_trip(model, out) -> None:
+    """`save_pretrained` then `load_pretrained` gives back the same config and the same logits."""
+    from tessera.hf import load_pretrained, save_pretrained
+
+    save_pretrained(model, out)
+    back = load_pretrained(out, dtype=torch.float32)
+    assert back.cfg == model.cfg
+    ids = torch.arange(20).view(1, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits)

@@ -14,7 +14,7 @@ from tessera.infer import SamplingParams
 from tessera.infer.engine.reference_generation import reference_generate
 from tessera.models import Transformer
 from tests.infer.tiny_models import hf_greedy
-from tests.models.hf_families import hf_configs, random_hf_model
+from tests.models.hf_families import check_save_load_round_trip, hf_configs, random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,12 +46,7 @@ def test_greedy_generation_equals_transformers_and_recomputation(pair):
 
 def test_save_and_load_back_keeps_logits_and_config(pair, tmp_path):
     _, model = pair
-    save_pretrained(model, tmp_path / "out")
-    back = load_pretrained(tmp_path / "out", dtype=torch.float32)
-    assert back.cfg == model.cfg
-    ids = torch.arange(20).view(1, 20)
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, model(ids).logits)
+    check_save_load_round_trip(model, tmp_path / "out")
 
 
 def test_config_maps_both_ways_and_other_families_refuse_it():
