@@ -19,7 +19,7 @@ from tessera.infer.config import SpeculativeConfig
 from tessera.infer.engine.perplexity import paged_nll
 from tessera.infer.runner.paged_model import cache_geometry
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment
-from tessera.infer.scheduling.kv_cache import bytes_per_block
+from tessera.infer.scheduling.kv_cache import bytes_per_block, kv_layers
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot
 from tessera.models import Transformer
 from tests.hang_guard import HANG_S
@@ -146,12 +146,26 @@ def test_a_verified_step_keeps_the_state_after_its_accepted_tokens():
 
 
 def test_state_slots_are_paid_out_of_the_kv_budget():
-    cfg = get_preset("tiny-qwen3-next")
-    config = EngineConfig(kv_cache_gib=0.001, max_num_seqs=8, block_size=4)
+    cfg = get_preset("tiny-qwen3-next")  # layers 0-2 Gated DeltaNet, layer 3 attention
+    config = EngineConfig(kv_cache_gib=0.0005, max_num_seqs=8, block_size=4)
     per_block, per_slot = bytes_per_block(cfg, 4, torch.float32, False), bytes_per_slot(cfg, torch.float32)
     assert per_slot == 3 * (4 * (2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16 * 4)  # 3 layers: conv window, delta state
-    want = (int(0.001 * 2**30) - 8 * per_slot) // per_block
-    assert cache_geometry(cfg, config).num_blocks == want < int(0.001 * 2**30) // per_block
+    assert per_block == 2 * 2 * 16 * 4 * 4  # keys and values of the one attention layer only
+    budget = int(0.0005 * 2**30) - 8 * per_slot
+    got = cache_geometry(cfg, config).num_blocks
+    assert got == budget // per_block < int(0.0005 * 2**30) // per_block
+    assert got // 4 == budget // (4 * per_block)  # n_layers / n_attention = 4 times the blocks of every layer storing
+
+
+def test_the_kv_cache_holds_keys_and_values_of_the_attention_layers_only(hybrid):
+    llm = LLM(hybrid[0], block_size=4, num_blocks=16, max_model_len=64)
+    kv = llm.engine.kv
+    assert kv_layers(llm.engine.cfg) == [3]
+    assert [t.shape[0] for t in kv.k] == [t.shape[0] for t in kv.v] == [0, 0, 0, 17 * 4]  # 16 blocks + scratch
+    assert kv.stores() == [kv.k[3], kv.v[3]]
+    assert kv.nbytes == 17 * bytes_per_block(llm.engine.cfg, 4, torch.float32, False)
+    kv.clear_blocks([2, 5])  # the empty stores are left alone
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hybrid[2]
 
 
 def test_scoring_past_a_first_chunk_is_refused_by_name(hybrid):

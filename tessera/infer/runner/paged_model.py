@@ -23,7 +23,7 @@ from tessera.infer.runner.bucketed_decode import BucketedDecoder, DecodeRow, def
 from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
-from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block
+from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, kv_layers
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
@@ -236,9 +236,10 @@ def window_pool_blocks(windowed: WindowedLayers, config: EngineConfig) -> int:
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     """The KV cache's size from the engine config. Under tensor parallelism each rank stores
     1/tensor_parallel_size of the heads, so the same memory budget holds that many times the blocks;
-    every rank computes the same numbers. The windowed pool, if any, is paid from the budget first, and
-    a hybrid model's recurrent-state slots before it; the settings those slots cannot serve are
-    refused here, before any tensor-parallel process starts."""
+    every rank computes the same numbers. A block counts only the layers that store keys and values
+    (a hybrid model's linear-attention layers store none: kv_cache.kv_layers). The windowed pool, if
+    any, is paid from the budget first, and a hybrid model's recurrent-state slots before it; the
+    settings those slots cannot serve are refused here, before any tensor-parallel process starts."""
     refuse_unsupported(cfg, config)
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
@@ -253,7 +254,7 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     if num_blocks is None:  # from the memory budget (less the windowed pool and the recurrent-state slots),
         # but always room for one full sequence
         int8, tp = config.kv_cache_dtype == "int8", config.tensor_parallel_size
-        per_block = bytes_per_block(cfg, bs, config.torch_dtype, int8, tp, cfg.n_layers - n_window)
+        per_block = bytes_per_block(cfg, bs, config.torch_dtype, int8, tp, len(kv_layers(cfg)) - n_window)
         budget = int(config.kv_cache_gib * 2**30) - num_window * bytes_per_block(cfg, bs, config.torch_dtype,
                                                                                   int8, tp, n_window)
         budget -= config.max_num_seqs * bytes_per_slot(cfg, config.torch_dtype)

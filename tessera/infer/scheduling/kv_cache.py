@@ -16,6 +16,9 @@ wake, between the rollout phases of a GRPO run that trains in the same process).
 With `window_layers` (window_blocks.py) those layers' stores hold `window_blocks` blocks of their own
 pool, addressed by a sequence's `window_table`, and the others `num_blocks`; a store's blocks are
 its rows / block_size.
+A hybrid model's linear-attention layers (recurrent_state.py) store no keys or values: their stores
+have no rows (`kv_layers` names the layers that do), and `bytes_per_block` counts only the others,
+so the same memory budget holds n_layers / len(kv_layers) times the blocks.
 Shapes: T tokens, N sequences, L context length, G heads stored, D head dim.
 """
 
@@ -38,13 +41,19 @@ def kv_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int, int]:
     return g, cfg.head_dim, g, cfg.head_dim
 
 
+def kv_layers(cfg: ModelConfig) -> list[int]:
+    """The layers that store keys and values: every one but a hybrid model's linear-attention
+    layers, which keep a recurrent state instead (recurrent_state.py)."""
+    return [i for i in range(cfg.n_layers) if not cfg.is_linear_attention_layer(i)]
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1,
                     layers: int | None = None) -> int:
-    """Bytes of one block in `layers` layers (None: every layer)."""
+    """Bytes of one block in `layers` layers (None: every layer that stores keys and values)."""
     gk, dk, gv, dv = kv_shapes(cfg, tp_size)
     elem = 1 if int8 else torch.empty((), dtype=dtype).element_size()
     per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0)
-    return per_token * block_size * (cfg.n_layers if layers is None else layers)
+    return per_token * block_size * (len(kv_layers(cfg)) if layers is None else layers)
 
 
 def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +71,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
         self.window_layers, self.window_blocks = window_layers, window_blocks
         gk, dk, gv, dv = kv_shapes(cfg, tp_size)
-        slots = [(window_blocks if i in window_layers else num_blocks) * block_size for i in range(cfg.n_layers)]
+        self.kv_layers = kv_layers(cfg)
+        rows = {i: (window_blocks if i in window_layers else num_blocks) * block_size for i in self.kv_layers}
+        slots = [rows.get(i, 0) for i in range(cfg.n_layers)]  # a linear-attention layer: no rows
         store = torch.int8 if int8 else dtype
         self.k = [torch.zeros(n, gk, dk, dtype=store, device=device) for n in slots]
         self.v = [torch.zeros(n, gv, dv, dtype=store, device=device) for n in slots]
@@ -138,10 +149,10 @@ class PagedKVCache:
         return sum(t[i].untyped_storage().nbytes() for t in lists for i in layers)
 
     def stores(self) -> list[torch.Tensor]:
-        """Every tensor of the cache (keys and values of each layer, then their int8 scales), each
-        [num_blocks * block_size, ...]: a block's contents are row b of each, viewed per block."""
-        scales = [*self.k_scale, *self.v_scale] if self.int8 else []
-        return [*self.k, *self.v, *scales]
+        """Every tensor of the cache (keys and values of each layer that stores them, then their int8
+        scales), each [num_blocks * block_size, ...]: a block's contents are row b of each, viewed per block."""
+        lists = [self.k, self.v, *([self.k_scale, self.v_scale] if self.int8 else [])]
+        return [t[i] for t in lists for i in self.kv_layers]
 
     def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         """The contents of `blocks`: one [len(blocks), block_size * ...] tensor per store, on the
@@ -162,7 +173,7 @@ class PagedKVCache:
             return
         for window in (False, True):
             chosen = [-1 - b if window else b for b in blocks if (b < 0) == window]
-            layers = [i for i in range(len(self.k)) if (i in self.window_layers) == window]
+            layers = [i for i in self.kv_layers if (i in self.window_layers) == window]
             if not chosen or not layers:
                 continue
             b = torch.tensor(chosen, device=self.k[0].device)
