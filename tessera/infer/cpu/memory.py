@@ -16,8 +16,8 @@ leaves the allocator as it is); elsewhere, and with another C library, it does n
 
 What a model puts to sleep is another matter: its memory is meant for the other models, and kept
 freed pages would stay in the process. `release_freed_memory()` (glibc's `malloc_trim(0)`) gives
-the free pages back to the kernel; the several-models server calls it after a model is put down to
-level 2.
+the free pages back to the kernel: sleep level 1 calls it once the KV cache is freed
+(tessera/infer/engine/sleep.py), and the several-models server after a model is put down to level 2.
 """
 
 from __future__ import annotations

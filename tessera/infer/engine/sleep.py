@@ -9,6 +9,9 @@ to be rebuilt. The KV cache comes back zeroed (its int8 scales at one) and the p
 what the blocks held is gone, so no lookup may find it. Weights on an accelerator are copied to host
 memory first and copied back on waking. On the CPU the weights already are host memory: level 1
 there frees the KV cache and leaves the weights where they are (the registry keeps counting them).
+The freed pages then go back to the kernel (`release_freed_memory`, glibc's `malloc_trim`): `tessera
+serve` on the CPU tells the allocator to keep freed memory (tessera/infer/cpu/memory.py), which
+would otherwise hold every KV store below 32 MiB in the process while the model sleeps.
 An engine sleeps only when idle (no request queued or running), runs one process (no tensor
 parallelism, whose other ranks hold their own shards) and, off the CPU, replays no captured CUDA
 graphs (they hold the old addresses); `check_can_sleep` refuses the others, which the registry puts
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.config.errors import ConfigError
+from tessera.infer.cpu.memory import release_freed_memory
 from tessera.infer.engine.llm_engine import LLMEngine
 
 
@@ -100,6 +104,7 @@ def sleep_level1(engine: LLMEngine) -> SleptEngine:
             host = store.cpu()
             store.resize_(0)
             slept.weights.append((store, host))
+    release_freed_memory()  # the KV cache's pages back to the kernel, not kept for the next step
     return slept
 
 
