@@ -8,6 +8,9 @@ the way llama.cpp's converter lays them out:
   reader must skip.
 - Llama 4: transformers' fused experts cut into gate, up and down [E, out, in]; its Llama 3 scaling
   as `rope_freqs`; the chunk size, NoPE period and temperature llama.cpp fixes (8,192, 4, 0.1).
+- Qwen3-Next: every norm but the DeltaNet's stored +1, A as -exp(A_log), dt_bias as `ssm_dt.bias`, the
+  conv kernel squeezed, in_proj_qkvz (per key head q, k, v, z) cut into `attn_qkv` (all q, all k,
+  all v) and `attn_gate` (z); experts stacked as GLM-4.5's; the DeltaNet sizes as `ssm.*` metadata.
 - gpt-oss: gate and up cut out of transformers' interleaved fused tensor and stored apart,
   transposed to [E, out, in], with their biases; the down projection transposed; the sinks as
   `attn_sinks.weight`; `mxfp4`: the expert matrices in MXFP4 (the transformers model's expert weights
@@ -26,7 +29,7 @@ from tests.checkpoint.gguf_family_files import VOCAB
 from tests.checkpoint.gguf_files import _tokenizer_metadata, llama_cpp_permute
 
 ARCHS = {"smollm3": "smollm3", "exaone4": "exaone4", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
-         "llama4": "llama4_text"}
+         "llama4": "llama4_text", "qwen3next": "qwen3_next"}
 # EXAONE 4's Llama 3 scaling: with head_dim 12 and base 10,000 two of the six pairs lie between the bounds
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
           "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
@@ -52,6 +55,12 @@ def tiny_model(arch: str, seed: int = 0):
                                   attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True,
                                   floor_scale=8192, attn_scale=0.1, rope_parameters=dict(LLAMA3))
         model = tf.Llama4ForCausalLM(cfg)
+    elif arch == "qwen3next":  # layers 0-2 Gated DeltaNet (2 key heads, 4 value heads), layer 3 gated attention
+        cfg = tf.Qwen3NextConfig(**common, num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.25,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=12, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        model = tf.Qwen3NextForCausalLM(cfg)
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=12, partial_rotary_factor=0.5,
                                attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
@@ -64,7 +73,7 @@ def tiny_model(arch: str, seed: int = 0):
         model = tf.GptOssForCausalLM(cfg)
     with torch.no_grad():  # norms, sinks and the routing bias away from their constant init
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith(("norm.weight", "sinks", "e_score_correction_bias")):
+            if name.endswith(("norm.weight", "sinks", "e_score_correction_bias", "dt_bias")):
                 p.normal_(0, 0.5) if "norm" not in name else p.normal_(1, 0.2)
     return model.eval()
 
@@ -102,6 +111,8 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
     writer.add_value_length(head_dim)
     if arch == "smollm3":
         writer.add_rope_dimension_count(head_dim)
+    elif arch == "qwen3next":
+        _qwen3next_metadata(writer, cfg, head_dim)
     elif arch == "llama4":
         writer.add_feed_forward_length(cfg.intermediate_size_mlp)  # the dense layers' (replaces the one above)
         writer.add_rope_dimension_count(head_dim)
@@ -135,6 +146,41 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
         writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
 
 
+def _qwen3next_metadata(writer, cfg, head_dim: int) -> None:
+    writer.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)  # layers 0-2 linear, 3 full
+
+
+def _qwen3next_tensor(cfg, layer: str, base: str, suffix: str, w: np.ndarray):
+    """llama.cpp's Qwen3-Next layout of one of its tensors (not the experts)."""
+    if base.endswith("linear_attn.in_proj_qkvz"):  # [k heads x (q, k, v, z)] -> all q, all k, all v; z
+        k_heads, qk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        v = cfg.linear_num_value_heads // k_heads * cfg.linear_value_head_dim
+        g = w.reshape(k_heads, 2 * qk + 2 * v, -1)
+        parts = [g[:, :qk], g[:, qk:2 * qk], g[:, 2 * qk:2 * qk + v]]
+        yield f"blk.{layer}.attn_qkv", "weight", np.concatenate([p.reshape(-1, w.shape[-1]) for p in parts])
+        yield f"blk.{layer}.attn_gate", "weight", g[:, 2 * qk + v:].reshape(-1, w.shape[-1])
+    elif suffix == "A_log":
+        yield f"blk.{layer}.ssm_a", "weight", -np.exp(w)
+    elif suffix == "dt_bias":
+        yield f"blk.{layer}.ssm_dt", "bias", w
+    elif base.endswith("conv1d"):
+        yield base, suffix, w.squeeze(1)
+    elif base.endswith("norm") and not base.endswith("linear_attn.norm"):
+        yield base, suffix, w + 1
+    else:
+        yield base, suffix, w
+
+
 def _gguf_tensors(model, arch: str):
     """(GGUF base name or HuggingFace module, suffix, float32 array) of every tensor, llama.cpp's layout."""
     cfg = model.config
@@ -160,12 +206,14 @@ def _gguf_tensors(model, arch: str):
                 yield f"blk.{layer}.ffn_down_exps", "weight", w
         elif "mlp.experts." in hf_name:
             yield from _experts(arch, layer, hf_name.rpartition(".")[2], w)
+        elif arch == "qwen3next":
+            yield from _qwen3next_tensor(cfg, layer, base, suffix, w)
         else:
             yield base, suffix, w
 
 
 def _experts(arch: str, layer: str, name: str, w: np.ndarray):
-    if arch == "glm4moe":  # gate_up [E, 2 x ff, in], gate first; down [E, in, ff]: stored as they are
+    if arch in ("glm4moe", "qwen3next"):  # gate_up [E, 2 x ff, in], gate first; down [E, in, ff]: as they are
         if name == "gate_up_proj":
             half = w.shape[1] // 2
             yield f"blk.{layer}.ffn_gate_exps", "weight", w[:, :half]

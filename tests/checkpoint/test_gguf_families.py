@@ -113,7 +113,7 @@ def test_gemma3_norm_offset_is_taken_off(family_files):
     torch.testing.assert_close(stored[name].dequantized(), hf.state_dict()[name])
 
 
-@pytest.mark.parametrize("arch,family", [("qwen3next", "qwen3_next"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("arch,family", [("qwen3moe", "qwen3_moe"), ("qwen3", "qwen3")])
 def test_architecture_of_a_family_read_only_from_huggingface_is_refused_by_name(arch, family, tmp_path):
     import gguf
 
@@ -126,6 +126,6 @@ def test_architecture_of_a_family_read_only_from_huggingface_is_refused_by_name(
     writer.close()
     with pytest.raises(ConfigError, match=rf"GGUF architecture '{arch}' is not supported; supported: llama, "
                                           r"qwen2, phi3, gemma3, olmo2, seed_oss, smollm3, exaone4, glm4moe, "
-                                          rf"gpt-oss, llama4 \(Tessera builds the {family} "
+                                          rf"gpt-oss, llama4, qwen3next \(Tessera builds the {family} "
                                           "family, but from its HuggingFace directory"):
         GGUFFile.open(path)

@@ -5,7 +5,9 @@ greedy tokens: SmolLM3's NoPE layers; EXAONE 4's sliding pattern and Llama 3 RoP
 from `rope_freqs`; GLM-4.5's stacked experts, routing bias, dense first layer and skipped
 multi-token-prediction block; gpt-oss's sinks, YaRN, and gate / up experts written into
 transformers' interleaved fused tensor, also from MXFP4 blocks; Llama 4's routed and dense layers,
-fused experts as Tessera's parts, Llama 3 scaling and NoPE layer."""
+fused experts as Tessera's parts, Llama 3 scaling and NoPE layer; Qwen3-Next's Gated DeltaNet layers
+(in_proj_qkvz put back together from attn_qkv and attn_gate, A from -exp(A_log), the norms' +1 taken
+off all but the DeltaNet's), served through the engine's recurrent-state slots."""
 
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ def test_gguf_gives_transformers_logits(arch, files):
     elif arch == "llama4":
         assert cfg.moe_layers == [1, 3] and cfg.nope_layers == [3] and cfg.qk_l2_norm
         assert cfg.attention_chunk_size == 8192 and cfg.rope_scaling["rope_type"] == "llama3"
+    elif arch == "qwen3next":
+        la = cfg.linear_attention
+        assert la.layers == [0, 1, 2] and (la.n_key_heads, la.n_value_heads, la.value_head_dim) == (2, 4, 12)
+        assert cfg.partial_rotary_factor == 0.25 and cfg.norm_unit_offset and cfg.moe.shared_expert_gate
     else:
         assert cfg.attention_sinks and cfg.window_layers == [0, 2] and cfg.rope_scaling["rope_type"] == "yarn"
 
@@ -147,3 +153,13 @@ def test_a_table_that_is_not_llama3_is_refused():
         llama3_from_rope_freqs("f.gguf", table.tolist(), 12, 10000.0)
     with pytest.raises(ConfigError, match="Tessera reads Llama 3's table of 6"):
         llama3_from_rope_freqs("f.gguf", [1.0, 2.0], 12, 10000.0)
+
+
+def test_qwen3next_file_whose_ssm_a_is_not_negative_is_refused(tmp_path):
+    """llama.cpp stores A = -exp(A_log): a value that is not negative (here NaN) has no A_log."""
+    hf = tiny_model("qwen3next", seed=1)
+    with torch.no_grad():
+        hf.model.layers[1].linear_attn.A_log[0] = float("nan")
+    path = write_gguf(hf, tmp_path / "bad-a.gguf", "qwen3next")
+    with pytest.raises(ConfigError, match=r"tensor 'blk.1.ssm_a.weight' of shape \[4\] does not fit .*negative"):
+        load_gguf(path)

@@ -39,6 +39,14 @@ For `olmo2` and `seed_oss` the head size is `attention.key_length` and the biase
   `attention.sliding_window` is 0), the NoPE layers' temperature (`attention.temperature_scale`,
   `attention.temperature_length`, else 0.1 and 8,192), and the L2 QK norm except for the 128-expert
   model (Maverick). Rows are stored unpermuted (HuggingFace's Llama 4 rotates adjacent pairs).
+- `qwen3next` (Qwen3-Next): three Gated DeltaNet layers in four (`full_attention_interval`), the
+  fourth gated attention (q_proj's per-head query and gate, stored as HuggingFace's); Qwen2-MoE's
+  experts (`ffn_*_exps`) with a gated shared expert. llama.cpp's converter stores every norm but the
+  DeltaNet's (`ssm_norm`) with +1 added, A as -exp(A_log) (`ssm_a`), dt_bias as `ssm_dt.bias`, the
+  conv kernel without its middle dimension, and HuggingFace's in_proj_qkvz (per key head: q, k, v, z)
+  cut in two: `attn_qkv` (every head's q, then k, then v) and `attn_gate` (z); each is written back
+  into its rows of the key heads' groups. Sizes: `ssm.group_count` key heads of `ssm.state_size`,
+  `ssm.time_step_rank` value heads making `ssm.inner_size`, `ssm.conv_kernel`.
 Llama 3's RoPE scaling (LLaMA, SmolLM3, EXAONE 4, Llama 4) is the tensor `rope_freqs`, read back as
 `rope_scaling` by rope_freqs.py.
 """
@@ -48,6 +56,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tessera.config.errors import ConfigError
 
@@ -87,6 +97,7 @@ class Architecture:
     placed: dict[str, Placed] | None = None  # per-layer GGUF tensors stored otherwise in HuggingFace
     rope_freqs: bool = False  # Llama 3's RoPE scaling may be the tensor rope_freqs
     extra_blocks: bool = False  # blocks past num_hidden_layers (multi-token prediction) are skipped
+    unshifted: tuple[str, ...] = ()  # norms (GGUF kinds) stored without norm_offset
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,10 @@ class Placed:
     names: dict[str, str]
     transposed: bool = False
     into: tuple[int, int] | None = None
+    # the stored values in the shape of their place (given the file's config.json fields), and that
+    # place: a view of the HuggingFace tensor
+    convert: Callable[[Any, dict[str, Any]], Any] | None = None
+    select: Callable[[Any, dict[str, Any]], Any] | None = None
 
 
 def _phi3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +239,63 @@ def _llama4(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
             "floor_scale": meta.count("attention.temperature_length", 8192)}
 
 
+def _qwen3next(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    head_dim = meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"])
+    v_heads = meta.count("ssm.time_step_rank", 1)
+    inner = meta.count("ssm.inner_size", v_heads)
+    if inner % v_heads:
+        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata qwen3next.ssm.inner_size ({inner}) is not a multiple of "
+                          f"ssm.time_step_rank ({v_heads}), the value heads")
+    return {**_experts(meta), "head_dim": head_dim, "num_experts": meta.count("expert_count", 0),
+            "shared_expert_intermediate_size": meta.count("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(meta.get("expert_weights_norm", True)),
+            "partial_rotary_factor": meta.count("rope.dimension_count", head_dim) / head_dim,
+            "full_attention_interval": meta.count("full_attention_interval", 4),
+            "linear_conv_kernel_dim": meta.count("ssm.conv_kernel", 4),
+            "linear_key_head_dim": meta.count("ssm.state_size", 1),
+            "linear_num_key_heads": meta.count("ssm.group_count", 1), "linear_num_value_heads": v_heads,
+            "linear_value_head_dim": inner // v_heads}
+
+
+def _deltanet_sizes(d: dict[str, Any]) -> tuple[int, int, int]:
+    """(key heads, q + k rows of a group, v rows of a group) of Qwen3-Next's in_proj_qkvz."""
+    k_heads = d["linear_num_key_heads"]
+    return k_heads, 2 * d["linear_key_head_dim"], d["linear_num_value_heads"] // k_heads * d["linear_value_head_dim"]
+
+
+def _qkv_groups(values, d: dict[str, Any]):
+    """attn_qkv's rows (every head's q, then k, then v) as [key heads, q + k + v of the head, in]."""
+    k_heads, qk, v = _deltanet_sizes(d)
+    q, k, rest = values.split([qk // 2 * k_heads, qk // 2 * k_heads, v * k_heads])
+    return torch.cat([t.reshape(k_heads, -1, values.shape[-1]) for t in (q, k, rest)], dim=1)
+
+
+def _a_log(a, d: dict[str, Any]):
+    """HuggingFace's A_log from llama.cpp's A = -exp(A_log), which is negative."""
+    if not bool((a < 0).all()):
+        raise ValueError("llama.cpp stores A = -exp(A_log), negative; it holds values that are not")
+    return torch.log(-a)
+
+
+def _grouped(target, d: dict[str, Any]):
+    k_heads = d["linear_num_key_heads"]
+    return target.view(k_heads, -1, target.shape[-1])
+
+
+def _qkv_rows(target, d: dict[str, Any]):
+    _, qk, v = _deltanet_sizes(d)
+    return _grouped(target, d)[:, :qk + v]
+
+
+def _z_groups(values, d: dict[str, Any]):
+    return values.reshape(d["linear_num_key_heads"], -1, values.shape[-1])
+
+
+def _z_rows(target, d: dict[str, Any]):
+    _, qk, v = _deltanet_sizes(d)
+    return _grouped(target, d)[:, qk + v:]
+
+
 def _exps(name: str) -> Placed:
     return Placed({"weight": f"mlp.experts.*.{name}.weight"})
 
@@ -231,6 +303,14 @@ def _exps(name: str) -> Placed:
 _GLM4MOE_EXPERTS = {"ffn_gate_exps": _exps("gate_proj"), "ffn_up_exps": _exps("up_proj"),
                     "ffn_down_exps": _exps("down_proj"),
                     "exp_probs_b": Placed({"bias": "mlp.gate.e_score_correction_bias"})}
+_QKVZ = {"weight": "linear_attn.in_proj_qkvz.weight"}
+_QWEN3NEXT_PLACED = {**{k: v for k, v in _GLM4MOE_EXPERTS.items() if k != "exp_probs_b"},
+                     "attn_qkv": Placed(_QKVZ, convert=_qkv_groups, select=_qkv_rows),
+                     "attn_gate": Placed(_QKVZ, convert=_z_groups, select=_z_rows),
+                     "ssm_a": Placed({"weight": "linear_attn.A_log"}, convert=_a_log),
+                     "ssm_dt": Placed({"bias": "linear_attn.dt_bias"}),
+                     "ssm_conv1d": Placed({"weight": "linear_attn.conv1d.weight"},
+                                          convert=lambda w, d: w.unsqueeze(1))}
 _GATE_UP = {"weight": "mlp.experts.gate_up_proj", "bias": "mlp.experts.gate_up_proj_bias"}
 _GPT_OSS_PLACED = {"attn_sinks": Placed({"weight": "self_attn.sinks"}),
                    "ffn_gate_exps": Placed(_GATE_UP, transposed=True, into=(0, 2)),
@@ -271,4 +351,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         config=_gpt_oss, placed=_GPT_OSS_PLACED),
     "llama4": Architecture("llama4_text", layer_modules=LLAMA_LAYER[:6] + _FF, reads=(
         "expert_count", "attention.sliding_window"), config=_llama4, placed=_LLAMA4_PLACED, rope_freqs=True),
+    "qwen3next": Architecture("qwen3_next", layer_modules=(
+        "input_layernorm", "post_attention_layernorm", *LLAMA_LAYER[2:6], *_QK_NORMS, "linear_attn.in_proj_ba",
+        "linear_attn.norm", "linear_attn.out_proj", "mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj",
+        "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"), reads=("expert_count",), config=_qwen3next,
+        norm_offset=1.0, placed=_QWEN3NEXT_PLACED, unshifted=("ssm_norm",)),
 }

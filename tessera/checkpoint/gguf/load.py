@@ -84,7 +84,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 targets[key.removesuffix(".weight") + ".blocks"].copy_(part)
             else:  # the whole tensor, or its interleaved share of a fused one (gpt-oss's gate / up)
                 start, step = stored.into or (0, 1)
-                _fill(found, stored.hf_name, targets[key][..., start::step], part)
+                view = stored.select(targets[key]) if stored.select else targets[key][..., start::step]
+                _fill(found, stored.hf_name, view, part)
             filled.add(key)
     missing = {k for keys in by_hf.values() for k in keys} - filled
     if missing:
@@ -170,7 +171,7 @@ def _kept(model: Transformer, modules: dict, found: GGUFFile, stored, key: str, 
     name = key.removesuffix(".weight")
     layer = modules.get(name)
     if not (key.startswith("layers.") and key.endswith(".weight") and isinstance(layer, torch.nn.Linear)
-            and stored.kind in BLOCKS):
+            and stored.kind in BLOCKS and stored.select is None and stored.convert is None):
         return False
     shape = (rows[key][1] - rows[key][0], *stored.shape[1:]) if key in rows else stored.shape
     _fill(found, stored.hf_name, layer.weight, torch.empty(shape, device="meta"))  # the shape check

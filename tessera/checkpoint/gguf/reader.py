@@ -215,23 +215,29 @@ class GGUFFile:
             if spec.extra_blocks and block.isdigit() and int(block) >= n_layers:  # multi-token prediction
                 continue
             if spec.placed and kind in spec.placed and base.startswith("blk."):
-                yield _placed(self.path, t, int(block), spec.placed[kind], suffix)
+                yield _placed(self.path, t, int(block), spec.placed[kind], suffix, self.hf_config)
                 continue
             if base not in names:
                 raise ConfigError(f"{str(self.path)!r}: tensor {t.name!r} has no place in a {self.architecture} "
                                   "model; is the file a language model of that architecture?")
             kind = base.rpartition(".")[2]
             rope_heads = heads[kind] if permuted and kind in heads else 0
-            offset = spec.norm_offset if base.endswith("norm") else 0.0
+            offset = spec.norm_offset if base.endswith("norm") and kind not in spec.unshifted else 0.0
             yield StoredTensor(self.path, t, f"{names[base]}.{suffix}", rope_heads, offset)
 
 
-def _placed(path: Path, entry, layer: int, placed: Placed, suffix: str) -> StoredTensor:
+def _placed(path: Path, entry, layer: int, placed: Placed, suffix: str, d: dict[str, Any]) -> StoredTensor:
     if suffix not in placed.names:
         raise ConfigError(f"{str(path)!r}: tensor {entry.name!r} has no place in the model; Tessera reads "
                           f"{', '.join(placed.names)} of it")
     return StoredTensor(path, entry, f"model.layers.{layer}.{placed.names[suffix]}", 0,
-                        transposed=placed.transposed and suffix == "weight", into=placed.into)
+                        transposed=placed.transposed and suffix == "weight", into=placed.into,
+                        convert=_bound(placed.convert, d), select=_bound(placed.select, d))
+
+
+def _bound(fn, d: dict[str, Any]):
+    """`fn(x, d)` as a function of x (None stays None)."""
+    return None if fn is None else lambda x: fn(x, d)
 
 
 @dataclass
@@ -247,6 +253,8 @@ class StoredTensor:
     offset: float = 0.0  # what llama.cpp's converter added to the values (Gemma's norms), taken off
     transposed: bool = False  # HuggingFace holds the matrices transposed (gpt-oss's experts)
     into: tuple[int, int] | None = None  # (start, step) of the entries of the HuggingFace tensor's last dim
+    convert: Any = None  # values -> the shape of their place (Qwen3-Next's DeltaNet tensors)
+    select: Any = None  # the HuggingFace tensor -> the view of it this tensor fills
 
     @property
     def kind(self) -> str:
@@ -270,6 +278,12 @@ class StoredTensor:
             raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} ({self.kind}) cannot be "
                               f"dequantized ({type(e).__name__}: {e}); the file may be damaged") from None
         values = self._rows_in_hf_order(values - self.offset if self.offset else values)
+        if self.convert is not None:
+            try:
+                values = self.convert(values)
+            except (ValueError, RuntimeError) as e:  # rows the metadata's sizes do not split, A not negative
+                raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} of shape {list(values.shape)} "
+                                  f"does not fit the model its metadata describes ({e})") from None
         return values.transpose(-1, -2).contiguous() if self.transposed else values
 
     def raw_blocks(self) -> torch.Tensor:
@@ -302,8 +316,7 @@ def _hf_names(name_map, n_layers: int, per_layer: tuple[str, ...]) -> dict[str, 
 
 # llama.cpp's names of architectures whose Tessera family is built from HuggingFace directories but
 # whose GGUF files are not read yet.
-NOT_READ = {"qwen3next": "qwen3_next",
-            "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3"}
+NOT_READ = {"qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v3"}
 
 
 def _from_hf(arch: str) -> str:
