@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve_vs_vllm import ServerProcess, drive, int_range, mixed_requests  # noqa: E402
+from bench.serve_vs_vllm import ServerProcess, drive, int_range, mixed_requests, stdlib_ids  # noqa: E402
 from bench.stream_client import free_port  # noqa: E402
 
 TESSERA_SIDES = {"tessera": [], "tessera-dequantized": ["--gguf-dequantize"],
@@ -113,15 +113,8 @@ def memory_of(pid: int) -> dict[str, float]:
 def corpus_ids(gguf: Path, n_tokens: int) -> list[int]:
     """Token ids of Python standard-library source, as the file's own tokenizer reads it."""
     from tessera.checkpoint.loading import model_tokenizer
-    from tessera.data.corpus import select_stdlib_files
 
-    tok = model_tokenizer(gguf)
-    ids: list[int] = []
-    for f in select_stdlib_files(8 * n_tokens):
-        ids += tok.encode(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
-        if len(ids) >= n_tokens:
-            break
-    return ids
+    return stdlib_ids(model_tokenizer(gguf), n_tokens)
 
 
 def phase_plan(args, ids: list[int]) -> dict[str, dict]:

@@ -91,10 +91,15 @@ def vllm_version(python: str | None) -> str | None:
 # ---- workloads ----------------------------------------------------------------------------------
 def corpus_ids(model_dir: Path, n_tokens: int) -> list[int]:
     """Token ids of Python standard-library source, as the model's tokenizer reads it."""
-    from tessera.data.corpus import select_stdlib_files
     from tessera.data.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_path(model_dir)
+    return stdlib_ids(Tokenizer.from_path(model_dir), n_tokens)
+
+
+def stdlib_ids(tok, n_tokens: int) -> list[int]:
+    """At least `n_tokens` ids of Python standard-library source, as `tok` encodes it."""
+    from tessera.data.corpus import select_stdlib_files
+
     ids: list[int] = []
     for f in select_stdlib_files(8 * n_tokens):
         ids += tok.encode(f.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)

@@ -147,3 +147,8 @@ def check_served_greedy(path: Path, hf, ids: list[int], tokens: int = 14) -> Non
               block_size=4)
     got = llm.generate([ids], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))[0].token_ids
     assert got == hf_greedy(hf, ids, tokens)
+
+
+def window_ids() -> torch.Tensor:
+    """Two rows of 23 token ids, longer than the tiny models' windows (seeded)."""
+    return torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(0))

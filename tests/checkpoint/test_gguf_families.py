@@ -15,10 +15,10 @@ from tessera.checkpoint.gguf import ARCHITECTURES, GGUFFile, load_gguf
 from tessera.config.errors import ConfigError
 from tessera.models.gguf_linear import GgufLinear
 from tests.checkpoint.gguf_family_files import (
-    VOCAB,
     check_convert,
     check_served_greedy,
     tiny_family_model,
+    window_ids,
     write_family_gguf,
 )
 
@@ -35,17 +35,13 @@ def family_files(tmp_path_factory):
     return files
 
 
-def _ids():
-    return torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(0))  # longer than the windows
-
-
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_gives_transformers_logits(arch, family_files):
     path, hf = family_files[arch]
     model = load_gguf(path)
     assert model.cfg.family == FAMILIES[arch] == ARCHITECTURES[arch].family
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(window_ids()).logits, hf(window_ids()).logits, rtol=1e-4, atol=1e-4)
     cfg = model.cfg
     if arch == "phi3":
         assert cfg.partial_rotary_factor == 0.75 and cfg.sliding_window == 7
@@ -59,14 +55,14 @@ def test_family_gguf_gives_transformers_logits(arch, family_files):
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_converts_to_a_directory_transformers_loads(arch, family_files, tmp_path, capsys):
     path, hf = family_files[arch]
-    check_convert(path, hf, FAMILIES[arch], tmp_path / "hf", capsys, _ids())
+    check_convert(path, hf, FAMILIES[arch], tmp_path / "hf", capsys, window_ids())
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_gguf_serves_transformers_greedy_tokens(arch, family_files):
     """The paged engine (sliding windows, Gemma's local layers) decodes the tokens transformers does."""
     path, hf = family_files[arch]
-    check_served_greedy(path, hf, _ids()[0, :9].tolist())
+    check_served_greedy(path, hf, window_ids()[0, :9].tolist())
 
 
 def test_phi3_fused_blocks_kept_quantized_equal_dequantized(tmp_path):
@@ -76,7 +72,7 @@ def test_phi3_fused_blocks_kept_quantized_equal_dequantized(tmp_path):
     layer = kept.layers["0"]
     assert isinstance(layer.attention.wk, GgufLinear) and isinstance(layer.feed_forward.w3, GgufLinear)
     with torch.no_grad():
-        torch.testing.assert_close(kept(_ids()).logits, plain(_ids()).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kept(window_ids()).logits, plain(window_ids()).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_gemma3_sliding_pattern_from_the_metadata(tmp_path):
@@ -87,7 +83,7 @@ def test_gemma3_sliding_pattern_from_the_metadata(tmp_path):
     model = load_gguf(write_family_gguf(hf, tmp_path / "pattern.gguf", "gemma3"))
     assert model.cfg.window_layers == [i for i, t in enumerate(types) if t == "sliding_attention"]
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(window_ids()).logits, hf(window_ids()).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_olmo3_written_as_olmo2_is_refused_naming_the_window(tmp_path):

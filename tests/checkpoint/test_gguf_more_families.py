@@ -20,7 +20,7 @@ from tessera.checkpoint.gguf.rope_freqs import llama3_from_rope_freqs, llama3_ta
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
-from tests.checkpoint.gguf_family_files import VOCAB, check_convert, check_served_greedy
+from tests.checkpoint.gguf_family_files import check_convert, check_served_greedy, window_ids
 from tests.checkpoint.gguf_files import tiny_hf_model
 from tests.checkpoint.gguf_files import write_gguf as write_llama_gguf
 from tests.checkpoint.gguf_more_family_files import ARCHS, LLAMA3, mxfp4_experts, rope_freqs, tiny_model, write_gguf
@@ -37,17 +37,13 @@ def files(tmp_path_factory):
     return out
 
 
-def _ids():
-    return torch.randint(0, VOCAB, (2, 23), generator=torch.Generator().manual_seed(0))  # longer than the windows
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_gguf_gives_transformers_logits(arch, files):
     path, hf = files[arch]
     model = load_gguf(path)
     assert model.cfg.family == ARCHS[arch] == ARCHITECTURES[arch].family
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(window_ids()).logits, hf(window_ids()).logits, rtol=1e-4, atol=1e-4)
     cfg = model.cfg
     if arch == "smollm3":
         assert cfg.nope_layers == [3]
@@ -70,13 +66,13 @@ def test_gguf_gives_transformers_logits(arch, files):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_gguf_converts_to_a_directory_transformers_loads(arch, files, tmp_path, capsys):
     path, hf = files[arch]
-    check_convert(path, hf, ARCHS[arch], tmp_path / "hf", capsys, _ids())
+    check_convert(path, hf, ARCHS[arch], tmp_path / "hf", capsys, window_ids())
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_gguf_serves_transformers_greedy_tokens(arch, files):
     path, hf = files[arch]
-    check_served_greedy(path, hf, _ids()[0, :9].tolist())
+    check_served_greedy(path, hf, window_ids()[0, :9].tolist())
 
 
 def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
@@ -88,7 +84,7 @@ def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path):
     kinds = {t.entry.name: t.kind for t in GGUFFile.open(path).stored()}
     assert kinds["blk.0.ffn_gate_exps.weight"] == "MXFP4" and kinds["blk.0.ffn_down_exps.weight"] == "MXFP4"
     with torch.no_grad():
-        torch.testing.assert_close(load_gguf(path)(_ids()).logits, hf(_ids()).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(load_gguf(path)(window_ids()).logits, hf(window_ids()).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_llama_file_with_llama3_rope_freqs_gives_the_scaled_transformers_logits(tmp_path):
@@ -106,9 +102,9 @@ def test_llama_file_with_llama3_rope_freqs_gives_the_scaled_transformers_logits(
     scaled = LlamaForCausalLM(hf.config).eval()
     scaled.load_state_dict(hf.state_dict())
     with torch.no_grad():
-        want = scaled(_ids()).logits
-        assert not torch.allclose(want, hf(_ids()).logits, rtol=1e-4, atol=1e-4)  # the scaling shows
-        torch.testing.assert_close(model(_ids()).logits, want, rtol=1e-4, atol=1e-4)
+        want = scaled(window_ids()).logits
+        assert not torch.allclose(want, hf(window_ids()).logits, rtol=1e-4, atol=1e-4)  # the scaling shows
+        torch.testing.assert_close(model(window_ids()).logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_gpt_oss_mxfp4_experts_kept_packed_serve_as_dequantized(tmp_path):
@@ -124,8 +120,8 @@ def test_gpt_oss_mxfp4_experts_kept_packed_serve_as_dequantized(tmp_path):
     dense = plain.layers["0"].moe.experts
     assert packed < 0.3 * 2 * (dense.gate_up_proj.numel() + dense.down_proj.numel())  # 17 / 64 of fp16's bytes
     with torch.no_grad():
-        torch.testing.assert_close(kept(_ids()).logits, plain(_ids()).logits, rtol=1e-4, atol=1e-4)
-    ids = _ids()[0, :9].tolist()
+        torch.testing.assert_close(kept(window_ids()).logits, plain(window_ids()).logits, rtol=1e-4, atol=1e-4)
+    ids = window_ids()[0, :9].tolist()
     llm = LLM(str(path), gguf_keep_quantized=True, max_num_seqs=1, max_model_len=48, block_size=4)
     assert isinstance(llm.engine.model.layers["1"].moe.experts, Mxfp4Experts)
     got = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
