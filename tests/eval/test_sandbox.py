@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -34,15 +35,23 @@ def _run(sandbox: Sandbox, code: str):
     return sandbox.run(textwrap.dedent(code))
 
 
-def _runner_processes() -> list[str]:
-    """Processes left running the sandbox's program (its runner's command line names program.py)."""
+def _named(code: str) -> tuple[str, str]:
+    """`code` preceded by a line that names its process (and so every process it forks) with a token
+    of its own, so that the check below finds this run's processes and never another test run's."""
+    name = "tsb" + uuid.uuid4().hex[:12]
+    head = f"import ctypes\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\n"  # 15: PR_SET_NAME
+    return name, head + textwrap.dedent(code)
+
+
+def _runner_processes(name: str) -> list[str]:
+    """Processes left running the named program (its name was set by the line `_named` adds)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if b"program.py" in cmd and b"sandbox" not in cmd:
+        if comm == name:
             found.append(pid)
     return found
 
@@ -196,13 +205,14 @@ def test_memory_is_limited(sandbox):
 
 
 def test_an_infinite_loop_is_stopped_by_the_time_limit():
-    verdict = Sandbox(SandboxLimits(timeout_s=1)).run("while True:\n    pass\n")
+    name, program = _named("import os\nassert os.fork() >= 0\nwhile True:\n    pass\n")
+    verdict = Sandbox(SandboxLimits(timeout_s=1)).run(program)
     assert verdict.status == "timed out" and not verdict.passed
-    assert _runner_processes() == []
+    assert _runner_processes(name) == []
 
 
 def test_a_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
-    verdict = _run(sandbox, """
+    name, program = _named("""
         import os, time
         if os.fork() == 0:  # one that leaves the session, to outlive the run
             os.setsid()
@@ -220,21 +230,23 @@ def test_a_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
             children += 1
         assert 0 < children < 16, children
     """)
+    verdict = sandbox.run(program)
     assert verdict.passed, verdict.detail
-    assert _runner_processes() == []  # its pid namespace ended with it: the sleepers and the detached one
+    assert _runner_processes(name) == []  # its pid namespace ended with it: the sleepers and the detached one
 
 
 def test_an_endless_fork_bomb_times_out_and_leaves_nothing_behind():
-    verdict = Sandbox(SandboxLimits(timeout_s=2, processes=16)).run(textwrap.dedent("""
+    name, program = _named("""
         import os
         while True:
             try:
                 os.fork()
             except OSError:
                 pass
-    """))
+    """)
+    verdict = Sandbox(SandboxLimits(timeout_s=2, processes=16)).run(program)
     assert verdict.status in ("timed out", "failed") and not verdict.passed
-    assert _runner_processes() == []
+    assert _runner_processes(name) == []
 
 
 def test_no_capability_no_remount_and_only_its_own_processes(sandbox):
