@@ -20,7 +20,7 @@ from tessera.config.limits import MAX_LOCAL_RANKS
 from tessera.infer.config import EngineConfig
 
 # the served model's, as `tessera serve` spells them (--merge-lora DIR: a PEFT adapter merged at load)
-ENGINE_OPTIONS = ("tensor_parallel_size", "dtype", "kv_cache_gib", "merge_lora")
+ENGINE_OPTIONS = ("tensor_parallel_size", "dtype", "kv_cache_gib", "merge_lora", "windowed_kv")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

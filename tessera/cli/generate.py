@@ -14,7 +14,8 @@ from tessera.config.flags import values_from_args
 from tessera.config.limits import MAX_SEQ_LEN
 from tessera.infer.config import EngineConfig
 
-ENGINE_OPTIONS = ("quantization", "gguf_keep_quantized")  # the serving engine's, as `tessera serve` spells them
+# the serving engine's, as `tessera serve` spells them
+ENGINE_OPTIONS = ("quantization", "gguf_keep_quantized", "windowed_kv")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -208,3 +208,28 @@ def test_a_request_failing_on_nan_leaves_its_window_blocks_to_be_zeroed():
     scheduler._fail_alone(seq, FloatingPointError("inf"))
     assert sorted(scheduler.take_dirty_blocks()) == sorted(own + [-1 - b for b in held])
     assert pool.num_free_blocks == 8 and blocks.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("mode", ["bounded", "kept"])
+def test_generate_and_eval_take_the_windowed_kv_option(mode, tmp_path, capsys):
+    """`tessera generate --windowed-kv MODE` decodes what transformers does either way, and `tessera
+    eval` hands the option to its engine; a value outside the two is refused with exit 2."""
+    import argparse
+
+    from tessera.cli import eval as eval_cli
+    from tessera.cli import main
+    from tests.infer.tiny_models import char_tokenizer
+
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    prompt = "longer than a window of five"
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "12", "--windowed-kv", mode]) == 0
+    tok = char_tokenizer()
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    assert capsys.readouterr().out.strip() == prompt + tok.decode(hf_greedy(hf, ids, 12), skip_special_tokens=True)
+    parser = argparse.ArgumentParser()
+    eval_cli.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--tasks", "loss", "--windowed-kv", mode])
+    assert eval_cli._settings(args).engine["windowed_kv"] == mode
+    with pytest.raises(SystemExit) as refused:
+        main(["generate", str(tmp_path), "--prompt", prompt, "--windowed-kv", "ring"])
+    assert refused.value.code == 2 and "choose from 'bounded', 'kept'" in capsys.readouterr().err
