@@ -12,7 +12,7 @@ from tessera.config.errors import ConfigError
 from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# Activation recomputation policies (tessera/parallel/activation_checkpoint.py; docs/planning.md,
+# Activation recomputation policies (tessera/parallel/memory/activation_checkpoint.py; docs/planning.md,
 # "Recomputation and activation policies"): none; selective (Megatron's: the attention core re-runs
 # in backward, Korthikanti et al. 2022); op (torchtitan's operator-level policy: the block re-runs in
 # backward except the operators named by `recompute_save`, whose outputs are kept); full (the block

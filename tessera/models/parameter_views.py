@@ -2,7 +2,7 @@
 
 A linear layer saves its weight (or, under autocast, the weight's bf16 copy) for backward; that is
 the model's compute copy of its weights, not an activation. Both the activation offload
-(tessera/parallel/activation_offload.py), which leaves such tensors on the GPU, and the planner's
+(tessera/parallel/memory/activation_offload.py), which leaves such tensors on the GPU, and the planner's
 saved-tensor counter (tessera/plan/saved_tensors.py), which counts them as model state, ask here.
 """
 

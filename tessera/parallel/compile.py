@@ -56,7 +56,7 @@ def _conflict(tp: int, distributed_optimizer: bool, recompute: str = "none") -> 
     than train.compile=false; None when nothing does."""
     if recompute == "op":
         return ("parallel.recompute=op: its operator-level policy decides per operator at run time "
-                "(tessera.parallel.recompute_policy), which torch.compile cannot trace inside a checkpoint",
+                "(tessera.parallel.memory.recompute_policy), which torch.compile cannot trace inside a checkpoint",
                 "parallel.recompute=selective or full")
     if tp > 1:
         return (f"parallel.tp={tp}: compiled blocks do not yet compose with tensor parallelism (DTensor "

@@ -23,13 +23,13 @@ from torch import nn
 
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import ParallelConfig
-from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
-from tessera.parallel.activation_offload import apply_activation_offload
 from tessera.parallel.compile import compile_blocks as compile_each_block
 from tessera.parallel.context_parallel import apply_context_parallel
 from tessera.parallel.data_parallel import apply_data_parallel, needs_data_parallel
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_parallel import apply_expert_parallel
+from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.memory.activation_offload import apply_activation_offload
 from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 

@@ -1,5 +1,5 @@
 """What an operator-level recomputation policy (`parallel.recompute=op`) keeps of one decoder layer,
-and what it recomputes, as tessera/parallel/recompute_policy.py runs it.
+and what it recomputes, as tessera/parallel/memory/recompute_policy.py runs it.
 
 Under that policy a block keeps its input (the checkpoint's saved input, in the residual dtype)
 and the outputs of the operators its save list names; everything else re-runs in backward. So

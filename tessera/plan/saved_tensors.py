@@ -15,7 +15,7 @@ top-k that only chooses experts, for instance) is freed with what it saved befor
 
 Two more ways a trainer keeps activations, both counted: the outputs an operator-level policy
 (`parallel.recompute=op`) keeps in its cache instead of saving them for backward, which every
-block's `recompute_policy` shows to its observers (tessera/parallel/recompute_policy.py), and
+block's `recompute_policy` shows to its observers (tessera/parallel/memory/recompute_policy.py), and
 nothing of what the activation offload moves to host memory (its hooks sit inside the blocks, so
 what they pack never reaches this counter: it counts device memory).
 This is the measurement `activation_terms` is tested against (tests/plan).

@@ -40,11 +40,11 @@ from tessera.models import Transformer
 from tessera.models.float8 import convert_to_float8
 from tessera.models.lora import init_adapters
 from tessera.parallel import build_pipeline, parallelize
-from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
-from tessera.parallel.activation_offload import apply_activation_offload
 from tessera.parallel.compile import compile_blocks
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.distributed_optimizer import DistributedOptimizer
+from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.memory.activation_offload import apply_activation_offload
 from tessera.parallel.meta_init import materialize_by_name
 from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings

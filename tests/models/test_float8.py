@@ -162,7 +162,7 @@ def test_the_weight_is_saved_as_given_not_as_a_second_fp8_copy():
 def test_selective_recompute_keeps_the_fp8_products():
     """Selective activation checkpointing saves matrix products, FP8 ones included: backward runs
     the two gradient products per layer and recomputes no forward product."""
-    from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
+    from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
 
     model = Transformer(load_config(TINY_DENSE).model, init_seed=0)
     layers = len(convert_to_float8(model))

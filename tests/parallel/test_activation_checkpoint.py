@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tessera.config import ConfigError, ParallelError, get_preset
 from tessera.config.parallel import RECOMPUTE_SAVE_CHOICES, ParallelConfig
 from tessera.models import Transformer
-from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
-from tessera.parallel.activation_offload import HostStore, apply_activation_offload, offload_blocks
-from tessera.parallel.recompute_policy import ATTENTION_OPS, MATMUL_OPS
+from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.memory.activation_offload import HostStore, apply_activation_offload, offload_blocks
+from tessera.parallel.memory.recompute_policy import ATTENTION_OPS, MATMUL_OPS
 
 
 class ForwardOpCounter(TorchDispatchMode):

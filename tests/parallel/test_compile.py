@@ -23,8 +23,8 @@ from torch._dynamo.utils import counters
 from tessera.config import ConfigError, get_preset
 from tessera.models import Transformer
 from tessera.models.rope import rope_cos_sin
-from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
 from tessera.parallel.compile import compile_blocks, resolve_compile
+from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
 from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import overrides_for, train_on_ranks, train_one_process
 from tests.train.runs import ROOT, TINY_DENSE, read_losses

@@ -16,8 +16,8 @@ import torch
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import TORCHTITAN_SAVE
 from tessera.models import Transformer
-from tessera.parallel.activation_checkpoint import apply_activation_checkpointing
-from tessera.parallel.activation_offload import HostStore, offload_blocks
+from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+from tessera.parallel.memory.activation_offload import HostStore, offload_blocks
 from tessera.plan.saved_tensors import SavedTensorCounter
 from tessera.train.objectives.loss import token_loss_sum
 

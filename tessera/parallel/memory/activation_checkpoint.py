@@ -33,7 +33,7 @@ from tessera.config.errors import ParallelError
 from tessera.config.parallel import RECOMPUTE_CHOICES, TORCHTITAN_SAVE
 from tessera.models.attention import Attention
 from tessera.models.mla import MultiHeadLatentAttention
-from tessera.parallel.recompute_policy import BlockOpPolicy
+from tessera.parallel.memory.recompute_policy import BlockOpPolicy
 
 
 def checkpoint_module(module: nn.Module, context_fn: Callable | None = None, mode: str = "full") -> None:

@@ -1,0 +1,3 @@
+"""The activation-memory savers the layouts apply to a model's blocks: recomputation by block or by
+operator (`activation_checkpoint.py`, with the save lists and FP8 keeps of `recompute_policy.py`) and
+saved activations moved to host memory (`activation_offload.py`)."""
