@@ -35,7 +35,7 @@ from tessera.checkpoint.dcp.vision_language import is_vision_language_checkpoint
 from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.hf.load import load_pretrained
 from tessera.checkpoint.int8 import is_quantized_dir, load_quantized
-from tessera.checkpoint.prequantized.detect import is_prequantized_hf
+from tessera.checkpoint.prequantized.detect import is_mxfp4_directory, is_prequantized_hf
 from tessera.checkpoint.vision_families import is_vision_language_directory, load_directory_model
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import is_hf_directory, read_json_object
@@ -62,16 +62,16 @@ def _tessera_checkpoint(path: Path) -> Path | None:
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", gguf_keep_quantized: bool = False) -> LoadedModel:
     """The model in a pre-quantized directory, a HuggingFace directory, a Tessera checkpoint or a
-    GGUF file (`gguf_keep_quantized`: its quantized block matrices kept so, `load_gguf`; a GGUF
-    file only)."""
+    GGUF file (`gguf_keep_quantized`: its quantized block matrices kept so, `load_gguf`; or a
+    gpt-oss MXFP4 directory's experts kept packed, hf/mxfp4_packed.py)."""
     path = Path(path)
     if is_gguf_path(path):
         from tessera.checkpoint.gguf.load import load_gguf
 
         return LoadedModel(load_gguf(path, dtype, device, gguf_keep_quantized), None, None)
-    if gguf_keep_quantized:
-        raise ConfigError(f"gguf_keep_quantized applies to GGUF files; {str(path)!r} is not one (serve it without "
-                          "the option)")
+    if gguf_keep_quantized and not is_mxfp4_directory(path):
+        raise ConfigError(f"gguf_keep_quantized applies to GGUF files and MXFP4 directories (gpt-oss's); "
+                          f"{str(path)!r} is neither (serve it without the option)")
     if not path.exists():
         raise CheckpointError(f"model directory {str(path)!r} does not exist")
     if is_quantized_dir(path):
@@ -83,6 +83,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         model, layers = load_prequantized(path, dtype, device)
         return LoadedModel(model, layers, None)
     if is_hf_directory(path):
+        if gguf_keep_quantized:  # a gpt-oss MXFP4 directory (checked above)
+            from tessera.checkpoint.hf.mxfp4_packed import load_mxfp4_packed
+
+            return LoadedModel(load_mxfp4_packed(path, dtype, device), None, None)
         return LoadedModel(load_pretrained(path, dtype=dtype, device=device), None, None)
     found = _tessera_checkpoint(path)
     if found is None:
@@ -90,6 +94,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                               "directory, nor a Tessera checkpoint (step_*/meta.json)")
     model, run_config = load_tessera_model(found, dtype, device)
     return LoadedModel(model, None, run_config)
+
+
+def keeps_stored_blocks(path: str | os.PathLike) -> bool:
+    """Whether `load_model` can keep the model's stored blocks (`gguf_keep_quantized`): a GGUF file, or
+    a gpt-oss directory with MXFP4 experts."""
+    return is_gguf_path(path) or is_mxfp4_directory(path)
 
 
 def is_vision_language(path: str | os.PathLike) -> bool:

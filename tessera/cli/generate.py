@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tessera.checkpoint.gguf.reader import is_gguf_path
-    from tessera.checkpoint.loading import eos_token_ids, load_model, model_tokenizer
+    from tessera.checkpoint.loading import eos_token_ids, keeps_stored_blocks, load_model, model_tokenizer
     from tessera.cli.notice import packaged_model
     from tessera.data.tokenizer import load_tokenizer
     from tessera.infer.engine.llm import LLM
@@ -77,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
                               "copy the model's tokenizer files into it")
     engine_options = values_from_args(EngineConfig, args, ENGINE_OPTIONS)
     config = EngineConfig(**engine_options)  # refuses options that do not go together before the model loads
-    kept = config.gguf_blocks_kept(is_gguf_path(args.checkpoint))
+    kept = config.gguf_blocks_kept(keeps_stored_blocks(args.checkpoint))
     loaded = load_model(args.checkpoint, gguf_keep_quantized=kept)
     model = loaded.model
     if args.quantization and args.no_cache:

@@ -124,7 +124,8 @@ class EngineConfig:
     # served a GGUF file dequantized before keeps working with the options it gives.
     gguf_keep_quantized: bool | None = field(default=None, metadata=flag(
         "a GGUF model: keep its quantized attention/MLP matrices in memory as the file's blocks, multiplied in the "
-        "block format in each forward; the embedding, norms and output head are dequantized at load. None: kept "
+        "block format in each forward (a gpt-oss MXFP4 directory: its experts kept packed); the embedding, norms "
+        "and output head are dequantized at load. None: kept "
         "unless --quantization, --lora, --merge-lora, --tensor-parallel-size > 1 or --allow-runtime-lora need "
         "them dequantized; with this switch those options are refused instead", action="store_true",
         opposite="--gguf-dequantize", opposite_help=(

@@ -98,3 +98,45 @@ def test_an_mxfp4_directory_loads_dequantized_with_transformers_logits(tmp_path)
                                                              attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_codes_repacked_as_gguf_blocks_decode_to_the_same_values():
+    from tessera.checkpoint.hf.mxfp4_packed import gguf_mxfp4_rows
+    from tessera.models.gguf_blocks import dequantize
+
+    codes, exps = random_codes((2, 3, 64), 5)
+    blocks, scales, weight = encode(codes, exps)
+    rows = gguf_mxfp4_rows(blocks, scales)
+    assert rows.shape == (2, 3, 2 * 17) and rows.dtype == torch.uint8
+    got = torch.stack([dequantize("MXFP4", rows[e], (3, 64)) for e in range(2)])  # [E, O, I]
+    assert torch.equal(got, weight.transpose(-1, -2))
+
+
+def test_an_mxfp4_directory_is_served_with_its_experts_kept_packed(tmp_path):
+    """By default the engine keeps gpt-oss's MXFP4 experts packed (`Mxfp4Experts`, 17 bytes per 32
+    values) and decodes transformers' greedy tokens; `--gguf-dequantize` loads them dequantized;
+    the option is refused for a directory that holds no such experts."""
+    from tessera.checkpoint.hf.mxfp4_packed import load_mxfp4_packed
+    from tessera.checkpoint.loading import load_model
+    from tessera.config.errors import ConfigError
+    from tessera.infer import LLM, SamplingParams
+    from tessera.models.moe.mxfp4_experts import Mxfp4Experts
+    from tests.infer.tiny_models import hf_greedy
+
+    hf = _mxfp4_gpt_oss(tmp_path / "hf")
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    kept = load_mxfp4_packed(tmp_path / "hf")
+    experts = kept.layers["1"].moe.experts
+    assert isinstance(experts, Mxfp4Experts) and experts.down_blocks.shape == (4, 32, 17)
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+    prompt = ids[0].tolist()
+    llm = LLM(str(tmp_path / "hf"), max_num_seqs=1, max_model_len=48, block_size=4)
+    assert isinstance(llm.engine.model.layers["0"].moe.experts, Mxfp4Experts)
+    got = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got == hf_greedy(hf, prompt, 10)
+    plain = LLM(str(tmp_path / "hf"), gguf_keep_quantized=False, max_num_seqs=1, max_model_len=48, block_size=4)
+    assert not isinstance(plain.engine.model.layers["0"].moe.experts, Mxfp4Experts)
+    random_hf_model(hf_configs()["llama"]).save_pretrained(tmp_path / "plain")
+    with pytest.raises(ConfigError, match="GGUF files and MXFP4 directories"):
+        load_model(tmp_path / "plain", gguf_keep_quantized=True)

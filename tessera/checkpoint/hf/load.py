@@ -110,6 +110,13 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     """A Tessera `Transformer` with the weights of a HuggingFace model directory (`build_from_hf`),
     after the directory is checked against the model its config.json describes (names and shapes,
     from the files' headers)."""
+    cfg, _ = checked_directory(path)
+    return build_from_hf(path, cfg, dtype, device)
+
+
+def checked_directory(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """The config of HuggingFace model directory `path` and its model's tensor shapes, after the
+    directory is checked against them (CheckpointError naming what is missing, extra or misshapen)."""
     path = Path(path)
     _refuse_vision_language(path)
     cfg = read_hf_config(path)
@@ -130,7 +137,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         if key in reader.names and reader.shape(key) != shape:
             raise CheckpointError(f"{path}: shape mismatch for {reader.names[key][0]} (-> {key}): checkpoint "
                                   f"{reader.shape(key)}, model config expects {shape}")
-    return build_from_hf(path, cfg, dtype, device)
+    return cfg, shapes
 
 
 def _refuse_vision_language(path: Path) -> None:

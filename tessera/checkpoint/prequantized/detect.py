@@ -26,6 +26,13 @@ def quantization_config(path: str | os.PathLike) -> dict | None:
 DEQUANTIZED_AT_LOAD = ("mxfp4",)
 
 
+def is_mxfp4_directory(path: str | os.PathLike) -> bool:
+    """A HuggingFace directory whose experts are stored in MXFP4 (gpt-oss's published checkpoints):
+    dequantized at load, or kept packed for serving (tessera/checkpoint/hf/mxfp4_packed.py)."""
+    qc = quantization_config(path) if is_hf_directory(path) else None
+    return qc is not None and qc.get("quant_method") == "mxfp4"
+
+
 def is_prequantized_hf(path: str | os.PathLike) -> bool:
     qc = quantization_config(path) if is_hf_directory(path) else None
     return qc is not None and qc.get("quant_method") not in DEQUANTIZED_AT_LOAD

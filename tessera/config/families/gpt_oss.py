@@ -4,7 +4,8 @@
 logits of a router with a bias, softmax over the k), experts with biases and the clamped SwiGLU
 (`model.moe.expert_activation: clamped_swiglu`), whose tensors keep HuggingFace's fused, interleaved
 layout (models/moe/biased_experts.py). MXFP4 expert weights (`*_blocks` / `*_scales`) are
-dequantized at load (tessera/checkpoint/hf/mxfp4.py)."""
+dequantized at load (tessera/checkpoint/hf/mxfp4.py), or kept packed for serving
+(tessera/checkpoint/hf/mxfp4_packed.py)."""
 
 from __future__ import annotations
 

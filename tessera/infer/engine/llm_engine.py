@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.loading import (
     eos_token_ids,
     is_vision_language,
+    keeps_stored_blocks,
     load_model,
     load_vision_language,
     model_tokenizer,
@@ -103,7 +103,7 @@ class LLMEngine:
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.text.vocab_size),
                                   image_processor=processor)
-        if config.gguf_keep_quantized is None and is_gguf_path(path):  # settled here, as loaded (load_lora reads it)
+        if config.gguf_keep_quantized is None and keeps_stored_blocks(path):  # settled as loaded (load_lora reads it)
             config = dataclasses.replace(config, gguf_keep_quantized=config.gguf_blocks_kept(True))
         if config.tensor_parallel_size == 1:
             model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device,
