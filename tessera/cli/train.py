@@ -44,7 +44,7 @@ def _launch_ranks(args: argparse.Namespace, cfg) -> int:
     from tessera.train.run.layout import check_batch_layout
 
     dims = ParallelDims.from_config(cfg.parallel, args.nproc)
-    dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.vpp)
+    dims.validate(cfg.model, args.nproc, seq_len=cfg.train.seq_len, vpp=cfg.parallel.stages_per_rank)
     check_batch_layout(cfg, dims)  # once, here, rather than the same error from every rank
     argv = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
     argv += ["--profile", args.profile] if args.profile is not None else []

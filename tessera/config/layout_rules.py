@@ -129,6 +129,9 @@ def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> st
     any m); the round-based ones also run max(1, m // pp) rounds of equal size."""
     if pp <= 1 or schedule == "gpipe":
         return None
+    if schedule in ("dualpipev", "dualpipe") and microbatches < 2 * pp:
+        return (f"{microbatches} micro-batches per step are fewer than 2 x pp = {2 * pp}: the {schedule} schedule "
+                "needs one per stage (two stages per rank)")
     if microbatches < pp:
         return (f"{microbatches} micro-batches per step are fewer than pp={pp}: the {schedule} schedule needs "
                 "one per stage")

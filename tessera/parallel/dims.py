@@ -68,8 +68,8 @@ class ParallelDims(LayoutSizes):
             dp_shard = cfg.resolved_dp_shard(world_size)
         except ValueError as e:
             raise ParallelError(str(e)) from e
-        dims = cls(tp=cfg.tp, sp=cfg.sp, pp=cfg.pp, vpp=cfg.vpp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard,
-                   cp=cfg.cp, ep=cfg.ep, cp_method=cfg.cp_method, world_size=world_size)
+        dims = cls(tp=cfg.tp, sp=cfg.sp, pp=cfg.pp, vpp=cfg.stages_per_rank, dp_replicate=cfg.dp_replicate,
+                   dp_shard=dp_shard, cp=cfg.cp, ep=cfg.ep, cp_method=cfg.cp_method, world_size=world_size)
         dims.check_world(world_size)
         return dims
 

@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if dims.pp > 1 and getattr(model, "pipeline_stage", None) is None:
         raise ParallelError(f"pp={dims.pp}: split the model into stages first (tessera.parallel.pipeline), "
                             "then parallelize each stage")
-    dims.validate(model.cfg, dims.world_size, vpp=cfg.vpp)
+    dims.validate(model.cfg, dims.world_size, vpp=cfg.stages_per_rank)
     if dims.mesh is None:
         dims.build_mesh(device_type)
     if dims.tp > 1:

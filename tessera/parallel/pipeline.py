@@ -18,7 +18,13 @@ names.
 Schedules: "gpipe" (Huang et al. 2019: all forwards, then all backwards), "1f1b" (PipeDream-
 Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-down),
 "interleaved_1f1b" (vpp > 1 stages per rank shrink the bubble by vpp), "zero_bubble" (Qi et al.
-2023: backward split into input- and weight-gradient passes that fill the bubble).
+2023: backward split into input- and weight-gradient passes that fill the bubble), and the two with
+two stages per rank placed in a V (rank r holds stages r and 2 pp - 1 - r, so the first and the last
+stage share rank 0): "zbv" (ZB-V, Qi et al. 2024) and "dualpipev" (DeepSeek-V3's DualPipe, arXiv
+2412.19437, in its V-shaped variant: forward and backward micro-batches paired in the steady state;
+each pair runs one after the other here, torch's default, so the expert all-to-all is not yet hidden
+behind the other's compute). The V placement refuses tied embeddings (tied_embeddings.py pairs the
+first and last stage across ranks).
 
 Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
 the global batch; MoE auxiliary losses of every stage enter backward with weight 1/M (M = micro-
@@ -41,21 +47,23 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from tessera.config.errors import ConfigError, ParallelError
-from tessera.config.parallel import ParallelConfig
+from tessera.config.layout_rules import ROUND_SCHEDULES
+from tessera.config.parallel import V_SCHEDULES, ParallelConfig
 from tessera.models.model_input import ModelInput
 from tessera.parallel.dims import ParallelDims
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-             "zero_bubble": ScheduleInterleavedZeroBubble}
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-# Schedules that run micro-batches in rounds of pp (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble).
-ROUND_SCHEDULES = MULTI_STAGE
+             "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", *V_SCHEDULES)
 
 
 def schedule_accepts_microbatches(schedule: str, microbatches: int, pp: int) -> bool:
@@ -67,6 +75,8 @@ def schedule_accepts_microbatches(schedule: str, microbatches: int, pp: int) -> 
     raises a bare ValueError otherwise, after the model is built)."""
     if schedule == "gpipe":
         return True
+    if schedule == "dualpipev":  # one micro-batch per stage at least: 2 pp
+        return microbatches >= 2 * pp
     if microbatches < pp:
         return False
     if schedule in ROUND_SCHEDULES:
@@ -88,7 +98,11 @@ def stage_layer_ids(n_layers: int, num_stages: int) -> list[list[int]]:
     return out
 
 
-def stages_of_rank(pp_rank: int, pp: int, vpp: int) -> list[int]:
+def stages_of_rank(pp_rank: int, pp: int, vpp: int, schedule: str = "1f1b") -> list[int]:
+    """The stages rank `pp_rank` holds: looped (r, r + pp, ...), or in a V (r, 2 pp - 1 - r) for
+    the V_SCHEDULES, which hold two stages per rank whatever vpp says."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(vpp)]
 
 
@@ -179,6 +193,7 @@ class PipelineRun:
     stage_ids: list[int]
     num_stages: int
     losses: list[torch.Tensor] = field(default_factory=list)
+    eval_schedule: object | None = None  # the forward-only one where `schedule.eval` cannot run (V schedules)
 
     @property
     def has_first_stage(self) -> bool:
@@ -206,7 +221,7 @@ class PipelineRun:
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs) -> list[torch.Tensor]:
         """Forward only (the schedule's eval): the last stage's per-micro-batch losses, no gradients;
         `model_kwargs` as in `step`."""
-        return self._run(self.schedule.eval, inputs, targets, **model_kwargs)
+        return self._run((self.eval_schedule or self.schedule).eval, inputs, targets, **model_kwargs)
 
     def _run(self, call: Callable, inputs: torch.Tensor, targets: torch.Tensor, **kw) -> list[torch.Tensor]:
         # A batch's inputs and targets are views of one [B, seq + 1] token tensor (row stride seq + 1);
@@ -226,18 +241,32 @@ class PipelineRun:
 
 def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale: float,
                        parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
-                       aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
-                       ) -> tuple[list[int], list[nn.Module]]:
+                       aux_grad_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       schedule: str = "1f1b") -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and stage modules: `model` split (the last stage in place, the others
     from copies) and each parallelized by `parallelize_stage`. The mesh must exist."""
-    num_stages = dims.pp * vpp
-    stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, vpp)
+    num_stages = dims.pp * (2 if schedule in V_SCHEDULES else vpp)
+    stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, vpp, schedule)
     modules = []
     for i, s in enumerate(stage_ids):
         m = split_stage(model if i == len(stage_ids) - 1 else copy.deepcopy(model), s, num_stages, aux_scale,
                         aux_grad_scale)
         modules.append(parallelize_stage(m) if parallelize_stage is not None else m)
     return stage_ids, modules
+
+
+def _refuse_v_placement(cfg: ParallelConfig, model_cfg) -> None:
+    """The V schedules hold two stages per rank (vpp stays 1) and put the first and the last stage on
+    rank 0, which the tied embedding's cross-rank pairing (tied_embeddings.py) does not handle."""
+    if cfg.pp_schedule not in V_SCHEDULES:
+        return
+    if cfg.vpp != 1:
+        raise ConfigError(f"parallel.vpp={cfg.vpp} is invalid with parallel.pp_schedule={cfg.pp_schedule}: the "
+                          "schedule holds two stages per rank by itself; leave vpp at 1")
+    if model_cfg.tie_embeddings or model_cfg.mtp_depth:
+        raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} is not available for a model with tied embeddings "
+                          "or multi-token prediction (model.tie_embeddings, model.mtp_depth): the first and last "
+                          "stage share rank 0; use 1f1b, interleaved_1f1b or zero_bubble")
 
 
 def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, microbatches: int,
@@ -263,15 +292,43 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
                           f"{cfg.pp_schedule} with parallel.pp={dims.pp}: the schedule needs at least one "
                           "micro-batch per stage rank (m >= pp) and, interleaved, m // pp rounds of equal size "
                           f"(m a multiple of m // pp); allowed up to {4 * dims.pp}: {fits}")
-    dims.validate(language_model(model).cfg, dims.world_size, vpp=cfg.vpp)
+    _refuse_v_placement(cfg, language_model(model).cfg)
+    per_rank = cfg.stages_per_rank
+    dims.validate(language_model(model).cfg, dims.world_size, vpp=per_rank)
     if dims.mesh is None:
         dims.build_mesh(str(device).split(":")[0])
-    num_stages = dims.pp * cfg.vpp
-    stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage, aux_grad_scale)
+    num_stages = dims.pp * per_rank
+    stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage, aux_grad_scale,
+                                            cfg.pp_schedule)
     group = dims["pp"].get_group()
     stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
               for s, m in zip(stage_ids, modules, strict=True)]
     cls = SCHEDULES[cfg.pp_schedule]
     stage_arg = stages if cfg.pp_schedule in MULTI_STAGE else stages[0]
     schedule = cls(stage_arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    return PipelineRun(schedule, modules, stage_ids, num_stages)
+    evaluation = _v_forward_only(stages, microbatches, loss_fn) if cfg.pp_schedule in V_SCHEDULES else None
+    return PipelineRun(schedule, modules, stage_ids, num_stages, eval_schedule=evaluation)
+
+
+def _v_forward_only(stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
+    """A forward-only schedule over the V placement, for evaluation: torch's ZB-V and DualPipeV keep
+    their backward actions under `eval` and fail there, and its schedule check demands a backward per
+    forward. Each micro-batch goes through the stages in order; torch's own lowering adds the FSDP
+    unshards and the sends and receives (the private helpers its V schedules are built with)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    runtime = torch_schedules._PipelineScheduleRuntime(  # noqa: SLF001
+        stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    pp = stages[0].group_size
+    rank_of = {s: s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)}
+    actions: dict[int, list] = {r: [] for r in range(pp)}
+    for mb in range(microbatches):
+        for s in range(2 * pp):
+            actions[rank_of[s]].append(torch_schedules._Action(s, torch_schedules.FORWARD, mb))  # noqa: SLF001
+    runtime.stage_index_to_group_rank = rank_of
+    for stage in stages:
+        stage.stage_index_to_group_rank = rank_of
+    lowered = {r: torch_schedules._add_unshard_reshard(a) for r, a in actions.items()}  # noqa: SLF001
+    runtime.pipeline_order_with_comms = torch_schedules._add_send_recv(  # noqa: SLF001
+        lowered, stage_to_rank=rank_of.__getitem__, num_stages=2 * pp)
+    return runtime

@@ -95,7 +95,7 @@ def parallelize_vision_language(model: nn.Module, dims: ParallelDims, cfg: Paral
     """`model` (a vision-language model, or one pipeline stage of one) under the layout of `dims`,
     in place (module docstring); returns it. `param_dtype` / `reduce_dtype` as in `parallelize`."""
     lm = model.language_model
-    dims.validate(lm.cfg, dims.world_size, vpp=cfg.vpp)
+    dims.validate(lm.cfg, dims.world_size, vpp=cfg.stages_per_rank)
     if dims.mesh is None:
         dims.build_mesh(device_type)
     if dims.tp > 1:

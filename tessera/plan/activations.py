@@ -60,8 +60,10 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
         return chunks / v
     if schedule == "dualpipe":  # DeepSeek-V3 table 2: PP + 1 micro-batches on every rank
         return float(min(p + 1, m))
+    if schedule == "zb_v":  # 1F1B's peak on every rank (Qi et al. 2024: two chunks in a V)
+        return float(min(p, m))
     raise ConfigError(f"pp_schedule={schedule!r} is invalid: one of gpipe, 1f1b, interleaved_1f1b, zero_bubble, "
-                      "dualpipe")
+                      "zb_v, dualpipe")
 
 
 def _layer_recompute(lay: Layout, layer: int) -> str:

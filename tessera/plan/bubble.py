@@ -12,8 +12,9 @@ With p stages and m micro-batches per step (Narayanan et al. 2021, arXiv 2104.04
   reach zero bubble in that setting. `parallel.pp_schedule: zero_bubble` means ZB-H1.
 - DualPipe (DeepSeek-V3, arXiv 2412.19437, table 2): (p/2 - 1)(T_F&B + T_B - 3 T_W) of idle time,
   T_F&B the overlapped forward and backward of two micro-batches (T_F + T_B when nothing else
-  overlaps): zero when the three passes cost the same. A planner-only schedule (the trainer does
-  not run it), for published runs and what-if plans.
+  overlaps): zero when the three passes cost the same. The trainer runs its V-shaped variant
+  (`parallel.pp_schedule: dualpipev`, planned as this; ZB-V is `zbv`), pairing a forward with a
+  backward but running the pair one after the other, so T_F&B = T_F + T_B there.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ from tessera.config.layout_rules import layout_problems as rule_problems
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import TORCHTITAN_SAVE, ParallelConfig
 
+# The trainer's V-shaped schedules (tessera/parallel/pipeline.py) as the planner names their bubbles
+# (bubble.py): ZB-V, and DualPipeV, which has DualPipe's bubble and in-flight micro-batches with the
+# parameters held once (what the planner counts for "dualpipe" too).
+PLANNED_AS = {"zbv": "zb_v", "dualpipev": "dualpipe"}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -63,7 +68,8 @@ class Layout(LayoutSizes):
             dp_shard = par.resolved_dp_shard(world)
         except ConfigError as e:  # same message, typed as a layout error
             raise ParallelError(str(e)) from e
-        return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp, pp_schedule=par.pp_schedule,
+        return cls(tp=par.tp, sp=par.sp, pp=par.pp, vpp=par.vpp,
+                   pp_schedule=PLANNED_AS.get(par.pp_schedule, par.pp_schedule),
                    dp_replicate=par.dp_replicate, dp_shard=dp_shard, cp=par.cp, ep=par.ep,
                    cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
                    recompute_interval=par.recompute_interval, recompute_save=tuple(par.recompute_save),

@@ -246,7 +246,8 @@ def _frozen_stages(model: Transformer, cfg: RunConfig, dims: ParallelDims, devic
                            reduce_dtype=torch.float32, device_type=device.type)
 
     try:
-        _, stages = rank_stage_modules(model, dims, cfg.parallel.vpp, 0.0, parallelized)
+        _, stages = rank_stage_modules(model, dims, cfg.parallel.vpp, 0.0, parallelized,
+                                       schedule=cfg.parallel.pp_schedule)
     except ParallelError as e:
         raise ParallelError(f"train.distill.teacher ({cfg.model.n_layers} layers) cannot be cut by the "
                             f"student's pipeline: {e}") from e

@@ -91,6 +91,10 @@ SCHEDULE_CASES = [
     pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="interleaved_1f1b", vpp=2), 4,
                  {"n_layers": 4}, id="interleaved-1f1b"),
     pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="zero_bubble"), 4, {}, id="zero-bubble"),
+    # two stages per rank in a V: rank 0 holds the first and the last stage
+    pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="zbv"), 4, {"n_layers": 4}, id="zbv"),
+    pytest.param("tiny-moe", dict(pp=2, dp_shard=1, pp_schedule="dualpipev"), 4, {"n_layers": 4}, id="dualpipev-moe"),
+    pytest.param("tiny-llama", dict(pp=2, dp_shard=1, pp_schedule="dualpipev"), 4, {"n_layers": 4}, id="dualpipev"),
     # gpt-oss's sinks, windowed first layer and biased experts; GLM-4.5's dense first layer and grouped
     # sigmoid routing with a bias that moves with the load: each stage holds one kind of layer
     pytest.param("tiny-gpt-oss", dict(pp=2, dp_shard=1, pp_schedule="1f1b"), 2, {}, id="1f1b-gpt-oss"),
@@ -103,7 +107,9 @@ SCHEDULE_CASES = [
 def test_pipeline_schedule_matches_single_process(preset, parallel, microbatches, overrides):
     ref = reference_step(preset, microbatches, overrides)
     results = run_ranks(_pipeline_step, 2, preset, parallel, microbatches, overrides)
-    assert [r["stages"] for r in results] == ([[0, 2], [1, 3]] if parallel.get("vpp", 1) == 2 else [[0], [1]])
+    v_shaped = parallel["pp_schedule"] in ("zbv", "dualpipev")
+    assert [r["stages"] for r in results] == ([[0, 3], [1, 2]] if v_shaped else
+                                              [[0, 2], [1, 3]] if parallel.get("vpp", 1) == 2 else [[0], [1]])
     grads, weights = _merged(results, "grads"), _merged(results, "weights")
     assert set(weights) == set(ref["weights"])
     for name, g in ref["grads"].items():
@@ -114,7 +120,8 @@ def test_pipeline_schedule_matches_single_process(preset, parallel, microbatches
     for r in results:
         assert abs(r["norm"] - ref["norm"]) <= 1e-5 * ref["norm"]
     if preset == "tiny-llama":  # no auxiliary loss: the last stage's loss is the whole loss
-        assert abs(results[1]["loss"] - ref["loss1"]) <= 1e-5 * ref["loss1"]
+        last = results[0 if v_shaped else 1]
+        assert abs(last["loss"] - ref["loss1"]) <= 1e-5 * ref["loss1"]
 
 
 @pytest.mark.dist
@@ -132,7 +139,8 @@ def test_pipeline_with_data_or_tensor_parallel(preset, parallel):
     assert all(abs(r["norm"] - ref["norm"]) <= 1e-5 * ref["norm"] for r in results)
 
 
-SCHEDULES_WITH_VPP = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2))
+SCHEDULES_WITH_VPP = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2),
+                      ("dualpipev", 2))
 
 
 def _torch_accepts(counts: list[int]) -> dict[tuple[str, int, int], bool]:
@@ -140,7 +148,7 @@ def _torch_accepts(counts: list[int]) -> dict[tuple[str, int, int], bool]:
     pp, out = dist.get_world_size(), {}
     for name, vpp in SCHEDULES_WITH_VPP:
         stages = [PipelineStage(nn.Linear(4, 4), s, pp * vpp, torch.device("cpu"), group=dist.group.WORLD)
-                  for s in stages_of_rank(dist.get_rank(), pp, vpp)]
+                  for s in stages_of_rank(dist.get_rank(), pp, vpp, name)]
         for m in counts:
             try:
                 SCHEDULES[name](stages if vpp > 1 or name != "1f1b" else stages[0], n_microbatches=m,
@@ -168,3 +176,23 @@ def test_trainer_refuses_a_count_the_schedule_rejects_before_building(small_data
     with pytest.raises(RankFailure, match=r"ConfigError: 5 micro-batches per data-parallel rank .* "
                                           r"parallel.pp_schedule=interleaved_1f1b"):
         run_ranks(train_on_ranks, 2, "dense", overrides_for("dense", small_dataset, tmp_path, 1, **layout))
+
+
+def test_the_v_schedules_refuse_tied_embeddings_and_a_vpp_of_their_own():
+    from tessera.config import ConfigError
+    from tessera.parallel.pipeline import _refuse_v_placement
+
+    tied = get_preset("tiny-llama", n_layers=4, tie_embeddings=True)
+    with pytest.raises(ConfigError, match="pp_schedule=dualpipev is not available for a model with tied embeddings"):
+        _refuse_v_placement(ParallelConfig(pp=2, pp_schedule="dualpipev"), tied)
+    with pytest.raises(ConfigError, match="vpp=2 is invalid with parallel.pp_schedule=zbv"):
+        _refuse_v_placement(_v_config(), tied)
+    assert ParallelConfig(pp=2, pp_schedule="zbv").stages_per_rank == 2
+    _refuse_v_placement(ParallelConfig(pp=2, pp_schedule="1f1b"), tied)  # not a V schedule: nothing to refuse
+
+
+def _v_config() -> ParallelConfig:
+    """zbv with vpp=2 (the config itself refuses vpp > 1 but for interleaved 1F1B, so set it after)."""
+    cfg = ParallelConfig(pp=2, pp_schedule="zbv")
+    cfg.vpp = 2
+    return cfg

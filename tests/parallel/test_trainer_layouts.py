@@ -57,6 +57,9 @@ FP32_LAYOUTS = [
     _case("moe", 2, {**PP, "parallel.pp_schedule": "interleaved_1f1b", "parallel.vpp": 2, **L4}, "pp2-vpp2"),
     _case("dense", 2, {**PP, "parallel.pp_schedule": "interleaved_1f1b", "parallel.vpp": 2, **L4}, "pp2-vpp2",
           slow=True),
+    # two stages per rank in a V (rank 0 holds the first and the last); one row per micro-batch: 2 pp of them
+    _case("moe", 2, {**PP, "parallel.pp_schedule": "dualpipev", "train.micro_batch_size": 1, **L4}, "pp2-dualpipev"),
+    _case("dense", 2, {**PP, "parallel.pp_schedule": "zbv", **L4}, "pp2-zbv", slow=True),
     _case("moe", 2, {"parallel.ep": 2, "parallel.dp_shard": 2}, "ep2-fsdp2"),
     _case("dense", 4, {"parallel.tp": 2, "parallel.dp_shard": 2}, "tp2-fsdp2"),
     _case("moe", 4, {"parallel.tp": 2, "parallel.dp_shard": 2}, "tp2-fsdp2", slow=True),

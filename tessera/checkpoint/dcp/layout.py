@@ -77,7 +77,7 @@ def rank_boxes(model_cfg: ModelConfig, pcfg: ParallelConfig, world: int, rank: i
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         dims = ParallelDims.from_config(pcfg, world)
-        dims.validate(model_cfg, world, vpp=pcfg.vpp)
+        dims.validate(model_cfg, world, vpp=pcfg.stages_per_rank)
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(model_cfg, init_seed=None)
@@ -85,7 +85,8 @@ def rank_boxes(model_cfg: ModelConfig, pcfg: ParallelConfig, world: int, rank: i
         def stage(m: torch.nn.Module) -> torch.nn.Module:
             return parallelize(m, dims, pcfg, device_type="cpu")
 
-        parts = rank_stage_modules(model, dims, pcfg.vpp, 1.0, stage)[1] if dims.pp > 1 else [stage(model)]
+        parts = (rank_stage_modules(model, dims, pcfg.vpp, 1.0, stage, schedule=pcfg.pp_schedule)[1]
+                 if dims.pp > 1 else [stage(model)])
         return {k: local_box(t) for m in parts for k, t in m.state_dict(keep_vars=True).items()}
     finally:
         dist.destroy_process_group()

@@ -170,7 +170,7 @@ def build_layout(cfg: RunConfig) -> RunLayout:
         cfg.parallel.resolved_dp_shard(1)  # one process: refuse a layout that needs several ranks
         return RunLayout(0, 1, device, None, t.collective_timeout_s)
     dims = ParallelDims.from_config(cfg.parallel, env.world_size)
-    dims.validate(cfg.model, env.world_size, seq_len=t.seq_len, vpp=cfg.parallel.vpp)
+    dims.validate(cfg.model, env.world_size, seq_len=t.seq_len, vpp=cfg.parallel.stages_per_rank)
     check_batch_layout(cfg, dims)
     set_default_timeout(t.collective_timeout_s)  # the mesh's subgroups take it
     layout = RunLayout(env.rank, env.world_size, device, dims, t.collective_timeout_s, str(dist.get_backend()))
