@@ -181,6 +181,8 @@ class FunctionalCollectiveTimer:
         recorder, wait_tensor = self.recorder, torch.ops._c10d_functional.wait_tensor
 
         def call(*args, **kwargs):
+            if torch.compiler.is_compiling():  # traced into a compiled graph: no host time of its own
+                return packet(*args, **kwargs)
             group = recorder.group_of((*args, *kwargs.values()))
             t0 = time.time()
             out = packet(*args, **kwargs)
