@@ -46,6 +46,9 @@ MAX_REQUEST_BYTES = 2**31  # `--max-request-bytes` of `tessera serve` and `tesse
 # ---- serving ------------------------------------------------------------------------------------
 MAX_KV_BLOCKS = 2**24  # `tessera serve --num-blocks` (x 16 tokens: 268M cached positions)
 MAX_KV_CACHE_GIB = 2.0**20  # `tessera serve --kv-cache-gib` (a PiB; a GPU holds ~0.1 TiB)
+# one server-sent event a router reads whole for its usage (tessera/infer/fleet/prefix_index.py): a Responses
+# stream's last event repeats the whole answer (a 128k-token answer is ~1 MiB of JSON); a longer one is not read
+MAX_STREAM_EVENT_BYTES = 2**24
 # the tools one agent request offers (tessera/infer/agents/turn.py); every schema is compiled to check it
 MAX_TOOLS = 256  # tools a request offers (OpenAI's limit: 128; agents with many MCP servers send ~100)
 MAX_TOOL_DESCRIPTION_CHARS = 2**16  # one tool's description (long coding-agent ones are ~10k characters)

@@ -46,14 +46,14 @@ _C10D: dict[str, tuple[str, int]] = {
     "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
     "broadcast_": ("broadcast", 0), "send": ("send_recv", 0),
 }
-_FUNCTIONAL: dict[str, str] = {
+FUNCTIONAL_KINDS: dict[str, str] = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
     "all_reduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
 }
-_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
 
 
 def _nbytes(obj: Any) -> int:
@@ -65,8 +65,8 @@ def collective_payload(namespace: str, name: str, args: tuple) -> tuple[str, int
     if namespace == "c10d" and name in _C10D:
         kind, index = _C10D[name]
         return kind, _nbytes(args[index])
-    if namespace in _FUNCTIONAL_NAMESPACES and name in _FUNCTIONAL:
-        kind = _FUNCTIONAL[name]
+    if namespace in FUNCTIONAL_NAMESPACES and name in FUNCTIONAL_KINDS:
+        kind = FUNCTIONAL_KINDS[name]
         payload = _nbytes(args[0])
         if kind == "all_gather":
             payload *= int(args[1])  # (input, group_size, group_name): the output is group_size inputs

@@ -333,3 +333,26 @@ def test_the_responses_and_messages_apis_report_their_hits_to_the_router(replica
         [end] = [e for e in data if e["type"] == "message_delta"]
         assert end["usage"]["cache_read_input_tokens"] > 0
         _wait(lambda: counted() - before == end["usage"]["cache_read_input_tokens"])
+
+
+def test_a_streamed_responses_answer_whose_last_event_is_long_reports_its_hit(replicas):
+    """A streamed Responses answer ends with one event repeating the whole response (here its long
+    `metadata`, past the 4 KiB the router once kept of a stream's tail): the router still reads that
+    event's cached tokens (tessera/infer/fleet/prefix_index.py's `StreamUsage`)."""
+    replica = replicas[1]
+    name = f'tessera_router_replica_cached_tokens_total{{replica="{replica.url}"}}'
+    body = {"model": "tiny", "temperature": 0, "stream": True, "max_output_tokens": 2, "input": "hello",
+            "metadata": {"note": "m" * 6000},
+            "instructions": "You are the assistant of the long last event test, with a prompt long enough to cache."}
+    with RunningRouter([replica.url], "cache_aware") as router:
+        counted = lambda: _metric(httpx.get(router.url + "/metrics").text, name)  # noqa: E731
+        for _ in range(2):  # the second finds the first's prompt cached
+            before = counted()
+            with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=HANG_S) as stream:
+                assert stream.status_code == 200, stream.read()
+                lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            last = json.loads(lines[-1][6:])
+            assert last["type"] == "response.incomplete" and len(lines[-1]) > 4096  # max_output_tokens reached
+            cached = last["response"]["usage"]["input_tokens_details"]["cached_tokens"]
+            _wait(lambda: counted() - before == cached)  # noqa: B023
+        assert cached > 0

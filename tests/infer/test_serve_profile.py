@@ -77,7 +77,7 @@ def test_the_profile_routes_need_the_api_key(llama, tmp_path):
         r = httpx.post(server.url + "/profile/start", headers={"Authorization": "Bearer " + "k" * 16}, timeout=HANG_S)
         assert r.status_code == 200 and r.json()["recording"] is True
         r = httpx.post(server.url + "/profile/stop", headers={"Authorization": "Bearer " + "k" * 16}, timeout=HANG_S)
-        assert r.json() == {"recording": False, "session": 1, "steps": 0, "file": "engine.jsonl"}
+        assert r.json() == {"recording": False, "session": 1, "steps": 0, "http_requests": 0, "file": "engine.jsonl"}
 
 
 ATTENTION_DELAY_S = 0.004  # each attention module's extra time in each forward

@@ -35,6 +35,7 @@ from tessera.config.errors import TesseraError
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.sequence import RequestOutput
+from tessera.infer.engine.step_profile import note_submission
 from tessera.infer.sampling.params import SamplingParams
 
 log = logging.getLogger("tessera.infer")
@@ -103,6 +104,7 @@ class EngineLoop:
         it as it is when it is a `CheckedRequest`); `callback` gets every RequestOutput, in the
         engine thread."""
         request_id = f"req-{uuid.uuid4().hex}"
+        callback = note_submission(request_id, callback)  # as it is unless a recorded HTTP request sent it
         self._inbox.put(("add", request_id, prompt_ids, params, adapter, callback, images))
         return request_id
 

@@ -17,19 +17,62 @@ line also says how long it queued (from its arrival to the step that first sched
 Each recording session is appended to DIR/engine.jsonl on stop: a `{"session": N, "start": t}` line,
 then one line per step `{"step", "t0", "t1", "schedule_s", "forward_s", "update_s", the forward's
 parts, "prefill_tokens", "decode_tokens", "requests": [{"id", "phase", "tokens"[, "queued_s"|"reason"]}]}`,
+then one line per HTTP request the server answered during the session (tessera/infer/api/http_profile.py)
+`{"http": {"path", "status", "t0", "t1", "read_s", "parse_s", "engine_s", "write_s", "send_s", "ids"}}`,
 times in seconds (monotonic clock). Outside a session the engine's step is untouched.
+
+The HTTP side meets the engine here: while a request is recorded its handler's context holds an
+`HttpRecord` (`HTTP_REQUEST`), and `EngineLoop.submit` notes in it when the request reached the
+engine and when the engine's final output for it came back (`note_submission`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tessera.infer.engine.forward_parts import ForwardParts
 
 ENGINE_FILE = "engine.jsonl"
+
+
+@dataclass
+class HttpRecord:
+    """What the server knows of one HTTP request being recorded (monotonic seconds; None: not yet)."""
+
+    t0: float
+    submitted: float | None = None  # the first engine request queued
+    answered: float | None = None  # the last engine request's final output delivered
+    ids: list[str] = field(default_factory=list)  # its engine requests
+    pending: int = 0  # of them, not finished yet
+
+
+HTTP_REQUEST: ContextVar[HttpRecord | None] = ContextVar("tessera_http_request", default=None)
+
+
+def note_submission(request_id: str, callback):
+    """`callback` as it is, or, when the calling context serves a recorded HTTP request, noting in its
+    record the engine request and the time of its final output (called in the engine thread)."""
+    record = HTTP_REQUEST.get()
+    if record is None:
+        return callback
+    if record.submitted is None:
+        record.submitted = time.monotonic()
+    record.ids.append(request_id)
+    record.pending += 1
+
+    def noted(out):
+        if out.finished:
+            record.pending -= 1
+            if record.pending == 0:
+                record.answered = time.monotonic()
+        return callback(out)
+
+    return noted
 
 
 class EngineProfile:
@@ -39,13 +82,14 @@ class EngineProfile:
         self.directory = Path(directory)
         self.recording = False
         self.lines: list[dict[str, Any]] = []
+        self.http: list[dict[str, Any]] = []  # the session's HTTP requests (appended on the server's thread)
         self.sessions = 0
         self._seen: set[str] = set()  # requests whose queueing was recorded
 
     def start(self) -> dict[str, Any]:
         if not self.recording:
             self.recording, self.sessions = True, self.sessions + 1
-            self.lines = [{"session": self.sessions, "start": time.monotonic()}]
+            self.lines, self.http = [{"session": self.sessions, "start": time.monotonic()}], []
         return {"recording": True, "session": self.sessions}
 
     def stop(self) -> dict[str, Any]:
@@ -53,11 +97,14 @@ class EngineProfile:
         if not self.recording:
             return {"recording": False, "steps": 0}
         self.recording = False
+        http, self.http = self.http, []
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.directory / ENGINE_FILE, "a") as f:
             f.writelines(json.dumps(line) + "\n" for line in self.lines)
+            f.writelines(json.dumps({"http": line}) + "\n" for line in http)
         steps, self.lines = len(self.lines) - 1, []
-        return {"recording": False, "session": self.sessions, "steps": steps, "file": ENGINE_FILE}
+        return {"recording": False, "session": self.sessions, "steps": steps, "http_requests": len(http),
+                "file": ENGINE_FILE}
 
     def timed_step(self, engine) -> list:
         """`engine.step()` with its parts timed and its plan described (the module docstring)."""

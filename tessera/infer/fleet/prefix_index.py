@@ -11,7 +11,7 @@ that hold it, most recent last; a replica taken out of service is forgotten ever
 
 The replicas correct it: each answer's usage says how many prompt tokens the replica found in its
 prefix cache (`prompt_tokens_details.cached_tokens`, or the Responses and Messages APIs' spellings,
-`reported_hit`; a stream's last usage event, `streamed_hit`). A replica that reports well
+`reported_hit`; a stream's last usage event, `StreamUsage`). A replica that reports well
 under half the share of the prompt the index expected it to hold has lost what it was sent
 (evicted under memory pressure, put to sleep, restarted): the router forgets it everywhere, and only
 what that request has just put there is recorded again (replica_router.py).
@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+
+from tessera.config.limits import MAX_STREAM_EVENT_BYTES
 
 
 def prompt_text(body: dict) -> str:
@@ -58,12 +60,50 @@ def _count(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
-def streamed_hit(tail: bytes) -> tuple[int, int] | None:
-    """`reported_hit` of the last server-sent event of a stream's `tail` that carries a usage."""
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            return reported_hit(line[len(b"data: "):])
-    return None
+_DATA = (b"data: {", b"data:{")  # a server-sent event's line of JSON data
+
+
+class StreamUsage:
+    """`reported_hit` of the last server-sent event of a stream that carries a usage, read as the stream
+    passes (`feed` each chunk, then `finish`): only the line in progress is held, and only while it
+    can be an event's JSON data (`data: {...`) of at most `max_line_bytes`; a longer one is dropped
+    unread and forgets the hit read before it (it may have been the last). However long an event is
+    (a Responses stream's last one repeats the whole answer), its usage is found."""
+
+    def __init__(self, max_line_bytes: int = MAX_STREAM_EVENT_BYTES):
+        self.max_line_bytes = max_line_bytes
+        self.line = bytearray()
+        self.dropping = False  # the rest of the line in progress is not read
+        self.hit: tuple[int, int] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if not self.dropping:
+                self.line += chunk[start:] if end < 0 else chunk[start:end]
+                head = bytes(self.line[:len(_DATA[0])])
+                too_long = len(self.line) > self.max_line_bytes
+                if too_long or not any(p.startswith(head) or head.startswith(p) for p in _DATA):
+                    self.hit = None if too_long else self.hit  # a dropped event may have been the last usage
+                    self.line.clear()
+                    self.dropping = True
+            if end < 0:
+                return
+            self._line_ended()
+            start = end + 1
+
+    def finish(self) -> tuple[int, int] | None:
+        """The hit, once the stream has ended (a last line without its newline read too)."""
+        self._line_ended()
+        return self.hit
+
+    def _line_ended(self) -> None:
+        line = bytes(self.line).rstrip(b"\r")
+        if not self.dropping and line.startswith(_DATA) and b'"usage"' in line:
+            self.hit = reported_hit(line[len(b"data:"):])
+        self.line.clear()
+        self.dropping = False
 
 
 class PrefixIndex:

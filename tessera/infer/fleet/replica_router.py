@@ -46,7 +46,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from tessera.config.errors import ConfigError, RequestError
 from tessera.config.json_text import parse_json
 from tessera.infer.api.http_guards import DEFAULT_MAX_REQUEST_BYTES, add_guards, check_api_key
-from tessera.infer.fleet.prefix_index import PrefixIndex, prompt_text, reported_hit, streamed_hit
+from tessera.infer.fleet.prefix_index import PrefixIndex, StreamUsage, prompt_text, reported_hit
 from tessera.infer.fleet.router import prefill_into
 from tessera.infer.fleet.router_relay import Deadlines, LoopGuard, backend_error, error_body
 from tessera.infer.scheduling.kv_peer import require_peer_secret
@@ -55,7 +55,6 @@ log = logging.getLogger("tessera.router")
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 RETRY_STATUSES = frozenset({502, 503, 504})
-TAIL_BYTES = 4096  # of a stream, searched for its usage
 PREFILL_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # what a prefill pool takes
 
 
@@ -272,15 +271,17 @@ class ReplicaRouter:
     async def _events(self, replica: Replica, answer: httpx.Response, first: bytes,
                       chunks: AsyncIterator[bytes], settle) -> AsyncIterator[bytes]:
         """The stream from its first chunk on; a replica lost now ends it with an error event. Its
-        last events are kept for the usage a stream may end with (`stream_options.include_usage`)."""
-        tail = first[-TAIL_BYTES:]
+        events are read as they pass for the usage a stream may end with (`stream_options.include_usage`,
+        a Responses stream's last event), however long the event that carries it."""
+        usage = StreamUsage()
         try:
+            usage.feed(first)
             yield first
             async with asyncio.timeout(self.deadlines.whole_s):
                 async for chunk in chunks:
-                    tail = (tail + chunk)[-TAIL_BYTES:]
+                    usage.feed(chunk)
                     yield chunk
-            settle(streamed_hit(tail), recorded=True)
+            settle(usage.finish(), recorded=True)
         except (httpx.HTTPError, TimeoutError) as e:
             message = f"replica {replica.url} broke off its answer ({type(e).__name__})"
             self.out_of_service(replica, message)

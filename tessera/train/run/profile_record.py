@@ -9,14 +9,16 @@ Kinds: `step` (one per step, the whole of it), `data` (reading the batch), `comp
 backward of each micro-batch), `comm` (each collective, with its process group's name: dp, tp, pp,
 ep, cp, ...; `overlapped` when it runs beside compute), `optimizer` (gradient norm and update),
 `checkpoint` (a save), `sync` (host synchronisations). Collectives are timed on the profiled steps
-only: under data and pipeline parallelism alone, where every collective goes through a process
-group's own methods (FSDP2's, the gradient all-reduce, the pipeline's sends), by wrapping those methods
-for the step (`ProcessGroupTimer`: a cost per collective, none per operator); where tensor, context or
-expert parallelism issue functional collectives through DTensor, by a dispatch mode that sees every
-operator (`CollectiveTimer`: a Python call per operator of the step). On those steps a collective
-that returns a pending `Work` is waited for where it is issued (a point-to-point send or receive is
-not: the schedule that posts it waits for it), so that its time is its own. Outside the window
-nothing is installed and `mark` returns a shared null context.
+only, by wrapping their entry points for the step and putting them back after it (a cost per
+collective, none per operator): the process groups' own methods (`ProcessGroupTimer`: what
+`torch.distributed`'s functions, FSDP2, the gradient all-reduce, the expert all-to-alls and the
+pipeline's sends call) and the functional collectives' operators (`FunctionalCollectiveTimer`:
+`torch.ops._c10d_functional.*`, which DTensor's redistributions under tensor and context parallelism
+call by name). `CollectiveTimer`, a dispatch mode that sees every operator (a Python call per
+operator), is the reference the tests and bench/profile_overhead.py compare them with. On those
+steps a collective that returns a pending `Work` or an asynchronous tensor is waited for where it is
+issued (a point-to-point send or receive is not: the schedule that posts it waits for it), so that
+its time is its own. Outside the window nothing is installed and `mark` returns a shared null context.
 
 A line is `{"step", "kind", "name", "t0", "t1"[, "group", "overlapped"]}` (seconds since the epoch,
 so ranks of one machine share a clock); the first line of a file is `{"meta": {...}}`: rank, world,
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.config.errors import ConfigError, require
-from tessera.parallel.comm_stats import collective_payload
+from tessera.parallel.comm_stats import FUNCTIONAL_KINDS, collective_payload
 from tessera.train.run.module_marks import ModuleMarks
 from tessera.train.run.torch_trace import TorchTrace
 
@@ -145,6 +147,53 @@ class ProcessGroupTimer:
         return call
 
 
+class FunctionalCollectiveTimer:
+    """Times every functional collective called by name from Python (`torch.ops._c10d_functional.X(...)`,
+    as DTensor's redistributions and `torch.distributed._functional_collectives` call them) as a `comm`
+    interval of the group it names, while entered: the namespaces' operator packets are replaced by
+    timed wrappers on entry and put back on exit. A collective issued from C++ (an autograd operator's
+    own backward) is not seen; Tessera's layouts issue none."""
+
+    NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+    def __init__(self, recorder: StepRecorder):
+        self.recorder = recorder
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> FunctionalCollectiveTimer:
+        for namespace in self.NAMESPACES:
+            ops = getattr(torch.ops, namespace)
+            for name, kind in FUNCTIONAL_KINDS.items():
+                try:
+                    packet = getattr(ops, name)
+                except (AttributeError, RuntimeError):  # not an operator of this build
+                    continue
+                self.saved.append((ops, name, packet))
+                setattr(ops, name, self._timed(packet, kind))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for ops, name, packet in self.saved:
+            setattr(ops, name, packet)
+        self.saved = []
+
+    def _timed(self, packet, kind: str):
+        recorder, wait_tensor = self.recorder, torch.ops._c10d_functional.wait_tensor
+
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():  # traced into a compiled graph: no host time of its own
+                return packet(*args, **kwargs)
+            group = recorder.group_of((*args, *kwargs.values()))
+            t0 = time.time()
+            out = packet(*args, **kwargs)
+            for tensor in out if isinstance(out, tuple | list) else (out,):
+                wait_tensor(tensor)
+            recorder.add("comm", kind, t0, time.time(), group=group, overlapped=False)
+            return out
+
+        return call
+
+
 def run_collective(func, args: tuple, kwargs: dict, group: str, wait: bool):
     """Issue one collective and, unless `wait` is false, wait for it to complete."""
     out = func(*args, **kwargs)
@@ -165,22 +214,20 @@ class StepRecorder:
 
     def __init__(self, run_dir: Path, window: tuple[int, int], rank: int, world: int, meta: dict[str, Any],
                  groups: dict[str, str] | None = None, collectives: bool = True, modules: list[Any] | None = None,
-                 torch_trace: bool = False, functional: bool = True):
-        """`collectives`: time them (not in one process, where there are none); `functional`: the
-        layout issues functional collectives (tensor, context or expert parallelism), which only a
-        dispatch mode that sees every operator finds (a cost per operator), else the process groups'
-        methods are wrapped (a cost per collective); `modules`: the model's parts on this rank,
-        their attention, MLP, norm and LM-head modules timed by kind (module_marks.py; None: not);
-        `torch_trace`: torch.profiler over the window too (torch_trace.py)."""
+                 torch_trace: bool = False):
+        """`collectives`: time them (not in one process, where there are none), by wrapping the process
+        groups' methods and the functional collectives' operators (`dispatch_mode`, set afterwards: by
+        the reference dispatch mode instead, as the tests and the bench compare them); `modules`: the
+        model's parts on this rank, their attention, MLP, norm and LM-head modules timed by kind
+        (module_marks.py; None: not); `torch_trace`: torch.profiler over the window too (torch_trace.py)."""
         self.first, self.last = window
         self.path = Path(run_dir) / PROFILE_DIR / f"rank{rank}.jsonl"
         self.groups = groups or {}  # process-group name -> the layout's name for it
         self.meta = {"rank": rank, "world": world, "window": [self.first, self.last], **meta}
         self.lines: list[dict[str, Any]] = []
         self.step = 0
-        self._timer: CollectiveTimer | ProcessGroupTimer | None = None
         self.collectives = collectives
-        self.functional = functional
+        self.dispatch_mode = False
         self.stages: list[Any] = []  # a pipeline schedule's stages on this rank, their chunks marked (`watch`)
         self.modules = modules or []
         self.marks = ModuleMarks(self.add, cuda=meta.get("device") == "cuda") if modules else None
@@ -220,22 +267,31 @@ class StepRecorder:
             yield
             return
         self.step, _ACTIVE = step, self
-        self._timer = None if not self.collectives else \
-            CollectiveTimer(self) if self.functional else ProcessGroupTimer(self)
         self._watch(True)
         if self.torch_trace is not None:
             self.torch_trace.start()
         t0 = time.time()
         try:
-            with self._timer if self._timer is not None else _NULL:
+            with self._collective_timers():
                 yield
         finally:
             self._watch(False)
-            _ACTIVE, self._timer = None, None
+            _ACTIVE = None
             self.add("step", f"step {step}", t0, time.time())
             self._flush(first=step == self.first)
             if self.torch_trace is not None and step == self.last:
                 self.torch_trace.stop()  # its file written outside the step it would lengthen
+
+    def _collective_timers(self) -> ExitStack:
+        """The timers of the step's collectives, entered together (none in one process)."""
+        stack = ExitStack()
+        if not self.collectives:
+            return stack
+        timers = [CollectiveTimer(self)] if self.dispatch_mode else \
+            [ProcessGroupTimer(self), FunctionalCollectiveTimer(self)]
+        for timer in timers:
+            stack.enter_context(timer)
+        return stack
 
     def close(self) -> None:
         """The end of training: a torch.profiler trace still open (the run ended inside the window) written."""
@@ -317,7 +373,6 @@ def recorder_for(window: tuple[int, int] | None, cfg, layout, flops_per_token: f
             "peak_flops": peak_flops, "device": layout.device.type}
     modules = None if compiled else list(getattr(engine, "parts", None) or [])
     recorder = StepRecorder(Path(cfg.run_dir), window, layout.rank, layout.world_size, meta, group_names(dims),
-                            collectives=layout.distributed, modules=modules, torch_trace=torch_trace,
-                            functional=any(sizes[d] > 1 for d in ("tp", "cp", "ep")))
+                            collectives=layout.distributed, modules=modules, torch_trace=torch_trace)
     recorder.stages = pipeline_stages(engine)
     return recorder
