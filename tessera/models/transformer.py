@@ -50,6 +50,7 @@ from tessera.models.moe.router import RouterOutput
 from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import longrope_long_frequencies, longrope_pick, rope_cos_sin, rope_frequencies
+from tessera.models.sparse_mla import SparseLatentAttention
 
 
 @dataclass
@@ -155,9 +156,12 @@ def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
 def token_mixer(cfg: ModelConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet on a hybrid model's
     linear-attention layers (tessera/models/linear_attention), multi-head latent attention
-    (DeepSeek), else softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
+    (DeepSeek; over the keys a lightning indexer picks with `mla.index_topk`, DeepSeek-V3.2), else
+    softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
     if cfg.is_linear_attention_layer(layer_id):
         return GatedDeltaNet(cfg, layer_id)
+    if cfg.mla is not None and cfg.mla.index_topk is not None:
+        return SparseLatentAttention(cfg, layer_id)
     return (MultiHeadLatentAttention if cfg.mla is not None else Attention)(cfg, layer_id)
 
 
