@@ -44,11 +44,13 @@ class SparseAttentionCache(Protocol):
 
 def select_keys(scores_BST: torch.Tensor, allowed_BST: torch.Tensor, topk: int) -> torch.Tensor:
     """[B, S, T] bool: the `topk` allowed keys of highest score per query (all of them where fewer
-    are allowed)."""
+    are allowed). Keys of equal score go to the earlier one (a stable sort): `torch.topk` breaks ties
+    by the length of the row, so a query would pick differently over its whole sequence than over a
+    cache's context (ReLU makes exact ties common: a key no head scores above 0)."""
     if topk >= scores_BST.shape[-1]:
         return allowed_BST
     masked = scores_BST.masked_fill(~allowed_BST, float("-inf"))
-    top = masked.topk(topk, dim=-1).indices
+    top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :topk]
     return torch.zeros_like(allowed_BST).scatter_(-1, top, True) & allowed_BST
 
 

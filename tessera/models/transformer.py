@@ -301,7 +301,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Every tensor from (seed, its name) alone, so any layout or device order gives the same
         model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
-        norms = {f"{mn}.weight": m.initial_weight for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
+        norms = {f"{mn}.weight": getattr(m, "initial_weight", 1.0) for mn, m in self.named_modules()
+                 if isinstance(m, RMSNorm | nn.LayerNorm)}  # LayerNorm: sparse attention's indexer keys
         init_by_name(self.named_parameters(), norms, seed, self.cfg.init_std)
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -320,8 +321,8 @@ class Transformer(nn.Module):
         own = getattr(self.get_submodule(owner), "initial_value", None) if owner else None
         if own is not None:
             return own(name, seed)
-        if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm):
-            return torch.full(p.shape, self.get_submodule(owner).initial_weight, dtype=torch.float32)
+        if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm | nn.LayerNorm):
+            return torch.full(p.shape, getattr(self.get_submodule(owner), "initial_weight", 1.0), dtype=torch.float32)
         if name.endswith(".bias"):
             return torch.zeros(p.shape, dtype=torch.float32)
         gen = torch.Generator().manual_seed(name_seed(seed, name))

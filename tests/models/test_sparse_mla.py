@@ -134,3 +134,32 @@ def test_index_topk_needs_a_query_latent():
         ModelConfig(family="deepseek_v3", vocab_size=64, dim=32, n_layers=1, n_heads=4, ffn_dim=48, moe=MOE,
                     mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                              v_head_dim=8, index_topk=4, index_head_dim=2)).validate()
+
+
+def test_parameter_count_and_indexer_flops_are_the_modules():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tessera.models.counting import count_params
+    from tessera.models.flops import (
+        attention_core_flops_per_token,
+        flops_per_token,
+        forward_flops_per_token,
+        indexer_forward_flops_per_token,
+    )
+
+    cfg = _cfg(topk=4)
+    model = Transformer(cfg)
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
+    attn = _sparse(cfg)
+    x, cos, sin = _inputs(cfg, B=1)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        q_latent = attn.q_norm(attn.wq_a(x))
+        before = counter.get_total_flops()
+        iq, w = attn.indexer.queries(x, q_latent, cos, sin)
+        attn.indexer.scores(iq, w, attn.indexer.keys(x, cos, sin))
+    # every query scores all S keys here: the count without causality
+    assert counter.get_total_flops() - before == S * indexer_forward_flops_per_token(cfg, S, causal=False)
+    # the core sees at most index_topk keys: 4 - 16 / (2 S) per query, causal
+    core = attention_core_flops_per_token(cfg, S)
+    assert core == 2.0 * cfg.n_heads * (12 + 8) * (4 - 16 / (2 * S))
+    assert flops_per_token(cfg, S) == 3 * forward_flops_per_token(cfg, S) - 2 * indexer_forward_flops_per_token(cfg, S)
