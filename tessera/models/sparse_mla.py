@@ -10,7 +10,8 @@ on the first qk_rope_head_dim dims of both in the half layout (the attention's o
 interleaved). Among the keys the query may see (causal), the `index_topk` of highest score are kept;
 with as many keys as that or fewer, attention is dense MLA. The selection is not differentiable:
 the indexer's weights get no gradient from the language-model loss (transformers' indexer runs under
-no_grad, DeepSeek trains it with a separate KL objective).
+no_grad, DeepSeek trains it with a separate KL objective, which Tessera does not have), so they are
+frozen (`requires_grad` false): the optimizer leaves them out and every layout agrees on that.
 
 An inference cache is passed the selection as a function, since only it knows each sequence's
 context: `attend_sparse(layer_id, q, k, v, scale, index_keys, choose)` stores the step's indexer keys
@@ -65,6 +66,7 @@ class LightningIndexer(nn.Module):
         self.wk = nn.Linear(cfg.dim, m.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(m.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.dim, m.index_n_heads, bias=False)
+        self.requires_grad_(False)  # the language-model loss gives them no gradient (module docstring)
 
     def keys(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One indexer key per token [B, S, D_i], rotated."""
