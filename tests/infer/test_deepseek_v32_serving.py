@@ -1,8 +1,9 @@
 """DeepSeek-V3.2 served by the paged engine (tessera/infer/runner/sparse_attention.py): the indexer
 keys live in the KV cache beside each token's keys and values and are counted in a block's bytes; the
 indexer runs in the paged step, so greedy tokens equal transformers' with prompts cut into chunks and
-requests batched together, and a prompt whose prefix is cached, over contexts five times longer than
-index_topk; tensor-parallel serving and MTP drafts are refused by name."""
+requests batched together, preempted requests recomputed, and a prompt whose prefix is cached, over
+contexts several times longer than index_topk; tensor-parallel serving and MTP drafts are refused by
+name."""
 
 import pytest
 import torch
@@ -37,6 +38,16 @@ def test_greedy_with_chunked_prefill_and_batching_equals_transformers(pair):
     hits = llm.engine.blocks.cache.hit_tokens
     assert llm.generate([PROMPTS[0]], params)[0].token_ids == want[0]  # its prompt's blocks are cached now
     assert llm.engine.blocks.cache.hit_tokens > hits
+
+
+def test_preempted_requests_recompute_to_transformers_tokens(pair):
+    hf, path = pair
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 90 + 3 for j in range(10 + i)] for i in range(4)]
+    llm = LLM(path, block_size=4, num_blocks=16, max_model_len=32, max_num_seqs=4, enable_prefix_caching=False)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.metrics.preemptions > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_a_block_counts_the_indexer_keys(pair):
