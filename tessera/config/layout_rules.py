@@ -107,20 +107,31 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
         if s.ep % s.cp != 0:
             out.append(f"ep={s.ep} must be a multiple of cp={s.cp}: experts fold over all of cp and part of dp_shard")
     if s.cp > 1:
-        if m.attention_sinks:
-            out.append(f"cp={s.cp} cannot attend with attention sinks (model.attention_sinks=true, gpt-oss): the "
-                       "context-parallel attention cores take none; use cp=1 (tp, ep, fsdp and pp take the model)")
-        if seq_len is not None:
-            out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
-            if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):
-                out.append(f"cp_method={s.cp_method} cuts each sequence into 2 x cp={2 * s.cp} chunks (zig-zag), "
-                           f"which does not divide sequence length (train.seq_len)={seq_len}; choose a seq_len "
-                           f"that {2 * s.cp} divides or cp_method=alltoall")
+        out.extend(_cp_problems(m, s, seq_len))
     stages = s.pp * s.vpp
     if stages > m.n_layers:
         out.append(f"pp x vpp = {s.pp} x {s.vpp} = {stages} pipeline stages is more than model.n_layers={m.n_layers}; "
                    "every stage needs at least one layer")
     return [p for p in out if p is not None]
+
+
+def _cp_problems(m: ModelConfig, s: LayoutSizes, seq_len: int | None) -> list[str | None]:
+    """Why cp > 1 cannot run model `m` (layout_problems' part for context parallelism)."""
+    out: list[str | None] = []
+    if m.attention_sinks:
+        out.append(f"cp={s.cp} cannot attend with attention sinks (model.attention_sinks=true, gpt-oss): the "
+                   "context-parallel attention cores take none; use cp=1 (tp, ep, fsdp and pp take the model)")
+    if m.mla is not None and m.mla.index_topk is not None:
+        out.append(f"cp={s.cp} cannot run sparse attention (model.mla.index_topk={m.mla.index_topk}, "
+                   "DeepSeek-V3.2): its indexer scores the keys of the whole sequence, which no cp rank holds; "
+                   "use cp=1 (tp, ep, fsdp and pp take the model)")
+    if seq_len is not None:
+        out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
+        if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):
+            out.append(f"cp_method={s.cp_method} cuts each sequence into 2 x cp={2 * s.cp} chunks (zig-zag), "
+                       f"which does not divide sequence length (train.seq_len)={seq_len}; choose a seq_len "
+                       f"that {2 * s.cp} divides or cp_method=alltoall")
+    return out
 
 
 def pipeline_microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:

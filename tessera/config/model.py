@@ -122,6 +122,11 @@ class MLAConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True  # DeepSeek's checkpoints keep rotary pairs interleaved
+    # DeepSeek-V3.2's sparse attention (tessera/models/sparse_mla.py): a lightning indexer of index_n_heads
+    # heads of index_head_dim scores the keys, each query attends to its index_topk best; None: dense MLA
+    index_topk: int | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
 
 
 @dataclass
@@ -353,6 +358,15 @@ class ModelConfig:
                 f"must be in 0..{MAX_HEAD_DIM:,}")
         require(0 < m.v_head_dim <= MAX_HEAD_DIM, "model.mla.v_head_dim", m.v_head_dim,
                 f"must be in 1..{MAX_HEAD_DIM:,}")
+        if m.index_topk is None:
+            return
+        require(0 < m.index_topk and m.q_lora_rank is not None, "model.mla.index_topk", m.index_topk,
+                "must be None or a positive number of keys, with model.mla.q_lora_rank set (the indexer reads its "
+                "query latent)")
+        require(0 < m.index_n_heads <= MAX_HEADS, "model.mla.index_n_heads", m.index_n_heads,
+                f"must be in 1..{MAX_HEADS:,}")
+        require(m.qk_rope_head_dim <= m.index_head_dim <= MAX_HEAD_DIM, "model.mla.index_head_dim", m.index_head_dim,
+                f"must be in {m.qk_rope_head_dim}..{MAX_HEAD_DIM:,} (its first qk_rope_head_dim dims are rotated)")
 
     def _check_linear_attention(self, la: LinearAttentionConfig) -> None:
         require(_layer_list(la.layers, self.n_layers) and self.mla is None, "model.linear_attention.layers",

@@ -20,6 +20,16 @@ def linear_attention_params(cfg: ModelConfig) -> int:
     return projections + (2 * keys + values) * la.conv_width + 2 * la.n_value_heads + la.value_head_dim
 
 
+def indexer_params(cfg: ModelConfig) -> int:
+    """Sparse attention's lightning indexer (models/sparse_mla.py): query and key projections, the
+    keys' LayerNorm (gain and bias), the head weights; 0 without one."""
+    m = cfg.mla
+    if m is None or m.index_topk is None:
+        return 0
+    heads, d = m.index_n_heads, m.index_head_dim
+    return m.q_lora_rank * heads * d + cfg.dim * d + 2 * d + cfg.dim * heads
+
+
 def attention_params(cfg: ModelConfig, layer: int | None = None) -> int:
     """Layer `layer`'s token mixer (None: a softmax-attention layer's)."""
     h = cfg.dim
@@ -34,7 +44,7 @@ def attention_params(cfg: ModelConfig, layer: int | None = None) -> int:
             q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * cfg.n_heads * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
         kv += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + cfg.n_heads * m.v_head_dim * h
+        return q + kv + cfg.n_heads * m.v_head_dim * h + indexer_params(cfg)
     hd = cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
     n = h * (q + 2 * kv) + q * h + (h * q if cfg.attention_output_gate else 0)

@@ -25,6 +25,9 @@ whatever the sequence length: its state does not grow. So for a dense GPT with f
 ffn = 8h/3), no GQA, causal=False and full recomputation, a step of B sequences costs
 `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` (Narayanan et al. 2021, arXiv 2104.04473, appendix);
 without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both.
+DeepSeek-V3.2's sparse attention attends to at most index_topk keys per query (counted as a window of
+that width) and adds its lightning indexer: projections plus 2 H_i (D_i + 1) per key the query may see,
+forward only (`indexer_forward_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from __future__ import annotations
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES
-from tessera.models.counting import attention_params, qk_norm_params
+from tessera.models.counting import attention_params, indexer_params, qk_norm_params
 
 
 def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
@@ -46,7 +49,7 @@ def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
     if cfg.mla is not None:
         m = cfg.mla
         n -= m.kv_lora_rank + (m.q_lora_rank or 0)  # the latent RMSNorm gains
-        return n
+        return n - indexer_params(cfg)  # the indexer runs forward only: indexer_forward_flops_per_token
     hd = cfg.head_dim
     if cfg.qkv_bias:
         n -= (cfg.n_heads * (2 if cfg.attention_output_gate else 1) + 2 * cfg.n_kv_heads) * hd
@@ -107,15 +110,38 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bo
     layers = range(cfg.n_layers) if layer is None else (layer,)
     la = cfg.linear_attention
     total = sum(2.0 * la.n_value_heads * 3 * la.key_head_dim * la.value_head_dim if cfg.is_linear_attention_layer(i)
-                else 2.0 * cfg.n_heads * (d_qk + d_v) * layer_keys_per_query(cfg, i, seq_len, causal=causal)
+                else 2.0 * cfg.n_heads * (d_qk + d_v) * _core_keys_per_query(cfg, i, seq_len, causal)
                 for i in layers)
     return total / len(layers)
 
 
+def _core_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, causal: bool) -> float:
+    """Keys a query of layer `layer` attends to: sparse attention's index_topk at most, counted as a
+    window of that many keys (each query's best, wherever they lie)."""
+    if cfg.mla is not None and cfg.mla.index_topk is not None:
+        return attention_keys_per_query(seq_len, causal=causal, window=cfg.mla.index_topk)
+    return layer_keys_per_query(cfg, layer, seq_len, causal=causal)
+
+
+def indexer_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Forward FLOPs of sparse attention's lightning indexer for one token in one layer: its projections,
+    and scoring every key the query may see (2 H_i D_i for the heads' products, 2 H_i for their weighted
+    sum). It has no backward (the choice of keys is not differentiable): `flops_per_token` counts it once."""
+    if cfg.mla is None or cfg.mla.index_topk is None:
+        return 0.0
+    m = cfg.mla
+    weights = indexer_params(cfg) - 2 * m.index_head_dim  # less the LayerNorm's gain and bias
+    return 2.0 * weights + 2.0 * m.index_n_heads * (m.index_head_dim + 1) * attention_keys_per_query(
+        seq_len, causal=causal)
+
+
 def layer_forward_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int, *, causal: bool = True) -> float:
-    """Forward FLOPs of one token through decoder layer `layer` (MoE layers count the top-k experts)."""
+    """Forward FLOPs of one token through decoder layer `layer` (MoE layers count the top-k experts;
+    sparse attention's indexer included)."""
     weights = attention_matmul_params(cfg, layer) + mlp_matmul_params(cfg, layer)
-    return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal, layer=layer)
+    indexer = 0.0 if cfg.is_linear_attention_layer(layer) else indexer_forward_flops_per_token(cfg, seq_len,
+                                                                                               causal=causal)
+    return 2.0 * weights + attention_core_flops_per_token(cfg, seq_len, causal=causal, layer=layer) + indexer
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> float:
@@ -132,9 +158,11 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = Tr
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     """Model FLOPs of training on one token (forward + backward = 3 x forward), the MFU numerator.
 
-    For MoE models this is the active count: 6 N_active-matmul + the attention term.
+    For MoE models this is the active count: 6 N_active-matmul + the attention term. Sparse
+    attention's indexer runs forward only, so it counts once, not three times.
     """
-    return 3.0 * forward_flops_per_token(cfg, seq_len, causal=causal)
+    indexer = cfg.n_layers * indexer_forward_flops_per_token(cfg, seq_len, causal=causal)
+    return 3.0 * forward_flops_per_token(cfg, seq_len, causal=causal) - 2.0 * indexer
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, *, interval: int = 1,

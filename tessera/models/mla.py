@@ -56,10 +56,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * m.v_head_dim, cfg.dim, bias=False)
         self.scale = qk**-0.5 * yarn_softmax_scale(cfg.rope_scaling)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: AttentionCache | None = None) -> torch.Tensor:
+    def project(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [B, H, S, N+R], k [B, H, S, N+R], v [B, H, S, V] of the input, and the query latent
+        [B, S, q_lora_rank] they came from (None without one), which sparse attention's indexer reads."""
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_latent = None if hasattr(self, "wq") else self.q_norm(self.wq_a(x_BSD))
+        q = self.wq(x_BSD) if q_latent is None else self.wq_b(q_latent)
         q = q.view(B, S, -1, self.nope + self.rope)  # [B, S, H, N+R]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         kv_a = self.wkv_a(x_BSD)  # [B, S, L+R]
@@ -71,7 +74,12 @@ class MultiHeadLatentAttention(nn.Module):
         H = q_nope.shape[2]
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         k = torch.cat((k_nope, k_rope.expand(B, S, H, self.rope)), dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)  # [B, H, S, V]
+        return q, k, v.transpose(1, 2), q_latent  # v [B, H, S, V]
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: AttentionCache | None = None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v, _ = self.project(x_BSD, cos, sin)
         if cache is not None:
             out = cache.attend(self.layer_id, q, k, v, self.scale, None)
         else:

@@ -50,6 +50,7 @@ from tessera.models.moe.router import RouterOutput
 from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import longrope_long_frequencies, longrope_pick, rope_cos_sin, rope_frequencies
+from tessera.models.sparse_mla import SparseLatentAttention
 
 
 @dataclass
@@ -155,9 +156,12 @@ def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
 def token_mixer(cfg: ModelConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet on a hybrid model's
     linear-attention layers (tessera/models/linear_attention), multi-head latent attention
-    (DeepSeek), else softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
+    (DeepSeek; over the keys a lightning indexer picks with `mla.index_topk`, DeepSeek-V3.2), else
+    softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
     if cfg.is_linear_attention_layer(layer_id):
         return GatedDeltaNet(cfg, layer_id)
+    if cfg.mla is not None and cfg.mla.index_topk is not None:
+        return SparseLatentAttention(cfg, layer_id)
     return (MultiHeadLatentAttention if cfg.mla is not None else Attention)(cfg, layer_id)
 
 
@@ -297,7 +301,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Every tensor from (seed, its name) alone, so any layout or device order gives the same
         model: norms 1, biases and expert biases 0, matrices N(0, init_std)."""
-        norms = {f"{mn}.weight": m.initial_weight for mn, m in self.named_modules() if isinstance(m, RMSNorm)}
+        norms = {f"{mn}.weight": getattr(m, "initial_weight", 1.0) for mn, m in self.named_modules()
+                 if isinstance(m, RMSNorm | nn.LayerNorm)}  # LayerNorm: sparse attention's indexer keys
         init_by_name(self.named_parameters(), norms, seed, self.cfg.init_std)
         for m in self.modules():
             if isinstance(m, RMSNorm):
@@ -316,8 +321,8 @@ class Transformer(nn.Module):
         own = getattr(self.get_submodule(owner), "initial_value", None) if owner else None
         if own is not None:
             return own(name, seed)
-        if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm):
-            return torch.full(p.shape, self.get_submodule(owner).initial_weight, dtype=torch.float32)
+        if leaf == "weight" and isinstance(self.get_submodule(owner), RMSNorm | nn.LayerNorm):
+            return torch.full(p.shape, getattr(self.get_submodule(owner), "initial_weight", 1.0), dtype=torch.float32)
         if name.endswith(".bias"):
             return torch.zeros(p.shape, dtype=torch.float32)
         gen = torch.Generator().manual_seed(name_seed(seed, name))

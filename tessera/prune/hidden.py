@@ -8,7 +8,8 @@ tensors are not all known here is refused by name rather than sliced by guess:
 
     [V, D] / [out, D]  (input columns)   tok_embeddings, output, attention.wq / wk / wv, attention.wq_a /
                                          wkv_a (MLA), feed_forward.w1 / w3, moe.router, moe.shared_experts.w1 /
-                                         w3, moe.shared_gate; moe.experts.w1 / w3 [E, F, D]
+                                         w3, moe.shared_gate; moe.experts.w1 / w3 [E, F, D]; sparse
+                                         attention's attention.indexer.wk / weights_proj
     [D, in] (output rows)                attention.wo, feed_forward.w2, moe.shared_experts.w2; moe.experts.w2
                                          [E, D, F]; attention.wo's bias [D]
     [D]                                  norm, attention_norm, ffn_norm (each RMSNorm of the stream)
@@ -27,14 +28,16 @@ from tessera.config.errors import ConfigError
 INPUT_COLUMNS = ("tok_embeddings.weight", "output.weight", "attention.wq.weight", "attention.wk.weight",
                  "attention.wv.weight", "attention.wq_a.weight", "attention.wkv_a.weight", "feed_forward.w1.weight",
                  "feed_forward.w3.weight", "moe.router.weight", "moe.shared_experts.w1.weight",
-                 "moe.shared_experts.w3.weight", "moe.shared_gate.weight", "moe.experts.w1", "moe.experts.w3")
+                 "moe.shared_experts.w3.weight", "moe.shared_gate.weight", "moe.experts.w1", "moe.experts.w3",
+                 "attention.indexer.wk.weight", "attention.indexer.weights_proj.weight")
 OUTPUT_ROWS = {"attention.wo.weight": 0, "attention.wo.bias": 0, "feed_forward.w2.weight": 0,
                "moe.shared_experts.w2.weight": 0, "moe.experts.w2": 1}
 NORMS = ("norm.weight", "attention_norm.weight", "ffn_norm.weight", "attention_post_norm.weight",
          "ffn_post_norm.weight")
 NO_HIDDEN_AXIS = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias", "attention.q_norm.weight",
                   "attention.k_norm.weight", "attention.kv_norm.weight", "attention.wq_b.weight",
-                  "attention.wkv_b.weight", "moe.router.expert_bias")
+                  "attention.wkv_b.weight", "moe.router.expert_bias", "attention.indexer.wq_b.weight",
+                  "attention.indexer.k_norm.weight", "attention.indexer.k_norm.bias")
 
 
 def _name_in_block(key: str) -> str:

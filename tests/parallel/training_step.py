@@ -54,7 +54,7 @@ def _step(model, micro, n_tokens, n_micro, dims):
     # into lr-sized differences and would hide what the test is about.
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-3, weight_decay=0.1)
     loss1 = _micro_batch_losses(model, micro, n_tokens, n_micro, backward=True)
-    grads = full_tensors((n, p.grad) for n, p in model.named_parameters())
+    grads = full_tensors((n, p.grad) for n, p in model.named_parameters() if p.requires_grad)  # not frozen ones
     norm = clip_grad_norm_(model.parameters(), MAX_NORM, dims)
     opt.step()
     opt.zero_grad()

@@ -10,6 +10,7 @@ export checks. Adding a family: a module here, its line below, and its case in t
 
 from tessera.config.families import (
     deepseek_v3,
+    deepseek_v32,
     exaone4,
     gemma3_text,
     glm4_moe,
@@ -50,6 +51,7 @@ REGISTRY: dict[str, Family] = {f.name: f for f in (
     qwen3_next.FAMILY,
     qwen3_5.FAMILY,
     deepseek_v3.FAMILY,
+    deepseek_v32.FAMILY,
     llama4_text.FAMILY,
     glm4_moe.FAMILY,
     gpt_oss.FAMILY,

@@ -22,6 +22,7 @@ class DeepseekV3(MoEFamily):
 
     mla: ClassVar[bool] = True
     mtp_layers: ClassVar[bool] = True
+    sparse_attention: ClassVar[bool] = False  # the lightning indexer (model.mla.index_topk): deepseek_v32.py
 
     def attention_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
         fields = super().attention_from_hf(d)
@@ -48,6 +49,9 @@ class DeepseekV3(MoEFamily):
     def moe_to_hf(self, cfg, d: dict[str, Any]) -> None:
         """The latent attention's and the experts' fields, in one block as transformers writes them."""
         e, m = cfg.moe, cfg.mla
+        if m.index_topk is not None and not self.sparse_attention:
+            raise ModelError(f"{self.name} has no sparse attention (model.mla.index_topk={m.index_topk}); export it as "
+                             "deepseek_v32")
         if e.shared_ffn_dim % e.ffn_dim:
             raise ModelError("deepseek_v3 needs moe.shared_ffn_dim to be a multiple of moe.ffn_dim")
         d.update(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,

@@ -4,7 +4,8 @@ The serving engine (`LLMEngine`: paged cache, continuous batching, chunked prefi
 `tessera generate`, `LLM` and the server run. This is the small, exact reference the engine is
 checked against: the prompt is run once, then each new token costs one position, with keys and
 values kept in a cache that plugs into the attention's cache seam
-(`attend(layer_id, q, k, v, scale, window)`); a hybrid model's linear-attention layers keep their
+(`attend(layer_id, q, k, v, scale, window)`; DeepSeek-V3.2's sparse attention also keeps its indexer
+keys here, `attend_sparse`, tessera/models/sparse_mla.py); a hybrid model's linear-attention layers keep their
 recurrent state in it too (`recurrent_state` / `keep_recurrent_state`). With `use_cache=False` every step recomputes the
 whole prefix, a check of the cache itself. Tokens are picked by the engine's own sampler
 (`tessera.infer.sampling.device_sampling`, counter-based seeds), so both paths read `SamplingParams` the
@@ -21,6 +22,7 @@ from tessera.infer.sampling.params import SamplingParams
 from tessera.models import ModelInput, Transformer
 from tessera.models.attention import Window, window_allows
 from tessera.models.attention_sinks import sink_attention
+from tessera.models.sparse_mla import KeyChoice
 
 
 class ConcatKVCache:
@@ -31,6 +33,7 @@ class ConcatKVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.states: dict[int, object] = {}  # linear-attention layer -> its recurrent state (DeltaNetState)
+        self.index_keys: dict[int, torch.Tensor] = {}  # sparse-attention layer -> its indexer keys [B, T, D_i]
 
     def length(self) -> int:
         if self.keys:
@@ -61,6 +64,21 @@ class ConcatKVCache:
         gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=allowed, scale=scale,
                                               enable_gqa=gqa)
+
+    def attend_sparse(self, layer_id: int, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                      scale: float, index_keys_BSD: torch.Tensor, choose: KeyChoice) -> torch.Tensor:
+        """MLA over the keys `choose` picks among every cached one (tessera/models/sparse_mla.py)."""
+        if layer_id in self.index_keys:
+            index_keys_BSD = torch.cat([self.index_keys[layer_id], index_keys_BSD], dim=1)
+        self.index_keys[layer_id] = index_keys_BSD
+        if layer_id in self.keys:
+            k_BHSD = torch.cat([self.keys[layer_id], k_BHSD], dim=2)
+            v_BHSD = torch.cat([self.values[layer_id], v_BHSD], dim=2)
+        self.keys[layer_id], self.values[layer_id] = k_BHSD, v_BHSD
+        S, T = q_BHSD.shape[2], k_BHSD.shape[2]
+        allowed = torch.ones(S, T, dtype=torch.bool, device=q_BHSD.device).tril(T - S)
+        chosen = torch.stack([choose(slice(None), index_keys_BSD[b], allowed)[b] for b in range(q_BHSD.shape[0])])
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=chosen[:, None], scale=scale)
 
 
 @torch.no_grad()

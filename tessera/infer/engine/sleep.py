@@ -117,7 +117,7 @@ def wake_level1(engine: LLMEngine, slept: SleptEngine) -> None:
     for store, nbytes in slept.kv:
         store.resize_(nbytes)
     kv = engine.kv
-    for t in (*kv.k, *kv.v):
+    for t in (*kv.k, *kv.v, *kv.index_k):
         t.zero_()
     for t in (*getattr(kv, "k_scale", []), *getattr(kv, "v_scale", [])):
         t.fill_(1.0)

@@ -43,9 +43,11 @@ import torch.nn.functional as F
 
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
+from tessera.infer.runner.sparse_attention import attend_sparse
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import Window, causal_attention, sees_all, window_allows
 from tessera.models.attention_sinks import sink_attention
+from tessera.models.sparse_mla import KeyChoice
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
 
@@ -101,6 +103,7 @@ class PagedAttentionBatch:
             offsets.append(t)
             t += s.length
         self.num_tokens = t
+        self.slices, self.offsets = slices, offsets  # for sparse attention (sparse_attention.py)
         # On CPU with the kernel every row is one ragged group (one kernel call per layer); else short
         # queries share a padded group and each long chunk is a group of its own
         self.all_ragged = self.device.type == "cpu" and bool(slices) and cpu_attention.serves(kv)
@@ -187,6 +190,12 @@ class PagedAttentionBatch:
             return k[None, :L], v[None, :L]
         k, v = self.kv.gather_blocks(layer_id, g.ctx_blocks, dtype)
         return k[:, :L], v[:, :L]
+
+    def attend_sparse(self, layer_id: int, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                      scale: float, index_keys_BSD: torch.Tensor, choose: KeyChoice) -> torch.Tensor:
+        """DeepSeek-V3.2's sparse attention (sparse_attention.py), each sequence over its own context."""
+        return attend_sparse(self.kv, self.slices, self.offsets, self.slot_mapping, layer_id, q_BHSD, k_BHSD,
+                             v_BHSD, scale, index_keys_BSD, choose)
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:

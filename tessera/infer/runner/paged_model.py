@@ -23,7 +23,7 @@ from tessera.infer.runner.bucketed_decode import BucketedDecoder, DecodeRow, def
 from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage, mrope_rows
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
-from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, kv_layers
+from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, index_key_dim, kv_layers
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
@@ -241,6 +241,9 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     any, is paid from the budget first, and a hybrid model's recurrent-state slots before it; the
     settings those slots cannot serve are refused here, before any tensor-parallel process starts."""
     refuse_unsupported(cfg, config)
+    require(not index_key_dim(cfg) or config.tensor_parallel_size == 1, "tensor_parallel_size",
+            config.tensor_parallel_size, f"1 for model.family={cfg.family}: tensor-parallel serving does not run "
+            "sparse attention's indexer yet")
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
         raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "
@@ -294,6 +297,8 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     states = None
     if model.cfg.linear_attention is not None:
         states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device), []
+    if index_key_dim(model.cfg):  # sparse attention picks keys per sequence: no static-shape decode step
+        sizes = []
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,
         use_graphs=not config.enforce_eager and tp == 1, dtype=dtype)

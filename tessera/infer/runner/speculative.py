@@ -27,7 +27,7 @@ import torch
 
 from tessera.checkpoint.eagle_dir import load_eagle_draft
 from tessera.checkpoint.loading import load_model
-from tessera.config.errors import ConfigError
+from tessera.config.errors import ConfigError, require
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.runner.draft_tokens import Proposal, draw_tokens
@@ -171,6 +171,9 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
             raise ConfigError(f"speculative.method={spec.method!r} drafts from the served model in this process; "
                               "it is not available here (tensor_parallel_size > 1)")
         if spec.method == "mtp":
+            require(target.model.cfg.mla is None or target.model.cfg.mla.index_topk is None, "speculative.method",
+                    spec.method, f"a draft method other than mtp for model.family={target.model.cfg.family}: its MTP "
+                    "layer's sparse attention needs indexer keys the MTP drafter's cache does not keep")
             proposer = MTPProposer(target.model, spec.num_tokens, num_blocks, config.block_size, dtype, config.device)
         else:
             draft = load_eagle_draft(spec.draft_model, target.model.cfg, dtype, config.device)

@@ -19,6 +19,10 @@ its rows / block_size.
 A hybrid model's linear-attention layers (recurrent_state.py) store no keys or values: their stores
 have no rows (`kv_layers` names the layers that do), and `bytes_per_block` counts only the others,
 so the same memory budget holds n_layers / len(kv_layers) times the blocks.
+DeepSeek-V3.2's sparse attention (tessera/models/sparse_mla.py) keeps its indexer's key of each token
+beside the token's keys and values: `index_k`, one [slots, D_i] store per layer in the cache's dtype
+(not quantised with int8), part of `stores()`, so a block carries them wherever it goes (tiers,
+transfers, prefix reuse), and counted in `bytes_per_block`.
 Shapes: T tokens, N sequences, L context length, G heads stored, D head dim.
 """
 
@@ -47,12 +51,18 @@ def kv_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.n_layers) if not cfg.is_linear_attention_layer(i)]
 
 
+def index_key_dim(cfg: ModelConfig) -> int:
+    """Width of the indexer key a sparse-attention layer stores per token (0: none)."""
+    return cfg.mla.index_head_dim if cfg.mla is not None and cfg.mla.index_topk is not None else 0
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1,
                     layers: int | None = None) -> int:
     """Bytes of one block in `layers` layers (None: every layer that stores keys and values)."""
     gk, dk, gv, dv = kv_shapes(cfg, tp_size)
-    elem = 1 if int8 else torch.empty((), dtype=dtype).element_size()
-    per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0)
+    full = torch.empty((), dtype=dtype).element_size()
+    elem = 1 if int8 else full
+    per_token = (gk * dk + gv * dv) * elem + ((gk + gv) * 4 if int8 else 0) + index_key_dim(cfg) * full
     return per_token * block_size * (len(kv_layers(cfg)) if layers is None else layers)
 
 
@@ -77,6 +87,8 @@ class PagedKVCache:
         store = torch.int8 if int8 else dtype
         self.k = [torch.zeros(n, gk, dk, dtype=store, device=device) for n in slots]
         self.v = [torch.zeros(n, gv, dv, dtype=store, device=device) for n in slots]
+        di = index_key_dim(cfg)  # sparse attention's indexer keys (module docstring)
+        self.index_k = [torch.zeros(n if di else 0, di, dtype=dtype, device=device) for n in slots]
         if int8:
             self.k_scale = [torch.ones(n, gk, device=device) for n in slots]
             self.v_scale = [torch.ones(n, gv, device=device) for n in slots]
@@ -94,6 +106,14 @@ class PagedKVCache:
             return
         self.k[layer].index_copy_(0, slots_T, k_TGD.to(self.dtype))
         self.v[layer].index_copy_(0, slots_T, v_TGD.to(self.dtype))
+
+    def write_index_keys(self, layer: int, slots_T: torch.Tensor, keys_TD: torch.Tensor) -> None:
+        self.index_k[layer].index_copy_(0, slots_T, keys_TD.to(self.dtype))
+
+    def gather_index_keys(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The indexer keys of `blocks` back to back: [len(blocks) * block_size, D_i]."""
+        store = self.index_k[layer]
+        return self._per_block(store).index_select(0, blocks).view(-1, store.shape[1])
 
     def gather_blocks(self, layer: int, blocks_NM: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,14 +165,17 @@ class PagedKVCache:
 
     def layer_nbytes(self, layers) -> int:
         """Bytes the stores of `layers` hold now (keys, values and their int8 scales)."""
+        return sum(t[i].untyped_storage().nbytes() for t in self._lists() for i in layers)
+
+    def _lists(self) -> list[list[torch.Tensor]]:
         lists = [self.k, self.v, *([self.k_scale, self.v_scale] if self.int8 else [])]
-        return sum(t[i].untyped_storage().nbytes() for t in lists for i in layers)
+        return lists + ([self.index_k] if any(t.numel() for t in self.index_k) else [])
 
     def stores(self) -> list[torch.Tensor]:
         """Every tensor of the cache (keys and values of each layer that stores them, then their int8
-        scales), each [num_blocks * block_size, ...]: a block's contents are row b of each, viewed per block."""
-        lists = [self.k, self.v, *([self.k_scale, self.v_scale] if self.int8 else [])]
-        return [t[i] for t in lists for i in self.kv_layers]
+        scales, then sparse attention's indexer keys), each [num_blocks * block_size, ...]: a block's
+        contents are row b of each, viewed per block."""
+        return [t[i] for t in self._lists() for i in self.kv_layers]
 
     def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         """The contents of `blocks`: one [len(blocks), block_size * ...] tensor per store, on the
@@ -181,6 +204,8 @@ class PagedKVCache:
             for i in layers:
                 self.k[i].index_fill_(0, slots, 0)
                 self.v[i].index_fill_(0, slots, 0)
+                if self.index_k[i].numel():
+                    self.index_k[i].index_fill_(0, slots, 0)
                 if self.int8:  # a NaN scale times a zero value is still NaN
                     self.k_scale[i].index_fill_(0, slots, 1.0)
                     self.v_scale[i].index_fill_(0, slots, 1.0)
@@ -206,7 +231,7 @@ class PagedKVCache:
         """Allocate the released stores again, as they were made: values 0, int8 scales 1."""
         for t, size in zip(self.stores(), self._sizes, strict=True):
             t.untyped_storage().resize_(size)
-        for t in (*self.k, *self.v):
+        for t in (*self.k, *self.v, *self.index_k):
             t.zero_()
         if self.int8:
             for t in (*self.k_scale, *self.v_scale):
