@@ -5,7 +5,8 @@ transformers: a second request sharing a prefix reports cached prompt tokens and
 transformers' greedy tokens (prompt chunks cut across block boundaries, for Qwen3-Next and Qwen3.5
 MoE); requests with different prefixes interleaved with each other, each hitting its own earlier
 prefix, decode what each does alone; snapshots are paid from the KV budget and go when their blocks
-are evicted, after which the cache still serves the right tokens."""
+are evicted, after which the cache still serves the right tokens; preempted requests come back from
+snapshots."""
 
 import pytest
 import torch
@@ -95,3 +96,17 @@ def test_snapshots_are_paid_from_the_kv_budget_and_go_with_their_blocks(hybrid):
     assert set(snapshots.of_block) <= set(blocks.cache.hash_of)  # none outlives its block's name
     assert len(snapshots.free) + len(snapshots.of_block) == snapshots.num_snapshots
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_preempted_requests_sharing_a_prefix_come_back_from_snapshots(hybrid):
+    """Too few blocks for four requests at once: preempted ones are admitted again, finding their
+    prefix (their own blocks or another's) in the cache, and still decode transformers' tokens."""
+    path, hf = hybrid
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4))
+    prompts = [SHARED[:9] + [i + 1, 2 * i + 3] for i in range(4)]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert engine.metrics.preemptions > 0 and engine.blocks.cache.hit_tokens > 0
+    assert [done[i] for i in ids] == [hf_greedy(hf, p, 6) for p in prompts]
