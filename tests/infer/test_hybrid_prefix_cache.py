@@ -1,5 +1,6 @@
 """Prefix caching for hybrid models (infer/scheduling/state_snapshots.py): the engine keeps a snapshot
-of the recurrent state at each block boundary beside the block, so a request whose prompt starts
+of the recurrent state at block boundaries (every block here, by default every DeltaNet chunk) beside
+the block, so a request whose prompt starts
 with cached blocks skips them and starts its slot from the snapshot at their end. Proved against
 transformers: a second request sharing a prefix reports cached prompt tokens and decodes
 transformers' greedy tokens (prompt chunks cut across block boundaries, for Qwen3-Next and Qwen3.5
@@ -11,7 +12,7 @@ snapshots."""
 import pytest
 import torch
 
-from tessera.config import get_preset
+from tessera.config import ConfigError, get_preset
 from tessera.infer import EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.runner.paged_model import cache_geometry
 from tessera.infer.scheduling.kv_cache import bytes_per_block
@@ -46,7 +47,7 @@ def _run(engine: LLMEngine, prompt: list[int]):
 def test_a_shared_prefix_is_taken_from_the_cache_and_decodes_transformers_tokens(hybrid):
     path, hf = hybrid
     first, second = SHARED + [60, 61, 62], SHARED + [1, 90, 4, 33, 70]
-    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=6))  # boundaries in chunks
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=6, state_snapshot_tokens=4))
     out_first, out_second, again = (_run(engine, p) for p in (first, second, first))
     assert out_first.cached_tokens == 0
     assert out_second.cached_tokens == 12 and again.cached_tokens == 16  # whole blocks, up to the last snapshot
@@ -55,12 +56,28 @@ def test_a_shared_prefix_is_taken_from_the_cache_and_decodes_transformers_tokens
     assert engine.blocks.cache.hit_tokens == 28
 
 
+def test_by_default_snapshots_fall_where_the_chunked_form_cuts_a_prompt(hybrid):
+    """Snapshots every 64 tokens (the DeltaNet chunk, 16 blocks of 4): a prompt sharing 68 tokens with
+    a cached one takes 64 of them from the cache, and decodes transformers' tokens."""
+    path, hf = hybrid
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4))
+    first = [(7 * i + 3) % 90 for i in range(70)]
+    second = first[:68] + [1, 2, 3]
+    outs = [_run(engine, p) for p in (first, second)]
+    assert engine.runner.snapshots.every == 64 and [o.cached_tokens for o in outs] == [0, 64]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in (first, second)]
+    with pytest.raises(ConfigError, match=r"state_snapshot_tokens=6 is invalid: must be None or a positive multiple "
+                                          r"of block_size=4"):
+        EngineConfig(block_size=4, state_snapshot_tokens=6)
+
+
 def test_interleaved_requests_with_different_prefixes_never_share_a_state(hybrid):
     """A and B share their first block only; each is seeded in the cache, then a continuation of each
     runs beside the other's, step by step: each hits its own prefix and decodes what it does alone."""
     path, hf = hybrid
     a, b = SHARED[:12], SHARED[:4] + [70, 71, 72, 73, 74, 75, 76, 77]
-    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4))
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                                                   state_snapshot_tokens=4))
     prompts = [a + [5], b + [6], a + [9, 10, 11], b + [12, 13, 14, 15, 16]]
     done, ids = {}, []
     for i, prompt in enumerate(prompts):
@@ -88,7 +105,8 @@ def test_snapshots_are_paid_from_the_kv_budget_and_go_with_their_blocks(hybrid):
                                            enable_prefix_caching=False))
     assert off.num_snapshots == 0 and off.num_blocks > geometry.num_blocks
 
-    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=1, max_model_len=40))
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=1, max_model_len=40,
+                                                   state_snapshot_tokens=4))
     prompts = [[i + 1] * 4 + SHARED[:12] for i in range(4)] + [[1] * 4 + SHARED[:12]]
     outs = [_run(engine, p) for p in prompts]
     blocks, snapshots = engine.blocks, engine.runner.snapshots
@@ -102,7 +120,8 @@ def test_preempted_requests_sharing_a_prefix_come_back_from_snapshots(hybrid):
     """Too few blocks for four requests at once: preempted ones are admitted again, finding their
     prefix (their own blocks or another's) in the cache, and still decode transformers' tokens."""
     path, hf = hybrid
-    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4))
+    engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4,
+                                                   state_snapshot_tokens=4))
     prompts = [SHARED[:9] + [i + 1, 2 * i + 3] for i in range(4)]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
@@ -110,3 +129,16 @@ def test_preempted_requests_sharing_a_prefix_come_back_from_snapshots(hybrid):
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     assert engine.metrics.preemptions > 0 and engine.blocks.cache.hit_tokens > 0
     assert [done[i] for i in ids] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_the_benchmark_serves_the_same_tokens_with_and_without_the_cache(capsys):
+    """bench/hybrid_prefix_cache.py on a small case: what it times with prefix caching computes the
+    tokens it computes without, the later requests' shared blocks coming from the cache."""
+    import json
+
+    from bench.hybrid_prefix_cache import main
+
+    assert main(["--prefix", "130", "--tail", "5", "--requests", "3", "--dim", "64", "--layers", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)  # blocks of 16, snapshots every 64 tokens (the chunk)
+    assert report["same_tokens"] and report["with_cache"]["cached_prompt_tokens"] == 2 * 128
+    assert report["without_cache"]["cached_prompt_tokens"] == 0

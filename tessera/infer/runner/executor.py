@@ -92,7 +92,8 @@ class InProcessExecutor:
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
                                                             self.local),
                                   None if states is None else StateSlots(states.num_slots),
-                                  StateSnapshots(states.num_snapshots, config.block_size)
+                                  StateSnapshots(states.num_snapshots, config.block_size,
+                                                 self.geometry.snapshot_tokens)
                                   if states is not None and states.num_snapshots else None)
         self.kv_tiers: KVTierStore | None = None
         if config.has_kv_tiers:  # the host / disk tiers' bytes, below this process's cache

@@ -25,7 +25,7 @@ from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSl
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, kv_layers
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
-from tessera.infer.scheduling.state_snapshots import snapshot_count
+from tessera.infer.scheduling.state_snapshots import snapshot_count, snapshot_tokens
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
@@ -216,6 +216,7 @@ class CacheGeometry:
     windowed: WindowedLayers | None = None  # layers whose blocks come from a pool of their own (None: no such pool)
     num_window_blocks: int = 0  # that pool's blocks (its stores hold one more: its scratch block)
     num_snapshots: int = 0  # a hybrid model's recurrent-state snapshots for prefix caching (state_snapshots.py)
+    snapshot_tokens: int = 0  # ... taken every this many tokens
 
 
 def windowed_layers(cfg, config: EngineConfig, max_model_len: int) -> WindowedLayers | None:
@@ -255,10 +256,12 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     n_window = 0 if windowed is None else len(windowed.layers)
     num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
-    num_snapshots = 0
-    if config.enable_prefix_caching:  # a hybrid's snapshots: up to half of what the slots leave
-        num_snapshots = snapshot_count(int(config.kv_cache_gib * 2**30) - config.max_num_seqs * bytes_per_slot(
-            cfg, config.torch_dtype), bytes_per_slot(cfg, config.torch_dtype), config.max_num_seqs * blocks_per_seq)
+    num_snapshots, every = 0, 0
+    if config.enable_prefix_caching and cfg.linear_attention is not None:  # up to half of what the slots leave
+        every = snapshot_tokens(bs, cfg.linear_attention.chunk_size, config.state_snapshot_tokens)
+        per_slot = bytes_per_slot(cfg, config.torch_dtype)
+        num_snapshots = snapshot_count(int(config.kv_cache_gib * 2**30) - config.max_num_seqs * per_slot, per_slot,
+                                       config.max_num_seqs * -(-max_model_len // every))
     if num_blocks is None:  # from the memory budget (less the windowed pool and the recurrent-state slots),
         # but always room for one full sequence
         int8, tp = config.kv_cache_dtype == "int8", config.tensor_parallel_size
@@ -280,7 +283,7 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
                           f"{max_model_len} (+{k} speculative) needs {blocks_per_seq} blocks of "
                           f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
     return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks),
-                         num_snapshots)
+                         num_snapshots, every)
 
 
 def build_paged_model(model: Transformer, config: EngineConfig, lora=None,

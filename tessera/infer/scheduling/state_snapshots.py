@@ -4,8 +4,10 @@ A linear-attention layer's state after a prompt prefix cannot be rebuilt from th
 blocks, so a prefix hit alone does not let a hybrid sequence skip the prefix. The engine therefore
 keeps, beside a named KV block, a snapshot of the recurrent state (every state the pool holds per
 linear-attention layer: for Gated DeltaNet the convolution window and the delta state) after that
-block's last token. A request whose prompt starts with cached blocks adopts them only up to the last
-one that has a snapshot (`usable_prefix`), and its slot starts from that snapshot instead of zero.
+block's last token, every `snapshot_tokens` tokens (a whole number of blocks: by default the chunked
+form's chunk, where a prompt's work is cut anyway). A request whose prompt starts with cached blocks
+adopts them only up to the last one that has a snapshot (`usable_prefix`), and its slot starts from
+that snapshot instead of zero.
 
 `StateSnapshots` is the driver's table, shared by the block manager and the model runner: snapshot k
 lives in the state pool after the running slots (`RecurrentStatePool.snapshot_index`). The runner
@@ -22,6 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def snapshot_tokens(block_size: int, chunk_size: int, configured: int | None) -> int:
+    """Tokens between snapshots: `configured` (EngineConfig.state_snapshot_tokens), or the chunked
+    form's chunk rounded up to whole blocks, so that cutting a prompt at a snapshot adds no padded
+    chunk to the work (delta_rule.py pads each call to whole chunks)."""
+    return configured or block_size * -(-chunk_size // block_size)
+
+
 def snapshot_count(budget: int, per_snapshot: int, most: int) -> int:
     """Snapshots for a KV budget of `budget` bytes: up to half of it (the rest holds the attention
     blocks), at most `most` (one per block a full batch of sequences can hold)."""
@@ -31,10 +40,11 @@ def snapshot_count(budget: int, per_snapshot: int, most: int) -> int:
 
 
 class StateSnapshots:
-    """Block -> its snapshot (module docstring); `block_size`: tokens per KV block."""
+    """Block -> its snapshot (module docstring); `block_size`: tokens per KV block; `every`: tokens
+    between snapshots (a multiple of it: `snapshot_tokens`)."""
 
-    def __init__(self, num_snapshots: int, block_size: int):
-        self.num_snapshots, self.block_size = num_snapshots, block_size
+    def __init__(self, num_snapshots: int, block_size: int, every: int | None = None):
+        self.num_snapshots, self.block_size, self.every = num_snapshots, block_size, every or block_size
         self.free = list(range(num_snapshots - 1, -1, -1))
         self.of_block: dict[int, int] = {}
         self.taken = 0  # snapshots written, over the engine's life
@@ -58,11 +68,11 @@ class StateSnapshots:
         return self.of_block[block]
 
     def plan_item(self, block_table: Sequence[int], start: int, length: int) -> tuple[tuple[int, int], ...]:
-        """(offset in the item, snapshot) for each block boundary its tokens [start, start + length)
-        end at whose block has no snapshot yet, while free snapshots last."""
+        """(offset in the item, snapshot) for each snapshot boundary (every `every` tokens) its tokens
+        [start, start + length) end at whose block has no snapshot yet, while free snapshots last."""
         out = []
-        bs = self.block_size
-        for end in range(-(-(start + 1) // bs) * bs, start + length + 1, bs):
+        bs, every = self.block_size, self.every
+        for end in range(-(-(start + 1) // every) * every, start + length + 1, every):
             block = block_table[end // bs - 1]
             if block in self.of_block or not self.free:
                 continue
