@@ -75,6 +75,8 @@ class RecurrentStatePool:
         self.layers = list(cfg.linear_attention.layers)
         self.conv = {i: torch.zeros(n, c, w, dtype=dtype, device=device) for i in self.layers}
         self.delta = {i: torch.zeros(n, h, k, v, dtype=torch.float32, device=device) for i in self.layers}
+        # every per-layer store of a sequence's state: what reset, copy (snapshots) act on
+        self.stores: tuple[dict[int, torch.Tensor], ...] = (self.conv, self.delta)
 
     def snapshot_index(self, snapshot: int) -> int:
         """Where snapshot `snapshot` lives in the pool's tensors."""
@@ -86,7 +88,7 @@ class RecurrentStatePool:
             return
         device = self.delta[layer_id].device
         s, d = (torch.tensor(i, dtype=torch.long, device=device) for i in (src, dst))
-        for store in (self.conv, self.delta):
+        for store in self.stores:
             store[layer_id].index_copy_(0, d, store[layer_id].index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
@@ -95,8 +97,8 @@ class RecurrentStatePool:
             return
         index = torch.tensor(slots, device=next(iter(self.delta.values())).device)
         for i in self.layers:
-            self.conv[i].index_fill_(0, index, 0)
-            self.delta[i].index_fill_(0, index, 0)
+            for store in self.stores:
+                store[i].index_fill_(0, index, 0)
 
     def read(self, layer_id: int, index_N: torch.Tensor) -> DeltaNetState:
         """The states of slots `index_N` in layer `layer_id`, as a batch of N sequences."""
