@@ -99,6 +99,11 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "do not reuse KV blocks of shared prefixes", name="--no-prefix-caching", action="store_true",
         to_field=lambda off: not off))
+    # scheduling/state_snapshots.py: a hybrid model's prefix caching keeps its recurrent state every this many
+    # tokens; the default cuts prompts only where the linear-attention layers' chunked form cuts them anyway
+    state_snapshot_tokens: int | None = field(default=None, metadata=flag(
+        "tokens between a hybrid model's recurrent-state snapshots for prefix caching, a multiple of "
+        "--block-size (None: the linear-attention chunk size rounded up to whole blocks)", type=int))
     # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
     # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(
@@ -211,6 +216,10 @@ class EngineConfig:
         require(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
                 "must be None or a positive integer")
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "must be > 0")
+        require(self.state_snapshot_tokens is None or (
+            self.state_snapshot_tokens > 0 and self.state_snapshot_tokens % self.block_size == 0),
+            "state_snapshot_tokens", self.state_snapshot_tokens,
+            f"must be None or a positive multiple of block_size={self.block_size}")
         require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
         require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,

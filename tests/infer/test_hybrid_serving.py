@@ -3,8 +3,9 @@ engine, each running sequence's recurrent state in its own slot (infer/schedulin
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
 chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
-(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Prefix caching is
-off for it, every slot comes back when its request ends, the slots are paid out of the KV budget,
+(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Every slot comes
+back when its request ends, the slots are paid out of the KV budget (prefix caching's snapshots:
+tests/infer/test_hybrid_prefix_cache.py),
 and the settings a state slot cannot serve (and scoring given tokens past a first chunk) are refused
 by name."""
 
@@ -58,7 +59,6 @@ def test_requests_joining_while_others_decode_equal_transformers(hybrid, monkeyp
 
     monkeypatch.setattr(RecurrentStep, "__init__", recording)
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4))
-    assert engine.blocks.cache is None  # prefix caching is off for a hybrid model
     ids, done = [], {}
     for prompt in PROMPTS:
         ids.append(engine.add_request(prompt, GREEDY))
@@ -104,8 +104,8 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
     ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
                                   r"linear-attention layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
                                   r"linear-attention layers yet; use 1"),
-    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes need "
-                                             r"prefix caching, which hybrid models do not use"),
+    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes do not "
+                                             r"keep their recurrent-state snapshots"),
 ])
 def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
     with pytest.raises(ConfigError, match=message):
@@ -147,7 +147,7 @@ def test_a_verified_step_keeps_the_state_after_its_accepted_tokens():
 
 def test_state_slots_are_paid_out_of_the_kv_budget():
     cfg = get_preset("tiny-qwen3-next")  # layers 0-2 Gated DeltaNet, layer 3 attention
-    config = EngineConfig(kv_cache_gib=0.0005, max_num_seqs=8, block_size=4)
+    config = EngineConfig(kv_cache_gib=0.0005, max_num_seqs=8, block_size=4, enable_prefix_caching=False)
     per_block, per_slot = bytes_per_block(cfg, 4, torch.float32, False), bytes_per_slot(cfg, torch.float32)
     assert per_slot == 3 * (4 * (2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16 * 4)  # 3 layers: conv window, delta state
     assert per_block == 2 * 2 * 16 * 4 * 4  # keys and values of the one attention layer only

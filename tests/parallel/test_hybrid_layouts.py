@@ -1,5 +1,6 @@
-"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention, routed experts) under
-data, expert and tensor (+ sequence) parallelism equals one process (fp32, 1e-5), with sequences of
+"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention, routed experts; Qwen3.5 and
+Qwen3.5 MoE: split DeltaNet projections) under data, expert and tensor (+ sequence) parallelism equals
+one process (fp32, 1e-5), with sequences of
 several DeltaNet chunks, so that the chunked form's state passes from chunk to chunk inside each
 rank; under tp each rank runs one of the two key-head groups, its conv channels and heads' gains;
 under cp each rank runs the DeltaNet layers over the gathered whole sequence (contiguous and
@@ -45,6 +46,17 @@ def test_qwen3_5_split_projections_match_one_process(parallel, micro):
     short = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3.5").linear_attention, chunk_size=4)}
     got = run_ranks(layout_step, 2, "tiny-qwen3.5", parallel, config_overrides=short)
     assert_same_step(got[0], reference_step("tiny-qwen3.5", micro, short))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,micro", [(dict(ep=2, dp_shard=2), 2), (dict(dp_shard=2), 2)],
+                         ids=["ep2-fsdp2", "fsdp2"])
+def test_qwen3_5_moe_matches_one_process(parallel, micro):
+    """Qwen3.5 MoE (split DeltaNet projections, routed experts in every layer): each ep rank holds
+    half the experts, fsdp shards the rest; both equal one process."""
+    short = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3.5-moe").linear_attention, chunk_size=4)}
+    got = run_ranks(layout_step, 2, "tiny-qwen3.5-moe", parallel, config_overrides=short)
+    assert_same_step(got[0], reference_step("tiny-qwen3.5-moe", micro, short))
 
 
 def _cp_rank(cp_method: str) -> dict:

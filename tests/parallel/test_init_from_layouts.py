@@ -56,6 +56,8 @@ FAMILIES = {
     "deepseek_v3": (TINY_DEEPSEEK, deepseek_shrink, {}),
     "glm4_moe": (TINY_MOE, moe_shrink, {"model.family": "glm4_moe", "model.qkv_bias": True, "model.qk_norm": True, "model.partial_rotary_factor": 0.5, "model.moe.score_func": "sigmoid", "model.moe.expert_bias": True, "model.moe.first_k_dense": 1, "model.moe.shared_ffn_dim": 32, "model.moe.n_groups": 2, "model.moe.aux_loss_coef": 0.0}),  # noqa: E501
     "gpt_oss": (TINY_MOE, moe_shrink, {"model.family": "gpt_oss", "model.qkv_bias": True, "model.out_bias": True, "model.attention_sinks": True, "model.sliding_window": 8, "model.window_layers": [0], "model.moe.softmax_before_topk": False, "model.moe.router_bias": True, "model.moe.expert_activation": "clamped_swiglu"}),  # noqa: E501
+    # experts packed in the files (gate_up_proj, down_proj): an ep rank reads its experts' rows of them
+    "qwen3_5_moe_text": (TINY_MOE, moe_shrink, {"model.family": "qwen3_5_moe_text", "model.qk_norm": True, "model.partial_rotary_factor": 0.25, "model.attention_output_gate": True, "model.norm_unit_offset": True, "model.ffn_dim": 32, "model.moe.shared_ffn_dim": 32, "model.moe.shared_expert_gate": True, "model.linear_attention": "{layers: [0], n_key_heads: 2, n_value_heads: 4, key_head_dim: 8, value_head_dim: 8, projections: split, chunk_size: 8}"}),  # noqa: E501
 }
 TP2 = {"parallel.tp": 2, "parallel.dp_shard": 1}
 PP2 = {"parallel.pp": 2, "parallel.dp_shard": 1}
@@ -158,6 +160,7 @@ LAYOUTS = [
     _case("gemma3_text", 2, TP2_SP, "tp2-sp", slow=False),  # scaled embeddings cut over the vocabulary
     _case("gemma3_text", 2, PP2, "pp2"),
     _case("gemma3_text", 2, FSDP2, "fsdp2"),
+    _case("qwen3_5_moe_text", 2, EP2_FSDP2, "ep2-fsdp2", slow=False),
 ]
 
 

@@ -38,9 +38,18 @@ def hf_parts(cfg: ModelConfig) -> dict[str, TensorPart]:
 
 
 def fused_tensor(parts: list[tuple[TensorPart, torch.Tensor]]) -> torch.Tensor:
-    """The HuggingFace tensor [..., in, count * out] of its Tessera parts [..., out, in] (any order)."""
+    """The HuggingFace tensor [..., in, count * out] of its Tessera parts [..., out, in] (any order);
+    of parts not `transposed`, [..., count * out, in]."""
     ordered = sorted(parts, key=lambda p: p[0].index)
+    if not ordered[0][0].transposed:
+        return torch.cat([t for _, t in ordered], dim=-2).contiguous()
     return torch.cat([t.transpose(-1, -2) for _, t in ordered], dim=-1).contiguous()
+
+
+def hf_unpacked(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Tessera key -> the per-expert HuggingFace keys some directories store a packed part under
+    (Family.unpacked_names)."""
+    return REGISTRY[cfg.family].unpacked_names(cfg)
 def hf_fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Tessera key -> its rows [start, stop) of the fused HuggingFace tensor its name maps to."""
     return REGISTRY[cfg.family].fused_rows(cfg)

@@ -17,8 +17,9 @@ names them: tessera/checkpoint/vision_families.py); routed
 experts are E HuggingFace tensors stacked as one
 [E, out, in] tensor in Tessera, so a box over experts [e0, e0 + n) reads only those n files'
 tensors, each cut to the box's other dimensions; a tensor stored as rows of a fused one (Phi-3's
-qkv_proj) is read as a box at its rows' offset. `bytes_read` counts the bytes of every box read
-(what this rank took from the files), which is how a test proves a rank read about its share.
+qkv_proj, Qwen3.5 MoE's packed experts) is read as a box at its rows' offset. `bytes_read` counts the
+bytes of every box read (what this rank took from the files), which is how a test proves a rank read
+about its share.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.mxfp4 import Mxfp4Tensors
-from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts, hf_unpacked
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -61,6 +62,10 @@ class HFSliceReader:
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
+        for key, unpacked in hf_unpacked(cfg).items():  # stored one tensor per expert (Qwen3.5 MoE's own save)
+            if self.names[key][0] not in self.files.files and unpacked[0] in self.files.files:
+                self.names[key] = unpacked
+                del self.parts[key]
         # MXFP4 pairs (gpt-oss's experts, mxfp4.py) stand in for their plain tensors, dequantized on read
         self.mxfp4 = Mxfp4Tensors(self.files.keys(), lambda k, o, n: self._slice(k, o, n, codes=True))
         self.packed = {k: self.files.files.pop(k) for pair in self.mxfp4.pairs.values() for k in pair}
@@ -103,6 +108,8 @@ class HFSliceReader:
         files' headers; no data is read."""
         hf_keys = self.names[key]
         shape = self._stored_shape(hf_keys[0])
+        if key in self.parts and not self.parts[key].transposed:  # [..., count * out, in] -> [..., out, in]
+            return (*shape[:-2], shape[-2] // self.parts[key].count, shape[-1])
         if key in self.parts:  # [..., in, count * out] -> [..., out, in]
             return (*shape[:-2], shape[-1] // self.parts[key].count, shape[-2])
         if key in self.rows:
@@ -125,7 +132,10 @@ class HFSliceReader:
         if key not in self.names:
             raise CheckpointError(f"{self.path}: the model has a tensor {key!r} that no HuggingFace tensor maps to")
         hf_keys = self.names[key]
-        if key in self.parts:  # the box of the transposed part: its rows are columns of the fused tensor
+        if key in self.parts and not self.parts[key].transposed:  # the box at its part's rows
+            at = self.parts[key].index * self.shape(key)[-2] + offsets[-2]
+            t = self._slice(hf_keys[0], (*offsets[:-2], at, offsets[-1]), sizes)
+        elif key in self.parts:  # the box of the transposed part: its rows are columns of the fused tensor
             out = self.shape(key)[-2]
             at = self.parts[key].index * out + offsets[-2]
             t = self._slice(hf_keys[0], (*offsets[:-2], offsets[-1], at), (*sizes[:-2], sizes[-1], sizes[-2]))

@@ -56,10 +56,13 @@ def rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
 class TensorPart:
     """A Tessera tensor [..., out, in] that is part of a fused HuggingFace tensor [..., in, count * out]
     (Llama 4's experts.gate_up_proj): the `index`-th of `count` equal cuts of its last dimension,
-    transposed. `Family.tensor_parts` names them; the loaders cut and the writers join them."""
+    transposed; or, not `transposed`, of a fused tensor [..., count * out, in] (Qwen3.5 MoE's packed
+    experts): the `index`-th cut of its rows. `Family.tensor_parts` names them; the loaders cut and the
+    writers join them."""
 
     index: int
     count: int
+    transposed: bool = True
 
 
 # ModelConfig fields of parts only some families have, with the value every other family needs
@@ -243,6 +246,13 @@ class Family:
         them (Phi-3's qkv_proj and gate_up_proj): their `tensor_names` entry names the fused tensor,
         read as a box at that row offset and written by joining the keys in model order. None for
         most families."""
+        return {}
+
+    def unpacked_names(self, cfg) -> dict[str, list[str]]:
+        """Tessera keys of `tensor_parts` that some of the family's directories store unpacked instead
+        (Tessera key -> its HuggingFace keys, one per expert: what transformers' `save_pretrained`
+        writes for Qwen3.5 MoE); the reader takes these where the files hold them. None for most
+        families."""
         return {}
 
     def tensor_copies(self, cfg) -> dict[str, str]:

@@ -64,9 +64,9 @@ class HybridLayers:
             raise ModelError(f"{self.name} needs model.linear_attention, attention_output_gate, norm_unit_offset and "
                              "qk_norm (its HuggingFace class has each)")
         if la.projections != self.projections:
+            other = "qwen3_next" if la.projections == "grouped" else "qwen3_5_moe_text" if cfg.moe else "qwen3_5_text"
             raise ModelError(f"{self.name}'s DeltaNet projections are {self.projections} (model.linear_attention."
-                             f"projections={la.projections}); export it as "
-                             f"{'qwen3_next' if la.projections == 'grouped' else 'qwen3_5_text'}")
+                             f"projections={la.projections}); export it as {other}")
         d = super().config_to_hf(cfg)
         d["layer_types"] = [LAYER_TYPES[0] if i in la.layers else LAYER_TYPES[1] for i in range(cfg.n_layers)]
         d.update({theirs: getattr(la, ours) for theirs, ours in LINEAR_FIELDS.items()})

@@ -76,8 +76,10 @@ class LLMEngine:
         store = executor.kv_tiers  # the KV tiers' bytes, built by the executor over its cache
         self.tier_metrics = store.metrics if store is not None else TierMetrics()
         planner = KVTierPlanner.over(store) if store is not None else None
+        snapshots = executor.runner.snapshots  # a hybrid model's recurrent-state snapshots (state_snapshots.py)
         self.blocks = engine_blocks(executor.geometry, config, planner,
-                                    prefix_caching(executor.model.cfg, config.enable_prefix_caching))
+                                    prefix_caching(executor.model.cfg, config.enable_prefix_caching,
+                                                   0 if snapshots is None else snapshots.num_snapshots), snapshots)
         self.kv_exchange = KVExchange(executor, self.blocks, self.tier_metrics)  # for kv_transfer.py
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.lookahead,

@@ -28,6 +28,7 @@ from tessera.infer.runner.speculative import build_proposer
 from tessera.infer.scheduling.kv_tier_store import KVTierStore, build_tier_store
 from tessera.infer.scheduling.kv_tiers import KVTransfers
 from tessera.infer.scheduling.recurrent_state import StateSlots
+from tessera.infer.scheduling.state_snapshots import StateSnapshots
 from tessera.models.transformer import Transformer
 
 
@@ -87,9 +88,13 @@ class InProcessExecutor:
         self.model = model
         self.lora = lora_manager(model, config)
         self.local, self.geometry = build_paged_model(model, config, self.lora, encoder=encoder)
+        states = self.local.states
         self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
                                                             self.local),
-                                  None if self.local.states is None else StateSlots(self.local.states.num_slots))
+                                  None if states is None else StateSlots(states.num_slots),
+                                  StateSnapshots(states.num_snapshots, config.block_size,
+                                                 self.geometry.snapshot_tokens)
+                                  if states is not None and states.num_snapshots else None)
         self.kv_tiers: KVTierStore | None = None
         if config.has_kv_tiers:  # the host / disk tiers' bytes, below this process's cache
             self.kv_tiers = build_tier_store(model, self.local.kv, config.kv_offload_gib, config.kv_cache_dir,

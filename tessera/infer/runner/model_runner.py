@@ -42,15 +42,18 @@ from tessera.infer.sampling.penalties import apply_penalties, changes_logits
 from tessera.infer.sampling.sampler import processed_probs
 from tessera.infer.sampling.structured_output import mask_logits
 from tessera.infer.scheduling.recurrent_state import StateSlots
+from tessera.infer.scheduling.state_snapshots import StateSnapshots
 
 
 class ModelRunner:
     """Drives `paged` (this process's model, or every rank's) on the driver; `proposer` drafts
     speculative tokens (None: no speculative decoding)."""
 
-    def __init__(self, paged: PagedForward, proposer: Proposer | None = None, slots: StateSlots | None = None):
+    def __init__(self, paged: PagedForward, proposer: Proposer | None = None, slots: StateSlots | None = None,
+                 snapshots: StateSnapshots | None = None):
         self.paged, self.proposer = paged, proposer
         self.slots = slots  # a hybrid model's recurrent-state slots by request (recurrent_state.py)
+        self.snapshots = snapshots  # ... and their prefix-cache snapshots by block (state_snapshots.py)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The new tokens of every request of `plan` whose step completes."""
@@ -65,7 +68,7 @@ class ModelRunner:
         items = [_batch_item(s, proposals.get(s.seq.request_id)) for s in plan.scheduled]
         if self.slots is not None:
             for s, it in zip(plan.scheduled, items):
-                it.state_slot = self.slots.slot(s.seq.request_id)
+                self._take_slot(s, it)
         logits_TV, offsets = self.paged.forward_split(items)
         self._observe(plan.scheduled, items, offsets)
         # rows each completing request samples from: its last computed position (and its drafts)
@@ -83,6 +86,18 @@ class ModelRunner:
                                       for s, it in zip(plan.scheduled, items)
                                       if it.drafts and not sampled[s.seq.request_id].error})
         return RunnerOutput(sampled, scored)
+
+    def _take_slot(self, s: ScheduledSequence, it: BatchItem) -> None:
+        """`it`'s recurrent-state slot; with prefix caching, the snapshot a sequence that adopted a
+        cached prefix starts from, and those its final tokens complete blocks for."""
+        fresh = s.seq.request_id not in self.slots.owner
+        it.state_slot = self.slots.slot(s.seq.request_id)
+        if self.snapshots is None:
+            return
+        if fresh and it.start > 0:
+            it.state_from = self.snapshots.restore_from(it.block_table, it.start)
+        if not it.drafts:
+            it.snapshots = self.snapshots.plan_item(it.block_table, it.start, len(it.tokens))
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> dict[str, Proposal]:
         spec = [s for s in scheduled if s.draft_limit > 0]

@@ -25,6 +25,7 @@ from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSl
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, index_key_dim, kv_layers
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
+from tessera.infer.scheduling.state_snapshots import snapshot_count, snapshot_tokens
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
@@ -45,6 +46,8 @@ class BatchItem:
     window_table: list[int] | None = None  # the windowed layers' blocks (scheduling/window_blocks.py)
     state_slot: int = -1  # a hybrid model's recurrent-state slot (recurrent_state.py), -1 for none
     drafts: int = 0  # speculative tokens at the end of `tokens`, verified after the forward
+    state_from: int = -1  # the prefix-cache snapshot its slot starts from (state_snapshots.py), -1 for none
+    snapshots: tuple[tuple[int, int], ...] = ()  # (offset in tokens, snapshot) to keep the state in
 
 
 class PagedForward(Protocol):
@@ -130,7 +133,7 @@ class PagedModel:
         slices = [SequenceSlice(it.start, len(it.tokens), it.block_table, it.window_table) for it in items]
         batch = PagedAttentionBatch(self.kv, slices, self.device)
         if self.states is not None:
-            segments = [Segment(o, len(it.tokens), it.state_slot, it.start, it.drafts)
+            segments = [Segment(o, len(it.tokens), it.state_slot, it.start, it.drafts, it.state_from, it.snapshots)
                         for it, o in zip(items, packed_offsets(items), strict=True)]
             self.recurrent = RecurrentStep(self.states, segments, self.device)
             batch = StatefulStep(batch, self.recurrent)
@@ -212,6 +215,8 @@ class CacheGeometry:
     num_blocks: int  # blocks the block manager hands out (the cache holds one more: the scratch block)
     windowed: WindowedLayers | None = None  # layers whose blocks come from a pool of their own (None: no such pool)
     num_window_blocks: int = 0  # that pool's blocks (its stores hold one more: its scratch block)
+    num_snapshots: int = 0  # a hybrid model's recurrent-state snapshots for prefix caching (state_snapshots.py)
+    snapshot_tokens: int = 0  # ... taken every this many tokens
 
 
 def windowed_layers(cfg, config: EngineConfig, max_model_len: int) -> WindowedLayers | None:
@@ -254,6 +259,12 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     n_window = 0 if windowed is None else len(windowed.layers)
     num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
+    num_snapshots, every = 0, 0
+    if config.enable_prefix_caching and cfg.linear_attention is not None:  # up to half of what the slots leave
+        every = snapshot_tokens(bs, cfg.linear_attention.chunk_size, config.state_snapshot_tokens)
+        per_slot = bytes_per_slot(cfg, config.torch_dtype)
+        num_snapshots = snapshot_count(int(config.kv_cache_gib * 2**30) - config.max_num_seqs * per_slot, per_slot,
+                                       config.max_num_seqs * -(-max_model_len // every))
     if num_blocks is None:  # from the memory budget (less the windowed pool and the recurrent-state slots),
         # but always room for one full sequence
         int8, tp = config.kv_cache_dtype == "int8", config.tensor_parallel_size
@@ -261,6 +272,7 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
         budget = int(config.kv_cache_gib * 2**30) - num_window * bytes_per_block(cfg, bs, config.torch_dtype,
                                                                                   int8, tp, n_window)
         budget -= config.max_num_seqs * bytes_per_slot(cfg, config.torch_dtype)
+        budget -= num_snapshots * bytes_per_slot(cfg, config.torch_dtype)
         num_blocks = config.max_num_seqs * blocks_per_seq + 1
         if per_block:
             num_blocks = min(max(budget, 0) // per_block, num_blocks)
@@ -273,7 +285,8 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
         raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
                           f"{max_model_len} (+{k} speculative) needs {blocks_per_seq} blocks of "
                           f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks))
+    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks),
+                         num_snapshots, every)
 
 
 def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
@@ -296,7 +309,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None
     if model.cfg.linear_attention is not None:
-        states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device), []
+        states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device, geometry.num_snapshots), []
     if index_key_dim(model.cfg):  # sparse attention picks keys per sequence: no static-shape decode step
         sizes = []
     decoder = None if not sizes else BucketedDecoder(

@@ -9,6 +9,11 @@ back, the recurrent form; each longer item (a prompt chunk) runs alone from its 
 chunked form, and leaves its state there for the next chunk. An item without a slot (the engine's
 scoring of given tokens) runs from a zero state and keeps nothing, so it must start at position 0.
 
+Prefix caching (scheduling/state_snapshots.py): an item whose `state_from` names a snapshot starts
+its slot from it (a sequence that adopted a cached prefix), and an item with `snapshots` runs in
+pieces cut at those offsets (block boundaries), keeping the state after each piece in its snapshot;
+a decode that completes a block keeps its new state there too.
+
 An item with speculative drafts to verify (`Segment.drafts`) runs token by token, the recurrent form,
 keeping the state after each of its tokens; nothing is written to its slot until the verification
 says how many drafts were accepted: `commit(slot, kept)` writes the state after its first `kept`
@@ -42,6 +47,8 @@ class Segment:
     slot: int
     start: int
     drafts: int = 0  # speculative tokens at its end, to be verified before its state is kept
+    state_from: int = -1  # the prefix-cache snapshot its slot starts from, -1 for none
+    snapshots: tuple[tuple[int, int], ...] = ()  # (offset, snapshot): keep the state after its first offset tokens
 
 
 class RecurrentStep:
@@ -53,8 +60,11 @@ class RecurrentStep:
                 raise ModelError(f"a hybrid model's tokens at positions {s.start}.. need the recurrent state of the "
                                  "positions before them, which only a running request's slot keeps")
         pool.reset([s.slot for s in segments if s.slot >= 0 and s.start == 0])
+        restored = [s for s in segments if s.slot >= 0 and s.state_from >= 0]
+        for layer_id in pool.layers:  # a prefix-cache hit: the slot starts from the snapshot at its start
+            pool.copy(layer_id, [pool.snapshot_index(s.state_from) for s in restored], [s.slot for s in restored])
         self.pool = pool
-        decodes = [s for s in segments if s.length == 1 and s.slot >= 0]
+        self.decodes = decodes = [s for s in segments if s.length == 1 and s.slot >= 0]
         self.decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
         self.decode_slots = torch.tensor([s.slot for s in decodes], dtype=torch.long, device=device)
         self.chunks = [(s, torch.tensor([s.slot], device=device)) for s in segments if s not in decodes]
@@ -70,12 +80,15 @@ class RecurrentStep:
             self.pool.write(layer_id, self.decode_slots, state)
             out_1TD = y_N1D.new_empty(1, x_1TD.shape[1], y_N1D.shape[-1])
             out_1TD[0].index_copy_(0, self.decode_rows, y_N1D[:, 0])
+            kept = [(s.slot, k) for s in self.decodes for _, k in s.snapshots]
+            if kept:  # a decode that completed a block: its state is that block's snapshot
+                self.pool.copy(layer_id, [a for a, _ in kept], [self.pool.snapshot_index(k) for _, k in kept])
         for s, index in self.chunks:
             state = self.pool.read(layer_id, index) if s.slot >= 0 else None
             if s.drafts:
                 y = self._each_token(layer_id, mix, x_1TD[:, s.row:s.row + s.length], s.slot, state)
             else:
-                y, state = mix(x_1TD[:, s.row:s.row + s.length], state)
+                y, state = self._pieces(layer_id, mix, x_1TD[:, s.row:s.row + s.length], state, s.snapshots)
             if s.slot >= 0 and not s.drafts:
                 self.pool.write(layer_id, index, state)
             if out_1TD is None:
@@ -84,6 +97,23 @@ class RecurrentStep:
                 out_1TD = y.new_empty(1, x_1TD.shape[1], y.shape[-1])
             out_1TD[:, s.row:s.row + s.length] = y
         return out_1TD
+
+    def _pieces(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, state: DeltaNetState | None,
+                snapshots: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, DeltaNetState]:
+        """An item's output and final state, run in pieces cut at its snapshots' offsets (block
+        boundaries), each snapshot keeping the state after its piece."""
+        if not snapshots:
+            return mix(x_1SD, state)
+        outputs, at = [], 0
+        for end, k in snapshots:
+            y, state = mix(x_1SD[:, at:end], state)
+            self.pool.write(layer_id, torch.tensor([self.pool.snapshot_index(k)], device=x_1SD.device), state)
+            outputs.append(y)
+            at = end
+        if at < x_1SD.shape[1]:
+            y, state = mix(x_1SD[:, at:], state)
+            outputs.append(y)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
 
     def _each_token(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, slot: int,
                     state: DeltaNetState) -> torch.Tensor:

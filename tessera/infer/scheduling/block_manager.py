@@ -14,6 +14,10 @@ chain ends (`find_below`); blocks found there get fresh device blocks filled bef
 With a `WindowPool` (window_blocks.py) the windowed layers' blocks come from a second pool: every
 allocation takes from both, and after each step the blocks no later query of a sequence can see go
 back to that pool (`register_computed`). Such a manager has no prefix cache.
+
+A hybrid model's recurrent-state snapshots (state_snapshots.py) are kept beside named blocks: a block's
+snapshot is dropped when the block is evicted, forgotten or freed unnamed, and a prefix found is cut
+back to the last block that has one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.scheduling.kv_tier_planner import KVTierPlanner
 from tessera.infer.scheduling.prefix_cache import PrefixCache, block_hash, hash_chain
+from tessera.infer.scheduling.state_snapshots import StateSnapshots
 from tessera.infer.scheduling.window_blocks import WindowPool
 
 log = logging.getLogger("tessera.infer")
@@ -32,7 +37,8 @@ log = logging.getLogger("tessera.infer")
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: KVTierPlanner | None = None, window: WindowPool | None = None):
+                 tiers: KVTierPlanner | None = None, window: WindowPool | None = None,
+                 snapshots: StateSnapshots | None = None):
         if window is not None and (enable_prefix_caching or tiers is not None):
             raise ValueError("a windowed block pool goes without prefix caching (its blocks are given back)")
         self.window = window
@@ -42,6 +48,8 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.cache = PrefixCache() if enable_prefix_caching else None
+        # a hybrid model's recurrent-state snapshots, which live and die with their blocks
+        self.snapshots = snapshots if enable_prefix_caching else None
 
     # ---- counting --------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -67,6 +75,8 @@ class BlockManager:
         self.free = deque(range(self.num_blocks))
         if self.cache is not None:
             self.cache.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.window is not None:
             self.window.forget_all()
 
@@ -79,6 +89,7 @@ class BlockManager:
             if evicted is None:
                 raise RuntimeError("KV cache out of blocks (the scheduler should have checked)")
             block = evicted[0]
+            self._lose(block)
             if self.tiers is not None:
                 self.tiers.evicted(*evicted)
         self.ref[block] = 1
@@ -95,7 +106,18 @@ class BlockManager:
             if self.cache is not None and self.cache.is_named(block):
                 self.cache.park(block)
             else:
+                self._lose(block)
                 self.free.append(block)
+
+    def _lose(self, block: int) -> None:
+        """`block`'s contents are gone or will be overwritten: its state snapshot goes with them."""
+        if self.snapshots is not None:
+            self.snapshots.drop(block)
+
+    def forget(self, block: int) -> None:
+        """Drop `block`'s prefix-cache name (and its state snapshot): its contents are bad."""
+        self.cache.forget(block)
+        self._lose(block)
 
     # ---- sequences -------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
@@ -105,7 +127,10 @@ class BlockManager:
             return [], []
         limit = (len(seq.token_ids) - 1) // self.block_size
         hashes = hash_chain(seq.cache_token_ids, self.block_size, seq.adapter_key, limit=limit)
-        return self.cache.lookup(hashes), hashes
+        blocks = self.cache.lookup(hashes)
+        if self.snapshots is not None:  # a hybrid sequence starts from a state snapshot at the prefix's end
+            blocks = self.snapshots.usable_prefix(blocks)
+        return blocks, hashes
 
     def find_below(self, hashes: list[bytes], num_device: int) -> list:
         """Hits below the device (`KVTierPlanner.find`) for the blocks after the `num_device` found
@@ -200,16 +225,18 @@ class BlockManager:
         if self.cache is None:
             return
         for block in list(self.cache.evictable):
-            self.cache.forget(block)
+            self.forget(block)
             self.free.append(block)
 
 
-def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None, prefix: bool) -> BlockManager:
+def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None, prefix: bool,
+                  snapshots: StateSnapshots | None = None) -> BlockManager:
     """The engine's block manager over `geometry` (runner/paged_model.py's `CacheGeometry`). With a
     windowed pool (`geometry.windowed`; KV tiers and disaggregation were refused with it) it has no
-    prefix cache; `prefix` is whether the model allows one at all (not a hybrid's recurrent state)."""
+    prefix cache; `prefix` is whether the model allows one at all (a hybrid's: with `snapshots` of
+    its recurrent state)."""
     if geometry.windowed is None:
-        return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers)
+        return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers, snapshots=snapshots)
     if prefix:
         log.info("prefix caching is off: the sliding-window and chunked layers' blocks are given back as "
                  "sequences advance (--windowed-kv kept keeps them, with prefix caching)")

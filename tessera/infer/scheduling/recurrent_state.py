@@ -19,11 +19,12 @@ slot; their bytes are paid out of the KV budget first (`bytes_per_slot`; `paged_
 Speculative decoding: a step verifying drafts keeps the state after each of the item's tokens and
 writes back the one after the accepted drafts (`recurrent_step.py`), so rejected drafts leave no trace.
 
-What the slot cannot do (`refuse_unsupported`, a typed error naming the setting): the state after a
-prompt prefix is not reconstructible from cached KV blocks, so prefix caching is off for hybrid
-models (`prefix_caching`); the KV tiers, disaggregated prefill and system prompts move
-or pin KV blocks whose states are not kept; tensor-parallel serving does not cut the DeltaNet
-layers yet.
+Prefix caching: the state after a prompt prefix is not reconstructible from cached KV blocks, so
+the pool also holds snapshots of it at block boundaries, kept beside their named blocks
+(state_snapshots.py); with no room for one (`bytes_per_slot` over the budget's half) prefix caching
+is off (`prefix_caching`). What the slot cannot do (`refuse_unsupported`, a typed error naming the
+setting): the KV tiers, disaggregated prefill and system prompts move or pin KV blocks whose states
+are not kept; tensor-parallel serving does not cut the DeltaNet layers yet.
 Shapes: N slots, C convolution channels, W convolution width, H value heads, K key dim, V value dim.
 """
 
@@ -63,14 +64,32 @@ def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 class RecurrentStatePool:
     """Per linear-attention layer, `num_slots` convolution windows [N, C, W-1] and delta states
-    [N, H, K, V] (fp32), zero until written."""
+    [N, H, K, V] (fp32), zero until written; after them `num_snapshots` more of each, the prefix
+    cache's snapshots (state_snapshots.py)."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 num_snapshots: int = 0):
         (c, w), (h, k, v) = state_shapes(cfg)
-        self.num_slots = num_slots
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        n = num_slots + num_snapshots
         self.layers = list(cfg.linear_attention.layers)
-        self.conv = {i: torch.zeros(num_slots, c, w, dtype=dtype, device=device) for i in self.layers}
-        self.delta = {i: torch.zeros(num_slots, h, k, v, dtype=torch.float32, device=device) for i in self.layers}
+        self.conv = {i: torch.zeros(n, c, w, dtype=dtype, device=device) for i in self.layers}
+        self.delta = {i: torch.zeros(n, h, k, v, dtype=torch.float32, device=device) for i in self.layers}
+        # every per-layer store of a sequence's state: what reset, copy (snapshots) act on
+        self.stores: tuple[dict[int, torch.Tensor], ...] = (self.conv, self.delta)
+
+    def snapshot_index(self, snapshot: int) -> int:
+        """Where snapshot `snapshot` lives in the pool's tensors."""
+        return self.num_slots + snapshot
+
+    def copy(self, layer_id: int, src: list[int], dst: list[int]) -> None:
+        """Copy the states at indices `src` to `dst` in layer `layer_id` (every state the layer keeps)."""
+        if not src:
+            return
+        device = self.delta[layer_id].device
+        s, d = (torch.tensor(i, dtype=torch.long, device=device) for i in (src, dst))
+        for store in self.stores:
+            store[layer_id].index_copy_(0, d, store[layer_id].index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
         """Zero `slots` in every layer: a sequence's start."""
@@ -78,8 +97,8 @@ class RecurrentStatePool:
             return
         index = torch.tensor(slots, device=next(iter(self.delta.values())).device)
         for i in self.layers:
-            self.conv[i].index_fill_(0, index, 0)
-            self.delta[i].index_fill_(0, index, 0)
+            for store in self.stores:
+                store[i].index_fill_(0, index, 0)
 
     def read(self, layer_id: int, index_N: torch.Tensor) -> DeltaNetState:
         """The states of slots `index_N` in layer `layer_id`, as a batch of N sequences."""
@@ -130,18 +149,19 @@ def refuse_unsupported(cfg: ModelConfig, config) -> None:
         (config.kv_role is not None, f"kv_role={config.kv_role}",
          "disaggregated prefill hands over attention blocks only, not recurrent states"),
         (bool(config.system_prompts), "system_prompts",
-         "pinned prefixes need prefix caching, which hybrid models do not use"),
+         "pinned prefixes do not keep their recurrent-state snapshots"),
     ]
     for bad, setting, why in refused:
         if bad:
             raise ConfigError(f"{setting} is invalid for this model: {what}, and {why}")
 
 
-def prefix_caching(cfg: ModelConfig, enabled: bool) -> bool:
-    """Whether the engine reuses cached prompt prefixes: not for a hybrid model, whose recurrent
-    state after a prefix cannot be rebuilt from the prefix's KV blocks (said once in the log)."""
-    if enabled and is_hybrid(cfg):
-        log.info("prefix caching is off: model.family=%s keeps a recurrent state per sequence that cached KV "
-                 "blocks cannot restore", cfg.family)
+def prefix_caching(cfg: ModelConfig, enabled: bool, num_snapshots: int = 0) -> bool:
+    """Whether the engine reuses cached prompt prefixes: for a hybrid model, whose recurrent state
+    after a prefix cannot be rebuilt from the prefix's KV blocks, only with room for state snapshots
+    (state_snapshots.py; said once in the log when there is none)."""
+    if enabled and is_hybrid(cfg) and num_snapshots == 0:
+        log.info("prefix caching is off: model.family=%s keeps a recurrent state per sequence, and the KV budget "
+                 "holds no snapshot of it", cfg.family)
         return False
     return enabled

@@ -291,7 +291,7 @@ class Scheduler:
             self._dirty_blocks.extend(-1 - b for b in self.blocks.window.held(seq))
         if self.blocks.cache is not None:
             for b in own:
-                self.blocks.cache.forget(b)
+                self.blocks.forget(b)
         return self.finish(seq, "error", [], f"numerical error: {error}")
 
 
