@@ -80,10 +80,10 @@ def main() -> None:
                                      check=True, capture_output=True, text=True)
                 got = json.loads(run.stdout.strip().splitlines()[-1])
                 result["runs"].append({"method": method, "path": path, **got})
-                key = f"{method}:{path}"
+                entry = best.setdefault(f"{method}:{path}", dict(got))
                 for b in batches:
                     k = f"batch{b}_tokens_per_s"
-                    best.setdefault(key, dict(got))[k] = max(best[key][k], got[k])
+                    entry[k] = max(entry[k], got[k])
     result["load_after"] = os.getloadavg()
     for method in args.methods.split(","):
         kernel, reference = best[f"{method}:kernel"], best[f"{method}:reference"]
