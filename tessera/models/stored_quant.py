@@ -23,7 +23,10 @@ block-FP8 directory brings, under the checkpoint's own tensor names, so the load
 Each computes by the plain PyTorch reference: the input activations quantized and dequantized as
 the checkpoint's scheme says (`ActivationQuant`), then F.linear with the dequantized weight (in
 the activations' dtype). The codes stay in their stored precision in memory: 0.5 byte per weight
-for 4-bit, 1 byte for int8 and e4m3, plus the scales.
+for 4-bit, 1 byte for int8 and e4m3, plus the scales. A model served on CPU in fp32 multiplies the
+integer formats (`PackedIntLinear`, `IntQuantizedLinear`) by their codes instead, repacked at load
+into the GGUF kernel's blocks (the `fused` seam, after the activations' rounding;
+tessera.infer.cpu.quant_matmul).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tessera.models.int8 import FusedProduct, fused_product
 
 INT_RANGE = {8: (-128.0, 127.0)}  # activations: int8 only
 FP8_RANGE = (-448.0, 448.0)  # float8_e4m3fn's finite range
@@ -84,6 +89,7 @@ class StoredQuantLinear(nn.Module):
 
     quantized = True  # not quantizable again (tessera/models/int8.py quantizable_layers)
     method = "pre-quantized"
+    fused: FusedProduct | None = None  # the kernel seam (int8.fused_product), after the activations' rounding
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  act: ActivationQuant | None = None):
@@ -99,7 +105,8 @@ class StoredQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act is not None:
             x = self.act(x, getattr(self, "input_scale", None))
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        y = fused_product(self, x)
+        return y if y is not None else F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, act={self.act}"

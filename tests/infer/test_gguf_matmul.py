@@ -43,7 +43,9 @@ def int16_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each input's group maximum |x|."""
     groups = x.reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * torch.where(amax > 0, 32767.0 / amax, 0.0))
+    # 32767 / amax divided as the kernel divides (a Python number over a tensor is its reciprocal times
+    # the number in PyTorch, which can differ in the last bit and round a tie the other way)
+    q = torch.round(groups * torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, 0.0))
     return (q * (amax / 32767.0)).reshape(x.shape), amax.expand_as(groups).reshape(x.shape)
 
 

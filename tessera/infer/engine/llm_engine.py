@@ -39,6 +39,7 @@ from tessera.infer.config import EngineConfig
 from tessera.infer.cpu.gguf_matmul import use_block_kernels
 from tessera.infer.cpu.layer_ops import fuse_layer_ops
 from tessera.infer.cpu.linear import can_pack, fuse_projections, pack_linears
+from tessera.infer.cpu.quant_matmul import use_quant_kernels
 from tessera.infer.engine.checked_request import CheckedRequest
 from tessera.infer.engine.metrics import EngineMetrics
 from tessera.infer.engine.output_processor import OutputProcessor
@@ -133,7 +134,8 @@ class LLMEngine:
         with by default).
         `owned`: the engine alone holds `model` (loaded for it), so its projections may be packed for
         the CPU (infer/cpu/linear.py), its norms, rotary embedding and activation done by one-pass kernels
-        (infer/cpu/layer_ops.py) and its GGUF block matrices multiplied as blocks (infer/cpu/gguf_matmul.py);
+        (infer/cpu/layer_ops.py), its GGUF block matrices multiplied as blocks (infer/cpu/gguf_matmul.py)
+        and its int8 / int4 / compressed-tensors layers by their codes (infer/cpu/quant_matmul.py);
         a model shared with a trainer never is."""
         config = config or EngineConfig()
         if isinstance(model, VisionLanguageModel):
@@ -146,6 +148,7 @@ class LLMEngine:
                 fuse_projections(model)
                 fuse_layer_ops(model)
                 use_block_kernels(model)
+                use_quant_kernels(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")

@@ -8,7 +8,7 @@
 // about the same count of instructions: madd on int16 pairs.) Every block type is then read 32
 // weights at a time as small integers w (unsigned 0..31, or signed for Q8_0 and Q6_K) with
 // per-sub-block float factors:
-// weight = f * w + c (f per 16 values for Q6_K, c = 0 for the signed types). A sub-block contributes
+// weight = f * w + c (f per 16 values for Q6_K, c = 0 for Q8_0 and Q6_K). A sub-block contributes
 //   sum_i weight_i * d q_i = (f d) * sum_i w_i q_i + c * s,
 // the first sum exact in integers, so the only rounding beyond fp32's is that of the activations
 // (|x - d q| <= d / 2 per input, max|x| / 65534).
@@ -22,6 +22,8 @@
 // they agree bit for bit, and so do any thread counts (threads split the output columns). Rows of x
 // go four at a time over each weight row, which is unpacked once per four rows.
 // No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
+// Besides the GGML types, two of Tessera's own (I8, I4: fp32 factors per 32 values, below), into
+// which its int8 / int4 and compressed-tensors layers are repacked at load.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -177,6 +179,39 @@ struct Q6_K {
   }
 };
 
+// Tessera's own formats, repacked at load (tessera/infer/cpu/quant_matmul.py): 32 values, then the
+// sub-block's factors as two fp32 (f, c; weight = f * w + c), so a per-channel or per-group fp32 scale
+// and a zero point are kept exactly. I8: signed int8 values (int8 codes, compressed-tensors' 8-bit);
+// I4: unsigned nibbles in GGUF's order (value i in the low nibble of byte i, value i + 16 in its high one).
+inline float f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+struct I8 {
+  static constexpr int VALUES = 32, BYTES = 40;
+  static constexpr bool SIGNED = true, CONST = true;
+  static void values(const uint8_t* b, int, int16_t* w) {
+    for (int i = 0; i < QK; ++i) w[i] = static_cast<int8_t>(b[i]);
+  }
+  static Factors factors(const uint8_t* b, int) { return {f32(b + 32), f32(b + 32), f32(b + 36)}; }
+};
+
+struct I4 {
+  static constexpr int VALUES = 32, BYTES = 24;
+  static constexpr bool SIGNED = false;
+  static void values(const uint8_t* b, int, int16_t* w) { nibbles(b, w); }
+  static Factors factors(const uint8_t* b, int) { return {f32(b + 16), f32(b + 16), f32(b + 20)}; }
+};
+
+// Whether a type's weights carry a constant term c: the unsigned types, and I8 (its zero points).
+template <class T>
+constexpr bool has_const() {
+  if constexpr (requires { T::CONST; }) return T::CONST;
+  return !T::SIGNED;
+}
+
 template <class T>
 constexpr int offset_of() {
   if constexpr (requires { T::OFFSET; }) return T::OFFSET;
@@ -242,7 +277,7 @@ void dot_rows_portable(const uint8_t* row, const Activations& a, int64_t m0, int
         for (int i = LANE[l]; i < LANE[l] + 4; ++i) dot += w[i] * q[i];
         acc[r][l] = std::fma(LANE[l] < 16 ? lo : hi, static_cast<float>(dot), acc[r][l]);
       }
-      if (!T::SIGNED) cst[r] = std::fma(f.c, a.s[(m0 + r) * a.nb + b], cst[r]);
+      if (has_const<T>()) cst[r] = std::fma(f.c, a.s[(m0 + r) * a.nb + b], cst[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], cst[r]);
@@ -274,6 +309,12 @@ template <>
 TESSERA_AVX2_TARGET inline __m256i vec_values<Q8_0>(const uint8_t* b, int) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
 }
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<I8>(const uint8_t* b, int) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+}
+template <>
+TESSERA_AVX2_TARGET inline __m256i vec_values<I4>(const uint8_t* b, int) { return vec_nibbles(b); }
 template <>
 TESSERA_AVX2_TARGET inline __m256i vec_values<Q4_0>(const uint8_t* b, int) { return vec_nibbles(b + 2); }
 template <>
@@ -347,7 +388,7 @@ TESSERA_AVX2_TARGET void dot_rows_avx2(const uint8_t* row, const Activations& a,
       const int64_t at = (m0 + r) * a.nb + b;
       const __m256 scale = _mm256_mul_ps(lohi, _mm256_set1_ps(a.d[at]));
       acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(vec_dot(w_lo, w_hi, a.q + at * QK)), acc[r]);
-      if (!T::SIGNED) cst[r] = std::fma(f.c, a.s[at], cst[r]);
+      if (has_const<T>()) cst[r] = std::fma(f.c, a.s[at], cst[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -405,11 +446,11 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t N, co
 }
 
 // One sub-block's 32 values; a product then a sum, never contracted into an fma (GCC contracts in C++).
-template <bool SIGNED, int OFF>
+template <bool CONST, int OFF>
 __attribute__((optimize("fp-contract=off"))) void dequantize_sub(const int16_t* v, const Factors& f, float* o) {
   for (int i = 0; i < QK; ++i) {
     const float scale = i < 16 ? f.lo : f.hi;
-    if constexpr (SIGNED) o[i] = scale * static_cast<float>(v[i]);
+    if constexpr (!CONST) o[i] = scale * static_cast<float>(v[i]);
     else if constexpr (OFF != 0) o[i] = scale * static_cast<float>(v[i] - OFF);
     else o[i] = scale * static_cast<float>(v[i]) + f.c;
   }
@@ -434,7 +475,7 @@ at::Tensor dequantize_rows(const at::Tensor& blocks, int64_t N, int64_t K) {
         const int j = static_cast<int>(b % SUBS);
         T::values(blk, j, v);
         const Factors f = T::factors(blk, j);
-        dequantize_sub<T::SIGNED, OFF>(v, f, out + n * K + b * QK);
+        dequantize_sub<has_const<T>(), OFF>(v, f, out + n * K + b * QK);
       }
   });
   return y;
@@ -450,7 +491,10 @@ auto by_kind(const std::string& k, Args&&... args) {
   if (k == "Q4_K") return F<Q4_K>::run(args...);
   if (k == "Q5_K") return F<Q5_K>::run(args...);
   if (k == "Q6_K") return F<Q6_K>::run(args...);
-  TORCH_CHECK(false, "gguf_linear: no kernel for GGML type ", k, "; kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K");
+  if (k == "I8") return F<I8>::run(args...);
+  if (k == "I4") return F<I4>::run(args...);
+  TORCH_CHECK(false, "gguf_linear: no kernel for GGML type ", k,
+              "; kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, I8, I4");
 }
 
 template <class T>
