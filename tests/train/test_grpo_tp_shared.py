@@ -27,7 +27,7 @@ from tessera.models.transformer import Transformer
 from tessera.train.trainer import Trainer
 from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
-from tests.train.runs import TINY_DENSE
+from tests.train.runs import TINY_DENSE, TINY_MOE
 from tests.train.test_grpo_train import _engine_logits, _overrides, grpo_root
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
@@ -63,8 +63,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _aliased_run(overrides: list[str]) -> dict:
-    cfg = load_config(TINY_DENSE, overrides)
+def _aliased_run(overrides: list[str], config: str = TINY_DENSE) -> dict:
+    cfg = load_config(config, overrides)
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
     policy = dict(trainer.model.named_parameters())
@@ -107,11 +107,16 @@ def rollouts_one_process(cfg, model: Transformer) -> LLMEngine:
     return single.engine(len(PROMPTS))
 
 
+TINY_MOE_GRPO = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.ffn_dim": 64}
+
+
 @pytest.mark.dist
-def test_under_tp_the_engine_shards_are_the_trainers_and_decode_the_updated_weights(root):
-    run = _overrides(root, "tp-shared", steps=2, **{"optim.lr": 1e-2, "train.micro_batch_size": 1,
-                                                    "parallel.tp": 2, "parallel.dp_shard": 1})
-    got = run_ranks(_aliased_run, 2, run, timeout=HANG_S)
+@pytest.mark.parametrize("config,extra", [pytest.param(TINY_DENSE, {}, id="dense"),
+                                          pytest.param(TINY_MOE, TINY_MOE_GRPO, id="moe")])
+def test_under_tp_the_engine_shards_are_the_trainers_and_decode_the_updated_weights(root, config, extra):
+    run = _overrides(root, f"tp-shared-{len(extra)}", steps=2, **{
+        "optim.lr": 1e-2, "train.micro_batch_size": 1, "parallel.tp": 2, "parallel.dp_shard": 1, **extra})
+    got = run_ranks(_aliased_run, 2, run, config, timeout=HANG_S)
     for rank in got:
         assert rank["spans_tp"]
         assert rank["ptrs_before"] and all(rank["ptrs_before"].values()), rank["ptrs_before"]

@@ -3,14 +3,15 @@ serving engine of a GRPO run under tensor parallelism (tessera/eval/rollouts.py)
 
 A trainer under tp holds its policy cut over the tp group, each weight a DTensor whose local tensor is
 this rank's shard. When the serving plan cuts the model the same way (the same tp size, so the same
-shard boundaries: both are `tessera.parallel.tensor_parallel`'s plan), `alias_shards` builds the serving
-model over those very tensors: a model shell on the meta device, cut by the plan, each parameter then
+shard boundaries: both are `tessera.parallel.tensor_parallel`'s plan, and an MoE model's routed experts
+each cut on their hidden dim over tp by `expert_parallel.py`, as serving cuts them), `alias_shards`
+builds the serving model over those very tensors: a model shell on the meta device, cut by the plan, each parameter then
 the trainer's own tensor (a DTensor where cut, the whole tensor where not: norms), and turned into
 plain local tensors with the plan's collectives as hooks (`tensor_parallel.to_plain_tensors`). The
 engine's weights are then the trainer's storage: no copy is made, and an optimizer step that updates
 them in place is what the next decode reads. Where the layouts differ (the trainer also shards over
-dp_shard, a weight is placed otherwise, a row-parallel bias, whose copy the serving plan zeroes on
-all ranks but one) it returns None and the caller gathers a whole copy instead.
+dp_shard, ep or cp, a weight is placed otherwise, a row-parallel bias, whose copy the serving plan zeroes
+on all ranks but one) it returns None and the caller gathers a whole copy instead.
 
 The group's rank 0 drives the engine: `LLMEngine.from_group_shard` builds it over a
 `TensorParallelExecutor` whose workers are the group's other ranks (`GroupPeers`), already running:
@@ -25,12 +26,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tessera.config.parallel import ParallelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.runner.paged_model import build_paged_model
 from tessera.infer.runner.tensor_parallel import to_plain_tensors
 from tessera.infer.runner.tp_channel import STOP, StepChannel, serve_worker_steps
 from tessera.models.transformer import Transformer
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.expert_parallel import apply_expert_parallel
 from tessera.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -41,11 +44,13 @@ def alias_shards(policy: Transformer, dims: ParallelDims) -> Transformer | None:
     params = dict(policy.named_parameters())
     tp_mesh = dims["tp"]
     cut = [p for p in params.values() if isinstance(p, DTensor)]
-    if not cut or any(p.device_mesh != tp_mesh for p in cut) or getattr(policy.cfg, "moe", None) is not None:
-        return None  # no weight cut, one cut over more than the tp group (dp_shard), or experts (their own plan)
+    if not cut or any(p.device_mesh != tp_mesh for p in cut) or dims.ep > 1 or dims.cp > 1:
+        return None  # no weight cut, one cut over more than the tp group (dp_shard, ep), or experts over cp
     with torch.device("meta"):
         shell = Transformer(policy.cfg, init_seed=None)
     apply_tensor_parallel(shell, tp_mesh, sp=False)  # the plan of serving (and of training, less its sp hooks)
+    if getattr(policy.cfg, "moe", None) is not None:  # each expert's hidden dim over tp, as serving cuts it
+        apply_expert_parallel(shell, dims, ParallelConfig(tp=dims.tp).ep_dispatcher)
     mine = dict(shell.named_parameters())
     if mine.keys() != params.keys() or not all(_same_box(mine[k], params[k]) for k in mine):
         return None
