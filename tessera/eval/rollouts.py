@@ -17,9 +17,14 @@ the policy as the trainer built it:
   (`LLMEngine.from_group_shard`), its peers run the same forwards on their shards
   (`serve_group_steps`), and rank 0's rollouts are broadcast to them (`spans_tp`: the step hands
   every tp rank all of its prompts);
-- under dp_shard (with or without tp), where the policy's parameters are shards of another layout,
-  it keeps a whole copy of the model, and before each rollout phase every rank gathers each
-  parameter (`full_tensor`, a collective over the shards' ranks) into that copy in place.
+- under dp_shard and tp, where the policy's parameters are cut over tp as serving cuts them and
+  sharded over dp_shard besides, the engine keeps a copy of this rank's tp shard only
+  (`gathered_shards`), driven as above by the tp group's rank 0, and before each rollout phase (after
+  each optimizer step) every rank gathers each parameter over dp_shard into it in place
+  (`gather_shards`: a collective copy, no checkpoint);
+- under dp_shard alone (or where the tp cut differs), it keeps a whole copy of the model, and before
+  each rollout phase every rank gathers each parameter (`full_tensor`, a collective over the shards'
+  ranks) into that copy in place.
 
 The tp-sharing engine is built for each rollout phase and closed after it (which releases the
 peers). Any other engine is built at the first rollout phase (its paged KV cache sized for the
@@ -50,7 +55,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.rewards import RewardFn, load_reward, score
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
-from tessera.infer.runner.tp_shared import alias_shards, serve_group_steps
+from tessera.infer.runner.tp_shared import alias_shards, gather_shards, gathered_shards, serve_group_steps
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models.transformer import Transformer
 from tessera.train.modes.grpo import Rollouts
@@ -81,9 +86,12 @@ class EngineRollouts:
         them, else gathered each phase."""
         self.device = layout.device
         dims = layout.dims
-        shards = alias_shards(model, dims) if dims is not None and dims.tp > 1 else None
+        tp = dims is not None and dims.tp > 1
+        shards = alias_shards(model, dims) if tp else None
         if shards is not None:
             self.model, self.tp_group = shards, dims["tp"].get_group()
+        elif tp and (own := gathered_shards(model, dims)) is not None:  # dp_shard over tp: gathered, still cut
+            self.model, self.tp_group, self.source = own, dims["tp"].get_group(), model
         elif any(isinstance(p, DTensor) for p in model.parameters()):
             self.source = model
             with torch.device(self.device):
@@ -94,6 +102,9 @@ class EngineRollouts:
     def sync(self) -> None:
         """The copy's parameters gathered from the policy's shards (every rank calls it; none without a copy)."""
         if self.source is None:
+            return
+        if self.spans_tp:  # this rank's tp shard, gathered over dp_shard
+            gather_shards(self.model, self.source)
             return
         mine = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -152,6 +163,7 @@ class EngineRollouts:
         phase (closing it releases the peers), the peers serve its steps, and its rollouts reach them
         by broadcast. The engine is built for each phase: its KV cache lives only during it."""
         group, start = self.tp_group, time.perf_counter()
+        self.sync()
         got: list[Any] = [None]
         self.model.eval()
         if dist.get_rank(group) == 0:
