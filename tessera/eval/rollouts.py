@@ -83,7 +83,16 @@ class EngineRollouts:
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s weights: shared where its tensors are whole or cut as serving cuts
-        them, else gathered each phase."""
+        them, else gathered each phase. Every rank hears whether any failed (`_agreed`), so that one
+        failing here stops them all now, not at their first collective's timeout."""
+        error = None
+        try:
+            self._bind(model, layout)
+        except Exception as e:
+            error = e
+        _agreed(error, "build the rollout engine's weights")
+
+    def _bind(self, model: nn.Module, layout: RunLayout) -> None:
         self.device = layout.device
         dims = layout.dims
         tp = dims is not None and dims.tp > 1
@@ -167,16 +176,19 @@ class EngineRollouts:
         got: list[Any] = [None]
         self.model.eval()
         if dist.get_rank(group) == 0:
-            engine = self.engine(len(prompts) * self.g.group_size)
+            engine, doing = None, "to build its engine"
             try:
+                engine = self.engine(len(prompts) * self.g.group_size)  # failing, it has released the peers
+                doing = "its rollouts"
                 outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
                                     seeds)
                 got[0] = self._scored(outputs, records, time.perf_counter() - start)
             except Exception as e:  # the peers hear of it instead of waiting for rollouts
-                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
+                got[0] = f"the tp group's rank 0 failed {doing}: {e}"
                 raise
             finally:
-                engine.close()  # its STOP ends the peers' serving
+                if engine is not None:
+                    engine.close()  # its STOP ends the peers' serving
                 dist.broadcast_object_list(got, group=group, group_src=0)
         else:
             serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
@@ -196,6 +208,20 @@ class EngineRollouts:
         return Rollouts(completions=[list(o.token_ids) for o in outputs],
                         engine_logps=[[lp.logprob for lp in o.logprobs] for o in outputs], rewards=rewards,
                         reward_failures=failures, seconds=seconds)
+
+
+def _agreed(error: Exception | None, doing: str) -> None:
+    """Raise on every rank if any rank's `error` is set (one gather of the ranks' outcomes; in one
+    process, the error itself), naming the first failing rank and its reason."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
+    if failed:
+        raise TrainingError(f"rank {failed[0][0]} failed to {doing}: {failed[0][1]}") from error
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,

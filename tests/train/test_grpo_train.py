@@ -2,8 +2,9 @@
 tessera/eval/rollouts.py): one step's loss, figures and gradients on fixed rollouts equal a
 hand-written reference (token- and sequence-level averaging, temperature, TIS weights, k3 KL to the
 initial weights, entropy); after an optimizer step the engine's logits equal the trainer's (fp32
-1e-5) with no copy in one process, and from a gathered copy under dp_shard, where two forked ranks
-train the one-process policy; the engine's KV cache is released after each rollout phase; a
+1e-5) with no copy in one process, and from a copy gathered over dp_shard (this rank's tp shard
+under tp, else the whole model), where forked ranks train the one-process policy, dense or MoE;
+the engine's KV cache is released after each rollout phase; a
 tiny seeded task (a completion that starts with a digit) raises its mean reward by a set margin
 within a fixed budget of steps through `tessera train`, every step logging the GRPO metrics; bad
 input (a prompt longer than the context, a reward that raises or returns NaN, a reward module that
