@@ -30,7 +30,8 @@ The tp-sharing engine is built for each rollout phase and closed after it (which
 peers). Any other engine is built at the first rollout phase (its paged KV cache sized for the
 phase's sequences) and kept: each phase wakes it (the KV cache allocated again, empty), adds `group_size`
 requests per prompt (one seeded request per completion, which the engine batches continuously,
-with its prefix cache on), steps it until every request has finished, and puts it to sleep
+with its prefix cache on: each prompt's first request is prefilled a step before the rest of its
+group, which then find its whole blocks cached), steps it until every request has finished, and puts it to sleep
 (`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
 phase decodes with new weights), so the training step's activations have the memory to themselves.
 Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
@@ -241,17 +242,34 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_
 
 def _stepped(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
              temperature: float, seeds: list[int]) -> list[Any]:
-    ids = []
+    """The requests stepped to the end. Each prompt's first completion is added alone and stepped once:
+    its prefill puts the prompt's whole KV blocks in the prefix cache, so the group's other completions,
+    added after, prefill only the prompt's last partial block instead of the whole prompt again. Each
+    request's draws depend on its seed and its own progress only (device_sampling.py), so this samples
+    the tokens adding them all at once does."""
+    ids: list[Any] = []
+    later = []
     for prompt, seed in zip(prompts, seeds, strict=True):
         for j in range(group_size):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + j, logprobs=0)
-            ids.append(engine.add_request(prompt, params))
+            if j == 0:
+                ids.append(engine.add_request(prompt, params))
+            else:
+                later.append((len(ids), prompt, params))
+                ids.append(None)
     done: dict[str, Any] = {}
+    _step(engine, done)
+    for i, prompt, params in later:
+        ids[i] = engine.add_request(prompt, params)
     while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        _step(engine, done)
     failed = [o for o in done.values() if o.finish_reason == "error"]
     if failed:
         raise TrainingError(f"the serving engine failed a GRPO rollout: {failed[0].error}")
     return [done[rid] for rid in ids]
+
+
+def _step(engine: LLMEngine, done: dict[str, Any]) -> None:
+    for out in engine.step():
+        if out.finished:
+            done[out.request_id] = out

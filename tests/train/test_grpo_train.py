@@ -4,7 +4,8 @@ hand-written reference (token- and sequence-level averaging, temperature, TIS we
 initial weights, entropy); after an optimizer step the engine's logits equal the trainer's (fp32
 1e-5) with no copy in one process, and from a copy gathered over dp_shard (this rank's tp shard
 under tp, else the whole model), where forked ranks train the one-process policy, dense or MoE;
-the engine's KV cache is released after each rollout phase; a
+the engine's KV cache is released after each rollout phase; a group's later completions reuse the
+prefix blocks of its first one's prefill and sample the tokens adding them all at once samples; a
 tiny seeded task (a completion that starts with a digit) raises its mean reward by a set margin
 within a fixed budget of steps through `tessera train`, every step logging the GRPO metrics; bad
 input (a prompt longer than the context, a reward that raises or returns NaN, a reward module that
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from tessera.cli import main
 from tessera.config.errors import ConfigError, DataError
 from tessera.config.schema import load_config
-from tessera.eval.rollouts import EngineRollouts
+from tessera.eval.rollouts import EngineRollouts, _generate
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.runner.paged_model import BatchItem
@@ -224,6 +225,30 @@ def test_after_a_step_the_engine_decodes_with_the_new_weights_and_releases_its_k
     engine.close()
     assert float((after - before).abs().max()) > 1e-4  # the step moved the weights (10x the tolerance below)
     torch.testing.assert_close(got, after, rtol=1e-5, atol=1e-5)
+
+
+def test_a_groups_completions_reuse_its_first_prefill_and_sample_what_all_at_once_samples(root):
+    cfg = load_config(TINY_DENSE, _overrides(root, "staged"))
+    rollouts = EngineRollouts(cfg)
+    Trainer(cfg, rollouts=rollouts)
+    prompts, G = [list(range(3, 23)), list(range(40, 61))], 4  # 20 and 21 tokens: one whole 16-token block each
+    engine = rollouts.engine(len(prompts) * G)
+    staged = [(list(o.token_ids), [lp.logprob for lp in o.logprobs])
+              for o in _generate(engine, prompts, G, 6, 1.0, [7, 70])]
+    assert engine.blocks.cache.hit_tokens == len(prompts) * (G - 1) * 16  # the group's others hit the first's block
+    engine.close()
+    engine = rollouts.engine(len(prompts) * G)  # the same requests added all at once
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=1.0, seed=s + j, logprobs=0))
+           for p, s in zip(prompts, [7, 70]) for j in range(G)]
+    done = {}
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.blocks.cache.hit_tokens == 0
+    at_once = [(list(done[i].token_ids), [lp.logprob for lp in done[i].logprobs]) for i in ids]
+    engine.close()
+    assert [t for t, _ in staged] == [t for t, _ in at_once] and len({tuple(t) for t, _ in staged}) > 1
+    for (_, mine), (_, want) in zip(staged, at_once):
+        assert mine == pytest.approx(want, abs=1e-5)
 
 
 def test_tessera_train_raises_the_toy_tasks_mean_reward_and_logs_the_grpo_metrics(root, capsys):
