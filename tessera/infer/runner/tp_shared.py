@@ -11,7 +11,10 @@ plain local tensors with the plan's collectives as hooks (`tensor_parallel.to_pl
 engine's weights are then the trainer's storage: no copy is made, and an optimizer step that updates
 them in place is what the next decode reads. Where the layouts differ (the trainer also shards over
 dp_shard, ep or cp, a weight is placed otherwise, a row-parallel bias, whose copy the serving plan zeroes
-on all ranks but one) it returns None and the caller gathers a whole copy instead.
+on all ranks but one) it returns None. Where only the other mesh dims differ (FSDP2 over dp_shard on
+top of the serving cut), `gathered_shards` builds the same tp-cut serving model with storage of its
+own, and `gather_shards` fills it in place from the policy after each optimizer step (a gather over
+dp_shard, a collective every rank calls); otherwise the caller keeps a whole gathered copy.
 
 The group's rank 0 drives the engine: `LLMEngine.from_group_shard` builds it over a
 `TensorParallelExecutor` whose workers are the group's other ranks (`GroupPeers`), already running:
