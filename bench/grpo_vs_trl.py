@@ -11,15 +11,17 @@ its prompt), a reward of 1 for a completion that starts with a digit; `--prompts
 no KL, token-level averaging ("dapo" in TRL), AdamW at a constant `--lr`, no activation
 recomputation (TRL's default `gradient_checkpointing=True` is turned off, as Tessera's run has
 none). The two sides alternate `--rounds` times. Prints one JSON object: per side and round the
-wall time of the training loop (construction excluded), the completion tokens sampled, their rate,
-(prompt + completion) tokens per second and the mean reward per step; and the ratios Tessera / TRL
-of the medians.
+wall time of the training loop (construction excluded), its CPU time (the process's, all threads;
+both sides run one thread), the completion tokens sampled, their rate, (prompt + completion) tokens
+per second, completion tokens per CPU second (the figure a loaded machine moves least) and the mean
+reward per step, the 1-minute load average after each run; and the ratios Tessera / TRL of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -68,12 +70,12 @@ def tessera_run(model: Path, run: Path, args) -> dict:
         f"optim.min_lr={args.lr}", "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0",
         "train.grad_clip=1.0", "checkpoint.interval=0", "log.tensorboard=false", "log.progress_bar=false"])
     trainer = Trainer(cfg, rollouts=EngineRollouts(cfg))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = trainer.train()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     records = result.records
     completion = sum(r["response_length"] * args.prompts * args.group for r in records)
-    return {"wall_s": wall, "completion_tokens": completion, "tokens": records[-1]["tokens_seen"],
+    return {"wall_s": wall, "cpu_s": cpu, "completion_tokens": completion, "tokens": records[-1]["tokens_seen"],
             "reward_mean": [r["reward_mean"] for r in records]}
 
 
@@ -101,13 +103,13 @@ def trl_run(model: Path, run: Path, args) -> dict:
     trainer = GRPOTrainer(model=tf.AutoModelForCausalLM.from_pretrained(model), reward_funcs=[_digit_reward],
                           args=config, train_dataset=Dataset.from_list([{"prompt": t} for t in texts]),
                           processing_class=tokenizer)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     logs = [h for h in trainer.state.log_history if "reward" in h]
     completion = sum(h["completions/mean_length"] * args.prompts * args.group for h in logs)
     prompt_tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts) / len(texts) * args.prompts * args.group
-    return {"wall_s": wall, "completion_tokens": completion,
+    return {"wall_s": wall, "cpu_s": cpu, "completion_tokens": completion,
             "tokens": completion + prompt_tokens * len(logs), "reward_mean": [h["reward"] for h in logs]}
 
 
@@ -132,8 +134,10 @@ def main() -> None:
                 got = run(model, Path(tmp) / f"{side}-{r}", args)
                 got["completion_tokens_per_s"] = got["completion_tokens"] / got["wall_s"]
                 got["tokens_per_s"] = got["tokens"] / got["wall_s"]
+                got["completion_tokens_per_cpu_s"] = got["completion_tokens"] / got["cpu_s"]
                 out[side].append(got)
-    for key in ("completion_tokens_per_s", "tokens_per_s"):
+                out.setdefault("load_average", []).append(os.getloadavg()[0])
+    for key in ("completion_tokens_per_s", "tokens_per_s", "completion_tokens_per_cpu_s"):
         ours = statistics.median(g[key] for g in out["tessera"])
         theirs = statistics.median(g[key] for g in out["trl"])
         out[f"ratio_{key}"] = ours / theirs

@@ -17,15 +17,21 @@ the policy as the trainer built it:
   (`LLMEngine.from_group_shard`), its peers run the same forwards on their shards
   (`serve_group_steps`), and rank 0's rollouts are broadcast to them (`spans_tp`: the step hands
   every tp rank all of its prompts);
-- under dp_shard (with or without tp), where the policy's parameters are shards of another layout,
-  it keeps a whole copy of the model, and before each rollout phase every rank gathers each
-  parameter (`full_tensor`, a collective over the shards' ranks) into that copy in place.
+- under dp_shard and tp, where the policy's parameters are cut over tp as serving cuts them and
+  sharded over dp_shard besides, the engine keeps a copy of this rank's tp shard only
+  (`gathered_shards`), driven as above by the tp group's rank 0, and before each rollout phase (after
+  each optimizer step) every rank gathers each parameter over dp_shard into it in place
+  (`gather_shards`: a collective copy, no checkpoint);
+- under dp_shard alone (or where the tp cut differs), it keeps a whole copy of the model, and before
+  each rollout phase every rank gathers each parameter (`full_tensor`, a collective over the shards'
+  ranks) into that copy in place.
 
 The tp-sharing engine is built for each rollout phase and closed after it (which releases the
 peers). Any other engine is built at the first rollout phase (its paged KV cache sized for the
 phase's sequences) and kept: each phase wakes it (the KV cache allocated again, empty), adds `group_size`
 requests per prompt (one seeded request per completion, which the engine batches continuously,
-with its prefix cache on), steps it until every request has finished, and puts it to sleep
+with its prefix cache on: each prompt's first request is prefilled a step before the rest of its
+group, which then find its whole blocks cached), steps it until every request has finished, and puts it to sleep
 (`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
 phase decodes with new weights), so the training step's activations have the memory to themselves.
 Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
@@ -50,7 +56,7 @@ from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.rewards import RewardFn, load_reward, score
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.llm_engine import LLMEngine
-from tessera.infer.runner.tp_shared import alias_shards, serve_group_steps
+from tessera.infer.runner.tp_shared import alias_shards, gather_shards, gathered_shards, serve_group_steps
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models.transformer import Transformer
 from tessera.train.modes.grpo import Rollouts
@@ -78,12 +84,24 @@ class EngineRollouts:
 
     def bind(self, model: nn.Module, layout: RunLayout) -> None:
         """Sample with `model`'s weights: shared where its tensors are whole or cut as serving cuts
-        them, else gathered each phase."""
+        them, else gathered each phase. Every rank hears whether any failed (`_agreed`), so that one
+        failing here stops them all now, not at their first collective's timeout."""
+        error = None
+        try:
+            self._bind(model, layout)
+        except Exception as e:
+            error = e
+        _agreed(error, "build the rollout engine's weights")
+
+    def _bind(self, model: nn.Module, layout: RunLayout) -> None:
         self.device = layout.device
         dims = layout.dims
-        shards = alias_shards(model, dims) if dims is not None and dims.tp > 1 else None
+        tp = dims is not None and dims.tp > 1
+        shards = alias_shards(model, dims) if tp else None
         if shards is not None:
             self.model, self.tp_group = shards, dims["tp"].get_group()
+        elif tp and (own := gathered_shards(model, dims)) is not None:  # dp_shard over tp: gathered, still cut
+            self.model, self.tp_group, self.source = own, dims["tp"].get_group(), model
         elif any(isinstance(p, DTensor) for p in model.parameters()):
             self.source = model
             with torch.device(self.device):
@@ -94,6 +112,9 @@ class EngineRollouts:
     def sync(self) -> None:
         """The copy's parameters gathered from the policy's shards (every rank calls it; none without a copy)."""
         if self.source is None:
+            return
+        if self.spans_tp:  # this rank's tp shard, gathered over dp_shard
+            gather_shards(self.model, self.source)
             return
         mine = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -152,19 +173,23 @@ class EngineRollouts:
         phase (closing it releases the peers), the peers serve its steps, and its rollouts reach them
         by broadcast. The engine is built for each phase: its KV cache lives only during it."""
         group, start = self.tp_group, time.perf_counter()
+        self.sync()
         got: list[Any] = [None]
         self.model.eval()
         if dist.get_rank(group) == 0:
-            engine = self.engine(len(prompts) * self.g.group_size)
+            engine, doing = None, "to build its engine"
             try:
+                engine = self.engine(len(prompts) * self.g.group_size)  # failing, it has released the peers
+                doing = "its rollouts"
                 outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
                                     seeds)
                 got[0] = self._scored(outputs, records, time.perf_counter() - start)
             except Exception as e:  # the peers hear of it instead of waiting for rollouts
-                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
+                got[0] = f"the tp group's rank 0 failed {doing}: {e}"
                 raise
             finally:
-                engine.close()  # its STOP ends the peers' serving
+                if engine is not None:
+                    engine.close()  # its STOP ends the peers' serving
                 dist.broadcast_object_list(got, group=group, group_src=0)
         else:
             serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
@@ -186,6 +211,20 @@ class EngineRollouts:
                         reward_failures=failures, seconds=seconds)
 
 
+def _agreed(error: Exception | None, doing: str) -> None:
+    """Raise on every rank if any rank's `error` is set (one gather of the ranks' outcomes; in one
+    process, the error itself), naming the first failing rank and its reason."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
+    if failed:
+        raise TrainingError(f"rank {failed[0][0]} failed to {doing}: {failed[0][1]}") from error
+
+
 def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
               temperature: float, seeds: list[int]) -> list[Any]:
     """Every prompt's `group_size` finished outputs, in order; a request that fails stops the run.
@@ -203,17 +242,34 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_
 
 def _stepped(engine: LLMEngine, prompts: list[list[int]], group_size: int, max_new_tokens: int,
              temperature: float, seeds: list[int]) -> list[Any]:
-    ids = []
+    """The requests stepped to the end. Each prompt's first completion is added alone and stepped once:
+    its prefill puts the prompt's whole KV blocks in the prefix cache, so the group's other completions,
+    added after, prefill only the prompt's last partial block instead of the whole prompt again. Each
+    request's draws depend on its seed and its own progress only (device_sampling.py), so this samples
+    the tokens adding them all at once does."""
+    ids: list[Any] = []
+    later = []
     for prompt, seed in zip(prompts, seeds, strict=True):
         for j in range(group_size):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + j, logprobs=0)
-            ids.append(engine.add_request(prompt, params))
+            if j == 0:
+                ids.append(engine.add_request(prompt, params))
+            else:
+                later.append((len(ids), prompt, params))
+                ids.append(None)
     done: dict[str, Any] = {}
+    _step(engine, done)
+    for i, prompt, params in later:
+        ids[i] = engine.add_request(prompt, params)
     while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        _step(engine, done)
     failed = [o for o in done.values() if o.finish_reason == "error"]
     if failed:
         raise TrainingError(f"the serving engine failed a GRPO rollout: {failed[0].error}")
     return [done[rid] for rid in ids]
+
+
+def _step(engine: LLMEngine, done: dict[str, Any]) -> None:
+    for out in engine.step():
+        if out.finished:
+            done[out.request_id] = out

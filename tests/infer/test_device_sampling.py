@@ -1,7 +1,7 @@
 """On-device sampling: the counter-based noise is uniform and a pure function of (seed, counter,
-token), strictly inside (0, 1); draws follow `processed_probs` (greedy, temperature, top-k, top-p) row
-by row in a mixed batch, and never a forbidden token; a request's tokens do not depend on its
-neighbours."""
+token), strictly inside (0, 1), with the bits of its int64 formula; draws follow `processed_probs`
+(greedy, temperature, top-k, top-p) row by row in a mixed batch, and never a forbidden token; a
+request's tokens do not depend on its neighbours."""
 
 from __future__ import annotations
 
@@ -25,6 +25,30 @@ def test_noise_is_uniform_and_keyed_by_seed_and_counter():
     assert abs(flat.mean().item() - 0.5) < 0.01 and abs(flat.var().item() - 1 / 12) < 0.005
     counts = torch.histc(flat, bins=16, min=0, max=1)
     assert (counts - len(flat) / 16).abs().max() < 5 * (len(flat) / 16) ** 0.5
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """The mixer written plainly in int64 (unsigned 32-bit values), as the noise is specified."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_noise_has_the_bits_of_the_int64_specification():
+    """The [B, V] mix runs in int32 (wrapping products, masked shifts); its uniforms are those of the
+    plain int64 formula, bit for bit, for seeds across the 63-bit range."""
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(0, 2**62, (30,), generator=gen), torch.tensor([0, 2**63 - 1])])
+    counters = torch.randint(0, 2**20, (32,), generator=gen)
+    mask = 0xFFFFFFFF
+    key = _lowbias32(_lowbias32(seeds >> 32) ^ (seeds & mask))
+    key = _lowbias32(key ^ _lowbias32((counters + 0x9E3779B9) & mask))
+    v = torch.arange(5000)
+    bits = _lowbias32(key[:, None] ^ _lowbias32((v * 0x27D4EB2F + 0x165667B1) & mask)[None, :])
+    want = ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    assert torch.equal(uniform_noise(seeds, counters, 5000), want)
 
 
 def test_noise_never_reaches_0_or_1_at_the_extreme_bits():

@@ -4,10 +4,12 @@ serving model's every parameter is the same storage (data_ptr) as the policy's l
 and after the optimizer steps, so no copy exists; the steps moved the weights, and the engine the
 tp group drives over those shards decodes with them: its logits equal the trainer's (fp32 1e-5) and
 differ from the initial weights', and its greedy completions equal those of a one-process engine
-built on the gathered updated weights. The tp group samples every prompt with one engine (rank 0
-drives it, its peer serves the same steps); a rollout that fails on rank 0 stops the peer with the
-reason instead of leaving it waiting. Under dp_shard the layouts differ and the engine keeps
-a gathered copy (tests/train/test_grpo_train.py)."""
+built on the gathered updated weights. The same holds for an MoE policy, whose routed experts are cut on
+their hidden dim over tp. The tp group samples every prompt with one engine (rank 0 drives it, its
+peer serves the same steps); a rollout that fails on rank 0, or a failure building the engine there
+(its weights at bind, its executor, the engine around it), stops the peer at once with the reason
+instead of leaving it waiting. Under dp_shard and tp the engine holds a tp shard gathered over
+dp_shard, under dp_shard alone a whole gathered copy (tests/train/test_grpo_train.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from tessera.models.transformer import Transformer
 from tessera.train.trainer import Trainer
 from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
-from tests.train.runs import TINY_DENSE
+from tests.train.runs import TINY_DENSE, TINY_MOE
 from tests.train.test_grpo_train import _engine_logits, _overrides, grpo_root
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
@@ -63,8 +65,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _aliased_run(overrides: list[str]) -> dict:
-    cfg = load_config(TINY_DENSE, overrides)
+def _aliased_run(overrides: list[str], config: str = TINY_DENSE) -> dict:
+    cfg = load_config(config, overrides)
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
     policy = dict(trainer.model.named_parameters())
@@ -107,11 +109,16 @@ def rollouts_one_process(cfg, model: Transformer) -> LLMEngine:
     return single.engine(len(PROMPTS))
 
 
+TINY_MOE_GRPO = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.ffn_dim": 64}
+
+
 @pytest.mark.dist
-def test_under_tp_the_engine_shards_are_the_trainers_and_decode_the_updated_weights(root):
-    run = _overrides(root, "tp-shared", steps=2, **{"optim.lr": 1e-2, "train.micro_batch_size": 1,
-                                                    "parallel.tp": 2, "parallel.dp_shard": 1})
-    got = run_ranks(_aliased_run, 2, run, timeout=HANG_S)
+@pytest.mark.parametrize("config,extra", [pytest.param(TINY_DENSE, {}, id="dense"),
+                                          pytest.param(TINY_MOE, TINY_MOE_GRPO, id="moe")])
+def test_under_tp_the_engine_shards_are_the_trainers_and_decode_the_updated_weights(root, config, extra):
+    run = _overrides(root, f"tp-shared-{len(extra)}", steps=2, **{
+        "optim.lr": 1e-2, "train.micro_batch_size": 1, "parallel.tp": 2, "parallel.dp_shard": 1, **extra})
+    got = run_ranks(_aliased_run, 2, run, config, timeout=HANG_S)
     for rank in got:
         assert rank["spans_tp"]
         assert rank["ptrs_before"] and all(rank["ptrs_before"].values()), rank["ptrs_before"]
@@ -148,3 +155,37 @@ def test_a_rollout_that_fails_on_the_driving_rank_stops_its_tp_peer_with_the_rea
     driver, peer = run_ranks(_failing_run, 2, run, timeout=HANG_S)
     assert "boom" in driver
     assert peer == "TrainingError: the tp group's rank 0 failed its rollouts: boom"
+
+
+def _failing_build(overrides: list[str], target: str) -> str:
+    """Train, rank 0 failing where `target` ("module:name") is called (as running out of memory would);
+    what each rank's trainer raised, built or training."""
+    import importlib
+
+    module_name, _, name = target.partition(":")
+    if dist.get_rank() == 0:
+        def failing(*args, **kwargs):
+            raise RuntimeError("no memory left")
+        setattr(importlib.import_module(module_name), name, failing)  # this forked rank's module only
+    cfg = load_config(TINY_DENSE, overrides)
+    try:
+        Trainer(cfg, rollouts=EngineRollouts(cfg)).train()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("target,reason", [
+    pytest.param("tessera.eval.rollouts:alias_shards",
+                 "rank 0 failed to build the rollout engine's weights: RuntimeError: no memory left", id="weights"),
+    pytest.param("tessera.infer.runner.tp_executor:build_paged_model",
+                 "the tp group's rank 0 failed to build its engine: no memory left", id="executor"),
+    pytest.param("tessera.infer.engine.llm_engine:engine_blocks",
+                 "the tp group's rank 0 failed to build its engine: no memory left", id="engine")])
+def test_a_failure_building_the_engine_on_rank_0_reaches_its_tp_peer_at_once(root, target, reason):
+    run = _overrides(root, f"tp-build-fail-{target.rpartition(':')[2]}", steps=1,
+                     **{"parallel.tp": 2, "parallel.dp_shard": 1})
+    driver, peer = run_ranks(_failing_build, 2, run, target, timeout=HANG_S)  # a hang fails at HANG_S
+    assert "no memory left" in driver
+    assert peer == f"TrainingError: {reason}"

@@ -2,8 +2,10 @@
 tessera/eval/rollouts.py): one step's loss, figures and gradients on fixed rollouts equal a
 hand-written reference (token- and sequence-level averaging, temperature, TIS weights, k3 KL to the
 initial weights, entropy); after an optimizer step the engine's logits equal the trainer's (fp32
-1e-5) with no copy in one process, and from a gathered copy under dp_shard, where two forked ranks
-train the one-process policy; the engine's KV cache is released after each rollout phase; a
+1e-5) with no copy in one process, and from a copy gathered over dp_shard (this rank's tp shard
+under tp, else the whole model), where forked ranks train the one-process policy, dense or MoE;
+the engine's KV cache is released after each rollout phase; a group's later completions reuse the
+prefix blocks of its first one's prefill and sample the tokens adding them all at once samples; a
 tiny seeded task (a completion that starts with a digit) raises its mean reward by a set margin
 within a fixed budget of steps through `tessera train`, every step logging the GRPO metrics; bad
 input (a prompt longer than the context, a reward that raises or returns NaN, a reward module that
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from tessera.cli import main
 from tessera.config.errors import ConfigError, DataError
 from tessera.config.schema import load_config
-from tessera.eval.rollouts import EngineRollouts
+from tessera.eval.rollouts import EngineRollouts, _generate
 from tessera.infer.engine.llm_engine import LLMEngine
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.runner.paged_model import BatchItem
@@ -36,7 +38,7 @@ from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.infer.tiny_models import save_tokenizer
 from tests.parallel.trainer_runs import whole_parameters
-from tests.train.runs import TINY_DENSE, set_args
+from tests.train.runs import TINY_DENSE, TINY_MOE, set_args
 
 KEYS = ("reward_mean", "reward_std", "kl", "clip_fraction", "response_length", "logprob_diff_max",
         "logprob_diff_mean", "rollout_tokens_per_s")
@@ -225,6 +227,30 @@ def test_after_a_step_the_engine_decodes_with_the_new_weights_and_releases_its_k
     torch.testing.assert_close(got, after, rtol=1e-5, atol=1e-5)
 
 
+def test_a_groups_completions_reuse_its_first_prefill_and_sample_what_all_at_once_samples(root):
+    cfg = load_config(TINY_DENSE, _overrides(root, "staged"))
+    rollouts = EngineRollouts(cfg)
+    Trainer(cfg, rollouts=rollouts)
+    prompts, G = [list(range(3, 23)), list(range(40, 61))], 4  # 20 and 21 tokens: one whole 16-token block each
+    engine = rollouts.engine(len(prompts) * G)
+    staged = [(list(o.token_ids), [lp.logprob for lp in o.logprobs])
+              for o in _generate(engine, prompts, G, 6, 1.0, [7, 70])]
+    assert engine.blocks.cache.hit_tokens == len(prompts) * (G - 1) * 16  # the group's others hit the first's block
+    engine.close()
+    engine = rollouts.engine(len(prompts) * G)  # the same requests added all at once
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=1.0, seed=s + j, logprobs=0))
+           for p, s in zip(prompts, [7, 70]) for j in range(G)]
+    done = {}
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.blocks.cache.hit_tokens == 0
+    at_once = [(list(done[i].token_ids), [lp.logprob for lp in done[i].logprobs]) for i in ids]
+    engine.close()
+    assert [t for t, _ in staged] == [t for t, _ in at_once] and len({tuple(t) for t, _ in staged}) > 1
+    for (_, mine), (_, want) in zip(staged, at_once):
+        assert mine == pytest.approx(want, abs=1e-5)
+
+
 def test_tessera_train_raises_the_toy_tasks_mean_reward_and_logs_the_grpo_metrics(root, capsys):
     """Completions that start with a digit score 1: ~8% of a random model's; 16 seeded steps of 8
     prompts x 8 completions lift the mean reward by more than 0.4."""
@@ -312,10 +338,10 @@ def test_the_config_chooses_the_grpo_mode_and_a_trainer_without_rollouts_is_told
         Trainer(cfg)
 
 
-def _grpo_on_ranks(overrides: list[str]) -> dict:
+def _grpo_on_ranks(overrides: list[str], config: str = TINY_DENSE) -> dict:
     """Runs on every rank (and in one process): train; the records, the whole weights and, after the
     last step, the largest difference between the engine's logits and the policy's."""
-    cfg = load_config(TINY_DENSE, overrides)
+    cfg = load_config(config, overrides)
     rollouts = EngineRollouts(cfg)
     trainer = Trainer(cfg, rollouts=rollouts)
     sampled, sample = [], rollouts.rollouts  # the prompts this rank's engine samples (counted)
@@ -329,24 +355,25 @@ def _grpo_on_ranks(overrides: list[str]) -> dict:
     with torch.no_grad():
         want = trainer.model(ModelInput(tokens=torch.tensor([ids]))).logits[0].float()
     want = want.full_tensor() if isinstance(want, DTensor) else want  # tp: sharded on the vocabulary
-    if rollouts.spans_tp:  # tp: one engine over the group's shards, which are the policy's (rank 0 reads it)
+    rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
+    if rollouts.spans_tp:  # tp: one engine over the group's shards, the policy's or gathered (rank 0 reads it)
         from tests.train.test_grpo_tp_shared import on_group
         got = on_group(rollouts, 1, lambda engine: _engine_logits(engine, ids))
     else:
-        rollouts.sync()  # what each rollout phase starts with (a collective under dp_shard)
         engine = rollouts.engine(1)
         got = _engine_logits(engine, ids)
         engine.close()
     return {"records": result.records, "weights": whole_parameters(trainer.parts),
             "engine_diff": float((got - want).abs().max()) if got is not None else None,
-            "shared": rollouts.model is trainer.model, "spans_tp": rollouts.spans_tp, "sampled": len(sampled)}
+            "shared": rollouts.model is trainer.model, "spans_tp": rollouts.spans_tp, "sampled": len(sampled),
+            "engine_numel": sum(p.numel() for p in rollouts.model.parameters())}
 
 
-GRPO_LAYOUTS = [  # (ranks, layout, whether the engine's shards are the policy's: tp alone)
+GRPO_LAYOUTS = [  # (ranks, layout, whether one engine spans the tp group: its shards the policy's, or gathered)
     pytest.param(2, {"parallel.dp_shard": 2}, False, id="fsdp2"),
     pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, True, id="tp2"),
     pytest.param(2, {"parallel.tp": 2, "parallel.sp": True, "parallel.dp_shard": 1}, True, id="tp2-sp"),
-    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, False, id="tp2-fsdp2", marks=pytest.mark.slow),
+    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, True, id="tp2-fsdp2", marks=pytest.mark.slow),
 ]
 
 
@@ -359,16 +386,44 @@ def one_process(root) -> dict:
     return _grpo_on_ranks(_overrides(root, "one", steps=3, **LAYOUT_RUN))
 
 
+MOE_RUN = {**LAYOUT_RUN, "model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.ffn_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(root) -> dict:
+    """The one-process MoE run its layouts must equal."""
+    return _grpo_on_ranks(_overrides(root, "one-moe", steps=3, **MOE_RUN), TINY_MOE)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world,layout,aliased", GRPO_LAYOUTS)
 def test_under_dp_shard_and_tp_the_engine_reads_the_policys_weights_and_the_ranks_train_the_one_process_policy(
         root, one_process, world, layout, aliased):
-    ref, extra = one_process, LAYOUT_RUN
     run = "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
-    got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**extra, **layout}), timeout=HANG_S)
+    got = run_ranks(_grpo_on_ranks, world, _overrides(root, run, steps=3, **{**LAYOUT_RUN, **layout}), timeout=HANG_S)
+    _assert_one_process_run(one_process, got, world, layout, aliased)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", [
+    pytest.param(2, {"parallel.tp": 2, "parallel.dp_shard": 1}, id="tp2"),
+    pytest.param(4, {"parallel.tp": 2, "parallel.dp_shard": 2}, id="tp2-fsdp2")])
+def test_an_moe_policy_under_tp_and_dp_shard_samples_from_tp_shards_and_trains_the_one_process_policy(
+        root, one_process_moe, world, layout):
+    run = "moe-" + "-".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
+    overrides = _overrides(root, run, steps=3, **{**MOE_RUN, **layout})
+    got = run_ranks(_grpo_on_ranks, world, overrides, TINY_MOE, timeout=HANG_S)
+    _assert_one_process_run(one_process_moe, got, world, layout, True)
+
+
+def _assert_one_process_run(ref: dict, got: list[dict], world: int, layout: dict, aliased: bool) -> None:
+    """The ranks' run (`_grpo_on_ranks`) sampled as `aliased` says and trained `ref`'s policy."""
     assert ref["shared"] and not got[0]["shared"]  # shards: no whole model shared with the engine
-    # tp alone: the engine's shards are the policy's (tests/train/test_grpo_tp_shared.py); with dp_shard a copy
+    # tp: one engine over the tp group's shards, the policy's own (tests/train/test_grpo_tp_shared.py) or, with
+    # dp_shard, gathered over dp_shard into this rank's tp shard; dp_shard alone: a whole copy
     assert all(rank["spans_tp"] == aliased for rank in got)
+    assert all((rank["engine_numel"] < ref["engine_numel"]) == aliased for rank in got)  # a tp shard, not whole
     # the 12 prompts of the run: each dp rank samples its rows; tp peers every tp-th of them, or, when one
     # engine spans them, each is handed all of its rows (rank 0 drives the engine for them all)
     tp = 2 if "parallel.tp" in layout else 1

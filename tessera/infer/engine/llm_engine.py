@@ -158,8 +158,12 @@ class LLMEngine:
     def from_group_shard(cls, model: Transformer, config: EngineConfig, tokenizer, eos_ids, group) -> LLMEngine:
         """Serve `model`, this rank's tensor-parallel shard (plain tensors, `runner.tp_shared.alias_shards`),
         on rank 0 of the running process `group`, whose other ranks call `tp_shared.serve_group_steps`
-        meanwhile; `close()` releases them (config.tensor_parallel_size is the group's size)."""
-        return cls._serving(TensorParallelExecutor(GroupPeers(group), model, config), config, tokenizer, eos_ids)
+        meanwhile; `close()` releases them (config.tensor_parallel_size is the group's size). A failure
+        while building releases them too, with one STOP: the executor's close once it exists, else here."""
+        peers = GroupPeers(group)
+        with closed_on_error(peers.stop):
+            executor = TensorParallelExecutor(peers, model, config)
+        return cls._serving(executor, config, tokenizer, eos_ids)
 
     @classmethod
     def _serving_vision_language(cls, model: VisionLanguageModel, config: EngineConfig, tokenizer, eos_ids,

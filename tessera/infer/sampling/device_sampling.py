@@ -36,21 +36,39 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors: the same bits as `_mix32` (read as unsigned), at half the memory
+    traffic of int64. Products wrap to their low 32 bits; each right shift is masked to be logical
+    (int32's is arithmetic); the second constant is written as the int32 of the same bits."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * (0x846CA68B - (1 << 32))
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit values held in int64 [0, 2^32) as the int32 of the same bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
 def uniform_noise(seeds_B: torch.Tensor, counters_B: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] fp32 uniforms in (0, 1), a pure function of (seed, counter, token index)."""
+    """[B, V] fp32 uniforms in (0, 1), a pure function of (seed, counter, token index). The per-row keys
+    and per-token hashes are mixed in int64; their [B, V] mix, the bulk of the work, in int32."""
     key = _mix32(_mix32(seeds_B >> 32) ^ (seeds_B & _MASK32))
     key = _mix32(key ^ _mix32(counters_B + 0x9E3779B9))  # [B]
     v = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
-    return unit_interval(_mix32(key[:, None] ^ _mix32(v[None, :] * 0x27D4EB2F + 0x165667B1)))  # [B, V]
+    token = _mix32(v * 0x27D4EB2F + 0x165667B1)  # [V]
+    return unit_interval(_mix32_int32(_as_int32(key)[:, None] ^ _as_int32(token)[None, :]))  # [B, V]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """32-bit values (int64) as fp32 in (0, 1), never 0 or 1: the top 23 bits and a half, so that every
-    value is exact in fp32's 24-bit mantissa. (With 24 bits, (2^24 - 1 + 0.5) / 2^24 rounds to 1.0:
-    -log(u) = 0 then makes the race of `sample_on_device` infinite for an allowed token, or NaN for a
-    masked one, which argmax picks: once in 2^24 draws per token, so most sampled steps of a large
-    vocabulary had a token chosen at random.)"""
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    """32-bit values (int64 in [0, 2^32), or int32 of the same bits) as fp32 in (0, 1), never 0 or 1:
+    the top 23 bits and a half, so that every value is exact in fp32's 24-bit mantissa. (With 24 bits,
+    (2^24 - 1 + 0.5) / 2^24 rounds to 1.0: -log(u) = 0 then makes the race of `sample_on_device`
+    infinite for an allowed token, or NaN for a masked one, which argmax picks: once in 2^24 draws per
+    token, so most sampled steps of a large vocabulary had a token chosen at random.)"""
+    return (((bits >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
