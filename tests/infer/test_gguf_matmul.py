@@ -2,7 +2,8 @@
 (csrc/gguf_matmul_cpu.cpp, infer/cpu/gguf_matmul.py): for every block type it serves, the product by
 the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int16
 rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
-the same bits on AVX2 and in the portable loops, on one thread and two, a row alone or among others;
+the same bits on AVX2 and in the portable loops (for one row of x, two, and nine), on one thread and
+two, a row alone or among others;
 and GgufLinear taking it only where it is installed and serves."""
 
 from __future__ import annotations
@@ -75,10 +76,13 @@ def test_product_equals_the_dequantized_weights_within_the_int16_rounding(kind, 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_avx2_and_portable_loops_give_the_same_bits(kind):
+@pytest.mark.parametrize("M", [1, 2, 9])  # one row of x, two, and past a group of four
+def test_avx2_and_portable_loops_give_the_same_bits(kind, M):
     K, N = cols_of(kind), 21
-    raw, x, bias = blocks(kind, N, K, seed=4), torch.randn(9, K), torch.randn(N)
-    assert torch.equal(gguf_linear(x, raw, kind, N, bias), gguf_linear(x, raw, kind, N, bias, portable=True))
+    raw, x, bias = blocks(kind, N, K, seed=4), torch.randn(M, K), torch.randn(N)
+    y = gguf_linear(x, raw, kind, N, bias)
+    assert torch.equal(y, gguf_linear(x, raw, kind, N, bias, portable=True))
+    assert torch.equal(y, torch.cat([gguf_linear(x[i:i + 1], raw, kind, N, bias) for i in range(M)]))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])

@@ -21,7 +21,9 @@ that stalls the next (build.py). Where it cannot be built (no C++ compiler, no n
 why once and attends with the PyTorch ops, which compute the same thing; `TESSERA_CPU_ATTENTION=torch`
 chooses them outright. Both are tested against each other and against keys read slot by slot
 (tests/infer/test_ragged_attention.py).
-Full-precision caches only (fp32, bf16, fp16): an int8 cache takes the PyTorch path.
+An int8 cache (`kv_cache_dtype="int8"`) is read as it lies too: a decode row's products take the int8
+keys and values with their per-(token, head) scales, widened in registers, never a dequantized copy of
+its blocks (the C++ file's comment).
 
 The same library (`torch.ops.tessera_cpu`) holds the one-pass layer kernels (infer/cpu/layer_ops.py) and
 the panel kernel for projections (infer/cpu/linear.py); `library_available()` says whether it can serve
@@ -110,14 +112,15 @@ def library_available() -> bool:
 
 def serves(kv: PagedKVCache) -> bool:
     """Whether the kernel serves every row of a step over cache `kv` (queries in the cache's dtype):
-    a full-precision cache on CPU, a kernel that builds, no `TESSERA_CPU_ATTENTION=torch`."""
-    return not kv.int8 and bool(kv.k) and usable(kv.k[0], kv.k[0])
+    a cache on CPU (full precision, or int8), a kernel that builds, no `TESSERA_CPU_ATTENTION=torch`."""
+    return bool(kv.k) and usable(kv.k[0], torch.empty(0, dtype=kv.dtype))
 
 
 def usable(kv_store: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the kernel serves a layer whose cache tensor is `kv_store` for queries `q` (read at
+    """Whether the kernel serves a layer whose cache tensor is `kv_store` (the queries' dtype, or int8)
+    for queries `q` (read at
     every call, so `TESSERA_CPU_ATTENTION=torch` set in a running process takes effect at once)."""
     if os.environ.get(ENV, "").lower() == "torch":
         return False
-    return (kv_store.device.type == "cpu" and kv_store.dtype == q.dtype
-            and kv_store.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernel() is not None)
+    return (kv_store.device.type == "cpu" and kv_store.dtype in (q.dtype, torch.int8)
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernel() is not None)

@@ -7,9 +7,9 @@ it copies and attends over the longest context N times. With contexts of 32-640 
 about twice the bytes a step needs, and the fresh tensors of each layer's gather cost more again
 (an allocator that returns large blocks to the kernel pays page faults on every reuse).
 
-Here, on CPU: a full-precision cache is read in place by a C++ kernel, one call per layer
-(`infer/cpu/attention.py`), for the short queries and, when the kernel serves the step, its prompt chunks
-too. Without it (an int8 cache, or where the kernel cannot be built) the blocks of
+Here, on CPU: the cache (full precision, or int8 with its scales) is read in place by a C++ kernel, one
+call per layer (`infer/cpu/attention.py`), for the short queries and, when the kernel serves the step, its
+prompt chunks too. Without it (where the kernel cannot be built, or is turned off) the blocks of
 every row's context are gathered once per layer with one `index_select` into a buffer kept by the
 cache (`PagedKVCache.gather_flat`), back to back; each row then runs SDPA over its own slice of it,
 starting at the first key its window lets any of its queries see. A one-token query needs no mask;
@@ -89,10 +89,11 @@ class RaggedContexts:
         sliding windows, not chunks, and takes no attention sinks (gpt-oss): a chunked layer, or one
         with sinks, attends here in Python."""
         chunked = isinstance(window, ChunkedWindow)
-        if (sinks is None and not kv.int8 and not chunked and q_THD.stride(-1) == 1
+        if (sinks is None and not chunked and q_THD.stride(-1) == 1
                 and cpu_attention.usable(kv.k[layer_id], q_THD)):
+            scales = (kv.k_scale[layer_id], kv.v_scale[layer_id]) if kv.int8 else (None, None)
             cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
-                                   self.block_size, scale, window or 0)
+                                   self.block_size, scale, window or 0, *scales)
             return
         k_flat, v_flat = kv.gather_flat(layer_id, self.block_index, q_THD.dtype)  # [slots, G, D]
         gqa = q_THD.shape[1] != k_flat.shape[1]

@@ -7,9 +7,12 @@ of its blocks.
 
 With `int8=True` keys and values are stored as int8 with one fp32 scale per (slot, head):
 x ~= q * s, s = max|x| / 127 over the head dim (symmetric absmax quantisation). Memory per
-token drops to about a quarter of fp32 (half of bf16); attention reads dequantised values.
-A prefill chunk that starts at position 0 attends to its own keys before they are stored, so only
-later reads see the rounding (see paged_attention.py).
+token and head is D + 4 bytes against 4 D for fp32 (2 D for bf16): (D + 4) / 4 D, 0.27 at D = 64,
+about a quarter (a half of bf16). On CPU with the C++ kernel (infer/cpu/attention.py) every row of a
+step, prompt chunks included, reads the int8 values and their scales in place, so every read sees the
+rounding, whether or not its prefix came from the cache; elsewhere (`gather_blocks`, `gather_flat`)
+attention reads dequantised values, and a prefill chunk that starts at position 0 attends to its own
+keys before they are stored, so only later reads see the rounding (see paged_attention.py).
 
 `release` gives the stores' memory back and `reclaim` allocates it again (the engine's sleep and
 wake, between the rollout phases of a GRPO run that trains in the same process).

@@ -20,7 +20,9 @@
 // ((a1+a5)+(a3+a7)), then + the ninth, then + bias. The AVX2 path (weights widened to int16, madd, hadd;
 // chosen at run time with __builtin_cpu_supports) and the portable loops compute those same operations, so
 // they agree bit for bit, and so do any thread counts (threads split the output columns). Rows of x
-// go four at a time over each weight row, which is unpacked once per four rows.
+// go four at a time over each weight row, which is unpacked once per four rows. One weight row per
+// pass: taking four per pass for a single row of x (its activations loaded once for the four) took
+// 1.02-1.14x the CPU time of one (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
 // No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
 // Besides the GGML types, two of Tessera's own (I8, I4: fp32 factors per 32 values, below), into
 // which its int8 / int4 and compressed-tensors layers are repacked at load.
@@ -360,6 +362,22 @@ TESSERA_AVX2_TARGET inline void vec_widen(__m256i w, __m256i& lo, __m256i& hi) {
   hi = SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
 }
 
+// The 32 weights of sub-block j as int16 (values 0..15 in lo, 16..31 in hi). Q4_0 and Q4_1 widen their 16
+// bytes once and take the nibbles apart in int16 lanes: one shuffle where the bytes' way takes four
+// (shuffles, not arithmetic, bound this loop: a 1536 x 576 Q4_1 product by one row took 0.75x the CPU
+// time), the same values.
+template <class T>
+TESSERA_AVX2_TARGET inline void vec_weights(const uint8_t* blk, int j, __m256i& lo, __m256i& hi) {
+  if constexpr (std::is_same_v<T, Q4_0> || std::is_same_v<T, Q4_1>) {
+    const int at = std::is_same_v<T, Q4_0> ? 2 : 4;
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at)));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+    hi = _mm256_srli_epi16(v, 4);
+  } else {
+    vec_widen<T::SIGNED>(vec_values<T>(blk, j), lo, hi);
+  }
+}
+
 // The eight four-input sums of w . q (exact int32), lane l over inputs LANE[l] .. LANE[l] + 3.
 TESSERA_AVX2_TARGET inline __m256i vec_dot(__m256i w_lo, __m256i w_hi, const int16_t* q) {
   const __m256i p = _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
@@ -380,7 +398,7 @@ TESSERA_AVX2_TARGET void dot_rows_avx2(const uint8_t* row, const Activations& a,
     const uint8_t* blk = row + (b / SUBS) * T::BYTES;
     const int j = static_cast<int>(b % SUBS);
     __m256i w_lo, w_hi;
-    vec_widen<T::SIGNED>(vec_values<T>(blk, j), w_lo, w_hi);
+    vec_weights<T>(blk, j, w_lo, w_hi);
     const Factors f = T::factors(blk, j);
     const __m256 lohi = std::is_same_v<T, Q6_K> ? _mm256_setr_ps(f.lo, f.lo, f.hi, f.hi, f.lo, f.lo, f.hi, f.hi)  // as LANE
                                                 : _mm256_set1_ps(f.lo);  // (lo == hi)

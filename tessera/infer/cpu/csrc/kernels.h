@@ -13,7 +13,8 @@ namespace tessera_cpu {
 // paged_attention_cpu.cpp
 void paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& rows, const at::Tensor& blocks, int64_t block_size, double scale,
-                     int64_t window);
+                     int64_t window, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, bool portable);
 
 // layer_ops_cpu.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps);

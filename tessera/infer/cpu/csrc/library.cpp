@@ -6,7 +6,7 @@
 
 TORCH_LIBRARY(tessera_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor blocks, "
-        "int block_size, float scale, int window) -> ()");
+        "int block_size, float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None, bool portable=False) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");

@@ -33,8 +33,18 @@
 // fp32 with head dims a multiple of 8 (of 64 for a short row's values, of 16 for a long row's) takes
 // AVX2 loops where the build has AVX2 and FMA; everything else the portable loops, which compute the
 // same sums.
+// An int8 cache (PagedKVCache with int8=True: k = k_scale * kq per (slot, head), the same for v) is read
+// as it lies: a short row's score of key j is k_scale[j] * (q . kq[j]), the int8 lanes widened to fp32
+// in registers, and its values are weighed as sum_j (p[j] * v_scale[j]) * vq[j]; no block is
+// dequantized into memory. A long row copies the keys and values its queries see into its fp32 tile
+// buffers as every type does, multiplied by their scales there (a prompt chunk reads each key many
+// times, so the copy is paid once for all of them). Those int8 products run AVX2 loops chosen at run
+// time (__builtin_cpu_supports) or portable loops of the same operations in the same order (`portable`,
+// which tests use), so both give the same bits; the result is attention over the dequantized cache
+// to fp32 rounding.
 // Shapes: q [T, H, Dk], out [T, H, Dv] (last dim contiguous), k_cache [slots, G, Dk], v_cache
-// [slots, G, Dv] (contiguous); H a multiple of G (grouped-query attention).
+// [slots, G, Dv] (contiguous), k_scale [slots, G] and v_scale [slots, G] fp32 for an int8 cache; H a
+// multiple of G (grouped-query attention).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -49,6 +59,12 @@
 
 #include "kernels.h"
 #include "vec_math.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TESSERA_INT8_X86 1
+#define TESSERA_INT8_AVX2 __attribute__((target("avx2,fma")))
+#endif
 
 namespace {
 
@@ -69,6 +85,90 @@ template <typename scalar_t>
 inline void axpy(float w, const scalar_t* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += w * static_cast<float>(x[i]);
+}
+
+// An int8 cache's products, two ways that give the same bits: q . k with eight fp32 lanes (lane l takes
+// d = l mod 8 of the first Dk / 8 * 8 inputs, fma in order), summed ((l0 + l4) + (l2 + l6)) + ((l1 + l5)
+// + (l3 + l7)) as the AVX2 horizontal sum does, then the last Dk % 8 inputs by fma in order; and
+// acc[d] = fma(w[j], v[j][d], acc[d]) over the keys j in order, for every d.
+inline float dot_i8_portable(const float* q, const int8_t* k, int64_t n) {
+  float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int l = 0; l < 8; ++l) a[l] = std::fma(q[d + l], static_cast<float>(k[d + l]), a[l]);
+  float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  for (; d < n; ++d) s = std::fma(q[d], static_cast<float>(k[d]), s);
+  return s;
+}
+
+inline void weigh_i8_portable(const float* w, const int8_t* const* v, int64_t n, int64_t Dv, float* acc) {
+  std::fill(acc, acc + Dv, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < Dv; ++d) acc[d] = std::fma(w[j], static_cast<float>(v[j][d]), acc[d]);
+}
+
+#ifdef TESSERA_INT8_X86
+bool int8_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+TESSERA_INT8_AVX2 inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+TESSERA_INT8_AVX2 inline float dot_i8_avx2(const float* q, const int8_t* k, int64_t n) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), widen8(k + d), a);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  float s = _mm_cvtss_f32(x);
+  for (; d < n; ++d) s = std::fma(q[d], static_cast<float>(k[d]), s);
+  return s;
+}
+
+// Dv a multiple of 8: four registers of outputs held across the keys where Dv allows, else one.
+TESSERA_INT8_AVX2 inline void weigh_i8_avx2(const float* w, const int8_t* const* v, int64_t n, int64_t Dv,
+                                            float* acc) {
+  int64_t c = 0;
+  for (; c + 32 <= Dv; c += 32) {
+    __m256 r0 = _mm256_setzero_ps(), r1 = r0, r2 = r0, r3 = r0;
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 x = _mm256_set1_ps(w[j]);
+      const int8_t* vj = v[j] + c;
+      r0 = _mm256_fmadd_ps(x, widen8(vj), r0);
+      r1 = _mm256_fmadd_ps(x, widen8(vj + 8), r1);
+      r2 = _mm256_fmadd_ps(x, widen8(vj + 16), r2);
+      r3 = _mm256_fmadd_ps(x, widen8(vj + 24), r3);
+    }
+    _mm256_storeu_ps(acc + c, r0);
+    _mm256_storeu_ps(acc + c + 8, r1);
+    _mm256_storeu_ps(acc + c + 16, r2);
+    _mm256_storeu_ps(acc + c + 24, r3);
+  }
+  for (; c < Dv; c += 8) {
+    __m256 r = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) r = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), widen8(v[j] + c), r);
+    _mm256_storeu_ps(acc + c, r);
+  }
+}
+#else
+bool int8_avx2() { return false; }
+#endif
+
+inline float dot_i8(bool vec, const float* q, const int8_t* k, int64_t n) {
+#ifdef TESSERA_INT8_X86
+  if (vec) return dot_i8_avx2(q, k, n);
+#endif
+  (void)vec;
+  return dot_i8_portable(q, k, n);
+}
+
+inline void weigh_i8(bool vec, const float* w, const int8_t* const* v, int64_t n, int64_t Dv, float* acc) {
+#ifdef TESSERA_INT8_X86
+  if (vec && Dv % 8 == 0) return weigh_i8_avx2(w, v, n, Dv, acc);
+#endif
+  (void)vec;
+  weigh_i8_portable(w, v, n, Dv, acc);
 }
 
 #ifdef TESSERA_AVX2
@@ -335,27 +435,39 @@ inline void tile_values(const float* p, int64_t nq, const float* vt, int64_t Dv,
     for (int64_t j = 0, e = seen(i, pos0, k0, nk); j < e; ++j) axpy(p[i * KT + j], vt + j * Dv, acc + i * Dv, Dv);
 }
 
-template <typename scalar_t>
+// scalar_t: the queries' and outputs' type; cache_t: the cache's (scalar_t, or int8_t with scales).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct Attention {
-  const scalar_t *qp, *kp, *vp;
+  static constexpr bool INT8 = std::is_same_v<cache_t, int8_t>;
+  const scalar_t* qp;
+  const cache_t *kp, *vp;
   scalar_t* op;
   const int64_t *rows, *blocks;
   int64_t H, Dk, G, Dv, per_group, qs0, qs1, os0, os1, bs, window;
   float scale;
+  const float *ksp = nullptr, *vsp = nullptr;  // an int8 cache's scales [slots, G]
+  bool vec = false;                             // an int8 cache's products by the AVX2 loops
 
   // The cache slot of position j of the context whose block table starts at blocks[table_at].
   int64_t slot(int64_t table_at, int64_t j) const { return blocks[table_at + j / bs] * bs + j % bs; }
 
   // kptr[j - lo] and vptr[j - lo]: where key and value j of kv head g lie, for j in [lo, L), walked
-  // block by block (one division per block, not two per key).
-  void locate(int64_t table_at, int64_t lo, int64_t L, int64_t g, const scalar_t** kptr, const scalar_t** vptr) const {
+  // block by block (one division per block, not two per key); an int8 cache's scales of key and value
+  // j into ks[j - lo] and vs[j - lo].
+  void locate(int64_t table_at, int64_t lo, int64_t L, int64_t g, const cache_t** kptr, const cache_t** vptr,
+              float* ks = nullptr, float* vs = nullptr) const {
     for (int64_t j = lo; j < L;) {
       const int64_t end = std::min(L, (j / bs + 1) * bs), at = slot(table_at, j);
-      const scalar_t* k = kp + (at * G + g) * Dk;
-      const scalar_t* v = vp + (at * G + g) * Dv;
-      for (; j < end; ++j, k += G * Dk, v += G * Dv) {
+      const cache_t* k = kp + (at * G + g) * Dk;
+      const cache_t* v = vp + (at * G + g) * Dv;
+      int64_t si = at * G + g;
+      for (; j < end; ++j, k += G * Dk, v += G * Dv, si += G) {
         kptr[j - lo] = k;
         vptr[j - lo] = v;
+        if constexpr (INT8) {
+          ks[j - lo] = ksp[si];
+          vs[j - lo] = vsp[si];
+        }
       }
     }
   }
@@ -382,8 +494,8 @@ struct Attention {
       table_at = a.rows[4 * r + 3];
       j = a.first_key(L - a.rows[4 * r + 1]);
       line = 0;
-      kl = (a.Dk * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
-      vl = (a.Dv * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+      kl = (a.Dk * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
+      vl = (a.Dv * static_cast<int64_t>(sizeof(cache_t)) + 63) / 64;
       if (j < L) seek();
       return (L - j) * (kl + vl);
     }
@@ -397,8 +509,8 @@ struct Attention {
             if (j % at->bs == 0) {
               seek();
             } else {
-              k += at->G * at->Dk * static_cast<int64_t>(sizeof(scalar_t));
-              v += at->G * at->Dv * static_cast<int64_t>(sizeof(scalar_t));
+              k += at->G * at->Dk * static_cast<int64_t>(sizeof(cache_t));
+              v += at->G * at->Dv * static_cast<int64_t>(sizeof(cache_t));
             }
           }
         }
@@ -412,8 +524,8 @@ struct Attention {
   struct ShortBuffers {
     Prefetch next;
     int64_t pf_per_chunk = 0;  // lines of the next unit to request per chunk of PF_KEYS keys scored
-    std::vector<float> qf, scores, acc;
-    std::vector<const scalar_t*> kptr, vptr;
+    std::vector<float> qf, scores, acc, ks, vs, w;  // ks, vs, w: an int8 cache's scales and value weights
+    std::vector<const cache_t*> kptr, vptr;
   };
 
 #ifdef TESSERA_AVX2
@@ -481,7 +593,12 @@ struct Attention {
     b.acc.resize(Dv);
     b.kptr.resize(n_keys);
     b.vptr.resize(n_keys);
-    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data());
+    if constexpr (INT8) {
+      b.ks.resize(n_keys);
+      b.vs.resize(n_keys);
+      b.w.resize(n_keys);
+    }
+    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data(), b.ks.data(), b.vs.data());
     b.scores.resize(n_keys);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t a = first_key(L - S + s) - lo, n = L - S + s + 1 - first_key(L - S + s);
@@ -491,7 +608,12 @@ struct Attention {
         for (int64_t d = 0; d < Dk; ++d) b.qf[d] = static_cast<float>(src[d]) * scale;
         float* sc = b.scores.data();
         for (int64_t c = 0; c < n; c += PF_KEYS) {
-          score_keys(b.qf.data(), b.kptr.data() + a + c, std::min(PF_KEYS, n - c), Dk, sc + c);
+          if constexpr (INT8) {
+            for (int64_t j = c, e = std::min(n, c + PF_KEYS); j < e; ++j)
+              sc[j] = b.ks[a + j] * dot_i8(vec, b.qf.data(), b.kptr[a + j], Dk);
+          } else {
+            score_keys(b.qf.data(), b.kptr.data() + a + c, std::min(PF_KEYS, n - c), Dk, sc + c);
+          }
           b.next.step(b.pf_per_chunk);
         }
         const float m = max_of(sc, n);
@@ -499,7 +621,12 @@ struct Attention {
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-        weigh_values(sc, b.vptr.data() + a, n, Dv, b.acc.data());
+        if constexpr (INT8) {
+          for (int64_t j = 0; j < n; ++j) b.w[j] = sc[j] * b.vs[a + j];
+          weigh_i8(vec, b.w.data(), b.vptr.data() + a, n, Dv, b.acc.data());
+        } else {
+          weigh_values(sc, b.vptr.data() + a, n, Dv, b.acc.data());
+        }
         scalar_t* dst = op + (q_row + s) * os0 + head * os1;
         for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<scalar_t>(b.acc[d]);
       }
@@ -509,14 +636,14 @@ struct Attention {
   // Whether short rows take short_row_group (fp32 with AVX2, Dk a multiple of 8, Dv of 32).
   bool grouped() const {
 #ifdef TESSERA_AVX2
-    if constexpr (std::is_same_v<scalar_t, float>) return Dk % 8 == 0 && Dv % 32 == 0;
+    if constexpr (std::is_same_v<scalar_t, float> && !INT8) return Dk % 8 == 0 && Dv % 32 == 0;
 #endif
     return false;
   }
 
   void short_row_dispatch(int64_t r, int64_t g, ShortBuffers& b) const {
 #ifdef TESSERA_AVX2
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (std::is_same_v<scalar_t, float> && !INT8) {
       if (grouped()) return short_row_group(r, g, b);
     }
 #endif
@@ -524,8 +651,8 @@ struct Attention {
   }
 
   struct TileBuffers {
-    std::vector<float> qf, kt, vt, sc, acc, m, l;
-    std::vector<const scalar_t*> kptr, vptr;
+    std::vector<float> qf, kt, vt, sc, acc, m, l, ks, vs;
+    std::vector<const cache_t*> kptr, vptr;
   };
 
   // Every query of row r for head `head`, flash-attention style: the keys any of them sees are
@@ -541,13 +668,22 @@ struct Attention {
     b.vt.resize(ld * Dv);
     b.kptr.resize(n_keys);
     b.vptr.resize(n_keys);
-    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data());
+    if constexpr (INT8) {
+      b.ks.resize(n_keys);
+      b.vs.resize(n_keys);
+    }
+    locate(table_at, lo, L, g, b.kptr.data(), b.vptr.data(), b.ks.data(), b.vs.data());
     for (int64_t j = 0; j < ld; ++j) {  // zeros past the last key: products of KT keys at a time
       if (j < n_keys) {
-        const scalar_t* k = b.kptr[j];
-        const scalar_t* v = b.vptr[j];
-        for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = static_cast<float>(k[d]);
-        for (int64_t d = 0; d < Dv; ++d) b.vt[j * Dv + d] = static_cast<float>(v[d]);
+        const cache_t* k = b.kptr[j];
+        const cache_t* v = b.vptr[j];
+        float fk = 1.f, fv = 1.f;  // an int8 cache's scales (the other types' values as they are)
+        if constexpr (INT8) {
+          fk = b.ks[j];
+          fv = b.vs[j];
+        }
+        for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = static_cast<float>(k[d]) * fk;
+        for (int64_t d = 0; d < Dv; ++d) b.vt[j * Dv + d] = static_cast<float>(v[d]) * fv;
       } else {
         for (int64_t d = 0; d < Dk; ++d) b.kt[(j / KT * Dk + d) * KT + j % KT] = 0.f;
         std::fill(b.vt.begin() + j * Dv, b.vt.begin() + (j + 1) * Dv, 0.f);
@@ -602,13 +738,14 @@ struct Attention {
   }
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const int64_t* rows, const int64_t* blocks, int64_t R, int64_t bs, double scale, int64_t window) {
-  Attention<scalar_t> a{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                        out.data_ptr<scalar_t>(), rows, blocks, q.size(1), q.size(2), k_cache.size(1),
-                        v_cache.size(2), q.size(1) / k_cache.size(1), q.stride(0), q.stride(1), out.stride(0),
-                        out.stride(1), bs, window, static_cast<float>(scale)};
+            const int64_t* rows, const int64_t* blocks, int64_t R, int64_t bs, double scale, int64_t window,
+            const float* k_scale = nullptr, const float* v_scale = nullptr, bool vec = false) {
+  Attention<scalar_t, cache_t> a{q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+                                 out.data_ptr<scalar_t>(), rows, blocks, q.size(1), q.size(2), k_cache.size(1),
+                                 v_cache.size(2), q.size(1) / k_cache.size(1), q.stride(0), q.stride(1), out.stride(0),
+                                 out.stride(1), bs, window, static_cast<float>(scale), k_scale, v_scale, vec};
   // The work: (row, kv head) for a short row, (row, query head) for a long one.
   struct Unit { int64_t r, head, cost; };  // head: the kv head of a short row, the query head of a long one
   std::vector<Unit> longs, shorts;
@@ -634,14 +771,14 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
     std::atomic<int64_t> taken{0};
     const int64_t n = static_cast<int64_t>(longs.size());
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-      typename Attention<scalar_t>::TileBuffers tb;
+      typename Attention<scalar_t, cache_t>::TileBuffers tb;
       for (int64_t w = taken.fetch_add(1); w < n; w = taken.fetch_add(1)) a.long_row(longs[w].r, longs[w].head, tb);
     });
   }
   // Short units split evenly in order, so that each thread knows the unit it does next and can
   // request that unit's keys and values while it computes this one.
   at::parallel_for(0, static_cast<int64_t>(shorts.size()), 1, [&](int64_t begin, int64_t end) {
-    typename Attention<scalar_t>::ShortBuffers sb;
+    typename Attention<scalar_t, cache_t>::ShortBuffers sb;
     for (int64_t w = begin; w < end; ++w) {
       const Unit& u = shorts[w];
       sb.pf_per_chunk = 0;  // step(0) requests nothing
@@ -662,18 +799,37 @@ void attend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
 
 void tessera_cpu::paged_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& blocks,
-                                  int64_t block_size, double scale, int64_t window) {
+                                  int64_t block_size, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                  bool portable) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "expected 3-d tensors");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous last dimension");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache tensors must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(), "q, out and the cache must share one dtype");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8 || q.scalar_type() == k_cache.scalar_type()),
+              "q, out and the cache must share one dtype (or the cache be int8)");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "an int8 cache, and only one, takes scales");
+  if (int8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1),
+                  "an int8 cache's scales: fp32 [slots, heads], contiguous");
+  }
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of the cache's heads");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && out.size(2) == v_cache.size(2), "head dims differ");
   TORCH_CHECK(rows.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong && rows.is_contiguous() &&
                   blocks.is_contiguous() && rows.dim() == 2 && rows.size(1) == 4, "rows [R, 4] and blocks: int64");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* bp = blocks.data_ptr<int64_t>();
+  if (int8) {
+    const bool vec = !portable && int8_avx2();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_int8", [&] {
+      attend<scalar_t, int8_t>(q, out, k_cache, v_cache, rp, bp, rows.size(0), block_size, scale, window,
+                               k_scale->data_ptr<float>(), v_scale->data_ptr<float>(), vec);
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(q, out, k_cache, v_cache, rp, bp, rows.size(0), block_size, scale, window);
   });
