@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.mxfp4 import Mxfp4Tensors
-from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_names_in, hf_parts
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -61,6 +61,7 @@ class HFSliceReader:
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
+        self.names = hf_names_in(cfg, set(self.files.keys()))
         # MXFP4 pairs (gpt-oss's experts, mxfp4.py) stand in for their plain tensors, dequantized on read
         self.mxfp4 = Mxfp4Tensors(self.files.keys(), lambda k, o, n: self._slice(k, o, n, codes=True))
         self.packed = {k: self.files.files.pop(k) for pair in self.mxfp4.pairs.values() for k in pair}

@@ -46,7 +46,9 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, hk, bias=False)
         self.k_proj = nn.Linear(cfg.dim, hk, bias=False)
         self.v_proj = nn.Linear(cfg.dim, hk, bias=False)
-        self.conv1d = nn.Conv1d(3 * hk, 3 * hk, la.conv_width, groups=3 * hk, bias=False)
+        self.q_conv1d = nn.Conv1d(hk, hk, la.conv_width, groups=hk, bias=False)
+        self.k_conv1d = nn.Conv1d(hk, hk, la.conv_width, groups=hk, bias=False)
+        self.v_conv1d = nn.Conv1d(hk, hk, la.conv_width, groups=hk, bias=False)
         self.f_a_proj = nn.Linear(cfg.dim, K, bias=False)
         self.f_b_proj = nn.Linear(K, hk, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(hk))
@@ -68,7 +70,8 @@ class KimiDeltaAttention(nn.Module):
         B, S, _ = x_BSD.shape
         K = self.head_dim
         mixed = torch.cat([self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)], dim=-1)
-        conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
+        conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        conv_w = self.own_part("conv", conv)
         mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
         q, k, v = (t.reshape(B, S, -1, K) for t in mixed.transpose(1, 2).chunk(3, dim=-1))
         gate = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.dt_bias.float()
