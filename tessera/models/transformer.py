@@ -156,7 +156,8 @@ def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
 def token_mixer(cfg: ModelConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet (or Kimi delta
     attention, model.linear_attention.kind) on a hybrid model's linear-attention layers
-    (tessera/models/linear_attention), multi-head latent attention (DeepSeek), else softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
+    (tessera/models/linear_attention), multi-head latent attention (DeepSeek), else softmax
+    attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
     if cfg.is_linear_attention_layer(layer_id):
         return (KimiDeltaAttention if cfg.linear_attention.kind == "kda" else GatedDeltaNet)(cfg, layer_id)
     return (MultiHeadLatentAttention if cfg.mla is not None else Attention)(cfg, layer_id)
