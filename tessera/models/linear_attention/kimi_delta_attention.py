@@ -13,6 +13,11 @@ The tensors keep HuggingFace's names and shapes (A_log is [1, 1, H, 1]). The rec
 cache protocols, the serving engine's packed step and the `sequence` seam are Gated DeltaNet's
 (`DeltaNetState`: the convolution's last inputs over 3 H K channels, the delta state [H, K, K]);
 so is `forward`. Prompts and training run the chunked form, a single new token the recurrent one.
+Under tensor parallelism each rank runs whole heads: q_proj, k_proj, v_proj, f_b_proj, g_b_proj and
+b_proj cut by output rows, o_proj by input columns; the low-rank gates' first halves (f_a_proj,
+g_a_proj) stay whole. The tensors all heads share a dimension of (the three convolutions as one
+[q | k | v] tensor, dt_bias per channel, A_log per head, the norm's weight shared by all heads) are
+read through `own_part` ("conv", "dt_bias", "A_log" flattened to [H], "norm"), as Gated DeltaNet's are.
 Shapes: B batch, S sequence, D model dim, H heads, K head dim.
 """
 
@@ -74,8 +79,8 @@ class KimiDeltaAttention(nn.Module):
         conv_w = self.own_part("conv", conv)
         mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
         q, k, v = (t.reshape(B, S, -1, K) for t in mixed.transpose(1, 2).chunk(3, dim=-1))
-        gate = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.dt_bias.float()
-        A = self.A_log.float().exp().reshape(1, 1, -1, 1)
+        gate = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.own_part("dt_bias", self.dt_bias).float()
+        A = self.own_part("A_log", self.A_log.view(-1)).float().exp().view(1, 1, -1, 1)
         g = -A * F.softplus(gate.view(B, S, -1, K))  # [B, S, H, K]
         beta = self.b_proj(x_BSD).sigmoid()
         recurrent = S == 1 if recurrent is None else recurrent
@@ -83,6 +88,6 @@ class KimiDeltaAttention(nn.Module):
         kwargs = {} if recurrent else {"chunk": self.chunk}
         out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
         out_gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, K)
-        out = sigmoid_gated_rms_norm(out, out_gate, self.o_norm.weight, self.o_norm.eps)
+        out = sigmoid_gated_rms_norm(out, out_gate, self.own_part("norm", self.o_norm.weight), self.o_norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.o_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)
