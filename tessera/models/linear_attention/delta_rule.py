@@ -22,8 +22,9 @@ c_i = g_1 + ... + g_i and the matrix A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i
 Kimi delta attention (KDA) decays each key channel of the state by its own rate: g_t [K] per
 head instead of one number, exp(g_t) scaling the state's rows. Both forms take either: a log-decay
 [B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
-of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay
-(a [C, C, K] term per chunk, computed a few chunks at a time to bound its memory).
+of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay:
+`decayed_products`, a product per sub-block through its last row's decay and the diagonal sub-blocks
+whole (computed a few chunks at a time to bound their memory).
 
 Both compute in fp32 and return the output in the input's dtype with the fp32 final state.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv width.
@@ -34,8 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# fp32 elements of the [C, C, K] decay term computed at once when the decay is per channel
+# fp32 elements of the [C, SUB_BLOCK, K] decay terms computed at once when the decay is per channel
 PER_CHANNEL_TERMS = 1 << 24
+SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (decayed_products)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -110,7 +112,7 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
     q, k, v = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v))
     g, beta = g.reshape(B, H, N, C, *g.shape[3:]), beta.reshape(B, H, N, C)
     # chunks whose own terms are computed together: all of them for a per-head decay, few per channel
-    slab = max(1, PER_CHANNEL_TERMS // (B * H * C * C * K)) if per_channel else N
+    slab = max(1, PER_CHANNEL_TERMS // (B * H * C * SUB_BLOCK * K)) if per_channel else N
     out = q.new_empty(B, H, N, C, V)
     for first in range(0, N, slab):
         part = slice(first, first + slab)
@@ -139,6 +141,30 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """M [..., C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, from a [..., C, K]
+    (leading dimensions broadcast with b's: several a at once share the decays), b and a cumulative
+    log-decay c [..., C, K] that falls along C. Sub-blocks of SUB_BLOCK columns: below a column block
+    J, exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j) with r J's last row, both factors <= 1 (no
+    overflow however strong the decay), so the block is one product; on the diagonal blocks the
+    [SUB, SUB, K] decays are taken whole."""
+    C = a.shape[-2]
+    out = a.new_zeros(*a.shape[:-1], C)
+    for start in range(0, C, SUB_BLOCK):
+        stop = min(start + SUB_BLOCK, C)
+        a_d, b_d, c_d = a[..., start:stop, :], b[..., start:stop, :], c[..., start:stop, :]
+        if stop < C:
+            r = c[..., stop - 1:stop, :]
+            left = a[..., stop:, :] * (c[..., stop:, :] - r).exp()
+            out[..., stop:, start:stop] = left @ (b_d * (r - c_d).exp()).transpose(-1, -2)
+        n = stop - start
+        below = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+        decay = (c_d[..., :, None, :] - c_d[..., None, :, :]).masked_fill(~below[..., None], float("-inf")).exp()
+        # row i: (b_j exp(c_i - c_j))_j [n, K] times a_i [K]
+        out[..., start:stop, start:stop] = ((b_d[..., None, :, :] * decay) @ a_d[..., :, :, None]).squeeze(-1)
+    return out
+
+
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
     """What each chunk [B, H, N, C, .] needs of itself (module docstring's notation): U and W (the
     writes as U - W S0), the decayed scores q_i.k_j (j <= i), q_i exp(c_i), k_j exp(c_C - c_j) and
@@ -154,10 +180,7 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         c = c[..., None]  # [B, H, N, C, 1]
     else:  # one per key channel: each channel's decay inside the sums over K
         c = g.cumsum(dim=-2)  # [B, H, N, C, K]
-        diff = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(~before[..., None], float("-inf"))
-        decay_ijk = diff.exp()  # [B, H, N, C, C, K]
-        A = torch.einsum("...ik,...jk,...ijk->...ij", kb, k, decay_ijk)
-        scores = torch.einsum("...ik,...jk,...ijk->...ij", q, k, decay_ijk)
+        A, scores = decayed_products(torch.stack([kb, q]), k, c)  # A's diagonal: dropped by tril(-1) below
     T = unit_lower_inverse(A.tril(-1))
     U = T @ (v * beta[..., None])
     W = T @ (kb * c.exp())
