@@ -7,7 +7,8 @@ One Qwen3-Next-80B-A3B Gated DeltaNet layer's core (`--heads` value heads of key
 `chunked_delta_rule` (chunks of `--chunk`) and `recurrent_delta_rule` (token by token) on the same
 random inputs, the two alternated `--rounds` times, each side's median kept; tokens/s of each, their
 ratio (issue 50's target: chunked >= 5x recurrent at 8k tokens) and the largest difference between
-their outputs. Writes one JSON object to stdout.
+their outputs. `--per-channel`: Kimi delta attention's decay, one per key channel (Kimi-Linear-48B-A3B's
+layer: 32 heads of 128, the defaults) instead of one per head. Writes one JSON object to stdout.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--per-channel", action="store_true", help="a decay per key channel (Kimi delta attention)")
     args = p.parse_args(argv)
 
     import torch
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     S, H, D = args.tokens, args.heads, args.head_dim
     q, k, v = (torch.randn(1, S, H, D, generator=gen) for _ in range(3))
-    g = -torch.rand(1, S, H, generator=gen) * 0.1
+    g = -torch.rand(1, S, H, *((D,) if args.per_channel else ()), generator=gen) * 0.1
     beta = torch.rand(1, S, H, generator=gen)
     times: dict[str, list[float]] = {"chunked": [], "recurrent": []}
     outputs = {}
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - start)
     tps = {name: S / statistics.median(t) for name, t in times.items()}
     print(json.dumps({"tokens": S, "heads": H, "head_dim": D, "chunk": args.chunk, "threads": args.threads,
+                      "decay": "per channel" if args.per_channel else "per head",
                       "tokens_per_s": {n: round(x, 1) for n, x in tps.items()},
                       "chunked_over_recurrent": round(tps["chunked"] / tps["recurrent"], 2),
                       "max_abs_diff": float((outputs["chunked"] - outputs["recurrent"]).abs().max())}))

@@ -9,7 +9,10 @@ sequence of `--context` tokens in bf16 blocks of 16. Counted as the engine count
 `RecurrentStatePool` built on the meta device, so nothing is really allocated, their bytes summed):
 the hybrid's KV blocks plus its state slot against the all-attention model's KV blocks, and the
 hybrid as counted before its linear-attention layers stopped getting KV stores. Issue 50's target:
-hybrid <= 0.3x. Writes one JSON object to stdout.
+hybrid <= 0.3x. `--model kimi-linear-48b-a3b`: Kimi Linear's preset instead (27 layers, latent
+attention on 7 storing 32 heads' decompressed keys of 192 and values of 128 as the engine does; Kimi
+delta attention on the others: 32 heads of 128, convolution width 4) against it with latent attention
+in every layer. Writes one JSON object to stdout.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def qwen3_next_80b(hybrid: bool):
     la = LinearAttentionConfig(layers=[i for i in range(48) if i % 4 != 3]) if hybrid else None
     return dataclasses.replace(get_preset("tiny-qwen3-next"), n_layers=48, dim=2048, n_heads=16, n_kv_heads=2,
                                head_dim=256, max_seq_len=262144, linear_attention=la)
+
+
+def kimi_linear_48b(hybrid: bool):
+    from tessera.config import get_preset
+
+    cfg = get_preset("kimi-linear-48b-a3b")
+    return cfg if hybrid else dataclasses.replace(cfg, linear_attention=None, nope_layers=list(range(cfg.n_layers)))
+
+
+MODELS = {"qwen3-next-80b-a3b": qwen3_next_80b, "kimi-linear-48b-a3b": kimi_linear_48b}
 
 
 def measure(cfg, context: int, block: int) -> dict:
@@ -56,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-next-80b-a3b")
     args = p.parse_args(argv)
-    hybrid = measure(qwen3_next_80b(True), args.context, args.block_size)
-    full = measure(qwen3_next_80b(False), args.context, args.block_size)
+    hybrid = measure(MODELS[args.model](True), args.context, args.block_size)
+    full = measure(MODELS[args.model](False), args.context, args.block_size)
     before = full["kv_bytes"] + hybrid["state_bytes"]  # every layer's KV counted, and the state slot
-    print(json.dumps({"context": args.context, "hybrid": hybrid, "all_attention": full,
+    print(json.dumps({"model": args.model, "context": args.context, "hybrid": hybrid, "all_attention": full,
                       "hybrid_over_all_attention": hybrid["total_bytes"] / full["total_bytes"],
                       "before_over_all_attention": before / full["total_bytes"]}, indent=1))
     return 0

@@ -133,7 +133,8 @@ class MLAConfig:
 class LinearAttentionConfig:
     """Gated DeltaNet layers of a hybrid decoder (Qwen3-Next; tessera/models/linear_attention): the
     layers that run it instead of softmax attention, and its shapes. Each key head serves
-    n_value_heads / n_key_heads value heads."""
+    n_value_heads / n_key_heads value heads. `kind` "kda": Kimi delta attention instead (a decay per
+    key channel; as many value heads as key heads, of the same size)."""
 
     layers: list[int] = field(default_factory=list)  # layer indices whose mixer is Gated DeltaNet
     n_key_heads: int = 16
@@ -145,6 +146,7 @@ class LinearAttentionConfig:
     # how the input projections are laid out: "grouped" (Qwen3-Next: in_proj_qkvz and in_proj_ba, per
     # key-head group) or "split" (Qwen3.5: in_proj_qkv as [q | k | v], in_proj_z, in_proj_b, in_proj_a); the family's
     projections: str = "grouped"
+    kind: str = "gated_deltanet"  # or "kda" (Kimi Linear: tessera/models/linear_attention/kimi_delta_attention.py)
 
 
 @dataclass
@@ -293,9 +295,8 @@ class ModelConfig:
             require(_finite(value) and value > 0, f"model.{key}", value, "must be a finite number > 0")
         require(self.sliding_window is None or 0 < self.sliding_window <= MAX_SEQ_LEN, "model.sliding_window",
                 self.sliding_window, f"must be None or an integer in 1..{MAX_SEQ_LEN:,}")
-        require(_layer_list(self.nope_layers, self.n_layers) and (self.mla is None or not self.nope_layers),
-            "model.nope_layers", self.nope_layers,
-            f"must be a list of distinct layer indices in 0..{self.n_layers - 1} (none with MLA, whose RoPE is split)")
+        require(_layer_list(self.nope_layers, self.n_layers), "model.nope_layers", self.nope_layers,
+                f"must be a list of distinct layer indices in 0..{self.n_layers - 1}")
         require(self.window_layers is None or (self.sliding_window is not None and _layer_list(
             self.window_layers, self.n_layers)), "model.window_layers", self.window_layers,
             f"must be None (the window on every layer) or, with a sliding_window, distinct layer indices in "
@@ -369,8 +370,9 @@ class ModelConfig:
                 f"must be in {m.qk_rope_head_dim}..{MAX_HEAD_DIM:,} (its first qk_rope_head_dim dims are rotated)")
 
     def _check_linear_attention(self, la: LinearAttentionConfig) -> None:
-        require(_layer_list(la.layers, self.n_layers) and self.mla is None, "model.linear_attention.layers",
-                la.layers, f"must be distinct layer indices in 0..{self.n_layers - 1} (and no model.mla)")
+        require(_layer_list(la.layers, self.n_layers) and (self.mla is None or la.kind == "kda"),
+                "model.linear_attention.layers", la.layers,
+                f"must be distinct layer indices in 0..{self.n_layers - 1} (and no model.mla but with kind kda)")
         for key, top in (("n_key_heads", MAX_HEADS), ("n_value_heads", MAX_HEADS), ("key_head_dim", MAX_HEAD_DIM),
                          ("value_head_dim", MAX_HEAD_DIM), ("conv_width", 64), ("chunk_size", MAX_SEQ_LEN)):
             require(0 < getattr(la, key) <= top, f"model.linear_attention.{key}", getattr(la, key),
@@ -380,6 +382,11 @@ class ModelConfig:
         require(la.conv_width >= 2, "model.linear_attention.conv_width", la.conv_width, "must be at least 2")
         require(la.projections in ("grouped", "split"), "model.linear_attention.projections", la.projections,
                 "must be grouped (Qwen3-Next) or split (Qwen3.5)")
+        require(la.kind in ("gated_deltanet", "kda"), "model.linear_attention.kind", la.kind,
+                "must be gated_deltanet (Qwen3-Next, Qwen3.5) or kda (Kimi Linear)")
+        require(la.kind != "kda" or (la.n_value_heads == la.n_key_heads and la.value_head_dim == la.key_head_dim),
+                "model.linear_attention.kind", la.kind, f"kda needs n_value_heads = n_key_heads and value_head_dim = "
+                f"key_head_dim (they are {la.n_value_heads}, {la.n_key_heads}, {la.value_head_dim}, {la.key_head_dim})")
 
     @staticmethod
     def _check_moe_router(e: MoEConfig) -> None:

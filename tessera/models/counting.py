@@ -13,8 +13,13 @@ from tessera.config.model import ModelConfig
 
 def linear_attention_params(cfg: ModelConfig) -> int:
     """A Gated DeltaNet mixer (linear_attention/gated_deltanet.py): its projections in (q, k, v, z;
-    b, a) and out, the depthwise convolution, A_log and dt_bias per value head, the gated norm."""
+    b, a) and out, the depthwise convolution, A_log and dt_bias per value head, the gated norm; or a
+    Kimi delta attention mixer's (kimi_delta_attention.py), dt_bias per channel."""
     la, h = cfg.linear_attention, cfg.dim
+    if la.kind == "kda":  # Kimi delta attention: q, k, v, o; b; the low-rank forget gate and output gate
+        hk, k = la.n_key_heads * la.key_head_dim, la.key_head_dim
+        return 4 * h * hk + h * la.n_key_heads + 2 * (h * k + k * hk) + 3 * hk * la.conv_width + hk + \
+            la.n_key_heads + k
     keys, values = la.n_key_heads * la.key_head_dim, la.n_value_heads * la.value_head_dim
     projections = h * (2 * keys + 2 * values) + h * 2 * la.n_value_heads + values * h
     return projections + (2 * keys + values) * la.conv_width + 2 * la.n_value_heads + la.value_head_dim

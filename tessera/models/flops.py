@@ -44,6 +44,8 @@ def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
     if layer is not None and cfg.is_linear_attention_layer(layer):
         la = cfg.linear_attention
         keys, values = la.n_key_heads * la.key_head_dim, la.n_value_heads * la.value_head_dim
+        if la.kind == "kda":  # q, k, v, o, b, and the two low-rank gates through K
+            return cfg.dim * (4 * keys + la.n_key_heads + 2 * la.key_head_dim) + 2 * la.key_head_dim * keys
         return cfg.dim * (2 * keys + 2 * values + 2 * la.n_value_heads + values)
     n = attention_params(cfg)
     if cfg.mla is not None:

@@ -3,7 +3,9 @@
 Keys and values are decompressed from one low-rank latent c_kv = RMSNorm(W_dkv x) shared by all
 heads; queries optionally from a low-rank latent too. Position enters only through a decoupled
 part: q_rope per head and one k_rope shared by all heads, rotated by RoPE; the rest (q_nope,
-k_nope) carries no position. Score = (q_nope . k_nope + q_rope . k_rope) * scale.
+k_nope) carries no position. A layer of `model.nope_layers` rotates neither (Kimi Linear's MLA
+layers: no positional encoding at all, the recurrent layers carry position).
+Score = (q_nope . k_nope + q_rope . k_rope) * scale.
 The one k_rope is a seam, `share_rope_key` (a `RopeKeyShare`), like the attention core: every
 head uses it, so its gradient is the sum over all heads. On one process autograd sums over them
 already (`all_heads_here`); when tensor parallelism spreads the heads over ranks
@@ -43,6 +45,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.kv_rank = m.kv_lora_rank
         self.interleaved = m.rope_interleave
+        self.rotary = layer_id not in cfg.nope_layers  # False: q_rope and k_rope pass unrotated (Kimi Linear)
         qk = self.nope + self.rope
         if m.q_lora_rank is None:
             self.wq = nn.Linear(cfg.dim, cfg.n_heads * qk, bias=False)
@@ -69,8 +72,10 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = kv_a.split([self.kv_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, -1, self.nope + self.v_dim)  # [B, S, H, N+V]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
-        k_rope = apply_rope(self.share_rope_key(k_rope).unsqueeze(2), cos, sin, self.interleaved)  # [B, S, 1, R]
+        k_rope = self.share_rope_key(k_rope).unsqueeze(2)  # [B, S, 1, R]
+        if self.rotary:
+            q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
+            k_rope = apply_rope(k_rope, cos, sin, self.interleaved)
         H = q_nope.shape[2]
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, N+R]
         k = torch.cat((k_nope, k_rope.expand(B, S, H, self.rope)), dim=-1).transpose(1, 2)

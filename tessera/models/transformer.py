@@ -42,6 +42,7 @@ from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.model_input import ModelInput
@@ -154,12 +155,13 @@ def _normed(norm: RMSNorm | None, x_BSD: torch.Tensor) -> torch.Tensor:
 
 
 def token_mixer(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet on a hybrid model's
-    linear-attention layers (tessera/models/linear_attention), multi-head latent attention
-    (DeepSeek; over the keys a lightning indexer picks with `mla.index_topk`, DeepSeek-V3.2), else
-    softmax attention. Each takes (x, cos, sin, cache) and returns [B, S, D]."""
+    """Layer `layer_id`'s token mixer, the block's `attention`: Gated DeltaNet (or Kimi delta
+    attention, model.linear_attention.kind) on a hybrid model's linear-attention layers
+    (tessera/models/linear_attention), multi-head latent attention (DeepSeek; over the keys a
+    lightning indexer picks with `mla.index_topk`, DeepSeek-V3.2), else softmax attention. Each
+    takes (x, cos, sin, cache) and returns [B, S, D]."""
     if cfg.is_linear_attention_layer(layer_id):
-        return GatedDeltaNet(cfg, layer_id)
+        return (KimiDeltaAttention if cfg.linear_attention.kind == "kda" else GatedDeltaNet)(cfg, layer_id)
     if cfg.mla is not None and cfg.mla.index_topk is not None:
         return SparseLatentAttention(cfg, layer_id)
     return (MultiHeadLatentAttention if cfg.mla is not None else Attention)(cfg, layer_id)

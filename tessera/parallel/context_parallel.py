@@ -56,6 +56,7 @@ from tessera.config.errors import ParallelError
 from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, Window, causal_attention, sliding_window_mask
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.models.mtp import TokenSequence
@@ -226,7 +227,7 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
-        elif isinstance(module, GatedDeltaNet):
+        elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention)):
             module.sequence = ChunkHidden(group, rank, dims.cp, dims.cp_layout)
         elif isinstance(module, MoE):
             module.router.reduce_over_tokens = MicroBatchTokenReducer(group)

@@ -67,6 +67,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.parallel.collectives import copy_to_group
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
@@ -147,7 +148,7 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
     mla = isinstance(block.attention, MultiHeadLatentAttention)
-    deltanet = isinstance(block.attention, GatedDeltaNet)
+    deltanet = isinstance(block.attention, (GatedDeltaNet, KimiDeltaAttention))
     plan: dict[str, ParallelStyle] = _mla_plan(block.attention, stream) if mla else _deltanet_plan(
         block.attention, stream) if deltanet else {
         "attention.wq": Colwise(),
@@ -193,7 +194,11 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
 
 def _deltanet_plan(attention: GatedDeltaNet, stream: Placement) -> dict[str, ParallelStyle]:
     """Gated DeltaNet: its projections cut by key-head groups (grouped layout) or value heads (split
-    layout: in_proj_qkv stays whole, read by this rank's rows through `DeltaNetRankPart`)."""
+    layout: in_proj_qkv stays whole, read by this rank's rows through `DeltaNetRankPart`); Kimi delta
+    attention's by heads (its module docstring)."""
+    if isinstance(attention, KimiDeltaAttention):
+        cut = ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj")
+        return {f"attention.{n}": Colwise() for n in cut} | {"attention.o_proj": Rowwise(output_layouts=stream)}
     cut = ("in_proj_z", "in_proj_b", "in_proj_a") if attention.split else ("in_proj_qkvz", "in_proj_ba")
     return {f"attention.{n}": Colwise() for n in cut} | {"attention.out_proj": Rowwise(output_layouts=stream)}
 
@@ -248,6 +253,26 @@ class DeltaNetRankPart:
         return t if name in ("norm", "input") else t[self.heads]
 
 
+class KdaRankPart(DeltaNetRankPart):
+    """Kimi delta attention's `own_part` under tp: this rank's heads' channels of the [q | k | v]
+    convolution and of dt_bias, its heads' A_log, the norm's weight whole (`DeltaNetRankPart`'s
+    gradient sum over tp on each)."""
+
+    def __init__(self, layer: KimiDeltaAttention, group: ProcessGroup):
+        tp, rank = group.size(), group.rank()
+        channels, heads = layer.q_proj.weight.shape[0] // tp, layer.heads // tp
+        self.group = group
+        self.conv = torch.cat([torch.arange(start + rank * channels, start + (rank + 1) * channels)
+                               for start in (0, tp * channels, 2 * tp * channels)])
+        self.heads = slice(rank * heads, (rank + 1) * heads)
+        self.channels = slice(rank * channels, (rank + 1) * channels)
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name == "dt_bias":
+            return copy_to_group(t, self.group)[self.channels]
+        return super().__call__(name, t)
+
+
 class VocabParallelTiedHead:
     """The model's `tied_head` under tp: logits of this rank's vocabulary slice from the
     embedding's own weight (a DTensor sharded on the vocabulary, the one the vocab-parallel
@@ -299,6 +324,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
         if isinstance(block.attention, GatedDeltaNet):
             block.attention.own_part = DeltaNetRankPart(block.attention, tp_mesh.get_group())
+        if isinstance(block.attention, KimiDeltaAttention):
+            block.attention.own_part = KdaRankPart(block.attention, tp_mesh.get_group())
     if mtp:
         model.token_loss = vocab_parallel_loss_sum
     if mtp and sp:

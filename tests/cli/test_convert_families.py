@@ -19,6 +19,7 @@ OWN = {"smollm3": ("no_rope_layers",), "olmo3": ("layer_types", "sliding_window"
        "phi3": ("sliding_window", "original_max_position_embeddings", "partial_rotary_factor"),
        "gemma3_text": ("layer_types", "sliding_window", "query_pre_attn_scalar")}
 OWN["qwen3_5_text"] = OWN["qwen3_5_moe_text"] = ("layer_types",)
+OWN["kimi_linear"] = ("layer_types", "mlp_layer_types")
 OWN["seed_oss"] = ("attention_bias", "attention_out_bias", "head_dim")
 OWN["exaone4"] = ("layer_types", "sliding_window")
 OWN["llama4_text"] = ("no_rope_layers", "layer_types", "moe_layers", "attention_chunk_size", "use_qk_norm")

@@ -1,4 +1,5 @@
-"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention) served by the paged
+"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention; Kimi Linear: Kimi delta
+attention beside latent attention without RoPE, for the batching and preemption cases) served by the paged
 engine, each running sequence's recurrent state in its own slot (infer/scheduling/recurrent_state.py):
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
@@ -46,10 +47,21 @@ def hybrid(tmp_path_factory):
     return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def test_requests_joining_while_others_decode_equal_transformers(hybrid, monkeypatch):
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """A random transformers Kimi Linear (delta attention on layers 0, 2, 3; MLA on 1 and 4; MoE from
+    layer 1) and its greedy completions of PROMPTS."""
+    path = tmp_path_factory.mktemp("kimi") / "hf"
+    hf = random_hf_model(hf_configs()["kimi_linear"], seed=3, std=0.2)
+    hf.save_pretrained(path)
+    return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("model", ["hybrid", "kimi"])
+def test_requests_joining_while_others_decode_equal_transformers(model, request, monkeypatch):
     """Requests arrive one step apart under a budget of 8 tokens: prompt chunks of later ones run in
     the same steps as earlier ones' decodes, each sequence from its own slot."""
-    path, _, want = hybrid
+    path, _, want = request.getfixturevalue(model)
     steps = []
     init = RecurrentStep.__init__
 
@@ -78,8 +90,9 @@ def test_requests_joining_while_others_decode_equal_transformers(hybrid, monkeyp
     assert not slots.owner and sorted(slots.free) == list(range(4))  # every slot given back
 
 
-def test_preemption_recomputes_the_state_to_the_same_tokens(hybrid):
-    path, _, want = hybrid
+@pytest.mark.parametrize("model", ["hybrid", "kimi"])
+def test_preemption_recomputes_the_state_to_the_same_tokens(model, request):
+    path, _, want = request.getfixturevalue(model)
     llm = LLM(path, block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.metrics.preemptions > 0
@@ -155,6 +168,14 @@ def test_state_slots_are_paid_out_of_the_kv_budget():
     got = cache_geometry(cfg, config).num_blocks
     assert got == budget // per_block < int(0.0005 * 2**30) // per_block
     assert got // 4 == budget // (4 * per_block)  # n_layers / n_attention = 4 times the blocks of every layer storing
+
+
+def test_a_kimi_delta_state_slot_holds_its_three_convolution_windows_and_a_state_per_head():
+    cfg = get_preset("tiny-kimi-linear")  # layers 0-2 delta attention (2 heads of 16), layer 3 latent attention
+    assert bytes_per_slot(cfg, torch.float32) == 3 * (4 * 3 * 2 * 16 * 3 + 2 * 16 * 16 * 4)
+    pool = RecurrentStatePool(cfg, 2, torch.float32)
+    assert pool.conv[0].shape == (2, 3 * 2 * 16, 3) and pool.delta[2].shape == (2, 2, 16, 16)
+    assert kv_layers(cfg) == [3]
 
 
 def test_the_kv_cache_holds_keys_and_values_of_the_attention_layers_only(hybrid):

@@ -78,6 +78,15 @@ def hf_configs() -> dict[str, object]:
                                              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
                                                               "original_max_position_embeddings": 32, "beta_fast": 32,
                                                               "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}),
+        "kimi_linear": tf.KimiLinearConfig(**{**COMMON, "num_hidden_layers": 5, "num_key_value_heads": 4},
+                                           moe_intermediate_size=16, num_local_experts=6, num_experts_per_tok=2,
+                                           n_shared_experts=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                                           qk_rope_head_dim=4, v_head_dim=12, linear_num_heads=3, linear_head_dim=6,
+                                           linear_conv_kernel_dim=3, routed_scaling_factor=2.5, n_group=2,
+                                           topk_group=1, pad_token_id=None, bos_token_id=0, eos_token_id=1,
+                                           layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                        "linear_attention", "full_attention"],
+                                           mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"]),
         "glm4_moe": tf.Glm4MoeConfig(**{**COMMON, "head_dim": 12}, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, rope_theta=5000.0),  # noqa: E501
         "gpt_oss": tf.GptOssConfig(**{**COMMON, "head_dim": 12, "intermediate_size": 20}, num_local_experts=5, num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=0.5, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 5000.0}),  # noqa: E501
         "deepseek_v3_no_qlora": tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=16,

@@ -107,8 +107,10 @@ def test_gradients_flow_through_the_chunked_form():
     assert x.grad.abs().sum() > 0
 
 
-def test_the_bench_times_two_forms_with_equal_outputs():
-    """bench/gated_deltanet.py (docs/benchmarks.md) on a small case: both forms timed, outputs equal."""
+@pytest.mark.parametrize("decay", [[], ["--per-channel"]], ids=["per-head", "per-channel"])
+def test_the_bench_times_two_forms_with_equal_outputs(decay):
+    """bench/gated_deltanet.py (docs/benchmarks.md) on a small case: both forms timed, outputs equal
+    (also with Kimi delta attention's per-channel decay)."""
     import json
     import os
     import subprocess
@@ -119,9 +121,10 @@ def test_the_bench_times_two_forms_with_equal_outputs():
 
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, str(root / "bench" / "gated_deltanet.py"), "--tokens", "150", "--heads", "2",
-                          "--head-dim", "8", "--chunk", "16", "--threads", "1", "--rounds", "1"], cwd=root,
+                          "--head-dim", "8", "--chunk", "16", "--threads", "1", "--rounds", "1", *decay], cwd=root,
                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout)
     assert result["max_abs_diff"] < 1e-5 and min(result["tokens_per_s"].values()) > 0
+    assert result["decay"] == ("per channel" if decay else "per head")

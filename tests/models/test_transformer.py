@@ -14,7 +14,7 @@ SHAPES = {"olmo2-like": dict(family="olmo2", block_norms="post", qk_norm=True, q
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe", "tiny-deepseek", "tiny-qwen3-next", "tiny-qwen3.5",
-                                  *SHAPES])
+                                  "tiny-kimi-linear", *SHAPES])
 def test_forward_shapes_and_param_count(name):
     cfg = get_preset("tiny-llama", **SHAPES[name]) if name in SHAPES else get_preset(name)
     model = Transformer(cfg)
@@ -52,6 +52,8 @@ def test_published_parameter_counts():
         assert round(count_params(get_preset(name), active=True) / 1e9) == 17
     assert round(count_params(get_preset("qwen3-next-80b-a3b")) / 1e9, 1) == 79.7  # 80B total, 3B active
     assert round(count_params(get_preset("qwen3-next-80b-a3b"), active=True) / 1e9, 1) == 3.9
+    assert round(count_params(get_preset("kimi-linear-48b-a3b")) / 1e9, 1) == 49.1  # Kimi Linear: 48B, 3B active
+    assert round(count_params(get_preset("kimi-linear-48b-a3b"), active=True) / 1e9, 1) == 3.5  # 2.7 + embeddings
     assert count_params(get_preset("phi3-mini-4k")) == 3_821_079_552  # Phi-3-mini: 3.82B; Phi-4-mini: 3.84B
     assert round(count_params(get_preset("phi4-mini")) / 1e9, 2) == 3.84
     assert count_params(get_preset("gemma3-1b")) == 999_885_952  # Gemma 3 1B; the text models of 4B, 12B, 27B

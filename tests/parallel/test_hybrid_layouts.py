@@ -59,7 +59,22 @@ def test_qwen3_5_moe_matches_one_process(parallel, micro):
     assert_same_step(got[0], reference_step("tiny-qwen3.5-moe", micro, short))
 
 
-def _cp_rank(cp_method: str) -> dict:
+@pytest.mark.parametrize("parallel,micro", [
+    (dict(dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1), (dict(tp=2, sp=True, dp_shard=1), 1)],
+    ids=["fsdp2", "tp2", "tp2-sp"])
+def test_kimi_linear_matches_one_process(parallel, micro):
+    """Kimi Linear (Kimi delta attention, MLA without RoPE, shared experts): under tp each rank runs
+    one of the two delta-attention heads (its q, k, v, gate rows; its conv channels, dt_bias and A_log
+    through the seam) and half the MLA heads."""
+    got = run_ranks(layout_step, 2, "tiny-kimi-linear", parallel, config_overrides=_short("tiny-kimi-linear"))
+    assert_same_step(got[0], reference_step("tiny-kimi-linear", micro, _short("tiny-kimi-linear")))
+
+
+def _short(preset: str) -> dict:
+    return {"linear_attention": dataclasses.replace(get_preset(preset).linear_attention, chunk_size=4)}
+
+
+def _cp_rank(cp_method: str, preset: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -69,7 +84,7 @@ def _cp_rank(cp_method: str) -> dict:
     from tessera.parallel.sequence_layout import rank_positions
     from tests.parallel.training_step import full_tensors
 
-    cfg = get_preset("tiny-qwen3-next", **SHORT_CHUNKS)
+    cfg = get_preset(preset, **_short(preset))
     pcfg = ParallelConfig(cp=2, dp_shard=1, cp_method=cp_method)
     dims = ParallelDims.from_config(pcfg, dist.get_world_size())
     dims.validate(cfg, dims.world_size, seq_len=16)
@@ -90,19 +105,22 @@ def _cp_batch(vocab: int):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cp_method", ["alltoall", "ring"], ids=["cp2-contiguous", "cp2-ring-zigzag"])
-def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method):
+@pytest.mark.parametrize("cp_method,preset", [("alltoall", "tiny-qwen3-next"), ("ring", "tiny-qwen3-next"),
+                                               ("alltoall", "tiny-kimi-linear")],
+                         ids=["cp2-contiguous", "cp2-ring-zigzag", "kimi-linear-cp2-contiguous"])
+def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset):
     """Logits position by position, the ranks' auxiliary losses and the gradients of a cp=2 forward
-    and backward (the DeltaNet layers over the gathered whole sequence) equal one process's."""
+    and backward (the DeltaNet or Kimi delta attention layers over the gathered whole sequence) equal
+    one process's."""
     import torch
 
     from tessera.models import Transformer
 
-    model = Transformer(get_preset("tiny-qwen3-next", **SHORT_CHUNKS), init_seed=0)
+    model = Transformer(get_preset(preset, **_short(preset)), init_seed=0)
     tokens, upstream = _cp_batch(model.cfg.vocab_size)
     ref = model(tokens)
     (torch.sum(ref.logits * upstream) + ref.aux_loss).backward()
-    got = run_ranks(_cp_rank, 2, cp_method)
+    got = run_ranks(_cp_rank, 2, cp_method, preset)
     logits = torch.empty_like(ref.logits)
     for r in got:
         logits[:, r["positions"]] = r["logits"]

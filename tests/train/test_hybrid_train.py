@@ -1,5 +1,6 @@
-"""Training a hybrid model (Qwen3-Next: Gated DeltaNet layers, gated attention, routed experts) with
-the training loop on one process: the loss falls over a few steps on real text, with sequences of
+"""Training a hybrid model (Qwen3-Next: Gated DeltaNet layers, gated attention, routed experts; Kimi
+Linear: Kimi delta attention, latent attention without RoPE, shared experts) with the training loop on
+one process: the loss falls over a few steps on real text, with sequences of
 several DeltaNet chunks, and the checkpoint it writes exports to a HuggingFace directory that
 transformers runs with Tessera's logits."""
 
@@ -26,9 +27,10 @@ data: {kind: pretrain}
 """
 
 
-def test_hybrid_model_trains_and_exports(small_dataset, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_hybrid_model_trains_and_exports(preset, small_dataset, tmp_path):
     transformers = pytest.importorskip("transformers")
-    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    (tmp_path / "cfg.yaml").write_text(CONFIG.replace("tiny-qwen3-next", preset))
     overrides = [o for o in shrink(small_dataset, tmp_path / "run", 8) if not o.startswith(("model.", "checkpoint."))]
     overrides += ["model.max_seq_len=64", "checkpoint.interval=8"]
     result = Trainer(load_config(str(tmp_path / "cfg.yaml"), overrides)).train()

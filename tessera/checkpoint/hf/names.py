@@ -32,6 +32,12 @@ def hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
     return REGISTRY[cfg.family].tensor_names(cfg)
 
 
+def hf_names_in(cfg: ModelConfig, stored: set[str]) -> dict[str, list[str]]:
+    """`hf_names` as a directory holding the keys `stored` spells them (a family whose files come
+    in more than one spelling picks the one there: `Family.names_in_files`)."""
+    return REGISTRY[cfg.family].names_in_files(cfg, hf_names(cfg), stored)
+
+
 def hf_parts(cfg: ModelConfig) -> dict[str, TensorPart]:
     """Tessera key -> its part of a fused HuggingFace tensor (Llama 4's experts), where it is one."""
     return REGISTRY[cfg.family].tensor_parts(cfg)

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 
 from tessera.checkpoint.hf.files import SafetensorsDir
 from tessera.checkpoint.hf.mxfp4 import Mxfp4Tensors
-from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_parts, hf_unpacked
+from tessera.checkpoint.hf.names import hf_fused_rows, hf_names, hf_names_in, hf_parts, hf_unpacked
 from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
@@ -62,6 +62,7 @@ class HFSliceReader:
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
+        self.names = hf_names_in(cfg, set(self.files.keys()))
         for key, unpacked in hf_unpacked(cfg).items():  # stored one tensor per expert (Qwen3.5 MoE's own save)
             if self.names[key][0] not in self.files.files and unpacked[0] in self.files.files:
                 self.names[key] = unpacked

@@ -265,6 +265,11 @@ class Family:
         leaves unread too (none for most families)."""
         return False
 
+    def names_in_files(self, cfg, names: dict[str, list[str]], stored: set[str]) -> dict[str, list[str]]:
+        """`tensor_names` as a directory holding the HuggingFace keys `stored` spells them, where a
+        family's files come in more than one spelling (Kimi Linear's dense MLPs); most have one."""
+        return names
+
     def check_mtp_exportable(self, cfg) -> None:
         """Only a family whose HuggingFace layout names multi-token-prediction layers exports them."""
         if cfg.mtp_depth:

@@ -1,4 +1,5 @@
 """Linear-attention token mixers of hybrid decoders (a fixed-size recurrent state per sequence
 instead of a growing key/value cache): `delta_rule.py` holds the gated delta rule's chunked and
-recurrent forms and the short causal convolution, `gated_deltanet.py` the Gated DeltaNet layer
-(Qwen3-Next) built on them."""
+recurrent forms (a decay per head or per key channel) and the short causal convolution,
+`gated_deltanet.py` the Gated DeltaNet layer (Qwen3-Next, Qwen3.5) and `kimi_delta_attention.py`
+Kimi delta attention (Kimi Linear), both built on them."""

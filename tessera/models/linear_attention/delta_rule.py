@@ -19,6 +19,13 @@ c_i = g_1 + ... + g_i and the matrix A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i
     o_i = exp(c_i) q_i S0 + sum_{j <= i} exp(c_i - c_j) (q_i.k_j) delta_j
     S_C = exp(c_C) S0 + sum_j exp(c_C - c_j) k_j delta_j^T,        T = (I + A)^-1
 
+Kimi delta attention (KDA) decays each key channel of the state by its own rate: g_t [K] per
+head instead of one number, exp(g_t) scaling the state's rows. Both forms take either: a log-decay
+[B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
+of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay:
+`decayed_products`, a product per sub-block through its last row's decay and the diagonal sub-blocks
+whole (computed a few chunks at a time to bound their memory).
+
 Both compute in fp32 and return the output in the input's dtype with the fp32 final state.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv width.
 """
@@ -27,6 +34,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# fp32 elements of the [C, SUB_BLOCK, K] decay terms computed at once when the decay is per channel
+PER_CHANNEL_TERMS = 1 << 24
+SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (decayed_products)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -62,14 +73,17 @@ def _initial(state: torch.Tensor | None, B: int, H: int, K: int, V: int, device:
 def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                          beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule token by token (module docstring): (output [B, S, H, V], final state)."""
+    """The gated delta rule token by token (module docstring): (output [B, S, H, V], final state).
+    `g` is [B, S, H] (one decay per head) or [B, S, H, K] (one per key channel)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     q, k, v, g, beta = _prepared(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)
     state = _initial(state_BHKV, B, H, K, V, q.device)
     out = q.new_empty(B, H, S, V)
+    per_channel = g.dim() == 4
     for t in range(S):
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        state = state * (decay[..., None] if per_channel else decay[..., None, None])
         guess = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])
         delta = (v[:, :, t] - guess) * beta[:, :, t, None]
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
@@ -90,18 +104,24 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
     state = _initial(state_BHKV, B, H, K, V, q.device)
     C = min(chunk, S)
     pad = -S % C
+    per_channel = g.dim() == 4
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+        g, beta = F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad)), F.pad(beta, (0, pad))
     N = (S + pad) // C
     q, k, v = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v))
-    U, W, scores, q_decayed, k_to_end, chunk_decay = _chunk_terms(q, k, v, g.reshape(B, H, N, C),
-                                                                  beta.reshape(B, H, N, C))
+    g, beta = g.reshape(B, H, N, C, *g.shape[3:]), beta.reshape(B, H, N, C)
+    # chunks whose own terms are computed together: all of them for a per-head decay, few per channel
+    slab = max(1, PER_CHANNEL_TERMS // (B * H * C * SUB_BLOCK * K)) if per_channel else N
     out = q.new_empty(B, H, N, C, V)
-    for n in range(N):
-        delta = U[:, :, n] - W[:, :, n] @ state  # [B, H, C, V]
-        out[:, :, n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ delta
-        state = state * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ delta
+    for first in range(0, N, slab):
+        part = slice(first, first + slab)
+        U, W, scores, q_decayed, k_to_end, chunk_decay = _chunk_terms(q[:, :, part], k[:, :, part], v[:, :, part],
+                                                                      g[:, :, part], beta[:, :, part])
+        for n in range(U.shape[2]):
+            delta = U[:, :, n] - W[:, :, n] @ state  # [B, H, C, V]
+            out[:, :, first + n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ delta
+            state = state * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ delta
     out = out.reshape(B, H, N * C, V)[:, :, :S]
     return out.transpose(1, 2).to(v_BSHV.dtype), state
 
@@ -121,18 +141,48 @@ def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """M [..., C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, from a [..., C, K]
+    (leading dimensions broadcast with b's: several a at once share the decays), b and a cumulative
+    log-decay c [..., C, K] that falls along C. Sub-blocks of SUB_BLOCK columns: below a column block
+    J, exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j) with r J's last row, both factors <= 1 (no
+    overflow however strong the decay), so the block is one product; on the diagonal blocks the
+    [SUB, SUB, K] decays are taken whole."""
+    C = a.shape[-2]
+    out = a.new_zeros(*a.shape[:-1], C)
+    for start in range(0, C, SUB_BLOCK):
+        stop = min(start + SUB_BLOCK, C)
+        a_d, b_d, c_d = a[..., start:stop, :], b[..., start:stop, :], c[..., start:stop, :]
+        if stop < C:
+            r = c[..., stop - 1:stop, :]
+            left = a[..., stop:, :] * (c[..., stop:, :] - r).exp()
+            out[..., stop:, start:stop] = left @ (b_d * (r - c_d).exp()).transpose(-1, -2)
+        n = stop - start
+        below = torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+        decay = (c_d[..., :, None, :] - c_d[..., None, :, :]).masked_fill(~below[..., None], float("-inf")).exp()
+        # row i: (b_j exp(c_i - c_j))_j [n, K] times a_i [K]
+        out[..., start:stop, start:stop] = ((b_d[..., None, :, :] * decay) @ a_d[..., :, :, None]).squeeze(-1)
+    return out
+
+
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
     """What each chunk [B, H, N, C, .] needs of itself (module docstring's notation): U and W (the
     writes as U - W S0), the decayed scores q_i.k_j (j <= i), q_i exp(c_i), k_j exp(c_C - c_j) and
-    exp(c_C) [B, H, N, 1, 1]."""
+    exp(c_C) as the state's row scale ([B, H, N, 1, 1] per head, [B, H, N, K, 1] per channel)."""
     C = q.shape[-2]
-    c = g.cumsum(dim=-1)  # [B, H, N, C]
     before = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
-    decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
     kb = k * beta[..., None]
-    T = unit_lower_inverse(((kb @ k.transpose(-1, -2)) * decay_ij).tril(-1))
+    if g.dim() == q.dim() - 1:  # one decay per head: exp(c_i - c_j) scales whole dot products
+        c = g.cumsum(dim=-1)  # [B, H, N, C]
+        decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
+        A = (kb @ k.transpose(-1, -2)) * decay_ij
+        scores = (q @ k.transpose(-1, -2)) * decay_ij
+        c = c[..., None]  # [B, H, N, C, 1]
+    else:  # one per key channel: each channel's decay inside the sums over K
+        c = g.cumsum(dim=-2)  # [B, H, N, C, K]
+        A, scores = decayed_products(torch.stack([kb, q]), k, c)  # A's diagonal: dropped by tril(-1) below
+    T = unit_lower_inverse(A.tril(-1))
     U = T @ (v * beta[..., None])
-    W = T @ (kb * c.exp()[..., None])
-    scores = (q @ k.transpose(-1, -2)) * decay_ij
-    last = c[..., -1:]  # [B, H, N, 1]
-    return U, W, scores, q * c.exp()[..., None], k * (last - c).exp()[..., None], last.exp()[..., None]
+    W = T @ (kb * c.exp())
+    last = c[..., -1:, :]  # [B, H, N, 1, 1 or K]
+    return U, W, scores, q * c.exp(), k * (last - c).exp(), last.exp().transpose(-1, -2)
