@@ -143,6 +143,23 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class Mamba2Config:
+    """Mamba-2 (SSD) mixers of a hybrid decoder (Nemotron-H; tessera/models/linear_attention/mamba2.py)
+    on the layers `ModelConfig.layer_types` marks "mamba": their heads and state. n_groups groups of
+    n_heads / n_groups consecutive heads share one pair of input-dependent B, C maps."""
+
+    n_heads: int = 128
+    head_dim: int = 64
+    state_size: int = 128
+    n_groups: int = 8
+    conv_width: int = 4  # taps of the short causal convolution on x, B, C
+    conv_bias: bool = True
+    proj_bias: bool = False  # biases on in_proj and out_proj
+    dt_min: float = 0.001  # the step size's lower clamp (transformers' time_step_limit)
+    chunk_size: int = 128  # tokens per chunk of the chunked (training and prompt) form
+
+
+@dataclass
 class ModelConfig:
     """Shape of a decoder-only language model. Defaults are a LLaMA-style 7B-ish block."""
 
@@ -206,6 +223,7 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3
     linear_attention: LinearAttentionConfig | None = None  # hybrid: Gated DeltaNet on its layers (Qwen3-Next)
     attention_output_gate: bool = False  # Qwen3-Next: wq also projects a gate, output *= sigmoid(gate)
+    mamba: Mamba2Config | None = None  # hybrid: Mamba-2 on the layers layer_types marks "mamba" (Nemotron-H)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -214,6 +232,8 @@ class ModelConfig:
             self.mla = MLAConfig(**self.mla)
         if isinstance(self.linear_attention, dict):
             self.linear_attention = LinearAttentionConfig(**self.linear_attention)
+        if isinstance(self.mamba, dict):
+            self.mamba = Mamba2Config(**self.mamba)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None and self.n_heads > 0:
@@ -261,6 +281,8 @@ class ModelConfig:
             self._check_moe_experts(self.moe)
         if self.linear_attention is not None:
             self._check_linear_attention(self.linear_attention)
+        if self.mamba is not None:
+            self._check_mamba(self.mamba)
 
     def _check_family(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
@@ -368,6 +390,17 @@ class ModelConfig:
                 "must be grouped (Qwen3-Next) or split (Qwen3.5)")
 
     @staticmethod
+    def _check_mamba(m: Mamba2Config) -> None:
+        for key, top in (("n_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM), ("state_size", MAX_HEAD_DIM),
+                         ("conv_width", 64), ("chunk_size", MAX_SEQ_LEN)):
+            require(0 < getattr(m, key) <= top, f"model.mamba.{key}", getattr(m, key),
+                    f"must be an integer in 1..{top:,}")
+        require(0 < m.n_groups and m.n_heads % m.n_groups == 0, "model.mamba.n_groups", m.n_groups,
+                f"must divide n_heads={m.n_heads}")
+        require(m.conv_width >= 2, "model.mamba.conv_width", m.conv_width, "must be at least 2")
+        require(_finite(m.dt_min) and m.dt_min >= 0, "model.mamba.dt_min", m.dt_min, "must be a finite number >= 0")
+
+    @staticmethod
     def _check_moe_router(e: MoEConfig) -> None:
         """The experts' count and how tokens are routed to them (top-k, groups, scores)."""
         require(0 < e.num_experts <= MAX_EXPERTS, "model.moe.num_experts", e.num_experts,
@@ -420,7 +453,8 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model key(s) {unknown}; allowed: {sorted(known)}")
         d = dict(d)
-        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig), ("linear_attention", LinearAttentionConfig)):
+        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig), ("linear_attention", LinearAttentionConfig),
+                         ("mamba", Mamba2Config)):
             if isinstance(d.get(key), dict):
                 sub_known = {f.name for f in dataclasses.fields(sub)}
                 bad = sorted(set(d[key]) - sub_known)

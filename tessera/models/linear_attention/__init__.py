@@ -1,4 +1,5 @@
 """Linear-attention token mixers of hybrid decoders (a fixed-size recurrent state per sequence
 instead of a growing key/value cache): `delta_rule.py` holds the gated delta rule's chunked and
 recurrent forms and the short causal convolution, `gated_deltanet.py` the Gated DeltaNet layer
-(Qwen3-Next) built on them."""
+(Qwen3-Next) built on them; `ssd.py` Mamba-2's state space duality in its chunked and recurrent forms,
+`mamba2.py` the Mamba-2 mixer (Nemotron-H) built on it and the same convolution."""
