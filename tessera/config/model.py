@@ -41,7 +41,9 @@ ROPE_SCALING_KEYS = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "longrope": ("factor", "original_max_position_embeddings"),  # and short_factor, long_factor: lists
 }
-ACTIVATIONS = ("silu", "gelu_tanh")  # ModelConfig.activation: SwiGLU, or GeGLU with tanh-approximated GELU
+# ModelConfig.activation: SwiGLU, GeGLU with tanh-approximated GELU, or an ungated MLP of relu(x)^2 (Nemotron-H)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+SUBLAYERS = ("mamba", "attention", "mlp")  # ModelConfig.sublayers' kinds
 
 
 def _layer_list(layers: Any, n_layers: int) -> bool:
@@ -223,7 +225,11 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3
     linear_attention: LinearAttentionConfig | None = None  # hybrid: Gated DeltaNet on its layers (Qwen3-Next)
     attention_output_gate: bool = False  # Qwen3-Next: wq also projects a gate, output *= sigmoid(gate)
-    mamba: Mamba2Config | None = None  # hybrid: Mamba-2 on the layers layer_types marks "mamba" (Nemotron-H)
+    mamba: Mamba2Config | None = None  # hybrid: Mamba-2 on the layers `sublayers` marks "mamba" (Nemotron-H)
+    # Nemotron-H: each layer is one sublayer after its one RMSNorm, added to the residual stream: "mamba"
+    # (model.mamba), "attention" or "mlp" (tessera/models/sublayer_block.py); None: every layer is a token
+    # mixer then an MLP
+    sublayers: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -262,6 +268,13 @@ class ModelConfig:
     def is_linear_attention_layer(self, i: int) -> bool:
         return self.linear_attention is not None and i in self.linear_attention.layers
 
+    def is_mamba_layer(self, i: int) -> bool:
+        return self.sublayers is not None and self.sublayers[i] == "mamba"
+
+    def has_attention(self, i: int) -> bool:
+        """Whether layer i attends (softmax or latent attention, with a key/value cache)."""
+        return not self.is_linear_attention_layer(i) and (self.sublayers is None or self.sublayers[i] == "attention")
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
@@ -283,6 +296,7 @@ class ModelConfig:
             self._check_linear_attention(self.linear_attention)
         if self.mamba is not None:
             self._check_mamba(self.mamba)
+        self._check_sublayers()
 
     def _check_family(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
@@ -388,6 +402,17 @@ class ModelConfig:
         require(la.conv_width >= 2, "model.linear_attention.conv_width", la.conv_width, "must be at least 2")
         require(la.projections in ("grouped", "split"), "model.linear_attention.projections", la.projections,
                 "must be grouped (Qwen3-Next) or split (Qwen3.5)")
+
+    def _check_sublayers(self) -> None:
+        kinds = self.sublayers
+        require(kinds is None or (isinstance(kinds, list) and len(kinds) == self.n_layers
+                                  and all(k in SUBLAYERS for k in kinds)), "model.sublayers", kinds,
+                f"None or a list of n_layers={self.n_layers} entries, each one of {', '.join(SUBLAYERS)}")
+        mamba = kinds is not None and "mamba" in kinds
+        require(mamba == (self.mamba is not None), "model.mamba", self.mamba,
+                "set exactly when model.sublayers has mamba layers")
+        require(kinds is None or (self.moe is None and self.mla is None and self.linear_attention is None),
+                "model.sublayers", kinds, "one sublayer per layer is built without model.moe, mla and linear_attention")
 
     @staticmethod
     def _check_mamba(m: Mamba2Config) -> None:

@@ -66,9 +66,9 @@ def test_padding_steps_write_nothing():
 
 
 def _cfg(chunk: int = 8) -> ModelConfig:
-    return ModelConfig(vocab_size=64, dim=24, n_layers=1, n_heads=2, ffn_dim=32, norm_eps=1e-5,
-                       mamba=dict(n_heads=6, head_dim=4, state_size=5, n_groups=3, conv_width=4, chunk_size=chunk,
-                                  dt_min=0.0))
+    mamba = dict(n_heads=6, head_dim=4, state_size=5, n_groups=3, conv_width=4, chunk_size=chunk, dt_min=0.0)
+    return ModelConfig(family="nemotron_h", vocab_size=64, dim=24, n_layers=1, n_heads=2, ffn_dim=32, norm_eps=1e-5,
+                       activation="relu2", sublayers=["mamba"], mamba=mamba)
 
 
 def _mixer_pair():
