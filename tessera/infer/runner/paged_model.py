@@ -24,7 +24,12 @@ from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, kv_layers
-from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
+from tessera.infer.scheduling.recurrent_state import (
+    RecurrentStatePool,
+    bytes_per_slot,
+    is_hybrid,
+    refuse_unsupported,
+)
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
@@ -292,7 +297,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None
-    if model.cfg.linear_attention is not None:
+    if is_hybrid(model.cfg):
         states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device), []
     decoder = None if not sizes else BucketedDecoder(
         model, kv, device, sizes, geometry.blocks_per_seq, scratch_block=geometry.num_blocks, lora=lora,

@@ -42,9 +42,10 @@ def kv_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int, int]:
 
 
 def kv_layers(cfg: ModelConfig) -> list[int]:
-    """The layers that store keys and values: every one but a hybrid model's linear-attention
-    layers, which keep a recurrent state instead (recurrent_state.py)."""
-    return [i for i in range(cfg.n_layers) if not cfg.is_linear_attention_layer(i)]
+    """The layers that store keys and values: every one that attends, not a hybrid model's recurrent
+    layers, which keep a recurrent state instead (recurrent_state.py), nor a layer that is only an MLP
+    (Nemotron-H's)."""
+    return [i for i in range(cfg.n_layers) if cfg.has_attention(i)]
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, int8: bool, tp_size: int = 1,
