@@ -98,6 +98,8 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
     if m.linear_attention is not None:
         out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
+    if m.mamba is not None:  # heads split with their groups
+        out.append(_divides("tp", s.tp, "model.mamba.n_groups", m.mamba.n_groups))
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

@@ -16,6 +16,13 @@ interface (gated_deltanet.py): given an inference cache it reads and keeps the s
 (`recurrent_state(layer_id)` / `keep_recurrent_state`), or, the serving engine's packed step, hands
 its `mix` to `mix_recurrent(layer_id, mix, x)`. Prompts and training run the chunked form, a single
 new token the recurrent one (equal; tested).
+
+Under tensor parallelism each rank runs n_heads / tp heads and the n_groups / tp groups they read
+(groups split with their heads). `out_proj` is cut by its input columns; every other tensor stays
+whole and is read through the `own_part` seam (Gated DeltaNet's `OwnPart`: whole on one process):
+"in_proj" this rank's rows of [z | x B C | dt], "conv" its channels of the convolution's taps and
+bias, "heads" its heads' dt_bias, A_log and D, "norm" its channels' gains, "input" the input (whose
+gradient from the rank's rows is summed over the ranks; tessera/parallel/tensor_parallel.py).
 Shapes: B batch, S sequence, D model dim, H heads, P head dim, G groups, N state size.
 """
 
@@ -29,6 +36,7 @@ from torch import nn
 
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv
+from tessera.models.linear_attention.gated_deltanet import OwnPart, whole
 from tessera.models.linear_attention.ssd import chunked_ssd, recurrent_ssd, step_sizes
 from tessera.models.norm import RMSNorm
 
@@ -81,6 +89,7 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(m.n_heads))
         self.norm = GroupGatedRMSNorm(inner, m.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(inner, cfg.dim, bias=m.proj_bias)
+        self.own_part: OwnPart = whole  # the seam (module docstring)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
@@ -100,17 +109,28 @@ class Mamba2Mixer(nn.Module):
         """(output [B, S, D], the state after the last token) from `state` (None: a sequence's
         start). `recurrent` picks the form: default token by token for one token, chunked otherwise."""
         B, S, _ = x_BSD.shape
-        H, P, G, N = self.n_heads, self.head_dim, self.n_groups, self.state_size
-        z, xBC, dt = self.in_proj(x_BSD).split([H * P, H * P + 2 * G * N, H], dim=-1)
-        xBC, conv_state = causal_conv(xBC.transpose(1, 2), self.conv1d.weight.squeeze(1),
-                                      None if state is None else state.conv, self.conv1d.bias)
+        own = self.own_part
+        A_log = own("heads", self.A_log)
+        H, P, N = A_log.shape[0], self.head_dim, self.state_size  # this rank's heads and groups
+        G = self.n_groups * H // self.n_heads
+        z, xBC, dt = self._projected(x_BSD).split([H * P, H * P + 2 * G * N, H], dim=-1)
+        bias = None if self.conv1d.bias is None else own("conv", self.conv1d.bias)
+        xBC, conv_state = causal_conv(xBC.transpose(1, 2), own("conv", self.conv1d.weight.squeeze(1)),
+                                      None if state is None else state.conv, bias)
         x, Bm, Cm = xBC.transpose(1, 2).split([H * P, G * N, G * N], dim=-1)
         recurrent = S == 1 if recurrent is None else recurrent
         scan = recurrent_ssd if recurrent else chunked_ssd
         kwargs = {} if recurrent else {"chunk": self.chunk}
-        y, ssm = scan(x.reshape(B, S, H, P), step_sizes(dt, self.dt_bias, self.dt_min), -self.A_log.float().exp(),
-                      Bm.reshape(B, S, G, N), Cm.reshape(B, S, G, N), self.D,
+        y, ssm = scan(x.reshape(B, S, H, P), step_sizes(dt, own("heads", self.dt_bias), self.dt_min),
+                      -A_log.float().exp(), Bm.reshape(B, S, G, N), Cm.reshape(B, S, G, N), own("heads", self.D),
                       None if state is None else state.ssm, **kwargs)
-        y = self.norm(y.reshape(B, S, H * P), z)
+        y = group_gated_rms_norm(y.reshape(B, S, H * P), z, own("norm", self.norm.weight), G, self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.out_proj(y.to(x_BSD.dtype)), Mamba2State(conv_state, ssm, seen)
+
+    def _projected(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """in_proj of x: [z | x B C | dt] of this rank's heads and groups (all of them on one process)."""
+        if self.own_part is whole:
+            return self.in_proj(x_BSD)
+        bias = None if self.in_proj.bias is None else self.own_part("in_proj", self.in_proj.bias)
+        return F.linear(self.own_part("input", x_BSD), self.own_part("in_proj", self.in_proj.weight), bias)
