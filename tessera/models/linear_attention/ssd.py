@@ -64,27 +64,32 @@ def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B
                 C_BSGN: torch.Tensor, D_H: torch.Tensor, state_BHPN: torch.Tensor | None = None, chunk: int = 128
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD `chunk` tokens at a time (module docstring). The sequence is padded to whole chunks with
-    steps of dt = 0 (no decay, no write). Equal to `recurrent_ssd`: (y [B, S, H, P], final state)."""
+    steps of dt = 0 (no decay, no write). The scores C_i . B_j are computed once per group and shared
+    by its heads (views [B, G, R, ...], R = H / G heads per group). Equal to `recurrent_ssd`:
+    (y [B, S, H, P], final state)."""
     Bn, S, H, P = x_BSHP.shape
+    G, N = B_BSGN.shape[2], B_BSGN.shape[3]
+    R = H // G
     x, dt = x_BSHP.float(), dt_BSH.float()
-    Bm, Cm = _per_head(B_BSGN, H), _per_head(C_BSGN, H)
-    N = Bm.shape[-1]
-    state = _initial(state_BHPN, Bn, H, P, N, x.device)
+    state = _initial(state_BHPN, Bn, H, P, N, x.device).view(Bn, G, R, P, N)
     L = min(chunk, S)
     pad = -S % L
-    # [B, H, chunks, L, .] views, padded
-    xdt, Bm, Cm = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(Bn, H, -1, L, t.shape[-1])
-                   for t in (x * dt[..., None], Bm, Cm))
-    c = F.pad(dt * A_H.float(), (0, 0, 0, pad)).transpose(1, 2).reshape(Bn, H, -1, L).cumsum(dim=-1)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [B, S, K, E] -> [B, K, n, L, E], padded
+        return F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(Bn, t.shape[2], -1, L, t.shape[-1])
+
+    xdt = chunks(x * dt[..., None]).view(Bn, G, R, -1, L, P)
+    Bm, Cm = chunks(B_BSGN.float())[:, :, None], chunks(C_BSGN.float())[:, :, None]  # [B, G, 1, n, L, N]
+    c = F.pad(dt * A_H.float(), (0, 0, 0, pad)).transpose(1, 2).reshape(Bn, G, R, -1, L).cumsum(dim=-1)
     before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()  # j <= i
     decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
-    inside = ((Cm @ Bm.transpose(-1, -2)) * decay_ij) @ xdt  # [B, H, chunks, L, P]: the chunk's own writes
+    inside = ((Cm @ Bm.transpose(-1, -2)) * decay_ij) @ xdt  # [B, G, R, n, L, P]: the chunk's own writes
     C_decayed = Cm * c.exp()[..., None]  # reads the start state
     B_to_end = Bm * (c[..., -1:] - c).exp()[..., None]  # writes carried to the chunk's end
-    chunk_decay = c[..., -1].exp()  # [B, H, chunks]
+    chunk_decay = c[..., -1].exp()[..., None, None]  # [B, G, R, n, 1, 1]
     out = torch.empty_like(inside)
-    for n in range(xdt.shape[2]):
-        out[:, :, n] = inside[:, :, n] + C_decayed[:, :, n] @ state.transpose(-1, -2)
-        state = state * chunk_decay[:, :, n, None, None] + xdt[:, :, n].transpose(-1, -2) @ B_to_end[:, :, n]
+    for n in range(xdt.shape[3]):
+        out[:, :, :, n] = inside[:, :, :, n] + C_decayed[:, :, :, n] @ state.transpose(-1, -2)
+        state = state * chunk_decay[:, :, :, n] + xdt[:, :, :, n].transpose(-1, -2) @ B_to_end[:, :, :, n]
     out = out.reshape(Bn, H, -1, P)[:, :, :S].transpose(1, 2) + x * D_H.float()[:, None]
-    return out.to(x_BSHP.dtype), state
+    return out.to(x_BSHP.dtype), state.reshape(Bn, H, P, N)
