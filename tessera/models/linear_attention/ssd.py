@@ -84,12 +84,14 @@ def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B
     before = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()  # j <= i
     decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
     inside = ((Cm @ Bm.transpose(-1, -2)) * decay_ij) @ xdt  # [B, G, R, n, L, P]: the chunk's own writes
-    C_decayed = Cm * c.exp()[..., None]  # reads the start state
-    B_to_end = Bm * (c[..., -1:] - c).exp()[..., None]  # writes carried to the chunk's end
+    # the decays scale the [L, P] sides (reads of the start state by row, writes carried to the chunk's
+    # end by row), so B and C stay one per group
+    read_decay, write_decay = c.exp()[..., None], (c[..., -1:] - c).exp()[..., None]
     chunk_decay = c[..., -1].exp()[..., None, None]  # [B, G, R, n, 1, 1]
     out = torch.empty_like(inside)
     for n in range(xdt.shape[3]):
-        out[:, :, :, n] = inside[:, :, :, n] + C_decayed[:, :, :, n] @ state.transpose(-1, -2)
-        state = state * chunk_decay[:, :, :, n] + xdt[:, :, :, n].transpose(-1, -2) @ B_to_end[:, :, :, n]
+        out[:, :, :, n] = inside[:, :, :, n] + (Cm[:, :, :, n] @ state.transpose(-1, -2)) * read_decay[:, :, :, n]
+        writes = (xdt[:, :, :, n] * write_decay[:, :, :, n]).transpose(-1, -2) @ Bm[:, :, :, n]
+        state = state * chunk_decay[:, :, :, n] + writes
     out = out.reshape(Bn, H, -1, P)[:, :, :S].transpose(1, 2) + x * D_H.float()[:, None]
     return out.to(x_BSHP.dtype), state.reshape(Bn, H, P, N)
