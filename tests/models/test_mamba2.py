@@ -121,3 +121,15 @@ def test_mixer_in_pieces_equals_whole_in_either_form():
     torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.ssm, whole_state.ssm, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state.conv, whole_state.conv)
+
+
+def test_the_benchmark_times_two_forms_that_agree(capsys):
+    """bench/mamba2_ssd.py on a small case: what it times in each form computes the same outputs."""
+    import json
+
+    from bench.mamba2_ssd import main
+
+    assert main(["--tokens", "40", "--heads", "4", "--head-dim", "3", "--groups", "2", "--state", "5",
+                 "--chunk", "16", "--rounds", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_abs_diff"] < 1e-4 and set(report["tokens_per_s"]) == {"chunked", "recurrent"}
