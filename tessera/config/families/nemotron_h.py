@@ -50,8 +50,8 @@ def _block_types(d: Mapping[str, Any]) -> list[str]:
 
 def _refuse_parts(d: Mapping[str, Any]) -> None:
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"), ("mlp_bias", False),
-                      ("sliding_window", None), ("num_nextn_predict_layers", 0)):
-        if d.get(key, want) not in (want, None if want == 0 else want):
+                      ("sliding_window", None)):
+        if d.get(key, want) != want:
             raise ModelError(f"{key}={d.get(key)!r} is not supported for nemotron_h; supported: {want!r}")
 
 
