@@ -94,3 +94,14 @@ def test_forward_flops_count_each_layers_one_sublayer():
     attention = 2 * h * (2 * q + 2 * kv) + 2 * cfg.n_heads * 2 * cfg.head_dim * s / 2
     mlp = 2 * 2 * h * cfg.ffn_dim
     assert forward_flops_per_token(cfg, s) == 2 * mamba + attention + 3 * mlp + 2 * cfg.vocab_size * h
+
+
+def test_context_parallelism_is_refused_and_the_other_layouts_are_not():
+    """cp would run each rank's Mamba-2 layers over its own chunk of the sequence only; refused by name."""
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    cfg = get_preset("nemotron-h-8b")
+    [problem] = layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64)
+    assert problem.startswith("cp=2 cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H)")
+    assert layout_problems(cfg, LayoutSizes(tp=2, sp=True), seq_len=64) == []
+    assert any("model.mamba.n_groups" in p for p in layout_problems(cfg, LayoutSizes(tp=16), seq_len=64))
