@@ -59,7 +59,7 @@ def measure(cfg, context: int, block: int) -> dict:
     state = 0
     if is_hybrid(cfg):
         pool = RecurrentStatePool(cfg, 1, torch.bfloat16, "meta")
-        state = sum(t.numel() * t.element_size() for t in (*pool.conv.values(), *pool.delta.values()))
+        state = sum(t.numel() * t.element_size() for fields in pool.tensors.values() for t in fields.values())
     allocated_kv = sum(t.numel() * t.element_size() for t in kv.stores())
     return {"kv_bytes": counted_kv, "state_bytes": counted_state, "total_bytes": counted_kv + counted_state,
             "allocated_bytes": allocated_kv + state}

@@ -26,7 +26,8 @@ SUPPORTED = {name: family.architecture for name, family in REGISTRY.items()}  # 
 # where an integer belongs would otherwise fail deep inside model construction.
 _INT_FIELDS = tuple(dict.fromkeys(INT_FIELDS + tuple(k for f in REGISTRY.values() for k in f.int_fields)))
 _NUMBER_FIELDS = tuple(dict.fromkeys(NUMBER_FIELDS + tuple(k for f in REGISTRY.values() for k in f.number_fields)))
-_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# (num_hidden_layers too, where the family reads it: Nemotron-H's count is its layers_block_type's length)
+_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_attention_heads")
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -146,7 +147,8 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_
                 "moe.shared_expert_gate", "moe.first_k_dense", "moe.dense_layers", "moe.layer_freq",
                 "moe.expert_bias", "mla", "mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim",
                 "mla.qk_rope_head_dim", "mla.v_head_dim", "linear_attention", "linear_attention.layers",
-                "attention_output_gate")
+                "attention_output_gate", "sublayers", "mamba", "mamba.n_heads", "mamba.head_dim", "mamba.state_size",
+                "mamba.n_groups", "mamba.conv_width", "mamba.conv_bias", "mamba.proj_bias", "activation")
 
 
 def model_differences(mine: ModelConfig, theirs: ModelConfig, shapes_only: bool = False) -> list[str]:

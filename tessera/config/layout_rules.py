@@ -64,6 +64,21 @@ def _divides(dim: str, size: int, what: str, value: int) -> str | None:
     return None
 
 
+def _recurrent_problems(m, s: LayoutSizes) -> list[str | None]:
+    """A hybrid's recurrent layers: tp splits their heads by key-head groups (Gated DeltaNet) or groups
+    (Mamba-2); cp does not split a Mamba-2 layer's sequence yet."""
+    out: list[str | None] = []
+    if m.linear_attention is not None:
+        out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
+    if m.mamba is not None:  # heads split with their groups
+        out.append(_divides("tp", s.tp, "model.mamba.n_groups", m.mamba.n_groups))
+        if s.cp > 1:
+            out.append(f"cp={s.cp} cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H): each "
+                       "rank would run them over its own chunk only; use cp=1 (fsdp, dp_replicate, tp and tp + sp "
+                       "take it)")
+    return out
+
+
 def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | None = None,
                     seq_len: int | None = None) -> list[str]:
     """Every reason `sizes` cannot run model `m` (empty when it can), in the order the trainer
@@ -96,8 +111,7 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             what = "sequence length (sp=true splits it)" if s.cp == 1 else \
                 f"the context-parallel chunk (sequence length {seq_len} / cp={s.cp}; sp=true splits it)"
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
-    if m.linear_attention is not None:
-        out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
+    out.extend(_recurrent_problems(m, s))
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

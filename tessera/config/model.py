@@ -41,7 +41,9 @@ ROPE_SCALING_KEYS = {
     "yarn": ("factor", "original_max_position_embeddings"),
     "longrope": ("factor", "original_max_position_embeddings"),  # and short_factor, long_factor: lists
 }
-ACTIVATIONS = ("silu", "gelu_tanh")  # ModelConfig.activation: SwiGLU, or GeGLU with tanh-approximated GELU
+# ModelConfig.activation: SwiGLU, GeGLU with tanh-approximated GELU, or an ungated MLP of relu(x)^2 (Nemotron-H)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+SUBLAYERS = ("mamba", "attention", "mlp")  # ModelConfig.sublayers' kinds
 
 
 def _layer_list(layers: Any, n_layers: int) -> bool:
@@ -150,6 +152,23 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class Mamba2Config:
+    """Mamba-2 (SSD) mixers of a hybrid decoder (Nemotron-H; tessera/models/linear_attention/mamba2.py)
+    on the layers `ModelConfig.layer_types` marks "mamba": their heads and state. n_groups groups of
+    n_heads / n_groups consecutive heads share one pair of input-dependent B, C maps."""
+
+    n_heads: int = 128
+    head_dim: int = 64
+    state_size: int = 128
+    n_groups: int = 8
+    conv_width: int = 4  # taps of the short causal convolution on x, B, C
+    conv_bias: bool = True
+    proj_bias: bool = False  # biases on in_proj and out_proj
+    dt_min: float = 0.001  # the step size's lower clamp (transformers' time_step_limit)
+    chunk_size: int = 128  # tokens per chunk of the chunked (training and prompt) form
+
+
+@dataclass
 class ModelConfig:
     """Shape of a decoder-only language model. Defaults are a LLaMA-style 7B-ish block."""
 
@@ -213,6 +232,11 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3
     linear_attention: LinearAttentionConfig | None = None  # hybrid: Gated DeltaNet on its layers (Qwen3-Next)
     attention_output_gate: bool = False  # Qwen3-Next: wq also projects a gate, output *= sigmoid(gate)
+    mamba: Mamba2Config | None = None  # hybrid: Mamba-2 on the layers `sublayers` marks "mamba" (Nemotron-H)
+    # Nemotron-H: each layer is one sublayer after its one RMSNorm, added to the residual stream: "mamba"
+    # (model.mamba), "attention" or "mlp" (tessera/models/sublayer_block.py); None: every layer is a token
+    # mixer then an MLP
+    sublayers: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -221,6 +245,8 @@ class ModelConfig:
             self.mla = MLAConfig(**self.mla)
         if isinstance(self.linear_attention, dict):
             self.linear_attention = LinearAttentionConfig(**self.linear_attention)
+        if isinstance(self.mamba, dict):
+            self.mamba = Mamba2Config(**self.mamba)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None and self.n_heads > 0:
@@ -249,6 +275,13 @@ class ModelConfig:
     def is_linear_attention_layer(self, i: int) -> bool:
         return self.linear_attention is not None and i in self.linear_attention.layers
 
+    def is_mamba_layer(self, i: int) -> bool:
+        return self.sublayers is not None and self.sublayers[i] == "mamba"
+
+    def has_attention(self, i: int) -> bool:
+        """Whether layer i attends (softmax or latent attention, with a key/value cache)."""
+        return not self.is_linear_attention_layer(i) and (self.sublayers is None or self.sublayers[i] == "attention")
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
@@ -268,6 +301,9 @@ class ModelConfig:
             self._check_moe_experts(self.moe)
         if self.linear_attention is not None:
             self._check_linear_attention(self.linear_attention)
+        if self.mamba is not None:
+            self._check_mamba(self.mamba)
+        self._check_sublayers()
 
     def _check_family(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
@@ -388,6 +424,28 @@ class ModelConfig:
                 "model.linear_attention.kind", la.kind, f"kda needs n_value_heads = n_key_heads and value_head_dim = "
                 f"key_head_dim (they are {la.n_value_heads}, {la.n_key_heads}, {la.value_head_dim}, {la.key_head_dim})")
 
+    def _check_sublayers(self) -> None:
+        kinds = self.sublayers
+        require(kinds is None or (isinstance(kinds, list) and len(kinds) == self.n_layers
+                                  and all(k in SUBLAYERS for k in kinds)), "model.sublayers", kinds,
+                f"None or a list of n_layers={self.n_layers} entries, each one of {', '.join(SUBLAYERS)}")
+        mamba = kinds is not None and "mamba" in kinds
+        require(mamba == (self.mamba is not None), "model.mamba", self.mamba,
+                "set exactly when model.sublayers has mamba layers")
+        require(kinds is None or (self.moe is None and self.mla is None and self.linear_attention is None),
+                "model.sublayers", kinds, "one sublayer per layer is built without model.moe, mla and linear_attention")
+
+    @staticmethod
+    def _check_mamba(m: Mamba2Config) -> None:
+        for key, top in (("n_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM), ("state_size", MAX_HEAD_DIM),
+                         ("conv_width", 64), ("chunk_size", MAX_SEQ_LEN)):
+            require(0 < getattr(m, key) <= top, f"model.mamba.{key}", getattr(m, key),
+                    f"must be an integer in 1..{top:,}")
+        require(0 < m.n_groups and m.n_heads % m.n_groups == 0, "model.mamba.n_groups", m.n_groups,
+                f"must divide n_heads={m.n_heads}")
+        require(m.conv_width >= 2, "model.mamba.conv_width", m.conv_width, "must be at least 2")
+        require(_finite(m.dt_min) and m.dt_min >= 0, "model.mamba.dt_min", m.dt_min, "must be a finite number >= 0")
+
     @staticmethod
     def _check_moe_router(e: MoEConfig) -> None:
         """The experts' count and how tokens are routed to them (top-k, groups, scores)."""
@@ -441,7 +499,8 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model key(s) {unknown}; allowed: {sorted(known)}")
         d = dict(d)
-        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig), ("linear_attention", LinearAttentionConfig)):
+        for key, sub in (("moe", MoEConfig), ("mla", MLAConfig), ("linear_attention", LinearAttentionConfig),
+                         ("mamba", Mamba2Config)):
             if isinstance(d.get(key), dict):
                 sub_known = {f.name for f in dataclasses.fields(sub)}
                 bad = sorted(set(d[key]) - sub_known)

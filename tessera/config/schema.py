@@ -346,7 +346,7 @@ def build_model_config(raw: dict[str, Any], from_key: str = "model.from_hf") -> 
             base["head_dim"] = None
         if "n_kv_heads" not in raw and "n_heads" in raw and base["n_kv_heads"] == base["n_heads"]:
             base["n_kv_heads"] = None
-        for key in ("moe", "mla", "linear_attention"):
+        for key in ("moe", "mla", "linear_attention", "mamba"):
             if isinstance(base.get(key), dict) and isinstance(raw.get(key), dict):
                 raw[key] = {**base[key], **raw[key]}
         raw = {**base, **raw}

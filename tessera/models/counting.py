@@ -35,11 +35,24 @@ def indexer_params(cfg: ModelConfig) -> int:
     return m.q_lora_rank * heads * d + cfg.dim * d + 2 * d + cfg.dim * heads
 
 
+def mamba_params(cfg: ModelConfig) -> int:
+    """A Mamba-2 mixer (linear_attention/mamba2.py): in_proj to [z | x B C | dt], the depthwise convolution
+    (and its bias), dt_bias, A_log and D per head, the gated norm, out_proj (and the projections' biases)."""
+    m, h = cfg.mamba, cfg.dim
+    inner = m.n_heads * m.head_dim
+    channels = inner + 2 * m.n_groups * m.state_size
+    n = h * (inner + channels + m.n_heads) + channels * m.conv_width + 3 * m.n_heads + inner + inner * h
+    n += channels if m.conv_bias else 0
+    return n + (inner + channels + m.n_heads + h if m.proj_bias else 0)
+
+
 def attention_params(cfg: ModelConfig, layer: int | None = None) -> int:
     """Layer `layer`'s token mixer (None: a softmax-attention layer's)."""
     h = cfg.dim
     if layer is not None and cfg.is_linear_attention_layer(layer):
         return linear_attention_params(cfg)
+    if layer is not None and cfg.is_mamba_layer(layer):
+        return mamba_params(cfg)
     if cfg.mla is not None:
         m = cfg.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -72,7 +85,7 @@ def qk_norm_params(cfg: ModelConfig) -> int:
 def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     h = cfg.dim
     if not cfg.is_moe_layer(layer):
-        return 3 * h * cfg.ffn_dim
+        return (2 if cfg.activation == "relu2" else 3) * h * cfg.ffn_dim
     e = cfg.moe
     experts = e.top_k if active else e.num_experts
     n = e.num_experts * h + experts * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
@@ -96,6 +109,9 @@ def block_norm_params(cfg: ModelConfig) -> int:
 
 
 def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    if cfg.sublayers is not None:  # one sublayer and its norm (models/sublayer_block.py)
+        mlp = cfg.sublayers[layer] == "mlp"
+        return (mlp_params(cfg, layer, active) if mlp else attention_params(cfg, layer)) + cfg.dim
     return attention_params(cfg, layer) + mlp_params(cfg, layer, active) + block_norm_params(cfg)
 
 

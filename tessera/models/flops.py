@@ -21,7 +21,8 @@ Per token, per layer, forward: 2 * (matmul weights of the layer) + 2 * n_heads *
 Per token, LM head, forward: 2 * V * h.
 A Gated DeltaNet layer (Qwen3-Next's linear attention) counts its projections as weights and, for
 its core, the recurrent form's 6 K V per value head (read the state's guess, write, read the output),
-whatever the sequence length: its state does not grow. So for a dense GPT with ffn = 4h (or SwiGLU with
+whatever the sequence length: its state does not grow; a Mamba-2 layer (Nemotron-H) likewise its
+projections and 4 P N per head (write the state, read the output). So for a dense GPT with ffn = 4h (or SwiGLU with
 ffn = 8h/3), no GQA, causal=False and full recomputation, a step of B sequences costs
 `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` (Narayanan et al. 2021, arXiv 2104.04473, appendix);
 without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both.
@@ -47,6 +48,12 @@ def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
         if la.kind == "kda":  # q, k, v, o, b, and the two low-rank gates through K
             return cfg.dim * (4 * keys + la.n_key_heads + 2 * la.key_head_dim) + 2 * la.key_head_dim * keys
         return cfg.dim * (2 * keys + 2 * values + 2 * la.n_value_heads + values)
+    if layer is not None and cfg.is_mamba_layer(layer):  # in_proj [z | x B C | dt] and out_proj
+        m = cfg.mamba
+        inner = m.n_heads * m.head_dim
+        return cfg.dim * (2 * inner + 2 * m.n_groups * m.state_size + m.n_heads + inner)
+    if layer is not None and cfg.sublayers is not None and cfg.sublayers[layer] == "mlp":
+        return 0
     n = attention_params(cfg)
     if cfg.mla is not None:
         m = cfg.mla
@@ -63,10 +70,13 @@ def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
 
 
 def mlp_matmul_params(cfg: ModelConfig, layer: int) -> int:
-    """Weights one token multiplies in the MLP of `layer`: SwiGLU, or router + top-k experts + shared."""
+    """Weights one token multiplies in the MLP of `layer`: SwiGLU (relu^2's two matrices), or router +
+    top-k experts + shared; none in a one-sublayer layer that is not an MLP (Nemotron-H)."""
     h = cfg.dim
+    if cfg.sublayers is not None and cfg.sublayers[layer] != "mlp":
+        return 0
     if not cfg.is_moe_layer(layer):
-        return 3 * h * cfg.ffn_dim
+        return (2 if cfg.activation == "relu2" else 3) * h * cfg.ffn_dim
     e = cfg.moe
     n = e.num_experts * h + e.top_k * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
     if e.shared_expert_gate:
@@ -110,11 +120,21 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bo
     else:
         d_qk = d_v = cfg.head_dim
     layers = range(cfg.n_layers) if layer is None else (layer,)
-    la = cfg.linear_attention
-    total = sum(2.0 * la.n_value_heads * 3 * la.key_head_dim * la.value_head_dim if cfg.is_linear_attention_layer(i)
-                else 2.0 * cfg.n_heads * (d_qk + d_v) * _core_keys_per_query(cfg, i, seq_len, causal)
-                for i in layers)
+    total = sum(_core_flops(cfg, i, seq_len, causal, d_qk + d_v) for i in layers)
     return total / len(layers)
+
+
+def _core_flops(cfg: ModelConfig, i: int, seq_len: int, causal: bool, d_qkv: int) -> float:
+    """Layer i's core per token: attention's scores and sum, a recurrence's state work, nothing for an MLP."""
+    if cfg.is_linear_attention_layer(i):
+        la = cfg.linear_attention
+        return 2.0 * la.n_value_heads * 3 * la.key_head_dim * la.value_head_dim
+    if cfg.is_mamba_layer(i):  # SSD's recurrent form: write the state, read the output
+        m = cfg.mamba
+        return 2.0 * m.n_heads * 2 * m.head_dim * m.state_size
+    if cfg.sublayers is not None and cfg.sublayers[i] == "mlp":
+        return 0.0
+    return 2.0 * cfg.n_heads * d_qkv * _core_keys_per_query(cfg, i, seq_len, causal)
 
 
 def _core_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, causal: bool) -> float:

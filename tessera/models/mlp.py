@@ -1,5 +1,6 @@
 """Gated feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): w2(act(w1 x) * w3 x), SwiGLU
-(act = silu) or GeGLU with the tanh-approximated GELU (Gemma 3), `ModelConfig.activation`."""
+(act = silu) or GeGLU with the tanh-approximated GELU (Gemma 3), `ModelConfig.activation`; and the
+ungated relu(x)^2 MLP of Nemotron-H ("relu2", `PlainFeedForward`)."""
 
 from collections.abc import Callable
 
@@ -47,3 +48,24 @@ class FeedForward(nn.Module):
                 return self.w2(self.fused_act(gate, up))
             return self.w2(F.silu(gate, inplace=True).mul_(up))
         return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+class PlainFeedForward(nn.Module):
+    """An ungated MLP, w2(relu(w1 x)^2) (Nemotron-H's, `ModelConfig.activation` "relu2"): w1 up, w2 down."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(relu_squared(self.w1(x)))
+
+
+def feed_forward(dim: int, hidden_dim: int, activation: str) -> nn.Module:
+    """The dense MLP `activation` names: gated (FeedForward), or ungated for "relu2"."""
+    return PlainFeedForward(dim, hidden_dim) if activation == "relu2" else FeedForward(dim, hidden_dim, activation)

@@ -1,4 +1,5 @@
-"""The decoder: embedding, pre-norm blocks (attention + SwiGLU or MoE), final RMSNorm, LM head.
+"""The decoder: embedding, pre-norm blocks (attention + SwiGLU or MoE; one sublayer each where the
+model says so, sublayer_block.py), final RMSNorm, LM head.
 
 A plain single-device module. Layers live in an `nn.ModuleDict` keyed by str(layer index), so a
 pipeline stage that drops layers keeps the names of the ones it owns. `forward` reads one
@@ -44,7 +45,7 @@ from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cr
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.mla import MultiHeadLatentAttention
-from tessera.models.mlp import FeedForward
+from tessera.models.mlp import feed_forward
 from tessera.models.model_input import ModelInput
 from tessera.models.moe.layer import MoE
 from tessera.models.moe.router import RouterOutput
@@ -52,6 +53,7 @@ from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_tar
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import longrope_long_frequencies, longrope_pick, rope_cos_sin, rope_frequencies
 from tessera.models.sparse_mla import SparseLatentAttention
+from tessera.models.sublayer_block import decoder_layer
 
 
 @dataclass
@@ -183,7 +185,7 @@ class TransformerBlock(nn.Module):
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg.dim, cfg.moe)
         else:
-            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation)
+            self.feed_forward = feed_forward(cfg.dim, cfg.ffn_dim, cfg.activation)
         self.ffn_post_norm = block_norm(cfg) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
@@ -227,7 +229,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = (ScaledEmbedding if cfg.embed_scale else nn.Embedding)(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): decoder_layer(cfg, i, TransformerBlock) for i in range(cfg.n_layers)})
         self.norm = block_norm(cfg)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # multi-token prediction depths 1..mtp_depth, keyed "1".. (tessera/models/mtp.py)

@@ -19,7 +19,13 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 (`DeltaNetRankPart`). Qwen3.5's split layout: in_proj_z, in_proj_b,
                                 in_proj_a colwise (by value heads); in_proj_qkv replicated, this rank's
                                 q, k, v rows read through the seam as the conv's channels are
-    feed_forward.w1 / w3        colwise   SwiGLU hidden dim split
+    Mamba-2 (Nemotron-H's      heads split with their groups: out_proj rowwise; in_proj (rows
+      mixers): attention.*      [z | x B C | dt]), the conv taps and bias, dt_bias, A_log, D and the
+                                norm's gains stay replicated, this rank's rows, channels and heads
+                                read through the mixer's `own_part` seam, their gradient (and the
+                                input's) summed over tp (`MambaRankPart`)
+    one-sublayer layers         the one sublayer's plan (`SublayerBlock`, Nemotron-H)
+    feed_forward.w1 / w3        colwise   SwiGLU hidden dim split (relu^2's ungated w1 alike)
     feed_forward.w2             rowwise
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
     tok_embeddings              rowwise on the vocabulary (vocab-parallel embedding)
@@ -68,7 +74,9 @@ from torch.distributed.tensor.parallel import (
 
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
+from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
+from tessera.models.sublayer_block import SublayerBlock
 from tessera.parallel.collectives import copy_to_group
 from tessera.parallel.vocab_parallel_loss import vocab_parallel_loss_sum
 
@@ -144,8 +152,24 @@ def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
                               use_local_output=True)
 
 
+def sublayer_plan(block: SublayerBlock, sp: bool) -> dict[str, ParallelStyle]:
+    """The plan of a one-sublayer layer (Nemotron-H): its Mamba-2 mixer, attention or MLP."""
+    stream = Shard(1) if sp else Replicate()
+    if hasattr(block, "feed_forward"):
+        plan = {"feed_forward.w1": Colwise(), "feed_forward.w2": Rowwise(output_layouts=stream)}
+        return plan | ({"ffn_norm": SequenceParallel(), "feed_forward": _gather_sequence_on_entry(1)} if sp else {})
+    if isinstance(block.attention, Mamba2Mixer):
+        plan = {"attention.out_proj": Rowwise(output_layouts=stream)}
+    else:
+        plan = {f"attention.{n}": Colwise() for n in ("wq", "wk", "wv")}
+        plan["attention.wo"] = Rowwise(output_layouts=stream)
+    return plan | ({"attention_norm": SequenceParallel(), "attention": _gather_sequence_on_entry(4)} if sp else {})
+
+
 def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock (dense or MoE), names relative to the block."""
+    if isinstance(block, SublayerBlock):
+        return sublayer_plan(block, sp)
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream
     mla = isinstance(block.attention, MultiHeadLatentAttention)
     deltanet = isinstance(block.attention, (GatedDeltaNet, KimiDeltaAttention))
@@ -273,6 +297,33 @@ class KdaRankPart(DeltaNetRankPart):
         return super().__call__(name, t)
 
 
+class MambaRankPart:
+    """A Mamba-2 mixer's `own_part` under tp (module docstring): this rank's heads and the groups they
+    read, as rows of in_proj ([z | x B C | dt]), channels of the convolution ([x | B | C]), entries of
+    dt_bias, A_log and D and gains of the norm, each through `copy_to_group` (forward the identity,
+    backward the gradient summed over tp), as the input is."""
+
+    def __init__(self, layer: Mamba2Mixer, group: ProcessGroup):
+        tp, rank = group.size(), group.rank()
+        H, P, G, N = layer.n_heads, layer.head_dim, layer.n_groups, layer.state_size
+        inner, h, g = H * P, H // tp, G // tp
+
+        def span(start: int, size: int) -> torch.Tensor:
+            return torch.arange(start + rank * size, start + (rank + 1) * size)
+
+        self.group = group
+        self.conv = torch.cat([span(0, h * P), span(inner, g * N), span(inner + G * N, g * N)])
+        self.rows = torch.cat([span(0, h * P), inner + self.conv, span(2 * inner + 2 * G * N, h)])
+        self.norm, self.heads = span(0, h * P), span(0, h)
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = copy_to_group(t, self.group)
+        if name == "input":
+            return t
+        index = {"in_proj": self.rows, "conv": self.conv, "norm": self.norm, "heads": self.heads}[name]
+        return t.index_select(0, index.to(t.device))
+
+
 class VocabParallelTiedHead:
     """The model's `tied_head` under tp: logits of this rank's vocabulary slice from the
     embedding's own weight (a DTensor sharded on the vocabulary, the one the vocab-parallel
@@ -320,12 +371,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
     mtp = getattr(model, "mtp", None) or {}
     for block in [*model.layers.values(), *(m.block for m in mtp.values())]:
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
-        if isinstance(block.attention, MultiHeadLatentAttention):
+        if isinstance(getattr(block, "attention", None), MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
-        if isinstance(block.attention, GatedDeltaNet):
-            block.attention.own_part = DeltaNetRankPart(block.attention, tp_mesh.get_group())
-        if isinstance(block.attention, KimiDeltaAttention):
-            block.attention.own_part = KdaRankPart(block.attention, tp_mesh.get_group())
+        mixer = getattr(block, "attention", None)
+        if isinstance(mixer, GatedDeltaNet):
+            mixer.own_part = DeltaNetRankPart(mixer, tp_mesh.get_group())
+        if isinstance(mixer, KimiDeltaAttention):
+            mixer.own_part = KdaRankPart(mixer, tp_mesh.get_group())
+        if isinstance(mixer, Mamba2Mixer):
+            mixer.own_part = MambaRankPart(mixer, tp_mesh.get_group())
     if mtp:
         model.token_loss = vocab_parallel_loss_sum
     if mtp and sp:

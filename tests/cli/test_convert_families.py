@@ -22,6 +22,8 @@ OWN["qwen3_5_text"] = OWN["qwen3_5_moe_text"] = ("layer_types",)
 OWN["kimi_linear"] = ("layer_types", "mlp_layer_types")
 OWN["seed_oss"] = ("attention_bias", "attention_out_bias", "head_dim")
 OWN["exaone4"] = ("layer_types", "sliding_window")
+OWN["nemotron_h"] = ("layers_block_type", "head_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                     "conv_kernel", "chunk_size", "time_step_min", "use_conv_bias")
 OWN["llama4_text"] = ("no_rope_layers", "layer_types", "moe_layers", "attention_chunk_size", "use_qk_norm")
 
 

@@ -1,6 +1,7 @@
-"""A hybrid model (Qwen3-Next: Gated DeltaNet layers beside gated attention; Kimi Linear: Kimi delta
-attention beside latent attention without RoPE, for the batching and preemption cases) served by the paged
-engine, each running sequence's recurrent state in its own slot (infer/scheduling/recurrent_state.py):
+"""Hybrid models (Qwen3-Next: Gated DeltaNet layers beside gated attention; Kimi Linear: Kimi delta
+attention beside latent attention without RoPE; Nemotron-H: Mamba-2 layers beside attention and MLP
+layers) served by the paged engine, each running sequence's recurrent state in its own slot of the
+layout its mixer declares (infer/scheduling/recurrent_state.py):
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
 chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
@@ -36,32 +37,42 @@ PROMPTS = [[3, 50, 7, 81, 22, 9, 64, 5, 13, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1
            [9, 8, 7, 6, 5, 4, 3, 2, 1, 40], [60, 4, 77, 31, 31, 2, 90, 65, 12, 44, 20, 19, 7]]
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """A random transformers Qwen3-Next (three DeltaNet layers, one attention layer), saved with the
-    test tokenizer, and its greedy completions of PROMPTS."""
-    path = tmp_path_factory.mktemp("hybrid") / "hf"
-    hf = random_hf_model(hf_configs()["qwen3_next"], seed=3, std=0.2)
+def _saved(tmp_path_factory, family: str):
+    """A random transformers model of `family`, saved with the test tokenizer, and its greedy
+    completions of PROMPTS."""
+    path = tmp_path_factory.mktemp(family) / "hf"
+    hf = random_hf_model(hf_configs()[family], seed=3, std=0.2)
     hf.save_pretrained(path)
     save_tokenizer(path)
     return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """Qwen3-Next: three DeltaNet layers, one attention layer."""
+    return _saved(tmp_path_factory, "qwen3_next")
+
+
+@pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    """A random transformers Kimi Linear (delta attention on layers 0, 2, 3; MLA on 1 and 4; MoE from
-    layer 1) and its greedy completions of PROMPTS."""
-    path = tmp_path_factory.mktemp("kimi") / "hf"
-    hf = random_hf_model(hf_configs()["kimi_linear"], seed=3, std=0.2)
-    hf.save_pretrained(path)
-    return path, hf, [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    """Kimi Linear: delta attention on layers 0, 2, 3; MLA on 1 and 4; MoE from layer 1."""
+    return _saved(tmp_path_factory, "kimi_linear")
 
 
-@pytest.mark.parametrize("model", ["hybrid", "kimi"])
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    """Nemotron-H: Mamba-2, MLP, attention, Mamba-2, MLP (chunks of 4 tokens in its Mamba layers)."""
+    return _saved(tmp_path_factory, "nemotron_h")
+
+
+@pytest.mark.parametrize("model", ["hybrid", "kimi", "nemotron"])
 def test_requests_joining_while_others_decode_equal_transformers(model, request, monkeypatch):
     """Requests arrive one step apart under a budget of 8 tokens: prompt chunks of later ones run in
     the same steps as earlier ones' decodes, each sequence from its own slot."""
-    path, _, want = request.getfixturevalue(model)
+    _served_while_others_decode(*request.getfixturevalue(model), monkeypatch)
+
+
+def _served_while_others_decode(path, hf, want, monkeypatch):
     steps = []
     init = RecurrentStep.__init__
 
@@ -90,7 +101,7 @@ def test_requests_joining_while_others_decode_equal_transformers(model, request,
     assert not slots.owner and sorted(slots.free) == list(range(4))  # every slot given back
 
 
-@pytest.mark.parametrize("model", ["hybrid", "kimi"])
+@pytest.mark.parametrize("model", ["hybrid", "kimi", "nemotron"])
 def test_preemption_recomputes_the_state_to_the_same_tokens(model, request):
     path, _, want = request.getfixturevalue(model)
     llm = LLM(path, block_size=4, num_blocks=12, max_model_len=40, max_num_seqs=4)
@@ -115,8 +126,8 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
-                                  r"linear-attention layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
-                                  r"linear-attention layers yet; use 1"),
+                                  r"recurrent layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
+                                  r"recurrent layers yet; use 1"),
     ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes do not "
                                              r"keep their recurrent-state snapshots"),
 ])
@@ -125,10 +136,11 @@ def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, mess
         LLMEngine.from_dir(hybrid[0], EngineConfig(block_size=4, **options))
 
 
-def test_speculative_drafts_rejected_leave_no_trace_in_the_state(hybrid):
+@pytest.mark.parametrize("model", ["hybrid", "nemotron"])
+def test_speculative_drafts_rejected_leave_no_trace_in_the_state(model, request):
     """Prompt-lookup drafts verified by the hybrid target: the slot keeps the state after the accepted
     tokens only, so the tokens equal transformers' though drafts were rejected."""
-    path, _, want = hybrid
+    path, _, want = request.getfixturevalue(model)
     llm = LLM(path, block_size=4, max_num_batched_tokens=16,
               speculative=SpeculativeConfig(method="prompt_lookup", num_tokens=3))
     outs = llm.generate(PROMPTS, GREEDY)
@@ -187,6 +199,24 @@ def test_the_kv_cache_holds_keys_and_values_of_the_attention_layers_only(hybrid)
     assert kv.nbytes == 17 * bytes_per_block(llm.engine.cfg, 4, torch.float32, False)
     kv.clear_blocks([2, 5])  # the empty stores are left alone
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hybrid[2]
+
+
+def test_nemotron_h_keeps_keys_and_values_of_its_attention_layer_and_mamba_states_in_slots(nemotron):
+    """Of Nemotron-H's five layers only the attention one stores keys and values (not the MLP ones);
+    each Mamba-2 layer's slot holds its convolution window and SSD state, paid out of the budget."""
+    llm = LLM(nemotron[0], block_size=4, num_blocks=16, max_model_len=64)
+    cfg, kv = llm.engine.cfg, llm.engine.kv
+    assert kv_layers(cfg) == [2] and [t.shape[0] for t in kv.k] == [0, 0, 17 * 4, 0, 0]
+    pool = llm.engine.runner.paged.states
+    m = cfg.mamba
+    channels = m.n_heads * m.head_dim + 2 * m.n_groups * m.state_size
+    assert pool.layers == [0, 3]
+    assert {k: t.shape for k, t in pool.tensors[0].items()} == {
+        "conv": (llm.engine.config.max_num_seqs, channels, m.conv_width - 1),
+        "ssm": (llm.engine.config.max_num_seqs, m.n_heads, m.head_dim, m.state_size)}
+    assert bytes_per_slot(cfg, torch.float32) == 2 * 4 * (channels * (m.conv_width - 1)
+                                                         + m.n_heads * m.head_dim * m.state_size)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == nemotron[2]
 
 
 def test_scoring_past_a_first_chunk_is_refused_by_name(hybrid):

@@ -74,6 +74,18 @@ def _short(preset: str) -> dict:
     return {"linear_attention": dataclasses.replace(get_preset(preset).linear_attention, chunk_size=4)}
 
 
+@pytest.mark.parametrize("parallel,micro", [
+    (dict(dp_shard=2), 2), (dict(dp_replicate=2, dp_shard=1), 2), (dict(tp=2, dp_shard=1), 1),
+    (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "replicate2", "tp2", "tp2-sp"])
+def test_nemotron_h_layouts_match_one_process(parallel, micro):
+    """Nemotron-H (one sublayer per layer: Mamba-2 with chunks of 4, NoPE attention, relu^2 MLPs); under
+    tp each rank runs half the Mamba heads with their group, its rows of in_proj and conv channels read
+    through the mixer's seam."""
+    short = {"mamba": dataclasses.replace(get_preset("tiny-nemotron-h").mamba, chunk_size=4)}
+    got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=short)
+    assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, short))
+
+
 def _cp_rank(cp_method: str, preset: str) -> dict:
     import torch
     import torch.distributed as dist

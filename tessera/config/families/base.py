@@ -102,6 +102,7 @@ class Family:
     chunked_attention: ClassVar[bool] = False  # chunked local attention on the RoPE layers (Llama 4)
     hybrid: ClassVar[bool] = False  # Gated DeltaNet layers, gated attention: Qwen3-Next
     own_parts: ClassVar[tuple[str, ...]] = ()  # the OWN_PARTS fields its class expresses (the others must be default)
+    one_sublayer: ClassVar[bool] = False  # layers of one sublayer each (model.sublayers, Mamba-2): Nemotron-H
 
     # ---- config.json -> ModelConfig fields -----------------------------------------------------
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,6 +183,9 @@ class Family:
         if not self.hybrid and (cfg.linear_attention is not None or cfg.attention_output_gate):
             raise ModelError(f"{self.name} has no linear-attention layers or attention output gate; export it as "
                              "qwen3_next")
+        if not self.one_sublayer and (cfg.sublayers is not None or cfg.mamba is not None):
+            raise ModelError(f"{self.name} has no one-sublayer layers or Mamba-2 (model.sublayers={cfg.sublayers}); "
+                             "export it as nemotron_h")
         if cfg.nope_layers and not self.nope:
             raise ModelError(f"{self.name} rotates every layer by RoPE (model.nope_layers={cfg.nope_layers}); "
                              "export it as smollm3, or train without NoPE layers")

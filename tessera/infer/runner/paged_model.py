@@ -24,7 +24,12 @@ from tessera.infer.runner.multimodal import ImageEncoder, ImageSpan, PromptImage
 from tessera.infer.runner.paged_attention import PagedAttentionBatch, SequenceSlice
 from tessera.infer.runner.recurrent_step import RecurrentStep, Segment, StatefulStep
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block, index_key_dim, kv_layers
-from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot, refuse_unsupported
+from tessera.infer.scheduling.recurrent_state import (
+    RecurrentStatePool,
+    bytes_per_slot,
+    is_hybrid,
+    refuse_unsupported,
+)
 from tessera.infer.scheduling.state_snapshots import snapshot_count, snapshot_tokens
 from tessera.infer.scheduling.window_blocks import WindowedLayers
 from tessera.models.model_input import ModelInput
@@ -308,7 +313,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None
-    if model.cfg.linear_attention is not None:
+    if is_hybrid(model.cfg):
         states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device, geometry.num_snapshots), []
     if index_key_dim(model.cfg):  # sparse attention picks keys per sequence: no static-shape decode step
         sizes = []

@@ -1,9 +1,10 @@
-"""One engine step's view of the recurrent-state slots: what a hybrid model's linear-attention layers
+"""One engine step's view of the recurrent-state slots: what a hybrid model's recurrent layers
 read and write during a packed forward (`infer/scheduling/recurrent_state.py` holds the slots).
 
-The step's tokens are packed into one row [1, T, D] (paged_attention.py); a linear-attention layer
-must run each sequence's tokens from that sequence's own state. `mix_recurrent(layer_id, mix, x)` does
-it for the layer (the model's seam: `GatedDeltaNet.forward` hands over its `mix`): the single-token
+The step's tokens are packed into one row [1, T, D] (paged_attention.py); a recurrent layer (Gated
+DeltaNet, Mamba-2) must run each sequence's tokens from that sequence's own state.
+`mix_recurrent(layer_id, mix, x)` does it for the layer (the model's seam: `GatedDeltaNet.forward` and
+`Mamba2Mixer.forward` hand over their `mix`): the single-token
 items (decodes) run as one batch of N sequences, their states gathered from their slots and scattered
 back, the recurrent form; each longer item (a prompt chunk) runs alone from its slot's state, the
 chunked form, and leaves its state there for the next chunk. An item without a slot (the engine's
@@ -27,15 +28,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tessera.config.errors import ModelError
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool
-from tessera.models.linear_attention.gated_deltanet import DeltaNetState
 
+# A recurrent layer's state (DeltaNetState, Mamba2State: its layout, models/linear_attention/states.py)
+State = Any
 # (x [B, S, D], state or None) -> (output [B, S, D'], the state after the last token)
-Mix = Callable[[torch.Tensor, DeltaNetState | None], tuple[torch.Tensor, DeltaNetState]]
+Mix = Callable[[torch.Tensor, State | None], tuple[torch.Tensor, State]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class RecurrentStep:
         self.decode_slots = torch.tensor([s.slot for s in decodes], dtype=torch.long, device=device)
         self.chunks = [(s, torch.tensor([s.slot], device=device)) for s in segments if s not in decodes]
         # slot -> layer -> the state after each of a speculative item's tokens, until `commit`
-        self.pending: dict[int, dict[int, list[DeltaNetState]]] = {s.slot: {} for s in segments if s.drafts}
+        self.pending: dict[int, dict[int, list[State]]] = {s.slot: {} for s in segments if s.drafts}
 
     def mix_recurrent(self, layer_id: int, mix: Mix, x_1TD: torch.Tensor) -> torch.Tensor:
         """The layer's output [1, T, D'] over the packed step, each sequence from its own state."""
@@ -98,8 +101,8 @@ class RecurrentStep:
             out_1TD[:, s.row:s.row + s.length] = y
         return out_1TD
 
-    def _pieces(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, state: DeltaNetState | None,
-                snapshots: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, DeltaNetState]:
+    def _pieces(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, state: State | None,
+                snapshots: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, State]:
         """An item's output and final state, run in pieces cut at its snapshots' offsets (block
         boundaries), each snapshot keeping the state after its piece."""
         if not snapshots:
@@ -116,7 +119,7 @@ class RecurrentStep:
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), state
 
     def _each_token(self, layer_id: int, mix: Mix, x_1SD: torch.Tensor, slot: int,
-                    state: DeltaNetState) -> torch.Tensor:
+                    state: State) -> torch.Tensor:
         """A speculative item's output, token by token, keeping the state after each (module docstring)."""
         kept, outputs = [], []
         for t in range(x_1SD.shape[1]):

@@ -36,6 +36,7 @@ from tessera.infer.runner.mtp_proposer import MTPProposer
 from tessera.infer.runner.paged_model import BatchItem, PagedModel
 from tessera.infer.scheduling.block_manager import BlockManager
 from tessera.infer.scheduling.kv_cache import PagedKVCache
+from tessera.infer.scheduling.recurrent_state import is_hybrid
 from tessera.models.transformer import Transformer
 
 
@@ -182,7 +183,7 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
         target.keep_hidden = proposer.hidden_layers
         return proposer
     draft = load_model(spec.draft_model, dtype, config.device).model
-    if draft.cfg.linear_attention is not None:
+    if is_hybrid(draft.cfg):
         raise ConfigError(f"speculative.draft_model is a hybrid model (model.family={draft.cfg.family}); a draft "
                           "model's cache holds attention keys and values only: draft with an attention-only model")
     return DraftModelProposer(draft.eval(), target_vocab, spec.num_tokens, num_blocks, config.block_size, dtype,

@@ -49,9 +49,10 @@ def kv_shapes(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int, int]:
 
 
 def kv_layers(cfg: ModelConfig) -> list[int]:
-    """The layers that store keys and values: every one but a hybrid model's linear-attention
-    layers, which keep a recurrent state instead (recurrent_state.py)."""
-    return [i for i in range(cfg.n_layers) if not cfg.is_linear_attention_layer(i)]
+    """The layers that store keys and values: every one that attends, not a hybrid model's recurrent
+    layers, which keep a recurrent state instead (recurrent_state.py), nor a layer that is only an MLP
+    (Nemotron-H's)."""
+    return [i for i in range(cfg.n_layers) if cfg.has_attention(i)]
 
 
 def index_key_dim(cfg: ModelConfig) -> int:

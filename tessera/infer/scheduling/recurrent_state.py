@@ -1,12 +1,13 @@
 """The recurrent-state slots of a hybrid model, beside the paged KV cache.
 
-A hybrid decoder's linear-attention layers (Gated DeltaNet, tessera/models/linear_attention) keep
-per sequence a fixed-size state instead of keys and values that grow with it: the short
-convolution's last W-1 inputs (channels x (W-1), in the engine's dtype) and the delta rule's state
-(value heads x key dim x value dim, fp32). The attention layers of the same model keep using the
-paged blocks (kv_cache.py).
+A hybrid decoder's recurrent layers (Gated DeltaNet, Mamba-2: tessera/models/linear_attention) keep
+per sequence a fixed-size state instead of keys and values that grow with it, of the layout its
+mixer declares (`state_layouts`, models/linear_attention/states.py): the short convolution's last
+W-1 inputs (channels x (W-1), in the engine's dtype) and the recurrence's state (Gated DeltaNet's
+value heads x key dim x value dim, Mamba-2's heads x head dim x state size; fp32). The attention
+layers of the same model keep using the paged blocks (kv_cache.py); nothing here names a family.
 
-`RecurrentStatePool` holds, per linear-attention layer, one tensor of `num_slots` such states; a
+`RecurrentStatePool` holds, per recurrent layer, one tensor of `num_slots` such states per field; a
 slot is one running sequence's. `StateSlots` is the driver's bookkeeping of which request owns which
 slot: a request takes a free slot the first step it runs (admission) and gives it back when the
 scheduler releases it (finish, abort, or preemption: `SchedulerOutput.released`). A step whose item
@@ -24,8 +25,8 @@ the pool also holds snapshots of it at block boundaries, kept beside their named
 (state_snapshots.py); with no room for one (`bytes_per_slot` over the budget's half) prefix caching
 is off (`prefix_caching`). What the slot cannot do (`refuse_unsupported`, a typed error naming the
 setting): the KV tiers, disaggregated prefill and system prompts move or pin KV blocks whose states
-are not kept; tensor-parallel serving does not cut the DeltaNet layers yet.
-Shapes: N slots, C convolution channels, W convolution width, H value heads, K key dim, V value dim.
+are not kept; tensor-parallel serving does not cut the recurrent layers yet.
+Shapes: N slots (and snapshots after them).
 """
 
 from __future__ import annotations
@@ -36,79 +37,67 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.gated_deltanet import DeltaNetState
+from tessera.models.linear_attention.states import StateLayout, state_layouts
 
 log = logging.getLogger("tessera.infer")
 
 
 def is_hybrid(cfg: ModelConfig) -> bool:
-    """Whether `cfg` has linear-attention layers (a per-sequence recurrent state)."""
-    return cfg.linear_attention is not None and bool(cfg.linear_attention.layers)
-
-
-def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """((C, W-1), (H, K, V)): one sequence's convolution window and delta state in one layer."""
-    la = cfg.linear_attention
-    channels = 2 * la.n_key_heads * la.key_head_dim + la.n_value_heads * la.value_head_dim
-    return (channels, la.conv_width - 1), (la.n_value_heads, la.key_head_dim, la.value_head_dim)
+    """Whether `cfg` has layers that keep a per-sequence recurrent state."""
+    return bool(state_layouts(cfg))
 
 
 def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One sequence's recurrent state over every linear-attention layer, in bytes."""
-    if not is_hybrid(cfg):
-        return 0
-    (c, w), (h, k, v) = state_shapes(cfg)
+    """One sequence's recurrent state over every layer that keeps one, in bytes."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return (c * w * elem + h * k * v * 4) * len(cfg.linear_attention.layers)
+    return sum(own * elem + fp32 * 4 for own, fp32 in (layout.elements() for layout in state_layouts(cfg).values()))
 
 
 class RecurrentStatePool:
-    """Per linear-attention layer, `num_slots` convolution windows [N, C, W-1] and delta states
-    [N, H, K, V] (fp32), zero until written; after them `num_snapshots` more of each, the prefix
-    cache's snapshots (state_snapshots.py)."""
+    """Per recurrent layer, `num_slots` states of the layout its mixer declares (`StateLayout`,
+    models/linear_attention/states.py): one tensor [N, *shape] per field, fp32 or the engine's dtype,
+    zero until written; after them `num_snapshots` more of each, the prefix cache's snapshots
+    (state_snapshots.py)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  num_snapshots: int = 0):
-        (c, w), (h, k, v) = state_shapes(cfg)
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         n = num_slots + num_snapshots
-        self.layers = list(cfg.linear_attention.layers)
-        self.conv = {i: torch.zeros(n, c, w, dtype=dtype, device=device) for i in self.layers}
-        self.delta = {i: torch.zeros(n, h, k, v, dtype=torch.float32, device=device) for i in self.layers}
-        # every per-layer store of a sequence's state: what reset, copy (snapshots) act on
-        self.stores: tuple[dict[int, torch.Tensor], ...] = (self.conv, self.delta)
+        self.layouts: dict[int, StateLayout] = state_layouts(cfg)
+        self.layers = list(self.layouts)
+        self.tensors = {i: {f.name: torch.zeros(n, *f.shape, dtype=torch.float32 if f.fp32 else dtype,
+                                                device=device) for f in layout.fields}
+                        for i, layout in self.layouts.items()}
 
     def snapshot_index(self, snapshot: int) -> int:
         """Where snapshot `snapshot` lives in the pool's tensors."""
         return self.num_slots + snapshot
 
     def copy(self, layer_id: int, src: list[int], dst: list[int]) -> None:
-        """Copy the states at indices `src` to `dst` in layer `layer_id` (every state the layer keeps)."""
+        """Copy the states at indices `src` to `dst` in layer `layer_id` (every field the layer keeps)."""
         if not src:
             return
-        device = self.delta[layer_id].device
-        s, d = (torch.tensor(i, dtype=torch.long, device=device) for i in (src, dst))
-        for store in self.stores:
-            store[layer_id].index_copy_(0, d, store[layer_id].index_select(0, s))
+        for t in self.tensors[layer_id].values():
+            s, d = (torch.tensor(i, dtype=torch.long, device=t.device) for i in (src, dst))
+            t.index_copy_(0, d, t.index_select(0, s))
 
     def reset(self, slots: list[int]) -> None:
         """Zero `slots` in every layer: a sequence's start."""
         if not slots:
             return
-        index = torch.tensor(slots, device=next(iter(self.delta.values())).device)
-        for i in self.layers:
-            for store in self.stores:
-                store[i].index_fill_(0, index, 0)
+        for fields in self.tensors.values():
+            for t in fields.values():
+                t.index_fill_(0, torch.tensor(slots, device=t.device), 0)
 
-    def read(self, layer_id: int, index_N: torch.Tensor) -> DeltaNetState:
-        """The states of slots `index_N` in layer `layer_id`, as a batch of N sequences."""
-        return DeltaNetState(self.conv[layer_id].index_select(0, index_N),
-                             self.delta[layer_id].index_select(0, index_N))
+    def read(self, layer_id: int, index_N: torch.Tensor):
+        """The states of slots `index_N` in layer `layer_id`, as a batch of N sequences (its layout's class)."""
+        fields = {name: t.index_select(0, index_N) for name, t in self.tensors[layer_id].items()}
+        return self.layouts[layer_id].kind(**fields)
 
-    def write(self, layer_id: int, index_N: torch.Tensor, state: DeltaNetState) -> None:
+    def write(self, layer_id: int, index_N: torch.Tensor, state) -> None:
         """Keep a batch of N sequences' states in slots `index_N`."""
-        self.conv[layer_id].index_copy_(0, index_N, state.conv.to(self.conv[layer_id].dtype))
-        self.delta[layer_id].index_copy_(0, index_N, state.delta.float())
+        for name, t in self.tensors[layer_id].items():
+            t.index_copy_(0, index_N, getattr(state, name).to(t.dtype))
 
 
 class StateSlots:
@@ -140,10 +129,10 @@ def refuse_unsupported(cfg: ModelConfig, config) -> None:
     with (module docstring); nothing for a model without linear-attention layers."""
     if not is_hybrid(cfg):
         return
-    what = f"model.family={cfg.family} has linear-attention layers {cfg.linear_attention.layers}"
+    what = f"model.family={cfg.family} has recurrent layers {list(state_layouts(cfg))}"
     refused = [
         (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}",
-         "tensor-parallel serving does not cut the linear-attention layers yet; use 1"),
+         "tensor-parallel serving does not cut the recurrent layers yet; use 1"),
         (config.has_kv_tiers, f"kv_offload_gib={config.kv_offload_gib}, kv_cache_dir={config.kv_cache_dir}",
          "the KV tiers move attention blocks only, not recurrent states; leave them off"),
         (config.kv_role is not None, f"kv_role={config.kv_role}",

@@ -2,4 +2,6 @@
 instead of a growing key/value cache): `delta_rule.py` holds the gated delta rule's chunked and
 recurrent forms (a decay per head or per key channel) and the short causal convolution,
 `gated_deltanet.py` the Gated DeltaNet layer (Qwen3-Next, Qwen3.5) and `kimi_delta_attention.py`
-Kimi delta attention (Kimi Linear), both built on them."""
+Kimi delta attention (Kimi Linear), both built on them; `ssd.py` Mamba-2's state space duality in its
+chunked and recurrent forms, `mamba2.py` the Mamba-2 mixer (Nemotron-H) built on it and the same
+convolution."""

@@ -45,17 +45,18 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of each channel over time, then SiLU: output position t reads
-    inputs t-W+1..t, the ones before this call coming from `state` (the last W-1 inputs of the
-    previous call; zeros at a sequence's start). Returns (output [B, C, S], the new state [B, C, W-1])."""
+def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.Tensor | None,
+                bias_C: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution of each channel over time (plus `bias`, Mamba-2's), then SiLU: output
+    position t reads inputs t-W+1..t, the ones before this call coming from `state` (the last W-1 inputs
+    of the previous call; zeros at a sequence's start). Returns (output [B, C, S], the new state [B, C, W-1])."""
     B, C, _ = x_BCS.shape
     W = weight_CW.shape[-1]
     if state_BCw is None:
         state_BCw = x_BCS.new_zeros(B, C, W - 1)
     full = torch.cat([state_BCw.to(x_BCS.dtype), x_BCS], dim=-1)
-    out = F.conv1d(full, weight_CW.unsqueeze(1).to(x_BCS.dtype), groups=C)
+    bias = None if bias_C is None else bias_C.to(x_BCS.dtype)
+    out = F.conv1d(full, weight_CW.unsqueeze(1).to(x_BCS.dtype), bias, groups=C)
     return F.silu(out), full[:, :, full.shape[-1] - (W - 1):]
 
 

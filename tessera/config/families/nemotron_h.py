@@ -1,0 +1,158 @@
+"""Nemotron-H (NemotronHForCausalLM): a hybrid decoder whose every layer is one sublayer after its own
+RMSNorm (`model.sublayers`, tessera/models/sublayer_block.py): a Mamba-2 mixer (model.mamba), softmax
+attention without positional encoding (its attention layers are `nope_layers`; the Mamba layers carry
+position), or an ungated MLP of relu(x)^2 (`activation` "relu2"). config.json lists the kinds in
+`layers_block_type` ("linear_attention", "full_attention", "mlp"; "moe" for the MoE variants, which
+Tessera refuses) or, in older files, the `hybrid_override_pattern` string (M, *, -, E). Its files name
+the tensors `backbone.` (transformers' own module is `model.` and renames them on load and save).
+
+The Mamba-2 step size is clamped below at `time_step_min` (model.mamba.dt_min) in both of Tessera's
+forms; transformers clamps it in its chunked form only, so its token-by-token decoding differs from
+Tessera's where softplus(dt + dt_bias) falls under that floor (0.001 in the published models)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tessera.config.errors import ModelError
+from tessera.config.families.base import Family
+
+KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}  # config.json -> Tessera
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# config.json's Mamba-2 fields -> model.mamba's
+MAMBA_FIELDS = {"mamba_num_heads": "n_heads", "mamba_head_dim": "head_dim", "ssm_state_size": "state_size",
+                "n_groups": "n_groups", "conv_kernel": "conv_width", "chunk_size": "chunk_size"}
+# older files' spellings of the same fields (transformers reads both)
+LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_chunk_size": "chunk_size",
+          "mamba_conv_bias": "use_conv_bias", "mamba_dt_min": "time_step_min"}
+MAMBA_TENSORS = ("in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
+ATTENTION = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+MLP = {"w1": "up_proj", "w2": "down_proj"}
+
+
+def _block_types(d: Mapping[str, Any]) -> list[str]:
+    types = d.get("layers_block_type") or d.get("layer_types")
+    if types is None and isinstance(d.get("hybrid_override_pattern"), str):
+        pattern = d["hybrid_override_pattern"]
+        if any(c not in PATTERN for c in pattern):
+            raise ModelError(f"hybrid_override_pattern={pattern!r} is invalid: each character one of "
+                             f"{', '.join(PATTERN)}")
+        types = [PATTERN[c] for c in pattern]
+    if not isinstance(types, list) or not types or any(t not in (*KINDS, "moe") for t in types):
+        raise ModelError(f"layers_block_type={types!r} is invalid: a list, each one of {', '.join(KINDS)}")
+    if "moe" in types:
+        raise ModelError("layers_block_type has moe layers, which Tessera does not build for nemotron_h yet; "
+                         f"supported: {', '.join(KINDS)}")
+    return types
+
+
+def _refuse_parts(d: Mapping[str, Any]) -> None:
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"), ("mlp_bias", False),
+                      ("sliding_window", None)):
+        if d.get(key, want) != want:
+            raise ModelError(f"{key}={d.get(key)!r} is not supported for nemotron_h; supported: {want!r}")
+
+
+@dataclass(frozen=True)
+class NemotronH(Family):
+    int_fields: tuple[str, ...] = tuple(MAMBA_FIELDS) + ("mamba_n_groups", "mamba_d_conv", "mamba_chunk_size")
+    number_fields: tuple[str, ...] = ("layer_norm_epsilon", "time_step_min", "mamba_dt_min")
+    nope: ClassVar[bool] = True
+    one_sublayer: ClassVar[bool] = True
+    own_parts: ClassVar[tuple[str, ...]] = ("activation",)
+
+    def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
+        d = {**d, **{new: d[old] for old, new in LEGACY.items() if old in d}}
+        _refuse_parts(d)
+        kinds = [KINDS[t] for t in _block_types(d)]
+        heads = d["num_attention_heads"]
+        mamba = {ours: d[theirs] for theirs, ours in MAMBA_FIELDS.items() if theirs in d}
+        mamba.update(conv_bias=bool(d.get("use_conv_bias", True)), proj_bias=bool(d.get("use_bias", False)),
+                     dt_min=float(d.get("time_step_min", 0.001)))
+        return dict(
+            family=self.name, vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=len(kinds), n_heads=heads,
+            n_kv_heads=d.get("num_key_value_heads") or heads, head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            ffn_dim=d.get("intermediate_size", 21504), norm_eps=d.get("layer_norm_epsilon", 1e-5),
+            max_seq_len=d.get("max_position_embeddings", 4096), tie_embeddings=bool(d.get("tie_word_embeddings")),
+            activation="relu2", sublayers=kinds, nope_layers=[i for i, k in enumerate(kinds) if k == "attention"],
+            mamba=mamba if "mamba" in kinds else None)
+
+    def config_to_hf(self, cfg) -> dict[str, Any]:
+        self.check_exportable(cfg)
+        kinds = [{v: k for k, v in KINDS.items()}[k] for k in cfg.sublayers]
+        d: dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": self.name, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.dim, "layers_block_type": kinds,
+            "hybrid_override_pattern": "".join({v: k for k, v in PATTERN.items()}[t] for t in kinds),
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.ffn_dim, "mlp_hidden_act": "relu2", "mlp_bias": False, "attention_bias": False,
+            "layer_norm_epsilon": cfg.norm_eps, "max_position_embeddings": cfg.max_seq_len,
+            "tie_word_embeddings": cfg.tie_embeddings}
+        m = cfg.mamba
+        if m is not None:
+            d.update({theirs: getattr(m, ours) for theirs, ours in MAMBA_FIELDS.items()})
+            d.update(mamba_hidden_act="silu", use_conv_bias=m.conv_bias, use_bias=m.proj_bias, time_step_min=m.dt_min)
+        return d
+
+    def check_exportable(self, cfg) -> None:
+        attention = [i for i, k in enumerate(cfg.sublayers or []) if k == "attention"]
+        ok = (cfg.sublayers is not None and cfg.activation == "relu2" and sorted(cfg.nope_layers) == attention
+              and not (cfg.qkv_bias or cfg.out_bias or cfg.qk_norm or cfg.norm_unit_offset or cfg.embed_scale)
+              and cfg.sliding_window is None and cfg.block_norms == "pre" and cfg.attention_chunk_size is None
+              and cfg.query_pre_attn_scalar is None and not cfg.attention_sinks)
+        if not ok:
+            raise ModelError(f"{self.name} needs model.sublayers, activation=relu2, nope_layers = its attention layers "
+                             f"({attention}), pre norms, and no attention biases, QK norm, window or sinks "
+                             "(its HuggingFace class has none)")
+        self.check_mtp_exportable(cfg)
+
+    def unread_tensor(self, cfg, key: str) -> bool:
+        return key.startswith("mtp.")  # multi-token-prediction layers, unread as transformers leaves them
+
+    def tensor_names(self, cfg) -> dict[str, list[str]]:
+        names: dict[str, list[str]] = {"tok_embeddings.weight": ["backbone.embeddings.weight"]}
+        for i, kind in enumerate(cfg.sublayers or []):
+            src = f"backbone.layers.{i}"
+            norm = "ffn_norm" if kind == "mlp" else "attention_norm"
+            names[f"layers.{i}.{norm}.weight"] = [f"{src}.norm.weight"]
+            names.update(self._sublayer_names(cfg, i, kind))
+        names["norm.weight"] = ["backbone.norm_f.weight"]
+        if not cfg.tie_embeddings:
+            names["output.weight"] = ["lm_head.weight"]
+        return names
+
+    @staticmethod
+    def _sublayer_names(cfg, i: int, kind: str) -> dict[str, list[str]]:
+        src = f"backbone.layers.{i}.mixer"
+        if kind == "mlp":
+            return {f"layers.{i}.feed_forward.{n}.weight": [f"{src}.{h}.weight"] for n, h in MLP.items()}
+        if kind == "attention":
+            return {f"layers.{i}.attention.{n}.weight": [f"{src}.{h}.weight"] for n, h in ATTENTION.items()}
+        parts = list(MAMBA_TENSORS)
+        parts += ["conv1d.bias"] if cfg.mamba.conv_bias else []
+        parts += ["in_proj.bias", "out_proj.bias"] if cfg.mamba.proj_bias else []
+        return {f"layers.{i}.attention.{n}": [f"{src}.{n}"] for n in parts}
+
+
+# Nemotron-H-8B-Base-8K's shapes (NemotronHConfig's defaults, which describe it): 52 layers, 24 Mamba-2,
+# 4 attention, 24 MLP
+_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+FAMILY = NemotronH(
+    name="nemotron_h", architecture="NemotronHForCausalLM",
+    presets={
+        "nemotron-h-8b": dict(
+            vocab_size=131072, dim=4096, n_layers=52, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=21504,
+            norm_eps=1e-5, max_seq_len=8192, activation="relu2",
+            sublayers=[KINDS[PATTERN[c]] for c in _8B_PATTERN],
+            nope_layers=[i for i, c in enumerate(_8B_PATTERN) if c == "*"],
+            mamba=dict(n_heads=128, head_dim=64, state_size=128, n_groups=8, conv_width=4, chunk_size=128)),
+        "tiny-nemotron-h": dict(
+            vocab_size=256, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=256,
+            norm_eps=1e-5, activation="relu2", sublayers=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+            nope_layers=[2], mamba=dict(n_heads=8, head_dim=8, state_size=16, n_groups=2, conv_width=4,
+                                        chunk_size=16)),
+    },
+)

@@ -1,0 +1,65 @@
+"""What each recurrent mixer keeps per sequence, declared beside the mixers so that the serving
+engine's state slots (tessera/infer/scheduling/recurrent_state.py) hold any of them without knowing
+which: `state_layouts(cfg)` maps every layer whose mixer keeps a recurrent state to its `StateLayout`,
+the state's class and, per field, its shape for one sequence and whether it is kept in fp32 (else in
+the engine's dtype). Gated DeltaNet keeps its convolution window and delta state, Mamba-2 its
+convolution window and SSD state. A new recurrent mixer adds its layout here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.config.model import ModelConfig
+from tessera.models.linear_attention.gated_deltanet import DeltaNetState
+from tessera.models.linear_attention.mamba2 import Mamba2State
+
+
+@dataclass(frozen=True)
+class StateField:
+    name: str  # the state class's field
+    shape: tuple[int, ...]  # one sequence's
+    fp32: bool  # kept in fp32 whatever the engine's dtype (the recurrences' states)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    kind: type  # the state class its mixer's `mix` takes and returns (fields below, and `tokens`)
+    fields: tuple[StateField, ...]
+
+    def elements(self) -> tuple[int, int]:
+        """(elements in the engine's dtype, fp32 elements) of one sequence's state."""
+        sizes = [(f.fp32, _numel(f.shape)) for f in self.fields]
+        return sum(n for fp32, n in sizes if not fp32), sum(n for fp32, n in sizes if fp32)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def deltanet_layout(cfg: ModelConfig) -> StateLayout:
+    la = cfg.linear_attention
+    channels = 2 * la.n_key_heads * la.key_head_dim + la.n_value_heads * la.value_head_dim
+    return StateLayout(DeltaNetState, (StateField("conv", (channels, la.conv_width - 1), False),
+                                       StateField("delta", (la.n_value_heads, la.key_head_dim, la.value_head_dim),
+                                                  True)))
+
+
+def mamba2_layout(cfg: ModelConfig) -> StateLayout:
+    m = cfg.mamba
+    channels = m.n_heads * m.head_dim + 2 * m.n_groups * m.state_size
+    return StateLayout(Mamba2State, (StateField("conv", (channels, m.conv_width - 1), False),
+                                     StateField("ssm", (m.n_heads, m.head_dim, m.state_size), True)))
+
+
+def state_layouts(cfg: ModelConfig) -> dict[int, StateLayout]:
+    """Layer -> the layout of its recurrent state, for every layer that keeps one (none: no such layer)."""
+    out = {}
+    for i in range(cfg.n_layers):
+        if cfg.is_linear_attention_layer(i):
+            out[i] = deltanet_layout(cfg)
+        elif cfg.is_mamba_layer(i):
+            out[i] = mamba2_layout(cfg)
+    return out
