@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 def qwen3_next_80b(hybrid: bool):
     from tessera.config import get_preset
-    from tessera.config.model import LinearAttentionConfig
+    from tessera.config.recurrent import LinearAttentionConfig
 
     la = LinearAttentionConfig(layers=[i for i in range(48) if i % 4 != 3]) if hybrid else None
     return dataclasses.replace(get_preset("tiny-qwen3-next"), n_layers=48, dim=2048, n_heads=16, n_kv_heads=2,

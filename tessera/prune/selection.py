@@ -58,9 +58,10 @@ def check_sizes(cfg: ModelConfig, sizes: PruneSizes) -> None:
     def option(ok: bool, flag: str, value: int | None, allowed: str) -> None:
         require(ok, f"prune {flag}", value, allowed, sep=" ")  # `prune --layers 5 is invalid: ...`
 
-    if cfg.linear_attention is not None:
-        raise ConfigError(f"prune: the {cfg.family} model has Gated DeltaNet layers (model.linear_attention), whose "
-                          "importance pruning does not measure; prune a model without linear-attention layers")
+    if cfg.linear_attention is not None or cfg.mamba is not None:
+        raise ConfigError(f"prune: the {cfg.family} model has recurrent layers (model.linear_attention, model.mamba: "
+                          "Gated DeltaNet, Kimi delta attention, Mamba-2), whose importance pruning does not measure; "
+                          "prune a model without them")
     option(1 <= sizes.layers <= cfg.n_layers, "--layers", sizes.layers, f"must be in 1..{cfg.n_layers} (the source's)")
     option(1 <= sizes.dim <= cfg.dim, "--hidden-size", sizes.dim, f"must be in 1..{cfg.dim} (the source's)")
     dense = [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]

@@ -105,11 +105,11 @@ def test_prunes_the_channels_of_largest_norm_output_from_every_tensor(llama, tmp
 
 FAMILIES = sorted(hf_configs())
 # families whose hidden size prune refuses, with the error and the reason it names: gpt-oss's sink logits
-# and biased experts are tensors prune/hidden.py does not place; Qwen3-Next's and Qwen3.5's DeltaNet layers are not
-# measured; Phi-3's LongRoPE tables follow hidden_size // heads, so transformers could not read the result
+# and biased experts are tensors prune/hidden.py does not place; the hybrids' recurrent layers (DeltaNet, Kimi
+# delta attention, Mamba-2) are not measured; Phi-3's LongRoPE tables follow hidden_size // heads, so transformers could not read the result
 REFUSED = {"gpt_oss": (ConfigError, "attention.sinks.weight' is not one whose hidden axis is known"),
-           "qwen3_next": (ConfigError, "Gated DeltaNet layers"),
-           "qwen3_5_text": (ConfigError, "Gated DeltaNet layers"),
+           **{family: (ConfigError, "model has recurrent layers") for family in
+              ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "nemotron_h")},
            "phi3": (ModelError, r"phi3's LongRoPE tables are sized by hidden_size // num_attention_heads")}
 
 

@@ -186,7 +186,7 @@ def test_a_kimi_delta_state_slot_holds_its_three_convolution_windows_and_a_state
     cfg = get_preset("tiny-kimi-linear")  # layers 0-2 delta attention (2 heads of 16), layer 3 latent attention
     assert bytes_per_slot(cfg, torch.float32) == 3 * (4 * 3 * 2 * 16 * 3 + 2 * 16 * 16 * 4)
     pool = RecurrentStatePool(cfg, 2, torch.float32)
-    assert pool.conv[0].shape == (2, 3 * 2 * 16, 3) and pool.delta[2].shape == (2, 2, 16, 16)
+    assert pool.tensors[0]["conv"].shape == (2, 3 * 2 * 16, 3) and pool.tensors[2]["delta"].shape == (2, 2, 16, 16)
     assert kv_layers(cfg) == [3]
 
 

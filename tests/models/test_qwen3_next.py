@@ -95,5 +95,5 @@ def test_prune_refuses_deltanet_layers(pair, tmp_path):
     from tessera.prune.selection import PruneSizes
 
     save_pretrained(pair[1], tmp_path / "src")
-    with pytest.raises(ConfigError, match=r"prune: the qwen3_next model has Gated DeltaNet layers"):
+    with pytest.raises(ConfigError, match=r"prune: the qwen3_next model has recurrent layers"):
         prune(tmp_path / "src", tmp_path / "dst", PruneSizes(layers=2))

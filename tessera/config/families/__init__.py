@@ -15,26 +15,22 @@ from tessera.config.families import (
     gemma3_text,
     glm4_moe,
     gpt_oss,
-    kimi_linear,
     llama,
     llama4_text,
     mistral,
     mixtral,
-    nemotron_h,
     olmo2,
     olmo3,
     phi3,
     qwen2,
     qwen2_moe,
     qwen3,
-    qwen3_5,
-    qwen3_5_moe,
     qwen3_moe,
-    qwen3_next,
     seed_oss,
     smollm3,
 )
 from tessera.config.families.base import Family
+from tessera.config.families.hybrid import kimi_linear, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
 
 REGISTRY: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY,

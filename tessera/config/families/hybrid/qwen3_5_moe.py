@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 from tessera.config.errors import ModelError
 from tessera.config.families.base import TensorPart
+from tessera.config.families.hybrid.qwen3_5 import SPLIT_TENSORS
+from tessera.config.families.hybrid.qwen3_next import LINEAR_FIELDS, HybridLayers
 from tessera.config.families.moe import MoEFamily, aux_coef_to_hf
 from tessera.config.families.qwen2_moe import QwenMoE
-from tessera.config.families.qwen3_5 import SPLIT_TENSORS
-from tessera.config.families.qwen3_next import LINEAR_FIELDS, HybridLayers
 
 PACKED = (("w1", "gate_up_proj", 0, 2), ("w3", "gate_up_proj", 1, 2), ("w2", "down_proj", 0, 1))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tessera.config.families.base import Family
-from tessera.config.families.qwen3_next import LINEAR_FIELDS, HybridLayers
+from tessera.config.families.hybrid.qwen3_next import LINEAR_FIELDS, HybridLayers
 
 SPLIT_TENSORS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
                  "dt_bias", "A_log", "norm.weight", "out_proj.weight")
