@@ -106,7 +106,7 @@ def test_options_it_cannot_go_with_are_refused_by_name(files, tmp_path):
         EngineConfig(gguf_keep_quantized=True, tensor_parallel_size=2)
     hf = tmp_path / "hf"
     tiny_hf_model("llama").save_pretrained(hf)
-    with pytest.raises(ConfigError, match="gguf_keep_quantized applies to GGUF files and MXFP4 directories .*; .* is neither"):
+    with pytest.raises(ConfigError, match="applies to GGUF files and MXFP4 directories .*; .* is neither"):
         load_model(hf, gguf_keep_quantized=True)
     engine = LLMEngine.from_dir(files["llama", BLOCK_TYPES], EngineConfig(gguf_keep_quantized=True, num_blocks=8,
                                                                         block_size=4, max_model_len=16))

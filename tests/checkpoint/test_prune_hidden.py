@@ -106,7 +106,8 @@ def test_prunes_the_channels_of_largest_norm_output_from_every_tensor(llama, tmp
 FAMILIES = sorted(hf_configs())
 # families whose hidden size prune refuses, with the error and the reason it names: gpt-oss's sink logits
 # and biased experts are tensors prune/hidden.py does not place; the hybrids' recurrent layers (DeltaNet, Kimi
-# delta attention, Mamba-2) are not measured; Phi-3's LongRoPE tables follow hidden_size // heads, so transformers could not read the result
+# delta attention, Mamba-2) are not measured; Phi-3's LongRoPE tables follow hidden_size // heads, so
+# transformers could not read the result
 REFUSED = {"gpt_oss": (ConfigError, "attention.sinks.weight' is not one whose hidden axis is known"),
            **{family: (ConfigError, "model has recurrent layers") for family in
               ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "nemotron_h")},
