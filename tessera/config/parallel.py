@@ -13,6 +13,13 @@ from tessera.config.limits import MAX_PARALLEL_SIZE
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per pp rank, placed in a V (tessera/parallel/pipeline.py)
+
+
+def stages_per_rank(schedule: str, vpp: int) -> int:
+    """Pipeline stages each pp rank holds: vpp, or two for the V schedules (zbv, dualpipev)."""
+    return 2 if schedule in V_SCHEDULES else vpp
+
+
 # Activation recomputation policies (tessera/parallel/memory/activation_checkpoint.py; docs/planning.md,
 # "Recomputation and activation policies"): none; selective (Megatron's: the attention core re-runs
 # in backward, Korthikanti et al. 2022); op (torchtitan's operator-level policy: the block re-runs in
@@ -116,8 +123,7 @@ class ParallelConfig:
 
     @property
     def stages_per_rank(self) -> int:
-        """Pipeline stages each pp rank holds: vpp, or two for the V schedules (zbv, dualpipev)."""
-        return 2 if self.pp_schedule in V_SCHEDULES else self.vpp
+        return stages_per_rank(self.pp_schedule, self.vpp)
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "vpp", "ep", "cp", "recompute_interval"):

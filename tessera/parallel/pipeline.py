@@ -56,7 +56,7 @@ from torch.distributed.pipelining import (
 
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.layout_rules import ROUND_SCHEDULES
-from tessera.config.parallel import V_SCHEDULES, ParallelConfig
+from tessera.config.parallel import V_SCHEDULES, ParallelConfig, stages_per_rank
 from tessera.models.model_input import ModelInput
 from tessera.parallel.dims import ParallelDims
 
@@ -245,7 +245,7 @@ def rank_stage_modules(model: nn.Module, dims: ParallelDims, vpp: int, aux_scale
                        schedule: str = "1f1b") -> tuple[list[int], list[nn.Module]]:
     """This rank's stage ids and stage modules: `model` split (the last stage in place, the others
     from copies) and each parallelized by `parallelize_stage`. The mesh must exist."""
-    num_stages = dims.pp * (2 if schedule in V_SCHEDULES else vpp)
+    num_stages = dims.pp * stages_per_rank(schedule, vpp)
     stage_ids = stages_of_rank(dims.local_rank("pp"), dims.pp, vpp, schedule)
     modules = []
     for i, s in enumerate(stage_ids):

@@ -130,3 +130,18 @@ def check_save_load_round_trip(model, out) -> None:
     ids = torch.arange(20).view(1, 20)
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits)
+
+
+def check_greedy_eager_and_served(hf, model, path) -> None:
+    """Greedy tokens of three prompts equal transformers': the eager reference (the first prompt) and
+    the paged engine over the saved directory `path` (blocks of 4, chunks of 6: prompts cut across)."""
+    from tessera.infer import LLM, SamplingParams
+    from tessera.infer.engine.reference_generation import reference_generate
+    from tests.infer.tiny_models import hf_greedy
+
+    prompts = [[3, 50, 7, 81, 22, 9, 64, 5, 13, 2, 11, 40, 8], [17, 4], [60, 61, 62, 63, 1, 2, 3]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    assert reference_generate(model, prompts[0], params) == want[0]
+    llm = LLM(path, block_size=4, max_num_batched_tokens=6)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want

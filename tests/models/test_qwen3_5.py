@@ -11,10 +11,12 @@ import torch
 from tessera.config import ModelError, get_preset
 from tessera.config.hf_config import config_from_hf, config_to_hf
 from tessera.hf import load_pretrained
-from tessera.infer import LLM, SamplingParams
-from tessera.infer.engine.reference_generation import reference_generate
-from tests.infer.tiny_models import hf_greedy
-from tests.models.hf_families import check_save_load_round_trip, hf_configs, random_hf_model
+from tests.models.hf_families import (
+    check_greedy_eager_and_served,
+    check_save_load_round_trip,
+    hf_configs,
+    random_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,13 +39,7 @@ def test_prompt_of_several_chunks_equals_transformers(pair):
 
 
 def test_greedy_generation_equals_transformers_eager_and_served(pair):
-    hf, model, path = pair
-    prompts = [[3, 50, 7, 81, 22, 9, 64, 5, 13, 2, 11, 40, 8], [17, 4], [60, 61, 62, 63, 1, 2, 3]]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    want = [hf_greedy(hf, p, 10) for p in prompts]
-    assert reference_generate(model, prompts[0], params) == want[0]
-    llm = LLM(path, block_size=4, max_num_batched_tokens=6)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    check_greedy_eager_and_served(*pair)
 
 
 def test_save_and_load_back_keeps_logits_and_config(pair, tmp_path):
