@@ -11,6 +11,11 @@ the way llama.cpp's converter lays them out:
 - Qwen3-Next: every norm but the DeltaNet's stored +1, A as -exp(A_log), dt_bias as `ssm_dt.bias`, the
   conv kernel squeezed, in_proj_qkvz (per key head q, k, v, z) cut into `attn_qkv` (all q, all k,
   all v) and `attn_gate` (z); experts stacked as GLM-4.5's; the DeltaNet sizes as `ssm.*` metadata.
+- Qwen3.5 (`qwen35`, `qwen35moe`): Qwen3-Next's conventions with the DeltaNet projections apart
+  (`attn_qkv` [q | k | v], `attn_gate` z, `ssm_beta`, `ssm_alpha`), and every value-head dimension
+  (v's rows of attn_qkv and its conv channels, z, a, b, A, dt_bias, out_proj's columns) moved from
+  HuggingFace's order grouped by key head to llama.cpp's tiled order; the MoE's packed experts cut into
+  gate, up and down; no `feed_forward_length` for the MoE (its class has no dense MLP).
 - gpt-oss: gate and up cut out of transformers' interleaved fused tensor and stored apart,
   transposed to [E, out, in], with their biases; the down projection transposed; the sinks as
   `attn_sinks.weight`; `mxfp4`: the expert matrices in MXFP4 (the transformers model's expert weights
@@ -29,7 +34,8 @@ from tests.checkpoint.gguf_family_files import VOCAB
 from tests.checkpoint.gguf_files import _tokenizer_metadata, llama_cpp_permute
 
 ARCHS = {"smollm3": "smollm3", "exaone4": "exaone4", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
-         "llama4": "llama4_text", "qwen3next": "qwen3_next"}
+         "llama4": "llama4_text", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
+         "qwen35moe": "qwen3_5_moe_text"}
 # EXAONE 4's Llama 3 scaling: with head_dim 12 and base 10,000 two of the six pairs lie between the bounds
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0,
           "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
@@ -61,6 +67,15 @@ def tiny_model(arch: str, seed: int = 0):
                                  linear_value_head_dim=12, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=16, shared_expert_intermediate_size=24)
         model = tf.Qwen3NextForCausalLM(cfg)
+    elif arch in ("qwen35", "qwen35moe"):  # as Qwen3-Next's: layers 0-2 DeltaNet, 2 key heads of 4 value heads
+        linear = dict(num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+        if arch == "qwen35":
+            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **linear))
+        else:
+            model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(
+                **common, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_expert_intermediate_size=24))
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=12, partial_rotary_factor=0.5,
                                attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
@@ -100,7 +115,7 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
     writer.add_block_count(blocks)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    if arch != "llama4":
+    if arch not in ("llama4", "qwen35moe"):
         writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
@@ -111,8 +126,8 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
     writer.add_value_length(head_dim)
     if arch == "smollm3":
         writer.add_rope_dimension_count(head_dim)
-    elif arch == "qwen3next":
-        _qwen3next_metadata(writer, cfg, head_dim)
+    elif arch in ("qwen3next", "qwen35", "qwen35moe"):
+        _qwen3next_metadata(writer, cfg, head_dim, experts=arch != "qwen35")
     elif arch == "llama4":
         writer.add_feed_forward_length(cfg.intermediate_size_mlp)  # the dense layers' (replaces the one above)
         writer.add_rope_dimension_count(head_dim)
@@ -146,12 +161,15 @@ def _metadata(writer, cfg, arch: str, blocks: int) -> None:
         writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
 
 
-def _qwen3next_metadata(writer, cfg, head_dim: int) -> None:
+def _qwen3next_metadata(writer, cfg, head_dim: int, experts: bool) -> None:
     writer.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    writer.add_expert_count(cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if experts:
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if cfg.model_type != "qwen3_next":  # llama.cpp writes Qwen3.5's multimodal RoPE sections, text or not
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     writer.add_ssm_state_size(cfg.linear_key_head_dim)
     writer.add_ssm_group_count(cfg.linear_num_key_heads)
@@ -181,6 +199,35 @@ def _qwen3next_tensor(cfg, layer: str, base: str, suffix: str, w: np.ndarray):
         yield base, suffix, w
 
 
+def _tiled(w: np.ndarray, cfg, axis: int, head: int) -> np.ndarray:
+    """llama.cpp's Qwen3.5 value-head order along `axis`: HuggingFace's heads grouped by key head
+    [k heads, v per k, head] stored as [v per k, k heads, head]."""
+    k_heads = cfg.linear_num_key_heads
+    shape = w.shape
+    grouped = w.reshape(*shape[:axis], k_heads, -1, head, *shape[axis + 1:])
+    return np.swapaxes(grouped, axis, axis + 1).reshape(shape)
+
+
+def _qwen35_tensor(cfg, layer: str, base: str, suffix: str, w: np.ndarray):
+    """llama.cpp's Qwen3.5 layout of one tensor (not the experts): value heads tiled, then Qwen3-Next's conventions."""
+    qk, vd = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    part = base.rpartition(".")[2]
+    if part == "in_proj_qkv":
+        yield f"blk.{layer}.attn_qkv", suffix, np.concatenate([w[:qk], _tiled(w[qk:], cfg, 0, vd)])
+    elif part == "in_proj_z":
+        yield f"blk.{layer}.attn_gate", suffix, _tiled(w, cfg, 0, vd)
+    elif part in ("in_proj_a", "in_proj_b"):
+        yield f"blk.{layer}.ssm_{'alpha' if part == 'in_proj_a' else 'beta'}", suffix, _tiled(w, cfg, 0, 1)
+    elif part == "out_proj" and ".linear_attn." in base:
+        yield f"blk.{layer}.ssm_out", suffix, _tiled(w, cfg, 1, vd)
+    elif suffix in ("A_log", "dt_bias"):
+        yield from _qwen3next_tensor(cfg, layer, base, suffix, _tiled(w, cfg, 0, 1))
+    elif part == "conv1d":
+        yield base, suffix, np.concatenate([w[:qk], _tiled(w[qk:], cfg, 0, vd)]).squeeze(1)
+    else:
+        yield from _qwen3next_tensor(cfg, layer, base, suffix, w)
+
+
 def _gguf_tensors(model, arch: str):
     """(GGUF base name or HuggingFace module, suffix, float32 array) of every tensor, llama.cpp's layout."""
     cfg = model.config
@@ -208,12 +255,14 @@ def _gguf_tensors(model, arch: str):
             yield from _experts(arch, layer, hf_name.rpartition(".")[2], w)
         elif arch == "qwen3next":
             yield from _qwen3next_tensor(cfg, layer, base, suffix, w)
+        elif arch in ("qwen35", "qwen35moe"):
+            yield from _qwen35_tensor(cfg, layer, base, suffix, w)
         else:
             yield base, suffix, w
 
 
 def _experts(arch: str, layer: str, name: str, w: np.ndarray):
-    if arch in ("glm4moe", "qwen3next"):  # gate_up [E, 2 x ff, in], gate first; down [E, in, ff]: as they are
+    if arch in ("glm4moe", "qwen3next", "qwen35moe"):  # gate_up [E, 2 x ff, in], gate first; down [E, in, ff]
         if name == "gate_up_proj":
             half = w.shape[1] // 2
             yield f"blk.{layer}.ffn_gate_exps", "weight", w[:, :half]

@@ -7,7 +7,9 @@ multi-token-prediction block; gpt-oss's sinks, YaRN, and gate / up experts writt
 transformers' interleaved fused tensor, also from MXFP4 blocks; Llama 4's routed and dense layers,
 fused experts as Tessera's parts, Llama 3 scaling and NoPE layer; Qwen3-Next's Gated DeltaNet layers
 (in_proj_qkvz put back together from attn_qkv and attn_gate, A from -exp(A_log), the norms' +1 taken
-off all but the DeltaNet's), served through the engine's recurrent-state slots."""
+off all but the DeltaNet's), served through the engine's recurrent-state slots; Qwen3.5's dense and MoE
+files (`qwen35`, `qwen35moe`: the DeltaNet projections apart, their value heads put back from
+llama.cpp's tiled order into HuggingFace's grouped one)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ def test_gguf_gives_transformers_logits(arch, files):
         la = cfg.linear_attention
         assert la.layers == [0, 1, 2] and (la.n_key_heads, la.n_value_heads, la.value_head_dim) == (2, 4, 12)
         assert cfg.partial_rotary_factor == 0.25 and cfg.norm_unit_offset and cfg.moe.shared_expert_gate
+    elif arch in ("qwen35", "qwen35moe"):
+        la = cfg.linear_attention
+        assert la.layers == [0, 1, 2] and la.projections == "split" and (la.n_key_heads, la.n_value_heads) == (2, 4)
+        assert (cfg.moe is not None) == (arch == "qwen35moe") and cfg.norm_unit_offset
     else:
         assert cfg.attention_sinks and cfg.window_layers == [0, 2] and cfg.rope_scaling["rope_type"] == "yarn"
 

@@ -47,6 +47,16 @@ For `olmo2` and `seed_oss` the head size is `attention.key_length` and the biase
   cut in two: `attn_qkv` (every head's q, then k, then v) and `attn_gate` (z); each is written back
   into its rows of the key heads' groups. Sizes: `ssm.group_count` key heads of `ssm.state_size`,
   `ssm.time_step_rank` value heads making `ssm.inner_size`, `ssm.conv_kernel`.
+- `qwen35`, `qwen35moe` (Qwen3.5 text, dense and MoE): Qwen3-Next's conventions (norms +1 but
+  `ssm_norm`, `ssm_a`, `ssm_dt.bias`, the squeezed conv) with the DeltaNet projections apart as
+  HuggingFace's are (`attn_qkv` [q | k | v] = in_proj_qkv, `attn_gate` = in_proj_z, `ssm_beta`,
+  `ssm_alpha`), every value-head dimension stored tiled (each key head's first value head, then each
+  one's second, ...) where HuggingFace groups value heads by key head: `_untiled` puts them back (the
+  rows of attn_qkv's v, attn_gate, alpha and beta as a row order, `rows`, which quantized blocks keep
+  too; A, dt_bias, the conv's v channels and ssm_out's columns by `convert`). The MoE's experts are
+  stored apart (`ffn_*_exps`) and read as the parts of HuggingFace's packed tensors; its files have no
+  `feed_forward_length` (no dense MLP). `rope.dimension_sections` (multimodal RoPE) is not read: a text
+  sequence's sections all read the same positions.
 Llama 3's RoPE scaling (LLaMA, SmolLM3, EXAONE 4, Llama 4) is the tensor `rope_freqs`, read back as
 `rope_scaling` by rope_freqs.py.
 """
@@ -98,6 +108,7 @@ class Architecture:
     rope_freqs: bool = False  # Llama 3's RoPE scaling may be the tensor rope_freqs
     extra_blocks: bool = False  # blocks past num_hidden_layers (multi-token prediction) are skipped
     unshifted: tuple[str, ...] = ()  # norms (GGUF kinds) stored without norm_offset
+    optional: tuple[str, ...] = ()  # metadata keys read for every architecture that this one's files may lack
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,9 @@ class Placed:
     # place: a view of the HuggingFace tensor
     convert: Callable[[Any, dict[str, Any]], Any] | None = None
     select: Callable[[Any, dict[str, Any]], Any] | None = None
+    # the stored rows in HuggingFace's order (an index; a reordering of whole rows, so quantized blocks
+    # can be kept as they are): Qwen3.5's value heads
+    rows: Callable[[dict[str, Any]], Any] | None = None
 
 
 def _phi3(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
@@ -239,22 +253,28 @@ def _llama4(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
             "floor_scale": meta.count("attention.temperature_length", 8192)}
 
 
-def _qwen3next(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+def _deltanet(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    """The Gated DeltaNet hybrid's fields (Qwen3-Next's and Qwen3.5's): sizes, layer period, partial rotary."""
     head_dim = meta.count("attention.key_length", d["hidden_size"] // d["num_attention_heads"])
     v_heads = meta.count("ssm.time_step_rank", 1)
     inner = meta.count("ssm.inner_size", v_heads)
-    if inner % v_heads:
-        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata qwen3next.ssm.inner_size ({inner}) is not a multiple of "
-                          f"ssm.time_step_rank ({v_heads}), the value heads")
-    return {**_experts(meta), "head_dim": head_dim, "num_experts": meta.count("expert_count", 0),
-            "shared_expert_intermediate_size": meta.count("expert_shared_feed_forward_length", 0),
-            "norm_topk_prob": bool(meta.get("expert_weights_norm", True)),
-            "partial_rotary_factor": meta.count("rope.dimension_count", head_dim) / head_dim,
+    k_heads = meta.count("ssm.group_count", 1)
+    if inner % v_heads or v_heads % k_heads:
+        raise ConfigError(f"{str(meta.path)!r}: GGUF metadata {meta.arch}.ssm.inner_size ({inner}) is not a "
+                          f"multiple of ssm.time_step_rank ({v_heads}), the value heads, or those of ssm.group_count "
+                          f"({k_heads})")
+    return {"head_dim": head_dim, "partial_rotary_factor": meta.count("rope.dimension_count", head_dim) / head_dim,
             "full_attention_interval": meta.count("full_attention_interval", 4),
             "linear_conv_kernel_dim": meta.count("ssm.conv_kernel", 4),
             "linear_key_head_dim": meta.count("ssm.state_size", 1),
-            "linear_num_key_heads": meta.count("ssm.group_count", 1), "linear_num_value_heads": v_heads,
+            "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads,
             "linear_value_head_dim": inner // v_heads}
+
+
+def _qwen3next(meta: Metadata, d: dict[str, Any]) -> dict[str, Any]:
+    return {**_experts(meta), **_deltanet(meta, d), "num_experts": meta.count("expert_count", 0),
+            "shared_expert_intermediate_size": meta.count("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(meta.get("expert_weights_norm", True))}
 
 
 def _deltanet_sizes(d: dict[str, Any]) -> tuple[int, int, int]:
@@ -296,6 +316,30 @@ def _z_rows(target, d: dict[str, Any]):
     return _grouped(target, d)[:, qk + v:]
 
 
+def _untiled(values, d: dict[str, Any], dim: int, head: int):
+    """Qwen3.5's value heads in HuggingFace's order (grouped by key head: k0's v0..v{r-1}, k1's ...) from
+    the order llama.cpp's converter stores them in (tiled: every key head's v0, then every v1, ...),
+    along `dim`, each head `head` entries wide."""
+    k_heads = d["linear_num_key_heads"]
+    per_k = d["linear_num_value_heads"] // k_heads
+    dim %= values.dim()
+    shape = values.shape
+    tiled = values.reshape(*shape[:dim], per_k, k_heads, head, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+def _v_rows(d: dict[str, Any], head: int, before: int = 0):
+    """The stored rows of a value-head tensor (after `before` rows kept in place) in HuggingFace's order."""
+    index = _untiled(torch.arange(d["linear_num_value_heads"] * head), d, 0, head)
+    return torch.cat([torch.arange(before), before + index])
+
+
+def _conv_untiled(w, d: dict[str, Any]):
+    """The conv kernel [channels, width]: q and k channels as stored, v's value heads untiled; [channels, 1, width]."""
+    qk = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"]
+    return torch.cat([w[:qk], _untiled(w[qk:], d, 0, d["linear_value_head_dim"])]).unsqueeze(1)
+
+
 def _exps(name: str) -> Placed:
     return Placed({"weight": f"mlp.experts.*.{name}.weight"})
 
@@ -311,6 +355,21 @@ _QWEN3NEXT_PLACED = {**{k: v for k, v in _GLM4MOE_EXPERTS.items() if k != "exp_p
                      "ssm_dt": Placed({"bias": "linear_attn.dt_bias"}),
                      "ssm_conv1d": Placed({"weight": "linear_attn.conv1d.weight"},
                                           convert=lambda w, d: w.unsqueeze(1))}
+_LA = "linear_attn."
+_QWEN35_PLACED = {
+    "attn_qkv": Placed({"weight": _LA + "in_proj_qkv.weight"}, rows=lambda d: _v_rows(
+        d, d["linear_value_head_dim"], 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"])),
+    "attn_gate": Placed({"weight": _LA + "in_proj_z.weight"}, rows=lambda d: _v_rows(d, d["linear_value_head_dim"])),
+    "ssm_alpha": Placed({"weight": _LA + "in_proj_a.weight"}, rows=lambda d: _v_rows(d, 1)),
+    "ssm_beta": Placed({"weight": _LA + "in_proj_b.weight"}, rows=lambda d: _v_rows(d, 1)),
+    "ssm_out": Placed({"weight": _LA + "out_proj.weight"},
+                      convert=lambda w, d: _untiled(w, d, 1, d["linear_value_head_dim"])),
+    "ssm_a": Placed({"weight": _LA + "A_log"}, convert=lambda a, d: _untiled(_a_log(a, d), d, 0, 1)),
+    "ssm_dt": Placed({"bias": _LA + "dt_bias"}, convert=lambda b, d: _untiled(b, d, 0, 1)),
+    "ssm_conv1d": Placed({"weight": _LA + "conv1d.weight"}, convert=_conv_untiled)}
+_PACKED_EXPERTS = (("gate", "gate_up_proj", 0), ("up", "gate_up_proj", 1), ("down", "down_proj", 0))
+_QWEN35MOE_PLACED = {**_QWEN35_PLACED, **{f"ffn_{kind}_exps": Placed({"weight": f"mlp.experts.{hf}#{i}"})
+                                          for kind, hf, i in _PACKED_EXPERTS}}
 _GATE_UP = {"weight": "mlp.experts.gate_up_proj", "bias": "mlp.experts.gate_up_proj_bias"}
 _GPT_OSS_PLACED = {"attn_sinks": Placed({"weight": "self_attn.sinks"}),
                    "ffn_gate_exps": Placed(_GATE_UP, transposed=True, into=(0, 2)),
@@ -356,4 +415,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         "linear_attn.norm", "linear_attn.out_proj", "mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj",
         "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"), reads=("expert_count",), config=_qwen3next,
         norm_offset=1.0, placed=_QWEN3NEXT_PLACED, unshifted=("ssm_norm",)),
+    "qwen35": Architecture("qwen3_5_text", layer_modules=LLAMA_LAYER + _QK_NORMS + ("linear_attn.norm",),
+                           config=_deltanet, norm_offset=1.0, placed=_QWEN35_PLACED, unshifted=("ssm_norm",)),
+    "qwen35moe": Architecture("qwen3_5_moe_text", layer_modules=(
+        *LLAMA_LAYER[:6], *_QK_NORMS, "linear_attn.norm", "mlp.gate", "mlp.shared_expert_gate",
+        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"),
+        reads=("expert_count",), config=_qwen3next, norm_offset=1.0, placed=_QWEN35MOE_PLACED,
+        unshifted=("ssm_norm",), optional=("feed_forward_length",)),
 }

@@ -150,7 +150,8 @@ class GGUFFile:
                                   f"GGUF {arch} models without {key})")
         d: dict[str, Any] = {"model_type": spec.family}
         for key, name in _REQUIRED.items():
-            d[name] = _field(self.reader, f"{arch}.{key}", self.path)
+            if key not in spec.optional or f"{arch}.{key}" in fields:
+                d[name] = _field(self.reader, f"{arch}.{key}", self.path)
         for key, name in _OPTIONAL.items():
             if f"{arch}.{key}" in fields:
                 d[name] = _field(self.reader, f"{arch}.{key}", self.path)
@@ -232,7 +233,8 @@ def _placed(path: Path, entry, layer: int, placed: Placed, suffix: str, d: dict[
                           f"{', '.join(placed.names)} of it")
     return StoredTensor(path, entry, f"model.layers.{layer}.{placed.names[suffix]}", 0,
                         transposed=placed.transposed and suffix == "weight", into=placed.into,
-                        convert=_bound(placed.convert, d), select=_bound(placed.select, d))
+                        convert=_bound(placed.convert, d), select=_bound(placed.select, d),
+                        rows=None if placed.rows is None else placed.rows(d))
 
 
 def _bound(fn, d: dict[str, Any]):
@@ -255,6 +257,7 @@ class StoredTensor:
     into: tuple[int, int] | None = None  # (start, step) of the entries of the HuggingFace tensor's last dim
     convert: Any = None  # values -> the shape of their place (Qwen3-Next's DeltaNet tensors)
     select: Any = None  # the HuggingFace tensor -> the view of it this tensor fills
+    rows: Any = None  # the stored rows in HuggingFace's order (an index), or None: as stored
 
     @property
     def kind(self) -> str:
@@ -297,6 +300,11 @@ class StoredTensor:
         return self._rows_in_hf_order(torch.from_numpy(data.reshape(rows, -1).view("uint8").copy()))
 
     def _rows_in_hf_order(self, values: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            if values.shape[0] != len(self.rows):
+                raise ConfigError(f"{str(self.path)!r}: tensor {self.entry.name!r} has {values.shape[0]} rows, but "
+                                  f"the model its metadata describes reads {len(self.rows)} from it")
+            values = values[self.rows]
         heads = self.permute_heads
         if not heads:
             return values
