@@ -122,6 +122,6 @@ def test_architecture_of_a_family_read_only_from_huggingface_is_refused_by_name(
     writer.close()
     with pytest.raises(ConfigError, match=rf"GGUF architecture '{arch}' is not supported; supported: llama, "
                                           r"qwen2, phi3, gemma3, olmo2, seed_oss, smollm3, exaone4, glm4moe, "
-                                          rf"gpt-oss, llama4, qwen3next \(Tessera builds the {family} "
-                                          "family, but from its HuggingFace directory"):
+                                          r"gpt-oss, llama4, qwen3next, qwen35, qwen35moe "
+                                          rf"\(Tessera builds the {family} family, but from its HuggingFace directory"):
         GGUFFile.open(path)
