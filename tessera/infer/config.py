@@ -132,7 +132,8 @@ class EngineConfig:
         "block format in each forward (a gpt-oss MXFP4 directory: its experts kept packed); the embedding, norms "
         "and output head are dequantized at load. None: kept "
         "unless --quantization, --lora, --merge-lora, --tensor-parallel-size > 1 or --allow-runtime-lora need "
-        "them dequantized; with this switch those options are refused instead", action="store_true",
+        "them dequantized; with this switch those options are refused instead, but for --tensor-parallel-size, "
+        "under which each rank keeps its part of the blocks", action="store_true",
         opposite="--gguf-dequantize", opposite_help=(
             "a GGUF model: dequantize all its weights into --dtype at load (more memory; what those options need)")))
     # name -> PEFT directory, served per request
@@ -245,7 +246,7 @@ class EngineConfig:
                 f"at most max_loras={self.max_loras} adapters")
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         if self.tensor_parallel_size > 1:
-            for key in ("lora_adapters", "merge_lora", "quantization", "gguf_keep_quantized"):
+            for key in ("lora_adapters", "merge_lora", "quantization"):
                 self._refuse_with(key, "tensor_parallel_size")
 
     def gguf_blocks_kept(self, is_gguf: bool) -> bool:

@@ -102,8 +102,7 @@ def test_options_it_cannot_go_with_are_refused_by_name(files, tmp_path):
                        ("merge_lora", [str(tmp_path)])):
         with pytest.raises(ConfigError, match=rf"{key}=.* is invalid: not supported with gguf_keep_quantized=True"):
             EngineConfig(gguf_keep_quantized=True, **{key: value})
-    with pytest.raises(ConfigError, match=r"gguf_keep_quantized=True is invalid: not supported with tensor_parallel"):
-        EngineConfig(gguf_keep_quantized=True, tensor_parallel_size=2)
+    EngineConfig(gguf_keep_quantized=True, tensor_parallel_size=2)  # each rank its part (test_gguf_tensor_parallel)
     hf = tmp_path / "hf"
     tiny_hf_model("llama").save_pretrained(hf)
     with pytest.raises(ConfigError, match="applies to GGUF files and MXFP4 directories .*; .* is neither"):
@@ -119,8 +118,7 @@ def test_serve_refuses_those_options_with_exit_2(files, tmp_path, capsys):
     path = str(files["llama", BLOCK_TYPES])
     for extra, message in ((["--quantization", "int8"], "quantization='int8' is invalid"),
                            (["--allow-runtime-lora", "--lora-modules-dir", str(tmp_path)],
-                            "--allow-runtime-lora is not supported with --gguf-keep-quantized"),
-                           (["--tensor-parallel-size", "2"], "gguf_keep_quantized=True is invalid")):
+                            "--allow-runtime-lora is not supported with --gguf-keep-quantized")):
         assert main(["serve", path, "--gguf-keep-quantized", "--port", "0", *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err

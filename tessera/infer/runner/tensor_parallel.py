@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor, Shard
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
+from tessera.infer.cpu.gguf_matmul import use_block_kernels
+from tessera.infer.runner import gguf_shards
 from tessera.models.transformer import Transformer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.parallelize import parallelize
@@ -164,10 +166,13 @@ def serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: tor
     return _in_a_thread_of_its_own(_serving_shard_from_hf, path, cfg, dims, dtype, device)
 
 
-def cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
+def cut_for_serving(model: Transformer, dims: ParallelDims, block_kernels: bool = False) -> Transformer:
     """This rank's shard of a whole model (identical on every rank), as plain tensors, cut in a
-    thread of its own."""
-    return _in_a_thread_of_its_own(_cut_for_serving, model, dims)
+    thread of its own; `block_kernels`: its kept GGUF blocks multiplied by the CPU block kernel."""
+    model = _in_a_thread_of_its_own(_cut_for_serving, model, dims)
+    if block_kernels:
+        use_block_kernels(model)
+    return model
 
 
 def _serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: torch.dtype,
@@ -182,4 +187,9 @@ def _serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: to
 
 
 def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
-    return to_plain_tensors(shard_model(model.eval(), dims), dims["tp"].get_group())
+    """The plan's cut; a GGUF model's kept blocks cut beside it, each rank keeping its part (gguf_shards.py)."""
+    kept = gguf_shards.stand_in(model)
+    model = shard_model(model.eval(), dims)
+    cut = gguf_shards.boxes(model, kept)
+    group = dims["tp"].get_group()
+    return gguf_shards.put_back(to_plain_tensors(model, group), kept, cut, dist.get_rank(group))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.int8 import is_quantized_dir
 from tessera.checkpoint.loading import load_model
 from tessera.checkpoint.prequantized.detect import is_prequantized_hf, quantization_config
@@ -91,10 +92,15 @@ class TensorParallelExecutor:
                               f"(quant_method={qc.get('quant_method')!r}): its quantized layers are served on one "
                               "rank; serve it with tensor_parallel_size=1")
         full, run_cfg = None, None
+        if config.gguf_keep_quantized and not is_gguf_path(path):
+            raise ConfigError(f"gguf_keep_quantized=True with tensor_parallel_size={n} applies to GGUF files (each "
+                              f"rank keeps its part of the blocks); {str(path)!r} is not one (an MXFP4 directory's "
+                              "experts are kept packed on one rank): drop the option or serve it on one rank")
         if is_hf_directory(path):
             cfg = read_hf_config(path)
         else:  # a Tessera checkpoint, or nothing a model can be loaded from: the loader says which
-            full, _, run_cfg = load_model(path, config.torch_dtype, rank_device(config.device, 0))
+            full, _, run_cfg = load_model(path, config.torch_dtype, rank_device(config.device, 0),
+                                          bool(config.gguf_keep_quantized))
             cfg = full.cfg
         dims = serving_dims(cfg, n)  # refused before any process starts
         cache_geometry(cfg, config)
@@ -104,7 +110,7 @@ class TensorParallelExecutor:
             if full is None:
                 model = serving_shard_from_hf(path, cfg, dims, config.torch_dtype, group.device)
             else:
-                model = cut_for_serving(full, dims)
+                model = cut_for_serving(full, dims, config.cpu_prepack)
             group.wait_ready()
             return cls(group, model, config), run_cfg
 

@@ -150,8 +150,8 @@ def _load_rank_model(source: WorkerSource, dims, config: EngineConfig, device: t
         model.reset_rope()
         model = model.to(device)
     else:
-        model = load_model(source.path, dtype, device).model
-    return cut_for_serving(model, dims)
+        model = load_model(source.path, dtype, device, bool(config.gguf_keep_quantized)).model
+    return cut_for_serving(model, dims, config.cpu_prepack)
 
 
 def _join(rank: int, world: int, store: dist.Store, device: torch.device) -> dist.ProcessGroup:
