@@ -41,13 +41,16 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
 
 
-def tiny_model(arch: str, seed: int = 0):
+def tiny_model(arch: str, seed: int = 0, wide: bool = False):
+    """`wide` (Qwen3.5): every matrix 64 columns wide (Q8_0 takes rows of 32) and 4 value heads of 16."""
     import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_attention_heads=6, num_key_value_heads=2,
                   max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=0,
                   pad_token_id=None)
+    if wide:
+        common.update(hidden_size=64, intermediate_size=64, num_attention_heads=4)
     if arch == "smollm3":  # layer 3 without RoPE
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**common, num_hidden_layers=5, rope_theta=20000.0))
     elif arch == "exaone4":
@@ -69,7 +72,8 @@ def tiny_model(arch: str, seed: int = 0):
         model = tf.Qwen3NextForCausalLM(cfg)
     elif arch in ("qwen35", "qwen35moe"):  # as Qwen3-Next's: layers 0-2 DeltaNet, 2 key heads of 4 value heads
         linear = dict(num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2,
-                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+                      linear_num_value_heads=4, linear_key_head_dim=16 if wide else 8,
+                      linear_value_head_dim=16 if wide else 12)
         if arch == "qwen35":
             model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **linear))
         else:
@@ -293,8 +297,9 @@ def mxfp4_experts(model) -> None:
                 p.copy_(torch.from_numpy(back.swapaxes(-1, -2).copy()))
 
 
-def write_gguf(model, path: Path, arch: str, mxfp4: bool = False) -> Path:
-    """`model` (a tiny_model of `arch`) as the GGUF file `path`."""
+def write_gguf(model, path: Path, arch: str, mxfp4: bool = False, q8: bool = False) -> Path:
+    """`model` (a tiny_model of `arch`) as the GGUF file `path`; `q8`: the layers' matrices of whole
+    blocks in Q8_0 (not the conv kernel)."""
     import gguf
 
     cfg = model.config
@@ -307,8 +312,9 @@ def write_gguf(model, path: Path, arch: str, mxfp4: bool = False) -> Path:
     _tokenizer_metadata(writer)
     for base, suffix, w in _gguf_tensors(model, arch):
         name = f"{base if base.startswith('blk.') else names.get_name(base)}.{suffix}"
-        if mxfp4 and w.ndim == 3:
-            qtype = gguf.GGMLQuantizationType.MXFP4
+        if (mxfp4 and w.ndim == 3) or (q8 and w.ndim == 2 and name.startswith("blk.") and "conv" not in name
+                                       and w.shape[-1] % 32 == 0):
+            qtype = gguf.GGMLQuantizationType.MXFP4 if mxfp4 else gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))

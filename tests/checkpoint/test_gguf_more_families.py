@@ -21,6 +21,7 @@ from tessera.checkpoint.gguf import ARCHITECTURES, GGUFFile, load_gguf
 from tessera.checkpoint.gguf.rope_freqs import llama3_from_rope_freqs, llama3_table
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
+from tessera.models.gguf_linear import GgufLinear
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
 from tests.checkpoint.gguf_family_files import check_convert, check_served_greedy, window_ids
 from tests.checkpoint.gguf_files import tiny_hf_model
@@ -155,6 +156,21 @@ def test_a_table_that_is_not_llama3_is_refused():
         llama3_from_rope_freqs("f.gguf", table.tolist(), 12, 10000.0)
     with pytest.raises(ConfigError, match="Tessera reads Llama 3's table of 6"):
         llama3_from_rope_freqs("f.gguf", [1.0, 2.0], 12, 10000.0)
+
+
+def test_qwen35_value_heads_put_back_as_a_row_order_are_kept_as_blocks(tmp_path):
+    """`keep_quantized` on a Qwen3.5 file: the DeltaNet projections whose value-head rows llama.cpp stores
+    tiled (attn_qkv, attn_gate, ssm_alpha, ssm_beta) stay the file's Q8_0 blocks, rows reordered, with
+    the logits of the model dequantized at load; ssm_out, whose columns move, is dequantized."""
+    hf = tiny_model("qwen35", seed=1, wide=True)
+    path = write_gguf(hf, tmp_path / "q8.gguf", "qwen35", q8=True)
+    kept, dense = load_gguf(path, keep_quantized=True), load_gguf(path)
+    attention = kept.layers["0"].attention
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+        assert isinstance(getattr(attention, name), GgufLinear) and getattr(attention, name).kind == "Q8_0", name
+    assert not isinstance(attention.out_proj, GgufLinear)
+    with torch.no_grad():  # (the dequantized load's put-back is proven equal to transformers' above, in F32)
+        torch.testing.assert_close(kept(window_ids()).logits, dense(window_ids()).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_qwen3next_file_whose_ssm_a_is_not_negative_is_refused(tmp_path):
