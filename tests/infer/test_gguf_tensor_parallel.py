@@ -2,18 +2,23 @@
 tensor-parallel ranks: each rank holds its part of the file's blocks (column-parallel layers their
 output rows, row-parallel ones their input columns, whole blocks) and multiplies by them, and the
 greedy tokens are those of one rank serving the same blocks. A row-parallel split that falls inside
-a block (Q4_K's 256 values over 128 columns a rank) is refused by the layer's name."""
+a block (Q4_K's 256 values over 128 columns a rank) is refused by the layer's name, as are blocks
+the ranks cannot share (gpt-oss's packed MXFP4 experts) and a source that is not a GGUF file."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tessera.checkpoint.gguf import load_gguf
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, SamplingParams
+from tessera.infer.runner import gguf_shards
 from tessera.models.gguf_blocks import BLOCKS, row_bytes
 from tessera.models.gguf_linear import GgufLinear
 from tests.checkpoint.gguf_files import tiny_hf_model, write_gguf
+from tests.checkpoint.gguf_more_family_files import mxfp4_experts, tiny_model
+from tests.checkpoint.gguf_more_family_files import write_gguf as write_gguf_family
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = ["hello world", "The quick brown fox jumps over", "zz"]
@@ -55,3 +60,18 @@ def test_a_row_parallel_split_inside_a_block_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=rf"cuts layers\.0\.attention\.wo's 256 input columns at 0\.\.128, inside its "
                                           rf"Q4_K blocks of {values} values.*--gguf-dequantize"):
         LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+
+
+def test_blocks_the_ranks_cannot_share_are_refused_before_any_cut(tmp_path):
+    """gpt-oss's MXFP4 experts kept packed are not cut (expert tensor parallelism cuts float experts), and
+    a source that is not a GGUF file (a directory; an MXFP4 one keeps its experts packed on one rank) is
+    refused before any process starts."""
+    hf = tiny_model("gpt-oss", seed=2)
+    mxfp4_experts(hf)
+    model = load_gguf(write_gguf_family(hf, tmp_path / "mxfp4.gguf", "gpt-oss", mxfp4=True), keep_quantized=True)
+    with pytest.raises(ConfigError, match=r"cannot cut layers\.0\.moe\.experts \(Mxfp4Experts.*--gguf-dequantize"):
+        gguf_shards.stand_in(model)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"gguf_keep_quantized=True with tensor_parallel_size=2 applies to GGUF "
+                                          r"files .* is not one"):
+        LLM(str(tmp_path / "hf"), tensor_parallel_size=2, **OPTIONS)
