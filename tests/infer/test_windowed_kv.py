@@ -82,20 +82,21 @@ def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_pat
     assert pool.num_free_blocks == pool.num_blocks and blocks.num_free_blocks == pool.num_blocks
 
 
-@pytest.mark.parametrize(("family", "attention"), [("gemma3_text", "kernel"), ("gpt_oss", "kernel"),
-                                                   ("gemma3_text", "torch")])
-def test_a_window_of_whole_blocks_holds_exactly_its_blocks_batched(family, attention, tmp_path, monkeypatch):
-    """A window of 8 = two blocks of 4, prompt chunks of 6 (which do not divide it), two requests
-    batched: each holds at most 8 / 4 blocks (the ring has no slot to spare), the chunks past the
-    ring's first turn attend to their own keys from the step's tensors, and both requests decode
-    transformers' tokens, with the CPU kernel reading the ring in place and without it (SDPA over
-    the gathered ring: TESSERA_CPU_ATTENTION=torch)."""
+@pytest.mark.parametrize(("family", "attention", "chunk"), [("gemma3_text", "kernel", 6), ("gpt_oss", "kernel", 6),
+                                                            ("gemma3_text", "torch", 6), ("gpt_oss", "torch", 20)])
+def test_a_window_of_whole_blocks_holds_exactly_its_blocks_batched(family, attention, chunk, tmp_path, monkeypatch):
+    """A window of 8 = two blocks of 4, prompt chunks of 6 or 20 (neither divides it; 20 is longer
+    than the ring, so a chunk overwrites its own first keys), two requests batched: each holds at most
+    8 / 4 blocks (the ring has no slot to spare), the chunks past the ring's first turn attend to their
+    own keys from the step's tensors, and both requests decode transformers' tokens, with the CPU
+    kernel reading the ring in place and without it (SDPA over the gathered ring:
+    TESSERA_CPU_ATTENTION=torch)."""
     from tessera.infer.runner.window_ring import WindowRingBatch
 
     if attention == "torch":
         monkeypatch.setenv("TESSERA_CPU_ATTENTION", "torch")
     hf = write_model(tmp_path, family, std=0.25, sliding_window=8)
-    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=6)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk)
     pool = llm.engine.blocks.window
     assert pool.ring == 2 and pool.num_blocks == 2 * 2 and llm.engine.kv.window_ring == 8
     wrapped, most = [], []
