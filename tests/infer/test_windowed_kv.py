@@ -3,10 +3,10 @@ tessera/infer/scheduling/window_blocks.py, tessera/infer/runner/window_ring.py):
 windows long holds at most ceil(window / block) blocks in the windowed layers' pool, prompt chunks
 included, while the full layers keep all of theirs, and decodes the tokens transformers does (Gemma
 3's local layers, gpt-oss's with sinks, Llama 4's chunks), with prompt chunks that do not divide the
-window and two requests batched; a finished request's ring serves the next; preemption, speculative
-drafts, the static-shape decode step, perplexity and loglikelihood scoring give what the engine that
-keeps every block gives; a request failing on inf/NaN leaves its window blocks to be zeroed in the
-windowed layers."""
+window and two requests batched; a finished request's ring serves the next; rejected speculative
+drafts overwrite nothing a later query sees; preemption, speculative drafts, the static-shape decode
+step, perplexity and loglikelihood scoring give what the engine that keeps every block gives; a
+request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
 
 from __future__ import annotations
 
@@ -156,6 +156,24 @@ def test_speculative_drafts_over_a_windowed_pool(tmp_path):
     assert outs == _expected(hf, llm, PROMPTS[:2], 40)
     assert llm.engine.metrics.spec_proposed > 0
     assert max(most) <= pool.layers.blocks_per_seq(4, lookahead=3)
+
+
+def test_rejected_drafts_leave_the_ring_as_it_must_be(tmp_path):
+    """A draft model of the target's random draws at a smaller scale (some proposals accepted, others
+    rejected), a window of 8 in blocks of 4 and three speculative slots: the ring has the window's
+    blocks plus the slots' (8 + 3 -> 3 blocks), so the verified step's keys of rejected drafts
+    overwrote only keys no later query sees, and the tokens are transformers'."""
+    hf = write_model(tmp_path / "target", "gemma3_text", std=0.25, sliding_window=8)
+    write_model(tmp_path / "draft", "gemma3_text", std=0.15, sliding_window=8)  # the same draws, scaled
+    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6,
+              speculative=SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(tmp_path / "draft")))
+    pool = llm.engine.blocks.window
+    assert pool.ring == 3
+    outs = _run(llm, PROMPTS[:2], 40, lambda e: [len(pool.held(s)) <= 3 or pytest.fail("ring grew")
+                                                 for s in e.scheduler.running])
+    assert outs == _expected(hf, llm, PROMPTS[:2], 40)
+    metrics = llm.engine.metrics
+    assert 0 < metrics.spec_accepted < metrics.spec_proposed
 
 
 def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
