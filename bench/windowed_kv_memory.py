@@ -1,20 +1,22 @@
 """Serving memory of a sliding-window model at a context several times its window: the KV bytes of
-its local layers when they keep only the blocks their window still sees (`--windowed-kv bounded`,
+its local layers when they keep a ring of their window's slots (`--windowed-kv bounded`,
 tessera/infer/scheduling/window_blocks.py) against the same model keeping every block
 (`--windowed-kv kept`: each local layer then holds what a full-attention layer holds).
 
 A Gemma 3-shaped model (five sliding-window layers to one global; tiny widths, random weights) serves
-`--seqs` greedy requests of `--multiple` x `--window` positions each (a prompt of one window, the rest
-decoded). Per mode it reports, for the local layers only:
+`--seqs` greedy requests of `--multiple` x `--window` positions each (a prompt of `--prompt-windows`
+windows, fed in chunks of `--budget` tokens, the rest decoded). Per mode it reports, for the local
+layers only:
 - held: the most KV bytes the requests' blocks in those layers took at once, over every step
-  (bounded: blocks of the windowed pool in use; kept: the blocks of the one pool, as those layers
-  store a key and value per position of every block);
+  (bounded: blocks of the windowed pool in use, prompt chunks included; kept: the blocks of the one
+  pool, as those layers store a key and value per position of every block);
 - allocated: the bytes of those layers' cache tensors, as the engine sized them for `--seqs`
   sequences of the context (bounded: the windowed pool's blocks; kept: the full pool's);
 and that both modes decoded the same tokens. Memory is counted, not timed: any machine gives the same
 figures.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/windowed_kv_memory.py
+    (--window 512 --seqs 2 --budget 256; --prompt-windows 4 --budget 96: prompt chunks past the ring's first turn)
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def serve(net: Transformer, mode: str, args) -> dict:
     kv = engine.kv
     per_block = kv.layer_nbytes(local) // (kv.k[local[0]].shape[0] // args.block_size)  # bytes of a block in them
     gen = torch.Generator().manual_seed(1)
-    params = SamplingParams(max_tokens=context - args.window, temperature=0.0, ignore_eos=True)
-    seqs = [engine.scheduler.requests[engine.add_request(torch.randint(3, 250, (args.window,), generator=gen)
+    prompt = args.prompt_windows * args.window
+    params = SamplingParams(max_tokens=context - prompt, temperature=0.0, ignore_eos=True)
+    seqs = [engine.scheduler.requests[engine.add_request(torch.randint(3, 250, (prompt,), generator=gen)
                                                          .tolist(), params)] for _ in range(args.seqs)]
     pool, most = engine.blocks.window, 0
     while engine.has_unfinished():
@@ -66,6 +69,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--budget", type=int, default=128, help="max_num_batched_tokens")
+    ap.add_argument("--prompt-windows", type=int, default=1, help="prompt length, in windows")
     args = ap.parse_args()
     torch.set_num_threads(1)
     net = model(args.window, args.multiple * args.window)
@@ -73,7 +77,7 @@ def main() -> None:
     b, k = got["bounded"], got["kept"]
     print(json.dumps({
         "window": args.window, "context": args.multiple * args.window, "block_size": args.block_size,
-        "seqs": args.seqs, "longest_sequence": b["longest"],
+        "seqs": args.seqs, "prompt": args.prompt_windows * args.window, "longest_sequence": b["longest"],
         "local_held_bytes": {"bounded": b["held_bytes"], "kept": k["held_bytes"]},
         "local_held_ratio": round(b["held_bytes"] / k["held_bytes"], 4),
         "local_allocated_bytes": {"bounded": b["allocated_bytes"], "kept": k["allocated_bytes"]},

@@ -13,7 +13,7 @@ the keys/values of the earlier ones back from the cache, as generation does. Pie
 carry no targets; the continuation's pieces carry them. Requests are admitted while blocks and
 sequence slots last and leave as they finish, so a long request never holds up the short ones.
 With a windowed block pool (infer/scheduling/window_blocks.py) a request takes its blocks piece by
-piece instead, giving back after each piece the windowed layers' blocks no later piece sees.
+piece instead, its windowed layers' blocks a ring of the window's that later pieces write over.
 """
 
 from __future__ import annotations
@@ -127,5 +127,3 @@ def _score_round(engine: LLMEngine, running: list[_Running], budget: int) -> Non
             r.logprob += float(scores.logprobs.double().sum())
             r.greedy = r.greedy and bool(scores.is_argmax.all())
         r.position = r.seq.num_computed = end
-        if engine.blocks.window is not None:
-            engine.blocks.window.release_unseen(r.seq)

@@ -107,8 +107,8 @@ class EngineConfig:
     # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
     # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(
-        "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, blocks before the "
-        "window freed; no prefix caching for such models) or kept (every block kept, prefix caching as "
+        "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, a ring of the "
+        "window's slots per sequence; no prefix caching for such models) or kept (every block kept, prefix caching as "
         "for any model)", choices=("bounded", "kept")))
     scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
         "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "

@@ -1,10 +1,12 @@
-"""Sliding-window and chunked layers keep only the blocks they can still see (`--windowed-kv bounded`,
-tessera/infer/scheduling/window_blocks.py): a sequence many windows long holds at most its window's
-blocks in the windowed layers' pool while the full layers keep all of theirs, and decodes the tokens
-transformers does (Gemma 3's local layers, gpt-oss's with sinks, Llama 4's chunks); given-back
-blocks serve another request; preemption, speculative drafts, the static-shape decode step,
-perplexity and loglikelihood scoring give what the engine that keeps every block gives; a request
-failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
+"""Sliding-window and chunked layers keep a ring of their window's token slots (`--windowed-kv bounded`,
+tessera/infer/scheduling/window_blocks.py, tessera/infer/runner/window_ring.py): a sequence many
+windows long holds at most ceil(window / block) blocks in the windowed layers' pool, prompt chunks
+included, while the full layers keep all of theirs, and decodes the tokens transformers does (Gemma
+3's local layers, gpt-oss's with sinks, Llama 4's chunks), with prompt chunks that do not divide the
+window and two requests batched; a finished request's ring serves the next; rejected speculative
+drafts overwrite nothing a later query sees; preemption, speculative drafts, the static-shape decode
+step, perplexity and loglikelihood scoring give what the engine that keeps every block gives; a
+request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
 
 from __future__ import annotations
 
@@ -50,15 +52,16 @@ def _expected(hf, llm: LLM, prompts: list[str], max_tokens: int) -> list[list[in
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
 def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_path):
     """Windows (or chunks) of 5 on layer 0, blocks of 4, prompt chunks of 8: after every step a
-    decoding sequence holds at most ceil(5 / 4) + 1 blocks of the windowed pool, one prefilling at
-    most one chunk's more, while its full-attention table covers every position (10+ windows)."""
+    sequence, prefilling or decoding, holds at most ceil(5 / 4) blocks of the windowed pool (its
+    ring, which its window table repeats), while its full-attention table covers every position
+    (10+ windows)."""
     hf = write_model(tmp_path, family, std=0.25)
     llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8)
     blocks = llm.engine.blocks
     pool = blocks.window
     assert pool is not None and pool.layers.layers == {0}
     bound = pool.layers.blocks_per_seq(4)
-    assert bound == 3
+    assert bound == pool.ring == 2
     seen = {"decode": 0, "prefill": 0, "longest": 0}
 
     def watch(engine):
@@ -67,19 +70,53 @@ def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_pat
             assert len(seq.block_table) == len(seq.window_table) == blocks.blocks_for(seq.num_computed)
             phase = "decode" if seq.output_ids else "prefill"
             seen[phase] = max(seen[phase], held)
+            table = seq.window_table
+            assert all(table[i] == table[i - bound] for i in range(bound, len(table)))
             seen["longest"] = max(seen["longest"], seq.num_computed)
         assert pool.num_used_blocks == sum(len(pool.held(s)) for s in engine.scheduler.running)
 
     outs = _run(llm, PROMPTS, 40, watch)
     assert outs == _expected(hf, llm, PROMPTS, 40)
-    assert 0 < seen["decode"] <= bound and seen["prefill"] <= bound + 2
+    assert 0 < seen["decode"] <= bound and seen["prefill"] <= bound
     assert seen["longest"] >= 10 * 5  # ten windows and more
     assert pool.num_free_blocks == pool.num_blocks and blocks.num_free_blocks == pool.num_blocks
 
 
-def test_given_back_blocks_serve_another_request(tmp_path):
-    """Two requests of 15 blocks each run at once from a windowed pool of 8 blocks: each takes blocks
-    the other gave back, and both decode transformers' tokens."""
+@pytest.mark.parametrize(("family", "attention", "chunk"), [("gemma3_text", "kernel", 6), ("gpt_oss", "kernel", 6),
+                                                            ("gemma3_text", "torch", 6), ("gpt_oss", "torch", 20)])
+def test_a_window_of_whole_blocks_holds_exactly_its_blocks_batched(family, attention, chunk, tmp_path, monkeypatch):
+    """A window of 8 = two blocks of 4, prompt chunks of 6 or 20 (neither divides it; 20 is longer
+    than the ring, so a chunk overwrites its own first keys), two requests batched: each holds at most
+    8 / 4 blocks (the ring has no slot to spare), the chunks past the ring's first turn attend to their
+    own keys from the step's tensors, and both requests decode transformers' tokens, with the CPU
+    kernel reading the ring in place and without it (SDPA over the gathered ring:
+    TESSERA_CPU_ATTENTION=torch)."""
+    from tessera.infer.runner.window_ring import WindowRingBatch
+
+    if attention == "torch":
+        monkeypatch.setenv("TESSERA_CPU_ATTENTION", "torch")
+    hf = write_model(tmp_path, family, std=0.25, sliding_window=8)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk)
+    pool = llm.engine.blocks.window
+    assert pool.ring == 2 and pool.num_blocks == 2 * 2 and llm.engine.kv.window_ring == 8
+    wrapped, most = [], []
+    real = WindowRingBatch._attend_wrapping
+    monkeypatch.setattr(WindowRingBatch, "_attend_wrapping",
+                        lambda self, layer, w, *a: wrapped.append(w.rows) or real(self, layer, w, *a))
+
+    def watch(engine):
+        most.append(max((len(set(pool.held(s))) for s in engine.scheduler.running), default=0))
+        assert pool.num_used_blocks == sum(len(pool.held(s)) for s in engine.scheduler.running)
+
+    prompts = [PROMPTS[0] + " and more than a window", PROMPTS[2]]
+    outs = _run(llm, prompts, 30, watch)
+    assert outs == _expected(hf, llm, prompts, 30)
+    assert max(most) == 2 and wrapped
+
+
+def test_a_finished_requests_ring_serves_the_next(tmp_path):
+    """Three requests of 12+ blocks each through two sequence slots and a windowed pool of 2 x 2
+    blocks: the third takes the ring of one that finished, and all decode transformers' tokens."""
     hf = write_model(tmp_path, "gemma3_text", std=0.25)
     llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
     pool = llm.engine.blocks.window
@@ -90,11 +127,9 @@ def test_given_back_blocks_serve_another_request(tmp_path):
             for b in pool.held(seq):
                 holders[b].add(seq.request_id)
 
-    prompts = PROMPTS[:1] + PROMPTS[2:]
-    outs = _run(llm, prompts, 48, watch)
-    assert outs == _expected(hf, llm, prompts, 48)
-    need = sum(llm.engine.blocks.blocks_for(len(llm.encode(p)) + 48) for p in prompts)
-    assert pool.num_blocks == 8 < need
+    outs = _run(llm, PROMPTS, 40, watch)
+    assert outs == _expected(hf, llm, PROMPTS, 40)
+    assert pool.num_blocks == 4
     assert any(len(ids) == 2 for ids in holders.values())
 
 
@@ -106,7 +141,7 @@ def test_preempted_requests_decode_the_same(tmp_path):
     assert llm.engine.metrics.preemptions > 0
     assert outs == _expected(hf, llm, prompts, 24)
     blocks = llm.engine.blocks
-    assert blocks.num_free_blocks == 24 and blocks.window.num_free_blocks == blocks.window.num_blocks
+    assert len(blocks.free) == 24 and blocks.window.num_free_blocks == blocks.window.num_blocks
 
 
 def test_speculative_drafts_over_a_windowed_pool(tmp_path):
@@ -121,6 +156,24 @@ def test_speculative_drafts_over_a_windowed_pool(tmp_path):
     assert outs == _expected(hf, llm, PROMPTS[:2], 40)
     assert llm.engine.metrics.spec_proposed > 0
     assert max(most) <= pool.layers.blocks_per_seq(4, lookahead=3)
+
+
+def test_rejected_drafts_leave_the_ring_as_it_must_be(tmp_path):
+    """A draft model of the target's random draws at a smaller scale (some proposals accepted, others
+    rejected), a window of 8 in blocks of 4 and three speculative slots: the ring has the window's
+    blocks plus the slots' (8 + 3 -> 3 blocks), so the verified step's keys of rejected drafts
+    overwrote only keys no later query sees, and the tokens are transformers'."""
+    hf = write_model(tmp_path / "target", "gemma3_text", std=0.25, sliding_window=8)
+    write_model(tmp_path / "draft", "gemma3_text", std=0.15, sliding_window=8)  # the same draws, scaled
+    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6,
+              speculative=SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(tmp_path / "draft")))
+    pool = llm.engine.blocks.window
+    assert pool.ring == 3
+    outs = _run(llm, PROMPTS[:2], 40, lambda e: [len(pool.held(s)) <= 3 or pytest.fail("ring grew")
+                                                 for s in e.scheduler.running])
+    assert outs == _expected(hf, llm, PROMPTS[:2], 40)
+    metrics = llm.engine.metrics
+    assert 0 < metrics.spec_accepted < metrics.spec_proposed
 
 
 def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
@@ -145,7 +198,7 @@ def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
 
 
 def test_the_static_decode_step_reads_the_window_tables(tmp_path):
-    """Mid-decode, with blocks given back: the decode step's padded block-table attention (the CUDA
+    """Mid-decode, past the rings' first turn: the decode step's padded block-table attention (the CUDA
     graph's, run eagerly here) and its ragged CPU rows equal the packed step, and NaN in every
     windowed block no table holds changes nothing."""
     write_model(tmp_path, "gemma3_text", std=0.25)
@@ -158,7 +211,8 @@ def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     pool, kv = engine.blocks.window, engine.kv
     for s in seqs:
         assert engine.blocks.ensure_slots(s, s.num_computed + 1)
-        assert pool.released in s.window_table  # blocks before the window were given back
+        table = s.window_table  # the ring's blocks again past its first turn
+        assert len(table) > pool.ring and table[pool.ring:] == table[:len(table) - pool.ring]
     free = torch.tensor(list(pool.free))
     slots = (free[:, None] * 4 + torch.arange(4)).flatten()
     for layer in pool.layers.layers:
@@ -204,7 +258,7 @@ def test_a_request_failing_on_nan_leaves_its_window_blocks_to_be_zeroed():
     scheduler.add(seq)
     scheduler.schedule()
     held, own = pool.held(seq), list(seq.block_table)
-    assert len(held) == 3 and pool.num_free_blocks == 5
+    assert len(held) == 1 and pool.num_free_blocks == 7  # a window of 4: a ring of one block
     scheduler._fail_alone(seq, FloatingPointError("inf"))
     assert sorted(scheduler.take_dirty_blocks()) == sorted(own + [-1 - b for b in held])
     assert pool.num_free_blocks == 8 and blocks.num_free_blocks == 8

@@ -96,8 +96,9 @@ def hf_config(family: str, **overrides):
                                 n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                                 routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, head_dim=12)
     if family == "gpt_oss":  # sinks, a window of 5 on the first layer, biased experts with the clamped SwiGLU, YaRN
-        return tf.GptOssConfig(**{**common, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=2,
-                               head_dim=12, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        own = {**common, "intermediate_size": 16, "sliding_window": 5, **overrides}
+        return tf.GptOssConfig(**own, num_local_experts=4, num_experts_per_tok=2, head_dim=12,
+                               layer_types=["sliding_attention", "full_attention"],
                                swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                "original_max_position_embeddings": 64, "truncate": False, "rope_theta": 5000.0})
     raise ValueError(family)

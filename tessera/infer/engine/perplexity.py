@@ -5,8 +5,8 @@ tensor parallelism) and paged KV cache, so every chunk after the first attends t
 back from the cache (dequantised when the cache is int8), exactly as generation would.
 perplexity = exp(mean over predicted tokens of -log p(token | everything before it)). Text longer
 than the context is scored in independent windows of `max_model_len` tokens. With a windowed block
-pool (infer/scheduling/window_blocks.py) blocks are taken chunk by chunk, and the windowed layers'
-blocks no later chunk sees given back after each.
+pool (infer/scheduling/window_blocks.py) blocks are taken chunk by chunk, the windowed layers' a
+ring of the window's blocks that later chunks write over.
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
                                                            seq.window_table or None)])[0]
                 total -= float(logp.sum())
                 count += len(targets)
-                if pool is not None:
-                    seq.num_computed = start + len(piece)
-                    pool.release_unseen(seq)
         finally:
             engine.blocks.free_sequence(seq)
     return total, count

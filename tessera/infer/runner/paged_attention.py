@@ -28,8 +28,9 @@ every row of the step, prompt chunks included, is one ragged group read in place
 one call per layer, which also spares a chunk after earlier context the whole square of scores
 that SDPA computes under an explicit mask.
 With a windowed pool (`PagedKVCache.window_layers`, scheduling/window_blocks.py) the windowed layers
-attend through a second batch of the same rows built over the sequences' `window_table`s: their
-keys are written to, and read from, that pool's blocks.
+attend through a second batch of the same rows built over the sequences' `window_table`s, rings of
+token slots in that pool's blocks (window_ring.py: a prompt chunk that would write over keys its own
+queries still see attends to its own keys from the step's tensors).
 Shapes: T packed tokens, N sequences in a group, S longest query, L longest context, H query heads,
 G stored heads, D head dim.
 """
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.runner.sparse_attention import attend_sparse
+from tessera.infer.runner.window_ring import WindowRingBatch
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import Window, causal_attention, sees_all, window_allows
 from tessera.models.attention_sinks import sink_attention
@@ -92,12 +94,10 @@ class PagedAttentionBatch:
                  window_pool: bool = False):
         self.kv, self.device = kv, torch.device(device)
         # the windowed layers' batch: the same rows over the window tables (their blocks' own pool)
-        self.windowed: PagedAttentionBatch | None = None
+        self.windowed: WindowRingBatch | None = None
         if kv.window_layers and not window_pool:
-            if any(s.window_table is None for s in slices):
-                raise ValueError("a cache with a windowed pool needs every sequence's window_table")
-            self.windowed = PagedAttentionBatch(kv, [SequenceSlice(s.start, s.length, s.window_table)
-                                                     for s in slices], device, window_pool=True)
+            self.windowed = WindowRingBatch(kv, slices, self.device,
+                                            lambda rows: PagedAttentionBatch(kv, rows, device, window_pool=True))
         offsets, t = [], 0
         for s in slices:
             offsets.append(t)

@@ -220,6 +220,7 @@ class CacheGeometry:
     num_blocks: int  # blocks the block manager hands out (the cache holds one more: the scratch block)
     windowed: WindowedLayers | None = None  # layers whose blocks come from a pool of their own (None: no such pool)
     num_window_blocks: int = 0  # that pool's blocks (its stores hold one more: its scratch block)
+    window_ring: int = 0  # slots of a sequence's ring in that pool (scheduling/window_blocks.py)
     num_snapshots: int = 0  # a hybrid model's recurrent-state snapshots for prefix caching (state_snapshots.py)
     snapshot_tokens: int = 0  # ... taken every this many tokens
 
@@ -231,16 +232,14 @@ def windowed_layers(cfg, config: EngineConfig, max_model_len: int) -> WindowedLa
     windowed = WindowedLayers.of(cfg, max_model_len) if config.windowed_kv == "bounded" else None
     require(windowed is None or (not config.has_kv_tiers and config.kv_role is None), "windowed_kv",
             config.windowed_kv, "'kept' with KV tiers or kv_role for a model with sliding-window or chunked "
-            "layers (those move blocks by their prefix, which a windowed pool gives back)")
+            "layers (those move blocks by their prefix, whose slots a windowed pool reuses)")
     return windowed
 
 
 def window_pool_blocks(windowed: WindowedLayers, config: EngineConfig) -> int:
-    """Blocks of the windowed pool: each of max_num_seqs decoding sequences' window, and a step's
-    worth of prompt chunks on top (a pool that still runs short preempts, as the full one does)."""
-    bs = config.block_size
-    per_seq = windowed.blocks_per_seq(bs, config.lookahead)
-    return config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
+    """Blocks of the windowed pool: a ring for each of max_num_seqs sequences (no sequence holds
+    more, prompt chunks included: scheduling/window_blocks.py)."""
+    return config.max_num_seqs * windowed.blocks_per_seq(config.block_size, config.lookahead)
 
 
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
@@ -290,7 +289,8 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
         raise ConfigError(f"num_blocks={num_blocks} is invalid: one sequence of max_model_len="
                           f"{max_model_len} (+{k} speculative) needs {blocks_per_seq} blocks of "
                           f"{bs}; raise num_blocks / kv_cache_gib or lower max_model_len")
-    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks),
+    ring = 0 if windowed is None else windowed.blocks_per_seq(bs, k) * bs
+    return CacheGeometry(max_model_len, blocks_per_seq, num_blocks, windowed, min(num_window, num_blocks), ring,
                          num_snapshots, every)
 
 
@@ -309,7 +309,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     windowed = geometry.windowed
     kv = PagedKVCache(model.cfg, geometry.num_blocks + 1, config.block_size, dtype, device,
                       config.kv_cache_dtype == "int8", tp, windowed.layers if windowed else frozenset(),
-                      geometry.num_window_blocks + 1)
+                      geometry.num_window_blocks + 1, geometry.window_ring)
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None

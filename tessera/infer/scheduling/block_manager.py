@@ -12,8 +12,8 @@ kept in host memory or on disk, and a prefix lookup goes on below the device whe
 chain ends (`find_below`); blocks found there get fresh device blocks filled before the forward.
 
 With a `WindowPool` (window_blocks.py) the windowed layers' blocks come from a second pool: every
-allocation takes from both, and after each step the blocks no later query of a sequence can see go
-back to that pool (`register_computed`). Such a manager has no prefix cache.
+allocation takes from both, a sequence's window blocks being a ring that stops growing at its
+window's blocks. Such a manager has no prefix cache.
 
 A hybrid model's recurrent-state snapshots (state_snapshots.py) are kept beside named blocks: a block's
 snapshot is dropped when the block is evicted, forgotten or freed unnamed, and a prefix found is cut
@@ -40,7 +40,7 @@ class BlockManager:
                  tiers: KVTierPlanner | None = None, window: WindowPool | None = None,
                  snapshots: StateSnapshots | None = None):
         if window is not None and (enable_prefix_caching or tiers is not None):
-            raise ValueError("a windowed block pool goes without prefix caching (its blocks are given back)")
+            raise ValueError("a windowed block pool goes without prefix caching (its blocks are reused in turn)")
         self.window = window
         self.num_blocks = num_blocks
         self.tiers = tiers if enable_prefix_caching else None
@@ -140,9 +140,13 @@ class BlockManager:
         return self.tiers.find(hashes[num_device:])
 
     def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
-        """Whether `num_blocks` new blocks fit while the cached blocks `reusing` get referenced."""
+        """Whether `num_blocks` new blocks fit while the cached blocks `reusing` get referenced (in a
+        windowed pool: at most a ring's of them)."""
+        if self.window is not None and min(num_blocks, self.window.ring) > self.window.num_free_blocks:
+            return False
         parked = sum(1 for b in reusing if self.ref[b] == 0) if self.cache is not None else 0
-        return num_blocks <= self.num_free_blocks - parked
+        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
+        return num_blocks <= free - parked
 
     def adopt_prefix(self, seq: Sequence, blocks: list[int], hashes: list[bytes], below: list = ()) -> None:
         """Give `seq` the cached prefix `blocks`, then fresh blocks for the hits `below` the device
@@ -178,10 +182,7 @@ class BlockManager:
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Name every full block of `seq` whose tokens are all computed and final; with a windowed
-        pool, give back the window blocks no later query of `seq` sees instead."""
-        if self.window is not None:
-            self.window.release_unseen(seq)
+        """Name every full block of `seq` whose tokens are all computed and final."""
         if self.cache is None:
             return
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
@@ -238,7 +239,7 @@ def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None, p
     if geometry.windowed is None:
         return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers, snapshots=snapshots)
     if prefix:
-        log.info("prefix caching is off: the sliding-window and chunked layers' blocks are given back as "
+        log.info("prefix caching is off: the sliding-window and chunked layers' blocks are reused as "
                  "sequences advance (--windowed-kv kept keeps them, with prefix caching)")
-    window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed)
+    window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed, config.lookahead)
     return BlockManager(geometry.num_blocks, config.block_size, False, None, window)

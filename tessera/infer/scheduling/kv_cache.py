@@ -17,8 +17,8 @@ keys before they are stored, so only later reads see the rounding (see paged_att
 `release` gives the stores' memory back and `reclaim` allocates it again (the engine's sleep and
 wake, between the rollout phases of a GRPO run that trains in the same process).
 With `window_layers` (window_blocks.py) those layers' stores hold `window_blocks` blocks of their own
-pool, addressed by a sequence's `window_table`, and the others `num_blocks`; a store's blocks are
-its rows / block_size.
+pool, addressed by a sequence's `window_table` (a ring of `window_ring` slots per sequence), and the
+others `num_blocks`; a store's blocks are its rows / block_size.
 A hybrid model's linear-attention layers (recurrent_state.py) store no keys or values: their stores
 have no rows (`kv_layers` names the layers that do), and `bytes_per_block` counts only the others,
 so the same memory budget holds n_layers / len(kv_layers) times the blocks.
@@ -81,9 +81,10 @@ def quantize_int8(x_TGD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", int8: bool = False, tp_size: int = 1,
-                 window_layers: frozenset[int] = frozenset(), window_blocks: int = 0):
+                 window_layers: frozenset[int] = frozenset(), window_blocks: int = 0, window_ring: int = 0):
         self.num_blocks, self.block_size, self.dtype, self.int8 = num_blocks, block_size, dtype, int8
         self.window_layers, self.window_blocks = window_layers, window_blocks
+        self.window_ring = window_ring  # slots of a sequence's ring in the windowed pool (window_blocks.py)
         gk, dk, gv, dv = kv_shapes(cfg, tp_size)
         self.kv_layers = kv_layers(cfg)
         rows = {i: (window_blocks if i in window_layers else num_blocks) * block_size for i in self.kv_layers}
