@@ -5,7 +5,8 @@ layout its mixer declares (infer/scheduling/recurrent_state.py):
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
 chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
-(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Every slot comes
+(the state after the accepted ones kept), over HTTP, and from `tessera generate` (over two
+tensor-parallel ranks: test_hybrid_tp_serving.py). Every slot comes
 back when its request ends, the slots are paid out of the KV budget (prefix caching's snapshots:
 tests/infer/test_hybrid_prefix_cache.py),
 and the settings a state slot cannot serve (and scoring given tokens past a first chunk) are refused
@@ -125,10 +126,8 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
-                                  r"recurrent layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
-                                  r"recurrent layers yet; use 1"),
-    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes do not "
+    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: model.family=qwen3_next "
+                                             r"has recurrent layers \[0, 1, 2\], and pinned prefixes do not "
                                              r"keep their recurrent-state snapshots"),
 ])
 def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
