@@ -202,7 +202,8 @@ def test_the_kv_cache_holds_keys_and_values_of_the_attention_layers_only(hybrid)
 
 def test_nemotron_h_keeps_keys_and_values_of_its_attention_layer_and_mamba_states_in_slots(nemotron):
     """Of Nemotron-H's five layers only the attention one stores keys and values (not the MLP ones);
-    each Mamba-2 layer's slot holds its convolution window and SSD state, paid out of the budget."""
+    each Mamba-2 layer's slot holds its convolution window and SSD state, paid out of the budget, and
+    the prefix cache's snapshots of them follow the slots."""
     llm = LLM(nemotron[0], block_size=4, num_blocks=16, max_model_len=64)
     cfg, kv = llm.engine.cfg, llm.engine.kv
     assert kv_layers(cfg) == [2] and [t.shape[0] for t in kv.k] == [0, 0, 17 * 4, 0, 0]
@@ -210,9 +211,10 @@ def test_nemotron_h_keeps_keys_and_values_of_its_attention_layer_and_mamba_state
     m = cfg.mamba
     channels = m.n_heads * m.head_dim + 2 * m.n_groups * m.state_size
     assert pool.layers == [0, 3]
+    n = llm.engine.config.max_num_seqs + pool.num_snapshots
+    assert pool.num_snapshots > 0 and pool.num_slots == llm.engine.config.max_num_seqs
     assert {k: t.shape for k, t in pool.tensors[0].items()} == {
-        "conv": (llm.engine.config.max_num_seqs, channels, m.conv_width - 1),
-        "ssm": (llm.engine.config.max_num_seqs, m.n_heads, m.head_dim, m.state_size)}
+        "conv": (n, channels, m.conv_width - 1), "ssm": (n, m.n_heads, m.head_dim, m.state_size)}
     assert bytes_per_slot(cfg, torch.float32) == 2 * 4 * (channels * (m.conv_width - 1)
                                                          + m.n_heads * m.head_dim * m.state_size)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == nemotron[2]

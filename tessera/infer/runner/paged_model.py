@@ -32,6 +32,7 @@ from tessera.infer.scheduling.recurrent_state import (
 )
 from tessera.infer.scheduling.state_snapshots import snapshot_count, snapshot_tokens
 from tessera.infer.scheduling.window_blocks import WindowedLayers
+from tessera.models.linear_attention.states import chunk_tokens
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -265,8 +266,8 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
     num_snapshots, every = 0, 0
-    if config.enable_prefix_caching and cfg.linear_attention is not None:  # up to half of what the slots leave
-        every = snapshot_tokens(bs, cfg.linear_attention.chunk_size, config.state_snapshot_tokens)
+    if config.enable_prefix_caching and chunk_tokens(cfg):  # up to half of what the slots leave
+        every = snapshot_tokens(bs, chunk_tokens(cfg), config.state_snapshot_tokens)
         per_slot = bytes_per_slot(cfg, config.torch_dtype, config.tensor_parallel_size)
         num_snapshots = snapshot_count(int(config.kv_cache_gib * 2**30) - config.max_num_seqs * per_slot, per_slot,
                                        config.max_num_seqs * -(-max_model_len // every))

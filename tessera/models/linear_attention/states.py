@@ -62,6 +62,15 @@ def mamba2_layout(cfg: ModelConfig, tp: int = 1) -> StateLayout:
                                      StateField("ssm", (heads, m.head_dim, m.state_size), True)))
 
 
+def chunk_tokens(cfg: ModelConfig) -> int:
+    """The chunk the chunked form of the model's recurrent layers works in (Gated DeltaNet's and Kimi
+    delta attention's `model.linear_attention.chunk_size`, Mamba-2's `model.mamba.chunk_size`; the
+    larger where a model had both), 0 for a model without such layers: where the prefix cache's
+    snapshots fall by default (infer/scheduling/state_snapshots.py)."""
+    sections = (cfg.linear_attention, cfg.mamba)
+    return max((s.chunk_size for s in sections if s is not None), default=0)
+
+
 def state_layouts(cfg: ModelConfig, tp: int = 1) -> dict[int, StateLayout]:
     """Layer -> the layout of its recurrent state on one of `tp` tensor-parallel ranks, for every layer
     that keeps one (none: no such layer)."""
