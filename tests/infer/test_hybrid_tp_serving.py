@@ -2,10 +2,11 @@
 each rank's recurrent-state pool holds the states of its own linear-attention or Mamba heads (half the
 channels and heads of one rank's), in the slots the driver assigns and sends with every step, so greedy
 tokens of requests arriving while others decode, their prompts cut into chunks, equal one rank's and
-transformers' for Qwen3.5 (Gated DeltaNet, split projections), Nemotron-H (Mamba-2) and Kimi Linear (Kimi
-delta attention). Prefix-cache snapshots and speculative drafts rejected on every rank (the driver's
-KEEP message) leave each rank's slots as one rank's would be: a shared prefix is taken from the cache
-and decodes transformers' tokens. The step's item messages carry the state fields both ways."""
+transformers' for Qwen3.5 (Gated DeltaNet, split projections), Nemotron-H (Mamba-2; and its MoE variant,
+each rank half of every relu^2 expert) and Kimi Linear (Kimi delta attention). Prefix-cache snapshots
+and speculative drafts rejected on every rank (the driver's KEEP message) leave each rank's slots as one
+rank's would be: a shared prefix is taken from the cache and decodes transformers' tokens. The step's
+item messages carry the state fields both ways."""
 
 import copy
 
@@ -33,7 +34,7 @@ OPTIONS = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
 def _hf_config(family: str):
     """The test config of `family` with every recurrent size divisible by two ranks."""
     cfg = copy.deepcopy(hf_configs()[family])
-    if family == "nemotron_h":
+    if family.startswith("nemotron_h"):
         cfg.n_groups = 2  # 6 heads in 2 groups: 3 heads and their group per rank
     if family == "kimi_linear":
         cfg.linear_num_heads = 2
@@ -49,7 +50,7 @@ def _saved(tmp_path_factory, family: str):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear", "nemotron_h_moe"])
 def test_two_ranks_serve_a_hybrid_as_one_rank_and_transformers(family, tmp_path_factory, monkeypatch):
     path, hf = _saved(tmp_path_factory, family)
     want = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
