@@ -6,7 +6,8 @@ transformers' for Qwen3.5 (Gated DeltaNet, split projections), Nemotron-H (Mamba
 each rank half of every relu^2 expert) and Kimi Linear (Kimi delta attention). Prefix-cache snapshots
 and speculative drafts rejected on every rank (the driver's KEEP message) leave each rank's slots as one
 rank's would be: a shared prefix is taken from the cache and decodes transformers' tokens. The step's
-item messages carry the state fields both ways."""
+item messages carry the state fields both ways, and a served mixer's parts of its whole weights are sliced
+once, again only after an in-place update."""
 
 import copy
 
@@ -17,6 +18,7 @@ from tessera.config import get_preset
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams, SpeculativeConfig
 from tessera.infer.runner.paged_model import BatchItem
 from tessera.infer.runner.recurrent_step import RecurrentStep
+from tessera.infer.runner.tensor_parallel import KeptParts
 from tessera.infer.runner.tp_channel import _unpack_items, pack_items
 from tessera.infer.scheduling.recurrent_state import RecurrentStatePool, bytes_per_slot
 from tests.infer.tiny_models import hf_greedy
@@ -118,3 +120,24 @@ def test_each_rank_pays_for_the_states_of_its_own_heads():
     for preset in ("tiny-qwen3.5", "tiny-nemotron-h", "tiny-kimi-linear"):
         cfg = get_preset(preset)
         assert bytes_per_slot(cfg, torch.float32, tp=2) * 2 == bytes_per_slot(cfg, torch.float32)
+
+
+def test_a_served_mixers_parts_are_read_once_and_again_after_an_in_place_update():
+    """KeptParts: a weight's part is sliced the first time and kept; written in place (a GRPO step on
+    shared weights), it is sliced again; the input, and any tensor not a parameter, is never kept."""
+    reads = []
+
+    def rows(name, t):
+        reads.append(name)
+        return t[1:3].clone()
+
+    part = KeptParts(rows)
+    w = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2), requires_grad=False)
+    first = part("in_proj", w)
+    assert part("in_proj", w) is first and reads == ["in_proj"]
+    with torch.no_grad():
+        w.add_(1)
+    torch.testing.assert_close(part("in_proj", w), w[1:3])
+    x = torch.ones(4, 2)
+    part("input", x), part("input", x), part("conv", x), part("conv", x)
+    assert reads == ["in_proj", "in_proj", "input", "input", "conv", "conv"] and len(part.kept) == 1
