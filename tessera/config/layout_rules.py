@@ -76,6 +76,10 @@ def _recurrent_problems(m, s: LayoutSizes) -> list[str | None]:
             out.append(f"cp={s.cp} cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H): each "
                        "rank would run them over its own chunk only; use cp=1 (fsdp, dp_replicate, tp and tp + sp "
                        "take it)")
+    if m.sublayers is not None and "moe" in m.sublayers and s.pp > 1:
+        out.append(f"pp={s.pp} is not supported for the moe sublayers of model.sublayers (Nemotron-H's MoE "
+                   "variants) yet: pipeline stages of them are not built or checked; use pp=1 (fsdp, tp, tp + sp "
+                   "and ep take the model)")
     return out
 
 

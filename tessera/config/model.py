@@ -34,6 +34,7 @@ from tessera.config.recurrent import LinearAttentionConfig, Mamba2Config
 BLOCK_NORMS = ("pre", "post", "pre_post")  # ModelConfig.block_norms
 FAMILIES = tuple(REGISTRY)  # tessera/config/families: one module each
 MOE_FAMILIES = tuple(name for name, family in REGISTRY.items() if family.moe)
+OPTIONAL_MOE_FAMILIES = tuple(name for name, family in REGISTRY.items() if family.moe_optional)
 # The keys each kind of RoPE scaling needs (see tessera/models/rope.py).
 ROPE_SCALING_KEYS = {
     "default": (),
@@ -44,7 +45,7 @@ ROPE_SCALING_KEYS = {
 }
 # ModelConfig.activation: SwiGLU, GeGLU with tanh-approximated GELU, or an ungated MLP of relu(x)^2 (Nemotron-H)
 ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
-SUBLAYERS = ("mamba", "attention", "mlp")  # ModelConfig.sublayers' kinds
+SUBLAYERS = ("mamba", "attention", "mlp", "moe")  # ModelConfig.sublayers' kinds
 
 
 def _layer_list(layers: Any, n_layers: int) -> bool:
@@ -106,7 +107,9 @@ class MoEConfig:
     # gpt-oss: a bias on the router's logits, and experts with biases whose activation is the clamped
     # SwiGLU (up + 1) * g * sigmoid(alpha g), g = min(gate, limit), up clamped to +-limit (models/moe/biased_experts.py)
     router_bias: bool = False
-    expert_activation: str = "swiglu"  # "swiglu" or "clamped_swiglu" (experts with biases, gpt-oss's layout)
+    # "swiglu", "clamped_swiglu" (experts with biases, gpt-oss's layout) or "relu2" (ungated relu(x)^2 experts and
+    # shared experts: Nemotron-H's MoE layers)
+    expert_activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
 
@@ -271,7 +274,8 @@ class ModelConfig:
 
     def _check_family(self) -> None:
         require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
-        require((self.moe is not None) == (self.family in MOE_FAMILIES), "model.family", self.family,
+        require(self.family in OPTIONAL_MOE_FAMILIES or (self.moe is not None) == (self.family in MOE_FAMILIES),
+                "model.family", self.family,
                 f"MoE families ({', '.join(MOE_FAMILIES)}) need a model.moe section and the others must not have one"
                 f" (model.moe is {'set' if self.moe is not None else 'unset'})")
 
@@ -324,8 +328,10 @@ class ModelConfig:
 
     def _check_gemma_parts(self) -> None:
         """The MLP's activation, the softmax scale and the rotated share of each head."""
-        require(self.activation in ACTIVATIONS and (self.activation == "silu" or self.moe is None), "model.activation",
-                self.activation, f"one of {', '.join(ACTIVATIONS)} (routed experts are SwiGLU: silu with model.moe)")
+        relu2 = self.moe is not None and self.moe.expert_activation == "relu2"
+        require(self.activation in ACTIVATIONS and (self.activation == "silu" or self.moe is None or relu2),
+                "model.activation", self.activation, f"one of {', '.join(ACTIVATIONS)} (routed experts are SwiGLU: "
+                "silu with model.moe, unless model.moe.expert_activation=relu2)")
         require(self.query_pre_attn_scalar is None or (_finite(self.query_pre_attn_scalar)
                                                        and self.query_pre_attn_scalar > 0),
                 "model.query_pre_attn_scalar", self.query_pre_attn_scalar, "must be None or a finite number > 0")
@@ -399,8 +405,11 @@ class ModelConfig:
         mamba = kinds is not None and "mamba" in kinds
         require(mamba == (self.mamba is not None), "model.mamba", self.mamba,
                 "set exactly when model.sublayers has mamba layers")
-        require(kinds is None or (self.moe is None and self.mla is None and self.linear_attention is None),
-                "model.sublayers", kinds, "one sublayer per layer is built without model.moe, mla and linear_attention")
+        require(kinds is None or (self.mla is None and self.linear_attention is None), "model.sublayers", kinds,
+                "one sublayer per layer is built without model.mla and linear_attention")
+        moe = [i for i, k in enumerate(kinds or []) if k == "moe"]
+        require(kinds is None or moe == self.moe_layers, "model.moe", self.moe, f"placed exactly on the moe "
+                f"sublayers {moe} (model.moe.dense_layers the others) when model.sublayers is set")
 
     @staticmethod
     def _check_mamba(m: Mamba2Config) -> None:
@@ -447,8 +456,8 @@ class ModelConfig:
             require(_finite(value) and value >= 0, f"model.moe.{key}", value, "must be a finite number >= 0")
         require(0 < e.sinkhorn_iters <= MAX_SINKHORN_ITERS, "model.moe.sinkhorn_iters", e.sinkhorn_iters,
                 f"must be in 1..{MAX_SINKHORN_ITERS:,}")
-        require(e.expert_activation in ("swiglu", "clamped_swiglu"), "model.moe.expert_activation",
-                e.expert_activation, "one of swiglu, clamped_swiglu")
+        require(e.expert_activation in ("swiglu", "clamped_swiglu", "relu2"), "model.moe.expert_activation",
+                e.expert_activation, "one of swiglu, clamped_swiglu, relu2")
         for key in ("swiglu_alpha", "swiglu_limit"):
             require(_finite(getattr(e, key)) and getattr(e, key) > 0, f"model.moe.{key}", getattr(e, key),
                     "must be a finite number > 0")

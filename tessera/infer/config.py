@@ -100,10 +100,10 @@ class EngineConfig:
         "do not reuse KV blocks of shared prefixes", name="--no-prefix-caching", action="store_true",
         to_field=lambda off: not off))
     # scheduling/state_snapshots.py: a hybrid model's prefix caching keeps its recurrent state every this many
-    # tokens; the default cuts prompts only where the linear-attention layers' chunked form cuts them anyway
+    # tokens; the default cuts prompts only where the recurrent layers' chunked form cuts them anyway
     state_snapshot_tokens: int | None = field(default=None, metadata=flag(
         "tokens between a hybrid model's recurrent-state snapshots for prefix caching, a multiple of "
-        "--block-size (None: the linear-attention chunk size rounded up to whole blocks)", type=int))
+        "--block-size (None: the linear-attention or Mamba-2 chunk size rounded up to whole blocks)", type=int))
     # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
     # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(

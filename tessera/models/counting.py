@@ -88,7 +88,8 @@ def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
         return (2 if cfg.activation == "relu2" else 3) * h * cfg.ffn_dim
     e = cfg.moe
     experts = e.top_k if active else e.num_experts
-    n = e.num_experts * h + experts * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
+    mats = 2 if e.expert_activation == "relu2" else 3  # relu^2 experts (and shared expert): up and down only
+    n = e.num_experts * h + experts * mats * h * e.ffn_dim + mats * h * e.shared_ffn_dim
     if e.shared_expert_gate:
         n += h
     if e.router_bias:
@@ -110,7 +111,7 @@ def block_norm_params(cfg: ModelConfig) -> int:
 
 def layer_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     if cfg.sublayers is not None:  # one sublayer and its norm (models/sublayer_block.py)
-        mlp = cfg.sublayers[layer] == "mlp"
+        mlp = cfg.sublayers[layer] in ("mlp", "moe")
         return (mlp_params(cfg, layer, active) if mlp else attention_params(cfg, layer)) + cfg.dim
     return attention_params(cfg, layer) + mlp_params(cfg, layer, active) + block_norm_params(cfg)
 

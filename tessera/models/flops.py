@@ -52,7 +52,7 @@ def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
         m = cfg.mamba
         inner = m.n_heads * m.head_dim
         return cfg.dim * (2 * inner + 2 * m.n_groups * m.state_size + m.n_heads + inner)
-    if layer is not None and cfg.sublayers is not None and cfg.sublayers[layer] == "mlp":
+    if layer is not None and cfg.sublayers is not None and cfg.sublayers[layer] in ("mlp", "moe"):
         return 0
     n = attention_params(cfg)
     if cfg.mla is not None:
@@ -73,12 +73,13 @@ def mlp_matmul_params(cfg: ModelConfig, layer: int) -> int:
     """Weights one token multiplies in the MLP of `layer`: SwiGLU (relu^2's two matrices), or router +
     top-k experts + shared; none in a one-sublayer layer that is not an MLP (Nemotron-H)."""
     h = cfg.dim
-    if cfg.sublayers is not None and cfg.sublayers[layer] != "mlp":
+    if cfg.sublayers is not None and cfg.sublayers[layer] not in ("mlp", "moe"):
         return 0
     if not cfg.is_moe_layer(layer):
         return (2 if cfg.activation == "relu2" else 3) * h * cfg.ffn_dim
     e = cfg.moe
-    n = e.num_experts * h + e.top_k * 3 * h * e.ffn_dim + 3 * h * e.shared_ffn_dim
+    mats = 2 if e.expert_activation == "relu2" else 3
+    n = e.num_experts * h + e.top_k * mats * h * e.ffn_dim + mats * h * e.shared_ffn_dim
     if e.shared_expert_gate:
         n += h
     return n
@@ -132,7 +133,7 @@ def _core_flops(cfg: ModelConfig, i: int, seq_len: int, causal: bool, d_qkv: int
     if cfg.is_mamba_layer(i):  # SSD's recurrent form: write the state, read the output
         m = cfg.mamba
         return 2.0 * m.n_heads * 2 * m.head_dim * m.state_size
-    if cfg.sublayers is not None and cfg.sublayers[i] == "mlp":
+    if cfg.sublayers is not None and cfg.sublayers[i] in ("mlp", "moe"):
         return 0.0
     return 2.0 * cfg.n_heads * d_qkv * _core_keys_per_query(cfg, i, seq_len, causal)
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import EP_DISPATCHERS
 from tessera.models.moe.biased_experts import BiasedExperts
-from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.experts import GroupedExperts, Relu2Experts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.expert_dispatch import AllGatherDispatcher, AllToAllDispatcher
@@ -75,7 +75,7 @@ def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
     names = expert_mesh_names(dims, experts)
     if not names:
         return
-    if not isinstance(experts, GroupedExperts | BiasedExperts) or getattr(experts, "quantized", False):
+    if not isinstance(experts, GroupedExperts | BiasedExperts | Relu2Experts) or getattr(experts, "quantized", False):
         raise ParallelError(f"routed experts stored quantized ({type(experts).__name__}) are not split over "
                             f"{' and '.join(names)}: expert parallelism splits full-precision expert parameters; "
                             "run quantized experts with ep=1 and tp=1")

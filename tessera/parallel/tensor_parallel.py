@@ -24,7 +24,7 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
                                 norm's gains stay replicated, this rank's rows, channels and heads
                                 read through the mixer's `own_part` seam, their gradient (and the
                                 input's) summed over tp (`MambaRankPart`)
-    one-sublayer layers         the one sublayer's plan (`SublayerBlock`, Nemotron-H)
+    one-sublayer layers         the one sublayer's plan (`SublayerBlock`, Nemotron-H; an MoE one's as a block's MoE)
     feed_forward.w1 / w3        colwise   SwiGLU hidden dim split (relu^2's ungated w1 alike)
     feed_forward.w2             rowwise
     moe.shared_experts.*        same as feed_forward; routed experts: see expert_parallel.py
@@ -152,9 +152,22 @@ def _gather_sequence_on_entry(num_inputs: int) -> PrepareModuleInput:
                               use_local_output=True)
 
 
+def _moe_on_the_whole_sequence() -> PrepareModuleInputOutput:
+    """Under sp: the MoE block routes the whole micro-batch on every tp rank; its output (replicated)
+    is cut back to this rank's sequence slice, and (y, router output) is a tuple."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None), use_local_output=True)
+
+
 def sublayer_plan(block: SublayerBlock, sp: bool) -> dict[str, ParallelStyle]:
-    """The plan of a one-sublayer layer (Nemotron-H): its Mamba-2 mixer, attention or MLP."""
+    """The plan of a one-sublayer layer (Nemotron-H): its Mamba-2 mixer, attention, MLP or MoE layer (its
+    shared expert cut as an MLP, its routed experts' hidden dims by expert_parallel.py, as a block's)."""
     stream = Shard(1) if sp else Replicate()
+    if hasattr(block, "moe"):
+        plan = {} if block.moe.shared_experts is None else {
+            "moe.shared_experts.w1": Colwise(), "moe.shared_experts.w2": Rowwise(output_layouts=Replicate())}
+        return plan | ({"ffn_norm": SequenceParallel(), "moe": _moe_on_the_whole_sequence()} if sp else {})
     if hasattr(block, "feed_forward"):
         plan = {"feed_forward.w1": Colwise(), "feed_forward.w2": Rowwise(output_layouts=stream)}
         return plan | ({"ffn_norm": SequenceParallel(), "feed_forward": _gather_sequence_on_entry(1)} if sp else {})
@@ -197,12 +210,7 @@ def block_plan(block: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan["attention"] = _gather_sequence_on_entry(4)  # (x, cos, sin, cache)
     if hasattr(block, "moe"):
         if sp:
-            # The MoE block routes the whole micro-batch on every tp rank; its output (replicated)
-            # is cut back to this rank's sequence slice, and (y, router output) is a tuple.
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(), None), desired_output_layouts=(Shard(1), None),
-                use_local_output=True)
+            plan["moe"] = _moe_on_the_whole_sequence()
         if block.moe.shared_experts is not None:
             plan["moe.shared_experts.w1"] = Colwise()
             plan["moe.shared_experts.w3"] = Colwise()

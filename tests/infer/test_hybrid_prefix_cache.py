@@ -3,8 +3,9 @@ of the recurrent state at block boundaries (every block here, by default every D
 the block, so a request whose prompt starts
 with cached blocks skips them and starts its slot from the snapshot at their end. Proved against
 transformers: a second request sharing a prefix reports cached prompt tokens and decodes
-transformers' greedy tokens (prompt chunks cut across block boundaries, for Qwen3-Next and Qwen3.5
-MoE); requests with different prefixes interleaved with each other, each hitting its own earlier
+transformers' greedy tokens (prompt chunks cut across block boundaries, for Qwen3-Next, Qwen3.5 MoE
+and Nemotron-H, whose Mamba-2 layers' states are snapshotted as the DeltaNet layers' are); requests
+with different prefixes interleaved with each other, each hitting its own earlier
 prefix, decode what each does alone; snapshots are paid from the KV budget and go when their blocks
 are evicted, after which the cache still serves the right tokens; preempted requests come back from
 snapshots."""
@@ -26,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SHARED = [3, 50, 7, 81, 22, 9, 64, 5, 13, 2, 11, 40, 8, 17]  # 3 full blocks of 4, and 2 more tokens
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text", "nemotron_h"])
 def hybrid(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "hf"
     hf = random_hf_model(hf_configs()[request.param], seed=3, std=0.2)
@@ -57,14 +58,16 @@ def test_a_shared_prefix_is_taken_from_the_cache_and_decodes_transformers_tokens
 
 
 def test_by_default_snapshots_fall_where_the_chunked_form_cuts_a_prompt(hybrid):
-    """Snapshots every 64 tokens (the DeltaNet chunk, 16 blocks of 4): a prompt sharing 68 tokens with
-    a cached one takes 64 of them from the cache, and decodes transformers' tokens."""
+    """Snapshots every chunk of the recurrent layers' chunked form (the DeltaNet chunk, 64 tokens: 16
+    blocks of 4; the test Nemotron-H's Mamba-2 chunk, 4 tokens: one block): a prompt sharing 68 tokens
+    with a cached one takes the whole chunks of them from the cache, and decodes transformers' tokens."""
     path, hf = hybrid
     engine = LLMEngine.from_dir(path, EngineConfig(block_size=4))
     first = [(7 * i + 3) % 90 for i in range(70)]
     second = first[:68] + [1, 2, 3]
     outs = [_run(engine, p) for p in (first, second)]
-    assert engine.runner.snapshots.every == 64 and [o.cached_tokens for o in outs] == [0, 64]
+    every = 4 if engine.cfg.mamba is not None else 64
+    assert engine.runner.snapshots.every == every and [o.cached_tokens for o in outs] == [0, 68 // every * every]
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in (first, second)]
     with pytest.raises(ConfigError, match=r"state_snapshot_tokens=6 is invalid: must be None or a positive multiple "
                                           r"of block_size=4"):

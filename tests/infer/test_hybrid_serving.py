@@ -5,7 +5,8 @@ layout its mixer declares (infer/scheduling/recurrent_state.py):
 greedy tokens equal transformers' for requests of different lengths arriving while others decode
 (continuous batching, so no state is shared), with prompts cut into chunks (the state carried from
 chunk to chunk), under preemption (the state recomputed from the prompt), with speculative drafts
-(the state after the accepted ones kept), over HTTP, and from `tessera generate`. Every slot comes
+(the state after the accepted ones kept), over HTTP, and from `tessera generate` (over two
+tensor-parallel ranks: test_hybrid_tp_serving.py). Every slot comes
 back when its request ends, the slots are paid out of the KV budget (prefix caching's snapshots:
 tests/infer/test_hybrid_prefix_cache.py),
 and the settings a state slot cannot serve (and scoring given tokens past a first chunk) are refused
@@ -125,10 +126,8 @@ def test_served_over_http_and_by_generate(hybrid, capsys):
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is invalid for this model: model.family=qwen3_next has "
-                                  r"recurrent layers \[0, 1, 2\], and tensor-parallel serving does not cut the "
-                                  r"recurrent layers yet; use 1"),
-    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: .*pinned prefixes do not "
+    ({"system_prompts": ["You are terse."]}, r"system_prompts is invalid for this model: model.family=qwen3_next "
+                                             r"has recurrent layers \[0, 1, 2\], and pinned prefixes do not "
                                              r"keep their recurrent-state snapshots"),
 ])
 def test_what_a_state_slot_cannot_serve_is_refused_by_name(hybrid, options, message):
@@ -203,7 +202,8 @@ def test_the_kv_cache_holds_keys_and_values_of_the_attention_layers_only(hybrid)
 
 def test_nemotron_h_keeps_keys_and_values_of_its_attention_layer_and_mamba_states_in_slots(nemotron):
     """Of Nemotron-H's five layers only the attention one stores keys and values (not the MLP ones);
-    each Mamba-2 layer's slot holds its convolution window and SSD state, paid out of the budget."""
+    each Mamba-2 layer's slot holds its convolution window and SSD state, paid out of the budget, and
+    the prefix cache's snapshots of them follow the slots."""
     llm = LLM(nemotron[0], block_size=4, num_blocks=16, max_model_len=64)
     cfg, kv = llm.engine.cfg, llm.engine.kv
     assert kv_layers(cfg) == [2] and [t.shape[0] for t in kv.k] == [0, 0, 17 * 4, 0, 0]
@@ -211,9 +211,10 @@ def test_nemotron_h_keeps_keys_and_values_of_its_attention_layer_and_mamba_state
     m = cfg.mamba
     channels = m.n_heads * m.head_dim + 2 * m.n_groups * m.state_size
     assert pool.layers == [0, 3]
+    n = llm.engine.config.max_num_seqs + pool.num_snapshots
+    assert pool.num_snapshots > 0 and pool.num_slots == llm.engine.config.max_num_seqs
     assert {k: t.shape for k, t in pool.tensors[0].items()} == {
-        "conv": (llm.engine.config.max_num_seqs, channels, m.conv_width - 1),
-        "ssm": (llm.engine.config.max_num_seqs, m.n_heads, m.head_dim, m.state_size)}
+        "conv": (n, channels, m.conv_width - 1), "ssm": (n, m.n_heads, m.head_dim, m.state_size)}
     assert bytes_per_slot(cfg, torch.float32) == 2 * 4 * (channels * (m.conv_width - 1)
                                                          + m.n_heads * m.head_dim * m.state_size)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == nemotron[2]

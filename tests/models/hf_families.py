@@ -66,6 +66,14 @@ def hf_configs() -> dict[str, object]:
             head_dim=12, max_position_embeddings=128, layer_norm_epsilon=1e-5, mamba_num_heads=6, mamba_head_dim=5,
             ssm_state_size=7, n_groups=3, conv_kernel=3, chunk_size=4,
             layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"]),
+        # the MoE variants (Nemotron 3): relu^2 experts routed by grouped sigmoid scores, a shared expert
+        "nemotron_h_moe": tf.NemotronHConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=12, max_position_embeddings=128, layer_norm_epsilon=1e-5, mamba_num_heads=6, mamba_head_dim=5,
+            ssm_state_size=7, n_groups=3, conv_kernel=3, chunk_size=4, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5,
+            layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "moe"]),
         "deepseek_v3": tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=16,
                                            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
                                            first_k_dense_replace=1, n_shared_experts=2, q_lora_rank=16,

@@ -2,7 +2,11 @@
 tests/cli/test_convert_families.py): a prompt of many Mamba-2 chunks gives transformers' logits, greedy
 generation through the eager reference gives transformers' tokens, a saved model loads back with the
 same logits and config, config.json maps both ways (the older pattern string too), and what Tessera
-does not build or export is refused by name."""
+does not build or export is refused by name. The MoE variants (`moe` sublayers: relu^2 experts routed by
+grouped sigmoid scores with a selection bias, a relu^2 shared expert) give transformers' logits over
+several Mamba chunks and its greedy tokens, eager and served; their parameters are counted as built, and
+pipeline parallelism, not built for them yet, is refused by name (their layouts:
+tests/parallel/test_hybrid_layouts.py)."""
 
 import pytest
 import torch
@@ -13,7 +17,12 @@ from tessera.hf import load_pretrained
 from tessera.infer import SamplingParams
 from tessera.infer.engine.reference_generation import reference_generate
 from tests.infer.tiny_models import hf_greedy
-from tests.models.hf_families import check_save_load_round_trip, hf_configs, random_hf_model
+from tests.models.hf_families import (
+    check_greedy_eager_and_served,
+    check_save_load_round_trip,
+    hf_configs,
+    random_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,8 +70,8 @@ def test_config_maps_both_ways_and_the_pattern_string_reads_the_same():
 
 def test_what_tessera_does_not_build_or_export_is_refused():
     d = config_to_hf(get_preset("tiny-nemotron-h"))
-    with pytest.raises(ModelError, match="layers_block_type has moe layers"):
-        config_from_hf({**d, "layers_block_type": ["linear_attention", "moe"]})
+    with pytest.raises(ModelError, match=r"moe_latent_size=8 is not supported for nemotron_h; supported: None"):
+        config_from_hf({**d, "layers_block_type": ["linear_attention", "moe"], "moe_latent_size": 8})
     with pytest.raises(ModelError, match=r"mlp_hidden_act='silu' is not supported for nemotron_h; supported: 'relu2'"):
         config_from_hf({**d, "mlp_hidden_act": "silu"})
     as_llama = get_preset("tiny-nemotron-h", family="llama")
@@ -105,3 +114,42 @@ def test_context_parallelism_is_refused_and_the_other_layouts_are_not():
     assert problem.startswith("cp=2 cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H)")
     assert layout_problems(cfg, LayoutSizes(tp=2, sp=True), seq_len=64) == []
     assert any("model.mamba.n_groups" in p for p in layout_problems(cfg, LayoutSizes(tp=16), seq_len=64))
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron_h_moe") / "hf"
+    hf = random_hf_model(hf_configs()["nemotron_h_moe"], seed=3, std=0.2)
+    hf.save_pretrained(path)
+    return hf, load_pretrained(path, dtype=torch.float32), path
+
+
+def test_moe_variant_equals_transformers_eager_and_served(moe_pair, tmp_path):
+    hf, model, path = moe_pair
+    cfg = model.cfg
+    assert cfg.sublayers == ["mamba", "moe", "attention", "mamba", "moe"] and cfg.moe_layers == [1, 4]
+    e = cfg.moe
+    assert (e.expert_activation, e.score_func, e.expert_bias, e.n_groups, e.topk_groups, e.scaling_factor,
+            e.shared_ffn_dim) == ("relu2", "sigmoid", True, 2, 1, 2.5, 24)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+    check_greedy_eager_and_served(hf, model, path)
+    check_save_load_round_trip(model, tmp_path / "out")
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+def test_moe_variant_parameters_are_counted_as_built_and_pipelines_refused(moe_pair):
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+    from tessera.models import Transformer
+    from tessera.models.counting import count_params
+
+    cfg = moe_pair[1].cfg
+    assert count_params(cfg) == sum(p.numel() for p in Transformer(cfg).parameters())
+    e, h = cfg.moe, cfg.dim
+    active = count_params(cfg) - 2 * (e.num_experts - e.top_k) * 2 * h * e.ffn_dim  # two MoE layers
+    assert count_params(cfg, active=True) == active
+    problems = layout_problems(cfg, LayoutSizes(pp=2, dp_shard=1), seq_len=64)
+    assert any(p.startswith("pp=2 is not supported for the moe sublayers of model.sublayers") for p in problems)
+    for sizes in (LayoutSizes(dp_shard=2), LayoutSizes(tp=2, sp=True, dp_shard=1), LayoutSizes(ep=2, dp_shard=2)):
+        assert [p for p in layout_problems(cfg, sizes, seq_len=64) if "moe sublayers" in p] == []

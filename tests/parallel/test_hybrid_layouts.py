@@ -4,7 +4,8 @@ one process (fp32, 1e-5), with sequences of
 several DeltaNet chunks, so that the chunked form's state passes from chunk to chunk inside each
 rank; under tp each rank runs one of the two key-head groups, its conv channels and heads' gains;
 under cp each rank runs the DeltaNet layers over the gathered whole sequence (contiguous and
-zig-zag chunks) and keeps its own positions."""
+zig-zag chunks) and keeps its own positions. Nemotron-H (Mamba-2) and its MoE variant (relu^2 experts)
+under fsdp, ep, tp and tp + sp equal one process too."""
 
 import dataclasses
 
@@ -84,6 +85,30 @@ def test_nemotron_h_layouts_match_one_process(parallel, micro):
     short = {"mamba": dataclasses.replace(get_preset("tiny-nemotron-h").mamba, chunk_size=4)}
     got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=short)
     assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, short))
+
+
+def _nemotron_moe() -> dict:
+    """tiny-nemotron-h with its first and third MLP layers made MoE layers (Nemotron-H's MoE variants: relu^2
+    experts routed by grouped sigmoid scores with a selection bias, a relu^2 shared expert)."""
+    from tessera.config.model import MoEConfig
+
+    sublayers = ["mamba", "moe", "attention", "mlp", "mamba", "moe"]
+    moe = MoEConfig(num_experts=4, top_k=2, ffn_dim=32, score_func="sigmoid", expert_bias=True, n_groups=2,
+                    topk_groups=1, scaling_factor=2.5, expert_activation="relu2", shared_ffn_dim=48,
+                    dense_layers=[i for i, k in enumerate(sublayers) if k != "moe"])
+    return {"mamba": dataclasses.replace(get_preset("tiny-nemotron-h").mamba, chunk_size=4), "sublayers": sublayers,
+            "moe": moe}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("parallel,micro", [
+    (dict(dp_shard=2), 2), (dict(ep=2, dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1),
+    (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "ep2-fsdp2", "tp2", "tp2-sp"])
+def test_nemotron_h_moe_layouts_match_one_process(parallel, micro):
+    """Nemotron-H's MoE layers: under ep each rank holds half the relu^2 experts; under tp each rank holds
+    half of every expert's hidden units and of the shared expert's, their partial outputs summed."""
+    got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=_nemotron_moe())
+    assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, _nemotron_moe()))
 
 
 def _cp_rank(cp_method: str, preset: str) -> dict:

@@ -72,7 +72,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     routed experts and latent attention where the family has them (and only there), then the
     family's own requirements."""
     family = REGISTRY[cfg.family]
-    if (cfg.moe is not None) != family.moe:
+    if (cfg.moe is not None) != family.moe and not family.moe_optional:
         moe_families = sorted(name for name, f in REGISTRY.items() if f.moe)
         raise ModelError(f"model.family={cfg.family!r} does not match model.moe "
                          f"({'set' if cfg.moe is not None else 'unset'}); MoE families: {moe_families}")

@@ -95,6 +95,7 @@ class Family:
     qk_norm_all_heads: bool = False  # with qk_norm: over all heads at once (OLMo 2), else per head (Qwen3)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> ModelConfig fields
     moe: ClassVar[bool] = False  # routed experts: its models need a model.moe section, the others must not have one
+    moe_optional: ClassVar[bool] = False  # ... or may have one (Nemotron-H: its MoE variants' "moe" sublayers)
     mla: ClassVar[bool] = False  # multi-head latent attention: exports model.mla
     mtp_layers: ClassVar[bool] = False  # reads the MTP layers its files store after the last layer (DeepSeek-V3)
     nope: ClassVar[bool] = False  # layers without positional encoding (model.nope_layers): SmolLM3

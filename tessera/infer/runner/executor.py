@@ -78,6 +78,19 @@ def lora_manager(model: Transformer, config: EngineConfig) -> LoRAManager:
     return LoRAManager(model, config.max_loras, config.torch_dtype, torch.device(config.device))
 
 
+def state_books(local: PagedModel, config: EngineConfig,
+                geometry: CacheGeometry) -> tuple[StateSlots | None, StateSnapshots | None]:
+    """The driver's bookkeeping of a hybrid model's recurrent-state pool (`local.states`): which request
+    owns which slot, and which block which prefix-cache snapshot (None for what it has none of). Under
+    tensor parallelism rank 0 keeps them for every rank, whose pools have the same slots."""
+    states = local.states
+    if states is None:
+        return None, None
+    snapshots = (StateSnapshots(states.num_snapshots, config.block_size, geometry.snapshot_tokens)
+                 if states.num_snapshots else None)
+    return StateSlots(states.num_slots), snapshots
+
+
 class InProcessExecutor:
     """The model in this process: `model` is in `config.dtype` on `config.device`; `encoder`: a
     vision-language model's image encoder (multimodal.py), whose feature rows the items with images
@@ -88,13 +101,8 @@ class InProcessExecutor:
         self.model = model
         self.lora = lora_manager(model, config)
         self.local, self.geometry = build_paged_model(model, config, self.lora, encoder=encoder)
-        states = self.local.states
-        self.runner = ModelRunner(self.local, build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks,
-                                                            self.local),
-                                  None if states is None else StateSlots(states.num_slots),
-                                  StateSnapshots(states.num_snapshots, config.block_size,
-                                                 self.geometry.snapshot_tokens)
-                                  if states is not None and states.num_snapshots else None)
+        proposer = build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks, self.local)
+        self.runner = ModelRunner(self.local, proposer, *state_books(self.local, config, self.geometry))
         self.kv_tiers: KVTierStore | None = None
         if config.has_kv_tiers:  # the host / disk tiers' bytes, below this process's cache
             self.kv_tiers = build_tier_store(model, self.local.kv, config.kv_offload_gib, config.kv_cache_dir,

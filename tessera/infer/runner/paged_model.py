@@ -32,6 +32,7 @@ from tessera.infer.scheduling.recurrent_state import (
 )
 from tessera.infer.scheduling.state_snapshots import snapshot_count, snapshot_tokens
 from tessera.infer.scheduling.window_blocks import WindowedLayers
+from tessera.models.linear_attention.states import chunk_tokens
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -264,9 +265,9 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     num_window = 0 if windowed is None else window_pool_blocks(windowed, config)
     num_blocks = config.num_blocks
     num_snapshots, every = 0, 0
-    if config.enable_prefix_caching and cfg.linear_attention is not None:  # up to half of what the slots leave
-        every = snapshot_tokens(bs, cfg.linear_attention.chunk_size, config.state_snapshot_tokens)
-        per_slot = bytes_per_slot(cfg, config.torch_dtype)
+    if config.enable_prefix_caching and chunk_tokens(cfg):  # up to half of what the slots leave
+        every = snapshot_tokens(bs, chunk_tokens(cfg), config.state_snapshot_tokens)
+        per_slot = bytes_per_slot(cfg, config.torch_dtype, config.tensor_parallel_size)
         num_snapshots = snapshot_count(int(config.kv_cache_gib * 2**30) - config.max_num_seqs * per_slot, per_slot,
                                        config.max_num_seqs * -(-max_model_len // every))
     if num_blocks is None:  # from the memory budget (less the windowed pool and the recurrent-state slots),
@@ -275,8 +276,8 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
         per_block = bytes_per_block(cfg, bs, config.torch_dtype, int8, tp, len(kv_layers(cfg)) - n_window)
         budget = int(config.kv_cache_gib * 2**30) - num_window * bytes_per_block(cfg, bs, config.torch_dtype,
                                                                                   int8, tp, n_window)
-        budget -= config.max_num_seqs * bytes_per_slot(cfg, config.torch_dtype)
-        budget -= num_snapshots * bytes_per_slot(cfg, config.torch_dtype)
+        per_slot = bytes_per_slot(cfg, config.torch_dtype, tp)  # this rank's heads' states
+        budget -= (config.max_num_seqs + num_snapshots) * per_slot
         num_blocks = config.max_num_seqs * blocks_per_seq + 1
         if per_block:
             num_blocks = min(max(budget, 0) // per_block, num_blocks)
@@ -314,7 +315,8 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None
     if is_hybrid(model.cfg):
-        states, sizes = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device, geometry.num_snapshots), []
+        states = RecurrentStatePool(model.cfg, config.max_num_seqs, dtype, device, geometry.num_snapshots, tp)
+        sizes = []
     if index_key_dim(model.cfg):  # sparse attention picks keys per sequence: no static-shape decode step
         sizes = []
     decoder = None if not sizes else BucketedDecoder(

@@ -16,6 +16,12 @@ output (its bias kept on rank 0 only, so it is added once); an Embedding whose w
 (column-parallel, the head) and replicated weights need nothing. MoE experts keep the parallel
 layer's dispatcher, which sums their partial outputs over the ranks.
 
+A hybrid model's recurrent mixers keep some weights whole on every rank and read this rank's rows,
+channels and heads of them through their `own_part` seam (training's `DeltaNetRankPart`,
+`MambaRankPart`): a copy of those rows every forward, as large as the rank's part of the weight. The
+served weights change only in place (a GRPO trainer's optimizer step, tp_shared.py), so `KeptParts`
+keeps each part after its first read and reads it again only when its tensor's version has moved.
+
 How the ranks run a step together is in `tp_channel.py`; their processes, start-up and failure
 handling in `tp_workers.py`; rank 0's side in `tp_executor.py`.
 """
@@ -34,6 +40,7 @@ from tessera.config.model import ModelConfig
 from tessera.config.parallel import ParallelConfig
 from tessera.infer.cpu.gguf_matmul import use_block_kernels
 from tessera.infer.runner import gguf_shards
+from tessera.models.linear_attention.gated_deltanet import whole
 from tessera.models.transformer import Transformer
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.parallelize import parallelize
@@ -90,6 +97,27 @@ class _VocabParallelLookup:
         return out_BSD
 
 
+class KeptParts:
+    """A recurrent mixer's `own_part` for serving (module docstring): `part`'s answer for each weight (a
+    parameter itself: in_proj's rows, the norm's gains), kept until the weight is written in place; what
+    the mixer builds each call (its input, a view or a concatenation of weights) is sliced each call."""
+
+    def __init__(self, part):
+        self.part = part
+        self.kept: dict[tuple[str, int], tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name == "input" or not isinstance(t, nn.Parameter):
+            return self.part(name, t)
+        key = (name, id(t))
+        hit = self.kept.get(key)
+        if hit is not None and hit[0] == t._version and hit[1] is t:
+            return hit[2]
+        out = self.part(name, t)
+        self.kept[key] = (t._version, t, out)
+        return out
+
+
 @torch.no_grad()
 def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transformer:
     """Replace every DTensor weight of the cut model by its local shard, with the collectives its
@@ -121,6 +149,10 @@ def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transforme
             module.register_forward_hook(lookup.after)
     if model.cfg.tie_embeddings:
         model.tied_head = tied_projection  # the local embedding rows: this rank's vocabulary slice
+    for module in model.modules():  # a recurrent mixer's parts of its whole weights, read once
+        part = getattr(module, "own_part", None)
+        if part is not None and part is not whole and not isinstance(part, KeptParts):
+            module.own_part = KeptParts(part)
     return model
 
 

@@ -8,10 +8,16 @@ collectives), and the logits rows that are sampled from are gathered to rank 0 (
 columns of them). Scoring runs `PagedModel.forward` instead (every item packed) and gathers every
 row. The control message is one int64 header [kind, length] and one int64 payload:
 
-    STEP:   [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, tokens..., table...)*]
+    STEP:   [n_items, (n_tokens, start, n_table, adapter_slot, logits_from, n_window, state_slot, drafts,
+             state_from, n_snapshots, tokens..., table..., window..., (offset, snapshot)...)*]
     PACKED: the same items, run by `PagedModel.forward`
     CLEAR:  [block ids...]      (KV blocks a request failing on inf/NaN leaves; `Scheduler.update_from_output`)
+    KEEP:   [(state slot, tokens kept)...]   (after drafts were verified: `PagedModel.keep_verified`)
     STOP:   []
+
+A hybrid model's items carry their recurrent-state slot and prefix-cache snapshots (recurrent_step.py),
+which the driver alone assigns: every rank then reads and writes the same slots of its own pool, whose
+states are those of its own heads (infer/scheduling/recurrent_state.py).
 
 Rank 0's side is `tp_executor.TensorParallelModel`.
 """
@@ -25,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from tessera.config.errors import ParallelError
 from tessera.infer.runner.paged_model import BatchItem, PagedModel, packed_offsets
 
-STEP, CLEAR, STOP, PACKED = 1, 2, 3, 4
+STEP, CLEAR, STOP, PACKED, KEEP = 1, 2, 3, 4, 5
 
 
 def pack_items(items: list[BatchItem]) -> list[int]:
@@ -33,24 +39,29 @@ def pack_items(items: list[BatchItem]) -> list[int]:
     for it in items:
         window = it.window_table if it.window_table is not None else []
         out += [len(it.tokens), it.start, len(it.block_table), it.adapter_slot, it.logits_from,
-                len(window) if it.window_table is not None else -1]
+                len(window) if it.window_table is not None else -1, it.state_slot, it.drafts, it.state_from,
+                len(it.snapshots)]
         out += it.tokens
         out += it.block_table
         out += window
+        out += [n for pair in it.snapshots for n in pair]
     return out
 
 
 def _unpack_items(flat: list[int]) -> list[BatchItem]:
     items, at = [], 1
     for _ in range(flat[0]):
-        n, start, nt, slot, logits_from, nw = flat[at:at + 6]
-        at += 6
+        n, start, nt, slot, logits_from, nw, state_slot, drafts, state_from, ns = flat[at:at + 10]
+        at += 10
         tokens = flat[at:at + n]
         table = flat[at + n:at + n + nt]
         at += n + nt
         window = flat[at:at + nw] if nw >= 0 else None  # -1: no window table
         at += max(nw, 0)
-        items.append(BatchItem(tokens, start, table, slot, logits_from, window_table=window))
+        snapshots = tuple((flat[at + 2 * j], flat[at + 2 * j + 1]) for j in range(ns))
+        at += 2 * ns
+        items.append(BatchItem(tokens, start, table, slot, logits_from, window_table=window, state_slot=state_slot,
+                               drafts=drafts, state_from=state_from, snapshots=snapshots))
     return items
 
 
@@ -119,6 +130,8 @@ def serve_worker_steps(paged: PagedModel, channel: StepChannel, vocab_size: int)
             return
         if kind == CLEAR:
             paged.clear_blocks(payload)
+        elif kind == KEEP:
+            paged.keep_verified(dict(zip(payload[::2], payload[1::2], strict=True)))
         elif kind in (STEP, PACKED):
             run_step(paged, kind, _unpack_items(payload), vocab_size, channel.data)
         else:

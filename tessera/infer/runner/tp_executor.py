@@ -22,12 +22,12 @@ from tessera.config.errors import ConfigError
 from tessera.config.hf_config import is_hf_directory, read_hf_config
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.step_outputs import RunnerOutput, SchedulerOutput, ScoringChunk, TargetScores
-from tessera.infer.runner.executor import closed_on_error, lora_manager
+from tessera.infer.runner.executor import closed_on_error, lora_manager, state_books
 from tessera.infer.runner.model_runner import ModelRunner
 from tessera.infer.runner.paged_model import BatchItem, PagedModel, build_paged_model, cache_geometry
 from tessera.infer.runner.speculative import build_proposer
 from tessera.infer.runner.tensor_parallel import cut_for_serving, serving_dims, serving_shard_from_hf
-from tessera.infer.runner.tp_channel import CLEAR, PACKED, STEP, pack_items, run_step
+from tessera.infer.runner.tp_channel import CLEAR, KEEP, PACKED, STEP, pack_items, run_step
 from tessera.infer.runner.tp_workers import WorkerFailure, WorkerGroup, WorkerSource, check_device_count, rank_device
 from tessera.models.transformer import Transformer
 
@@ -63,6 +63,12 @@ class TensorParallelModel:
             self.workers.guarded(lambda: self.workers.channel.send(CLEAR, list(blocks)))
         self.local.clear_blocks(blocks)
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """Every rank's recurrent-state slots keep the state after their verified tokens."""
+        if kept:
+            self.workers.guarded(lambda: self.workers.channel.send(KEEP, [n for pair in kept.items() for n in pair]))
+        self.local.keep_verified(kept)
+
 
 class TensorParallelExecutor:
     """Rank 0 of N: `model` is its shard, `workers` the other ranks, started and holding theirs."""
@@ -72,7 +78,8 @@ class TensorParallelExecutor:
         self.lora = lora_manager(model, config)  # stays empty: adapters are served on one rank
         self.local, self.geometry = build_paged_model(model, config, self.lora)
         proposer = build_proposer(config, model.cfg.vocab_size, self.geometry.num_blocks)
-        self.runner = ModelRunner(TensorParallelModel(self.local, workers), proposer)
+        self.runner = ModelRunner(TensorParallelModel(self.local, workers), proposer,
+                                  *state_books(self.local, config, self.geometry))
         self.kv_tiers = None  # KV tiers are served on one rank (EngineConfig refuses them here)
 
     @classmethod

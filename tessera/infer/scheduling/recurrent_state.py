@@ -25,7 +25,12 @@ the pool also holds snapshots of it at block boundaries, kept beside their named
 (state_snapshots.py); with no room for one (`bytes_per_slot` over the budget's half) prefix caching
 is off (`prefix_caching`). What the slot cannot do (`refuse_unsupported`, a typed error naming the
 setting): the KV tiers, disaggregated prefill and system prompts move or pin KV blocks whose states
-are not kept; tensor-parallel serving does not cut the recurrent layers yet.
+are not kept.
+
+Tensor-parallel serving: each rank's pool holds the states of its own heads only (`tp`: the layouts
+of one of tp ranks, states.py), its slot and snapshot numbers the driver's (every rank runs the same
+items, tp_channel.py), so a slot's state is the concatenation of the ranks' parts and never crosses
+between them. Its bytes are counted per rank, as the KV cache's are.
 Shapes: N slots (and snapshots after them).
 """
 
@@ -47,23 +52,24 @@ def is_hybrid(cfg: ModelConfig) -> bool:
     return bool(state_layouts(cfg))
 
 
-def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One sequence's recurrent state over every layer that keeps one, in bytes."""
+def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """One sequence's recurrent state over every layer that keeps one, in bytes, on one of `tp` ranks."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(own * elem + fp32 * 4 for own, fp32 in (layout.elements() for layout in state_layouts(cfg).values()))
+    layouts = state_layouts(cfg, tp).values()
+    return sum(own * elem + fp32 * 4 for own, fp32 in (layout.elements() for layout in layouts))
 
 
 class RecurrentStatePool:
     """Per recurrent layer, `num_slots` states of the layout its mixer declares (`StateLayout`,
     models/linear_attention/states.py): one tensor [N, *shape] per field, fp32 or the engine's dtype,
     zero until written; after them `num_snapshots` more of each, the prefix cache's snapshots
-    (state_snapshots.py)."""
+    (state_snapshots.py); `tp`: the states of one of that many tensor-parallel ranks (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 num_snapshots: int = 0):
+                 num_snapshots: int = 0, tp: int = 1):
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         n = num_slots + num_snapshots
-        self.layouts: dict[int, StateLayout] = state_layouts(cfg)
+        self.layouts: dict[int, StateLayout] = state_layouts(cfg, tp)
         self.layers = list(self.layouts)
         self.tensors = {i: {f.name: torch.zeros(n, *f.shape, dtype=torch.float32 if f.fp32 else dtype,
                                                 device=device) for f in layout.fields}
@@ -131,8 +137,6 @@ def refuse_unsupported(cfg: ModelConfig, config) -> None:
         return
     what = f"model.family={cfg.family} has recurrent layers {list(state_layouts(cfg))}"
     refused = [
-        (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}",
-         "tensor-parallel serving does not cut the recurrent layers yet; use 1"),
         (config.has_kv_tiers, f"kv_offload_gib={config.kv_offload_gib}, kv_cache_dir={config.kv_cache_dir}",
          "the KV tiers move attention blocks only, not recurrent states; leave them off"),
         (config.kv_role is not None, f"kv_role={config.kv_role}",

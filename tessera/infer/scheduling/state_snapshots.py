@@ -3,9 +3,10 @@
 A linear-attention layer's state after a prompt prefix cannot be rebuilt from that prefix's KV
 blocks, so a prefix hit alone does not let a hybrid sequence skip the prefix. The engine therefore
 keeps, beside a named KV block, a snapshot of the recurrent state (every state the pool holds per
-linear-attention layer: for Gated DeltaNet the convolution window and the delta state) after that
-block's last token, every `snapshot_tokens` tokens (a whole number of blocks: by default the chunked
-form's chunk, where a prompt's work is cut anyway). A request whose prompt starts with cached blocks
+recurrent layer: for Gated DeltaNet the convolution window and the delta state, for Mamba-2 the
+convolution window and the SSD state) after that block's last token, every `snapshot_tokens` tokens (a
+whole number of blocks: by default the chunked form's chunk, `states.chunk_tokens`, where a prompt's
+work is cut anyway). A request whose prompt starts with cached blocks
 adopts them only up to the last one that has a snapshot (`usable_prefix`), and its slot starts from
 that snapshot instead of zero.
 

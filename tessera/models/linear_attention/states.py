@@ -3,7 +3,12 @@ engine's state slots (tessera/infer/scheduling/recurrent_state.py) hold any of t
 which: `state_layouts(cfg)` maps every layer whose mixer keeps a recurrent state to its `StateLayout`,
 the state's class and, per field, its shape for one sequence and whether it is kept in fp32 (else in
 the engine's dtype). Gated DeltaNet keeps its convolution window and delta state, Mamba-2 its
-convolution window and SSD state. A new recurrent mixer adds its layout here."""
+convolution window and SSD state. A new recurrent mixer adds its layout here.
+
+Under tensor parallelism (`tp` > 1) each rank runs 1/tp of a mixer's heads, and the key-head groups or
+Mamba groups they read (tessera/parallel/tensor_parallel.py's `DeltaNetRankPart`, `KdaRankPart`,
+`MambaRankPart`), so its state is 1/tp of every field's channels or heads: the layouts a rank's
+slots hold. The serving layout check (`ParallelDims.validate`) has made sure tp divides them."""
 
 from __future__ import annotations
 
@@ -39,27 +44,40 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def deltanet_layout(cfg: ModelConfig) -> StateLayout:
+def deltanet_layout(cfg: ModelConfig, tp: int = 1) -> StateLayout:
+    """Gated DeltaNet's (and Kimi delta attention's) state on one of `tp` ranks."""
     la = cfg.linear_attention
-    channels = 2 * la.n_key_heads * la.key_head_dim + la.n_value_heads * la.value_head_dim
+    keys, values = la.n_key_heads // tp, la.n_value_heads // tp
+    channels = 2 * keys * la.key_head_dim + values * la.value_head_dim
     return StateLayout(DeltaNetState, (StateField("conv", (channels, la.conv_width - 1), False),
-                                       StateField("delta", (la.n_value_heads, la.key_head_dim, la.value_head_dim),
-                                                  True)))
+                                       StateField("delta", (values, la.key_head_dim, la.value_head_dim), True)))
 
 
-def mamba2_layout(cfg: ModelConfig) -> StateLayout:
+def mamba2_layout(cfg: ModelConfig, tp: int = 1) -> StateLayout:
+    """Mamba-2's state on one of `tp` ranks (heads split with their groups)."""
     m = cfg.mamba
-    channels = m.n_heads * m.head_dim + 2 * m.n_groups * m.state_size
+    heads, groups = m.n_heads // tp, m.n_groups // tp
+    channels = heads * m.head_dim + 2 * groups * m.state_size
     return StateLayout(Mamba2State, (StateField("conv", (channels, m.conv_width - 1), False),
-                                     StateField("ssm", (m.n_heads, m.head_dim, m.state_size), True)))
+                                     StateField("ssm", (heads, m.head_dim, m.state_size), True)))
 
 
-def state_layouts(cfg: ModelConfig) -> dict[int, StateLayout]:
-    """Layer -> the layout of its recurrent state, for every layer that keeps one (none: no such layer)."""
+def chunk_tokens(cfg: ModelConfig) -> int:
+    """The chunk the chunked form of the model's recurrent layers works in (Gated DeltaNet's and Kimi
+    delta attention's `model.linear_attention.chunk_size`, Mamba-2's `model.mamba.chunk_size`; the
+    larger where a model had both), 0 for a model without such layers: where the prefix cache's
+    snapshots fall by default (infer/scheduling/state_snapshots.py)."""
+    sections = (cfg.linear_attention, cfg.mamba)
+    return max((s.chunk_size for s in sections if s is not None), default=0)
+
+
+def state_layouts(cfg: ModelConfig, tp: int = 1) -> dict[int, StateLayout]:
+    """Layer -> the layout of its recurrent state on one of `tp` tensor-parallel ranks, for every layer
+    that keeps one (none: no such layer)."""
     out = {}
     for i in range(cfg.n_layers):
         if cfg.is_linear_attention_layer(i):
-            out[i] = deltanet_layout(cfg)
+            out[i] = deltanet_layout(cfg, tp)
         elif cfg.is_mamba_layer(i):
-            out[i] = mamba2_layout(cfg)
+            out[i] = mamba2_layout(cfg, tp)
     return out

@@ -95,3 +95,21 @@ class GroupedExperts(nn.Module):
         g = self.use_grouped_mm
         h = F.silu(grouped_linear(x_ND, w1, tokens_per_expert, g)) * grouped_linear(x_ND, w3, tokens_per_expert, g)
         return grouped_linear(h, w2, tokens_per_expert, g)
+
+
+class Relu2Experts(nn.Module):
+    """E ungated experts: w2(relu(w1 x)^2), each on its own contiguous block of rows (Nemotron-H's MoE)."""
+
+    split_dims = {"w1": 1, "w2": 2}
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, use_grouped_mm: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # down
+        self.use_grouped_mm = use_grouped_mm
+        self.local_weight: LocalWeight = stored_weight
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2 = (self.local_weight(w) for w in (self.w1, self.w2))
+        g = self.use_grouped_mm
+        return grouped_linear(F.relu(grouped_linear(x_ND, w1, tokens_per_expert, g)).square(), w2, tokens_per_expert, g)

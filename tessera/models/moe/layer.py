@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from tessera.config.model import MoEConfig
-from tessera.models.mlp import FeedForward
+from tessera.models.mlp import FeedForward, feed_forward
 from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.capacity import KeepMask, expert_capacity, local_keep_mask
 from tessera.models.moe.dispatcher import LocalDispatcher, TokenDispatcher
-from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.experts import GroupedExperts, Relu2Experts
 from tessera.models.moe.router import Router, RouterOutput
 
 
@@ -30,11 +30,11 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(dim, cfg)
-        self.experts = (GroupedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
-                        if cfg.expert_activation == "swiglu" else  # gpt-oss's experts: biases, clamped SwiGLU
-                        BiasedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.swiglu_alpha, cfg.swiglu_limit,
-                                      cfg.grouped_gemm))
-        self.shared_experts = FeedForward(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim > 0 else None
+        self.experts = _experts(dim, cfg)
+        relu2 = cfg.expert_activation == "relu2"  # Nemotron-H: its shared expert is an ungated relu^2 MLP too
+        self.shared_experts = (None if cfg.shared_ffn_dim == 0 else
+                               feed_forward(dim, cfg.shared_ffn_dim, "relu2") if relu2 else
+                               FeedForward(dim, cfg.shared_ffn_dim))
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.num_experts, cfg.pad_to_capacity)
         self.keep_mask: KeepMask = local_keep_mask
@@ -68,3 +68,12 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
             out_TD = out_TD + shared
         return out_TD.view(B, S, D), route
+
+
+def _experts(dim: int, cfg: MoEConfig) -> nn.Module:
+    """The routed experts of `cfg.expert_activation`: SwiGLU, gpt-oss's biased clamped SwiGLU, or relu^2."""
+    if cfg.expert_activation == "swiglu":
+        return GroupedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
+    if cfg.expert_activation == "relu2":
+        return Relu2Experts(cfg.num_experts, dim, cfg.ffn_dim, cfg.grouped_gemm)
+    return BiasedExperts(cfg.num_experts, dim, cfg.ffn_dim, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.grouped_gemm)

@@ -2,8 +2,12 @@
 RMSNorm (`model.sublayers`, tessera/models/sublayer_block.py): a Mamba-2 mixer (model.mamba), softmax
 attention without positional encoding (its attention layers are `nope_layers`; the Mamba layers carry
 position), or an ungated MLP of relu(x)^2 (`activation` "relu2"). config.json lists the kinds in
-`layers_block_type` ("linear_attention", "full_attention", "mlp"; "moe" for the MoE variants, which
-Tessera refuses) or, in older files, the `hybrid_override_pattern` string (M, *, -, E). Its files name
+`layers_block_type` ("linear_attention", "full_attention", "mlp", "moe") or, in older files, the
+`hybrid_override_pattern` string (M, *, -, E). The MoE variants' "moe" layers (`model.moe`, its
+`dense_layers` every other layer) route with DeepSeek-V3's sigmoid scores over groups of experts with a
+selection bias and a scaling factor, to ungated relu(x)^2 experts (`expert_activation` "relu2", stored
+per expert as transformers saves them: `experts.{j}.up_proj` / `down_proj`) beside one relu^2 shared expert;
+their latent projections (`moe_latent_size`) are refused by name. Its files name
 the tensors `backbone.` (transformers' own module is `model.` and renames them on load and save).
 
 The Mamba-2 step size is clamped below at `time_step_min` (model.mamba.dt_min) in both of Tessera's
@@ -19,7 +23,8 @@ from typing import Any, ClassVar
 from tessera.config.errors import ModelError
 from tessera.config.families.base import Family
 
-KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}  # config.json -> Tessera
+# config.json -> Tessera
+KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 # config.json's Mamba-2 fields -> model.mamba's
 MAMBA_FIELDS = {"mamba_num_heads": "n_heads", "mamba_head_dim": "head_dim", "ssm_state_size": "state_size",
@@ -40,12 +45,33 @@ def _block_types(d: Mapping[str, Any]) -> list[str]:
             raise ModelError(f"hybrid_override_pattern={pattern!r} is invalid: each character one of "
                              f"{', '.join(PATTERN)}")
         types = [PATTERN[c] for c in pattern]
-    if not isinstance(types, list) or not types or any(t not in (*KINDS, "moe") for t in types):
+    if not isinstance(types, list) or not types or any(t not in KINDS for t in types):
         raise ModelError(f"layers_block_type={types!r} is invalid: a list, each one of {', '.join(KINDS)}")
-    if "moe" in types:
-        raise ModelError("layers_block_type has moe layers, which Tessera does not build for nemotron_h yet; "
-                         f"supported: {', '.join(KINDS)}")
     return types
+
+
+def _moe_from_hf(d: Mapping[str, Any], kinds: list[str]) -> dict[str, Any] | None:
+    """model.moe of the MoE variants' "moe" layers (module docstring); None without any."""
+    if "moe" not in kinds:
+        return None
+    if d.get("moe_latent_size") is not None:
+        raise ModelError(f"moe_latent_size={d['moe_latent_size']!r} is not supported for nemotron_h; supported: None "
+                         "(experts over the model dim)")
+    return dict(num_experts=d.get("n_routed_experts", 8), top_k=d.get("num_experts_per_tok", 2),
+                ffn_dim=d.get("moe_intermediate_size", 7688), score_func="sigmoid", expert_bias=True,
+                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                scaling_factor=float(d.get("routed_scaling_factor", 1.0)), n_groups=d.get("n_group", 1),
+                topk_groups=d.get("topk_group", 1), expert_activation="relu2",
+                shared_ffn_dim=d.get("moe_shared_expert_intermediate_size", 7688) if d.get("n_shared_experts", 1)
+                else 0,
+                dense_layers=[i for i, k in enumerate(kinds) if k != "moe"])
+
+
+def _moe_to_hf(e) -> dict[str, Any]:
+    return {"n_routed_experts": e.num_experts, "num_experts_per_tok": e.top_k, "moe_intermediate_size": e.ffn_dim,
+            "moe_shared_expert_intermediate_size": e.shared_ffn_dim, "n_shared_experts": 1 if e.shared_ffn_dim else 0,
+            "moe_latent_size": None, "norm_topk_prob": e.norm_topk_prob, "routed_scaling_factor": e.scaling_factor,
+            "n_group": e.n_groups, "topk_group": e.topk_groups}
 
 
 def _refuse_parts(d: Mapping[str, Any]) -> None:
@@ -61,6 +87,7 @@ class NemotronH(Family):
     number_fields: tuple[str, ...] = ("layer_norm_epsilon", "time_step_min", "mamba_dt_min")
     nope: ClassVar[bool] = True
     one_sublayer: ClassVar[bool] = True
+    moe_optional: ClassVar[bool] = True
     own_parts: ClassVar[tuple[str, ...]] = ("activation",)
 
     def config_from_hf(self, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,7 +104,7 @@ class NemotronH(Family):
             ffn_dim=d.get("intermediate_size", 21504), norm_eps=d.get("layer_norm_epsilon", 1e-5),
             max_seq_len=d.get("max_position_embeddings", 4096), tie_embeddings=bool(d.get("tie_word_embeddings")),
             activation="relu2", sublayers=kinds, nope_layers=[i for i, k in enumerate(kinds) if k == "attention"],
-            mamba=mamba if "mamba" in kinds else None)
+            mamba=mamba if "mamba" in kinds else None, moe=_moe_from_hf(d, kinds))
 
     def config_to_hf(self, cfg) -> dict[str, Any]:
         self.check_exportable(cfg)
@@ -94,6 +121,8 @@ class NemotronH(Family):
         if m is not None:
             d.update({theirs: getattr(m, ours) for theirs, ours in MAMBA_FIELDS.items()})
             d.update(mamba_hidden_act="silu", use_conv_bias=m.conv_bias, use_bias=m.proj_bias, time_step_min=m.dt_min)
+        if cfg.moe is not None:
+            d.update(_moe_to_hf(cfg.moe))
         return d
 
     def check_exportable(self, cfg) -> None:
@@ -102,10 +131,14 @@ class NemotronH(Family):
               and not (cfg.qkv_bias or cfg.out_bias or cfg.qk_norm or cfg.norm_unit_offset or cfg.embed_scale)
               and cfg.sliding_window is None and cfg.block_norms == "pre" and cfg.attention_chunk_size is None
               and cfg.query_pre_attn_scalar is None and not cfg.attention_sinks)
+        e = cfg.moe
+        ok = ok and (e is None or (e.score_func == "sigmoid" and e.expert_bias and e.expert_activation == "relu2"
+                                   and not (e.shared_expert_gate or e.gate_input or e.router_bias)))
         if not ok:
             raise ModelError(f"{self.name} needs model.sublayers, activation=relu2, nope_layers = its attention layers "
                              f"({attention}), pre norms, and no attention biases, QK norm, window or sinks "
-                             "(its HuggingFace class has none)")
+                             "(its HuggingFace class has none), and MoE layers of sigmoid routing with a selection "
+                             "bias to relu2 experts")
         self.check_mtp_exportable(cfg)
 
     def unread_tensor(self, cfg, key: str) -> bool:
@@ -115,7 +148,7 @@ class NemotronH(Family):
         names: dict[str, list[str]] = {"tok_embeddings.weight": ["backbone.embeddings.weight"]}
         for i, kind in enumerate(cfg.sublayers or []):
             src = f"backbone.layers.{i}"
-            norm = "ffn_norm" if kind == "mlp" else "attention_norm"
+            norm = "ffn_norm" if kind in ("mlp", "moe") else "attention_norm"
             names[f"layers.{i}.{norm}.weight"] = [f"{src}.norm.weight"]
             names.update(self._sublayer_names(cfg, i, kind))
         names["norm.weight"] = ["backbone.norm_f.weight"]
@@ -130,6 +163,15 @@ class NemotronH(Family):
             return {f"layers.{i}.feed_forward.{n}.weight": [f"{src}.{h}.weight"] for n, h in MLP.items()}
         if kind == "attention":
             return {f"layers.{i}.attention.{n}.weight": [f"{src}.{h}.weight"] for n, h in ATTENTION.items()}
+        if kind == "moe":
+            out = {f"layers.{i}.moe.router.weight": [f"{src}.gate.weight"],
+                   f"layers.{i}.moe.router.expert_bias": [f"{src}.gate.e_score_correction_bias"]}
+            out.update({f"layers.{i}.moe.experts.{n}": [f"{src}.experts.{j}.{h}.weight"
+                                                        for j in range(cfg.moe.num_experts)] for n, h in MLP.items()})
+            if cfg.moe.shared_ffn_dim:
+                out.update({f"layers.{i}.moe.shared_experts.{n}.weight": [f"{src}.shared_experts.{h}.weight"]
+                            for n, h in MLP.items()})
+            return out
         parts = list(MAMBA_TENSORS)
         parts += ["conv1d.bias"] if cfg.mamba.conv_bias else []
         parts += ["in_proj.bias", "out_proj.bias"] if cfg.mamba.proj_bias else []
