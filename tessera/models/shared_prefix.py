@@ -10,10 +10,10 @@ rows "prefix + continuation j" give. GRPO's update packs a prompt's group of com
 
 It is passed where a serving cache is (`ModelInput.cache`, the per-call attention seam of
 `Attention.forward`): its `attend` keeps nothing and attends with the block mask, so the decoder
-runs unchanged. It serves softmax attention (with its sliding windows, chunks and sinks); what
-attends otherwise or mixes tokens across the row is refused by name (`shared_prefix_refusal`):
-linear-attention (recurrent) layers, latent attention, multimodal RoPE and capacity-limited MoE
-(whose dropped tokens depend on which tokens share the batch).
+runs unchanged. It serves softmax attention (with its sliding windows, chunks and sinks) and
+multi-head latent attention; what attends otherwise or mixes tokens across the row is refused by
+name (`shared_prefix_refusal`): linear-attention (recurrent) layers, sparse latent attention,
+multimodal RoPE and capacity-limited MoE (whose dropped tokens depend on which tokens share the batch).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def shared_prefix_refusal(cfg: ModelConfig, mrope_section: list[int] | None = No
     run shared-prefix rows, or None where it can (module docstring)."""
     if not all(cfg.has_attention(i) for i in range(cfg.n_layers)):
         return "its linear-attention or Mamba layers carry a recurrent state through the row, not a per-key mask"
-    if cfg.mla is not None:
-        return "multi-head latent attention is not served by the shared-prefix mask yet"
+    if cfg.mla is not None and cfg.mla.index_topk is not None:
+        return "sparse latent attention (mla.index_topk) picks its keys through its own cache call, not a mask"
     if mrope_section is not None:
         return "multimodal RoPE places tokens by (t, h, w), not by one position"
     if cfg.is_moe and cfg.moe.capacity_factor is not None:

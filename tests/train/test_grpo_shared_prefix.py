@@ -1,10 +1,11 @@
 """GRPO's shared-prefix update rows (tessera/train/modes/grpo_packing.py, tessera/models/shared_prefix.py):
 a group in one row, its prompt computed once and each completion attending to it, gives one step's
-loss, figures and gradients equal to one row per completion (fp32 1e-5), for a dense and an MoE
-model, with prompts and completions of different lengths, padding, two micro-batches, a reference
-(KL), temperature, entropy and the bitwise scoring pass; the row it runs holds fewer tokens. What it
+loss, figures and gradients equal to one row per completion (fp32 1e-5), for a dense model, an MoE
+and DeepSeek's latent attention with its MoE, with prompts and completions of different lengths,
+padding, two micro-batches, a reference (KL), temperature, entropy and the bitwise scoring pass; the
+row it runs holds fewer tokens. What it
 cannot serve falls back to per-completion rows, said in the run's start-up lines: the switch off,
-a capacity-limited MoE (trained exactly as rows), recurrent and latent-attention families."""
+a capacity-limited MoE (trained exactly as rows), recurrent and sparse latent-attention families."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def _assert_same_step(got: tuple, want: tuple) -> None:
     pytest.param(TINY_DENSE, {"train.grpo.bitwise": True, "train.grpo.loss_averaging": "sequence"},
                  id="dense-bitwise-sequence"),
     pytest.param(TINY_MOE, {**MOE, **NO_AUX}, id="moe"),
+    pytest.param(TINY_DEEPSEEK, {"model.moe.seq_aux_loss_coef": 0.0}, id="latent-attention-moe"),
 ])
 def test_one_step_on_shared_prefix_rows_equals_one_row_per_completion(root, config, extra):
     shared = _step(root, "shared", config, **extra)
@@ -108,13 +110,14 @@ def test_a_capacity_limited_moe_falls_back_to_per_completion_rows_and_says_why(r
     assert "update rows: shared-prefix" in "\n".join(_step(root, "lines", TINY_MOE, **MOE)[0].built.summary(0))
 
 
-def test_recurrent_and_latent_attention_families_are_refused_by_name():
+def test_recurrent_and_sparse_latent_attention_families_are_refused_by_name():
     hybrid = load_config(TINY_DENSE, ["model.linear_attention={layers: [0], n_key_heads: 2, n_value_heads: 4, "
                                       "key_head_dim: 16, value_head_dim: 16}"]).model
     assert shared_prefix_refusal(hybrid) == ("its linear-attention or Mamba layers carry a recurrent state "
                                              "through the row, not a per-key mask")
-    deepseek = load_config(TINY_DEEPSEEK, []).model
-    assert shared_prefix_refusal(deepseek) == "multi-head latent attention is not served by the shared-prefix mask yet"
+    sparse = load_config(TINY_DEEPSEEK, ["model.mla.index_topk=4", "model.mla.index_n_heads=2",
+                                         "model.mla.index_head_dim=16"]).model
+    assert shared_prefix_refusal(sparse).startswith("sparse latent attention (mla.index_topk) picks its keys")
     dense = load_config(TINY_DENSE, []).model
     assert shared_prefix_refusal(dense) is None
     assert shared_prefix_refusal(dense, [16, 24, 24]).startswith("multimodal RoPE places tokens by (t, h, w)")
