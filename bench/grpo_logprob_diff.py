@@ -36,7 +36,8 @@ from tessera.infer.engine.llm_engine import LLMEngine  # noqa: E402
 from tessera.models.attention import Attention  # noqa: E402
 from tessera.models.model_input import ModelInput  # noqa: E402
 from tessera.models.norm import RMSNorm  # noqa: E402
-from tessera.train.modes.grpo import Rollouts, pack_rollouts  # noqa: E402
+from tessera.train.modes.grpo import Rollouts  # noqa: E402
+from tessera.train.modes.grpo_packing import pack_rollouts  # noqa: E402
 from tessera.train.objectives.loss import IGNORE_INDEX, token_logps  # noqa: E402
 
 
@@ -97,7 +98,7 @@ def main() -> None:
     engine.close()
     ro = Rollouts([list(o.token_ids) for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs],
                   [0.0] * len(outs), 0, 0.0)
-    seqs, mask, served = pack_rollouts(prompts, ro, args.group)
+    seqs, mask, served = pack_rollouts(prompts, ro.completions, ro.engine_logps, args.group)
     served = served.double()
     trainer, reference = score(model, seqs, mask, args.group), score(fp64_copy(model), seqs, mask, args.group)
     out = {"tokens": int(mask.sum()), "engine_vs_trainer": stats(served, trainer, mask),

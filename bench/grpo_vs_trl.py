@@ -1,7 +1,8 @@
 """GRPO on the CPU: Tessera (train.objective=grpo, rollouts by its own serving engine) vs TRL's
 GRPOTrainer (rollouts by transformers' generate), same model, task, group size, steps and settings.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/grpo_vs_trl.py [--steps 10] [--rounds 2] [--out F]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/grpo_vs_trl.py [--steps 10] [--rounds 2] [--rows-too]
+        [--out F]
 
 The model is a random LLaMA (transformers) with the bundled tokenizer, written once to a temporary
 HuggingFace directory that both start from. The task: examples/data/sums.jsonl's prompts, rendered
@@ -15,6 +16,8 @@ wall time of the training loop (construction excluded), its CPU time (the proces
 both sides run one thread), the completion tokens sampled, their rate, (prompt + completion) tokens
 per second, completion tokens per CPU second (the figure a loaded machine moves least) and the mean
 reward per step, the 1-minute load average after each run; and the ratios Tessera / TRL of the medians.
+`--rows-too` also runs Tessera with one row per completion in its update (train.grpo.shared_prefix=false,
+what the update ran before shared-prefix rows), as a third side of each round (`ratio_rows_*`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +63,8 @@ def write_model(directory: Path, seed: int) -> None:
     tokenizer.save(directory)
 
 
-def tessera_run(model: Path, run: Path, args) -> dict:
-    cfg = load_config(None, [
+def tessera_run(model: Path, run: Path, args, extra: tuple[str, ...] = ()) -> dict:
+    cfg = load_config(None, [*extra,
         f"run_dir={run}", "train.device=cpu", f"train.init_from={model}", f"data.tokenizer={model}",
         "data.kind=prompts", "train.objective=grpo", f"data.datasets=[{{path: {PROMPTS}}}]",
         f"train.grpo.group_size={args.group}", f"train.grpo.max_new_tokens={args.max_new_tokens}",
@@ -122,6 +126,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows-too", action="store_true",
+                   help="also run Tessera with one row per completion in its update (train.grpo.shared_prefix=false)")
     p.add_argument("--out", help="also write the JSON object to this file (TRL logs to stdout as it trains)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -130,17 +136,22 @@ def main() -> None:
         model = Path(tmp) / "model"
         write_model(model, args.seed)
         for r in range(args.rounds):
-            for side, run in (("tessera", tessera_run), ("trl", trl_run)):
+            sides = [("tessera", tessera_run), ("trl", trl_run)]
+            if args.rows_too:
+                sides.insert(1, ("tessera_rows", partial(tessera_run, extra=("train.grpo.shared_prefix=false",))))
+            for side, run in sides:
                 got = run(model, Path(tmp) / f"{side}-{r}", args)
                 got["completion_tokens_per_s"] = got["completion_tokens"] / got["wall_s"]
                 got["tokens_per_s"] = got["tokens"] / got["wall_s"]
                 got["completion_tokens_per_cpu_s"] = got["completion_tokens"] / got["cpu_s"]
-                out[side].append(got)
+                out.setdefault(side, []).append(got)
                 out.setdefault("load_average", []).append(os.getloadavg()[0])
     for key in ("completion_tokens_per_s", "tokens_per_s", "completion_tokens_per_cpu_s"):
         ours = statistics.median(g[key] for g in out["tessera"])
         theirs = statistics.median(g[key] for g in out["trl"])
         out[f"ratio_{key}"] = ours / theirs
+        if args.rows_too:
+            out[f"ratio_rows_{key}"] = statistics.median(g[key] for g in out["tessera_rows"]) / theirs
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -39,7 +39,7 @@ class ModelInput:
     mtp_targets: torch.Tensor | None = None
     mtp_divisor: float | None = None
     keep_layers: tuple[int, ...] = ()  # block counts whose residual stream is also returned (`kept_hidden`)
-    logit_positions: torch.Tensor | None = None  # [R] sequence indices: the logits of those rows only
+    logit_positions: torch.Tensor | None = None  # [R] or [B, R] sequence indices: the logits of those rows only
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.hidden is None):

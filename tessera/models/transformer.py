@@ -108,6 +108,13 @@ TiedHead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def select_positions(h_BSD: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of `h_BSD` at sequence indices `index`: [R], the same for every row, or [B, R], each row's own."""
+    if index.dim() == 1:
+        return h_BSD.index_select(1, index)
+    return h_BSD.gather(1, index[:, :, None].expand(-1, -1, h_BSD.shape[-1]))
+
+
 def plain_token_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """The `TokenLoss` of one process: torch's cross-entropy in fp32, summed."""
     V = logits_BSV.shape[-1]
@@ -350,7 +357,8 @@ class Transformer(nn.Module):
         MTP and EAGLE proposers, EAGLE training).
 
         `logit_positions` (sequence indices [R]) computes the logits of those positions only, [B, R, V]
-        (serving reads the last row of each prompt chunk, not all of them); ignored when the hidden
+        (serving reads the last row of each prompt chunk, not all of them), or per row ([B, R]: row
+        b's positions, which may repeat: shared-prefix rows, shared_prefix.py); ignored when the hidden
         states are a DTensor (sequence-sharded), where the logits cover every position."""
         inp = ModelInput.of(inp)
         h, rope = self._entry(inp)
@@ -370,7 +378,7 @@ class Transformer(nn.Module):
                                                         inp.targets.reshape(-1), self.loss_chunk_tokens)
             return out
         if inp.logit_positions is not None and not isinstance(h, DTensor):
-            h = h.index_select(1, inp.logit_positions)
+            h = select_positions(h, inp.logit_positions)
         out.logits = self.lm_head(h)
         return out
 

@@ -56,6 +56,9 @@ class GRPOConfig:
     # scored by the trainer's own forward (its kernels, micro-batches and reduction order), not the paged
     # engine's, so they equal the trainer's exactly; the engine still samples the tokens
     bitwise: bool = False
+    # true: the update runs each group in one row, its prompt once and each completion attending to it
+    # (tessera.train.modes.grpo_packing); where the model or layout cannot, one row per completion, as false
+    shared_prefix: bool = True
 
 
 def validate_grpo(cfg: Any) -> None:

@@ -14,7 +14,9 @@ their rewards and the engine's log-probabilities of the sampled tokens (`Rollout
 A step, on each rank for its rows of the global batch (`train.global_batch_size` prompts, each rank
 taking its share, `train.micro_batch_size` prompts a micro-batch): the rollouts; each group's rewards
 normalised into advantages; the policy's log-probabilities of the completions (the logits divided by
-`train.grpo.temperature`, the distribution the engine sampled from) in one forward with the gradient;
+`train.grpo.temperature`, the distribution the engine sampled from) in one forward with the gradient,
+over shared-prefix rows (a group's prompt once, its completions attending to it: grpo_packing.py;
+one row per completion where the model or layout cannot, `rows_refusal`, said in the start-up lines);
 the clipped policy-gradient loss (tessera.train.objectives.policy_gradient), weighted by the truncated
 importance weights of the engine's log-probabilities against the trainer's at the sampling policy
 (`tis_cap`), plus `kl_coef` x the k3 KL to a frozen reference (the run's initial weights, built only
@@ -59,12 +61,13 @@ from torch import nn
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
 from tessera.data.batching import Batch
-from tessera.models.model_input import ModelInput
+from tessera.models.shared_prefix import shared_prefix_refusal
 from tessera.parallel import dp_rows, global_sum
 from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
+from tessera.train.modes.grpo_packing import Chunk, row_chunks, row_tokens, shared_prefix_chunks
 from tessera.train.modes.lm import export_hf, lm_closing, lm_summary
 from tessera.train.modes.mode import ModeContext, ModeParts
-from tessera.train.objectives.loss import IGNORE_INDEX, token_logps
+from tessera.train.objectives.loss import token_logps
 from tessera.train.objectives.policy_gradient import group_advantages, policy_loss_sum, tis_weights, token_entropy
 from tessera.train.results import StepResult
 from tessera.train.run.layout import RunLayout
@@ -109,8 +112,9 @@ class GRPOStep:
     the frozen reference; in one process or under dp_replicate / dp_shard (module docstring)."""
 
     def __init__(self, cfg: RunConfig, layout: RunLayout, built: TrainingParts, reference: nn.Module | None,
-                 rollouts: RolloutSource, position: Callable[[], int]):
+                 rollouts: RolloutSource, position: Callable[[], int], rows_refusal: str | None = None):
         self.parts = built.parts
+        self.rows_refusal = rows_refusal  # why shared-prefix rows are not used (None: they are; grpo_packing.py)
         self.model, self.reference, self.rollout_source = built.parts[0], reference, rollouts
         self.dims, self.device = layout.dims, layout.device
         self.mb, self.autocast, self.g = cfg.train.micro_batch_size, built.autocast_dtype, cfg.train.grpo
@@ -149,55 +153,46 @@ class GRPOStep:
     def _sync_gradients(self, last_micro_batch: bool) -> None:
         sync_gradients(self.model, self.distributed_optimizers, last_micro_batch)
 
-    def _forward_logps(self, seqs: torch.Tensor, mask: torch.Tensor
-                       ) -> tuple[Any, torch.Tensor, torch.Tensor, ModelInput, int]:
-        """The policy's forward on completions [n, L]: its output, the targets (IGNORE_INDEX outside
-        the completions), the raw fp32 logits, the input (which the reference reads too) and `first`:
-        the logits and targets cover target positions [first, L - 1) only, from the chunk's earliest
-        completion target on (the head and the softmax of the prompts' positions, whose targets are
-        ignored, are not computed; a sequence-sharded input keeps every position, first = 0)."""
-        first = int(mask.any(0).nonzero()[0]) if bool(mask.any()) else 0
-        positions = torch.arange(first, mask.shape[1], device=self.device) if first else None
-        x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].masked_fill(~mask, IGNORE_INDEX).to(self.device)
-        inp = ModelInput(tokens=x, logit_positions=positions)
+    def _forward(self, model: nn.Module, chunk: Chunk) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """`model`'s forward on a chunk (grpo_packing.py): its output, the fp32 logits of the rows the
+        chunk's targets score and the targets [R, K], on the device."""
         with mixed_precision(self.device, self.autocast):
-            out = self.model(inp)
-        first = first if out.logits.shape[1] < y.shape[1] else 0
-        return out, y[:, first:], out.logits.float(), inp, first
+            out = model(chunk.model_input(self.device))
+        y, logits = chunk.targets.to(self.device), out.logits.float()
+        if logits.shape[1] > y.shape[1]:  # the model kept every position (a sequence-sharded input)
+            logits = logits[:, -y.shape[1]:]
+        return out, y, logits
 
     @torch.no_grad()
-    def _score(self, seqs: torch.Tensor, mask: torch.Tensor, chunks: list[slice]) -> torch.Tensor:
-        """train.grpo.bitwise: the log-probabilities of the sampled tokens [N, L - 1] by the scoring pass
-        the trainer runs (the policy module, its micro-batches, their padding), so that they equal
-        the trainer's bit for bit."""
-        engine = torch.zeros(mask.shape, dtype=torch.float32)
-        for rows in chunks:
-            _, y, logits, _, first = self._forward_logps(seqs[rows], mask[rows])
-            engine[rows, first:] = token_logps(logits, y).cpu()
-        return engine
+    def _score(self, chunks: list[Chunk]) -> None:
+        """train.grpo.bitwise: the log-probabilities of the sampled tokens by the scoring pass the trainer
+        runs (the policy module, its micro-batches, their layout and padding) replace each chunk's
+        engine's, so that they equal the trainer's bit for bit."""
+        for chunk in chunks:
+            _, y, logits = self._forward(self.model, chunk)
+            chunk.engine = token_logps(logits, y).reshape(chunk.mask.shape).cpu()
 
-    def _micro_batch(self, seqs: torch.Tensor, mask: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor,
-                     old: tuple[torch.Tensor, torch.Tensor] | None, divisor: int, micro_batches: int,
-                     stats: StepStats) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Forward and backward of the policy on completions [n, L] (`mask`: completion targets); its
-        loss, clipped, kl and |engine - trainer| sums (fp64) and the largest difference, and the
-        (tempered, raw) log-probabilities of the rollout's policy (`old`: those of the first update)."""
+    def _micro_batch(self, chunk: Chunk, old: tuple[torch.Tensor, torch.Tensor] | None, divisor: int,
+                     micro_batches: int, stats: StepStats) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Forward and backward of the policy on a chunk's completions; its loss, clipped, kl and
+        |engine - trainer| sums (fp64) and the largest difference, and the (tempered, raw)
+        log-probabilities of the rollout's policy (`old`: those of the first update)."""
         g = self.g
-        out, y, logits, inp, first = self._forward_logps(seqs, mask)
-        m, engine = mask[:, first:].to(self.device), engine[:, first:].to(self.device)
-        raw = token_logps(logits, y)  # the distribution the engine reports
-        logps = raw if g.temperature == 1 else token_logps(logits / g.temperature, y)
+        out, y, logits = self._forward(self.model, chunk)
+        m, engine = chunk.mask.to(self.device), chunk.engine.to(self.device)
+
+        def logps_of(lg: torch.Tensor, temperature: float) -> torch.Tensor:  # [n, T], the completions' shape
+            return token_logps(lg if temperature == 1 else lg / temperature, y).reshape(m.shape)
+        raw = logps_of(logits, 1)  # the distribution the engine reports
+        logps = raw if g.temperature == 1 else logps_of(logits, g.temperature)
         old = old if old is not None else (logps.detach(), raw.detach())  # the first update: the sampling policy
         ref = None
         if self.reference is not None:
-            with torch.no_grad(), mixed_precision(self.device, self.autocast):
-                ref_logits = self.reference(inp).logits.float()
-            if ref_logits.shape[1] > y.shape[1]:  # the reference kept every position
-                ref_logits = ref_logits[:, -y.shape[1]:]
-            ref = token_logps(ref_logits if g.temperature == 1 else ref_logits / g.temperature, y)
+            with torch.no_grad():
+                ref = logps_of(self._forward(self.reference, chunk)[2], g.temperature)
         weights = tis_weights(old[1], engine, g.tis_cap) if g.tis_cap is not None else None
-        entropies = token_entropy(logits / g.temperature) if g.entropy_coef else None
-        pl = policy_loss_sum(logps, old[0], advantages.to(self.device), m, clip_low=g.clip_low,
+        entropies = token_entropy(logits / g.temperature).reshape(m.shape) if g.entropy_coef else None
+        pl = policy_loss_sum(logps, old[0], chunk.advantages.to(self.device), m, clip_low=g.clip_low,
                              clip_high=g.clip_high, averaging=g.loss_averaging, ref_logps=ref, kl_coef=g.kl_coef,
                              weights=weights, entropies=entropies, entropy_coef=g.entropy_coef)
         (pl.loss_sum / divisor + out.aux_loss.float() / micro_batches).backward()
@@ -225,14 +220,17 @@ class GRPOStep:
         G, updates = self.g.group_size, self.g.updates_per_rollout
         rewards = torch.tensor(ro.rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, G, scale=self.g.scale_rewards)
-        seqs, mask, engine = pack_rollouts(prompts, ro, G, self.sequence_multiple)
-        local = _local_divisor(mask, self.g.loss_averaging)
+        if self.rows_refusal is None:
+            chunks = shared_prefix_chunks(prompts, ro.completions, ro.engine_logps, G, self.mb, advantages)
+        else:
+            chunks = row_chunks(prompts, ro.completions, ro.engine_logps, G, self.mb, advantages,
+                                self.sequence_multiple)
+        local = sum(_local_divisor(c.mask, self.g.loss_averaging) for c in chunks)
         divisor = max(int(local if self.dims is None else global_sum(local, self.dims).item()), 1)
-        n_local = len(prompts) // self.mb
+        n_local = len(chunks)
         micro_batches = n_local * (self.dims.dp_size if self.dims is not None else 1)
-        chunks = [slice(i * self.mb * G, (i + 1) * self.mb * G) for i in range(n_local)]
         if self.g.bitwise:
-            engine = self._score(seqs, mask, chunks)
+            self._score(chunks)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         diff_max = torch.zeros((), dtype=torch.float64, device=self.device)
         old: list[Any] = [None] * n_local
@@ -240,14 +238,15 @@ class GRPOStep:
             if update:
                 self._inner_update()
             stats = StepStats()  # the routing of the last update, whose gradient the trainer applies
-            for i, rows in enumerate(chunks):
+            for i, chunk in enumerate(chunks):
                 self._sync_gradients(i == n_local - 1)
-                out, old[i] = self._micro_batch(seqs[rows], mask[rows], engine[rows], advantages[rows], old[i],
-                                                divisor, micro_batches, stats)
+                out, old[i] = self._micro_batch(chunk, old[i], divisor, micro_batches, stats)
                 sums += torch.cat([out[:3] / updates, out[3:4] * (update == 0)])
                 diff_max = torch.maximum(diff_max, out[4])
-        counts = torch.tensor([rewards.sum(), (rewards.double() ** 2).sum(), rewards.numel(), mask.sum(),
-                               ro.reward_failures, ro.seconds, seqs.numel()], dtype=torch.float64)
+        tokens = sum(int(c.mask.sum()) for c in chunks)
+        seq_tokens = row_tokens(prompts, ro.completions, G, self.sequence_multiple)
+        counts = torch.tensor([rewards.sum(), (rewards.double() ** 2).sum(), rewards.numel(), tokens,
+                               ro.reward_failures, ro.seconds, seq_tokens], dtype=torch.float64)
         return self._result(batch, sums.cpu(), diff_max.cpu(), counts, divisor, stats, micro_batches)
 
     def _result(self, batch: Batch, sums: torch.Tensor, diff_max: torch.Tensor, counts: torch.Tensor, divisor: int,
@@ -281,24 +280,6 @@ class GRPOStep:
     def evaluate(self, batches: Iterable[Batch]) -> tuple[float, int]:
         raise TrainingError("a GRPO run has no validation loss: its reward figures in metrics.jsonl measure it, "
                             "and its mode does not evaluate (train.eval_interval must be 0)")
-
-
-def pack_rollouts(prompts: list[list[int]], ro: Rollouts, group_size: int, multiple: int = 1
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each completion after its prompt, padded with 0 to the longest: tokens [N, L], the mask of the
-    completion's targets [N, L - 1] and the engine's log-probabilities on them [N, L - 1] (fp32).
-    L - 1 is rounded up to a multiple of `multiple` (sequence parallelism splits the inputs over tp)."""
-    rows = [prompts[i // group_size] + c for i, c in enumerate(ro.completions)]
-    length = -(-(max(len(r) for r in rows) - 1) // multiple) * multiple + 1
-    seqs = torch.zeros(len(rows), length, dtype=torch.long)
-    mask = torch.zeros(len(rows), length - 1, dtype=torch.bool)
-    engine = torch.zeros(len(rows), length - 1, dtype=torch.float32)
-    for i, (row, completion) in enumerate(zip(rows, ro.completions)):
-        start = len(row) - len(completion) - 1  # the target index of the completion's first token
-        seqs[i, :len(row)] = torch.tensor(row)
-        mask[i, start:len(row) - 1] = True
-        engine[i, start:len(row) - 1] = torch.tensor(ro.engine_logps[i], dtype=torch.float32)
-    return seqs, mask, engine
 
 
 def merge_rollouts(parts: list[Rollouts], prompts: int, group_size: int) -> Rollouts:
@@ -339,21 +320,34 @@ def build_grpo_mode(ctx: ModeContext) -> ModeParts:
     if cfg.train.grpo.kl_coef > 0:
         with layout.phase("building the GRPO reference model"):
             reference = build_frozen_model(cfg, layout, cfg.train.init_from)
+    refusal = rows_refusal(cfg, layout, built.parts[0])
     return ModeParts(
-        engine=GRPOStep(cfg, layout, built, reference, ctx.rollouts, lambda: ctx.data.train.samples_seen),
+        engine=GRPOStep(cfg, layout, built, reference, ctx.rollouts, lambda: ctx.data.train.samples_seen, refusal),
         optimizers=built.optimizers,
         full_shapes=built.full_shapes, record=partial(step_record, moe=cfg.model.is_moe),
-        summary=partial(_summary, cfg, layout), closing=partial(lm_closing, cfg),
+        summary=partial(_summary, cfg, layout, refusal), closing=partial(lm_closing, cfg),
         finish=partial(export_hf, cfg, layout), label="grpo", evaluates=False, init_from=ctx.init_from,
         init_bytes_read=built.init_bytes_read, fp8_layers=built.fp8_layers)
 
 
-def _summary(cfg: RunConfig, layout: RunLayout, start_step: int) -> list[str]:
-    """A language-model run's lines, and what GRPO samples and rewards."""
+def rows_refusal(cfg: RunConfig, layout: RunLayout, model: nn.Module) -> str | None:
+    """Why the step lays its rollouts out in per-completion rows rather than shared-prefix rows (None:
+    it does not; grpo_packing.py): switched off, a layout or a model that cannot serve them."""
+    if not cfg.train.grpo.shared_prefix:
+        return "train.grpo.shared_prefix=false"
+    if layout.dims is not None and layout.dims.sp:
+        return "parallel.sp=true splits each row's positions over tp, which the shared-prefix mask does not follow"
+    return shared_prefix_refusal(cfg.model, getattr(model, "mrope_section", None))
+
+
+def _summary(cfg: RunConfig, layout: RunLayout, refusal: str | None, start_step: int) -> list[str]:
+    """A language-model run's lines, what GRPO samples and rewards, and how its update lays out the rollouts."""
     g = cfg.train.grpo
     kl = f"k3 KL x {g.kl_coef:g} to the initial weights" if g.kl_coef > 0 else "no KL term"
     return lm_summary(cfg, layout, start_step) + [
         f"objective: GRPO, {g.group_size} completions per prompt of up to {g.max_new_tokens} tokens at temperature "
         f"{g.temperature:g} from the serving engine, reward {g.reward}, {g.loss_averaging}-level averaging, {kl}; "
         "metrics reward_mean, reward_std, kl, clip_fraction, response_length, logprob_diff_max, logprob_diff_mean, "
-        "rollout_tokens_per_s"]
+        "rollout_tokens_per_s",
+        "update rows: shared-prefix (each group's prompt computed once)" if refusal is None else
+        f"update rows: one per completion (shared-prefix rows refused: {refusal})"]
