@@ -107,6 +107,17 @@ def test_gradients_flow_through_the_chunked_form():
     assert x.grad.abs().sum() > 0
 
 
+def test_chunked_a_chunk_per_slab_equals_recurrent(monkeypatch):
+    """With the per-head terms computed one chunk at a time (PER_HEAD_TERMS = 1) the chunked form
+    still equals the recurrent one."""
+    import tessera.models.linear_attention.delta_rule as rule
+    q, k, v, g, beta, state = _inputs(4)
+    want = recurrent_delta_rule(q, k, v, g, beta, state)
+    monkeypatch.setattr(rule, "PER_HEAD_TERMS", 1)
+    for got, expected in zip(chunked_delta_rule(q, k, v, g, beta, state, chunk=8), want):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
 def test_chunked_gradients_equal_recurrent(per_channel):
     """Training runs the chunked form: its gradients (through the batched triangular solve, the

@@ -35,6 +35,32 @@ def test_chunked_equals_recurrent(chunk, with_state):
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_a_chunk_per_slab_equals_recurrent(monkeypatch):
+    """With every slab a single chunk (SLAB_TERMS = 1) the chunked form still equals the recurrent one:
+    the state passes from slab to slab as from chunk to chunk."""
+    import tessera.models.linear_attention.ssd as ssd
+    x, dt, A, Bm, Cm, D, state = _inputs(3)
+    want, want_state = recurrent_ssd(x, dt, A, Bm, Cm, D, state)
+    monkeypatch.setattr(ssd, "SLAB_TERMS", 1)
+    got, got_state = chunked_ssd(x, dt, A, Bm, Cm, D, state, chunk=8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_gradients_equal_recurrent():
+    """Training runs the chunked form: its gradients (inputs, rates, B, C, D and the start state)
+    equal the recurrent form's."""
+    inputs = _inputs(4)
+    grads = []
+    for scan, kwargs in ((recurrent_ssd, {}), (chunked_ssd, {"chunk": 8})):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y, final = scan(*leaves, **kwargs)
+        (y.square().sum() + final.square().sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_both_forms_equal_transformers():
     hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
     x, _, A, Bm, Cm, D, state = _inputs(1)
