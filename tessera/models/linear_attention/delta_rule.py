@@ -23,8 +23,9 @@ Kimi delta attention (KDA) decays each key channel of the state by its own rate:
 head instead of one number, exp(g_t) scaling the state's rows. Both forms take either: a log-decay
 [B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
 of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay:
-`decayed_products`, a product per sub-block through its last row's decay and the diagonal sub-blocks
-whole (computed a few chunks at a time to bound their memory).
+`decayed_products`: one product per block of rows referred to its first row's decay where no channel
+decays too fast for fp32 within a block, else a product per sub-block through its last row's decay
+with the diagonal sub-blocks whole (computed a few chunks at a time to bound their memory).
 
 Both compute in fp32 and return the output in the input's dtype with the fp32 final state.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv width.
@@ -40,7 +41,11 @@ PER_CHANNEL_TERMS = 1 << 24
 # fp32 elements of the [C, K + V] terms computed at once when the decay is per head (a few MiB: in cache
 # when the chunk loop reads them)
 PER_HEAD_TERMS = 1 << 22
-SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (decayed_products)
+SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+# rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
+# within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
+ROW_BLOCK = 16
+SPAN_LIMIT = 60.0
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -154,9 +159,37 @@ def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.
 
 
 def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """M [..., C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, from a [..., C, K]
-    (leading dimensions broadcast with b's: several a at once share the decays), b and a cumulative
-    log-decay c [..., C, K] that falls along C. Sub-blocks of SUB_BLOCK columns: below a column block
+    """M [..., m, C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, for each of the
+    m matrices a [..., m, C, K] (several a at once share b's decays), b and a cumulative log-decay c
+    [..., C, K] that falls along C. Where no channel decays by more than SPAN_LIMIT within any
+    ROW_BLOCK rows, `_referenced_products`; else `_exact_products`."""
+    C = c.shape[-2]
+    first = torch.arange(0, C, ROW_BLOCK, device=c.device)
+    span = c[..., first, :] - c[..., (first + ROW_BLOCK - 1).clamp(max=C - 1), :]
+    if float(span.detach().max()) <= SPAN_LIMIT:
+        return _referenced_products(a, b, c)
+    return _exact_products(a, b.unsqueeze(-3), c.unsqueeze(-3))
+
+
+def _referenced_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`decayed_products` by row blocks of ROW_BLOCK, each referred to its first row r: exp(c_i - c_j)
+    = exp(c_i - c_r) exp(c_r - c_j), the first factor <= 1, the second <= 1 left of the block and at
+    most exp(SPAN_LIMIT) inside it, so each block's rows (of all m a's, stacked) are one product with
+    all columns up to its end (those above the diagonal then zeroed)."""
+    *lead, m, C, K = a.shape
+    out = a.new_zeros(*lead, m, C, C)
+    for start in range(0, C, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, C)
+        ref = c[..., start:start + 1, :]
+        left = a[..., start:stop, :] * (c[..., start:stop, :] - ref).exp().unsqueeze(-3)  # [..., m, rows, K]
+        right = b[..., :stop, :] * (ref - c[..., :stop, :]).exp()
+        rows = left.reshape(*lead, m * (stop - start), K) @ right.transpose(-1, -2)
+        out[..., start:stop, :stop] = rows.view(*lead, m, stop - start, stop)
+    return out.tril()
+
+
+def _exact_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`decayed_products` for any decay: sub-blocks of SUB_BLOCK columns: below a column block
     J, exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j) with r J's last row, both factors <= 1 (no
     overflow however strong the decay), so the block is one product; on the diagonal blocks the
     [SUB, SUB, K] decays are taken whole."""
@@ -198,7 +231,7 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         return (q, W, U, (q @ k_t) * decay_ij, k_t, last.exp()[..., None], read_decay[..., None],
                 (last - c).exp()[..., None])
     c = g.cumsum(dim=-2)  # one decay per key channel [BH, n, C, K]: each inside the sums over K
-    A, scores = decayed_products(torch.stack([k * beta[..., None], q]), k, c)
+    A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
     T = _unit_lower_inverse(A)
     read_decay = c.exp()
     last = c[..., -1:, :]  # [BH, n, 1, K]
