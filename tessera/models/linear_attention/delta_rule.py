@@ -110,35 +110,47 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule `chunk` tokens at a time (module docstring). The chunks' own terms are
-    computed a slab of chunks at a time (bounded memory, and what the loop reads next stays in cache);
-    only the state passes from chunk to chunk. The sequence is padded to whole chunks with tokens that
-    write nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`:
-    (output [B, S, H, V], final state)."""
+    """The gated delta rule `chunk` tokens at a time (module docstring). The inputs are laid out chunk
+    first ([N, B H, C, .], `_in_chunks`), so a slab of chunks is one contiguous block whose own terms
+    are computed at once (bounded memory, every product over the slab a plain batched one); only the
+    state passes from chunk to chunk. The sequence is padded to whole chunks with tokens that write
+    nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output
+    [B, S, H, V], final state)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
-    q, k, v, g, beta = _prepared(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)
-    state = _initial(state_BHKV, B, H, K, V, q.device).reshape(B * H, K, V)
     C = min(chunk, S)
-    pad = -S % C
-    per_channel = g.dim() == 4
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad)), F.pad(beta, (0, pad))
-    N = (S + pad) // C
-    q, k, v = (t.reshape(B * H, N, C, t.shape[-1]) for t in (q, k, v))
-    g, beta = g.reshape(B * H, N, C, *g.shape[3:]), beta.reshape(B * H, N, C)
+    q, k = _in_chunks(q_BSHK, C, K ** -0.5), _in_chunks(k_BSHK, C, 1.0)
+    v, g, beta = (_in_chunks(t, C) for t in (v_BSHV, g_BSH, beta_BSH))
+    state = _initial(state_BHKV, B, H, K, V, q.device).reshape(B * H, K, V)
+    N, per_channel = q.shape[0], g.dim() == 4
     per_chunk = B * H * C * (SUB_BLOCK * K if per_channel else K + V)
     slab = max(1, (PER_CHANNEL_TERMS if per_channel else PER_HEAD_TERMS) // per_chunk)
-    outs = []
+    out = q.new_empty(B, N, C, H, V)
     for first in range(0, N, slab):
         part = slice(first, first + slab)
-        terms = _chunk_terms(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part])
-        for n in range(terms[0].shape[1]):
-            out, state = _chunk_step(state, *(None if t is None else t[:, n] for t in terms))
-            outs.append(out)
-    out = torch.stack(outs, dim=1).reshape(B, H, N * C, V)[:, :, :S]
-    return out.transpose(1, 2).to(v_BSHV.dtype), state.reshape(B, H, K, V)
+        terms = _chunk_terms(q[part], k[part], v[part], g[part], beta[part])
+        for n in range(terms[0].shape[0]):
+            chunk_out, state = _chunk_step(state, *(None if t is None else t[n] for t in terms))
+            out[:, first + n] = chunk_out.view(B, H, C, V).transpose(1, 2)
+    return out.view(B, N * C, H, V)[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
+
+
+def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:
+    """fp32 [N, B H, C, ...] contiguous from [B, S, H, ...], padded with zeros to N whole chunks of C;
+    with `scale`, each last-dimension vector L2-normalised (the eps inside the root, as `l2_normalize`)
+    and scaled, the factor and the re-layout in one product."""
+    B, S, H = x_BSH_.shape[:3]
+    x = x_BSH_.float()
+    pad = -S % C
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    N = x.shape[1] // C
+    order = (1, 0, 3, 2, *range(4, x.dim() + 1))  # [B, N, C, H, ...] -> [N, B, H, C, ...]
+    chunked = x.view(B, N, C, H, *x.shape[3:]).permute(order)
+    if scale is not None:
+        factor = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6) * scale
+        chunked = factor.view(B, N, C, H, 1).permute(order).contiguous() * chunked
+    return chunked.contiguous().view(N, B * H, C, *x.shape[3:])
 
 
 def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.Tensor, scores: torch.Tensor,
