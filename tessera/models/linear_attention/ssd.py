@@ -75,7 +75,8 @@ def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B
     G, N = B_BSGN.shape[2], B_BSGN.shape[3]
     R = H // G
     x, dt = x_BSHP.float(), dt_BSH.float()
-    state = _initial(state_BHPN, Bn, H, P, N, x.device).view(Bn, G, R * P, N)
+    # the state transposed, [B, G, N, R P]: C reads it and B^T writes it as plain products
+    state = _initial(state_BHPN, Bn, H, P, N, x.device).view(Bn, G, R * P, N).transpose(-1, -2).contiguous()
     L = min(chunk, S)
     pad = -S % L
     n = (S + pad) // L
@@ -93,12 +94,13 @@ def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B
         y, state = _ssd_slab(xdt[:, :, part], Bm[:, :, part], Cm[:, :, part], c[:, :, part], state)
         ys.append(y.permute(0, 2, 3, 1, 4, 5))  # [B, n, L, G, R, P]: the output's own layout
     y = torch.cat(ys, dim=1).view(Bn, n * L, H, P)[:, :S]
-    return torch.addcmul(y, x, D_H.float()[:, None]).to(x_BSHP.dtype), state.reshape(Bn, H, P, N)
+    final = state.transpose(-1, -2).reshape(Bn, H, P, N)
+    return torch.addcmul(y, x, D_H.float()[:, None]).to(x_BSHP.dtype), final
 
 
 def _ssd_slab(xdt: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, c: torch.Tensor, state: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A slab of s chunks: y [B, G, s, L, R, P] and the state after them [B, G, R P, N], from xdt
+    """A slab of s chunks: y [B, G, s, L, R, P] and the state after them [B, G, N, R P], from xdt
     [B, G, s, L, R P], B and C [B, G, s, L, N], the cumulative log-decays c [B, G, s, R, L] and the
     state before. Each chunk's writes are carried to its end all at once (they read no state); only
     the state's decay-and-add and its read by C pass from chunk to chunk."""
@@ -111,12 +113,12 @@ def _ssd_slab(xdt: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, c: torch.Te
     inside = ((Cm @ Bm.transpose(-1, -2))[:, :, :, None] * decay_ij) @ x_heads  # the chunks' own writes
     last = c[..., -1:]
     to_end = (last - c).exp().transpose(-1, -2)[..., None]  # [B, G, s, L, R, 1]
-    writes = (xdt.view(x_heads.transpose(3, 4).shape) * to_end).view(Bn, G, s, L, RP).transpose(-1, -2) @ Bm
+    writes = Bm.transpose(-1, -2) @ (xdt.view(x_heads.transpose(3, 4).shape) * to_end).view(Bn, G, s, L, RP)
     chunk_decay = last.exp()  # [B, G, s, R, 1]
     reads = []
     for i in range(s):
-        reads.append(Cm[:, :, i] @ state.transpose(-1, -2))  # [B, G, L, R P]
-        scaled = state.view(Bn, G, R, -1) * chunk_decay[:, :, i]
+        reads.append(Cm[:, :, i] @ state)  # [B, G, L, R P]
+        scaled = state.view(Bn, G, -1, R, RP // R) * chunk_decay[:, :, i, None]
         state = writes[:, :, i] + scaled.view(state.shape)
     read_decay = c.exp().transpose(-1, -2)[..., None]  # [B, G, s, L, R, 1]
     y = torch.stack(reads, dim=2).view(Bn, G, s, L, R, -1) * read_decay + inside.transpose(3, 4)
