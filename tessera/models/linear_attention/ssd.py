@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 # fp32 elements of a slab's largest terms (its decays [s, H, L, L] or carried writes [s, H, P, N]) at once
 SLAB_TERMS = 1 << 22
+# the most a head may decay (in log) within one chunk for `_shared_decay_slab`: exp(60) ~ 1e26 leaves
+# fp32 room for its sums
+SPAN_LIMIT = 60.0
 
 
 def step_sizes(dt_BSH: torch.Tensor, dt_bias_H: torch.Tensor, dt_min: float) -> torch.Tensor:
@@ -66,8 +69,9 @@ def recurrent_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor,
 def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B_BSGN: torch.Tensor,
                 C_BSGN: torch.Tensor, D_H: torch.Tensor, state_BHPN: torch.Tensor | None = None, chunk: int = 128
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD `chunk` tokens at a time (module docstring), a slab of chunks at a time (`_ssd_slab`; the
-    slab's terms bounded by SLAB_TERMS). The sequence is padded to whole chunks with steps of dt = 0
+    """SSD `chunk` tokens at a time (module docstring), a slab of chunks at a time (the slab's terms
+    bounded by SLAB_TERMS): `_shared_decay_slab` where no head decays by more than SPAN_LIMIT (in log)
+    within a chunk, else `_ssd_slab`. The sequence is padded to whole chunks with steps of dt = 0
     (no decay, no write). Per group, its R = H / G heads' [L, P] sides sit side by side as one [L, R P]
     matrix, so that B and C, one per group, meet all of the group's heads in one product. Equal to
     `recurrent_ssd`: (y [B, S, H, P], final state)."""
@@ -91,7 +95,9 @@ def chunked_ssd(x_BSHP: torch.Tensor, dt_BSH: torch.Tensor, A_H: torch.Tensor, B
     ys = []
     for first in range(0, n, slab):
         part = slice(first, first + slab)
-        y, state = _ssd_slab(xdt[:, :, part], Bm[:, :, part], Cm[:, :, part], c[:, :, part], state)
+        mild = float(c[:, :, part, :, -1].detach().min()) >= -SPAN_LIMIT  # no head decays by more in a chunk
+        y, state = (_shared_decay_slab if mild else _ssd_slab)(xdt[:, :, part], Bm[:, :, part], Cm[:, :, part],
+                                                               c[:, :, part], state)
         ys.append(y.permute(0, 2, 3, 1, 4, 5))  # [B, n, L, G, R, P]: the output's own layout
     y = torch.cat(ys, dim=1).view(Bn, n * L, H, P)[:, :S]
     final = state.transpose(-1, -2).reshape(Bn, H, P, N)
@@ -122,4 +128,28 @@ def _ssd_slab(xdt: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, c: torch.Te
         state = writes[:, :, i] + scaled.view(state.shape)
     read_decay = c.exp().transpose(-1, -2)[..., None]  # [B, G, s, L, R, 1]
     y = torch.stack(reads, dim=2).view(Bn, G, s, L, R, -1) * read_decay + inside.transpose(3, 4)
+    return y, state
+
+
+def _shared_decay_slab(xdt: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor, c: torch.Tensor, state: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ssd_slab` where no head's decay within a chunk exceeds exp(-SPAN_LIMIT): exp(c_i - c_j) =
+    exp(c_i) exp(-c_j) with exp(-c_j) <= exp(SPAN_LIMIT), so the decays leave the L x L matrix (one
+    C.B scores matrix per group, shared by its heads) for x's rows (exp(-c_j)) and the output's rows
+    (exp(c_i), which also decays the start state's read), and the writes carried to the chunk's end
+    are exp(c_L) times the same scaled x."""
+    Bn, G, s, L, RP = xdt.shape
+    R = c.shape[3]
+    xdt, Bm, Cm = xdt.contiguous(), Bm.contiguous(), Cm.contiguous()
+    before = torch.ones(L, L, dtype=torch.bool, device=xdt.device).tril()  # j <= i
+    decay = c.exp().transpose(-1, -2)[..., None]  # [B, G, s, L, R, 1]
+    x_scaled = (xdt.view(Bn, G, s, L, R, -1) / decay).view(xdt.shape)
+    inside = (Cm @ Bm.transpose(-1, -2)).masked_fill(~before, 0.0) @ x_scaled  # [B, G, s, L, R P]
+    writes = Bm.transpose(-1, -2) @ x_scaled  # [B, G, s, N, R P], before the chunk's decay exp(c_L)
+    chunk_decay = c[..., -1:].exp()  # [B, G, s, R, 1]
+    reads = []
+    for i in range(s):
+        reads.append(Cm[:, :, i] @ state)  # [B, G, L, R P]
+        state = ((state + writes[:, :, i]).view(Bn, G, -1, R, RP // R) * chunk_decay[:, :, i, None]).view(state.shape)
+    y = (torch.stack(reads, dim=2) + inside).view(Bn, G, s, L, R, -1) * decay
     return y, state
