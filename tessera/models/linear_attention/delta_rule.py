@@ -48,9 +48,10 @@ ROW_BLOCK = 16
 SPAN_LIMIT = 60.0
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as fla has it)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2_factor(x: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """scale / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as fla has it):
+    what L2-normalises x, kept apart so the product that applies it can also lay x out anew."""
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps) * scale
 
 
 def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.Tensor | None,
@@ -68,11 +69,11 @@ def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.T
     return F.silu(out), full[:, :, full.shape[-1] - (W - 1):]
 
 
-def _normalized(x_BSHK: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
-    """fp32 [B, H, S, K], contiguous: `l2_normalize(x) * scale`, the scale and the transpose folded into
+def _normalized(x_BSHK: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 [B, H, S, K], contiguous: x L2-normalised and scaled (`l2_factor`), the transpose folded into
     the one product (a pass over the prompt-sized tensor each saved)."""
     x = x_BSHK.float()
-    factor = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps) * scale
+    factor = l2_factor(x, scale)
     return (factor.transpose(1, 2).contiguous() * x.transpose(1, 2)).contiguous()
 
 
@@ -137,8 +138,8 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
 
 def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:
     """fp32 [N, B H, C, ...] contiguous from [B, S, H, ...], padded with zeros to N whole chunks of C;
-    with `scale`, each last-dimension vector L2-normalised (the eps inside the root, as `l2_normalize`)
-    and scaled, the factor and the re-layout in one product."""
+    with `scale`, each last-dimension vector L2-normalised and scaled (`l2_factor`), the factor and the
+    re-layout in one product."""
     B, S, H = x_BSH_.shape[:3]
     x = x_BSH_.float()
     pad = -S % C
@@ -148,8 +149,7 @@ def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torc
     order = (1, 0, 3, 2, *range(4, x.dim() + 1))  # [B, N, C, H, ...] -> [N, B, H, C, ...]
     chunked = x.view(B, N, C, H, *x.shape[3:]).permute(order)
     if scale is not None:
-        factor = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6) * scale
-        chunked = factor.view(B, N, C, H, 1).permute(order).contiguous() * chunked
+        chunked = l2_factor(x, scale).view(B, N, C, H, 1).permute(order).contiguous() * chunked
     return chunked.contiguous().view(N, B * H, C, *x.shape[3:])
 
 
