@@ -36,6 +36,23 @@ def test_per_channel_chunked_equals_recurrent(chunk, with_state):
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strength, exact", [(0.5, False), (20.0, True)])
+def test_each_way_of_the_decayed_products_equals_recurrent(monkeypatch, strength, exact):
+    """A mild decay takes the products referred to each row block's first row; one that decays a
+    channel by more than SPAN_LIMIT within a row block takes the exact sub-block products; either
+    way chunked equals recurrent."""
+    import tessera.models.linear_attention.delta_rule as rule
+    calls = []
+    exact_products = rule._exact_products
+    monkeypatch.setattr(rule, "_exact_products", lambda *a: calls.append(1) or exact_products(*a))
+    q, k, v, g, beta, state = _inputs(5, strength)
+    want, want_state = recurrent_delta_rule(q, k, v, g, beta, state)
+    got, got_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=32)
+    assert bool(calls) == exact
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
 def test_per_channel_decay_differs_from_its_head_mean():
     """The channels' own decays matter: averaging them per head changes the output."""
     q, k, v, g, beta, state = _inputs(3)

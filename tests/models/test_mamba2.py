@@ -35,6 +35,50 @@ def test_chunked_equals_recurrent(chunk, with_state):
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_a_chunk_per_slab_equals_recurrent(monkeypatch):
+    """With every slab a single chunk (SLAB_TERMS = 1) the chunked form still equals the recurrent one:
+    the state passes from slab to slab as from chunk to chunk."""
+    import tessera.models.linear_attention.ssd as ssd
+    x, dt, A, Bm, Cm, D, state = _inputs(3)
+    want, want_state = recurrent_ssd(x, dt, A, Bm, Cm, D, state)
+    monkeypatch.setattr(ssd, "SLAB_TERMS", 1)
+    got, got_state = chunked_ssd(x, dt, A, Bm, Cm, D, state, chunk=8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rate, shared", [(1.0, True), (60.0, False)])
+def test_each_way_of_the_chunk_decays_equals_recurrent(monkeypatch, rate, shared):
+    """A mild decay takes the slab whose L x L matrix its group's heads share (the decays on x's and
+    the output's rows); one that decays a head by more than SPAN_LIMIT within a chunk takes the
+    per-head decay matrices; either way chunked equals recurrent."""
+    import tessera.models.linear_attention.ssd as ssd
+    calls = []
+    per_head = ssd._ssd_slab
+    monkeypatch.setattr(ssd, "_ssd_slab", lambda *a: calls.append(1) or per_head(*a))
+    x, dt, _, Bm, Cm, D, state = _inputs(6)
+    A = -torch.full((H,), rate)
+    want, want_state = recurrent_ssd(x, dt, A, Bm, Cm, D, state)
+    got, got_state = chunked_ssd(x, dt, A, Bm, Cm, D, state, chunk=16)
+    assert bool(calls) != shared
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_gradients_equal_recurrent():
+    """Training runs the chunked form: its gradients (inputs, rates, B, C, D and the start state)
+    equal the recurrent form's."""
+    inputs = _inputs(4)
+    grads = []
+    for scan, kwargs in ((recurrent_ssd, {}), (chunked_ssd, {"chunk": 8})):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y, final = scan(*leaves, **kwargs)
+        (y.square().sum() + final.square().sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_both_forms_equal_transformers():
     hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
     x, _, A, Bm, Cm, D, state = _inputs(1)

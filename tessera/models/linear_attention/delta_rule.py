@@ -10,9 +10,9 @@ strength beta_t in (0, 1):
 
 `recurrent_delta_rule` runs that loop token by token: what decoding one token costs. `chunked_delta_rule`
 computes the same outputs and final state a chunk of C tokens at a time: inside a chunk, the C
-writes solve one unit lower-triangular system (the WY / UT form; its inverse as a product of
-log2(C) factors, `unit_lower_inverse`), so the work is matrix products,
-and only the chunk count is sequential. Within a chunk with start state S0, cumulative log-decay
+writes solve one unit lower-triangular system (the WY / UT form; its inverse T by one batched
+triangular solve of all the chunks' systems), so the work is matrix products, and only the chunk
+count is sequential. Within a chunk with start state S0, cumulative log-decay
 c_i = g_1 + ... + g_i and the matrix A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i):
 
     (I + A) delta = beta v - (beta exp(c) k) S0      so  delta = U - W S0,  U = T beta v,  W = T beta exp(c) k
@@ -23,8 +23,9 @@ Kimi delta attention (KDA) decays each key channel of the state by its own rate:
 head instead of one number, exp(g_t) scaling the state's rows. Both forms take either: a log-decay
 [B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
 of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay:
-`decayed_products`, a product per sub-block through its last row's decay and the diagonal sub-blocks
-whole (computed a few chunks at a time to bound their memory).
+`decayed_products`: one product per block of rows referred to its first row's decay where no channel
+decays too fast for fp32 within a block, else a product per sub-block through its last row's decay
+with the diagonal sub-blocks whole (computed a few chunks at a time to bound their memory).
 
 Both compute in fp32 and return the output in the input's dtype with the fp32 final state.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv width.
@@ -37,12 +38,20 @@ import torch.nn.functional as F
 
 # fp32 elements of the [C, SUB_BLOCK, K] decay terms computed at once when the decay is per channel
 PER_CHANNEL_TERMS = 1 << 24
-SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (decayed_products)
+# fp32 elements of the [C, K + V] terms computed at once when the decay is per head (a few MiB: in cache
+# when the chunk loop reads them)
+PER_HEAD_TERMS = 1 << 22
+SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+# rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
+# within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
+ROW_BLOCK = 16
+SPAN_LIMIT = 60.0
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as fla has it)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2_factor(x: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """scale / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as fla has it):
+    what L2-normalises x, kept apart so the product that applies it can also lay x out anew."""
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps) * scale
 
 
 def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.Tensor | None,
@@ -60,11 +69,18 @@ def causal_conv(x_BCS: torch.Tensor, weight_CW: torch.Tensor, state_BCw: torch.T
     return F.silu(out), full[:, :, full.shape[-1] - (W - 1):]
 
 
+def _normalized(x_BSHK: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 [B, H, S, K], contiguous: x L2-normalised and scaled (`l2_factor`), the transpose folded into
+    the one product (a pass over the prompt-sized tensor each saved)."""
+    x = x_BSHK.float()
+    factor = l2_factor(x, scale)
+    return (factor.transpose(1, 2).contiguous() * x.transpose(1, 2)).contiguous()
+
+
 def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
     """fp32 [B, H, S, .] views: q and k L2-normalised, q also scaled by K^-0.5."""
-    q, k = l2_normalize(q.float()), l2_normalize(k.float())
-    q = q * q.shape[-1] ** -0.5
-    return (t.transpose(1, 2).contiguous() for t in (q, k, v.float(), g.float(), beta.float()))
+    v, g, beta = (t.float().transpose(1, 2).contiguous() for t in (v, g, beta))
+    return _normalized(q, q.shape[-1] ** -0.5), _normalized(k), v, g, beta
 
 
 def _initial(state: torch.Tensor | None, B: int, H: int, K: int, V: int, device: torch.device) -> torch.Tensor:
@@ -95,57 +111,97 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule `chunk` tokens at a time (module docstring). Every chunk's own terms are
-    computed at once; only the state passes from chunk to chunk. The sequence is padded to whole
-    chunks with tokens that write nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to
-    `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
+    """The gated delta rule `chunk` tokens at a time (module docstring). The inputs are laid out chunk
+    first ([N, B H, C, .], `_in_chunks`), so a slab of chunks is one contiguous block whose own terms
+    are computed at once (bounded memory, every product over the slab a plain batched one); only the
+    state passes from chunk to chunk. The sequence is padded to whole chunks with tokens that write
+    nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output
+    [B, S, H, V], final state)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
-    q, k, v, g, beta = _prepared(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)
-    state = _initial(state_BHKV, B, H, K, V, q.device)
     C = min(chunk, S)
-    pad = -S % C
-    per_channel = g.dim() == 4
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad)), F.pad(beta, (0, pad))
-    N = (S + pad) // C
-    q, k, v = (t.reshape(B, H, N, C, t.shape[-1]) for t in (q, k, v))
-    g, beta = g.reshape(B, H, N, C, *g.shape[3:]), beta.reshape(B, H, N, C)
-    # chunks whose own terms are computed together: all of them for a per-head decay, few per channel
-    slab = max(1, PER_CHANNEL_TERMS // (B * H * C * SUB_BLOCK * K)) if per_channel else N
-    out = q.new_empty(B, H, N, C, V)
+    q, k = _in_chunks(q_BSHK, C, K ** -0.5), _in_chunks(k_BSHK, C, 1.0)
+    v, g, beta = (_in_chunks(t, C) for t in (v_BSHV, g_BSH, beta_BSH))
+    state = _initial(state_BHKV, B, H, K, V, q.device).reshape(B * H, K, V)
+    N, per_channel = q.shape[0], g.dim() == 4
+    per_chunk = B * H * C * (SUB_BLOCK * K if per_channel else K + V)
+    slab = max(1, (PER_CHANNEL_TERMS if per_channel else PER_HEAD_TERMS) // per_chunk)
+    out = q.new_empty(B, N, C, H, V)
     for first in range(0, N, slab):
         part = slice(first, first + slab)
-        U, W, scores, q_decayed, k_to_end, chunk_decay = _chunk_terms(q[:, :, part], k[:, :, part], v[:, :, part],
-                                                                      g[:, :, part], beta[:, :, part])
-        for n in range(U.shape[2]):
-            delta = U[:, :, n] - W[:, :, n] @ state  # [B, H, C, V]
-            out[:, :, first + n] = q_decayed[:, :, n] @ state + scores[:, :, n] @ delta
-            state = state * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ delta
-    out = out.reshape(B, H, N * C, V)[:, :, :S]
-    return out.transpose(1, 2).to(v_BSHV.dtype), state
+        terms = _chunk_terms(q[part], k[part], v[part], g[part], beta[part])
+        for n in range(terms[0].shape[0]):
+            chunk_out, state = _chunk_step(state, *(None if t is None else t[n] for t in terms))
+            out[:, first + n] = chunk_out.view(B, H, C, V).transpose(1, 2)
+    return out.view(B, N * C, H, V)[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
 
 
-def unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 of strictly lower-triangular matrices A [..., C, C]. A is nilpotent (A^C = 0), so
-    the inverse is the finite series sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)...: log2(C) pairs of
-    batched products (a batched triangular solve is one slow loop per matrix on CPU)."""
-    C = A.shape[-1]
-    power = -A
-    inverse = torch.eye(C, dtype=A.dtype, device=A.device) + power
-    span = 2
-    while span < C:
-        power = power @ power
-        inverse = inverse + inverse @ power
-        span *= 2
-    return inverse
+def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:
+    """fp32 [N, B H, C, ...] contiguous from [B, S, H, ...], padded with zeros to N whole chunks of C;
+    with `scale`, each last-dimension vector L2-normalised and scaled (`l2_factor`), the factor and the
+    re-layout in one product."""
+    B, S, H = x_BSH_.shape[:3]
+    x = x_BSH_.float()
+    pad = -S % C
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    N = x.shape[1] // C
+    order = (1, 0, 3, 2, *range(4, x.dim() + 1))  # [B, N, C, H, ...] -> [N, B, H, C, ...]
+    chunked = x.view(B, N, C, H, *x.shape[3:]).permute(order)
+    if scale is not None:
+        chunked = l2_factor(x, scale).view(B, N, C, H, 1).permute(order).contiguous() * chunked
+    return chunked.contiguous().view(N, B * H, C, *x.shape[3:])
+
+
+def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.Tensor, scores: torch.Tensor,
+                k_t: torch.Tensor, chunk_decay: torch.Tensor, read_decay: torch.Tensor | None,
+                write_decay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's output [BH, C, V] and the state after it, from the state before it [BH, K, V].
+    With a decay per head, q's read decay exp(c_i) and k's decay to the chunk's end exp(c_C - c_j) are
+    row scales [BH, C, 1] taken here on the chunk's [C, V] products (hot in cache) rather than on the
+    prompt-sized q and k; with one per channel (None) they are in q and k already."""
+    delta = U - W @ state
+    read = q @ state
+    if read_decay is not None:
+        read, written = read * read_decay, delta * write_decay
+    else:
+        written = delta
+    out = torch.baddbmm(read, scores, delta)
+    return out, torch.baddbmm(state * chunk_decay, k_t, written)
 
 
 def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """M [..., C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, from a [..., C, K]
-    (leading dimensions broadcast with b's: several a at once share the decays), b and a cumulative
-    log-decay c [..., C, K] that falls along C. Sub-blocks of SUB_BLOCK columns: below a column block
+    """M [..., m, C, C] with M_ij = sum_k a_ik b_jk exp(c_ik - c_jk) for j <= i, 0 above, for each of the
+    m matrices a [..., m, C, K] (several a at once share b's decays), b and a cumulative log-decay c
+    [..., C, K] that falls along C. Where no channel decays by more than SPAN_LIMIT within any
+    ROW_BLOCK rows, `_referenced_products`; else `_exact_products`."""
+    C = c.shape[-2]
+    first = torch.arange(0, C, ROW_BLOCK, device=c.device)
+    span = c[..., first, :] - c[..., (first + ROW_BLOCK - 1).clamp(max=C - 1), :]
+    if float(span.detach().max()) <= SPAN_LIMIT:
+        return _referenced_products(a, b, c)
+    return _exact_products(a, b.unsqueeze(-3), c.unsqueeze(-3))
+
+
+def _referenced_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`decayed_products` by row blocks of ROW_BLOCK, each referred to its first row r: exp(c_i - c_j)
+    = exp(c_i - c_r) exp(c_r - c_j), the first factor <= 1, the second <= 1 left of the block and at
+    most exp(SPAN_LIMIT) inside it, so each block's rows (of all m a's, stacked) are one product with
+    all columns up to its end (those above the diagonal then zeroed)."""
+    *lead, m, C, K = a.shape
+    out = a.new_zeros(*lead, m, C, C)
+    for start in range(0, C, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, C)
+        ref = c[..., start:start + 1, :]
+        left = a[..., start:stop, :] * (c[..., start:stop, :] - ref).exp().unsqueeze(-3)  # [..., m, rows, K]
+        right = b[..., :stop, :] * (ref - c[..., :stop, :]).exp()
+        rows = left.reshape(*lead, m * (stop - start), K) @ right.transpose(-1, -2)
+        out[..., start:stop, :stop] = rows.view(*lead, m, stop - start, stop)
+    return out.tril()
+
+
+def _exact_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """`decayed_products` for any decay: sub-blocks of SUB_BLOCK columns: below a column block
     J, exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j) with r J's last row, both factors <= 1 (no
     overflow however strong the decay), so the block is one product; on the diagonal blocks the
     [SUB, SUB, K] decays are taken whole."""
@@ -167,23 +223,37 @@ def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch
 
 
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
-    """What each chunk [B, H, N, C, .] needs of itself (module docstring's notation): U and W (the
-    writes as U - W S0), the decayed scores q_i.k_j (j <= i), q_i exp(c_i), k_j exp(c_C - c_j) and
-    exp(c_C) as the state's row scale ([B, H, N, 1, 1] per head, [B, H, N, K, 1] per channel)."""
+    """What each chunk [BH, n, C, .] needs of itself (module docstring's notation), as `_chunk_step`
+    reads it: q, W and U (the writes being U - W S0), the decayed scores q_i.k_j (j <= i), k transposed
+    [K, C], exp(c_C) as the state's row scale ([1, 1] per head, [K, 1] per channel), and the decays
+    exp(c_i) and exp(c_C - c_j) (per head: row scales [C, 1]; per channel: in q and k already, None).
+    T = (I + A)^-1 by one batched triangular solve against I (A's diagonal and upper half unread);
+    per head, beta and the decays scale T's columns, not the [C, K] sides."""
     C = q.shape[-2]
-    before = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
-    kb = k * beta[..., None]
     if g.dim() == q.dim() - 1:  # one decay per head: exp(c_i - c_j) scales whole dot products
-        c = g.cumsum(dim=-1)  # [B, H, N, C]
+        before = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
+        c = g.cumsum(dim=-1)  # [BH, n, C]
         decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
-        A = (kb @ k.transpose(-1, -2)) * decay_ij
-        scores = (q @ k.transpose(-1, -2)) * decay_ij
-        c = c[..., None]  # [B, H, N, C, 1]
-    else:  # one per key channel: each channel's decay inside the sums over K
-        c = g.cumsum(dim=-2)  # [B, H, N, C, K]
-        A, scores = decayed_products(torch.stack([kb, q]), k, c)  # A's diagonal: dropped by tril(-1) below
-    T = unit_lower_inverse(A.tril(-1))
-    U = T @ (v * beta[..., None])
-    W = T @ (kb * c.exp())
-    last = c[..., -1:, :]  # [B, H, N, 1, 1 or K]
-    return U, W, scores, q * c.exp(), k * (last - c).exp(), last.exp().transpose(-1, -2)
+        k_t = k.transpose(-1, -2)
+        T = _unit_lower_inverse((k @ k_t) * (decay_ij * beta[..., None]))
+        read_decay = c.exp()
+        U = (T * beta[..., None, :]) @ v
+        W = (T * (beta * read_decay)[..., None, :]) @ k
+        last = c[..., -1:]
+        return (q, W, U, (q @ k_t) * decay_ij, k_t, last.exp()[..., None], read_decay[..., None],
+                (last - c).exp()[..., None])
+    c = g.cumsum(dim=-2)  # one decay per key channel [BH, n, C, K]: each inside the sums over K
+    A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
+    T = _unit_lower_inverse(A)
+    read_decay = c.exp()
+    last = c[..., -1:, :]  # [BH, n, 1, K]
+    k_to_end_t = (k * (last - c).exp()).transpose(-1, -2)
+    return (q * read_decay, T @ (k * (read_decay * beta[..., None])), (T * beta[..., None, :]) @ v, scores,
+            k_to_end_t, last.exp().transpose(-1, -2), None, None)
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + tril(A, -1))^-1 [..., C, C]: one batched triangular solve against I (A's diagonal and upper
+    half unread)."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
