@@ -66,16 +66,13 @@ def _divides(dim: str, size: int, what: str, value: int) -> str | None:
 
 def _recurrent_problems(m, s: LayoutSizes) -> list[str | None]:
     """A hybrid's recurrent layers: tp splits their heads by key-head groups (Gated DeltaNet) or groups
-    (Mamba-2); cp does not split a Mamba-2 layer's sequence yet."""
+    (Mamba-2). cp takes both: each rank runs them over its own part of the sequence, from the state the
+    previous part hands on (tessera/parallel/context_parallel_recurrent.py)."""
     out: list[str | None] = []
     if m.linear_attention is not None:
         out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
     if m.mamba is not None:  # heads split with their groups
         out.append(_divides("tp", s.tp, "model.mamba.n_groups", m.mamba.n_groups))
-        if s.cp > 1:
-            out.append(f"cp={s.cp} cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H): each "
-                       "rank would run them over its own chunk only; use cp=1 (fsdp, dp_replicate, tp and tp + sp "
-                       "take it)")
     return out
 
 

@@ -96,12 +96,11 @@ def test_forward_flops_count_each_layers_one_sublayer():
     assert forward_flops_per_token(cfg, s) == 2 * mamba + attention + 3 * mlp + 2 * cfg.vocab_size * h
 
 
-def test_context_parallelism_is_refused_and_the_other_layouts_are_not():
-    """cp would run each rank's Mamba-2 layers over its own chunk of the sequence only; refused by name."""
+def test_the_layouts_take_it_and_tp_must_split_whole_groups():
+    """cp (the Mamba-2 state handed on from rank to rank), tp + sp are taken; tp past the groups refused."""
     from tessera.config.layout_rules import LayoutSizes, layout_problems
 
     cfg = get_preset("nemotron-h-8b")
-    [problem] = layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64)
-    assert problem.startswith("cp=2 cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H)")
+    assert layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64) == []
     assert layout_problems(cfg, LayoutSizes(tp=2, sp=True), seq_len=64) == []
     assert any("model.mamba.n_groups" in p for p in layout_problems(cfg, LayoutSizes(tp=16), seq_len=64))
