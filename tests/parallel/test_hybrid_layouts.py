@@ -127,8 +127,9 @@ def _recording_mix(module, seen: list):
     return recorded
 
 
-def _cp_rank(cp_method: str, preset: str) -> dict:
+def _cp_rank(cp_method: str, preset: str, tp: int) -> dict:
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from tessera.config.parallel import ParallelConfig
     from tessera.models import Transformer
@@ -140,7 +141,7 @@ def _cp_rank(cp_method: str, preset: str) -> dict:
     from tests.parallel.training_step import full_tensors
 
     cfg = get_preset(preset, **_short(preset))
-    pcfg = ParallelConfig(cp=2, dp_shard=1, cp_method=cp_method)
+    pcfg = ParallelConfig(cp=2, tp=tp, dp_shard=1, cp_method=cp_method)
     dims = ParallelDims.from_config(pcfg, dist.get_world_size())
     dims.validate(cfg, dims.world_size, seq_len=16)
     model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
@@ -151,6 +152,8 @@ def _cp_rank(cp_method: str, preset: str) -> dict:
     batch = _cp_batch(cfg.vocab_size)
     tokens, targets = (shard_global_batch(t, dims) for t in (batch[:, :-1], batch[:, 1:]))
     got = _step(model, tokens, targets, batch[:, 1:].numel())
+    if isinstance(got["logits"], DTensor):  # the vocabulary cut by tp
+        got["logits"] = got["logits"].full_tensor()
     return {**got, "loss": global_sum(got["loss"], dims, "cp").item(), "seen": seen,
             "after": global_sum(got["after"], dims, "cp").item(), "grads": full_tensors(got["grads"].items()),
             "weights": full_tensors(model.named_parameters()),
@@ -158,18 +161,21 @@ def _cp_rank(cp_method: str, preset: str) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cp_method,preset", [
-    ("alltoall", "tiny-qwen3-next"), ("ring", "tiny-qwen3-next"), ("alltoall", "tiny-qwen3.5"),
-    ("alltoall", "tiny-kimi-linear"), ("ring", "tiny-kimi-linear"),
-    ("alltoall", "tiny-nemotron-h"), ("ring", "tiny-nemotron-h")],
+@pytest.mark.parametrize("cp_method,preset,tp", [
+    ("alltoall", "tiny-qwen3-next", 1), ("ring", "tiny-qwen3-next", 1), ("alltoall", "tiny-qwen3.5", 1),
+    ("alltoall", "tiny-kimi-linear", 1), ("ring", "tiny-kimi-linear", 1),
+    ("alltoall", "tiny-nemotron-h", 1), ("ring", "tiny-nemotron-h", 1),
+    ("alltoall", "tiny-qwen3-next", 2), ("ring", "tiny-nemotron-h", 2)],
     ids=["cp2-contiguous", "cp2-ring-zigzag", "qwen3.5-cp2-contiguous", "kimi-linear-cp2-contiguous",
-         "kimi-linear-cp2-ring-zigzag", "nemotron-h-cp2-contiguous", "nemotron-h-cp2-ring-zigzag"])
-def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset):
+         "kimi-linear-cp2-ring-zigzag", "nemotron-h-cp2-contiguous", "nemotron-h-cp2-ring-zigzag",
+         "tp2-cp2-contiguous", "nemotron-h-tp2-cp2-ring-zigzag"])
+def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset, tp):
     """A cp=2 step (DeltaNet, Kimi delta attention or Mamba-2 layers: each rank runs them over its own
     part of the sequence, from the state the previous part hands on) equals one process's: logits
     position by position, the loss, every gradient, the weights after one AdamW step and the loss
     after it (fp32, 1e-5). Every recurrent mixer on every rank mixes only its own tokens: one part
-    of 8 per sequence (contiguous), or two of 4 as rows of their own (zig-zag), never the 16."""
+    of 8 per sequence (contiguous), or two of 4 as rows of their own (zig-zag), never the 16. Under
+    tp2 x cp2 (4 ranks) each rank's handoff carries its heads' states only."""
     import torch
 
     from tessera.models import Transformer
@@ -177,7 +183,7 @@ def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, pr
     model = Transformer(get_preset(preset, **_short(preset)), init_seed=0)
     batch = _cp_batch(model.cfg.vocab_size)
     ref = _step(model, batch[:, :-1], batch[:, 1:], batch[:, 1:].numel())
-    got = run_ranks(_cp_rank, 2, cp_method, preset)
+    got = run_ranks(_cp_rank, 2 * tp, cp_method, preset, tp)
     logits = torch.empty_like(ref["logits"])
     for r in got:
         logits[:, r["positions"]] = r["logits"]
