@@ -3,7 +3,8 @@ zero start, then corrected by the start state the handoff gives once it has the 
 zero-start end state), equals the recurrent form run from that start state (outputs and end state,
 fp32 1e-5) for the gated delta rule with a decay per head (Gated DeltaNet) and per key channel (Kimi
 delta attention) and for SSD (Mamba-2), at several chunk sizes; and the (transition, end) it hands over
-map that start state to the part's true end state."""
+map that start state to the part's true end state; a part shorter than the convolution's window is
+refused by name."""
 
 import pytest
 import torch
@@ -62,3 +63,15 @@ def test_ssd_from_a_handed_on_state_equals_running_from_it(chunk):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
     _check_handed(handoff, want_state)
+
+
+def test_a_part_shorter_than_the_convolution_window_is_refused_by_name():
+    """The previous part's last W-1 convolution inputs are all a part reads of it: a part of fewer
+    tokens would need the part before that too; refused naming train.seq_len and cp."""
+    from tessera.config.errors import ParallelError
+    from tessera.models.linear_attention.gated_deltanet import conv_start
+
+    message = ("a context-parallel part of 2 tokens is shorter than the short convolution's 3 earlier inputs; "
+               "choose a longer train.seq_len or fewer cp")
+    with pytest.raises(ParallelError, match=message):
+        conv_start(GivenStart(None), torch.zeros(1, 2, 6), torch.zeros(6, 4), None)

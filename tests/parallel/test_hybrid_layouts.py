@@ -3,8 +3,10 @@ Qwen3.5 MoE: split DeltaNet projections) under data, expert and tensor (+ sequen
 one process (fp32, 1e-5), with sequences of
 several DeltaNet chunks, so that the chunked form's state passes from chunk to chunk inside each
 rank; under tp each rank runs one of the two key-head groups, its conv channels and heads' gains;
-under cp each rank runs the DeltaNet layers over the gathered whole sequence (contiguous and
-zig-zag chunks) and keeps its own positions."""
+under cp (alone and with tp) each rank runs the recurrent layers (DeltaNet, Kimi delta attention,
+Mamba-2) over its own part of the sequence only (contiguous and zig-zag chunks), from the state the
+previous part hands on. Kimi Linear (Kimi delta attention, MLA) and Nemotron-H (Mamba-2, attention
+without RoPE) run the same layouts."""
 
 import dataclasses
 
