@@ -104,3 +104,16 @@ def test_the_layouts_take_it_and_tp_must_split_whole_groups():
     assert layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64) == []
     assert layout_problems(cfg, LayoutSizes(tp=2, sp=True), seq_len=64) == []
     assert any("model.mamba.n_groups" in p for p in layout_problems(cfg, LayoutSizes(tp=16), seq_len=64))
+
+
+def test_cp_parts_shorter_than_the_convolution_window_are_refused_by_name():
+    """A cp part hands on its last W-1 convolution inputs: a part of fewer tokens (16 tokens cut into
+    2 x cp=4 zig-zag parts of 2, the window 4) is refused naming the sizes and what would do."""
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    cfg = get_preset("nemotron-h-8b")
+    [problem] = layout_problems(cfg, LayoutSizes(cp=4, dp_shard=1, cp_method="ring"), seq_len=16)
+    assert problem == ("cp=4 (ring) cuts each sequence into 8 parts of 2 tokens, fewer than the 3 earlier inputs of "
+                       "the short convolution (model.mamba.conv_width=4) that a part hands on; choose train.seq_len "
+                       ">= 24 or a smaller cp")
+    assert layout_problems(cfg, LayoutSizes(cp=4, dp_shard=1), seq_len=16) == []  # contiguous: parts of 4
