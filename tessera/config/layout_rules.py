@@ -14,7 +14,8 @@ Two kinds of rule:
   multi-head latent attention under tp, and the sequence-level balancing loss and Sinkhorn routing
   under cp are supported.)
 - context-parallel method: allgather and ring use the zig-zag split, so 2 cp divides the sequence
-  (`cp_layout`).
+  (`cp_layout`); a hybrid's recurrent layers need each part of it to hold the short convolution's
+  earlier inputs.
 Each message names the dimension, the value and what it fails against.
 """
 
@@ -64,18 +65,23 @@ def _divides(dim: str, size: int, what: str, value: int) -> str | None:
     return None
 
 
-def _recurrent_problems(m, s: LayoutSizes) -> list[str | None]:
+def _recurrent_problems(m, s: LayoutSizes, seq_len: int | None) -> list[str | None]:
     """A hybrid's recurrent layers: tp splits their heads by key-head groups (Gated DeltaNet) or groups
-    (Mamba-2); cp does not split a Mamba-2 layer's sequence yet."""
+    (Mamba-2). cp takes both: each rank runs them over its own part of the sequence, from the state the
+    previous part hands on (tessera/parallel/context_parallel_recurrent.py), whose convolution inputs
+    a part must hold a window's worth of."""
     out: list[str | None] = []
     if m.linear_attention is not None:
         out.append(_divides("tp", s.tp, "model.linear_attention.n_key_heads", m.linear_attention.n_key_heads))
     if m.mamba is not None:  # heads split with their groups
         out.append(_divides("tp", s.tp, "model.mamba.n_groups", m.mamba.n_groups))
-        if s.cp > 1:
-            out.append(f"cp={s.cp} cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H): each "
-                       "rank would run them over its own chunk only; use cp=1 (fsdp, dp_replicate, tp and tp + sp "
-                       "take it)")
+    for key, sizes in (("model.linear_attention.conv_width", m.linear_attention), ("model.mamba.conv_width", m.mamba)):
+        parts = s.cp * (2 if cp_layout(s.cp_method) == "zigzag" else 1)
+        if sizes is not None and s.cp > 1 and seq_len is not None and 0 < seq_len // parts < sizes.conv_width - 1:
+            out.append(f"cp={s.cp} ({s.cp_method}) cuts each sequence into {parts} parts of {seq_len // parts} tokens, "
+                       f"fewer than the {sizes.conv_width - 1} earlier inputs of the short convolution ({key}="
+                       f"{sizes.conv_width}) that a part hands on; choose train.seq_len >= "
+                       f"{parts * (sizes.conv_width - 1)} or a smaller cp")
     if m.sublayers is not None and "moe" in m.sublayers and s.pp > 1:
         out.append(f"pp={s.pp} is not supported for the moe sublayers of model.sublayers (Nemotron-H's MoE "
                    "variants) yet: pipeline stages of them are not built or checked; use pp=1 (fsdp, tp, tp + sp "
@@ -115,7 +121,7 @@ def layout_problems(m: ModelConfig, sizes: LayoutSizes, *, world_size: int | Non
             what = "sequence length (sp=true splits it)" if s.cp == 1 else \
                 f"the context-parallel chunk (sequence length {seq_len} / cp={s.cp}; sp=true splits it)"
             out.append(_divides("tp", s.tp, what, seq_len // s.cp))
-    out.extend(_recurrent_problems(m, s))
+    out.extend(_recurrent_problems(m, s, seq_len))
     if s.ep > 1:
         if m.moe is None:
             out.append(f"ep={s.ep} needs an MoE model, but model.moe is not set")

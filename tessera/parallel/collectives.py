@@ -10,6 +10,9 @@ Each forward collective has the backward that is its transpose:
                                                  with the split sizes swapped.
 - `gather_rows`       all-gather / reduce-scatter along dim 0 (equal sizes on every rank).
 - `reduce_scatter_rows` reduce-scatter / all-gather along dim 0.
+- `gather_rows_then`  fn(all-gathered rows) / fn's backward, then reduce-scatter: one node whose
+                      backward runs on every rank even where fn's result ignores the gathered rows
+                      (a rank's share of the gradient is then zero, but its collective still runs).
 - `split_rows`        keep this rank's block / all-gather along dim 0: Megatron-LM's scatter to the
                       sequence-parallel region (Korthikanti et al. 2022), for a tensor every rank
                       holds whole.
@@ -106,6 +109,29 @@ class _Rows(torch.autograd.Function):
         return ctx.backward_op(g, ctx.group), None, None, None
 
 
+class _GatheredThen(torch.autograd.Function):
+    """fn(*every tensor's rows gathered over the group); backward: fn's backward (recomputed), then
+    the reduce-scatter of each gathered tensor's gradient."""
+
+    @staticmethod
+    def forward(ctx, fn, group, *tensors):
+        gathered = [_all_gather_rows(t, group) for t in tensors]
+        ctx.fn, ctx.group = fn, group
+        ctx.save_for_backward(*gathered)
+        return fn(*gathered)
+
+    @staticmethod
+    def backward(ctx, g):
+        gathered = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*gathered)
+        if out.requires_grad:
+            grads = torch.autograd.grad(out, gathered, g, allow_unused=True, materialize_grads=True)
+        else:  # fn read none of the gathered rows (this rank's parts start the sequence): zero gradients
+            grads = [torch.zeros_like(t) for t in gathered]
+        return (None, None, *(_reduce_scatter_rows(grad, ctx.group) for grad in grads))
+
+
 @torch.compiler.disable
 def _eager(function: type[torch.autograd.Function], *args):
     """`function.apply(*args)`, never traced (see above): forward and backward run eagerly."""
@@ -131,6 +157,12 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
 def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's rows in rank order (every rank must hold the same number)."""
     return x if _size(group) == 1 else _eager(_Rows, x, group, _all_gather_rows, _reduce_scatter_rows)
+
+
+def gather_rows_then(fn, group: ProcessGroup | None, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn(*(every rank's rows of each tensor, in rank order)), a tensor; differentiable in the tensors,
+    whose backward runs the reduce-scatters on every rank whatever fn reads of the gathered rows."""
+    return fn(*tensors) if _size(group) == 1 else _eager(_GatheredThen, fn, group, *tensors)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Context parallelism (CP): every sequence of a micro-batch is split over the cp ranks for the whole
-model, and only attention communicates (everything else works token by token); it still computes
+model, and only attention and the recurrent mixers' state handoff communicate (everything else works
+token by token); it still computes
 exactly the causal attention of the whole sequence. `parallel.cp_method` chooses the attention
 core and, with it, the split (sequence_layout.py): "alltoall" keeps cp contiguous chunks (rank r
 holds chunk r), "allgather" and "ring" the balanced zig-zag split (rank r holds chunks r and
@@ -38,6 +39,9 @@ Multi-token prediction (models/mtp.py): the model's `mtp_sequence` becomes `Chun
 all-gathers the cp ranks' token ids (integers: exact, no gradient) into sequence order, so that each
 depth's shift reaches tokens held by another rank, and keeps this rank's positions of the result.
 
+Recurrent mixers (Gated DeltaNet, Kimi delta attention, Mamba-2): each rank runs them over its own
+tokens only, from the state the previous part of the sequence hands on (context_parallel_recurrent.py).
+
 MoE: the router's token counts (and its per-sequence counts and Sinkhorn sums) are summed over cp
 (`MicroBatchCountReducer`, expert_parallel.py); with expert capacity the keep-or-drop decision is
 taken over the whole micro-batch in sequence order (`MicroBatchKeepMask`, context_parallel_moe.py).
@@ -57,11 +61,13 @@ from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, Window, causal_attention, sliding_window_mask
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
+from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.moe.layer import MoE
 from tessera.models.mtp import TokenSequence
 from tessera.parallel.collectives import all_to_all_rows, gather_rows
 from tessera.parallel.context_parallel_moe import MicroBatchKeepMask, MicroBatchTokenReducer
+from tessera.parallel.context_parallel_recurrent import PartHandoff
 from tessera.parallel.dims import ParallelDims
 from tessera.parallel.ring_attention import RingAttention
 from tessera.parallel.sequence_layout import (
@@ -201,23 +207,11 @@ class ChunkTokens(TokenSequence):
         return take_rank_tokens(t_BS, self.cp, self.cp_rank, self.layout)
 
 
-class ChunkHidden(ChunkTokens):
-    """A Gated DeltaNet's `sequence` under cp: this rank's hidden states [B, C, D] become the whole
-    [B, S, D] in sequence order (an all-gather whose backward reduce-scatters: each rank's share of
-    the gradient of every position, summed), and the layer's whole output this rank's [B, C, D]. The
-    layer runs over the whole sequence on every rank (its state cannot start mid-sequence); each
-    rank's parameter gradients come from its own positions' outputs and are summed over cp with the
-    data-parallel ones."""
-
-    def whole(self, t_BCD: torch.Tensor) -> torch.Tensor:
-        every = gather_rows(t_BCD.contiguous(), self.group)  # [P B, C, D], rank by rank
-        return to_sequence_order(every.view((self.cp,) + tuple(t_BCD.shape)), self.layout)
-
-
 def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
-    this rank's tokens (`dims.cp_layout`) and multi-token prediction's token exchange on the model
-    and, in MoE layers, Sinkhorn's micro-batch-wide sums and (with expert capacity) micro-batch-wide
+    this rank's tokens (`dims.cp_layout`) and multi-token prediction's token exchange on the model,
+    the state handoff in every recurrent mixer (context_parallel_recurrent.py) and, in MoE layers,
+    Sinkhorn's micro-batch-wide sums and (with expert capacity) micro-batch-wide
     token dropping. No-op for cp = 1."""
     if dims.cp == 1:
         return
@@ -227,8 +221,8 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
-        elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention)):
-            module.sequence = ChunkHidden(group, rank, dims.cp, dims.cp_layout)
+        elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer)):
+            module.handoff = PartHandoff(group, rank, dims.cp, dims.cp_layout)
         elif isinstance(module, MoE):
             module.router.reduce_over_tokens = MicroBatchTokenReducer(group)
             if module.cfg.capacity_factor is not None:

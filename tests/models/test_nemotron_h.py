@@ -105,13 +105,12 @@ def test_forward_flops_count_each_layers_one_sublayer():
     assert forward_flops_per_token(cfg, s) == 2 * mamba + attention + 3 * mlp + 2 * cfg.vocab_size * h
 
 
-def test_context_parallelism_is_refused_and_the_other_layouts_are_not():
-    """cp would run each rank's Mamba-2 layers over its own chunk of the sequence only; refused by name."""
+def test_the_layouts_take_it_and_tp_must_split_whole_groups():
+    """cp (the Mamba-2 state handed on from rank to rank), tp + sp are taken; tp past the groups refused."""
     from tessera.config.layout_rules import LayoutSizes, layout_problems
 
     cfg = get_preset("nemotron-h-8b")
-    [problem] = layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64)
-    assert problem.startswith("cp=2 cannot split the sequence of Mamba-2 layers yet (model.mamba, Nemotron-H)")
+    assert layout_problems(cfg, LayoutSizes(cp=2, dp_shard=1), seq_len=64) == []
     assert layout_problems(cfg, LayoutSizes(tp=2, sp=True), seq_len=64) == []
     assert any("model.mamba.n_groups" in p for p in layout_problems(cfg, LayoutSizes(tp=16), seq_len=64))
 
@@ -153,3 +152,16 @@ def test_moe_variant_parameters_are_counted_as_built_and_pipelines_refused(moe_p
     assert any(p.startswith("pp=2 is not supported for the moe sublayers of model.sublayers") for p in problems)
     for sizes in (LayoutSizes(dp_shard=2), LayoutSizes(tp=2, sp=True, dp_shard=1), LayoutSizes(ep=2, dp_shard=2)):
         assert [p for p in layout_problems(cfg, sizes, seq_len=64) if "moe sublayers" in p] == []
+
+
+def test_cp_parts_shorter_than_the_convolution_window_are_refused_by_name():
+    """A cp part hands on its last W-1 convolution inputs: a part of fewer tokens (16 tokens cut into
+    2 x cp=4 zig-zag parts of 2, the window 4) is refused naming the sizes and what would do."""
+    from tessera.config.layout_rules import LayoutSizes, layout_problems
+
+    cfg = get_preset("nemotron-h-8b")
+    [problem] = layout_problems(cfg, LayoutSizes(cp=4, dp_shard=1, cp_method="ring"), seq_len=16)
+    assert problem == ("cp=4 (ring) cuts each sequence into 8 parts of 2 tokens, fewer than the 3 earlier inputs of "
+                       "the short convolution (model.mamba.conv_width=4) that a part hands on; choose train.seq_len "
+                       ">= 24 or a smaller cp")
+    assert layout_problems(cfg, LayoutSizes(cp=4, dp_shard=1), seq_len=16) == []  # contiguous: parts of 4

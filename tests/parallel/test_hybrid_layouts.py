@@ -3,9 +3,11 @@ Qwen3.5 MoE: split DeltaNet projections) under data, expert and tensor (+ sequen
 one process (fp32, 1e-5), with sequences of
 several DeltaNet chunks, so that the chunked form's state passes from chunk to chunk inside each
 rank; under tp each rank runs one of the two key-head groups, its conv channels and heads' gains;
-under cp each rank runs the DeltaNet layers over the gathered whole sequence (contiguous and
-zig-zag chunks) and keeps its own positions. Nemotron-H (Mamba-2) and its MoE variant (relu^2 experts)
-under fsdp, ep, tp and tp + sp equal one process too."""
+under cp (alone and with tp) each rank runs the recurrent layers (DeltaNet, Kimi delta attention,
+Mamba-2) over its own part of the sequence only (contiguous and zig-zag chunks), from the state the
+previous part hands on. Kimi Linear (Kimi delta attention, MLA) and Nemotron-H (Mamba-2, attention
+without RoPE) run the same layouts. Nemotron-H's MoE variant (relu^2 experts)
+under fsdp, ep, tp and tp + sp equals one process too."""
 
 import dataclasses
 
@@ -71,10 +73,6 @@ def test_kimi_linear_matches_one_process(parallel, micro):
     assert_same_step(got[0], reference_step("tiny-kimi-linear", micro, _short("tiny-kimi-linear")))
 
 
-def _short(preset: str) -> dict:
-    return {"linear_attention": dataclasses.replace(get_preset(preset).linear_attention, chunk_size=4)}
-
-
 @pytest.mark.parametrize("parallel,micro", [
     (dict(dp_shard=2), 2), (dict(dp_replicate=2, dp_shard=1), 2), (dict(tp=2, dp_shard=1), 1),
     (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "replicate2", "tp2", "tp2-sp"])
@@ -111,61 +109,124 @@ def test_nemotron_h_moe_layouts_match_one_process(parallel, micro):
     assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, _nemotron_moe()))
 
 
-def _cp_rank(cp_method: str, preset: str) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from tessera.config.parallel import ParallelConfig
-    from tessera.models import Transformer
-    from tessera.parallel import ParallelDims, parallelize, shard_global_batch
-    from tessera.parallel.sequence_layout import rank_positions
-    from tests.parallel.training_step import full_tensors
-
-    cfg = get_preset(preset, **_short(preset))
-    pcfg = ParallelConfig(cp=2, dp_shard=1, cp_method=cp_method)
-    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
-    dims.validate(cfg, dims.world_size, seq_len=16)
-    model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
-    tokens, upstream = (shard_global_batch(t, dims) for t in _cp_batch(cfg.vocab_size))
-    out = model(tokens)
-    (torch.sum(out.logits * upstream) + out.aux_loss).backward()
-    positions = rank_positions(8, 2, dims.local_rank("cp"), dims.cp_layout)
-    return {"logits": out.logits.detach(), "positions": positions, "aux": out.aux_loss.detach(),
-            "grads": full_tensors((n, p.grad) for n, p in model.named_parameters())}
+def _short(preset: str) -> dict:
+    """Chunks of 4 tokens for the preset's recurrent layers, so that a rank's part holds several."""
+    cfg = get_preset(preset)
+    if cfg.mamba is not None:
+        return {"mamba": dataclasses.replace(cfg.mamba, chunk_size=4)}
+    return {"linear_attention": dataclasses.replace(cfg.linear_attention, chunk_size=4)}
 
 
 def _cp_batch(vocab: int):
     import torch
 
-    gen = torch.Generator().manual_seed(3)
-    return torch.randint(0, vocab, (2, 16), generator=gen), torch.randn(2, 16, vocab, generator=gen)
+    return torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(3))
+
+
+def _step(model, tokens, targets, n_tokens: int) -> dict:
+    """Forward, backward, one AdamW step and the loss after it; the loss is this process's share of
+    (the token losses of the whole batch / its tokens + the auxiliary loss)."""
+    import torch
+
+    from tessera.train.objectives.loss import token_loss_sum
+
+    def loss_of(out):
+        return token_loss_sum(out.logits, targets) / n_tokens + out.aux_loss
+
+    out = model(tokens)
+    loss = loss_of(out)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
+    opt.step()
+    with torch.no_grad():
+        after = loss_of(model(tokens))
+    return {"logits": out.logits.detach(), "loss": loss.detach(), "after": after, "grads": grads}
+
+
+def _recording_mix(module, seen: list):
+    """`module.mix`, recording the shape [rows, tokens] of every input it mixes."""
+    mix = module.mix
+
+    def recorded(x, *args, **kwargs):
+        seen.append(tuple(x.shape[:2]))
+        return mix(x, *args, **kwargs)
+    return recorded
+
+
+def _cp_rank(cp_method: str, preset: str, tp: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tessera.config.parallel import ParallelConfig
+    from tessera.models import Transformer
+    from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+    from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
+    from tessera.models.linear_attention.mamba2 import Mamba2Mixer
+    from tessera.parallel import ParallelDims, global_sum, parallelize, shard_global_batch
+    from tessera.parallel.sequence_layout import rank_positions
+    from tests.parallel.training_step import full_tensors
+
+    cfg = get_preset(preset, **_short(preset))
+    pcfg = ParallelConfig(cp=2, tp=tp, dp_shard=1, cp_method=cp_method)
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
+    dims.validate(cfg, dims.world_size, seq_len=16)
+    model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
+    seen: list = []
+    for module in model.modules():
+        if isinstance(module, (GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer)):
+            module.mix = _recording_mix(module, seen)
+    batch = _cp_batch(cfg.vocab_size)
+    tokens, targets = (shard_global_batch(t, dims) for t in (batch[:, :-1], batch[:, 1:]))
+    got = _step(model, tokens, targets, batch[:, 1:].numel())
+    if isinstance(got["logits"], DTensor):  # the vocabulary cut by tp
+        got["logits"] = got["logits"].full_tensor()
+    return {**got, "loss": global_sum(got["loss"], dims, "cp").item(), "seen": seen,
+            "after": global_sum(got["after"], dims, "cp").item(), "grads": full_tensors(got["grads"].items()),
+            "weights": full_tensors(model.named_parameters()),
+            "positions": rank_positions(8, 2, dims.local_rank("cp"), dims.cp_layout)}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cp_method,preset", [("alltoall", "tiny-qwen3-next"), ("ring", "tiny-qwen3-next"),
-                                               ("alltoall", "tiny-kimi-linear")],
-                         ids=["cp2-contiguous", "cp2-ring-zigzag", "kimi-linear-cp2-contiguous"])
-def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset):
-    """Logits position by position, the ranks' auxiliary losses and the gradients of a cp=2 forward
-    and backward (the DeltaNet or Kimi delta attention layers over the gathered whole sequence) equal
-    one process's."""
+@pytest.mark.parametrize("cp_method,preset,tp", [
+    ("alltoall", "tiny-qwen3-next", 1), ("ring", "tiny-qwen3-next", 1), ("alltoall", "tiny-qwen3.5", 1),
+    ("alltoall", "tiny-kimi-linear", 1), ("ring", "tiny-kimi-linear", 1),
+    ("alltoall", "tiny-nemotron-h", 1), ("ring", "tiny-nemotron-h", 1),
+    ("alltoall", "tiny-qwen3-next", 2), ("ring", "tiny-nemotron-h", 2)],
+    ids=["cp2-contiguous", "cp2-ring-zigzag", "qwen3.5-cp2-contiguous", "kimi-linear-cp2-contiguous",
+         "kimi-linear-cp2-ring-zigzag", "nemotron-h-cp2-contiguous", "nemotron-h-cp2-ring-zigzag",
+         "tp2-cp2-contiguous", "nemotron-h-tp2-cp2-ring-zigzag"])
+def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset, tp):
+    """A cp=2 step (DeltaNet, Kimi delta attention or Mamba-2 layers: each rank runs them over its own
+    part of the sequence, from the state the previous part hands on) equals one process's: logits
+    position by position, the loss, every gradient, the weights after one AdamW step and the loss
+    after it (fp32, 1e-5). Every recurrent mixer on every rank mixes only its own tokens: one part
+    of 8 per sequence (contiguous), or two of 4 as rows of their own (zig-zag), never the 16. Under
+    tp2 x cp2 (4 ranks) each rank's handoff carries its heads' states only."""
     import torch
 
     from tessera.models import Transformer
 
     model = Transformer(get_preset(preset, **_short(preset)), init_seed=0)
-    tokens, upstream = _cp_batch(model.cfg.vocab_size)
-    ref = model(tokens)
-    (torch.sum(ref.logits * upstream) + ref.aux_loss).backward()
-    got = run_ranks(_cp_rank, 2, cp_method, preset)
-    logits = torch.empty_like(ref.logits)
+    batch = _cp_batch(model.cfg.vocab_size)
+    ref = _step(model, batch[:, :-1], batch[:, 1:], batch[:, 1:].numel())
+    got = run_ranks(_cp_rank, 2 * tp, cp_method, preset, tp)
+    logits = torch.empty_like(ref["logits"])
     for r in got:
         logits[:, r["positions"]] = r["logits"]
-    torch.testing.assert_close(logits, ref.logits.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sum(r["aux"] for r in got), ref.aux_loss.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-6)
+    for key in ("loss", "after"):
+        assert abs(got[0][key] - ref[key].item()) <= 1e-5 * abs(ref[key].item()), (key, got[0][key], ref[key])
     for name, p in model.named_parameters():
-        err = float((got[0]["grads"][name] - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
+        err = float((got[0]["grads"][name] - ref["grads"][name]).norm() / ref["grads"][name].norm().clamp_min(1e-30))
         assert err <= 1e-5, f"gradient of {name} differs by {err:.2e} (relative norm)"
+        torch.testing.assert_close(got[0]["weights"][name], p.detach(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    recurrent = sum(1 for i in range(model.cfg.n_layers)
+                    if model.cfg.is_linear_attention_layer(i) or model.cfg.is_mamba_layer(i))
+    own = (2, 8) if cp_method == "alltoall" else (4, 4)  # [rows, tokens] of the batch's 2 sequences
+    for r in got:
+        assert r["seen"] == [own] * recurrent * 2  # the step's forward and the one after it
 
 
 CONFIG = """model:

@@ -33,11 +33,10 @@ tensors all heads' channels share a dimension of, the convolution's taps ([q | k
 A_log and dt_bias (per value head), and the gated norm's weight (shared by all heads), are read
 through a seam, `own_part` (an `OwnPart`: (name, tensor) -> this rank's part of it): whole on one
 process; tensor parallelism installs one that slices this rank's channels and heads and sums the
-gradient over the ranks (tessera/parallel/tensor_parallel.py). The sequence it mixes is a seam
-too, `sequence` (a `TokenSequence`, models/mtp.py: `whole` / `own`): on one process the input is the
-whole sequence; context parallelism installs one that all-gathers the ranks' chunks (in sequence
-order, the gradient reduce-scattered back), so the layer runs over the whole sequence and keeps its
-own positions' outputs.
+gradient over the ranks (tessera/parallel/tensor_parallel.py). Where the sequence starts is a seam
+too, `handoff` (a `StateHandoff`, handoff.py): None on one process, where the input is the whole
+sequence; context parallelism installs one under which each rank runs the chunked form over its own
+part of the sequence only, from the convolution inputs and delta state the previous part hands on.
 Shapes: B batch, S sequence, D model dim.
 """
 
@@ -51,9 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.config.errors import ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
-from tessera.models.mtp import TokenSequence
+from tessera.models.linear_attention.handoff import StateHandoff, handed_on_delta_rule
 from tessera.models.norm import RMSNorm
 
 
@@ -103,6 +103,32 @@ class GatedRMSNorm(RMSNorm):
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
+def conv_start(handoff: StateHandoff | None, mixed_BSC: torch.Tensor, conv_w: torch.Tensor,
+               state) -> torch.Tensor | None:
+    """The convolution's earlier inputs [B, C, W-1]: the state's, the previous part's under a handoff,
+    or None (zeros: a sequence's start)."""
+    if handoff is not None:
+        w = conv_w.shape[-1] - 1
+        if mixed_BSC.shape[1] < w:
+            raise ParallelError(f"a context-parallel part of {mixed_BSC.shape[1]} tokens is shorter than the "
+                                f"short convolution's {w} earlier inputs; choose a longer train.seq_len or fewer cp")
+        return handoff.previous_inputs(mixed_BSC[:, mixed_BSC.shape[1] - w:].transpose(1, 2))
+    return None if state is None else state.conv
+
+
+def delta_rule(q, k, v, g, beta, state: DeltaNetState | None, recurrent: bool | None, chunk: int,
+               handoff: StateHandoff | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule from `state` in the form `recurrent` picks (default token by token for one
+    token, chunked otherwise), or chunked from the state the previous part hands on."""
+    if handoff is not None:
+        return handed_on_delta_rule(q, k, v, g, beta, chunk, handoff)
+    recurrent = q.shape[1] == 1 if recurrent is None else recurrent
+    start = None if state is None else state.delta
+    if recurrent:
+        return recurrent_delta_rule(q, k, v, g, beta, start)
+    return chunked_delta_rule(q, k, v, g, beta, start, chunk=chunk)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -127,20 +153,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(la.n_value_heads * la.value_head_dim, cfg.dim, bias=False)
         self.own_part: OwnPart = whole  # the seams (module docstring)
-        self.sequence = TokenSequence()
+        self.handoff: StateHandoff | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
+        if self.handoff is not None:  # cp: this rank's parts of the sequence, each from the one before
+            return self.handoff.unfold(self.mix(self.handoff.fold(x_BSD))[0])
         packed = getattr(cache, "mix_recurrent", None)
         if packed is not None:  # the serving engine's packed step: each sequence from its own slot
-            return self.sequence.own(packed(self.layer_id, self.mix, self.sequence.whole(x_BSD)))
+            return packed(self.layer_id, self.mix, x_BSD)
         state = cache.recurrent_state(self.layer_id) if cache is not None else None
-        y, state = self.mix(self.sequence.whole(x_BSD), state)
+        y, state = self.mix(x_BSD, state)
         if cache is not None:
             cache.keep_recurrent_state(self.layer_id, state)
-        return self.sequence.own(y)
+        return y
 
     def mix(self, x_BSD: torch.Tensor, state: DeltaNetState | None = None, recurrent: bool | None = None
             ) -> tuple[torch.Tensor, DeltaNetState]:
@@ -151,7 +179,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._projections(x_BSD)
         hk = b.shape[-1] // r
         conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
-        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
+        start = conv_start(self.handoff, mixed, conv_w, state)
+        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, start)
         q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
         q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
         k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
@@ -159,10 +188,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-        recurrent = S == 1 if recurrent is None else recurrent
-        rule = recurrent_delta_rule if recurrent else chunked_delta_rule
-        kwargs = {} if recurrent else {"chunk": self.chunk}
-        out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff)
         out = gated_rms_norm(out, z, self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.out_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)

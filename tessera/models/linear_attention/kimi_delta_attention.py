@@ -10,7 +10,7 @@ output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))) (`o_norm`, another 
 projection) and projected back (`o_proj`).
 
 The tensors keep HuggingFace's names and shapes (A_log is [1, 1, H, 1]). The recurrent state, the
-cache protocols, the serving engine's packed step and the `sequence` seam are Gated DeltaNet's
+cache protocols, the serving engine's packed step and the `handoff` seam are Gated DeltaNet's
 (`DeltaNetState`: the convolution's last inputs over 3 H K channels, the delta state [H, K, K]);
 so is `forward`. Prompts and training run the chunked form, a single new token the recurrent one.
 Under tensor parallelism each rank runs whole heads: q_proj, k_proj, v_proj, f_b_proj, g_b_proj and
@@ -28,9 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
-from tessera.models.linear_attention.gated_deltanet import DeltaNetState, GatedDeltaNet, OwnPart, whole
-from tessera.models.mtp import TokenSequence
+from tessera.models.linear_attention.delta_rule import causal_conv
+from tessera.models.linear_attention.gated_deltanet import (
+    DeltaNetState,
+    GatedDeltaNet,
+    OwnPart,
+    conv_start,
+    delta_rule,
+    whole,
+)
+from tessera.models.linear_attention.handoff import StateHandoff
 from tessera.models.norm import RMSNorm
 
 
@@ -64,7 +71,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.o_proj = nn.Linear(hk, cfg.dim, bias=False)
         self.own_part: OwnPart = whole  # the seams (gated_deltanet.py's docstring)
-        self.sequence = TokenSequence()
+        self.handoff: StateHandoff | None = None
 
     forward = GatedDeltaNet.forward  # the same cache protocols and seams (module docstring)
 
@@ -77,16 +84,14 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)], dim=-1)
         conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         conv_w = self.own_part("conv", conv)
-        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, None if state is None else state.conv)
+        start = conv_start(self.handoff, mixed, conv_w, state)
+        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, start)
         q, k, v = (t.reshape(B, S, -1, K) for t in mixed.transpose(1, 2).chunk(3, dim=-1))
         gate = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.own_part("dt_bias", self.dt_bias).float()
         A = self.own_part("A_log", self.A_log.view(-1)).float().exp().view(1, 1, -1, 1)
         g = -A * F.softplus(gate.view(B, S, -1, K))  # [B, S, H, K]
         beta = self.b_proj(x_BSD).sigmoid()
-        recurrent = S == 1 if recurrent is None else recurrent
-        rule = recurrent_delta_rule if recurrent else chunked_delta_rule
-        kwargs = {} if recurrent else {"chunk": self.chunk}
-        out, delta = rule(q, k, v, g, beta, None if state is None else state.delta, **kwargs)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff)
         out_gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, K)
         out = sigmoid_gated_rms_norm(out, out_gate, self.own_part("norm", self.o_norm.weight), self.o_norm.eps)
         seen = S + (0 if state is None else state.tokens)

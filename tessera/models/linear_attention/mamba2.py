@@ -15,7 +15,9 @@ returns it, so a sequence fed in pieces equals it fed whole. `forward` keeps Gat
 interface (gated_deltanet.py): given an inference cache it reads and keeps the state there
 (`recurrent_state(layer_id)` / `keep_recurrent_state`), or, the serving engine's packed step, hands
 its `mix` to `mix_recurrent(layer_id, mix, x)`. Prompts and training run the chunked form, a single
-new token the recurrent one (equal; tested).
+new token the recurrent one (equal; tested). Under context parallelism the `handoff` seam (Gated
+DeltaNet's, handoff.py) runs each rank's own part of the sequence from the convolution inputs and SSD
+state the previous part hands on.
 
 Under tensor parallelism each rank runs n_heads / tp heads and the n_groups / tp groups they read
 (groups split with their heads). `out_proj` is cut by its input columns; every other tensor stays
@@ -36,7 +38,8 @@ from torch import nn
 
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv
-from tessera.models.linear_attention.gated_deltanet import OwnPart, whole
+from tessera.models.linear_attention.gated_deltanet import OwnPart, conv_start, whole
+from tessera.models.linear_attention.handoff import StateHandoff, handed_on_ssd
 from tessera.models.linear_attention.ssd import chunked_ssd, recurrent_ssd, step_sizes
 from tessera.models.norm import RMSNorm
 
@@ -89,12 +92,15 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(m.n_heads))
         self.norm = GroupGatedRMSNorm(inner, m.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(inner, cfg.dim, bias=m.proj_bias)
-        self.own_part: OwnPart = whole  # the seam (module docstring)
+        self.own_part: OwnPart = whole  # the seams (module docstring)
+        self.handoff: StateHandoff | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
+        if self.handoff is not None:  # cp: this rank's parts of the sequence, each from the one before
+            return self.handoff.unfold(self.mix(self.handoff.fold(x_BSD))[0])
         packed = getattr(cache, "mix_recurrent", None)
         if packed is not None:
             return packed(self.layer_id, self.mix, x_BSD)
@@ -115,15 +121,18 @@ class Mamba2Mixer(nn.Module):
         G = self.n_groups * H // self.n_heads
         z, xBC, dt = self._projected(x_BSD).split([H * P, H * P + 2 * G * N, H], dim=-1)
         bias = None if self.conv1d.bias is None else own("conv", self.conv1d.bias)
-        xBC, conv_state = causal_conv(xBC.transpose(1, 2), own("conv", self.conv1d.weight.squeeze(1)),
-                                      None if state is None else state.conv, bias)
+        conv_w = own("conv", self.conv1d.weight.squeeze(1))
+        xBC, conv_state = causal_conv(xBC.transpose(1, 2), conv_w, conv_start(self.handoff, xBC, conv_w, state), bias)
         x, Bm, Cm = xBC.transpose(1, 2).split([H * P, G * N, G * N], dim=-1)
+        args = (x.reshape(B, S, H, P), step_sizes(dt, own("heads", self.dt_bias), self.dt_min), -A_log.float().exp(),
+                Bm.reshape(B, S, G, N), Cm.reshape(B, S, G, N), own("heads", self.D))
         recurrent = S == 1 if recurrent is None else recurrent
-        scan = recurrent_ssd if recurrent else chunked_ssd
-        kwargs = {} if recurrent else {"chunk": self.chunk}
-        y, ssm = scan(x.reshape(B, S, H, P), step_sizes(dt, own("heads", self.dt_bias), self.dt_min),
-                      -A_log.float().exp(), Bm.reshape(B, S, G, N), Cm.reshape(B, S, G, N), own("heads", self.D),
-                      None if state is None else state.ssm, **kwargs)
+        if self.handoff is not None:
+            y, ssm = handed_on_ssd(*args, self.chunk, self.handoff)
+        elif recurrent:
+            y, ssm = recurrent_ssd(*args, None if state is None else state.ssm)
+        else:
+            y, ssm = chunked_ssd(*args, None if state is None else state.ssm, chunk=self.chunk)
         y = group_gated_rms_norm(y.reshape(B, S, H * P), z, own("norm", self.norm.weight), G, self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         return self.out_proj(y.to(x_BSD.dtype)), Mamba2State(conv_state, ssm, seen)
