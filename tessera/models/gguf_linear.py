@@ -11,6 +11,13 @@ on CPU in fp32 multiplies by the blocks instead: the engine installs a kernel at
 with the unpacked blocks, the scales applied per 32), which takes the decode steps and short prompt
 chunks without autograd and leaves the rest to the reference (docs/benchmarks.md measures both).
 A bias, when the layer has one, is a float parameter as usual.
+
+`GgufEmbedding` keeps a token embedding stored in a block type the same way: a lookup dequantizes
+only the rows of the tokens asked for (the values the whole matrix dequantized at load would hold,
+bit for bit), so the [vocab, dim] float matrix never exists; `weight` dequantizes all of it, for a
+reader of the whole matrix. A tied LM head over it is a `GgufLinear` over the same buffer (one copy
+in memory: tessera/checkpoint/gguf/load.py), since the model's `tied_head` seam multiplies by a float
+matrix.
 """
 
 from __future__ import annotations
@@ -54,3 +61,32 @@ class GgufLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}"
+
+
+class GgufEmbedding(nn.Module):
+    """Token embeddings [..., dim] in `dtype` looked up in a [num_embeddings, dim] matrix held as GGML
+    `kind` blocks (a buffer [num_embeddings, row bytes])."""
+
+    quantized = True
+
+    def __init__(self, kind: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if kind not in BLOCKS:
+            raise ValueError(f"GGML type {kind!r} has no torch dequantizer; supported: {', '.join(BLOCKS)}")
+        self.kind, self.num_embeddings, self.embedding_dim, self.dtype = kind, num_embeddings, embedding_dim, dtype
+        self.register_buffer("blocks", torch.zeros(num_embeddings, row_bytes(kind, embedding_dim),
+                                                   dtype=torch.uint8, device=device))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole matrix dequantized [num_embeddings, dim] (a new tensor each time)."""
+        return dequantize(self.kind, self.blocks, (self.num_embeddings, self.embedding_dim)).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        values = dequantize(self.kind, rows, (rows.shape[0], self.embedding_dim)).to(self.dtype)
+        return values.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {self.num_embeddings}, {self.embedding_dim}"

@@ -18,7 +18,7 @@ from tessera.cli.serve import _check_server_options
 from tessera.config.errors import ConfigError
 from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.models.gguf_blocks import BLOCKS
-from tessera.models.gguf_linear import GgufLinear
+from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.quantized import Int8Linear
 from tests.checkpoint.gguf_files import LLAMA_LIKE, tiny_hf_model, write_gguf
 
@@ -36,7 +36,8 @@ def files(tmp_path_factory):
 
 
 def _kept_layers(model) -> dict[str, GgufLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, GgufLinear)}
+    """The blocks' kept layers (the head, kept or not, is checked on its own)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, GgufLinear) and name.startswith("layers.")}
 
 
 @pytest.mark.parametrize("arch", list(LLAMA_LIKE))
@@ -55,7 +56,16 @@ def test_kept_blocks_give_the_logits_of_the_dequantized_model(arch, kinds, files
     assert {m.kind for m in layers.values()} == {s.kind for s in in_blocks}
     if kinds == BLOCK_TYPES:
         assert len(layers) == 2 * 7 and "layers.0.attention.wq" in layers and "layers.0.attention.wk" in layers
-    assert not isinstance(kept.output, GgufLinear)  # the head (or the tied embedding) stays dense
+    # The embedding and the head: kept where the file stores them in a block type; a tied head is a
+    # GgufLinear over the embedding's own buffer (one copy).
+    embedding = stored["model.embed_tokens.weight"]
+    assert isinstance(kept.tok_embeddings, GgufEmbedding) == (embedding.kind in BLOCKS)
+    if kept.cfg.tie_embeddings:
+        assert isinstance(kept.output, GgufLinear) == (embedding.kind in BLOCKS)
+        if embedding.kind in BLOCKS:
+            assert kept.output.blocks.untyped_storage().data_ptr() == kept.tok_embeddings.blocks.data_ptr()
+    else:
+        assert isinstance(kept.output, GgufLinear) == (stored["lm_head.weight"].kind in BLOCKS)
 
 
 def test_resident_bytes_of_kept_layers_are_the_files(files):

@@ -152,9 +152,10 @@ def test_smollm2_kept_quantized_equals_its_dequantized_load():
 
     [gguf] = Path(package.origin).parent.glob("*.gguf")
     dense, kept = load_gguf(gguf), load_gguf(gguf, keep_quantized=True)
-    layers = [m for m in kept.modules() if isinstance(m, GgufLinear)]
+    layers = [m for m in kept.layers.modules() if isinstance(m, GgufLinear)]
     file_bytes = {s.hf_name: s.nbytes for s in GGUFFile.open(gguf).stored() if s.kind == "Q4_1"}
     assert len(layers) == 7 * kept.cfg.n_layers and {m.kind for m in layers} == {"Q4_1"}
+    assert kept.output.kind == "Q8_0" and kept.output.blocks.data_ptr() == kept.tok_embeddings.blocks.data_ptr()
     assert sum(m.blocks.nbytes for m in layers) == sum(n for name, n in file_bytes.items() if ".layers." in name)
     assert all(m.blocks.nbytes * 32 == m.in_features * m.out_features * 20 for m in layers)
     ids = torch.arange(100, 140)[None]

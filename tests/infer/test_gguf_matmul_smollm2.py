@@ -17,6 +17,7 @@ import torch
 
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.cpu.gguf_matmul import MAX_ROWS, use_block_kernels
+from tessera.models.gguf_linear import GgufLinear
 
 # Written for this test (not from any corpus the model saw as such): plain prose and a little code.
 HELD_OUT = (
@@ -44,8 +45,16 @@ def smollm2():
 
     [path] = Path(package.origin).parent.glob("*.gguf")
     dense, kept = load_gguf(path), load_gguf(path, keep_quantized=True)
-    assert use_block_kernels(kept) == 7 * kept.cfg.n_layers  # every kept matrix (all Q4_1) on the kernel
+    # every kept matrix (all Q4_1) on the kernel, and the head tied to the Q8_0 embedding
+    assert use_block_kernels(kept) == 7 * kept.cfg.n_layers + 1
     return path, dense, kept, model_tokenizer(path)
+
+
+def windows(ids: list[int]):
+    """The text as windows of MAX_ROWS tokens, each [1, MAX_ROWS] or shorter at the end."""
+    for start in range(0, len(ids) - 1, MAX_ROWS - 1):
+        if len(ids[start:start + MAX_ROWS]) >= 2:
+            yield torch.tensor(ids[start:start + MAX_ROWS])[None]
 
 
 def perplexity(model, ids: list[int]) -> float:
@@ -94,3 +103,49 @@ def test_greedy_decoding_agrees_until_a_near_tie(smollm2):
             logits = dense(torch.tensor(prompt + want[:first])[None]).logits[0, -1]
         spread = (logits.max() - logits.min()).item()
         assert logits[want[first]] - logits[got[first]] < 0.02 * spread
+
+
+def test_the_head_on_the_embeddings_blocks_picks_the_float_heads_tokens(smollm2):
+    """The head tied to the kept Q8_0 embedding multiplies by its blocks (the kernel); the float head
+    it replaced (the embedding dequantized, h @ E^T) picks the same next token at every position of
+    the held-out text, and their logits differ by the activations' int16 rounding only."""
+    _, _, kept, tokenizer = smollm2
+    assert isinstance(kept.output, GgufLinear) and kept.output.fused is not None
+    with torch.no_grad():
+        on_blocks = [kept(w).logits[0] for w in windows(tokenizer.encode(HELD_OUT))]
+        head = kept.output
+        kept.output = None  # the tied seam over the dequantized matrix: the head as it was
+        try:
+            in_float = [kept(w).logits[0] for w in windows(tokenizer.encode(HELD_OUT))]
+        finally:
+            kept.output = head
+    for a, b in zip(on_blocks, in_float, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        assert (a - b).abs().max() < 1e-3 * (b.max() - b.min())
+        assert not torch.equal(a, b)  # the kernel ran
+
+
+def test_resident_weights_are_the_files_bytes_with_the_tied_head_once(smollm2):
+    """The served engine's weights, counted from its model's tensors (each storage once, packed copies
+    included), are the file's tensor bytes: the Q8_0 embedding stays in its blocks (not 4 bytes a
+    weight) and the tied head reads the same buffer."""
+    from tessera.checkpoint.gguf import GGUFFile
+    from tessera.infer import EngineConfig, LLMEngine
+
+    path = smollm2[0]
+    engine = LLMEngine.from_dir(path, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=16))
+    try:
+        storages = {}
+        for module in engine.model.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                       *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+            for t in tensors:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        model = engine.model
+        rope = sum(b.nbytes for n, b in model.named_buffers() if "rope" in n)
+        file_bytes = sum(s.nbytes for s in GGUFFile.open(path).stored())
+        print(f"resident weights {sum(storages.values()) / 2**20:.1f} MiB, file tensors {file_bytes / 2**20:.1f} MiB")
+        assert sum(storages.values()) - rope <= file_bytes
+        assert model.output.blocks.untyped_storage().data_ptr() == model.tok_embeddings.blocks.data_ptr()
+    finally:
+        engine.close()

@@ -12,10 +12,14 @@ quantization saves disk, not memory (int8 at load, `--quantization int8`, applie
 With `keep_quantized=True` the block-quantized matrices of the attention and MLP linear layers
 (every type `tessera.models.gguf_blocks` reads: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K) stay
 in memory as the file stores them: the layer becomes a `GgufLinear` holding the blocks' bytes,
-dequantized inside each forward. Those layers are swapped in on the meta device, so their float
-weights are never allocated. The embedding, the norms and the output head, and any matrix stored
-as F32 / F16 / BF16, are dequantized into `dtype` as without the option. gpt-oss's experts stored in MXFP4 stay so too
-(`Mxfp4Experts`: the gate, up and down blocks, each expert dequantized in the forward).
+dequantized inside each forward. The token embedding and an untied output head stored in a block
+type stay so too (`GgufEmbedding`: a lookup dequantizes only the rows it reads); a head tied to such
+an embedding becomes a `GgufLinear` over the embedding's own buffer, so the matrix is in memory once
+and the head multiplies by its blocks as the other layers do. Those layers are swapped in on the
+meta device, so their float weights are never allocated. The norms, any matrix stored as F32 / F16 /
+BF16, and a scaled embedding (Gemma's) are dequantized into `dtype` as without the option.
+gpt-oss's experts stored in MXFP4 stay so too (`Mxfp4Experts`: the gate, up and down blocks, each
+expert dequantized in the forward).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tessera.config.errors import ConfigError, ModelError
 from tessera.config.hf_config import config_from_hf
 from tessera.config.model import ModelConfig
 from tessera.models.gguf_blocks import BLOCKS
-from tessera.models.gguf_linear import GgufLinear
+from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.int8 import replace_module
 from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
@@ -91,6 +95,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if missing:
         raise ConfigError(f"{str(found.path)!r}: {len(missing)} tensor(s) of the {cfg.family} model are missing "
                           f"from the file: {first_keys(missing)}")
+    if cfg.tie_embeddings and isinstance(model.tok_embeddings, GgufEmbedding):
+        _tie_kept_head(model, dtype)
     model.reset_rope(device)
     return model.eval()
 
@@ -170,12 +176,26 @@ def _kept(model: Transformer, modules: dict, found: GGUFFile, stored, key: str, 
     """Swap the layer of weight `key` for a `GgufLinear` of the stored tensor's type, where it is one."""
     name = key.removesuffix(".weight")
     layer = modules.get(name)
-    if not (key.startswith("layers.") and key.endswith(".weight") and isinstance(layer, torch.nn.Linear)
-            and stored.kind in BLOCKS and stored.select is None and stored.convert is None):
+    linear = (key.startswith("layers.") or name == "output") and isinstance(layer, torch.nn.Linear)
+    embedding = name == "tok_embeddings" and type(layer) is torch.nn.Embedding  # not ScaledEmbedding
+    if not ((linear or embedding) and key.endswith(".weight") and stored.kind in BLOCKS and stored.select is None
+            and stored.convert is None):
         return False
     shape = (rows[key][1] - rows[key][0], *stored.shape[1:]) if key in rows else stored.shape
     _fill(found, stored.hf_name, layer.weight, torch.empty(shape, device="meta"))  # the shape check
-    new = GgufLinear(stored.kind, layer.in_features, layer.out_features, False, dtype)
-    new.bias = layer.bias
+    if embedding:
+        new = GgufEmbedding(stored.kind, layer.num_embeddings, layer.embedding_dim, dtype)
+    else:
+        new = GgufLinear(stored.kind, layer.in_features, layer.out_features, False, dtype)
+        new.bias = layer.bias
     replace_module(model, name, new)
     return True
+
+
+def _tie_kept_head(model: Transformer, dtype: torch.dtype) -> None:
+    """The LM head tied to a kept embedding: a `GgufLinear` whose blocks are the embedding's buffer
+    (the same storage), in `output`, which the model's head takes before the tied seam."""
+    embedding = model.tok_embeddings
+    head = GgufLinear(embedding.kind, embedding.embedding_dim, embedding.num_embeddings, False, dtype, device="meta")
+    head.blocks = embedding.blocks
+    model.output = head

@@ -432,7 +432,7 @@ class LLMEngine:
 
 
 def _check_placement(model: Transformer, config: EngineConfig) -> None:
-    weight = model.tok_embeddings.weight
+    weight = next(model.parameters())  # the embedding's, or where it is kept as GGUF blocks, a norm's
     if weight.dtype != config.torch_dtype or weight.device.type != torch.device(config.device).type:
         raise ConfigError(f"the model is {str(weight.dtype).removeprefix('torch.')} on {weight.device.type} but "
                           f"the engine is configured for dtype={config.dtype!r} on device={config.device!r}; "
