@@ -105,10 +105,11 @@ class EngineConfig:
         "tokens between a hybrid model's recurrent-state snapshots for prefix caching, a multiple of "
         "--block-size (None: the linear-attention chunk size rounded up to whole blocks)", type=int))
     # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
-    # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
+    # no later query sees (a prefix's window blocks kept with it for prefix reuse); "kept" keeps every layer's
+    # blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(
         "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, blocks before the "
-        "window freed; no prefix caching for such models) or kept (every block kept, prefix caching as "
+        "window freed, those a cached prefix's end sees kept while room lasts) or kept (every block kept, prefix caching as "
         "for any model)", choices=("bounded", "kept")))
     scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
         "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "

@@ -1,0 +1,115 @@
+"""Prefix caching over a windowed pool (`--windowed-kv bounded`, infer/scheduling/window_blocks.py): a
+named block keeps the window block of its positions, so a request sharing a prefix many windows long
+with an earlier one takes the prefix from the cache (cached tokens in its usage) and decodes
+transformers' greedy tokens (Gemma 3's and gpt-oss's sliding windows, Llama 4's chunks), prompt
+chunks cut across the window; requests with different prefixes interleaved never hold each other's
+window blocks; window blocks evicted from a small pool cut a later hit back to where they are all
+kept, and nothing leaks; preempted requests sharing a prefix come back from the cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.infer import EngineConfig, LLMEngine, SamplingParams
+from tessera.infer.scheduling.prefix_cache import hash_chain
+from tests.infer.tiny_models import hf_greedy, write_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SHARED = [(7 * i + 3) % 90 + 5 for i in range(26)]  # 6 full blocks of 4 (five windows of 5), and 2 more tokens
+
+
+def _serve(engine: LLMEngine, prompts: list[list[int]], watch=None) -> list:
+    """`prompts` added at once and served to the end: their finished outputs; `watch(engine)` after each step."""
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if watch is not None:
+            watch(engine)
+    return [done[i] for i in ids]
+
+
+def _check_pool(engine: LLMEngine) -> None:
+    """Every kept window block is kept for a named block, once; unreferenced ones are parked; none is
+    also free."""
+    pool, cache = engine.blocks.window, engine.blocks.cache
+    assert set(pool.kept) <= set(cache.hash_of)
+    assert {w: b for b, w in pool.kept.items()} == pool.kept_for
+    assert set(pool.parked) == {w for w in pool.kept_for if pool.ref[w] == 0}
+    assert not set(pool.free) & set(pool.kept_for)
+    assert len(pool.free) + sum(1 for r in pool.ref if r) + len(pool.parked) == pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_a_prefix_longer_than_the_window_is_taken_from_the_cache(family, tmp_path):
+    """A second request sharing 26 tokens (five windows) with the first takes its 6 full blocks from
+    the cache, the windowed layers' from the blocks kept with them, and decodes transformers' tokens;
+    the first served again hits all of its full blocks."""
+    hf = write_model(tmp_path, family, std=0.25)
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8))
+    assert engine.blocks.window is not None and engine.blocks.cache is not None
+    first, second = SHARED + [60, 61, 62], SHARED + [1, 90, 4, 33, 70]
+    outs = [_serve(engine, [p], lambda e: _check_pool(e))[0] for p in (first, second, first)]
+    assert [o.cached_tokens for o in outs] == [0, 24, 28]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in (first, second, first)]
+    pool = engine.blocks.window
+    assert pool.num_free_blocks == pool.num_blocks and len(pool.parked) > 0
+
+
+def test_interleaved_requests_with_different_prefixes_never_share_window_blocks(tmp_path):
+    """A and B share their first block only; each is seeded, then a continuation of each runs beside
+    the other's: each hits its own prefix, the two never hold the same window block, each held block
+    kept is the one kept for its own full block of the same positions, and both decode what
+    transformers does."""
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=4))
+    pool = engine.blocks.window
+    a, b = SHARED[:20], SHARED[:4] + [70 + i for i in range(16)]
+    seeds = _serve(engine, [a + [5], b + [6]])
+    shared_steps = []
+
+    def watch(e):
+        _check_pool(e)
+        running = e.scheduler.running
+        for seq in running:
+            for i, w in enumerate(seq.window_table):
+                if w != pool.released and seq.block_table[i] in pool.kept:
+                    assert pool.kept[seq.block_table[i]] == w
+        if len(running) == 2:
+            shared_steps.append(set(pool.held(running[0])) & set(pool.held(running[1])))
+
+    conts = [a + [9, 10, 11], b + [12, 13, 14, 15, 16]]
+    outs = _serve(engine, conts, watch)
+    assert [o.cached_tokens for o in outs] == [20, 20]
+    assert shared_steps and not any(shared_steps)
+    assert [o.token_ids for o in seeds + outs] == [hf_greedy(hf, p, 6) for p in [a + [5], b + [6], *conts]]
+
+
+def test_window_blocks_evicted_from_a_small_pool_cut_a_hit_back(tmp_path):
+    """One sequence at a time: a pool of 5 window blocks keeps only the last ones a request gave back.
+    The second request's prefix is evicted by the third's, so the third request's repeat of it finds
+    its full blocks still named but its window blocks gone: the hit is cut back to none, and it still
+    decodes transformers' tokens; nothing leaks."""
+    hf = write_model(tmp_path, "gpt_oss", std=0.25)
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=1))
+    pool, blocks = engine.blocks.window, engine.blocks
+    assert pool.num_blocks == 3 + 2  # a decoding window's blocks and a prompt chunk's
+    other = [(11 * i + 5) % 90 + 5 for i in range(30)]
+    prompts = [SHARED + [60], other, SHARED + [61]]
+    outs = [_serve(engine, [p], lambda e: _check_pool(e))[0] for p in prompts]
+    assert len(blocks.cache.lookup(hash_chain(SHARED, 4))) == 6  # the full blocks are still named
+    assert outs[2].cached_tokens == 0 and blocks.cache.hit_tokens == 0
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert pool.num_free_blocks == pool.num_blocks and len(pool.kept) <= pool.num_blocks
+
+
+def test_preempted_requests_sharing_a_prefix_come_back_from_the_cache(tmp_path):
+    """Too few full blocks for four requests at once: preempted ones are admitted again, finding their
+    prefix (their own blocks or another's, full and windowed) in the cache, and decode transformers'
+    tokens."""
+    hf = write_model(tmp_path, "gpt_oss", std=0.25)
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, num_blocks=16, max_model_len=40, max_num_seqs=4))
+    prompts = [SHARED[:13] + [i + 1, 2 * i + 3] for i in range(4)]
+    outs = _serve(engine, prompts, _check_pool)
+    assert engine.metrics.preemptions > 0 and engine.blocks.cache.hit_tokens > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
