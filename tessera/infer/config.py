@@ -109,8 +109,8 @@ class EngineConfig:
     # blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(
         "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, blocks before the "
-        "window freed, those a cached prefix's end sees kept while room lasts) or kept (every block kept, prefix caching as "
-        "for any model)", choices=("bounded", "kept")))
+        "window freed, those a cached prefix's end sees kept while room lasts) or kept (every block kept, "
+        "prefix caching as for any model)", choices=("bounded", "kept")))
     scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
         "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "
         "between the same two steps shortest prompt first (shortest_first)", choices=SCHEDULING_POLICIES))

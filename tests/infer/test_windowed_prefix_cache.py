@@ -4,7 +4,8 @@ with an earlier one takes the prefix from the cache (cached tokens in its usage)
 transformers' greedy tokens (Gemma 3's and gpt-oss's sliding windows, Llama 4's chunks), prompt
 chunks cut across the window; requests with different prefixes interleaved never hold each other's
 window blocks; window blocks evicted from a small pool cut a later hit back to where they are all
-kept, and nothing leaks; preempted requests sharing a prefix come back from the cache."""
+kept, and nothing leaks; preempted requests sharing a prefix come back from the cache; the benchmark
+computes the same tokens in each of its modes."""
 
 from __future__ import annotations
 
@@ -113,3 +114,21 @@ def test_preempted_requests_sharing_a_prefix_come_back_from_the_cache(tmp_path):
     outs = _serve(engine, prompts, _check_pool)
     assert engine.metrics.preemptions > 0 and engine.blocks.cache.hit_tokens > 0
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_the_benchmark_serves_the_same_tokens_with_and_without_the_cache(capsys):
+    """bench/windowed_prefix_cache.py on a small case: with the windowed pool's prefix caching, without
+    it and with every block kept, the same tokens; the second request's shared 64 tokens come from the
+    cache in both caching modes."""
+    import json
+
+    from bench.windowed_prefix_cache import main
+
+    assert main(["--prefix", "64", "--tail", "4", "--requests", "2", "--max-tokens", "2", "--window", "16",
+                 "--dim", "32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = report["runs"]
+    assert report["same_tokens"]
+    modes = ("bounded_cached", "bounded_uncached", "kept_cached")
+    assert [runs[k]["cached_prompt_tokens"] for k in modes] == [64, 0, 64]
+    assert runs["bounded_cached"]["computed_prompt_tokens"] == 2 * 68 - 64

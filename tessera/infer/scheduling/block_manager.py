@@ -33,6 +33,7 @@ from tessera.infer.scheduling.prefix_cache import PrefixCache, block_hash, hash_
 from tessera.infer.scheduling.state_snapshots import StateSnapshots
 from tessera.infer.scheduling.window_blocks import WindowPool
 
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tiers: KVTierPlanner | None = None, window: WindowPool | None = None,

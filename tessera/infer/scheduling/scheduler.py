@@ -23,8 +23,9 @@ and the tokens it has produced so far (recompute preemption, as in vLLM).
 After the step (`update_from_output`) each sequence that sampled advances its grammar, appends its
 tokens until a stop rule fires (`output_processor.py`) and finishes or goes on; the full blocks
 it computed are named in the prefix cache (with a windowed pool, with their window blocks, and the
-windowed layers' blocks no later query sees are given back: window_blocks.py). A request whose tokens came with an error (inf/NaN
-logits), or whose grammar refuses them, fails alone: the rest of the batch carries on.
+windowed layers' blocks no later query sees are given back: window_blocks.py). A request whose tokens
+came with an error (inf/NaN logits), or whose grammar refuses them, fails alone: the rest of the batch
+carries on.
 """
 
 from __future__ import annotations
