@@ -4,8 +4,9 @@ with an earlier one takes the prefix from the cache (cached tokens in its usage)
 transformers' greedy tokens (Gemma 3's and gpt-oss's sliding windows, Llama 4's chunks), prompt
 chunks cut across the window; requests with different prefixes interleaved never hold each other's
 window blocks; window blocks evicted from a small pool cut a later hit back to where they are all
-kept, and nothing leaks; preempted requests sharing a prefix come back from the cache; the benchmark
-computes the same tokens in each of its modes."""
+kept, are kept again when a request computes the same blocks, and nothing leaks; preempted requests
+sharing a prefix come back from the cache; the benchmark computes the same tokens in each of its
+modes."""
 
 from __future__ import annotations
 
@@ -88,20 +89,40 @@ def test_interleaved_requests_with_different_prefixes_never_share_window_blocks(
 
 def test_window_blocks_evicted_from_a_small_pool_cut_a_hit_back(tmp_path):
     """One sequence at a time: a pool of 5 window blocks keeps only the last ones a request gave back.
-    The second request's prefix is evicted by the third's, so the third request's repeat of it finds
-    its full blocks still named but its window blocks gone: the hit is cut back to none, and it still
-    decodes transformers' tokens; nothing leaks."""
+    The first request's prefix is evicted by the second's, so the third request's repeat of it finds
+    its full blocks still named but its window blocks gone: the hit is cut back to none. Recomputing
+    them keeps its window blocks with the named full blocks again, so a fourth request hits them; all
+    decode transformers' tokens, and nothing leaks."""
     hf = write_model(tmp_path, "gpt_oss", std=0.25)
     engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8, max_num_seqs=1))
     pool, blocks = engine.blocks.window, engine.blocks
     assert pool.num_blocks == 3 + 2  # a decoding window's blocks and a prompt chunk's
     other = [(11 * i + 5) % 90 + 5 for i in range(30)]
-    prompts = [SHARED + [60], other, SHARED + [61]]
-    outs = [_serve(engine, [p], lambda e: _check_pool(e))[0] for p in prompts]
-    assert len(blocks.cache.lookup(hash_chain(SHARED, 4))) == 6  # the full blocks are still named
-    assert outs[2].cached_tokens == 0 and blocks.cache.hit_tokens == 0
+    prompts = [SHARED + [60], other, SHARED + [61], SHARED + [62]]
+    outs = []
+    for p in prompts:
+        outs.append(_serve(engine, [p], _check_pool)[0])
+        if len(outs) == 3:
+            assert len(blocks.cache.lookup(hash_chain(SHARED, 4))) == 6  # the full blocks are still named
+    assert [o.cached_tokens for o in outs] == [0, 0, 0, 24]
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
     assert pool.num_free_blocks == pool.num_blocks and len(pool.kept) <= pool.num_blocks
+
+
+def test_a_system_prompt_is_pinned_and_its_window_blocks_kept(tmp_path):
+    """A system prompt of 26 characters warmed at start: its full blocks pinned, the window blocks its
+    end sees kept with them, so a request starting with it takes those blocks from the cache and
+    decodes transformers' tokens."""
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8))
+    system = "you are a tiny test model."
+    engine.warm_system_prompts([system])
+    full = len(engine.tokenizer.encode(system)) // 4
+    assert full >= 6 and engine.blocks.num_pinned_blocks == full  # five windows and more
+    prompt = engine.tokenizer.encode(system + " hello")
+    out = _serve(engine, [prompt], _check_pool)[0]
+    assert out.cached_tokens == 4 * full
+    assert out.token_ids == hf_greedy(hf, prompt, 6)
 
 
 def test_preempted_requests_sharing_a_prefix_come_back_from_the_cache(tmp_path):

@@ -212,8 +212,11 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else b""
             h = block_hash(parent, ids[i * bs:(i + 1) * bs], seq.adapter_key)
             seq.block_hashes.append(h)
-            if self.cache.register(seq.block_table[i], h) and self.window is not None:
-                self.window.keep(seq, i, seq.block_table[i])
+            block = seq.block_table[i]
+            if not self.cache.register(block, h):  # named already by another block of the same tokens
+                block = self.cache.block_of.get(h)
+            if self.window is not None and block is not None:
+                self.window.keep(seq, i, block)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first, so that a prompt's tail is evicted before
@@ -240,8 +243,6 @@ class BlockManager:
                 self._acquire(b)
                 self.cache.pinned.add(b)
                 pinned += 1
-        if self.window is not None:
-            self.window.pin(seq.block_table[:len(seq.block_hashes)])
         return pinned
 
     def drop_cached(self) -> None:

@@ -85,7 +85,6 @@ class WindowPool:
         self.kept: dict[int, int] = {}  # named full block -> the window block of the same positions
         self.kept_for: dict[int, int] = {}  # ... and back
         self.parked: OrderedDict[int, None] = OrderedDict()  # kept blocks nobody references, oldest first
-        self.pinned: set[int] = set()  # kept blocks of a pinned system prompt, with a reference of their own
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,8 +150,11 @@ class WindowPool:
 
     # ---- the prefix cache's share --------------------------------------------------------------
     def keep(self, seq: Sequence, index: int, full_block: int) -> None:
-        """Block `index` of `seq` was named in the prefix cache as `full_block`: keep its window block
-        with it, if `seq` still holds one and it is not kept already."""
+        """Block `index` of `seq` is named in the prefix cache by `full_block` (its own, or another's of
+        the same tokens): keep the window block `seq` holds there with it, unless `seq` gave it back
+        or `full_block` has one kept already. (A pinned system prompt's window blocks are kept as any,
+        not pinned: the pool is sized for running sequences; evicted, they are kept again when a
+        request computes the same blocks.)"""
         block = seq.window_table[index] if index < len(seq.window_table) else self.released
         if block != self.released and block not in self.kept_for and full_block not in self.kept:
             self.kept[full_block], self.kept_for[block] = block, full_block
@@ -163,9 +165,6 @@ class WindowPool:
         if block is None:
             return
         del self.kept_for[block]
-        if block in self.pinned:
-            self.pinned.discard(block)
-            self.ref[block] -= 1
         if self.ref[block] == 0:  # parked: free now (a referenced one is freed when its last user lets go)
             self.parked.pop(block, None)
             self.free.append(block)
@@ -204,11 +203,3 @@ class WindowPool:
             if block in self.kept_for:
                 del self.kept[self.kept_for.pop(block)]
         return own
-
-    def pin(self, blocks: list[int]) -> None:
-        """Keep for good the kept window blocks a query after the pinned prefix `blocks` sees."""
-        for i in self._needed(len(blocks)):
-            block = self.kept.get(blocks[i])
-            if block is not None and block not in self.pinned:
-                self._acquire(block)
-                self.pinned.add(block)
