@@ -22,14 +22,16 @@ window block of the same positions, if the sequence still holds it, is kept with
 full block -> window block). Given back, a kept block is not freed but parked, least recently used
 first in line for eviction when the pool runs out of free blocks (its cost: the room of the pool,
 paid from the KV budget for `max_num_seqs` windows, that running sequences leave); when its full
-block is evicted, forgotten or freed, it goes too (`drop`). A prefix of n blocks found in the cache
-is usable only if every window block a query at position n * block_size may see is kept
-(`usable_prefix`), so a hit is cut back to the longest such prefix; a sequence adopting it takes
-references to those blocks (`adopt`) and given-back entries before them. Shared window blocks are
-full and never written again, as shared full blocks: a sequence writes only at positions past its
-prefix. Preemption frees both tables (kept blocks park) and the sequence comes back through the
-cache; chunked prefill needs nothing more since a chunk starts at `num_computed`, whose window is
-still held. (`--windowed-kv kept` keeps every block in the one pool instead, at a full layer's memory.)
+block is evicted, forgotten or freed, it goes too (`drop`). A sequence that computes a block another
+block already names keeps its window block with that one, so evicted window blocks come back. A
+prefix of n blocks found in the cache is usable only if every window block a query at position n *
+block_size may see is kept (`usable_prefix`), so a hit is cut back to the longest such prefix; a
+sequence adopting it takes references to those blocks (`adopt`) and given-back entries before them.
+Shared window blocks are full and never written again, as shared full blocks: a sequence writes only
+at positions past its prefix. Preemption frees both tables (kept blocks park) and the sequence comes
+back through the cache; chunked prefill needs nothing more since a chunk starts at `num_computed`,
+whose window is still held. (`--windowed-kv kept` keeps every block in the one pool instead, at a
+full layer's memory.)
 """
 
 from __future__ import annotations
