@@ -5,8 +5,9 @@ transformers' greedy tokens (Gemma 3's and gpt-oss's sliding windows, Llama 4's 
 chunks cut across the window; requests with different prefixes interleaved never hold each other's
 window blocks; window blocks evicted from a small pool cut a later hit back to where they are all
 kept, are kept again when a request computes the same blocks, and nothing leaks; preempted requests
-sharing a prefix come back from the cache; the benchmark computes the same tokens in each of its
-modes."""
+sharing a prefix come back from the cache; a pinned system prompt is found with its window blocks;
+two tensor-parallel ranks share a prefix the same way; the benchmark computes the same tokens in each
+of its modes."""
 
 from __future__ import annotations
 
@@ -153,3 +154,19 @@ def test_the_benchmark_serves_the_same_tokens_with_and_without_the_cache(capsys)
     modes = ("bounded_cached", "bounded_uncached", "kept_cached")
     assert [runs[k]["cached_prompt_tokens"] for k in modes] == [64, 0, 64]
     assert runs["bounded_cached"]["computed_prompt_tokens"] == 2 * 68 - 64
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_share_a_prefix_with_kept_window_blocks(tmp_path):
+    """tp=2: both ranks serve from the windowed pool, the second request's 24 shared tokens come from
+    the cache, and both decode transformers' tokens."""
+    from tessera.infer import LLM
+
+    hf = write_model(tmp_path, "gpt_oss", std=0.25)
+    first, second = SHARED + [60, 61, 62], SHARED + [1, 90, 4]
+    with LLM(tmp_path, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8) as two:
+        outs = [_serve(two.engine, [p], _check_pool)[0] for p in (first, second)]
+        assert two.engine.blocks.window is not None
+    assert [o.cached_tokens for o in outs] == [0, 24]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in (first, second)]
