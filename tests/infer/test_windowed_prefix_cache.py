@@ -6,15 +6,20 @@ chunks cut across the window; requests with different prefixes interleaved never
 window blocks; window blocks evicted from a small pool cut a later hit back to where they are all
 kept, are kept again when a request computes the same blocks, and nothing leaks; preempted requests
 sharing a prefix come back from the cache; a pinned system prompt is found with its window blocks;
+the server reports the hit in a completion's usage;
 two tensor-parallel ranks share a prefix the same way; the benchmark computes the same tokens in each
 of its modes."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from tessera.infer import EngineConfig, LLMEngine, SamplingParams
+from tessera.data.tokenizer import Tokenizer
+from tessera.infer import LLM, EngineConfig, LLMEngine, SamplingParams
 from tessera.infer.scheduling.prefix_cache import hash_chain
+from tests.hang_guard import HANG_S
+from tests.infer.running_server import RunningServer, prefix_hit_tokens
 from tests.infer.tiny_models import hf_greedy, write_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -156,13 +161,30 @@ def test_the_benchmark_serves_the_same_tokens_with_and_without_the_cache(capsys)
     assert runs["bounded_cached"]["computed_prompt_tokens"] == 2 * 68 - 64
 
 
+def test_the_server_reports_the_hit_in_usage(tmp_path):
+    """Over HTTP: the second completion sharing a prompt start five windows long reports the shared
+    full blocks as cached tokens in its usage (and in /metrics), and its text is transformers'."""
+    hf = write_model(tmp_path, "gemma3_text", std=0.25)
+    tok = Tokenizer.from_path(tmp_path)
+    start = "a shared start, five windows long: "
+    prompts = [start + "one", start + "and another"]
+    ids = [tok.encode(p) for p in prompts]
+    shared = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y) // 4 * 4
+    engine = LLMEngine.from_dir(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8))
+    with RunningServer(engine) as server:
+        bodies = [httpx.post(server.url + "/v1/completions", timeout=HANG_S,
+                             json={"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0,
+                                   "ignore_eos": True}).json() for p in prompts]
+        assert prefix_hit_tokens(server.url) == shared
+    assert shared >= 24 and [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies] == [0, shared]
+    assert [b["choices"][0]["text"] for b in bodies] == [tok.decode(hf_greedy(hf, i, 6)) for i in ids]
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_share_a_prefix_with_kept_window_blocks(tmp_path):
     """tp=2: both ranks serve from the windowed pool, the second request's 24 shared tokens come from
     the cache, and both decode transformers' tokens."""
-    from tessera.infer import LLM
-
     hf = write_model(tmp_path, "gpt_oss", std=0.25)
     first, second = SHARED + [60, 61, 62], SHARED + [1, 90, 4]
     with LLM(tmp_path, tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8) as two:
