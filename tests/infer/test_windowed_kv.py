@@ -56,7 +56,7 @@ def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_pat
     ring, which its window table repeats), while its full-attention table covers every position
     (10+ windows)."""
     hf = write_model(tmp_path, family, std=0.25)
-    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)  # the ring alone
     blocks = llm.engine.blocks
     pool = blocks.window
     assert pool is not None and pool.layers.layers == {0}
@@ -96,7 +96,7 @@ def test_a_window_of_whole_blocks_holds_exactly_its_blocks_batched(family, atten
     if attention == "torch":
         monkeypatch.setenv("TESSERA_CPU_ATTENTION", "torch")
     hf = write_model(tmp_path, family, std=0.25, sliding_window=8)
-    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk, enable_prefix_caching=False)
     pool = llm.engine.blocks.window
     assert pool.ring == 2 and pool.num_blocks == 2 * 2 and llm.engine.kv.window_ring == 8
     wrapped, most = [], []
@@ -118,7 +118,7 @@ def test_a_finished_requests_ring_serves_the_next(tmp_path):
     """Three requests of 12+ blocks each through two sequence slots and a windowed pool of 2 x 2
     blocks: the third takes the ring of one that finished, and all decode transformers' tokens."""
     hf = write_model(tmp_path, "gemma3_text", std=0.25)
-    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=False)
     pool = llm.engine.blocks.window
     holders = defaultdict(set)
 
@@ -141,7 +141,8 @@ def test_preempted_requests_decode_the_same(tmp_path):
     assert llm.engine.metrics.preemptions > 0
     assert outs == _expected(hf, llm, prompts, 24)
     blocks = llm.engine.blocks
-    assert len(blocks.free) == 24 and blocks.window.num_free_blocks == blocks.window.num_blocks
+    assert len(blocks.free) + len(blocks.cache.evictable) == 24  # with prefix caching: free or cached
+    assert blocks.window.num_free_blocks == blocks.window.num_blocks
 
 
 def test_speculative_drafts_over_a_windowed_pool(tmp_path):
@@ -165,9 +166,9 @@ def test_rejected_drafts_leave_the_ring_as_it_must_be(tmp_path):
     overwrote only keys no later query sees, and the tokens are transformers'."""
     hf = write_model(tmp_path / "target", "gemma3_text", std=0.25, sliding_window=8)
     write_model(tmp_path / "draft", "gemma3_text", std=0.15, sliding_window=8)  # the same draws, scaled
-    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6,
+    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6, enable_prefix_caching=False,
               speculative=SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(tmp_path / "draft")))
-    pool = llm.engine.blocks.window
+    pool = llm.engine.blocks.window  # the ring alone (prefix caching would take fresh blocks for kept ones)
     assert pool.ring == 3
     outs = _run(llm, PROMPTS[:2], 40, lambda e: [len(pool.held(s)) <= 3 or pytest.fail("ring grew")
                                                  for s in e.scheduler.running])
@@ -211,9 +212,11 @@ def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     pool, kv = engine.blocks.window, engine.kv
     for s in seqs:
         assert engine.blocks.ensure_slots(s, s.num_computed + 1)
-        table = s.window_table  # the ring's blocks again past its first turn
-        assert len(table) > pool.ring and table[pool.ring:] == table[:len(table) - pool.ring]
-    free = torch.tensor(list(pool.free))
+        table, ring = s.window_table, pool.ring  # past its first turn: the ring's blocks again, or a
+        assert len(table) > ring  # fresh one where the prefix cache keeps the block of the last turn
+        assert all(table[i] == table[i - ring] or table[i - ring] in (pool.released, *pool.kept_for)
+                   for i in range(ring, len(table)))
+    free = torch.tensor(list(pool.free) + list(pool.parked))  # parked: kept for the prefix cache, held by no table
     slots = (free[:, None] * 4 + torch.arange(4)).flatten()
     for layer in pool.layers.layers:
         kv.k[layer][slots] = float("nan")
