@@ -6,7 +6,9 @@ included, while the full layers keep all of theirs, and decodes the tokens trans
 window and two requests batched; a finished request's ring serves the next; rejected speculative
 drafts overwrite nothing a later query sees; preemption, speculative drafts, the static-shape decode
 step, perplexity and loglikelihood scoring give what the engine that keeps every block gives; a
-request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
+request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers. The tests of
+the ring's holding run without prefix caching (with it, kept blocks: test_windowed_prefix_cache.py);
+the others run with it, the default."""
 
 from __future__ import annotations
 

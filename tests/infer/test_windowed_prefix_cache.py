@@ -8,7 +8,7 @@ kept, are kept again when a request computes the same blocks, and nothing leaks;
 sharing a prefix come back from the cache; a pinned system prompt is found with its window blocks;
 the server reports the hit in a completion's usage;
 two tensor-parallel ranks share a prefix the same way; the benchmark computes the same tokens in each
-of its modes."""
+of its modes; the ring takes a fresh block rather than write over a kept one."""
 
 from __future__ import annotations
 
