@@ -200,6 +200,24 @@ def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
         LLM(tmp_path, block_size=4, kv_offload_gib=0.01)
 
 
+def test_scoring_pieces_longer_than_the_ring_reuse_it_with_prefix_caching_on(tmp_path):
+    """Scoring names no block, so even with prefix caching on its pieces (16 tokens, the ring 8 slots)
+    reuse the ring rather than take a block per block: a text of 64 tokens is scored through a
+    windowed pool of 7 blocks, as the engine keeping every block scores it, and gives them all back."""
+    write_model(tmp_path, "gemma3_text", std=0.25)
+    ids = list(range(3, 67))
+    got = {}
+    for mode in ("bounded", "kept"):
+        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=16, max_num_seqs=1, max_model_len=64,
+                  windowed_kv=mode)
+        got[mode] = paged_nll(llm.engine, ids, chunk=16)
+        pool = llm.engine.blocks.window
+        if pool is not None:
+            assert pool.caching and pool.num_blocks == 2 + 1 + 4
+            assert pool.num_free_blocks == pool.num_blocks
+    assert got["bounded"][1] == got["kept"][1] and got["bounded"][0] == pytest.approx(got["kept"][0], rel=1e-5)
+
+
 def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     """Mid-decode, past the rings' first turn: the decode step's padded block-table attention (the CUDA
     graph's, run eagerly here) and its ragged CPU rows equal the packed step, and NaN in every

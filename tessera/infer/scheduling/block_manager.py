@@ -189,17 +189,19 @@ class BlockManager:
         if self.cache is not None:
             self.cache.record_query(len(hashes) * self.block_size, found * self.block_size)
 
-    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot."""
+    def ensure_slots(self, seq: Sequence, num_tokens: int, named: bool = True) -> bool:
+        """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot.
+        `named`: whether its full blocks are to be named after the step (not for scoring, whose
+        windowed blocks the ring then reuses as they come: window_blocks.py)."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        window_need = self.window.need(seq, num_tokens) if self.window is not None else 0
+        window_need = self.window.need(seq, num_tokens, named) if self.window is not None else 0
         if need <= 0 and window_need <= 0:
             return True
         if need > self._full_free or (self.window is not None and window_need > self.window.num_free_blocks):
             return False
         seq.block_table.extend(self._take() for _ in range(need))
         if self.window is not None:
-            self.window.grow(seq, num_tokens)
+            self.window.grow(seq, num_tokens, named)
         return True
 
     def register_computed(self, seq: Sequence) -> None:

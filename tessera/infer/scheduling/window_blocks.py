@@ -120,10 +120,11 @@ class WindowPool:
         last = {b: i for i, b in enumerate(seq.window_table) if b != self.released}
         return sorted(last, key=last.__getitem__)
 
-    def _named(self, seq: Sequence, num_tokens: int) -> int:
+    def _named(self, seq: Sequence, num_tokens: int, named: bool) -> int:
         """How many of `seq`'s blocks the prefix cache will have named once `num_tokens` positions are
-        computed (each to be kept: the ring must not come round to them)."""
-        return min(num_tokens, len(seq.token_ids)) // self.block_size if self.caching else 0
+        computed (each to be kept: the ring must not come round to them); none where `named` is False
+        (scoring, whose pieces are never named)."""
+        return min(num_tokens, len(seq.token_ids)) // self.block_size if self.caching and named else 0
 
     def _reusable(self, table: list[int], index: int, named: int) -> bool:
         """Whether entry `index` (past the ring's first turn) may reuse the block of entry index - ring:
@@ -134,19 +135,19 @@ class WindowPool:
         block = table[source]
         return block != self.released and block not in self.kept_for and self.ref[block] == 1
 
-    def need(self, seq: Sequence, num_tokens: int) -> int:
-        """Fresh blocks `seq.window_table` must take to hold `num_tokens` positions."""
-        table, n, named = seq.window_table, -(-num_tokens // self.block_size), self._named(seq, num_tokens)
+    def need(self, seq: Sequence, num_tokens: int, named: bool = True) -> int:
+        """Fresh blocks `seq.window_table` must take to hold `num_tokens` positions (`named`: `grow`'s)."""
+        table, n, named = seq.window_table, -(-num_tokens // self.block_size), self._named(seq, num_tokens, named)
         return sum(1 for i in range(len(table), n)
                    if i - self.ring < len(table) and not self._reusable(table, i, named)
                    or len(table) <= i - self.ring < named)
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: Sequence, num_tokens: int, named: bool = True) -> None:
         """Extend `seq.window_table` to `num_tokens` positions (the caller checked `need`): new blocks
         until the ring is full, then the ring's blocks again in turn, a fresh one in place of a block
         that is (or is about to be) kept or that another sequence shares (taking free blocks first,
-        then the least recently used parked one)."""
-        table, named = seq.window_table, self._named(seq, num_tokens)
+        then the least recently used parked one). `named`: whether the step names its full blocks."""
+        table, named = seq.window_table, self._named(seq, num_tokens, named)
         for i in range(len(table), -(-num_tokens // self.block_size)):
             table.append(table[i - self.ring] if self._reusable(table, i, named) else self._take())
 
