@@ -9,19 +9,20 @@ layers keep the one block pool and table of the engine. A sequence holds two tab
 length, one entry per block of its positions: `block_table` in the full pool and `window_table`
 in this one.
 
-The ring: a sequence takes at most `ring` blocks of this pool (`WindowedLayers.blocks_per_seq`: the
-widest window, plus the speculative slots, rounded up to whole blocks; R = ring * block_size slots),
-and its `window_table` repeats them: entry i is entry i - ring once the ring is full, so position t
-lands in slot t mod R and every attention path keeps reading position t at entry t // block_size.
-A query at position p sees at most the window's keys p - w + 1..p, which hold distinct slots since
-R >= w, so a decode step (one key written, over position p - R, which no query sees any more) and a
-speculative step of k + 1 keys (R >= w + k) read their whole window from the ring, and rejected
-drafts overwrite nothing a later query needs. A longer step (a prompt chunk past the ring's first
-turn) would overwrite keys its own first queries still need: the runner attends such a chunk's
-own keys from its K/V tensors and only the older ones from the ring, then writes the chunk's last
-R keys (runner/window_ring.py). The table's entries before the window point at slots that later
-positions reuse; no path reads them, since each starts at the window's first key (the packed mask,
-the ragged rows' first key, the CPU kernel's first key).
+The ring: a sequence takes `ring` blocks of this pool (`WindowedLayers.blocks_per_seq`: the widest
+window, plus the speculative slots, rounded up to whole blocks; R = ring * block_size slots; a few
+more under prefix caching, below), and its `window_table` repeats them: entry i is entry i - ring
+once the ring is full, so position t lands in slot t mod R and every attention path keeps reading
+position t at entry t // block_size. A query at position p sees at most the window's keys p - w +
+1..p, which hold distinct slots since R >= w, so a decode step (one key written, over position p -
+R, which no query sees any more) and a speculative step of k + 1 keys (R >= w + k) read their whole
+window from the ring, and rejected drafts overwrite nothing a later query needs. A longer step (a
+prompt chunk past the ring's first turn) would overwrite keys its own first queries still need: the
+runner attends such a chunk's own keys from its K/V tensors and only the older ones from the ring,
+then writes the chunk's last R keys (runner/window_ring.py; all of them where it took fresh blocks,
+below). The table's entries before the window point at slots that later positions reuse; no path
+reads them, since each starts at the window's first key (the packed mask, the ragged rows' first
+key, the CPU kernel's first key).
 
 Prefix caching: when the block manager names a full block of a sequence in the prefix cache, the
 window block of the same positions is kept with it (`kept`: named full block -> window block) if it
