@@ -96,7 +96,7 @@ def _admit(engine: LLMEngine, requests: list[ScoreRequest], waiting: list[int], 
         upfront = len(requests[i].tokens) - 1
         if engine.blocks.window is not None:  # piece by piece (`_score_round`)
             upfront = min(upfront, engine.config.max_num_batched_tokens)
-        if not engine.blocks.ensure_slots(seq, upfront):
+        if not engine.blocks.ensure_slots(seq, upfront, named=False):
             if not running:
                 raise RuntimeError(f"the KV cache ({engine.blocks.num_free_blocks} free blocks) cannot hold one "
                                    f"request of {len(requests[i].tokens)} tokens; raise kv_cache_gib")
@@ -115,7 +115,7 @@ def _score_round(engine: LLMEngine, running: list[_Running], budget: int) -> Non
         end = min(stop, r.position + left)
         tokens = r.request.tokens
         targets = tokens[r.position + 1:end + 1] if r.position >= r.first_target_row else []
-        if not engine.blocks.ensure_slots(r.seq, end):  # only a windowed pool's requests grow here
+        if not engine.blocks.ensure_slots(r.seq, end, named=False):  # only a windowed pool's requests grow here
             raise RuntimeError(f"the KV cache's windowed pool cannot hold a piece of {end - r.position} tokens")
         chunks.append(ScoringChunk(tokens[r.position:end], r.position, r.seq.block_table, targets,
                                    r.seq.window_table or None))

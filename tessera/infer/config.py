@@ -104,12 +104,12 @@ class EngineConfig:
     state_snapshot_tokens: int | None = field(default=None, metadata=flag(
         "tokens between a hybrid model's recurrent-state snapshots for prefix caching, a multiple of "
         "--block-size (None: the linear-attention or Mamba-2 chunk size rounded up to whole blocks)", type=int))
-    # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own and frees what
-    # no later query sees (no prefix reuse then); "kept" keeps every layer's blocks in one pool
+    # scheduling/window_blocks.py: "bounded" gives the windowed layers a pool of their own, a ring per sequence
+    # (a prefix's window blocks kept with it for prefix reuse); "kept" keeps every layer's blocks in one pool
     windowed_kv: str = field(default="bounded", metadata=flag(
         "KV blocks of sliding-window and chunked layers: bounded (a pool of their own, a ring of the "
-        "window's slots per sequence; no prefix caching for such models) or kept (every block kept, prefix caching as "
-        "for any model)", choices=("bounded", "kept")))
+        "window's slots per sequence, the blocks a cached prefix's end sees kept while room lasts) or kept "
+        "(every block kept, prefix caching as for any model)", choices=("bounded", "kept")))
     scheduling_policy: str = field(default="fcfs", metadata=flag(  # the scheduler's waiting queue
         "order waiting requests are admitted in: arrival order (fcfs); or arrival order, and those arriving "
         "between the same two steps shortest prompt first (shortest_first)", choices=SCHEDULING_POLICIES))

@@ -6,7 +6,9 @@ included, while the full layers keep all of theirs, and decodes the tokens trans
 window and two requests batched; a finished request's ring serves the next; rejected speculative
 drafts overwrite nothing a later query sees; preemption, speculative drafts, the static-shape decode
 step, perplexity and loglikelihood scoring give what the engine that keeps every block gives; a
-request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers."""
+request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers. The tests of
+the ring's holding run without prefix caching (with it, kept blocks: test_windowed_prefix_cache.py);
+the others run with it, the default."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def test_a_sequence_many_windows_long_holds_one_window_of_blocks(family, tmp_pat
     ring, which its window table repeats), while its full-attention table covers every position
     (10+ windows)."""
     hf = write_model(tmp_path, family, std=0.25)
-    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)  # the ring alone
     blocks = llm.engine.blocks
     pool = blocks.window
     assert pool is not None and pool.layers.layers == {0}
@@ -96,7 +98,7 @@ def test_a_window_of_whole_blocks_holds_exactly_its_blocks_batched(family, atten
     if attention == "torch":
         monkeypatch.setenv("TESSERA_CPU_ATTENTION", "torch")
     hf = write_model(tmp_path, family, std=0.25, sliding_window=8)
-    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=chunk, enable_prefix_caching=False)
     pool = llm.engine.blocks.window
     assert pool.ring == 2 and pool.num_blocks == 2 * 2 and llm.engine.kv.window_ring == 8
     wrapped, most = [], []
@@ -118,7 +120,7 @@ def test_a_finished_requests_ring_serves_the_next(tmp_path):
     """Three requests of 12+ blocks each through two sequence slots and a windowed pool of 2 x 2
     blocks: the third takes the ring of one that finished, and all decode transformers' tokens."""
     hf = write_model(tmp_path, "gemma3_text", std=0.25)
-    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=False)
     pool = llm.engine.blocks.window
     holders = defaultdict(set)
 
@@ -141,7 +143,8 @@ def test_preempted_requests_decode_the_same(tmp_path):
     assert llm.engine.metrics.preemptions > 0
     assert outs == _expected(hf, llm, prompts, 24)
     blocks = llm.engine.blocks
-    assert len(blocks.free) == 24 and blocks.window.num_free_blocks == blocks.window.num_blocks
+    assert len(blocks.free) + len(blocks.cache.evictable) == 24  # with prefix caching: free or cached
+    assert blocks.window.num_free_blocks == blocks.window.num_blocks
 
 
 def test_speculative_drafts_over_a_windowed_pool(tmp_path):
@@ -165,9 +168,9 @@ def test_rejected_drafts_leave_the_ring_as_it_must_be(tmp_path):
     overwrote only keys no later query sees, and the tokens are transformers'."""
     hf = write_model(tmp_path / "target", "gemma3_text", std=0.25, sliding_window=8)
     write_model(tmp_path / "draft", "gemma3_text", std=0.15, sliding_window=8)  # the same draws, scaled
-    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6,
+    llm = LLM(tmp_path / "target", block_size=4, max_num_batched_tokens=6, enable_prefix_caching=False,
               speculative=SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(tmp_path / "draft")))
-    pool = llm.engine.blocks.window
+    pool = llm.engine.blocks.window  # the ring alone (prefix caching would take fresh blocks for kept ones)
     assert pool.ring == 3
     outs = _run(llm, PROMPTS[:2], 40, lambda e: [len(pool.held(s)) <= 3 or pytest.fail("ring grew")
                                                  for s in e.scheduler.running])
@@ -197,6 +200,24 @@ def test_scoring_over_a_windowed_pool_equals_keeping_every_block(tmp_path):
         LLM(tmp_path, block_size=4, kv_offload_gib=0.01)
 
 
+def test_scoring_pieces_longer_than_the_ring_reuse_it_with_prefix_caching_on(tmp_path):
+    """Scoring names no block, so even with prefix caching on its pieces (16 tokens, the ring 8 slots)
+    reuse the ring rather than take a block per block: a text of 64 tokens is scored through a
+    windowed pool of 7 blocks, as the engine keeping every block scores it, and gives them all back."""
+    write_model(tmp_path, "gemma3_text", std=0.25)
+    ids = list(range(3, 67))
+    got = {}
+    for mode in ("bounded", "kept"):
+        llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=16, max_num_seqs=1, max_model_len=64,
+                  windowed_kv=mode)
+        got[mode] = paged_nll(llm.engine, ids, chunk=16)
+        pool = llm.engine.blocks.window
+        if pool is not None:
+            assert pool.caching and pool.num_blocks == 2 + 1 + 4
+            assert pool.num_free_blocks == pool.num_blocks
+    assert got["bounded"][1] == got["kept"][1] and got["bounded"][0] == pytest.approx(got["kept"][0], rel=1e-5)
+
+
 def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     """Mid-decode, past the rings' first turn: the decode step's padded block-table attention (the CUDA
     graph's, run eagerly here) and its ragged CPU rows equal the packed step, and NaN in every
@@ -211,9 +232,11 @@ def test_the_static_decode_step_reads_the_window_tables(tmp_path):
     pool, kv = engine.blocks.window, engine.kv
     for s in seqs:
         assert engine.blocks.ensure_slots(s, s.num_computed + 1)
-        table = s.window_table  # the ring's blocks again past its first turn
-        assert len(table) > pool.ring and table[pool.ring:] == table[:len(table) - pool.ring]
-    free = torch.tensor(list(pool.free))
+        table, ring = s.window_table, pool.ring  # past its first turn: the ring's blocks again, or a
+        assert len(table) > ring  # fresh one where the prefix cache keeps the block of the last turn
+        assert all(table[i] == table[i - ring] or table[i - ring] in (pool.released, *pool.kept_for)
+                   for i in range(ring, len(table)))
+    free = torch.tensor(list(pool.free) + list(pool.parked))  # parked: kept for the prefix cache, held by no table
     slots = (free[:, None] * 4 + torch.arange(4)).flatten()
     for layer in pool.layers.layers:
         kv.k[layer][slots] = float("nan")

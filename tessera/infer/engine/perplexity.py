@@ -37,7 +37,7 @@ def paged_nll(engine: LLMEngine, token_ids: list[int], chunk: int = 32) -> tuple
         try:
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
-                if not engine.blocks.ensure_slots(seq, len(ids) if pool is None else start + len(piece)):
+                if not engine.blocks.ensure_slots(seq, len(ids) if pool is None else start + len(piece), named=False):
                     raise RuntimeError("KV cache too small for one window of max_model_len tokens")
                 engine.flush_kv_transfers()  # blocks it evicted reach their tier before the scoring overwrites them
                 targets = ids[start + 1:start + 1 + len(piece)]

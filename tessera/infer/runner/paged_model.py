@@ -239,8 +239,12 @@ def windowed_layers(cfg, config: EngineConfig, max_model_len: int) -> WindowedLa
 
 def window_pool_blocks(windowed: WindowedLayers, config: EngineConfig) -> int:
     """Blocks of the windowed pool: a ring for each of max_num_seqs sequences (no sequence holds
-    more, prompt chunks included: scheduling/window_blocks.py)."""
-    return config.max_num_seqs * windowed.blocks_per_seq(config.block_size, config.lookahead)
+    more, prompt chunks included: scheduling/window_blocks.py); with prefix caching, room for the
+    kept blocks a sequence still sees after its ring turned away from them (one per sequence, and a
+    step's prompt chunks after adopted prefixes), the rest of it the kept blocks' cache."""
+    bs, seqs = config.block_size, config.max_num_seqs
+    rings = seqs * windowed.blocks_per_seq(bs, config.lookahead)
+    return rings + seqs + -(-config.max_num_batched_tokens // bs) if config.enable_prefix_caching else rings
 
 
 def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:

@@ -10,7 +10,8 @@ any row does (the C++ kernel, the padded groups, the static-shape decode step). 
 chunk past the ring's first turn: it "wraps") the row attends here, one sequence at a time: the
 older keys it sees are read from the ring before anything is written, its own keys come from the
 step's K/V tensors, a bias over absolute positions keeps causality and the window, and only then
-are the chunk's last min(C, R) keys written to their slots.
+are the chunk's keys written that no later key of it writes over: its last min(C, R), or more where
+the table took fresh blocks in place of the ring's (blocks the prefix cache is to keep).
 
 Which rows wrap depends on the layer's window, so the split is made once per window of the step,
 at the first layer that has it. Shapes: T packed tokens, H query heads, G stored heads, D head dim,
@@ -40,8 +41,8 @@ class _WrappingRow:
     old_at: int  # the first older key's offset in those blocks' slots
     n_old: int  # how many older keys it sees
     bias: torch.Tensor  # [1, 1, C, L] additive
-    keep: int  # the first of its own keys (counted from the row's start) that is written
-    slots: torch.Tensor  # [C - keep] the slots those keys are written to
+    own: torch.Tensor  # [n] which of its own keys are written: those no later key of the row writes over
+    slots: torch.Tensor  # [n] the slots those keys are written to
 
 
 @dataclass
@@ -85,7 +86,7 @@ class WindowRingBatch:
         return self.splits[window]
 
     def _wrapping_row(self, s, offset: int, window: Window) -> _WrappingRow:
-        bs, ring, table = self.kv.block_size, self.kv.window_ring, s.window_table
+        bs, table = self.kv.block_size, s.window_table
         lo, end = first_visible(s.start, window), s.start + s.length
         old = None
         if lo < s.start:
@@ -94,10 +95,12 @@ class WindowRingBatch:
         k_pos = torch.arange(lo, end)[None, :]
         allowed = (q_pos >= k_pos) & window_allows(q_pos, k_pos, window)
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[None, None]
-        keep = max(0, s.length - ring)
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s.start + keep, end)], dtype=torch.long)
-        return _WrappingRow((offset, offset + s.length), old, lo % bs, s.start - lo, bias.to(self.device), keep,
-                            slots.to(self.device))
+        slot_of = [table[p // bs] * bs + p % bs for p in range(s.start, end)]
+        last = {slot: j for j, slot in enumerate(slot_of)}  # in a ring of its own: the last min(C, R) keys
+        own = sorted(last.values())
+        return _WrappingRow((offset, offset + s.length), old, lo % bs, s.start - lo, bias.to(self.device),
+                            torch.tensor(own, dtype=torch.long, device=self.device),
+                            torch.tensor([slot_of[j] for j in own], dtype=torch.long, device=self.device))
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,5 +132,5 @@ class WindowRingBatch:
         else:
             o = F.scaled_dot_product_attention(q_1HCD, k_1GLD, v_1GLD, attn_mask=bias, scale=scale,
                                                enable_gqa=q_1HCD.shape[1] != k.shape[1])
-        self.kv.write(layer_id, w.slots, k_CGD[w.keep:], v_CGD[w.keep:])
+        self.kv.write(layer_id, w.slots, k_CGD[w.own], v_CGD[w.own])
         return o

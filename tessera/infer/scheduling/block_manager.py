@@ -13,7 +13,10 @@ chain ends (`find_below`); blocks found there get fresh device blocks filled bef
 
 With a `WindowPool` (window_blocks.py) the windowed layers' blocks come from a second pool: every
 allocation takes from both, a sequence's window blocks being a ring that stops growing at its
-window's blocks. Such a manager has no prefix cache.
+window's blocks. A named block keeps the window block of its positions with it (until either is
+evicted; the ring takes a fresh block rather than write over a kept one), after each step the kept
+blocks no later query of a sequence sees are given back (`register_computed`), and a prefix found is
+cut back to the longest one whose window blocks a query after it sees are all kept.
 
 A hybrid model's recurrent-state snapshots (state_snapshots.py) are kept beside named blocks: a block's
 snapshot is dropped when the block is evicted, forgotten or freed unnamed, and a prefix found is cut
@@ -22,7 +25,6 @@ back to the last block that has one.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 from tessera.infer.config import EngineConfig
@@ -32,15 +34,13 @@ from tessera.infer.scheduling.prefix_cache import PrefixCache, block_hash, hash_
 from tessera.infer.scheduling.state_snapshots import StateSnapshots
 from tessera.infer.scheduling.window_blocks import WindowPool
 
-log = logging.getLogger("tessera.infer")
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tiers: KVTierPlanner | None = None, window: WindowPool | None = None,
                  snapshots: StateSnapshots | None = None):
-        if window is not None and (enable_prefix_caching or tiers is not None):
-            raise ValueError("a windowed block pool goes without prefix caching (its blocks are reused in turn)")
+        if window is not None and tiers is not None:
+            raise ValueError("a windowed block pool goes without KV tiers (its slots are reused in turn)")
         self.window = window
         self.num_blocks = num_blocks
         self.tiers = tiers if enable_prefix_caching else None
@@ -48,6 +48,8 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.cache = PrefixCache() if enable_prefix_caching else None
+        if window is not None:
+            window.caching = self.cache is not None
         # a hybrid model's recurrent-state snapshots, which live and die with their blocks
         self.snapshots = snapshots if enable_prefix_caching else None
 
@@ -59,8 +61,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks an allocation can get now: free ones and unreferenced cached ones (in each pool:
         the fewer of the two)."""
-        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
-        return free if self.window is None else min(free, self.window.num_free_blocks)
+        return self._full_free if self.window is None else min(self._full_free, self.window.num_free_blocks)
+
+    @property
+    def _full_free(self) -> int:
+        return len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -110,9 +115,12 @@ class BlockManager:
                 self.free.append(block)
 
     def _lose(self, block: int) -> None:
-        """`block`'s contents are gone or will be overwritten: its state snapshot goes with them."""
+        """`block`'s contents are gone or will be overwritten: its state snapshot and its kept window
+        block go with them."""
         if self.snapshots is not None:
             self.snapshots.drop(block)
+        if self.window is not None:
+            self.window.drop(block)
 
     def forget(self, block: int) -> None:
         """Drop `block`'s prefix-cache name (and its state snapshot): its contents are bad."""
@@ -127,10 +135,21 @@ class BlockManager:
             return [], []
         limit = (len(seq.token_ids) - 1) // self.block_size
         hashes = hash_chain(seq.cache_token_ids, self.block_size, seq.adapter_key, limit=limit)
-        blocks = self.cache.lookup(hashes)
-        if self.snapshots is not None:  # a hybrid sequence starts from a state snapshot at the prefix's end
-            blocks = self.snapshots.usable_prefix(blocks)
-        return blocks, hashes
+        return self._usable_prefix(self.cache.lookup(hashes)), hashes
+
+    def _usable_prefix(self, blocks: list[int]) -> list[int]:
+        """`blocks` cut back to the longest start that ends in a state snapshot (a hybrid sequence
+        starts from one) and whose window blocks a query after it sees are all kept: each cut only
+        shortens, so the cuts repeat until neither moves."""
+        while True:
+            cut = blocks
+            if self.snapshots is not None:
+                cut = self.snapshots.usable_prefix(cut)
+            if self.window is not None:
+                cut = self.window.usable_prefix(cut)
+            if len(cut) == len(blocks):
+                return cut
+            blocks = cut
 
     def find_below(self, hashes: list[bytes], num_device: int) -> list:
         """Hits below the device (`KVTierPlanner.find`) for the blocks after the `num_device` found
@@ -142,11 +161,12 @@ class BlockManager:
     def can_allocate(self, num_blocks: int, reusing: list[int] = ()) -> bool:
         """Whether `num_blocks` new blocks fit while the cached blocks `reusing` get referenced (in a
         windowed pool: at most a ring's of them)."""
-        if self.window is not None and min(num_blocks, self.window.ring) > self.window.num_free_blocks:
-            return False
         parked = sum(1 for b in reusing if self.ref[b] == 0) if self.cache is not None else 0
-        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
-        return num_blocks <= free - parked
+        if self.window is not None:  # a new sequence takes at most a ring's fresh blocks, or one per block kept
+            fresh = num_blocks if self.cache is not None else min(num_blocks, self.window.ring)
+            if fresh > self.window.num_free_blocks - self.window.parked_in(list(reusing)):
+                return False
+        return num_blocks <= self._full_free - parked
 
     def adopt_prefix(self, seq: Sequence, blocks: list[int], hashes: list[bytes], below: list = ()) -> None:
         """Give `seq` the cached prefix `blocks`, then fresh blocks for the hits `below` the device
@@ -154,6 +174,8 @@ class BlockManager:
         for b in blocks:
             self._acquire(b)
         seq.block_table = list(blocks)
+        if self.window is not None:
+            self.window.adopt(seq, seq.block_table)
         for hit, h in zip(below, hashes[len(blocks):]):
             block = self._take()
             self.tiers.bring_back(hit, block)
@@ -167,31 +189,42 @@ class BlockManager:
         if self.cache is not None:
             self.cache.record_query(len(hashes) * self.block_size, found * self.block_size)
 
-    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot."""
+    def ensure_slots(self, seq: Sequence, num_tokens: int, named: bool = True) -> bool:
+        """Grow `seq.block_table` to hold `num_tokens` tokens; False (and nothing taken) if it cannot.
+        `named`: whether its full blocks are to be named after the step (not for scoring, whose
+        windowed blocks the ring then reuses as they come: window_blocks.py)."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        window_need = self.window.need(seq, num_tokens) if self.window is not None else 0
+        window_need = self.window.need(seq, num_tokens, named) if self.window is not None else 0
         if need <= 0 and window_need <= 0:
             return True
-        free = len(self.free) + (len(self.cache.evictable) if self.cache is not None else 0)
-        if need > free or (self.window is not None and window_need > self.window.num_free_blocks):
+        if need > self._full_free or (self.window is not None and window_need > self.window.num_free_blocks):
             return False
         seq.block_table.extend(self._take() for _ in range(need))
         if self.window is not None:
-            self.window.grow(seq, num_tokens)
+            self.window.grow(seq, num_tokens, named)
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Name every full block of `seq` whose tokens are all computed and final."""
-        if self.cache is None:
-            return
+        """Name every full block of `seq` whose tokens are all computed and final (with a windowed
+        pool, keeping the window block of each with it); then give back the kept window blocks its
+        ring turned away from that no later query of `seq` sees (parked, until evicted)."""
+        if self.cache is not None:
+            self._name_computed(seq)
+        if self.window is not None:
+            self.window.release_unseen(seq)
+
+    def _name_computed(self, seq: Sequence) -> None:
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
         bs, ids = self.block_size, seq.cache_token_ids
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else b""
             h = block_hash(parent, ids[i * bs:(i + 1) * bs], seq.adapter_key)
             seq.block_hashes.append(h)
-            self.cache.register(seq.block_table[i], h)
+            block = seq.block_table[i]
+            if not self.cache.register(block, h):  # named already by another block of the same tokens
+                block = self.cache.block_of.get(h)
+            if self.window is not None and block is not None:
+                self.window.keep(seq, i, block)
 
     def free_sequence(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first, so that a prompt's tail is evicted before
@@ -232,14 +265,11 @@ class BlockManager:
 
 def engine_blocks(geometry, config: EngineConfig, tiers: KVTierPlanner | None, prefix: bool,
                   snapshots: StateSnapshots | None = None) -> BlockManager:
-    """The engine's block manager over `geometry` (runner/paged_model.py's `CacheGeometry`). With a
-    windowed pool (`geometry.windowed`; KV tiers and disaggregation were refused with it) it has no
-    prefix cache; `prefix` is whether the model allows one at all (a hybrid's: with `snapshots` of
-    its recurrent state)."""
-    if geometry.windowed is None:
-        return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers, snapshots=snapshots)
-    if prefix:
-        log.info("prefix caching is off: the sliding-window and chunked layers' blocks are reused as "
-                 "sequences advance (--windowed-kv kept keeps them, with prefix caching)")
-    window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed, config.lookahead)
-    return BlockManager(geometry.num_blocks, config.block_size, False, None, window)
+    """The engine's block manager over `geometry` (runner/paged_model.py's `CacheGeometry`), with a
+    windowed pool where `geometry.windowed` asks for one (KV tiers and disaggregation were refused
+    with it); `prefix` is whether the model allows prefix caching at all (a hybrid's: with `snapshots`
+    of its recurrent state)."""
+    window = None
+    if geometry.windowed is not None:
+        window = WindowPool(geometry.num_window_blocks, config.block_size, geometry.windowed, config.lookahead)
+    return BlockManager(geometry.num_blocks, config.block_size, prefix, tiers, window, snapshots)

@@ -22,9 +22,11 @@ and the tokens it has produced so far (recompute preemption, as in vLLM).
 
 After the step (`update_from_output`) each sequence that sampled advances its grammar, appends its
 tokens until a stop rule fires (`output_processor.py`) and finishes or goes on; the full blocks
-it computed are named in the prefix cache (with a windowed pool, the windowed layers' blocks no later
-query sees are given back instead: window_blocks.py). A request whose tokens came with an error (inf/NaN
-logits), or whose grammar refuses them, fails alone: the rest of the batch carries on.
+it computed are named in the prefix cache (with a windowed pool, with their window blocks, and the
+kept blocks a sequence's ring turned away from are given back once no later query sees them:
+window_blocks.py). A request whose tokens
+came with an error (inf/NaN logits), or whose grammar refuses them, fails alone: the rest of the batch
+carries on.
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ class Scheduler:
         own = [b for b in seq.block_table if self.blocks.ref[b] == 1]
         self._dirty_blocks.extend(own)
         if self.blocks.window is not None:  # a windowed pool's block travels as -1 - b (PagedKVCache.clear_blocks)
-            self._dirty_blocks.extend(-1 - b for b in self.blocks.window.held(seq))
+            self._dirty_blocks.extend(-1 - b for b in self.blocks.window.spoiled(seq))
         if self.blocks.cache is not None:
             for b in own:
                 self.blocks.forget(b)
