@@ -16,6 +16,9 @@ and the rank's part of the blocks is put back as a `GgufLinear` of that part (`p
   bias, like a Linear's, is added on rank 0 only;
 - replicated: the whole.
 
+A kept token embedding (`GgufEmbedding`) is dequantized here: every rank looks it up whole, as it does a
+float embedding (a tied head stays the embedding's blocks, cut as a column-parallel layer).
+
 Each rank's `GgufLinear` then multiplies by its own blocks (the CPU block kernel too, installed on the
 shard by the caller). A model with other kept blocks (gpt-oss's MXFP4 experts) is refused: expert
 tensor parallelism cuts the experts' float tensors."""
@@ -28,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessera.config.errors import ConfigError
 from tessera.models.gguf_blocks import BLOCKS
-from tessera.models.gguf_linear import GgufLinear
+from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.int8 import replace_module
 from tessera.models.transformer import Transformer
 
@@ -41,6 +44,8 @@ def stand_in(model: Transformer) -> dict[str, GgufLinear]:
             kept[name] = module
             replace_module(model, name, nn.Linear(module.in_features, module.out_features,
                                                   bias=module.bias is not None, device="meta"))
+        elif isinstance(module, GgufEmbedding):  # looked up whole on every rank: its rows dequantized once
+            replace_module(model, name, nn.Embedding.from_pretrained(module.weight, freeze=False))
         elif getattr(module, "quantized", False):
             raise ConfigError(f"tensor_parallel_size > 1 cannot cut {name} ({type(module).__name__}, kept in the "
                               "file's blocks): serve this GGUF file with --gguf-dequantize, or on one rank")
