@@ -34,7 +34,9 @@ with its prefix cache on: each prompt's first request is prefilled a step before
 group, which then find its whole blocks cached), steps it until every request has finished, and puts it to sleep
 (`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
 phase decodes with new weights), so the training step's activations have the memory to themselves.
-Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
+In an fp32 run the engine attends in float64 as the trainer does (`train.grpo.fp64_attention`,
+EngineConfig.fp64_attention), so that its log-probabilities agree with the trainer's whatever order
+each sums in. Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
 raw distribution), which the step compares with the trainer's. The completion's text (special tokens
 skipped) is scored by the reward with the record's fields.
 """
@@ -52,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
+from tessera.config.training.grpo import wide_attention
 from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.rewards import RewardFn, load_reward, score
 from tessera.infer.config import EngineConfig
@@ -130,7 +133,8 @@ class EngineRollouts:
         return EngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(self.device),
                             max_model_len=min(self.cfg.train.seq_len + 1, self.cfg.model.max_seq_len),
                             max_num_seqs=max(sequences, 1), enforce_eager=True, cpu_prepack=False,
-                            seed=self.cfg.train.seed, tensor_parallel_size=tp)
+                            seed=self.cfg.train.seed, tensor_parallel_size=tp,
+                            fp64_attention=wide_attention(self.cfg))
 
     def engine(self, sequences: int) -> LLMEngine:
         """The engine around the bound model for a phase of `sequences` requests (on the tp group's

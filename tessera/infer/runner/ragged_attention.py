@@ -15,6 +15,8 @@ cache (`PagedKVCache.gather_flat`), back to back; each row then runs SDPA over i
 starting at the first key its window lets any of its queries see. A one-token query needs no mask;
 a longer one (speculative tokens to verify, a short prompt chunk) gets a causal bias over its slice,
 built on the host once per row and window.
+With `PagedKVCache.attention_dtype` set (float64: EngineConfig.fp64_attention) every row takes the
+PyTorch ops, in that dtype, and its output is rounded back to the queries' dtype.
 Everything is computed from host lists when the step is built: no op reads device data back.
 Shapes: T packed query tokens, H query heads, G stored heads, D head dim, S a row's queries,
 L a row's context (the positions before its queries plus the queries).
@@ -89,22 +91,24 @@ class RaggedContexts:
         sliding windows, not chunks, and takes no attention sinks (gpt-oss): a chunked layer, or one
         with sinks, attends here in Python."""
         chunked = isinstance(window, ChunkedWindow)
-        if (sinks is None and not chunked and q_THD.stride(-1) == 1
+        wide = kv.attention_dtype if sinks is None else None  # float64 sums (EngineConfig.fp64_attention)
+        if (wide is None and sinks is None and not chunked and q_THD.stride(-1) == 1
                 and cpu_attention.usable(kv.k[layer_id], q_THD)):
             scales = (kv.k_scale[layer_id], kv.v_scale[layer_id]) if kv.int8 else (None, None)
             cpu_attention.kernel()(q_THD, out_THD, kv.k[layer_id], kv.v[layer_id], self.rows_R4, self.block_index,
                                    self.block_size, scale, window or 0, *scales)
             return
-        k_flat, v_flat = kv.gather_flat(layer_id, self.block_index, q_THD.dtype)  # [slots, G, D]
+        dtype = wide or q_THD.dtype
+        k_flat, v_flat = kv.gather_flat(layer_id, self.block_index, dtype)  # [slots, G, D]
         gqa = q_THD.shape[1] != k_flat.shape[1]
         for r in self.rows:
             lo = r.first_key(window)
             k = k_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
             v = v_flat[r.key_at + lo:r.key_at + r.L].transpose(0, 1)[None]
-            q = q_THD[r.q_row:r.q_row + r.S].transpose(0, 1)[None]
+            q = q_THD[r.q_row:r.q_row + r.S].transpose(0, 1)[None].to(dtype)
             if sinks is not None:
                 o = sink_attention(q, k, v, scale, sinks, r.bias(window, q.dtype))
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=r.bias(window, q.dtype), scale=scale,
                                                    enable_gqa=gqa)
-            out_THD[r.q_row:r.q_row + r.S] = o[0].transpose(0, 1)
+            out_THD[r.q_row:r.q_row + r.S] = o[0].transpose(0, 1)  # rounded back to the queries' dtype
