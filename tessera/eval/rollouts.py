@@ -175,27 +175,27 @@ class EngineRollouts:
     def _group_rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """The tp group's rollouts of all of `prompts`: rank 0 drives an engine over its shard for the
         phase (closing it releases the peers), the peers serve its steps, and its rollouts reach them
-        by broadcast. The engine is built for each phase: its KV cache lives only during it."""
+        by broadcast. The engine is built for each phase: its KV cache lives only during it. Whether
+        every rank built its part is agreed before the first step, so a failure building on any rank
+        reaches the others at once with its reason."""
         group, start = self.tp_group, time.perf_counter()
         self.sync()
         got: list[Any] = [None]
         self.model.eval()
         if dist.get_rank(group) == 0:
-            engine, doing = None, "to build its engine"
+            # a failure building on any rank of the group raises on all of them here (tp_shared.agreed_build)
+            engine = self.engine(len(prompts) * self.g.group_size)
             try:
-                engine = self.engine(len(prompts) * self.g.group_size)  # failing, it has released the peers
-                doing = "its rollouts"
                 outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
                                     seeds)
                 got[0] = self._scored(outputs, records, time.perf_counter() - start)
             except Exception as e:  # the peers hear of it instead of waiting for rollouts
-                got[0] = f"the tp group's rank 0 failed {doing}: {e}"
+                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
                 raise
             finally:
-                if engine is not None:
-                    engine.close()  # its STOP ends the peers' serving
+                engine.close()  # its STOP ends the peers' serving
                 dist.broadcast_object_list(got, group=group, group_src=0)
-        else:
+        else:  # raises as the driver does where a rank of the group failed to build
             serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
             dist.broadcast_object_list(got, group=group, group_src=0)
             if isinstance(got[0], str):
