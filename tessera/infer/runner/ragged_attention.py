@@ -16,7 +16,9 @@ starting at the first key its window lets any of its queries see. A one-token qu
 a longer one (speculative tokens to verify, a short prompt chunk) gets a causal bias over its slice,
 built on the host once per row and window.
 With `PagedKVCache.attention_dtype` set (float64: EngineConfig.fp64_attention) every row takes the
-PyTorch ops, in that dtype, and its output is rounded back to the queries' dtype.
+PyTorch ops, in that dtype (the one-query rows as one batch over their contexts padded to the
+longest and masked: in float64 the padding's order of sums does not show), and its output is rounded
+back to the queries' dtype.
 Everything is computed from host lists when the step is built: no op reads device data back.
 Shapes: T packed query tokens, H query heads, G stored heads, D head dim, S a row's queries,
 L a row's context (the positions before its queries plus the queries).
