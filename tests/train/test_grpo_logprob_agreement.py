@@ -4,7 +4,9 @@ back, so neither's order of sums shows), where attending in fp32 they differ by 
 decode attends one query over its cache, the trainer's causal SDPA whole rows, and each rounds its
 own way); the bitwise mode stays exactly 0. The model's random weights (std 0.3, four layers) make
 attention and logits as peaked as a trained model's, where the fp32 difference exceeds 1e-6 (it does
-on SmolLM2-135M: docs/benchmarks.md); at the usual tiny std it stays far below.
+on SmolLM2-135M: docs/benchmarks.md); at the usual tiny std it stays far below. The update runs its
+shared-prefix rows (the default, train.grpo.shared_prefix), whose attention goes through the
+SharedPrefixMask rather than the policy's attention core: it attends in float64 too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessera.config.schema import load_config
 from tessera.eval.rollouts import EngineRollouts
@@ -52,6 +55,8 @@ def test_the_engines_fp32_log_probabilities_agree_with_the_trainers_to_below_1e_
     wide, trainer, rollouts = _run(root, "fp64-attention")
     narrow, narrow_trainer, narrow_rollouts = _run(root, "fp32-attention", **{"train.grpo.fp64_attention": "false"})
     assert _cores(trainer) == {wide_causal_attention} and rollouts.config(4).fp64_attention
+    assert trainer.engine.rows_refusal is None  # the update ran shared-prefix rows (the default), in float64 too
+    assert trainer.engine.attention_dtype == torch.float64 and narrow_trainer.engine.attention_dtype is None
     assert _cores(narrow_trainer) == {causal_attention} and not narrow_rollouts.config(4).fp64_attention
     tokens = sum(r["response_length"] * 16 for r in wide)  # 4 prompts x 4 completions a step
     assert tokens >= 48, wide  # a few dozen sampled tokens scored both ways
