@@ -15,7 +15,9 @@ isolates what attention's reduction order alone contributes. Both sides attend i
 runs do (train.grpo.fp64_attention: the policy's `wide_causal_attention`, EngineConfig.fp64_attention);
 `--fp32-attention`: both in fp32, as before that setting. `--time R`: besides, R alternated rounds of the
 phase (the engine's sampling, then the trainer's forward and backward over the rollouts) with each
-setting, their median seconds (CPU time too) and the ratios fp64 / fp32. Prints one JSON object.
+setting, their median seconds (CPU time too) and the ratios fp64 / fp32. The trainer's side runs one row
+per completion; GRPO's default shared-prefix rows attend in float64 as these do (each
+completion's attention output the same bits: tests/models/test_shared_prefix.py). Prints one JSON object.
 """
 
 from __future__ import annotations
