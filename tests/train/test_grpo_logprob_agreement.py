@@ -48,7 +48,10 @@ def _run(root: Path, run: str, **extra: object) -> tuple[list[dict], Trainer, En
 
 
 def _cores(trainer: Trainer) -> set:
-    return {m.attention_core for m in trainer.model.modules() if isinstance(m, Attention)}
+    """The policy's attention cores, each inside any recomputation wrapper (`inner`)."""
+    def inside(core):
+        return inside(core.inner) if hasattr(core, "inner") else core
+    return {inside(m.attention_core) for m in trainer.model.modules() if isinstance(m, Attention)}
 
 
 def test_the_engines_fp32_log_probabilities_agree_with_the_trainers_to_below_1e_6_on_average(root):
@@ -72,3 +75,18 @@ def test_the_bitwise_mode_stays_exact_and_attends_in_fp32(root):
     assert _cores(trainer) == {causal_attention} and not rollouts.config(4).fp64_attention
     for r in records:
         assert r["logprob_diff_max"] == 0 and r["logprob_diff_mean"] == 0, r
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({"train.grpo.shared_prefix": "false"}, id="one-row-per-completion"),
+    pytest.param({"train.grpo.shared_prefix": "false", "parallel.recompute": "selective"}, id="selective-recompute"),
+])
+def test_the_update_without_shared_prefix_rows_or_with_a_wrapped_core_agrees_too(root, extra):
+    """One row per completion (the policy's attention core, not the mask) and a core wrapped by
+    selective recomputation (the float64 core goes inside the wrapper) agree to below 1e-6 as well."""
+    name = "-".join(extra).replace(".", "_")
+    records, trainer, _ = _run(root, name, **extra)
+    assert _cores(trainer) == {wide_causal_attention}
+    assert trainer.engine.rows_refusal == "train.grpo.shared_prefix=false"  # the core scores, not the mask
+    for r in records:
+        assert r["logprob_diff_mean"] < 1e-6, r

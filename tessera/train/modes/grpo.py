@@ -134,8 +134,7 @@ class GRPOStep:
         self.attention_dtype = torch.float64 if wide_attention(cfg) else None
         if self.attention_dtype is not None:
             for module in self.model.modules():
-                if getattr(module, "attention_core", None) is causal_attention:
-                    module.attention_core = wide_causal_attention
+                _widen(module, "attention_core")
         rollouts.bind(self.model, layout)
 
     def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
@@ -305,6 +304,17 @@ def merge_rollouts(parts: list[Rollouts], prompts: int, group_size: int) -> Roll
                     engine_logps=[parts[r].engine_logps[k] for r, k in order],
                     rewards=[parts[r].rewards[k] for r, k in order],
                     reward_failures=sum(p.reward_failures for p in parts), seconds=max(p.seconds for p in parts))
+
+
+def _widen(holder: Any, name: str) -> None:
+    """`holder.name`, an attention core, set to `wide_causal_attention` where it is `causal_attention`, or
+    where a recomputation wrapper (`inner`: parallel.recompute selective or op) holds it; other cores
+    (context parallelism's) are left."""
+    core = getattr(holder, name, None)
+    if core is causal_attention:
+        setattr(holder, name, wide_causal_attention)
+    elif core is not None and hasattr(core, "inner"):
+        _widen(core, "inner")
 
 
 def _local_divisor(mask: torch.Tensor, averaging: str) -> int:
