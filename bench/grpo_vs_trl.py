@@ -2,6 +2,7 @@
 GRPOTrainer (rollouts by transformers' generate), same model, task, group size, steps and settings.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python bench/grpo_vs_trl.py [--steps 10] [--rounds 2] [--rows-too]
+        [--fp32-attention-too]
         [--out F]
 
 The model is a random LLaMA (transformers) with the bundled tokenizer, written once to a temporary
@@ -18,6 +19,8 @@ per second, completion tokens per CPU second (the figure a loaded machine moves 
 reward per step, the 1-minute load average after each run; and the ratios Tessera / TRL of the medians.
 `--rows-too` also runs Tessera with one row per completion in its update (train.grpo.shared_prefix=false,
 what the update ran before shared-prefix rows), as a third side of each round (`ratio_rows_*`).
+`--fp32-attention-too` likewise runs Tessera attending in fp32 (train.grpo.fp64_attention=false; the
+default attends in float64 in the trainer and the engine) (`ratio_fp32_*`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows-too", action="store_true",
                    help="also run Tessera with one row per completion in its update (train.grpo.shared_prefix=false)")
+    p.add_argument("--fp32-attention-too", action="store_true",
+                   help="also run Tessera attending in fp32 (train.grpo.fp64_attention=false)")
     p.add_argument("--out", help="also write the JSON object to this file (TRL logs to stdout as it trains)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -139,6 +144,8 @@ def main() -> None:
             sides = [("tessera", tessera_run), ("trl", trl_run)]
             if args.rows_too:
                 sides.insert(1, ("tessera_rows", partial(tessera_run, extra=("train.grpo.shared_prefix=false",))))
+            if args.fp32_attention_too:
+                sides.insert(1, ("tessera_fp32", partial(tessera_run, extra=("train.grpo.fp64_attention=false",))))
             for side, run in sides:
                 got = run(model, Path(tmp) / f"{side}-{r}", args)
                 got["completion_tokens_per_s"] = got["completion_tokens"] / got["wall_s"]
@@ -150,8 +157,9 @@ def main() -> None:
         ours = statistics.median(g[key] for g in out["tessera"])
         theirs = statistics.median(g[key] for g in out["trl"])
         out[f"ratio_{key}"] = ours / theirs
-        if args.rows_too:
-            out[f"ratio_rows_{key}"] = statistics.median(g[key] for g in out["tessera_rows"]) / theirs
+        for flag, side in ((args.rows_too, "rows"), (args.fp32_attention_too, "fp32")):
+            if flag:
+                out[f"ratio_{side}_{key}"] = statistics.median(g[key] for g in out[f"tessera_{side}"]) / theirs
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

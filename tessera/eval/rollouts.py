@@ -34,7 +34,9 @@ with its prefix cache on: each prompt's first request is prefilled a step before
 group, which then find its whole blocks cached), steps it until every request has finished, and puts it to sleep
 (`LLMEngine.sleep`: the KV cache's memory released and the prefix cache emptied, since the next
 phase decodes with new weights), so the training step's activations have the memory to themselves.
-Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
+In an fp32 run the engine attends in float64 as the trainer does (`train.grpo.fp64_attention`,
+EngineConfig.fp64_attention), so that its log-probabilities agree with the trainer's whatever order
+each sums in. Every request asks for the log-probability of each sampled token (SamplingParams.logprobs=0: of the
 raw distribution), which the step compares with the trainer's. The completion's text (special tokens
 skipped) is scored by the reward with the record's fields.
 """
@@ -52,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
+from tessera.config.training.grpo import wide_attention
 from tessera.data.tokenizer import load_tokenizer
 from tessera.eval.rewards import RewardFn, load_reward, score
 from tessera.infer.config import EngineConfig
@@ -130,7 +133,8 @@ class EngineRollouts:
         return EngineConfig(dtype=str(dtype).removeprefix("torch."), device=str(self.device),
                             max_model_len=min(self.cfg.train.seq_len + 1, self.cfg.model.max_seq_len),
                             max_num_seqs=max(sequences, 1), enforce_eager=True, cpu_prepack=False,
-                            seed=self.cfg.train.seed, tensor_parallel_size=tp)
+                            seed=self.cfg.train.seed, tensor_parallel_size=tp,
+                            fp64_attention=wide_attention(self.cfg))
 
     def engine(self, sequences: int) -> LLMEngine:
         """The engine around the bound model for a phase of `sequences` requests (on the tp group's
@@ -171,27 +175,27 @@ class EngineRollouts:
     def _group_rollouts(self, prompts: list[list[int]], records: list[dict[str, Any]], seeds: list[int]) -> Rollouts:
         """The tp group's rollouts of all of `prompts`: rank 0 drives an engine over its shard for the
         phase (closing it releases the peers), the peers serve its steps, and its rollouts reach them
-        by broadcast. The engine is built for each phase: its KV cache lives only during it."""
+        by broadcast. The engine is built for each phase: its KV cache lives only during it. Whether
+        every rank built its part is agreed before the first step, so a failure building on any rank
+        reaches the others at once with its reason."""
         group, start = self.tp_group, time.perf_counter()
         self.sync()
         got: list[Any] = [None]
         self.model.eval()
         if dist.get_rank(group) == 0:
-            engine, doing = None, "to build its engine"
+            # a failure building on any rank of the group raises on all of them here (tp_shared.agreed_build)
+            engine = self.engine(len(prompts) * self.g.group_size)
             try:
-                engine = self.engine(len(prompts) * self.g.group_size)  # failing, it has released the peers
-                doing = "its rollouts"
                 outputs = _generate(engine, prompts, self.g.group_size, self.g.max_new_tokens, self.g.temperature,
                                     seeds)
                 got[0] = self._scored(outputs, records, time.perf_counter() - start)
             except Exception as e:  # the peers hear of it instead of waiting for rollouts
-                got[0] = f"the tp group's rank 0 failed {doing}: {e}"
+                got[0] = f"the tp group's rank 0 failed its rollouts: {e}"
                 raise
             finally:
-                if engine is not None:
-                    engine.close()  # its STOP ends the peers' serving
+                engine.close()  # its STOP ends the peers' serving
                 dist.broadcast_object_list(got, group=group, group_src=0)
-        else:
+        else:  # raises as the driver does where a rank of the group failed to build
             serve_group_steps(self.model, self.config(len(prompts) * self.g.group_size), group)
             dist.broadcast_object_list(got, group=group, group_src=0)
             if isinstance(got[0], str):

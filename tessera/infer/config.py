@@ -158,6 +158,11 @@ class EngineConfig:
         "on CPU in float32, keep F.linear instead of the packed projections (the panel kernel, oneDNN where it does "
         "not apply) with the weights reordered once at load (which holds a second copy of those weights)",
         name="--no-cpu-prepack", action="store_false"))
+    # attention's products and sums in float64 (paged_attention.py; GRPO's rollouts set it in fp32 runs)
+    fp64_attention: bool = field(default=False, metadata=flag(
+        "attend in float64, each output rounded back to --dtype: the log-probabilities of sampled tokens then agree "
+        "with a training forward's over whole rows to about 1e-7 (fp32) whatever the batch, at the cost of "
+        "slower attention (on CPU without the C++ kernel)", action="store_true"))
     # Ranks the model is split over (tensor_parallel.py). 1: one process, as without the option.
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "split the model over N ranks (attention heads, MLP and expert hidden dims, vocabulary): this process "

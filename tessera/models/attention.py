@@ -115,6 +115,20 @@ def causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def wide_causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float,
+                          window: Window = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_attention` with its products and sums in float64, rounded back to the queries' dtype:
+    each output is then (all but always) the fp32 value nearest the exact one, whatever order and
+    blocking the kernel sums in, so a training forward over whole rows and a serving engine
+    attending one query at a time over its cache agree to the bit (GRPO's fp32 scoring,
+    tessera.train.modes.grpo; the engine's side: EngineConfig.fp64_attention). A layer with
+    attention sinks keeps its fp32 softmax."""
+    if sinks is not None or q_BHSD.dtype == torch.float64:
+        return causal_attention(q_BHSD, k_BGSD, v_BGSD, scale, window, sinks)
+    wide = causal_attention(q_BHSD.double(), k_BGSD.double(), v_BGSD.double(), scale, window)
+    return wide.to(q_BHSD.dtype)
+
+
 # (q [B, H, S, D], k [B, G, S, D], v [B, G, S, Dv], scale, window) -> [B, H, S, Dv], as causal_attention.
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Window], torch.Tensor]
 # Several projections of one input in one product, their outputs in order, or None where it does not

@@ -10,7 +10,8 @@ rows "prefix + continuation j" give. GRPO's update packs a prompt's group of com
 
 It is passed where a serving cache is (`ModelInput.cache`, the per-call attention seam of
 `Attention.forward`): its `attend` keeps nothing and attends with the block mask, so the decoder
-runs unchanged. It serves softmax attention (with its sliding windows, chunks and sinks) and
+runs unchanged. With `attention_dtype` (float64) it attends as `wide_causal_attention` does: in
+that dtype, rounded back. It serves softmax attention (with its sliding windows, chunks and sinks) and
 multi-head latent attention; what attends otherwise or mixes tokens across the row is refused by
 name (`shared_prefix_refusal`): linear-attention (recurrent) layers, sparse latent attention,
 multimodal RoPE and capacity-limited MoE (whose dropped tokens depend on which tokens share the batch).
@@ -33,8 +34,10 @@ class SharedPrefixMask:
     row and j is in i's segment or the prefix, inside i's window measured in `positions`. Padding
     sees the prefix and itself (never empty, so its softmax stays finite), and nothing sees padding."""
 
-    def __init__(self, segments: torch.Tensor, positions: torch.Tensor):
-        self.segments, self.positions = segments, positions
+    def __init__(self, segments: torch.Tensor, positions: torch.Tensor, attention_dtype: torch.dtype | None = None):
+        """`attention_dtype` (float64: GRPO's fp64_attention): attend in it and round back to the queries'
+        dtype, as `wide_causal_attention` does for whole rows (a layer with sinks keeps its fp32 softmax)."""
+        self.segments, self.positions, self.attention_dtype = segments, positions, attention_dtype
         self._masks: dict[Window, torch.Tensor] = {}
 
     def mask(self, window: Window) -> torch.Tensor:
@@ -56,8 +59,10 @@ class SharedPrefixMask:
         mask = self.mask(window)
         if sinks is not None:
             return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, mask)
-        return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
-                                              enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1])
+        wide = self.attention_dtype or q_BHSD.dtype
+        out = F.scaled_dot_product_attention(q_BHSD.to(wide), k_BGSD.to(wide), v_BGSD.to(wide), attn_mask=mask,
+                                             scale=scale, enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1])
+        return out.to(q_BHSD.dtype)
 
 
 def shared_prefix_refusal(cfg: ModelConfig, mrope_section: list[int] | None = None) -> str | None:

@@ -1,6 +1,7 @@
 """The CPU paths of the serving step: ragged attention (each row over exactly its own context)
 equals attention over the same keys read slot by slot with an explicit mask, for one-token and
-longer queries, sliding windows, Llama 4's chunks, GQA and the int8 cache, both through the C++ kernel that reads the
+longer queries, sliding windows, Llama 4's chunks, GQA and the int8 cache (and, attending in float64,
+equals the float64 reference rounded to fp32 to the bit), both through the C++ kernel that reads the
 cache in place (its AVX2 loops and its portable ones: head dims of 64, 8 and 12, keys and values of
 different widths, bf16) and through PyTorch ops (`TESSERA_CPU_ATTENTION=torch`); an engine decodes
 the same tokens either way; the gather buffers are reused across layers; and projections packed
@@ -62,7 +63,7 @@ def _reference(kv: PagedKVCache, layer: int, q_SHD: torch.Tensor, L: int, table:
                window: int | None) -> torch.Tensor:
     """The row's keys read slot by slot (dequantized), an explicit boolean mask, GQA by repeating heads."""
     slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(L)])
-    k, v = kv.k[layer][slots].float(), kv.v[layer][slots].float()
+    k, v = kv.k[layer][slots].to(q_SHD.dtype), kv.v[layer][slots].to(q_SHD.dtype)  # fp32, or float64
     if kv.int8:
         k, v = k * kv.k_scale[layer][slots][..., None], v * kv.v_scale[layer][slots][..., None]
     S, H = q_SHD.shape[:2]
@@ -100,7 +101,17 @@ def test_the_kernel_equals_the_slot_by_slot_reference_at_every_geometry(dk, dv, 
     _attends_each_row_over_its_own_context(_cache(False, dk, dv, groups, dtype), window)
 
 
-def _attends_each_row_over_its_own_context(kv: PagedKVCache, window: int | None) -> None:
+@pytest.mark.parametrize("window", [None, 5, 70, ChunkedWindow(8)])
+def test_in_float64_each_row_is_the_float64_reference_rounded_to_fp32(window):
+    """`PagedKVCache.attention_dtype` float64 (EngineConfig.fp64_attention): every row, the one-query
+    rows batched over padded contexts, equals attention over its keys in float64 rounded to fp32, to
+    the bit: the order of sums no longer shows."""
+    kv = _cache(False, 64, 64, 2)
+    kv.attention_dtype = torch.float64
+    _attends_each_row_over_its_own_context(kv, window, exact=True)
+
+
+def _attends_each_row_over_its_own_context(kv: PagedKVCache, window: int | None, exact: bool = False) -> None:
     dk, dv, dtype = kv.k[0].shape[-1], kv.v[0].shape[-1], kv.dtype
     gen = torch.Generator().manual_seed(1)
     # (queries, context length, block table): one-token rows, a 3-token run to verify, a row of one
@@ -125,9 +136,15 @@ def _attends_each_row_over_its_own_context(kv: PagedKVCache, window: int | None)
         contexts.attend(kv, layer, q_THD, out, scale, window)
         at = 0
         for S, L, table in rows:
-            want = _reference(kv, layer, q_THD[at:at + S].float(), L, table, scale, window)
-            torch.testing.assert_close(out[at:at + S].float(), want, rtol=tol, atol=tol)
+            if exact:
+                want = _reference(kv, layer, q_THD[at:at + S].double(), L, table, scale, window).float()
+                assert torch.equal(out[at:at + S], want), (S, L, (out[at:at + S] - want).abs().max())
+            else:
+                want = _reference(kv, layer, q_THD[at:at + S].float(), L, table, scale, window)
+                torch.testing.assert_close(out[at:at + S].float(), want, rtol=tol, atol=tol)
             at += S
+    if exact:  # the one-query rows went as one batch (a chunked window takes the rows one by one)
+        assert (window in contexts.one_query) == (not isinstance(window, ChunkedWindow))
 
 
 def test_the_cpu_gather_reuses_its_buffers_across_layers():

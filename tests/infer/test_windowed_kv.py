@@ -6,7 +6,8 @@ included, while the full layers keep all of theirs, and decodes the tokens trans
 window and two requests batched; a finished request's ring serves the next; rejected speculative
 drafts overwrite nothing a later query sees; preemption, speculative drafts, the static-shape decode
 step, perplexity and loglikelihood scoring give what the engine that keeps every block gives; a
-request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers. The tests of
+request failing on inf/NaN leaves its window blocks to be zeroed in the windowed layers; in float64
+(EngineConfig.fp64_attention) the wrapping chunks score as keeping every block, to the bit. The tests of
 the ring's holding run without prefix caching (with it, kept blocks: test_windowed_prefix_cache.py);
 the others run with it, the default."""
 
@@ -310,3 +311,29 @@ def test_generate_and_eval_take_the_windowed_kv_option(mode, tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["generate", str(tmp_path), "--prompt", prompt, "--windowed-kv", "ring"])
     assert refused.value.code == 2 and "choose from 'bounded', 'kept'" in capsys.readouterr().err
+
+
+def test_in_float64_the_wrapping_chunks_score_as_keeping_every_block(tmp_path, monkeypatch):
+    """EngineConfig.fp64_attention (GRPO's engine): the ring's rows, those that attend through the
+    window tables and the prompt chunks past the ring's first turn (window_ring.py's own SDPA), attend
+    in float64 and round back as the engine keeping every block does, so the log-probabilities of the
+    same greedy tokens are equal to the bit (window 8 = two blocks of 4, prompt chunks of 20)."""
+    from tessera.infer.runner.window_ring import WindowRingBatch
+
+    write_model(tmp_path, "gemma3_text", std=0.25, sliding_window=8)
+    wrapped = []
+    real = WindowRingBatch._attend_wrapping
+    monkeypatch.setattr(WindowRingBatch, "_attend_wrapping",
+                        lambda self, layer, w, *a: wrapped.append(w.rows) or real(self, layer, w, *a))
+    got = {}
+    for mode in ("bounded", "kept"):
+        llm = LLM(tmp_path, block_size=4, max_num_seqs=2, max_num_batched_tokens=20, windowed_kv=mode,
+                  fp64_attention=True)
+        assert llm.engine.kv.attention_dtype == torch.float64
+        engine, params = llm.engine, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+        seqs = [engine.scheduler.requests[engine.add_request(llm.encode(p), params)]
+                for p in (PROMPTS[0] + " and more than a window", PROMPTS[2])]
+        while engine.has_unfinished():
+            engine.step()
+        got[mode] = [(s.output_ids, [lp.logprob for lp in s.logprobs]) for s in seqs]
+    assert wrapped and got["bounded"] == got["kept"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tessera.config.model import ModelConfig
+from tessera.models.attention import wide_causal_attention
 from tessera.models.model_input import ModelInput
 from tessera.models.shared_prefix import PADDING, PREFIX, SharedPrefixMask
 from tessera.models.transformer import Transformer
@@ -85,3 +86,21 @@ def test_no_real_token_sees_padding_and_padding_sees_something():
     seg = segments[0]
     first, second = (seg == 1).nonzero()[0, 0], (seg == 2).nonzero()[0, 0]
     assert not mask[0, second, first] and mask[0, second, 0]  # continuation 2 sees the prompt, not continuation 1
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-window"])
+def test_in_float64_each_continuation_attends_as_wide_causal_attention_over_its_own_row(window):
+    """GRPO's fp64_attention: the packed row's attention in float64, rounded back, equals to the bit what
+    `wide_causal_attention` (the policy's core over one row per completion) gives each row alone, so the
+    shared-prefix update scores as that core does (in fp32 the two sum in different orders)."""
+    _, positions, segments, where = _packed()
+    torch.manual_seed(1)
+    B, S = segments.shape
+    q, k, v = torch.randn(B, 4, S, 16), torch.randn(B, 2, S, 16), torch.randn(B, 2, S, 16)
+    packed = SharedPrefixMask(segments, positions, torch.float64).attend(0, q, k, v, 0.25, window)
+    assert packed.dtype == torch.float32
+    for b, prompt in enumerate(PROMPTS):
+        for idx in where[b]:
+            rows = list(range(len(prompt))) + idx
+            alone = wide_causal_attention(q[b:b + 1, :, rows], k[b:b + 1, :, rows], v[b:b + 1, :, rows], 0.25, window)
+            assert torch.equal(packed[b, :, rows], alone[0])

@@ -157,13 +157,13 @@ def test_a_rollout_that_fails_on_the_driving_rank_stops_its_tp_peer_with_the_rea
     assert peer == "TrainingError: the tp group's rank 0 failed its rollouts: boom"
 
 
-def _failing_build(overrides: list[str], target: str) -> str:
-    """Train, rank 0 failing where `target` ("module:name") is called (as running out of memory would);
-    what each rank's trainer raised, built or training."""
+def _failing_build(overrides: list[str], target: str, failing_rank: int = 0) -> str:
+    """Train, `failing_rank` failing where `target` ("module:name") is called (as running out of memory
+    would); what each rank's trainer raised, built or training."""
     import importlib
 
     module_name, _, name = target.partition(":")
-    if dist.get_rank() == 0:
+    if dist.get_rank() == failing_rank:
         def failing(*args, **kwargs):
             raise RuntimeError("no memory left")
         setattr(importlib.import_module(module_name), name, failing)  # this forked rank's module only
@@ -189,3 +189,15 @@ def test_a_failure_building_the_engine_on_rank_0_reaches_its_tp_peer_at_once(roo
     driver, peer = run_ranks(_failing_build, 2, run, target, timeout=HANG_S)  # a hang fails at HANG_S
     assert "no memory left" in driver
     assert peer == f"TrainingError: {reason}"
+
+
+@pytest.mark.dist
+def test_a_failure_building_the_engine_on_a_tp_peer_reaches_rank_0_at_once(root):
+    """The peer's paged model (its KV cache) fails to build: rank 0, which built its engine, hears of it
+    with the peer's reason before its first step, instead of stepping into a peer that never answers
+    until the collective timeout."""
+    run = _overrides(root, "tp-build-fail-peer", steps=1, **{"parallel.tp": 2, "parallel.dp_shard": 1})
+    driver, peer = run_ranks(_failing_build, 2, run, "tessera.infer.runner.tp_shared:build_paged_model", 1,
+                             timeout=HANG_S)  # a hang fails at HANG_S
+    assert driver == "TrainingError: the tp group's rank 1 failed to build its engine: no memory left"
+    assert peer == "RuntimeError: no memory left"

@@ -12,7 +12,8 @@ policy then takes `updates_per_rollout` steps on the clipped policy-gradient los
 group-normalised advantages (tessera.train.objectives.policy_gradient), with an optional k3 KL to
 the run's initial weights (`kl_coef`), an entropy bonus and the truncated importance-sampling
 correction of the engine's log-probabilities (`bitwise`: scored by the trainer's own forward, so
-they equal its own exactly). `train.global_batch_size` and `train.micro_batch_size` count prompts.
+they equal its own exactly; `fp64_attention`: in fp32, both attend in float64, so the engine's agree with
+the trainer's to ~1e-7). `train.global_batch_size` and `train.micro_batch_size` count prompts.
 One process, data and tensor parallelism only (pp, cp, ep refused by name), not fp16, no distillation,
 EAGLE target, multi-token prediction or validation loss.
 """
@@ -59,6 +60,18 @@ class GRPOConfig:
     # true: the update runs each group in one row, its prompt once and each completion attending to it
     # (tessera.train.modes.grpo_packing); where the model or layout cannot, one row per completion, as false
     shared_prefix: bool = True
+    # true: in an fp32 run the trainer and the engine take attention's products and sums in float64, each output
+    # rounded back to fp32 (each then the fp32 value nearest the exact one, whatever order either sums in), so
+    # their log-probabilities of the sampled tokens agree to ~1e-7; false: both attend in fp32 (cheaper
+    # attention; ~3e-6 apart on SmolLM2-135M). Not with bitwise, whose log-probabilities are the trainer's own
+    fp64_attention: bool = True
+
+
+def wide_attention(cfg: Any) -> bool:
+    """Whether the GRPO trainer and its engine attend in float64 (train.grpo.fp64_attention in an fp32 run,
+    without bitwise)."""
+    g = cfg.train.grpo
+    return g.fp64_attention and cfg.train.dtype == "fp32" and not g.bitwise
 
 
 def validate_grpo(cfg: Any) -> None:

@@ -49,7 +49,7 @@ from tessera.infer.runner.executor import Executor, InProcessExecutor, closed_on
 from tessera.infer.runner.lora import merge_adapter
 from tessera.infer.runner.multimodal import ImageEncoder, expand_placeholders
 from tessera.infer.runner.tp_executor import TensorParallelExecutor
-from tessera.infer.runner.tp_shared import GroupPeers
+from tessera.infer.runner.tp_shared import GroupPeers, agreed_build
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import make_generator
 from tessera.infer.sampling.structured_output import GrammarCompiler, GrammarMatcher
@@ -158,12 +158,23 @@ class LLMEngine:
     def from_group_shard(cls, model: Transformer, config: EngineConfig, tokenizer, eos_ids, group) -> LLMEngine:
         """Serve `model`, this rank's tensor-parallel shard (plain tensors, `runner.tp_shared.alias_shards`),
         on rank 0 of the running process `group`, whose other ranks call `tp_shared.serve_group_steps`
-        meanwhile; `close()` releases them (config.tensor_parallel_size is the group's size). A failure
-        while building releases them too, with one STOP: the executor's close once it exists, else here."""
+        meanwhile; `close()` releases them (config.tensor_parallel_size is the group's size). Before the
+        first step every rank of the group says whether its part was built (`agreed_build`): a failure on
+        any of them, this one's or a peer's, raises on all at once with that rank's reason, and nothing
+        is stepped (the peers start serving only once all have built)."""
         peers = GroupPeers(group)
-        with closed_on_error(peers.stop):
+        engine, error = None, None
+        try:
             executor = TensorParallelExecutor(peers, model, config)
-        return cls._serving(executor, config, tokenizer, eos_ids)
+            with closed_on_error(executor.close):  # the peers do not serve yet: closing sends nothing
+                engine = cls(executor, config, tokenizer, eos_ids)
+        except Exception as e:
+            error = e
+        with closed_on_error(lambda: engine is not None and engine.close()):
+            agreed_build(group, error)
+            peers.serving = True
+            engine.warm_system_prompts(config.system_prompts)
+        return engine
 
     @classmethod
     def _serving_vision_language(cls, model: VisionLanguageModel, config: EngineConfig, tokenizer, eos_ids,

@@ -145,7 +145,7 @@ class BlockTableAttention:
         k_BLGD, v_BLGD = self.kv.gather_blocks(layer_id, self.tables_BM, q_BHSD.dtype)
         gqa = q_BHSD.shape[1] != k_BLGD.shape[2]
         o_BH1D = masked_attention(q_BH1D, k_BLGD.transpose(1, 2), v_BLGD.transpose(1, 2),
-                                  self._mask(window, q_BHSD.dtype), scale, gqa, sinks)
+                                  self._mask(window, q_BHSD.dtype), scale, gqa, sinks, self.kv.attention_dtype)
         return o_BH1D.transpose(0, 2)
 
 

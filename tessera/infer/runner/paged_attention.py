@@ -31,6 +31,8 @@ With a windowed pool (`PagedKVCache.window_layers`, scheduling/window_blocks.py)
 attend through a second batch of the same rows built over the sequences' `window_table`s, rings of
 token slots in that pool's blocks (window_ring.py: a prompt chunk that would write over keys its own
 queries still see attends to its own keys from the step's tensors).
+With the cache's `attention_dtype` set (float64: EngineConfig.fp64_attention) every path attends in
+it and rounds its outputs back to the queries' dtype (on CPU without the C++ kernel).
 Shapes: T packed tokens, N sequences in a group, S longest query, L longest context, H query heads,
 G stored heads, D head dim.
 """
@@ -47,7 +49,7 @@ from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.runner.sparse_attention import attend_sparse
 from tessera.infer.runner.window_ring import WindowRingBatch
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import Window, causal_attention, sees_all, window_allows
+from tessera.models.attention import Window, causal_attention, sees_all, wide_causal_attention, window_allows
 from tessera.models.attention_sinks import sink_attention
 from tessera.models.sparse_mla import KeyChoice
 
@@ -55,11 +57,16 @@ SHORT_QUERY = 16  # queries up to this many tokens share one padded group
 
 
 def masked_attention(q_NHSD: torch.Tensor, k_NGLD: torch.Tensor, v_NGLD: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, gqa: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, gqa: bool, sinks: torch.Tensor | None = None,
+                     wide: torch.dtype | None = None) -> torch.Tensor:
     """SDPA under an additive mask; a layer with attention sinks (gpt-oss) takes the explicit softmax
-    with its sink column instead (tessera/models/attention_sinks.py)."""
+    with its sink column instead (tessera/models/attention_sinks.py). `wide` (float64: the cache's
+    `attention_dtype`): computed in it and rounded back to the queries' dtype."""
     if sinks is not None:
         return sink_attention(q_NHSD, k_NGLD, v_NGLD, scale, sinks, mask)
+    if wide is not None and wide != q_NHSD.dtype:
+        return masked_attention(q_NHSD.to(wide), k_NGLD.to(wide), v_NGLD.to(wide),
+                                None if mask is None else mask.to(wide), scale, gqa).to(q_NHSD.dtype)
     return F.scaled_dot_product_attention(q_NHSD, k_NGLD, v_NGLD, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -207,17 +214,19 @@ class PagedAttentionBatch:
         T, H = q_THD.shape[:2]
         gqa = H != k_TGD.shape[1]
         whole = len(self.groups) == 1 and self.groups[0].span is not None  # one sequence: no scatter
+        wide = self.kv.attention_dtype
         out_THD = None if whole else q_THD.new_empty(T, H, v_TGD.shape[-1])
         for g in self.groups:
             if g.span is not None:
                 a, b = g.span
                 q = q_BHSD[:, :, a:b]  # [1, H, S, D]
                 if g.ctx_blocks is None:  # a chunk from position 0: its own keys are the whole context
-                    o = causal_attention(q, k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], scale, window, sinks)
+                    core = causal_attention if wide is None else wide_causal_attention
+                    o = core(q, k_BGSD[:, :, a:b], v_BGSD[:, :, a:b], scale, window, sinks)
                 else:
                     k, v = self._context(layer_id, g, q.dtype)  # [1, L, G, D]
                     o = masked_attention(q, k.transpose(1, 2), v.transpose(1, 2), self._mask(g, window, q.dtype),
-                                         scale, gqa, sinks)
+                                         scale, gqa, sinks, wide)
                 if whole:
                     return o
                 out_THD[a:b] = o[0].transpose(0, 1)
@@ -229,7 +238,7 @@ class PagedAttentionBatch:
             N, S = g.valid.shape
             q_NHSD = q_THD.index_select(0, g.q_index).unflatten(0, (N, S)).transpose(1, 2)
             o = masked_attention(q_NHSD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2),
-                                 self._mask(g, window, q_THD.dtype), scale, gqa, sinks)
+                                 self._mask(g, window, q_THD.dtype), scale, gqa, sinks, wide)
             o_flat = o.transpose(1, 2).flatten(0, 1)  # [N * S, H, D], (n, s) order
             out_THD.index_copy_(0, g.rows, o_flat.index_select(0, g.valid_index))
         return out_THD.transpose(0, 1)[None]

@@ -315,6 +315,7 @@ def build_paged_model(model: Transformer, config: EngineConfig, lora=None,
     kv = PagedKVCache(model.cfg, geometry.num_blocks + 1, config.block_size, dtype, device,
                       config.kv_cache_dtype == "int8", tp, windowed.layers if windowed else frozenset(),
                       geometry.num_window_blocks + 1, geometry.window_ring)
+    kv.attention_dtype = torch.float64 if config.fp64_attention else None
     sizes = config.decode_batch_sizes
     sizes = default_batch_buckets(config.max_num_seqs) if sizes is None else sizes
     states = None

@@ -19,7 +19,8 @@ dp_shard, a collective every rank calls); otherwise the caller keeps a whole gat
 The group's rank 0 drives the engine: `LLMEngine.from_group_shard` builds it over a
 `TensorParallelExecutor` whose workers are the group's other ranks (`GroupPeers`), already running:
 each of them calls `serve_group_steps`, which mirrors every step (tp_channel.py) until the driver's
-engine closes (its STOP).
+engine closes (its STOP). Between building and the first step the group's ranks agree that all built
+their part (`agreed_build`), so a failure on any of them reaches all at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tessera.config.errors import TrainingError
 from tessera.config.parallel import ParallelConfig
 from tessera.infer.config import EngineConfig
 from tessera.infer.runner.paged_model import build_paged_model
@@ -152,22 +154,48 @@ def _served(serving: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
 
 class GroupPeers:
     """The other ranks of `group` as `TensorParallelExecutor` drives its workers: already running
-    (`serve_group_steps`), so nothing to start or watch; stopping them is the STOP message."""
+    (`serve_group_steps`), so nothing to start or watch; stopping them is the STOP message, sent only
+    once they serve (`serving`: every rank of the group has built its part, `agreed_build`)."""
 
     failure = None
 
     def __init__(self, group: dist.ProcessGroup):
         self.channel = StepChannel(group, data=group)
+        self.serving = False
 
     def guarded(self, fn):
         return fn()
 
     def stop(self) -> None:
-        self.channel.send(STOP, [])
+        if self.serving:
+            self.serving = False
+            self.channel.send(STOP, [])
+
+
+def agreed_build(group: dist.ProcessGroup, error: Exception | None) -> None:
+    """Every rank of `group` says whether it built its part of the engine (one gather of their
+    outcomes); if any failed, all raise now, the failing rank its own error, the others a
+    TrainingError naming the first failing rank and its reason, instead of a driver stepping into
+    peers that never answer (or peers waiting for a driver that never steps) until the collective
+    timeout."""
+    reasons: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, None if error is None else str(error), group=group)
+    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise TrainingError(f"the tp group's rank {failed[0][0]} failed to build its engine: {failed[0][1]}")
 
 
 def serve_group_steps(model: Transformer, config: EngineConfig, group: dist.ProcessGroup) -> None:
     """A rank of `group` other than 0: its shard's paged model (a KV cache of this phase, freed on
-    return) mirrors the driver's steps until its engine closes."""
-    paged, _ = build_paged_model(model, config, None)
+    return) mirrors the driver's steps until its engine closes. A failure building it, or the
+    driver's or another peer's, raises here before any step (`agreed_build`)."""
+    paged, error = None, None
+    try:
+        paged, _ = build_paged_model(model, config, None)
+    except Exception as e:
+        error = e
+    agreed_build(group, error)
     serve_worker_steps(paged, StepChannel(group, data=group), model.cfg.vocab_size)

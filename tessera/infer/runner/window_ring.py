@@ -11,7 +11,9 @@ chunk past the ring's first turn: it "wraps") the row attends here, one sequence
 older keys it sees are read from the ring before anything is written, its own keys come from the
 step's K/V tensors, a bias over absolute positions keeps causality and the window, and only then
 are the chunk's keys written that no later key of it writes over: its last min(C, R), or more where
-the table took fresh blocks in place of the ring's (blocks the prefix cache is to keep).
+the table took fresh blocks in place of the ring's (blocks the prefix cache is to keep). With the
+cache's `attention_dtype` set (float64: EngineConfig.fp64_attention) both kinds of row attend in it
+and round back, as paged_attention.py's paths do (a layer with attention sinks keeps its fp32 softmax there too).
 
 Which rows wrap depends on the layer's window, so the split is made once per window of the step,
 at the first layer that has it. Shapes: T packed tokens, H query heads, G stored heads, D head dim,
@@ -129,8 +131,10 @@ class WindowRingBatch:
         k_1GLD, v_1GLD, bias = k.transpose(0, 1)[None], v.transpose(0, 1)[None], w.bias.to(q_1HCD.dtype)
         if sinks is not None:  # gpt-oss: the explicit softmax with the sink column
             o = sink_attention(q_1HCD, k_1GLD, v_1GLD, scale, sinks, bias)
-        else:
-            o = F.scaled_dot_product_attention(q_1HCD, k_1GLD, v_1GLD, attn_mask=bias, scale=scale,
-                                               enable_gqa=q_1HCD.shape[1] != k.shape[1])
+        else:  # in the cache's attention_dtype where it has one (float64), rounded back
+            wide = self.kv.attention_dtype or q_1HCD.dtype
+            o = F.scaled_dot_product_attention(q_1HCD.to(wide), k_1GLD.to(wide), v_1GLD.to(wide),
+                                               attn_mask=bias.to(wide), scale=scale,
+                                               enable_gqa=q_1HCD.shape[1] != k.shape[1]).to(q_1HCD.dtype)
         self.kv.write(layer_id, w.slots, k_CGD[w.own], v_CGD[w.own])
         return o

@@ -87,6 +87,8 @@ class PagedKVCache:
         self.window_ring = window_ring  # slots of a sequence's ring in the windowed pool (window_blocks.py)
         gk, dk, gv, dv = kv_shapes(cfg, tp_size)
         self.kv_layers = kv_layers(cfg)
+        # float64: attention over this cache computes in it, rounded back (EngineConfig.fp64_attention); None: `dtype`
+        self.attention_dtype: torch.dtype | None = None
         rows = {i: (window_blocks if i in window_layers else num_blocks) * block_size for i in self.kv_layers}
         slots = [rows.get(i, 0) for i in range(cfg.n_layers)]  # a linear-attention layer: no rows
         store = torch.int8 if int8 else dtype

@@ -34,7 +34,11 @@ updates itself (clipped as the trainer clips, `_inner_update`) and leaves the la
 the trainer; `loss`, `kl` and `clip_fraction` are means over the k passes, the MoE routing figures
 those of the last. `bitwise`: before the first pass the policy scores the sampled tokens under
 no_grad in the very micro-batches the passes run (`_score`), and these replace the engine's
-log-probabilities, so the importance weights are exactly 1 and logprob_diff_* exactly 0.
+log-probabilities, so the importance weights are exactly 1 and logprob_diff_* exactly 0. Otherwise, in
+an fp32 run (`fp64_attention`, on by default) the policy's attention computes in float64 and rounds its
+outputs back (`wide_causal_attention`), as the engine's does: each output is then the fp32 value nearest
+the exact one whatever order either sums in, so the engine's log-probabilities agree with the trainer's
+to ~1e-7 without a second forward.
 
 metrics.jsonl logs, besides an ordinary step's figures, `loss` (the objective), `reward_mean`,
 `reward_std` (over the global batch's completions), `kl` (mean k3 per completion token; 0 without a
@@ -60,7 +64,9 @@ from torch import nn
 
 from tessera.config.errors import ConfigError, TrainingError
 from tessera.config.schema import RunConfig
+from tessera.config.training.grpo import wide_attention
 from tessera.data.batching import Batch
+from tessera.models.attention import causal_attention, wide_causal_attention
 from tessera.models.shared_prefix import shared_prefix_refusal
 from tessera.parallel import dp_rows, global_sum
 from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
@@ -123,6 +129,12 @@ class GRPOStep:
         self.optimizers, self.grad_clip = built.optimizers, cfg.train.grad_clip  # updates_per_rollout > 1
         # sequence parallelism splits each sequence over the tp ranks: packed rollouts are padded to it
         self.sequence_multiple = layout.dims.tp if layout.dims is not None and layout.dims.sp else 1
+        # the policy attends in float64 as the engine does (EngineConfig.fp64_attention): its attention core
+        # over whole rows, the SharedPrefixMask over shared-prefix rows (the reference keeps fp32)
+        self.attention_dtype = torch.float64 if wide_attention(cfg) else None
+        if self.attention_dtype is not None:
+            for module in self.model.modules():
+                _widen(module, "attention_core")
         rollouts.bind(self.model, layout)
 
     def _rows(self, batch: Batch) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
@@ -157,7 +169,7 @@ class GRPOStep:
         """`model`'s forward on a chunk (grpo_packing.py): its output, the fp32 logits of the rows the
         chunk's targets score and the targets [R, K], on the device."""
         with mixed_precision(self.device, self.autocast):
-            out = model(chunk.model_input(self.device))
+            out = model(chunk.model_input(self.device, self.attention_dtype if model is self.model else None))
         y, logits = chunk.targets.to(self.device), out.logits.float()
         if logits.shape[1] > y.shape[1]:  # the model kept every position (a sequence-sharded input)
             logits = logits[:, -y.shape[1]:]
@@ -292,6 +304,17 @@ def merge_rollouts(parts: list[Rollouts], prompts: int, group_size: int) -> Roll
                     engine_logps=[parts[r].engine_logps[k] for r, k in order],
                     rewards=[parts[r].rewards[k] for r, k in order],
                     reward_failures=sum(p.reward_failures for p in parts), seconds=max(p.seconds for p in parts))
+
+
+def _widen(holder: Any, name: str) -> None:
+    """`holder.name`, an attention core, set to `wide_causal_attention` where it is `causal_attention`, or
+    where a recomputation wrapper (`inner`: parallel.recompute selective or op) holds it; other cores
+    (context parallelism's) are left."""
+    core = getattr(holder, name, None)
+    if core is causal_attention:
+        setattr(holder, name, wide_causal_attention)
+    elif core is not None and hasattr(core, "inner"):
+        _widen(core, "inner")
 
 
 def _local_divisor(mask: torch.Tensor, averaging: str) -> int:

@@ -42,13 +42,14 @@ class Chunk:
     positions: torch.Tensor | None = None  # [R, S] shared-prefix rows: each token's position
     segments: torch.Tensor | None = None  # [R, S] shared-prefix rows: 0 prompt, j completion j, -1 padding
 
-    def model_input(self, device: torch.device) -> ModelInput:
-        """The input of the policy (and of the reference) on `device`."""
+    def model_input(self, device: torch.device, attention_dtype: torch.dtype | None = None) -> ModelInput:
+        """The input of the policy (and of the reference) on `device`; `attention_dtype`: the shared-prefix
+        rows' attention computes in it (float64: train.grpo.fp64_attention, the policy's)."""
         def on(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
         cache = None
         if self.segments is not None:
-            cache = SharedPrefixMask(self.segments.to(device), self.positions.to(device))
+            cache = SharedPrefixMask(self.segments.to(device), self.positions.to(device), attention_dtype)
         return ModelInput(tokens=self.tokens.to(device), positions=on(self.positions), cache=cache,
                           logit_positions=on(self.logit_positions))
 
