@@ -220,7 +220,10 @@ def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, pr
     for name, p in model.named_parameters():
         err = float((got[0]["grads"][name] - ref["grads"][name]).norm() / ref["grads"][name].norm().clamp_min(1e-30))
         assert err <= 1e-5, f"gradient of {name} differs by {err:.2e} (relative norm)"
-        torch.testing.assert_close(got[0]["weights"][name], p.detach(), rtol=1e-5, atol=1e-7,
+        # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| << eps (1e-3) a gradient
+        # element's rounding is scaled by lr / eps = 10, so the weights are held to 10x the 1e-7 an element
+        # of a gradient that agrees to 1e-5 in norm may differ by
+        torch.testing.assert_close(got[0]["weights"][name], p.detach(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
     recurrent = sum(1 for i in range(model.cfg.n_layers)
                     if model.cfg.is_linear_attention_layer(i) or model.cfg.is_mamba_layer(i))
