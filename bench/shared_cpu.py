@@ -6,12 +6,12 @@ each OpenMP wait policy (tessera/cli/threads.py).
 Each run is a fresh `python -m tessera train configs/tiny-moe.yaml` with the Makefile's demo
 settings (OMP_NUM_THREADS=2, seq_len 128) for `--steps` steps, logged every step; its step time is
 the median of steps 2.. (the first pays for the allocator and the data). The policies are
-environments: libgomp (GOMP_SPINCOUNT=300000, libgomp's own default, which `tessera` would
-otherwise replace), passive (OMP_WAIT_POLICY=PASSIVE, what `tessera` sets), spin10k (a bounded spin,
-GOMP_SPINCOUNT=10000). The load is `--load` processes each spinning a Python loop, started before
-the policies' runs and stopped after; the machine's own load is measured, not assumed: the mean
-number of runnable tasks (/proc/loadavg's fourth field) sampled every 0.5 s during each run, and
-the 1-minute load average at its end. The policies alternate within each condition.
+environments: libgomp (GOMP_SPINCOUNT=300000, libgomp's own default, which `tessera` would otherwise
+replace), passive (OMP_WAIT_POLICY=PASSIVE, `tessera`'s setting before), spin10k (a bounded spin,
+GOMP_SPINCOUNT=10000, what `tessera` sets). The load is `--load` processes each spinning a Python
+loop, started before the policies' runs and stopped after; the machine's own load is measured, not
+assumed: the mean number of runnable tasks (/proc/loadavg's fourth field) sampled every 0.5 s during
+each run, and the 1-minute load average at its end. The policies alternate within each condition.
 """
 
 from __future__ import annotations
