@@ -128,8 +128,9 @@ class MLAConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True  # DeepSeek's checkpoints keep rotary pairs interleaved
-    # DeepSeek-V3.2's sparse attention (tessera/models/sparse_mla.py): a lightning indexer of index_n_heads
-    # heads of index_head_dim scores the keys, each query attends to its index_topk best; None: dense MLA
+    # DeepSeek-V3.2's sparse attention (tessera/models/attention_variants/sparse_mla.py): a lightning
+    # indexer of index_n_heads heads of index_head_dim scores the keys, each query attends to its
+    # index_topk best; None: dense MLA
     index_topk: int | None = None
     index_n_heads: int = 64
     index_head_dim: int = 128

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.attention_sinks import AttentionSinks, sink_attention
+from tessera.models.attention_variants.attention_sinks import AttentionSinks, sink_attention
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import apply_rope
 

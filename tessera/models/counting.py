@@ -26,7 +26,7 @@ def linear_attention_params(cfg: ModelConfig) -> int:
 
 
 def indexer_params(cfg: ModelConfig) -> int:
-    """Sparse attention's lightning indexer (models/sparse_mla.py): query and key projections, the
+    """Sparse attention's lightning indexer (models/attention_variants/sparse_mla.py): query and key projections, the
     keys' LayerNorm (gain and bias), the head weights; 0 without one."""
     m = cfg.mla
     if m is None or m.index_topk is None:

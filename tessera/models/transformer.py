@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
+from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
@@ -52,7 +53,6 @@ from tessera.models.moe.router import RouterOutput
 from tessera.models.mtp import MTPModule, TokenSequence, depth_inputs, depth_targets
 from tessera.models.norm import RMSNorm
 from tessera.models.rope import longrope_long_frequencies, longrope_pick, rope_cos_sin, rope_frequencies
-from tessera.models.sparse_mla import SparseLatentAttention
 from tessera.models.sublayer_block import decoder_layer
 
 

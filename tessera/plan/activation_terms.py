@@ -157,7 +157,7 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
 
 def _sink_core(s: _SavedSet, q: _Tensor, k: _Tensor, v: _Tensor, a: int, g: int, d: int, dt: ActivationDtype,
                seq: int) -> None:
-    """gpt-oss's attention with sinks (models/attention_sinks.py), explicit in fp32: the two products
+    """gpt-oss's attention with sinks (models/attention_variants/attention_sinks.py), explicit in fp32: the two products
     keep fp32 q, k and v with k and v repeated to every query head (copies unless already fp32 and
     one per head), its bool [S, S] mask (every layer, causal or windowed), the fp32 probabilities
     over the S keys and the sink (softmax keeps its output), and the output (the output projection's

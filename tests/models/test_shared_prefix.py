@@ -1,4 +1,4 @@
-"""Shared-prefix rows (tessera/models/shared_prefix.py): a prompt and its continuations packed in one
+"""Shared-prefix rows (tessera/models/attention_variants/shared_prefix.py): a prompt and its continuations packed in one
 row, each continuation attending to the prompt and itself at its own positions, give the logits of
 each "prompt + continuation" run alone (fp32 1e-5), taken per row by a [B, R] `logit_positions`;
 with a sliding window shorter than the row, Llama 4's chunks and attention sinks too, and with
@@ -11,8 +11,8 @@ import torch
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import wide_causal_attention
+from tessera.models.attention_variants.shared_prefix import PADDING, PREFIX, SharedPrefixMask
 from tessera.models.model_input import ModelInput
-from tessera.models.shared_prefix import PADDING, PREFIX, SharedPrefixMask
 from tessera.models.transformer import Transformer
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8]]

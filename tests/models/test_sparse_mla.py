@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's sparse attention (tessera/models/sparse_mla.py): with index_topk at least the
+"""DeepSeek-V3.2's sparse attention (tessera/models/attention_variants/sparse_mla.py): with index_topk at least the
 sequence length it is dense MLA; with fewer, the keys each query attends to are those a direct
 computation of the indexer's formula picks, and the output is softmax attention over exactly them;
 model.mla.index_topk is refused without a query latent."""
@@ -12,8 +12,8 @@ import torch
 
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
+from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.mla import MultiHeadLatentAttention
-from tessera.models.sparse_mla import SparseLatentAttention
 from tessera.models.transformer import Transformer
 
 S = 12
@@ -90,7 +90,7 @@ def test_selected_keys_and_output_equal_a_direct_computation():
     attn = _sparse(cfg)
     x, cos, sin = _inputs(cfg)
     seen: list[torch.Tensor] = []
-    real_select = __import__("tessera.models.sparse_mla", fromlist=["select_keys"]).select_keys
+    real_select = __import__("tessera.models.attention_variants.sparse_mla", fromlist=["select_keys"]).select_keys
 
     def spy(scores, allowed, k):
         chosen = real_select(scores, allowed, k)
@@ -98,7 +98,7 @@ def test_selected_keys_and_output_equal_a_direct_computation():
         return chosen
 
     mp = pytest.MonkeyPatch()
-    mp.setattr("tessera.models.sparse_mla.select_keys", spy)
+    mp.setattr("tessera.models.attention_variants.sparse_mla.select_keys", spy)
     try:
         with torch.no_grad():
             got = attn(x, cos, sin)

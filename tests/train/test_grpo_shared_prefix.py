@@ -1,11 +1,11 @@
-"""GRPO's shared-prefix update rows (tessera/train/modes/grpo_packing.py, tessera/models/shared_prefix.py):
-a group in one row, its prompt computed once and each completion attending to it, gives one step's
-loss, figures and gradients equal to one row per completion (fp32 1e-5), for a dense model, an MoE
-and DeepSeek's latent attention with its MoE, with prompts and completions of different lengths,
-padding, two micro-batches, a reference (KL), temperature, entropy and the bitwise scoring pass; the
-row it runs holds fewer tokens. What it
-cannot serve falls back to per-completion rows, said in the run's start-up lines: the switch off,
-a capacity-limited MoE (trained exactly as rows), recurrent and sparse latent-attention families."""
+"""GRPO's shared-prefix update rows (tessera/train/modes/grpo_packing.py,
+tessera/models/attention_variants/shared_prefix.py): a group in one row, its prompt computed once
+and each completion attending to it, gives one step's loss, figures and gradients equal to one row
+per completion (fp32 1e-5), for a dense model, an MoE and DeepSeek's latent attention with its MoE,
+with prompts and completions of different lengths, padding, two micro-batches, a reference (KL),
+temperature, entropy and the bitwise scoring pass; the row it runs holds fewer tokens. What it
+cannot serve falls back to per-completion rows, said in the run's start-up lines: the switch off, a
+capacity-limited MoE (trained exactly as rows), recurrent and sparse latent-attention families."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tessera.config.schema import load_config
-from tessera.models.shared_prefix import shared_prefix_refusal
+from tessera.models.attention_variants.shared_prefix import shared_prefix_refusal
 from tessera.train.trainer import Trainer
 from tests.infer.tiny_models import save_tokenizer
 from tests.train.runs import TINY_DEEPSEEK, TINY_DENSE, TINY_MOE

@@ -1,5 +1,5 @@
 """DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3 (deepseek_v3.py) whose latent attention runs
-over the keys a lightning indexer picks (tessera/models/sparse_mla.py; model.mla.index_topk,
+over the keys a lightning indexer picks (tessera/models/attention_variants/sparse_mla.py; model.mla.index_topk,
 index_n_heads, index_head_dim from config.json's fields of the same names). Its class always has a
 query latent (q_lora_rank) and interleaved rotary pairs (no rope_interleave field); the indexer's
 tensors sit under `self_attn.indexer`."""

@@ -5,7 +5,8 @@ The serving engine (`LLMEngine`: paged cache, continuous batching, chunked prefi
 checked against: the prompt is run once, then each new token costs one position, with keys and
 values kept in a cache that plugs into the attention's cache seam
 (`attend(layer_id, q, k, v, scale, window)`; DeepSeek-V3.2's sparse attention also keeps its indexer
-keys here, `attend_sparse`, tessera/models/sparse_mla.py); a hybrid model's linear-attention layers keep their
+keys here, `attend_sparse`, tessera/models/attention_variants/sparse_mla.py); a hybrid model's
+linear-attention layers keep their
 recurrent state in it too (`recurrent_state` / `keep_recurrent_state`). With `use_cache=False` every step recomputes the
 whole prefix, a check of the cache itself. Tokens are picked by the engine's own sampler
 (`tessera.infer.sampling.device_sampling`, counter-based seeds), so both paths read `SamplingParams` the
@@ -21,8 +22,8 @@ from tessera.infer.sampling.device_sampling import SamplingBatch, sample_on_devi
 from tessera.infer.sampling.params import SamplingParams
 from tessera.models import ModelInput, Transformer
 from tessera.models.attention import Window, window_allows
-from tessera.models.attention_sinks import sink_attention
-from tessera.models.sparse_mla import KeyChoice
+from tessera.models.attention_variants.attention_sinks import sink_attention
+from tessera.models.attention_variants.sparse_mla import KeyChoice
 
 
 class ConcatKVCache:
@@ -59,7 +60,7 @@ class ConcatKVCache:
         allowed = diff >= 0
         if window is not None:
             allowed &= window_allows(q_pos[:, None], k_pos[None, :], window)
-        if sinks is not None:  # gpt-oss's sink logits (tessera/models/attention_sinks.py)
+        if sinks is not None:  # gpt-oss's sink logits (tessera/models/attention_variants/attention_sinks.py)
             return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, allowed)
         gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
         return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=allowed, scale=scale,
@@ -67,7 +68,7 @@ class ConcatKVCache:
 
     def attend_sparse(self, layer_id: int, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                       scale: float, index_keys_BSD: torch.Tensor, choose: KeyChoice) -> torch.Tensor:
-        """MLA over the keys `choose` picks among every cached one (tessera/models/sparse_mla.py)."""
+        """MLA over the keys `choose` picks among every cached one (tessera/models/attention_variants/sparse_mla.py)."""
         if layer_id in self.index_keys:
             index_keys_BSD = torch.cat([self.index_keys[layer_id], index_keys_BSD], dim=1)
         self.index_keys[layer_id] = index_keys_BSD

@@ -50,8 +50,8 @@ from tessera.infer.runner.sparse_attention import attend_sparse
 from tessera.infer.runner.window_ring import WindowRingBatch
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import Window, causal_attention, sees_all, wide_causal_attention, window_allows
-from tessera.models.attention_sinks import sink_attention
-from tessera.models.sparse_mla import KeyChoice
+from tessera.models.attention_variants.attention_sinks import sink_attention
+from tessera.models.attention_variants.sparse_mla import KeyChoice
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
 
@@ -60,7 +60,7 @@ def masked_attention(q_NHSD: torch.Tensor, k_NGLD: torch.Tensor, v_NGLD: torch.T
                      scale: float, gqa: bool, sinks: torch.Tensor | None = None,
                      wide: torch.dtype | None = None) -> torch.Tensor:
     """SDPA under an additive mask; a layer with attention sinks (gpt-oss) takes the explicit softmax
-    with its sink column instead (tessera/models/attention_sinks.py). `wide` (float64: the cache's
+    with its sink column instead (tessera/models/attention_variants/attention_sinks.py). `wide` (float64: the cache's
     `attention_dtype`): computed in it and rounded back to the queries' dtype."""
     if sinks is not None:
         return sink_attention(q_NHSD, k_NGLD, v_NGLD, scale, sinks, mask)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import ChunkedWindow, Window, first_visible, window_allows
-from tessera.models.attention_sinks import sink_attention
+from tessera.models.attention_variants.attention_sinks import sink_attention
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """DeepSeek-V3.2's sparse attention over the paged KV cache: the `attend_sparse` of an engine step
-(`PagedAttentionBatch`, paged_attention.py; the model's side is tessera/models/sparse_mla.py).
+(`PagedAttentionBatch`, paged_attention.py; the model's side is tessera/models/attention_variants/sparse_mla.py).
 
 The step's keys, values and indexer keys are written into their slots (the indexer keys in the
 cache's `index_k`, kv_cache.py), then each sequence of the step on its own: its context's blocks are
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.sparse_mla import KeyChoice
+from tessera.models.attention_variants.sparse_mla import KeyChoice
 
 
 def attend_sparse(kv: PagedKVCache, slices, offsets: list[int], slot_mapping: torch.Tensor, layer_id: int,

@@ -22,7 +22,7 @@ others `num_blocks`; a store's blocks are its rows / block_size.
 A hybrid model's linear-attention layers (recurrent_state.py) store no keys or values: their stores
 have no rows (`kv_layers` names the layers that do), and `bytes_per_block` counts only the others,
 so the same memory budget holds n_layers / len(kv_layers) times the blocks.
-DeepSeek-V3.2's sparse attention (tessera/models/sparse_mla.py) keeps its indexer's key of each token
+DeepSeek-V3.2's sparse attention (tessera/models/attention_variants/sparse_mla.py) keeps its indexer's key of each token
 beside the token's keys and values: `index_k`, one [slots, D_i] store per layer in the cache's dtype
 (not quantised with int8), part of `stores()`, so a block carries them wherever it goes (tiers,
 transfers, prefix reuse), and counted in `bytes_per_block`.

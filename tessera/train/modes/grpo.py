@@ -67,7 +67,7 @@ from tessera.config.schema import RunConfig
 from tessera.config.training.grpo import wide_attention
 from tessera.data.batching import Batch
 from tessera.models.attention import causal_attention, wide_causal_attention
-from tessera.models.shared_prefix import shared_prefix_refusal
+from tessera.models.attention_variants.shared_prefix import shared_prefix_refusal
 from tessera.parallel import dp_rows, global_sum
 from tessera.train.builder import TrainingParts, build_frozen_model, build_training_parts
 from tessera.train.modes.grpo_packing import Chunk, row_chunks, row_tokens, shared_prefix_chunks

@@ -8,7 +8,7 @@ Per-completion rows (`pack_rollouts`, `row_chunks`): each completion after its p
 so a group's prompt is computed `group_size` times. Shared-prefix rows (`shared_prefix_chunks`, the
 default, train.grpo.shared_prefix): a group in one row, "prompt, completion 1[:-1], ..., completion
 G[:-1]", each completion attending to the prompt and itself at the positions it has alone
-(tessera.models.shared_prefix); its first token is scored from the prompt's last position, each
+(tessera.models.attention_variants.shared_prefix); its first token is scored from the prompt's last position, each
 other from its own previous token. The prompt is computed once and its gradient is the sum over the
 group's completions, as the rows give. The step falls back to rows, saying why in its start-up
 lines, where the model or the layout cannot serve them (`shared_prefix_refusal`).
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.models.attention_variants.shared_prefix import PADDING, PREFIX, SharedPrefixMask
 from tessera.models.model_input import ModelInput
-from tessera.models.shared_prefix import PADDING, PREFIX, SharedPrefixMask
 from tessera.train.objectives.loss import IGNORE_INDEX
 
 

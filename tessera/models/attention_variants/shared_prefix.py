@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Window, window_allows
-from tessera.models.attention_sinks import sink_attention
+from tessera.models.attention_variants.attention_sinks import sink_attention
 
 PREFIX, PADDING = 0, -1  # the segment ids of the shared prefix and of padding (continuations: 1, 2, ...)
 
