@@ -129,6 +129,22 @@ def wide_causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: to
     return wide.to(q_BHSD.dtype)
 
 
+def masked_attention(q_NHSD: torch.Tensor, k_NGLD: torch.Tensor, v_NGLD: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, gqa: bool, sinks: torch.Tensor | None = None,
+                     wide: torch.dtype | None = None) -> torch.Tensor:
+    """SDPA under a mask (additive, or boolean: True where a query sees a key); a layer with attention
+    sinks (gpt-oss) takes the explicit softmax with its sink column instead (attention_variants/
+    attention_sinks.py). `wide` (float64: the serving cache's `attention_dtype`, GRPO's shared-prefix
+    rows): computed in it and rounded back to the queries' dtype, as `wide_causal_attention` does."""
+    if sinks is not None:
+        return sink_attention(q_NHSD, k_NGLD, v_NGLD, scale, sinks, mask)
+    if wide is not None and wide != q_NHSD.dtype:
+        return masked_attention(q_NHSD.to(wide), k_NGLD.to(wide), v_NGLD.to(wide),
+                                mask if mask is None or mask.dtype == torch.bool else mask.to(wide), scale,
+                                gqa).to(q_NHSD.dtype)
+    return F.scaled_dot_product_attention(q_NHSD, k_NGLD, v_NGLD, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 # (q [B, H, S, D], k [B, G, S, D], v [B, G, S, Dv], scale, window) -> [B, H, S, Dv], as causal_attention.
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, Window], torch.Tensor]
 # Several projections of one input in one product, their outputs in order, or None where it does not

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.infer.runner.paged_attention import masked_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import Window, window_allows
+from tessera.models.attention import Window, masked_attention, window_allows
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 

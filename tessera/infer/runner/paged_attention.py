@@ -42,32 +42,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.runner.sparse_attention import attend_sparse
 from tessera.infer.runner.window_ring import WindowRingBatch
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import Window, causal_attention, sees_all, wide_causal_attention, window_allows
-from tessera.models.attention_variants.attention_sinks import sink_attention
+from tessera.models.attention import (
+    Window,
+    causal_attention,
+    masked_attention,
+    sees_all,
+    wide_causal_attention,
+    window_allows,
+)
 from tessera.models.attention_variants.sparse_mla import KeyChoice
 
 SHORT_QUERY = 16  # queries up to this many tokens share one padded group
-
-
-def masked_attention(q_NHSD: torch.Tensor, k_NGLD: torch.Tensor, v_NGLD: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, gqa: bool, sinks: torch.Tensor | None = None,
-                     wide: torch.dtype | None = None) -> torch.Tensor:
-    """SDPA under an additive mask; a layer with attention sinks (gpt-oss) takes the explicit softmax
-    with its sink column instead (tessera/models/attention_variants/attention_sinks.py). `wide` (float64: the cache's
-    `attention_dtype`): computed in it and rounded back to the queries' dtype."""
-    if sinks is not None:
-        return sink_attention(q_NHSD, k_NGLD, v_NGLD, scale, sinks, mask)
-    if wide is not None and wide != q_NHSD.dtype:
-        return masked_attention(q_NHSD.to(wide), k_NGLD.to(wide), v_NGLD.to(wide),
-                                None if mask is None else mask.to(wide), scale, gqa).to(q_NHSD.dtype)
-    return F.scaled_dot_product_attention(q_NHSD, k_NGLD, v_NGLD, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 @dataclass

@@ -26,11 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import Window, first_visible, window_allows
-from tessera.models.attention_variants.attention_sinks import sink_attention
+from tessera.models.attention import Window, first_visible, masked_attention, window_allows
 
 
 @dataclass
@@ -129,12 +127,8 @@ class WindowRingBatch:
             k = torch.cat([k_old[w.old_at:w.old_at + w.n_old], k_CGD.to(q_1HCD.dtype)])
             v = torch.cat([v_old[w.old_at:w.old_at + w.n_old], v_CGD.to(q_1HCD.dtype)])
         k_1GLD, v_1GLD, bias = k.transpose(0, 1)[None], v.transpose(0, 1)[None], w.bias.to(q_1HCD.dtype)
-        if sinks is not None:  # gpt-oss: the explicit softmax with the sink column
-            o = sink_attention(q_1HCD, k_1GLD, v_1GLD, scale, sinks, bias)
-        else:  # in the cache's attention_dtype where it has one (float64), rounded back
-            wide = self.kv.attention_dtype or q_1HCD.dtype
-            o = F.scaled_dot_product_attention(q_1HCD.to(wide), k_1GLD.to(wide), v_1GLD.to(wide),
-                                               attn_mask=bias.to(wide), scale=scale,
-                                               enable_gqa=q_1HCD.shape[1] != k.shape[1]).to(q_1HCD.dtype)
+        # the sink column's explicit softmax for gpt-oss; in the cache's attention_dtype (float64) where it has one
+        o = masked_attention(q_1HCD, k_1GLD, v_1GLD, bias, scale, q_1HCD.shape[1] != k.shape[1], sinks,
+                             self.kv.attention_dtype)
         self.kv.write(layer_id, w.slots, k_CGD[w.own], v_CGD[w.own])
         return o

@@ -20,11 +20,9 @@ multimodal RoPE and capacity-limited MoE (whose dropped tokens depend on which t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tessera.config.model import ModelConfig
-from tessera.models.attention import Window, window_allows
-from tessera.models.attention_variants.attention_sinks import sink_attention
+from tessera.models.attention import Window, masked_attention, window_allows
 
 PREFIX, PADDING = 0, -1  # the segment ids of the shared prefix and of padding (continuations: 1, 2, ...)
 
@@ -56,13 +54,8 @@ class SharedPrefixMask:
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        mask = self.mask(window)
-        if sinks is not None:
-            return sink_attention(q_BHSD, k_BGSD, v_BGSD, scale, sinks, mask)
-        wide = self.attention_dtype or q_BHSD.dtype
-        out = F.scaled_dot_product_attention(q_BHSD.to(wide), k_BGSD.to(wide), v_BGSD.to(wide), attn_mask=mask,
-                                             scale=scale, enable_gqa=q_BHSD.shape[1] != k_BGSD.shape[1])
-        return out.to(q_BHSD.dtype)
+        return masked_attention(q_BHSD, k_BGSD, v_BGSD, self.mask(window), scale, q_BHSD.shape[1] != k_BGSD.shape[1],
+                                sinks, self.attention_dtype)
 
 
 def shared_prefix_refusal(cfg: ModelConfig, mrope_section: list[int] | None = None) -> str | None:
