@@ -30,6 +30,7 @@ across its chunks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
 from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
+from tessera.models.lazy_torch import is_dtensor
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.mla import MultiHeadLatentAttention
@@ -266,14 +267,17 @@ class Transformer(nn.Module):
         """(Re)compute the RoPE frequencies, e.g. after building on the meta device."""
         cfg = self.cfg
         rope_dim = cfg.rope_dim  # the head's rotated part: all of it, MLA's RoPE part, or a partial share
-        device = device if device is not None else self.rope_inv_freq.device
-        inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        device = torch.device(device if device is not None else self.rope_inv_freq.device)
+        # built on the meta device, the tables are computed on the CPU (then left on meta, as the weights):
+        # arithmetic on meta tensors runs torch's Python references, which import torch._dynamo
+        with torch.device("cpu") if device.type == "meta" else contextlib.nullcontext():
+            inv_freq, self.rope_attention_factor = rope_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
+            long = longrope_long_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
+            local = rope_frequencies(rope_dim, cfg.local_rope_theta)[0] if cfg.local_rope_theta is not None else None
         self.rope_inv_freq = inv_freq.to(device)
-        long = longrope_long_frequencies(rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.rope_long_inv_freq = long.to(device) if long is not None else torch.empty(0, device=device)
         # the window layers' own RoPE (model.local_rope_theta), unscaled; empty when they share the above
-        self.local_rope_inv_freq = (rope_frequencies(rope_dim, cfg.local_rope_theta)[0].to(device)
-                                    if cfg.local_rope_theta is not None else torch.empty(0, device=device))
+        self.local_rope_inv_freq = local.to(device) if local is not None else torch.empty(0, device=device)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype, extent: int | None = None) -> RopeTables:
         """RoPE's cos and sin at `positions` (`rope_cos_sin`), and the window layers' own where they
@@ -377,7 +381,7 @@ class Transformer(nn.Module):
             out.loss_sum = chunked_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight(),
                                                         inp.targets.reshape(-1), self.loss_chunk_tokens)
             return out
-        if inp.logit_positions is not None and not isinstance(h, DTensor):
+        if inp.logit_positions is not None and not is_dtensor(h):
             h = select_positions(h, inp.logit_positions)
         out.logits = self.lm_head(h)
         return out
@@ -456,7 +460,7 @@ class Transformer(nn.Module):
         (under tensor parallelism the head is sharded over V and the vocabulary-parallel loss runs)."""
         has_head = self.output is not None or (self.cfg.tie_embeddings and self.tok_embeddings is not None)
         return (self.loss_chunk_tokens > 0 and has_head
-                and not isinstance(h_BSD, DTensor) and not isinstance(self.head_weight(), DTensor))
+                and not is_dtensor(h_BSD) and not is_dtensor(self.head_weight()))
 
     # ---- balancing -------------------------------------------------------------------------
     @torch.no_grad()

@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 FILES_KEY = "files"
+DCP_METADATA = ".metadata"  # DCP's own metadata file, recorded by rank 0
 _CHUNK = 1 << 22
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from tessera.checkpoint.dcp import store as ckpt
-from tessera.checkpoint.dcp.shards import load_checkpoint_shards
 from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.schema import RunConfig, build_model_config
@@ -43,6 +42,8 @@ def stored_model_config(path: str | os.PathLike) -> ModelConfig:
 def load_model_weights(path: str | os.PathLike, model: Transformer) -> None:
     """Copy the model weights of Tessera checkpoint `path` into `model` (keys and shapes must match),
     after checking its files against their checksums."""
+    from tessera.checkpoint.dcp.shards import load_checkpoint_shards  # torch's DCP: only when a checkpoint loads
+
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     load_checkpoint_shards([model], path, shapes, next(model.parameters()).device)
 

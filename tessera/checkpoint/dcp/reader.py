@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tessera.checkpoint.dcp.checksums import DCP_METADATA
 from tessera.checkpoint.dcp.restricted_unpickle import restricted_load
 from tessera.config.errors import CheckpointError
 
-DCP_METADATA = ".metadata"
 _PLAIN_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 

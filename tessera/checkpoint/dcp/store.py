@@ -41,23 +41,21 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from tessera.checkpoint.dcp.checksums import FILES_KEY, digest_rank_files, file_digest, verify_files
-from tessera.checkpoint.dcp.reader import (
-    DCP_METADATA,
-    BoxLoadPlanner,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_dcp_metadata,
-)
+from tessera.checkpoint.dcp.checksums import DCP_METADATA, FILES_KEY, digest_rank_files, file_digest, verify_files
 from tessera.config.errors import CheckpointError
 from tessera.config.json_text import read_json_file
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import SavePlanner
+
+# torch.distributed.checkpoint (and reader.py, built on it) is imported where a checkpoint is saved or
+# loaded: it brings DTensor, sympy and torch's symbolic shapes (about 45 MiB resident), which a server
+# that only asks whether a path is a checkpoint (checkpoint/loading.py) need not hold.
 
 LATEST = "latest"
 META = "meta.json"
@@ -124,6 +122,8 @@ def checkpoint_problem(path: Path) -> str | None:
         meta = read_meta(path)
         problem = verify_files(path, meta[FILES_KEY]) if FILES_KEY in meta else None
         if problem is None:
+            from tessera.checkpoint.dcp.reader import read_dcp_metadata
+
             read_dcp_metadata(path)
         return problem
     except CheckpointError as e:
@@ -238,7 +238,7 @@ def _broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> A
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any],
-                    keep_last: int, planner: dcp.SavePlanner | None = None,
+                    keep_last: int, planner: SavePlanner | None = None,
                     group: dist.ProcessGroup | None = None) -> Path:
     """Save `state` (a DCP state dict: tensors and plain data) as checkpoint `step`.
 
@@ -269,12 +269,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     if error is not None:
         raise CheckpointError(error)
     tmp = Path(tmp)
-    try:
-        with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp), planner=planner, process_group=group)
-        files = digest_rank_files(tmp, rank)
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        files, error = None, _save_error(final, e)
+    files, error = _save_shards(state, tmp, final, rank, planner, group)
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (files, error), group=group)
@@ -297,8 +292,23 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict[str, Any], m
     return final
 
 
+def _save_shards(state: dict[str, Any], tmp: Path, final: Path, rank: int, planner, group):
+    """This rank's shards of `state` written into `tmp` by DCP: (their checksums, None), or (None, why not)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(tmp), planner=planner, process_group=group)
+        return digest_rank_files(tmp, rank), None
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        return None, _save_error(final, e)
+
+
 def _failure_reason(e: BaseException) -> str:
     """The cause of a failed DCP save or load in a few words (the OS error and its file when there is one)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     cause: BaseException = e
     if isinstance(e, CheckpointException):  # DCP wraps each rank's failure; name the first
         failures = list(getattr(e, "failures", {}).values())
@@ -350,6 +360,8 @@ def _complete(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any
 
 def checkpoint_tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...] | None]:
     """Every stored key with its global shape (None for non-tensor objects), from DCP metadata."""
+    from tessera.checkpoint.dcp.reader import read_dcp_metadata
+
     md = read_dcp_metadata(path)
     return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in md.state_dict_metadata.items()}
 
@@ -376,6 +388,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> int:
     returns the bytes this rank read from the files (only the stored chunks its tensors overlap).
 
     Nothing in the files is unpickled beyond plain data (reader.py)."""
+    from tessera.checkpoint.dcp.reader import SafeLoadPlanner
+
     return _load(path, state, SafeLoadPlanner(), no_dist=False)
 
 
@@ -386,11 +400,18 @@ def load_boxes(path: str | os.PathLike, boxes: dict[str, tuple[tuple[int, ...], 
 
     This process alone reads, even when it belongs to a process group (the other ranks need not
     take part), and only the stored shards that overlap a box."""
+    from tessera.checkpoint.dcp.reader import BoxLoadPlanner
+
     planner = BoxLoadPlanner({key: offsets for key, (offsets, _) in boxes.items()})
     return _load(path, {key: t for key, (_, t) in boxes.items()}, planner, no_dist=True)
 
 
-def _load(path: str | os.PathLike, state: dict[str, Any], planner: SafeLoadPlanner, no_dist: bool) -> int:
+def _load(path: str | os.PathLike, state: dict[str, Any], planner, no_dist: bool) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tessera.checkpoint.dcp.reader import SafeFileSystemReader
+
     reader = SafeFileSystemReader(str(path))
     try:
         with _quiet_single_process():

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from tessera.checkpoint.dcp import store as ckpt
-from tessera.checkpoint.dcp.shards import load_checkpoint_shards
 from tessera.checkpoint.vision_families import REGISTRY
 from tessera.config.errors import CheckpointError, TesseraError
 from tessera.config.schema import RunConfig
@@ -62,6 +61,8 @@ def read_vision_language_entry(found: Path) -> tuple[Any, Any]:
 def load_vision_language_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                                     device: str | torch.device = "cpu") -> tuple[VisionLanguageModel, Any, dict]:
     """The model, image processor and stored run configuration of a vision-language checkpoint."""
+    from tessera.checkpoint.dcp.shards import load_checkpoint_shards  # torch's DCP: only when a checkpoint loads
+
     found = ckpt.resolve_checkpoint(path)
     cfg, processor = read_vision_language_entry(found)
     model = REGISTRY[cfg.family].directory.model(cfg, init_seed=None)

@@ -38,6 +38,7 @@ from tessera.config.model import ModelConfig
 from tessera.models.gguf_blocks import BLOCKS
 from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.int8 import replace_module
+from tessera.models.lazy_torch import on_meta, to_empty
 from tessera.models.moe.biased_experts import BiasedExperts
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
 from tessera.models.transformer import Transformer
@@ -63,11 +64,11 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     cfg = gguf_model_config(found)
     by_hf = _keys_by_hf_name(cfg)
     rows = hf_fused_rows(cfg)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg, init_seed=None)
         kept = _keep_quantized(model, found, by_hf, rows, dtype) if keep_quantized else set()
         packed = _keep_mxfp4_experts(model, found, dtype) if keep_quantized else {}
-    model.to_empty(device=device)
+    to_empty(model, device)
     model.cast(dtype)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     filled: set[str] = set()

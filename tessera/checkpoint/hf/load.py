@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tessera.checkpoint.hf.names import hf_copies, unread
 from tessera.checkpoint.hf.slices import HFSliceReader, local_box
@@ -31,6 +30,7 @@ from tessera.config.errors import CheckpointError, ConfigError
 from tessera.config.hf_config import read_hf_config, read_json_object
 from tessera.config.model import ModelConfig
 from tessera.config.vision_families import family_of_config
+from tessera.models.lazy_torch import local_tensor, on_meta, to_empty
 from tessera.models.transformer import Transformer
 
 
@@ -82,7 +82,7 @@ def load_hf_shards(parts: Iterable[nn.Module], path: str | os.PathLike, cfg: Mod
         for name, t in tensors:
             if name in reader.names:
                 offsets, sizes = local_box(t)
-                local = t.to_local() if isinstance(t, DTensor) else t
+                local = local_tensor(t)
                 local.copy_(reader.read(name, offsets, sizes).to(local.dtype))
             elif name.endswith("expert_bias"):
                 t.zero_()
@@ -95,11 +95,11 @@ def build_from_hf(path: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype,
     """The model `cfg` with the weights of HuggingFace directory `path`, in eval mode: built on the
     meta device, cut by `cut` (None: whole), given storage on `device` in `dtype` (but for the
     routing bias, which stays fp32: `Transformer.cast`), then filled by `load_hf_shards`."""
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg, init_seed=None)
     if cut is not None:
         model = cut(model)
-    model.to_empty(device=device)
+    to_empty(model, device)
     model.cast(dtype)
     load_hf_shards([model], path, cfg, device, source=f"HuggingFace directory {str(path)!r}")
     return model.eval()
@@ -131,7 +131,7 @@ def checked_directory(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, t
     if unexpected:
         raise CheckpointError(f"{path}: {len(unexpected)} unexpected tensor(s) for {cfg.family}: "
                               f"{first_keys(unexpected)}")
-    with torch.device("meta"):
+    with on_meta():
         shapes = {k: tuple(t.shape) for k, t in Transformer(cfg, init_seed=None).state_dict().items()}
     for key, shape in shapes.items():
         if key in reader.names and reader.shape(key) != shape:

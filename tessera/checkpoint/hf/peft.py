@@ -30,7 +30,6 @@ from safetensors.torch import save_file
 
 from tessera.checkpoint.dcp import store as ckpt
 from tessera.checkpoint.dcp.model import stored_model_config, stored_run_config
-from tessera.checkpoint.dcp.shards import load_checkpoint_shards
 from tessera.checkpoint.hf.names import check_exportable, hf_names
 from tessera.config.dataclass_build import build_dataclass
 from tessera.config.errors import CheckpointError
@@ -117,6 +116,8 @@ def lora_model(checkpoint: str | os.PathLike) -> Transformer:
             quantize_model(model, lora.quantize_base)
         add_adapters(model, list(lora_targets(cfg, lora)), lora.rank, lora.scaling,
                      trained_whole=[SAVED_MODULES[n] for n in lora.modules_to_save])
+    from tessera.checkpoint.dcp.shards import load_checkpoint_shards  # torch's DCP: only when a checkpoint loads
+
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     load_checkpoint_shards([model], found, shapes, "cpu")
     return model.eval()

@@ -48,8 +48,6 @@ from tessera.infer.engine.step_profile import EngineProfile
 from tessera.infer.runner.executor import Executor, InProcessExecutor, closed_on_error
 from tessera.infer.runner.lora import merge_adapter
 from tessera.infer.runner.multimodal import ImageEncoder, expand_placeholders
-from tessera.infer.runner.tp_executor import TensorParallelExecutor
-from tessera.infer.runner.tp_shared import GroupPeers, agreed_build
 from tessera.infer.sampling.params import SamplingParams
 from tessera.infer.sampling.sampler import make_generator
 from tessera.infer.sampling.structured_output import GrammarCompiler, GrammarMatcher
@@ -114,6 +112,8 @@ class LLMEngine:
             tokenizer = served_tokenizer(path, run_cfg)
             return cls.from_model(model, config, tokenizer, eos_token_ids(path, tokenizer, model.cfg.vocab_size),
                                   prequantized=quantized is not None, owned=True)
+        from tessera.infer.runner.tp_executor import TensorParallelExecutor  # cuts through DTensor: not on one rank
+
         executor, run_cfg = TensorParallelExecutor.start_for_dir(path, config)
         with closed_on_error(executor.close):
             tokenizer = served_tokenizer(path, run_cfg)
@@ -152,6 +152,8 @@ class LLMEngine:
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:
             raise ConfigError("tensor_parallel_size > 1 needs full-precision weights; this model is int8")
+        from tessera.infer.runner.tp_executor import TensorParallelExecutor
+
         return cls._serving(TensorParallelExecutor.start_for_model(model, config), config, tokenizer, eos_ids)
 
     @classmethod
@@ -162,6 +164,9 @@ class LLMEngine:
         first step every rank of the group says whether its part was built (`agreed_build`): a failure on
         any of them, this one's or a peer's, raises on all at once with that rank's reason, and nothing
         is stepped (the peers start serving only once all have built)."""
+        from tessera.infer.runner.tp_executor import TensorParallelExecutor
+        from tessera.infer.runner.tp_shared import GroupPeers, agreed_build
+
         peers = GroupPeers(group)
         engine, error = None, None
         try:

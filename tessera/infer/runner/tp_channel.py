@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tessera.config.errors import ParallelError
 from tessera.infer.runner.paged_model import BatchItem, PagedModel, packed_offsets
+from tessera.models.lazy_torch import local_tensor
 
 STEP, CLEAR, STOP, PACKED, KEEP = 1, 2, 3, 4, 5
 
@@ -71,7 +71,7 @@ def logit_rows(items: list[BatchItem], offsets: list[int]) -> list[int]:
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
+    return local_tensor(x)
 
 
 class StepChannel:
