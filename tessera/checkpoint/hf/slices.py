@@ -37,14 +37,13 @@ from tessera.checkpoint.prequantized.detect import refuse_prequantized
 from tessera.checkpoint.vision_families import directory_family
 from tessera.config.errors import CheckpointError
 from tessera.config.model import ModelConfig
+from tessera.models.lazy_torch import is_dtensor
 
 
 def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local sizes) of the part of `t` this rank holds: a DTensor's local shard
     (any placements DCP can save), or the whole of a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tessera.checkpoint.gguf.reader import is_gguf_path
 from tessera.checkpoint.loading import (
     eos_token_ids,
     is_vision_language,
@@ -106,6 +107,8 @@ class LLMEngine:
                                   image_processor=processor)
         if config.gguf_keep_quantized is None and keeps_stored_blocks(path):  # settled as loaded (load_lora reads it)
             config = dataclasses.replace(config, gguf_keep_quantized=config.gguf_blocks_kept(True))
+        if config.kv_cache_dtype is None and is_gguf_path(path):  # int8 on the CPU (EngineConfig.kv_cache_dtype_for)
+            config = dataclasses.replace(config, kv_cache_dtype=config.kv_cache_dtype_for(True))
         if config.tensor_parallel_size == 1:
             model, quantized, run_cfg = load_model(path, config.torch_dtype, config.device,
                                                    bool(config.gguf_keep_quantized))
