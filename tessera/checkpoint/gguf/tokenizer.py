@@ -13,8 +13,9 @@ The building runs in a child process (`python -m tessera.checkpoint.gguf.tokeniz
 transformers' GGUF path imports its model configurations, torch._dynamo, DTensor and sympy, about
 120 MiB that a server would otherwise hold for its whole life for one call at start-up (issue 53:
 `tessera serve MODEL.gguf` against llama.cpp's server). The child writes the tokenizer's files; this
-process reads them with `tokenizers` alone. A file the child cannot build from is refused as before
-(ConfigError, its one-line message).
+process reads them with `tokenizers` alone. A process that has imported transformers already builds
+it itself (nothing is left to save, and a child would only add its start-up). A file the child
+cannot build from is refused as before (ConfigError, its one-line message).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not _has_transformers():
         raise ConfigError(NO_TRANSFORMERS)
     with tempfile.TemporaryDirectory(prefix="tessera-gguf-tokenizer-") as tmp:
-        _build_in_child(path, Path(tmp))
+        if sys.modules.get("transformers") is not None:  # imported already (a notebook, a test): no memory to save
+            save_gguf_tokenizer(path, tmp)
+        else:
+            _build_in_child(path, Path(tmp))
         tokenizer = load_tokenizer(tmp)
     tokenizer.source = str(path)
     return tokenizer
