@@ -54,8 +54,10 @@ class _MetaInitSkipped(TorchFunctionMode):
 
 def to_empty(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
     """`module.to_empty(device=device)`: every parameter and buffer given uninitialised storage on
-    `device`, with its shape, strides and dtype (allocated directly, not `empty_like` of the meta tensor)."""
-    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+    `device`, with its shape, strides and dtype (allocated directly, not `empty_like` of the meta tensor);
+    a DTensor (a model cut for tensor parallelism before it has storage) stays one, through `empty_like`."""
+    return module._apply(lambda t: torch.empty_like(t, device=device) if is_dtensor(t)
+                         else torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 @contextlib.contextmanager
