@@ -253,6 +253,7 @@ class Transformer(nn.Module):
         self.position_source: PositionSource = sequence_positions
         # Multimodal RoPE (Qwen2-VL): the (t, h, w) groups of rotary pairs that positions [3, B, S] rotate.
         self.mrope_section: list[int] | None = None
+        self.mrope_interleaved = False  # Qwen3-VL / Qwen3.5: the groups' pairs dealt in turn (rope.py)
         # A later pipeline stage receives hidden states; under sequence parallelism they are this
         # rank's 1/tp of the sequence, so the sequence is this many times longer (RoPE positions are global).
         self.received_sequence_shards = 1
@@ -287,10 +288,11 @@ class Transformer(nn.Module):
                 inv_freq = longrope_pick(positions, inv_freq, self.rope_long_inv_freq, original)
             elif extent > original:
                 inv_freq = self.rope_long_inv_freq
-        cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
+        mrope = (self.mrope_section, self.mrope_interleaved)
+        cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, *mrope)
         local = None
         if self.local_rope_inv_freq.numel():
-            local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, self.mrope_section)
+            local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, *mrope)
         q_scale = None
         if self.cfg.nope_attn_scale > 0:  # Llama 4's temperature tuning (model.nope_attn_scale)
             steps = torch.floor((positions.float() + 1.0) / self.cfg.nope_floor_scale)
