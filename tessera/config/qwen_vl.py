@@ -161,7 +161,7 @@ class QwenVLConfig:
         if (not isinstance(self.mrope_section, list) or len(self.mrope_section) != 3
                 or sum(self.mrope_section) != pairs):
             raise ConfigError(f"{self.version}.mrope_section={self.mrope_section!r} is invalid: three counts of rotary "
-                              f"pairs (temporal, height, width) summing to the rotated head size / 2 = {pairs}")
+                              f"pairs (temporal, height, width) summing to the rotated head_dim / 2 = {pairs}")
         if self.vision.out_dim != self.text.dim:
             raise ConfigError(f"{self.version}: the vision merger outputs {self.vision.out_dim} features but the "
                               f"language model's width is {self.text.dim}")
