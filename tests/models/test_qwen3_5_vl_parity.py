@@ -22,7 +22,8 @@ def _hf_logits(hf, ids, pixels=None, grids=None):
     with torch.no_grad():
         if pixels is None:
             return hf(input_ids=ids).logits
-        return hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=mm_token_types(ids)).logits
+        return hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                  mm_token_type_ids=mm_token_types(ids)).logits
 
 
 @pytest.mark.parametrize("family", FAMILIES)
