@@ -45,6 +45,10 @@ def test_export_loads_in_transformers_auto_classes(family, tmp_path):
     torch.testing.assert_close(_logits(back, ids, pixels, grids), want, atol=1e-4, rtol=1e-4)
     again = load_qwen3_5_vl(tmp_path / "out")  # and Tessera reads its own export
     assert again.cfg == model.cfg
+    # no processor given: the tower's own, normalizing as transformers' Qwen3-VL processors do
+    written_proc = json.loads((tmp_path / "out" / "preprocessor_config.json").read_text())
+    assert written_proc["image_mean"] == written_proc["image_std"] == [0.5, 0.5, 0.5]
+    assert written_proc["patch_size"] == 4
     with torch.no_grad():
         torch.testing.assert_close(again(ids, pixel_values=pixels, image_grid_thw=grids).logits, want,
                                    atol=1e-4, rtol=1e-4)
