@@ -22,14 +22,15 @@ VISION = dict(depth=2, hidden_size=24, intermediate_size=40, num_heads=2, out_hi
               temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 
 
-def hf_qwen3_5_vl(family: str, seed: int = 0, tie: bool = False):
+def hf_qwen3_5_vl(family: str, seed: int = 0, tie: bool = False, vocab: int = 96):
     """A transformers Qwen3.5 (family "qwen3_5") or Qwen3.5-MoE ("qwen3_5_moe") with every weight
-    random (the tower's norms near 1; the language model's (1 + w) norms near 0 + 1), fp32, eval mode."""
+    random (the tower's norms near 1; the language model's (1 + w) norms near 0 + 1), fp32, eval mode;
+    a `vocab` of more than 96 (a text run's tokenizer) keeps the image tokens at ids 92..95."""
     import transformers as tf
 
     cls, model_cls = ((tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration) if family == "qwen3_5"
                       else (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration))
-    text = {**TEXT, **(MOE if family == "qwen3_5_moe" else {}), "tie_word_embeddings": tie}
+    text = {**TEXT, **(MOE if family == "qwen3_5_moe" else {}), "tie_word_embeddings": tie, "vocab_size": vocab}
     cfg = cls(text_config=text, vision_config=VISION, image_token_id=IMAGE, vision_start_token_id=VISION_START,
               vision_end_token_id=VISION_END, video_token_id=VIDEO, tie_word_embeddings=tie)
     torch.manual_seed(seed)
