@@ -25,14 +25,16 @@ VISION = dict(depth=2, hidden_size=24, intermediate_size=40, num_heads=2, out_hi
 def hf_qwen3_5_vl(family: str, seed: int = 0, tie: bool = False, vocab: int = 96):
     """A transformers Qwen3.5 (family "qwen3_5") or Qwen3.5-MoE ("qwen3_5_moe") with every weight
     random (the tower's norms near 1; the language model's (1 + w) norms near 0 + 1), fp32, eval mode;
-    a `vocab` of more than 96 (a text run's tokenizer) keeps the image tokens at ids 92..95."""
+    its image, vision start / end and video tokens the last four ids of its `vocab`."""
     import transformers as tf
 
     cls, model_cls = ((tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration) if family == "qwen3_5"
                       else (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration))
     text = {**TEXT, **(MOE if family == "qwen3_5_moe" else {}), "tie_word_embeddings": tie, "vocab_size": vocab}
-    cfg = cls(text_config=text, vision_config=VISION, image_token_id=IMAGE, vision_start_token_id=VISION_START,
-              vision_end_token_id=VISION_END, video_token_id=VIDEO, tie_word_embeddings=tie)
+    shift = vocab - 96
+    cfg = cls(text_config=text, vision_config=VISION, image_token_id=IMAGE + shift,
+              vision_start_token_id=VISION_START + shift, vision_end_token_id=VISION_END + shift,
+              video_token_id=VIDEO + shift, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
