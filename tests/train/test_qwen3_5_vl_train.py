@@ -1,7 +1,7 @@
 """`tessera train` with data.kind=vision_sft from a transformers Qwen3.5 / Qwen3.5-MoE directory:
 step 1's loss is transformers' answer-only cross-entropy on a batch of images of several sizes (the
 hybrid language model's recurrent layers and interleaved M-RoPE in the training step), and a few
-steps lower it; on gloo ranks dp_shard, tp and ep x dp_shard equal one process."""
+steps lower it; on gloo ranks dp_shard, tp, ep x dp_shard, cp and pp equal one process."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from tests.forked_ranks import run_ranks
 from tests.hang_guard import HANG_S
 from tests.models.qwen3_5_vl_cases import FAMILIES, hf_qwen3_5_vl
 from tests.models.qwen_vl_cases import hf_processor
-from tests.parallel.trainer_runs import whole_parameters
+from tests.parallel.trainer_runs import assert_merged_weights_equal, whole_parameters
 from tests.train.test_qwen_vl_train import VOCAB, _hf_answer_loss, _losses, overrides
 
 
@@ -56,18 +56,20 @@ def _train_on_ranks(settings):
 @pytest.mark.dist
 @pytest.mark.parametrize("family, layout", [("qwen3_5", {"parallel.dp_shard": 2}),
                                             ("qwen3_5", {"parallel.tp": 2, "parallel.dp_shard": 1}),
-                                            ("qwen3_5_moe", {"parallel.ep": 2, "parallel.dp_shard": 2})])
-def test_data_tensor_and_expert_parallel_equal_one_process(tmp_path, family, layout):
+                                            ("qwen3_5_moe", {"parallel.ep": 2, "parallel.dp_shard": 2}),
+                                            ("qwen3_5", {"parallel.cp": 2, "parallel.dp_shard": 1}),
+                                            ("qwen3_5", {"parallel.pp": 2, "parallel.dp_shard": 1})],
+                         ids=["dp_shard", "tp", "moe-ep-dp_shard", "cp", "pp"])
+def test_the_layouts_equal_one_process(tmp_path, family, layout):
     """The fine-tune's layouts over the hybrid language model (the DeltaNet's heads and channels cut
-    under tp, the experts under ep) equal one process: losses and weights after 3 steps (fp32 1e-5)."""
+    under tp, the experts under ep, the recurrent state handed between cp ranks, the tower on the
+    first pipeline stage) equal one process: losses and weights after 3 steps (fp32 1e-5)."""
     hf_qwen3_5_vl(family, seed=3, vocab=VOCAB).save_pretrained(tmp_path / "hf")
     hf_processor().save_pretrained(tmp_path / "hf")
     one = Trainer(load_config(None, _settings(tmp_path / "hf", tmp_path / "one", 3)))
     want_losses = _losses(one.train())
     want = {k: v.detach() for k, v in one.model.named_parameters()}
     got = run_ranks(_train_on_ranks, 2, _settings(tmp_path / "hf", tmp_path / "ranks", 3, **layout),
-                    timeout=HANG_S)[0]
-    assert got["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
-    assert set(got["weights"]) == set(want)
-    for name, value in got["weights"].items():
-        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-5, msg=name)
+                    timeout=HANG_S)
+    assert got[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
+    assert_merged_weights_equal(got, want)  # a pipeline's stages together
