@@ -10,7 +10,13 @@ temporally), rotate q and k by each patch's (row, column) and merge every 2x2 bl
 (`spatial_merge_size`) into one language-model token. `QwenVLConfig` adds the language model (a
 Qwen2 decoder, `ModelConfig` family "qwen2") with multimodal rotary positions: the rotary
 frequencies are split into `mrope_section` (temporal, height, width) groups, each rotated by its
-own coordinate of the token's 3-D position. No torch.
+own coordinate of the token's 3-D position.
+
+The same two classes describe Qwen3.5 / Qwen3.5-MoE with their tower (versions "qwen3_5",
+"qwen3_5_moe", `QWEN3_TOWERS`: Qwen3-VL's tower, LayerNorm and a fc1/fc2 MLP as Qwen2-VL's, a
+learned position table of `position_embeddings` entries), whose language model is a Qwen3.5 hybrid
+(`TEXT_FAMILIES`) with its pairs dealt to the coordinates in turn (`mrope_interleaved`); their
+config.json is read and written in tessera/config/qwen3_5_vl.py. No torch.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ merge blocks, before the first block and the merged outputs restored to the imag
 The merger normalises each patch, concatenates each merge block's patches and maps them through
 a two-layer GELU MLP into the language model's width.
 
+Qwen3-VL's tower (Qwen3.5's, tessera/models/vision/qwen3_vision.py) is this one with learned
+positions added to the patches: `embed_patches` is where they go.
+
 A plain single-device module, no collectives. Shapes: P patches (all images together), D width.
 """
 

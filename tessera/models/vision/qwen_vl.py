@@ -1,5 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL: the native-resolution vision tower (tessera/models/vision/qwen_vision.py) and a
-Qwen2 language model with multimodal rotary positions (M-RoPE).
+Qwen2 language model with multimodal rotary positions (M-RoPE). Qwen3.5's family
+(tessera/models/vision/qwen3_vision.py) is this class with another tower (`QwenVL.tower`) and its
+language model's M-RoPE interleaved.
 
 The vision seam is every vision-language model's (tessera/models/vision/vision_language.py), with the
 images' patch grids beside their pixels: `encode_images(pixel_values, image_grid_thw)` gives one
