@@ -367,11 +367,14 @@ def _indices(part: slice) -> torch.Tensor:
 @torch.no_grad()
 def keep_part(module: nn.Module, name: str, index: torch.Tensor, dim: int = 0) -> None:
     """`module`'s parameter `name` (if it has one) replaced by its entries `index` along `dim`, a tensor
-    of its own: the whole one is freed once nothing else holds it."""
+    of its own: the whole one is freed once nothing else holds it. The part remembers where it came
+    from (`whole_index`: (dim, index)), so a whole tensor can be copied into it later."""
     p = getattr(module, name)
     if p is not None:
-        part = p.index_select(dim, index.to(p.device)).contiguous()
-        setattr(module, name, nn.Parameter(part, requires_grad=p.requires_grad))
+        index = index.to(p.device)
+        part = nn.Parameter(p.index_select(dim, index).contiguous(), requires_grad=p.requires_grad)
+        part.whole_index = (dim, index)
+        setattr(module, name, part)
 
 
 class VocabParallelTiedHead:

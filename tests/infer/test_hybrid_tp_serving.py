@@ -254,3 +254,58 @@ def test_an_engine_over_a_trainers_shared_weights_reads_their_in_place_updates(p
         assert rank["kept"]
         assert not torch.allclose(rank["before"], rank["after"])
         torch.testing.assert_close(rank["after"], rank["fresh"], rtol=1e-5, atol=1e-5)
+
+
+def _gathered_then_updated(preset: str) -> dict:
+    """On each of four ranks (tp=2 x dp_shard=2): a GRPO engine's copy of its tp shard of an FSDP policy
+    (`gathered_shards`, filled by `gather_shards`), its logits before and after the policy's weights move
+    in place (gathered again), a model cut for serving afresh from the moved weights, and the copy's
+    mixer parameters' shapes."""
+    import torch.distributed as dist
+
+    from tessera.config.parallel import ParallelConfig
+    from tessera.infer.runner.tp_shared import gather_shards, gathered_shards
+    from tessera.models import Transformer
+    from tessera.parallel import ParallelDims, parallelize
+    from tests.parallel.training_step import full_tensors
+
+    cfg = get_preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    layout = ParallelConfig(tp=2, dp_shard=2)
+    dims = ParallelDims.from_config(layout, dist.get_world_size())
+    policy = parallelize(Transformer(cfg, init_seed=0), dims, layout)
+    served = gathered_shards(policy, dims)
+    with torch.no_grad():
+        gather_shards(served, policy)
+        before = served(ids).logits
+        for p in policy.parameters():  # an optimizer step on the policy's shards, in place
+            (p.to_local() if hasattr(p, "to_local") else p).mul_(1.05).add_(0.01)
+        gather_shards(served, policy)
+        after = served(ids).logits
+        moved = Transformer(cfg, init_seed=None)
+        moved.load_state_dict(full_tensors(policy.named_parameters()))
+        vocab = cfg.vocab_size // 2  # this rank's slice of the one-process logits of the moved weights
+        first = dims["tp"].get_local_rank() * vocab
+        want = moved(ids).logits[..., first:first + vocab]
+    return {"before": before, "after": after, "want": want,
+            "mixer_params": {n: tuple(p.shape) for n, p in served.named_parameters() if ".attention." in n}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_a_grpo_engines_gathered_copy_holds_only_its_part_and_takes_the_updates(preset):
+    """Under tp=2 x dp_shard=2 a GRPO engine keeps a copy of its tp shard of the FSDP policy (`gathered_shards`):
+    of the weights a mixer keeps whole in training it holds only this rank's part (cut when built), which
+    `gather_shards` fills from the policy's whole tensors after each step, so after the weights move its
+    logits are the moved model's (this rank's vocabulary slice of one process's)."""
+    from tessera.models import Transformer
+    from tests.forked_ranks import run_ranks
+
+    got = run_ranks(_gathered_then_updated, 4, preset)
+    one = {n: tuple(p.shape) for n, p in Transformer(get_preset(preset), init_seed=0).named_parameters()}
+    for rank in got:
+        assert not torch.allclose(rank["before"], rank["after"])
+        torch.testing.assert_close(rank["after"], rank["want"], rtol=1e-5, atol=1e-5)
+        for n, shape in rank["mixer_params"].items():
+            if n.endswith(WHOLE_IN_TRAINING[preset]):
+                assert 2 * torch.Size(shape).numel() == torch.Size(one[n]).numel(), n

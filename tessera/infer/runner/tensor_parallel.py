@@ -20,10 +20,11 @@ A hybrid model's recurrent mixers keep some weights whole on every rank in train
 rank's rows, channels and heads of them through their `own_part` seam (training's `DeltaNetRankPart`,
 `MambaRankPart`). A model cut for serving (`cut_for_serving`, `serving_shard_from_hf`) keeps only those
 parts: each rank's whole weights are cut to them at load (the parts' `cut`) and the mixer reads them
-as they are (`own_part` whole), so a rank holds 1/tp of them. A serving model over a GRPO trainer's
-weights (tp_shared.py) must keep them whole, since the trainer's optimizer updates them in place:
-there `KeptParts` keeps each part after its first read and reads it again only when its tensor's
-version has moved.
+as they are (`own_part` whole), so a rank holds 1/tp of them (so does a GRPO engine's copy of the
+trainer's shard, tp_shared.py's `gathered_shards`). A serving model over a GRPO trainer's own tensors
+(`alias_shards`) must keep them whole, since the trainer's optimizer updates them in place: there
+`KeptParts` keeps each part after its first read and reads it again only when its tensor's version
+has moved.
 
 How the ranks run a step together is in `tp_channel.py`; their processes, start-up and failure
 handling in `tp_workers.py`; rank 0's side in `tp_executor.py`.
