@@ -132,3 +132,40 @@ def test_planner_counts_the_recurrent_layers_state_handoff_under_context_paralle
             assert calls == counted[kind][0], (kind, moved, counted)
     exchange = "send_recv" if cp_method == "ring" else "all_to_all"
     assert moved["all_gather"][1] > 0 and moved["reduce_scatter"][1] > 0 and moved[exchange][1] > 0
+
+
+def _handoff_gathers(cp_method: str, preset: str) -> list[tuple[int, ...]]:
+    """A tp2 x cp2 step of `preset` (tests/parallel/test_hybrid_layouts.py's), tracing the bytes each state
+    handoff gathers: per call, every tensor's gathered size (2 cp ranks' rows)."""
+    import tessera.parallel.context_parallel_recurrent as recurrent
+    from tests.parallel.test_hybrid_layouts import _cp_rank
+
+    gather, seen = recurrent.gather_rows_then, []
+
+    def traced(fn, group, *tensors):
+        seen.append(tuple(2 * t.numel() * t.element_size() for t in tensors))
+        return gather(fn, group, *tensors)
+
+    recurrent.gather_rows_then = traced
+    _cp_rank(cp_method, preset, 2)
+    return seen
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, cp_method", [("tiny-qwen3-next", "alltoall"), ("tiny-nemotron-h", "ring"),
+                                               ("tiny-kimi-linear", "ring")])
+def test_planned_handoff_buffers_are_what_a_tp2_cp2_step_gathers(preset, cp_method):
+    """Under tp2 x cp2 each rank's state handoff gathers its heads' and channels' share: every gather of a
+    real step (the conv inputs; the transitions and end states) is the size the planner gives each buffer
+    (`handoff_buffers`) for the layout, one part a rank (contiguous) or two (zig-zag)."""
+    from tessera.config import get_preset
+    from tessera.plan.profile import handoff_buffers
+    from tests.parallel.test_hybrid_layouts import _short
+
+    cfg = get_preset(preset, **_short(preset))
+    planned = handoff_buffers(cfg, "ssd" if cfg.mamba is not None else "delta",
+                              Layout(tp=2, cp=2, cp_method=cp_method), 2, 4)  # 2 sequences, fp32
+    conv, states = (planned["convolution inputs"],), (planned["transitions"], planned["end states"])
+    for rank in run_ranks(_handoff_gathers, 4, cp_method, preset):
+        assert rank and set(rank) == {conv, states} and rank.count(conv) == rank.count(states), rank
