@@ -109,9 +109,10 @@ def _hybrid_step(model: str, dataset: str, run_dir, world: int, **parallel) -> t
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("model, cp_method", [("qwen3-next", "alltoall"), ("nemotron-h", "ring")],
-                         ids=["qwen3-next-cp2-alltoall", "nemotron-h-cp2-ring"])
-def test_planner_counts_the_recurrent_layers_state_handoff_under_context_parallelism(model, cp_method,
+@pytest.mark.parametrize("model, cp_method, recompute",
+                         [("qwen3-next", "alltoall", "full"), ("nemotron-h", "ring", "none")],
+                         ids=["qwen3-next-cp2-alltoall-full-recompute", "nemotron-h-cp2-ring"])
+def test_planner_counts_the_recurrent_layers_state_handoff_under_context_parallelism(model, cp_method, recompute,
                                                                                       small_dataset, tmp_path):
     """A hybrid model under cp=2: what context parallelism moves in a real step (the trainer's
     `log.comm_stats`, a cp=2 run's collectives less those of a dp_shard=2 run with the same FSDP
@@ -119,11 +120,13 @@ def test_planner_counts_the_recurrent_layers_state_handoff_under_context_paralle
     the planner counts: the recurrent layers' state handoff (every
     part's conv inputs, transitions and end states all-gathered, their gradients reduce-scattered),
     call for call and byte for byte, and attention's exchange (Ulysses' all-to-alls, byte for byte;
-    ring's sends, call for call) for the attention layers only; Nemotron-H's MLP layers move nothing."""
-    plan_dp, ran_dp = _hybrid_step(model, small_dataset, tmp_path / "dp", 2, **{"parallel.dp_shard": 2,
-                                                                                 "train.global_batch_size": 8})
+    ring's sends, call for call) for the attention layers only; Nemotron-H's MLP layers move nothing. Under
+    full recomputation the recomputed forward gathers again."""
+    plan_dp, ran_dp = _hybrid_step(model, small_dataset, tmp_path / "dp", 2, **{
+        "parallel.dp_shard": 2, "train.global_batch_size": 8, "parallel.recompute": recompute})
     plan_cp, ran_cp = _hybrid_step(model, small_dataset, tmp_path / "cp", 2, **{
-        "parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": cp_method, "train.global_batch_size": 4})
+        "parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": cp_method, "train.global_batch_size": 4,
+        "parallel.recompute": recompute})
     moved = {k: (ran_cp[k][0] - ran_dp[k][0], ran_cp[k][1] - ran_dp[k][1]) for k in COUNTED}
     counted = {k: (plan_cp[k][0] - plan_dp[k][0], plan_cp[k][1] - plan_dp[k][1]) for k in COUNTED}
     for kind, (calls, nbytes) in moved.items():
