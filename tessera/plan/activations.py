@@ -28,7 +28,7 @@ from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.loss_memory import loss_buffer_bytes_per_logit
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_buffers
 from tessera.plan.saved_terms import SavedTensor
 
 
@@ -105,6 +105,23 @@ def layer_device_host_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Wor
     return device, total - device
 
 
+def handoff_saved_bytes(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str, prof: ModelProfile,
+                        stage: int) -> float:
+    """What the recurrent layers of `stage` keep for backward per micro-batch under context parallelism,
+    beside their layer's own tensors: the state handoff's gathered buffers (every part's conv inputs,
+    transitions and end states: states, not keys and values, so the same at any sequence length;
+    comm.py), none where full or op recomputation re-runs the layer."""
+    if lay.cp == 1:
+        return 0.0
+    dt = get_activation_dtype(dtype)
+    total = 0.0
+    for (mixer, applies), n in prof.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute,
+                                                 lay.recompute_interval).items():
+        if mixer in ("delta", "ssd") and not (applies and lay.recompute in ("full", "op")):
+            total += n * sum(handoff_buffers(cfg, mixer, lay, work.micro_batch, dt.compute).values())
+    return total
+
+
 @dataclass(frozen=True)
 class StageActivations:
     """Activation memory of one rank of pipeline stage `stage`."""
@@ -171,6 +188,10 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
             if whole > kept + away:
                 rebuilt = max(rebuilt, whole)
             reload = max(reload, away)
+        if lay.activation_offload:
+            host += handoff_saved_bytes(cfg, lay, work, dtype, prof, s)
+        else:
+            per_mb += handoff_saved_bytes(cfg, lay, work, dtype, prof, s)
         stage_head = head if last else 0.0
         logits = tokens * cfg.vocab_size / lay.tp * per_logit if last else 0.0
         dispatch = 0.0

@@ -14,7 +14,14 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
   keys and values of the whole sequence forward and again backward and reduce-scatters their
   gradients (MLA gathers its compressed latent); ring passes each rank's key/value block cp - 1
   times forward and backward and the fp32 gradient accumulators cp times backward. The latter two
-  hide behind attention.
+  hide behind attention. These run on the layers that attend only: a recurrent layer (Gated
+  DeltaNet, Kimi delta attention, Mamba-2; tessera.parallel.context_parallel_recurrent) all-gathers
+  every part's last W-1 convolution inputs, and every part's transition and zero-start end state
+  (fp32: heads x K x K and heads x K x V for the delta rule, heads and heads x P x N for SSD), one
+  gather each, forward and again in a recomputed forward, and reduce-scatters their gradients
+  backward; each is a state's size per part of a sequence (one part per rank, two under the zig-zag
+  split), whatever its length, and on the critical path (`handoff_buffers`). An MLP-only layer
+  (Nemotron-H) exchanges nothing.
 - EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
@@ -35,7 +42,7 @@ from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import Precision, RankParams
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_buffers
 
 _FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
            "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -106,6 +113,14 @@ class _StageCounts:
         return cls(layers=sum(kinds.values()), recomputed=recomputed, cores=applied,
                    moe_layers=sum(c for (moe, _), c in kinds.items() if moe), moe_recomputed=moe_recomputed)
 
+    @classmethod
+    def of_mixer(cls, mixers: dict[tuple[str, bool], int], mixer: str, recompute: str) -> _StageCounts:
+        """The layers whose token mixer is `mixer`, from `ModelProfile.stage_mixers` (MoE not counted)."""
+        layers = sum(c for (m, _), c in mixers.items() if m == mixer)
+        applied = sum(c for (m, applies), c in mixers.items() if m == mixer and applies)
+        return cls(layers=layers, recomputed=applied if recompute in ("full", "op") else 0, cores=applied,
+                   moe_layers=0, moe_recomputed=0)
+
 
 def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, params: RankParams,
                       precision: Precision, dtype: str, profile: ModelProfile | None = None) -> list[Collective]:
@@ -125,7 +140,10 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     counts = _StageCounts.of(kinds, lay.recompute)
     _tp_collectives(lay, stage, counts, T * cfg.dim * dt.compute, add)
     if lay.cp > 1:
-        _cp_collectives(cfg, lay, counts, T, dt, add)
+        mixers = prof.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute, lay.recompute_interval)
+        _cp_collectives(cfg, lay, _StageCounts.of_mixer(mixers, "attention", lay.recompute), T, dt, add)
+        for mixer in ("delta", "ssd"):
+            _handoff_collectives(cfg, lay, work, mixer, _StageCounts.of_mixer(mixers, mixer, lay.recompute), dt, add)
     if lay.ep > 1 and counts.moe_layers:
         rows = T * cfg.moe.top_k * cfg.dim * dt.residual
         add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows,
@@ -210,6 +228,19 @@ def _allgather_attention(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T:
     add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * counts.layers + counts.cores,
         overlap="attention")
     add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, counts.layers, overlap="attention")
+
+
+def _handoff_collectives(cfg: ModelConfig, lay: Layout, work: Workload, mixer: str, counts: _StageCounts,
+                         dt: ActivationDtype, add: AddCollective) -> None:
+    """The state handoff of the stage's `mixer` layers: each buffer all-gathered in the forward and a
+    recomputed forward, its gradient reduce-scattered in the backward (module docstring)."""
+    if not counts.layers:
+        return
+    for what, size in handoff_buffers(cfg, mixer, lay, work.micro_batch, dt.compute).items():
+        add("cp", lay.cp, "all-gather", f"recurrent state handoff ({mixer}): {what}", size,
+            counts.layers + counts.recomputed)
+        add("cp", lay.cp, "reduce-scatter", f"recurrent state handoff ({mixer}): {what} gradients", size,
+            counts.layers)
 
 
 @dataclass(frozen=True)
