@@ -10,8 +10,11 @@ on the first qk_rope_head_dim dims of both in the half layout (the attention's o
 interleaved). Among the keys the query may see (causal), the `index_topk` of highest score are kept;
 with as many keys as that or fewer, attention is dense MLA. The selection is not differentiable:
 the indexer's weights get no gradient from the language-model loss (transformers' indexer runs under
-no_grad, DeepSeek trains it with a separate KL objective, which Tessera does not have), so they are
-frozen (`requires_grad` false): the optimizer leaves them out and every layout agrees on that.
+no_grad), so they are frozen (`requires_grad` false): the optimizer leaves them out and every layout
+agrees on that. DeepSeek trains the indexer with a separate KL objective against the main attention
+(indexer_loss.py): with `indexer_training` set (train.indexer_loss, tessera.train.indexer_loss) the
+layer scores with gradient from detached inputs, attends densely (stage "dense") or over the chosen
+keys ("sparse"), and returns its output with that loss (`AttentionLosses`) for the block to hand on.
 
 An inference cache is passed the selection as a function, since only it knows each sequence's
 context: `attend_sparse(layer_id, q, k, v, scale, index_keys, choose)` stores the step's indexer keys
@@ -31,6 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
+from tessera.models.attention_variants.indexer_loss import (
+    LOSS_NAME,
+    AttentionLosses,
+    HeadSum,
+    IndexerTraining,
+    all_heads_summed,
+    attention_target,
+    indexer_kl,
+)
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.rope import apply_rope
 
@@ -93,11 +105,15 @@ class SparseLatentAttention(MultiHeadLatentAttention):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id)
         self.indexer = LightningIndexer(cfg)
+        self.indexer_training: IndexerTraining | None = None  # train.indexer_loss (module docstring)
+        self.head_sum: HeadSum = all_heads_summed  # the seam of the indexer loss's target (indexer_loss.py)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: SparseAttentionCache | None = None) -> torch.Tensor:
+                cache: SparseAttentionCache | None = None) -> torch.Tensor | tuple[torch.Tensor, AttentionLosses]:
         B, S, _ = x_BSD.shape
         q, k, v, q_latent = self.project(x_BSD, cos, sin)
+        if self.indexer_training is not None and cache is None:
+            return self._train_indexer(x_BSD, q_latent, q, k, v, cos, sin)
         with torch.no_grad():  # the choice is not differentiable (module docstring)
             iq, w = self.indexer.queries(x_BSD, q_latent, cos, sin)
             keys = self.indexer.keys(x_BSD, cos, sin)
@@ -115,3 +131,19 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                 chosen = select_keys(self.indexer.scores(iq, w, keys), causal, self.indexer.topk)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _train_indexer(self, x_BSD: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, AttentionLosses]:
+        """Attention (dense in the warm-up, else over the chosen keys) and the indexer's KL loss
+        (indexer_loss.py), the indexer scoring detached inputs with gradient."""
+        B, S, _ = x_BSD.shape
+        iq, w = self.indexer.queries(x_BSD.detach(), q_latent.detach(), cos, sin)
+        scores = self.indexer.scores(iq, w, self.indexer.keys(x_BSD.detach(), cos, sin))
+        causal = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril().expand(B, S, S)
+        chosen = causal if self.indexer_training.stage == "dense" else select_keys(
+            scores.detach(), causal, self.indexer.topk)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], scale=self.scale)
+        target = attention_target(q, k, self.scale, chosen, self.head_sum)
+        loss = indexer_kl(target, scores, chosen).mean() * self.indexer_training.weight
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1)), AttentionLosses({LOSS_NAME: loss})
