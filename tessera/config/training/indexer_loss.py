@@ -12,12 +12,12 @@ loss trains the rest while the indexer learns from the KL alone (its inputs are 
 adds `weight` x each sparse-attention layer's mean KL per query, per micro-batch, as it adds the MoE
 balancing losses (logged as aux/layer{i}/indexer_kl).
 
-Trains in one process and under dp_replicate / dp_shard, tp (the target sums every rank's heads), sp and ep.
+Trains in one process and under dp_replicate / dp_shard, tp (the target sums every rank's heads), sp, ep and
+cp (each rank's queries over the all-gathered keys of the sequence, its share of the mean).
 Refused by name: pipeline parallelism (untested), a model without the indexer (model.mla.index_topk unset),
 another objective than lm, an EAGLE target, LoRA adapters (they freeze the indexer's weights too), a negative
 or non-finite weight, and a warm-up whose model would move its experts' selection bias
-(model.moe.bias_update_rate must be 0 there); context parallelism is refused for sparse attention itself
-(tessera.config.layout_rules).
+(model.moe.bias_update_rate must be 0 there).
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ agrees on that. DeepSeek trains the indexer with a separate KL objective against
 layer scores with gradient from detached inputs, attends densely (stage "dense") or over the chosen
 keys ("sparse"), and returns its output with that loss (`AttentionLosses`) for the block to hand on.
 
+Without a cache, where the layer's keys come from is a seam, `sequence` (a `KeySpan`): on one process the
+input is the whole sequence (`whole_sequence`); context parallelism (tessera.parallel) installs one that
+all-gathers every cp rank's keys, values and indexer keys into sequence order, so that each rank's
+queries score every key of the sequence, pick their top-k among all of them at their global positions,
+and every rank picks what one process picks.
+
 An inference cache is passed the selection as a function, since only it knows each sequence's
 context: `attend_sparse(layer_id, q, k, v, scale, index_keys, choose)` stores the step's indexer keys
 [B, S, D_i] beside the keys and values and calls `choose(rows, keys_LD, allowed_SL)` for the queries
@@ -48,6 +54,19 @@ from tessera.models.rope import apply_rope
 
 # (rows of the step's queries, that context's indexer keys [L, D_i], allowed [S', L] bool) -> chosen [S', L] bool
 KeyChoice = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor]
+# (k [B, H, C, N+R], v [B, H, C, V], indexer keys [B, C, D_i] of this process's tokens) -> those of every
+# token of the sequence, in sequence order [.., T, ..], and the keys each of this process's queries may see
+# [B, C, T] bool (module docstring: the `sequence` seam)
+KeySpan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def whole_sequence(k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, index_keys_BSD: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `KeySpan` of one process: the sequence is all here, each query sees itself and the keys before."""
+    B, _, S, _ = k_BHSD.shape
+    causal = torch.ones(S, S, dtype=torch.bool, device=k_BHSD.device).tril().expand(B, S, S)
+    return k_BHSD, v_BHSD, index_keys_BSD, causal
 
 
 class SparseAttentionCache(Protocol):
@@ -107,6 +126,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         self.indexer = LightningIndexer(cfg)
         self.indexer_training: IndexerTraining | None = None  # train.indexer_loss (module docstring)
         self.head_sum: HeadSum = all_heads_summed  # the seam of the indexer loss's target (indexer_loss.py)
+        self.sequence: KeySpan = whole_sequence  # the seam of the keys without a cache (module docstring)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: SparseAttentionCache | None = None) -> torch.Tensor | tuple[torch.Tensor, AttentionLosses]:
@@ -126,9 +146,9 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if cache is not None:
             out = cache.attend_sparse(self.layer_id, q, k, v, self.scale, keys, choose)
         else:
-            causal = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril().expand(B, S, S)
+            k, v, keys, allowed = self.sequence(k, v, keys)
             with torch.no_grad():
-                chosen = select_keys(self.indexer.scores(iq, w, keys), causal, self.indexer.topk)
+                chosen = select_keys(self.indexer.scores(iq, w, keys), allowed, self.indexer.topk)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -139,11 +159,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         (indexer_loss.py), the indexer scoring detached inputs with gradient."""
         B, S, _ = x_BSD.shape
         iq, w = self.indexer.queries(x_BSD.detach(), q_latent.detach(), cos, sin)
-        scores = self.indexer.scores(iq, w, self.indexer.keys(x_BSD.detach(), cos, sin))
-        causal = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril().expand(B, S, S)
-        chosen = causal if self.indexer_training.stage == "dense" else select_keys(
-            scores.detach(), causal, self.indexer.topk)
+        k, v, keys, allowed = self.sequence(k, v, self.indexer.keys(x_BSD.detach(), cos, sin))
+        scores = self.indexer.scores(iq, w, keys)
+        chosen = allowed if self.indexer_training.stage == "dense" else select_keys(
+            scores.detach(), allowed, self.indexer.topk)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], scale=self.scale)
         target = attention_target(q, k, self.scale, chosen, self.head_sum)
-        loss = indexer_kl(target, scores, chosen).mean() * self.indexer_training.weight
+        # the mean over the micro-batch's queries: under cp this rank's share of it (T: the whole sequence)
+        loss = indexer_kl(target, scores, chosen).sum() / (B * allowed.shape[-1]) * self.indexer_training.weight
         return self.wo(out.transpose(1, 2).reshape(B, S, -1)), AttentionLosses({LOSS_NAME: loss})
