@@ -1,7 +1,8 @@
 """train.indexer_loss through the training loop on one process (tessera/config/training/indexer_loss.py): a
 few steps of the dense warm-up lower every sparse-attention layer's indexer KL while every other weight
 stays as initialised; a few steps of the sparse stage lower the KL and the language-model loss together;
-what the loss cannot train with is refused by name."""
+what the loss cannot train with is refused by name. On two ranks the real Trainer with the loss (pipeline
+stages, fsdp in the warm-up, cp) logs one process's losses, auxiliary losses and KL and ends with its weights."""
 
 from __future__ import annotations
 
@@ -68,3 +69,36 @@ def test_what_the_loss_cannot_train_with_is_refused_by_name(tmp_path, extra, mat
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     with pytest.raises(ConfigError, match=match):
         load_config(str(tmp_path / "cfg.yaml"), ["train.device=cpu", *extra])
+
+
+def _train(config: str, overrides: list[str]) -> dict:
+    from tests.parallel.trainer_runs import whole_parameters
+
+    trainer = Trainer(load_config(config, overrides))
+    return {"records": trainer.train().records, "weights": whole_parameters(trainer.parts)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(("parallel", "stage"), [
+    ({"parallel.pp": 2, "parallel.dp_shard": 1, "parallel.pp_schedule": "1f1b"}, "sparse"),
+    ({"parallel.dp_shard": 2}, "dense"),
+    ({"parallel.cp": 2, "parallel.dp_shard": 1, "parallel.cp_method": "ring"}, "sparse")],
+    ids=["pp2-1f1b", "fsdp2-warm-up", "cp2-ring"])
+def test_the_trainer_on_two_ranks_trains_like_one_process(parallel, stage, small_dataset, tmp_path):
+    from tests.forked_ranks import run_ranks
+    from tests.parallel.trainer_runs import EQUALITY_OVERRIDES, assert_same_training
+
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    extra = {"train.indexer_loss.weight": 1, "train.indexer_loss.stage": stage, "model.moe.bias_update_rate": 0}
+
+    def overrides(run_dir, **layout):
+        base = shrink(small_dataset, run_dir, 3, **{**EQUALITY_OVERRIDES, **layout})
+        return [o for o in base if not o.startswith(("model.", "optim.warmup"))] + [
+            f"{k}={v}" for k, v in extra.items()]
+
+    ref = _train(str(tmp_path / "cfg.yaml"), overrides(tmp_path / "one"))
+    got = run_ranks(_train, 2, str(tmp_path / "cfg.yaml"), overrides(tmp_path / "ranks", **parallel), timeout=300)
+    assert_same_training(got, ref, rtol=1e-5)
+    for r, w in zip(got[0]["records"], ref["records"], strict=True):
+        kl = [k for k in w if k.endswith("/indexer_kl")]
+        assert len(kl) == 3 and all(abs(r[k] - w[k]) <= 1e-5 * abs(w[k]) for k in kl), (r, w)

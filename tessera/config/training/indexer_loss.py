@@ -13,8 +13,9 @@ adds `weight` x each sparse-attention layer's mean KL per query, per micro-batch
 balancing losses (logged as aux/layer{i}/indexer_kl).
 
 Trains in one process and under dp_replicate / dp_shard, tp (the target sums every rank's heads), sp, ep and
-cp (each rank's queries over the all-gathered keys of the sequence, its share of the mean).
-Refused by name: pipeline parallelism (untested), a model without the indexer (model.mla.index_topk unset),
+cp (each rank's queries over the all-gathered keys of the sequence, its share of the mean) and pp (each
+stage's layers add theirs to the stage's auxiliary loss).
+Refused by name: a model without the indexer (model.mla.index_topk unset),
 another objective than lm, an EAGLE target, LoRA adapters (they freeze the indexer's weights too), a negative
 or non-finite weight, and a warm-up whose model would move its experts' selection bias
 (model.moe.bias_update_rate must be 0 there).
@@ -61,8 +62,6 @@ def validate_indexer_loss(cfg: Any) -> None:
             "null with train.indexer_loss (an EAGLE run trains a draft head)")
     require(not t.lora.enabled, "train.lora.rank", t.lora.rank,
             "null with train.indexer_loss (adapters freeze the indexer's weights)")
-    require(cfg.parallel.pp == 1, "parallel.pp", cfg.parallel.pp,
-            "1 with train.indexer_loss (its pipeline stages are untested; one process, fsdp, tp, sp and ep take it)")
     moe = cfg.model.moe
     if il.stage == "dense" and moe is not None and moe.expert_bias:
         require(moe.bias_update_rate == 0, "model.moe.bias_update_rate", moe.bias_update_rate,
