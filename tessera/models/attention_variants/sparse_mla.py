@@ -26,7 +26,9 @@ An inference cache is passed the selection as a function, since only it knows ea
 context: `attend_sparse(layer_id, q, k, v, scale, index_keys, choose)` stores the step's indexer keys
 [B, S, D_i] beside the keys and values and calls `choose(rows, keys_LD, allowed_SL)` for the queries
 `rows` of the step (a slice of S) over a context's indexer keys [L, D_i] and causality [S', L],
-getting back the keys they attend to [S', L] (tessera/infer/runner/sparse_attention.py).
+getting back the keys they attend to [S', L] (tessera/infer/runner/sparse_attention.py), at most
+`choose.topk` of them a query (the engine's step gathers them from the cache where they are few:
+sparse_gather.py).
 Shapes: B batch, S queries, T / L keys, H_i indexer heads, D_i indexer head dim.
 """
 
@@ -52,8 +54,16 @@ from tessera.models.attention_variants.indexer_loss import (
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.rope import apply_rope
 
-# (rows of the step's queries, that context's indexer keys [L, D_i], allowed [S', L] bool) -> chosen [S', L] bool
-KeyChoice = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class KeyChoice(Protocol):
+    """(rows of the step's queries, that context's indexer keys [L, D_i], allowed [S', L] bool) -> chosen
+    [B, S', L] bool, at most `topk` keys a query."""
+
+    topk: int
+
+    def __call__(self, rows: slice, keys_LD: torch.Tensor, allowed_SL: torch.Tensor) -> torch.Tensor: ...
+
+
 # (k [B, H, C, N+R], v [B, H, C, V], indexer keys [B, C, D_i] of this process's tokens) -> those of every
 # token of the sequence, in sequence order [.., T, ..], and the keys each of this process's queries may see
 # [B, C, T] bool (module docstring: the `sequence` seam)
@@ -118,6 +128,17 @@ class LightningIndexer(nn.Module):
         return torch.matmul(w_BSH.unsqueeze(-2), F.relu(s)).squeeze(-2)  # [B, S, 1, H] @ [B, S, H, T]
 
 
+class IndexerChoice:
+    """The `KeyChoice` of a step's queries: the indexer's top-k of their scores against a context's keys."""
+
+    def __init__(self, indexer: LightningIndexer, queries_BSHD: torch.Tensor, weights_BSH: torch.Tensor):
+        self.indexer, self.queries, self.weights, self.topk = indexer, queries_BSHD, weights_BSH, indexer.topk
+
+    @torch.no_grad()
+    def __call__(self, rows: slice, keys_LD: torch.Tensor, allowed_SL: torch.Tensor) -> torch.Tensor:
+        scores = self.indexer.scores(self.queries[:, rows], self.weights[:, rows], keys_LD[None])
+        return select_keys(scores, allowed_SL[None].expand(scores.shape[0], -1, -1), self.topk)
+
 class SparseLatentAttention(MultiHeadLatentAttention):
     """Multi-head latent attention over the keys the indexer picks (module docstring)."""
 
@@ -138,13 +159,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             iq, w = self.indexer.queries(x_BSD, q_latent, cos, sin)
             keys = self.indexer.keys(x_BSD, cos, sin)
 
-        def choose(rows: slice, keys_LD: torch.Tensor, allowed_SL: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                scores = self.indexer.scores(iq[:, rows], w[:, rows], keys_LD[None])
-                return select_keys(scores, allowed_SL[None].expand(B, -1, -1), self.indexer.topk)
-
         if cache is not None:
-            out = cache.attend_sparse(self.layer_id, q, k, v, self.scale, keys, choose)
+            out = cache.attend_sparse(self.layer_id, q, k, v, self.scale, keys, IndexerChoice(self.indexer, iq, w))
         else:
             k, v, keys, allowed = self.sequence(k, v, keys)
             with torch.no_grad():
@@ -161,8 +177,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         iq, w = self.indexer.queries(x_BSD.detach(), q_latent.detach(), cos, sin)
         k, v, keys, allowed = self.sequence(k, v, self.indexer.keys(x_BSD.detach(), cos, sin))
         scores = self.indexer.scores(iq, w, keys)
-        chosen = allowed if self.indexer_training.stage == "dense" else select_keys(
-            scores.detach(), allowed, self.indexer.topk)
+        dense = self.indexer_training.stage == "dense"
+        chosen = allowed if dense else select_keys(scores.detach(), allowed, self.indexer.topk)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=chosen[:, None], scale=self.scale)
         target = attention_target(q, k, self.scale, chosen, self.head_sum)
         # the mean over the micro-batch's queries: under cp this rank's share of it (T: the whole sequence)
