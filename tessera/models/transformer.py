@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
+from tessera.models.attention_variants.indexer_loss import AttentionLosses, with_attention_losses
 from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
@@ -130,7 +131,9 @@ def tied_projection(h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Te
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [B, S, V] (None: no head, a middle pipeline stage; or loss_sum given)
-    aux_loss: torch.Tensor  # fp32 scalar: the sum of every MoE layer's weighted balancing losses
+    # fp32 scalar: the sum of every MoE layer's weighted balancing losses (and sparse attention's indexer
+    # loss under train.indexer_loss, attention_variants/indexer_loss.py)
+    aux_loss: torch.Tensor
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
     hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
@@ -196,9 +199,10 @@ class TransformerBlock(nn.Module):
         self.ffn_post_norm = block_norm(cfg) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
-                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
+                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | AttentionLosses | None]:
         a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache, **(
             {} if q_scale is None else {"q_scale": q_scale}))
+        a, mixer_losses = a if isinstance(a, tuple) else (a, None)  # sparse attention's indexer loss
         x_BSD = x_BSD + _normed(self.attention_post_norm, a)
         h = _normed(self.ffn_norm, x_BSD)
         route = None
@@ -206,7 +210,7 @@ class TransformerBlock(nn.Module):
             y, route = self.moe(h)
         else:
             y = self.feed_forward(h)
-        return x_BSD + _normed(self.ffn_post_norm, y), route
+        return x_BSD + _normed(self.ffn_post_norm, y), with_attention_losses(route, mixer_losses)
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -414,11 +418,13 @@ class Transformer(nn.Module):
         return h
 
     @staticmethod
-    def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | None) -> None:
-        """A block's routing counts and auxiliary losses into `out` (nothing for a dense block)."""
+    def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | AttentionLosses | None) -> None:
+        """A block's routing counts and auxiliary losses into `out` (nothing for a dense block without
+        the indexer loss)."""
         if route is None:
             return
-        out.expert_counts[layer_id] = route.counts_E
+        if isinstance(route, RouterOutput):
+            out.expert_counts[layer_id] = route.counts_E
         for loss_name, value in route.losses.items():
             out.aux_losses[f"{name}/{loss_name}"] = value
             out.aux_loss = out.aux_loss + value

@@ -11,6 +11,8 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
          kv_norm                by all heads; the colwise inputs' backward sums their gradient over
                                 tp, and the shared RoPE key's gradient is summed over tp by the seam
                                 `share_rope_key` (each rank's heads use it: `SumOverRanksHeads`)
+         indexer.*              replicated (DeepSeek-V3.2): every rank scores the same keys; the
+                                indexer loss's target sums all ranks' heads (`HeadSumOverRanks`)
     Gated DeltaNet (hybrid      key-head groups split: in_proj_qkvz, in_proj_ba colwise (HuggingFace's
       layers): attention.*      per-group layout makes a rank's groups contiguous), out_proj rowwise;
                                 the conv taps of this rank's q, k, v channels, its heads' A_log and
@@ -73,6 +75,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
@@ -257,6 +260,23 @@ class SumOverRanksHeads:
         return copy_to_group(k_rope_BSR, self.group)
 
 
+class HeadSumOverRanks:
+    """Sparse attention's `head_sum` under tp (attention_variants/indexer_loss.py): the indexer loss's
+    target sums the main attention's weights over every head, each rank holding H/tp of them, so the
+    rank's sum is all-reduced over the tp group (no gradient: the target is a constant of the loss).
+    The indexer itself is replicated and scores the same inputs on every rank, so with the whole target
+    its gradient is whole on every rank too."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    @torch.no_grad()
+    def __call__(self, weights_BST: torch.Tensor) -> torch.Tensor:
+        total = weights_BST.clone()
+        torch.distributed.all_reduce(total, group=self.group)
+        return total
+
+
 class DeltaNetRankPart:
     """A Gated DeltaNet's `own_part` under tp (module docstring): this rank's channels of the
     convolution ([q | k | v], each cut by key-head groups), its value heads' A_log and dt_bias, and
@@ -426,6 +446,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
         if isinstance(getattr(block, "attention", None), MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
+        if isinstance(getattr(block, "attention", None), SparseLatentAttention):
+            block.attention.head_sum = HeadSumOverRanks(tp_mesh.get_group())
         mixer = getattr(block, "attention", None)
         if isinstance(mixer, GatedDeltaNet):
             mixer.own_part = DeltaNetRankPart(mixer, tp_mesh.get_group())
