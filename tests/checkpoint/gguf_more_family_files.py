@@ -43,7 +43,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
 
 def tiny_model(arch: str, seed: int = 0, wide: bool = False, experts_width: int = 0):
     """`wide` (Qwen3.5): every matrix 64 columns wide (Q8_0 takes rows of 32) and 4 value heads of 16;
-    `experts_width` (GLM-4.5, Llama 4): the model dim and the experts' hidden dim that many (256: a
+    `experts_width` (GLM-4.5, Llama 4, Qwen3.5-MoE): the model dim and the experts' hidden dim that many (256: a
     K-quant super-block a row)."""
     import transformers as tf
 
@@ -83,7 +83,7 @@ def tiny_model(arch: str, seed: int = 0, wide: bool = False, experts_width: int 
             model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **linear))
         else:
             model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(
-                **common, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                **common, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=experts_width or 16,
                 shared_expert_intermediate_size=24))
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=12, partial_rotary_factor=0.5,

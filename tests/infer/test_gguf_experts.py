@@ -1,7 +1,8 @@
 """Routed experts a GGUF file stores in block types, kept as the file's blocks (`GgufExperts`,
 tessera/models/moe/gguf_experts.py) instead of dequantized at load: tiny GLM-4.5 (shared experts, a
-dense first layer, sigmoid routing with a bias; gate Q4_K, up Q8_0, down Q6_K) and Llama 4 (one expert
-per token, a shared expert; gate Q4_0, up Q5_0, down Q4_1) files. The experts hold exactly the file's
+dense first layer, sigmoid routing with a bias; gate Q4_K, up Q8_0, down Q6_K), Llama 4 (one expert
+per token, a shared expert; gate Q4_0, up Q5_0, down Q4_1) and Qwen3.5-MoE (DeltaNet layers, a gated
+shared expert, the packed experts' parts; gate Q8_0, up Q4_0, down Q5_1) files. The experts hold exactly the file's
 expert bytes; by themselves (the reference) they give the dequantized load's logits; through the CPU
 block kernel each expert's product stays within the kernel's int16 rounding bound of the product by
 its dequantized matrix, is the same bits on one thread and two, and runs only for the experts the
@@ -25,7 +26,9 @@ from tests.checkpoint.gguf_more_family_files import tiny_model, write_gguf
 from tests.infer.test_gguf_matmul import int16_rounded
 
 KINDS = {"glm4moe": {"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"},
-         "llama4": {"gate": "Q4_0", "up": "Q5_0", "down": "Q4_1"}}
+         "llama4": {"gate": "Q4_0", "up": "Q5_0", "down": "Q4_1"},
+         "qwen35moe": {"gate": "Q8_0", "up": "Q4_0", "down": "Q5_1"}}
+MOE_LAYERS = {"glm4moe": 2, "llama4": 2, "qwen35moe": 4}
 PART = {"w1": "gate", "w2": "down", "w3": "up"}
 PROMPTS = ["def main():\n    return", "The quick brown fox"]
 
@@ -33,7 +36,10 @@ PROMPTS = ["def main():\n    return", "The quick brown fox"]
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-experts")
-    return {arch: write_gguf(tiny_model(arch, seed=1, experts_width=256), root / f"{arch}.gguf", arch, experts=kinds)
+    # Qwen3.5's DeltaNet heads keep the model narrow: 64 wide, experts of 64 (blocks of 32 values)
+    return {arch: write_gguf(tiny_model(arch, seed=1, wide=arch == "qwen35moe",
+                                        experts_width=64 if arch == "qwen35moe" else 256),
+                             root / f"{arch}.gguf", arch, experts=kinds)
             for arch, kinds in KINDS.items()}
 
 
@@ -51,7 +57,7 @@ def _experts(model) -> dict[str, torch.nn.Module]:
 def test_kept_experts_hold_the_files_expert_bytes(arch, files):
     model = load_gguf(files[arch], keep_quantized=True)
     experts = _experts(model)
-    assert len(experts) == 2 and all(type(m) is GgufExperts for m in experts.values())
+    assert len(experts) == MOE_LAYERS[arch] and all(type(m) is GgufExperts for m in experts.values())
     stored = {s.entry.name: s for s in GGUFFile.open(files[arch]).stored() if s.entry.name.endswith("_exps.weight")}
     held = 0
     for name, m in experts.items():
