@@ -3,14 +3,15 @@ CPU block kernel) against the same file dequantized to float32 at load: resident
 greedy decode tokens/s.
 
     python bench/gguf_experts.py [--dim 512] [--experts 16] [--top-k 4] [--layers 4] [--tokens 32]
-                                 [--batch 1,8] [--rounds 2] [--kinds Q4_K,Q4_K,Q6_K]
+                                 [--batch 1,8] [--rounds 2] [--kinds Q4_K,Q4_K,Q6_K] [--others F32]
 
 The file is written here (nothing is downloaded): a random GLM-4.5-architecture model (transformers'
 Glm4Moe: a dense first layer, then MoE layers of `--experts` routed experts, top `--top-k`, and one
 shared expert; model dim and expert hidden dim `--dim`) laid out as llama.cpp's converter lays it out
 (tests/checkpoint/gguf_more_family_files.py), its routed experts' gate, up and down in `--kinds` (the
 K types as random blocks of small scales, as the tests write them; Q4_K / Q4_K / Q6_K is llama.cpp's
-Q4_K_M for experts), every other tensor F32. Each mode runs in a fresh child process, the modes
+Q4_K_M for experts), the layers' other matrices F32 or (`--others Q8_0`) Q8_0, the embedding, the
+head and the norms F32. Each mode runs in a fresh child process, the modes
 alternating over `--rounds`: the model is served by the engine (`LLM(path, gguf_keep_quantized=...)`,
 fp32 activations, one torch thread), then for each batch size `--batch` prompts are continued greedily
 for `--tokens` tokens, once to warm up and once timed; tokens/s is the batch's generated tokens over
@@ -39,7 +40,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
            "import numpy as np", "Water boils at", "My favourite book is", "In 1969, astronauts"]
 
 
-def write_file(path: Path, dim: int, experts: int, top_k: int, layers: int, kinds: list[str]) -> Path:
+def write_file(path: Path, dim: int, experts: int, top_k: int, layers: int, kinds: list[str],
+               others_q8: bool = False) -> Path:
     import torch
     import transformers as tf
 
@@ -54,7 +56,8 @@ def write_file(path: Path, dim: int, experts: int, top_k: int, layers: int, kind
                            num_experts_per_tok=top_k, moe_intermediate_size=dim, n_shared_experts=1,
                            first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1)
     model = tf.Glm4MoeForCausalLM(cfg).eval()
-    return write_gguf(model, path, "glm4moe", experts=dict(zip(("gate", "up", "down"), kinds, strict=True)))
+    return write_gguf(model, path, "glm4moe", q8=others_q8,
+                      experts=dict(zip(("gate", "up", "down"), kinds, strict=True)))
 
 
 def measure(gguf: str, kept: bool, tokens: int, batches: list[int]) -> dict:
@@ -89,6 +92,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4, help="layers, the first dense")
     ap.add_argument("--kinds", default="Q4_K,Q4_K,Q6_K", help="GGML types of the experts' gate, up, down")
+    ap.add_argument("--others", choices=["F32", "Q8_0"], default="F32",
+                    help="the type of the layers' other matrices (attention, dense and shared MLPs)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
     ap.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (at most 8)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, the two modes alternating in each")
@@ -101,7 +106,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = write_file(Path(tmp) / "moe.gguf", args.dim, args.experts, args.top_k, args.layers,
-                          args.kinds.split(","))
+                          args.kinds.split(","), args.others == "Q8_0")
         result = {"file_bytes": path.stat().st_size, "args": vars(args), "load_before": os.getloadavg(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads 1"}
         runs: dict[str, list[dict]] = {"dense": [], "kept": []}
