@@ -161,6 +161,7 @@ def test_served_greedy_tokens_equal_the_dequantized_loads(arch, files, built):
 
 def test_tensor_parallel_serving_dequantizes_the_kept_experts(files):
     dense, kept = load_gguf(files["llama4"]), load_gguf(files["llama4"], keep_quantized=True)
+    assert all(type(m) is GgufExperts for m in _experts(kept).values())
     gguf_shards.stand_in(kept)
     for name, m in _experts(kept).items():
         assert type(m) is GroupedExperts
