@@ -23,8 +23,10 @@ the result is the same bits for any thread count, with the AVX2 path or the port
 (`portable=True`, which tests use), and whatever other rows share the product. No AVX-512 path.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
-CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
-autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks take the
+CPU in fp32 (LLMEngine, beside the panel and layer kernels), and at each projection of the routed
+experts kept as blocks (`ExpertBlocks.fused`, tessera/models/moe/gguf_experts.py: one expert's
+blocks times the rows routed to it); it computes fp32 activations without autograd, up to
+`MAX_ROWS` rows (a decode step, a short prompt chunk; an expert's share of one). Longer prompt chunks take the
 reference's arithmetic, the matrix dequantized once for all their rows (which then costs less than
 the integer products per row), dequantized by the same library (`gguf_dequantize`: gguf_blocks'
 values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
@@ -55,23 +57,37 @@ def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """`layer`'s product by the kernel (a `GgufLinear.fused`), or None where it keeps the reference
     (autograd on, activations not fp32 on CPU); past `MAX_ROWS` rows, the reference's product with
     the matrix dequantized by `gguf_dequantize` (the same values)."""
+    return _product(x, layer.blocks, layer.kind, layer.out_features, layer.in_features, layer.bias)
+
+
+def expert_product(projection: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Expert e's rows x times its matrix of `projection` (an `ExpertBlocks`, as its `fused`), as
+    `block_product` multiplies a layer's."""
+    blocks = projection.blocks[e]  # [out, row bytes], a contiguous view
+    return _product(x, blocks, projection.kind, projection.out_features, projection.in_features, None)
+
+
+def _product(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int, in_features: int,
+             bias: torch.Tensor | None) -> torch.Tensor | None:
     if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     if x.numel() > MAX_ROWS * x.shape[-1]:  # the reference's bits, its matrix dequantized in C++
-        weight = torch.ops.tessera_cpu.gguf_dequantize(layer.blocks, layer.kind, layer.out_features, layer.in_features)
-        return torch.nn.functional.linear(x, weight, layer.bias)
-    return gguf_linear(x, layer.blocks, layer.kind, layer.out_features, layer.bias)
+        weight = torch.ops.tessera_cpu.gguf_dequantize(blocks, kind, out_features, in_features)
+        return torch.nn.functional.linear(x, weight, bias)
+    return gguf_linear(x, blocks, kind, out_features, bias)
 
 
 def use_block_kernels(model: nn.Module) -> int:
-    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel; returns
-    how many (0 where the library is not available)."""
+    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel, and
+    `expert_product` at every such `ExpertBlocks` (a projection of kept experts); returns how many
+    (0 where the library is not available)."""
     from tessera.models.gguf_linear import GgufLinear
+    from tessera.models.moe.gguf_experts import ExpertBlocks
 
     if not cpu_attention.library_available():
         return 0
     layers = [m for m in model.modules()
-              if isinstance(m, GgufLinear) and m.kind in KINDS and m.blocks.device.type == "cpu"]
+              if isinstance(m, GgufLinear | ExpertBlocks) and m.kind in KINDS and m.blocks.device.type == "cpu"]
     for layer in layers:
-        layer.fused = block_product
+        layer.fused = block_product if isinstance(layer, GgufLinear) else expert_product
     return len(layers)
