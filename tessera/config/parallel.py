@@ -62,6 +62,12 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     vpp: int = 1  # virtual stages per rank (interleaved 1F1B)
+    # dualpipev: run each paired forward and backward at once (two threads, the forward's expert all-to-alls
+    # on a second communicator), so that one micro-batch's all-to-all hides behind the other's compute, as
+    # DeepSeek-V3's DualPipe does (tessera/parallel/pipeline_overlap.py). Applies with tp = cp = 1 (their
+    # collectives have no second communicator); elsewhere, or false, the pair runs one after the other.
+    # Same numbers either way; the planner assumes the all-to-all hidden where it applies.
+    pp_overlap: bool = True
     # Micro-batches per step and data-parallel rank in the pipeline (pp > 1); None = the rank's rows /
     # train.micro_batch_size. Any count that divides the rows: the loss is normalised by the loss tokens
     # of the whole global batch, so a dense model changes only memory and the bubble; an MoE model's aux
@@ -162,6 +168,8 @@ class ParallelConfig:
         if self.activation_fp8 and self.recompute != "op":
             raise ConfigError(f"parallel.activation_fp8={list(self.activation_fp8)} needs parallel.recompute=op: it "
                               f"stores the outputs that policy keeps in FP8 (now recompute={self.recompute})")
+        if not isinstance(self.pp_overlap, bool):
+            raise ConfigError(f"parallel.pp_overlap={self.pp_overlap!r} is invalid: true or false")
         if not isinstance(self.activation_offload, bool):
             raise ConfigError(f"parallel.activation_offload={self.activation_offload!r} is invalid: true or false")
         if self.sp and self.tp == 1:

@@ -22,8 +22,9 @@ Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-dow
 two stages per rank placed in a V (rank r holds stages r and 2 pp - 1 - r, so the first and the last
 stage share rank 0): "zbv" (ZB-V, Qi et al. 2024) and "dualpipev" (DeepSeek-V3's DualPipe, arXiv
 2412.19437, in its V-shaped variant: forward and backward micro-batches paired in the steady state;
-each pair runs one after the other here, torch's default, so the expert all-to-all is not yet hidden
-behind the other's compute). The V placement refuses tied embeddings (tied_embeddings.py pairs the
+with `parallel.pp_overlap` (the default) and tp = cp = 1 each pair's forward and backward run at once,
+so that one's expert all-to-all hides behind the other's compute: pipeline_overlap.py; else one after
+the other, torch's default). The V placement refuses tied embeddings (tied_embeddings.py pairs the
 first and last stage across ranks).
 
 Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
@@ -59,6 +60,7 @@ from tessera.config.layout_rules import ROUND_SCHEDULES
 from tessera.config.parallel import V_SCHEDULES, ParallelConfig, stages_per_rank
 from tessera.models.model_input import ModelInput
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.pipeline_overlap import overlap_pairs, overlaps
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
@@ -194,6 +196,7 @@ class PipelineRun:
     num_stages: int
     losses: list[torch.Tensor] = field(default_factory=list)
     eval_schedule: object | None = None  # the forward-only one where `schedule.eval` cannot run (V schedules)
+    overlapped: object | None = None  # DualPipeV's overlapped pairs (pipeline_overlap.OverlappedPairs), if on
 
     @property
     def has_first_stage(self) -> bool:
@@ -307,7 +310,9 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     stage_arg = stages if cfg.pp_schedule in MULTI_STAGE else stages[0]
     schedule = cls(stage_arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     evaluation = _v_forward_only(stages, microbatches, loss_fn) if cfg.pp_schedule in V_SCHEDULES else None
-    return PipelineRun(schedule, modules, stage_ids, num_stages, eval_schedule=evaluation)
+    pairs = (overlap_pairs(schedule, dims) if cfg.pp_schedule == "dualpipev" and cfg.pp_overlap and overlaps(dims)
+             else None)
+    return PipelineRun(schedule, modules, stage_ids, num_stages, eval_schedule=evaluation, overlapped=pairs)
 
 
 def _v_forward_only(stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:
