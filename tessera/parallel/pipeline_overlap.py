@@ -19,8 +19,11 @@ overlap only where a stage's forward and backward issue no others: `overlaps(dim
 FSDP's gathers and reductions run in the schedule's own UNSHARD / REDUCE_GRAD actions, outside
 the pairs, and the distributed optimizer starts its reduce-scatters after the schedule.
 
-Autocast and grad mode are thread-local: the worker enters the caller's. The numbers are those of
-the pairs run in turn (the two sub-actions touch different stages' modules and micro-batches).
+Autocast, grad mode and the current CUDA device are thread-local: the worker enters the caller's. The
+numbers are those of the pairs run in turn (the two sub-actions touch different stages' modules and
+micro-batches). Proven on CPU over gloo (tests/parallel/test_dualpipe_overlap.py, bench/dualpipe_overlap.py).
+On CUDA both threads still issue their kernels on the device's current stream, where a collective
+holds back the kernels queued behind it: the GPU overlap needs a stream per thread, not built yet.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def _forward(runtime, stages: dict, action, ctx, twins: dict, modes: tuple) -> N
     device_type, autocast_on, autocast_dtype, grad_on = modes
     stage = stages[action.stage_index]
     mb = action.microbatch_index
+    if device_type == "cuda":
+        torch.cuda.set_device(stage.device)
     with lane(twins), torch.set_grad_enabled(grad_on), \
             torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
         output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=True)
