@@ -2,20 +2,27 @@
 the real Trainer on a tiny MoE model, each paired forward and backward run at once (the forward's
 expert all-to-alls on a twin communicator), logs the losses, aux losses, gradient norms and ends with
 the weights of the same schedule run pair after pair, of 1F1B and of one process, in fp32 within 1e-5;
-the pairs really ran overlapped (counted); the twin groups hold the same ranks as the groups they stand
-for and carry their own collectives."""
+the pairs really ran overlapped (counted); in one pipeline step alone, every all-to-all of the worker
+thread goes over the twin group and none of the caller's does, with the gradients of the pairs in turn;
+the twin groups hold the same ranks as the groups they stand for and carry their own collectives."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tessera.config import get_preset
 from tessera.config.errors import ConfigError
 from tessera.config.parallel import ParallelConfig
 from tessera.config.schema import load_config
-from tessera.parallel import ParallelDims
+from tessera.models import Transformer
+from tessera.parallel import ParallelDims, parallelize, shard_global_batch
+from tessera.parallel.pipeline import build_pipeline
 from tessera.parallel.pipeline_overlap import overlaps, twin_groups
+from tessera.train.objectives.loss import token_loss_sum
 from tessera.train.trainer import Trainer
 from tests.forked_ranks import run_ranks
 from tests.parallel.trainer_runs import (
@@ -26,6 +33,7 @@ from tests.parallel.trainer_runs import (
     train_one_process,
     whole_parameters,
 )
+from tests.parallel.training_step import SEED, global_batch
 
 STEPS = 2
 # pp2 x ep2 (ep folded over dp_shard = 2) under the distributed optimizer, DeepSeek-V3's recipe's: FSDP
@@ -61,6 +69,49 @@ def test_overlapped_dualpipev_trains_like_pairs_in_turn_1f1b_and_one_process(sma
     shape = {k: v for k, v in LAYOUT.items() if k.startswith(("model.", "train."))}
     one = train_one_process("moe", overrides_for("moe", small_dataset, tmp_path / "one", STEPS, **shape))
     assert_same_training(overlapped, one, rtol=1e-5)
+
+
+def _traced_step(overlap: bool) -> dict:
+    """One step of the pipeline alone (no FSDP: the distributed optimizer's layout, each rank's
+    gradients its own), every all-to-all traced with its thread and whether its group is a twin."""
+    pcfg = ParallelConfig(pp=2, dp_shard=2, ep=2, pp_schedule="dualpipev", optimizer="distributed", pp_overlap=overlap)
+    cfg = get_preset("tiny-moe", n_layers=4)
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
+    batch = global_batch(cfg.vocab_size, rows=8)
+    n_tokens = batch[:, 1:].numel()
+    run = build_pipeline(Transformer(cfg, init_seed=SEED), dims, pcfg, 4,
+                         loss_fn=lambda logits, targets: token_loss_sum(logits, targets) / n_tokens,
+                         aux_scale=1.0 / 8, parallelize_stage=lambda m: parallelize(m, dims, pcfg))
+    twins = set(run.overlapped.twins.values()) if run.overlapped is not None else set()
+    calls, real = [], dist.all_to_all_single
+
+    def traced(*args, group=None, **kwargs):  # counts what the real collective does, then runs it
+        calls.append((threading.current_thread() is threading.main_thread(), group in twins))
+        return real(*args, group=group, **kwargs)
+
+    dist.all_to_all_single = traced
+    try:
+        rows = shard_global_batch(batch, dims)
+        losses = run.step(rows[:, :-1], rows[:, 1:])
+    finally:
+        dist.all_to_all_single = real
+    return {"losses": [float(x.detach()) for x in losses], "calls": calls,
+            "grads": {n: p.grad.detach().clone() for n, p in run.named_parameters()}}
+
+
+@pytest.mark.dist
+def test_the_pairs_forward_exchanges_on_the_twin_group_and_gives_the_same_gradients():
+    overlapped = run_ranks(_traced_step, 4, True)
+    in_turn = run_ranks(_traced_step, 4, False)
+    for got, want in zip(overlapped, in_turn, strict=True):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+        assert set(got["grads"]) == set(want["grads"])
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+        # the worker thread's exchanges all on the twin group, the caller's never: and both happen
+        assert {(main, twin) for main, twin in got["calls"]} == {(True, False), (False, True)}
+        assert {(main, twin) for main, twin in want["calls"]} == {(True, False)}
+        assert len(got["calls"]) == len(want["calls"])
 
 
 def _twins() -> list:
