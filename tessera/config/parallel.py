@@ -39,11 +39,15 @@ RECOMPUTE_CHOICES = ("none", "selective", "op", "full")
 #   router             the MoE router's logits and the shared-expert gate
 #   mlp_in             SwiGLU gate and up products (dense MLP, routed experts, shared experts)
 #   mlp_out            SwiGLU down products
-# Norms, RoPE, activations, casts, routing and dispatch always re-run. DeepSeek-V3's recipe
-# (recompute every RMSNorm and the MLA up-projections, keep the SwiGLU inputs; arXiv 2412.19437,
-# sections 3.2.3 and 3.3.3) is [attention_core, attention_in, router, mlp_in].
+#   dispatch           the MoE all-to-alls' received rows (dispatch and combine) and counts: the replay
+#                      takes them instead of sending again, so backward sends only the gradients
+#                      (tessera/parallel/memory/kept_exchange.py; the alltoall dispatcher under ep > 1)
+# Norms, RoPE, activations, casts and routing always re-run, and so does the dispatch unless kept.
+# DeepSeek-V3's recipe (recompute every RMSNorm and the MLA up-projections, keep the SwiGLU inputs and
+# the dispatched tokens; arXiv 2412.19437, sections 3.2 and 3.3.3) is
+# [attention_core, attention_in, router, mlp_in, dispatch].
 RECOMPUTE_ROLES = ("attention_in", "mla_up", "attention_out", "router", "mlp_in", "mlp_out")
-RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES)
+RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES, "dispatch")
 TORCHTITAN_SAVE = ("attention_core", "alternate_matmuls")
 # Outputs `recompute=op` may keep in FP8 (E4M3, one fp32 scale per row) instead of the compute dtype:
 # matrix products only; the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.

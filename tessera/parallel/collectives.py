@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tessera.parallel.memory.kept_exchange import exchange_counts, exchange_rows
+
 _lanes = threading.local()
 
 
@@ -181,8 +183,22 @@ def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
 
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                     group: ProcessGroup | None) -> torch.Tensor:
-    """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven)."""
-    return x if _size(group) == 1 else _eager(_AllToAllRows, x, output_splits, input_splits, group)
+    """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven). Under a
+    kept dispatch (memory/kept_exchange.py) a block's replay takes the forward's received rows instead."""
+    if _size(group) == 1:
+        return x
+    return exchange_rows(x, lambda rows: _eager(_AllToAllRows, rows, output_splits, input_splits, group))
+
+
+def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's `send_counts` block for this rank (an even all-to-all of counts, no gradient); under a
+    kept dispatch a block's replay takes the forward's."""
+    def send(counts: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=lane_group(group))
+        return received
+
+    return exchange_counts(send_counts, send)
 
 
 def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

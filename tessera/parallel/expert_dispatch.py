@@ -37,10 +37,10 @@ from torch.distributed import ProcessGroup
 from tessera.config.errors import ParallelError
 from tessera.models.moe.dispatcher import DispatchContext, gate_and_sum, pad_rows_to_capacity, sort_slots_by_expert
 from tessera.parallel.collectives import (
+    all_to_all_counts,
     all_to_all_rows,
     copy_to_group,
     gather_rows,
-    lane_group,
     reduce_from_group,
     reduce_scatter_rows,
 )
@@ -98,9 +98,7 @@ class AllToAllDispatcher(_ExpertGroups):
         if self.ep == 1:
             return rows, send_counts, ctx
         # How many rows of each of my experts every source rank sends me: [ep, local_experts].
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=lane_group(self.ep_group))
-        recv_counts = recv_counts.view(self.ep, self.local_experts)
+        recv_counts = all_to_all_counts(send_counts, self.ep_group).view(self.ep, self.local_experts)
         ctx.send_splits = send_counts.view(self.ep, self.local_experts).sum(1).tolist()
         ctx.recv_splits = recv_counts.sum(1).tolist()
         received = all_to_all_rows(rows, ctx.recv_splits, ctx.send_splits, self.ep_group)

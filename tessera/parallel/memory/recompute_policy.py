@@ -13,7 +13,9 @@ what an operator is and where it runs:
   router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
   first two thirds of products are gate/up, the last third down) and its place in the block's
   sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
-- everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs.
+- everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs, except
+  that with `dispatch` saved the expert all-to-alls of the replay take the forward's received rows
+  (and counts) instead of sending again (kept_exchange.py): backward sends only the gradients.
 
 `parallel.activation_fp8` keeps the outputs of the named roles in FP8 (E4M3, one fp32 scale per
 row) instead: the forward computes with the exact output, the replay in backward receives the FP8
@@ -41,6 +43,7 @@ from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
+from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping
 
 aten = torch.ops.aten
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
@@ -61,6 +64,7 @@ ROLES = {Attention: {"wq": "attention_in", "wk": "attention_in", "wv": "attentio
          FeedForward: {"w1": "mlp_in", "w3": "mlp_in", "w2": "mlp_out"},
          MoE: {"router": "router", "shared_gate": "router"}}
 CORE = "attention_core"
+DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
 EXPERTS = "experts"  # gate/up or down by position (module docstring)
 
 
@@ -161,8 +165,13 @@ class BlockOpPolicy:
         """The checkpoint's context_fn: (forward context, recompute context) of one forward."""
         record = self.current = _Forward()
         caching, cached = create_selective_checkpoint_contexts(self._policy)
-        return (_Stack(_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()),
-                _Stack(_Classifier(self, record, replay=True), cached, _ProfilerPassThrough()))
+        forward = [_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()]
+        replay = [_Classifier(self, record, replay=True), cached, _ProfilerPassThrough()]
+        if DISPATCH in self.save:  # the expert exchanges' outputs kept, not sent again (kept_exchange.py)
+            exchanges = ExchangeRecord(self.observers)
+            forward.append(Keeping(exchanges, replay=False))
+            replay.append(Keeping(exchanges, replay=True))
+        return _Stack(*forward), _Stack(*replay)
 
     def _policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         decision = self.current.pending.pop(func, "recompute")
