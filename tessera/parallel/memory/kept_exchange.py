@@ -51,7 +51,7 @@ class ExchangeRecord:
         if self.position >= len(self.kept):
             raise ParallelError("the MoE block's replay exchanged more than its forward: a kept dispatch "
                                 "(recompute_save: dispatch) needs the replay to run the forward's exchanges")
-        entry, self.kept[self.position] = self.kept[self.position], None
+        entry = self.kept[self.position]
         self.position += 1
         return entry
 
@@ -65,6 +65,8 @@ class Keeping:
 
     def __enter__(self):
         self.before = getattr(_active, "state", None)
+        if self.replay:  # a split backward replays the block once per pass, each from the first exchange
+            self.record.position = 0
         _active.state = (self.record, self.replay)
         return self
 

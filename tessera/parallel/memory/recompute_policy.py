@@ -166,7 +166,7 @@ class BlockOpPolicy:
         record = self.current = _Forward()
         caching, cached = create_selective_checkpoint_contexts(self._policy)
         forward = [_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()]
-        replay = [_Classifier(self, record, replay=True), cached, _ProfilerPassThrough()]
+        replay = [_Classifier(self, record, replay=True), _Rewound(cached), _ProfilerPassThrough()]
         if DISPATCH in self.save:  # the expert exchanges' outputs kept, not sent again (kept_exchange.py)
             exchanges = ExchangeRecord(self.observers)
             forward.append(Keeping(exchanges, replay=False))
@@ -202,13 +202,18 @@ class _Classifier(TorchDispatchMode):
         super().__init__()
         self.policy, self.record, self.replay = policy, record, replay
 
+    def __enter__(self):
+        if self.replay:  # every replay starts from the forward's first product (see _Rewound)
+            self.record.position = 0
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         watched = func in MATMUL_OPS or func in ATTENTION_OPS
         r = self.record
         if self.replay:
             if watched and r.position < len(r.replay):
-                entry, r.replay[r.position] = r.replay[r.position], None
+                entry = r.replay[r.position]
                 r.position += 1
                 if entry is not None:
                     return from_fp8_rows(*entry)
@@ -232,6 +237,30 @@ class _Classifier(TorchDispatchMode):
         else:
             r.replay.append(None)
         return out
+
+
+class _Rewound:
+    """PyTorch's cached mode, whose store every replay finds whole: the cached mode hands each kept
+    output out once, while a split backward (the input pass, then the weight pass: zero_bubble, zbv,
+    DualPipeV) replays the block once per pass. The store (the shared `storage` of
+    `create_selective_checkpoint_contexts`) is copied at the first replay and restored before each
+    later one; the kept outputs live until the block's graph is freed, as the second pass needs."""
+
+    def __init__(self, cached: TorchDispatchMode):
+        self.cached = cached
+        self.whole: dict | None = None
+
+    def __enter__(self):
+        storage = self.cached.storage
+        if self.whole is None:
+            self.whole = {key: dict(entries) for key, entries in storage.items()}
+        else:
+            for key, entries in self.whole.items():
+                storage[key] = dict(entries)
+        return self.cached.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cached.__exit__(*exc)
 
 
 class _ProfilerPassThrough(TorchDispatchMode):
