@@ -15,7 +15,8 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
   gradients (MLA gathers its compressed latent); ring passes each rank's key/value block cp - 1
   times forward and backward and the fp32 gradient accumulators cp times backward. The latter two
   hide behind attention.
-- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
+- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward, and again in the
+  forward a recomputed block replays unless it keeps them (recompute_save `dispatch`).
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
 Data parallelism moves what the trainer's FSDP2 moves, unit by unit (`fsdp_units`: a block, the
@@ -96,13 +97,16 @@ class _StageCounts:
     moe_recomputed: int  # MoE blocks among `recomputed`
 
     @classmethod
-    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str) -> _StageCounts:
+    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str, save: tuple[str, ...] = ()) -> _StageCounts:
         """From `ModelProfile.stage_kinds`: layers counted by (is MoE, does the policy apply)."""
         # Collectives re-run in backward: the whole block's under full and op recomputation (the block
-        # replays; collective outputs are not kept), the attention core's under any policy.
+        # replays; collective outputs are not kept, except the expert all-to-alls' under op with
+        # `dispatch` saved: kept_exchange.py), the attention core's under any policy.
         applied = sum(c for (_, applies), c in kinds.items() if applies)
         recomputed = applied if recompute in ("full", "op") else 0
-        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
+        kept = recompute == "op" and "dispatch" in save
+        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) \
+            if recomputed and not kept else 0
         return cls(layers=sum(kinds.values()), recomputed=recomputed, cores=applied,
                    moe_layers=sum(c for (moe, _), c in kinds.items() if moe), moe_recomputed=moe_recomputed)
 
@@ -122,7 +126,7 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         if size_ > 1 and size > 0 and (per_mb > 0 or per_step > 0):
             out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
 
-    counts = _StageCounts.of(kinds, lay.recompute)
+    counts = _StageCounts.of(kinds, lay.recompute, lay.recompute_save)
     _tp_collectives(lay, stage, counts, T * cfg.dim * dt.compute, add)
     if lay.cp > 1:
         _cp_collectives(cfg, lay, counts, T, dt, add)

@@ -15,7 +15,8 @@ RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
     MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
          expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
 
-`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence. Outputs kept in FP8
+`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence; `dispatch` keeps a MoE layer's all-to-all
+outputs under ep > 1 (`kept_exchanges`). Outputs kept in FP8
 (`parallel.activation_fp8`) take one byte per element and an fp32 scale per row.
 """
 
@@ -142,7 +143,22 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
         out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
     if "attention_core" in save and core_kept:
         out += attention_core_outputs(cfg, dtype)
+    if "dispatch" in save and cfg.is_moe_layer(layer) and local_experts is not None \
+            and local_experts < cfg.moe.num_experts:
+        out += kept_exchanges(cfg, dtype, tokens)
     return out
+
+
+def kept_exchanges(cfg: ModelConfig, dtype: str, tokens: int) -> list[SavedTensor]:
+    """What a MoE layer keeps of its expert all-to-alls under `dispatch` (ep > 1:
+    tessera/parallel/memory/kept_exchange.py): the dispatched rows it received (the MoE input's dtype,
+    the residual's) and the combined rows that came back (the experts' output, the compute dtype), each
+    the experts' rows per token (balanced routing), and the per-expert counts it sent and received."""
+    dt = get_activation_dtype(dtype)
+    rows = expert_rows(cfg, tokens) * cfg.dim
+    return [SavedTensor("moe.kept.dispatched", rows, dt.residual, "rep"),
+            SavedTensor("moe.kept.combined", rows, dt.compute, "rep"),
+            SavedTensor("moe.kept.counts", 0, 8, "rep", fixed=2 * cfg.moe.num_experts)]
 
 
 def recomputed_products(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...],

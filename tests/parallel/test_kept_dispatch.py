@@ -8,6 +8,7 @@ caller's, twice where the backward is split into its input and weight passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -20,6 +21,11 @@ from tessera.models import Transformer
 from tessera.parallel import ParallelDims, parallelize, shard_global_batch
 from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping, exchange_counts
 from tessera.parallel.pipeline import build_pipeline
+from tessera.plan.activations import layer_terms
+from tessera.plan.comm import stage_collectives
+from tessera.plan.layout import Layout, Workload
+from tessera.plan.memory import get_precision, rank_params
+from tessera.plan.recompute_terms import kept_exchanges
 from tessera.train.objectives.loss import token_loss_sum
 from tests.forked_ranks import run_ranks
 from tests.parallel.training_step import SEED, global_batch
@@ -30,31 +36,50 @@ POLICIES = {"none": {"recompute": "none"},
             "kept": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch")}}
 
 
-def _step(policy: str) -> dict:
-    """Forward and backward of one micro-batch per rank, each all-to-all counted by phase."""
+def _step(policy: str, autocast: bool = False) -> dict:
+    """Forward and backward of one micro-batch per rank, each all-to-all counted by phase, the bytes
+    the blocks' policies keep counted (their observers)."""
     pcfg = ParallelConfig(dp_shard=2, ep=2, optimizer="distributed", **POLICIES[policy])
     cfg = get_preset("tiny-moe")
     dims = ParallelDims.from_config(pcfg, dist.get_world_size())
     model = parallelize(Transformer(cfg, init_seed=SEED), dims, pcfg)
+    kept = [0]
+    for block in model.layers.values():
+        if hasattr(block, "recompute_policy"):
+            block.recompute_policy.observers.append(lambda t: kept.__setitem__(0, kept[0] + t.nbytes))
     batch = global_batch(cfg.vocab_size)
     rows = shard_global_batch(batch, dims)
     calls, phase, real = {"forward": 0, "backward": 0}, ["forward"], dist.all_to_all_single
 
+    row_calls = [0]  # the row exchanges (not the counts')
+
     def traced(*args, **kwargs):  # counts what the real collective does, then runs it
         calls[phase[0]] += 1
+        row_calls[0] += args[0].is_floating_point()
         return real(*args, **kwargs)
 
     dist.all_to_all_single = traced
     try:
-        out = model(rows[:, :-1])
-        loss = token_loss_sum(out.logits, rows[:, 1:]) / batch[:, 1:].numel() + out.aux_loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(rows[:, :-1])
+            loss = token_loss_sum(out.logits, rows[:, 1:]) / batch[:, 1:].numel() + out.aux_loss
         phase[0] = "backward"
         loss.backward()
     finally:
         dist.all_to_all_single = real
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    return {"calls": calls, "moe_layers": moe_layers, "loss": loss.item(),
+    return {"calls": calls, "row_calls": row_calls[0], "moe_layers": moe_layers, "loss": loss.item(),
+            "kept_bytes": kept[0], "planned_calls": _planned_row_exchanges(cfg, pcfg, rows[:, :-1].shape),
+            "tokens": rows[:, :-1].numel(),
             "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _planned_row_exchanges(cfg, pcfg: ParallelConfig, shape) -> float:
+    """The planner's expert all-to-alls per micro-batch for this rank's layout and micro-batch."""
+    lay = Layout.from_parallel(pcfg, dist.get_world_size())
+    work = Workload(seq_len=shape[1], micro_batch=shape[0], global_batch=shape[0] * lay.dp)
+    colls = stage_collectives(cfg, lay, work, 0, rank_params(cfg, lay)[0], get_precision("fp32"), "fp32")
+    return sum(c.calls_per_microbatch for c in colls if c.group == "ep" and c.op == "all-to-all")
 
 
 @pytest.mark.dist
@@ -70,11 +95,36 @@ def test_kept_dispatch_sends_only_the_gradients_in_backward_with_the_same_gradie
         assert none["calls"]["backward"] == 2 * n
         assert op["calls"]["backward"] == 5 * n
         assert kept["calls"]["backward"] == 2 * n
+        # the planner's row exchanges are the trainer's: 4 per MoE layer kept or not recomputed, 6 replayed
+        assert [r["planned_calls"] for r in (none, op, kept)] == [r["row_calls"] for r in (none, op, kept)] \
+            == [4 * n, 6 * n, 4 * n]
         assert kept["loss"] == none["loss"]
         assert set(kept["grads"]) == set(none["grads"])
         for name, g in none["grads"].items():
             torch.testing.assert_close(kept["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
             torch.testing.assert_close(op["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+def test_the_kept_rows_are_the_bytes_the_planner_counts(dtype):
+    """What `dispatch` adds to the op policy's keep, summed over the ranks (each receives what its
+    routing sends it; together they receive the k rows of every token), equals the planner's
+    `kept_exchanges` (balanced rows) on every rank."""
+    autocast = dtype != "fp32"
+    op = run_ranks(_step, 2, "op", autocast)
+    kept = run_ranks(_step, 2, "kept", autocast)
+    cfg = get_preset("tiny-moe")
+    tokens = kept[0]["tokens"]
+    planned = sum(t.nbytes(tokens) for t in kept_exchanges(cfg, dtype, tokens))  # per MoE layer and rank
+    assert planned > 0
+    assert sum(k["kept_bytes"] - o["kept_bytes"] for k, o in zip(kept, op, strict=True)) == \
+        2 * kept[0]["moe_layers"] * planned
+    # the stage estimate's per-layer terms carry it under ep > 1 (layer 0 is a MoE layer)
+    lay = Layout(dp_shard=2, ep=2, recompute="op", recompute_save=POLICIES["kept"]["recompute_save"])
+    work = Workload(seq_len=tokens, micro_batch=1, global_batch=2)
+    assert sum(t.nbytes(tokens) for t in layer_terms(cfg, 0, lay, work, dtype)) - sum(t.nbytes(tokens) for t in (
+        layer_terms(cfg, 0, dataclasses.replace(lay, recompute_save=DEEPSEEK), work, dtype))) == planned
 
 
 def test_a_replay_that_routes_differently_is_refused():

@@ -121,7 +121,7 @@ def exchange_counts(send_counts: torch.Tensor, send: Callable[[torch.Tensor], to
         received = send(send_counts)
         with _disable_current_modes():
             sent = send_counts.clone()
-        record.keep((sent, received), received)
+        record.keep((sent, received), sent, received)
         return received
     sent, received = record.take()
     with _disable_current_modes():
