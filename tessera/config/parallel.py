@@ -50,8 +50,9 @@ RECOMPUTE_ROLES = ("attention_in", "mla_up", "attention_out", "router", "mlp_in"
 RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES, "dispatch")
 TORCHTITAN_SAVE = ("attention_core", "alternate_matmuls")
 # Outputs `recompute=op` may keep in FP8 (E4M3, one fp32 scale per row) instead of the compute dtype:
-# matrix products only; the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
-ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out")
+# matrix products, and the expert exchanges' received rows (`dispatch`: DeepSeek-V3 dispatches, and so
+# keeps, its tokens in FP8); the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
+ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out", "dispatch")
 EP_DISPATCHERS = ("alltoall", "allgather")
 CP_METHODS = ("alltoall", "allgather", "ring")
 OPTIMIZERS = ("fsdp", "distributed")

@@ -143,22 +143,26 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
         out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
     if "attention_core" in save and core_kept:
         out += attention_core_outputs(cfg, dtype)
-    if "dispatch" in save and cfg.is_moe_layer(layer) and local_experts is not None \
+    if ("dispatch" in save or "dispatch" in fp8) and cfg.is_moe_layer(layer) and local_experts is not None \
             and local_experts < cfg.moe.num_experts:
-        out += kept_exchanges(cfg, dtype, tokens)
+        out += kept_exchanges(cfg, dtype, tokens, fp8="dispatch" in fp8)
     return out
 
 
-def kept_exchanges(cfg: ModelConfig, dtype: str, tokens: int) -> list[SavedTensor]:
+def kept_exchanges(cfg: ModelConfig, dtype: str, tokens: int, fp8: bool = False) -> list[SavedTensor]:
     """What a MoE layer keeps of its expert all-to-alls under `dispatch` (ep > 1:
     tessera/parallel/memory/kept_exchange.py): the dispatched rows it received (the MoE input's dtype,
     the residual's) and the combined rows that came back (the experts' output, the compute dtype), each
-    the experts' rows per token (balanced routing), and the per-expert counts it sent and received."""
+    the experts' rows per token (balanced routing), or with `fp8` both at one byte plus an fp32 scale
+    per row; and the per-expert counts it sent and received."""
     dt = get_activation_dtype(dtype)
-    rows = expert_rows(cfg, tokens) * cfg.dim
-    return [SavedTensor("moe.kept.dispatched", rows, dt.residual, "rep"),
-            SavedTensor("moe.kept.combined", rows, dt.compute, "rep"),
-            SavedTensor("moe.kept.counts", 0, 8, "rep", fixed=2 * cfg.moe.num_experts)]
+    rows = expert_rows(cfg, tokens)
+    counts = SavedTensor("moe.kept.counts", 0, 8, "rep", fixed=2 * cfg.moe.num_experts)
+    if fp8:
+        return [*(SavedTensor(f"moe.kept.{name}{part}", n, size, "rep") for name in ("dispatched", "combined")
+                  for part, n, size in ((".fp8", rows * cfg.dim, 1), (".scale", rows, 4))), counts]
+    return [SavedTensor("moe.kept.dispatched", rows * cfg.dim, dt.residual, "rep"),
+            SavedTensor("moe.kept.combined", rows * cfg.dim, dt.compute, "rep"), counts]
 
 
 def recomputed_products(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...],

@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tessera.config import ParallelError, get_preset
 from tessera.config.parallel import ParallelConfig
@@ -33,7 +34,8 @@ from tests.parallel.training_step import SEED, global_batch
 DEEPSEEK = ("attention_core", "attention_in", "router", "mlp_in")
 POLICIES = {"none": {"recompute": "none"},
             "op": {"recompute": "op", "recompute_save": DEEPSEEK},
-            "kept": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch")}}
+            "kept": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch")},
+            "kept-fp8": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch"), "activation_fp8": ("dispatch",)}}
 
 
 def _step(policy: str, autocast: bool = False) -> dict:
@@ -71,7 +73,12 @@ def _step(policy: str, autocast: bool = False) -> dict:
     return {"calls": calls, "row_calls": row_calls[0], "moe_layers": moe_layers, "loss": loss.item(),
             "kept_bytes": kept[0], "planned_calls": _planned_row_exchanges(cfg, pcfg, rows[:, :-1].shape),
             "tokens": rows[:, :-1].numel(),
-            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+            "grads": {n: _local(p.grad) for n, p in model.named_parameters()}}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part (the experts' gradients are DTensors over the ep group)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _planned_row_exchanges(cfg, pcfg: ParallelConfig, shape) -> float:
@@ -83,10 +90,28 @@ def _planned_row_exchanges(cfg, pcfg: ParallelConfig, shape) -> float:
 
 
 @pytest.mark.dist
+def test_kept_dispatch_in_fp8_moves_the_gradients_by_fp8_rounding_only():
+    """`activation_fp8: [dispatch]`: the replay's expert rows and combined rows come from FP8 copies, so
+    the expert weights' and router's gradients move by about FP8's rounding (3 mantissa bits), not more;
+    the exchanges are those of the kept dispatch."""
+    none = run_ranks(_step, 2, "none")
+    fp8 = run_ranks(_step, 2, "kept-fp8")
+    for got, want in zip(fp8, none, strict=True):
+        assert got["calls"] == want["calls"]
+        assert got["loss"] == want["loss"]
+        moved = []
+        for name, g in want["grads"].items():
+            error = (got["grads"][name] - g).norm() / g.norm().clamp(min=1e-12)
+            assert error < 0.1, (name, error)
+            moved.append(error > 0)
+        assert any(moved)  # the FP8 copies were used
+
+
+@pytest.mark.dist
 def test_kept_dispatch_sends_only_the_gradients_in_backward_with_the_same_gradients():
-    runs = {policy: run_ranks(_step, 2, policy) for policy in POLICIES}
+    runs = {policy: run_ranks(_step, 2, policy) for policy in ("none", "op", "kept")}
     for rank in range(2):
-        none, op, kept = (runs[p][rank] for p in POLICIES)
+        none, op, kept = (runs[p][rank] for p in ("none", "op", "kept"))
         n = none["moe_layers"]
         assert n == 2
         # forward: the count exchange, the dispatch and the combine of every MoE layer, under any policy
@@ -106,25 +131,28 @@ def test_kept_dispatch_sends_only_the_gradients_in_backward_with_the_same_gradie
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
-def test_the_kept_rows_are_the_bytes_the_planner_counts(dtype):
+@pytest.mark.parametrize("dtype, policy", [("fp32", "kept"), ("autocast-bf16", "kept"), ("fp32", "kept-fp8")])
+def test_the_kept_rows_are_the_bytes_the_planner_counts(dtype, policy):
     """What `dispatch` adds to the op policy's keep, summed over the ranks (each receives what its
     routing sends it; together they receive the k rows of every token), equals the planner's
-    `kept_exchanges` (balanced rows) on every rank."""
+    `kept_exchanges` (balanced rows) on every rank; in FP8, one byte per element and a scale per row."""
     autocast = dtype != "fp32"
     op = run_ranks(_step, 2, "op", autocast)
-    kept = run_ranks(_step, 2, "kept", autocast)
+    kept = run_ranks(_step, 2, policy, autocast)
     cfg = get_preset("tiny-moe")
     tokens = kept[0]["tokens"]
-    planned = sum(t.nbytes(tokens) for t in kept_exchanges(cfg, dtype, tokens))  # per MoE layer and rank
+    fp8 = policy == "kept-fp8"
+    planned = sum(t.nbytes(tokens) for t in kept_exchanges(cfg, dtype, tokens, fp8))  # per MoE layer and rank
     assert planned > 0
     assert sum(k["kept_bytes"] - o["kept_bytes"] for k, o in zip(kept, op, strict=True)) == \
         2 * kept[0]["moe_layers"] * planned
     # the stage estimate's per-layer terms carry it under ep > 1 (layer 0 is a MoE layer)
-    lay = Layout(dp_shard=2, ep=2, recompute="op", recompute_save=POLICIES["kept"]["recompute_save"])
+    lay = Layout(dp_shard=2, ep=2, recompute="op", recompute_save=POLICIES[policy]["recompute_save"],
+                 activation_fp8=POLICIES[policy].get("activation_fp8", ()))
     work = Workload(seq_len=tokens, micro_batch=1, global_batch=2)
-    assert sum(t.nbytes(tokens) for t in layer_terms(cfg, 0, lay, work, dtype)) - sum(t.nbytes(tokens) for t in (
-        layer_terms(cfg, 0, dataclasses.replace(lay, recompute_save=DEEPSEEK), work, dtype))) == planned
+    plain = dataclasses.replace(lay, recompute_save=DEEPSEEK, activation_fp8=())
+    assert sum(t.nbytes(tokens) for t in layer_terms(cfg, 0, lay, work, dtype)) - sum(
+        t.nbytes(tokens) for t in layer_terms(cfg, 0, plain, work, dtype)) == planned
 
 
 def test_a_replay_that_routes_differently_is_refused():

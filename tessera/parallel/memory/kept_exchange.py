@@ -36,10 +36,13 @@ class ExchangeRecord:
     """One forward's kept exchanges, in order; `observers` see every kept tensor (the planner's tests
     count them)."""
 
-    def __init__(self, observers: list[Callable[[torch.Tensor], None]] | None = None):
+    def __init__(self, observers: list[Callable[[torch.Tensor], None]] | None = None, *,
+                 pack: Callable | None = None, unpack: Callable | None = None):
         self.kept: list[object] = []
         self.position = 0
         self.observers = observers if observers is not None else []
+        # the received rows' storage (FP8 rows with their scales: `activation_fp8: [dispatch]`) and back
+        self.pack, self.unpack = pack, unpack
 
     def keep(self, entry: object, *tensors: torch.Tensor) -> None:
         self.kept.append(entry)
@@ -85,9 +88,10 @@ class _KeptRows(torch.autograd.Function):
     requires gradients and saves tensors as in the forward). Its backward never runs (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, kept):
-        with _disable_current_modes():  # not an operator the forward ran: the checkpoint's cache must not see it
-            return kept.view_as(kept)
+    def forward(ctx, x, kept: Callable[[], torch.Tensor]):
+        with _disable_current_modes():  # not operators the forward ran: the checkpoint's cache must not see them
+            rows = kept()
+            return rows.view_as(rows)
 
     @staticmethod
     def backward(ctx, g):
@@ -102,11 +106,13 @@ def exchange_rows(x: torch.Tensor, send: Callable[[torch.Tensor], torch.Tensor])
         return send(x)
     record, replay = state
     if replay:
-        return _KeptRows.apply(x, record.take())
+        entry = record.take()
+        return _KeptRows.apply(x, lambda: entry if record.unpack is None else record.unpack(*entry))
     out = send(x)
     with _disable_current_modes():  # bookkeeping, not the block's: the replay does not run it
         kept = out.detach()
-    record.keep(kept, kept)
+        entry = kept if record.pack is None else (*record.pack(kept), kept.dtype)
+    record.keep(entry, *(entry if isinstance(entry, tuple) else (entry,))[:2])
     return out
 
 

@@ -167,8 +167,9 @@ class BlockOpPolicy:
         caching, cached = create_selective_checkpoint_contexts(self._policy)
         forward = [_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()]
         replay = [_Classifier(self, record, replay=True), _Rewound(cached), _ProfilerPassThrough()]
-        if DISPATCH in self.save:  # the expert exchanges' outputs kept, not sent again (kept_exchange.py)
-            exchanges = ExchangeRecord(self.observers)
+        if DISPATCH in self.save or DISPATCH in self.fp8:  # the expert exchanges' outputs kept (kept_exchange.py)
+            exchanges = ExchangeRecord(self.observers, **({"pack": fp8_rows, "unpack": from_fp8_rows}
+                                                          if DISPATCH in self.fp8 else {}))
             forward.append(Keeping(exchanges, replay=False))
             replay.append(Keeping(exchanges, replay=True))
         return _Stack(*forward), _Stack(*replay)
