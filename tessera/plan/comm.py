@@ -131,9 +131,11 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
     if lay.cp > 1:
         _cp_collectives(cfg, lay, counts, T, dt, add)
     if lay.ep > 1 and counts.moe_layers:
-        rows = T * cfg.moe.top_k * cfg.dim * dt.residual
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows,
-            4 * counts.moe_layers + 2 * counts.moe_recomputed)
+        # forward and backward, again in a replayed block: the dispatch sends the MoE input's rows (the
+        # residual dtype; its gradient the same), the combine the experts' outputs (the compute dtype)
+        rows, calls = T * cfg.moe.top_k * cfg.dim, 2 * counts.moe_layers + counts.moe_recomputed
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch", rows * dt.residual, calls)
+        add("ep", lay.ep, "all-to-all", "MoE combine", rows * dt.compute, calls)
     if lay.pp > 1:
         boundary = T * cfg.dim * dt.residual / (lay.tp if lay.sp else 1)
         add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)

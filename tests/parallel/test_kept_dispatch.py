@@ -53,11 +53,13 @@ def _step(policy: str, autocast: bool = False) -> dict:
     rows = shard_global_batch(batch, dims)
     calls, phase, real = {"forward": 0, "backward": 0}, ["forward"], dist.all_to_all_single
 
-    row_calls = [0]  # the row exchanges (not the counts')
+    row_calls = [0, 0]  # the row exchanges (not the counts'): calls, bytes received
 
     def traced(*args, **kwargs):  # counts what the real collective does, then runs it
         calls[phase[0]] += 1
-        row_calls[0] += args[0].is_floating_point()
+        if args[0].is_floating_point():
+            row_calls[0] += 1
+            row_calls[1] += args[0].nbytes
         return real(*args, **kwargs)
 
     dist.all_to_all_single = traced
@@ -70,8 +72,9 @@ def _step(policy: str, autocast: bool = False) -> dict:
     finally:
         dist.all_to_all_single = real
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    return {"calls": calls, "row_calls": row_calls[0], "moe_layers": moe_layers, "loss": loss.item(),
-            "kept_bytes": kept[0], "planned_calls": _planned_row_exchanges(cfg, pcfg, rows[:, :-1].shape),
+    return {"calls": calls, "row_calls": row_calls[0], "row_bytes": row_calls[1], "moe_layers": moe_layers,
+            "loss": loss.item(), "kept_bytes": kept[0],
+            "planned": _planned_row_exchanges(cfg, pcfg, rows[:, :-1].shape, "autocast-bf16" if autocast else "fp32"),
             "tokens": rows[:, :-1].numel(),
             "grads": {n: _local(p.grad) for n, p in model.named_parameters()}}
 
@@ -81,12 +84,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _planned_row_exchanges(cfg, pcfg: ParallelConfig, shape) -> float:
-    """The planner's expert all-to-alls per micro-batch for this rank's layout and micro-batch."""
+def _planned_row_exchanges(cfg, pcfg: ParallelConfig, shape, dtype: str) -> tuple[float, float]:
+    """The planner's expert all-to-alls per micro-batch for this rank's layout and micro-batch: calls, bytes."""
     lay = Layout.from_parallel(pcfg, dist.get_world_size())
     work = Workload(seq_len=shape[1], micro_batch=shape[0], global_batch=shape[0] * lay.dp)
-    colls = stage_collectives(cfg, lay, work, 0, rank_params(cfg, lay)[0], get_precision("fp32"), "fp32")
-    return sum(c.calls_per_microbatch for c in colls if c.group == "ep" and c.op == "all-to-all")
+    colls = [c for c in stage_collectives(cfg, lay, work, 0, rank_params(cfg, lay)[0], get_precision("fp32"), dtype)
+             if c.group == "ep" and c.op == "all-to-all"]
+    return sum(c.calls_per_microbatch for c in colls), sum(c.calls_per_microbatch * c.size for c in colls)
 
 
 @pytest.mark.dist
@@ -121,7 +125,7 @@ def test_kept_dispatch_sends_only_the_gradients_in_backward_with_the_same_gradie
         assert op["calls"]["backward"] == 5 * n
         assert kept["calls"]["backward"] == 2 * n
         # the planner's row exchanges are the trainer's: 4 per MoE layer kept or not recomputed, 6 replayed
-        assert [r["planned_calls"] for r in (none, op, kept)] == [r["row_calls"] for r in (none, op, kept)] \
+        assert [r["planned"][0] for r in (none, op, kept)] == [r["row_calls"] for r in (none, op, kept)] \
             == [4 * n, 6 * n, 4 * n]
         assert kept["loss"] == none["loss"]
         assert set(kept["grads"]) == set(none["grads"])
@@ -153,6 +157,16 @@ def test_the_kept_rows_are_the_bytes_the_planner_counts(dtype, policy):
     plain = dataclasses.replace(lay, recompute_save=DEEPSEEK, activation_fp8=())
     assert sum(t.nbytes(tokens) for t in layer_terms(cfg, 0, lay, work, dtype)) - sum(
         t.nbytes(tokens) for t in layer_terms(cfg, 0, plain, work, dtype)) == planned
+
+
+@pytest.mark.dist
+def test_the_planned_exchange_bytes_are_the_trainers_under_autocast():
+    """Under autocast the dispatch sends the MoE input's fp32 rows and the combine the experts' bf16
+    outputs (and their gradients alike): the planner's bytes, summed over the ranks (each receives what
+    the routing sends it), are the traced ones."""
+    for policy in ("none", "kept"):
+        ranks = run_ranks(_step, 2, policy, True)
+        assert sum(r["row_bytes"] for r in ranks) == sum(r["planned"][1] for r in ranks), policy
 
 
 def test_a_replay_that_routes_differently_is_refused():
