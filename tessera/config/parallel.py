@@ -54,6 +54,7 @@ TORCHTITAN_SAVE = ("attention_core", "alternate_matmuls")
 # keeps, its tokens in FP8); the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
 ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out", "dispatch")
 EP_DISPATCHERS = ("alltoall", "allgather")
+EP_DISPATCH_DTYPES = ("input", "compute")
 CP_METHODS = ("alltoall", "allgather", "ring")
 OPTIMIZERS = ("fsdp", "distributed")
 
@@ -87,6 +88,11 @@ class ParallelConfig:
     # gathers every token on every ep rank and reduce-scatters the outputs (simpler, more traffic; not with
     # moe.pad_to_capacity). Same numerics either way.
     ep_dispatcher: str = "alltoall"
+    # The dtype the alltoall dispatcher sends its rows in (ep > 1): "input", the MoE input's (under bf16
+    # autocast the fp32 residual stream); "compute", under autocast the autocast dtype (the experts' products
+    # cast their input to it anyway, so the forward is unchanged; the rows' gradient crosses in it too,
+    # rounded once), half the bytes. The combine sends the experts' outputs as they are. EP_DISPATCH_DTYPES.
+    ep_dispatch_dtype: str = "input"
     cp: int = 1  # context parallel (sequence split across ranks for attention)
     # How attention sees the whole sequence under cp > 1 (tessera/parallel/context_parallel.py); all exact.
     # "alltoall" (Ulysses; the default): contiguous chunks, rank r holds chunk r; q, k, v are re-split from
@@ -155,6 +161,9 @@ class ParallelConfig:
                               f"1..{MAX_PARALLEL_SIZE:,}")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
+        if self.ep_dispatch_dtype not in EP_DISPATCH_DTYPES:
+            raise ConfigError(f"parallel.ep_dispatch_dtype={self.ep_dispatch_dtype!r} is invalid: one of "
+                              f"{', '.join(EP_DISPATCH_DTYPES)}")
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher={self.ep_dispatcher!r} is invalid: one of "
                               f"{', '.join(EP_DISPATCHERS)}")

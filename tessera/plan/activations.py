@@ -91,7 +91,8 @@ def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype
     return layer_saved_tensors(cfg, layer, dtype, recompute=rc, tokens=max(int(tokens), 1), batch=work.micro_batch,
                                save=lay.recompute_save, fp8=lay.activation_fp8,
                                local_experts=e.num_experts // lay.ep if e is not None else None,
-                               core_kept=not (lay.cp > 1 and lay.cp_method == "ring"))
+                               core_kept=not (lay.cp > 1 and lay.cp_method == "ring"),
+                               dispatch_dtype=lay.ep_dispatch_dtype)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
@@ -164,7 +165,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
 
     def layer_bytes(moe: bool, rc: str) -> tuple[float, float]:
         key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
-               lay.recompute_save, lay.activation_fp8, lay.activation_offload)
+               lay.recompute_save, lay.activation_fp8, lay.activation_offload, lay.ep_dispatch_dtype)
         return prof.memo(key, lambda: layer_device_host_bytes(cfg, prof.representative(moe), lay, work, dtype,
                                                               recompute=rc))
 

@@ -132,9 +132,11 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         _cp_collectives(cfg, lay, counts, T, dt, add)
     if lay.ep > 1 and counts.moe_layers:
         # forward and backward, again in a replayed block: the dispatch sends the MoE input's rows (the
-        # residual dtype; its gradient the same), the combine the experts' outputs (the compute dtype)
+        # residual dtype, or the compute dtype with ep_dispatch_dtype=compute; its gradient the same), the
+        # combine the experts' outputs (the compute dtype)
         rows, calls = T * cfg.moe.top_k * cfg.dim, 2 * counts.moe_layers + counts.moe_recomputed
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch", rows * dt.residual, calls)
+        sent = dt.compute if lay.ep_dispatch_dtype == "compute" else dt.residual
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch", rows * sent, calls)
         add("ep", lay.ep, "all-to-all", "MoE combine", rows * dt.compute, calls)
     if lay.pp > 1:
         boundary = T * cfg.dim * dt.residual / (lay.tp if lay.sp else 1)

@@ -63,6 +63,7 @@ class Layout(LayoutSizes):
     activation_offload: bool = False  # saved activations of the blocks in host memory
     activation_fp8: tuple[str, ...] = ()  # recompute=op: kept outputs stored in FP8
     optimizer: str = "fsdp"  # who shards the optimizer state: FSDP2 (zero_stage) or the distributed optimizer
+    ep_dispatch_dtype: str = "input"  # the dtype the MoE dispatch sends its rows in (parallel.ep_dispatch_dtype)
     # Overlaps the planner can assume (not parallel.* keys: they describe the kernels and schedule).
     tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
@@ -83,7 +84,7 @@ class Layout(LayoutSizes):
                    cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
                    recompute_interval=par.recompute_interval, recompute_save=tuple(par.recompute_save),
                    activation_offload=par.activation_offload, activation_fp8=tuple(par.activation_fp8),
-                   optimizer=par.optimizer, ep_overlap=pairs_overlap(par))
+                   optimizer=par.optimizer, ep_overlap=pairs_overlap(par), ep_dispatch_dtype=par.ep_dispatch_dtype)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
         return ParallelConfig(**self.parallel_settings(), microbatches=microbatches)

@@ -35,7 +35,10 @@ DEEPSEEK = ("attention_core", "attention_in", "router", "mlp_in")
 POLICIES = {"none": {"recompute": "none"},
             "op": {"recompute": "op", "recompute_save": DEEPSEEK},
             "kept": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch")},
-            "kept-fp8": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch"), "activation_fp8": ("dispatch",)}}
+            "kept-fp8": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch"), "activation_fp8": ("dispatch",)},
+            "compute": {"recompute": "none", "ep_dispatch_dtype": "compute"},
+            "kept-compute": {"recompute": "op", "recompute_save": (*DEEPSEEK, "dispatch"),
+                             "ep_dispatch_dtype": "compute"}}
 
 
 def _step(policy: str, autocast: bool = False) -> dict:
@@ -167,6 +170,31 @@ def test_the_planned_exchange_bytes_are_the_trainers_under_autocast():
     for policy in ("none", "kept"):
         ranks = run_ranks(_step, 2, policy, True)
         assert sum(r["row_bytes"] for r in ranks) == sum(r["planned"][1] for r in ranks), policy
+
+
+@pytest.mark.dist
+def test_the_dispatch_in_the_compute_dtype_sends_half_the_bytes_and_rounds_only_the_rows_gradient():
+    """`parallel.ep_dispatch_dtype: compute` under bf16 autocast: the dispatched rows cross in bf16, which
+    the experts' products cast them to anyway, so the loss is the same to the bit; their gradient crosses
+    in bf16 too (rounded once): gradients within bf16 rounding of the fp32 dispatch. The planner's bytes
+    and kept memory are the traced and counted ones."""
+    fp32 = run_ranks(_step, 2, "none", True)
+    bf16 = run_ranks(_step, 2, "compute", True)
+    for got, want in zip(bf16, fp32, strict=True):
+        assert got["loss"] == want["loss"]
+        assert got["calls"] == want["calls"]
+        for name, g in want["grads"].items():
+            error = (got["grads"][name] - g).norm() / g.norm().clamp(min=1e-12)
+            assert error < 2e-2, (name, error)
+    assert sum(r["row_bytes"] for r in bf16) < sum(r["row_bytes"] for r in fp32)
+    assert sum(r["row_bytes"] for r in bf16) == sum(r["planned"][1] for r in bf16)
+    kept, op = run_ranks(_step, 2, "kept-compute", True), run_ranks(_step, 2, "op", True)
+    assert sum(r["row_bytes"] for r in kept) == sum(r["planned"][1] for r in kept)
+    cfg = get_preset("tiny-moe")
+    tokens = kept[0]["tokens"]
+    planned = sum(t.nbytes(tokens) for t in kept_exchanges(cfg, "autocast-bf16", tokens, dispatch_dtype="compute"))
+    assert sum(k["kept_bytes"] - o["kept_bytes"] for k, o in zip(kept, op, strict=True)) == \
+        2 * kept[0]["moe_layers"] * planned
 
 
 def test_a_replay_that_routes_differently_is_refused():
