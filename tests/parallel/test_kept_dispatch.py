@@ -29,6 +29,8 @@ from tessera.plan.memory import get_precision, rank_params
 from tessera.plan.recompute_terms import kept_exchanges
 from tessera.train.objectives.loss import token_loss_sum
 from tests.forked_ranks import run_ranks
+from tests.parallel.test_dualpipe_overlap import LAYOUT as PIPELINE_LAYOUT
+from tests.parallel.trainer_runs import overrides_for, train_on_ranks
 from tests.parallel.training_step import SEED, global_batch
 
 DEEPSEEK = ("attention_core", "attention_in", "router", "mlp_in")
@@ -252,3 +254,25 @@ def test_kept_dispatch_under_dualpipev_overlap_replays_on_the_other_thread_witho
         # the same exchanges as keeping everything; the op policy's replays send more
         assert k["calls"] == n["calls"], (k["calls"], n["calls"])
         assert sum(o["calls"].values()) > sum(n["calls"].values())
+
+
+@pytest.mark.dist
+def test_deepseek_v3s_policy_trains_through_the_trainer_like_keeping_everything(small_dataset, tmp_path):
+    """configs/deepseek-v3.yaml's memory and dispatch policy (op keeping the core, latents, router, SwiGLU
+    inputs and the dispatch, the last two in FP8, the dispatch in bf16) on its schedule (DualPipeV, pairs
+    overlapped) under its bf16 autocast, pp2 x ep2 through the real Trainer: the first loss equal to
+    keeping everything (the forward is the same), gradient norms and the next loss within FP8 / bf16
+    rounding of the backward."""
+    recipe = {"parallel.recompute": "op", "parallel.recompute_save": "[" + ",".join((*DEEPSEEK, "dispatch")) + "]",
+              "parallel.activation_fp8": "[mlp_in,dispatch]", "parallel.ep_dispatch_dtype": "compute"}
+
+    def run(name: str, **extra) -> list[dict]:
+        overrides = overrides_for("moe", small_dataset, tmp_path / name, 2, **PIPELINE_LAYOUT, **extra,
+                                  **{"parallel.pp_schedule": "dualpipev", "train.dtype": "bf16"})
+        return run_ranks(train_on_ranks, 4, "moe", overrides)[0]["records"]
+
+    got, want = run("recipe", **recipe), run("plain")
+    assert got[0]["loss"] == want[0]["loss"]
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-4)
+    for g, w in zip(got, want, strict=True):
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
