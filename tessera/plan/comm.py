@@ -22,7 +22,8 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
   backward; each is a state's size per part of a sequence (one part per rank, two under the zig-zag
   split), whatever its length, and on the critical path (`handoff_buffers`). An MLP-only layer
   (Nemotron-H) exchanges nothing.
-- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
+- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward, and again in the
+  forward a recomputed block replays unless it keeps them (recompute_save `dispatch`).
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
 Data parallelism moves what the trainer's FSDP2 moves, unit by unit (`fsdp_units`: a block, the
@@ -103,13 +104,16 @@ class _StageCounts:
     moe_recomputed: int  # MoE blocks among `recomputed`
 
     @classmethod
-    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str) -> _StageCounts:
+    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str, save: tuple[str, ...] = ()) -> _StageCounts:
         """From `ModelProfile.stage_kinds`: layers counted by (is MoE, does the policy apply)."""
         # Collectives re-run in backward: the whole block's under full and op recomputation (the block
-        # replays; collective outputs are not kept), the attention core's under any policy.
+        # replays; collective outputs are not kept, except the expert all-to-alls' under op with
+        # `dispatch` saved: kept_exchange.py), the attention core's under any policy.
         applied = sum(c for (_, applies), c in kinds.items() if applies)
         recomputed = applied if recompute in ("full", "op") else 0
-        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
+        kept = recompute == "op" and "dispatch" in save
+        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) \
+            if recomputed and not kept else 0
         return cls(layers=sum(kinds.values()), recomputed=recomputed, cores=applied,
                    moe_layers=sum(c for (moe, _), c in kinds.items() if moe), moe_recomputed=moe_recomputed)
 
@@ -137,7 +141,7 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         if size_ > 1 and size > 0 and (per_mb > 0 or per_step > 0):
             out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
 
-    counts = _StageCounts.of(kinds, lay.recompute)
+    counts = _StageCounts.of(kinds, lay.recompute, lay.recompute_save)
     _tp_collectives(lay, stage, counts, T * cfg.dim * dt.compute, add)
     if lay.cp > 1:
         mixers = prof.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute, lay.recompute_interval)
@@ -145,9 +149,13 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         for mixer in ("delta", "ssd"):
             _handoff_collectives(cfg, lay, work, mixer, _StageCounts.of_mixer(mixers, mixer, lay.recompute), dt, add)
     if lay.ep > 1 and counts.moe_layers:
-        rows = T * cfg.moe.top_k * cfg.dim * dt.residual
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows,
-            4 * counts.moe_layers + 2 * counts.moe_recomputed)
+        # forward and backward, again in a replayed block: the dispatch sends the MoE input's rows (the
+        # residual dtype, or the compute dtype with ep_dispatch_dtype=compute; its gradient the same), the
+        # combine the experts' outputs (the compute dtype)
+        rows, calls = T * cfg.moe.top_k * cfg.dim, 2 * counts.moe_layers + counts.moe_recomputed
+        sent = dt.compute if lay.ep_dispatch_dtype == "compute" else dt.residual
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch", rows * sent, calls)
+        add("ep", lay.ep, "all-to-all", "MoE combine", rows * dt.compute, calls)
     if lay.pp > 1:
         boundary = T * cfg.dim * dt.residual / (lay.tp if lay.sp else 1)
         add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
