@@ -24,17 +24,20 @@ the result is the same bits for any thread count, with the AVX2 path or the port
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
-autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Where an attention's q, k and v
-(or an MLP's gate and up) are block matrices of one type, it also installs `BlockGroup` at the
-models' `FusedProjection` seam (`Attention.fused_qkv`, `FeedForward.fused_gate_up`, with SwiGLU's
-one-pass kernel after it): one call multiplies all of them (`gguf_linear_group`), the activations
-quantized once and one parallel region over all their rows, each output the same bits as its own
-matrix's product. A decode step of SmolLM2-135M then makes 4 block products per layer instead of 7
-(docs/benchmarks.md, #53). Longer prompt chunks take the
+autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks take the
 reference's arithmetic, the matrix dequantized once for all their rows (which then costs less than
 the integer products per row), dequantized by the same library (`gguf_dequantize`: gguf_blocks'
 values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
 with the library's other kernels.
+
+Where an attention's q, k and v (or an MLP's gate and up) are block matrices of one type, it also
+installs `BlockGroup` at the models' `FusedProjection` seam (`Attention.fused_qkv`,
+`FeedForward.fused_gate_up`, with SwiGLU's one-pass kernel after it): one call multiplies all of them
+(`gguf_linear_group`), the activations quantized once and one parallel region over all their rows,
+each output the same bits as its own matrix's product. A decode step of SmolLM2-135M then makes 4
+block products per layer instead of 7; on one thread its CPU time did not change beyond the noise
+(the calls saved are ~2% of a step; the fewer parallel regions are for two threads, unmeasured on a
+quiet machine: docs/benchmarks.md, #53).
 """
 
 from __future__ import annotations
