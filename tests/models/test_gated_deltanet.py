@@ -156,3 +156,20 @@ def test_the_bench_times_two_forms_with_equal_outputs(decay):
     result = json.loads(run.stdout)
     assert result["max_abs_diff"] < 1e-5 and min(result["tokens_per_s"].values()) > 0
     assert result["decay"] == ("per channel" if decay else "per head")
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_chunked_without_gradients_leaves_the_start_state_as_it_was(per_channel):
+    """Without gradients the chunked form updates its state in place (no copy of it per chunk): the
+    caller's fp32 start state is left as it was, and the result equals the one computed for gradients."""
+    q, k, v, g, beta, state = _inputs(6)
+    if per_channel:
+        g = -torch.rand(B, S, H, K, generator=torch.Generator().manual_seed(7)) * 0.5
+    before = state.clone()
+    with torch.no_grad():
+        got = chunked_delta_rule(q, k, v, g, beta, state, chunk=8)
+    assert torch.equal(state, before)
+    want = chunked_delta_rule(*(t.clone().requires_grad_() for t in (q, k, v, g, beta, state)), chunk=8)
+    for a, b in zip(got, want):
+        assert b.requires_grad
+        torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-6)
