@@ -24,7 +24,7 @@ head instead of one number, exp(g_t) scaling the state's rows. Both forms take e
 [B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
 of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay: one
 product referred to the chunk's first row where no channel decays too fast for fp32 within the chunk
-(`_per_channel_terms`, whose one exp also gives the chunk's other decays), else `decayed_products`:
+(`_referred_chunk_terms`, whose one exp also gives the chunk's other decays), else `decayed_products`:
 one product per block of rows referred to its first row's decay where no channel decays too fast
 within a block, else a product per sub-block through its last row's decay with the diagonal
 sub-blocks whole.
@@ -147,7 +147,7 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
             chunk_out, state = _chunk_step(state, *(t[n] for t in terms), in_place)
             outs.append(chunk_out)
         n = len(outs)
-        out[:, rows] = torch.stack(outs).view(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)
+        out[:, rows].view(B, n, C, H, V).copy_(torch.stack(outs).view(n, B, H, C, V).permute(1, 0, 3, 2, 4))
     return out[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
 
 
@@ -247,28 +247,31 @@ def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         A, scores = (k @ k_t) * (decay_ij * beta[..., None]), (q @ k_t) * decay_ij
         read_decay, to_end = c[..., None].exp(), (c[..., -1:] - c)[..., None].exp()
     else:  # one decay per key channel [n, BH, C, K]: each inside the sums over K
-        A, scores, read_decay, to_end = _per_channel_terms(q, k, g.cumsum(dim=-2), beta)
+        c = g.cumsum(dim=-2)
+        if float((c[..., 0, :] - c[..., -1, :]).detach().max()) <= SPAN_LIMIT:
+            return _referred_chunk_terms(q, k, v, c, beta)
+        A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
+        read_decay, to_end = c.exp(), (c[..., -1:, :] - c).exp()
     T = _unit_lower_inverse(A) * beta[..., None, :]
     k_to_end_t = (k * to_end).transpose(-1, -2)
     return q * read_decay, T @ (k * read_decay), T @ v, scores, k_to_end_t, read_decay[..., -1:, :].transpose(-1, -2)
 
 
-def _per_channel_terms(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor, beta: torch.Tensor):
-    """A and the scores (`decayed_products`), exp(c) and exp(c_C - c) [..., C, K] for a decay per key
-    channel. Where no channel decays by more than SPAN_LIMIT within the chunk, all from one exp:
-    s = exp(c - c_1) (in [exp(-SPAN_LIMIT), 1]), the products referred to the chunk's first row (one
-    product: a_i s_i times b_j / s_j), exp(c) = s exp(c_1) and exp(c_C - c) = s_C / s; else the
-    decays each by their own exp."""
+def _referred_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, beta: torch.Tensor):
+    """`_chunk_terms` for a decay per key channel where none decays by more than SPAN_LIMIT within the
+    chunk, all from one exp: s = exp(c - c_1) in [exp(-SPAN_LIMIT), 1]. The products are referred to
+    the chunk's first row, exp(c_i - c_j) = s_i / s_j, so A and the scores are (k s) and (q s) times
+    (k / s) (one product each; A's upper half, at most exp(SPAN_LIMIT), unread by the solve);
+    exp(c) = s exp(c_1), whose channel factor exp(c_1) passes through T to scale W's columns, and
+    exp(c_C - c_j) k_j = s_C (k / s)_j."""
     first = c[..., :1, :]
-    if float((first - c[..., -1:, :]).detach().max()) <= SPAN_LIMIT:
-        s = (c - first).exp()
-        *lead, C, K = k.shape
-        left = torch.stack([k * beta[..., None], q], dim=-3) * s.unsqueeze(-3)
-        both = left.view(*lead, 2 * C, K) @ (k / s).transpose(-1, -2)
-        A, scores = both.view(*lead, 2, C, C).tril().unbind(-3)
-        return A, scores, s * first.exp(), s[..., -1:, :] / s
-    A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
-    return A, scores, c.exp(), (c[..., -1:, :] - c).exp()
+    s = (c - first).exp()
+    ks, right_t = k * s, (k / s).transpose(-1, -2)
+    q_s = q * s
+    T = _unit_lower_inverse((ks @ right_t) * beta[..., None]) * beta[..., None, :]
+    start, last = first.exp(), s[..., -1:, :]
+    return (q_s * start, (T @ ks) * start, T @ v, (q_s @ right_t).tril(), right_t * last.transpose(-1, -2),
+            (last * start).transpose(-1, -2))
 
 
 def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
