@@ -119,12 +119,11 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule `chunk` tokens at a time (module docstring; a chunk of whole TILEs a tile at
-    a time), a slab of chunks at a time:
-    each slab's inputs are laid out chunk first ([n, B H, C, .], `_in_chunks`) and its own terms
-    computed at once (bounded memory, every product over the slab a plain batched one, nothing
-    prompt-sized allocated but the output); only the state passes from chunk to chunk. The sequence
-    is padded to whole chunks with tokens that write nothing (beta = 0, k = 0) and do not decay
-    (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
+    a time), a slab of chunks at a time: each slab's inputs are laid out chunk first ([n, B H, C, .],
+    `_in_chunks`) and its own terms computed at once (bounded memory, every product over the slab a
+    plain batched one, nothing prompt-sized allocated but the output); only the state passes from
+    chunk to chunk. The sequence is padded to whole chunks with tokens that write nothing (beta = 0,
+    k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     C = min(chunk, S)
