@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.models.gguf_blocks import BLOCKS, dequantize, row_bytes
-from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.experts import GroupedExperts, each_expert_on_its_rows
 
 PROJECTIONS = ("w1", "w2", "w3")  # gate, down, up: GroupedExperts' names
 
@@ -84,11 +84,7 @@ class GgufExperts(nn.Module):
         return self.w2(e, F.silu(self.w1(e, x_nD)) * self.w3(e, x_nD))
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        sizes = tokens_per_expert.tolist()
-        tail = x_ND.shape[0] - sum(sizes)
-        chunks = torch.split(x_ND, [*sizes, tail])
-        out = [self.expert(e, c) if c.shape[0] else c for e, c in enumerate(chunks[:-1])]
-        return torch.cat([*out, x_ND.new_zeros(tail, self.dim)], dim=0)
+        return each_expert_on_its_rows(self.expert, x_ND, tokens_per_expert, self.dim)
 
     def dequantized(self, dtype: torch.dtype, use_grouped_mm: bool = True) -> GroupedExperts:
         """The same experts as a `GroupedExperts` of float `dtype` weights (every expert dequantized)."""
