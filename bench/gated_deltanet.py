@@ -6,7 +6,9 @@ One Qwen3-Next-80B-A3B Gated DeltaNet layer's core (`--heads` value heads of key
 `--head-dim`, fp32, one sequence of `--tokens` tokens; tessera/models/linear_attention/delta_rule.py):
 `chunked_delta_rule` (chunks of `--chunk`) and `recurrent_delta_rule` (token by token) on the same
 random inputs, the two alternated `--rounds` times, each side's median kept; tokens/s of each, their
-ratio (issue 50's target: chunked >= 5x recurrent at 8k tokens) and the largest difference between
+ratio (issue 50's target: chunked >= 5x recurrent at 8k tokens), each round's ratio, the same from
+the CPU time each side's process used (`time.process_time`: what other processes sharing the cores
+take is not counted in it), the load average before and after, and the largest difference between
 their outputs. `--per-channel`: Kimi delta attention's decay, one per key channel (Kimi-Linear-48B-A3B's
 layer: 32 heads of 128, the defaults) instead of one per head. Writes one JSON object to stdout.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,21 +49,30 @@ def main(argv: list[str] | None = None) -> int:
     g = -torch.rand(1, S, H, *((D,) if args.per_channel else ()), generator=gen) * 0.1
     beta = torch.rand(1, S, H, generator=gen)
     times: dict[str, list[float]] = {"chunked": [], "recurrent": []}
+    cpu: dict[str, list[float]] = {"chunked": [], "recurrent": []}
     outputs = {}
+    load_before = os.getloadavg()[0]
     with torch.no_grad():
         for _ in range(args.rounds):
             for name in times:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if name == "chunked":
                     outputs[name] = chunked_delta_rule(q, k, v, g, beta, chunk=args.chunk)[0]
                 else:
                     outputs[name] = recurrent_delta_rule(q, k, v, g, beta)[0]
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
     tps = {name: S / statistics.median(t) for name, t in times.items()}
+    cpu_tps = {name: S / statistics.median(t) for name, t in cpu.items()}
+    rounds = [round(r / c, 2) for c, r in zip(times["chunked"], times["recurrent"])]
     print(json.dumps({"tokens": S, "heads": H, "head_dim": D, "chunk": args.chunk, "threads": args.threads,
                       "decay": "per channel" if args.per_channel else "per head",
                       "tokens_per_s": {n: round(x, 1) for n, x in tps.items()},
                       "chunked_over_recurrent": round(tps["chunked"] / tps["recurrent"], 2),
+                      "per_round": rounds,
+                      "cpu_tokens_per_s": {n: round(x, 1) for n, x in cpu_tps.items()},
+                      "cpu_chunked_over_recurrent": round(cpu_tps["chunked"] / cpu_tps["recurrent"], 2),
+                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                       "max_abs_diff": float((outputs["chunked"] - outputs["recurrent"]).abs().max())}))
     return 0
 

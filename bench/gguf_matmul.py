@@ -8,6 +8,12 @@ each `--kinds`: the minimum over `--repeats` of the mean of `--calls` products, 
 (`time.process_time`), which a loaded machine's other processes disturb far less than wall time. Run
 it in two checkouts alternately to compare two versions of the kernel. One JSON object to stdout
 (microseconds per product).
+
+`--smollm2`: instead, every product of a SmolLM2-135M Q4_1 decode step, one row of x: q and o
+(576 x 576), k and v (192 x 576), gate and up (1536 x 576) in Q4_1, down (576 x 1536) in Q4_1, and the
+tied head (49152 x 576) in Q8_0 as the file stores it; each with its weight bytes read per second of
+CPU time (GB/s), and the step's sum (30 layers and the head) in ms and GB/s. `--threads`: intra-op
+threads (the CPU time then counts every thread).
 """
 
 from __future__ import annotations
@@ -22,12 +28,52 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+SMOLLM2 = {"q, o": ("Q4_1", 576, 576, 2), "k, v": ("Q4_1", 192, 576, 2), "gate, up": ("Q4_1", 1536, 576, 2),
+           "down": ("Q4_1", 576, 1536, 1), "head": ("Q8_0", 49152, 576, 0)}  # kind, out, in, per layer
+
+
+def smollm2_step(repeats: int, threads: int) -> dict:
+    """Each SmolLM2 decode product's CPU time and GB/s of weight bytes, and the step's sum (docstring)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from tessera.infer.cpu.attention import kernel
+    from tessera.infer.cpu.gguf_matmul import gguf_linear
+
+    torch.set_num_threads(threads)
+    assert kernel() is not None, "the CPU kernels did not build"
+    rng, out, step_s, step_bytes = np.random.default_rng(0), {}, 0.0, 0
+    for name, (kind, n, k, per_layer) in SMOLLM2.items():
+        raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                                                    gguf.GGMLQuantizationType[kind]))
+        x, calls = torch.randn(1, k), max(5, int(4e7 / raw.numel()))
+        for _ in range(3):
+            gguf_linear(x, raw, kind, n)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.process_time()
+            for _ in range(calls):
+                gguf_linear(x, raw, kind, n)
+            best = min(best, (time.process_time() - t) / calls)
+        out[f"{name} {kind} {n}x{k}"] = {"us": round(best * 1e6, 1), "GB/s": round(raw.numel() / best / 1e9, 2)}
+        count = 30 * per_layer or 1
+        step_s, step_bytes = step_s + count * best, step_bytes + count * raw.numel()
+    out["step"] = {"ms": round(step_s * 1e3, 2), "GB/s": round(step_bytes / step_s / 1e9, 2)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kinds", nargs="+", default=["Q4_1", "Q8_0"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's decode products (docstring)")
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    if args.smollm2:
+        print(json.dumps(smollm2_step(args.repeats, args.threads)))
+        return 0
 
     import gguf
     import numpy as np

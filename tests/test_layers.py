@@ -46,6 +46,8 @@ FAMILY_FREE = ("infer/engine/llm_engine.py", "infer/api/server.py", "infer/engin
 VISION_LANGUAGE_FAMILY = ("tessera.models.vision.llava", "tessera.models.vision.qwen_vl",
                           "tessera.models.vision.qwen_vision", "tessera.config.vision", "tessera.config.qwen_vl",
                           "tessera.checkpoint.hf.llava", "tessera.checkpoint.hf.qwen_vl",
+                          "tessera.models.vision.qwen3_vision", "tessera.config.qwen3_5_vl",
+                          "tessera.checkpoint.hf.qwen3_5_vl",
                           "tessera.data.qwen_image_processor", "tessera.data.image_processor.ImageProcessor")
 
 

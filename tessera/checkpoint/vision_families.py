@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tessera.checkpoint.hf import llava, qwen_vl
+from tessera.checkpoint.hf import llava, qwen3_5_vl, qwen_vl
 from tessera.checkpoint.hf.composite import DirectoryFormat, read_directory_config
 from tessera.config.errors import CheckpointError
 from tessera.config.hf_config import read_json_object
@@ -43,10 +43,13 @@ class VisionLanguageFamily:
 
 
 _QWEN_VL = VisionLanguageFamily(qwen_vl.DIRECTORY, qwen_vl_samples)
+_QWEN3_5_VL = VisionLanguageFamily(qwen3_5_vl.DIRECTORY, qwen_vl_samples)
 REGISTRY: dict[str, VisionLanguageFamily] = {
     "llava": VisionLanguageFamily(llava.DIRECTORY, llava_samples),
     "qwen2_vl": _QWEN_VL,
     "qwen2_5_vl": _QWEN_VL,
+    "qwen3_5": _QWEN3_5_VL,
+    "qwen3_5_moe": _QWEN3_5_VL,
 }
 
 

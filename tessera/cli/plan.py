@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-overlap", action="store_true",
                         help="assume TP/SP collectives overlap the layer's GEMMs (off: on the critical path)")
     parser.add_argument("--ep-overlap", action="store_true",
-                        help="assume a DualPipe-style / 1F1B all-to-all overlap schedule hides the EP all-to-all")
+                        help="assume a DualPipe-style / 1F1B all-to-all overlap schedule hides the EP all-to-all "
+                             "(on by itself for parallel.pp_schedule=dualpipev with parallel.pp_overlap)")
     parser.add_argument("--reserved-memory", default="3GiB",
                         help="memory per GPU taken by the CUDA context, NCCL and fragmentation")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 print("\nBest layout in detail\n")
                 print(render_plan(result.ranked[0]))
         return 0 if result.ranked else 1
-    layout = dataclasses.replace(Layout.from_parallel(inputs.parallel, args.gpus), **overlaps)
+    layout = Layout.from_parallel(inputs.parallel, args.gpus)  # the trainer's overlapped DualPipeV: ep_overlap
+    layout = dataclasses.replace(layout, **{k: v for k, v in overlaps.items() if v})
     m = inputs.work.global_batch // (inputs.work.micro_batch * layout.dp)
     if inputs.parallel.microbatches not in (None, m):
         raise ParallelError(f"parallel.microbatches={inputs.parallel.microbatches} disagrees with the batch: "

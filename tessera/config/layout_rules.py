@@ -145,10 +145,6 @@ def _cp_problems(m: ModelConfig, s: LayoutSizes, seq_len: int | None) -> list[st
     if m.attention_sinks:
         out.append(f"cp={s.cp} cannot attend with attention sinks (model.attention_sinks=true, gpt-oss): the "
                    "context-parallel attention cores take none; use cp=1 (tp, ep, fsdp and pp take the model)")
-    if m.mla is not None and m.mla.index_topk is not None:
-        out.append(f"cp={s.cp} cannot run sparse attention (model.mla.index_topk={m.mla.index_topk}, "
-                   "DeepSeek-V3.2): its indexer scores the keys of the whole sequence, which no cp rank holds; "
-                   "use cp=1 (tp, ep, fsdp and pp take the model)")
     if seq_len is not None:
         out.append(_divides("cp", s.cp, "sequence length (train.seq_len)", seq_len))
         if cp_layout(s.cp_method) == "zigzag" and seq_len % s.cp == 0 and seq_len % (2 * s.cp):

@@ -39,16 +39,22 @@ RECOMPUTE_CHOICES = ("none", "selective", "op", "full")
 #   router             the MoE router's logits and the shared-expert gate
 #   mlp_in             SwiGLU gate and up products (dense MLP, routed experts, shared experts)
 #   mlp_out            SwiGLU down products
-# Norms, RoPE, activations, casts, routing and dispatch always re-run. DeepSeek-V3's recipe
-# (recompute every RMSNorm and the MLA up-projections, keep the SwiGLU inputs; arXiv 2412.19437,
-# sections 3.2.3 and 3.3.3) is [attention_core, attention_in, router, mlp_in].
+#   dispatch           the MoE all-to-alls' received rows (dispatch and combine) and counts: the replay
+#                      takes them instead of sending again, so backward sends only the gradients
+#                      (tessera/parallel/memory/kept_exchange.py; the alltoall dispatcher under ep > 1)
+# Norms, RoPE, activations, casts and routing always re-run, and so does the dispatch unless kept.
+# DeepSeek-V3's recipe (recompute every RMSNorm and the MLA up-projections, keep the SwiGLU inputs and
+# the dispatched tokens; arXiv 2412.19437, sections 3.2 and 3.3.3) is
+# [attention_core, attention_in, router, mlp_in, dispatch].
 RECOMPUTE_ROLES = ("attention_in", "mla_up", "attention_out", "router", "mlp_in", "mlp_out")
-RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES)
+RECOMPUTE_SAVE_CHOICES = ("attention_core", "matmuls", "alternate_matmuls", *RECOMPUTE_ROLES, "dispatch")
 TORCHTITAN_SAVE = ("attention_core", "alternate_matmuls")
 # Outputs `recompute=op` may keep in FP8 (E4M3, one fp32 scale per row) instead of the compute dtype:
-# matrix products only; the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
-ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out")
+# matrix products, and the expert exchanges' received rows (`dispatch`: DeepSeek-V3 dispatches, and so
+# keeps, its tokens in FP8); the attention core (its log-sum-exp is fp32) and the router (fp32 by design) stay.
+ACTIVATION_FP8_CHOICES = ("attention_in", "mla_up", "attention_out", "mlp_in", "mlp_out", "dispatch")
 EP_DISPATCHERS = ("alltoall", "allgather")
+EP_DISPATCH_DTYPES = ("input", "compute")
 CP_METHODS = ("alltoall", "allgather", "ring")
 OPTIMIZERS = ("fsdp", "distributed")
 
@@ -62,6 +68,12 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     pp_schedule: str = "1f1b"  # one of PP_SCHEDULES
     vpp: int = 1  # virtual stages per rank (interleaved 1F1B)
+    # dualpipev: run each paired forward and backward at once (two threads, the forward's expert all-to-alls
+    # on a second communicator), so that one micro-batch's all-to-all hides behind the other's compute, as
+    # DeepSeek-V3's DualPipe does (tessera/parallel/pipeline_overlap.py). Applies with tp = cp = 1 (their
+    # collectives have no second communicator); elsewhere, or false, the pair runs one after the other.
+    # Same numbers either way; the planner assumes the all-to-all hidden where it applies.
+    pp_overlap: bool = True
     # Micro-batches per step and data-parallel rank in the pipeline (pp > 1); None = the rank's rows /
     # train.micro_batch_size. Any count that divides the rows: the loss is normalised by the loss tokens
     # of the whole global batch, so a dense model changes only memory and the bubble; an MoE model's aux
@@ -76,6 +88,11 @@ class ParallelConfig:
     # gathers every token on every ep rank and reduce-scatters the outputs (simpler, more traffic; not with
     # moe.pad_to_capacity). Same numerics either way.
     ep_dispatcher: str = "alltoall"
+    # The dtype the alltoall dispatcher sends its rows in (ep > 1): "input", the MoE input's (under bf16
+    # autocast the fp32 residual stream); "compute", under autocast the autocast dtype (the experts' products
+    # cast their input to it anyway, so the forward is unchanged; the rows' gradient crosses in it too,
+    # rounded once), half the bytes. The combine sends the experts' outputs as they are. EP_DISPATCH_DTYPES.
+    ep_dispatch_dtype: str = "input"
     cp: int = 1  # context parallel (sequence split across ranks for attention)
     # How attention sees the whole sequence under cp > 1 (tessera/parallel/context_parallel.py); all exact.
     # "alltoall" (Ulysses; the default): contiguous chunks, rank r holds chunk r; q, k, v are re-split from
@@ -144,6 +161,9 @@ class ParallelConfig:
                               f"1..{MAX_PARALLEL_SIZE:,}")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage!r} is invalid: one of 1, 2, 3")
+        if self.ep_dispatch_dtype not in EP_DISPATCH_DTYPES:
+            raise ConfigError(f"parallel.ep_dispatch_dtype={self.ep_dispatch_dtype!r} is invalid: one of "
+                              f"{', '.join(EP_DISPATCH_DTYPES)}")
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ConfigError(f"parallel.ep_dispatcher={self.ep_dispatcher!r} is invalid: one of "
                               f"{', '.join(EP_DISPATCHERS)}")
@@ -162,6 +182,8 @@ class ParallelConfig:
         if self.activation_fp8 and self.recompute != "op":
             raise ConfigError(f"parallel.activation_fp8={list(self.activation_fp8)} needs parallel.recompute=op: it "
                               f"stores the outputs that policy keeps in FP8 (now recompute={self.recompute})")
+        if not isinstance(self.pp_overlap, bool):
+            raise ConfigError(f"parallel.pp_overlap={self.pp_overlap!r} is invalid: true or false")
         if not isinstance(self.activation_offload, bool):
             raise ConfigError(f"parallel.activation_offload={self.activation_offload!r} is invalid: true or false")
         if self.sp and self.tp == 1:

@@ -10,7 +10,13 @@ temporally), rotate q and k by each patch's (row, column) and merge every 2x2 bl
 (`spatial_merge_size`) into one language-model token. `QwenVLConfig` adds the language model (a
 Qwen2 decoder, `ModelConfig` family "qwen2") with multimodal rotary positions: the rotary
 frequencies are split into `mrope_section` (temporal, height, width) groups, each rotated by its
-own coordinate of the token's 3-D position. No torch.
+own coordinate of the token's 3-D position.
+
+The same two classes describe Qwen3.5 / Qwen3.5-MoE with their tower (versions "qwen3_5",
+"qwen3_5_moe", `QWEN3_TOWERS`: Qwen3-VL's tower, LayerNorm and a fc1/fc2 MLP as Qwen2-VL's, a
+learned position table of `position_embeddings` entries), whose language model is a Qwen3.5 hybrid
+(`TEXT_FAMILIES`) with its pairs dealt to the coordinates in turn (`mrope_interleaved`); their
+config.json is read and written in tessera/config/qwen3_5_vl.py. No torch.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from tessera.config.families import REGISTRY
 from tessera.config.model import ModelConfig
 from tessera.config.vision import read_config_file
 
-VERSIONS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+VERSIONS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+# each version's language model (a text family, tessera/config/families)
+TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_5": "qwen3_5_text",
+                 "qwen3_5_moe": "qwen3_5_moe_text"}
+# the towers of Qwen3-VL's kind (tessera/config/qwen3_5_vl.py): a biased patch embedding, a learned
+# position table resampled to each image's grid, LayerNorm and a plain MLP, no windows
+QWEN3_TOWERS = ("qwen3_5", "qwen3_5_moe")
 VISION_ACTS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
 
 # The defaults of transformers 5's config classes that a config.json may leave out.
@@ -62,6 +75,17 @@ class QwenVisionConfig:
     window_size: int = 112  # Qwen2.5-VL: a window's side in pixels (window attention)
     fullatt_blocks: list[int] = field(default_factory=list)  # Qwen2.5-VL: blocks attending over the whole image
     tokens_per_second: int = 4  # Qwen2.5-VL: videos' temporal position spacing (kept for export; no video here)
+    position_embeddings: int = 0  # Qwen3-VL's kind: entries of the learned (square) position table; 0: none
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorm (with a bias) before each block's halves and the merger; RMSNorm otherwise."""
+        return self.version != "qwen2_5_vl"
+
+    @property
+    def gated_mlp(self) -> bool:
+        """A gated SwiGLU-style MLP (Qwen2.5-VL); fc2(act(fc1 x)) otherwise."""
+        return self.version == "qwen2_5_vl"
 
     @property
     def head_dim(self) -> int:
@@ -84,7 +108,11 @@ class QwenVisionConfig:
                 f"and columns each rotate a quarter of its pairs); dim / n_heads = {self.head_dim}")
         require(all(isinstance(i, int) and 0 <= i < self.n_layers for i in self.fullatt_blocks),
                 "vision.fullatt_blocks", self.fullatt_blocks, f"block indices in 0..{self.n_layers - 1}")
-        if self.version == "qwen2_vl":
+        if self.version in QWEN3_TOWERS:
+            side = int(round(self.position_embeddings**0.5))
+            require(self.position_embeddings > 0 and side * side == self.position_embeddings,
+                    "vision.position_embeddings", self.position_embeddings, "a positive square (a side x side table)")
+        elif self.version == "qwen2_vl":
             require(self.ffn_dim % self.dim == 0, "vision.ffn_dim", self.ffn_dim,
                     f"Qwen2-VL's MLP is dim x mlp_ratio: a multiple of {self.dim}")
         else:
@@ -112,6 +140,7 @@ class QwenVLConfig:
     vision_start_token_id: int = 151652  # what the chat template puts before an image's placeholders
     vision_end_token_id: int = 151653
     mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])  # rotary pairs per (t, h, w)
+    mrope_interleaved: bool = False  # Qwen3.5: the pairs dealt to (t, h, w) in turn (tessera/models/rope.py)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,12 +159,15 @@ class QwenVLConfig:
 
     def validate(self) -> None:
         self.vision.validate()
-        if self.text.family != "qwen2":
-            raise ConfigError(f"{self.version}: the language model is a qwen2 decoder; got family {self.text.family!r}")
+        text = TEXT_FAMILIES[self.version]
+        if self.text.family != text:
+            raise ConfigError(f"{self.version}: the language model is a {text} decoder; got family "
+                              f"{self.text.family!r}")
+        pairs = self.text.rope_dim // 2
         if (not isinstance(self.mrope_section, list) or len(self.mrope_section) != 3
-                or sum(self.mrope_section) != self.text.head_dim // 2):
+                or sum(self.mrope_section) != pairs):
             raise ConfigError(f"{self.version}.mrope_section={self.mrope_section!r} is invalid: three counts of rotary "
-                              f"pairs (temporal, height, width) summing to head_dim / 2 = {self.text.head_dim // 2}")
+                              f"pairs (temporal, height, width) summing to the rotated head_dim / 2 = {pairs}")
         if self.vision.out_dim != self.text.dim:
             raise ConfigError(f"{self.version}: the vision merger outputs {self.vision.out_dim} features but the "
                               f"language model's width is {self.text.dim}")
@@ -146,7 +178,8 @@ class QwenVLConfig:
 
 # ---- config.json ---------------------------------------------------------------------------------
 def is_qwen_vl_config(d: Mapping[str, Any]) -> bool:
-    return d.get("model_type") in VERSIONS
+    """Qwen2-VL's or Qwen2.5-VL's config.json (Qwen3.5's: tessera/config/qwen3_5_vl.py)."""
+    return d.get("model_type") in ("qwen2_vl", "qwen2_5_vl")
 
 
 def _object(d: Any, what: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from tessera.config.limits import MAX_BATCH_SAMPLES, MAX_SEED, MAX_SPIKE_WINDOW,
 from tessera.config.training.dpo import PREFERENCE_KIND, validate_objective
 from tessera.config.training.eagle import validate_eagle
 from tessera.config.training.grpo import PROMPTS_KIND
+from tessera.config.training.indexer_loss import validate_indexer_loss
 from tessera.config.training.lora import validate_lora
 from tessera.config.training.vision_training import validate_vision_language
 
@@ -37,6 +38,7 @@ def validate_run_config(cfg: Any) -> None:
     validate_eagle(cfg)
     validate_vision_language(cfg)
     validate_lora(cfg)
+    validate_indexer_loss(cfg)
     _check_log(cfg.log)
 
 

@@ -34,6 +34,7 @@ from tessera.config.run_checks import validate_run_config
 from tessera.config.training.dpo import DPOConfig
 from tessera.config.training.eagle import EagleTrainConfig
 from tessera.config.training.grpo import GRPOConfig
+from tessera.config.training.indexer_loss import IndexerLossConfig
 from tessera.config.training.lora import LoRAConfig
 from tessera.config.training.vision_training import VisionLanguageTrainConfig
 from tessera.config.yaml_text import read_config_file
@@ -143,6 +144,9 @@ class TrainConfig:
     eagle: EagleTrainConfig = field(default_factory=EagleTrainConfig)  # an EAGLE draft head to train instead (off)
     # low-rank adapters over the frozen model, maybe quantized (LoRA / QLoRA: config/training/lora.py); off by default
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # DeepSeek-V3.2's indexer KL objective: weight (0 = off) and stage dense | sparse
+    # (config/training/indexer_loss.py); off by default
+    indexer_loss: IndexerLossConfig = field(default_factory=IndexerLossConfig)
     # data.kind=vision_sft: the family, vision tower, projector and freeze switches of a LLaVA / Qwen2-VL fine-tune
     vision_language: VisionLanguageTrainConfig = field(default_factory=VisionLanguageTrainConfig)
 

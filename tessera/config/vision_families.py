@@ -3,7 +3,8 @@
 A vision-language family is one of Tessera's language models (any text family,
 tessera/config/families) with an image side whose rows take the places of image placeholder
 tokens. Families are named by config.json's model_type: "llava" (LLaVA), "qwen2_vl" and
-"qwen2_5_vl" (Qwen2-VL and Qwen2.5-VL, one set of modules for both). A layer may import only the
+"qwen2_5_vl" (Qwen2-VL and Qwen2.5-VL, one set of modules for both), "qwen3_5" and "qwen3_5_moe"
+(Qwen3.5's, Qwen2-VL's modules with Qwen3-VL's tower where it differs). A layer may import only the
 layers below it (tests/test_layers.py), so each layer holds the family's parts it can name:
 
 - config (here): its config class (`text`, `vision`, `image_token_id`, a `family` property giving
@@ -45,6 +46,7 @@ from typing import Any
 
 from tessera.config.errors import ModelError
 from tessera.config.model import ModelConfig
+from tessera.config.qwen3_5_vl import qwen3_5_vl_config_from_hf, qwen3_5_vl_config_from_section, qwen3_5_vl_config_to_hf
 from tessera.config.qwen_vl import (
     qwen_vl_config_from_hf,
     qwen_vl_config_from_section,
@@ -73,11 +75,15 @@ class ConfigFamily:
 
 _QWEN_VL = ConfigFamily("Qwen2-VL / Qwen2.5-VL", "tessera.checkpoint.hf.qwen_vl.load_qwen_vl", qwen_vl_config_from_hf,
                         qwen_vl_config_to_hf, qwen_vl_config_from_section, refuse_qwen_layouts)
+_QWEN3_5_VL = ConfigFamily("Qwen3.5 / Qwen3.5-MoE", "tessera.checkpoint.hf.qwen3_5_vl.load_qwen3_5_vl",
+                           qwen3_5_vl_config_from_hf, qwen3_5_vl_config_to_hf, qwen3_5_vl_config_from_section)
 REGISTRY: dict[str, ConfigFamily] = {
     "llava": ConfigFamily("LLaVA", "tessera.checkpoint.hf.llava.load_llava", llava_config_from_hf, llava_config_to_hf,
                           llava_config_from_section),
     "qwen2_vl": _QWEN_VL,
     "qwen2_5_vl": _QWEN_VL,
+    "qwen3_5": _QWEN3_5_VL,
+    "qwen3_5_moe": _QWEN3_5_VL,
 }
 
 

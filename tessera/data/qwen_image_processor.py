@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from tessera.config.errors import ConfigError, ImageError
-from tessera.config.qwen_vl import QwenVisionConfig
+from tessera.config.qwen_vl import QWEN3_TOWERS, QwenVisionConfig
 from tessera.data.image_processor import (
     BICUBIC,
     CLIP_MEAN,
@@ -87,9 +87,12 @@ class QwenImageProcessor(ImageProcessorFile):
 
     @classmethod
     def for_vision(cls, vision: QwenVisionConfig) -> QwenImageProcessor:
-        """The processor with the tower's patch sizes and Qwen's default pixel range."""
+        """The processor with the tower's patch sizes and Qwen's default pixel range; a tower of
+        Qwen3-VL's kind normalizes by mean and std 0.5 (transformers' Qwen3-VL processors), the
+        others by CLIP's."""
+        stats = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if vision.version in QWEN3_TOWERS else {}
         return cls(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                   merge_size=vision.spatial_merge_size)
+                   merge_size=vision.spatial_merge_size, **stats)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = PROCESSOR_FILE) -> QwenImageProcessor:

@@ -109,20 +109,34 @@ def yarn_softmax_scale(scaling: dict[str, Any] | None) -> float:
     return _yarn_mscale(float(scaling["factor"]), m) ** 2 if m else 1.0
 
 
+def interleaved_sections(freqs_3: torch.Tensor, sections: list[int]) -> torch.Tensor:
+    """Qwen3-VL's and Qwen3.5's M-RoPE layout of the angles [3, ..., D/2]: pair j takes coordinate
+    j mod 3 (temporal, height, width in turn) while that coordinate's count in `sections` lasts,
+    the temporal coordinate after that."""
+    freqs = freqs_3[0].clone()
+    for axis in (1, 2):
+        picked = slice(axis, sections[axis] * 3, 3)
+        freqs[..., picked] = freqs_3[axis][..., picked]
+    return freqs
+
+
 def rope_cos_sin(positions_BS: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
-                 dtype: torch.dtype, sections: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype, sections: list[int] | None = None,
+                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [B, S, D] (the D/2 angles repeated twice), computed in fp32.
 
     Multimodal RoPE (Qwen2-VL's M-RoPE): positions [3, B, S] give each token a (temporal, height,
     width) position, and `sections` (three counts summing to D/2) splits the frequency pairs into
-    three consecutive groups, each rotated by its own coordinate. A text token has all three equal,
-    where this is plain RoPE."""
+    three consecutive groups, each rotated by its own coordinate; `interleaved` (Qwen3-VL, Qwen3.5)
+    deals the pairs to the coordinates in turn instead (`interleaved_sections`). A text token has
+    all three equal, where either is plain RoPE."""
     if positions_BS.dim() == 3:
         if sections is None or positions_BS.shape[0] != len(sections):
             raise ValueError(f"3-D rotary positions {list(positions_BS.shape)} need an mrope_section of as many "
                              f"groups; got {sections!r}")
         freqs_3 = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)
-        freqs = torch.cat([part[i] for i, part in enumerate(freqs_3.split(sections, dim=-1))], dim=-1)
+        freqs = (interleaved_sections(freqs_3, sections) if interleaved else
+                 torch.cat([part[i] for i, part in enumerate(freqs_3.split(sections, dim=-1))], dim=-1))
     else:
         freqs = positions_BS.float()[..., None] * inv_freq.to(positions_BS.device)[None, None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -41,6 +41,7 @@ from torch import nn
 
 from tessera.config.model import ModelConfig
 from tessera.models.attention import Attention, AttentionCache
+from tessera.models.attention_variants.indexer_loss import AttentionLosses, with_attention_losses
 from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from tessera.models.lazy_torch import is_dtensor
@@ -131,7 +132,9 @@ def tied_projection(h_BSD: torch.Tensor, embedding_VD: torch.Tensor) -> torch.Te
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [B, S, V] (None: no head, a middle pipeline stage; or loss_sum given)
-    aux_loss: torch.Tensor  # fp32 scalar: the sum of every MoE layer's weighted balancing losses
+    # fp32 scalar: the sum of every MoE layer's weighted balancing losses (and sparse attention's indexer
+    # loss under train.indexer_loss, attention_variants/indexer_loss.py)
+    aux_loss: torch.Tensor
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # "layer{i}/{name}" -> weighted loss
     expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> routing slots per expert
     hidden: torch.Tensor | None = None  # final hidden states [B, S, D] before the head
@@ -197,9 +200,10 @@ class TransformerBlock(nn.Module):
         self.ffn_post_norm = block_norm(cfg) if post else None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
-                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | None]:
+                q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | AttentionLosses | None]:
         a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache, **(
             {} if q_scale is None else {"q_scale": q_scale}))
+        a, mixer_losses = a if isinstance(a, tuple) else (a, None)  # sparse attention's indexer loss
         x_BSD = x_BSD + _normed(self.attention_post_norm, a)
         h = _normed(self.ffn_norm, x_BSD)
         route = None
@@ -207,7 +211,7 @@ class TransformerBlock(nn.Module):
             y, route = self.moe(h)
         else:
             y = self.feed_forward(h)
-        return x_BSD + _normed(self.ffn_post_norm, y), route
+        return x_BSD + _normed(self.ffn_post_norm, y), with_attention_losses(route, mixer_losses)
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -254,6 +258,7 @@ class Transformer(nn.Module):
         self.position_source: PositionSource = sequence_positions
         # Multimodal RoPE (Qwen2-VL): the (t, h, w) groups of rotary pairs that positions [3, B, S] rotate.
         self.mrope_section: list[int] | None = None
+        self.mrope_interleaved = False  # Qwen3-VL / Qwen3.5: the groups' pairs dealt in turn (rope.py)
         # A later pipeline stage receives hidden states; under sequence parallelism they are this
         # rank's 1/tp of the sequence, so the sequence is this many times longer (RoPE positions are global).
         self.received_sequence_shards = 1
@@ -291,10 +296,11 @@ class Transformer(nn.Module):
                 inv_freq = longrope_pick(positions, inv_freq, self.rope_long_inv_freq, original)
             elif extent > original:
                 inv_freq = self.rope_long_inv_freq
-        cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, self.mrope_section)
+        mrope = (self.mrope_section, self.mrope_interleaved)
+        cos_sin = rope_cos_sin(positions, inv_freq, self.rope_attention_factor, dtype, *mrope)
         local = None
         if self.local_rope_inv_freq.numel():
-            local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, self.mrope_section)
+            local = rope_cos_sin(positions, self.local_rope_inv_freq, 1.0, dtype, *mrope)
         q_scale = None
         if self.cfg.nope_attn_scale > 0:  # Llama 4's temperature tuning (model.nope_attn_scale)
             steps = torch.floor((positions.float() + 1.0) / self.cfg.nope_floor_scale)
@@ -416,11 +422,13 @@ class Transformer(nn.Module):
         return h
 
     @staticmethod
-    def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | None) -> None:
-        """A block's routing counts and auxiliary losses into `out` (nothing for a dense block)."""
+    def _add_route(out: ModelOutput, name: str, layer_id: int, route: RouterOutput | AttentionLosses | None) -> None:
+        """A block's routing counts and auxiliary losses into `out` (nothing for a dense block without
+        the indexer loss)."""
         if route is None:
             return
-        out.expert_counts[layer_id] = route.counts_E
+        if isinstance(route, RouterOutput):
+            out.expert_counts[layer_id] = route.counts_E
         for loss_name, value in route.losses.items():
             out.aux_losses[f"{name}/{loss_name}"] = value
             out.aux_loss = out.aux_loss + value

@@ -17,6 +17,13 @@ Each forward collective has the backward that is its transpose:
                       sequence-parallel region (Korthikanti et al. 2022), for a tensor every rank
                       holds whole.
 
+Lanes: two threads of one rank may each run collectives of their own at once (the forward and the
+backward of DualPipeV's overlapped pairs, pipeline_overlap.py); ranks must never interleave two
+threads' collectives on one process group. Every collective here (forward and backward) and the
+expert dispatcher's count exchange resolve their group through `lane_group`: on a thread that
+entered `lane(twins)`, a group with a twin (the same ranks, another communicator) becomes the twin.
+Outside a lane (every run but the overlapped pairs) nothing changes.
+
 All of them are the identity on a group of one rank and take `group=None` as that case. Inside a
 torch.compile'd region (`train.compile`) they run eagerly, between the compiled graphs: traced, the
 result a backward's collective writes into a fresh buffer was lost under torch 2.11 (context-parallel
@@ -25,9 +32,34 @@ gradients came out wrong while the loss was right).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from tessera.parallel.memory.kept_exchange import exchange_counts, exchange_rows
+
+_lanes = threading.local()
+
+
+@contextmanager
+def lane(twins: dict[ProcessGroup, ProcessGroup]) -> Iterator[None]:
+    """On this thread, until the block ends, every group with an entry in `twins` is replaced by it."""
+    before = getattr(_lanes, "twins", None)
+    _lanes.twins = twins
+    try:
+        yield
+    finally:
+        _lanes.twins = before
+
+
+def lane_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """The group this thread's collectives over `group` use: its twin inside a `lane`, else itself."""
+    twins = getattr(_lanes, "twins", None)
+    return group if twins is None or group is None else twins.get(group, group)
 
 
 def _size(group: ProcessGroup | None) -> int:
@@ -43,7 +75,7 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
+        dist.all_reduce(g, group=lane_group(ctx.group))
         return g, None
 
 
@@ -51,7 +83,7 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=lane_group(group))
         return x
 
     @staticmethod
@@ -64,21 +96,22 @@ class _AllToAllRows(torch.autograd.Function):
     def forward(ctx, x, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=lane_group(group))
         return out
 
     @staticmethod
     def backward(ctx, g):
         output_splits, input_splits = ctx.splits
         grad = g.new_empty((sum(input_splits),) + tuple(g.shape[1:]))
-        dist.all_to_all_single(grad, g.contiguous(), input_splits, output_splits, group=ctx.group)
+        dist.all_to_all_single(grad, g.contiguous(), input_splits, output_splits,
+                                group=lane_group(ctx.group))
         return grad, None, None, None
 
 
 def _all_gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's `x` concatenated along dim 0 in rank order, into a fresh buffer."""
     out = x.new_empty((x.shape[0] * _size(group),) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=lane_group(group))
     return out
 
 
@@ -86,7 +119,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.T
     """This rank's equal block of dim 0 of the sum of every rank's `x`, into a fresh buffer."""
     n = _size(group)
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=lane_group(group))
     return out
 
 
@@ -150,8 +183,22 @@ def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
 
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                     group: ProcessGroup | None) -> torch.Tensor:
-    """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven)."""
-    return x if _size(group) == 1 else _eager(_AllToAllRows, x, output_splits, input_splits, group)
+    """Send rows input_splits[r] to rank r, receive output_splits[r] rows from rank r (uneven). Under a
+    kept dispatch (memory/kept_exchange.py) a block's replay takes the forward's received rows instead."""
+    if _size(group) == 1:
+        return x
+    return exchange_rows(x, lambda rows: _eager(_AllToAllRows, rows, output_splits, input_splits, group))
+
+
+def all_to_all_counts(send_counts: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's `send_counts` block for this rank (an even all-to-all of counts, no gradient); under a
+    kept dispatch a block's replay takes the forward's."""
+    def send(counts: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=lane_group(group))
+        return received
+
+    return exchange_counts(send_counts, send)
 
 
 def gather_rows(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -39,6 +39,10 @@ Multi-token prediction (models/mtp.py): the model's `mtp_sequence` becomes `Chun
 all-gathers the cp ranks' token ids (integers: exact, no gradient) into sequence order, so that each
 depth's shift reaches tokens held by another rank, and keeps this rank's positions of the result.
 
+Sparse attention (DeepSeek-V3.2, models/attention_variants/sparse_mla.py) runs its own core: its `sequence`
+seam becomes `GatheredKeys`, the all-gather of every rank's keys, values and indexer keys in sequence
+order, so each rank's queries take their top-k over all the keys of the sequence (any cp_method).
+
 Recurrent mixers (Gated DeltaNet, Kimi delta attention, Mamba-2): each rank runs them over its own
 tokens only, from the state the previous part of the sequence hands on (context_parallel_recurrent.py).
 
@@ -59,6 +63,7 @@ from torch.distributed import ProcessGroup
 from tessera.config.errors import ParallelError
 from tessera.config.parallel import CP_METHODS
 from tessera.models.attention import Attention, Window, causal_attention, sliding_window_mask
+from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
@@ -174,6 +179,27 @@ class ContextParallelAttention:
         return allgather_attention(q_BHCD, k_BGCD, v_BGCD, scale, window, self.group, self.layout)
 
 
+class GatheredKeys:
+    """Sparse attention's `sequence` seam under cp (models/attention_variants/sparse_mla.py): every cp rank's
+    keys, values and indexer keys all-gathered (backward: reduce-scatter of their gradients) and put in
+    sequence order, with the keys each of this rank's queries may see at its global positions, so that
+    the indexer scores all the keys of the sequence and picks as one process does (its ties go to the
+    earlier key, which needs sequence order)."""
+
+    def __init__(self, group: ProcessGroup, cp_rank: int, cp: int, layout: str = "contiguous"):
+        self.group, self.cp_rank, self.cp, self.layout = group, cp_rank, cp, layout
+
+    def __call__(self, k_BHCD: torch.Tensor, v_BHCD: torch.Tensor, index_keys_BCD: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, _, C, _ = k_BHCD.shape
+        positions = all_rank_positions(C, self.cp, self.layout, k_BHCD.device)  # [cp, C]
+        order = positions.flatten().argsort()  # gathered (rank) order -> sequence order
+        k, v = (gather_sequence(t, self.group).index_select(2, order) for t in (k_BHCD, v_BHCD))
+        keys = gather_rows(index_keys_BCD.transpose(0, 1).contiguous(), self.group).index_select(0, order)
+        allowed = positions[self.cp_rank][:, None] >= torch.arange(self.cp * C, device=k_BHCD.device)[None, :]
+        return k, v, keys.transpose(0, 1), allowed.expand(B, C, self.cp * C)
+
+
 class ChunkPositions:
     """The model's `position_source` under cp: this rank's C tokens of every sequence sit at their
     global positions under `layout` (RoPE must rotate by where a token is in the sequence):
@@ -208,7 +234,8 @@ class ChunkTokens(TokenSequence):
 
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
-    """Install the cp attention core (`dims.cp_method`) in every attention module, the positions of
+    """Install the cp attention core (`dims.cp_method`) in every attention module (sparse attention: the
+    all-gather of its keys, `GatheredKeys`), the positions of
     this rank's tokens (`dims.cp_layout`) and multi-token prediction's token exchange on the model,
     the state handoff in every recurrent mixer (context_parallel_recurrent.py) and, in MoE layers,
     Sinkhorn's micro-batch-wide sums and (with expert capacity) micro-batch-wide
@@ -221,6 +248,8 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, MultiHeadLatentAttention)):
             module.attention_core = core
+        if isinstance(module, SparseLatentAttention):  # its own core: top-k over every key of the sequence
+            module.sequence = GatheredKeys(group, rank, dims.cp, dims.cp_layout)
         elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer)):
             module.handoff = PartHandoff(group, rank, dims.cp, dims.cp_layout)
         elif isinstance(module, MoE):

@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 from tessera.config.errors import ParallelError
 from tessera.models.moe.dispatcher import DispatchContext, gate_and_sum, pad_rows_to_capacity, sort_slots_by_expert
 from tessera.parallel.collectives import (
+    all_to_all_counts,
     all_to_all_rows,
     copy_to_group,
     gather_rows,
@@ -83,6 +84,9 @@ class AllToAllDispatcher(_ExpertGroups):
     parallelism of experts without expert parallelism)."""
 
     pad_to_capacity: bool = False
+    # parallel.ep_dispatch_dtype=compute: under autocast the rows cross in the autocast dtype and come back
+    # to the input's on arrival (the experts' products cast to the autocast dtype again: the same values)
+    send_in_compute_dtype: bool = False
 
     def dispatch(self, x_TD, indices_Tk, keep_Tk, capacity=None):
         T, k = indices_Tk.shape
@@ -97,17 +101,22 @@ class AllToAllDispatcher(_ExpertGroups):
         if self.ep == 1:
             return rows, send_counts, ctx
         # How many rows of each of my experts every source rank sends me: [ep, local_experts].
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        recv_counts = recv_counts.view(self.ep, self.local_experts)
+        recv_counts = all_to_all_counts(send_counts, self.ep_group).view(self.ep, self.local_experts)
         ctx.send_splits = send_counts.view(self.ep, self.local_experts).sum(1).tolist()
         ctx.recv_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_rows(rows, ctx.recv_splits, ctx.send_splits, self.ep_group)
+        received = self._send_rows(rows, ctx)
         # Received rows come grouped by source rank, then expert; experts want theirs contiguous.
         expert_of_row = torch.repeat_interleave(
             torch.arange(self.local_experts, device=rows.device).repeat(self.ep), recv_counts.flatten())
         ctx.regroup = torch.argsort(expert_of_row, stable=True)
         return received[ctx.regroup], recv_counts.sum(0), ctx
+
+    def _send_rows(self, rows: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
+        device = rows.device.type
+        if not (self.send_in_compute_dtype and torch.is_autocast_enabled(device)):
+            return all_to_all_rows(rows, ctx.recv_splits, ctx.send_splits, self.ep_group)
+        sent = rows.to(torch.get_autocast_dtype(device))
+        return all_to_all_rows(sent, ctx.recv_splits, ctx.send_splits, self.ep_group).to(rows.dtype)
 
     def combine(self, y_ND, weights_Tk, ctx):
         if ctx.regroup is not None:

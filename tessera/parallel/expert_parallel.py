@@ -88,9 +88,11 @@ def shard_expert_weights(experts: GroupedExperts, dims: ParallelDims) -> None:
     experts.local_weight = local_shard
 
 
-def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str = "alltoall") -> None:
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str = "alltoall",
+                          dispatch_dtype: str = "input") -> None:
     """Split every MoE layer's experts over ep (and their hidden dim over tp) and install the
-    communicating dispatcher; with cp > 1, make router counts micro-batch-wide."""
+    communicating dispatcher (`dispatch_dtype`: parallel.ep_dispatch_dtype); with cp > 1, make router
+    counts micro-batch-wide."""
     if dispatcher not in EP_DISPATCHERS:
         raise ParallelError(f"parallel.ep_dispatcher={dispatcher!r} is invalid: one of {', '.join(EP_DISPATCHERS)}")
     ep_group = dims["ep"].get_group() if dims.ep > 1 else None
@@ -109,6 +111,6 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, dispatcher: str 
                 module.dispatcher = AllGatherDispatcher(cfg.num_experts, ep_group, tp_group)
             else:
                 module.dispatcher = AllToAllDispatcher(cfg.num_experts, ep_group, tp_group,
-                                                       cfg.pad_to_capacity)
+                                                       cfg.pad_to_capacity, dispatch_dtype == "compute")
         if cp_group is not None:
             module.router.reduce_counts = MicroBatchCountReducer(cp_group)

@@ -56,7 +56,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *,
     if dims.tp > 1:
         apply_tensor_parallel(model, dims["tp"], dims.sp)
     if getattr(model.cfg, "moe", None) is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
-        apply_expert_parallel(model, dims, cfg.ep_dispatcher)
+        apply_expert_parallel(model, dims, cfg.ep_dispatcher, cfg.ep_dispatch_dtype)
     apply_context_parallel(model, dims)
     apply_activation_checkpointing(model, cfg.recompute, cfg.recompute_interval, save=cfg.recompute_save,
                                    fp8=cfg.activation_fp8)

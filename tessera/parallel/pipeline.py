@@ -22,8 +22,9 @@ Flush, Narayanan et al. 2021: warm-up, steady one-forward-one-backward, cool-dow
 two stages per rank placed in a V (rank r holds stages r and 2 pp - 1 - r, so the first and the last
 stage share rank 0): "zbv" (ZB-V, Qi et al. 2024) and "dualpipev" (DeepSeek-V3's DualPipe, arXiv
 2412.19437, in its V-shaped variant: forward and backward micro-batches paired in the steady state;
-each pair runs one after the other here, torch's default, so the expert all-to-all is not yet hidden
-behind the other's compute). The V placement refuses tied embeddings (tied_embeddings.py pairs the
+with `parallel.pp_overlap` (the default) and tp = cp = 1 each pair's forward and backward run at once,
+so that one's expert all-to-all hides behind the other's compute: pipeline_overlap.py; else one after
+the other, torch's default). The V placement refuses tied embeddings (tied_embeddings.py pairs the
 first and last stage across ranks).
 
 Losses (numerics contract): the last stage's loss of micro-batch m is its token-loss sum / N of
@@ -44,6 +45,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -59,6 +61,7 @@ from tessera.config.layout_rules import ROUND_SCHEDULES
 from tessera.config.parallel import V_SCHEDULES, ParallelConfig, stages_per_rank
 from tessera.models.model_input import ModelInput
 from tessera.parallel.dims import ParallelDims
+from tessera.parallel.pipeline_overlap import overlap_pairs, overlaps
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
@@ -194,6 +197,7 @@ class PipelineRun:
     num_stages: int
     losses: list[torch.Tensor] = field(default_factory=list)
     eval_schedule: object | None = None  # the forward-only one where `schedule.eval` cannot run (V schedules)
+    overlapped: object | None = None  # DualPipeV's overlapped pairs (pipeline_overlap.OverlappedPairs), if on
 
     @property
     def has_first_stage(self) -> bool:
@@ -269,6 +273,20 @@ def _refuse_v_placement(cfg: ParallelConfig, model_cfg) -> None:
                           "stage share rank 0; use 1f1b, interleaved_1f1b or zero_bubble")
 
 
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # torch runs some backwards as input, then weight passes
+
+
+def _refuse_split_backward_under_fsdp(schedule: str, modules: list[nn.Module]) -> None:
+    """torch's split backward (the weight pass of zero_bubble, zbv and dualpipev's warm-up) does not reach
+    FSDP2's unsharded parameters: on gloo the weight gradients came out missing (zbv, zero_bubble) or
+    short of those micro-batches (dualpipev's last stage, 40% off). Refused until it does."""
+    if schedule in SPLIT_BACKWARD and any(isinstance(m, FSDPModule) for m in modules):
+        raise ConfigError(f"parallel.pp_schedule={schedule} is invalid with FSDP stages (parallel.optimizer=fsdp "
+                          "with dp_replicate x dp_shard x cp > 1 or bf16 parameters): its split input / weight "
+                          "backward loses FSDP2's weight gradients; use parallel.optimizer=distributed, or "
+                          "pp_schedule 1f1b or interleaved_1f1b")
+
+
 def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], aux_scale: float,
                    parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
@@ -300,6 +318,7 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     num_stages = dims.pp * per_rank
     stage_ids, modules = rank_stage_modules(model, dims, cfg.vpp, aux_scale, parallelize_stage, aux_grad_scale,
                                             cfg.pp_schedule)
+    _refuse_split_backward_under_fsdp(cfg.pp_schedule, modules)
     group = dims["pp"].get_group()
     stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
               for s, m in zip(stage_ids, modules, strict=True)]
@@ -307,7 +326,9 @@ def build_pipeline(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, mi
     stage_arg = stages if cfg.pp_schedule in MULTI_STAGE else stages[0]
     schedule = cls(stage_arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     evaluation = _v_forward_only(stages, microbatches, loss_fn) if cfg.pp_schedule in V_SCHEDULES else None
-    return PipelineRun(schedule, modules, stage_ids, num_stages, eval_schedule=evaluation)
+    pairs = (overlap_pairs(schedule, dims) if cfg.pp_schedule == "dualpipev" and cfg.pp_overlap and overlaps(dims)
+             else None)
+    return PipelineRun(schedule, modules, stage_ids, num_stages, eval_schedule=evaluation, overlapped=pairs)
 
 
 def _v_forward_only(stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> object:

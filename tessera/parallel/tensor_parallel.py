@@ -11,6 +11,8 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
          kv_norm                by all heads; the colwise inputs' backward sums their gradient over
                                 tp, and the shared RoPE key's gradient is summed over tp by the seam
                                 `share_rope_key` (each rank's heads use it: `SumOverRanksHeads`)
+         indexer.*              replicated (DeepSeek-V3.2): every rank scores the same keys; the
+                                indexer loss's target sums all ranks' heads (`HeadSumOverRanks`)
     Gated DeltaNet (hybrid      key-head groups split: in_proj_qkvz, in_proj_ba colwise (HuggingFace's
       layers): attention.*      per-group layout makes a rank's groups contiguous), out_proj rowwise;
                                 the conv taps of this rank's q, k, v channels, its heads' A_log and
@@ -23,7 +25,8 @@ submodule name to a DTensor parallel style, so one glance shows how a block is c
       mixers): attention.*      [z | x B C | dt]), the conv taps and bias, dt_bias, A_log, D and the
                                 norm's gains stay replicated, this rank's rows, channels and heads
                                 read through the mixer's `own_part` seam, their gradient (and the
-                                input's) summed over tp (`MambaRankPart`)
+                                input's) summed over tp (`MambaRankPart`); serving cuts these
+                                whole tensors to the rank's part at load (each part's `cut`)
     one-sublayer layers         the one sublayer's plan (`SublayerBlock`, Nemotron-H; an MoE one's as a block's MoE)
     feed_forward.w1 / w3        colwise   SwiGLU hidden dim split (relu^2's ungated w1 alike)
     feed_forward.w2             rowwise
@@ -72,6 +75,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tessera.models.attention_variants.sparse_mla import SparseLatentAttention
 from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
@@ -256,6 +260,23 @@ class SumOverRanksHeads:
         return copy_to_group(k_rope_BSR, self.group)
 
 
+class HeadSumOverRanks:
+    """Sparse attention's `head_sum` under tp (attention_variants/indexer_loss.py): the indexer loss's
+    target sums the main attention's weights over every head, each rank holding H/tp of them, so the
+    rank's sum is all-reduced over the tp group (no gradient: the target is a constant of the loss).
+    The indexer itself is replicated and scores the same inputs on every rank, so with the whole target
+    its gradient is whole on every rank too."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+
+    @torch.no_grad()
+    def __call__(self, weights_BST: torch.Tensor) -> torch.Tensor:
+        total = weights_BST.clone()
+        torch.distributed.all_reduce(total, group=self.group)
+        return total
+
+
 class DeltaNetRankPart:
     """A Gated DeltaNet's `own_part` under tp (module docstring): this rank's channels of the
     convolution ([q | k | v], each cut by key-head groups), its value heads' A_log and dt_bias, and
@@ -284,6 +305,15 @@ class DeltaNetRankPart:
             return t.index_select(0, self.conv.to(t.device))
         return t if name in ("norm", "input") else t[self.heads]
 
+    def cut(self, layer: GatedDeltaNet) -> None:
+        """Keep only this rank's part of each whole weight the seam reads (serving, where nothing
+        updates them after load), so the layer reads them as they are (`own_part` whole again)."""
+        keep_part(layer.conv1d, "weight", self.conv)
+        if layer.split:
+            keep_part(layer.in_proj_qkv, "weight", self.conv)
+        for name in ("A_log", "dt_bias"):
+            keep_part(layer, name, _indices(self.heads))
+
 
 class KdaRankPart(DeltaNetRankPart):
     """Kimi delta attention's `own_part` under tp: this rank's heads' channels of the [q | k | v]
@@ -303,6 +333,14 @@ class KdaRankPart(DeltaNetRankPart):
         if name == "dt_bias":
             return copy_to_group(t, self.group)[self.channels]
         return super().__call__(name, t)
+
+    def cut(self, layer: KimiDeltaAttention) -> None:
+        """`DeltaNetRankPart.cut` for Kimi delta attention: each of the three convolutions' channels and
+        dt_bias by this rank's channels, A_log [1, 1, H, 1] by its heads."""
+        for conv in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d):
+            keep_part(conv, "weight", _indices(self.channels))
+        keep_part(layer, "dt_bias", _indices(self.channels))
+        keep_part(layer, "A_log", _indices(self.heads), dim=2)
 
 
 class MambaRankPart:
@@ -330,6 +368,33 @@ class MambaRankPart:
             return t
         index = {"in_proj": self.rows, "conv": self.conv, "norm": self.norm, "heads": self.heads}[name]
         return t.index_select(0, index.to(t.device))
+
+    def cut(self, layer: Mamba2Mixer) -> None:
+        """`DeltaNetRankPart.cut` for Mamba-2: in_proj's rows, the convolution's channels, the heads'
+        entries and the norm's gains of this rank, weights and biases."""
+        for module, index in ((layer.in_proj, self.rows), (layer.conv1d, self.conv)):
+            keep_part(module, "weight", index)
+            keep_part(module, "bias", index)
+        for name in ("A_log", "dt_bias", "D"):
+            keep_part(layer, name, self.heads)
+        keep_part(layer.norm, "weight", self.norm)
+
+
+def _indices(part: slice) -> torch.Tensor:
+    return torch.arange(part.start, part.stop)
+
+
+@torch.no_grad()
+def keep_part(module: nn.Module, name: str, index: torch.Tensor, dim: int = 0) -> None:
+    """`module`'s parameter `name` (if it has one) replaced by its entries `index` along `dim`, a tensor
+    of its own: the whole one is freed once nothing else holds it. The part remembers where it came
+    from (`whole_index`: (dim, index)), so a whole tensor can be copied into it later."""
+    p = getattr(module, name)
+    if p is not None:
+        index = index.to(p.device)
+        part = nn.Parameter(p.index_select(dim, index).contiguous(), requires_grad=p.requires_grad)
+        part.whole_index = (dim, index)
+        setattr(module, name, part)
 
 
 class VocabParallelTiedHead:
@@ -381,6 +446,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, whole
         parallelize_module(block, tp_mesh, block_plan(block, sp), src_data_rank=None)
         if isinstance(getattr(block, "attention", None), MultiHeadLatentAttention):
             block.attention.share_rope_key = SumOverRanksHeads(tp_mesh.get_group())
+        if isinstance(getattr(block, "attention", None), SparseLatentAttention):
+            block.attention.head_sum = HeadSumOverRanks(tp_mesh.get_group())
         mixer = getattr(block, "attention", None)
         if isinstance(mixer, GatedDeltaNet):
             mixer.own_part = DeltaNetRankPart(mixer, tp_mesh.get_group())

@@ -101,7 +101,7 @@ def parallelize_vision_language(model: nn.Module, dims: ParallelDims, cfg: Paral
     if dims.tp > 1:
         apply_tensor_parallel(lm, dims["tp"], dims.sp, whole_embeddings=True)
     if lm.cfg.moe is not None and (dims.ep > 1 or dims.tp > 1 or dims.cp > 1):
-        apply_expert_parallel(lm, dims, cfg.ep_dispatcher)
+        apply_expert_parallel(lm, dims, cfg.ep_dispatcher, cfg.ep_dispatch_dtype)
     apply_context_parallel(lm, dims)
     if dims.cp > 1 or dims.sp:
         chunks = ChunkTokens(dims["cp"].get_group(), dims.local_rank("cp"), dims.cp, dims.cp_layout) \

@@ -354,7 +354,7 @@ def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:
 def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, recompute: str = "none",
                         tokens: int = 4096, batch: int = 1, save: tuple[str, ...] = TORCHTITAN_SAVE,
                         fp8: tuple[str, ...] = (), local_experts: int | None = None,
-                        core_kept: bool = True) -> list[SavedTensor]:
+                        core_kept: bool = True, dispatch_dtype: str = "input") -> list[SavedTensor]:
     """What decoder layer `layer` keeps for backward. `recompute`: none; full (the layer is
     checkpointed: only its input stays); selective (the attention core is recomputed); op (only the
     outputs `save` names stay, those of the `fp8` roles in FP8: recompute_terms.py). `tokens` and
@@ -369,7 +369,7 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         return [SavedTensor(layer_input.key, h, dt.residual, "seq")]
     if recompute == "op":
         return op_saved_tensors(cfg, layer, dtype, save, fp8, tokens=tokens, local_experts=local_experts,
-                                core_kept=core_kept)
+                                core_kept=core_kept, dispatch_dtype=dispatch_dtype)
     s = _SavedSet()
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
     off = h if cfg.norm_unit_offset else 0  # (1 + weight) norms: Gemma 3, Qwen3-Next

@@ -28,7 +28,7 @@ from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.loss_memory import loss_buffer_bytes_per_logit
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_buffers
 from tessera.plan.saved_terms import SavedTensor
 
 
@@ -66,6 +66,17 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
                       "zb_v, dualpipe")
 
 
+def head_in_flight(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Micro-batches' worth of the head's saved tensors (final norm, LM head input, the loss's saved
+    log-probabilities) the rank holding the last stage keeps at its peak. DualPipe runs the last
+    stage's backward of a micro-batch right after its forward (the turn of the V: torch's DualPipeV
+    holds one micro-batch there at any time, against 2 p on its first stage), so the head is held once,
+    not p + 1 times; every other schedule holds it as long as the stage's layers."""
+    if schedule == "dualpipe" and p > 1:
+        return 1.0
+    return in_flight_microbatches(schedule, p, m, v, rank)
+
+
 def _layer_recompute(lay: Layout, layer: int) -> str:
     """The policy layer `layer` runs: the layout's for every `recompute_interval`-th layer, else none."""
     return lay.recompute if layer % lay.recompute_interval == 0 else "none"
@@ -80,7 +91,8 @@ def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype
     return layer_saved_tensors(cfg, layer, dtype, recompute=rc, tokens=max(int(tokens), 1), batch=work.micro_batch,
                                save=lay.recompute_save, fp8=lay.activation_fp8,
                                local_experts=e.num_experts // lay.ep if e is not None else None,
-                               core_kept=not (lay.cp > 1 and lay.cp_method == "ring"))
+                               core_kept=not (lay.cp > 1 and lay.cp_method == "ring"),
+                               dispatch_dtype=lay.ep_dispatch_dtype)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
@@ -103,6 +115,23 @@ def layer_device_host_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Wor
         return total, 0.0
     device = sum(t.nbytes(tokens, lay.tp, lay.sp) for t in terms if t.name != "layer.input") if rc == "op" else 0.0
     return device, total - device
+
+
+def handoff_saved_bytes(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str, prof: ModelProfile,
+                        stage: int) -> float:
+    """What the recurrent layers of `stage` keep for backward per micro-batch under context parallelism,
+    beside their layer's own tensors: the state handoff's gathered buffers (every part's conv inputs,
+    transitions and end states: states, not keys and values, so the same at any sequence length;
+    comm.py), none where full or op recomputation re-runs the layer."""
+    if lay.cp == 1:
+        return 0.0
+    dt = get_activation_dtype(dtype)
+    total = 0.0
+    for (mixer, applies), n in prof.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute,
+                                                 lay.recompute_interval).items():
+        if mixer in ("delta", "ssd") and not (applies and lay.recompute in ("full", "op")):
+            total += n * sum(handoff_buffers(cfg, mixer, lay, work.micro_batch, dt.compute).values())
+    return total
 
 
 @dataclass(frozen=True)
@@ -153,7 +182,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
 
     def layer_bytes(moe: bool, rc: str) -> tuple[float, float]:
         key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
-               lay.recompute_save, lay.activation_fp8, lay.activation_offload)
+               lay.recompute_save, lay.activation_fp8, lay.activation_offload, lay.ep_dispatch_dtype)
         return prof.memo(key, lambda: layer_device_host_bytes(cfg, prof.representative(moe), lay, work, dtype,
                                                               recompute=rc))
 
@@ -171,6 +200,10 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
             if whole > kept + away:
                 rebuilt = max(rebuilt, whole)
             reload = max(reload, away)
+        if lay.activation_offload:
+            host += handoff_saved_bytes(cfg, lay, work, dtype, prof, s)
+        else:
+            per_mb += handoff_saved_bytes(cfg, lay, work, dtype, prof, s)
         stage_head = head if last else 0.0
         logits = tokens * cfg.vocab_size / lay.tp * per_logit if last else 0.0
         dispatch = 0.0
@@ -178,8 +211,9 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
             dispatch = 2.0 * tokens * cfg.moe.top_k * cfg.dim * dt.residual
         # Offloaded blocks save the RoPE tables through the hooks too: only the token ids stay.
         model_level = ids if lay.activation_offload else constant
+        head_flight = head_in_flight(lay.pp_schedule, lay.pp, m, lay.vpp, s)
         out.append(StageActivations(stage=s, layers=sum(kinds.values()), per_microbatch=per_mb, in_flight=flight,
-                                    head=stage_head, stored=flight * (per_mb + stage_head + model_level),
+                                    head=stage_head, stored=flight * (per_mb + model_level) + head_flight * stage_head,
                                     recompute_buffer=rebuilt, logits_buffer=logits, dispatch_buffer=dispatch,
                                     offloaded=flight * (host + constant - model_level), reload_buffer=reload))
     return out

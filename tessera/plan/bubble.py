@@ -14,7 +14,8 @@ With p stages and m micro-batches per step (Narayanan et al. 2021, arXiv 2104.04
   T_F&B the overlapped forward and backward of two micro-batches (T_F + T_B when nothing else
   overlaps): zero when the three passes cost the same. The trainer runs its V-shaped variant
   (`parallel.pp_schedule: dualpipev`, planned as this; ZB-V is `zbv`), pairing a forward with a
-  backward but running the pair one after the other, so T_F&B = T_F + T_B there.
+  backward and running the two at once (`parallel.pp_overlap`, tessera/parallel/pipeline_overlap.py),
+  so that each one's expert all-to-all hides behind the other's compute (the time model's `ep_overlap`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,16 @@ Per micro-batch of T = micro_batch x seq_len / cp tokens on a rank, per layer of
   keys and values of the whole sequence forward and again backward and reduce-scatters their
   gradients (MLA gathers its compressed latent); ring passes each rank's key/value block cp - 1
   times forward and backward and the fp32 gradient accumulators cp times backward. The latter two
-  hide behind attention.
-- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward.
+  hide behind attention. These run on the layers that attend only: a recurrent layer (Gated
+  DeltaNet, Kimi delta attention, Mamba-2; tessera.parallel.context_parallel_recurrent) all-gathers
+  every part's last W-1 convolution inputs, and every part's transition and zero-start end state
+  (fp32: heads x K x K and heads x K x V for the delta rule, heads and heads x P x N for SSD), one
+  gather each, forward and again in a recomputed forward, and reduce-scatters their gradients
+  backward; each is a state's size per part of a sequence (one part per rank, two under the zig-zag
+  split), whatever its length, and on the critical path (`handoff_buffers`). An MLP-only layer
+  (Nemotron-H) exchanges nothing.
+- EP: dispatch and combine all-to-alls of the T k routed rows, forward and backward, and again in the
+  forward a recomputed block replays unless it keeps them (recompute_save `dispatch`).
 - PP: the stage boundary activations sent forward and their gradients backward, once per model
   chunk (v times with interleaving).
 Data parallelism moves what the trainer's FSDP2 moves, unit by unit (`fsdp_units`: a block, the
@@ -35,7 +43,7 @@ from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import Precision, RankParams
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_buffers
 
 _FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
            "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -96,15 +104,26 @@ class _StageCounts:
     moe_recomputed: int  # MoE blocks among `recomputed`
 
     @classmethod
-    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str) -> _StageCounts:
+    def of(cls, kinds: dict[tuple[bool, bool], int], recompute: str, save: tuple[str, ...] = ()) -> _StageCounts:
         """From `ModelProfile.stage_kinds`: layers counted by (is MoE, does the policy apply)."""
         # Collectives re-run in backward: the whole block's under full and op recomputation (the block
-        # replays; collective outputs are not kept), the attention core's under any policy.
+        # replays; collective outputs are not kept, except the expert all-to-alls' under op with
+        # `dispatch` saved: kept_exchange.py), the attention core's under any policy.
         applied = sum(c for (_, applies), c in kinds.items() if applies)
         recomputed = applied if recompute in ("full", "op") else 0
-        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) if recomputed else 0
+        kept = recompute == "op" and "dispatch" in save
+        moe_recomputed = sum(c for (moe, applies), c in kinds.items() if moe and applies) \
+            if recomputed and not kept else 0
         return cls(layers=sum(kinds.values()), recomputed=recomputed, cores=applied,
                    moe_layers=sum(c for (moe, _), c in kinds.items() if moe), moe_recomputed=moe_recomputed)
+
+    @classmethod
+    def of_mixer(cls, mixers: dict[tuple[str, bool], int], mixer: str, recompute: str) -> _StageCounts:
+        """The layers whose token mixer is `mixer`, from `ModelProfile.stage_mixers` (MoE not counted)."""
+        layers = sum(c for (m, _), c in mixers.items() if m == mixer)
+        applied = sum(c for (m, applies), c in mixers.items() if m == mixer and applies)
+        return cls(layers=layers, recomputed=applied if recompute in ("full", "op") else 0, cores=applied,
+                   moe_layers=0, moe_recomputed=0)
 
 
 def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, params: RankParams,
@@ -122,14 +141,21 @@ def stage_collectives(cfg: ModelConfig, lay: Layout, work: Workload, stage: int,
         if size_ > 1 and size > 0 and (per_mb > 0 or per_step > 0):
             out.append(Collective(group, op, what, size, per_mb, per_step, size_, st[group], overlap))
 
-    counts = _StageCounts.of(kinds, lay.recompute)
+    counts = _StageCounts.of(kinds, lay.recompute, lay.recompute_save)
     _tp_collectives(lay, stage, counts, T * cfg.dim * dt.compute, add)
     if lay.cp > 1:
-        _cp_collectives(cfg, lay, counts, T, dt, add)
+        mixers = prof.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute, lay.recompute_interval)
+        _cp_collectives(cfg, lay, _StageCounts.of_mixer(mixers, "attention", lay.recompute), T, dt, add)
+        for mixer in ("delta", "ssd"):
+            _handoff_collectives(cfg, lay, work, mixer, _StageCounts.of_mixer(mixers, mixer, lay.recompute), dt, add)
     if lay.ep > 1 and counts.moe_layers:
-        rows = T * cfg.moe.top_k * cfg.dim * dt.residual
-        add("ep", lay.ep, "all-to-all", "MoE token dispatch + combine", rows,
-            4 * counts.moe_layers + 2 * counts.moe_recomputed)
+        # forward and backward, again in a replayed block: the dispatch sends the MoE input's rows (the
+        # residual dtype, or the compute dtype with ep_dispatch_dtype=compute; its gradient the same), the
+        # combine the experts' outputs (the compute dtype)
+        rows, calls = T * cfg.moe.top_k * cfg.dim, 2 * counts.moe_layers + counts.moe_recomputed
+        sent = dt.compute if lay.ep_dispatch_dtype == "compute" else dt.residual
+        add("ep", lay.ep, "all-to-all", "MoE token dispatch", rows * sent, calls)
+        add("ep", lay.ep, "all-to-all", "MoE combine", rows * dt.compute, calls)
     if lay.pp > 1:
         boundary = T * cfg.dim * dt.residual / (lay.tp if lay.sp else 1)
         add("pp", lay.pp, "send/recv", "stage boundary activations + gradients", boundary, 2 * lay.vpp)
@@ -210,6 +236,19 @@ def _allgather_attention(cfg: ModelConfig, lay: Layout, counts: _StageCounts, T:
     add("cp", lay.cp, "all-gather", "keys/values of the whole sequence", full, 2 * counts.layers + counts.cores,
         overlap="attention")
     add("cp", lay.cp, "reduce-scatter", "key/value gradients", full, counts.layers, overlap="attention")
+
+
+def _handoff_collectives(cfg: ModelConfig, lay: Layout, work: Workload, mixer: str, counts: _StageCounts,
+                         dt: ActivationDtype, add: AddCollective) -> None:
+    """The state handoff of the stage's `mixer` layers: each buffer all-gathered in the forward and a
+    recomputed forward, its gradient reduce-scattered in the backward (module docstring)."""
+    if not counts.layers:
+        return
+    for what, size in handoff_buffers(cfg, mixer, lay, work.micro_batch, dt.compute).items():
+        add("cp", lay.cp, "all-gather", f"recurrent state handoff ({mixer}): {what}", size,
+            counts.layers + counts.recomputed)
+        add("cp", lay.cp, "reduce-scatter", f"recurrent state handoff ({mixer}): {what} gradients", size,
+            counts.layers)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from tessera.plan.memory import (
     sharding_choices,
     teacher_stage_bytes,
 )
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
 from tessera.plan.recompute_terms import product_flops_per_token, recomputed_products
 from tessera.plan.roofline import StepTime, step_time
 
@@ -134,6 +134,21 @@ def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -
         for i in range(0, cfg.n_layers, lay.recompute_interval))
 
 
+def handoff_flops_per_token(cfg: ModelConfig, lay: Layout, work: Workload) -> float:
+    """Forward, input and weight gradients' FLOPs per token of the whole model that context parallelism
+    adds to the recurrent layers (profile.py's `handoff_flops`: the rank's heads, so x tp; a micro-batch
+    of seq_len / cp tokens a rank), with the forward again where full or op recomputation re-runs them."""
+    if lay.cp == 1:
+        return 0.0
+    total = 0.0
+    for i in range(cfg.n_layers):
+        mixer = layer_mixer(cfg, i)
+        if mixer in ("delta", "ssd"):
+            again = 1 if lay.recompute in ("full", "op") and i % lay.recompute_interval == 0 else 0
+            total += (3 + again) * handoff_flops(cfg, mixer, lay, work.micro_batch, work.seq_len)
+    return total * lay.tp * lay.cp / (work.micro_batch * work.seq_len)
+
+
 def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *, precision: str = "bf16",
               activation_dtype: str = "autocast-bf16", even_layers: bool = False,
               profile: ModelProfile | None = None, teacher: ModelConfig | None = None, loss: str = "tessera"
@@ -172,5 +187,6 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     return Plan(model=cfg, layout=lay, work=work, cluster=cluster, precision=precision,
                 activation_dtype=activation_dtype, params_total=prof.params_total,
                 params_active=prof.params_active, stages=stages, collectives=colls, time=time,
-                model_flops_per_step=model_flops, hardware_flops_per_step=model_flops + extra * work.tokens,
+                model_flops_per_step=model_flops,
+                hardware_flops_per_step=model_flops + (extra + handoff_flops_per_token(cfg, lay, work)) * work.tokens,
                 teacher=teacher)

@@ -24,6 +24,12 @@ from tessera.config.parallel import TORCHTITAN_SAVE, ParallelConfig
 PLANNED_AS = {"zbv": "zb_v", "dualpipev": "dualpipe"}
 
 
+def pairs_overlap(par: ParallelConfig) -> bool:
+    """Whether the trainer runs DualPipeV's paired forward and backward at once (the rule of
+    tessera/parallel/pipeline_overlap.py's `overlaps`, which needs torch; kept equal by a test)."""
+    return par.pp_schedule == "dualpipev" and par.pp_overlap and par.tp == 1 and par.cp == 1
+
+
 @dataclass(frozen=True)
 class Workload:
     """What one optimizer step processes: sequences of `seq_len` tokens, `micro_batch` of them per
@@ -57,6 +63,7 @@ class Layout(LayoutSizes):
     activation_offload: bool = False  # saved activations of the blocks in host memory
     activation_fp8: tuple[str, ...] = ()  # recompute=op: kept outputs stored in FP8
     optimizer: str = "fsdp"  # who shards the optimizer state: FSDP2 (zero_stage) or the distributed optimizer
+    ep_dispatch_dtype: str = "input"  # the dtype the MoE dispatch sends its rows in (parallel.ep_dispatch_dtype)
     # Overlaps the planner can assume (not parallel.* keys: they describe the kernels and schedule).
     tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
@@ -64,6 +71,9 @@ class Layout(LayoutSizes):
 
     @classmethod
     def from_parallel(cls, par: ParallelConfig, world: int) -> Layout:
+        """The layout of `par` on `world` ranks; the trainer's DualPipeV with its pairs overlapped
+        (`parallel.pp_overlap` where tp = cp = 1: tessera/parallel/pipeline_overlap.py) hides the
+        expert all-to-all behind the paired micro-batch, so `ep_overlap` is on for it."""
         try:
             dp_shard = par.resolved_dp_shard(world)
         except ConfigError as e:  # same message, typed as a layout error
@@ -74,7 +84,7 @@ class Layout(LayoutSizes):
                    cp_method=par.cp_method, zero_stage=par.zero_stage, recompute=par.recompute,
                    recompute_interval=par.recompute_interval, recompute_save=tuple(par.recompute_save),
                    activation_offload=par.activation_offload, activation_fp8=tuple(par.activation_fp8),
-                   optimizer=par.optimizer)
+                   optimizer=par.optimizer, ep_overlap=pairs_overlap(par), ep_dispatch_dtype=par.ep_dispatch_dtype)
 
     def to_parallel(self, microbatches: int | None = None) -> ParallelConfig:
         return ParallelConfig(**self.parallel_settings(), microbatches=microbatches)

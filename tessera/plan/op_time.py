@@ -36,7 +36,7 @@ from tessera.models.flops import attention_core_flops_per_token
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
-from tessera.plan.profile import ModelProfile
+from tessera.plan.profile import ModelProfile, handoff_flops
 from tessera.plan.recompute_terms import recomputed_products
 
 KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
@@ -234,5 +234,21 @@ def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int
         attention += n * (attention_passes * t.attention + (again.attention if applies else 0.0))
     if stage == lay.pp - 1:
         matmul += 3 * head_time(cfg, lay, tokens, cluster)
+    matmul += handoff_time(cfg, lay, work, stage, cluster, profile)
     return StageCompute(matmul=matmul, attention=attention, memory=memory,
                         transfer=2 * offloaded / cluster.host_bandwidth if offloaded else 0.0)
+
+
+def handoff_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
+                 profile: ModelProfile) -> float:
+    """What context parallelism adds to the stage's recurrent layers' products (`handoff_flops`), forward,
+    input and weight gradients' share (x 3), and again where full or op recomputation re-runs the layer."""
+    if lay.cp == 1:
+        return 0.0
+    flops = 0.0
+    for (mixer, applies), n in profile.stage_mixers(lay.pp, lay.vpp, stage, lay.recompute,
+                                                   lay.recompute_interval).items():
+        if mixer in ("delta", "ssd"):
+            again = 1 if applies and lay.recompute in ("full", "op") else 0
+            flops += n * (3 + again) * handoff_flops(cfg, mixer, lay, work.micro_batch, work.seq_len)
+    return flops / (cluster.gpu_flops * cluster.efficiency)

@@ -15,7 +15,8 @@ RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
     MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
          expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
 
-`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence. Outputs kept in FP8
+`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence; `dispatch` keeps a MoE layer's all-to-all
+outputs under ep > 1 (`kept_exchanges`). Outputs kept in FP8
 (`parallel.activation_fp8`) take one byte per element and an fp32 scale per row.
 """
 
@@ -129,7 +130,7 @@ def attention_core_outputs(cfg: ModelConfig, dtype: str) -> list[SavedTensor]:
 
 def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...] = (),
                      *, tokens: int = 4096, local_experts: int | None = None,
-                     core_kept: bool = True) -> list[SavedTensor]:
+                     core_kept: bool = True, dispatch_dtype: str = "input") -> list[SavedTensor]:
     """What layer `layer` keeps under `recompute=op` with save list `save` and FP8 roles `fp8`:
     its input, the kept products' outputs (FP8 ones at one byte plus a scale per row) and, when
     `attention_core` is saved and the core is an SDPA kernel (`core_kept`), the core's outputs."""
@@ -142,7 +143,29 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
         out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
     if "attention_core" in save and core_kept:
         out += attention_core_outputs(cfg, dtype)
+    if ("dispatch" in save or "dispatch" in fp8) and cfg.is_moe_layer(layer) and local_experts is not None \
+            and local_experts < cfg.moe.num_experts:
+        out += kept_exchanges(cfg, dtype, tokens, fp8="dispatch" in fp8, dispatch_dtype=dispatch_dtype)
     return out
+
+
+def kept_exchanges(cfg: ModelConfig, dtype: str, tokens: int, fp8: bool = False,
+                   dispatch_dtype: str = "input") -> list[SavedTensor]:
+    """What a MoE layer keeps of its expert all-to-alls under `dispatch` (ep > 1:
+    tessera/parallel/memory/kept_exchange.py): the dispatched rows it received (the MoE input's dtype,
+    the residual's) and the combined rows that came back (the experts' output, the compute dtype), each
+    the experts' rows per token (balanced routing), or with `fp8` both at one byte plus an fp32 scale
+    per row; and the per-expert counts it sent and received. `dispatch_dtype` compute: the dispatched
+    rows arrive in the compute dtype (parallel.ep_dispatch_dtype)."""
+    dt = get_activation_dtype(dtype)
+    rows = expert_rows(cfg, tokens)
+    counts = SavedTensor("moe.kept.counts", 0, 8, "rep", fixed=2 * cfg.moe.num_experts)
+    if fp8:
+        return [*(SavedTensor(f"moe.kept.{name}{part}", n, size, "rep") for name in ("dispatched", "combined")
+                  for part, n, size in ((".fp8", rows * cfg.dim, 1), (".scale", rows, 4))), counts]
+    sent = dt.compute if dispatch_dtype == "compute" else dt.residual
+    return [SavedTensor("moe.kept.dispatched", rows * cfg.dim, sent, "rep"),
+            SavedTensor("moe.kept.combined", rows * cfg.dim, dt.compute, "rep"), counts]
 
 
 def recomputed_products(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, ...], fp8: tuple[str, ...],

@@ -3,7 +3,8 @@
 is averaged over ranks.
 
     attention   the q, k, v and output projections (forward, input and weight gradients: x 3) and the
-                attention core (forward and its backward: x 1 + 2.5 fused, x 3 unfused)
+                attention core (forward and its backward: x 1 + 2.5 fused, x 3 unfused); under cp the
+                recurrent mixers' state handoff's products (op_time.py `handoff_time`)
     mlp         the MLP's, or the router's and experts' (and shared expert's), products, x 3
     loss        the LM head's product and the loss's softmax on the last stage, x 3
 
@@ -14,9 +15,11 @@ modules' recomputed forwards count where they run). The rates are the calibrated
 
 from __future__ import annotations
 
+import dataclasses
+
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
-from tessera.plan.op_time import FUSED_ATTENTION_BACKWARD, head_time, layer_ops
+from tessera.plan.op_time import FUSED_ATTENTION_BACKWARD, handoff_time, head_time, layer_ops
 from tessera.plan.profile import ModelProfile
 
 _MLP_OPS = ("MLP", "router", "experts", "shared expert")
@@ -43,10 +46,12 @@ def planned_kinds(cfg, lay: Layout, work: Workload, cluster: Cluster, dtype: str
     profile = ModelProfile.of(cfg, work.seq_len)
     per_layer = {moe: _layer_kinds(cfg, moe, lay, tokens, work.seq_len, cluster, dtype) for moe in set(profile.moe)}
     attention = mlp = 0.0
+    unrecomputed = dataclasses.replace(lay, recompute="none")
     for stage in range(lay.pp):
         for (moe, _), n in profile.stage_kinds(lay.pp, lay.vpp, stage, "none", 1).items():
             attention += n * per_layer[moe][0]
             mlp += n * per_layer[moe][1]
+        attention += handoff_time(cfg, unrecomputed, work, stage, cluster, profile)
     m = lay.microbatches(work)
     loss = 3 * head_time(cfg, lay, tokens, cluster)  # the last stage's only
     return {"attention": m * attention / lay.pp, "mlp": m * mlp / lay.pp, "loss": m * loss / lay.pp}

@@ -13,7 +13,8 @@ one process has, docs/architecture.md, "Numerics contract"):
    (`train.fp8`, before any parallelisation);
 3. one process with `init_from`: its weights are read; then `train.lora` freezes the base and adds
    the adapters (tessera.train.lora), and `full_shapes` are the whole model's tensor shapes, what
-   checkpoint loading checks against (`init_from` checks the base's);
+   checkpoint loading checks against (`init_from` checks the base's); `train.indexer_loss` makes the
+   sparse-attention indexers train (tessera.train.indexer_loss), all else frozen in its warm-up;
 4. parallelisation: one process compiles each block (`train.compile`); pp = 1 layouts
    `parallelize` the model; pp > 1 layouts cut it into this rank's stages, parallelize each and
    build the schedule and the tied-embedding group (`Pipeline`). A vision-language model (built
@@ -49,6 +50,7 @@ from tessera.parallel.meta_init import materialize_by_name
 from tessera.parallel.pipeline import rank_stage_modules
 from tessera.parallel.tied_embeddings import TiedEmbeddings
 from tessera.parallel.vision_language import parallelize_vision_language
+from tessera.train.indexer_loss import apply_indexer_loss
 from tessera.train.init_from import load_initial_weights
 from tessera.train.lora import apply_lora, holds_quantized_base, load_quantized_base
 from tessera.train.objectives.distill_loss import Distiller
@@ -100,6 +102,7 @@ def build_training_parts(cfg: RunConfig, layout: RunLayout, init_from: str | Non
     elif init_from is not None and not on_ranks and not is_vision_run(cfg):  # a LLaVA is read whole when built
         bytes_read = load_initial_weights([model], init_from, cfg.model, base_shapes, layout.device)
     apply_lora(model, reference, cfg, on_ranks)  # train.lora: the base frozen (quantized), adapters added
+    apply_indexer_loss(model, reference, cfg)  # train.indexer_loss: the indexers train (alone in the warm-up)
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     loss_scaler = DynamicLossScaler() if t.dtype == "fp16" else None
     parts, pipeline = _parallelized_parts(model, cfg, layout, compute_dtype, compile, loss_scaler)

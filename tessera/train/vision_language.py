@@ -74,10 +74,10 @@ def _source(cfg: RunConfig) -> str | None:
         return "directory"
     if is_vision_language_checkpoint(path):
         return "checkpoint"
-    raise ConfigError(f"train.init_from={path!r} is invalid with data.kind={DATA_KIND}: a LLaVA, Qwen2-VL or "
-                      "Qwen2.5-VL HuggingFace directory or a Tessera vision-language checkpoint (tessera convert "
-                      "MODEL_DIR OUT writes one); null: the model train.vision_language.family names, built from "
-                      "train.seed")
+    raise ConfigError(f"train.init_from={path!r} is invalid with data.kind={DATA_KIND}: a LLaVA, Qwen2-VL, "
+                      "Qwen2.5-VL or Qwen3.5 HuggingFace directory or a Tessera vision-language checkpoint (tessera "
+                      "convert MODEL_DIR OUT writes one); null: the model train.vision_language.family names, built "
+                      "from train.seed")
 
 
 def vision_model_config(cfg: RunConfig) -> tuple[Any, Any]:

@@ -47,12 +47,14 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random valid `kind` blocks for a [rows, cols] matrix, as uint8 [rows, cols / 256 * block bytes]."""
+def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator,
+                    scales: tuple[float, float] = (1e-3, 4e-3)) -> np.ndarray:
+    """Random valid `kind` blocks for a [rows, cols] matrix, as uint8 [rows, cols / 256 * block bytes],
+    their fp16 scale fields drawn from `scales`."""
     size, scale_offsets = K_BLOCKS[kind]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
     for offset in scale_offsets:
-        scale = rng.uniform(1e-3, 4e-3, size=(rows, cols // 256)).astype(np.float16)
+        scale = rng.uniform(*scales, size=(rows, cols // 256)).astype(np.float16)
         blocks[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // 256, 2)
     return blocks.reshape(rows, -1)
 

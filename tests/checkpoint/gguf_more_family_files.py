@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tests.checkpoint.gguf_family_files import VOCAB
-from tests.checkpoint.gguf_files import _tokenizer_metadata, llama_cpp_permute
+from tests.checkpoint.gguf_files import K_BLOCKS, _tokenizer_metadata, llama_cpp_permute, random_k_blocks
 
 ARCHS = {"smollm3": "smollm3", "exaone4": "exaone4", "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
          "llama4": "llama4_text", "qwen3next": "qwen3_next", "qwen35": "qwen3_5_text",
@@ -41,8 +41,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
 
 
-def tiny_model(arch: str, seed: int = 0, wide: bool = False):
-    """`wide` (Qwen3.5): every matrix 64 columns wide (Q8_0 takes rows of 32) and 4 value heads of 16."""
+def tiny_model(arch: str, seed: int = 0, wide: bool = False, experts_width: int = 0):
+    """`wide` (Qwen3.5): every matrix 64 columns wide (Q8_0 takes rows of 32) and 4 value heads of 16;
+    `experts_width` (GLM-4.5, Llama 4, Qwen3.5-MoE): the model dim and the experts' hidden dim that many (256: a
+    K-quant super-block a row)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -51,6 +53,8 @@ def tiny_model(arch: str, seed: int = 0, wide: bool = False):
                   pad_token_id=None)
     if wide:
         common.update(hidden_size=64, intermediate_size=64, num_attention_heads=4)
+    if experts_width:
+        common.update(hidden_size=experts_width)
     if arch == "smollm3":  # layer 3 without RoPE
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**common, num_hidden_layers=5, rope_theta=20000.0))
     elif arch == "exaone4":
@@ -59,8 +63,9 @@ def tiny_model(arch: str, seed: int = 0, wide: bool = False):
                                             "full_attention"], rope_parameters=dict(LLAMA3))
         model = tf.Exaone4ForCausalLM(cfg)
     elif arch == "llama4":  # layers 1 and 3 routed, layer 3 without RoPE
-        cfg = tf.Llama4TextConfig(**{**common, "intermediate_size": 16}, intermediate_size_mlp=40, num_hidden_layers=4,
-                                  head_dim=12, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        cfg = tf.Llama4TextConfig(**{**common, "intermediate_size": experts_width or 16}, intermediate_size_mlp=40,
+                                  num_hidden_layers=4, head_dim=12, num_local_experts=4, num_experts_per_tok=1,
+                                  interleave_moe_layer_step=2,
                                   attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True,
                                   floor_scale=8192, attn_scale=0.1, rope_parameters=dict(LLAMA3))
         model = tf.Llama4ForCausalLM(cfg)
@@ -78,12 +83,12 @@ def tiny_model(arch: str, seed: int = 0, wide: bool = False):
             model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **linear))
         else:
             model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(
-                **common, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                **common, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=experts_width or 16,
                 shared_expert_intermediate_size=24))
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**common, num_hidden_layers=3, head_dim=12, partial_rotary_factor=0.5,
                                attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
-                               moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                               moe_intermediate_size=experts_width or 16, n_shared_experts=1, first_k_dense_replace=1,
                                routed_scaling_factor=2.5, n_group=1, topk_group=1)
         model = tf.Glm4MoeForCausalLM(cfg)
     else:  # gpt-oss: MXFP4 needs rows of 32 values, so the hidden size and the experts' width are 64 and 32
@@ -297,10 +302,14 @@ def mxfp4_experts(model) -> None:
                 p.copy_(torch.from_numpy(back.swapaxes(-1, -2).copy()))
 
 
-def write_gguf(model, path: Path, arch: str, mxfp4: bool = False, q8: bool = False) -> Path:
+def write_gguf(model, path: Path, arch: str, mxfp4: bool = False, q8: bool = False,
+               experts: dict[str, str] | None = None) -> Path:
     """`model` (a tiny_model of `arch`) as the GGUF file `path`; `q8`: the layers' matrices of whole
-    blocks in Q8_0 (not the conv kernel)."""
+    blocks in Q8_0 (not the conv kernel); `experts`: the routed experts' gate, up and down (by those
+    names) in these GGML types, the K types as random blocks of small scales (`random_k_blocks`)."""
     import gguf
+
+    rng = np.random.default_rng(0)
 
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -312,7 +321,14 @@ def write_gguf(model, path: Path, arch: str, mxfp4: bool = False, q8: bool = Fal
     _tokenizer_metadata(writer)
     for base, suffix, w in _gguf_tensors(model, arch):
         name = f"{base if base.startswith('blk.') else names.get_name(base)}.{suffix}"
-        if (mxfp4 and w.ndim == 3) or (q8 and w.ndim == 2 and name.startswith("blk.") and "conv" not in name
+        part = base.rpartition(".ffn_")[2].removesuffix("_exps") if base.endswith("_exps") else None
+        if experts and part in experts and suffix == "weight":
+            qtype = gguf.GGMLQuantizationType[experts[part]]
+            raw = (random_k_blocks(experts[part], w.shape[0] * w.shape[1], w.shape[2], rng, (2e-5, 8e-5))
+                   .reshape(*w.shape[:2], -1) if experts[part] in K_BLOCKS
+                   else gguf.quants.quantize(np.ascontiguousarray(w), qtype))
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+        elif (mxfp4 and w.ndim == 3) or (q8 and w.ndim == 2 and name.startswith("blk.") and "conv" not in name
                                        and w.shape[-1] % 32 == 0):
             qtype = gguf.GGMLQuantizationType.MXFP4 if mxfp4 else gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)

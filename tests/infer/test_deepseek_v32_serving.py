@@ -2,8 +2,8 @@
 keys live in the KV cache beside each token's keys and values and are counted in a block's bytes; the
 indexer runs in the paged step, so greedy tokens equal transformers' with prompts cut into chunks and
 requests batched together, preempted requests recomputed, and a prompt whose prefix is cached, over
-contexts several times longer than index_topk; tensor-parallel serving and MTP drafts are refused by
-name."""
+contexts several times longer than index_topk; MTP drafts are refused by name (tensor-parallel serving:
+test_deepseek_v32_tp_serving.py)."""
 
 import pytest
 import torch
@@ -60,9 +60,7 @@ def test_a_block_counts_the_indexer_keys(pair):
     assert kv.nbytes == 3 * bytes_per_block(cfg, 4, torch.float32, False)
 
 
-def test_tensor_parallel_serving_and_mtp_drafts_are_refused():
+def test_mtp_drafts_are_refused():
     model = Transformer(get_preset("tiny-deepseek-v32", mtp_depth=1)).eval()
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 is invalid: 1 for model.family=deepseek_v32"):
-        LLM(model, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match=r"speculative.method='mtp' is invalid: .*indexer keys"):
         LLM(model, speculative=SpeculativeConfig(method="mtp"))

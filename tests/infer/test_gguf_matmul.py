@@ -4,7 +4,8 @@ the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within th
 rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
 the same bits on AVX2 and in the portable loops (for one row of x, two, and nine), on one thread and
 two, a row alone or among others;
-and GgufLinear taking it only where it is installed and serves."""
+and GgufLinear taking it only where it is installed and serves; a layer's q, k and v (gate and up) as
+one grouped product, each output the bits of its own matrix's product."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.infer.cpu import attention as cpu_attention
-from tessera.infer.cpu.gguf_matmul import KINDS, MAX_ROWS, gguf_linear, use_block_kernels
+from tessera.infer.cpu.gguf_matmul import KINDS, MAX_ROWS, BlockGroup, gguf_linear, gguf_linear_group, use_block_kernels
 from tessera.models.gguf_blocks import BLOCKS, dequantize
 from tessera.models.gguf_linear import GgufLinear
 from tests.checkpoint.gguf_files import K_BLOCKS, random_k_blocks
@@ -138,3 +139,71 @@ def test_gguf_linear_uses_the_kernel_once_installed_and_only_where_it_serves():
     assert torch.equal(layer(x), reference)  # autograd on: the reference
     q2 = GgufLinear("Q2_K", 256, 4, bias=False, dtype=torch.float32)
     assert use_block_kernels(torch.nn.Sequential(q2)) == 0 and q2.fused is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("M", [1, 6])
+def test_a_group_of_matrices_gives_each_its_own_bits_on_any_thread_count(kind, M):
+    K, sizes = cols_of(kind), [24, 8, 13]  # q, k, v of unequal widths; 13: not a multiple of the threads' grain
+    raws = [blocks(kind, n, K, seed=10 + i) for i, n in enumerate(sizes)]
+    biases = [torch.randn(24), None, torch.randn(13)]
+    x = torch.randn(M, K)
+    want = torch.cat([gguf_linear(x, raw, kind, n, b) for raw, n, b in zip(raws, sizes, biases, strict=True)], dim=-1)
+    bias = torch.cat([b if b is not None else torch.zeros(n) for n, b in zip(sizes, biases, strict=True)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_linear_group(x, raws, kind, sizes, bias)
+        torch.set_num_threads(2)
+        two = gguf_linear_group(x, raws, kind, sizes, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, want) and torch.equal(two, want)
+    assert torch.equal(gguf_linear_group(x, raws, kind, sizes, bias, portable=True), want)
+    with pytest.raises(RuntimeError, match=r"blocks hold \d+ bytes, \[9, \d+\] needs"):
+        gguf_linear_group(x, raws, kind, [24, 8, 9])
+
+
+def tiny_kept_model(tmp_path, arch: str, kinds: tuple[str, ...]):
+    from tessera.checkpoint.gguf.load import load_gguf
+    from tests.checkpoint.gguf_files import tiny_hf_model, write_gguf
+
+    return load_gguf(write_gguf(tiny_hf_model(arch, seed=5), tmp_path / f"{arch}.gguf", kinds), keep_quantized=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # qwen2: q / k / v biases, concatenated for the group
+def test_a_layers_qkv_and_gate_up_take_one_grouped_product(arch, tmp_path):
+    model = tiny_kept_model(tmp_path, arch, ("Q4_1",))
+    tokens = torch.randint(0, 4096, (2, 5))
+    assert use_block_kernels(model) > 0
+    attention, mlp = model.layers["0"].attention, model.layers["0"].feed_forward
+    assert isinstance(attention.fused_qkv, BlockGroup) and isinstance(mlp.fused_gate_up, BlockGroup)
+    x = torch.randn(2, 5, attention.wq.in_features)
+    with torch.no_grad():
+        members = (attention.wq, attention.wk, attention.wv)
+        assert all(torch.equal(g, m(x)) for g, m in zip(attention.fused_qkv(x), members, strict=True))
+        gate, up = mlp.fused_gate_up(x)
+        assert torch.equal(gate, mlp.w1(x)) and torch.equal(up, mlp.w3(x))
+        logits = model(tokens).logits
+        for layer in model.layers.values():  # the members one at a time, each its own product
+            a, f = layer.attention, layer.feed_forward
+            a.fused_qkv = lambda x, a=a: (a.wq(x), a.wk(x), a.wv(x))
+            f.fused_gate_up = lambda x, f=f: (f.w1(x), f.w3(x))
+        assert torch.equal(model(tokens).logits, logits)
+
+
+def test_a_group_steps_aside_for_hooks_autograd_long_chunks_and_mixed_types(tmp_path):
+    model = tiny_kept_model(tmp_path, "llama", ("Q4_1",))
+    use_block_kernels(model)
+    group = model.layers["0"].attention.fused_qkv
+    x = torch.randn(1, 3, group.members[0].in_features)
+    assert group(x) is None  # autograd on
+    with torch.no_grad():
+        assert group(x) is not None
+        assert group(torch.randn(MAX_ROWS + 1, x.shape[-1])) is None  # each member dequantizes its matrix once
+        handle = group.members[1].register_forward_hook(lambda *args: None)  # (a LoRA adapter's hook)
+        assert group(x) is None
+        handle.remove()
+    mixed = tiny_kept_model(tmp_path, "llama", ("Q4_1", "Q8_0"))  # q and k of different block types
+    use_block_kernels(mixed)
+    assert mixed.layers["0"].attention.fused_qkv is None

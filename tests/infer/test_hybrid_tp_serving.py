@@ -6,8 +6,9 @@ transformers' for Qwen3.5 (Gated DeltaNet, split projections), Nemotron-H (Mamba
 each rank half of every relu^2 expert) and Kimi Linear (Kimi delta attention). Prefix-cache snapshots
 and speculative drafts rejected on every rank (the driver's KEEP message) leave each rank's slots as one
 rank's would be: a shared prefix is taken from the cache and decodes transformers' tokens. The step's
-item messages carry the state fields both ways, and a served mixer's parts of its whole weights are sliced
-once, again only after an in-place update."""
+item messages carry the state fields both ways. A rank cut for serving holds only its part of the weights
+a mixer keeps whole in training (cut at load); an engine over a GRPO trainer's shared weights keeps them
+whole, reads its parts once and again only after an in-place update, and so decodes with the update."""
 
 import copy
 
@@ -141,3 +142,170 @@ def test_a_served_mixers_parts_are_read_once_and_again_after_an_in_place_update(
     x = torch.ones(4, 2)
     part("input", x), part("input", x), part("conv", x), part("conv", x)
     assert reads == ["in_proj", "in_proj", "input", "input", "conv", "conv"] and len(part.kept) == 1
+
+
+def _resident(model) -> int:
+    """Bytes the model holds: its parameters and the parts its mixers keep (`KeptParts`), each storage once."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if isinstance(getattr(module, "own_part", None), KeptParts):
+            tensors += [out for _, _, out in module.own_part.kept.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _serve_cut_and_kept(preset: str) -> dict:
+    """On each of two ranks: the model cut for serving (its mixers' whole weights cut at load) and the same
+    cut keeping them whole beside the parts it reads (as over a GRPO trainer's shared weights), each after
+    a forward of the same ids; their logits of this rank's vocabulary slice and resident bytes."""
+    import torch.distributed as dist
+
+    from tessera.infer.runner.tensor_parallel import cut_for_serving, serving_dims, shard_model, to_plain_tensors
+    from tessera.models import Transformer
+    from tessera.models.linear_attention.gated_deltanet import whole
+
+    cfg = get_preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    dims = serving_dims(cfg, 2)
+    dims.build_mesh("cpu")
+    group = dims["tp"].get_group()
+    with torch.no_grad():
+        cut = cut_for_serving(Transformer(cfg, init_seed=0), dims)
+        kept = to_plain_tensors(shard_model(Transformer(cfg, init_seed=0).eval(), dims), group)
+        logits = {name: m(ids).logits for name, m in (("cut", cut), ("kept", kept))}
+    mixers = [m for m in cut.modules() if hasattr(m, "own_part")]
+    return {"logits": logits, "resident": {"cut": _resident(cut), "kept": _resident(kept)},
+            "cut_reads_whole": all(m.own_part is whole for m in mixers), "rank": dist.get_rank(),
+            "mixer_params": {n: tuple(p.shape) for n, p in cut.named_parameters() if ".attention." in n}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-nemotron-h", "tiny-kimi-linear"])
+def test_a_rank_cut_for_serving_holds_only_its_part_of_the_mixers_whole_weights(preset):
+    """Served on two ranks, a hybrid's recurrent mixers hold only this rank's part of the weights training
+    keeps whole (Qwen3.5's in_proj_qkv rows, Mamba-2's in_proj rows, every conv's channels, the heads'
+    A_log / dt_bias / D, Mamba's norm gains): cut at load, half of every such tensor's entries, read as they
+    are; the logits equal the cut that keeps them whole and reads its parts through `KeptParts`, which holds
+    the whole weights besides (so each rank holds fewer bytes)."""
+    from tessera.models import Transformer
+    from tests.forked_ranks import run_ranks
+
+    got = run_ranks(_serve_cut_and_kept, 2, preset)
+    one = {n: tuple(p.shape) for n, p in Transformer(get_preset(preset), init_seed=0).named_parameters()}
+    for rank in got:
+        torch.testing.assert_close(rank["logits"]["cut"], rank["logits"]["kept"], rtol=0, atol=0)
+        assert rank["cut_reads_whole"]
+        assert rank["resident"]["cut"] < rank["resident"]["kept"]
+    whole_in_training = [n for n in got[0]["mixer_params"] if n.endswith(WHOLE_IN_TRAINING[preset])]
+    for suffix in WHOLE_IN_TRAINING[preset]:
+        assert any(n.endswith(suffix) for n in whole_in_training), suffix
+    for n in whole_in_training:
+        assert got[0]["mixer_params"][n] == got[1]["mixer_params"][n], n
+        assert 2 * torch.Size(got[0]["mixer_params"][n]).numel() == torch.Size(one[n]).numel(), n
+
+
+# the mixers' tensors training keeps whole on every tp rank and reads parts of (parallel/tensor_parallel.py)
+WHOLE_IN_TRAINING = {
+    "tiny-qwen3.5": ("in_proj_qkv.weight", "conv1d.weight", "A_log", "dt_bias"),
+    "tiny-nemotron-h": ("attention.in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "attention.D",
+                        "attention.norm.weight"),
+    "tiny-kimi-linear": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias")}
+
+
+def _shared_then_updated(preset: str) -> dict:
+    """On each of two ranks: a serving model over a tp-cut policy's own tensors (GRPO's `alias_shards`),
+    its logits before and after the policy's weights move in place, and a model cut for serving afresh
+    from the moved weights."""
+    import torch.distributed as dist
+
+    from tessera.config.parallel import ParallelConfig
+    from tessera.infer.runner.tensor_parallel import cut_for_serving
+    from tessera.infer.runner.tp_shared import alias_shards
+    from tessera.models import Transformer
+    from tessera.parallel import ParallelDims, parallelize
+    from tests.parallel.training_step import full_tensors
+
+    cfg = get_preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, dp_shard=1), dist.get_world_size())
+    policy = parallelize(Transformer(cfg, init_seed=0), dims, ParallelConfig(tp=2, dp_shard=1))
+    served = alias_shards(policy, dims)
+    kept = [m.own_part for m in served.modules() if hasattr(m, "own_part")]
+    with torch.no_grad():
+        before = served(ids).logits
+        for p in policy.parameters():  # an optimizer step on the shared weights, in place
+            (p.to_local() if hasattr(p, "to_local") else p).mul_(1.05).add_(0.01)
+        after = served(ids).logits
+        moved = Transformer(cfg, init_seed=None)
+        moved.load_state_dict(full_tensors(policy.named_parameters()))
+        fresh = cut_for_serving(moved, dims)(ids).logits
+    return {"before": before, "after": after, "fresh": fresh, "kept": all(isinstance(k, KeptParts) for k in kept)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_an_engine_over_a_trainers_shared_weights_reads_their_in_place_updates(preset):
+    """GRPO's engine over the trainer's tp shards (`alias_shards`) keeps the mixers' whole weights (they are
+    the trainer's) and reads its parts through `KeptParts`: after the weights move in place its logits are
+    those of a model cut for serving afresh from the moved weights (which cuts its whole weights at load)."""
+    from tests.forked_ranks import run_ranks
+
+    for rank in run_ranks(_shared_then_updated, 2, preset):
+        assert rank["kept"]
+        assert not torch.allclose(rank["before"], rank["after"])
+        torch.testing.assert_close(rank["after"], rank["fresh"], rtol=1e-5, atol=1e-5)
+
+
+def _gathered_then_updated(preset: str) -> dict:
+    """On each of four ranks (tp=2 x dp_shard=2): a GRPO engine's copy of its tp shard of an FSDP policy
+    (`gathered_shards`, filled by `gather_shards`), its logits before and after the policy's weights move
+    in place (gathered again), a model cut for serving afresh from the moved weights, and the copy's
+    mixer parameters' shapes."""
+    import torch.distributed as dist
+
+    from tessera.config.parallel import ParallelConfig
+    from tessera.infer.runner.tp_shared import gather_shards, gathered_shards
+    from tessera.models import Transformer
+    from tessera.parallel import ParallelDims, parallelize
+    from tests.parallel.training_step import full_tensors
+
+    cfg = get_preset(preset)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    layout = ParallelConfig(tp=2, dp_shard=2)
+    dims = ParallelDims.from_config(layout, dist.get_world_size())
+    policy = parallelize(Transformer(cfg, init_seed=0), dims, layout)
+    served = gathered_shards(policy, dims)
+    with torch.no_grad():
+        gather_shards(served, policy)
+        before = served(ids).logits
+        for p in policy.parameters():  # an optimizer step on the policy's shards, in place
+            (p.to_local() if hasattr(p, "to_local") else p).mul_(1.05).add_(0.01)
+        gather_shards(served, policy)
+        after = served(ids).logits
+        moved = Transformer(cfg, init_seed=None)
+        moved.load_state_dict(full_tensors(policy.named_parameters()))
+        vocab = cfg.vocab_size // 2  # this rank's slice of the one-process logits of the moved weights
+        first = dims["tp"].get_local_rank() * vocab
+        want = moved(ids).logits[..., first:first + vocab]
+    return {"before": before, "after": after, "want": want,
+            "mixer_params": {n: tuple(p.shape) for n, p in served.named_parameters() if ".attention." in n}}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_a_grpo_engines_gathered_copy_holds_only_its_part_and_takes_the_updates(preset):
+    """Under tp=2 x dp_shard=2 a GRPO engine keeps a copy of its tp shard of the FSDP policy (`gathered_shards`):
+    of the weights a mixer keeps whole in training it holds only this rank's part (cut when built), which
+    `gather_shards` fills from the policy's whole tensors after each step, so after the weights move its
+    logits are the moved model's (this rank's vocabulary slice of one process's)."""
+    from tessera.models import Transformer
+    from tests.forked_ranks import run_ranks
+
+    got = run_ranks(_gathered_then_updated, 4, preset)
+    one = {n: tuple(p.shape) for n, p in Transformer(get_preset(preset), init_seed=0).named_parameters()}
+    for rank in got:
+        assert not torch.allclose(rank["before"], rank["after"])
+        torch.testing.assert_close(rank["after"], rank["want"], rtol=1e-5, atol=1e-5)
+        for n, shape in rank["mixer_params"].items():
+            if n.endswith(WHOLE_IN_TRAINING[preset]):
+                assert 2 * torch.Size(shape).numel() == torch.Size(one[n]).numel(), n

@@ -156,3 +156,43 @@ def test_the_bench_times_two_forms_with_equal_outputs(decay):
     result = json.loads(run.stdout)
     assert result["max_abs_diff"] < 1e-5 and min(result["tokens_per_s"].values()) > 0
     assert result["decay"] == ("per channel" if decay else "per head")
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_chunked_without_gradients_leaves_the_start_state_as_it_was(per_channel):
+    """Without gradients the chunked form updates its state in place (no copy of it per chunk): the
+    caller's fp32 start state is left as it was, and the result equals the one computed for gradients."""
+    q, k, v, g, beta, state = _inputs(6)
+    if per_channel:
+        g = -torch.rand(B, S, H, K, generator=torch.Generator().manual_seed(7)) * 0.5
+    before = state.clone()
+    with torch.no_grad():
+        got = chunked_delta_rule(q, k, v, g, beta, state, chunk=8)
+    assert torch.equal(state, before)
+    want = chunked_delta_rule(*(t.clone().requires_grad_() for t in (q, k, v, g, beta, state)), chunk=8)
+    for a, b in zip(got, want):
+        assert b.requires_grad
+        torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_a_chunk_of_whole_tiles_is_computed_a_tile_at_a_time(monkeypatch, per_channel):
+    """A chunk of a whole number of TILEs (64 = 2 x 32) is computed a tile at a time, and equals the
+    chunk computed whole (TILE out of the way) and the recurrent form."""
+    import tessera.models.linear_attention.delta_rule as rule
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 70, 2, 8, generator=gen) for _ in range(3))
+    g = -torch.rand(1, 70, 2, *((8,) if per_channel else ()), generator=gen) * 0.5
+    beta, state = torch.rand(1, 70, 2, generator=gen), torch.randn(1, 2, 8, 8, generator=gen) * 0.3
+    steps = []
+    chunk_step = rule._chunk_step
+    monkeypatch.setattr(rule, "_chunk_step", lambda *a: steps.append(1) or chunk_step(*a))
+    want = recurrent_delta_rule(q, k, v, g, beta, state)
+    tiled = chunked_delta_rule(q, k, v, g, beta, state, chunk=64)
+    assert len(steps) == 3  # 70 tokens in tiles of 32
+    monkeypatch.setattr(rule, "TILE", 1024)
+    whole = chunked_delta_rule(q, k, v, g, beta, state, chunk=64)
+    assert len(steps) == 3 + 2
+    for a, b, c in zip(tiled, whole, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)

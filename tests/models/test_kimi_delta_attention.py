@@ -36,19 +36,25 @@ def test_per_channel_chunked_equals_recurrent(chunk, with_state):
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("strength, exact", [(0.5, False), (20.0, True)])
-def test_each_way_of_the_decayed_products_equals_recurrent(monkeypatch, strength, exact):
-    """A mild decay takes the products referred to each row block's first row; one that decays a
-    channel by more than SPAN_LIMIT within a row block takes the exact sub-block products; either
-    way chunked equals recurrent."""
+@pytest.mark.parametrize("strength, way", [(0.5, "whole chunk"), (4.0, "row blocks"), (20.0, "exact")])
+def test_each_way_of_the_decayed_products_equals_recurrent(monkeypatch, strength, way):
+    """A mild decay takes one product per chunk referred to its first row; one that decays a channel
+    by more than SPAN_LIMIT within the chunk (of 32) but not within a row block (of 16) takes the
+    products referred to each row block's first row; one that does within a row block takes the exact
+    sub-block products; each way chunked equals recurrent."""
     import tessera.models.linear_attention.delta_rule as rule
     calls = []
-    exact_products = rule._exact_products
-    monkeypatch.setattr(rule, "_exact_products", lambda *a: calls.append(1) or exact_products(*a))
+
+    def counted(name):
+        products = getattr(rule, name)
+        return lambda *a: calls.append(name) or products(*a)
+    for name in ("_referenced_products", "_exact_products"):
+        monkeypatch.setattr(rule, name, counted(name))
     q, k, v, g, beta, state = _inputs(5, strength)
     want, want_state = recurrent_delta_rule(q, k, v, g, beta, state)
     got, got_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=32)
-    assert bool(calls) == exact
+    expected = {"whole chunk": set(), "row blocks": {"_referenced_products"}, "exact": {"_exact_products"}}[way]
+    assert set(calls) == expected
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
 

@@ -52,7 +52,10 @@ def test_packed_experts_read_as_their_halves_over_several_chunks(pair):
     torch.testing.assert_close(experts.w3.detach(), gate_up[:, 16:].detach(), rtol=0, atol=0)
     ids = torch.randint(0, hf.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+        # 150 tokens over three chunks of the delta rule: 3 of 14,400 logits differ by up to 2.1e-4 (position 122)
+        # since the chunked form's summation order changed (tiles of 32). It is fp32 rounding on both sides: against
+        # the model in float64, Tessera's fp32 logits are within 2.7e-4 and transformers' within 3.2e-4
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=3e-4, rtol=1e-4)
 
 
 def test_export_writes_the_packed_layout_that_transformers_reads(pair, tmp_path):

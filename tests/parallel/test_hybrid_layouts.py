@@ -154,7 +154,7 @@ def _recording_mix(module, seen: list):
     return recorded
 
 
-def _cp_rank(cp_method: str, preset: str, tp: int) -> dict:
+def _cp_rank(cp_method: str, preset: str, tp: int, sp: bool = False) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -168,7 +168,7 @@ def _cp_rank(cp_method: str, preset: str, tp: int) -> dict:
     from tests.parallel.training_step import full_tensors
 
     cfg = get_preset(preset, **_short(preset))
-    pcfg = ParallelConfig(cp=2, tp=tp, dp_shard=1, cp_method=cp_method)
+    pcfg = ParallelConfig(cp=2, tp=tp, sp=sp, dp_shard=1, cp_method=cp_method)
     dims = ParallelDims.from_config(pcfg, dist.get_world_size())
     dims.validate(cfg, dims.world_size, seq_len=16)
     model = parallelize(Transformer(cfg, init_seed=0), dims, pcfg)
@@ -188,21 +188,26 @@ def _cp_rank(cp_method: str, preset: str, tp: int) -> dict:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cp_method,preset,tp", [
-    ("alltoall", "tiny-qwen3-next", 1), ("ring", "tiny-qwen3-next", 1), ("alltoall", "tiny-qwen3.5", 1),
-    ("alltoall", "tiny-kimi-linear", 1), ("ring", "tiny-kimi-linear", 1),
-    ("alltoall", "tiny-nemotron-h", 1), ("ring", "tiny-nemotron-h", 1),
-    ("alltoall", "tiny-qwen3-next", 2), ("ring", "tiny-nemotron-h", 2)],
+@pytest.mark.parametrize("cp_method,preset,tp,sp", [
+    ("alltoall", "tiny-qwen3-next", 1, False), ("ring", "tiny-qwen3-next", 1, False),
+    ("alltoall", "tiny-qwen3.5", 1, False), ("alltoall", "tiny-kimi-linear", 1, False),
+    ("ring", "tiny-kimi-linear", 1, False), ("alltoall", "tiny-nemotron-h", 1, False),
+    ("ring", "tiny-nemotron-h", 1, False), ("alltoall", "tiny-qwen3-next", 2, False),
+    ("ring", "tiny-nemotron-h", 2, False), ("alltoall", "tiny-qwen3-next", 2, True),
+    ("ring", "tiny-qwen3-next", 2, True), ("alltoall", "tiny-nemotron-h", 2, True),
+    ("ring", "tiny-nemotron-h", 2, True)],
     ids=["cp2-contiguous", "cp2-ring-zigzag", "qwen3.5-cp2-contiguous", "kimi-linear-cp2-contiguous",
          "kimi-linear-cp2-ring-zigzag", "nemotron-h-cp2-contiguous", "nemotron-h-cp2-ring-zigzag",
-         "tp2-cp2-contiguous", "nemotron-h-tp2-cp2-ring-zigzag"])
-def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset, tp):
+         "tp2-cp2-contiguous", "nemotron-h-tp2-cp2-ring-zigzag", "tp2-sp-cp2-contiguous", "tp2-sp-cp2-ring-zigzag",
+         "nemotron-h-tp2-sp-cp2-contiguous", "nemotron-h-tp2-sp-cp2-ring-zigzag"])
+def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, preset, tp, sp):
     """A cp=2 step (DeltaNet, Kimi delta attention or Mamba-2 layers: each rank runs them over its own
     part of the sequence, from the state the previous part hands on) equals one process's: logits
     position by position, the loss, every gradient, the weights after one AdamW step and the loss
     after it (fp32, 1e-5). Every recurrent mixer on every rank mixes only its own tokens: one part
     of 8 per sequence (contiguous), or two of 4 as rows of their own (zig-zag), never the 16. Under
-    tp2 x cp2 (4 ranks) each rank's handoff carries its heads' states only."""
+    tp2 x cp2 (4 ranks), with or without sequence parallelism, each rank's handoff carries its heads' states
+    only."""
     import torch
 
     from tessera.models import Transformer
@@ -210,7 +215,7 @@ def test_hybrid_model_under_context_parallelism_equals_one_process(cp_method, pr
     model = Transformer(get_preset(preset, **_short(preset)), init_seed=0)
     batch = _cp_batch(model.cfg.vocab_size)
     ref = _step(model, batch[:, :-1], batch[:, 1:], batch[:, 1:].numel())
-    got = run_ranks(_cp_rank, 2 * tp, cp_method, preset, tp)
+    got = run_ranks(_cp_rank, 2 * tp, cp_method, preset, tp, sp)
     logits = torch.empty_like(ref["logits"])
     for r in got:
         logits[:, r["positions"]] = r["logits"]

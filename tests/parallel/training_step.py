@@ -4,6 +4,8 @@ contract: loss = sum of token losses / loss tokens of the global batch + aux / m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -63,10 +65,14 @@ def _step(model, micro, n_tokens, n_micro, dims):
     return loss1, loss2, norm, grads
 
 
-def reference_step(preset: str, micro_batches: int, config_overrides: dict | None = None) -> dict:
-    """Single process; the global batch cut into `micro_batches` equal micro-batches."""
+def reference_step(preset: str, micro_batches: int, config_overrides: dict | None = None,
+                   prepare: Callable[[Transformer], None] | None = None) -> dict:
+    """Single process; the global batch cut into `micro_batches` equal micro-batches. `prepare` changes
+    the model before it trains (what it trains: the indexer loss's switch)."""
     cfg = tiny_config(preset, **(config_overrides or {}))
     model = Transformer(cfg, init_seed=SEED)
+    if prepare is not None:
+        prepare(model)
     batch = global_batch(cfg.vocab_size)
     micro = batch.chunk(micro_batches)
     loss1, loss2, norm, grads = _step(model, micro, batch[:, 1:].numel(), micro_batches, None)
@@ -75,8 +81,10 @@ def reference_step(preset: str, micro_batches: int, config_overrides: dict | Non
             "grads": grads}
 
 
-def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_overrides: dict | None = None) -> dict:
-    """Runs on every forked rank: the same step under `ParallelConfig(**parallel)`."""
+def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_overrides: dict | None = None,
+                prepare: Callable[[Transformer], None] | None = None) -> dict:
+    """Runs on every forked rank: the same step under `ParallelConfig(**parallel)`, the model
+    changed by `prepare` before it is parallelized."""
     world = torch.distributed.get_world_size()
     pcfg = ParallelConfig(**parallel)
     cfg = tiny_config(preset, **(config_overrides or {}))
@@ -84,7 +92,10 @@ def layout_step(preset: str, parallel: dict, micro_per_rank: int = 1, config_ove
     batch = global_batch(cfg.vocab_size)
     dims.validate(cfg, world, seq_len=batch.shape[1] - 1)
     dims.build_mesh("cpu")
-    model = parallelize(Transformer(cfg, init_seed=SEED), dims, pcfg)
+    model = Transformer(cfg, init_seed=SEED)
+    if prepare is not None:
+        prepare(model)
+    model = parallelize(model, dims, pcfg)
     rows = shard_global_batch(batch, dims)
     loss1, loss2, norm, grads = _step(model, rows.chunk(micro_per_rank), batch[:, 1:].numel(),
                                       dims.dp_size * micro_per_rank, dims)

@@ -164,3 +164,30 @@ def test_our_layer_is_cheaper_than_gpts_because_flash_attention_keeps_no_scores(
     ours = layer_activation_bytes(cfg, 0, Layout(), work, "bf16")
     sbh = 4096 * cfg.dim
     assert 34 * sbh < ours < korthikanti_layer_bytes(4096, 1, cfg.dim, cfg.n_heads)
+
+
+def test_recurrent_layers_keep_the_handed_on_states_under_cp():
+    """Under cp a recurrent layer keeps for backward its state handoff's gathered buffers (every part's
+    conv inputs, transitions and end states: states, not keys and values, so the same at 4x the
+    sequence), beside its layer's own tensors; none under full recomputation (the block re-runs), in
+    host memory under activation offload. Qwen3-Next-80B, cp=4: 36 DeltaNet layers, 4 parts."""
+    from tessera.plan.activations import handoff_saved_bytes
+    from tessera.plan.profile import ModelProfile
+
+    cfg = get_preset("qwen3-next-80b-a3b")
+    lay, work = Layout(cp=4, dp_shard=16), Workload(4096, 1, 64)
+    per_layer = 4 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 2 * 32 * 128 * 128 * 4)
+    prof = ModelProfile.of(cfg, work.seq_len)
+    assert handoff_saved_bytes(cfg, lay, work, "bf16", prof, 0) == 36 * per_layer
+    attention_shaped = dataclasses.replace(cfg, linear_attention=None)
+    (got,) = stage_activations(cfg, lay, work, "bf16")
+    (without,) = stage_activations(attention_shaped, lay, work, "bf16")
+    assert got.per_microbatch - without.per_microbatch == pytest.approx(36 * per_layer)
+    longer = Workload(4 * 4096, 1, 64)
+    assert handoff_saved_bytes(cfg, lay, longer, "bf16", ModelProfile.of(cfg, longer.seq_len), 0) == 36 * per_layer
+    assert handoff_saved_bytes(cfg, Layout(dp_shard=64), work, "bf16", prof, 0) == 0
+    assert handoff_saved_bytes(cfg, dataclasses.replace(lay, recompute="full"), work, "bf16", prof, 0) == 0
+    (offloaded,) = stage_activations(cfg, dataclasses.replace(lay, activation_offload=True), work, "bf16")
+    (offloaded_without,) = stage_activations(attention_shaped, dataclasses.replace(lay, activation_offload=True),
+                                             work, "bf16")
+    assert offloaded.offloaded - offloaded_without.offloaded == pytest.approx(36 * per_layer)

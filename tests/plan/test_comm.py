@@ -123,3 +123,48 @@ def test_groups_use_the_link_their_ranks_sit_on():
     small = Layout(tp=2, cp=2, dp_shard=16)
     assert cl.group_bandwidth(2, group_strides(small)["cp"]) == cl.intra_node_bandwidth
     assert cl.group_bandwidth(1, 1) == float("inf")
+
+
+def _handoff(colls) -> list:
+    return [c for c in colls if c.group == "cp" and "handoff" in c.what]
+
+
+def test_recurrent_layers_hand_on_states_under_cp_and_only_attention_layers_exchange_keys_and_values():
+    """Qwen3-Next-80B under cp=4 (Ulysses): its 36 Gated DeltaNet layers all-gather, per micro-batch, every
+    part's last 3 conv inputs (2 x 16 key heads x 128 + 32 value heads x 128 channels, bf16), transitions
+    (32 heads x 128 x 128, fp32) and zero-start end states (32 x 128 x 128, fp32), and reduce-scatter their
+    gradients, whatever the sequence's length; the all-to-alls run on its 12 attention layers only, as
+    much as the same model with those 12 layers alone moves. Under tp=2 the handoff carries half the heads;
+    Nemotron-H's Mamba-2 layers hand on a decay per head and a head_dim x state_size state."""
+    cfg = get_preset("qwen3-next-80b-a3b")
+    lay = Layout(cp=4, dp_shard=16)
+    m = lay.microbatches(WORK)
+    colls = collectives(cfg, lay)
+    per_layer = 4 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 2 * 32 * 128 * 128 * 4)  # 4 parts, one a rank
+    assert volume(_handoff(colls), "cp", m) == pytest.approx(m * 36 * 2 * 3 / 4 * per_layer)
+    assert {(c.op, c.overlap) for c in _handoff(colls)} == {("all-gather", "none"), ("reduce-scatter", "none")}
+    longer = collectives(cfg, lay, work=Workload(seq_len=4 * WORK.seq_len, micro_batch=1, global_batch=64))
+    assert volume(_handoff(longer), "cp", m) == volume(_handoff(colls), "cp", m)
+    attention_only = dataclasses.replace(cfg, n_layers=12, linear_attention=None)
+    exchange = [c for c in colls if c.group == "cp" and c.op == "all-to-all"]
+    assert volume(exchange, "cp", m) == pytest.approx(volume(collectives(attention_only, lay), "cp", m))
+    tp2 = _handoff(collectives(cfg, Layout(tp=2, cp=4, dp_shard=8)))
+    assert volume(tp2, "cp", m) == pytest.approx(volume(_handoff(colls), "cp", m) / 2)
+    full = _handoff(collectives(cfg, dataclasses.replace(lay, recompute="full")))  # the forward's gathers again
+    assert sum(c.calls_per_microbatch for c in full) == 36 * 3 * 3
+
+    nemotron = get_preset("nemotron-h-8b")
+    mamba = sum(1 for i in range(nemotron.n_layers) if nemotron.is_mamba_layer(i))
+    mc = nemotron.mamba
+    zigzag = Layout(cp=2, dp_shard=32, cp_method="ring")  # two parts a rank
+    channels = mc.n_heads * mc.head_dim + 2 * mc.n_groups * mc.state_size
+    per_layer = 4 * (channels * (mc.conv_width - 1) * 2 + mc.n_heads * 4 + mc.n_heads * mc.head_dim * mc.state_size * 4)
+    assert volume(_handoff(collectives(nemotron, zigzag)), "cp", m) == pytest.approx(m * mamba * 2 / 2 * per_layer)
+    attention = sum(1 for i in range(nemotron.n_layers) if nemotron.has_attention(i))
+    ring = [c for c in collectives(nemotron, zigzag) if c.op == "send/recv"]
+    assert sum(c.calls_per_microbatch for c in ring) == attention * (2 + 2)  # k/v blocks 1 hop x 2, accumulators 2
+
+
+def test_attention_only_models_hand_on_no_state():
+    for name in ("llama3-8b", "deepseek-v3"):
+        assert not _handoff(collectives(get_preset(name), Layout(cp=4, dp_shard=16)))

@@ -125,7 +125,7 @@ def test_search_json_best_parallel_mapping_is_what_the_trainer_takes(tmp_path, c
     assert best["parallel"] == result["ranked"][0]["parallel"] and "reason" in best and best["against_other_shapes"]
     assert set(best["parallel"]) <= {"tp", "sp", "pp", "vpp", "pp_schedule", "dp_replicate", "dp_shard", "cp", "ep",
                                      "cp_method", "zero_stage", "recompute", "recompute_interval", "recompute_save",
-                                     "activation_offload", "activation_fp8", "optimizer"}
+                                     "activation_offload", "activation_fp8", "optimizer", "ep_dispatch_dtype"}
     assert trainer_refusal("configs/tiny-moe.yaml", as_overrides(best["parallel"]), 4) is None
     times = [p["time"]["tokens_per_second"] for p in result["ranked"]]
     assert times == sorted(times, reverse=True)  # ranked by predicted throughput

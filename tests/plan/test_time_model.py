@@ -212,3 +212,31 @@ def test_eager_profile_counts_torchtitans_elementwise_kernels():
     ratio = (layer_time(cfg, False, lay, 8192, 8192, eager, "bf16").memory
              / layer_time(cfg, False, lay, 8192, 8192, compiled, "bf16").memory)
     assert ratio == pytest.approx(ELEMENTWISE_PASSES_EAGER / 2)
+
+
+def test_context_parallel_recurrent_layers_add_their_handoffs_products():
+    """Under cp a Gated DeltaNet layer runs the delta rule over V + K value columns (6 K K more per head
+    and token), adds each token's share of its start state (2 K V) and scans the earlier parts' states
+    (up to cp products of a K x K transition and a K x V state per sequence, and its own); Qwen3-Next-80B
+    at cp=4: 32 value heads of 128 x 128 on each of 36 layers. The plan's hardware FLOPs and the stage's
+    product time grow by that; an attention-only model's do not change with cp's handoff."""
+    from tessera.plan.estimate import handoff_flops_per_token
+    from tessera.plan.op_time import handoff_time
+    from tessera.plan.profile import handoff_flops
+
+    cfg = get_preset("qwen3-next-80b-a3b")
+    lay, work = Layout(cp=4, dp_shard=16), Workload(4096, 1, 64)
+    K = 128
+    per_rank = 1024 * 32 * (6 * K * K + 2 * K * K) + (4 + 1) * 2 * 32 * K * K * K
+    assert handoff_flops(cfg, "delta", lay, 1, 4096) == per_rank
+    assert handoff_flops_per_token(cfg, lay, work) == pytest.approx(36 * 3 * per_rank * 4 / 4096)
+    cluster = Cluster.for_gpu("h100", gpus=64)
+    prof = ModelProfile.of(cfg, work.seq_len)
+    assert handoff_time(cfg, lay, work, 0, cluster, prof) == pytest.approx(
+        36 * 3 * per_rank / (cluster.gpu_flops * cluster.efficiency))
+    plan = make_plan(cfg, lay, work, cluster)
+    no_handoff = make_plan(dataclasses.replace(cfg, linear_attention=None), lay, work, cluster)
+    assert plan.hardware_flops_per_step - plan.model_flops_per_step == pytest.approx(
+        handoff_flops_per_token(cfg, lay, work) * work.tokens)
+    assert no_handoff.hardware_flops_per_step == no_handoff.model_flops_per_step
+    assert handoff_time(cfg, Layout(dp_shard=64), work, 0, cluster, prof) == 0

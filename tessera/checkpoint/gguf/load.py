@@ -19,7 +19,9 @@ and the head multiplies by its blocks as the other layers do. Those layers are s
 meta device, so their float weights are never allocated. The norms, any matrix stored as F32 / F16 /
 BF16, and a scaled embedding (Gemma's) are dequantized into `dtype` as without the option.
 gpt-oss's experts stored in MXFP4 stay so too (`Mxfp4Experts`: the gate, up and down blocks, each
-expert dequantized in the forward).
+expert dequantized in the forward), and so do routed SwiGLU experts whose gate, up and down the file
+stores in block types (`GgufExperts`: GLM-4.5's, Llama 4's, Qwen3-Next's and Qwen3.5's `ffn_*_exps`,
+each projection in its own type), multiplied by their blocks as the linear layers are.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.int8 import replace_module
 from tessera.models.lazy_torch import on_meta, to_empty
 from tessera.models.moe.biased_experts import BiasedExperts
+from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.gguf_experts import PROJECTIONS, GgufExperts
 from tessera.models.moe.mxfp4_experts import Mxfp4Experts
 from tessera.models.transformer import Transformer
 
@@ -67,6 +71,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with on_meta():
         model = Transformer(cfg, init_seed=None)
         kept = _keep_quantized(model, found, by_hf, rows, dtype) if keep_quantized else set()
+        kept |= _keep_block_experts(model, found, by_hf) if keep_quantized else set()
         packed = _keep_mxfp4_experts(model, found, dtype) if keep_quantized else {}
     to_empty(model, device)
     model.cast(dtype)
@@ -85,8 +90,9 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         quantized = [k for k in keys if k in kept]
         values = stored.raw_blocks() if quantized else stored.dequantized()
         for key, part in _parts(found, stored.hf_name, values, keys, rows):
-            if key in kept:
-                targets[key.removesuffix(".weight") + ".blocks"].copy_(part)
+            if key in kept:  # a layer's [out, row bytes], or the experts' [E, out, row bytes] from [E, rest]
+                target = targets[key.removesuffix(".weight") + ".blocks"]
+                target.copy_(part.reshape(target.shape))
             else:  # the whole tensor, or its interleaved share of a fused one (gpt-oss's gate / up)
                 start, step = stored.into or (0, 1)
                 view = stored.select(targets[key]) if stored.select else targets[key][..., start::step]
@@ -170,6 +176,34 @@ def _keep_mxfp4_experts(model: Transformer, found: GGUFFile, dtype: torch.dtype)
         for part, gguf_name in names.items():
             out[gguf_name] = (f"{name}.{part}_blocks", f"{name}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
     return out
+
+
+def _keep_block_experts(model: Transformer, found: GGUFFile, by_hf: dict[str, list[str]]) -> set[str]:
+    """Swap each routed SwiGLU expert block (`GroupedExperts`) whose gate, up and down the file stores
+    in block types, as they lie, for a `GgufExperts` of those types (on the meta device); returns the
+    expert keys swapped (`layers.1.moe.experts.w1`: its blocks are `...w1.blocks`). A stored shape that
+    does not fit the experts is refused by name."""
+    modules = dict(model.named_modules())
+    by_module: dict[str, dict] = {}
+    for stored in found.stored():
+        if stored.kind not in BLOCKS or stored.transposed or stored.into or stored.select or stored.convert or \
+                stored.rows is not None:
+            continue
+        for key in by_hf.get(stored.hf_name, []):
+            name, _, part = key.rpartition(".")
+            if part in PROJECTIONS and type(modules.get(name)) is GroupedExperts:
+                by_module.setdefault(name, {})[part] = stored
+    kept = set()
+    for name, parts in by_module.items():
+        if len(parts) < len(PROJECTIONS):
+            continue
+        old = modules[name]
+        for part, stored in parts.items():  # the shape check
+            _fill(found, stored.hf_name, getattr(old, part), torch.empty(stored.shape, device="meta"))
+        E, F, D = old.w1.shape
+        replace_module(model, name, GgufExperts(E, D, F, {part: stored.kind for part, stored in parts.items()}))
+        kept |= {f"{name}.{part}" for part in parts}
+    return kept
 
 
 def _kept(model: Transformer, modules: dict, found: GGUFFile, stored, key: str, rows: dict[str, tuple[int, int]],

@@ -50,6 +50,11 @@ def _exports_as_is(cfg: Any) -> None:
     """A family whose export refuses nothing its config does not already refuse."""
 
 
+def _reads_every(cfg: Any, key: str) -> bool:
+    """A family whose files hold nothing its model leaves unread."""
+    return False
+
+
 @dataclass(frozen=True)
 class DirectoryFormat:
     """One vision-language family's HuggingFace directory (hf/llava.py, hf/qwen_vl.py): how its
@@ -57,7 +62,9 @@ class DirectoryFormat:
     processor classes (`model(cfg, init_seed=None)`, `processor.for_vision(cfg.vision)`), its
     tensors' names (`names(cfg)` in the in-memory layout, `current` / `saved` the renames from a
     stored name and back), its language model's names alone (`language_model_names`: a text model
-    read from the directory, hf/slices.py) and what its export refuses (`check(cfg)`)."""
+    read from the directory, hf/slices.py), what its export refuses (`check(cfg)`) and the stored
+    tensors its model leaves unread as transformers does (`unread(cfg, stored name)`: Qwen3.5's
+    multi-token-prediction layers)."""
 
     read_file: Callable[[Mapping[str, Any], str], Any]
     to_hf: Callable[[Any], dict[str, Any]]
@@ -68,6 +75,7 @@ class DirectoryFormat:
     saved: Callable[[str], str]
     language_model_names: Callable[[dict[str, list[str]], set[str]], tuple[dict[str, list[str]], set[str]]]
     check: Callable[[Any], None] = _exports_as_is
+    unread: Callable[[Any, str], bool] = _reads_every
 
     def load(self, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> Any:
@@ -77,7 +85,8 @@ class DirectoryFormat:
         cfg = read_directory_config(path, self.read_file)
         with torch.device("meta"):
             model = self.model(cfg, init_seed=None)
-        return load_composite(path, model, self.names(cfg), self.current, cfg.family, dtype, device)
+        return load_composite(path, model, self.names(cfg), self.current, cfg.family, dtype, device,
+                              lambda key: self.unread(cfg, key))
 
     def read_processor(self, path: str | os.PathLike, cfg: Any) -> Any:
         """Directory `path`'s image processor (read from its preprocessor_config.json and checked to
@@ -100,11 +109,13 @@ class DirectoryFormat:
 
 
 def load_composite(path: Path, model: nn.Module, names: dict[str, list[str]], current: Callable[[str], str],
-                   what: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+                   what: str, dtype: torch.dtype, device: str | torch.device,
+                   unread: Callable[[str], bool] = lambda key: False) -> nn.Module:
     """`model` (built on the meta device from the directory's config) with the directory's tensors,
-    in eval mode, after the stored names are checked against `names` (missing, unexpected, shapes)."""
+    in eval mode, after the stored names are checked against `names` (missing, unexpected, shapes);
+    stored names `unread` says the model leaves unread are not read."""
     files = SafetensorsDir(path)
-    stored = {current(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)}
+    stored = {current(k): k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES) and not unread(k)}
     needed = {h for hs in names.values() for h in hs}
     if model.cfg.text.tie_embeddings:
         stored.pop("lm_head.weight", None)

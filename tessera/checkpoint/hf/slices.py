@@ -61,8 +61,16 @@ class HFSliceReader:
         self.parts = hf_parts(cfg)  # Tessera tensors cut from a fused HuggingFace one (Llama 4's experts)
         self.rows = hf_fused_rows(cfg)  # Tessera key -> its rows of a fused HuggingFace tensor
         self.files = SafetensorsDir(self.path)
-        self.names = hf_names_in(cfg, set(self.files.keys()))
-        for key, unpacked in hf_unpacked(cfg).items():  # stored one tensor per expert (Qwen3.5 MoE's own save)
+        # a vision-language directory names its language model's tensors its own way (its family's
+        # names: llava.py, qwen_vl.py, qwen3_5_vl.py); a text model reads them by those names
+        family = directory_family(self.path)
+        stored = set(self.files.keys())
+
+        def in_directory(names: dict[str, list[str]]) -> dict[str, list[str]]:
+            return names if family is None else family.directory.language_model_names(names, stored)[0]
+
+        self.names = in_directory(hf_names_in(cfg, stored))
+        for key, unpacked in in_directory(hf_unpacked(cfg)).items():  # one tensor per expert (Qwen3.5 MoE's save)
             if self.names[key][0] not in self.files.files and unpacked[0] in self.files.files:
                 self.names[key] = unpacked
                 del self.parts[key]
@@ -71,12 +79,9 @@ class HFSliceReader:
         self.packed = {k: self.files.files.pop(k) for pair in self.mxfp4.pairs.values() for k in pair}
         self.files.files.update({plain: self.packed[pair[0]] for plain, pair in self.mxfp4.pairs.items()})
         self.bytes_read = 0
-        # stored tensors that belong to no part of this model: a vision-language directory's image
-        # side when a text model reads its language model (its family's names: llava.py, qwen_vl.py)
-        self.foreign: set[str] = set()
-        family = directory_family(self.path)
-        if family is not None:
-            self.names, self.foreign = family.directory.language_model_names(self.names, self.files.keys())
+        # stored tensors that belong to no part of this model: a vision-language directory's image side
+        used = {h for hs in self.names.values() for h in hs}
+        self.foreign: set[str] = set() if family is None else {k for k in self.files.keys() if k not in used}
 
     def _slice(self, hf_key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], codes: bool = False
                ) -> torch.Tensor:

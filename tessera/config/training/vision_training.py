@@ -44,7 +44,7 @@ from tessera.config.vision import ACTIVATIONS, STRATEGIES, VisionConfig
 from tessera.config.vision_families import REGISTRY
 
 DATA_KIND = "vision_sft"
-FAMILIES = tuple(REGISTRY)  # llava, qwen2_vl, qwen2_5_vl (tessera/config/vision_families.py)
+FAMILIES = tuple(REGISTRY)  # llava, qwen2_vl, qwen2_5_vl, qwen3_5, qwen3_5_moe (tessera/config/vision_families.py)
 
 
 def _tiny_tower() -> VisionConfig:

@@ -23,12 +23,23 @@ the result is the same bits for any thread count, with the AVX2 path or the port
 (`portable=True`, which tests use), and whatever other rows share the product. No AVX-512 path.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
-CPU in fp32 (LLMEngine, beside the panel and layer kernels); it computes fp32 activations without
-autograd, up to `MAX_ROWS` rows (a decode step, a short prompt chunk). Longer prompt chunks take the
+CPU in fp32 (LLMEngine, beside the panel and layer kernels), and at each projection of the routed
+experts kept as blocks (`ExpertBlocks.fused`, tessera/models/moe/gguf_experts.py: one expert's
+blocks times the rows routed to it); it computes fp32 activations without autograd, up to
+`MAX_ROWS` rows (a decode step, a short prompt chunk; an expert's share of one). Longer prompt chunks take the
 reference's arithmetic, the matrix dequantized once for all their rows (which then costs less than
 the integer products per row), dequantized by the same library (`gguf_dequantize`: gguf_blocks'
 values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
 with the library's other kernels.
+
+Where an attention's q, k and v (or an MLP's gate and up) are block matrices of one type, it also
+installs `BlockGroup` at the models' `FusedProjection` seam (`Attention.fused_qkv`,
+`FeedForward.fused_gate_up`, with SwiGLU's one-pass kernel after it): one call multiplies all of them
+(`gguf_linear_group`), the activations quantized once and one parallel region over all their rows,
+each output the same bits as its own matrix's product. A decode step of SmolLM2-135M then makes 4
+block products per layer instead of 7; on one thread its CPU time did not change beyond the noise
+(the calls saved are ~2% of a step; the fewer parallel regions are for two threads, unmeasured on a
+quiet machine: docs/benchmarks.md, #53).
 """
 
 from __future__ import annotations
@@ -55,23 +66,108 @@ def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """`layer`'s product by the kernel (a `GgufLinear.fused`), or None where it keeps the reference
     (autograd on, activations not fp32 on CPU); past `MAX_ROWS` rows, the reference's product with
     the matrix dequantized by `gguf_dequantize` (the same values)."""
+    return _product(x, layer.blocks, layer.kind, layer.out_features, layer.in_features, layer.bias)
+
+
+def expert_product(projection: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Expert e's rows x times its matrix of `projection` (an `ExpertBlocks`, as its `fused`), as
+    `block_product` multiplies a layer's."""
+    blocks = projection.blocks[e]  # [out, row bytes], a contiguous view
+    return _product(x, blocks, projection.kind, projection.out_features, projection.in_features, None)
+
+
+def _product(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int, in_features: int,
+             bias: torch.Tensor | None) -> torch.Tensor | None:
     if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     if x.numel() > MAX_ROWS * x.shape[-1]:  # the reference's bits, its matrix dequantized in C++
-        weight = torch.ops.tessera_cpu.gguf_dequantize(layer.blocks, layer.kind, layer.out_features, layer.in_features)
-        return torch.nn.functional.linear(x, weight, layer.bias)
-    return gguf_linear(x, layer.blocks, layer.kind, layer.out_features, layer.bias)
+        weight = torch.ops.tessera_cpu.gguf_dequantize(blocks, kind, out_features, in_features)
+        return torch.nn.functional.linear(x, weight, bias)
+    return gguf_linear(x, blocks, kind, out_features, bias)
+
+
+def gguf_linear_group(x: torch.Tensor, blocks: list[torch.Tensor], kind: str, sizes: list[int],
+                      bias: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+    """x [..., in] times each `kind` block matrix of `blocks` (the i-th [sizes[i], row bytes]), their
+    outputs side by side: [..., sum(sizes)], each column the bits `gguf_linear` gives for it alone."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.tessera_cpu.gguf_linear_group(rows, blocks, kind, sizes, bias, portable)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class BlockGroup:
+    """`members` (GgufLinear layers over one input, one block type with a kernel) as one product
+    (`gguf_linear_group`): called with x, their outputs in order (views of one result), or None where
+    the members must run one by one: autograd on, activations not fp32 on CPU, more than `MAX_ROWS`
+    rows (each member then dequantizes its matrix once), a hook on a member (it must see its own call),
+    or a member whose kernel was taken off."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.kind = members[0].kind
+        self.sizes = [m.out_features for m in members]
+
+    def _bias(self) -> torch.Tensor | None:
+        if all(m.bias is None for m in self.members):
+            return None
+        return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features)
+                          for m in self.members])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu"
+                or x.numel() > MAX_ROWS * x.shape[-1]
+                or any(m.fused is not block_product or m._forward_hooks or m._forward_pre_hooks for m in self.members)):
+            return None
+        y = gguf_linear_group(x, [m.blocks for m in self.members], self.kind, self.sizes, self._bias())
+        return y.split(self.sizes, dim=-1)
+
+
+def _group(module: nn.Module, names: tuple[str, ...]) -> BlockGroup | None:
+    """A `BlockGroup` of `module`'s layers `names` where all are kernel-backed block matrices of one type
+    and input width, else None."""
+    layers = [getattr(module, name, None) for name in names]
+    if any(getattr(layer, "fused", None) is not block_product for layer in layers):
+        return None
+    if len({(layer.kind, layer.in_features) for layer in layers}) != 1:
+        return None
+    return BlockGroup(layers)
+
+
+def group_projections(model: nn.Module) -> int:
+    """Install a `BlockGroup` at every attention's `fused_qkv` and every SwiGLU / GeGLU MLP's
+    `fused_gate_up` whose members are kernel-backed block matrices of one type (after
+    `block_product` is installed), with SwiGLU's one-pass kernel (`silu_mul`) at `fused_act`;
+    returns how many seams took one."""
+    from tessera.models.attention import Attention
+    from tessera.models.mlp import FeedForward
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and module.fused_qkv is None:
+            module.fused_qkv = group = _group(module, ("wq", "wk", "wv"))
+        elif isinstance(module, FeedForward) and module.fused_gate_up is None:
+            module.fused_gate_up = group = _group(module, ("w1", "w3"))
+            if group is not None and module.activation == "silu" and module.fused_act is None:
+                module.fused_act = torch.ops.tessera_cpu.silu_mul
+        else:
+            continue
+        n += group is not None
+    return n
 
 
 def use_block_kernels(model: nn.Module) -> int:
-    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel; returns
-    how many (0 where the library is not available)."""
+    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel,
+    `expert_product` at every such `ExpertBlocks` (a projection of kept experts), and the grouped
+    products over the layers (`group_projections`); returns how many took the kernel (0 where the
+    library is not available)."""
     from tessera.models.gguf_linear import GgufLinear
+    from tessera.models.moe.gguf_experts import ExpertBlocks
 
     if not cpu_attention.library_available():
         return 0
     layers = [m for m in model.modules()
-              if isinstance(m, GgufLinear) and m.kind in KINDS and m.blocks.device.type == "cpu"]
+              if isinstance(m, GgufLinear | ExpertBlocks) and m.kind in KINDS and m.blocks.device.type == "cpu"]
     for layer in layers:
-        layer.fused = block_product
+        layer.fused = block_product if isinstance(layer, GgufLinear) else expert_product
+    group_projections(model)
     return len(layers)

@@ -17,11 +17,12 @@ and the rank's part of the blocks is put back as a `GgufLinear` of that part (`p
 - replicated: the whole.
 
 A kept token embedding (`GgufEmbedding`) is dequantized here: every rank looks it up whole, as it does a
-float embedding (a tied head stays the embedding's blocks, cut as a column-parallel layer).
+float embedding (a tied head stays the embedding's blocks, cut as a column-parallel layer). Routed
+experts kept as blocks (`GgufExperts`) are dequantized here too, for expert tensor parallelism cuts
+the experts' float tensors.
 
 Each rank's `GgufLinear` then multiplies by its own blocks (the CPU block kernel too, installed on the
-shard by the caller). A model with other kept blocks (gpt-oss's MXFP4 experts) is refused: expert
-tensor parallelism cuts the experts' float tensors."""
+shard by the caller). A model with other kept blocks (gpt-oss's MXFP4 experts) is refused."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ from tessera.config.errors import ConfigError
 from tessera.models.gguf_blocks import BLOCKS
 from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tessera.models.int8 import replace_module
+from tessera.models.moe.gguf_experts import GgufExperts
 from tessera.models.transformer import Transformer
 
 
 def stand_in(model: Transformer) -> dict[str, GgufLinear]:
     """Replace every `GgufLinear` of `model` by a meta-device Linear of its shape; returns them by name."""
     kept: dict[str, GgufLinear] = {}
+    dtype = next(model.parameters()).dtype  # the model's float dtype (a norm's, where the embedding is kept)
     for name, module in list(model.named_modules()):
         if isinstance(module, GgufLinear):
             kept[name] = module
@@ -46,6 +49,8 @@ def stand_in(model: Transformer) -> dict[str, GgufLinear]:
                                                   bias=module.bias is not None, device="meta"))
         elif isinstance(module, GgufEmbedding):  # looked up whole on every rank: its rows dequantized once
             replace_module(model, name, nn.Embedding.from_pretrained(module.weight, freeze=False))
+        elif isinstance(module, GgufExperts):  # expert tensor parallelism cuts float experts
+            replace_module(model, name, module.dequantized(dtype, model.cfg.moe.grouped_gemm))
         elif getattr(module, "quantized", False):
             raise ConfigError(f"tensor_parallel_size > 1 cannot cut {name} ({type(module).__name__}, kept in the "
                               "file's blocks): serve this GGUF file with --gguf-dequantize, or on one rank")

@@ -255,9 +255,6 @@ def cache_geometry(cfg, config: EngineConfig) -> CacheGeometry:
     any, is paid from the budget first, and a hybrid model's recurrent-state slots before it; the
     settings those slots cannot serve are refused here, before any tensor-parallel process starts."""
     refuse_unsupported(cfg, config)
-    require(not index_key_dim(cfg) or config.tensor_parallel_size == 1, "tensor_parallel_size",
-            config.tensor_parallel_size, f"1 for model.family={cfg.family}: tensor-parallel serving does not run "
-            "sparse attention's indexer yet")
     max_model_len = config.max_model_len or cfg.max_seq_len
     if max_model_len > cfg.max_seq_len:
         raise ConfigError(f"max_model_len={max_model_len} is invalid: the model supports at most "

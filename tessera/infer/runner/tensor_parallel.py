@@ -16,11 +16,15 @@ output (its bias kept on rank 0 only, so it is added once); an Embedding whose w
 (column-parallel, the head) and replicated weights need nothing. MoE experts keep the parallel
 layer's dispatcher, which sums their partial outputs over the ranks.
 
-A hybrid model's recurrent mixers keep some weights whole on every rank and read this rank's rows,
-channels and heads of them through their `own_part` seam (training's `DeltaNetRankPart`,
-`MambaRankPart`): a copy of those rows every forward, as large as the rank's part of the weight. The
-served weights change only in place (a GRPO trainer's optimizer step, tp_shared.py), so `KeptParts`
-keeps each part after its first read and reads it again only when its tensor's version has moved.
+A hybrid model's recurrent mixers keep some weights whole on every rank in training and read this
+rank's rows, channels and heads of them through their `own_part` seam (training's `DeltaNetRankPart`,
+`MambaRankPart`). A model cut for serving (`cut_for_serving`, `serving_shard_from_hf`) keeps only those
+parts: each rank's whole weights are cut to them at load (the parts' `cut`) and the mixer reads them
+as they are (`own_part` whole), so a rank holds 1/tp of them (so does a GRPO engine's copy of the
+trainer's shard, tp_shared.py's `gathered_shards`). A serving model over a GRPO trainer's own tensors
+(`alias_shards`) must keep them whole, since the trainer's optimizer updates them in place: there
+`KeptParts` keeps each part after its first read and reads it again only when its tensor's version
+has moved.
 
 How the ranks run a step together is in `tp_channel.py`; their processes, start-up and failure
 handling in `tp_workers.py`; rank 0's side in `tp_executor.py`.
@@ -119,10 +123,12 @@ class KeptParts:
 
 
 @torch.no_grad()
-def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transformer:
+def to_plain_tensors(model: Transformer, group: dist.ProcessGroup, cut_whole: bool = False) -> Transformer:
     """Replace every DTensor weight of the cut model by its local shard, with the collectives its
     placement implies installed as forward hooks (module docstring). The plan's own DTensor
-    hooks on those modules are removed; the model's seams go back to their one-process forms."""
+    hooks on those modules are removed; the model's seams go back to their one-process forms.
+    `cut_whole`: the recurrent mixers' whole weights are cut to this rank's parts (the model owns
+    them); else each part is read once and kept beside them (`KeptParts`: they are shared)."""
     from tessera.checkpoint.hf.slices import local_box
     from tessera.models.transformer import tied_projection
 
@@ -149,9 +155,14 @@ def to_plain_tensors(model: Transformer, group: dist.ProcessGroup) -> Transforme
             module.register_forward_hook(lookup.after)
     if model.cfg.tie_embeddings:
         model.tied_head = tied_projection  # the local embedding rows: this rank's vocabulary slice
-    for module in model.modules():  # a recurrent mixer's parts of its whole weights, read once
+    for module in model.modules():  # a recurrent mixer's parts of its whole weights: cut, or read once
         part = getattr(module, "own_part", None)
-        if part is not None and part is not whole and not isinstance(part, KeptParts):
+        if part is None or part is whole or isinstance(part, KeptParts):
+            continue
+        if cut_whole:
+            part.cut(module)
+            module.own_part = whole
+        else:
             module.own_part = KeptParts(part)
     return model
 
@@ -215,7 +226,7 @@ def _serving_shard_from_hf(path, cfg: ModelConfig, dims: ParallelDims, dtype: to
     from tessera.checkpoint.hf.load import build_from_hf
 
     model = build_from_hf(path, cfg, dtype, device, cut=lambda m: shard_model(m, dims))
-    return to_plain_tensors(model, dims["tp"].get_group())
+    return to_plain_tensors(model, dims["tp"].get_group(), cut_whole=True)
 
 
 def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
@@ -224,4 +235,4 @@ def _cut_for_serving(model: Transformer, dims: ParallelDims) -> Transformer:
     model = shard_model(model.eval(), dims)
     cut = gguf_shards.boxes(model, kept)
     group = dims["tp"].get_group()
-    return gguf_shards.put_back(to_plain_tensors(model, group), kept, cut, dist.get_rank(group))
+    return gguf_shards.put_back(to_plain_tensors(model, group, cut_whole=True), kept, cut, dist.get_rank(group))

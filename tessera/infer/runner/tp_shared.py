@@ -14,7 +14,11 @@ dp_shard, ep or cp, a weight is placed otherwise, a row-parallel bias, whose cop
 on all ranks but one) it returns None. Where only the other mesh dims differ (FSDP2 over dp_shard on
 top of the serving cut), `gathered_shards` builds the same tp-cut serving model with storage of its
 own, and `gather_shards` fills it in place from the policy after each optimizer step (a gather over
-dp_shard, a collective every rank calls); otherwise the caller keeps a whole gathered copy.
+dp_shard, a collective every rank calls); otherwise the caller keeps a whole gathered copy. A hybrid's
+recurrent mixers read parts of weights training keeps whole on every tp rank: over the policy's own
+tensors (`alias_shards`) they stay whole, their parts kept and read again after an update
+(`tensor_parallel.KeptParts`); in a copy of its own (`gathered_shards`) only this rank's parts are held,
+and `gather_shards` copies those parts in.
 
 The group's rank 0 drives the engine: `LLMEngine.from_group_shard` builds it over a
 `TensorParallelExecutor` whose workers are the group's other ranks (`GroupPeers`), already running:
@@ -86,20 +90,22 @@ def gathered_shards(policy: Transformer, dims: ParallelDims) -> Transformer | No
         else:
             _put(shell, name, torch.empty(serving.shape, dtype=p.dtype, device=device))
     shell.reset_rope(device)
-    return to_plain_tensors(shell.eval(), tp_mesh.get_group())
+    return to_plain_tensors(shell.eval(), tp_mesh.get_group(), cut_whole=True)
 
 
 @torch.no_grad()
 def gather_shards(served: Transformer, policy: Transformer) -> None:
     """`served` (`gathered_shards`) given the policy's weights in place: each parameter gathered over
-    every mesh dim but tp (a collective over those ranks: every rank calls it), this rank's tp shard kept."""
+    every mesh dim but tp (a collective over those ranks: every rank calls it), this rank's tp shard kept;
+    of a recurrent mixer's weight the policy keeps whole, the part the served model holds (`whole_index`)."""
     mine = dict(served.named_parameters())
     for name, p in policy.named_parameters():
         if isinstance(p, DTensor):
             names = p.device_mesh.mesh_dim_names or ()
             kept = [pl if n == "tp" else Replicate() for n, pl in zip(names, p.placements, strict=True)]
             p = p.redistribute(p.device_mesh, kept).to_local()
-        mine[name].copy_(p)
+        part = getattr(mine[name], "whole_index", None)
+        mine[name].copy_(p if part is None else p.index_select(part[0], part[1]))
 
 
 def _serving_shell(policy: Transformer, dims: ParallelDims) -> Transformer | None:

@@ -167,6 +167,15 @@ class PagedKVCache:
             v = v.to(dtype) * take(self.v_scale[layer], "vs")[..., None].to(dtype)
         return k.to(dtype), v.to(dtype)
 
+    def gather_slots(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots `slots` [n]: [n, G, D] each, in `dtype` (int8 dequantised): what
+        sparse attention reads of a context, its chosen tokens only (sparse_attention.py)."""
+        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        if self.int8:
+            k = k.to(dtype) * self.k_scale[layer].index_select(0, slots)[..., None].to(dtype)
+            v = v.to(dtype) * self.v_scale[layer].index_select(0, slots)[..., None].to(dtype)
+        return k.to(dtype), v.to(dtype)
+
     def _per_block(self, store: torch.Tensor) -> torch.Tensor:
         return store.view(store.shape[0] // self.block_size, -1)
 

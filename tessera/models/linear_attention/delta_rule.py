@@ -22,10 +22,12 @@ c_i = g_1 + ... + g_i and the matrix A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i
 Kimi delta attention (KDA) decays each key channel of the state by its own rate: g_t [K] per
 head instead of one number, exp(g_t) scaling the state's rows. Both forms take either: a log-decay
 [B, S, H] (Gated DeltaNet) or [B, S, H, K] (KDA). Per channel, exp(c_i - c_j) no longer factors out
-of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay:
-`decayed_products`: one product per block of rows referred to its first row's decay where no channel
-decays too fast for fp32 within a block, else a product per sub-block through its last row's decay
-with the diagonal sub-blocks whole (computed a few chunks at a time to bound their memory).
+of k_i.k_j and q_i.k_j, so the chunk's score matrices sum over K with each channel's own decay: one
+product referred to the chunk's first row where no channel decays too fast for fp32 within the chunk
+(`_referred_chunk_terms`, whose one exp also gives the chunk's other decays), else `decayed_products`:
+one product per block of rows referred to its first row's decay where no channel decays too fast
+within a block, else a product per sub-block through its last row's decay with the diagonal
+sub-blocks whole.
 
 Both compute in fp32 and return the output in the input's dtype with the fp32 final state.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv width.
@@ -36,11 +38,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# fp32 elements of the [C, SUB_BLOCK, K] decay terms computed at once when the decay is per channel
-PER_CHANNEL_TERMS = 1 << 24
-# fp32 elements of the [C, K + V] terms computed at once when the decay is per head (a few MiB: in cache
-# when the chunk loop reads them)
-PER_HEAD_TERMS = 1 << 22
+# fp32 elements of one slab's terms (a few chunks'): small enough that they are in cache when the chunk loop
+# reads them and that malloc reuses their memory from slab to slab instead of mapping fresh pages (at 16 MiB
+# slabs a page fault per 4 KiB cost about a fifth of an 8k-token prompt's time). [C, SUB_BLOCK, K] elements a
+# chunk when the decay is per channel, [C, K + V] when per head.
+PER_CHANNEL_TERMS = 1 << 21
+PER_HEAD_TERMS = 1 << 19
+# the tokens whose own terms are computed together: a chunk of a whole number of TILEs is computed a tile at
+# a time (the same sums, cut where the chunk is cut anyway, so a prompt cut at its chunks computes the same
+# tiles); on one CPU thread tiles of 32 ran an 8k-token prompt faster than 64 (less of the chunk's quadratic work)
+TILE = 32
 SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
 # rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
 # within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
@@ -111,29 +118,36 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule `chunk` tokens at a time (module docstring). The inputs are laid out chunk
-    first ([N, B H, C, .], `_in_chunks`), so a slab of chunks is one contiguous block whose own terms
-    are computed at once (bounded memory, every product over the slab a plain batched one); only the
-    state passes from chunk to chunk. The sequence is padded to whole chunks with tokens that write
-    nothing (beta = 0, k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output
-    [B, S, H, V], final state)."""
+    """The gated delta rule `chunk` tokens at a time (module docstring; a chunk of whole TILEs a tile at
+    a time), a slab of chunks at a time: each slab's inputs are laid out chunk first ([n, B H, C, .],
+    `_in_chunks`) and its own terms computed at once (bounded memory, every product over the slab a
+    plain batched one, nothing prompt-sized allocated but the output); only the state passes from
+    chunk to chunk. The sequence is padded to whole chunks with tokens that write nothing (beta = 0,
+    k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     C = min(chunk, S)
-    q, k = _in_chunks(q_BSHK, C, K ** -0.5), _in_chunks(k_BSHK, C, 1.0)
-    v, g, beta = (_in_chunks(t, C) for t in (v_BSHV, g_BSH, beta_BSH))
-    state = _initial(state_BHKV, B, H, K, V, q.device).reshape(B * H, K, V)
-    N, per_channel = q.shape[0], g.dim() == 4
+    C = TILE if C % TILE == 0 else C
+    state = _initial(state_BHKV, B, H, K, V, q_BSHK.device).reshape(B * H, K, V)
+    inputs = (q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, state)
+    in_place = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+    if in_place and state_BHKV is not None:
+        state = state.clone()  # the caller's, if already fp32
+    N, per_channel = -(-S // C), g_BSH.dim() == 4
     per_chunk = B * H * C * (SUB_BLOCK * K if per_channel else K + V)
     slab = max(1, (PER_CHANNEL_TERMS if per_channel else PER_HEAD_TERMS) // per_chunk)
-    out = q.new_empty(B, N, C, H, V)
+    out = q_BSHK.new_empty(B, N * C, H, V, dtype=torch.float32)
     for first in range(0, N, slab):
-        part = slice(first, first + slab)
-        terms = _chunk_terms(q[part], k[part], v[part], g[part], beta[part])
-        for n in range(terms[0].shape[0]):
-            chunk_out, state = _chunk_step(state, *(None if t is None else t[n] for t in terms))
-            out[:, first + n] = chunk_out.view(B, H, C, V).transpose(1, 2)
-    return out.view(B, N * C, H, V)[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
+        rows = slice(first * C, min(first + slab, N) * C)
+        q, k = _in_chunks(q_BSHK[:, rows], C, K ** -0.5), _in_chunks(k_BSHK[:, rows], C, 1.0)
+        terms = _chunk_terms(q, k, *(_in_chunks(t[:, rows], C) for t in (v_BSHV, g_BSH, beta_BSH)))
+        outs = []
+        for n in range(q.shape[0]):
+            chunk_out, state = _chunk_step(state, *(t[n] for t in terms), in_place)
+            outs.append(chunk_out)
+        n = len(outs)
+        out[:, rows].view(B, n, C, H, V).copy_(torch.stack(outs).view(n, B, H, C, V).permute(1, 0, 3, 2, 4))
+    return out[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
 
 
 def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:
@@ -154,20 +168,15 @@ def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torc
 
 
 def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.Tensor, scores: torch.Tensor,
-                k_t: torch.Tensor, chunk_decay: torch.Tensor, read_decay: torch.Tensor | None,
-                write_decay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's output [BH, C, V] and the state after it, from the state before it [BH, K, V].
-    With a decay per head, q's read decay exp(c_i) and k's decay to the chunk's end exp(c_C - c_j) are
-    row scales [BH, C, 1] taken here on the chunk's [C, V] products (hot in cache) rather than on the
-    prompt-sized q and k; with one per channel (None) they are in q and k already."""
-    delta = U - W @ state
-    read = q @ state
-    if read_decay is not None:
-        read, written = read * read_decay, delta * write_decay
-    else:
-        written = delta
-    out = torch.baddbmm(read, scores, delta)
-    return out, torch.baddbmm(state * chunk_decay, k_t, written)
+                k_t: torch.Tensor, chunk_decay: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's output [BH, C, V] and the state after it, from the state before it [BH, K, V];
+    q and k_t carry their decays (exp(c_i), exp(c_C - c_j)) already. `in_place` (no gradient wanted):
+    the state is scaled and written where it is, saving a copy of it per chunk."""
+    delta = torch.baddbmm(U, W, state, alpha=-1)
+    out = torch.bmm(q, state).baddbmm_(scores, delta)
+    if in_place:
+        return out, state.mul_(chunk_decay).baddbmm_(k_t, delta)
+    return out, torch.baddbmm(state * chunk_decay, k_t, delta)
 
 
 def decayed_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -223,33 +232,45 @@ def _exact_products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.
 
 
 def _chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
-    """What each chunk [BH, n, C, .] needs of itself (module docstring's notation), as `_chunk_step`
-    reads it: q, W and U (the writes being U - W S0), the decayed scores q_i.k_j (j <= i), k transposed
-    [K, C], exp(c_C) as the state's row scale ([1, 1] per head, [K, 1] per channel), and the decays
-    exp(c_i) and exp(c_C - c_j) (per head: row scales [C, 1]; per channel: in q and k already, None).
-    T = (I + A)^-1 by one batched triangular solve against I (A's diagonal and upper half unread);
-    per head, beta and the decays scale T's columns, not the [C, K] sides."""
-    C = q.shape[-2]
+    """What each chunk [n, BH, C, .] needs of itself (module docstring's notation), as `_chunk_step`
+    reads it: q exp(c), W and U (the writes being U - W S0), the decayed scores q_i.k_j (j <= i),
+    (k exp(c_C - c))^T [K, C] and exp(c_C) as the state's row scale ([1, 1] per head, [K, 1] per
+    channel). T = (I + A)^-1 by one batched triangular solve against I (A's diagonal and upper half
+    unread); beta scales T's columns."""
     if g.dim() == q.dim() - 1:  # one decay per head: exp(c_i - c_j) scales whole dot products
+        C = q.shape[-2]
         before = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j <= i
-        c = g.cumsum(dim=-1)  # [BH, n, C]
+        c = g.cumsum(dim=-1)  # [n, BH, C]
         decay_ij = (c[..., :, None] - c[..., None, :]).masked_fill(~before, float("-inf")).exp()
         k_t = k.transpose(-1, -2)
-        T = _unit_lower_inverse((k @ k_t) * (decay_ij * beta[..., None]))
-        read_decay = c.exp()
-        U = (T * beta[..., None, :]) @ v
-        W = (T * (beta * read_decay)[..., None, :]) @ k
-        last = c[..., -1:]
-        return (q, W, U, (q @ k_t) * decay_ij, k_t, last.exp()[..., None], read_decay[..., None],
-                (last - c).exp()[..., None])
-    c = g.cumsum(dim=-2)  # one decay per key channel [BH, n, C, K]: each inside the sums over K
-    A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
-    T = _unit_lower_inverse(A)
-    read_decay = c.exp()
-    last = c[..., -1:, :]  # [BH, n, 1, K]
-    k_to_end_t = (k * (last - c).exp()).transpose(-1, -2)
-    return (q * read_decay, T @ (k * (read_decay * beta[..., None])), (T * beta[..., None, :]) @ v, scores,
-            k_to_end_t, last.exp().transpose(-1, -2), None, None)
+        A, scores = (k @ k_t) * (decay_ij * beta[..., None]), (q @ k_t) * decay_ij
+        read_decay, to_end = c[..., None].exp(), (c[..., -1:] - c)[..., None].exp()
+    else:  # one decay per key channel [n, BH, C, K]: each inside the sums over K
+        c = g.cumsum(dim=-2)
+        if float((c[..., 0, :] - c[..., -1, :]).detach().max()) <= SPAN_LIMIT:
+            return _referred_chunk_terms(q, k, v, c, beta)
+        A, scores = decayed_products(torch.stack([k * beta[..., None], q], dim=-3), k, c).unbind(-3)
+        read_decay, to_end = c.exp(), (c[..., -1:, :] - c).exp()
+    T = _unit_lower_inverse(A) * beta[..., None, :]
+    k_to_end_t = (k * to_end).transpose(-1, -2)
+    return q * read_decay, T @ (k * read_decay), T @ v, scores, k_to_end_t, read_decay[..., -1:, :].transpose(-1, -2)
+
+
+def _referred_chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, beta: torch.Tensor):
+    """`_chunk_terms` for a decay per key channel where none decays by more than SPAN_LIMIT within the
+    chunk, all from one exp: s = exp(c - c_1) in [exp(-SPAN_LIMIT), 1]. The products are referred to
+    the chunk's first row, exp(c_i - c_j) = s_i / s_j, so A and the scores are (k s) and (q s) times
+    (k / s) (one product each; A's upper half, at most exp(SPAN_LIMIT), unread by the solve);
+    exp(c) = s exp(c_1), whose channel factor exp(c_1) passes through T to scale W's columns, and
+    exp(c_C - c_j) k_j = s_C (k / s)_j."""
+    first = c[..., :1, :]
+    s = (c - first).exp()
+    ks, right_t = k * s, (k / s).transpose(-1, -2)
+    q_s = q * s
+    T = _unit_lower_inverse((ks @ right_t) * beta[..., None]) * beta[..., None, :]
+    start, last = first.exp(), s[..., -1:, :]
+    return (q_s * start, (T @ ks) * start, T @ v, (q_s @ right_t).tril(), right_t * last.transpose(-1, -2),
+            (last * start).transpose(-1, -2))
 
 
 def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:

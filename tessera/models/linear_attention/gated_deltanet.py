@@ -53,7 +53,7 @@ from torch import nn
 from tessera.config.errors import ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
-from tessera.models.linear_attention.handoff import StateHandoff, handed_on_delta_rule
+from tessera.models.linear_attention.handoff import StateHandoff, handed_on_delta_rule, in_sequence_order
 from tessera.models.norm import RMSNorm
 
 
@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
         if self.handoff is not None:  # cp: this rank's parts of the sequence, each from the one before
-            return self.handoff.unfold(self.mix(self.handoff.fold(x_BSD))[0])
+            return self.mix(self.handoff.fold(x_BSD))[0]  # the output projected from the sequences put back
         packed = getattr(cache, "mix_recurrent", None)
         if packed is not None:  # the serving engine's packed step: each sequence from its own slot
             return packed(self.layer_id, self.mix, x_BSD)
@@ -173,7 +173,8 @@ class GatedDeltaNet(nn.Module):
     def mix(self, x_BSD: torch.Tensor, state: DeltaNetState | None = None, recurrent: bool | None = None
             ) -> tuple[torch.Tensor, DeltaNetState]:
         """(output [B, S, D], the state after the last token) from `state` (None: a sequence's
-        start). `recurrent` picks the form: default token by token for one token, chunked otherwise."""
+        start). `recurrent` picks the form: default token by token for one token, chunked otherwise.
+        Under a handoff the rows are parts and the output the sequences they unfold to (`in_sequence_order`)."""
         B, S, _ = x_BSD.shape
         kd, vd, r = self.key_dim, self.value_dim, self.group
         mixed, z, b, a = self._projections(x_BSD)
@@ -191,7 +192,8 @@ class GatedDeltaNet(nn.Module):
         out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff)
         out = gated_rms_norm(out, z, self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
-        return self.out_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)
+        out = in_sequence_order(self.handoff, out.reshape(B, S, -1))
+        return self.out_proj(out), DeltaNetState(conv_state, delta, seen)
 
     def _projections(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's input [B, S, q | k | v channels], the gate z [B, S, value heads, V] and b, a

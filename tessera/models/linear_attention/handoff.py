@@ -54,6 +54,14 @@ class StateHandoff(Protocol):
     def start_states(self, transition: torch.Tensor, end: torch.Tensor, apply: Apply) -> torch.Tensor: ...
 
 
+def in_sequence_order(handoff: StateHandoff | None, y_bSE: torch.Tensor) -> torch.Tensor:
+    """A mixer's output rows before its output projection, put back as whole sequences [B, tokens, E] under
+    a handoff (`unfold`), as they are without one. The projection runs on the sequences, not the parts:
+    under sequence parallelism its output is reduce-scattered along the tokens, and each tp rank must get
+    its share of the sequence in order, not of every part."""
+    return y_bSE if handoff is None else handoff.unfold(y_bSE)
+
+
 def _left_product(T_bHKK: torch.Tensor, S_bHKV: torch.Tensor) -> torch.Tensor:
     return T_bHKK @ S_bHKV
 

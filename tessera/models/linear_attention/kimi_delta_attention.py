@@ -37,7 +37,7 @@ from tessera.models.linear_attention.gated_deltanet import (
     delta_rule,
     whole,
 )
-from tessera.models.linear_attention.handoff import StateHandoff
+from tessera.models.linear_attention.handoff import StateHandoff, in_sequence_order
 from tessera.models.norm import RMSNorm
 
 
@@ -95,4 +95,5 @@ class KimiDeltaAttention(nn.Module):
         out_gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, K)
         out = sigmoid_gated_rms_norm(out, out_gate, self.own_part("norm", self.o_norm.weight), self.o_norm.eps)
         seen = S + (0 if state is None else state.tokens)
-        return self.o_proj(out.reshape(B, S, -1)), DeltaNetState(conv_state, delta, seen)
+        out = in_sequence_order(self.handoff, out.reshape(B, S, -1))
+        return self.o_proj(out), DeltaNetState(conv_state, delta, seen)

@@ -39,7 +39,7 @@ from torch import nn
 from tessera.config.model import ModelConfig
 from tessera.models.linear_attention.delta_rule import causal_conv
 from tessera.models.linear_attention.gated_deltanet import OwnPart, conv_start, whole
-from tessera.models.linear_attention.handoff import StateHandoff, handed_on_ssd
+from tessera.models.linear_attention.handoff import StateHandoff, handed_on_ssd, in_sequence_order
 from tessera.models.linear_attention.ssd import chunked_ssd, recurrent_ssd, step_sizes
 from tessera.models.norm import RMSNorm
 
@@ -100,7 +100,7 @@ class Mamba2Mixer(nn.Module):
         """The mixer's output; with an inference cache, continuing the state kept there (module
         docstring). `cos` / `sin` are unused: the convolution and the recurrence carry position."""
         if self.handoff is not None:  # cp: this rank's parts of the sequence, each from the one before
-            return self.handoff.unfold(self.mix(self.handoff.fold(x_BSD))[0])
+            return self.mix(self.handoff.fold(x_BSD))[0]  # the output projected from the sequences put back
         packed = getattr(cache, "mix_recurrent", None)
         if packed is not None:
             return packed(self.layer_id, self.mix, x_BSD)
@@ -135,7 +135,8 @@ class Mamba2Mixer(nn.Module):
             y, ssm = chunked_ssd(*args, None if state is None else state.ssm, chunk=self.chunk)
         y = group_gated_rms_norm(y.reshape(B, S, H * P), z, own("norm", self.norm.weight), G, self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
-        return self.out_proj(y.to(x_BSD.dtype)), Mamba2State(conv_state, ssm, seen)
+        y = in_sequence_order(self.handoff, y.to(x_BSD.dtype))
+        return self.out_proj(y), Mamba2State(conv_state, ssm, seen)
 
     def _projected(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """in_proj of x: [z | x B C | dt] of this rank's heads and groups (all of them on one process)."""

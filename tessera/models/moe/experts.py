@@ -76,6 +76,18 @@ def grouped_linear(x_ND: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: t
     return torch.cat([*out, x_ND.new_zeros(tail, w_EOI.shape[1])], dim=0)
 
 
+def each_expert_on_its_rows(expert: Callable[[int, torch.Tensor], torch.Tensor], x_ND: torch.Tensor,
+                            tokens_per_expert: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows sorted by expert through `expert(e, rows)` one expert at a time (the kept-quantized experts'
+    loop: only the experts that got rows run); the rows past the counts (capacity's dropped ones) are
+    zero. [N, D] -> [N, dim]."""
+    sizes = tokens_per_expert.tolist()
+    tail = x_ND.shape[0] - sum(sizes)
+    chunks = torch.split(x_ND, [*sizes, tail])
+    out = [expert(e, c) if c.shape[0] else c for e, c in enumerate(chunks[:-1])]
+    return torch.cat([*out, x_ND.new_zeros(tail, dim)], dim=0)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: w2(silu(w1 x) * w3 x), each on its own contiguous block of rows."""
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from tessera.models.gguf_blocks import dequantize, row_bytes
 from tessera.models.moe.biased_experts import clamped_swiglu
+from tessera.models.moe.experts import each_expert_on_its_rows
 
 
 class Mxfp4Experts(nn.Module):
@@ -50,11 +51,7 @@ class Mxfp4Experts(nn.Module):
         return F.linear(act, self._weight("down", e, x_ND.dtype), self.down_proj_bias[e].to(x_ND.dtype))
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        sizes = tokens_per_expert.tolist()
-        tail = x_ND.shape[0] - sum(sizes)
-        chunks = torch.split(x_ND, [*sizes, tail])
-        out = [self.expert(e, c) if c.shape[0] else c for e, c in enumerate(chunks[:-1])]
-        return torch.cat([*out, x_ND.new_zeros(tail, self.dim)], dim=0)
+        return each_expert_on_its_rows(self.expert, x_ND, tokens_per_expert, self.dim)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, dim={self.dim}, hidden_dim={self.hidden_dim}, MXFP4"

@@ -14,6 +14,9 @@ merge blocks, before the first block and the merged outputs restored to the imag
 The merger normalises each patch, concatenates each merge block's patches and maps them through
 a two-layer GELU MLP into the language model's width.
 
+Qwen3-VL's tower (Qwen3.5's, tessera/models/vision/qwen3_vision.py) is this one with learned
+positions added to the patches: `embed_patches` is where they go.
+
 A plain single-device module, no collectives. Shapes: P patches (all images together), D width.
 """
 
@@ -37,7 +40,7 @@ def vision_act(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(cfg: QwenVisionConfig, dim: int) -> nn.Module:
-    return nn.LayerNorm(dim, eps=NORM_EPS) if cfg.version == "qwen2_vl" else RMSNorm(dim, NORM_EPS)
+    return nn.LayerNorm(dim, eps=NORM_EPS) if cfg.layer_norm else RMSNorm(dim, NORM_EPS)
 
 
 def check_grids(grid_thw: torch.Tensor, patches: int, cfg: QwenVisionConfig) -> list[tuple[int, int, int]]:
@@ -114,7 +117,7 @@ class QwenVisionMLP(nn.Module):
 
     def __init__(self, cfg: QwenVisionConfig):
         super().__init__()
-        self.act, self.gated = cfg.act, cfg.version == "qwen2_5_vl"
+        self.act, self.gated = cfg.act, cfg.gated_mlp
         if self.gated:
             self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim)
             self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim)
@@ -166,6 +169,13 @@ class QwenVisionTransformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): QwenVisionBlock(cfg) for i in range(cfg.n_layers)})
         self.merger = PatchMerger(cfg)
 
+    def embed_patches(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """[P, dim]: each patch row through the patch embedding (Qwen3-VL's kind adds its learned
+        positions here: tessera/models/vision/qwen3_vision.py)."""
+        cfg, w = self.cfg, self.patch_embed.weight
+        return self.patch_embed(pixel_values.to(w.dtype).view(-1, cfg.in_channels, cfg.temporal_patch_size,
+                                                              cfg.patch_size, cfg.patch_size)).view(-1, cfg.dim)
+
     def rotary(self, positions_P2: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos, sin [P, head_dim]: rows rotate the first half of the pairs, columns the second."""
         quarter = self.cfg.head_dim // 2
@@ -183,9 +193,7 @@ class QwenVisionTransformer(nn.Module):
                              f"patch_size^2 values a row, from the image processor); got {list(pixel_values.shape)}")
         grids = check_grids(grid_thw, pixel_values.shape[0], cfg)
         m, unit = cfg.spatial_merge_size, cfg.spatial_merge_size**2
-        w = self.patch_embed.weight
-        x = self.patch_embed(pixel_values.to(w.dtype).view(-1, cfg.in_channels, cfg.temporal_patch_size,
-                                                           cfg.patch_size, cfg.patch_size)).view(-1, cfg.dim)
+        x = self.embed_patches(pixel_values, grids)
         cos, sin = self.rotary(patch_positions(grids, m), x.device)
         full = frame_lengths(grids)
         order, windowed = None, full

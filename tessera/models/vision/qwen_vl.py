@@ -1,5 +1,7 @@
 """Qwen2-VL and Qwen2.5-VL: the native-resolution vision tower (tessera/models/vision/qwen_vision.py) and a
-Qwen2 language model with multimodal rotary positions (M-RoPE).
+Qwen2 language model with multimodal rotary positions (M-RoPE). Qwen3.5's family
+(tessera/models/vision/qwen3_vision.py) is this class with another tower (`QwenVL.tower`) and its
+language model's M-RoPE interleaved.
 
 The vision seam is every vision-language model's (tessera/models/vision/vision_language.py), with the
 images' patch grids beside their pixels: `encode_images(pixel_values, image_grid_thw)` gives one
@@ -95,12 +97,15 @@ def unpadded_images(pixels_BPF: torch.Tensor, grids_BK3: torch.Tensor, mask_BK: 
 
 
 class QwenVL(VisionLanguageModel):
+    tower = QwenVisionTransformer  # the vision tower's class (Qwen3.5's: tessera/models/vision/qwen3_vision.py)
+
     def __init__(self, cfg: QwenVLConfig, init_seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
-        self.vision_tower = QwenVisionTransformer(cfg.vision)
+        self.vision_tower = self.tower(cfg.vision)
         self.language_model = Transformer(cfg.text, init_seed=None)
         self.language_model.mrope_section = list(cfg.mrope_section)
+        self.language_model.mrope_interleaved = cfg.mrope_interleaved
         # Where this rank's tokens sit in the whole rows (module docstring): all of them on one process.
         self.sequence = RowSequence()
         if init_seed is not None:

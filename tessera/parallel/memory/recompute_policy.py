@@ -13,7 +13,9 @@ what an operator is and where it runs:
   router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
   first two thirds of products are gate/up, the last third down) and its place in the block's
   sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
-- everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs.
+- everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs, except
+  that with `dispatch` saved the expert all-to-alls of the replay take the forward's received rows
+  (and counts) instead of sending again (kept_exchange.py): backward sends only the gradients.
 
 `parallel.activation_fp8` keeps the outputs of the named roles in FP8 (E4M3, one fp32 scale per
 row) instead: the forward computes with the exact output, the replay in backward receives the FP8
@@ -41,6 +43,7 @@ from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
+from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping
 
 aten = torch.ops.aten
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
@@ -61,6 +64,7 @@ ROLES = {Attention: {"wq": "attention_in", "wk": "attention_in", "wv": "attentio
          FeedForward: {"w1": "mlp_in", "w3": "mlp_in", "w2": "mlp_out"},
          MoE: {"router": "router", "shared_gate": "router"}}
 CORE = "attention_core"
+DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
 EXPERTS = "experts"  # gate/up or down by position (module docstring)
 
 
@@ -161,8 +165,14 @@ class BlockOpPolicy:
         """The checkpoint's context_fn: (forward context, recompute context) of one forward."""
         record = self.current = _Forward()
         caching, cached = create_selective_checkpoint_contexts(self._policy)
-        return (_Stack(_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()),
-                _Stack(_Classifier(self, record, replay=True), cached, _ProfilerPassThrough()))
+        forward = [_Classifier(self, record, replay=False), caching, _ProfilerPassThrough()]
+        replay = [_Classifier(self, record, replay=True), _Rewound(cached), _ProfilerPassThrough()]
+        if DISPATCH in self.save or DISPATCH in self.fp8:  # the expert exchanges' outputs kept (kept_exchange.py)
+            exchanges = ExchangeRecord(self.observers, **({"pack": fp8_rows, "unpack": from_fp8_rows}
+                                                          if DISPATCH in self.fp8 else {}))
+            forward.append(Keeping(exchanges, replay=False))
+            replay.append(Keeping(exchanges, replay=True))
+        return _Stack(*forward), _Stack(*replay)
 
     def _policy(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         decision = self.current.pending.pop(func, "recompute")
@@ -193,13 +203,18 @@ class _Classifier(TorchDispatchMode):
         super().__init__()
         self.policy, self.record, self.replay = policy, record, replay
 
+    def __enter__(self):
+        if self.replay:  # every replay starts from the forward's first product (see _Rewound)
+            self.record.position = 0
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         watched = func in MATMUL_OPS or func in ATTENTION_OPS
         r = self.record
         if self.replay:
             if watched and r.position < len(r.replay):
-                entry, r.replay[r.position] = r.replay[r.position], None
+                entry = r.replay[r.position]
                 r.position += 1
                 if entry is not None:
                     return from_fp8_rows(*entry)
@@ -223,6 +238,30 @@ class _Classifier(TorchDispatchMode):
         else:
             r.replay.append(None)
         return out
+
+
+class _Rewound:
+    """PyTorch's cached mode, whose store every replay finds whole: the cached mode hands each kept
+    output out once, while a split backward (the input pass, then the weight pass: zero_bubble, zbv,
+    DualPipeV) replays the block once per pass. The store (the shared `storage` of
+    `create_selective_checkpoint_contexts`) is copied at the first replay and restored before each
+    later one; the kept outputs live until the block's graph is freed, as the second pass needs."""
+
+    def __init__(self, cached: TorchDispatchMode):
+        self.cached = cached
+        self.whole: dict | None = None
+
+    def __enter__(self):
+        storage = self.cached.storage
+        if self.whole is None:
+            self.whole = {key: dict(entries) for key, entries in storage.items()}
+        else:
+            for key, entries in self.whole.items():
+                storage[key] = dict(entries)
+        return self.cached.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cached.__exit__(*exc)
 
 
 class _ProfilerPassThrough(TorchDispatchMode):

@@ -38,7 +38,8 @@ def build_lm_mode(ctx: ModeContext) -> ModeParts:
     distiller = build_distiller(cfg, layout, built.parts[0])  # train.distill.teacher, frozen; or None
     return ModeParts(
         engine=build_step_engine(cfg, layout, built, distiller), optimizers=built.optimizers,
-        full_shapes=built.full_shapes, record=partial(step_record, moe=cfg.model.is_moe),
+        full_shapes=built.full_shapes,  # the auxiliary losses' keys: MoE balancing, the indexer's KL
+        record=partial(step_record, moe=cfg.model.is_moe or cfg.train.indexer_loss.enabled),
         summary=partial(lm_summary, cfg, layout), closing=partial(lm_closing, cfg),
         finish=partial(export_hf, cfg, layout), loss_scaler=built.loss_scaler,
         # what trains beside the model and is not checkpointed (distillation's projections)

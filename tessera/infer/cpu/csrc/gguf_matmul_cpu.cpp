@@ -431,19 +431,29 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 bool has_avx2() { return false; }
 #endif
 
+// Several matrices over the same x (a layer's q, k and v, or its gate and up), their outputs side by side:
+// y [M, sum N], matrix i's columns after those of the matrices before it. x is quantized once and one
+// parallel region splits all their rows; each output is computed as by the product by its matrix alone
+// (the same bits).
 template <class T>
-at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const std::optional<at::Tensor>& bias,
-                    bool portable) {
+at::Tensor multiply(const at::Tensor& x, const std::vector<at::Tensor>& parts, at::IntArrayRef Ns,
+                    const std::optional<at::Tensor>& bias, bool portable) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % T::VALUES == 0, "gguf_linear: ", K, " inputs are not whole blocks of ", T::VALUES);
-  TORCH_CHECK(blocks.numel() == N * (K / T::VALUES) * T::BYTES, "gguf_linear: blocks hold ", blocks.numel(),
-              " bytes, [", N, ", ", K, "] needs ", N * (K / T::VALUES) * T::BYTES);
+  const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
+  std::vector<const uint8_t*> rows;  // every output column's weight row, in order
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TORCH_CHECK(parts[i].numel() == Ns[i] * row_bytes, "gguf_linear: blocks hold ", parts[i].numel(),
+                " bytes, [", Ns[i], ", ", K, "] needs ", Ns[i] * row_bytes);
+    const uint8_t* w = parts[i].data_ptr<uint8_t>();
+    for (int64_t n = 0; n < Ns[i]; ++n) rows.push_back(w + n * row_bytes);
+  }
+  const int64_t N = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(!bias || bias->numel() == N, "gguf_linear: bias must be fp32 [", N, "]");
   const Quantized q = quantize_rows(x.data_ptr<float>(), M, K);
   const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   const bool vec = !portable && has_avx2();
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
@@ -453,10 +463,10 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t N, co
         const int R = static_cast<int>(std::min<int64_t>(4, M - m));
 #ifdef TESSERA_X86
         if (vec)
-          dot_rows_avx2<T>(w + n * row_bytes, a, m, R, part);
+          dot_rows_avx2<T>(rows[n], a, m, R, part);
         else
 #endif
-          dot_rows_portable<T>(w + n * row_bytes, a, m, R, part);
+          dot_rows_portable<T>(rows[n], a, m, R, part);
         for (int r = 0; r < R; ++r) out[(m + r) * N + n] = b ? part[r] + b[n] : part[r];
       }
   });
@@ -517,8 +527,8 @@ auto by_kind(const std::string& k, Args&&... args) {
 
 template <class T>
 struct Multiply {
-  static at::Tensor run(const at::Tensor& x, const at::Tensor& w, int64_t N, const std::optional<at::Tensor>& b,
-                        bool portable) {
+  static at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& w, at::IntArrayRef N,
+                        const std::optional<at::Tensor>& b, bool portable) {
     return multiply<T>(x, w, N, b, portable);
   }
 };
@@ -535,13 +545,23 @@ at::Tensor tessera_cpu::gguf_dequantize(const at::Tensor& blocks, c10::string_vi
   return by_kind<Dequantize>(std::string(kind), blocks.contiguous(), N, K);
 }
 
-at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind,
-                                    int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
+at::Tensor tessera_cpu::gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10::string_view kind,
+                                          at::IntArrayRef N, const std::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "gguf_linear takes fp32 CPU activations [M, K], got ", x_in.scalar_type(), " ", x_in.sizes());
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte, "gguf_linear takes uint8 CPU blocks");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N), "gguf_linear: bias must be fp32 [N]");
-  const at::Tensor x = x_in.contiguous(), w = blocks.contiguous();
+  TORCH_CHECK(blocks.size() == N.size() && !blocks.empty(), "gguf_linear_group: ", blocks.size(), " block matrices, ",
+              N.size(), " output sizes");
+  std::vector<at::Tensor> w;
+  for (const at::Tensor& t : blocks) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte, "gguf_linear takes uint8 CPU blocks");
+    w.push_back(t.contiguous());
+  }
+  TORCH_CHECK(!bias || bias->scalar_type() == at::kFloat, "gguf_linear: bias must be fp32");
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  return by_kind<Multiply>(std::string(kind), x, w, N, b, portable);
+  return by_kind<Multiply>(std::string(kind), x_in.contiguous(), w, N, b, portable);
+}
+
+at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind,
+                                    int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
+  return gguf_linear_group(x_in, {blocks}, kind, {N}, bias, portable);
 }

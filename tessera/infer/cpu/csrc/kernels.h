@@ -30,6 +30,8 @@ at::Tensor panel_swiglu(const at::Tensor& x_in, const at::Tensor& panels, int64_
 // gguf_matmul_cpu.cpp
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind, int64_t N,
                        const std::optional<at::Tensor>& bias, bool portable);
+at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10::string_view kind, at::IntArrayRef N,
+                             const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
 
 }  // namespace tessera_cpu

@@ -14,6 +14,7 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int N) -> Tensor");
   m.def("panel_swiglu(Tensor x, Tensor panels, int F) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor blocks, str kind, int N, Tensor? bias, bool portable=False) -> Tensor");
+  m.def("gguf_linear_group(Tensor x, Tensor[] blocks, str kind, int[] N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
 }
 
@@ -26,5 +27,6 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("panel_linear", &tessera_cpu::panel_linear);
   m.impl("panel_swiglu", &tessera_cpu::panel_swiglu);
   m.impl("gguf_linear", &tessera_cpu::gguf_linear);
+  m.impl("gguf_linear_group", &tessera_cpu::gguf_linear_group);
   m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
 }
