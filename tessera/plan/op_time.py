@@ -34,6 +34,7 @@ from tessera.config.model import ModelConfig
 from tessera.models.counting import attention_params
 from tessera.models.flops import attention_core_flops_per_token
 from tessera.plan.activation_dtypes import get_activation_dtype
+from tessera.plan.bubble import layer_replays
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile, handoff_flops
@@ -226,17 +227,37 @@ def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int
                                        for t in (layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype),)})
     matmul = attention = memory = 0.0
     attention_passes = 1 + (FUSED_ATTENTION_BACKWARD if lay.fused_attention else 2)
+    more = more_replays(cfg, lay, work, stage, profile)
     for (moe, applies), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
                                                  lay.recompute_interval).items():
         t, again = times[moe]
-        matmul += n * (3 * t.matmul + (again.matmul if applies else 0.0))
-        memory += n * (3 * t.memory + (again.memory if applies else 0.0))
-        attention += n * (attention_passes * t.attention + (again.attention if applies else 0.0))
+        replays = n + more.get(moe, 0.0) if applies else 0.0
+        matmul += n * 3 * t.matmul + replays * again.matmul
+        memory += n * 3 * t.memory + replays * again.memory
+        attention += n * attention_passes * t.attention + replays * again.attention
     if stage == lay.pp - 1:
         matmul += 3 * head_time(cfg, lay, tokens, cluster)
     matmul += handoff_time(cfg, lay, work, stage, cluster, profile)
     return StageCompute(matmul=matmul, attention=attention, memory=memory,
                         transfer=2 * offloaded / cluster.host_bandwidth if offloaded else 0.0)
+
+
+def more_replays(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, profile: ModelProfile
+                 ) -> dict[bool, float]:
+    """Replays per micro-batch beyond one of the recomputed layers (dense, MoE) pipeline rank `stage` holds
+    as the trainer places them (bubble.py's `layer_replays`: a split backward's weight pass replays a
+    recomputed block once per weight group)."""
+    m = lay.microbatches(work)
+    def count() -> dict[bool, float]:
+        out: dict[bool, float] = {}
+        replays = layer_replays(cfg, lay.pp_schedule, lay.pp, m, lay.recompute, lay.vpp)
+        for i, (rank, r) in enumerate(replays):
+            if rank == stage and i % lay.recompute_interval == 0 and r > 1:
+                out[profile.moe[i]] = out.get(profile.moe[i], 0.0) + r - 1
+        return out
+
+    return profile.memo(("more_replays", lay.pp_schedule, lay.pp, lay.vpp, m, lay.recompute, lay.recompute_interval,
+                         stage), count)
 
 
 def handoff_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,
