@@ -59,3 +59,34 @@ def test_a_tensor_parallel_rank_holds_what_the_trainers_plan_leaves_it(name):
     got = run_ranks(_local_parameters, 2, name)
     (planned,) = rank_params(get_preset(name), Layout(tp=2))
     assert got[0] == got[1] == planned.total
+
+
+def _counted_flops(mixer, x: torch.Tensor) -> float:
+    """FLOPs torch's FlopCounterMode counts in one chunked forward of `mixer` with gradients on (as training
+    runs it), in-place batched products included (the counter's registry covers only aten.baddbmm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def in_place(self_shape, a_shape, b_shape, *_, out_shape=None, **__) -> int:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.baddbmm_: in_place}) as counter:
+        mixer.mix(x.requires_grad_(), recurrent=False)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h"])
+@pytest.mark.parametrize("seq", [40, 64, 96])
+def test_a_recurrent_layers_forward_flops_are_its_chunked_forms(name, seq):
+    """A recurrent layer's planned forward FLOPs (its projections and the chunked core, padding included)
+    equal what FlopCounterMode counts in the real layer's chunked forward, at sequences of part, one and
+    several chunks; an attention-shaped count (the layer's mixer as softmax attention) is not."""
+    from tessera.models.flops import attention_matmul_params, layer_forward_flops_per_token, mlp_matmul_params
+
+    cfg = get_preset(name)
+    model = Transformer(cfg)
+    i = next(i for i in range(cfg.n_layers) if cfg.is_linear_attention_layer(i) or cfg.is_mamba_layer(i))
+    x = torch.randn(2, seq, cfg.dim, generator=torch.Generator().manual_seed(0))
+    counted = _counted_flops(model.layers[str(i)].attention, x) / (2 * seq)
+    planned = layer_forward_flops_per_token(cfg, i, seq) - 2.0 * mlp_matmul_params(cfg, i)
+    assert planned == pytest.approx(counted, rel=1e-9)
+    assert 2.0 * attention_matmul_params(cfg, None) != pytest.approx(counted, rel=0.05)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.models.flops import DELTA_RULE_TILE
+
 # fp32 elements of one slab's terms (a few chunks'): small enough that they are in cache when the chunk loop
 # reads them and that malloc reuses their memory from slab to slab instead of mapping fresh pages (at 16 MiB
 # slabs a page fault per 4 KiB cost about a fifth of an 8k-token prompt's time). [C, SUB_BLOCK, K] elements a
@@ -47,7 +49,7 @@ PER_HEAD_TERMS = 1 << 19
 # the tokens whose own terms are computed together: a chunk of a whole number of TILEs is computed a tile at
 # a time (the same sums, cut where the chunk is cut anyway, so a prompt cut at its chunks computes the same
 # tiles); on one CPU thread tiles of 32 ran an 8k-token prompt faster than 64 (less of the chunk's quadratic work)
-TILE = 32
+TILE = DELTA_RULE_TILE  # tessera/models/flops.py counts the chunked form's products by it
 SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
 # rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
 # within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
