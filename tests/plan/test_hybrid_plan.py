@@ -110,10 +110,9 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_full_recomputation_keeps_each_hybrid_layers_input(name):
-    """fp32: under CPU autocast the Gated DeltaNet's chunked form with gradients stops at delta_rule.py's
-    state update (baddbmm given bf16 and fp32 operands), a trainer issue this file does not cover."""
-    planned, counted = _planned_and_counted(name, "full", "fp32")
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
+    planned, counted = _planned_and_counted(name, "full", dtype)
     assert planned == pytest.approx(counted, rel=1e-3)
 
 

@@ -35,6 +35,8 @@ Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -96,6 +98,19 @@ def _initial(state: torch.Tensor | None, B: int, H: int, K: int, V: int, device:
     return torch.zeros(B, H, K, V, device=device) if state is None else state.float()
 
 
+def _autocast_off(form):
+    """`form` run with autocast off: the recurrence computes in fp32 whatever its caller's autocast (under
+    `train.dtype: bf16` the chunk products would otherwise run in bf16, and the state update meet a bf16
+    correction and fp32 keys: a dtype error)."""
+    @functools.wraps(form)
+    def run(q_BSHK: torch.Tensor, *args, **kwargs):
+        with torch.autocast(q_BSHK.device.type, enabled=False):
+            return form(q_BSHK, *args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                          beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +132,7 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
     return out.transpose(1, 2).to(v_BSHV.dtype), state
 
 
+@_autocast_off
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
