@@ -43,6 +43,12 @@ from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.models.counting import attention_params, indexer_params, qk_norm_params
 
 DELTA_RULE_TILE = 32  # the gated delta rule computes a chunk of whole tiles a tile at a time (delta_rule.py's TILE)
+# fp32 elements of one slab of chunks the recurrent forms compute their own terms over at once (delta_rule.py:
+# a decay per key channel, per head; ssd.py); here, torch-free, so the planner's saved tensors follow the slabs
+DELTA_RULE_PER_CHANNEL_TERMS = 1 << 21
+DELTA_RULE_PER_HEAD_TERMS = 1 << 19
+DELTA_RULE_SUB_BLOCK = 8
+SSD_SLAB_TERMS = 1 << 22
 
 
 def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:

@@ -92,7 +92,7 @@ def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype
                                save=lay.recompute_save, fp8=lay.activation_fp8,
                                local_experts=e.num_experts // lay.ep if e is not None else None,
                                core_kept=not (lay.cp > 1 and lay.cp_method == "ring"),
-                               dispatch_dtype=lay.ep_dispatch_dtype)
+                               dispatch_dtype=lay.ep_dispatch_dtype, tp=lay.tp)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,

@@ -2,8 +2,9 @@
 themselves, not as attention layers: the parameters one rank holds equal the real model's, on one process,
 per pipeline stage and under tensor parallelism (the trainer's own plan applied on real gloo ranks); a
 recurrent layer's forward FLOPs equal FlopCounterMode's count of its real chunked forward; under full
-recomputation the stored activations equal the bytes autograd keeps. Without recomputation the planner
-still lists an attention layer's saved tensors for a recurrent one (a strict xfail says by how much)."""
+recomputation the stored activations equal the bytes autograd keeps, and without it a recurrent layer's
+saved tensors (its chunked form's, slab by slab) do too (Kimi Linear's latent-attention layer without
+RoPE is left: a strict xfail)."""
 
 from __future__ import annotations
 
@@ -116,10 +117,97 @@ def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
     assert planned == pytest.approx(counted, rel=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="left: the planner lists an attention layer's saved tensors for a recurrent "
-                   "layer too (activation_terms.py has no mirror of the chunked delta rule or SSD): without "
-                   "recomputation it plans 0.48x (Qwen3.5) to 1.34x (Nemotron-H) of the bytes the tiny models keep")
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-nemotron-h"])
-def test_a_recurrent_layers_saved_tensors_without_recomputation(name):
-    planned, counted = _planned_and_counted(name, "none", "fp32")
+def _block_saved_bytes(cfg, layer: int, dtype: str, batch: int, seq: int) -> tuple[float, int]:
+    """(planned, counted): layer `layer`'s saved tensors as `layer_saved_tensors` lists them, and the bytes
+    autograd keeps in the real block's training forward from a leaf input (no recomputation)."""
+    from tessera.plan.activation_terms import layer_saved_tensors
+    from tessera.plan.saved_tensors import SavedTensorCounter
+
+    torch.manual_seed(0)
+    block = Transformer(cfg).layers[str(layer)]
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast-bf16")
+    with SavedTensorCounter(block) as counter, autocast:
+        out, _ = block(x, None, None)  # a recurrent mixer reads no RoPE tables
+    out.float().sum().backward()  # the graph is whole
+    terms = layer_saved_tensors(cfg, layer, dtype, tokens=batch * seq, batch=batch)
+    return sum(t.nbytes(batch * seq) for t in terms), counter.total_bytes
+
+
+def _first_recurrent_layer(cfg) -> int:
+    return next(i for i in range(cfg.n_layers) if cfg.is_linear_attention_layer(i) or cfg.is_mamba_layer(i))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h"])
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("batch,seq", [(2, 64), (2, 40), (1, 96)])
+def test_a_recurrent_layers_saved_tensors_are_what_autograd_keeps(name, dtype, batch, seq):
+    """Without recomputation a recurrent layer's planned saved tensors (Gated DeltaNet, Kimi delta attention,
+    Mamba-2: recurrent_terms.py) equal what autograd keeps in its chunked forward, at whole chunks, one
+    short chunk and a sequence padded to whole chunks, fp32 and under autocast; they were an attention
+    layer's (0.48x-1.34x of the tiny models' bytes)."""
+    cfg = get_preset(name)
+    planned, counted = _block_saved_bytes(cfg, _first_recurrent_layer(cfg), dtype, batch, seq)
+    assert planned == counted
+
+
+def _variant(name: str):
+    """A tiny hybrid whose recurrent layer's value and key sizes differ, with one value head per key head
+    (Gated DeltaNet) and short chunks, so that a sequence spans several chunks and slabs."""
+    import dataclasses
+
+    cfg = get_preset(name)
+    if cfg.mamba is not None:
+        return dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, chunk_size=8, head_dim=4))
+    la = cfg.linear_attention
+    heads = la.n_value_heads if la.kind == "gated_deltanet" else la.n_key_heads
+    return dataclasses.replace(cfg, linear_attention=dataclasses.replace(
+        la, chunk_size=16, n_key_heads=heads, value_head_dim=la.value_head_dim // (2 if la.kind != "kda" else 1)))
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("slab", [1, 3])
+def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monkeypatch):
+    """The forms compute a slab of chunks' terms at once (one chunk a slab in a real model's layer): with the
+    slab bound shrunk to `slab` chunks in the layer and in the planner alike, a padded sequence of several
+    slabs still plans to the byte."""
+    import tessera.models.linear_attention.delta_rule as delta_rule
+    import tessera.models.linear_attention.ssd as ssd
+    import tessera.plan.recurrent_terms as terms
+
+    cfg = _variant(name)
+    B, seq = 2, 40
+    if cfg.mamba is not None:
+        m = cfg.mamba
+        bound = slab * B * m.n_heads * m.chunk_size * max(m.chunk_size, m.head_dim * m.state_size // m.chunk_size)
+        monkeypatch.setattr(ssd, "SLAB_TERMS", bound)
+        monkeypatch.setattr(terms, "SSD_SLAB_TERMS", bound)
+    else:
+        la = cfg.linear_attention
+        per_chunk = B * la.n_value_heads * 16 * (8 * la.key_head_dim if la.kind == "kda" else
+                                                  la.key_head_dim + la.value_head_dim)
+        for module, prefix in ((delta_rule, ""), (terms, "DELTA_RULE_")):
+            monkeypatch.setattr(module, f"{prefix}PER_HEAD_TERMS", slab * per_chunk)
+            monkeypatch.setattr(module, f"{prefix}PER_CHANNEL_TERMS", slab * per_chunk)
+    planned, counted = _block_saved_bytes(cfg, _first_recurrent_layer(cfg), dtype, B, seq)
+    assert planned == counted
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-nemotron-h"])
+@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
+    """The whole model (the recurrent layers, the gated attention layers, Nemotron-H's one-sublayer layers
+    and relu^2 MLPs, no RoPE tables where no layer rotates) without recomputation, and with selective
+    recomputation (which re-runs attention cores only), equals the bytes autograd keeps."""
+    planned, counted = _planned_and_counted(name, recompute, dtype)
+    assert planned == pytest.approx(counted, rel=1e-9)
+
+
+@pytest.mark.xfail(strict=True, reason="left: Kimi Linear's latent-attention layer without RoPE (its nope "
+                   "layer) keeps more than the planner's MLA terms (0.90x of that layer in fp32); its recurrent "
+                   "layers are exact (test_a_recurrent_layers_saved_tensors_are_what_autograd_keeps)")
+def test_kimi_linears_stored_activations_without_recomputation():
+    planned, counted = _planned_and_counted("tiny-kimi-linear", "none", "fp32")
     assert planned == pytest.approx(counted, rel=1e-3)

@@ -40,19 +40,25 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tessera.models.flops import DELTA_RULE_TILE
+from tessera.models.flops import (
+    DELTA_RULE_PER_CHANNEL_TERMS,
+    DELTA_RULE_PER_HEAD_TERMS,
+    DELTA_RULE_SUB_BLOCK,
+    DELTA_RULE_TILE,
+)
 
 # fp32 elements of one slab's terms (a few chunks'): small enough that they are in cache when the chunk loop
 # reads them and that malloc reuses their memory from slab to slab instead of mapping fresh pages (at 16 MiB
 # slabs a page fault per 4 KiB cost about a fifth of an 8k-token prompt's time). [C, SUB_BLOCK, K] elements a
 # chunk when the decay is per channel, [C, K + V] when per head.
-PER_CHANNEL_TERMS = 1 << 21
-PER_HEAD_TERMS = 1 << 19
+PER_CHANNEL_TERMS = DELTA_RULE_PER_CHANNEL_TERMS  # tessera/models/flops.py holds them for the planner
+PER_HEAD_TERMS = DELTA_RULE_PER_HEAD_TERMS
 # the tokens whose own terms are computed together: a chunk of a whole number of TILEs is computed a tile at
 # a time (the same sums, cut where the chunk is cut anyway, so a prompt cut at its chunks computes the same
 # tiles); on one CPU thread tiles of 32 ran an 8k-token prompt faster than 64 (less of the chunk's quadratic work)
 TILE = DELTA_RULE_TILE  # tessera/models/flops.py counts the chunked form's products by it
-SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+# rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+SUB_BLOCK = DELTA_RULE_SUB_BLOCK
 # rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
 # within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
 ROW_BLOCK = 16
