@@ -446,13 +446,14 @@ def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: Activ
         s.new("attention.window_mask", 0, dt.compute, "rep", fixed=seq * seq)
 
 
-def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
+def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16", recompute: str = "none") -> list[SavedTensor]:
     """Saved once per micro-batch whatever the layers: the token ids (embedding backward) and the
     RoPE cos and sin tables every layer multiplies by (one storage each, shared; the window layers'
-    own pair besides, model.local_rope_theta)."""
+    own pair besides, model.local_rope_theta), where a layer rotates or `recompute` re-runs blocks."""
     dt = get_activation_dtype(dtype)
     rope = cfg.rope_dim  # the rotated part of a head: all of it, MLA's RoPE part, or a partial share (GLM-4.5)
-    if not any(cfg.has_attention(i) and i not in cfg.nope_layers for i in range(cfg.n_layers)):
+    rotates = any(cfg.has_attention(i) and i not in cfg.nope_layers for i in range(cfg.n_layers))
+    if not rotates and recompute not in ("full", "op"):  # a re-run block keeps its inputs, the tables among them
         return [SavedTensor("input_ids", 1, 8, "rep")]  # no layer rotates (Nemotron-H): no layer keeps the tables
     tables = ("rope", "local_rope") if cfg.local_rope_theta is not None else ("rope",)  # the window layers' own
     if cfg.nope_attn_scale > 0 and cfg.nope_layers:  # Llama 4's query temperature per position, fp32, shared

@@ -175,8 +175,8 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
     tokens = work.micro_batch * work.seq_len / lay.cp
     m = lay.microbatches(work)
     sizes = (tokens, lay.tp, lay.sp)
-    constant = prof.memo(("act_model", dtype, *sizes), lambda: sum(
-        t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype)))
+    constant = prof.memo(("act_model", dtype, lay.recompute, *sizes), lambda: sum(
+        t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype, lay.recompute)))
     ids = sum(t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype) if t.name == "input_ids")
     head = prof.memo(("act_head", dtype, *sizes), lambda: sum(t.nbytes(*sizes) for t in head_saved_tensors(cfg, dtype)))
 

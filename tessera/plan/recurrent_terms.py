@@ -64,6 +64,15 @@ def recurrent_linear_inputs(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     return ("in_proj_qkvz", "in_proj_ba")
 
 
+def recurrent_chunks(cfg: ModelConfig, layer: int, seq: int) -> int:
+    """Chunks the layer's chunked form cuts a sequence of `seq` tokens into (the delta rule's chunk of whole
+    tiles, SSD's chunk)."""
+    if cfg.is_mamba_layer(layer):
+        return -(-seq // min(cfg.mamba.chunk_size, seq))
+    C = min(cfg.linear_attention.chunk_size, seq)
+    return -(-seq // (DELTA_RULE_TILE if C % DELTA_RULE_TILE == 0 else C))
+
+
 def recurrent_mixer_terms(cfg: ModelConfig, layer: int, dt: ActivationDtype, tokens: int, batch: int,
                           tp: int = 1) -> list[SavedTensor]:
     """The mixer's own saved storages on one rank of `tp` (beside its input's, `recurrent_linear_inputs`)."""

@@ -14,7 +14,7 @@ import torch
 from tessera.config import get_preset
 from tessera.config.parallel import ParallelConfig
 from tessera.models import Transformer
-from tessera.plan.layout import Layout, stage_layers
+from tessera.plan.layout import Layout, Workload, stage_layers
 from tessera.plan.memory import rank_params
 from tests.forked_ranks import run_ranks
 
@@ -100,7 +100,6 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
     """One micro-batch's stored activations on one rank (`stage_activations`) and the bytes autograd keeps
     in the real model's forward and loss under the trainer's recomputation (tests/plan/activation_measurement.py)."""
     from tessera.plan.activations import stage_activations
-    from tessera.plan.layout import Workload
     from tests.plan.activation_measurement import measure_activation_bytes
 
     cfg = get_preset(name)
@@ -211,3 +210,80 @@ def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dty
 def test_kimi_linears_stored_activations_without_recomputation():
     planned, counted = _planned_and_counted("tiny-kimi-linear", "none", "fp32")
     assert planned == pytest.approx(counted, rel=1e-3)
+
+
+LARGE = ["qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "nemotron-h-8b"]
+
+
+@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_recurrent_layers_time_is_its_own_operators(name, tp):
+    """The time model prices a recurrent layer's own products: its projections (its own weights) and its
+    chunked core at the FLOPs models/flops.py counts (equal to FlopCounterMode above), no attention core;
+    the layer's time is the sum of its printed operators and its products' FLOPs are the layer's forward
+    FLOPs (what MFU counts), cut by tp."""
+    from tessera.models.flops import (
+        attention_matmul_params,
+        delta_rule_flops_per_token,
+        layer_forward_flops_per_token,
+        ssd_flops_per_token,
+    )
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.op_time import layer_ops, layer_time
+
+    cfg, c, seq = get_preset(name), Cluster.for_gpu("h100", gpus=8), 4096
+    lay = Layout(tp=tp, dp_shard=8 // tp)
+    i = _first_recurrent_layer(cfg)
+    ops = layer_ops(cfg, cfg.is_moe_layer(i), lay, 2 * seq, seq, c, layer=i)
+    assert layer_time(cfg, cfg.is_moe_layer(i), lay, 2 * seq, seq, c, layer=i).forward == pytest.approx(
+        sum(o.seconds for o in ops))
+    assert {o.kind for o in ops} == {"matmul", "memory"}
+    (core,) = [o for o in ops if o.name.endswith(" core")]
+    per_token = delta_rule_flops_per_token(cfg, seq) if cfg.is_linear_attention_layer(i) else ssd_flops_per_token(
+        cfg, seq)
+    assert core.flops == pytest.approx(per_token * 2 * seq / tp)
+    mixer = sum(o.flops for o in ops if o.name.startswith(core.name.removesuffix(" core")))
+    assert mixer == pytest.approx((2 * attention_matmul_params(cfg, i) + per_token) * 2 * seq / tp)
+    if tp == 1:  # (the router's product is not cut by tp)
+        matmul = sum(o.flops for o in ops if o.kind == "matmul")
+        assert matmul == pytest.approx(layer_forward_flops_per_token(cfg, i, seq) * 2 * seq, rel=0.01)
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_a_recurrent_cores_time_per_token_does_not_grow_with_the_sequence(name):
+    """The chunked core's work per token is fixed by the chunk, so its time per token at 32k tokens is
+    that at 4k, where an attention core's grows with the keys each query reads (as the time model priced
+    the recurrent layers before)."""
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.op_time import layer_ops
+
+    cfg, c = get_preset(name), Cluster.for_gpu("h100", gpus=8)
+    i = _first_recurrent_layer(cfg)
+
+    def core_per_token(seq: int, layer: int | None) -> float:
+        ops = layer_ops(cfg, cfg.is_moe_layer(i), Layout(dp_shard=8), seq, seq, c, layer=layer)
+        return sum(o.seconds for o in ops if "core" in o.name) / seq
+
+    assert core_per_token(32768, i) == pytest.approx(core_per_token(4096, i), rel=0.05)
+    assert core_per_token(32768, None) > 3 * core_per_token(4096, None)
+
+
+@pytest.mark.parametrize("name,recompute", [("nemotron-h-8b", "none"), ("qwen3-next-80b-a3b", "full"),
+                                            ("kimi-linear-48b-a3b", "selective")])
+def test_a_hybrid_stages_compute_time_is_its_layers_own(name, recompute):
+    """A stage's compute time sums each layer as itself (forward, input and weight gradients; the fused
+    attention core's backward at 2.5 forwards; full recomputation one forward more, selective the
+    attention core): Nemotron-H's Mamba-2, MLP and attention sublayers, a DeltaNet layer and its MoE."""
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.op_time import FUSED_ATTENTION_BACKWARD, head_time, layer_time, stage_compute_time
+    from tessera.plan.profile import ModelProfile
+
+    cfg, c = get_preset(name), Cluster.for_gpu("h100", gpus=8)
+    lay, work = Layout(dp_shard=8, recompute=recompute), Workload(seq_len=4096, micro_batch=1, global_batch=8)
+    got = stage_compute_time(cfg, lay, work, 0, c, ModelProfile.of(cfg, work.seq_len))
+    want = 3 * head_time(cfg, lay, 4096, c)
+    for i in range(cfg.n_layers):
+        t = layer_time(cfg, cfg.is_moe_layer(i), lay, 4096, 4096, c, layer=i)
+        again = {"none": 0.0, "full": t.forward, "selective": t.attention}[recompute]
+        want += 3 * (t.matmul + t.memory) + (1 + FUSED_ATTENTION_BACKWARD) * t.attention + again
+    assert got.total == pytest.approx(want)
