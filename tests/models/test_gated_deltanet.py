@@ -221,3 +221,24 @@ def test_the_delta_rule_computes_in_fp32_under_autocast():
     assert under.dtype == torch.float32 and torch.equal(under, plain)
     for got, w in zip(torch.autograd.grad(under.sum(), (q, k, v)), want, strict=True):
         assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_operator_level_recomputation_trains_a_delta_rule_model_as_without_it(name):
+    """`parallel.recompute: op` keeps the products its save list names and re-runs the rest in backward;
+    the chunk step added to bmm's output in place, which the policy had kept ("Tensor cached during
+    selective activation checkpoint has been mutated"). The gradients equal those without recomputation."""
+    from tessera.config import get_preset
+    from tessera.models import Transformer
+    from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in ("none", "op"):
+        model = Transformer(get_preset(name), init_seed=0)
+        apply_activation_checkpointing(model, recompute, 1)
+        model(ids).logits.logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-6, msg=n)

@@ -197,9 +197,11 @@ def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.
     q and k_t carry their decays (exp(c_i), exp(c_C - c_j)) already. `in_place` (no gradient wanted):
     the state is scaled and written where it is, saving a copy of it per chunk."""
     delta = torch.baddbmm(U, W, state, alpha=-1)
-    out = torch.bmm(q, state).baddbmm_(scores, delta)
     if in_place:
+        out = torch.bmm(q, state).baddbmm_(scores, delta)
         return out, state.mul_(chunk_decay).baddbmm_(k_t, delta)
+    # with gradients, out of place: recompute=op's policy may keep bmm's output, which must stay as it was
+    out = torch.baddbmm(torch.bmm(q, state), scores, delta)
     return out, torch.baddbmm(state * chunk_decay, k_t, delta)
 
 
