@@ -129,3 +129,43 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
     experts of each MoE layer."""
     body = sum(layer_params(cfg, i, active) for i in range(cfg.n_layers))
     return body + embedding_params(cfg) + cfg.dim + mtp_params(cfg, active)
+
+
+def _mixer_weight_groups(cfg: ModelConfig, layer: int) -> int:
+    """`layer_weight_groups` of layer `layer`'s token mixer."""
+    if cfg.is_mamba_layer(layer):  # in_proj, conv1d (its bias with it), dt_bias, A_log, D, the gated norm, out_proj
+        return 7
+    if cfg.is_linear_attention_layer(layer):
+        la = cfg.linear_attention
+        if la.kind == "kda":  # q, k, v; their convolutions (one depthwise product); f_a, f_b, g_a, g_b, b; dt_bias,
+            return 13  # A_log; o_norm, o
+        # the projections in (grouped: qkvz, ba; split: qkv, z, b, a), conv1d, dt_bias, A_log, the gated norm, out_proj
+        return (4 if la.projections == "split" else 2) + 5
+    if cfg.mla is not None:
+        m = cfg.mla
+        indexer = 4 if m.index_topk is not None else 0  # its query and key projections, key LayerNorm, head weights
+        return (3 if m.q_lora_rank is not None else 1) + 4 + indexer
+    return 4 + (2 if cfg.qk_norm else 0) + (1 if cfg.attention_sinks else 0)
+
+
+def _mlp_weight_groups(cfg: ModelConfig, layer: int) -> int:
+    """`layer_weight_groups` of layer `layer`'s MLP or MoE."""
+    if not cfg.is_moe_layer(layer):
+        return 2 if cfg.activation == "relu2" else 3
+    e = cfg.moe
+    mats = 2 if e.expert_activation == "relu2" else 3
+    experts = 4 if e.expert_activation == "clamped_swiglu" else mats  # biases added by row: their own products
+    shared = (mats if e.shared_ffn_dim else 0) + (1 if e.shared_expert_gate else 0)
+    return 1 + (1 if e.router_bias else 0) + experts + shared  # the router; its bias (gpt-oss) added apart
+
+
+def layer_weight_groups(cfg: ModelConfig, layer: int) -> int:
+    """The parameter tensors of decoder layer `layer`, a linear layer's bias counted with its weight: the
+    operations that take a weight, one autograd group each when torch's split pipeline backward takes the
+    weights' gradients group by group (torch.distributed.pipelining's `stage_backward_weight`), and so the
+    times its weight pass replays a recomputed block (tessera/plan/bubble.py's `block_replays`)."""
+    norms = 1 if cfg.sublayers is not None else block_norm_params(cfg) // cfg.dim
+    if cfg.sublayers is not None:
+        mlp = cfg.sublayers[layer] in ("mlp", "moe")
+        return norms + (_mlp_weight_groups(cfg, layer) if mlp else _mixer_weight_groups(cfg, layer))
+    return norms + _mixer_weight_groups(cfg, layer) + _mlp_weight_groups(cfg, layer)

@@ -19,10 +19,14 @@ Convention (say it wherever an MFU is quoted):
 
 Per token, per layer, forward: 2 * (matmul weights of the layer) + 2 * n_heads * (d_qk + d_v) * keys.
 Per token, LM head, forward: 2 * V * h.
-A Gated DeltaNet layer (Qwen3-Next's linear attention) counts its projections as weights and, for
-its core, the recurrent form's 6 K V per value head (read the state's guess, write, read the output),
-whatever the sequence length: its state does not grow; a Mamba-2 layer (Nemotron-H) likewise its
-projections and 4 P N per head (write the state, read the output). So for a dense GPT with ffn = 4h (or SwiGLU with
+A recurrent layer counts its projections as weights and, for its core, the chunked form the trainer
+runs (prompts too), whatever the sequence length: its state does not grow. The gated delta rule (Gated
+DeltaNet, Kimi delta attention; models/linear_attention/delta_rule.py) per head and token in chunks of C
+(the chunk, cut to tiles of DELTA_RULE_TILE): its chunk's k k^T and q k^T, T's products with k and v
+(6 C K + 4 C V: T's triangular solve is not a product) and the state's read, write and the writes'
+correction (6 K V); SSD (Mamba-2, ssd.py) in chunks of L per token: C B^T per group, its product with
+x and the state's write and read (2 L N G + 2 L H P + 4 N H P); both the short depthwise convolution's
+2 W per channel, and their padding to whole chunks. For a dense GPT with ffn = 4h (or SwiGLU with
 ffn = 8h/3), no GQA, causal=False and full recomputation, a step of B sequences costs
 `96 B s l h^2 (1 + s/(6h) + V/(16 l h))` (Narayanan et al. 2021, arXiv 2104.04473, appendix);
 without recomputation `72 B s l h^2 (1 + s/(6h) + V/(12 l h))`. Tests check both.
@@ -37,6 +41,14 @@ from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES
 from tessera.models.counting import attention_params, indexer_params, qk_norm_params
+
+DELTA_RULE_TILE = 32  # the gated delta rule computes a chunk of whole tiles a tile at a time (delta_rule.py's TILE)
+# fp32 elements of one slab of chunks the recurrent forms compute their own terms over at once (delta_rule.py:
+# a decay per key channel, per head; ssd.py); here, torch-free, so the planner's saved tensors follow the slabs
+DELTA_RULE_PER_CHANNEL_TERMS = 1 << 21
+DELTA_RULE_PER_HEAD_TERMS = 1 << 19
+DELTA_RULE_SUB_BLOCK = 8
+SSD_SLAB_TERMS = 1 << 22
 
 
 def attention_matmul_params(cfg: ModelConfig, layer: int | None = None) -> int:
@@ -128,14 +140,37 @@ def attention_core_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bo
 def _core_flops(cfg: ModelConfig, i: int, seq_len: int, causal: bool, d_qkv: int) -> float:
     """Layer i's core per token: attention's scores and sum, a recurrence's state work, nothing for an MLP."""
     if cfg.is_linear_attention_layer(i):
-        la = cfg.linear_attention
-        return 2.0 * la.n_value_heads * 3 * la.key_head_dim * la.value_head_dim
-    if cfg.is_mamba_layer(i):  # SSD's recurrent form: write the state, read the output
-        m = cfg.mamba
-        return 2.0 * m.n_heads * 2 * m.head_dim * m.state_size
+        return delta_rule_flops_per_token(cfg, seq_len)
+    if cfg.is_mamba_layer(i):
+        return ssd_flops_per_token(cfg, seq_len)
     if cfg.sublayers is not None and cfg.sublayers[i] in ("mlp", "moe"):
         return 0.0
     return 2.0 * cfg.n_heads * d_qkv * _core_keys_per_query(cfg, i, seq_len, causal)
+
+
+def delta_rule_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of a Gated DeltaNet's or Kimi delta attention's core: the chunked delta rule
+    and the convolution before it (module docstring)."""
+    la = cfg.linear_attention
+    kda = la.kind == "kda"  # Kimi delta attention: as many value heads as key heads, of the key dim
+    heads, K = (la.n_key_heads if kda else la.n_value_heads), la.key_head_dim
+    V = K if kda else la.value_head_dim
+    C = min(la.chunk_size, seq_len)
+    C = DELTA_RULE_TILE if C % DELTA_RULE_TILE == 0 else C
+    padded = -(-seq_len // C) * C / seq_len
+    channels = 2 * la.n_key_heads * K + heads * V
+    return padded * heads * (6 * C * K + 4 * C * V + 6 * K * V) + 2.0 * channels * la.conv_width
+
+
+def ssd_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of a Mamba-2 mixer's core: chunked SSD and the convolution before it
+    (module docstring)."""
+    m = cfg.mamba
+    L = min(m.chunk_size, seq_len)
+    padded = -(-seq_len // L) * L / seq_len
+    H, P, N, G = m.n_heads, m.head_dim, m.state_size, m.n_groups
+    channels = H * P + 2 * G * N
+    return padded * (2 * L * N * G + 2 * L * H * P + 4 * N * H * P) + 2.0 * channels * m.conv_width
 
 
 def _core_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, causal: bool) -> float:

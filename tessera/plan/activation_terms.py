@@ -38,6 +38,7 @@ from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES, TORCHTITAN_SAVE
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 from tessera.plan.recompute_terms import op_saved_tensors
+from tessera.plan.recurrent_terms import recurrent_linear_inputs, recurrent_mixer_terms
 from tessera.plan.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
 
 
@@ -142,9 +143,10 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
                       cfg.norm_unit_offset * (a * d if all_heads else d))
         k = _rms_norm(s, "attention.k_norm", k, g * d, 1 if all_heads else g, dt,
                       cfg.norm_unit_offset * (g * d if all_heads else d))
-    # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype.
-    q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
-    k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
+    # RoPE keeps only cos and sin (model-level); its output promotes to the cos/sin dtype. A NoPE layer has none.
+    if layer not in cfg.nope_layers:
+        q = _Tensor("attention.q_rope", a * d, max(q.itemsize, dt.residual), "tp")
+        k = _Tensor("attention.k_rope", g * d, max(k.itemsize, dt.residual), "tp")
     if cfg.qk_l2_norm and layer not in cfg.nope_layers:  # Llama 4, after RoPE
         q, k = _unit_rms(s, "attention.q_l2", q, a * d, a), _unit_rms(s, "attention.k_l2", k, g * d, g)
     if cfg.nope_attn_scale > 0 and layer in cfg.nope_layers:  # q times the temperature (model-level): a new q
@@ -153,6 +155,9 @@ def _gqa(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
         _sink_core(s, q, k, v, a, g, d, dt, seq)
     else:
         _attention_core(s, "attention.sdpa", q, k, v, a * d, g * d, a * d, a, dt, recompute)
+    if cfg.attention_output_gate:  # Qwen3-Next: wo(out * sigmoid(gate)) keeps the sigmoid and the product
+        s.new("attention.gate_sigmoid", a * d, dt.compute, "tp")
+        s.new("attention.gated_out", a * d, dt.compute, "tp")
 
 
 def _sink_core(s: _SavedSet, q: _Tensor, k: _Tensor, v: _Tensor, a: int, g: int, d: int, dt: ActivationDtype,
@@ -354,8 +359,9 @@ def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:
 def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, recompute: str = "none",
                         tokens: int = 4096, batch: int = 1, save: tuple[str, ...] = TORCHTITAN_SAVE,
                         fp8: tuple[str, ...] = (), local_experts: int | None = None,
-                        core_kept: bool = True, dispatch_dtype: str = "input") -> list[SavedTensor]:
-    """What decoder layer `layer` keeps for backward. `recompute`: none; full (the layer is
+                        core_kept: bool = True, dispatch_dtype: str = "input", tp: int = 1) -> list[SavedTensor]:
+    """What decoder layer `layer` keeps for backward (a recurrent mixer's on one rank of `tp`:
+    recurrent_terms.py). `recompute`: none; full (the layer is
     checkpointed: only its input stays); selective (the attention core is recomputed); op (only the
     outputs `save` names stay, those of the `fp8` roles in FP8: recompute_terms.py). `tokens` and
     `batch` matter only for capacity-limited MoE and per-sequence statistics; `local_experts` and
@@ -371,14 +377,19 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         return op_saved_tensors(cfg, layer, dtype, save, fp8, tokens=tokens, local_experts=local_experts,
                                 core_kept=core_kept, dispatch_dtype=dispatch_dtype)
     s = _SavedSet()
+    if cfg.sublayers is not None:
+        return _sublayer(s, cfg, layer, layer_input, dt, recompute, tokens, batch, tp)
     pre, post = cfg.block_norms in ("pre", "pre_post"), cfg.block_norms in ("post", "pre_post")
     off = h if cfg.norm_unit_offset else 0  # (1 + weight) norms: Gemma 3, Qwen3-Next
     xn = _rms_norm(s, "attention_norm", layer_input, h, 1, dt, off) if pre else layer_input
-    if cfg.mla is not None:
+    if cfg.is_linear_attention_layer(layer):
+        _recurrent(s, cfg, layer, xn, dt, tokens, batch, tp)
+    elif cfg.mla is not None:
         _mla(s, cfg, xn, dt, recompute, layer)
     else:
         _gqa(s, cfg, xn, dt, recompute, layer, tokens // max(batch, 1))
-    _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
+    if not cfg.is_linear_attention_layer(layer):
+        _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
     if post:  # on the output projection's output, before the residual add (OLMo 2, Gemma 3)
         _rms_norm(s, "attention_post_norm", _Tensor("attention.wo.out", h, dt.compute, "seq"), h, 1, dt, off)
     mid = _Tensor("layer.mid", h, dt.residual, "seq")  # x + attention(x): residual dtype
@@ -389,6 +400,36 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         _swiglu(s, "feed_forward", xn, 1, h, cfg.ffn_dim, dt.compute, dt)
     if post:
         _rms_norm(s, "ffn_post_norm", _Tensor("ffn.out", h, dt.compute, "seq"), h, 1, dt, off)
+    return list(s.items.values())
+
+
+def _recurrent(s: _SavedSet, cfg: ModelConfig, layer: int, xn: _Tensor, dt: ActivationDtype, tokens: int,
+               batch: int, tp: int) -> None:
+    """A recurrent mixer (recurrent_terms.py): each projection keeps the normalised input, then the
+    mixer's own storages."""
+    for name in recurrent_linear_inputs(cfg, layer):
+        _linear_input(s, xn, cfg.dim, f"mixer.{name}", dt)
+    for t in recurrent_mixer_terms(cfg, layer, dt, tokens, batch, tp):
+        s.items[t.name] = t
+
+
+def _sublayer(s: _SavedSet, cfg: ModelConfig, layer: int, x: _Tensor, dt: ActivationDtype, recompute: str,
+              tokens: int, batch: int, tp: int) -> list[SavedTensor]:
+    """A layer of one sublayer (Nemotron-H, models/sublayer_block.py): its norm, then a Mamba-2 mixer,
+    attention, an ungated relu^2 MLP (keeps relu(w1 x) and its square) or an MoE layer."""
+    kind, h = cfg.sublayers[layer], cfg.dim
+    xn = _rms_norm(s, "norm", x, h, 1, dt, h if cfg.norm_unit_offset else 0)
+    if kind == "mamba":
+        _recurrent(s, cfg, layer, xn, dt, tokens, batch, tp)
+    elif kind == "attention":
+        _gqa(s, cfg, xn, dt, recompute, layer, tokens // max(batch, 1))
+        _window_mask(s, cfg, layer, tokens // max(batch, 1), dt)
+    elif kind == "moe":
+        _moe(s, cfg, xn, dt, tokens, batch)
+    else:
+        _linear_input(s, xn, h, "feed_forward.w1", dt)
+        for part in ("relu", "square"):
+            s.new(f"feed_forward.{part}", cfg.ffn_dim, dt.compute, "tp")
     return list(s.items.values())
 
 
@@ -405,12 +446,15 @@ def _window_mask(s: _SavedSet, cfg: ModelConfig, layer: int, seq: int, dt: Activ
         s.new("attention.window_mask", 0, dt.compute, "rep", fixed=seq * seq)
 
 
-def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16") -> list[SavedTensor]:
+def model_saved_tensors(cfg: ModelConfig, dtype: str = "bf16", recompute: str = "none") -> list[SavedTensor]:
     """Saved once per micro-batch whatever the layers: the token ids (embedding backward) and the
     RoPE cos and sin tables every layer multiplies by (one storage each, shared; the window layers'
-    own pair besides, model.local_rope_theta)."""
+    own pair besides, model.local_rope_theta), where a layer rotates or `recompute` re-runs blocks."""
     dt = get_activation_dtype(dtype)
     rope = cfg.rope_dim  # the rotated part of a head: all of it, MLA's RoPE part, or a partial share (GLM-4.5)
+    rotates = any(cfg.has_attention(i) and i not in cfg.nope_layers for i in range(cfg.n_layers))
+    if not rotates and recompute not in ("full", "op"):  # a re-run block keeps its inputs, the tables among them
+        return [SavedTensor("input_ids", 1, 8, "rep")]  # no layer rotates (Nemotron-H): no layer keeps the tables
     tables = ("rope", "local_rope") if cfg.local_rope_theta is not None else ("rope",)  # the window layers' own
     if cfg.nope_attn_scale > 0 and cfg.nope_layers:  # Llama 4's query temperature per position, fp32, shared
         return [SavedTensor("input_ids", 1, 8, "rep"), SavedTensor("nope_temperature", 1, 4, "rep")] + [

@@ -92,7 +92,7 @@ def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype
                                save=lay.recompute_save, fp8=lay.activation_fp8,
                                local_experts=e.num_experts // lay.ep if e is not None else None,
                                core_kept=not (lay.cp > 1 and lay.cp_method == "ring"),
-                               dispatch_dtype=lay.ep_dispatch_dtype)
+                               dispatch_dtype=lay.ep_dispatch_dtype, tp=lay.tp)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
@@ -175,16 +175,15 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
     tokens = work.micro_batch * work.seq_len / lay.cp
     m = lay.microbatches(work)
     sizes = (tokens, lay.tp, lay.sp)
-    constant = prof.memo(("act_model", dtype, *sizes), lambda: sum(
-        t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype)))
+    constant = prof.memo(("act_model", dtype, lay.recompute, *sizes), lambda: sum(
+        t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype, lay.recompute)))
     ids = sum(t.nbytes(*sizes) for t in model_saved_tensors(cfg, dtype) if t.name == "input_ids")
     head = prof.memo(("act_head", dtype, *sizes), lambda: sum(t.nbytes(*sizes) for t in head_saved_tensors(cfg, dtype)))
 
-    def layer_bytes(moe: bool, rc: str) -> tuple[float, float]:
-        key = ("act_layer", dtype, moe, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
+    def layer_bytes(kind: int, rc: str) -> tuple[float, float]:  # kind: the first layer of a `layer_kind`
+        key = ("act_layer", dtype, kind, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
                lay.recompute_save, lay.activation_fp8, lay.activation_offload, lay.ep_dispatch_dtype)
-        return prof.memo(key, lambda: layer_device_host_bytes(cfg, prof.representative(moe), lay, work, dtype,
-                                                              recompute=rc))
+        return prof.memo(key, lambda: layer_device_host_bytes(cfg, kind, lay, work, dtype, recompute=rc))
 
     per_logit = loss_buffer_bytes_per_logit(loss, lay.tp, dt.compute)
     out = []
@@ -192,10 +191,10 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
         last = s == lay.pp - 1
         flight = in_flight_microbatches(lay.pp_schedule, lay.pp, m, lay.vpp, s)
         per_mb = host = rebuilt = reload = 0.0
-        kinds = prof.stage_kinds(lay.pp, lay.vpp, s, lay.recompute, lay.recompute_interval)
-        for (moe, applies), n in kinds.items():
-            kept, away = layer_bytes(moe, lay.recompute if applies else "none")
-            whole = sum(layer_bytes(moe, "none"))
+        kinds = prof.stage_layer_kinds(lay.pp, lay.vpp, s, lay.recompute, lay.recompute_interval)
+        for (kind, applies), n in kinds.items():
+            kept, away = layer_bytes(kind, lay.recompute if applies else "none")
+            whole = sum(layer_bytes(kind, "none"))
             per_mb, host = per_mb + n * kept, host + n * away
             if whole > kept + away:
                 rebuilt = max(rebuilt, whole)
@@ -207,7 +206,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
         stage_head = head if last else 0.0
         logits = tokens * cfg.vocab_size / lay.tp * per_logit if last else 0.0
         dispatch = 0.0
-        if lay.ep > 1 and any(moe for moe, _ in kinds):
+        if lay.ep > 1 and any(prof.moe[kind] for kind, _ in kinds):
             dispatch = 2.0 * tokens * cfg.moe.top_k * cfg.dim * dt.residual
         # Offloaded blocks save the RoPE tables through the hooks too: only the token ids stay.
         model_level = ids if lay.activation_offload else constant

@@ -10,10 +10,16 @@ from tessera.config.dtypes import short_dtype_argument
 from tessera.config.errors import ConfigError, ParallelError
 from tessera.config.model import ModelConfig
 from tessera.models.counting import embedding_params
-from tessera.models.flops import attention_core_flops_per_token, flops_per_token, recompute_flops_per_token, six_nd
+from tessera.models.flops import (
+    attention_core_flops_per_token,
+    flops_per_token,
+    layer_forward_flops_per_token,
+    recompute_flops_per_token,
+    six_nd,
+)
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activations import StageActivations, stage_activations
-from tessera.plan.bubble import bubble_table
+from tessera.plan.bubble import bubble_table, layer_replays
 from tessera.plan.cluster import Cluster
 from tessera.plan.comm import Collective, stage_collectives
 from tessera.plan.layout import Layout, Workload, layout_problems
@@ -123,15 +129,21 @@ class Plan:
 
 
 def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -> float:
-    """Forward FLOPs per token the recomputation policy adds (the op policy's from its products)."""
-    if lay.recompute != "op":
+    """Forward FLOPs per token the recomputation policy adds (the op policy's from its products), each
+    recomputed layer's as many times as the schedule replays it (bubble.py's `layer_replays`: more than
+    once where torch splits the backward into input and weight passes)."""
+    if lay.recompute not in ("full", "op"):
         return recompute_flops_per_token(cfg, work.seq_len, lay.recompute, interval=lay.recompute_interval)
+    replays = layer_replays(cfg, lay.pp_schedule, lay.pp, lay.microbatches(work), lay.recompute, lay.vpp)
+    layers = range(0, cfg.n_layers, lay.recompute_interval)
+    if lay.recompute == "full":
+        return sum(replays[i][1] * layer_forward_flops_per_token(cfg, i, work.seq_len) for i in layers)
     tokens = max(work.micro_batch * work.seq_len // lay.cp, 1)
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
     core = 0.0 if "attention_core" in lay.recompute_save else attention_core_flops_per_token(cfg, work.seq_len)
-    return sum(core + sum(product_flops_per_token(p) for p in recomputed_products(
-        cfg, i, dtype, lay.recompute_save, lay.activation_fp8, tokens=tokens, local_experts=local))
-        for i in range(0, cfg.n_layers, lay.recompute_interval))
+    return sum(replays[i][1] * (core + sum(product_flops_per_token(p) for p in recomputed_products(
+        cfg, i, dtype, lay.recompute_save, lay.activation_fp8, tokens=tokens, local_experts=local)))
+        for i in layers)
 
 
 def handoff_flops_per_token(cfg: ModelConfig, lay: Layout, work: Workload) -> float:
@@ -182,7 +194,7 @@ def make_plan(cfg: ModelConfig, lay: Layout, work: Workload, cluster: Cluster, *
     time = step_time(cfg, lay, work, cluster, colls, local, prof, activation_dtype, offloaded)
     model_flops = prof.memo(("model_flops",), lambda: flops_per_token(cfg, work.seq_len)) * work.tokens
     extra = prof.memo(("recompute_flops", lay.recompute, lay.recompute_interval, lay.recompute_save,
-                       lay.activation_fp8, lay.ep, activation_dtype),
+                       lay.activation_fp8, lay.ep, activation_dtype, lay.pp_schedule, lay.pp, lay.vpp, m),
                       lambda: recompute_flops(cfg, lay, work, activation_dtype))
     return Plan(model=cfg, layout=lay, work=work, cluster=cluster, precision=precision,
                 activation_dtype=activation_dtype, params_total=prof.params_total,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from tessera.config.choices import lookup_choice
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
-from tessera.models.counting import attention_params, block_norm_params, qk_norm_params
+from tessera.models.counting import block_norm_params, indexer_params, layer_params, mamba_params, qk_norm_params
 from tessera.plan.activation_dtypes import get_activation_dtype
 from tessera.plan.activations import StageActivations
 from tessera.plan.layout import Layout, Workload
@@ -120,34 +120,55 @@ class RankParams:
         return self.dense + self.expert
 
 
-def _attention_split(cfg: ModelConfig, tp: int) -> float:
-    """Attention parameters on one tp rank: projections by heads are cut, the rest replicated."""
+def _mixer_replicated(cfg: ModelConfig, layer: int) -> float:
+    """Parameters of layer `layer`'s token mixer that every tp rank holds whole, as the trainer's tensor-parallel
+    plans leave them (tessera/parallel/tensor_parallel.py): the low-rank down-projections, their norms and
+    sparse attention's indexer (MLA); the QK norms and the output bias (GQA); a Gated DeltaNet's convolution,
+    A_log, dt_bias and gated norm, and Qwen3.5's whole in_proj_qkv; a Kimi delta attention's convolutions,
+    decay and gate down-projections, dt_bias, A_log and norm; everything of a Mamba-2 mixer but out_proj's weight."""
     h = cfg.dim
+    if cfg.sublayers is not None and cfg.sublayers[layer] in ("mlp", "moe"):
+        return 0.0
+    if cfg.is_linear_attention_layer(layer):
+        la = cfg.linear_attention
+        if la.kind == "kda":
+            hk, k = la.n_key_heads * la.key_head_dim, la.key_head_dim
+            return 3 * hk * la.conv_width + hk + la.n_key_heads + k + 2 * h * k
+        keys, values = la.n_key_heads * la.key_head_dim, la.n_value_heads * la.value_head_dim
+        channels = 2 * keys + values
+        whole_qkv = h * channels if la.projections == "split" else 0
+        return channels * la.conv_width + 2 * la.n_value_heads + la.value_head_dim + whole_qkv
+    if cfg.is_mamba_layer(layer):
+        return mamba_params(cfg) - cfg.mamba.n_heads * cfg.mamba.head_dim * h
     if cfg.mla is not None:
         m = cfg.mla
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank is None:
-            rep, cut = 0, h * cfg.n_heads * qk
-        else:  # the down projection and its norm are replicated (every rank needs the whole latent)
-            rep, cut = h * m.q_lora_rank + m.q_lora_rank, m.q_lora_rank * cfg.n_heads * qk
-        rep += h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-        cut += m.kv_lora_rank * cfg.n_heads * (m.qk_nope_head_dim + m.v_head_dim) + cfg.n_heads * m.v_head_dim * h
-        return rep + cut / tp
-    total = attention_params(cfg)
-    rep = (h if cfg.out_bias else 0) + qk_norm_params(cfg)
-    return rep + (total - rep) / tp
+        rep = h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank is not None else 0
+        return rep + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + indexer_params(cfg)
+    return (h if cfg.out_bias else 0) + qk_norm_params(cfg)
+
+
+def routed_expert_params(cfg: ModelConfig, layer: int) -> float:
+    """The routed experts' parameters of layer `layer` (0 where it has none): what expert parallelism splits."""
+    if not cfg.is_moe_layer(layer) or (cfg.sublayers is not None and cfg.sublayers[layer] != "moe"):
+        return 0.0
+    e = cfg.moe
+    mats = 2 if e.expert_activation == "relu2" else 3
+    biases = 2 * e.ffn_dim + cfg.dim if e.expert_activation == "clamped_swiglu" else 0
+    return e.num_experts * (mats * cfg.dim * e.ffn_dim + biases)
 
 
 def layer_rank_params(cfg: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    """(dense, expert) parameters of decoder layer `layer` on one rank."""
+    """(dense, expert) parameters of decoder layer `layer` on one rank: the layer's own count
+    (tessera.models.counting, whatever its mixer), its routed experts split over ep and cut by tp, the rest cut
+    by tp but for what stays whole (the norms, the router, a shared expert's gate, `_mixer_replicated`)."""
     h = cfg.dim
-    dense = _attention_split(cfg, tp) + block_norm_params(cfg)
-    if not cfg.is_moe_layer(layer):
-        return dense + 3 * h * cfg.ffn_dim / tp, 0.0
-    e = cfg.moe
-    dense += e.num_experts * h + 3 * h * e.shared_ffn_dim / tp + (h if e.shared_expert_gate else 0)
-    expert = (e.num_experts / ep) * 3 * h * e.ffn_dim / tp
-    return dense, expert
+    expert = routed_expert_params(cfg, layer)
+    rep = (h if cfg.sublayers is not None else block_norm_params(cfg)) + _mixer_replicated(cfg, layer)
+    if cfg.is_moe_layer(layer) and (cfg.sublayers is None or cfg.sublayers[layer] == "moe"):
+        e = cfg.moe
+        rep += e.num_experts * h + (e.num_experts if e.router_bias else 0) + (h if e.shared_expert_gate else 0)
+    dense = rep + (layer_params(cfg, layer) - expert - rep) / tp
+    return dense, expert / (ep * tp)
 
 
 def rank_params(cfg: ModelConfig, lay: Layout, profile: ModelProfile | None = None) -> list[RankParams]:
@@ -159,11 +180,11 @@ def rank_params(cfg: ModelConfig, lay: Layout, profile: ModelProfile | None = No
     for s in range(lay.pp):
         dense = expert = largest = root = 0.0
         blocks = moe_blocks = 0
-        for (moe, _), n in prof.stage_kinds(lay.pp, lay.vpp, s, "none", 1).items():
-            d, x = prof.memo(("layer_params", moe, lay.tp, lay.ep),
-                             lambda moe=moe: layer_rank_params(cfg, prof.representative(moe), lay.tp, lay.ep))
+        for (kind, _), n in prof.stage_layer_kinds(lay.pp, lay.vpp, s, "none", 1).items():
+            d, x = prof.memo(("layer_params", kind, lay.tp, lay.ep),
+                             lambda kind=kind: layer_rank_params(cfg, kind, lay.tp, lay.ep))
             dense, expert, largest = dense + n * d, expert + n * x, max(largest, d + x)
-            blocks, moe_blocks = blocks + n, moe_blocks + (n if moe else 0)
+            blocks, moe_blocks = blocks + n, moe_blocks + (n if prof.moe[kind] else 0)
         if s == 0:
             root += vocab
             largest = max(largest, vocab)

@@ -32,18 +32,26 @@ from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
 from tessera.models.counting import attention_params
-from tessera.models.flops import attention_core_flops_per_token
+from tessera.models.flops import (
+    attention_core_flops_per_token,
+    attention_matmul_params,
+    delta_rule_flops_per_token,
+    ssd_flops_per_token,
+)
 from tessera.plan.activation_dtypes import get_activation_dtype
+from tessera.plan.bubble import layer_replays
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
-from tessera.plan.profile import ModelProfile, handoff_flops
+from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
 from tessera.plan.recompute_terms import recomputed_products
+from tessera.plan.recurrent_terms import recurrent_chunks, recurrent_mixer_terms
 
 KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
 ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
 ELEMENTWISE_PASSES = 2  # each elementwise tensor read once and written once (the profiles' Cluster.elementwise_passes)
 BYTES = 2  # 16-bit operands for matrix products and elementwise work
 FUSED_ATTENTION_BACKWARD = 2.5  # backward / forward work of a fused attention core (module docstring)
+RECURRENT_KERNELS_PER_CHUNK = 4  # a chunk step's products and state update (delta_rule.py's _chunk_step, ssd.py's)
 UNFUSED_SCORE_PASSES = 5  # softmax (read + write), dropout (read, write, 1-byte mask) over the s x s scores
 
 
@@ -95,11 +103,36 @@ def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batc
             _gemm(f"{name} down", tokens, h, ffn, cluster, batch)]
 
 
+def recurrent_ops(cfg: ModelConfig, layer: int, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+                  dtype: str) -> list[OpTime]:
+    """A recurrent mixer's forward (Gated DeltaNet, Kimi delta attention, Mamba-2) on one rank: its
+    projections as one product of its own weights, and its chunked core at its own FLOPs
+    (models/flops.py) and bytes (what it writes for backward, recurrent_terms.py): the slower of the two
+    rooflines, plus a few kernels per chunk, which run one after another (the state passes between them)."""
+    tp, h = lay.tp, cfg.dim
+    mixer = layer_mixer(cfg, layer)
+    core = delta_rule_flops_per_token(cfg, seq_len) if mixer == "delta" else ssd_flops_per_token(cfg, seq_len)
+    flops = core * tokens / tp
+    batch = max(int(tokens // seq_len), 1)
+    written = sum(t.nbytes(tokens, tp) for t in recurrent_mixer_terms(
+        cfg, layer, get_activation_dtype(dtype), max(int(tokens), 1), batch, tp))
+    chunks = recurrent_chunks(cfg, layer, seq_len)
+    seconds = max(flops / (cluster.gpu_flops * cluster.efficiency), written / cluster.memory_bandwidth)
+    name = "Mamba-2 (chunked SSD)" if mixer == "ssd" else "delta rule (chunked)"
+    return [_gemm(f"{name} projections", tokens, attention_matmul_params(cfg, layer) / h / tp, h, cluster),
+            OpTime(f"{name} core", "matmul", f"{chunks} chunks, {written / 1e9:.2f} GB written", flops,
+                   seconds + RECURRENT_KERNELS_PER_CHUNK * chunks * KERNEL_OVERHEAD)]
+
+
 def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
-              dtype: str = "bf16") -> list[OpTime]:
-    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank.
-    `dtype` is the activation dtype: under autocast the residual stream, its norms and RoPE run in
-    fp32 (4 bytes per element), the rest in bf16."""
+              dtype: str = "bf16", layer: int | None = None) -> list[OpTime]:
+    """The operators of one decoder layer's forward (dense or MoE) on `tokens` tokens of one rank;
+    `layer` (a layer of that kind): a hybrid's recurrent mixer priced as itself (`recurrent_ops`), a
+    one-sublayer layer (Nemotron-H) with its one sublayer only. `dtype` is the activation dtype: under
+    autocast the residual stream, its norms and RoPE run in fp32 (4 bytes per element), the rest in bf16."""
+    mixer = "attention" if layer is None else layer_mixer(cfg, layer)
+    if layer is not None and (mixer != "attention" or cfg.sublayers is not None):
+        return _hybrid_layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype, layer)
     tp, h = lay.tp, cfg.dim
     dt = get_activation_dtype(dtype)
     if cfg.mla is not None:  # latent down/up projections: one product of the same FLOPs per token
@@ -143,10 +176,46 @@ def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: 
     return ops
 
 
+def _hybrid_layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
+                      dtype: str, layer: int) -> list[OpTime]:
+    """A hybrid's layer: a recurrent mixer and its MLP or MoE, or Nemotron-H's one sublayer (a norm and a
+    residual add, then a mixer, an ungated relu^2 MLP or an MoE layer); the attention, MLP and MoE
+    products as an attention layer of the same kind has them."""
+    sub = None if cfg.sublayers is None else cfg.sublayers[layer]
+    mixer, dt, h, tp = layer_mixer(cfg, layer), get_activation_dtype(dtype), cfg.dim, lay.tp
+    attention_parts = ("q, k, v", "output projection", "attention")
+    full = layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype)
+    ops = recurrent_ops(cfg, layer, lay, tokens, seq_len, cluster, dtype) if mixer in ("delta", "ssd") else []
+    moved = (5 if sub is not None else 10) * h / (tp if lay.sp else 1) * dt.residual  # norms and residual adds
+    if sub == "attention":
+        ops += [o for o in full if o.name.startswith(attention_parts)]
+        moved += 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / tp * max(dt.compute, dt.residual)
+    elif sub == "mlp":  # relu^2: up, down, and relu and its square over the hidden rows
+        f = cfg.ffn_dim / tp
+        ops += [_gemm("MLP up", tokens, f, h, cluster), _gemm("MLP down", tokens, h, f, cluster)]
+        moved += 2 * f * dt.compute
+    elif sub in (None, "moe"):  # a recurrent mixer's MLP or MoE, or an MoE sublayer
+        ops += [o for o in full if not o.name.startswith((*attention_parts, "norms"))]
+        moved += _mlp_elementwise(cfg, moe, tp) * dt.compute
+    moved *= cluster.elementwise_passes * tokens
+    ops.append(OpTime("norms, residuals, gates", "memory", f"{moved / 1e9:.2f} GB moved", 0.0,
+                      moved / cluster.memory_bandwidth))
+    return ops
+
+
+def _mlp_elementwise(cfg: ModelConfig, moe: bool, tp: int) -> float:
+    """Elements per token the MLP's (or MoE's) elementwise work moves at the compute width (as `layer_ops`)."""
+    if not moe:
+        return 3 * cfg.ffn_dim / tp
+    e = cfg.moe
+    return 3 * e.top_k * e.ffn_dim / tp + 2 * e.top_k * cfg.dim + (3 * e.shared_ffn_dim / tp if e.shared_ffn_dim else 0)
+
+
 def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,
-               cluster: Cluster, dtype: str = "bf16") -> LayerTime:
-    """Forward time of one decoder layer (dense or MoE) on `tokens` tokens of one rank, by kind."""
-    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype)
+               cluster: Cluster, dtype: str = "bf16", layer: int | None = None) -> LayerTime:
+    """Forward time of one decoder layer (dense or MoE; `layer`: one of its kind, `layer_ops`) on `tokens`
+    tokens of one rank, by kind."""
+    ops = layer_ops(cfg, moe, lay, tokens, seq_len, cluster, dtype, layer)
     return LayerTime(**{kind: sum(o.seconds for o in ops if o.kind == kind) for kind in ("matmul", "attention",
                                                                                          "memory")})
 
@@ -170,10 +239,10 @@ def head_time(cfg: ModelConfig, lay: Layout, tokens: float, cluster: Cluster) ->
 
 
 def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
-                      dtype: str, forward: LayerTime) -> LayerTime:
+                      dtype: str, forward: LayerTime, layer: int | None = None) -> LayerTime:
     """What `recompute=op` re-runs of one layer in backward: its products not kept (recompute_terms.py),
     the attention core unless kept, and the layer's elementwise work."""
-    layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) == moe)
+    layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) == moe) if layer is None else layer
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
     products = recomputed_products(cfg, layer, dtype, lay.recompute_save, lay.activation_fp8,
                                    tokens=max(int(tokens), 1), local_experts=local)
@@ -187,14 +256,15 @@ def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, s
 
 
 def recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
-                   dtype: str, forward: LayerTime) -> LayerTime:
-    """Forward work one layer to which the recomputation policy applies runs again in backward."""
+                   dtype: str, forward: LayerTime, layer: int | None = None) -> LayerTime:
+    """Forward work one layer (of `layer`'s kind) to which the recomputation policy applies runs again in
+    backward."""
     if lay.recompute == "full":
         return forward
     if lay.recompute == "selective":
         return LayerTime(matmul=0.0, attention=forward.attention, memory=0.0)
     if lay.recompute == "op":
-        return op_recompute_time(cfg, moe, lay, tokens, seq_len, cluster, dtype, forward)
+        return op_recompute_time(cfg, moe, lay, tokens, seq_len, cluster, dtype, forward, layer)
     return LayerTime(0.0, 0.0, 0.0)
 
 
@@ -221,22 +291,46 @@ def stage_compute_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int
     tokens = work.micro_batch * work.seq_len / lay.cp
     key = ("layer_time", lay.tp, lay.sp, lay.ep, lay.cp, lay.cp_method, lay.fused_attention, work.micro_batch,
            cluster, dtype, lay.recompute, lay.recompute_save, lay.activation_fp8)
-    times = profile.memo(key, lambda: {moe: (t, recompute_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype, t))
-                                       for moe in set(profile.moe)
-                                       for t in (layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype),)})
+
+    def kind_times(kind: int) -> tuple[LayerTime, LayerTime]:  # kind: the first layer of a `layer_kind`
+        moe = profile.moe[kind]
+        t = layer_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype, kind)
+        return t, recompute_time(cfg, moe, lay, tokens, work.seq_len, cluster, dtype, t, kind)
+
+    times = profile.memo(key, lambda: {kind: kind_times(kind) for kind in set(profile.kinds)})
     matmul = attention = memory = 0.0
     attention_passes = 1 + (FUSED_ATTENTION_BACKWARD if lay.fused_attention else 2)
-    for (moe, applies), n in profile.stage_kinds(lay.pp, lay.vpp, stage, lay.recompute,
-                                                 lay.recompute_interval).items():
-        t, again = times[moe]
-        matmul += n * (3 * t.matmul + (again.matmul if applies else 0.0))
-        memory += n * (3 * t.memory + (again.memory if applies else 0.0))
-        attention += n * (attention_passes * t.attention + (again.attention if applies else 0.0))
+    more = more_replays(cfg, lay, work, stage, profile)
+    for (kind, applies), n in profile.stage_layer_kinds(lay.pp, lay.vpp, stage, lay.recompute,
+                                                        lay.recompute_interval).items():
+        t, again = times[kind]
+        replays = n + more.get(kind, 0.0) if applies else 0.0
+        matmul += n * 3 * t.matmul + replays * again.matmul
+        memory += n * 3 * t.memory + replays * again.memory
+        attention += n * attention_passes * t.attention + replays * again.attention
     if stage == lay.pp - 1:
         matmul += 3 * head_time(cfg, lay, tokens, cluster)
     matmul += handoff_time(cfg, lay, work, stage, cluster, profile)
     return StageCompute(matmul=matmul, attention=attention, memory=memory,
                         transfer=2 * offloaded / cluster.host_bandwidth if offloaded else 0.0)
+
+
+def more_replays(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, profile: ModelProfile
+                 ) -> dict[int, float]:
+    """Replays per micro-batch beyond one of the recomputed layers (by their kind's first layer) pipeline
+    rank `stage` holds as the trainer places them (bubble.py's `layer_replays`: a split backward's weight
+    pass replays a recomputed block once per weight group)."""
+    m = lay.microbatches(work)
+    def count() -> dict[int, float]:
+        out: dict[int, float] = {}
+        replays = layer_replays(cfg, lay.pp_schedule, lay.pp, m, lay.recompute, lay.vpp)
+        for i, (rank, r) in enumerate(replays):
+            if rank == stage and i % lay.recompute_interval == 0 and r > 1:
+                out[profile.kinds[i]] = out.get(profile.kinds[i], 0.0) + r - 1
+        return out
+
+    return profile.memo(("more_replays_by_kind", lay.pp_schedule, lay.pp, lay.vpp, m, lay.recompute,
+                         lay.recompute_interval, stage), count)
 
 
 def handoff_time(cfg: ModelConfig, lay: Layout, work: Workload, stage: int, cluster: Cluster,

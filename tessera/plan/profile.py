@@ -1,10 +1,12 @@
 """What the estimators need from a model, computed once and reused across layouts.
 
-Every decoder layer is one of two kinds, dense or MoE, and layers of a kind cost the same FLOPs,
-parameters and activations. Each layer's token mixer (`layer_mixer`: softmax attention, the delta
-rule, SSD or none) sets what context parallelism exchanges for it (comm.py). A `ModelProfile`
-records each layer's kind and memoises per-kind results, so planning one layout is O(pipeline
-stages) and a search over tens of thousands of layouts takes seconds. It is an explicit object
+Every decoder layer is dense or MoE, and its token mixer (`layer_mixer`: softmax attention, the
+delta rule, SSD or none) sets what context parallelism exchanges for it (comm.py). Layers alike in
+both (and, in a one-sublayer model, in their sublayer) hold the same parameters and keep the same
+activations: `layer_kind`, each kind's first layer standing for it (`stage_layer_kinds`), so a
+hybrid model's recurrent layers are sized as themselves, not as its attention layers. A
+`ModelProfile` records each layer's kind and memoises per-kind results, so planning one layout is
+O(pipeline stages) and a search over tens of thousands of layouts takes seconds. It is an explicit object
 handed to the functions that use it, never global.
 """
 
@@ -36,6 +38,7 @@ class ModelProfile:
     params_total: int
     params_active: int
     mixers: list[str] = field(default_factory=list)  # each layer's `layer_mixer`
+    kinds: list[int] = field(default_factory=list)  # each layer's `layer_kind`: the first layer of its kind
     _memo: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -48,7 +51,7 @@ class ModelProfile:
                    core_flops=attention_core_flops_per_token(cfg, seq_len),
                    head_flops=head_forward_flops_per_token(cfg), params_total=count_params(cfg),
                    params_active=count_params(cfg, active=True),
-                   mixers=[layer_mixer(cfg, i) for i in range(cfg.n_layers)])
+                   mixers=[layer_mixer(cfg, i) for i in range(cfg.n_layers)], kinds=layer_kinds(cfg))
 
     def representative(self, moe: bool) -> int:
         """Index of the first layer of that kind."""
@@ -74,6 +77,19 @@ class ModelProfile:
 
         return self.memo(("kinds", pp, vpp, stage, recompute, interval), count)
 
+    def stage_layer_kinds(self, pp: int, vpp: int, stage: int, recompute: str, interval: int
+                          ) -> dict[tuple[int, bool], int]:
+        """Layers of `stage` counted by (the first layer of their `layer_kind`, does the recomputation
+        policy apply to it)."""
+        def count() -> dict[tuple[int, bool], int]:
+            out: dict[tuple[int, bool], int] = {}
+            for i in self.stages(pp, vpp)[stage]:
+                key = (self.kinds[i], recompute != "none" and i % interval == 0)
+                out[key] = out.get(key, 0) + 1
+            return out
+
+        return self.memo(("layer_kinds", pp, vpp, stage, recompute, interval), count)
+
     def stage_mixers(self, pp: int, vpp: int, stage: int, recompute: str, interval: int) -> dict[tuple[str, bool], int]:
         """Layers of `stage` counted by (`layer_mixer`, does the recomputation policy apply to it)."""
         def count() -> dict[tuple[str, bool], int]:
@@ -94,6 +110,17 @@ def layer_mixer(cfg: ModelConfig, i: int) -> str:
     if cfg.is_mamba_layer(i):
         return "ssd"
     return "attention" if cfg.has_attention(i) else "none"
+
+
+def layer_kind(cfg: ModelConfig, i: int) -> tuple[bool, str, str | None]:
+    """What sets layer i's parameters and saved activations: MoE or not, its mixer, its one sublayer (Nemotron-H)."""
+    return cfg.is_moe_layer(i), layer_mixer(cfg, i), None if cfg.sublayers is None else cfg.sublayers[i]
+
+
+def layer_kinds(cfg: ModelConfig) -> list[int]:
+    """Each layer's kind, named by the first layer of that kind."""
+    first: dict[tuple[bool, str, str | None], int] = {}
+    return [first.setdefault(layer_kind(cfg, i), i) for i in range(cfg.n_layers)]
 
 
 def handoff_buffers(cfg: ModelConfig, mixer: str, lay: Layout, micro_batch: int,

@@ -196,3 +196,49 @@ def test_a_chunk_of_whole_tiles_is_computed_a_tile_at_a_time(monkeypatch, per_ch
     for a, b, c in zip(tiled, whole, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+def test_the_delta_rule_computes_in_fp32_under_autocast():
+    """`train.dtype: bf16` runs the model under autocast: Qwen3-Next's forward and backward run (the state
+    update met a bf16 correction and fp32 keys: a dtype error), and the delta rule's outputs and gradients
+    are its fp32 ones, whatever the caller's autocast."""
+    from tessera.config import get_preset
+    from tessera.models import Transformer
+
+    model = Transformer(get_preset("tiny-qwen3-next"), init_seed=0)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 48, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    g, beta = -torch.rand(1, 48, 2, generator=gen), torch.rand(1, 48, 2, generator=gen)
+    plain = chunked_delta_rule(q, k, v, g, beta, chunk=16)[0]
+    want = torch.autograd.grad(plain.sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = chunked_delta_rule(q, k, v, g, beta, chunk=16)[0]
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
+    for got, w in zip(torch.autograd.grad(under.sum(), (q, k, v)), want, strict=True):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear"])
+def test_operator_level_recomputation_trains_a_delta_rule_model_as_without_it(name):
+    """`parallel.recompute: op` keeps the products its save list names and re-runs the rest in backward;
+    the chunk step added to bmm's output in place, which the policy had kept ("Tensor cached during
+    selective activation checkpoint has been mutated"). The gradients equal those without recomputation."""
+    from tessera.config import get_preset
+    from tessera.models import Transformer
+    from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in ("none", "op"):
+        model = Transformer(get_preset(name), init_seed=0)
+        apply_activation_checkpointing(model, recompute, 1)
+        model(ids).logits.logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-6, msg=n)

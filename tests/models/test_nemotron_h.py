@@ -91,14 +91,15 @@ def test_parameter_count_is_the_built_models():
 
 
 def test_forward_flops_count_each_layers_one_sublayer():
-    """Per token: the Mamba layers' projections and state work, the attention layer's projections and
-    core, the MLPs' two matrices, each once (not a mixer and an MLP per layer), and the head."""
-    from tessera.models.flops import forward_flops_per_token
+    """Per token: the Mamba layers' projections and chunked SSD core (its products against the real layer's:
+    tests/plan/test_hybrid_plan.py), the attention layer's projections and core, the MLPs' two matrices, each
+    once (not a mixer and an MLP per layer), and the head."""
+    from tessera.models.flops import forward_flops_per_token, ssd_flops_per_token
 
     cfg = get_preset("tiny-nemotron-h")  # mamba, mlp, attention, mlp, mamba, mlp
     m, h, s = cfg.mamba, cfg.dim, 64
     inner = m.n_heads * m.head_dim
-    mamba = 2 * h * (2 * inner + 2 * m.n_groups * m.state_size + m.n_heads + inner) + 4 * inner * m.state_size
+    mamba = 2 * h * (2 * inner + 2 * m.n_groups * m.state_size + m.n_heads + inner) + ssd_flops_per_token(cfg, s)
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     attention = 2 * h * (2 * q + 2 * kv) + 2 * cfg.n_heads * 2 * cfg.head_dim * s / 2
     mlp = 2 * 2 * h * cfg.ffn_dim

@@ -35,20 +35,30 @@ Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from tessera.models.flops import (
+    DELTA_RULE_PER_CHANNEL_TERMS,
+    DELTA_RULE_PER_HEAD_TERMS,
+    DELTA_RULE_SUB_BLOCK,
+    DELTA_RULE_TILE,
+)
 
 # fp32 elements of one slab's terms (a few chunks'): small enough that they are in cache when the chunk loop
 # reads them and that malloc reuses their memory from slab to slab instead of mapping fresh pages (at 16 MiB
 # slabs a page fault per 4 KiB cost about a fifth of an 8k-token prompt's time). [C, SUB_BLOCK, K] elements a
 # chunk when the decay is per channel, [C, K + V] when per head.
-PER_CHANNEL_TERMS = 1 << 21
-PER_HEAD_TERMS = 1 << 19
+PER_CHANNEL_TERMS = DELTA_RULE_PER_CHANNEL_TERMS  # tessera/models/flops.py holds them for the planner
+PER_HEAD_TERMS = DELTA_RULE_PER_HEAD_TERMS
 # the tokens whose own terms are computed together: a chunk of a whole number of TILEs is computed a tile at
 # a time (the same sums, cut where the chunk is cut anyway, so a prompt cut at its chunks computes the same
 # tiles); on one CPU thread tiles of 32 ran an 8k-token prompt faster than 64 (less of the chunk's quadratic work)
-TILE = 32
-SUB_BLOCK = 8  # rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+TILE = DELTA_RULE_TILE  # tessera/models/flops.py counts the chunked form's products by it
+# rows of a chunk's diagonal blocks whose per-channel decays are taken whole (_exact_products)
+SUB_BLOCK = DELTA_RULE_SUB_BLOCK
 # rows of the blocks `_referenced_products` refers to one row, and the most a channel may decay (in log)
 # within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
 ROW_BLOCK = 16
@@ -94,6 +104,19 @@ def _initial(state: torch.Tensor | None, B: int, H: int, K: int, V: int, device:
     return torch.zeros(B, H, K, V, device=device) if state is None else state.float()
 
 
+def _autocast_off(form):
+    """`form` run with autocast off: the recurrence computes in fp32 whatever its caller's autocast (under
+    `train.dtype: bf16` the chunk products would otherwise run in bf16, and the state update meet a bf16
+    correction and fp32 keys: a dtype error)."""
+    @functools.wraps(form)
+    def run(q_BSHK: torch.Tensor, *args, **kwargs):
+        with torch.autocast(q_BSHK.device.type, enabled=False):
+            return form(q_BSHK, *args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                          beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +138,7 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
     return out.transpose(1, 2).to(v_BSHV.dtype), state
 
 
+@_autocast_off
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,9 +197,11 @@ def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.
     q and k_t carry their decays (exp(c_i), exp(c_C - c_j)) already. `in_place` (no gradient wanted):
     the state is scaled and written where it is, saving a copy of it per chunk."""
     delta = torch.baddbmm(U, W, state, alpha=-1)
-    out = torch.bmm(q, state).baddbmm_(scores, delta)
     if in_place:
+        out = torch.bmm(q, state).baddbmm_(scores, delta)
         return out, state.mul_(chunk_decay).baddbmm_(k_t, delta)
+    # with gradients, out of place: recompute=op's policy may keep bmm's output, which must stay as it was
+    out = torch.baddbmm(torch.bmm(q, state), scores, delta)
     return out, torch.baddbmm(state * chunk_decay, k_t, delta)
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.models.flops import SSD_SLAB_TERMS
+
 # fp32 elements of a slab's largest terms (its decays [s, H, L, L] or carried writes [s, H, P, N]) at once
-SLAB_TERMS = 1 << 22
+SLAB_TERMS = SSD_SLAB_TERMS  # tessera/models/flops.py holds it for the planner
 # the most a head may decay (in log) within one chunk for `_shared_decay_slab`: exp(60) ~ 1e26 leaves
 # fp32 room for its sums
 SPAN_LIMIT = 60.0
