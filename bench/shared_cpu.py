@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -89,26 +90,47 @@ def run_demo(policy: str, steps: int, run_dir: Path) -> dict:
             "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0])}
 
 
-def spinners(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+SPIN = "while True: pass"
+FORK_THEN_SPIN = "import os, sys\nfor _ in range(int(sys.argv[1]) - 1):\n    if os.fork() == 0:\n        break\n" + SPIN
 
 
-def one_round(policies: list[str], load: int, steps: int, tmp: Path, round_: int) -> list[dict]:
+def spinners(n: int, sessions: str) -> list[subprocess.Popen]:
+    """`n` busy processes: in this process's session (`same`, as the bench ran before), all in one session of their
+    own (`one`: another user's or terminal's job of n processes), or each in its own (`each`). Linux shares the cores
+    between sessions before it shares them between threads (the scheduler's autogroups, on by default), so where the
+    load runs decides the demo's share of the cores: 2/(n + its threads) in `same`, about 1/2 in `one`, 2/(n + 1) in
+    `each`, whatever its thread count."""
+    if n == 0:
+        return []
+    if sessions == "one":
+        return [subprocess.Popen([sys.executable, "-c", FORK_THEN_SPIN, str(n)], start_new_session=True)]
+    return [subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=sessions == "each") for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Each busy process, and in `one` the processes it forked (its process group)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL) if os.getpgid(p.pid) == p.pid else p.kill()
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def one_round(policies: list[str], load: int, sessions: str, steps: int, tmp: Path, round_: int) -> list[dict]:
     """Every policy idle, then every policy beside `load` busy processes (started before, stopped after)."""
     results = []
     for condition, busy in (("idle", 0), ("loaded", load)):
-        procs = spinners(busy)
+        procs = spinners(busy, sessions)
         try:
             time.sleep(2 if busy else 0)
             for policy in policies:
                 r = run_demo(policy, steps, tmp / f"{round_}-{condition}-{policy}")
-                r.update(condition=condition, busy_processes=busy, round=round_)
+                r.update(condition=condition, busy_processes=busy, sessions=sessions, round=round_)
                 results.append(r)
                 print(json.dumps(r), flush=True)
         finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+            stop(procs)
     return results
 
 
@@ -134,6 +156,8 @@ def main() -> None:
                                                         "with the demo's two threads)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per run (timed: 2..)")
     ap.add_argument("--policies", default="spin10k,adaptive,one", help=f"of {','.join(POLICIES)}")
+    ap.add_argument("--sessions", default="one", choices=("same", "one", "each"),
+                    help="where the busy processes run: this session, one of their own, each its own (spinners())")
     ap.add_argument("--rounds", type=int, default=1, help="idle-then-loaded sequences, one after another")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -142,9 +166,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_demo("one", 1, Path(tmp) / "warm")  # the bundled corpus tokenized once, outside the timings
         for round_ in range(args.rounds):
-            results += one_round(policies, args.load, args.steps, Path(tmp), round_)
+            results += one_round(policies, args.load, args.sessions, args.steps, Path(tmp), round_)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.steps} steps per run, "
-          f"{args.rounds} round(s), {args.load} busy processes when loaded")
+          f"{args.rounds} round(s), {args.load} busy processes when loaded, sessions: {args.sessions}")
     summary(results, policies)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -13,12 +13,15 @@ count the run started with (OMP_NUM_THREADS, or torch's default). A run that sta
 and a machine without /proc, keep their count.
 
 Only the count changes: the same operations on the same values, split over fewer threads, so the
-results differ only as a thread count changes them (a reduction's partial sums; the losses of the
-demo's model at 1 and at 2 threads agree within fp32 rounding: tests/cli/test_adaptive_threads.py).
+results differ only as a thread count changes them (a reduction's partial sums: a run's losses agree
+with a fixed count's within fp32 rounding, tests/cli/test_adaptive_threads.py).
 `tessera train` installs it on CPU runs (`train.adaptive_threads`, on by default) as a step hook of
 the Trainer, which calls it on the training thread as each step begins: torch's intra-op count is
-the calling thread's. metrics.jsonl logs the count a step ran on as `cpu_threads`. What it gained on
-the demo, idle and at load 8, is in docs/benchmarks.md (bench/shared_cpu.py).
+the calling thread's. metrics.jsonl logs the count a step ran on as `cpu_threads`. Linux shares the
+cores between sessions before threads (autogroups), so while other users' or terminals' jobs keep the
+machine busy a second thread adds no share of the cores, only the waits; bench/shared_cpu.py measures
+the demo with each policy, idle and beside busy processes (docs/benchmarks.md). Not known here: a
+cgroup's CPU quota (a container's `cpu.max`), which /proc/loadavg does not show.
 """
 
 from __future__ import annotations
