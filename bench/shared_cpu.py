@@ -1,7 +1,7 @@
 """`make demo`'s training step on a shared machine: idle, and with N busy processes beside it, under
 each OpenMP wait policy (tessera/cli/threads.py) and thread-count policy (tessera/cli/adaptive_threads.py).
 
-    python bench/shared_cpu.py [--load 6 --steps 8 --policies spin10k,adaptive,one --out FILE]
+    python bench/shared_cpu.py [--load 6 --steps 8 --policies spin10k,adaptive,one --sessions one,same --out FILE]
 
 Each run is a fresh `python -m tessera train configs/tiny-moe.yaml` with the Makefile's demo
 settings (OMP_NUM_THREADS=2, seq_len 128) for `--steps` steps, logged every step; its step time is
@@ -12,10 +12,13 @@ libgomp's own default, which `tessera` would otherwise replace), passive (OMP_WA
 them, with the bounded spin: adaptive (`tessera train`'s default: two threads, one while other processes
 keep the cores busy, chosen every 4 steps; each step's count is in the results) and one (one thread
 throughout, OMP_NUM_THREADS=1: what the adaptive policy falls back to). The load is `--load` processes
-each spinning a Python loop, started before the policies' runs and stopped after; the machine's own
-load is measured, not assumed: the mean number of runnable tasks (/proc/loadavg's fourth field) sampled
-every 0.5 s during each run, and the 1-minute load average at its end. The policies alternate within each condition, and
-with `--rounds R` the whole idle-then-loaded sequence repeats R times (the medians over rounds printed).
+each spinning a Python loop, started before the policies' runs and stopped after, placed by `--sessions`:
+one session of their own (another user's or terminal's job), this session (as the figures before
+2026-11-30 ran), or each its own; `spinners()` says why the placement matters. The machine's own load is
+measured, not assumed: the mean number of runnable tasks (/proc/loadavg's fourth field) sampled every
+0.5 s during each run, and the 1-minute load average at its end. The policies alternate within each
+condition, and with `--rounds R` the whole sequence (idle, then each placement) repeats R times (the
+medians over rounds printed).
 """
 
 from __future__ import annotations
@@ -117,15 +120,16 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def one_round(policies: list[str], load: int, sessions: str, steps: int, tmp: Path, round_: int) -> list[dict]:
-    """Every policy idle, then every policy beside `load` busy processes (started before, stopped after)."""
+def one_round(policies: list[str], load: int, placements: list[str], steps: int, tmp: Path, round_: int) -> list[dict]:
+    """Every policy idle, then every policy beside `load` busy processes in each placement (started before, stopped
+    after)."""
     results = []
-    for condition, busy in (("idle", 0), ("loaded", load)):
+    for condition, busy, sessions in (("idle", 0, "-"), *(("loaded", load, p) for p in placements)):
         procs = spinners(busy, sessions)
         try:
             time.sleep(2 if busy else 0)
             for policy in policies:
-                r = run_demo(policy, steps, tmp / f"{round_}-{condition}-{policy}")
+                r = run_demo(policy, steps, tmp / f"{round_}-{condition}-{sessions}-{policy}")
                 r.update(condition=condition, busy_processes=busy, sessions=sessions, round=round_)
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -134,20 +138,22 @@ def one_round(policies: list[str], load: int, sessions: str, steps: int, tmp: Pa
     return results
 
 
-def summary(results: list[dict], policies: list[str]) -> None:
-    """Per policy the medians over rounds: idle and loaded s/step, their ratio, and the ratio to spin10k's
-    idle step (the fixed two threads `tessera` ran before the adaptive policy)."""
-    def med(policy: str, condition: str, key: str) -> float:
-        return statistics.median(r[key] for r in results if r["policy"] == policy and r["condition"] == condition)
+def summary(results: list[dict], policies: list[str], placements: list[str]) -> None:
+    """Per policy the medians over rounds: the idle s/step, and for each placement of the load the loaded s/step,
+    its ratio to the policy's own idle step and to spin10k's (the fixed two threads `tessera` ran before the
+    adaptive policy), with the runnable tasks measured."""
+    def med(policy: str, sessions: str, key: str) -> float:
+        return statistics.median(r[key] for r in results if r["policy"] == policy and r["sessions"] == sessions)
 
-    base = med("spin10k", "idle", "step_s") if "spin10k" in policies else None
-    print(f"{'policy':<10} {'idle s/step':>12} {'loaded s/step':>14} {'loaded/idle':>12} {'/spin10k idle':>14} "
-          f"{'runnable idle':>14} {'runnable loaded':>16}")
-    for policy in policies:
-        idle, loaded = med(policy, "idle", "step_s"), med(policy, "loaded", "step_s")
-        to_base = f"{loaded / base:>14.2f}" if base else f"{'-':>14}"
-        print(f"{policy:<10} {idle:>12.2f} {loaded:>14.2f} {loaded / idle:>12.2f} {to_base} "
-              f"{med(policy, 'idle', 'runnable_mean'):>14.1f} {med(policy, 'loaded', 'runnable_mean'):>16.1f}")
+    base = med("spin10k", "-", "step_s") if "spin10k" in policies else None
+    print(f"{'policy':<10} {'load in':<8} {'idle s/step':>12} {'loaded s/step':>14} {'loaded/idle':>12} "
+          f"{'/spin10k idle':>14} {'runnable idle':>14} {'runnable loaded':>16}")
+    for sessions in placements:
+        for policy in policies:
+            idle, loaded = med(policy, "-", "step_s"), med(policy, sessions, "step_s")
+            to_base = f"{loaded / base:>14.2f}" if base else f"{'-':>14}"
+            print(f"{policy:<10} {sessions:<8} {idle:>12.2f} {loaded:>14.2f} {loaded / idle:>12.2f} {to_base} "
+                  f"{med(policy, '-', 'runnable_mean'):>14.1f} {med(policy, sessions, 'runnable_mean'):>16.1f}")
 
 
 def main() -> None:
@@ -156,20 +162,23 @@ def main() -> None:
                                                         "with the demo's two threads)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per run (timed: 2..)")
     ap.add_argument("--policies", default="spin10k,adaptive,one", help=f"of {','.join(POLICIES)}")
-    ap.add_argument("--sessions", default="one", choices=("same", "one", "each"),
-                    help="where the busy processes run: this session, one of their own, each its own (spinners())")
+    ap.add_argument("--sessions", default="one", help="where the busy processes run, a list of: same (this "
+                    "session), one (one of their own), each (each its own); spinners() says why it matters")
     ap.add_argument("--rounds", type=int, default=1, help="idle-then-loaded sequences, one after another")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    policies = args.policies.split(",")
+    policies, placements = args.policies.split(","), args.sessions.split(",")
+    bad = [p for p in policies if p not in POLICIES] + [p for p in placements if p not in ("same", "one", "each")]
+    if bad:
+        ap.error(f"unknown policy or placement {bad}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         run_demo("one", 1, Path(tmp) / "warm")  # the bundled corpus tokenized once, outside the timings
         for round_ in range(args.rounds):
-            results += one_round(policies, args.load, args.sessions, args.steps, Path(tmp), round_)
+            results += one_round(policies, args.load, placements, args.steps, Path(tmp), round_)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {args.steps} steps per run, "
           f"{args.rounds} round(s), {args.load} busy processes when loaded, sessions: {args.sessions}")
-    summary(results, policies)
+    summary(results, policies, placements)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
