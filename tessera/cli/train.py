@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace, cfg, progress):
         window = parse_window(args.profile) if args.profile is not None else None
         trainer = Trainer(cfg, resume=args.resume or restart > 0, progress=progress,
                           task_evaluator=_task_evaluator(cfg), rollouts=_rollouts(cfg), profile=window,
-                          profile_torch=args.profile_torch)
+                          profile_torch=args.profile_torch, step_hooks=_thread_hooks(cfg))
         coordinator = trainer.layout.is_coordinator
         if coordinator:
             print("\n".join(trainer.startup_lines()), file=sys.stderr, flush=True)
@@ -170,6 +170,14 @@ def _train(args: argparse.Namespace, cfg, progress):
         return trainer.train(), coordinator, trainer.closing_lines
     finally:
         shutdown_distributed()
+
+
+def _thread_hooks(cfg) -> list:
+    """On a CPU, the intra-op thread count kept to the cores other processes leave free (adaptive_threads.py)."""
+    from tessera.cli.adaptive_threads import thread_hooks
+    from tessera.config.devices import resolve_device
+
+    return thread_hooks(cfg.train.adaptive_threads, resolve_device(cfg.train.device, key="train.device").split(":")[0])
 
 
 def _summarize(cfg, result, coordinator: bool, closing) -> int:

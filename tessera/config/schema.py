@@ -106,6 +106,10 @@ class TrainConfig:
     # false: autocast casts them each time (2 bytes per weight less memory between steps).
     cast_weights_per_step: bool = True
     device: str = "auto"  # auto (cuda when available, else cpu), cpu, cuda, or cuda:N
+    # On a CPU, `tessera train` keeps its intra-op thread count to the cores other processes leave free,
+    # chosen every few steps, at least 1, at most the count it started with (tessera/cli/adaptive_threads.py;
+    # metrics.jsonl logs it as cpu_threads). false: the starting count (OMP_NUM_THREADS) throughout.
+    adaptive_threads: bool = True
     log_interval: int = 10  # write a metrics line every N steps (and at the first and last step)
     eval_interval: int = 0  # validation loss / perplexity every N steps and at the end; 0 = never
     eval_steps: int = 4  # validation batches (of global_batch_size samples) per evaluation

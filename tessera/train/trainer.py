@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -116,15 +117,17 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, resume: bool = False, progress: RankProgress | None = None,
                  task_evaluator: TaskEvaluator | None = None, rollouts: Any = None,
-                 profile: tuple[int, int] | None = None, profile_torch: bool = False):
+                 profile: tuple[int, int] | None = None, profile_torch: bool = False,
+                 step_hooks: Sequence[Callable[[int], None]] = ()):
         """`progress` is the launcher's view of this rank (tessera train --nproc), or None; `task_evaluator`
         runs `train.eval_tasks` (task_evaluation.py; `tessera train` passes tessera.eval.training.TrainingTasks);
         `rollouts` samples a GRPO run's completions (`tessera train` passes tessera.eval.rollouts.EngineRollouts);
         `profile` the steps (first, last) to record into run_dir/profile (train/run/profile_record.py),
-        with torch.profiler's trace too when `profile_torch`."""
+        with torch.profiler's trace too when `profile_torch`; `step_hooks` are called with the step as each
+        begins, on the training thread (`tessera train`'s CPU thread count: tessera/cli/adaptive_threads.py)."""
         self.mode = training_mode(cfg)  # train/modes/registry.py: what the run trains
         self.cfg = cfg = self.mode.configure(cfg)  # the config it trains under (EAGLE: the target's model)
-        self.progress = progress
+        self.progress, self.step_hooks = progress, list(step_hooks)
         self._lines_since: float | None = None  # train(): when per-step text lines are printed, since when
         t = cfg.train
         if t.eval_tasks and task_evaluator is None:
@@ -247,6 +250,8 @@ class Trainer:
         self.step += 1
         if self.progress is not None:
             self.progress.began(self.step)
+        for hook in self.step_hooks:
+            hook(self.step)
         lr = self.scheduler.set_step(self.step)
         with mark("data", "next batch"):
             batch = self.data.train.next_batch()
@@ -477,7 +482,8 @@ class Trainer:
         throughput = step_throughput(window.tokens, window.seconds, self.flops_per_token, self.peak_flops,
                                      self.layout.world_size)
         mem = memory_gib(self.device)
-        figures = StepFigures(throughput, self.tokens_seen, mem, self._rank_times(result))
+        threads = torch.get_num_threads() if self.device.type == "cpu" else None  # what the step ran on
+        figures = StepFigures(throughput, self.tokens_seen, mem, self._rank_times(result), threads)
         rec = self.built.record(self.step, step, figures)
         if evaluate:
             rec.update(self.evaluate())

@@ -10,7 +10,8 @@ Written every `train.log_interval` steps and at the first, last, evaluation and 
   model.mtp_loss_weight x mtp_loss); lr;
   grad_norm (global, before clipping); tokens_per_s, tflops (model TFLOP/s per device) and mfu
   (None without a known peak), averaged since the previous line; loss_tokens (of this step's
-  global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak);
+  global batch: fewer than its tokens under an SFT mask); tokens_seen; mem_gib (peak); cpu_threads on a
+  CPU (the intra-op thread count the step ran on: tessera/cli/adaptive_threads.py changes it);
   skipped_step when the gradient was not finite; loss_scale in fp16 (the scale the step's
   backward used); for MoE models aux_loss, aux/layer{i}/{name} and
   expert_load/layer{i}/{max_over_mean, max_tokens, mean_tokens} (routing slots per expert, summed
@@ -51,6 +52,7 @@ class StepFigures:
     tokens_seen: int
     mem_gib: float  # peak
     rank_times: dict[str, Any] = field(default_factory=dict)  # on ranks: each rank's times (rank_timing.py)
+    cpu_threads: int | None = None  # a CPU run: the intra-op thread count the step ran on (torch.get_num_threads)
 
 
 def step_record(step: int, result: StepResult, figures: StepFigures, moe: bool) -> dict[str, Any]:
@@ -59,6 +61,8 @@ def step_record(step: int, result: StepResult, figures: StepFigures, moe: bool) 
     rec: dict[str, Any] = {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm}
     rec.update(figures.throughput)
     rec.update(loss_tokens=result.loss_tokens, tokens_seen=figures.tokens_seen, mem_gib=figures.mem_gib)
+    if figures.cpu_threads is not None:
+        rec["cpu_threads"] = figures.cpu_threads
     if result.skipped:
         rec["skipped_step"] = True
     if result.distill_loss is not None:
