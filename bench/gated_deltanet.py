@@ -11,8 +11,8 @@ the CPU time each side's process used (`time.process_time`: what other processes
 take is not counted in it), the load average before and after, and the largest difference between
 their outputs. `--per-channel`: Kimi delta attention's decay, one per key channel (Kimi-Linear-48B-A3B's
 layer: 32 heads of 128, the defaults) instead of one per head. `--kernel`: a third side, the chunked form
-with its slabs laid out by the CPU library's one-pass kernel (`delta_chunk_inputs`, what the serving engine
-installs at the mixers' `fused_chunk_inputs`; tessera/infer/cpu/layer_ops.py), alternated with the other two
+with its slabs laid out by the CPU library's one-pass kernel (`delta_chunk_terms`, what the serving engine
+installs at the mixers' `fused_chunk_terms`; tessera/infer/cpu/layer_ops.py), alternated with the other two
 and reported the same way ("chunked_kernel"; its ratios to the recurrent form and to the PyTorch chunked form).
 Writes one JSON object to stdout.
 """
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if cpu_attention.kernel() is None:
             print("the CPU library did not build (see the log)", file=sys.stderr)
             return 1
-        kernel = torch.ops.tessera_cpu.delta_chunk_inputs
+        kernel = torch.ops.tessera_cpu.delta_chunk_terms
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     S, H, D = args.tokens, args.heads, args.head_dim
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 start, start_cpu = time.perf_counter(), time.process_time()
                 if name.startswith("chunked"):
                     fused = kernel if name == "chunked_kernel" else None
-                    outputs[name] = chunked_delta_rule(q, k, v, g, beta, chunk=args.chunk, chunk_inputs=fused)[0]
+                    outputs[name] = chunked_delta_rule(q, k, v, g, beta, chunk=args.chunk, chunk_terms=fused)[0]
                 else:
                     outputs[name] = recurrent_delta_rule(q, k, v, g, beta)[0]
                 times[name].append(time.perf_counter() - start)

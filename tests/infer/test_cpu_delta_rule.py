@@ -1,7 +1,8 @@
-"""The chunked delta rule's one-pass CPU kernel (`delta_chunk_inputs`, tessera/infer/cpu/csrc/delta_rule_cpu.cpp,
-at the mixers' `fused_chunk_inputs` seam): its outputs equal the terms computed with PyTorch ops; the
-chunked form through it equals the recurrent form (fp32 1e-5: several chunk sizes, odd lengths, a start
-state, a decay per head and per key channel) and the PyTorch chunked form; a decay too strong for it
+"""The chunked delta rule's CPU kernel of a chunk's terms (`delta_chunk_terms`,
+tessera/infer/cpu/csrc/delta_rule_cpu.cpp, at the mixers' `fused_chunk_terms` seam): its outputs equal
+the terms computed with PyTorch ops; the chunked form through it equals the recurrent form (fp32 1e-5:
+several chunk sizes, odd lengths, a start state, a decay per head and per key channel) and the PyTorch
+chunked form; a decay too strong for it
 within a chunk goes to the PyTorch ops; it is never used where a gradient is wanted; and the serving
 engine's `fuse_layer_ops` installs it in Kimi Linear's and Qwen3-Next's mixers, whose logits then
 still equal transformers'."""
@@ -24,7 +25,7 @@ def kernel(monkeypatch):
     """The kernel, which must build here (the project installs ninja; the machines have a compiler)."""
     monkeypatch.delenv(cpu_attention.ENV, raising=False)
     assert cpu_attention.kernel() is not None, "the CPU kernels did not build (see the log)"
-    return torch.ops.tessera_cpu.delta_chunk_inputs
+    return torch.ops.tessera_cpu.delta_chunk_terms
 
 
 def _inputs(per_channel: bool, seed: int = 0, strength: float = 0.5, value_dim: int = V):
@@ -37,7 +38,7 @@ def _inputs(per_channel: bool, seed: int = 0, strength: float = 0.5, value_dim: 
     return q, k, v, g, beta, state
 
 
-def _reference_inputs(q, k, v, g, beta, C):
+def _reference_terms(q, k, v, g, beta, C):
     """What the kernel computes (its header comment), with PyTorch ops, chunk by chunk."""
     N, per_channel = -(-S // C), g.dim() == 4
     pad = N * C - S
@@ -49,8 +50,11 @@ def _reference_inputs(q, k, v, g, beta, C):
     qn, kn = chunked(q * l2_factor(q, K ** -0.5)), chunked(k * l2_factor(k))
     c = chunked(g if per_channel else g[..., None].expand(B, S, H, K)).cumsum(dim=-2)
     b = chunked(beta)[..., None]
-    return (qn * c.exp(), b * kn * c.exp(), kn * (-c).exp(), c[..., -1:, :].exp().transpose(-1, -2),
-            b * chunked(v), c.abs().max())
+    qd, kb, kinv, vb = qn * c.exp(), b * kn * c.exp(), kn * (-c).exp(), b * chunked(v)
+    eye = torch.eye(C).expand(N, B * H, C, C)
+    T = torch.linalg.solve_triangular(eye + (kb @ kinv.transpose(-1, -2)).tril(-1), eye, upper=False)
+    return (qd, T @ kb, T @ vb, (qd @ kinv.transpose(-1, -2)).tril(), kinv, c[..., -1:, :].exp().transpose(-1, -2),
+            c.abs().max())
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
@@ -58,8 +62,8 @@ def _reference_inputs(q, k, v, g, beta, C):
 def test_kernel_outputs_equal_the_terms_computed_with_pytorch(kernel, per_channel, C):
     q, k, v, g, beta, _ = _inputs(per_channel, value_dim=12)
     got = kernel(q, k, v, g, beta, C, K ** -0.5, rule.L2_EPS)
-    want = _reference_inputs(q, k, v, g, beta, C)
-    names = ("qd", "kb", "kinv", "decay", "vb", "span")
+    want = _reference_terms(q, k, v, g, beta, C)
+    names = ("qd", "W", "U", "scores", "kinv", "decay", "span")
     for name, a, b in zip(names, got, want):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # exp(c) to |c| ~ 11 here
@@ -89,7 +93,7 @@ def test_chunked_through_the_kernel_equals_recurrent_and_the_pytorch_chunked_for
     torch_out, torch_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk)
     calls = []
     counted = lambda *a: calls.append(1) or kernel(*a)  # noqa: E731
-    got, got_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, chunk_inputs=counted)
+    got, got_state = chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, chunk_terms=counted)
     assert calls
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
@@ -104,7 +108,7 @@ def test_a_prompt_of_several_slabs_through_the_kernel_equals_recurrent(kernel, m
     q, k, v, g, beta, state = _inputs(True, seed=3)
     want = recurrent_delta_rule(q, k, v, g, beta, state)
     monkeypatch.setattr(rule, "PER_CHANNEL_TERMS", 1)
-    got = chunked_delta_rule(q, k, v, g, beta, state, chunk=8, chunk_inputs=kernel)
+    got = chunked_delta_rule(q, k, v, g, beta, state, chunk=8, chunk_terms=kernel)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -118,7 +122,7 @@ def test_a_decay_too_strong_for_the_kernel_goes_to_the_pytorch_ops(kernel, monke
     monkeypatch.setattr(rule, "_chunk_terms", lambda *a: calls.append(1) or terms(*a))
     q, k, v, g, beta, state = _inputs(per_channel, seed=5, strength=20.0)
     want = recurrent_delta_rule(q, k, v, g, beta, state)
-    got = chunked_delta_rule(q, k, v, g, beta, state, chunk=32, chunk_inputs=kernel)
+    got = chunked_delta_rule(q, k, v, g, beta, state, chunk=32, chunk_terms=kernel)
     assert calls
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -128,7 +132,7 @@ def test_the_kernel_is_not_used_where_a_gradient_is_wanted(kernel):
     q, k, v, g, beta, state = _inputs(True)
     q.requires_grad_(True)
     calls = []
-    out, _ = chunked_delta_rule(q, k, v, g, beta, state, chunk=16, chunk_inputs=lambda *a: calls.append(1))
+    out, _ = chunked_delta_rule(q, k, v, g, beta, state, chunk=16, chunk_terms=lambda *a: calls.append(1))
     out.sum().backward()
     assert not calls and q.grad is not None and q.grad.abs().sum() > 0
 
@@ -152,17 +156,17 @@ def test_served_mixers_take_the_kernel_and_still_equal_transformers(kernel, fami
     hf.save_pretrained(tmp_path)
     model = load_pretrained(tmp_path, dtype=torch.float32)
     fuse_layer_ops(model)
-    mixers = [m for m in model.modules() if hasattr(m, "fused_chunk_inputs")]
-    assert mixers and all(m.fused_chunk_inputs is kernel for m in mixers)
+    mixers = [m for m in model.modules() if hasattr(m, "fused_chunk_terms")]
+    assert mixers and all(m.fused_chunk_terms is kernel for m in mixers)
     calls = []
     for m in mixers:
-        m.fused_chunk_inputs = lambda *a: calls.append(1) or kernel(*a)
+        m.fused_chunk_terms = lambda *a: calls.append(1) or kernel(*a)
     ids = torch.randint(0, hf.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
     assert len(calls) >= len(mixers)
     unfuse_layer_ops(model)
-    assert all(m.fused_chunk_inputs is None for m in mixers)
+    assert all(m.fused_chunk_terms is None for m in mixers)
 
 
 def test_the_bench_times_the_kernel_beside_both_forms(kernel):

@@ -7,12 +7,13 @@ rows. In a decode step of a few rows the rows are short and the dispatches are w
 two thousand op calls per step for a 12-layer model. `csrc/layer_ops_cpu.cpp` does each in one pass
 over the rows, in the same library as the paged-attention kernel (infer/cpu/attention.py builds both).
 The chunked delta rule of Gated DeltaNet and Kimi delta attention (a prompt's or prompt chunk's
-recurrent layers) lays each slab of chunks out with a dozen such ops (L2 norms, re-layouts, the
-decays' cumulative sums and exps, scalings, a transposed copy); `csrc/delta_rule_cpu.cpp` does them
-in one pass (`delta_chunk_inputs`, at the mixers' `fused_chunk_inputs`).
+recurrent layers) computes each chunk's own terms with a dozen such ops (L2 norms, re-layouts, the
+decays' cumulative sums and exps, scalings) and five batched products of small matrices;
+`csrc/delta_rule_cpu.cpp` computes them a chunk at a time in cache (`delta_chunk_terms`, at the
+mixers' `fused_chunk_terms`), leaving the products with the state to the chunk loop.
 
 `fuse_layer_ops(model)` installs them at the models' seams (`RMSNorm.fused`, `Attention.fused_rope`,
-`FeedForward.fused_act`, the delta-rule mixers' `fused_chunk_inputs`, and `FeedForward.fused_swiglu`
+`FeedForward.fused_act`, the delta-rule mixers' `fused_chunk_terms`, and `FeedForward.fused_swiglu`
 where the gate and up product runs on the panel kernel: the activation in that product's epilogue,
 infer/cpu/linear.py), which use them only
 without autograd (a served model), so the same modules still train. The engine calls it for a
@@ -48,7 +49,7 @@ def fuse_layer_ops(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, (GatedDeltaNet, KimiDeltaAttention)) and module.dt_bias.device.type == "cpu":
-            module.fused_chunk_inputs = ops.delta_chunk_inputs  # (any dtype: its slabs are read in fp32)
+            module.fused_chunk_terms = ops.delta_chunk_terms  # (any dtype: its slabs are read in fp32)
         elif isinstance(module, RMSNorm) and not module.unit_offset and _fp32_cpu(module.weight):
             module.fused = ops.rms_norm
         elif type(module) is Attention and _fp32_cpu(getattr(module.wq, "weight", None)):
@@ -76,7 +77,7 @@ def unfuse_layer_ops(model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, (GatedDeltaNet, KimiDeltaAttention)):
-            module.fused_chunk_inputs = None
+            module.fused_chunk_terms = None
         elif isinstance(module, RMSNorm):
             module.fused = None
         elif isinstance(module, Attention):

@@ -57,11 +57,11 @@ ROW_BLOCK = 16
 SPAN_LIMIT = 60.0
 L2_EPS = 1e-6  # inside the root of q's and k's L2 norms, as fla has it
 
-# A kernel computing a slab's per-chunk inputs in one pass, no gradients (the seam `fused_chunk_inputs` of
-# the mixers; tessera/infer/cpu/layer_ops.py fills it with the C++ library's): (q, k, v, g, beta [B, S, H, .],
-# chunk, q_scale, eps) -> (qd, kb, kinv, decay, vb, span), as `_fused_chunk_terms` reads them. Its slabs
+# A kernel computing a slab's chunk terms, no gradients (the seam `fused_chunk_terms` of the mixers;
+# tessera/infer/cpu/layer_ops.py fills it with the C++ library's): (q, k, v, g, beta [B, S, H, .], chunk,
+# q_scale, eps) -> (qd, W, U, scores, kinv, decay, span), as `_fused_chunk_terms` reads them. Its slabs
 # are sized as a decay per head's (PER_HEAD_TERMS): its outputs are [C, K] or [C, V] a chunk either way.
-ChunkInputs = Callable[..., tuple[torch.Tensor, ...]]
+ChunkTerms = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def l2_factor(x: torch.Tensor, scale: float = 1.0, eps: float = L2_EPS) -> torch.Tensor:
@@ -126,15 +126,15 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
                        beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64,
-                       chunk_inputs: ChunkInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk_terms: ChunkTerms | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule `chunk` tokens at a time (module docstring; a chunk of whole TILEs a tile at
     a time), a slab of chunks at a time: each slab's inputs are laid out chunk first ([n, B H, C, .],
     `_in_chunks`) and its own terms computed at once (bounded memory, every product over the slab a
     plain batched one, nothing prompt-sized allocated but the output); only the state passes from
     chunk to chunk. The sequence is padded to whole chunks with tokens that write nothing (beta = 0,
     k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state).
-    `chunk_inputs` (a `ChunkInputs` kernel, the seam `fused_chunk_inputs` of the mixers) lays each slab
-    out in one pass where no gradient is wanted (`_fused_chunk_terms`); the PyTorch ops otherwise."""
+    `chunk_terms` (a `ChunkTerms` kernel, the seam `fused_chunk_terms` of the mixers) computes each
+    slab's chunk terms where no gradient is wanted (`_fused_chunk_terms`); the PyTorch ops otherwise."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     C = min(chunk, S)
@@ -145,7 +145,7 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
     if in_place and state_BHKV is not None:
         state = state.clone()  # the caller's, if already fp32
     N, per_channel = -(-S // C), g_BSH.dim() == 4
-    fused = chunk_inputs if in_place else None
+    fused = chunk_terms if in_place else None
     per_chunk = B * H * C * (SUB_BLOCK * K if per_channel and fused is None else K + V)
     slab = max(1, (PER_CHANNEL_TERMS if per_channel and fused is None else PER_HEAD_TERMS) // per_chunk)
     out = q_BSHK.new_empty(B, N * C, H, V, dtype=torch.float32)
@@ -183,20 +183,18 @@ def _slab_outputs(state: torch.Tensor, terms, in_place: bool, decay_after: bool 
     return outs, state
 
 
-def _fused_chunk_terms(chunk_inputs: ChunkInputs, slab: list[torch.Tensor], C: int):
-    """`_chunk_terms` of one slab from a `ChunkInputs` kernel's one pass (qd = q exp(c), kb = beta k exp(c),
-    kinv = k exp(-c), vb = beta v, decay = exp(c_C), c referred to the start of each chunk): A = kb kinv^T,
-    T = (I + A)^-1, W = T kb, U = T vb, the scores tril(qd kinv^T); the state's write is kinv^T delta
+def _fused_chunk_terms(chunk_terms: ChunkTerms, slab: list[torch.Tensor], C: int):
+    """`_chunk_terms` of one slab from a `ChunkTerms` kernel. With c referred to the start of each chunk,
+    kb = beta k exp(c), vb = beta v: qd = q exp(c), kinv = k exp(-c), decay = exp(c_C), T = (I + kb kinv^T)^-1
+    (below the diagonal), W = T kb, U = T vb, the scores tril(qd kinv^T); the state's write is kinv^T delta
     before the decay (`_chunk_step`'s `decay_after`: S_C = exp(c_C) (S0 + sum_j exp(-c_j) k_j delta_j^T)).
     None where some channel decays by more than SPAN_LIMIT within a chunk (exp(-c) would leave fp32's
     room), which the PyTorch ops then take."""
     q, k, v, g, beta = (t.float() for t in slab)
-    qd, kb, kinv, decay, vb, span = chunk_inputs(q, k, v, g, beta, C, q.shape[-1] ** -0.5, L2_EPS)
+    qd, W, U, scores, kinv, decay, span = chunk_terms(q, k, v, g, beta, C, q.shape[-1] ** -0.5, L2_EPS)
     if float(span) > SPAN_LIMIT:
         return None
-    kinv_t = kinv.transpose(-1, -2)
-    T = _unit_lower_inverse(kb @ kinv_t)
-    return qd, T @ kb, T @ vb, (qd @ kinv_t).tril_(), kinv_t, decay
+    return qd, W, U, scores, kinv.transpose(-1, -2), decay
 
 
 def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:

@@ -1,22 +1,24 @@
-// What the chunked gated delta rule (tessera/models/linear_attention/delta_rule.py) needs of each chunk's
-// own inputs, in one pass over them (fp32, no gradients: prompt processing and serving):
+// A chunk's own terms for the chunked gated delta rule (tessera/models/linear_attention/delta_rule.py),
+// each chunk of each head computed whole in cache (fp32, no gradients: prompt processing and serving):
 //
-// delta_chunk_inputs(q, k, v, g, beta, chunk, q_scale, eps) -> (qd, kb, kinv, decay, vb, span)
+// delta_chunk_terms(q, k, v, g, beta, chunk, q_scale, eps) -> (qd, W, U, scores, kinv, decay, span)
 //   q, k [B, S, H, K], v [B, S, H, V], beta [B, S, H], g [B, S, H] (a log-decay per head, Gated DeltaNet)
 //   or [B, S, H, K] (one per key channel, Kimi delta attention); any strides (a row whose last dimension
 //   is strided, as the mixers' views of the convolution's output are, is gathered first).
 //   With q^, k^ L2-normalised (times q_scale for q; eps inside the root) and c the log-decay summed
 //   within each chunk of `chunk` tokens (per channel; the sequence padded to whole chunks with tokens
-//   that write nothing and do not decay), each [N, B H, C, .] (N chunks, C = chunk):
-//     qd = q^ exp(c), kb = beta k^ exp(c), kinv = k^ exp(-c), vb = beta v,
-//     and decay [N, B H, K, 1] = exp(c_C),
+//   that write nothing and do not decay), kb = beta k^ exp(c) and vb = beta v, each [N, B H, ., .]
+//   (N chunks, C = chunk):
+//     qd [C, K] = q^ exp(c), kinv [C, K] = k^ exp(-c), decay [K, 1] = exp(c_C),
+//     A = kb kinv^T below the diagonal, T = (I + A)^-1 (forward substitution),
+//     W [C, K] = T kb, U [C, V] = T vb, scores [C, C] = qd kinv^T on and below the diagonal (0 above),
 //   and span, the largest |c| met (a 0-dim tensor): the caller uses these only where it is small enough
-//   for exp(-c) (delta_rule.SPAN_LIMIT). From them a chunk's terms are products:
-//   A = kb kinv^T (below the diagonal), T = (I + A)^-1, W = T kb, U = T vb, scores = tril(qd kinv^T), and
-//   the state after the chunk is diag(decay) (S0 + kinv^T (U - W S0)).
-// PyTorch computes the same as a dozen ops, each a pass over the prompt (norms, re-layouts, a
-// cumulative sum, exps, scalings and a transposed copy); here each value is read once and each output
-// written once, the chunk's running sums kept in a row-sized buffer.
+//   for exp(-c) (delta_rule.SPAN_LIMIT). The chunk's state update is then
+//   diag(decay) (S0 + kinv^T (U - W S0)), its output qd S0 + scores (U - W S0).
+// PyTorch computes the same as a dozen passes over the prompt (norms, re-layouts, a cumulative sum,
+// exps, scalings, a transposed copy) and five batched products of small matrices, which run far below
+// the machine's matrix speed and compute both triangles; here each input is read once, each output
+// written once, and the products (their lower triangles only) run on the chunk while it is in cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,12 +69,14 @@ struct Inputs {
 };
 
 struct Outputs {
-  float *qd, *kb, *kinv, *decay, *vb;
+  float *qd, *W, *U, *scores, *kinv, *decay;
 };
 
 struct Scratch {
-  std::vector<float> c, q, k, v, g;  // the running log-decay; strided rows gathered
-  Scratch(int64_t K, int64_t V, int64_t gK) : c(gK), q(K), k(K), v(V), g(gK) {}
+  // the running log-decay; strided rows gathered; the chunk's kb, vb, A and T
+  std::vector<float> c, q, k, v, g, kb, vb, A, T;
+  Scratch(int64_t K, int64_t V, int64_t gK, int64_t C)
+      : c(gK), q(K), k(K), v(V), g(gK), kb(C * K), vb(C * V), A(C * C), T(C * C) {}
 };
 
 // One row of a decay per channel: c += g, then qd = q nq exp(c), kb = k kf exp(c), kinv = k nk / exp(c);
@@ -119,14 +123,124 @@ void scaled(const float* x, float f, float* out, int64_t n) {
   for (; d < n; ++d) out[d] = x[d] * f;
 }
 
+// acc[0 .. n) += x * row[0 .. n)
+inline void axpy(float* __restrict acc, float x, const float* __restrict row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += x * row[j];
+}
+
+// a . b over n
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float sum = 0.f;
+#ifdef TESSERA_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  sum = tessera_vec::hsum(_mm256_add_ps(s0, s1));
+#endif
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+#ifdef TESSERA_AVX2
+// the sums of the eight lanes of each of a[0 .. 8): one vector of eight dot products
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // lanes: [0 1 2 3 | 0 1 2 3] halves of the first four, [4 5 6 7 | 4 5 6 7] of the last four
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+#endif
+
+// Row i of A (columns j < i) and of the scores (j <= i): kb_i . kinv_j and qd_i . kinv_j, four columns
+// at a time (eight sums in flight, kinv's rows loaded once for both).
+void score_rows(const float* qd_i, const float* kb_i, const float* kinv, float* a_i, float* s_i, int64_t i,
+                int64_t K) {
+  int64_t j = 0;
+#ifdef TESSERA_AVX2
+  if (K % 8 == 0) {
+    for (; j + 4 <= i + 1; j += 4) {
+      __m256 acc[8];
+      for (auto& x : acc) x = _mm256_setzero_ps();
+      for (int64_t d = 0; d < K; d += 8) {
+        const __m256 kv = _mm256_loadu_ps(kb_i + d), qv = _mm256_loadu_ps(qd_i + d);
+        for (int r = 0; r < 4; ++r) {
+          const __m256 x = _mm256_loadu_ps(kinv + (j + r) * K + d);
+          acc[r] = _mm256_fmadd_ps(kv, x, acc[r]);
+          acc[4 + r] = _mm256_fmadd_ps(qv, x, acc[4 + r]);
+        }
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, hsum8(acc));
+      for (int r = 0; r < 4; ++r) {
+        if (j + r < i) a_i[j + r] = sums[r];
+        s_i[j + r] = sums[4 + r];
+      }
+    }
+  }
+#endif
+  for (; j <= i; ++j) {
+    if (j < i) a_i[j] = dot(kb_i, kinv + j * K, K);
+    s_i[j] = dot(qd_i, kinv + j * K, K);
+  }
+}
+
+// out_i [n] = sum_{j <= i} t_i[j] x_j (rows of x [., n]), 64 columns at a time in registers.
+void lower_row_times(const float* t_i, const float* x, float* out_i, int64_t i, int64_t n) {
+  int64_t d = 0;
+#ifdef TESSERA_AVX2
+  for (; d + 64 <= n; d += 64) {
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t j = 0; j <= i; ++j) {
+      const __m256 t = _mm256_set1_ps(t_i[j]);
+      const float* row = x + j * n + d;
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(t, _mm256_loadu_ps(row + 8 * r), acc[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(out_i + d + 8 * r, acc[r]);
+  }
+#endif
+  if (d < n) {
+    std::fill(out_i + d, out_i + n, 0.f);
+    for (int64_t j = 0; j <= i; ++j) axpy(out_i + d, t_i[j], x + j * n + d, n - d);
+  }
+}
+
+// The chunk's products (the header's A, T, W, U and scores), its rows in cache: A's and the scores'
+// entries up to the diagonal as dot products of kb's (qd's) and kinv's rows; T row by row by forward
+// substitution, T_i = e_i - sum_{j<i} A_ij T_j; W's and U's rows as T's lower rows times kb's and vb's rows.
+void chunk_products(const float* qd, const float* kb, const float* kinv, const float* vb, float* W, float* U,
+                    float* scores, Scratch& w, int64_t C, int64_t K, int64_t V) {
+  float* A = w.A.data();
+  float* T = w.T.data();
+  for (int64_t i = 0; i < C; ++i) {
+    score_rows(qd + i * K, kb + i * K, kinv, A + i * C, scores + i * C, i, K);
+    std::fill(scores + i * C + i + 1, scores + (i + 1) * C, 0.f);
+  }
+  std::fill(T, T + C * C, 0.f);
+  for (int64_t i = 0; i < C; ++i) {
+    float* t = T + i * C;
+    t[i] = 1.f;
+    for (int64_t j = 0; j < i; ++j) axpy(t, -A[i * C + j], T + j * C, j + 1);
+  }
+  for (int64_t i = 0; i < C; ++i) {
+    lower_row_times(T + i * C, kb, W + i * K, i, K);
+    lower_row_times(T + i * C, vb, U + i * V, i, V);
+  }
+}
+
 // One (chunk n, sequence b, head h): its C rows, returning the largest |c| met.
 float one_chunk(const Inputs& in, const Outputs& out, int64_t n, int64_t b, int64_t h, int64_t unit, Scratch& w) {
   float* c = w.c.data();
   const int64_t K = in.K, V = in.V, C = in.C;
   float* qd = out.qd + unit * C * K;
-  float* kb = out.kb + unit * C * K;
+  float* kb = w.kb.data();
   float* kinv = out.kinv + unit * C * K;
-  float* vb = out.vb + unit * C * V;
+  float* vb = w.vb.data();
   std::fill(w.c.begin(), w.c.end(), 0.f);
   float span = 0.f;
   for (int64_t i = 0; i < C; ++i) {
@@ -160,13 +274,14 @@ float one_chunk(const Inputs& in, const Outputs& out, int64_t n, int64_t b, int6
   // the chunk's decay to its end, exp(c_C) per channel (the state's rows after its writes: the caller's)
   float* decay = out.decay + unit * K;
   for (int64_t d = 0; d < K; ++d) decay[d] = tessera_vec::exp_nonpositive(c[in.gK == 1 ? 0 : d]);
+  chunk_products(qd, kb, kinv, vb, out.W + unit * C * K, out.U + unit * C * V, out.scores + unit * C * C, w, C, K, V);
   return span;
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-tessera_cpu::delta_chunk_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+tessera_cpu::delta_chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, int64_t chunk, double q_scale, double eps) {
   check_input(q, "q", 4);
   check_input(k, "k", 4);
@@ -189,19 +304,19 @@ tessera_cpu::delta_chunk_inputs(const at::Tensor& q, const at::Tensor& k, const 
             {g.stride(0), g.stride(1), g.stride(2), g.dim() == 4 ? g.stride(3) : 1},
             {beta.stride(0), beta.stride(1), beta.stride(2)}, static_cast<float>(q_scale), static_cast<float>(eps)};
   const auto opts = q.options();
-  at::Tensor qd = at::empty({N, BH, C, K}, opts), kb = at::empty({N, BH, C, K}, opts),
-             kinv = at::empty({N, BH, C, K}, opts), decay = at::empty({N, BH, K, 1}, opts),
-             vb = at::empty({N, BH, C, V}, opts);
-  Outputs out{qd.data_ptr<float>(), kb.data_ptr<float>(), kinv.data_ptr<float>(), decay.data_ptr<float>(),
-              vb.data_ptr<float>()};
+  at::Tensor qd = at::empty({N, BH, C, K}, opts), W = at::empty({N, BH, C, K}, opts),
+             U = at::empty({N, BH, C, V}, opts), scores = at::empty({N, BH, C, C}, opts),
+             kinv = at::empty({N, BH, C, K}, opts), decay = at::empty({N, BH, K, 1}, opts);
+  Outputs out{qd.data_ptr<float>(), W.data_ptr<float>(), U.data_ptr<float>(), scores.data_ptr<float>(),
+              kinv.data_ptr<float>(), decay.data_ptr<float>()};
   std::vector<float> spans(N * BH, 0.f);
   at::parallel_for(0, N * BH, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(K, V, in.gK);
+    Scratch w(K, V, in.gK, C);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t n = unit / BH, bh = unit % BH;
       spans[unit] = one_chunk(in, out, n, bh / H, bh % H, unit, w);
     }
   });
   const float span = spans.empty() ? 0.f : *std::max_element(spans.begin(), spans.end());
-  return {qd, kb, kinv, decay, vb, at::scalar_tensor(span, opts)};
+  return {qd, W, U, scores, kinv, decay, at::scalar_tensor(span, opts)};
 }
