@@ -6,14 +6,15 @@ One Qwen3-Next-80B-A3B Gated DeltaNet layer's core (`--heads` value heads of key
 `--head-dim`, fp32, one sequence of `--tokens` tokens; tessera/models/linear_attention/delta_rule.py):
 `chunked_delta_rule` (chunks of `--chunk`) and `recurrent_delta_rule` (token by token) on the same
 random inputs, the two alternated `--rounds` times, each side's median kept; tokens/s of each, their
-ratio (issue 50's target: chunked >= 5x recurrent at 8k tokens), each round's ratio, the same from
-the CPU time each side's process used (`time.process_time`: what other processes sharing the cores
-take is not counted in it), the load average before and after, and the largest difference between
-their outputs. `--per-channel`: Kimi delta attention's decay, one per key channel (Kimi-Linear-48B-A3B's
-layer: 32 heads of 128, the defaults) instead of one per head. `--kernel`: a third side, the chunked form
-with its slabs laid out by the CPU library's one-pass kernel (`delta_chunk_terms`, what the serving engine
-installs at the mixers' `fused_chunk_terms`; tessera/infer/cpu/layer_ops.py), alternated with the other two
-and reported the same way ("chunked_kernel"; its ratios to the recurrent form and to the PyTorch chunked form).
+ratio (issue 50's target: chunked >= 5x recurrent at 8k tokens), each round's ratio, the same (median
+and each round's) from the CPU time each side's process used (`time.process_time`: what other
+processes sharing the cores take is not counted in it), the load average before and after, and the
+largest difference between their outputs. `--per-channel`: Kimi delta attention's decay, one per key
+channel (Kimi-Linear-48B-A3B's layer: 32 heads of 128, the defaults) instead of one per head.
+`--kernel`: a third side, the chunked form with each chunk's terms from the CPU library's kernel
+(`delta_chunk_terms`, what the serving engine installs at the mixers' `fused_chunk_terms`;
+tessera/infer/cpu/layer_ops.py), alternated with the other two and reported the same way
+("chunked_kernel"; its ratios to the recurrent form and to the PyTorch chunked form).
 Writes one JSON object to stdout.
 """
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         suffix = "" if name == "chunked" else "_kernel"
         report[f"chunked{suffix}_over_recurrent"] = round(tps[name] / tps["recurrent"], 2)
         report[f"per_round{suffix}"] = [round(r / c, 2) for c, r in zip(times[name], times["recurrent"])]
+        report[f"cpu_per_round{suffix}"] = [round(r / c, 2) for c, r in zip(cpu[name], cpu["recurrent"])]
         report[f"cpu_chunked{suffix}_over_recurrent"] = round(cpu_tps[name] / cpu_tps["recurrent"], 2)
         report[f"max_abs_diff{suffix}"] = float((outputs[name] - outputs["recurrent"]).abs().max())
     if kernel:
