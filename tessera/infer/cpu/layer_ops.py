@@ -6,10 +6,16 @@ RMSNorm (x.float(), pow, mean, add, rsqrt, two products, casts), the rotary embe
 rows. In a decode step of a few rows the rows are short and the dispatches are what costs: about
 two thousand op calls per step for a 12-layer model. `csrc/layer_ops_cpu.cpp` does each in one pass
 over the rows, in the same library as the paged-attention kernel (infer/cpu/attention.py builds both).
+The chunked delta rule of Gated DeltaNet and Kimi delta attention (a prompt's or prompt chunk's
+recurrent layers) computes each chunk's own terms with a dozen such ops (L2 norms, re-layouts, the
+decays' cumulative sums and exps, scalings) and five batched products of small matrices;
+`csrc/delta_rule_cpu.cpp` computes them a chunk at a time in cache (`delta_chunk_terms`, at the
+mixers' `fused_chunk_terms`), leaving the products with the state to the chunk loop.
 
 `fuse_layer_ops(model)` installs them at the models' seams (`RMSNorm.fused`, `Attention.fused_rope`,
-`FeedForward.fused_act`, and `FeedForward.fused_swiglu` where the gate and up product runs on the
-panel kernel: the activation in that product's epilogue, infer/cpu/linear.py), which use them only
+`FeedForward.fused_act`, the delta-rule mixers' `fused_chunk_terms`, and `FeedForward.fused_swiglu`
+where the gate and up product runs on the panel kernel: the activation in that product's epilogue,
+infer/cpu/linear.py), which use them only
 without autograd (a served model), so the same modules still train. The engine calls it for a
 model it owns, on CPU in fp32 with its projections packed (infer/cpu/linear.py), when the library builds;
 `TESSERA_CPU_ATTENTION=torch` turns the kernels off as it does the attention kernel's. The values
@@ -32,6 +38,8 @@ def fuse_layer_ops(model: nn.Module) -> int:
     device is left alone); returns how many seams took one (0 where the library is not available)."""
     from tessera.infer.cpu.linear import FusedLinear
     from tessera.models.attention import Attention
+    from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+    from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
     from tessera.models.mlp import FeedForward
     from tessera.models.norm import RMSNorm
 
@@ -40,7 +48,9 @@ def fuse_layer_ops(model: nn.Module) -> int:
     ops = torch.ops.tessera_cpu
     n = 0
     for module in model.modules():
-        if isinstance(module, RMSNorm) and not module.unit_offset and _fp32_cpu(module.weight):
+        if isinstance(module, (GatedDeltaNet, KimiDeltaAttention)) and module.dt_bias.device.type == "cpu":
+            module.fused_chunk_terms = ops.delta_chunk_terms  # (any dtype: its slabs are read in fp32)
+        elif isinstance(module, RMSNorm) and not module.unit_offset and _fp32_cpu(module.weight):
             module.fused = ops.rms_norm
         elif type(module) is Attention and _fp32_cpu(getattr(module.wq, "weight", None)):
             # (a partial or interleaved rotary steps aside from it in Attention.forward)
@@ -60,11 +70,15 @@ def fuse_layer_ops(model: nn.Module) -> int:
 def unfuse_layer_ops(model: nn.Module) -> None:
     """Take the kernels out again: every seam back to the PyTorch ops (benchmarks alternate the two)."""
     from tessera.models.attention import Attention
+    from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+    from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
     from tessera.models.mlp import FeedForward
     from tessera.models.norm import RMSNorm
 
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (GatedDeltaNet, KimiDeltaAttention)):
+            module.fused_chunk_terms = None
+        elif isinstance(module, RMSNorm):
             module.fused = None
         elif isinstance(module, Attention):
             module.fused_rope = None

@@ -36,6 +36,7 @@ Shapes: B batch, S sequence, H heads, K key dim, V value dim, C channels, W conv
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +64,16 @@ SUB_BLOCK = DELTA_RULE_SUB_BLOCK
 # within one for it: exp(60) ~ 1e26 leaves fp32 room for a sum over K of such terms
 ROW_BLOCK = 16
 SPAN_LIMIT = 60.0
+L2_EPS = 1e-6  # inside the root of q's and k's L2 norms, as fla has it
+
+# A kernel computing a slab's chunk terms, no gradients (the seam `fused_chunk_terms` of the mixers;
+# tessera/infer/cpu/layer_ops.py fills it with the C++ library's): (q, k, v, g, beta [B, S, H, .], chunk,
+# q_scale, eps) -> (qd, W, U, scores, kinv, decay, span), as `_fused_chunk_terms` reads them. Its slabs
+# are sized as a decay per head's (PER_HEAD_TERMS): its outputs are [C, K] or [C, V] a chunk either way.
+ChunkTerms = Callable[..., tuple[torch.Tensor, ...]]
 
 
-def l2_factor(x: torch.Tensor, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+def l2_factor(x: torch.Tensor, scale: float = 1.0, eps: float = L2_EPS) -> torch.Tensor:
     """scale / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as fla has it):
     what L2-normalises x, kept apart so the product that applies it can also lay x out anew."""
     return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + eps) * scale
@@ -140,14 +148,16 @@ def recurrent_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: tor
 
 @_autocast_off
 def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor, g_BSH: torch.Tensor,
-                       beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       beta_BSH: torch.Tensor, state_BHKV: torch.Tensor | None = None, chunk: int = 64,
+                       chunk_terms: ChunkTerms | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule `chunk` tokens at a time (module docstring; a chunk of whole TILEs a tile at
     a time), a slab of chunks at a time: each slab's inputs are laid out chunk first ([n, B H, C, .],
     `_in_chunks`) and its own terms computed at once (bounded memory, every product over the slab a
     plain batched one, nothing prompt-sized allocated but the output); only the state passes from
     chunk to chunk. The sequence is padded to whole chunks with tokens that write nothing (beta = 0,
-    k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state)."""
+    k = 0) and do not decay (g = 0). Equal to `recurrent_delta_rule`: (output [B, S, H, V], final state).
+    `chunk_terms` (a `ChunkTerms` kernel, the seam `fused_chunk_terms` of the mixers) computes each
+    slab's chunk terms where no gradient is wanted (`_fused_chunk_terms`); the PyTorch ops otherwise."""
     B, S, H, K = q_BSHK.shape
     V = v_BSHV.shape[-1]
     C = min(chunk, S)
@@ -158,20 +168,56 @@ def chunked_delta_rule(q_BSHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch
     if in_place and state_BHKV is not None:
         state = state.clone()  # the caller's, if already fp32
     N, per_channel = -(-S // C), g_BSH.dim() == 4
-    per_chunk = B * H * C * (SUB_BLOCK * K if per_channel else K + V)
-    slab = max(1, (PER_CHANNEL_TERMS if per_channel else PER_HEAD_TERMS) // per_chunk)
+    fused = chunk_terms if in_place else None
+    per_chunk = B * H * C * (SUB_BLOCK * K if per_channel and fused is None else K + V)
+    slab = max(1, (PER_CHANNEL_TERMS if per_channel and fused is None else PER_HEAD_TERMS) // per_chunk)
     out = q_BSHK.new_empty(B, N * C, H, V, dtype=torch.float32)
     for first in range(0, N, slab):
         rows = slice(first * C, min(first + slab, N) * C)
-        q, k = _in_chunks(q_BSHK[:, rows], C, K ** -0.5), _in_chunks(k_BSHK[:, rows], C, 1.0)
-        terms = _chunk_terms(q, k, *(_in_chunks(t[:, rows], C) for t in (v_BSHV, g_BSH, beta_BSH)))
-        outs = []
-        for n in range(q.shape[0]):
-            chunk_out, state = _chunk_step(state, *(t[n] for t in terms), in_place)
-            outs.append(chunk_out)
-        n = len(outs)
-        out[:, rows].view(B, n, C, H, V).copy_(torch.stack(outs).view(n, B, H, C, V).permute(1, 0, 3, 2, 4))
+        slab_in = [t[:, rows] for t in (q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH)]
+        # (the last slab's terms live until these replace them: the order malloc reuses their memory in)
+        fused_terms = None if fused is None else _fused_chunk_terms(fused, slab_in, C)
+        if fused_terms is not None:
+            terms = fused_terms
+        else:
+            q, k = _in_chunks(slab_in[0], C, K ** -0.5), _in_chunks(slab_in[1], C, 1.0)
+            terms = _chunk_terms(q, k, *(_in_chunks(t, C) for t in slab_in[2:]))
+        outs, state = _slab_outputs(state, terms, in_place, fused_terms is not None)
+        del fused_terms
+        n = outs.shape[0]
+        out[:, rows].view(B, n, C, H, V).copy_(outs.view(n, B, H, C, V).permute(1, 0, 3, 2, 4))
     return out[:, :S].to(v_BSHV.dtype), state.reshape(B, H, K, V)
+
+
+def _slab_outputs(state: torch.Tensor, terms, in_place: bool, decay_after: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slab's chunks in turn: their outputs [n, BH, C, V] (written where they go when `in_place`)
+    and the state after the last."""
+    n, V = terms[0].shape[0], terms[2].shape[-1]
+    if not in_place:
+        outs = []
+        for i in range(n):
+            chunk_out, state = _chunk_step(state, *(t[i] for t in terms), in_place)
+            outs.append(chunk_out)
+        return torch.stack(outs), state
+    outs = state.new_empty(n, *terms[0].shape[1:-1], V)
+    for i in range(n):
+        state = _chunk_step(state, *(t[i] for t in terms), in_place, outs[i], decay_after)[1]
+    return outs, state
+
+
+def _fused_chunk_terms(chunk_terms: ChunkTerms, slab: list[torch.Tensor], C: int):
+    """`_chunk_terms` of one slab from a `ChunkTerms` kernel. With c referred to the start of each chunk,
+    kb = beta k exp(c), vb = beta v: qd = q exp(c), kinv = k exp(-c), decay = exp(c_C), T = (I + kb kinv^T)^-1
+    (below the diagonal), W = T kb, U = T vb, the scores tril(qd kinv^T); the state's write is kinv^T delta
+    before the decay (`_chunk_step`'s `decay_after`: S_C = exp(c_C) (S0 + sum_j exp(-c_j) k_j delta_j^T)).
+    None where some channel decays by more than SPAN_LIMIT within a chunk (exp(-c) would leave fp32's
+    room), which the PyTorch ops then take."""
+    q, k, v, g, beta = (t.float() for t in slab)
+    qd, W, U, scores, kinv, decay, span = chunk_terms(q, k, v, g, beta, C, q.shape[-1] ** -0.5, L2_EPS)
+    if float(span) > SPAN_LIMIT:
+        return None
+    return qd, W, U, scores, kinv.transpose(-1, -2), decay
 
 
 def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torch.Tensor:
@@ -192,15 +238,22 @@ def _in_chunks(x_BSH_: torch.Tensor, C: int, scale: float | None = None) -> torc
 
 
 def _chunk_step(state: torch.Tensor, q: torch.Tensor, W: torch.Tensor, U: torch.Tensor, scores: torch.Tensor,
-                k_t: torch.Tensor, chunk_decay: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's output [BH, C, V] and the state after it, from the state before it [BH, K, V];
-    q and k_t carry their decays (exp(c_i), exp(c_C - c_j)) already. `in_place` (no gradient wanted):
-    the state is scaled and written where it is, saving a copy of it per chunk."""
-    delta = torch.baddbmm(U, W, state, alpha=-1)
+                k_t: torch.Tensor, chunk_decay: torch.Tensor, in_place: bool, out: torch.Tensor | None = None,
+                decay_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's output [BH, C, V] (written into `out` where given) and the state after it, from the
+    state before it [BH, K, V]; q and k_t carry their decays (exp(c_i), exp(c_C - c_j)) already, or with
+    `decay_after` k_t carries exp(-c_j) and the chunk's decay scales the state after its writes.
+    `in_place` (no gradient wanted): the state is scaled and written where it is, saving a copy of it per
+    chunk, and U (read once) becomes delta where it is."""
     if in_place:
-        out = torch.bmm(q, state).baddbmm_(scores, delta)
+        delta = U.baddbmm_(W, state, alpha=-1)
+        out = torch.bmm(q, state) if out is None else torch.bmm(q, state, out=out)
+        out.baddbmm_(scores, delta)
+        if decay_after:
+            return out, state.baddbmm_(k_t, delta).mul_(chunk_decay)
         return out, state.mul_(chunk_decay).baddbmm_(k_t, delta)
     # with gradients, out of place: recompute=op's policy may keep bmm's output, which must stay as it was
+    delta = torch.baddbmm(U, W, state, alpha=-1)
     out = torch.baddbmm(torch.bmm(q, state), scores, delta)
     return out, torch.baddbmm(state * chunk_decay, k_t, delta)
 

@@ -37,6 +37,9 @@ gradient over the ranks (tessera/parallel/tensor_parallel.py). Where the sequenc
 too, `handoff` (a `StateHandoff`, handoff.py): None on one process, where the input is the whole
 sequence; context parallelism installs one under which each rank runs the chunked form over its own
 part of the sequence only, from the convolution inputs and delta state the previous part hands on.
+A third, `fused_chunk_terms` (delta_rule.py's `ChunkTerms`), lays out the chunked form's inputs in
+one pass where no gradient is wanted: None (the PyTorch ops) but where the serving engine installs the
+CPU library's kernel (tessera/infer/cpu/layer_ops.py).
 Shapes: B batch, S sequence, D model dim.
 """
 
@@ -52,7 +55,12 @@ from torch import nn
 
 from tessera.config.errors import ParallelError
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.delta_rule import causal_conv, chunked_delta_rule, recurrent_delta_rule
+from tessera.models.linear_attention.delta_rule import (
+    ChunkTerms,
+    causal_conv,
+    chunked_delta_rule,
+    recurrent_delta_rule,
+)
 from tessera.models.linear_attention.handoff import StateHandoff, handed_on_delta_rule, in_sequence_order
 from tessera.models.norm import RMSNorm
 
@@ -117,16 +125,18 @@ def conv_start(handoff: StateHandoff | None, mixed_BSC: torch.Tensor, conv_w: to
 
 
 def delta_rule(q, k, v, g, beta, state: DeltaNetState | None, recurrent: bool | None, chunk: int,
-               handoff: StateHandoff | None) -> tuple[torch.Tensor, torch.Tensor]:
+               handoff: StateHandoff | None, chunk_terms: ChunkTerms | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule from `state` in the form `recurrent` picks (default token by token for one
-    token, chunked otherwise), or chunked from the state the previous part hands on."""
+    token, chunked otherwise, its slabs laid out by `chunk_terms` where given), or chunked from the
+    state the previous part hands on."""
     if handoff is not None:
         return handed_on_delta_rule(q, k, v, g, beta, chunk, handoff)
     recurrent = q.shape[1] == 1 if recurrent is None else recurrent
     start = None if state is None else state.delta
     if recurrent:
         return recurrent_delta_rule(q, k, v, g, beta, start)
-    return chunked_delta_rule(q, k, v, g, beta, start, chunk=chunk)
+    return chunked_delta_rule(q, k, v, g, beta, start, chunk=chunk, chunk_terms=chunk_terms)
 
 
 class GatedDeltaNet(nn.Module):
@@ -154,6 +164,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(la.n_value_heads * la.value_head_dim, cfg.dim, bias=False)
         self.own_part: OwnPart = whole  # the seams (module docstring)
         self.handoff: StateHandoff | None = None
+        self.fused_chunk_terms: ChunkTerms | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
@@ -189,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms)
         out = gated_rms_norm(out, z, self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         out = in_sequence_order(self.handoff, out.reshape(B, S, -1))

@@ -10,7 +10,7 @@ output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))) (`o_norm`, another 
 projection) and projected back (`o_proj`).
 
 The tensors keep HuggingFace's names and shapes (A_log is [1, 1, H, 1]). The recurrent state, the
-cache protocols, the serving engine's packed step and the `handoff` seam are Gated DeltaNet's
+cache protocols, the serving engine's packed step and the `handoff` and `fused_chunk_terms` seams are Gated DeltaNet's
 (`DeltaNetState`: the convolution's last inputs over 3 H K channels, the delta state [H, K, K]);
 so is `forward`. Prompts and training run the chunked form, a single new token the recurrent one.
 Under tensor parallelism each rank runs whole heads: q_proj, k_proj, v_proj, f_b_proj, g_b_proj and
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.delta_rule import causal_conv
+from tessera.models.linear_attention.delta_rule import ChunkTerms, causal_conv
 from tessera.models.linear_attention.gated_deltanet import (
     DeltaNetState,
     GatedDeltaNet,
@@ -72,6 +72,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(hk, cfg.dim, bias=False)
         self.own_part: OwnPart = whole  # the seams (gated_deltanet.py's docstring)
         self.handoff: StateHandoff | None = None
+        self.fused_chunk_terms: ChunkTerms | None = None
 
     forward = GatedDeltaNet.forward  # the same cache protocols and seams (module docstring)
 
@@ -91,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
         A = self.own_part("A_log", self.A_log.view(-1)).float().exp().view(1, 1, -1, 1)
         g = -A * F.softplus(gate.view(B, S, -1, K))  # [B, S, H, K]
         beta = self.b_proj(x_BSD).sigmoid()
-        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms)
         out_gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, K)
         out = sigmoid_gated_rms_norm(out, out_gate, self.own_part("norm", self.o_norm.weight), self.o_norm.eps)
         seen = S + (0 if state is None else state.tokens)

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 namespace tessera_cpu {
 
@@ -33,5 +34,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::st
 at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10::string_view kind, at::IntArrayRef N,
                              const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
+
+// delta_rule_cpu.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+delta_chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, int64_t chunk, double q_scale, double eps);
 
 }  // namespace tessera_cpu
