@@ -35,11 +35,11 @@ def measure(gguf: str, method: str, path: str, tokens: int, batches: list[int]) 
     import torch
 
     from tessera.infer import LLM, SamplingParams
-    from tessera.infer.cpu.quant_matmul import REPACK
+    from tessera.infer.cpu.quant_matmul import LAYOUTS
 
     torch.set_num_threads(1)
     llm = LLM(gguf, quantization=method, max_num_seqs=max(batches), max_model_len=256, block_size=16)
-    layers = [m for m in llm.engine.model.modules() if type(m) in REPACK]
+    layers = [m for m in llm.engine.model.modules() if type(m) in LAYOUTS]
     out = {"layers": len(layers), "with_kernel": sum(m.fused is not None for m in layers)}
     if path == "reference":
         for m in layers:

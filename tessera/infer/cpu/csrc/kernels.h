@@ -34,4 +34,9 @@ at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10:
                              const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
 
+// quant_matmul_cpu.cpp
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c10::string_view layout,
+                        const at::Tensor& scale, const std::optional<at::Tensor>& shift, double offset, int64_t N,
+                        const std::optional<at::Tensor>& bias, bool portable);
+
 }  // namespace tessera_cpu

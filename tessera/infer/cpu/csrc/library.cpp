@@ -16,6 +16,8 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, str kind, int N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_linear_group(Tensor x, Tensor[] blocks, str kind, int[] N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor codes, str layout, Tensor scale, Tensor? shift, float offset, int N, "
+        "Tensor? bias, bool portable=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
@@ -29,4 +31,5 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("gguf_linear", &tessera_cpu::gguf_linear);
   m.impl("gguf_linear_group", &tessera_cpu::gguf_linear_group);
   m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
+  m.impl("quant_linear", &tessera_cpu::quant_linear);
 }
