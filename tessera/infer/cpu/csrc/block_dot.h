@@ -168,8 +168,9 @@ constexpr int pass_of() {
 
 // y [M, N] = x [M, K] times the N weight rows `source(n)` transposed, + bias (or nullptr): x quantized
 // once, threads splitting the outputs, each output computed by one thread in one order (the same bits
-// for any thread count), rows of x `pass_of<Src>()` at a time over each weight row. A source with its own
-// AVX2 loop (`dot_avx2(a, m0, R, out)`, computing the same operations) takes it instead of dot_rows_avx2.
+// for any thread count), rows of x `pass_of<Src>()` at a time over each weight row. A source with loops of
+// its own (`dot_avx2(a, m0, R, out)`, `dot_portable(...)`: the same operations as each other) takes them
+// instead of dot_rows_avx2 / dot_rows_portable.
 template <class Source>
 at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const float* bias, bool portable) {
   using Src = decltype(source(0));
@@ -194,7 +195,10 @@ at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const fl
             dot_rows_avx2(src, a, m, R, part);
         } else
 #endif
-          dot_rows_portable(src, a, m, R, part);
+          if constexpr (requires { src.dot_portable(a, m, R, part); })
+            src.dot_portable(a, m, R, part);
+          else
+            dot_rows_portable(src, a, m, R, part);
         for (int r = 0; r < R; ++r) out[(m + r) * N + n] = bias ? part[r] + bias[n] : part[r];
       }
     }

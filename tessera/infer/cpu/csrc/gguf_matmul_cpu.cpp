@@ -304,41 +304,19 @@ struct BlockRow {
 #endif
 };
 
-// The K-quants (Q4_K, Q5_K, Q6_K) on AVX2, a super-block of 8 sub-blocks at a time, for up to 8 rows of x
-// per pass: the same operations in the same order as dot_rows_avx2 (so the same bits as it and as the
-// portable loops), with what it did per sub-block done once per super-block: the factors decoded (Q4_K /
-// Q5_K's 6-bit scales and mins, the fp16 d and dmin; Q6_K's 16 int8 scales) into a table of each
-// sub-block's lane factors and constant, and the 32 bytes two sub-blocks share loaded and widened once
-// (Q4_K / Q5_K: the low nibbles one sub-block's, the high ones the next's; Q5_K's fifth bits widened once
-// per super-block). At 1 and 8 rows of x this took the CPU time of the sub-block loop down (docs/benchmarks.md).
+// The K-quants, a super-block of 8 sub-blocks at a time, for up to 8 rows of x per pass, with what the
+// sub-block loop did per sub-block done once per super-block: the factors decoded (Q4_K / Q5_K's 6-bit
+// scales and mins and the fp16 d and dmin, in vector registers; Q6_K's 16 int8 scales) and the 32 bytes two
+// sub-blocks share loaded and widened once (Q4_K / Q5_K: the low nibbles one sub-block's, the high ones the
+// next's; Q5_K's fifth bits widened once per super-block).
+//
+// Q6_K keeps the sub-block loop's operations and order (the same bits as dot_rows_avx2 and the portable
+// loops). Q4_K and Q5_K have their own order, the same in the AVX2 loop and in their portable one
+// (dot_rows_k4_portable), where the sub-block loop's hadd and scalar constant terms took half the time of a
+// row: accumulator lane l sums inputs 2l, 2l + 1, 16 + 2l and 17 + 2l of each sub-block (the sum of the two
+// madd results, no hadd: a sub-block has one factor), and the constant terms c * s go to eight lanes, one per
+// sub-block of a super-block (one fma per super-block and row), reduced as the accumulators are, before them.
 #ifdef TESSERA_X86
-template <class T>
-struct KTable {
-  alignas(32) float lanes[8][8];  // Q6_K: sub-block j's factor of each accumulator lane (LANE's order)
-  alignas(32) float f[8];         // Q4_K, Q5_K: sub-block j's factor (all lanes)
-  float c[8];
-
-  TESSERA_AVX2_TARGET void decode(const uint8_t* b) {
-    if constexpr (std::is_same_v<T, Q6_K>) {
-      const float d = f16(b + 208);
-      for (int j = 0; j < 8; ++j) {
-        const float lo = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j]));
-        const float hi = d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j]));
-        _mm256_store_ps(lanes[j], _mm256_setr_ps(lo, lo, hi, hi, lo, lo, hi, hi));
-      }
-    } else {
-      const float d = f16(b), dmin = f16(b + 2);
-      const uint8_t* s = b + 4;
-      for (int j = 0; j < 8; ++j) {
-        const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        f[j] = d * static_cast<float>(scale);
-        c[j] = -(dmin * static_cast<float>(min));
-      }
-    }
-  }
-};
-
 // Sub-blocks j and j + 1 (j even) of K-quant super-block b as int16: w[t][0] values 0..15, w[t][1] 16..31.
 template <class T>
 TESSERA_AVX2_TARGET inline void k_pair(const uint8_t* b, int j, __m256i w[2][2], const __m256i* qh) {
@@ -366,23 +344,44 @@ TESSERA_AVX2_TARGET inline void k_pair(const uint8_t* b, int j, __m256i w[2][2],
   }
 }
 
+// Q4_K / Q5_K super-block b's eight sub-block factors f = d * scale and constants c = -(dmin * min) (k4_factors'
+// values), the 6-bit fields taken apart four at a time in 32-bit words.
+TESSERA_AVX2_TARGET inline void k4_table(const uint8_t* b, __m256& f, __m256& c) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x03030303;
+  const uint32_t scales[2] = {u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & top2) << 4)};
+  const uint32_t mins[2] = {u[1] & low6, ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)};
+  uint64_t s8, m8;
+  std::memcpy(&s8, scales, 8);
+  std::memcpy(&m8, mins, 8);
+  const __m256 sf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(s8))));
+  const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m8))));
+  f = _mm256_mul_ps(_mm256_set1_ps(f16(b)), sf);
+  c = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mf), _mm256_set1_ps(-0.0f));
+}
+
+inline float reduce_vec(__m256 v, float c) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return reduce(lanes, c);
+}
+
+// Q4_K / Q5_K: rows m0 .. m0 + R of x against weight row `row` in their own order (comment above).
 template <class T, int R>
-TESSERA_AVX2_TARGET void dot_rows_k(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
-  constexpr bool Q6 = std::is_same_v<T, Q6_K>;
-  __m256 acc[R];
-  float cst[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    cst[r] = 0.0f;
-  }
-  KTable<T> table;
-  alignas(32) float scale[R][8];  // Q4_K, Q5_K: f_j * d of row r's sub-block j (the products dot_rows_avx2 makes)
+TESSERA_AVX2_TARGET void dot_rows_k4(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
+  __m256 acc[R], cst[R];
+  for (int r = 0; r < R; ++r) acc[r] = cst[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];  // f_j * d of row r's sub-block j
   for (int64_t sb = 0; sb < a.nb / 8; ++sb) {
     const uint8_t* blk = row + sb * T::BYTES;
-    table.decode(blk);
-    if constexpr (!Q6)
-      for (int r = 0; r < R; ++r)
-        _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_load_ps(table.f), _mm256_loadu_ps(a.d + (m0 + r) * a.nb + sb * 8)));
+    __m256 f, c;
+    k4_table(blk, f, c);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + sb * 8;
+      _mm256_store_ps(scale[r], _mm256_mul_ps(f, _mm256_loadu_ps(a.d + at)));
+      cst[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(a.s + at), cst[r]);
+    }
     __m256i qh[2];
     if constexpr (std::is_same_v<T, Q5_K>) {
       qh[0] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
@@ -391,48 +390,112 @@ TESSERA_AVX2_TARGET void dot_rows_k(const uint8_t* row, const Activations& a, in
     for (int j = 0; j < 8; j += 2) {
       __m256i w[2][2];
       k_pair<T>(blk, j, w, qh);
-      for (int t = 0; t < 2; ++t) {
+      for (int t = 0; t < 2; ++t)
         for (int r = 0; r < R; ++r) {
-          const int64_t at = (m0 + r) * a.nb + sb * 8 + j + t;
-          const __m256 s = Q6 ? _mm256_mul_ps(_mm256_load_ps(table.lanes[j + t]), _mm256_set1_ps(a.d[at]))
-                              : _mm256_broadcast_ss(&scale[r][j + t]);
-          acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(vec_dot(w[t][0], w[t][1], a.q + at * QK)), acc[r]);
-          if constexpr (!Q6) cst[r] = std::fma(table.c[j + t], a.s[at], cst[r]);
+          const int16_t* q = a.q + ((m0 + r) * a.nb + sb * 8 + j + t) * QK;
+          const __m256i dot = _mm256_add_epi32(
+              _mm256_madd_epi16(w[t][0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+              _mm256_madd_epi16(w[t][1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][j + t]), _mm256_cvtepi32_ps(dot), acc[r]);
         }
-      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    out[r] = reduce(lanes, cst[r]);
+  for (int r = 0; r < R; ++r) out[r] = reduce_vec(acc[r], reduce_vec(cst[r], 0.0f));
+}
+
+// Q6_K: the sub-block loop's operations and order, its factors decoded once per super-block.
+TESSERA_AVX2_TARGET inline void k6_table(const uint8_t* b, float (*lanes)[8]) {
+  const float d = f16(b + 208);
+  for (int j = 0; j < 8; ++j) {
+    const float lo = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j]));
+    const float hi = d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j]));
+    _mm256_store_ps(lanes[j], _mm256_setr_ps(lo, lo, hi, hi, lo, lo, hi, hi));  // as LANE
   }
 }
+
+template <int R>
+TESSERA_AVX2_TARGET void dot_rows_k6(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  alignas(32) float lanes[8][8];
+  for (int64_t sb = 0; sb < a.nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * Q6_K::BYTES;
+    k6_table(blk, lanes);
+    for (int j = 0; j < 8; j += 2) {
+      __m256i w[2][2];
+      k_pair<Q6_K>(blk, j, w, nullptr);
+      for (int t = 0; t < 2; ++t)
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (m0 + r) * a.nb + sb * 8 + j + t;
+          const __m256 s = _mm256_mul_ps(_mm256_load_ps(lanes[j + t]), _mm256_set1_ps(a.d[at]));
+          acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(vec_dot(w[t][0], w[t][1], a.q + at * QK)), acc[r]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce_vec(acc[r], 0.0f);
+}
 #endif
+
+// Q4_K / Q5_K's order (comment above) in portable loops: the AVX2 loop's bits.
+template <class T>
+void dot_rows_k4_portable(const BlockRow<T>& src, const Activations& a, int64_t m0, int R, float* out) {
+  float acc[8][8] = {}, cst[8][8] = {};
+  int16_t w[QK];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    src.values(b, w);
+    const Factors f = src.factors(b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + b;
+      const int16_t* q = a.q + at * QK;
+      const float scale = f.lo * a.d[at];
+      for (int l = 0; l < 8; ++l) {
+        const int dot = w[2 * l] * q[2 * l] + w[2 * l + 1] * q[2 * l + 1] + w[16 + 2 * l] * q[16 + 2 * l] +
+                        w[17 + 2 * l] * q[17 + 2 * l];
+        acc[r][l] = std::fma(scale, static_cast<float>(dot), acc[r][l]);
+      }
+      cst[r][b % 8] = std::fma(f.c, a.s[at], cst[r][b % 8]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], reduce(cst[r], 0.0f));
+}
 
 template <class T>
 constexpr bool is_k() {
   return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> || std::is_same_v<T, Q6_K>;
 }
 
-// A K-quant weight row: block_dot.h's source with its own AVX2 loop (dot_rows_k), 8 rows of x per pass.
+// A K-quant weight row: block_dot.h's source with loops of its own, 8 rows of x per pass.
 template <class T>
 struct KRow : BlockRow<T> {
   static constexpr int PASS = 8;
+  static constexpr bool K4 = !std::is_same_v<T, Q6_K>;
 #ifdef TESSERA_X86
+  template <int R>
+  void dot_r(const Activations& a, int64_t m0, float* out) const {
+    if constexpr (K4)
+      dot_rows_k4<T, R>(this->row, a, m0, out);
+    else
+      dot_rows_k6<R>(this->row, a, m0, out);
+  }
   void dot_avx2(const Activations& a, int64_t m0, int R, float* out) const {
     switch (R) {
-      case 8: return dot_rows_k<T, 8>(this->row, a, m0, out);
-      case 7: return dot_rows_k<T, 7>(this->row, a, m0, out);
-      case 6: return dot_rows_k<T, 6>(this->row, a, m0, out);
-      case 5: return dot_rows_k<T, 5>(this->row, a, m0, out);
-      case 4: return dot_rows_k<T, 4>(this->row, a, m0, out);
-      case 3: return dot_rows_k<T, 3>(this->row, a, m0, out);
-      case 2: return dot_rows_k<T, 2>(this->row, a, m0, out);
-      default: return dot_rows_k<T, 1>(this->row, a, m0, out);
+      case 8: return dot_r<8>(a, m0, out);
+      case 7: return dot_r<7>(a, m0, out);
+      case 6: return dot_r<6>(a, m0, out);
+      case 5: return dot_r<5>(a, m0, out);
+      case 4: return dot_r<4>(a, m0, out);
+      case 3: return dot_r<3>(a, m0, out);
+      case 2: return dot_r<2>(a, m0, out);
+      default: return dot_r<1>(a, m0, out);
     }
   }
 #endif
+  void dot_portable(const Activations& a, int64_t m0, int R, float* out) const {
+    if constexpr (K4)
+      dot_rows_k4_portable<T>(*this, a, m0, R, out);
+    else
+      dot_rows_portable(static_cast<const BlockRow<T>&>(*this), a, m0, R, out);
+  }
 };
 
 // Several matrices over the same x (a layer's q, k and v, or its gate and up), their outputs side by side:
