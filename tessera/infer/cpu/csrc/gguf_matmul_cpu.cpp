@@ -304,26 +304,23 @@ struct BlockRow {
 #endif
 };
 
-// The K-quants, a super-block of 8 sub-blocks at a time, for up to 8 rows of x per pass, with what the
-// sub-block loop did per sub-block done once per super-block: the factors decoded (Q4_K / Q5_K's 6-bit
-// scales and mins and the fp16 d and dmin, in vector registers; Q6_K's 16 int8 scales) and the 32 bytes two
-// sub-blocks share loaded and widened once (Q4_K / Q5_K: the low nibbles one sub-block's, the high ones the
-// next's; Q5_K's fifth bits widened once per super-block).
-//
-// Q6_K keeps the sub-block loop's operations and order (the same bits as dot_rows_avx2 and the portable
-// loops). Q4_K and Q5_K have their own order, the same in the AVX2 loop and in their portable one
-// (dot_rows_k4_portable), where the sub-block loop's hadd and scalar constant terms took half the time of a
-// row: accumulator lane l sums inputs 2l, 2l + 1, 16 + 2l and 17 + 2l of each sub-block (the sum of the two
-// madd results, no hadd: a sub-block has one factor), and the constant terms c * s go to eight lanes, one per
-// sub-block of a super-block (one fma per super-block and row), reduced as the accumulators are, before them.
+// The K-quants, a super-block of 8 sub-blocks at a time, for up to 8 rows of x per pass (Q6_K: 4), with what
+// the sub-block loop did per sub-block done once per super-block: the factors decoded in vector registers
+// (Q4_K / Q5_K's 6-bit scales and mins and the fp16 d and dmin; Q6_K's 16 int8 scales and d) and multiplied
+// by each row's eight activation scales at once, and the bytes two sub-blocks share loaded and widened once
+// (Q4_K / Q5_K: the low nibbles one sub-block's, the high ones the next's; Q5_K's fifth bits widened once per
+// super-block; Q6_K: a half's low and high bits). Each has its own order of sums, the same in its AVX2 loop
+// and its portable one (dot_rows_k4_portable, dot_rows_k6_portable), without the sub-block loop's hadd
+// and scalar constant terms (half the time of a row there): Q4_K / Q5_K's accumulator lane l sums inputs
+// 2l, 2l + 1, 16 + 2l and 17 + 2l of each sub-block (the two madd results added: a sub-block has one
+// factor), and the constant terms c * s go to eight lanes, one per sub-block of a super-block (one fma per
+// super-block and row), reduced as the accumulators are, before them; Q6_K, whose halves of 16 have
+// factors of their own, keeps two accumulators, one per half (dot_rows_k6).
 #ifdef TESSERA_X86
 // Sub-blocks j and j + 1 (j even) of K-quant super-block b as int16: w[t][0] values 0..15, w[t][1] 16..31.
 template <class T>
 TESSERA_AVX2_TARGET inline void k_pair(const uint8_t* b, int j, __m256i w[2][2], const __m256i* qh) {
-  if constexpr (std::is_same_v<T, Q6_K>) {
-    vec_weights<T>(b, j, w[0][0], w[0][1]);
-    vec_weights<T>(b, j + 1, w[1][0], w[1][1]);
-  } else {
+  {
     const int at = std::is_same_v<T, Q4_K> ? 16 : 48;
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + at + 16 * j));
     const __m256i v0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
@@ -403,36 +400,64 @@ TESSERA_AVX2_TARGET void dot_rows_k4(const uint8_t* row, const Activations& a, i
   for (int r = 0; r < R; ++r) out[r] = reduce_vec(acc[r], reduce_vec(cst[r], 0.0f));
 }
 
-// Q6_K: the sub-block loop's operations and order, its factors decoded once per super-block.
-TESSERA_AVX2_TARGET inline void k6_table(const uint8_t* b, float (*lanes)[8]) {
-  const float d = f16(b + 208);
-  for (int j = 0; j < 8; ++j) {
-    const float lo = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j]));
-    const float hi = d * static_cast<float>(static_cast<int8_t>(b[193 + 2 * j]));
-    _mm256_store_ps(lanes[j], _mm256_setr_ps(lo, lo, hi, hi, lo, lo, hi, hi));  // as LANE
-  }
+// Q6_K super-block b's sub-block factors, d times each int8 scale: lo[j] of values 0..15, hi[j] of 16..31.
+TESSERA_AVX2_TARGET inline void k6_table(const uint8_t* b, __m256& lo, __m256& hi) {
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), even_odd);
+  const __m256 d = _mm256_set1_ps(f16(b + 208));
+  lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
 }
 
+// Q6_K sub-blocks j and j + 1 (j even) as int16 (as k_pair), the bytes of their half loaded once.
+TESSERA_AVX2_TARGET inline void k6_pair(const uint8_t* b, int j, __m256i w[2][2]) {
+  const int half = j / 4, k = j % 4;  // k: 0 or 2
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  __m256i v[2];
+  if (k == 0) {
+    v[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+  } else {
+    v[0] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+  }
+  for (int t = 0; t < 2; ++t) vec_widen<true>(_mm256_sub_epi8(v[t], off), w[t][0], w[t][1]);
+}
+
+// Q6_K in its own order (comment above), no hadd: two accumulators a row, `lo` lane l summing inputs 2l and
+// 2l + 1 of each sub-block times its factor of values 0..15, `hi` inputs 16 + 2l and 17 + 2l times the other.
 template <int R>
 TESSERA_AVX2_TARGET void dot_rows_k6(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  alignas(32) float lanes[8][8];
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][2][8];  // f_j * d of row r's sub-block j, values 0..15 and 16..31
   for (int64_t sb = 0; sb < a.nb / 8; ++sb) {
     const uint8_t* blk = row + sb * Q6_K::BYTES;
-    k6_table(blk, lanes);
+    __m256 f_lo, f_hi;
+    k6_table(blk, f_lo, f_hi);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_loadu_ps(a.d + (m0 + r) * a.nb + sb * 8);
+      _mm256_store_ps(scale[r][0], _mm256_mul_ps(f_lo, d));
+      _mm256_store_ps(scale[r][1], _mm256_mul_ps(f_hi, d));
+    }
     for (int j = 0; j < 8; j += 2) {
       __m256i w[2][2];
-      k_pair<Q6_K>(blk, j, w, nullptr);
+      k6_pair(blk, j, w);
       for (int t = 0; t < 2; ++t)
         for (int r = 0; r < R; ++r) {
-          const int64_t at = (m0 + r) * a.nb + sb * 8 + j + t;
-          const __m256 s = _mm256_mul_ps(_mm256_load_ps(lanes[j + t]), _mm256_set1_ps(a.d[at]));
-          acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(vec_dot(w[t][0], w[t][1], a.q + at * QK)), acc[r]);
+          const int16_t* q = a.q + ((m0 + r) * a.nb + sb * 8 + j + t) * QK;
+          const __m256i p = _mm256_madd_epi16(w[t][0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+          const __m256i u = _mm256_madd_epi16(w[t][1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+          lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][0][j + t]), _mm256_cvtepi32_ps(p), lo[r]);
+          hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][1][j + t]), _mm256_cvtepi32_ps(u), hi[r]);
         }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = reduce_vec(acc[r], 0.0f);
+  for (int r = 0; r < R; ++r) out[r] = reduce_vec(lo[r], reduce_vec(hi[r], 0.0f));
 }
 #endif
 
@@ -459,6 +484,27 @@ void dot_rows_k4_portable(const BlockRow<T>& src, const Activations& a, int64_t 
   for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], reduce(cst[r], 0.0f));
 }
 
+// Q6_K's order (dot_rows_k6) in portable loops: the AVX2 loop's bits.
+inline void dot_rows_k6_portable(const BlockRow<Q6_K>& src, const Activations& a, int64_t m0, int R, float* out) {
+  float lo[8][8] = {}, hi[8][8] = {};
+  int16_t w[QK];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    src.values(b, w);
+    const Factors f = src.factors(b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + b;
+      const int16_t* q = a.q + at * QK;
+      const float s_lo = f.lo * a.d[at], s_hi = f.hi * a.d[at];
+      for (int l = 0; l < 8; ++l) {
+        lo[r][l] = std::fma(s_lo, static_cast<float>(w[2 * l] * q[2 * l] + w[2 * l + 1] * q[2 * l + 1]), lo[r][l]);
+        hi[r][l] = std::fma(s_hi, static_cast<float>(w[16 + 2 * l] * q[16 + 2 * l] + w[17 + 2 * l] * q[17 + 2 * l]),
+                            hi[r][l]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce(lo[r], reduce(hi[r], 0.0f));
+}
+
 template <class T>
 constexpr bool is_k() {
   return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> || std::is_same_v<T, Q6_K>;
@@ -467,8 +513,8 @@ constexpr bool is_k() {
 // A K-quant weight row: block_dot.h's source with loops of its own, 8 rows of x per pass.
 template <class T>
 struct KRow : BlockRow<T> {
-  static constexpr int PASS = 8;
   static constexpr bool K4 = !std::is_same_v<T, Q6_K>;
+  static constexpr int PASS = K4 ? 8 : 4;  // Q6_K's two accumulators a row: four rows fill the registers
 #ifdef TESSERA_X86
   template <int R>
   void dot_r(const Activations& a, int64_t m0, float* out) const {
@@ -478,7 +524,7 @@ struct KRow : BlockRow<T> {
       dot_rows_k6<R>(this->row, a, m0, out);
   }
   void dot_avx2(const Activations& a, int64_t m0, int R, float* out) const {
-    switch (R) {
+    switch (R) {  // at most PASS
       case 8: return dot_r<8>(a, m0, out);
       case 7: return dot_r<7>(a, m0, out);
       case 6: return dot_r<6>(a, m0, out);
@@ -494,7 +540,7 @@ struct KRow : BlockRow<T> {
     if constexpr (K4)
       dot_rows_k4_portable<T>(*this, a, m0, R, out);
     else
-      dot_rows_portable(static_cast<const BlockRow<T>&>(*this), a, m0, R, out);
+      dot_rows_k6_portable(*this, a, m0, R, out);
   }
 };
 
