@@ -137,10 +137,14 @@ def quant_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             or x.numel() > MAX_ROWS * x.shape[-1]):
         return None
     codes: Codes = layer.kernel_codes
-    scale = getattr(layer, codes.scale)
-    bias = layer.bias.detach() if layer.bias is not None else None
-    return quant_linear(x, getattr(layer, codes.codes), codes.layout, scale if scale.dtype == torch.float32
-                        else scale.float(), layer.kernel_shift, codes.offset, layer.out_features, bias)
+    buffers = layer._buffers  # read each call (a buffer replaced later is the one read), without Module.__getattr__
+    scale, bias = buffers[codes.scale], layer.bias
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.ops.tessera_cpu.quant_linear(rows, buffers[codes.codes], codes.layout, scale, layer.kernel_shift,
+                                           codes.offset, layer.out_features, None if bias is None else bias.detach())
+    return y.view(*x.shape[:-1], layer.out_features)
 
 
 def install(layer: nn.Module) -> str | None:

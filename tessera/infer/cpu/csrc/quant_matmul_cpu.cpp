@@ -35,7 +35,7 @@ struct CodeRow {
   const float* c;  // nullptr: c = -offset * f
   float offset;
   int64_t per_group;  // sub-blocks per group
-  int shift;          // log2(per_group) where it is a power of two, else -1
+  int shift;          // b >> shift is b's group (62: one group), or -1: b / per_group
 
   int64_t group(int64_t b) const { return shift >= 0 ? b >> shift : b / per_group; }
   Factors factors(int64_t b) const {
@@ -89,8 +89,11 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   TORCH_CHECK(!shift || ((shift_rows == N || shift_rows == 1) && shift->numel() == shift_rows * G),
               "quant_linear: shift ", shift ? shift->sizes() : scale.sizes(), " is not [", N, " or 1, ", G, "]");
   const int64_t per_group = nb / G;
-  int pow2 = -1;
-  for (int s = 0; s < 40; ++s)
+  // the group of sub-block b without a division where it can (a division per sub-block took a per-channel
+  // int8 layer's product by one row to 1.25-1.36x the CPU time of the repacked blocks'): one group, or a
+  // power of two sub-blocks per group
+  int pow2 = G == 1 ? 62 : -1;
+  for (int s = 0; s < 40 && G > 1; ++s)
     if ((int64_t{1} << s) == per_group) pow2 = s;
   const uint8_t* w = static_cast<const uint8_t*>(codes.data_ptr());
   const float* f = scale.data_ptr<float>();
