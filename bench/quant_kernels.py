@@ -11,7 +11,11 @@ layer's `fused` seam cleared after load (each forward dequantizes the weight, th
 each batch size, `--batch` prompts of ~6 tokens are continued greedily for `--tokens` tokens, once to
 warm up and once timed; tokens/s is the generated tokens over that call's wall time (its short prefill
 included). Torch threads: 1. Prints one JSON object: each run, the best of the rounds per path, the
-kernel / reference ratios, and whether their greedy texts agree.
+kernel / reference ratios, and whether their greedy texts agree. Each run also reports its memory after
+the timed calls: the engine's weight bytes (every storage its model holds, parameters, buffers and
+tensors kept beside them, once: `infer.engine.sleep.weight_bytes`) and the process's VmRSS, in MiB, as
+it is and after the heap's free pages are given back (`release_freed_memory`: a CPU server keeps freed
+memory, so the load's transient fp32 copies stay resident until then).
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ def measure(gguf: str, method: str, path: str, tokens: int, batches: list[int]) 
     import torch
 
     from tessera.infer import LLM, SamplingParams
-    from tessera.infer.cpu.quant_matmul import REPACK
+    from tessera.infer.cpu.memory import release_freed_memory
+    from tessera.infer.cpu.quant_matmul import LAYOUTS
+    from tessera.infer.engine.sleep import weight_bytes
 
     torch.set_num_threads(1)
     llm = LLM(gguf, quantization=method, max_num_seqs=max(batches), max_model_len=256, block_size=16)
-    layers = [m for m in llm.engine.model.modules() if type(m) in REPACK]
+    layers = [m for m in llm.engine.model.modules() if type(m) in LAYOUTS]
     out = {"layers": len(layers), "with_kernel": sum(m.fused is not None for m in layers)}
     if path == "reference":
         for m in layers:
@@ -51,7 +57,22 @@ def measure(gguf: str, method: str, path: str, tokens: int, batches: list[int]) 
         done = llm.generate(PROMPTS[:b], params)
         out[f"batch{b}_tokens_per_s"] = sum(len(c.token_ids) for c in done) / (time.perf_counter() - start)
         out[f"batch{b}_texts"] = [c.text for c in done]
+    out["weight_mib"] = round(weight_bytes(llm.engine) / 2 ** 20, 1)
+    out["vmrss_mib"] = round(vmrss() / 2 ** 20, 1)
+    release_freed_memory()  # the load's freed fp32 copies, which the serving allocator keeps
+    out["vmrss_trimmed_mib"] = round(vmrss() / 2 ** 20, 1)
     return out
+
+
+def vmrss() -> int:
+    """This process's resident bytes (VmRSS of /proc/self/status; 0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def main() -> None:

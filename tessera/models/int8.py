@@ -56,7 +56,7 @@ class FrozenWeightProduct(torch.autograd.Function):
 
 # The `fused` seam of a quantized linear layer: (layer, x) -> y, or None to take the layer's own
 # product. None on the class; tessera.infer.cpu.quant_matmul sets it per layer of a model the engine
-# owns on CPU in fp32, to multiply by the codes repacked into blocks (GgufLinear.fused's twin).
+# owns on CPU in fp32, to multiply by the codes where they lie (GgufLinear.fused's twin).
 FusedProduct = Callable[[nn.Module, torch.Tensor], "torch.Tensor | None"]
 
 

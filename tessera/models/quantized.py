@@ -20,8 +20,8 @@ rather than saved: int8.FrozenWeightProduct)
 (routed experts: dequantized expert by expert inside the grouped matmul). fp8 linear layers on a
 CUDA GPU with FP8 tensor cores multiply through torch._scaled_mm instead (Fp8Linear), where the
 shapes allow it; nothing requires it. int8 and int4 linear layers of a model served on CPU in fp32
-multiply by their codes instead, repacked at load into the GGUF kernel's blocks (their `fused` seam,
-tessera.infer.cpu.quant_matmul). As with int8 the embedding, norms, router and output head
+multiply by their codes instead, read where they lie by the GGUF kernel's arithmetic (their `fused`
+seam, tessera.infer.cpu.quant_matmul). As with int8 the embedding, norms, router and output head
 stay in full precision (tessera/models/int8.py).
 """
 

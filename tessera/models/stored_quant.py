@@ -24,8 +24,8 @@ Each computes by the plain PyTorch reference: the input activations quantized an
 the checkpoint's scheme says (`ActivationQuant`), then F.linear with the dequantized weight (in
 the activations' dtype). The codes stay in their stored precision in memory: 0.5 byte per weight
 for 4-bit, 1 byte for int8 and e4m3, plus the scales. A model served on CPU in fp32 multiplies the
-integer formats (`PackedIntLinear`, `IntQuantizedLinear`) by their codes instead, repacked at load
-into the GGUF kernel's blocks (the `fused` seam, after the activations' rounding;
+integer formats (`PackedIntLinear`, `IntQuantizedLinear`) by their codes instead, read where they
+lie by the GGUF kernel's arithmetic (the `fused` seam, after the activations' rounding;
 tessera.infer.cpu.quant_matmul).
 """
 

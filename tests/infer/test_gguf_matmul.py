@@ -2,8 +2,8 @@
 (csrc/gguf_matmul_cpu.cpp, infer/cpu/gguf_matmul.py): for every block type it serves, the product by
 the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int16
 rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
-the same bits on AVX2 and in the portable loops (for one row of x, two, and nine), on one thread and
-two, a row alone or among others;
+the same bits on AVX2 and in the portable loops (for one row of x, two, and nine; the K-quants' own
+super-block loop for 7, 8 and 19 rows, passes of eight), on one thread and two, a row alone or among others;
 and GgufLinear taking it only where it is installed and serves; a layer's q, k and v (gate and up) as
 one grouped product, each output the bits of its own matrix's product."""
 
@@ -101,6 +101,28 @@ def test_bits_do_not_depend_on_threads_or_the_other_rows(kind):
     assert torch.equal(one, two)
     alone = torch.cat([gguf_linear(x[i:i + 1], raw, kind, N) for i in range(17)])
     assert torch.equal(one, alone)  # a decode row gets the same bits whatever else is in the step
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("M", [7, 8, 19])  # short of a pass of eight rows of x, one pass, two and a part
+def test_k_quants_super_block_loop_gives_the_portable_bits_on_any_thread_count(kind, M):
+    K, N = 3 * 256, 13  # an odd count of super-blocks
+    raw, bias = blocks(kind, N, K, seed=M), torch.randn(N)
+    x = torch.randn(M, K) * torch.rand(M, K // 32, 1).expand(M, K // 32, 32).reshape(M, K)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gguf_linear(x, raw, kind, N, bias)
+        torch.set_num_threads(2)
+        two = gguf_linear(x, raw, kind, N, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one, gguf_linear(x, raw, kind, N, bias, portable=True))
+    assert torch.equal(one, torch.cat([gguf_linear(x[i:i + 1], raw, kind, N, bias) for i in range(M)]))
+    w = dequantize(kind, raw, (N, K))
+    xq, _ = int16_rounded(x)
+    assert ((one - F.linear(xq, w, bias)).abs() <= 2e-6 * (x.abs() @ w.abs().T) + 1e-6).all()
 
 
 @pytest.mark.parametrize("kind", KINDS)

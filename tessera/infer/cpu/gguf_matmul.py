@@ -20,7 +20,10 @@ the 32-groups of a / 65534 * sum |w| (plus fp32 rounding); tests/infer/test_gguf
 that bound, and the kernel against the product by the dequantized weight and the rounded activations
 to fp32 rounding. Every output is computed by one thread in one order (the C++ file's comment), so
 the result is the same bits for any thread count, with the AVX2 path or the portable one
-(`portable=True`, which tests use), and whatever other rows share the product. No AVX-512 path.
+(`portable=True`, which tests use), and whatever other rows share the product. The K-quants (Q4_K,
+Q5_K, Q6_K) take a loop of their own, a super-block at a time and up to 8 rows of x a pass, with an order
+of sums of their own (the same in its portable twin; the C++ file's comment): Q4_K by one row of x
+1.6-2.1x faster than the sub-block loop (docs/benchmarks.md). No AVX-512 path.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels), and at each projection of the routed

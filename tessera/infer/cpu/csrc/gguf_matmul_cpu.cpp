@@ -24,34 +24,20 @@
 // pass: taking four per pass for a single row of x (its activations loaded once for the four) took
 // 1.02-1.14x the CPU time of one (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
 // No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
-// Besides the GGML types, two of Tessera's own (I8, I4: fp32 factors per 32 values, below), into
-// which its int8 / int4 and compressed-tensors layers are repacked at load.
+// The loops shared with quant_matmul_cpu.cpp are in block_dot.h. Besides the GGML types, two of Tessera's
+// own (I8, I4: fp32 factors per 32 values, below): its int8 / int4 and compressed-tensors layers' weights
+// repacked, which quant_matmul_cpu.cpp's product by the codes where they lie equals bit for bit.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define TESSERA_X86 1
-#define TESSERA_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-#endif
-
+#include "block_dot.h"
 #include "kernels.h"
 
 namespace {
 
-constexpr int QK = 32;
-constexpr int LANE[8] = {0, 4, 16, 20, 8, 12, 24, 28};  // first input of each accumulator's four
+using namespace tessera_cpu::blocks;
 
 // fp16 -> fp32 is exact: F16C's instruction (a build with -mf16c) and c10's bit operations agree.
 inline float f16(const uint8_t* p) {
@@ -63,11 +49,6 @@ inline float f16(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
 }
-
-// A sub-block's factors: weight = lo * w + c for its first 16 values, hi * w + c for the others.
-struct Factors {
-  float lo, hi, c;
-};
 
 // Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 bytes at s.
 inline void scale_min_k4(const uint8_t* s, int j, int& scale, int& min) {
@@ -220,71 +201,6 @@ constexpr int offset_of() {
   return 0;
 }
 
-// x quantized per row and sub-block (file comment): q [M, K], d and s [M, K / 32].
-struct Activations {
-  const int16_t* q;
-  const float* d;
-  const float* s;
-  int64_t K, nb;
-};
-
-struct Quantized {
-  std::vector<int16_t> q;
-  std::vector<float> d, s;
-};
-
-Quantized quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t nb = K / QK;
-  Quantized a{std::vector<int16_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t r = m0 * nb; r < m1 * nb; ++r) {
-      const float* v = x + r * QK;
-      float amax = 0.0f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < QK; ++i) {
-        const int q = static_cast<int>(std::nearbyint(v[i] * inv));
-        a.q[r * QK + i] = static_cast<int16_t>(q);
-        sum += q;
-      }
-      a.d[r] = d;
-      a.s[r] = d * static_cast<float>(sum);
-    }
-  });
-  return a;
-}
-
-// The fixed reduction of the file comment.
-inline float reduce(const float* a, float c) {
-  return (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) + c;
-}
-
-// Rows m0 .. m0 + R of x against weight row `row`: out[r] = the reduced sums, portable loops.
-template <class T>
-void dot_rows_portable(const uint8_t* row, const Activations& a, int64_t m0, int R, float* out) {
-  constexpr int SUBS = T::VALUES / QK;
-  float acc[4][8] = {}, cst[4] = {};
-  int16_t w[QK];
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + (b / SUBS) * T::BYTES;
-    const int j = static_cast<int>(b % SUBS);
-    T::values(blk, j, w);
-    const Factors f = T::factors(blk, j);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* q = a.q + (m0 + r) * a.K + b * QK;
-      const float da = a.d[(m0 + r) * a.nb + b], lo = f.lo * da, hi = f.hi * da;
-      for (int l = 0; l < 8; ++l) {
-        int dot = 0;
-        for (int i = LANE[l]; i < LANE[l] + 4; ++i) dot += w[i] * q[i];
-        acc[r][l] = std::fma(LANE[l] < 16 ? lo : hi, static_cast<float>(dot), acc[r][l]);
-      }
-      if (has_const<T>()) cst[r] = std::fma(f.c, a.s[(m0 + r) * a.nb + b], cst[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], cst[r]);
-}
-
 #ifdef TESSERA_X86
 
 // The 32 weights of a sub-block in bytes, in order (unsigned, or signed for the SIGNED types).
@@ -354,14 +270,6 @@ TESSERA_AVX2_TARGET inline __m256i vec_values<Q6_K>(const uint8_t* b, int j) {
   return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
 }
 
-// The 32 weights' bytes as int16: values 0..15, then 16..31.
-template <bool SIGNED>
-TESSERA_AVX2_TARGET inline void vec_widen(__m256i w, __m256i& lo, __m256i& hi) {
-  const __m128i a = _mm256_castsi256_si128(w), b = _mm256_extracti128_si256(w, 1);
-  lo = SIGNED ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
-  hi = SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
-}
-
 // The 32 weights of sub-block j as int16 (values 0..15 in lo, 16..31 in hi). Q4_0 and Q4_1 widen their 16
 // bytes once and take the nibbles apart in int16 lanes: one shuffle where the bytes' way takes four
 // (shuffles, not arithmetic, bound this loop: a 1536 x 576 Q4_1 product by one row took 0.75x the CPU
@@ -378,58 +286,263 @@ TESSERA_AVX2_TARGET inline void vec_weights(const uint8_t* blk, int j, __m256i& 
   }
 }
 
-// The eight four-input sums of w . q (exact int32), lane l over inputs LANE[l] .. LANE[l] + 3.
-TESSERA_AVX2_TARGET inline __m256i vec_dot(__m256i w_lo, __m256i w_hi, const int16_t* q) {
-  const __m256i p = _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const __m256i r = _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
-  return _mm256_hadd_epi32(p, r);
-}
+#endif
 
-template <class T, int R>
-TESSERA_AVX2_TARGET void dot_rows_avx2(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
-  constexpr int SUBS = T::VALUES / QK;
-  __m256 acc[R];
-  float cst[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    cst[r] = 0.0f;
+// A weight row of block type T as a source of block_dot.h.
+template <class T>
+struct BlockRow {
+  static constexpr int SUBS = T::VALUES / QK;
+  static constexpr bool CONST = has_const<T>(), HALVES = std::is_same_v<T, Q6_K>;
+  const uint8_t* row;
+  const uint8_t* block(int64_t b) const { return row + (b / SUBS) * T::BYTES; }
+  void values(int64_t b, int16_t* w) const { T::values(block(b), static_cast<int>(b % SUBS), w); }
+  Factors factors(int64_t b) const { return T::factors(block(b), static_cast<int>(b % SUBS)); }
+#ifdef TESSERA_X86
+  TESSERA_AVX2_TARGET void vec(int64_t b, __m256i& lo, __m256i& hi) const {
+    vec_weights<T>(block(b), static_cast<int>(b % SUBS), lo, hi);
   }
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* blk = row + (b / SUBS) * T::BYTES;
-    const int j = static_cast<int>(b % SUBS);
-    __m256i w_lo, w_hi;
-    vec_weights<T>(blk, j, w_lo, w_hi);
-    const Factors f = T::factors(blk, j);
-    const __m256 lohi = std::is_same_v<T, Q6_K> ? _mm256_setr_ps(f.lo, f.lo, f.hi, f.hi, f.lo, f.lo, f.hi, f.hi)  // as LANE
-                                                : _mm256_set1_ps(f.lo);  // (lo == hi)
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * a.nb + b;
-      const __m256 scale = _mm256_mul_ps(lohi, _mm256_set1_ps(a.d[at]));
-      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(vec_dot(w_lo, w_hi, a.q + at * QK)), acc[r]);
-      if (has_const<T>()) cst[r] = std::fma(f.c, a.s[at], cst[r]);
+#endif
+};
+
+// The K-quants, a super-block of 8 sub-blocks at a time, for up to 8 rows of x per pass (Q6_K: 4), with what
+// the sub-block loop did per sub-block done once per super-block: the factors decoded in vector registers
+// (Q4_K / Q5_K's 6-bit scales and mins and the fp16 d and dmin; Q6_K's 16 int8 scales and d) and multiplied
+// by each row's eight activation scales at once, and the bytes two sub-blocks share loaded and widened once
+// (Q4_K / Q5_K: the low nibbles one sub-block's, the high ones the next's; Q5_K's fifth bits widened once per
+// super-block; Q6_K: a half's low and high bits). Each has its own order of sums, the same in its AVX2 loop
+// and its portable one (dot_rows_k4_portable, dot_rows_k6_portable), without the sub-block loop's hadd
+// and scalar constant terms (half the time of a row there): Q4_K / Q5_K's accumulator lane l sums inputs
+// 2l, 2l + 1, 16 + 2l and 17 + 2l of each sub-block (the two madd results added: a sub-block has one
+// factor), and the constant terms c * s go to eight lanes, one per sub-block of a super-block (one fma per
+// super-block and row), reduced as the accumulators are, before them; Q6_K, whose halves of 16 have
+// factors of their own, keeps two accumulators, one per half (dot_rows_k6).
+#ifdef TESSERA_X86
+// Sub-blocks j and j + 1 (j even) of K-quant super-block b as int16: w[t][0] values 0..15, w[t][1] 16..31.
+template <class T>
+TESSERA_AVX2_TARGET inline void k_pair(const uint8_t* b, int j, __m256i w[2][2], const __m256i* qh) {
+  {
+    const int at = std::is_same_v<T, Q4_K> ? 16 : 48;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + at + 16 * j));
+    const __m256i v0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+    const __m256i v1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+    const __m256i m = _mm256_set1_epi16(0xF);
+    w[0][0] = _mm256_and_si256(v0, m);
+    w[0][1] = _mm256_and_si256(v1, m);
+    w[1][0] = _mm256_srli_epi16(v0, 4);
+    w[1][1] = _mm256_srli_epi16(v1, 4);
+    if constexpr (std::is_same_v<T, Q5_K>) {  // bit j of qh[i] is value i's fifth bit in sub-block j
+      const __m256i one = _mm256_set1_epi16(1);
+      for (int t = 0; t < 2; ++t)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh[h], _mm_cvtsi32_si128(j + t)), one);
+          w[t][h] = _mm256_or_si256(w[t][h], _mm256_slli_epi16(bit, 4));
+        }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    out[r] = reduce(lanes, cst[r]);
+}
+
+// Q4_K / Q5_K super-block b's eight sub-block factors f = d * scale and constants c = -(dmin * min) (k4_factors'
+// values), the 6-bit fields taken apart four at a time in 32-bit words.
+TESSERA_AVX2_TARGET inline void k4_table(const uint8_t* b, __m256& f, __m256& c) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x03030303;
+  const uint32_t scales[2] = {u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & top2) << 4)};
+  const uint32_t mins[2] = {u[1] & low6, ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)};
+  uint64_t s8, m8;
+  std::memcpy(&s8, scales, 8);
+  std::memcpy(&m8, mins, 8);
+  const __m256 sf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(s8))));
+  const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m8))));
+  f = _mm256_mul_ps(_mm256_set1_ps(f16(b)), sf);
+  c = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mf), _mm256_set1_ps(-0.0f));
+}
+
+inline float reduce_vec(__m256 v, float c) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return reduce(lanes, c);
+}
+
+// Q4_K / Q5_K: rows m0 .. m0 + R of x against weight row `row` in their own order (comment above).
+template <class T, int R>
+TESSERA_AVX2_TARGET void dot_rows_k4(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
+  __m256 acc[R], cst[R];
+  for (int r = 0; r < R; ++r) acc[r] = cst[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];  // f_j * d of row r's sub-block j
+  for (int64_t sb = 0; sb < a.nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * T::BYTES;
+    __m256 f, c;
+    k4_table(blk, f, c);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + sb * 8;
+      _mm256_store_ps(scale[r], _mm256_mul_ps(f, _mm256_loadu_ps(a.d + at)));
+      cst[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(a.s + at), cst[r]);
+    }
+    __m256i qh[2];
+    if constexpr (std::is_same_v<T, Q5_K>) {
+      qh[0] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+      qh[1] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
+    }
+    for (int j = 0; j < 8; j += 2) {
+      __m256i w[2][2];
+      k_pair<T>(blk, j, w, qh);
+      for (int t = 0; t < 2; ++t)
+        for (int r = 0; r < R; ++r) {
+          const int16_t* q = a.q + ((m0 + r) * a.nb + sb * 8 + j + t) * QK;
+          const __m256i dot = _mm256_add_epi32(
+              _mm256_madd_epi16(w[t][0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+              _mm256_madd_epi16(w[t][1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16))));
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][j + t]), _mm256_cvtepi32_ps(dot), acc[r]);
+        }
+    }
   }
+  for (int r = 0; r < R; ++r) out[r] = reduce_vec(acc[r], reduce_vec(cst[r], 0.0f));
+}
+
+// Q6_K super-block b's sub-block factors, d times each int8 scale: lo[j] of values 0..15, hi[j] of 16..31.
+TESSERA_AVX2_TARGET inline void k6_table(const uint8_t* b, __m256& lo, __m256& hi) {
+  const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), even_odd);
+  const __m256 d = _mm256_set1_ps(f16(b + 208));
+  lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+}
+
+// Q6_K sub-blocks j and j + 1 (j even) as int16 (as k_pair), the bytes of their half loaded once.
+TESSERA_AVX2_TARGET inline void k6_pair(const uint8_t* b, int j, __m256i w[2][2]) {
+  const int half = j / 4, k = j % 4;  // k: 0 or 2
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  __m256i v[2];
+  if (k == 0) {
+    v[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+  } else {
+    v[0] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+  }
+  for (int t = 0; t < 2; ++t) vec_widen<true>(_mm256_sub_epi8(v[t], off), w[t][0], w[t][1]);
+}
+
+// Q6_K in its own order (comment above), no hadd: two accumulators a row, `lo` lane l summing inputs 2l and
+// 2l + 1 of each sub-block times its factor of values 0..15, `hi` inputs 16 + 2l and 17 + 2l times the other.
+template <int R>
+TESSERA_AVX2_TARGET void dot_rows_k6(const uint8_t* row, const Activations& a, int64_t m0, float* out) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][2][8];  // f_j * d of row r's sub-block j, values 0..15 and 16..31
+  for (int64_t sb = 0; sb < a.nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * Q6_K::BYTES;
+    __m256 f_lo, f_hi;
+    k6_table(blk, f_lo, f_hi);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_loadu_ps(a.d + (m0 + r) * a.nb + sb * 8);
+      _mm256_store_ps(scale[r][0], _mm256_mul_ps(f_lo, d));
+      _mm256_store_ps(scale[r][1], _mm256_mul_ps(f_hi, d));
+    }
+    for (int j = 0; j < 8; j += 2) {
+      __m256i w[2][2];
+      k6_pair(blk, j, w);
+      for (int t = 0; t < 2; ++t)
+        for (int r = 0; r < R; ++r) {
+          const int16_t* q = a.q + ((m0 + r) * a.nb + sb * 8 + j + t) * QK;
+          const __m256i p = _mm256_madd_epi16(w[t][0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+          const __m256i u = _mm256_madd_epi16(w[t][1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)));
+          lo[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][0][j + t]), _mm256_cvtepi32_ps(p), lo[r]);
+          hi[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&scale[r][1][j + t]), _mm256_cvtepi32_ps(u), hi[r]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce_vec(lo[r], reduce_vec(hi[r], 0.0f));
+}
+#endif
+
+// Q4_K / Q5_K's order (comment above) in portable loops: the AVX2 loop's bits.
+template <class T>
+void dot_rows_k4_portable(const BlockRow<T>& src, const Activations& a, int64_t m0, int R, float* out) {
+  float acc[8][8] = {}, cst[8][8] = {};
+  int16_t w[QK];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    src.values(b, w);
+    const Factors f = src.factors(b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + b;
+      const int16_t* q = a.q + at * QK;
+      const float scale = f.lo * a.d[at];
+      for (int l = 0; l < 8; ++l) {
+        const int dot = w[2 * l] * q[2 * l] + w[2 * l + 1] * q[2 * l + 1] + w[16 + 2 * l] * q[16 + 2 * l] +
+                        w[17 + 2 * l] * q[17 + 2 * l];
+        acc[r][l] = std::fma(scale, static_cast<float>(dot), acc[r][l]);
+      }
+      cst[r][b % 8] = std::fma(f.c, a.s[at], cst[r][b % 8]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce(acc[r], reduce(cst[r], 0.0f));
+}
+
+// Q6_K's order (dot_rows_k6) in portable loops: the AVX2 loop's bits.
+inline void dot_rows_k6_portable(const BlockRow<Q6_K>& src, const Activations& a, int64_t m0, int R, float* out) {
+  float lo[8][8] = {}, hi[8][8] = {};
+  int16_t w[QK];
+  for (int64_t b = 0; b < a.nb; ++b) {
+    src.values(b, w);
+    const Factors f = src.factors(b);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * a.nb + b;
+      const int16_t* q = a.q + at * QK;
+      const float s_lo = f.lo * a.d[at], s_hi = f.hi * a.d[at];
+      for (int l = 0; l < 8; ++l) {
+        lo[r][l] = std::fma(s_lo, static_cast<float>(w[2 * l] * q[2 * l] + w[2 * l + 1] * q[2 * l + 1]), lo[r][l]);
+        hi[r][l] = std::fma(s_hi, static_cast<float>(w[16 + 2 * l] * q[16 + 2 * l] + w[17 + 2 * l] * q[17 + 2 * l]),
+                            hi[r][l]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = reduce(lo[r], reduce(hi[r], 0.0f));
 }
 
 template <class T>
-void dot_rows_avx2(const uint8_t* row, const Activations& a, int64_t m0, int R, float* out) {
-  switch (R) {
-    case 4: return dot_rows_avx2<T, 4>(row, a, m0, out);
-    case 3: return dot_rows_avx2<T, 3>(row, a, m0, out);
-    case 2: return dot_rows_avx2<T, 2>(row, a, m0, out);
-    default: return dot_rows_avx2<T, 1>(row, a, m0, out);
-  }
+constexpr bool is_k() {
+  return std::is_same_v<T, Q4_K> || std::is_same_v<T, Q5_K> || std::is_same_v<T, Q6_K>;
 }
 
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
-#else
-bool has_avx2() { return false; }
+// A K-quant weight row: block_dot.h's source with loops of its own, 8 rows of x per pass.
+template <class T>
+struct KRow : BlockRow<T> {
+  static constexpr bool K4 = !std::is_same_v<T, Q6_K>;
+  static constexpr int PASS = K4 ? 8 : 4;  // Q6_K's two accumulators a row: four rows fill the registers
+#ifdef TESSERA_X86
+  template <int R>
+  void dot_r(const Activations& a, int64_t m0, float* out) const {
+    if constexpr (K4)
+      dot_rows_k4<T, R>(this->row, a, m0, out);
+    else
+      dot_rows_k6<R>(this->row, a, m0, out);
+  }
+  void dot_avx2(const Activations& a, int64_t m0, int R, float* out) const {
+    switch (R) {  // at most PASS
+      case 8: return dot_r<8>(a, m0, out);
+      case 7: return dot_r<7>(a, m0, out);
+      case 6: return dot_r<6>(a, m0, out);
+      case 5: return dot_r<5>(a, m0, out);
+      case 4: return dot_r<4>(a, m0, out);
+      case 3: return dot_r<3>(a, m0, out);
+      case 2: return dot_r<2>(a, m0, out);
+      default: return dot_r<1>(a, m0, out);
+    }
+  }
 #endif
+  void dot_portable(const Activations& a, int64_t m0, int R, float* out) const {
+    if constexpr (K4)
+      dot_rows_k4_portable<T>(*this, a, m0, R, out);
+    else
+      dot_rows_k6_portable(*this, a, m0, R, out);
+  }
+};
 
 // Several matrices over the same x (a layer's q, k and v, or its gate and up), their outputs side by side:
 // y [M, sum N], matrix i's columns after those of the matrices before it. x is quantized once and one
@@ -438,7 +551,7 @@ bool has_avx2() { return false; }
 template <class T>
 at::Tensor multiply(const at::Tensor& x, const std::vector<at::Tensor>& parts, at::IntArrayRef Ns,
                     const std::optional<at::Tensor>& bias, bool portable) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % T::VALUES == 0, "gguf_linear: ", K, " inputs are not whole blocks of ", T::VALUES);
   const int64_t row_bytes = (K / T::VALUES) * T::BYTES;
   std::vector<const uint8_t*> rows;  // every output column's weight row, in order
@@ -450,27 +563,11 @@ at::Tensor multiply(const at::Tensor& x, const std::vector<at::Tensor>& parts, a
   }
   const int64_t N = static_cast<int64_t>(rows.size());
   TORCH_CHECK(!bias || bias->numel() == N, "gguf_linear: bias must be fp32 [", N, "]");
-  const Quantized q = quantize_rows(x.data_ptr<float>(), M, K);
-  const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* out = y.data_ptr<float>();
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const bool vec = !portable && has_avx2();
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    float part[4];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; m += 4) {
-        const int R = static_cast<int>(std::min<int64_t>(4, M - m));
-#ifdef TESSERA_X86
-        if (vec)
-          dot_rows_avx2<T>(rows[n], a, m, R, part);
-        else
-#endif
-          dot_rows_portable<T>(rows[n], a, m, R, part);
-        for (int r = 0; r < R; ++r) out[(m + r) * N + n] = b ? part[r] + b[n] : part[r];
-      }
-  });
-  return y;
+  if constexpr (is_k<T>())
+    return multiply_rows(x, N, [&](int64_t n) { return KRow<T>{{rows[n]}}; }, b, portable);
+  else
+    return multiply_rows(x, N, [&](int64_t n) { return BlockRow<T>{rows[n]}; }, b, portable);
 }
 
 // One sub-block's 32 values; a product then a sum, never contracted into an fma (GCC contracts in C++).

@@ -39,5 +39,9 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int6
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 delta_chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, int64_t chunk, double q_scale, double eps);
+// quant_matmul_cpu.cpp
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c10::string_view layout,
+                        const at::Tensor& scale, const std::optional<at::Tensor>& shift, double offset, int64_t N,
+                        const std::optional<at::Tensor>& bias, bool portable);
 
 }  // namespace tessera_cpu

@@ -18,6 +18,8 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
   m.def("delta_chunk_terms(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, float q_scale, "
         "float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("quant_linear(Tensor x, Tensor codes, str layout, Tensor scale, Tensor? shift, float offset, int N, "
+        "Tensor? bias, bool portable=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
@@ -32,4 +34,5 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("gguf_linear_group", &tessera_cpu::gguf_linear_group);
   m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
   m.impl("delta_chunk_terms", &tessera_cpu::delta_chunk_terms);
+  m.impl("quant_linear", &tessera_cpu::quant_linear);
 }
