@@ -34,4 +34,13 @@ at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10:
                              const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
 
+// gguf_layer_cpu.cpp
+at::Tensor gguf_dense_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
+                            c10::string_view qkv_kind, c10::string_view o_kind, c10::string_view gate_up_kind,
+                            c10::string_view down_kind, at::IntArrayRef sizes, const std::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim, at::TensorList cache,
+                            const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& blocks,
+                            int64_t block_size, double scale, int64_t window);
+at::Tensor logit_checks(const at::Tensor& logits, const at::Tensor& rows);
+
 }  // namespace tessera_cpu
