@@ -54,16 +54,22 @@ class GgufDenseLayer:
             [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)]))
         self.head_dim, self.scale = attention.head_dim, attention.scale
         self.layer_id, self.window = attention.layer_id, attention.window
+        self.norms = (block.attention_norm, block.ffn_norm)
+        self.attention, self.ffn = attention, ffn
+        self.hooked = (*self.layers, attention, ffn, *self.norms)  # modules whose hooks must see their calls
 
     def _installed(self) -> bool:
         """Whether every module still runs the kernel this call stands for (none taken off, no hook on
-        one: it must see its own call)."""
-        b = self.block
-        modules = (*self.layers, b.attention, b.feed_forward, b.attention_norm, b.ffn_norm)
-        return (all(m.fused is block_product for m in self.layers)
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-                and b.attention_norm.fused is not None and b.ffn_norm.fused is not None
-                and b.attention.fused_rope is not None and b.feed_forward.fused_act is not None)
+        one: it must see its own call). Plain loops over attributes read once: this runs every layer of
+        every step."""
+        for m in self.layers:
+            if m.fused is not block_product:
+                return False
+        for m in self.hooked:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return (self.norms[0].fused is not None and self.norms[1].fused is not None
+                and self.attention.fused_rope is not None and self.ffn.fused_act is not None)
 
     def __call__(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor | None:
         if (torch.is_grad_enabled() or x_BSD.dtype != torch.float32 or x_BSD.device.type != "cpu"
@@ -83,7 +89,7 @@ class GgufDenseLayer:
             return None
         if not cpu_attention.usable(store[0], x_BSD):  # (TESSERA_CPU_ATTENTION=torch set since)
             return None
-        norms = [self.block.attention_norm.weight, self.block.ffn_norm.weight]  # read now: sleep may swap them
+        norms = [n.weight for n in self.norms]  # read now: sleep may swap them
         y = torch.ops.tessera_cpu.gguf_dense_layer(
             x_BSD[0].contiguous(), norms, self.eps, [m.blocks for m in self.layers], *self.kinds, self.sizes,
             self.qkv_bias, cos, sin, self.head_dim, store, slots, contexts.rows_R4, contexts.block_index,
