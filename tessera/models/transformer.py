@@ -198,9 +198,18 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = feed_forward(cfg.dim, cfg.ffn_dim, cfg.activation)
         self.ffn_post_norm = block_norm(cfg) if post else None
+        # (x, cos, sin, cache) -> the block's output in one call, or None where it does not apply now (then
+        # the modules run): serving on CPU installs one for a dense layer of GGUF blocks
+        # (tessera.infer.cpu.gguf_layer); None everywhere else
+        self.fused_layer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCache | None],
+                                   torch.Tensor | None] | None = None
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None = None,
                 q_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterOutput | AttentionLosses | None]:
+        if self.fused_layer is not None and q_scale is None:
+            y = self.fused_layer(x_BSD, cos, sin, cache)
+            if y is not None:
+                return y, None
         a = self.attention(_normed(self.attention_norm, x_BSD), cos, sin, cache, **(
             {} if q_scale is None else {"q_scale": q_scale}))
         a, mixer_losses = a if isinstance(a, tuple) else (a, None)  # sparse attention's indexer loss

@@ -47,10 +47,12 @@ log = logging.getLogger("tessera.infer")
 
 CSRC = Path(__file__).with_name("csrc")
 # one library, torch.ops.tessera_cpu (its ops registered in library.cpp): the attention, the layer ops
-# (infer/cpu/layer_ops.py), the projections (infer/cpu/linear.py), GGUF blocks (infer/cpu/gguf_matmul.py), the
-# chunked delta rule's chunk terms (infer/cpu/layer_ops.py), int8 / int4 codes (infer/cpu/quant_matmul.py)
+# (infer/cpu/layer_ops.py), the projections (infer/cpu/linear.py), GGUF blocks (infer/cpu/gguf_matmul.py), a
+# dense layer of them (infer/cpu/gguf_layer.py), the chunked delta rule's chunk terms (infer/cpu/layer_ops.py),
+# int8 / int4 codes (infer/cpu/quant_matmul.py)
 SOURCES = [CSRC / "library.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp",
-           CSRC / "gguf_matmul_cpu.cpp", CSRC / "delta_rule_cpu.cpp", CSRC / "quant_matmul_cpu.cpp"]
+           CSRC / "gguf_matmul_cpu.cpp", CSRC / "gguf_layer_cpu.cpp", CSRC / "delta_rule_cpu.cpp",
+           CSRC / "quant_matmul_cpu.cpp"]
 ENV = "TESSERA_CPU_ATTENTION"  # "torch": never build or use the kernel
 
 

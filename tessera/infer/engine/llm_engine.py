@@ -37,6 +37,7 @@ from tessera.config.errors import ConfigError, RequestError
 from tessera.data.image_processor import decode_image
 from tessera.data.tokenizer import Tokenizer, load_tokenizer
 from tessera.infer.config import EngineConfig
+from tessera.infer.cpu.gguf_layer import fuse_gguf_layers
 from tessera.infer.cpu.gguf_matmul import use_block_kernels
 from tessera.infer.cpu.layer_ops import fuse_layer_ops
 from tessera.infer.cpu.linear import can_pack, fuse_projections, pack_linears
@@ -151,6 +152,7 @@ class LLMEngine:
                 fuse_projections(model)
                 fuse_layer_ops(model)
                 use_block_kernels(model)
+                fuse_gguf_layers(model)
                 use_quant_kernels(model)
             return cls._serving(InProcessExecutor(model, config), config, tokenizer, eos_ids)
         if prequantized:

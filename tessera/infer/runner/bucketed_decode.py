@@ -41,7 +41,7 @@ import torch
 
 from tessera.infer.runner.ragged_attention import RaggedContexts
 from tessera.infer.scheduling.kv_cache import PagedKVCache
-from tessera.models.attention import Window, masked_attention, window_allows
+from tessera.models.attention import ChunkedWindow, Window, masked_attention, window_allows
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import Transformer
 
@@ -156,6 +156,14 @@ class RaggedDecodeAttention:
     def __init__(self, kv: PagedKVCache, slots_B: torch.Tensor, contexts: RaggedContexts,
                  windowed: RaggedDecodeAttention | None = None):
         self.kv, self.slots_B, self.contexts, self.windowed = kv, slots_B, contexts, windowed
+
+    def ragged_plan(self, layer_id: int, window: Window) -> tuple[torch.Tensor, RaggedContexts] | None:
+        """(the rows' cache slots, their contexts) where the C++ kernel reads layer `layer_id` in place
+        as `attend` would (paged_attention.PagedAttentionBatch.ragged_plan), else None."""
+        if (self.kv.attention_dtype is not None or isinstance(window, ChunkedWindow)
+                or (self.windowed is not None and layer_id in self.kv.window_layers)):
+            return None
+        return self.slots_B, self.contexts
 
     def attend(self, layer_id: int, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
                scale: float, window: Window, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.infer.cpu.gguf_layer import logit_checks
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.engine.step_outputs import (
     PromptLogprobs,
@@ -199,7 +200,7 @@ def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, rang
     biases and penalties."""
     transfer = HostTransfer()
     finite_keys = [("finite", s.request_id) for s in seqs for _ in rows[s.request_id]]
-    finite_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
+    finite_R, argmax_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
     plain = [s for s in seqs if s.request_id not in proposals]
     pick = [j for j, s in enumerate(plain) if s.params.logprobs is not None]
     asks = [LogprobRows(("sampled", plain[j].request_id), [rows[plain[j].request_id][-1]], plain[j].params.logprobs)
@@ -208,7 +209,15 @@ def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, rang
     constrained = [s for s in seqs if s.grammar is not None]
     mask_logits(logits_TV, [rows[s.request_id][0] for s in constrained], [s.grammar for s in constrained])
     tokens_B = None
-    if plain:
+    if plain and argmax_R is not None and not constrained and all(s.params.greedy for s in plain) \
+            and not changes_logits(plain):  # the one-pass checks' argmax is the greedy token: no second pass
+        at, n = {}, 0
+        for s in seqs:
+            n += len(rows[s.request_id])
+            at[s.request_id] = n - 1
+        tokens_B = argmax_R[[at[s.request_id] for s in plain]]
+        transfer.add(tokens_B, [("token", s.request_id) for s in plain])
+    elif plain:
         index = torch.tensor([rows[s.request_id][-1] for s in plain]).to(logits_TV.device, non_blocking=True)
         batch = SamplingBatch.build([(s.params, s.seed, len(s.output_ids)) for s in plain], logits_TV.shape[-1],
                                     logits_TV.device)
@@ -234,9 +243,13 @@ def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, rang
     return host
 
 
-def _finite_rows(logits_TV: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """[R] int64 on the device, 1 where logits row index[r] is finite."""
+def _finite_rows(logits_TV: torch.Tensor, index: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[R] int64 on the device, 1 where logits row index[r] is finite; and each row's argmax where the
+    CPU kernel checked them in one pass (infer/cpu/gguf_layer.py's `logit_checks`), else None."""
     if not index:
-        return logits_TV.new_zeros(0, dtype=torch.long)
+        return logits_TV.new_zeros(0, dtype=torch.long), None
     rows = torch.tensor(index).to(logits_TV.device, non_blocking=True)
-    return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long()
+    checks = logit_checks(logits_TV, rows)
+    if checks is not None:
+        return checks
+    return torch.isfinite(logits_TV.index_select(0, rows)).all(-1).long(), None

@@ -49,6 +49,7 @@ from tessera.infer.runner.sparse_attention import attend_sparse
 from tessera.infer.runner.window_ring import WindowRingBatch
 from tessera.infer.scheduling.kv_cache import PagedKVCache
 from tessera.models.attention import (
+    ChunkedWindow,
     Window,
     causal_attention,
     masked_attention,
@@ -188,6 +189,15 @@ class PagedAttentionBatch:
             return k[None, :L], v[None, :L]
         k, v = self.kv.gather_blocks(layer_id, g.ctx_blocks, dtype)
         return k[:, :L], v[:, :L]
+
+    def ragged_plan(self, layer_id: int, window: Window) -> tuple[torch.Tensor, RaggedContexts] | None:
+        """(the step's cache slots [T], its rows) where layer `layer_id` is read in place by the C++
+        kernel exactly as `attend` would (a fused layer then writes and attends itself:
+        infer/cpu/gguf_layer.py), else None."""
+        if (not self.all_ragged or self.kv.attention_dtype is not None or isinstance(window, ChunkedWindow)
+                or (self.windowed is not None and layer_id in self.kv.window_layers)):
+            return None
+        return self.slot_mapping, self.groups[0].ragged
 
     def attend_sparse(self, layer_id: int, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                       scale: float, index_keys_BSD: torch.Tensor, choose: KeyChoice) -> torch.Tensor:

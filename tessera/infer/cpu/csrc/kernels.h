@@ -43,5 +43,13 @@ delta_chunk_terms(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& codes, c10::string_view layout,
                         const at::Tensor& scale, const std::optional<at::Tensor>& shift, double offset, int64_t N,
                         const std::optional<at::Tensor>& bias, bool portable);
+// gguf_layer_cpu.cpp
+at::Tensor gguf_dense_layer(const at::Tensor& x, at::TensorList norms, double eps, at::TensorList mats,
+                            c10::string_view qkv_kind, c10::string_view o_kind, c10::string_view gate_up_kind,
+                            c10::string_view down_kind, at::IntArrayRef sizes, const std::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim, at::TensorList cache,
+                            const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& blocks,
+                            int64_t block_size, double scale, int64_t window);
+at::Tensor logit_checks(const at::Tensor& logits, const at::Tensor& rows);
 
 }  // namespace tessera_cpu

@@ -156,3 +156,73 @@ at::Tensor tessera_cpu::silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   });
   return out;
 }
+
+// ---- the logits' checks of a step ----------------------------------------------------------------
+// logit_checks(logits [T, V], rows [R]) -> [2, R] int64: for logits row rows[r], whether all of it is
+// finite (torch.isfinite(row).all()) and its argmax (the first index of its maximum: torch.argmax's answer
+// for a row without NaN). One pass over each row (a product by zero is NaN for an inf or a NaN: their sum
+// says whether any was), the rows split over threads only in batches large enough to pay for waking one:
+// PyTorch's isfinite and all are five ops over the rows, each its own parallel region.
+
+namespace {
+
+void check_row(const float* x, int64_t V, int64_t& finite, int64_t& argmax) {
+  int64_t i = 0;
+  float best = -INFINITY, zero = 0.0f;
+#ifdef TESSERA_AVX2
+  __m256 vbest = _mm256_set1_ps(-INFINITY), vzero = _mm256_setzero_ps();
+  const __m256 z = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vbest = _mm256_max_ps(vbest, v);
+    vzero = _mm256_add_ps(vzero, _mm256_mul_ps(v, z));
+  }
+  alignas(32) float lanes[8], zeros[8];
+  _mm256_store_ps(lanes, vbest);
+  _mm256_store_ps(zeros, vzero);
+  for (int l = 0; l < 8; ++l) {
+    best = lanes[l] > best ? lanes[l] : best;
+    zero += zeros[l];
+  }
+#endif
+  for (; i < V; ++i) {
+    best = x[i] > best ? x[i] : best;
+    zero += x[i] * 0.0f;
+  }
+  finite = zero == 0.0f ? 1 : 0;
+  argmax = 0;
+  if (!finite) {  // torch.argmax takes a NaN for the largest: the first one, else the first maximum
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(x[j])) {
+        argmax = j;
+        return;
+      }
+    best = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) best = x[j] > best ? x[j] : best;
+  }
+  for (int64_t j = 0; j < V; ++j)
+    if (x[j] == best) {
+      argmax = j;
+      return;
+    }
+}
+
+}  // namespace
+
+at::Tensor tessera_cpu::logit_checks(const at::Tensor& logits, const at::Tensor& rows) {
+  check_float_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [T, V], got ", logits.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be int64 [R]");
+  const at::Tensor r = rows.contiguous();
+  const int64_t R = r.numel(), T = logits.size(0), V = logits.size(1);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < T, "logit_checks: row ", rp[i], " of ", T);
+  at::Tensor out = at::empty({2, R}, rows.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* lp = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, R, grain(V, 262144), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) check_row(lp + rp[i] * stride, V, op[i], op[R + i]);
+  });
+  return out;
+}

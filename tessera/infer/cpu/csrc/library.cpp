@@ -20,6 +20,10 @@ TORCH_LIBRARY(tessera_cpu, m) {
         "float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor codes, str layout, Tensor scale, Tensor? shift, float offset, int N, "
         "Tensor? bias, bool portable=False) -> Tensor");
+  m.def("gguf_dense_layer(Tensor x, Tensor[] norms, float eps, Tensor[] mats, str qkv_kind, str o_kind, "
+        "str gate_up_kind, str down_kind, int[] sizes, Tensor? qkv_bias, Tensor cos, Tensor sin, int head_dim, "
+        "Tensor(a!)[] cache, Tensor slots, Tensor rows, Tensor blocks, int block_size, float scale, int window) -> Tensor");
+  m.def("logit_checks(Tensor logits, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
@@ -35,4 +39,6 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
   m.impl("delta_chunk_terms", &tessera_cpu::delta_chunk_terms);
   m.impl("quant_linear", &tessera_cpu::quant_linear);
+  m.impl("gguf_dense_layer", &tessera_cpu::gguf_dense_layer);
+  m.impl("logit_checks", &tessera_cpu::logit_checks);
 }
