@@ -70,6 +70,37 @@ def test_a_choice_every_interval_from_the_mean_of_its_samples(two_threads):
     assert torch.get_num_threads() == 1 and none.choices == []
 
 
+def _run(policy: at.AdaptiveThreads, steps: int, seconds_at: dict[int, float], clock: list[float]) -> list[int]:
+    """`steps` steps under `policy` (a choice every 4th call: the step it is made at runs at it), each
+    taking `seconds_at[count]` of the fake clock: the counts they ran at."""
+    counts = []
+    for step in range(steps):
+        policy(step)
+        counts.append(torch.get_num_threads())
+        clock[0] += seconds_at[torch.get_num_threads()]
+    return counts
+
+
+@pytest.mark.parametrize("seconds_at, expected", [
+    # busy processes in another session: one thread is faster, kept
+    ({2: 5.7, 1: 1.9}, [2] * 3 + [1] * 37),
+    # busy processes in the run's own session: one thread is slower, back to two; tried again once the
+    # measurement is older than `memory` (32 steps)
+    ({2: 5.4, 1: 7.2}, [2] * 3 + [1] * 4 + [2] * 33)])
+def test_a_count_whose_steps_are_measured_slower_is_left(two_threads, seconds_at, expected):
+    clock = [0.0]
+    policy = at.AdaptiveThreads(configured=2, cores=2, interval=4, sample=lambda: 6, clock=lambda: clock[0])
+    assert _run(policy, 40, seconds_at, clock) == expected
+
+
+def test_a_slower_count_measured_under_another_load_does_not_hold_the_choice(two_threads):
+    clock, load = [0.0], [6]
+    policy = at.AdaptiveThreads(configured=2, cores=2, interval=4, sample=lambda: load[0], clock=lambda: clock[0])
+    assert _run(policy, 8, {2: 5.0, 1: 1.5}, clock) == [2] * 3 + [1] * 5  # two threads slower while busy
+    load[0] = 0  # the machine is left idle: two threads are proposed and taken, their busy time notwithstanding
+    assert _run(policy, 8, {2: 0.9, 1: 1.6}, clock) == [1] * 3 + [2] * 5
+
+
 def test_installed_on_cpu_runs_that_start_with_several_threads(two_threads):
     assert [type(h) for h in at.thread_hooks(True, "cpu")] == [at.AdaptiveThreads]
     assert at.thread_hooks(False, "cpu") == [] and at.thread_hooks(True, "cuda") == []
