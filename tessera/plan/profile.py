@@ -12,7 +12,7 @@ handed to the functions that use it, never global.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,41 +65,32 @@ class ModelProfile:
     def stages(self, pp: int, vpp: int) -> list[list[int]]:
         return self.memo(("stages", pp, vpp), lambda: stage_layers(self.cfg.n_layers, pp, vpp))
 
-    def stage_kinds(self, pp: int, vpp: int, stage: int, recompute: str, interval: int) -> dict[tuple[bool, bool], int]:
-        """Layers of `stage` counted by (is MoE, does the recomputation policy apply to it): a policy
-        other than none applies to every `interval`-th layer (layer id % interval == 0)."""
-        def count() -> dict[tuple[bool, bool], int]:
-            out: dict[tuple[bool, bool], int] = {}
+    def _stage_counts(self, by: str, of: Sequence[Hashable], pp: int, vpp: int, stage: int, recompute: str,
+                      interval: int) -> dict[tuple[Any, bool], int]:
+        """Layers of `stage` counted by (`of[i]`, does the recomputation policy apply to layer i): a policy
+        other than none applies to every `interval`-th layer (layer id % interval == 0); memoised under `by`."""
+        def count() -> dict[tuple[Any, bool], int]:
+            out: dict[tuple[Any, bool], int] = {}
             for i in self.stages(pp, vpp)[stage]:
-                key = (self.moe[i], recompute != "none" and i % interval == 0)
+                key = (of[i], recompute != "none" and i % interval == 0)
                 out[key] = out.get(key, 0) + 1
             return out
 
-        return self.memo(("kinds", pp, vpp, stage, recompute, interval), count)
+        return self.memo((by, pp, vpp, stage, recompute, interval), count)
+
+    def stage_kinds(self, pp: int, vpp: int, stage: int, recompute: str, interval: int) -> dict[tuple[bool, bool], int]:
+        """Layers of `stage` counted by (is MoE, does the recomputation policy apply to it)."""
+        return self._stage_counts("kinds", self.moe, pp, vpp, stage, recompute, interval)
 
     def stage_layer_kinds(self, pp: int, vpp: int, stage: int, recompute: str, interval: int
                           ) -> dict[tuple[int, bool], int]:
         """Layers of `stage` counted by (the first layer of their `layer_kind`, does the recomputation
         policy apply to it)."""
-        def count() -> dict[tuple[int, bool], int]:
-            out: dict[tuple[int, bool], int] = {}
-            for i in self.stages(pp, vpp)[stage]:
-                key = (self.kinds[i], recompute != "none" and i % interval == 0)
-                out[key] = out.get(key, 0) + 1
-            return out
-
-        return self.memo(("layer_kinds", pp, vpp, stage, recompute, interval), count)
+        return self._stage_counts("layer_kinds", self.kinds, pp, vpp, stage, recompute, interval)
 
     def stage_mixers(self, pp: int, vpp: int, stage: int, recompute: str, interval: int) -> dict[tuple[str, bool], int]:
         """Layers of `stage` counted by (`layer_mixer`, does the recomputation policy apply to it)."""
-        def count() -> dict[tuple[str, bool], int]:
-            out: dict[tuple[str, bool], int] = {}
-            for i in self.stages(pp, vpp)[stage]:
-                key = (self.mixers[i], recompute != "none" and i % interval == 0)
-                out[key] = out.get(key, 0) + 1
-            return out
-
-        return self.memo(("mixers", pp, vpp, stage, recompute, interval), count)
+        return self._stage_counts("mixers", self.mixers, pp, vpp, stage, recompute, interval)
 
 
 def layer_mixer(cfg: ModelConfig, i: int) -> str:
