@@ -229,7 +229,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, *,
     `interval`-th decoder layer: full, the layer's forward again; selective, the attention core
     again (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2); none: 0. The operator-level
     policy (op) re-runs what its save list does not keep, which the planner counts
-    (tessera/plan/recompute_terms.py); here it is refused.
+    (tessera/plan/saved/recompute_terms.py); here it is refused.
     """
     if recompute not in RECOMPUTE_CHOICES:
         raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
@@ -237,7 +237,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str, *,
         raise ConfigError(f"recompute interval={interval!r} is invalid: must be >= 1")
     if recompute == "op":
         raise ConfigError("recompute=op: what it re-runs depends on parallel.recompute_save; "
-                          "tessera.plan.recompute_terms counts it")
+                          "tessera.plan.saved.recompute_terms counts it")
     if recompute == "none":
         return 0.0
     layers = range(0, cfg.n_layers, interval)

@@ -1,7 +1,7 @@
 """Activation dtypes: the bytes per element of what a forward pass computes, keeps and multiplies.
 
 One table for every planner estimate that counts activation bytes: the saved tensors
-(activation_terms.py), the time model's memory-bound work (op_time.py) and the collectives that
+(saved/activation_terms.py), the time model's memory-bound work (op_time.py) and the collectives that
 move activations (comm.py). Three precisions: fp32; bf16 (weights and activations bf16, as FSDP2's
 mixed precision runs a model); autocast-bf16 (fp32 weights under torch.autocast, the trainer's
 `train.dtype: bf16`: linear layers compute in bf16, the residual stream stays fp32).

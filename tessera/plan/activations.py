@@ -6,7 +6,7 @@ changes it as Korthikanti et al. 2022 (arXiv 2205.05198, table 2) describe: tens
 the head/FFN tensors by t; sequence parallelism also cuts the norm/residual region by t; context
 parallelism splits the tokens by cp. Recomputation (`parallel.recompute`, on every
 `recompute_interval`-th layer): full keeps only the layer's input; selective re-runs the attention
-core; op keeps the layer's input and the outputs its save list names (recompute_terms.py). With
+core; op keeps the layer's input and the outputs its save list names (saved/recompute_terms.py). With
 `activation_offload` what the blocks save lives in host memory and only an op policy's cache (and
 the token ids) stays on the GPU, plus one layer's activations brought back for its backward.
 `korthikanti_layer_bytes` is their formula, for reference and comparison.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import get_activation_dtype
-from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.loss_memory import loss_buffer_bytes_per_logit
 from tessera.plan.profile import ModelProfile, handoff_buffers
-from tessera.plan.saved_terms import SavedTensor
+from tessera.plan.saved.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
+from tessera.plan.saved.saved_terms import SavedTensor
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False,

@@ -33,8 +33,8 @@ from tessera.plan.memory import (
     teacher_stage_bytes,
 )
 from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
-from tessera.plan.recompute_terms import product_flops_per_token, recomputed_products
 from tessera.plan.roofline import StepTime, step_time
+from tessera.plan.saved.recompute_terms import product_flops_per_token, recomputed_products
 
 # fp16 (autocast over fp32 weights, loss-scaled) keeps the same bytes as bf16: 2-byte compute copies.
 TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16"), "fp16": ("bf16", "autocast-bf16")}

@@ -43,8 +43,8 @@ from tessera.plan.bubble import layer_replays
 from tessera.plan.cluster import Cluster
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
-from tessera.plan.recompute_terms import recomputed_products
-from tessera.plan.recurrent_terms import recurrent_chunks, recurrent_mixer_terms
+from tessera.plan.saved.recompute_terms import recomputed_products
+from tessera.plan.saved.recurrent_terms import recurrent_chunks, recurrent_mixer_terms
 
 KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
 ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
@@ -107,7 +107,7 @@ def recurrent_ops(cfg: ModelConfig, layer: int, lay: Layout, tokens: float, seq_
                   dtype: str) -> list[OpTime]:
     """A recurrent mixer's forward (Gated DeltaNet, Kimi delta attention, Mamba-2) on one rank: its
     projections as one product of its own weights, and its chunked core at its own FLOPs
-    (models/flops.py) and bytes (what it writes for backward, recurrent_terms.py): the slower of the two
+    (models/flops.py) and bytes (what it writes for backward, saved/recurrent_terms.py): the slower of the two
     rooflines, plus a few kernels per chunk, which run one after another (the state passes between them)."""
     tp, h = lay.tp, cfg.dim
     mixer = layer_mixer(cfg, layer)
@@ -240,7 +240,7 @@ def head_time(cfg: ModelConfig, lay: Layout, tokens: float, cluster: Cluster) ->
 
 def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
                       dtype: str, forward: LayerTime, layer: int | None = None) -> LayerTime:
-    """What `recompute=op` re-runs of one layer in backward: its products not kept (recompute_terms.py),
+    """What `recompute=op` re-runs of one layer in backward: its products not kept (saved/recompute_terms.py),
     the attention core unless kept, and the layer's elementwise work."""
     layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) == moe) if layer is None else layer
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None

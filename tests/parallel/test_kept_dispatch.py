@@ -26,7 +26,7 @@ from tessera.plan.activations import layer_terms
 from tessera.plan.comm import stage_collectives
 from tessera.plan.layout import Layout, Workload
 from tessera.plan.memory import get_precision, rank_params
-from tessera.plan.recompute_terms import kept_exchanges
+from tessera.plan.saved.recompute_terms import kept_exchanges
 from tessera.train.objectives.loss import token_loss_sum
 from tests.forked_ranks import run_ranks
 from tests.parallel.test_dualpipe_overlap import LAYOUT as PIPELINE_LAYOUT

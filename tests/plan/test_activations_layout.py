@@ -24,7 +24,6 @@ import torch
 
 from tessera.config import MoEConfig, get_preset
 from tessera.models import Transformer
-from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.activations import (
     in_flight_microbatches,
     korthikanti_layer_bytes,
@@ -32,6 +31,7 @@ from tessera.plan.activations import (
     stage_activations,
 )
 from tessera.plan.layout import Layout, Workload
+from tessera.plan.saved.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.saved_tensors import SavedTensorCounter
 from tests.plan.activation_measurement import measure_activation_bytes
 

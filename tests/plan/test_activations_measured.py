@@ -20,9 +20,9 @@ from tessera.config import MLAConfig, MoEConfig, get_preset
 from tessera.config.parallel import TORCHTITAN_SAVE
 from tessera.models.moe.layer import MoE
 from tessera.parallel.memory.activation_offload import HostStore
-from tessera.plan.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tessera.plan.activations import layer_device_host_bytes
 from tessera.plan.layout import Layout, Workload
+from tessera.plan.saved.activation_terms import head_saved_tensors, layer_saved_tensors, model_saved_tensors
 from tests.plan.activation_measurement import build_model, measure_activation_bytes
 
 B, S = 2, 64

@@ -119,7 +119,7 @@ def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
 def _block_saved_bytes(cfg, layer: int, dtype: str, batch: int, seq: int) -> tuple[float, int]:
     """(planned, counted): layer `layer`'s saved tensors as `layer_saved_tensors` lists them, and the bytes
     autograd keeps in the real block's training forward from a leaf input (no recomputation)."""
-    from tessera.plan.activation_terms import layer_saved_tensors
+    from tessera.plan.saved.activation_terms import layer_saved_tensors
     from tessera.plan.saved_tensors import SavedTensorCounter
 
     torch.manual_seed(0)
@@ -173,7 +173,7 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
     slabs still plans to the byte."""
     import tessera.models.linear_attention.delta_rule as delta_rule
     import tessera.models.linear_attention.ssd as ssd
-    import tessera.plan.recurrent_terms as terms
+    import tessera.plan.saved.recurrent_terms as terms
 
     cfg = _variant(name)
     B, seq = 2, 40

@@ -4,7 +4,7 @@ Each loss runs forward and backward from an LM head's product under torch's prof
 every allocation and free on CPU; the peak of the running sum is what the loss held at once. The
 logits dwarf everything else (a wide vocabulary, a narrow hidden size), so the peak is the bytes
 per logit of `loss_buffer_bytes_per_logit` plus the 4-byte log-softmax (or softmax) the loss saves,
-which the head's saved tensors count (tessera/plan/activation_terms.py). The trainer's loss is
+which the head's saved tensors count (tessera/plan/saved/activation_terms.py). The trainer's loss is
 `token_loss_sum` with the logits kept until backward ends, as its step does; torch's is torchtitan's
 `cross_entropy(pred.flatten(0, 1).float(), labels)` with `pred` deleted before backward, under
 `loss_parallel` when the head is vocabulary-parallel. tp = 2 runs on real gloo ranks."""

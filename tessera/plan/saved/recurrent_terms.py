@@ -29,7 +29,7 @@ from tessera.models.flops import (
     SSD_SLAB_TERMS,
 )
 from tessera.plan.activation_dtypes import ActivationDtype
-from tessera.plan.saved_terms import SavedTensor
+from tessera.plan.saved.saved_terms import SavedTensor
 
 
 @dataclass

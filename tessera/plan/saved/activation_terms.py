@@ -37,9 +37,9 @@ from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.config.parallel import RECOMPUTE_CHOICES, TORCHTITAN_SAVE
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
-from tessera.plan.recompute_terms import op_saved_tensors
-from tessera.plan.recurrent_terms import recurrent_linear_inputs, recurrent_mixer_terms
-from tessera.plan.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
+from tessera.plan.saved.recompute_terms import op_saved_tensors
+from tessera.plan.saved.recurrent_terms import recurrent_linear_inputs, recurrent_mixer_terms
+from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
 
 
 @dataclass(frozen=True)

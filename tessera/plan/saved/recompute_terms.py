@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
-from tessera.plan.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
+from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
 
 
 @dataclass(frozen=True)
