@@ -2,17 +2,14 @@
 keys live in the KV cache beside each token's keys and values and are counted in a block's bytes; the
 indexer runs in the paged step, so greedy tokens equal transformers' with prompts cut into chunks and
 requests batched together, preempted requests recomputed, and a prompt whose prefix is cached, over
-contexts several times longer than index_topk; MTP drafts are refused by name (tensor-parallel serving:
-test_deepseek_v32_tp_serving.py)."""
+contexts several times longer than index_topk (tensor-parallel serving: test_deepseek_v32_tp_serving.py;
+drafts from the model's own MTP layer: test_deepseek_v32_mtp_serving.py)."""
 
 import pytest
 import torch
 
-from tessera.config import get_preset
-from tessera.config.errors import ConfigError
-from tessera.infer import LLM, SamplingParams, SpeculativeConfig
+from tessera.infer import LLM, SamplingParams
 from tessera.infer.scheduling.kv_cache import PagedKVCache, bytes_per_block
-from tessera.models.transformer import Transformer
 from tests.infer.tiny_models import hf_greedy
 from tests.models.hf_families import hf_configs, random_hf_model
 
@@ -58,9 +55,3 @@ def test_a_block_counts_the_indexer_keys(pair):
     assert bytes_per_block(cfg, 4, torch.float32, False) == per_token * 4 * 4 * cfg.n_layers
     kv = PagedKVCache(cfg, 3, 4, torch.float32)
     assert kv.nbytes == 3 * bytes_per_block(cfg, 4, torch.float32, False)
-
-
-def test_mtp_drafts_are_refused():
-    model = Transformer(get_preset("tiny-deepseek-v32", mtp_depth=1)).eval()
-    with pytest.raises(ConfigError, match=r"speculative.method='mtp' is invalid: .*indexer keys"):
-        LLM(model, speculative=SpeculativeConfig(method="mtp"))

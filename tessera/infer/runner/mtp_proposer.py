@@ -14,12 +14,18 @@ embedding of token p+1 and predicts token p+2. Drafting k tokens after a sequenc
    one MTP layer with k > 1; deeper modules of a model with mtp_depth > 1 are not used in serving.
 
 Only positions with the target's hidden states are kept in the module's cache: drafts' keys and
-values are overwritten by the next catch-up. The target's hidden states come from the packed
-forward pass (`PagedModel.keep_hidden`), so MTP drafting runs every decode in the packed step (no
-static-shape decode step, `EngineConfig` sees to it). A request whose prompt started past cached
-prefix blocks has no hidden states for them and decodes without drafts. Greedy drafts are argmaxes;
-sampled ones are drawn from the processed distribution q of the module's logits, which rejection
-sampling needs (`rejection_sampling.py`), as the draft model's are.
+values are overwritten by the next catch-up. DeepSeek-V3.2's MTP layer is a block of its family, sparse
+attention with a lightning indexer of its own (tessera/models/attention_variants/sparse_mla.py): the
+module's cache is shaped by the model's config, so it keeps that indexer's key of every position beside
+the keys and values (`PagedKVCache.index_k`), and the catch-up picks each query's `index_topk` keys among
+them as the module's forward over the whole sequence does (`OneLayerCache.attend_sparse`).
+
+The target's hidden states come from the packed forward pass (`PagedModel.keep_hidden`), so MTP
+drafting runs every decode in the packed step (no static-shape decode step, `EngineConfig` sees to
+it). A request whose prompt started past cached prefix blocks has no hidden states for them and
+decodes without drafts. Greedy drafts are argmaxes; sampled ones are drawn from the processed
+distribution q of the module's logits, which rejection sampling needs (`rejection_sampling.py`), as
+the draft model's are.
 
 The bookkeeping (the target's hidden states per request, the catch-up, the chain, rollback) is
 `HiddenStateProposer`'s, which the EAGLE proposer (eagle_proposer.py) shares; a subclass says how
@@ -61,13 +67,19 @@ def _trim(st: _MTPState) -> None:
 
 
 class OneLayerCache:
-    """A draft's one layer sees the cache as its own layer (its layer id is past the model's)."""
+    """A draft's one layer sees the cache as its own layer (its layer id is past the model's): dense
+    attention, or DeepSeek-V3.2's sparse attention, whose indexer keys the one-layer cache keeps beside
+    the keys and values (`PagedKVCache.index_k`), so the layer's own indexer picks its top-k over every
+    position the module has run, as its forward over the whole sequence does."""
 
     def __init__(self, batch: PagedAttentionBatch):
         self.batch = batch
 
     def attend(self, layer_id, q, k, v, scale, window, sinks=None):
         return self.batch.attend(0, q, k, v, scale, window, sinks)
+
+    def attend_sparse(self, layer_id, q, k, v, scale, index_keys, choose):
+        return self.batch.attend_sparse(0, q, k, v, scale, index_keys, choose)
 
 
 @dataclass

@@ -5,7 +5,7 @@
   and propose the tokens that followed it. Costs no model call; pays off on text that repeats
   its context (code edits, quoting, extraction, loops).
 - `MTPProposer` (mtp_proposer.py): the target's own multi-token-prediction module drafts from
-  the target's hidden states (DeepSeek-V3's MTP; `model.mtp_depth`).
+  the target's hidden states (DeepSeek-V3's MTP, and V3.2's with its sparse attention; `model.mtp_depth`).
 - `EagleProposer` (eagle_proposer.py): an EAGLE-3 draft head drafts from the target's hidden
   states of a low, a middle and a high layer (`--speculative eagle --draft-model DIR`).
 - `DraftModelProposer`: a small model with the same vocabulary proposes k tokens autoregressively
@@ -27,7 +27,7 @@ import torch
 
 from tessera.checkpoint.eagle_dir import load_eagle_draft
 from tessera.checkpoint.loading import load_model
-from tessera.config.errors import ConfigError, require
+from tessera.config.errors import ConfigError
 from tessera.infer.config import EngineConfig
 from tessera.infer.engine.sequence import Sequence
 from tessera.infer.runner.draft_tokens import Proposal, draw_tokens
@@ -172,9 +172,6 @@ def build_proposer(config: EngineConfig, target_vocab: int, num_blocks: int,
             raise ConfigError(f"speculative.method={spec.method!r} drafts from the served model in this process; "
                               "it is not available here (tensor_parallel_size > 1)")
         if spec.method == "mtp":
-            require(target.model.cfg.mla is None or target.model.cfg.mla.index_topk is None, "speculative.method",
-                    spec.method, f"a draft method other than mtp for model.family={target.model.cfg.family}: its MTP "
-                    "layer's sparse attention needs indexer keys the MTP drafter's cache does not keep")
             proposer = MTPProposer(target.model, spec.num_tokens, num_blocks, config.block_size, dtype, config.device)
         else:
             draft = load_eagle_draft(spec.draft_model, target.model.cfg, dtype, config.device)
