@@ -5,7 +5,7 @@ catch-up its logits equal the model's own MTP forward over the whole sequence (f
 several times longer than index_topk. Greedy tokens with drafts (1 and 3 a step) equal those without and
 transformers' (which loads the directory without the MTP layer), with chunked prefill and batching,
 preemption (recomputed) and a prefix-cache hit; an MTP layer trained on the target's own continuations
-has drafts accepted (the count measured, never a speed)."""
+has drafts accepted (the count measured, never a speed); served over HTTP the same."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tessera.models.chunked_cross_entropy import IGNORE_INDEX
 from tessera.models.model_input import ModelInput
 from tessera.models.mtp import depth_inputs
 from tessera.models.transformer import Transformer
-from tests.infer.tiny_models import hf_greedy
+from tests.infer.tiny_models import char_tokenizer, hf_greedy, save_tokenizer
 from tests.models.hf_families import hf_configs, random_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +69,7 @@ def served(tmp_path_factory):
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     _train_mtp_to_agree(model, [p + w for p, w in zip(PROMPTS, want)])
     save_pretrained(model.eval(), root / "mtp")
+    save_tokenizer(root / "mtp")
     return Served(hf, root / "mtp", want, model)
 
 
@@ -157,3 +158,24 @@ def test_a_prefix_cache_hit_with_drafts_decodes_to_transformers_tokens(served):
     assert llm.engine.blocks.cache.hit_tokens >= hits + 16
     assert drafted > 0 and llm.engine.metrics.spec_proposed == drafted
     assert [o.token_ids for o in first + second] == [hf_greedy(served.hf, p, NEW) for p in prompts]
+
+
+def test_served_over_http_with_mtp_drafts(served):
+    """The directory served with speculation "mtp" answers transformers' greedy tokens and /metrics counts
+    the drafts."""
+    import httpx
+
+    from tessera.infer import EngineConfig, LLMEngine
+    from tests.hang_guard import HANG_S
+    from tests.infer.running_server import RunningServer
+
+    tok, prompt = char_tokenizer(), PROMPTS[0]
+    engine = LLMEngine.from_dir(served.path, EngineConfig(block_size=4, speculative={"method": "mtp", "num_tokens": 2}))
+    with RunningServer(engine, name="v32") as s:
+        body = {"model": "v32", "prompt": prompt, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=HANG_S)
+        text = httpx.get(s.url + "/metrics", timeout=HANG_S).text
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode(served.want[0], skip_special_tokens=True)
+    proposed = [ln for ln in text.splitlines() if ln.startswith("tessera_spec_proposed_tokens_total")]
+    assert proposed and float(proposed[0].split()[-1]) > 0
