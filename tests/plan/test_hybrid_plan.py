@@ -195,18 +195,61 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
 
 @pytest.mark.parametrize("name", HYBRIDS)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "op"])
 def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
     """The whole model (the recurrent layers, the gated attention layers, Kimi Linear's latent attention
     without RoPE, whose value head is narrower than its query/key head so that the CPU's SDPA runs its math
     kernel, Nemotron-H's one-sublayer layers and relu^2 MLPs, no RoPE tables where no layer rotates) without
-    recomputation, and with selective recomputation (which re-runs attention cores only), equals the bytes
-    autograd keeps."""
+    recomputation, with selective recomputation (which re-runs attention cores only) and with operator-level
+    recomputation under torchtitan's save list (the layer's input and every other product's output; a
+    recurrent mixer's chunked core re-runs, its products not among them) equals the bytes autograd keeps."""
     planned, counted = _planned_and_counted(name, recompute, dtype)
     assert planned == pytest.approx(counted, rel=1e-9)
 
 
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("save,fp8", [(("matmuls",), ()), (("attention_in", "mlp_out"), ()),
+                                      (("attention_out",), ("attention_in",)), (("attention_core",), ())])
+def test_the_op_policys_kept_outputs_of_a_hybrid_model(name, save, fp8):
+    """recompute=op with other save lists: a recurrent mixer's projections keep their outputs by role
+    (those into the mixer attention_in, its output projection attention_out; in FP8 at one byte and an fp32
+    scale per row), its core keeps nothing even where attention_core is saved; the planned bytes
+    (saved/recompute_terms.py) equal what the trainer's policy keeps in the real model (fp32)."""
+    from tessera.plan.activations import stage_activations
+    from tests.plan.activation_measurement import measure_activation_bytes
+
+    cfg = get_preset(name)
+    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save, fp8=fp8).total_bytes
+    lay = Layout(recompute="op", recompute_save=save, activation_fp8=fp8, device="cpu")
+    (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
+    assert stage.stored == pytest.approx(counted, rel=1e-9)
+
+
 LARGE = ["qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "nemotron-h-8b"]
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_the_op_policy_re_runs_a_recurrent_core_whatever_it_keeps(name):
+    """With every product and the attention core kept, what recompute=op still re-runs is the recurrent
+    mixers' chunked cores: its recomputed FLOPs are theirs (models/flops.py), and a recurrent layer's
+    recomputed time is its core's (no product again, no attention core)."""
+    from tessera.models.flops import delta_rule_flops_per_token, ssd_flops_per_token
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.estimate import recompute_flops
+    from tessera.plan.op_time import layer_ops, layer_time, recompute_time
+
+    cfg, seq = get_preset(name), 4096
+    lay = Layout(dp_shard=8, recompute="op", recompute_save=("matmuls", "attention_core"))
+    work = Workload(seq_len=seq, micro_batch=1, global_batch=8)
+    recurrent = [i for i in range(cfg.n_layers) if cfg.is_linear_attention_layer(i) or cfg.is_mamba_layer(i)]
+    core = delta_rule_flops_per_token(cfg, seq) if cfg.linear_attention is not None else ssd_flops_per_token(cfg, seq)
+    assert recompute_flops(cfg, lay, work, "autocast-bf16") == pytest.approx(len(recurrent) * core)
+    c, i = Cluster.for_gpu("h100", gpus=8), recurrent[0]
+    forward = layer_time(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", layer=i)
+    again = recompute_time(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", forward, i)
+    (core_op,) = [o for o in layer_ops(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", layer=i)
+                  if o.name.endswith(" core")]
+    assert (again.matmul, again.attention) == (pytest.approx(core_op.seconds), 0.0)
 
 
 @pytest.mark.parametrize("name", LARGE)
