@@ -3,8 +3,11 @@ themselves, not as attention layers: the parameters one rank holds equal the rea
 per pipeline stage and under tensor parallelism (the trainer's own plan applied on real gloo ranks); a
 recurrent layer's forward FLOPs equal FlopCounterMode's count of its real chunked forward; under full
 recomputation the stored activations equal the bytes autograd keeps, and without it a recurrent layer's
-saved tensors (its chunked form's, slab by slab) do too (Kimi Linear's latent-attention layer without
-RoPE is left: a strict xfail)."""
+saved tensors (its chunked form's, slab by slab) do too, as does the whole model without, with selective
+and with operator-level recomputation (a recurrent mixer's projections kept by role, its core re-run;
+Kimi Linear's latent attention, whose value head is narrower than its query/key head, through the CPU
+SDPA's math kernel: the planner asked for device cpu, as these measurements run); the op policy's
+recomputed FLOPs and time count the recurrent cores."""
 
 from __future__ import annotations
 
