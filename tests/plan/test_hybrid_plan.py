@@ -228,6 +228,46 @@ def test_the_op_policys_kept_outputs_of_a_hybrid_model(name, save, fp8):
     assert stage.stored == pytest.approx(counted, rel=1e-9)
 
 
+def _kept_by_op_policy(name: str, save: tuple[str, ...]) -> int:
+    """Bytes the op policy's caches keep in one forward of the model under the trainer's tp=2 plan on this rank."""
+    from tessera.parallel import parallelize
+    from tessera.parallel.dims import ParallelDims
+
+    cfg = get_preset(name)
+    pcfg = ParallelConfig(tp=2, dp_shard=1, recompute="op", recompute_save=save)
+    dims = ParallelDims.from_config(pcfg, 2)
+    dims.validate(cfg, 2, seq_len=16)
+    dims.build_mesh("cpu")
+    model = parallelize(Transformer(cfg), dims, pcfg)
+    kept: dict[int, int] = {}
+
+    def observe(t: torch.Tensor) -> None:
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor: this rank's part
+        kept[storage.data_ptr()] = storage.nbytes()
+
+    for policy in (m.recompute_policy for m in model.modules() if hasattr(m, "recompute_policy")):
+        policy.observers.append(observe)
+    model(torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    return sum(kept.values())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_a_tensor_parallel_rank_keeps_the_recurrent_projections_its_save_list_names(name):
+    """Under tp=2 Qwen3.5's in_proj_qkv and Mamba-2's in_proj run outside their modules (F.linear of what the
+    `own_part` seam reads): the policy still gives them their role, so each rank keeps its part of every
+    attention_in output, as the planner's op terms (less the layer inputs) cut by tp say."""
+    from tessera.plan.saved.activation_terms import layer_saved_tensors
+
+    torch.manual_seed(0)
+    save = ("attention_in",)
+    got = run_ranks(_kept_by_op_policy, 2, name, save)
+    cfg = get_preset(name)
+    planned = sum(t.nbytes(32, tp=2) for i in range(cfg.n_layers) for t in layer_saved_tensors(
+        cfg, i, "fp32", recompute="op", tokens=32, batch=2, save=save) if t.name != "layer.input")
+    assert got[0] == got[1] == planned
+
+
 LARGE = ["qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "nemotron-h-8b"]
 
 

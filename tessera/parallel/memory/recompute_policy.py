@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from tessera.models.attention import Attention
-from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet
+from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet, whole
 from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
@@ -77,6 +77,9 @@ ROLES = {Attention: {"wq": "attention_in", "wk": "attention_in", "wv": "attentio
                                                 "g_a_proj", "g_b_proj"), "attention_in"), "o_proj": "attention_out"},
          Mamba2Mixer: {"in_proj": "attention_in", "out_proj": "attention_out"}}
 RECURRENT_MIXERS = (GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer)
+# Under tensor parallelism a recurrent mixer runs some projections outside their modules, as F.linear of
+# what its `own_part` seam reads (Qwen3.5's in_proj_qkv, Mamba-2's in_proj): their role, by the weight read.
+SEAM_READS = {GatedDeltaNet: {"qkv": "attention_in"}, Mamba2Mixer: {"in_proj": "attention_in"}}
 CORE = "attention_core"
 RECURRENT_CORE = "recurrent_core"  # a recurrent mixer's scope: what runs in it outside its projections
 DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
@@ -104,6 +107,7 @@ class _Forward:
         self.replay: list[tuple[torch.Tensor, torch.Tensor, torch.dtype] | None] = []
         self.position = 0  # the replay's place in `replay`
         self.pending: dict = {}  # operator -> decision, from the classifier to the policy
+        self.seam_role: str | None = None  # the next product's role, read through a mixer's own_part (SEAM_READS)
 
 
 class BlockOpPolicy:
@@ -134,6 +138,9 @@ class BlockOpPolicy:
                 self._scope(module, EXPERTS)
             if isinstance(module, RECURRENT_MIXERS):
                 self._scope(module, RECURRENT_CORE)
+                roles = SEAM_READS.get(type(module), {})
+                if roles and module.own_part is not whole:  # (whole: the modules run their own products)
+                    module.own_part = _RoleReads(module.own_part, self, roles)
             if isinstance(module, (Attention, MultiHeadLatentAttention)):
                 module.attention_core = _ScopedCore(module.attention_core, self)
 
@@ -168,9 +175,10 @@ class BlockOpPolicy:
         in_core = any(role == CORE for role, _ in self.scopes)
         if func in ATTENTION_OPS:
             return "keep" if in_core and CORE in self.save else "recompute"
-        if in_core or (self.scopes and self.scopes[-1][0] == RECURRENT_CORE):
+        seam_role, self.current.seam_role = self.current.seam_role, None
+        if in_core or (seam_role is None and self.scopes and self.scopes[-1][0] == RECURRENT_CORE):
             return "recompute"  # products inside a core of its own (ring attention, a recurrent mixer's): it re-runs
-        role = self._role(func)
+        role = seam_role or self._role(func)
         self.current.products += 1
         if role is not None and role in self.fp8:
             return "fp8"
@@ -208,6 +216,22 @@ class _ScopedCore:
             return self.inner(*args, **kwargs)
         finally:
             self.policy.scopes.pop()
+
+
+class _RoleReads:
+    """A recurrent mixer's `own_part` seam under tensor parallelism: a read of a projection's weight (or bias)
+    gives the product that follows, its F.linear, that projection's role (SEAM_READS)."""
+
+    def __init__(self, inner: Callable, policy: BlockOpPolicy, roles: dict[str, str]):
+        self.inner, self.policy, self.roles = inner, policy, roles
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in self.roles:
+            self.policy.current.seam_role = self.roles[name]
+        return self.inner(name, t)
+
+    def __getattr__(self, name: str):  # the rank part's own attributes (its `cut`, its spans)
+        return getattr(self.inner, name)
 
 
 class _Classifier(TorchDispatchMode):
