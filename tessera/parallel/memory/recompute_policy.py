@@ -14,7 +14,8 @@ what an operator is and where it runs:
   first two thirds of products are gate/up, the last third down) and its place in the block's
   sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
 - a hybrid model's recurrent mixer (Gated DeltaNet, Kimi delta attention, Mamba-2): its projections take
-  roles as attention's do (those into the mixer attention_in, the one out of it attention_out), and its
+  roles as attention's do (those into the mixer attention_in, the one out of it attention_out; under tp the
+  ones it runs outside their modules, F.linear of what its `own_part` seam reads, by the weight read), and its
   chunked core, whose products are the form's own chunk terms and not one kernel whose outputs could be
   kept, re-runs whatever the save list (its products neither kept nor counted among the block's);
 - everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs, except
