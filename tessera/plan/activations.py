@@ -92,7 +92,7 @@ def layer_terms(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype
                                save=lay.recompute_save, fp8=lay.activation_fp8,
                                local_experts=e.num_experts // lay.ep if e is not None else None,
                                core_kept=not (lay.cp > 1 and lay.cp_method == "ring"),
-                               dispatch_dtype=lay.ep_dispatch_dtype, tp=lay.tp)
+                               dispatch_dtype=lay.ep_dispatch_dtype, tp=lay.tp, device=lay.device)
 
 
 def layer_activation_bytes(cfg: ModelConfig, layer: int, lay: Layout, work: Workload, dtype: str,
@@ -182,7 +182,7 @@ def stage_activations(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str,
 
     def layer_bytes(kind: int, rc: str) -> tuple[float, float]:  # kind: the first layer of a `layer_kind`
         key = ("act_layer", dtype, kind, rc, *sizes, work.micro_batch, lay.cp, lay.ep, lay.cp_method,
-               lay.recompute_save, lay.activation_fp8, lay.activation_offload, lay.ep_dispatch_dtype)
+               lay.recompute_save, lay.activation_fp8, lay.activation_offload, lay.ep_dispatch_dtype, lay.device)
         return prof.memo(key, lambda: layer_device_host_bytes(cfg, kind, lay, work, dtype, recompute=rc))
 
     per_logit = loss_buffer_bytes_per_logit(loss, lay.tp, dt.compute)

@@ -129,7 +129,7 @@ class Plan:
 
 
 def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -> float:
-    """Forward FLOPs per token the recomputation policy adds (the op policy's from its products), each
+    """Forward FLOPs per token the recomputation policy adds (the op policy's from its products and cores), each
     recomputed layer's as many times as the schedule replays it (bubble.py's `layer_replays`: more than
     once where torch splits the backward into input and weight passes)."""
     if lay.recompute not in ("full", "op"):
@@ -140,8 +140,12 @@ def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -
         return sum(replays[i][1] * layer_forward_flops_per_token(cfg, i, work.seq_len) for i in layers)
     tokens = max(work.micro_batch * work.seq_len // lay.cp, 1)
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
-    core = 0.0 if "attention_core" in lay.recompute_save else attention_core_flops_per_token(cfg, work.seq_len)
-    return sum(replays[i][1] * (core + sum(product_flops_per_token(p) for p in recomputed_products(
+
+    def core(i: int) -> float:  # the attention core unless kept; a recurrent core (or none) always re-runs
+        kept = "attention_core" in lay.recompute_save and cfg.has_attention(i)
+        return 0.0 if kept else attention_core_flops_per_token(cfg, work.seq_len, layer=i)
+
+    return sum(replays[i][1] * (core(i) + sum(product_flops_per_token(p) for p in recomputed_products(
         cfg, i, dtype, lay.recompute_save, lay.activation_fp8, tokens=tokens, local_experts=local)))
         for i in layers)
 

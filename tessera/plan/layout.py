@@ -68,6 +68,9 @@ class Layout(LayoutSizes):
     tp_overlap: bool = False  # TP/SP collectives overlapped with the layer's GEMMs (comm-GEMM overlap)
     ep_overlap: bool = False  # EP all-to-all hidden behind another micro-batch (DualPipe, 1F1B A2A overlap)
     fused_attention: bool = True  # flash-style attention core (False: s x s scores in memory, older runs)
+    # Where the blocks run, for what autograd keeps: cuda (every SDPA core a fused kernel) or cpu, whose SDPA takes
+    # its math kernel, which keeps the s x s probabilities, where the value head size differs from the query's (MLA)
+    device: str = "cuda"
 
     @classmethod
     def from_parallel(cls, par: ParallelConfig, world: int) -> Layout:

@@ -241,7 +241,7 @@ def head_time(cfg: ModelConfig, lay: Layout, tokens: float, cluster: Cluster) ->
 def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int, cluster: Cluster,
                       dtype: str, forward: LayerTime, layer: int | None = None) -> LayerTime:
     """What `recompute=op` re-runs of one layer in backward: its products not kept (saved/recompute_terms.py),
-    the attention core unless kept, and the layer's elementwise work."""
+    the attention core unless kept (a recurrent mixer's chunked core always), and the layer's elementwise work."""
     layer = next(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i) == moe) if layer is None else layer
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
     products = recomputed_products(cfg, layer, dtype, lay.recompute_save, lay.activation_fp8,
@@ -251,6 +251,9 @@ def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, s
         n = p.n / lay.tp if p.split == "tp" else p.n
         k = p.k / lay.tp if p.role in ("attention_out", "mlp_out") else p.k
         matmul += gemm_time(p.rows * tokens / p.batch, n, k, cluster, batch=p.batch)
+    if layer_mixer(cfg, layer) in ("delta", "ssd"):  # a recurrent core re-runs whatever the save list
+        matmul += sum(o.seconds for o in recurrent_ops(cfg, layer, lay, tokens, seq_len, cluster, dtype)
+                      if o.name.endswith(" core"))
     core_kept = "attention_core" in lay.recompute_save and not (lay.cp > 1 and lay.cp_method == "ring")
     return LayerTime(matmul=matmul, attention=0.0 if core_kept else forward.attention, memory=forward.memory)
 

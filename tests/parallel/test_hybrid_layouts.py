@@ -41,11 +41,13 @@ def test_hybrid_layouts_match_one_process(parallel, micro):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("parallel,micro", [
-    (dict(dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1), (dict(tp=2, sp=True, dp_shard=1), 1)],
-    ids=["fsdp2", "tp2", "tp2-sp"])
+    (dict(dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1), (dict(tp=2, sp=True, dp_shard=1), 1),
+    (dict(tp=2, dp_shard=1, recompute="op", recompute_save=["attention_in"]), 1)],
+    ids=["fsdp2", "tp2", "tp2-sp", "tp2-recompute-op"])
 def test_qwen3_5_split_projections_match_one_process(parallel, micro):
     """Qwen3.5's DeltaNet (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; dense MLPs): under tp each
-    rank reads its q, k, v rows of in_proj_qkv through the seam, the others cut by value heads."""
+    rank reads its q, k, v rows of in_proj_qkv through the seam, the others cut by value heads; the op
+    policy keeps that product (read through the seam) by its role and re-runs the rest."""
     short = {"linear_attention": dataclasses.replace(get_preset("tiny-qwen3.5").linear_attention, chunk_size=4)}
     got = run_ranks(layout_step, 2, "tiny-qwen3.5", parallel, config_overrides=short)
     assert_same_step(got[0], reference_step("tiny-qwen3.5", micro, short))
@@ -75,11 +77,12 @@ def test_kimi_linear_matches_one_process(parallel, micro):
 
 @pytest.mark.parametrize("parallel,micro", [
     (dict(dp_shard=2), 2), (dict(dp_replicate=2, dp_shard=1), 2), (dict(tp=2, dp_shard=1), 1),
-    (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "replicate2", "tp2", "tp2-sp"])
+    (dict(tp=2, sp=True, dp_shard=1), 1), (dict(tp=2, dp_shard=1, recompute="op", recompute_save=["attention_in"]), 1)],
+    ids=["fsdp2", "replicate2", "tp2", "tp2-sp", "tp2-recompute-op"])
 def test_nemotron_h_layouts_match_one_process(parallel, micro):
     """Nemotron-H (one sublayer per layer: Mamba-2 with chunks of 4, NoPE attention, relu^2 MLPs); under
     tp each rank runs half the Mamba heads with their group, its rows of in_proj and conv channels read
-    through the mixer's seam."""
+    through the mixer's seam (which the op policy keeps by its role)."""
     short = {"mamba": dataclasses.replace(get_preset("tiny-nemotron-h").mamba, chunk_size=4)}
     got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=short)
     assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, short))

@@ -29,12 +29,12 @@ B, S = 2, 64
 DTYPES = ("fp32", "bf16", "autocast-bf16")
 
 
-def predicted_bytes(cfg, dtype: str, recompute: str, batch: int = B, seq: int = S) -> float:
+def predicted_bytes(cfg, dtype: str, recompute: str, batch: int = B, seq: int = S, device: str = "cuda") -> float:
     tokens = batch * seq
     total = sum(t.nbytes(tokens) for t in model_saved_tensors(cfg, dtype) + head_saved_tensors(cfg, dtype))
     for i in range(cfg.n_layers):
         total += sum(t.nbytes(tokens) for t in layer_saved_tensors(cfg, i, dtype, recompute=recompute,
-                                                                   tokens=tokens, batch=batch))
+                                                                   tokens=tokens, batch=batch, device=device))
     return total
 
 
@@ -55,6 +55,19 @@ def test_presets_match_counted_bytes(name, recompute, dtype):
     measured = measure_activation_bytes(cfg, dtype, recompute, B, S).total_bytes
     predicted = predicted_bytes(cfg, dtype, recompute)
     assert predicted == pytest.approx(measured, rel=1e-3), (name, dtype, recompute)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_with_a_narrower_value_head_on_the_cpu(recompute, dtype):
+    """DeepSeek's own head sizes (a value head narrower than the query/key head): the CPU's SDPA runs its math
+    kernel, which keeps the scaled q and k, the s x s probabilities and a copy of v; planned for device cpu
+    (saved_terms.py's `math_attention`), not for cuda, whose memory-efficient kernel takes these sizes."""
+    cfg = get_preset("tiny-deepseek")
+    measured = measure_activation_bytes(cfg, dtype, recompute, B, S).total_bytes
+    assert predicted_bytes(cfg, dtype, recompute, device="cpu") == pytest.approx(measured, rel=1e-9)
+    if recompute == "none":
+        assert predicted_bytes(cfg, dtype, recompute) < 0.95 * measured
 
 
 VARIANTS = {
@@ -202,3 +215,10 @@ def test_every_policy_matches_the_bytes_the_trainer_keeps(name, policy, dtype):
     assert planned_device_bytes(cfg, dtype, lay) == pytest.approx(counted, rel=1e-3), (name, policy, dtype)
     if offload:
         assert store.packed_bytes > 0 and store.unpacked > 0  # what left the count went to the host store
+
+
+def test_an_unknown_device_is_refused():
+    from tessera.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"device='tpu' is invalid: one of cuda, cpu"):
+        layer_saved_tensors(get_preset("tiny-deepseek"), 0, "fp32", device="tpu")

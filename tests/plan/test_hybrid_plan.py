@@ -3,8 +3,11 @@ themselves, not as attention layers: the parameters one rank holds equal the rea
 per pipeline stage and under tensor parallelism (the trainer's own plan applied on real gloo ranks); a
 recurrent layer's forward FLOPs equal FlopCounterMode's count of its real chunked forward; under full
 recomputation the stored activations equal the bytes autograd keeps, and without it a recurrent layer's
-saved tensors (its chunked form's, slab by slab) do too (Kimi Linear's latent-attention layer without
-RoPE is left: a strict xfail)."""
+saved tensors (its chunked form's, slab by slab) do too, as does the whole model without, with selective
+and with operator-level recomputation (a recurrent mixer's projections kept by role, its core re-run;
+Kimi Linear's latent attention, whose value head is narrower than its query/key head, through the CPU
+SDPA's math kernel: the planner asked for device cpu, as these measurements run); the op policy's
+recomputed FLOPs and time count the recurrent cores."""
 
 from __future__ import annotations
 
@@ -104,8 +107,8 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
 
     cfg = get_preset(name)
     counted = measure_activation_bytes(cfg, dtype, recompute, 2, 64).total_bytes
-    (stage,) = stage_activations(cfg, Layout(recompute=recompute), Workload(seq_len=64, micro_batch=2, global_batch=2),
-                                 dtype)
+    (stage,) = stage_activations(cfg, Layout(recompute=recompute, device="cpu"),
+                                 Workload(seq_len=64, micro_batch=2, global_batch=2), dtype)
     return stage.stored, counted
 
 
@@ -193,26 +196,103 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
     assert planned == counted
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-nemotron-h"])
+@pytest.mark.parametrize("name", HYBRIDS)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "op"])
 def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
-    """The whole model (the recurrent layers, the gated attention layers, Nemotron-H's one-sublayer layers
-    and relu^2 MLPs, no RoPE tables where no layer rotates) without recomputation, and with selective
-    recomputation (which re-runs attention cores only), equals the bytes autograd keeps."""
+    """The whole model (the recurrent layers, the gated attention layers, Kimi Linear's latent attention
+    without RoPE, whose value head is narrower than its query/key head so that the CPU's SDPA runs its math
+    kernel, Nemotron-H's one-sublayer layers and relu^2 MLPs, no RoPE tables where no layer rotates) without
+    recomputation, with selective recomputation (which re-runs attention cores only) and with operator-level
+    recomputation under torchtitan's save list (the layer's input and every other product's output; a
+    recurrent mixer's chunked core re-runs, its products not among them) equals the bytes autograd keeps."""
     planned, counted = _planned_and_counted(name, recompute, dtype)
     assert planned == pytest.approx(counted, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="left: Kimi Linear's latent-attention layer without RoPE (its nope "
-                   "layer) keeps more than the planner's MLA terms (0.90x of that layer in fp32); its recurrent "
-                   "layers are exact (test_a_recurrent_layers_saved_tensors_are_what_autograd_keeps)")
-def test_kimi_linears_stored_activations_without_recomputation():
-    planned, counted = _planned_and_counted("tiny-kimi-linear", "none", "fp32")
-    assert planned == pytest.approx(counted, rel=1e-3)
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("save,fp8", [(("matmuls",), ()), (("attention_in", "mlp_out"), ()),
+                                      (("attention_out",), ("attention_in",)), (("attention_core",), ())])
+def test_the_op_policys_kept_outputs_of_a_hybrid_model(name, save, fp8):
+    """recompute=op with other save lists: a recurrent mixer's projections keep their outputs by role
+    (those into the mixer attention_in, its output projection attention_out; in FP8 at one byte and an fp32
+    scale per row), its core keeps nothing even where attention_core is saved; the planned bytes
+    (saved/recompute_terms.py) equal what the trainer's policy keeps in the real model (fp32)."""
+    from tessera.plan.activations import stage_activations
+    from tests.plan.activation_measurement import measure_activation_bytes
+
+    cfg = get_preset(name)
+    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save, fp8=fp8).total_bytes
+    lay = Layout(recompute="op", recompute_save=save, activation_fp8=fp8, device="cpu")
+    (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
+    assert stage.stored == pytest.approx(counted, rel=1e-9)
+
+
+def _kept_by_op_policy(name: str, save: tuple[str, ...]) -> int:
+    """Bytes the op policy's caches keep in one forward of the model under the trainer's tp=2 plan on this rank."""
+    from tessera.parallel import parallelize
+    from tessera.parallel.dims import ParallelDims
+
+    cfg = get_preset(name)
+    pcfg = ParallelConfig(tp=2, dp_shard=1, recompute="op", recompute_save=save)
+    dims = ParallelDims.from_config(pcfg, 2)
+    dims.validate(cfg, 2, seq_len=16)
+    dims.build_mesh("cpu")
+    model = parallelize(Transformer(cfg), dims, pcfg)
+    kept: dict[int, int] = {}
+
+    def observe(t: torch.Tensor) -> None:
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # a DTensor: this rank's part
+        kept[storage.data_ptr()] = storage.nbytes()
+
+    for policy in (m.recompute_policy for m in model.modules() if hasattr(m, "recompute_policy")):
+        policy.observers.append(observe)
+    model(torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    return sum(kept.values())
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-nemotron-h"])
+def test_a_tensor_parallel_rank_keeps_the_recurrent_projections_its_save_list_names(name):
+    """Under tp=2 Qwen3.5's in_proj_qkv and Mamba-2's in_proj run outside their modules (F.linear of what the
+    `own_part` seam reads): the policy still gives them their role, so each rank keeps its part of every
+    attention_in output, as the planner's op terms (less the layer inputs) cut by tp say."""
+    from tessera.plan.saved.activation_terms import layer_saved_tensors
+
+    torch.manual_seed(0)
+    save = ("attention_in",)
+    got = run_ranks(_kept_by_op_policy, 2, name, save)
+    cfg = get_preset(name)
+    planned = sum(t.nbytes(32, tp=2) for i in range(cfg.n_layers) for t in layer_saved_tensors(
+        cfg, i, "fp32", recompute="op", tokens=32, batch=2, save=save) if t.name != "layer.input")
+    assert got[0] == got[1] == planned
 
 
 LARGE = ["qwen3-next-80b-a3b", "kimi-linear-48b-a3b", "nemotron-h-8b"]
+
+
+@pytest.mark.parametrize("name", LARGE)
+def test_the_op_policy_re_runs_a_recurrent_core_whatever_it_keeps(name):
+    """With every product and the attention core kept, what recompute=op still re-runs is the recurrent
+    mixers' chunked cores: its recomputed FLOPs are theirs (models/flops.py), and a recurrent layer's
+    recomputed time is its core's (no product again, no attention core)."""
+    from tessera.models.flops import delta_rule_flops_per_token, ssd_flops_per_token
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.estimate import recompute_flops
+    from tessera.plan.op_time import layer_ops, layer_time, recompute_time
+
+    cfg, seq = get_preset(name), 4096
+    lay = Layout(dp_shard=8, recompute="op", recompute_save=("matmuls", "attention_core"))
+    work = Workload(seq_len=seq, micro_batch=1, global_batch=8)
+    recurrent = [i for i in range(cfg.n_layers) if cfg.is_linear_attention_layer(i) or cfg.is_mamba_layer(i)]
+    core = delta_rule_flops_per_token(cfg, seq) if cfg.linear_attention is not None else ssd_flops_per_token(cfg, seq)
+    assert recompute_flops(cfg, lay, work, "autocast-bf16") == pytest.approx(len(recurrent) * core)
+    c, i = Cluster.for_gpu("h100", gpus=8), recurrent[0]
+    forward = layer_time(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", layer=i)
+    again = recompute_time(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", forward, i)
+    (core_op,) = [o for o in layer_ops(cfg, cfg.is_moe_layer(i), lay, seq, seq, c, "autocast-bf16", layer=i)
+                  if o.name.endswith(" core")]
+    assert (again.matmul, again.attention) == (pytest.approx(core_op.seconds), 0.0)
 
 
 @pytest.mark.parametrize("name", LARGE)

@@ -13,6 +13,11 @@ what an operator is and where it runs:
   router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
   first two thirds of products are gate/up, the last third down) and its place in the block's
   sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
+- a hybrid model's recurrent mixer (Gated DeltaNet, Kimi delta attention, Mamba-2): its projections take
+  roles as attention's do (those into the mixer attention_in, the one out of it attention_out; under tp the
+  ones it runs outside their modules, F.linear of what its `own_part` seam reads, by the weight read), and its
+  chunked core, whose products are the form's own chunk terms and not one kernel whose outputs could be
+  kept, re-runs whatever the save list (its products neither kept nor counted among the block's);
 - everything else (norms, RoPE, casts, activations, routing, dispatch, collectives) re-runs, except
   that with `dispatch` saved the expert all-to-alls of the replay take the forward's received rows
   (and counts) instead of sending again (kept_exchange.py): backward sends only the gradients.
@@ -39,8 +44,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from tessera.models.attention import Attention
+from tessera.models.linear_attention.gated_deltanet import GatedDeltaNet, whole
+from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttention
+from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
-from tessera.models.mlp import FeedForward
+from tessera.models.mlp import FeedForward, PlainFeedForward
 from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping
@@ -62,8 +70,19 @@ ROLES = {Attention: {"wq": "attention_in", "wk": "attention_in", "wv": "attentio
          MultiHeadLatentAttention: {"wq": "attention_in", "wq_a": "attention_in", "wkv_a": "attention_in",
                                     "wq_b": "mla_up", "wkv_b": "mla_up", "wo": "attention_out"},
          FeedForward: {"w1": "mlp_in", "w3": "mlp_in", "w2": "mlp_out"},
-         MoE: {"router": "router", "shared_gate": "router"}}
+         PlainFeedForward: {"w1": "mlp_in", "w2": "mlp_out"},
+         MoE: {"router": "router", "shared_gate": "router"},
+         GatedDeltaNet: {**dict.fromkeys(("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                           "in_proj_a"), "attention_in"), "out_proj": "attention_out"},
+         KimiDeltaAttention: {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
+                                                "g_a_proj", "g_b_proj"), "attention_in"), "o_proj": "attention_out"},
+         Mamba2Mixer: {"in_proj": "attention_in", "out_proj": "attention_out"}}
+RECURRENT_MIXERS = (GatedDeltaNet, KimiDeltaAttention, Mamba2Mixer)
+# Under tensor parallelism a recurrent mixer runs some projections outside their modules, as F.linear of
+# what its `own_part` seam reads (Qwen3.5's in_proj_qkv, Mamba-2's in_proj): their role, by the weight read.
+SEAM_READS = {GatedDeltaNet: {"qkv": "attention_in"}, Mamba2Mixer: {"in_proj": "attention_in"}}
 CORE = "attention_core"
+RECURRENT_CORE = "recurrent_core"  # a recurrent mixer's scope: what runs in it outside its projections
 DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
 EXPERTS = "experts"  # gate/up or down by position (module docstring)
 
@@ -89,6 +108,7 @@ class _Forward:
         self.replay: list[tuple[torch.Tensor, torch.Tensor, torch.dtype] | None] = []
         self.position = 0  # the replay's place in `replay`
         self.pending: dict = {}  # operator -> decision, from the classifier to the policy
+        self.seam_role: str | None = None  # the next product's role, read through a mixer's own_part (SEAM_READS)
 
 
 class BlockOpPolicy:
@@ -117,6 +137,11 @@ class BlockOpPolicy:
                             self._scope(child, role)
             if isinstance(module, GroupedExperts):
                 self._scope(module, EXPERTS)
+            if isinstance(module, RECURRENT_MIXERS):
+                self._scope(module, RECURRENT_CORE)
+                roles = SEAM_READS.get(type(module), {})
+                if roles and module.own_part is not whole:  # (whole: the modules run their own products)
+                    module.own_part = _RoleReads(module.own_part, self, roles)
             if isinstance(module, (Attention, MultiHeadLatentAttention)):
                 module.attention_core = _ScopedCore(module.attention_core, self)
 
@@ -151,9 +176,10 @@ class BlockOpPolicy:
         in_core = any(role == CORE for role, _ in self.scopes)
         if func in ATTENTION_OPS:
             return "keep" if in_core and CORE in self.save else "recompute"
-        if in_core:  # products inside a core of its own (ring attention): the core re-runs
-            return "recompute"
-        role = self._role(func)
+        seam_role, self.current.seam_role = self.current.seam_role, None
+        if in_core or (seam_role is None and self.scopes and self.scopes[-1][0] == RECURRENT_CORE):
+            return "recompute"  # products inside a core of its own (ring attention, a recurrent mixer's): it re-runs
+        role = seam_role or self._role(func)
         self.current.products += 1
         if role is not None and role in self.fp8:
             return "fp8"
@@ -191,6 +217,22 @@ class _ScopedCore:
             return self.inner(*args, **kwargs)
         finally:
             self.policy.scopes.pop()
+
+
+class _RoleReads:
+    """A recurrent mixer's `own_part` seam under tensor parallelism: a read of a projection's weight (or bias)
+    gives the product that follows, its F.linear, that projection's role (SEAM_READS)."""
+
+    def __init__(self, inner: Callable, policy: BlockOpPolicy, roles: dict[str, str]):
+        self.inner, self.policy, self.roles = inner, policy, roles
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in self.roles:
+            self.policy.current.seam_role = self.roles[name]
+        return self.inner(name, t)
+
+    def __getattr__(self, name: str):  # the rank part's own attributes (its `cut`, its spans)
+        return getattr(self.inner, name)
 
 
 class _Classifier(TorchDispatchMode):

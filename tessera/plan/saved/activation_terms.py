@@ -13,8 +13,9 @@ Conventions (what "activation bytes" means here):
 - Parameters, and casts or views of parameters (autocast's bf16 weight copies), are not counted:
   they are model state (memory.py).
 - The attention kernel is SDPA's flash/memory-efficient kind: it keeps q, k, v, the output and
-  the fp32 log-sum-exp, never the s x s probabilities (Korthikanti's 5as/h term is 0). SDPA's math
-  fallback, and sliding-window masks, would keep more.
+  the fp32 log-sum-exp, never the s x s probabilities (Korthikanti's 5as/h term is 0). On the CPU
+  an MLA layer whose value head is narrower than its query/key head takes SDPA's math kernel, which
+  keeps the probabilities (`_math_core`, for `device` cpu); sliding-window masks keep more too.
 - Integers count: token and expert indices are int64, grouped-GEMM offsets int32, the
   capacity's keep mask bool.
 - Three precisions (`ACTIVATION_DTYPES`, activation_dtypes.py): fp32; bf16 (weights and
@@ -39,7 +40,7 @@ from tessera.config.parallel import RECOMPUTE_CHOICES, TORCHTITAN_SAVE
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
 from tessera.plan.saved.recompute_terms import op_saved_tensors
 from tessera.plan.saved.recurrent_terms import recurrent_linear_inputs, recurrent_mixer_terms
-from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
+from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply, math_attention
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,24 @@ def _sink_core(s: _SavedSet, q: _Tensor, k: _Tensor, v: _Tensor, a: int, g: int,
     s.keep(_Tensor("attention.sdpa.out", a * d, dt.compute, "tp"))
 
 
-def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0) -> None:
+def _math_core(s: _SavedSet, name: str, qk: float, v: float, heads: int, seq: int, dt: ActivationDtype) -> _Tensor:
+    """SDPA's math kernel (the CPU's, where the value head size differs: `math_attention`), in fp32 whatever
+    the inputs' dtype: its two products keep q and k^T each scaled by sqrt(scale), the probabilities over the
+    S keys (softmax keeps its output) and a contiguous copy of v; nothing keeps q, k or v themselves, nor a
+    log-sum-exp. Its [B, H, S, V] output is cast back and transposed, so the output projection's input is a
+    copy of its own."""
+    for part, n in (("q_scaled", qk), ("k_scaled", qk), ("probs", heads * seq), ("v", v)):
+        s.new(f"{name}.math.{part}", n, 4, "tp")
+    return s.new(f"{name}.out", v, dt.compute, "tp")
+
+
+def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recompute: str, layer: int = 0,
+         seq: int = 0, math: bool = False) -> None:
     m, h, a = cfg.mla, cfg.dim, cfg.n_heads
     nope, rope, vd, rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-    roped = max(dt.compute, dt.residual)  # RoPE output and the concatenations that hold it
+    # RoPE's output and the concatenations that hold it (promoted to the tables' dtype); unrotated (a NoPE
+    # layer: Kimi Linear's) q and k stay in the projections' dtype
+    roped = dt.compute if layer in cfg.nope_layers else max(dt.compute, dt.residual)
     if m.q_lora_rank is not None:
         _linear_input(s, x, h, "mla.wq_a", dt)
         qa = _Tensor("mla.wq_a.out", m.q_lora_rank, dt.compute, "rep")
@@ -205,6 +220,9 @@ def _mla(s: _SavedSet, cfg: ModelConfig, x: _Tensor, dt: ActivationDtype, recomp
     kvb = _Tensor("mla.wkv_b.out", a * (nope + vd), dt.compute, "tp")  # v is a view of it
     q = _Tensor("mla.q", a * (nope + rope), roped, "tp")  # cat(q_nope, rope(q_rope))
     k = _Tensor("mla.k", a * (nope + rope), roped, "tp")  # cat(k_nope, rope(k_rope) expanded)
+    if math and recompute != "selective":  # (selective re-runs the core: what stays is the flash kind's)
+        _math_core(s, "mla.sdpa", a * (nope + rope), a * vd, a, seq, dt)
+        return
     _attention_core(s, "mla.sdpa", q, k, kvb, a * (nope + rope), a * (nope + rope), a * vd, a, dt, recompute)
 
 
@@ -359,13 +377,15 @@ def _topk_indices(s: _SavedSet, cfg: ModelConfig) -> None:
 def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, recompute: str = "none",
                         tokens: int = 4096, batch: int = 1, save: tuple[str, ...] = TORCHTITAN_SAVE,
                         fp8: tuple[str, ...] = (), local_experts: int | None = None,
-                        core_kept: bool = True, dispatch_dtype: str = "input", tp: int = 1) -> list[SavedTensor]:
+                        core_kept: bool = True, dispatch_dtype: str = "input", tp: int = 1,
+                        device: str = "cuda") -> list[SavedTensor]:
     """What decoder layer `layer` keeps for backward (a recurrent mixer's on one rank of `tp`:
     recurrent_terms.py). `recompute`: none; full (the layer is
     checkpointed: only its input stays); selective (the attention core is recomputed); op (only the
     outputs `save` names stay, those of the `fp8` roles in FP8: recompute_terms.py). `tokens` and
     `batch` matter only for capacity-limited MoE and per-sequence statistics; `local_experts` and
-    `core_kept` (an SDPA core, not ring attention) only for op."""
+    `core_kept` (an SDPA core, not ring attention) only for op. `device`: cuda or cpu, where SDPA's kernel
+    may differ (saved_terms.py's `math_attention`)."""
     dt = get_activation_dtype(dtype)
     h = cfg.dim
     layer_input = _Tensor("layer.input", h, dt.residual, "seq")
@@ -373,9 +393,10 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
         raise ConfigError(f"recompute={recompute!r} is invalid: one of {', '.join(RECOMPUTE_CHOICES)}")
     if recompute == "full":
         return [SavedTensor(layer_input.key, h, dt.residual, "seq")]
-    if recompute == "op":
+    math = math_attention(cfg, device)
+    if recompute == "op":  # the math kernel's products run inside the core: it re-runs, nothing of it is kept
         return op_saved_tensors(cfg, layer, dtype, save, fp8, tokens=tokens, local_experts=local_experts,
-                                core_kept=core_kept, dispatch_dtype=dispatch_dtype)
+                                core_kept=core_kept and not math, dispatch_dtype=dispatch_dtype)
     s = _SavedSet()
     if cfg.sublayers is not None:
         return _sublayer(s, cfg, layer, layer_input, dt, recompute, tokens, batch, tp)
@@ -385,7 +406,7 @@ def layer_saved_tensors(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, re
     if cfg.is_linear_attention_layer(layer):
         _recurrent(s, cfg, layer, xn, dt, tokens, batch, tp)
     elif cfg.mla is not None:
-        _mla(s, cfg, xn, dt, recompute, layer)
+        _mla(s, cfg, xn, dt, recompute, layer, tokens // max(batch, 1), math)
     else:
         _gqa(s, cfg, xn, dt, recompute, layer, tokens // max(batch, 1))
     if not cfg.is_linear_attention_layer(layer):

@@ -9,13 +9,19 @@ plus the attention core unless kept. This module lists a layer's matrix products
 the block runs them, with the role the policy gives each (`tessera.config.parallel`,
 RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
 
-    GQA: wq, wk, wv (attention_in), [core], wo (attention_out)
+    GQA: wq (with Qwen3-Next's per-head gate beside q), wk, wv (attention_in), [core], wo (attention_out)
     MLA: wq_a (attention_in), wq_b (mla_up) | wq (attention_in); wkv_a (attention_in), wkv_b (mla_up), [core], wo
-    dense: w1, w3 (mlp_in), w2 (mlp_out)
+    Gated DeltaNet: in_proj_qkvz, in_proj_ba | in_proj_z, in_proj_qkv, in_proj_b, in_proj_a (attention_in),
+                    [core], out_proj (attention_out)
+    Kimi delta attention: q, k, v, f_a, f_b, b (attention_in), [core], g_a, g_b (attention_in), o (attention_out)
+    Mamba-2: in_proj (attention_in), [core], out_proj (attention_out)
+    dense: w1, w3 (mlp_in), w2 (mlp_out); ungated relu^2 (Nemotron-H): w1 (mlp_in), w2 (mlp_out)
     MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
          expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
 
-`alternate_matmuls` keeps the 1st, 3rd, ... of that sequence; `dispatch` keeps a MoE layer's all-to-all
+A recurrent mixer's chunked core re-runs whatever the save list: its products are neither kept nor counted
+in the sequence (tessera/parallel/memory/recompute_policy.py). A layer of one sublayer (Nemotron-H) has only
+its own. `alternate_matmuls` keeps the 1st, 3rd, ... of that sequence; `dispatch` keeps a MoE layer's all-to-all
 outputs under ep > 1 (`kept_exchanges`). Outputs kept in FP8
 (`parallel.activation_fp8`) take one byte per element and an fp32 scale per row.
 """
@@ -57,7 +63,8 @@ def _attention(cfg: ModelConfig, dt: ActivationDtype) -> tuple[list[Product], li
     h, a = cfg.dim, cfg.n_heads
     if cfg.mla is None:
         q, kv = a * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        return ([_linear("wq", "attention_in", h, q, dt, "tp"), _linear("wk", "attention_in", h, kv, dt, "tp"),
+        wq = q * (2 if cfg.attention_output_gate else 1)
+        return ([_linear("wq", "attention_in", h, wq, dt, "tp"), _linear("wk", "attention_in", h, kv, dt, "tp"),
                  _linear("wv", "attention_in", h, kv, dt, "tp")], [_linear("wo", "attention_out", q, h, dt, "rep")])
     m = cfg.mla
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -69,6 +76,32 @@ def _attention(cfg: ModelConfig, dt: ActivationDtype) -> tuple[list[Product], li
     before += [_linear("wkv_a", "attention_in", h, m.kv_lora_rank + m.qk_rope_head_dim, dt, "rep"),
                _linear("wkv_b", "mla_up", m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim), dt, "tp")]
     return before, [_linear("wo", "attention_out", a * m.v_head_dim, h, dt, "rep")]
+
+
+def _recurrent(cfg: ModelConfig, layer: int, dt: ActivationDtype) -> tuple[list[Product], list[Product]]:
+    """A recurrent mixer's projections (before its chunked core, after it), in the order it runs them."""
+    h = cfg.dim
+
+    def into(name: str, n: float, k: float = h, split: str = "tp") -> Product:
+        return _linear(name, "attention_in", k, n, dt, split)
+
+    if cfg.is_mamba_layer(layer):
+        m = cfg.mamba
+        inner = m.n_heads * m.head_dim
+        return [into("in_proj", 2 * inner + 2 * m.n_groups * m.state_size + m.n_heads)], [
+            _linear("out_proj", "attention_out", inner, h, dt, "rep")]
+    la = cfg.linear_attention
+    K, HV, V = la.key_head_dim, la.n_value_heads, la.n_value_heads * la.value_head_dim
+    if la.kind == "kda":
+        hk = la.n_key_heads * K
+        return ([into(n, hk) for n in ("q_proj", "k_proj", "v_proj")] + [
+            into("f_a_proj", K, split="rep"), into("f_b_proj", hk, K), into("b_proj", la.n_key_heads)], [
+            into("g_a_proj", K, split="rep"), into("g_b_proj", hk, K), _linear("o_proj", "attention_out", hk, h, dt,
+                                                                              "rep")])
+    qkv = 2 * la.n_key_heads * K + V
+    before = ([into("in_proj_z", V), into("in_proj_qkv", qkv), into("in_proj_b", HV), into("in_proj_a", HV)]
+              if la.projections == "split" else [into("in_proj_qkvz", qkv + V), into("in_proj_ba", 2 * HV)])
+    return before, [_linear("out_proj", "attention_out", V, h, dt, "rep")]
 
 
 def _mlp(prefix: str, h: int, f: int, dt: ActivationDtype, rows: float = 1.0, experts: int = 1,
@@ -91,9 +124,17 @@ def layer_products(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, tokens:
     after it). `local_experts`: routed experts on this rank (default: all)."""
     dt = get_activation_dtype(dtype)
     h = cfg.dim
-    before, after = _attention(cfg, dt)
+    kind = None if cfg.sublayers is None else cfg.sublayers[layer]
+    if kind == "mlp":
+        return [], _dense(cfg, dt)
+    if cfg.is_linear_attention_layer(layer) or cfg.is_mamba_layer(layer):
+        before, after = _recurrent(cfg, layer, dt)
+    else:
+        before, after = _attention(cfg, dt) if kind != "moe" else ([], [])
+    if kind in ("mamba", "attention"):
+        return before, after
     if not cfg.is_moe_layer(layer):
-        return before, after + _mlp("feed_forward", h, cfg.ffn_dim, dt)
+        return before, after + _dense(cfg, dt)
     e = cfg.moe
     local = local_experts or e.num_experts
     rows = expert_rows(cfg, tokens)
@@ -104,6 +145,14 @@ def layer_products(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, tokens:
         if e.shared_expert_gate:
             after.append(_linear("shared_gate", "router", h, 1, dt, "seq"))
     return before, after
+
+
+def _dense(cfg: ModelConfig, dt: ActivationDtype) -> list[Product]:
+    """The dense MLP's products: SwiGLU's three, or the ungated relu^2's up and down."""
+    if cfg.activation != "relu2":
+        return _mlp("feed_forward", cfg.dim, cfg.ffn_dim, dt)
+    return [_linear("feed_forward.w1", "mlp_in", cfg.dim, cfg.ffn_dim, dt, "tp"),
+            _linear("feed_forward.w2", "mlp_out", cfg.ffn_dim, cfg.dim, dt, "rep")]
 
 
 def kept_products(products: list[Product], save: tuple[str, ...], fp8: tuple[str, ...]
@@ -141,7 +190,7 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
     out += [SavedTensor(p.name, p.per_token, p.itemsize, p.split) for p in kept]
     for p in in_fp8:
         out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
-    if "attention_core" in save and core_kept:
+    if "attention_core" in save and core_kept and cfg.has_attention(layer):  # (a recurrent core re-runs)
         out += attention_core_outputs(cfg, dtype)
     if ("dispatch" in save or "dispatch" in fp8) and cfg.is_moe_layer(layer) and local_experts is not None \
             and local_experts < cfg.moe.num_experts:

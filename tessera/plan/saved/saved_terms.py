@@ -1,12 +1,13 @@
-"""The units the planner's activation counts are made of: a saved storage per token, and the two
-facts about routed experts that both the mirror of the model's saved tensors (activation_terms.py)
-and the operator-level recomputation terms (recompute_terms.py) need."""
+"""The units the planner's activation counts are made of: a saved storage per token, and the facts
+about routed experts and the attention kernel that both the mirror of the model's saved tensors
+(activation_terms.py) and the operator-level recomputation terms (recompute_terms.py) need."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from tessera.config.errors import ConfigError
 from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ActivationDtype
 
@@ -42,3 +43,16 @@ def grouped_experts_apply(cfg: ModelConfig, dt: ActivationDtype) -> bool:
     16-byte multiples in the compute dtype) rather than one product per expert."""
     e = cfg.moe
     return e.grouped_gemm and (cfg.dim * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
+
+
+DEVICES = ("cuda", "cpu")
+
+
+def math_attention(cfg: ModelConfig, device: str) -> bool:
+    """Whether the model's attention cores run through SDPA's math kernel rather than a fused one: on the
+    CPU where the value head size differs from the query/key one (MLA: v_head_dim against the nope and rope
+    parts; torch's CPU flash kernel takes only equal sizes). CUDA's memory-efficient kernel takes them."""
+    if device not in DEVICES:
+        raise ConfigError(f"device={device!r} is invalid: one of {', '.join(DEVICES)}")
+    m = cfg.mla
+    return device == "cpu" and m is not None and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim
