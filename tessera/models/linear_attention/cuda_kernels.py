@@ -55,6 +55,7 @@ log = logging.getLogger("tessera.models")
 ENV = "TESSERA_RECURRENT_KERNELS"  # "torch": the PyTorch forms on every device
 REFERENCE = "pytorch"
 KINDS = ("gated_delta_rule", "kda", "ssd")
+MISSING: set[str] = set()  # the pip packages said missing in the log (once each)
 
 
 @dataclass(frozen=True)
@@ -108,15 +109,20 @@ class RecurrentKernels:
 
 @functools.cache
 def loaded(library: Library) -> tuple[Callable, ...] | None:
-    """The library's functions, or None where it does not import here, said once in the log with
-    the pip package that provides it."""
+    """The library's functions, or None where it does not import here, said once per pip package in
+    the log (`_missing`)."""
     try:
         return tuple(getattr(importlib.import_module(module), name) for module, name in library.functions)
     except Exception as e:  # not installed, or its compiled part does not load: the PyTorch forms serve
-        log.warning("%s is not importable here (%s: %s); its kernels are replaced by Tessera's PyTorch forms "
-                    "on CUDA (pip install %s provides them)", library.label, type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "", library.package)
+        _missing(library.label, library.package, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return None
+
+
+def _missing(label: str, package: str, reason: str) -> None:
+    if package not in MISSING:
+        MISSING.add(package)
+        log.warning("%s is not importable here (%s); Tessera's PyTorch forms run in place of its kernels on CUDA "
+                    "(pip install %s provides them)", label, reason, package)
 
 
 def choose(kind: str, device: torch.device | str) -> RecurrentKernels:
