@@ -28,7 +28,9 @@ states [B, C, W-1] channels-last; fla's convolution keeps W inputs per channel, 
 Outputs come back in v's (x's) dtype with fp32 states, as the reference's. The fused recurrent
 kernels and `causal_conv1d_update` have no backward: where a gradient is wanted they leave the token
 to the PyTorch form (decoding wants none). Under context parallelism (a `handoff`) the core stays the
-PyTorch form (handoff.py runs it over [v | 0] from [0 | I]).
+PyTorch form (handoff.py runs it over [v | 0] from [0 | I]). Under torch.compile the libraries' calls run
+outside the compiled graphs (`torch.compiler.disable`: their own autograd Functions and Triton / CUDA
+kernels), a graph break at each.
 Shapes: B batch, S sequence, H heads, K key dim, V value dim, P head dim, G groups, N state size,
 C channels, W conv width.
 """
@@ -142,7 +144,8 @@ def choose(kind: str, device: torch.device | str) -> RecurrentKernels:
         return RecurrentKernels("cuda", conv_name=conv_name, conv=conv)
     chunked, recurrent = (_ssd_forms if kind == "ssd" else _delta_rule_forms)(*functions)
     names = " / ".join(name for _, name in library.functions)
-    return RecurrentKernels("cuda", f"{library.label} {names}", conv_name, conv, chunked, recurrent)
+    return RecurrentKernels("cuda", f"{library.label} {names}", conv_name, conv, torch.compiler.disable(chunked),
+                            torch.compiler.disable(recurrent))
 
 
 def kernels_for(mixer: nn.Module, x: torch.Tensor, kind: str) -> RecurrentKernels:
@@ -236,10 +239,11 @@ def _cuda_conv() -> tuple[str, Conv]:
     else PyTorch's."""
     functions = loaded(CAUSAL_CONV1D)
     if functions is not None:
-        return "causal-conv1d causal_conv1d_fn / causal_conv1d_update", _causal_conv1d_form(*functions)
+        return ("causal-conv1d causal_conv1d_fn / causal_conv1d_update",
+                torch.compiler.disable(_causal_conv1d_form(*functions)))
     functions = loaded(FLA_CONV)
     if functions is not None:
-        return "flash-linear-attention causal_conv1d", _fla_conv_form(*functions)
+        return "flash-linear-attention causal_conv1d", torch.compiler.disable(_fla_conv_form(*functions))
     return REFERENCE, causal_conv
 
 
