@@ -5,9 +5,10 @@ test where its library is not installed; docs/models.md says how a GPU session c
 As in test_cuda_training.py, CUDA runs only in spawned children; they return the errors as plain
 numbers: the largest difference relative to the reference's largest value. Each kernel is compared on
 inputs in the dtype it runs in (fp32, bf16) with the reference computing from the same values in fp32:
-- flash-linear-attention's gated delta rule and KDA kernels, chunked (150 tokens: two chunks of 64 and a
-  part) and fused recurrent (1 and 9 tokens), from a zero state and from a given one, outputs and final
-  states, and in fp32 the chunked kernel's gradients;
+- flash-linear-attention's gated delta rule (q and k grouped over the value heads, as Qwen3-Next's) and
+  KDA kernels, chunked (150 tokens: two chunks of 64 and a part) and fused recurrent (1 and 9 tokens),
+  from a zero state and from a given one, outputs and final states, and in fp32 the chunked kernel's
+  gradients;
 - mamba-ssm's chunked SSD scan and its one-token state update, the same cases;
 - the short convolution (causal-conv1d's, fla's) over a sequence in pieces, its window carried from
   piece to piece (a prompt part, a decode token, a part), with and without a bias, and its gradients;
@@ -66,7 +67,8 @@ def _grad_errors(form, want_form, inputs: list, leaves: list[int], prefix: str) 
 
 def delta_rule_errors(kind: str, dtype_name: str) -> dict[str, float]:
     """Runs in the child: flash-linear-attention's chunked and recurrent forms (`kind` "gated_delta_rule":
-    a decay per head, "kda": per key channel) against delta_rule.py's, by case."""
+    a decay per head, q and k of half the heads as Qwen3-Next's groups; "kda": per key channel) against
+    delta_rule.py's (q and k repeated per value head), by case."""
     import torch
 
     from tessera.models.linear_attention.delta_rule import chunked_delta_rule, recurrent_delta_rule
@@ -74,11 +76,16 @@ def delta_rule_errors(kind: str, dtype_name: str) -> dict[str, float]:
     kernels, dtype = _kernels(kind), getattr(torch, dtype_name)
     gen = torch.Generator(device="cuda").manual_seed(0)
     B, S, H, K, V = 2, 150, 4, 64, 64
+    HK = H // 2 if kind == "gated_delta_rule" else H
 
     def randn(*shape):
         return torch.randn(*shape, device="cuda", generator=gen)
 
-    q, k, v = randn(B, S, H, K).to(dtype), randn(B, S, H, K).to(dtype), randn(B, S, H, V).to(dtype)
+    def per_value_head(form):
+        return lambda q, k, *rest: form(q.repeat_interleave(H // HK, 2), k.repeat_interleave(H // HK, 2), *rest)
+
+    chunked_delta_rule, recurrent_delta_rule = per_value_head(chunked_delta_rule), per_value_head(recurrent_delta_rule)
+    q, k, v = randn(B, S, HK, K).to(dtype), randn(B, S, HK, K).to(dtype), randn(B, S, H, V).to(dtype)
     g = -torch.rand(B, S, H, *((K,) if kind == "kda" else ()), device="cuda", generator=gen) * 0.5
     beta = torch.rand(B, S, H, device="cuda", generator=gen).to(dtype)
     errors = {}

@@ -131,14 +131,19 @@ def delta_rule(q, k, v, g, beta, state: DeltaNetState | None, recurrent: bool | 
                kernels: RecurrentKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule from `state` in the form `recurrent` picks (default token by token for one
     token, chunked otherwise, its slabs laid out by `chunk_terms` where given), by `kernels`' form where
-    it has one (a CUDA library's, cuda_kernels.py), or chunked from the state the previous part hands on."""
-    if handoff is not None:
-        return handed_on_delta_rule(q, k, v, g, beta, chunk, handoff)
+    it has one (a CUDA library's, cuda_kernels.py), or chunked from the state the previous part hands on.
+    q and k may have fewer heads than v, each serving consecutive value heads: a library's form takes them
+    so, the PyTorch forms repeat them per value head."""
     recurrent = q.shape[1] == 1 if recurrent is None else recurrent
+    form = None if kernels is None or handoff is not None else (kernels.recurrent if recurrent else kernels.chunked)
     start = None if state is None else state.delta
-    form = None if kernels is None else (kernels.recurrent if recurrent else kernels.chunked)
     if form is not None:
         return form(q, k, v, g, beta, start)
+    group = v.shape[2] // q.shape[2]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    if handoff is not None:
+        return handed_on_delta_rule(q, k, v, g, beta, chunk, handoff)
     if recurrent:
         return recurrent_delta_rule(q, k, v, g, beta, start)
     return chunked_delta_rule(q, k, v, g, beta, start, chunk=chunk, chunk_terms=chunk_terms)
@@ -201,8 +206,9 @@ class GatedDeltaNet(nn.Module):
         kernels = kernels_for(self, x_BSD, "gated_delta_rule")
         mixed, conv_state = kernels.conv(mixed.transpose(1, 2), conv_w, start)
         q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
-        q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
-        k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
+        q, k = q.reshape(B, S, hk, kd), k.reshape(B, S, hk, kd)
+        if kernels.chunked is None or self.handoff is not None:  # the PyTorch forms: one q and k per value head
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         v = v.reshape(B, S, hk * r, vd)
         beta = b.sigmoid()
         A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
