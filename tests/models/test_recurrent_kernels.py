@@ -69,14 +69,17 @@ def test_cpu_inputs_run_the_pytorch_forms_chosen_once():
 
 
 def test_the_layer_with_its_choice_equals_the_reference_forms():
-    """Gated DeltaNet's chunked core through the choice is `chunked_delta_rule` itself (bit for bit)."""
+    """Gated DeltaNet's chunked core through the CPU choice is `chunked_delta_rule` itself (bit for bit),
+    q and k given per key head (two, each serving two value heads, as a library's form takes them)
+    repeated per value head for it."""
+    from tessera.models.linear_attention.gated_deltanet import delta_rule
+
     mixer = _mixers()["gated_delta_rule"]
     gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 20, 4, 8, generator=gen), torch.randn(1, 20, 4, 8, generator=gen)
+    q, k = torch.randn(1, 20, 2, 8, generator=gen), torch.randn(1, 20, 2, 8, generator=gen)
     v, g, beta = torch.randn(1, 20, 4, 6, generator=gen), -torch.rand(1, 20, 4, generator=gen), torch.rand(1, 20, 4)
-    from tessera.models.linear_attention.gated_deltanet import delta_rule
     got = delta_rule(q, k, v, g, beta, None, None, 8, None, None, kernels_for(mixer, q, "gated_delta_rule"))
-    want = chunked_delta_rule(q, k, v, g, beta, None, chunk=8)
+    want = chunked_delta_rule(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta, None, chunk=8)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
