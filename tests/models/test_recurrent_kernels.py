@@ -146,3 +146,32 @@ def test_the_cpu_librarys_chunk_terms_show_in_the_choice():
              "conv pytorch")
     assert kernel_choice(mixers["gated_delta_rule"]) == kernel_choice(mixers["kda"]) == terms
     assert kernel_choice(mixers["ssd"]) == "cpu: core pytorch; conv pytorch"
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("a kernel without a backward was called where a gradient is wanted")
+
+
+def test_a_token_that_wants_gradients_leaves_the_backwardless_kernels_to_the_pytorch_forms():
+    """flash-linear-attention's fused recurrent kernels and mamba-ssm's state update have no backward:
+    a recurrent call whose inputs want gradients runs the PyTorch form (q and k per key head repeated
+    for it), and its gradients reach the inputs."""
+    from tessera.models.linear_attention.delta_rule import recurrent_delta_rule
+    from tessera.models.linear_attention.ssd import recurrent_ssd
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 3, 2, 8, generator=gen), torch.randn(1, 3, 2, 8, generator=gen)
+    v, g, beta = torch.randn(1, 3, 4, 6, generator=gen), -torch.rand(1, 3, 4, generator=gen), torch.rand(1, 3, 4)
+    _, recurrent = cuda_kernels._delta_rule_forms(_never, _never)
+    leaf = v.clone().requires_grad_()
+    got = recurrent(q, k, leaf, g, beta)
+    want = recurrent_delta_rule(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(got, want))
+    got[0].sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+
+    x, dt = torch.randn(1, 3, 4, 2, generator=gen).requires_grad_(), torch.rand(1, 3, 4, generator=gen)
+    A, Bm, Cm, D = -torch.rand(4, generator=gen), torch.randn(1, 3, 2, 5), torch.randn(1, 3, 2, 5), torch.randn(4)
+    _, recurrent = cuda_kernels._ssd_forms(_never, _never)
+    got = recurrent(x, dt, A, Bm, Cm, D)
+    assert all(torch.equal(a, b) for a, b in zip(got, recurrent_ssd(x, dt, A, Bm, Cm, D)))

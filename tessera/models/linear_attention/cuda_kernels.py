@@ -16,7 +16,8 @@ another device type (`choose_again(model)` forgets every mixer's answer). The an
   said once in the log, naming its pip package, and the PyTorch form runs in its place.
 - `TESSERA_RECURRENT_KERNELS=torch`: the PyTorch forms everywhere (read at each choice).
 
-The libraries' conventions, as the calls below meet them: inputs [B, S, H, .] as Tessera has them;
+The libraries' conventions, as the calls below meet them: inputs [B, S, H, .] as Tessera has them, q
+and k of the gated delta rule per key head, each serving consecutive value heads (fla's grouped values);
 q and k L2-normalised in the kernel (`use_qk_l2norm_in_kernel`, eps 1e-6 inside the root, as the
 reference) and q scaled by K^-0.5 (the default `scale`); g the log-decay (<= 0) in fp32, [B, S, H] per
 head or [B, S, H, K] per channel, beta already a sigmoid; start and final states fp32 [B, H, K, V] (fla's
@@ -196,7 +197,8 @@ def _delta_rule_forms(chunk_fn: Callable, recurrent_fn: Callable) -> tuple[Core,
 
     def recurrent(q, k, v, g, beta, state=None):
         if _wants_grad(q, k, v, g, beta, state):  # (the fused recurrent kernels have no backward)
-            return recurrent_delta_rule(q, k, v, g, beta, state)
+            group = v.shape[2] // q.shape[2]  # the PyTorch form takes q and k per value head
+            return recurrent_delta_rule(q.repeat_interleave(group, 2), k.repeat_interleave(group, 2), v, g, beta, state)
         return call(recurrent_fn, q, k, v, g, beta, state)
 
     return chunked, recurrent
