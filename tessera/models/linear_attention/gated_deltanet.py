@@ -39,7 +39,9 @@ sequence; context parallelism installs one under which each rank runs the chunke
 part of the sequence only, from the convolution inputs and delta state the previous part hands on.
 A third, `fused_chunk_terms` (delta_rule.py's `ChunkTerms`), lays out the chunked form's inputs in
 one pass where no gradient is wanted: None (the PyTorch ops) but where the serving engine installs the
-CPU library's kernel (tessera/infer/cpu/layer_ops.py).
+CPU library's kernel (tessera/infer/cpu/layer_ops.py). Which kernels run the convolution and the delta
+rule is chosen at the first call and kept in `kernels` (cuda_kernels.py: the PyTorch forms, or on CUDA
+flash-linear-attention's and causal-conv1d's; `kernel_choice(layer)` says which).
 Shapes: B batch, S sequence, D model dim.
 """
 
@@ -55,9 +57,9 @@ from torch import nn
 
 from tessera.config.errors import ParallelError
 from tessera.config.model import ModelConfig
+from tessera.models.linear_attention.cuda_kernels import RecurrentKernels, kernels_for
 from tessera.models.linear_attention.delta_rule import (
     ChunkTerms,
-    causal_conv,
     chunked_delta_rule,
     recurrent_delta_rule,
 )
@@ -125,15 +127,23 @@ def conv_start(handoff: StateHandoff | None, mixed_BSC: torch.Tensor, conv_w: to
 
 
 def delta_rule(q, k, v, g, beta, state: DeltaNetState | None, recurrent: bool | None, chunk: int,
-               handoff: StateHandoff | None, chunk_terms: ChunkTerms | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               handoff: StateHandoff | None, chunk_terms: ChunkTerms | None = None,
+               kernels: RecurrentKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule from `state` in the form `recurrent` picks (default token by token for one
-    token, chunked otherwise, its slabs laid out by `chunk_terms` where given), or chunked from the
-    state the previous part hands on."""
+    token, chunked otherwise, its slabs laid out by `chunk_terms` where given), by `kernels`' form where
+    it has one (a CUDA library's, cuda_kernels.py), or chunked from the state the previous part hands on.
+    q and k may have fewer heads than v, each serving consecutive value heads: a library's form takes them
+    so, the PyTorch forms repeat them per value head."""
+    recurrent = q.shape[1] == 1 if recurrent is None else recurrent
+    form = None if kernels is None or handoff is not None else (kernels.recurrent if recurrent else kernels.chunked)
+    start = None if state is None else state.delta
+    if form is not None:
+        return form(q, k, v, g, beta, start)
+    group = v.shape[2] // q.shape[2]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     if handoff is not None:
         return handed_on_delta_rule(q, k, v, g, beta, chunk, handoff)
-    recurrent = q.shape[1] == 1 if recurrent is None else recurrent
-    start = None if state is None else state.delta
     if recurrent:
         return recurrent_delta_rule(q, k, v, g, beta, start)
     return chunked_delta_rule(q, k, v, g, beta, start, chunk=chunk, chunk_terms=chunk_terms)
@@ -165,6 +175,7 @@ class GatedDeltaNet(nn.Module):
         self.own_part: OwnPart = whole  # the seams (module docstring)
         self.handoff: StateHandoff | None = None
         self.fused_chunk_terms: ChunkTerms | None = None
+        self.kernels: RecurrentKernels | None = None  # chosen at the first call (cuda_kernels.py)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: RecurrentStateCache | None = None) -> torch.Tensor:
@@ -192,15 +203,18 @@ class GatedDeltaNet(nn.Module):
         hk = b.shape[-1] // r
         conv_w = self.own_part("conv", self.conv1d.weight.squeeze(1))
         start = conv_start(self.handoff, mixed, conv_w, state)
-        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, start)
+        kernels = kernels_for(self, x_BSD, "gated_delta_rule")
+        mixed, conv_state = kernels.conv(mixed.transpose(1, 2), conv_w, start)
         q, k, v = mixed.transpose(1, 2).split([hk * kd, hk * kd, hk * r * vd], dim=-1)
-        q = q.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
-        k = k.reshape(B, S, hk, kd).repeat_interleave(r, dim=2)
+        q, k = q.reshape(B, S, hk, kd), k.reshape(B, S, hk, kd)
+        if kernels.chunked is None or self.handoff is not None:  # the PyTorch forms: one q and k per value head
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         v = v.reshape(B, S, hk * r, vd)
         beta = b.sigmoid()
         A_log, dt_bias = self.own_part("A_log", self.A_log), self.own_part("dt_bias", self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms,
+                                kernels)
         out = gated_rms_norm(out, z, self.own_part("norm", self.norm.weight), self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         out = in_sequence_order(self.handoff, out.reshape(B, S, -1))

@@ -10,9 +10,11 @@ output is RMS-normed per head, gated by sigmoid(g_b(g_a(x))) (`o_norm`, another 
 projection) and projected back (`o_proj`).
 
 The tensors keep HuggingFace's names and shapes (A_log is [1, 1, H, 1]). The recurrent state, the
-cache protocols, the serving engine's packed step and the `handoff` and `fused_chunk_terms` seams are Gated DeltaNet's
-(`DeltaNetState`: the convolution's last inputs over 3 H K channels, the delta state [H, K, K]);
-so is `forward`. Prompts and training run the chunked form, a single new token the recurrent one.
+cache protocols, the serving engine's packed step and the `handoff`, `fused_chunk_terms` and `kernels`
+seams are Gated DeltaNet's (`DeltaNetState`: the convolution's last inputs over 3 H K channels, the
+delta state [H, K, K]); so is `forward`. On CUDA `kernels` holds flash-linear-attention's `chunk_kda` /
+`fused_recurrent_kda` where it imports (cuda_kernels.py). Prompts and training run the chunked form,
+a single new token the recurrent one.
 Under tensor parallelism each rank runs whole heads: q_proj, k_proj, v_proj, f_b_proj, g_b_proj and
 b_proj cut by output rows, o_proj by input columns; the low-rank gates' first halves (f_a_proj,
 g_a_proj) stay whole. The tensors all heads share a dimension of (the three convolutions as one
@@ -28,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.delta_rule import ChunkTerms, causal_conv
+from tessera.models.linear_attention.cuda_kernels import RecurrentKernels, kernels_for
+from tessera.models.linear_attention.delta_rule import ChunkTerms
 from tessera.models.linear_attention.gated_deltanet import (
     DeltaNetState,
     GatedDeltaNet,
@@ -73,6 +76,7 @@ class KimiDeltaAttention(nn.Module):
         self.own_part: OwnPart = whole  # the seams (gated_deltanet.py's docstring)
         self.handoff: StateHandoff | None = None
         self.fused_chunk_terms: ChunkTerms | None = None
+        self.kernels: RecurrentKernels | None = None  # chosen at the first call (cuda_kernels.py)
 
     forward = GatedDeltaNet.forward  # the same cache protocols and seams (module docstring)
 
@@ -86,13 +90,15 @@ class KimiDeltaAttention(nn.Module):
         conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         conv_w = self.own_part("conv", conv)
         start = conv_start(self.handoff, mixed, conv_w, state)
-        mixed, conv_state = causal_conv(mixed.transpose(1, 2), conv_w, start)
+        kernels = kernels_for(self, x_BSD, "kda")
+        mixed, conv_state = kernels.conv(mixed.transpose(1, 2), conv_w, start)
         q, k, v = (t.reshape(B, S, -1, K) for t in mixed.transpose(1, 2).chunk(3, dim=-1))
         gate = self.f_b_proj(self.f_a_proj(x_BSD)).float() + self.own_part("dt_bias", self.dt_bias).float()
         A = self.own_part("A_log", self.A_log.view(-1)).float().exp().view(1, 1, -1, 1)
         g = -A * F.softplus(gate.view(B, S, -1, K))  # [B, S, H, K]
         beta = self.b_proj(x_BSD).sigmoid()
-        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms)
+        out, delta = delta_rule(q, k, v, g, beta, state, recurrent, self.chunk, self.handoff, self.fused_chunk_terms,
+                                kernels)
         out_gate = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, K)
         out = sigmoid_gated_rms_norm(out, out_gate, self.own_part("norm", self.o_norm.weight), self.o_norm.eps)
         seen = S + (0 if state is None else state.tokens)

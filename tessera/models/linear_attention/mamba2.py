@@ -17,7 +17,9 @@ interface (gated_deltanet.py): given an inference cache it reads and keeps the s
 its `mix` to `mix_recurrent(layer_id, mix, x)`. Prompts and training run the chunked form, a single
 new token the recurrent one (equal; tested). Under context parallelism the `handoff` seam (Gated
 DeltaNet's, handoff.py) runs each rank's own part of the sequence from the convolution inputs and SSD
-state the previous part hands on.
+state the previous part hands on. Which kernels run the convolution and SSD is chosen at the first call
+and kept in `kernels` (cuda_kernels.py: the PyTorch forms, or on CUDA mamba-ssm's
+`mamba_chunk_scan_combined` / `selective_state_update` and causal-conv1d's convolution).
 
 Under tensor parallelism each rank runs n_heads / tp heads and the n_groups / tp groups they read
 (groups split with their heads). `out_proj` is cut by its input columns; every other tensor stays
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.config.model import ModelConfig
-from tessera.models.linear_attention.delta_rule import causal_conv
+from tessera.models.linear_attention.cuda_kernels import RecurrentKernels, kernels_for
 from tessera.models.linear_attention.gated_deltanet import OwnPart, conv_start, whole
 from tessera.models.linear_attention.handoff import StateHandoff, handed_on_ssd, in_sequence_order
 from tessera.models.linear_attention.ssd import chunked_ssd, recurrent_ssd, step_sizes
@@ -94,6 +96,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(inner, cfg.dim, bias=m.proj_bias)
         self.own_part: OwnPart = whole  # the seams (module docstring)
         self.handoff: StateHandoff | None = None
+        self.kernels: RecurrentKernels | None = None  # chosen at the first call (cuda_kernels.py)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache=None) -> torch.Tensor:
@@ -122,17 +125,18 @@ class Mamba2Mixer(nn.Module):
         z, xBC, dt = self._projected(x_BSD).split([H * P, H * P + 2 * G * N, H], dim=-1)
         bias = None if self.conv1d.bias is None else own("conv", self.conv1d.bias)
         conv_w = own("conv", self.conv1d.weight.squeeze(1))
-        xBC, conv_state = causal_conv(xBC.transpose(1, 2), conv_w, conv_start(self.handoff, xBC, conv_w, state), bias)
+        kernels = kernels_for(self, x_BSD, "ssd")
+        xBC, conv_state = kernels.conv(xBC.transpose(1, 2), conv_w, conv_start(self.handoff, xBC, conv_w, state), bias)
         x, Bm, Cm = xBC.transpose(1, 2).split([H * P, G * N, G * N], dim=-1)
         args = (x.reshape(B, S, H, P), step_sizes(dt, own("heads", self.dt_bias), self.dt_min), -A_log.float().exp(),
                 Bm.reshape(B, S, G, N), Cm.reshape(B, S, G, N), own("heads", self.D))
-        recurrent = S == 1 if recurrent is None else recurrent
+        recurrent, start = S == 1 if recurrent is None else recurrent, None if state is None else state.ssm
         if self.handoff is not None:
             y, ssm = handed_on_ssd(*args, self.chunk, self.handoff)
         elif recurrent:
-            y, ssm = recurrent_ssd(*args, None if state is None else state.ssm)
+            y, ssm = (kernels.recurrent or recurrent_ssd)(*args, start)
         else:
-            y, ssm = chunked_ssd(*args, None if state is None else state.ssm, chunk=self.chunk)
+            y, ssm = (kernels.chunked or chunked_ssd)(*args, start, chunk=self.chunk)
         y = group_gated_rms_norm(y.reshape(B, S, H * P), z, own("norm", self.norm.weight), G, self.norm.eps)
         seen = S + (0 if state is None else state.tokens)
         y = in_sequence_order(self.handoff, y.to(x_BSD.dtype))
