@@ -367,3 +367,85 @@ def test_a_hybrid_stages_compute_time_is_its_layers_own(name, recompute):
         again = {"none": 0.0, "full": t.forward, "selective": t.attention}[recompute]
         want += 3 * (t.matmul + t.memory) + (1 + FUSED_ATTENTION_BACKWARD) * t.attention + again
     assert got.total == pytest.approx(want)
+
+
+def _moe_variant(name: str, grouped: bool):
+    """The preset with its routed experts as one grouped product per weight, or one product per expert (the loop)."""
+    import dataclasses
+
+    cfg = get_preset(name)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_gemm=grouped))
+
+
+def _kept_relu2_products(save: tuple[str, ...], grouped: bool, parallel: dict | None = None) -> tuple[int, bool, bool]:
+    """(outputs kept, whether the routed ones are the experts' products the save list names, whether the last is the
+    shared expert's) of tiny-nemotron-h-moe's first MoE layer under recompute=op, on one process or on this rank of
+    `parallel` (the trainer's plan: under ep its experts, the rows it received)."""
+    from tessera.models.moe.experts import grouped_linear
+    from tessera.parallel import parallelize
+    from tessera.parallel.dims import ParallelDims
+    from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+
+    cfg = _moe_variant("tiny-nemotron-h-moe", grouped)
+    model = Transformer(cfg, init_seed=0)
+    if parallel is None:
+        apply_activation_checkpointing(model, "op", 1, save=save)
+    else:
+        pcfg = ParallelConfig(**parallel, recompute="op", recompute_save=save)
+        dims = ParallelDims.from_config(pcfg, 2)
+        dims.validate(cfg, 2, seq_len=16)
+        dims.build_mesh("cpu")
+        model = parallelize(model, dims, pcfg)
+    moe, kept, seen = model.layers["1"].moe, [], {}
+    model.layers["1"].recompute_policy.observers.append(kept.append)
+    moe.experts.register_forward_hook(lambda m, args, out: seen.update(rows=args, down=out))
+    for name in ("w1", "w2"):
+        getattr(moe.shared_experts, name).register_forward_hook(lambda m, a, out, name=name: seen.update({name: out}))
+    model(torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    rows, tokens_per_expert = seen["rows"]
+    up = save == ("mlp_in",)
+    routed = grouped_linear(rows, moe.experts.local_weight(moe.experts.w1), tokens_per_expert, grouped) if up \
+        else seen["down"]
+    return len(kept), torch.equal(torch.cat(kept[:-1]), routed), torch.equal(kept[-1], seen["w1" if up else "w2"])
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("save", [("mlp_in",), ("mlp_out",)])
+def test_the_op_policy_keeps_the_relu2_expert_products_its_save_list_names(grouped, save):
+    """A relu^2 MoE layer (Nemotron-H's) under recompute=op keeps, of its products, exactly the outputs of the
+    role saved: mlp_in the routed experts' up product (every expert's, in the loop) and the shared expert's w1,
+    mlp_out their down products; the relu^2 experts were not scoped at all (and their roles, by position, were
+    SwiGLU's: gate and up the first two products)."""
+    experts = 1 if grouped else get_preset("tiny-nemotron-h-moe").moe.num_experts
+    assert _kept_relu2_products(save, grouped) == (experts + 1, True, True)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("save", [("mlp_in",), ("mlp_out",)])
+def test_an_expert_parallel_rank_keeps_the_relu2_products_of_its_experts(grouped, save):
+    """Under ep=2 (with fsdp) each rank keeps its own experts' products of the role saved, on the rows it
+    received: one grouped product per weight, or one per local expert in the loop."""
+    experts = 1 if grouped else get_preset("tiny-nemotron-h-moe").moe.num_experts // 2
+    got = run_ranks(_kept_relu2_products, 2, save, grouped, dict(ep=2, dp_shard=2))
+    assert got[0] == got[1] == (experts + 1, True, True)
+
+
+@pytest.mark.parametrize("name,grouped,save", [
+    *((name, grouped, save) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
+      for save in (("mlp_in",), ("mlp_out",), ("mlp_in", "mlp_out", "router"))),
+    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",)), ("tiny-gpt-oss", True, ("alternate_matmuls",))])
+def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save):
+    """Routed experts under recompute=op, their products listed by their activation: Nemotron-H's relu^2 experts
+    and shared expert (up, down; they were SwiGLU's three) and gpt-oss's biased experts (gate_up, down; not
+    scoped before). The planned bytes equal what the policy keeps (fp32). (Only with the grouped product under
+    alternate_matmuls: in the loop, which experts' products it keeps follows the routing; the planner's rows
+    are balanced.)"""
+    from tessera.plan.activations import stage_activations
+    from tests.plan.activation_measurement import measure_activation_bytes
+
+    cfg = _moe_variant(name, grouped)
+    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save).total_bytes
+    lay = Layout(recompute="op", recompute_save=save, device="cpu")
+    (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
+    assert stage.stored == pytest.approx(counted, rel=1e-9)

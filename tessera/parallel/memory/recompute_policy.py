@@ -49,7 +49,6 @@ from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttent
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward, PlainFeedForward
-from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping
 
@@ -87,6 +86,13 @@ DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_excha
 EXPERTS = "experts"  # gate/up or down by position (module docstring)
 
 
+def expert_weights(experts: nn.Module) -> list[str]:
+    """The routed experts' weight matrices ([E, out, in], named in their `split_dims`; not gpt-oss's [E, out]
+    biases), which they multiply by in turn, the down one last: SwiGLU's gate, up and down, relu^2's up and
+    down, gpt-oss's gate_up and down. The quantized experts keep GroupedExperts' three as codes under other names."""
+    return [n for n in experts.split_dims if getattr(experts, n, None) is None or getattr(experts, n).dim() == 3]
+
+
 def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`t` [..., n] in E4M3 with one fp32 scale per row (its amax onto E4M3's largest value)."""
     fmax = torch.finfo(E4M3).max
@@ -104,7 +110,8 @@ class _Forward:
 
     def __init__(self) -> None:
         self.products = 0  # matrix products so far (alternate_matmuls)
-        self.expert_products = 0  # ... inside the routed experts' current call
+        self.expert_weights = 0  # weights the routed experts' current call has begun to multiply by
+        self.expert_left = 0  # ... and the products left of the last one (one grouped, or one per local expert)
         self.replay: list[tuple[torch.Tensor, torch.Tensor, torch.dtype] | None] = []
         self.position = 0  # the replay's place in `replay`
         self.pending: dict = {}  # operator -> decision, from the classifier to the policy
@@ -135,8 +142,8 @@ class BlockOpPolicy:
                         child = getattr(module, name, None)
                         if isinstance(child, nn.Module):
                             self._scope(child, role)
-            if isinstance(module, GroupedExperts):
-                self._scope(module, EXPERTS)
+            if isinstance(module, MoE):  # its routed experts, whatever their activation (SwiGLU, relu^2, gpt-oss's)
+                self._scope(module.experts, EXPERTS)
             if isinstance(module, RECURRENT_MIXERS):
                 self._scope(module, RECURRENT_CORE)
                 roles = SEAM_READS.get(type(module), {})
@@ -149,7 +156,7 @@ class BlockOpPolicy:
         def enter(mod, args):
             self.scopes.append((role, mod))
             if role == EXPERTS:
-                self.current.expert_products = 0
+                self.current.expert_weights = self.current.expert_left = 0
 
         def leave(mod, args, out):
             if self.scopes and self.scopes[-1][1] is mod:
@@ -165,10 +172,12 @@ class BlockOpPolicy:
         role, module = self.scopes[-1]
         if role != EXPERTS:
             return role
-        per_weight = 1 if func is GROUPED_MM else module.local_weight(module.w1).shape[0]  # products per weight
-        index = self.current.expert_products
-        self.current.expert_products += 1
-        return "mlp_in" if index < 2 * per_weight else "mlp_out"
+        r, weights = self.current, expert_weights(module)
+        if r.expert_left == 0:  # the first product by the next weight: one grouped product, or one per local expert
+            r.expert_weights += 1
+            r.expert_left = 1 if func is GROUPED_MM else module.local_weight(getattr(module, weights[0])).shape[0]
+        r.expert_left -= 1
+        return "mlp_in" if r.expert_weights < len(weights) else "mlp_out"  # the last weight multiplied: down
 
     # ---- the decision --------------------------------------------------------------------------
     def classify(self, func) -> str:
