@@ -104,10 +104,13 @@ def _nemotron_moe() -> dict:
 @pytest.mark.dist
 @pytest.mark.parametrize("parallel,micro", [
     (dict(dp_shard=2), 2), (dict(ep=2, dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1),
-    (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "ep2-fsdp2", "tp2", "tp2-sp"])
+    (dict(tp=2, sp=True, dp_shard=1), 1),
+    (dict(ep=2, dp_shard=2, recompute="op", recompute_save=["mlp_in", "mlp_out"]), 2)],
+    ids=["fsdp2", "ep2-fsdp2", "tp2", "tp2-sp", "ep2-fsdp2-recompute-op"])
 def test_nemotron_h_moe_layouts_match_one_process(parallel, micro):
-    """Nemotron-H's MoE layers: under ep each rank holds half the relu^2 experts; under tp each rank holds
-    half of every expert's hidden units and of the shared expert's, their partial outputs summed."""
+    """Nemotron-H's MoE layers: under ep each rank holds half the relu^2 experts (under recompute=op keeping
+    its experts' up and down products, re-running the rest); under tp each rank holds half of every expert's
+    hidden units and of the shared expert's, their partial outputs summed."""
     got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=_nemotron_moe())
     assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, _nemotron_moe()))
 
