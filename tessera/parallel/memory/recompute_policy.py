@@ -10,9 +10,13 @@ what an operator is and where it runs:
 - the attention kernel (an SDPA operator inside the attention core seam) -> `attention_core`;
 - a matrix product (mm, addmm, bmm, grouped mm, FP8 scaled mm) outside the core -> its role, from the
   module running it (`ROLES`: q/k/v are attention_in, MLA's wq_b/wkv_b mla_up, wo attention_out, the
-  router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
-  first two thirds of products are gate/up, the last third down) and its place in the block's
-  sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
+  router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out, relu^2's up mlp_in and
+  down mlp_out; the routed experts, the MoE's `experts` whatever their activation, multiply by their
+  weights in turn (`expert_weights`: SwiGLU's gate, up, down; relu^2's up, down; gpt-oss's gate_up,
+  down), each as one grouped product or one product per local expert (the loop; under ep this rank's
+  experts), and the products by every weight but the last are mlp_in, by the last, down, mlp_out) and
+  its place in the block's sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ...,
+  torchtitan's rule);
 - a hybrid model's recurrent mixer (Gated DeltaNet, Kimi delta attention, Mamba-2): its projections take
   roles as attention's do (those into the mixer attention_in, the one out of it attention_out; under tp the
   ones it runs outside their modules, F.linear of what its `own_part` seam reads, by the weight read), and its
@@ -83,7 +87,7 @@ SEAM_READS = {GatedDeltaNet: {"qkv": "attention_in"}, Mamba2Mixer: {"in_proj": "
 CORE = "attention_core"
 RECURRENT_CORE = "recurrent_core"  # a recurrent mixer's scope: what runs in it outside its projections
 DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
-EXPERTS = "experts"  # gate/up or down by position (module docstring)
+EXPERTS = "experts"  # mlp_in or mlp_out by the weight multiplied (module docstring)
 
 
 def expert_weights(experts: nn.Module) -> list[str]:

@@ -16,8 +16,9 @@ RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
     Kimi delta attention: q, k, v, f_a, f_b, b (attention_in), [core], g_a, g_b (attention_in), o (attention_out)
     Mamba-2: in_proj (attention_in), [core], out_proj (attention_out)
     dense: w1, w3 (mlp_in), w2 (mlp_out); ungated relu^2 (Nemotron-H): w1 (mlp_in), w2 (mlp_out)
-    MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
-         expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
+    MoE: router (router); routed experts w1, w3, w2 (relu^2: w1, w2; gpt-oss: gate_up, down), one grouped
+         product each (or one product per local expert when the grouped GEMM does not apply); shared expert
+         w1, w3, w2 (beside relu^2 experts: w1, w2); shared gate (router)
 
 A recurrent mixer's chunked core re-runs whatever the save list: its products are neither kept nor counted
 in the sequence (tessera/parallel/memory/recompute_policy.py). A layer of one sublayer (Nemotron-H) has only
