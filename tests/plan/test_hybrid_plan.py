@@ -22,9 +22,10 @@ from tessera.plan.memory import rank_params
 from tests.forked_ranks import run_ranks
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h", "tiny-qwen3.5-moe"]
+WITH_RELU2_MOE = [*HYBRIDS, "tiny-nemotron-h-moe"]  # Nemotron-H's MoE variant: relu^2 routed and shared experts
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 def test_one_rank_holds_the_built_models_parameters(name):
     cfg = get_preset(name)
     (only,) = rank_params(cfg, Layout())
@@ -112,7 +113,7 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
     return stage.stored, counted
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
 def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
     planned, counted = _planned_and_counted(name, "full", dtype)
@@ -196,7 +197,7 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
     assert planned == counted
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "op"])
 def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
@@ -210,7 +211,7 @@ def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dty
     assert planned == pytest.approx(counted, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("save,fp8", [(("matmuls",), ()), (("attention_in", "mlp_out"), ()),
                                       (("attention_out",), ("attention_in",)), (("attention_core",), ())])
 def test_the_op_policys_kept_outputs_of_a_hybrid_model(name, save, fp8):
@@ -431,21 +432,22 @@ def test_an_expert_parallel_rank_keeps_the_relu2_products_of_its_experts(grouped
     assert got[0] == got[1] == (experts + 1, True, True)
 
 
-@pytest.mark.parametrize("name,grouped,save", [
-    *((name, grouped, save) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
-      for save in (("mlp_in",), ("mlp_out",), ("mlp_in", "mlp_out", "router"))),
-    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",)), ("tiny-gpt-oss", True, ("alternate_matmuls",))])
-def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save):
+@pytest.mark.parametrize("name,grouped,save,fp8", [
+    *((name, grouped, save, fp8) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
+      for save, fp8 in ((("mlp_in",), ()), (("mlp_out",), ()), (("mlp_in", "mlp_out", "router"), ()),
+                        (("mlp_out",), ("mlp_in",)))),
+    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ())])
+def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save, fp8):
     """Routed experts under recompute=op, their products listed by their activation: Nemotron-H's relu^2 experts
     and shared expert (up, down; they were SwiGLU's three) and gpt-oss's biased experts (gate_up, down; not
-    scoped before). The planned bytes equal what the policy keeps (fp32). (Only with the grouped product under
-    alternate_matmuls: in the loop, which experts' products it keeps follows the routing; the planner's rows
-    are balanced.)"""
+    scoped before), kept whole or in FP8. The planned bytes equal what the policy keeps (fp32). (Only with the
+    grouped product under alternate_matmuls: in the loop, which experts' products it keeps follows the
+    routing; the planner's rows are balanced.)"""
     from tessera.plan.activations import stage_activations
     from tests.plan.activation_measurement import measure_activation_bytes
 
     cfg = _moe_variant(name, grouped)
-    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save).total_bytes
-    lay = Layout(recompute="op", recompute_save=save, device="cpu")
+    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save, fp8=fp8).total_bytes
+    lay = Layout(recompute="op", recompute_save=save, activation_fp8=fp8, device="cpu")
     (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
     assert stage.stored == pytest.approx(counted, rel=1e-9)
