@@ -451,3 +451,21 @@ def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, 
     lay = Layout(recompute="op", recompute_save=save, activation_fp8=fp8, device="cpu")
     (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
     assert stage.stored == pytest.approx(counted, rel=1e-9)
+
+
+def test_a_relu2_moe_layers_products_are_its_forward_flops():
+    """The time model prices Nemotron-H's MoE layer by its own products: the router, the relu^2 routed and shared
+    experts' up and down (they were SwiGLU's gate+up and down: 1.49x the layer's FLOPs), whose FLOPs are the
+    layer's forward FLOPs (models/flops.py, what MFU counts)."""
+    from tessera.models.flops import layer_forward_flops_per_token
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.op_time import layer_ops
+
+    cfg, c, seq = get_preset("tiny-nemotron-h-moe"), Cluster.for_gpu("h100", gpus=8), 4096
+    (i, *_) = cfg.moe_layers
+    ops = layer_ops(cfg, True, Layout(dp_shard=8), 2 * seq, seq, c, layer=i)
+    assert [o.name for o in ops if o.kind == "matmul"] == ["router", "experts (grouped, 4 local) up",
+                                                           "experts (grouped, 4 local) down", "shared expert up",
+                                                           "shared expert down"]
+    matmul = sum(o.flops for o in ops if o.kind == "matmul")
+    assert matmul == pytest.approx(layer_forward_flops_per_token(cfg, i, seq) * 2 * seq)
