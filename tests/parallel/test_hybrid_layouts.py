@@ -7,7 +7,7 @@ under cp (alone and with tp) each rank runs the recurrent layers (DeltaNet, Kimi
 Mamba-2) over its own part of the sequence only (contiguous and zig-zag chunks), from the state the
 previous part hands on. Kimi Linear (Kimi delta attention, MLA) and Nemotron-H (Mamba-2, attention
 without RoPE) run the same layouts. Nemotron-H's MoE variant (relu^2 experts)
-under fsdp, ep, tp and tp + sp equals one process too."""
+under fsdp, ep (also with recompute=op keeping its experts' products), tp and tp + sp equals one process too."""
 
 import dataclasses
 

@@ -7,7 +7,9 @@ saved tensors (its chunked form's, slab by slab) do too, as does the whole model
 and with operator-level recomputation (a recurrent mixer's projections kept by role, its core re-run;
 Kimi Linear's latent attention, whose value head is narrower than its query/key head, through the CPU
 SDPA's math kernel: the planner asked for device cpu, as these measurements run); the op policy's
-recomputed FLOPs and time count the recurrent cores."""
+recomputed FLOPs and time count the recurrent cores. Nemotron-H's MoE variant (relu^2 routed and shared
+experts: up and down) is planned as itself too, and under operator-level recomputation its products (and
+gpt-oss's) keep their outputs by role, grouped or one per expert, on one process and on ep ranks."""
 
 from __future__ import annotations
 
