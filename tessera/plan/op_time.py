@@ -98,8 +98,10 @@ def _gemm(name: str, m: float, n: float, k: float, cluster: Cluster, batch: floa
     return OpTime(name, "matmul", shape, 2.0 * m * n * k * batch, gemm_time(m, n, k, cluster, batch))
 
 
-def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batch: float = 1.0) -> list[OpTime]:
-    return [_gemm(f"{name} gate+up", tokens, 2 * ffn, h, cluster, batch),
+def _swiglu(name: str, tokens: float, ffn: float, h: int, cluster: Cluster, batch: float = 1.0,
+            relu2: bool = False) -> list[OpTime]:
+    """SwiGLU's gate and up (one product of twice the width) and down; `relu2`: the ungated up and down."""
+    return [_gemm(f"{name} up" if relu2 else f"{name} gate+up", tokens, (1 if relu2 else 2) * ffn, h, cluster, batch),
             _gemm(f"{name} down", tokens, h, ffn, cluster, batch)]
 
 
@@ -152,14 +154,13 @@ def layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: 
         ops.append(_gemm("router", tokens, e.num_experts, h, cluster))
         local = e.num_experts // lay.ep
         rows = tokens * e.top_k * lay.ep / e.num_experts  # rows per expert, balanced routing
-        ops += _swiglu(f"experts (grouped, {local} local)", rows, e.ffn_dim / tp, h, cluster, batch=local)
-        elementwise += 3 * e.top_k * e.ffn_dim / tp + 2 * e.top_k * h  # SwiGLU product; gather + weighted sum
+        relu2 = e.expert_activation == "relu2"  # Nemotron-H's relu^2 experts and shared expert: up and down
+        ops += _swiglu(f"experts (grouped, {local} local)", rows, e.ffn_dim / tp, h, cluster, local, relu2)
         if e.shared_ffn_dim:
-            ops += _swiglu("shared expert", tokens, e.shared_ffn_dim / tp, h, cluster)
-            elementwise += 3 * e.shared_ffn_dim / tp
+            ops += _swiglu("shared expert", tokens, e.shared_ffn_dim / tp, h, cluster, relu2=relu2)
     else:
         ops += _swiglu("MLP", tokens, cfg.ffn_dim / tp, h, cluster)
-        elementwise += 3 * cfg.ffn_dim / tp
+    elementwise += _mlp_elementwise(cfg, moe, tp)  # the SwiGLU (or relu^2) product; the MoE's gather + weighted sum
     if lay.fused_attention:
         flops = attention_core_flops_per_token(cfg, seq_len) * tokens / tp
         ops.append(OpTime("attention core (fused)", "attention", f"{cfg.n_heads // tp} heads x {seq_len} keys", flops,
@@ -204,11 +205,14 @@ def _hybrid_layer_ops(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, s
 
 
 def _mlp_elementwise(cfg: ModelConfig, moe: bool, tp: int) -> float:
-    """Elements per token the MLP's (or MoE's) elementwise work moves at the compute width (as `layer_ops`)."""
+    """Elements per token the MLP's (or MoE's) elementwise work moves at the compute width (as `layer_ops`):
+    three per hidden unit of a SwiGLU, two of relu^2 (relu and its square: Nemotron-H's experts)."""
     if not moe:
         return 3 * cfg.ffn_dim / tp
     e = cfg.moe
-    return 3 * e.top_k * e.ffn_dim / tp + 2 * e.top_k * cfg.dim + (3 * e.shared_ffn_dim / tp if e.shared_ffn_dim else 0)
+    per = 2 if e.expert_activation == "relu2" else 3
+    return per * e.top_k * e.ffn_dim / tp + 2 * e.top_k * cfg.dim + (per * e.shared_ffn_dim / tp if e.shared_ffn_dim
+                                                                     else 0)
 
 
 def layer_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, seq_len: int,

@@ -1,6 +1,8 @@
 """Activation recomputation and offload: gradients bit-identical to keeping everything, names
 unchanged, and the chosen pieces really run again in backward (counted at the operator level)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,8 +33,11 @@ class ForwardOpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _grads_and_recompute_counts(mode: str, interval: int = 1, preset: str = "tiny-moe", **policy):
+def _grads_and_recompute_counts(mode: str, interval: int = 1, preset: str = "tiny-moe", moe: dict | None = None,
+                                **policy):
     cfg = get_preset(preset)
+    if moe:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
     model = Transformer(cfg, init_seed=0)
     names_before = [n for n, _ in model.named_parameters()]
     wrapped = apply_activation_checkpointing(model, mode, interval, **policy)
@@ -132,3 +137,18 @@ def test_every_save_choice_alone_and_every_interval_keeps_gradients_bit_identica
         assert wrapped, (mode, interval, policy)
         for n, g in ref.items():
             assert torch.equal(grads[n], g), (preset, mode, interval, policy, n)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+def test_relu2_experts_keep_gradients_under_every_save_list_that_names_them(grouped):
+    """Nemotron-H's MoE variant (relu^2 routed experts, one grouped product per weight or one per expert, and a
+    relu^2 shared expert) under recompute=op with save lists naming their up (mlp_in) and down (mlp_out)
+    products, alone, together and with the rest: fp32, the gradients equal keeping everything bit for bit."""
+    moe = {"grouped_gemm": grouped}
+    ref, _, _ = _grads_and_recompute_counts("none", preset="tiny-nemotron-h-moe", moe=moe)
+    for save in (("mlp_in",), ("mlp_out",), ("mlp_in", "mlp_out"), ("mlp_in", "router", "attention_in"),
+                 ("alternate_matmuls",), ("matmuls", "attention_core")):
+        grads, _, wrapped = _grads_and_recompute_counts("op", preset="tiny-nemotron-h-moe", moe=moe, save=save)
+        assert len(wrapped) == 6
+        for n, g in ref.items():
+            assert torch.equal(grads[n], g), (save, n)

@@ -7,7 +7,7 @@ under cp (alone and with tp) each rank runs the recurrent layers (DeltaNet, Kimi
 Mamba-2) over its own part of the sequence only (contiguous and zig-zag chunks), from the state the
 previous part hands on. Kimi Linear (Kimi delta attention, MLA) and Nemotron-H (Mamba-2, attention
 without RoPE) run the same layouts. Nemotron-H's MoE variant (relu^2 experts)
-under fsdp, ep, tp and tp + sp equals one process too."""
+under fsdp, ep (also with recompute=op keeping its experts' products), tp and tp + sp equals one process too."""
 
 import dataclasses
 
@@ -104,10 +104,13 @@ def _nemotron_moe() -> dict:
 @pytest.mark.dist
 @pytest.mark.parametrize("parallel,micro", [
     (dict(dp_shard=2), 2), (dict(ep=2, dp_shard=2), 2), (dict(tp=2, dp_shard=1), 1),
-    (dict(tp=2, sp=True, dp_shard=1), 1)], ids=["fsdp2", "ep2-fsdp2", "tp2", "tp2-sp"])
+    (dict(tp=2, sp=True, dp_shard=1), 1),
+    (dict(ep=2, dp_shard=2, recompute="op", recompute_save=["mlp_in", "mlp_out"]), 2)],
+    ids=["fsdp2", "ep2-fsdp2", "tp2", "tp2-sp", "ep2-fsdp2-recompute-op"])
 def test_nemotron_h_moe_layouts_match_one_process(parallel, micro):
-    """Nemotron-H's MoE layers: under ep each rank holds half the relu^2 experts; under tp each rank holds
-    half of every expert's hidden units and of the shared expert's, their partial outputs summed."""
+    """Nemotron-H's MoE layers: under ep each rank holds half the relu^2 experts (under recompute=op keeping
+    its experts' up and down products, re-running the rest); under tp each rank holds half of every expert's
+    hidden units and of the shared expert's, their partial outputs summed."""
     got = run_ranks(layout_step, 2, "tiny-nemotron-h", parallel, config_overrides=_nemotron_moe())
     assert_same_step(got[0], reference_step("tiny-nemotron-h", micro, _nemotron_moe()))
 

@@ -7,7 +7,9 @@ saved tensors (its chunked form's, slab by slab) do too, as does the whole model
 and with operator-level recomputation (a recurrent mixer's projections kept by role, its core re-run;
 Kimi Linear's latent attention, whose value head is narrower than its query/key head, through the CPU
 SDPA's math kernel: the planner asked for device cpu, as these measurements run); the op policy's
-recomputed FLOPs and time count the recurrent cores."""
+recomputed FLOPs and time count the recurrent cores. Nemotron-H's MoE variant (relu^2 routed and shared
+experts: up and down) is planned as itself too, and under operator-level recomputation its products (and
+gpt-oss's) keep their outputs by role, grouped or one per expert, on one process and on ep ranks."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from tessera.plan.memory import rank_params
 from tests.forked_ranks import run_ranks
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h", "tiny-qwen3.5-moe"]
+WITH_RELU2_MOE = [*HYBRIDS, "tiny-nemotron-h-moe"]  # Nemotron-H's MoE variant: relu^2 routed and shared experts
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 def test_one_rank_holds_the_built_models_parameters(name):
     cfg = get_preset(name)
     (only,) = rank_params(cfg, Layout())
@@ -112,7 +115,7 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
     return stage.stored, counted
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
 def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
     planned, counted = _planned_and_counted(name, "full", dtype)
@@ -196,7 +199,7 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
     assert planned == counted
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "op"])
 def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
@@ -210,7 +213,7 @@ def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dty
     assert planned == pytest.approx(counted, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", WITH_RELU2_MOE)
 @pytest.mark.parametrize("save,fp8", [(("matmuls",), ()), (("attention_in", "mlp_out"), ()),
                                       (("attention_out",), ("attention_in",)), (("attention_core",), ())])
 def test_the_op_policys_kept_outputs_of_a_hybrid_model(name, save, fp8):
@@ -367,3 +370,104 @@ def test_a_hybrid_stages_compute_time_is_its_layers_own(name, recompute):
         again = {"none": 0.0, "full": t.forward, "selective": t.attention}[recompute]
         want += 3 * (t.matmul + t.memory) + (1 + FUSED_ATTENTION_BACKWARD) * t.attention + again
     assert got.total == pytest.approx(want)
+
+
+def _moe_variant(name: str, grouped: bool):
+    """The preset with its routed experts as one grouped product per weight, or one product per expert (the loop)."""
+    import dataclasses
+
+    cfg = get_preset(name)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_gemm=grouped))
+
+
+def _kept_relu2_products(save: tuple[str, ...], grouped: bool, parallel: dict | None = None) -> tuple[int, bool, bool]:
+    """(outputs kept, whether the routed ones are the experts' products the save list names, whether the last is the
+    shared expert's) of tiny-nemotron-h-moe's first MoE layer under recompute=op, on one process or on this rank of
+    `parallel` (the trainer's plan: under ep its experts, the rows it received)."""
+    from tessera.models.moe.experts import grouped_linear
+    from tessera.parallel import parallelize
+    from tessera.parallel.dims import ParallelDims
+    from tessera.parallel.memory.activation_checkpoint import apply_activation_checkpointing
+
+    cfg = _moe_variant("tiny-nemotron-h-moe", grouped)
+    model = Transformer(cfg, init_seed=0)
+    if parallel is None:
+        apply_activation_checkpointing(model, "op", 1, save=save)
+    else:
+        pcfg = ParallelConfig(**parallel, recompute="op", recompute_save=save)
+        dims = ParallelDims.from_config(pcfg, 2)
+        dims.validate(cfg, 2, seq_len=16)
+        dims.build_mesh("cpu")
+        model = parallelize(model, dims, pcfg)
+    moe, kept, seen = model.layers["1"].moe, [], {}
+    model.layers["1"].recompute_policy.observers.append(kept.append)
+    moe.experts.register_forward_hook(lambda m, args, out: seen.update(rows=args, down=out))
+    for name in ("w1", "w2"):
+        getattr(moe.shared_experts, name).register_forward_hook(lambda m, a, out, name=name: seen.update({name: out}))
+    model(torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    rows, tokens_per_expert = seen["rows"]
+    up = save == ("mlp_in",)
+    routed = grouped_linear(rows, moe.experts.local_weight(moe.experts.w1), tokens_per_expert, grouped) if up \
+        else seen["down"]
+    return len(kept), torch.equal(torch.cat(kept[:-1]), routed), torch.equal(kept[-1], seen["w1" if up else "w2"])
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("save", [("mlp_in",), ("mlp_out",)])
+def test_the_op_policy_keeps_the_relu2_expert_products_its_save_list_names(grouped, save):
+    """A relu^2 MoE layer (Nemotron-H's) under recompute=op keeps, of its products, exactly the outputs of the
+    role saved: mlp_in the routed experts' up product (every expert's, in the loop) and the shared expert's w1,
+    mlp_out their down products; the relu^2 experts were not scoped at all (and their roles, by position, were
+    SwiGLU's: gate and up the first two products)."""
+    experts = 1 if grouped else get_preset("tiny-nemotron-h-moe").moe.num_experts
+    assert _kept_relu2_products(save, grouped) == (experts + 1, True, True)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+@pytest.mark.parametrize("save", [("mlp_in",), ("mlp_out",)])
+def test_an_expert_parallel_rank_keeps_the_relu2_products_of_its_experts(grouped, save):
+    """Under ep=2 (with fsdp) each rank keeps its own experts' products of the role saved, on the rows it
+    received: one grouped product per weight, or one per local expert in the loop."""
+    experts = 1 if grouped else get_preset("tiny-nemotron-h-moe").moe.num_experts // 2
+    got = run_ranks(_kept_relu2_products, 2, save, grouped, dict(ep=2, dp_shard=2))
+    assert got[0] == got[1] == (experts + 1, True, True)
+
+
+@pytest.mark.parametrize("name,grouped,save,fp8", [
+    *((name, grouped, save, fp8) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
+      for save, fp8 in ((("mlp_in",), ()), (("mlp_out",), ()), (("mlp_in", "mlp_out", "router"), ()),
+                        (("mlp_out",), ("mlp_in",)))),
+    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ())])
+def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save, fp8):
+    """Routed experts under recompute=op, their products listed by their activation: Nemotron-H's relu^2 experts
+    and shared expert (up, down; they were SwiGLU's three) and gpt-oss's biased experts (gate_up, down; not
+    scoped before), kept whole or in FP8. The planned bytes equal what the policy keeps (fp32). (Only with the
+    grouped product under alternate_matmuls: in the loop, which experts' products it keeps follows the
+    routing; the planner's rows are balanced.)"""
+    from tessera.plan.activations import stage_activations
+    from tests.plan.activation_measurement import measure_activation_bytes
+
+    cfg = _moe_variant(name, grouped)
+    counted = measure_activation_bytes(cfg, "fp32", "op", 2, 64, save=save, fp8=fp8).total_bytes
+    lay = Layout(recompute="op", recompute_save=save, activation_fp8=fp8, device="cpu")
+    (stage,) = stage_activations(cfg, lay, Workload(seq_len=64, micro_batch=2, global_batch=2), "fp32")
+    assert stage.stored == pytest.approx(counted, rel=1e-9)
+
+
+def test_a_relu2_moe_layers_products_are_its_forward_flops():
+    """The time model prices Nemotron-H's MoE layer by its own products: the router, the relu^2 routed and shared
+    experts' up and down (they were SwiGLU's gate+up and down: 1.49x the layer's FLOPs), whose FLOPs are the
+    layer's forward FLOPs (models/flops.py, what MFU counts)."""
+    from tessera.models.flops import layer_forward_flops_per_token
+    from tessera.plan.cluster import Cluster
+    from tessera.plan.op_time import layer_ops
+
+    cfg, c, seq = get_preset("tiny-nemotron-h-moe"), Cluster.for_gpu("h100", gpus=8), 4096
+    (i, *_) = cfg.moe_layers
+    ops = layer_ops(cfg, True, Layout(dp_shard=8), 2 * seq, seq, c, layer=i)
+    assert [o.name for o in ops if o.kind == "matmul"] == ["router", "experts (grouped, 4 local) up",
+                                                           "experts (grouped, 4 local) down", "shared expert up",
+                                                           "shared expert down"]
+    matmul = sum(o.flops for o in ops if o.kind == "matmul")
+    assert matmul == pytest.approx(layer_forward_flops_per_token(cfg, i, seq) * 2 * seq)

@@ -10,9 +10,13 @@ what an operator is and where it runs:
 - the attention kernel (an SDPA operator inside the attention core seam) -> `attention_core`;
 - a matrix product (mm, addmm, bmm, grouped mm, FP8 scaled mm) outside the core -> its role, from the
   module running it (`ROLES`: q/k/v are attention_in, MLA's wq_b/wkv_b mla_up, wo attention_out, the
-  router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out; the routed experts'
-  first two thirds of products are gate/up, the last third down) and its place in the block's
-  sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ..., torchtitan's rule);
+  router and shared-expert gate router, SwiGLU gate/up mlp_in and down mlp_out, relu^2's up mlp_in and
+  down mlp_out; the routed experts, the MoE's `experts` whatever their activation, multiply by their
+  weights in turn (`expert_weights`: SwiGLU's gate, up, down; relu^2's up, down; gpt-oss's gate_up,
+  down), each as one grouped product or one product per local expert (the loop; under ep this rank's
+  experts), and the products by every weight but the last are mlp_in, by the last, down, mlp_out) and
+  its place in the block's sequence of products (`alternate_matmuls` keeps the 1st, 3rd, 5th ...,
+  torchtitan's rule);
 - a hybrid model's recurrent mixer (Gated DeltaNet, Kimi delta attention, Mamba-2): its projections take
   roles as attention's do (those into the mixer attention_in, the one out of it attention_out; under tp the
   ones it runs outside their modules, F.linear of what its `own_part` seam reads, by the weight read), and its
@@ -49,7 +53,6 @@ from tessera.models.linear_attention.kimi_delta_attention import KimiDeltaAttent
 from tessera.models.linear_attention.mamba2 import Mamba2Mixer
 from tessera.models.mla import MultiHeadLatentAttention
 from tessera.models.mlp import FeedForward, PlainFeedForward
-from tessera.models.moe.experts import GroupedExperts
 from tessera.models.moe.layer import MoE
 from tessera.parallel.memory.kept_exchange import ExchangeRecord, Keeping
 
@@ -84,7 +87,14 @@ SEAM_READS = {GatedDeltaNet: {"qkv": "attention_in"}, Mamba2Mixer: {"in_proj": "
 CORE = "attention_core"
 RECURRENT_CORE = "recurrent_core"  # a recurrent mixer's scope: what runs in it outside its projections
 DISPATCH = "dispatch"  # the MoE exchanges' received rows and counts (kept_exchange.py)
-EXPERTS = "experts"  # gate/up or down by position (module docstring)
+EXPERTS = "experts"  # mlp_in or mlp_out by the weight multiplied (module docstring)
+
+
+def expert_weights(experts: nn.Module) -> list[str]:
+    """The routed experts' weight matrices ([E, out, in], named in their `split_dims`; not gpt-oss's [E, out]
+    biases), which they multiply by in turn, the down one last: SwiGLU's gate, up and down, relu^2's up and
+    down, gpt-oss's gate_up and down. The quantized experts keep GroupedExperts' three as codes under other names."""
+    return [n for n in experts.split_dims if getattr(experts, n, None) is None or getattr(experts, n).dim() == 3]
 
 
 def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +114,8 @@ class _Forward:
 
     def __init__(self) -> None:
         self.products = 0  # matrix products so far (alternate_matmuls)
-        self.expert_products = 0  # ... inside the routed experts' current call
+        self.expert_weights = 0  # weights the routed experts' current call has begun to multiply by
+        self.expert_left = 0  # ... and the products left of the last one (one grouped, or one per local expert)
         self.replay: list[tuple[torch.Tensor, torch.Tensor, torch.dtype] | None] = []
         self.position = 0  # the replay's place in `replay`
         self.pending: dict = {}  # operator -> decision, from the classifier to the policy
@@ -135,8 +146,8 @@ class BlockOpPolicy:
                         child = getattr(module, name, None)
                         if isinstance(child, nn.Module):
                             self._scope(child, role)
-            if isinstance(module, GroupedExperts):
-                self._scope(module, EXPERTS)
+            if isinstance(module, MoE):  # its routed experts, whatever their activation (SwiGLU, relu^2, gpt-oss's)
+                self._scope(module.experts, EXPERTS)
             if isinstance(module, RECURRENT_MIXERS):
                 self._scope(module, RECURRENT_CORE)
                 roles = SEAM_READS.get(type(module), {})
@@ -149,7 +160,7 @@ class BlockOpPolicy:
         def enter(mod, args):
             self.scopes.append((role, mod))
             if role == EXPERTS:
-                self.current.expert_products = 0
+                self.current.expert_weights = self.current.expert_left = 0
 
         def leave(mod, args, out):
             if self.scopes and self.scopes[-1][1] is mod:
@@ -165,10 +176,12 @@ class BlockOpPolicy:
         role, module = self.scopes[-1]
         if role != EXPERTS:
             return role
-        per_weight = 1 if func is GROUPED_MM else module.local_weight(module.w1).shape[0]  # products per weight
-        index = self.current.expert_products
-        self.current.expert_products += 1
-        return "mlp_in" if index < 2 * per_weight else "mlp_out"
+        r, weights = self.current, expert_weights(module)
+        if r.expert_left == 0:  # the first product by the next weight: one grouped product, or one per local expert
+            r.expert_weights += 1
+            r.expert_left = 1 if func is GROUPED_MM else module.local_weight(getattr(module, weights[0])).shape[0]
+        r.expert_left -= 1
+        return "mlp_in" if r.expert_weights < len(weights) else "mlp_out"  # the last weight multiplied: down
 
     # ---- the decision --------------------------------------------------------------------------
     def classify(self, func) -> str:

@@ -16,8 +16,9 @@ RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
     Kimi delta attention: q, k, v, f_a, f_b, b (attention_in), [core], g_a, g_b (attention_in), o (attention_out)
     Mamba-2: in_proj (attention_in), [core], out_proj (attention_out)
     dense: w1, w3 (mlp_in), w2 (mlp_out); ungated relu^2 (Nemotron-H): w1 (mlp_in), w2 (mlp_out)
-    MoE: router (router); routed experts w1, w3, w2, one grouped product each (or one product per local
-         expert when the grouped GEMM does not apply); shared expert w1, w3, w2; shared gate (router)
+    MoE: router (router); routed experts w1, w3, w2 (relu^2: w1, w2; gpt-oss: gate_up, down), one grouped
+         product each (or one product per local expert when the grouped GEMM does not apply); shared expert
+         w1, w3, w2 (beside relu^2 experts: w1, w2); shared gate (router)
 
 A recurrent mixer's chunked core re-runs whatever the save list: its products are neither kept nor counted
 in the sequence (tessera/parallel/memory/recompute_policy.py). A layer of one sublayer (Nemotron-H) has only
@@ -104,13 +105,21 @@ def _recurrent(cfg: ModelConfig, layer: int, dt: ActivationDtype) -> tuple[list[
     return before, [_linear("out_proj", "attention_out", V, h, dt, "rep")]
 
 
+# Each MLP's products in the order it runs them, by activation: (name, role, k, n) of the model dim h and the
+# hidden dim f. gpt-oss's gate_up is gate and up interleaved in one product.
+MLP_PRODUCTS = {"swiglu": lambda h, f: (("w1", "mlp_in", h, f), ("w3", "mlp_in", h, f), ("w2", "mlp_out", f, h)),
+                "relu2": lambda h, f: (("w1", "mlp_in", h, f), ("w2", "mlp_out", f, h)),
+                "clamped_swiglu": lambda h, f: (("gate_up", "mlp_in", h, 2 * f), ("down", "mlp_out", f, h))}
+
+
 def _mlp(prefix: str, h: int, f: int, dt: ActivationDtype, rows: float = 1.0, experts: int = 1,
-         grouped: bool = True) -> list[Product]:
-    """SwiGLU's three products over `experts` experts (balanced rows): one grouped product per
-    weight, or one product per expert (the loop)."""
+         grouped: bool = True, activation: str = "swiglu") -> list[Product]:
+    """An MLP's products (MLP_PRODUCTS[activation]) over `experts` experts (balanced rows): one grouped
+    product per weight, or one product per expert (the loop)."""
     out = []
-    for name, role, k, n in (("w1", "mlp_in", h, f), ("w3", "mlp_in", h, f), ("w2", "mlp_out", f, h)):
-        split = "tp" if role == "mlp_in" else "rep"  # gate/up outputs cut over F; down outputs are partial sums
+    for name, role, k, n in MLP_PRODUCTS[activation](h, f):
+        # gate/up outputs cut over F (gpt-oss's experts are whole on each tp rank); down outputs are partial sums
+        split = "tp" if role == "mlp_in" and activation != "clamped_swiglu" else "rep"
         if grouped:
             out.append(Product(f"{prefix}.{name}", role, rows * n, dt.compute, split, rows, k, n, experts))
         else:
@@ -139,9 +148,10 @@ def layer_products(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, tokens:
     local = local_experts or e.num_experts
     rows = expert_rows(cfg, tokens)
     after.append(_linear("router", "router", h, e.num_experts, dt, "seq", itemsize=4))
-    after += _mlp("experts", h, e.ffn_dim, dt, rows, local, grouped_experts_apply(cfg, dt))
-    if e.shared_ffn_dim > 0:
-        after += _mlp("shared", h, e.shared_ffn_dim, dt)
+    after += _mlp("experts", h, e.ffn_dim, dt, rows, local, grouped_experts_apply(cfg, dt), e.expert_activation)
+    if e.shared_ffn_dim > 0:  # SwiGLU, or relu^2 beside relu^2 experts (models/moe/layer.py)
+        after += _mlp("shared", h, e.shared_ffn_dim, dt, activation="relu2" if e.expert_activation == "relu2"
+                      else "swiglu")
         if e.shared_expert_gate:
             after.append(_linear("shared_gate", "router", h, 1, dt, "seq"))
     return before, after
@@ -149,10 +159,7 @@ def layer_products(cfg: ModelConfig, layer: int, dtype: str = "bf16", *, tokens:
 
 def _dense(cfg: ModelConfig, dt: ActivationDtype) -> list[Product]:
     """The dense MLP's products: SwiGLU's three, or the ungated relu^2's up and down."""
-    if cfg.activation != "relu2":
-        return _mlp("feed_forward", cfg.dim, cfg.ffn_dim, dt)
-    return [_linear("feed_forward.w1", "mlp_in", cfg.dim, cfg.ffn_dim, dt, "tp"),
-            _linear("feed_forward.w2", "mlp_out", cfg.ffn_dim, cfg.dim, dt, "rep")]
+    return _mlp("feed_forward", cfg.dim, cfg.ffn_dim, dt, activation="relu2" if cfg.activation == "relu2" else "swiglu")
 
 
 def kept_products(products: list[Product], save: tuple[str, ...], fp8: tuple[str, ...]

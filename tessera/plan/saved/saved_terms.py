@@ -1,6 +1,7 @@
-"""The units the planner's activation counts are made of: a saved storage per token, and the facts
-about routed experts and the attention kernel that both the mirror of the model's saved tensors
-(activation_terms.py) and the operator-level recomputation terms (recompute_terms.py) need."""
+"""The units the planner's activation counts are made of: a saved storage per token (and the set of them a
+layer's mirrored forward keeps, each storage once), and the facts about routed experts and the attention
+kernel that both the mirror of the model's saved tensors (activation_terms.py) and the operator-level
+recomputation terms (recompute_terms.py) need."""
 
 from __future__ import annotations
 
@@ -25,6 +26,35 @@ class SavedTensor:
     def nbytes(self, tokens: float, tp: int = 1, sp: bool = False) -> float:
         div = tp if self.split == "tp" or (self.split == "seq" and sp) else 1
         return (self.per_token * tokens + self.fixed) * self.itemsize / div
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A storage flowing through the mirrored forward: key (identity), elements per token (plus
+    `fixed` per micro-batch), bytes per element."""
+
+    key: str
+    per_token: float
+    itemsize: int
+    split: str
+    fixed: float = 0.0
+
+
+class SavedSet:
+    """Saved storages keyed by identity, so a storage saved by several ops counts once."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, SavedTensor] = {}
+
+    def keep(self, t: Storage) -> None:
+        if t.key not in self.items:
+            self.items[t.key] = SavedTensor(t.key, t.per_token, t.itemsize, t.split, t.fixed)
+
+    def new(self, key: str, per_token: float, itemsize: int, split: str, fixed: float = 0.0) -> Storage:
+        t = Storage(key, per_token, itemsize, split, fixed)
+        if key not in self.items:
+            self.items[key] = SavedTensor(key, per_token, itemsize, split, fixed)
+        return t
 
 
 def expert_rows(cfg: ModelConfig, tokens: int) -> float:

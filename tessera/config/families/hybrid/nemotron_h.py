@@ -196,5 +196,15 @@ FAMILY = NemotronH(
             norm_eps=1e-5, activation="relu2", sublayers=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
             nope_layers=[2], mamba=dict(n_heads=8, head_dim=8, state_size=16, n_groups=2, conv_width=4,
                                         chunk_size=16)),
+        # the MoE variants' layers (Nemotron 3): relu^2 experts routed by grouped sigmoid scores with a selection
+        # bias, beside a relu^2 shared expert, in place of the first and third MLP layers
+        "tiny-nemotron-h-moe": dict(
+            vocab_size=256, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=256,
+            norm_eps=1e-5, activation="relu2", sublayers=["mamba", "moe", "attention", "mlp", "mamba", "moe"],
+            nope_layers=[2], mamba=dict(n_heads=8, head_dim=8, state_size=16, n_groups=2, conv_width=4,
+                                        chunk_size=16),
+            moe=dict(num_experts=4, top_k=2, ffn_dim=32, score_func="sigmoid", expert_bias=True, n_groups=2,
+                     topk_groups=1, scaling_factor=2.5, expert_activation="relu2", shared_ffn_dim=48,
+                     dense_layers=[0, 2, 3, 4])),
     },
 )
