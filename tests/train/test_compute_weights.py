@@ -23,6 +23,7 @@ class ParameterCasts(TorchDispatchMode):
         super().__init__()
         self.ptrs = {p.data_ptr() for p in params}
         self.count = 0
+        self.cast: set[int] = set()  # the storages cast
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -30,6 +31,7 @@ class ParameterCasts(TorchDispatchMode):
             src = args[0]
             if src.dtype == torch.float32 and src.data_ptr() in self.ptrs:
                 self.count += 1
+                self.cast.add(src.data_ptr())
         return func(*args, **kwargs)
 
 
@@ -77,3 +79,40 @@ def test_each_weight_is_cast_once_per_step_and_gradients_are_autocasts(small_dat
 def test_fp32_runs_use_no_compute_copies(small_dataset, tmp_path):
     trainer = _trainer(small_dataset, tmp_path, "dense", True, dtype="fp32", steps=1)
     assert trainer.engine.compute_weights is None
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-gpt-oss", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear",
+                                  "tiny-nemotron-h", "tiny-nemotron-h-moe"])
+def test_every_weight_autocast_casts_is_cached_with_autocasts_arithmetic(name):
+    """Every parameter autocast casts in a forward is among the cached ones (the recurrent layers' short
+    convolutions and relu^2 experts included: left out, autocast would cast them again in every
+    micro-batch), and the forward with the cached copies gives autocast's logits and fp32 gradients to
+    the bit (Kimi's three convolutions are concatenated before the cast: cached, the same values)."""
+    from tessera.config.presets import get_preset
+    from tessera.models.transformer import Transformer
+    from tessera.train.steps.compute_weights import CachedComputeWeights
+
+    torch.manual_seed(0)
+    cfg = get_preset(name)
+    model = Transformer(cfg)
+    params = dict(model.named_parameters())
+    names = cast_weight_names(model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    cached = CachedComputeWeights(model, torch.bfloat16)
+    out, grads = {}, {}
+    for mode in ("autocast", "cached"):
+        model.zero_grad(set_to_none=True)
+        with ParameterCasts(params.values()) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(tokens) if mode == "autocast" else cached.forward(tokens)
+            logits = output.logits
+        if mode == "autocast":
+            casts = counter.cast
+        (logits.float().square().mean() + output.aux_loss).backward()
+        out[mode] = logits.detach()
+        grads[mode] = {n: p.grad for n, p in params.items() if p.grad is not None}
+    by_ptr = {p.data_ptr(): n for n, p in params.items()}
+    assert {by_ptr[p] for p in casts} <= set(names)
+    assert torch.equal(out["cached"], out["autocast"])
+    assert grads["cached"].keys() == grads["autocast"].keys()
+    for n, g in grads["cached"].items():
+        assert torch.equal(g, grads["autocast"][n]), n

@@ -9,8 +9,8 @@ for the activations, and casting an already-bf16 weight is free, so the arithmet
 autocast does: the same rounded weights forward, and in backward each copy's gradient is cast to
 fp32 and accumulated into the master weight's `.grad` (`_CachedCast`), as autocast's cast would.
 
-Cached: the weights autocast would cast anyway, those of `nn.Linear` layers and of the grouped
-experts. Not cached (they stay fp32 as under autocast): the embedding (a lookup; with tied
+Cached: the weights autocast would cast anyway, those of `nn.Linear` and `nn.Conv1d` layers (a
+recurrent layer's short convolution) and of the routed experts (SwiGLU's and relu^2's). Not cached (they stay fp32 as under autocast): the embedding (a lookup; with tied
 embeddings the head shares it and autocast casts it there), norms, the router (fp32 by design)
 and expert biases. The copies cost 2 bytes per cached parameter between steps.
 """
@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tessera.models.moe.biased_experts import BiasedExperts
-from tessera.models.moe.experts import GroupedExperts
+from tessera.models.moe.experts import GroupedExperts, Relu2Experts
 
 
 class _CachedCast(torch.autograd.Function):
@@ -47,10 +47,10 @@ def cast_weight_names(model: nn.Module) -> list[str]:
     embedding = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     names = []
     for mod_name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Conv1d)):  # (a recurrent layer's short convolution: conv1d)
             leaves = ("weight", "bias")
-        elif isinstance(module, GroupedExperts):
-            leaves = ("w1", "w2", "w3")
+        elif isinstance(module, (GroupedExperts, Relu2Experts)):
+            leaves = tuple(module.split_dims)
         elif isinstance(module, BiasedExperts):  # gpt-oss's: the products' weights, not their biases
             leaves = ("gate_up_proj", "down_proj")
         else:
