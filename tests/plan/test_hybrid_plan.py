@@ -444,11 +444,13 @@ def test_an_expert_parallel_rank_keeps_the_relu2_products_of_its_experts(grouped
     *((name, grouped, save, fp8) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
       for save, fp8 in ((("mlp_in",), ()), (("mlp_out",), ()), (("mlp_in", "mlp_out", "router"), ()),
                         (("mlp_out",), ("mlp_in",)))),
-    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ())])
+    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ()),
+    ("tiny-gpt-oss", True, ("attention_core", "mlp_in"), ())])
 def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save, fp8):
     """Routed experts under recompute=op, their products listed by their activation: Nemotron-H's relu^2 experts
     and shared expert (up, down; they were SwiGLU's three) and gpt-oss's biased experts (gate_up, down; not
-    scoped before), kept whole or in FP8. The planned bytes equal what the policy keeps (fp32). (Only with the
+    scoped before), kept whole or in FP8; gpt-oss's attention core with sinks keeps nothing even where attention_core
+    is saved (saved_terms.py's `sdpa_core`). The planned bytes equal what the policy keeps (fp32). (Only with the
     grouped product under alternate_matmuls: in the loop, which experts' products it keeps follows the
     routing; the planner's rows are balanced.)"""
     from tessera.plan.activations import stage_activations
