@@ -35,6 +35,7 @@ from tessera.plan.memory import (
 from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
 from tessera.plan.roofline import StepTime, step_time
 from tessera.plan.saved.recompute_terms import product_flops_per_token, recomputed_products
+from tessera.plan.saved.saved_terms import sdpa_core
 
 # fp16 (autocast over fp32 weights, loss-scaled) keeps the same bytes as bf16: 2-byte compute copies.
 TRAIN_DTYPES = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "autocast-bf16"), "fp16": ("bf16", "autocast-bf16")}
@@ -142,7 +143,7 @@ def recompute_flops(cfg: ModelConfig, lay: Layout, work: Workload, dtype: str) -
     local = cfg.moe.num_experts // lay.ep if cfg.moe is not None else None
 
     def core(i: int) -> float:  # the attention core unless kept; a recurrent core (or none) always re-runs
-        kept = "attention_core" in lay.recompute_save and cfg.has_attention(i)
+        kept = "attention_core" in lay.recompute_save and sdpa_core(cfg, i)  # (a sink core re-runs too)
         return 0.0 if kept else attention_core_flops_per_token(cfg, work.seq_len, layer=i)
 
     return sum(replays[i][1] * (core(i) + sum(product_flops_per_token(p) for p in recomputed_products(

@@ -45,6 +45,7 @@ from tessera.plan.layout import Layout, Workload
 from tessera.plan.profile import ModelProfile, handoff_flops, layer_mixer
 from tessera.plan.saved.recompute_terms import recomputed_products
 from tessera.plan.saved.recurrent_terms import recurrent_chunks, recurrent_mixer_terms
+from tessera.plan.saved.saved_terms import sdpa_core
 
 KERNEL_OVERHEAD = 3e-6  # seconds per kernel: launch, first-wave ramp and last-wave tail
 ATTENTION_HALF_SEQ = 512  # sequence length at which fused attention reaches half its long-sequence rate
@@ -258,7 +259,8 @@ def op_recompute_time(cfg: ModelConfig, moe: bool, lay: Layout, tokens: float, s
     if layer_mixer(cfg, layer) in ("delta", "ssd"):  # a recurrent core re-runs whatever the save list
         matmul += sum(o.seconds for o in recurrent_ops(cfg, layer, lay, tokens, seq_len, cluster, dtype)
                       if o.name.endswith(" core"))
-    core_kept = "attention_core" in lay.recompute_save and not (lay.cp > 1 and lay.cp_method == "ring")
+    core_kept = "attention_core" in lay.recompute_save and not (lay.cp > 1 and lay.cp_method == "ring") \
+        and sdpa_core(cfg, layer)  # (a core with sinks is products of its own: it re-runs)
     return LayerTime(matmul=matmul, attention=0.0 if core_kept else forward.attention, memory=forward.memory)
 
 

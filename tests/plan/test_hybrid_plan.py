@@ -9,7 +9,8 @@ Kimi Linear's latent attention, whose value head is narrower than its query/key 
 SDPA's math kernel: the planner asked for device cpu, as these measurements run); the op policy's
 recomputed FLOPs and time count the recurrent cores. Nemotron-H's MoE variant (relu^2 routed and shared
 experts: up and down) is planned as itself too, and under operator-level recomputation its products (and
-gpt-oss's) keep their outputs by role, grouped or one per expert, on one process and on ep ranks."""
+gpt-oss's) keep their outputs by role, grouped or one per expert, on one process and on ep ranks. The
+activations are measured fp32, bf16 (a bf16 model) and under autocast (the trainer's train.dtype: bf16)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.forked_ranks import run_ranks
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h", "tiny-qwen3.5-moe"]
 WITH_RELU2_MOE = [*HYBRIDS, "tiny-nemotron-h-moe"]  # Nemotron-H's MoE variant: relu^2 routed and shared experts
+DTYPES = ["fp32", "bf16", "autocast-bf16"]  # bf16: parameters and activations bf16; autocast-bf16: the trainer's
 
 
 @pytest.mark.parametrize("name", WITH_RELU2_MOE)
@@ -116,7 +118,7 @@ def _planned_and_counted(name: str, recompute: str, dtype: str) -> tuple[float, 
 
 
 @pytest.mark.parametrize("name", WITH_RELU2_MOE)
-@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_full_recomputation_keeps_each_hybrid_layers_input(name, dtype):
     planned, counted = _planned_and_counted(name, "full", dtype)
     assert planned == pytest.approx(counted, rel=1e-3)
@@ -131,6 +133,8 @@ def _block_saved_bytes(cfg, layer: int, dtype: str, batch: int, seq: int) -> tup
     torch.manual_seed(0)
     block = Transformer(cfg).layers[str(layer)]
     x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    if dtype == "bf16":  # parameters and activations in bf16 (activation_dtypes.py)
+        block, x = block.to(torch.bfloat16), x.detach().to(torch.bfloat16).requires_grad_()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast-bf16")
     with SavedTensorCounter(block) as counter, autocast:
         out, _ = block(x, None, None)  # a recurrent mixer reads no RoPE tables
@@ -144,13 +148,15 @@ def _first_recurrent_layer(cfg) -> int:
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-kimi-linear", "tiny-nemotron-h"])
-@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch,seq", [(2, 64), (2, 40), (1, 96)])
 def test_a_recurrent_layers_saved_tensors_are_what_autograd_keeps(name, dtype, batch, seq):
     """Without recomputation a recurrent layer's planned saved tensors (Gated DeltaNet, Kimi delta attention,
     Mamba-2: recurrent_terms.py) equal what autograd keeps in its chunked forward, at whole chunks, one
-    short chunk and a sequence padded to whole chunks, fp32 and under autocast; they were an attention
-    layer's (0.48x-1.34x of the tiny models' bytes)."""
+    short chunk and a sequence padded to whole chunks, fp32, bf16 and under autocast; they were an attention
+    layer's (0.48x-1.34x of the tiny models' bytes). In bf16 the forms' products run in fp32 (not in bf16 as
+    under autocast) and Gated DeltaNet's gated norm keeps its gained value in bf16 (a
+    Mamba-2 layer was planned 0.92x, a Gated DeltaNet layer 1.01x of its bytes)."""
     cfg = get_preset(name)
     planned, counted = _block_saved_bytes(cfg, _first_recurrent_layer(cfg), dtype, batch, seq)
     assert planned == counted
@@ -171,7 +177,7 @@ def _variant(name: str):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-kimi-linear", "tiny-nemotron-h"])
-@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slab", [1, 3])
 def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monkeypatch):
     """The forms compute a slab of chunks' terms at once (one chunk a slab in a real model's layer): with the
@@ -200,7 +206,7 @@ def test_saved_tensors_follow_the_forms_slabs_of_chunks(name, dtype, slab, monke
 
 
 @pytest.mark.parametrize("name", WITH_RELU2_MOE)
-@pytest.mark.parametrize("dtype", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("recompute", ["none", "selective", "op"])
 def test_a_hybrid_models_stored_activations_without_full_recomputation(name, dtype, recompute):
     """The whole model (the recurrent layers, the gated attention layers, Kimi Linear's latent attention
@@ -438,11 +444,13 @@ def test_an_expert_parallel_rank_keeps_the_relu2_products_of_its_experts(grouped
     *((name, grouped, save, fp8) for name in ("tiny-nemotron-h-moe", "tiny-gpt-oss") for grouped in (True, False)
       for save, fp8 in ((("mlp_in",), ()), (("mlp_out",), ()), (("mlp_in", "mlp_out", "router"), ()),
                         (("mlp_out",), ("mlp_in",)))),
-    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ())])
+    ("tiny-nemotron-h-moe", True, ("alternate_matmuls",), ()), ("tiny-gpt-oss", True, ("alternate_matmuls",), ()),
+    ("tiny-gpt-oss", True, ("attention_core", "mlp_in"), ())])
 def test_the_planned_op_bytes_of_routed_experts_are_what_the_policy_keeps(name, grouped, save, fp8):
     """Routed experts under recompute=op, their products listed by their activation: Nemotron-H's relu^2 experts
     and shared expert (up, down; they were SwiGLU's three) and gpt-oss's biased experts (gate_up, down; not
-    scoped before), kept whole or in FP8. The planned bytes equal what the policy keeps (fp32). (Only with the
+    scoped before), kept whole or in FP8; gpt-oss's attention core with sinks keeps nothing even where attention_core
+    is saved (saved_terms.py's `sdpa_core`). The planned bytes equal what the policy keeps (fp32). (Only with the
     grouped product under alternate_matmuls: in the loop, which experts' products it keeps follows the
     routing; the planner's rows are balanced.)"""
     from tessera.plan.activations import stage_activations

@@ -240,3 +240,22 @@ def test_context_parallel_recurrent_layers_add_their_handoffs_products():
         handoff_flops_per_token(cfg, lay, work) * work.tokens)
     assert no_handoff.hardware_flops_per_step == no_handoff.model_flops_per_step
     assert handoff_time(cfg, Layout(dp_shard=64), work, 0, cluster, prof) == 0
+
+
+@pytest.mark.parametrize("name,core_re_runs", [("gpt-oss-20b", True), ("llama3-8b", False)])
+def test_the_op_policy_re_runs_an_attention_core_with_sinks_whatever_it_keeps(name, core_re_runs):
+    """With every product and the attention core kept, recompute=op re-runs nothing of an SDPA core, but all of
+    gpt-oss's core with sinks (an explicit softmax, which the policy cannot keep): its recomputed FLOPs are the
+    layers' attention cores (models/flops.py) and a layer's recomputed time its core's forward."""
+    from tessera.models.flops import attention_core_flops_per_token
+    from tessera.plan.estimate import recompute_flops
+    from tessera.plan.op_time import recompute_time
+
+    cfg, seq, c = get_preset(name), 4096, Cluster.for_gpu("h100", gpus=8)
+    lay = Layout(dp_shard=8, recompute="op", recompute_save=("matmuls", "attention_core"))
+    work = Workload(seq_len=seq, micro_batch=1, global_batch=8)
+    cores = sum(attention_core_flops_per_token(cfg, seq, layer=i) for i in range(cfg.n_layers))
+    assert recompute_flops(cfg, lay, work, "autocast-bf16") == pytest.approx(cores if core_re_runs else 0.0)
+    forward = layer_time(cfg, cfg.is_moe_layer(0), lay, seq, seq, c, "autocast-bf16", layer=0)
+    again = recompute_time(cfg, cfg.is_moe_layer(0), lay, seq, seq, c, "autocast-bf16", forward, 0)
+    assert forward.attention > 0 and again.attention == (forward.attention if core_re_runs else 0.0)

@@ -5,8 +5,9 @@ Under that policy a block keeps its input (the checkpoint's saved input, in the 
 and the outputs of the operators its save list names; everything else re-runs in backward. So
 the bytes are those of a list of operator outputs, and the recomputed work is the products not
 kept plus everything that is not a product (norms, RoPE, activations, routing: memory-bound work)
-plus the attention core unless kept. This module lists a layer's matrix products in the order
-the block runs them, with the role the policy gives each (`tessera.config.parallel`,
+plus the attention core unless kept (an SDPA kernel's: a core with sinks, gpt-oss's explicit
+softmax, re-runs; saved_terms.py's `sdpa_core`). This module lists a layer's matrix products in the
+order the block runs them, with the role the policy gives each (`tessera.config.parallel`,
 RECOMPUTE_SAVE_CHOICES), their output sizes and their GEMM shapes:
 
     GQA: wq (with Qwen3-Next's per-head gate beside q), wk, wv (attention_in), [core], wo (attention_out)
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 from tessera.config.model import ModelConfig
 from tessera.plan.activation_dtypes import ActivationDtype, get_activation_dtype
-from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply
+from tessera.plan.saved.saved_terms import SavedTensor, expert_rows, grouped_experts_apply, sdpa_core
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
                      core_kept: bool = True, dispatch_dtype: str = "input") -> list[SavedTensor]:
     """What layer `layer` keeps under `recompute=op` with save list `save` and FP8 roles `fp8`:
     its input, the kept products' outputs (FP8 ones at one byte plus a scale per row) and, when
-    `attention_core` is saved and the core is an SDPA kernel (`core_kept`), the core's outputs."""
+    `attention_core` is saved and the core is an SDPA kernel (`core_kept`, and no sinks: `sdpa_core`), the
+    core's outputs."""
     dt = get_activation_dtype(dtype)
     before, after = layer_products(cfg, layer, dtype, tokens=tokens, local_experts=local_experts)
     kept, in_fp8, _ = kept_products(before + after, save, fp8)
@@ -197,7 +199,7 @@ def op_saved_tensors(cfg: ModelConfig, layer: int, dtype: str, save: tuple[str, 
     out += [SavedTensor(p.name, p.per_token, p.itemsize, p.split) for p in kept]
     for p in in_fp8:
         out += [SavedTensor(f"{p.name}.fp8", p.per_token, 1, p.split), SavedTensor(f"{p.name}.scale", p.rows, 4, "rep")]
-    if "attention_core" in save and core_kept and cfg.has_attention(layer):  # (a recurrent core re-runs)
+    if "attention_core" in save and core_kept and sdpa_core(cfg, layer):  # (a recurrent or sink core re-runs)
         out += attention_core_outputs(cfg, dtype)
     if ("dispatch" in save or "dispatch" in fp8) and cfg.is_moe_layer(layer) and local_experts is not None \
             and local_experts < cfg.moe.num_experts:

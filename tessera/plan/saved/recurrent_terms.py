@@ -2,7 +2,9 @@
 Kimi delta attention (the chunked gated delta rule, tessera/models/linear_attention/delta_rule.py) and
 Mamba-2 (chunked SSD, ssd.py), written from the storages autograd really keeps in their training forward
 (listed with `torch.autograd.graph.saved_tensors_hooks` on the real layers; tests/plan/test_hybrid_plan.py
-checks the sum against them, fp32 and under autocast).
+checks the sum against them, fp32, bf16 and under autocast). The forms compute in fp32 from fp32 copies of
+their operands, so with bf16 parameters and activations their products are fp32's; only autocast runs them
+in bf16.
 
 Unlike an attention layer's, most of these are not a fixed size per token: the forms pad the sequence to
 whole chunks, compute each slab of chunks' own terms at once (the slab sized by the constants in
@@ -122,9 +124,11 @@ def _delta(cfg: ModelConfig, dt: ActivationDtype, B: int, S: int, tp: int) -> li
     if not kda and c == 4 and la.projections == "grouped" and la.n_value_heads == la.n_key_heads:
         # one value head a key head: z is a view of in_proj_qkvz's output, which silu(z) keeps whole
         t.add("norm.gate_source", B * S * H * (2 * K + V), 4)
-    # Kimi: x / rms, by the gain, sigmoid(gate); else silu(z)'s input, x / rms by the gain, silu(z)
-    t.add("norm.fp32", 3 * B * S * H * V, 4)
-    if not kda:
+    if kda:  # x / rms, by the fp32 gain, sigmoid(gate)
+        t.add("norm.fp32", 3 * B * S * H * V, 4)
+    else:  # silu(z)'s input and silu(z); x / rms by the gain, which promotes it to the gain's dtype
+        t.add("norm.fp32", 2 * B * S * H * V, 4)
+        t.add("norm.gained", B * S * H * V, max(dt.weight, c))
         t.add("norm.weighted", B * S * H * V, c)  # the normalised value in the input's dtype, by the weight
     t.add("out_proj.input", B * S * H * V, c)
     return t.terms()
@@ -166,6 +170,7 @@ def _mamba(cfg: ModelConfig, dt: ActivationDtype, B: int, S: int, tp: int) -> li
     m = cfg.mamba
     H, P, N, G = m.n_heads // tp, m.head_dim, m.state_size, m.n_groups // tp
     c, t = dt.compute, _Totals(tp, {})
+    f = c if dt.autocast else 4  # the form's products: fp32 from fp32 operands, bf16 where autocast casts them
     channels = H * P + 2 * G * N
     _conv(t, dt, B, S, channels, m.conv_width, False)
     t.add("dt", 3 * B * S * H, 4)  # softplus's input, the clamp's and its output
@@ -180,7 +185,7 @@ def _mamba(cfg: ModelConfig, dt: ActivationDtype, B: int, S: int, tp: int) -> li
         t.add("slab.xdt", rows * H * P, 4)
         t.add("slab.mask", L * L, 1)
         live = sum(1 for i in range(first, first + n) if i <= chunks - 2)  # state updates that matter
-        if c == 4:
+        if f == 4:
             t.add("slab.bc", 2 * rows * G * N, 4)
             t.add("slab.scores", rows * G * L, 4)
             t.add("slab.x_scaled", rows * H * P, 4)
@@ -191,8 +196,10 @@ def _mamba(cfg: ModelConfig, dt: ActivationDtype, B: int, S: int, tp: int) -> li
             t.add("slab.c_reads", (n - (1 if first == 0 else 0)) * B * G * L * N, c)
         t.add("slab.chunk_decay", n * B * H, 4)  # exp keeps its output (kept alive as in chunk.decays)
         t.add("slab.updates", live * B * H * P * N, 4)
-        t.add("slab.states", n * B * H * P * N, c)
-        t.add("slab.y", rows * H * P, c)
+        t.add("slab.states", n * B * H * P * N, f)
+        t.add("slab.y", rows * H * P, f)
+    if dt.weight != 4:  # D.float(), a copy of a 16-bit parameter, kept by the skip term's product
+        t.add("skip.d_fp32", H, 4)
     t.add("norm.gate", B * S * (2 * H * P + 2 * G * N + H if c == 4 else H * P), 4)  # silu's fp32 input
     t.add("norm.fp32", 3 * B * S * H * P, 4)  # y in fp32, silu(z), their product
     t.add("norm.rstd", B * S * G, 4)

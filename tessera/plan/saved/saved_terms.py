@@ -75,6 +75,14 @@ def grouped_experts_apply(cfg: ModelConfig, dt: ActivationDtype) -> bool:
     return e.grouped_gemm and (cfg.dim * dt.compute) % 16 == 0 and (e.ffn_dim * dt.compute) % 16 == 0
 
 
+def sdpa_core(cfg: ModelConfig, layer: int) -> bool:
+    """Whether layer `layer`'s attention core is an SDPA kernel, whose outputs `recompute=op` keeps where its
+    save list names attention_core: a layer with attention and without sinks. gpt-oss's core with sinks is an
+    explicit fp32 softmax (models/attention_variants/attention_sinks.py): products inside the core, which re-runs
+    whatever the save list (tessera/parallel/memory/recompute_policy.py)."""
+    return cfg.has_attention(layer) and not cfg.attention_sinks
+
+
 DEVICES = ("cuda", "cpu")
 
 
