@@ -72,6 +72,18 @@ def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return _product(x, layer.blocks, layer.kind, layer.out_features, layer.in_features, layer.bias)
 
 
+def head_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`block_product` for a model's output head (a wide matrix: `use_block_kernels` installs it there): one
+    row of x (a batch-1 decode step) takes the wide loop (`gguf_linear_wide`: weight rows four at a time,
+    interleaved, the rows ahead prefetched; the same bits), more rows `block_product`'s way."""
+    if (x.numel() != x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32
+            or x.device.type != "cpu"):
+        return block_product(layer, x)
+    y = torch.ops.tessera_cpu.gguf_linear_wide(x.reshape(1, -1), layer.blocks, layer.kind, layer.out_features,
+                                               layer.bias)
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
 def expert_product(projection: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor | None:
     """Expert e's rows x times its matrix of `projection` (an `ExpertBlocks`, as its `fused`), as
     `block_product` multiplies a layer's."""
@@ -159,10 +171,10 @@ def group_projections(model: nn.Module) -> int:
 
 
 def use_block_kernels(model: nn.Module) -> int:
-    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel,
-    `expert_product` at every such `ExpertBlocks` (a projection of kept experts), and the grouped
-    products over the layers (`group_projections`); returns how many took the kernel (0 where the
-    library is not available)."""
+    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel (`head_product`
+    at its output head, `model.output`), `expert_product` at every such `ExpertBlocks` (a projection of
+    kept experts), and the grouped products over the layers (`group_projections`); returns how many took
+    the kernel (0 where the library is not available)."""
     from tessera.models.gguf_linear import GgufLinear
     from tessera.models.moe.gguf_experts import ExpertBlocks
 
@@ -172,5 +184,8 @@ def use_block_kernels(model: nn.Module) -> int:
               if isinstance(m, GgufLinear | ExpertBlocks) and m.kind in KINDS and m.blocks.device.type == "cpu"]
     for layer in layers:
         layer.fused = block_product if isinstance(layer, GgufLinear) else expert_product
+    head = getattr(model, "output", None)
+    if head in layers and isinstance(head, GgufLinear):
+        head.fused = head_product
     group_projections(model)
     return len(layers)
