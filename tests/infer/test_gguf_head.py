@@ -1,5 +1,7 @@
-"""The LM head's product by one row of x (csrc/gguf_matmul_cpu.cpp's wide loop, `gguf_linear_wide`, which
-`head_product` in infer/cpu/gguf_matmul.py calls): for every block type with a kernel, the bits of
+"""The two ends of a decode step on a GGUF model's blocks (infer/cpu/gguf_matmul.py). The embedding lookup in
+one C++ call (`embedding_rows`): gguf_blocks' values bit for bit for every block type with a kernel. The LM
+head's product by one row of x (csrc/gguf_matmul_cpu.cpp's wide loop, `gguf_linear_wide`, which
+`head_product` calls): for every block type with a kernel, the bits of
 gguf_linear's product (its AVX2 loop and its portable one) on one, two and three threads, with and without a
 bias, for a count of rows that crosses the threads' shares and is not a multiple of the loop's four; the
 K-quants taking gguf_linear's loops; the engine installing it at the output head only, where more rows of x
@@ -14,8 +16,15 @@ import torch
 
 from tessera.infer import LLM, SamplingParams
 from tessera.infer.cpu import attention as cpu_attention
-from tessera.infer.cpu.gguf_matmul import KINDS, block_product, gguf_linear, head_product, use_block_kernels
-from tessera.models.gguf_linear import GgufLinear
+from tessera.infer.cpu.gguf_matmul import (
+    KINDS,
+    block_product,
+    embedding_rows,
+    gguf_linear,
+    head_product,
+    use_block_kernels,
+)
+from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tests.infer.test_gguf_matmul import blocks, cols_of, tiny_kept_model
 
 
@@ -27,6 +36,21 @@ def built(monkeypatch):
 
 def wide(x: torch.Tensor, raw: torch.Tensor, kind: str, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.tessera_cpu.gguf_linear_wide(x, raw, kind, n, bias)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_embedding_rows_are_the_lookups_bits(kind):
+    V, D = 13, cols_of(kind)
+    embedding = GgufEmbedding(kind, V, D, torch.float32)
+    embedding.blocks.copy_(blocks(kind, V, D, seed=5))
+    ids = torch.tensor([[3, 0, 12], [3, 7, 1]])  # a repeat, the first and the last row
+    want = embedding(ids)
+    embedding.fused = embedding_rows
+    got = embedding(ids)
+    assert got.shape == (2, 3, D) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(embedding(ids[0, 1]), want[0, 1])  # a single id: [D]
+    half = GgufEmbedding(kind, V, D, torch.float16)
+    assert embedding_rows(half, ids) is None  # not fp32: the reference
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,6 +91,7 @@ def test_head_product_is_installed_at_the_output_head_only_and_steps_aside(kinds
     assert isinstance(head, GgufLinear) and head.fused is head_product
     others = [m for m in model.modules() if isinstance(m, GgufLinear) and m is not head]
     assert others and all(m.fused is block_product for m in others)
+    assert model.tok_embeddings.fused is embedding_rows
     h = torch.randn(3, head.in_features)
     with torch.no_grad():
         one = head(h[None, :1])  # a batch-1 decode row: the wide loop

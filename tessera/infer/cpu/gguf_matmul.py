@@ -84,6 +84,18 @@ def head_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return y.reshape(*x.shape[:-1], layer.out_features)
 
 
+def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """A `GgufEmbedding`'s lookup (as its `fused`): the rows of `ids` dequantized by `gguf_dequantize` in one
+    call (gguf_blocks' values bit for bit, which its own lookup computes in several PyTorch ops), or None
+    where ids are not on the CPU or the embedding is not fp32."""
+    if ids.device.type != "cpu" or embedding.dtype != torch.float32:
+        return None
+    flat = ids.reshape(-1)
+    rows = torch.ops.tessera_cpu.gguf_dequantize(embedding.blocks.index_select(0, flat), embedding.kind, flat.numel(),
+                                                 embedding.embedding_dim)
+    return rows.reshape(*ids.shape, embedding.embedding_dim)
+
+
 def expert_product(projection: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor | None:
     """Expert e's rows x times its matrix of `projection` (an `ExpertBlocks`, as its `fused`), as
     `block_product` multiplies a layer's."""
@@ -173,9 +185,10 @@ def group_projections(model: nn.Module) -> int:
 def use_block_kernels(model: nn.Module) -> int:
     """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel (`head_product`
     at its output head, `model.output`), `expert_product` at every such `ExpertBlocks` (a projection of
-    kept experts), and the grouped products over the layers (`group_projections`); returns how many took
-    the kernel (0 where the library is not available)."""
-    from tessera.models.gguf_linear import GgufLinear
+    kept experts), `embedding_rows` at every such `GgufEmbedding`, and the grouped products over the
+    layers (`group_projections`); returns how many matrices took the kernel (embeddings not counted; 0
+    where the library is not available)."""
+    from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
     from tessera.models.moe.gguf_experts import ExpertBlocks
 
     if not cpu_attention.library_available():
@@ -187,5 +200,8 @@ def use_block_kernels(model: nn.Module) -> int:
     head = getattr(model, "output", None)
     if head in layers and isinstance(head, GgufLinear):
         head.fused = head_product
+    for embedding in model.modules():
+        if isinstance(embedding, GgufEmbedding) and embedding.kind in KINDS and embedding.blocks.device.type == "cpu":
+            embedding.fused = embedding_rows
     group_projections(model)
     return len(layers)
