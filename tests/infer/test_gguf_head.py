@@ -7,7 +7,10 @@ bias, for a count of rows that crosses the threads' shares and is not a multiple
 K-quants taking gguf_linear's loops; the engine installing it at the output head only, where more rows of x
 and autograd take `block_product`'s way; and served greedy tokens and logits with it equal to those without
 (a tiny kept llama file whose head is tied to a Q8_0 embedding, and SmolLM2-135M's Q4_1 file, whose Q8_0 head
-is the decode step's largest read)."""
+is the decode step's largest read). And the runner reading a plain greedy step's tokens off the one-pass
+checks (`_greedy_on_host`): the answer of the step's transfer for the same logits (an inf and a NaN row
+among them), the same served tokens, and the transfer's way wherever a request samples, asks logprobs or
+changes its logits."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from tessera.infer.cpu.gguf_matmul import (
     head_product,
     use_block_kernels,
 )
+from tessera.infer.runner import model_runner
 from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
 from tests.infer.test_gguf_matmul import blocks, cols_of, tiny_kept_model
 
@@ -158,4 +162,54 @@ def test_smollm2_greedy_tokens_with_the_wide_head_equal_those_without():
     assert calls[0] >= 2 * 31
     head.fused = block_product
     assert greedy_alone(llm, PROMPTS[:2], 32) == got
+    llm.engine.close()
+
+
+def test_plain_greedy_steps_read_the_checks_and_answer_as_the_transfer_does(tmp_path, monkeypatch):
+    from tests.checkpoint.gguf_files import tiny_hf_model, write_gguf
+
+    path = write_gguf(tiny_hf_model("llama", seed=3), tmp_path / "llama.gguf", ("Q8_0",))
+    llm = LLM(str(path), gguf_keep_quantized=True, max_num_seqs=4, max_model_len=64, block_size=4)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([5, 9, 2], greedy), engine.add_request([3, 4], greedy)]
+    seqs = [engine.scheduler.requests[i] for i in ids]
+    logits = torch.randn(3, engine.model.cfg.vocab_size)
+    logits[0, 7], logits[2, 11] = float("inf"), float("nan")  # rows 0 and 2 read: one inf, one NaN
+    rows = {ids[0]: range(0, 1), ids[1]: range(2, 3)}
+    fast = model_runner._greedy_on_host(logits, seqs, rows, {}, [])
+    monkeypatch.setattr(model_runner, "_greedy_on_host", lambda *args: None)  # the transfer's way
+    assert fast == model_runner._to_host(logits, seqs, rows, {}, []) and fast[("finite", ids[0])] == [0]
+    assert fast[("token", ids[1])] == [11]  # a NaN row's argmax is its NaN (torch.argmax's)
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=1)
+    other = engine.scheduler.requests[engine.add_request([8], sampled)]
+    assert model_runner._greedy_on_host(logits, [*seqs, other], {**rows, other.request_id: range(1, 2)}, {}, []) is None
+    asks = engine.scheduler.requests[engine.add_request([8], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))]
+    assert model_runner._greedy_on_host(logits, [asks], {asks.request_id: range(1, 2)}, {}, []) is None
+    biased = SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3)
+    pen = engine.scheduler.requests[engine.add_request([8], biased)]
+    assert model_runner._greedy_on_host(logits, [pen], {pen.request_id: range(1, 2)}, {}, []) is None
+    assert model_runner._greedy_on_host(logits.double(), seqs, rows, {}, []) is None  # the checks serve fp32 only
+    llm.engine.close()
+
+
+def test_served_greedy_tokens_with_the_checks_read_equal_the_transfers(tmp_path, monkeypatch):
+    from tests.checkpoint.gguf_files import tiny_hf_model, write_gguf
+
+    path = write_gguf(tiny_hf_model("llama", seed=3), tmp_path / "llama.gguf", ("Q4_1",))
+    llm = LLM(str(path), gguf_keep_quantized=True, max_num_seqs=4, max_model_len=64, block_size=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11], [3, 4], [8, 1, 6], [2]]
+    answered, real = [0], model_runner._greedy_on_host
+
+    def counting(*args):
+        host = real(*args)
+        answered[0] += host is not None
+        return host
+
+    monkeypatch.setattr(model_runner, "_greedy_on_host", counting)
+    got = [c.token_ids for c in llm.generate(prompts, params)]
+    assert answered[0] >= 11  # every decode step
+    monkeypatch.setattr(model_runner, "_greedy_on_host", lambda *args: None)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == got
     llm.engine.close()
