@@ -35,6 +35,14 @@ the integer products per row), dequantized by the same library (`gguf_dequantize
 values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
 with the library's other kernels.
 
+At the model's output head (`model.output`: SmolLM2's is its Q8_0 embedding tied, 49,152 x 576, the decode
+step's largest read) it installs `head_product`: one row of x, a batch-1 decode step's, takes the wide loop
+(`gguf_linear_wide`: four weight rows a pass, their sub-blocks interleaved so that the outputs' chains of
+fmas overlap, the rows ahead prefetched), which reads the matrix near a plain read's speed where the
+sub-block loop, one weight row at a time, waited on each output's chain; the same bits. At a `GgufEmbedding`
+(the token embedding kept in its blocks) it installs `embedding_rows`: the step's rows dequantized in one
+call of `gguf_dequantize` instead of the lookup's PyTorch ops (the same values).
+
 Where an attention's q, k and v (or an MLP's gate and up) are block matrices of one type, it also
 installs `BlockGroup` at the models' `FusedProjection` seam (`Attention.fused_qkv`,
 `FeedForward.fused_gate_up`, with SwiGLU's one-pass kernel after it): one call multiplies all of them
