@@ -1,7 +1,8 @@
 """The two ends of a batch-1 decode step on a GGUF model (infer/cpu/gguf_matmul.py): the LM head by the wide
 loop (`head_product`, `gguf_linear_wide`) and the embedding lookup in one C++ call (`embedding_rows`), against
-the same engine with the head on `block_product` and the lookup's PyTorch ops, in alternating rounds of one
-process; and the head alone against a plain read of its bytes.
+the same engine with the head on `block_product` and the lookup's PyTorch ops, and the runner reading a plain
+greedy step's tokens off the one-pass checks (`_greedy_on_host`) against its transfer's way, all three in or
+out together, in alternating rounds of one process; and the head alone against a plain read of its bytes.
 
     PYTHONPATH=$PWD .venv/bin/python bench/gguf_head_step.py [--gguf FILE] [--threads 1] [--rounds 4]
 
@@ -13,7 +14,7 @@ embedding, 49,152 x 576: 30 MB a token), served as `LLM(path)` serves it. Report
   round (modes alternate, the second half of the rounds the other way round; the same tokens, checked);
 - `parts_cpu_ms_per_step`: the median over decode steps of CPU ms (this thread's `time.thread_time`) of the 30
   layer calls, the head, the embedding, the rest of the model's forward, the runner's own around it and the
-  engine's own around that, in the "ends" mode (at two threads only this thread's share is counted);
+  engine's own around that, in each mode (at two threads only this thread's share is counted);
 - `head`: the head's product alone, wide loop / gguf_linear (`--calls` alternating calls each, the weights
   evicted from the caches before each by writing 64 MiB), and a plain read of its bytes (a sum over them
   as int64) timed the same way: the bound a product that reads every byte once cannot beat;
@@ -36,13 +37,17 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT = "The capital of France is"
 MODES = ("ends", "before")
+GREEDY_ON_HOST = None  # the runner's own, kept at start
 
 
 def set_mode(model, mode: str) -> None:
+    """The two kernels and the runner's read of the checks in ("ends") or out ("before")."""
     from tessera.infer.cpu.gguf_matmul import block_product, embedding_rows, head_product
+    from tessera.infer.runner import model_runner
 
     model.output.fused = head_product if mode == "ends" else block_product
     model.tok_embeddings.fused = embedding_rows if mode == "ends" else None
+    model_runner._greedy_on_host = GREEDY_ON_HOST if mode == "ends" else (lambda *args: None)
 
 
 def run(llm, tokens: int) -> tuple[float, float, list[int]]:
@@ -143,6 +148,10 @@ def main() -> None:
     from tessera.infer import LLM
     from tessera.infer.cpu.gguf_matmul import head_product
 
+    global GREEDY_ON_HOST
+    from tessera.infer.runner import model_runner
+
+    GREEDY_ON_HOST = model_runner._greedy_on_host
     torch.set_num_threads(args.threads)
     path = packaged_gguf(args.gguf) or args.gguf
     llm = LLM(str(path), max_num_seqs=1, max_model_len=256, block_size=16)
@@ -160,10 +169,12 @@ def main() -> None:
             figures[mode]["cpu_ms_per_step"].append(cpu)
             texts.setdefault(mode, ids)
     med = {m: {k: statistics.median(v) for k, v in figures[m].items()} for m in MODES}
-    set_mode(model, "ends")
-    steps = timed_parts(llm)
-    run(llm, args.tokens)
-    parts = parts_of(steps)
+    steps, parts = timed_parts(llm), {}
+    for mode in MODES:
+        set_mode(model, mode)
+        steps.clear()
+        run(llm, args.tokens)
+        parts[mode] = parts_of(steps)
     out = {"gguf": str(path), "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens,
            "same_tokens": texts["ends"] == texts["before"],
            "step": {"median": med, "rounds": figures,
