@@ -653,11 +653,8 @@ template <class T, int R>
 TESSERA_AVX2_TARGET void wide_rows(const uint8_t* w, int64_t row_bytes, const Activations& a, const float* bias,
                                    float* out) {
   __m256 acc[R];
-  float cst[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    cst[r] = 0.0f;
-  }
+  float cst[R] = {};
+  for (__m256& v : acc) v = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const __m256 d = _mm256_set1_ps(a.d[b]);
     for (int r = 0; r < R; ++r) {
