@@ -16,7 +16,7 @@ embedding, 49,152 x 576: 30 MB a token), served as `LLM(path)` serves it. Report
   layer calls, the head, the embedding, the rest of the model's forward, the runner's own around it and the
   engine's own around that, in each mode (at two threads only this thread's share is counted);
 - `head`: the head's product alone, wide loop / gguf_linear (`--calls` alternating calls each, the weights
-  evicted from the caches before each by writing 64 MiB), and a plain read of its bytes (a sum over them
+  evicted from the caches before each by writing 256 MiB), and a plain read of its bytes (a sum over them
   as int64) timed the same way: the bound a product that reads every byte once cannot beat;
 - the load average before and after.
 """
@@ -113,7 +113,7 @@ def head_alone(model, calls: int) -> dict:
 
     head = model.output
     x = torch.randn(1, head.in_features)
-    flush = torch.ones(64 << 20, dtype=torch.uint8)
+    flush = torch.ones(256 << 20, dtype=torch.uint8)
     raw = head.blocks.reshape(-1)
     raw = raw[:raw.numel() // 8 * 8].view(torch.int64)
     ways = {"wide": lambda: torch.ops.tessera_cpu.gguf_linear_wide(x, head.blocks, head.kind, head.out_features, None),
