@@ -14,7 +14,8 @@ A bias, when the layer has one, is a float parameter as usual.
 
 `GgufEmbedding` keeps a token embedding stored in a block type the same way: a lookup dequantizes
 only the rows of the tokens asked for (the values the whole matrix dequantized at load would hold,
-bit for bit), so the [vocab, dim] float matrix never exists; `weight` dequantizes all of it, for a
+bit for bit; a served model on CPU dequantizes them in one C++ call at `fused`, the same values), so
+the [vocab, dim] float matrix never exists; `weight` dequantizes all of it, for a
 reader of the whole matrix. A tied LM head over it is a `GgufLinear` over the same buffer (one copy
 in memory: tessera/checkpoint/gguf/load.py), since the model's `tied_head` seam multiplies by a float
 matrix.
@@ -68,6 +69,8 @@ class GgufEmbedding(nn.Module):
     `kind` blocks (a buffer [num_embeddings, row bytes])."""
 
     quantized = True
+    # (embedding, ids) -> the rows, or None to take the reference; set by tessera.infer.cpu.gguf_matmul
+    fused: Callable[[nn.Module, torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, kind: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
                  device: torch.device | str | None = None):
@@ -84,6 +87,10 @@ class GgufEmbedding(nn.Module):
         return dequantize(self.kind, self.blocks, (self.num_embeddings, self.embedding_dim)).to(self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            y = self.fused(self, ids)
+            if y is not None:
+                return y
         rows = self.blocks[ids.reshape(-1)]
         values = dequantize(self.kind, rows, (rows.shape[0], self.embedding_dim)).to(self.dtype)
         return values.reshape(*ids.shape, self.embedding_dim)

@@ -35,6 +35,14 @@ the integer products per row), dequantized by the same library (`gguf_dequantize
 values bit for bit, about 1.5x as fast as its PyTorch ops). `TESSERA_CPU_ATTENTION=torch` turns it off
 with the library's other kernels.
 
+At the model's output head (`model.output`: SmolLM2's is its Q8_0 embedding tied, 49,152 x 576, the decode
+step's largest read) it installs `head_product`: one row of x, a batch-1 decode step's, takes the wide loop
+(`gguf_linear_wide`: four weight rows a pass, their sub-blocks interleaved so that the outputs' chains of
+fmas overlap, the rows ahead prefetched), which reads the matrix near a plain read's speed where the
+sub-block loop, one weight row at a time, waited on each output's chain; the same bits. At a `GgufEmbedding`
+(the token embedding kept in its blocks) it installs `embedding_rows`: the step's rows dequantized in one
+call of `gguf_dequantize` instead of the lookup's PyTorch ops (the same values).
+
 Where an attention's q, k and v (or an MLP's gate and up) are block matrices of one type, it also
 installs `BlockGroup` at the models' `FusedProjection` seam (`Attention.fused_qkv`,
 `FeedForward.fused_gate_up`, with SwiGLU's one-pass kernel after it): one call multiplies all of them
@@ -70,6 +78,30 @@ def block_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     (autograd on, activations not fp32 on CPU); past `MAX_ROWS` rows, the reference's product with
     the matrix dequantized by `gguf_dequantize` (the same values)."""
     return _product(x, layer.blocks, layer.kind, layer.out_features, layer.in_features, layer.bias)
+
+
+def head_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """`block_product` for a model's output head (a wide matrix: `use_block_kernels` installs it there): one
+    row of x (a batch-1 decode step) takes the wide loop (`gguf_linear_wide`: weight rows four at a time,
+    interleaved, the rows ahead prefetched; the same bits), more rows `block_product`'s way."""
+    if (x.numel() != x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32
+            or x.device.type != "cpu"):
+        return block_product(layer, x)
+    y = torch.ops.tessera_cpu.gguf_linear_wide(x.reshape(1, -1), layer.blocks, layer.kind, layer.out_features,
+                                               layer.bias)
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """A `GgufEmbedding`'s lookup (as its `fused`): the rows of `ids` dequantized by `gguf_dequantize` in one
+    call (gguf_blocks' values bit for bit, which its own lookup computes in several PyTorch ops), or None
+    where ids are not on the CPU or the embedding is not fp32."""
+    if ids.device.type != "cpu" or embedding.dtype != torch.float32:
+        return None
+    flat = ids.reshape(-1)
+    rows = torch.ops.tessera_cpu.gguf_dequantize(embedding.blocks.index_select(0, flat), embedding.kind, flat.numel(),
+                                                 embedding.embedding_dim)
+    return rows.reshape(*ids.shape, embedding.embedding_dim)
 
 
 def expert_product(projection: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -159,11 +191,12 @@ def group_projections(model: nn.Module) -> int:
 
 
 def use_block_kernels(model: nn.Module) -> int:
-    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel,
-    `expert_product` at every such `ExpertBlocks` (a projection of kept experts), and the grouped
-    products over the layers (`group_projections`); returns how many took the kernel (0 where the
-    library is not available)."""
-    from tessera.models.gguf_linear import GgufLinear
+    """Install `block_product` at every CPU `GgufLinear` of `model` whose type has a kernel (`head_product`
+    at its output head, `model.output`), `expert_product` at every such `ExpertBlocks` (a projection of
+    kept experts), `embedding_rows` at every such `GgufEmbedding`, and the grouped products over the
+    layers (`group_projections`); returns how many matrices took the kernel (embeddings not counted; 0
+    where the library is not available)."""
+    from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
     from tessera.models.moe.gguf_experts import ExpertBlocks
 
     if not cpu_attention.library_available():
@@ -172,5 +205,11 @@ def use_block_kernels(model: nn.Module) -> int:
               if isinstance(m, GgufLinear | ExpertBlocks) and m.kind in KINDS and m.blocks.device.type == "cpu"]
     for layer in layers:
         layer.fused = block_product if isinstance(layer, GgufLinear) else expert_product
+    head = getattr(model, "output", None)
+    if head in layers and isinstance(head, GgufLinear):
+        head.fused = head_product
+    for embedding in model.modules():
+        if isinstance(embedding, GgufEmbedding) and embedding.kind in KINDS and embedding.blocks.device.type == "cpu":
+            embedding.fused = embedding_rows
     group_projections(model)
     return len(layers)

@@ -6,7 +6,10 @@ on the logits rows each completing request samples from: their finiteness is che
 requests under a JSON schema are masked (`structured_output.mask_logits`), requests without drafts
 sample on the device (`device_sampling`) and greedy requests with drafts take the argmax of their
 rows; sampled tokens, argmaxes and finiteness flags come to the host in one transfer
-(`HostTransfer`). Greedy drafts are verified against those argmaxes, sampled drafts against their
+(`HostTransfer`). Where the logits are on the CPU and every request takes its one row's argmax with
+nothing changing or reading its logits (a plain greedy decode step), the one-pass checks' finiteness
+and argmax are read as they are instead (`_greedy_on_host`): the same answer in fewer operations.
+Greedy drafts are verified against those argmaxes, sampled drafts against their
 rows on the host (`rejection_sampling`). Each completing request gets one `SampledTokens`: its new
 tokens, or the error that fails it alone.
 
@@ -198,6 +201,9 @@ def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, rang
     asked (`logprobs.add_logprobs`; "top_k": how many top tokens each row brought). The finiteness
     and the log-probabilities are of the raw logits, before the grammar masks put -inf in and before
     biases and penalties."""
+    host = _greedy_on_host(logits_TV, seqs, rows, proposals, prompt_asks)
+    if host is not None:
+        return host
     transfer = HostTransfer()
     finite_keys = [("finite", s.request_id) for s in seqs for _ in rows[s.request_id]]
     finite_R, argmax_R = _finite_rows(logits_TV, [r for s in seqs for r in rows[s.request_id]])
@@ -240,6 +246,26 @@ def _to_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, rang
     transfer.add(finite_R, finite_keys)
     host = transfer.fetch()
     host["top_k"] = top_k
+    return host
+
+
+def _greedy_on_host(logits_TV: torch.Tensor, seqs: list[Sequence], rows: dict[str, range],
+                    proposals: dict[str, Proposal], prompt_asks: list) -> dict | None:
+    """`_to_host`'s answer where the logits are on the CPU and every request takes the argmax of its one
+    row, nothing changing or reading its logits (greedy, no drafts, grammar, penalties, biases, logprobs
+    or prompt logprobs): each row's finiteness and argmax from the one-pass checks (`logit_checks`), read
+    as they are, without the transfer's gathering: what `_to_host` answers then, in fewer operations (a
+    batch-1 decode step's). None elsewhere, or where the checks do not serve."""
+    if (not seqs or logits_TV.device.type != "cpu" or proposals or prompt_asks or changes_logits(seqs)
+            or any(s.grammar is not None or s.params.logprobs is not None or not s.params.greedy for s in seqs)):
+        return None
+    checks = logit_checks(logits_TV, torch.tensor([rows[s.request_id][-1] for s in seqs]))
+    if checks is None:
+        return None
+    finite_R, argmax_R = torch.stack(checks).tolist()  # the step's one transfer
+    host: dict = {"top_k": 0}
+    for s, finite, token in zip(seqs, finite_R, argmax_R, strict=True):
+        host[("finite", s.request_id)], host[("token", s.request_id)] = [finite], [token]
     return host
 
 

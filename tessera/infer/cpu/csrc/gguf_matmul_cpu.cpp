@@ -635,6 +635,81 @@ struct Dequantize {
   static at::Tensor run(const at::Tensor& w, int64_t N, int64_t K) { return dequantize_rows<T>(w, N, K); }
 };
 
+
+// A wide matrix by one row of x (gguf_linear_wide): an LM head, SmolLM2's 49,152 rows of 576 (30 MB of Q8_0
+// read per token). multiply_rows takes one weight row at a time, and an output's fmas form a chain (each waits
+// on the last: 18 of them for 576 inputs) whose row's loop about fills the core's window, so the rows hardly
+// overlap and the product ran well below the speed of a plain read of its bytes (docs/benchmarks.md). Here
+// WIDE_PASS rows go together, their sub-blocks interleaved (independent chains), and the rows WIDE_AHEAD
+// ahead are prefetched (rows read interleaved hide their stream from the hardware prefetcher: several times
+// slower without). Each output is computed with
+// dot_rows_avx2's operations in its order for one row of x (the scale f * d, the fma per sub-block, the
+// constant terms, the reduction, + bias): the same bits. AVX2 and the sub-block types only (the K-quants and
+// the portable loops keep multiply's way); threads split the rows, each output computed by one.
+constexpr int WIDE_PASS = 4, WIDE_AHEAD = 16;  // rows a pass; rows ahead prefetched
+
+#ifdef TESSERA_X86
+template <class T, int R>
+TESSERA_AVX2_TARGET void wide_rows(const uint8_t* w, int64_t row_bytes, const Activations& a, const float* bias,
+                                   float* out) {
+  __m256 acc[R];
+  float cst[R] = {};
+  for (__m256& v : acc) v = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m256 d = _mm256_set1_ps(a.d[b]);
+    for (int r = 0; r < R; ++r) {
+      const BlockRow<T> src{w + r * row_bytes};
+      __m256i lo, hi;
+      src.vec(b, lo, hi);
+      const Factors f = src.factors(b);
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(f.lo), d);
+      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(vec_dot(lo, hi, a.q + b * QK)), acc[r]);
+      if constexpr (BlockRow<T>::CONST) cst[r] = std::fma(f.c, a.s[b], cst[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    const float y = reduce(lanes, cst[r]);
+    out[r] = bias ? y + bias[r] : y;
+  }
+}
+
+template <class T>
+at::Tensor wide_product(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const float* bias) {
+  const int64_t K = x.size(1), row_bytes = (K / T::VALUES) * T::BYTES;
+  TORCH_CHECK(K % T::VALUES == 0, "gguf_linear_wide: ", K, " inputs are not whole blocks of ", T::VALUES);
+  TORCH_CHECK(blocks.numel() == N * row_bytes, "gguf_linear_wide: blocks hold ", blocks.numel(), " bytes, [", N, ", ",
+              K, "] needs ", N * row_bytes);
+  const Quantized q = quantize_rows(x.data_ptr<float>(), 1, K);
+  const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  at::Tensor y = at::empty({1, N}, x.options());
+  float* out = y.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 1024, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + WIDE_PASS <= n1; n += WIDE_PASS) {
+      if (n + WIDE_AHEAD + WIDE_PASS <= n1)
+        for (int64_t c = 0; c < WIDE_PASS * row_bytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + WIDE_AHEAD) * row_bytes + c), _MM_HINT_T0);
+      wide_rows<T, WIDE_PASS>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
+    }
+    for (; n < n1; ++n) wide_rows<T, 1>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
+  });
+  return y;
+}
+#endif
+
+template <class T>
+struct Wide {
+  static std::optional<at::Tensor> run(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const float* bias) {
+#ifdef TESSERA_X86
+    if constexpr (!is_k<T>()) return wide_product<T>(x, blocks, N, bias);
+#endif
+    return std::nullopt;
+  }
+};
+
 }  // namespace
 
 at::Tensor tessera_cpu::gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K) {
@@ -661,4 +736,19 @@ at::Tensor tessera_cpu::gguf_linear_group(const at::Tensor& x_in, at::TensorList
 at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::string_view kind,
                                     int64_t N, const std::optional<at::Tensor>& bias, bool portable) {
   return gguf_linear_group(x_in, {blocks}, kind, {N}, bias, portable);
+}
+
+// gguf_linear's product by the wide loop (above) where it applies: one row of fp32 x, AVX2, a sub-block type;
+// elsewhere gguf_linear's own (the same bits either way).
+at::Tensor tessera_cpu::gguf_linear_wide(const at::Tensor& x, const at::Tensor& blocks, c10::string_view kind,
+                                         int64_t N, const std::optional<at::Tensor>& bias) {
+  if (has_avx2() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+      x.size(0) == 1 && blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
+      (!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N))) {
+    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+    std::optional<at::Tensor> y = by_kind<Wide>(std::string(kind), x.contiguous(), blocks.contiguous(), N,
+                                                bias ? b.data_ptr<float>() : static_cast<const float*>(nullptr));
+    if (y) return *y;
+  }
+  return gguf_linear(x, blocks, kind, N, bias, false);
 }

@@ -34,6 +34,8 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& blocks, c10::st
 at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10::string_view kind, at::IntArrayRef N,
                              const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
+at::Tensor gguf_linear_wide(const at::Tensor& x, const at::Tensor& blocks, c10::string_view kind, int64_t N,
+                            const std::optional<at::Tensor>& bias);
 
 // delta_rule_cpu.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -16,6 +16,7 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, str kind, int N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_linear_group(Tensor x, Tensor[] blocks, str kind, int[] N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
+  m.def("gguf_linear_wide(Tensor x, Tensor blocks, str kind, int N, Tensor? bias) -> Tensor");
   m.def("delta_chunk_terms(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, float q_scale, "
         "float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor codes, str layout, Tensor scale, Tensor? shift, float offset, int N, "
@@ -37,6 +38,7 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("gguf_linear", &tessera_cpu::gguf_linear);
   m.impl("gguf_linear_group", &tessera_cpu::gguf_linear_group);
   m.impl("gguf_dequantize", &tessera_cpu::gguf_dequantize);
+  m.impl("gguf_linear_wide", &tessera_cpu::gguf_linear_wide);
   m.impl("delta_chunk_terms", &tessera_cpu::delta_chunk_terms);
   m.impl("quant_linear", &tessera_cpu::quant_linear);
   m.impl("gguf_dense_layer", &tessera_cpu::gguf_dense_layer);
