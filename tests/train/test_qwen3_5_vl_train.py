@@ -1,7 +1,10 @@
 """`tessera train` with data.kind=vision_sft from a transformers Qwen3.5 / Qwen3.5-MoE directory:
 step 1's loss is transformers' answer-only cross-entropy on a batch of images of several sizes (the
 hybrid language model's recurrent layers and interleaved M-RoPE in the training step), and a few
-steps lower it; on gloo ranks dp_shard, tp, ep x dp_shard, cp and pp equal one process."""
+steps lower it; on gloo ranks dp_shard, tp, tp + sp, ep x dp_shard, cp, pp and (4 ranks) tp + sp x
+dp_shard, (MoE) ep x tp x dp_shard and pp x dp_shard equal one process."""
+
+import math
 
 import pytest
 import torch
@@ -53,23 +56,39 @@ def _train_on_ranks(settings):
     return {"losses": _losses(trainer.train()), "weights": whole_parameters(trainer.parts)}
 
 
+LAYOUTS = {
+    "dp_shard": ("qwen3_5", {"parallel.dp_shard": 2}),
+    "tp": ("qwen3_5", {"parallel.tp": 2, "parallel.dp_shard": 1}),
+    "moe-ep-dp_shard": ("qwen3_5_moe", {"parallel.ep": 2, "parallel.dp_shard": 2}),
+    "cp": ("qwen3_5", {"parallel.cp": 2, "parallel.dp_shard": 1}),
+    "pp": ("qwen3_5", {"parallel.pp": 2, "parallel.dp_shard": 1}),
+}
+# sp's slices of the 64 tokens cut through the images' rows; the combined layouts take 4 ranks
+SLOW_LAYOUTS = {
+    "tp-sp": ("qwen3_5", {"parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 1}),
+    "moe-tp-sp": ("qwen3_5_moe", {"parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 1}),
+    "tp-sp-dp_shard": ("qwen3_5", {"parallel.tp": 2, "parallel.sp": "true", "parallel.dp_shard": 2}),
+    "moe-ep-tp-dp_shard": ("qwen3_5_moe", {"parallel.ep": 2, "parallel.tp": 2, "parallel.dp_shard": 2}),
+    "moe-pp-dp_shard": ("qwen3_5_moe", {"parallel.pp": 2, "parallel.dp_shard": 2}),
+}
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("family, layout", [("qwen3_5", {"parallel.dp_shard": 2}),
-                                            ("qwen3_5", {"parallel.tp": 2, "parallel.dp_shard": 1}),
-                                            ("qwen3_5_moe", {"parallel.ep": 2, "parallel.dp_shard": 2}),
-                                            ("qwen3_5", {"parallel.cp": 2, "parallel.dp_shard": 1}),
-                                            ("qwen3_5", {"parallel.pp": 2, "parallel.dp_shard": 1})],
-                         ids=["dp_shard", "tp", "moe-ep-dp_shard", "cp", "pp"])
+@pytest.mark.parametrize("family, layout", [
+    *(pytest.param(*case, id=name) for name, case in LAYOUTS.items()),
+    *(pytest.param(*case, id=name, marks=pytest.mark.slow) for name, case in SLOW_LAYOUTS.items())])
 def test_the_layouts_equal_one_process(tmp_path, family, layout):
     """The fine-tune's layouts over the hybrid language model (the DeltaNet's heads and channels cut
-    under tp, the experts under ep, the recurrent state handed between cp ranks, the tower on the
-    first pipeline stage) equal one process: losses and weights after 3 steps (fp32 1e-5)."""
+    under tp, sp's token slices gathered into whole rows for the recurrence, the experts under ep and
+    ep x tp, the recurrent state handed between cp ranks, the tower on the first pipeline stage) and
+    their combinations on 4 ranks equal one process: losses and weights after 3 steps (fp32 1e-5)."""
     hf_qwen3_5_vl(family, seed=3, vocab=VOCAB).save_pretrained(tmp_path / "hf")
     hf_processor().save_pretrained(tmp_path / "hf")
     one = Trainer(load_config(None, _settings(tmp_path / "hf", tmp_path / "one", 3)))
     want_losses = _losses(one.train())
     want = {k: v.detach() for k, v in one.model.named_parameters()}
-    got = run_ranks(_train_on_ranks, 2, _settings(tmp_path / "hf", tmp_path / "ranks", 3, **layout),
+    world = math.prod(int(layout.get(f"parallel.{k}", 1)) for k in ("pp", "dp_shard", "cp", "tp"))
+    got = run_ranks(_train_on_ranks, world, _settings(tmp_path / "hf", tmp_path / "ranks", 3, **layout),
                     timeout=HANG_S)
     assert got[0]["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-5)
     assert_merged_weights_equal(got, want)  # a pipeline's stages together
