@@ -17,9 +17,16 @@ kernel-backed GGUF block matrices (`block_product`, grouped `BlockGroup`s at `fu
 the modules run, where it does not apply now: autograd, more than `MAX_ROWS` rows, a hook on a projection
 (a dynamic LoRA adapter), a layer's kernel taken off, a cache that is not read in place by the C++
 attention kernel for this layer (`ragged_plan` of the step's cache: paged_attention.py, bucketed_decode.py;
-float64 attention, chunked windows, a windowed pool), or Llama 4's query scale. The engine installs it for
-a model it owns on CPU in fp32, never under tensor parallelism (the o and down products there are partial
-sums reduced across ranks). `TESSERA_CPU_ATTENTION=torch` turns it off with the library's other kernels.
+float64 attention, chunked windows, a windowed pool), or Llama 4's query scale.
+
+Where every layer of a `Transformer` took one, `fuse_gguf_layers` also installs a `GgufDenseStack` at its
+`fused_stack` seam: the step's layers in one `gguf_dense_stack` call (each layer's `gguf_dense_layer` in turn,
+in C++: the same bits), which saves the Python between the layers (the block's module call, the RoPE tables'
+lookups, the checks and arguments of 30 op calls). It answers None, and the layer loop runs with each
+block's own `fused_layer`, wherever one of them would answer None (GgufDenseStack's docstring names the
+cases it adds). The engine installs both for a model it owns on CPU in fp32, never under tensor parallelism
+(the o and down products there are partial sums reduced across ranks). `TESSERA_CPU_ATTENTION=torch` turns
+them off with the library's other kernels.
 
 `logit_checks(logits, rows)`: whether each read row is finite and its argmax, one pass per row (PyTorch's
 `isfinite(...).all()` is five ops over the rows, each its own parallel region), used by the model runner.
