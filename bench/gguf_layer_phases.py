@@ -125,13 +125,10 @@ def probe(steps: list[dict], repeats: int) -> float:
 
 def hot(s: dict, repeats: int) -> dict[str, float]:
     """GB/s of each product of one layer repeated on the same weights (in cache after the first)."""
-    out = {}
-    for name in PRODUCTS:
-        t: dict[str, float] = {}
-        for _ in range(repeats * 10):
-            phases(s, t)
-        out[name] = product_bytes(s)[name] * repeats * 10 / (t[name] * 1e-6) / 1e9
-    return out
+    t: dict[str, float] = {}
+    for _ in range(repeats * 10):
+        phases(s, t)
+    return {name: product_bytes(s)[name] * repeats * 10 / (t[name] * 1e-6) / 1e9 for name in PRODUCTS}
 
 
 def main() -> None:

