@@ -274,6 +274,9 @@ class Transformer(nn.Module):
         self.tied_head: TiedHead = tied_projection  # used when cfg.tie_embeddings (module docstring)
         # Tokens per chunk of the chunked LM-head loss when `forward` gets targets; 0 = off (logits).
         self.loss_chunk_tokens = 0
+        # (h, rope, cache) -> the last layer's output in one call, or None (then the layers run): serving on CPU
+        # installs one where every layer is a dense one of GGUF blocks (tessera.infer.cpu.gguf_layer)
+        self.fused_stack: Callable[[torch.Tensor, RopeTables, AttentionCache | None], torch.Tensor | None] | None = None
         if init_seed is not None:
             self.init_weights(init_seed)
 
@@ -419,6 +422,10 @@ class Transformer(nn.Module):
         """The layers over `h`, their routing into `out`, and `out.kept_hidden` of `inp.keep_layers`;
         returns the last layer's output."""
         keep = inp.keep_layers
+        if self.fused_stack is not None and not keep:
+            y = self.fused_stack(h, rope, inp.cache)
+            if y is not None:
+                return y
         kept = {0: h} if 0 in keep else {}
         for key, layer in self.layers.items():
             h, route = layer(h, *rope.of_layer(self.cfg, int(key)), inp.cache,

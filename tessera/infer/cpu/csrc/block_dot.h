@@ -6,7 +6,8 @@
 // A source is one weight row: `values(b, w)` writes the 32 integers of its sub-block b (inputs 32 b ..
 // 32 b + 31), `factors(b)` their factors (weight = lo * w + c for the first 16, hi * w + c for the others),
 // `vec(b, lo, hi)` the same integers as int16 in two AVX2 registers (values 0..15, 16..31); CONST: whether
-// c may be nonzero, HALVES: whether lo and hi differ (Q6_K).
+// c may be nonzero, HALVES: whether lo and hi differ (Q6_K); PAIR (optional): whether a single row of x goes
+// two weight rows per pass (dot_pair_avx2).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -142,6 +143,40 @@ TESSERA_AVX2_TARGET void dot_rows_avx2(const Src& src, const Activations& a, int
   }
 }
 
+// Two weight rows against row m0 of x: for each, dot_rows_avx2<Src, 1>'s operations in its order (the same
+// bits), the two interleaved in one loop. One row's loop is a chain of dependent fmas (its accumulator, and the
+// constant terms' scalar), one per sub-block, so it waits on the fma's latency; two independent chains fill
+// those waits. Used for a single row of x (a batch-1 decode step).
+template <class Src>
+TESSERA_AVX2_TARGET void dot_pair_avx2(const Src& s0, const Src& s1, const Activations& a, int64_t m0, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float cst0 = 0.0f, cst1 = 0.0f;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m256i w0_lo, w0_hi, w1_lo, w1_hi;
+    s0.vec(b, w0_lo, w0_hi);
+    s1.vec(b, w1_lo, w1_hi);
+    const Factors f0 = s0.factors(b), f1 = s1.factors(b);
+    const __m256 lohi0 = Src::HALVES ? _mm256_setr_ps(f0.lo, f0.lo, f0.hi, f0.hi, f0.lo, f0.lo, f0.hi, f0.hi)
+                                     : _mm256_set1_ps(f0.lo);
+    const __m256 lohi1 = Src::HALVES ? _mm256_setr_ps(f1.lo, f1.lo, f1.hi, f1.hi, f1.lo, f1.lo, f1.hi, f1.hi)
+                                     : _mm256_set1_ps(f1.lo);
+    const int64_t at = m0 * a.nb + b;
+    const __m256 d = _mm256_set1_ps(a.d[at]);
+    const int16_t* q = a.q + at * QK;
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(lohi0, d), _mm256_cvtepi32_ps(vec_dot(w0_lo, w0_hi, q)), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(lohi1, d), _mm256_cvtepi32_ps(vec_dot(w1_lo, w1_hi, q)), acc1);
+    if (Src::CONST) {
+      cst0 = std::fma(f0.c, a.s[at], cst0);
+      cst1 = std::fma(f1.c, a.s[at], cst1);
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc0);
+  out[0] = reduce(lanes, cst0);
+  _mm256_store_ps(lanes, acc1);
+  out[1] = reduce(lanes, cst1);
+}
+
 template <class Src>
 void dot_rows_avx2(const Src& src, const Activations& a, int64_t m0, int R, float* out) {
   switch (R) {
@@ -166,6 +201,13 @@ constexpr int pass_of() {
   return 4;
 }
 
+// Whether a source's single row of x goes two weight rows per pass (dot_pair_avx2): its PAIR, else not.
+template <class Src>
+constexpr bool pair_of() {
+  if constexpr (requires { Src::PAIR; }) return Src::PAIR;
+  return false;
+}
+
 // y [M, N] = x [M, K] times the N weight rows `source(n)` transposed, + bias (or nullptr): x quantized
 // once, threads splitting the outputs, each output computed by one thread in one order (the same bits
 // for any thread count), rows of x `pass_of<Src>()` at a time over each weight row. A source with loops of
@@ -183,7 +225,25 @@ at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const fl
   const bool vec = !portable && has_avx2();
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     float part[PASS];
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t n = n0;
+#ifdef TESSERA_X86
+    if constexpr (pair_of<Src>()) {
+      // one row of x: two weight rows per pass (dot_pair_avx2), the same bits. The pair is row i of each half of
+      // this thread's rows, so the rows are read as two sequential streams (rows n and n + 1 side by side made
+      // the stream jump a row ahead at every pair, which the hardware's prefetch did not follow)
+      const int64_t half = (n1 - n0) / 2;
+      if (vec && M == 1) {
+        for (int64_t i = n0; i < n0 + half; ++i) {
+          float two[2];
+          dot_pair_avx2(source(i), source(i + half), a, 0, two);
+          out[i] = bias ? two[0] + bias[i] : two[0];
+          out[i + half] = bias ? two[1] + bias[i + half] : two[1];
+        }
+        n = n0 + 2 * half;
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
       const Src src = source(n);
       for (int64_t m = 0; m < M; m += PASS) {
         const int R = static_cast<int>(std::min<int64_t>(PASS, M - m));

@@ -13,6 +13,11 @@
 // blocks, the o product plus the residual, RMSNorm, the grouped gate/up product, SiLU * up, the down
 // product plus the residual. What it saves is the Python between them: about a dozen module calls, their
 // checks and their views per layer, and the cache write's eight PyTorch ops.
+//
+// gguf_dense_stack runs the layers of a whole decode step in one call (infer/cpu/gguf_layer.py's
+// GgufDenseStack): gguf_dense_layer for each layer in turn, each layer's own arguments taken from lists
+// (norms 2 a layer, eps, mats 7, kinds 4, sizes 7, qkv_bias, cache 2 or 4, scale, window), the step's own
+// (cos, sin, slots, rows, blocks) shared: the same calls, so the same bits, without the Python between layers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -116,4 +121,31 @@ at::Tensor tessera_cpu::gguf_dense_layer(const at::Tensor& x, at::TensorList nor
                                                sizes.slice(4, 2), std::nullopt, false);
   const at::Tensor act = silu_mul(gate_up.narrow(1, 0, F), gate_up.narrow(1, F, F));
   return x2 + gguf_linear(act, mats[6], down_kind, sizes[6], std::nullopt, false);
+}
+
+at::Tensor tessera_cpu::gguf_dense_stack(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> eps,
+                                         at::TensorList mats, const c10::List<std::string>& kinds, at::IntArrayRef sizes,
+                                         const c10::List<std::optional<at::Tensor>>& qkv_bias, const at::Tensor& cos,
+                                         const at::Tensor& sin, int64_t head_dim, at::TensorList cache,
+                                         const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& blocks,
+                                         int64_t block_size, at::ArrayRef<double> scale, at::IntArrayRef window) {
+  const int64_t L = static_cast<int64_t>(eps.size());
+  const int64_t per = L > 0 ? static_cast<int64_t>(cache.size()) / L : 0;  // 2, or 4 for an int8 cache
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(mats.size()) == 7 * L &&
+                  static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(sizes.size()) == 7 * L &&
+                  static_cast<int64_t>(qkv_bias.size()) == L && (per == 2 || per == 4) &&
+                  static_cast<int64_t>(cache.size()) == per * L && static_cast<int64_t>(scale.size()) == L &&
+                  static_cast<int64_t>(window.size()) == L,
+              "gguf_dense_stack: per layer 2 norms, 1 eps, 7 matrices, 4 kinds, 7 sizes, 1 qkv bias, 2 or 4 cache "
+              "tensors, 1 scale and 1 window; got ", L, " eps, ", norms.size(), " norms, ", mats.size(), " matrices, ",
+              kinds.size(), " kinds, ", sizes.size(), " sizes, ", qkv_bias.size(), " biases, ", cache.size(),
+              " cache tensors, ", scale.size(), " scales, ", window.size(), " windows");
+  at::Tensor y = x;
+  for (int64_t i = 0; i < L; ++i) {
+    const std::optional<at::Tensor> bias = qkv_bias.get(i);
+    y = gguf_dense_layer(y, norms.slice(2 * i, 2), eps[i], mats.slice(7 * i, 7), kinds.get(4 * i), kinds.get(4 * i + 1),
+                         kinds.get(4 * i + 2), kinds.get(4 * i + 3), sizes.slice(7 * i, 7), bias, cos, sin, head_dim,
+                         cache.slice(per * i, per), slots, rows, blocks, block_size, scale[i], window[i]);
+  }
+  return y;
 }

@@ -20,9 +20,13 @@
 // ((a1+a5)+(a3+a7)), then + the ninth, then + bias. The AVX2 path (weights widened to int16, madd, hadd;
 // chosen at run time with __builtin_cpu_supports) and the portable loops compute those same operations, so
 // they agree bit for bit, and so do any thread counts (threads split the output columns). Rows of x
-// go four at a time over each weight row, which is unpacked once per four rows. One weight row per
-// pass: taking four per pass for a single row of x (its activations loaded once for the four) took
-// 1.02-1.14x the CPU time of one (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
+// go four at a time over each weight row, which is unpacked once per four rows. A single row of x (a
+// batch-1 decode step) goes over two weight rows per pass for Q4_0 and Q4_1 (block_dot.h's dot_pair_avx2:
+// two independent fma chains, each output's operations unchanged, row i of each half of a thread's rows),
+// which took 0.93-0.97x the CPU time of SmolLM2's 30 Q4_1 layer ops streamed from memory; for Q8_0 it took
+// 2.8x (its 49152 x 576 head), so the other types keep one row per pass
+// (docs/benchmarks/2026-11-30-gguf-layer-stack.md). Four per pass took 1.02-1.14x the CPU time of one
+// (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
 // No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
 // The loops shared with quant_matmul_cpu.cpp are in block_dot.h. Besides the GGML types, two of Tessera's
 // own (I8, I4: fp32 factors per 32 values, below): its int8 / int4 and compressed-tensors layers' weights
@@ -293,6 +297,7 @@ template <class T>
 struct BlockRow {
   static constexpr int SUBS = T::VALUES / QK;
   static constexpr bool CONST = has_const<T>(), HALVES = std::is_same_v<T, Q6_K>;
+  static constexpr bool PAIR = std::is_same_v<T, Q4_0> || std::is_same_v<T, Q4_1>;  // (file comment)
   const uint8_t* row;
   const uint8_t* block(int64_t b) const { return row + (b / SUBS) * T::BYTES; }
   void values(int64_t b, int16_t* w) const { T::values(block(b), static_cast<int>(b % SUBS), w); }

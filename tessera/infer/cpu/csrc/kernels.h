@@ -3,10 +3,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/List.h>
 #include <c10/util/string_view.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace tessera_cpu {
@@ -52,6 +54,12 @@ at::Tensor gguf_dense_layer(const at::Tensor& x, at::TensorList norms, double ep
                             const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim, at::TensorList cache,
                             const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& blocks,
                             int64_t block_size, double scale, int64_t window);
+at::Tensor gguf_dense_stack(const at::Tensor& x, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList mats,
+                            const c10::List<std::string>& kinds, at::IntArrayRef sizes,
+                            const c10::List<std::optional<at::Tensor>>& qkv_bias, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t head_dim, at::TensorList cache, const at::Tensor& slots,
+                            const at::Tensor& rows, const at::Tensor& blocks, int64_t block_size,
+                            at::ArrayRef<double> scale, at::IntArrayRef window);
 at::Tensor logit_checks(const at::Tensor& logits, const at::Tensor& rows);
 
 }  // namespace tessera_cpu

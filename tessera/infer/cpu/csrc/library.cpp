@@ -24,6 +24,9 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("gguf_dense_layer(Tensor x, Tensor[] norms, float eps, Tensor[] mats, str qkv_kind, str o_kind, "
         "str gate_up_kind, str down_kind, int[] sizes, Tensor? qkv_bias, Tensor cos, Tensor sin, int head_dim, "
         "Tensor(a!)[] cache, Tensor slots, Tensor rows, Tensor blocks, int block_size, float scale, int window) -> Tensor");
+  m.def("gguf_dense_stack(Tensor x, Tensor[] norms, float[] eps, Tensor[] mats, str[] kinds, int[] sizes, "
+        "Tensor?[] qkv_bias, Tensor cos, Tensor sin, int head_dim, Tensor(a!)[] cache, Tensor slots, Tensor rows, "
+        "Tensor blocks, int block_size, float[] scale, int[] window) -> Tensor");
   m.def("logit_checks(Tensor logits, Tensor rows) -> Tensor");
 }
 
@@ -42,5 +45,6 @@ TORCH_LIBRARY_IMPL(tessera_cpu, CPU, m) {
   m.impl("delta_chunk_terms", &tessera_cpu::delta_chunk_terms);
   m.impl("quant_linear", &tessera_cpu::quant_linear);
   m.impl("gguf_dense_layer", &tessera_cpu::gguf_dense_layer);
+  m.impl("gguf_dense_stack", &tessera_cpu::gguf_dense_stack);
   m.impl("logit_checks", &tessera_cpu::logit_checks);
 }
