@@ -19,6 +19,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tessera.data.tokenizer import Tokenizer as TesseraTokenizer
+from tessera.data.tokenizer import default_tokenizer
 from tessera.infer.engine.detokenizer import IncrementalDetokenizer, decodes_incrementally
 from tests.infer.agent_models import qwen_tokenizer
 from tests.infer.tiny_models import char_tokenizer
@@ -198,3 +199,12 @@ def test_the_gguf_tokenizer_decodes_incrementally_and_exactly(smollm2_tokenizer)
     for skip in (True, False):
         for ids, whole in sequences(tok, seed=1):
             _check_every_token(tok, ids, skip, whole)
+
+
+def test_the_bench_streams_the_same_pieces_both_ways():
+    from bench.detokenize import completion, stream
+
+    tok = default_tokenizer()
+    ids = completion(tok, 300)
+    old, new = stream(tok, ids, incremental=False)[0], stream(tok, ids, incremental=True)[0]
+    assert new == old and "".join(new) == tok.decode(ids)
