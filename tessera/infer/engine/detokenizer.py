@@ -45,7 +45,7 @@ def _safe_decoder(spec: dict) -> bool:
     kind = spec.get("type")
     if kind == "Sequence":
         return all(_safe_decoder(part) for part in spec.get("decoders", []))
-    if kind == "Strip":  # stripping from the end would change a text's end as tokens follow
+    if kind == "Strip":  # stripping from the end could change a text's end as tokens follow (not tried)
         return spec.get("stop", 0) == 0
     return kind in _WINDOW_SAFE_DECODERS
 
