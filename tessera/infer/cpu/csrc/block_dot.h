@@ -15,6 +15,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include <immintrin.h>
 #define TESSERA_X86 1
 #define TESSERA_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define TESSERA_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace tessera_cpu::blocks {
@@ -42,6 +44,7 @@ struct Activations {
   const float* d;
   const float* s;
   int64_t K, nb;
+  const int16_t* x_y = nullptr;  // q in the AVX-512 loops' order (x_y_order), where they run
 };
 
 struct Quantized {
@@ -190,9 +193,24 @@ void dot_rows_avx2(const Src& src, const Activations& a, int64_t m0, int R, floa
 inline bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+inline bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
 #else
 inline bool has_avx2() { return false; }
+inline bool has_avx512() { return false; }
 #endif
+
+// The loops the block products take: the widest this CPU has, at most the cap set_isa set (tests and benches
+// compare them in one process: block_isa, gguf_matmul_cpu.cpp).
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+inline std::atomic<int> isa_cap{AVX512};
+inline int isa(bool portable) {
+  if (portable) return PORTABLE;
+  const int best = has_avx512() ? AVX512 : has_avx2() ? AVX2 : PORTABLE;
+  return std::min(best, isa_cap.load(std::memory_order_relaxed));
+}
 
 // Rows of x a source takes per pass over its weight row: its PASS, else 4.
 template <class Src>
@@ -208,6 +226,12 @@ constexpr bool pair_of() {
   return false;
 }
 
+}  // namespace tessera_cpu::blocks
+
+#include "block_dot_avx512.h"
+
+namespace tessera_cpu::blocks {
+
 // y [M, N] = x [M, K] times the N weight rows `source(n)` transposed, + bias (or nullptr): x quantized
 // once, threads splitting the outputs, each output computed by one thread in one order (the same bits
 // for any thread count), rows of x `pass_of<Src>()` at a time over each weight row. A source with loops of
@@ -220,9 +244,15 @@ at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const fl
   const int64_t M = x.size(0), K = x.size(1);
   const Quantized q = quantize_rows(x.data_ptr<float>(), M, K);
   const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  const int path = isa(portable);
+  const bool vec = path >= AVX2;
+#ifdef TESSERA_X86
+  // one row of x on AVX-512 (a source with its loads, V512): block_dot_avx512.h's loops, the same bits
+  if constexpr (v512_of<Src>())
+    if (path == AVX512 && M == 1) return multiply_row_avx512(x, N, source, bias, a);
+#endif
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const bool vec = !portable && has_avx2();
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     float part[PASS];
     int64_t n = n0;
