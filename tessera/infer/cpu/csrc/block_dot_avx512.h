@@ -64,19 +64,35 @@ template <class Src>
 TESSERA_AVX512_TARGET void dot_pair_avx512(const Src& s0, const Src& s1, const Activations& a, int64_t m0, float* out) {
   static_assert(!Src::HALVES, "one factor per sub-block");
   __m512 acc = _mm512_setzero_ps();
+  __m128 cst = _mm_setzero_ps();  // lanes 1 and 3: the two rows' constant terms (with pair_factors)
   float cst0 = 0.0f, cst1 = 0.0f;
   for (int64_t b = 0; b < a.nb; ++b) {
     __m512i lo, hi;
     s0.vec512(s1, b, b, lo, hi);
-    const Factors f0 = s0.factors(b), f1 = s1.factors(b);
     const int64_t at = m0 * a.nb + b;
     const int16_t* q = a.x_y + at * QK;
-    const __m512 scale = _mm512_mul_ps(halves(f0.lo, f1.lo), _mm512_set1_ps(a.d[at]));
-    acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(fours(lo, hi, both(q), both(q + 16))), acc);
-    if (Src::CONST) {
-      cst0 = std::fma(f0.c, a.s[at], cst0);
-      cst1 = std::fma(f1.c, a.s[at], cst1);
+    __m512 f;
+    if constexpr (requires { s0.pair_factors(s1, b); }) {  // the factors of both rows in vector registers
+      const __m128 ff = s0.pair_factors(s1, b);  // [f0.lo, f0.c, f1.lo, f1.c]
+      f = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                                _mm512_castps128_ps512(ff));
+      if (Src::CONST) cst = _mm_fmadd_ps(ff, _mm_set1_ps(a.s[at]), cst);  // (the scalar fmas, lane by lane)
+    } else {
+      const Factors f0 = s0.factors(b), f1 = s1.factors(b);
+      f = halves(f0.lo, f1.lo);
+      if (Src::CONST) {
+        cst0 = std::fma(f0.c, a.s[at], cst0);
+        cst1 = std::fma(f1.c, a.s[at], cst1);
+      }
     }
+    const __m512 scale = _mm512_mul_ps(f, _mm512_set1_ps(a.d[at]));
+    acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(fours(lo, hi, both(q), both(q + 16))), acc);
+  }
+  if constexpr (requires { s0.pair_factors(s1, 0); }) {
+    alignas(16) float c[4];
+    _mm_store_ps(c, cst);
+    cst0 = c[1];
+    cst1 = c[3];
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, acc);

@@ -334,6 +334,19 @@ struct BlockRow {
     vec_weights512<T>(block(b), static_cast<int>(b % SUBS), other.block(b_other), static_cast<int>(b_other % SUBS), lo,
                       hi);
   }
+  // Q4_0 / Q4_1: sub-block b's factors and other's as [f0.lo, f0.c, f1.lo, f1.c], converted from fp16 in one
+  // instruction (the values factors() gives: Q4_0's c = -8 f, exact)
+  TESSERA_AVX512_TARGET __m128 pair_factors(const BlockRow& other, int64_t b) const
+    requires(std::is_same_v<T, Q4_0> || std::is_same_v<T, Q4_1>)
+  {
+    uint32_t h0, h1;
+    std::memcpy(&h0, block(b), 4);  // Q4_0: d and its first two nibble bytes (replaced below)
+    std::memcpy(&h1, other.block(b), 4);
+    const __m128 f = _mm_cvtph_ps(_mm_setr_epi32(static_cast<int>(h0), static_cast<int>(h1), 0, 0));
+    if constexpr (std::is_same_v<T, Q4_1>) return f;
+    const __m128 d = _mm_shuffle_ps(f, f, _MM_SHUFFLE(2, 2, 0, 0));
+    return _mm_mul_ps(d, _mm_setr_ps(1.0f, -8.0f, 1.0f, -8.0f));
+  }
 #endif
 };
 
