@@ -733,13 +733,26 @@ TESSERA_AVX512_TARGET void wide_rows512(const uint8_t* w, int64_t row_bytes, con
   for (int64_t b = 0; b < a.nb; ++b) {
     const __m512 d = _mm512_set1_ps(a.d[b]);
     const __m512i qx = both(a.x_y + b * QK), qy = both(a.x_y + b * QK + 16);
+    __m128 f8;  // Q8_0 (an LM head's type): the four rows' fp16 factors converted in one instruction
+    if constexpr (std::is_same_v<T, Q8_0>) {
+      const uint8_t* at = w + b * T::BYTES;
+      uint16_t h[4];
+      for (int r = 0; r < 4; ++r) std::memcpy(&h[r], at + r * row_bytes, 2);
+      f8 = _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
+    }
     for (int p = 0; p < 2; ++p) {
       const BlockRow<T> s0{w + 2 * p * row_bytes}, s1{w + (2 * p + 1) * row_bytes};
       __m512i lo, hi;
       s0.vec512(s1, b, b, lo, hi);
       const Factors f0 = s0.factors(b), f1 = s1.factors(b);
-      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(halves(f0.lo, f1.lo), d), _mm512_cvtepi32_ps(fours(lo, hi, qx, qy)),
-                               acc[p]);
+      __m512 f;
+      if constexpr (std::is_same_v<T, Q8_0>)
+        f = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * p), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                              1, 1, 1, 1, 1, 1, 1, 1)),
+                                  _mm512_castps128_ps512(f8));
+      else
+        f = halves(f0.lo, f1.lo);
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(f, d), _mm512_cvtepi32_ps(fours(lo, hi, qx, qy)), acc[p]);
       if constexpr (BlockRow<T>::CONST) {
         cst[2 * p] = std::fma(f0.c, a.s[b], cst[2 * p]);
         cst[2 * p + 1] = std::fma(f1.c, a.s[b], cst[2 * p + 1]);
