@@ -7,7 +7,8 @@
 // 32 b + 31), `factors(b)` their factors (weight = lo * w + c for the first 16, hi * w + c for the others),
 // `vec(b, lo, hi)` the same integers as int16 in two AVX2 registers (values 0..15, 16..31); CONST: whether
 // c may be nonzero, HALVES: whether lo and hi differ (Q6_K); PAIR (optional): whether a single row of x goes
-// two weight rows per pass (dot_pair_avx2).
+// two weight rows per pass (dot_pair_avx2); V512 (optional): the AVX-512 loads of block_dot_avx512.h, whose
+// loops take one row of x where the CPU has AVX-512 VNNI (isa, below).
 #pragma once
 
 #include <ATen/ATen.h>

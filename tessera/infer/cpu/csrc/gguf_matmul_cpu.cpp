@@ -27,7 +27,15 @@
 // 2.8x (its 49152 x 576 head), so the other types keep one row per pass
 // (docs/benchmarks/2026-11-30-gguf-layer-stack.md). Four per pass took 1.02-1.14x the CPU time of one
 // (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
-// No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
+// AVX-512: where the CPU has F, BW, VL and VNNI (chosen at run time, block_dot.h's isa; `block_isa` caps it), one
+// row of x on the sub-block types (pairs of Q4_0 / Q4_1 rows, single rows of the others) and the wide head take
+// block_dot_avx512.h's loops: two parts (two rows' sub-block, or one row's two sub-blocks) in a zmm register,
+// their sixteen four-input sums in LANE order by two permutations, a madd and VNNI's dpwssd, the fp32 part the
+// same operations in the same order (Q4_0 / Q4_1's and Q8_0's fp16 factors converted a vector at a time, the
+// same values), so the bits are the AVX2 and portable loops'. SmolLM2's 30 Q4_1 layer ops took 0.745-0.747x the
+// CPU time of AVX2's, its Q8_0 head 0.73-0.77x (docs/benchmarks/2026-11-30-gguf-avx512.md); four rows a pass
+// (two zmm chains, rows i of each quarter of a thread's rows) took 0.747x, the same, so not kept. More rows of x and the
+// K-quants keep the AVX2 loops; the library builds and runs where AVX-512 is absent (target attributes).
 // The loops shared with quant_matmul_cpu.cpp are in block_dot.h. Besides the GGML types, two of Tessera's
 // own (I8, I4: fp32 factors per 32 values, below): its int8 / int4 and compressed-tensors layers' weights
 // repacked, which quant_matmul_cpu.cpp's product by the codes where they lie equals bit for bit.
@@ -691,7 +699,7 @@ struct Dequantize {
 // ahead are prefetched (rows read interleaved hide their stream from the hardware prefetcher: several times
 // slower without). Each output is computed with
 // dot_rows_avx2's operations in its order for one row of x (the scale f * d, the fma per sub-block, the
-// constant terms, the reduction, + bias): the same bits. AVX2 and the sub-block types only (the K-quants and
+// constant terms, the reduction, + bias): the same bits. AVX2 (AVX-512 where isa says: wide_rows512) and the sub-block types only (the K-quants and
 // the portable loops keep multiply's way); threads split the rows, each output computed by one.
 constexpr int WIDE_PASS = 4, WIDE_AHEAD = 16;  // rows a pass; rows ahead prefetched
 
