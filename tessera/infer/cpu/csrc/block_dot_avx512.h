@@ -139,16 +139,9 @@ at::Tensor multiply_row_avx512(const at::Tensor& x, int64_t N, Source source, co
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    if constexpr (pair_of<Src>()) {
-      const int64_t half = (n1 - n0) / 2;
-      for (int64_t i = n0; i < n0 + half; ++i) {
-        float two[2];
-        dot_pair_avx512(source(i), source(i + half), a, 0, two);
-        out[i] = bias ? two[0] + bias[i] : two[0];
-        out[i + half] = bias ? two[1] + bias[i + half] : two[1];
-      }
-      n = n0 + 2 * half;
-    }
+    if constexpr (pair_of<Src>())
+      n = by_halves(n0, n1, bias, out,
+                    [&](int64_t i, int64_t j, float* two) { dot_pair_avx512(source(i), source(j), a, 0, two); });
     for (; n < n1; ++n) {
       float one;
       dot_one_avx512(source(n), a, 0, &one);

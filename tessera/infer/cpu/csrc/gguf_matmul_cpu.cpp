@@ -412,7 +412,7 @@ TESSERA_AVX2_TARGET inline void k4_table(const uint8_t* b, __m256& f, __m256& c)
   c = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mf), _mm256_set1_ps(-0.0f));
 }
 
-inline float reduce_vec(__m256 v, float c) {
+TESSERA_AVX2_TARGET inline float reduce_vec(__m256 v, float c) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
   return reduce(lanes, c);
