@@ -32,8 +32,8 @@
 // block_dot_avx512.h's loops: two parts (two rows' sub-block, or one row's two sub-blocks) in a zmm register,
 // their sixteen four-input sums in LANE order by two permutations, a madd and VNNI's dpwssd, the fp32 part the
 // same operations in the same order (Q4_0 / Q4_1's and Q8_0's fp16 factors converted a vector at a time, the
-// same values), so the bits are the AVX2 and portable loops'. SmolLM2's 30 Q4_1 layer ops took 0.745-0.747x the
-// CPU time of AVX2's, its Q8_0 head 0.73-0.77x (docs/benchmarks/2026-11-30-gguf-avx512.md); four rows a pass
+// same values), so the bits are the AVX2 and portable loops'. SmolLM2's 30 Q4_1 layer ops took 0.745-0.761x the
+// CPU time of AVX2's, its Q8_0 head 0.53-0.77x (docs/benchmarks/2026-11-30-gguf-avx512.md); four rows a pass
 // (two zmm chains, rows i of each quarter of a thread's rows) took 0.747x, the same, so not kept. More rows of x and the
 // K-quants keep the AVX2 loops; the library builds and runs where AVX-512 is absent (target attributes).
 // The loops shared with quant_matmul_cpu.cpp are in block_dot.h. Besides the GGML types, two of Tessera's
