@@ -27,7 +27,8 @@ of sums of their own (the same in its portable twin; the C++ file's comment): Q4
 (chosen at run time, `block_isa`), one row of x on the sub-block types and the wide head take AVX-512 loops
 (csrc/block_dot_avx512.h: two sub-blocks' or two rows' 64 weights a zmm register, the four-input sums by
 permutations, madd and VNNI's dpwssd), the same bits: 0.75-0.76x the CPU time of the 30 layer ops of a
-SmolLM2 decode step, 0.53-0.77x that of its head, 0.67-0.68x the whole batch-1 step (docs/benchmarks.md); more rows and the K-quants keep the AVX2 loops.
+SmolLM2 decode step, 0.53-0.77x that of its head, 0.67-0.68x the whole batch-1 step (docs/benchmarks.md);
+more rows and the K-quants keep the AVX2 loops.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels), and at each projection of the routed
