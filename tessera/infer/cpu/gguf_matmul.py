@@ -23,7 +23,12 @@ the result is the same bits for any thread count, with the AVX2 path or the port
 (`portable=True`, which tests use), and whatever other rows share the product. The K-quants (Q4_K,
 Q5_K, Q6_K) take a loop of their own, a super-block at a time and up to 8 rows of x a pass, with an order
 of sums of their own (the same in its portable twin; the C++ file's comment): Q4_K by one row of x
-1.6-2.1x faster than the sub-block loop (docs/benchmarks.md). No AVX-512 path.
+1.6-2.1x faster than the sub-block loop (docs/benchmarks.md). On a CPU with AVX-512 F, BW, VL and VNNI
+(chosen at run time, `block_isa`), one row of x on the sub-block types and the wide head take AVX-512 loops
+(csrc/block_dot_avx512.h: two sub-blocks' or two rows' 64 weights a zmm register, the four-input sums by
+permutations, madd and VNNI's dpwssd), the same bits: 0.75-0.76x the CPU time of the 30 layer ops of a
+SmolLM2 decode step, 0.53-0.77x that of its head, 0.67-0.68x the whole batch-1 step (docs/benchmarks.md);
+more rows and the K-quants keep the AVX2 loops.
 
 `use_block_kernels(model)` installs it at every `GgufLinear.fused` of a model the engine owns on
 CPU in fp32 (LLMEngine, beside the panel and layer kernels), and at each projection of the routed
@@ -55,13 +60,37 @@ quiet machine: docs/benchmarks.md, #53).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
+from tessera.config.errors import ConfigError
 from tessera.infer.cpu import attention as cpu_attention
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 MAX_ROWS = 32  # rows of x up to which the integer products beat dequantizing the matrix once (measured)
+PATHS = ("avx512", "avx2", "portable")  # the block products' loops, widest first (`block_isa`)
+
+
+def block_isa(path: str | None = None) -> str:
+    """The loops every block product of this process takes from now on (gguf_linear, the group, the wide head,
+    the layer ops, quant_linear): the widest this CPU has, at most `path` (one of `PATHS`; None: unchanged);
+    returns the one they take. The same bits on each; tests and benches compare them in one process."""
+    if path is not None and path not in PATHS:
+        raise ConfigError(f"block_isa: no path {path!r}; paths: {', '.join(PATHS)}")
+    return torch.ops.tessera_cpu.block_isa(path)
+
+
+@contextlib.contextmanager
+def loops(path: str) -> Iterator[str]:
+    """`block_isa(path)` within the block (yielding the path taken), the previous path after."""
+    before = block_isa()
+    try:
+        yield block_isa(path)
+    finally:
+        block_isa(before)
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, out_features: int,

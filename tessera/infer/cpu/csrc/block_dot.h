@@ -7,7 +7,8 @@
 // 32 b + 31), `factors(b)` their factors (weight = lo * w + c for the first 16, hi * w + c for the others),
 // `vec(b, lo, hi)` the same integers as int16 in two AVX2 registers (values 0..15, 16..31); CONST: whether
 // c may be nonzero, HALVES: whether lo and hi differ (Q6_K); PAIR (optional): whether a single row of x goes
-// two weight rows per pass (dot_pair_avx2).
+// two weight rows per pass (dot_pair_avx2); V512 (optional): the AVX-512 loads of block_dot_avx512.h, whose
+// loops take one row of x where the CPU has AVX-512 VNNI (isa, below).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +26,7 @@
 #include <immintrin.h>
 #define TESSERA_X86 1
 #define TESSERA_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define TESSERA_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace tessera_cpu::blocks {
@@ -42,6 +45,7 @@ struct Activations {
   const float* d;
   const float* s;
   int64_t K, nb;
+  const int16_t* x_y = nullptr;  // q in the AVX-512 loops' order (x_y_order), where they run
 };
 
 struct Quantized {
@@ -190,9 +194,24 @@ void dot_rows_avx2(const Src& src, const Activations& a, int64_t m0, int R, floa
 inline bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+inline bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
 #else
 inline bool has_avx2() { return false; }
+inline bool has_avx512() { return false; }
 #endif
+
+// The loops the block products take: the widest this CPU has, at most the cap set_isa set (tests and benches
+// compare them in one process: block_isa, gguf_matmul_cpu.cpp).
+enum Isa : int { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+inline std::atomic<int> isa_cap{AVX512};
+inline int isa(bool portable) {
+  if (portable) return PORTABLE;
+  const int best = has_avx512() ? AVX512 : has_avx2() ? AVX2 : PORTABLE;
+  return std::min(best, isa_cap.load(std::memory_order_relaxed));
+}
 
 // Rows of x a source takes per pass over its weight row: its PASS, else 4.
 template <class Src>
@@ -201,12 +220,33 @@ constexpr int pass_of() {
   return 4;
 }
 
+// Rows [n0, n1) of one row of x two a pass, row i of each half with row i + half (two sequential streams: rows n
+// and n + 1 side by side made the stream jump a row ahead at every pair, which the hardware's prefetch did not
+// follow): pair(i, i + half, two) computes both, written to out with bias (or nullptr); returns the first row left.
+template <class Pair>
+int64_t by_halves(int64_t n0, int64_t n1, const float* bias, float* out, Pair pair) {
+  const int64_t half = (n1 - n0) / 2;
+  for (int64_t i = n0; i < n0 + half; ++i) {
+    float two[2];
+    pair(i, i + half, two);
+    out[i] = bias ? two[0] + bias[i] : two[0];
+    out[i + half] = bias ? two[1] + bias[i + half] : two[1];
+  }
+  return n0 + 2 * half;
+}
+
 // Whether a source's single row of x goes two weight rows per pass (dot_pair_avx2): its PAIR, else not.
 template <class Src>
 constexpr bool pair_of() {
   if constexpr (requires { Src::PAIR; }) return Src::PAIR;
   return false;
 }
+
+}  // namespace tessera_cpu::blocks
+
+#include "block_dot_avx512.h"
+
+namespace tessera_cpu::blocks {
 
 // y [M, N] = x [M, K] times the N weight rows `source(n)` transposed, + bias (or nullptr): x quantized
 // once, threads splitting the outputs, each output computed by one thread in one order (the same bits
@@ -220,28 +260,23 @@ at::Tensor multiply_rows(const at::Tensor& x, int64_t N, Source source, const fl
   const int64_t M = x.size(0), K = x.size(1);
   const Quantized q = quantize_rows(x.data_ptr<float>(), M, K);
   const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  const int path = isa(portable);
+  const bool vec = path >= AVX2;
+#ifdef TESSERA_X86
+  // one row of x on AVX-512 (a source with its loads, V512): block_dot_avx512.h's loops, the same bits
+  if constexpr (v512_of<Src>())
+    if (path == AVX512 && M == 1) return multiply_row_avx512(x, N, source, bias, a);
+#endif
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const bool vec = !portable && has_avx2();
   at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     float part[PASS];
     int64_t n = n0;
 #ifdef TESSERA_X86
-    if constexpr (pair_of<Src>()) {
-      // one row of x: two weight rows per pass (dot_pair_avx2), the same bits. The pair is row i of each half of
-      // this thread's rows, so the rows are read as two sequential streams (rows n and n + 1 side by side made
-      // the stream jump a row ahead at every pair, which the hardware's prefetch did not follow)
-      const int64_t half = (n1 - n0) / 2;
-      if (vec && M == 1) {
-        for (int64_t i = n0; i < n0 + half; ++i) {
-          float two[2];
-          dot_pair_avx2(source(i), source(i + half), a, 0, two);
-          out[i] = bias ? two[0] + bias[i] : two[0];
-          out[i + half] = bias ? two[1] + bias[i + half] : two[1];
-        }
-        n = n0 + 2 * half;
-      }
-    }
+    if constexpr (pair_of<Src>())  // one row of x: two weight rows per pass (dot_pair_avx2), the same bits
+      if (vec && M == 1)
+        n = by_halves(n0, n1, bias, out,
+                      [&](int64_t i, int64_t j, float* two) { dot_pair_avx2(source(i), source(j), a, 0, two); });
 #endif
     for (; n < n1; ++n) {
       const Src src = source(n);

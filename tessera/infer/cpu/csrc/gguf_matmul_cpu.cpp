@@ -27,7 +27,15 @@
 // 2.8x (its 49152 x 576 head), so the other types keep one row per pass
 // (docs/benchmarks/2026-11-30-gguf-layer-stack.md). Four per pass took 1.02-1.14x the CPU time of one
 // (1536 x 576 and 576 x 1536, Q4_1 and Q8_0; docs/benchmarks.md).
-// No AVX-512 path: AVX2 only (the AVX2 build runs on AVX-512 machines).
+// AVX-512: where the CPU has F, BW, VL and VNNI (chosen at run time, block_dot.h's isa; `block_isa` caps it), one
+// row of x on the sub-block types (pairs of Q4_0 / Q4_1 rows, single rows of the others) and the wide head take
+// block_dot_avx512.h's loops: two parts (two rows' sub-block, or one row's two sub-blocks) in a zmm register,
+// their sixteen four-input sums in LANE order by two permutations, a madd and VNNI's dpwssd, the fp32 part the
+// same operations in the same order (Q4_0 / Q4_1's and Q8_0's fp16 factors converted a vector at a time, the
+// same values), so the bits are the AVX2 and portable loops'. SmolLM2's 30 Q4_1 layer ops took 0.745-0.761x the
+// CPU time of AVX2's, its Q8_0 head 0.53-0.77x (docs/benchmarks/2026-11-30-gguf-avx512.md); four rows a pass
+// (two zmm chains, rows i of each quarter of a thread's rows) took 0.747x, the same, so not kept. More rows of x and the
+// K-quants keep the AVX2 loops; the library builds and runs where AVX-512 is absent (target attributes).
 // The loops shared with quant_matmul_cpu.cpp are in block_dot.h. Besides the GGML types, two of Tessera's
 // own (I8, I4: fp32 factors per 32 values, below): its int8 / int4 and compressed-tensors layers' weights
 // repacked, which quant_matmul_cpu.cpp's product by the codes where they lie equals bit for bit.
@@ -290,6 +298,28 @@ TESSERA_AVX2_TARGET inline void vec_weights(const uint8_t* blk, int j, __m256i& 
   }
 }
 
+// The AVX-512 loops' loads (block_dot_avx512.h): sub-block j0 of block b0 and j1 of b1 as int16, values 0..15 in
+// lo (b0's in its low half), 16..31 in hi. Q4_0 and Q4_1 widen both blocks' 16 bytes in one instruction and take
+// the nibbles apart in int16 lanes, as vec_weights does; the others split vec_values' bytes.
+template <class T>
+TESSERA_AVX512_TARGET inline void vec_weights512(const uint8_t* b0, int j0, const uint8_t* b1, int j1, __m512i& lo,
+                                                 __m512i& hi) {
+  if constexpr (std::is_same_v<T, Q4_0> || std::is_same_v<T, Q4_1>) {
+    const int at = std::is_same_v<T, Q4_0> ? 2 : 4;
+    const __m256i bytes = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + at))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + at)), 1);
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    lo = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+    hi = _mm512_srli_epi16(v, 4);
+  } else {
+    const __m256i v0 = vec_values<T>(b0, j0), v1 = vec_values<T>(b1, j1);
+    const __m256i first = _mm256_permute2x128_si256(v0, v1, 0x20), second = _mm256_permute2x128_si256(v0, v1, 0x31);
+    lo = T::SIGNED ? _mm512_cvtepi8_epi16(first) : _mm512_cvtepu8_epi16(first);
+    hi = T::SIGNED ? _mm512_cvtepi8_epi16(second) : _mm512_cvtepu8_epi16(second);
+  }
+}
+
 #endif
 
 // A weight row of block type T as a source of block_dot.h.
@@ -305,6 +335,25 @@ struct BlockRow {
 #ifdef TESSERA_X86
   TESSERA_AVX2_TARGET void vec(int64_t b, __m256i& lo, __m256i& hi) const {
     vec_weights<T>(block(b), static_cast<int>(b % SUBS), lo, hi);
+  }
+  static constexpr bool V512 = !HALVES;  // (the K-quants' own loops go first: multiply_rows)
+  TESSERA_AVX512_TARGET void vec512(const BlockRow& other, int64_t b, int64_t b_other, __m512i& lo,
+                                    __m512i& hi) const {
+    vec_weights512<T>(block(b), static_cast<int>(b % SUBS), other.block(b_other), static_cast<int>(b_other % SUBS), lo,
+                      hi);
+  }
+  // Q4_0 / Q4_1: sub-block b's factors and other's as [f0.lo, f0.c, f1.lo, f1.c], converted from fp16 in one
+  // instruction (the values factors() gives: Q4_0's c = -8 f, exact)
+  TESSERA_AVX512_TARGET __m128 pair_factors(const BlockRow& other, int64_t b) const
+    requires(std::is_same_v<T, Q4_0> || std::is_same_v<T, Q4_1>)
+  {
+    uint32_t h0, h1;
+    std::memcpy(&h0, block(b), 4);  // Q4_0: d and its first two nibble bytes (replaced below)
+    std::memcpy(&h1, other.block(b), 4);
+    const __m128 f = _mm_cvtph_ps(_mm_setr_epi32(static_cast<int>(h0), static_cast<int>(h1), 0, 0));
+    if constexpr (std::is_same_v<T, Q4_1>) return f;
+    const __m128 d = _mm_shuffle_ps(f, f, _MM_SHUFFLE(2, 2, 0, 0));
+    return _mm_mul_ps(d, _mm_setr_ps(1.0f, -8.0f, 1.0f, -8.0f));
   }
 #endif
 };
@@ -363,7 +412,7 @@ TESSERA_AVX2_TARGET inline void k4_table(const uint8_t* b, __m256& f, __m256& c)
   c = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), mf), _mm256_set1_ps(-0.0f));
 }
 
-inline float reduce_vec(__m256 v, float c) {
+TESSERA_AVX2_TARGET inline float reduce_vec(__m256 v, float c) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
   return reduce(lanes, c);
@@ -520,6 +569,7 @@ template <class T>
 struct KRow : BlockRow<T> {
   static constexpr bool K4 = !std::is_same_v<T, Q6_K>;
   static constexpr int PASS = K4 ? 8 : 4;  // Q6_K's two accumulators a row: four rows fill the registers
+  static constexpr bool V512 = false;      // (their own order of sums: AVX2 and portable loops only)
 #ifdef TESSERA_X86
   template <int R>
   void dot_r(const Activations& a, int64_t m0, float* out) const {
@@ -649,7 +699,7 @@ struct Dequantize {
 // ahead are prefetched (rows read interleaved hide their stream from the hardware prefetcher: several times
 // slower without). Each output is computed with
 // dot_rows_avx2's operations in its order for one row of x (the scale f * d, the fma per sub-block, the
-// constant terms, the reduction, + bias): the same bits. AVX2 and the sub-block types only (the K-quants and
+// constant terms, the reduction, + bias): the same bits. AVX2 (AVX-512 where isa says: wide_rows512) and the sub-block types only (the K-quants and
 // the portable loops keep multiply's way); threads split the rows, each output computed by one.
 constexpr int WIDE_PASS = 4, WIDE_AHEAD = 16;  // rows a pass; rows ahead prefetched
 
@@ -680,6 +730,60 @@ TESSERA_AVX2_TARGET void wide_rows(const uint8_t* w, int64_t row_bytes, const Ac
   }
 }
 
+// wide_rows<T, WIDE_PASS> on AVX-512 (block_dot_avx512.h): rows 0 and 1 in one zmm accumulator, 2 and 3 in
+// another, each output dot_pair_avx512's (so dot_rows_avx2's) bits.
+template <class T>
+TESSERA_AVX512_TARGET void wide_rows512(const uint8_t* w, int64_t row_bytes, const Activations& a, const float* bias,
+                                        float* out) {
+  static_assert(WIDE_PASS == 4);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  float cst[4] = {};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const __m512 d = _mm512_set1_ps(a.d[b]);
+    const __m512i qx = both(a.x_y + b * QK), qy = both(a.x_y + b * QK + 16);
+    __m128 f8;  // Q8_0 (an LM head's type): the four rows' fp16 factors converted in one instruction
+    if constexpr (std::is_same_v<T, Q8_0>) {
+      const uint8_t* at = w + b * T::BYTES;
+      uint16_t h[4];
+      for (int r = 0; r < 4; ++r) std::memcpy(&h[r], at + r * row_bytes, 2);
+      f8 = _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
+    }
+    for (int p = 0; p < 2; ++p) {
+      const BlockRow<T> s0{w + 2 * p * row_bytes}, s1{w + (2 * p + 1) * row_bytes};
+      __m512i lo, hi;
+      s0.vec512(s1, b, b, lo, hi);
+      const Factors f0 = s0.factors(b), f1 = s1.factors(b);
+      __m512 f;
+      if constexpr (std::is_same_v<T, Q8_0>)
+        f = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * p), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                              1, 1, 1, 1, 1, 1, 1, 1)),
+                                  _mm512_castps128_ps512(f8));
+      else
+        f = halves(f0.lo, f1.lo);
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(f, d), _mm512_cvtepi32_ps(fours(lo, hi, qx, qy)), acc[p]);
+      if constexpr (BlockRow<T>::CONST) {
+        cst[2 * p] = std::fma(f0.c, a.s[b], cst[2 * p]);
+        cst[2 * p + 1] = std::fma(f1.c, a.s[b], cst[2 * p + 1]);
+      }
+    }
+  }
+  for (int p = 0; p < 2; ++p) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[p]);
+    for (int t = 0; t < 2; ++t) {
+      const float y = reduce(lanes + 8 * t, cst[2 * p + t]);
+      out[2 * p + t] = bias ? y + bias[2 * p + t] : y;
+    }
+  }
+}
+
+// One weight row by the AVX-512 loop (wide_product's last rows).
+template <class T>
+void wide_one512(const uint8_t* w, const Activations& a, const float* bias, float* out) {
+  dot_one_avx512(BlockRow<T>{w}, a, 0, out);
+  if (bias) out[0] += bias[0];
+}
+
 template <class T>
 at::Tensor wide_product(const at::Tensor& x, const at::Tensor& blocks, int64_t N, const float* bias) {
   const int64_t K = x.size(1), row_bytes = (K / T::VALUES) * T::BYTES;
@@ -687,7 +791,10 @@ at::Tensor wide_product(const at::Tensor& x, const at::Tensor& blocks, int64_t N
   TORCH_CHECK(blocks.numel() == N * row_bytes, "gguf_linear_wide: blocks hold ", blocks.numel(), " bytes, [", N, ", ",
               K, "] needs ", N * row_bytes);
   const Quantized q = quantize_rows(x.data_ptr<float>(), 1, K);
-  const Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  Activations a{q.q.data(), q.d.data(), q.s.data(), K, K / QK};
+  const bool v512 = isa(false) == AVX512;
+  const std::vector<int16_t> x_y = v512 ? x_y_order(a.q, a.nb) : std::vector<int16_t>();
+  a.x_y = x_y.data();
   at::Tensor y = at::empty({1, N}, x.options());
   float* out = y.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
@@ -697,9 +804,16 @@ at::Tensor wide_product(const at::Tensor& x, const at::Tensor& blocks, int64_t N
       if (n + WIDE_AHEAD + WIDE_PASS <= n1)
         for (int64_t c = 0; c < WIDE_PASS * row_bytes; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w + (n + WIDE_AHEAD) * row_bytes + c), _MM_HINT_T0);
-      wide_rows<T, WIDE_PASS>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
+      if (v512)
+        wide_rows512<T>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
+      else
+        wide_rows<T, WIDE_PASS>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
     }
-    for (; n < n1; ++n) wide_rows<T, 1>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
+    for (; n < n1; ++n)
+      if (v512)
+        wide_one512<T>(w + n * row_bytes, a, bias ? bias + n : nullptr, out + n);
+      else
+        wide_rows<T, 1>(w + n * row_bytes, row_bytes, a, bias ? bias + n : nullptr, out + n);
   });
   return y;
 }
@@ -747,7 +861,7 @@ at::Tensor tessera_cpu::gguf_linear(const at::Tensor& x_in, const at::Tensor& bl
 // elsewhere gguf_linear's own (the same bits either way).
 at::Tensor tessera_cpu::gguf_linear_wide(const at::Tensor& x, const at::Tensor& blocks, c10::string_view kind,
                                          int64_t N, const std::optional<at::Tensor>& bias) {
-  if (has_avx2() && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+  if (isa(false) >= AVX2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
       x.size(0) == 1 && blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
       (!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N))) {
     const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
@@ -756,4 +870,18 @@ at::Tensor tessera_cpu::gguf_linear_wide(const at::Tensor& x, const at::Tensor& 
     if (y) return *y;
   }
   return gguf_linear(x, blocks, kind, N, bias, false);
+}
+
+// The widest loops the block products take from now on (block_dot.h's isa), at most `want` ("avx512", "avx2",
+// "portable"; none: unchanged), as its name: tests and benches compare the paths in one process.
+std::string tessera_cpu::block_isa(const std::optional<c10::string_view>& want) {
+  static const char* const NAMES[] = {"portable", "avx2", "avx512"};
+  if (want) {
+    int cap = -1;
+    for (int i = 0; i < 3; ++i)
+      if (*want == c10::string_view(NAMES[i])) cap = i;
+    TORCH_CHECK(cap >= 0, "block_isa: no path ", std::string(*want), "; paths: avx512, avx2, portable");
+    isa_cap.store(cap, std::memory_order_relaxed);
+  }
+  return NAMES[isa(false)];
 }

@@ -38,6 +38,7 @@ at::Tensor gguf_linear_group(const at::Tensor& x_in, at::TensorList blocks, c10:
 at::Tensor gguf_dequantize(const at::Tensor& blocks, c10::string_view kind, int64_t N, int64_t K);
 at::Tensor gguf_linear_wide(const at::Tensor& x, const at::Tensor& blocks, c10::string_view kind, int64_t N,
                             const std::optional<at::Tensor>& bias);
+std::string block_isa(const std::optional<c10::string_view>& want);
 
 // delta_rule_cpu.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

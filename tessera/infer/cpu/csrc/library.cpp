@@ -17,6 +17,7 @@ TORCH_LIBRARY(tessera_cpu, m) {
   m.def("gguf_linear_group(Tensor x, Tensor[] blocks, str kind, int[] N, Tensor? bias, bool portable=False) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, str kind, int N, int K) -> Tensor");
   m.def("gguf_linear_wide(Tensor x, Tensor blocks, str kind, int N, Tensor? bias) -> Tensor");
+  m.def("block_isa(str? want=None) -> str", &tessera_cpu::block_isa);  // no tensor: one kernel for all keys
   m.def("delta_chunk_terms(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, float q_scale, "
         "float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("quant_linear(Tensor x, Tensor codes, str layout, Tensor scale, Tensor? shift, float offset, int N, "
