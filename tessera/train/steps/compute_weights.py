@@ -10,9 +10,10 @@ autocast does: the same rounded weights forward, and in backward each copy's gra
 fp32 and accumulated into the master weight's `.grad` (`_CachedCast`), as autocast's cast would.
 
 Cached: the weights autocast would cast anyway, those of `nn.Linear` and `nn.Conv1d` layers (a
-recurrent layer's short convolution) and of the routed experts (SwiGLU's and relu^2's). Not cached (they stay fp32 as under autocast): the embedding (a lookup; with tied
-embeddings the head shares it and autocast casts it there), norms, the router (fp32 by design)
-and expert biases. The copies cost 2 bytes per cached parameter between steps.
+recurrent layer's short convolution) and of the routed experts (SwiGLU's and relu^2's). Not cached
+(they stay fp32 as under autocast): the embedding (a lookup; with tied embeddings the head shares it
+and autocast casts it there), norms, the router (fp32 by design) and expert biases. The copies cost
+2 bytes per cached parameter between steps.
 """
 
 from __future__ import annotations
