@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from tessera.infer import LLM, SamplingParams
-from tessera.infer.cpu import attention as cpu_attention
 from tessera.infer.cpu.gguf_matmul import (
     KINDS,
     block_product,
@@ -30,13 +29,13 @@ from tessera.infer.cpu.gguf_matmul import (
 )
 from tessera.infer.runner import model_runner
 from tessera.models.gguf_linear import GgufEmbedding, GgufLinear
-from tests.infer.test_gguf_matmul import blocks, cols_of, tiny_kept_model, vector_path  # noqa: F401 (a fixture)
-
-
-@pytest.fixture(autouse=True)
-def built(monkeypatch):
-    monkeypatch.delenv(cpu_attention.ENV, raising=False)
-    assert cpu_attention.kernel() is not None, "the CPU kernels did not build (see the log)"
+from tests.infer.test_gguf_matmul import (  # noqa: F401 (built and vector_path: fixtures, built autouse)
+    blocks,
+    built,
+    cols_of,
+    tiny_kept_model,
+    vector_path,
+)
 
 
 def wide(x: torch.Tensor, raw: torch.Tensor, kind: str, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -171,7 +171,7 @@ def choose_again(model: nn.Module) -> int:
     again); returns how many forgot one."""
     n = 0
     for module in model.modules():
-        if getattr(module, "kernels", None) is not None and isinstance(module.kernels, RecurrentKernels):
+        if isinstance(getattr(module, "kernels", None), RecurrentKernels):
             module.kernels = None
             n += 1
     return n
